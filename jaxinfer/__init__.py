@@ -1,0 +1,1 @@
+"""jaxinfer: JAX/Pallas LLM inference."""

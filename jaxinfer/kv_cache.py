@@ -1,0 +1,106 @@
+"""Paged KV cache as explicit state.
+
+`KVCache` is one registered pytree: the K and V page pools for all layers plus the block tables and
+sequence lengths of the current step. The pools are allocated once at start-up and threaded through
+the jit-compiled step with buffer donation; the tables are small per-step int32 arrays the host fills.
+
+Layout (one place; kernels read it directly):
+    k, v:          [L, P, K, page_size, H]   compute dtype
+    block_tables:  i32[B, M]                 logical page j of sequence b -> physical page
+    seq_lens:      i32[B]                    valid KV positions of sequence b after this step's write
+
+Invariant (null page): physical page 0 is reserved and never handed to a sequence. Padded batch rows
+have ``seq_lens == 0`` and block-table entries 0; padded query tokens write their K/V into page 0.
+Nothing valid is ever read from page 0, so no index is ever out of range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+NULL_PAGE = 0
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """K/V page pools [L, P, K, page_size, H] plus block tables i32[B, M] and seq lens i32[B]."""
+
+    k: jax.Array
+    v: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    def replace(self, **kw) -> "KVCache":
+        return dataclasses.replace(self, **kw)
+
+
+jax.tree_util.register_dataclass(
+    KVCache, data_fields=["k", "v", "block_tables", "seq_lens"], meta_fields=[])
+
+
+def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+                      batch: int = 1, max_pages_per_seq: int = 1) -> KVCache:
+    """ShapeDtypeStruct form of the cache (for sizing, `jax.eval_shape` tests and init)."""
+    shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    pool = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    return KVCache(
+        k=pool, v=pool,
+        block_tables=jax.ShapeDtypeStruct((batch, max_pages_per_seq), jnp.int32),
+        seq_lens=jax.ShapeDtypeStruct((batch,), jnp.int32))
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
+                  sharding=None) -> KVCache:
+    """Allocate the zeroed page pools once, at start-up. Tables start as one padded row.
+
+    Raises:
+        ValueError: ``num_pages < 2`` (page 0 is the reserved null page).
+    """
+    if num_pages < 2:
+        raise ValueError(f"num_pages={num_pages} is too small: need >= 2 (page 0 is reserved)")
+    a = abstract_kv_cache(cfg, num_pages, page_size, dtype)
+    zeros = jax.jit(lambda: jnp.zeros(a.k.shape, a.k.dtype), out_shardings=sharding)
+    return KVCache(k=zeros(), v=zeros(),
+                   block_tables=jnp.zeros((1, 1), jnp.int32), seq_lens=jnp.zeros((1,), jnp.int32))
+
+
+def kv_pool_bytes(cfg: ModelConfig, num_pages: int, page_size: int, dtype_bytes: int) -> int:
+    """Bytes of the K and V pools together."""
+    return cfg.kv_bytes_per_token(dtype_bytes) * num_pages * page_size
+
+
+def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k_new: jax.Array, v_new: jax.Array,
+             slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's K/V into the pools of one layer.
+
+    Args:
+        k_pool, v_pool: [L, P, K, page_size, H].
+        layer: int or i32[] layer index.
+        k_new, v_new: [B, T, K, H] (cast to the pool dtype).
+        slot_mapping: i32[B, T] flat slot ``page * page_size + offset`` of each token; padded tokens
+            point into the null page.
+    Returns:
+        The updated pools (in place under donation).
+    """
+    page_size = k_pool.shape[3]
+    slots = slot_mapping.reshape(-1)
+    page, off = slots // page_size, slots % page_size
+    kn = k_new.reshape(-1, *k_new.shape[2:]).astype(k_pool.dtype)  # [B*T, K, H]
+    vn = v_new.reshape(-1, *v_new.shape[2:]).astype(v_pool.dtype)
+    k_pool = k_pool.at[layer, page, :, off, :].set(kn, mode="promise_in_bounds")
+    v_pool = v_pool.at[layer, page, :, off, :].set(vn, mode="promise_in_bounds")
+    return k_pool, v_pool

@@ -1,0 +1,77 @@
+"""Plain-jnp float32 paged attention: the oracle every kernel variant is tested against.
+
+Layout of the pools is the engine's (jaxinfer/kv_cache.py): ``[L, P, K, page_size, H]``.
+Math: softmax(scale * q k^T [soft-capped], masked) v, per query head, with GQA (query head n reads
+KV head n // G). Source: Kwon et al. 2023, "Efficient Memory Management for Large Language Model
+Serving with PagedAttention" (vLLM); the gather-then-dense formulation of JAX's in-tree kernel tests.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array,
+                    seq_lens: jax.Array, q_positions: jax.Array, *, layer=0, scale: float,
+                    soft_cap: float | None = None, sliding_window: int | None = None) -> jax.Array:
+    """Attention of T query tokens per sequence over that sequence's paged KV (prefill and decode).
+
+    Args:
+        q: [B, T, N, H] queries (RoPE applied).
+        k_pool, v_pool: [L, P, K, page_size, H]; this step's K/V must already be written.
+        block_tables: i32[B, M] physical page of each logical page (padding: null page 0).
+        seq_lens: i32[B] valid KV positions per sequence (0 for padded rows).
+        q_positions: i32[B, T] absolute position of each query token; key j is visible to a query at
+            position p iff ``j <= p`` and ``j < seq_len`` (and ``p - j < sliding_window`` if set).
+        layer: int or i32[] index into the pools' L axis.
+        scale: softmax scale, usually ``H ** -0.5``.
+        soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2).
+        sliding_window: if set, only the last ``sliding_window`` positions are visible.
+    Returns:
+        [B, T, N, H] in q.dtype; rows with no visible key are zeros.
+    """
+    B, T, N, H = q.shape
+    K, page_size = k_pool.shape[2], k_pool.shape[3]
+    G = N // K
+    M = block_tables.shape[1]
+    S = M * page_size
+    # Gather pages: [B, M, K, page_size, H] -> [B, K, S, H]
+    k = k_pool[layer, block_tables].astype(jnp.float32)
+    v = v_pool[layer, block_tables].astype(jnp.float32)
+    k = k.transpose(0, 2, 1, 3, 4).reshape(B, K, S, H)
+    v = v.transpose(0, 2, 1, 3, 4).reshape(B, K, S, H)
+    qf = q.astype(jnp.float32).reshape(B, T, K, G, H)
+    logits = jnp.einsum("btkgh,bksh->bkgts", qf, k) * scale
+    if soft_cap is not None:
+        logits = soft_cap * jnp.tanh(logits / soft_cap)
+    kpos = jnp.arange(S, dtype=jnp.int32)[None, None, :]                  # [1, 1, S]
+    qpos = q_positions[:, :, None]                                        # [B, T, 1]
+    visible = (kpos <= qpos) & (kpos < seq_lens[:, None, None])           # [B, T, S]
+    if sliding_window is not None:
+        visible &= (qpos - kpos) < sliding_window
+    visible = visible[:, None, None]                                      # [B, 1, 1, T, S]
+    logits = jnp.where(visible, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(visible, jnp.exp(logits - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    out = jnp.einsum("bkgts,bksh->btkgh", p, v) / jnp.maximum(denom, 1e-30).transpose(0, 3, 1, 2, 4)
+    return out.reshape(B, T, N, H).astype(q.dtype)
+
+
+def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
+                           soft_cap: float | None = None,
+                           sliding_window: int | None = None) -> jax.Array:
+    """Decode: one query token per sequence at position ``seq_len - 1``.
+
+    Args:
+        q: [B, N, H]; other arguments as in `paged_attention`.
+    Returns:
+        [B, N, H] in q.dtype.
+    """
+    out = paged_attention(q[:, None], k_pool, v_pool, block_tables, seq_lens,
+                          (seq_lens - 1)[:, None], layer=layer, scale=scale, soft_cap=soft_cap,
+                          sliding_window=sliding_window)
+    return out[:, 0]

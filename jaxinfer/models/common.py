@@ -1,0 +1,326 @@
+"""Shared building blocks of the Llama/Qwen3 family, as Flax linen modules over the plain param tree.
+
+The modules create exactly the tree of `jaxinfer.models.params` (stacked layers, ``[in, out]``
+matrices): every block declares its weights with ``self.param(<tree name>, ...)`` and is bound into
+its parent's scope with ``nn.share_scope``, so no per-module nesting appears in the tree. Layers run
+under ``nn.scan`` (params stacked on a leading L axis); the K/V page pools are part of the scan carry
+and are updated with `jaxinfer.kv_cache.write_kv` at the layer index.
+
+Numerics: the compute dtype is the params' dtype (bf16 on GPU, f32 in tests); RMSNorm statistics,
+RoPE and the attention softmax (inside ``attn_fn``) run in float32; the residual stream stays in the
+compute dtype. Sources: Touvron et al. 2023 (Llama), HF ``modeling_llama.py`` / ``modeling_qwen3.py``
+(RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``), Su et al. 2021 (RoPE),
+Shazeer 2020 (SwiGLU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import KVCache, write_kv
+from jaxinfer.models.params import param_shapes
+
+INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
+
+
+# --------------------------------------------------------------------------- pure functions
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis: ``weight * (x / sqrt(mean(x^2) + eps))``.
+
+    Statistics in float32; the normalized value is cast back to ``x.dtype`` before the weight
+    multiply (HF ``LlamaRMSNorm`` order). Shapes: x [..., D], weight [D] -> [..., D] in x.dtype.
+    Source: Zhang & Sennrich 2019.
+    """
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    return (weight.astype(x.dtype) * normed).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """RoPE inverse frequencies f32[H/2]: ``theta^(-2i/H)``, with Llama 3 scaling if configured.
+
+    Computed on the host (the config is static). Llama 3 scaling follows HF
+    ``_compute_llama3_parameters``: wavelengths longer than ``orig/low_freq_factor`` are divided by
+    ``factor``, shorter than ``orig/high_freq_factor`` kept, and the band between is interpolated.
+    """
+    H = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    rs = cfg.rope_scaling
+    if rs is not None:
+        orig = rs.original_max_position_embeddings
+        low_wavelen = orig / rs.low_freq_factor
+        high_wavelen = orig / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (orig / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos and sin f32[B, T, H/2] of the rotation angles ``position * inv_freq``.
+
+    Args:
+        positions: i32[B, T] absolute token positions (converted to float32 here).
+        inv_freq: f32[H/2] from `rope_inv_freq`.
+    """
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x`` [B, T, heads, H] by RoPE in the HF ``rotate_half`` convention.
+
+    Dimension i pairs with i + H/2: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``. Computed in
+    float32; returned in x.dtype. cos, sin: f32[B, T, H/2] (broadcast over heads).
+    """
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x.dtype)
+
+
+class StepContext(NamedTuple):
+    """Per-step metadata every layer reads (broadcast over the layer scan, never scanned).
+
+    positions i32[B, T], slot_mapping i32[B, T], block_tables i32[B, M], seq_lens i32[B],
+    cos / sin f32[B, T, H/2].
+    """
+
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+
+
+def _shared(parent: nn.Module, child: nn.Module) -> nn.Module:
+    """Bind ``child`` into ``parent``'s scope so its params appear directly in the parent's dict."""
+    nn.share_scope(parent, child)
+    return child
+
+
+_dense_init = nn.initializers.normal(stddev=INIT_STD)
+
+
+# --------------------------------------------------------------------------- modules
+class RMSNorm(nn.Module):
+    """RMSNorm whose weight [D] is the param named ``param_name`` (e.g. "attn_norm", "q_norm").
+
+    x [..., D] -> [..., D] in x.dtype (see `rms_norm`).
+    """
+
+    param_name: str
+    eps: float
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.param(self.param_name, nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        return rms_norm(x, w, self.eps)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``; x [B, T, D] -> [B, T, D].
+
+    Source: Shazeer 2020, "GLU Variants Improve Transformer".
+    """
+
+    cfg: ModelConfig
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        D, F = self.cfg.hidden_size, self.cfg.intermediate_size
+        w_gate = self.param("w_gate", _dense_init, (D, F), self.param_dtype)
+        w_up = self.param("w_up", _dense_init, (D, F), self.param_dtype)
+        w_down = self.param("w_down", _dense_init, (F, D), self.param_dtype)
+        with jax.named_scope("mlp"):
+            h = jax.nn.silu(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
+            return (h @ w_down.astype(x.dtype)).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    """Llama attention block over the paged KV cache.
+
+    x [B, T, D] -> q/k/v projections -> `normalize_qk` (identity here; Qwen3 overrides it) -> RoPE
+    at the step's positions -> ``write_kv`` into the pools at ``layer`` -> ``attn_fn`` -> wo.
+    Returns (out [B, T, D], k_pool, v_pool) with the pools [L, P, K, page_size, H] updated.
+    """
+
+    cfg: ModelConfig
+    attn_fn: Callable
+    param_dtype: Any = jnp.float32
+
+    def normalize_qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Hook applied to q [B, T, N, H] and k [B, T, K, H] before RoPE. Llama: identity."""
+        return q, k
+
+    @nn.compact
+    def __call__(self, x: jax.Array, layer: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                 ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        B, T, D = x.shape
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        wq = self.param("wq", _dense_init, (D, N * H), self.param_dtype)
+        wk = self.param("wk", _dense_init, (D, K * H), self.param_dtype)
+        wv = self.param("wv", _dense_init, (D, K * H), self.param_dtype)
+        wo = self.param("wo", _dense_init, (N * H, D), self.param_dtype)
+        with jax.named_scope("qkv"):
+            q = (x @ wq.astype(x.dtype)).reshape(B, T, N, H)
+            k = (x @ wk.astype(x.dtype)).reshape(B, T, K, H)
+            v = (x @ wv.astype(x.dtype)).reshape(B, T, K, H)
+            q, k = self.normalize_qk(q, k)
+        with jax.named_scope("rope"):
+            q = apply_rope(q, ctx.cos, ctx.sin)
+            k = apply_rope(k, ctx.cos, ctx.sin)
+        with jax.named_scope("kv_write"):
+            k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
+        with jax.named_scope("attention"):
+            o = self.attn_fn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions,
+                             layer=layer, scale=H ** -0.5)
+            out = (o.astype(x.dtype).reshape(B, T, N * H) @ wo.astype(x.dtype)).astype(x.dtype)
+        return out, k_pool, v_pool
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm decoder layer: ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``.
+
+    Scan body: carry (x [B, T, D], k_pool, v_pool), scanned input ``layer`` (i32[] index into the
+    pools' L axis), broadcast ``ctx`` (`StepContext`). Returns (new carry, None).
+    """
+
+    cfg: ModelConfig
+    attn_fn: Callable
+    attention_cls: type = Attention
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, carry, layer, ctx: StepContext):
+        x, k_pool, v_pool = carry
+        eps, pd = self.cfg.rms_norm_eps, self.param_dtype
+        h = _shared(self, RMSNorm("attn_norm", eps, pd, name="attn_norm_block"))(x)
+        attn = _shared(self, self.attention_cls(self.cfg, self.attn_fn, pd, name="attention"))
+        a, k_pool, v_pool = attn(h, layer, k_pool, v_pool, ctx)
+        x = x + a
+        h = _shared(self, RMSNorm("mlp_norm", eps, pd, name="mlp_norm_block"))(x)
+        x = x + _shared(self, MLP(self.cfg, pd, name="mlp"))(h)
+        return (x, k_pool, v_pool), None
+
+
+class CausalLM(nn.Module):
+    """Decoder-only LM trunk: embed -> L scanned `DecoderLayer` -> final norm.
+
+    Subclasses pick the attention block through the class variable ``attention_cls``.
+    ``__call__(tokens i32[B, T], positions i32[B, T], slot_mapping i32[B, T], kv: KVCache)`` returns
+    (hidden [B, T, D] after the final norm, in the compute dtype = params dtype, new KVCache).
+    ``lm_head`` [D, V] is declared (when untied) so that ``init`` creates it; logits are computed
+    by `compute_logits`.
+    """
+
+    cfg: ModelConfig
+    attn_fn: Callable
+    param_dtype: Any = jnp.float32
+    attention_cls: ClassVar[type] = Attention
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
+                 kv: KVCache) -> tuple[jax.Array, KVCache]:
+        cfg, pd = self.cfg, self.param_dtype
+        V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
+        embed = self.param("embed", _dense_init, (V, D), pd)
+        if not cfg.tie_word_embeddings:
+            self.param("lm_head", _dense_init, (D, V), pd)
+        x = jnp.take(embed, tokens, axis=0)                          # [B, T, D], compute dtype
+        with jax.named_scope("rope"):
+            cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
+        ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
+                          kv.block_tables, kv.seq_lens, cos, sin)
+        layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                         in_axes=(0, nn.broadcast), length=L)(
+            cfg, self.attn_fn, self.attention_cls, pd, name="layers")
+        (x, k_pool, v_pool), _ = layers((x, kv.k, kv.v), jnp.arange(L, dtype=jnp.int32), ctx)
+        x = _shared(self, RMSNorm("final_norm", cfg.rms_norm_eps, pd, name="final_norm_block"))(x)
+        return x, kv.replace(k=k_pool, v=v_pool)
+
+
+# --------------------------------------------------------------------------- functional API
+def check_params(params: dict, cfg: ModelConfig) -> None:
+    """Check the tree structure and shapes of ``params`` against `param_shapes(cfg)`.
+
+    Raises:
+        ValueError: a missing or extra entry, or a wrong shape (named, with both shapes).
+    """
+    expected = param_shapes(cfg)
+
+    def walk(exp, got, path):
+        if not isinstance(got, Mapping):
+            raise ValueError(f"params{path} must be a mapping, got {type(got).__name__}")
+        missing, extra = set(exp) - set(got), set(got) - set(exp)
+        if missing or extra:
+            raise ValueError(f"params{path}: missing {sorted(missing)}, unexpected {sorted(extra)} "
+                             f"(tie_word_embeddings={cfg.tie_word_embeddings})")
+        for name, e in exp.items():
+            if isinstance(e, dict):
+                walk(e, got[name], f"{path}/{name}")
+            elif tuple(got[name].shape) != tuple(e):
+                raise ValueError(f"params{path}/{name} has shape {tuple(got[name].shape)}, "
+                                 f"expected {tuple(e)}")
+
+    walk(expected, params, "")
+
+
+def forward_with(model_cls: type, params: dict, cfg: ModelConfig, tokens: jax.Array,
+                 positions: jax.Array, slot_mapping: jax.Array, kv: KVCache, *,
+                 attn_fn: Callable) -> tuple[jax.Array, KVCache]:
+    """Run ``model_cls`` (a `CausalLM` subclass) on the plain param tree; see `registry.forward`."""
+    check_params(params, cfg)
+    model = model_cls(cfg, attn_fn, params["embed"].dtype)
+    return model.apply({"params": params}, tokens, positions, slot_mapping, kv)
+
+
+def init_with(model_cls: type, cfg: ModelConfig, key: jax.Array, dtype,
+              attn_fn: Callable) -> dict:
+    """Random params of ``model_cls`` for ``cfg``: N(0, 0.02) matrices/embedding, ones for norms."""
+    dtype = jnp.dtype(dtype)
+    model = model_cls(cfg, attn_fn, dtype)
+    page_size = 1
+    kv = KVCache(
+        k=jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, page_size, cfg.head_dim), dtype),
+        v=jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, page_size, cfg.head_dim), dtype),
+        block_tables=jnp.ones((1, 1), jnp.int32), seq_lens=jnp.ones((1,), jnp.int32))
+    one = jnp.ones((1, 1), jnp.int32)
+
+    def init(k):
+        return model.init(k, one * 0, one * 0, one * page_size, kv)["params"]
+
+    return jax.jit(init)(key)
+
+
+def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    """Output logits f32[..., V] = hidden [..., D] @ (lm_head [D, V], or embed.T when tied).
+
+    The matmul runs in the compute dtype with float32 accumulation and output.
+    """
+    if cfg.tie_word_embeddings:
+        w, spec = params["embed"], "...d,vd->...v"
+    elif "lm_head" in params:
+        w, spec = params["lm_head"], "...d,dv->...v"
+    else:
+        raise ValueError("params has no 'lm_head' but cfg.tie_word_embeddings=False; "
+                         "an untied model needs lm_head [D, V]")
+    return jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+

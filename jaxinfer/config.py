@@ -214,7 +214,8 @@ class EngineConfig:
         max_num_seqs: the most sequences in one decode step (largest batch bucket).
         max_num_batched_tokens: the most prompt tokens in one prefill step (chunked prefill splits
             longer prompts).
-        dtype: compute and KV dtype: "float32" or "bfloat16".
+        dtype: compute and KV dtype: "float32" or "bfloat16"; ``None``: bfloat16 on GPU, float32
+            on CPU (XLA:CPU has no fast bf16 matmul).
         attention: paged-attention back-end name; "auto" picks the fastest correct one for the device.
         batch_buckets / token_buckets: padded sizes for B and T; ``()`` = powers of two.
     """
@@ -225,7 +226,7 @@ class EngineConfig:
     memory_fraction: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    dtype: str = "bfloat16"
+    dtype: str | None = None
     attention: str = "auto"
     seed: int = 0
     batch_buckets: tuple[int, ...] = ()
@@ -246,8 +247,8 @@ class EngineConfig:
                   "must be an integer >= 2 (page 0 is the reserved null page)")
         if not 0.0 < self.memory_fraction <= 1.0:
             _fail("EngineConfig", "memory_fraction", self.memory_fraction, "must be in (0, 1]")
-        if self.dtype not in ("float32", "bfloat16"):
-            _fail("EngineConfig", "dtype", self.dtype, "allowed: 'float32', 'bfloat16'")
+        if self.dtype not in (None, "float32", "bfloat16"):
+            _fail("EngineConfig", "dtype", self.dtype, "allowed: None, 'float32', 'bfloat16'")
         if self.attention not in ATTENTION_BACKENDS:
             _fail("EngineConfig", "attention", self.attention, f"allowed: {ATTENTION_BACKENDS}")
         for name in ("batch_buckets", "token_buckets"):

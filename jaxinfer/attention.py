@@ -1,0 +1,55 @@
+"""The one dispatch point for paged attention.
+
+`make_attention_fn(name)` returns a callable with the signature of
+`pallas_kernels.paged_attention.reference.paged_attention`:
+
+    attn(q [B, T, N, H], k_pool [L, P, K, page_size, H], v_pool, block_tables i32[B, M],
+         seq_lens i32[B], q_positions i32[B, T], *, layer, scale) -> [B, T, N, H]
+
+Decode steps (T == 1, query at position ``seq_len - 1``) go to the named decode kernel; prefill
+(T > 1) uses the reference until a prefill kernel variant exists. "auto" is the reference on CPU and
+the fastest validated variant on GPU (`DEFAULT_GPU_VARIANT`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from pallas_kernels.paged_attention import reference, registry
+
+# The fastest variant validated on the H200 (see BENCHMARKS.md); "reference" until one is.
+DEFAULT_GPU_VARIANT = "reference"
+
+
+def resolve_backend(name: str, platform: str | None = None) -> str:
+    """Map "auto" to a concrete variant for ``platform`` (default: JAX's default backend).
+
+    Raises:
+        ValueError: ``name`` is neither "auto" nor a registered variant.
+    """
+    if name == "auto":
+        platform = platform or jax.default_backend()
+        return DEFAULT_GPU_VARIANT if platform == "gpu" else "reference"
+    registry.get(name)  # raises ValueError listing the registered names
+    return name
+
+
+def make_attention_fn(name: str) -> Callable:
+    """Attention callable for the model, built from the decode variant ``name`` (already resolved)."""
+    if name == "reference":
+        return reference.paged_attention
+    decode = registry.get(name)
+
+    def attn(q, k_pool, v_pool, block_tables, seq_lens, q_positions, *, layer, scale,
+             soft_cap=None, sliding_window=None):
+        if q.shape[1] == 1:
+            out = decode(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
+                         soft_cap=soft_cap, sliding_window=sliding_window)
+            return out[:, None]
+        return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
+                                         layer=layer, scale=scale, soft_cap=soft_cap,
+                                         sliding_window=sliding_window)
+
+    return attn

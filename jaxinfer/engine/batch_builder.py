@@ -1,0 +1,121 @@
+"""Turn a scheduled batch into padded numpy step arrays (host side, no JAX).
+
+Padding rules (the null-page invariant of jaxinfer/kv_cache.py): padded rows have ``seq_len 0``,
+block-table entries 0 and tokens writing into slot 0 of the null page; padded tokens of a real row
+also write into the null page and are never sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxinfer.engine.buckets import bucket, powers_of_two
+
+GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """Padded sizes: batch rows B, query tokens T (prefill), pages per row M, penalty tokens R."""
+
+    batch: tuple[int, ...]
+    prefill_tokens: tuple[int, ...]
+    pages: tuple[int, ...]
+
+    @classmethod
+    def build(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+              page_size: int, batch_buckets: tuple[int, ...] = (),
+              token_buckets: tuple[int, ...] = ()) -> "BucketSpec":
+        max_pages = -(-max_model_len // page_size)
+        return cls(
+            batch=batch_buckets or powers_of_two(1, max_num_seqs),
+            prefill_tokens=token_buckets or powers_of_two(16, max(16, max_num_batched_tokens)),
+            pages=powers_of_two(1, max_pages))
+
+
+@dataclass(frozen=True)
+class HostBatch:
+    """numpy arrays for one step; ``sample_rows`` marks rows whose sampled token is real."""
+
+    tokens: np.ndarray          # i32[B, T]
+    positions: np.ndarray       # i32[B, T]
+    slot_mapping: np.ndarray    # i32[B, T]
+    logits_indices: np.ndarray  # i32[B]
+    block_tables: np.ndarray    # i32[B, M]
+    seq_lens: np.ndarray        # i32[B]
+    temperature: np.ndarray     # f32[B]
+    top_k: np.ndarray           # i32[B]   (0 = off)
+    top_p: np.ndarray           # f32[B]
+    min_p: np.ndarray           # f32[B]
+    repetition_penalty: np.ndarray  # f32[B]
+    seeds: np.ndarray           # u32[B]
+    step_idx: np.ndarray        # i32[B]
+    penalty_tokens: np.ndarray  # i32[B, R] (-1 padded; R = 0 when no row uses a penalty)
+    sample_rows: np.ndarray     # bool[B]
+    all_greedy: bool
+
+    @property
+    def shape_key(self) -> tuple:
+        """What a compiled step is specialised on."""
+        return (self.tokens.shape, self.block_tables.shape[1], self.penalty_tokens.shape[1],
+                self.all_greedy)
+
+
+def build_host_batch(seqs, num_new_tokens, *, page_size: int, buckets: BucketSpec) -> HostBatch:
+    """Pad ``seqs`` (engine `Sequence`s) and their new-token counts to a bucketed `HostBatch`.
+
+    Each row computes tokens ``[num_computed, num_computed + n)`` of its sequence; the row is
+    sampled iff that reaches the end of the sequence (a prefill chunk in the middle is not).
+    """
+    n_rows = len(seqs)
+    B = bucket(n_rows, buckets.batch)
+    T = 1 if max(num_new_tokens) == 1 else bucket(max(num_new_tokens), buckets.prefill_tokens)
+    kv_lens = [s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens)]
+    M = bucket(max(-(-k // page_size) for k in kv_lens), buckets.pages)
+
+    tokens = np.zeros((B, T), np.int32)
+    positions = np.zeros((B, T), np.int32)
+    slots = np.zeros((B, T), np.int32)
+    logits_idx = np.zeros((B,), np.int32)
+    tables = np.zeros((B, M), np.int32)
+    seq_lens = np.zeros((B,), np.int32)
+    temperature = np.zeros((B,), np.float32)
+    top_k = np.zeros((B,), np.int32)
+    top_p = np.ones((B,), np.float32)
+    min_p = np.zeros((B,), np.float32)
+    rep = np.ones((B,), np.float32)
+    seeds = np.zeros((B,), np.uint32)
+    step_idx = np.zeros((B,), np.int32)
+    sample_rows = np.zeros((B,), bool)
+    use_penalty = any(s.params.repetition_penalty != 1.0 for s in seqs)
+    R = bucket(max(s.num_tokens for s in seqs), powers_of_two(16, 1 << 30)) if use_penalty else 0
+    penalty = np.full((B, R), -1, np.int32)
+
+    for i, (s, n) in enumerate(zip(seqs, num_new_tokens)):
+        c = s.num_computed_tokens
+        ids = s.all_token_ids
+        pos = np.arange(c, c + n, dtype=np.int32)
+        tokens[i, :n] = ids[c:c + n]
+        positions[i, :n] = pos
+        table = np.asarray(s.block_table, np.int32)
+        slots[i, :n] = table[pos // page_size] * page_size + pos % page_size
+        logits_idx[i] = n - 1
+        npages = -(-(c + n) // page_size)
+        tables[i, :npages] = table[:npages]
+        seq_lens[i] = c + n
+        p = s.params
+        temperature[i] = p.temperature
+        top_k[i] = p.top_k if p.top_k > 0 else 0
+        top_p[i] = p.top_p
+        min_p[i] = p.min_p
+        rep[i] = p.repetition_penalty
+        seeds[i] = np.uint32(s.seed & 0xFFFFFFFF)
+        step_idx[i] = len(s.output_token_ids)
+        sample_rows[i] = c + n == s.num_tokens
+        if use_penalty:
+            penalty[i, :len(ids)] = ids
+    all_greedy = all(s.params.temperature < GREEDY_EPS for s in seqs)
+    return HostBatch(tokens, positions, slots, logits_idx, tables, seq_lens, temperature, top_k,
+                     top_p, min_p, rep, seeds, step_idx, penalty, sample_rows, all_greedy)

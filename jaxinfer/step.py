@@ -1,0 +1,71 @@
+"""The jit entry point: one engine step (a prefill chunk batch or a decode batch).
+
+Nothing else in jaxinfer is jitted. The step is a pure function
+``(params, kv, inp) -> (next_tokens i32[B], kv')`` with the KV cache donated, compiled once per
+shape bucket (B, T, M, R) and sampling mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.models import registry as models
+from jaxinfer.sampling import SamplingMetadata, sample
+
+
+@dataclass(frozen=True)
+class StepInput:
+    """Per-step device inputs, padded to a bucket (see DESIGN.md for shape letters).
+
+    tokens:          i32[B, T] token ids (padding: 0)
+    positions:       i32[B, T] absolute positions (padding: 0)
+    slot_mapping:    i32[B, T] flat KV slot ``page * page_size + offset`` (padding: null page)
+    logits_indices:  i32[B]    which of the T tokens of each row is sampled (its last real one)
+    sampling:        SamplingMetadata for the B rows
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    slot_mapping: jax.Array
+    logits_indices: jax.Array
+    sampling: SamplingMetadata
+
+
+jax.tree_util.register_dataclass(
+    StepInput, data_fields=[f.name for f in dataclasses.fields(StepInput)], meta_fields=[])
+
+
+def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, attn_fn: Callable,
+         all_greedy: bool) -> tuple[jax.Array, KVCache]:
+    """Model forward over this step's tokens, KV write, logits of one token per row, sampling.
+
+    Args:
+        params: the model's parameter tree (jaxinfer/models/params.py).
+        kv: the cache; its ``block_tables`` i32[B, M] and ``seq_lens`` i32[B] describe this step.
+        inp: `StepInput`.
+        cfg, attn_fn, all_greedy: static.
+    Returns:
+        (next token ids i32[B], updated cache).
+    """
+    hidden, kv = models.forward(params, cfg, inp.tokens, inp.positions, inp.slot_mapping, kv,
+                                attn_fn=attn_fn)
+    with jax.named_scope("lm_head"):
+        last = jnp.take_along_axis(hidden, inp.logits_indices[:, None, None], axis=1)[:, 0]
+        logits = models.compute_logits(params, cfg, last)
+    with jax.named_scope("sample"):
+        tokens = sample(logits, inp.sampling, all_greedy=all_greedy)
+    return tokens, kv
+
+
+def make_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool) -> Callable:
+    """``jax.jit`` of `step` for one sampling mode, donating the KV cache (argument 1)."""
+    fn = functools.partial(step, cfg=cfg, attn_fn=attn_fn, all_greedy=all_greedy)
+    return jax.jit(fn, donate_argnums=(1,))

@@ -1,0 +1,87 @@
+"""Shared fixtures for end-to-end tests on the real SmolLM2-135M-Instruct weights (float32, CPU).
+
+The HF transformers reference loads the same GGUF file; its greedy outputs are computed once per
+session, one prompt at a time (no padding), and cached.
+"""
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+PLAIN_PROMPTS = [
+    "The capital of Japan is",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+]
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me one word that rhymes with cat.",
+]
+PAGE_SIZE = 16
+
+
+@pytest.fixture(scope="session")
+def smollm_path():
+    from checkpoints_tools.default_model import default_model_path
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_model(smollm_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+    d, f = os.path.split(smollm_path)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def llm(smollm_path):
+    from jaxinfer import LLM
+    return LLM(smollm_path, max_model_len=512, max_num_seqs=8, page_size=PAGE_SIZE, num_pages=160,
+               dtype="float32")
+
+
+class HFGreedy:
+    """Greedy reference: HF generate on one unpadded prompt, stopping at EOS like our engine."""
+
+    def __init__(self, model, eos_ids):
+        self.model, self.eos_ids, self.cache = model, list(eos_ids), {}
+
+    def __call__(self, ids, max_new_tokens, ignore_eos=False):
+        import torch
+        key = (tuple(ids), max_new_tokens, ignore_eos)
+        if key not in self.cache:
+            with torch.inference_mode():
+                x = torch.tensor([list(ids)])
+                if ignore_eos:  # plain argmax loop: EOS is sampled and decoding goes on
+                    out = []
+                    past = None
+                    cur = x
+                    for _ in range(max_new_tokens):
+                        r = self.model(cur, past_key_values=past, use_cache=True)
+                        past = r.past_key_values
+                        nxt = int(r.logits[0, -1].argmax())
+                        out.append(nxt)
+                        cur = torch.tensor([[nxt]])
+                    self.cache[key] = out
+                else:
+                    y = self.model.generate(x, max_new_tokens=max_new_tokens, do_sample=False,
+                                            eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
+                    self.cache[key] = y[0, x.shape[1]:].tolist()
+        return self.cache[key]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model, llm):
+    return HFGreedy(hf_model, llm.engine.eos_token_ids)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(llm):
+    """Token ids of the plain prompts and of the chat prompts in the chat template."""
+    plain = [llm.encode(p) for p in PLAIN_PROMPTS]
+    chat = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    return plain + chat

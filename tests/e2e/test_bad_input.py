@@ -1,0 +1,75 @@
+"""Acceptance 7 and CASES C1, C2, C3: bad input through the API; the engine keeps serving."""
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),
+])
+def test_invalid_sampling_params(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_empty_prompt_rejected_next_succeeds(llm):
+    """C2: [] and "" (no BOS added by this tokenizer) are rejected; the next request succeeds."""
+    for empty in ([], ""):
+        with pytest.raises(ValueError, match="0 tokens"):
+            llm.generate(empty if empty == "" else {"prompt_token_ids": empty},
+                         SamplingParams(max_tokens=4))
+    out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))[0]
+    assert len(out.token_ids) >= 1 and out.error is None
+
+
+def test_bad_request_in_batch_others_unchanged(llm):
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    good = ["The sky is", "Two plus two is"]
+    alone = [list(llm.generate(p, sp)[0].token_ids) for p in good]
+    outs = llm.generate([good[0], "", good[1], "x " * 600], sp, on_error="return")
+    assert [list(outs[0].token_ids), list(outs[2].token_ids)] == alone
+    assert outs[1].error and "0 tokens" in outs[1].error
+    assert outs[3].error and "512" in outs[3].error  # names max_model_len
+    assert outs[1].outputs[0].finish_reason == "error"
+    with pytest.raises(ValueError, match="request 1"):
+        llm.generate([good[0], ""], sp)
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_unfinished() and bm.num_free_pages == bm.num_usable_pages
+
+
+def test_length_admission_rule(smollm_path):
+    """C1: max_model_len 64. Rule: prompt + max_tokens <= max_model_len, else rejected."""
+    small = LLM(smollm_path, max_model_len=64, max_num_seqs=4, num_pages=64, dtype="float32")
+    ids = list(range(100, 200))
+    out = small.generate({"prompt_token_ids": ids[:63]}, SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert len(out.token_ids) == 1 and out.outputs[0].finish_reason in ("length", "stop")
+    for n, m in ((64, 1), (63, 2), (65, 1)):
+        with pytest.raises(ValueError) as e:
+            small.generate({"prompt_token_ids": ids[:n]}, SamplingParams(max_tokens=m))
+        assert str(n) in str(e.value) and "64" in str(e.value)
+    # nothing was ever written at a position >= 64
+    assert 0 < small.engine.max_kv_len_seen <= 64
+
+
+def test_pool_admission(smollm_path):
+    """C3: page 16, 8 usable pages (128 tokens): a 200-token prompt fails at once, a 10-token one completes."""
+    small = LLM(smollm_path, max_model_len=512, max_num_seqs=4, page_size=16, num_pages=9,
+                dtype="float32")
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = small.generate([{"prompt_token_ids": list(range(100, 300))},
+                           {"prompt_token_ids": list(range(100, 110))}], sp, on_error="return")
+    assert outs[0].error and "pages" in outs[0].error
+    assert len(outs[1].token_ids) == 8
+    bm = small.engine.block_manager
+    assert bm.num_free_pages == bm.num_usable_pages == 8
+
+
+def test_out_of_vocab_token_rejected(llm):
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate({"prompt_token_ids": [1, 2, 10**9]}, SamplingParams(max_tokens=2))

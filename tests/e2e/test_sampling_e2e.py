@@ -1,0 +1,63 @@
+"""Acceptance 6 and CASES C5, C6, C7, C10 through the whole engine (real SmolLM2 weights)."""
+
+from jaxinfer import SamplingParams
+
+PROMPT = "Write a sentence about the ocean:"
+
+
+def _tokens(llm, prompts, params):
+    return [list(o.token_ids) for o in llm.generate(prompts, params)]
+
+
+def test_seeded_request_independent_of_runs_and_batch(llm):
+    """C7: R1 (seed 42) gives the same tokens in every run and every batch composition."""
+    r1 = SamplingParams(temperature=0.8, seed=42, max_tokens=16, ignore_eos=True)
+    r2 = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    alone = _tokens(llm, [PROMPT], r1)[0]
+    for _ in range(3):
+        assert _tokens(llm, [PROMPT], r1)[0] == alone
+    others = ["Tell me a joke.", "Name a color:", "1, 2, 3,"]
+    for pos in range(4):
+        prompts = others[:pos] + [PROMPT] + others[pos:]
+        params = [r2] * pos + [r1] + [r2] * (3 - pos)
+        assert _tokens(llm, prompts, params)[pos] == alone
+    # and it really samples: a different seed gives different tokens
+    other_seed = SamplingParams(temperature=0.8, seed=7, max_tokens=16, ignore_eos=True)
+    assert _tokens(llm, [PROMPT], other_seed)[0] != alone
+
+
+def test_filters_that_reduce_to_greedy(llm):
+    """top_k=1, temperature=0, temperature=1e-6 and top_p=1e-9 all equal greedy; top_k=-1 is no filter."""
+    greedy = _tokens(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16))[0]
+    for sp in (SamplingParams(temperature=0.6, top_k=1, max_tokens=16, seed=1),
+               SamplingParams(temperature=1e-6, max_tokens=16, seed=1),
+               SamplingParams(temperature=0.6, top_p=1e-9, max_tokens=16, seed=1),
+               SamplingParams(temperature=0.6, top_k=1000, top_p=1e-9, max_tokens=16, seed=1)):
+        assert _tokens(llm, [PROMPT], sp)[0] == greedy, sp
+    free = _tokens(llm, [PROMPT], SamplingParams(temperature=1.0, top_k=-1, max_tokens=16, seed=3))[0]
+    assert all(0 <= t < llm.engine.model_config.vocab_size for t in free)
+
+
+def test_tiny_temperature_batched_with_sampled_neighbour(llm):
+    """C6: temperatures 1e-4/1e-6 equal greedy, text non-empty, neighbour unchanged."""
+    greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))[0]
+    neighbour = SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)
+    neighbour_alone = _tokens(llm, ["Name a color:"], neighbour)[0]
+    for t in (1e-4, 1e-6):
+        outs = llm.generate([PROMPT, "Name a color:"],
+                            [SamplingParams(temperature=t, max_tokens=16, seed=2), neighbour])
+        assert list(outs[0].token_ids) == list(greedy.token_ids)
+        assert outs[0].text.strip()
+        assert list(outs[1].token_ids) == neighbour_alone
+
+
+def test_repetition_penalty_does_not_leak(llm):
+    """C10: request A without penalty batched with B (penalty 1.3): A equals A alone."""
+    a = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    b = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.3)
+    a_alone = _tokens(llm, ["1, 2, 3, 4,"], a)[0]
+    b_alone = _tokens(llm, ["one two one two"], b)[0]
+    both = _tokens(llm, ["1, 2, 3, 4,", "one two one two"], [a, b])
+    assert both == [a_alone, b_alone]
+    # the penalty really acts
+    assert _tokens(llm, ["one two one two"], a)[0] != b_alone

@@ -1,0 +1,106 @@
+"""Acceptance 1, 2, 4, 5 and CASES C4, C8: real SmolLM2 weights, jaxinfer vs HF transformers greedy."""
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+
+from .conftest import PAGE_SIZE
+
+GREEDY = dict(temperature=0.0)
+
+
+def test_each_prompt_matches_hf(llm, hf_greedy, prompt_ids):
+    """Acceptance 1: greedy, 32 new tokens, token-identical to HF, one request at a time."""
+    for ids in prompt_ids:
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=32, **GREEDY))[0]
+        assert list(out.token_ids) == hf_greedy(ids, 32)
+
+
+def test_france_answers_paris(llm, prompt_ids):
+    out = llm.generate({"prompt_token_ids": prompt_ids[3]}, SamplingParams(max_tokens=32, **GREEDY))[0]
+    assert "Paris" in out.text
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_batch_of_mixed_lengths_matches_single(llm, hf_greedy, prompt_ids):
+    """Acceptance 2: the same prompts as one ragged batch give the same tokens."""
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+                        SamplingParams(max_tokens=32, **GREEDY))
+    assert len({len(ids) for ids in prompt_ids}) > 1  # really ragged
+    for ids, out in zip(prompt_ids, outs):
+        assert list(out.token_ids) == hf_greedy(ids, 32)
+
+
+@pytest.mark.parametrize("length", [PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1])
+def test_page_boundaries(llm, hf_greedy, length):
+    """Acceptance 4: prompts around one page, generation crossing several page boundaries."""
+    text = ("In the beginning of the twentieth century, the city grew quickly as new railways "
+            "brought workers, merchants and families from the countryside.")
+    ids = llm.encode(text)[:length]
+    assert len(ids) == length
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=3 * PAGE_SIZE, ignore_eos=True, **GREEDY))[0]
+    assert list(out.token_ids) == hf_greedy(ids, 3 * PAGE_SIZE, ignore_eos=True)
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_preemption_gives_same_outputs(smollm_path, llm, prompt_ids):
+    """Acceptance 5: a pool too small for all running sequences forces preemption by recompute."""
+    sp = SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)
+    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
+    expected = [list(o.token_ids) for o in llm.generate(prompts, sp)]
+    need = sum(-(-(len(ids) + 40) // PAGE_SIZE) for ids in prompt_ids)
+    small = LLM(smollm_path, max_model_len=512, max_num_seqs=8, page_size=PAGE_SIZE,
+                num_pages=need // 2 + 1, dtype="float32")
+    outs = small.generate(prompts, sp)
+    assert [list(o.token_ids) for o in outs] == expected
+    assert sum(o.metrics.num_preemptions for o in outs) > 0
+    bm = small.engine.block_manager
+    assert bm.num_free_pages == bm.num_usable_pages
+
+
+def test_ignore_eos_and_eos_union(llm, hf_greedy, prompt_ids):
+    """CASES C4: ignore_eos -> exactly max_tokens, 'length'; else stop at the first EOS id, 'stop'."""
+    ids = prompt_ids[4]  # one-word answer
+    on = llm.generate({"prompt_token_ids": ids},
+                      SamplingParams(max_tokens=32, ignore_eos=True, **GREEDY))[0]
+    assert len(on.token_ids) == 32 and on.outputs[0].finish_reason == "length"
+    assert list(on.token_ids) == hf_greedy(ids, 32, ignore_eos=True)
+    off = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=32, **GREEDY))[0]
+    eos = set(llm.engine.eos_token_ids)
+    assert off.outputs[0].finish_reason == "stop"
+    assert off.token_ids[-1] in eos
+    assert not eos & set(off.token_ids[:-1])
+    assert list(off.token_ids) == list(on.token_ids[:len(off.token_ids)])
+
+
+def test_template_prompts_batch_equals_single(llm):
+    """CASES C8: prompts from one template with different-length codes: batch == one at a time."""
+    codes = ["A1", "B22-7", "C333-xx-9", "D4444-yyyy-88-q", "E5"]
+    prompts = [f"Repeat the code exactly: {c}. The code is" for c in codes]
+    sp = SamplingParams(max_tokens=16, **GREEDY)
+    batch = [list(o.token_ids) for o in llm.generate(prompts, sp)]
+    single = [list(llm.generate(p, sp)[0].token_ids) for p in prompts]
+    assert batch == single
+
+
+def test_stop_string_truncates_text(llm, prompt_ids):
+    """Stop strings are matched on decoded text and cut from the returned text."""
+    ids = prompt_ids[3]
+    full = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=32, **GREEDY))[0]
+    assert "Paris" in full.text
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=32, stop=["Paris"], **GREEDY))[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].stop_reason == "Paris"
+    assert out.text == full.text[:full.text.find("Paris")]
+    assert len(out.token_ids) <= len(full.token_ids)
+
+
+def test_compiles_are_bounded(llm):
+    """Every compiled step shape is one of the buckets; the count is reported."""
+    b = llm.engine.buckets
+    for (tok_shape, m, _r, _g) in llm.engine.compiled_shapes:
+        assert tok_shape[0] in b.batch and m in b.pages
+        assert tok_shape[1] == 1 or tok_shape[1] in b.prefill_tokens
+    assert llm.engine.num_compiles == len(llm.engine.compiled_shapes) > 0

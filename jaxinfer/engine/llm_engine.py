@@ -201,7 +201,7 @@ class LLMEngine:
         """The `RequestOutput` of a finished request (removes it from the engine)."""
         s = self._seqs.pop(rid)
         text = self.detokenize(s.output_token_ids) if self.detokenize else ""
-        stop_reason = getattr(s, "stop_string", None)
+        stop_reason = s.stop_string
         if stop_reason is not None:
             text = text[:text.find(stop_reason)]
         elif s.finish_reason == "stop" and s.output_token_ids:

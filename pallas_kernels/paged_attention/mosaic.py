@@ -1,0 +1,477 @@
+"""Paged decode attention as a Mosaic GPU Pallas kernel for Hopper (sm_90a).
+
+One program (CTA, one warpgroup) per (batch row b, KV head h, sequence split s). The program loads
+the G query heads that share KV head h (GQA: each K/V page is read once per KV head) into a 64-row
+tile of shared memory, then streams its part of the sequence through shared memory with TMA copies
+of whole pages (one copy per page, addressed through the block table, which the program first copies
+into shared memory), ``num_stages`` buffers deep so that the copies of the next blocks overlap the
+math of this one. The math is an online softmax in float32 (Milakov & Gimelshein 2018; FlashAttention,
+Dao et al. 2022) with both products on the tensor cores (``wgmma``: scores = Q K^T, then P V with P
+cast to the KV dtype). Each program writes its normalised partial output and log-sum-exp; for more
+than one split a small jnp step combines them (flash-decoding, Dao et al. 2023).
+
+Structure (kept apart so that a Blackwell version can swap the math for tcgen05/TMEM):
+    `_issue_block`    TMA copies of one block of K/V pages into a stage buffer (memory side)
+    `_WgmmaMath`      Hopper math: wgmma products, WGMMA register layouts
+    `_PlainMath`      the same math with jnp products and no layouts, for GPU interpret mode on the CPU
+                      (its interpreter implements neither transposed wgmma operands nor register A)
+    `_body`           the pipeline: table and Q loads, prologue, steady state, epilogue
+
+Layout: the engine's pools ``[L, P, K, page_size, H]`` (jaxinfer/kv_cache.py), read in place; the
+layer is folded into the page index (pools viewed as ``[L * P, K, page_size, H]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_ROWS = 64          # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
+_TABLE_COLS = 128   # block-table entries per shared-memory row (TMA boxes are at most 256 wide)
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)
+_SMS_H100_H200 = 132
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicDecodeConfig:
+    """Tuning knobs of the Mosaic GPU decode kernel (static).
+
+    Attributes:
+        block_kv: keys per pipeline step (a multiple of 64; a multiple of page_size, or a divisor
+            of it).
+        num_stages: K/V shared-memory buffers (2-4): how many steps of copies are in flight.
+        num_splits: sequence splits per (row, KV head); None: the fewest that give at least 1.5
+            waves of resident programs with under 10% of the last wave idle.
+        num_sms: multiprocessors to plan the waves for; None: read from the device (132 if none).
+    """
+
+    block_kv: int = 64
+    num_stages: int = 2
+    num_splits: int | None = None
+    num_sms: int | None = None
+
+    def __post_init__(self):
+        if self.block_kv <= 0 or self.block_kv % 64:
+            raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 64")
+        if not 1 <= self.num_stages <= 8:
+            raise ValueError(f"num_stages={self.num_stages} must be in 1..8")
+        if self.num_splits is not None and self.num_splits < 1:
+            raise ValueError(f"num_splits={self.num_splits} must be >= 1 or None")
+        if self.num_sms is not None and self.num_sms < 1:
+            raise ValueError(f"num_sms={self.num_sms} must be >= 1 or None")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Static sizes of one launch."""
+
+    B: int
+    K: int
+    G: int
+    Gp: int            # G rounded up to a multiple of 8 (TMA box rows of the Q / output tiles)
+    H: int
+    page_size: int
+    block_kv: int
+    pages_per_step: int   # TMA copies per K (and per V) buffer
+    rows_per_copy: int    # keys per copy: min(page_size, block_kv)
+    num_stages: int
+    num_splits: int
+    table_rows: int       # rows of page entries in the table tile (plus one header row)
+    dtype: jnp.dtype
+    scale: float
+    soft_cap: float | None
+    sliding_window: int | None
+
+
+def _smem_transforms(dtype, H: int):
+    """Tiling + 128-byte swizzle of a [rows, H] operand tile, as wgmma wants it."""
+    swizzle_elems = 128 // jnp.dtype(dtype).itemsize
+    if H % swizzle_elems:
+        return ()
+    return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
+
+
+# ---------------------------------------------------------------------------------------------
+# Math: scores, masks, online softmax, P V.  Two back-ends with one interface.
+# ---------------------------------------------------------------------------------------------
+
+class _WgmmaMath:
+    """Hopper tensor-core math in Mosaic GPU's WGMMA register layout (compiled path)."""
+
+    @staticmethod
+    def full(shape, value, row_stat: bool = False):
+        layout = plgpu.Layout.WGMMA.reduce(1) if row_stat else plgpu.Layout.WGMMA
+        return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
+
+    @staticmethod
+    def col_iota(shape):
+        return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+
+    @staticmethod
+    def scores(q_smem, k_smem):
+        """[64, H] x [bk, H]^T -> [64, bk] float32."""
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+            return acc_ref[...]
+        return pl.run_scoped(qk, plgpu.ACC((_ROWS, k_smem.shape[0]), jnp.float32))
+
+    @staticmethod
+    def accumulate_pv(acc, p, v_smem):
+        """acc [64, H] += p [64, bk] (KV dtype, registers) x v [bk, H]."""
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p, v_smem)
+        return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
+class _PlainMath:
+    """The same math in plain jnp (GPU interpret mode on the CPU)."""
+
+    @staticmethod
+    def full(shape, value, row_stat: bool = False):
+        return jnp.full(shape, value, jnp.float32)
+
+    @staticmethod
+    def col_iota(shape):
+        return lax.broadcasted_iota(jnp.int32, shape, 1)
+
+    @staticmethod
+    def scores(q_smem, k_smem):
+        return lax.dot_general(q_smem[...], k_smem[...], (((1,), (1,)), ((), ())),
+                               precision=lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32)
+
+    @staticmethod
+    def accumulate_pv(acc, p, v_smem):
+        return acc + lax.dot_general(p, v_smem[...], (((1,), (0,)), ((), ())),
+                                     precision=lax.Precision.HIGHEST,
+                                     preferred_element_type=jnp.float32)
+
+
+def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v_smem, wait_v):
+    """One online-softmax update with the scores ``s`` [64, bk] of keys first_pos.. (float32).
+
+    m is kept in log2 units (scores pre-multiplied by log2 e) so that p = exp2(s - m).
+    """
+    acc, m, l = carry
+    if geo.soft_cap is None:
+        s = s * (geo.scale * _LOG2E)
+    else:
+        s = jnp.tanh(s * (geo.scale / geo.soft_cap)) * (geo.soft_cap * _LOG2E)
+    pos = math_.col_iota(s.shape) + first_pos
+    valid = pos < seq_len
+    if geo.sliding_window is not None:
+        valid = valid & (pos >= lo_pos)
+    s = jnp.where(valid, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    alpha = jnp.exp2(m - m_new)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    l = l * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    p = p.astype(geo.dtype)
+    wait_v()
+    acc = math_.accumulate_pv(acc, p, v_smem)
+    return acc, m_new, l
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory side: TMA copies of K/V pages through the block table.
+# ---------------------------------------------------------------------------------------------
+
+def _issue_block(geo: _Geometry, tbl_smem, h, step, copies):
+    """Start the TMA copies of keys [step * bk, (step + 1) * bk) of this row into one stage.
+
+    ``copies``: (pool ref [L * P, K, page_size, H], stage buffer [bk, H], barrier) for K and/or V;
+    each barrier expects ``pages_per_step`` arrivals.
+    """
+    rpc = geo.rows_per_copy
+    for i in range(geo.pages_per_step):
+        token = step * geo.block_kv + i * rpc
+        if geo.page_size <= geo.block_kv:
+            lp = step * geo.pages_per_step + i                 # logical page
+            src = lambda ref, phys: ref.at[phys, h]
+        else:
+            lp = lax.div(token, geo.page_size)
+            off = lax.rem(token, geo.page_size)
+            src = lambda ref, phys, off=off: ref.at[phys, h, pl.ds(off, rpc)]
+        phys = tbl_smem[1 + lax.div(lp, _TABLE_COLS), lax.rem(lp, _TABLE_COLS)]
+        for ref, buf, bar in copies:
+            plgpu.copy_gmem_to_smem(src(ref, phys), buf.at[pl.ds(i * rpc, rpc)], bar)
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernel.
+# ---------------------------------------------------------------------------------------------
+
+def _body(q_ref, k_ref, v_ref, tbl_ref, o_ref, lse_ref, q_smem, tbl_smem, bars, *, geo: _Geometry,
+          math_, interpret: bool):
+    b = lax.axis_index("b")
+    h = lax.axis_index("h")
+    split = lax.axis_index("s")
+    tbl_bar, q_bar = bars.at[0], bars.at[1]
+    bk, H = geo.block_kv, geo.H
+
+    plgpu.copy_gmem_to_smem(tbl_ref.at[b], tbl_smem, tbl_bar)
+    if geo.Gp < _ROWS:  # rows past the real heads: zeros (never stored; keeps them finite)
+        q_smem[...] = math_.full((_ROWS, H), 0.0).astype(geo.dtype)
+        plgpu.commit_smem()
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, geo.Gp)], q_bar)
+    plgpu.barrier_wait(tbl_bar)
+
+    # This program's key blocks: the row's visible blocks, cut into num_splits near-equal parts.
+    seq_len = tbl_smem[0, 0]
+    if geo.sliding_window is None:
+        lo_pos = jnp.int32(0)
+    else:
+        lo_pos = jnp.maximum(seq_len - geo.sliding_window, 0)
+    first_blk = lax.div(lo_pos, bk)
+    n_blk = lax.div(seq_len + (bk - 1), bk) - first_blk
+    per_split = lax.div(n_blk + (geo.num_splits - 1), geo.num_splits)
+    start = first_blk + split * per_split
+    count = jnp.clip(first_blk + n_blk - start, 0, per_split)
+
+    def main_loop(k_bufs, v_bufs, k_bars, v_bars):
+        def k_copy(slot):
+            return (k_ref, k_bufs.at[slot], k_bars.at[slot])
+
+        def v_copy(slot):
+            return (v_ref, v_bufs.at[slot], v_bars.at[slot])
+
+        for st in range(geo.num_stages):
+            @pl.when(st < count)
+            def _prologue():
+                _issue_block(geo, tbl_smem, h, start + st, [k_copy(st), v_copy(st)])
+        plgpu.barrier_wait(q_bar)
+
+        def step(j, carry):
+            slot = lax.rem(j, geo.num_stages)
+            refill = j + geo.num_stages < count
+            plgpu.barrier_wait(k_bars.at[slot])
+            s = math_.scores(q_smem, k_bufs.at[slot])
+
+            @pl.when(refill)
+            def _refill_k():  # Q K^T has completed: this K buffer is free again
+                _issue_block(geo, tbl_smem, h, start + j + geo.num_stages, [k_copy(slot)])
+            carry = _softmax_step(math_, geo, carry, s, (start + j) * bk, seq_len, lo_pos,
+                                  v_bufs.at[slot], lambda: plgpu.barrier_wait(v_bars.at[slot]))
+
+            @pl.when(refill)
+            def _refill_v():  # P V has completed
+                _issue_block(geo, tbl_smem, h, start + j + geo.num_stages, [v_copy(slot)])
+            return carry
+
+        init = (math_.full((_ROWS, H), 0.0), math_.full((_ROWS,), -jnp.inf, row_stat=True),
+                math_.full((_ROWS,), 0.0, row_stat=True))
+        return lax.fori_loop(0, count, step, init)
+
+    kv_tile = plgpu.SMEM((geo.num_stages, bk, H), geo.dtype,
+                         transforms=() if interpret else _smem_transforms(geo.dtype, H))
+    stage_bars = plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.num_stages)
+    acc, m, l = pl.run_scoped(main_loop, kv_tile, kv_tile, stage_bars, stage_bars)
+
+    # Epilogue: normalised partial output and natural-log LSE (-inf and zeros when no key).
+    has_keys = l > 0.0
+    inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
+    out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+    lse = jnp.where(has_keys, m * _LN2 + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
+
+    def store(o_smem, lse_smem):
+        o_smem[...] = out
+        lse_smem[...] = lse
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, geo.Gp)], o_ref.at[b, h, split])
+        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, geo.Gp)], lse_ref.at[b, h, split])
+        plgpu.wait_smem_to_gmem(0)
+    pl.run_scoped(store, plgpu.SMEM((_ROWS, H), jnp.float32), plgpu.SMEM((_ROWS,), jnp.float32))
+
+
+def _interpret_params():
+    try:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    except ImportError as e:  # pragma: no cover - depends on the installed jax
+        raise NotImplementedError(
+            f"GPU interpret mode is not available in jax {jax.__version__}: {e}") from e
+    return InterpretGPUParams()
+
+
+def _smem_bytes(cfg: MosaicDecodeConfig, H: int, itemsize: int, table_bytes: int) -> int:
+    return (cfg.num_stages * 2 * cfg.block_kv * H * itemsize + _ROWS * H * itemsize
+            + table_bytes + 1024)
+
+
+def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int) -> int:
+    """Splits per (row, KV head) so that the programs fill the GPU in near-whole waves."""
+    if cfg.num_splits is not None:
+        return max(1, min(cfg.num_splits, max_blocks))
+    sms = cfg.num_sms
+    if sms is None:
+        dev = jax.devices()[0]
+        sms = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
+        sms = sms or _SMS_H100_H200
+    slots = sms * max(1, (227 * 1024) // smem)        # programs resident at once
+    for splits in range(1, max_blocks + 1):
+        waves = rows * splits / slots
+        if waves >= 1.5 and waves / math.ceil(waves) >= 0.9:
+            return splits
+    return max_blocks
+
+
+def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
+    if k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H]; got {k_pool.shape}"
+                         f" and {v_pool.shape}")
+    B, N, H = q.shape
+    L, P, K, page_size, Hk = k_pool.shape
+    if Hk != H:
+        raise ValueError(f"head dim of q ({H}) and of the pools ({Hk}) differ")
+    if N % K:
+        raise ValueError(f"num query heads N={N} must be a multiple of num KV heads K={K}")
+    if N // K > _ROWS:
+        raise ValueError(f"GQA group N/K={N // K} must be <= {_ROWS}")
+    if k_pool.dtype != v_pool.dtype:
+        raise ValueError(f"k_pool dtype {k_pool.dtype} != v_pool dtype {v_pool.dtype}")
+    allowed = (jnp.bfloat16, jnp.float16) + ((jnp.float32,) if interpret else ())
+    if k_pool.dtype not in [jnp.dtype(d) for d in allowed]:
+        raise ValueError(f"k_pool dtype {k_pool.dtype} not supported; allowed: "
+                         f"{[jnp.dtype(d).name for d in allowed]} (float32 only in interpret mode:"
+                         " Hopper wgmma has no float32 P.V path)")
+    if H % 64:
+        raise ValueError(f"head dim H={H} must be a multiple of 64")
+    if page_size % 8:
+        raise ValueError(f"page_size={page_size} must be a multiple of 8")
+    bk = cfg.block_kv
+    if not (bk % page_size == 0 or page_size % bk == 0):
+        raise ValueError(f"block_kv={bk} and page_size={page_size}: one must divide the other")
+    if block_tables.ndim != 2 or block_tables.shape[0] != B:
+        raise ValueError(f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}")
+    if seq_lens.shape != (B,):
+        raise ValueError(f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
+                                             "cfg"))
+def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_cap, sliding_window,
+             interpret, cfg: MosaicDecodeConfig):
+    B, N, H = q.shape
+    L, P, K, page_size, _ = k_pool.shape
+    G = N // K
+    Gp = -(-G // 8) * 8
+    M = block_tables.shape[1]
+    bk = cfg.block_kv
+    dtype = k_pool.dtype
+    max_blocks = max(1, -(-M * page_size // bk))
+    geo = _Geometry(
+        B=B, K=K, G=G, Gp=Gp, H=H, page_size=page_size, block_kv=bk,
+        pages_per_step=max(1, bk // page_size), rows_per_copy=min(page_size, bk),
+        num_stages=cfg.num_stages, num_splits=1,
+        table_rows=0, dtype=dtype, scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window))
+
+    # Table tile [B, 1 + R, C]: row 0 holds seq_len, rows 1.. the physical pages (layer folded in,
+    # padded with the null page so every block read stays in range).
+    pages_needed = max_blocks * (bk // page_size) if page_size <= bk else M
+    # (1 + R) * C * 4 bytes must be a multiple of 128 (one TMA copy, arrived on by 128 threads).
+    C = min(_TABLE_COLS, -(-pages_needed // 32) * 32)
+    R = -(-pages_needed // C)       # entry lp lives at [1 + lp // 128, lp % 128] (R == 1 if C < 128)
+    if 1 + R > 256:
+        raise ValueError(f"block_tables width M={M} too large (max {255 * _TABLE_COLS} pages)")
+    splits = _pick_splits(cfg, B * K, max_blocks,
+                          _smem_bytes(cfg, H, jnp.dtype(dtype).itemsize, (1 + R) * C * 4))
+    geo = dataclasses.replace(geo, table_rows=R, num_splits=splits)
+    layer = jnp.asarray(layer, jnp.int32)
+    pages = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, R * C - M)))  # pad: null page
+    pages = (pages + layer * P).reshape(B, R, C)
+    # Lengths past the table would read past it: clamp (such input is invalid anyway).
+    lens = jnp.clip(seq_lens.astype(jnp.int32), 0, M * page_size)
+    header = jnp.zeros((B, 1, C), jnp.int32).at[:, 0, 0].set(lens)
+    table = jnp.concatenate([header, pages], axis=1)
+
+    qg = q.astype(dtype).reshape(B, K, G, H)
+    if Gp != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    k_flat = k_pool.reshape(L * P, K, page_size, H)
+    v_flat = v_pool.reshape(L * P, K, page_size, H)
+
+    math_ = _PlainMath if interpret else _WgmmaMath
+    transforms = () if interpret else _smem_transforms(dtype, H)
+    kw = dict(
+        out_type=(jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
+                  jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32)),
+        scratch_types=[plgpu.SMEM((_ROWS, H), dtype, transforms=transforms),
+                       plgpu.SMEM((1 + R, C), jnp.int32),
+                       plgpu.Barrier(num_barriers=2)],
+        grid=(B, K, splits), grid_names=("b", "h", "s"))
+    if interpret:
+        kw["interpret"] = _interpret_params()
+    else:
+        kw["compiler_params"] = plgpu.CompilerParams(approx_math=True)
+    body = functools.partial(_body, geo=geo, math_=math_, interpret=interpret)
+    o, lse = plgpu.kernel(body, **kw)(qg, k_flat, v_flat, table)
+
+    if splits == 1:
+        out = o[:, :, 0, :G]
+    else:  # log-sum-exp combine of the splits
+        mx = jnp.max(lse, axis=2, keepdims=True)
+        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+        w = jnp.exp(lse - mx)                                   # [B, K, S, Gp]; 0 for empty splits
+        den = jnp.sum(w, axis=2)
+        out = jnp.einsum("bksg,bksgh->bkgh", w, o) / jnp.where(den > 0, den, 1.0)[..., None]
+        out = out[:, :, :G]
+    return out.reshape(B, N, H).astype(q.dtype)
+
+
+def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                           block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
+                           soft_cap: float | None = None, sliding_window: int | None = None,
+                           interpret: bool = False, block_kv: int = 64, num_stages: int = 2,
+                           num_splits: int | None = None,
+                           config: MosaicDecodeConfig | None = None) -> jax.Array:
+    """Decode attention over the paged KV cache with a Mosaic GPU (Hopper) kernel.
+
+    Same contract as `reference.paged_decode_attention`: one query token per row at position
+    ``seq_len - 1``, attending to keys ``[max(0, seq_len - sliding_window), seq_len)``.
+
+    Args:
+        q: [B, N, H] queries (RoPE applied); cast to the pools' dtype for the products.
+        k_pool, v_pool: [L, P, K, page_size, H] bfloat16 or float16 (float32 only with
+            ``interpret=True``); H a multiple of 64, page_size a multiple of 8.
+        block_tables: i32[B, M] physical page of each logical page (padding: page 0).
+        seq_lens: i32[B] valid keys per row (0: padded row, output zeros).
+        layer: int or traced i32[] layer index into the pools.
+        scale: softmax scale (usually H ** -0.5).
+        soft_cap: optional logit soft cap, ``soft_cap * tanh(logits / soft_cap)``.
+        sliding_window: optional; only the last ``sliding_window`` keys are visible.
+        interpret: run in Mosaic GPU interpret mode (CPU); the products then use jnp instead of
+            wgmma (the interpreter supports neither transposed nor register wgmma operands).
+        block_kv, num_stages, num_splits: tuning knobs (see `MosaicDecodeConfig`), ignored when
+            ``config`` is given.
+        config: a frozen `MosaicDecodeConfig`.
+    Returns:
+        [B, N, H] in q.dtype.
+    Raises:
+        ValueError: shapes, dtypes or knobs outside what the kernel supports (the message names the
+            field).
+    Source: FlashAttention-3 / flash-decoding structure (Shah et al. 2024; Dao et al. 2023), vLLM
+        paged layout (Kwon et al. 2023); JAX's attention_mgpu.py was read for Mosaic GPU idioms.
+    """
+    cfg = config if config is not None else MosaicDecodeConfig(
+        block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
+    _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret)
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap={soft_cap} must be > 0 or None")
+    return _forward(q, k_pool, v_pool, block_tables, seq_lens, layer, scale=float(scale),
+                    soft_cap=None if soft_cap is None else float(soft_cap),
+                    sliding_window=None if sliding_window is None else int(sliding_window),
+                    interpret=bool(interpret), cfg=cfg)

@@ -1,0 +1,184 @@
+"""Mosaic GPU paged decode attention in GPU interpret mode (CPU) against the float32 reference.
+
+What interpret mode covers here: the whole kernel (block-table copy, TMA page copies into the
+multi-stage buffers, barriers, masks, online softmax, splits and the log-sum-exp combine), with the
+two products done by jnp. What it cannot cover: the ``wgmma`` instructions themselves (the
+interpreter implements neither transposed nor register wgmma operands) — those are exercised by
+`test_mosaic_decode_gpu.py` (``-m gpu``) with the same sweep compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import mosaic, reference
+
+try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
+    _HAS_INTERPRET = True
+except ImportError:  # pragma: no cover - depends on the installed jax
+    _HAS_INTERPRET = False
+
+needs_interpret = pytest.mark.skipif(
+    not _HAS_INTERPRET, reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode "
+    "(jax._src.pallas.mosaic_gpu.interpret.params.InterpretGPUParams)")
+
+
+def lengths_for(page_size: int, max_len: int) -> list[int]:
+    """Edge lengths: 1, page-1, page, page+1, an odd one, the maximum, and a padded row (0)."""
+    odd = (max_len // 2) | 1
+    return [1, page_size - 1, page_size, page_size + 1, odd, max_len, 0]
+
+
+def make_inputs(seed: int, *, lens, N, K, H, page_size, M, L=2, dtype=jnp.float32):
+    """Random q and pools; each row's pages are a random permutation of distinct pages (not 0)."""
+    B = len(lens)
+    P = B * M + 3
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (B, N, H), jnp.float32).astype(dtype)
+    k_pool = jax.random.normal(ks[1], (L, P, K, page_size, H), jnp.float32).astype(dtype)
+    v_pool = jax.random.normal(ks[2], (L, P, K, page_size, H), jnp.float32).astype(dtype)
+    perm = np.asarray(jax.random.permutation(ks[3], np.arange(1, P)))[:B * M].reshape(B, M)
+    lens = np.asarray(lens, np.int32)
+    used = -(-lens // page_size)
+    tables = np.where(np.arange(M)[None, :] < used[:, None], perm, 0).astype(np.int32)
+    return q, k_pool, v_pool, jnp.asarray(tables), jnp.asarray(lens)
+
+
+def ref_out(q, k_pool, v_pool, tables, lens, **kw):
+    f32 = lambda x: x.astype(jnp.float32)
+    return np.asarray(reference.paged_decode_attention(f32(q), f32(k_pool), f32(v_pool), tables,
+                                                       lens, **kw))
+
+
+def check(out, ref, dtype):
+    out = np.asarray(out, np.float32)
+    assert out.shape == ref.shape
+    assert np.all(np.isfinite(out))
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    err = np.max(np.abs(out - ref))
+    if jnp.dtype(dtype) == jnp.float32:
+        assert rel < 2e-6 and err < 1e-5, (rel, err)
+    else:  # bf16 inputs and bf16 P in the P.V product: ~2^-9 relative per term
+        assert rel < 1e-2 and err < 5e-2, (rel, err)
+    return rel
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(interpret: bool, scale: float, soft_cap, window, cfg):
+    def f(q, k, v, t, s, layer):
+        return mosaic.paged_decode_attention(q, k, v, t, s, layer=layer, scale=scale,
+                                             soft_cap=soft_cap, sliding_window=window,
+                                             interpret=interpret, config=cfg)
+    return jax.jit(f)
+
+
+def run_case(interpret, seed, *, page_size, H, G, K=2, M=3, dtype=jnp.float32, layer=1,
+             soft_cap=None, window=None, cfg=mosaic.MosaicDecodeConfig(), lens=None):
+    max_len = M * page_size
+    lens = lengths_for(page_size, max_len) if lens is None else lens
+    q, k, v, t, s = make_inputs(seed, lens=lens, N=G * K, K=K, H=H, page_size=page_size, M=M,
+                                dtype=dtype)
+    scale = H ** -0.5
+    out = _jitted(interpret, scale, soft_cap, window, cfg)(q, k, v, t, s, jnp.int32(layer))
+    ref = ref_out(q, k, v, t, s, layer=layer, scale=scale, soft_cap=soft_cap,
+                  sliding_window=window)
+    rel = check(out, ref, dtype)
+    padded = np.asarray(s) == 0
+    assert np.all(np.asarray(out)[padded] == 0)
+    return rel
+
+
+# (page_size, H, G, dtype, M, num_splits): page sizes 16/32/64, head dims 64/128, GQA 1/2/4/8,
+# fp32 and bf16; 64-key blocks so that rows span 1-3 blocks; one split (the pipeline ring) or
+# automatic splits (here one block per program, then the log-sum-exp combine).
+SWEEP = [
+    (16, 64, 1, jnp.float32, 9, 1),
+    (16, 128, 4, jnp.float32, 9, None),
+    (64, 64, 8, jnp.float32, 3, 1),
+    (64, 128, 2, jnp.bfloat16, 3, None),
+    (16, 64, 8, jnp.bfloat16, 9, 1),
+    (32, 128, 1, jnp.bfloat16, 5, 1),
+]
+
+
+@needs_interpret
+@pytest.mark.parametrize("page_size,H,G,dtype,M,splits", SWEEP)
+def test_sweep_interpret(page_size, H, G, dtype, M, splits):
+    cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, num_splits=splits)
+    run_case(True, 10 * page_size + G, page_size=page_size, H=H, G=G, dtype=dtype, M=M, cfg=cfg)
+
+
+@needs_interpret
+def test_splits_window_softcap_interpret():
+    # 3 splits of 6 blocks, one of them cut by the window; soft cap on.
+    cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_splits=3)
+    run_case(True, 1, page_size=16, H=64, G=2, M=24, cfg=cfg, soft_cap=5.0, window=150,
+             lens=[1, 100, 383, 384, 0], layer=0)
+
+
+@needs_interpret
+def test_big_blocks_deep_pipeline_interpret():
+    # 8 pages per step, 3 stages, more blocks than stages; and pages larger than a block.
+    cfg = mosaic.MosaicDecodeConfig(block_kv=128, num_stages=3, num_splits=1)
+    run_case(True, 2, page_size=16, H=64, G=4, M=40, cfg=cfg, lens=[640, 17, 129, 1])
+    cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, num_splits=1)
+    run_case(True, 3, page_size=128, H=64, G=2, M=3, cfg=cfg, lens=[1, 64, 65, 300, 384])
+
+
+@needs_interpret
+def test_layer_traced_in_scan_interpret():
+    # The engine calls the kernel inside lax.scan over layers: layer is a traced i32[].
+    lens = [33, 5, 0]
+    q, k, v, t, s = make_inputs(7, lens=lens, N=4, K=2, H=64, page_size=16, M=3, L=2)
+    scale = 64 ** -0.5
+
+    def body(carry, layer):
+        o = mosaic.paged_decode_attention(q, k, v, t, s, layer=layer, scale=scale,
+                                          interpret=True)
+        return carry, o
+    _, outs = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32)))()
+    for layer in range(2):
+        check(outs[layer], ref_out(q, k, v, t, s, layer=layer, scale=scale), jnp.float32)
+    assert not np.allclose(np.asarray(outs[0]), np.asarray(outs[1]))
+
+
+@needs_interpret
+def test_all_rows_padded_interpret():
+    q, k, v, t, s = make_inputs(4, lens=[0, 0], N=2, K=1, H=64, page_size=16, M=2)
+    out = mosaic.paged_decode_attention(q, k, v, t, s, scale=0.125, interpret=True)
+    assert np.all(np.asarray(out) == 0)
+
+
+def _shapes(B=2, N=4, K=2, H=64, page=16, M=3, L=2, dtype=jnp.bfloat16):
+    return (jnp.zeros((B, N, H), dtype), jnp.zeros((L, 8, K, page, H), dtype),
+            jnp.zeros((L, 8, K, page, H), dtype), jnp.zeros((B, M), jnp.int32),
+            jnp.zeros((B,), jnp.int32))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(N=3), "multiple of num KV heads"),
+    (dict(H=96), "multiple of 64"),
+    (dict(page=12), "page_size=12"),
+    (dict(dtype=jnp.float32), "float32 only in interpret"),
+])
+def test_bad_shapes_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        mosaic.paged_decode_attention(*_shapes(**kw), scale=0.1)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(block_kv=48), "block_kv=48"),
+    (dict(num_stages=0), "num_stages=0"),
+    (dict(num_splits=0), "num_splits=0"),
+    (dict(sliding_window=0), "sliding_window=0"),
+    (dict(soft_cap=-1.0), "soft_cap=-1.0"),
+])
+def test_bad_knobs_raise(kw, match):
+    with pytest.raises(ValueError, match=match):
+        mosaic.paged_decode_attention(*_shapes(), scale=0.1, **kw)

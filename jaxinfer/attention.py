@@ -7,8 +7,8 @@
          seq_lens i32[B], q_positions i32[B, T], *, layer, scale) -> [B, T, N, H]
 
 Decode steps (T == 1, query at position ``seq_len - 1``) go to the named decode kernel; prefill
-(T > 1) uses the reference until a prefill kernel variant exists. "auto" is the reference on CPU and
-the fastest validated variant on GPU (`DEFAULT_GPU_VARIANT`).
+(T > 1) uses the reference until a prefill kernel variant exists. "auto" is the reference on CPU (and for
+float32 engines) and the fastest validated variant on GPU (`DEFAULT_GPU_VARIANT`).
 """
 
 from __future__ import annotations
@@ -19,19 +19,23 @@ import jax
 
 from pallas_kernels.paged_attention import reference, registry
 
-# The fastest variant validated on the H200 (see BENCHMARKS.md); "reference" until one is.
-DEFAULT_GPU_VARIANT = "reference"
+# The fastest variant validated on the H200 (see BENCHMARKS.md). Its compiled form takes bf16/f16
+# KV only (Hopper wgmma has no f32 P.V), so float32 engines fall back to the reference.
+DEFAULT_GPU_VARIANT = "mosaic"
 
 
-def resolve_backend(name: str, platform: str | None = None) -> str:
-    """Map "auto" to a concrete variant for ``platform`` (default: JAX's default backend).
+def resolve_backend(name: str, platform: str | None = None, dtype: str = "bfloat16") -> str:
+    """Map "auto" to a concrete variant for ``platform`` (default: JAX's default backend) and the
+    engine's compute ``dtype``.
 
     Raises:
         ValueError: ``name`` is neither "auto" nor a registered variant.
     """
     if name == "auto":
         platform = platform or jax.default_backend()
-        return DEFAULT_GPU_VARIANT if platform == "gpu" else "reference"
+        if platform == "gpu" and dtype in ("bfloat16", "float16"):
+            return DEFAULT_GPU_VARIANT
+        return "reference"
     registry.get(name)  # raises ValueError listing the registered names
     return name
 

@@ -75,7 +75,7 @@ def main() -> None:
     cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     wbytes = param_bytes(cfg, 2) - cfg.vocab_size * cfg.hidden_size * 2  # embedding is gathered
-    attn_name = resolve_backend(args.attention)
+    attn_name = resolve_backend(args.attention, dtype="bfloat16")
     step_fn = make_step_fn(cfg, make_attention_fn(attn_name), True)
     kv_tok = cfg.kv_bytes_per_token(2)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

@@ -77,7 +77,8 @@ def resolve_engine_config(cfg: ModelConfig, ec: EngineConfig,
         if num_pages < 2:
             raise ValueError(f"no memory left for the KV pool (budget {budget / 2**30:.2f} GiB); "
                              "raise memory_fraction or set num_pages")
-    return ResolvedEngineConfig(ec, max_len, num_pages, dtype, resolve_backend(ec.attention, platform))
+    return ResolvedEngineConfig(ec, max_len, num_pages, dtype,
+                                resolve_backend(ec.attention, platform, dtype))
 
 
 class LLMEngine:

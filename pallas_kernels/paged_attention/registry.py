@@ -15,6 +15,8 @@ from typing import Callable
 _VARIANTS = {
     "reference": ("pallas_kernels.paged_attention.reference", "paged_decode_attention"),
     "mosaic": ("pallas_kernels.paged_attention.mosaic", "paged_decode_attention"),
+    "triton": ("pallas_kernels.paged_attention.triton_pallas", "paged_decode_attention"),
+    "jax_triton": ("pallas_kernels.paged_attention.jax_triton_kernel", "paged_decode_attention"),
 }
 
 

@@ -1,0 +1,129 @@
+"""Tuned block sizes of the Triton paged decode-attention kernels, as data.
+
+A table maps ``(variant, device_kind, page_size, head_dim, group, dtype)`` to knobs:
+``pages_per_block`` (pages of one sequence processed per loop step), ``num_warps``, ``num_stages``
+(software-pipelining depth) and ``min_programs`` (the grid size the sequence split aims for: when
+``B * K`` programs are fewer, each sequence is split into ``k_splits`` flash-decoding parts).
+
+The built-in table below is merged with ``tuned_h200.json`` beside this file when present (written
+by the tuning script, one record per measured shape: ``{"variant", "device_kind", "page_size",
+"head_dim", "group", "dtype", "knobs": {...}, ...}``); JSON records win. A missing key falls back to
+the variant's entry for the device kind, then to the variant's defaults. Nothing is cached: the
+lookup runs once per trace.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+TUNED_FILE = Path(__file__).with_name("tuned_h200.json")
+KNOBS = ("pages_per_block", "num_warps", "num_stages", "min_programs")
+VARIANTS = ("triton", "jax_triton")
+
+# Defaults for devices without a table entry: 2 pages of 16 tokens = 32 keys per loop step, 4 warps,
+# 4-stage pipelining (3 K/V blocks in flight, ~54 KB shared memory at H=128 bf16), and sequence
+# splits until there are >= 256 programs. Near-best for both variants on the H200 (2026-11-30:
+# 141-147 us at B=64, ctx 2048, page 16, 32/8 heads; the best measured was 137-140 us).
+DEFAULTS = {
+    "triton": {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256},
+    "jax_triton": {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256},
+}
+
+# (variant, device_kind) -> knobs, and (variant, device_kind, page_size, head_dim, group, dtype).
+# In interpret mode the device kind is "interpret": small blocks and no splits keep the CPU fast.
+BUILTIN = {
+    ("triton", "interpret"): {"pages_per_block": 2, "num_warps": 4, "num_stages": 1,
+                              "min_programs": 1},
+    ("jax_triton", "interpret"): {"pages_per_block": 2, "num_warps": 4, "num_stages": 1,
+                                  "min_programs": 1},
+}
+
+
+def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
+    """Records of a tuning JSON file as ``{(variant, device_kind, page_size, head_dim, group,
+    dtype): knobs}``; empty if the file is absent.
+
+    Raises:
+        ValueError: a record lacks a key field or names an unknown knob.
+    """
+    if not path.exists():
+        return {}
+    out = {}
+    for i, rec in enumerate(json.loads(path.read_text())):
+        try:
+            key = (rec["variant"], rec["device_kind"], int(rec["page_size"]), int(rec["head_dim"]),
+                   int(rec["group"]), str(rec["dtype"]))
+            knobs = dict(rec["knobs"])
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{path}: record {i} lacks field {e}") from None
+        unknown = set(knobs) - set(KNOBS)
+        if unknown:
+            raise ValueError(f"{path}: record {i} has unknown knobs {sorted(unknown)}; "
+                             f"allowed: {KNOBS}")
+        out[key] = knobs
+    return out
+
+
+def lookup(variant: str, *, device_kind: str, page_size: int, head_dim: int, group: int,
+           dtype, path: Path = TUNED_FILE) -> dict:
+    """Knobs for one shape: exact table entry, else the device kind's entry, else the defaults.
+
+    Args:
+        variant: "triton" or "jax_triton".
+        device_kind: ``jax.Device.device_kind`` (e.g. "NVIDIA H200") or "interpret".
+        page_size, head_dim, group: shape of the call (group = N // K query heads per KV head).
+        dtype: the pools' dtype.
+    Returns:
+        dict with every name in `KNOBS`.
+    Raises:
+        ValueError: unknown variant.
+    """
+    if variant not in DEFAULTS:
+        raise ValueError(f"unknown variant {variant!r}; tuned variants: {VARIANTS}")
+    key = (variant, device_kind, int(page_size), int(head_dim), int(group), np.dtype(dtype).name)
+    knobs = dict(DEFAULTS[variant])
+    knobs.update(BUILTIN.get((variant, device_kind), {}))
+    knobs.update(BUILTIN.get(key, {}))
+    knobs.update(load_records(path).get(key, {}))
+    return knobs
+
+
+def choose_k_splits(batch: int, num_kv_heads: int, num_blocks: int, min_programs: int) -> int:
+    """Sequence splits so that ``batch * num_kv_heads * k_splits >= min_programs``, at most one
+    split per block of pages (`num_blocks` = cdiv(M, pages_per_block)) and at least 1."""
+    want = -(-min_programs // max(1, batch * num_kv_heads))
+    return int(max(1, min(want, num_blocks)))
+
+
+def current_device_kind(interpret: bool) -> str:
+    """``"interpret"`` in interpret mode, else the default device's kind."""
+    return "interpret" if interpret else jax.devices()[0].device_kind
+
+
+def resolve(variant: str, *, B: int, K: int, G: int, M: int, page_size: int, head_dim: int, dtype,
+            interpret: bool, pages_per_block: int | None = None, num_warps: int | None = None,
+            num_stages: int | None = None, k_splits: int | None = None) -> dict:
+    """Final knobs of one call: explicit arguments win over the table; `k_splits` None is chosen
+    by `choose_k_splits`; `pages_per_block` is capped at the power of 2 covering M pages (but
+    kept >= 16 keys per block, the MMA minimum).
+
+    Returns:
+        {"pages_per_block", "num_warps", "num_stages", "k_splits"}.
+    """
+    t = lookup(variant, device_kind=current_device_kind(interpret), page_size=page_size,
+               head_dim=head_dim, group=G, dtype=dtype)
+    ppb = pages_per_block if pages_per_block is not None else t["pages_per_block"]
+    if pages_per_block is None:
+        cover = 1 << max(0, (M - 1).bit_length())
+        ppb = max(min(ppb, cover), -(-16 // page_size))
+    num_blocks = -(-M // ppb)
+    if k_splits is None:
+        k_splits = choose_k_splits(B, K, num_blocks, t["min_programs"])
+    return {"pages_per_block": int(ppb),
+            "num_warps": int(num_warps if num_warps is not None else t["num_warps"]),
+            "num_stages": int(num_stages if num_stages is not None else t["num_stages"]),
+            "k_splits": int(k_splits)}

@@ -1,0 +1,204 @@
+"""Paged decode attention kernels vs the float32 reference, CPU (Pallas interpret mode).
+
+The `triton` Pallas variant runs with ``interpret=True``; the `jax_triton` variant is a Triton
+kernel and cannot be interpreted on the CPU (its GPU run is tests/kernels/test_paged_decode_gpu.py).
+Interpret mode starts every output buffer as NaN (Pallas' uninitialised value), so an output row or
+a flash-decoding partial that the kernel forgets to write shows up as NaN: every case checks that
+the whole output is finite and matches the reference element by element.
+
+The case table (`CASES`) is shared with the GPU tier. Each case draws fresh random data (never
+zeros) over the whole pool, page 0 included, with a permuted block table and ragged lengths.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import jax_triton_kernel, reference, triton_pallas, tuning
+
+# name: (page_size, H, N, K, M, lens, dtype, L, layer, k_splits, pages_per_block, extra kwargs)
+# lens use ps = page_size and mx = M * page_size; 0 is a padded row.
+CASES = {
+    "p16_h64_g1_f32_edges": (16, 64, 2, 2, 4, ["1", "ps-1", "ps", "ps+1", "mx", "0", "37"],
+                             "float32", 2, 1, 1, 2, {}),
+    "p16_h128_g4_f32_split3": (16, 128, 8, 2, 5, ["mx", "1", "0", "33", "ps+1"], "float32", 2, 0, 3,
+                               1, {}),
+    "p64_h64_g2_bf16_split2": (64, 64, 4, 2, 2, ["1", "ps-1", "ps", "ps+1", "mx", "101"],
+                               "bfloat16", 2, 1, 2, 1, {}),
+    "p32_h128_g8_bf16": (32, 128, 16, 2, 3, ["mx", "ps+1", "0", "45", "ps-1"], "bfloat16", 1, 0, 1,
+                         2, {}),
+    "p16_h64_g2_f32_softcap_window": (16, 64, 4, 2, 4, ["mx", "ps+1", "1", "50"], "float32", 2, 1,
+                                      2, 1, {"soft_cap": 5.0, "sliding_window": 21}),
+    "p16_h64_g4_f32_many_splits": (16, 64, 4, 1, 4, ["mx", "3", "0", "ps+1"], "float32", 1, 0, 8, 1,
+                                   {}),
+}
+
+TOL = {"float32": 1e-5, "bfloat16": 1e-2}
+
+
+def _len(expr: str, page_size: int, M: int) -> int:
+    return int(eval(expr, {}, {"ps": page_size, "mx": M * page_size}))  # noqa: S307 (table above)
+
+
+def make_case(name: str, seed: int = 0):
+    """Random inputs of one `CASES` entry: (args, kwargs, knobs, dtype name)."""
+    page_size, H, N, K, M, lens, dtype, L, layer, k_splits, ppb, extra = CASES[name]
+    rng = np.random.default_rng(seed)
+    B = len(lens)
+    P = B * M + 3                                        # spare pages; page 0 is the null page
+    seq_lens = np.array([_len(e, page_size, M) for e in lens], np.int32)
+    pages = rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32)
+    n_used = -(-seq_lens // page_size)
+    block_tables = np.where(np.arange(M)[None, :] < n_used[:, None], pages, 0).astype(np.int32)
+    dt = jnp.dtype(dtype)
+    q = jnp.asarray(rng.standard_normal((B, N, H)), dt)
+    k_pool = jnp.asarray(rng.standard_normal((L, P, K, page_size, H)), dt)
+    v_pool = jnp.asarray(rng.standard_normal((L, P, K, page_size, H)), dt)
+    args = (q, k_pool, v_pool, jnp.asarray(block_tables), jnp.asarray(seq_lens))
+    kwargs = dict(layer=layer, scale=H ** -0.5, **extra)
+    return args, kwargs, dict(k_splits=k_splits, pages_per_block=ppb), dtype
+
+
+def check_against_reference(out, args, kwargs, dtype):
+    """Finite everywhere, zeros for padded rows, and within the dtype's tolerance of the reference
+    (float32 reference on the same, possibly bf16-rounded, inputs)."""
+    q, k_pool, v_pool, bt, seq_lens = args
+    # "highest": on a GPU, XLA's default float32 matmul is tf32 (~3e-4 error), not a reference.
+    with jax.default_matmul_precision("highest"):
+        ref = reference.paged_decode_attention(
+            q.astype(jnp.float32), k_pool.astype(jnp.float32), v_pool.astype(jnp.float32), bt,
+            seq_lens, **kwargs)
+    out = np.asarray(out.astype(jnp.float32))
+    ref = np.asarray(ref)
+    assert out.shape == ref.shape
+    assert np.all(np.isfinite(out)), "non-finite output (unwritten row or partial?)"
+    assert np.all(out[np.asarray(seq_lens) == 0] == 0), "padded rows must be zeros"
+    tol = TOL[dtype]
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert rel < tol, f"relative error {rel:.2e} >= {tol}"
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_triton_pallas_interpret(name):
+    args, kwargs, knobs, dtype = make_case(name)
+    out = triton_pallas.paged_decode_attention(*args, **kwargs, interpret=True, **knobs)
+    assert out.dtype == args[0].dtype
+    check_against_reference(out, args, kwargs, dtype)
+
+
+def test_traced_layer_in_scan():
+    """The engine calls the kernel inside a lax.scan over layers: the layer index is traced."""
+    args, kwargs, knobs, dtype = make_case("p16_h64_g1_f32_edges", seed=1)
+    q, k_pool, v_pool, bt, seq_lens = args
+    kwargs = {k: v for k, v in kwargs.items() if k != "layer"}
+
+    def step(carry, layer):
+        o = triton_pallas.paged_decode_attention(q, k_pool, v_pool, bt, seq_lens, layer=layer,
+                                                 interpret=True, **kwargs, **knobs)
+        return carry, o
+
+    _, outs = jax.jit(lambda: jax.lax.scan(step, 0, jnp.arange(k_pool.shape[0])))()
+    for layer in range(k_pool.shape[0]):
+        check_against_reference(outs[layer], args, dict(kwargs, layer=layer), dtype)
+
+
+def test_default_knobs_interpret():
+    """Knobs left as None come from the tuning table (interpret entry) and stay correct."""
+    args, kwargs, _, dtype = make_case("p64_h64_g2_bf16_split2", seed=2)
+    out = triton_pallas.paged_decode_attention(*args, **kwargs, interpret=True)
+    check_against_reference(out, args, kwargs, dtype)
+
+
+def test_combine_splits_matches_full_softmax():
+    """`combine_splits` on partials cut at random points equals the one-pass softmax (numpy)."""
+    rng = np.random.default_rng(3)
+    S, R, H, T = 4, 5, 8, 23
+    x = rng.standard_normal((R, T)) * 3                       # logits in log2 units
+    v = rng.standard_normal((T, H))
+    cuts = np.sort(rng.choice(np.arange(1, T), S - 2, replace=False))
+    bounds = [0, *cuts, T, T]                                 # the last split is empty
+    acc, m, l = [], [], []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi == lo:
+            m.append(np.full(R, triton_pallas.NEG_INIT)); l.append(np.zeros(R))
+            acc.append(np.zeros((R, H)))
+            continue
+        ms = x[:, lo:hi].max(1)
+        p = np.exp2(x[:, lo:hi] - ms[:, None])
+        m.append(ms); l.append(p.sum(1)); acc.append(p @ v[lo:hi])
+    out = triton_pallas.combine_splits(*(jnp.asarray(np.stack(a), jnp.float32)
+                                         for a in (acc, m, l)))
+    w = np.exp2(x - x.max(1, keepdims=True))
+    expect = (w / w.sum(1, keepdims=True)) @ v
+    np.testing.assert_allclose(np.asarray(out), expect, rtol=1e-5, atol=1e-6)
+    # all splits empty (seq_len 0): zeros, not NaN
+    empty = triton_pallas.combine_splits(jnp.zeros((2, R, H)), jnp.full((2, R), -1e30),
+                                         jnp.zeros((2, R)))
+    assert np.all(np.asarray(empty) == 0)
+
+
+def test_bad_input_raises():
+    args, kwargs, knobs, _ = make_case("p16_h64_g1_f32_edges")
+    q, k_pool, v_pool, bt, seq_lens = args
+    fn = triton_pallas.paged_decode_attention
+    with pytest.raises(ValueError, match="block_tables dtype"):
+        fn(q, k_pool, v_pool, bt.astype(jnp.float32), seq_lens, **kwargs, interpret=True)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        fn(q[:, :1].repeat(3, axis=1), k_pool, v_pool, bt, seq_lens, **kwargs, interpret=True)
+    with pytest.raises(ValueError, match="pages_per_block"):
+        fn(*args, **kwargs, interpret=True, pages_per_block=3)
+    with pytest.raises(ValueError, match="sliding_window"):
+        fn(*args, **dict(kwargs, sliding_window=0), interpret=True)
+    with pytest.raises(ValueError, match="page_size=24"):
+        fn(q, k_pool[:, :, :, :12].repeat(2, axis=3), v_pool[:, :, :, :12].repeat(2, axis=3), bt,
+           seq_lens, **kwargs, interpret=True)
+
+
+def test_jax_triton_refuses_interpret():
+    """Skip reason for the CPU tier: a Triton kernel cannot run in the CPU interpreter."""
+    args, kwargs, _, _ = make_case("p16_h64_g1_f32_edges")
+    with pytest.raises(ValueError, match="interpret=True is not supported"):
+        jax_triton_kernel.paged_decode_attention(*args, **kwargs, interpret=True)
+
+
+@pytest.mark.skip(reason="jax_triton runs a Triton kernel, which needs a CUDA GPU: it cannot be "
+                         "interpreted on the CPU (see test_paged_decode_gpu.py, marked gpu)")
+def test_jax_triton_interpret():
+    pass
+
+
+def test_tuning_lookup_and_json(tmp_path):
+    base = tuning.lookup("triton", device_kind="NVIDIA H200", page_size=16, head_dim=128, group=4,
+                         dtype=jnp.bfloat16, path=tmp_path / "absent.json")
+    assert set(base) == set(tuning.KNOBS)
+    rec = [{"variant": "triton", "device_kind": "NVIDIA H200", "page_size": 16, "head_dim": 128,
+            "group": 4, "dtype": "bfloat16", "knobs": {"pages_per_block": 4, "num_stages": 3}}]
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(rec))
+    got = tuning.lookup("triton", device_kind="NVIDIA H200", page_size=16, head_dim=128, group=4,
+                        dtype=jnp.bfloat16, path=path)
+    assert got["pages_per_block"] == 4 and got["num_stages"] == 3
+    assert got["num_warps"] == base["num_warps"]
+    other = tuning.lookup("triton", device_kind="NVIDIA H200", page_size=16, head_dim=128,
+                          group=8, dtype=jnp.bfloat16, path=path)
+    assert other == base
+    path.write_text(json.dumps([dict(rec[0], knobs={"block_q": 2})]))
+    with pytest.raises(ValueError, match="unknown knobs"):
+        tuning.lookup("triton", device_kind="NVIDIA H200", page_size=16, head_dim=128, group=4,
+                      dtype=jnp.bfloat16, path=path)
+    with pytest.raises(ValueError, match="unknown variant"):
+        tuning.lookup("nope", device_kind="x", page_size=16, head_dim=128, group=4,
+                      dtype=jnp.bfloat16)
+
+
+def test_choose_k_splits():
+    assert tuning.choose_k_splits(64, 8, 16, 264) == 1      # 512 programs already
+    assert tuning.choose_k_splits(1, 8, 16, 264) == 16       # capped at one split per block
+    assert tuning.choose_k_splits(4, 8, 128, 264) == 9
+    assert tuning.choose_k_splits(0, 8, 0, 264) == 1

@@ -16,7 +16,10 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PROMPTS = [
     "The history of the printing press",
@@ -64,6 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="compute dtype of BOTH engines (same weights, dequantised to it)")
     ap.add_argument("--out", default="benchmarks/cpu.jsonl")
     args = ap.parse_args()
 
@@ -77,8 +82,8 @@ def main() -> None:
     path = default_model_path()
     d, f = os.path.split(path)
     tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
-    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
-    llm = LLM(path, max_num_seqs=max(args.batches), max_model_len=1024)
+    hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, args.dtype)).eval()
+    llm = LLM(path, max_num_seqs=max(args.batches), max_model_len=1024, dtype=args.dtype)
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
@@ -87,11 +92,12 @@ def main() -> None:
         prompts = prompts_for(b)
         jt, jn = bench_jaxinfer(llm, prompts, args.max_tokens)
         ht, hn = bench_hf(hf, tok, prompts, args.max_tokens)
-        rows.append(dict(bench="cpu_generate", batch=b, max_tokens=args.max_tokens,
+        rows.append(dict(bench="cpu_generate", batch=b, max_tokens=args.max_tokens, dtype=args.dtype,
                          jaxinfer_tok_s=jn / jt, hf_tok_s=hn / ht, ratio=(jn / jt) / (hn / ht),
                          torch_threads=torch.get_num_threads(), cpu=platform.processor() or
                          platform.machine(), date=datetime.date.today().isoformat(),
                          commit=commit))
+    print(f"dtype {args.dtype}, {args.max_tokens} new tokens per request, greedy, ignore_eos")
     print(f"{'batch':>5} {'jaxinfer tok/s':>15} {'HF tok/s':>10} {'ratio':>7}")
     for r in rows:
         print(f"{r['batch']:>5} {r['jaxinfer_tok_s']:>15.1f} {r['hf_tok_s']:>10.1f} {r['ratio']:>7.2f}x")

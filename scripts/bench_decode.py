@@ -54,7 +54,9 @@ def step_inputs(B, ctx, page_size, M):
     inp = StepInput(tokens=np.random.default_rng(0).integers(0, 1000, (B, 1)).astype(np.int32),
                     positions=pos, slot_mapping=slots.astype(np.int32),
                     logits_indices=np.zeros(B, np.int32), sampling=sm)
-    return jax.tree_util.tree_map(jnp.asarray, inp), jnp.asarray(tables), jnp.full((B,), ctx, jnp.int32)
+    # tables and lens stay on the host: the step donates the whole KVCache (tables included), so each
+    # step gets fresh copies, as the engine's host loop does.
+    return jax.tree_util.tree_map(jnp.asarray, inp), tables, np.full((B,), ctx, np.int32)
 
 
 def main() -> None:
@@ -96,15 +98,16 @@ def main() -> None:
             kv = KVCache(k=jnp.zeros(shape, jnp.bfloat16) + 0.01, v=jnp.zeros(shape, jnp.bfloat16) + 0.01,
                          block_tables=jnp.zeros((B, M), jnp.int32), seq_lens=jnp.zeros((B,), jnp.int32))
             inp, tables, lens = step_inputs(B, ctx, args.page_size, M)
-            kv = kv.replace(block_tables=tables, seq_lens=lens)
-            toks, kv = step_fn(params, kv, inp)  # compile + warm-up
-            toks.block_until_ready()
-            for _ in range(3):
-                toks, kv = step_fn(params, kv.replace(block_tables=tables, seq_lens=lens), inp)
+
+            def run(kv):
+                return step_fn(params, kv.replace(block_tables=jnp.asarray(tables),
+                                                  seq_lens=jnp.asarray(lens)), inp)
+            for _ in range(4):  # compile + warm-up
+                toks, kv = run(kv)
             toks.block_until_ready()
             t = time.perf_counter()
             for _ in range(args.steps):
-                toks, kv = step_fn(params, kv.replace(block_tables=tables, seq_lens=lens), inp)
+                toks, kv = run(kv)
             toks.block_until_ready()
             dt = (time.perf_counter() - t) / args.steps
             moved = wbytes + B * ctx * kv_tok

@@ -104,8 +104,11 @@ def impls(variants, page_size):
         from jax.experimental.pallas.ops.gpu import paged_attention as intree
 
         def in_tree(q, kt, vt, bt, sl):  # pools in its own layout [K, P, ps, H]: see run_config
-            return intree.paged_attention(q * scale, kt, vt, bt, sl, pages_per_compute_block=8,
-                                          k_splits=8)
+            M = bt.shape[1]  # BASELINE's best knobs (8 pages per block, 8 splits) where they divide M
+            ks = next(k for k in (8, 4, 2, 1) if M % k == 0)
+            ppb = next(p for p in (8, 4, 2, 1) if (M // ks) % p == 0)
+            return intree.paged_attention(q * scale, kt, vt, bt, sl, pages_per_compute_block=ppb,
+                                          k_splits=ks)
         out["jax_in_tree"] = in_tree
     except ImportError as e:
         print(f"in-tree kernel unavailable: {e}")
@@ -114,10 +117,12 @@ def impls(variants, page_size):
         from jax._src.cudnn.fused_attention_stablehlo import paged_attention as cudnn_paged
 
         def cudnn(q, kp, vp, bt, sl):
+            # cuDNN wants exactly B * M blocks: drop the null page 0 (never referenced here) and
+            # shift the table; its BNSH layout for a block is our [K, page_size, H].
             B, M = bt.shape
-            pt = bt[:, None, :, None]
-            o = cudnn_paged(q[:, :, None, :], kp[0], vp[0], jnp.ones((B,), jnp.int32), sl, pt, pt,
-                            scale=scale, qkv_layout="BNSH")
+            pt = (bt - 1)[:, None, :, None]
+            o = cudnn_paged(q[:, :, None, :], kp[0, 1:], vp[0, 1:], jnp.ones((B,), jnp.int32), sl,
+                            pt, pt, scale=scale, qkv_layout="BNSH")
             return o[:, :, 0, :]
         out["cudnn"] = cudnn
     except ImportError as e:

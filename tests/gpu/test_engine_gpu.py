@@ -83,7 +83,37 @@ def bf16_model(checkpoint):
     loaded = load_model(checkpoint[0], jnp.bfloat16, with_tokenizer=False)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 151936, n).tolist() for n in (3, 16, 17, 40)]
-    return loaded, prompts, _engine_greedy(loaded, "reference", prompts, 24)
+    want = _engine_greedy(loaded, "reference", prompts, 24)
+    margins = _teacher_forced_margins(checkpoint[0], prompts, want)
+    return loaded, prompts, want, margins
+
+
+def _teacher_forced_margins(path, prompts, outputs):
+    """(top1 - top2) / |top1| of float32 logits at each generated position, teacher-forced."""
+    import jax
+    import jax.numpy as jnp
+    from checkpoints_tools.loader import load_model
+    from jaxinfer.kv_cache import init_kv_cache
+    from jaxinfer.models import registry as models
+
+    m = load_model(path, jnp.float32, with_tokenizer=False)
+    margins = []
+    with jax.default_matmul_precision("highest"):
+        for p, out in zip(prompts, outputs):
+            ids = np.asarray(p + out[:-1], np.int32)[None]
+            S = ids.shape[1]
+            pages = -(-S // 16)
+            kv = init_kv_cache(m.config, pages + 1, 16, jnp.float32).replace(
+                block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
+                seq_lens=jnp.asarray([S], jnp.int32))
+            pos = np.arange(S, dtype=np.int32)[None]
+            h, _ = models.forward(m.params, m.config, jnp.asarray(ids), jnp.asarray(pos),
+                                  jnp.asarray(pos + 16), kv)
+            logits = np.asarray(models.compute_logits(m.params, m.config, h[0, len(p) - 1:]))
+            top2 = np.sort(logits, axis=-1)[:, -2:]
+            assert (logits.argmax(-1) == np.asarray(out)).mean() > 0.9  # same model, f32
+            margins.append((top2[:, 1] - top2[:, 0]) / np.abs(top2[:, 1]))  # relative top-2 gap
+    return margins
 
 
 def _variants():
@@ -93,11 +123,24 @@ def _variants():
 
 @pytest.mark.parametrize("variant", _variants())
 def test_kernel_variant_matches_reference_tokens_bf16(bf16_model, variant):
-    """Issue 3: greedy generation with each kernel variant equals the reference path (bf16)."""
+    """Issue 3: greedy generation with each kernel variant equals the reference path (bf16).
+
+    bf16 kernels round differently from the float32-internal reference (e.g. P in bf16 for the
+    P.V matmul), so a generation may part ways where the two best logits are within bf16 noise.
+    Rule: tokens are equal up to the end, or up to a position whose teacher-forced float32 top-2
+    margin is below 1% of the top logit; and at least 3/4 of all tokens are compared.
+    """
     from pallas_kernels.paged_attention import registry
-    loaded, prompts, want = bf16_model
+    loaded, prompts, want, margins = bf16_model
     try:
         registry.get(variant)
     except ImportError as e:  # an optional back-end (jax_triton) not installed here
         pytest.skip(f"{variant}: {e}")
-    assert _engine_greedy(loaded, variant, prompts, 24) == want
+    got = _engine_greedy(loaded, variant, prompts, 24)
+    compared = 0
+    for g, w, m in zip(got, want, margins):
+        d = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
+        compared += d
+        if d < len(w):
+            assert m[d] < 0.01, (variant, d, float(m[d]))
+    assert compared >= 0.75 * sum(len(w) for w in want), (variant, compared)

@@ -112,12 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
 
-    stream = None
-    if args.stream:
-        def stream(i, _ids, delta):
-            prefix = f"[{i}] " if len(prompts) > 1 else ""
-            sys.stdout.write(prefix + delta if prefix else delta)
-            sys.stdout.flush()
+    def print_delta(i, _ids, delta):
+        sys.stdout.write(f"[{i}] {delta}\n" if len(prompts) > 1 else delta)
+        sys.stdout.flush()
+
+    stream = print_delta if args.stream else None
 
     t0 = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=len(prompts) > 1 and not args.stream,

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import jax

@@ -6,14 +6,9 @@ Source: Qwen Team 2025, "Qwen3 Technical Report" (QK-Norm replaces Qwen2's QKV b
 
 from __future__ import annotations
 
-from typing import Callable
-
 import jax
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import common
-from pallas_kernels.paged_attention import reference
 
 
 class Qwen3Attention(common.Attention):
@@ -32,26 +27,3 @@ class Qwen3ForCausalLM(common.CausalLM):
 
     attention_cls = Qwen3Attention
 
-
-def _check_arch(cfg: ModelConfig) -> None:
-    if cfg.architecture != "qwen3":
-        raise ValueError(f"cfg.architecture={cfg.architecture!r} passed to the qwen3 model; "
-                         "allowed: 'qwen3' (use jaxinfer.models.registry to dispatch)")
-
-
-def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            slot_mapping: jax.Array, kv: KVCache, *,
-            attn_fn: Callable = reference.paged_attention) -> tuple[jax.Array, KVCache]:
-    """Qwen3 forward over the paged cache; see `jaxinfer.models.registry.forward`."""
-    _check_arch(cfg)
-    return common.forward_with(Qwen3ForCausalLM, params, cfg, tokens, positions, slot_mapping,
-                               kv, attn_fn=attn_fn)
-
-
-def init_params(cfg: ModelConfig, key: jax.Array, dtype) -> dict:
-    """Random Qwen3 params (HF-like init); see `jaxinfer.models.registry.init_params`."""
-    _check_arch(cfg)
-    return common.init_with(Qwen3ForCausalLM, cfg, key, dtype, reference.paged_attention)
-
-
-compute_logits = common.compute_logits

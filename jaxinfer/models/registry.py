@@ -8,7 +8,6 @@ Dispatches on ``cfg.architecture`` ("llama" | "qwen3") to `jaxinfer.models.llama
 from __future__ import annotations
 
 import importlib
-from types import ModuleType
 from typing import Callable
 
 import jax
@@ -18,25 +17,27 @@ from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import common
 from pallas_kernels.paged_attention import reference
 
-_MODULES = (("llama", "jaxinfer.models.llama"), ("qwen3", "jaxinfer.models.qwen3"))
+# architecture -> (module, Flax model class); the modules hold only what differs per family.
+_MODELS = {"llama": ("jaxinfer.models.llama", "LlamaForCausalLM"),
+           "qwen3": ("jaxinfer.models.qwen3", "Qwen3ForCausalLM")}
 
 
 def architectures() -> tuple[str, ...]:
     """Supported ``cfg.architecture`` values."""
-    return tuple(name for name, _ in _MODULES)
+    return tuple(_MODELS)
 
 
-def model_module(cfg: ModelConfig) -> ModuleType:
-    """The module implementing ``cfg.architecture``.
+def model_class(cfg: ModelConfig) -> type:
+    """The Flax model class implementing ``cfg.architecture``.
 
     Raises:
         ValueError: an architecture with no implementation (lists the supported ones).
     """
-    for name, module in _MODULES:
-        if cfg.architecture == name:
-            return importlib.import_module(module)
-    raise ValueError(f"cfg.architecture={cfg.architecture!r} has no model; "
-                     f"supported: {architectures()}")
+    if cfg.architecture not in _MODELS:
+        raise ValueError(f"cfg.architecture={cfg.architecture!r} has no model; "
+                         f"supported: {architectures()}")
+    module, name = _MODELS[cfg.architecture]
+    return getattr(importlib.import_module(module), name)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -66,8 +67,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
     Raises:
         ValueError: unsupported architecture, or a param tree that does not match ``cfg``.
     """
-    return model_module(cfg).forward(params, cfg, tokens, positions, slot_mapping, kv,
-                                     attn_fn=attn_fn)
+    return common.forward_with(model_class(cfg), params, cfg, tokens, positions, slot_mapping, kv,
+                               attn_fn=attn_fn)
 
 
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
@@ -84,4 +85,4 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype) -> dict:
 
     Matrices and the embedding ~ N(0, 0.02) (HF ``initializer_range``), norm weights = 1.
     """
-    return model_module(cfg).init_params(cfg, key, dtype)
+    return common.init_with(model_class(cfg), cfg, key, dtype, reference.paged_attention)

@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    g.add_argument("--memory-trace", default=None, metavar="FILE",
+                   help="write a CSV of weights / KV pool / pages in use / other bytes after each step")
     g.add_argument("--attention", default="auto",
                    help="paged-attention back-end: auto, reference, triton, mosaic, jax_triton")
     return p
@@ -118,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
 
     stream = print_delta if args.stream else None
 
+    if args.memory_trace:
+        llm.engine.trace_memory = True
+        llm.engine.memory_snapshot()
     t0 = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=len(prompts) > 1 and not args.stream,
                         on_error="return", stream=stream)
@@ -148,9 +153,16 @@ def main(argv: list[str] | None = None) -> int:
             print(o.text)
     ttft = sum(ttfts) / len(ttfts) if ttfts else 0.0
     summary = (f"prompt tokens: {n_prompt}, generated tokens: {n_gen}, mean TTFT: {ttft * 1e3:.1f} ms, "
-               f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s, compiles: "
-               f"{llm.engine.num_compiles}")
+               f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
+               f"compilation included), compiles: {llm.engine.num_compiles}")
     print(summary, file=sys.stderr if args.json else sys.stdout)
+    if args.memory_trace:
+        try:
+            llm.engine.memory.write_csv(args.memory_trace)
+        except OSError as e:
+            return _fail(f"--memory-trace {args.memory_trace!r}: {e.strerror}")
+        print(f"memory: {llm.engine.memory.report()} (trace: {args.memory_trace})",
+              file=sys.stderr if args.json else sys.stdout)
     return 2 if bad else 0
 
 

@@ -22,6 +22,7 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.kv_cache import KVCache, init_kv_cache
+from jaxinfer.memory import MemoryTracker, device_memory_stats
 from jaxinfer.models.params import param_bytes
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling import SamplingMetadata
@@ -120,6 +121,11 @@ class LLMEngine:
         self.num_steps = 0
         self.max_kv_len_seen = 0  # the largest KV length any step wrote (<= max_model_len)
         self.weight_bytes = param_bytes(config, jnp.dtype(r.dtype).itemsize)
+        page_bytes = config.kv_bytes_per_token(jnp.dtype(r.dtype).itemsize) * ec.page_size
+        # Memory breakdown over time (weights / KV pool / pages in use / other); snapshots are
+        # taken after each step only while `trace_memory` is set (CLI: --memory-trace FILE).
+        self.memory = MemoryTracker(self.weight_bytes, page_bytes, r.num_pages)
+        self.trace_memory = False
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -179,7 +185,16 @@ class LLMEngine:
         sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(len(batch.seqs))]
         finished = self.scheduler.postprocess(batch, sampled)
         finished += self._check_stop_strings(batch.seqs, sampled)
+        if self.trace_memory:
+            self.memory_snapshot()
         return finished
+
+    def memory_snapshot(self):
+        """Record weights / KV pool / pages in use / other device bytes now (see `MemoryTracker`)."""
+        bm = self.block_manager
+        stats = device_memory_stats()
+        return self.memory.snapshot(bm.num_usable_pages - bm.num_free_pages,
+                                    device_bytes_in_use=stats[0] if stats else None)
 
     def _check_stop_strings(self, seqs, sampled) -> list[Sequence]:
         done = []

@@ -1,5 +1,6 @@
 """Acceptance 7 and 8 for the CLI: the default model answers; bad input is one line, exit 2."""
 
+import csv
 import json
 import os
 import subprocess
@@ -30,12 +31,19 @@ def test_default_model_chat_json_and_bad_prompt_in_batch(tmp_path):
     assert "Traceback" not in r.stderr
 
 
-def test_default_model_chat_stream_answers_paris():
+def test_default_model_chat_stream_answers_paris(tmp_path):
+    trace = tmp_path / "mem.csv"
     r = run_cli("--chat", "--prompt", "What is the capital of France?", "--max-tokens", "16",
-                "--stream", "--max-model-len", "256")
+                "--stream", "--max-model-len", "256", "--memory-trace", str(trace))
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "generated tokens:" in r.stdout and "TTFT" in r.stdout
+    # the memory trace: a header, one row before generation and one per step; pages were used
+    rows = list(csv.DictReader(trace.open()))
+    assert len(rows) >= 3
+    assert int(rows[0]["pages_in_use"]) == 0
+    assert max(int(r["pages_in_use"]) for r in rows) >= 2  # chat prompt + answer span > 1 page
+    assert int(rows[1]["weights_bytes"]) > 100e6 and int(rows[1]["kv_pool_bytes"]) > 0
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -1,0 +1,175 @@
+"""Offline throughput in the style of nano-vllm's bench.py: N requests with random token-id prompts,
+input lengths uniform in [--min-input, --max-input], output lengths uniform in
+[--min-output, --max-output], ignore_eos, fixed seed, all submitted at once.
+
+Reports total output tok/s, mean TTFT and TPOT, P50/P99 request latency. ``--compare hf`` runs the
+same workload through HF transformers ``generate`` on the same weights in the same run (batches of
+``--hf-batch`` requests, left-padded, each batch generating its longest requested output; only the
+requested tokens count). Appends JSON objects (bench="throughput") to ``--out``.
+
+Model: ``--model DIR`` (HF safetensors dir, GGUF file or Orbax dir); default: a random-weight model
+with the published Qwen3-8B architecture (``--layers`` of them), written once as an HF checkpoint
+to ``--random-dir`` so both engines load identical weights.
+
+    python scripts/bench_throughput.py [--num-requests 256] [--compare hf] [--model DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+QWEN3_8B_HF = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+                   max_position_embeddings=40960, tie_word_embeddings=False, rms_norm_eps=1e-6)
+
+
+def random_qwen3_checkpoint(path: str, layers: int) -> str:
+    """Write (once) a random-weight Qwen3-8B-architecture HF checkpoint in bf16 to ``path``."""
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen3Config(num_hidden_layers=layers, **QWEN3_8B_HF)
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(path)
+    return path
+
+
+def workload(args, vocab: int):
+    rng = np.random.default_rng(args.seed)
+    n = args.num_requests
+    in_lens = rng.integers(args.min_input, args.max_input + 1, n)
+    out_lens = rng.integers(args.min_output, args.max_output + 1, n)
+    prompts = [rng.integers(0, min(vocab, 10000), int(k)).tolist() for k in in_lens]
+    return prompts, [int(x) for x in out_lens]
+
+
+def summarize(name, t_total, n_out, ttft, tpot, latency) -> dict:
+    return dict(engine=name, seconds=t_total, output_tokens=n_out, output_tok_s=n_out / t_total,
+                mean_ttft_s=float(np.mean(ttft)) if ttft else None,
+                mean_tpot_s=float(np.mean(tpot)) if tpot else None,
+                p50_latency_s=float(np.percentile(latency, 50)) if latency else None,
+                p99_latency_s=float(np.percentile(latency, 99)) if latency else None)
+
+
+def run_jaxinfer(path, prompts, out_lens, args) -> dict:
+    from jaxinfer import LLM, SamplingParams
+    llm = LLM(path, skip_tokenizer_init=True, max_model_len=args.max_input + args.max_output,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              attention=args.attention, dtype=args.dtype)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    warm = min(len(reqs), args.max_num_seqs)
+    llm.generate(reqs[:warm], params[:warm])  # compiles the common buckets
+    t = time.perf_counter()
+    outs = llm.generate(reqs, params, use_tqdm=True)
+    dt = time.perf_counter() - t
+    ttft, tpot, lat = [], [], []
+    for o in outs:
+        m, k = o.metrics, len(o.token_ids)
+        ttft.append(m.ttft_s)
+        lat.append(m.finish_time - m.arrival_time)
+        if k > 1:
+            tpot.append((m.finish_time - m.first_token_time) / (k - 1))
+    assert [len(o.token_ids) for o in outs] == out_lens
+    row = summarize("jaxinfer", dt, sum(out_lens), ttft, tpot, lat)
+    row.update(compiles=llm.engine.num_compiles, attention=llm.engine.resolved.attention,
+               num_pages=llm.engine.resolved.num_pages)
+    return row
+
+
+def run_hf(path, prompts, out_lens, args) -> dict:
+    import torch
+    from checkpoints_tools.loader import detect_format
+    from transformers import AutoModelForCausalLM
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, args.dtype or ("bfloat16" if dev == "cuda" else "float32"))
+    if detect_format(path) == "gguf":
+        d, f = os.path.split(path)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(dev).eval()
+    pad = 0
+    t = time.perf_counter()
+    lat = []
+    with torch.inference_mode():
+        for i in range(0, len(prompts), args.hf_batch):
+            ps, ns = prompts[i:i + args.hf_batch], out_lens[i:i + args.hf_batch]
+            L = max(len(p) for p in ps)
+            ids = torch.tensor([[pad] * (L - len(p)) + p for p in ps], device=dev)
+            mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps], device=dev)
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ns),
+                           min_new_tokens=max(ns), do_sample=False, pad_token_id=pad)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+            lat += [time.perf_counter() - t] * len(ps)
+    dt = time.perf_counter() - t
+    return summarize("hf_transformers", dt, sum(out_lens), [], [], lat)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--random-dir", default="/tmp/jaxinfer_random_qwen3_8b")
+    ap.add_argument("--num-requests", type=int, default=256)
+    ap.add_argument("--min-input", type=int, default=100)
+    ap.add_argument("--max-input", type=int, default=1024)
+    ap.add_argument("--min-output", type=int, default=100)
+    ap.add_argument("--max-output", type=int, default=1024)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--compare", choices=["hf"], default=None)
+    ap.add_argument("--hf-batch", type=int, default=32)
+    ap.add_argument("--out", default="benchmarks/h200.jsonl")
+    args = ap.parse_args()
+
+    import jax
+    path = args.model or random_qwen3_checkpoint(args.random_dir, args.layers)
+    from checkpoints_tools.loader import load_params  # noqa: F401 (import check before timing)
+    from jaxinfer.config import ModelConfig
+    vocab = (ModelConfig.from_hf_dir(path).vocab_size
+             if os.path.isfile(os.path.join(path, "config.json")) else 49152)
+    prompts, out_lens = workload(args, vocab)
+    rows = [run_jaxinfer(path, prompts, out_lens, args)]
+    if args.compare == "hf":
+        rows.append(run_hf(path, prompts, out_lens, args))
+        rows[0]["speedup_vs_hf"] = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "")
+    meta = dict(bench="throughput", model=args.model or f"random qwen3-8b arch, {args.layers} layers",
+                num_requests=args.num_requests, input_range=[args.min_input, args.max_input],
+                output_range=[args.min_output, args.max_output], seed=args.seed,
+                jax=jax.__version__, device=jax.devices()[0].device_kind,
+                date=datetime.date.today().isoformat(), commit=commit)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "a") as fh:
+        for r in rows:
+            fh.write(json.dumps(dict(meta, **r)) + "\n")
+    print(f"\n{'engine':<16} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'P50 s':>7} {'P99 s':>7}")
+    for r in rows:
+        f = lambda x, s=1e3: f"{x * s:.1f}" if x is not None else "-"  # noqa: E731
+        print(f"{r['engine']:<16} {r['output_tok_s']:>10.1f} {f(r['mean_ttft_s']):>8} "
+              f"{f(r['mean_tpot_s']):>8} {f(r['p50_latency_s'], 1):>7} {f(r['p99_latency_s'], 1):>7}")
+    if args.compare == "hf":
+        print(f"speedup vs HF: {rows[0]['speedup_vs_hf']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

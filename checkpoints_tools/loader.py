@@ -133,6 +133,11 @@ def load_tokenizer(path: str | os.PathLike):
         args, kw = (p,), {}
     try:
         tok = AutoTokenizer.from_pretrained(*args, local_files_only=True, **kw)
+    except ImportError as e:  # transformers' GGUF reader imports torch
+        raise ValueError(f"cannot load the tokenizer of {fmt} model {p!r}: {e}; transformers needs "
+                         "PyTorch for GGUF tokenizers: pip install 'jaxinfer[gguf]' (or convert the "
+                         "model once with python -m checkpoints_tools.convert on a machine that has it)"
+                         ) from e
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot load a tokenizer for {fmt} model {p!r} from {args[0]!r}: "
                          f"{type(e).__name__}: {e}") from e

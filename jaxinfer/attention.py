@@ -37,6 +37,11 @@ def resolve_backend(name: str, platform: str | None = None, dtype: str = "bfloat
             return DEFAULT_GPU_VARIANT
         return "reference"
     registry.get(name)  # raises ValueError listing the registered names
+    platform = platform or jax.default_backend()
+    if name != "reference" and platform != "gpu":
+        raise ValueError(f"attention={name!r} is a GPU kernel and this host's JAX backend is "
+                         f"{platform!r}; use 'auto' or 'reference' here (the kernels' CPU tests run "
+                         "them in interpret mode)")
     return name
 
 

@@ -118,6 +118,20 @@ class ModelConfig:
         """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout).
 
         Raises:
+            ValueError: unsupported ``model_type``/architecture, RoPE type, attention/MLP bias, or
+                a required key missing.
+        """
+        try:
+            return cls._from_hf_config(cfg)
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the required key {e.args[0]!r} "
+                             f"(model_type={cfg.get('model_type')!r})") from None
+
+    @classmethod
+    def _from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout).
+
+        Raises:
             ValueError: unsupported ``model_type``/architecture, RoPE type, or attention/MLP bias.
         """
         model_type = cfg.get("model_type")
@@ -183,7 +197,13 @@ class ModelConfig:
         if not os.path.isfile(p):
             raise FileNotFoundError(f"no config.json in model directory {os.fspath(path)!r}")
         with open(p) as f:
-            return cls.from_hf_config(json.load(f))
+            try:
+                cfg = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{p}: expected a JSON object")
+        return cls.from_hf_config(cfg)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

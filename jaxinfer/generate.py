@@ -21,12 +21,14 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m jaxinfer.generate",
-                description="Generate text with jaxinfer (continuous batching, paged KV cache).")
+                description="Generate text with jaxinfer (continuous batching, paged KV cache).",
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default=None,
                    help="HF model dir, GGUF file or Orbax dir (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None,
-                   help="JSONL ({\"prompt\": ...} per line, or a JSON string) or plain text, one prompt per line")
+                   help="one prompt per line; a file ending in .jsonl holds JSON per line "
+                        "({\"prompt\": ...} or a JSON string), any other file plain text")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -34,18 +36,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="per-request seed; unseeded requests draw from the engine's seed 0, so a "
+                        "run is reproducible either way")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
     g = p.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="default: the model's max_position_embeddings")
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--num-pages", type=int, default=None)
     g.add_argument("--max-num-seqs", type=int, default=64)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="default: bfloat16 on GPU, float32 on CPU (bfloat16 is slow on CPU)")
     g.add_argument("--memory-trace", default=None, metavar="FILE",
                    help="write a CSV of weights / KV pool / pages in use / other bytes after each step")
     g.add_argument("--attention", default="auto",
@@ -54,26 +60,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompts_file(path: str) -> list[str]:
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise FileNotFoundError(f"--prompts-file {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise ValueError(f"--prompts-file {path!r} is not a file")
     prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if path.endswith(".jsonl"):
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-                if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-                    obj = obj["prompt"]
-                if not isinstance(obj, str):
-                    raise ValueError(f"{path}:{n}: expected a JSON string or {{\"prompt\": str}}")
-                prompts.append(obj)
-            else:
-                prompts.append(line)
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts-file {path!r} is not UTF-8 text (byte {e.start}: "
+                         f"{e.reason})") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        if path.endswith(".jsonl"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})"
+                                 ) from None
+            if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+                obj = obj["prompt"]
+            if not isinstance(obj, str):
+                raise ValueError(f"{path}:{n}: expected a JSON string or {{\"prompt\": str}}")
+            prompts.append(obj)
+        else:
+            prompts.append(line)
     return prompts
 
 
@@ -83,7 +96,21 @@ def _fail(msg: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        sys.stderr.write("interrupted\n")
+        return 130
+    except BrokenPipeError:  # e.g. `... --stream | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.json and args.stream:
+        return _fail("--json and --stream cannot be combined: --json writes one JSON object per "
+                     "request on stdout")
     # Library chatter (transformers' config warnings) would break the one-line error contract.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from jaxinfer.sampling_params import SamplingParams

@@ -76,12 +76,21 @@ class LLM:
         """
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use plain prompts")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as e:  # jinja errors: a message without "role"/"content", etc.
+            raise ValueError(f"the chat template rejected the messages: {type(e).__name__}: {e}; "
+                             'each message needs {"role": ..., "content": ...}') from None
         return self.encode(text, add_special_tokens=False)
 
     def _to_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:  # lone surrogates, e.g. undecodable bytes in argv
+                raise ValueError(f"prompt is not valid Unicode text: {e.reason} at character "
+                                 f"{e.start}") from None
             return prompt, self.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -123,7 +132,10 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(plist)
         else:
-            params = list(sampling_params)
+            params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
+            if params is None or not all(isinstance(p, SamplingParams) for p in params):
+                raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
+                                 f"{type(sampling_params).__name__}")
             if len(params) != len(plist):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts; "
                                  "give one, or one per prompt")
@@ -162,17 +174,24 @@ class LLM:
             bar = tqdm(total=len(rid_of), desc="generating", unit="req")
         outputs: dict[int, RequestOutput] = {}
         streamed = {i: (0, "") for i in rid_of}
-        while self.engine.has_unfinished():
-            finished = self.engine.step()
-            if stream is not None:
-                self._stream_updates(stream, rid_of, streamed)
-            for s in finished:
-                i = index_of[s.request_id]
-                outputs[i] = self.engine.pop_output(s.request_id, encoded[i][0])
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while self.engine.has_unfinished():
+                finished = self.engine.step()
+                if stream is not None:
+                    self._stream_updates(stream, rid_of, streamed)
+                for s in finished:
+                    i = index_of[s.request_id]
+                    outputs[i] = self.engine.pop_output(s.request_id, encoded[i][0])
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            # An interrupt, a failing stream callback or a device error: drop this call's requests
+            # so the LLM stays usable for the next call.
+            self.engine.abort_all()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         for i, msg in errors.items():
             outputs[i] = RequestOutput(
                 request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=tuple(encoded[i][1]),
@@ -189,7 +208,12 @@ class LLM:
             if len(s.output_token_ids) == n_done:
                 continue
             text = self._detokenize(s.output_token_ids) if self.tokenizer is not None else ""
-            if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            if s.stop_string is not None:  # finished on a stop string: never show it
+                text = text[:text.find(s.stop_string)]
+            elif s.params.stop and not s.is_finished:
+                # hold back what could be the start of a stop string (vLLM does the same)
+                text = text[:max(len(text_done), len(text) - max(map(len, s.params.stop)) + 1)]
+            if text.endswith("\ufffd") and not s.is_finished:  # incomplete UTF-8: wait
                 continue
             stream(i, s.output_token_ids[n_done:], text[len(text_done):])
             streamed[i] = (len(s.output_token_ids), text)

@@ -257,8 +257,9 @@ def _parser() -> argparse.ArgumentParser:
 def _gib_to_bytes(flag: str, value: float | None, allow_zero: bool) -> int | None:
     if value is None:
         return None
-    if not (value > 0 or (allow_zero and value == 0)):
-        raise ValueError(f"{flag}={value!r} is invalid: must be {'>= 0' if allow_zero else '> 0'}")
+    if not (value > 0 or (allow_zero and value == 0)) or value == float("inf"):
+        raise ValueError(f"{flag}={value!r} is invalid: must be finite and "
+                         f"{'>= 0' if allow_zero else '> 0'}")
     return int(round(value * GIB))
 
 

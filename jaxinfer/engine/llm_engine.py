@@ -102,7 +102,11 @@ class LLMEngine:
         self.max_model_len = r.max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
-        self.kv: KVCache = init_kv_cache(config, r.num_pages, ec.page_size, jnp.dtype(r.dtype))
+        try:
+            self.kv: KVCache = init_kv_cache(config, r.num_pages, ec.page_size, jnp.dtype(r.dtype))
+        except jax.errors.JaxRuntimeError as e:
+            raise ValueError(f"EngineConfig.num_pages={r.num_pages} is too large: the KV pool "
+                             f"does not fit in device memory ({str(e).splitlines()[0][:120]})") from None
         self.block_manager = BlockManager(r.num_pages, ec.page_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=ec.max_num_seqs,
                                    max_num_batched_tokens=ec.max_num_batched_tokens,
@@ -145,6 +149,10 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range: ids must be in [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids contains {bad[0]}, out of range: ids "
+                             f"must be in [0, {vocab})")
         seq = Sequence(request_id=rid, prompt_token_ids=[int(t) for t in prompt_token_ids],
                        params=params, seed=seed)
         self.scheduler.add(seq)  # raises ValueError before queueing
@@ -153,6 +161,17 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def abort_all(self) -> None:
+        """Error recovery: abort every unfinished request, free their pages and, if a donated
+        step was interrupted before it returned the cache, allocate the pools again."""
+        for s in self.scheduler.abort_all():
+            self._seqs.pop(s.request_id, None)
+        self._seqs.clear()
+        if self.kv.k.is_deleted() or self.kv.v.is_deleted():
+            r = self.resolved
+            self.kv = init_kv_cache(self.model_config, r.num_pages, self.page_size,
+                                    jnp.dtype(r.dtype))
 
     # --------------------------------------------------------------------- step
     def _device_inputs(self, hb: HostBatch) -> tuple[KVCache, StepInput]:

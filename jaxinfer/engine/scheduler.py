@@ -384,6 +384,13 @@ class Scheduler:
         self._finish(seq, "abort", time.perf_counter())
         return seq
 
+    def abort_all(self) -> list[Sequence]:
+        """Abort every unfinished request and forget a batch that was never postprocessed (error
+        recovery: an exception or interrupt between `schedule` and `postprocess`). All pages are
+        returned to the free list."""
+        self._in_flight = None
+        return [s for rid in list(self._requests) if (s := self.abort(rid)) is not None]
+
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         if seq is self.prefilling:
             self.prefilling = None

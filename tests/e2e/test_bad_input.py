@@ -73,3 +73,62 @@ def test_pool_admission(smollm_path):
 def test_out_of_vocab_token_rejected(llm):
     with pytest.raises(ValueError, match="out of range"):
         llm.generate({"prompt_token_ids": [1, 2, 10**9]}, SamplingParams(max_tokens=2))
+
+
+def test_invalid_unicode_prompt_is_a_per_request_error(llm):
+    """A lone surrogate (what undecodable argv bytes become) is rejected; the neighbour completes."""
+    sp = SamplingParams(max_tokens=4, temperature=0.0)
+    outs = llm.generate(["bad \ud800 text", "The sky is"], sp, on_error="return")
+    assert outs[0].error and "Unicode" in outs[0].error
+    assert outs[1].error is None and len(outs[1].token_ids) == 4
+    with pytest.raises(ValueError, match="Unicode"):
+        llm.generate("bad \ud800 text", sp)
+
+
+def test_sampling_params_type_checked(llm):
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.generate(["a"], {"temperature": 0})
+
+
+def test_stop_token_id_out_of_vocab(llm):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate("Hi", SamplingParams(max_tokens=2, stop_token_ids=[10**9]))
+
+
+def test_engine_survives_a_failing_stream_callback(llm):
+    """An exception mid-generation (here from the stream callback) aborts that call's requests;
+    the next call works and all pages are free."""
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    want = [list(o.token_ids) for o in llm.generate(["One", "Two"], sp)]
+
+    def boom(*_):
+        raise RuntimeError("callback failed")
+
+    with pytest.raises(RuntimeError, match="callback failed"):
+        llm.generate(["One", "Two"], sp, stream=boom)
+    bm = llm.engine.block_manager
+    assert not llm.engine.has_unfinished() and bm.num_free_pages == bm.num_usable_pages
+    assert [list(o.token_ids) for o in llm.generate(["One", "Two"], sp)] == want
+
+
+def test_stream_deltas_equal_final_text_with_stop_string(llm, prompt_ids):
+    """Streamed text never shows a stop string: the deltas add up to the final text."""
+    ids = prompt_ids[3]  # "What is the capital of France?" -> "... Paris."
+    got = {}
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=32, stop=["Paris"], temperature=0.0),
+                       stream=lambda i, _t, d: got.__setitem__(i, got.get(i, "") + d))[0]
+    assert out.outputs[0].stop_reason == "Paris"
+    assert got[0] == out.text and "Paris" not in got[0]
+
+
+def test_kernel_attention_on_cpu_is_a_clear_error(smollm_path):
+    with pytest.raises(ValueError, match="GPU kernel"):
+        LLM(smollm_path, attention="mosaic", max_model_len=64, num_pages=8)
+
+
+def test_config_missing_key(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        LLM(str(tmp_path))

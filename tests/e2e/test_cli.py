@@ -77,3 +77,21 @@ def test_prompt_longer_than_max_model_len():
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "128" in lines[0], r.stderr
+
+
+def test_undecodable_prompt_bytes_and_bad_prompts_file(tmp_path):
+    """Undecodable argv bytes: one error line for that prompt, the other prompt still answers.
+    A prompts file that is not UTF-8 is a one-line error naming the file."""
+    r = subprocess.run([sys.executable, "-m", "jaxinfer.generate", "--prompt", b"bad \xff\xfe",
+                        "--prompt", "The capital of France is", "--max-tokens", "4",
+                        "--max-model-len", "128"], capture_output=True, env=ENV, timeout=600)
+    err = r.stderr.decode(errors="replace")
+    assert r.returncode == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error:")][0].startswith(
+        "error: prompt 0: prompt is not valid Unicode")
+    assert b"--- [1]" in r.stdout
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"ok\n\xff bad\n")
+    r = run_cli("--prompts-file", str(f), timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "not UTF-8" in r.stderr and "p.txt" in r.stderr

@@ -1,0 +1,116 @@
+"""Probe: does the layer loop read each weight once per decode step?
+
+Times the weight-streaming core of a decode step at batch B (default 1) for Qwen3-8B shapes (q, k, v,
+o, gate, up, down matmuls per layer; no attention) in three forms, and reports the effective weight
+read bandwidth against the copy ceiling measured in the same run:
+
+  scan      lax.scan over weights stacked on a leading L axis (what jaxinfer.models does today)
+  unrolled  a Python loop over a list of per-layer weight dicts (no slicing inside the step)
+  scan+dsf  the scan form with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true (separate
+            process, since XLA flags are read at start-up)
+
+If ``scan`` is ~3x slower than ``unrolled``, the scan copies each layer's weight slice before its
+GEMM (read + write + read): issue 4's leading hypothesis for the 13 ms batch-1 step.
+
+    python scripts/probe_layer_scan.py [--layers 36] [--batch 1] [--dims 4096 12288 32 8 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+
+def run(form: str, layers: int, batch: int, dims: list[int], iters: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    D, F, N, K, H = dims
+    shapes = {"wq": (D, N * H), "wk": (D, K * H), "wv": (D, K * H), "wo": (N * H, D),
+              "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+    key = jax.random.key(0)
+    stacked = {n: (jax.random.normal(jax.random.fold_in(key, i), (layers, *s), jnp.bfloat16) * 0.02)
+               for i, (n, s) in enumerate(shapes.items())}
+    nbytes = sum(v.size * 2 for v in stacked.values())
+
+    def layer(x, w):
+        q = x @ w["wq"]
+        k = x @ w["wk"]
+        v = x @ w["wv"]
+        a = q[:, :N * H] + jnp.tile(k + v, (1, N // K))  # stand-in for attention: uses q, k, v
+        x = x + a @ w["wo"]
+        return x + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+
+    x = jax.random.normal(key, (batch, D), jnp.bfloat16)
+    if form == "unrolled":
+        weights = [{n: v[i] for n, v in stacked.items()} for i in range(layers)]
+        del stacked
+
+        def f(x, ws):
+            for w in ws:
+                x = layer(x, w)
+            return x
+    else:
+        weights = stacked
+
+        def f(x, ws):
+            return jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0]
+    g = jax.jit(f)
+    g(x, weights).block_until_ready()
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(iters):
+            y = g(x, weights)
+        y.block_until_ready()
+        ts.append((time.perf_counter() - t) / iters)
+    dt = sorted(ts)[len(ts) // 2]
+    return dict(form=form, ms=dt * 1e3, weight_gb=nbytes / 1e9, tbps=nbytes / dt / 1e12)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--dims", type=int, nargs=5, default=[4096, 12288, 32, 8, 128],
+                    metavar=("D", "F", "N", "K", "H"))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--form", choices=["scan", "unrolled"], default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.form:  # child process: one form, JSON on the last line
+        print(json.dumps(run(args.form, args.layers, args.batch, args.dims, args.iters)))
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    base = [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--batch",
+            str(args.batch), "--iters", str(args.iters), "--dims", *map(str, args.dims)]
+    rows = []
+    for form, extra in (("scan", ""), ("unrolled", ""),
+                        ("scan", "--xla_gpu_enable_dynamic_slice_fusion=true")):
+        env = dict(os.environ)
+        if extra:
+            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + extra).strip()
+        r = subprocess.run(base + ["--form", form], capture_output=True, text=True, env=env)
+        if r.returncode != 0:
+            rows.append(dict(form=form + ("+dsf" if extra else ""), error=r.stderr.strip()[-300:]))
+            continue
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        row["form"] = form + ("+dsf" if extra else "")
+        rows.append(row)
+    from bench_paged_attention import copy_ceiling_tbps
+    ceiling = max(copy_ceiling_tbps().values())
+    print(f"\nweights {rows[0].get('weight_gb', 0):.2f} GB, batch {args.batch}, copy ceiling "
+          f"{ceiling:.2f} TB/s")
+    print(f"{'form':<12} {'ms':>8} {'TB/s':>6} {'frac':>5}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['form']:<12} error: {r['error']}")
+        else:
+            print(f"{r['form']:<12} {r['ms']:>8.2f} {r['tbps']:>6.2f} {r['tbps'] / ceiling:>5.2f}")
+
+
+if __name__ == "__main__":
+    main()

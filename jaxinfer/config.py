@@ -276,3 +276,9 @@ class EngineConfig:
             if any((not isinstance(x, int)) or x < 1 for x in b) or list(b) != sorted(set(b)):
                 _fail("EngineConfig", name, b, "must be strictly increasing positive integers")
             object.__setattr__(self, name, b)
+        if self.batch_buckets and self.batch_buckets[-1] < self.max_num_seqs:
+            _fail("EngineConfig", "batch_buckets", self.batch_buckets,
+                  f"the largest must be >= max_num_seqs={self.max_num_seqs}")
+        if self.token_buckets and self.token_buckets[-1] < self.max_num_batched_tokens:
+            _fail("EngineConfig", "token_buckets", self.token_buckets,
+                  f"the largest must be >= max_num_batched_tokens={self.max_num_batched_tokens}")

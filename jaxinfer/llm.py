@@ -163,7 +163,7 @@ class LLM:
             except ValueError as e:  # e.g. token ids out of range
                 if on_error == "raise":
                     for rid in rid_of.values():
-                        self.engine.scheduler.abort(rid)
+                        self.engine.abort_request(rid)
                     raise ValueError(f"request {i}: {e}") from None
                 errors[i] = str(e)
         index_of = {rid: i for i, rid in rid_of.items()}

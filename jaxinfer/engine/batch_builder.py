@@ -111,7 +111,7 @@ def build_host_batch(seqs, num_new_tokens, *, page_size: int, buckets: BucketSpe
         top_p[i] = p.top_p
         min_p[i] = p.min_p
         rep[i] = p.repetition_penalty
-        seeds[i] = np.uint32(s.seed & 0xFFFFFFFF)
+        seeds[i] = np.uint32((s.seed ^ (s.seed >> 32)) & 0xFFFFFFFF)  # fold int64 seeds
         step_idx[i] = len(s.output_token_ids)
         sample_rows[i] = c + n == s.num_tokens
         if use_penalty:

@@ -162,6 +162,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def abort_request(self, rid: str) -> None:
+        """Abort one request (no output is kept for it)."""
+        self.scheduler.abort(rid)
+        self._seqs.pop(rid, None)
+
     def abort_all(self) -> None:
         """Error recovery: abort every unfinished request, free their pages and, if a donated
         step was interrupted before it returned the cache, allocate the pools again."""
@@ -216,18 +221,31 @@ class LLMEngine:
                                     device_bytes_in_use=stats[0] if stats else None)
 
     def _check_stop_strings(self, seqs, sampled) -> list[Sequence]:
+        """Match stop strings on the decoded text of every sequence that sampled a token this
+        step, including one that just finished on length (a stop string completed by the last
+        allowed token still ends it with "stop", vLLM's rule). Returns the newly finished ones."""
         done = []
         for s, tok in zip(seqs, sampled):
-            if tok is None or s.is_finished or not s.params.stop or self.detokenize is None:
+            if tok is None or not s.params.stop or self.detokenize is None:
                 continue
-            tail = self.detokenize(s.output_token_ids[-16:])  # stop strings end in the last tokens
-            if any(stop in tail for stop in s.params.stop):
-                text = self.detokenize(s.output_token_ids)
-                hit = [stop for stop in s.params.stop if stop in text]
-                if hit:
-                    s.stop_string = min(hit, key=text.find)
-                    self.scheduler.finish(s, "stop")
-                    done.append(s)
+            if s.is_finished and s.finish_reason != "length":
+                continue
+            # a new match ends within the last tokens: each token decodes to >= 1 character
+            # (a few more cover tokens that decode to nothing or to part of a character)
+            window = max(map(len, s.params.stop)) + 8
+            tail = self.detokenize(s.output_token_ids[-window:])
+            if not any(stop in tail for stop in s.params.stop):
+                continue
+            text = self.detokenize(s.output_token_ids)
+            hit = [stop for stop in s.params.stop if stop in text]
+            if not hit:
+                continue
+            s.stop_string = min(hit, key=text.find)
+            if s.is_finished:  # already off the running list and its pages freed
+                s.finish_reason = "stop"
+            else:
+                self.scheduler.finish(s, "stop")
+                done.append(s)
         return done
 
     # ------------------------------------------------------------------- output

@@ -104,3 +104,31 @@ def test_compiles_are_bounded(llm):
         assert tok_shape[0] in b.batch and m in b.pages
         assert tok_shape[1] == 1 or tok_shape[1] in b.prefill_tokens
     assert llm.engine.num_compiles == len(llm.engine.compiled_shapes) > 0
+
+
+def test_stop_string_completed_by_the_last_allowed_token(llm):
+    """A stop string finished by the max_tokens-th token still ends with 'stop' and is cut."""
+    sp = SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)
+    full = llm.generate("The capital of France is", sp)[0]
+    ids = list(full.token_ids)
+    k = next(i for i in range(2, 12) if llm.get_tokenizer().decode(ids[i:i + 1]).strip())
+    stop = llm.get_tokenizer().decode(ids[k:k + 1]).strip()
+    first = full.text.find(stop)
+    n = len(llm.get_tokenizer().decode(ids[:k + 1]))
+    out = llm.generate("The capital of France is",
+                       SamplingParams(max_tokens=k + 1, ignore_eos=True, stop=[stop], **GREEDY))[0]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.text == full.text[:first] and first < n
+
+
+def test_stop_string_spanning_many_tokens(llm):
+    """A stop string longer than 16 tokens is still found (the match window follows its length)."""
+    sp = SamplingParams(max_tokens=60, ignore_eos=True, **GREEDY)
+    full = llm.generate("Once upon a time", sp)[0]
+    tok = llm.get_tokenizer()
+    stop = tok.decode(list(full.token_ids[2:22]))
+    assert len(stop) > 20
+    out = llm.generate("Once upon a time", SamplingParams(max_tokens=60, ignore_eos=True,
+                                                        stop=[stop], **GREEDY))[0]
+    assert out.outputs[0].finish_reason == "stop" and stop not in out.text
+    assert out.text == full.text[:full.text.find(stop)]

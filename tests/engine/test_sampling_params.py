@@ -76,3 +76,13 @@ def test_stop_normalisation_and_frozen():
     assert dataclasses.replace(p, top_p=0.5).top_p == 0.5
     with pytest.raises(ValueError, match="top_p"):
         dataclasses.replace(p, top_p=0)
+
+
+def test_engine_config_buckets_must_cover_the_limits():
+    import pytest
+    from jaxinfer.config import EngineConfig
+    with pytest.raises(ValueError, match="batch_buckets"):
+        EngineConfig(batch_buckets=(1, 2), max_num_seqs=8)
+    with pytest.raises(ValueError, match="token_buckets"):
+        EngineConfig(token_buckets=(16, 32), max_num_batched_tokens=64)
+    assert EngineConfig(batch_buckets=(1, 8), max_num_seqs=8).batch_buckets == (1, 8)

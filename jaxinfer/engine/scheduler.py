@@ -10,8 +10,10 @@ Policy (nano-vllm style, with chunked prefill):
       ``max_num_batched_tokens`` is not spent, and the free list has the pages for the chunk. A
       sequence's chunk is its uncomputed tokens (prompt, plus the outputs it had before a
       preemption) capped by the remaining budget, so a long prompt is split over several steps
-      (chunked prefill). Only the chunk that reaches the end of the sequence samples a token. At
-      most one sequence is partially prefilled at a time (the budget runs out on it).
+      (chunked prefill). The device pads every row to the longest chunk, so rows x longest chunk
+      is kept within the budget too (a later row's chunk is cut to fit, or the row waits). Only
+      the chunk that reaches the end of the sequence samples a token. At most one sequence is
+      partially prefilled at a time (the last row of its batch).
       FIFO is strict: if the head of the queue does not fit, nothing behind it is admitted.
     * Otherwise a DECODE batch of every decoding sequence, one token each. If one needs a new page
       and none is free, the most recently admitted sequence is preempted by recompute (its pages
@@ -227,6 +229,13 @@ class Scheduler:
         def take(seq: Sequence) -> bool:
             nonlocal budget
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            # The step pads every row to the longest chunk: keep rows x longest within the token
+            # budget too, so one long prompt does not blow 40 short ones up to [64, 1024].
+            if seqs:
+                cap = self.max_num_batched_tokens // (len(seqs) + 1)  # longest row allowed
+                if max(nums) > cap:
+                    return False
+                n = min(n, cap)
             if not bm.can_allocate(seq, seq.num_computed_tokens + n):
                 return False
             bm.allocate(seq, seq.num_computed_tokens + n)

@@ -15,11 +15,9 @@ The formulas are in ``jaxinfer.memory``.
 from __future__ import annotations
 
 import argparse
-import mmap
 import os
-import struct
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.memory import GIB, plan_memory
@@ -41,144 +39,17 @@ PRESETS: dict[str, ModelConfig] = {
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 
-# ------------------------------------------------------------------ GGUF metadata (header only)
-# GGUF v2/v3 layout (ggml docs/gguf.md): magic "GGUF", u32 version, u64 tensor_count, u64 kv_count,
-# kv_count x (string key, u32 value type, value), tensor_count x (string name, u32 n_dims,
-# u64 dims[n_dims], u32 ggml type, u64 offset). Strings are u64 length + UTF-8 bytes. Little endian.
-_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
-                12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-class GGUFHeader:
-    """Metadata of a GGUF file, read without touching tensor data.
-
-    Attributes:
-        metadata: key -> scalar or string value.
-        array_lengths: key -> element count of each array value (the elements are skipped).
-        tensor_dims: tensor name -> dims in GGUF order (fastest-varying first, e.g. [D, V]).
-    """
-
-    def __init__(self, metadata: dict[str, Any], array_lengths: dict[str, int],
-                 tensor_dims: dict[str, tuple[int, ...]]) -> None:
-        self.metadata = metadata
-        self.array_lengths = array_lengths
-        self.tensor_dims = tensor_dims
-
-
-def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
-    """Parse the metadata and tensor-info sections of a GGUF file (v2 or v3).
-
-    Raises:
-        ValueError: not a GGUF file, an unsupported version, or a truncated/corrupt header.
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        pos = 0
-
-        def take(fmt: str) -> Any:
-            nonlocal pos
-            v = struct.unpack_from("<" + fmt, m, pos)
-            pos += struct.calcsize("<" + fmt)
-            return v[0]
-
-        def string() -> str:
-            nonlocal pos
-            n = take("Q")
-            if pos + n > len(m):
-                raise ValueError("string runs past the end of the file")
-            s = bytes(m[pos:pos + n]).decode("utf-8", errors="replace")
-            pos += n
-            return s
-
-        try:
-            if bytes(m[:4]) != b"GGUF":
-                raise ValueError(f"magic={bytes(m[:4])!r}, expected b'GGUF'")
-            pos = 4
-            version = take("I")
-            if version not in (2, 3):
-                raise ValueError(f"version={version} is unsupported (allowed: 2, 3)")
-            n_tensors, n_kv = take("Q"), take("Q")
-            metadata: dict[str, Any] = {}
-            arrays: dict[str, int] = {}
-            for _ in range(n_kv):
-                key = string()
-                vtype = take("I")
-                if vtype == _GGUF_ARRAY:
-                    etype, count = take("I"), take("Q")
-                    arrays[key] = count
-                    if etype == _GGUF_STRING:
-                        for _ in range(count):
-                            n = take("Q")  # not `pos += take(..)`: take() itself advances pos
-                            pos += n
-                    elif etype in _GGUF_SCALAR:
-                        pos += count * struct.calcsize("<" + _GGUF_SCALAR[etype])
-                    else:
-                        raise ValueError(f"array {key!r} has element type {etype} (nested arrays "
-                                         "are not supported)")
-                elif vtype == _GGUF_STRING:
-                    metadata[key] = string()
-                elif vtype in _GGUF_SCALAR:
-                    metadata[key] = take(_GGUF_SCALAR[vtype])
-                else:
-                    raise ValueError(f"key {key!r} has unknown value type {vtype}")
-            tensors: dict[str, tuple[int, ...]] = {}
-            for _ in range(n_tensors):
-                name = string()
-                n_dims = take("I")
-                dims = tuple(take("Q") for _ in range(n_dims))
-                pos += 4 + 8  # ggml type, data offset
-                tensors[name] = dims
-        except struct.error as e:
-            raise ValueError(f"GGUF file {os.fspath(path)!r} is truncated or corrupt: {e}") from None
-        except ValueError as e:
-            raise ValueError(f"GGUF file {os.fspath(path)!r}: {e}") from None
-    return GGUFHeader(metadata, arrays, tensors)
-
-
 def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
-    """A ``ModelConfig`` from GGUF metadata, for sizing (RoPE scaling is not read).
+    """A ``ModelConfig`` from a GGUF file's metadata, read with the ``gguf`` package (tensor data is
+    memory-mapped, not read).
 
     Raises:
-        ValueError: not a GGUF file, an architecture other than llama/qwen3, or a missing key.
+        ValueError: not a readable GGUF file, an architecture other than llama/qwen3, or a missing
+            key.
     """
-    h = read_gguf_header(path)
-    md = h.metadata
-    arch = md.get("general.architecture")
-    if arch not in ("llama", "qwen3"):
-        raise ValueError(f"GGUF file {os.fspath(path)!r}: general.architecture={arch!r} is "
-                         "unsupported; allowed: 'llama', 'qwen3'")
+    from checkpoints_tools.gguf_loader import gguf_hf_config, open_gguf
 
-    def need(key: str) -> int:
-        v = md.get(f"{arch}.{key}")
-        if not isinstance(v, int):
-            raise ValueError(f"GGUF file {os.fspath(path)!r}: {arch}.{key}={v!r} is invalid: "
-                             "must be present as an integer")
-        return v
-
-    D, heads = need("embedding_length"), need("attention.head_count")
-    vocab = md.get(f"{arch}.vocab_size") or h.array_lengths.get("tokenizer.ggml.tokens")
-    if not vocab and "token_embd.weight" in h.tensor_dims:
-        vocab = h.tensor_dims["token_embd.weight"][-1]
-    if not vocab:
-        raise ValueError(f"GGUF file {os.fspath(path)!r}: no vocab size ({arch}.vocab_size, "
-                         "tokenizer.ggml.tokens or token_embd.weight)")
-    eos = md.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(vocab),
-        hidden_size=D,
-        intermediate_size=need("feed_forward_length"),
-        num_layers=need("block_count"),
-        num_heads=heads,
-        num_kv_heads=int(md.get(f"{arch}.attention.head_count_kv") or heads),
-        head_dim=int(md.get(f"{arch}.attention.key_length") or D // heads),
-        rms_norm_eps=float(md.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=need("context_length"),
-        tie_word_embeddings="output.weight" not in h.tensor_dims,
-        bos_token_id=md.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
-    )
+    return ModelConfig.from_hf_config(gguf_hf_config(open_gguf(path)))
 
 
 def resolve_model(spec: str) -> ModelConfig:

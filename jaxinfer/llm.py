@@ -7,11 +7,9 @@ from typing import Callable, Sequence as Seq
 import jax.numpy as jnp
 
 from jaxinfer.config import EngineConfig
-from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.llm_engine import LLMEngine, default_dtype
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
-
-PromptType = "str | list[int] | dict"
 
 
 class LLM:
@@ -42,7 +40,7 @@ class LLM:
                              f"{sorted(EngineConfig.__dataclass_fields__)}")
         ec = EngineConfig(**engine_args)
         path = model if model is not None else default_model_path()
-        dtype = ec.dtype or resolve_engine_config_dtype()
+        dtype = ec.dtype or default_dtype()
         loaded = load_model(path, jnp.dtype(dtype), with_tokenizer=not skip_tokenizer_init)
         self.model_path = path
         self.tokenizer = loaded.tokenizer
@@ -224,8 +222,3 @@ class LLM:
         prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in convs]
         return self.generate(prompts, sampling_params, **kw)
 
-
-def resolve_engine_config_dtype() -> str:
-    """Default compute dtype for this host: bfloat16 on GPU, float32 on CPU."""
-    import jax
-    return "bfloat16" if jax.default_backend() == "gpu" else "float32"

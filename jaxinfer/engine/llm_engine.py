@@ -34,6 +34,11 @@ log = logging.getLogger("jaxinfer")
 CPU_KV_BUDGET_BYTES = 2 << 30  # KV pool cap on hosts without device memory statistics
 
 
+def default_dtype(platform: str | None = None) -> str:
+    """Compute dtype when `EngineConfig.dtype` is None: bfloat16 on GPU, float32 elsewhere."""
+    return "bfloat16" if (platform or jax.default_backend()) == "gpu" else "float32"
+
+
 @dataclass(frozen=True)
 class ResolvedEngineConfig:
     """`EngineConfig` with every "auto"/None resolved for this model and device."""
@@ -62,7 +67,7 @@ def resolve_engine_config(cfg: ModelConfig, ec: EngineConfig,
     if max_len > cfg.max_position_embeddings:
         raise ValueError(f"EngineConfig.max_model_len={max_len} is invalid: the model supports at "
                          f"most max_position_embeddings={cfg.max_position_embeddings}")
-    dtype = ec.dtype or ("bfloat16" if platform == "gpu" else "float32")
+    dtype = ec.dtype or default_dtype(platform)
     dtype_bytes = jnp.dtype(dtype).itemsize
     page_bytes = cfg.kv_bytes_per_token(dtype_bytes) * ec.page_size
     num_pages = ec.num_pages

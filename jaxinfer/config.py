@@ -238,6 +238,9 @@ class EngineConfig:
             on CPU (XLA:CPU has no fast bf16 matmul).
         attention: paged-attention back-end name; "auto" picks the fastest correct one for the device.
         batch_buckets / token_buckets: padded sizes for B and T; ``()`` = powers of two.
+        async_scheduling: schedule and dispatch step n+1 before reading back step n's tokens, so
+            host work overlaps device work (vLLM's ``async_scheduling``); ``False``: each step is
+            read back before the next is scheduled. Outputs are the same either way.
     """
 
     max_model_len: int | None = None
@@ -251,6 +254,7 @@ class EngineConfig:
     seed: int = 0
     batch_buckets: tuple[int, ...] = ()
     token_buckets: tuple[int, ...] = ()
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -271,6 +275,8 @@ class EngineConfig:
             _fail("EngineConfig", "dtype", self.dtype, "allowed: None, 'float32', 'bfloat16'")
         if self.attention not in ATTENTION_BACKENDS:
             _fail("EngineConfig", "attention", self.attention, f"allowed: {ATTENTION_BACKENDS}")
+        if not isinstance(self.async_scheduling, bool):
+            _fail("EngineConfig", "async_scheduling", self.async_scheduling, "must be True or False")
         for name in ("batch_buckets", "token_buckets"):
             b = tuple(getattr(self, name))
             if any((not isinstance(x, int)) or x < 1 for x in b) or list(b) != sorted(set(b)):

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a CSV of weights / KV pool / pages in use / other bytes after each step")
     g.add_argument("--attention", default="auto",
                    help="paged-attention back-end: auto, reference, triton, mosaic, jax_triton")
+    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
+                   help="read each step's tokens back before scheduling the next (no host/device "
+                        "overlap; outputs are the same)")
     return p
 
 
@@ -132,7 +135,7 @@ def _main(argv: list[str] | None = None) -> int:
         llm = LLM(args.model, max_model_len=args.max_model_len, page_size=args.page_size,
                   num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-                  attention=args.attention)
+                  attention=args.attention, async_scheduling=args.async_scheduling)
         if args.chat:
             inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
                 [{"role": "user", "content": p}])} for p in prompts]

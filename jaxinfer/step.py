@@ -69,3 +69,18 @@ def make_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool) -> Calla
     """``jax.jit`` of `step` for one sampling mode, donating the KV cache (argument 1)."""
     fn = functools.partial(step, cfg=cfg, attn_fn=attn_fn, all_greedy=all_greedy)
     return jax.jit(fn, donate_argnums=(1,))
+
+
+@jax.jit
+def merge_pending_tokens(tokens: jax.Array, prev_tokens: jax.Array, src: jax.Array) -> jax.Array:
+    """Fill the input tokens that are still on the device (asynchronous scheduling).
+
+    Args:
+        tokens: i32[B, T] this step's host-built input ids.
+        prev_tokens: i32[B'] the previous step's sampled ids (still on the device).
+        src: i32[B] for each row, the row of ``prev_tokens`` that is its first input token, or -1.
+    Returns:
+        i32[B, T]: ``tokens`` with ``tokens[i, 0] = prev_tokens[src[i]]`` where ``src[i] >= 0``.
+    """
+    picked = prev_tokens[jnp.maximum(src, 0)]
+    return tokens.at[:, 0].set(jnp.where(src >= 0, picked, tokens[:, 0]))

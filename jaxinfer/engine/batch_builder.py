@@ -37,7 +37,9 @@ class BucketSpec:
 
 @dataclass(frozen=True)
 class HostBatch:
-    """numpy arrays for one step; ``sample_rows`` marks rows whose sampled token is real."""
+    """numpy arrays for one step; ``sample_rows`` marks rows whose sampled token is real;
+    ``pending_rows`` marks rows whose input token (``tokens[i, 0]``, 0 here) is a pending one
+    that the engine takes from the previous step's device output."""
 
     tokens: np.ndarray          # i32[B, T]
     positions: np.ndarray       # i32[B, T]
@@ -54,6 +56,7 @@ class HostBatch:
     step_idx: np.ndarray        # i32[B]
     penalty_tokens: np.ndarray  # i32[B, R] (-1 padded; R = 0 when no row uses a penalty)
     sample_rows: np.ndarray     # bool[B]
+    pending_rows: np.ndarray    # bool[B]
     all_greedy: bool
 
     @property
@@ -63,16 +66,23 @@ class HostBatch:
                 self.all_greedy)
 
 
-def build_host_batch(seqs, num_new_tokens, *, page_size: int, buckets: BucketSpec) -> HostBatch:
-    """Pad ``seqs`` (engine `Sequence`s) and their new-token counts to a bucketed `HostBatch`.
+def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch:
+    """Pad a `ScheduledBatch` to a bucketed `HostBatch`.
 
-    Each row computes tokens ``[num_computed, num_computed + n)`` of its sequence; the row is
-    sampled iff that reaches the end of the sequence (a prefill chunk in the middle is not).
+    Row i computes positions ``[start, start + n)`` of ``batch.seqs[i]`` (``start =
+    batch.start_positions[i]``, ``n = batch.num_new_tokens[i]``) and is sampled iff
+    ``batch.do_sample[i]``. A row with ``batch.pending_input[i]`` (decode, n == 1) has its input
+    token left at 0 and flagged in ``pending_rows``. Penalty tokens and ``step_idx`` count only
+    tokens known on the host, so the engine schedules penalised rows synchronously.
+
+    Raises:
+        ValueError: a size exceeds the largest bucket.
     """
+    seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
     n_rows = len(seqs)
     B = bucket(n_rows, buckets.batch)
     T = 1 if max(num_new_tokens) == 1 else bucket(max(num_new_tokens), buckets.prefill_tokens)
-    kv_lens = [s.num_computed_tokens + n for s, n in zip(seqs, num_new_tokens)]
+    kv_lens = [c + n for c, n in zip(batch.start_positions, num_new_tokens)]
     M = bucket(max(-(-k // page_size) for k in kv_lens), buckets.pages)
 
     tokens = np.zeros((B, T), np.int32)
@@ -89,15 +99,18 @@ def build_host_batch(seqs, num_new_tokens, *, page_size: int, buckets: BucketSpe
     seeds = np.zeros((B,), np.uint32)
     step_idx = np.zeros((B,), np.int32)
     sample_rows = np.zeros((B,), bool)
+    pending_rows = np.zeros((B,), bool)
     use_penalty = any(s.params.repetition_penalty != 1.0 for s in seqs)
     R = bucket(max(s.num_tokens for s in seqs), powers_of_two(16, 1 << 30)) if use_penalty else 0
     penalty = np.full((B, R), -1, np.int32)
 
-    for i, (s, n) in enumerate(zip(seqs, num_new_tokens)):
-        c = s.num_computed_tokens
+    for i, (s, n, c) in enumerate(zip(seqs, num_new_tokens, batch.start_positions)):
         ids = s.all_token_ids
         pos = np.arange(c, c + n, dtype=np.int32)
-        tokens[i, :n] = ids[c:c + n]
+        if batch.pending_input[i]:
+            pending_rows[i] = True
+        else:
+            tokens[i, :n] = ids[c:c + n]
         positions[i, :n] = pos
         table = np.asarray(s.block_table, np.int32)
         slots[i, :n] = table[pos // page_size] * page_size + pos % page_size
@@ -112,10 +125,11 @@ def build_host_batch(seqs, num_new_tokens, *, page_size: int, buckets: BucketSpe
         min_p[i] = p.min_p
         rep[i] = p.repetition_penalty
         seeds[i] = np.uint32((s.seed ^ (s.seed >> 32)) & 0xFFFFFFFF)  # fold int64 seeds
-        step_idx[i] = len(s.output_token_ids)
-        sample_rows[i] = c + n == s.num_tokens
+        step_idx[i] = s.num_tokens_with_pending - s.num_prompt_tokens - 1  # outputs before this one
+        sample_rows[i] = batch.do_sample[i]
         if use_penalty:
             penalty[i, :len(ids)] = ids
     all_greedy = all(s.params.temperature < GREEDY_EPS for s in seqs)
     return HostBatch(tokens, positions, slots, logits_idx, tables, seq_lens, temperature, top_k,
-                     top_p, min_p, rep, seeds, step_idx, penalty, sample_rows, all_greedy)
+                     top_p, min_p, rep, seeds, step_idx, penalty, sample_rows, pending_rows,
+                     all_greedy)

@@ -1,11 +1,16 @@
 """LLMEngine: the host loop that drives the scheduler and the jit-compiled step.
 
-One `step()`: schedule (host) -> pad into a bucket (host, numpy) -> run the compiled step with the
-KV cache donated (device) -> read back token ids -> update sequences, stop checks (host).
+One `step()`: schedule step n+1 (host) -> pad into a bucket (host, numpy) -> dispatch the compiled
+step with the KV cache donated (device, asynchronous) -> read back step n's token ids -> update
+sequences, stop checks (host). Reading step n's tokens after step n+1 is queued keeps the device
+busy while the host works (asynchronous scheduling; `EngineConfig.async_scheduling`): a decode
+row whose input is step n's token takes it from step n's device output. Rows that use a
+repetition penalty need every token on the host, so a step with such rows runs synchronously.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass
@@ -27,9 +32,20 @@ from jaxinfer.models.params import param_bytes
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling import SamplingMetadata
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step import StepInput, make_step_fn
+from jaxinfer.step import StepInput, make_step_fn, merge_pending_tokens
 
 log = logging.getLogger("jaxinfer")
+
+
+@dataclass
+class _InFlight:
+    """A dispatched step: its batch, its device token ids i32[B] and which rows are sampled."""
+
+    batch: object            # ScheduledBatch
+    tokens: jax.Array
+    sample_rows: np.ndarray
+    row_of: dict             # id(seq) -> row, for the next step's pending inputs
+    needs_host_tokens: bool  # a row uses a repetition penalty: read back before the next step
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # KV pool cap on hosts without device memory statistics
 
@@ -128,6 +144,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
         self.num_steps = 0
+        self.async_scheduling = ec.async_scheduling
+        self._in_flight: _InFlight | None = None
+        self.num_overlapped_steps = 0  # steps dispatched while the previous one was in flight
         self.max_kv_len_seen = 0  # the largest KV length any step wrote (<= max_model_len)
         self.weight_bytes = param_bytes(config, jnp.dtype(r.dtype).itemsize)
         page_bytes = config.kv_bytes_per_token(jnp.dtype(r.dtype).itemsize) * ec.page_size
@@ -165,7 +184,8 @@ class LLMEngine:
         return rid
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests not finished, or a dispatched step whose tokens were not read back yet."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     def abort_request(self, rid: str) -> None:
         """Abort one request (no output is kept for it)."""
@@ -178,6 +198,7 @@ class LLMEngine:
         for s in self.scheduler.abort_all():
             self._seqs.pop(s.request_id, None)
         self._seqs.clear()
+        self._in_flight = None
         if self.kv.k.is_deleted() or self.kv.v.is_deleted():
             r = self.resolved
             self.kv = init_kv_cache(self.model_config, r.num_pages, self.page_size,
@@ -196,22 +217,59 @@ class LLMEngine:
         return kv, jax.tree_util.tree_map(jnp.asarray, inp)
 
     def step(self) -> list[Sequence]:
-        """Run one scheduled step; returns the sequences that finished in it."""
+        """Dispatch the next step and read back the previous one's tokens (with
+        ``async_scheduling``; otherwise dispatch and read back the same step).
+
+        Returns:
+            The sequences that finished in the step read back here.
+        """
+        finished: list[Sequence] = []
+        prev = self._in_flight
+        if prev is not None and (prev.needs_host_tokens or not self.async_scheduling):
+            finished += self._complete(prev)
+            prev = None
         batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        hb = build_host_batch(batch.seqs, batch.num_new_tokens, page_size=self.page_size,
-                              buckets=self.buckets)
+        launched = self._launch(batch, prev) if batch is not None else None
+        if prev is not None and launched is not None:
+            self.num_overlapped_steps += 1
+        if prev is not None:
+            finished += self._complete(prev)
+        self._in_flight = launched
+        if launched is not None and not self.async_scheduling:
+            finished += self._complete(launched)
+        return finished
+
+    def _launch(self, batch, prev: _InFlight | None) -> _InFlight:
+        """Build, transfer and dispatch one step (does not wait for the device)."""
+        hb = build_host_batch(batch, page_size=self.page_size, buckets=self.buckets)
         if hb.shape_key not in self.compiled_shapes:
             self.compiled_shapes.add(hb.shape_key)
             log.info("compiling step for shape %s (%d so far)", hb.shape_key,
                      len(self.compiled_shapes))
         self.max_kv_len_seen = max(self.max_kv_len_seen, int(hb.seq_lens.max()))
         kv, inp = self._device_inputs(hb)
+        if hb.pending_rows.any():
+            if prev is None:
+                raise RuntimeError("LLMEngine: a row needs a pending token but no step is in flight")
+            src = np.full(hb.pending_rows.shape, -1, np.int32)
+            for i, seq in enumerate(batch.seqs):
+                if hb.pending_rows[i]:
+                    src[i] = prev.row_of[id(seq)]
+            inp = dataclasses.replace(
+                inp, tokens=merge_pending_tokens(inp.tokens, prev.tokens, jnp.asarray(src)))
         tokens, self.kv = self._steps[hb.all_greedy](self.params, kv, inp)
-        tokens = np.asarray(tokens)
         self.num_steps += 1
-        sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(len(batch.seqs))]
+        penalised = any(s.params.repetition_penalty != 1.0 for s in batch.seqs)
+        return _InFlight(batch, tokens, hb.sample_rows,
+                         {id(s): i for i, s in enumerate(batch.seqs)}, penalised)
+
+    def _complete(self, done: _InFlight) -> list[Sequence]:
+        """Read back a dispatched step's tokens and advance its sequences (blocks on it only)."""
+        if self._in_flight is done:
+            self._in_flight = None
+        tokens = np.asarray(done.tokens)
+        batch = done.batch
+        sampled = [int(tokens[i]) if done.sample_rows[i] else None for i in range(batch.num_seqs)]
         finished = self.scheduler.postprocess(batch, sampled)
         finished += self._check_stop_strings(batch.seqs, sampled)
         if self.trace_memory:

@@ -1,7 +1,15 @@
 """Continuous-batching scheduler (host side; imports no JAX).
 
 One engine step is ``batch = scheduler.schedule()`` -> device step -> ``scheduler.postprocess(batch,
-sampled)``; the two calls must alternate.
+sampled)``. Asynchronous scheduling: up to two batches may be in flight, i.e. the next step may be
+scheduled (and dispatched) before the previous one is postprocessed; batches are postprocessed in
+the order they were scheduled. ``schedule`` advances ``num_computed_tokens`` and counts the tokens
+each row samples as *pending* (``Sequence.num_pending_tokens``); a decode row whose input is a
+pending token is marked in ``ScheduledBatch.pending_input`` and the engine feeds it from the
+previous step's device output. A sequence whose pending tokens will reach ``max_tokens`` or
+``max_model_len`` is not scheduled again (it finishes when they are read back); one that finishes
+on a stop/EOS token was possibly scheduled once more, and that row's result is dropped
+(vLLM v1 async scheduling, SGLang's overlap scheduler).
 
 Policy (nano-vllm style, with chunked prefill):
     * Prefill first. If sequences are waiting, the step is a PREFILL batch: the partially prefilled
@@ -56,8 +64,12 @@ class ScheduledBatch:
 
     Derived at construction (snapshots, valid even after the sequences change):
         start_positions: ``seqs[i].num_computed_tokens`` when scheduled.
-        do_sample: whether ``seqs[i]``'s chunk reaches the end of the sequence, i.e. the step
-            samples a token for it (``postprocess`` expects an int there, ``None`` elsewhere).
+        do_sample: whether ``seqs[i]``'s chunk reaches the end of the sequence (pending tokens
+            included), i.e. the step samples a token for it (``postprocess`` expects an int
+            there, ``None`` elsewhere).
+        pending_input: whether the token at ``start_positions[i]`` is a pending one (sampled by
+            the batch in flight, id not known on the host): the engine takes it from that
+            step's device output.
 
     Raises:
         ValueError: ``seqs`` and ``num_new_tokens`` differ in length, or a count is < 1.
@@ -68,6 +80,7 @@ class ScheduledBatch:
     is_prefill: bool
     start_positions: list[int] = field(init=False)
     do_sample: list[bool] = field(init=False)
+    pending_input: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
         # Own copies: the scheduler's queues change while the batch is in flight.
@@ -81,8 +94,10 @@ class ScheduledBatch:
                              "every count must be >= 1")
         starts = [s.num_computed_tokens for s in self.seqs]
         object.__setattr__(self, "start_positions", starts)
-        object.__setattr__(self, "do_sample", [st + n == s.num_tokens for s, st, n in
-                                               zip(self.seqs, starts, self.num_new_tokens)])
+        object.__setattr__(self, "do_sample", [st + n == s.num_tokens_with_pending for s, st, n
+                                               in zip(self.seqs, starts, self.num_new_tokens)])
+        object.__setattr__(self, "pending_input", [st >= s.num_tokens for s, st in
+                                                   zip(self.seqs, starts)])
 
     @property
     def num_seqs(self) -> int:
@@ -130,7 +145,7 @@ class Scheduler:
         self.running: list[Sequence] = []         # decoding; admission order
         self.prefilling: Sequence | None = None   # partially prefilled; newest admitted
         self._requests: dict[str, Sequence] = {}  # unfinished, by request_id
-        self._in_flight: ScheduledBatch | None = None
+        self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not postprocessed; oldest first
 
     # ------------------------------------------------------------------ queries
     @property
@@ -201,24 +216,38 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         """Pick the next step's work (see the module docstring for the policy).
 
-        Pages for every position the step writes are allocated before returning.
+        Pages for every position the step writes are allocated before returning, and the
+        batch's sequences are advanced: ``num_computed_tokens += num_new_tokens[i]`` and
+        ``num_pending_tokens += 1`` where the row samples.
 
         Returns:
-            The batch, or ``None`` when there is no unfinished sequence.
+            The batch, or ``None`` when nothing can run until a batch in flight is postprocessed
+            (or there is no unfinished sequence).
 
         Raises:
-            RuntimeError: the previous batch was not passed to ``postprocess``; or an internal
-                invariant broke (work left but nothing schedulable).
+            RuntimeError: two batches are in flight already (postprocess the oldest first); or an
+                internal invariant broke (work left, nothing in flight, nothing schedulable).
         """
-        if self._in_flight is not None:
-            raise RuntimeError("Scheduler.schedule: the previous batch was not postprocessed")
+        if len(self._in_flight) >= 2:
+            raise RuntimeError("Scheduler.schedule: the previous batch was not postprocessed "
+                               "(at most one batch may be in flight when scheduling)")
         batch = self._schedule_prefill() or self._schedule_decode()
-        if batch is None and self.has_unfinished():
-            raise RuntimeError(f"Scheduler.schedule: {len(self._requests)} unfinished requests but "
-                               f"nothing schedulable (waiting={self.num_waiting}, "
-                               f"free pages={self.block_manager.num_free_pages})")
-        self._in_flight = batch
+        if batch is None:
+            if self.has_unfinished() and not self._in_flight:
+                raise RuntimeError(f"Scheduler.schedule: {len(self._requests)} unfinished requests "
+                                   f"but nothing schedulable (waiting={self.num_waiting}, "
+                                   f"free pages={self.block_manager.num_free_pages})")
+            return None
+        for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, batch.do_sample):
+            seq.num_computed_tokens += n
+            seq.num_pending_tokens += samp
+        self._in_flight.append(batch)
         return batch
+
+    @property
+    def num_in_flight(self) -> int:
+        """Batches scheduled and not yet postprocessed (0, 1 or 2)."""
+        return len(self._in_flight)
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm = self.block_manager
@@ -228,6 +257,8 @@ class Scheduler:
 
         def take(seq: Sequence) -> bool:
             nonlocal budget
+            if seq.num_pending_tokens:  # preempted with a token still in flight: next step
+                return False
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             # The step pads every row to the longest chunk: keep rows x longest within the token
             # budget too, so one long prompt does not blow 40 short ones up to [64, 1024].
@@ -260,17 +291,27 @@ class Scheduler:
             self.waiting.popleft()
         return ScheduledBatch(seqs, nums, is_prefill=True) if seqs else None
 
+    def _finishes_on_length(self, seq: Sequence) -> bool:
+        """Its pending tokens will end it on max_tokens or max_model_len: nothing more to run."""
+        p = seq.num_pending_tokens
+        return p > 0 and (seq.num_output_tokens + p >= seq.params.max_tokens
+                          or seq.num_tokens + p >= self.max_model_len)
+
     def _schedule_decode(self) -> ScheduledBatch | None:
         if not self.running:
             return None
         bm = self.block_manager
-        queue = deque(self.running)          # admission order; victims come off the back
+        # admission order; victims come off the back. Sequences that end when their pending
+        # tokens are read back keep their pages until then and are neither run nor preempted.
+        ending = [s for s in self.running if self._finishes_on_length(s)]
+        queue = deque(s for s in self.running if not self._finishes_on_length(s))
         scheduled: list[Sequence] = []
+        deferred: list[Sequence] = []
         while queue:
             seq = queue.popleft()
-            if seq.num_computed_tokens != seq.num_tokens - 1:
+            if seq.num_computed_tokens != seq.num_tokens_with_pending - 1:
                 raise RuntimeError(f"Scheduler: decoding sequence out of step: {seq!r}")
-            need = seq.num_tokens
+            need = seq.num_computed_tokens + 1
             while not bm.can_allocate(seq, need):
                 if self.prefilling is not None:
                     victim, self.prefilling = self.prefilling, None
@@ -278,16 +319,24 @@ class Scheduler:
                     victim = queue.pop()
                 elif scheduled:
                     victim = seq             # newest of the page holders left
+                elif ending:
+                    victim = None            # pages come back when the batch in flight ends
                 else:
                     raise RuntimeError(f"Scheduler: {seq!r} alone does not fit the pool; "
                                        "admission should have rejected it")
+                if victim is None:
+                    deferred.append(seq)
+                    break
                 self._preempt(victim)
                 if victim is seq:
                     break
             else:
                 bm.allocate(seq, need)
                 scheduled.append(seq)
-        self.running = scheduled            # never empty: the first sequence always fits
+        kept = {id(s) for s in scheduled + deferred + ending}
+        self.running = [s for s in self.running if id(s) in kept]  # admission order
+        if not scheduled:
+            return None
         return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -302,15 +351,15 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Advance the batch's sequences by the device step's results.
 
-        For each sequence: ``num_computed_tokens += num_new_tokens[i]``; if ``batch.do_sample[i]``,
-        append ``sampled[i]`` and check, in this order: token in ``stop_token_ids`` or (not
+        For each sequence where ``batch.do_sample[i]``: the pending token becomes
+        ``output_token_ids[-1]`` (``num_pending_tokens -= 1``), then, in this order: token in ``stop_token_ids`` or (not
         ``ignore_eos`` and token in the EOS ids) -> "stop"; ``len(output) >= max_tokens`` ->
         "length"; ``num_tokens >= max_model_len`` -> "length". Finished sequences leave the
-        scheduler and free their pages. Sequences finished while the step ran (``abort``) are
-        skipped.
+        scheduler and free their pages. Sequences finished while the step ran (``abort``, a stop
+        string, or a stop token read back from an earlier step) are skipped.
 
         Args:
-            batch: the batch returned by the last ``schedule()``.
+            batch: the oldest batch in flight.
             sampled: B entries: the sampled token id where ``batch.do_sample[i]``, else ``None``.
 
         Returns:
@@ -321,9 +370,9 @@ class Scheduler:
             ValueError: ``sampled`` has the wrong length, or ``None``/an int where the other was
                 expected (nothing is changed then).
         """
-        if batch is not self._in_flight:
+        if not self._in_flight or batch is not self._in_flight[0]:
             raise RuntimeError("Scheduler.postprocess: batch is not the one returned by the last "
-                               "schedule()")
+                               "schedule() (the oldest batch in flight)")
         if len(sampled) != batch.num_seqs:
             raise ValueError(f"postprocess: sampled has {len(sampled)} entries, batch has "
                              f"{batch.num_seqs} sequences")
@@ -331,16 +380,14 @@ class Scheduler:
             if (tok is None) == want:
                 raise ValueError(f"postprocess: sampled[{i}]={tok!r} is invalid: expected "
                                  f"{'a token id' if want else 'None (prefill chunk not at the end)'}")
-        self._in_flight = None
+        self._in_flight.popleft()
         finished: list[Sequence] = []
         now = time.perf_counter()
-        for seq, n, tok in zip(batch.seqs, batch.num_new_tokens, sampled):
-            if seq.is_finished:
-                continue
-            seq.num_computed_tokens += n
-            if tok is None:
+        for seq, tok in zip(batch.seqs, sampled):
+            if seq.is_finished or tok is None:
                 continue
             tok = int(tok)
+            seq.num_pending_tokens -= 1
             seq.output_token_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -397,7 +444,7 @@ class Scheduler:
         """Abort every unfinished request and forget a batch that was never postprocessed (error
         recovery: an exception or interrupt between `schedule` and `postprocess`). All pages are
         returned to the free list."""
-        self._in_flight = None
+        self._in_flight.clear()
         return [s for rid in list(self._requests) if (s := self.abort(rid)) is not None]
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:

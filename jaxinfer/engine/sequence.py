@@ -43,9 +43,12 @@ class Sequence:
         status: ``SequenceStatus``.
         block_table: physical KV page ids; page ``i`` holds positions
             ``[i * page_size, (i + 1) * page_size)``. Owned by the ``BlockManager``.
-        num_computed_tokens: tokens (a prefix of ``all_token_ids``) whose K/V are in the cache.
-            Between ``Scheduler.schedule()`` and ``Scheduler.postprocess()`` it is the first
-            position the scheduled step computes.
+        num_computed_tokens: tokens whose K/V are in the cache or being written by a dispatched
+            step: ``Scheduler.schedule()`` advances it when it schedules a step (vLLM v1's rule,
+            which lets the next step be scheduled before this one's tokens are read back).
+        num_pending_tokens: tokens sampled by dispatched steps whose ids the host has not read
+            yet (0, 1 or 2 with asynchronous scheduling; they are the last positions of the
+            sequence, after ``output_token_ids``).
         finish_reason: "stop" (stop/EOS token or stop string), "length" (max_tokens or
             max_model_len), "abort", or ``None`` while unfinished.
         arrival_time, first_token_time, finish_time: ``time.perf_counter()`` seconds.
@@ -62,6 +65,7 @@ class Sequence:
     status: SequenceStatus = field(default=SequenceStatus.WAITING, kw_only=True)
     block_table: list[int] = field(default_factory=list, kw_only=True)
     num_computed_tokens: int = field(default=0, kw_only=True)
+    num_pending_tokens: int = field(default=0, kw_only=True)
     finish_reason: str | None = field(default=None, kw_only=True)
     arrival_time: float = field(default_factory=time.perf_counter, kw_only=True)
     first_token_time: float | None = field(default=None, kw_only=True)
@@ -87,6 +91,11 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_tokens_with_pending(self) -> int:
+        """Prompt + output tokens, counting the sampled ones not read back yet."""
+        return self.num_tokens + self.num_pending_tokens
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
@@ -106,5 +115,5 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, status={self.status.name}, "
                 f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
-                f"computed={self.num_computed_tokens}, pages={self.block_table}, "
+                f"computed={self.num_computed_tokens}, pending={self.num_pending_tokens}, pages={self.block_table}, "
                 f"finish_reason={self.finish_reason!r})")

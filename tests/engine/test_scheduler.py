@@ -6,6 +6,10 @@ The fake device stands in for the model and the KV cache:
   * to sample, it reads the whole context back THROUGH THE BLOCK TABLE, checks that every position
     was written by this sequence since its last preemption (so a recompute must cover prompt +
     outputs), and returns ``fake_next_token(context)``, a hash of the context.
+  * it executes a batch when it is dispatched (right after ``schedule()``), like a GPU stream,
+    and knows the tokens it sampled before the host reads them back: with asynchronous
+    scheduling (``lag=1``) the next batch is scheduled and run before the previous one is
+    postprocessed, and a row whose input is such a pending token gets it from the device.
 The reference is ``reference_generate``: each request generated alone, straight from its token
 list, with the documented stop rule. A scheduler that loses, clobbers or mis-positions K/V, or
 mis-orders tokens, changes the sampled ids and fails the comparison.
@@ -52,13 +56,23 @@ class FakeDevice:
         self.P = sched.page_size
         self.cache = {}          # slot -> (token, seq, generation)
         self.max_pos = -1
+        self.sampled = {}        # id(seq) -> tokens sampled here, not yet postprocessed
+
+    def postprocessed(self, batch, out):
+        """The host read ``out`` back: those tokens are no longer only on the device."""
+        for seq, tok in zip(batch.seqs, out):
+            if tok is not None:
+                assert self.sampled[id(seq)].pop(0) == tok
 
     def step(self, batch, script=None):
         P, bm, out = self.P, self.sched.block_manager, []
-        for seq, start, n, samp in zip(batch.seqs, batch.start_positions, batch.num_new_tokens,
-                                       batch.do_sample):
-            toks = seq.all_token_ids
-            assert start == seq.num_computed_tokens and start + n <= seq.num_tokens
+        for seq, start, n, samp, pend in zip(batch.seqs, batch.start_positions,
+                                             batch.num_new_tokens, batch.do_sample,
+                                             batch.pending_input):
+            toks = seq.all_token_ids + self.sampled.get(id(seq), [])
+            assert len(toks) == seq.num_tokens_with_pending - samp
+            assert start + n == seq.num_computed_tokens and start + n <= len(toks)
+            assert pend == (start >= seq.num_tokens)
             for pos in range(start, start + n):
                 page = seq.block_table[pos // P]
                 assert page != 0 and bm.owner(page) is seq
@@ -73,8 +87,18 @@ class FakeDevice:
                 assert writer is seq and gen == seq.num_preemptions, (seq, pos)
                 ctx.append(tok)
             assert ctx == toks
-            out.append(script(seq) if script else fake_next_token(ctx))
+            tok = script(seq, len(toks) - seq.num_prompt_tokens) if script else fake_next_token(ctx)
+            self.sampled.setdefault(id(seq), []).append(tok)
+            out.append(tok)
         return out
+
+
+def step_sync(sched, dev, batch):
+    """Run ``batch`` on the fake device and postprocess it at once (no asynchronous lag)."""
+    out = dev.step(batch)
+    sched.postprocess(batch, out)
+    dev.postprocessed(batch, out)
+    return out
 
 
 def check_invariants(sched, batch):
@@ -86,7 +110,8 @@ def check_invariants(sched, batch):
         assert batch.total_new_tokens <= sched.max_num_batched_tokens
     else:
         assert batch.num_new_tokens == [1] * batch.num_seqs and all(batch.do_sample)
-        assert all(st == s.num_tokens - 1 for s, st in zip(batch.seqs, batch.start_positions))
+        assert all(st + 1 == s.num_computed_tokens == s.num_tokens_with_pending - 1
+                   for s, st in zip(batch.seqs, batch.start_positions))
     for s, st, n in zip(batch.seqs, batch.start_positions, batch.num_new_tokens):
         assert s.status is SequenceStatus.RUNNING
         assert st + n <= sched.max_model_len - 1          # nothing written at a position >= L - 1
@@ -130,24 +155,34 @@ class VictimCheck:
                         self.fresh_admissions.append(s)
 
 
-def run(sched, dev=None, script=None, between=None, max_steps=20000, victims=None):
-    """Drive schedule -> fake step -> postprocess until done; returns the batches."""
+def run(sched, dev=None, script=None, between=None, max_steps=20000, victims=None, lag=0):
+    """Drive schedule -> fake step -> postprocess until done; returns the batches.
+
+    lag=0: each batch is postprocessed before the next is scheduled. lag=1 (asynchronous
+    scheduling): batch n is postprocessed after batch n+1 was scheduled and run.
+    """
     dev = dev or FakeDevice(sched)
     victims = victims or VictimCheck()
-    batches = []
+    batches, in_flight = [], []
     for step in range(max_steps):
         more = between(step, sched) if between else False   # more arrivals to come
-        if not sched.has_unfinished():
+        if not sched.has_unfinished() and not in_flight:
             if more:
                 continue
             break
         victims.before(sched)
         batch = sched.schedule()
-        assert batch is not None
-        check_invariants(sched, batch)
-        victims.after(sched, batch)
-        sched.postprocess(batch, dev.step(batch, script))
-        batches.append(batch)
+        if batch is not None:
+            check_invariants(sched, batch)
+            victims.after(sched, batch)
+            in_flight.append((batch, dev.step(batch, script)))
+            batches.append(batch)
+        else:
+            assert in_flight, "nothing scheduled and nothing in flight"
+        while len(in_flight) > (lag if batch is not None else 0):
+            b, out = in_flight.pop(0)
+            sched.postprocess(b, out)
+            dev.postprocessed(b, out)
     else:
         raise AssertionError("did not finish")
     assert sched.schedule() is None
@@ -329,13 +364,14 @@ def test_partially_prefilled_sequence_is_the_first_victim():
             assert not batch.is_prefill and before[0].num_output_tokens == 0
             assert before[0] not in batch.seqs and sched.waiting[0] is before[0]
             partial_victims += 1
-        sched.postprocess(batch, dev.step(batch))
+        step_sync(sched, dev, batch)
     assert partial_victims >= 1 and a.num_preemptions == 0
     assert_matches_reference(sched, [a, c])
     assert sched.block_manager.num_free_pages == 5
 
 
-def test_many_sequences_small_pool_all_finish():
+@pytest.mark.parametrize("lag", [0, 1])
+def test_many_sequences_small_pool_all_finish(lag):
     rng = random.Random(7)
     P = 4
     sched = make(1 + 12, P, max_num_seqs=16, budget=16, L=48)
@@ -344,7 +380,7 @@ def test_many_sequences_small_pool_all_finish():
         n = rng.randrange(1, 20)
         seqs.append(add(sched, f"r{i}", n, max_tokens=rng.randrange(1, 48 - n + 1)
                         if (n + 12) > 48 else rng.randrange(1, 13), ignore_eos=True))
-    run(sched)
+    run(sched, lag=lag)
     assert sum(s.num_preemptions for s in seqs) > 0
     assert_matches_reference(sched, seqs)
     assert all(len(s.output_token_ids) == s.params.max_tokens for s in seqs)
@@ -352,7 +388,12 @@ def test_many_sequences_small_pool_all_finish():
 
 # ---------------------------------------------------------------- stop conditions
 def scripted(tokens_by_rid):
-    return lambda seq: tokens_by_rid[seq.request_id][seq.num_output_tokens]
+    """Output token i of a request is ``tokens_by_rid[rid][i]`` (0 past the list: with lag=1 a
+    request that stops on a token is possibly run once more and that token is dropped)."""
+    def script(seq, i):
+        toks = tokens_by_rid[seq.request_id]
+        return toks[i] if i < len(toks) else 0
+    return script
 
 
 @pytest.mark.parametrize("kw,script,want_out,want_reason", [
@@ -369,10 +410,11 @@ def scripted(tokens_by_rid):
     (dict(max_tokens=5), [99], [99], "stop"),
     (dict(max_tokens=1), [3], [3], "length"),
 ])
-def test_stop_conditions_and_order(kw, script, want_out, want_reason):
+@pytest.mark.parametrize("lag", [0, 1])
+def test_stop_conditions_and_order(kw, script, want_out, want_reason, lag):
     sched = make(1 + 8, 4, eos=(2, 99))
     s = add(sched, "r", 6, **kw)
-    run(sched, script=scripted({"r": script}))
+    run(sched, script=scripted({"r": script}), lag=lag)
     assert (s.output_token_ids, s.finish_reason) == (want_out, want_reason)
 
 
@@ -391,11 +433,12 @@ def test_finish_from_outside_and_abort():
     assert b.finish_reason == "abort" and not b.block_table and b.is_finished
     assert c.finish_reason == "abort" and c.finish_time is not None
     fin = sched.postprocess(batch, sampled)
+    dev.postprocessed(batch, sampled)
     assert fin == [] and b.output_token_ids == [] and len(a.output_token_ids) == 1
     assert sched.abort("b") is None
     # stop string matched by the engine: finish() from outside
     batch = sched.schedule()
-    sched.postprocess(batch, dev.step(batch))
+    step_sync(sched, dev, batch)
     assert sched.finish(a, "stop") is True and a.finish_reason == "stop" and not a.block_table
     assert sched.finish(a, "length") is False and a.finish_reason == "stop"
     with pytest.raises(ValueError, match="reason='bogus'"):
@@ -403,7 +446,7 @@ def test_finish_from_outside_and_abort():
     while sched.has_unfinished():
         batch = sched.schedule()
         check_invariants(sched, batch)
-        sched.postprocess(batch, dev.step(batch))
+        step_sync(sched, dev, batch)
     assert_matches_reference(sched, [d])
     assert sched.block_manager.num_free_pages == 16
 
@@ -414,7 +457,7 @@ def test_abort_partially_prefilled_and_lookup():
     short = add(sched, "short", 3, max_tokens=3, ignore_eos=True)
     dev = FakeDevice(sched)
     batch = sched.schedule()
-    sched.postprocess(batch, dev.step(batch))
+    step_sync(sched, dev, batch)
     assert sched.prefilling is long and sched.get("long") is long and long.block_table
     assert sched.abort("long") is long and sched.prefilling is None and not long.block_table
     assert sched.get("long") is None and long.finish_reason == "abort"
@@ -430,18 +473,23 @@ def test_postprocess_and_schedule_misuse():
     sched = make(1 + 16, 4, budget=4)
     add(sched, "a", 10, max_tokens=2)
     batch = sched.schedule()
-    assert batch.do_sample == [False]
+    assert batch.do_sample == [False] and batch.seqs[0].num_computed_tokens == 4
+    second = sched.schedule()                    # one batch may be in flight: the next chunk
+    assert second.start_positions == [4] and sched.num_in_flight == 2
     with pytest.raises(RuntimeError, match="not postprocessed"):
-        sched.schedule()
+        sched.schedule()                         # but not two
     with pytest.raises(ValueError, match="expected None"):
         sched.postprocess(batch, [5])
     with pytest.raises(ValueError, match="1 sequences"):
         sched.postprocess(batch, [None, None])
     with pytest.raises(RuntimeError, match="not the one"):
+        sched.postprocess(second, [None])        # out of order
+    with pytest.raises(RuntimeError, match="not the one"):
         sched.postprocess(ScheduledBatch(batch.seqs, [4], True), [None])
-    assert batch.seqs[0].num_computed_tokens == 0          # nothing changed by the failures
+    assert batch.seqs[0].num_computed_tokens == 8          # nothing changed by the failures
     sched.postprocess(batch, [None])
-    assert batch.seqs[0].num_computed_tokens == 4
+    sched.postprocess(second, [None])
+    assert sched.num_in_flight == 0
 
 
 # ---------------------------------------------------------------- batch limits and fairness
@@ -473,8 +521,9 @@ def test_strict_fifo_head_blocks_smaller_followers():
 
 
 # ---------------------------------------------------------------- randomized sweep
+@pytest.mark.parametrize("lag", [0, 1])
 @pytest.mark.parametrize("seed", range(12))
-def test_random_configs_match_reference(seed):
+def test_random_configs_match_reference(seed, lag):
     rng = random.Random(seed)
     P = rng.choice([1, 2, 4, 8])
     L = rng.choice([16, 24, 40, 64])
@@ -507,13 +556,14 @@ def test_random_configs_match_reference(seed):
         return any(t > step for t, _ in pending)
 
     victims = VictimCheck()
-    run(sched, between=arrivals, max_steps=5000, victims=victims)
+    run(sched, between=arrivals, max_steps=5000, victims=victims, lag=lag)
     assert victims.fresh_admissions == accepted
     assert len(accepted) == len(pending) - rejected[0] and len(accepted) >= 10
     assert_matches_reference(sched, accepted)
 
 
-def test_random_sweep_exercises_preemption():
+@pytest.mark.parametrize("lag", [0, 1])
+def test_random_sweep_exercises_preemption(lag):
     """The sweep above is only meaningful if it actually preempts; count it over fixed seeds."""
     total = Counter()
     for seed in range(40):
@@ -527,7 +577,7 @@ def test_random_sweep_exercises_preemption():
             if -(-(n + m) // P) <= sched.block_manager.num_usable_pages:
                 seqs.append(add(sched, f"r{i}", n, max_tokens=m, ignore_eos=True))
         victims = VictimCheck()
-        run(sched, victims=victims)
+        run(sched, victims=victims, lag=lag)
         assert victims.fresh_admissions == seqs
         assert_matches_reference(sched, seqs)
         total["preemptions"] += sum(s.num_preemptions for s in seqs)

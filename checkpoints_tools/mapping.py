@@ -11,7 +11,10 @@ not only from the config (CASES.md C9):
     ``lm_head.weight`` differing, config untied -> untied
 
 HF stores linear weights as ``[out, in]``; the tree stores ``[in, out]`` (see
-`jaxinfer.models.params`), so those are transposed here, once, in numpy.
+`jaxinfer.models.params`), so those are transposed here, once, in numpy. Per-layer tensors go to
+``layers/<i>/...``. HF's q_proj/k_proj/v_proj become the q | k | v parts of ``wqkv`` and
+gate_proj/up_proj the gate | up parts of ``w_gate_up`` (placed by `fused_parts`); shape errors name
+the HF tensor and the HF shape it should have.
 """
 
 from __future__ import annotations
@@ -26,44 +29,51 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.params import param_shapes
+from jaxinfer.models.params import fused_parts, layer_param_shapes, param_shapes
 
 
 @dataclass(frozen=True)
 class TensorRule:
-    """One HF tensor -> one param entry.
+    """One HF tensor -> one param entry, or one part of a fused param entry.
 
-    hf_name: the HF name; ``{i}`` stands for the layer index (then ``param`` is a stacked
-        ``layers/...`` entry and the tensor is its slice ``[i]``).
-    param: slash-separated path in the param tree, e.g. ``layers/wq``.
+    hf_name: the HF name; ``{i}`` stands for the layer index (then ``param`` holds ``{i}`` too).
+    param: slash-separated path in the param tree, e.g. ``layers/{i}/wo``.
     transpose: HF ``[out, in]`` -> tree ``[in, out]``.
     qk_norm_only: only present in architectures with ``cfg.qk_norm`` (Qwen3).
+    part: for a fused param (``wqkv``, ``w_gate_up``), which part of its output axis this tensor
+        fills (a key of ``fused_parts(cfg)[<param name>]``); None for a whole param.
     """
 
     hf_name: str
     param: str
     transpose: bool
     qk_norm_only: bool = False
+    part: str | None = None
 
     @property
     def per_layer(self) -> bool:
         return "{i}" in self.hf_name
 
+    @property
+    def leaf(self) -> str:
+        """The param's own name (last path component), e.g. ``wqkv``."""
+        return self.param.rsplit("/", 1)[-1]
 
-_L = "model.layers.{i}."
+
+_L, _P = "model.layers.{i}.", "layers/{i}/"
 HF_TO_PARAMS: tuple[TensorRule, ...] = (
     TensorRule("model.embed_tokens.weight", "embed", False),
-    TensorRule(_L + "input_layernorm.weight", "layers/attn_norm", False),
-    TensorRule(_L + "self_attn.q_proj.weight", "layers/wq", True),
-    TensorRule(_L + "self_attn.k_proj.weight", "layers/wk", True),
-    TensorRule(_L + "self_attn.v_proj.weight", "layers/wv", True),
-    TensorRule(_L + "self_attn.o_proj.weight", "layers/wo", True),
-    TensorRule(_L + "self_attn.q_norm.weight", "layers/q_norm", False, qk_norm_only=True),
-    TensorRule(_L + "self_attn.k_norm.weight", "layers/k_norm", False, qk_norm_only=True),
-    TensorRule(_L + "post_attention_layernorm.weight", "layers/mlp_norm", False),
-    TensorRule(_L + "mlp.gate_proj.weight", "layers/w_gate", True),
-    TensorRule(_L + "mlp.up_proj.weight", "layers/w_up", True),
-    TensorRule(_L + "mlp.down_proj.weight", "layers/w_down", True),
+    TensorRule(_L + "input_layernorm.weight", _P + "attn_norm", False),
+    TensorRule(_L + "self_attn.q_proj.weight", _P + "wqkv", True, part="q"),
+    TensorRule(_L + "self_attn.k_proj.weight", _P + "wqkv", True, part="k"),
+    TensorRule(_L + "self_attn.v_proj.weight", _P + "wqkv", True, part="v"),
+    TensorRule(_L + "self_attn.o_proj.weight", _P + "wo", True),
+    TensorRule(_L + "self_attn.q_norm.weight", _P + "q_norm", False, qk_norm_only=True),
+    TensorRule(_L + "self_attn.k_norm.weight", _P + "k_norm", False, qk_norm_only=True),
+    TensorRule(_L + "post_attention_layernorm.weight", _P + "mlp_norm", False),
+    TensorRule(_L + "mlp.gate_proj.weight", _P + "w_gate_up", True, part="gate"),
+    TensorRule(_L + "mlp.up_proj.weight", _P + "w_gate_up", True, part="up"),
+    TensorRule(_L + "mlp.down_proj.weight", _P + "w_down", True),
     TensorRule("model.norm.weight", "final_norm", False),
     TensorRule("lm_head.weight", "lm_head", True),
 )
@@ -87,10 +97,31 @@ def _items(tensors: TensorSource) -> Iterator[tuple[str, np.ndarray]]:
     return iter(tensors)
 
 
-def _get(tree: dict, path: str):
-    for part in path.split("/"):
-        tree = tree[part]
-    return tree
+def hf_shape(rule: TensorRule, cfg: ModelConfig) -> tuple[int, ...]:
+    """The shape HF gives the tensor of ``rule`` for ``cfg`` (``[out, in]`` for linear weights);
+    for a part of a fused param, the output axis is that part's width."""
+    if rule.per_layer:
+        shape = layer_param_shapes(cfg)[rule.leaf]
+    else:
+        shape = param_shapes(dataclasses.replace(cfg, tie_word_embeddings=False))[rule.param]
+    if rule.part is not None:
+        sl = fused_parts(cfg)[rule.leaf][rule.part]
+        shape = (*shape[:-1], sl.stop - sl.start)
+    return tuple(reversed(shape)) if rule.transpose else tuple(shape)
+
+
+def _assemble(rules: list[TensorRule], pieces: list[np.ndarray], cfg: ModelConfig) -> np.ndarray:
+    """One param entry on the host, ``[in, out]``, from its HF tensor(s): a whole tensor
+    (transposed if its rule says so), or the parts of a fused param placed on its output axis."""
+    if rules[0].part is None:
+        p = pieces[0]
+        return np.ascontiguousarray(p.T) if rules[0].transpose else p
+    parts = fused_parts(cfg)[rules[0].leaf]
+    shape = layer_param_shapes(cfg)[rules[0].leaf]
+    host = np.empty(shape, np.result_type(*pieces))
+    for r, p in zip(rules, pieces):
+        host[..., parts[r.part]] = p.T if r.transpose else p
+    return host
 
 
 def _set(tree: dict, path: str, value) -> None:
@@ -120,8 +151,6 @@ def hf_tensors_to_params(tensors: TensorSource, cfg: ModelConfig,
     Warns:
         UserWarning: the config's ``tie_word_embeddings`` disagrees with the tensors.
     """
-    untied_cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
-    shapes = param_shapes(untied_cfg)
     rules = [r for r in HF_TO_PARAMS if cfg.qk_norm or not r.qk_norm_only]
     compiled = [(_pattern(r.hf_name), r) for r in rules]
     ignored = [_pattern(t) for t in IGNORED_HF]
@@ -145,12 +174,11 @@ def hf_tensors_to_params(tensors: TensorSource, cfg: ModelConfig,
                    else f"no entry in the mapping table for architecture {cfg.architecture!r}")
             raise ValueError(f"unexpected tensor {name!r} in checkpoint: {why}")
         array = np.asarray(array)
-        want = _get(shapes, rule.param)
-        want = want[1:] if rule.per_layer else want
-        want = tuple(reversed(want)) if rule.transpose else tuple(want)
+        want = hf_shape(rule, cfg)
         if tuple(array.shape) != want:
+            where = rule.param.format(i=layer) + (f" part {rule.part!r}" if rule.part else "")
             raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {want} "
-                             f"(for param {rule.param!r} of {cfg.architecture} config)")
+                             f"(for param {where!r} of {cfg.architecture} config)")
         found[name] = array
 
     expected = []
@@ -165,19 +193,19 @@ def hf_tensors_to_params(tensors: TensorSource, cfg: ModelConfig,
     tied = _decide_tying(found, cfg)
     out_cfg = dataclasses.replace(cfg, tie_word_embeddings=tied)
 
-    params: dict = {}
+    groups: dict[str, list[TensorRule]] = {}  # param path -> its rule(s), fused parts in order
     for r in rules:
-        if r.param == "lm_head" and tied:
+        groups.setdefault(r.param, []).append(r)
+    params: dict = {}
+    for path, group in groups.items():
+        if path == "lm_head" and tied:
             continue
-        if r.per_layer:
-            pieces = [found.pop(r.hf_name.format(i=i)) for i in range(L)]
-            host = np.stack([p.T if r.transpose else p for p in pieces])
+        for i in range(L) if group[0].per_layer else [None]:
+            pieces = [found.pop(r.hf_name.format(i=i)) for r in group]
+            host = _assemble(group, pieces, cfg)
             del pieces
-        else:
-            p = found.pop(r.hf_name)
-            host = np.ascontiguousarray(p.T) if r.transpose else p
-        _set(params, r.param, jnp.asarray(host).astype(dtype))
-        del host
+            _set(params, path.format(i=i), jnp.asarray(host).astype(dtype))
+            del host
     return params, out_cfg
 
 
@@ -198,15 +226,18 @@ def _decide_tying(found: Mapping[str, np.ndarray], cfg: ModelConfig) -> bool:
     return False
 
 
-def hf_name_for(param: str, layer: int | None = None) -> str:
-    """The HF tensor name of a tree entry (``layers/...`` entries need ``layer``).
+def hf_name_for(param: str, layer: int | None = None, part: str | None = None) -> str:
+    """The HF tensor name of a tree entry, e.g. ``hf_name_for("layers/{i}/wqkv", 3, "k")`` ->
+    ``model.layers.3.self_attn.k_proj.weight`` (per-layer entries need ``layer``; fused entries
+    need ``part``).
 
     Raises:
-        ValueError: an unknown param path, or a layer index missing/extra.
+        ValueError: an unknown param path or part, or a layer index missing/extra.
     """
     for r in HF_TO_PARAMS:
-        if r.param == param:
+        if r.param == param and r.part == part:
             if r.per_layer != (layer is not None):
                 raise ValueError(f"param {param!r}: layer={layer!r} but per_layer={r.per_layer}")
             return r.hf_name.format(i=layer) if r.per_layer else r.hf_name
-    raise ValueError(f"unknown param path {param!r}; known: {[r.param for r in HF_TO_PARAMS]}")
+    raise ValueError(f"unknown param path {param!r} with part={part!r}; known: "
+                     f"{[(r.param, r.part) for r in HF_TO_PARAMS]}")

@@ -80,10 +80,10 @@ def save(dst_dir: str | os.PathLike, cfg, params, tokenizer, eos_ids: Sequence[i
     dst = os.path.abspath(os.fspath(dst_dir))
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise FileExistsError(f"destination {dst!r} exists and is not an empty directory")
-    want = param_shapes(cfg)
-    got = jax.tree_util.tree_map(lambda x: tuple(x.shape), params)
-    if got != want:
-        raise ValueError(f"params do not match the config: shapes {got} != expected {want}")
+    bad = _shape_mismatches(param_shapes(cfg),
+                            jax.tree_util.tree_map(lambda x: tuple(x.shape), params))
+    if bad:
+        raise ValueError(f"params do not match the config: {'; '.join(bad)}")
     dtype = _dtype_name(params)
     os.makedirs(dst, exist_ok=True)
 
@@ -120,27 +120,33 @@ def _stored_shapes(ckptr, params_dir: str) -> dict | None:
         return None
 
 
+def _shape_mismatches(want: dict, got: dict) -> list[str]:
+    """``"<path>: has <shape>, expected <shape>"`` for every param path (e.g.
+    ``['layers']['3']['wqkv']``) whose shape in ``got`` differs from ``want`` (None: absent)."""
+    import jax
+
+    def flat(tree):
+        leaves, _ = jax.tree_util.tree_flatten_with_path(tree,
+                                                         is_leaf=lambda x: isinstance(x, tuple))
+        return {jax.tree_util.keystr(k): v for k, v in leaves}
+
+    want, got = flat(want), flat(got)
+    return [f"{k}: has {got.get(k)}, expected {want.get(k)}"
+            for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
+
+
 def _check_stored_shapes(ckptr, params_dir: str, cfg, src: str) -> None:
     """Compare the stored shapes with ``param_shapes(cfg)`` before reading any data.
 
     Raises:
         ValueError: names every param path whose stored shape differs, is missing or is extra.
     """
-    import jax
-
     from jaxinfer.models.params import param_shapes
 
     stored = _stored_shapes(ckptr, params_dir)
     if stored is None:
         return
-
-    def flat(tree):
-        leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]
-        return {jax.tree_util.keystr(k): v for k, v in leaves}
-
-    want, got = flat(param_shapes(cfg)), flat(stored)
-    bad = [f"{k}: stored {got.get(k)} expected {want.get(k)}"
-           for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
+    bad = _shape_mismatches(param_shapes(cfg), stored)
     if bad:
         raise ValueError(f"checkpoint {src!r}: the stored params do not fit its {CONFIG_FILE} "
                          f"(shape mismatch: {'; '.join(bad)})")

@@ -7,15 +7,21 @@
          seq_lens i32[B], q_positions i32[B, T], *, layer, scale) -> [B, T, N, H]
 
 Decode steps (T == 1, query at position ``seq_len - 1``) go to the named decode kernel; prefill
-(T > 1) uses the reference until a prefill kernel variant exists. "auto" is the reference on CPU (and for
-float32 engines) and the fastest validated variant on GPU (`DEFAULT_GPU_VARIANT`).
+(T > 1) uses the reference until a prefill kernel variant exists. "auto" is the reference on CPU
+(and for float32 engines) and the fastest validated variant on GPU (`DEFAULT_GPU_VARIANT`).
+
+The model calls ``attn`` once per layer (L times in one jit, ``layer`` a Python int); the decode
+kernel call sits behind an inner ``jax.jit`` that takes ``layer`` as a traced i32[], so all L calls
+share one trace and one lowering of the kernel.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import reference, registry
 
@@ -51,12 +57,21 @@ def make_attention_fn(name: str) -> Callable:
         return reference.paged_attention
     decode = registry.get(name)
 
+    @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
+    def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_cap,
+                    sliding_window):
+        """q [B, 1, N, H], layer i32[] (traced: one lowering serves every layer) -> [B, 1, N, H]."""
+        out = decode(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
+                     soft_cap=soft_cap, sliding_window=sliding_window)
+        return out[:, None]
+
     def attn(q, k_pool, v_pool, block_tables, seq_lens, q_positions, *, layer, scale,
              soft_cap=None, sliding_window=None):
         if q.shape[1] == 1:
-            out = decode(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
-                         soft_cap=soft_cap, sliding_window=sliding_window)
-            return out[:, None]
+            return decode_step(
+                q, k_pool, v_pool, block_tables, seq_lens, jnp.asarray(layer, jnp.int32),
+                scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
+                sliding_window=None if sliding_window is None else int(sliding_window))
         return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
                                          layer=layer, scale=scale, soft_cap=soft_cap,
                                          sliding_window=sliding_window)

@@ -52,9 +52,9 @@ def _check_int(name: str, value, minimum: int) -> None:
 def param_count(cfg: ModelConfig) -> int:
     """Number of parameters in the tree of ``jaxinfer.models.params`` (computed without JAX).
 
-    embed V*D; per layer: attn_norm D, wq D*N*H, wk and wv D*K*H each, wo N*H*D, mlp_norm D,
-    w_gate and w_up D*F each, w_down F*D, plus q_norm and k_norm H each for Qwen3; final_norm D;
-    lm_head D*V unless the head is tied to the embedding.
+    embed V*D; per layer: attn_norm D, wqkv D*(N+2K)*H, wo N*H*D, mlp_norm D, w_gate_up D*2F,
+    w_down F*D, plus q_norm and k_norm H each for Qwen3; final_norm D; lm_head D*V unless the head
+    is tied to the embedding.
     """
     V, D, F, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -1,10 +1,14 @@
 """Shared building blocks of the Llama/Qwen3 family, as Flax linen modules over the plain param tree.
 
-The modules create exactly the tree of `jaxinfer.models.params` (stacked layers, ``[in, out]``
-matrices): every block declares its weights with ``self.param(<tree name>, ...)`` and is bound into
-its parent's scope with ``nn.share_scope``, so no per-module nesting appears in the tree. Layers run
-under ``nn.scan`` (params stacked on a leading L axis); the K/V page pools are part of the scan carry
-and are updated with `jaxinfer.kv_cache.write_kv` at the layer index.
+The modules create exactly the tree of `jaxinfer.models.params` (per-layer arrays under
+``layers/<i>``, fused ``wqkv`` and ``w_gate_up``, ``[in, out]`` matrices): every block declares its
+weights with ``self.param(<tree name>, ...)`` and is bound into its parent's scope with
+``nn.share_scope``, so no per-module nesting appears below a layer's dict. `Layers` runs the L
+`DecoderLayer` modules in a Python loop (unrolled under jit): each layer reads its own weight
+arrays, never a slice of a stacked array. The K/V page pools [L, P, K, page_size, H] are threaded
+through the loop; layer ``i`` writes them with `jaxinfer.kv_cache.write_kv` at the static index
+``i``. The fused projections' outputs are split with slices of the activations (`fused_parts`);
+weights are never copied or cast inside the step when they already have the compute dtype.
 
 Numerics: the compute dtype is the params' dtype (bf16 on GPU, f32 in tests); RMSNorm statistics,
 RoPE and the attention softmax (inside ``attn_fn``) run in float32; the residual stream stays in the
@@ -25,12 +29,18 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache, write_kv
-from jaxinfer.models.params import param_shapes
+from jaxinfer.models.params import fused_parts, layer_keys, layer_param_shapes, param_shapes
 
 INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
 
 
 # --------------------------------------------------------------------------- pure functions
+def in_dtype(w: jax.Array, dtype) -> jax.Array:
+    """``w`` cast to ``dtype``, or ``w`` itself when it already has it (so a weight in the compute
+    dtype costs no weight-sized op in the step)."""
+    return w if w.dtype == jnp.dtype(dtype) else w.astype(dtype)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """RMSNorm over the last axis: ``weight * (x / sqrt(mean(x^2) + eps))``.
 
@@ -41,7 +51,7 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     xf = x.astype(jnp.float32)
     var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
     normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-    return (weight.astype(x.dtype) * normed).astype(x.dtype)
+    return (in_dtype(weight, x.dtype) * normed).astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -93,7 +103,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class StepContext(NamedTuple):
-    """Per-step metadata every layer reads (broadcast over the layer scan, never scanned).
+    """Per-step metadata every layer reads (the same arrays for all L layers).
 
     positions i32[B, T], slot_mapping i32[B, T], block_tables i32[B, M], seq_lens i32[B],
     cos / sin f32[B, T, H/2].
@@ -136,6 +146,8 @@ class RMSNorm(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``; x [B, T, D] -> [B, T, D].
 
+    gate and up are one GEMM with ``w_gate_up`` [D, 2F]; its output [B, T, 2F] is split into the
+    gate [B, T, F] and up [B, T, F] halves (`fused_parts`). ``w_down`` [F, D].
     Source: Shazeer 2020, "GLU Variants Improve Transformer".
     """
 
@@ -144,21 +156,23 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        D, F = self.cfg.hidden_size, self.cfg.intermediate_size
-        w_gate = self.param("w_gate", _dense_init, (D, F), self.param_dtype)
-        w_up = self.param("w_up", _dense_init, (D, F), self.param_dtype)
-        w_down = self.param("w_down", _dense_init, (F, D), self.param_dtype)
+        shapes, parts = layer_param_shapes(self.cfg), fused_parts(self.cfg)["w_gate_up"]
+        w_gate_up = self.param("w_gate_up", _dense_init, shapes["w_gate_up"], self.param_dtype)
+        w_down = self.param("w_down", _dense_init, shapes["w_down"], self.param_dtype)
         with jax.named_scope("mlp"):
-            h = jax.nn.silu(x @ w_gate.astype(x.dtype)) * (x @ w_up.astype(x.dtype))
-            return (h @ w_down.astype(x.dtype)).astype(x.dtype)
+            gu = x @ in_dtype(w_gate_up, x.dtype)                       # [B, T, 2F]
+            h = jax.nn.silu(gu[..., parts["gate"]]) * gu[..., parts["up"]]
+            return (h @ in_dtype(w_down, x.dtype)).astype(x.dtype)
 
 
 class Attention(nn.Module):
     """Llama attention block over the paged KV cache.
 
-    x [B, T, D] -> q/k/v projections -> `normalize_qk` (identity here; Qwen3 overrides it) -> RoPE
-    at the step's positions -> ``write_kv`` into the pools at ``layer`` -> ``attn_fn`` -> wo.
-    Returns (out [B, T, D], k_pool, v_pool) with the pools [L, P, K, page_size, H] updated.
+    x [B, T, D] -> one GEMM with ``wqkv`` [D, (N + 2K) * H], split into q [B, T, N, H], k and v
+    [B, T, K, H] (`fused_parts`) -> `normalize_qk` (identity here; Qwen3 overrides it) -> RoPE at
+    the step's positions -> ``write_kv`` into the pools at ``layer`` (a Python int) -> ``attn_fn``
+    -> ``wo`` [N*H, D]. Returns (out [B, T, D], k_pool, v_pool) with the pools
+    [L, P, K, page_size, H] updated.
     """
 
     cfg: ModelConfig
@@ -170,19 +184,19 @@ class Attention(nn.Module):
         return q, k
 
     @nn.compact
-    def __call__(self, x: jax.Array, layer: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+    def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
                  ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array]:
         cfg = self.cfg
         B, T, D = x.shape
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        wq = self.param("wq", _dense_init, (D, N * H), self.param_dtype)
-        wk = self.param("wk", _dense_init, (D, K * H), self.param_dtype)
-        wv = self.param("wv", _dense_init, (D, K * H), self.param_dtype)
-        wo = self.param("wo", _dense_init, (N * H, D), self.param_dtype)
+        shapes, parts = layer_param_shapes(cfg), fused_parts(cfg)["wqkv"]
+        wqkv = self.param("wqkv", _dense_init, shapes["wqkv"], self.param_dtype)
+        wo = self.param("wo", _dense_init, shapes["wo"], self.param_dtype)
         with jax.named_scope("qkv"):
-            q = (x @ wq.astype(x.dtype)).reshape(B, T, N, H)
-            k = (x @ wk.astype(x.dtype)).reshape(B, T, K, H)
-            v = (x @ wv.astype(x.dtype)).reshape(B, T, K, H)
+            qkv = x @ in_dtype(wqkv, x.dtype)                           # [B, T, (N + 2K) * H]
+            q = qkv[..., parts["q"]].reshape(B, T, N, H)
+            k = qkv[..., parts["k"]].reshape(B, T, K, H)
+            v = qkv[..., parts["v"]].reshape(B, T, K, H)
             q, k = self.normalize_qk(q, k)
         with jax.named_scope("rope"):
             q = apply_rope(q, ctx.cos, ctx.sin)
@@ -192,15 +206,16 @@ class Attention(nn.Module):
         with jax.named_scope("attention"):
             o = self.attn_fn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions,
                              layer=layer, scale=H ** -0.5)
-            out = (o.astype(x.dtype).reshape(B, T, N * H) @ wo.astype(x.dtype)).astype(x.dtype)
+            out = (o.astype(x.dtype).reshape(B, T, N * H) @ in_dtype(wo, x.dtype)).astype(x.dtype)
         return out, k_pool, v_pool
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm decoder layer: ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``.
 
-    Scan body: carry (x [B, T, D], k_pool, v_pool), scanned input ``layer`` (i32[] index into the
-    pools' L axis), broadcast ``ctx`` (`StepContext`). Returns (new carry, None).
+    ``__call__(x [B, T, D], layer, k_pool, v_pool, ctx)`` with ``layer`` the static (Python int)
+    index into the pools' L axis and ``ctx`` the `StepContext`; returns (x, k_pool, v_pool).
+    Its params form one flat dict (``params["layers"][str(layer)]``).
     """
 
     cfg: ModelConfig
@@ -209,8 +224,8 @@ class DecoderLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, carry, layer, ctx: StepContext):
-        x, k_pool, v_pool = carry
+    def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
+                 ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array]:
         eps, pd = self.cfg.rms_norm_eps, self.param_dtype
         h = _shared(self, RMSNorm("attn_norm", eps, pd, name="attn_norm_block"))(x)
         attn = _shared(self, self.attention_cls(self.cfg, self.attn_fn, pd, name="attention"))
@@ -218,11 +233,33 @@ class DecoderLayer(nn.Module):
         x = x + a
         h = _shared(self, RMSNorm("mlp_norm", eps, pd, name="mlp_norm_block"))(x)
         x = x + _shared(self, MLP(self.cfg, pd, name="mlp"))(h)
-        return (x, k_pool, v_pool), None
+        return x, k_pool, v_pool
+
+
+class Layers(nn.Module):
+    """The L decoder layers, unrolled: a Python loop over `DecoderLayer` children named "0" ..
+    str(L-1), so their params land at ``params["layers"][str(i)]`` when this module is named
+    "layers". ``__call__(x [B, T, D], k_pool, v_pool, ctx)`` -> (x, k_pool, v_pool), the pools
+    [L, P, K, page_size, H] written by every layer at its own index.
+    """
+
+    cfg: ModelConfig
+    attn_fn: Callable
+    attention_cls: type = Attention
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                 ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array]:
+        for i, name in enumerate(layer_keys(self.cfg)):
+            layer = DecoderLayer(self.cfg, self.attn_fn, self.attention_cls, self.param_dtype,
+                                 name=name)
+            x, k_pool, v_pool = layer(x, i, k_pool, v_pool, ctx)
+        return x, k_pool, v_pool
 
 
 class CausalLM(nn.Module):
-    """Decoder-only LM trunk: embed -> L scanned `DecoderLayer` -> final norm.
+    """Decoder-only LM trunk: embed -> `Layers` (L unrolled `DecoderLayer`) -> final norm.
 
     Subclasses pick the attention block through the class variable ``attention_cls``.
     ``__call__(tokens i32[B, T], positions i32[B, T], slot_mapping i32[B, T], kv: KVCache)`` returns
@@ -240,7 +277,7 @@ class CausalLM(nn.Module):
     def __call__(self, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
                  kv: KVCache) -> tuple[jax.Array, KVCache]:
         cfg, pd = self.cfg, self.param_dtype
-        V, D, L = cfg.vocab_size, cfg.hidden_size, cfg.num_layers
+        V, D = cfg.vocab_size, cfg.hidden_size
         embed = self.param("embed", _dense_init, (V, D), pd)
         if not cfg.tie_word_embeddings:
             self.param("lm_head", _dense_init, (D, V), pd)
@@ -249,10 +286,8 @@ class CausalLM(nn.Module):
             cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
         ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
                           kv.block_tables, kv.seq_lens, cos, sin)
-        layers = nn.scan(DecoderLayer, variable_axes={"params": 0}, split_rngs={"params": True},
-                         in_axes=(0, nn.broadcast), length=L)(
-            cfg, self.attn_fn, self.attention_cls, pd, name="layers")
-        (x, k_pool, v_pool), _ = layers((x, kv.k, kv.v), jnp.arange(L, dtype=jnp.int32), ctx)
+        layers = Layers(cfg, self.attn_fn, self.attention_cls, pd, name="layers")
+        x, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
         x = _shared(self, RMSNorm("final_norm", cfg.rms_norm_eps, pd, name="final_norm_block"))(x)
         return x, kv.replace(k=k_pool, v=v_pool)
 

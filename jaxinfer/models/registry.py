@@ -45,9 +45,10 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
             attn_fn: Callable = reference.paged_attention) -> tuple[jax.Array, KVCache]:
     """One model step over the paged KV cache (prefill, decode or mixed).
 
-    Each layer: attn_norm -> q/k/v projections -> (Qwen3: q_norm/k_norm) -> RoPE at ``positions``
-    -> ``write_kv`` of this step's K/V into the pools via ``slot_mapping`` -> ``attn_fn`` -> wo ->
-    residual -> mlp_norm -> SwiGLU -> residual. The pools are carried through the layer scan.
+    Each layer: attn_norm -> fused q/k/v projection -> (Qwen3: q_norm/k_norm) -> RoPE at
+    ``positions`` -> ``write_kv`` of this step's K/V into the pools via ``slot_mapping`` ->
+    ``attn_fn`` -> wo -> residual -> mlp_norm -> SwiGLU (fused gate/up) -> residual. The L layers
+    are unrolled (each reads its own weight arrays); the pools are threaded through them.
 
     Args:
         params: the plain param tree of `jaxinfer.models.params` (no ``{"params": ...}`` wrapper);

@@ -34,19 +34,22 @@ from jaxinfer.models import registry  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PAGE_SIZE = 16
 
-# Our tree -> HF (name template, transposed?), written independently of the loader's tables.
+# Our tree -> HF (name template, transposed?) per layer entry; fused entries list their parts in
+# output-axis order with each part's width. Written independently of the loader's tables.
 TREE_TO_HF = {
     "attn_norm": ("model.layers.{i}.input_layernorm.weight", False),
-    "wq": ("model.layers.{i}.self_attn.q_proj.weight", True),
-    "wk": ("model.layers.{i}.self_attn.k_proj.weight", True),
-    "wv": ("model.layers.{i}.self_attn.v_proj.weight", True),
     "wo": ("model.layers.{i}.self_attn.o_proj.weight", True),
     "q_norm": ("model.layers.{i}.self_attn.q_norm.weight", False),
     "k_norm": ("model.layers.{i}.self_attn.k_norm.weight", False),
     "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", False),
-    "w_gate": ("model.layers.{i}.mlp.gate_proj.weight", True),
-    "w_up": ("model.layers.{i}.mlp.up_proj.weight", True),
     "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
+}
+FUSED_TO_HF = {
+    "wqkv": (("model.layers.{i}.self_attn.q_proj.weight", lambda c: c.num_heads * c.head_dim),
+             ("model.layers.{i}.self_attn.k_proj.weight", lambda c: c.num_kv_heads * c.head_dim),
+             ("model.layers.{i}.self_attn.v_proj.weight", lambda c: c.num_kv_heads * c.head_dim)),
+    "w_gate_up": (("model.layers.{i}.mlp.gate_proj.weight", lambda c: c.intermediate_size),
+                  ("model.layers.{i}.mlp.up_proj.weight", lambda c: c.intermediate_size)),
 }
 
 
@@ -55,12 +58,18 @@ def tree_as_hf(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
            "model.norm.weight": np.asarray(params["final_norm"])}
     if "lm_head" in params:
         out["lm_head.weight"] = np.asarray(params["lm_head"]).T
-    for key, (tmpl, transpose) in TREE_TO_HF.items():
-        if key not in params["layers"]:
-            continue
-        stacked = np.asarray(params["layers"][key])
-        for i in range(cfg.num_layers):
-            out[tmpl.format(i=i)] = stacked[i].T if transpose else stacked[i]
+    assert sorted(params["layers"], key=int) == [str(i) for i in range(cfg.num_layers)]
+    for i in range(cfg.num_layers):
+        layer = {k: np.asarray(v) for k, v in params["layers"][str(i)].items()}
+        for key, (tmpl, transpose) in TREE_TO_HF.items():
+            if key in layer:
+                out[tmpl.format(i=i)] = layer[key].T if transpose else layer[key]
+        for key, parts in FUSED_TO_HF.items():
+            start = 0
+            for tmpl, width in parts:
+                out[tmpl.format(i=i)] = layer[key][:, start:start + width(cfg)].T
+                start += width(cfg)
+            assert start == layer[key].shape[1]
     return out
 
 

@@ -12,6 +12,7 @@ zeros) over the whole pool, page 0 included, with a permuted block table and rag
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
@@ -93,7 +94,8 @@ def test_triton_pallas_interpret(name):
 
 
 def test_traced_layer_in_scan():
-    """The engine calls the kernel inside a lax.scan over layers: the layer index is traced."""
+    """The engine passes the layer index traced (`make_attention_fn`'s inner jit): one kernel
+    lowering serves every layer, so a traced layer must select the right pool slice."""
     args, kwargs, knobs, dtype = make_case("p16_h64_g1_f32_edges", seed=1)
     q, k_pool, v_pool, bt, seq_lens = args
     kwargs = {k: v for k, v in kwargs.items() if k != "layer"}
@@ -202,3 +204,43 @@ def test_choose_k_splits():
     assert tuning.choose_k_splits(1, 8, 16, 264) == 16       # capped at one split per block
     assert tuning.choose_k_splits(4, 8, 128, 264) == 9
     assert tuning.choose_k_splits(0, 8, 0, 264) == 1
+
+
+def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
+    """The model calls ``attn`` once per layer (unrolled, static layer ints); `make_attention_fn`
+    routes decode through one inner jit with a traced layer, so a 4-layer step traces and lowers
+    the kernel once, and its output equals the reference model's."""
+    import re
+
+    from jaxinfer import attention
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.kv_cache import KVCache
+    from jaxinfer.models import registry as models
+
+    knobs = dict(interpret=True, pages_per_block=4, num_warps=4, num_stages=1, k_splits=1)
+    kernel = functools.partial(triton_pallas.paged_decode_attention, **knobs)
+    monkeypatch.setattr(attention.registry, "get", lambda name: kernel)
+    attn = attention.make_attention_fn("triton")
+    cfg = ModelConfig("qwen3", 256, 64, 96, 4, 4, 2, 16)
+    params = models.init_params(cfg, jax.random.key(0), jnp.float32)
+    rng = np.random.default_rng(0)
+    pool = (cfg.num_layers, 8, cfg.num_kv_heads, 4, cfg.head_dim)
+    kv = KVCache(jnp.asarray(rng.standard_normal(pool), jnp.float32),
+                 jnp.asarray(rng.standard_normal(pool), jnp.float32),
+                 jnp.asarray([[3, 5], [2, 7]], jnp.int32), jnp.asarray([6, 3], jnp.int32))
+    tok = jnp.asarray([[7], [11]], jnp.int32)
+    pos, slots = jnp.asarray([[5], [2]], jnp.int32), jnp.asarray([[21], [10]], jnp.int32)
+
+    def step(params, kv, attn_fn):
+        return models.forward(params, cfg, tok, pos, slots, kv, attn_fn=attn_fn)[0]
+
+    jaxpr = jax.make_jaxpr(lambda p, c: step(p, c, attn))(params, kv).jaxpr
+    calls = [e for e in jaxpr.eqns if e.params.get("name") == "decode_step"]
+    assert len(calls) == cfg.num_layers
+    assert len({id(e.params["jaxpr"]) for e in calls}) == 1
+    text = jax.jit(lambda p, c: step(p, c, attn)).lower(params, kv).as_text()
+    assert len(re.findall(r"func\.func private @decode_step\b", text)) == 1
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(lambda p, c: step(p, c, attn))(params, kv)
+        want = jax.jit(lambda p, c: step(p, c, reference.paged_attention))(params, kv)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)

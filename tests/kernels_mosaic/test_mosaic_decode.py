@@ -133,7 +133,7 @@ def test_big_blocks_deep_pipeline_interpret():
 
 @needs_interpret
 def test_layer_traced_in_scan_interpret():
-    # The engine calls the kernel inside lax.scan over layers: layer is a traced i32[].
+    # The engine passes the layer as a traced i32[] (make_attention_fn's inner jit).
     lens = [33, 5, 0]
     q, k, v, t, s = make_inputs(7, lens=lens, N=4, K=2, H=64, page_size=16, M=3, L=2)
     scale = 64 ** -0.5

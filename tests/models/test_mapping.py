@@ -18,6 +18,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from checkpoints_tools import safetensors_loader  # noqa: E402
 from checkpoints_tools.mapping import HF_TO_PARAMS, hf_name_for, hf_tensors_to_params  # noqa: E402
+from jaxinfer.models.params import fused_parts  # noqa: E402
 from checkpoints_tools.safetensors_loader import load_safetensors_dir  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 
@@ -111,12 +112,27 @@ def test_every_hf_tensor_is_mapped_exactly_once(qwen3_state):
     tensors, cfg = qwen3_state
     params, _ = hf_tensors_to_params(tensors, cfg, jnp.float32)
     for r in HF_TO_PARAMS:
-        path = r.param.split("/")
-        got = params[path[0]] if len(path) == 1 else params[path[0]][path[1]]
         for i in range(cfg.num_layers) if r.per_layer else [None]:
-            want = tensors[hf_name_for(r.param, i)]
-            want = want.T if r.transpose else want
-            np.testing.assert_array_equal(np.asarray(got[i] if r.per_layer else got), want)
+            got = params
+            for key in r.param.format(i=i).split("/"):
+                got = got[key]
+            got = np.asarray(got)
+            if r.part is not None:
+                got = got[..., fused_parts(cfg)[r.leaf][r.part]]
+            want = tensors[hf_name_for(r.param, i, r.part)]
+            np.testing.assert_array_equal(got, want.T if r.transpose else want)
+
+
+def test_fused_params_concatenate_hf_tensors_in_order(qwen3_state):
+    """wqkv = [q_proj.T | k_proj.T | v_proj.T], w_gate_up = [gate_proj.T | up_proj.T]."""
+    tensors, cfg = qwen3_state
+    params, _ = hf_tensors_to_params(tensors, cfg, jnp.float32)
+    t = "model.layers.1."
+    wqkv = np.concatenate([tensors[t + f"self_attn.{n}_proj.weight"].T for n in "qkv"], axis=1)
+    w_gate_up = np.concatenate([tensors[t + f"mlp.{n}_proj.weight"].T for n in ("gate", "up")],
+                               axis=1)
+    np.testing.assert_array_equal(np.asarray(params["layers"]["1"]["wqkv"]), wqkv)
+    np.testing.assert_array_equal(np.asarray(params["layers"]["1"]["w_gate_up"]), w_gate_up)
 
 
 def test_missing_tensor_is_named(qwen3_state):
@@ -154,7 +170,8 @@ def test_rotary_buffer_is_ignored(qwen3_state):
     extra["model.rotary_emb.inv_freq"] = np.ones(8, np.float32)
     p1, _ = hf_tensors_to_params(extra, cfg, jnp.float32)
     p0, _ = hf_tensors_to_params(tensors, cfg, jnp.float32)
-    np.testing.assert_array_equal(np.asarray(p1["layers"]["wq"]), np.asarray(p0["layers"]["wq"]))
+    np.testing.assert_array_equal(np.asarray(p1["layers"]["0"]["wqkv"]),
+                                  np.asarray(p0["layers"]["0"]["wqkv"]))
 
 
 def test_duplicate_tensor_in_pairs(qwen3_state):
@@ -217,8 +234,10 @@ def test_bf16_checkpoint(tmp_path):
     _, p16 = load_safetensors_dir(tmp_path, jnp.bfloat16)
     assert p16["embed"].dtype == jnp.bfloat16 and p32["embed"].dtype == jnp.float32
     want = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T
-    np.testing.assert_array_equal(np.asarray(p32["layers"]["wq"][1]), want)
-    np.testing.assert_array_equal(np.asarray(p16["layers"]["wq"][1]).astype(np.float32), want)
+    q = fused_parts(cfg)["wqkv"]["q"]
+    np.testing.assert_array_equal(np.asarray(p32["layers"]["1"]["wqkv"][:, q]), want)
+    np.testing.assert_array_equal(np.asarray(p16["layers"]["1"]["wqkv"][:, q]).astype(np.float32),
+                                  want)
     # The jax-based fallback for safetensors builds without numpy bf16 reads the same bits.
     name = "model.layers.1.self_attn.q_proj.weight"
     via_jax = safetensors_loader._read_via_jax(str(tmp_path / "model.safetensors"), name)

@@ -219,7 +219,7 @@ def test_init_params_tree_matches_param_shapes(arch, tied):
 def test_forward_rejects_mismatched_tree():
     cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
     params = registry.init_params(cfg, jax.random.key(0), jnp.float32)
-    del params["layers"]["q_norm"]
+    del params["layers"]["1"]["q_norm"]
     kv = KVCache(jnp.zeros((2, 2, 2, 4, 16)), jnp.zeros((2, 2, 2, 4, 16)),
                  jnp.ones((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
     one = jnp.ones((1, 1), jnp.int32)

@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-kv-gib", type=float, default=100.0)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
+    ap.add_argument("--png", default="benchmarks/decode.png")
     args = ap.parse_args()
 
     from bench_paged_attention import copy_ceiling_tbps  # same directory
@@ -80,7 +81,8 @@ def main() -> None:
     attn_name = resolve_backend(args.attention, dtype="bfloat16")
     step_fn = make_step_fn(cfg, make_attention_fn(attn_name), True)
     kv_tok = cfg.kv_bytes_per_token(2)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = (subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip() or os.environ.get("GIT_COMMIT", ""))
     meta = dict(bench="decode", variant=attn_name, jax=jax.__version__, device=jax.devices()[0].device_kind,
                 date=datetime.date.today().isoformat(), commit=commit, layers=args.layers,
                 copy_tbps=ceiling, page_size=args.page_size)
@@ -102,7 +104,11 @@ def main() -> None:
             def run(kv):
                 return step_fn(params, kv.replace(block_tables=jnp.asarray(tables),
                                                   seq_lens=jnp.asarray(lens)), inp)
-            for _ in range(4):  # compile + warm-up
+            t = time.perf_counter()
+            toks, kv = run(kv)  # compile
+            toks.block_until_ready()
+            compile_s = time.perf_counter() - t
+            for _ in range(3):  # warm-up
                 toks, kv = run(kv)
             toks.block_until_ready()
             t = time.perf_counter()
@@ -111,10 +117,11 @@ def main() -> None:
             toks.block_until_ready()
             dt = (time.perf_counter() - t) / args.steps
             moved = wbytes + B * ctx * kv_tok
-            row = dict(meta, B=B, context=ctx, ms_per_step=dt * 1e3, tok_s=B / dt,
+            row = dict(meta, B=B, context=ctx, ms_per_step=dt * 1e3, tok_s=B / dt, compile_s=compile_s,
                        bytes_per_step=moved, tbps=moved / dt / 1e12, frac_of_copy=moved / dt / 1e12 / ceiling)
             rows.append(row)
-            print(json.dumps({k: row[k] for k in ("B", "context", "ms_per_step", "tok_s", "tbps", "frac_of_copy")}))
+            print(json.dumps({k: row[k] for k in ("B", "context", "ms_per_step", "tok_s", "tbps",
+                                                  "frac_of_copy", "compile_s")}))
             del kv
     for ctx in args.contexts:
         rs = [r for r in rows if r["context"] == ctx]
@@ -130,6 +137,28 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "decode.jsonl"), "w") as fh:
             for r in rows:
                 fh.write(json.dumps(r) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(7, 5))
+        for ctx in args.contexts:
+            pts = [(r["B"], r["tok_s"]) for r in rows if r["context"] == ctx]
+            if pts:
+                x, y = zip(*pts)
+                ax.plot(x, y, marker="o", label=f"context {ctx}")
+                knee = [r for r in rows if r["context"] == ctx and r.get("knee")]
+                for r in knee:
+                    ax.annotate("knee", (r["B"], r["tok_s"]))
+        ax.set_xscale("log", base=2); ax.set_xlabel("batch"); ax.set_ylabel("decode tok/s")
+        ax.set_title(f"Qwen3-8B arch decode step, {meta['device']}, attention={attn_name}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.png, dpi=120)
+        if os.environ.get("OUT"):
+            fig.savefig(os.path.join(os.environ["OUT"], os.path.basename(args.png)), dpi=120)
+    except ImportError:
+        print("matplotlib not installed: no PNG")
     print(f"\n{'B':>4} {'ctx':>5} {'ms/step':>8} {'tok/s':>8} {'GB/step':>8} {'TB/s':>6} {'frac':>5}")
     for r in rows:
         print(f"{r['B']:>4} {r['context']:>5} {r['ms_per_step']:>8.2f} {r['tok_s']:>8.0f} "

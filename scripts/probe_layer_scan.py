@@ -1,7 +1,7 @@
 """Probe: does the layer loop read each weight once per decode step?
 
 Times the weight-streaming core of a decode step at batch B (default 1) for Qwen3-8B shapes (q, k, v,
-o, gate, up, down matmuls per layer; no attention) in four forms, and reports the effective weight
+o, gate, up, down matmuls per layer; no attention) in five forms, and reports the effective weight
 read bandwidth against the copy ceiling measured in the same run:
 
   scan      lax.scan over weights stacked on a leading L axis (jaxinfer.models' former layout)
@@ -11,6 +11,8 @@ read bandwidth against the copy ceiling measured in the same run:
             jaxinfer.models.params
   scan+dsf  the scan form with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true (separate
             process, since XLA flags are read at start-up)
+  fused+cublas  the fused form with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (cuBLAS GEMMs
+            instead of XLA's Triton GEMM fusions)
 
 If ``scan`` is ~3x slower than ``unrolled``, the scan copies each layer's weight slice before its
 GEMM (read + write + read): issue 4's leading hypothesis for the 13 ms batch-1 step.
@@ -105,16 +107,17 @@ def main() -> None:
             str(args.batch), "--iters", str(args.iters), "--dims", *map(str, args.dims)]
     rows = []
     for form, extra in (("scan", ""), ("unrolled", ""), ("fused", ""),
-                        ("scan", "--xla_gpu_enable_dynamic_slice_fusion=true")):
+                        ("scan", "--xla_gpu_enable_dynamic_slice_fusion=true"),
+                        ("fused", "--xla_gpu_enable_triton_gemm=false")):
         env = dict(os.environ)
         if extra:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + extra).strip()
         r = subprocess.run(base + ["--form", form], capture_output=True, text=True, env=env)
         if r.returncode != 0:
-            rows.append(dict(form=form + ("+dsf" if extra else ""), error=r.stderr.strip()[-300:]))
+            rows.append(dict(form=form + ("+" + extra if extra else ""), error=r.stderr.strip()[-300:]))
             continue
         row = json.loads(r.stdout.strip().splitlines()[-1])
-        row["form"] = form + ("+dsf" if extra else "")
+        row["form"] = form + ("" if not extra else "+dsf" if "dynamic_slice" in extra else "+cublas")
         rows.append(row)
     from bench_paged_attention import copy_ceiling_tbps
     ceiling = max(copy_ceiling_tbps().values())

@@ -1,0 +1,132 @@
+"""Host overhead of the engine loop: device idle time between consecutive decode steps.
+
+Runs `LLMEngine` on the Qwen3-8B architecture (random bf16 weights, ``--layers`` of them) with
+``--batch`` requests of ``--context`` tokens in steady decode, and compares, in one run:
+
+  device   the engine's compiled decode step called back to back on the inputs of its last decode
+           step (no host work between steps): the device time of one step
+  async    ``LLMEngine.step()`` wall time per step with asynchronous scheduling (step n+1 is
+           dispatched before step n's tokens are read back)
+  sync     the same with ``async_scheduling=False`` (host work between steps idles the device)
+
+Idle fraction = 1 - device / engine step time. Appends JSON objects (bench="host_overhead") to
+``--out``.
+
+    python scripts/bench_host_overhead.py [--layers 36] [--batch 64] [--context 1024] [--steps 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1024, help="KV length reached at the end")
+    ap.add_argument("--steps", type=int, default=50, help="timed steps per mode")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--out", default="benchmarks/h200.jsonl")
+    args = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+
+    import jaxinfer.engine.llm_engine as le
+    from jaxinfer.config import EngineConfig, ModelConfig
+    from jaxinfer.models import registry as models
+    from jaxinfer.sampling_params import SamplingParams
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_decode import QWEN3_8B  # same directory
+
+    cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
+    params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    B, ps, warm = args.batch, args.page_size, 8
+    gen = warm + 2 * args.steps + 2
+    prompt_len = args.context - gen
+    pages = -(-args.context // ps)
+    ec = EngineConfig(max_model_len=args.context, page_size=ps, num_pages=B * pages + 1,
+                      max_num_seqs=B, max_num_batched_tokens=max(2048, prompt_len),
+                      dtype="bfloat16", attention=args.attention)
+    eng = le.LLMEngine(cfg, params, ec)
+    rng = np.random.default_rng(0)
+    for _ in range(B):
+        eng.add_request(rng.integers(0, min(10000, cfg.vocab_size), prompt_len).tolist(),
+                        SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True))
+
+    captured = {}
+    build = le.build_host_batch
+
+    def capture(batch, **kw):  # remember the last decode batch's host arrays
+        hb = build(batch, **kw)
+        if not batch.is_prefill:
+            captured["hb"] = hb
+        return hb
+    le.build_host_batch = capture
+
+    while eng.scheduler.num_waiting or eng.scheduler.prefilling is not None:
+        eng.step()
+    for _ in range(warm):  # compile and warm the decode bucket
+        eng.step()
+
+    def timed(mode: bool) -> float:
+        eng.async_scheduling = mode
+        eng.step()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        dt = (time.perf_counter() - t) / args.steps
+        return dt
+
+    t_async = timed(True)
+    t_sync = timed(False)
+    hb = captured["hb"]
+    assert hb.tokens.shape[0] == B, hb.tokens.shape
+    step = eng._steps[hb.all_greedy]
+    kv, inp = eng._device_inputs(hb)
+
+    def run(kv):  # the cache (tables included) is donated: fresh tables each step, as the engine
+        return step(eng.params, kv.replace(block_tables=jnp.asarray(hb.block_tables),
+                                           seq_lens=jnp.asarray(hb.seq_lens)), inp)
+    for _ in range(3):
+        toks, kv = run(kv)
+    toks.block_until_ready()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        toks, kv = run(kv)
+    toks.block_until_ready()
+    t_dev = (time.perf_counter() - t) / args.steps
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "")
+    meta = dict(bench="host_overhead", layers=args.layers, B=B, context=args.context,
+                attention=eng.resolved.attention, compiles=eng.num_compiles, jax=jax.__version__,
+                device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
+                commit=commit)
+    rows = [dict(meta, mode=m, ms_per_step=t * 1e3, idle_frac=max(0.0, 1 - t_dev / t))
+            for m, t in (("device", t_dev), ("async", t_async), ("sync", t_sync))]
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "a") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    print(f"\nB={B} context={args.context} layers={args.layers} attention={meta['attention']} "
+          f"compiles={meta['compiles']}")
+    print(f"{'mode':<8} {'ms/step':>8} {'idle':>6}")
+    for r in rows:
+        print(f"{r['mode']:<8} {r['ms_per_step']:>8.2f} {r['idle_frac']:>6.1%}")
+
+
+if __name__ == "__main__":
+    main()

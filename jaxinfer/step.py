@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import registry as models
+from jaxinfer.models.common import Packing
 from jaxinfer.sampling import SamplingMetadata, sample
 
 
@@ -25,11 +26,16 @@ from jaxinfer.sampling import SamplingMetadata, sample
 class StepInput:
     """Per-step device inputs, padded to a bucket (see DESIGN.md for shape letters).
 
+    Unpacked (decode; ``packing`` None): row b is sequence b.
     tokens:          i32[B, T] token ids (padding: 0)
     positions:       i32[B, T] absolute positions (padding: 0)
     slot_mapping:    i32[B, T] flat KV slot ``page * page_size + offset`` (padding: null page)
     logits_indices:  i32[B]    which of the T tokens of each row is sampled (its last real one)
     sampling:        SamplingMetadata for the B rows
+
+    Packed (prefill; ``packing`` a `Packing`): tokens, positions and slot_mapping are [1, Tp],
+    R sequences' chunks back to back; ``logits_indices`` i32[R] are packed indices; sampling
+    has R rows.
     """
 
     tokens: jax.Array
@@ -37,6 +43,7 @@ class StepInput:
     slot_mapping: jax.Array
     logits_indices: jax.Array
     sampling: SamplingMetadata
+    packing: Packing | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -53,12 +60,15 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, attn_fn
         inp: `StepInput`.
         cfg, attn_fn, all_greedy: static.
     Returns:
-        (next token ids i32[B], updated cache).
+        (next token ids i32[B] (i32[R] packed), updated cache).
     """
     hidden, kv = models.forward(params, cfg, inp.tokens, inp.positions, inp.slot_mapping, kv,
-                                attn_fn=attn_fn)
+                                attn_fn=attn_fn, packing=inp.packing)
     with jax.named_scope("lm_head"):
-        last = jnp.take_along_axis(hidden, inp.logits_indices[:, None, None], axis=1)[:, 0]
+        if inp.packing is None:
+            last = jnp.take_along_axis(hidden, inp.logits_indices[:, None, None], axis=1)[:, 0]
+        else:
+            last = hidden[0][inp.logits_indices]                                # [R, D]
         logits = models.compute_logits(params, cfg, last)
     with jax.named_scope("sample"):
         tokens = sample(logits, inp.sampling, all_greedy=all_greedy)

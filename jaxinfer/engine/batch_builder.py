@@ -18,28 +18,43 @@ GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """Padded sizes: batch rows B, query tokens T (prefill), pages per row M, penalty tokens R."""
+    """Padded sizes: batch rows B, a prefill row's query tokens Tq, pages per row M, and the
+    packed prefill tokens Tp (``packed_tokens``: powers of two up to a quarter of
+    ``max_num_batched_tokens`` (at least 512), then its multiples, so a packed step pads less than
+    a quarter of the budget with few compiled shapes; ``token_buckets`` replaces both lists)."""
 
     batch: tuple[int, ...]
     prefill_tokens: tuple[int, ...]
     pages: tuple[int, ...]
+    packed_tokens: tuple[int, ...] = ()
 
     @classmethod
     def build(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
               page_size: int, batch_buckets: tuple[int, ...] = (),
               token_buckets: tuple[int, ...] = ()) -> "BucketSpec":
         max_pages = -(-max_model_len // page_size)
+        top = max(16, max_num_batched_tokens)
+        quarter = max(512, top // 4)
+        fine = tuple(b for b in powers_of_two(16, quarter) if b < top)
+        fine += tuple(range(quarter, top, quarter)) + (top,)
         return cls(
             batch=batch_buckets or powers_of_two(1, max_num_seqs),
-            prefill_tokens=token_buckets or powers_of_two(16, max(16, max_num_batched_tokens)),
-            pages=powers_of_two(1, max_pages))
+            prefill_tokens=token_buckets or powers_of_two(16, top),
+            pages=powers_of_two(1, max_pages),
+            packed_tokens=token_buckets or tuple(sorted(set(fine))))
 
 
 @dataclass(frozen=True)
 class HostBatch:
     """numpy arrays for one step; ``sample_rows`` marks rows whose sampled token is real;
     ``pending_rows`` marks rows whose input token (``tokens[i, 0]``, 0 here) is a pending one
-    that the engine takes from the previous step's device output."""
+    that the engine takes from the previous step's device output.
+
+    Unpacked (decode, or every chunk 1 token): tokens/positions/slot_mapping are [B, T] with row
+    b = sequence b, and the packing fields are None. Packed (prefill): they are [1, Tp], the
+    rows' chunks back to back, and ``q_index``/``q_positions`` [R, Tq], ``out_index`` [Tp]
+    describe the rows (`jaxinfer.models.common.Packing`); row arrays have R = B entries.
+    """
 
     tokens: np.ndarray          # i32[B, T]
     positions: np.ndarray       # i32[B, T]
@@ -58,12 +73,19 @@ class HostBatch:
     sample_rows: np.ndarray     # bool[B]
     pending_rows: np.ndarray    # bool[B]
     all_greedy: bool
+    q_index: np.ndarray | None = None      # i32[R, Tq]  (packed only)
+    q_positions: np.ndarray | None = None  # i32[R, Tq]
+    out_index: np.ndarray | None = None    # i32[Tp]
+
+    @property
+    def packed(self) -> bool:
+        return self.q_index is not None
 
     @property
     def shape_key(self) -> tuple:
         """What a compiled step is specialised on."""
-        return (self.tokens.shape, self.block_tables.shape[1], self.penalty_tokens.shape[1],
-                self.all_greedy)
+        return (self.tokens.shape, self.block_tables.shape, self.penalty_tokens.shape[1],
+                None if self.q_index is None else self.q_index.shape, self.all_greedy)
 
 
 def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch:
@@ -73,7 +95,9 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch
     batch.start_positions[i]``, ``n = batch.num_new_tokens[i]``) and is sampled iff
     ``batch.do_sample[i]``. A row with ``batch.pending_input[i]`` (decode, n == 1) has its input
     token left at 0 and flagged in ``pending_rows``. Penalty tokens and ``step_idx`` count only
-    tokens known on the host, so the engine schedules penalised rows synchronously.
+    tokens known on the host, so the engine schedules penalised rows synchronously. A batch with a
+    chunk longer than 1 token is packed (see `HostBatch`): its tokens are padded once, at the end,
+    to a ``prefill_tokens`` bucket, instead of every row to the longest chunk.
 
     Raises:
         ValueError: a size exceeds the largest bucket.
@@ -81,13 +105,25 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch
     seqs, num_new_tokens = batch.seqs, batch.num_new_tokens
     n_rows = len(seqs)
     B = bucket(n_rows, buckets.batch)
-    T = 1 if max(num_new_tokens) == 1 else bucket(max(num_new_tokens), buckets.prefill_tokens)
+    longest = max(num_new_tokens)
+    packed = longest > 1
     kv_lens = [c + n for c, n in zip(batch.start_positions, num_new_tokens)]
     M = bucket(max(-(-k // page_size) for k in kv_lens), buckets.pages)
 
-    tokens = np.zeros((B, T), np.int32)
-    positions = np.zeros((B, T), np.int32)
-    slots = np.zeros((B, T), np.int32)
+    if packed:
+        Tp = bucket(sum(num_new_tokens), buckets.packed_tokens or buckets.prefill_tokens)
+        Tq = bucket(longest, buckets.prefill_tokens)
+        tokens = np.zeros((1, Tp), np.int32)
+        positions = np.zeros((1, Tp), np.int32)
+        slots = np.zeros((1, Tp), np.int32)
+        q_index = np.zeros((B, Tq), np.int32)
+        q_positions = np.zeros((B, Tq), np.int32)
+        out_index = np.zeros((Tp,), np.int32)
+    else:
+        tokens = np.zeros((B, 1), np.int32)
+        positions = np.zeros((B, 1), np.int32)
+        slots = np.zeros((B, 1), np.int32)
+        q_index = q_positions = out_index = None
     logits_idx = np.zeros((B,), np.int32)
     tables = np.zeros((B, M), np.int32)
     seq_lens = np.zeros((B,), np.int32)
@@ -104,17 +140,28 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch
     R = bucket(max(s.num_tokens for s in seqs), powers_of_two(16, 1 << 30)) if use_penalty else 0
     penalty = np.full((B, R), -1, np.int32)
 
+    off = 0  # packed offset of row i's first token
     for i, (s, n, c) in enumerate(zip(seqs, num_new_tokens, batch.start_positions)):
-        ids = s.all_token_ids
         pos = np.arange(c, c + n, dtype=np.int32)
-        if batch.pending_input[i]:
-            pending_rows[i] = True
-        else:
-            tokens[i, :n] = ids[c:c + n]
-        positions[i, :n] = pos
         table = np.asarray(s.block_table, np.int32)
-        slots[i, :n] = table[pos // page_size] * page_size + pos % page_size
-        logits_idx[i] = n - 1
+        row_slots = table[pos // page_size] * page_size + pos % page_size
+        if packed:
+            ids = s.all_token_ids
+            tokens[0, off:off + n] = ids[c:c + n]
+            positions[0, off:off + n] = pos
+            slots[0, off:off + n] = row_slots
+            q_index[i, :n] = np.arange(off, off + n)
+            q_positions[i, :n] = pos
+            out_index[off:off + n] = i * q_index.shape[1] + np.arange(n)
+            logits_idx[i] = off + n - 1
+            off += n
+        else:
+            if batch.pending_input[i]:
+                pending_rows[i] = True
+            else:
+                tokens[i, 0] = s.last_token_id if c == s.num_tokens - 1 else s.all_token_ids[c]
+            positions[i, 0] = c
+            slots[i, 0] = row_slots[0]
         npages = -(-(c + n) // page_size)
         tables[i, :npages] = table[:npages]
         seq_lens[i] = c + n
@@ -128,8 +175,9 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch
         step_idx[i] = s.num_tokens_with_pending - s.num_prompt_tokens - 1  # outputs before this one
         sample_rows[i] = batch.do_sample[i]
         if use_penalty:
+            ids = s.all_token_ids
             penalty[i, :len(ids)] = ids
     all_greedy = all(s.params.temperature < GREEDY_EPS for s in seqs)
     return HostBatch(tokens, positions, slots, logits_idx, tables, seq_lens, temperature, top_k,
                      top_p, min_p, rep, seeds, step_idx, penalty, sample_rows, pending_rows,
-                     all_greedy)
+                     all_greedy, q_index, q_positions, out_index)

@@ -28,6 +28,7 @@ from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.kv_cache import KVCache, init_kv_cache
 from jaxinfer.memory import MemoryTracker, device_memory_stats
+from jaxinfer.models.common import Packing
 from jaxinfer.models.params import param_bytes
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling import SamplingMetadata
@@ -212,8 +213,9 @@ class LLMEngine:
             temperature=hb.temperature, top_k=hb.top_k, top_p=hb.top_p, min_p=hb.min_p,
             repetition_penalty=hb.repetition_penalty, seeds=hb.seeds, step_idx=hb.step_idx,
             penalty_tokens=hb.penalty_tokens)
+        packing = (Packing(hb.q_index, hb.q_positions, hb.out_index) if hb.packed else None)
         inp = StepInput(tokens=hb.tokens, positions=hb.positions, slot_mapping=hb.slot_mapping,
-                        logits_indices=hb.logits_indices, sampling=sm)
+                        logits_indices=hb.logits_indices, sampling=sm, packing=packing)
         return kv, jax.tree_util.tree_map(jnp.asarray, inp)
 
     def step(self) -> list[Sequence]:

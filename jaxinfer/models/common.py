@@ -102,11 +102,31 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return out.astype(x.dtype)
 
 
+class Packing(NamedTuple):
+    """Where the tokens of a packed (ragged) prefill batch sit.
+
+    Packed layout: the step's tokens are one row ``[1, Tp]``, sequence after sequence, with no
+    padding between them (padding only at the end), so the projections and the MLP run on real
+    tokens only. Attention needs them per sequence: row r of the KV state (``block_tables[r]``,
+    ``seq_lens[r]``) has its query tokens at packed indices ``q_index[r, :n_r]``.
+
+    q_index:     i32[R, Tq] packed index of row r's j-th query token (padding: any valid index).
+    q_positions: i32[R, Tq] its absolute position (padding: 0).
+    out_index:   i32[Tp]    ``r * Tq + j`` for the packed token that is row r's j-th (padding: 0).
+
+    Source: vLLM's flattened token batch (``query_start_loc``), expressed as two gathers.
+    """
+
+    q_index: jax.Array
+    q_positions: jax.Array
+    out_index: jax.Array
+
+
 class StepContext(NamedTuple):
     """Per-step metadata every layer reads (the same arrays for all L layers).
 
-    positions i32[B, T], slot_mapping i32[B, T], block_tables i32[B, M], seq_lens i32[B],
-    cos / sin f32[B, T, H/2].
+    positions i32[B, T], slot_mapping i32[B, T], block_tables i32[R, M], seq_lens i32[R],
+    cos / sin f32[B, T, H/2], packing: `Packing` (then B = 1 and R rows) or None (then R = B).
     """
 
     positions: jax.Array
@@ -115,6 +135,26 @@ class StepContext(NamedTuple):
     seq_lens: jax.Array
     cos: jax.Array
     sin: jax.Array
+    packing: Packing | None = None
+
+
+def attend(attn_fn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+           ctx: StepContext, *, layer: int, scale: float) -> jax.Array:
+    """``attn_fn`` on q [B, T, N, H] in the step's layout; returns [B, T, N, H].
+
+    Unpacked: rows are sequences. Packed (``ctx.packing``): the queries [1, Tp, N, H] are gathered
+    into [R, Tq, N, H] rows, attended, and gathered back.
+    """
+    pk = ctx.packing
+    if pk is None:
+        return attn_fn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions,
+                       layer=layer, scale=scale)
+    _, Tp, N, H = q.shape
+    R, Tq = pk.q_index.shape
+    rows = q[0][pk.q_index]                                             # [R, Tq, N, H]
+    o = attn_fn(rows, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, pk.q_positions,
+                layer=layer, scale=scale)
+    return o.reshape(R * Tq, N, H)[pk.out_index][None]                  # [1, Tp, N, H]
 
 
 def _shared(parent: nn.Module, child: nn.Module) -> nn.Module:
@@ -204,8 +244,7 @@ class Attention(nn.Module):
         with jax.named_scope("kv_write"):
             k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
         with jax.named_scope("attention"):
-            o = self.attn_fn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions,
-                             layer=layer, scale=H ** -0.5)
+            o = attend(self.attn_fn, q, k_pool, v_pool, ctx, layer=layer, scale=H ** -0.5)
             out = (o.astype(x.dtype).reshape(B, T, N * H) @ in_dtype(wo, x.dtype)).astype(x.dtype)
         return out, k_pool, v_pool
 
@@ -262,8 +301,9 @@ class CausalLM(nn.Module):
     """Decoder-only LM trunk: embed -> `Layers` (L unrolled `DecoderLayer`) -> final norm.
 
     Subclasses pick the attention block through the class variable ``attention_cls``.
-    ``__call__(tokens i32[B, T], positions i32[B, T], slot_mapping i32[B, T], kv: KVCache)`` returns
-    (hidden [B, T, D] after the final norm, in the compute dtype = params dtype, new KVCache).
+    ``__call__(tokens i32[B, T], positions i32[B, T], slot_mapping i32[B, T], kv: KVCache,
+    packing: Packing | None)`` returns (hidden [B, T, D] after the final norm, in the compute
+    dtype = params dtype, new KVCache).
     ``lm_head`` [D, V] is declared (when untied) so that ``init`` creates it; logits are computed
     by `compute_logits`.
     """
@@ -275,7 +315,7 @@ class CausalLM(nn.Module):
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
-                 kv: KVCache) -> tuple[jax.Array, KVCache]:
+                 kv: KVCache, packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
         cfg, pd = self.cfg, self.param_dtype
         V, D = cfg.vocab_size, cfg.hidden_size
         embed = self.param("embed", _dense_init, (V, D), pd)
@@ -285,7 +325,7 @@ class CausalLM(nn.Module):
         with jax.named_scope("rope"):
             cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
         ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
-                          kv.block_tables, kv.seq_lens, cos, sin)
+                          kv.block_tables, kv.seq_lens, cos, sin, packing)
         layers = Layers(cfg, self.attn_fn, self.attention_cls, pd, name="layers")
         x, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
         x = _shared(self, RMSNorm("final_norm", cfg.rms_norm_eps, pd, name="final_norm_block"))(x)
@@ -320,11 +360,11 @@ def check_params(params: dict, cfg: ModelConfig) -> None:
 
 def forward_with(model_cls: type, params: dict, cfg: ModelConfig, tokens: jax.Array,
                  positions: jax.Array, slot_mapping: jax.Array, kv: KVCache, *,
-                 attn_fn: Callable) -> tuple[jax.Array, KVCache]:
+                 attn_fn: Callable, packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
     """Run ``model_cls`` (a `CausalLM` subclass) on the plain param tree; see `registry.forward`."""
     check_params(params, cfg)
     model = model_cls(cfg, attn_fn, params["embed"].dtype)
-    return model.apply({"params": params}, tokens, positions, slot_mapping, kv)
+    return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
 
 
 def init_with(model_cls: type, cfg: ModelConfig, key: jax.Array, dtype,

@@ -42,7 +42,8 @@ def model_class(cfg: ModelConfig) -> type:
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
             slot_mapping: jax.Array, kv: KVCache, *,
-            attn_fn: Callable = reference.paged_attention) -> tuple[jax.Array, KVCache]:
+            attn_fn: Callable = reference.paged_attention,
+            packing: common.Packing | None = None) -> tuple[jax.Array, KVCache]:
     """One model step over the paged KV cache (prefill, decode or mixed).
 
     Each layer: attn_norm -> fused q/k/v projection -> (Qwen3: q_norm/k_norm) -> RoPE at
@@ -58,18 +59,20 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
         positions: i32[B, T] absolute positions (RoPE and the causal mask).
         slot_mapping: i32[B, T] flat KV slot ``page * page_size + offset`` per token; padded tokens
             point into the null page 0.
-        kv: `KVCache` with pools [L, P, K, page_size, H], block_tables i32[B, M], seq_lens i32[B]
-            (the valid KV length of each sequence after this step's write).
+        kv: `KVCache` with pools [L, P, K, page_size, H], block_tables i32[R, M], seq_lens i32[R]
+            (the valid KV length of each sequence after this step's write); R = B unpacked.
         attn_fn: paged attention with the signature of
             ``pallas_kernels.paged_attention.reference.paged_attention`` (a plain Python callable,
             static under jit).
+        packing: None (row b of tokens is sequence b), or a `common.Packing` for a packed prefill
+            batch: tokens [1, Tp] hold R sequences' chunks back to back (no padding between them).
     Returns:
         (hidden [B, T, D] after the final norm in the compute dtype, the KVCache with updated pools).
     Raises:
         ValueError: unsupported architecture, or a param tree that does not match ``cfg``.
     """
     return common.forward_with(model_class(cfg), params, cfg, tokens, positions, slot_mapping, kv,
-                               attn_fn=attn_fn)
+                               attn_fn=attn_fn, packing=packing)
 
 
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

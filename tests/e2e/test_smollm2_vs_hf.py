@@ -99,10 +99,18 @@ def test_stop_string_truncates_text(llm, prompt_ids):
 
 def test_compiles_are_bounded(llm):
     """Every compiled step shape is one of the buckets; the count is reported."""
+    llm.generate(["Hi", "The capital of France is"], SamplingParams(max_tokens=3, **GREEDY))
     b = llm.engine.buckets
-    for (tok_shape, m, _r, _g) in llm.engine.compiled_shapes:
-        assert tok_shape[0] in b.batch and m in b.pages
-        assert tok_shape[1] == 1 or tok_shape[1] in b.prefill_tokens
+    packed = 0
+    for (tok_shape, table_shape, _r, q_shape, _g) in llm.engine.compiled_shapes:
+        assert table_shape[0] in b.batch and table_shape[1] in b.pages
+        if q_shape is None:  # decode: one token per row
+            assert tok_shape == (table_shape[0], 1)
+        else:                # packed prefill: [1, Tp] tokens, [R, Tq] query rows
+            packed += 1
+            assert tok_shape[0] == 1 and tok_shape[1] in b.packed_tokens
+            assert q_shape[0] == table_shape[0] and q_shape[1] in b.prefill_tokens
+    assert packed > 0
     assert llm.engine.num_compiles == len(llm.engine.compiled_shapes) > 0
 
 

@@ -121,14 +121,79 @@ def _variants():
     return [n for n in registry.names() if n != "reference"]
 
 
+def _teacher_forced_picks(loaded, attn_fn, prompts, outputs):
+    """Greedy pick of the bf16 model at every generated position when fed the reference tokens.
+
+    The prompt is prefilled with the reference attention; then each position is one decode step
+    (T=1) through ``attn_fn`` whose input is the reference token, so a near-tie at one position
+    does not change what the later positions see. Returns one list of ids per prompt.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jaxinfer.kv_cache import init_kv_cache
+    from jaxinfer.models import registry as models
+
+    cfg, params = loaded.config, loaded.params
+
+    @jax.jit
+    def decode(params, tok, pos, kv):
+        h, kv = models.forward(params, cfg, tok, pos, pos + 16, kv, attn_fn=attn_fn)
+        return jnp.argmax(models.compute_logits(params, cfg, h[:, 0]), -1), kv
+
+    picks = []
+    for p, out in zip(prompts, outputs):
+        pages = -(-(len(p) + len(out)) // 16)
+        kv = init_kv_cache(cfg, pages + 1, 16, jnp.bfloat16).replace(
+            block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
+            seq_lens=jnp.asarray([len(p)], jnp.int32))
+        pos = np.arange(len(p), dtype=np.int32)[None]
+        h, kv = models.forward(params, cfg, jnp.asarray([p], jnp.int32), jnp.asarray(pos),
+                               jnp.asarray(pos + 16), kv)
+        got = [int(jnp.argmax(models.compute_logits(params, cfg, h[0, -1])))]
+        for k, t in enumerate(out[:-1]):
+            at = len(p) + k
+            kv = kv.replace(seq_lens=jnp.asarray([at + 1], jnp.int32))
+            nxt, kv = decode(params, jnp.asarray([[t]], jnp.int32), jnp.asarray([[at]], jnp.int32), kv)
+            got.append(int(nxt[0]))
+        picks.append(got)
+    return picks
+
+
+@pytest.mark.parametrize("variant", _variants())
+def test_kernel_variant_teacher_forced_bf16(bf16_model, variant):
+    """Issue 3: inside the model, each kernel variant picks the reference path's greedy token at
+    every generated position (teacher-forced, so the whole range is compared), except where the
+    float32 top-2 margin is below 1% of the top logit (bf16 rounding of P before P.V can flip a
+    near-tie); and at least 90% of the positions agree."""
+    from jaxinfer.attention import make_attention_fn
+    from pallas_kernels.paged_attention import registry
+    loaded, prompts, want, margins = bf16_model
+    try:
+        registry.get(variant)
+    except ImportError as e:  # an optional back-end (jax_triton) not installed here
+        pytest.skip(f"{variant}: {e}")
+    got = _teacher_forced_picks(loaded, make_attention_fn(variant), prompts, want)
+    total = agree = 0
+    for g, w, m in zip(got, want, margins):
+        for i, (a, b) in enumerate(zip(g, w)):
+            total += 1
+            agree += a == b
+            if a != b:
+                assert m[i] < 0.01, (variant, i, float(m[i]))
+    assert total == sum(len(w) for w in want) and agree >= 0.9 * total, (variant, agree, total)
+
+
 @pytest.mark.parametrize("variant", _variants())
 def test_kernel_variant_matches_reference_tokens_bf16(bf16_model, variant):
-    """Issue 3: greedy generation with each kernel variant equals the reference path (bf16).
+    """Issue 3: greedy generation through the engine with each kernel variant equals the reference
+    path (bf16), free-running.
 
     bf16 kernels round differently from the float32-internal reference (e.g. P in bf16 for the
     P.V matmul), so a generation may part ways where the two best logits are within bf16 noise.
     Rule: tokens are equal up to the end, or up to a position whose teacher-forced float32 top-2
-    margin is below 1% of the top logit; and at least 3/4 of all tokens are compared.
+    margin is below 1% of the top logit. Every position is compared by
+    `test_kernel_variant_teacher_forced_bf16`, so no share of compared tokens is required here (a
+    near-tie at the 4th token is luck, not a kernel fault).
     """
     from pallas_kernels.paged_attention import registry
     loaded, prompts, want, margins = bf16_model
@@ -137,10 +202,8 @@ def test_kernel_variant_matches_reference_tokens_bf16(bf16_model, variant):
     except ImportError as e:  # an optional back-end (jax_triton) not installed here
         pytest.skip(f"{variant}: {e}")
     got = _engine_greedy(loaded, variant, prompts, 24)
-    compared = 0
+    assert [len(g) for g in got] == [len(w) for w in want]
     for g, w, m in zip(got, want, margins):
         d = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
-        compared += d
         if d < len(w):
             assert m[d] < 0.01, (variant, d, float(m[d]))
-    assert compared >= 0.75 * sum(len(w) for w in want), (variant, compared)

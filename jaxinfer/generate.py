@@ -56,9 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a CSV of weights / KV pool / pages in use / other bytes after each step")
     g.add_argument("--attention", default="auto",
                    help="paged-attention back-end: auto, reference, triton, mosaic, jax_triton")
-    g.add_argument("--no-async-scheduling", dest="async_scheduling", action="store_false",
-                   help="read each step's tokens back before scheduling the next (no host/device "
-                        "overlap; outputs are the same)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="dispatch step n+1 before reading back step n's tokens (host work hides "
+                        "behind device work); --no-async-scheduling reads each step back first. "
+                        "Outputs are the same either way")
     return p
 
 

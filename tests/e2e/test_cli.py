@@ -95,3 +95,18 @@ def test_undecodable_prompt_bytes_and_bad_prompts_file(tmp_path):
     r = run_cli("--prompts-file", str(f), timeout=120)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
     assert "not UTF-8" in r.stderr and "p.txt" in r.stderr
+
+
+def test_async_scheduling_flag_same_tokens():
+    """--no-async-scheduling (each step read back before the next) gives the same greedy tokens
+    and finish reasons as the default asynchronous scheduling, with a stop string and queueing."""
+    args = ["--prompt", "The capital of Japan is", "--prompt", "def fibonacci(n):",
+            "--prompt", "Water boils at", "--max-tokens", "24", "--json", "--max-num-seqs", "2",
+            "--stop", "\n\n", "--max-model-len", "256"]
+    runs = [run_cli(*args), run_cli(*args, "--no-async-scheduling")]
+    outs = []
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+        rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+        outs.append([(x["index"], x["token_ids"], x["finish_reason"]) for x in rows])
+    assert len(outs[0]) == 3 and outs[0] == outs[1]

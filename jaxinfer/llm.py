@@ -208,6 +208,9 @@ class LLM:
             text = self._detokenize(s.output_token_ids) if self.tokenizer is not None else ""
             if s.stop_string is not None:  # finished on a stop string: never show it
                 text = text[:text.find(s.stop_string)]
+            elif (s.is_finished and s.finish_reason == "stop"
+                  and s.output_token_ids[-1] in s.params.stop_token_ids):
+                text = self._detokenize(s.output_token_ids[:-1])  # a stop token's text is left out
             elif s.params.stop and not s.is_finished:
                 # hold back what could be the start of a stop string (vLLM does the same)
                 text = text[:max(len(text_done), len(text) - max(map(len, s.params.stop)) + 1)]

@@ -34,7 +34,11 @@ class RequestMetrics:
 @dataclass(frozen=True)
 class CompletionOutput:
     """One completion: ``finish_reason`` is "stop" (EOS, stop token or stop string), "length"
-    (max_tokens or max_model_len reached) or "error" (rejected before scheduling: see ``error``)."""
+    (max_tokens or max_model_len reached) or "error" (rejected before scheduling: see ``error``).
+
+    ``stop_reason`` (vLLM's rule): the stop string or the stop token id that ended it, None
+    otherwise (EOS included). ``text`` leaves out the stop string and the stop token's text;
+    ``token_ids`` keep the stop token."""
 
     index: int
     text: str

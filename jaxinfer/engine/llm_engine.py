@@ -317,12 +317,16 @@ class LLMEngine:
     def pop_output(self, rid: str, prompt: str | None = None) -> RequestOutput:
         """The `RequestOutput` of a finished request (removes it from the engine)."""
         s = self._seqs.pop(rid)
-        text = self.detokenize(s.output_token_ids) if self.detokenize else ""
+        ids = s.output_token_ids
         stop_reason = s.stop_string
-        if stop_reason is not None:
-            text = text[:text.find(stop_reason)]
-        elif s.finish_reason == "stop" and s.output_token_ids:
-            stop_reason = s.output_token_ids[-1]
+        if (stop_reason is None and s.finish_reason == "stop" and ids
+                and ids[-1] in s.params.stop_token_ids):
+            stop_reason = ids[-1]  # vLLM: the stop token id; its text is left out
+            text = self.detokenize(ids[:-1]) if self.detokenize else ""
+        else:  # EOS: stop_reason None (vLLM); a stop string: cut the text where it starts
+            text = self.detokenize(ids) if self.detokenize else ""
+            if stop_reason is not None:
+                text = text[:text.find(stop_reason)]
         comp = CompletionOutput(index=0, text=text, token_ids=tuple(s.output_token_ids),
                                 finish_reason=s.finish_reason, stop_reason=stop_reason)
         metrics = RequestMetrics(s.arrival_time, s.first_token_time, s.finish_time,

@@ -132,3 +132,22 @@ def test_config_missing_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(str(tmp_path))
+
+
+def test_stop_token_and_eos_reasons_follow_vllm(llm, prompt_ids):
+    """A stop token id: finish "stop", stop_reason = that id, its text left out of ``text`` (and of
+    the streamed text), the id kept in ``token_ids``. EOS: finish "stop", stop_reason None."""
+    ids = prompt_ids[3]  # "What is the capital of France?" -> "... Paris."
+    full = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert full.outputs[0].finish_reason == "stop" and full.outputs[0].stop_reason is None  # EOS
+    tok = llm.get_tokenizer()
+    k = next(i for i in range(1, len(full.token_ids)) if tok.decode(full.token_ids[i:i + 1]).strip())
+    stop_id = full.token_ids[k]
+    got = {}
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=[stop_id]),
+                       stream=lambda i, _t, d: got.__setitem__(i, got.get(i, "") + d))[0]
+    assert list(out.token_ids) == list(full.token_ids[:k + 1])
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+    assert out.text == tok.decode(list(full.token_ids[:k]), skip_special_tokens=True)
+    assert got[0] == out.text

@@ -76,9 +76,12 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
     reqs = [{"prompt_token_ids": p} for p in prompts]
     warm = min(len(reqs), args.max_num_seqs)
+    print(f"jaxinfer: model loaded, KV pool {llm.engine.resolved.num_pages} pages; warming up",
+          flush=True)
     t = time.perf_counter()
     llm.generate(reqs[:warm], params[:warm])  # compiles the buckets this workload visits
     warmup_s = time.perf_counter() - t
+    print(f"jaxinfer: warm-up {warmup_s:.0f} s, {llm.engine.num_compiles} compiled shapes", flush=True)
     compiles_before = llm.engine.num_compiles
     t = time.perf_counter()
     outs = llm.generate(reqs, params, use_tqdm=True)
@@ -159,22 +162,32 @@ def main() -> None:
     vocab = (ModelConfig.from_hf_dir(path).vocab_size
              if os.path.isfile(os.path.join(path, "config.json")) else 49152)
     prompts, out_lens = workload(args, vocab)
-    hf = run_hf(path, prompts, out_lens, args) if args.compare == "hf" else None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "")
+    # no jax.devices() before HF has run: it would make JAX take its memory pool first
+    meta = dict(bench="throughput", model=args.model or f"random qwen3-8b arch, {args.layers} layers",
+                num_requests=args.num_requests, input_range=[args.min_input, args.max_input],
+                output_range=[args.min_output, args.max_output], seed=args.seed,
+                jax=jax.__version__, date=datetime.date.today().isoformat(), commit=commit)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    t0 = time.perf_counter()
+
+    def record(row: dict, device: str) -> None:  # written at once: a later kill loses nothing
+        with open(args.out, "a") as fh:
+            fh.write(json.dumps(dict(meta, device=device, **row)) + "\n")
+        print(f"[{time.perf_counter() - t0:.0f} s] {row['engine']}: {row['output_tok_s']:.1f} "
+              f"output tok/s", flush=True)
+
+    hf = None
+    if args.compare == "hf":
+        import torch
+        hf = run_hf(path, prompts, out_lens, args)
+        record(hf, torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")
     rows = [run_jaxinfer(path, prompts, out_lens, args)]
     if hf is not None:
         rows.append(hf)
         rows[0]["speedup_vs_hf"] = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "")
-    meta = dict(bench="throughput", model=args.model or f"random qwen3-8b arch, {args.layers} layers",
-                num_requests=args.num_requests, input_range=[args.min_input, args.max_input],
-                output_range=[args.min_output, args.max_output], seed=args.seed,
-                jax=jax.__version__, device=jax.devices()[0].device_kind,
-                date=datetime.date.today().isoformat(), commit=commit)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "a") as fh:
-        for r in rows:
-            fh.write(json.dumps(dict(meta, **r)) + "\n")
+    record(rows[0], jax.devices()[0].device_kind)
     print(f"\n{'engine':<16} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'P50 s':>7} {'P99 s':>7}")
     for r in rows:
         f = lambda x, s=1e3: f"{x * s:.1f}" if x is not None else "-"  # noqa: E731

@@ -208,8 +208,7 @@ class LLM:
             text = self._detokenize(s.output_token_ids) if self.tokenizer is not None else ""
             if s.stop_string is not None:  # finished on a stop string: never show it
                 text = text[:text.find(s.stop_string)]
-            elif (s.is_finished and s.finish_reason == "stop"
-                  and s.output_token_ids[-1] in s.params.stop_token_ids):
+            elif s.ended_on_stop_token:
                 text = self._detokenize(s.output_token_ids[:-1])  # a stop token's text is left out
             elif s.params.stop and not s.is_finished:
                 # hold back what could be the start of a stop string (vLLM does the same)

@@ -319,8 +319,7 @@ class LLMEngine:
         s = self._seqs.pop(rid)
         ids = s.output_token_ids
         stop_reason = s.stop_string
-        if (stop_reason is None and s.finish_reason == "stop" and ids
-                and ids[-1] in s.params.stop_token_ids):
+        if s.ended_on_stop_token:
             stop_reason = ids[-1]  # vLLM: the stop token id; its text is left out
             text = self.detokenize(ids[:-1]) if self.detokenize else ""
         else:  # EOS: stop_reason None (vLLM); a stop string: cut the text where it starts

@@ -303,8 +303,10 @@ class Scheduler:
         bm = self.block_manager
         # admission order; victims come off the back. Sequences that end when their pending
         # tokens are read back keep their pages until then and are neither run nor preempted.
-        ending = [s for s in self.running if self._finishes_on_length(s)]
-        queue = deque(s for s in self.running if not self._finishes_on_length(s))
+        ending: list[Sequence] = []
+        queue: deque[Sequence] = deque()
+        for s in self.running:
+            (ending if self._finishes_on_length(s) else queue).append(s)
         scheduled: list[Sequence] = []
         deferred: list[Sequence] = []
         while queue:

@@ -109,6 +109,14 @@ class Sequence:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
+    def ended_on_stop_token(self) -> bool:
+        """Finished with "stop" because its last token is one of ``params.stop_token_ids`` (not a
+        stop string): that token's text is left out of the output text (vLLM's rule)."""
+        return (self.is_finished and self.finish_reason == "stop" and self.stop_string is None
+                and bool(self.output_token_ids)
+                and self.output_token_ids[-1] in self.params.stop_token_ids)
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 

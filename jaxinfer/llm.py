@@ -12,6 +12,14 @@ from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
 
+def _engine_config(engine_args: dict) -> EngineConfig:
+    unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; allowed: "
+                         f"{sorted(EngineConfig.__dataclass_fields__)}")
+    return EngineConfig(**engine_args)
+
+
 class LLM:
     """Load a model and generate from it with continuous batching.
 
@@ -34,11 +42,7 @@ class LLM:
         from checkpoints_tools.default_model import default_model_path
         from checkpoints_tools.loader import load_model
 
-        unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; allowed: "
-                             f"{sorted(EngineConfig.__dataclass_fields__)}")
-        ec = EngineConfig(**engine_args)
+        ec = _engine_config(engine_args)
         path = model if model is not None else default_model_path()
         dtype = ec.dtype or default_dtype()
         loaded = load_model(path, jnp.dtype(dtype), with_tokenizer=not skip_tokenizer_init)
@@ -47,6 +51,22 @@ class LLM:
         self.engine = LLMEngine(loaded.config, loaded.params, ec,
                                 eos_token_ids=loaded.eos_token_ids,
                                 detokenize=None if skip_tokenizer_init else self._detokenize)
+
+    @classmethod
+    def from_params(cls, config, params: dict, **engine_args) -> "LLM":
+        """An `LLM` over in-memory weights, without a tokenizer (prompts are token ids).
+
+        For research and benchmarks: ``params`` is the pytree `jaxinfer.models.registry.init_params`
+        builds for ``config`` (a `ModelConfig`), e.g. random weights of a published architecture.
+
+        Raises:
+            ValueError: an invalid engine argument.
+        """
+        self = cls.__new__(cls)
+        self.model_path, self.tokenizer = None, None
+        self.engine = LLMEngine(config, params, _engine_config(engine_args), eos_token_ids=(),
+                                detokenize=None)
+        return self
 
     # ------------------------------------------------------------------ helpers
     def _detokenize(self, ids) -> str:

@@ -9,8 +9,9 @@ requested tokens count). HF runs first and releases the GPU before JAX starts (J
 it allocates). Appends JSON objects (bench="throughput") to ``--out``.
 
 Model: ``--model DIR`` (HF safetensors dir, GGUF file or Orbax dir); default: a random-weight model
-with the published Qwen3-8B architecture (``--layers`` of them), written once as an HF checkpoint
-to ``--random-dir`` so both engines load identical weights.
+with the published Qwen3-8B architecture (``--layers`` of them): with ``--compare hf`` written once
+as an HF checkpoint to ``--random-dir`` so both engines load identical weights, otherwise built
+directly on the device (``LLM.from_params``).
 
     python scripts/bench_throughput.py [--num-requests 256] [--compare hf] [--model DIR]
 """
@@ -70,9 +71,20 @@ def summarize(name, t_total, n_out, ttft, tpot, latency) -> dict:
 
 def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     from jaxinfer import LLM, SamplingParams
-    llm = LLM(path, skip_tokenizer_init=True, max_model_len=args.max_input + args.max_output,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              attention=args.attention, dtype=args.dtype)
+    kw = dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention,
+              dtype=args.dtype)
+    if path is None:  # random weights built on the device: no checkpoint to write or read
+        import jax
+        import jax.numpy as jnp
+        from jaxinfer.config import ModelConfig
+        from jaxinfer.models import registry as models
+        cfg = ModelConfig.from_hf_config(dict(QWEN3_8B_HF, model_type="qwen3",
+                                              num_hidden_layers=args.layers))
+        dtype = jnp.dtype(args.dtype or "bfloat16")
+        llm = LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), dtype), **kw)
+    else:
+        llm = LLM(path, skip_tokenizer_init=True, **kw)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
     reqs = [{"prompt_token_ids": p} for p in prompts]
     warm = min(len(reqs), args.max_num_seqs)
@@ -156,11 +168,14 @@ def main() -> None:
     args = ap.parse_args()
 
     import jax
-    path = args.model or random_qwen3_checkpoint(args.random_dir, args.layers)
+    # HF needs a checkpoint on disk; jaxinfer alone builds random weights on the device
+    path = args.model or (random_qwen3_checkpoint(args.random_dir, args.layers)
+                          if args.compare == "hf" else None)
     from checkpoints_tools.loader import load_params  # noqa: F401 (import check before timing)
     from jaxinfer.config import ModelConfig
     vocab = (ModelConfig.from_hf_dir(path).vocab_size
-             if os.path.isfile(os.path.join(path, "config.json")) else 49152)
+             if path and os.path.isfile(os.path.join(path, "config.json"))
+             else QWEN3_8B_HF["vocab_size"] if path is None else 49152)
     prompts, out_lens = workload(args, vocab)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "")

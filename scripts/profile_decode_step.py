@@ -1,0 +1,145 @@
+"""Where a decode step's time goes: GPU kernel time per step, grouped by kernel, from a JAX profiler
+trace of the engine's jit step (Qwen3-8B architecture, random bf16 weights, as bench_decode.py).
+
+Traces ``--steps`` steps after warm-up, reads the trace back with ``jax.profiler.ProfileData`` and
+prints, per kernel name: launches per step, µs per step and share of the step; plus the busy time
+(union of kernel intervals) against the wall time, so the idle gaps between kernels show. Writes the
+table as JSON to ``--out`` (and ``$OUT/profile_decode.json`` when ``$OUT`` is set).
+
+    python scripts/profile_decode_step.py [--batch 1] [--context 1024] [--layers 36] [--attention auto]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_decode import QWEN3_8B, step_inputs  # noqa: E402
+from jaxinfer.attention import make_attention_fn, resolve_backend  # noqa: E402
+from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.kv_cache import KVCache  # noqa: E402
+from jaxinfer.models import registry as models  # noqa: E402
+from jaxinfer.step import make_step_fn  # noqa: E402
+
+
+def kernel_events(xplane_path: str) -> list[tuple[str, int, int]]:
+    """(name, start_ns, duration_ns) of every kernel on the first GPU plane's stream lines."""
+    from jax.profiler import ProfileData
+    data = ProfileData.from_file(xplane_path)
+    gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    if not gpu:
+        raise RuntimeError(f"no GPU plane in {xplane_path}: {[p.name for p in data.planes]}")
+    out = []
+    for line in gpu[0].lines:
+        if "stream" not in line.name.lower():
+            continue
+        for e in line.events:
+            out.append((e.name, int(e.start_ns), int(e.duration_ns)))
+    return out
+
+
+def busy_ns(events) -> int:
+    """Length of the union of the kernel intervals (overlapping streams counted once)."""
+    total, end = 0, -1
+    for _, s, d in sorted(events, key=lambda e: e[1]):
+        if s >= end:
+            total += d
+            end = s + d
+        elif s + d > end:
+            total += s + d - end
+            end = s + d
+    return total
+
+
+def short(name: str) -> str:
+    """Kernel names without trailing instance numbers (``loop_fusion_12`` -> ``loop_fusion``)."""
+    return re.sub(r"(_\d+)+$", "", name.split("(")[0])[:80]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default="benchmarks/profile_decode.json")
+    args = ap.parse_args()
+
+    cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
+    params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    attn = resolve_backend(args.attention, dtype="bfloat16")
+    step_fn = make_step_fn(cfg, make_attention_fn(attn), True)
+    B, ctx, ps = args.batch, args.context, args.page_size
+    M = -(-ctx // ps)
+    shape = (cfg.num_layers, B * M + 1, cfg.num_kv_heads, ps, cfg.head_dim)
+    kv = KVCache(k=jnp.zeros(shape, jnp.bfloat16) + 0.01, v=jnp.zeros(shape, jnp.bfloat16) + 0.01,
+                 block_tables=jnp.zeros((B, M), jnp.int32), seq_lens=jnp.zeros((B,), jnp.int32))
+    inp, tables, lens = step_inputs(B, ctx, ps, M)
+
+    def run(kv):
+        return step_fn(params, kv.replace(block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(lens)),
+                       inp)
+    for _ in range(4):
+        toks, kv = run(kv)
+    toks.block_until_ready()
+    t = time.perf_counter()
+    for _ in range(args.steps):
+        toks, kv = run(kv)
+    toks.block_until_ready()
+    wall_ms = (time.perf_counter() - t) / args.steps * 1e3
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(args.steps):
+                toks, kv = run(kv)
+            toks.block_until_ready()
+        paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        events = kernel_events(paths[0])
+    if not events:
+        raise RuntimeError("the trace holds no GPU kernel events")
+    span_ns = max(s + d for _, s, d in events) - min(s for _, s, d in events)
+    agg = collections.defaultdict(lambda: [0, 0])
+    for name, _, dur in events:
+        agg[short(name)][0] += 1
+        agg[short(name)][1] += dur
+    n = args.steps
+    kern_us = sum(d for _, _, d in events) / n / 1e3
+    rows = sorted(({"kernel": k, "launches_per_step": c / n, "us_per_step": t / n / 1e3,
+                    "share": t / n / 1e3 / kern_us} for k, (c, t) in agg.items()),
+                  key=lambda r: -r["us_per_step"])
+    summary = dict(B=B, context=ctx, layers=args.layers, attention=attn, steps=n,
+                   wall_ms_per_step_untraced=wall_ms, kernel_ms_per_step=kern_us / 1e3,
+                   busy_ms_per_step=busy_ns(events) / n / 1e6, span_ms_per_step=span_ns / n / 1e6,
+                   launches_per_step=len(events) / n, device=jax.devices()[0].device_kind,
+                   jax=jax.__version__, kernels=rows)
+    print(f"B={B} ctx={ctx} layers={args.layers} attention={attn}: untraced {wall_ms:.3f} ms/step; "
+          f"traced span {summary['span_ms_per_step']:.3f} ms, GPU busy {summary['busy_ms_per_step']:.3f} "
+          f"ms, {summary['launches_per_step']:.0f} kernel launches per step")
+    print(f"{'kernel':<80} {'n/step':>7} {'us/step':>9} {'share':>6}")
+    for r in rows[:args.top]:
+        print(f"{r['kernel']:<80} {r['launches_per_step']:>7.1f} {r['us_per_step']:>9.1f} "
+              f"{r['share']:>6.1%}")
+    for path in [args.out] + ([os.path.join(os.environ["OUT"], "profile_decode.json")]
+                              if os.environ.get("OUT") else []):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(summary, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

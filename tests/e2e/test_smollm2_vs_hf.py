@@ -140,3 +140,19 @@ def test_stop_string_spanning_many_tokens(llm):
                                                         stop=[stop], **GREEDY))[0]
     assert out.outputs[0].finish_reason == "stop" and stop not in out.text
     assert out.text == full.text[:full.text.find(stop)]
+
+
+def test_from_params_matches_hf(smollm_path, hf_greedy, prompt_ids):
+    """LLM.from_params over the loaded weights (no tokenizer) gives HF's greedy tokens."""
+    import jax.numpy as jnp
+    from checkpoints_tools.loader import load_model
+    loaded = load_model(smollm_path, jnp.float32, with_tokenizer=False)
+    llm = LLM.from_params(loaded.config, loaded.params, max_model_len=256, max_num_seqs=4,
+                          page_size=PAGE_SIZE, num_pages=64, dtype="float32")
+    assert llm.get_tokenizer() is None
+    ids = prompt_ids[0]
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0]
+    assert list(out.token_ids) == hf_greedy(ids, 12, ignore_eos=True)
+    with pytest.raises(ValueError, match="unknown engine argument"):
+        LLM.from_params(loaded.config, loaded.params, max_batch=3)

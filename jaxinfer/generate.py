@@ -146,6 +146,8 @@ def _main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
 
     def print_delta(i, _ids, delta):
+        if not delta:  # a token whose text is held back (a possible stop string) or not complete
+            return
         sys.stdout.write(f"[{i}] {delta}\n" if len(prompts) > 1 else delta)
         sys.stdout.flush()
 

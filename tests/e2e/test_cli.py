@@ -110,3 +110,15 @@ def test_async_scheduling_flag_same_tokens():
         rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
         outs.append([(x["index"], x["token_ids"], x["finish_reason"]) for x in rows])
     assert len(outs[0]) == 3 and outs[0] == outs[1]
+
+
+def test_stream_with_stop_string_prints_no_empty_deltas():
+    """Text held back while it may begin a stop string is not streamed as an empty ``[i]`` line."""
+    # a 40-character stop string holds back the first tokens' text until the request finishes
+    r = run_cli("--prompt", "The capital of France is", "--prompt", "List three colours:",
+                "--max-tokens", "6", "--stream", "--stop", "z" * 40, "--max-model-len", "128",
+                timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[")]
+    assert lines, r.stdout
+    assert all(ln.split("] ", 1)[1] if "] " in ln else "" for ln in lines), lines

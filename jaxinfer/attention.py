@@ -7,12 +7,14 @@
          seq_lens i32[B], q_positions i32[B, T], *, layer, scale) -> [B, T, N, H]
 
 Decode steps (T == 1, query at position ``seq_len - 1``) go to the named decode kernel; prefill
-(T > 1) uses the reference until a prefill kernel variant exists. "auto" is the reference on CPU
-(and for float32 engines) and the fastest validated variant on GPU (`DEFAULT_GPU_VARIANT`).
+(T > 1) to the named prefill variant (`registry.prefill_names`). For decode, "auto" is the
+reference on CPU (and for float32 engines) and the fastest validated variant on GPU
+(`DEFAULT_GPU_VARIANT`); for prefill, "auto" is the reference (`DEFAULT_GPU_PREFILL`) until the
+``triton`` prefill kernel has been validated and timed on the GPU.
 
-The model calls ``attn`` once per layer (L times in one jit, ``layer`` a Python int); the decode
-kernel call sits behind an inner ``jax.jit`` that takes ``layer`` as a traced i32[], so all L calls
-share one trace and one lowering of the kernel.
+The model calls ``attn`` once per layer (L times in one jit, ``layer`` a Python int); each kernel
+call sits behind an inner ``jax.jit`` that takes ``layer`` as a traced i32[], so all L calls share
+one trace and one lowering of the kernel.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from pallas_kernels.paged_attention import reference, registry
 # The fastest variant validated on the H200 (see BENCHMARKS.md). Its compiled form takes bf16/f16
 # KV only (Hopper wgmma has no f32 P.V), so float32 engines fall back to the reference.
 DEFAULT_GPU_VARIANT = "mosaic"
+# Prefill: the Pallas kernel passes the CPU (interpret) tests but has not run on a GPU yet.
+DEFAULT_GPU_PREFILL = "reference"
 
 
 def resolve_backend(name: str, platform: str | None = None, dtype: str = "bfloat16") -> str:
@@ -51,11 +55,30 @@ def resolve_backend(name: str, platform: str | None = None, dtype: str = "bfloat
     return name
 
 
-def make_attention_fn(name: str) -> Callable:
-    """Attention callable for the model, built from the decode variant ``name`` (already resolved)."""
-    if name == "reference":
+def resolve_prefill_backend(name: str, platform: str | None = None) -> str:
+    """Map "auto" to a concrete prefill variant for ``platform``.
+
+    Raises:
+        ValueError: ``name`` is not "auto" or a registered prefill variant, or names a GPU kernel
+            while JAX's backend is not a GPU.
+    """
+    if name == "auto":
+        return DEFAULT_GPU_PREFILL if (platform or jax.default_backend()) == "gpu" else "reference"
+    registry.get_prefill(name)  # raises ValueError listing the registered names
+    platform = platform or jax.default_backend()
+    if name != "reference" and platform != "gpu":
+        raise ValueError(f"prefill_attention={name!r} is a GPU kernel and this host's JAX backend "
+                         f"is {platform!r}; use 'auto' or 'reference' here")
+    return name
+
+
+def make_attention_fn(name: str, prefill: str = "reference") -> Callable:
+    """Attention callable for the model from the decode variant ``name`` and the prefill variant
+    ``prefill`` (both already resolved)."""
+    if name == "reference" and prefill == "reference":
         return reference.paged_attention
-    decode = registry.get(name)
+    decode = None if name == "reference" else registry.get(name)
+    prefill_fn = registry.get_prefill(prefill)
 
     @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
     def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_cap,
@@ -65,15 +88,25 @@ def make_attention_fn(name: str) -> Callable:
                      soft_cap=soft_cap, sliding_window=sliding_window)
         return out[:, None]
 
+    @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
+    def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, *, scale,
+                     soft_cap, sliding_window):
+        """q [B, T, N, H], layer i32[] (traced: one lowering serves every layer) -> [B, T, N, H]."""
+        return prefill_fn(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer=layer,
+                          scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+
     def attn(q, k_pool, v_pool, block_tables, seq_lens, q_positions, *, layer, scale,
              soft_cap=None, sliding_window=None):
-        if q.shape[1] == 1:
-            return decode_step(
-                q, k_pool, v_pool, block_tables, seq_lens, jnp.asarray(layer, jnp.int32),
-                scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
-                sliding_window=None if sliding_window is None else int(sliding_window))
-        return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
-                                         layer=layer, scale=scale, soft_cap=soft_cap,
-                                         sliding_window=sliding_window)
+        static = dict(scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
+                      sliding_window=None if sliding_window is None else int(sliding_window))
+        if q.shape[1] == 1 and decode is not None:
+            return decode_step(q, k_pool, v_pool, block_tables, seq_lens,
+                               jnp.asarray(layer, jnp.int32), **static)
+        if q.shape[1] == 1 or prefill == "reference":
+            return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
+                                             q_positions, layer=layer, scale=scale,
+                                             soft_cap=soft_cap, sliding_window=sliding_window)
+        return prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
+                            jnp.asarray(layer, jnp.int32), **static)
 
     return attn

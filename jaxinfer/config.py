@@ -218,6 +218,7 @@ class ModelConfig:
 
 
 ATTENTION_BACKENDS = ("auto", "reference", "triton", "mosaic", "jax_triton")
+PREFILL_ATTENTION_BACKENDS = ("auto", "reference", "triton")
 
 
 @dataclass(frozen=True)
@@ -236,7 +237,11 @@ class EngineConfig:
             longer prompts).
         dtype: compute and KV dtype: "float32" or "bfloat16"; ``None``: bfloat16 on GPU, float32
             on CPU (XLA:CPU has no fast bf16 matmul).
-        attention: paged-attention back-end name; "auto" picks the fastest correct one for the device.
+        attention: paged-attention back-end name for decode steps; "auto" picks the fastest
+            correct one for the device.
+        prefill_attention: back-end for prefill steps (several query tokens per sequence):
+            "reference" (gather + dense float32 softmax), "triton" (Pallas flash-attention
+            kernel, GPU); "auto" is the reference until the kernel is validated on the GPU.
         batch_buckets / token_buckets: padded sizes for B and T; ``()`` = powers of two.
         async_scheduling: schedule and dispatch step n+1 before reading back step n's tokens, so
             host work overlaps device work (vLLM's ``async_scheduling``); ``False``: each step is
@@ -251,6 +256,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     dtype: str | None = None
     attention: str = "auto"
+    prefill_attention: str = "auto"
     seed: int = 0
     batch_buckets: tuple[int, ...] = ()
     token_buckets: tuple[int, ...] = ()
@@ -275,6 +281,9 @@ class EngineConfig:
             _fail("EngineConfig", "dtype", self.dtype, "allowed: None, 'float32', 'bfloat16'")
         if self.attention not in ATTENTION_BACKENDS:
             _fail("EngineConfig", "attention", self.attention, f"allowed: {ATTENTION_BACKENDS}")
+        if self.prefill_attention not in PREFILL_ATTENTION_BACKENDS:
+            _fail("EngineConfig", "prefill_attention", self.prefill_attention,
+                  f"allowed: {PREFILL_ATTENTION_BACKENDS}")
         if not isinstance(self.async_scheduling, bool):
             _fail("EngineConfig", "async_scheduling", self.async_scheduling, "must be True or False")
         for name in ("batch_buckets", "token_buckets"):

@@ -55,7 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--memory-trace", default=None, metavar="FILE",
                    help="write a CSV of weights / KV pool / pages in use / other bytes after each step")
     g.add_argument("--attention", default="auto",
-                   help="paged-attention back-end: auto, reference, triton, mosaic, jax_triton")
+                   help="paged-attention back-end for decode: auto, reference, triton, mosaic, "
+                        "jax_triton")
+    g.add_argument("--prefill-attention", default="auto",
+                   help="attention back-end for prefill: auto (= reference for now), reference, "
+                        "triton")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch step n+1 before reading back step n's tokens (host work hides "
                         "behind device work); --no-async-scheduling reads each step back first. "
@@ -136,7 +140,8 @@ def _main(argv: list[str] | None = None) -> int:
         llm = LLM(args.model, max_model_len=args.max_model_len, page_size=args.page_size,
                   num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-                  attention=args.attention, async_scheduling=args.async_scheduling)
+                  attention=args.attention, prefill_attention=args.prefill_attention,
+                  async_scheduling=args.async_scheduling)
         if args.chat:
             inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
                 [{"role": "user", "content": p}])} for p in prompts]

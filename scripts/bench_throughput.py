@@ -74,7 +74,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     from jaxinfer import LLM, SamplingParams
     kw = dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention,
-              dtype=args.dtype)
+              prefill_attention=args.prefill_attention, dtype=args.dtype)
     if path is None:  # random weights built on the device: no checkpoint to write or read
         import jax
         import jax.numpy as jnp
@@ -111,6 +111,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     row.update(compiles=llm.engine.num_compiles,
                compiles_in_timed_run=llm.engine.num_compiles - compiles_before,
                warmup_s=warmup_s, attention=llm.engine.resolved.attention,
+               prefill_attention=llm.engine.resolved.prefill_attention,
                num_pages=llm.engine.resolved.num_pages)
     return row
 
@@ -162,6 +163,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--prefill-attention", default="auto")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--compare", choices=["hf"], default=None)
     ap.add_argument("--hf-batch", type=int, default=64)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.attention import make_attention_fn, resolve_backend
+from jaxinfer.attention import make_attention_fn, resolve_backend, resolve_prefill_backend
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.batch_builder import BucketSpec, HostBatch, build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
@@ -65,6 +65,7 @@ class ResolvedEngineConfig:
     num_pages: int
     dtype: str
     attention: str
+    prefill_attention: str = "reference"
 
 
 def resolve_engine_config(cfg: ModelConfig, ec: EngineConfig,
@@ -100,7 +101,8 @@ def resolve_engine_config(cfg: ModelConfig, ec: EngineConfig,
             raise ValueError(f"no memory left for the KV pool (budget {budget / 2**30:.2f} GiB); "
                              "raise memory_fraction or set num_pages")
     return ResolvedEngineConfig(ec, max_len, num_pages, dtype,
-                                resolve_backend(ec.attention, platform, dtype))
+                                resolve_backend(ec.attention, platform, dtype),
+                                resolve_prefill_backend(ec.prefill_attention, platform))
 
 
 class LLMEngine:
@@ -138,7 +140,7 @@ class LLMEngine:
             max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
             max_model_len=r.max_model_len, page_size=ec.page_size,
             batch_buckets=ec.batch_buckets, token_buckets=ec.token_buckets)
-        attn = make_attention_fn(r.attention)
+        attn = make_attention_fn(r.attention, r.prefill_attention)
         self._steps = {g: make_step_fn(config, attn, g) for g in (False, True)}
         self.compiled_shapes: set[tuple] = set()
         self._rng = np.random.default_rng(ec.seed)

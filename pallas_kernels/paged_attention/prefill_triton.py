@@ -1,0 +1,199 @@
+"""Paged prefill attention (T query tokens per sequence, causal) as a Pallas kernel with the Triton
+lowering (prefill variant ``triton``).
+
+One program per (sequence b, KV head k, query tile i). A tile holds ``block_q`` query tokens times
+the G query heads of KV head k as one ``[block_q * G_PAD, H]`` matrix (row r is token
+``r // G_PAD``, head ``r % G_PAD``; G padded to a power of 2 with zero rows), so each K/V page is
+read once per KV head and tile rather than once per query head. The program walks the sequence's
+pages ``pages_per_block`` at a time, from the first key any of its queries can see to the last
+(causal: key j is visible to a query at position p iff ``j <= p``, ``j < seq_len`` and, with a
+sliding window, ``p - j < sliding_window``), gathers each page through the block table straight out
+of the pool ``[L, P, K, page_size, H]``, and keeps an online softmax in float32. Nothing of size
+``T x seq_len`` is materialised (the reference builds the full float32 logits).
+
+Sources: Dao 2023, "FlashAttention-2" (online softmax over key blocks, causal block skipping);
+Kwon et al. 2023, "PagedAttention" (vLLM); the page gather of this package's decode kernel
+(`triton_pallas.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.paged_attention.triton_pallas import (HIGHEST, LOG2E, MIN_MMA_ROWS, NEG_INIT,
+                                                          NN_DIMS, NT_DIMS, _is_pow2,
+                                                          check_decode_args)
+
+# Default tile: 64 query rows (tokens x padded group) and 64 keys per loop step.
+DEFAULT_ROWS = 64
+DEFAULT_KEYS = 64
+
+
+def _kernel(layer_ref, lens_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, ROWS, H, M,
+            page_size, pages_per_block, scale, soft_cap, sliding_window):
+    b = pl.program_id(0)
+    kh = pl.program_id(1)
+    layer = layer_ref[0]
+    seq_len = jnp.minimum(lens_ref[b], M * page_size)                    # never past the table
+    pos = pos_ref[...]                                                   # [ROWS] (-1: padding)
+    q = q_ref[...]                                                       # [ROWS, H]
+    block_n = pages_per_block * page_size
+    # Keys [lo, hi) can be visible to some query of this tile.
+    hi = jnp.minimum(seq_len, jnp.max(pos) + 1)
+    if sliding_window is None:
+        lo = jnp.int32(0)
+    else:
+        lo = jnp.maximum(jnp.min(jnp.where(pos >= 0, pos, hi)) - (sliding_window - 1), 0)
+    blk_lo = lo // block_n
+    blk_hi = jnp.maximum((hi + block_n - 1) // block_n, blk_lo)
+    qk_scale = scale if soft_cap is not None else scale * LOG2E
+    offs = jnp.arange(block_n, dtype=jnp.int32)
+    tok_page = offs // page_size                                          # page of each key
+    slot = offs % page_size                                               # slot in its page
+
+    def body(blk, carry):
+        acc, m_i, l_i = carry
+        p0 = blk * pages_per_block
+        pages = bt_ref[b, p0 + tok_page]                                  # [BLOCK_N]
+        k = k_ref[layer, pages, kh, slot]                                 # [BLOCK_N, H]
+        v = v_ref[layer, pages, kh, slot]
+        x = lax.dot_general(q, k, NT_DIMS, precision=HIGHEST,
+                            preferred_element_type=jnp.float32) * qk_scale  # [ROWS, BLOCK_N]
+        if soft_cap is not None:
+            x = (soft_cap * LOG2E) * jnp.tanh(x / soft_cap)
+        kpos = p0 * page_size + offs
+        valid = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < seq_len)
+        if sliding_window is not None:
+            valid &= (pos[:, None] - kpos[None, :]) < sliding_window
+        x = jnp.where(valid, x, -jnp.inf)
+        m_new = jnp.maximum(m_i, jnp.max(x, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(x - m_new[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + lax.dot_general(
+            p.astype(v.dtype), v, NN_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32)
+        return acc, m_new, l_new
+
+    init = (jnp.zeros((ROWS, H), jnp.float32), jnp.full((ROWS,), NEG_INIT, jnp.float32),
+            jnp.zeros((ROWS,), jnp.float32))
+    acc, _, l_i = lax.fori_loop(blk_lo, blk_hi, body, init)
+    out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    o_ref[...] = out.astype(o_ref.dtype)
+
+
+def _group_pad(G: int) -> int:
+    return 1 << (G - 1).bit_length()
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "soft_cap", "sliding_window", "interpret", "block_q", "pages_per_block", "num_warps",
+    "num_stages"))
+def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, *, scale,
+                   soft_cap, sliding_window, interpret, block_q, pages_per_block, num_warps,
+                   num_stages):
+    B, T, N, H = q.shape
+    L, P, K, page_size, _ = k_pool.shape
+    G = N // K
+    G_PAD = _group_pad(G)
+    ROWS = block_q * G_PAD
+    M = block_tables.shape[1]
+    nq = -(-T // block_q)
+    Tp = nq * block_q
+    qg = q.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4)                # [B, K, T, G, H]
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Tp - T), (0, G_PAD - G), (0, 0)))
+    qg = qg.reshape(B, K, Tp * G_PAD, H)
+    pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=-1)
+    pos_rows = jnp.repeat(pos, G_PAD, axis=1)                              # [B, Tp * G_PAD]
+    # Pad the table so the last block of `pages_per_block` entries is in range (null page 0).
+    bt = jnp.pad(block_tables, ((0, 0), (0, pages_per_block)))
+    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    kernel = functools.partial(
+        _kernel, ROWS=ROWS, H=H, M=M, page_size=page_size, pages_per_block=pages_per_block,
+        scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=sliding_window)
+    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
+    tile = pl.BlockSpec((None, None, ROWS, H), lambda b, k, i: (b, k, i, 0))
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((B, K, Tp * G_PAD, H), q.dtype), grid=(B, K, nq),
+        in_specs=[full((1,)), full((B,)), full((B, M + pages_per_block)),
+                  pl.BlockSpec((None, ROWS), lambda b, k, i: (b, i)), tile,
+                  full(k_pool.shape), full(v_pool.shape)],
+        out_specs=tile, interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"paged_prefill_triton_r{ROWS}_ppb{pages_per_block}",
+    )(layer_arr, seq_lens, bt, pos_rows, qg, k_pool, v_pool)
+    out = out.reshape(B, K, Tp, G_PAD, H)[:, :, :T, :G]
+    return out.transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
+
+
+def default_knobs(G: int, page_size: int) -> dict:
+    """Tile sizes when none are given: 64 query rows and 64 keys (one page if pages are larger)."""
+    return dict(block_q=max(1, DEFAULT_ROWS // _group_pad(G)),
+                pages_per_block=max(1, DEFAULT_KEYS // page_size), num_warps=4, num_stages=2)
+
+
+def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                            block_tables: jax.Array, seq_lens: jax.Array, q_positions: jax.Array,
+                            *, layer=0, scale: float, soft_cap: float | None = None,
+                            sliding_window: int | None = None, interpret: bool = False,
+                            block_q: int | None = None, pages_per_block: int | None = None,
+                            num_warps: int | None = None,
+                            num_stages: int | None = None) -> jax.Array:
+    """Causal attention of T query tokens per sequence over its paged KV (prefill chunks), with
+    the signature of `reference.paged_attention`.
+
+    Args:
+        q: [B, T, N, H] queries (RoPE applied), bf16/f16/f32.
+        k_pool, v_pool: [L, P, K, page_size, H] pools (jaxinfer/kv_cache.py layout), holding this
+            step's K/V already; page_size and H powers of 2 (H >= 16).
+        block_tables: i32[B, M] physical page of each logical page (padding: page 0).
+        seq_lens: i32[B] valid KV positions per sequence (0 for a padded row: output zeros).
+        q_positions: i32[B, T] absolute position of each query; key j is visible to a query at p
+            iff ``j <= p`` and ``j < seq_len`` (and ``p - j < sliding_window`` if set). A query
+            with no visible key gets zeros.
+        layer: int or traced i32[] index into L.
+        scale: softmax scale (usually H ** -0.5), applied to float32 logits.
+        soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
+        sliding_window: if set, only the last ``sliding_window`` positions are visible.
+        interpret: run the Pallas interpreter (CPU tests).
+        block_q: query tokens per program (``block_q * G_PAD`` must be a power of 2 >= 16);
+            pages_per_block: pages per key block (``pages_per_block * page_size`` a power of 2 >=
+            16); num_warps, num_stages: Triton launch knobs. None: `default_knobs`.
+    Returns:
+        [B, T, N, H] in q.dtype.
+    Raises:
+        ValueError: bad shapes, dtypes or knobs, naming the argument and what is allowed.
+    """
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, N, H]; got shape {q.shape}")
+    B, T, N, H = q.shape
+    check_decode_args(q[:, 0], k_pool, v_pool, block_tables, seq_lens, sliding_window, soft_cap)
+    if q_positions.shape != (B, T):
+        raise ValueError(f"q_positions must be i32[B={B}, T={T}]; got shape {q_positions.shape}")
+    K, page_size = k_pool.shape[2], k_pool.shape[3]
+    knobs = default_knobs(N // K, page_size)
+    given = dict(block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps,
+                 num_stages=num_stages)
+    knobs.update({k: v for k, v in given.items() if v is not None})
+    rows = knobs["block_q"] * _group_pad(N // K)
+    if not (_is_pow2(rows) and rows >= MIN_MMA_ROWS):
+        raise ValueError(f"block_q={knobs['block_q']} gives {rows} query rows per program "
+                         f"(block_q x {_group_pad(N // K)} padded heads); must be a power of 2 "
+                         f">= {MIN_MMA_ROWS}")
+    keys = knobs["pages_per_block"] * page_size
+    if not (_is_pow2(knobs["pages_per_block"]) and keys >= MIN_MMA_ROWS):
+        raise ValueError(f"pages_per_block={knobs['pages_per_block']} gives {keys} keys per block; "
+                         f"must be a power of 2 with pages_per_block * page_size >= {MIN_MMA_ROWS}")
+    if knobs["num_warps"] not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps={knobs['num_warps']} must be one of 1, 2, 4, 8, 16")
+    if knobs["num_stages"] < 1:
+        raise ValueError(f"num_stages={knobs['num_stages']} must be >= 1")
+    return _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer,
+                          scale=float(scale), soft_cap=soft_cap, sliding_window=sliding_window,
+                          interpret=bool(interpret), **knobs)

@@ -45,8 +45,9 @@ def _hf_greedy(model, ids, n):
     return y[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("attention", ["reference"])
-def test_engine_matches_hf_greedy(checkpoint, attention):
+@pytest.mark.parametrize("attention, prefill", [("reference", "reference"),
+                                                ("reference", "triton")])
+def test_engine_matches_hf_greedy(checkpoint, attention, prefill):
     import jax
     from jaxinfer import LLM, SamplingParams
 
@@ -55,7 +56,7 @@ def test_engine_matches_hf_greedy(checkpoint, attention):
     prompts = [rng.integers(0, 151936, n).tolist() for n in (5, 17, 33, 64)]
     with jax.default_matmul_precision("highest"):
         llm = LLM(path, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                  num_pages=256, max_num_seqs=8, attention=attention)
+                  num_pages=256, max_num_seqs=8, attention=attention, prefill_attention=prefill)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     for p, o in zip(prompts, outs):

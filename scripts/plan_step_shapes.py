@@ -3,7 +3,10 @@ how many prefill and decode steps it takes and which step shapes (compiled execu
 
 Every compiled shape costs a compile (about 8-12 s for the 36-layer Qwen3-8B step on the H200), so
 this is how bucket choices are planned before spending device time. The workload is
-bench_throughput.py's (same seed and ranges); sampled tokens are a constant (ignore_eos).
+bench_throughput.py's (same seed and ranges); sampled tokens are a constant (ignore_eos). Also
+prints the bandwidth floor of the decode steps and the compute floor of the prefill GEMMs for a
+model of ``--weight-gb`` / ``--params-b`` (defaults: Qwen3-8B on the H200), a bound, not a
+measurement.
 
     python scripts/plan_step_shapes.py [--num-pages 36004] [--max-num-seqs 256]
         [--max-num-batched-tokens 8192] [--json FILE]
@@ -40,6 +43,8 @@ def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_b
     shapes: collections.Counter = collections.Counter()
     kinds: collections.Counter = collections.Counter()
     rows_real = rows_padded = 0
+    prefill_real = prefill_padded = decode_kv_tokens = 0
+    attn_rows_keys = 0  # sum over prefill steps of R * Tq * (M * page_size): the reference's logits
     while sched.has_unfinished():
         batch = sched.schedule()
         if batch is None:
@@ -51,9 +56,16 @@ def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_b
         if kind == "decode":
             rows_real += batch.num_seqs
             rows_padded += hb.tokens.shape[0]
+            decode_kv_tokens += int(hb.seq_lens.sum())
+        else:
+            prefill_real += sum(batch.num_new_tokens)
+            prefill_padded += hb.tokens.shape[1]
+            attn_rows_keys += hb.q_index.size * hb.block_tables.shape[1] * page_size
         sched.postprocess(batch, [1 if s else None for s in batch.do_sample])
     return dict(steps=dict(kinds), num_shapes=len(shapes),
                 decode_row_padding=1 - rows_real / max(rows_padded, 1),
+                prefill_tokens=prefill_real, prefill_tokens_padded=prefill_padded,
+                decode_kv_tokens_read=decode_kv_tokens, prefill_attn_rows_x_keys=attn_rows_keys,
                 shapes=[dict(kind=k[0], tokens=list(k[1]), block_tables=list(k[2]),
                              q_index=None if k[4] is None else list(k[4]), steps=n)
                         for k, n in sorted(shapes.items(), key=lambda kv: str(kv[0]))])
@@ -73,6 +85,13 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--weight-gb", type=float, default=15.1,
+                    help="weight bytes read per step, GB (15.1: Qwen3-8B bf16 without the "
+                         "embedding); 0: print no time floors")
+    ap.add_argument("--kv-bytes-per-token", type=int, default=147456)
+    ap.add_argument("--params-b", type=float, default=8.0, help="GEMM parameters, billions")
+    ap.add_argument("--hbm-tbps", type=float, default=4.27, help="measured copy bandwidth")
+    ap.add_argument("--tflops", type=float, default=990.0, help="dense bf16 peak")
     args = ap.parse_args()
 
     # the workload of bench_throughput.py (same generator calls, same order)
@@ -91,6 +110,16 @@ def main() -> None:
                    max_model_len=max_model_len, buckets=buckets)
     print(f"steps: {res['steps']}; distinct step shapes: {res['num_shapes']}; decode rows that are "
           f"padding: {res['decode_row_padding']:.1%}")
+    print(f"prefill tokens {res['prefill_tokens']} (padded to {res['prefill_tokens_padded']}); "
+          f"KV tokens read by decode steps {res['decode_kv_tokens_read']}; prefill R*Tq*S "
+          f"{res['prefill_attn_rows_x_keys']:.3e}")
+    if args.weight_gb:
+        # bandwidth floor of decode (weights once per step + KV) and compute floor of prefill GEMMs
+        dec = (res["steps"].get("decode", 0) * args.weight_gb * 1e9
+               + res["decode_kv_tokens_read"] * args.kv_bytes_per_token) / (args.hbm_tbps * 1e12)
+        pre = res["prefill_tokens_padded"] * 2 * args.params_b * 1e9 / (args.tflops * 1e12)
+        print(f"floors at {args.hbm_tbps} TB/s and {args.tflops} TFLOP/s: decode {dec:.2f} s, prefill "
+              f"GEMMs {pre:.2f} s (attention, sampling and host time not included)")
     print(f"{'kind':<8} {'tokens':>12} {'tables':>12} {'q_index':>12} {'steps':>6}")
     for s in res["shapes"]:
         print(f"{s['kind']:<8} {str(s['tokens']):>12} {str(s['block_tables']):>12} "

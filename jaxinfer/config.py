@@ -243,6 +243,9 @@ class EngineConfig:
             "reference" (gather + dense float32 softmax), "triton" (Pallas flash-attention
             kernel, GPU); "auto" is the reference until the kernel is validated on the GPU.
         batch_buckets / token_buckets: padded sizes for B and T; ``()`` = powers of two.
+        compilation_cache_dir: a directory for JAX's persistent compilation cache, so a
+            restarted engine loads its compiled steps instead of compiling them again
+            (`jaxinfer.compile_cache.enable`: process-wide); ``None``: JAX's own setting.
         async_scheduling: schedule and dispatch step n+1 before reading back step n's tokens, so
             host work overlaps device work (vLLM's ``async_scheduling``); ``False``: each step is
             read back before the next is scheduled. Outputs are the same either way.
@@ -261,6 +264,7 @@ class EngineConfig:
     batch_buckets: tuple[int, ...] = ()
     token_buckets: tuple[int, ...] = ()
     async_scheduling: bool = True
+    compilation_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -284,6 +288,10 @@ class EngineConfig:
         if self.prefill_attention not in PREFILL_ATTENTION_BACKENDS:
             _fail("EngineConfig", "prefill_attention", self.prefill_attention,
                   f"allowed: {PREFILL_ATTENTION_BACKENDS}")
+        if self.compilation_cache_dir is not None and not isinstance(
+                self.compilation_cache_dir, (str, os.PathLike)):
+            _fail("EngineConfig", "compilation_cache_dir", self.compilation_cache_dir,
+                  "must be None or a directory path")
         if not isinstance(self.async_scheduling, bool):
             _fail("EngineConfig", "async_scheduling", self.async_scheduling, "must be True or False")
         for name in ("batch_buckets", "token_buckets"):

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-attention", default="auto",
                    help="attention back-end for prefill: auto (= reference for now), reference, "
                         "triton")
+    g.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
+                   help="JAX persistent compilation cache: a later run with the same DIR loads "
+                        "the compiled steps instead of compiling them again")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch step n+1 before reading back step n's tokens (host work hides "
                         "behind device work); --no-async-scheduling reads each step back first. "
@@ -141,7 +144,8 @@ def _main(argv: list[str] | None = None) -> int:
                   num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                   attention=args.attention, prefill_attention=args.prefill_attention,
-                  async_scheduling=args.async_scheduling)
+                  async_scheduling=args.async_scheduling,
+                  compilation_cache_dir=args.compilation_cache_dir)
         if args.chat:
             inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
                 [{"role": "user", "content": p}])} for p in prompts]

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import compile_cache
 from jaxinfer.attention import make_attention_fn, resolve_backend, resolve_prefill_backend
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.batch_builder import BucketSpec, HostBatch, build_host_batch
@@ -119,6 +120,8 @@ class LLMEngine:
     def __init__(self, config: ModelConfig, params: dict, engine_config: EngineConfig, *,
                  eos_token_ids: tuple[int, ...] = (), detokenize: Callable | None = None):
         self.model_config = config
+        if engine_config.compilation_cache_dir is not None:
+            compile_cache.enable(engine_config.compilation_cache_dir)
         self.resolved = r = resolve_engine_config(config, engine_config)
         ec = engine_config
         self.params = params

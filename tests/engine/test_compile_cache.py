@@ -1,0 +1,56 @@
+"""EngineConfig.compilation_cache_dir: a second process with the same directory loads the step
+executables from JAX's persistent cache (cache hits counted through jax.monitoring) and generates
+the same tokens."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, sys
+import jax, jax.numpy as jnp
+hits = []
+jax.monitoring.register_event_listener(
+    lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import registry
+cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
+params = registry.init_params(cfg, jax.random.key(0), jnp.float32)
+llm = LLM.from_params(cfg, params, max_model_len=64, num_pages=32, max_num_seqs=2,
+                      compilation_cache_dir=sys.argv[1])
+step_hits = len(hits)
+out = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5, 6, 7, 8]}],
+                   SamplingParams(temperature=0.0, max_tokens=5))
+print(json.dumps({"tokens": [list(o.token_ids) for o in out], "hits": len(hits) - step_hits,
+                  "compiles": llm.engine.num_compiles}))
+"""
+
+
+def _run(cache_dir):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir)], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_loads_compiled_steps(tmp_path):
+    cache = tmp_path / "xla_cache"
+    first = _run(cache)
+    assert first["compiles"] >= 2 and first["hits"] == 0
+    assert any(name.startswith("jit_step") for name in os.listdir(cache)), os.listdir(cache)
+    second = _run(cache)
+    assert second["tokens"] == first["tokens"]
+    assert second["hits"] >= first["compiles"]  # every step shape came from the cache
+
+
+def test_cache_path_that_is_a_file_is_rejected(tmp_path):
+    from jaxinfer.compile_cache import enable
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        enable(f)

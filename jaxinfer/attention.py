@@ -68,7 +68,8 @@ def resolve_prefill_backend(name: str, platform: str | None = None) -> str:
     platform = platform or jax.default_backend()
     if name != "reference" and platform != "gpu":
         raise ValueError(f"prefill_attention={name!r} is a GPU kernel and this host's JAX backend "
-                         f"is {platform!r}; use 'auto' or 'reference' here")
+                         f"is {platform!r}; use 'auto' or 'reference' here (the kernel's CPU tests "
+                         "run it in interpret mode)")
     return name
 
 

@@ -292,6 +292,8 @@ class EngineConfig:
                 self.compilation_cache_dir, (str, os.PathLike)):
             _fail("EngineConfig", "compilation_cache_dir", self.compilation_cache_dir,
                   "must be None or a directory path")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            _fail("EngineConfig", "seed", self.seed, "must be an integer")
         if not isinstance(self.async_scheduling, bool):
             _fail("EngineConfig", "async_scheduling", self.async_scheduling, "must be True or False")
         for name in ("batch_buckets", "token_buckets"):

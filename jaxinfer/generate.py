@@ -138,6 +138,13 @@ def _main(argv: list[str] | None = None) -> int:
                                 stop=tuple(args.stop), ignore_eos=args.ignore_eos)
         if args.model is not None and not os.path.exists(args.model):
             return _fail(f"--model {args.model!r} does not exist")
+        from jaxinfer.attention import resolve_backend, resolve_prefill_backend
+        from jaxinfer.config import ATTENTION_BACKENDS, PREFILL_ATTENTION_BACKENDS
+        # GPU-only kernels on a CPU host: say so before spending seconds loading the model
+        if args.attention in ATTENTION_BACKENDS:
+            resolve_backend(args.attention)
+        if args.prefill_attention in PREFILL_ATTENTION_BACKENDS:
+            resolve_prefill_backend(args.prefill_attention)
         from jaxinfer.llm import LLM
 
         llm = LLM(args.model, max_model_len=args.max_model_len, page_size=args.page_size,

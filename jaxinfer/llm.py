@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Callable, Sequence as Seq
 
 import jax.numpy as jnp
+import numpy as np
 
-from jaxinfer.config import EngineConfig
+from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.llm_engine import LLMEngine, default_dtype
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
@@ -57,11 +58,17 @@ class LLM:
         """An `LLM` over in-memory weights, without a tokenizer (prompts are token ids).
 
         For research and benchmarks: ``params`` is the pytree `jaxinfer.models.registry.init_params`
-        builds for ``config`` (a `ModelConfig`), e.g. random weights of a published architecture.
+        builds for ``config`` (a `ModelConfig`), e.g. random weights of a published architecture,
+        in the compute dtype. ``engine_args`` are `EngineConfig` fields, as for `LLM`. Without a
+        tokenizer, prompts are token ids and ``SamplingParams.stop`` strings are rejected
+        (``stop_token_ids`` work).
 
         Raises:
-            ValueError: an invalid engine argument.
+            ValueError: ``config`` is not a `ModelConfig`, or an invalid engine argument.
         """
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "
+                             f"{type(config).__name__} (ModelConfig.from_dict builds one)")
         self = cls.__new__(cls)
         self.model_path, self.tokenizer = None, None
         self.engine = LLMEngine(config, params, _engine_config(engine_args), eos_token_ids=(),
@@ -79,11 +86,12 @@ class LLM:
         """Tokenize a text prompt (the tokenizer's own BOS rule applies).
 
         Raises:
-            ValueError: the LLM was built with ``skip_tokenizer_init=True``.
+            ValueError: the LLM has no tokenizer (``skip_tokenizer_init=True`` or `from_params`).
         """
         if self.tokenizer is None:
-            raise ValueError("text prompts need a tokenizer, but this LLM was built with "
-                             "skip_tokenizer_init=True; pass {'prompt_token_ids': [...]} instead")
+            raise ValueError("text prompts need a tokenizer, but this LLM has no tokenizer "
+                             "(skip_tokenizer_init=True, or LLM.from_params); pass "
+                             "{'prompt_token_ids': [...]} instead")
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -102,6 +110,27 @@ class LLM:
                              'each message needs {"role": ..., "content": ...}') from None
         return self.encode(text, add_special_tokens=False)
 
+    @staticmethod
+    def _token_ids(ids, what: str) -> list[int]:
+        """``ids`` as a list of Python ints (numpy integer scalars and arrays accepted).
+
+        Raises:
+            ValueError: not a list/tuple/1-D array of integers (strings, floats, bools, None and
+                nested lists are rejected, not converted).
+        """
+        if isinstance(ids, np.ndarray):
+            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+                raise ValueError(f"{what} must be a 1-D integer array or a list of ints; got an "
+                                 f"array of shape {ids.shape} and dtype {ids.dtype}")
+            return [int(t) for t in ids]
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"{what} must be a list of ints; got {type(ids).__name__}")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+        if bad:
+            raise ValueError(f"{what} must be a list of ints; it holds {bad[0]!r} "
+                             f"({type(bad[0]).__name__})")
+        return [int(t) for t in ids]
+
     def _to_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             try:
@@ -112,12 +141,16 @@ class LLM:
             return prompt, self.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"],
+                                                             "prompt_token_ids")
             if "prompt" in prompt:
-                return prompt["prompt"], self.encode(prompt["prompt"])
+                if not isinstance(prompt["prompt"], str):
+                    raise ValueError(f"'prompt' must be a str; got "
+                                     f"{type(prompt['prompt']).__name__}")
+                return self._to_ids(prompt["prompt"])
             raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, [int(t) for t in prompt]
+        if isinstance(prompt, (list, tuple, np.ndarray)):
+            return None, self._token_ids(prompt, "a token-id prompt")
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got "
                          f"{type(prompt).__name__}")
 
@@ -130,8 +163,9 @@ class LLM:
         Args:
             prompts: a str, a list of token ids, a dict ({"prompt": ...} or
                 {"prompt_token_ids": [...]}), or a list of these.
-            sampling_params: one `SamplingParams` for all, or one per prompt (default: greedy
-                defaults of `SamplingParams()`).
+            sampling_params: one `SamplingParams` for all, or one per prompt (default:
+                `SamplingParams()`, which samples at temperature 1.0 as in vLLM; pass
+                ``SamplingParams(temperature=0.0)`` for greedy).
             use_tqdm: show a progress bar over finished requests.
             on_error: "raise": any invalid request raises ValueError before anything is scheduled
                 (the message names each bad request's index); "return": invalid requests come back
@@ -143,7 +177,8 @@ class LLM:
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
         single = isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts))
+            isinstance(prompts, (list, tuple)) and prompts
+            and all(isinstance(t, (int, np.integer)) for t in prompts))
         plist = [prompts] if single else list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -152,8 +187,11 @@ class LLM:
         else:
             params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
             if params is None or not all(isinstance(p, SamplingParams) for p in params):
-                raise ValueError("sampling_params must be a SamplingParams or a list of them, got "
-                                 f"{type(sampling_params).__name__}")
+                bad = (type(sampling_params).__name__ if params is None else next(
+                    f"a list holding {type(p).__name__}" for p in params
+                    if not isinstance(p, SamplingParams)))
+                raise ValueError(f"sampling_params must be a SamplingParams or a list of them; got "
+                                 f"{bad}")
             if len(params) != len(plist):
                 raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts; "
                                  "give one, or one per prompt")
@@ -165,6 +203,9 @@ class LLM:
             try:
                 text, ids = self._to_ids(p)
                 self.engine.scheduler.check_admissible(len(ids), sp)
+                if sp.stop and self.tokenizer is None:
+                    raise ValueError(f"SamplingParams.stop={list(sp.stop)!r} needs detokenized "
+                                     "text, but this LLM has no tokenizer; use stop_token_ids")
                 encoded.append((text, ids))
             except ValueError as e:
                 errors[i] = str(e)

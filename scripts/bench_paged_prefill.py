@@ -1,5 +1,7 @@
-"""Paged prefill attention: the Pallas ``triton`` prefill kernel against the reference (gather +
-dense float32 softmax, what the engine runs today), Qwen3-8B heads (N=32, K=8, H=128), bf16.
+"""Paged prefill attention benchmark: the Pallas triton prefill kernel against the reference.
+
+The reference is the gather + dense float32 softmax path the engine runs today; Qwen3-8B heads
+(N=32, K=8, H=128), bf16, on a GPU (``--interpret``: a float32 smoke run on the CPU, no file written).
 
 Each configuration is R rows of a Tq-token chunk that continues a cached prefix of ``--prefix``
 tokens (causal over prefix + chunk). Every kernel setting is validated against the float32
@@ -67,7 +69,18 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 2048])
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--knobs", nargs="*", default=["16,4,4,2", "32,4,8,2", "32,8,8,3", "16,8,4,3"],
+    def knob(spec: str) -> tuple[int, int, int, int]:
+        try:
+            vals = tuple(int(x) for x in spec.split(","))
+        except ValueError:
+            vals = ()
+        if len(vals) != 4:
+            raise argparse.ArgumentTypeError(
+                f"{spec!r}: expected four integers block_q,pages_per_block,num_warps,num_stages")
+        return vals
+
+    ap.add_argument("--knobs", nargs="*", type=knob,
+                    default=[(16, 4, 4, 2), (32, 4, 8, 2), (32, 8, 8, 3), (16, 8, 4, 3)],
                     help="triton settings block_q,pages_per_block,num_warps,num_stages")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
@@ -75,6 +88,9 @@ def main() -> None:
     ap.add_argument("--interpret", action="store_true", help="CPU smoke run (float32)")
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     args = ap.parse_args()
+    if not args.interpret and jax.default_backend() != "gpu":
+        ap.error(f"JAX's backend is {jax.default_backend()!r}: the kernel compiles for a GPU only; "
+                 "use --interpret for a CPU smoke run")
 
     dtype = jnp.float32 if args.interpret else jnp.bfloat16
     commit = (subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
@@ -97,9 +113,8 @@ def main() -> None:
                 pairs = R * (Tq * prefix + Tq * (Tq + 1) // 2)
                 flops = 4 * pairs * N * H
                 fns = {"reference": functools.partial(reference.paged_attention, **kw)}
-                for spec in args.knobs:
-                    bq, ppb, nw, ns = (int(x) for x in spec.split(","))
-                    fns[f"triton[{spec}]"] = functools.partial(
+                for bq, ppb, nw, ns in args.knobs:
+                    fns[f"triton[{bq},{ppb},{nw},{ns}]"] = functools.partial(
                         prefill_triton.paged_prefill_attention, **kw, interpret=args.interpret,
                         block_q=bq, pages_per_block=ppb, num_warps=nw, num_stages=ns)
                 base = None

@@ -1,5 +1,7 @@
-"""Host-only dry run of a workload through the scheduler and the batch builder (no JAX, no model):
-how many prefill and decode steps it takes and which step shapes (compiled executables) it visits.
+"""Host-only dry run of the throughput workload: its steps and compiled step shapes.
+
+Runs the workload through the scheduler and the batch builder (no JAX, no model) and counts the
+prefill and decode steps it takes and the step shapes (compiled executables) it visits.
 
 Every compiled shape costs a compile (about 8-12 s for the 36-layer Qwen3-8B step on the H200), so
 this is how bucket choices are planned before spending device time. The workload is
@@ -93,6 +95,14 @@ def main() -> None:
     ap.add_argument("--hbm-tbps", type=float, default=4.27, help="measured copy bandwidth")
     ap.add_argument("--tflops", type=float, default=990.0, help="dense bf16 peak")
     args = ap.parse_args()
+    for name in ("num_requests", "min_input", "min_output", "vocab", "num_pages", "page_size",
+                 "max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.page_size & (args.page_size - 1):
+        ap.error(f"--page-size {args.page_size} must be a power of two (as the engine requires)")
+    if args.min_input > args.max_input or args.min_output > args.max_output:
+        ap.error("each --min-* must be <= its --max-*")
 
     # the workload of bench_throughput.py (same generator calls, same order)
     rng = np.random.default_rng(args.seed)

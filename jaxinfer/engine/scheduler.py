@@ -174,18 +174,19 @@ class Scheduler:
         validate a whole batch before queueing any of it.
         """
         max_tokens = params.max_tokens
+        tokens = f"{n_prompt} token{'s' if n_prompt != 1 else ''}"
         if n_prompt == 0:
             raise ValueError("prompt has 0 tokens; at least 1 required")
         if n_prompt + max_tokens > self.max_model_len:
             raise ValueError(
-                f"prompt has {n_prompt} tokens and max_tokens={max_tokens}: prompt + max_tokens = "
+                f"prompt has {tokens} and max_tokens={max_tokens}: prompt + max_tokens = "
                 f"{n_prompt + max_tokens} exceeds max_model_len={self.max_model_len} (rule: prompt "
                 f"tokens + max_tokens <= max_model_len)")
         need = self.block_manager.pages_needed(n_prompt + max_tokens)
         usable = self.block_manager.num_usable_pages
         if need > usable:
             raise ValueError(
-                f"prompt has {n_prompt} tokens and max_tokens={max_tokens}: needs {need} KV pages "
+                f"prompt has {tokens} and max_tokens={max_tokens}: needs {need} KV pages "
                 f"of {self.page_size} tokens, but the whole KV pool has {usable} usable pages "
                 f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool")
 

@@ -1,0 +1,68 @@
+"""`LLM.generate` input checking on a tiny random model (`LLM.from_params`, no tokenizer): malformed
+token-id prompts are rejected with a clear per-request error, never converted, and never take
+down the other requests of the call."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import registry
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
+    return LLM.from_params(cfg, registry.init_params(cfg, jax.random.key(0), jnp.float32),
+                           max_model_len=64, num_pages=32, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("bad, needle", [
+    ({"prompt_token_ids": "12"}, "must be a list of ints; got str"),
+    ({"prompt_token_ids": ["1", "2"]}, "holds '1' (str)"),
+    ({"prompt_token_ids": None}, "got NoneType"),
+    ({"prompt_token_ids": 5}, "got int"),
+    ({"prompt_token_ids": [1, True]}, "holds True (bool)"),
+    ({"prompt_token_ids": [1, 2.0]}, "holds 2.0 (float)"),
+    ({"prompt_token_ids": np.ones((2, 2), np.int32)}, "1-D integer array"),
+    ({1: 2}, "needs 'prompt' or 'prompt_token_ids'"),
+    ({"prompt": None}, "'prompt' must be a str"),
+    ([1, [2]], "holds [2] (list)"),
+    ("text", "has no tokenizer"),
+])
+def test_bad_prompt_is_one_error_and_others_run(llm, bad, needle):
+    outs = llm.generate([bad, [1, 2, 3]], GREEDY, on_error="return")
+    assert outs[0].error is not None and needle in outs[0].error, outs[0].error
+    assert outs[0].outputs[0].finish_reason == "error"
+    assert outs[1].error is None and len(outs[1].token_ids) == 3
+    with pytest.raises(ValueError, match="request 0"):
+        llm.generate([bad, [1, 2, 3]], GREEDY)
+
+
+def test_numpy_token_ids_are_accepted(llm):
+    ref = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    assert llm.generate([np.array([5, 6, 7])], GREEDY)[0].token_ids == ref
+    assert llm.generate([[np.int64(5), np.int32(6), 7]], GREEDY)[0].token_ids == ref
+    assert llm.generate({"prompt_token_ids": np.array([5, 6, 7])}, GREEDY)[0].token_ids == ref
+
+
+def test_stop_strings_need_a_tokenizer(llm):
+    outs = llm.generate([[1, 2], [3, 4]], [SamplingParams(stop=["a"], max_tokens=2), GREEDY],
+                        on_error="return")
+    assert "stop_token_ids" in outs[0].error and outs[1].error is None
+
+
+def test_from_params_and_engine_argument_errors():
+    cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
+    params = registry.init_params(cfg, jax.random.key(0), jnp.float32)
+    with pytest.raises(ValueError, match="must be a jaxinfer.config.ModelConfig; got dict"):
+        LLM.from_params(cfg.to_dict(), params)
+    with pytest.raises(ValueError, match="seed='a' is invalid"):
+        LLM.from_params(cfg, params, seed="a")
+    with pytest.raises(ValueError, match="a list holding NoneType"):
+        LLM.from_params(cfg, params, max_model_len=32, num_pages=8).generate(
+            [[1], [2]], [GREEDY, None])

@@ -19,10 +19,22 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Adds "(default: X)" where the help text does not already speak of the default and there is
+    a default worth showing."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        d = action.default
+        if "default" in text or d is None or d is False or d == [] or d == argparse.SUPPRESS:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m jaxinfer.generate",
                 description="Generate text with jaxinfer (continuous batching, paged KV cache).",
-                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                formatter_class=_Formatter)
     p.add_argument("--model", default=None,
                    help="HF model dir, GGUF file or Orbax dir (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -30,26 +42,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one prompt per line; a file ending in .jsonl holds JSON per line "
                         "({\"prompt\": ...} or a JSON string), any other file plain text")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest; -1 = off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below min_p x the top probability; 0 = off")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already in the prompt or output; 1 = off")
     p.add_argument("--seed", type=int, default=None,
                    help="per-request seed; unseeded requests draw from the engine's seed 0, so a "
                         "run is reproducible either way")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
     g = p.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="default: the model's max_position_embeddings")
-    g.add_argument("--page-size", type=int, default=16)
-    g.add_argument("--num-pages", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of 2)")
+    g.add_argument("--num-pages", type=int, default=None,
+                   help="KV pool size in pages; default: sized from free device memory")
+    g.add_argument("--max-num-seqs", type=int, default=64,
+                   help="most sequences in one decode step")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most prompt tokens in one prefill step (longer prompts are chunked)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="default: bfloat16 on GPU, float32 on CPU (bfloat16 is slow on CPU)")
     g.add_argument("--memory-trace", default=None, metavar="FILE",

@@ -65,7 +65,7 @@ def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_b
             attn_rows_keys += hb.q_index.size * hb.block_tables.shape[1] * page_size
         sched.postprocess(batch, [1 if s else None for s in batch.do_sample])
     return dict(steps=dict(kinds), num_shapes=len(shapes),
-                decode_row_padding=1 - rows_real / max(rows_padded, 1),
+                decode_rows=rows_real, decode_row_padding=1 - rows_real / max(rows_padded, 1),
                 prefill_tokens=prefill_real, prefill_tokens_padded=prefill_padded,
                 decode_kv_tokens_read=decode_kv_tokens, prefill_attn_rows_x_keys=attn_rows_keys,
                 shapes=[dict(kind=k[0], tokens=list(k[1]), block_tables=list(k[2]),

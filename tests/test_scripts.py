@@ -1,0 +1,47 @@
+"""Pure helpers of the scripts in scripts/ (no GPU): trace arithmetic of profile_decode_step.py and
+the host-only workload dry run of plan_step_shapes.py."""
+
+import importlib.util
+import os
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "scripts", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_busy_time_is_the_union_of_kernel_intervals():
+    prof = _load("profile_decode_step")
+    # [0, 10) and [5, 12) overlap (two streams): 12; [20, 25): 5; [21, 22) inside it: 0
+    events = [("a", 0, 10), ("b", 5, 7), ("c", 20, 5), ("d", 21, 1)]
+    assert prof.busy_ns(events) == 17
+    assert prof.busy_ns([]) == 0
+    assert prof.short("loop_add_fusion_12") == "loop_add_fusion"
+    assert prof.short("gemm_fusion_dot_3_1") == "gemm_fusion_dot"
+
+
+def test_dry_run_emits_every_requested_token_once():
+    plan = _load("plan_step_shapes")
+    from jaxinfer.engine.batch_builder import BucketSpec
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 100, int(n)).tolist() for n in rng.integers(5, 60, 12)]
+    out_lens = [int(n) for n in rng.integers(1, 30, 12)]
+    buckets = BucketSpec.build(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
+                               page_size=8)
+    res = plan.simulate(prompts, out_lens, num_pages=40, page_size=8, max_num_seqs=4,
+                        max_num_batched_tokens=64, max_model_len=96, buckets=buckets)
+    # every prompt token is prefilled once (preemption would recompute: the pool is large enough)
+    assert res["prefill_tokens"] == sum(len(p) for p in prompts)
+    assert res["prefill_tokens_padded"] >= res["prefill_tokens"]
+    # the first token of each request comes from its last prefill chunk, each later one from one
+    # decode row; at most 4 rows per decode step
+    assert res["decode_rows"] == sum(out_lens) - len(out_lens)
+    assert res["steps"]["decode"] >= res["decode_rows"] / 4
+    assert sum(s["steps"] for s in res["shapes"]) == sum(res["steps"].values())
+    assert res["num_shapes"] == len(res["shapes"])

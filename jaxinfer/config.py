@@ -55,7 +55,7 @@ class RopeScaling:
 class ModelConfig:
     """Architecture of a decoder-only transformer of the Llama / Qwen3 families.
 
-    Shape letters (DESIGN.md): V=vocab_size, D=hidden_size, F=intermediate_size, L=num_layers,
+    Shape letters (README.md): V=vocab_size, D=hidden_size, F=intermediate_size, L=num_layers,
     N=num_heads, K=num_kv_heads, H=head_dim, G=N/K.
 
     Raises:

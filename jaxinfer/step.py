@@ -24,7 +24,7 @@ from jaxinfer.sampling import SamplingMetadata, sample
 
 @dataclass(frozen=True)
 class StepInput:
-    """Per-step device inputs, padded to a bucket (see DESIGN.md for shape letters).
+    """Per-step device inputs, padded to a bucket (shape letters: README.md).
 
     Unpacked (decode; ``packing`` None): row b is sequence b.
     tokens:          i32[B, T] token ids (padding: 0)

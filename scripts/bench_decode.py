@@ -59,6 +59,21 @@ def step_inputs(B, ctx, page_size, M):
     return jax.tree_util.tree_map(jnp.asarray, inp), tables, np.full((B,), ctx, np.int32)
 
 
+def decode_runner(cfg, params, step_fn, B, ctx, page_size):
+    """(run, kv): ``run(kv) -> (tokens, kv)`` is one decode step of B rows at context ``ctx``
+    over a bf16 pool of exactly the pages they use (plus the null page)."""
+    M = -(-ctx // page_size)
+    shape = (cfg.num_layers, B * M + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
+    kv = KVCache(k=jnp.zeros(shape, jnp.bfloat16) + 0.01, v=jnp.zeros(shape, jnp.bfloat16) + 0.01,
+                 block_tables=jnp.zeros((B, M), jnp.int32), seq_lens=jnp.zeros((B,), jnp.int32))
+    inp, tables, lens = step_inputs(B, ctx, page_size, M)
+
+    def run(kv):
+        return step_fn(params, kv.replace(block_tables=jnp.asarray(tables),
+                                          seq_lens=jnp.asarray(lens)), inp)
+    return run, kv
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
@@ -89,21 +104,12 @@ def main() -> None:
     print(f"copy ceilings {ceil}; weights read/step {wbytes / 1e9:.2f} GB; attention={attn_name}")
     rows = []
     for ctx in args.contexts:
-        M = -(-ctx // args.page_size)
         for B in args.batches:
             kv_gib = B * ctx * kv_tok / 2**30
             if kv_gib > args.max_kv_gib:
                 print(f"skip B={B} ctx={ctx}: KV {kv_gib:.1f} GiB")
                 continue
-            P = B * M + 1
-            shape = (cfg.num_layers, P, cfg.num_kv_heads, args.page_size, cfg.head_dim)
-            kv = KVCache(k=jnp.zeros(shape, jnp.bfloat16) + 0.01, v=jnp.zeros(shape, jnp.bfloat16) + 0.01,
-                         block_tables=jnp.zeros((B, M), jnp.int32), seq_lens=jnp.zeros((B,), jnp.int32))
-            inp, tables, lens = step_inputs(B, ctx, args.page_size, M)
-
-            def run(kv):
-                return step_fn(params, kv.replace(block_tables=jnp.asarray(tables),
-                                                  seq_lens=jnp.asarray(lens)), inp)
+            run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size)
             t = time.perf_counter()
             toks, kv = run(kv)  # compile
             toks.block_until_ready()

@@ -27,10 +27,9 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_decode import QWEN3_8B, step_inputs  # noqa: E402
+from bench_decode import QWEN3_8B, decode_runner  # noqa: E402
 from jaxinfer.attention import make_attention_fn, resolve_backend  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.kv_cache import KVCache  # noqa: E402
 from jaxinfer.models import registry as models  # noqa: E402
 from jaxinfer.step import make_step_fn  # noqa: E402
 
@@ -85,16 +84,8 @@ def main() -> None:
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     attn = resolve_backend(args.attention, dtype="bfloat16")
     step_fn = make_step_fn(cfg, make_attention_fn(attn), True)
-    B, ctx, ps = args.batch, args.context, args.page_size
-    M = -(-ctx // ps)
-    shape = (cfg.num_layers, B * M + 1, cfg.num_kv_heads, ps, cfg.head_dim)
-    kv = KVCache(k=jnp.zeros(shape, jnp.bfloat16) + 0.01, v=jnp.zeros(shape, jnp.bfloat16) + 0.01,
-                 block_tables=jnp.zeros((B, M), jnp.int32), seq_lens=jnp.zeros((B,), jnp.int32))
-    inp, tables, lens = step_inputs(B, ctx, ps, M)
-
-    def run(kv):
-        return step_fn(params, kv.replace(block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(lens)),
-                       inp)
+    B, ctx = args.batch, args.context
+    run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size)
     for _ in range(4):
         toks, kv = run(kv)
     toks.block_until_ready()

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention.triton_pallas import (HIGHEST, LOG2E, MIN_MMA_ROWS, NEG_INIT,
                                                           NN_DIMS, NT_DIMS, _is_pow2,
-                                                          check_decode_args)
+                                                          check_decode_args, check_knobs)
 
 # Default tile: 64 query rows (tokens x padded group) and 64 keys per loop step.
 DEFAULT_ROWS = 64
@@ -186,14 +186,7 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         raise ValueError(f"block_q={knobs['block_q']} gives {rows} query rows per program "
                          f"(block_q x {_group_pad(N // K)} padded heads); must be a power of 2 "
                          f">= {MIN_MMA_ROWS}")
-    keys = knobs["pages_per_block"] * page_size
-    if not (_is_pow2(knobs["pages_per_block"]) and keys >= MIN_MMA_ROWS):
-        raise ValueError(f"pages_per_block={knobs['pages_per_block']} gives {keys} keys per block; "
-                         f"must be a power of 2 with pages_per_block * page_size >= {MIN_MMA_ROWS}")
-    if knobs["num_warps"] not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps={knobs['num_warps']} must be one of 1, 2, 4, 8, 16")
-    if knobs["num_stages"] < 1:
-        raise ValueError(f"num_stages={knobs['num_stages']} must be >= 1")
+    check_knobs(knobs["pages_per_block"], 1, knobs["num_warps"], knobs["num_stages"], page_size)
     return _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer,
                           scale=float(scale), soft_cap=soft_cap, sliding_window=sliding_window,
                           interpret=bool(interpret), **knobs)

@@ -155,6 +155,35 @@ class LLM:
                          f"{type(prompt).__name__}")
 
     # ------------------------------------------------------------------ generate
+    @staticmethod
+    def _normalize(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
+        """``generate``'s (prompts, sampling_params) as two lists of equal length.
+
+        Raises:
+            ValueError: sampling_params is not a SamplingParams or a list of them, or the counts
+                differ.
+        """
+        single = isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, (list, tuple)) and prompts
+            and all(isinstance(t, (int, np.integer)) for t in prompts))
+        plist = [prompts] if single else list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(plist)
+        else:
+            params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
+            if params is None or not all(isinstance(p, SamplingParams) for p in params):
+                bad = (type(sampling_params).__name__ if params is None else next(
+                    f"a list holding {type(p).__name__}" for p in params
+                    if not isinstance(p, SamplingParams)))
+                raise ValueError(f"sampling_params must be a SamplingParams or a list of them; got "
+                                 f"{bad}")
+            if len(params) != len(plist):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts; "
+                                 "give one, or one per prompt")
+        return plist, params
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, use_tqdm: bool = False, on_error: str = "raise",
                  stream: Callable[[int, list[int], str], None] | None = None) -> list[RequestOutput]:
@@ -176,25 +205,7 @@ class LLM:
         """
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
-        single = isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts
-            and all(isinstance(t, (int, np.integer)) for t in prompts))
-        plist = [prompts] if single else list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(plist)
-        else:
-            params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
-            if params is None or not all(isinstance(p, SamplingParams) for p in params):
-                bad = (type(sampling_params).__name__ if params is None else next(
-                    f"a list holding {type(p).__name__}" for p in params
-                    if not isinstance(p, SamplingParams)))
-                raise ValueError(f"sampling_params must be a SamplingParams or a list of them; got "
-                                 f"{bad}")
-            if len(params) != len(plist):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts; "
-                                 "give one, or one per prompt")
+        plist, params = self._normalize(prompts, sampling_params)
 
         # Validate everything before scheduling anything.
         errors: dict[int, str] = {}
@@ -256,6 +267,33 @@ class LLM:
                 request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=tuple(encoded[i][1]),
                 outputs=[CompletionOutput(0, "", (), "error")], finished=True, error=msg)
         return [outputs[i] for i in range(len(plist))]
+
+    def precompile(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                   *, max_workers: int | None = None) -> dict:
+        """Compile ahead of time, several at once, every step shape that
+        ``generate(prompts, sampling_params)`` visits on an idle engine.
+
+        The shapes come from a host-only dry run of the scheduler (`LLMEngine.plan_shapes`: each
+        request runs to ``max_tokens``; one that stops earlier visits a subset); the compiles run
+        in ``max_workers`` threads (`LLMEngine.precompile`). Serving code can call it once at
+        start-up with representative requests, as vLLM captures CUDA graphs at start-up.
+
+        Returns:
+            {"planned": shapes the dry run visits, "shapes": compiled now, "lower_s", "seconds"}.
+        Raises:
+            ValueError: invalid prompts or parameters (as `generate` with on_error="raise").
+        """
+        plist, params = self._normalize(prompts, sampling_params)
+        requests = []
+        for i, (p, sp) in enumerate(zip(plist, params)):
+            try:
+                ids = self._to_ids(p)[1]
+                self.engine.scheduler.check_admissible(len(ids), sp)
+            except ValueError as e:
+                raise ValueError(f"request {i}: {e}") from None
+            requests.append((ids, sp))
+        keys = self.engine.plan_shapes(requests)
+        return dict(planned=len(keys), **self.engine.precompile(keys, max_workers=max_workers))
 
     def _stream_updates(self, stream, rid_of, streamed) -> None:
         for i, rid in rid_of.items():

@@ -2,7 +2,10 @@
 input lengths uniform in [--min-input, --max-input], output lengths uniform in
 [--min-output, --max-output], ignore_eos, fixed seed, all submitted at once.
 
-Reports total output tok/s, mean TTFT and TPOT, P50/P99 request latency. ``--compare hf`` runs the
+Before the timed run, every step shape the workload visits is compiled ahead of time, in parallel
+(`LLM.precompile`: a host dry run of the scheduler lists the shapes), so the timed run compiles
+nothing (``compiles_in_timed_run`` in the row). Reports total output tok/s, mean TTFT and TPOT,
+P50/P99 request latency. ``--compare hf`` runs the
 same workload through HF transformers ``generate`` on the same weights in the same run (batches of
 ``--hf-batch`` requests, left-padded, each batch generating its longest requested output; only the
 requested tokens count; ``--hf-requests N`` runs HF on the first N requests only, an i.i.d. sample,
@@ -88,14 +91,12 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
         llm = LLM(path, skip_tokenizer_init=True, **kw)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
     reqs = [{"prompt_token_ids": p} for p in prompts]
-    warm = min(len(reqs), args.max_num_seqs)
-    print(f"jaxinfer: model loaded, KV pool {llm.engine.resolved.num_pages} pages; warming up",
-          flush=True)
-    t = time.perf_counter()
-    llm.generate(reqs[:warm], params[:warm])  # compiles the buckets this workload visits
-    warmup_s = time.perf_counter() - t
-    print(f"jaxinfer: warm-up {warmup_s:.0f} s, {llm.engine.num_compiles} compiled shapes", flush=True)
-    compiles_before = llm.engine.num_compiles
+    print(f"jaxinfer: model loaded, KV pool {llm.engine.resolved.num_pages} pages; compiling the "
+          "step shapes the workload visits (host dry run)", flush=True)
+    pre = llm.precompile(reqs, params, max_workers=args.compile_workers)
+    print(f"jaxinfer: {pre['shapes']} shapes compiled in {pre['seconds']:.0f} s "
+          f"({pre['lower_s']:.0f} s of it tracing)", flush=True)
+    lazy_before = llm.engine.num_lazy_compiles
     t = time.perf_counter()
     outs = llm.generate(reqs, params, use_tqdm=True)
     dt = time.perf_counter() - t
@@ -109,8 +110,9 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     assert [len(o.token_ids) for o in outs] == out_lens
     row = summarize("jaxinfer", dt, sum(out_lens), ttft, tpot, lat)
     row.update(compiles=llm.engine.num_compiles,
-               compiles_in_timed_run=llm.engine.num_compiles - compiles_before,
-               warmup_s=warmup_s, attention=llm.engine.resolved.attention,
+               compiles_in_timed_run=llm.engine.num_lazy_compiles - lazy_before,
+               precompile_s=pre["seconds"], precompile_lower_s=pre["lower_s"],
+               compile_workers=args.compile_workers, attention=llm.engine.resolved.attention,
                prefill_attention=llm.engine.resolved.prefill_attention,
                num_pages=llm.engine.resolved.num_pages)
     return row
@@ -165,6 +167,8 @@ def main() -> None:
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--prefill-attention", default="auto")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--compile-workers", type=int, default=None,
+                    help="parallel ahead-of-time compiles (default: one per CPU, up to the shapes)")
     ap.add_argument("--compare", choices=["hf"], default=None)
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--hf-requests", type=int, default=None,

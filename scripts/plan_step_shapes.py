@@ -1,7 +1,8 @@
 """Host-only dry run of the throughput workload: its steps and compiled step shapes.
 
-Runs the workload through the scheduler and the batch builder (no JAX, no model) and counts the
-prefill and decode steps it takes and the step shapes (compiled executables) it visits.
+Runs the workload through the scheduler and the batch builder in the engine's step order
+(`jaxinfer.engine.dry_run`: no JAX, no model) and counts the prefill and decode steps it takes
+and the step shapes (compiled executables) it visits.
 
 Every compiled shape costs a compile (about 8-12 s for the 36-layer Qwen3-8B step on the H200), so
 this is how bucket choices are planned before spending device time. The workload is
@@ -26,32 +27,28 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch  # noqa: E402
+from jaxinfer.engine.batch_builder import BucketSpec  # noqa: E402
 from jaxinfer.engine.block_manager import BlockManager  # noqa: E402
+from jaxinfer.engine.dry_run import dry_run  # noqa: E402
 from jaxinfer.engine.scheduler import Scheduler  # noqa: E402
-from jaxinfer.engine.sequence import Sequence  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 
 
 def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
-             max_model_len, buckets: BucketSpec) -> dict:
-    """Run the workload to completion (synchronous scheduling) and count steps and shapes."""
+             max_model_len, buckets: BucketSpec, async_scheduling: bool = True) -> dict:
+    """Run the workload to completion in the engine's step order (`jaxinfer.engine.dry_run`) and
+    count steps and shapes."""
     bm = BlockManager(num_pages, page_size)
     sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                       max_model_len=max_model_len, page_size=page_size)
-    for i, (p, n) in enumerate(zip(prompts, out_lens)):
-        sched.add(Sequence(request_id=str(i), prompt_token_ids=list(p), seed=i,
-                           params=SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)))
+    requests = [(list(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                for p, n in zip(prompts, out_lens)]
     shapes: collections.Counter = collections.Counter()
     kinds: collections.Counter = collections.Counter()
     rows_real = rows_padded = 0
     prefill_real = prefill_padded = decode_kv_tokens = 0
     attn_rows_keys = 0  # sum over prefill steps of R * Tq * (M * page_size): the reference's logits
-    while sched.has_unfinished():
-        batch = sched.schedule()
-        if batch is None:
-            raise RuntimeError("the scheduler returned no batch with requests unfinished")
-        hb = build_host_batch(batch, page_size=page_size, buckets=buckets)
+    for batch, hb in dry_run(sched, requests, buckets=buckets, async_scheduling=async_scheduling):
         kind = "prefill" if hb.packed else "decode"
         kinds[kind] += 1
         shapes[(kind,) + hb.shape_key] += 1
@@ -63,7 +60,6 @@ def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_b
             prefill_real += sum(batch.num_new_tokens)
             prefill_padded += hb.tokens.shape[1]
             attn_rows_keys += hb.q_index.size * hb.block_tables.shape[1] * page_size
-        sched.postprocess(batch, [1 if s else None for s in batch.do_sample])
     return dict(steps=dict(kinds), num_shapes=len(shapes),
                 decode_rows=rows_real, decode_row_padding=1 - rows_real / max(rows_padded, 1),
                 prefill_tokens=prefill_real, prefill_tokens_padded=prefill_padded,

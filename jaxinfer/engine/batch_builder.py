@@ -181,3 +181,18 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch
     return HostBatch(tokens, positions, slots, logits_idx, tables, seq_lens, temperature, top_k,
                      top_p, min_p, rep, seeds, step_idx, penalty, sample_rows, pending_rows,
                      all_greedy, q_index, q_positions, out_index)
+
+
+def empty_host_batch(shape_key: tuple) -> HostBatch:
+    """An all-padding `HostBatch` whose ``shape_key`` is ``shape_key`` (for ahead-of-time
+    compiles: only shapes and dtypes matter)."""
+    tokens_shape, (B, M), R, q_shape, all_greedy = shape_key
+    i32 = lambda *s: np.zeros(s, np.int32)  # noqa: E731
+    f32 = lambda *s: np.zeros(s, np.float32)  # noqa: E731
+    packed = q_shape is not None
+    return HostBatch(
+        i32(*tokens_shape), i32(*tokens_shape), i32(*tokens_shape), i32(B), i32(B, M), i32(B),
+        f32(B), i32(B), f32(B), f32(B), f32(B), np.zeros((B,), np.uint32), i32(B), i32(B, R),
+        np.zeros((B,), bool), np.zeros((B,), bool), bool(all_greedy),
+        i32(*q_shape) if packed else None, i32(*q_shape) if packed else None,
+        i32(tokens_shape[1]) if packed else None)

@@ -13,6 +13,9 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,8 +26,9 @@ import numpy as np
 from jaxinfer import compile_cache
 from jaxinfer.attention import make_attention_fn, resolve_backend, resolve_prefill_backend
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.batch_builder import BucketSpec, HostBatch, build_host_batch
+from jaxinfer.engine.batch_builder import BucketSpec, HostBatch, build_host_batch, empty_host_batch
 from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.dry_run import dry_run
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.kv_cache import KVCache, init_kv_cache
@@ -145,7 +149,9 @@ class LLMEngine:
             batch_buckets=ec.batch_buckets, token_buckets=ec.token_buckets)
         attn = make_attention_fn(r.attention, r.prefill_attention)
         self._steps = {g: make_step_fn(config, attn, g) for g in (False, True)}
-        self.compiled_shapes: set[tuple] = set()
+        self.compiled_shapes: set[tuple] = set()  # shapes compiled so far (ahead of time or not)
+        self._executables: dict[tuple, object] = {}  # shape key -> ahead-of-time compiled step
+        self.num_lazy_compiles = 0  # shapes first compiled inside step() (not by precompile)
         self._rng = np.random.default_rng(ec.seed)
         self._ids = itertools.count()
         self._seqs: dict[str, Sequence] = {}
@@ -249,10 +255,14 @@ class LLMEngine:
     def _launch(self, batch, prev: _InFlight | None) -> _InFlight:
         """Build, transfer and dispatch one step (does not wait for the device)."""
         hb = build_host_batch(batch, page_size=self.page_size, buckets=self.buckets)
-        if hb.shape_key not in self.compiled_shapes:
-            self.compiled_shapes.add(hb.shape_key)
-            log.info("compiling step for shape %s (%d so far)", hb.shape_key,
-                     len(self.compiled_shapes))
+        step_fn = self._executables.get(hb.shape_key)
+        if step_fn is None:
+            step_fn = self._steps[hb.all_greedy]
+            if hb.shape_key not in self.compiled_shapes:
+                self.compiled_shapes.add(hb.shape_key)
+                self.num_lazy_compiles += 1
+                log.info("compiling step for shape %s (%d so far)", hb.shape_key,
+                         len(self.compiled_shapes))
         self.max_kv_len_seen = max(self.max_kv_len_seen, int(hb.seq_lens.max()))
         kv, inp = self._device_inputs(hb)
         if hb.pending_rows.any():
@@ -264,7 +274,7 @@ class LLMEngine:
                     src[i] = prev.row_of[id(seq)]
             inp = dataclasses.replace(
                 inp, tokens=merge_pending_tokens(inp.tokens, prev.tokens, jnp.asarray(src)))
-        tokens, self.kv = self._steps[hb.all_greedy](self.params, kv, inp)
+        tokens, self.kv = step_fn(self.params, kv, inp)
         self.num_steps += 1
         penalised = any(s.params.repetition_penalty != 1.0 for s in batch.seqs)
         return _InFlight(batch, tokens, hb.sample_rows,
@@ -317,6 +327,55 @@ class LLMEngine:
                 self.scheduler.finish(s, "stop")
                 done.append(s)
         return done
+
+    # ------------------------------------------------------------- ahead of time
+    def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[tuple]:
+        """The step shapes (``HostBatch.shape_key``) that running ``requests`` on an idle engine
+        visits, in first-visit order: a host-only dry run of this engine's scheduler
+        (`jaxinfer.engine.dry_run`; requests run to ``max_tokens``, as with ``ignore_eos``).
+
+        Raises:
+            ValueError: a request the scheduler rejects.
+        """
+        r, ec = self.resolved, self.resolved.engine
+        sched = Scheduler(BlockManager(r.num_pages, ec.page_size), max_num_seqs=ec.max_num_seqs,
+                          max_num_batched_tokens=ec.max_num_batched_tokens,
+                          max_model_len=r.max_model_len, page_size=ec.page_size)
+        steps = dry_run(sched, requests, buckets=self.buckets,
+                        async_scheduling=self.async_scheduling)
+        return list(dict.fromkeys(hb.shape_key for _, hb in steps))
+
+    def precompile(self, shape_keys, *, max_workers: int | None = None) -> dict:
+        """Compile the step for each shape ahead of time, several compiles at once.
+
+        Lowering (Python tracing) runs in this thread, one shape after another; each lowered step
+        is handed to a pool of ``max_workers`` threads (default: min(shapes, CPU count)) whose XLA
+        compiles run in parallel. `step` then calls these executables directly: no compile
+        happens on first use. Shapes already compiled are skipped.
+
+        Args:
+            shape_keys: ``HostBatch.shape_key`` tuples, e.g. from `plan_shapes`.
+        Returns:
+            {"shapes": compiled now, "lower_s": seconds tracing, "seconds": wall seconds}.
+        """
+        todo = [k for k in dict.fromkeys(shape_keys) if k not in self.compiled_shapes]
+        jax.block_until_ready(self.params)  # weights still being built would count as tracing
+        t0 = time.perf_counter()
+        lower_s = 0.0
+        if todo:
+            workers = max_workers or min(len(todo), os.cpu_count() or 1)
+            with ThreadPoolExecutor(max(1, workers)) as pool:
+                futures = []
+                for k in todo:
+                    t = time.perf_counter()
+                    kv, inp = self._device_inputs(empty_host_batch(k))
+                    lowered = self._steps[k[-1]].lower(self.params, kv, inp)
+                    lower_s += time.perf_counter() - t
+                    futures.append(pool.submit(lowered.compile))
+                for k, f in zip(todo, futures):
+                    self._executables[k] = f.result()
+                    self.compiled_shapes.add(k)
+        return dict(shapes=len(todo), lower_s=lower_s, seconds=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------- output
     def pop_output(self, rid: str, prompt: str | None = None) -> RequestOutput:

@@ -1,0 +1,68 @@
+"""Ahead-of-time compiles: the host dry run lists exactly the step shapes generate() visits, and
+after LLM.precompile generate() compiles nothing and returns the same tokens."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import registry
+
+CFG = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
+# small budgets so the workload has chunked prefill, several batch buckets and preemption-free
+# page growth across page-table buckets
+ENGINE = dict(max_model_len=96, num_pages=64, page_size=4, max_num_seqs=3,
+              max_num_batched_tokens=32)
+
+
+def _llm(**kw):
+    params = registry.init_params(CFG, jax.random.key(0), jnp.float32)
+    return LLM.from_params(CFG, params, **dict(ENGINE, **kw))
+
+
+def _workload():
+    lens = [5, 40, 9, 17, 3, 26]
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(n)]}
+               for i, n in enumerate(lens)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=11),
+              SamplingParams(temperature=0.0, max_tokens=2),
+              SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.3),
+              SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=4),
+              SamplingParams(temperature=0.0, max_tokens=14)]
+    return prompts, params
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_plan_shapes_are_the_shapes_generate_visits(async_scheduling):
+    llm = _llm(async_scheduling=async_scheduling)
+    prompts, params = _workload()
+    planned = llm.engine.plan_shapes([(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params)])
+    assert len(planned) == len(set(planned)) >= 4
+    assert any(k[3] is not None for k in planned) and any(k[3] is None for k in planned)
+    llm.generate(prompts, params)
+    assert llm.engine.compiled_shapes == set(planned)
+    assert llm.engine.num_lazy_compiles == len(planned)
+
+
+def test_precompile_then_generate_compiles_nothing_and_matches():
+    prompts, params = _workload()
+    expected = [o.token_ids for o in _llm().generate(prompts, params)]
+
+    llm = _llm()
+    info = llm.precompile(prompts, params, max_workers=2)
+    assert info["shapes"] == info["planned"] == llm.engine.num_compiles >= 4
+    assert llm.precompile(prompts, params)["shapes"] == 0  # already compiled: nothing to do
+    out = llm.generate(prompts, params)
+    assert [o.token_ids for o in out] == expected
+    assert llm.engine.num_lazy_compiles == 0
+    # the jit entry points were never traced: every step ran an ahead-of-time executable
+    assert all(f._cache_size() == 0 for f in llm.engine._steps.values())
+
+
+def test_precompile_rejects_a_bad_request_by_index():
+    llm = _llm()
+    with pytest.raises(ValueError, match="request 1: .*max_model_len"):
+        llm.precompile([[1, 2, 3], [4] * 90], SamplingParams(max_tokens=20))
+    assert llm.engine.num_compiles == 0

@@ -9,8 +9,9 @@
 Decode steps (T == 1, query at position ``seq_len - 1``) go to the named decode kernel; prefill
 (T > 1) to the named prefill variant (`registry.prefill_names`). For decode, "auto" is the
 reference on CPU (and for float32 engines) and the fastest validated variant on GPU
-(`DEFAULT_GPU_VARIANT`); for prefill, "auto" is the reference (`DEFAULT_GPU_PREFILL`) until the
-``triton`` prefill kernel has been validated and timed on the GPU.
+(`DEFAULT_GPU_VARIANT`); for prefill, "auto" is the ``triton`` flash-attention kernel on GPU
+(`DEFAULT_GPU_PREFILL`; 5-7x faster than the reference on the H200, BENCHMARKS.md) and the
+reference on CPU.
 
 The model calls ``attn`` once per layer (L times in one jit, ``layer`` a Python int); each kernel
 call sits behind an inner ``jax.jit`` that takes ``layer`` as a traced i32[], so all L calls share
@@ -30,8 +31,8 @@ from pallas_kernels.paged_attention import reference, registry
 # The fastest variant validated on the H200 (see BENCHMARKS.md). Its compiled form takes bf16/f16
 # KV only (Hopper wgmma has no f32 P.V), so float32 engines fall back to the reference.
 DEFAULT_GPU_VARIANT = "mosaic"
-# Prefill: the Pallas kernel passes the CPU (interpret) tests but has not run on a GPU yet.
-DEFAULT_GPU_PREFILL = "reference"
+# Prefill: the Pallas flash-attention kernel (GPU tests pass in bf16 and f32; BENCHMARKS.md).
+DEFAULT_GPU_PREFILL = "triton"
 
 
 def resolve_backend(name: str, platform: str | None = None, dtype: str = "bfloat16") -> str:

@@ -241,7 +241,7 @@ class EngineConfig:
             correct one for the device.
         prefill_attention: back-end for prefill steps (several query tokens per sequence):
             "reference" (gather + dense float32 softmax), "triton" (Pallas flash-attention
-            kernel, GPU); "auto" is the reference until the kernel is validated on the GPU.
+            kernel, GPU); "auto" is "triton" on GPU and the reference on CPU.
         batch_buckets / token_buckets: padded sizes for B and T; ``()`` = powers of two.
         compilation_cache_dir: a directory for JAX's persistent compilation cache, so a
             restarted engine loads its compiled steps instead of compiling them again

@@ -242,7 +242,9 @@ class EngineConfig:
         prefill_attention: back-end for prefill steps (several query tokens per sequence):
             "reference" (gather + dense float32 softmax), "triton" (Pallas flash-attention
             kernel, GPU); "auto" is "triton" on GPU and the reference on CPU.
-        batch_buckets / token_buckets: padded sizes for B and T; ``()`` = powers of two.
+        batch_buckets / token_buckets: padded sizes for B and T; ``()`` = the defaults (B:
+            powers of two up to 64, then multiples of max(32, max_num_seqs // 8); T: powers
+            of two, see `jaxinfer.engine.batch_builder.BucketSpec`).
         compilation_cache_dir: a directory for JAX's persistent compilation cache, so a
             restarted engine loads its compiled steps instead of compiling them again
             (`jaxinfer.compile_cache.enable`: process-wide); ``None``: JAX's own setting.

@@ -75,10 +75,23 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, attn_fn
     return tokens, kv
 
 
-def make_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool) -> Callable:
-    """``jax.jit`` of `step` for one sampling mode, donating the KV cache (argument 1)."""
+# XLA options per GEMM back-end: "xla" lets XLA pick (its autotuned Triton GEMM fusions, cuBLAS
+# as a fallback); "cublas" turns the Triton GEMM emitter off, so every matmul is a cuBLAS call.
+GEMM_COMPILER_OPTIONS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
+
+
+def make_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool,
+                 gemm: str = "xla") -> Callable:
+    """``jax.jit`` of `step` for one sampling mode, donating the KV cache (argument 1), compiled
+    with the GEMM back-end ``gemm`` (a key of `GEMM_COMPILER_OPTIONS`).
+
+    Raises:
+        ValueError: unknown ``gemm``.
+    """
+    if gemm not in GEMM_COMPILER_OPTIONS:
+        raise ValueError(f"gemm={gemm!r} is invalid: allowed {sorted(GEMM_COMPILER_OPTIONS)}")
     fn = functools.partial(step, cfg=cfg, attn_fn=attn_fn, all_greedy=all_greedy)
-    return jax.jit(fn, donate_argnums=(1,))
+    return jax.jit(fn, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm])
 
 
 @jax.jit

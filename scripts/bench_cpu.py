@@ -15,11 +15,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.run_info import git_commit  # noqa: E402
 
 PROMPTS = [
     "The history of the printing press",
@@ -85,8 +86,7 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=getattr(torch, args.dtype)).eval()
     llm = LLM(path, max_num_seqs=max(args.batches), max_model_len=1024, dtype=args.dtype)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     rows = []
     for b in args.batches:
         prompts = prompts_for(b)

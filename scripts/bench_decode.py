@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -27,13 +27,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.run_info import git_commit  # noqa: E402
+
 from jaxinfer.attention import make_attention_fn, resolve_backend  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.kv_cache import KVCache  # noqa: E402
 from jaxinfer.models import registry as models  # noqa: E402
 from jaxinfer.models.params import param_bytes  # noqa: E402
 from jaxinfer.sampling import SamplingMetadata  # noqa: E402
-from jaxinfer.step import StepInput, make_step_fn  # noqa: E402
+from jaxinfer.step import GEMM_COMPILER_OPTIONS, StepInput, make_step_fn  # noqa: E402
 
 QWEN3_8B = dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
@@ -81,6 +83,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--gemm", nargs="+", default=["xla"], choices=sorted(GEMM_COMPILER_OPTIONS),
+                    help="GEMM back-ends to compare side by side (jaxinfer.step.make_step_fn)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-kv-gib", type=float, default=100.0)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
@@ -94,43 +98,42 @@ def main() -> None:
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     wbytes = param_bytes(cfg, 2) - cfg.vocab_size * cfg.hidden_size * 2  # embedding is gathered
     attn_name = resolve_backend(args.attention, dtype="bfloat16")
-    step_fn = make_step_fn(cfg, make_attention_fn(attn_name), True)
+    attn = make_attention_fn(attn_name)
     kv_tok = cfg.kv_bytes_per_token(2)
-    commit = (subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip() or os.environ.get("GIT_COMMIT", ""))
+    commit = git_commit()
     meta = dict(bench="decode", variant=attn_name, jax=jax.__version__, device=jax.devices()[0].device_kind,
                 date=datetime.date.today().isoformat(), commit=commit, layers=args.layers,
                 copy_tbps=ceiling, page_size=args.page_size)
     print(f"copy ceilings {ceil}; weights read/step {wbytes / 1e9:.2f} GB; attention={attn_name}")
     rows = []
-    for ctx in args.contexts:
-        for B in args.batches:
-            kv_gib = B * ctx * kv_tok / 2**30
-            if kv_gib > args.max_kv_gib:
-                print(f"skip B={B} ctx={ctx}: KV {kv_gib:.1f} GiB")
-                continue
-            run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size)
-            t = time.perf_counter()
-            toks, kv = run(kv)  # compile
-            toks.block_until_ready()
-            compile_s = time.perf_counter() - t
-            for _ in range(3):  # warm-up
-                toks, kv = run(kv)
-            toks.block_until_ready()
-            t = time.perf_counter()
-            for _ in range(args.steps):
-                toks, kv = run(kv)
-            toks.block_until_ready()
-            dt = (time.perf_counter() - t) / args.steps
-            moved = wbytes + B * ctx * kv_tok
-            row = dict(meta, B=B, context=ctx, ms_per_step=dt * 1e3, tok_s=B / dt, compile_s=compile_s,
-                       bytes_per_step=moved, tbps=moved / dt / 1e12, frac_of_copy=moved / dt / 1e12 / ceiling)
-            rows.append(row)
-            print(json.dumps({k: row[k] for k in ("B", "context", "ms_per_step", "tok_s", "tbps",
-                                                  "frac_of_copy", "compile_s")}))
-            del kv
-    for ctx in args.contexts:
-        rs = [r for r in rows if r["context"] == ctx]
+    for ctx, B, gemm in itertools.product(args.contexts, args.batches, args.gemm):
+        kv_gib = B * ctx * kv_tok / 2**30
+        if kv_gib > args.max_kv_gib:
+            print(f"skip B={B} ctx={ctx}: KV {kv_gib:.1f} GiB")
+            continue
+        step_fn = make_step_fn(cfg, attn, True, gemm)
+        run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size)
+        t = time.perf_counter()
+        toks, kv = run(kv)  # compile
+        toks.block_until_ready()
+        compile_s = time.perf_counter() - t
+        for _ in range(3):  # warm-up
+            toks, kv = run(kv)
+        toks.block_until_ready()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            toks, kv = run(kv)
+        toks.block_until_ready()
+        dt = (time.perf_counter() - t) / args.steps
+        moved = wbytes + B * ctx * kv_tok
+        row = dict(meta, B=B, context=ctx, gemm=gemm, ms_per_step=dt * 1e3, tok_s=B / dt, compile_s=compile_s,
+                   bytes_per_step=moved, tbps=moved / dt / 1e12, frac_of_copy=moved / dt / 1e12 / ceiling)
+        rows.append(row)
+        print(json.dumps({k: row[k] for k in ("B", "context", "gemm", "ms_per_step", "tok_s", "tbps",
+                                              "frac_of_copy", "compile_s")}))
+        del kv
+    for ctx, gemm in itertools.product(args.contexts, args.gemm):
+        rs = [r for r in rows if r["context"] == ctx and r["gemm"] == gemm]
         for a, b in zip(rs, rs[1:]):
             gain, ratio = b["tok_s"] / a["tok_s"], b["B"] / a["B"]
             if gain < 0.5 * ratio and not any(r.get("knee") for r in rs):
@@ -148,12 +151,12 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 5))
-        for ctx in args.contexts:
-            pts = [(r["B"], r["tok_s"]) for r in rows if r["context"] == ctx]
-            if pts:
-                x, y = zip(*pts)
-                ax.plot(x, y, marker="o", label=f"context {ctx}")
-                knee = [r for r in rows if r["context"] == ctx and r.get("knee")]
+        for ctx, gemm in itertools.product(args.contexts, args.gemm):
+            sel = [r for r in rows if r["context"] == ctx and r["gemm"] == gemm]
+            if sel:
+                x, y = zip(*[(r["B"], r["tok_s"]) for r in sel])
+                ax.plot(x, y, marker="o", label=f"context {ctx}, {gemm} GEMMs")
+                knee = [r for r in sel if r.get("knee")]
                 for r in knee:
                     ax.annotate("knee", (r["B"], r["tok_s"]))
         ax.set_xscale("log", base=2); ax.set_xlabel("batch"); ax.set_ylabel("decode tok/s")
@@ -165,9 +168,9 @@ def main() -> None:
             fig.savefig(os.path.join(os.environ["OUT"], os.path.basename(args.png)), dpi=120)
     except ImportError:
         print("matplotlib not installed: no PNG")
-    print(f"\n{'B':>4} {'ctx':>5} {'ms/step':>8} {'tok/s':>8} {'GB/step':>8} {'TB/s':>6} {'frac':>5}")
+    print(f"\n{'B':>4} {'ctx':>5} {'gemm':>6} {'ms/step':>8} {'tok/s':>8} {'GB/step':>8} {'TB/s':>6} {'frac':>5}")
     for r in rows:
-        print(f"{r['B']:>4} {r['context']:>5} {r['ms_per_step']:>8.2f} {r['tok_s']:>8.0f} "
+        print(f"{r['B']:>4} {r['context']:>5} {r['gemm']:>6} {r['ms_per_step']:>8.2f} {r['tok_s']:>8.0f} "
               f"{r['bytes_per_step'] / 1e9:>8.2f} {r['tbps']:>6.2f} {r['frac_of_copy']:>5.2f}"
               f"{'  <- knee' if r.get('knee') else ''}")
 

@@ -21,13 +21,14 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.run_info import git_commit  # noqa: E402
 
 
 def main() -> None:
@@ -109,8 +110,7 @@ def main() -> None:
     toks.block_until_ready()
     t_dev = (time.perf_counter() - t) / args.steps
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "")
+    commit = git_commit()
     meta = dict(bench="host_overhead", layers=args.layers, B=B, context=args.context,
                 attention=eng.resolved.attention, compiles=eng.num_compiles, jax=jax.__version__,
                 device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),

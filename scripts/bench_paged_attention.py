@@ -17,7 +17,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -26,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.run_info import git_commit  # noqa: E402
 
 from pallas_kernels.paged_attention import reference, registry  # noqa: E402
 
@@ -191,8 +192,7 @@ def main() -> None:
 
     ceil = copy_ceiling_tbps()
     ceiling = max(ceil.values())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "")
+    commit = git_commit()
     meta = dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
                 date=datetime.date.today().isoformat(), commit=commit,
                 copy_tbps=ceiling, copy_ceilings=ceil)

@@ -20,7 +20,6 @@ import datetime
 import functools
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -29,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.run_info import git_commit  # noqa: E402
 
 from pallas_kernels.paged_attention import prefill_triton, reference  # noqa: E402
 
@@ -93,8 +94,7 @@ def main() -> None:
                  "use --interpret for a CPU smoke run")
 
     dtype = jnp.float32 if args.interpret else jnp.bfloat16
-    commit = (subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip() or os.environ.get("GIT_COMMIT", ""))
+    commit = git_commit()
     meta = dict(bench="paged_prefill", jax=jax.__version__, device=jax.devices()[0].device_kind,
                 date=datetime.date.today().isoformat(), commit=commit, N=N, K=K, H=H,
                 page_size=args.page_size, dtype=jnp.dtype(dtype).name)

@@ -26,13 +26,14 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.run_info import git_commit  # noqa: E402
 
 QWEN3_8B_HF = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
@@ -73,9 +74,32 @@ def summarize(name, t_total, n_out, ttft, tpot, latency) -> dict:
                 p99_latency_s=float(np.percentile(latency, 99)) if latency else None)
 
 
+def step_phases(log, t0: float) -> dict:
+    """Seconds per step kind from the engine's step log (time between consecutive read-backs,
+    the first counted from ``t0``): prefill steps, and decode steps per batch bucket with their
+    mean real rows. Under asynchronous scheduling this is about each step's device time."""
+    out: dict = {"prefill": dict(steps=0, seconds=0.0), "decode": {}}
+    prev = t0
+    for key, rows, t in log:
+        dt, prev = t - prev, t
+        if key[3] is not None:  # packed prefill step
+            out["prefill"]["steps"] += 1
+            out["prefill"]["seconds"] += dt
+            continue
+        d = out["decode"].setdefault(str(key[1][0]), dict(steps=0, seconds=0.0, rows=0))
+        d["steps"] += 1
+        d["seconds"] += dt
+        d["rows"] += rows
+    for d in out["decode"].values():
+        d["ms_per_step"] = d["seconds"] / d["steps"] * 1e3
+        d["mean_rows"] = d.pop("rows") / d["steps"]
+    return out
+
+
 def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     from jaxinfer import LLM, SamplingParams
     kw = dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
+              batch_buckets=tuple(args.batch_buckets),
               max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention,
               prefill_attention=args.prefill_attention, dtype=args.dtype)
     if path is None:  # random weights built on the device: no checkpoint to write or read
@@ -97,9 +121,11 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     print(f"jaxinfer: {pre['shapes']} shapes compiled in {pre['seconds']:.0f} s "
           f"({pre['lower_s']:.0f} s of it tracing)", flush=True)
     lazy_before = llm.engine.num_lazy_compiles
+    llm.engine.step_log = []
     t = time.perf_counter()
     outs = llm.generate(reqs, params, use_tqdm=True)
     dt = time.perf_counter() - t
+    phases = step_phases(llm.engine.step_log, t)
     ttft, tpot, lat = [], [], []
     for o in outs:
         m, k = o.metrics, len(o.token_ids)
@@ -112,7 +138,8 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     row.update(compiles=llm.engine.num_compiles,
                compiles_in_timed_run=llm.engine.num_lazy_compiles - lazy_before,
                precompile_s=pre["seconds"], precompile_lower_s=pre["lower_s"],
-               compile_workers=args.compile_workers, attention=llm.engine.resolved.attention,
+               compile_workers=args.compile_workers, batch_buckets=list(llm.engine.buckets.batch),
+               phases=phases, attention=llm.engine.resolved.attention,
                prefill_attention=llm.engine.resolved.prefill_attention,
                num_pages=llm.engine.resolved.num_pages)
     return row
@@ -164,6 +191,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--batch-buckets", type=int, nargs="+", default=(),
+                    help="decode batch buckets (default: the engine's)")
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--prefill-attention", default="auto")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
@@ -187,8 +216,7 @@ def main() -> None:
              if path and os.path.isfile(os.path.join(path, "config.json"))
              else QWEN3_8B_HF["vocab_size"] if path is None else 49152)
     prompts, out_lens = workload(args, vocab)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or os.environ.get("GIT_COMMIT", "")
+    commit = git_commit()
     # no jax.devices() before HF has run: it would make JAX take its memory pool first
     meta = dict(bench="throughput", model=args.model or f"random qwen3-8b arch, {args.layers} layers",
                 num_requests=args.num_requests, input_range=[args.min_input, args.max_input],
@@ -220,6 +248,12 @@ def main() -> None:
         f = lambda x, s=1e3: f"{x * s:.1f}" if x is not None else "-"  # noqa: E731
         print(f"{r['engine']:<16} {r['output_tok_s']:>10.1f} {f(r['mean_ttft_s']):>8} "
               f"{f(r['mean_tpot_s']):>8} {f(r['p50_latency_s'], 1):>7} {f(r['p99_latency_s'], 1):>7}")
+    ph = rows[0]["phases"]
+    print(f"\njaxinfer prefill: {ph['prefill']['steps']} steps, {ph['prefill']['seconds']:.2f} s")
+    print(f"{'decode B':>9} {'steps':>6} {'s':>7} {'ms/step':>8} {'mean rows':>9}")
+    for b, d in sorted(ph["decode"].items(), key=lambda kv: int(kv[0])):
+        print(f"{b:>9} {d['steps']:>6} {d['seconds']:>7.2f} {d['ms_per_step']:>8.2f} "
+              f"{d['mean_rows']:>9.1f}")
     if args.compare == "hf":
         print(f"speedup vs HF: {rows[0]['speedup_vs_hf']:.2f}x")
 

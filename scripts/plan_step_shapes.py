@@ -82,6 +82,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--batch-buckets", type=int, nargs="+", default=(),
+                    help="decode batch buckets (EngineConfig.batch_buckets; default powers of two)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--weight-gb", type=float, default=15.1,
                     help="weight bytes read per step, GB (15.1: Qwen3-8B bf16 without the "
@@ -109,7 +111,8 @@ def main() -> None:
     max_model_len = args.max_input + args.max_output
     buckets = BucketSpec.build(max_num_seqs=args.max_num_seqs,
                                max_num_batched_tokens=args.max_num_batched_tokens,
-                               max_model_len=max_model_len, page_size=args.page_size)
+                               max_model_len=max_model_len, page_size=args.page_size,
+                               batch_buckets=tuple(args.batch_buckets))
     res = simulate(prompts, out_lens, num_pages=args.num_pages, page_size=args.page_size,
                    max_num_seqs=args.max_num_seqs,
                    max_num_batched_tokens=args.max_num_batched_tokens,

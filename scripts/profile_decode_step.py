@@ -68,6 +68,22 @@ def short(name: str) -> str:
     return re.sub(r"(_\d+)+$", "", name.split("(")[0])[:80]
 
 
+def layer_sequence(events, anchor: str, which: int = 10) -> list[dict]:
+    """The kernels launched from the ``which``-th launch of the first kernel whose name contains
+    ``anchor`` (e.g. the attention kernel, once per layer) up to the next one: one layer's
+    launches in order, each with its duration and the idle gap before it (µs)."""
+    ev = sorted(events, key=lambda e: e[1])
+    marks = [i for i, (name, _, _) in enumerate(ev) if anchor in name]
+    if len(marks) <= which + 1:
+        return []
+    out, prev_end = [], None
+    for name, start, dur in ev[marks[which]:marks[which + 1]]:
+        gap = 0.0 if prev_end is None else max(0, start - prev_end) / 1e3
+        out.append(dict(kernel=name[:120], us=dur / 1e3, gap_us_before=gap))
+        prev_end = start + dur if prev_end is None else max(prev_end, start + dur)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
@@ -77,6 +93,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--anchor", default="mosaic",
+                    help="substring of a once-per-layer kernel: one layer's launch sequence "
+                         "(from one such launch to the next) is printed and saved")
     ap.add_argument("--out", default="benchmarks/profile_decode.json")
     args = ap.parse_args()
 
@@ -117,7 +136,8 @@ def main() -> None:
                    wall_ms_per_step_untraced=wall_ms, kernel_ms_per_step=kern_us / 1e3,
                    busy_ms_per_step=busy_ns(events) / n / 1e6, span_ms_per_step=span_ns / n / 1e6,
                    launches_per_step=len(events) / n, device=jax.devices()[0].device_kind,
-                   jax=jax.__version__, kernels=rows)
+                   jax=jax.__version__, kernels=rows,
+                   layer_sequence=layer_sequence(events, args.anchor))
     print(f"B={B} ctx={ctx} layers={args.layers} attention={attn}: untraced {wall_ms:.3f} ms/step; "
           f"traced span {summary['span_ms_per_step']:.3f} ms, GPU busy {summary['busy_ms_per_step']:.3f} "
           f"ms, {summary['launches_per_step']:.0f} kernel launches per step")
@@ -125,6 +145,13 @@ def main() -> None:
     for r in rows[:args.top]:
         print(f"{r['kernel']:<80} {r['launches_per_step']:>7.1f} {r['us_per_step']:>9.1f} "
               f"{r['share']:>6.1%}")
+    seq = summary["layer_sequence"]
+    if seq:
+        print(f"\none layer, in launch order ({len(seq)} kernels, "
+              f"{sum(r['us'] for r in seq):.1f} us busy, {sum(r['gap_us_before'] for r in seq):.1f} "
+              f"us idle):")
+        for r in seq:
+            print(f"  {r['kernel']:<80} {r['us']:>7.2f} us  gap {r['gap_us_before']:>5.2f}")
     for path in [args.out] + ([os.path.join(os.environ["OUT"], "profile_decode.json")]
                               if os.environ.get("OUT") else []):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -26,6 +26,18 @@ def test_busy_time_is_the_union_of_kernel_intervals():
     assert prof.short("gemm_fusion_dot_3_1") == "gemm_fusion_dot"
 
 
+def test_layer_sequence_is_one_layer_in_launch_order():
+    prof = _load("profile_decode_step")
+    # two "layers": gemm, attn (anchor), add; the sequence runs from attn #1 to attn #2 (exclusive)
+    events = [("gemm_0", 0, 5), ("attn_mosaic", 7, 2), ("add_1", 10, 1),
+              ("gemm_2", 20, 5), ("attn_mosaic", 30, 2), ("add_3", 33, 1),
+              ("gemm_4", 40, 5), ("attn_mosaic", 50, 2)]
+    seq = prof.layer_sequence(list(reversed(events)), "mosaic", which=1)
+    assert [r["kernel"] for r in seq] == ["attn_mosaic", "add_3", "gemm_4"]
+    assert [r["gap_us_before"] for r in seq] == [0.0, 0.001, 0.006]
+    assert prof.layer_sequence(events, "mosaic", which=2) == []  # no later anchor
+
+
 def test_dry_run_emits_every_requested_token_once():
     plan = _load("plan_step_shapes")
     from jaxinfer.engine.batch_builder import BucketSpec

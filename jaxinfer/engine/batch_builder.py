@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxinfer.engine.buckets import batch_buckets as default_batch_buckets
 from jaxinfer.engine.buckets import bucket, powers_of_two
 
 GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
@@ -18,7 +19,8 @@ GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """Padded sizes: batch rows B, a prefill row's query tokens Tq, pages per row M, and the
+    """Padded sizes: batch rows B (`jaxinfer.engine.buckets.batch_buckets` unless
+    ``batch_buckets`` is given), a prefill row's query tokens Tq, pages per row M, and the
     packed prefill tokens Tp (``packed_tokens``: powers of two up to a quarter of
     ``max_num_batched_tokens`` (at least 512), then its multiples, so a packed step pads less than
     a quarter of the budget with few compiled shapes; ``token_buckets`` replaces both lists)."""
@@ -38,7 +40,7 @@ class BucketSpec:
         fine = tuple(b for b in powers_of_two(16, quarter) if b < top)
         fine += tuple(range(quarter, top, quarter)) + (top,)
         return cls(
-            batch=batch_buckets or powers_of_two(1, max_num_seqs),
+            batch=batch_buckets or default_batch_buckets(max_num_seqs),
             prefill_tokens=token_buckets or powers_of_two(16, top),
             pages=powers_of_two(1, max_pages),
             packed_tokens=token_buckets or tuple(sorted(set(fine))))

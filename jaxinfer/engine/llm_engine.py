@@ -52,6 +52,7 @@ class _InFlight:
     sample_rows: np.ndarray
     row_of: dict             # id(seq) -> row, for the next step's pending inputs
     needs_host_tokens: bool  # a row uses a repetition penalty: read back before the next step
+    shape_key: tuple = ()
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # KV pool cap on hosts without device memory statistics
 
@@ -166,6 +167,10 @@ class LLMEngine:
         # taken after each step only while `trace_memory` is set (CLI: --memory-trace FILE).
         self.memory = MemoryTracker(self.weight_bytes, page_bytes, r.num_pages)
         self.trace_memory = False
+        # Set to a list to log each step as it is read back: (shape_key, real rows, perf_counter
+        # seconds). Under asynchronous scheduling the host waits on the device, so the time between
+        # two read-backs is about the later step's device time (scripts/bench_throughput.py).
+        self.step_log: list | None = None
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -278,7 +283,7 @@ class LLMEngine:
         self.num_steps += 1
         penalised = any(s.params.repetition_penalty != 1.0 for s in batch.seqs)
         return _InFlight(batch, tokens, hb.sample_rows,
-                         {id(s): i for i, s in enumerate(batch.seqs)}, penalised)
+                         {id(s): i for i, s in enumerate(batch.seqs)}, penalised, hb.shape_key)
 
     def _complete(self, done: _InFlight) -> list[Sequence]:
         """Read back a dispatched step's tokens and advance its sequences (blocks on it only)."""
@@ -286,6 +291,8 @@ class LLMEngine:
             self._in_flight = None
         tokens = np.asarray(done.tokens)
         batch = done.batch
+        if self.step_log is not None:
+            self.step_log.append((done.shape_key, batch.num_seqs, time.perf_counter()))
         sampled = [int(tokens[i]) if done.sample_rows[i] else None for i in range(batch.num_seqs)]
         finished = self.scheduler.postprocess(batch, sampled)
         finished += self._check_stop_strings(batch.seqs, sampled)

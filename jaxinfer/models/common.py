@@ -208,10 +208,11 @@ class MLP(nn.Module):
 class Attention(nn.Module):
     """Llama attention block over the paged KV cache.
 
-    x [B, T, D] -> one GEMM with ``wqkv`` [D, (N + 2K) * H], split into q [B, T, N, H], k and v
-    [B, T, K, H] (`fused_parts`) -> `normalize_qk` (identity here; Qwen3 overrides it) -> RoPE at
-    the step's positions -> ``write_kv`` into the pools at ``layer`` (a Python int) -> ``attn_fn``
-    -> ``wo`` [N*H, D]. Returns (out [B, T, D], k_pool, v_pool) with the pools
+    x [B, T, D] -> one GEMM with ``wqkv`` [D, (N + 2K) * H], split into the query and key heads
+    qk [B, T, N + K, H] and v [B, T, K, H] (`fused_parts`) -> `normalize_qk` (identity here; Qwen3
+    overrides it) -> RoPE at the step's positions, on q and k heads together (one op each over
+    N + K heads instead of two, so fewer kernels per layer) -> ``write_kv`` into the pools at
+    ``layer`` (a Python int) -> ``attn_fn`` -> ``wo`` [N*H, D]. Returns (out [B, T, D], k_pool, v_pool) with the pools
     [L, P, K, page_size, H] updated.
     """
 
@@ -219,9 +220,10 @@ class Attention(nn.Module):
     attn_fn: Callable
     param_dtype: Any = jnp.float32
 
-    def normalize_qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Hook applied to q [B, T, N, H] and k [B, T, K, H] before RoPE. Llama: identity."""
-        return q, k
+    def normalize_qk(self, qk: jax.Array) -> jax.Array:
+        """Hook applied to the query and key heads qk [B, T, N + K, H] (the N query heads first)
+        before RoPE. Llama: identity."""
+        return qk
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
@@ -234,13 +236,13 @@ class Attention(nn.Module):
         wo = self.param("wo", _dense_init, shapes["wo"], self.param_dtype)
         with jax.named_scope("qkv"):
             qkv = x @ in_dtype(wqkv, x.dtype)                           # [B, T, (N + 2K) * H]
-            q = qkv[..., parts["q"]].reshape(B, T, N, H)
-            k = qkv[..., parts["k"]].reshape(B, T, K, H)
+            assert parts["q"].start == 0 and parts["q"].stop == parts["k"].start
+            qk = qkv[..., :parts["k"].stop].reshape(B, T, N + K, H)
             v = qkv[..., parts["v"]].reshape(B, T, K, H)
-            q, k = self.normalize_qk(q, k)
+            qk = self.normalize_qk(qk)
         with jax.named_scope("rope"):
-            q = apply_rope(q, ctx.cos, ctx.sin)
-            k = apply_rope(k, ctx.cos, ctx.sin)
+            qk = apply_rope(qk, ctx.cos, ctx.sin)
+            q, k = qk[:, :, :N], qk[:, :, N:]
         with jax.named_scope("kv_write"):
             k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
         with jax.named_scope("attention"):

@@ -6,20 +6,25 @@ Source: Qwen Team 2025, "Qwen3 Technical Report" (QK-Norm replaces Qwen2's QKV b
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from jaxinfer.models import common
 
 
 class Qwen3Attention(common.Attention):
-    """`common.Attention` with per-head RMSNorm of q [B, T, N, H] and k [B, T, K, H] (weights
-    ``q_norm`` [H] and ``k_norm`` [H], shared across heads)."""
+    """`common.Attention` with per-head RMSNorm of the query heads (weight ``q_norm`` [H]) and the
+    key heads (weight ``k_norm`` [H]), each weight shared across its heads; both run as one
+    RMSNorm over qk [B, T, N + K, H] with the weights broadcast to [N + K, H]."""
 
-    def normalize_qk(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
-        eps, pd = self.cfg.rms_norm_eps, self.param_dtype
-        q = common._shared(self, common.RMSNorm("q_norm", eps, pd, name="q_norm_block"))(q)
-        k = common._shared(self, common.RMSNorm("k_norm", eps, pd, name="k_norm_block"))(k)
-        return q, k
+    def normalize_qk(self, qk: jax.Array) -> jax.Array:
+        cfg, pd = self.cfg, self.param_dtype
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        wq = self.param("q_norm", nn.initializers.ones, (H,), pd)
+        wk = self.param("k_norm", nn.initializers.ones, (H,), pd)
+        w = jnp.concatenate([jnp.broadcast_to(wq, (N, H)), jnp.broadcast_to(wk, (K, H))])
+        return common.rms_norm(qk, w, cfg.rms_norm_eps)
 
 
 class Qwen3ForCausalLM(common.CausalLM):

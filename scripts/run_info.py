@@ -1,0 +1,18 @@
+"""What every benchmark row records about the code it ran."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+
+def git_commit() -> str:
+    """The commit a benchmark row belongs to: ``$GIT_COMMIT`` when set (a copy of the tree whose
+    ``.git`` is missing or stale, as on the device machine), else ``git rev-parse --short HEAD``
+    run in the repository, else ""."""
+    if os.environ.get("GIT_COMMIT"):
+        return os.environ["GIT_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                       cwd=root)
+    return r.stdout.strip()

@@ -76,6 +76,20 @@ def decode_runner(cfg, params, step_fn, B, ctx, page_size):
     return run, kv
 
 
+def time_steps(run, kv, steps: int, warmup: int = 3):
+    """Mean seconds per step of ``steps`` back-to-back ``run(kv) -> (tokens, kv)`` calls after
+    ``warmup`` untimed ones (one sync at each end, so dispatch overlaps the device).
+    Returns (seconds per step, kv)."""
+    for _ in range(warmup):
+        toks, kv = run(kv)
+    toks.block_until_ready()
+    t = time.perf_counter()
+    for _ in range(steps):
+        toks, kv = run(kv)
+    toks.block_until_ready()
+    return (time.perf_counter() - t) / steps, kv
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
@@ -117,14 +131,7 @@ def main() -> None:
         toks, kv = run(kv)  # compile
         toks.block_until_ready()
         compile_s = time.perf_counter() - t
-        for _ in range(3):  # warm-up
-            toks, kv = run(kv)
-        toks.block_until_ready()
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            toks, kv = run(kv)
-        toks.block_until_ready()
-        dt = (time.perf_counter() - t) / args.steps
+        dt, kv = time_steps(run, kv, args.steps)
         moved = wbytes + B * ctx * kv_tok
         row = dict(meta, B=B, context=ctx, gemm=gemm, ms_per_step=dt * 1e3, tok_s=B / dt, compile_s=compile_s,
                    bytes_per_step=moved, tbps=moved / dt / 1e12, frac_of_copy=moved / dt / 1e12 / ceiling)

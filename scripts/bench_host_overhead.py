@@ -50,7 +50,7 @@ def main() -> None:
     from jaxinfer.models import registry as models
     from jaxinfer.sampling_params import SamplingParams
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_decode import QWEN3_8B  # same directory
+    from bench_decode import QWEN3_8B, time_steps  # same directory
 
     cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
@@ -101,14 +101,7 @@ def main() -> None:
     def run(kv):  # the cache (tables included) is donated: fresh tables each step, as the engine
         return step(eng.params, kv.replace(block_tables=jnp.asarray(hb.block_tables),
                                            seq_lens=jnp.asarray(hb.seq_lens)), inp)
-    for _ in range(3):
-        toks, kv = run(kv)
-    toks.block_until_ready()
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        toks, kv = run(kv)
-    toks.block_until_ready()
-    t_dev = (time.perf_counter() - t) / args.steps
+    t_dev, kv = time_steps(run, kv, args.steps)
 
     commit = git_commit()
     meta = dict(bench="host_overhead", layers=args.layers, B=B, context=args.context,

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_decode import QWEN3_8B, decode_runner  # noqa: E402
+from bench_decode import QWEN3_8B, decode_runner, time_steps  # noqa: E402
 from jaxinfer.attention import make_attention_fn, resolve_backend  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.models import registry as models  # noqa: E402
@@ -105,14 +105,8 @@ def main() -> None:
     step_fn = make_step_fn(cfg, make_attention_fn(attn), True)
     B, ctx = args.batch, args.context
     run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size)
-    for _ in range(4):
-        toks, kv = run(kv)
-    toks.block_until_ready()
-    t = time.perf_counter()
-    for _ in range(args.steps):
-        toks, kv = run(kv)
-    toks.block_until_ready()
-    wall_ms = (time.perf_counter() - t) / args.steps * 1e3
+    dt, kv = time_steps(run, kv, args.steps, warmup=4)
+    wall_ms = dt * 1e3
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
             for _ in range(args.steps):

@@ -251,6 +251,11 @@ class EngineConfig:
         async_scheduling: schedule and dispatch step n+1 before reading back step n's tokens, so
             host work overlaps device work (vLLM's ``async_scheduling``); ``False``: each step is
             read back before the next is scheduled. Outputs are the same either way.
+        cublas_decode_min_batch: decode steps whose batch bucket has at least this many rows are
+            compiled with cuBLAS GEMMs (XLA's Triton GEMM emitter off for that step only;
+            `jaxinfer.step.GEMM_COMPILER_OPTIONS`); every other step keeps XLA's choice. Default
+            64: on the H200, cuBLAS decode steps were 2-4% faster at 64-256 rows and 32% slower
+            at 1 row (BENCHMARKS.md). ``None``: XLA's choice for every step. GPU only in effect.
     """
 
     max_model_len: int | None = None
@@ -267,6 +272,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] = ()
     async_scheduling: bool = True
     compilation_cache_dir: str | None = None
+    cublas_decode_min_batch: int | None = 64
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -274,7 +280,8 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 _fail("EngineConfig", name, v, "must be a positive integer")
 
-        for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
+                     "cublas_decode_min_batch"):
             positive(name)
         if self.page_size & (self.page_size - 1):
             _fail("EngineConfig", "page_size", self.page_size, "must be a power of two (8, 16, 32, 64, ...)")

@@ -279,7 +279,9 @@ class LLM:
         start-up with representative requests, as vLLM captures CUDA graphs at start-up.
 
         Returns:
-            {"planned": shapes the dry run visits, "shapes": compiled now, "lower_s", "seconds"}.
+            {"planned": shapes the dry run visits, "shapes": compiled now, "lower_s", "warm_s",
+            "seconds"} (see `LLMEngine.precompile`; each new executable also runs once on an
+            all-padding batch, so its first real use does not pay for loading it).
         Raises:
             ValueError: invalid prompts or parameters (as `generate` with on_error="raise").
         """

@@ -95,7 +95,7 @@ def main() -> None:
     t_sync = timed(False)
     hb = captured["hb"]
     assert hb.tokens.shape[0] == B, hb.tokens.shape
-    step = eng._steps[hb.all_greedy]
+    step = eng.step_fn(hb.shape_key)
     kv, inp = eng._device_inputs(hb)
 
     def run(kv):  # the cache (tables included) is donated: fresh tables each step, as the engine

@@ -119,7 +119,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
           "step shapes the workload visits (host dry run)", flush=True)
     pre = llm.precompile(reqs, params, max_workers=args.compile_workers)
     print(f"jaxinfer: {pre['shapes']} shapes compiled in {pre['seconds']:.0f} s "
-          f"({pre['lower_s']:.0f} s of it tracing)", flush=True)
+          f"({pre['lower_s']:.0f} s of it tracing, {pre['warm_s']:.1f} s first runs)", flush=True)
     lazy_before = llm.engine.num_lazy_compiles
     llm.engine.step_log = []
     t = time.perf_counter()
@@ -138,6 +138,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     row.update(compiles=llm.engine.num_compiles,
                compiles_in_timed_run=llm.engine.num_lazy_compiles - lazy_before,
                precompile_s=pre["seconds"], precompile_lower_s=pre["lower_s"],
+               precompile_warm_s=pre["warm_s"],
                compile_workers=args.compile_workers, batch_buckets=list(llm.engine.buckets.batch),
                phases=phases, attention=llm.engine.resolved.attention,
                prefill_attention=llm.engine.resolved.prefill_attention,

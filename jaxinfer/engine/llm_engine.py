@@ -149,7 +149,9 @@ class LLMEngine:
             max_model_len=r.max_model_len, page_size=ec.page_size,
             batch_buckets=ec.batch_buckets, token_buckets=ec.token_buckets)
         attn = make_attention_fn(r.attention, r.prefill_attention)
-        self._steps = {g: make_step_fn(config, attn, g) for g in (False, True)}
+        self._steps = {(g, gemm): make_step_fn(config, attn, g, gemm)
+                       for g in (False, True) for gemm in ("xla", "cublas")}
+        self._cublas_min_batch = ec.cublas_decode_min_batch
         self.compiled_shapes: set[tuple] = set()  # shapes compiled so far (ahead of time or not)
         self._executables: dict[tuple, object] = {}  # shape key -> ahead-of-time compiled step
         self.num_lazy_compiles = 0  # shapes first compiled inside step() (not by precompile)
@@ -171,6 +173,13 @@ class LLMEngine:
         # seconds). Under asynchronous scheduling the host waits on the device, so the time between
         # two read-backs is about the later step's device time (scripts/bench_throughput.py).
         self.step_log: list | None = None
+
+    def step_fn(self, shape_key: tuple):
+        """The jit step for a ``HostBatch.shape_key``: its sampling mode, and cuBLAS GEMMs for
+        decode buckets of at least ``EngineConfig.cublas_decode_min_batch`` rows."""
+        decode_rows = shape_key[1][0] if shape_key[3] is None else 0
+        cublas = self._cublas_min_batch is not None and decode_rows >= self._cublas_min_batch
+        return self._steps[(shape_key[-1], "cublas" if cublas else "xla")]
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -262,7 +271,7 @@ class LLMEngine:
         hb = build_host_batch(batch, page_size=self.page_size, buckets=self.buckets)
         step_fn = self._executables.get(hb.shape_key)
         if step_fn is None:
-            step_fn = self._steps[hb.all_greedy]
+            step_fn = self.step_fn(hb.shape_key)
             if hb.shape_key not in self.compiled_shapes:
                 self.compiled_shapes.add(hb.shape_key)
                 self.num_lazy_compiles += 1
@@ -352,7 +361,7 @@ class LLMEngine:
                         async_scheduling=self.async_scheduling)
         return list(dict.fromkeys(hb.shape_key for _, hb in steps))
 
-    def precompile(self, shape_keys, *, max_workers: int | None = None) -> dict:
+    def precompile(self, shape_keys, *, max_workers: int | None = None, warm: bool = True) -> dict:
         """Compile the step for each shape ahead of time, several compiles at once.
 
         Lowering (Python tracing) runs in this thread, one shape after another; each lowered step
@@ -360,10 +369,17 @@ class LLMEngine:
         compiles run in parallel. `step` then calls these executables directly: no compile
         happens on first use. Shapes already compiled are skipped.
 
+        With ``warm``, each new executable then runs once on an all-padding batch (every row
+        ``seq_len`` 0, every write into the null page, so no sequence's KV is touched): the first
+        run of an executable loads its kernels onto the device, which costs about 0.1-0.3 s for
+        the 36-layer Qwen3-8B step on the H200, and would otherwise land in the first request
+        that uses the shape.
+
         Args:
             shape_keys: ``HostBatch.shape_key`` tuples, e.g. from `plan_shapes`.
         Returns:
-            {"shapes": compiled now, "lower_s": seconds tracing, "seconds": wall seconds}.
+            {"shapes": compiled now, "lower_s": seconds tracing, "warm_s": seconds of warm runs,
+            "seconds": wall seconds}.
         """
         todo = [k for k in dict.fromkeys(shape_keys) if k not in self.compiled_shapes]
         jax.block_until_ready(self.params)  # weights still being built would count as tracing
@@ -376,13 +392,20 @@ class LLMEngine:
                 for k in todo:
                     t = time.perf_counter()
                     kv, inp = self._device_inputs(empty_host_batch(k))
-                    lowered = self._steps[k[-1]].lower(self.params, kv, inp)
+                    lowered = self.step_fn(k).lower(self.params, kv, inp)
                     lower_s += time.perf_counter() - t
                     futures.append(pool.submit(lowered.compile))
                 for k, f in zip(todo, futures):
                     self._executables[k] = f.result()
                     self.compiled_shapes.add(k)
-        return dict(shapes=len(todo), lower_s=lower_s, seconds=time.perf_counter() - t0)
+        t_warm = time.perf_counter()
+        if warm and todo:
+            for k in todo:
+                kv, inp = self._device_inputs(empty_host_batch(k))
+                tokens, self.kv = self._executables[k](self.params, kv, inp)
+            tokens.block_until_ready()
+        return dict(shapes=len(todo), lower_s=lower_s, warm_s=time.perf_counter() - t_warm,
+                    seconds=time.perf_counter() - t0)
 
     # ------------------------------------------------------------------- output
     def pop_output(self, rid: str, prompt: str | None = None) -> RequestOutput:

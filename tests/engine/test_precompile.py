@@ -66,3 +66,30 @@ def test_precompile_rejects_a_bad_request_by_index():
     with pytest.raises(ValueError, match="request 1: .*max_model_len"):
         llm.precompile([[1, 2, 3], [4] * 90], SamplingParams(max_tokens=20))
     assert llm.engine.num_compiles == 0
+
+
+def test_warm_runs_write_only_the_null_page():
+    import numpy as np
+    llm = _llm()
+    prompts, params = _workload()
+    llm.generate(prompts[:2], params[:2])  # fills some pages
+    k0, v0 = np.asarray(llm.engine.kv.k), np.asarray(llm.engine.kv.v)
+    assert np.abs(k0[:, 1:]).sum() > 0  # pages beyond the null page hold KV
+    info = llm.precompile(prompts[2:], params[2:])
+    assert info["shapes"] >= 1 and info["warm_s"] > 0
+    k1, v1 = np.asarray(llm.engine.kv.k), np.asarray(llm.engine.kv.v)
+    np.testing.assert_array_equal(k1[:, 1:], k0[:, 1:])
+    np.testing.assert_array_equal(v1[:, 1:], v0[:, 1:])
+
+
+def test_cublas_decode_steps_from_the_configured_batch():
+    eng = _llm(cublas_decode_min_batch=2).engine
+    decode = lambda B: ((B, 1), (B, 8), 0, None, True)  # noqa: E731
+    packed = ((1, 32), (3, 8), 0, (3, 16), False)
+    assert eng.step_fn(decode(1)) is eng._steps[(True, "xla")]
+    assert eng.step_fn(decode(2)) is eng._steps[(True, "cublas")]
+    assert eng.step_fn(packed) is eng._steps[(False, "xla")]  # prefill keeps XLA's choice
+    off = _llm(cublas_decode_min_batch=None).engine
+    assert off.step_fn(decode(3)) is off._steps[(True, "xla")]
+    with pytest.raises(ValueError, match="cublas_decode_min_batch"):
+        _llm(cublas_decode_min_batch=0)

@@ -306,13 +306,13 @@ def test_partial_prefill_is_continued_first_and_shares_the_budget():
     got = [[(s.request_id, n, st, smp) for s, n, st, smp in
             zip(x.seqs, x.num_new_tokens, x.start_positions, x.do_sample)] for x in batches if x.is_prefill]
     # FIFO, budget-capped chunks, the partial one first in the next batch; rows x longest chunk
-    # stays within the budget (the step pads every row to the longest), so "a" joins "b" with a
-    # 16-token chunk (2 x 16 <= 32) and "c" cannot join a 20-token chunk (2 x 20 > 32)
-    assert got == [[("b", 10, 0, True), ("a", 16, 0, False)],
-                   [("a", 32, 16, False)],
-                   [("a", 32, 48, False)],
-                   [("a", 20, 80, True)],
-                   [("c", 5, 0, True)]]
+    # stays within twice the budget (attention pads every row to the longest), so "a" joins "b"
+    # with the 22 tokens left of the budget (2 x 22 <= 64), and "c" joins a's last 14-token chunk
+    # (2 x 14 <= 64, 14 + 5 <= 32)
+    assert got == [[("b", 10, 0, True), ("a", 22, 0, False)],
+                   [("a", 32, 22, False)],
+                   [("a", 32, 54, False)],
+                   [("a", 14, 86, True), ("c", 5, 0, True)]]
     assert_matches_reference(sched, [a, b, c])
 
 

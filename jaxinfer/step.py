@@ -36,6 +36,12 @@ class StepInput:
     Packed (prefill; ``packing`` a `Packing`): tokens, positions and slot_mapping are [1, Tp],
     R sequences' chunks back to back; ``logits_indices`` i32[R] are packed indices; sampling
     has R rows.
+
+    Asynchronous scheduling (both None when unused):
+    prev_tokens:     i32[Bmax] the previous step's output, still on the device (zeros before the
+                     first step); Bmax is the largest batch bucket, so its shape never varies
+    pending_src:     i32[B] for each row, the row of ``prev_tokens`` that is its input token
+                     (unpacked steps only), or -1: that row's ``tokens[b, 0]`` is used as given
     """
 
     tokens: jax.Array
@@ -44,6 +50,8 @@ class StepInput:
     logits_indices: jax.Array
     sampling: SamplingMetadata
     packing: Packing | None = None
+    prev_tokens: jax.Array | None = None
+    pending_src: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -60,9 +68,13 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, attn_fn
         inp: `StepInput`.
         cfg, attn_fn, all_greedy: static.
     Returns:
-        (next token ids i32[B] (i32[R] packed), updated cache).
+        (next token ids i32[B] (i32[R] packed), updated cache); with ``inp.prev_tokens`` the ids
+        are zero-padded to its length Bmax, so that the next step's input has a fixed shape.
     """
-    hidden, kv = models.forward(params, cfg, inp.tokens, inp.positions, inp.slot_mapping, kv,
+    tokens = inp.tokens
+    if inp.prev_tokens is not None and inp.packing is None:
+        tokens = merge_pending_tokens(tokens, inp.prev_tokens, inp.pending_src)
+    hidden, kv = models.forward(params, cfg, tokens, inp.positions, inp.slot_mapping, kv,
                                 attn_fn=attn_fn, packing=inp.packing)
     with jax.named_scope("lm_head"):
         if inp.packing is None:
@@ -72,6 +84,8 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, attn_fn
         logits = models.compute_logits(params, cfg, last)
     with jax.named_scope("sample"):
         tokens = sample(logits, inp.sampling, all_greedy=all_greedy)
+    if inp.prev_tokens is not None:
+        tokens = jnp.zeros_like(inp.prev_tokens).at[:tokens.shape[0]].set(tokens)
     return tokens, kv
 
 
@@ -94,13 +108,13 @@ def make_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool,
     return jax.jit(fn, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm])
 
 
-@jax.jit
 def merge_pending_tokens(tokens: jax.Array, prev_tokens: jax.Array, src: jax.Array) -> jax.Array:
-    """Fill the input tokens that are still on the device (asynchronous scheduling).
+    """Fill the input tokens that are still on the device (asynchronous scheduling; runs inside
+    the step, so it costs no launch and no compile of its own).
 
     Args:
         tokens: i32[B, T] this step's host-built input ids.
-        prev_tokens: i32[B'] the previous step's sampled ids (still on the device).
+        prev_tokens: i32[Bmax] the previous step's sampled ids (still on the device).
         src: i32[B] for each row, the row of ``prev_tokens`` that is its first input token, or -1.
     Returns:
         i32[B, T]: ``tokens`` with ``tokens[i, 0] = prev_tokens[src[i]]`` where ``src[i] >= 0``.

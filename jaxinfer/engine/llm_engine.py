@@ -10,7 +10,6 @@ repetition penalty need every token on the host, so a step with such rows runs s
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -38,7 +37,7 @@ from jaxinfer.models.params import param_bytes
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling import SamplingMetadata
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step import StepInput, make_step_fn, merge_pending_tokens
+from jaxinfer.step import StepInput, make_step_fn
 
 log = logging.getLogger("jaxinfer")
 
@@ -152,6 +151,8 @@ class LLMEngine:
         self._steps = {(g, gemm): make_step_fn(config, attn, g, gemm)
                        for g in (False, True) for gemm in ("xla", "cublas")}
         self._cublas_min_batch = ec.cublas_decode_min_batch
+        # the previous step's tokens when none is in flight (StepInput.prev_tokens: fixed shape)
+        self._no_prev_tokens = jnp.zeros((self.buckets.batch[-1],), jnp.int32)
         self.compiled_shapes: set[tuple] = set()  # shapes compiled so far (ahead of time or not)
         self._executables: dict[tuple, object] = {}  # shape key -> ahead-of-time compiled step
         self.num_lazy_compiles = 0  # shapes first compiled inside step() (not by precompile)
@@ -231,7 +232,8 @@ class LLMEngine:
                                     jnp.dtype(r.dtype))
 
     # --------------------------------------------------------------------- step
-    def _device_inputs(self, hb: HostBatch) -> tuple[KVCache, StepInput]:
+    def _device_inputs(self, hb: HostBatch, prev_tokens: jax.Array | None = None,
+                       pending_src: np.ndarray | None = None) -> tuple[KVCache, StepInput]:
         kv = self.kv.replace(block_tables=jnp.asarray(hb.block_tables),
                              seq_lens=jnp.asarray(hb.seq_lens))
         sm = SamplingMetadata(
@@ -239,8 +241,13 @@ class LLMEngine:
             repetition_penalty=hb.repetition_penalty, seeds=hb.seeds, step_idx=hb.step_idx,
             penalty_tokens=hb.penalty_tokens)
         packing = (Packing(hb.q_index, hb.q_positions, hb.out_index) if hb.packed else None)
+        if prev_tokens is None:
+            prev_tokens = self._no_prev_tokens
+        if pending_src is None:
+            pending_src = np.full(hb.logits_indices.shape, -1, np.int32)
         inp = StepInput(tokens=hb.tokens, positions=hb.positions, slot_mapping=hb.slot_mapping,
-                        logits_indices=hb.logits_indices, sampling=sm, packing=packing)
+                        logits_indices=hb.logits_indices, sampling=sm, packing=packing,
+                        prev_tokens=prev_tokens, pending_src=pending_src)
         return kv, jax.tree_util.tree_map(jnp.asarray, inp)
 
     def step(self) -> list[Sequence]:
@@ -278,16 +285,14 @@ class LLMEngine:
                 log.info("compiling step for shape %s (%d so far)", hb.shape_key,
                          len(self.compiled_shapes))
         self.max_kv_len_seen = max(self.max_kv_len_seen, int(hb.seq_lens.max()))
-        kv, inp = self._device_inputs(hb)
+        src = np.full(hb.pending_rows.shape, -1, np.int32)
         if hb.pending_rows.any():
             if prev is None:
                 raise RuntimeError("LLMEngine: a row needs a pending token but no step is in flight")
-            src = np.full(hb.pending_rows.shape, -1, np.int32)
             for i, seq in enumerate(batch.seqs):
                 if hb.pending_rows[i]:
                     src[i] = prev.row_of[id(seq)]
-            inp = dataclasses.replace(
-                inp, tokens=merge_pending_tokens(inp.tokens, prev.tokens, jnp.asarray(src)))
+        kv, inp = self._device_inputs(hb, None if prev is None else prev.tokens, src)
         tokens, self.kv = step_fn(self.params, kv, inp)
         self.num_steps += 1
         penalised = any(s.params.repetition_penalty != 1.0 for s in batch.seqs)

@@ -42,10 +42,16 @@ QWEN3_8B = dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, inter
                 max_position_embeddings=40960, tie_word_embeddings=False, rms_norm_eps=1e-6)
 
 
-def step_inputs(B, ctx, page_size, M):
+def step_inputs(B, ctx, page_size, M, scatter_pages=False):
+    """Step inputs of B rows at context ``ctx``: row b holds pages ``1 + b * pages ...`` in order,
+    or, with ``scatter_pages``, a random permutation of the same pages (as a free list hands
+    them out after many allocations and frees)."""
     tables = np.zeros((B, M), np.int32)
     pages = -(-(ctx) // page_size)
-    tables[:, :pages] = 1 + np.arange(B * pages, dtype=np.int32).reshape(B, pages)
+    ids = 1 + np.arange(B * pages, dtype=np.int32)
+    if scatter_pages:
+        ids = 1 + np.random.default_rng(1).permutation(B * pages).astype(np.int32)
+    tables[:, :pages] = ids.reshape(B, pages)
     pos = np.full((B, 1), ctx - 1, np.int32)
     slots = tables[np.arange(B), (ctx - 1) // page_size][:, None] * page_size + (ctx - 1) % page_size
     sm = SamplingMetadata(
@@ -61,14 +67,14 @@ def step_inputs(B, ctx, page_size, M):
     return jax.tree_util.tree_map(jnp.asarray, inp), tables, np.full((B,), ctx, np.int32)
 
 
-def decode_runner(cfg, params, step_fn, B, ctx, page_size):
+def decode_runner(cfg, params, step_fn, B, ctx, page_size, scatter_pages=False):
     """(run, kv): ``run(kv) -> (tokens, kv)`` is one decode step of B rows at context ``ctx``
-    over a bf16 pool of exactly the pages they use (plus the null page)."""
+    over a bf16 pool of exactly the pages they use (plus the null page); see `step_inputs`."""
     M = -(-ctx // page_size)
     shape = (cfg.num_layers, B * M + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
     kv = KVCache(k=jnp.zeros(shape, jnp.bfloat16) + 0.01, v=jnp.zeros(shape, jnp.bfloat16) + 0.01,
                  block_tables=jnp.zeros((B, M), jnp.int32), seq_lens=jnp.zeros((B,), jnp.int32))
-    inp, tables, lens = step_inputs(B, ctx, page_size, M)
+    inp, tables, lens = step_inputs(B, ctx, page_size, M, scatter_pages)
 
     def run(kv):
         return step_fn(params, kv.replace(block_tables=jnp.asarray(tables),
@@ -99,6 +105,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--gemm", nargs="+", default=["xla"], choices=sorted(GEMM_COMPILER_OPTIONS),
                     help="GEMM back-ends to compare side by side (jaxinfer.step.make_step_fn)")
+    ap.add_argument("--scatter-pages", action="store_true",
+                    help="each row's pages in random order across the pool (as after many "
+                         "allocations), instead of contiguous")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-kv-gib", type=float, default=100.0)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
@@ -117,7 +126,7 @@ def main() -> None:
     commit = git_commit()
     meta = dict(bench="decode", variant=attn_name, jax=jax.__version__, device=jax.devices()[0].device_kind,
                 date=datetime.date.today().isoformat(), commit=commit, layers=args.layers,
-                copy_tbps=ceiling, page_size=args.page_size)
+                copy_tbps=ceiling, page_size=args.page_size, scatter_pages=args.scatter_pages)
     print(f"copy ceilings {ceil}; weights read/step {wbytes / 1e9:.2f} GB; attention={attn_name}")
     rows = []
     for ctx, B, gemm in itertools.product(args.contexts, args.batches, args.gemm):
@@ -126,7 +135,7 @@ def main() -> None:
             print(f"skip B={B} ctx={ctx}: KV {kv_gib:.1f} GiB")
             continue
         step_fn = make_step_fn(cfg, attn, True, gemm)
-        run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size)
+        run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size, args.scatter_pages)
         t = time.perf_counter()
         toks, kv = run(kv)  # compile
         toks.block_until_ready()

@@ -99,6 +99,10 @@ def main() -> None:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.page_size & (args.page_size - 1):
         ap.error(f"--page-size {args.page_size} must be a power of two (as the engine requires)")
+    bb = args.batch_buckets
+    if bb and (any(b < 1 for b in bb) or list(bb) != sorted(set(bb)) or bb[-1] < args.max_num_seqs):
+        ap.error(f"--batch-buckets {' '.join(map(str, bb))}: must be strictly increasing positive "
+                 f"integers, the largest >= --max-num-seqs ({args.max_num_seqs})")
     if args.min_input > args.max_input or args.min_output > args.max_output:
         ap.error("each --min-* must be <= its --max-*")
 

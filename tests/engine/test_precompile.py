@@ -34,14 +34,16 @@ def _workload():
     return prompts, params
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_plan_shapes_are_the_shapes_generate_visits(async_scheduling):
-    llm = _llm(async_scheduling=async_scheduling)
+@pytest.mark.parametrize("async_scheduling, num_pages", [(True, 64), (False, 64), (True, 16)])
+def test_plan_shapes_are_the_shapes_generate_visits(async_scheduling, num_pages):
+    llm = _llm(async_scheduling=async_scheduling, num_pages=num_pages)
     prompts, params = _workload()
     planned = llm.engine.plan_shapes([(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params)])
     assert len(planned) == len(set(planned)) >= 4
     assert any(k[3] is not None for k in planned) and any(k[3] is None for k in planned)
-    llm.generate(prompts, params)
+    out = llm.generate(prompts, params)
+    preempted = sum(o.metrics.num_preemptions for o in out)
+    assert (preempted > 0) == (num_pages == 16)  # the small pool preempts: the dry run must too
     assert llm.engine.compiled_shapes == set(planned)
     assert llm.engine.num_lazy_compiles == len(planned)
 

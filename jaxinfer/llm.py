@@ -160,9 +160,13 @@ class LLM:
         """``generate``'s (prompts, sampling_params) as two lists of equal length.
 
         Raises:
-            ValueError: sampling_params is not a SamplingParams or a list of them, or the counts
-                differ.
+            ValueError: prompts is not a prompt or an iterable of prompts (None, an int, bytes);
+                sampling_params is not a SamplingParams or a list of them; or the counts differ.
         """
+        if prompts is None or isinstance(prompts, (bytes, bytearray, int, float)) or not hasattr(
+                prompts, "__iter__"):
+            raise ValueError(f"prompts must be a str, a list of token ids, a dict, or a list of "
+                             f"these; got {type(prompts).__name__}")
         single = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts
             and all(isinstance(t, (int, np.integer)) for t in prompts))
@@ -213,7 +217,7 @@ class LLM:
         for i, (p, sp) in enumerate(zip(plist, params)):
             try:
                 text, ids = self._to_ids(p)
-                self.engine.scheduler.check_admissible(len(ids), sp)
+                self.engine.check_request(ids, sp)
                 if sp.stop and self.tokenizer is None:
                     raise ValueError(f"SamplingParams.stop={list(sp.stop)!r} needs detokenized "
                                      "text, but this LLM has no tokenizer; use stop_token_ids")
@@ -274,23 +278,27 @@ class LLM:
         ``generate(prompts, sampling_params)`` visits on an idle engine.
 
         The shapes come from a host-only dry run of the scheduler (`LLMEngine.plan_shapes`: each
-        request runs to ``max_tokens``; one that stops earlier visits a subset); the compiles run
-        in ``max_workers`` threads (`LLMEngine.precompile`). Serving code can call it once at
-        start-up with representative requests, as vLLM captures CUDA graphs at start-up.
+        request runs to ``max_tokens``, as with ``ignore_eos``); the compiles run in
+        ``max_workers`` threads (`LLMEngine.precompile`). When requests stop early (EOS, stop
+        tokens or strings) the remaining rows can form steps the dry run did not see; those are
+        compiled on first use (``llm.engine.num_lazy_compiles`` counts them). Serving code can call
+        it once at start-up with representative requests, as vLLM captures CUDA graphs at
+        start-up.
 
         Returns:
             {"planned": shapes the dry run visits, "shapes": compiled now, "lower_s", "warm_s",
             "seconds"} (see `LLMEngine.precompile`; each new executable also runs once on an
             all-padding batch, so its first real use does not pay for loading it).
         Raises:
-            ValueError: invalid prompts or parameters (as `generate` with on_error="raise").
+            ValueError: invalid prompts or parameters (as `generate` with on_error="raise"), or
+                ``max_workers`` not a positive integer.
         """
         plist, params = self._normalize(prompts, sampling_params)
         requests = []
         for i, (p, sp) in enumerate(zip(plist, params)):
             try:
                 ids = self._to_ids(p)[1]
-                self.engine.scheduler.check_admissible(len(ids), sp)
+                self.engine.check_request(ids, sp)
             except ValueError as e:
                 raise ValueError(f"request {i}: {e}") from None
             requests.append((ids, sp))

@@ -93,10 +93,19 @@ def main() -> None:
     ap.add_argument("--hbm-tbps", type=float, default=4.27, help="measured copy bandwidth")
     ap.add_argument("--tflops", type=float, default=990.0, help="dense bf16 peak")
     args = ap.parse_args()
-    for name in ("num_requests", "min_input", "min_output", "vocab", "num_pages", "page_size",
+    for name in ("num_requests", "min_input", "min_output", "vocab", "page_size",
                  "max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.num_pages < 2:
+        ap.error("--num-pages must be >= 2 (page 0 is the reserved null page)")
+    if args.seed < 0:
+        ap.error("--seed must be >= 0")
+    for name in ("hbm_tbps", "tflops", "kv_bytes_per_token", "params_b"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.weight_gb < 0:
+        ap.error("--weight-gb must be >= 0 (0: print no time floors)")
     if args.page_size & (args.page_size - 1):
         ap.error(f"--page-size {args.page_size} must be a power of two (as the engine requires)")
     bb = args.batch_buckets
@@ -104,7 +113,9 @@ def main() -> None:
         ap.error(f"--batch-buckets {' '.join(map(str, bb))}: must be strictly increasing positive "
                  f"integers, the largest >= --max-num-seqs ({args.max_num_seqs})")
     if args.min_input > args.max_input or args.min_output > args.max_output:
-        ap.error("each --min-* must be <= its --max-*")
+        ap.error(f"--min-input/--max-input ({args.min_input}/{args.max_input}) and --min-output/"
+                 f"--max-output ({args.min_output}/{args.max_output}): each minimum must be <= its "
+                 "maximum")
 
     # the workload of bench_throughput.py (same generator calls, same order)
     rng = np.random.default_rng(args.seed)
@@ -117,10 +128,13 @@ def main() -> None:
                                max_num_batched_tokens=args.max_num_batched_tokens,
                                max_model_len=max_model_len, page_size=args.page_size,
                                batch_buckets=tuple(args.batch_buckets))
-    res = simulate(prompts, out_lens, num_pages=args.num_pages, page_size=args.page_size,
-                   max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens,
-                   max_model_len=max_model_len, buckets=buckets)
+    try:
+        res = simulate(prompts, out_lens, num_pages=args.num_pages, page_size=args.page_size,
+                       max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=max_model_len, buckets=buckets)
+    except ValueError as e:  # a request the pool or the buckets cannot hold
+        ap.error(str(e))
     print(f"steps: {res['steps']}; distinct step shapes: {res['num_shapes']}; decode rows that are "
           f"padding: {res['decode_row_padding']:.1%}")
     print(f"prefill tokens {res['prefill_tokens']} (padded to {res['prefill_tokens_padded']}); "
@@ -138,8 +152,11 @@ def main() -> None:
         print(f"{s['kind']:<8} {str(s['tokens']):>12} {str(s['block_tables']):>12} "
               f"{str(s['q_index']):>12} {s['steps']:>6}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(vars(args), **res), fh, indent=1)
+        try:
+            with open(args.json, "w") as fh:
+                json.dump(dict(vars(args), **res), fh, indent=1)
+        except OSError as e:
+            ap.error(f"--json {args.json}: {e.strerror}")
 
 
 if __name__ == "__main__":

@@ -183,19 +183,14 @@ class LLMEngine:
         return self._steps[(shape_key[-1], "cublas" if cublas else "xla")]
 
     # ----------------------------------------------------------------- requests
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        """Validate and queue one request.
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Check that one request can run on this engine (nothing is queued).
 
         Raises:
-            ValueError: empty prompt, prompt + max_tokens over max_model_len, or more pages than the
-                whole pool (the request is not queued; the engine is unaffected).
+            ValueError: a prompt or stop token id outside [0, V), an empty prompt, prompt +
+                max_tokens over max_model_len, or more pages than the whole pool
+                (`Scheduler.check_admissible`).
         """
-        rid = request_id if request_id is not None else str(next(self._ids))
-        if params.seed is not None:
-            seed = params.seed
-        else:
-            seed = int(self._rng.integers(0, 2**31 - 1))
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -204,6 +199,21 @@ class LLMEngine:
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids contains {bad[0]}, out of range: ids "
                              f"must be in [0, {vocab})")
+        self.scheduler.check_admissible(len(prompt_token_ids), params)
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Validate (`check_request`) and queue one request.
+
+        Raises:
+            ValueError: see `check_request` (the request is not queued; the engine is unaffected).
+        """
+        self.check_request(prompt_token_ids, params)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        if params.seed is not None:
+            seed = params.seed
+        else:
+            seed = int(self._rng.integers(0, 2**31 - 1))
         seq = Sequence(request_id=rid, prompt_token_ids=[int(t) for t in prompt_token_ids],
                        params=params, seed=seed)
         self.scheduler.add(seq)  # raises ValueError before queueing
@@ -354,6 +364,8 @@ class LLMEngine:
         """The step shapes (``HostBatch.shape_key``) that running ``requests`` on an idle engine
         visits, in first-visit order: a host-only dry run of this engine's scheduler
         (`jaxinfer.engine.dry_run`; requests run to ``max_tokens``, as with ``ignore_eos``).
+        Requests that stop earlier (EOS, stop tokens or strings) change which rows share a step,
+        so such a run can also visit shapes not listed here (compiled on first use).
 
         Raises:
             ValueError: a request the scheduler rejects.
@@ -386,6 +398,10 @@ class LLMEngine:
             {"shapes": compiled now, "lower_s": seconds tracing, "warm_s": seconds of warm runs,
             "seconds": wall seconds}.
         """
+        if max_workers is not None and (not isinstance(max_workers, int)
+                                        or isinstance(max_workers, bool) or max_workers < 1):
+            raise ValueError(f"max_workers={max_workers!r} is invalid: must be None or a positive "
+                             "integer")
         todo = [k for k in dict.fromkeys(shape_keys) if k not in self.compiled_shapes]
         jax.block_until_ready(self.params)  # weights still being built would count as tracing
         t0 = time.perf_counter()

@@ -66,3 +66,30 @@ def test_from_params_and_engine_argument_errors():
     with pytest.raises(ValueError, match="a list holding NoneType"):
         LLM.from_params(cfg, params, max_model_len=32, num_pages=8).generate(
             [[1], [2]], [GREEDY, None])
+
+
+def test_raise_names_every_bad_request_including_token_ids_out_of_range(llm):
+    with pytest.raises(ValueError) as e:
+        llm.generate([[1, 2], [1] * 100, [1, -5], [], [3, 300]], GREEDY)
+    msg = str(e.value)
+    for i, needle in [(1, "max_model_len"), (2, "token id -5 is out of range"),
+                      (3, "0 tokens; at least 1"), (4, "token id 300 is out of range")]:
+        assert f"request {i}: " in msg and needle in msg, msg
+    assert "request 0" not in msg
+
+
+@pytest.mark.parametrize("prompts", [None, 5, b"hi"])
+def test_prompts_that_are_not_prompts(llm, prompts):
+    for call in (llm.generate, llm.precompile):
+        with pytest.raises(ValueError, match="prompts must be a str, a list of token ids, a dict"):
+            call(prompts, GREEDY)
+
+
+def test_precompile_checks_requests_like_generate(llm):
+    with pytest.raises(ValueError, match="request 1: prompt token id 256 is out of range"):
+        llm.precompile([[1, 2], [1, 256]], GREEDY)
+    with pytest.raises(ValueError, match="stop_token_ids contains 999"):
+        llm.precompile([[1, 2]], SamplingParams(max_tokens=2, stop_token_ids=[999]))
+    for bad in (0, -1, "x", True):
+        with pytest.raises(ValueError, match="max_workers"):
+            llm.precompile([[1, 2]], GREEDY, max_workers=bad)

@@ -4,8 +4,8 @@ No JAX, no model: the scheduler and the batch builder run as `LLMEngine.step` dr
 same schedule / postprocess order, asynchronous or not), with a constant sampled token that ends
 no request, so each request runs to ``max_tokens`` or ``max_model_len``. This is what
 `LLMEngine.plan_shapes` uses to list the shapes to compile ahead of time, and what
-scripts/plan_step_shapes.py uses to plan buckets. A request that would stop early on EOS, a stop
-token or a stop string visits a subset of the steps listed here.
+scripts/plan_step_shapes.py uses to plan buckets. Requests that stop early (EOS, a stop token or
+a stop string) take fewer steps, and the rows left can group into step shapes not listed here.
 """
 
 from __future__ import annotations

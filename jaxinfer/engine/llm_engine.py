@@ -408,7 +408,7 @@ class LLMEngine:
         lower_s = 0.0
         if todo:
             workers = max_workers or min(len(todo), os.cpu_count() or 1)
-            with ThreadPoolExecutor(max(1, workers)) as pool:
+            with ThreadPoolExecutor(workers) as pool:
                 futures = []
                 for k in todo:
                     t = time.perf_counter()

@@ -75,25 +75,84 @@ def summarize(name, t_total, n_out, ttft, tpot, latency) -> dict:
 
 
 def step_phases(log, t0: float) -> dict:
-    """Seconds per step kind from the engine's step log (time between consecutive read-backs,
-    the first counted from ``t0``): prefill steps, and decode steps per batch bucket with their
-    mean real rows. Under asynchronous scheduling this is about each step's device time."""
+    """Seconds per step kind from the engine's step log (`StepRecord`s; time between consecutive
+    read-backs, the first counted from ``t0``): prefill steps, and decode steps per batch bucket
+    with their mean real rows, plus the host's time per step blocked on the device (``wait``)
+    and in its own work (``schedule``, ``launch``: build + transfer + dispatch, ``post``). A
+    bucket whose wait is near 0 is host-bound: the device finished before the host asked."""
     out: dict = {"prefill": dict(steps=0, seconds=0.0), "decode": {}}
     prev = t0
-    for key, rows, t in log:
-        dt, prev = t - prev, t
-        if key[3] is not None:  # packed prefill step
+    keys = ("wait_s", "schedule_s", "launch_s", "post_s")
+    for r in log:
+        dt, prev = r.t_done - prev, r.t_done
+        if r.shape_key[3] is not None:  # packed prefill step
             out["prefill"]["steps"] += 1
             out["prefill"]["seconds"] += dt
             continue
-        d = out["decode"].setdefault(str(key[1][0]), dict(steps=0, seconds=0.0, rows=0))
+        d = out["decode"].setdefault(str(r.shape_key[1][0]),
+                                     dict(steps=0, seconds=0.0, rows=0, **dict.fromkeys(keys, 0.0)))
         d["steps"] += 1
         d["seconds"] += dt
-        d["rows"] += rows
+        d["rows"] += r.rows
+        for k in keys:
+            d[k] += getattr(r, k)
     for d in out["decode"].values():
         d["ms_per_step"] = d["seconds"] / d["steps"] * 1e3
         d["mean_rows"] = d.pop("rows") / d["steps"]
+        for k in keys:
+            d[k.replace("_s", "_ms_per_step")] = d.pop(k) / d["steps"] * 1e3
     return out
+
+
+class TracedStepLog(list):
+    """The engine's step log that also runs the JAX profiler over a window of steps: the trace
+    starts when step ``start`` is read back and stops when step ``start + count`` is (under
+    asynchronous scheduling about ``count`` steps of device work lie between)."""
+
+    def __init__(self, start: int, count: int, logdir: str):
+        super().__init__()
+        self.start, self.count, self.logdir = start, count, logdir
+        self.active = False
+
+    def append(self, item) -> None:
+        super().append(item)
+        import jax
+        if len(self) == self.start:
+            jax.profiler.start_trace(self.logdir)
+            self.active = True
+        elif self.active and len(self) == self.start + self.count:
+            jax.profiler.stop_trace()
+            self.active = False
+
+
+def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
+    """Kernel time per step in the traced window, the GPU's busy time against the span, and its
+    idle gaps (the host not keeping the device fed shows as gaps of tens of µs or more)."""
+    import collections
+    import glob
+    from scripts.profile_decode_step import busy_ns, kernel_events, short
+    paths = glob.glob(os.path.join(log.logdir, "**", "*.xplane.pb"), recursive=True)
+    ev = sorted(kernel_events(paths[0]), key=lambda e: e[1])
+    window = log[log.start:log.start + log.count]
+    n = len(window)
+    span = ev[-1][1] + ev[-1][2] - ev[0][1]
+    gaps, end = [], ev[0][1]
+    for _, s, d in ev:
+        if s > end:
+            gaps.append(s - end)
+        end = max(end, s + d)
+    agg = collections.defaultdict(lambda: [0, 0])
+    for name, _, d in ev:
+        agg[short(name)][0] += 1
+        agg[short(name)][1] += d
+    kernels = sorted(({"kernel": k, "launches_per_step": c / n, "us_per_step": t / n / 1e3}
+                      for k, (c, t) in agg.items()), key=lambda r: -r["us_per_step"])[:top]
+    big = [g for g in gaps if g >= 20_000]
+    return dict(steps=n, shapes=sorted({str(r.shape_key) for r in window}),
+                rows=[r.rows for r in window], span_ms_per_step=span / n / 1e6,
+                busy_ms_per_step=busy_ns(ev) / n / 1e6, launches_per_step=len(ev) / n,
+                gaps_over_20us=len(big), gap_ms_over_20us=sum(big) / 1e6,
+                largest_gaps_us=[g / 1e3 for g in sorted(gaps)[-8:]], kernels=kernels)
 
 
 def run_jaxinfer(path, prompts, out_lens, args) -> dict:
@@ -121,7 +180,11 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     print(f"jaxinfer: {pre['shapes']} shapes compiled in {pre['seconds']:.0f} s "
           f"({pre['lower_s']:.0f} s of it tracing, {pre['warm_s']:.1f} s first runs)", flush=True)
     lazy_before = llm.engine.num_lazy_compiles
-    llm.engine.step_log = []
+    if args.trace_steps:
+        import tempfile
+        llm.engine.step_log = TracedStepLog(*args.trace_steps, tempfile.mkdtemp())
+    else:
+        llm.engine.step_log = []
     t = time.perf_counter()
     outs = llm.generate(reqs, params, use_tqdm=True)
     dt = time.perf_counter() - t
@@ -143,6 +206,8 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
                phases=phases, attention=llm.engine.resolved.attention,
                prefill_attention=llm.engine.resolved.prefill_attention,
                num_pages=llm.engine.resolved.num_pages)
+    if args.trace_steps:
+        row["trace"] = trace_summary(llm.engine.step_log)
     return row
 
 
@@ -204,8 +269,13 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=None,
                     help="HF runs only the first N requests (an i.i.d. sample of the workload; "
                          "its tok/s is compared): HF takes ~390 s for all 256 on an H200")
+    ap.add_argument("--trace-steps", type=int, nargs=2, metavar=("START", "COUNT"), default=None,
+                    help="profile steps START..START+COUNT of the timed run (JAX profiler; the "
+                         "row gets their kernel table and the device's idle gaps)")
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     args = ap.parse_args()
+    if args.trace_steps and (args.trace_steps[0] < 1 or args.trace_steps[1] < 1):
+        ap.error(f"--trace-steps {args.trace_steps}: START and COUNT must be >= 1")
 
     import jax
     # HF needs a checkpoint on disk; jaxinfer alone builds random weights on the device
@@ -251,10 +321,23 @@ def main() -> None:
               f"{f(r['mean_tpot_s']):>8} {f(r['p50_latency_s'], 1):>7} {f(r['p99_latency_s'], 1):>7}")
     ph = rows[0]["phases"]
     print(f"\njaxinfer prefill: {ph['prefill']['steps']} steps, {ph['prefill']['seconds']:.2f} s")
-    print(f"{'decode B':>9} {'steps':>6} {'s':>7} {'ms/step':>8} {'mean rows':>9}")
+    print("decode steps per bucket; host ms per step: blocked on the device (wait), scheduling, "
+          "building + dispatching (launch), advancing sequences (post)")
+    print(f"{'decode B':>9} {'steps':>6} {'s':>7} {'ms/step':>8} {'mean rows':>9} {'wait':>6} "
+          f"{'sched':>6} {'launch':>6} {'post':>6}")
     for b, d in sorted(ph["decode"].items(), key=lambda kv: int(kv[0])):
         print(f"{b:>9} {d['steps']:>6} {d['seconds']:>7.2f} {d['ms_per_step']:>8.2f} "
-              f"{d['mean_rows']:>9.1f}")
+              f"{d['mean_rows']:>9.1f} {d['wait_ms_per_step']:>6.2f} "
+              f"{d['schedule_ms_per_step']:>6.2f} {d['launch_ms_per_step']:>6.2f} "
+              f"{d['post_ms_per_step']:>6.2f}")
+    tr = rows[0].get("trace")
+    if tr:
+        print(f"\ntraced steps {args.trace_steps}: shapes {tr['shapes']}, rows {tr['rows']}")
+        print(f"span {tr['span_ms_per_step']:.3f} ms/step, GPU busy {tr['busy_ms_per_step']:.3f} "
+              f"ms/step, {tr['launches_per_step']:.0f} launches/step; {tr['gaps_over_20us']} "
+              f"gaps >= 20 us ({tr['gap_ms_over_20us']:.2f} ms); largest {tr['largest_gaps_us']}")
+        for k in tr["kernels"]:
+            print(f"  {k['kernel']:<80} {k['launches_per_step']:>6.1f} {k['us_per_step']:>9.1f} us")
     if args.compare == "hf":
         print(f"speedup vs HF: {rows[0]['speedup_vs_hf']:.2f}x")
 

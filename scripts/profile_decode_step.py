@@ -31,7 +31,7 @@ from bench_decode import QWEN3_8B, decode_runner, time_steps  # noqa: E402
 from jaxinfer.attention import make_attention_fn, resolve_backend  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.models import registry as models  # noqa: E402
-from jaxinfer.step import make_step_fn  # noqa: E402
+from jaxinfer.step import GEMM_COMPILER_OPTIONS, make_step_fn  # noqa: E402
 
 
 def kernel_events(xplane_path: str) -> list[tuple[str, int, int]]:
@@ -91,6 +91,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--gemm", default="xla", choices=sorted(GEMM_COMPILER_OPTIONS),
+                    help="GEMM back-end of the step (make_step_fn's gemm)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--anchor", default="mosaic",
@@ -102,7 +104,7 @@ def main() -> None:
     cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     attn = resolve_backend(args.attention, dtype="bfloat16")
-    step_fn = make_step_fn(cfg, make_attention_fn(attn), True)
+    step_fn = make_step_fn(cfg, make_attention_fn(attn), True, args.gemm)
     B, ctx = args.batch, args.context
     run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size)
     dt, kv = time_steps(run, kv, args.steps, warmup=4)
@@ -126,7 +128,7 @@ def main() -> None:
     rows = sorted(({"kernel": k, "launches_per_step": c / n, "us_per_step": t / n / 1e3,
                     "share": t / n / 1e3 / kern_us} for k, (c, t) in agg.items()),
                   key=lambda r: -r["us_per_step"])
-    summary = dict(B=B, context=ctx, layers=args.layers, attention=attn, steps=n,
+    summary = dict(B=B, context=ctx, layers=args.layers, attention=attn, gemm=args.gemm, steps=n,
                    wall_ms_per_step_untraced=wall_ms, kernel_ms_per_step=kern_us / 1e3,
                    busy_ms_per_step=busy_ns(events) / n / 1e6, span_ms_per_step=span_ns / n / 1e6,
                    launches_per_step=len(events) / n, device=jax.devices()[0].device_kind,

@@ -16,7 +16,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,24 @@ class _InFlight:
     row_of: dict             # id(seq) -> row, for the next step's pending inputs
     needs_host_tokens: bool  # a row uses a repetition penalty: read back before the next step
     shape_key: tuple = ()
+
+class StepRecord(NamedTuple):
+    """One read-back step in `LLMEngine.step_log` (seconds from ``time.perf_counter``).
+
+    ``wait_s`` is how long the host blocked on the device for this step's tokens: near 0 means
+    the device finished before the host asked, so the host, not the device, set the pace. The
+    other times are host work of the `LLMEngine.step` call that read this step back: scheduling
+    the next step, building + transferring + dispatching it (``launch_s``) and advancing the
+    sequences after the read-back (``post_s``)."""
+
+    shape_key: tuple
+    rows: int
+    t_done: float
+    wait_s: float = 0.0
+    schedule_s: float = 0.0
+    launch_s: float = 0.0
+    post_s: float = 0.0
+
 
 CPU_KV_BUDGET_BYTES = 2 << 30  # KV pool cap on hosts without device memory statistics
 
@@ -170,10 +188,11 @@ class LLMEngine:
         # taken after each step only while `trace_memory` is set (CLI: --memory-trace FILE).
         self.memory = MemoryTracker(self.weight_bytes, page_bytes, r.num_pages)
         self.trace_memory = False
-        # Set to a list to log each step as it is read back: (shape_key, real rows, perf_counter
-        # seconds). Under asynchronous scheduling the host waits on the device, so the time between
-        # two read-backs is about the later step's device time (scripts/bench_throughput.py).
+        # Set to a list to log each step as it is read back (`StepRecord`). Under asynchronous
+        # scheduling, while the host waits on the device, the time between two read-backs is
+        # about the later step's device time (scripts/bench_throughput.py).
         self.step_log: list | None = None
+        self._host_times = [0.0, 0.0]  # this step() call's schedule and launch seconds
 
     def step_fn(self, shape_key: tuple):
         """The jit step for a ``HostBatch.shape_key``: its sampling mode, and cuBLAS GEMMs for
@@ -272,8 +291,11 @@ class LLMEngine:
         if prev is not None and (prev.needs_host_tokens or not self.async_scheduling):
             finished += self._complete(prev)
             prev = None
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
+        t1 = time.perf_counter()
         launched = self._launch(batch, prev) if batch is not None else None
+        self._host_times = [t1 - t0, time.perf_counter() - t1]
         if prev is not None and launched is not None:
             self.num_overlapped_steps += 1
         if prev is not None:
@@ -313,13 +335,16 @@ class LLMEngine:
         """Read back a dispatched step's tokens and advance its sequences (blocks on it only)."""
         if self._in_flight is done:
             self._in_flight = None
+        t0 = time.perf_counter()
         tokens = np.asarray(done.tokens)
+        t1 = time.perf_counter()
         batch = done.batch
-        if self.step_log is not None:
-            self.step_log.append((done.shape_key, batch.num_seqs, time.perf_counter()))
         sampled = [int(tokens[i]) if done.sample_rows[i] else None for i in range(batch.num_seqs)]
         finished = self.scheduler.postprocess(batch, sampled)
         finished += self._check_stop_strings(batch.seqs, sampled)
+        if self.step_log is not None:
+            self.step_log.append(StepRecord(done.shape_key, batch.num_seqs, t1, t1 - t0,
+                                            *self._host_times, time.perf_counter() - t1))
         if self.trace_memory:
             self.memory_snapshot()
         return finished

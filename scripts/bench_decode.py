@@ -96,6 +96,23 @@ def time_steps(run, kv, steps: int, warmup: int = 3):
     return (time.perf_counter() - t) / steps, kv
 
 
+def dispatch_times(run, kv, steps: int = 5):
+    """Host seconds for ``run(kv)`` to return when the device is idle (the host's cost of
+    launching one step: XLA enqueues every kernel from the calling thread), and seconds until
+    that step's tokens are ready, each averaged over ``steps`` steps with a sync between them.
+    A dispatch time close to the back-to-back step time means the step is launch-bound.
+    Returns (dispatch seconds, isolated step seconds, kv)."""
+    disp = total = 0.0
+    for _ in range(steps):
+        t = time.perf_counter()
+        toks, kv = run(kv)
+        t1 = time.perf_counter()
+        toks.block_until_ready()
+        disp += t1 - t
+        total += time.perf_counter() - t
+    return disp / steps, total / steps, kv
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
@@ -141,12 +158,14 @@ def main() -> None:
         toks.block_until_ready()
         compile_s = time.perf_counter() - t
         dt, kv = time_steps(run, kv, args.steps)
+        disp, alone, kv = dispatch_times(run, kv)
         moved = wbytes + B * ctx * kv_tok
-        row = dict(meta, B=B, context=ctx, gemm=gemm, ms_per_step=dt * 1e3, tok_s=B / dt, compile_s=compile_s,
+        row = dict(meta, B=B, context=ctx, gemm=gemm, ms_per_step=dt * 1e3, tok_s=B / dt,
+                   dispatch_ms=disp * 1e3, isolated_step_ms=alone * 1e3, compile_s=compile_s,
                    bytes_per_step=moved, tbps=moved / dt / 1e12, frac_of_copy=moved / dt / 1e12 / ceiling)
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("B", "context", "gemm", "ms_per_step", "tok_s", "tbps",
-                                              "frac_of_copy", "compile_s")}))
+                                              "frac_of_copy", "dispatch_ms", "compile_s")}))
         del kv
     for ctx, gemm in itertools.product(args.contexts, args.gemm):
         rs = [r for r in rows if r["context"] == ctx and r["gemm"] == gemm]
@@ -184,10 +203,13 @@ def main() -> None:
             fig.savefig(os.path.join(os.environ["OUT"], os.path.basename(args.png)), dpi=120)
     except ImportError:
         print("matplotlib not installed: no PNG")
-    print(f"\n{'B':>4} {'ctx':>5} {'gemm':>6} {'ms/step':>8} {'tok/s':>8} {'GB/step':>8} {'TB/s':>6} {'frac':>5}")
+    print("\ndispatch: host ms for one step's call to return with the device idle (launch cost)")
+    print(f"\n{'B':>4} {'ctx':>5} {'gemm':>6} {'ms/step':>8} {'tok/s':>8} {'GB/step':>8} {'TB/s':>6} "
+          f"{'frac':>5} {'dispatch':>8}")
     for r in rows:
         print(f"{r['B']:>4} {r['context']:>5} {r['gemm']:>6} {r['ms_per_step']:>8.2f} {r['tok_s']:>8.0f} "
-              f"{r['bytes_per_step'] / 1e9:>8.2f} {r['tbps']:>6.2f} {r['frac_of_copy']:>5.2f}"
+              f"{r['bytes_per_step'] / 1e9:>8.2f} {r['tbps']:>6.2f} {r['frac_of_copy']:>5.2f} "
+              f"{r['dispatch_ms']:>8.2f}"
               f"{'  <- knee' if r.get('knee') else ''}")
 
 

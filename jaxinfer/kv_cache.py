@@ -8,9 +8,6 @@ Layout (one place; kernels read it directly):
     k, v:          [L, P, K, page_size, H]   compute dtype
     block_tables:  i32[B, M]                 logical page j of sequence b -> physical page
     seq_lens:      i32[B]                    valid KV positions of sequence b after this step's write
-    staging:       i32[S] or None            persistent copy of the step's per-layer int inputs
-                                             (`jaxinfer.step.stage_inputs`), so that the kernels
-                                             of every layer read them at one fixed device address
 
 Invariant (null page): physical page 0 is reserved and never handed to a sequence. Padded batch rows
 have ``seq_lens == 0`` and block-table entries 0; padded query tokens write their K/V into page 0.
@@ -32,14 +29,12 @@ NULL_PAGE = 0
 
 @dataclass(frozen=True)
 class KVCache:
-    """K/V page pools [L, P, K, page_size, H] plus block tables i32[B, M], seq lens i32[B] and
-    an optional staging buffer i32[S] (see the module docstring)."""
+    """K/V page pools [L, P, K, page_size, H] plus block tables i32[B, M] and seq lens i32[B]."""
 
     k: jax.Array
     v: jax.Array
     block_tables: jax.Array
     seq_lens: jax.Array
-    staging: jax.Array | None = None
 
     @property
     def num_pages(self) -> int:
@@ -54,7 +49,7 @@ class KVCache:
 
 
 jax.tree_util.register_dataclass(
-    KVCache, data_fields=["k", "v", "block_tables", "seq_lens", "staging"], meta_fields=[])
+    KVCache, data_fields=["k", "v", "block_tables", "seq_lens"], meta_fields=[])
 
 
 def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
@@ -69,10 +64,8 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-                  sharding=None, staging_size: int = 0) -> KVCache:
+                  sharding=None) -> KVCache:
     """Allocate the zeroed page pools once, at start-up. Tables start as one padded row.
-    ``staging_size`` > 0 also allocates the staging buffer i32[staging_size]
-    (`jaxinfer.step.staging_size` gives the size a set of step shapes needs).
 
     Raises:
         ValueError: ``num_pages < 2`` (page 0 is the reserved null page).
@@ -82,8 +75,7 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
     a = abstract_kv_cache(cfg, num_pages, page_size, dtype)
     zeros = jax.jit(lambda: jnp.zeros(a.k.shape, a.k.dtype), out_shardings=sharding)
     return KVCache(k=zeros(), v=zeros(),
-                   block_tables=jnp.zeros((1, 1), jnp.int32), seq_lens=jnp.zeros((1,), jnp.int32),
-                   staging=jnp.zeros((staging_size,), jnp.int32) if staging_size > 0 else None)
+                   block_tables=jnp.zeros((1, 1), jnp.int32), seq_lens=jnp.zeros((1,), jnp.int32))
 
 
 def kv_pool_bytes(cfg: ModelConfig, num_pages: int, page_size: int, dtype_bytes: int) -> int:

@@ -71,9 +71,6 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, attn_fn
         (next token ids i32[B] (i32[R] packed), updated cache); with ``inp.prev_tokens`` the ids
         are zero-padded to its length Bmax, so that the next step's input has a fixed shape.
     """
-    tables, lens = kv.block_tables, kv.seq_lens
-    if kv.staging is not None:
-        kv, inp = stage_inputs(kv, inp)
     tokens = inp.tokens
     if inp.prev_tokens is not None and inp.packing is None:
         tokens = merge_pending_tokens(tokens, inp.prev_tokens, inp.pending_src)
@@ -89,45 +86,7 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, attn_fn
         tokens = sample(logits, inp.sampling, all_greedy=all_greedy)
     if inp.prev_tokens is not None:
         tokens = jnp.zeros_like(inp.prev_tokens).at[:tokens.shape[0]].set(tokens)
-    # the tables go back as they came (no copy out of the staging buffer)
-    return tokens, kv.replace(block_tables=tables, seq_lens=lens)
-
-
-def staging_size(shape_keys) -> int:
-    """i32 entries of the staging buffer that `stage_inputs` needs for steps of these shapes
-    (``HostBatch.shape_key`` tuples: tokens [B, T] or [1, Tp], block tables [B, M])."""
-    need = 0
-    for tokens_shape, (B, M), *_ in shape_keys:
-        need = max(need, B * M + B + 2 * tokens_shape[0] * tokens_shape[1])
-    return need
-
-
-def stage_inputs(kv: KVCache, inp: StepInput) -> tuple[KVCache, StepInput]:
-    """Copy the inputs that every layer reads (block tables, seq lens, positions, slot mapping)
-    into the persistent staging buffer ``kv.staging`` (donated, updated in place) and read them
-    back from it.
-
-    Why: XLA runs the step's kernels as CUDA graphs (command buffers) and, each step, updates
-    the graph nodes whose buffers moved. The host's inputs are fresh buffers every step, so
-    without staging ~3 nodes per layer need an update (measured on the H200: the engine's
-    dispatch took as long as with graphs off). Behind the barrier the per-layer kernels read
-    the staging buffer, whose address never changes; only the copy into it is updated.
-
-    Raises:
-        ValueError: the inputs do not fit the staging buffer (static check at trace time).
-    """
-    parts = [kv.block_tables, kv.seq_lens, inp.positions, inp.slot_mapping]
-    flat = jnp.concatenate([p.astype(jnp.int32).reshape(-1) for p in parts])
-    if flat.shape[0] > kv.staging.shape[0]:
-        raise ValueError(f"step inputs need {flat.shape[0]} staging entries; the buffer holds "
-                         f"{kv.staging.shape[0]} (allocate it with jaxinfer.step.staging_size)")
-    staging = jax.lax.optimization_barrier(jax.lax.dynamic_update_slice(kv.staging, flat, (0,)))
-    out, off = [], 0
-    for p in parts:
-        out.append(staging[off:off + p.size].reshape(p.shape))
-        off += p.size
-    kv = kv.replace(block_tables=out[0], seq_lens=out[1], staging=staging)
-    return kv, dataclasses.replace(inp, positions=out[2], slot_mapping=out[3])
+    return tokens, kv
 
 
 # XLA options per GEMM back-end: "xla" lets XLA pick (its autotuned Triton GEMM fusions, cuBLAS

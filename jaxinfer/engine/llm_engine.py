@@ -37,7 +37,7 @@ from jaxinfer.models.params import param_bytes
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling import SamplingMetadata
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step import StepInput, make_step_fn, staging_size
+from jaxinfer.step import StepInput, make_step_fn
 
 log = logging.getLogger("jaxinfer")
 
@@ -151,17 +151,8 @@ class LLMEngine:
         self.max_model_len = r.max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.detokenize = detokenize
-        self.buckets = BucketSpec.build(
-            max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
-            max_model_len=r.max_model_len, page_size=ec.page_size,
-            batch_buckets=ec.batch_buckets, token_buckets=ec.token_buckets)
-        # the largest step: a full decode batch, or a packed prefill of the whole token budget
-        Bmax, Mmax = self.buckets.batch[-1], self.buckets.pages[-1]
-        Tmax = (self.buckets.packed_tokens or self.buckets.prefill_tokens)[-1]
-        self._staging_size = staging_size([((Bmax, 1), (Bmax, Mmax)), ((1, Tmax), (Bmax, Mmax))])
         try:
-            self.kv: KVCache = init_kv_cache(config, r.num_pages, ec.page_size, jnp.dtype(r.dtype),
-                                             staging_size=self._staging_size)
+            self.kv: KVCache = init_kv_cache(config, r.num_pages, ec.page_size, jnp.dtype(r.dtype))
         except jax.errors.JaxRuntimeError as e:
             raise ValueError(f"EngineConfig.num_pages={r.num_pages} is too large: the KV pool "
                              f"does not fit in device memory ({str(e).splitlines()[0][:120]})") from None
@@ -170,6 +161,10 @@ class LLMEngine:
                                    max_num_batched_tokens=ec.max_num_batched_tokens,
                                    max_model_len=r.max_model_len, page_size=ec.page_size,
                                    eos_token_ids=self.eos_token_ids)
+        self.buckets = BucketSpec.build(
+            max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
+            max_model_len=r.max_model_len, page_size=ec.page_size,
+            batch_buckets=ec.batch_buckets, token_buckets=ec.token_buckets)
         attn = make_attention_fn(r.attention, r.prefill_attention)
         self._steps = {(g, gemm): make_step_fn(config, attn, g, gemm)
                        for g in (False, True) for gemm in ("xla", "cublas")}
@@ -263,7 +258,7 @@ class LLMEngine:
         if self.kv.k.is_deleted() or self.kv.v.is_deleted():
             r = self.resolved
             self.kv = init_kv_cache(self.model_config, r.num_pages, self.page_size,
-                                    jnp.dtype(r.dtype), staging_size=self._staging_size)
+                                    jnp.dtype(r.dtype))
 
     # --------------------------------------------------------------------- step
     def _device_inputs(self, hb: HostBatch, prev_tokens: jax.Array | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -106,6 +107,74 @@ def make_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool,
         raise ValueError(f"gemm={gemm!r} is invalid: allowed {sorted(GEMM_COMPILER_OPTIONS)}")
     fn = functools.partial(step, cfg=cfg, attn_fn=attn_fn, all_greedy=all_greedy)
     return jax.jit(fn, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm])
+
+
+def unpack_step_inputs(buf: jax.Array, layout: tuple) -> tuple[jax.Array, jax.Array, StepInput]:
+    """The inverse of `jaxinfer.engine.batch_builder.pack_device_inputs`, inside the jit.
+
+    Args:
+        buf: i32[S] the packed inputs.
+        layout: ``((name, shape, dtype str), ...)`` (static).
+    Returns:
+        (block_tables i32[B, M], seq_lens i32[B], `StepInput` without ``prev_tokens``).
+    """
+    f, off = {}, 0
+    for name, shape, dtype in layout:
+        n = math.prod(shape)
+        x = buf[off:off + n].reshape(shape)
+        if jnp.dtype(dtype) != jnp.int32:
+            x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
+        f[name] = x
+        off += n
+    sm = SamplingMetadata(
+        temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
+        repetition_penalty=f["repetition_penalty"], seeds=f["seeds"], step_idx=f["step_idx"],
+        penalty_tokens=f["penalty_tokens"])
+    packing = (Packing(f["q_index"], f["q_positions"], f["out_index"]) if "q_index" in f
+               else None)
+    inp = StepInput(tokens=f["tokens"], positions=f["positions"], slot_mapping=f["slot_mapping"],
+                    logits_indices=f["logits_indices"], sampling=sm, packing=packing,
+                    pending_src=f["pending_src"])
+    return f["block_tables"], f["seq_lens"], inp
+
+
+def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
+                layout: tuple, cfg: ModelConfig, attn_fn: Callable,
+                all_greedy: bool) -> tuple[jax.Array, KVCache]:
+    """`step` on inputs packed into one buffer (the engine's entry point: one transfer a step).
+
+    Args:
+        params: the parameter tree.
+        kv: the cache; its ``block_tables``/``seq_lens`` are placeholders of fixed shape that
+            pass through unchanged (this step's come from ``buf``), so the compiled step's
+            signature depends on the bucket only through ``buf``.
+        buf: i32[S] from `jaxinfer.engine.batch_builder.pack_device_inputs`.
+        prev_tokens: i32[Bmax] the previous step's output (`StepInput.prev_tokens`).
+        layout: static, from the same call.
+    Returns:
+        (token ids i32[Bmax], updated cache with the placeholders).
+    """
+    tables, lens, inp = unpack_step_inputs(buf, layout)
+    inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
+    tokens, new = step(params, kv.replace(block_tables=tables, seq_lens=lens), inp, cfg=cfg,
+                       attn_fn=attn_fn, all_greedy=all_greedy)
+    return tokens, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
+
+
+def make_packed_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool,
+                        gemm: str = "xla") -> Callable:
+    """``jax.jit`` of `packed_step` (KV cache donated, ``layout`` static): call it as
+    ``fn(params, kv, buf, prev_tokens, layout=layout)``; its ahead-of-time compiled form
+    (``fn.lower(...).compile()``) takes ``(params, kv, buf, prev_tokens)``.
+
+    Raises:
+        ValueError: unknown ``gemm``.
+    """
+    if gemm not in GEMM_COMPILER_OPTIONS:
+        raise ValueError(f"gemm={gemm!r} is invalid: allowed {sorted(GEMM_COMPILER_OPTIONS)}")
+    fn = functools.partial(packed_step, cfg=cfg, attn_fn=attn_fn, all_greedy=all_greedy)
+    return jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",),
+                   compiler_options=GEMM_COMPILER_OPTIONS[gemm])
 
 
 def merge_pending_tokens(tokens: jax.Array, prev_tokens: jax.Array, src: jax.Array) -> jax.Array:

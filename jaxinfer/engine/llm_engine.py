@@ -25,19 +25,18 @@ import numpy as np
 from jaxinfer import compile_cache
 from jaxinfer.attention import make_attention_fn, resolve_backend, resolve_prefill_backend
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.batch_builder import BucketSpec, HostBatch, build_host_batch, empty_host_batch
+from jaxinfer.engine.batch_builder import (BucketSpec, HostBatch, build_host_batch,
+                                           empty_host_batch, pack_device_inputs)
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.dry_run import dry_run
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.kv_cache import KVCache, init_kv_cache
 from jaxinfer.memory import MemoryTracker, device_memory_stats
-from jaxinfer.models.common import Packing
 from jaxinfer.models.params import param_bytes
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from jaxinfer.sampling import SamplingMetadata
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step import StepInput, make_step_fn
+from jaxinfer.step import make_packed_step_fn
 
 log = logging.getLogger("jaxinfer")
 
@@ -166,7 +165,7 @@ class LLMEngine:
             max_model_len=r.max_model_len, page_size=ec.page_size,
             batch_buckets=ec.batch_buckets, token_buckets=ec.token_buckets)
         attn = make_attention_fn(r.attention, r.prefill_attention)
-        self._steps = {(g, gemm): make_step_fn(config, attn, g, gemm)
+        self._steps = {(g, gemm): make_packed_step_fn(config, attn, g, gemm)
                        for g in (False, True) for gemm in ("xla", "cublas")}
         self._cublas_min_batch = ec.cublas_decode_min_batch
         # the previous step's tokens when none is in flight (StepInput.prev_tokens: fixed shape)
@@ -262,22 +261,13 @@ class LLMEngine:
 
     # --------------------------------------------------------------------- step
     def _device_inputs(self, hb: HostBatch, prev_tokens: jax.Array | None = None,
-                       pending_src: np.ndarray | None = None) -> tuple[KVCache, StepInput]:
-        kv = self.kv.replace(block_tables=jnp.asarray(hb.block_tables),
-                             seq_lens=jnp.asarray(hb.seq_lens))
-        sm = SamplingMetadata(
-            temperature=hb.temperature, top_k=hb.top_k, top_p=hb.top_p, min_p=hb.min_p,
-            repetition_penalty=hb.repetition_penalty, seeds=hb.seeds, step_idx=hb.step_idx,
-            penalty_tokens=hb.penalty_tokens)
-        packing = (Packing(hb.q_index, hb.q_positions, hb.out_index) if hb.packed else None)
+                       pending_src: np.ndarray | None = None) -> tuple[tuple, tuple]:
+        """The packed step's dynamic arguments ``(params, kv, buf, prev_tokens)`` for ``hb``
+        (one host-to-device transfer: `pack_device_inputs`) and the static ``layout``."""
+        buf, layout = pack_device_inputs(hb, pending_src)
         if prev_tokens is None:
             prev_tokens = self._no_prev_tokens
-        if pending_src is None:
-            pending_src = np.full(hb.logits_indices.shape, -1, np.int32)
-        inp = StepInput(tokens=hb.tokens, positions=hb.positions, slot_mapping=hb.slot_mapping,
-                        logits_indices=hb.logits_indices, sampling=sm, packing=packing,
-                        prev_tokens=prev_tokens, pending_src=pending_src)
-        return kv, jax.tree_util.tree_map(jnp.asarray, inp)
+        return (self.params, self.kv, jax.device_put(buf), prev_tokens), layout
 
     def step(self) -> list[Sequence]:
         """Dispatch the next step and read back the previous one's tokens (with
@@ -308,9 +298,8 @@ class LLMEngine:
     def _launch(self, batch, prev: _InFlight | None) -> _InFlight:
         """Build, transfer and dispatch one step (does not wait for the device)."""
         hb = build_host_batch(batch, page_size=self.page_size, buckets=self.buckets)
-        step_fn = self._executables.get(hb.shape_key)
-        if step_fn is None:
-            step_fn = self.step_fn(hb.shape_key)
+        exe = self._executables.get(hb.shape_key)
+        if exe is None:
             if hb.shape_key not in self.compiled_shapes:
                 self.compiled_shapes.add(hb.shape_key)
                 self.num_lazy_compiles += 1
@@ -324,8 +313,11 @@ class LLMEngine:
             for i, seq in enumerate(batch.seqs):
                 if hb.pending_rows[i]:
                     src[i] = prev.row_of[id(seq)]
-        kv, inp = self._device_inputs(hb, None if prev is None else prev.tokens, src)
-        tokens, self.kv = step_fn(self.params, kv, inp)
+        args, layout = self._device_inputs(hb, None if prev is None else prev.tokens, src)
+        if exe is None:
+            tokens, self.kv = self.step_fn(hb.shape_key)(*args, layout=layout)
+        else:
+            tokens, self.kv = exe(*args)
         self.num_steps += 1
         penalised = any(s.params.repetition_penalty != 1.0 for s in batch.seqs)
         return _InFlight(batch, tokens, hb.sample_rows,
@@ -437,8 +429,8 @@ class LLMEngine:
                 futures = []
                 for k in todo:
                     t = time.perf_counter()
-                    kv, inp = self._device_inputs(empty_host_batch(k))
-                    lowered = self.step_fn(k).lower(self.params, kv, inp)
+                    args, layout = self._device_inputs(empty_host_batch(k))
+                    lowered = self.step_fn(k).lower(*args, layout=layout)
                     lower_s += time.perf_counter() - t
                     futures.append(pool.submit(lowered.compile))
                 for k, f in zip(todo, futures):
@@ -447,8 +439,8 @@ class LLMEngine:
         t_warm = time.perf_counter()
         if warm and todo:
             for k in todo:
-                kv, inp = self._device_inputs(empty_host_batch(k))
-                tokens, self.kv = self._executables[k](self.params, kv, inp)
+                args, _ = self._device_inputs(empty_host_batch(k))
+                tokens, self.kv = self._executables[k](*args)
             tokens.block_until_ready()
         return dict(shapes=len(todo), lower_s=lower_s, warm_s=time.perf_counter() - t_warm,
                     seconds=time.perf_counter() - t0)

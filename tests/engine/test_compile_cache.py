@@ -42,7 +42,7 @@ def test_second_process_loads_compiled_steps(tmp_path):
     cache = tmp_path / "xla_cache"
     first = _run(cache)
     assert first["compiles"] >= 2 and first["hits"] == 0
-    assert any(name.startswith("jit_step") for name in os.listdir(cache)), os.listdir(cache)
+    assert any(name.startswith("jit_packed_step") for name in os.listdir(cache)), os.listdir(cache)
     second = _run(cache)
     assert second["tokens"] == first["tokens"]
     assert second["hits"] >= first["compiles"]  # every step shape came from the cache

@@ -1,0 +1,75 @@
+"""One host-to-device transfer per step: pack_device_inputs (host, numpy) and unpack_step_inputs
+(device, jnp) are inverses, bit for bit, for decode and packed prefill batches."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.engine.batch_builder import (DEVICE_FIELDS, BucketSpec, build_host_batch,
+                                           pack_device_inputs)
+from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.step import unpack_step_inputs
+
+PAGE = 4
+
+
+def _host_batches():
+    """A packed prefill batch of three prompts with mixed sampling settings, then the decode
+    batch after it."""
+    sched = Scheduler(BlockManager(64, PAGE), max_num_seqs=4, max_num_batched_tokens=64,
+                      max_model_len=64, page_size=PAGE)
+    params = [SamplingParams(temperature=0.0, max_tokens=4),
+              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, max_tokens=4),
+              SamplingParams(temperature=1.3, repetition_penalty=1.2, max_tokens=4)]
+    seeds = [1, 2**32 - 5, 2**31 + 7]  # uint32 seeds with the top bit set survive the bit-cast
+    for i, (n, p) in enumerate(zip([5, 13, 9], params)):
+        sched.add(Sequence(request_id=str(i), prompt_token_ids=[(3 * i + j) % 250 + 1
+                                                                for j in range(n)],
+                           params=p, seed=seeds[i]))
+    buckets = BucketSpec.build(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
+                               page_size=PAGE)
+    prefill = sched.schedule()
+    hbs = [build_host_batch(prefill, page_size=PAGE, buckets=buckets)]
+    sched.postprocess(prefill, [7, 8, 9])
+    hbs.append(build_host_batch(sched.schedule(), page_size=PAGE, buckets=buckets))
+    return hbs
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["packed_prefill", "decode"])
+def test_unpack_inverts_pack(which):
+    hb = _host_batches()[which]
+    assert hb.packed == (which == 0)
+    src = np.arange(hb.logits_indices.shape[0], dtype=np.int32) - 2
+    buf, layout = pack_device_inputs(hb, src)
+    assert buf.dtype == np.int32 and buf.ndim == 1
+    hash(layout)  # a static jit argument
+    tables, lens, inp = jax.jit(unpack_step_inputs, static_argnums=1)(jnp.asarray(buf), layout)
+    got = dict(block_tables=tables, seq_lens=lens, tokens=inp.tokens, positions=inp.positions,
+               slot_mapping=inp.slot_mapping, logits_indices=inp.logits_indices,
+               pending_src=inp.pending_src, **{f: getattr(inp.sampling, f) for f in (
+                   "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds",
+                   "step_idx", "penalty_tokens")})
+    if hb.packed:
+        got.update(q_index=inp.packing.q_index, q_positions=inp.packing.q_positions,
+                   out_index=inp.packing.out_index)
+    else:
+        assert inp.packing is None
+    want = {f: getattr(hb, f) for f in DEVICE_FIELDS if getattr(hb, f) is not None}
+    want["pending_src"] = src
+    assert set(got) == set(want)
+    for name, a in want.items():
+        g = np.asarray(got[name])
+        assert g.dtype == a.dtype and g.shape == a.shape, name
+        np.testing.assert_array_equal(g.view(np.int32), a.view(np.int32), err_msg=name)
+    assert (hb.seeds > 2**31).any() and (hb.temperature > 0).any()
+
+
+def test_pack_rejects_non_four_byte_fields():
+    hb = _host_batches()[1]
+    bad = hb.__class__(**{**hb.__dict__, "seq_lens": hb.seq_lens.astype(np.int64)})
+    with pytest.raises(TypeError, match="seq_lens"):
+        pack_device_inputs(bad)

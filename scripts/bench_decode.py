@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.run_info import git_commit  # noqa: E402
+from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 from jaxinfer.attention import make_attention_fn, resolve_backend  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
@@ -35,7 +35,9 @@ from jaxinfer.kv_cache import KVCache  # noqa: E402
 from jaxinfer.models import registry as models  # noqa: E402
 from jaxinfer.models.params import param_bytes  # noqa: E402
 from jaxinfer.sampling import SamplingMetadata  # noqa: E402
-from jaxinfer.step import GEMM_COMPILER_OPTIONS, StepInput, make_step_fn  # noqa: E402
+from jaxinfer.engine.batch_builder import HostBatch, pack_device_inputs  # noqa: E402
+from jaxinfer.step import (GEMM_COMPILER_OPTIONS, StepInput, make_packed_step_fn,  # noqa: E402
+                           make_step_fn)
 
 QWEN3_8B = dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
@@ -67,18 +69,45 @@ def step_inputs(B, ctx, page_size, M, scatter_pages=False):
     return jax.tree_util.tree_map(jnp.asarray, inp), tables, np.full((B,), ctx, np.int32)
 
 
-def decode_runner(cfg, params, step_fn, B, ctx, page_size, scatter_pages=False):
+INPUT_MODES = ("fixed", "fresh", "packed")
+
+
+def decode_runner(cfg, params, step_fn, B, ctx, page_size, scatter_pages=False, inputs="fixed"):
     """(run, kv): ``run(kv) -> (tokens, kv)`` is one decode step of B rows at context ``ctx``
-    over a bf16 pool of exactly the pages they use (plus the null page); see `step_inputs`."""
+    over a bf16 pool of exactly the pages they use (plus the null page); see `step_inputs`.
+
+    ``inputs``, how the step's inputs reach the device each step: "fixed": they stay the same
+    device buffers (only the tables and lengths are sent again); "fresh": every input array is
+    sent again with ``jnp.asarray``, as the engine did before 989f578; "packed": one int32
+    buffer (`pack_device_inputs`), as the engine does now; ``step_fn`` must then come from
+    `make_packed_step_fn`, else from `make_step_fn`."""
+    if inputs not in INPUT_MODES:
+        raise ValueError(f"inputs={inputs!r}: allowed {INPUT_MODES}")
     M = -(-ctx // page_size)
     shape = (cfg.num_layers, B * M + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
     kv = KVCache(k=jnp.zeros(shape, jnp.bfloat16) + 0.01, v=jnp.zeros(shape, jnp.bfloat16) + 0.01,
                  block_tables=jnp.zeros((B, M), jnp.int32), seq_lens=jnp.zeros((B,), jnp.int32))
     inp, tables, lens = step_inputs(B, ctx, page_size, M, scatter_pages)
+    host = jax.tree_util.tree_map(np.asarray, inp)
+    if inputs == "packed":
+        sm = host.sampling
+        hb = HostBatch(host.tokens, host.positions, host.slot_mapping, host.logits_indices, tables,
+                       lens, sm.temperature, sm.top_k, sm.top_p, sm.min_p, sm.repetition_penalty,
+                       sm.seeds, sm.step_idx, sm.penalty_tokens, np.ones(B, bool),
+                       np.zeros(B, bool), True)
+        prev = jnp.zeros((B,), jnp.int32)
+        kv = kv.replace(block_tables=jnp.zeros((1, 1), jnp.int32),
+                        seq_lens=jnp.zeros((1,), jnp.int32))
+
+        def run(kv):
+            buf, layout = pack_device_inputs(hb)
+            return step_fn(params, kv, jax.device_put(buf), prev, layout=layout)
+        return run, kv
 
     def run(kv):
+        step_inp = inp if inputs == "fixed" else jax.tree_util.tree_map(jnp.asarray, host)
         return step_fn(params, kv.replace(block_tables=jnp.asarray(tables),
-                                          seq_lens=jnp.asarray(lens)), inp)
+                                          seq_lens=jnp.asarray(lens)), step_inp)
     return run, kv
 
 
@@ -125,6 +154,9 @@ def main() -> None:
     ap.add_argument("--scatter-pages", action="store_true",
                     help="each row's pages in random order across the pool (as after many "
                          "allocations), instead of contiguous")
+    ap.add_argument("--inputs", nargs="+", default=["packed"], choices=INPUT_MODES,
+                    help="how step inputs reach the device each step, compared side by side "
+                         "(decode_runner); packed is the engine's way")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-kv-gib", type=float, default=100.0)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
@@ -142,17 +174,20 @@ def main() -> None:
     kv_tok = cfg.kv_bytes_per_token(2)
     commit = git_commit()
     meta = dict(bench="decode", variant=attn_name, jax=jax.__version__, device=jax.devices()[0].device_kind,
-                date=datetime.date.today().isoformat(), commit=commit, layers=args.layers,
+                date=datetime.date.today().isoformat(), commit=commit, xla_flags=xla_flags(),
+                layers=args.layers,
                 copy_tbps=ceiling, page_size=args.page_size, scatter_pages=args.scatter_pages)
     print(f"copy ceilings {ceil}; weights read/step {wbytes / 1e9:.2f} GB; attention={attn_name}")
     rows = []
-    for ctx, B, gemm in itertools.product(args.contexts, args.batches, args.gemm):
+    for ctx, B, gemm, inputs in itertools.product(args.contexts, args.batches, args.gemm,
+                                                  args.inputs):
         kv_gib = B * ctx * kv_tok / 2**30
         if kv_gib > args.max_kv_gib:
             print(f"skip B={B} ctx={ctx}: KV {kv_gib:.1f} GiB")
             continue
-        step_fn = make_step_fn(cfg, attn, True, gemm)
-        run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size, args.scatter_pages)
+        make = make_packed_step_fn if inputs == "packed" else make_step_fn
+        run, kv = decode_runner(cfg, params, make(cfg, attn, True, gemm), B, ctx, args.page_size,
+                                args.scatter_pages, inputs)
         t = time.perf_counter()
         toks, kv = run(kv)  # compile
         toks.block_until_ready()
@@ -160,15 +195,16 @@ def main() -> None:
         dt, kv = time_steps(run, kv, args.steps)
         disp, alone, kv = dispatch_times(run, kv)
         moved = wbytes + B * ctx * kv_tok
-        row = dict(meta, B=B, context=ctx, gemm=gemm, ms_per_step=dt * 1e3, tok_s=B / dt,
+        row = dict(meta, B=B, context=ctx, gemm=gemm, inputs=inputs, ms_per_step=dt * 1e3,
+                   tok_s=B / dt,
                    dispatch_ms=disp * 1e3, isolated_step_ms=alone * 1e3, compile_s=compile_s,
                    bytes_per_step=moved, tbps=moved / dt / 1e12, frac_of_copy=moved / dt / 1e12 / ceiling)
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("B", "context", "gemm", "ms_per_step", "tok_s", "tbps",
+        print(json.dumps({k: row[k] for k in ("B", "context", "gemm", "inputs", "ms_per_step", "tok_s", "tbps",
                                               "frac_of_copy", "dispatch_ms", "compile_s")}))
         del kv
-    for ctx, gemm in itertools.product(args.contexts, args.gemm):
-        rs = [r for r in rows if r["context"] == ctx and r["gemm"] == gemm]
+    for ctx, gemm, inputs in itertools.product(args.contexts, args.gemm, args.inputs):
+        rs = [r for r in rows if r["context"] == ctx and r["gemm"] == gemm and r["inputs"] == inputs]
         for a, b in zip(rs, rs[1:]):
             gain, ratio = b["tok_s"] / a["tok_s"], b["B"] / a["B"]
             if gain < 0.5 * ratio and not any(r.get("knee") for r in rs):
@@ -186,11 +222,12 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 5))
-        for ctx, gemm in itertools.product(args.contexts, args.gemm):
-            sel = [r for r in rows if r["context"] == ctx and r["gemm"] == gemm]
+        for ctx, gemm, inputs in itertools.product(args.contexts, args.gemm, args.inputs):
+            sel = [r for r in rows
+                   if r["context"] == ctx and r["gemm"] == gemm and r["inputs"] == inputs]
             if sel:
                 x, y = zip(*[(r["B"], r["tok_s"]) for r in sel])
-                ax.plot(x, y, marker="o", label=f"context {ctx}, {gemm} GEMMs")
+                ax.plot(x, y, marker="o", label=f"context {ctx}, {gemm} GEMMs, {inputs} inputs")
                 knee = [r for r in sel if r.get("knee")]
                 for r in knee:
                     ax.annotate("knee", (r["B"], r["tok_s"]))
@@ -204,10 +241,11 @@ def main() -> None:
     except ImportError:
         print("matplotlib not installed: no PNG")
     print("\ndispatch: host ms for one step's call to return with the device idle (launch cost)")
-    print(f"\n{'B':>4} {'ctx':>5} {'gemm':>6} {'ms/step':>8} {'tok/s':>8} {'GB/step':>8} {'TB/s':>6} "
-          f"{'frac':>5} {'dispatch':>8}")
+    print(f"\n{'B':>4} {'ctx':>5} {'gemm':>6} {'inputs':>6} {'ms/step':>8} {'tok/s':>8} "
+          f"{'GB/step':>8} {'TB/s':>6} {'frac':>5} {'dispatch':>8}")
     for r in rows:
-        print(f"{r['B']:>4} {r['context']:>5} {r['gemm']:>6} {r['ms_per_step']:>8.2f} {r['tok_s']:>8.0f} "
+        print(f"{r['B']:>4} {r['context']:>5} {r['gemm']:>6} {r['inputs']:>6} {r['ms_per_step']:>8.2f} "
+              f"{r['tok_s']:>8.0f} "
               f"{r['bytes_per_step'] / 1e9:>8.2f} {r['tbps']:>6.2f} {r['frac_of_copy']:>5.2f} "
               f"{r['dispatch_ms']:>8.2f}"
               f"{'  <- knee' if r.get('knee') else ''}")

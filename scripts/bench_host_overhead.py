@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.run_info import git_commit  # noqa: E402
+from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 
 def main() -> None:
@@ -106,7 +106,7 @@ def main() -> None:
     meta = dict(bench="host_overhead", layers=args.layers, B=B, context=args.context,
                 attention=eng.resolved.attention, compiles=eng.num_compiles, jax=jax.__version__,
                 device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
-                commit=commit)
+                commit=commit, xla_flags=xla_flags())
     rows = [dict(meta, mode=m, ms_per_step=t * 1e3, idle_frac=max(0.0, 1 - t_dev / t))
             for m, t in (("device", t_dev), ("async", t_async), ("sync", t_sync))]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

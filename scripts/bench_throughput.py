@@ -33,7 +33,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.run_info import git_commit  # noqa: E402
+from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 QWEN3_8B_HF = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
@@ -292,7 +292,8 @@ def main() -> None:
     meta = dict(bench="throughput", model=args.model or f"random qwen3-8b arch, {args.layers} layers",
                 num_requests=args.num_requests, input_range=[args.min_input, args.max_input],
                 output_range=[args.min_output, args.max_output], seed=args.seed,
-                jax=jax.__version__, date=datetime.date.today().isoformat(), commit=commit)
+                jax=jax.__version__, date=datetime.date.today().isoformat(), commit=commit,
+                xla_flags=xla_flags())
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     t0 = time.perf_counter()
 

@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.run_info import git_commit  # noqa: E402
+from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 
 def step_arrays(B: int, M: int) -> list[np.ndarray]:
@@ -63,7 +63,8 @@ def main() -> None:
         }
 
     meta = dict(bench="transfers", jax=jax.__version__, device=jax.devices()[0].device_kind,
-                date=datetime.date.today().isoformat(), commit=git_commit(), pages=args.pages)
+                date=datetime.date.today().isoformat(), commit=git_commit(),
+                xla_flags=xla_flags(), pages=args.pages)
     rows = []
     for B in args.batches:
         arrays = step_arrays(B, args.pages)

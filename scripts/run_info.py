@@ -16,3 +16,9 @@ def git_commit() -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                        cwd=root)
     return r.stdout.strip()
+
+
+def xla_flags() -> str | None:
+    """``$XLA_FLAGS`` as the run saw it (flags such as command buffers change what a row
+    measures), or None when unset."""
+    return os.environ.get("XLA_FLAGS") or None

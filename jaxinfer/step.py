@@ -103,10 +103,18 @@ def make_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool,
     Raises:
         ValueError: unknown ``gemm``.
     """
+    return _jit_step(step, cfg, attn_fn, all_greedy, gemm)
+
+
+def _jit_step(fn: Callable, cfg: ModelConfig, attn_fn: Callable, all_greedy: bool, gemm: str,
+              **jit_kw) -> Callable:
+    """``jax.jit`` of ``fn`` with the static model arguments bound, the KV cache (argument 1)
+    donated and the GEMM back-end's compiler options."""
     if gemm not in GEMM_COMPILER_OPTIONS:
         raise ValueError(f"gemm={gemm!r} is invalid: allowed {sorted(GEMM_COMPILER_OPTIONS)}")
-    fn = functools.partial(step, cfg=cfg, attn_fn=attn_fn, all_greedy=all_greedy)
-    return jax.jit(fn, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm])
+    fn = functools.partial(fn, cfg=cfg, attn_fn=attn_fn, all_greedy=all_greedy)
+    return jax.jit(fn, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm],
+                   **jit_kw)
 
 
 def unpack_step_inputs(buf: jax.Array, layout: tuple) -> tuple[jax.Array, jax.Array, StepInput]:
@@ -170,11 +178,7 @@ def make_packed_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool,
     Raises:
         ValueError: unknown ``gemm``.
     """
-    if gemm not in GEMM_COMPILER_OPTIONS:
-        raise ValueError(f"gemm={gemm!r} is invalid: allowed {sorted(GEMM_COMPILER_OPTIONS)}")
-    fn = functools.partial(packed_step, cfg=cfg, attn_fn=attn_fn, all_greedy=all_greedy)
-    return jax.jit(fn, donate_argnums=(1,), static_argnames=("layout",),
-                   compiler_options=GEMM_COMPILER_OPTIONS[gemm])
+    return _jit_step(packed_step, cfg, attn_fn, all_greedy, gemm, static_argnames=("layout",))
 
 
 def merge_pending_tokens(tokens: jax.Array, prev_tokens: jax.Array, src: jax.Array) -> jax.Array:

@@ -1,8 +1,9 @@
 """LLMEngine: the host loop that drives the scheduler and the jit-compiled step.
 
-One `step()`: schedule step n+1 (host) -> pad into a bucket (host, numpy) -> dispatch the compiled
-step with the KV cache donated (device, asynchronous) -> read back step n's token ids -> update
-sequences, stop checks (host). Reading step n's tokens after step n+1 is queued keeps the device
+One `step()`: schedule step n+1 (host) -> pad into a bucket and pack every input into one int32
+buffer (host, numpy; one host-to-device transfer) -> dispatch the compiled step with the KV cache
+donated (device, asynchronous) -> read back step n's token ids -> update sequences, stop checks
+(host). Reading step n's tokens after step n+1 is queued keeps the device
 busy while the host works (asynchronous scheduling; `EngineConfig.async_scheduling`): a decode
 row whose input is step n's token takes it from step n's device output. Rows that use a
 repetition penalty need every token on the host, so a step with such rows runs synchronously.

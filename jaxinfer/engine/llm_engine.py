@@ -59,8 +59,9 @@ class StepRecord(NamedTuple):
     ``wait_s`` is how long the host blocked on the device for this step's tokens: near 0 means
     the device finished before the host asked, so the host, not the device, set the pace. The
     other times are host work of the `LLMEngine.step` call that read this step back: scheduling
-    the next step, building + transferring + dispatching it (``launch_s``) and advancing the
-    sequences after the read-back (``post_s``)."""
+    the next step and building + transferring + dispatching it (``launch_s``), both 0 when the
+    read-back came first (synchronous steps), and advancing the sequences after the read-back
+    (``post_s``)."""
 
     shape_key: tuple
     rows: int
@@ -278,6 +279,7 @@ class LLMEngine:
             The sequences that finished in the step read back here.
         """
         finished: list[Sequence] = []
+        self._host_times = [0.0, 0.0]  # a step read back before scheduling records zeros
         prev = self._in_flight
         if prev is not None and (prev.needs_host_tokens or not self.async_scheduling):
             finished += self._complete(prev)

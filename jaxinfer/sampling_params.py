@@ -51,7 +51,9 @@ class SamplingParams:
             the output so far, as in HF ``RepetitionPenaltyLogitsProcessor`` / vLLM: a positive
             logit is divided by it, a negative one multiplied (Keskar et al. 2019, CTRL).
         seed: per-request random seed (any int64), or ``None`` (the engine draws one). A seeded
-            request's tokens do not depend on the batch it runs in (CASES.md C7).
+            request's tokens do not depend on the batch it runs in (CASES.md C7). The sampler
+            keys on 32 bits, ``seed ^ (seed >> 32)`` folded to uint32, so seeds that fold to the
+            same value (e.g. 0 and 2**32 + 1) sample the same tokens.
         max_tokens: the most tokens to generate, >= 1.
         stop: strings that end generation when they appear in the decoded output (matched by the
             engine on text; the stop string is not included in the output). A single ``str`` or a

@@ -14,6 +14,7 @@ import numpy as np
 from jaxinfer.engine.buckets import batch_buckets as default_batch_buckets
 from jaxinfer.engine.buckets import bucket, powers_of_two
 
+INT32_MAX = 2**31 - 1
 GREEDY_EPS = 1e-5  # temperature below this is greedy (vLLM's _SAMPLING_EPS)
 
 
@@ -169,7 +170,7 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch
         seq_lens[i] = c + n
         p = s.params
         temperature[i] = p.temperature
-        top_k[i] = p.top_k if p.top_k > 0 else 0
+        top_k[i] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= vocab: no cut
         top_p[i] = p.top_p
         min_p[i] = p.min_p
         rep[i] = p.repetition_penalty

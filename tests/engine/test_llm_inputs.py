@@ -93,3 +93,15 @@ def test_precompile_checks_requests_like_generate(llm):
     for bad in (0, -1, "x", True):
         with pytest.raises(ValueError, match="max_workers"):
             llm.precompile([[1, 2]], GREEDY, max_workers=bad)
+
+
+@pytest.mark.parametrize("top_k", [2**31 - 1, 2**31, 2**40])
+def test_top_k_beyond_int32_means_no_cut(llm, top_k):
+    """A top_k at or above the vocabulary keeps every token; values past int32 used to overflow
+    the host batch (an OverflowError that took down the call's other requests)."""
+    sp = dict(temperature=0.9, seed=4, max_tokens=5)
+    outs = llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(**sp, top_k=top_k), GREEDY],
+                        on_error="return")
+    assert all(o.error is None for o in outs)
+    uncut = llm.generate([[1, 2, 3]], SamplingParams(**sp, top_k=-1))[0]
+    assert outs[0].outputs[0].token_ids == uncut.outputs[0].token_ids

@@ -74,12 +74,23 @@ def resolve_prefill_backend(name: str, platform: str | None = None) -> str:
     return name
 
 
-def make_attention_fn(name: str, prefill: str = "reference") -> Callable:
+def make_attention_fn(name: str, prefill: str = "reference",
+                      decode_knobs: dict | None = None) -> Callable:
     """Attention callable for the model from the decode variant ``name`` and the prefill variant
-    ``prefill`` (both already resolved)."""
+    ``prefill`` (both already resolved); ``decode_knobs`` are tuning keywords for the decode
+    variant (e.g. ``{"num_splits": 4}`` for "mosaic"; its docstring lists them).
+
+    Raises:
+        ValueError: ``decode_knobs`` given for the reference decode path.
+    """
+    if decode_knobs and name == "reference":
+        raise ValueError(f"decode_knobs={decode_knobs} need a decode kernel variant; the "
+                         "reference has no knobs")
     if name == "reference" and prefill == "reference":
         return reference.paged_attention
     decode = None if name == "reference" else registry.get(name)
+    if decode_knobs:
+        decode = functools.partial(decode, **decode_knobs)
     prefill_fn = registry.get_prefill(prefill)
 
     @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))

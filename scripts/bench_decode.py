@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import itertools
 import json
 import os
@@ -30,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 from jaxinfer.attention import make_attention_fn, resolve_backend  # noqa: E402
+from pallas_kernels.paged_attention import registry  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.kv_cache import KVCache  # noqa: E402
 from jaxinfer.models import registry as models  # noqa: E402
@@ -125,6 +127,22 @@ def time_steps(run, kv, steps: int, warmup: int = 3):
     return (time.perf_counter() - t) / steps, kv
 
 
+def parse_knobs(text: str) -> dict:
+    """``"num_splits=4,block_kv=128"`` -> ``{"num_splits": 4, "block_kv": 128}`` (integer values;
+    "" -> {}).
+
+    Raises:
+        ValueError: an item that is not ``name=integer``.
+    """
+    out = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier() or not value.lstrip("-").isdigit():
+            raise ValueError(f"--decode-knobs item {item!r} is invalid: expected name=integer")
+        out[name] = int(value)
+    return out
+
+
 def dispatch_times(run, kv, steps: int = 5):
     """Host seconds for ``run(kv)`` to return when the device is idle (the host's cost of
     launching one step: XLA enqueues every kernel from the calling thread), and seconds until
@@ -157,11 +175,29 @@ def main() -> None:
     ap.add_argument("--inputs", nargs="+", default=["packed"], choices=INPUT_MODES,
                     help="how step inputs reach the device each step, compared side by side "
                          "(decode_runner); packed is the engine's way")
+    ap.add_argument("--decode-knobs", nargs="+", default=[""], metavar="K=V[,K=V]",
+                    help="tuning keywords of the decode kernel, one set per argument, compared "
+                         "side by side (e.g. num_splits=1 num_splits=4 for mosaic); '' = defaults")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-kv-gib", type=float, default=100.0)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     ap.add_argument("--png", default="benchmarks/decode.png")
     args = ap.parse_args()
+    try:
+        for k in args.decode_knobs:
+            parse_knobs(k)
+    except ValueError as e:
+        ap.error(str(e))
+    attn_name = resolve_backend(args.attention, dtype="bfloat16")
+    knob_names = {n for k in args.decode_knobs for n in parse_knobs(k)}
+    if knob_names:
+        allowed = (set() if attn_name == "reference" else
+                   set(inspect.signature(registry.get(attn_name)).parameters) - {
+                       "q", "k_pool", "v_pool", "block_tables", "seq_lens", "layer", "scale",
+                       "soft_cap", "sliding_window", "interpret"})
+        if knob_names - allowed:
+            ap.error(f"--decode-knobs {sorted(knob_names - allowed)} are not knobs of attention "
+                     f"{attn_name!r}; its knobs: {sorted(allowed) or 'none'}")
 
     from bench_paged_attention import copy_ceiling_tbps  # same directory
     ceil = copy_ceiling_tbps()
@@ -169,8 +205,8 @@ def main() -> None:
     cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     wbytes = param_bytes(cfg, 2) - cfg.vocab_size * cfg.hidden_size * 2  # embedding is gathered
-    attn_name = resolve_backend(args.attention, dtype="bfloat16")
-    attn = make_attention_fn(attn_name)
+    attns = {k: make_attention_fn(attn_name, decode_knobs=parse_knobs(k) or None)
+             for k in args.decode_knobs}
     kv_tok = cfg.kv_bytes_per_token(2)
     commit = git_commit()
     meta = dict(bench="decode", variant=attn_name, jax=jax.__version__, device=jax.devices()[0].device_kind,
@@ -179,14 +215,14 @@ def main() -> None:
                 copy_tbps=ceiling, page_size=args.page_size, scatter_pages=args.scatter_pages)
     print(f"copy ceilings {ceil}; weights read/step {wbytes / 1e9:.2f} GB; attention={attn_name}")
     rows = []
-    for ctx, B, gemm, inputs in itertools.product(args.contexts, args.batches, args.gemm,
-                                                  args.inputs):
+    for ctx, B, gemm, inputs, knobs in itertools.product(args.contexts, args.batches, args.gemm,
+                                                         args.inputs, args.decode_knobs):
         kv_gib = B * ctx * kv_tok / 2**30
         if kv_gib > args.max_kv_gib:
             print(f"skip B={B} ctx={ctx}: KV {kv_gib:.1f} GiB")
             continue
         make = make_packed_step_fn if inputs == "packed" else make_step_fn
-        run, kv = decode_runner(cfg, params, make(cfg, attn, True, gemm), B, ctx, args.page_size,
+        run, kv = decode_runner(cfg, params, make(cfg, attns[knobs], True, gemm), B, ctx, args.page_size,
                                 args.scatter_pages, inputs)
         t = time.perf_counter()
         toks, kv = run(kv)  # compile
@@ -195,16 +231,20 @@ def main() -> None:
         dt, kv = time_steps(run, kv, args.steps)
         disp, alone, kv = dispatch_times(run, kv)
         moved = wbytes + B * ctx * kv_tok
-        row = dict(meta, B=B, context=ctx, gemm=gemm, inputs=inputs, ms_per_step=dt * 1e3,
+        row = dict(meta, B=B, context=ctx, gemm=gemm, inputs=inputs, decode_knobs=knobs,
+                   ms_per_step=dt * 1e3,
                    tok_s=B / dt,
                    dispatch_ms=disp * 1e3, isolated_step_ms=alone * 1e3, compile_s=compile_s,
                    bytes_per_step=moved, tbps=moved / dt / 1e12, frac_of_copy=moved / dt / 1e12 / ceiling)
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("B", "context", "gemm", "inputs", "ms_per_step", "tok_s", "tbps",
+        print(json.dumps({k: row[k] for k in ("B", "context", "gemm", "inputs", "decode_knobs",
+                                              "ms_per_step", "tok_s", "tbps",
                                               "frac_of_copy", "dispatch_ms", "compile_s")}))
         del kv
-    for ctx, gemm, inputs in itertools.product(args.contexts, args.gemm, args.inputs):
-        rs = [r for r in rows if r["context"] == ctx and r["gemm"] == gemm and r["inputs"] == inputs]
+    for ctx, gemm, inputs, knobs in itertools.product(args.contexts, args.gemm, args.inputs,
+                                                      args.decode_knobs):
+        rs = [r for r in rows if (r["context"], r["gemm"], r["inputs"], r["decode_knobs"])
+              == (ctx, gemm, inputs, knobs)]
         for a, b in zip(rs, rs[1:]):
             gain, ratio = b["tok_s"] / a["tok_s"], b["B"] / a["B"]
             if gain < 0.5 * ratio and not any(r.get("knee") for r in rs):
@@ -222,12 +262,14 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 5))
-        for ctx, gemm, inputs in itertools.product(args.contexts, args.gemm, args.inputs):
-            sel = [r for r in rows
-                   if r["context"] == ctx and r["gemm"] == gemm and r["inputs"] == inputs]
+        for ctx, gemm, inputs, knobs in itertools.product(args.contexts, args.gemm, args.inputs,
+                                                          args.decode_knobs):
+            sel = [r for r in rows if (r["context"], r["gemm"], r["inputs"], r["decode_knobs"])
+                   == (ctx, gemm, inputs, knobs)]
             if sel:
                 x, y = zip(*[(r["B"], r["tok_s"]) for r in sel])
-                ax.plot(x, y, marker="o", label=f"context {ctx}, {gemm} GEMMs, {inputs} inputs")
+                ax.plot(x, y, marker="o", label=f"context {ctx}, {gemm} GEMMs, {inputs} inputs"
+                        + (f", {knobs}" if knobs else ""))
                 knee = [r for r in sel if r.get("knee")]
                 for r in knee:
                     ax.annotate("knee", (r["B"], r["tok_s"]))
@@ -242,12 +284,12 @@ def main() -> None:
         print("matplotlib not installed: no PNG")
     print("\ndispatch: host ms for one step's call to return with the device idle (launch cost)")
     print(f"\n{'B':>4} {'ctx':>5} {'gemm':>6} {'inputs':>6} {'ms/step':>8} {'tok/s':>8} "
-          f"{'GB/step':>8} {'TB/s':>6} {'frac':>5} {'dispatch':>8}")
+          f"{'GB/step':>8} {'TB/s':>6} {'frac':>5} {'dispatch':>8}  knobs")
     for r in rows:
         print(f"{r['B']:>4} {r['context']:>5} {r['gemm']:>6} {r['inputs']:>6} {r['ms_per_step']:>8.2f} "
               f"{r['tok_s']:>8.0f} "
               f"{r['bytes_per_step'] / 1e9:>8.2f} {r['tbps']:>6.2f} {r['frac_of_copy']:>5.2f} "
-              f"{r['dispatch_ms']:>8.2f}"
+              f"{r['dispatch_ms']:>8.2f}  {r['decode_knobs'] or '-'}"
               f"{'  <- knee' if r.get('knee') else ''}")
 
 

@@ -57,3 +57,31 @@ def test_dry_run_emits_every_requested_token_once():
     assert res["steps"]["decode"] >= res["decode_rows"] / 4
     assert sum(s["steps"] for s in res["shapes"]) == sum(res["steps"].values())
     assert res["num_shapes"] == len(res["shapes"])
+
+
+def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
+    import jax.numpy as jnp
+    import pytest
+
+    from jaxinfer import attention
+    bench = _load("bench_decode")
+    assert bench.parse_knobs("") == {}
+    assert bench.parse_knobs("num_splits=4,block_kv=128") == {"num_splits": 4, "block_kv": 128}
+    for bad in ("num_splits", "num_splits=x", "=3", "a b=1"):
+        with pytest.raises(ValueError, match="name=integer"):
+            bench.parse_knobs(bad)
+    seen = {}
+
+    def fake_decode(q, k_pool, v_pool, block_tables, seq_lens, *, layer, scale, soft_cap,
+                    sliding_window, **knobs):
+        seen.update(knobs)
+        return q
+    monkeypatch.setattr(attention.registry, "get", lambda name: fake_decode)
+    attn = attention.make_attention_fn("mosaic", decode_knobs={"num_splits": 3})
+    q = jnp.ones((2, 1, 4, 8))
+    out = attn(q, jnp.zeros((1, 2, 2, 4, 8)), jnp.zeros((1, 2, 2, 4, 8)),
+               jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32),
+               layer=0, scale=0.5)
+    assert out.shape == q.shape and seen == {"num_splits": 3}
+    with pytest.raises(ValueError, match="reference has no knobs"):
+        attention.make_attention_fn("reference", decode_knobs={"num_splits": 3})

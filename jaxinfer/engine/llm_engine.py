@@ -53,6 +53,7 @@ class _InFlight:
     needs_host_tokens: bool  # a row uses a repetition penalty: read back before the next step
     shape_key: tuple = ()
 
+
 class StepRecord(NamedTuple):
     """One read-back step in `LLMEngine.step_log` (seconds from ``time.perf_counter``).
 

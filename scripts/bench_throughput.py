@@ -131,10 +131,22 @@ def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
     import collections
     import glob
     from scripts.profile_decode_step import busy_ns, kernel_events, short
+    if log.active:  # the run ended inside the window
+        import jax
+        jax.profiler.stop_trace()
+        log.active = False
     paths = glob.glob(os.path.join(log.logdir, "**", "*.xplane.pb"), recursive=True)
-    ev = sorted(kernel_events(paths[0]), key=lambda e: e[1])
     window = log[log.start:log.start + log.count]
     n = len(window)
+    if not paths or not n:
+        return dict(error=f"the run had {len(log)} steps: none inside the traced window "
+                          f"starting at step {log.start}")
+    try:
+        ev = sorted(kernel_events(paths[0]), key=lambda e: e[1])
+    except RuntimeError as e:  # no GPU plane (a CPU run)
+        return dict(error=str(e))
+    if not ev:
+        return dict(error="the trace holds no GPU kernel events")
     span = ev[-1][1] + ev[-1][2] - ev[0][1]
     gaps, end = [], ev[0][1]
     for _, s, d in ev:
@@ -332,7 +344,9 @@ def main() -> None:
               f"{d['schedule_ms_per_step']:>6.2f} {d['launch_ms_per_step']:>6.2f} "
               f"{d['post_ms_per_step']:>6.2f}")
     tr = rows[0].get("trace")
-    if tr:
+    if tr and "error" in tr:
+        print(f"\ntraced steps {args.trace_steps}: {tr['error']}")
+    elif tr:
         print(f"\ntraced steps {args.trace_steps}: shapes {tr['shapes']}, rows {tr['rows']}")
         print(f"span {tr['span_ms_per_step']:.3f} ms/step, GPU busy {tr['busy_ms_per_step']:.3f} "
               f"ms/step, {tr['launches_per_step']:.0f} launches/step; {tr['gaps_over_20us']} "

@@ -85,3 +85,12 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
     assert out.shape == q.shape and seen == {"num_splits": 3}
     with pytest.raises(ValueError, match="reference has no knobs"):
         attention.make_attention_fn("reference", decode_knobs={"num_splits": 3})
+
+
+def test_trace_summary_outside_the_run_is_an_error_not_a_crash(tmp_path):
+    bench = _load("bench_throughput")
+    log = bench.TracedStepLog(5, 3, str(tmp_path))
+    for i in range(2):
+        log.append(i)
+    out = bench.trace_summary(log)
+    assert "none inside the traced window" in out["error"] and not log.active

@@ -184,12 +184,11 @@ def main() -> None:
     ap.add_argument("--png", default="benchmarks/decode.png")
     args = ap.parse_args()
     try:
-        for k in args.decode_knobs:
-            parse_knobs(k)
+        knob_sets = {k: parse_knobs(k) for k in args.decode_knobs}
     except ValueError as e:
         ap.error(str(e))
     attn_name = resolve_backend(args.attention, dtype="bfloat16")
-    knob_names = {n for k in args.decode_knobs for n in parse_knobs(k)}
+    knob_names = {n for knobs in knob_sets.values() for n in knobs}
     if knob_names:
         allowed = (set() if attn_name == "reference" else
                    set(inspect.signature(registry.get(attn_name)).parameters) - {
@@ -205,8 +204,8 @@ def main() -> None:
     cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     wbytes = param_bytes(cfg, 2) - cfg.vocab_size * cfg.hidden_size * 2  # embedding is gathered
-    attns = {k: make_attention_fn(attn_name, decode_knobs=parse_knobs(k) or None)
-             for k in args.decode_knobs}
+    attns = {k: make_attention_fn(attn_name, decode_knobs=knobs or None)
+             for k, knobs in knob_sets.items()}
     kv_tok = cfg.kv_bytes_per_token(2)
     commit = git_commit()
     meta = dict(bench="decode", variant=attn_name, jax=jax.__version__, device=jax.devices()[0].device_kind,

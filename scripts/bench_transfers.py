@@ -1,11 +1,12 @@
 """Host cost of sending one engine step's small inputs to the device, three ways side by side.
 
-The engine sends ~15 small numpy arrays per step (tokens, positions, slot mapping, sampling
+A step has ~15 small numpy input arrays (tokens, positions, slot mapping, sampling
 fields, block tables, ...). This measures, for batch sizes ``--batches``, the host time of:
 
-  per_array   ``jnp.asarray`` on each array (what `LLMEngine._device_inputs` does)
+  per_array   ``jnp.asarray`` on each array (what the engine did until 989f578)
   device_put  one ``jax.device_put`` call on the list
   packed      the arrays concatenated on the host into one int32 buffer, one ``jnp.asarray``
+              (the engine now sends such a buffer: `batch_builder.pack_device_inputs`)
 
 each with the device idle and with the device busy (a chain of matmuls in flight), so a transfer
 that waits for the compute stream shows. Appends JSON objects (bench="transfers") to ``--out``.

@@ -256,6 +256,9 @@ class EngineConfig:
             `jaxinfer.step.GEMM_COMPILER_OPTIONS`); every other step keeps XLA's choice. Default
             64: on the H200, cuBLAS decode steps were 2-4% faster at 64-256 rows and 32% slower
             at 1 row (BENCHMARKS.md). ``None``: XLA's choice for every step. GPU only in effect.
+        prefill_gemm: GEMM back-end of prefill steps (packed prompt chunks): "xla" (XLA's choice:
+            Triton GEMMs or cuBLAS per matmul) or "cublas" (XLA's Triton GEMM emitter off for
+            those steps). GPU only in effect.
     """
 
     max_model_len: int | None = None
@@ -273,6 +276,7 @@ class EngineConfig:
     async_scheduling: bool = True
     compilation_cache_dir: str | None = None
     cublas_decode_min_batch: int | None = 64
+    prefill_gemm: str = "xla"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -292,6 +296,8 @@ class EngineConfig:
             _fail("EngineConfig", "memory_fraction", self.memory_fraction, "must be in (0, 1]")
         if self.dtype not in (None, "float32", "bfloat16"):
             _fail("EngineConfig", "dtype", self.dtype, "allowed: None, 'float32', 'bfloat16'")
+        if self.prefill_gemm not in ("xla", "cublas"):
+            _fail("EngineConfig", "prefill_gemm", self.prefill_gemm, "allowed: 'xla', 'cublas'")
         if self.attention not in ATTENTION_BACKENDS:
             _fail("EngineConfig", "attention", self.attention, f"allowed: {ATTENTION_BACKENDS}")
         if self.prefill_attention not in PREFILL_ATTENTION_BACKENDS:

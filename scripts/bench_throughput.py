@@ -172,7 +172,8 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     kw = dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
               batch_buckets=tuple(args.batch_buckets),
               max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention,
-              prefill_attention=args.prefill_attention, dtype=args.dtype)
+              prefill_attention=args.prefill_attention, dtype=args.dtype,
+              prefill_gemm=args.prefill_gemm)
     if path is None:  # random weights built on the device: no checkpoint to write or read
         import jax
         import jax.numpy as jnp
@@ -217,7 +218,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
                compile_workers=args.compile_workers, batch_buckets=list(llm.engine.buckets.batch),
                phases=phases, attention=llm.engine.resolved.attention,
                prefill_attention=llm.engine.resolved.prefill_attention,
-               num_pages=llm.engine.resolved.num_pages)
+               num_pages=llm.engine.resolved.num_pages, prefill_gemm=args.prefill_gemm)
     if args.trace_steps:
         row["trace"] = trace_summary(llm.engine.step_log)
     return row
@@ -273,6 +274,8 @@ def main() -> None:
                     help="decode batch buckets (default: the engine's)")
     ap.add_argument("--attention", default="auto")
     ap.add_argument("--prefill-attention", default="auto")
+    ap.add_argument("--prefill-gemm", choices=["xla", "cublas"], default="xla",
+                    help="GEMM back-end of prefill steps (EngineConfig.prefill_gemm)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--compile-workers", type=int, default=None,
                     help="parallel ahead-of-time compiles (default: one per CPU, up to the shapes)")

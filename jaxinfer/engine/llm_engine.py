@@ -171,6 +171,7 @@ class LLMEngine:
         self._steps = {(g, gemm): make_packed_step_fn(config, attn, g, gemm)
                        for g in (False, True) for gemm in ("xla", "cublas")}
         self._cublas_min_batch = ec.cublas_decode_min_batch
+        self._prefill_gemm = ec.prefill_gemm
         # the previous step's tokens when none is in flight (StepInput.prev_tokens: fixed shape)
         self._no_prev_tokens = jnp.zeros((self.buckets.batch[-1],), jnp.int32)
         self.compiled_shapes: set[tuple] = set()  # shapes compiled so far (ahead of time or not)
@@ -198,8 +199,11 @@ class LLMEngine:
 
     def step_fn(self, shape_key: tuple):
         """The jit step for a ``HostBatch.shape_key``: its sampling mode, and cuBLAS GEMMs for
-        decode buckets of at least ``EngineConfig.cublas_decode_min_batch`` rows."""
-        decode_rows = shape_key[1][0] if shape_key[3] is None else 0
+        decode buckets of at least ``EngineConfig.cublas_decode_min_batch`` rows and, with
+        ``EngineConfig.prefill_gemm="cublas"``, for prefill steps."""
+        if shape_key[3] is not None:  # packed prefill
+            return self._steps[(shape_key[-1], self._prefill_gemm)]
+        decode_rows = shape_key[1][0]
         cublas = self._cublas_min_batch is not None and decode_rows >= self._cublas_min_batch
         return self._steps[(shape_key[-1], "cublas" if cublas else "xla")]
 

@@ -110,3 +110,12 @@ def test_cublas_decode_steps_from_the_configured_batch():
     assert off.step_fn(decode(3)) is off._steps[(True, "xla")]
     with pytest.raises(ValueError, match="cublas_decode_min_batch"):
         _llm(cublas_decode_min_batch=0)
+
+
+def test_prefill_gemm_picks_the_prefill_steps_back_end():
+    eng = _llm(prefill_gemm="cublas", cublas_decode_min_batch=None).engine
+    packed = ((1, 32), (3, 8), 0, (3, 16), False)
+    assert eng.step_fn(packed) is eng._steps[(False, "cublas")]
+    assert eng.step_fn(((4, 1), (4, 8), 0, None, True)) is eng._steps[(True, "xla")]
+    with pytest.raises(ValueError, match="prefill_gemm.*allowed: 'xla', 'cublas'"):
+        _llm(prefill_gemm="cutlass")

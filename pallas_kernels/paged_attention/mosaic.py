@@ -49,7 +49,8 @@ class MosaicDecodeConfig:
             of it).
         num_stages: K/V shared-memory buffers (2-4): how many steps of copies are in flight.
         num_splits: sequence splits per (row, KV head); None: the fewest that give at least 1.5
-            waves of resident programs with under 10% of the last wave idle.
+            waves of resident programs with under 10% of the last wave idle, and at most one split
+            per two key blocks (`_pick_splits`).
         num_sms: multiprocessors to plan the waves for; None: read from the device (132 if none).
     """
 
@@ -307,7 +308,13 @@ def _smem_bytes(cfg: MosaicDecodeConfig, H: int, itemsize: int, table_bytes: int
 
 
 def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int) -> int:
-    """Splits per (row, KV head) so that the programs fill the GPU in near-whole waves."""
+    """Splits per (row, KV head) so that the programs fill the GPU in near-whole waves, each
+    split covering at least two key blocks (``max_blocks // 2`` splits at most).
+
+    The cap: at B=1, context 1024 on the H200 (16 blocks of 64 keys), 8 splits of 2 blocks gave a
+    4.64 ms Qwen3-8B decode step against 4.82 ms for 16 splits of one block (BENCHMARKS.md), as a
+    one-block program spends most of its time in its prologue (table and Q copies, barriers).
+    """
     if cfg.num_splits is not None:
         return max(1, min(cfg.num_splits, max_blocks))
     sms = cfg.num_sms
@@ -315,12 +322,13 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
         dev = jax.devices()[0]
         sms = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
         sms = sms or _SMS_H100_H200
+    cap = max(1, max_blocks // 2)
     slots = sms * max(1, (227 * 1024) // smem)        # programs resident at once
-    for splits in range(1, max_blocks + 1):
+    for splits in range(1, cap + 1):
         waves = rows * splits / slots
         if waves >= 1.5 and waves / math.ceil(waves) >= 0.9:
             return splits
-    return max_blocks
+    return cap
 
 
 def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret):

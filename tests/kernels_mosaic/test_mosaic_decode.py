@@ -182,3 +182,20 @@ def test_bad_shapes_raise(kw, match):
 def test_bad_knobs_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         mosaic.paged_decode_attention(*_shapes(), scale=0.1, **kw)
+
+
+@pytest.mark.parametrize("rows, max_blocks, expected", [
+    (8, 16, 8),        # B=1, 8 KV heads, 1024 keys: 2 blocks per split, not 16 one-block splits
+    (8, 1, 1),         # a single block: no split
+    (8, 3, 1),
+    (2048, 16, 2),     # B=256: 2 splits give 10.3 resident waves, 94% of the last one busy
+    (64, 512, 12),     # B=8, 32768 keys: the wave rule, far under the cap
+])
+def test_pick_splits_waves_and_two_block_cap(rows, max_blocks, expected):
+    cfg = mosaic.MosaicDecodeConfig(num_sms=132)
+    smem = 70 * 1024                                    # 3 programs resident per multiprocessor
+    got = mosaic._pick_splits(cfg, rows, max_blocks, smem)
+    assert got == expected
+    assert got <= max(1, max_blocks // 2)
+    fixed = mosaic.MosaicDecodeConfig(num_splits=5)
+    assert mosaic._pick_splits(fixed, rows, max_blocks, smem) == min(5, max_blocks)

@@ -311,9 +311,10 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
     """Splits per (row, KV head) so that the programs fill the GPU in near-whole waves, each
     split covering at least two key blocks (``max_blocks // 2`` splits at most).
 
-    The cap: at B=1, context 1024 on the H200 (16 blocks of 64 keys), 8 splits of 2 blocks gave a
-    4.64 ms Qwen3-8B decode step against 4.82 ms for 16 splits of one block (BENCHMARKS.md), as a
-    one-block program spends most of its time in its prologue (table and Q copies, barriers).
+    The cap: at B=1, context 1024 on the H200 (16 blocks of 64 keys), 8 splits of 2 blocks gave
+    Qwen3-8B decode steps of 4.64 and 4.66 ms against 4.82 and 4.70 ms for 16 splits of one block,
+    in two runs (BENCHMARKS.md): a one-block program spends much of its time in its prologue
+    (table and Q copies, barriers). At B=8 (old choice 12 splits) the steps were the same.
     """
     if cfg.num_splits is not None:
         return max(1, min(cfg.num_splits, max_blocks))

@@ -74,18 +74,54 @@ def resolve_prefill_backend(name: str, platform: str | None = None) -> str:
     return name
 
 
-def make_attention_fn(name: str, prefill: str = "reference",
-                      decode_knobs: dict | None = None) -> Callable:
-    """Attention callable for the model from the decode variant ``name`` and the prefill variant
-    ``prefill`` (both already resolved); ``decode_knobs`` are tuning keywords for the decode
-    variant (e.g. ``{"num_splits": 4}`` for "mosaic"; its docstring lists them).
+QKV_PROLOGUES = ("xla", "triton")
+
+
+def qkv_prologue_fn(name) -> Callable | None:
+    """The decode steps' attention prologue (q/k norm + RoPE + K/V page write) by name: "xla"
+    (None: the model's jnp ops, fused by XLA) or "triton" (one Pallas kernel per layer,
+    `pallas_kernels.qkv_prologue.triton_pallas`); a callable is returned as given (tests pass the
+    kernel in interpret mode).
 
     Raises:
-        ValueError: ``decode_knobs`` given for the reference decode path.
+        ValueError: an unknown name, or "triton" while JAX's backend is not a GPU.
+    """
+    if callable(name):
+        return name
+    if name not in QKV_PROLOGUES:
+        raise ValueError(f"qkv_prologue={name!r} is not one of {QKV_PROLOGUES}")
+    if name == "xla":
+        return None
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"qkv_prologue={name!r} is a GPU kernel and this host's JAX backend is "
+                         f"{jax.default_backend()!r}; use 'xla' here")
+    from pallas_kernels.qkv_prologue import triton_pallas
+    return triton_pallas.qkv_prologue
+
+
+def make_attention_fn(name: str, prefill: str = "reference",
+                      decode_knobs: dict | None = None, qkv_prologue="xla") -> Callable:
+    """Attention callable for the model from the decode variant ``name`` and the prefill variant
+    ``prefill`` (both already resolved); ``decode_knobs`` are tuning keywords for the decode
+    variant (e.g. ``{"num_splits": 4}`` for "mosaic"; its docstring lists them). With a
+    ``qkv_prologue`` kernel (`qkv_prologue_fn`), the callable carries it as its ``qkv_prologue``
+    attribute and the model runs decode steps' q/k norm + RoPE + K/V write through it.
+
+    Raises:
+        ValueError: ``decode_knobs`` given for the reference decode path; a bad ``qkv_prologue``.
     """
     if decode_knobs and name == "reference":
         raise ValueError(f"decode_knobs={decode_knobs} need a decode kernel variant; the "
                          "reference has no knobs")
+    prologue = qkv_prologue_fn(qkv_prologue)
+    if prologue is not None:
+        inner = make_attention_fn(name, prefill, decode_knobs)
+
+        def attn_with_prologue(*args, **kwargs):
+            return inner(*args, **kwargs)
+
+        attn_with_prologue.qkv_prologue = prologue
+        return attn_with_prologue
     if name == "reference" and prefill == "reference":
         return reference.paged_attention
     decode = None if name == "reference" else registry.get(name)

@@ -256,6 +256,9 @@ class EngineConfig:
             `jaxinfer.step.GEMM_COMPILER_OPTIONS`); every other step keeps XLA's choice. Default
             64: on the H200, cuBLAS decode steps were 2-4% faster at 64-256 rows and 32% slower
             at 1 row (BENCHMARKS.md). ``None``: XLA's choice for every step. GPU only in effect.
+        qkv_prologue: each layer's q/k norm + RoPE + K/V page write in decode steps: "xla" (the
+            model's jnp ops, fused by XLA) or "triton" (one Pallas kernel per layer,
+            `pallas_kernels.qkv_prologue`; GPU only). Not yet measured on the GPU.
         prefill_gemm: GEMM back-end of prefill steps (packed prompt chunks): "xla" (XLA's choice:
             Triton GEMMs or cuBLAS per matmul) or "cublas" (XLA's Triton GEMM emitter off for
             those steps). GPU only in effect.
@@ -277,6 +280,7 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     cublas_decode_min_batch: int | None = 64
     prefill_gemm: str = "xla"
+    qkv_prologue: str = "xla"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -296,6 +300,8 @@ class EngineConfig:
             _fail("EngineConfig", "memory_fraction", self.memory_fraction, "must be in (0, 1]")
         if self.dtype not in (None, "float32", "bfloat16"):
             _fail("EngineConfig", "dtype", self.dtype, "allowed: None, 'float32', 'bfloat16'")
+        if self.qkv_prologue not in ("xla", "triton"):
+            _fail("EngineConfig", "qkv_prologue", self.qkv_prologue, "allowed: 'xla', 'triton'")
         if self.prefill_gemm not in ("xla", "cublas"):
             _fail("EngineConfig", "prefill_gemm", self.prefill_gemm, "allowed: 'xla', 'cublas'")
         if self.attention not in ATTENTION_BACKENDS:

@@ -173,7 +173,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
               batch_buckets=tuple(args.batch_buckets),
               max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention,
               prefill_attention=args.prefill_attention, dtype=args.dtype,
-              prefill_gemm=args.prefill_gemm)
+              prefill_gemm=args.prefill_gemm, qkv_prologue=args.qkv_prologue)
     if path is None:  # random weights built on the device: no checkpoint to write or read
         import jax
         import jax.numpy as jnp
@@ -218,7 +218,8 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
                compile_workers=args.compile_workers, batch_buckets=list(llm.engine.buckets.batch),
                phases=phases, attention=llm.engine.resolved.attention,
                prefill_attention=llm.engine.resolved.prefill_attention,
-               num_pages=llm.engine.resolved.num_pages, prefill_gemm=args.prefill_gemm)
+               num_pages=llm.engine.resolved.num_pages, prefill_gemm=args.prefill_gemm,
+               qkv_prologue=args.qkv_prologue)
     if args.trace_steps:
         row["trace"] = trace_summary(llm.engine.step_log)
     return row
@@ -276,6 +277,8 @@ def main() -> None:
     ap.add_argument("--prefill-attention", default="auto")
     ap.add_argument("--prefill-gemm", choices=["xla", "cublas"], default="xla",
                     help="GEMM back-end of prefill steps (EngineConfig.prefill_gemm)")
+    ap.add_argument("--qkv-prologue", choices=["xla", "triton"], default="xla",
+                    help="decode steps' q/k norm + RoPE + K/V write (EngineConfig.qkv_prologue)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--compile-workers", type=int, default=None,
                     help="parallel ahead-of-time compiles (default: one per CPU, up to the shapes)")

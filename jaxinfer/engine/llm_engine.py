@@ -167,7 +167,7 @@ class LLMEngine:
             max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
             max_model_len=r.max_model_len, page_size=ec.page_size,
             batch_buckets=ec.batch_buckets, token_buckets=ec.token_buckets)
-        attn = make_attention_fn(r.attention, r.prefill_attention)
+        attn = make_attention_fn(r.attention, r.prefill_attention, qkv_prologue=ec.qkv_prologue)
         self._steps = {(g, gemm): make_packed_step_fn(config, attn, g, gemm)
                        for g in (False, True) for gemm in ("xla", "cublas")}
         self._cublas_min_batch = ec.cublas_decode_min_batch

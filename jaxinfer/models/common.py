@@ -213,7 +213,9 @@ class Attention(nn.Module):
     overrides it) -> RoPE at the step's positions, on q and k heads together (one op each over
     N + K heads instead of two, so fewer kernels per layer) -> ``write_kv`` into the pools at
     ``layer`` (a Python int) -> ``attn_fn`` -> ``wo`` [N*H, D]. Returns (out [B, T, D], k_pool, v_pool) with the pools
-    [L, P, K, page_size, H] updated.
+    [L, P, K, page_size, H] updated. When ``attn_fn`` carries a ``qkv_prologue`` kernel
+    (`jaxinfer.attention.make_attention_fn`), decode steps run norm + RoPE + K/V write through it
+    (`fused_prologue`) instead.
     """
 
     cfg: ModelConfig
@@ -225,6 +227,26 @@ class Attention(nn.Module):
         before RoPE. Llama: identity."""
         return qk
 
+    def qk_norm_weights(self) -> tuple[jax.Array | None, jax.Array | None]:
+        """The RMSNorm weights (q_norm [H], k_norm [H]) that `normalize_qk` applies, for a fused
+        prologue kernel; Llama: (None, None)."""
+        return None, None
+
+    def fused_prologue(self, prologue: Callable, qkv: jax.Array, layer: int, k_pool: jax.Array,
+                       v_pool: jax.Array, ctx: StepContext):
+        """q/k norm + RoPE + K/V write of a decode step in one kernel: ``prologue`` has the
+        signature of `pallas_kernels.qkv_prologue.reference.qkv_prologue`. qkv [B, 1, (N+2K)*H]
+        -> (q [B, 1, N, H], k_pool, v_pool)."""
+        cfg = self.cfg
+        B, T, _ = qkv.shape
+        wq, wk = self.qk_norm_weights()
+        q, k_pool, v_pool = prologue(
+            qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
+            ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
+            layer=layer, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+            eps=cfg.rms_norm_eps)
+        return q.reshape(B, T, cfg.num_heads, cfg.head_dim), k_pool, v_pool
+
     @nn.compact
     def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
                  ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -234,17 +256,22 @@ class Attention(nn.Module):
         shapes, parts = layer_param_shapes(cfg), fused_parts(cfg)["wqkv"]
         wqkv = self.param("wqkv", _dense_init, shapes["wqkv"], self.param_dtype)
         wo = self.param("wo", _dense_init, shapes["wo"], self.param_dtype)
+        prologue = getattr(self.attn_fn, "qkv_prologue", None)
         with jax.named_scope("qkv"):
             qkv = x @ in_dtype(wqkv, x.dtype)                           # [B, T, (N + 2K) * H]
             assert parts["q"].start == 0 and parts["q"].stop == parts["k"].start
+        if prologue is not None and T == 1 and ctx.packing is None:     # decode: one kernel
+            with jax.named_scope("qkv_prologue"):
+                q, k_pool, v_pool = self.fused_prologue(prologue, qkv, layer, k_pool, v_pool, ctx)
+        else:
             qk = qkv[..., :parts["k"].stop].reshape(B, T, N + K, H)
             v = qkv[..., parts["v"]].reshape(B, T, K, H)
             qk = self.normalize_qk(qk)
-        with jax.named_scope("rope"):
-            qk = apply_rope(qk, ctx.cos, ctx.sin)
-            q, k = qk[:, :, :N], qk[:, :, N:]
-        with jax.named_scope("kv_write"):
-            k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
+            with jax.named_scope("rope"):
+                qk = apply_rope(qk, ctx.cos, ctx.sin)
+                q, k = qk[:, :, :N], qk[:, :, N:]
+            with jax.named_scope("kv_write"):
+                k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
         with jax.named_scope("attention"):
             o = attend(self.attn_fn, q, k_pool, v_pool, ctx, layer=layer, scale=H ** -0.5)
             out = (o.astype(x.dtype).reshape(B, T, N * H) @ in_dtype(wo, x.dtype)).astype(x.dtype)

@@ -18,11 +18,15 @@ class Qwen3Attention(common.Attention):
     key heads (weight ``k_norm`` [H]), each weight shared across its heads; both run as one
     RMSNorm over qk [B, T, N + K, H] with the weights broadcast to [N + K, H]."""
 
+    def qk_norm_weights(self) -> tuple[jax.Array, jax.Array]:
+        H, pd = self.cfg.head_dim, self.param_dtype
+        return (self.param("q_norm", nn.initializers.ones, (H,), pd),
+                self.param("k_norm", nn.initializers.ones, (H,), pd))
+
     def normalize_qk(self, qk: jax.Array) -> jax.Array:
-        cfg, pd = self.cfg, self.param_dtype
+        cfg = self.cfg
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        wq = self.param("q_norm", nn.initializers.ones, (H,), pd)
-        wk = self.param("k_norm", nn.initializers.ones, (H,), pd)
+        wq, wk = self.qk_norm_weights()
         w = jnp.concatenate([jnp.broadcast_to(wq, (N, H)), jnp.broadcast_to(wk, (K, H))])
         return common.rms_norm(qk, w, cfg.rms_norm_eps)
 

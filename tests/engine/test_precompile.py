@@ -119,3 +119,11 @@ def test_prefill_gemm_picks_the_prefill_steps_back_end():
     assert eng.step_fn(((4, 1), (4, 8), 0, None, True)) is eng._steps[(True, "xla")]
     with pytest.raises(ValueError, match="prefill_gemm.*allowed: 'xla', 'cublas'"):
         _llm(prefill_gemm="cutlass")
+
+
+def test_qkv_prologue_option_is_checked():
+    with pytest.raises(ValueError, match="qkv_prologue.*allowed: 'xla', 'triton'"):
+        _llm(qkv_prologue="cuda")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="GPU kernel"):
+            _llm(qkv_prologue="triton")

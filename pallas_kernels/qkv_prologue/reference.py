@@ -1,0 +1,103 @@
+"""Plain-jnp reference of the attention prologue: what a Llama/Qwen3 layer does between its fused
+q/k/v projection and paged attention.
+
+    qkv [S, (N + 2K) * H] -> per-head RMSNorm of the N query and K key heads (Qwen3's q_norm and
+    k_norm; skipped for Llama) -> RoPE (HF ``rotate_half``) on those heads -> the K key heads and
+    the K value heads written into the page pools at each token's slot -> q [S, N, H].
+
+Numerics follow HF (and `jaxinfer.models.common`): RMSNorm statistics in float32, the normalized
+value rounded to the compute dtype before the weight multiply, RoPE in float32 on that value,
+results rounded to the compute dtype; K/V cast to the pools' dtype.
+Sources: Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoPE); Qwen Team 2025 (QK-Norm);
+Kwon et al. 2023 (paged KV layout, slot mapping).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
+               num_kv_heads: int) -> tuple[int, int, int, int]:
+    """Validate shapes; return (S, N, K, H).
+
+    Raises:
+        ValueError: naming the argument, its shape and what is allowed.
+    """
+    N, K = num_heads, num_kv_heads
+    if k_pool.ndim != 5 or v_pool.shape != k_pool.shape:
+        raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H]; got {k_pool.shape} "
+                         f"and {v_pool.shape}")
+    if k_pool.shape[2] != K:
+        raise ValueError(f"the pools have {k_pool.shape[2]} KV heads, num_kv_heads={K}")
+    H = k_pool.shape[4]
+    if H % 2:
+        raise ValueError(f"head dim H={H} must be even (RoPE pairs i with i + H/2)")
+    if qkv.ndim != 2 or qkv.shape[1] != (N + 2 * K) * H:
+        raise ValueError(f"qkv must be [S, (N + 2K) * H] = [S, {(N + 2 * K) * H}]; got {qkv.shape}")
+    S = qkv.shape[0]
+    for name, a in (("cos", cos), ("sin", sin)):
+        if a.shape != (S, H // 2):
+            raise ValueError(f"{name} must be f32[S, H/2] = [{S}, {H // 2}]; got {a.shape}")
+    if slot_mapping.shape != (S,):
+        raise ValueError(f"slot_mapping must be i32[S={S}]; got {slot_mapping.shape}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm must be given together (Qwen3) or both None (Llama)")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None and w.shape != (H,):
+            raise ValueError(f"{name} must be [H={H}]; got {w.shape}")
+    return S, N, K, H
+
+
+def _rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    return (w.astype(x.dtype) * normed).astype(x.dtype)
+
+
+def _rope(x, cos, sin):
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
+                 cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, k_pool: jax.Array,
+                 v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int,
+                 eps: float = 1e-6) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention prologue of one layer, in plain jnp.
+
+    Args:
+        qkv: [S, (N + 2K) * H] output of the fused q/k/v projection (query heads, then key heads,
+            then value heads), compute dtype.
+        q_norm, k_norm: [H] RMSNorm weights shared by the query / key heads (Qwen3), or both None
+            (Llama: no QK-Norm).
+        cos, sin: f32[S, H/2] RoPE angles' cosines and sines at each token's position.
+        slot_mapping: i32[S] flat slot ``page * page_size + offset`` of each token (padding: a
+            slot of the null page 0).
+        k_pool, v_pool: [L, P, K, page_size, H].
+        layer: int or i32[] index into L.
+        num_heads, num_kv_heads: N and K.
+        eps: RMSNorm epsilon.
+    Returns:
+        (q [S, N, H] in qkv.dtype, k_pool, v_pool) with this step's K/V written at ``layer``.
+    Raises:
+        ValueError: see `check_args`.
+    """
+    S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
+                            num_heads, num_kv_heads)
+    qk = qkv[:, :(N + K) * H].reshape(S, N + K, H)
+    v = qkv[:, (N + K) * H:].reshape(S, K, H)
+    if q_norm is not None:
+        w = jnp.concatenate([jnp.broadcast_to(q_norm, (N, H)), jnp.broadcast_to(k_norm, (K, H))])
+        qk = _rms_norm(qk, w, eps)
+    qk = _rope(qk, cos.astype(jnp.float32), sin.astype(jnp.float32))
+    page_size = k_pool.shape[3]
+    page, off = slot_mapping // page_size, slot_mapping % page_size
+    k_pool = k_pool.at[layer, page, :, off, :].set(qk[:, N:].astype(k_pool.dtype))
+    v_pool = v_pool.at[layer, page, :, off, :].set(v.astype(v_pool.dtype))
+    return qk[:, :N], k_pool, v_pool

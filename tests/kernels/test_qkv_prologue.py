@@ -1,0 +1,122 @@
+"""The fused attention prologue (q/k RMSNorm + RoPE + K/V page write): the Pallas kernel in
+interpret mode against the plain-jnp reference, and the reference against the model's own
+functions (`jaxinfer.models.common`, which the model tests check against HF transformers)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.kv_cache import write_kv
+from jaxinfer.models.common import apply_rope, rms_norm
+from pallas_kernels.qkv_prologue import reference, triton_pallas
+
+
+def make_inputs(seed, *, S, N, K, H, L=2, P=6, page_size=8, dtype=jnp.float32, norm=True):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    qkv = jax.random.normal(ks[0], (S, (N + 2 * K) * H), jnp.float32).astype(dtype)
+    qn = (1.0 + 0.1 * jax.random.normal(ks[1], (H,))).astype(dtype) if norm else None
+    kn = (1.0 + 0.1 * jax.random.normal(ks[2], (H,))).astype(dtype) if norm else None
+    pos = jax.random.randint(ks[3], (S,), 0, 4096)
+    inv = 1.0 / (10000.0 ** (jnp.arange(0, H, 2, dtype=jnp.float32) / H))
+    ang = pos.astype(jnp.float32)[:, None] * inv
+    # distinct slots outside the null page, so every write is visible and none overlaps
+    slots = jax.random.permutation(ks[4], (P - 1) * page_size)[:S] + page_size
+    pools = jax.random.normal(ks[5], (2, L, P, K, page_size, H), jnp.float32).astype(dtype)
+    return qkv, qn, kn, jnp.cos(ang), jnp.sin(ang), slots.astype(jnp.int32), pools[0], pools[1]
+
+
+CASES = [  # (S, N, K, H, page_size, dtype, norm)
+    (1, 4, 2, 64, 8, jnp.float32, True),
+    (5, 8, 2, 128, 16, jnp.float32, True),
+    (3, 6, 3, 64, 8, jnp.float32, False),      # Llama: no QK-Norm, K=3 (SmolLM2's grouping)
+    (4, 4, 4, 32, 8, jnp.bfloat16, True),
+    (2, 8, 1, 64, 16, jnp.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("S, N, K, H, page_size, dtype, norm", CASES)
+def test_kernel_interpret_matches_reference(S, N, K, H, page_size, dtype, norm):
+    qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(S, S=S, N=N, K=K, H=H,
+                                                       page_size=page_size, dtype=dtype, norm=norm)
+    kw = dict(layer=1, num_heads=N, num_kv_heads=K, eps=1e-6)
+    q_r, k_r, v_r = reference.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, **kw)
+    q_k, k_k, v_k = triton_pallas.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp,
+                                               interpret=True, **kw)
+    # Same operations in the same order and precision: equal up to one rounding of the dtype.
+    tol = 1e-6 if dtype == jnp.float32 else 1e-2
+    np.testing.assert_allclose(np.asarray(q_k, np.float32), np.asarray(q_r, np.float32),
+                               rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(k_k, np.float32), np.asarray(k_r, np.float32),
+                               rtol=tol, atol=tol)
+    np.testing.assert_array_equal(np.asarray(v_k, np.float32), np.asarray(v_r, np.float32))
+    # everything outside the written slots of layer 1 is untouched
+    changed = np.asarray(k_k != kp).any(axis=(2, 4))             # [L, P, page_size]
+    written = np.zeros_like(changed)
+    written[1, np.asarray(slots) // page_size, np.asarray(slots) % page_size] = True
+    assert not (changed & ~written).any()
+    assert changed[written].mean() > 0.9
+
+
+def test_traced_layer_under_jit_interpret():
+    qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(7, S=2, N=4, K=2, H=64)
+    kw = dict(num_heads=4, num_kv_heads=2, eps=1e-6)
+
+    @jax.jit
+    def both(layer):
+        return (reference.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, layer=layer, **kw),
+                triton_pallas.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, layer=layer,
+                                           interpret=True, **kw))
+
+    for layer in (0, 1):
+        ref, got = both(jnp.int32(layer))
+        for r, g in zip(ref, got):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_reference_matches_model_functions(norm):
+    """The reference against the model's rms_norm / apply_rope / write_kv on the same inputs."""
+    S, N, K, H, ps = 3, 8, 2, 64, 8
+    qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(11, S=S, N=N, K=K, H=H, page_size=ps,
+                                                       dtype=jnp.bfloat16, norm=norm)
+    q_r, k_r, v_r = reference.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, layer=0,
+                                           num_heads=N, num_kv_heads=K, eps=1e-6)
+    qk = qkv[:, :(N + K) * H].reshape(1, S, N + K, H)
+    v = qkv[:, (N + K) * H:].reshape(1, S, K, H)
+    if norm:
+        w = jnp.concatenate([jnp.broadcast_to(qn, (N, H)), jnp.broadcast_to(kn, (K, H))])
+        qk = rms_norm(qk, w, 1e-6)
+    qk = apply_rope(qk, cos[None], sin[None])
+    k_m, v_m = write_kv(kp, vp, 0, qk[:, :, N:], v, slots[None])
+    np.testing.assert_array_equal(np.asarray(q_r, np.float32), np.asarray(qk[0, :, :N], np.float32))
+    np.testing.assert_array_equal(np.asarray(k_r, np.float32), np.asarray(k_m, np.float32))
+    np.testing.assert_array_equal(np.asarray(v_r, np.float32), np.asarray(v_m, np.float32))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(qkv=jnp.zeros((2, 100))), "qkv must be"),
+    (dict(cos=jnp.zeros((2, 7))), "cos must be"),
+    (dict(slot_mapping=jnp.zeros((3,), jnp.int32)), "slot_mapping must be"),
+    (dict(k_norm=None), "given together"),
+    (dict(q_norm=jnp.ones((5,))), "q_norm must be"),
+])
+def test_bad_args_raise(change, match):
+    qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(0, S=2, N=4, K=2, H=64)
+    args = dict(qkv=qkv, q_norm=qn, k_norm=kn, cos=cos, sin=sin, slot_mapping=slots,
+                k_pool=kp, v_pool=vp)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        triton_pallas.qkv_prologue(**args, layer=0, num_heads=4, num_kv_heads=2, interpret=True)
+
+
+def test_head_dim_half_not_pow2_raises():
+    qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(0, S=1, N=2, K=1, H=64)
+    H = 96
+    kp = jnp.zeros((2, 6, 1, 8, H)); vp = kp
+    qkv = jnp.zeros((1, 4 * H)); cos = sin = jnp.zeros((1, H // 2))
+    with pytest.raises(ValueError, match="power of 2"):
+        triton_pallas.qkv_prologue(qkv, None, None, cos, sin, slots[:1], kp, vp, layer=0,
+                                   num_heads=2, num_kv_heads=1, interpret=True)

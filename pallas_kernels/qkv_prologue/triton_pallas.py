@@ -5,7 +5,9 @@ What it replaces: in a B=1 Qwen3-8B decode step XLA runs this part of each layer
 fusions of 1.1-2.4 us each (the q/k RMSNorm statistics, the rotated key rows, the value rows, two
 K/V page writes, the rotated and padded queries; BENCHMARKS.md, "Decode step"), about 10 us of
 the 11 us per layer that everything besides the GEMMs may take for the step to reach 85% of the
-copy bandwidth. Here it is one launch.
+copy bandwidth. Here the first five are one launch; the mosaic decode kernel's wrapper still pads
+q to 8 heads per KV group, and where XLA splits the q/k/v GEMM over K it now sums the partials in a
+fusion of their own.
 
 One program per (token s, head j) of the N + 2K heads of the fused projection: a query or key head
 is normalized (when q_norm/k_norm are given) and rotated, then stored into q or into the key pool;

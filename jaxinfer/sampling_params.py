@@ -62,6 +62,9 @@ class SamplingParams:
             ``ignore_eos``. A list is accepted and normalised to a tuple of ints >= 0.
         ignore_eos: keep generating past the model's EOS ids (until ``max_tokens``).
         skip_special_tokens: drop special tokens when decoding the output text.
+        n: output sequences per request; only 1 is supported (vLLM's parallel sampling of
+            several outputs per prompt is not implemented: submit the prompt n times with
+            different seeds instead).
 
     Raises:
         ValueError: a field out of range or of the wrong type; the message names the field, the
@@ -79,6 +82,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
 
     def __post_init__(self) -> None:
         def real(name: str, ok, allowed: str) -> None:
@@ -118,6 +122,10 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             _fail("stop_token_ids", ids, "must be a list/tuple of integers >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+        if not _is_int(self.n) or self.n != 1:
+            _fail("n", self.n, "only n=1 is supported (parallel sampling is not implemented; "
+                  "submit the prompt n times with different seeds)")
 
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -187,7 +187,7 @@ class Scheduler:
         if need > usable:
             raise ValueError(
                 f"prompt has {tokens} and max_tokens={max_tokens}: needs {need} KV pages "
-                f"of {self.page_size} tokens, but the whole KV pool has {usable} usable pages "
+                f"of {self.page_size} tokens, but the whole KV pool has {usable} usable page{'s' if usable != 1 else ''} "
                 f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool")
 
     def add(self, seq: Sequence) -> None:

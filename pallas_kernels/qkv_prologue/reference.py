@@ -40,8 +40,12 @@ def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_
     for name, a in (("cos", cos), ("sin", sin)):
         if a.shape != (S, H // 2):
             raise ValueError(f"{name} must be f32[S, H/2] = [{S}, {H // 2}]; got {a.shape}")
-    if slot_mapping.shape != (S,):
-        raise ValueError(f"slot_mapping must be i32[S={S}]; got {slot_mapping.shape}")
+    if slot_mapping.shape != (S,) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(f"slot_mapping must be i32[S={S}]; got {slot_mapping.dtype}"
+                         f"{list(slot_mapping.shape)}")
+    for name, a in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_pool", k_pool)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating dtype; got {a.dtype}")
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm must be given together (Qwen3) or both None (Llama)")
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
@@ -78,15 +82,18 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
             (Llama: no QK-Norm).
         cos, sin: f32[S, H/2] RoPE angles' cosines and sines at each token's position.
         slot_mapping: i32[S] flat slot ``page * page_size + offset`` of each token (padding: a
-            slot of the null page 0).
+            slot of the null page 0); each in [0, P * page_size).
         k_pool, v_pool: [L, P, K, page_size, H].
-        layer: int or i32[] index into L.
+        layer: int or i32[] index into L, in [0, L).
         num_heads, num_kv_heads: N and K.
         eps: RMSNorm epsilon.
     Returns:
         (q [S, N, H] in qkv.dtype, k_pool, v_pool) with this step's K/V written at ``layer``.
+        Slots or a layer outside their ranges are not checked (they are traced values under jit,
+        as in the engine's ``write_kv``): what they write is undefined, and differs between this
+        reference and the kernel.
     Raises:
-        ValueError: see `check_args`.
+        ValueError: see `check_args` (shapes, and integer slots / floating data).
     """
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
                             num_heads, num_kv_heads)

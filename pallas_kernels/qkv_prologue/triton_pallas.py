@@ -17,8 +17,8 @@ vectors), so no in-register slicing is needed. The pools are aliased to the outp
 the pools donated compiles without a pool-sized copy.
 
 Status: validated in interpret mode on the CPU against `reference.qkv_prologue`; the compiled
-kernel's GPU test is ``tests/kernels/test_qkv_prologue_gpu.py`` (``-m gpu``). Not yet wired into
-the model or measured on the GPU.
+kernel's GPU test is ``tests/kernels/test_qkv_prologue_gpu.py`` (``-m gpu``). Opt-in for decode
+steps (``EngineConfig.qkv_prologue="triton"``); not yet compiled or measured on the GPU.
 Sources: as `reference.py`.
 """
 
@@ -125,7 +125,9 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
 
     Args:
         qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, layer, num_heads,
-            num_kv_heads, eps: as in `reference.qkv_prologue` (H/2 must be a power of 2 here).
+            num_kv_heads, eps: as in `reference.qkv_prologue` (H/2 must be a power of 2 here;
+            slots in [0, P * page_size) and layer in [0, L) are not checked: outside them the
+            kernel writes out of bounds).
         interpret: run the Pallas interpreter (CPU tests).
         num_warps: warps per program (one head of H elements per program).
     Returns:

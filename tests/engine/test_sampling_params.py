@@ -36,6 +36,7 @@ def test_greedy_threshold(t, greedy):
     ("stop", "", "non-empty"), ("stop", ["ok", ""], "non-empty"), ("stop", [3], "non-empty"),
     ("stop_token_ids", [1, -2], ">= 0"), ("stop_token_ids", 5, ">= 0"),
     ("ignore_eos", 1, "bool"), ("skip_special_tokens", "yes", "bool"),
+    ("n", 2, "only n=1 is supported"), ("n", 0, "only n=1"),
 ])
 def test_invalid_values_name_field_value_and_range(field, value, allowed):
     with pytest.raises(ValueError) as e:

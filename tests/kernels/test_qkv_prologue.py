@@ -102,6 +102,8 @@ def test_reference_matches_model_functions(norm):
     (dict(slot_mapping=jnp.zeros((3,), jnp.int32)), "slot_mapping must be"),
     (dict(k_norm=None), "given together"),
     (dict(q_norm=jnp.ones((5,))), "q_norm must be"),
+    (dict(slot_mapping=jnp.asarray([8.7, 9.7])), "slot_mapping must be i32"),
+    (dict(qkv=jnp.zeros((2, 512), jnp.int32)), "qkv must be a floating dtype"),
 ])
 def test_bad_args_raise(change, match):
     qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(0, S=2, N=4, K=2, H=64)

@@ -99,29 +99,61 @@ def qkv_prologue_fn(name) -> Callable | None:
     return triton_pallas.qkv_prologue
 
 
-def make_attention_fn(name: str, prefill: str = "reference",
-                      decode_knobs: dict | None = None, qkv_prologue="xla") -> Callable:
-    """Attention callable for the model from the decode variant ``name`` and the prefill variant
-    ``prefill`` (both already resolved); ``decode_knobs`` are tuning keywords for the decode
-    variant (e.g. ``{"num_splits": 4}`` for "mosaic"; its docstring lists them). With a
-    ``qkv_prologue`` kernel (`qkv_prologue_fn`), the callable carries it as its ``qkv_prologue``
-    attribute and the model runs decode steps' q/k norm + RoPE + K/V write through it.
+ADD_RMS_NORMS = ("xla", "triton")
+
+
+def add_rms_norm_fn(name) -> Callable | None:
+    """The residual add + RMSNorm at each sub-block boundary by name: "xla" (None: the model's
+    jnp ops, fused by XLA) or "triton" (one Pallas kernel per boundary,
+    `pallas_kernels.add_rms_norm.triton_pallas`; the hidden size must be a power of 2); a
+    callable is returned as given (tests pass the kernel in interpret mode).
 
     Raises:
-        ValueError: ``decode_knobs`` given for the reference decode path; a bad ``qkv_prologue``.
+        ValueError: an unknown name, or "triton" while JAX's backend is not a GPU.
+    """
+    if callable(name):
+        return name
+    if name not in ADD_RMS_NORMS:
+        raise ValueError(f"add_rms_norm={name!r} is not one of {ADD_RMS_NORMS}")
+    if name == "xla":
+        return None
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"add_rms_norm={name!r} is a GPU kernel and this host's JAX backend is "
+                         f"{jax.default_backend()!r}; use 'xla' here")
+    from pallas_kernels.add_rms_norm import triton_pallas
+    return triton_pallas.add_rms_norm
+
+
+def make_attention_fn(name: str, prefill: str = "reference",
+                      decode_knobs: dict | None = None, qkv_prologue="xla",
+                      add_rms_norm="xla") -> Callable:
+    """Attention callable for the model from the decode variant ``name`` and the prefill variant
+    ``prefill`` (both already resolved); ``decode_knobs`` are tuning keywords for the decode
+    variant (e.g. ``{"num_splits": 4}`` for "mosaic"; its docstring lists them). The callable
+    also carries the model's optional fused kernels as attributes: with a ``qkv_prologue``
+    kernel (`qkv_prologue_fn`) the model runs decode steps' q/k norm + RoPE + K/V write through
+    it; with an ``add_rms_norm`` kernel (`add_rms_norm_fn`) every residual add + RMSNorm.
+
+    Raises:
+        ValueError: ``decode_knobs`` given for the reference decode path; a bad ``qkv_prologue``
+            or ``add_rms_norm``.
     """
     if decode_knobs and name == "reference":
         raise ValueError(f"decode_knobs={decode_knobs} need a decode kernel variant; the "
                          "reference has no knobs")
     prologue = qkv_prologue_fn(qkv_prologue)
-    if prologue is not None:
+    add_norm = add_rms_norm_fn(add_rms_norm)
+    if prologue is not None or add_norm is not None:
         inner = make_attention_fn(name, prefill, decode_knobs)
 
-        def attn_with_prologue(*args, **kwargs):
+        def attn_with_kernels(*args, **kwargs):
             return inner(*args, **kwargs)
 
-        attn_with_prologue.qkv_prologue = prologue
-        return attn_with_prologue
+        if prologue is not None:
+            attn_with_kernels.qkv_prologue = prologue
+        if add_norm is not None:
+            attn_with_kernels.add_rms_norm = add_norm
+        return attn_with_kernels
     if name == "reference" and prefill == "reference":
         return reference.paged_attention
     decode = None if name == "reference" else registry.get(name)

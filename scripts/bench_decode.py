@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
-from jaxinfer.attention import QKV_PROLOGUES, make_attention_fn, resolve_backend  # noqa: E402
+from jaxinfer.attention import (ADD_RMS_NORMS, QKV_PROLOGUES, make_attention_fn,  # noqa: E402
+                                resolve_backend)
 from pallas_kernels.paged_attention import registry  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.kv_cache import KVCache  # noqa: E402
@@ -162,7 +163,8 @@ def dispatch_times(run, kv, steps: int = 5):
 
 def variant_of(row: dict) -> tuple:
     """What a row compares side by side at one (context, B)."""
-    return row["gemm"], row["inputs"], row["decode_knobs"], row["qkv_prologue"]
+    return (row["gemm"], row["inputs"], row["decode_knobs"], row["qkv_prologue"],
+            row.get("add_rms_norm", "xla"))
 
 
 def main() -> None:
@@ -187,6 +189,9 @@ def main() -> None:
                     help="attention prologue (q/k norm + RoPE + K/V write) of each layer, compared "
                          "side by side: XLA's fusions or one Pallas kernel (jaxinfer.attention."
                          "qkv_prologue_fn)")
+    ap.add_argument("--add-rms-norm", nargs="+", default=["xla"], choices=ADD_RMS_NORMS,
+                    help="residual add + RMSNorm (two per layer), compared side by side: XLA's "
+                         "fusions or one Pallas kernel each (jaxinfer.attention.add_rms_norm_fn)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-kv-gib", type=float, default=100.0)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
@@ -213,10 +218,13 @@ def main() -> None:
     cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     wbytes = param_bytes(cfg, 2) - cfg.vocab_size * cfg.hidden_size * 2  # embedding is gathered
-    attns = {(k, pro): make_attention_fn(attn_name, decode_knobs=knobs or None, qkv_prologue=pro)
-             for k, knobs in knob_sets.items() for pro in args.qkv_prologue}
+    attns = {(k, pro, an): make_attention_fn(attn_name, decode_knobs=knobs or None,
+                                             qkv_prologue=pro, add_rms_norm=an)
+             for k, knobs in knob_sets.items() for pro in args.qkv_prologue
+             for an in args.add_rms_norm}
     # the variants compared side by side at every (context, B); a row's variant: `variant_of`
-    variants = list(itertools.product(args.gemm, args.inputs, args.decode_knobs, args.qkv_prologue))
+    variants = list(itertools.product(args.gemm, args.inputs, args.decode_knobs, args.qkv_prologue,
+                                      args.add_rms_norm))
     kv_tok = cfg.kv_bytes_per_token(2)
     commit = git_commit()
     meta = dict(bench="decode", variant=attn_name, jax=jax.__version__, device=jax.devices()[0].device_kind,
@@ -225,14 +233,14 @@ def main() -> None:
                 copy_tbps=ceiling, page_size=args.page_size, scatter_pages=args.scatter_pages)
     print(f"copy ceilings {ceil}; weights read/step {wbytes / 1e9:.2f} GB; attention={attn_name}")
     rows = []
-    for ctx, B, (gemm, inputs, knobs, pro) in itertools.product(args.contexts, args.batches,
-                                                                variants):
+    for ctx, B, (gemm, inputs, knobs, pro, an) in itertools.product(args.contexts, args.batches,
+                                                                    variants):
         kv_gib = B * ctx * kv_tok / 2**30
         if kv_gib > args.max_kv_gib:
             print(f"skip B={B} ctx={ctx}: KV {kv_gib:.1f} GiB")
             continue
         make = make_packed_step_fn if inputs == "packed" else make_step_fn
-        run, kv = decode_runner(cfg, params, make(cfg, attns[(knobs, pro)], True, gemm), B, ctx,
+        run, kv = decode_runner(cfg, params, make(cfg, attns[(knobs, pro, an)], True, gemm), B, ctx,
                                 args.page_size, args.scatter_pages, inputs)
         t = time.perf_counter()
         toks, kv = run(kv)  # compile
@@ -242,14 +250,14 @@ def main() -> None:
         disp, alone, kv = dispatch_times(run, kv)
         moved = wbytes + B * ctx * kv_tok
         row = dict(meta, B=B, context=ctx, gemm=gemm, inputs=inputs, decode_knobs=knobs,
-                   qkv_prologue=pro,
+                   qkv_prologue=pro, add_rms_norm=an,
                    ms_per_step=dt * 1e3,
                    tok_s=B / dt,
                    dispatch_ms=disp * 1e3, isolated_step_ms=alone * 1e3, compile_s=compile_s,
                    bytes_per_step=moved, tbps=moved / dt / 1e12, frac_of_copy=moved / dt / 1e12 / ceiling)
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("B", "context", "gemm", "inputs", "decode_knobs",
-                                              "qkv_prologue", "ms_per_step", "tok_s", "tbps",
+                                              "qkv_prologue", "add_rms_norm", "ms_per_step", "tok_s", "tbps",
                                               "frac_of_copy", "dispatch_ms", "compile_s")}))
         del kv
     for ctx, v in itertools.product(args.contexts, variants):
@@ -271,14 +279,15 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 5))
-        for ctx, (gemm, inputs, knobs, pro) in itertools.product(args.contexts, variants):
+        for ctx, (gemm, inputs, knobs, pro, an) in itertools.product(args.contexts, variants):
             sel = [r for r in rows
-                   if r["context"] == ctx and variant_of(r) == (gemm, inputs, knobs, pro)]
+                   if r["context"] == ctx and variant_of(r) == (gemm, inputs, knobs, pro, an)]
             if sel:
                 x, y = zip(*[(r["B"], r["tok_s"]) for r in sel])
                 ax.plot(x, y, marker="o", label=f"context {ctx}, {gemm} GEMMs, {inputs} inputs"
                         + (f", {knobs}" if knobs else "")
-                        + (f", {pro} prologue" if pro != "xla" else ""))
+                        + (f", {pro} prologue" if pro != "xla" else "")
+                        + (f", {an} add+norm" if an != "xla" else ""))
                 knee = [r for r in sel if r.get("knee")]
                 for r in knee:
                     ax.annotate("knee", (r["B"], r["tok_s"]))
@@ -293,12 +302,13 @@ def main() -> None:
         print("matplotlib not installed: no PNG")
     print("\ndispatch: host ms for one step's call to return with the device idle (launch cost)")
     print(f"\n{'B':>4} {'ctx':>5} {'gemm':>6} {'inputs':>6} {'ms/step':>8} {'tok/s':>8} "
-          f"{'GB/step':>8} {'TB/s':>6} {'frac':>5} {'dispatch':>8} {'prologue':>8}  knobs")
+          f"{'GB/step':>8} {'TB/s':>6} {'frac':>5} {'dispatch':>8} {'prologue':>8} {'add+norm':>8}  knobs")
     for r in rows:
         print(f"{r['B']:>4} {r['context']:>5} {r['gemm']:>6} {r['inputs']:>6} {r['ms_per_step']:>8.2f} "
               f"{r['tok_s']:>8.0f} "
               f"{r['bytes_per_step'] / 1e9:>8.2f} {r['tbps']:>6.2f} {r['frac_of_copy']:>5.2f} "
-              f"{r['dispatch_ms']:>8.2f} {r['qkv_prologue']:>8}  {r['decode_knobs'] or '-'}"
+              f"{r['dispatch_ms']:>8.2f} {r['qkv_prologue']:>8} {r['add_rms_norm']:>8}  "
+              f"{r['decode_knobs'] or '-'}"
               f"{'  <- knee' if r.get('knee') else ''}")
 
 

@@ -173,7 +173,8 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
               batch_buckets=tuple(args.batch_buckets),
               max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention,
               prefill_attention=args.prefill_attention, dtype=args.dtype,
-              prefill_gemm=args.prefill_gemm, qkv_prologue=args.qkv_prologue)
+              prefill_gemm=args.prefill_gemm, qkv_prologue=args.qkv_prologue,
+              add_rms_norm=args.add_rms_norm)
     if path is None:  # random weights built on the device: no checkpoint to write or read
         import jax
         import jax.numpy as jnp
@@ -219,7 +220,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
                phases=phases, attention=llm.engine.resolved.attention,
                prefill_attention=llm.engine.resolved.prefill_attention,
                num_pages=llm.engine.resolved.num_pages, prefill_gemm=args.prefill_gemm,
-               qkv_prologue=args.qkv_prologue)
+               qkv_prologue=args.qkv_prologue, add_rms_norm=args.add_rms_norm)
     if args.trace_steps:
         row["trace"] = trace_summary(llm.engine.step_log)
     return row
@@ -279,6 +280,8 @@ def main() -> None:
                     help="GEMM back-end of prefill steps (EngineConfig.prefill_gemm)")
     ap.add_argument("--qkv-prologue", choices=["xla", "triton"], default="xla",
                     help="decode steps' q/k norm + RoPE + K/V write (EngineConfig.qkv_prologue)")
+    ap.add_argument("--add-rms-norm", choices=["xla", "triton"], default="xla",
+                    help="every residual add + RMSNorm (EngineConfig.add_rms_norm)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--compile-workers", type=int, default=None,
                     help="parallel ahead-of-time compiles (default: one per CPU, up to the shapes)")

@@ -167,7 +167,12 @@ class LLMEngine:
             max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
             max_model_len=r.max_model_len, page_size=ec.page_size,
             batch_buckets=ec.batch_buckets, token_buckets=ec.token_buckets)
-        attn = make_attention_fn(r.attention, r.prefill_attention, qkv_prologue=ec.qkv_prologue)
+        attn = make_attention_fn(r.attention, r.prefill_attention, qkv_prologue=ec.qkv_prologue,
+                                 add_rms_norm=ec.add_rms_norm)
+        D = config.hidden_size
+        if ec.add_rms_norm == "triton" and D & (D - 1):
+            raise ValueError(f"EngineConfig.add_rms_norm='triton' needs a power-of-2 hidden size "
+                             f"(the kernel's rows are Triton blocks); this model has {D}: use 'xla'")
         self._steps = {(g, gemm): make_packed_step_fn(config, attn, g, gemm)
                        for g in (False, True) for gemm in ("xla", "cublas")}
         self._cublas_min_batch = ec.cublas_decode_min_batch

@@ -167,20 +167,31 @@ _dense_init = nn.initializers.normal(stddev=INIT_STD)
 
 
 # --------------------------------------------------------------------------- modules
-class RMSNorm(nn.Module):
-    """RMSNorm whose weight [D] is the param named ``param_name`` (e.g. "attn_norm", "q_norm").
+class AddRMSNorm(nn.Module):
+    """Residual add + RMSNorm whose weight [D] is the param named ``param_name`` (e.g.
+    "attn_norm"): ``__call__(x [B, T, D], delta [B, T, D] | None) -> (x + delta, rms_norm(x +
+    delta))``, both [B, T, D] in x.dtype (`rms_norm`; no add when ``delta`` is None).
 
-    x [..., D] -> [..., D] in x.dtype (see `rms_norm`).
+    ``kernel``: None (jnp ops, fused by XLA) or a function with the signature of
+    `pallas_kernels.add_rms_norm.reference.add_rms_norm` over [S, D] rows (one launch).
     """
 
     param_name: str
     eps: float
     param_dtype: Any = jnp.float32
+    kernel: Callable | None = None
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         w = self.param(self.param_name, nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        return rms_norm(x, w, self.eps)
+        if self.kernel is None:
+            if delta is not None:
+                x = x + delta
+            return x, rms_norm(x, w, self.eps)
+        shape = x.shape
+        rows = lambda a: None if a is None else a.reshape(-1, shape[-1])  # noqa: E731
+        x, h = self.kernel(rows(x), rows(delta), w, eps=self.eps)
+        return x.reshape(shape), h.reshape(shape)
 
 
 class MLP(nn.Module):
@@ -279,10 +290,15 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer: ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``.
+    """Pre-norm decoder layer: ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, with each
+    residual add done together with the norm that follows it (`AddRMSNorm`), so the MLP's output
+    is returned *pending*: the next layer (or the final norm) adds it.
 
-    ``__call__(x [B, T, D], layer, k_pool, v_pool, ctx)`` with ``layer`` the static (Python int)
-    index into the pools' L axis and ``ctx`` the `StepContext`; returns (x, k_pool, v_pool).
+    ``__call__(x [B, T, D], pending [B, T, D] | None, layer, k_pool, v_pool, ctx)`` with
+    ``pending`` the previous layer's MLP output (None for layer 0), ``layer`` the static (Python
+    int) index into the pools' L axis and ``ctx`` the `StepContext`; returns (x, pending, k_pool,
+    v_pool). The add + norm runs through ``attn_fn.add_rms_norm`` when the attention callable
+    carries one (`jaxinfer.attention.make_attention_fn`), else through jnp ops.
     Its params form one flat dict (``params["layers"][str(layer)]``).
     """
 
@@ -292,23 +308,25 @@ class DecoderLayer(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
-                 ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array]:
+    def __call__(self, x: jax.Array, pending: jax.Array | None, layer: int, k_pool: jax.Array,
+                 v_pool: jax.Array, ctx: StepContext
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         eps, pd = self.cfg.rms_norm_eps, self.param_dtype
-        h = _shared(self, RMSNorm("attn_norm", eps, pd, name="attn_norm_block"))(x)
+        kernel = getattr(self.attn_fn, "add_rms_norm", None)
+        x, h = _shared(self, AddRMSNorm("attn_norm", eps, pd, kernel, name="attn_norm_block"))(
+            x, pending)
         attn = _shared(self, self.attention_cls(self.cfg, self.attn_fn, pd, name="attention"))
         a, k_pool, v_pool = attn(h, layer, k_pool, v_pool, ctx)
-        x = x + a
-        h = _shared(self, RMSNorm("mlp_norm", eps, pd, name="mlp_norm_block"))(x)
-        x = x + _shared(self, MLP(self.cfg, pd, name="mlp"))(h)
-        return x, k_pool, v_pool
+        x, h = _shared(self, AddRMSNorm("mlp_norm", eps, pd, kernel, name="mlp_norm_block"))(x, a)
+        return x, _shared(self, MLP(self.cfg, pd, name="mlp"))(h), k_pool, v_pool
 
 
 class Layers(nn.Module):
     """The L decoder layers, unrolled: a Python loop over `DecoderLayer` children named "0" ..
     str(L-1), so their params land at ``params["layers"][str(i)]`` when this module is named
-    "layers". ``__call__(x [B, T, D], k_pool, v_pool, ctx)`` -> (x, k_pool, v_pool), the pools
-    [L, P, K, page_size, H] written by every layer at its own index.
+    "layers". ``__call__(x [B, T, D], k_pool, v_pool, ctx)`` -> (x, pending, k_pool, v_pool):
+    the residual stream without the last layer's MLP output ``pending`` [B, T, D] (the final
+    norm adds it), the pools [L, P, K, page_size, H] written by every layer at its own index.
     """
 
     cfg: ModelConfig
@@ -318,12 +336,13 @@ class Layers(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                 ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        pending = None
         for i, name in enumerate(layer_keys(self.cfg)):
             layer = DecoderLayer(self.cfg, self.attn_fn, self.attention_cls, self.param_dtype,
                                  name=name)
-            x, k_pool, v_pool = layer(x, i, k_pool, v_pool, ctx)
-        return x, k_pool, v_pool
+            x, pending, k_pool, v_pool = layer(x, pending, i, k_pool, v_pool, ctx)
+        return x, pending, k_pool, v_pool
 
 
 class CausalLM(nn.Module):
@@ -356,8 +375,10 @@ class CausalLM(nn.Module):
         ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
                           kv.block_tables, kv.seq_lens, cos, sin, packing)
         layers = Layers(cfg, self.attn_fn, self.attention_cls, pd, name="layers")
-        x, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
-        x = _shared(self, RMSNorm("final_norm", cfg.rms_norm_eps, pd, name="final_norm_block"))(x)
+        x, pending, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
+        kernel = getattr(self.attn_fn, "add_rms_norm", None)
+        _, x = _shared(self, AddRMSNorm("final_norm", cfg.rms_norm_eps, pd, kernel,
+                                        name="final_norm_block"))(x, pending)
         return x, kv.replace(k=k_pool, v=v_pool)
 
 

@@ -127,3 +127,11 @@ def test_qkv_prologue_option_is_checked():
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="GPU kernel"):
             _llm(qkv_prologue="triton")
+
+
+def test_add_rms_norm_option_is_checked():
+    with pytest.raises(ValueError, match="add_rms_norm.*allowed: 'xla', 'triton'"):
+        _llm(add_rms_norm="cuda")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="GPU kernel"):
+            _llm(add_rms_norm="triton")

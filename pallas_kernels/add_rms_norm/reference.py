@@ -1,0 +1,58 @@
+"""Plain-jnp reference of the fused residual add + RMSNorm (vLLM's ``fused_add_rms_norm``).
+
+    x [S, D], delta [S, D] -> x' = x + delta (rounded to x.dtype: the residual stream stays in the
+    compute dtype) -> h = weight * (x' / sqrt(mean(x'^2) + eps)) -> (x', h).
+
+Numerics follow HF ``LlamaRMSNorm`` (and `jaxinfer.models.common.rms_norm`): statistics in
+float32, the normalized value rounded to x.dtype before the weight multiply, the weight cast to
+x.dtype. Sources: Zhang & Sennrich 2019 (RMSNorm); vLLM ``csrc/layernorm_kernels.cu``
+(``fused_add_rms_norm``: the same two results from one pass).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array) -> tuple[int, int]:
+    """Validate shapes and dtypes; return (S, D).
+
+    Raises:
+        ValueError: naming the argument, its shape or dtype, and what is allowed.
+    """
+    if x.ndim != 2:
+        raise ValueError(f"x must be [S, D]; got shape {x.shape}")
+    S, D = x.shape
+    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
+        raise ValueError(f"delta must match x ({x.dtype}{list(x.shape)}); got "
+                         f"{delta.dtype}{list(delta.shape)}")
+    if weight.shape != (D,):
+        raise ValueError(f"weight must be [D={D}]; got shape {weight.shape}")
+    for name, a in (("x", x), ("weight", weight)):
+        if not jnp.issubdtype(a.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a floating dtype; got {a.dtype}")
+    return S, D
+
+
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
+                 eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
+    """Residual add then RMSNorm, in plain jnp.
+
+    Args:
+        x: [S, D] the residual stream, compute dtype.
+        delta: [S, D] the sub-block output to add (same dtype), or None (no add: x' = x).
+        weight: [D] the norm weight (any float dtype; cast to x.dtype).
+        eps: added to the mean square.
+    Returns:
+        (x' [S, D], h [S, D]), both in x.dtype.
+    Raises:
+        ValueError: see `check_args`.
+    """
+    check_args(x, delta, weight)
+    if delta is not None:
+        x = (x + delta).astype(x.dtype)
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    return x, (weight.astype(x.dtype) * normed).astype(x.dtype)

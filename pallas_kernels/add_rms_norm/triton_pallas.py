@@ -1,0 +1,80 @@
+"""Residual add + RMSNorm in one Pallas kernel with the Triton lowering.
+
+What it replaces: XLA runs ``x = x + delta; h = rms_norm(x)`` as three fusions (the add, the
+float32 statistics, the scale), each a separate launch of 1.2-1.9 us in a B=1 Qwen3-8B decode step
+(BENCHMARKS.md, "Decode step"); a layer has two such boundaries. Here one program per row reads
+x and delta once, writes x' and h once.
+
+Status: validated in interpret mode on the CPU against `reference.add_rms_norm`; the compiled
+kernel's GPU test is ``tests/kernels/test_add_rms_norm_gpu.py`` (``-m gpu``). Opt-in for the model
+(``EngineConfig.add_rms_norm="triton"``).
+Sources: as `reference.py`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.add_rms_norm.reference import check_args
+
+
+def _kernel(x_ref, d_ref, w_ref, xo_ref, h_ref, *, D, eps, has_delta):
+    dt = x_ref.dtype
+    x = x_ref[0, :]
+    if has_delta:
+        x = (x.astype(jnp.float32) + d_ref[0, :].astype(jnp.float32)).astype(dt)
+    xo_ref[0, :] = x
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.sum(xf * xf) / D + eps)
+    normed = (xf * r).astype(dt).astype(jnp.float32)
+    h_ref[0, :] = (normed * w_ref[:].astype(dt).astype(jnp.float32)).astype(dt)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
+def _add_rms_norm(x, delta, weight, *, eps, interpret, num_warps):
+    S, D = x.shape
+    has_delta = delta is not None
+    if delta is None:
+        delta = x                                                   # unread
+    row = pl.BlockSpec((1, D), lambda i: (i, 0))
+    return pl.pallas_call(
+        functools.partial(_kernel, D=D, eps=float(eps), has_delta=has_delta),
+        out_shape=[jax.ShapeDtypeStruct((S, D), x.dtype)] * 2,
+        grid=(S,),
+        in_specs=[row, row, pl.BlockSpec((D,), lambda i: (0,))],
+        out_specs=[row, row],
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        name="add_rms_norm",
+    )(x, delta, weight)
+
+
+def supports(D: int) -> bool:
+    """Whether the kernel takes rows of D elements (Triton block shapes are powers of 2)."""
+    return D > 0 and not D & (D - 1)
+
+
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
+                 eps: float = 1e-6, interpret: bool = False,
+                 num_warps: int = 4) -> tuple[jax.Array, jax.Array]:
+    """Residual add + RMSNorm in one Pallas launch; same contract as `reference.add_rms_norm`.
+
+    Args:
+        x, delta, weight, eps: as in `reference.add_rms_norm` (D must be a power of 2 here).
+        interpret: run the Pallas interpreter (CPU tests).
+        num_warps: warps per program (one row of D elements per program).
+    Returns:
+        (x' [S, D], h [S, D]) in x.dtype.
+    Raises:
+        ValueError: see `reference.check_args`; D not a power of 2 (use `supports` to check).
+    """
+    S, D = check_args(x, delta, weight)
+    if not supports(D):
+        raise ValueError(f"hidden size D={D} must be a power of 2 for the Triton kernel")
+    return _add_rms_norm(x, delta, weight, eps=float(eps), interpret=bool(interpret),
+                         num_warps=int(num_warps))

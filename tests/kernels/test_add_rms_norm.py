@@ -1,0 +1,74 @@
+"""The fused residual add + RMSNorm: the Pallas kernel in interpret mode against the plain-jnp
+reference, and the reference against the model's own functions (`jaxinfer.models.common`, which
+the model tests check against HF transformers)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.models.common import rms_norm
+from pallas_kernels.add_rms_norm import reference, triton_pallas
+
+
+def make_inputs(seed, *, S, D, dtype=jnp.float32, scale=3.0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    x = (scale * jax.random.normal(ks[0], (S, D), jnp.float32)).astype(dtype)
+    d = jax.random.normal(ks[1], (S, D), jnp.float32).astype(dtype)
+    w = (1.0 + 0.2 * jax.random.normal(ks[2], (D,))).astype(dtype)
+    return x, d, w
+
+
+CASES = [  # (S, D, dtype, with delta)
+    (1, 64, jnp.float32, True),
+    (7, 128, jnp.float32, True),
+    (3, 32, jnp.float32, False),
+    (5, 256, jnp.bfloat16, True),
+    (2, 64, jnp.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("S, D, dtype, with_delta", CASES)
+def test_kernel_interpret_matches_reference(S, D, dtype, with_delta):
+    x, d, w = make_inputs(S, S=S, D=D, dtype=dtype)
+    d = d if with_delta else None
+    xr, hr = reference.add_rms_norm(x, d, w, eps=1e-5)
+    xk, hk = triton_pallas.add_rms_norm(x, d, w, eps=1e-5, interpret=True)
+    assert xk.dtype == hk.dtype == dtype and xk.shape == hk.shape == (S, D)
+    # The sum x + delta is the same rounding on both sides; the norm may differ in the order of
+    # its float32 sum, i.e. by one rounding of the dtype.
+    np.testing.assert_array_equal(np.asarray(xk, np.float32), np.asarray(xr, np.float32))
+    tol = 1e-6 if dtype == jnp.float32 else 2 ** -7
+    np.testing.assert_allclose(np.asarray(hk, np.float32), np.asarray(hr, np.float32),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_reference_is_the_models_add_then_norm(dtype):
+    x, d, w = make_inputs(0, S=4, D=48, dtype=dtype)
+    xr, hr = reference.add_rms_norm(x, d, w, eps=1e-6)
+    np.testing.assert_array_equal(np.asarray(xr, np.float32), np.asarray(x + d, np.float32))
+    np.testing.assert_array_equal(np.asarray(hr, np.float32),
+                                  np.asarray(rms_norm(x + d, w, 1e-6), np.float32))
+    # and against float64 arithmetic written out: h = w * x' / rms(x')
+    x64 = np.asarray(xr, np.float64)
+    want = np.asarray(w, np.float64) * x64 / np.sqrt((x64 ** 2).mean(-1, keepdims=True) + 1e-6)
+    tol = 1e-5 if dtype == jnp.float32 else 2 ** -6
+    np.testing.assert_allclose(np.asarray(hr, np.float64), want, rtol=tol, atol=tol)
+
+
+def test_bad_arguments_are_named():
+    x, d, w = make_inputs(0, S=2, D=64)
+    with pytest.raises(ValueError, match=r"x must be \[S, D\]"):
+        reference.add_rms_norm(x[None], None, w)
+    with pytest.raises(ValueError, match="delta must match x"):
+        reference.add_rms_norm(x, d[:1], w)
+    with pytest.raises(ValueError, match="delta must match x"):
+        reference.add_rms_norm(x, d.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match=r"weight must be \[D=64\]"):
+        triton_pallas.add_rms_norm(x, d, w[:32], interpret=True)
+    with pytest.raises(ValueError, match="power of 2"):
+        triton_pallas.add_rms_norm(x[:, :48], d[:, :48], w[:48], interpret=True)
+    assert triton_pallas.supports(4096) and not triton_pallas.supports(576)

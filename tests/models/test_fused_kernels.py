@@ -1,0 +1,115 @@
+"""The model with its optional fused kernels (interpret mode here) against its own jnp path, for
+Llama and Qwen3: the attention prologue (q/k norm + RoPE + K/V write in one Pallas launch, decode
+steps) and the residual add + RMSNorm (one launch per sub-block boundary, every step)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.attention import add_rms_norm_fn, make_attention_fn, qkv_prologue_fn
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.models import registry
+from pallas_kernels.add_rms_norm import triton_pallas as add_norm_kernel
+from pallas_kernels.qkv_prologue import triton_pallas
+
+from .test_packed_prefill import _cfg as tiny_cfg
+
+PAGE = 4
+
+
+def _cfg(arch):
+    # the packed-prefill tests' tiny model, with H/2 a power of 2 as the Triton kernel needs
+    return dataclasses.replace(tiny_cfg(arch), head_dim=16)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_step_with_fused_prologue_matches_jnp_path(arch):
+    cfg = _cfg(arch)
+    params = registry.init_params(cfg, jax.random.key(3), jnp.float32)
+    if arch == "qwen3":  # norm weights away from 1, so a skipped or swapped weight shows
+        for lp in params["layers"].values():
+            lp["q_norm"] = lp["q_norm"] * 1.5
+            lp["k_norm"] = lp["k_norm"] * 0.5
+    rng = np.random.default_rng(0)
+    B, M = 3, 3
+    pages = rng.permutation(np.arange(1, 1 + B * M)).reshape(B, M).astype(np.int32)
+    shape = (cfg.num_layers, 1 + B * M, cfg.num_kv_heads, PAGE, cfg.head_dim)
+    kv = KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                 v=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                 block_tables=jnp.asarray(pages), seq_lens=jnp.asarray([5, 9, 0], jnp.int32))
+    pos = np.array([[4], [8], [0]], np.int32)                    # row 2: padding (null page)
+    slot = np.array([[pages[0, 1] * PAGE + 0], [pages[1, 2] * PAGE + 0], [0]], np.int32)
+    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)).astype(np.int32))
+    plain = make_attention_fn("reference", "reference")
+    fused = make_attention_fn("reference", "reference", qkv_prologue=functools.partial(
+        triton_pallas.qkv_prologue, interpret=True))
+    assert fused.qkv_prologue is not None and not hasattr(plain, "qkv_prologue")
+    run = lambda attn: registry.forward(params, cfg, tok, jnp.asarray(pos), jnp.asarray(slot),  # noqa: E731
+                                        kv, attn_fn=attn)
+    (h0, kv0), (h1, kv1) = run(plain), run(fused)
+    np.testing.assert_allclose(np.asarray(h1[:2]), np.asarray(h0[:2]), rtol=2e-5, atol=2e-5)
+    for a, b in ((kv1.k, kv0.k), (kv1.v, kv0.v)):
+        np.testing.assert_allclose(np.asarray(a)[:, 1:], np.asarray(b)[:, 1:], rtol=2e-5, atol=2e-5)
+    # the written slots really changed (the comparison above is not between two untouched pools)
+    assert not np.allclose(np.asarray(kv0.k)[:, pages[0, 1], :, 0], np.asarray(kv.k)[:, pages[0, 1], :, 0])
+
+
+def test_qkv_prologue_names():
+    assert qkv_prologue_fn("xla") is None
+    with pytest.raises(ValueError, match="not one of"):
+        qkv_prologue_fn("cuda")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="GPU kernel"):
+            qkv_prologue_fn("triton")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_fused_add_rms_norm_matches_jnp_path(arch, T):
+    cfg = _cfg(arch)
+    params = registry.init_params(cfg, jax.random.key(4), jnp.float32)
+    for lp in params["layers"].values():  # norm weights away from 1, so a swapped one shows
+        lp["attn_norm"] = lp["attn_norm"] * 1.5
+        lp["mlp_norm"] = lp["mlp_norm"] * 0.75
+    params["final_norm"] = params["final_norm"] * 2.0
+    rng = np.random.default_rng(1)
+    B, M = 2, 3
+    pages = rng.permutation(np.arange(1, 1 + B * M)).reshape(B, M).astype(np.int32)
+    shape = (cfg.num_layers, 1 + B * M, cfg.num_kv_heads, PAGE, cfg.head_dim)
+    kv = KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                 v=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                 block_tables=jnp.asarray(pages), seq_lens=jnp.asarray([4 + T, 2 + T], jnp.int32))
+    pos = np.stack([np.arange(4, 4 + T), np.arange(2, 2 + T)]).astype(np.int32)
+    slot = np.take_along_axis(pages, pos // PAGE, 1) * PAGE + pos % PAGE
+    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32))
+    kernel = functools.partial(add_norm_kernel.add_rms_norm, interpret=True)
+    plain = make_attention_fn("reference", "reference")
+    fused = make_attention_fn("reference", "reference", add_rms_norm=kernel)
+    both = make_attention_fn("reference", "reference", add_rms_norm=kernel,
+                             qkv_prologue=functools.partial(triton_pallas.qkv_prologue,
+                                                            interpret=True))
+    assert fused.add_rms_norm is kernel and not hasattr(fused, "qkv_prologue")
+    run = lambda attn: registry.forward(params, cfg, tok, jnp.asarray(pos),  # noqa: E731
+                                        jnp.asarray(slot.astype(np.int32)), kv, attn_fn=attn)
+    h0, kv0 = run(plain)
+    for attn in (fused, both):
+        h1, kv1 = run(attn)
+        np.testing.assert_allclose(np.asarray(h1), np.asarray(h0), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(kv1.k), np.asarray(kv0.k), rtol=2e-5, atol=2e-5)
+    # the hidden states are not trivially equal: a zero pending MLP output would change them
+    assert float(jnp.abs(h0).max()) > 0.1
+
+
+def test_add_rms_norm_names():
+    assert add_rms_norm_fn("xla") is None
+    with pytest.raises(ValueError, match="not one of"):
+        add_rms_norm_fn("cuda")
+    if jax.default_backend() != "gpu":
+        with pytest.raises(ValueError, match="GPU kernel"):
+            add_rms_norm_fn("triton")

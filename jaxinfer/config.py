@@ -257,12 +257,14 @@ class EngineConfig:
             64: on the H200, cuBLAS decode steps were 2-4% faster at 64-256 rows and 32% slower
             at 1 row (BENCHMARKS.md). ``None``: XLA's choice for every step. GPU only in effect.
         qkv_prologue: each layer's q/k norm + RoPE + K/V page write in decode steps: "xla" (the
-            model's jnp ops, fused by XLA) or "triton" (one Pallas kernel per layer,
-            `pallas_kernels.qkv_prologue`; GPU only). On the H200: B=1 decode 4.62 vs 4.73 ms,
-            B=32 and B=256 unchanged (BENCHMARKS.md).
+            model's jnp ops, fused by XLA), "triton" (one Pallas kernel per layer,
+            `pallas_kernels.qkv_prologue`; GPU only, H/2 a power of 2) or "auto" (default:
+            "triton" on a GPU in bf16/f16 where the shapes allow, else "xla").
         add_rms_norm: every residual add + RMSNorm (two per layer, and the final norm): "xla"
-            (jnp ops, fused by XLA) or "triton" (one Pallas kernel each,
-            `pallas_kernels.add_rms_norm`; GPU only, hidden size a power of 2).
+            (jnp ops, fused by XLA), "triton" (one Pallas kernel each,
+            `pallas_kernels.add_rms_norm`; GPU only, hidden size a power of 2) or "auto" (as
+            above). On the H200 the two kernels together: 9,404 vs 9,305 tok/s on the
+            throughput workload, B=1 decode 4.56 vs 4.61 ms (BENCHMARKS.md).
         prefill_gemm: GEMM back-end of prefill steps (packed prompt chunks): "xla" (XLA's choice:
             Triton GEMMs or cuBLAS per matmul) or "cublas" (XLA's Triton GEMM emitter off for
             those steps). GPU only in effect.
@@ -284,8 +286,8 @@ class EngineConfig:
     compilation_cache_dir: str | None = None
     cublas_decode_min_batch: int | None = 64
     prefill_gemm: str = "xla"
-    qkv_prologue: str = "xla"
-    add_rms_norm: str = "xla"
+    qkv_prologue: str = "auto"
+    add_rms_norm: str = "auto"
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -305,10 +307,10 @@ class EngineConfig:
             _fail("EngineConfig", "memory_fraction", self.memory_fraction, "must be in (0, 1]")
         if self.dtype not in (None, "float32", "bfloat16"):
             _fail("EngineConfig", "dtype", self.dtype, "allowed: None, 'float32', 'bfloat16'")
-        if self.qkv_prologue not in ("xla", "triton"):
-            _fail("EngineConfig", "qkv_prologue", self.qkv_prologue, "allowed: 'xla', 'triton'")
-        if self.add_rms_norm not in ("xla", "triton"):
-            _fail("EngineConfig", "add_rms_norm", self.add_rms_norm, "allowed: 'xla', 'triton'")
+        if self.qkv_prologue not in ("auto", "xla", "triton"):
+            _fail("EngineConfig", "qkv_prologue", self.qkv_prologue, "allowed: 'auto', 'xla', 'triton'")
+        if self.add_rms_norm not in ("auto", "xla", "triton"):
+            _fail("EngineConfig", "add_rms_norm", self.add_rms_norm, "allowed: 'auto', 'xla', 'triton'")
         if self.prefill_gemm not in ("xla", "cublas"):
             _fail("EngineConfig", "prefill_gemm", self.prefill_gemm, "allowed: 'xla', 'cublas'")
         if self.attention not in ATTENTION_BACKENDS:

@@ -220,7 +220,8 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
                phases=phases, attention=llm.engine.resolved.attention,
                prefill_attention=llm.engine.resolved.prefill_attention,
                num_pages=llm.engine.resolved.num_pages, prefill_gemm=args.prefill_gemm,
-               qkv_prologue=args.qkv_prologue, add_rms_norm=args.add_rms_norm)
+               qkv_prologue=llm.engine.resolved.qkv_prologue,
+               add_rms_norm=llm.engine.resolved.add_rms_norm)
     if args.trace_steps:
         row["trace"] = trace_summary(llm.engine.step_log)
     return row
@@ -278,9 +279,9 @@ def main() -> None:
     ap.add_argument("--prefill-attention", default="auto")
     ap.add_argument("--prefill-gemm", choices=["xla", "cublas"], default="xla",
                     help="GEMM back-end of prefill steps (EngineConfig.prefill_gemm)")
-    ap.add_argument("--qkv-prologue", choices=["xla", "triton"], default="xla",
+    ap.add_argument("--qkv-prologue", choices=["auto", "xla", "triton"], default="auto",
                     help="decode steps' q/k norm + RoPE + K/V write (EngineConfig.qkv_prologue)")
-    ap.add_argument("--add-rms-norm", choices=["xla", "triton"], default="xla",
+    ap.add_argument("--add-rms-norm", choices=["auto", "xla", "triton"], default="auto",
                     help="every residual add + RMSNorm (EngineConfig.add_rms_norm)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--compile-workers", type=int, default=None,

@@ -91,6 +91,8 @@ class ResolvedEngineConfig:
     dtype: str
     attention: str
     prefill_attention: str = "reference"
+    qkv_prologue: str = "xla"
+    add_rms_norm: str = "xla"
 
 
 def resolve_engine_config(cfg: ModelConfig, ec: EngineConfig,
@@ -127,7 +129,33 @@ def resolve_engine_config(cfg: ModelConfig, ec: EngineConfig,
                              "raise memory_fraction or set num_pages")
     return ResolvedEngineConfig(ec, max_len, num_pages, dtype,
                                 resolve_backend(ec.attention, platform, dtype),
-                                resolve_prefill_backend(ec.prefill_attention, platform))
+                                resolve_prefill_backend(ec.prefill_attention, platform),
+                                *resolve_fused_kernels(cfg, ec, platform, dtype))
+
+
+def resolve_fused_kernels(cfg: ModelConfig, ec: EngineConfig, platform: str,
+                          dtype: str) -> tuple[str, str]:
+    """(qkv_prologue, add_rms_norm) with "auto" resolved: "triton" on a GPU for a bfloat16/float16
+    engine whose shapes the kernels take (head dim H with H/2 a power of 2; hidden size D a
+    power of 2), else "xla".
+
+    Raises:
+        ValueError: "triton" asked for a model whose shapes the kernel does not take.
+    """
+    gpu = platform == "gpu" and dtype in ("bfloat16", "float16")
+    pow2 = lambda n: n > 0 and not n & (n - 1)  # noqa: E731
+    out = []
+    for name, value, ok, what in (
+            ("qkv_prologue", ec.qkv_prologue, pow2(cfg.head_dim // 2),
+             f"head dim H/2 a power of 2 (this model: H={cfg.head_dim})"),
+            ("add_rms_norm", ec.add_rms_norm, pow2(cfg.hidden_size),
+             f"a power-of-2 hidden size (this model: {cfg.hidden_size})")):
+        if value == "auto":
+            value = "triton" if gpu and ok else "xla"
+        elif value == "triton" and not ok:
+            raise ValueError(f"EngineConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
+        out.append(value)
+    return tuple(out)
 
 
 class LLMEngine:
@@ -167,12 +195,8 @@ class LLMEngine:
             max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
             max_model_len=r.max_model_len, page_size=ec.page_size,
             batch_buckets=ec.batch_buckets, token_buckets=ec.token_buckets)
-        attn = make_attention_fn(r.attention, r.prefill_attention, qkv_prologue=ec.qkv_prologue,
-                                 add_rms_norm=ec.add_rms_norm)
-        D = config.hidden_size
-        if ec.add_rms_norm == "triton" and D & (D - 1):
-            raise ValueError(f"EngineConfig.add_rms_norm='triton' needs a power-of-2 hidden size "
-                             f"(the kernel's rows are Triton blocks); this model has {D}: use 'xla'")
+        attn = make_attention_fn(r.attention, r.prefill_attention, qkv_prologue=r.qkv_prologue,
+                                 add_rms_norm=r.add_rms_norm)
         self._steps = {(g, gemm): make_packed_step_fn(config, attn, g, gemm)
                        for g in (False, True) for gemm in ("xla", "cublas")}
         self._cublas_min_batch = ec.cublas_decode_min_batch

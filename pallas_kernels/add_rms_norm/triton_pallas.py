@@ -5,9 +5,9 @@ float32 statistics, the scale), each a separate launch of 1.2-1.9 us in a B=1 Qw
 (BENCHMARKS.md, "Decode step"); a layer has two such boundaries. Here one program per row reads
 x and delta once, writes x' and h once.
 
-Status: validated in interpret mode on the CPU against `reference.add_rms_norm`; the compiled
-kernel's GPU test is ``tests/kernels/test_add_rms_norm_gpu.py`` (``-m gpu``). Opt-in for the model
-(``EngineConfig.add_rms_norm="triton"``).
+Status: validated in interpret mode on the CPU and compiled on the H200 against
+`reference.add_rms_norm` (``tests/kernels/test_add_rms_norm_gpu.py``, ``-m gpu``). Used on GPU by
+default where D is a power of 2 (``EngineConfig.add_rms_norm="auto"``).
 Sources: as `reference.py`.
 """
 

@@ -122,7 +122,7 @@ def test_prefill_gemm_picks_the_prefill_steps_back_end():
 
 
 def test_qkv_prologue_option_is_checked():
-    with pytest.raises(ValueError, match="qkv_prologue.*allowed: 'xla', 'triton'"):
+    with pytest.raises(ValueError, match="qkv_prologue.*allowed: 'auto', 'xla', 'triton'"):
         _llm(qkv_prologue="cuda")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="GPU kernel"):
@@ -130,8 +130,29 @@ def test_qkv_prologue_option_is_checked():
 
 
 def test_add_rms_norm_option_is_checked():
-    with pytest.raises(ValueError, match="add_rms_norm.*allowed: 'xla', 'triton'"):
+    with pytest.raises(ValueError, match="add_rms_norm.*allowed: 'auto', 'xla', 'triton'"):
         _llm(add_rms_norm="cuda")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="GPU kernel"):
             _llm(add_rms_norm="triton")
+
+
+def test_fused_kernels_auto_resolution():
+    from jaxinfer.config import EngineConfig, ModelConfig
+    from jaxinfer.engine.llm_engine import resolve_fused_kernels
+
+    def cfg(D, H):
+        return ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=D,
+                           intermediate_size=2 * D, num_layers=1, num_heads=2, num_kv_heads=1,
+                           head_dim=H, max_position_embeddings=64)
+
+    auto = EngineConfig(qkv_prologue="auto", add_rms_norm="auto")
+    assert resolve_fused_kernels(cfg(4096, 128), auto, "gpu", "bfloat16") == ("triton", "triton")
+    assert resolve_fused_kernels(cfg(4096, 128), auto, "cpu", "bfloat16") == ("xla", "xla")
+    assert resolve_fused_kernels(cfg(4096, 128), auto, "gpu", "float32") == ("xla", "xla")
+    # SmolLM2: D=576 is no power of 2, H=64 is fine
+    assert resolve_fused_kernels(cfg(576, 64), auto, "gpu", "bfloat16") == ("triton", "xla")
+    with pytest.raises(ValueError, match="add_rms_norm='triton' needs a power-of-2 hidden size"):
+        resolve_fused_kernels(cfg(576, 64), EngineConfig(add_rms_norm="triton"), "gpu", "bfloat16")
+    with pytest.raises(ValueError, match="qkv_prologue='triton' needs head dim"):
+        resolve_fused_kernels(cfg(512, 96), EngineConfig(qkv_prologue="triton"), "gpu", "bfloat16")

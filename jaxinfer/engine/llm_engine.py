@@ -140,7 +140,8 @@ def resolve_fused_kernels(cfg: ModelConfig, ec: EngineConfig, platform: str,
     power of 2), else "xla".
 
     Raises:
-        ValueError: "triton" asked for a model whose shapes the kernel does not take.
+        ValueError: "triton" asked for on a host without a GPU, or for a model whose shapes the
+            kernel does not take.
     """
     gpu = platform == "gpu" and dtype in ("bfloat16", "float16")
     pow2 = lambda n: n > 0 and not n & (n - 1)  # noqa: E731
@@ -152,6 +153,9 @@ def resolve_fused_kernels(cfg: ModelConfig, ec: EngineConfig, platform: str,
              f"a power-of-2 hidden size (this model: {cfg.hidden_size})")):
         if value == "auto":
             value = "triton" if gpu and ok else "xla"
+        elif value == "triton" and platform != "gpu":
+            raise ValueError(f"EngineConfig.{name}='triton' is a GPU kernel and this host's JAX "
+                             f"backend is {platform!r}; use 'auto' or 'xla'")
         elif value == "triton" and not ok:
             raise ValueError(f"EngineConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
         out.append(value)

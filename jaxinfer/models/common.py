@@ -290,9 +290,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm decoder layer: ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, with each
-    residual add done together with the norm that follows it (`AddRMSNorm`), so the MLP's output
-    is returned *pending*: the next layer (or the final norm) adds it.
+    """Pre-norm decoder layer, ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, computed with
+    each residual add done together with the norm that follows it (`AddRMSNorm`): the returned
+    ``x`` does not include the MLP's output, which is returned *pending* for the next layer (or
+    the final norm) to add.
 
     ``__call__(x [B, T, D], pending [B, T, D] | None, layer, k_pool, v_pool, ctx)`` with
     ``pending`` the previous layer's MLP output (None for layer 0), ``layer`` the static (Python
@@ -346,7 +347,8 @@ class Layers(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Decoder-only LM trunk: embed -> `Layers` (L unrolled `DecoderLayer`) -> final norm.
+    """Decoder-only LM trunk: embed -> `Layers` (L unrolled `DecoderLayer`) -> final norm (which
+    also adds the last layer's pending MLP output).
 
     Subclasses pick the attention block through the class variable ``attention_cls``.
     ``__call__(tokens i32[B, T], positions i32[B, T], slot_mapping i32[B, T], kv: KVCache,

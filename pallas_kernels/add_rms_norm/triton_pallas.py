@@ -6,8 +6,8 @@ float32 statistics, the scale), each a separate launch of 1.2-1.9 us in a B=1 Qw
 x and delta once, writes x' and h once.
 
 Status: validated in interpret mode on the CPU and compiled on the H200 against
-`reference.add_rms_norm` (``tests/kernels/test_add_rms_norm_gpu.py``, ``-m gpu``). Used on GPU by
-default where D is a power of 2 (``EngineConfig.add_rms_norm="auto"``).
+`reference.add_rms_norm` (``tests/kernels/test_add_rms_norm_gpu.py``, ``-m gpu``). Used by default
+on a GPU in bf16/f16 where D is a power of 2 (``EngineConfig.add_rms_norm="auto"``).
 Sources: as `reference.py`.
 """
 

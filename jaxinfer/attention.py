@@ -75,6 +75,22 @@ def resolve_prefill_backend(name: str, platform: str | None = None) -> str:
 
 
 QKV_PROLOGUES = ("xla", "triton")
+ADD_RMS_NORMS = ("xla", "triton")
+
+
+def _fused_kernel(option: str, name, load: Callable) -> Callable | None:
+    """A fused model kernel by name: "xla" -> None (the model's jnp ops), "triton" -> ``load()``
+    (GPU only), a callable -> itself. Raises ValueError naming ``option``."""
+    if callable(name):
+        return name
+    if name not in ("xla", "triton"):
+        raise ValueError(f"{option}={name!r} is not one of ('xla', 'triton')")
+    if name == "xla":
+        return None
+    if jax.default_backend() != "gpu":
+        raise ValueError(f"{option}={name!r} is a GPU kernel and this host's JAX backend is "
+                         f"{jax.default_backend()!r}; use 'xla' here")
+    return load()
 
 
 def qkv_prologue_fn(name) -> Callable | None:
@@ -86,20 +102,11 @@ def qkv_prologue_fn(name) -> Callable | None:
     Raises:
         ValueError: an unknown name, or "triton" while JAX's backend is not a GPU.
     """
-    if callable(name):
-        return name
-    if name not in QKV_PROLOGUES:
-        raise ValueError(f"qkv_prologue={name!r} is not one of {QKV_PROLOGUES}")
-    if name == "xla":
-        return None
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"qkv_prologue={name!r} is a GPU kernel and this host's JAX backend is "
-                         f"{jax.default_backend()!r}; use 'xla' here")
-    from pallas_kernels.qkv_prologue import triton_pallas
-    return triton_pallas.qkv_prologue
+    def load():
+        from pallas_kernels.qkv_prologue import triton_pallas
+        return triton_pallas.qkv_prologue
 
-
-ADD_RMS_NORMS = ("xla", "triton")
+    return _fused_kernel("qkv_prologue", name, load)
 
 
 def add_rms_norm_fn(name) -> Callable | None:
@@ -111,17 +118,11 @@ def add_rms_norm_fn(name) -> Callable | None:
     Raises:
         ValueError: an unknown name, or "triton" while JAX's backend is not a GPU.
     """
-    if callable(name):
-        return name
-    if name not in ADD_RMS_NORMS:
-        raise ValueError(f"add_rms_norm={name!r} is not one of {ADD_RMS_NORMS}")
-    if name == "xla":
-        return None
-    if jax.default_backend() != "gpu":
-        raise ValueError(f"add_rms_norm={name!r} is a GPU kernel and this host's JAX backend is "
-                         f"{jax.default_backend()!r}; use 'xla' here")
-    from pallas_kernels.add_rms_norm import triton_pallas
-    return triton_pallas.add_rms_norm
+    def load():
+        from pallas_kernels.add_rms_norm import triton_pallas
+        return triton_pallas.add_rms_norm
+
+    return _fused_kernel("add_rms_norm", name, load)
 
 
 def make_attention_fn(name: str, prefill: str = "reference",

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_decode import QWEN3_8B, decode_runner, time_steps  # noqa: E402
+from bench_decode import QWEN3_8B, decode_runner, parse_knobs, time_steps  # noqa: E402
 from jaxinfer.attention import make_attention_fn, resolve_backend  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.models import registry as models  # noqa: E402
@@ -93,6 +93,14 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--gemm", default="xla", choices=sorted(GEMM_COMPILER_OPTIONS),
                     help="GEMM back-end of the step (make_step_fn's gemm)")
+    ap.add_argument("--qkv-prologue", default="triton", choices=["xla", "triton"],
+                    help="q/k norm + RoPE + K/V write: XLA's fusions or the Pallas kernel "
+                         "(the engine's GPU default)")
+    ap.add_argument("--add-rms-norm", default="triton", choices=["xla", "triton"],
+                    help="residual add + RMSNorm: XLA's fusions or the Pallas kernel "
+                         "(the engine's GPU default)")
+    ap.add_argument("--decode-knobs", default="",
+                    help="tuning keywords of the decode kernel, K=V[,K=V] (e.g. block_kv=128)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--anchor", default="mosaic",
@@ -104,7 +112,11 @@ def main() -> None:
     cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     attn = resolve_backend(args.attention, dtype="bfloat16")
-    step_fn = make_step_fn(cfg, make_attention_fn(attn), True, args.gemm)
+    knobs = parse_knobs(args.decode_knobs)
+    step_fn = make_step_fn(cfg, make_attention_fn(attn, decode_knobs=knobs or None,
+                                                  qkv_prologue=args.qkv_prologue,
+                                                  add_rms_norm=args.add_rms_norm),
+                           True, args.gemm)
     B, ctx = args.batch, args.context
     run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size)
     dt, kv = time_steps(run, kv, args.steps, warmup=4)
@@ -129,6 +141,8 @@ def main() -> None:
                     "share": t / n / 1e3 / kern_us} for k, (c, t) in agg.items()),
                   key=lambda r: -r["us_per_step"])
     summary = dict(B=B, context=ctx, layers=args.layers, attention=attn, gemm=args.gemm, steps=n,
+                   qkv_prologue=args.qkv_prologue, add_rms_norm=args.add_rms_norm,
+                   decode_knobs=knobs,
                    wall_ms_per_step_untraced=wall_ms, kernel_ms_per_step=kern_us / 1e3,
                    busy_ms_per_step=busy_ns(events) / n / 1e6, span_ms_per_step=span_ns / n / 1e6,
                    launches_per_step=len(events) / n, device=jax.devices()[0].device_kind,

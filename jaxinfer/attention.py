@@ -152,6 +152,9 @@ def make_attention_fn(name: str, prefill: str = "reference",
 
         if prologue is not None:
             attn_with_kernels.qkv_prologue = prologue
+            if name == "mosaic":  # the prologue writes q grouped and padded as the kernel reads it
+                from pallas_kernels.paged_attention.mosaic import Q_GROUP_MULTIPLE
+                attn_with_kernels.q_group_multiple = Q_GROUP_MULTIPLE
         if add_norm is not None:
             attn_with_kernels.add_rms_norm = add_norm
         return attn_with_kernels
@@ -162,13 +165,19 @@ def make_attention_fn(name: str, prefill: str = "reference",
         decode = functools.partial(decode, **decode_knobs)
     prefill_fn = registry.get_prefill(prefill)
 
-    @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
     def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_cap,
-                    sliding_window):
-        """q [B, 1, N, H], layer i32[] (traced: one lowering serves every layer) -> [B, 1, N, H]."""
+                    sliding_window, num_heads):
+        """q [B, 1, N, H] (or grouped [B, 1, K, Gp, H] with ``num_heads``) -> [B, 1, N, H]."""
+        extra = {} if num_heads is None else {"num_heads": num_heads}
         out = decode(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
-                     soft_cap=soft_cap, sliding_window=sliding_window)
+                     soft_cap=soft_cap, sliding_window=sliding_window, **extra)
         return out[:, None]
+
+    static = ("scale", "soft_cap", "sliding_window", "num_heads")
+    # A Python-int layer stays static (the model's unrolled layers: kernels may then fold it into
+    # constants, e.g. the mosaic kernel's page offset); a traced one serves every layer.
+    decode_static_layer = jax.jit(decode_step, static_argnames=static + ("layer",))
+    decode_traced_layer = jax.jit(decode_step, static_argnames=static)
 
     @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
     def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, *, scale,
@@ -178,12 +187,18 @@ def make_attention_fn(name: str, prefill: str = "reference",
                           scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
 
     def attn(q, k_pool, v_pool, block_tables, seq_lens, q_positions, *, layer, scale,
-             soft_cap=None, sliding_window=None):
+             soft_cap=None, sliding_window=None, num_heads=None):
         static = dict(scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
                       sliding_window=None if sliding_window is None else int(sliding_window))
+        if q.ndim == 5 and (q.shape[1] != 1 or decode is None):
+            raise ValueError(f"a grouped q {q.shape} is for the decode kernel only")
         if q.shape[1] == 1 and decode is not None:
-            return decode_step(q, k_pool, v_pool, block_tables, seq_lens,
-                               jnp.asarray(layer, jnp.int32), **static)
+            if isinstance(layer, int):
+                return decode_static_layer(q, k_pool, v_pool, block_tables, seq_lens, layer,
+                                           num_heads=num_heads, **static)
+            return decode_traced_layer(q, k_pool, v_pool, block_tables, seq_lens,
+                                       jnp.asarray(layer, jnp.int32), num_heads=num_heads,
+                                       **static)
         if q.shape[1] == 1 or prefill == "reference":
             return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
                                              q_positions, layer=layer, scale=scale,

@@ -139,16 +139,19 @@ class StepContext(NamedTuple):
 
 
 def attend(attn_fn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-           ctx: StepContext, *, layer: int, scale: float) -> jax.Array:
-    """``attn_fn`` on q [B, T, N, H] in the step's layout; returns [B, T, N, H].
+           ctx: StepContext, *, layer: int, scale: float, num_heads: int) -> jax.Array:
+    """``attn_fn`` on q [B, T, N, H] in the step's layout; returns [B, T, N, H]. A decode step's q
+    may come grouped by KV head, [B, 1, K, Gp, H] (`Attention.fused_prologue`); ``num_heads`` (N)
+    then goes to ``attn_fn`` with it.
 
     Unpacked: rows are sequences. Packed (``ctx.packing``): the queries [1, Tp, N, H] are gathered
     into [R, Tq, N, H] rows, attended, and gathered back.
     """
     pk = ctx.packing
     if pk is None:
+        extra = {"num_heads": num_heads} if q.ndim == 5 else {}
         return attn_fn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions,
-                       layer=layer, scale=scale)
+                       layer=layer, scale=scale, **extra)
     _, Tp, N, H = q.shape
     R, Tq = pk.q_index.shape
     rows = q[0][pk.q_index]                                             # [R, Tq, N, H]
@@ -247,16 +250,22 @@ class Attention(nn.Module):
                        v_pool: jax.Array, ctx: StepContext):
         """q/k norm + RoPE + K/V write of a decode step in one kernel: ``prologue`` has the
         signature of `pallas_kernels.qkv_prologue.reference.qkv_prologue`. qkv [B, 1, (N+2K)*H]
-        -> (q [B, 1, N, H], k_pool, v_pool)."""
+        -> (q, k_pool, v_pool) with q [B, 1, N, H], or, when ``attn_fn.q_group_multiple`` is
+        set (the mosaic decode kernel), grouped by KV head [B, 1, K, Gp, H] with the G = N/K
+        rows zero-padded to Gp, the next multiple of it (so the decode kernel pads nothing)."""
         cfg = self.cfg
         B, T, _ = qkv.shape
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        mult = getattr(self.attn_fn, "q_group_multiple", None)
+        rows = None if mult is None else -(-(N // K) // mult) * mult
         wq, wk = self.qk_norm_weights()
         q, k_pool, v_pool = prologue(
             qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
             ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
-            layer=layer, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-            eps=cfg.rms_norm_eps)
-        return q.reshape(B, T, cfg.num_heads, cfg.head_dim), k_pool, v_pool
+            layer=layer, num_heads=N, num_kv_heads=K, eps=cfg.rms_norm_eps,
+            **({} if rows is None else {"q_group_rows": rows}))
+        shape = (B, T, N, H) if rows is None else (B, T, K, rows, H)
+        return q.reshape(shape), k_pool, v_pool
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
@@ -284,7 +293,8 @@ class Attention(nn.Module):
             with jax.named_scope("kv_write"):
                 k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
         with jax.named_scope("attention"):
-            o = attend(self.attn_fn, q, k_pool, v_pool, ctx, layer=layer, scale=H ** -0.5)
+            o = attend(self.attn_fn, q, k_pool, v_pool, ctx, layer=layer, scale=H ** -0.5,
+                       num_heads=N)
             out = (o.astype(x.dtype).reshape(B, T, N * H) @ in_dtype(wo, x.dtype)).astype(x.dtype)
         return out, k_pool, v_pool
 

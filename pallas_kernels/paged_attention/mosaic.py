@@ -18,7 +18,10 @@ Structure (kept apart so that a Blackwell version can swap the math for tcgen05/
     `_body`           the pipeline: table and Q loads, prologue, steady state, epilogue
 
 Layout: the engine's pools ``[L, P, K, page_size, H]`` (jaxinfer/kv_cache.py), read in place; the
-layer is folded into the page index (pools viewed as ``[L * P, K, page_size, H]``).
+layer is folded into the page index (pools viewed as ``[L * P, K, page_size, H]``): the program adds
+``layer * P``, read from a small per-layer input (a constant when ``layer`` is a Python int), to each
+table entry, so that the table itself (built from the block tables and lengths by a small XLA
+fusion) is the same for every layer and XLA computes it once per step.
 """
 
 from __future__ import annotations
@@ -29,12 +32,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _ROWS = 64          # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
 _TABLE_COLS = 128   # block-table entries per shared-memory row (TMA boxes are at most 256 wide)
+_OFFSET_COLS = 32   # the per-layer page offset, repeated: one 128-byte TMA copy
+Q_GROUP_MULTIPLE = 8  # query rows per KV head are zero-padded to a multiple of this (TMA boxes)
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMS_H100_H200 = 132
@@ -186,7 +192,7 @@ def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v
 # Memory side: TMA copies of K/V pages through the block table.
 # ---------------------------------------------------------------------------------------------
 
-def _issue_block(geo: _Geometry, tbl_smem, h, step, copies):
+def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
     """Start the TMA copies of keys [step * bk, (step + 1) * bk) of this row into one stage.
 
     ``copies``: (pool ref [L * P, K, page_size, H], stage buffer [bk, H], barrier) for K and/or V;
@@ -202,7 +208,7 @@ def _issue_block(geo: _Geometry, tbl_smem, h, step, copies):
             lp = lax.div(token, geo.page_size)
             off = lax.rem(token, geo.page_size)
             src = lambda ref, phys, off=off: ref.at[phys, h, pl.ds(off, rpc)]
-        phys = tbl_smem[1 + lax.div(lp, _TABLE_COLS), lax.rem(lp, _TABLE_COLS)]
+        phys = tbl_smem[1 + lax.div(lp, _TABLE_COLS), lax.rem(lp, _TABLE_COLS)] + layer_off
         for ref, buf, bar in copies:
             plgpu.copy_gmem_to_smem(src(ref, phys), buf.at[pl.ds(i * rpc, rpc)], bar)
 
@@ -211,20 +217,23 @@ def _issue_block(geo: _Geometry, tbl_smem, h, step, copies):
 # The kernel.
 # ---------------------------------------------------------------------------------------------
 
-def _body(q_ref, k_ref, v_ref, tbl_ref, o_ref, lse_ref, q_smem, tbl_smem, bars, *, geo: _Geometry,
-          math_, interpret: bool):
+def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_smem, off_smem, bars,
+          *, geo: _Geometry, math_, interpret: bool):
     b = lax.axis_index("b")
     h = lax.axis_index("h")
     split = lax.axis_index("s")
-    tbl_bar, q_bar = bars.at[0], bars.at[1]
+    tbl_bar, q_bar, off_bar = bars.at[0], bars.at[1], bars.at[2]
     bk, H = geo.block_kv, geo.H
 
     plgpu.copy_gmem_to_smem(tbl_ref.at[b], tbl_smem, tbl_bar)
+    plgpu.copy_gmem_to_smem(off_ref, off_smem, off_bar)
     if geo.Gp < _ROWS:  # rows past the real heads: zeros (never stored; keeps them finite)
         q_smem[...] = math_.full((_ROWS, H), 0.0).astype(geo.dtype)
         plgpu.commit_smem()
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, geo.Gp)], q_bar)
     plgpu.barrier_wait(tbl_bar)
+    plgpu.barrier_wait(off_bar)
+    layer_off = off_smem[0]
 
     # This program's key blocks: the row's visible blocks, cut into num_splits near-equal parts.
     seq_len = tbl_smem[0, 0]
@@ -248,7 +257,7 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, o_ref, lse_ref, q_smem, tbl_smem, bars, 
         for st in range(geo.num_stages):
             @pl.when(st < count)
             def _prologue():
-                _issue_block(geo, tbl_smem, h, start + st, [k_copy(st), v_copy(st)])
+                _issue_block(geo, tbl_smem, layer_off, h, start + st, [k_copy(st), v_copy(st)])
         plgpu.barrier_wait(q_bar)
 
         def step(j, carry):
@@ -259,13 +268,15 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, o_ref, lse_ref, q_smem, tbl_smem, bars, 
 
             @pl.when(refill)
             def _refill_k():  # Q K^T has completed: this K buffer is free again
-                _issue_block(geo, tbl_smem, h, start + j + geo.num_stages, [k_copy(slot)])
+                _issue_block(geo, tbl_smem, layer_off, h, start + j + geo.num_stages,
+                             [k_copy(slot)])
             carry = _softmax_step(math_, geo, carry, s, (start + j) * bk, seq_len, lo_pos,
                                   v_bufs.at[slot], lambda: plgpu.barrier_wait(v_bars.at[slot]))
 
             @pl.when(refill)
             def _refill_v():  # P V has completed
-                _issue_block(geo, tbl_smem, h, start + j + geo.num_stages, [v_copy(slot)])
+                _issue_block(geo, tbl_smem, layer_off, h, start + j + geo.num_stages,
+                             [v_copy(slot)])
             return carry
 
         init = (math_.full((_ROWS, H), 0.0), math_.full((_ROWS,), -jnp.inf, row_stat=True),
@@ -304,7 +315,7 @@ def _interpret_params():
 
 def _smem_bytes(cfg: MosaicDecodeConfig, H: int, itemsize: int, table_bytes: int) -> int:
     return (cfg.num_stages * 2 * cfg.block_kv * H * itemsize + _ROWS * H * itemsize
-            + table_bytes + 1024)
+            + table_bytes + _OFFSET_COLS * 4 + 1024)
 
 
 def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int) -> int:
@@ -332,14 +343,30 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
     return cap
 
 
-def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret):
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
+def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret,
+              num_heads):
+    """Check the arguments; return N (query heads)."""
     if k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
         raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H]; got {k_pool.shape}"
                          f" and {v_pool.shape}")
-    B, N, H = q.shape
     L, P, K, page_size, Hk = k_pool.shape
+    if q.ndim == 3:
+        B, N, H = q.shape
+        if num_heads is not None and num_heads != N:
+            raise ValueError(f"num_heads={num_heads} but q [B, N, H] has N={N}")
+    elif q.ndim == 4:
+        B, Kq, Gp, H = q.shape
+        if num_heads is None or num_heads < 1 or num_heads % K:
+            raise ValueError(f"a grouped q [B, K, Gp, H] needs num_heads (a multiple of K={K}); "
+                             f"got num_heads={num_heads}")
+        N = num_heads
+        want = -(-(N // K) // Q_GROUP_MULTIPLE) * Q_GROUP_MULTIPLE
+        if Kq != K or Gp != want:
+            raise ValueError(f"a grouped q must be [B, K={K}, Gp={want}, H] (G = N/K = {N // K} "
+                             f"rows zero-padded to a multiple of {Q_GROUP_MULTIPLE}); got "
+                             f"{q.shape}")
+    else:
+        raise ValueError(f"q must be [B, N, H] or grouped [B, K, Gp, H]; got shape {q.shape}")
     if Hk != H:
         raise ValueError(f"head dim of q ({H}) and of the pools ({Hk}) differ")
     if N % K:
@@ -364,16 +391,17 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
         raise ValueError(f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}")
     if seq_lens.shape != (B,):
         raise ValueError(f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}")
+    return N
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "cfg"))
-def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_cap, sliding_window,
-             interpret, cfg: MosaicDecodeConfig):
-    B, N, H = q.shape
+@functools.partial(jax.jit, static_argnames=("N", "scale", "soft_cap", "sliding_window",
+                                             "interpret", "cfg"))
+def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, soft_cap,
+             sliding_window, interpret, cfg: MosaicDecodeConfig):
+    B, H = q.shape[0], q.shape[-1]
     L, P, K, page_size, _ = k_pool.shape
     G = N // K
-    Gp = -(-G // 8) * 8
+    Gp = -(-G // Q_GROUP_MULTIPLE) * Q_GROUP_MULTIPLE
     M = block_tables.shape[1]
     bk = cfg.block_kv
     dtype = k_pool.dtype
@@ -386,8 +414,9 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_ca
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=None if sliding_window is None else int(sliding_window))
 
-    # Table tile [B, 1 + R, C]: row 0 holds seq_len, rows 1.. the physical pages (layer folded in,
-    # padded with the null page so every block read stays in range).
+    # Table tile [B, 1 + R, C]: row 0 holds seq_len, rows 1.. the physical pages (padded with the
+    # null page so every block read stays in range). It does not depend on the layer, so XLA
+    # computes it once for all the step's layers (CSE); the program adds layer * P itself.
     pages_needed = max_blocks * (bk // page_size) if page_size <= bk else M
     # (1 + R) * C * 4 bytes must be a multiple of 128 (one TMA copy, arrived on by 128 threads).
     C = min(_TABLE_COLS, -(-pages_needed // 32) * 32)
@@ -397,17 +426,19 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_ca
     splits = _pick_splits(cfg, B * K, max_blocks,
                           _smem_bytes(cfg, H, jnp.dtype(dtype).itemsize, (1 + R) * C * 4))
     geo = dataclasses.replace(geo, table_rows=R, num_splits=splits)
-    layer = jnp.asarray(layer, jnp.int32)
     pages = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, R * C - M)))  # pad: null page
-    pages = (pages + layer * P).reshape(B, R, C)
+    pages = pages.reshape(B, R, C)
     # Lengths past the table would read past it: clamp (such input is invalid anyway).
     lens = jnp.clip(seq_lens.astype(jnp.int32), 0, M * page_size)
     header = jnp.zeros((B, 1, C), jnp.int32).at[:, 0, 0].set(lens)
     table = jnp.concatenate([header, pages], axis=1)
 
-    qg = q.astype(dtype).reshape(B, K, G, H)
-    if Gp != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    if q.ndim == 4:   # already grouped and padded (e.g. by the qkv_prologue kernel)
+        qg = q.astype(dtype)
+    else:
+        qg = q.astype(dtype).reshape(B, K, G, H)
+        if Gp != G:
+            qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     k_flat = k_pool.reshape(L * P, K, page_size, H)
     v_flat = v_pool.reshape(L * P, K, page_size, H)
 
@@ -418,14 +449,15 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_ca
                   jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32)),
         scratch_types=[plgpu.SMEM((_ROWS, H), dtype, transforms=transforms),
                        plgpu.SMEM((1 + R, C), jnp.int32),
-                       plgpu.Barrier(num_barriers=2)],
+                       plgpu.SMEM((_OFFSET_COLS,), jnp.int32),
+                       plgpu.Barrier(num_barriers=3)],
         grid=(B, K, splits), grid_names=("b", "h", "s"))
     if interpret:
         kw["interpret"] = _interpret_params()
     else:
         kw["compiler_params"] = plgpu.CompilerParams(approx_math=True)
     body = functools.partial(_body, geo=geo, math_=math_, interpret=interpret)
-    o, lse = plgpu.kernel(body, **kw)(qg, k_flat, v_flat, table)
+    o, lse = plgpu.kernel(body, **kw)(qg, k_flat, v_flat, table, layer_off)
 
     if splits == 1:
         out = o[:, :, 0, :G]
@@ -439,24 +471,36 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_ca
     return out.reshape(B, N, H).astype(q.dtype)
 
 
+def layer_offsets(layer, pages_per_layer: int):
+    """i32[32]: ``layer * pages_per_layer`` repeated (the kernel's per-layer input); a numpy
+    constant when ``layer`` is a Python int, so that under jit it costs no kernel launch."""
+    if isinstance(layer, (int, np.integer)):
+        return np.full((_OFFSET_COLS,), int(layer) * pages_per_layer, np.int32)
+    return jnp.full((_OFFSET_COLS,), jnp.asarray(layer, jnp.int32) * pages_per_layer)
+
+
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            interpret: bool = False, block_kv: int = 64, num_stages: int = 2,
-                           num_splits: int | None = None,
-                           config: MosaicDecodeConfig | None = None) -> jax.Array:
+                           num_splits: int | None = None, config: MosaicDecodeConfig | None = None,
+                           num_heads: int | None = None) -> jax.Array:
     """Decode attention over the paged KV cache with a Mosaic GPU (Hopper) kernel.
 
     Same contract as `reference.paged_decode_attention`: one query token per row at position
     ``seq_len - 1``, attending to keys ``[max(0, seq_len - sliding_window), seq_len)``.
 
     Args:
-        q: [B, N, H] queries (RoPE applied); cast to the pools' dtype for the products.
+        q: [B, N, H] queries (RoPE applied), or grouped by KV head [B, K, Gp, H] with the G = N/K
+            query rows of each KV head zero-padded to Gp, the next multiple of
+            ``Q_GROUP_MULTIPLE`` (then ``num_heads`` is required; this saves the pad the kernel
+            needs); cast to the pools' dtype for the products.
         k_pool, v_pool: [L, P, K, page_size, H] bfloat16 or float16 (float32 only with
             ``interpret=True``); H a multiple of 64, page_size a multiple of 8.
         block_tables: i32[B, M] physical page of each logical page (padding: page 0).
         seq_lens: i32[B] valid keys per row (0: padded row, output zeros).
-        layer: int or traced i32[] layer index into the pools.
+        layer: int or traced i32[] layer index into the pools (a Python int costs no launch:
+            `layer_offsets`).
         scale: softmax scale (usually H ** -0.5).
         soft_cap: optional logit soft cap, ``soft_cap * tanh(logits / soft_cap)``.
         sliding_window: optional; only the last ``sliding_window`` keys are visible.
@@ -465,6 +509,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         block_kv, num_stages, num_splits: tuning knobs (see `MosaicDecodeConfig`), ignored when
             ``config`` is given.
         config: a frozen `MosaicDecodeConfig`.
+        num_heads: N; required with a grouped q, optional otherwise.
     Returns:
         [B, N, H] in q.dtype.
     Raises:
@@ -475,12 +520,13 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     """
     cfg = config if config is not None else MosaicDecodeConfig(
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
-    _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret)
+    N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap={soft_cap} must be > 0 or None")
-    return _forward(q, k_pool, v_pool, block_tables, seq_lens, layer, scale=float(scale),
+    return _forward(q, k_pool, v_pool, block_tables, seq_lens,
+                    layer_offsets(layer, k_pool.shape[1]), N=N, scale=float(scale),
                     soft_cap=None if soft_cap is None else float(soft_cap),
                     sliding_window=None if sliding_window is None else int(sliding_window),
                     interpret=bool(interpret), cfg=cfg)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 
 def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
-               num_kv_heads: int) -> tuple[int, int, int, int]:
+               num_kv_heads: int, q_group_rows: int | None = None) -> tuple[int, int, int, int]:
     """Validate shapes; return (S, N, K, H).
 
     Raises:
@@ -51,6 +51,11 @@ def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
         if w is not None and w.shape != (H,):
             raise ValueError(f"{name} must be [H={H}]; got {w.shape}")
+    if N % K:
+        raise ValueError(f"num_heads={N} must be a multiple of num_kv_heads={K}")
+    if q_group_rows is not None and not N // K <= q_group_rows:
+        raise ValueError(f"q_group_rows={q_group_rows} must be >= the query heads per KV head "
+                         f"({N // K}) or None")
     return S, N, K, H
 
 
@@ -72,7 +77,8 @@ def _rope(x, cos, sin):
 def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                  cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, k_pool: jax.Array,
                  v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int,
-                 eps: float = 1e-6) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 eps: float = 1e-6,
+                 q_group_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention prologue of one layer, in plain jnp.
 
     Args:
@@ -87,8 +93,12 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
         layer: int or i32[] index into L, in [0, L).
         num_heads, num_kv_heads: N and K.
         eps: RMSNorm epsilon.
+        q_group_rows: None, or Gq >= G = N/K: q is returned grouped by KV head, [S, K, Gq, H],
+            the rows past G zero (the layout the Mosaic decode kernel reads, so that it needs no
+            pad of its own).
     Returns:
-        (q [S, N, H] in qkv.dtype, k_pool, v_pool) with this step's K/V written at ``layer``.
+        (q, k_pool, v_pool) with this step's K/V written at ``layer``; q [S, N, H] in qkv.dtype,
+        or [S, K, q_group_rows, H].
         Slots or a layer outside their ranges are not checked (they are traced values under jit,
         as in the engine's ``write_kv``): what they write is undefined, and differs between this
         reference and the kernel.
@@ -96,7 +106,7 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
         ValueError: see `check_args` (shapes, and integer slots / floating data).
     """
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
-                            num_heads, num_kv_heads)
+                            num_heads, num_kv_heads, q_group_rows)
     qk = qkv[:, :(N + K) * H].reshape(S, N + K, H)
     v = qkv[:, (N + K) * H:].reshape(S, K, H)
     if q_norm is not None:
@@ -107,4 +117,8 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     page, off = slot_mapping // page_size, slot_mapping % page_size
     k_pool = k_pool.at[layer, page, :, off, :].set(qk[:, N:].astype(k_pool.dtype))
     v_pool = v_pool.at[layer, page, :, off, :].set(v.astype(v_pool.dtype))
-    return qk[:, :N], k_pool, v_pool
+    q = qk[:, :N]
+    if q_group_rows is not None:
+        G = N // K
+        q = jnp.pad(q.reshape(S, K, G, H), ((0, 0), (0, 0), (0, q_group_rows - G), (0, 0)))
+    return q, k_pool, v_pool

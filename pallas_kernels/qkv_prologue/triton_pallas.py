@@ -35,8 +35,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.qkv_prologue.reference import check_args
 
 
-def _kernel(layer_ref, slots_ref, cos_ref, sin_ref, w_ref, qkv_ref, k_in, v_in,
-            q_ref, k_ref, v_ref, *, N, K, H, page_size, eps, has_norm):
+def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
+                     q_ref, k_ref, v_ref, *, N, K, H, page_size, eps, has_norm):
+    """One program per (token s, head j) of the N + 2K heads (any N and K)."""
     del k_in, v_in  # aliased to k_ref, v_ref
     s = pl.program_id(0)
     j = pl.program_id(1)
@@ -47,32 +48,23 @@ def _kernel(layer_ref, slots_ref, cos_ref, sin_ref, w_ref, qkv_ref, k_in, v_in,
     layer = layer_ref[0]
     dt = q_ref.dtype
 
-    @pl.when(j < N + K)
-    def _query_or_key():
-        x1 = qkv_ref[s, j, lo]
-        x2 = qkv_ref[s, j, hi]
+    def norm_rope(w_ref):
+        x1, x2 = qkv_ref[s, j, lo], qkv_ref[s, j, hi]
         if has_norm:
-            f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-            var = (jnp.sum(f1 * f1) + jnp.sum(f2 * f2)) / H
-            r = jax.lax.rsqrt(var + eps)
-            row = (j >= N).astype(jnp.int32)                  # 0: q_norm, 1: k_norm
-            w1, w2 = w_ref[row, lo], w_ref[row, hi]
-            # HF order: normalized value rounded to the compute dtype, then times the weight.
-            x1 = ((f1 * r).astype(dt).astype(jnp.float32) * w1.astype(jnp.float32)).astype(dt)
-            x2 = ((f2 * r).astype(dt).astype(jnp.float32) * w2.astype(jnp.float32)).astype(dt)
-        c, sn = cos_ref[s, :], sin_ref[s, :]
-        f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-        o1, o2 = f1 * c - f2 * sn, f2 * c + f1 * sn
+            x1, x2 = _rms_norm_halves(x1, x2, w_ref[lo], w_ref[hi], H, eps, dt, axis=None)
+        return _rope_halves(x1, x2, cos_ref[s, :], sin_ref[s, :])
 
-        @pl.when(j < N)
-        def _query():
-            q_ref[s, j, lo] = o1.astype(dt)
-            q_ref[s, j, hi] = o2.astype(dt)
+    @pl.when(j < N)
+    def _query():
+        o1, o2 = norm_rope(wq_ref)
+        q_ref[s, j, lo] = o1.astype(dt)
+        q_ref[s, j, hi] = o2.astype(dt)
 
-        @pl.when(j >= N)
-        def _key():
-            k_ref[layer, page, j - N, off, lo] = o1.astype(dt).astype(k_ref.dtype)
-            k_ref[layer, page, j - N, off, hi] = o2.astype(dt).astype(k_ref.dtype)
+    @pl.when((j >= N) & (j < N + K))
+    def _key():
+        o1, o2 = norm_rope(wk_ref)
+        k_ref[layer, page, j - N, off, lo] = o1.astype(dt).astype(k_ref.dtype)
+        k_ref[layer, page, j - N, off, hi] = o2.astype(dt).astype(k_ref.dtype)
 
     @pl.when(j >= N + K)
     def _value():
@@ -81,34 +73,114 @@ def _kernel(layer_ref, slots_ref, cos_ref, sin_ref, w_ref, qkv_ref, k_in, v_in,
         v_ref[layer, page, kh, off, hi] = qkv_ref[s, j, hi].astype(v_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("N", "K", "eps", "interpret", "num_warps"))
-def _prologue(qkv, w, cos, sin, slot_mapping, k_pool, v_pool, layer, *, N, K, eps, interpret,
-              num_warps):
+def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
+                    q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps, has_norm):
+    """One program per (token s, j): j < K the G query heads of KV group j (written as Gq rows,
+    the rows past G zero), j = K all K key heads, j = K + 1 all K value heads. K and Gq must be
+    powers of 2 (Triton block shapes)."""
+    del k_in, v_in  # aliased to k_ref, v_ref
+    s = pl.program_id(0)
+    j = pl.program_id(1)
+    half = H // 2
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
+    slot = slots_ref[s]
+    page, off = slot // page_size, slot % page_size
+    layer = layer_ref[0]
+    dt = q_ref.dtype
+
+    def norm_rope(x1, x2, w_ref):
+        if has_norm:
+            x1, x2 = _rms_norm_halves(x1, x2, w_ref[lo][None, :], w_ref[hi][None, :], H, eps, dt,
+                                      axis=1)
+        return _rope_halves(x1, x2, cos_ref[s, :][None, :], sin_ref[s, :][None, :])
+
+    @pl.when(j < K)
+    def _queries():
+        rows = pl.ds(j * G, Gq)
+        if Gq == G:
+            x1, x2 = qkv_ref[s, rows, lo], qkv_ref[s, rows, hi]
+        else:  # rows past G belong to the next group (or past the array): masked, then zeroed
+            valid = jax.lax.broadcasted_iota(jnp.int32, (Gq, half), 0) < G
+            x1 = plgpu.load(qkv_ref.at[s, rows, lo], mask=valid, other=0)
+            x2 = plgpu.load(qkv_ref.at[s, rows, hi], mask=valid, other=0)
+        o1, o2 = norm_rope(x1, x2, wq_ref)
+        if Gq != G:
+            o1, o2 = jnp.where(valid, o1, 0.0), jnp.where(valid, o2, 0.0)
+        q_ref[s, j, :, lo] = o1.astype(dt)
+        q_ref[s, j, :, hi] = o2.astype(dt)
+
+    @pl.when(j == K)
+    def _keys():
+        rows = pl.ds(N, K)
+        o1, o2 = norm_rope(qkv_ref[s, rows, lo], qkv_ref[s, rows, hi], wk_ref)
+        k_ref[layer, page, :, off, lo] = o1.astype(dt).astype(k_ref.dtype)
+        k_ref[layer, page, :, off, hi] = o2.astype(dt).astype(k_ref.dtype)
+
+    @pl.when(j == K + 1)
+    def _values():
+        v_ref[layer, page, :, off, :] = qkv_ref[s, pl.ds(N + K, K), :].astype(v_ref.dtype)
+
+
+def _rms_norm_halves(x1, x2, w1, w2, H, eps, dt, axis):
+    """RMSNorm of heads given as their two halves (HF order: the normalized value rounded to the
+    compute dtype ``dt``, then times the weight, also rounded to ``dt``); ``axis`` None: one head [H/2] each, 1: rows."""
+    f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    keep = axis is not None
+    var = (jnp.sum(f1 * f1, axis=axis, keepdims=keep) + jnp.sum(f2 * f2, axis=axis,
+                                                                 keepdims=keep)) / H
+    r = jax.lax.rsqrt(var + eps)
+    w1, w2 = w1.astype(dt).astype(jnp.float32), w2.astype(dt).astype(jnp.float32)
+    x1 = ((f1 * r).astype(dt).astype(jnp.float32) * w1).astype(dt)
+    x2 = ((f2 * r).astype(dt).astype(jnp.float32) * w2).astype(dt)
+    return x1, x2
+
+
+def _rope_halves(x1, x2, c, sn):
+    """HF ``rotate_half`` RoPE on the two halves, in float32."""
+    f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    return f1 * c - f2 * sn, f2 * c + f1 * sn
+
+
+@functools.partial(jax.jit, static_argnames=("N", "K", "Gq", "eps", "interpret", "num_warps",
+                                             "grouped"))
+def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, *, N, K, Gq, eps,
+              interpret, num_warps, grouped):
     S = qkv.shape[0]
     L, P, _, page_size, H = k_pool.shape
-    has_norm = w is not None
-    if w is None:
-        w = jnp.ones((2, H), qkv.dtype)                      # unread
-    kernel = functools.partial(_kernel, N=N, K=K, H=H, page_size=page_size, eps=float(eps),
-                               has_norm=has_norm)
+    G = N // K
+    has_norm = wq is not None
+    if wq is None:
+        wq = wk = jnp.ones((H,), qkv.dtype)                  # unread
+    common = dict(H=H, page_size=page_size, eps=float(eps), has_norm=has_norm)
+    if grouped:
+        rows = Gq or G
+        kernel = functools.partial(_grouped_kernel, N=N, K=K, G=G, Gq=rows, **common)
+        grid, q_shape = (S, K + 2), (S, K, rows, H)
+    else:
+        kernel = functools.partial(_per_head_kernel, N=N, K=K, **common)
+        grid, q_shape = (S, N + 2 * K), (S, N, H)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     qkv3 = qkv.reshape(S, N + 2 * K, H)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     q, k_pool, v_pool = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct((S, N, H), qkv.dtype),
+        out_shape=[jax.ShapeDtypeStruct(q_shape, qkv.dtype),
                    jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
                    jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
-        grid=(S, N + 2 * K),
-        in_specs=[full((1,)), full((S,)), full((S, H // 2)), full((S, H // 2)), full((2, H)),
-                  full((S, N + 2 * K, H)), full(k_pool.shape), full(v_pool.shape)],
-        out_specs=[full((S, N, H)), full(k_pool.shape), full(v_pool.shape)],
-        input_output_aliases={6: 1, 7: 2},
+        grid=grid,
+        in_specs=[full((1,)), full((S,)), full((S, H // 2)), full((S, H // 2)), full((H,)),
+                  full((H,)), full((S, N + 2 * K, H)), full(k_pool.shape), full(v_pool.shape)],
+        out_specs=[full(q_shape), full(k_pool.shape), full(v_pool.shape)],
+        input_output_aliases={7: 1, 8: 2},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="qkv_prologue",
     )(layer_arr, slot_mapping.astype(jnp.int32), cos.astype(jnp.float32),
-      sin.astype(jnp.float32), w, qkv3, k_pool, v_pool)
+      sin.astype(jnp.float32), wq, wk, qkv3, k_pool, v_pool)
+    if not grouped and Gq is not None:  # the per-head kernel writes no padding rows
+        q = jnp.pad(q.reshape(S, K, G, H), ((0, 0), (0, 0), (0, Gq - G), (0, 0)))
+    elif grouped and Gq is None:
+        q = q.reshape(S, N, H)
     return q, k_pool, v_pool
 
 
@@ -119,27 +191,46 @@ def _is_pow2(x: int) -> bool:
 def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                  cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, k_pool: jax.Array,
                  v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int,
-                 eps: float = 1e-6, interpret: bool = False,
-                 num_warps: int = 1) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 eps: float = 1e-6, q_group_rows: int | None = None, interpret: bool = False,
+                 grid: str = "auto",
+                 num_warps: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention prologue of one layer in one Pallas launch; same contract as
     `reference.qkv_prologue`.
 
     Args:
         qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, layer, num_heads,
-            num_kv_heads, eps: as in `reference.qkv_prologue` (H/2 must be a power of 2 here;
-            slots in [0, P * page_size) and layer in [0, L) are not checked: outside them the
-            kernel writes out of bounds).
+            num_kv_heads, eps, q_group_rows: as in `reference.qkv_prologue` (H/2 must be a power
+            of 2 here; slots in [0, P * page_size) and layer in [0, L) are not checked: outside
+            them the kernel writes out of bounds). q_norm / k_norm are read in their own dtype.
         interpret: run the Pallas interpreter (CPU tests).
-        num_warps: warps per program (one head of H elements per program).
+        grid: "group": one program per (token, KV group of query heads), one for the token's K
+            key heads and one for its K value heads (S * (K + 2) programs; K and the query rows
+            per group, ``q_group_rows`` or G = N/K, must be powers of 2); "head": one program per
+            (token, head) (S * (N + 2K) programs, any N and K; padding rows are then added by a
+            jnp pad); "auto": "group" where it applies. At B=256 the per-head grid's 12,288
+            one-warp programs took 9.4 us a layer (BENCHMARKS.md, eighth session).
+        num_warps: warps per program; None: 1 for "head", 2 for "group".
     Returns:
-        (q [S, N, H] in qkv.dtype, k_pool, v_pool), the pools updated in place.
+        (q, k_pool, v_pool): q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H] when
+        ``q_group_rows`` is given; the pools updated in place.
     Raises:
-        ValueError: see `reference.check_args`; H/2 not a power of 2 (Triton vector shapes).
+        ValueError: see `reference.check_args`; H/2 not a power of 2 (Triton vector shapes);
+            ``grid`` not one of "auto", "group", "head", or "group" where it does not apply.
     """
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
-                            num_heads, num_kv_heads)
+                            num_heads, num_kv_heads, q_group_rows)
     if not _is_pow2(H // 2):
         raise ValueError(f"head dim H={H}: H/2 must be a power of 2 for the Triton kernel")
-    w = None if q_norm is None else jnp.stack([q_norm, k_norm]).astype(qkv.dtype)
-    return _prologue(qkv, w, cos, sin, slot_mapping, k_pool, v_pool, layer, N=N, K=K,
-                     eps=float(eps), interpret=bool(interpret), num_warps=int(num_warps))
+    rows = q_group_rows or N // K
+    groupable = _is_pow2(K) and _is_pow2(rows)
+    if grid not in ("auto", "group", "head"):
+        raise ValueError(f"grid={grid!r} is not one of ('auto', 'group', 'head')")
+    if grid == "group" and not groupable:
+        raise ValueError(f"grid='group' needs K={K} and the query rows per group ({rows}) to be "
+                         "powers of 2; use 'head' or 'auto'")
+    grouped = groupable if grid == "auto" else grid == "group"
+    if num_warps is None:
+        num_warps = 2 if grouped else 1
+    return _prologue(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, layer, N=N,
+                     K=K, Gq=q_group_rows, eps=float(eps), interpret=bool(interpret),
+                     num_warps=int(num_warps), grouped=grouped)

@@ -37,27 +37,67 @@ CASES = [  # (S, N, K, H, page_size, dtype, norm)
 ]
 
 
+def _pow2(x):
+    return x > 0 and not x & (x - 1)
+
+
+def layouts(N, K):
+    """(grid, q_group_rows) pairs the kernel takes for these heads: the per-head grid always;
+    the grouped grid where K and the rows per group are powers of 2; q unpadded, and padded to
+    8 rows (the Mosaic decode kernel's layout) and to 16 (rows read past the array, masked)."""
+    G = N // K
+    out = [("head", None), ("head", 8 if G <= 8 else None)]
+    for rows in (None, 8, 16):
+        if (rows is None or rows >= G) and _pow2(K) and _pow2(rows or G):
+            out.append(("group", rows))
+    return out
+
+
+def check_prologue(got, ref, tol, kp, slots, page_size, layer=1):
+    """The kernel's (q, k_pool, v_pool) against the reference's; nothing outside the written
+    slots of ``layer`` changed."""
+    (q_k, k_k, v_k), (q_r, k_r, v_r) = got, ref
+    assert q_k.shape == q_r.shape
+    for g, r in ((q_k, q_r), (k_k, k_r)):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(g, r, rtol=tol, atol=tol)
+    np.testing.assert_array_equal(np.asarray(v_k, np.float32), np.asarray(v_r, np.float32))
+    changed = np.asarray(k_k != kp).any(axis=(2, 4))             # [L, P, page_size]
+    written = np.zeros_like(changed)
+    written[layer, np.asarray(slots) // page_size, np.asarray(slots) % page_size] = True
+    assert not (changed & ~written).any()
+    assert changed[written].mean() > 0.9
+
+
 @pytest.mark.parametrize("S, N, K, H, page_size, dtype, norm", CASES)
 def test_kernel_interpret_matches_reference(S, N, K, H, page_size, dtype, norm):
     qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(S, S=S, N=N, K=K, H=H,
                                                        page_size=page_size, dtype=dtype, norm=norm)
     kw = dict(layer=1, num_heads=N, num_kv_heads=K, eps=1e-6)
-    q_r, k_r, v_r = reference.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, **kw)
-    q_k, k_k, v_k = triton_pallas.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp,
-                                               interpret=True, **kw)
     # Same operations in the same order and precision: equal up to one rounding of the dtype.
     tol = 1e-6 if dtype == jnp.float32 else 1e-2
-    np.testing.assert_allclose(np.asarray(q_k, np.float32), np.asarray(q_r, np.float32),
-                               rtol=tol, atol=tol)
-    np.testing.assert_allclose(np.asarray(k_k, np.float32), np.asarray(k_r, np.float32),
-                               rtol=tol, atol=tol)
-    np.testing.assert_array_equal(np.asarray(v_k, np.float32), np.asarray(v_r, np.float32))
-    # everything outside the written slots of layer 1 is untouched
-    changed = np.asarray(k_k != kp).any(axis=(2, 4))             # [L, P, page_size]
-    written = np.zeros_like(changed)
-    written[1, np.asarray(slots) // page_size, np.asarray(slots) % page_size] = True
-    assert not (changed & ~written).any()
-    assert changed[written].mean() > 0.9
+    for grid, rows in layouts(N, K):
+        ref = reference.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, q_group_rows=rows,
+                                     **kw)
+        got = triton_pallas.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, interpret=True,
+                                         grid=grid, q_group_rows=rows, **kw)
+        check_prologue(got, ref, tol, kp, slots, page_size)
+        if rows is not None:
+            assert not np.asarray(got[0][:, :, N // K:]).any(), "padding rows must be zero"
+
+
+def test_grouped_layout_is_the_reference_q_padded():
+    """q_group_rows=Gq gives the same values as [S, N, H], grouped by KV head and zero-padded."""
+    S, N, K, H = 3, 8, 2, 64
+    qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(5, S=S, N=N, K=K, H=H)
+    kw = dict(layer=0, num_heads=N, num_kv_heads=K)
+    flat = reference.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, **kw)[0]
+    grouped = reference.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, q_group_rows=8,
+                                     **kw)[0]
+    assert grouped.shape == (S, K, 8, H)
+    np.testing.assert_array_equal(np.asarray(grouped[:, :, :4]), np.asarray(flat).reshape(S, K, 4, H))
+    assert not np.asarray(grouped[:, :, 4:]).any()
 
 
 def test_traced_layer_under_jit_interpret():
@@ -112,6 +152,19 @@ def test_bad_args_raise(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         triton_pallas.qkv_prologue(**args, layer=0, num_heads=4, num_kv_heads=2, interpret=True)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(grid="rows"), "grid='rows' is not one of"),
+    (dict(grid="group", num_heads=6, num_kv_heads=3), "grid='group' needs K=3"),
+    (dict(q_group_rows=1), "q_group_rows=1 must be >="),
+])
+def test_bad_layout_raises(kw, match):
+    N, K = kw.pop("num_heads", 4), kw.pop("num_kv_heads", 2)
+    qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(0, S=2, N=N, K=K, H=64)
+    with pytest.raises(ValueError, match=match):
+        triton_pallas.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, layer=0, num_heads=N,
+                                   num_kv_heads=K, interpret=True, **kw)
 
 
 def test_head_dim_half_not_pow2_raises():

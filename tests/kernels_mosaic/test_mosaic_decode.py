@@ -148,6 +148,52 @@ def test_layer_traced_in_scan_interpret():
     assert not np.allclose(np.asarray(outs[0]), np.asarray(outs[1]))
 
 
+def grouped(q, K, rows=mosaic.Q_GROUP_MULTIPLE):
+    """[B, N, H] -> [B, K, Gp, H], each KV head's G query rows zero-padded to a multiple of 8."""
+    B, N, H = q.shape
+    G = N // K
+    Gp = -(-G // rows) * rows
+    return jnp.pad(q.reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+
+
+def grouped_case(interpret, G, splits, K=2, H=64):
+    """A grouped, zero-padded q (what the qkv_prologue kernel writes) with the layer a Python int
+    (its page offset then a constant) gives the reference's output, as [B, N, H] does."""
+    page_size, M = 16, 5
+    lens = [1, 17, 80, 0]
+    q, k, v, t, s = make_inputs(20 + G, lens=lens, N=G * K, K=K, H=H, page_size=page_size, M=M,
+                                dtype=jnp.bfloat16)
+    kw = dict(scale=H ** -0.5, interpret=interpret, num_splits=splits)
+    ref = ref_out(q, k, v, t, s, layer=1, scale=H ** -0.5)
+    flat = mosaic.paged_decode_attention(q, k, v, t, s, layer=1, **kw)
+    group = mosaic.paged_decode_attention(grouped(q, K), k, v, t, s, layer=1, num_heads=G * K,
+                                          **kw)
+    assert group.shape == q.shape
+    check(flat, ref, jnp.bfloat16)
+    check(group, ref, jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(group, np.float32), np.asarray(flat, np.float32))
+
+
+@needs_interpret
+@pytest.mark.parametrize("G, splits", [(4, None), (8, 1), (2, 2)])
+def test_grouped_q_and_int_layer_interpret(G, splits):
+    grouped_case(True, G, splits)
+
+
+@pytest.mark.parametrize("q_shape, num_heads, match", [
+    ((2, 2, 8, 64), None, "needs num_heads"),
+    ((2, 2, 4, 64), 4, r"must be \[B, K=2, Gp=8, H\]"),
+    ((2, 3, 8, 64), 6, r"must be \[B, K=2, Gp=8, H\]"),
+    ((2, 4, 64), 8, "num_heads=8 but q"),
+    ((2, 4), None, "must be \\[B, N, H\\] or grouped"),
+])
+def test_bad_grouped_q_raises(q_shape, num_heads, match):
+    _, k, v, t, s = _shapes()
+    with pytest.raises(ValueError, match=match):
+        mosaic.paged_decode_attention(jnp.zeros(q_shape, jnp.bfloat16), k, v, t, s, scale=0.1,
+                                      num_heads=num_heads)
+
+
 @needs_interpret
 def test_all_rows_padded_interpret():
     q, k, v, t, s = make_inputs(4, lens=[0, 0], N=2, K=1, H=64, page_size=16, M=2)

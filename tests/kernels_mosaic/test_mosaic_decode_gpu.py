@@ -21,9 +21,10 @@ import pytest
 
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from tests.kernels_mosaic.test_mosaic_decode import check, make_inputs, ref_out, run_case
+    from tests.kernels_mosaic.test_mosaic_decode import (check, grouped_case, make_inputs, ref_out,
+                                                         run_case)
 else:
-    from .test_mosaic_decode import check, make_inputs, ref_out, run_case
+    from .test_mosaic_decode import check, grouped_case, make_inputs, ref_out, run_case
 
 from pallas_kernels.paged_attention import mosaic
 
@@ -89,6 +90,11 @@ def test_layer_traced_in_scan_gpu():
     _, outs = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32)))()
     for layer in range(2):
         check(outs[layer], ref_out(q, k, v, t, s, layer=layer, scale=scale), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("G, splits, K, H", [(4, None, 8, 128), (8, 1, 2, 64), (2, 2, 2, 128)])
+def test_grouped_q_and_int_layer_gpu(G, splits, K, H):
+    grouped_case(False, G, splits, K=K, H=H)
 
 
 def test_float32_raises_compiled():

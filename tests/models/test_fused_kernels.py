@@ -60,6 +60,40 @@ def test_decode_step_with_fused_prologue_matches_jnp_path(arch):
     assert not np.allclose(np.asarray(kv0.k)[:, pages[0, 1], :, 0], np.asarray(kv.k)[:, pages[0, 1], :, 0])
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_step_grouped_q_into_mosaic_matches_jnp_path(arch):
+    """With the mosaic decode kernel the prologue writes q grouped by KV head and zero-padded
+    ([B, 1, K, 8, H]), which the kernel reads without a pad of its own; both in interpret mode,
+    against the jnp path with the reference attention."""
+    pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
+    cfg = dataclasses.replace(tiny_cfg(arch), head_dim=64)   # mosaic: H a multiple of 64
+    page = 8                                                 # and pages a multiple of 8
+    params = registry.init_params(cfg, jax.random.key(5), jnp.float32)
+    params = jax.tree_util.tree_map(lambda p: p * 5.0 if p.ndim == 2 else p, params)
+    rng = np.random.default_rng(1)
+    B, M = 3, 3
+    pages = rng.permutation(np.arange(1, 1 + B * M)).reshape(B, M).astype(np.int32)
+    shape = (cfg.num_layers, 1 + B * M, cfg.num_kv_heads, page, cfg.head_dim)
+    kv = KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                 v=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                 block_tables=jnp.asarray(pages), seq_lens=jnp.asarray([6, 17, 0], jnp.int32))
+    pos = np.array([[5], [16], [0]], np.int32)
+    slot = np.array([[pages[0, 0] * page + 5], [pages[1, 2] * page + 0], [0]], np.int32)
+    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)).astype(np.int32))
+    plain = make_attention_fn("reference", "reference")
+    fused = make_attention_fn("mosaic", "reference", decode_knobs={"interpret": True},
+                              qkv_prologue=functools.partial(triton_pallas.qkv_prologue,
+                                                             interpret=True))
+    assert fused.q_group_multiple == 8
+    run = lambda attn: registry.forward(params, cfg, tok, jnp.asarray(pos), jnp.asarray(slot),  # noqa: E731
+                                        kv, attn_fn=attn)
+    (h0, kv0), (h1, kv1) = run(plain), run(fused)
+    assert float(jnp.std(h0[:2])) > 0.1
+    np.testing.assert_allclose(np.asarray(h1[:2]), np.asarray(h0[:2]), rtol=1e-4, atol=1e-4)
+    for a, b in ((kv1.k, kv0.k), (kv1.v, kv0.v)):
+        np.testing.assert_allclose(np.asarray(a)[:, 1:], np.asarray(b)[:, 1:], rtol=2e-5, atol=2e-5)
+
+
 def test_qkv_prologue_names():
     assert qkv_prologue_fn("xla") is None
     with pytest.raises(ValueError, match="not one of"):

@@ -165,19 +165,24 @@ def make_attention_fn(name: str, prefill: str = "reference",
         decode = functools.partial(decode, **decode_knobs)
     prefill_fn = registry.get_prefill(prefill)
 
-    def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_cap,
-                    sliding_window, num_heads):
-        """q [B, 1, N, H] (or grouped [B, 1, K, Gp, H] with ``num_heads``) -> [B, 1, N, H]."""
+    # The mosaic kernel takes its layer as a page-offset array (`mosaic.layer_offsets`): made here
+    # from the model's Python-int layer, it is a constant, so it costs no launch per layer.
+    page_offsets = None
+    if name == "mosaic":
+        from pallas_kernels.paged_attention.mosaic import layer_offsets as page_offsets
+
+    @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window",
+                                                 "num_heads"))
+    def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, *, scale,
+                    soft_cap, sliding_window, num_heads):
+        """q [B, 1, N, H] (or grouped [B, 1, K, Gp, H] with ``num_heads``), layer i32[] (traced:
+        one lowering serves every layer) -> [B, 1, N, H]."""
         extra = {} if num_heads is None else {"num_heads": num_heads}
+        if page_offset is not None:
+            extra["page_offset"] = page_offset
         out = decode(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
                      soft_cap=soft_cap, sliding_window=sliding_window, **extra)
         return out[:, None]
-
-    static = ("scale", "soft_cap", "sliding_window", "num_heads")
-    # A Python-int layer stays static (the model's unrolled layers: kernels may then fold it into
-    # constants, e.g. the mosaic kernel's page offset); a traced one serves every layer.
-    decode_static_layer = jax.jit(decode_step, static_argnames=static + ("layer",))
-    decode_traced_layer = jax.jit(decode_step, static_argnames=static)
 
     @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window"))
     def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, *, scale,
@@ -193,12 +198,10 @@ def make_attention_fn(name: str, prefill: str = "reference",
         if q.ndim == 5 and (q.shape[1] != 1 or decode is None):
             raise ValueError(f"a grouped q {q.shape} is for the decode kernel only")
         if q.shape[1] == 1 and decode is not None:
-            if isinstance(layer, int):
-                return decode_static_layer(q, k_pool, v_pool, block_tables, seq_lens, layer,
-                                           num_heads=num_heads, **static)
-            return decode_traced_layer(q, k_pool, v_pool, block_tables, seq_lens,
-                                       jnp.asarray(layer, jnp.int32), num_heads=num_heads,
-                                       **static)
+            offset = None if page_offsets is None else page_offsets(layer, k_pool.shape[1])
+            return decode_step(q, k_pool, v_pool, block_tables, seq_lens,
+                               jnp.asarray(layer, jnp.int32), offset, num_heads=num_heads,
+                               **static)
         if q.shape[1] == 1 or prefill == "reference":
             return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
                                              q_positions, layer=layer, scale=scale,

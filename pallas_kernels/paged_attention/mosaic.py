@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _ROWS = 64          # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
 _TABLE_COLS = 128   # block-table entries per shared-memory row (TMA boxes are at most 256 wide)
-_OFFSET_COLS = 32   # the per-layer page offset, repeated: one 128-byte TMA copy
+_OFFSET_COLS = 32   # the per-layer page offset input: one 128-byte TMA copy
 Q_GROUP_MULTIPLE = 8  # query rows per KV head are zero-padded to a multiple of this (TMA boxes)
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -472,11 +472,14 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
 
 
 def layer_offsets(layer, pages_per_layer: int):
-    """i32[32]: ``layer * pages_per_layer`` repeated (the kernel's per-layer input); a numpy
-    constant when ``layer`` is a Python int, so that under jit it costs no kernel launch."""
+    """i32[32], the kernel's per-layer input: element 0 is ``layer * pages_per_layer`` (the rest
+    count up from it, unread). A numpy constant when ``layer`` is a Python int, so that under jit
+    it costs no kernel launch; its elements differ because XLA turns a uniform literal into a
+    broadcast, a launch of its own per layer (0.8 us each on the H200)."""
     if isinstance(layer, (int, np.integer)):
-        return np.full((_OFFSET_COLS,), int(layer) * pages_per_layer, np.int32)
-    return jnp.full((_OFFSET_COLS,), jnp.asarray(layer, jnp.int32) * pages_per_layer)
+        return np.arange(_OFFSET_COLS, dtype=np.int32) + np.int32(int(layer) * pages_per_layer)
+    base = jnp.asarray(layer, jnp.int32) * pages_per_layer
+    return jnp.arange(_OFFSET_COLS, dtype=jnp.int32) + base
 
 
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
@@ -484,7 +487,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            interpret: bool = False, block_kv: int = 64, num_stages: int = 2,
                            num_splits: int | None = None, config: MosaicDecodeConfig | None = None,
-                           num_heads: int | None = None) -> jax.Array:
+                           num_heads: int | None = None,
+                           page_offset: jax.Array | None = None) -> jax.Array:
     """Decode attention over the paged KV cache with a Mosaic GPU (Hopper) kernel.
 
     Same contract as `reference.paged_decode_attention`: one query token per row at position
@@ -510,6 +514,9 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
             ``config`` is given.
         config: a frozen `MosaicDecodeConfig`.
         num_heads: N; required with a grouped q, optional otherwise.
+        page_offset: i32[32] from ``layer_offsets(layer, P)``; when given it is used instead of
+            ``layer`` (a caller whose layer is a Python int makes it a constant before an inner
+            jit that traces the layer, as `jaxinfer.attention.make_attention_fn` does).
     Returns:
         [B, N, H] in q.dtype.
     Raises:
@@ -521,12 +528,16 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     cfg = config if config is not None else MosaicDecodeConfig(
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
     N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads)
+    if page_offset is not None and page_offset.shape != (_OFFSET_COLS,):
+        raise ValueError(f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got shape "
+                         f"{page_offset.shape}")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
     if soft_cap is not None and not soft_cap > 0:
         raise ValueError(f"soft_cap={soft_cap} must be > 0 or None")
     return _forward(q, k_pool, v_pool, block_tables, seq_lens,
-                    layer_offsets(layer, k_pool.shape[1]), N=N, scale=float(scale),
+                    layer_offsets(layer, k_pool.shape[1]) if page_offset is None else page_offset,
+                    N=N, scale=float(scale),
                     soft_cap=None if soft_cap is None else float(soft_cap),
                     sliding_window=None if sliding_window is None else int(sliding_window),
                     interpret=bool(interpret), cfg=cfg)

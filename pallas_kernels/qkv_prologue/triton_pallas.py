@@ -36,11 +36,15 @@ from pallas_kernels.qkv_prologue.reference import check_args
 
 
 def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
-                     q_ref, k_ref, v_ref, *, N, K, H, page_size, eps, has_norm):
-    """One program per (token s, head j) of the N + 2K heads (any N and K)."""
+                     q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps, has_norm):
+    """One program per (token s, j) (any N and K): j < K * Gq the query row j % Gq of KV group
+    j // Gq (query head (j // Gq) * G + j % Gq, or a zero row past G), then the K key heads,
+    then the K value heads."""
     del k_in, v_in  # aliased to k_ref, v_ref
     s = pl.program_id(0)
     j = pl.program_id(1)
+    nq = K * Gq
+    g, r = j // Gq, j % Gq
     half = H // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     slot = slots_ref[s]
@@ -48,29 +52,36 @@ def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv
     layer = layer_ref[0]
     dt = q_ref.dtype
 
-    def norm_rope(w_ref):
-        x1, x2 = qkv_ref[s, j, lo], qkv_ref[s, j, hi]
+    def norm_rope(head, w_ref):
+        x1, x2 = qkv_ref[s, head, lo], qkv_ref[s, head, hi]
         if has_norm:
             x1, x2 = _rms_norm_halves(x1, x2, w_ref[lo], w_ref[hi], H, eps, dt, axis=None)
         return _rope_halves(x1, x2, cos_ref[s, :], sin_ref[s, :])
 
-    @pl.when(j < N)
+    @pl.when((j < nq) & (r < G))
     def _query():
-        o1, o2 = norm_rope(wq_ref)
-        q_ref[s, j, lo] = o1.astype(dt)
-        q_ref[s, j, hi] = o2.astype(dt)
+        o1, o2 = norm_rope(g * G + r, wq_ref)
+        q_ref[s, g, r, lo] = o1.astype(dt)
+        q_ref[s, g, r, hi] = o2.astype(dt)
 
-    @pl.when((j >= N) & (j < N + K))
+    if Gq > G:
+        @pl.when((j < nq) & (r >= G))
+        def _zero_row():
+            q_ref[s, g, r, lo] = jnp.zeros((half,), dt)
+            q_ref[s, g, r, hi] = jnp.zeros((half,), dt)
+
+    @pl.when((j >= nq) & (j < nq + K))
     def _key():
-        o1, o2 = norm_rope(wk_ref)
-        k_ref[layer, page, j - N, off, lo] = o1.astype(dt).astype(k_ref.dtype)
-        k_ref[layer, page, j - N, off, hi] = o2.astype(dt).astype(k_ref.dtype)
+        kh = j - nq
+        o1, o2 = norm_rope(N + kh, wk_ref)
+        k_ref[layer, page, kh, off, lo] = o1.astype(dt).astype(k_ref.dtype)
+        k_ref[layer, page, kh, off, hi] = o2.astype(dt).astype(k_ref.dtype)
 
-    @pl.when(j >= N + K)
+    @pl.when(j >= nq + K)
     def _value():
-        kh = j - N - K
-        v_ref[layer, page, kh, off, lo] = qkv_ref[s, j, lo].astype(v_ref.dtype)
-        v_ref[layer, page, kh, off, hi] = qkv_ref[s, j, hi].astype(v_ref.dtype)
+        kh = j - nq - K
+        v_ref[layer, page, kh, off, lo] = qkv_ref[s, N + K + kh, lo].astype(v_ref.dtype)
+        v_ref[layer, page, kh, off, hi] = qkv_ref[s, N + K + kh, hi].astype(v_ref.dtype)
 
 
 def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
@@ -151,14 +162,14 @@ def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, *, N, 
     has_norm = wq is not None
     if wq is None:
         wq = wk = jnp.ones((H,), qkv.dtype)                  # unread
-    common = dict(H=H, page_size=page_size, eps=float(eps), has_norm=has_norm)
+    rows = Gq or G
+    common = dict(N=N, K=K, G=G, Gq=rows, H=H, page_size=page_size, eps=float(eps),
+                  has_norm=has_norm)
     if grouped:
-        rows = Gq or G
-        kernel = functools.partial(_grouped_kernel, N=N, K=K, G=G, Gq=rows, **common)
-        grid, q_shape = (S, K + 2), (S, K, rows, H)
+        kernel, grid = functools.partial(_grouped_kernel, **common), (S, K + 2)
     else:
-        kernel = functools.partial(_per_head_kernel, N=N, K=K, **common)
-        grid, q_shape = (S, N + 2 * K), (S, N, H)
+        kernel, grid = functools.partial(_per_head_kernel, **common), (S, K * rows + 2 * K)
+    q_shape = (S, K, rows, H)
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     qkv3 = qkv.reshape(S, N + 2 * K, H)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -177,11 +188,12 @@ def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, *, N, 
         name="qkv_prologue",
     )(layer_arr, slot_mapping.astype(jnp.int32), cos.astype(jnp.float32),
       sin.astype(jnp.float32), wq, wk, qkv3, k_pool, v_pool)
-    if not grouped and Gq is not None:  # the per-head kernel writes no padding rows
-        q = jnp.pad(q.reshape(S, K, G, H), ((0, 0), (0, 0), (0, Gq - G), (0, 0)))
-    elif grouped and Gq is None:
+    if Gq is None:
         q = q.reshape(S, N, H)
     return q, k_pool, v_pool
+
+
+_ONE_WAVE_PROGRAMS = 4096   # about the one-warp programs an H100/H200 holds at once (132 x 32)
 
 
 def _is_pow2(x: int) -> bool:
@@ -206,9 +218,11 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
         grid: "group": one program per (token, KV group of query heads), one for the token's K
             key heads and one for its K value heads (S * (K + 2) programs; K and the query rows
             per group, ``q_group_rows`` or G = N/K, must be powers of 2); "head": one program per
-            (token, head) (S * (N + 2K) programs, any N and K; padding rows are then added by a
-            jnp pad); "auto": "group" where it applies. At B=256 the per-head grid's 12,288
-            one-warp programs took 9.4 us a layer (BENCHMARKS.md, eighth session).
+            (token, query row or key or value head) (S * (K * rows + 2K) programs, any N and K);
+            "auto": "head" while its programs fit in about one wave of the H200 (4096), else
+            "group" where it applies. Qwen3-8B on the H200 (BENCHMARKS.md, eighth session): at
+            256 tokens the per-head grid took 9.4 us a layer; at 1 token the grouped grid took
+            2.8 us against 1.7.
         num_warps: warps per program; None: 1 for "head", 2 for "group".
     Returns:
         (q, k_pool, v_pool): q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H] when
@@ -228,7 +242,10 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     if grid == "group" and not groupable:
         raise ValueError(f"grid='group' needs K={K} and the query rows per group ({rows}) to be "
                          "powers of 2; use 'head' or 'auto'")
-    grouped = groupable if grid == "auto" else grid == "group"
+    if grid == "auto":  # per head while its programs fit in about one wave, else grouped
+        grouped = groupable and S * (K * rows + 2 * K) > _ONE_WAVE_PROGRAMS
+    else:
+        grouped = grid == "group"
     if num_warps is None:
         num_warps = 2 if grouped else 1
     return _prologue(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, layer, N=N,

@@ -172,6 +172,12 @@ def grouped_case(interpret, G, splits, K=2, H=64):
     check(flat, ref, jnp.bfloat16)
     check(group, ref, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(group, np.float32), np.asarray(flat, np.float32))
+    # the layer as a page-offset constant (how make_attention_fn passes it) reads the same pages
+    off = mosaic.layer_offsets(1, k.shape[1])
+    assert isinstance(off, np.ndarray) and len(set(off.tolist())) == off.size  # never uniform
+    by_offset = mosaic.paged_decode_attention(grouped(q, K), k, v, t, s, layer=0,
+                                              page_offset=off, num_heads=G * K, **kw)
+    np.testing.assert_array_equal(np.asarray(by_offset, np.float32), np.asarray(group, np.float32))
 
 
 @needs_interpret

@@ -8,7 +8,8 @@ into shared memory), ``num_stages`` buffers deep so that the copies of the next 
 math of this one. The math is an online softmax in float32 (Milakov & Gimelshein 2018; FlashAttention,
 Dao et al. 2022) with both products on the tensor cores (``wgmma``: scores = Q K^T, then P V with P
 cast to the KV dtype). Each program writes its normalised partial output and log-sum-exp; for more
-than one split a small jnp step combines them (flash-decoding, Dao et al. 2023).
+than one split a small Pallas-Triton kernel combines them (`split_combine`; flash-decoding, Dao et
+al. 2023).
 
 Structure (kept apart so that a Blackwell version can swap the math for tcgen05/TMEM):
     `_issue_block`    TMA copies of one block of K/V pages into a stage buffer (memory side)
@@ -37,6 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.paged_attention import split_combine
+
 _ROWS = 64          # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
 _TABLE_COLS = 128   # block-table entries per shared-memory row (TMA boxes are at most 256 wide)
 _OFFSET_COLS = 32   # the per-layer page offset input: one 128-byte TMA copy
@@ -58,12 +61,16 @@ class MosaicDecodeConfig:
             waves of resident programs with under 10% of the last wave idle, and at most one split
             per two key blocks (`_pick_splits`).
         num_sms: multiprocessors to plan the waves for; None: read from the device (132 if none).
+        combine_kernel: combine the splits' partial outputs with one Pallas launch
+            (`split_combine.combine`, where it supports the sizes) instead of XLA's fusions of
+            `split_combine.reference`.
     """
 
     block_kv: int = 64
     num_stages: int = 2
     num_splits: int | None = None
     num_sms: int | None = None
+    combine_kernel: bool = True
 
     def __post_init__(self):
         if self.block_kv <= 0 or self.block_kv % 64:
@@ -460,15 +467,10 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
     o, lse = plgpu.kernel(body, **kw)(qg, k_flat, v_flat, table, layer_off)
 
     if splits == 1:
-        out = o[:, :, 0, :G]
-    else:  # log-sum-exp combine of the splits
-        mx = jnp.max(lse, axis=2, keepdims=True)
-        mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-        w = jnp.exp(lse - mx)                                   # [B, K, S, Gp]; 0 for empty splits
-        den = jnp.sum(w, axis=2)
-        out = jnp.einsum("bksg,bksgh->bkgh", w, o) / jnp.where(den > 0, den, 1.0)[..., None]
-        out = out[:, :, :G]
-    return out.reshape(B, N, H).astype(q.dtype)
+        return o[:, :, 0, :G].reshape(B, N, H).astype(q.dtype)
+    if cfg.combine_kernel and split_combine.supports(splits, Gp, H):
+        return split_combine.combine(o, lse, num_heads=N, out_dtype=q.dtype, interpret=interpret)
+    return split_combine.reference(o, lse, num_heads=N, out_dtype=q.dtype)
 
 
 def layer_offsets(layer, pages_per_layer: int):
@@ -486,7 +488,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            interpret: bool = False, block_kv: int = 64, num_stages: int = 2,
-                           num_splits: int | None = None, config: MosaicDecodeConfig | None = None,
+                           num_splits: int | None = None, combine_kernel: bool = True,
+                           config: MosaicDecodeConfig | None = None,
                            num_heads: int | None = None,
                            page_offset: jax.Array | None = None) -> jax.Array:
     """Decode attention over the paged KV cache with a Mosaic GPU (Hopper) kernel.
@@ -510,8 +513,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         sliding_window: optional; only the last ``sliding_window`` keys are visible.
         interpret: run in Mosaic GPU interpret mode (CPU); the products then use jnp instead of
             wgmma (the interpreter supports neither transposed nor register wgmma operands).
-        block_kv, num_stages, num_splits: tuning knobs (see `MosaicDecodeConfig`), ignored when
-            ``config`` is given.
+        block_kv, num_stages, num_splits, combine_kernel: tuning knobs (see
+            `MosaicDecodeConfig`), ignored when ``config`` is given.
         config: a frozen `MosaicDecodeConfig`.
         num_heads: N; required with a grouped q, optional otherwise.
         page_offset: i32[32] from ``layer_offsets(layer, P)``; when given it is used instead of
@@ -526,7 +529,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         paged layout (Kwon et al. 2023); JAX's attention_mgpu.py was read for Mosaic GPU idioms.
     """
     cfg = config if config is not None else MosaicDecodeConfig(
-        block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
+        block_kv=block_kv, num_stages=num_stages, num_splits=num_splits,
+        combine_kernel=bool(combine_kernel))
     N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads)
     if page_offset is not None and page_offset.shape != (_OFFSET_COLS,):
         raise ValueError(f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got shape "

@@ -8,8 +8,8 @@ into shared memory), ``num_stages`` buffers deep so that the copies of the next 
 math of this one. The math is an online softmax in float32 (Milakov & Gimelshein 2018; FlashAttention,
 Dao et al. 2022) with both products on the tensor cores (``wgmma``: scores = Q K^T, then P V with P
 cast to the KV dtype). Each program writes its normalised partial output and log-sum-exp; for more
-than one split a small Pallas-Triton kernel combines them (`split_combine`; flash-decoding, Dao et
-al. 2023).
+than one split a small jnp step combines them, or one Pallas-Triton launch with the
+``combine_kernel`` knob (`split_combine`; flash-decoding, Dao et al. 2023).
 
 Structure (kept apart so that a Blackwell version can swap the math for tcgen05/TMEM):
     `_issue_block`    TMA copies of one block of K/V pages into a stage buffer (memory side)
@@ -62,15 +62,16 @@ class MosaicDecodeConfig:
             per two key blocks (`_pick_splits`).
         num_sms: multiprocessors to plan the waves for; None: read from the device (132 if none).
         combine_kernel: combine the splits' partial outputs with one Pallas launch
-            (`split_combine.combine`, where it supports the sizes) instead of XLA's fusions of
-            `split_combine.reference`.
+            (`split_combine.combine`, where it supports the sizes) instead of XLA's two fusions
+            of `split_combine.reference`. Off by default: at B=1, context 1024 the Qwen3-8B step
+            took 4.45 ms either way on the H200 (BENCHMARKS.md, eighth session).
     """
 
     block_kv: int = 64
     num_stages: int = 2
     num_splits: int | None = None
     num_sms: int | None = None
-    combine_kernel: bool = True
+    combine_kernel: bool = False
 
     def __post_init__(self):
         if self.block_kv <= 0 or self.block_kv % 64:
@@ -488,7 +489,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            interpret: bool = False, block_kv: int = 64, num_stages: int = 2,
-                           num_splits: int | None = None, combine_kernel: bool = True,
+                           num_splits: int | None = None, combine_kernel: bool = False,
                            config: MosaicDecodeConfig | None = None,
                            num_heads: int | None = None,
                            page_offset: jax.Array | None = None) -> jax.Array:

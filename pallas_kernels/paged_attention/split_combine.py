@@ -6,8 +6,10 @@ Triton lowering, beside its plain-jnp reference.
     w = exp(lse - max_s lse)        (splits with no key have lse = -inf and weight 0)
 
 What the kernel replaces: XLA runs the jnp reference as two fusions (the weights, then the
-weighted sum, slice and cast), 1.1 + 1.3 us per layer of a B=1 Qwen3-8B decode step on the H200
-(BENCHMARKS.md, eighth session); here one program per (row, KV head) reads the S partials once.
+weighted sum, slice and cast), 1.1 + 1.3 us per layer of a B=1 Qwen3-8B decode step on the H200;
+here one program per (row, KV head) reads the S partials once. Measured in that step (BENCHMARKS.md,
+eighth session) it saved nothing (4.45 ms either way), so the mosaic kernel uses it only when
+asked (``combine_kernel=True``).
 Sources: Dao et al. 2023, "Flash-Decoding for long-context inference" (the split and combine);
 Milakov & Gimelshein 2018 (online softmax).
 """

@@ -3,23 +3,23 @@ Triton lowering.
 
 What it replaces: in a B=1 Qwen3-8B decode step XLA runs this part of each layer as six small
 fusions of 1.1-2.4 us each (the q/k RMSNorm statistics, the rotated key rows, the value rows, two
-K/V page writes, the rotated and padded queries; BENCHMARKS.md, "Decode step"), about 10 us of
-the 11 us per layer that everything besides the GEMMs may take for the step to reach 85% of the
-copy bandwidth. Here the first five are one launch; the mosaic decode kernel's wrapper still pads
-q to 8 heads per KV group, and where XLA splits the q/k/v GEMM over K it now sums the partials in a
-fusion of their own.
+K/V page writes, the rotated and padded queries; BENCHMARKS.md, "Decode step"). Here they are one
+launch. With ``q_group_rows`` the queries are written grouped by KV head and zero-padded, the
+layout the mosaic decode kernel reads, so that it needs no pad launch of its own. Where XLA splits
+the q/k/v GEMM over K it sums the partials in a fusion of their own before this kernel.
 
-One program per (token s, head j) of the N + 2K heads of the fused projection: a query or key head
-is normalized (when q_norm/k_norm are given) and rotated, then stored into q or into the key pool;
-a value head is copied into the value pool. Each head is read as its two RoPE halves ([H/2]
-vectors), so no in-register slicing is needed. The pools are aliased to the outputs
-(``input_output_aliases``), so XLA can update them in place; the GPU test checks that a jit with
-the pools donated compiles without a pool-sized copy.
+Two grids (``grid``): one program per (token, query row or key or value head), or, for many
+tokens, one per (token, KV group of query heads) plus one for the token's keys and one for its
+values. Each head is read as its two RoPE halves ([H/2] vectors, or [rows, H/2] tiles), so no
+in-register slicing is needed. The pools are aliased to the outputs (``input_output_aliases``), so
+XLA can update them in place; the GPU test checks that a jit with the pools donated compiles
+without a pool-sized copy.
 
 Status: validated in interpret mode on the CPU and compiled on the H200 against
 `reference.qkv_prologue` (``tests/kernels/test_qkv_prologue_gpu.py``, ``-m gpu``). Used by decode
 steps on GPU by default (``EngineConfig.qkv_prologue="auto"``); B=1 Qwen3-8B decode 4.62 vs
-4.73 ms, no change at B=32/256 (BENCHMARKS.md).
+4.73 ms with XLA's fusions (seventh session); grouped q and the grouped grid: BENCHMARKS.md,
+eighth session.
 Sources: as `reference.py`.
 """
 

@@ -117,9 +117,10 @@ def test_sweep_interpret(page_size, H, G, dtype, M, splits):
 @needs_interpret
 def test_splits_window_softcap_interpret():
     # 3 splits of 6 blocks, one of them cut by the window; soft cap on.
-    cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_splits=3)
-    run_case(True, 1, page_size=16, H=64, G=2, M=24, cfg=cfg, soft_cap=5.0, window=150,
-             lens=[1, 100, 383, 384, 0], layer=0)
+    for combine_kernel in (False, True):   # the splits combined by jnp, or by split_combine
+        cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_splits=3, combine_kernel=combine_kernel)
+        run_case(True, 1, page_size=16, H=64, G=2, M=24, cfg=cfg, soft_cap=5.0, window=150,
+                 lens=[1, 100, 383, 384, 0], layer=0)
 
 
 @needs_interpret

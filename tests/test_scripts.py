@@ -82,6 +82,8 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
     out = attn(q, jnp.zeros((1, 2, 2, 4, 8)), jnp.zeros((1, 2, 2, 4, 8)),
                jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32),
                layer=0, scale=0.5)
+    # "mosaic" also gets its layer as the page-offset array (mosaic.layer_offsets)
+    assert seen.pop("page_offset").shape == (32,)
     assert out.shape == q.shape and seen == {"num_splits": 3}
     with pytest.raises(ValueError, match="reference has no knobs"):
         attention.make_attention_fn("reference", decode_knobs={"num_splits": 3})

@@ -77,6 +77,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prefill-attention", default="auto",
                    help="attention back-end for prefill: auto (= reference for now), reference, "
                         "triton")
+    g.add_argument("--qkv-prologue", choices=["auto", "xla", "triton"], default="auto",
+                   help="decode steps' q/k norm + RoPE + K/V write: one Pallas kernel per layer "
+                        "(triton, GPU only), XLA's fusions (xla), or auto (triton on a GPU where "
+                        "the model's shapes allow)")
+    g.add_argument("--add-rms-norm", choices=["auto", "xla", "triton"], default="auto",
+                   help="residual add + RMSNorm: one Pallas kernel per boundary (triton, GPU "
+                        "only), XLA's fusions (xla), or auto (as --qkv-prologue)")
+    g.add_argument("--prefill-gemm", choices=["xla", "cublas"], default="xla",
+                   help="GEMM back-end of prefill steps: XLA's choice or cuBLAS")
+    g.add_argument("--cublas-decode-min-batch", type=int, default=64, metavar="ROWS",
+                   help="decode batch buckets of at least ROWS rows use cuBLAS GEMMs (GPU; a "
+                        "number above the largest bucket keeps XLA's GEMMs everywhere)")
     g.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
                    help="JAX persistent compilation cache: a later run with the same DIR loads "
                         "the compiled steps instead of compiling them again")
@@ -162,6 +174,11 @@ def _main(argv: list[str] | None = None) -> int:
             resolve_backend(args.attention)
         if args.prefill_attention in PREFILL_ATTENTION_BACKENDS:
             resolve_prefill_backend(args.prefill_attention)
+        import jax
+
+        from jaxinfer.engine.llm_engine import check_fused_platform
+        check_fused_platform("qkv_prologue", args.qkv_prologue, jax.default_backend())
+        check_fused_platform("add_rms_norm", args.add_rms_norm, jax.default_backend())
         from jaxinfer.llm import LLM
 
         llm = LLM(args.model, max_model_len=args.max_model_len, page_size=args.page_size,
@@ -169,7 +186,10 @@ def _main(argv: list[str] | None = None) -> int:
                   max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
                   attention=args.attention, prefill_attention=args.prefill_attention,
                   async_scheduling=args.async_scheduling,
-                  compilation_cache_dir=args.compilation_cache_dir)
+                  compilation_cache_dir=args.compilation_cache_dir,
+                  qkv_prologue=args.qkv_prologue, add_rms_norm=args.add_rms_norm,
+                  prefill_gemm=args.prefill_gemm,
+                  cublas_decode_min_batch=args.cublas_decode_min_batch)
         if args.chat:
             inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
                 [{"role": "user", "content": p}])} for p in prompts]

@@ -133,6 +133,15 @@ def resolve_engine_config(cfg: ModelConfig, ec: EngineConfig,
                                 *resolve_fused_kernels(cfg, ec, platform, dtype))
 
 
+def check_fused_platform(name: str, value: str, platform: str) -> None:
+    """Raise ValueError when the fused-kernel option ``name`` (an `EngineConfig` field) asks for
+    "triton" on a host whose JAX backend ``platform`` is not a GPU (callers check this before
+    loading a model)."""
+    if value == "triton" and platform != "gpu":
+        raise ValueError(f"EngineConfig.{name}='triton' is a GPU kernel and this host's JAX "
+                         f"backend is {platform!r}; use 'auto' or 'xla'")
+
+
 def resolve_fused_kernels(cfg: ModelConfig, ec: EngineConfig, platform: str,
                           dtype: str) -> tuple[str, str]:
     """(qkv_prologue, add_rms_norm) with "auto" resolved: "triton" on a GPU for a bfloat16/float16
@@ -151,11 +160,9 @@ def resolve_fused_kernels(cfg: ModelConfig, ec: EngineConfig, platform: str,
              f"head dim H/2 a power of 2 (this model: H={cfg.head_dim})"),
             ("add_rms_norm", ec.add_rms_norm, pow2(cfg.hidden_size),
              f"a power-of-2 hidden size (this model: {cfg.hidden_size})")):
+        check_fused_platform(name, value, platform)
         if value == "auto":
             value = "triton" if gpu and ok else "xla"
-        elif value == "triton" and platform != "gpu":
-            raise ValueError(f"EngineConfig.{name}='triton' is a GPU kernel and this host's JAX "
-                             f"backend is {platform!r}; use 'auto' or 'xla'")
         elif value == "triton" and not ok:
             raise ValueError(f"EngineConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
         out.append(value)

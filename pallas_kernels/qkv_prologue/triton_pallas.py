@@ -134,7 +134,8 @@ def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_
 
 def _rms_norm_halves(x1, x2, w1, w2, H, eps, dt, axis):
     """RMSNorm of heads given as their two halves (HF order: the normalized value rounded to the
-    compute dtype ``dt``, then times the weight, also rounded to ``dt``); ``axis`` None: one head [H/2] each, 1: rows."""
+    compute dtype ``dt``, then times the weight, also rounded to ``dt``); ``axis`` None: one head
+    ([H/2] each), 1: rows ([rows, H/2] each)."""
     f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
     keep = axis is not None
     var = (jnp.sum(f1 * f1, axis=axis, keepdims=keep) + jnp.sum(f2 * f2, axis=axis,

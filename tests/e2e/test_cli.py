@@ -54,6 +54,11 @@ def test_default_model_chat_stream_answers_paris(tmp_path):
     (["--prompt", "hi", "--model", "/no/such/model"], "/no/such/model"),
     (["--max-tokens", "4"], "no prompt"),
     (["--prompt", "hi", "--max-tokens", "many"], "max-tokens"),
+    (["--prompt", "hi", "--qkv-prologue", "cuda"], "qkv-prologue"),
+    (["--prompt", "hi", "--qkv-prologue", "triton"], "qkv_prologue='triton' is a GPU kernel"),
+    (["--prompt", "hi", "--add-rms-norm", "triton"], "add_rms_norm='triton' is a GPU kernel"),
+    (["--prompt", "hi", "--prefill-gemm", "cudnn"], "prefill-gemm"),
+    (["--prompt", "hi", "--cublas-decode-min-batch", "0"], "cublas_decode_min_batch"),
 ])
 def test_bad_arguments_one_line_exit_2(args, needle):
     r = run_cli(*args, timeout=120)

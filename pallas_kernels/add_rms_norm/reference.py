@@ -11,12 +11,15 @@ x.dtype. Sources: Zhang & Sennrich 2019 (RMSNorm); vLLM ``csrc/layernorm_kernels
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 
 
-def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array) -> tuple[int, int]:
-    """Validate shapes and dtypes; return (S, D).
+def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
+               eps: float = 1e-6) -> tuple[int, int]:
+    """Validate shapes, dtypes and eps; return (S, D).
 
     Raises:
         ValueError: naming the argument, its shape or dtype, and what is allowed.
@@ -32,6 +35,8 @@ def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array) -> tupl
     for name, a in (("x", x), ("weight", weight)):
         if not jnp.issubdtype(a.dtype, jnp.floating):
             raise ValueError(f"{name} must be a floating dtype; got {a.dtype}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps >= 0:
+        raise ValueError(f"eps must be a number >= 0; got {eps!r}")
     return S, D
 
 
@@ -49,7 +54,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
     Raises:
         ValueError: see `check_args`.
     """
-    check_args(x, delta, weight)
+    check_args(x, delta, weight, eps)
     if delta is not None:
         x = (x + delta).astype(x.dtype)
     xf = x.astype(jnp.float32)

@@ -71,10 +71,13 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
     Returns:
         (x' [S, D], h [S, D]) in x.dtype.
     Raises:
-        ValueError: see `reference.check_args`; D not a power of 2 (use `supports` to check).
+        ValueError: see `reference.check_args` (shapes, dtypes, eps); D not a power of 2 (use
+            `supports` to check).
     """
-    S, D = check_args(x, delta, weight)
+    S, D = check_args(x, delta, weight, eps)
     if not supports(D):
         raise ValueError(f"hidden size D={D} must be a power of 2 for the Triton kernel")
+    if S == 0:  # no rows: no launch (a grid of 0 programs is not valid)
+        return x, x
     return _add_rms_norm(x, delta, weight, eps=float(eps), interpret=bool(interpret),
                          num_warps=int(num_warps))

@@ -72,3 +72,19 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match="power of 2"):
         triton_pallas.add_rms_norm(x[:, :48], d[:, :48], w[:48], interpret=True)
     assert triton_pallas.supports(4096) and not triton_pallas.supports(576)
+    for eps in (None, -1e-6, "1e-6", True):
+        with pytest.raises(ValueError, match="eps must be a number >= 0"):
+            triton_pallas.add_rms_norm(x, d, w, eps=eps, interpret=True)
+        with pytest.raises(ValueError, match="eps must be a number >= 0"):
+            reference.add_rms_norm(x, d, w, eps=eps)
+
+
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_zero_rows_like_the_reference(with_delta):
+    """An empty batch of rows is valid input: empty outputs, as the reference gives, no launch."""
+    x, d, w = make_inputs(1, S=0, D=64)
+    d = d if with_delta else None
+    got = triton_pallas.add_rms_norm(x, d, w, eps=np.float32(1e-6), interpret=True)
+    want = reference.add_rms_norm(x, d, w)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape == (0, 64) and g.dtype == r.dtype

@@ -35,22 +35,26 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.qkv_prologue.reference import check_args
 
 
+def _program(slots_ref, layer_ref, H: int, page_size: int):
+    """(s, j, lo, hi, page, off, layer) of this program: its grid indices, the two RoPE halves'
+    slices of a head, and the page, in-page offset and layer its token's K/V go to."""
+    s, j = pl.program_id(0), pl.program_id(1)
+    half = H // 2
+    slot = slots_ref[s]
+    return (s, j, pl.ds(0, half), pl.ds(half, half), slot // page_size, slot % page_size,
+            layer_ref[0])
+
+
 def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
                      q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps, has_norm):
     """One program per (token s, j) (any N and K): j < K * Gq the query row j % Gq of KV group
     j // Gq (query head (j // Gq) * G + j % Gq, or a zero row past G), then the K key heads,
     then the K value heads."""
     del k_in, v_in  # aliased to k_ref, v_ref
-    s = pl.program_id(0)
-    j = pl.program_id(1)
+    s, j, lo, hi, page, off, layer = _program(slots_ref, layer_ref, H, page_size)
     nq = K * Gq
     g, r = j // Gq, j % Gq
-    half = H // 2
-    lo, hi = pl.ds(0, half), pl.ds(half, half)
-    slot = slots_ref[s]
-    page, off = slot // page_size, slot % page_size
-    layer = layer_ref[0]
-    dt = q_ref.dtype
+    half, dt = H // 2, q_ref.dtype
 
     def norm_rope(head, w_ref):
         x1, x2 = qkv_ref[s, head, lo], qkv_ref[s, head, hi]
@@ -90,14 +94,8 @@ def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_
     the rows past G zero), j = K all K key heads, j = K + 1 all K value heads. K and Gq must be
     powers of 2 (Triton block shapes)."""
     del k_in, v_in  # aliased to k_ref, v_ref
-    s = pl.program_id(0)
-    j = pl.program_id(1)
-    half = H // 2
-    lo, hi = pl.ds(0, half), pl.ds(half, half)
-    slot = slots_ref[s]
-    page, off = slot // page_size, slot % page_size
-    layer = layer_ref[0]
-    dt = q_ref.dtype
+    s, j, lo, hi, page, off, layer = _program(slots_ref, layer_ref, H, page_size)
+    half, dt = H // 2, q_ref.dtype
 
     def norm_rope(x1, x2, w_ref):
         if has_norm:

@@ -28,6 +28,26 @@ def _cfg(arch):
     return dataclasses.replace(tiny_cfg(arch), head_dim=16)
 
 
+def decode_batch(cfg, rng, page, *, lens, slot_pages):
+    """A decode step of 3 rows over random pools [L, 1 + 9, K, page, H] (3 pages per row, pages
+    a random permutation of 1..9): row b's new token at position lens[b] - 1, written into its
+    logical page slot_pages[b][1] (which must hold that position); the last row is padding
+    (length 0, null page). Returns (pages i32[3, 3], kv, positions, slots, tokens)."""
+    B, M = 3, 3
+    pages = rng.permutation(np.arange(1, 1 + B * M)).reshape(B, M).astype(np.int32)
+    shape = (cfg.num_layers, 1 + B * M, cfg.num_kv_heads, page, cfg.head_dim)
+    kv = KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                 v=jnp.asarray(rng.standard_normal(shape), jnp.float32),
+                 block_tables=jnp.asarray(pages), seq_lens=jnp.asarray(lens, jnp.int32))
+    pos = np.array([[max(n - 1, 0)] for n in lens], np.int32)
+    slot = np.zeros((B, 1), np.int32)
+    for b, lp in slot_pages:
+        assert lp == (lens[b] - 1) // page
+        slot[b, 0] = pages[b, lp] * page + (lens[b] - 1) % page
+    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)).astype(np.int32))
+    return pages, kv, pos, slot, tok
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decode_step_with_fused_prologue_matches_jnp_path(arch):
     cfg = _cfg(arch)
@@ -37,15 +57,8 @@ def test_decode_step_with_fused_prologue_matches_jnp_path(arch):
             lp["q_norm"] = lp["q_norm"] * 1.5
             lp["k_norm"] = lp["k_norm"] * 0.5
     rng = np.random.default_rng(0)
-    B, M = 3, 3
-    pages = rng.permutation(np.arange(1, 1 + B * M)).reshape(B, M).astype(np.int32)
-    shape = (cfg.num_layers, 1 + B * M, cfg.num_kv_heads, PAGE, cfg.head_dim)
-    kv = KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                 v=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                 block_tables=jnp.asarray(pages), seq_lens=jnp.asarray([5, 9, 0], jnp.int32))
-    pos = np.array([[4], [8], [0]], np.int32)                    # row 2: padding (null page)
-    slot = np.array([[pages[0, 1] * PAGE + 0], [pages[1, 2] * PAGE + 0], [0]], np.int32)
-    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)).astype(np.int32))
+    pages, kv, pos, slot, tok = decode_batch(cfg, rng, PAGE, lens=[5, 9, 0],
+                                             slot_pages=[(0, 1), (1, 2)])
     plain = make_attention_fn("reference", "reference")
     fused = make_attention_fn("reference", "reference", qkv_prologue=functools.partial(
         triton_pallas.qkv_prologue, interpret=True))
@@ -71,15 +84,8 @@ def test_decode_step_grouped_q_into_mosaic_matches_jnp_path(arch):
     params = registry.init_params(cfg, jax.random.key(5), jnp.float32)
     params = jax.tree_util.tree_map(lambda p: p * 5.0 if p.ndim == 2 else p, params)
     rng = np.random.default_rng(1)
-    B, M = 3, 3
-    pages = rng.permutation(np.arange(1, 1 + B * M)).reshape(B, M).astype(np.int32)
-    shape = (cfg.num_layers, 1 + B * M, cfg.num_kv_heads, page, cfg.head_dim)
-    kv = KVCache(k=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                 v=jnp.asarray(rng.standard_normal(shape), jnp.float32),
-                 block_tables=jnp.asarray(pages), seq_lens=jnp.asarray([6, 17, 0], jnp.int32))
-    pos = np.array([[5], [16], [0]], np.int32)
-    slot = np.array([[pages[0, 0] * page + 5], [pages[1, 2] * page + 0], [0]], np.int32)
-    tok = jnp.asarray(rng.integers(0, cfg.vocab_size, (B, 1)).astype(np.int32))
+    _, kv, pos, slot, tok = decode_batch(cfg, rng, page, lens=[6, 17, 0],
+                                         slot_pages=[(0, 0), (1, 2)])
     plain = make_attention_fn("reference", "reference")
     fused = make_attention_fn("mosaic", "reference", decode_knobs={"interpret": True},
                               qkv_prologue=functools.partial(triton_pallas.qkv_prologue,

@@ -375,6 +375,10 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
                              f"{q.shape}")
     else:
         raise ValueError(f"q must be [B, N, H] or grouped [B, K, Gp, H]; got shape {q.shape}")
+    if not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q must be a floating dtype; got {q.dtype}")
+    if B < 1:
+        raise ValueError(f"q has B={B} rows; at least 1 is needed")
     if Hk != H:
         raise ValueError(f"head dim of q ({H}) and of the pools ({Hk}) differ")
     if N % K:
@@ -517,15 +521,18 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         block_kv, num_stages, num_splits, combine_kernel: tuning knobs (see
             `MosaicDecodeConfig`), ignored when ``config`` is given.
         config: a frozen `MosaicDecodeConfig`.
-        num_heads: N; required with a grouped q, optional otherwise.
+        num_heads: N; required with a grouped q, optional otherwise (a grouped q cannot show a
+            wrong N: every G up to 8 pads to the same Gp).
         page_offset: i32[32] from ``layer_offsets(layer, P)``; when given it is used instead of
             ``layer`` (a caller whose layer is a Python int makes it a constant before an inner
             jit that traces the layer, as `jaxinfer.attention.make_attention_fn` does).
     Returns:
         [B, N, H] in q.dtype.
     Raises:
-        ValueError: shapes, dtypes or knobs outside what the kernel supports (the message names the
-            field).
+        ValueError: shapes, dtypes or knobs outside what the kernel supports, or a Python-int
+            layer outside [0, L) (the message names the field). Not checked (traced values):
+            a traced layer's range and the page ids in ``block_tables``; lengths past the table
+            are clamped to M * page_size.
     Source: FlashAttention-3 / flash-decoding structure (Shah et al. 2024; Dao et al. 2023), vLLM
         paged layout (Kwon et al. 2023); JAX's attention_mgpu.py was read for Mosaic GPU idioms.
     """
@@ -533,9 +540,13 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits,
         combine_kernel=bool(combine_kernel))
     N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads)
-    if page_offset is not None and page_offset.shape != (_OFFSET_COLS,):
-        raise ValueError(f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got shape "
-                         f"{page_offset.shape}")
+    if page_offset is not None and (getattr(page_offset, "shape", None) != (_OFFSET_COLS,)
+                                    or page_offset.dtype != jnp.int32):
+        raise ValueError(f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got "
+                         f"{getattr(page_offset, 'dtype', type(page_offset).__name__)}"
+                         f"{list(getattr(page_offset, 'shape', ()))}")
+    if isinstance(layer, (int, np.integer)) and not 0 <= layer < k_pool.shape[0]:
+        raise ValueError(f"layer={layer} is outside the pools' L={k_pool.shape[0]} layers")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
     if soft_cap is not None and not soft_cap > 0:

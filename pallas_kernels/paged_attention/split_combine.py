@@ -56,7 +56,7 @@ def supports(S: int, Gp: int, H: int) -> bool:
     """Whether the kernel takes these sizes: Gp and H powers of 2 (Triton block shapes), and the
     S partials of one program (S rounded up to a power of 2) within `MAX_TILE` elements."""
     pow2 = lambda x: x > 0 and not x & (x - 1)  # noqa: E731
-    return pow2(Gp) and pow2(H) and _pow2_at_least(S) * Gp * H <= MAX_TILE
+    return S > 0 and pow2(Gp) and pow2(H) and _pow2_at_least(S) * Gp * H <= MAX_TILE
 
 
 def _kernel(lse_ref, o_ref, out_ref, *, S, Sp, G, Gp, H, N):
@@ -104,12 +104,17 @@ def combine(o: jax.Array, lse: jax.Array, *, num_heads: int, out_dtype,
     Returns:
         [B, N, H] in ``out_dtype``.
     Raises:
-        ValueError: shapes that disagree, or sizes `supports` rejects.
+        ValueError: shapes that disagree or have an empty axis, a non-float ``out_dtype``, or
+            sizes `supports` rejects.
     """
     if o.ndim != 5 or lse.shape != o.shape[:4]:
         raise ValueError(f"o must be f32[B, K, S, Gp, H] and lse f32[B, K, S, Gp]; got {o.shape} "
                          f"and {lse.shape}")
     B, K, S, Gp, H = o.shape
+    if min(o.shape) < 1:
+        raise ValueError(f"o must have no empty axis; got shape {o.shape}")
+    if out_dtype is None or not jnp.issubdtype(jnp.dtype(out_dtype), jnp.floating):
+        raise ValueError(f"out_dtype must be a floating dtype; got {out_dtype!r}")
     if num_heads % K or not 0 < num_heads // K <= Gp:
         raise ValueError(f"num_heads={num_heads} must be K={K} times G with 0 < G <= Gp={Gp}")
     if not supports(S, Gp, H):

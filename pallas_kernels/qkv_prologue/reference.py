@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
@@ -53,9 +54,11 @@ def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_
             raise ValueError(f"{name} must be [H={H}]; got {w.shape}")
     if N % K:
         raise ValueError(f"num_heads={N} must be a multiple of num_kv_heads={K}")
-    if q_group_rows is not None and not N // K <= q_group_rows:
-        raise ValueError(f"q_group_rows={q_group_rows} must be >= the query heads per KV head "
-                         f"({N // K}) or None")
+    if q_group_rows is not None and (isinstance(q_group_rows, bool)
+                                     or not isinstance(q_group_rows, (int, np.integer))
+                                     or not N // K <= q_group_rows):
+        raise ValueError(f"q_group_rows={q_group_rows!r} must be an integer >= the query heads "
+                         f"per KV head ({N // K}), or None")
     return S, N, K, H
 
 
@@ -94,8 +97,8 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
         num_heads, num_kv_heads: N and K.
         eps: RMSNorm epsilon.
         q_group_rows: None, or Gq >= G = N/K: q is returned grouped by KV head, [S, K, Gq, H],
-            the rows past G zero (the layout the Mosaic decode kernel reads, so that it needs no
-            pad of its own).
+            the rows past G zero. With Gq = ceil(G / 8) * 8 (``mosaic.Q_GROUP_MULTIPLE``) it is
+            the layout the Mosaic decode kernel reads, so that it needs no pad of its own.
     Returns:
         (q, k_pool, v_pool) with this step's K/V written at ``layer``; q [S, N, H] in qkv.dtype,
         or [S, K, q_group_rows, H].

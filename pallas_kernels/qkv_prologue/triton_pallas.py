@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.qkv_prologue import reference
 from pallas_kernels.qkv_prologue.reference import check_args
 
 
@@ -239,14 +240,18 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     if grid not in ("auto", "group", "head"):
         raise ValueError(f"grid={grid!r} is not one of ('auto', 'group', 'head')")
     if grid == "group" and not groupable:
-        raise ValueError(f"grid='group' needs K={K} and the query rows per group ({rows}) to be "
-                         "powers of 2; use 'head' or 'auto'")
+        raise ValueError(f"grid='group' needs the KV heads K and the query rows per group to be "
+                         f"powers of 2; got K={K}, rows={rows}; use 'head' or 'auto'")
     if grid == "auto":  # per head while its programs fit in about one wave, else grouped
         grouped = groupable and S * (K * rows + 2 * K) > _ONE_WAVE_PROGRAMS
     else:
         grouped = grid == "group"
     if num_warps is None:
         num_warps = 2 if grouped else 1
+    if S == 0:  # no tokens: nothing to write, no launch (a grid of 0 programs is not valid)
+        return reference.qkv_prologue(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool,
+                                      v_pool, layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
+                                      q_group_rows=q_group_rows)
     return _prologue(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, layer, N=N,
                      K=K, Gq=q_group_rows, eps=float(eps), interpret=bool(interpret),
                      num_warps=int(num_warps), grouped=grouped)

@@ -156,8 +156,10 @@ def test_bad_args_raise(change, match):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(grid="rows"), "grid='rows' is not one of"),
-    (dict(grid="group", num_heads=6, num_kv_heads=3), "grid='group' needs K=3"),
-    (dict(q_group_rows=1), "q_group_rows=1 must be >="),
+    (dict(grid="group", num_heads=6, num_kv_heads=3), "grid='group' needs the KV heads K"),
+    (dict(q_group_rows=1), "q_group_rows=1 must be an integer >="),
+    (dict(q_group_rows=4.0), "q_group_rows=4.0 must be an integer >="),
+    (dict(grid="group", num_heads=12, num_kv_heads=3), "got K=3, rows=4"),
 ])
 def test_bad_layout_raises(kw, match):
     N, K = kw.pop("num_heads", 4), kw.pop("num_kv_heads", 2)
@@ -165,6 +167,17 @@ def test_bad_layout_raises(kw, match):
     with pytest.raises(ValueError, match=match):
         triton_pallas.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, layer=0, num_heads=N,
                                    num_kv_heads=K, interpret=True, **kw)
+
+
+@pytest.mark.parametrize("rows", [None, 8])
+def test_zero_tokens_like_the_reference(rows):
+    qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(0, S=1, N=8, K=2, H=64)
+    kw = dict(layer=0, num_heads=8, num_kv_heads=2, q_group_rows=rows)
+    args = (qkv[:0], qn, kn, cos[:0], sin[:0], slots[:0], kp, vp)
+    got = triton_pallas.qkv_prologue(*args, interpret=True, **kw)
+    want = reference.qkv_prologue(*args, **kw)
+    assert got[0].shape == want[0].shape and got[0].shape[0] == 0
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(kp))
 
 
 def test_head_dim_half_not_pow2_raises():

@@ -84,8 +84,17 @@ def test_all_splits_empty_gives_zeros():
     (((1, 2, 3, 8, 64), (1, 2, 3, 8)), 18, "num_heads=18"),
     (((1, 2, 3, 6, 64), (1, 2, 3, 6)), 4, "not supported"),
     (((1, 2, 64, 8, 128), (1, 2, 64, 8)), 4, "not supported"),
+    (((1, 0, 3, 8, 64), (1, 0, 3, 8)), 4, "no empty axis"),
+    (((0, 2, 3, 8, 64), (0, 2, 3, 8)), 4, "no empty axis"),
 ])
 def test_bad_shapes_raise(shape, num_heads, match):
     o, lse = jnp.zeros(shape[0]), jnp.zeros(shape[1])
     with pytest.raises(ValueError, match=match):
         split_combine.combine(o, lse, num_heads=num_heads, out_dtype=jnp.float32, interpret=True)
+
+
+def test_bad_out_dtype_raises():
+    o, lse = jnp.zeros((1, 2, 3, 8, 64)), jnp.zeros((1, 2, 3, 8))
+    for dt in (None, jnp.int32):
+        with pytest.raises(ValueError, match="out_dtype must be a floating dtype"):
+            split_combine.combine(o, lse, num_heads=4, out_dtype=dt, interpret=True)

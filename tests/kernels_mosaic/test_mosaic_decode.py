@@ -201,6 +201,26 @@ def test_bad_grouped_q_raises(q_shape, num_heads, match):
                                       num_heads=num_heads)
 
 
+@pytest.mark.parametrize("kw, match", [
+    (dict(page_offset=np.zeros(32, np.float32)), r"page_offset must be i32\[32\]"),
+    (dict(page_offset=[0] * 32), r"page_offset must be i32\[32\]"),
+    (dict(layer=2), "layer=2 is outside the pools' L=2 layers"),
+    (dict(layer=-1), "layer=-1 is outside"),
+])
+def test_bad_layer_or_offset_raises(kw, match):
+    with pytest.raises(ValueError, match=match):
+        mosaic.paged_decode_attention(*_shapes(), scale=0.1, **kw)
+
+
+def test_bad_q_dtype_or_empty_batch_raises():
+    q, k, v, t, s = _shapes()
+    with pytest.raises(ValueError, match="q must be a floating dtype"):
+        mosaic.paged_decode_attention(q.astype(jnp.int32), k, v, t, s, scale=0.1)
+    q, k, v, t, s = _shapes(B=0)
+    with pytest.raises(ValueError, match="B=0 rows"):
+        mosaic.paged_decode_attention(q, k, v, t, s, scale=0.1)
+
+
 @needs_interpret
 def test_all_rows_padded_interpret():
     q, k, v, t, s = make_inputs(4, lens=[0, 0], N=2, K=1, H=64, page_size=16, M=2)

@@ -85,10 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="residual add + RMSNorm: one Pallas kernel per boundary (triton, GPU "
                         "only), XLA's fusions (xla), or auto (as --qkv-prologue)")
     g.add_argument("--prefill-gemm", choices=["xla", "cublas"], default="xla",
-                   help="GEMM back-end of prefill steps: XLA's choice or cuBLAS")
+                   help="GEMM back-end of prefill steps: XLA's choice or cuBLAS (GPU; "
+                        "ignored on CPU, where XLA has no cuBLAS)")
     g.add_argument("--cublas-decode-min-batch", type=int, default=64, metavar="ROWS",
-                   help="decode batch buckets of at least ROWS rows use cuBLAS GEMMs (GPU; a "
-                        "number above the largest bucket keeps XLA's GEMMs everywhere)")
+                   help="decode batch buckets of at least ROWS rows use cuBLAS GEMMs (a "
+                        "positive integer, default 64; GPU only, ignored on CPU; a number above "
+                        "the largest bucket keeps XLA's GEMMs everywhere)")
     g.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
                    help="JAX persistent compilation cache: a later run with the same DIR loads "
                         "the compiled steps instead of compiling them again")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Callable, Sequence as Seq
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.llm_engine import LLMEngine, default_dtype
+from jaxinfer.engine.llm_engine import LLMEngine, check_fused_platform, default_dtype
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -44,6 +45,8 @@ class LLM:
         from checkpoints_tools.loader import load_model
 
         ec = _engine_config(engine_args)
+        for name in ("qkv_prologue", "add_rms_norm"):  # GPU-only kernels: fail before loading
+            check_fused_platform(name, getattr(ec, name), jax.default_backend())
         path = model if model is not None else default_model_path()
         dtype = ec.dtype or default_dtype()
         loaded = load_model(path, jnp.dtype(dtype), with_tokenizer=not skip_tokenizer_init)

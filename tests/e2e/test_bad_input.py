@@ -127,6 +127,19 @@ def test_kernel_attention_on_cpu_is_a_clear_error(smollm_path):
         LLM(smollm_path, attention="mosaic", max_model_len=64, num_pages=8)
 
 
+@pytest.mark.skipif(__import__("jax").default_backend() == "gpu", reason="a CPU-host check")
+@pytest.mark.parametrize("field", ["qkv_prologue", "add_rms_norm"])
+def test_fused_kernel_on_cpu_fails_before_loading(field, monkeypatch):
+    """'triton' on a CPU host is refused before the checkpoint is read (the loader is not called)."""
+    import checkpoints_tools.loader as loader
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the option was checked")
+    monkeypatch.setattr(loader, "load_model", no_load)
+    with pytest.raises(ValueError, match=f"{field}='triton' is a GPU kernel"):
+        LLM("/nonexistent/model", **{field: "triton"})
+
+
 def test_config_missing_key(tmp_path):
     import json
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))

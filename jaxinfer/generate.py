@@ -176,11 +176,6 @@ def _main(argv: list[str] | None = None) -> int:
             resolve_backend(args.attention)
         if args.prefill_attention in PREFILL_ATTENTION_BACKENDS:
             resolve_prefill_backend(args.prefill_attention)
-        import jax
-
-        from jaxinfer.engine.llm_engine import check_fused_platform
-        check_fused_platform("qkv_prologue", args.qkv_prologue, jax.default_backend())
-        check_fused_platform("add_rms_norm", args.add_rms_norm, jax.default_backend())
         from jaxinfer.llm import LLM
 
         llm = LLM(args.model, max_model_len=args.max_model_len, page_size=args.page_size,

@@ -7,9 +7,10 @@ of whole pages (one copy per page, addressed through the block table, which the 
 into shared memory), ``num_stages`` buffers deep so that the copies of the next blocks overlap the
 math of this one. The math is an online softmax in float32 (Milakov & Gimelshein 2018; FlashAttention,
 Dao et al. 2022) with both products on the tensor cores (``wgmma``: scores = Q K^T, then P V with P
-cast to the KV dtype). Each program writes its normalised partial output and log-sum-exp; for more
-than one split a small jnp step combines them, or one Pallas-Triton launch with the
-``combine_kernel`` knob (`split_combine`; flash-decoding, Dao et al. 2023).
+cast to the KV dtype). With one split per row, each program writes its G output rows in q's dtype
+(the result is [B, N, H] by a reshape: no further launch). With more, each program writes its
+normalised partial output and log-sum-exp, and a small jnp step combines them, or one Pallas-Triton
+launch with the ``combine_kernel`` knob (`split_combine`; flash-decoding, Dao et al. 2023).
 
 Structure (kept apart so that a Blackwell version can swap the math for tcgen05/TMEM):
     `_issue_block`    TMA copies of one block of K/V pages into a stage buffer (memory side)
@@ -302,6 +303,15 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     lse = jnp.where(has_keys, m * _LN2 + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
 
+    if lse_ref is None:  # one split: the G real rows, final, in the output dtype
+        def store_final(o_smem):
+            o_smem[...] = out.astype(o_ref.dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, geo.G)], o_ref.at[b, h])
+            plgpu.wait_smem_to_gmem(0)
+        pl.run_scoped(store_final, plgpu.SMEM((_ROWS, H), o_ref.dtype))
+        return
+
     def store(o_smem, lse_smem):
         o_smem[...] = out
         lse_smem[...] = lse
@@ -456,9 +466,15 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
 
     math_ = _PlainMath if interpret else _WgmmaMath
     transforms = () if interpret else _smem_transforms(dtype, H)
+    # One split: each program's rows are final, so it writes the G real ones in q's dtype and
+    # the result is [B, N, H] by a reshape (no slice or cast launch). More: float32 partial
+    # outputs and log-sum-exps of the Gp rows, combined below.
+    single = splits == 1
+    out_type = ((jax.ShapeDtypeStruct((B, K, G, H), q.dtype),) if single else
+                (jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
+                 jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32)))
     kw = dict(
-        out_type=(jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
-                  jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32)),
+        out_type=out_type,
         scratch_types=[plgpu.SMEM((_ROWS, H), dtype, transforms=transforms),
                        plgpu.SMEM((1 + R, C), jnp.int32),
                        plgpu.SMEM((_OFFSET_COLS,), jnp.int32),
@@ -469,10 +485,13 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
     else:
         kw["compiler_params"] = plgpu.CompilerParams(approx_math=True)
     body = functools.partial(_body, geo=geo, math_=math_, interpret=interpret)
+    if single:
+        def body_single(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *scratch):
+            body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, None, *scratch)
+        (o,) = plgpu.kernel(body_single, **kw)(qg, k_flat, v_flat, table, layer_off)
+        return o.reshape(B, N, H)
     o, lse = plgpu.kernel(body, **kw)(qg, k_flat, v_flat, table, layer_off)
 
-    if splits == 1:
-        return o[:, :, 0, :G].reshape(B, N, H).astype(q.dtype)
     if cfg.combine_kernel and split_combine.supports(splits, Gp, H):
         return split_combine.combine(o, lse, num_heads=N, out_dtype=q.dtype, interpret=interpret)
     return split_combine.reference(o, lse, num_heads=N, out_dtype=q.dtype)

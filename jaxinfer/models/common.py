@@ -32,6 +32,12 @@ from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.models.params import fused_parts, layer_keys, layer_param_shapes, param_shapes
 
 INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
+# Decode steps of at least this many rows whose add + RMSNorm is a kernel that sums partial sums
+# run the MLP's down projection as DOWN_PARTIALS float32 partial sums over halves of F (`MLP`):
+# cuBLAS runs the [B, F] x [F, D] product better so than with its own split-K and reduction
+# launch (H200, Qwen3-8B, B = 128-256: 28-37 us against 31-43 us; BENCHMARKS.md, ninth session).
+DOWN_PARTIALS = 2
+DOWN_PARTIALS_MIN_ROWS = 128
 
 
 # --------------------------------------------------------------------------- pure functions
@@ -175,6 +181,9 @@ class AddRMSNorm(nn.Module):
     "attn_norm"): ``__call__(x [B, T, D], delta [B, T, D] | None) -> (x + delta, rms_norm(x +
     delta))``, both [B, T, D] in x.dtype (`rms_norm`; no add when ``delta`` is None).
 
+    ``delta`` may also be float32 partial sums [P, B, T, D] of it (`MLP` with
+    ``down_partials``): their sum rounded to x.dtype is added.
+
     ``kernel``: None (jnp ops, fused by XLA) or a function with the signature of
     `pallas_kernels.add_rms_norm.reference.add_rms_norm` over [S, D] rows (one launch).
     """
@@ -187,13 +196,18 @@ class AddRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         w = self.param(self.param_name, nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        partials = delta is not None and delta.ndim == x.ndim + 1
         if self.kernel is None:
+            if partials:
+                delta = delta.sum(0).astype(x.dtype)
             if delta is not None:
                 x = x + delta
             return x, rms_norm(x, w, self.eps)
         shape = x.shape
-        rows = lambda a: None if a is None else a.reshape(-1, shape[-1])  # noqa: E731
-        x, h = self.kernel(rows(x), rows(delta), w, eps=self.eps)
+        if delta is not None:
+            lead = (delta.shape[0],) if partials else ()
+            delta = delta.reshape(*lead, -1, shape[-1])
+        x, h = self.kernel(x.reshape(-1, shape[-1]), delta, w, eps=self.eps)
         return x.reshape(shape), h.reshape(shape)
 
 
@@ -202,11 +216,14 @@ class MLP(nn.Module):
 
     gate and up are one GEMM with ``w_gate_up`` [D, 2F]; its output [B, T, 2F] is split into the
     gate [B, T, F] and up [B, T, F] halves (`fused_parts`). ``w_down`` [F, D].
+    With ``down_partials`` P > 1 the down projection is split over P equal parts of F and the
+    output is their float32 partial sums [P, B, T, D] (for an `AddRMSNorm` to add up).
     Source: Shazeer 2020, "GLU Variants Improve Transformer".
     """
 
     cfg: ModelConfig
     param_dtype: Any = jnp.float32
+    down_partials: int = 1
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -216,6 +233,12 @@ class MLP(nn.Module):
         with jax.named_scope("mlp"):
             gu = x @ in_dtype(w_gate_up, x.dtype)                       # [B, T, 2F]
             h = jax.nn.silu(gu[..., parts["gate"]]) * gu[..., parts["up"]]
+            P = self.down_partials
+            if P > 1:
+                B, T, F = h.shape
+                w = in_dtype(w_down, x.dtype).reshape(P, F // P, -1)    # a view: no copy
+                return jnp.einsum("btpf,pfd->pbtd", h.reshape(B, T, P, F // P), w,
+                                  preferred_element_type=jnp.float32)
             return (h @ in_dtype(w_down, x.dtype)).astype(x.dtype)
 
 
@@ -309,7 +332,9 @@ class DecoderLayer(nn.Module):
     ``pending`` the previous layer's MLP output (None for layer 0), ``layer`` the static (Python
     int) index into the pools' L axis and ``ctx`` the `StepContext`; returns (x, pending, k_pool,
     v_pool). The add + norm runs through ``attn_fn.add_rms_norm`` when the attention callable
-    carries one (`jaxinfer.attention.make_attention_fn`), else through jnp ops.
+    carries one (`jaxinfer.attention.make_attention_fn`), else through jnp ops; with the kernel,
+    decode steps of at least `DOWN_PARTIALS_MIN_ROWS` rows pass the MLP output on as
+    `DOWN_PARTIALS` float32 partial sums (`MLP`), which the next add + norm sums.
     Its params form one flat dict (``params["layers"][str(layer)]``).
     """
 
@@ -329,15 +354,20 @@ class DecoderLayer(nn.Module):
         attn = _shared(self, self.attention_cls(self.cfg, self.attn_fn, pd, name="attention"))
         a, k_pool, v_pool = attn(h, layer, k_pool, v_pool, ctx)
         x, h = _shared(self, AddRMSNorm("mlp_norm", eps, pd, kernel, name="mlp_norm_block"))(x, a)
-        return x, _shared(self, MLP(self.cfg, pd, name="mlp"))(h), k_pool, v_pool
+        B, T = x.shape[:2]
+        F = self.cfg.intermediate_size
+        split = (kernel is not None and ctx.packing is None and T == 1
+                 and B >= DOWN_PARTIALS_MIN_ROWS and F % DOWN_PARTIALS == 0)
+        mlp = MLP(self.cfg, pd, DOWN_PARTIALS if split else 1, name="mlp")
+        return x, _shared(self, mlp)(h), k_pool, v_pool
 
 
 class Layers(nn.Module):
     """The L decoder layers, unrolled: a Python loop over `DecoderLayer` children named "0" ..
     str(L-1), so their params land at ``params["layers"][str(i)]`` when this module is named
     "layers". ``__call__(x [B, T, D], k_pool, v_pool, ctx)`` -> (x, pending, k_pool, v_pool):
-    the residual stream without the last layer's MLP output ``pending`` [B, T, D] (the final
-    norm adds it), the pools [L, P, K, page_size, H] written by every layer at its own index.
+    the residual stream without the last layer's MLP output ``pending`` [B, T, D] (or its
+    float32 partial sums [P, B, T, D], see `DecoderLayer`; the final norm adds it), the pools [L, P, K, page_size, H] written by every layer at its own index.
     """
 
     cfg: ModelConfig

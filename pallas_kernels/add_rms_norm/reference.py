@@ -27,9 +27,14 @@ def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
     if x.ndim != 2:
         raise ValueError(f"x must be [S, D]; got shape {x.shape}")
     S, D = x.shape
-    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
-        raise ValueError(f"delta must match x ({x.dtype}{list(x.shape)}); got "
-                         f"{delta.dtype}{list(delta.shape)}")
+    partials = delta is not None and delta.ndim == 3
+    if partials and (delta.shape[1:] != x.shape or delta.dtype != jnp.float32
+                     or delta.shape[0] < 1):
+        raise ValueError(f"delta as partial sums must be float32[P, S={S}, D={D}] with P >= 1; "
+                         f"got {delta.dtype}{list(delta.shape)}")
+    if delta is not None and not partials and (delta.shape != x.shape or delta.dtype != x.dtype):
+        raise ValueError(f"delta must match x ({x.dtype}{list(x.shape)}) or be float32 partial "
+                         f"sums [P, S, D]; got {delta.dtype}{list(delta.shape)}")
     if weight.shape != (D,):
         raise ValueError(f"weight must be [D={D}]; got shape {weight.shape}")
     for name, a in (("x", x), ("weight", weight)):
@@ -46,7 +51,9 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
 
     Args:
         x: [S, D] the residual stream, compute dtype.
-        delta: [S, D] the sub-block output to add (same dtype), or None (no add: x' = x).
+        delta: [S, D] the sub-block output to add (same dtype), or float32[P, S, D] P partial
+            sums of it (a split-K GEMM's, `jaxinfer.models.common.MLP`): their sum rounded to
+            x.dtype is the output added; or None (no add: x' = x).
         weight: [D] the norm weight (any float dtype; cast to x.dtype).
         eps: added to the mean square.
     Returns:
@@ -55,6 +62,8 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
         ValueError: see `check_args`.
     """
     check_args(x, delta, weight, eps)
+    if delta is not None and delta.ndim == 3:
+        delta = delta.sum(0).astype(x.dtype)
     if delta is not None:
         x = (x + delta).astype(x.dtype)
     xf = x.astype(jnp.float32)

@@ -23,11 +23,15 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.add_rms_norm.reference import check_args
 
 
-def _kernel(x_ref, d_ref, w_ref, xo_ref, h_ref, *, D, eps, has_delta):
+def _kernel(x_ref, d_ref, w_ref, xo_ref, h_ref, *, D, eps, has_delta, partials):
     dt = x_ref.dtype
     x = x_ref[0, :]
     if has_delta:
-        x = (x.astype(jnp.float32) + d_ref[0, :].astype(jnp.float32)).astype(dt)
+        if partials:  # float32 partial sums [P, 1, D]: their sum, rounded as a GEMM output is
+            d = jnp.sum(d_ref[:, 0, :], axis=0).astype(dt).astype(jnp.float32)
+        else:
+            d = d_ref[0, :].astype(jnp.float32)
+        x = (x.astype(jnp.float32) + d).astype(dt)
     xo_ref[0, :] = x
     xf = x.astype(jnp.float32)
     r = jax.lax.rsqrt(jnp.sum(xf * xf) / D + eps)
@@ -41,12 +45,14 @@ def _add_rms_norm(x, delta, weight, *, eps, interpret, num_warps):
     has_delta = delta is not None
     if delta is None:
         delta = x                                                   # unread
+    partials = delta.ndim == 3
     row = pl.BlockSpec((1, D), lambda i: (i, 0))
+    d_spec = pl.BlockSpec((delta.shape[0], 1, D), lambda i: (0, i, 0)) if partials else row
     return pl.pallas_call(
-        functools.partial(_kernel, D=D, eps=float(eps), has_delta=has_delta),
+        functools.partial(_kernel, D=D, eps=float(eps), has_delta=has_delta, partials=partials),
         out_shape=[jax.ShapeDtypeStruct((S, D), x.dtype)] * 2,
         grid=(S,),
-        in_specs=[row, row, pl.BlockSpec((D,), lambda i: (0,))],
+        in_specs=[row, d_spec, pl.BlockSpec((D,), lambda i: (0,))],
         out_specs=[row, row],
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
@@ -65,18 +71,22 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
     """Residual add + RMSNorm in one Pallas launch; same contract as `reference.add_rms_norm`.
 
     Args:
-        x, delta, weight, eps: as in `reference.add_rms_norm` (D must be a power of 2 here).
+        x, delta, weight, eps: as in `reference.add_rms_norm` (D, and P for partial sums,
+            must be powers of 2 here).
         interpret: run the Pallas interpreter (CPU tests).
         num_warps: warps per program (one row of D elements per program).
     Returns:
         (x' [S, D], h [S, D]) in x.dtype.
     Raises:
-        ValueError: see `reference.check_args` (shapes, dtypes, eps); D not a power of 2 (use
+        ValueError: see `reference.check_args` (shapes, dtypes, eps); D or P not a power of 2 (use
             `supports` to check).
     """
     S, D = check_args(x, delta, weight, eps)
     if not supports(D):
         raise ValueError(f"hidden size D={D} must be a power of 2 for the Triton kernel")
+    if delta is not None and delta.ndim == 3 and not supports(delta.shape[0]):
+        raise ValueError(f"delta has P={delta.shape[0]} partial sums; the Triton kernel takes a "
+                         "power of 2")
     if S == 0:  # no rows: no launch (a grid of 0 programs is not valid)
         return x, x
     return _add_rms_norm(x, delta, weight, eps=float(eps), interpret=bool(interpret),

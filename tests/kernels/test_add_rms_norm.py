@@ -88,3 +88,39 @@ def test_zero_rows_like_the_reference(with_delta):
     want = reference.add_rms_norm(x, d, w)
     for g, r in zip(got, want):
         assert g.shape == r.shape == (0, 64) and g.dtype == r.dtype
+
+
+def partial_sums(seed, P, S, D):
+    """float32 partial sums [P, S, D] of a split-K GEMM output (as `MLP` gives in decode)."""
+    return 0.5 * jax.random.normal(jax.random.key(seed), (P, S, D), jnp.float32)
+
+
+@pytest.mark.parametrize("P, S, D, dtype", [(2, 3, 64, jnp.bfloat16), (4, 5, 128, jnp.float32),
+                                            (1, 2, 32, jnp.bfloat16)])
+def test_partial_sums_delta(P, S, D, dtype):
+    """delta as float32 partial sums: the reference adds their sum rounded to x.dtype (as a GEMM
+    writes it), and the kernel gives the same x' and h."""
+    x, _, w = make_inputs(P, S=S, D=D, dtype=dtype)
+    parts = partial_sums(P, P, S, D)
+    summed = np.asarray(parts, np.float64).sum(0).astype(np.float32)
+    want_x, want_h = reference.add_rms_norm(x, jnp.asarray(summed).astype(dtype), w, eps=1e-6)
+    xr, hr = reference.add_rms_norm(x, parts, w, eps=1e-6)
+    xk, hk = triton_pallas.add_rms_norm(x, parts, w, eps=1e-6, interpret=True)
+    # float32 sums of the partials in another order than float64's: one rounding of the dtype
+    tol = 2e-6 if dtype == jnp.float32 else 2 ** -7
+    for got_x, got_h in ((xr, hr), (xk, hk)):
+        np.testing.assert_allclose(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32),
+                                   rtol=tol, atol=tol)
+        np.testing.assert_allclose(np.asarray(got_h, np.float32), np.asarray(want_h, np.float32),
+                                   rtol=tol, atol=tol)
+
+
+def test_bad_partial_sums_are_named():
+    x, _, w = make_inputs(0, S=2, D=64, dtype=jnp.bfloat16)
+    parts = partial_sums(0, 2, 2, 64)
+    with pytest.raises(ValueError, match=r"float32\[P, S=2, D=64\]"):
+        reference.add_rms_norm(x, parts.astype(jnp.bfloat16), w)
+    with pytest.raises(ValueError, match=r"float32\[P, S=2, D=64\]"):
+        reference.add_rms_norm(x, parts[:, :1], w)
+    with pytest.raises(ValueError, match="P=3 partial sums"):
+        triton_pallas.add_rms_norm(x, partial_sums(0, 3, 2, 64), w, interpret=True)

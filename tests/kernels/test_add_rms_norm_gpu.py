@@ -37,3 +37,18 @@ def test_compiled_matches_reference(S, D, dtype, with_delta):
     hk = np.asarray(hk, np.float32)
     assert np.all(np.isfinite(hk))
     np.testing.assert_allclose(hk, np.asarray(hr, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("P, S", [(2, 1), (2, 192), (4, 7)])
+def test_compiled_partial_sums_match_reference(P, S):
+    """delta as float32 partial sums (the decode MLP's split down projection), Qwen3-8B's D."""
+    from .test_add_rms_norm import partial_sums
+    x, _, w = make_inputs(S, S=S, D=4096, dtype=jnp.bfloat16)
+    parts = partial_sums(S, P, S, 4096)
+    xr, hr = reference.add_rms_norm(x, parts, w, eps=1e-6)
+    xk, hk = triton_pallas.add_rms_norm(x, parts, w, eps=1e-6)
+    # the partials' float32 sum order may differ (P > 2): one bf16 rounding
+    np.testing.assert_allclose(np.asarray(xk, np.float32), np.asarray(xr, np.float32),
+                               rtol=2 ** -7, atol=2 ** -7)
+    np.testing.assert_allclose(np.asarray(hk, np.float32), np.asarray(hr, np.float32),
+                               rtol=2 ** -7, atol=2 ** -7)

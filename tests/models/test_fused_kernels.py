@@ -153,3 +153,44 @@ def test_add_rms_norm_names():
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="GPU kernel"):
             add_rms_norm_fn("triton")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_decode_down_projection_as_partial_sums_matches_jnp_path(arch, monkeypatch):
+    """With the add + RMSNorm kernel, large decode batches pass the MLP output on as float32
+    partial sums over halves of F (cheaper GEMMs on the GPU); the next add + norm sums them. Here
+    the row threshold is lowered to this 3-row batch, and the result is the jnp path's."""
+    from jaxinfer.models import common
+    cfg = _cfg(arch)
+    params = registry.init_params(cfg, jax.random.key(6), jnp.float32)
+    params = jax.tree_util.tree_map(lambda p: p * 3.0 if p.ndim == 2 else p, params)
+    rng = np.random.default_rng(2)
+    _, kv, pos, slot, tok = decode_batch(cfg, rng, PAGE, lens=[5, 9, 0],
+                                         slot_pages=[(0, 1), (1, 2)])
+    kernel = functools.partial(add_norm_kernel.add_rms_norm, interpret=True)
+    seen = []
+
+    def recording_kernel(x, delta, w, eps):
+        seen.append(None if delta is None else delta.shape)
+        return kernel(x, delta, w, eps=eps)
+
+    run = lambda attn: registry.forward(params, cfg, tok, jnp.asarray(pos), jnp.asarray(slot),  # noqa: E731
+                                        kv, attn_fn=attn)
+    h0, _ = run(make_attention_fn("reference", "reference"))
+    monkeypatch.setattr(common, "DOWN_PARTIALS_MIN_ROWS", 3)
+    h1, _ = run(make_attention_fn("reference", "reference", add_rms_norm=recording_kernel))
+    D = cfg.hidden_size
+    # layer 0's attn norm has no delta; every later norm after an MLP gets 2 partial sums
+    assert seen[0] is None and (common.DOWN_PARTIALS, 3, D) in seen
+    assert seen.count((common.DOWN_PARTIALS, 3, D)) == cfg.num_layers
+    np.testing.assert_allclose(np.asarray(h1[:2]), np.asarray(h0[:2]), rtol=2e-5, atol=2e-5)
+    assert float(jnp.std(h0[:2])) > 0.1
+    # the XLA path sums partial sums too (AddRMSNorm without a kernel)
+    blk = common.AddRMSNorm("n", 1e-6)
+    x = jnp.asarray(rng.standard_normal((2, 1, D)), jnp.float32)
+    parts = jnp.asarray(rng.standard_normal((2, 2, 1, D)), jnp.float32)
+    w = {"n": jnp.ones((D,))}
+    got = blk.apply({"params": w}, x, parts)
+    want = blk.apply({"params": w}, x, parts[0] + parts[1])
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)

@@ -72,7 +72,7 @@ def step_inputs(B, ctx, page_size, M, scatter_pages=False):
     return jax.tree_util.tree_map(jnp.asarray, inp), tables, np.full((B,), ctx, np.int32)
 
 
-INPUT_MODES = ("fixed", "fresh", "packed")
+INPUT_MODES = ("fixed", "fresh", "packed", "device")
 
 
 def decode_runner(cfg, params, step_fn, B, ctx, page_size, scatter_pages=False, inputs="fixed"):
@@ -82,8 +82,9 @@ def decode_runner(cfg, params, step_fn, B, ctx, page_size, scatter_pages=False, 
     ``inputs``, how the step's inputs reach the device each step: "fixed": they stay the same
     device buffers (only the tables and lengths are sent again); "fresh": every input array is
     sent again with ``jnp.asarray``, as the engine did before 989f578; "packed": one int32
-    buffer (`pack_device_inputs`), as the engine does now; ``step_fn`` must then come from
-    `make_packed_step_fn`, else from `make_step_fn`."""
+    buffer (`pack_device_inputs`), as the engine does now; "device": nothing is sent (the tables
+    and lengths too stay device buffers: the step's time without any host-to-device transfer);
+    ``step_fn`` must come from `make_packed_step_fn` for "packed", else from `make_step_fn`."""
     if inputs not in INPUT_MODES:
         raise ValueError(f"inputs={inputs!r}: allowed {INPUT_MODES}")
     M = -(-ctx // page_size)
@@ -106,6 +107,10 @@ def decode_runner(cfg, params, step_fn, B, ctx, page_size, scatter_pages=False, 
             buf, layout = pack_device_inputs(hb)
             return step_fn(params, kv, jax.device_put(buf), prev, layout=layout)
         return run, kv
+
+    if inputs == "device":  # the step passes the tables and lengths through to its output
+        return (lambda kv: step_fn(params, kv, inp)), kv.replace(
+            block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(lens))
 
     def run(kv):
         step_inp = inp if inputs == "fixed" else jax.tree_util.tree_map(jnp.asarray, host)

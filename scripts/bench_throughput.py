@@ -130,7 +130,7 @@ def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
     idle gaps (the host not keeping the device fed shows as gaps of tens of µs or more)."""
     import collections
     import glob
-    from scripts.profile_decode_step import busy_ns, kernel_events, short
+    from scripts.profile_decode_step import busy_ns, kernel_events, largest_gaps, short
     if log.active:  # the run ended inside the window
         import jax
         jax.profiler.stop_trace()
@@ -164,7 +164,7 @@ def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
                 rows=[r.rows for r in window], span_ms_per_step=span / n / 1e6,
                 busy_ms_per_step=busy_ns(ev) / n / 1e6, launches_per_step=len(ev) / n,
                 gaps_over_20us=len(big), gap_ms_over_20us=sum(big) / 1e6,
-                largest_gaps_us=[g / 1e3 for g in sorted(gaps)[-8:]], kernels=kernels)
+                largest_gaps=largest_gaps(ev, 8), kernels=kernels)
 
 
 def run_jaxinfer(path, prompts, out_lens, args) -> dict:
@@ -360,7 +360,9 @@ def main() -> None:
         print(f"\ntraced steps {args.trace_steps}: shapes {tr['shapes']}, rows {tr['rows']}")
         print(f"span {tr['span_ms_per_step']:.3f} ms/step, GPU busy {tr['busy_ms_per_step']:.3f} "
               f"ms/step, {tr['launches_per_step']:.0f} launches/step; {tr['gaps_over_20us']} "
-              f"gaps >= 20 us ({tr['gap_ms_over_20us']:.2f} ms); largest {tr['largest_gaps_us']}")
+              f"gaps >= 20 us ({tr['gap_ms_over_20us']:.2f} ms); largest:")
+        for g in tr["largest_gaps"]:
+            print(f"  {g['us']:>9.1f} us  {g['before'][:50]} -> {g['after'][:50]}")
         for k in tr["kernels"]:
             print(f"  {k['kernel']:<80} {k['launches_per_step']:>6.1f} {k['us_per_step']:>9.1f} us")
     if args.compare == "hf":

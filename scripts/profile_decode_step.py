@@ -84,6 +84,18 @@ def layer_sequence(events, anchor: str, which: int = 10) -> list[dict]:
     return out
 
 
+def largest_gaps(events, top: int = 10) -> list[dict]:
+    """The ``top`` longest idle gaps between kernels (no kernel running on any stream), each with
+    its length in µs and the kernels before and after it."""
+    out, end, last = [], None, None
+    for name, start, dur in sorted(events, key=lambda e: e[1]):
+        if end is not None and start > end:
+            out.append({"us": (start - end) / 1e3, "before": last, "after": name})
+        if end is None or start + dur > end:
+            end, last = start + dur, name
+    return sorted(out, key=lambda g: -g["us"])[:top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
@@ -147,7 +159,8 @@ def main() -> None:
                    busy_ms_per_step=busy_ns(events) / n / 1e6, span_ms_per_step=span_ns / n / 1e6,
                    launches_per_step=len(events) / n, device=jax.devices()[0].device_kind,
                    jax=jax.__version__, kernels=rows,
-                   layer_sequence=layer_sequence(events, args.anchor))
+                   layer_sequence=layer_sequence(events, args.anchor),
+                   largest_gaps=largest_gaps(events))
     print(f"B={B} ctx={ctx} layers={args.layers} attention={attn}: untraced {wall_ms:.3f} ms/step; "
           f"traced span {summary['span_ms_per_step']:.3f} ms, GPU busy {summary['busy_ms_per_step']:.3f} "
           f"ms, {summary['launches_per_step']:.0f} kernel launches per step")
@@ -155,6 +168,9 @@ def main() -> None:
     for r in rows[:args.top]:
         print(f"{r['kernel']:<80} {r['launches_per_step']:>7.1f} {r['us_per_step']:>9.1f} "
               f"{r['share']:>6.1%}")
+    print("\nlargest idle gaps (us, the kernel before -> the kernel after):")
+    for g in summary["largest_gaps"]:
+        print(f"  {g['us']:>8.1f}  {g['before'][:60]} -> {g['after'][:60]}")
     seq = summary["layer_sequence"]
     if seq:
         print(f"\none layer, in launch order ({len(seq)} kernels, "

@@ -1,0 +1,89 @@
+"""Few-row matrix product ``y = x @ w`` (decode at batch 1-4) as one Pallas kernel, Triton lowering.
+
+What it replaces: at one row XLA runs a narrow projection (N of 4096-6144, K of 4096-12288) as a
+split-K GEMM whose float32 partial sums a second launch adds up. Here program j owns the output
+columns ``[j * bn, (j + 1) * bn)``: it streams its [K, bn] strip of ``w`` in [bk, bn] tiles
+(software-pipelined, ``num_stages``), multiplies them with the M rows of ``x`` on the CUDA cores
+(float32 products summed over the tile), and writes y in the output dtype: one launch.
+
+Status: experimental (issue 4): validated in interpret mode on the CPU against
+`reference.gemv`; its speed against XLA's GEMMs is measured by ``scripts/bench_decode_gemm.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gemv.reference import check_args
+
+MAX_ROWS = 4  # rows are unrolled in the kernel: each keeps its own [bn] accumulator
+
+
+def _kernel(x_ref, w_ref, o_ref, *, M, K, bk):
+    bn = o_ref.shape[1]
+
+    def body(i, accs):
+        k0 = pl.multiple_of(i * bk, bk)
+        wt = w_ref[pl.ds(k0, bk), :].astype(jnp.float32)                  # [bk, bn]
+        return tuple(a + jnp.sum(x_ref[m, pl.ds(k0, bk)].astype(jnp.float32)[:, None] * wt,
+                                 axis=0) for m, a in enumerate(accs))
+
+    accs = jax.lax.fori_loop(0, K // bk, body,
+                             tuple(jnp.zeros((bn,), jnp.float32) for _ in range(M)))
+    for m, a in enumerate(accs):
+        o_ref[m, :] = a.astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("bn", "bk", "num_warps", "num_stages", "out_dtype",
+                                             "interpret"))
+def _gemv(x, w, *, bn, bk, num_warps, num_stages, out_dtype, interpret):
+    M, K = x.shape
+    N = w.shape[1]
+    return pl.pallas_call(
+        functools.partial(_kernel, M=M, K=K, bk=bk),
+        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype),
+        grid=(N // bn,),
+        in_specs=[pl.BlockSpec((M, K), lambda j: (0, 0)), pl.BlockSpec((K, bn), lambda j: (0, j))],
+        out_specs=pl.BlockSpec((M, bn), lambda j: (0, j)),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name="gemv",
+    )(x, w)
+
+
+def supports(M: int, K: int, N: int, bn: int = 32, bk: int = 256) -> bool:
+    """Whether the kernel takes these sizes: 1 <= M <= `MAX_ROWS`, bn divides N, bk divides K,
+    and bn, bk are powers of 2 (Triton block shapes)."""
+    pow2 = lambda v: v > 0 and not v & (v - 1)  # noqa: E731
+    return 1 <= M <= MAX_ROWS and pow2(bn) and pow2(bk) and N % bn == 0 and K % bk == 0
+
+
+def gemv(x: jax.Array, w: jax.Array, *, out_dtype=None, bn: int = 32, bk: int = 256,
+         num_warps: int = 4, num_stages: int = 4, interpret: bool = False) -> jax.Array:
+    """``x @ w`` for a few rows in one Pallas launch; same contract as `reference.gemv`.
+
+    Args:
+        x: [M, K] float, 1 <= M <= `MAX_ROWS`.
+        w: [K, N] float.
+        out_dtype: of y (default x.dtype).
+        bn: output columns per program (a power of 2 dividing N); N / bn programs.
+        bk: rows of ``w`` per pipelined tile (a power of 2 dividing K).
+        num_warps, num_stages: Triton launch parameters.
+        interpret: run the Pallas interpreter (CPU tests).
+    Returns:
+        y [M, N] in ``out_dtype``; float32 accumulation.
+    Raises:
+        ValueError: see `reference.check_args`; sizes the kernel does not take (`supports`).
+    """
+    M, K, N = check_args(x, w)
+    if not supports(M, K, N, bn, bk):
+        raise ValueError(f"gemv kernel: M={M} must be in [1, {MAX_ROWS}], bn={bn} and bk={bk} "
+                         f"powers of 2 dividing N={N} and K={K}")
+    return _gemv(x, w, bn=int(bn), bk=int(bk), num_warps=int(num_warps),
+                 num_stages=int(num_stages), out_dtype=jnp.dtype(out_dtype or x.dtype),
+                 interpret=bool(interpret))

@@ -1,0 +1,132 @@
+"""The decode step's GEMMs in isolation: GPU time per GEMM of each Qwen3-8B projection at small M
+(rows = decode batch), per back-end and formulation, from a JAX profiler trace.
+
+Formulations (``--variants``):
+  xla          ``x @ w`` (bf16 out), XLA's choice (its autotuned Triton GEMMs or cuBLAS)
+  cublas       ``x @ w`` with XLA's Triton GEMM emitter off (every matmul a cuBLAS call)
+  {xla,cublas}-partialsS   explicit split-K: ``einsum('msk,skn->smn')`` into f32[S, M, N] partial
+               sums, not added up (what a consumer kernel that sums the S partials would read)
+  {xla,cublas}-splitS      the same, summed and cast to bf16 in XLA (one more fusion)
+  gemv[-bnB][-bkB][-wW][-sS] the Pallas few-row kernel `pallas_kernels.gemv.triton_pallas`
+               (M <= 4) with its block sizes, warps and pipeline stages
+
+Each timed call runs ``--layers`` independent GEMMs (distinct weights and inputs, so the weights
+come from HBM, not L2, and XLA cannot merge the dots); the time per GEMM is the sum of the GPU
+kernels' durations (reduce kernels included) divided by that count. Reports µs, weight TB/s and
+TFLOP/s per GEMM; prints a table and appends JSON objects (bench="decode_gemm") to ``--out``.
+
+    python scripts/bench_decode_gemm.py [--rows 1 64 128 192 256] [--shapes wqkv wo down gate_up]
+        [--variants xla cublas cublas-partials4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import glob
+import json
+import os
+import re
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from scripts.profile_decode_step import kernel_events, short  # noqa: E402
+from scripts.run_info import git_commit, xla_flags  # noqa: E402
+
+# (K, N) of each Qwen3-8B decode GEMM (x[M, K] @ w[K, N])
+SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "gate_up": (4096, 24576),
+          "down": (12288, 4096)}
+
+
+def gemm_fn(variant: str):
+    """(jitted fn over lists of x, w) for one formulation; raises ValueError if unknown."""
+    g = re.fullmatch(r"gemv(?:-bn(\d+))?(?:-bk(\d+))?(?:-w(\d+))?(?:-s(\d+))?", variant)
+    if g:
+        from pallas_kernels.gemv import triton_pallas
+        kw = {k: int(v) for k, v in zip(("bn", "bk", "num_warps", "num_stages"), g.groups()) if v}
+        return jax.jit(lambda xs, ws: [triton_pallas.gemv(x, w, **kw) for x, w in zip(xs, ws)])
+    m = re.fullmatch(r"(xla|cublas)(?:-(partials|split)(\d+))?", variant)
+    if not m:
+        raise ValueError(f"unknown variant {variant!r}: xla, cublas, xla-partialsS, "
+                         "cublas-splitS, gemv-bn32-bk256-w4-s4, ...")
+    backend, kind, s = m.group(1), m.group(2), int(m.group(3) or 1)
+    opts = None if backend == "xla" else {"xla_gpu_enable_triton_gemm": False}
+
+    def one(x, w):
+        if kind is None:
+            return x @ w
+        M, K = x.shape
+        N = w.shape[1]
+        if K % s:
+            raise ValueError(f"K={K} is not divisible by S={s}")
+        p = jnp.einsum("msk,skn->smn", x.reshape(M, s, K // s), w.reshape(s, K // s, N),
+                       preferred_element_type=jnp.float32)
+        return p if kind == "partials" else p.sum(0).astype(x.dtype)
+
+    return jax.jit(lambda xs, ws: [one(x, w) for x, w in zip(xs, ws)], compiler_options=opts)
+
+
+def measure(variant: str, M: int, K: int, N: int, layers: int, reps: int) -> dict:
+    """Kernel µs per GEMM and the kernels that ran, for one variant and shape."""
+    keys = jax.random.split(jax.random.key(0), 2 * layers)
+    xs = [jax.random.normal(keys[i], (M, K), jnp.bfloat16) for i in range(layers)]
+    ws = [jax.random.normal(keys[layers + i], (K, N), jnp.bfloat16) * 0.02 for i in range(layers)]
+    fn = gemm_fn(variant)
+    jax.block_until_ready(fn(xs, ws))
+    jax.block_until_ready(fn(xs, ws))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(reps):
+                out = fn(xs, ws)
+            jax.block_until_ready(out)
+        ev = kernel_events(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
+    ev = [e for e in ev if not e[0].startswith("Memcpy")]
+    n = reps * layers
+    per = collections.defaultdict(float)
+    for name, _, dur in ev:
+        per[short(name)] += dur / n / 1e3
+    us = sum(per.values())
+    return dict(us=us, weight_tb_s=K * N * 2 / us / 1e6, tflop_s=2 * M * K * N / us / 1e6,
+                kernels={k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 128, 192, 256])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--variants", nargs="+", default=["xla", "cublas"])
+    ap.add_argument("--layers", type=int, default=8,
+                    help="independent GEMMs per timed call (8 x 33 MB of weights > the 50 MB L2)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default="benchmarks/h200.jsonl")
+    args = ap.parse_args()
+    for v in args.variants:
+        gemm_fn(v)  # unknown names fail before any work
+    meta = dict(bench="decode_gemm", date=datetime.date.today().isoformat(), commit=git_commit(),
+                jax=jax.__version__, device=jax.devices()[0].device_kind, xla_flags=xla_flags())
+    print(f"{'shape':<8} {'M':>4} {'variant':<18} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8}  kernels")
+    for name in args.shapes:
+        K, N = SHAPES[name]
+        for M in args.rows:
+            for v in args.variants:
+                try:
+                    r = measure(v, M, K, N, args.layers, args.reps)
+                except Exception as e:  # one failing formulation does not end the sweep
+                    print(f"{name:<8} {M:>4} {v:<18} failed: {type(e).__name__}: {e}"[:200])
+                    continue
+                print(f"{name:<8} {M:>4} {v:<18} {r['us']:>8.2f} {r['weight_tb_s']:>6.2f} "
+                      f"{r['tflop_s']:>8.1f}  " + ", ".join(
+                          f"{k[:40]} {t}" for k, t in list(r["kernels"].items())[:3]), flush=True)
+                with open(args.out, "a") as fh:
+                    fh.write(json.dumps(dict(meta, shape=name, M=M, K=K, N=N, variant=v, **r))
+                             + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -38,6 +38,40 @@ def test_layer_sequence_is_one_layer_in_launch_order():
     assert prof.layer_sequence(events, "mosaic", which=2) == []  # no later anchor
 
 
+def test_largest_gaps_name_the_kernels_around_them():
+    prof = _load("profile_decode_step")
+    # idle [10, 20) between a and b; c overlaps b (another stream), then idle [40, 45) before d
+    events = [("d", 45, 5), ("a", 0, 10), ("b", 20, 10), ("c", 25, 15)]
+    gaps = prof.largest_gaps(events)
+    assert gaps == [{"us": 0.01, "before": "a", "after": "b"},
+                    {"us": 0.005, "before": "c", "after": "d"}]
+    assert prof.largest_gaps(events, top=1) == gaps[:1]
+    assert prof.largest_gaps([("a", 0, 5), ("b", 2, 9)]) == []
+
+
+def test_decode_gemm_formulations_compute_the_same_product():
+    """bench_decode_gemm's explicit split-K forms: partial sums that add up to x @ w, and their
+    sum in x's dtype (CPU, float32; the GEMV variant is GPU-only outside interpret mode)."""
+    import jax
+    import jax.numpy as jnp
+    import pytest
+    bench = _load("bench_decode_gemm")
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (3, 64), jnp.float32)
+    w = jax.random.normal(kw, (64, 16), jnp.float32)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    (plain,) = bench.gemm_fn("xla")([x], [w])
+    (parts,) = bench.gemm_fn("cublas-partials4")([x], [w])
+    (summed,) = bench.gemm_fn("xla-split2")([x], [w])
+    assert parts.shape == (4, 3, 16) and parts.dtype == jnp.float32
+    for got in (plain, parts.sum(0), summed):
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="unknown variant 'cuda'"):
+        bench.gemm_fn("cuda")
+    with pytest.raises(ValueError, match="K=64 is not divisible by S=3"):
+        bench.gemm_fn("xla-partials3")([x], [w])
+
+
 def test_dry_run_emits_every_requested_token_once():
     plan = _load("plan_step_shapes")
     from jaxinfer.engine.batch_builder import BucketSpec

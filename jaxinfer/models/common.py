@@ -32,10 +32,11 @@ from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.models.params import fused_parts, layer_keys, layer_param_shapes, param_shapes
 
 INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
-# Decode steps of at least this many rows whose add + RMSNorm is a kernel that sums partial sums
-# run the MLP's down projection as DOWN_PARTIALS float32 partial sums over halves of F (`MLP`):
-# cuBLAS runs the [B, F] x [F, D] product better so than with its own split-K and reduction
-# launch (H200, Qwen3-8B, B = 128-256: 28-37 us against 31-43 us; BENCHMARKS.md, ninth session).
+# Decode steps of at least DOWN_PARTIALS_MIN_ROWS rows whose add + RMSNorm is the kernel (which
+# sums partial sums) run the MLP's down projection as DOWN_PARTIALS float32 partial sums over
+# parts of F (`MLP`): on the H200 cuBLAS runs those products faster than the whole [B, F] x [F, D]
+# one with its own split-K and reduction launch (Qwen3-8B, B = 128-256: 28-37 us against 31-43
+# us in isolation; not at B = 64; BENCHMARKS.md, ninth session).
 DOWN_PARTIALS = 2
 DOWN_PARTIALS_MIN_ROWS = 128
 
@@ -181,7 +182,7 @@ class AddRMSNorm(nn.Module):
     "attn_norm"): ``__call__(x [B, T, D], delta [B, T, D] | None) -> (x + delta, rms_norm(x +
     delta))``, both [B, T, D] in x.dtype (`rms_norm`; no add when ``delta`` is None).
 
-    ``delta`` may also be float32 partial sums [P, B, T, D] of it (`MLP` with
+    ``delta`` may also be float32 partial sums [splits, B, T, D] of it (`MLP` with
     ``down_partials``): their sum rounded to x.dtype is added.
 
     ``kernel``: None (jnp ops, fused by XLA) or a function with the signature of
@@ -216,8 +217,8 @@ class MLP(nn.Module):
 
     gate and up are one GEMM with ``w_gate_up`` [D, 2F]; its output [B, T, 2F] is split into the
     gate [B, T, F] and up [B, T, F] halves (`fused_parts`). ``w_down`` [F, D].
-    With ``down_partials`` P > 1 the down projection is split over P equal parts of F and the
-    output is their float32 partial sums [P, B, T, D] (for an `AddRMSNorm` to add up).
+    With ``down_partials`` > 1 the down projection is split over that many equal parts of F and
+    the output is their float32 partial sums [splits, B, T, D] (for an `AddRMSNorm` to add up).
     Source: Shazeer 2020, "GLU Variants Improve Transformer".
     """
 
@@ -233,11 +234,11 @@ class MLP(nn.Module):
         with jax.named_scope("mlp"):
             gu = x @ in_dtype(w_gate_up, x.dtype)                       # [B, T, 2F]
             h = jax.nn.silu(gu[..., parts["gate"]]) * gu[..., parts["up"]]
-            P = self.down_partials
-            if P > 1:
+            splits = self.down_partials
+            if splits > 1:
                 B, T, F = h.shape
-                w = in_dtype(w_down, x.dtype).reshape(P, F // P, -1)    # a view: no copy
-                return jnp.einsum("btpf,pfd->pbtd", h.reshape(B, T, P, F // P), w,
+                w = in_dtype(w_down, x.dtype).reshape(splits, F // splits, -1)   # a view
+                return jnp.einsum("btpf,pfd->pbtd", h.reshape(B, T, splits, F // splits), w,
                                   preferred_element_type=jnp.float32)
             return (h @ in_dtype(w_down, x.dtype)).astype(x.dtype)
 
@@ -367,7 +368,8 @@ class Layers(nn.Module):
     str(L-1), so their params land at ``params["layers"][str(i)]`` when this module is named
     "layers". ``__call__(x [B, T, D], k_pool, v_pool, ctx)`` -> (x, pending, k_pool, v_pool):
     the residual stream without the last layer's MLP output ``pending`` [B, T, D] (or its
-    float32 partial sums [P, B, T, D], see `DecoderLayer`; the final norm adds it), the pools [L, P, K, page_size, H] written by every layer at its own index.
+    float32 partial sums [splits, B, T, D], see `DecoderLayer`; the final norm adds it), the
+    pools [L, P, K, page_size, H] written by every layer at its own index.
     """
 
     cfg: ModelConfig

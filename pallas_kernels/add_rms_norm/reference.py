@@ -30,11 +30,11 @@ def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
     partials = delta is not None and delta.ndim == 3
     if partials and (delta.shape[1:] != x.shape or delta.dtype != jnp.float32
                      or delta.shape[0] < 1):
-        raise ValueError(f"delta as partial sums must be float32[P, S={S}, D={D}] with P >= 1; "
+        raise ValueError(f"delta as partial sums must be float32[splits >= 1, S={S}, D={D}]; "
                          f"got {delta.dtype}{list(delta.shape)}")
     if delta is not None and not partials and (delta.shape != x.shape or delta.dtype != x.dtype):
         raise ValueError(f"delta must match x ({x.dtype}{list(x.shape)}) or be float32 partial "
-                         f"sums [P, S, D]; got {delta.dtype}{list(delta.shape)}")
+                         f"sums [splits, S, D]; got {delta.dtype}{list(delta.shape)}")
     if weight.shape != (D,):
         raise ValueError(f"weight must be [D={D}]; got shape {weight.shape}")
     for name, a in (("x", x), ("weight", weight)):
@@ -51,9 +51,9 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
 
     Args:
         x: [S, D] the residual stream, compute dtype.
-        delta: [S, D] the sub-block output to add (same dtype), or float32[P, S, D] P partial
-            sums of it (a split-K GEMM's, `jaxinfer.models.common.MLP`): their sum rounded to
-            x.dtype is the output added; or None (no add: x' = x).
+        delta: [S, D] the sub-block output to add (same dtype), or float32[splits, S, D]
+            partial sums of it (a split-K GEMM's, `jaxinfer.models.common.MLP`): their sum
+            rounded to x.dtype is the output added; or None (no add: x' = x).
         weight: [D] the norm weight (any float dtype; cast to x.dtype).
         eps: added to the mean square.
     Returns:

@@ -27,7 +27,7 @@ def _kernel(x_ref, d_ref, w_ref, xo_ref, h_ref, *, D, eps, has_delta, partials):
     dt = x_ref.dtype
     x = x_ref[0, :]
     if has_delta:
-        if partials:  # float32 partial sums [P, 1, D]: their sum, rounded as a GEMM output is
+        if partials:  # float32 partial sums [splits, 1, D]: their sum, rounded as a GEMM output is
             d = jnp.sum(d_ref[:, 0, :], axis=0).astype(dt).astype(jnp.float32)
         else:
             d = d_ref[0, :].astype(jnp.float32)
@@ -71,21 +71,21 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
     """Residual add + RMSNorm in one Pallas launch; same contract as `reference.add_rms_norm`.
 
     Args:
-        x, delta, weight, eps: as in `reference.add_rms_norm` (D, and P for partial sums,
-            must be powers of 2 here).
+        x, delta, weight, eps: as in `reference.add_rms_norm` (D, and the number of partial
+            sums, must be powers of 2 here).
         interpret: run the Pallas interpreter (CPU tests).
         num_warps: warps per program (one row of D elements per program).
     Returns:
         (x' [S, D], h [S, D]) in x.dtype.
     Raises:
-        ValueError: see `reference.check_args` (shapes, dtypes, eps); D or P not a power of 2 (use
-            `supports` to check).
+        ValueError: see `reference.check_args` (shapes, dtypes, eps); D or the number of
+            partial sums not a power of 2 (use `supports` to check).
     """
     S, D = check_args(x, delta, weight, eps)
     if not supports(D):
         raise ValueError(f"hidden size D={D} must be a power of 2 for the Triton kernel")
     if delta is not None and delta.ndim == 3 and not supports(delta.shape[0]):
-        raise ValueError(f"delta has P={delta.shape[0]} partial sums; the Triton kernel takes a "
+        raise ValueError(f"delta has {delta.shape[0]} partial sums; the Triton kernel takes a "
                          "power of 2")
     if S == 0:  # no rows: no launch (a grid of 0 programs is not valid)
         return x, x

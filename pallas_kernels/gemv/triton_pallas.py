@@ -6,8 +6,14 @@ columns ``[j * bn, (j + 1) * bn)``: it streams its [K, bn] strip of ``w`` in [bk
 (software-pipelined, ``num_stages``), multiplies them with the M rows of ``x`` on the CUDA cores
 (float32 products summed over the tile), and writes y in the output dtype: one launch.
 
-Status: experimental (issue 4): validated in interpret mode on the CPU against
-`reference.gemv`; its speed against XLA's GEMMs is measured by ``scripts/bench_decode_gemm.py``.
+Status: experimental, not used by the engine. Validated in interpret mode on the CPU against
+`reference.gemv` (``tests/kernels/test_gemv.py``). On the H200 at one row it is 1.7-2.3x slower
+than XLA's split-K GEMM + reduction for the Qwen3-8B projections (wo 19.1 vs 11.3 us, wqkv 24.5
+vs 15.3, down 53.9 vs 26.7, gate_up 54.4 vs 46.6 at its best block sizes;
+``scripts/bench_decode_gemm.py``, BENCHMARKS.md, ninth session): N / bn programs of one column
+strip each do not keep enough loads in flight, and ``num_stages`` did not change the time (the
+strip loop was not pipelined). A split over K, whose partial sums a consumer kernel adds, is the
+next step for this kernel.
 """
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def test_zero_rows_like_the_reference(with_delta):
 
 
 def partial_sums(seed, P, S, D):
-    """float32 partial sums [P, S, D] of a split-K GEMM output (as `MLP` gives in decode)."""
+    """float32 partial sums [splits, S, D] of a split-K GEMM output (as `MLP` gives in decode)."""
     return 0.5 * jax.random.normal(jax.random.key(seed), (P, S, D), jnp.float32)
 
 
@@ -118,9 +118,9 @@ def test_partial_sums_delta(P, S, D, dtype):
 def test_bad_partial_sums_are_named():
     x, _, w = make_inputs(0, S=2, D=64, dtype=jnp.bfloat16)
     parts = partial_sums(0, 2, 2, 64)
-    with pytest.raises(ValueError, match=r"float32\[P, S=2, D=64\]"):
+    with pytest.raises(ValueError, match=r"float32\[splits >= 1, S=2, D=64\]"):
         reference.add_rms_norm(x, parts.astype(jnp.bfloat16), w)
-    with pytest.raises(ValueError, match=r"float32\[P, S=2, D=64\]"):
+    with pytest.raises(ValueError, match=r"float32\[splits >= 1, S=2, D=64\]"):
         reference.add_rms_norm(x, parts[:, :1], w)
-    with pytest.raises(ValueError, match="P=3 partial sums"):
+    with pytest.raises(ValueError, match="has 3 partial sums"):
         triton_pallas.add_rms_norm(x, partial_sums(0, 3, 2, 64), w, interpret=True)

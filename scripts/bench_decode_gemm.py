@@ -7,8 +7,9 @@ Formulations (``--variants``):
   {xla,cublas}-partialsS   explicit split-K: ``einsum('msk,skn->smn')`` into f32[S, M, N] partial
                sums, not added up (what a consumer kernel that sums the S partials would read)
   {xla,cublas}-splitS      the same, summed and cast to bf16 in XLA (one more fusion)
-  gemv[-bnB][-bkB][-wW][-sS] the Pallas few-row kernel `pallas_kernels.gemv.triton_pallas`
-               (M <= 4) with its block sizes, warps and pipeline stages
+  gemv[-bnB][-bkB][-wW][-sS][-kK] the Pallas few-row kernel `pallas_kernels.gemv.triton_pallas`
+               (M = 1, 2, 4) with its block sizes, warps, pipeline stages and K splits (K > 1:
+               float32 partial sums, not added up)
 
 Each timed call runs ``--layers`` independent GEMMs (distinct weights and inputs, so the weights
 come from HBM, not L2, and XLA cannot merge the dots); the time per GEMM is the sum of the GPU
@@ -46,15 +47,17 @@ SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "gate_up": (4096, 24576),
 
 def gemm_fn(variant: str):
     """(jitted fn over lists of x, w) for one formulation; raises ValueError if unknown."""
-    g = re.fullmatch(r"gemv(?:-bn(\d+))?(?:-bk(\d+))?(?:-w(\d+))?(?:-s(\d+))?", variant)
+    g = re.fullmatch(r"gemv(?:-bn(\d+))?(?:-bk(\d+))?(?:-w(\d+))?(?:-s(\d+))?(?:-k(\d+))?",
+                     variant)
     if g:
         from pallas_kernels.gemv import triton_pallas
-        kw = {k: int(v) for k, v in zip(("bn", "bk", "num_warps", "num_stages"), g.groups()) if v}
+        names = ("bn", "bk", "num_warps", "num_stages", "splits")
+        kw = {k: int(v) for k, v in zip(names, g.groups()) if v}
         return jax.jit(lambda xs, ws: [triton_pallas.gemv(x, w, **kw) for x, w in zip(xs, ws)])
     m = re.fullmatch(r"(xla|cublas)(?:-(partials|split)(\d+))?", variant)
     if not m:
         raise ValueError(f"unknown variant {variant!r}: xla, cublas, xla-partialsS, "
-                         "cublas-splitS, gemv-bn32-bk256-w4-s4, ...")
+                         "cublas-splitS, gemv-bn32-bk256-w4-s4-k4, ...")
     backend, kind, s = m.group(1), m.group(2), int(m.group(3) or 1)
     opts = None if backend == "xla" else {"xla_gpu_enable_triton_gemm": False}
 
@@ -107,7 +110,13 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     args = ap.parse_args()
     for v in args.variants:
-        gemm_fn(v)  # unknown names fail before any work
+        try:
+            gemm_fn(v)  # unknown names fail before any work
+        except ValueError as e:
+            ap.error(str(e))
+    if jax.default_backend() != "gpu":
+        ap.error(f"this benchmark times GPU kernels from a profiler trace; JAX's backend here is "
+                 f"{jax.default_backend()!r}")
     meta = dict(bench="decode_gemm", date=datetime.date.today().isoformat(), commit=git_commit(),
                 jax=jax.__version__, device=jax.devices()[0].device_kind, xla_flags=xla_flags())
     print(f"{'shape':<8} {'M':>4} {'variant':<18} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8}  kernels")

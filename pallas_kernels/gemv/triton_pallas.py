@@ -7,13 +7,13 @@ columns ``[j * bn, (j + 1) * bn)``: it streams its [K, bn] strip of ``w`` in [bk
 (float32 products summed over the tile), and writes y in the output dtype: one launch.
 
 Status: experimental, not used by the engine. Validated in interpret mode on the CPU against
-`reference.gemv` (``tests/kernels/test_gemv.py``). On the H200 at one row it is 1.7-2.3x slower
+`reference.gemv` (``tests/kernels/test_gemv.py``). On the H200 at one row it is 1.2-2.3x slower
 than XLA's split-K GEMM + reduction for the Qwen3-8B projections (wo 19.1 vs 11.3 us, wqkv 24.5
 vs 15.3, down 53.9 vs 26.7, gate_up 54.4 vs 46.6 at its best block sizes;
 ``scripts/bench_decode_gemm.py``, BENCHMARKS.md, ninth session): N / bn programs of one column
 strip each do not keep enough loads in flight, and ``num_stages`` did not change the time (the
-strip loop was not pipelined). A split over K, whose partial sums a consumer kernel adds, is the
-next step for this kernel.
+strip loop was not pipelined). ``splits`` > 1 splits K over more programs and returns float32
+partial sums for a consumer kernel to add; that form is tested on the CPU but not yet timed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ MAX_ROWS = 4  # rows are unrolled in the kernel: each keeps its own [bn] accumul
 
 
 def _kernel(x_ref, w_ref, o_ref, *, M, K, bk):
-    bn = o_ref.shape[1]
+    bn = o_ref.shape[-1]
 
     def body(i, accs):
         k0 = pl.multiple_of(i * bk, bk)
@@ -45,51 +45,64 @@ def _kernel(x_ref, w_ref, o_ref, *, M, K, bk):
         o_ref[m, :] = a.astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("bn", "bk", "num_warps", "num_stages", "out_dtype",
-                                             "interpret"))
-def _gemv(x, w, *, bn, bk, num_warps, num_stages, out_dtype, interpret):
+@functools.partial(jax.jit, static_argnames=("bn", "bk", "splits", "num_warps", "num_stages",
+                                             "out_dtype", "interpret"))
+def _gemv(x, w, *, bn, bk, splits, num_warps, num_stages, out_dtype, interpret):
     M, K = x.shape
     N = w.shape[1]
-    return pl.pallas_call(
-        functools.partial(_kernel, M=M, K=K, bk=bk),
-        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype),
-        grid=(N // bn,),
-        in_specs=[pl.BlockSpec((M, K), lambda j: (0, 0)), pl.BlockSpec((K, bn), lambda j: (0, j))],
-        out_specs=pl.BlockSpec((M, bn), lambda j: (0, j)),
+    Ks = K // splits                     # program (j, s) sums over rows [s * Ks, (s + 1) * Ks)
+    out = pl.pallas_call(
+        functools.partial(_kernel, M=M, K=Ks, bk=bk),
+        out_shape=jax.ShapeDtypeStruct((splits, M, N), out_dtype),
+        grid=(N // bn, splits),
+        in_specs=[pl.BlockSpec((M, Ks), lambda j, s: (0, s)),
+                  pl.BlockSpec((Ks, bn), lambda j, s: (s, j))],
+        out_specs=pl.BlockSpec((None, M, bn), lambda j, s: (s, 0, j)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name="gemv",
     )(x, w)
+    return out[0] if splits == 1 else out
 
 
-def supports(M: int, K: int, N: int, bn: int = 32, bk: int = 256) -> bool:
-    """Whether the kernel takes these sizes: 1 <= M <= `MAX_ROWS`, bn divides N, bk divides K,
-    and bn, bk are powers of 2 (Triton block shapes)."""
+def supports(M: int, K: int, N: int, bn: int = 32, bk: int = 256, splits: int = 1) -> bool:
+    """Whether the kernel takes these sizes: M a power of 2 up to `MAX_ROWS`, bn dividing N,
+    splits * bk dividing K, and bn, bk powers of 2 (Triton block shapes)."""
     pow2 = lambda v: v > 0 and not v & (v - 1)  # noqa: E731
-    return 1 <= M <= MAX_ROWS and pow2(bn) and pow2(bk) and N % bn == 0 and K % bk == 0
+    return (pow2(M) and M <= MAX_ROWS and pow2(bn) and pow2(bk) and splits >= 1 and N % bn == 0
+            and K % (splits * bk) == 0)
 
 
 def gemv(x: jax.Array, w: jax.Array, *, out_dtype=None, bn: int = 32, bk: int = 256,
-         num_warps: int = 4, num_stages: int = 4, interpret: bool = False) -> jax.Array:
-    """``x @ w`` for a few rows in one Pallas launch; same contract as `reference.gemv`.
+         splits: int = 1, num_warps: int = 4, num_stages: int = 4,
+         interpret: bool = False) -> jax.Array:
+    """``x @ w`` for a few rows in one Pallas launch; with ``splits`` = 1 the contract of
+    `reference.gemv`.
 
     Args:
-        x: [M, K] float, 1 <= M <= `MAX_ROWS`.
+        x: [M, K] float, M in (1, 2, 4) (`MAX_ROWS`).
         w: [K, N] float.
-        out_dtype: of y (default x.dtype).
-        bn: output columns per program (a power of 2 dividing N); N / bn programs.
-        bk: rows of ``w`` per pipelined tile (a power of 2 dividing K).
+        out_dtype: of y (default x.dtype); ignored with ``splits`` > 1.
+        bn: output columns per program (a power of 2 dividing N).
+        bk: rows of ``w`` per pipelined tile (a power of 2; ``splits * bk`` divides K).
+        splits: parts of K, one program each per column strip ((N / bn) x splits programs).
+            Above 1 the result is their float32 partial sums, for a consumer to add (e.g.
+            `pallas_kernels.add_rms_norm` takes them as its delta).
         num_warps, num_stages: Triton launch parameters.
         interpret: run the Pallas interpreter (CPU tests).
     Returns:
-        y [M, N] in ``out_dtype``; float32 accumulation.
+        y [M, N] in ``out_dtype`` (float32 accumulation); with ``splits`` > 1, float32 partial
+        sums [splits, M, N] that add up to y.
     Raises:
         ValueError: see `reference.check_args`; sizes the kernel does not take (`supports`).
     """
     M, K, N = check_args(x, w)
-    if not supports(M, K, N, bn, bk):
-        raise ValueError(f"gemv kernel: M={M} must be in [1, {MAX_ROWS}], bn={bn} and bk={bk} "
-                         f"powers of 2 dividing N={N} and K={K}")
-    return _gemv(x, w, bn=int(bn), bk=int(bk), num_warps=int(num_warps),
-                 num_stages=int(num_stages), out_dtype=jnp.dtype(out_dtype or x.dtype),
-                 interpret=bool(interpret))
+    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+        raise ValueError(f"splits={splits!r} must be an integer >= 1")
+    if not supports(M, K, N, bn, bk, splits):
+        raise ValueError(f"gemv kernel: M={M} must be 1, 2 or {MAX_ROWS}, bn={bn} and bk={bk} "
+                         f"powers of 2, bn dividing N={N} and splits * bk = {splits * bk} "
+                         f"dividing K={K}")
+    dtype = jnp.float32 if splits > 1 else jnp.dtype(out_dtype or x.dtype)
+    return _gemv(x, w, bn=int(bn), bk=int(bk), splits=splits, num_warps=int(num_warps),
+                 num_stages=int(num_stages), out_dtype=dtype, interpret=bool(interpret))

@@ -12,7 +12,7 @@ from pallas_kernels.gemv import reference, triton_pallas
 
 @pytest.mark.parametrize("M, K, N, bn, bk, dtype", [
     (1, 512, 128, 32, 128, jnp.float32),
-    (3, 256, 64, 32, 64, jnp.float32),
+    (2, 256, 64, 32, 64, jnp.float32),
     (4, 1024, 256, 64, 256, jnp.bfloat16),
 ])
 def test_interpret_matches_reference(M, K, N, bn, bk, dtype):
@@ -33,14 +33,40 @@ def test_interpret_matches_reference(M, K, N, bn, bk, dtype):
     np.testing.assert_allclose(np.asarray(want, np.float64), ref64, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("M, K, N, bn, bk, splits", [(1, 512, 64, 32, 64, 4), (2, 256, 64, 32, 32, 2)])
+def test_split_over_k_gives_partial_sums(M, K, N, bn, bk, splits):
+    """splits > 1: float32 partial sums [splits, M, N], part s = x[:, Ks] @ w[Ks, :] for the s-th
+    K range, which add up to x @ w."""
+    kx, kw = jax.random.split(jax.random.key(K))
+    x = jax.random.normal(kx, (M, K), jnp.float32).astype(jnp.bfloat16)
+    w = jax.random.normal(kw, (K, N), jnp.float32).astype(jnp.bfloat16)
+    parts = triton_pallas.gemv(x, w, bn=bn, bk=bk, splits=splits, interpret=True)
+    assert parts.shape == (splits, M, N) and parts.dtype == jnp.float32
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    Ks = K // splits
+    tol = 1e-5 * np.sqrt(Ks)
+    for s in range(splits):
+        want = x64[:, s * Ks:(s + 1) * Ks] @ w64[s * Ks:(s + 1) * Ks]
+        np.testing.assert_allclose(np.asarray(parts[s], np.float64), want, rtol=0, atol=tol)
+    np.testing.assert_allclose(np.asarray(parts, np.float64).sum(0), x64 @ w64, rtol=0,
+                               atol=tol * splits)
+
+
 def test_bad_arguments_are_named():
     x, w = jnp.ones((2, 64)), jnp.ones((64, 32))
     with pytest.raises(ValueError, match="disagree on K"):
         reference.gemv(x, w[:32])
     with pytest.raises(ValueError, match=r"x must be \[M, K\]"):
         reference.gemv(x[None], w)
-    with pytest.raises(ValueError, match=r"M=5 must be in \[1, 4\]"):
-        triton_pallas.gemv(jnp.ones((5, 64)), w, interpret=True)
+    for M in (3, 5):  # Triton block shapes are powers of 2
+        with pytest.raises(ValueError, match=f"M={M} must be 1, 2 or 4"):
+            triton_pallas.gemv(jnp.ones((M, 64)), w, interpret=True)
     with pytest.raises(ValueError, match="bn=24"):
         triton_pallas.gemv(x, w, bn=24, bk=32, interpret=True)
+    with pytest.raises(ValueError, match="splits=0 must be an integer >= 1"):
+        triton_pallas.gemv(x, w, splits=0, interpret=True)
+    with pytest.raises(ValueError, match="splits \\* bk = 96"):
+        triton_pallas.gemv(x, w, bk=32, splits=3, interpret=True)
     assert triton_pallas.supports(1, 4096, 4096) and not triton_pallas.supports(1, 4096, 4100)
+    assert triton_pallas.supports(1, 4096, 4096, splits=8) and not triton_pallas.supports(
+        1, 4096, 4096, bk=512, splits=16)

@@ -264,9 +264,10 @@ class EngineConfig:
             (jnp ops, fused by XLA), "triton" (one Pallas kernel each,
             `pallas_kernels.add_rms_norm`; GPU only, hidden size a power of 2) or "auto" (as
             above). On the H200 the two kernels together: 9,404 vs 9,305 tok/s on the
-            throughput workload, B=1 decode 4.56 vs 4.61 ms (BENCHMARKS.md). With "triton",
-            decode steps of 128 rows or more also run the MLP's down projection as two float32
-            partial sums that the kernel adds (`jaxinfer.models.common.DOWN_PARTIALS`).
+            throughput workload, B=1 decode 4.56 vs 4.61 ms (BENCHMARKS.md). Whenever the
+            kernel is used ("triton", or "auto" where it resolves to it), decode steps (one
+            token per row) of 128 rows or more also run the MLP's down projection as two
+            float32 partial sums that the kernel adds (`jaxinfer.models.common.DOWN_PARTIALS`).
         prefill_gemm: GEMM back-end of prefill steps (packed prompt chunks): "xla" (XLA's choice:
             Triton GEMMs or cuBLAS per matmul) or "cublas" (XLA's Triton GEMM emitter off for
             those steps). GPU only in effect.

@@ -53,12 +53,16 @@ def gemm_fn(variant: str):
         from pallas_kernels.gemv import triton_pallas
         names = ("bn", "bk", "num_warps", "num_stages", "splits")
         kw = {k: int(v) for k, v in zip(names, g.groups()) if v}
+        if any(v < 1 for v in kw.values()):
+            raise ValueError(f"variant {variant!r}: every number must be >= 1")
         return jax.jit(lambda xs, ws: [triton_pallas.gemv(x, w, **kw) for x, w in zip(xs, ws)])
     m = re.fullmatch(r"(xla|cublas)(?:-(partials|split)(\d+))?", variant)
     if not m:
         raise ValueError(f"unknown variant {variant!r}: xla, cublas, xla-partialsS, "
                          "cublas-splitS, gemv-bn32-bk256-w4-s4-k4, ...")
     backend, kind, s = m.group(1), m.group(2), int(m.group(3) or 1)
+    if s < 1:
+        raise ValueError(f"variant {variant!r}: the split count must be >= 1")
     opts = None if backend == "xla" else {"xla_gpu_enable_triton_gemm": False}
 
     def one(x, w):
@@ -101,17 +105,23 @@ def measure(variant: str, M: int, K: int, N: int, layers: int, reps: int) -> dic
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 128, 192, 256])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--variants", nargs="+", default=["xla", "cublas"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 128, 192, 256],
+                    help="M: rows of x (the decode batch)")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
+                    help="Qwen3-8B projections (K, N): " + ", ".join(
+                        f"{k} {v}" for k, v in SHAPES.items()))
+    ap.add_argument("--variants", nargs="+", default=["xla", "cublas"],
+                    help="formulations (see the module docstring): xla, cublas, "
+                         "{xla,cublas}-partialsS, {xla,cublas}-splitS, "
+                         "gemv[-bnB][-bkB][-wW][-sS][-kK]")
     ap.add_argument("--layers", type=int, default=8,
                     help="independent GEMMs per timed call (8 x 33 MB of weights > the 50 MB L2)")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default="benchmarks/h200.jsonl")
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
+    ap.add_argument("--out", default="benchmarks/h200.jsonl", help="JSON lines appended here")
     args = ap.parse_args()
     for v in args.variants:
         try:
-            gemm_fn(v)  # unknown names fail before any work
+            gemm_fn(v)  # unknown names and bad numbers fail before any work
         except ValueError as e:
             ap.error(str(e))
     if jax.default_backend() != "gpu":

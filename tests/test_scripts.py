@@ -70,6 +70,9 @@ def test_decode_gemm_formulations_compute_the_same_product():
         bench.gemm_fn("cuda")
     with pytest.raises(ValueError, match="K=64 is not divisible by S=3"):
         bench.gemm_fn("xla-partials3")([x], [w])
+    for bad in ("xla-partials0", "cublas-split0", "gemv-k0", "gemv-bn0"):
+        with pytest.raises(ValueError, match=">= 1"):
+            bench.gemm_fn(bad)
 
 
 def test_dry_run_emits_every_requested_token_once():

@@ -19,6 +19,7 @@ partial sums for a consumer kernel to add; that form is tested on the CPU but no
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -65,12 +66,29 @@ def _gemv(x, w, *, bn, bk, splits, num_warps, num_stages, out_dtype, interpret):
     return out[0] if splits == 1 else out
 
 
+def _pow2(v: int) -> bool:
+    return v > 0 and not v & (v - 1)
+
+
+def _size_problem(M: int, K: int, N: int, bn: int, bk: int, splits: int) -> str | None:
+    """What makes these sizes unusable for the kernel (the first rule broken), or None."""
+    if not (_pow2(M) and M <= MAX_ROWS):
+        return f"M={M} rows: must be 1, 2 or {MAX_ROWS} (Triton block shapes are powers of 2)"
+    if K < 1 or N < 1:
+        return f"K={K}, N={N}: both must be >= 1"
+    if not (_pow2(bn) and N % bn == 0):
+        return f"bn={bn} must be a power of 2 dividing N={N}"
+    if not _pow2(bk):
+        return f"bk={bk} must be a power of 2"
+    if splits < 1 or K % (splits * bk):
+        return f"splits * bk = {splits} * {bk} must divide K={K}"
+    return None
+
+
 def supports(M: int, K: int, N: int, bn: int = 32, bk: int = 256, splits: int = 1) -> bool:
-    """Whether the kernel takes these sizes: M a power of 2 up to `MAX_ROWS`, bn dividing N,
-    splits * bk dividing K, and bn, bk powers of 2 (Triton block shapes)."""
-    pow2 = lambda v: v > 0 and not v & (v - 1)  # noqa: E731
-    return (pow2(M) and M <= MAX_ROWS and pow2(bn) and pow2(bk) and splits >= 1 and N % bn == 0
-            and K % (splits * bk) == 0)
+    """Whether the kernel takes these sizes: M a power of 2 up to `MAX_ROWS`, K, N >= 1, bn a
+    power of 2 dividing N, bk a power of 2 and splits * bk dividing K."""
+    return _size_problem(M, K, N, bn, bk, splits) is None
 
 
 def gemv(x: jax.Array, w: jax.Array, *, out_dtype=None, bn: int = 32, bk: int = 256,
@@ -87,7 +105,8 @@ def gemv(x: jax.Array, w: jax.Array, *, out_dtype=None, bn: int = 32, bk: int = 
         bk: rows of ``w`` per pipelined tile (a power of 2; ``splits * bk`` divides K).
         splits: parts of K, one program each per column strip ((N / bn) x splits programs).
             Above 1 the result is their float32 partial sums, for a consumer to add (e.g.
-            `pallas_kernels.add_rms_norm` takes them as its delta).
+            `pallas_kernels.add_rms_norm` takes them as its delta; its Triton kernel needs a
+            power-of-2 count).
         num_warps, num_stages: Triton launch parameters.
         interpret: run the Pallas interpreter (CPU tests).
     Returns:
@@ -97,12 +116,20 @@ def gemv(x: jax.Array, w: jax.Array, *, out_dtype=None, bn: int = 32, bk: int = 
         ValueError: see `reference.check_args`; sizes the kernel does not take (`supports`).
     """
     M, K, N = check_args(x, w)
-    if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
-        raise ValueError(f"splits={splits!r} must be an integer >= 1")
-    if not supports(M, K, N, bn, bk, splits):
-        raise ValueError(f"gemv kernel: M={M} must be 1, 2 or {MAX_ROWS}, bn={bn} and bk={bk} "
-                         f"powers of 2, bn dividing N={N} and splits * bk = {splits * bk} "
-                         f"dividing K={K}")
-    dtype = jnp.float32 if splits > 1 else jnp.dtype(out_dtype or x.dtype)
-    return _gemv(x, w, bn=int(bn), bk=int(bk), splits=splits, num_warps=int(num_warps),
-                 num_stages=int(num_stages), out_dtype=dtype, interpret=bool(interpret))
+    ints = {}
+    for name, v in (("bn", bn), ("bk", bk), ("splits", splits), ("num_warps", num_warps),
+                    ("num_stages", num_stages)):
+        try:
+            if isinstance(v, bool):
+                raise TypeError
+            ints[name] = operator.index(v)
+        except TypeError:
+            raise ValueError(f"{name}={v!r} must be an integer") from None
+    if ints["splits"] < 1 or ints["num_warps"] < 1 or ints["num_stages"] < 1:
+        raise ValueError(f"splits, num_warps and num_stages must be >= 1; got {ints['splits']}, "
+                         f"{ints['num_warps']}, {ints['num_stages']}")
+    problem = _size_problem(M, K, N, ints["bn"], ints["bk"], ints["splits"])
+    if problem:
+        raise ValueError(f"gemv kernel: {problem}")
+    dtype = jnp.float32 if ints["splits"] > 1 else jnp.dtype(out_dtype or x.dtype)
+    return _gemv(x, w, out_dtype=dtype, interpret=bool(interpret), **ints)

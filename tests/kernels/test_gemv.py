@@ -59,14 +59,21 @@ def test_bad_arguments_are_named():
     with pytest.raises(ValueError, match=r"x must be \[M, K\]"):
         reference.gemv(x[None], w)
     for M in (3, 5):  # Triton block shapes are powers of 2
-        with pytest.raises(ValueError, match=f"M={M} must be 1, 2 or 4"):
+        with pytest.raises(ValueError, match=f"M={M} rows: must be 1, 2 or 4"):
             triton_pallas.gemv(jnp.ones((M, 64)), w, interpret=True)
-    with pytest.raises(ValueError, match="bn=24"):
+    with pytest.raises(ValueError, match="bn=24 must be a power of 2 dividing N=32"):
         triton_pallas.gemv(x, w, bn=24, bk=32, interpret=True)
-    with pytest.raises(ValueError, match="splits=0 must be an integer >= 1"):
+    with pytest.raises(ValueError, match="splits, num_warps and num_stages must be >= 1"):
         triton_pallas.gemv(x, w, splits=0, interpret=True)
-    with pytest.raises(ValueError, match="splits \\* bk = 96"):
+    with pytest.raises(ValueError, match=r"splits \* bk = 3 \* 32 must divide K=64"):
         triton_pallas.gemv(x, w, bk=32, splits=3, interpret=True)
+    for bad in (dict(bn=32.0), dict(bk=None), dict(bk=True), dict(splits=2.0)):
+        with pytest.raises(ValueError, match="must be an integer"):
+            triton_pallas.gemv(x, w, interpret=True, **bad)
+    with pytest.raises(ValueError, match="K=0, N=32: both must be >= 1"):  # no crash in Pallas
+        triton_pallas.gemv(jnp.ones((1, 0)), jnp.ones((0, 32)), interpret=True)
+    parts = triton_pallas.gemv(x, w, bk=32, splits=np.int64(2), interpret=True)  # numpy ints
+    assert parts.shape == (2, 2, 32)
     assert triton_pallas.supports(1, 4096, 4096) and not triton_pallas.supports(1, 4096, 4100)
     assert triton_pallas.supports(1, 4096, 4096, splits=8) and not triton_pallas.supports(
         1, 4096, 4096, bk=512, splits=16)

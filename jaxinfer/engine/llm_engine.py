@@ -38,6 +38,7 @@ from jaxinfer.models.params import param_bytes
 from jaxinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.step import make_packed_step_fn
+from pallas_kernels.sizes import is_pow2
 
 log = logging.getLogger("jaxinfer")
 
@@ -153,12 +154,11 @@ def resolve_fused_kernels(cfg: ModelConfig, ec: EngineConfig, platform: str,
             kernel does not take.
     """
     gpu = platform == "gpu" and dtype in ("bfloat16", "float16")
-    pow2 = lambda n: n > 0 and not n & (n - 1)  # noqa: E731
     out = []
     for name, value, ok, what in (
-            ("qkv_prologue", ec.qkv_prologue, pow2(cfg.head_dim // 2),
+            ("qkv_prologue", ec.qkv_prologue, is_pow2(cfg.head_dim // 2),
              f"head dim H/2 a power of 2 (this model: H={cfg.head_dim})"),
-            ("add_rms_norm", ec.add_rms_norm, pow2(cfg.hidden_size),
+            ("add_rms_norm", ec.add_rms_norm, is_pow2(cfg.hidden_size),
              f"a power-of-2 hidden size (this model: {cfg.hidden_size})")):
         check_fused_platform(name, value, platform)
         if value == "auto":

@@ -30,6 +30,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.models.params import fused_parts, layer_keys, layer_param_shapes, param_shapes
+from pallas_kernels.sizes import round_up
 
 INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
 # Decode steps of at least DOWN_PARTIALS_MIN_ROWS rows whose add + RMSNorm is the kernel (which
@@ -281,7 +282,7 @@ class Attention(nn.Module):
         B, T, _ = qkv.shape
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         mult = getattr(self.attn_fn, "q_group_multiple", None)
-        rows = None if mult is None else -(-(N // K) // mult) * mult
+        rows = None if mult is None else round_up(N // K, mult)
         wq, wk = self.qk_norm_weights()
         q, k_pool, v_pool = prologue(
             qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),

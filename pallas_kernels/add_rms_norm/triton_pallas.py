@@ -21,6 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.add_rms_norm.reference import check_args
+from pallas_kernels.sizes import is_pow2
 
 
 def _kernel(x_ref, d_ref, w_ref, xo_ref, h_ref, *, D, eps, has_delta, partials):
@@ -62,7 +63,7 @@ def _add_rms_norm(x, delta, weight, *, eps, interpret, num_warps):
 
 def supports(D: int) -> bool:
     """Whether the kernel takes rows of D elements (Triton block shapes are powers of 2)."""
-    return D > 0 and not D & (D - 1)
+    return is_pow2(D)
 
 
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.gemv.reference import check_args
-from pallas_kernels.paged_attention.triton_pallas import _is_pow2
+from pallas_kernels.sizes import is_pow2
 
 MAX_ROWS = 4  # rows are unrolled in the kernel: each keeps its own [bn] accumulator
 
@@ -69,13 +69,13 @@ def _gemv(x, w, *, bn, bk, splits, num_warps, num_stages, out_dtype, interpret):
 
 def _size_problem(M: int, K: int, N: int, bn: int, bk: int, splits: int) -> str | None:
     """What makes these sizes unusable for the kernel (the first rule broken), or None."""
-    if not (_is_pow2(M) and M <= MAX_ROWS):
+    if not (is_pow2(M) and M <= MAX_ROWS):
         return f"M={M} rows: must be 1, 2 or {MAX_ROWS} (Triton block shapes are powers of 2)"
     if K < 1 or N < 1:
         return f"K={K}, N={N}: both must be >= 1"
-    if not (_is_pow2(bn) and N % bn == 0):
+    if not (is_pow2(bn) and N % bn == 0):
         return f"bn={bn} must be a power of 2 dividing N={N}"
-    if not _is_pow2(bk):
+    if not is_pow2(bk):
         return f"bk={bk} must be a power of 2"
     if splits < 1 or K % (splits * bk):
         return f"splits * bk = {splits} * {bk} must divide K={K}"

@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import split_combine
+from pallas_kernels.sizes import round_up
 
 _ROWS = 64          # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
 _TABLE_COLS = 128   # block-table entries per shared-memory row (TMA boxes are at most 256 wide)
@@ -378,7 +379,7 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
             raise ValueError(f"a grouped q [B, K, Gp, H] needs num_heads (a multiple of K={K}); "
                              f"got num_heads={num_heads}")
         N = num_heads
-        want = -(-(N // K) // Q_GROUP_MULTIPLE) * Q_GROUP_MULTIPLE
+        want = round_up(N // K, Q_GROUP_MULTIPLE)
         if Kq != K or Gp != want:
             raise ValueError(f"a grouped q must be [B, K={K}, Gp={want}, H] (G = N/K = {N // K} "
                              f"rows zero-padded to a multiple of {Q_GROUP_MULTIPLE}); got "
@@ -423,7 +424,7 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
     B, H = q.shape[0], q.shape[-1]
     L, P, K, page_size, _ = k_pool.shape
     G = N // K
-    Gp = -(-G // Q_GROUP_MULTIPLE) * Q_GROUP_MULTIPLE
+    Gp = round_up(G, Q_GROUP_MULTIPLE)
     M = block_tables.shape[1]
     bk = cfg.block_kv
     dtype = k_pool.dtype
@@ -441,7 +442,7 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
     # computes it once for all the step's layers (CSE); the program adds layer * P itself.
     pages_needed = max_blocks * (bk // page_size) if page_size <= bk else M
     # (1 + R) * C * 4 bytes must be a multiple of 128 (one TMA copy, arrived on by 128 threads).
-    C = min(_TABLE_COLS, -(-pages_needed // 32) * 32)
+    C = min(_TABLE_COLS, round_up(pages_needed, 32))
     R = -(-pages_needed // C)       # entry lp lives at [1 + lp // 128, lp % 128] (R == 1 if C < 128)
     if 1 + R > 256:
         raise ValueError(f"block_tables width M={M} too large (max {255 * _TABLE_COLS} pages)")

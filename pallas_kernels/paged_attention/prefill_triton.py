@@ -27,8 +27,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention.triton_pallas import (HIGHEST, LOG2E, MIN_MMA_ROWS, NEG_INIT,
-                                                          NN_DIMS, NT_DIMS, _is_pow2,
+                                                          NN_DIMS, NT_DIMS,
                                                           check_decode_args, check_knobs)
+from pallas_kernels.sizes import is_pow2, next_pow2
 
 # Default tile: 64 query rows (tokens x padded group) and 64 keys per loop step.
 DEFAULT_ROWS = 64
@@ -87,10 +88,6 @@ def _kernel(layer_ref, lens_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *,
     o_ref[...] = out.astype(o_ref.dtype)
 
 
-def _group_pad(G: int) -> int:
-    return 1 << (G - 1).bit_length()
-
-
 @functools.partial(jax.jit, static_argnames=(
     "scale", "soft_cap", "sliding_window", "interpret", "block_q", "pages_per_block", "num_warps",
     "num_stages"))
@@ -100,7 +97,7 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
     B, T, N, H = q.shape
     L, P, K, page_size, _ = k_pool.shape
     G = N // K
-    G_PAD = _group_pad(G)
+    G_PAD = next_pow2(G)
     ROWS = block_q * G_PAD
     M = block_tables.shape[1]
     nq = -(-T // block_q)
@@ -134,7 +131,7 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
 
 def default_knobs(G: int, page_size: int) -> dict:
     """Tile sizes when none are given: 64 query rows and 64 keys (one page if pages are larger)."""
-    return dict(block_q=max(1, DEFAULT_ROWS // _group_pad(G)),
+    return dict(block_q=max(1, DEFAULT_ROWS // next_pow2(G)),
                 pages_per_block=max(1, DEFAULT_KEYS // page_size), num_warps=4, num_stages=2)
 
 
@@ -181,10 +178,10 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     given = dict(block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps,
                  num_stages=num_stages)
     knobs.update({k: v for k, v in given.items() if v is not None})
-    rows = knobs["block_q"] * _group_pad(N // K)
-    if not (_is_pow2(rows) and rows >= MIN_MMA_ROWS):
+    rows = knobs["block_q"] * next_pow2(N // K)
+    if not (is_pow2(rows) and rows >= MIN_MMA_ROWS):
         raise ValueError(f"block_q={knobs['block_q']} gives {rows} query rows per program "
-                         f"(block_q x {_group_pad(N // K)} padded heads); must be a power of 2 "
+                         f"(block_q x {next_pow2(N // K)} padded heads); must be a power of 2 "
                          f">= {MIN_MMA_ROWS}")
     check_knobs(knobs["pages_per_block"], 1, knobs["num_warps"], knobs["num_stages"], page_size)
     return _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer,

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.sizes import is_pow2, next_pow2
+
 MAX_TILE = 16384   # S_pow2 * Gp * H float32 elements one program may hold (64 KB of registers)
 
 
@@ -48,15 +50,10 @@ def reference(o: jax.Array, lse: jax.Array, *, num_heads: int, out_dtype) -> jax
     return out[:, :, :G].reshape(B, num_heads, H).astype(out_dtype)
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def supports(S: int, Gp: int, H: int) -> bool:
     """Whether the kernel takes these sizes: Gp and H powers of 2 (Triton block shapes), and the
     S partials of one program (S rounded up to a power of 2) within `MAX_TILE` elements."""
-    pow2 = lambda x: x > 0 and not x & (x - 1)  # noqa: E731
-    return S > 0 and pow2(Gp) and pow2(H) and _pow2_at_least(S) * Gp * H <= MAX_TILE
+    return S > 0 and is_pow2(Gp) and is_pow2(H) and next_pow2(S) * Gp * H <= MAX_TILE
 
 
 def _kernel(lse_ref, o_ref, out_ref, *, S, Sp, G, Gp, H, N):
@@ -82,7 +79,7 @@ def _combine(o, lse, *, num_heads, out_dtype, interpret, num_warps):
     G = num_heads // K
     full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     return pl.pallas_call(
-        functools.partial(_kernel, S=S, Sp=_pow2_at_least(S), G=G, Gp=Gp, H=H, N=num_heads),
+        functools.partial(_kernel, S=S, Sp=next_pow2(S), G=G, Gp=Gp, H=H, N=num_heads),
         out_shape=jax.ShapeDtypeStruct((B, num_heads, H), out_dtype),
         grid=(B, K),
         in_specs=[full(lse.shape), full(o.shape)],

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention import tuning
+from pallas_kernels.sizes import is_pow2, next_pow2
 
 LOG2E = math.log2(math.e)
 MIN_MMA_ROWS = 16
@@ -40,10 +41,6 @@ HIGHEST = lax.Precision.HIGHEST
 # dot_general dimension numbers: a @ b.T and a @ b (pl.dot is gone in JAX 0.11).
 NT_DIMS = (((1,), (1,)), ((), ()))
 NN_DIMS = (((1,), (0,)), ((), ()))
-
-
-def _is_pow2(x: int) -> bool:
-    return x > 0 and (x & (x - 1)) == 0
 
 
 def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
@@ -75,9 +72,9 @@ def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=
         raise ValueError(f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}")
     if seq_lens.dtype != jnp.int32:
         raise ValueError(f"seq_lens dtype must be int32; got {seq_lens.dtype}")
-    if need_pow2 and not _is_pow2(page_size):
+    if need_pow2 and not is_pow2(page_size):
         raise ValueError(f"page_size={page_size} must be a power of 2 for the Triton kernels")
-    if need_pow2 and not (_is_pow2(H) and H >= 16):
+    if need_pow2 and not (is_pow2(H) and H >= 16):
         raise ValueError(f"head dim H={H} must be a power of 2 >= 16 for the Triton kernels")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window={sliding_window} must be None or >= 1")
@@ -89,7 +86,7 @@ def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=
 def check_knobs(pages_per_block: int, k_splits: int, num_warps: int, num_stages: int,
                 page_size: int) -> None:
     """Validate tuning knobs. Raises ValueError naming the knob."""
-    if not _is_pow2(pages_per_block):
+    if not is_pow2(pages_per_block):
         raise ValueError(f"pages_per_block={pages_per_block} must be a power of 2")
     if pages_per_block * page_size < 16:
         raise ValueError(f"pages_per_block * page_size = {pages_per_block * page_size} must be "
@@ -104,7 +101,7 @@ def check_knobs(pages_per_block: int, k_splits: int, num_warps: int, num_stages:
 
 def padded_group(G: int) -> int:
     """Query heads per program: G rounded up to a power of 2 and to at least 16 (MMA rows)."""
-    return max(MIN_MMA_ROWS, 1 << (G - 1).bit_length())
+    return max(MIN_MMA_ROWS, next_pow2(G))
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:

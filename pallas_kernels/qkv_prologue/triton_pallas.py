@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.qkv_prologue import reference
 from pallas_kernels.qkv_prologue.reference import check_args
+from pallas_kernels.sizes import is_pow2
 
 
 def _program(slots_ref, layer_ref, H: int, page_size: int):
@@ -196,10 +197,6 @@ def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, *, N, 
 _ONE_WAVE_PROGRAMS = 4096   # about the one-warp programs an H100/H200 holds at once (132 x 32)
 
 
-def _is_pow2(x: int) -> bool:
-    return x > 0 and not x & (x - 1)
-
-
 def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                  cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, k_pool: jax.Array,
                  v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int,
@@ -233,10 +230,10 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     """
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
                             num_heads, num_kv_heads, q_group_rows)
-    if not _is_pow2(H // 2):
+    if not is_pow2(H // 2):
         raise ValueError(f"head dim H={H}: H/2 must be a power of 2 for the Triton kernel")
     rows = q_group_rows or N // K
-    groupable = _is_pow2(K) and _is_pow2(rows)
+    groupable = is_pow2(K) and is_pow2(rows)
     if grid not in ("auto", "group", "head"):
         raise ValueError(f"grid={grid!r} is not one of ('auto', 'group', 'head')")
     if grid == "group" and not groupable:

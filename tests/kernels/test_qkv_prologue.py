@@ -12,6 +12,7 @@ import pytest
 from jaxinfer.kv_cache import write_kv
 from jaxinfer.models.common import apply_rope, rms_norm
 from pallas_kernels.qkv_prologue import reference, triton_pallas
+from pallas_kernels.sizes import is_pow2
 
 
 def make_inputs(seed, *, S, N, K, H, L=2, P=6, page_size=8, dtype=jnp.float32, norm=True):
@@ -37,8 +38,6 @@ CASES = [  # (S, N, K, H, page_size, dtype, norm)
 ]
 
 
-def _pow2(x):
-    return x > 0 and not x & (x - 1)
 
 
 def layouts(N, K):
@@ -48,7 +47,7 @@ def layouts(N, K):
     G = N // K
     out = [("head", None), ("head", 8 if G <= 8 else None)]
     for rows in (None, 8, 16):
-        if (rows is None or rows >= G) and _pow2(K) and _pow2(rows or G):
+        if (rows is None or rows >= G) and is_pow2(K) and is_pow2(rows or G):
             out.append(("group", rows))
     return out
 

@@ -1,0 +1,18 @@
+"""Integer size helpers shared by the kernels (Triton block shapes must be powers of 2)."""
+
+from __future__ import annotations
+
+
+def is_pow2(n: int) -> bool:
+    """Whether ``n`` is a positive power of 2 (1, 2, 4, ...)."""
+    return n > 0 and not n & (n - 1)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of 2 >= ``n`` (1 for n <= 1)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (> 0)."""
+    return -(-n // multiple) * multiple

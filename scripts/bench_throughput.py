@@ -130,7 +130,7 @@ def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
     idle gaps (the host not keeping the device fed shows as gaps of tens of µs or more)."""
     import collections
     import glob
-    from scripts.profile_decode_step import busy_ns, kernel_events, largest_gaps, short
+    from scripts.profile_decode_step import busy_ns, idle_gaps, kernel_events, short
     if log.active:  # the run ended inside the window
         import jax
         jax.profiler.stop_trace()
@@ -148,23 +148,19 @@ def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
     if not ev:
         return dict(error="the trace holds no GPU kernel events")
     span = ev[-1][1] + ev[-1][2] - ev[0][1]
-    gaps, end = [], ev[0][1]
-    for _, s, d in ev:
-        if s > end:
-            gaps.append(s - end)
-        end = max(end, s + d)
+    gaps = idle_gaps(ev)
     agg = collections.defaultdict(lambda: [0, 0])
     for name, _, d in ev:
         agg[short(name)][0] += 1
         agg[short(name)][1] += d
     kernels = sorted(({"kernel": k, "launches_per_step": c / n, "us_per_step": t / n / 1e3}
                       for k, (c, t) in agg.items()), key=lambda r: -r["us_per_step"])[:top]
-    big = [g for g in gaps if g >= 20_000]
+    big = [g["us"] for g in gaps if g["us"] >= 20]
     return dict(steps=n, shapes=sorted({str(r.shape_key) for r in window}),
                 rows=[r.rows for r in window], span_ms_per_step=span / n / 1e6,
                 busy_ms_per_step=busy_ns(ev) / n / 1e6, launches_per_step=len(ev) / n,
-                gaps_over_20us=len(big), gap_ms_over_20us=sum(big) / 1e6,
-                largest_gaps=largest_gaps(ev, 8), kernels=kernels)
+                gaps_over_20us=len(big), gap_ms_over_20us=sum(big) / 1e3,
+                largest_gaps=sorted(gaps, key=lambda g: -g["us"])[:8], kernels=kernels)
 
 
 def run_jaxinfer(path, prompts, out_lens, args) -> dict:

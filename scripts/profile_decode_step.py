@@ -84,16 +84,21 @@ def layer_sequence(events, anchor: str, which: int = 10) -> list[dict]:
     return out
 
 
-def largest_gaps(events, top: int = 10) -> list[dict]:
-    """The ``top`` longest idle gaps between kernels (no kernel running on any stream), each with
-    its length in µs and the kernels before and after it."""
+def idle_gaps(events) -> list[dict]:
+    """Every idle gap between kernels (no kernel running on any stream), in time order, each
+    with its length in µs and the kernels before and after it."""
     out, end, last = [], None, None
     for name, start, dur in sorted(events, key=lambda e: e[1]):
         if end is not None and start > end:
             out.append({"us": (start - end) / 1e3, "before": last, "after": name})
         if end is None or start + dur > end:
             end, last = start + dur, name
-    return sorted(out, key=lambda g: -g["us"])[:top]
+    return out
+
+
+def largest_gaps(events, top: int = 10) -> list[dict]:
+    """The ``top`` longest of `idle_gaps`."""
+    return sorted(idle_gaps(events), key=lambda g: -g["us"])[:top]
 
 
 def main() -> None:

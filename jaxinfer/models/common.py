@@ -253,8 +253,8 @@ class Attention(nn.Module):
     N + K heads instead of two, so fewer kernels per layer) -> ``write_kv`` into the pools at
     ``layer`` (a Python int) -> ``attn_fn`` -> ``wo`` [N*H, D]. Returns (out [B, T, D], k_pool, v_pool) with the pools
     [L, P, K, page_size, H] updated. When ``attn_fn`` carries a ``qkv_prologue`` kernel
-    (`jaxinfer.attention.make_attention_fn`), decode steps run norm + RoPE + K/V write through it
-    (`fused_prologue`) instead.
+    (`jaxinfer.attention.make_attention_fn`), every step (decode and packed prefill) runs norm +
+    RoPE + K/V write through it (`fused_prologue`) instead.
     """
 
     cfg: ModelConfig
@@ -273,16 +273,18 @@ class Attention(nn.Module):
 
     def fused_prologue(self, prologue: Callable, qkv: jax.Array, layer: int, k_pool: jax.Array,
                        v_pool: jax.Array, ctx: StepContext):
-        """q/k norm + RoPE + K/V write of a decode step in one kernel: ``prologue`` has the
-        signature of `pallas_kernels.qkv_prologue.reference.qkv_prologue`. qkv [B, 1, (N+2K)*H]
-        -> (q, k_pool, v_pool) with q [B, 1, N, H], or, when ``attn_fn.q_group_multiple`` is
-        set (the mosaic decode kernel), grouped by KV head [B, 1, K, Gp, H] with the G = N/K
-        rows zero-padded to Gp, the next multiple of it (so the decode kernel pads nothing)."""
+        """q/k norm + RoPE + K/V write of a step in one kernel: ``prologue`` has the signature of
+        `pallas_kernels.qkv_prologue.reference.qkv_prologue`. qkv [B, T, (N+2K)*H] -> (q,
+        k_pool, v_pool) with q [B, T, N, H], or, in a decode step (T = 1, unpacked) when
+        ``attn_fn.q_group_multiple`` is set (the mosaic decode kernel), grouped by KV head
+        [B, 1, K, Gp, H] with the G = N/K rows zero-padded to Gp, the next multiple of it (so
+        the decode kernel pads nothing)."""
         cfg = self.cfg
         B, T, _ = qkv.shape
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         mult = getattr(self.attn_fn, "q_group_multiple", None)
-        rows = None if mult is None else round_up(N // K, mult)
+        decode = T == 1 and ctx.packing is None
+        rows = None if mult is None or not decode else round_up(N // K, mult)
         wq, wk = self.qk_norm_weights()
         q, k_pool, v_pool = prologue(
             qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
@@ -305,7 +307,7 @@ class Attention(nn.Module):
         with jax.named_scope("qkv"):
             qkv = x @ in_dtype(wqkv, x.dtype)                           # [B, T, (N + 2K) * H]
             assert parts["q"].start == 0 and parts["q"].stop == parts["k"].start
-        if prologue is not None and T == 1 and ctx.packing is None:     # decode: one kernel
+        if prologue is not None:                                        # one kernel
             with jax.named_scope("qkv_prologue"):
                 q, k_pool, v_pool = self.fused_prologue(prologue, qkv, layer, k_pool, v_pool, ctx)
         else:

@@ -1,16 +1,21 @@
 """Packed prefill (rows' chunks back to back in one [1, Tp] token row) computes the same hidden
 states and K/V as the unpacked [R, Tq] layout (each row padded to the longest chunk), which
 `test_models_vs_hf` checks against HF transformers. Covers chunks that continue a cached prefix
-(start > 0), ragged chunk lengths, padding at the end of the packed row, GQA and page boundaries.
+(start > 0), ragged chunk lengths, padding at the end of the packed row, GQA and page boundaries;
+also with the packed step's q/k norm + RoPE + K/V write done by the fused prologue kernel
+(`pallas_kernels.qkv_prologue`, interpret mode) against the unpacked jnp path.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.attention import make_attention_fn
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import registry
@@ -28,10 +33,19 @@ def _cfg(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_packed_prefill_matches_unpacked(arch):
+@pytest.mark.parametrize("prologue", [False, True])
+def test_packed_prefill_matches_unpacked(arch, prologue):
     cfg = _cfg(arch)
     params = registry.init_params(cfg, jax.random.key(1), jnp.float32)
     params = jax.tree_util.tree_map(lambda p: p * 5.0 if p.ndim == 2 else p, params)  # sharper attention
+    if arch == "qwen3":  # q/k norm weights away from 1, so a skipped or swapped one shows
+        for lp in params["layers"].values():
+            lp["q_norm"], lp["k_norm"] = lp["q_norm"] * 1.5, lp["k_norm"] * 0.5
+    packed_attn = {}
+    if prologue:
+        from pallas_kernels.qkv_prologue import triton_pallas
+        packed_attn["attn_fn"] = make_attention_fn("reference", "reference", qkv_prologue=(
+            functools.partial(triton_pallas.qkv_prologue, interpret=True)))
     rng = np.random.default_rng(0)
     R, M = len(ROWS), 4
     total = [c + n for c, n in ROWS]
@@ -82,7 +96,7 @@ def test_packed_prefill_matches_unpacked(arch):
     packing = Packing(jnp.asarray(q_index), jnp.asarray(q_pos), jnp.asarray(out_index))
     kv_in = kv.replace(block_tables=jnp.asarray(pages), seq_lens=jnp.asarray(total, jnp.int32))
     h_pk, kv_pk = registry.forward(params, cfg, jnp.asarray(tok), jnp.asarray(pos),
-                                   jnp.asarray(slot), kv_in, packing=packing)
+                                   jnp.asarray(slot), kv_in, packing=packing, **packed_attn)
 
     assert h_pk.shape == (1, Tp, cfg.hidden_size)
     off = 0

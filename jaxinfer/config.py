@@ -243,7 +243,7 @@ class EngineConfig:
             "reference" (gather + dense float32 softmax), "triton" (Pallas flash-attention
             kernel, GPU); "auto" is "triton" on GPU and the reference on CPU.
         batch_buckets / token_buckets: padded sizes for B and T; ``()`` = the defaults (B:
-            powers of two up to 64, then multiples of max(32, max_num_seqs // 8); T: powers
+            powers of two up to 64, then multiples of max(16, max_num_seqs // 16); T: powers
             of two, see `jaxinfer.engine.batch_builder.BucketSpec`).
         compilation_cache_dir: a directory for JAX's persistent compilation cache, so a
             restarted engine loads its compiled steps instead of compiling them again

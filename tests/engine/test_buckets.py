@@ -20,11 +20,12 @@ def test_default_batch_buckets(max_num_seqs):
     small = [b for b in bs if b <= 64]
     assert small == [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_num_seqs] + (
         [max_num_seqs] if max_num_seqs < 64 and max_num_seqs & (max_num_seqs - 1) else [])
-    # above 64, a padded batch wastes less than one step: max(32, max_num_seqs // 8) rows
-    step = max(32, max_num_seqs // 8)
+    # above 64, a padded batch wastes less than one step: max(16, max_num_seqs // 16) rows
+    step = max(16, max_num_seqs // 16)
     for n in range(65, max_num_seqs + 1):
         assert bucket(n, bs) - n < step
 
 
-def test_256_seqs_pad_to_multiples_of_32_above_64():
-    assert batch_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256)
+def test_256_seqs_pad_to_multiples_of_16_above_64():
+    assert batch_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128, 144, 160, 176, 192,
+                                  208, 224, 240, 256)

@@ -133,3 +133,21 @@ def test_trace_summary_outside_the_run_is_an_error_not_a_crash(tmp_path):
         log.append(i)
     out = bench.trace_summary(log)
     assert "none inside the traced window" in out["error"] and not log.active
+
+
+def test_bench_add_rms_norm_rejects_bad_settings_before_any_work(monkeypatch, capsys):
+    """The add+norm benchmark checks its settings up front (one line, exit code 2), and says
+    that it needs a GPU rather than timing nothing on the CPU."""
+    import sys
+
+    import jax
+    import pytest
+    bench = _load("bench_add_rms_norm")
+    cases = [(["--partials", "3"], "power-of-2 count"), (["--warps", "0"], "must be >= 1")]
+    if jax.default_backend() != "gpu":
+        cases.append(([], "times a GPU kernel"))
+    for argv, msg in cases:
+        monkeypatch.setattr(sys, "argv", ["bench_add_rms_norm.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            bench.main()
+        assert e.value.code == 2 and msg in capsys.readouterr().err

@@ -94,7 +94,7 @@ def _fused_kernel(option: str, name, load: Callable) -> Callable | None:
 
 
 def qkv_prologue_fn(name) -> Callable | None:
-    """The decode steps' attention prologue (q/k norm + RoPE + K/V page write) by name: "xla"
+    """The attention prologue of every step (q/k norm + RoPE + K/V page write) by name: "xla"
     (None: the model's jnp ops, fused by XLA) or "triton" (one Pallas kernel per layer,
     `pallas_kernels.qkv_prologue.triton_pallas`); a callable is returned as given (tests pass the
     kernel in interpret mode).
@@ -132,8 +132,8 @@ def make_attention_fn(name: str, prefill: str = "reference",
     ``prefill`` (both already resolved); ``decode_knobs`` are tuning keywords for the decode
     variant (e.g. ``{"num_splits": 4}`` for "mosaic"; its docstring lists them). The callable
     also carries the model's optional fused kernels as attributes: with a ``qkv_prologue``
-    kernel (`qkv_prologue_fn`) the model runs decode steps' q/k norm + RoPE + K/V write through
-    it; with an ``add_rms_norm`` kernel (`add_rms_norm_fn`) every residual add + RMSNorm. With a
+    kernel (`qkv_prologue_fn`) the model runs every step's q/k norm + RoPE + K/V write through
+    it (decode and packed prefill); with an ``add_rms_norm`` kernel (`add_rms_norm_fn`) every residual add + RMSNorm. With a
     prologue kernel and the "mosaic" decode variant it also has ``q_group_multiple`` (8): the
     prologue then writes q grouped by KV head and zero-padded, [B, 1, K, Gp, H], and the
     callable takes it with ``num_heads=N``.

@@ -12,20 +12,17 @@ JSON objects (bench="add_rms_norm") to ``--out``.
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
-import glob
 import json
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.profile_decode_step import kernel_events, short  # noqa: E402
+from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
 from scripts.run_info import git_commit  # noqa: E402
 
 from pallas_kernels.sizes import is_pow2  # noqa: E402
@@ -44,19 +41,7 @@ def measure(rows: int, D: int, partials: int, warps: int, reps: int) -> dict[str
     w = jnp.ones((D,), jnp.bfloat16)
     fn = jax.jit(lambda xs, ds: [triton_pallas.add_rms_norm(x, d, w, eps=1e-6, num_warps=warps)
                                  for x, d in zip(xs, ds)])
-    jax.block_until_ready(fn(xs, ds))
-    jax.block_until_ready(fn(xs, ds))
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(reps):
-                out = fn(xs, ds)
-            jax.block_until_ready(out)
-        ev = kernel_events(glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0])
-    per = collections.defaultdict(float)
-    for name, _, dur in ev:
-        if not name.startswith("Memcpy"):
-            per[short(name)] += dur / reps / CALLS / 1e3
-    return dict(per)
+    return kernel_us_per_call(fn, (xs, ds), CALLS, reps)
 
 
 def main() -> None:

@@ -23,21 +23,18 @@ TFLOP/s per GEMM; prints a table and appends JSON objects (bench="decode_gemm") 
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
-import glob
 import json
 import os
 import re
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.profile_decode_step import kernel_events, short  # noqa: E402
+from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 # (K, N) of each Qwen3-8B decode GEMM (x[M, K] @ w[K, N])
@@ -84,20 +81,7 @@ def measure(variant: str, M: int, K: int, N: int, layers: int, reps: int) -> dic
     keys = jax.random.split(jax.random.key(0), 2 * layers)
     xs = [jax.random.normal(keys[i], (M, K), jnp.bfloat16) for i in range(layers)]
     ws = [jax.random.normal(keys[layers + i], (K, N), jnp.bfloat16) * 0.02 for i in range(layers)]
-    fn = gemm_fn(variant)
-    jax.block_until_ready(fn(xs, ws))
-    jax.block_until_ready(fn(xs, ws))
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for _ in range(reps):
-                out = fn(xs, ws)
-            jax.block_until_ready(out)
-        ev = kernel_events(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
-    ev = [e for e in ev if not e[0].startswith("Memcpy")]
-    n = reps * layers
-    per = collections.defaultdict(float)
-    for name, _, dur in ev:
-        per[short(name)] += dur / n / 1e3
+    per = kernel_us_per_call(gemm_fn(variant), (xs, ws), layers, reps)
     us = sum(per.values())
     return dict(us=us, weight_tb_s=K * N * 2 / us / 1e6, tflop_s=2 * M * K * N / us / 1e6,
                 kernels={k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])})

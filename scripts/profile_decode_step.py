@@ -19,7 +19,6 @@ import os
 import re
 import sys
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +47,25 @@ def kernel_events(xplane_path: str) -> list[tuple[str, int, int]]:
         for e in line.events:
             out.append((e.name, int(e.start_ns), int(e.duration_ns)))
     return out
+
+
+def kernel_us_per_call(fn, args, calls: int, reps: int) -> dict[str, float]:
+    """GPU µs per call of each kernel (by `short` name; memcpys left out) when ``fn(*args)``,
+    which runs ``calls`` independent instances of the timed operation, is traced ``reps`` times
+    after two untimed runs (compile, warm-up)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(reps):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        ev = kernel_events(glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)[0])
+    per = collections.defaultdict(float)
+    for name, _, dur in ev:
+        if not name.startswith("Memcpy"):
+            per[short(name)] += dur / (reps * calls) / 1e3
+    return dict(per)
 
 
 def busy_ns(events) -> int:

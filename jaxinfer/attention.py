@@ -133,10 +133,10 @@ def make_attention_fn(name: str, prefill: str = "reference",
     variant (e.g. ``{"num_splits": 4}`` for "mosaic"; its docstring lists them). The callable
     also carries the model's optional fused kernels as attributes: with a ``qkv_prologue``
     kernel (`qkv_prologue_fn`) the model runs every step's q/k norm + RoPE + K/V write through
-    it (decode and packed prefill); with an ``add_rms_norm`` kernel (`add_rms_norm_fn`) every residual add + RMSNorm. With a
-    prologue kernel and the "mosaic" decode variant it also has ``q_group_multiple`` (8): the
-    prologue then writes q grouped by KV head and zero-padded, [B, 1, K, Gp, H], and the
-    callable takes it with ``num_heads=N``.
+    it (decode and packed prefill); with an ``add_rms_norm`` kernel (`add_rms_norm_fn`) every
+    residual add + RMSNorm. With a prologue kernel and the "mosaic" decode variant it also has
+    ``q_group_multiple`` (8): in decode steps the prologue then writes q grouped by KV head and
+    zero-padded, [B, 1, K, Gp, H], and the callable takes it with ``num_heads=N``.
 
     Raises:
         ValueError: ``decode_knobs`` given for the reference decode path; a bad ``qkv_prologue``

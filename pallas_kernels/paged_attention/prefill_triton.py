@@ -6,11 +6,11 @@ the G query heads of KV head k as one ``[block_q * G_PAD, H]`` matrix (row r is 
 ``r // G_PAD``, head ``r % G_PAD``; G padded to a power of 2 with zero rows), so each K/V page is
 read once per KV head and tile rather than once per query head. When G is a power of 2 the tiles
 are read from and written to q's own [B, T, N, H] layout (a [block_q, G, H] block is the matrix);
-otherwise q is transposed and padded into tiles first, and the output transposed back. The program walks the sequence's
-pages ``pages_per_block`` at a time, from the first key any of its queries can see to the last
-(causal: key j is visible to a query at position p iff ``j <= p``, ``j < seq_len`` and, with a
-sliding window, ``p - j < sliding_window``), gathers each page through the block table straight out
-of the pool ``[L, P, K, page_size, H]``, and keeps an online softmax in float32. Nothing of size
+otherwise q is transposed and padded into tiles first, and the output transposed back. The
+program walks the sequence's pages ``pages_per_block`` at a time, from the first key any of its
+queries can see to the last (causal: key j is visible to a query at position p iff ``j <= p``,
+``j < seq_len`` and, with a sliding window, ``p - j < sliding_window``), gathers each page
+through the block table straight out of the pool ``[L, P, K, page_size, H]``, and keeps an online softmax in float32. Nothing of size
 ``T x seq_len`` is materialised (the reference builds the full float32 logits).
 
 Sources: Dao 2023, "FlashAttention-2" (online softmax over key blocks, causal block skipping);

@@ -243,7 +243,7 @@ class EngineConfig:
             "reference" (gather + dense float32 softmax), "triton" (Pallas flash-attention
             kernel, GPU); "auto" is "triton" on GPU and the reference on CPU.
         batch_buckets / token_buckets: padded sizes for B and T; ``()`` = the defaults (B:
-            powers of two up to 64, then multiples of max(16, max_num_seqs // 16); T: powers
+            powers of two up to 64, then every max(16, max_num_seqs // 16) rows; T: powers
             of two, see `jaxinfer.engine.batch_builder.BucketSpec`).
         compilation_cache_dir: a directory for JAX's persistent compilation cache, so a
             restarted engine loads its compiled steps instead of compiling them again
@@ -334,8 +334,13 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             _fail("EngineConfig", "async_scheduling", self.async_scheduling, "must be True or False")
         for name in ("batch_buckets", "token_buckets"):
-            b = tuple(getattr(self, name))
-            if any((not isinstance(x, int)) or x < 1 for x in b) or list(b) != sorted(set(b)):
+            b = getattr(self, name)
+            if not isinstance(b, (tuple, list)):
+                _fail("EngineConfig", name, b, "must be a tuple of strictly increasing positive "
+                      "integers, or () for the defaults")
+            b = tuple(b)
+            if any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in b) or (
+                    list(b) != sorted(set(b))):
                 _fail("EngineConfig", name, b, "must be strictly increasing positive integers")
             object.__setattr__(self, name, b)
         if self.batch_buckets and self.batch_buckets[-1] < self.max_num_seqs:

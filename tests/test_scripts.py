@@ -143,7 +143,9 @@ def test_bench_add_rms_norm_rejects_bad_settings_before_any_work(monkeypatch, ca
     import jax
     import pytest
     bench = _load("bench_add_rms_norm")
-    cases = [(["--partials", "3"], "power-of-2 count"), (["--warps", "0"], "must be >= 1")]
+    cases = [(["--partials", "3"], "power-of-2 count"), (["--warps", "0"], "must be >= 1"),
+             (["--warps", "6"], "power-of-2 count of warps"), (["--hidden", "96"], "power-of-2"),
+             (["--reps", "0"], "must be >= 1")]
     if jax.default_backend() != "gpu":
         cases.append(([], "times a GPU kernel"))
     for argv, msg in cases:

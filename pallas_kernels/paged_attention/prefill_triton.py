@@ -178,14 +178,16 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
             pages_per_block: pages per key block (``pages_per_block * page_size`` a power of 2 >=
             16); num_warps, num_stages: Triton launch knobs. None: `default_knobs`.
     Returns:
-        [B, T, N, H] in q.dtype.
+        [B, T, N, H] in q.dtype (empty, with no launch, when B or T is 0).
     Raises:
         ValueError: bad shapes, dtypes or knobs, naming the argument and what is allowed.
     """
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, N, H]; got shape {q.shape}")
     B, T, N, H = q.shape
-    check_decode_args(q[:, 0], k_pool, v_pool, block_tables, seq_lens, sliding_window, soft_cap)
+    # the per-token checks on a [B, N, H] stand-in, so that T = 0 is checked too
+    check_decode_args(jnp.zeros((B, N, H), q.dtype), k_pool, v_pool, block_tables, seq_lens,
+                      sliding_window, soft_cap)
     if q_positions.shape != (B, T):
         raise ValueError(f"q_positions must be i32[B={B}, T={T}]; got shape {q_positions.shape}")
     K, page_size = k_pool.shape[2], k_pool.shape[3]
@@ -199,6 +201,8 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                          f"(block_q x {next_pow2(N // K)} padded heads); must be a power of 2 "
                          f">= {MIN_MMA_ROWS}")
     check_knobs(knobs["pages_per_block"], 1, knobs["num_warps"], knobs["num_stages"], page_size)
+    if T == 0 or B == 0:  # no queries: nothing to launch (as the reference, an empty result)
+        return jnp.zeros((B, T, N, H), q.dtype)
     return _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer,
                           scale=float(scale), soft_cap=soft_cap, sliding_window=sliding_window,
                           interpret=bool(interpret), **knobs)

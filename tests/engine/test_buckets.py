@@ -29,3 +29,9 @@ def test_default_batch_buckets(max_num_seqs):
 def test_256_seqs_pad_to_multiples_of_16_above_64():
     assert batch_buckets(256) == (1, 2, 4, 8, 16, 32, 64, 80, 96, 112, 128, 144, 160, 176, 192,
                                   208, 224, 240, 256)
+
+
+def test_default_batch_buckets_reject_a_non_positive_limit():
+    for bad in (0, -5, 2.5):
+        with pytest.raises(ValueError, match="max_num_seqs=.* must be a positive integer"):
+            batch_buckets(bad)

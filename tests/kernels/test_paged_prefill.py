@@ -99,6 +99,12 @@ def test_bad_input_raises():
         fn(*args, **kwargs, interpret=True, pages_per_block=3)
     with pytest.raises(ValueError, match="block_tables dtype"):
         fn(q, k_pool, v_pool, bt.astype(jnp.float32), seq_lens, qpos, **kwargs, interpret=True)
+    # no query tokens: an empty result like the reference's, and the other arguments still checked
+    out = fn(q[:, :0], k_pool, v_pool, bt, seq_lens, qpos[:, :0], **kwargs, interpret=True)
+    ref = reference.paged_attention(q[:, :0], k_pool, v_pool, bt, seq_lens, qpos[:, :0], **kwargs)
+    assert out.shape == ref.shape == (q.shape[0], 0, *q.shape[2:]) and out.dtype == q.dtype
+    with pytest.raises(ValueError, match="seq_lens must be"):
+        fn(q[:, :0], k_pool, v_pool, bt, seq_lens[:1], qpos[:, :0], **kwargs, interpret=True)
 
 
 def test_model_prefill_with_kernel_matches_reference(monkeypatch):

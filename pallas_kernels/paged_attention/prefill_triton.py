@@ -10,8 +10,9 @@ otherwise q is transposed and padded into tiles first, and the output transposed
 program walks the sequence's pages ``pages_per_block`` at a time, from the first key any of its
 queries can see to the last (causal: key j is visible to a query at position p iff ``j <= p``,
 ``j < seq_len`` and, with a sliding window, ``p - j < sliding_window``), gathers each page
-through the block table straight out of the pool ``[L, P, K, page_size, H]``, and keeps an online softmax in float32. Nothing of size
-``T x seq_len`` is materialised (the reference builds the full float32 logits).
+through the block table straight out of the pool ``[L, P, K, page_size, H]``, and keeps an
+online softmax in float32. Nothing of size ``T x seq_len`` is materialised (the reference builds
+the full float32 logits).
 
 Sources: Dao 2023, "FlashAttention-2" (online softmax over key blocks, causal block skipping);
 Kwon et al. 2023, "PagedAttention" (vLLM); the page gather of this package's decode kernel

@@ -6,7 +6,7 @@ Each timed call runs 8 independent kernels (distinct inputs) and is repeated ``-
 figure is the kernels' summed duration over all of them, per kernel. Prints a table and appends
 JSON objects (bench="add_rms_norm") to ``--out``.
 
-    python scripts/bench_add_rms_norm.py [--rows 1 64 256] [--partials 0 2 16] [--warps 4 8]
+    python scripts/bench_add_rms_norm.py [--rows 1 64 256] [--partials 0 2 16] [--warps 4 8 16]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=4096, help="D (Qwen3-8B: 4096; a power of 2)")
     ap.add_argument("--partials", type=int, nargs="+", default=[0, 2, 16],
                     help="delta as this many float32 partial sums (a power of 2); 0: bf16 delta")
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8], help="warps per program")
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16], help="warps per program")
     ap.add_argument("--reps", type=int, default=20, help="timed calls per measurement")
     ap.add_argument("--out", default="benchmarks/h200.jsonl", help="JSON lines appended here")
     args = ap.parse_args()

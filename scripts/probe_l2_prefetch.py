@@ -76,6 +76,17 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     K, N = args.shape
+    if K < R or K % (4 * R) or N < BN or N % BN:
+        ap.error(f"--shape {K} {N}: K must be a multiple of {4 * R} and N of {BN}")
+    bad = [f for f in args.fractions if not 0 < f <= 1 or abs(f * 4 - round(f * 4)) > 1e-9]
+    if bad:
+        ap.error(f"--fractions {bad}: each must be one of 0.25, 0.5, 0.75, 1 (bands of 64 rows, "
+                 "every fourth)")
+    if args.reps < 1:
+        ap.error(f"--reps {args.reps}: must be >= 1")
+    if jax.default_backend() != "gpu":
+        ap.error(f"this probe times GPU kernels from a profiler trace; JAX's backend here is "
+                 f"{jax.default_backend()!r}")
     print(f"{'pattern':>8} {'frac':>5}  kernels (us per call)")
     settings = [("none", 0.0)] + [(p, f) for f in args.fractions for p in ("head", "bands")]
     for pat, f in settings:

@@ -61,12 +61,16 @@ def main() -> None:
             ap.error(f"--{name} {vals}: every value must be >= {low}")
     if any(p and not is_pow2(p) for p in args.partials):
         ap.error(f"--partials {args.partials}: the kernel sums a power-of-2 count of partials")
-    if not all(is_pow2(w) for w in args.warps):
-        ap.error(f"--warps {args.warps}: Triton takes a power-of-2 count of warps")
+    if not all(is_pow2(w) and w <= 32 for w in args.warps):
+        ap.error(f"--warps {args.warps}: Triton takes a power-of-2 count of warps up to 32")
     if not is_pow2(args.hidden):
         ap.error(f"--hidden {args.hidden}: the kernel takes rows of a power-of-2 size")
     if args.reps < 1:
         ap.error(f"--reps {args.reps}: must be >= 1")
+    try:
+        open(args.out, "a").close()
+    except OSError as e:
+        ap.error(f"--out {args.out}: cannot append to it ({e.strerror})")
     if jax.default_backend() != "gpu":
         ap.error(f"this benchmark times a GPU kernel from a profiler trace; JAX's backend here is "
                  f"{jax.default_backend()!r}")

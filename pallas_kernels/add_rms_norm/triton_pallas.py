@@ -14,6 +14,7 @@ Sources: as `reference.py`.
 from __future__ import annotations
 
 import functools
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +76,8 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
         x, delta, weight, eps: as in `reference.add_rms_norm` (D, and the number of partial
             sums, must be powers of 2 here).
         interpret: run the Pallas interpreter (CPU tests).
-        num_warps: warps per program (one row of D elements per program); None: D / 256
-            clamped to 4..16. At D=4096 on the H200, 16 warps against 4 (the old default):
+        num_warps: warps per program (one row of D elements per program): None (D / 256
+            clamped to 4..16) or a power of 2 in 1..32. At D=4096 on the H200, 16 warps against 4 (the old default):
             1.51 vs 1.58 us at 1 row, 2.13 vs 2.31 at 128, 3.74 vs 3.78 at 256 with a bf16
             delta; 1.79 vs 2.24, 3.72 vs 4.93 and 5.38 vs 6.20 with 2 float32 partials
             (``scripts/bench_add_rms_norm.py``, BENCHMARKS.md, eleventh session).
@@ -84,8 +85,17 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
         (x' [S, D], h [S, D]) in x.dtype.
     Raises:
         ValueError: see `reference.check_args` (shapes, dtypes, eps); D or the number of
-            partial sums not a power of 2 (use `supports` to check).
+            partial sums not a power of 2 (use `supports` to check); ``num_warps`` not None or
+            a power-of-2 integer in 1..32 (Triton's range).
     """
+    if num_warps is not None:
+        try:
+            warps = None if isinstance(num_warps, bool) else operator.index(num_warps)
+        except TypeError:
+            warps = None
+        if warps is None or not (is_pow2(warps) and warps <= 32):
+            raise ValueError(f"num_warps={num_warps!r} must be None or a power-of-2 integer in "
+                             "1..32")
     S, D = check_args(x, delta, weight, eps)
     if not supports(D):
         raise ValueError(f"hidden size D={D} must be a power of 2 for the Triton kernel")

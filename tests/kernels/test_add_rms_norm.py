@@ -77,6 +77,13 @@ def test_bad_arguments_are_named():
             triton_pallas.add_rms_norm(x, d, w, eps=eps, interpret=True)
         with pytest.raises(ValueError, match="eps must be a number >= 0"):
             reference.add_rms_norm(x, d, w, eps=eps)
+    for warps in (0, -1, 3, 64, 2.5, True, "16", "a"):
+        with pytest.raises(ValueError, match="num_warps=.* must be None or a power-of-2"):
+            triton_pallas.add_rms_norm(x, d, w, interpret=True, num_warps=warps)
+    ref = reference.add_rms_norm(x, d, w)
+    for warps in (None, 1, np.int64(16), 32):   # accepted (interpret mode ignores the count)
+        got = triton_pallas.add_rms_norm(x, d, w, interpret=True, num_warps=warps)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(ref[1]))
 
 
 @pytest.mark.parametrize("with_delta", [True, False])

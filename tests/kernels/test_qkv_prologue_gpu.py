@@ -11,7 +11,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from pallas_kernels.qkv_prologue import reference, triton_pallas

@@ -4,7 +4,6 @@ the log-sum-exp arithmetic)."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

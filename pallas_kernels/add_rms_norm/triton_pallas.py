@@ -77,10 +77,11 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
             sums, must be powers of 2 here).
         interpret: run the Pallas interpreter (CPU tests).
         num_warps: warps per program (one row of D elements per program): None (D / 256
-            clamped to 4..16) or a power of 2 in 1..32. At D=4096 on the H200, 16 warps against 4 (the old default):
-            1.51 vs 1.58 us at 1 row, 2.13 vs 2.31 at 128, 3.74 vs 3.78 at 256 with a bf16
-            delta; 1.79 vs 2.24, 3.72 vs 4.93 and 5.38 vs 6.20 with 2 float32 partials
-            (``scripts/bench_add_rms_norm.py``, BENCHMARKS.md, eleventh session).
+            clamped to 4..16) or a power of 2 in 1..32. At D=4096 on the H200, 16 warps
+            against 4 (the old default): 1.51 vs 1.58 us at 1 row, 2.13 vs 2.31 at 128, 3.74
+            vs 3.78 at 256 with a bf16 delta; 1.79 vs 2.24, 3.72 vs 4.93 and 5.38 vs 6.20
+            with 2 float32 partials (``scripts/bench_add_rms_norm.py``, BENCHMARKS.md,
+            eleventh session).
     Returns:
         (x' [S, D], h [S, D]) in x.dtype.
     Raises:
@@ -104,7 +105,6 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                          "power of 2")
     if S == 0:  # no rows: no launch (a grid of 0 programs is not valid)
         return x, x
-    if num_warps is None:
-        num_warps = min(16, max(4, D // 256))
+    warps = min(16, max(4, D // 256)) if num_warps is None else operator.index(num_warps)
     return _add_rms_norm(x, delta, weight, eps=float(eps), interpret=bool(interpret),
-                         num_warps=int(num_warps))
+                         num_warps=warps)

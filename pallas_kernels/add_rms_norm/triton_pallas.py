@@ -89,11 +89,12 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
             partial sums not a power of 2 (use `supports` to check); ``num_warps`` not None or
             a power-of-2 integer in 1..32 (Triton's range).
     """
+    warps = None
     if num_warps is not None:
         try:
             warps = None if isinstance(num_warps, bool) else operator.index(num_warps)
         except TypeError:
-            warps = None
+            pass
         if warps is None or not (is_pow2(warps) and warps <= 32):
             raise ValueError(f"num_warps={num_warps!r} must be None or a power-of-2 integer in "
                              "1..32")
@@ -105,6 +106,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                          "power of 2")
     if S == 0:  # no rows: no launch (a grid of 0 programs is not valid)
         return x, x
-    warps = min(16, max(4, D // 256)) if num_warps is None else operator.index(num_warps)
+    if warps is None:
+        warps = min(16, max(4, D // 256))
     return _add_rms_norm(x, delta, weight, eps=float(eps), interpret=bool(interpret),
                          num_warps=warps)

@@ -5,7 +5,6 @@ HF transformers (safetensors) and loaded through jaxinfer's checkpoint path; bot
 with full-precision matmuls (no TF32), HF on the CPU.
 """
 
-
 import numpy as np
 import pytest
 

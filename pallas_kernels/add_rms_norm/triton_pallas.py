@@ -1,13 +1,5 @@
-"""Residual add + RMSNorm in one Pallas kernel with the Triton lowering.
-
-What it replaces: XLA runs ``x = x + delta; h = rms_norm(x)`` as three fusions (the add, the
-float32 statistics, the scale), each a separate launch of 1.2-1.9 us in a B=1 Qwen3-8B decode step
-(BENCHMARKS.md, "Decode step"); a layer has two such boundaries. Here one program per row reads
-x and delta once, writes x' and h once.
-
-Status: validated in interpret mode on the CPU and compiled on the H200 against
-`reference.add_rms_norm` (``tests/kernels/test_add_rms_norm_gpu.py``, ``-m gpu``). Used by default
-on a GPU in bf16/f16 where D is a power of 2 (``EngineConfig.add_rms_norm="auto"``).
+"""Residual add + RMSNorm in one Pallas kernel with the Triton lowering; same contract as
+`reference.add_rms_norm`. One program per row reads x and delta once and writes x' and h once.
 Sources: as `reference.py`.
 """
 
@@ -77,11 +69,8 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
             sums, must be powers of 2 here).
         interpret: run the Pallas interpreter (CPU tests).
         num_warps: warps per program (one row of D elements per program): None (D / 256
-            clamped to 4..16) or a power of 2 in 1..32. At D=4096 on the H200, 16 warps
-            against 4 (the old default): 1.51 vs 1.58 us at 1 row, 2.13 vs 2.31 at 128, 3.74
-            vs 3.78 at 256 with a bf16 delta; 1.79 vs 2.24, 3.72 vs 4.93 and 5.38 vs 6.20
-            with 2 float32 partials (``scripts/bench_add_rms_norm.py``, BENCHMARKS.md,
-            eleventh session).
+            clamped to 4..16) or a power of 2 in 1..32 (default chosen by measurement:
+            BENCHMARKS.md section "Throughput").
     Returns:
         (x' [S, D], h [S, D]) in x.dtype.
     Raises:

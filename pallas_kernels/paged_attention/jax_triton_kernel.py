@@ -7,8 +7,8 @@ entries loaded one iteration ahead, flash-decoding splits merged by
 and of the block table, K/V rows past the sequence end are not read (zero-filled), partials hold
 only the G real rows, and the output is stored straight into ``[B, N, H]`` with one split.
 
-Needs ``triton`` and ``jax_triton`` (imported on first call, so the package imports without them)
-and a CUDA GPU: Triton kernels cannot run in the CPU interpreter, so ``interpret=True`` raises.
+Needs ``triton`` and ``jax_triton`` (the ``jax-triton`` extra; the module imports without them and
+a call raises ImportError) and a CUDA GPU: ``interpret=True`` raises (no CPU interpreter).
 
 Sources: Dao et al. 2023, "Flash-Decoding for long-context inference"; Kwon et al. 2023
 (PagedAttention); Triton's fused-attention tutorial for the online-softmax loop.
@@ -22,6 +22,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+try:  # optional: only this variant needs Triton (and jax_triton, imported on first call)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = tl = None
+
 from pallas_kernels.paged_attention import tuning
 from pallas_kernels.paged_attention.triton_pallas import (
     check_decode_args, check_knobs, combine_splits, padded_group)
@@ -29,102 +35,94 @@ from pallas_kernels.paged_attention.triton_pallas import (
 LOG2E = math.log2(math.e)
 
 
-@functools.cache
-def _kernel():
-    """Build the @triton.jit kernel on first use (keeps `triton` an optional import)."""
-    import triton
-    import triton.language as tl
+def _jit(fn):
+    """``triton.jit`` where Triton is installed; else the plain function (never launched)."""
+    return fn if triton is None else triton.jit(fn)
 
-    @triton.jit
-    def paged_decode_kernel(
-            q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, layer_ptr, o_ptr, m_ptr, l_ptr,
-            QK_SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
-            B: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
-            G_PAD: tl.constexpr, H: tl.constexpr, P: tl.constexpr, M: tl.constexpr,
-            PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
-        pid = tl.program_id(0)
-        s = pid % SPLITS
-        bk = pid // SPLITS
-        kh = bk % K
-        b = bk // K
-        seq_len = tl.minimum(tl.load(lens_ptr + b), M * PAGE)            # never past the table
-        layer = tl.load(layer_ptr)
-        BLOCK_N: tl.constexpr = PPB * PAGE
-        if WINDOW > 0:
-            lo = tl.maximum(seq_len - WINDOW, 0)
+
+@_jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b in float32; IEEE float32 products for float32 inputs (else tf32)."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@_jit
+def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, layer_ptr, o_ptr, m_ptr, l_ptr,
+        QK_SCALE: tl.constexpr, SOFT_CAP: tl.constexpr, WINDOW: tl.constexpr,
+        B: tl.constexpr, N: tl.constexpr, K: tl.constexpr, G: tl.constexpr,
+        G_PAD: tl.constexpr, H: tl.constexpr, P: tl.constexpr, M: tl.constexpr,
+        PAGE: tl.constexpr, PPB: tl.constexpr, SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    s = pid % SPLITS
+    bk = pid // SPLITS
+    kh = bk % K
+    b = bk // K
+    seq_len = tl.minimum(tl.load(lens_ptr + b), M * PAGE)                # never past the table
+    layer = tl.load(layer_ptr)
+    BLOCK_N: tl.constexpr = PPB * PAGE
+    if WINDOW > 0:
+        lo = tl.maximum(seq_len - WINDOW, 0)
+    else:
+        lo = 0
+    first_page = lo // PAGE
+    n_pages = (seq_len + PAGE - 1) // PAGE
+    n_blocks = (tl.maximum(n_pages - first_page, 0) + PPB - 1) // PPB
+    per_split = (n_blocks + SPLITS - 1) // SPLITS
+    blk_lo = tl.minimum(s * per_split, n_blocks)
+    blk_hi = tl.minimum(blk_lo + per_split, n_blocks)
+    offs_g = tl.arange(0, G_PAD)
+    offs_h = tl.arange(0, H)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < G
+    head = b * N + kh * G + offs_g                                        # query-head rows
+    q = tl.load(q_ptr + head[:, None] * H + offs_h[None, :], mask=g_ok[:, None], other=0.0)
+    # Pool row of (layer, page, kh, slot): ((layer * P + page) * K + kh) * PAGE + slot, int64.
+    kv_base = layer.to(tl.int64) * P * K * PAGE * H + kh * PAGE * H
+    slot = offs_n % PAGE
+    m_i = tl.full([G_PAD], -1e30, tl.float32)                           # = NEG_INIT
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, H], tl.float32)
+    # Table entries are loaded one block ahead, so no K/V load depends on its own iteration.
+    lp = first_page + blk_lo * PPB + offs_n // PAGE                       # logical page per key
+    page = tl.load(bt_ptr + b * M + lp, mask=lp < n_pages, other=0)
+    for blk in range(blk_lo, blk_hi):
+        pos = lp * PAGE + slot
+        valid = (pos < seq_len) & (pos >= lo)
+        lp_next = lp + PPB
+        page_next = tl.load(bt_ptr + b * M + lp_next, mask=lp_next < n_pages, other=0)
+        rows = kv_base + page.to(tl.int64) * (K * PAGE * H) + slot * H
+        ptrs = rows[:, None] + offs_h[None, :]
+        k = tl.load(k_ptr + ptrs, mask=valid[:, None], other=0.0)
+        x = _dot(q, tl.trans(k), IEEE)
+        if SOFT_CAP > 0:  # tanh(y) = 1 - 2 / (exp(2y) + 1), in log2 units after the cap
+            x = x * QK_SCALE / SOFT_CAP
+            x = (SOFT_CAP * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
         else:
-            lo = 0
-        first_page = lo // PAGE
-        n_pages = (seq_len + PAGE - 1) // PAGE
-        n_blocks = (tl.maximum(n_pages - first_page, 0) + PPB - 1) // PPB
-        per_split = (n_blocks + SPLITS - 1) // SPLITS
-        blk_lo = tl.minimum(s * per_split, n_blocks)
-        blk_hi = tl.minimum(blk_lo + per_split, n_blocks)
-
-        offs_g = tl.arange(0, G_PAD)
-        offs_h = tl.arange(0, H)
-        offs_n = tl.arange(0, BLOCK_N)
-        g_ok = offs_g < G
-        head = b * N + kh * G + offs_g                                    # query-head rows
-        q = tl.load(q_ptr + head[:, None] * H + offs_h[None, :], mask=g_ok[:, None], other=0.0)
-        # Pool row of (layer, page, kh, slot): ((layer * P + page) * K + kh) * PAGE + slot, int64.
-        kv_base = layer.to(tl.int64) * P * K * PAGE * H + kh * PAGE * H
-        slot = offs_n % PAGE
-        page_in_blk = offs_n // PAGE
-
-        m_i = tl.full([G_PAD], -1e30, tl.float32)                       # = NEG_INIT
-        l_i = tl.zeros([G_PAD], tl.float32)
-        acc = tl.zeros([G_PAD, H], tl.float32)
-        # The block table entries of the next block are loaded one iteration ahead (carried in
-        # registers), so the K/V loads depend on no load of their own iteration and the software
-        # pipeliner can keep num_stages - 1 K/V blocks in flight.
-        lp = first_page + blk_lo * PPB + page_in_blk                      # logical page per key
-        page = tl.load(bt_ptr + b * M + lp, mask=lp < n_pages, other=0)
-        for blk in range(blk_lo, blk_hi):
-            pos = lp * PAGE + slot
-            valid = (pos < seq_len) & (pos >= lo)
-            lp_next = lp + PPB
-            page_next = tl.load(bt_ptr + b * M + lp_next, mask=lp_next < n_pages, other=0)
-            rows = kv_base + page.to(tl.int64) * (K * PAGE * H) + slot * H
-            ptrs = rows[:, None] + offs_h[None, :]
-            k = tl.load(k_ptr + ptrs, mask=valid[:, None], other=0.0)
-            if IEEE:
-                x = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                x = tl.dot(q, tl.trans(k))
-            if SOFT_CAP > 0:
-                x = x * QK_SCALE / SOFT_CAP
-                # tanh(y) = 1 - 2 / (exp(2y) + 1), in log2 units after the cap
-                x = (SOFT_CAP * 1.4426950408889634) * (1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0))
-            else:
-                x = x * QK_SCALE
-            x = tl.where(valid[None, :], x, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(x, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(x - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + ptrs, mask=valid[:, None], other=0.0)
-            if IEEE:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-            lp = lp_next
-            page = page_next
-
-        if SPLITS == 1:
-            out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-            tl.store(o_ptr + head[:, None] * H + offs_h[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=g_ok[:, None])
-        else:
-            # partials [SPLITS, B, N(, H)], every real row written (empty split: NEG_INIT, 0, 0)
-            row = s * (B * N) + head
-            tl.store(o_ptr + row[:, None] * H + offs_h[None, :], acc, mask=g_ok[:, None])
-            tl.store(m_ptr + row, m_i, mask=g_ok)
-            tl.store(l_ptr + row, l_i, mask=g_ok)
-
-    return paged_decode_kernel
+            x = x * QK_SCALE
+        x = tl.where(valid[None, :], x, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(x - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + ptrs, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+        m_i = m_new
+        lp = lp_next
+        page = page_next
+    if SPLITS == 1:
+        out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+        tl.store(o_ptr + head[:, None] * H + offs_h[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=g_ok[:, None])
+    else:  # partials [SPLITS, B, N(, H)], every real row written (empty split: NEG_INIT, 0, 0)
+        row = s * (B * N) + head
+        tl.store(o_ptr + row[:, None] * H + offs_h[None, :], acc, mask=g_ok[:, None])
+        tl.store(m_ptr + row, m_i, mask=g_ok)
+        tl.store(l_ptr + row, l_i, mask=g_ok)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -151,7 +149,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, so
                      jax.ShapeDtypeStruct((k_splits, B, N), jnp.float32)]
     o, m, l = jt.triton_call(
         q, k_pool, v_pool, block_tables, seq_lens, layer_arr,
-        kernel=_kernel(), out_shape=out_shape, grid=(B * K * k_splits,),
+        kernel=_paged_decode_kernel, out_shape=out_shape, grid=(B * K * k_splits,),
         num_warps=num_warps, num_stages=num_stages,
         QK_SCALE=qk_scale, SOFT_CAP=float(soft_cap) if soft_cap is not None else 0.0,
         WINDOW=int(sliding_window) if sliding_window is not None else 0,

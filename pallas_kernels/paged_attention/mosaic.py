@@ -1,29 +1,22 @@
 """Paged decode attention as a Mosaic GPU Pallas kernel for Hopper (sm_90a).
 
-One program (CTA, one warpgroup) per (batch row b, KV head h, sequence split s). The program loads
-the G query heads that share KV head h (GQA: each K/V page is read once per KV head) into a 64-row
-tile of shared memory, then streams its part of the sequence through shared memory with TMA copies
-of whole pages (one copy per page, addressed through the block table, which the program first copies
-into shared memory), ``num_stages`` buffers deep so that the copies of the next blocks overlap the
-math of this one. The math is an online softmax in float32 (Milakov & Gimelshein 2018; FlashAttention,
-Dao et al. 2022) with both products on the tensor cores (``wgmma``: scores = Q K^T, then P V with P
-cast to the KV dtype). With one split per row, each program writes its G output rows in q's dtype
-(the result is [B, N, H] by a reshape: no further launch). With more, each program writes its
-normalised partial output and log-sum-exp, and a small jnp step combines them, or one Pallas-Triton
-launch with the ``combine_kernel`` knob (`split_combine`; flash-decoding, Dao et al. 2023).
+One program (one warpgroup) per (batch row b, KV head h, sequence split s). It loads the G query
+heads that share KV head h into a 64-row shared-memory tile, then streams its part of the sequence
+through shared memory with one TMA copy per page (addressed through the block table, first copied
+into shared memory), ``num_stages`` buffers deep. The math is an online softmax in float32 with both
+products on the tensor cores (``wgmma``: Q K^T, then P V with P cast to the KV dtype). With one
+split each program writes its G output rows in q's dtype; with more, each writes its normalised
+partial output and log-sum-exp, and `combine_splits` (jnp) merges them.
 
-Structure (kept apart so that a Blackwell version can swap the math for tcgen05/TMEM):
-    `_issue_block`    TMA copies of one block of K/V pages into a stage buffer (memory side)
-    `_WgmmaMath`      Hopper math: wgmma products, WGMMA register layouts
-    `_PlainMath`      the same math with jnp products and no layouts, for GPU interpret mode on the CPU
-                      (its interpreter implements neither transposed wgmma operands nor register A)
-    `_body`           the pipeline: table and Q loads, prologue, steady state, epilogue
+Parts: `_issue_block` (TMA copies of one block of pages), `_WgmmaMath` (Hopper products and register
+layouts), `_PlainMath` (the same math in jnp, for GPU interpret mode on the CPU), `_body` (the
+pipeline), `_store` (the epilogue).
 
-Layout: the engine's pools ``[L, P, K, page_size, H]`` (jaxinfer/kv_cache.py), read in place; the
-layer is folded into the page index (pools viewed as ``[L * P, K, page_size, H]``): the program adds
-``layer * P``, read from a small per-layer input (a constant when ``layer`` is a Python int), to each
-table entry, so that the table itself (built from the block tables and lengths by a small XLA
-fusion) is the same for every layer and XLA computes it once per step.
+Layout: the engine's pools ``[L, P, K, page_size, H]`` read in place, viewed as
+``[L * P, K, page_size, H]``; the program adds ``layer * P`` (from `layer_offsets`) to each table
+entry, so the table is the same for every layer.
+Sources: Milakov & Gimelshein 2018 (online softmax); Dao et al. 2022 (FlashAttention); Dao et al.
+2023 (flash-decoding); Kwon et al. 2023 (paged layout).
 """
 
 from __future__ import annotations
@@ -39,7 +32,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.paged_attention import split_combine
 from pallas_kernels.sizes import round_up
 
 _ROWS = 64          # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
@@ -63,17 +55,12 @@ class MosaicDecodeConfig:
             waves of resident programs with under 10% of the last wave idle, and at most one split
             per two key blocks (`_pick_splits`).
         num_sms: multiprocessors to plan the waves for; None: read from the device (132 if none).
-        combine_kernel: combine the splits' partial outputs with one Pallas launch
-            (`split_combine.combine`, where it supports the sizes) instead of XLA's two fusions
-            of `split_combine.reference`. Off by default: at B=1, context 1024 the Qwen3-8B step
-            took 4.45 ms either way on the H200 (BENCHMARKS.md, eighth session).
     """
 
     block_kv: int = 64
     num_stages: int = 2
     num_splits: int | None = None
     num_sms: int | None = None
-    combine_kernel: bool = False
 
     def __post_init__(self):
         if self.block_kv <= 0 or self.block_kv % 64:
@@ -106,6 +93,28 @@ class _Geometry:
     scale: float
     soft_cap: float | None
     sliding_window: int | None
+
+
+def combine_splits(o: jax.Array, lse: jax.Array, *, num_heads: int, out_dtype) -> jax.Array:
+    """Merge the splits' partials (flash-decoding log-sum-exp weighting) in plain jnp.
+
+    Args:
+        o: f32[B, K, S, Gp, H] each split's normalised output for the Gp query rows of each KV
+            head (rows past G = num_heads / K are padding and dropped).
+        lse: f32[B, K, S, Gp] natural-log log-sum-exp of each split's scores (-inf: no key).
+        num_heads: N.
+        out_dtype: dtype of the result.
+    Returns:
+        [B, N, H] in ``out_dtype``; rows with no key in any split are zeros.
+    """
+    B, K, _, _, H = o.shape
+    G = num_heads // K
+    mx = jnp.max(lse, axis=2, keepdims=True)
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    w = jnp.exp(lse - mx)                                       # [B, K, S, Gp]; 0 for empty splits
+    den = jnp.sum(w, axis=2)
+    out = jnp.einsum("bksg,bksgh->bkgh", w, o) / jnp.where(den > 0, den, 1.0)[..., None]
+    return out[:, :, :G].reshape(B, num_heads, H).astype(out_dtype)
 
 
 def _smem_transforms(dtype, H: int):
@@ -298,13 +307,20 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
     stage_bars = plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.num_stages)
     acc, m, l = pl.run_scoped(main_loop, kv_tile, kv_tile, stage_bars, stage_bars)
 
-    # Epilogue: normalised partial output and natural-log LSE (-inf and zeros when no key).
+    _store(geo, acc, m, l, o_ref, lse_ref, b, h, split)
+
+
+def _store(geo: _Geometry, acc, m, l, o_ref, lse_ref, b, h, split):
+    """Epilogue: with one split (``lse_ref`` None) the G real rows, final, in the output dtype;
+    else the normalised partial output and natural-log LSE of the Gp rows (-inf and zeros when no
+    key)."""
+    H = geo.H
     has_keys = l > 0.0
     inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     lse = jnp.where(has_keys, m * _LN2 + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
 
-    if lse_ref is None:  # one split: the G real rows, final, in the output dtype
+    if lse_ref is None:
         def store_final(o_smem):
             o_smem[...] = out.astype(o_ref.dtype)
             plgpu.commit_smem()
@@ -340,11 +356,7 @@ def _smem_bytes(cfg: MosaicDecodeConfig, H: int, itemsize: int, table_bytes: int
 def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int) -> int:
     """Splits per (row, KV head) so that the programs fill the GPU in near-whole waves, each
     split covering at least two key blocks (``max_blocks // 2`` splits at most).
-
-    The cap: at B=1, context 1024 on the H200 (16 blocks of 64 keys), 8 splits of 2 blocks gave
-    Qwen3-8B decode steps of 4.64 and 4.66 ms against 4.82 and 4.70 ms for 16 splits of one block,
-    in two runs (BENCHMARKS.md): a one-block program spends much of its time in its prologue
-    (table and Q copies, barriers). At B=8 (old choice 12 splits) the steps were the same.
+    Cap chosen by measurement: BENCHMARKS.md section "Throughput".
     """
     if cfg.num_splits is not None:
         return max(1, min(cfg.num_splits, max_blocks))
@@ -492,17 +504,14 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
         (o,) = plgpu.kernel(body_single, **kw)(qg, k_flat, v_flat, table, layer_off)
         return o.reshape(B, N, H)
     o, lse = plgpu.kernel(body, **kw)(qg, k_flat, v_flat, table, layer_off)
-
-    if cfg.combine_kernel and split_combine.supports(splits, Gp, H):
-        return split_combine.combine(o, lse, num_heads=N, out_dtype=q.dtype, interpret=interpret)
-    return split_combine.reference(o, lse, num_heads=N, out_dtype=q.dtype)
+    return combine_splits(o, lse, num_heads=N, out_dtype=q.dtype)
 
 
 def layer_offsets(layer, pages_per_layer: int):
     """i32[32], the kernel's per-layer input: element 0 is ``layer * pages_per_layer`` (the rest
     count up from it, unread). A numpy constant when ``layer`` is a Python int, so that under jit
-    it costs no kernel launch; its elements differ because XLA turns a uniform literal into a
-    broadcast, a launch of its own per layer (0.8 us each on the H200)."""
+    it costs no kernel launch; its elements differ so that XLA does not turn it into a broadcast
+    (a launch of its own)."""
     if isinstance(layer, (int, np.integer)):
         return np.arange(_OFFSET_COLS, dtype=np.int32) + np.int32(int(layer) * pages_per_layer)
     base = jnp.asarray(layer, jnp.int32) * pages_per_layer
@@ -513,7 +522,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            interpret: bool = False, block_kv: int = 64, num_stages: int = 2,
-                           num_splits: int | None = None, combine_kernel: bool = False,
+                           num_splits: int | None = None,
                            config: MosaicDecodeConfig | None = None,
                            num_heads: int | None = None,
                            page_offset: jax.Array | None = None) -> jax.Array:
@@ -538,14 +547,14 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         sliding_window: optional; only the last ``sliding_window`` keys are visible.
         interpret: run in Mosaic GPU interpret mode (CPU); the products then use jnp instead of
             wgmma (the interpreter supports neither transposed nor register wgmma operands).
-        block_kv, num_stages, num_splits, combine_kernel: tuning knobs (see
+        block_kv, num_stages, num_splits: tuning knobs (see
             `MosaicDecodeConfig`), ignored when ``config`` is given.
         config: a frozen `MosaicDecodeConfig`.
         num_heads: N; required with a grouped q, optional otherwise (a grouped q cannot show a
             wrong N: every G up to 8 pads to the same Gp).
         page_offset: i32[32] from ``layer_offsets(layer, P)``; when given it is used instead of
             ``layer`` (a caller whose layer is a Python int makes it a constant before an inner
-            jit that traces the layer, as `jaxinfer.attention.make_attention_fn` does).
+            jit that traces the layer).
     Returns:
         [B, N, H] in q.dtype.
     Raises:
@@ -557,8 +566,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         paged layout (Kwon et al. 2023); JAX's attention_mgpu.py was read for Mosaic GPU idioms.
     """
     cfg = config if config is not None else MosaicDecodeConfig(
-        block_kv=block_kv, num_stages=num_stages, num_splits=num_splits,
-        combine_kernel=bool(combine_kernel))
+        block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
     N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads)
     if page_offset is not None and (getattr(page_offset, "shape", None) != (_OFFSET_COLS,)
                                     or page_offset.dtype != jnp.int32):

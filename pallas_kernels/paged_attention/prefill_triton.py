@@ -107,8 +107,7 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
     Tp = nq * block_q
     if G == G_PAD:
         # Tiles are read and written in q's own layout [B, T, K, G, H] (a free reshape): a
-        # program's [block_q, G, H] block is its [ROWS, H] matrix, so no transpose launch on
-        # either side (Qwen3-8B prefill: 3.5 ms of transposes per 8192-token step before).
+        # program's [block_q, G, H] block is its [ROWS, H] matrix, so no transpose on either side.
         qg = q.reshape(B, T, K, G, H)
         if Tp != T:
             qg = jnp.pad(qg, ((0, 0), (0, Tp - T), (0, 0), (0, 0), (0, 0)))

@@ -6,8 +6,7 @@ its split's pages ``pages_per_block`` at a time (each page gathered through the 
 out of the pool ``[L, P, K, page_size, H]``, so every K/V page is read once per KV head) and keeps
 an online softmax in float32. The block-table entries of the next block are read one loop
 iteration ahead and carried in registers: then no K/V load depends on a load of its own iteration,
-and Triton's software pipeliner keeps ``num_stages - 1`` K/V blocks in flight (with the table read
-in the same iteration it kept only one, seen in the TTGIR of an sm_90 compile). With
+and Triton's software pipeliner keeps ``num_stages - 1`` K/V blocks in flight. With
 ``k_splits > 1`` (flash-decoding) each split writes un-normalised partials and `combine_splits`
 merges them with a log-sum-exp weighting.
 

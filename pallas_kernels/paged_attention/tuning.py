@@ -24,10 +24,8 @@ TUNED_FILE = Path(__file__).with_name("tuned_h200.json")
 KNOBS = ("pages_per_block", "num_warps", "num_stages", "min_programs")
 VARIANTS = ("triton", "jax_triton")
 
-# Defaults for devices without a table entry: 2 pages of 16 tokens = 32 keys per loop step, 4 warps,
-# 4-stage pipelining (3 K/V blocks in flight, ~54 KB shared memory at H=128 bf16), and sequence
-# splits until there are >= 256 programs. Near-best for both variants on the H200 (2026-11-30:
-# 141-147 us at B=64, ctx 2048, page 16, 32/8 heads; the best measured was 137-140 us).
+# Defaults for devices without a table entry: 2 pages per loop step, 4 warps, 4-stage pipelining,
+# sequence splits until there are >= 256 programs (BENCHMARKS.md section "Paged decode attention").
 DEFAULTS = {
     "triton": {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256},
     "jax_triton": {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256},

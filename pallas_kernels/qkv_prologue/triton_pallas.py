@@ -1,26 +1,11 @@
 """The attention prologue (q/k RMSNorm + RoPE + K/V page write) as one Pallas kernel with the
-Triton lowering.
+Triton lowering; same contract as `reference.qkv_prologue`.
 
-What it replaces: in a B=1 Qwen3-8B decode step XLA runs this part of each layer as six small
-fusions of 1.1-2.4 us each (the q/k RMSNorm statistics, the rotated key rows, the value rows, two
-K/V page writes, the rotated and padded queries; BENCHMARKS.md, "Decode step"). Here they are one
-launch. With ``q_group_rows`` the queries are written grouped by KV head and zero-padded, the
-layout the mosaic decode kernel reads, so that it needs no pad launch of its own. Where XLA splits
-the q/k/v GEMM over K it sums the partials in a fusion of their own before this kernel.
-
-Two grids (``grid``): one program per (token, query row or key or value head), or, for many
-tokens, one per (token, KV group of query heads) plus one for the token's keys and one for its
-values. Each head is read as its two RoPE halves ([H/2] vectors, or [rows, H/2] tiles), so no
-in-register slicing is needed. The pools are aliased to the outputs (``input_output_aliases``), so
-XLA can update them in place; the GPU test checks that a jit with the pools donated compiles
-without a pool-sized copy.
-
-Status: validated in interpret mode on the CPU and compiled on the H200 against
-`reference.qkv_prologue` (``tests/kernels/test_qkv_prologue_gpu.py``, ``-m gpu``). Used by decode
-and packed prefill steps on GPU by default (``EngineConfig.qkv_prologue="auto"``); B=1 Qwen3-8B
-decode 4.62 vs 4.73 ms with XLA's fusions (seventh session); grouped q and the grouped grid:
-BENCHMARKS.md, eighth session; in prefill steps, where it replaces XLA's K/V scatter, 19 steps
-of the throughput workload 3.68 vs 3.85 s (tenth session).
+With ``q_group_rows`` the queries are written grouped by KV head and zero-padded, the layout the
+mosaic decode kernel reads. Two grids (``grid``): one program per (token, query row or key or
+value head), or one per (token, KV group of query heads) plus one for the token's keys and one for
+its values. Each head is read as its two RoPE halves ([H/2] vectors, or [rows, H/2] tiles). The
+pools are aliased to the outputs (``input_output_aliases``), so XLA can update them in place.
 Sources: as `reference.py`.
 """
 
@@ -195,7 +180,7 @@ def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, *, N, 
     return q, k_pool, v_pool
 
 
-_ONE_WAVE_PROGRAMS = 4096   # about the one-warp programs an H100/H200 holds at once (132 x 32)
+_ONE_WAVE_PROGRAMS = 4096   # about the one-warp programs a 132-SM Hopper GPU holds at once
 
 
 def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
@@ -217,10 +202,8 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
             key heads and one for its K value heads (S * (K + 2) programs; K and the query rows
             per group, ``q_group_rows`` or G = N/K, must be powers of 2); "head": one program per
             (token, query row or key or value head) (S * (K * rows + 2K) programs, any N and K);
-            "auto": "head" while its programs fit in about one wave of the H200 (4096), else
-            "group" where it applies. Qwen3-8B on the H200 (BENCHMARKS.md, eighth session): at
-            256 tokens the per-head grid took 9.4 us a layer; at 1 token the grouped grid took
-            2.8 us against 1.7.
+            "auto": "head" while its programs fit in about one wave (4096), else "group" where
+            it applies (chosen by measurement: BENCHMARKS.md section "Throughput").
         num_warps: warps per program; None: 1 for "head", 2 for "group".
     Returns:
         (q, k_pool, v_pool): q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H] when

@@ -17,7 +17,7 @@ read bandwidth against the copy ceiling measured in the same run:
 If ``scan`` is ~3x slower than ``unrolled``, the scan copies each layer's weight slice before its
 GEMM (read + write + read): issue 4's leading hypothesis for the 13 ms batch-1 step.
 
-    python scripts/probe_layer_scan.py [--layers 36] [--batch 1] [--dims 4096 12288 32 8 128]
+    python scripts/probes/probe_layer_scan.py [--layers 36] [--batch 1] [--dims 4096 12288 32 8 128]
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     if args.form:  # child process: one form, JSON on the last line
         print(json.dumps(run(args.form, args.layers, args.batch, args.dims, args.iters)))
         return
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     base = [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--batch",
             str(args.batch), "--iters", str(args.iters), "--dims", *map(str, args.dims)]
     rows = []
@@ -119,7 +119,7 @@ def main() -> None:
         row = json.loads(r.stdout.strip().splitlines()[-1])
         row["form"] = form + ("" if not extra else "+dsf" if "dynamic_slice" in extra else "+cublas")
         rows.append(row)
-    from bench_paged_attention import copy_ceiling_tbps
+    from scripts.bench_paged_attention import copy_ceiling_tbps
     ceiling = max(copy_ceiling_tbps().values())
     print(f"\nweights {rows[0].get('weight_gb', 0):.2f} GB, batch {args.batch}, copy ceiling "
           f"{ceiling:.2f} TB/s")

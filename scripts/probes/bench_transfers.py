@@ -11,7 +11,7 @@ fields, block tables, ...). This measures, for batch sizes ``--batches``, the ho
 each with the device idle and with the device busy (a chain of matmuls in flight), so a transfer
 that waits for the compute stream shows. Appends JSON objects (bench="transfers") to ``--out``.
 
-    python scripts/bench_transfers.py [--batches 32 256] [--reps 50]
+    python scripts/probes/bench_transfers.py [--batches 32 256] [--reps 50]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 

@@ -7,16 +7,13 @@ Formulations (``--variants``):
   {xla,cublas}-partialsS   explicit split-K: ``einsum('msk,skn->smn')`` into f32[S, M, N] partial
                sums, not added up (what a consumer kernel that sums the S partials would read)
   {xla,cublas}-splitS      the same, summed and cast to bf16 in XLA (one more fusion)
-  gemv[-bnB][-bkB][-wW][-sS][-kK] the Pallas few-row kernel `pallas_kernels.gemv.triton_pallas`
-               (M = 1, 2, 4) with its block sizes, warps, pipeline stages and K splits (K > 1:
-               float32 partial sums, not added up)
 
 Each timed call runs ``--layers`` independent GEMMs (distinct weights and inputs, so the weights
 come from HBM, not L2, and XLA cannot merge the dots); the time per GEMM is the sum of the GPU
 kernels' durations (reduce kernels included) divided by that count. Reports µs, weight TB/s and
 TFLOP/s per GEMM; prints a table and appends JSON objects (bench="decode_gemm") to ``--out``.
 
-    python scripts/bench_decode_gemm.py [--rows 1 64 128 192 256] [--shapes wqkv wo down gate_up]
+    python scripts/probes/bench_decode_gemm.py [--rows 1 64 128 192 256] [--shapes wqkv wo down gate_up]
         [--variants xla cublas cublas-partials4]
 """
 
@@ -32,7 +29,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
@@ -44,19 +41,10 @@ SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "gate_up": (4096, 24576),
 
 def gemm_fn(variant: str):
     """(jitted fn over lists of x, w) for one formulation; raises ValueError if unknown."""
-    g = re.fullmatch(r"gemv(?:-bn(\d+))?(?:-bk(\d+))?(?:-w(\d+))?(?:-s(\d+))?(?:-k(\d+))?",
-                     variant)
-    if g:
-        from pallas_kernels.gemv import triton_pallas
-        names = ("bn", "bk", "num_warps", "num_stages", "splits")
-        kw = {k: int(v) for k, v in zip(names, g.groups()) if v}
-        if any(v < 1 for v in kw.values()):
-            raise ValueError(f"variant {variant!r}: every number must be >= 1")
-        return jax.jit(lambda xs, ws: [triton_pallas.gemv(x, w, **kw) for x, w in zip(xs, ws)])
     m = re.fullmatch(r"(xla|cublas)(?:-(partials|split)(\d+))?", variant)
     if not m:
         raise ValueError(f"unknown variant {variant!r}: xla, cublas, xla-partialsS, "
-                         "cublas-splitS, gemv-bn32-bk256-w4-s4-k4, ...")
+                         "cublas-splitS, ...")
     backend, kind, s = m.group(1), m.group(2), int(m.group(3) or 1)
     if s < 1:
         raise ValueError(f"variant {variant!r}: the split count must be >= 1")
@@ -96,8 +84,7 @@ def main() -> None:
                         f"{k} {v}" for k, v in SHAPES.items()))
     ap.add_argument("--variants", nargs="+", default=["xla", "cublas"],
                     help="formulations (see the module docstring): xla, cublas, "
-                         "{xla,cublas}-partialsS, {xla,cublas}-splitS, "
-                         "gemv[-bnB][-bkB][-wW][-sS][-kK]")
+                         "{xla,cublas}-partialsS, {xla,cublas}-splitS")
     ap.add_argument("--layers", type=int, default=8,
                     help="independent GEMMs per timed call (8 x 33 MB of weights > the 50 MB L2)")
     ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")

@@ -9,7 +9,7 @@ Patterns: ``head`` touches the first fraction of w's rows; ``bands`` touches eve
 rows whose index mod 4 is below 4 * fraction (spread over all of K; at fraction 1 the same as
 ``head``, so not run twice). GPU only. Prints a table; writes no JSON (a probe).
 
-    python scripts/probe_l2_prefetch.py [--shape 4096 4096] [--fractions 0.25 0.5 0.75 1]
+    python scripts/probes/probe_l2_prefetch.py [--shape 4096 4096] [--fractions 0.25 0.5 0.75 1]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
 

@@ -6,7 +6,7 @@ Each timed call runs 8 independent kernels (distinct inputs) and is repeated ``-
 figure is the kernels' summed duration over all of them, per kernel. Prints a table and appends
 JSON objects (bench="add_rms_norm") to ``--out``.
 
-    python scripts/bench_add_rms_norm.py [--rows 1 64 256] [--partials 0 2 16] [--warps 4 8 16]
+    python scripts/probes/bench_add_rms_norm.py [--rows 1 64 256] [--partials 0 2 16] [--warps 4 8 16]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
 from scripts.run_info import git_commit  # noqa: E402

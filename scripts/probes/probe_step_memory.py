@@ -4,7 +4,7 @@ Lowers and compiles the jit step for the Qwen3-8B architecture (``--layers`` of 
 inputs (nothing is allocated) and prints XLA's memory analysis: argument, output, alias and temp
 bytes. A temp size that grows with the KV pool (``--pages``) means the step copies the pool.
 
-    python scripts/probe_step_memory.py --layers 4 --pages 4000 16000 --mode decode prefill
+    python scripts/probes/probe_step_memory.py --layers 4 --pages 4000 16000 --mode decode prefill
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main() -> None:
@@ -28,8 +28,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_decode import QWEN3_8B  # same directory
+    from scripts.bench_decode import QWEN3_8B
     from jaxinfer.attention import make_attention_fn, resolve_backend
     from jaxinfer.config import ModelConfig
     from jaxinfer.kv_cache import KVCache

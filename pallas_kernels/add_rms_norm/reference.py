@@ -1,12 +1,9 @@
-"""Plain-jnp reference of the fused residual add + RMSNorm (vLLM's ``fused_add_rms_norm``).
+"""Plain-jnp reference of the fused residual add + RMSNorm: x [S, D], delta [S, D] ->
+x' = x + delta (rounded to x.dtype) -> h = weight * (x' / sqrt(mean(x'^2) + eps)) -> (x', h).
 
-    x [S, D], delta [S, D] -> x' = x + delta (rounded to x.dtype: the residual stream stays in the
-    compute dtype) -> h = weight * (x' / sqrt(mean(x'^2) + eps)) -> (x', h).
-
-Numerics follow HF ``LlamaRMSNorm`` (and `jaxinfer.models.common.rms_norm`): statistics in
-float32, the normalized value rounded to x.dtype before the weight multiply, the weight cast to
-x.dtype. Sources: Zhang & Sennrich 2019 (RMSNorm); vLLM ``csrc/layernorm_kernels.cu``
-(``fused_add_rms_norm``: the same two results from one pass).
+Numerics follow HF ``LlamaRMSNorm``: statistics in float32, the normalized value rounded to x.dtype
+before the weight multiply, the weight cast to x.dtype. Sources: Zhang & Sennrich 2019 (RMSNorm);
+vLLM ``fused_add_rms_norm`` (``csrc/layernorm_kernels.cu``).
 """
 
 from __future__ import annotations
@@ -19,11 +16,8 @@ import jax.numpy as jnp
 
 def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
                eps: float = 1e-6) -> tuple[int, int]:
-    """Validate shapes, dtypes and eps; return (S, D).
-
-    Raises:
-        ValueError: naming the argument, its shape or dtype, and what is allowed.
-    """
+    """Validate shapes, dtypes and eps; return (S, D). ValueError names the argument, its shape
+    or dtype, and what is allowed."""
     if x.ndim != 2:
         raise ValueError(f"x must be [S, D]; got shape {x.shape}")
     S, D = x.shape
@@ -48,7 +42,6 @@ def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
     """Residual add then RMSNorm, in plain jnp.
-
     Args:
         x: [S, D] the residual stream, compute dtype.
         delta: [S, D] the sub-block output to add (same dtype), or float32[splits, S, D]

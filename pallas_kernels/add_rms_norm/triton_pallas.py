@@ -62,17 +62,13 @@ def supports(D: int) -> bool:
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6, interpret: bool = False,
                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """Residual add + RMSNorm in one Pallas launch; same contract as `reference.add_rms_norm`.
-
-    Args:
-        x, delta, weight, eps: as in `reference.add_rms_norm` (D, and the number of partial
-            sums, must be powers of 2 here).
-        interpret: run the Pallas interpreter (CPU tests).
+    """`reference.add_rms_norm`'s contract in one Pallas launch (D, and the number of partial sums,
+    powers of 2).
+    Args (beyond the reference's):
+        interpret: the Pallas interpreter (CPU).
         num_warps: warps per program (one row of D elements per program): None (D / 256
             clamped to 4..16) or a power of 2 in 1..32 (default chosen by measurement:
             BENCHMARKS.md section "Throughput").
-    Returns:
-        (x' [S, D], h [S, D]) in x.dtype.
     Raises:
         ValueError: see `reference.check_args` (shapes, dtypes, eps); D or the number of
             partial sums not a power of 2 (use `supports` to check); ``num_warps`` not None or

@@ -1,4 +1,1 @@
-"""Paged attention: a float32 reference and kernel variants behind one signature.
-
-See `registry.py` for the variants by name and `reference.py` for the oracle.
-"""
+"""Paged attention: the float32 `reference` and kernel variants by name (`registry`)."""

@@ -1,17 +1,12 @@
 """Paged decode attention: a plain Triton kernel called through jax-triton (variant ``jax_triton``).
 
-Same algorithm as `triton_pallas` (one program per sequence x KV head x split, the G query heads of
-a KV head together in a ``[G_PAD, H]`` MMA tile, online softmax in float32, the next block's table
-entries loaded one iteration ahead, flash-decoding splits merged by
-`triton_pallas.combine_splits`), written directly in Triton: masked loads replace the padding of q
-and of the block table, K/V rows past the sequence end are not read (zero-filled), partials hold
-only the G real rows, and the output is stored straight into ``[B, N, H]`` with one split.
+The algorithm of `triton_pallas` written directly in Triton: masked loads replace the padding of q
+and of the block table, K/V rows past the sequence end are not read, and with one split the output
+is stored straight into ``[B, N, H]``.
 
 Needs ``triton`` and ``jax_triton`` (the ``jax-triton`` extra; the module imports without them and
 a call raises ImportError) and a CUDA GPU: ``interpret=True`` raises (no CPU interpreter).
-
-Sources: Dao et al. 2023, "Flash-Decoding for long-context inference"; Kwon et al. 2023
-(PagedAttention); Triton's fused-attention tutorial for the online-softmax loop.
+Sources: as `triton_pallas`; Triton's fused-attention tutorial for the online-softmax loop.
 """
 
 from __future__ import annotations
@@ -131,7 +126,6 @@ def _paged_decode_kernel(
 def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_cap,
                   sliding_window, pages_per_block, num_warps, num_stages, k_splits):
     import jax_triton as jt
-
     B, N, H = q.shape
     L, P, K, page_size, _ = k_pool.shape
     G = N // K
@@ -160,17 +154,15 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, so
     return combine_splits(o, m, l).astype(q.dtype)
 
 
-def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                           block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
-                           soft_cap: float | None = None, sliding_window: int | None = None,
-                           interpret: bool = False, pages_per_block: int | None = None,
-                           num_warps: int | None = None, num_stages: int | None = None,
-                           k_splits: int | None = None) -> jax.Array:
+def paged_decode_attention(
+        q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array,
+        seq_lens: jax.Array, *, layer=0, scale: float, soft_cap: float | None = None,
+        sliding_window: int | None = None, interpret: bool = False,
+        pages_per_block: int | None = None, num_warps: int | None = None,
+        num_stages: int | None = None, k_splits: int | None = None) -> jax.Array:
     """Decode attention over the paged KV cache, a Triton kernel through ``jax_triton.triton_call``.
-
     Arguments, result and knobs as in `triton_pallas.paged_decode_attention` (knob defaults from
-    `tuning.lookup("jax_triton", ...)`). q and the pools must share a dtype (bf16, f16 or f32).
-
+    `tuning.resolve("jax_triton", ...)`). q and the pools must share a dtype (bf16, f16 or f32).
     Raises:
         ValueError: bad shapes/dtypes/knobs, or ``interpret=True`` (Triton kernels need a CUDA GPU;
             the CPU interpreter cannot run them).

@@ -1,22 +1,14 @@
 """Paged decode attention as a Mosaic GPU Pallas kernel for Hopper (sm_90a).
 
-One program (one warpgroup) per (batch row b, KV head h, sequence split s). It loads the G query
-heads that share KV head h into a 64-row shared-memory tile, then streams its part of the sequence
-through shared memory with one TMA copy per page (addressed through the block table, first copied
-into shared memory), ``num_stages`` buffers deep. The math is an online softmax in float32 with both
-products on the tensor cores (``wgmma``: Q K^T, then P V with P cast to the KV dtype). With one
-split each program writes its G output rows in q's dtype; with more, each writes its normalised
-partial output and log-sum-exp, and `combine_splits` (jnp) merges them.
-
-Parts: `_issue_block` (TMA copies of one block of pages), `_WgmmaMath` (Hopper products and register
-layouts), `_PlainMath` (the same math in jnp, for GPU interpret mode on the CPU), `_body` (the
-pipeline), `_store` (the epilogue).
-
-Layout: the engine's pools ``[L, P, K, page_size, H]`` read in place, viewed as
-``[L * P, K, page_size, H]``; the program adds ``layer * P`` (from `layer_offsets`) to each table
-entry, so the table is the same for every layer.
-Sources: Milakov & Gimelshein 2018 (online softmax); Dao et al. 2022 (FlashAttention); Dao et al.
-2023 (flash-decoding); Kwon et al. 2023 (paged layout).
+One program (one warpgroup) per (row b, KV head h, split s) loads the G query heads of KV head h
+into a 64-row shared-memory tile and streams its part of the sequence through ``num_stages``
+shared-memory buffers, one TMA copy per page (through the block table, itself copied to shared
+memory). Online softmax in float32; Q K^T and P V on the tensor cores (``wgmma``; `_PlainMath` is
+the same math in jnp for interpret mode). One split: each program writes its G output rows; more:
+normalised partials and log-sum-exps merged by `combine_splits`. The pools ``[L, P, K, page_size,
+H]`` are read in place as ``[L * P, ...]``: the program adds ``layer * P`` (`layer_offsets`).
+Sources: FlashAttention (Dao et al. 2022), flash-decoding (Dao et al. 2023), PagedAttention (Kwon
+et al. 2023); JAX's attention_mgpu.py for Mosaic GPU idioms.
 """
 
 from __future__ import annotations
@@ -97,15 +89,9 @@ class _Geometry:
 
 def combine_splits(o: jax.Array, lse: jax.Array, *, num_heads: int, out_dtype) -> jax.Array:
     """Merge the splits' partials (flash-decoding log-sum-exp weighting) in plain jnp.
-
-    Args:
-        o: f32[B, K, S, Gp, H] each split's normalised output for the Gp query rows of each KV
-            head (rows past G = num_heads / K are padding and dropped).
-        lse: f32[B, K, S, Gp] natural-log log-sum-exp of each split's scores (-inf: no key).
-        num_heads: N.
-        out_dtype: dtype of the result.
-    Returns:
-        [B, N, H] in ``out_dtype``; rows with no key in any split are zeros.
+    o: f32[B, K, S, Gp, H] each split's normalised output (rows past G = N / K are padding);
+    lse: f32[B, K, S, Gp] natural-log log-sum-exps (-inf: no key). Returns [B, N, H] in
+    ``out_dtype``; rows with no key in any split are zeros.
     """
     B, K, _, _, H = o.shape
     G = num_heads // K
@@ -124,10 +110,6 @@ def _smem_transforms(dtype, H: int):
         return ()
     return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
 
-
-# ---------------------------------------------------------------------------------------------
-# Math: scores, masks, online softmax, P V.  Two back-ends with one interface.
-# ---------------------------------------------------------------------------------------------
 
 class _WgmmaMath:
     """Hopper tensor-core math in Mosaic GPU's WGMMA register layout (compiled path)."""
@@ -183,7 +165,6 @@ class _PlainMath:
 
 def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v_smem, wait_v):
     """One online-softmax update with the scores ``s`` [64, bk] of keys first_pos.. (float32).
-
     m is kept in log2 units (scores pre-multiplied by log2 e) so that p = exp2(s - m).
     """
     acc, m, l = carry
@@ -207,13 +188,8 @@ def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v
     return acc, m_new, l
 
 
-# ---------------------------------------------------------------------------------------------
-# Memory side: TMA copies of K/V pages through the block table.
-# ---------------------------------------------------------------------------------------------
-
 def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
     """Start the TMA copies of keys [step * bk, (step + 1) * bk) of this row into one stage.
-
     ``copies``: (pool ref [L * P, K, page_size, H], stage buffer [bk, H], barrier) for K and/or V;
     each barrier expects ``pages_per_step`` arrivals.
     """
@@ -232,10 +208,6 @@ def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
             plgpu.copy_gmem_to_smem(src(ref, phys), buf.at[pl.ds(i * rpc, rpc)], bar)
 
 
-# ---------------------------------------------------------------------------------------------
-# The kernel.
-# ---------------------------------------------------------------------------------------------
-
 def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_smem, off_smem, bars,
           *, geo: _Geometry, math_, interpret: bool):
     b = lax.axis_index("b")
@@ -243,7 +215,6 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
     split = lax.axis_index("s")
     tbl_bar, q_bar, off_bar = bars.at[0], bars.at[1], bars.at[2]
     bk, H = geo.block_kv, geo.H
-
     plgpu.copy_gmem_to_smem(tbl_ref.at[b], tbl_smem, tbl_bar)
     plgpu.copy_gmem_to_smem(off_ref, off_smem, off_bar)
     if geo.Gp < _ROWS:  # rows past the real heads: zeros (never stored; keeps them finite)
@@ -253,7 +224,6 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
     plgpu.barrier_wait(tbl_bar)
     plgpu.barrier_wait(off_bar)
     layer_off = off_smem[0]
-
     # This program's key blocks: the row's visible blocks, cut into num_splits near-equal parts.
     seq_len = tbl_smem[0, 0]
     if geo.sliding_window is None:
@@ -306,7 +276,6 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
                          transforms=() if interpret else _smem_transforms(geo.dtype, H))
     stage_bars = plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.num_stages)
     acc, m, l = pl.run_scoped(main_loop, kv_tile, kv_tile, stage_bars, stage_bars)
-
     _store(geo, acc, m, l, o_ref, lse_ref, b, h, split)
 
 
@@ -319,7 +288,6 @@ def _store(geo: _Geometry, acc, m, l, o_ref, lse_ref, b, h, split):
     inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     lse = jnp.where(has_keys, m * _LN2 + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
-
     if lse_ref is None:
         def store_final(o_smem):
             o_smem[...] = out.astype(o_ref.dtype)
@@ -398,34 +366,30 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
                              f"{q.shape}")
     else:
         raise ValueError(f"q must be [B, N, H] or grouped [B, K, Gp, H]; got shape {q.shape}")
-    if not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q must be a floating dtype; got {q.dtype}")
-    if B < 1:
-        raise ValueError(f"q has B={B} rows; at least 1 is needed")
-    if Hk != H:
-        raise ValueError(f"head dim of q ({H}) and of the pools ({Hk}) differ")
-    if N % K:
-        raise ValueError(f"num query heads N={N} must be a multiple of num KV heads K={K}")
-    if N // K > _ROWS:
-        raise ValueError(f"GQA group N/K={N // K} must be <= {_ROWS}")
-    if k_pool.dtype != v_pool.dtype:
-        raise ValueError(f"k_pool dtype {k_pool.dtype} != v_pool dtype {v_pool.dtype}")
-    allowed = (jnp.bfloat16, jnp.float16) + ((jnp.float32,) if interpret else ())
-    if k_pool.dtype not in [jnp.dtype(d) for d in allowed]:
-        raise ValueError(f"k_pool dtype {k_pool.dtype} not supported; allowed: "
-                         f"{[jnp.dtype(d).name for d in allowed]} (float32 only in interpret mode:"
-                         " Hopper wgmma has no float32 P.V path)")
-    if H % 64:
-        raise ValueError(f"head dim H={H} must be a multiple of 64")
-    if page_size % 8:
-        raise ValueError(f"page_size={page_size} must be a multiple of 8")
     bk = cfg.block_kv
-    if not (bk % page_size == 0 or page_size % bk == 0):
-        raise ValueError(f"block_kv={bk} and page_size={page_size}: one must divide the other")
-    if block_tables.ndim != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}")
-    if seq_lens.shape != (B,):
-        raise ValueError(f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}")
+    allowed = [jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]
+    allowed = allowed if interpret else allowed[:2]
+    for bad, msg in [
+            (not jnp.issubdtype(q.dtype, jnp.floating),
+             f"q must be a floating dtype; got {q.dtype}"),
+            (B < 1, f"q has B={B} rows; at least 1 is needed"),
+            (Hk != H, f"head dim of q ({H}) and of the pools ({Hk}) differ"),
+            (N % K, f"num query heads N={N} must be a multiple of num KV heads K={K}"),
+            (N // K > _ROWS, f"GQA group N/K={N // K} must be <= {_ROWS}"),
+            (k_pool.dtype != v_pool.dtype,
+             f"k_pool dtype {k_pool.dtype} != v_pool dtype {v_pool.dtype}"),
+            (k_pool.dtype not in allowed, f"k_pool dtype {k_pool.dtype} not supported; allowed: "
+             f"{[d.name for d in allowed]} (float32 only in interpret mode: Hopper wgmma has no "
+             "float32 P.V path)"),
+            (H % 64, f"head dim H={H} must be a multiple of 64"),
+            (page_size % 8, f"page_size={page_size} must be a multiple of 8"),
+            (bk % page_size and page_size % bk,
+             f"block_kv={bk} and page_size={page_size}: one must divide the other"),
+            (block_tables.ndim != 2 or block_tables.shape[0] != B,
+             f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}"),
+            (seq_lens.shape != (B,), f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}")]:
+        if bad:
+            raise ValueError(msg)
     return N
 
 
@@ -467,7 +431,6 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
     lens = jnp.clip(seq_lens.astype(jnp.int32), 0, M * page_size)
     header = jnp.zeros((B, 1, C), jnp.int32).at[:, 0, 0].set(lens)
     table = jnp.concatenate([header, pages], axis=1)
-
     if q.ndim == 4:   # already grouped and padded (e.g. by the qkv_prologue kernel)
         qg = q.astype(dtype)
     else:
@@ -476,7 +439,6 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
             qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     k_flat = k_pool.reshape(L * P, K, page_size, H)
     v_flat = v_pool.reshape(L * P, K, page_size, H)
-
     math_ = _PlainMath if interpret else _WgmmaMath
     transforms = () if interpret else _smem_transforms(dtype, H)
     # One split: each program's rows are final, so it writes the G real ones in q's dtype and
@@ -526,44 +488,22 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            config: MosaicDecodeConfig | None = None,
                            num_heads: int | None = None,
                            page_offset: jax.Array | None = None) -> jax.Array:
-    """Decode attention over the paged KV cache with a Mosaic GPU (Hopper) kernel.
-
-    Same contract as `reference.paged_decode_attention`: one query token per row at position
-    ``seq_len - 1``, attending to keys ``[max(0, seq_len - sliding_window), seq_len)``.
-
-    Args:
-        q: [B, N, H] queries (RoPE applied), or grouped by KV head [B, K, Gp, H] with the G = N/K
-            query rows of each KV head zero-padded to Gp, the next multiple of
-            ``Q_GROUP_MULTIPLE`` (then ``num_heads`` is required; this saves the pad the kernel
-            needs); cast to the pools' dtype for the products.
-        k_pool, v_pool: [L, P, K, page_size, H] bfloat16 or float16 (float32 only with
-            ``interpret=True``); H a multiple of 64, page_size a multiple of 8.
-        block_tables: i32[B, M] physical page of each logical page (padding: page 0).
-        seq_lens: i32[B] valid keys per row (0: padded row, output zeros).
-        layer: int or traced i32[] layer index into the pools (a Python int costs no launch:
-            `layer_offsets`).
-        scale: softmax scale (usually H ** -0.5).
-        soft_cap: optional logit soft cap, ``soft_cap * tanh(logits / soft_cap)``.
-        sliding_window: optional; only the last ``sliding_window`` keys are visible.
-        interpret: run in Mosaic GPU interpret mode (CPU); the products then use jnp instead of
-            wgmma (the interpreter supports neither transposed nor register wgmma operands).
-        block_kv, num_stages, num_splits: tuning knobs (see
-            `MosaicDecodeConfig`), ignored when ``config`` is given.
-        config: a frozen `MosaicDecodeConfig`.
-        num_heads: N; required with a grouped q, optional otherwise (a grouped q cannot show a
-            wrong N: every G up to 8 pads to the same Gp).
-        page_offset: i32[32] from ``layer_offsets(layer, P)``; when given it is used instead of
-            ``layer`` (a caller whose layer is a Python int makes it a constant before an inner
-            jit that traces the layer).
+    """`reference.paged_decode_attention`'s contract with a Mosaic GPU (Hopper) kernel.
+    Args (beyond the reference's):
+        q: [B, N, H], or grouped by KV head [B, K, Gp, H] with each head's G = N/K rows zero-padded
+            to Gp, the next multiple of ``Q_GROUP_MULTIPLE`` (then ``num_heads`` is required).
+        k_pool, v_pool: bfloat16 or float16 (float32 only with ``interpret=True``); H a multiple
+            of 64, page_size a multiple of 8.
+        interpret: Mosaic GPU interpret mode (CPU; the products in jnp).
+        block_kv, num_stages, num_splits: knobs of `MosaicDecodeConfig` (unless ``config``).
+        num_heads: N; required with a grouped q.
+        page_offset: i32[32] from ``layer_offsets(layer, P)``, used instead of ``layer``.
     Returns:
         [B, N, H] in q.dtype.
     Raises:
-        ValueError: shapes, dtypes or knobs outside what the kernel supports, or a Python-int
-            layer outside [0, L) (the message names the field). Not checked (traced values):
-            a traced layer's range and the page ids in ``block_tables``; lengths past the table
-            are clamped to M * page_size.
-    Source: FlashAttention-3 / flash-decoding structure (Shah et al. 2024; Dao et al. 2023), vLLM
-        paged layout (Kwon et al. 2023); JAX's attention_mgpu.py was read for Mosaic GPU idioms.
+        ValueError: shapes, dtypes or knobs the kernel does not take, or a Python-int layer
+            outside [0, L). Not checked (traced): a traced layer, the page ids; lengths past the
+            table are clamped to M * page_size.
     """
     cfg = config if config is not None else MosaicDecodeConfig(
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)

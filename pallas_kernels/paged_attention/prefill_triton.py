@@ -1,22 +1,14 @@
-"""Paged prefill attention (T query tokens per sequence, causal) as a Pallas kernel with the Triton
+"""Paged prefill attention (T causal query tokens per sequence) as a Pallas kernel with the Triton
 lowering (prefill variant ``triton``).
 
-One program per (sequence b, KV head k, query tile i). A tile holds ``block_q`` query tokens times
-the G query heads of KV head k as one ``[block_q * G_PAD, H]`` matrix (row r is token
-``r // G_PAD``, head ``r % G_PAD``; G padded to a power of 2 with zero rows), so each K/V page is
-read once per KV head and tile rather than once per query head. When G is a power of 2 the tiles
-are read from and written to q's own [B, T, N, H] layout (a [block_q, G, H] block is the matrix);
-otherwise q is transposed and padded into tiles first, and the output transposed back. The
-program walks the sequence's pages ``pages_per_block`` at a time, from the first key any of its
-queries can see to the last (causal: key j is visible to a query at position p iff ``j <= p``,
-``j < seq_len`` and, with a sliding window, ``p - j < sliding_window``), gathers each page
-through the block table straight out of the pool ``[L, P, K, page_size, H]``, and keeps an
-online softmax in float32. Nothing of size ``T x seq_len`` is materialised (the reference builds
-the full float32 logits).
-
-Sources: Dao 2023, "FlashAttention-2" (online softmax over key blocks, causal block skipping);
-Kwon et al. 2023, "PagedAttention" (vLLM); the page gather of this package's decode kernel
-(`triton_pallas.py`).
+One program per (row b, KV head k, query tile i). A tile holds ``block_q`` tokens times the G query
+heads of KV head k as one ``[block_q * G_PAD, H]`` matrix (row r: token ``r // G_PAD``, head
+``r % G_PAD``; G padded to a power of 2 with zero rows), so each K/V page is read once per KV head
+and tile. When G is a power of 2 the tiles are q's own [B, T, N, H] layout; otherwise q is
+transposed and padded first. The program walks the pages from the first key any of its queries can
+see to the last, gathering them through the block table out of the pool, with an online softmax in
+float32 (`triton_pallas.online_softmax_step`); nothing of size ``T x seq_len`` is materialised.
+Sources: Dao 2023 (FlashAttention-2); Kwon et al. 2023 (PagedAttention).
 """
 
 from __future__ import annotations
@@ -29,9 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention.triton_pallas import (HIGHEST, LOG2E, MIN_MMA_ROWS, NEG_INIT,
-                                                          NN_DIMS, NT_DIMS,
-                                                          check_decode_args, check_knobs)
+from pallas_kernels.paged_attention.triton_pallas import (
+    LOG2E, MIN_MMA_ROWS, NEG_INIT, check_decode_args, check_knobs, full_block, normalize,
+    online_softmax_step)
 from pallas_kernels.sizes import is_pow2, next_pow2
 
 # Default tile: 64 query rows (tokens x padded group) and 64 keys per loop step.
@@ -62,33 +54,19 @@ def _kernel(layer_ref, lens_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *,
     slot = offs % page_size                                               # slot in its page
 
     def body(blk, carry):
-        acc, m_i, l_i = carry
         p0 = blk * pages_per_block
         pages = bt_ref[b, p0 + tok_page]                                  # [BLOCK_N]
-        k = k_ref[layer, pages, kh, slot]                                 # [BLOCK_N, H]
-        v = v_ref[layer, pages, kh, slot]
-        x = lax.dot_general(q, k, NT_DIMS, precision=HIGHEST,
-                            preferred_element_type=jnp.float32) * qk_scale  # [ROWS, BLOCK_N]
-        if soft_cap is not None:
-            x = (soft_cap * LOG2E) * jnp.tanh(x / soft_cap)
         kpos = p0 * page_size + offs
         valid = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] < seq_len)
         if sliding_window is not None:
             valid &= (pos[:, None] - kpos[None, :]) < sliding_window
-        x = jnp.where(valid, x, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(x, axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(x - m_new[:, None])
-        l_new = l_i * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + lax.dot_general(
-            p.astype(v.dtype), v, NN_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32)
-        return acc, m_new, l_new
+        return online_softmax_step(q, k_ref[layer, pages, kh, slot], v_ref[layer, pages, kh, slot],
+                                   valid, carry, qk_scale=qk_scale, soft_cap=soft_cap)
 
     init = (jnp.zeros((ROWS, H), jnp.float32), jnp.full((ROWS,), NEG_INIT, jnp.float32),
             jnp.zeros((ROWS,), jnp.float32))
     acc, _, l_i = lax.fori_loop(blk_lo, blk_hi, body, init)
-    out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    o_ref[...] = out.reshape(o_ref.shape).astype(o_ref.dtype)
+    o_ref[...] = normalize(acc, l_i).reshape(o_ref.shape).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -128,12 +106,11 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
         _kernel, ROWS=ROWS, H=H, M=M, page_size=page_size, pages_per_block=pages_per_block,
         scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=sliding_window)
-    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct(out_shape, q.dtype), grid=(B, K, nq),
-        in_specs=[full((1,)), full((B,)), full((B, M + pages_per_block)),
+        in_specs=[full_block((1,)), full_block((B,)), full_block((B, M + pages_per_block)),
                   pl.BlockSpec((None, ROWS), lambda b, k, i: (b, i)), tile,
-                  full(k_pool.shape), full(v_pool.shape)],
+                  full_block(k_pool.shape), full_block(v_pool.shape)],
         out_specs=tile, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"paged_prefill_triton_r{ROWS}_ppb{pages_per_block}",
@@ -157,23 +134,9 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                             block_q: int | None = None, pages_per_block: int | None = None,
                             num_warps: int | None = None,
                             num_stages: int | None = None) -> jax.Array:
-    """Causal attention of T query tokens per sequence over its paged KV (prefill chunks), with
-    the signature of `reference.paged_attention`.
-
-    Args:
-        q: [B, T, N, H] queries (RoPE applied), bf16/f16/f32.
-        k_pool, v_pool: [L, P, K, page_size, H] pools (jaxinfer/kv_cache.py layout), holding this
-            step's K/V already; page_size and H powers of 2 (H >= 16).
-        block_tables: i32[B, M] physical page of each logical page (padding: page 0).
-        seq_lens: i32[B] valid KV positions per sequence (0 for a padded row: output zeros).
-        q_positions: i32[B, T] absolute position of each query; key j is visible to a query at p
-            iff ``j <= p`` and ``j < seq_len`` (and ``p - j < sliding_window`` if set). A query
-            with no visible key gets zeros.
-        layer: int or traced i32[] index into L.
-        scale: softmax scale (usually H ** -0.5), applied to float32 logits.
-        soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
-        sliding_window: if set, only the last ``sliding_window`` positions are visible.
-        interpret: run the Pallas interpreter (CPU tests).
+    """`reference.paged_attention`'s contract (prefill chunks) as a Pallas/Triton kernel.
+    Args (beyond the reference's): q bf16/f16/f32; page_size and H powers of 2 (H >= 16);
+        interpret: the Pallas interpreter (CPU).
         block_q: query tokens per program (``block_q * G_PAD`` must be a power of 2 >= 16);
             pages_per_block: pages per key block (``pages_per_block * page_size`` a power of 2 >=
             16); num_warps, num_stages: Triton launch knobs. None: `default_knobs`.

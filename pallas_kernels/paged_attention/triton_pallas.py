@@ -1,20 +1,14 @@
 """Paged decode attention as a Pallas kernel with the Triton lowering (variant ``triton``).
 
-One program per (sequence b, KV head k, sequence split s). It holds the G query heads of KV head k
-together (``q`` block ``[G_PAD, H]``, G padded up to the MMA minimum of 16 with zero rows), walks
-its split's pages ``pages_per_block`` at a time (each page gathered through the block table straight
-out of the pool ``[L, P, K, page_size, H]``, so every K/V page is read once per KV head) and keeps
-an online softmax in float32. The block-table entries of the next block are read one loop
-iteration ahead and carried in registers: then no K/V load depends on a load of its own iteration,
-and Triton's software pipeliner keeps ``num_stages - 1`` K/V blocks in flight. With
-``k_splits > 1`` (flash-decoding) each split writes un-normalised partials and `combine_splits`
-merges them with a log-sum-exp weighting.
-
-Sources: Dao et al. 2023, "Flash-Decoding for long-context inference" (split-K + LSE combine);
-Kwon et al. 2023 (PagedAttention); the page indexing pattern of JAX's in-tree
-``jax.experimental.pallas.ops.gpu.paged_attention`` (read for how to gather pages with scalar and
-vector indices in the Triton lowering; the kernel here is written from scratch for the engine's
-layout, a traced layer index, GQA grouping and per-sequence split ranges).
+One program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
+tile (G padded to a power of 2 >= 16, the MMA minimum), walks its split's pages ``pages_per_block``
+at a time, gathering each page through the block table straight out of the pool ``[L, P, K,
+page_size, H]``, and keeps an online softmax in float32. The next block's table entries are read
+one iteration ahead, so no K/V load depends on a load of its own iteration (Triton's pipeliner
+then keeps ``num_stages - 1`` blocks in flight). With ``k_splits > 1`` each split writes
+un-normalised partials that `combine_splits` merges.
+Sources: Dao et al. 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); the page gather of
+JAX's ``jax.experimental.pallas.ops.gpu.paged_attention``.
 """
 
 from __future__ import annotations
@@ -45,7 +39,6 @@ NN_DIMS = (((1,), (0,)), ((), ()))
 def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
                       soft_cap=None, need_pow2=True) -> tuple[int, int, int, int, int, int]:
     """Validate the shared decode signature; return (B, N, H, K, page_size, M).
-
     Raises:
         ValueError: naming the argument, its value and what is allowed.
     """
@@ -54,31 +47,31 @@ def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=
     B, N, H = q.shape
     if k_pool.ndim != 5:
         raise ValueError(f"k_pool must be [L, P, K, page_size, H]; got shape {k_pool.shape}")
-    if v_pool.shape != k_pool.shape:
-        raise ValueError(f"v_pool shape {v_pool.shape} must equal k_pool shape {k_pool.shape}")
-    if k_pool.dtype != v_pool.dtype:
-        raise ValueError(f"v_pool dtype {v_pool.dtype} must equal k_pool dtype {k_pool.dtype}")
     _, _, K, page_size, Hk = k_pool.shape
-    if Hk != H:
-        raise ValueError(f"k_pool head dim {Hk} must equal q head dim {H}")
-    if K < 1 or N % K:
-        raise ValueError(f"q heads N={N} must be a positive multiple of KV heads K={K}")
-    if block_tables.ndim != 2 or block_tables.shape[0] != B:
-        raise ValueError(f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}")
-    if block_tables.dtype != jnp.int32:
-        raise ValueError(f"block_tables dtype must be int32; got {block_tables.dtype}")
-    if seq_lens.shape != (B,):
-        raise ValueError(f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}")
-    if seq_lens.dtype != jnp.int32:
-        raise ValueError(f"seq_lens dtype must be int32; got {seq_lens.dtype}")
-    if need_pow2 and not is_pow2(page_size):
-        raise ValueError(f"page_size={page_size} must be a power of 2 for the Triton kernels")
-    if need_pow2 and not (is_pow2(H) and H >= 16):
-        raise ValueError(f"head dim H={H} must be a power of 2 >= 16 for the Triton kernels")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window={sliding_window} must be None or >= 1")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap={soft_cap} must be None or > 0")
+    for bad, msg in [
+            (v_pool.shape != k_pool.shape,
+             f"v_pool shape {v_pool.shape} must equal k_pool shape {k_pool.shape}"),
+            (k_pool.dtype != v_pool.dtype,
+             f"v_pool dtype {v_pool.dtype} must equal k_pool dtype {k_pool.dtype}"),
+            (Hk != H, f"k_pool head dim {Hk} must equal q head dim {H}"),
+            (K < 1 or N % max(K, 1),
+             f"q heads N={N} must be a positive multiple of KV heads K={K}"),
+            (block_tables.ndim != 2 or block_tables.shape[0] != B,
+             f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}"),
+            (block_tables.dtype != jnp.int32,
+             f"block_tables dtype must be int32; got {block_tables.dtype}"),
+            (seq_lens.shape != (B,), f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}"),
+            (seq_lens.dtype != jnp.int32, f"seq_lens dtype must be int32; got {seq_lens.dtype}"),
+            (need_pow2 and not is_pow2(page_size),
+             f"page_size={page_size} must be a power of 2 for the Triton kernels"),
+            (need_pow2 and not (is_pow2(H) and H >= 16),
+             f"head dim H={H} must be a power of 2 >= 16 for the Triton kernels"),
+            (sliding_window is not None and sliding_window < 1,
+             f"sliding_window={sliding_window} must be None or >= 1"),
+            (soft_cap is not None and not soft_cap > 0,
+             f"soft_cap={soft_cap} must be None or > 0")]:
+        if bad:
+            raise ValueError(msg)
     return B, N, H, K, page_size, block_tables.shape[1]
 
 
@@ -105,7 +98,6 @@ def padded_group(G: int) -> int:
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     """Merge flash-decoding partials (log-sum-exp weighting), float32.
-
     Args:
         acc: f32[S, ..., H] un-normalised partial outputs (sum_j 2^(x_j - m_s) v_j).
         m: f32[S, ...] running max of each split in log2 units (NEG_INIT for an empty split).
@@ -120,25 +112,48 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     return jnp.where(l_tot[..., None] > 0, o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
 
 
+def online_softmax_step(q, k, v, valid, carry, *, qk_scale, soft_cap):
+    """One key block of the online softmax, in log2 units: q [R, H], k and v [BLOCK_N, H],
+    ``valid`` bool broadcastable to [R, BLOCK_N]; carry (acc f32[R, H], m f32[R], l f32[R])."""
+    acc, m_i, l_i = carry
+    x = lax.dot_general(q, k, NT_DIMS, precision=HIGHEST,
+                        preferred_element_type=jnp.float32) * qk_scale   # [R, BLOCK_N]
+    if soft_cap is not None:
+        x = (soft_cap * LOG2E) * jnp.tanh(x / soft_cap)
+    x = jnp.where(valid, x, -jnp.inf)
+    m_new = jnp.maximum(m_i, jnp.max(x, axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(x - m_new[:, None])
+    l_new = l_i * alpha + jnp.sum(p, axis=1)
+    acc = acc * alpha[:, None] + lax.dot_general(
+        p.astype(v.dtype), v, NN_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32)
+    return acc, m_new, l_new
+
+
+def normalize(acc, l):
+    """acc / l per row; zeros for rows with no key (l == 0)."""
+    return jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+def full_block(shape):
+    """A BlockSpec of the whole array (every program sees all of it)."""
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
 def split_range(seq_len, s, *, page_size, pages_per_block, k_splits, sliding_window):
     """(lo, first_page, blk_lo, blk_hi): the first visible position, its page, and the blocks
     [blk_lo, blk_hi) of split s, counted from `first_page`.
-
     The visible pages of a sequence, [first_page, cdiv(seq_len, page_size)), are cut into blocks of
     `pages_per_block`, and the blocks are dealt out to the splits in contiguous equal runs, so the
     splits of one sequence follow its actual length (not the padded M).
     """
-    if sliding_window is None:
-        lo = jnp.int32(0)
-    else:
-        lo = jnp.maximum(seq_len - sliding_window, 0)
+    lo = jnp.int32(0) if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
     first_page = lo // page_size
     n_pages = (seq_len + page_size - 1) // page_size
     n_blocks = (jnp.maximum(n_pages - first_page, 0) + pages_per_block - 1) // pages_per_block
     per_split = (n_blocks + k_splits - 1) // k_splits
     blk_lo = jnp.minimum(s * per_split, n_blocks)
-    blk_hi = jnp.minimum(blk_lo + per_split, n_blocks)
-    return lo, first_page, blk_lo, blk_hi
+    return lo, first_page, blk_lo, jnp.minimum(blk_lo + per_split, n_blocks)
 
 
 def _kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, H, M, page_size,
@@ -159,26 +174,14 @@ def _kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, 
     slot = offs % page_size                                               # slot in its page
 
     def body(blk, carry):
-        acc, m_i, l_i, pages = carry
+        *state, pages = carry
         p0 = first_page + blk * pages_per_block
-        # Next block's table entries (one per key), one iteration ahead (see the module docstring).
-        pages_next = bt_ref[b, p0 + pages_per_block + tok_page]
-        k = k_ref[layer, pages, kh, slot]                                 # [BLOCK_N, H]
-        v = v_ref[layer, pages, kh, slot]
-        x = lax.dot_general(q, k, NT_DIMS, precision=HIGHEST,
-                            preferred_element_type=jnp.float32) * qk_scale  # [G_PAD, BLOCK_N]
-        if soft_cap is not None:
-            x = (soft_cap * LOG2E) * jnp.tanh(x / soft_cap)
+        pages_next = bt_ref[b, p0 + pages_per_block + tok_page]           # one block ahead
         pos = p0 * page_size + offs
-        valid = (pos < seq_len) & (pos >= lo)
-        x = jnp.where(valid[None, :], x, -jnp.inf)
-        m_new = jnp.maximum(m_i, jnp.max(x, axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(x - m_new[:, None])
-        l_new = l_i * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + lax.dot_general(
-            p.astype(v.dtype), v, NN_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32)
-        return acc, m_new, l_new, pages_next
+        valid = ((pos < seq_len) & (pos >= lo))[None, :]
+        state = online_softmax_step(q, k_ref[layer, pages, kh, slot], v_ref[layer, pages, kh, slot],
+                                    valid, state, qk_scale=qk_scale, soft_cap=soft_cap)
+        return (*state, pages_next)
 
     pages0 = bt_ref[b, first_page + blk_lo * pages_per_block + tok_page]
     init = (jnp.zeros((G_PAD, H), jnp.float32), jnp.full((G_PAD,), NEG_INIT, jnp.float32),
@@ -186,8 +189,7 @@ def _kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, 
     acc, m_i, l_i, _ = lax.fori_loop(blk_lo, blk_hi, body, init)
     if k_splits == 1:
         (o_ref,) = out_refs
-        out = jnp.where(l_i[:, None] > 0, acc / jnp.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-        o_ref[...] = out.astype(o_ref.dtype)
+        o_ref[...] = normalize(acc, l_i).astype(o_ref.dtype)
     else:
         o_ref, m_ref, l_ref = out_refs
         o_ref[...] = acc
@@ -216,11 +218,10 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, so
         _kernel, G_PAD=G_PAD, H=H, M=M, page_size=page_size, pages_per_block=pages_per_block,
         k_splits=k_splits, scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window)
-    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
     in_specs = [
-        full((1,)), full((B,)), full((B, M + 2 * pages_per_block)),
+        full_block((1,)), full_block((B,)), full_block((B, M + 2 * pages_per_block)),
         pl.BlockSpec((None, None, G_PAD, H), lambda b, k, s: (b, k, 0, 0)),
-        full(k_pool.shape), full(v_pool.shape),
+        full_block(k_pool.shape), full_block(v_pool.shape),
     ]
     if k_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((B, K, G_PAD, H), q.dtype)]
@@ -251,21 +252,11 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            interpret: bool = False, pages_per_block: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
                            k_splits: int | None = None) -> jax.Array:
-    """Decode attention (one query token per sequence) over the paged KV cache, Pallas/Triton.
-
-    Args:
-        q: [B, N, H] queries (RoPE applied), bf16/f16/f32.
-        k_pool, v_pool: [L, P, K, page_size, H] pools (jaxinfer/kv_cache.py layout); page_size and H
-            powers of 2. Positions past seq_len inside a visible page must hold finite values.
-        block_tables: i32[B, M] physical page of each logical page (padding: page 0).
-        seq_lens: i32[B] valid KV positions (0 for a padded row, whose output is zeros).
-        layer: int or traced i32[] index into L.
-        scale: softmax scale (usually H ** -0.5), applied to float32 logits.
-        soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
-        sliding_window: if set, only the last `sliding_window` positions are visible.
-        interpret: run the Pallas interpreter (CPU tests).
-        pages_per_block, num_warps, num_stages, k_splits: tuning knobs; None takes
-            `tuning.lookup("triton", ...)` (k_splits None: enough splits to fill the device).
+    """`reference.paged_decode_attention`'s contract as a Pallas/Triton kernel.
+    Args (beyond the reference's): q bf16/f16/f32; page_size and H powers of 2 (positions past
+    seq_len inside a visible page must hold finite values); ``interpret``: the Pallas interpreter
+    (CPU); ``pages_per_block``, ``num_warps``, ``num_stages``, ``k_splits``: tuning knobs, None
+    takes `tuning.resolve("triton", ...)` (k_splits None: enough splits to fill the device).
     Returns:
         [B, N, H] in q.dtype.
     Raises:

@@ -1,15 +1,11 @@
 """Tuned block sizes of the Triton paged decode-attention kernels, as data.
 
-A table maps ``(variant, device_kind, page_size, head_dim, group, dtype)`` to knobs:
-``pages_per_block`` (pages of one sequence processed per loop step), ``num_warps``, ``num_stages``
-(software-pipelining depth) and ``min_programs`` (the grid size the sequence split aims for: when
-``B * K`` programs are fewer, each sequence is split into ``k_splits`` flash-decoding parts).
-
-The built-in table below is merged with ``tuned_h200.json`` beside this file when present (written
-by the tuning script, one record per measured shape: ``{"variant", "device_kind", "page_size",
-"head_dim", "group", "dtype", "knobs": {...}, ...}``); JSON records win. A missing key falls back to
-the variant's entry for the device kind, then to the variant's defaults. Nothing is cached: the
-lookup runs once per trace.
+``(variant, device_kind, page_size, head_dim, group, dtype)`` -> knobs: ``pages_per_block`` (pages
+per loop step), ``num_warps``, ``num_stages`` (pipelining depth), ``min_programs`` (the grid size
+the sequence split aims for: with fewer ``B * K`` programs each sequence is split into
+``k_splits`` parts). Records of ``tuned_h200.json`` (written by scripts/tune_paged_attention.py:
+``{"variant", "device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win
+over `BUILTIN`, then the device kind's entry, then `DEFAULTS`. Nothing is cached.
 """
 
 from __future__ import annotations
@@ -26,25 +22,18 @@ VARIANTS = ("triton", "jax_triton")
 
 # Defaults for devices without a table entry: 2 pages per loop step, 4 warps, 4-stage pipelining,
 # sequence splits until there are >= 256 programs (BENCHMARKS.md section "Paged decode attention").
-DEFAULTS = {
-    "triton": {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256},
-    "jax_triton": {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256},
-}
+DEFAULTS = {v: {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256}
+            for v in VARIANTS}
 
 # (variant, device_kind) -> knobs, and (variant, device_kind, page_size, head_dim, group, dtype).
 # In interpret mode the device kind is "interpret": small blocks and no splits keep the CPU fast.
-BUILTIN = {
-    ("triton", "interpret"): {"pages_per_block": 2, "num_warps": 4, "num_stages": 1,
-                              "min_programs": 1},
-    ("jax_triton", "interpret"): {"pages_per_block": 2, "num_warps": 4, "num_stages": 1,
-                                  "min_programs": 1},
-}
+BUILTIN = {(v, "interpret"): {"pages_per_block": 2, "num_warps": 4, "num_stages": 1,
+                              "min_programs": 1} for v in VARIANTS}
 
 
 def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
     """Records of a tuning JSON file as ``{(variant, device_kind, page_size, head_dim, group,
     dtype): knobs}``; empty if the file is absent.
-
     Raises:
         ValueError: a record lacks a key field or names an unknown knob.
     """
@@ -68,18 +57,8 @@ def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
 
 def lookup(variant: str, *, device_kind: str, page_size: int, head_dim: int, group: int,
            dtype, path: Path = TUNED_FILE) -> dict:
-    """Knobs for one shape: exact table entry, else the device kind's entry, else the defaults.
-
-    Args:
-        variant: "triton" or "jax_triton".
-        device_kind: ``jax.Device.device_kind`` (e.g. "NVIDIA H200") or "interpret".
-        page_size, head_dim, group: shape of the call (group = N // K query heads per KV head).
-        dtype: the pools' dtype.
-    Returns:
-        dict with every name in `KNOBS`.
-    Raises:
-        ValueError: unknown variant.
-    """
+    """Every knob of `KNOBS` for one shape (group = G); ``device_kind`` is
+    ``jax.Device.device_kind`` or "interpret". ValueError: unknown variant."""
     if variant not in DEFAULTS:
         raise ValueError(f"unknown variant {variant!r}; tuned variants: {VARIANTS}")
     key = (variant, device_kind, int(page_size), int(head_dim), int(group), np.dtype(dtype).name)
@@ -108,7 +87,6 @@ def resolve(variant: str, *, B: int, K: int, G: int, M: int, page_size: int, hea
     """Final knobs of one call: explicit arguments win over the table; `k_splits` None is chosen
     by `choose_k_splits`; `pages_per_block` is capped at the power of 2 covering M pages (but
     kept >= 16 keys per block, the MMA minimum).
-
     Returns:
         {"pages_per_block", "num_warps", "num_stages", "k_splits"}.
     """

@@ -1,15 +1,11 @@
-"""Plain-jnp reference of the attention prologue: what a Llama/Qwen3 layer does between its fused
-q/k/v projection and paged attention.
+"""Plain-jnp reference of the attention prologue of a Llama/Qwen3 layer: qkv [S, (N + 2K) * H] ->
+per-head RMSNorm of the N query and K key heads (Qwen3; skipped for Llama) -> RoPE (HF
+``rotate_half``) -> K and V written into the page pools at each token's slot -> q [S, N, H].
 
-    qkv [S, (N + 2K) * H] -> per-head RMSNorm of the N query and K key heads (Qwen3's q_norm and
-    k_norm; skipped for Llama) -> RoPE (HF ``rotate_half``) on those heads -> the K key heads and
-    the K value heads written into the page pools at each token's slot -> q [S, N, H].
-
-Numerics follow HF (and `jaxinfer.models.common`): RMSNorm statistics in float32, the normalized
-value rounded to the compute dtype before the weight multiply, RoPE in float32 on that value,
-results rounded to the compute dtype; K/V cast to the pools' dtype.
-Sources: Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoPE); Qwen Team 2025 (QK-Norm);
-Kwon et al. 2023 (paged KV layout, slot mapping).
+Numerics follow HF: RMSNorm statistics in float32, the normalized value rounded to the compute
+dtype before the weight multiply, RoPE in float32, results rounded to the compute dtype; K/V cast
+to the pools' dtype. Sources: Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoPE); Qwen Team
+2025 (QK-Norm); Kwon et al. 2023 (paged KV, slot mapping).
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ import numpy as np
 def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
                num_kv_heads: int, q_group_rows: int | None = None) -> tuple[int, int, int, int]:
     """Validate shapes; return (S, N, K, H).
-
     Raises:
         ValueError: naming the argument, its shape and what is allowed.
     """
@@ -83,7 +78,6 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  eps: float = 1e-6,
                  q_group_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention prologue of one layer, in plain jnp.
-
     Args:
         qkv: [S, (N + 2K) * H] output of the fused q/k/v projection (query heads, then key heads,
             then value heads), compute dtype.
@@ -97,14 +91,12 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
         num_heads, num_kv_heads: N and K.
         eps: RMSNorm epsilon.
         q_group_rows: None, or Gq >= G = N/K: q is returned grouped by KV head, [S, K, Gq, H],
-            the rows past G zero. With Gq = ceil(G / 8) * 8 (``mosaic.Q_GROUP_MULTIPLE``) it is
-            the layout the Mosaic decode kernel reads, so that it needs no pad of its own.
+            the rows past G zero (Gq a multiple of ``mosaic.Q_GROUP_MULTIPLE``: the Mosaic decode
+            kernel's layout).
     Returns:
         (q, k_pool, v_pool) with this step's K/V written at ``layer``; q [S, N, H] in qkv.dtype,
-        or [S, K, q_group_rows, H].
-        Slots or a layer outside their ranges are not checked (they are traced values under jit,
-        as in the engine's ``write_kv``): what they write is undefined, and differs between this
-        reference and the kernel.
+        or [S, K, q_group_rows, H]. Slots or a layer out of range are not checked (traced):
+        what they write is undefined.
     Raises:
         ValueError: see `check_args` (shapes, and integer slots / floating data).
     """

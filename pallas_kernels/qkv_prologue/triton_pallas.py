@@ -24,8 +24,8 @@ from pallas_kernels.sizes import is_pow2
 
 
 def _program(slots_ref, layer_ref, H: int, page_size: int):
-    """(s, j, lo, hi, page, off, layer) of this program: its grid indices, the two RoPE halves'
-    slices of a head, and the page, in-page offset and layer its token's K/V go to."""
+    """(s, j, lo, hi, page, off, layer): grid indices, the RoPE halves' slices of a head, and
+    where the token's K/V go."""
     s, j = pl.program_id(0), pl.program_id(1)
     half = H // 2
     slot = slots_ref[s]
@@ -189,28 +189,19 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  eps: float = 1e-6, q_group_rows: int | None = None, interpret: bool = False,
                  grid: str = "auto",
                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The attention prologue of one layer in one Pallas launch; same contract as
-    `reference.qkv_prologue`.
-
-    Args:
-        qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, layer, num_heads,
-            num_kv_heads, eps, q_group_rows: as in `reference.qkv_prologue` (H/2 must be a power
-            of 2 here; slots in [0, P * page_size) and layer in [0, L) are not checked: outside
-            them the kernel writes out of bounds). q_norm / k_norm are read in their own dtype.
-        interpret: run the Pallas interpreter (CPU tests).
-        grid: "group": one program per (token, KV group of query heads), one for the token's K
-            key heads and one for its K value heads (S * (K + 2) programs; K and the query rows
-            per group, ``q_group_rows`` or G = N/K, must be powers of 2); "head": one program per
-            (token, query row or key or value head) (S * (K * rows + 2K) programs, any N and K);
-            "auto": "head" while its programs fit in about one wave (4096), else "group" where
-            it applies (chosen by measurement: BENCHMARKS.md section "Throughput").
+    """`reference.qkv_prologue`'s contract and result in one Pallas launch (H/2 must be a power of
+    2; slots and layer are not range-checked: outside them the kernel writes out of bounds).
+    Args (beyond the reference's):
+        interpret: the Pallas interpreter (CPU).
+        grid: "group": S * (K + 2) programs, one per (token, KV group of query heads) plus one for
+            the token's keys and one for its values (K and the rows per group, ``q_group_rows``
+            or G, powers of 2); "head": S * (K * rows + 2K) programs, one per (token, query row
+            or key or value head); "auto": "head" while that fits in about one wave (4096), else
+            "group" where it applies (BENCHMARKS.md section "Throughput").
         num_warps: warps per program; None: 1 for "head", 2 for "group".
-    Returns:
-        (q, k_pool, v_pool): q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H] when
-        ``q_group_rows`` is given; the pools updated in place.
     Raises:
-        ValueError: see `reference.check_args`; H/2 not a power of 2 (Triton vector shapes);
-            ``grid`` not one of "auto", "group", "head", or "group" where it does not apply.
+        ValueError: see `reference.check_args`; H/2 not a power of 2; a ``grid`` not one of
+            "auto", "group", "head", or "group" where it does not apply.
     """
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
                             num_heads, num_kv_heads, q_group_rows)

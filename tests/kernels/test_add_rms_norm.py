@@ -1,6 +1,7 @@
-"""The fused residual add + RMSNorm: the Pallas kernel in interpret mode against the plain-jnp
-reference, and the reference against the model's own functions (`jaxinfer.models.common`, which
-the model tests check against HF transformers)."""
+"""The fused residual add + RMSNorm: the Pallas kernel against the plain-jnp reference in two modes
+(`modes.py`: interpret on the CPU, compiled on a CUDA GPU with ``-m gpu``), and the reference
+against the model's own functions (`jaxinfer.models.common`, which the model tests check against
+HF transformers)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import pytest
 
 from jaxinfer.models.common import rms_norm
 from pallas_kernels.add_rms_norm import reference, triton_pallas
+
+from .modes import GPU, runs
 
 
 def make_inputs(seed, *, S, D, dtype=jnp.float32, scale=3.0):
@@ -28,21 +31,25 @@ CASES = [  # (S, D, dtype, with delta)
     (5, 256, jnp.bfloat16, True),
     (2, 64, jnp.bfloat16, False),
 ]
+QWEN3_8B = [(S, 4096, jnp.bfloat16, True) for S in (1, 256, 8192)]   # decode, packed prefill
 
 
-@pytest.mark.parametrize("S, D, dtype, with_delta", CASES)
-def test_kernel_interpret_matches_reference(S, D, dtype, with_delta):
+@pytest.mark.parametrize("mode, case", runs(CASES, QWEN3_8B))
+def test_kernel_matches_reference(mode, case):
+    S, D, dtype, with_delta = case
     x, d, w = make_inputs(S, S=S, D=D, dtype=dtype)
     d = d if with_delta else None
     xr, hr = reference.add_rms_norm(x, d, w, eps=1e-5)
-    xk, hk = triton_pallas.add_rms_norm(x, d, w, eps=1e-5, interpret=True)
+    xk, hk = triton_pallas.add_rms_norm(x, d, w, eps=1e-5, interpret=mode == "interpret")
     assert xk.dtype == hk.dtype == dtype and xk.shape == hk.shape == (S, D)
     # The sum x + delta is the same rounding on both sides; the norm may differ in the order of
-    # its float32 sum, i.e. by one rounding of the dtype.
+    # its float32 sum (and, compiled, in the GPU's rsqrt), i.e. by one rounding of the dtype.
     np.testing.assert_array_equal(np.asarray(xk, np.float32), np.asarray(xr, np.float32))
-    tol = 1e-6 if dtype == jnp.float32 else 2 ** -7
-    np.testing.assert_allclose(np.asarray(hk, np.float32), np.asarray(hr, np.float32),
-                               rtol=tol, atol=tol)
+    f32_tol = 1e-6 if mode == "interpret" else 1e-5
+    tol = f32_tol if dtype == jnp.float32 else 2 ** -7
+    hk = np.asarray(hk, np.float32)
+    assert np.all(np.isfinite(hk))
+    np.testing.assert_allclose(hk, np.asarray(hr, np.float32), rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -102,24 +109,33 @@ def partial_sums(seed, P, S, D):
     return 0.5 * jax.random.normal(jax.random.key(seed), (P, S, D), jnp.float32)
 
 
-@pytest.mark.parametrize("P, S, D, dtype", [(2, 3, 64, jnp.bfloat16), (4, 5, 128, jnp.float32),
-                                            (1, 2, 32, jnp.bfloat16)])
-def test_partial_sums_delta(P, S, D, dtype):
+PARTIALS = [(2, 3, 64, jnp.bfloat16), (4, 5, 128, jnp.float32), (1, 2, 32, jnp.bfloat16)]
+PARTIALS_QWEN3 = [(2, 1, 4096, jnp.bfloat16), (2, 192, 4096, jnp.bfloat16),
+                  (4, 7, 4096, jnp.bfloat16)]   # the decode MLP's split down projection
+
+
+@pytest.mark.parametrize("mode, case", runs(PARTIALS, PARTIALS_QWEN3))
+def test_partial_sums_delta(mode, case):
     """delta as float32 partial sums: the reference adds their sum rounded to x.dtype (as a GEMM
     writes it), and the kernel gives the same x' and h."""
-    x, _, w = make_inputs(P, S=S, D=D, dtype=dtype)
-    parts = partial_sums(P, P, S, D)
-    summed = np.asarray(parts, np.float64).sum(0).astype(np.float32)
-    want_x, want_h = reference.add_rms_norm(x, jnp.asarray(summed).astype(dtype), w, eps=1e-6)
+    P, S, D, dtype = case
+    x, _, w = make_inputs(P + S, S=S, D=D, dtype=dtype)
+    parts = partial_sums(P + S, P, S, D)
     xr, hr = reference.add_rms_norm(x, parts, w, eps=1e-6)
-    xk, hk = triton_pallas.add_rms_norm(x, parts, w, eps=1e-6, interpret=True)
-    # float32 sums of the partials in another order than float64's: one rounding of the dtype
+    xk, hk = triton_pallas.add_rms_norm(x, parts, w, eps=1e-6, interpret=mode == "interpret")
+    # float32 sums of the partials in another order than float64's (or the GPU's): one rounding
+    # of the dtype
     tol = 2e-6 if dtype == jnp.float32 else 2 ** -7
-    for got_x, got_h in ((xr, hr), (xk, hk)):
-        np.testing.assert_allclose(np.asarray(got_x, np.float32), np.asarray(want_x, np.float32),
-                                   rtol=tol, atol=tol)
-        np.testing.assert_allclose(np.asarray(got_h, np.float32), np.asarray(want_h, np.float32),
-                                   rtol=tol, atol=tol)
+    if mode == "interpret":
+        summed = np.asarray(parts, np.float64).sum(0).astype(np.float32)
+        want = reference.add_rms_norm(x, jnp.asarray(summed).astype(dtype), w, eps=1e-6)
+        pairs = [((xr, hr), want), ((xk, hk), want)]
+    else:
+        pairs = [((xk, hk), (xr, hr))]
+    for got, ref in pairs:
+        for g, r in zip(got, ref):
+            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                       rtol=tol, atol=tol)
 
 
 def test_bad_partial_sums_are_named():

@@ -1,13 +1,12 @@
-"""Paged decode attention kernels vs the float32 reference, CPU (Pallas interpret mode).
+"""Paged decode attention: the Triton-lowered variants vs the float32 reference, one suite run in
+two modes (`modes.py`): Pallas interpret mode on the CPU and compiled on a CUDA GPU (``-m gpu``).
 
-The `triton` Pallas variant runs with ``interpret=True``; the `jax_triton` variant is a Triton
-kernel and cannot be interpreted on the CPU (its GPU run is tests/kernels/test_paged_decode_gpu.py).
-Interpret mode starts every output buffer as NaN (Pallas' uninitialised value), so an output row or
-a flash-decoding partial that the kernel forgets to write shows up as NaN: every case checks that
-the whole output is finite and matches the reference element by element.
-
-The case table (`CASES`) is shared with the GPU tier. Each case draws fresh random data (never
-zeros) over the whole pool, page 0 included, with a permuted block table and ragged lengths.
+The `jax_triton` variant is a Triton kernel: it cannot be interpreted (it raises) and needs
+``jax_triton``. Interpret mode starts every output buffer as NaN (Pallas' uninitialised value), so
+an output row or a flash-decoding partial that the kernel forgets to write shows up as NaN; compiled
+outputs cannot be pre-filled, so every element is checked finite and matched against the reference.
+Each case draws fresh random data (never zeros) over the whole pool, page 0 included, with a
+permuted block table and ragged lengths.
 """
 
 from __future__ import annotations
@@ -21,6 +20,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import jax_triton_kernel, reference, triton_pallas, tuning
+
+from .modes import GPU, NEEDS_JAX_TRITON
 
 # name: (page_size, H, N, K, M, lens, dtype, L, layer, k_splits, pages_per_block, extra kwargs)
 # lens use ps = page_size and mx = M * page_size; 0 is a padded row.
@@ -85,15 +86,36 @@ def check_against_reference(out, args, kwargs, dtype):
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * 4)
 
 
+VARIANTS = {"triton": triton_pallas.paged_decode_attention,
+            "jax_triton": jax_triton_kernel.paged_decode_attention}
+RUNS = [
+    pytest.param("triton", "interpret", id="triton-interpret"),
+    pytest.param("triton", "compiled", marks=GPU, id="triton-compiled"),
+    pytest.param("jax_triton", "interpret", id="jax_triton-interpret", marks=pytest.mark.skip(
+        reason="a Triton kernel cannot be interpreted on the CPU (test_jax_triton_refuses_"
+               "interpret checks that it raises)")),
+    pytest.param("jax_triton", "compiled", marks=[*GPU, NEEDS_JAX_TRITON],
+                 id="jax_triton-compiled"),
+]
+
+
+def run(variant, mode, *args, **kwargs):
+    if mode == "interpret":
+        kwargs["interpret"] = True
+    return VARIANTS[variant](*args, **kwargs)
+
+
+@pytest.mark.parametrize("variant, mode", RUNS)
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_triton_pallas_interpret(name):
+def test_matches_reference(variant, mode, name):
     args, kwargs, knobs, dtype = make_case(name)
-    out = triton_pallas.paged_decode_attention(*args, **kwargs, interpret=True, **knobs)
+    out = run(variant, mode, *args, **kwargs, **knobs)
     assert out.dtype == args[0].dtype
     check_against_reference(out, args, kwargs, dtype)
 
 
-def test_traced_layer_in_scan():
+@pytest.mark.parametrize("variant, mode", RUNS)
+def test_traced_layer_in_scan(variant, mode):
     """The engine passes the layer index traced (`make_attention_fn`'s inner jit): one kernel
     lowering serves every layer, so a traced layer must select the right pool slice."""
     args, kwargs, knobs, dtype = make_case("p16_h64_g1_f32_edges", seed=1)
@@ -101,19 +123,40 @@ def test_traced_layer_in_scan():
     kwargs = {k: v for k, v in kwargs.items() if k != "layer"}
 
     def step(carry, layer):
-        o = triton_pallas.paged_decode_attention(q, k_pool, v_pool, bt, seq_lens, layer=layer,
-                                                 interpret=True, **kwargs, **knobs)
-        return carry, o
+        return carry, run(variant, mode, q, k_pool, v_pool, bt, seq_lens, layer=layer, **kwargs,
+                          **knobs)
 
     _, outs = jax.jit(lambda: jax.lax.scan(step, 0, jnp.arange(k_pool.shape[0])))()
     for layer in range(k_pool.shape[0]):
         check_against_reference(outs[layer], args, dict(kwargs, layer=layer), dtype)
 
 
-def test_default_knobs_interpret():
-    """Knobs left as None come from the tuning table (interpret entry) and stay correct."""
-    args, kwargs, _, dtype = make_case("p64_h64_g2_bf16_split2", seed=2)
-    out = triton_pallas.paged_decode_attention(*args, **kwargs, interpret=True)
+def qwen3_case():
+    """32/8 heads, H=128, page 16, bf16, a ragged long batch; layer 1 passed traced."""
+    rng = np.random.default_rng(11)
+    B, N, K, H, ps, M, L = 6, 32, 8, 128, 16, 40, 2
+    P = B * M + 1
+    seq_lens = np.array([640, 1, 0, 17, 333, 600], np.int32)
+    pages = rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((B, N, H)), jnp.bfloat16)
+    k_pool = jnp.asarray(rng.standard_normal((L, P, K, ps, H)), jnp.bfloat16)
+    v_pool = jnp.asarray(rng.standard_normal((L, P, K, ps, H)), jnp.bfloat16)
+    args = (q, k_pool, v_pool, jnp.asarray(pages), jnp.asarray(seq_lens))
+    return args, dict(layer=1, scale=H ** -0.5), "bfloat16"
+
+
+@pytest.mark.parametrize("variant, mode", RUNS)
+def test_default_knobs(variant, mode):
+    """Knobs left as None come from the tuning table (the interpret entry on the CPU; the tuned
+    defaults with automatic k_splits at a Qwen3-8B-like shape on the GPU) and stay correct."""
+    if mode == "interpret":
+        args, kwargs, _, dtype = make_case("p64_h64_g2_bf16_split2", seed=2)
+        out = run(variant, mode, *args, **kwargs)
+    else:
+        args, kwargs, dtype = qwen3_case()
+        fn = VARIANTS[variant]
+        out = jax.jit(lambda *a: fn(*a[:5], layer=a[5], scale=kwargs["scale"]))(
+            *args, jnp.int32(kwargs["layer"]))
     check_against_reference(out, args, kwargs, dtype)
 
 
@@ -163,16 +206,10 @@ def test_bad_input_raises():
 
 
 def test_jax_triton_refuses_interpret():
-    """Skip reason for the CPU tier: a Triton kernel cannot run in the CPU interpreter."""
+    """A Triton kernel cannot run in the CPU interpreter: ``interpret=True`` is an error."""
     args, kwargs, _, _ = make_case("p16_h64_g1_f32_edges")
     with pytest.raises(ValueError, match="interpret=True is not supported"):
         jax_triton_kernel.paged_decode_attention(*args, **kwargs, interpret=True)
-
-
-@pytest.mark.skip(reason="jax_triton runs a Triton kernel, which needs a CUDA GPU: it cannot be "
-                         "interpreted on the CPU (see test_paged_decode_gpu.py, marked gpu)")
-def test_jax_triton_interpret():
-    pass
 
 
 def test_tuning_lookup_and_json(tmp_path):

@@ -1,9 +1,11 @@
-"""Paged prefill attention (Pallas, Triton lowering) vs the float32 reference, CPU interpret mode.
+"""Paged prefill attention (Pallas, Triton lowering) vs the float32 reference, one suite run in two
+modes (`modes.py`): interpret mode on the CPU and compiled on a CUDA GPU (``-m gpu``).
 
 Each row is a prefill chunk: its queries are the last ``n`` positions of a sequence of ``seq_len``
 tokens (a whole prompt when n == seq_len, a later chunk otherwise), padded to T with position 0 as
 the engine pads them; a row with seq_len 0 is a padded row. Random data everywhere (page 0
-included), permuted block tables. Interpret mode starts outputs as NaN, so an unwritten tile shows.
+included), permuted block tables. Interpret mode starts outputs as NaN, so an unwritten tile shows;
+compiled outputs are checked finite element by element.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import prefill_triton, reference
+
+from .modes import GPU, MODES
 
 # name: (page_size, H, N, K, M, rows [(seq_len, n)], dtype, L, layer, knobs, extra kwargs)
 CASES = {
@@ -52,10 +56,7 @@ def make_case(name: str, seed: int = 0):
     return args, dict(layer=layer, scale=H ** -0.5, **extra), knobs, dtype
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_prefill_interpret_matches_reference(name):
-    args, kwargs, knobs, dtype = make_case(name)
-    out = prefill_triton.paged_prefill_attention(*args, **kwargs, interpret=True, **knobs)
+def check(out, args, kwargs, dtype):
     q, k_pool, v_pool, bt, seq_lens, q_positions = args
     with jax.default_matmul_precision("highest"):
         ref = reference.paged_attention(q.astype(jnp.float32), k_pool.astype(jnp.float32),
@@ -69,6 +70,39 @@ def test_prefill_interpret_matches_reference(name):
     rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
     assert rel < tol, f"relative error {rel:.2e} >= {tol}"
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * 4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_matches_reference(mode, name):
+    args, kwargs, knobs, dtype = make_case(name)
+    out = prefill_triton.paged_prefill_attention(*args, **kwargs, interpret=mode == "interpret",
+                                                 **knobs)
+    check(out, args, kwargs, dtype)
+
+
+@pytest.mark.parametrize("knobs", [{}, dict(block_q=32, pages_per_block=4, num_warps=8),
+                                   dict(block_q=16, pages_per_block=8, num_warps=4, num_stages=3)])
+@pytest.mark.parametrize("mode", [pytest.param("compiled", marks=GPU)])
+def test_qwen3_shape_bf16(mode, knobs):
+    """Qwen3-8B heads (32/8, H=128, page 16), chunks continuing cached prefixes, under several
+    tile settings (compiled only: too large to interpret)."""
+    rng = np.random.default_rng(12)
+    N, K, H, ps, M = 32, 8, 128, 16, 40
+    rows = [(300, 256), (256, 256), (0, 0), (613, 77)]          # (seq_len, chunk length)
+    B, T = len(rows), 256
+    P = B * M + 1
+    tables = (1 + rng.permutation(B * M)).reshape(B, M).astype(np.int32)
+    pos = np.zeros((B, T), np.int32)
+    for b, (s, n) in enumerate(rows):
+        pos[b, :n] = np.arange(s - n, s)
+    args = (jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((2, P, K, ps, H)), jnp.bfloat16),
+            jnp.asarray(rng.standard_normal((2, P, K, ps, H)), jnp.bfloat16),
+            jnp.asarray(tables), jnp.asarray([s for s, _ in rows], jnp.int32), jnp.asarray(pos))
+    kwargs = dict(layer=1, scale=H ** -0.5)
+    check(prefill_triton.paged_prefill_attention(*args, **kwargs, **knobs), args, kwargs,
+          "bfloat16")
 
 
 def test_causal_mask_is_applied():

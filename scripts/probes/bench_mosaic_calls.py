@@ -1,12 +1,8 @@
-"""Mosaic GPU paged decode attention compiled on a Hopper GPU (``-m gpu``), against the f32 reference.
+"""The Mosaic GPU decode kernel timed per call inside one jitted program of R calls (wall clock and
+CUPTI kernel time), at the issue's shapes, against the device-to-device copy ceiling and JAX's
+in-tree Pallas paged attention; plus a control program of tiny XLA ops (the per-call overhead).
 
-The sweep of `test_mosaic_decode.py` compiled (so the wgmma products are exercised), in bf16/f16,
-plus Qwen3-8B-shaped heads at longer ragged lengths with automatic splits.
-
-Run on the device machine:
-    python3 -m pytest -p no:cacheprovider -m gpu tests/kernels_mosaic/test_mosaic_decode_gpu.py
-As a script it times the kernel at the issue's shapes against the device-to-device copy ceiling:
-    python3 tests/kernels_mosaic/test_mosaic_decode_gpu.py [--quick]
+    python scripts/probes/bench_mosaic_calls.py [--quick]
 """
 
 from __future__ import annotations
@@ -17,95 +13,17 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
-if __package__ in (None, ""):  # run as a script: make the repo importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from tests.kernels_mosaic.test_mosaic_decode import (check, grouped_case, make_inputs, ref_out,
-                                                         run_case)
-else:
-    from .test_mosaic_decode import check, grouped_case, make_inputs, ref_out, run_case
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from pallas_kernels.paged_attention import mosaic
+from pallas_kernels.paged_attention import mosaic, reference  # noqa: E402
 
 
-def _is_hopper() -> bool:
-    try:
-        d = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return d.platform == "gpu" and getattr(d, "compute_capability", "") in ("9.0", "9.0a")
+def ref_out(q, k_pool, v_pool, tables, lens, **kw):
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    return np.asarray(reference.paged_decode_attention(f32(q), f32(k_pool), f32(v_pool), tables,
+                                                       lens, **kw))
 
-
-needs_hopper = pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90) GPU")
-pytestmark = [pytest.mark.gpu, needs_hopper]
-
-# Compiled sweep: page sizes 16/32/64, head dims 64/128, GQA 1/2/4/8, bf16 and f16, 64- and
-# 128-key blocks, one split (pipeline ring) or automatic splits.
-GPU_SWEEP = [
-    (16, 64, 1, jnp.bfloat16, 9, 1, 64),
-    (16, 128, 4, jnp.bfloat16, 9, None, 64),
-    (64, 64, 8, jnp.float16, 3, 1, 64),
-    (64, 128, 2, jnp.bfloat16, 5, None, 128),
-    (16, 64, 8, jnp.float16, 40, 1, 128),
-    (32, 128, 1, jnp.bfloat16, 5, 1, 64),
-    (32, 128, 8, jnp.bfloat16, 20, 1, 128),
-]
-
-
-@pytest.mark.parametrize("page_size,H,G,dtype,M,splits,block_kv", GPU_SWEEP)
-def test_sweep_gpu(page_size, H, G, dtype, M, splits, block_kv):
-    cfg = mosaic.MosaicDecodeConfig(block_kv=block_kv, num_stages=2, num_splits=splits)
-    run_case(False, 10 * page_size + G, page_size=page_size, H=H, G=G, dtype=dtype, M=M, cfg=cfg)
-
-
-def test_splits_window_softcap_gpu():
-    cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_splits=3)
-    run_case(False, 1, page_size=16, H=128, G=4, M=24, cfg=cfg, soft_cap=5.0, window=150,
-             lens=[1, 100, 383, 384, 0], layer=0, dtype=jnp.bfloat16)
-
-
-@pytest.mark.parametrize("block_kv,stages,page_size", [(128, 3, 16), (64, 4, 16), (64, 2, 128)])
-def test_pipeline_shapes_gpu(block_kv, stages, page_size):
-    cfg = mosaic.MosaicDecodeConfig(block_kv=block_kv, num_stages=stages, num_splits=2)
-    M = 1280 // page_size
-    run_case(False, 2, page_size=page_size, H=128, G=4, M=M, cfg=cfg, dtype=jnp.bfloat16,
-             lens=[1280, 17, 129, 1, 0, 1000])
-
-
-def test_qwen3_heads_long_ragged_gpu():
-    # N=32, K=8, H=128, page 16; lengths up to 4096, automatic splits.
-    run_case(False, 5, page_size=16, H=128, G=4, K=8, M=256, dtype=jnp.bfloat16,
-             lens=[4096, 1, 2049, 0, 777, 4095, 16, 3000])
-
-
-def test_layer_traced_in_scan_gpu():
-    lens = [33, 5, 0, 200]
-    q, k, v, t, s = make_inputs(7, lens=lens, N=16, K=4, H=128, page_size=16, M=13, L=2,
-                                dtype=jnp.bfloat16)
-    scale = 128 ** -0.5
-
-    def body(carry, layer):
-        return carry, mosaic.paged_decode_attention(q, k, v, t, s, layer=layer, scale=scale)
-    _, outs = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32)))()
-    for layer in range(2):
-        check(outs[layer], ref_out(q, k, v, t, s, layer=layer, scale=scale), jnp.bfloat16)
-
-
-@pytest.mark.parametrize("G, splits, K, H", [(4, None, 8, 128), (8, 1, 2, 64), (2, 2, 2, 128)])
-def test_grouped_q_and_int_layer_gpu(G, splits, K, H):
-    grouped_case(False, G, splits, K=K, H=H)
-
-
-def test_float32_raises_compiled():
-    q, k, v, t, s = make_inputs(0, lens=[3], N=2, K=1, H=64, page_size=16, M=1)
-    with pytest.raises(ValueError, match="float32 only in interpret"):
-        mosaic.paged_decode_attention(q, k, v, t, s, scale=0.1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Benchmark (script mode).
-# ---------------------------------------------------------------------------------------------
 
 def _copy_ceiling_tbs() -> float:
     """Best of PyTorch copy_ and JAX x * 1.0001 on 2 GiB bf16, bytes read + written."""
@@ -169,9 +87,7 @@ def _time_calls(fn, args_list, shared, trials=20):
             totals.append(sum(by_name.values()) / R * 1e-3)
             mains.append(max(by_name.values()) / R * 1e-3)
         dev, main_k = float(np.median(totals)), float(np.median(mains))
-        if not getattr(_time_calls, "printed", False):
-            print("kernels of one program:", {k: round(v, 4) for k, v in by_name.items()})
-            _time_calls.printed = True
+        print("kernels of one program:", {k: round(v, 4) for k, v in by_name.items()})
     except Exception as e:  # CUPTI missing or busy
         print("CUPTI timing failed:", type(e).__name__, str(e)[:200])
     return float(np.median(ts)), dev, main_k

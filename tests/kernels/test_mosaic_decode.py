@@ -1,10 +1,10 @@
-"""Mosaic GPU paged decode attention in GPU interpret mode (CPU) against the float32 reference.
+"""Mosaic GPU paged decode attention against the float32 reference, one suite run in two modes:
+GPU interpret mode on the CPU and compiled on a Hopper GPU (``-m gpu``).
 
-What interpret mode covers here: the whole kernel (block-table copy, TMA page copies into the
-multi-stage buffers, barriers, masks, online softmax, splits and the log-sum-exp combine), with the
-two products done by jnp. What it cannot cover: the ``wgmma`` instructions themselves (the
-interpreter implements neither transposed nor register wgmma operands) — those are exercised by
-`test_mosaic_decode_gpu.py` (``-m gpu``) with the same sweep compiled.
+Interpret mode covers the whole kernel (block-table copy, TMA page copies into the multi-stage
+buffers, barriers, masks, online softmax, splits and the log-sum-exp combine) with the two products
+done by jnp: the interpreter implements neither transposed nor register ``wgmma`` operands, which
+the compiled mode exercises (in bf16/f16: compiled float32 is rejected).
 """
 
 from __future__ import annotations
@@ -24,9 +24,25 @@ try:
 except ImportError:  # pragma: no cover - depends on the installed jax
     _HAS_INTERPRET = False
 
+
+def _is_hopper() -> bool:
+    try:
+        d = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return d.platform == "gpu" and getattr(d, "compute_capability", "") in ("9.0", "9.0a")
+
+
 needs_interpret = pytest.mark.skipif(
     not _HAS_INTERPRET, reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode "
     "(jax._src.pallas.mosaic_gpu.interpret.params.InterpretGPUParams)")
+HOPPER = [pytest.mark.gpu, pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90) GPU")]
+
+
+def by_mode(interpret_cases, compiled_cases):
+    """``(mode, case)`` parameters, sizes per mode (compiled: bf16/f16, real head counts)."""
+    return ([pytest.param("interpret", c, marks=needs_interpret) for c in interpret_cases]
+            + [pytest.param("compiled", c, marks=HOPPER) for c in compiled_cases])
 
 
 def lengths_for(page_size: int, max_len: int) -> list[int]:
@@ -78,14 +94,15 @@ def _jitted(interpret: bool, scale: float, soft_cap, window, cfg):
     return jax.jit(f)
 
 
-def run_case(interpret, seed, *, page_size, H, G, K=2, M=3, dtype=jnp.float32, layer=1,
+def run_case(mode, seed, *, page_size, H, G, K=2, M=3, dtype=jnp.float32, layer=1,
              soft_cap=None, window=None, cfg=mosaic.MosaicDecodeConfig(), lens=None):
     max_len = M * page_size
     lens = lengths_for(page_size, max_len) if lens is None else lens
     q, k, v, t, s = make_inputs(seed, lens=lens, N=G * K, K=K, H=H, page_size=page_size, M=M,
                                 dtype=dtype)
     scale = H ** -0.5
-    out = _jitted(interpret, scale, soft_cap, window, cfg)(q, k, v, t, s, jnp.int32(layer))
+    out = _jitted(mode == "interpret", scale, soft_cap, window, cfg)(q, k, v, t, s,
+                                                                  jnp.int32(layer))
     ref = ref_out(q, k, v, t, s, layer=layer, scale=scale, soft_cap=soft_cap,
                   sliding_window=window)
     rel = check(out, ref, dtype)
@@ -94,58 +111,83 @@ def run_case(interpret, seed, *, page_size, H, G, K=2, M=3, dtype=jnp.float32, l
     return rel
 
 
-# (page_size, H, G, dtype, M, num_splits): page sizes 16/32/64, head dims 64/128, GQA 1/2/4/8,
-# fp32 and bf16; 64-key blocks so that rows span 1-3 blocks; one split (the pipeline ring) or
-# automatic splits (here one block per program, then the log-sum-exp combine).
-SWEEP = [
-    (16, 64, 1, jnp.float32, 9, 1),
-    (16, 128, 4, jnp.float32, 9, None),
-    (64, 64, 8, jnp.float32, 3, 1),
-    (64, 128, 2, jnp.bfloat16, 3, None),
-    (16, 64, 8, jnp.bfloat16, 9, 1),
-    (32, 128, 1, jnp.bfloat16, 5, 1),
+# (page_size, H, G, dtype, M, num_splits, block_kv): page sizes 16/32/64, head dims 64/128, GQA
+# 1/2/4/8; rows span 1-3 blocks (interpret) or more; one split (the pipeline ring) or automatic
+# splits (then the log-sum-exp combine).
+SWEEP_INTERPRET = [
+    (16, 64, 1, jnp.float32, 9, 1, 64),
+    (16, 128, 4, jnp.float32, 9, None, 64),
+    (64, 64, 8, jnp.float32, 3, 1, 64),
+    (64, 128, 2, jnp.bfloat16, 3, None, 64),
+    (16, 64, 8, jnp.bfloat16, 9, 1, 64),
+    (32, 128, 1, jnp.bfloat16, 5, 1, 64),
+]
+SWEEP_COMPILED = [
+    (16, 64, 1, jnp.bfloat16, 9, 1, 64),
+    (16, 128, 4, jnp.bfloat16, 9, None, 64),
+    (64, 64, 8, jnp.float16, 3, 1, 64),
+    (64, 128, 2, jnp.bfloat16, 5, None, 128),
+    (16, 64, 8, jnp.float16, 40, 1, 128),
+    (32, 128, 1, jnp.bfloat16, 5, 1, 64),
+    (32, 128, 8, jnp.bfloat16, 20, 1, 128),
 ]
 
 
-@needs_interpret
-@pytest.mark.parametrize("page_size,H,G,dtype,M,splits", SWEEP)
-def test_sweep_interpret(page_size, H, G, dtype, M, splits):
-    cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, num_splits=splits)
-    run_case(True, 10 * page_size + G, page_size=page_size, H=H, G=G, dtype=dtype, M=M, cfg=cfg)
+@pytest.mark.parametrize("mode, case", by_mode(SWEEP_INTERPRET, SWEEP_COMPILED))
+def test_sweep(mode, case):
+    page_size, H, G, dtype, M, splits, block_kv = case
+    cfg = mosaic.MosaicDecodeConfig(block_kv=block_kv, num_stages=2, num_splits=splits)
+    run_case(mode, 10 * page_size + G, page_size=page_size, H=H, G=G, dtype=dtype, M=M, cfg=cfg)
 
 
-@needs_interpret
-def test_splits_window_softcap_interpret():
+@pytest.mark.parametrize("mode, case", by_mode([dict(H=64, G=2, dtype=jnp.float32)],
+                                               [dict(H=128, G=4, dtype=jnp.bfloat16)]))
+def test_splits_window_softcap(mode, case):
     # 3 splits of 6 blocks, one of them cut by the window; soft cap on.
-    for combine_kernel in (False, True):   # the splits combined by jnp, or by split_combine
-        cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_splits=3, combine_kernel=combine_kernel)
-        run_case(True, 1, page_size=16, H=64, G=2, M=24, cfg=cfg, soft_cap=5.0, window=150,
-                 lens=[1, 100, 383, 384, 0], layer=0)
+    cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_splits=3)
+    run_case(mode, 1, page_size=16, M=24, cfg=cfg, soft_cap=5.0, window=150,
+             lens=[1, 100, 383, 384, 0], layer=0, **case)
 
 
-@needs_interpret
-def test_big_blocks_deep_pipeline_interpret():
-    # 8 pages per step, 3 stages, more blocks than stages; and pages larger than a block.
-    cfg = mosaic.MosaicDecodeConfig(block_kv=128, num_stages=3, num_splits=1)
-    run_case(True, 2, page_size=16, H=64, G=4, M=40, cfg=cfg, lens=[640, 17, 129, 1])
-    cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_stages=2, num_splits=1)
-    run_case(True, 3, page_size=128, H=64, G=2, M=3, cfg=cfg, lens=[1, 64, 65, 300, 384])
+PIPELINES_INTERPRET = [  # 8 pages per step, 3 stages, more blocks than stages; pages > a block
+    dict(block_kv=128, stages=3, splits=1, page_size=16, H=64, G=4, M=40, lens=[640, 17, 129, 1]),
+    dict(block_kv=64, stages=2, splits=1, page_size=128, H=64, G=2, M=3, lens=[1, 64, 65, 300, 384]),
+]
+PIPELINES_COMPILED = [
+    dict(block_kv=bk, stages=st, splits=2, page_size=ps, H=128, G=4, M=1280 // ps,
+         lens=[1280, 17, 129, 1, 0, 1000], dtype=jnp.bfloat16)
+    for bk, st, ps in [(128, 3, 16), (64, 4, 16), (64, 2, 128)]]
 
 
-@needs_interpret
-def test_layer_traced_in_scan_interpret():
-    # The engine passes the layer as a traced i32[] (make_attention_fn's inner jit).
-    lens = [33, 5, 0]
-    q, k, v, t, s = make_inputs(7, lens=lens, N=4, K=2, H=64, page_size=16, M=3, L=2)
-    scale = 64 ** -0.5
+@pytest.mark.parametrize("mode, case", by_mode(PIPELINES_INTERPRET, PIPELINES_COMPILED))
+def test_pipeline_shapes(mode, case):
+    case = dict(case)
+    cfg = mosaic.MosaicDecodeConfig(block_kv=case.pop("block_kv"), num_stages=case.pop("stages"),
+                                    num_splits=case.pop("splits"))
+    run_case(mode, 2, cfg=cfg, **case)
+
+
+@pytest.mark.parametrize("mode", [pytest.param("compiled", marks=HOPPER)])
+def test_qwen3_heads_long_ragged(mode):
+    # N=32, K=8, H=128, page 16; lengths up to 4096, automatic splits.
+    run_case(mode, 5, page_size=16, H=128, G=4, K=8, M=256, dtype=jnp.bfloat16,
+             lens=[4096, 1, 2049, 0, 777, 4095, 16, 3000])
+
+
+@pytest.mark.parametrize("mode, case", by_mode(
+    [dict(lens=[33, 5, 0], N=4, K=2, H=64, M=3, dtype=jnp.float32)],
+    [dict(lens=[33, 5, 0, 200], N=16, K=4, H=128, M=13, dtype=jnp.bfloat16)]))
+def test_layer_traced_in_scan(mode, case):
+    # The engine passes the layer as a traced i32[] (the attention dispatch's inner jit).
+    q, k, v, t, s = make_inputs(7, page_size=16, L=2, **case)
+    scale = case["H"] ** -0.5
 
     def body(carry, layer):
-        o = mosaic.paged_decode_attention(q, k, v, t, s, layer=layer, scale=scale,
-                                          interpret=True)
-        return carry, o
+        return carry, mosaic.paged_decode_attention(q, k, v, t, s, layer=layer, scale=scale,
+                                                    interpret=mode == "interpret")
     _, outs = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32)))()
     for layer in range(2):
-        check(outs[layer], ref_out(q, k, v, t, s, layer=layer, scale=scale), jnp.float32)
+        check(outs[layer], ref_out(q, k, v, t, s, layer=layer, scale=scale), case["dtype"])
     assert not np.allclose(np.asarray(outs[0]), np.asarray(outs[1]))
 
 
@@ -157,14 +199,14 @@ def grouped(q, K, rows=mosaic.Q_GROUP_MULTIPLE):
     return jnp.pad(q.reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
 
 
-def grouped_case(interpret, G, splits, K=2, H=64):
+def grouped_case(mode, G, splits, K=2, H=64):
     """A grouped, zero-padded q (what the qkv_prologue kernel writes) with the layer a Python int
     (its page offset then a constant) gives the reference's output, as [B, N, H] does."""
     page_size, M = 16, 5
     lens = [1, 17, 80, 0]
     q, k, v, t, s = make_inputs(20 + G, lens=lens, N=G * K, K=K, H=H, page_size=page_size, M=M,
                                 dtype=jnp.bfloat16)
-    kw = dict(scale=H ** -0.5, interpret=interpret, num_splits=splits)
+    kw = dict(scale=H ** -0.5, interpret=mode == "interpret", num_splits=splits)
     ref = ref_out(q, k, v, t, s, layer=1, scale=H ** -0.5)
     flat = mosaic.paged_decode_attention(q, k, v, t, s, layer=1, **kw)
     group = mosaic.paged_decode_attention(grouped(q, K), k, v, t, s, layer=1, num_heads=G * K,
@@ -173,7 +215,7 @@ def grouped_case(interpret, G, splits, K=2, H=64):
     check(flat, ref, jnp.bfloat16)
     check(group, ref, jnp.bfloat16)
     np.testing.assert_array_equal(np.asarray(group, np.float32), np.asarray(flat, np.float32))
-    # the layer as a page-offset constant (how make_attention_fn passes it) reads the same pages
+    # the layer as a page-offset constant (how the attention dispatch passes it) reads the same pages
     off = mosaic.layer_offsets(1, k.shape[1])
     assert isinstance(off, np.ndarray) and len(set(off.tolist())) == off.size  # never uniform
     by_offset = mosaic.paged_decode_attention(grouped(q, K), k, v, t, s, layer=0,
@@ -181,10 +223,12 @@ def grouped_case(interpret, G, splits, K=2, H=64):
     np.testing.assert_array_equal(np.asarray(by_offset, np.float32), np.asarray(group, np.float32))
 
 
-@needs_interpret
-@pytest.mark.parametrize("G, splits", [(4, None), (8, 1), (2, 2)])
-def test_grouped_q_and_int_layer_interpret(G, splits):
-    grouped_case(True, G, splits)
+@pytest.mark.parametrize("mode, case", by_mode(
+    [(4, None, 2, 64), (8, 1, 2, 64), (2, 2, 2, 64)],
+    [(4, None, 8, 128), (8, 1, 2, 64), (2, 2, 2, 128)]))
+def test_grouped_q_and_int_layer(mode, case):
+    G, splits, K, H = case
+    grouped_case(mode, G, splits, K=K, H=H)
 
 
 @pytest.mark.parametrize("q_shape, num_heads, match", [
@@ -272,3 +316,51 @@ def test_pick_splits_waves_and_two_block_cap(rows, max_blocks, expected):
     assert got <= max(1, max_blocks // 2)
     fixed = mosaic.MosaicDecodeConfig(num_splits=5)
     assert mosaic._pick_splits(fixed, rows, max_blocks, smem) == min(5, max_blocks)
+
+
+def split_attention(seed, *, B, K, G, Gp, H, S, keys_per_split, empty=()):
+    """Random scores and values cut into S splits: (o, lse) as the split kernel writes them, and
+    the exact float32 attention output [B, K*G, H] over all keys."""
+    rng = np.random.default_rng(seed)
+    T = S * keys_per_split
+    scores = rng.standard_normal((B, K, Gp, T)) * 3.0
+    v = rng.standard_normal((B, K, T, H))
+    valid = np.ones((B, K, Gp, T), bool)
+    for b, s in empty:                                        # split s of row b has no key
+        valid[b, :, :, s * keys_per_split:(s + 1) * keys_per_split] = False
+    sc = np.where(valid, scores, -np.inf)
+    o = np.zeros((B, K, S, Gp, H))
+    lse = np.full((B, K, S, Gp), -np.inf)
+    for s in range(S):
+        part = sc[..., s * keys_per_split:(s + 1) * keys_per_split]
+        m = part.max(-1, keepdims=True)
+        m = np.where(np.isfinite(m), m, 0.0)
+        e = np.exp(part - m)
+        den = e.sum(-1)
+        vs = v[:, :, s * keys_per_split:(s + 1) * keys_per_split]
+        o[:, :, s] = (np.einsum("bkgt,bkth->bkgh", e, vs)
+                      / np.where(den > 0, den, 1)[..., None])
+        lse[:, :, s] = np.where(den > 0, m[..., 0] + np.log(np.where(den > 0, den, 1)), -np.inf)
+    m = sc.max(-1, keepdims=True)
+    e = np.exp(sc - np.where(np.isfinite(m), m, 0))
+    exact = np.einsum("bkgt,bkth->bkgh", e, v) / e.sum(-1)[..., None]
+    exact = exact[:, :, :G].reshape(B, K * G, H)
+    return jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32), exact
+
+
+@pytest.mark.parametrize("B, K, G, Gp, H, S", [
+    (1, 8, 4, 8, 128, 8),      # Qwen3-8B at B=1, context 1024 (8 splits of 2 blocks)
+    (3, 2, 2, 8, 64, 3),       # S not a power of 2
+    (2, 1, 8, 8, 32, 5),       # G = Gp: no padding rows
+    (2, 2, 1, 8, 64, 2),
+])
+def test_combine_splits_is_exact_attention(B, K, G, Gp, H, S):
+    """The jnp split combine against a float32 softmax over all the keys at once (an independent
+    check of the log-sum-exp arithmetic); an empty split weighs nothing, all empty gives zeros."""
+    o, lse, exact = split_attention(0, B=B, K=K, G=G, Gp=Gp, H=H, S=S, keys_per_split=5,
+                                    empty=[(0, S - 1)])
+    got = mosaic.combine_splits(o, lse, num_heads=K * G, out_dtype=jnp.float32)
+    np.testing.assert_allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-5)
+    empty = mosaic.combine_splits(o * 0, jnp.full_like(lse, -jnp.inf), num_heads=K * G,
+                                  out_dtype=jnp.bfloat16)
+    assert empty.dtype == jnp.bfloat16 and np.all(np.asarray(empty, np.float32) == 0)

@@ -119,7 +119,6 @@ SWEEP_INTERPRET = [
     (16, 128, 4, jnp.float32, 9, None, 64),
     (64, 64, 8, jnp.float32, 3, 1, 64),
     (64, 128, 2, jnp.bfloat16, 3, None, 64),
-    (16, 64, 8, jnp.bfloat16, 9, 1, 64),
     (32, 128, 1, jnp.bfloat16, 5, 1, 64),
 ]
 SWEEP_COMPILED = [
@@ -224,7 +223,7 @@ def grouped_case(mode, G, splits, K=2, H=64):
 
 
 @pytest.mark.parametrize("mode, case", by_mode(
-    [(4, None, 2, 64), (8, 1, 2, 64), (2, 2, 2, 64)],
+    [(4, None, 2, 64)],   # padded rows and automatic splits; G=8 and forced splits run compiled
     [(4, None, 8, 128), (8, 1, 2, 64), (2, 2, 2, 128)]))
 def test_grouped_q_and_int_layer(mode, case):
     G, splits, K, H = case

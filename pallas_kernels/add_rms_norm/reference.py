@@ -42,6 +42,7 @@ def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
     """Residual add then RMSNorm, in plain jnp.
+
     Args:
         x: [S, D] the residual stream, compute dtype.
         delta: [S, D] the sub-block output to add (same dtype), or float32[splits, S, D]

@@ -64,6 +64,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`reference.add_rms_norm`'s contract in one Pallas launch (D, and the number of partial sums,
     powers of 2).
+
     Args (beyond the reference's):
         interpret: the Pallas interpreter (CPU).
         num_warps: warps per program (one row of D elements per program): None (D / 256

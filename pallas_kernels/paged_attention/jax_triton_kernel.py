@@ -163,6 +163,7 @@ def paged_decode_attention(
     """Decode attention over the paged KV cache, a Triton kernel through ``jax_triton.triton_call``.
     Arguments, result and knobs as in `triton_pallas.paged_decode_attention` (knob defaults from
     `tuning.resolve("jax_triton", ...)`). q and the pools must share a dtype (bf16, f16 or f32).
+
     Raises:
         ValueError: bad shapes/dtypes/knobs, or ``interpret=True`` (Triton kernels need a CUDA GPU;
             the CPU interpreter cannot run them).

@@ -489,6 +489,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            num_heads: int | None = None,
                            page_offset: jax.Array | None = None) -> jax.Array:
     """`reference.paged_decode_attention`'s contract with a Mosaic GPU (Hopper) kernel.
+
     Args (beyond the reference's):
         q: [B, N, H], or grouped by KV head [B, K, Gp, H] with each head's G = N/K rows zero-padded
             to Gp, the next multiple of ``Q_GROUP_MULTIPLE`` (then ``num_heads`` is required).

@@ -135,6 +135,7 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                             num_warps: int | None = None,
                             num_stages: int | None = None) -> jax.Array:
     """`reference.paged_attention`'s contract (prefill chunks) as a Pallas/Triton kernel.
+
     Args (beyond the reference's): q bf16/f16/f32; page_size and H powers of 2 (H >= 16);
         interpret: the Pallas interpreter (CPU).
         block_q: query tokens per program (``block_q * G_PAD`` must be a power of 2 >= 16);

@@ -16,6 +16,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_ta
                     seq_lens: jax.Array, q_positions: jax.Array, *, layer=0, scale: float,
                     soft_cap: float | None = None, sliding_window: int | None = None) -> jax.Array:
     """Attention of T query tokens per sequence over that sequence's paged KV (prefill and decode).
+
     Args:
         q: [B, T, N, H] queries (RoPE applied).
         k_pool, v_pool: [L, P, K, page_size, H]; this step's K/V must already be written.
@@ -64,6 +65,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            soft_cap: float | None = None,
                            sliding_window: int | None = None) -> jax.Array:
     """Decode: one query token per sequence at position ``seq_len - 1``.
+
     Args:
         q: [B, N, H]; other arguments as in `paged_attention`.
     Returns:

@@ -39,6 +39,7 @@ NN_DIMS = (((1,), (0,)), ((), ()))
 def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
                       soft_cap=None, need_pow2=True) -> tuple[int, int, int, int, int, int]:
     """Validate the shared decode signature; return (B, N, H, K, page_size, M).
+
     Raises:
         ValueError: naming the argument, its value and what is allowed.
     """
@@ -98,6 +99,7 @@ def padded_group(G: int) -> int:
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     """Merge flash-decoding partials (log-sum-exp weighting), float32.
+
     Args:
         acc: f32[S, ..., H] un-normalised partial outputs (sum_j 2^(x_j - m_s) v_j).
         m: f32[S, ...] running max of each split in log2 units (NEG_INIT for an empty split).
@@ -253,6 +255,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            num_warps: int | None = None, num_stages: int | None = None,
                            k_splits: int | None = None) -> jax.Array:
     """`reference.paged_decode_attention`'s contract as a Pallas/Triton kernel.
+
     Args (beyond the reference's): q bf16/f16/f32; page_size and H powers of 2 (positions past
     seq_len inside a visible page must hold finite values); ``interpret``: the Pallas interpreter
     (CPU); ``pages_per_block``, ``num_warps``, ``num_stages``, ``k_splits``: tuning knobs, None

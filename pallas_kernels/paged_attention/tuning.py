@@ -34,6 +34,7 @@ BUILTIN = {(v, "interpret"): {"pages_per_block": 2, "num_warps": 4, "num_stages"
 def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
     """Records of a tuning JSON file as ``{(variant, device_kind, page_size, head_dim, group,
     dtype): knobs}``; empty if the file is absent.
+
     Raises:
         ValueError: a record lacks a key field or names an unknown knob.
     """
@@ -87,6 +88,7 @@ def resolve(variant: str, *, B: int, K: int, G: int, M: int, page_size: int, hea
     """Final knobs of one call: explicit arguments win over the table; `k_splits` None is chosen
     by `choose_k_splits`; `pages_per_block` is capped at the power of 2 covering M pages (but
     kept >= 16 keys per block, the MMA minimum).
+
     Returns:
         {"pages_per_block", "num_warps", "num_stages", "k_splits"}.
     """

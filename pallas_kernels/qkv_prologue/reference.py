@@ -18,6 +18,7 @@ import numpy as np
 def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
                num_kv_heads: int, q_group_rows: int | None = None) -> tuple[int, int, int, int]:
     """Validate shapes; return (S, N, K, H).
+
     Raises:
         ValueError: naming the argument, its shape and what is allowed.
     """
@@ -78,6 +79,7 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  eps: float = 1e-6,
                  q_group_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention prologue of one layer, in plain jnp.
+
     Args:
         qkv: [S, (N + 2K) * H] output of the fused q/k/v projection (query heads, then key heads,
             then value heads), compute dtype.

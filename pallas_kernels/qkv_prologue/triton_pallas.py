@@ -191,6 +191,7 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`reference.qkv_prologue`'s contract and result in one Pallas launch (H/2 must be a power of
     2; slots and layer are not range-checked: outside them the kernel writes out of bounds).
+
     Args (beyond the reference's):
         interpret: the Pallas interpreter (CPU).
         grid: "group": S * (K + 2) programs, one per (token, KV group of query heads) plus one for

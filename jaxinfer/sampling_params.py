@@ -16,6 +16,7 @@ from typing import Any
 # temperature below this is treated as greedy (argmax); dividing bf16 logits by a tiny temperature
 # overflows (CASES.md C6), so the device step must not divide by it.
 GREEDY_TEMPERATURE = 1e-5
+GREEDY_EPS = GREEDY_TEMPERATURE  # the one greedy threshold (vLLM's _SAMPLING_EPS)
 
 _INT64_MIN = -(2 ** 63)
 _INT64_MAX = 2 ** 63 - 1

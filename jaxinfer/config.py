@@ -1,11 +1,12 @@
-"""Frozen, validated configuration objects.
+"""Frozen, validated configuration objects, and `resolve`: the one place "auto" becomes concrete.
 
-`ModelConfig` describes a model architecture (built from an HF ``config.json`` or GGUF metadata);
-`EngineConfig` describes how the engine runs it (KV pool, buckets, attention back-end).
-Both are frozen dataclasses validated at construction: a bad value raises ``ValueError`` naming the
-field, the value and what is allowed. Never mutate one; use ``dataclasses.replace``.
+`ModelConfig` describes a model architecture (HF ``config.json`` or GGUF metadata);
+`EngineConfig` what a user sets (vLLM meanings); `KernelConfig` the kernel and research knobs
+(`EngineConfig.kernels`); `ResolvedConfig` all of them with every "auto"/None resolved for one
+model and platform. Each is frozen and validated at construction: a bad value raises
+``ValueError`` naming the field, the value and what is allowed. Use ``dataclasses.replace``.
 
-This module imports no JAX, so the host side (scheduler, CLI argument checks) can use it.
+This module imports no JAX (the caller passes the platform, ``jax.default_backend()``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from pallas_kernels.paged_attention import registry
+from pallas_kernels.sizes import is_pow2
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -217,64 +221,150 @@ class ModelConfig:
         return cls(**d)
 
 
-ATTENTION_BACKENDS = ("auto", "reference", "triton", "mosaic", "jax_triton")
-PREFILL_ATTENTION_BACKENDS = ("auto", "reference", "triton")
+FUSED_CHOICES = ("auto", "xla", "triton")
+GEMM_CHOICES = ("xla", "cublas")
+KERNEL_ALIASES = {"decode": "decode_attention", "prefill": "prefill_attention"}
+HALF_DTYPES = ("bfloat16", "float16")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kernel_choices() -> dict[str, tuple[str, ...]]:
+    """The allowed values of each string field of `KernelConfig` (attention variants from
+    `pallas_kernels.paged_attention.registry`)."""
+    return {"decode_attention": ("auto",) + registry.names(),
+            "prefill_attention": ("auto",) + registry.prefill_names(),
+            "qkv_prologue": FUSED_CHOICES, "add_rms_norm": FUSED_CHOICES,
+            "prefill_gemm": GEMM_CHOICES}
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices and research knobs (`EngineConfig.kernels`); "auto" is resolved by `resolve`.
+
+    Fields:
+        decode_attention: paged-attention variant of decode steps (T == 1): "auto" or a name of
+            `registry.names()`. Alias in `parse`: ``decode``.
+        prefill_attention: variant of prefill steps (T > 1): "auto" or `registry.prefill_names()`.
+            Alias in `parse`: ``prefill``.
+        qkv_prologue: q/k norm + RoPE + K/V page write of every step: "xla" (jnp ops) or "triton"
+            (one Pallas kernel per layer, `pallas_kernels.qkv_prologue`; GPU, H/2 a power of 2).
+        add_rms_norm: every residual add + RMSNorm: "xla" or "triton" (`pallas_kernels.add_rms_norm`;
+            GPU, D a power of 2). With the kernel, decode steps of 128 rows or more run the MLP's
+            down projection as two float32 partial sums that it adds.
+        prefill_gemm: GEMM back-end of prefill steps: "xla" (XLA's choice) or "cublas" (XLA's
+            Triton GEMM emitter off for those steps). GPU only in effect.
+        cublas_decode_min_batch: decode steps whose batch bucket has at least this many rows are
+            compiled with cuBLAS GEMMs; ``None``: XLA's choice for every step. GPU only in effect.
+            Default chosen by measurement (BENCHMARKS.md: "Decode step").
+        batch_buckets / token_buckets: padded sizes for B and T, strictly increasing; ``()``: the
+            defaults of `jaxinfer.engine.buckets` / `jaxinfer.engine.batch_builder.BucketSpec`.
+    """
+
+    decode_attention: str = "auto"
+    prefill_attention: str = "auto"
+    qkv_prologue: str = "auto"
+    add_rms_norm: str = "auto"
+    prefill_gemm: str = "xla"
+    cublas_decode_min_batch: int | None = 64
+    batch_buckets: tuple[int, ...] = ()
+    token_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, allowed in kernel_choices().items():
+            if getattr(self, name) not in allowed:
+                _fail("KernelConfig", name, getattr(self, name),
+                      "allowed: " + ", ".join(map(repr, allowed)))
+        m = self.cublas_decode_min_batch
+        if m is not None and not _positive_int(m):
+            _fail("KernelConfig", "cublas_decode_min_batch", m, "must be None or a positive integer")
+        for name in ("batch_buckets", "token_buckets"):
+            b = getattr(self, name)
+            if not isinstance(b, (tuple, list)) or not all(map(_positive_int, b)) or (
+                    list(b) != sorted(set(b))):
+                _fail("KernelConfig", name, b, "must be a tuple of strictly increasing positive "
+                      "integers, or () for the defaults")
+            object.__setattr__(self, name, tuple(b))
+
+    @classmethod
+    def parse(cls, spec: "str | KernelConfig") -> "KernelConfig":
+        """Build from ``"key=value,..."``, e.g. ``"decode=mosaic,prefill=triton,add_rms_norm=xla,
+        batch_buckets=1:2:4:8,cublas_decode_min_batch=none"``; keys are field names or the aliases
+        of `KERNEL_ALIASES`; ``""``: the defaults. A `KernelConfig` is returned as given.
+
+        Raises:
+            ValueError: an item without ``=``, an unknown or repeated key, or a bad value (naming
+                the key, the value and what is allowed).
+        """
+        if isinstance(spec, cls):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(f"kernels={spec!r} is invalid: expected a KernelConfig or a "
+                             "'key=value,...' string")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {}
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            key, sep, value = (s.strip() for s in item.partition("="))
+            name = KERNEL_ALIASES.get(key, key)
+            if not sep or name not in fields:
+                raise ValueError(f"kernels: {item!r} is invalid: expected key=value with key one "
+                                 f"of {sorted(fields | set(KERNEL_ALIASES))}")
+            if name in kw:
+                raise ValueError(f"kernels: {name!r} is given twice in {spec!r}")
+            kw[name] = _parse_value(name, value)
+        return cls(**kw)
+
+    @classmethod
+    def help(cls) -> str:
+        """One line per key with its allowed values and default (for CLI help texts)."""
+        inv = {v: k for k, v in KERNEL_ALIASES.items()}
+        lines = []
+        for f in dataclasses.fields(cls):
+            key = f"{inv[f.name]} ({f.name})" if f.name in inv else f.name
+            allowed = kernel_choices().get(f.name)
+            what = ("|".join(allowed) if allowed else "none or a positive integer"
+                    if f.name == "cublas_decode_min_batch" else "sizes joined by ':'")
+            lines.append(f"{key}={what} [default {f.default if f.default != () else 'auto'}]")
+        return "; ".join(lines)
+
+
+def _parse_value(name: str, value: str):
+    """A `KernelConfig.parse` value: buckets ``"1:2:4"``, an integer or "none", else the string."""
+    try:
+        if name in ("batch_buckets", "token_buckets"):
+            return tuple(int(x) for x in value.split(":")) if value else ()
+        if name == "cublas_decode_min_batch":
+            return None if value.lower() == "none" else int(value)
+    except ValueError:
+        _fail("KernelConfig", name, value, "expected integers (buckets joined by ':'), or 'none' "
+              "for cublas_decode_min_batch")
+    return value
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model.
+    """What a user sets (vLLM's meanings where vLLM has the field).
 
     Fields:
-        max_model_len: the most tokens (prompt + generated) one sequence may hold. ``None``: the
+        max_model_len: the most tokens (prompt + generated) of one sequence; ``None``: the
             model's ``max_position_embeddings``.
-        page_size: tokens per KV page (block).
-        num_pages: KV pool size in pages, including the reserved null page 0. ``None``: size the
-            pool from ``memory_fraction`` of free device memory after the weights.
-        memory_fraction: fraction of device memory the engine may use in total (weights + KV pool).
-        max_num_seqs: the most sequences in one decode step (largest batch bucket).
-        max_num_batched_tokens: the most prompt tokens in one prefill step (chunked prefill splits
-            longer prompts).
-        dtype: compute and KV dtype: "float32" or "bfloat16"; ``None``: bfloat16 on GPU, float32
-            on CPU (XLA:CPU has no fast bf16 matmul).
-        attention: paged-attention back-end name for decode steps; "auto" picks the fastest
-            correct one for the device.
-        prefill_attention: back-end for prefill steps (several query tokens per sequence):
-            "reference" (gather + dense float32 softmax), "triton" (Pallas flash-attention
-            kernel, GPU); "auto" is "triton" on GPU and the reference on CPU.
-        batch_buckets / token_buckets: padded sizes for B and T; ``()`` = the defaults (B:
-            powers of two up to 64, then every max(16, max_num_seqs // 16) rows; T: powers
-            of two, see `jaxinfer.engine.batch_builder.BucketSpec`).
-        compilation_cache_dir: a directory for JAX's persistent compilation cache, so a
-            restarted engine loads its compiled steps instead of compiling them again
-            (`jaxinfer.compile_cache.enable`: process-wide); ``None``: JAX's own setting.
-        async_scheduling: schedule and dispatch step n+1 before reading back step n's tokens, so
-            host work overlaps device work (vLLM's ``async_scheduling``); ``False``: each step is
-            read back before the next is scheduled. Outputs are the same either way.
-        cublas_decode_min_batch: decode steps whose batch bucket has at least this many rows are
-            compiled with cuBLAS GEMMs (XLA's Triton GEMM emitter off for that step only;
-            `jaxinfer.step.GEMM_COMPILER_OPTIONS`); every other step keeps XLA's choice. Default
-            64: on the H200, cuBLAS decode steps were 2-4% faster at 64-256 rows and 32% slower
-            at 1 row (BENCHMARKS.md). ``None``: XLA's choice for every step. GPU only in effect.
-        qkv_prologue: each layer's q/k norm + RoPE + K/V page write, in decode and prefill
-            steps: "xla" (the model's jnp ops, fused by XLA), "triton" (one Pallas kernel per
-            layer, `pallas_kernels.qkv_prologue`; GPU only, H/2 a power of 2) or "auto"
-            (default: "triton" on a GPU in bf16/f16 where the shapes allow, else "xla"). In
-            packed prefill steps it replaces XLA's slow K/V scatter: on the H200 the throughput
-            workload's 19 prefill steps took 3.68 s against 3.85 s with the kernel in decode
-            steps only, 9,705 vs 9,589 tok/s, one run each side by side (BENCHMARKS.md, tenth
-            session).
-        add_rms_norm: every residual add + RMSNorm (two per layer, and the final norm): "xla"
-            (jnp ops, fused by XLA), "triton" (one Pallas kernel each,
-            `pallas_kernels.add_rms_norm`; GPU only, hidden size a power of 2) or "auto" (as
-            above). On the H200 the two kernels together: 9,404 vs 9,305 tok/s on the
-            throughput workload, B=1 decode 4.56 vs 4.61 ms (BENCHMARKS.md). Whenever the
-            kernel is used ("triton", or "auto" where it resolves to it), decode steps (one
-            token per row) of 128 rows or more also run the MLP's down projection as two
-            float32 partial sums that the kernel adds (`jaxinfer.models.common.DOWN_PARTIALS`).
-        prefill_gemm: GEMM back-end of prefill steps (packed prompt chunks): "xla" (XLA's choice:
-            Triton GEMMs or cuBLAS per matmul) or "cublas" (XLA's Triton GEMM emitter off for
-            those steps). GPU only in effect.
+        page_size: tokens per KV page, a power of two.
+        num_pages: KV pool size in pages, including the reserved null page 0; ``None``: sized by
+            `jaxinfer.memory.engine_pool_pages`.
+        memory_fraction: fraction of device memory the engine may use (weights + KV pool).
+        max_num_seqs: the most sequences in one step.
+        max_num_batched_tokens: the most prompt tokens in one prefill step (chunked prefill).
+        dtype: compute and KV dtype, "float32" or "bfloat16"; ``None``: bfloat16 on GPU, else
+            float32.
+        seed: base PRNG seed of sampling.
+        async_scheduling: schedule and dispatch step n+1 before reading back step n's tokens
+            (vLLM's ``async_scheduling``); outputs are the same either way.
+        compilation_cache_dir: JAX's persistent compilation cache directory
+            (`jaxinfer.compile_cache.enable`, process-wide); ``None``: JAX's own setting.
+        kernels: a `KernelConfig`, or a string for `KernelConfig.parse`.
     """
 
     max_model_len: int | None = None
@@ -284,47 +374,25 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     dtype: str | None = None
-    attention: str = "auto"
-    prefill_attention: str = "auto"
     seed: int = 0
-    batch_buckets: tuple[int, ...] = ()
-    token_buckets: tuple[int, ...] = ()
     async_scheduling: bool = True
     compilation_cache_dir: str | None = None
-    cublas_decode_min_batch: int | None = 64
-    prefill_gemm: str = "xla"
-    qkv_prologue: str = "auto"
-    add_rms_norm: str = "auto"
+    kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:
-        def positive(name: str) -> None:
+        for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if v is not None and not _positive_int(v):
                 _fail("EngineConfig", name, v, "must be a positive integer")
-
-        for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
-                     "cublas_decode_min_batch"):
-            positive(name)
-        if self.page_size & (self.page_size - 1):
+        if not is_pow2(self.page_size):
             _fail("EngineConfig", "page_size", self.page_size, "must be a power of two (8, 16, 32, 64, ...)")
-        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
+        if self.num_pages is not None and (not _positive_int(self.num_pages) or self.num_pages < 2):
             _fail("EngineConfig", "num_pages", self.num_pages,
                   "must be an integer >= 2 (page 0 is the reserved null page)")
         if not 0.0 < self.memory_fraction <= 1.0:
             _fail("EngineConfig", "memory_fraction", self.memory_fraction, "must be in (0, 1]")
         if self.dtype not in (None, "float32", "bfloat16"):
             _fail("EngineConfig", "dtype", self.dtype, "allowed: None, 'float32', 'bfloat16'")
-        if self.qkv_prologue not in ("auto", "xla", "triton"):
-            _fail("EngineConfig", "qkv_prologue", self.qkv_prologue, "allowed: 'auto', 'xla', 'triton'")
-        if self.add_rms_norm not in ("auto", "xla", "triton"):
-            _fail("EngineConfig", "add_rms_norm", self.add_rms_norm, "allowed: 'auto', 'xla', 'triton'")
-        if self.prefill_gemm not in ("xla", "cublas"):
-            _fail("EngineConfig", "prefill_gemm", self.prefill_gemm, "allowed: 'xla', 'cublas'")
-        if self.attention not in ATTENTION_BACKENDS:
-            _fail("EngineConfig", "attention", self.attention, f"allowed: {ATTENTION_BACKENDS}")
-        if self.prefill_attention not in PREFILL_ATTENTION_BACKENDS:
-            _fail("EngineConfig", "prefill_attention", self.prefill_attention,
-                  f"allowed: {PREFILL_ATTENTION_BACKENDS}")
         if self.compilation_cache_dir is not None and not isinstance(
                 self.compilation_cache_dir, (str, os.PathLike)):
             _fail("EngineConfig", "compilation_cache_dir", self.compilation_cache_dir,
@@ -333,19 +401,81 @@ class EngineConfig:
             _fail("EngineConfig", "seed", self.seed, "must be an integer")
         if not isinstance(self.async_scheduling, bool):
             _fail("EngineConfig", "async_scheduling", self.async_scheduling, "must be True or False")
-        for name in ("batch_buckets", "token_buckets"):
-            b = getattr(self, name)
-            if not isinstance(b, (tuple, list)):
-                _fail("EngineConfig", name, b, "must be a tuple of strictly increasing positive "
-                      "integers, or () for the defaults")
-            b = tuple(b)
-            if any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in b) or (
-                    list(b) != sorted(set(b))):
-                _fail("EngineConfig", name, b, "must be strictly increasing positive integers")
-            object.__setattr__(self, name, b)
-        if self.batch_buckets and self.batch_buckets[-1] < self.max_num_seqs:
-            _fail("EngineConfig", "batch_buckets", self.batch_buckets,
-                  f"the largest must be >= max_num_seqs={self.max_num_seqs}")
-        if self.token_buckets and self.token_buckets[-1] < self.max_num_batched_tokens:
-            _fail("EngineConfig", "token_buckets", self.token_buckets,
-                  f"the largest must be >= max_num_batched_tokens={self.max_num_batched_tokens}")
+        object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
+        for name, limit in (("batch_buckets", "max_num_seqs"),
+                            ("token_buckets", "max_num_batched_tokens")):
+            b = getattr(self.kernels, name)
+            if b and b[-1] < getattr(self, limit):
+                _fail("KernelConfig", name, b,
+                      f"the largest must be >= {limit}={getattr(self, limit)}")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A model, its `EngineConfig` and a `KernelConfig` with no "auto" left; built by `resolve`."""
+
+    model: ModelConfig
+    engine: EngineConfig
+    kernels: KernelConfig
+    max_model_len: int
+    dtype: str        # "float32" | "bfloat16"
+    platform: str     # JAX backend: "cpu" | "gpu" | ...
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes of one element of ``dtype``."""
+        return DTYPE_BYTES[self.dtype]
+
+
+def _gpu_only(name: str, value: str, platform: str, fallback: str) -> None:
+    if platform != "gpu":
+        raise ValueError(f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
+                         f"backend is {platform!r}; use 'auto' or {fallback!r} here (the "
+                         "kernels' CPU tests run them in interpret mode)")
+
+
+def _resolve_kernels(model: ModelConfig, kc: KernelConfig, platform: str,
+                     dtype: str) -> KernelConfig:
+    """`KernelConfig` with "auto" resolved (rules: `resolve`)."""
+    gpu, half = platform == "gpu", dtype in HALF_DTYPES
+    out = {}
+    for name, auto in (("decode_attention", "mosaic" if gpu and half else "reference"),
+                       ("prefill_attention", "triton" if gpu else "reference")):
+        value = getattr(kc, name)
+        if value not in ("auto", "reference"):
+            _gpu_only(name, value, platform, "reference")
+        out[name] = auto if value == "auto" else value
+    for name, ok, what in (
+            ("qkv_prologue", is_pow2(model.head_dim // 2),
+             f"head dim H/2 a power of 2 (this model: H={model.head_dim})"),
+            ("add_rms_norm", is_pow2(model.hidden_size),
+             f"a power-of-2 hidden size (this model: {model.hidden_size})")):
+        value = getattr(kc, name)
+        if value == "triton":
+            _gpu_only(name, value, platform, "xla")
+            if not ok:
+                raise ValueError(f"KernelConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
+        out[name] = ("triton" if gpu and half and ok else "xla") if value == "auto" else value
+    return dataclasses.replace(kc, **out)
+
+
+def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> ResolvedConfig:
+    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX's backend name).
+
+    Rules: dtype None -> "bfloat16" on "gpu", else "float32"; max_model_len None ->
+    ``model.max_position_embeddings``; decode_attention "auto" -> "mosaic" on "gpu" in
+    bfloat16/float16, else "reference"; prefill_attention "auto" -> "triton" on "gpu", else
+    "reference"; qkv_prologue / add_rms_norm "auto" -> "triton" on "gpu" in bfloat16/float16
+    where the shapes allow (H/2 a power of 2; D a power of 2), else "xla".
+
+    Raises:
+        ValueError: max_model_len above max_position_embeddings; a GPU kernel named on a platform
+            other than "gpu"; "triton" fused kernels for shapes they do not take.
+    """
+    max_len = engine.max_model_len or model.max_position_embeddings
+    if max_len > model.max_position_embeddings:
+        _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
+              f"max_position_embeddings={model.max_position_embeddings}")
+    dtype = engine.dtype or ("bfloat16" if platform == "gpu" else "float32")
+    return ResolvedConfig(model, engine, _resolve_kernels(model, engine.kernels, platform, dtype),
+                          max_len, dtype, platform)

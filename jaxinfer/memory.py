@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, ResolvedConfig
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -38,6 +38,8 @@ PLANNING_FRACTION = 0.7
 """Plan at this fraction of the theoretical number of concurrent sequences (SEEDS_DIGEST.md)."""
 RESERVE_MIN_BYTES = 1 * GIB
 RESERVE_DEVICE_FRACTION = 0.05
+CPU_KV_BUDGET_BYTES = 2 * GIB
+"""KV pool cap where the device reports no memory statistics (the CPU)."""
 
 
 def _gib(n: float) -> str:
@@ -222,7 +224,8 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
             "reserve_bytes, or smaller weights")
     kv_per_token = cfg.kv_bytes_per_token(kv_dtype_bytes)
     page_bytes = page_size * kv_per_token
-    num_pages = budget // page_bytes
+    num_pages = kv_pool_pages(cfg, page_size=page_size, dtype_bytes=kv_dtype_bytes,
+                              usable_bytes=usable, used_bytes=weight_bytes + reserve_bytes)
     pages_per_seq = -(-context // page_size)
     max_seqs = max(num_pages - 1, 0) // pages_per_seq
     if max_seqs < 1:
@@ -238,6 +241,49 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
         kv_pool_bytes=num_pages * page_bytes, page_size=page_size, num_pages=num_pages,
         context=context, max_concurrent_seqs=max_seqs, planned_concurrent_seqs=planned,
         planning_fraction=float(planning_fraction))
+
+
+def kv_pool_pages(model: ModelConfig, *, page_size: int, dtype_bytes: int, usable_bytes: int,
+                  used_bytes: int) -> int:
+    """THE KV pool sizing formula: the pages P (the null page 0 included) of ``page_size`` tokens
+    (``page_size x model.kv_bytes_per_token(dtype_bytes)`` bytes each) that fit in
+    ``usable_bytes - used_bytes``.
+
+    Raises:
+        ValueError: fewer than 2 pages fit (the null page and one more).
+    """
+    page_bytes = page_size * model.kv_bytes_per_token(dtype_bytes)
+    free = usable_bytes - used_bytes
+    pages = max(int(free // page_bytes), 0)
+    if pages < 2:
+        raise ValueError(f"no memory left for the KV pool: usable {_gib(usable_bytes)} - used "
+                         f"{_gib(used_bytes)} = {_gib(free)} holds {pages} pages of {page_bytes:,} "
+                         "B, at least 2 are needed; raise memory_fraction or set num_pages")
+    return pages
+
+
+def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> int:
+    """The engine's KV pool size in pages: ``EngineConfig.num_pages`` if set; else, with device
+    ``memory_stats`` (``Device.memory_stats()``: ``bytes_limit``, ``bytes_in_use`` with the
+    weights resident), `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use``;
+    without (the CPU), the null page plus ``max_num_seqs`` sequences of ``max_model_len``
+    tokens, capped at `CPU_KV_BUDGET_BYTES`.
+
+    Raises:
+        ValueError: fewer than 2 pages fit.
+    """
+    e, m = resolved.engine, resolved.model
+    if e.num_pages is not None:
+        return e.num_pages
+    if memory_stats and "bytes_limit" in memory_stats:
+        usable = int(e.memory_fraction * memory_stats["bytes_limit"])
+        used = int(memory_stats.get("bytes_in_use", 0))
+    else:
+        page_bytes = e.page_size * m.kv_bytes_per_token(resolved.dtype_bytes)
+        pages = 1 + e.max_num_seqs * -(-resolved.max_model_len // e.page_size)
+        usable, used = min(pages * page_bytes, CPU_KV_BUDGET_BYTES), 0
+    return kv_pool_pages(m, page_size=e.page_size, dtype_bytes=resolved.dtype_bytes,
+                         usable_bytes=usable, used_bytes=used)
 
 
 class MemorySnapshot(NamedTuple):

@@ -225,7 +225,7 @@ FUSED_CHOICES = ("auto", "xla", "triton")
 GEMM_CHOICES = ("xla", "cublas")
 KERNEL_ALIASES = {"decode": "decode_attention", "prefill": "prefill_attention"}
 HALF_DTYPES = ("bfloat16", "float16")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
 
 
 def kernel_choices() -> dict[str, tuple[str, ...]]:
@@ -427,36 +427,37 @@ class ResolvedConfig:
         return DTYPE_BYTES[self.dtype]
 
 
-def _gpu_only(name: str, value: str, platform: str, fallback: str) -> None:
-    if platform != "gpu":
-        raise ValueError(f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
-                         f"backend is {platform!r}; use 'auto' or {fallback!r} here (the "
-                         "kernels' CPU tests run them in interpret mode)")
+_GPU_FALLBACK = {"decode_attention": "reference", "prefill_attention": "reference",
+                 "qkv_prologue": "xla", "add_rms_norm": "xla"}
+
+
+def check_platform(kc: KernelConfig, platform: str) -> None:
+    """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu" (`LLM` calls
+    this before reading the checkpoint; `resolve` calls it too)."""
+    for name, fallback in _GPU_FALLBACK.items():
+        value = getattr(kc, name)
+        if platform != "gpu" and value not in ("auto", fallback):
+            raise ValueError(f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
+                             f"backend is {platform!r}; use 'auto' or {fallback!r} here (the "
+                             "kernels' CPU tests run them in interpret mode)")
 
 
 def _resolve_kernels(model: ModelConfig, kc: KernelConfig, platform: str,
                      dtype: str) -> KernelConfig:
     """`KernelConfig` with "auto" resolved (rules: `resolve`)."""
+    check_platform(kc, platform)
     gpu, half = platform == "gpu", dtype in HALF_DTYPES
-    out = {}
-    for name, auto in (("decode_attention", "mosaic" if gpu and half else "reference"),
-                       ("prefill_attention", "triton" if gpu else "reference")):
-        value = getattr(kc, name)
-        if value not in ("auto", "reference"):
-            _gpu_only(name, value, platform, "reference")
-        out[name] = auto if value == "auto" else value
+    out = {"decode_attention": "mosaic" if gpu and half else "reference",
+           "prefill_attention": "triton" if gpu else "reference"}
     for name, ok, what in (
             ("qkv_prologue", is_pow2(model.head_dim // 2),
              f"head dim H/2 a power of 2 (this model: H={model.head_dim})"),
             ("add_rms_norm", is_pow2(model.hidden_size),
              f"a power-of-2 hidden size (this model: {model.hidden_size})")):
-        value = getattr(kc, name)
-        if value == "triton":
-            _gpu_only(name, value, platform, "xla")
-            if not ok:
-                raise ValueError(f"KernelConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
-        out[name] = ("triton" if gpu and half and ok else "xla") if value == "auto" else value
-    return dataclasses.replace(kc, **out)
+        if getattr(kc, name) == "triton" and not ok:
+            raise ValueError(f"KernelConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
+        out[name] = "triton" if gpu and half and ok else "xla"
+    return dataclasses.replace(kc, **{k: v for k, v in out.items() if getattr(kc, k) == "auto"})
 
 
 def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> ResolvedConfig:

@@ -13,10 +13,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Any
 
-# temperature below this is treated as greedy (argmax); dividing bf16 logits by a tiny temperature
-# overflows (CASES.md C6), so the device step must not divide by it.
-GREEDY_TEMPERATURE = 1e-5
-GREEDY_EPS = GREEDY_TEMPERATURE  # the one greedy threshold (vLLM's _SAMPLING_EPS)
+GREEDY_EPS = 1e-5
+"""Temperatures below this are greedy (argmax), vLLM's ``_SAMPLING_EPS``: dividing bf16 logits by
+a tiny temperature overflows, so the device step must not divide by it."""
 
 _INT64_MIN = -(2 ** 63)
 _INT64_MAX = 2 ** 63 - 1
@@ -39,7 +38,7 @@ class SamplingParams:
     """How to pick the next tokens of one request (vLLM names and defaults).
 
     Fields:
-        temperature: softmax temperature, >= 0. Below ``GREEDY_TEMPERATURE`` (1e-5) the request is
+        temperature: softmax temperature, >= 0. Below ``GREEDY_EPS`` (1e-5) the request is
             greedy (argmax); see the ``greedy`` property.
         top_p: nucleus sampling: keep the smallest set of tokens whose probability sum reaches
             ``top_p``; in (0, 1], 1 = off. (Holtzman et al. 2019, "The Curious Case of Neural Text
@@ -93,7 +92,7 @@ class SamplingParams:
             object.__setattr__(self, name, float(v))
 
         real("temperature", lambda t: 0.0 <= t < math.inf, "must be a finite number >= 0 "
-             f"(< {GREEDY_TEMPERATURE:g} means greedy)")
+             f"(< {GREEDY_EPS:g} means greedy)")
         real("top_p", lambda p: 0.0 < p <= 1.0, "must be in (0, 1]")
         real("min_p", lambda p: 0.0 <= p <= 1.0, "must be in [0, 1]")
         real("repetition_penalty", lambda r: 0.0 < r < math.inf, "must be a finite number > 0 "
@@ -135,4 +134,4 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         """True when ``temperature < 1e-5``: the token is the argmax (no random draw)."""
-        return self.temperature < GREEDY_TEMPERATURE
+        return self.temperature < GREEDY_EPS

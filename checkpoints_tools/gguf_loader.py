@@ -1,10 +1,10 @@
-"""Load a llama.cpp GGUF file (Llama or Qwen3 architecture) into our parameter tree.
+"""Read a llama.cpp GGUF file (Llama or Qwen3 architecture) as an HF config dict and HF tensors.
 
-Steps: read the metadata into an HF-style config dict -> `ModelConfig.from_hf_config`; dequantise
-every tensor to float32 with ``gguf.quants.dequantize``; rename it to its HF name through the ONE
-table `GGUF_TO_HF` below; undo llama.cpp's Q/K row permutation where its converter applied one; then
-hand the HF-named tensors to `checkpoints_tools.mapping.hf_tensors_to_params` (shape checks,
-missing/unmapped/duplicate errors, tying decided from the tensors, cast to ``dtype``).
+Steps: read the metadata into an HF-style ``config.json`` dict (`gguf_hf_config`); dequantise every
+tensor to float32 with ``gguf.quants.dequantize``; rename it to its HF name through the ONE table
+`GGUF_TO_HF` below; undo llama.cpp's Q/K row permutation where its converter applied one
+(`gguf_hf_tensors`). The HF-named tensors then go through `checkpoints_tools.mapping` like those of
+an HF directory.
 
 Layout facts (verified against HF transformers' own GGUF loader on SmolLM2-135M Q4_1, exact match):
 GGUF lists dimensions innermost-first (``ne0`` = input features), so ``ReaderTensor.shape`` is
@@ -312,41 +312,3 @@ def gguf_hf_tensors(reader, hf_config: Mapping[str, Any],
             w = unpermute_qk(w, n if hf_name.endswith("q_proj.weight") else k)
         out[hf_name] = w.astype(out_dtype, copy=False)
     return out
-
-
-def load_gguf_hf(path: str | os.PathLike,
-                 out_dtype=np.float32) -> tuple[dict, dict[str, np.ndarray]]:
-    """``(hf_config_dict, {hf_name: array of out_dtype})`` of a GGUF file (see `gguf_hf_config`,
-    `gguf_hf_tensors`).
-
-    Raises:
-        FileNotFoundError, ValueError: as `open_gguf`, `gguf_hf_config`, `gguf_hf_tensors`.
-    """
-    reader = open_gguf(path)
-    hf_config = gguf_hf_config(reader)
-    return hf_config, gguf_hf_tensors(reader, hf_config, out_dtype)
-
-
-def load_gguf(path: str | os.PathLike, dtype="bfloat16"):
-    """Load a GGUF file into ``(ModelConfig, params)``.
-
-    Args:
-        path: a ``.gguf`` file of architecture ``llama`` or ``qwen3`` (any quantisation type that
-            ``gguf.quants.dequantize`` supports; weights are dequantised, not kept quantised).
-        dtype: parameter dtype, e.g. "bfloat16" or "float32" (dequantisation itself is float32).
-    Returns:
-        ``(cfg, params)`` with params in the `jaxinfer.models.params` layout.
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: unsupported architecture, unknown/missing tensors, bad shapes.
-    """
-    import jax.numpy as jnp
-
-    from checkpoints_tools.mapping import hf_tensors_to_params
-    from jaxinfer.config import ModelConfig
-
-    # Cast each tensor right after dequantising (f32 -> bf16 rounds to nearest even in ml_dtypes,
-    # as jnp's astype does), so a bf16 load never holds the whole model in float32.
-    hf_config, tensors = load_gguf_hf(path, np.dtype(jnp.dtype(dtype)))
-    params, cfg = hf_tensors_to_params(tensors, ModelConfig.from_hf_config(hf_config), dtype)
-    return cfg, params

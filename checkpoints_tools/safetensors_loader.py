@@ -1,12 +1,12 @@
-"""Load an HF model directory (``config.json`` + safetensors, single or sharded) into jaxinfer params.
+"""Read the tensors of an HF model directory (``config.json`` + safetensors, single or sharded).
 
 Layout read (the ``save_pretrained(..., safe_serialization=True)`` output):
     config.json
     model.safetensors                                   (single file), or
     model.safetensors.index.json + the shards its ``weight_map`` names
 
-Names, shapes, tying and duplicates are checked by `checkpoints_tools.mapping.hf_tensors_to_params`;
-this module adds the file-level checks (a tensor in two shards, an index naming a tensor its shard
+Names, shapes, tying and duplicates are checked by `checkpoints_tools.mapping`; this module adds
+the file-level checks (a tensor in two shards, an index naming a tensor its shard
 lacks, missing files).
 """
 
@@ -18,9 +18,6 @@ from typing import Iterator
 
 import numpy as np
 from safetensors import safe_open
-
-from checkpoints_tools.mapping import hf_tensors_to_params
-from jaxinfer.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -100,24 +97,3 @@ def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, np.ndarray]]:
             if where.get(name) != shard:
                 raise ValueError(f"{INDEX_FILE} maps tensor {name!r} to shard {shard!r}, but it is "
                                  f"{'in ' + repr(where[name]) if name in where else 'in no shard'}")
-
-
-def load_safetensors_dir(path: str | os.PathLike, dtype) -> tuple[ModelConfig, dict]:
-    """Read an HF model directory into ``(cfg, params)``.
-
-    Args:
-        path: directory with ``config.json`` and ``model.safetensors`` or a sharded index.
-        dtype: dtype of the returned params (the compute dtype), e.g. ``jnp.bfloat16``.
-    Returns:
-        cfg (``tie_word_embeddings`` decided from the tensors, see `checkpoints_tools.mapping`) and
-        the param tree of `jaxinfer.models.params` on the default device.
-    Raises:
-        FileNotFoundError: missing directory, ``config.json``, weights file or shard (path named).
-        ValueError: unsupported config; unmapped, missing, duplicate or wrong-shaped tensors.
-    """
-    root = os.fspath(path)
-    if not os.path.isdir(root):
-        raise FileNotFoundError(f"model directory {root!r} does not exist")
-    cfg = ModelConfig.from_hf_dir(root)
-    params, cfg = hf_tensors_to_params(iter_tensors(root), cfg, dtype)
-    return cfg, params

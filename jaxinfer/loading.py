@@ -1,0 +1,134 @@
+"""A model from a checkpoint: `load_model(path, dtype) -> LoadedModel`.
+
+`checkpoints_tools` reads the files (HF directory, GGUF file or Orbax directory; config as a plain
+dict, HF-named tensors) and maps tensor names; this module turns the config dict into a
+`ModelConfig` and gives the mapping the abstract tree of `jaxinfer.models`, the only shape source.
+
+EOS handling (CASES.md C4): the engine stops on the union of the tokenizer's EOS id, the
+generation-config EOS ids (HF ``generation_config.json``, GGUF metadata, or the ids an Orbax
+checkpoint stored) and ``ModelConfig.eos_token_ids``; `LoadedModel.eos_token_ids` is that union.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, NamedTuple
+
+from checkpoints_tools import orbax_io
+from checkpoints_tools.loader import (Checkpoint, hf_tensors, load_tokenizer, open_checkpoint,
+                                      union_ids)
+from checkpoints_tools.mapping import TensorSource, hf_tensors_to_params
+from jaxinfer.config import ModelConfig
+
+try:
+    from jaxinfer.models import abstract_params, fused_parts
+except ImportError:  # the models package before it exports them
+    from jaxinfer.models.params import abstract_params, fused_parts
+
+
+class LoadedModel(NamedTuple):
+    """A model ready for the engine.
+
+    config: `ModelConfig` (``tie_word_embeddings`` decided from the checkpoint's tensors).
+    params: the param tree of `jaxinfer.models` (jax arrays of the requested dtype).
+    tokenizer: an HF tokenizer (``PreTrainedTokenizerBase``), or None when not loaded.
+    eos_token_ids: the union (first-seen order) of the tokenizer's ``eos_token_id``, the
+        generation-config EOS ids and ``config.eos_token_ids``.
+    source: "hf" | "gguf" | "orbax".
+    """
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Any
+    eos_token_ids: tuple[int, ...]
+    source: str
+
+
+def model_config(ckpt: Checkpoint) -> ModelConfig:
+    """The `ModelConfig` of an opened checkpoint. Raises ValueError: unsupported config."""
+    if ckpt.format == "orbax":
+        return ModelConfig.from_dict(ckpt.config)
+    return ModelConfig.from_hf_config(ckpt.config)
+
+
+def read_model_config(path: str | os.PathLike) -> ModelConfig:
+    """The `ModelConfig` of the checkpoint at ``path``, without reading tensor data.
+
+    Raises:
+        FileNotFoundError: ``path`` (or its config file) does not exist.
+        ValueError: an unsupported format, architecture or config.
+    """
+    return model_config(open_checkpoint(path))
+
+
+def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype) -> tuple[dict, ModelConfig]:
+    """Map HF-named tensors onto the param tree of ``cfg`` in ``dtype``
+    (`checkpoints_tools.mapping.hf_tensors_to_params`).
+
+    Returns:
+        (params, cfg with ``tie_word_embeddings`` decided from the tensors).
+    Raises:
+        ValueError: unmapped, missing, duplicate or wrong-shaped tensors.
+    Warns:
+        UserWarning: the config's ``tie_word_embeddings`` disagrees with the tensors.
+    """
+    untied = dataclasses.replace(cfg, tie_word_embeddings=False)
+    params = hf_tensors_to_params(tensors, cfg, abstract_params(untied, dtype), fused_parts(cfg))
+    return params, dataclasses.replace(cfg, tie_word_embeddings="lm_head" not in params)
+
+
+def load_params(ckpt: Checkpoint, dtype, cfg: ModelConfig | None = None
+                ) -> tuple[ModelConfig, dict]:
+    """``(config, params)`` of an opened checkpoint in ``dtype`` ("bfloat16", "float32" or a
+    jnp dtype); ``cfg``: its `model_config` if already built.
+
+    Raises:
+        FileNotFoundError, ValueError: the format reader's and the mapping's errors.
+    """
+    import jax.numpy as jnp
+    import numpy as np
+
+    cfg = cfg or model_config(ckpt)
+    if ckpt.format == "orbax":
+        return cfg, orbax_io.restore(ckpt.path, abstract_params(cfg, dtype))
+    params, cfg = params_from_hf(hf_tensors(ckpt, np.dtype(jnp.dtype(dtype))), cfg, dtype)
+    return cfg, params
+
+
+def load_model(path: str | os.PathLike, dtype="bfloat16", *,
+               with_tokenizer: bool = True) -> LoadedModel:
+    """Load config, params and tokenizer from an HF directory, a GGUF file or an Orbax checkpoint
+    (each file opened once).
+
+    Args:
+        path: see `checkpoints_tools.loader.detect_format`.
+        dtype: parameter dtype ("bfloat16", "float32" or a jnp dtype).
+        with_tokenizer: False skips the tokenizer (``tokenizer`` is None; token-id prompts only);
+            EOS ids then come from the generation config and the model config.
+    Raises:
+        FileNotFoundError: ``path`` does not exist (named in the message).
+        ValueError: an unsupported format or architecture (before any tokenizer is built), bad
+            tensors, or no tokenizer.
+    """
+    ckpt = open_checkpoint(path)
+    cfg = model_config(ckpt)
+    tokenizer = load_tokenizer(ckpt.path, ckpt.format) if with_tokenizer else None
+    cfg, params = load_params(ckpt, dtype, cfg)
+    tok_eos = (tokenizer.eos_token_id,) if tokenizer is not None else ()
+    eos = union_ids(tok_eos, ckpt.generation_eos_ids, cfg.eos_token_ids)
+    return LoadedModel(cfg, params, tokenizer, eos, ckpt.format)
+
+
+def save_checkpoint(dst: str | os.PathLike, cfg: ModelConfig, params, tokenizer,
+                    eos_ids) -> None:
+    """Write an Orbax checkpoint (`checkpoints_tools.orbax_io.save`) that `load_model` reads back.
+
+    Raises:
+        FileExistsError: ``dst`` exists and is not an empty directory.
+        ValueError: params that do not fit ``cfg`` (paths and shapes named), or mixed dtypes.
+    """
+    import jax
+
+    dtype = jax.tree_util.tree_leaves(params)[0].dtype
+    orbax_io.save(dst, cfg.to_dict(), params, abstract_params(cfg, dtype), tokenizer, eos_ids)

@@ -13,8 +13,8 @@ Order of operations (vLLM's sampler, https://github.com/vllm-project/vllm, `v1/s
     7. sample                       Gumbel-max with a per-row key ``fold_in(key(seed), step_idx)``
 
 Filters 4-5 run in descending-sorted vocab order (one stable sort of ``[B, V]``); ties keep the lower
-token id first, so top-k keeps exactly k tokens. The sort is the dominant cost (about 3 ms for
-B=256, V=152k on an H200), so a step where no sampled row uses top-k or top-p skips it (`lax.cond`).
+token id first, so top-k keeps exactly k tokens. The sort is the sampler's dominant cost, so a step
+where no sampled row uses top-k or top-p skips it (`lax.cond`).
 Both branches compute each kept token's perturbed score ``scaled + gumbel[token]`` identically, so
 a row's token does not depend on which branch its batch took. Bad values (NaN, +-inf logits, a row where every
 logit is -inf) never produce NaN: NaN logits count as -inf, +inf as the largest float32, and the
@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-GREEDY_EPS = 1e-5
-"""Rows with ``temperature < GREEDY_EPS`` (or NaN) are greedy (vLLM's ``_SAMPLING_EPS``)."""
+from jaxinfer.sampling_params import GREEDY_EPS  # rows below it (or NaN) are greedy
+
 
 _PRNG_IMPL = "threefry2x32"  # pinned so a seed maps to the same stream on every JAX version
 
@@ -68,9 +68,7 @@ class SamplingMetadata:
 
 
 jax.tree_util.register_dataclass(
-    SamplingMetadata,
-    data_fields=["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds",
-                 "step_idx", "penalty_tokens"],
+    SamplingMetadata, data_fields=[f.name for f in dataclasses.fields(SamplingMetadata)],
     meta_fields=[])
 
 _ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds", "step_idx")

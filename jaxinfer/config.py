@@ -12,7 +12,6 @@ This module imports no JAX (the caller passes the platform, ``jax.default_backen
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -26,6 +25,10 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 def _fail(cls: str, name: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{cls}.{name}={value!r} is invalid: {allowed}")
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 @dataclass(frozen=True)
@@ -88,9 +91,8 @@ class ModelConfig:
                   f"supported architectures are {SUPPORTED_ARCHITECTURES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                _fail("ModelConfig", name, v, "must be a positive integer")
+            if not _positive_int(getattr(self, name)):
+                _fail("ModelConfig", name, getattr(self, name), "must be a positive integer")
         if self.num_heads % self.num_kv_heads:
             _fail("ModelConfig", "num_kv_heads", self.num_kv_heads,
                   f"must divide num_heads={self.num_heads} (GQA)")
@@ -109,20 +111,19 @@ class ModelConfig:
 
     @property
     def num_groups(self) -> int:
-        """G = N / K, query heads per KV head."""
+        """G = N / K."""
         return self.num_heads // self.num_kv_heads
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """KV cache bytes per token: 2 (K and V) x L x K x H x dtype_bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    # ------------------------------------------------------------------ constructors
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout).
 
         Raises:
-            ValueError: unsupported ``model_type``/architecture, RoPE type, attention/MLP bias, or
+            ValueError: unsupported ``model_type``, RoPE type, bias, sliding window or activation;
                 a required key missing.
         """
         try:
@@ -133,11 +134,6 @@ class ModelConfig:
 
     @classmethod
     def _from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout).
-
-        Raises:
-            ValueError: unsupported ``model_type``/architecture, RoPE type, or attention/MLP bias.
-        """
         model_type = cfg.get("model_type")
         archs = cfg.get("architectures") or []
         if model_type not in SUPPORTED_ARCHITECTURES:
@@ -192,22 +188,14 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
-        """Read ``config.json`` from an HF model directory.
+        """Read ``config.json`` of an HF model directory.
 
         Raises:
-            FileNotFoundError: no ``config.json`` in ``path``.
+            FileNotFoundError: no ``config.json``. ValueError: not a JSON object, or as above.
         """
-        p = os.path.join(os.fspath(path), "config.json")
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"no config.json in model directory {os.fspath(path)!r}")
-        with open(p) as f:
-            try:
-                cfg = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{p}: expected a JSON object")
-        return cls.from_hf_config(cfg)
+        from checkpoints_tools.loader import read_json
+
+        return cls.from_hf_config(read_json(os.path.join(os.fspath(path), "config.json")))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -235,10 +223,6 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
             "prefill_attention": ("auto",) + registry.prefill_names(),
             "qkv_prologue": FUSED_CHOICES, "add_rms_norm": FUSED_CHOICES,
             "prefill_gemm": GEMM_CHOICES}
-
-
-def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def test_qwen3_8b_weight_bytes_hand_count():
 
 
 def test_param_count_matches_param_tree():
-    from jaxinfer.models.params import param_bytes  # imports jax; the layout's source of truth
+    from jaxinfer.models import param_bytes  # imports jax; the layout source of truth
 
     for cfg in (QWEN3_8B, PRESETS["smollm2-135m"], LLAMA3_70B):
         assert param_count(cfg) == param_bytes(cfg, dtype_bytes=1)

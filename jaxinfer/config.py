@@ -156,35 +156,25 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-
+        scaling = None if rope_type != "llama3" else RopeScaling(
+            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
         n = int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // n
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
-            architecture=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=n,
+            architecture=model_type, vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]), num_heads=n,
             num_kv_heads=int(cfg.get("num_key_value_heads") or n),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+            eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else
+            (() if eos is None else (eos,)))
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -210,42 +200,37 @@ class ModelConfig:
 
 
 FUSED_CHOICES = ("auto", "xla", "triton")
-GEMM_CHOICES = ("xla", "cublas")
 KERNEL_ALIASES = {"decode": "decode_attention", "prefill": "prefill_attention"}
-HALF_DTYPES = ("bfloat16", "float16")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+_BUCKETS = ("batch_buckets", "token_buckets")
 
 
 def kernel_choices() -> dict[str, tuple[str, ...]]:
-    """The allowed values of each string field of `KernelConfig` (attention variants from
-    `pallas_kernels.paged_attention.registry`)."""
+    """The allowed values of each string field of `KernelConfig` (attention variants: the
+    registry of `pallas_kernels.paged_attention`)."""
     return {"decode_attention": ("auto",) + registry.names(),
             "prefill_attention": ("auto",) + registry.prefill_names(),
             "qkv_prologue": FUSED_CHOICES, "add_rms_norm": FUSED_CHOICES,
-            "prefill_gemm": GEMM_CHOICES}
+            "prefill_gemm": ("xla", "cublas")}
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Kernel choices and research knobs (`EngineConfig.kernels`); "auto" is resolved by `resolve`.
+    """Kernel choices and research knobs (`EngineConfig.kernels`); `resolve` replaces "auto".
 
-    Fields:
-        decode_attention: paged-attention variant of decode steps (T == 1): "auto" or a name of
-            `registry.names()`. Alias in `parse`: ``decode``.
-        prefill_attention: variant of prefill steps (T > 1): "auto" or `registry.prefill_names()`.
-            Alias in `parse`: ``prefill``.
-        qkv_prologue: q/k norm + RoPE + K/V page write of every step: "xla" (jnp ops) or "triton"
-            (one Pallas kernel per layer, `pallas_kernels.qkv_prologue`; GPU, H/2 a power of 2).
-        add_rms_norm: every residual add + RMSNorm: "xla" or "triton" (`pallas_kernels.add_rms_norm`;
-            GPU, D a power of 2). With the kernel, decode steps of 128 rows or more run the MLP's
-            down projection as two float32 partial sums that it adds.
-        prefill_gemm: GEMM back-end of prefill steps: "xla" (XLA's choice) or "cublas" (XLA's
-            Triton GEMM emitter off for those steps). GPU only in effect.
-        cublas_decode_min_batch: decode steps whose batch bucket has at least this many rows are
-            compiled with cuBLAS GEMMs; ``None``: XLA's choice for every step. GPU only in effect.
-            Default chosen by measurement (BENCHMARKS.md: "Decode step").
-        batch_buckets / token_buckets: padded sizes for B and T, strictly increasing; ``()``: the
-            defaults of `jaxinfer.engine.buckets` / `jaxinfer.engine.batch_builder.BucketSpec`.
+    Fields (allowed values: `kernel_choices`; `parse` also takes the keys of `KERNEL_ALIASES`):
+        decode_attention: paged-attention variant of decode steps (T == 1).
+        prefill_attention: variant of prefill steps (T > 1).
+        qkv_prologue: q/k norm + RoPE + K/V page write: "xla" (jnp ops) or "triton" (one Pallas
+            kernel per layer, `pallas_kernels.qkv_prologue`; GPU, H/2 a power of 2).
+        add_rms_norm: residual add + RMSNorm: "xla" or "triton" (`pallas_kernels.add_rms_norm`;
+            GPU, D a power of 2; decode steps of 128+ rows then split the down projection).
+        prefill_gemm: GEMMs of prefill steps: "xla" (XLA's choice) or "cublas" (GPU only).
+        cublas_decode_min_batch: decode buckets of at least this many rows use cuBLAS GEMMs
+            (GPU only); None: XLA's choice. Default chosen by measurement (BENCHMARKS.md:
+            "Decode step").
+        batch_buckets / token_buckets: padded sizes of B and T, strictly increasing; (): the
+            defaults (`jaxinfer.engine.buckets`).
     """
 
     decode_attention: str = "auto"
@@ -265,7 +250,7 @@ class KernelConfig:
         m = self.cublas_decode_min_batch
         if m is not None and not _positive_int(m):
             _fail("KernelConfig", "cublas_decode_min_batch", m, "must be None or a positive integer")
-        for name in ("batch_buckets", "token_buckets"):
+        for name in _BUCKETS:
             b = getattr(self, name)
             if not isinstance(b, (tuple, list)) or not all(map(_positive_int, b)) or (
                     list(b) != sorted(set(b))):
@@ -275,9 +260,8 @@ class KernelConfig:
 
     @classmethod
     def parse(cls, spec: "str | KernelConfig") -> "KernelConfig":
-        """Build from ``"key=value,..."``, e.g. ``"decode=mosaic,prefill=triton,add_rms_norm=xla,
-        batch_buckets=1:2:4:8,cublas_decode_min_batch=none"``; keys are field names or the aliases
-        of `KERNEL_ALIASES`; ``""``: the defaults. A `KernelConfig` is returned as given.
+        """From ``"key=value,..."`` (e.g. ``"decode=mosaic,prefill=triton,batch_buckets=1:2:4,
+        cublas_decode_min_batch=none"``; ``""``: the defaults); a `KernelConfig` as given.
 
         Raises:
             ValueError: an item without ``=``, an unknown or repeated key, or a bad value (naming
@@ -288,43 +272,40 @@ class KernelConfig:
         if not isinstance(spec, str):
             raise ValueError(f"kernels={spec!r} is invalid: expected a KernelConfig or a "
                              "'key=value,...' string")
-        fields = {f.name for f in dataclasses.fields(cls)}
+        keys = {f.name for f in dataclasses.fields(cls)}
         kw: dict[str, Any] = {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, value = (s.strip() for s in item.partition("="))
             name = KERNEL_ALIASES.get(key, key)
-            if not sep or name not in fields:
+            if not sep or name not in keys:
                 raise ValueError(f"kernels: {item!r} is invalid: expected key=value with key one "
-                                 f"of {sorted(fields | set(KERNEL_ALIASES))}")
+                                 f"of {sorted(keys | set(KERNEL_ALIASES))}")
             if name in kw:
                 raise ValueError(f"kernels: {name!r} is given twice in {spec!r}")
-            kw[name] = _parse_value(name, value)
+            try:
+                kw[name] = _parse_value(name, value)
+            except ValueError:
+                _fail("KernelConfig", name, value, "expected integers (buckets joined by ':'), "
+                      "or 'none' for cublas_decode_min_batch")
         return cls(**kw)
 
     @classmethod
     def help(cls) -> str:
-        """One line per key with its allowed values and default (for CLI help texts)."""
-        inv = {v: k for k, v in KERNEL_ALIASES.items()}
-        lines = []
-        for f in dataclasses.fields(cls):
-            key = f"{inv[f.name]} ({f.name})" if f.name in inv else f.name
-            allowed = kernel_choices().get(f.name)
-            what = ("|".join(allowed) if allowed else "none or a positive integer"
-                    if f.name == "cublas_decode_min_batch" else "sizes joined by ':'")
-            lines.append(f"{key}={what} [default {f.default if f.default != () else 'auto'}]")
-        return "; ".join(lines)
+        """The keys with their allowed values and defaults, for CLI help texts."""
+        alias = {v: k for k, v in KERNEL_ALIASES.items()}
+        choices = kernel_choices()
+        return "; ".join(
+            f"{alias.get(f.name, f.name)}="
+            + ("|".join(choices[f.name]) if f.name in choices else "sizes joined by ':'"
+               if f.name in _BUCKETS else "none|ROWS") + f" (default {f.default or 'auto'})"
+            for f in dataclasses.fields(cls))
 
 
 def _parse_value(name: str, value: str):
-    """A `KernelConfig.parse` value: buckets ``"1:2:4"``, an integer or "none", else the string."""
-    try:
-        if name in ("batch_buckets", "token_buckets"):
-            return tuple(int(x) for x in value.split(":")) if value else ()
-        if name == "cublas_decode_min_batch":
-            return None if value.lower() == "none" else int(value)
-    except ValueError:
-        _fail("KernelConfig", name, value, "expected integers (buckets joined by ':'), or 'none' "
-              "for cublas_decode_min_batch")
+    if name in _BUCKETS:
+        return tuple(int(x) for x in value.split(":")) if value else ()
+    if name == "cublas_decode_min_batch":
+        return None if value.lower() == "none" else int(value)
     return value
 
 
@@ -333,21 +314,16 @@ class EngineConfig:
     """What a user sets (vLLM's meanings where vLLM has the field).
 
     Fields:
-        max_model_len: the most tokens (prompt + generated) of one sequence; ``None``: the
-            model's ``max_position_embeddings``.
+        max_model_len: most tokens (prompt + generated) of one sequence; None: the model's
+            max_position_embeddings.
         page_size: tokens per KV page, a power of two.
-        num_pages: KV pool size in pages, including the reserved null page 0; ``None``: sized by
-            `jaxinfer.memory.engine_pool_pages`.
+        num_pages: KV pool pages, null page 0 included; None: `memory.engine_pool_pages`.
         memory_fraction: fraction of device memory the engine may use (weights + KV pool).
-        max_num_seqs: the most sequences in one step.
-        max_num_batched_tokens: the most prompt tokens in one prefill step (chunked prefill).
-        dtype: compute and KV dtype, "float32" or "bfloat16"; ``None``: bfloat16 on GPU, else
-            float32.
+        max_num_seqs / max_num_batched_tokens: most sequences / prompt tokens in one step.
+        dtype: compute and KV dtype, "float32" | "bfloat16"; None: bfloat16 on GPU, else float32.
         seed: base PRNG seed of sampling.
-        async_scheduling: schedule and dispatch step n+1 before reading back step n's tokens
-            (vLLM's ``async_scheduling``); outputs are the same either way.
-        compilation_cache_dir: JAX's persistent compilation cache directory
-            (`jaxinfer.compile_cache.enable`, process-wide); ``None``: JAX's own setting.
+        async_scheduling: dispatch step n+1 before reading back step n (same outputs).
+        compilation_cache_dir: JAX's persistent compilation cache (process-wide); None: JAX's.
         kernels: a `KernelConfig`, or a string for `KernelConfig.parse`.
     """
 
@@ -386,17 +362,15 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             _fail("EngineConfig", "async_scheduling", self.async_scheduling, "must be True or False")
         object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
-        for name, limit in (("batch_buckets", "max_num_seqs"),
-                            ("token_buckets", "max_num_batched_tokens")):
+        for name, limit in zip(_BUCKETS, ("max_num_seqs", "max_num_batched_tokens")):
             b = getattr(self.kernels, name)
             if b and b[-1] < getattr(self, limit):
-                _fail("KernelConfig", name, b,
-                      f"the largest must be >= {limit}={getattr(self, limit)}")
+                _fail("KernelConfig", name, b, f"the largest must be >= {limit}={getattr(self, limit)}")
 
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """A model, its `EngineConfig` and a `KernelConfig` with no "auto" left; built by `resolve`."""
+    """A model, its `EngineConfig` and a `KernelConfig` with no "auto" left (`resolve`)."""
 
     model: ModelConfig
     engine: EngineConfig
@@ -407,7 +381,6 @@ class ResolvedConfig:
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes of one element of ``dtype``."""
         return DTYPE_BYTES[self.dtype]
 
 
@@ -426,13 +399,29 @@ def check_platform(kc: KernelConfig, platform: str) -> None:
                              "kernels' CPU tests run them in interpret mode)")
 
 
-def _resolve_kernels(model: ModelConfig, kc: KernelConfig, platform: str,
-                     dtype: str) -> KernelConfig:
-    """`KernelConfig` with "auto" resolved (rules: `resolve`)."""
+def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> ResolvedConfig:
+    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX's backend name).
+
+    Rules: dtype None -> "bfloat16" on "gpu", else "float32"; max_model_len None ->
+    max_position_embeddings; decode_attention "auto" -> "mosaic" on "gpu" in bfloat16/float16,
+    else "reference"; prefill_attention "auto" -> "triton" on "gpu", else "reference";
+    qkv_prologue / add_rms_norm "auto" -> "triton" on "gpu" in bfloat16/float16 where the shapes
+    allow (H/2 a power of 2; D a power of 2), else "xla".
+
+    Raises:
+        ValueError: max_model_len above max_position_embeddings; a GPU kernel named on a platform
+            other than "gpu" (`check_platform`); "triton" fused kernels on shapes they do not take.
+    """
+    max_len = engine.max_model_len or model.max_position_embeddings
+    if max_len > model.max_position_embeddings:
+        _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
+              f"max_position_embeddings={model.max_position_embeddings}")
+    dtype = engine.dtype or ("bfloat16" if platform == "gpu" else "float32")
+    kc = engine.kernels
     check_platform(kc, platform)
-    gpu, half = platform == "gpu", dtype in HALF_DTYPES
-    out = {"decode_attention": "mosaic" if gpu and half else "reference",
-           "prefill_attention": "triton" if gpu else "reference"}
+    gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
+    auto = {"decode_attention": "mosaic" if gpu and half else "reference",
+            "prefill_attention": "triton" if gpu else "reference"}
     for name, ok, what in (
             ("qkv_prologue", is_pow2(model.head_dim // 2),
              f"head dim H/2 a power of 2 (this model: H={model.head_dim})"),
@@ -440,27 +429,6 @@ def _resolve_kernels(model: ModelConfig, kc: KernelConfig, platform: str,
              f"a power-of-2 hidden size (this model: {model.hidden_size})")):
         if getattr(kc, name) == "triton" and not ok:
             raise ValueError(f"KernelConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
-        out[name] = "triton" if gpu and half and ok else "xla"
-    return dataclasses.replace(kc, **{k: v for k, v in out.items() if getattr(kc, k) == "auto"})
-
-
-def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> ResolvedConfig:
-    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX's backend name).
-
-    Rules: dtype None -> "bfloat16" on "gpu", else "float32"; max_model_len None ->
-    ``model.max_position_embeddings``; decode_attention "auto" -> "mosaic" on "gpu" in
-    bfloat16/float16, else "reference"; prefill_attention "auto" -> "triton" on "gpu", else
-    "reference"; qkv_prologue / add_rms_norm "auto" -> "triton" on "gpu" in bfloat16/float16
-    where the shapes allow (H/2 a power of 2; D a power of 2), else "xla".
-
-    Raises:
-        ValueError: max_model_len above max_position_embeddings; a GPU kernel named on a platform
-            other than "gpu"; "triton" fused kernels for shapes they do not take.
-    """
-    max_len = engine.max_model_len or model.max_position_embeddings
-    if max_len > model.max_position_embeddings:
-        _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
-              f"max_position_embeddings={model.max_position_embeddings}")
-    dtype = engine.dtype or ("bfloat16" if platform == "gpu" else "float32")
-    return ResolvedConfig(model, engine, _resolve_kernels(model, engine.kernels, platform, dtype),
-                          max_len, dtype, platform)
+        auto[name] = "triton" if gpu and half and ok else "xla"
+    kc = dataclasses.replace(kc, **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"})
+    return ResolvedConfig(model, engine, kc, max_len, dtype, platform)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 from typing import Callable, Sequence as Seq
 
+import dataclasses
+
+import jax
 import numpy as np
 
+from jaxinfer import loading
 from jaxinfer.config import EngineConfig, ModelConfig, check_platform, resolve
+from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
@@ -22,12 +27,6 @@ def _engine_config(engine_args: dict) -> EngineConfig:
         raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; allowed: "
                          f"{sorted(EngineConfig.__dataclass_fields__)}")
     return EngineConfig(**engine_args)
-
-
-def _platform() -> str:
-    import jax
-
-    return jax.default_backend()
 
 
 class LLM:
@@ -52,24 +51,17 @@ class LLM:
     def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
                  **engine_args):
         from checkpoints_tools.default_model import default_model_path
-        from jaxinfer import loading
 
-        ec, platform = _engine_config(engine_args), _platform()
-        check_platform(ec.kernels, platform)
+        ec, platform = _engine_config(engine_args), jax.default_backend()
+        check_platform(ec.kernels, platform)  # before any file is read
         path = model if model is not None else default_model_path()
         resolved = resolve(loading.read_model_config(path), ec, platform)
         loaded = loading.load_model(path, resolved.dtype, with_tokenizer=not skip_tokenizer_init)
-        self.model_path = path
-        self.tokenizer = loaded.tokenizer
-        self.engine = self._engine(loaded.config, loaded.params, resolved, loaded.eos_token_ids,
-                                   None if skip_tokenizer_init else self._detokenize)
-
-    @staticmethod
-    def _engine(config, params, resolved, eos_token_ids, detokenize):
-        from jaxinfer.engine.llm_engine import LLMEngine
-
-        return LLMEngine(config, params, resolved, eos_token_ids=eos_token_ids,
-                         detokenize=detokenize)
+        self.model_path, self.tokenizer = path, loaded.tokenizer
+        self.engine = LLMEngine(loaded.config, loaded.params,
+                                dataclasses.replace(resolved, model=loaded.config),
+                                eos_token_ids=loaded.eos_token_ids,
+                                detokenize=None if skip_tokenizer_init else self._detokenize)
 
     @classmethod
     def from_params(cls, config, params: dict, **engine_args) -> "LLM":
@@ -87,11 +79,10 @@ class LLM:
                              f"{type(config).__name__} (ModelConfig.from_dict builds one)")
         self = cls.__new__(cls)
         self.model_path, self.tokenizer = None, None
-        resolved = resolve(config, _engine_config(engine_args), _platform())
-        self.engine = cls._engine(config, params, resolved, (), None)
+        resolved = resolve(config, _engine_config(engine_args), jax.default_backend())
+        self.engine = LLMEngine(config, params, resolved)
         return self
 
-    # ------------------------------------------------------------------ helpers
     def _detokenize(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
@@ -170,7 +161,6 @@ class LLM:
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got "
                          f"{type(prompt).__name__}")
 
-    # ------------------------------------------------------------------ generate
     @staticmethod
     def _normalize(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
         """``generate``'s (prompts, sampling_params) as two lists of equal length.

@@ -20,11 +20,7 @@ from checkpoints_tools.loader import (Checkpoint, hf_tensors, load_tokenizer, op
                                       union_ids)
 from checkpoints_tools.mapping import TensorSource, hf_tensors_to_params
 from jaxinfer.config import ModelConfig
-
-try:
-    from jaxinfer.models import abstract_params, fused_parts
-except ImportError:  # the models package before it exports them
-    from jaxinfer.models.params import abstract_params, fused_parts
+from jaxinfer.models import abstract_params, fused_parts
 
 
 class LoadedModel(NamedTuple):
@@ -78,10 +74,10 @@ def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype) -> tuple[dict
     return params, dataclasses.replace(cfg, tie_word_embeddings="lm_head" not in params)
 
 
-def load_params(ckpt: Checkpoint, dtype, cfg: ModelConfig | None = None
+def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | None = None
                 ) -> tuple[ModelConfig, dict]:
-    """``(config, params)`` of an opened checkpoint in ``dtype`` ("bfloat16", "float32" or a
-    jnp dtype); ``cfg``: its `model_config` if already built.
+    """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype`` ("bfloat16",
+    "float32" or a jnp dtype), without the tokenizer; ``cfg``: its `model_config` if already built.
 
     Raises:
         FileNotFoundError, ValueError: the format reader's and the mapping's errors.
@@ -89,6 +85,7 @@ def load_params(ckpt: Checkpoint, dtype, cfg: ModelConfig | None = None
     import jax.numpy as jnp
     import numpy as np
 
+    ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     cfg = cfg or model_config(ckpt)
     if ckpt.format == "orbax":
         return cfg, orbax_io.restore(ckpt.path, abstract_params(cfg, dtype))

@@ -91,6 +91,13 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels
 GEMM_COMPILER_OPTIONS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
+def _jit(fn: Callable, gemm: str, static: tuple[str, ...]) -> Callable:
+    if gemm not in GEMM_COMPILER_OPTIONS:
+        raise ValueError(f"gemm={gemm!r} is invalid: allowed {sorted(GEMM_COMPILER_OPTIONS)}")
+    return jax.jit(fn, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm],
+                   static_argnames=static)
+
+
 def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool,
                  gemm: str = "xla") -> Callable:
     """``jax.jit`` of `step` for one sampling mode (KV cache donated), compiled with the GEMM
@@ -99,26 +106,7 @@ def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool,
     Raises:
         ValueError: unknown ``gemm``.
     """
-    return _jit(functools.partial(step, cfg=cfg, kernels=kernels, all_greedy=all_greedy), gemm)
-
-
-def make_packed_step_fn(cfg: ModelConfig, kernels: ModelKernels, gemm: str = "xla") -> Callable:
-    """``jax.jit`` of `packed_step` (KV cache donated, ``key`` static): call it as
-    ``fn(params, kv, buf, prev_tokens, key=key)``; its ahead-of-time compiled form
-    (``fn.lower(...).compile()``) takes ``(params, kv, buf, prev_tokens)``.
-
-    Raises:
-        ValueError: unknown ``gemm``.
-    """
-    return _jit(functools.partial(packed_step, cfg=cfg, kernels=kernels), gemm,
-                static_argnames=("key",))
-
-
-def _jit(fn: Callable, gemm: str, **jit_kw) -> Callable:
-    if gemm not in GEMM_COMPILER_OPTIONS:
-        raise ValueError(f"gemm={gemm!r} is invalid: allowed {sorted(GEMM_COMPILER_OPTIONS)}")
-    return jax.jit(fn, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm],
-                   **jit_kw)
+    return _jit(functools.partial(step, cfg=cfg, kernels=kernels, all_greedy=all_greedy), gemm, ())
 
 
 def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInput]:
@@ -181,3 +169,10 @@ def merge_pending_tokens(tokens: jax.Array, prev_tokens: jax.Array, src: jax.Arr
     """
     picked = prev_tokens[jnp.maximum(src, 0)]
     return tokens.at[:, 0].set(jnp.where(src >= 0, picked, tokens[:, 0]))
+
+
+# The engine's jit entry points, one per GEMM back-end: call as ``PACKED_STEPS[gemm](params, kv,
+# buf, prev_tokens, key=, cfg=, kernels=)`` (all three static, hashable: engines of equal model
+# and kernels share compiled steps); ``.lower(...).compile()`` gives the ahead-of-time form.
+PACKED_STEPS = {gemm: _jit(packed_step, gemm, ("key", "cfg", "kernels"))
+                for gemm in GEMM_COMPILER_OPTIONS}

@@ -1,7 +1,8 @@
-"""The compiled steps of one model: the jit variants, ahead-of-time executables, one dispatch.
+"""The compiled steps of one model: which jit variant a step uses, ahead-of-time executables,
+and the dispatch of one step.
 
 A step is compiled per `ShapeKey` (the shape bucket and sampling mode) and GEMM back-end: one jit
-entry point per back-end (`jaxinfer.step.GEMM_COMPILER_OPTIONS`), the key its static argument.
+entry point per back-end (`jaxinfer.step.PACKED_STEPS`), the key a static argument.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.engine.stats import EngineStats
-from jaxinfer.step import GEMM_COMPILER_OPTIONS, make_packed_step_fn
+from jaxinfer.step import PACKED_STEPS
 from jaxinfer.step_input import HostBatch, ShapeKey, empty_batch, pack
 
 log = logging.getLogger("jaxinfer")
@@ -34,8 +35,8 @@ class StepExecutor:
     """
 
     def __init__(self, cfg, kernels, kc, max_batch: int, stats: EngineStats) -> None:
-        self.steps = {gemm: make_packed_step_fn(cfg, kernels, gemm)
-                      for gemm in GEMM_COMPILER_OPTIONS}
+        self.steps = PACKED_STEPS
+        self.static = dict(cfg=cfg, kernels=kernels)
         self.cublas_min_batch = kc.cublas_decode_min_batch
         self.prefill_gemm = kc.prefill_gemm
         self.stats = stats
@@ -68,7 +69,8 @@ class StepExecutor:
             self.stats.num_lazy_compiles += 1
             log.info("compiling step for shape %s (%d so far)", hb.key,
                      self.stats.num_compiles)
-        return self.step_fn(hb.key)(*self._args(params, kv, hb, prev_tokens), key=hb.key)
+        return self.step_fn(hb.key)(*self._args(params, kv, hb, prev_tokens), key=hb.key,
+                                    **self.static)
 
     def precompile(self, params, kv, keys, *, max_workers: int | None, warm: bool):
         """Compile the step for each new key ahead of time: lowering (tracing) in this thread,
@@ -96,7 +98,8 @@ class StepExecutor:
                 for k in todo:
                     t = time.perf_counter()
                     args = self._args(params, kv, empty_batch(k), None)
-                    futures.append(pool.submit(self.step_fn(k).lower(*args, key=k).compile))
+                    lowered = self.step_fn(k).lower(*args, key=k, **self.static)
+                    futures.append(pool.submit(lowered.compile))
                     lower_s += time.perf_counter() - t
                 for k, f in zip(todo, futures):
                     self.executables[k] = f.result()

@@ -49,7 +49,9 @@ def model_config(ckpt: Checkpoint) -> ModelConfig:
 
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
-    """The `ModelConfig` of the checkpoint at ``path``, without reading tensor data.
+    """The `ModelConfig` of the checkpoint at ``path``, without reading tensor data (to load the
+    same checkpoint next, ``model_config(open_checkpoint(path))`` and ``load_model(checkpoint)``
+    parse a GGUF file's metadata once).
 
     Raises:
         FileNotFoundError: ``path`` (or its config file) does not exist.
@@ -93,13 +95,13 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
     return cfg, params
 
 
-def load_model(path: str | os.PathLike, dtype="bfloat16", *,
+def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
                with_tokenizer: bool = True) -> LoadedModel:
-    """Load config, params and tokenizer from an HF directory, a GGUF file or an Orbax checkpoint
-    (each file opened once).
+    """Load config, params and tokenizer from an HF directory, a GGUF file or an Orbax checkpoint.
 
     Args:
-        path: see `checkpoints_tools.loader.detect_format`.
+        path: see `checkpoints_tools.loader.detect_format`; or a `Checkpoint` already opened with
+            `open_checkpoint` (a GGUF file's metadata is then not parsed again).
         dtype: parameter dtype ("bfloat16", "float32" or a jnp dtype).
         with_tokenizer: False skips the tokenizer (``tokenizer`` is None; token-id prompts only);
             EOS ids then come from the generation config and the model config.
@@ -108,7 +110,7 @@ def load_model(path: str | os.PathLike, dtype="bfloat16", *,
         ValueError: an unsupported format or architecture (before any tokenizer is built), bad
             tensors, or no tokenizer.
     """
-    ckpt = open_checkpoint(path)
+    ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = model_config(ckpt)
     tokenizer = load_tokenizer(ckpt.path, ckpt.format) if with_tokenizer else None
     cfg, params = load_params(ckpt, dtype, cfg)

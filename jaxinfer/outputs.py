@@ -10,11 +10,8 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class RequestMetrics:
-    """Per-request timing, in seconds of ``time.perf_counter`` (host clock).
-
-    ttft_s: time to first token (arrival -> first sampled token).
-    decode_tokens_per_s: generated tokens after the first, per second of decoding (0 if < 2 tokens).
-    """
+    """Per-request timing, in ``time.perf_counter`` seconds: ``ttft_s`` arrival -> first token;
+    ``decode_tokens_per_s``: tokens after the first per second of decoding (0 if < 2 tokens)."""
 
     arrival_time: float
     first_token_time: float | None
@@ -74,14 +71,10 @@ class RequestOutput:
 
 
 class OutputProcessor:
-    """Turns a `jaxinfer.engine.sequence.Sequence`'s token ids into text and outputs.
-
-    Text rules (vLLM's): a stop string and everything after it never appear in the text; a stop
-    token's text is left out (its id stays in ``token_ids``); EOS text is kept.
-
-    Args:
-        detokenize: ``token ids -> str``; None: no text (every text is "", no stop strings).
-    """
+    """Turns a `Sequence`'s token ids into text and outputs, with ``detokenize`` (``ids ->
+    str``; None: every text is "" and there are no stop strings). vLLM's rules: a stop string
+    and what follows never appear in the text; a stop token's text is left out (its id stays in
+    ``token_ids``); EOS text is kept."""
 
     def __init__(self, detokenize: Callable[[list[int]], str] | None) -> None:
         self.detokenize = detokenize
@@ -121,14 +114,10 @@ class OutputProcessor:
 
     def stream_delta(self, seq, sent: tuple[int, str]
                      ) -> tuple[list[int], str, tuple[int, str]] | None:
-        """What to stream of ``seq`` since ``sent`` = (output tokens sent, text sent).
-
-        Returns:
-            (new token ids, new text, the new ``sent``), or None when there is nothing to send:
-            no new token, or a running request whose text ends in an incomplete UTF-8 character
-            (U+FFFD; sent once it completes). While running, text that could be the start of a
-            stop string is held back (as vLLM does).
-        """
+        """(new token ids, new text, the new ``sent``) of ``seq`` since ``sent`` = (tokens
+        sent, text sent); None when no token is new, or while the text of a running request ends
+        in an incomplete UTF-8 character (U+FFFD). While running, text that could start a stop
+        string is held back (as vLLM does)."""
         n_done, text_done = sent
         ids = seq.output_token_ids
         if len(ids) == n_done:

@@ -59,14 +59,10 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels
          all_greedy: bool) -> tuple[jax.Array, KVCache]:
     """Model forward over this step's tokens, KV write, logits of one token per row, sampling.
 
-    Args:
-        params: the model's parameter tree (`models.abstract_params`).
-        kv: the cache; its ``block_tables`` i32[B, M] and ``seq_lens`` i32[B] describe this step.
-        inp: `StepInput`.
-        cfg, kernels, all_greedy: static.
-    Returns:
-        (next token ids i32[B] (i32[R] packed), updated cache); with ``inp.prev_tokens`` the ids
-        are zero-padded to its length Bmax, so that the next step's input has a fixed shape.
+    ``kv``'s ``block_tables`` i32[B, M] and ``seq_lens`` i32[B] describe this step; ``cfg``,
+    ``kernels``, ``all_greedy`` are static. Returns (next token ids i32[B] (i32[R] packed), the
+    updated cache); with ``inp.prev_tokens`` the ids are zero-padded to its length Bmax, so the
+    next step's input has a fixed shape.
     """
     tokens = inp.tokens
     if inp.prev_tokens is not None and inp.packing is None:
@@ -110,14 +106,8 @@ def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool,
 
 
 def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInput]:
-    """The inverse of `jaxinfer.step_input.pack`, inside the jit.
-
-    Args:
-        buf: i32[S] the packed inputs.
-        key: the step's `ShapeKey` (static): its `jaxinfer.step_input.layout`.
-    Returns:
-        (block_tables i32[B, M], seq_lens i32[B], `StepInput` without ``prev_tokens``).
-    """
+    """The inverse of `jaxinfer.step_input.pack` inside the jit (``key`` static): returns
+    (block_tables i32[B, M], seq_lens i32[B], `StepInput` without ``prev_tokens``)."""
     groups: dict[str, dict] = {"input": {}, "kv": {}, "sampling": {}, "packing": {}}
     off = 0
     for f, shape in layout(key):
@@ -136,18 +126,13 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
                 key: ShapeKey, cfg: ModelConfig,
                 kernels: ModelKernels) -> tuple[jax.Array, KVCache]:
-    """`step` on inputs packed into one buffer (the engine's entry point: one transfer a step).
+    """`step` on inputs packed into one buffer ``buf`` i32[S] (`jaxinfer.step_input.pack`;
+    ``key``, static, gives its layout and the sampling mode): one transfer a step.
 
-    Args:
-        params: the parameter tree.
-        kv: the cache; its ``block_tables``/``seq_lens`` are placeholders of fixed shape that
-            pass through unchanged (this step's come from ``buf``), so the compiled step's
-            signature depends on the bucket only through ``buf``.
-        buf: i32[S] from `jaxinfer.step_input.pack`.
-        prev_tokens: i32[Bmax] the previous step's output (`StepInput.prev_tokens`).
-        key: static; the layout of ``buf`` and the sampling mode.
-    Returns:
-        (token ids i32[Bmax], updated cache with the placeholders).
+    ``kv``'s ``block_tables``/``seq_lens`` are fixed-shape placeholders passed through unchanged
+    (this step's come from ``buf``), so the compiled signature depends on the bucket only through
+    ``buf``. ``prev_tokens`` i32[Bmax]: the previous step's output. Returns (token ids
+    i32[Bmax], the updated cache).
     """
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
@@ -157,16 +142,8 @@ def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Arra
 
 
 def merge_pending_tokens(tokens: jax.Array, prev_tokens: jax.Array, src: jax.Array) -> jax.Array:
-    """Fill the input tokens that are still on the device (asynchronous scheduling; runs inside
-    the step, so it costs no launch and no compile of its own).
-
-    Args:
-        tokens: i32[B, T] this step's host-built input ids.
-        prev_tokens: i32[Bmax] the previous step's sampled ids (still on the device).
-        src: i32[B] for each row, the row of ``prev_tokens`` that is its first input token, or -1.
-    Returns:
-        i32[B, T]: ``tokens`` with ``tokens[i, 0] = prev_tokens[src[i]]`` where ``src[i] >= 0``.
-    """
+    """i32[B, T] ``tokens`` with ``tokens[i, 0] = prev_tokens[src[i]]`` where ``src[i] >= 0``:
+    the input tokens still on the device (asynchronous scheduling), filled inside the step."""
     picked = prev_tokens[jnp.maximum(src, 0)]
     return tokens.at[:, 0].set(jnp.where(src >= 0, picked, tokens[:, 0]))
 

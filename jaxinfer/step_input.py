@@ -97,10 +97,9 @@ def layout(key: ShapeKey) -> tuple[tuple[Field, tuple[int, ...]], ...]:
 
 @dataclass(frozen=True)
 class HostBatch:
-    """One step's numpy arrays (``arrays``: name -> array, per `layout`; also readable as
-    attributes, ``hb.tokens``), its `ShapeKey`, and two host-only row masks: ``sample_rows``
-    (the row's sampled token is real) and ``pending_rows`` (the row's input token is the previous
-    step's device output; ``tokens[i, 0]`` is 0 here)."""
+    """One step's arrays (``arrays``: name -> array per `layout`, also ``hb.tokens`` etc.), its
+    `ShapeKey`, and host-only row masks: ``sample_rows`` (the sampled token is real),
+    ``pending_rows`` (the input token is the previous step's device output)."""
 
     key: ShapeKey
     arrays: dict
@@ -133,12 +132,8 @@ empty_batch = allocate
 
 
 def pack(hb: HostBatch) -> np.ndarray:
-    """Every field of ``hb`` in one i32[S] buffer, in `layout` order (one host-to-device transfer
-    a step); float32 and uint32 fields are bit-cast, not converted.
-
-    Raises:
-        TypeError: an array whose dtype or shape is not the schema's.
-    """
+    """Every field of ``hb`` in one i32[S] buffer in `layout` order (f32/u32 bit-cast, not
+    converted): one transfer a step. Raises TypeError: a dtype or shape not the schema's."""
     parts = []
     for f, shape in layout(hb.key):
         a = np.ascontiguousarray(hb.arrays[f.name])

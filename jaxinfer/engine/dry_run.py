@@ -25,15 +25,9 @@ def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingPa
     ``max_tokens`` or ``max_model_len`` (as with ``ignore_eos``). Requests that stop earlier in a
     real run take fewer steps, and the rows left can group into step shapes not listed here.
 
-    Args:
-        scheduler: a fresh `Scheduler` (it is consumed: every request is added and finished).
-        requests: (prompt token ids, `SamplingParams`) pairs, added in order.
-        buckets: the engine's `BucketSpec`.
-        async_scheduling: the engine's `EngineConfig.async_scheduling`.
-    Returns:
-        (`ScheduledBatch`, its padded `HostBatch`) per step, in launch order.
-    Raises:
-        ValueError: a request the scheduler rejects (see `Scheduler.add`).
+    ``scheduler`` is fresh and consumed; ``requests`` are (prompt ids, `SamplingParams`),
+    added in order. Returns (`ScheduledBatch`, its `HostBatch`) per step, in launch order.
+    Raises ValueError: a request the scheduler rejects.
     """
     stops: set[int] = set()
     for i, (ids, params) in enumerate(requests):

@@ -23,16 +23,9 @@ log = logging.getLogger("jaxinfer")
 
 
 class StepExecutor:
-    """Dispatches steps of one model.
-
-    Args:
-        cfg: the `ModelConfig`.
-        kernels: the `jaxinfer.kernels.ModelKernels` the model calls.
-        kc: the resolved `KernelConfig`: decode steps of at least ``cublas_decode_min_batch`` rows
-            (None: never) and prefill steps with ``prefill_gemm="cublas"`` use cuBLAS GEMMs.
-        max_batch: the largest batch bucket (length of the previous-tokens vector).
-        stats: counts compiles.
-    """
+    """Dispatches the steps of model ``cfg`` with ``kernels`` (`ModelKernels`); ``kc`` the
+    resolved `KernelConfig`, ``max_batch`` the largest batch bucket; counts compiles in
+    ``stats``."""
 
     def __init__(self, cfg, kernels, kc, max_batch: int, stats: EngineStats) -> None:
         self.steps = PACKED_STEPS
@@ -56,11 +49,8 @@ class StepExecutor:
         return params, kv, jax.device_put(pack(hb)), prev
 
     def run(self, params, kv, hb: HostBatch, prev_tokens=None):
-        """Dispatch one step (one host-to-device transfer; does not wait for the device).
-
-        Returns:
-            (token ids i32[Bmax] on the device, the new cache); ``kv`` is donated.
-        """
+        """Dispatch one step, one transfer, no wait: (token ids i32[Bmax] on the device, the
+        new cache; ``kv`` is donated)."""
         exe = self.executables.get(hb.key)
         if exe is not None:
             return exe(*self._args(params, kv, hb, prev_tokens))

@@ -84,7 +84,7 @@ class LLMEngine:
                                            page_bytes, self.num_pages)
         self.trace_memory = False
 
-    def _new_kv(self) -> KVCache:
+    def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
             return init_kv_cache(self.model_config, self.num_pages, self.page_size,
                                  jnp.dtype(self.resolved.dtype))
@@ -102,15 +102,9 @@ class LLMEngine:
     def async_scheduling(self, value: bool) -> None:
         self.loop.async_scheduling = bool(value)
 
-    # ----------------------------------------------------------------- requests
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Check that one request can run on this engine (nothing is queued).
-
-        Raises:
-            ValueError: a prompt or stop token id outside [0, V), an empty prompt, prompt +
-                max_tokens over max_model_len, or more pages than the whole pool
-                (`Scheduler.check_admissible`).
-        """
+        """Raise ValueError (nothing queued) for a prompt or stop token id outside [0, V) or a
+        request `Scheduler.check_admissible` rejects."""
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -123,11 +117,7 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
-        """Validate (`check_request`) and queue one request; returns its id.
-
-        Raises:
-            ValueError: see `check_request` (the request is not queued; the engine is unaffected).
-        """
+        """`check_request`, then queue the request; returns its id."""
         self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
@@ -162,14 +152,8 @@ class LLMEngine:
         """The `RequestOutput` of a finished request (removes it from the engine)."""
         return self.outputs.request_output(self._seqs.pop(rid), prompt)
 
-    # --------------------------------------------------------------------- step
     def step(self) -> list[Sequence]:
-        """Dispatch the next step and read back the previous one's tokens (with
-        ``async_scheduling``; otherwise dispatch and read back the same step).
-
-        Returns:
-            The sequences that finished in the step read back here.
-        """
+        """One `StepLoop.step`; returns the sequences that finished in the steps read back."""
         return self.loop.step()
 
     def _launch(self, batch: ScheduledBatch, prev: Launched | None):
@@ -220,16 +204,10 @@ class LLMEngine:
         return self.memory.snapshot(bm.num_usable_pages - bm.num_free_pages,
                                     device_bytes_in_use=stats[0] if stats else None)
 
-    # ------------------------------------------------------------- ahead of time
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
-        """The step shapes that running ``requests`` on an idle engine visits, in first-visit
-        order (`jaxinfer.engine.dry_run`: each request runs to ``max_tokens``, as with
-        ``ignore_eos``). Requests that stop earlier change which rows share a step, so such a run
-        can also visit shapes not listed here (compiled on first use).
-
-        Raises:
-            ValueError: a request the scheduler rejects.
-        """
+        """The `ShapeKey`s running ``requests`` on an idle engine visits, in first-visit order
+        (`jaxinfer.engine.dry_run`: to ``max_tokens``; requests that stop earlier can visit
+        others, compiled on first use). Raises ValueError: a request the scheduler rejects."""
         ec = self.resolved.engine
         sched = Scheduler(BlockManager(self.num_pages, ec.page_size), max_num_seqs=ec.max_num_seqs,
                           max_num_batched_tokens=ec.max_num_batched_tokens,
@@ -239,16 +217,8 @@ class LLMEngine:
         return list(dict.fromkeys(hb.key for _, hb in steps))
 
     def precompile(self, shape_keys, *, max_workers: int | None = None, warm: bool = True) -> dict:
-        """Compile the step for each `ShapeKey` ahead of time, several compiles at once; `step`
-        then runs these executables (no compile on first use). Shapes already compiled are
-        skipped; see `StepExecutor.precompile`.
-
-        Returns:
-            {"shapes": compiled now, "lower_s": seconds tracing, "warm_s": seconds of warm runs,
-            "seconds": wall seconds}.
-        Raises:
-            ValueError: ``max_workers`` not None or a positive integer.
-        """
+        """`StepExecutor.precompile`: {"shapes": compiled now, "lower_s": seconds tracing,
+        "warm_s": seconds of warm runs, "seconds": wall seconds}."""
         info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys,
                                                  max_workers=max_workers, warm=warm)
         return info

@@ -35,17 +35,12 @@ class Launched:
 
 
 class StepLoop:
-    """Drives ``scheduler`` one step at a time.
+    """Drives ``scheduler`` one step at a time; counts ``stats.num_overlapped_steps``.
 
-    Args:
-        scheduler: the `Scheduler` whose batches run.
-        launch: ``(batch, previous Launched or None) -> handle``: dispatch ``batch`` (must not wait
-            for the previous step; it may read ``previous.handle`` for pending input tokens).
-        complete: ``(Launched, (schedule_s, launch_s)) -> finished sequences``: read back a
-            step and postprocess its batch; the times are the host work of this `step` call
-            before the read-back (zeros when the read-back came first).
-        async_scheduling: schedule step n+1 before step n is completed.
-        stats: counts ``num_overlapped_steps``.
+    ``launch(batch, previous Launched or None) -> handle`` dispatches without waiting (it may
+    read ``previous.handle`` for pending input tokens). ``complete(Launched, (schedule_s,
+    launch_s)) -> finished sequences`` reads a step back and postprocesses it; the times are this
+    `step` call's host work before the read-back (zeros when the read-back came first).
     """
 
     def __init__(self, scheduler: Scheduler, launch: Callable, complete: Callable, *,
@@ -62,11 +57,7 @@ class StepLoop:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def step(self) -> list[Sequence]:
-        """Launch the next step and complete the previous one (see the module docstring).
-
-        Returns:
-            The sequences that finished in the steps completed here.
-        """
+        """Launch the next step, complete the previous one; returns the sequences finished."""
         finished: list[Sequence] = []
         prev = self.in_flight
         if prev is not None and (prev.sync or not self.async_scheduling):

@@ -8,14 +8,10 @@ from typing import NamedTuple
 
 
 class StepRecord(NamedTuple):
-    """One read-back step in `EngineStats.step_log` (seconds from ``time.perf_counter``).
-
-    ``wait_s`` is how long the host blocked on the device for this step's tokens: near 0 means
-    the device finished before the host asked, so the host, not the device, set the pace. The
-    other times are host work of the `LLMEngine.step` call that read this step back: scheduling
-    the next step and building + transferring + dispatching it (``launch_s``), both 0 when the
-    read-back came first (synchronous steps), and advancing the sequences after the read-back
-    (``post_s``)."""
+    """One read-back step of `EngineStats.step_log` (``time.perf_counter`` seconds): ``wait_s``
+    the host blocked on the device for its tokens (near 0: the host set the pace); host work of
+    the `LLMEngine.step` call that read it back: ``schedule_s`` and ``launch_s`` (build,
+    transfer, dispatch) of the next step, 0 when the read-back came first, and ``post_s``."""
 
     shape_key: tuple
     rows: int

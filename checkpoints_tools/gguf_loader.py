@@ -1,15 +1,9 @@
 """Read a llama.cpp GGUF file (Llama or Qwen3 architecture) as an HF config dict and HF tensors.
 
-Steps: read the metadata into an HF-style ``config.json`` dict (`gguf_hf_config`); dequantise every
-tensor to float32 with ``gguf.quants.dequantize``; rename it to its HF name through the ONE table
-`GGUF_TO_HF` below; undo llama.cpp's Q/K row permutation where its converter applied one
-(`gguf_hf_tensors`). The HF-named tensors then go through `checkpoints_tools.mapping` like those of
-an HF directory.
-
-Layout facts (verified against HF transformers' own GGUF loader on SmolLM2-135M Q4_1, exact match):
-GGUF lists dimensions innermost-first (``ne0`` = input features), so ``ReaderTensor.shape`` is
-``[in, out]``; the numpy array that ``dequantize`` returns is already row-major ``[out, in]``, i.e.
-the HF ``nn.Linear.weight`` layout. No transpose is needed here.
+The metadata becomes an HF-style ``config.json`` dict (`gguf_hf_config`); each tensor is dequantised
+to float32 (``gguf.quants.dequantize``), renamed through the ONE table `GGUF_TO_HF`, and llama.cpp's
+Q/K row permutation is undone where its converter applied one (`gguf_hf_tensors`). GGUF lists
+dimensions innermost-first, so ``dequantize`` already returns HF's row-major ``[out, in]``.
 
 Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``, applied to q_proj/k_proj for
 the ``llama`` architecture; ``Qwen3Model`` derives from ``Qwen2Model``/``TextModel`` and does not
@@ -56,13 +50,11 @@ GGUF_TO_HF: Mapping[str, str | None] = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-# ----------------------------------------------------------------------------------- reading
 def open_gguf(path: str | os.PathLike):
-    """Open ``path`` with ``gguf.GGUFReader`` (memory-mapped, read-only).
+    """``gguf.GGUFReader`` of ``path`` (memory-mapped, read-only).
 
     Raises:
-        FileNotFoundError: ``path`` is not a file.
-        ValueError: the file is not a readable GGUF file.
+        FileNotFoundError: ``path`` is not a file. ValueError: not a readable GGUF file.
     """
     import gguf
 
@@ -78,34 +70,14 @@ def open_gguf(path: str | os.PathLike):
 def _value(reader, key: str, default: Any = None) -> Any:
     """One metadata value (scalars as Python scalars, arrays as lists), or ``default``."""
     field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def gguf_architecture(reader) -> str:
-    """``general.architecture``, checked against `SUPPORTED_GGUF_ARCHITECTURES`.
-
-    Raises:
-        ValueError: missing or unsupported architecture (names it and the supported list).
-    """
-    arch = _value(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture general.architecture={arch!r}; "
-                         f"supported: {SUPPORTED_GGUF_ARCHITECTURES}")
-    return arch
+    return default if field is None else field.contents()
 
 
 def gguf_eos_token_ids(reader) -> tuple[int, ...]:
     """The end-of-generation ids in the metadata: ``tokenizer.ggml.eos_token_id`` plus the
     end-of-turn / end-of-message ids when present (llama.cpp's ``llama_vocab_is_eog`` set)."""
-    ids = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                "tokenizer.ggml.eom_token_id"):
-        v = _value(reader, key)
-        if v is not None and int(v) not in ids:
-            ids.append(int(v))
-    return tuple(ids)
+    ids = (_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+    return tuple(dict.fromkeys(int(v) for v in ids if v is not None))
 
 
 def gguf_hf_config(reader) -> dict:
@@ -118,11 +90,14 @@ def gguf_hf_config(reader) -> dict:
     recovered from the ``rope_freqs.weight`` tensor when present.
 
     Raises:
-        ValueError: unsupported architecture, a required key missing, partial rotary
-            (``rope.dimension_count`` != head dim), K and V head dims that differ, or a RoPE scaling
-            type other than none/llama3.
+        ValueError: an architecture not in `SUPPORTED_GGUF_ARCHITECTURES` (both named), a required
+            key missing, partial rotary (``rope.dimension_count`` != head dim), K and V head dims
+            that differ, or a RoPE scaling type other than none/llama3.
     """
-    arch = gguf_architecture(reader)
+    arch = _value(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture general.architecture={arch!r}; "
+                         f"supported: {SUPPORTED_GGUF_ARCHITECTURES}")
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         v = _value(reader, f"{arch}.{key}", default)
@@ -133,17 +108,14 @@ def gguf_hf_config(reader) -> dict:
     tensors = {t.name: t for t in reader.tensors}
     d = int(get("embedding_length", required=True))
     n = int(get("attention.head_count", required=True))
-    k = int(get("attention.head_count_kv", n))
-    key_len, val_len = get("attention.key_length"), get("attention.value_length")
-    rot = get("rope.dimension_count")
-    head_dim = int(key_len or rot or d // n)
+    val_len, rot = get("attention.value_length"), get("rope.dimension_count")
+    head_dim = int(get("attention.key_length") or rot or d // n)
     if val_len is not None and int(val_len) != head_dim:
         raise ValueError(f"GGUF {arch}.attention.value_length={val_len} differs from key length "
                          f"{head_dim}; only equal K/V head dims are supported")
     if rot is not None and int(rot) != head_dim:
         raise ValueError(f"GGUF {arch}.rope.dimension_count={rot} != head_dim={head_dim}: partial "
                          f"rotary embeddings are not supported")
-
     vocab = get("vocab_size")
     if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -151,29 +123,18 @@ def gguf_hf_config(reader) -> dict:
         vocab = int(tensors["token_embd.weight"].shape[-1])
     if vocab is None:
         raise ValueError(f"GGUF has no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight")
-
     theta = float(get("rope.freq_base", 10000.0))
+    bos, eos = (_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
     cfg: dict[str, Any] = {
-        "model_type": arch,
-        "architectures": [f"gguf:{arch}"],
-        "vocab_size": int(vocab),
-        "hidden_size": d,
-        "intermediate_size": int(get("feed_forward_length", required=True)),
+        "model_type": arch, "architectures": [f"gguf:{arch}"], "vocab_size": int(vocab),
+        "hidden_size": d, "intermediate_size": int(get("feed_forward_length", required=True)),
         "num_hidden_layers": int(get("block_count", required=True)),
-        "num_attention_heads": n,
-        "num_key_value_heads": k,
-        "head_dim": head_dim,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": theta,
-        "max_position_embeddings": int(get("context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "hidden_act": "silu",
-    }
-    bos = _value(reader, "tokenizer.ggml.bos_token_id")
-    eos = _value(reader, "tokenizer.ggml.eos_token_id")
-    cfg["bos_token_id"] = None if bos is None else int(bos)
-    cfg["eos_token_id"] = None if eos is None else int(eos)
-
+        "num_attention_heads": n, "num_key_value_heads": int(get("attention.head_count_kv", n)),
+        "head_dim": head_dim, "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta, "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos)}
     scaling_type = get("rope.scaling.type")
     if scaling_type not in (None, "none"):
         raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
@@ -183,8 +144,8 @@ def gguf_hf_config(reader) -> dict:
 
         t = tensors["rope_freqs.weight"]
         factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
-        orig = get("rope.scaling.original_context_length")
-        scaling = _llama3_scaling_from_factors(factors, theta, head_dim, orig)
+        scaling = _llama3_scaling_from_factors(factors, theta, head_dim,
+                                               get("rope.scaling.original_context_length"))
         if scaling is not None:
             cfg["rope_scaling"] = scaling
     return cfg
@@ -192,12 +153,8 @@ def gguf_hf_config(reader) -> dict:
 
 def _llama3_inv_freq_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
                              orig: float) -> np.ndarray:
-    """Per-frequency wavelength multipliers of Llama 3 RoPE scaling, f64[H/2].
-
-    Source: Llama 3.1 ``apply_scaling`` (meta-llama/llama-models); llama.cpp writes exactly these
-    multipliers as ``rope_freqs.weight`` (1 for short wavelengths, ``factor`` for long ones, a smooth
-    blend between).
-    """
+    """Per-frequency wavelength multipliers f64[H/2] of Llama 3 RoPE scaling (Llama 3.1
+    ``apply_scaling``, meta-llama/llama-models), what llama.cpp writes as ``rope_freqs.weight``."""
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     smooth = (orig / wavelen - low) / (high - low)
@@ -247,13 +204,9 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
                      f"(factor={factor}, original_context_length={orig}); unsupported RoPE scaling")
 
 
-# ----------------------------------------------------------------------------------- tensors
 def gguf_name_to_hf(name: str, num_layers: int) -> str | None:
     """HF name of GGUF tensor ``name`` via `GGUF_TO_HF`; None for config-only tensors.
-
-    Raises:
-        ValueError: a name not in the table, or a layer index >= ``num_layers``.
-    """
+    Raises ValueError: a name not in the table, or a layer index >= ``num_layers``."""
     m = _LAYER_RE.match(name)
     key, layer = (f"blk.{{i}}.{m.group(2)}", int(m.group(1))) if m else (name, None)
     if key not in GGUF_TO_HF:

@@ -3,13 +3,13 @@
 Formats, told apart by `detect_format`:
     "gguf"   a ``*.gguf`` file (llama.cpp; Llama / Qwen3)                  -> `gguf_loader`
     "orbax"  a directory with ``jaxinfer_config.json`` (``jaxinfer.convert``) -> `orbax_io`
-    "hf"     a directory with ``config.json`` (+ ``*.safetensors``)         -> `safetensors_loader`
+    "hf"     a directory with ``config.json`` and ``model.safetensors`` or
+             ``model.safetensors.index.json`` + the shards its ``weight_map`` names
 
 A `Checkpoint` holds the model config as a plain dict and the generation-config EOS ids, and keeps
-a GGUF file open, so its metadata is parsed once per load. `hf_tensors` yields HF-named tensors
-for `checkpoints_tools.mapping`; the tokenizer comes from the same place (`load_tokenizer`),
-always offline (``local_files_only``). Heavy imports (JAX, transformers, orbax, gguf) happen inside
-the functions, so `detect_format` is cheap and a CLI can validate its arguments before loading.
+a GGUF file open (its metadata is parsed once). `hf_tensors` yields HF-named tensors for
+`checkpoints_tools.mapping`. Heavy imports (JAX, transformers, orbax, gguf) happen inside the
+functions, so `detect_format` is cheap and a CLI can validate its arguments before loading.
 """
 
 from __future__ import annotations
@@ -17,18 +17,15 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
-FORMATS = ("hf", "gguf", "orbax")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """"gguf" | "orbax" | "hf" for ``path`` (see the module docstring). No heavy imports.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: ``path`` is none of the supported formats (says what was expected).
-    """
+    """"gguf" | "orbax" | "hf" for ``path`` (module docstring). Raises FileNotFoundError: ``path``
+    does not exist; ValueError: none of the supported formats (says what was expected)."""
     from checkpoints_tools.orbax_io import CONFIG_FILE
 
     p = os.fspath(path)
@@ -50,11 +47,9 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def _ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    """An ``eos_token_id`` value (None, an int or a list) as a tuple of ints."""
+    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value])
+                 if v is not None)
 
 
 def read_json(path: str) -> dict:
@@ -74,9 +69,8 @@ def read_json(path: str) -> dict:
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """An opened checkpoint.
+    """An opened checkpoint. path: the file or directory; format: "hf" | "gguf" | "orbax".
 
-    path: the file or directory. format: "hf" | "gguf" | "orbax".
     config: the model config dict: HF ``config.json`` layout for "hf" and "gguf" (built from the
         metadata, `gguf_loader.gguf_hf_config`), ``ModelConfig.to_dict()`` layout for "orbax".
     generation_eos_ids: HF ``generation_config.json`` ``eos_token_id`` (int or list; () when the
@@ -94,11 +88,8 @@ class Checkpoint:
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Detect the format of ``path`` and read its config and generation EOS ids (no tensor data).
-
-    Raises:
-        FileNotFoundError: ``path`` or a file the format needs does not exist (named).
-        ValueError: an unsupported format, unreadable file, bad JSON, or unsupported GGUF metadata.
-    """
+    Raises FileNotFoundError: ``path`` or a file the format needs is absent (named); ValueError: an
+    unsupported format, an unreadable file, bad JSON or unsupported GGUF metadata."""
     p = os.fspath(path)
     fmt = detect_format(p)
     if fmt == "gguf":
@@ -118,14 +109,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
     """``(HF name, numpy array)`` pairs of an "hf" or "gguf" checkpoint, HF ``[out, in]`` layout.
-
-    ``out_dtype`` (numpy dtype, GGUF only) casts each dequantised tensor as it is read, so a bf16
-    load never holds the whole model in float32; HF tensors keep their stored dtype.
-
-    Raises:
-        ValueError: an "orbax" checkpoint (it holds a param tree, not HF tensors), or the format
-            reader's errors (see `safetensors_loader.iter_tensors`, `gguf_loader.gguf_hf_tensors`).
-    """
+    ``out_dtype`` (numpy, GGUF only) casts each dequantised tensor as it is read, so a bf16 load
+    never holds the model in float32; HF tensors keep their stored dtype. Raises ValueError: an
+    Orbax checkpoint, or the reader's errors (`iter_tensors`, `gguf_loader.gguf_hf_tensors`)."""
     if ckpt.format == "gguf":
         import numpy as np
 
@@ -133,23 +119,15 @@ def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
 
         return gguf_hf_tensors(ckpt.reader, ckpt.config, out_dtype or np.float32)
     if ckpt.format == "hf":
-        from checkpoints_tools.safetensors_loader import iter_tensors
-
         return iter_tensors(ckpt.path)
     raise ValueError(f"{ckpt.path!r} is an Orbax checkpoint: it holds a param tree, not HF tensors")
 
 
 def load_tokenizer(path: str | os.PathLike, fmt: str | None = None):
-    """The HF tokenizer of a model, offline (``local_files_only=True``).
-
-    HF dir: ``AutoTokenizer.from_pretrained(dir)``; GGUF file: ``AutoTokenizer.from_pretrained(
-    dirname, gguf_file=basename)`` (HF builds a fast tokenizer from the GGUF vocabulary); Orbax dir:
-    the tokenizer saved under ``tokenizer/``. ``fmt``: the format if already known.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: not a supported format, or no tokenizer could be loaded from it.
-    """
+    """The HF tokenizer of a model, offline (``local_files_only=True``): ``AutoTokenizer`` of the HF
+    dir, of the GGUF file (``gguf_file=``; HF builds it from the GGUF vocabulary) or of an Orbax
+    dir's ``tokenizer/``. ``fmt``: the format if known. Raises FileNotFoundError: ``path`` does not
+    exist; ValueError: not a supported format, or no tokenizer could be loaded from it."""
     from transformers import AutoTokenizer
 
     p = os.fspath(path)
@@ -175,11 +153,65 @@ def load_tokenizer(path: str | os.PathLike, fmt: str | None = None):
                          f"{type(e).__name__}: {e}") from e
 
 
-def union_ids(*groups: Iterable[int | None]) -> tuple[int, ...]:
-    """Ordered union of id groups (first occurrence wins; None entries skipped)."""
-    out: list[int] = []
-    for g in groups:
-        for t in g:
-            if t is not None and int(t) not in out:
-                out.append(int(t))
-    return tuple(out)
+def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
+    """The safetensors files of an HF directory (sorted) and the index's ``weight_map`` (tensor
+    name -> shard file; None for a single ``model.safetensors``). Raises FileNotFoundError: no
+    weights file, or a shard the index names is absent (named); ValueError: no ``weight_map``."""
+    root = os.fspath(path)
+    index = os.path.join(root, INDEX_FILE)
+    single = os.path.join(root, SINGLE_FILE)
+    weight_map = None
+    if os.path.isfile(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index!r} has no 'weight_map' object")
+        files = [os.path.join(root, name) for name in sorted(set(weight_map.values()))]
+    elif os.path.isfile(single):
+        files = [single]
+    else:
+        raise FileNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in model directory {root!r}")
+    for p in files:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"safetensors shard {p!r} (named in {INDEX_FILE}) does not exist")
+    return files, weight_map
+
+
+def _read_via_jax(file: str, name: str):
+    """One tensor as numpy through safetensors' flax reader on the CPU (for safetensors builds
+    whose numpy reader rejects bf16; bf16 comes back as ml_dtypes.bfloat16)."""
+    import jax
+    import numpy as np
+    from safetensors import safe_open
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        with safe_open(file, framework="flax") as f:
+            return np.asarray(f.get_tensor(name))
+
+
+def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, numpy array)`` for every tensor of every shard of an HF directory, one shard
+    open at a time. Raises ValueError: a tensor in two shards (both named), or an index
+    ``weight_map`` naming a shard that lacks the tensor; FileNotFoundError: see `shard_files`."""
+    from safetensors import safe_open
+
+    files, weight_map = shard_files(path)
+    where: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, framework="numpy") as f:
+            for name in f.keys():
+                if name in where:
+                    raise ValueError(f"duplicate tensor {name!r}: in shard {where[name]!r} and in "
+                                     f"shard {os.path.basename(file)!r}")
+                where[name] = os.path.basename(file)
+                try:
+                    array = f.get_tensor(name)
+                except (TypeError, ValueError, KeyError):
+                    if f.get_slice(name).get_dtype() != "BF16":
+                        raise
+                    array = _read_via_jax(file, name)
+                yield name, array
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if where.get(name) != shard:
+                raise ValueError(f"{INDEX_FILE} maps tensor {name!r} to shard {shard!r}, but it is "
+                                 f"{'in ' + repr(where[name]) if name in where else 'in no shard'}")

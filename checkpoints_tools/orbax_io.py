@@ -1,7 +1,5 @@
-"""Save / restore a converted model as an Orbax checkpoint directory, so a later start skips the
-HF-safetensors or GGUF conversion.
-
-Directory layout (written by `save`, read by `restore` and `checkpoints_tools.loader`):
+"""Save / restore a converted model as an Orbax checkpoint directory (a later start skips the
+HF-safetensors or GGUF conversion). Layout:
 
     DST/params/               the param tree, orbax StandardCheckpointer
     DST/tokenizer/            ``tokenizer.save_pretrained`` output
@@ -9,8 +7,8 @@ Directory layout (written by `save`, read by `restore` and `checkpoints_tools.lo
                                "eos_token_ids": [...], "dtype": "bfloat16"|"float32"}
 
 ``jaxinfer_config.json`` is written last (atomically), so a directory holding it is a complete
-checkpoint; an interrupted save never looks like one. Shapes are checked against an abstract tree
-(a pytree of ``jax.ShapeDtypeStruct``) that the caller builds from the config.
+checkpoint. Shapes are checked against an abstract tree (``jax.ShapeDtypeStruct`` pytree) that the
+caller builds from the config.
 """
 
 from __future__ import annotations
@@ -27,12 +25,8 @@ FORMAT_VERSION = 1
 
 
 def read_saved_config(src_dir: str | os.PathLike) -> dict:
-    """The parsed ``jaxinfer_config.json`` of a checkpoint directory.
-
-    Raises:
-        FileNotFoundError: no ``jaxinfer_config.json`` in ``src_dir``.
-        ValueError: not a jaxinfer checkpoint config, or an unsupported format version.
-    """
+    """The parsed ``jaxinfer_config.json`` of a checkpoint directory. Raises FileNotFoundError
+    (absent), ValueError (not a jaxinfer checkpoint config, or an unsupported format version)."""
     p = os.path.join(os.fspath(src_dir), CONFIG_FILE)
     if not os.path.isfile(p):
         raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {os.fspath(src_dir)!r}")
@@ -45,9 +39,8 @@ def read_saved_config(src_dir: str | os.PathLike) -> dict:
 
 
 def _shape_mismatches(want, got) -> list[str]:
-    """``"<path>: has <shape>, expected <shape>"`` for every param path (e.g.
-    ``['layers']['3']['wqkv']``) whose shape differs between the trees (None: absent). Leaves are
-    anything with a ``.shape``."""
+    """``"<path>: has <shape>, expected <shape>"`` for every path (e.g. ``['layers']['3']['wqkv']``)
+    whose leaf's ``.shape`` differs between the trees (None: absent)."""
     import jax
 
     def flat(tree):
@@ -63,14 +56,10 @@ def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract
          eos_ids: Sequence[int]) -> None:
     """Write ``config``, ``params``, ``tokenizer`` and ``eos_ids`` to a new checkpoint directory.
 
-    Args:
-        dst_dir: the directory to create (it may exist if it is empty).
-        config: the model config as a JSON-able dict (``ModelConfig.to_dict()``).
-        params: the param tree (jax or numpy arrays, one dtype).
-        abstract: the ``ShapeDtypeStruct`` tree ``params`` must match in structure and shapes.
-        tokenizer: an HF tokenizer (``save_pretrained``), or None to store none.
-        eos_ids: the generation EOS ids to keep next to the model (e.g. from
-            ``generation_config.json`` or GGUF metadata).
+    ``dst_dir`` may exist if empty; ``config``: a JSON-able dict (``ModelConfig.to_dict()``);
+    ``params`` (one dtype) must match ``abstract`` in structure and shapes; ``tokenizer``: an HF
+    tokenizer or None; ``eos_ids``: the generation EOS ids to keep next to the model.
+
     Raises:
         FileExistsError: ``dst_dir`` exists and is not an empty directory.
         ValueError: params whose structure or shapes do not match ``abstract``, or mixed dtypes.
@@ -103,12 +92,9 @@ def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract
 
 
 def _check_stored_shapes(ckptr, params_dir: str, abstract, src: str) -> None:
-    """Compare the stored shapes (orbax metadata) with ``abstract`` before reading any data; skipped
-    when this orbax version lays its metadata out differently (the restore then checks).
-
-    Raises:
-        ValueError: names every param path whose stored shape differs, is missing or is extra.
-    """
+    """Compare the stored shapes (orbax metadata) with ``abstract`` before reading any data
+    (skipped if this orbax lays its metadata out differently: the restore then checks). Raises
+    ValueError naming every param path whose stored shape differs, is missing or is extra."""
     try:
         md = ckptr.metadata(params_dir)
         tree = getattr(md, "item_metadata", md)
@@ -122,14 +108,9 @@ def _check_stored_shapes(ckptr, params_dir: str, abstract, src: str) -> None:
 
 
 def restore(src_dir: str | os.PathLike, abstract):
-    """Read the params of a checkpoint written by `save` into ``abstract``'s shapes and dtypes,
-    on ``jax.devices()[0]`` (a stored dtype other than the abstract one is cast).
+    """The params of a checkpoint written by `save`, as jax arrays on ``jax.devices()[0]`` in the
+    shapes and dtypes of ``abstract`` (built from `read_saved_config`; other stored dtypes are cast).
 
-    Args:
-        src_dir: the checkpoint directory.
-        abstract: ``ShapeDtypeStruct`` tree built from the saved config (`read_saved_config`).
-    Returns:
-        the param tree as jax arrays.
     Raises:
         FileNotFoundError: no ``params/`` in ``src_dir``.
         ValueError: saved arrays that do not fit ``abstract`` (paths and shapes named).

@@ -24,25 +24,13 @@ def check_destination(dst: str) -> None:
         raise FileExistsError(f"DST {dst!r} exists and is not empty; choose a new directory")
 
 
-def _clean(dst: str, created: bool) -> None:
-    """Remove DST if this run created it, else empty it."""
-    if created:
-        shutil.rmtree(dst, ignore_errors=True)
-    elif os.path.isdir(dst):
-        for name in os.listdir(dst):
-            q = os.path.join(dst, name)
-            shutil.rmtree(q, ignore_errors=True) if os.path.isdir(q) else os.remove(q)
-
-
 def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
     """Load SRC (HF dir or GGUF file) with its tokenizer and save it as an Orbax checkpoint at DST
-    (the generation-config EOS ids stored beside it). On failure DST is removed again if this call
-    created it (or emptied if it was an empty dir).
+    with the generation-config EOS ids. On failure DST is removed (left empty if it was).
 
     Raises:
-        FileNotFoundError: SRC missing. FileExistsError: DST not empty.
-        ValueError: SRC is not HF/GGUF (an Orbax dir needs no conversion), an unsupported
-            architecture or config, bad tensors, or no tokenizer.
+        FileNotFoundError: SRC missing. FileExistsError: DST not empty. ValueError: SRC is not
+            HF/GGUF (an Orbax dir needs no conversion), unsupported, bad tensors, or no tokenizer.
     """
     from checkpoints_tools.loader import load_tokenizer, open_checkpoint
     from jaxinfer.loading import load_params, model_config, save_checkpoint
@@ -54,11 +42,13 @@ def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
     check_destination(dst)
     tokenizer = load_tokenizer(ckpt.path, ckpt.format)
     cfg, params = load_params(ckpt, dtype, cfg)
-    created = not os.path.exists(dst)
+    existed = os.path.exists(dst)
     try:
         save_checkpoint(dst, cfg, params, tokenizer, ckpt.generation_eos_ids)
     except BaseException:
-        _clean(dst, created)
+        shutil.rmtree(dst, ignore_errors=True)
+        if existed:  # it was an empty directory: leave it so
+            os.makedirs(dst, exist_ok=True)
         raise
 
 

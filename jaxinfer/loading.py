@@ -1,12 +1,11 @@
 """A model from a checkpoint: `load_model(path, dtype) -> LoadedModel`.
 
-`checkpoints_tools` reads the files (HF directory, GGUF file or Orbax directory; config as a plain
-dict, HF-named tensors) and maps tensor names; this module turns the config dict into a
-`ModelConfig` and gives the mapping the abstract tree of `jaxinfer.models`, the only shape source.
-
-EOS handling (CASES.md C4): the engine stops on the union of the tokenizer's EOS id, the
-generation-config EOS ids (HF ``generation_config.json``, GGUF metadata, or the ids an Orbax
-checkpoint stored) and ``ModelConfig.eos_token_ids``; `LoadedModel.eos_token_ids` is that union.
+`checkpoints_tools` reads the files (HF directory, GGUF file or Orbax directory: a config dict and
+HF-named tensors) and maps tensor names; this module turns the config dict into a `ModelConfig` and
+hands the mapping the abstract tree of `jaxinfer.models`, the only shape source.
+EOS ids (CASES.md C4): `LoadedModel.eos_token_ids` is the union, in first-seen order, of the
+tokenizer's EOS id, the generation-config EOS ids (HF ``generation_config.json``, GGUF metadata,
+or those an Orbax checkpoint stored) and ``ModelConfig.eos_token_ids``.
 """
 
 from __future__ import annotations
@@ -16,23 +15,16 @@ import os
 from typing import Any, NamedTuple
 
 from checkpoints_tools import orbax_io
-from checkpoints_tools.loader import (Checkpoint, hf_tensors, load_tokenizer, open_checkpoint,
-                                      union_ids)
+from checkpoints_tools.loader import Checkpoint, hf_tensors, load_tokenizer, open_checkpoint
 from checkpoints_tools.mapping import TensorSource, hf_tensors_to_params
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import abstract_params, fused_parts
 
 
 class LoadedModel(NamedTuple):
-    """A model ready for the engine.
-
-    config: `ModelConfig` (``tie_word_embeddings`` decided from the checkpoint's tensors).
-    params: the param tree of `jaxinfer.models` (jax arrays of the requested dtype).
-    tokenizer: an HF tokenizer (``PreTrainedTokenizerBase``), or None when not loaded.
-    eos_token_ids: the union (first-seen order) of the tokenizer's ``eos_token_id``, the
-        generation-config EOS ids and ``config.eos_token_ids``.
-    source: "hf" | "gguf" | "orbax".
-    """
+    """config (``tie_word_embeddings`` decided from the tensors); params (jax arrays of the
+    requested dtype); tokenizer (HF, or None when not loaded); eos_token_ids (module docstring);
+    source: "hf" | "gguf" | "orbax"."""
 
     config: ModelConfig
     params: Any
@@ -49,9 +41,9 @@ def model_config(ckpt: Checkpoint) -> ModelConfig:
 
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
-    """The `ModelConfig` of the checkpoint at ``path``, without reading tensor data (to load the
-    same checkpoint next, ``model_config(open_checkpoint(path))`` and ``load_model(checkpoint)``
-    parse a GGUF file's metadata once).
+    """The `ModelConfig` of the checkpoint at ``path``, without reading tensor data (to load it
+    next, ``load_model(ckpt)`` after ``model_config(ckpt := open_checkpoint(path))`` parses a GGUF
+    file's metadata once).
 
     Raises:
         FileNotFoundError: ``path`` (or its config file) does not exist.
@@ -61,16 +53,8 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype) -> tuple[dict, ModelConfig]:
-    """Map HF-named tensors onto the param tree of ``cfg`` in ``dtype``
-    (`checkpoints_tools.mapping.hf_tensors_to_params`).
-
-    Returns:
-        (params, cfg with ``tie_word_embeddings`` decided from the tensors).
-    Raises:
-        ValueError: unmapped, missing, duplicate or wrong-shaped tensors.
-    Warns:
-        UserWarning: the config's ``tie_word_embeddings`` disagrees with the tensors.
-    """
+    """``(params, cfg with tie_word_embeddings decided from the tensors)`` from HF-named tensors
+    (`checkpoints_tools.mapping.hf_tensors_to_params`: its errors and warnings)."""
     untied = dataclasses.replace(cfg, tie_word_embeddings=False)
     params = hf_tensors_to_params(tensors, cfg, abstract_params(untied, dtype), fused_parts(cfg))
     return params, dataclasses.replace(cfg, tie_word_embeddings="lm_head" not in params)
@@ -97,14 +81,12 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
 
 def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
                with_tokenizer: bool = True) -> LoadedModel:
-    """Load config, params and tokenizer from an HF directory, a GGUF file or an Orbax checkpoint.
+    """Load config, params and tokenizer from an HF directory, a GGUF file or an Orbax checkpoint
+    (``path``: see `checkpoints_tools.loader.detect_format`, or an opened `Checkpoint`).
 
-    Args:
-        path: see `checkpoints_tools.loader.detect_format`; or a `Checkpoint` already opened with
-            `open_checkpoint` (a GGUF file's metadata is then not parsed again).
-        dtype: parameter dtype ("bfloat16", "float32" or a jnp dtype).
-        with_tokenizer: False skips the tokenizer (``tokenizer`` is None; token-id prompts only);
-            EOS ids then come from the generation config and the model config.
+    ``dtype``: "bfloat16", "float32" or a jnp dtype. ``with_tokenizer=False``: no tokenizer (token-id
+    prompts only); EOS ids then come from the generation config and the model config.
+
     Raises:
         FileNotFoundError: ``path`` does not exist (named in the message).
         ValueError: an unsupported format or architecture (before any tokenizer is built), bad
@@ -114,19 +96,16 @@ def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
     cfg = model_config(ckpt)
     tokenizer = load_tokenizer(ckpt.path, ckpt.format) if with_tokenizer else None
     cfg, params = load_params(ckpt, dtype, cfg)
-    tok_eos = (tokenizer.eos_token_id,) if tokenizer is not None else ()
-    eos = union_ids(tok_eos, ckpt.generation_eos_ids, cfg.eos_token_ids)
+    groups = ((tokenizer.eos_token_id,) if tokenizer is not None else (),
+              ckpt.generation_eos_ids, cfg.eos_token_ids)
+    eos = tuple(dict.fromkeys(int(t) for g in groups for t in g if t is not None))
     return LoadedModel(cfg, params, tokenizer, eos, ckpt.format)
 
 
 def save_checkpoint(dst: str | os.PathLike, cfg: ModelConfig, params, tokenizer,
                     eos_ids) -> None:
-    """Write an Orbax checkpoint (`checkpoints_tools.orbax_io.save`) that `load_model` reads back.
-
-    Raises:
-        FileExistsError: ``dst`` exists and is not an empty directory.
-        ValueError: params that do not fit ``cfg`` (paths and shapes named), or mixed dtypes.
-    """
+    """Write an Orbax checkpoint that `load_model` reads back (`checkpoints_tools.orbax_io.save`:
+    FileExistsError for a non-empty ``dst``, ValueError for params that do not fit ``cfg``)."""
     import jax
 
     dtype = jax.tree_util.tree_leaves(params)[0].dtype

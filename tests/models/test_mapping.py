@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 
 from safetensors.numpy import save_file  # noqa: E402
 
-from checkpoints_tools import safetensors_loader  # noqa: E402
-from checkpoints_tools.mapping import HF_TO_PARAMS, hf_name_for  # noqa: E402
+from checkpoints_tools import loader  # noqa: E402
+from checkpoints_tools.mapping import HF_TO_PARAMS  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.loading import load_params, params_from_hf  # noqa: E402
 from jaxinfer.models import fused_parts  # noqa: E402
@@ -119,7 +119,7 @@ def test_every_hf_tensor_is_mapped_exactly_once(qwen3_state):
             got = np.asarray(got)
             if r.part is not None:
                 got = got[..., fused_parts(cfg)[r.leaf][r.part]]
-            want = tensors[hf_name_for(r.param, i, r.part)]
+            want = tensors[r.hf_name.format(i=i)]
             np.testing.assert_array_equal(got, want.T if r.transpose else want)
 
 
@@ -240,5 +240,5 @@ def test_bf16_checkpoint(tmp_path):
                                   want)
     # The jax-based fallback for safetensors builds without numpy bf16 reads the same bits.
     name = "model.layers.1.self_attn.q_proj.weight"
-    via_jax = safetensors_loader._read_via_jax(str(tmp_path / "model.safetensors"), name)
+    via_jax = loader._read_via_jax(str(tmp_path / "model.safetensors"), name)
     np.testing.assert_array_equal(via_jax.astype(np.float32), want.T)

@@ -64,7 +64,7 @@ jax.tree_util.register_dataclass(
     SamplingMetadata, data_fields=[f.name for f in dataclasses.fields(SamplingMetadata)],
     meta_fields=[])
 
-_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds", "step_idx")
+_ROW_FIELDS = [f.name for f in dataclasses.fields(SamplingMetadata) if f.name != "penalty_tokens"]
 
 
 def _check_shapes(logits, meta: SamplingMetadata) -> None:

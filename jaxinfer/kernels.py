@@ -1,9 +1,7 @@
-"""The kernels a model step calls, passed to the model as one explicit argument.
-
-`ModelKernels` is a frozen dataclass given to `jaxinfer.models.forward` (static under jit: it
-hashes by value); `model_kernels` builds it from a resolved `jaxinfer.config.KernelConfig` (no
-"auto" left: `jaxinfer.config.resolve` decides the platform defaults and rejects GPU kernels
-elsewhere). The attention callable has the signature of
+"""The kernels a model step calls: `ModelKernels`, one frozen argument of
+`jaxinfer.models.forward` (static under jit), built by `model_kernels` from a resolved
+`jaxinfer.config.KernelConfig` (`jaxinfer.config.resolve` replaces "auto" and checks the
+platform). Attention has the signature of
 `pallas_kernels.paged_attention.reference.paged_attention`:
 
     attn(q [B, T, N, H], k_pool [L, P, K, page_size, H], v_pool, block_tables i32[B, M],
@@ -26,17 +24,13 @@ from pallas_kernels.paged_attention import reference, registry
 
 @dataclass(frozen=True)
 class ModelKernels:
-    """What the model calls.
-
-    attention: paged attention (signature above).
-    qkv_prologue: None (the model's jnp q/k norm + RoPE + K/V write, fused by XLA) or a kernel
-        with the signature of `pallas_kernels.qkv_prologue.reference.qkv_prologue`, run in every
-        step (decode and packed prefill).
+    """attention: paged attention (signature above).
+    qkv_prologue: None (the model's jnp q/k norm + RoPE + K/V write) or a kernel with the
+        signature of `pallas_kernels.qkv_prologue.reference.qkv_prologue` (every step).
     add_rms_norm: None (jnp ops) or a kernel with the signature of
-        `pallas_kernels.add_rms_norm.reference.add_rms_norm`, run at every residual add + RMSNorm.
-    q_group_multiple: with a prologue and the mosaic decode kernel: in decode steps the prologue
-        writes q grouped by KV head [B, 1, K, Gp, H], G = N/K rows zero-padded to Gp, the next
-        multiple of this, and attention takes it with ``num_heads=N``.
+        `pallas_kernels.add_rms_norm.reference.add_rms_norm` (every residual add + RMSNorm).
+    q_group_multiple: None, or (mosaic decode with a prologue) decode steps' q is written grouped
+        by KV head [B, 1, K, Gp, H], G = N/K rows zero-padded to Gp, the next multiple of this.
     """
 
     attention: Callable = reference.paged_attention
@@ -49,8 +43,7 @@ class ModelKernels:
                                              "sliding_window", "num_heads"))
 def _decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, *, variant,
                  knobs, scale, soft_cap, sliding_window, num_heads):
-    """q [B, 1, N, H] (or grouped [B, 1, K, Gp, H] with ``num_heads``), layer i32[] (traced: one
-    lowering serves every layer) -> [B, 1, N, H]."""
+    """q [B, 1, N, H] (grouped [B, 1, K, Gp, H] with ``num_heads``), layer i32[] -> [B, 1, N, H]."""
     extra = dict(knobs)
     if num_heads is not None:
         extra["num_heads"] = num_heads
@@ -65,7 +58,7 @@ def _decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, 
 @functools.partial(jax.jit, static_argnames=("variant", "scale", "soft_cap", "sliding_window"))
 def _prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, *, variant,
                   scale, soft_cap, sliding_window):
-    """q [B, T, N, H], layer i32[] (traced: one lowering serves every layer) -> [B, T, N, H]."""
+    """q [B, T, N, H], layer i32[] -> [B, T, N, H]."""
     return registry.get_prefill(variant)(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
                                          layer=layer, scale=scale, soft_cap=soft_cap,
                                          sliding_window=sliding_window)
@@ -73,16 +66,12 @@ def _prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer,
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """Attention dispatch: decode steps (T == 1) go to the registered decode variant ``decode``,
-    steps with T > 1 to the prefill variant ``prefill`` ("reference" either way:
-    `reference.paged_attention`). ``decode_knobs``: (name, value) pairs of the decode variant's
-    tuning keywords. The model calls this once per layer with ``layer`` a Python int; each
-    kernel runs behind an inner jit taking the layer as a traced i32[], so all L layers share one
-    lowering. The mosaic kernel gets its layer as page offsets (`mosaic.layer_offsets`), made
-    here from the Python int, a constant.
-
-    Raises (on call): ValueError for a grouped q [B, T, K, Gp, H] outside a decode kernel step.
-    """
+    """Attention by step kind: T == 1 to the registered decode variant ``decode``, T > 1 to the
+    prefill variant ``prefill`` ("reference": `reference.paged_attention`); ``decode_knobs`` are
+    (name, value) tuning keywords of the decode variant. Called once per layer with ``layer`` a
+    Python int, each kernel runs behind an inner jit taking it as a traced i32[] (one lowering
+    for all L layers); mosaic gets it as constant page offsets (`mosaic.layer_offsets`).
+    Raises ValueError for a grouped q [B, T, K, Gp, H] outside a decode-kernel step."""
 
     decode: str = "reference"
     prefill: str = "reference"
@@ -111,8 +100,7 @@ class PagedAttention:
 
 
 def _fused_kernel(field: str, name: str) -> Callable | None:
-    """"xla" -> None (the model's jnp ops); "triton" -> `pallas_kernels.<field>.triton_pallas`'s
-    kernel of that name. Raises ValueError naming the field and the allowed values."""
+    """"xla" -> None; "triton" -> `pallas_kernels.<field>.triton_pallas.<field>`."""
     if name not in ("xla", "triton"):
         raise ValueError(f"{field}={name!r} is not one of ('xla', 'triton')")
     if name == "xla":
@@ -121,13 +109,13 @@ def _fused_kernel(field: str, name: str) -> Callable | None:
 
 
 def model_kernels(kc, decode_knobs: dict | None = None) -> ModelKernels:
-    """`ModelKernels` for a resolved `KernelConfig` ``kc`` (its fields decode_attention,
-    prefill_attention, qkv_prologue, add_rms_norm are read). ``decode_knobs``: tuning keywords
-    of the decode variant (e.g. ``{"num_splits": 4}`` for "mosaic"; its docstring lists them).
+    """`ModelKernels` for a resolved `KernelConfig` ``kc`` (reads decode_attention,
+    prefill_attention, qkv_prologue, add_rms_norm); ``decode_knobs``: tuning keywords of the
+    decode variant (e.g. ``{"num_splits": 4}`` for "mosaic").
 
     Raises:
         ValueError: an unregistered attention variant (the registry lists them), a fused kernel
-            name other than "xla" / "triton", or ``decode_knobs`` with the reference decode.
+            name other than "xla" / "triton", ``decode_knobs`` with the reference decode.
     """
     decode, prefill = kc.decode_attention, kc.prefill_attention
     registry.get(decode), registry.get_prefill(prefill)  # raise ValueError listing the names

@@ -3,7 +3,7 @@ jitted step with buffer donation.
 
     k, v:          [L, P, K, page_size, H]   compute dtype; allocated once at start-up
     block_tables:  i32[B, M]                 logical page j of sequence b -> physical page
-    seq_lens:      i32[B]                    valid KV positions of sequence b after this step's write
+    seq_lens:      i32[B]                    valid KV positions of sequence b after the write
 
 Invariant (null page, `jaxinfer.engine.block_manager.NULL_PAGE` = 0): physical page 0 is never
 handed to a sequence. Padded batch rows have ``seq_lens == 0`` and block-table entries 0; padded
@@ -35,10 +35,6 @@ class KVCache:
     def num_pages(self) -> int:
         return self.k.shape[1]
 
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[3]
-
     def replace(self, **kw) -> "KVCache":
         return dataclasses.replace(self, **kw)
 
@@ -52,19 +48,14 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
     """ShapeDtypeStruct form of the cache (for sizing, `jax.eval_shape` tests and init)."""
     shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
     pool = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
-    return KVCache(
-        k=pool, v=pool,
-        block_tables=jax.ShapeDtypeStruct((batch, max_pages_per_seq), jnp.int32),
-        seq_lens=jax.ShapeDtypeStruct((batch,), jnp.int32))
+    return KVCache(pool, pool, jax.ShapeDtypeStruct((batch, max_pages_per_seq), jnp.int32),
+                   jax.ShapeDtypeStruct((batch,), jnp.int32))
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                   sharding=None) -> KVCache:
-    """Allocate the zeroed page pools once, at start-up. Tables start as one padded row.
-
-    Raises:
-        ValueError: ``num_pages < 2`` (page 0 is the reserved null page).
-    """
+    """The zeroed page pools (allocated once, at start-up) and one padded table row.
+    Raises ValueError for ``num_pages < 2`` (page 0 is the reserved null page)."""
     if num_pages < 2:
         raise ValueError(f"num_pages={num_pages} is too small: need >= 2 (page 0 is reserved)")
     a = abstract_kv_cache(cfg, num_pages, page_size, dtype)

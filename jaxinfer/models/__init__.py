@@ -16,12 +16,9 @@ import jax.numpy as jnp
 
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.models.layers import Packing, fused_parts
+from jaxinfer.models.layers import Packing, fused_parts  # noqa: F401 (exported)
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.qwen3 import Qwen3ForCausalLM
-
-__all__ = ["forward", "compute_logits", "init_params", "abstract_params", "check_params",
-           "param_bytes", "fused_parts", "Packing"]
 
 _MODELS = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
 
@@ -37,10 +34,6 @@ def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_map
             kv: KVCache, *, kernels: ModelKernels = ModelKernels(),
             packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
     """One model step over the paged KV cache (prefill, decode or mixed).
-
-    Each layer: attn_norm -> fused q/k/v projection -> (Qwen3: q_norm/k_norm) -> RoPE at
-    ``positions`` -> K/V write via ``slot_mapping`` -> attention -> wo -> residual -> mlp_norm
-    -> SwiGLU -> residual.
 
     Args:
         params: the param tree for ``cfg`` (`check_params`; not checked here).

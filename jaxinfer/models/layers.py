@@ -1,11 +1,9 @@
 """Functions and Flax blocks shared by the Llama/Qwen3 family.
 
-Numerics: the compute dtype is the params' dtype (bf16 on GPU, f32 in tests); RMSNorm statistics,
-RoPE and the attention softmax run in float32; the residual stream stays in the compute dtype.
-Weights are ``[in, out]`` (``x @ w``, no transpose in the step) and never cast inside the step
-when they already have the compute dtype. Sources: HF ``modeling_llama.py`` /
-``modeling_qwen3.py`` (RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``),
-Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU).
+Numerics: the compute dtype is the params' dtype; RMSNorm statistics, RoPE and the attention
+softmax run in float32. Weights are ``[in, out]`` (``x @ w``). Sources: HF ``modeling_llama.py``
+(RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``), Zhang & Sennrich 2019
+(RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU).
 """
 
 from __future__ import annotations
@@ -96,7 +94,6 @@ class Packing(NamedTuple):
     q_index:     i32[R, Tq] packed index of row r's j-th query token (padding: any valid index).
     q_positions: i32[R, Tq] its absolute position (padding: 0).
     out_index:   i32[Tp]    ``r * Tq + j`` for the packed token that is row r's j-th (padding: 0).
-
     Source: vLLM's flattened token batch (``query_start_loc``), expressed as two gathers.
     """
 

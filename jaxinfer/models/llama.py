@@ -8,10 +8,9 @@ their layer's scope with `layers.shared`, so a layer's params form one flat dict
     final_norm [D]; lm_head [D, V] unless tied to ``embed``.
 
 The L layers are unrolled (a Python loop): each reads its own weight arrays, never a slice of a
-stacked array (BENCHMARKS.md, "Layer loop"). The K/V pools [L, P, K, page_size, H] are threaded
+stacked array (BENCHMARKS.md: "Layer loop"). The K/V pools [L, P, K, page_size, H] are threaded
 through the loop; layer i writes them at the static index i.
-Sources: Touvron et al. 2023, "Llama 2"; Meta 2024, "The Llama 3 Herd of Models"; HF
-``modeling_llama.py`` (the numerics the tests compare with).
+Sources: Touvron et al. 2023 (Llama 2); Meta 2024 (Llama 3); HF ``modeling_llama.py``.
 """
 
 from __future__ import annotations
@@ -25,34 +24,30 @@ import jax.numpy as jnp
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.models.layers import (MLP, AddRMSNorm, Packing, StepContext, apply_rope, attend,
-                                    dense_init, fused_parts, in_dtype, rope_cos_sin,
-                                    rope_inv_freq, shared)
+                                    dense_init, fused_parts, in_dtype, rms_norm,
+                                    rope_cos_sin, rope_inv_freq, shared)
 from pallas_kernels.sizes import round_up
 
 # With the add + RMSNorm kernel, decode steps of at least DOWN_PARTIALS_MIN_ROWS rows pass the
-# MLP output on as DOWN_PARTIALS float32 partial sums over parts of F (BENCHMARKS.md, "Down
+# MLP output on as DOWN_PARTIALS float32 partial sums over parts of F (BENCHMARKS.md: "Down
 # projection partial sums").
 DOWN_PARTIALS = 2
 DOWN_PARTIALS_MIN_ROWS = 128
 
 
 class Attention(nn.Module):
-    """Attention block: x [B, T, D] @ ``wqkv`` -> q/k heads qk [B, T, N + K, H] and v [B, T, K, H]
-    (`fused_parts`) -> `normalize_qk` -> RoPE (q and k heads in one op) -> `write_kv` at
-    ``layer`` (a Python int) -> ``kernels.attention`` -> @ ``wo``. With ``kernels.qkv_prologue``
-    the norm, RoPE and K/V write run as that one kernel (`fused_prologue`). Returns (out
-    [B, T, D], k_pool, v_pool)."""
+    """x [B, T, D] @ ``wqkv`` -> q/k heads qk [B, T, N + K, H] and v [B, T, K, H] (`fused_parts`)
+    -> per-head RMSNorm (with `qk_norm_weights`) -> RoPE (q and k heads in one op) -> `write_kv`
+    at ``layer`` (a Python int) -> ``kernels.attention`` -> @ ``wo``; the norm, RoPE and K/V
+    write run as ``kernels.qkv_prologue`` when set (`fused_prologue`). Returns (out [B, T, D],
+    k_pool, v_pool)."""
 
     cfg: Any
     kernels: ModelKernels
     param_dtype: Any = jnp.float32
 
-    def normalize_qk(self, qk: jax.Array) -> jax.Array:
-        """Applied to qk [B, T, N + K, H] (query heads first) before RoPE; Llama: identity."""
-        return qk
-
     def qk_norm_weights(self) -> tuple[jax.Array | None, jax.Array | None]:
-        """(q_norm [H], k_norm [H]) of `normalize_qk`, for the prologue kernel; Llama: None."""
+        """RMSNorm weights (q_norm [H], k_norm [H]) of each query / key head; Llama: none."""
         return None, None
 
     def fused_prologue(self, qkv: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
@@ -89,8 +84,12 @@ class Attention(nn.Module):
             with jax.named_scope("qkv_prologue"):
                 q, k_pool, v_pool = self.fused_prologue(qkv, layer, k_pool, v_pool, ctx)
         else:
-            qk = self.normalize_qk(qkv[..., :parts["k"].stop].reshape(B, T, N + K, H))
+            qk = qkv[..., :parts["k"].stop].reshape(B, T, N + K, H)
             v = qkv[..., parts["v"]].reshape(B, T, K, H)
+            wq, wk = self.qk_norm_weights()
+            if wq is not None:  # one RMSNorm over the N + K heads, the weights broadcast
+                w = jnp.concatenate([jnp.broadcast_to(wq, (N, H)), jnp.broadcast_to(wk, (K, H))])
+                qk = rms_norm(qk, w, cfg.rms_norm_eps)
             with jax.named_scope("rope"):
                 qk = apply_rope(qk, ctx.cos, ctx.sin)
                 q, k = qk[:, :, :N], qk[:, :, N:]
@@ -127,7 +126,8 @@ class DecoderLayer(nn.Module):
         x, h = shared(self, AddRMSNorm("mlp_norm", eps, pd, kernel, name="mlp_norm_block"))(x, a)
         B, T = x.shape[:2]
         split = (kernel is not None and ctx.packing is None and T == 1
-                 and B >= DOWN_PARTIALS_MIN_ROWS and self.cfg.intermediate_size % DOWN_PARTIALS == 0)
+                 and B >= DOWN_PARTIALS_MIN_ROWS
+                 and self.cfg.intermediate_size % DOWN_PARTIALS == 0)
         mlp = MLP(self.cfg, pd, DOWN_PARTIALS if split else 1, name="mlp")
         return x, shared(self, mlp)(h), k_pool, v_pool
 
@@ -154,11 +154,10 @@ class Layers(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Trunk: embed -> `Layers` (named "layers") -> final norm (which adds the last layer's
-    pending MLP output). ``(tokens i32[B, T], positions
-    i32[B, T], slot_mapping i32[B, T], kv: KVCache, packing: Packing | None) -> (hidden
-    [B, T, D] in the compute dtype = params dtype, KVCache with the pools written)``. ``lm_head``
-    is declared here (untied) so that init creates it; `jaxinfer.models.compute_logits` uses it.
-    Subclasses pick the attention block with ``attention_cls``."""
+    pending MLP output). ``(tokens i32[B, T], positions i32[B, T], slot_mapping i32[B, T], kv:
+    KVCache, packing: Packing | None) -> (hidden [B, T, D] in the params' dtype, KVCache with
+    the pools written)``. ``lm_head`` (untied) is declared here for init; logits:
+    `jaxinfer.models.compute_logits`. Subclasses set ``attention_cls``."""
 
     cfg: Any
     kernels: ModelKernels

@@ -8,26 +8,18 @@ from __future__ import annotations
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
-from jaxinfer.models.layers import rms_norm
 from jaxinfer.models.llama import Attention, LlamaForCausalLM
 
 
 class Qwen3Attention(Attention):
     """`Attention` with RMSNorm of each query head (weight ``q_norm`` [H]) and key head
-    (``k_norm`` [H]), run as one RMSNorm over qk [B, T, N + K, H] with the weights broadcast."""
+    (``k_norm`` [H])."""
 
     def qk_norm_weights(self) -> tuple[jax.Array, jax.Array]:
         H, pd = self.cfg.head_dim, self.param_dtype
         return (self.param("q_norm", nn.initializers.ones, (H,), pd),
                 self.param("k_norm", nn.initializers.ones, (H,), pd))
-
-    def normalize_qk(self, qk: jax.Array) -> jax.Array:
-        N, K, H = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
-        wq, wk = self.qk_norm_weights()
-        w = jnp.concatenate([jnp.broadcast_to(wq, (N, H)), jnp.broadcast_to(wk, (K, H))])
-        return rms_norm(qk, w, self.cfg.rms_norm_eps)
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

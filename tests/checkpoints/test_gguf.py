@@ -111,26 +111,10 @@ def rel_err(a, b) -> float:
 
 # ----------------------------------------------------------------------------- real SmolLM2 GGUF
 @pytest.fixture(scope="module")
-def smollm_path():
-    from checkpoints_tools.default_model import default_model_path
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def hf_gguf_model(smollm_path):
     d, f = os.path.split(smollm_path)
     return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f,
                                                              dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def smollm_hf_named(smollm_path):
-    """(HF-style config dict, {HF name: f32}) read once; load_params is these two steps plus
-    params_from_hf (load_params itself runs in the tiny-GGUF tests)."""
-    return load_gguf_hf(smollm_path)
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +141,7 @@ def test_smollm_config_matches_hf(smollm_loaded, hf_gguf_model):
     assert cfg.eos_token_ids == (ref.eos_token_id,)
 
 
-def test_smollm_tensors_match_hf_gguf_loader(smollm_path, smollm_hf_named, smollm_loaded,
+def test_smollm_tensors_match_hf_gguf_loader(smollm_ckpt, smollm_hf_named, smollm_loaded,
                                             hf_gguf_model):
     """Renamed + un-permuted tensors, and the param tree mapped back, equal HF's tensors."""
     cfg, params = smollm_loaded
@@ -172,7 +156,7 @@ def test_smollm_tensors_match_hf_gguf_loader(smollm_path, smollm_hf_named, smoll
     worst = max(float(np.max(np.abs(ours[k] - ref[k]))) for k in ref)
     assert worst <= 1e-6, worst
     # The un-permutation mattered: the raw GGUF rows differ from HF's q_proj.
-    t = {x.name: x for x in open_gguf(smollm_path).tensors}["blk.0.attn_q.weight"]
+    t = {x.name: x for x in smollm_ckpt.reader.tensors}["blk.0.attn_q.weight"]
     raw = gguf.quants.dequantize(t.data, t.tensor_type)
     assert np.max(np.abs(raw - ref["model.layers.0.self_attn.q_proj.weight"])) > 0.1
 

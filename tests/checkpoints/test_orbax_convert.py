@@ -26,7 +26,9 @@ import jax.numpy as jnp  # noqa: E402
 
 from checkpoints_tools import orbax_io  # noqa: E402
 from checkpoints_tools.loader import detect_format, load_tokenizer, open_checkpoint  # noqa: E402
-from jaxinfer.loading import LoadedModel, load_model, load_params, save_checkpoint  # noqa: E402
+from jaxinfer.convert import main as convert_main  # noqa: E402
+from jaxinfer.loading import (  # noqa: E402
+    LoadedModel, load_model, load_params, model_config, params_from_hf, save_checkpoint)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,9 +69,17 @@ def make_hf_dir(path, seed: int = 0, **overrides):
 
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
+    """``python -m jaxinfer.convert ARGS`` in a subprocess (the entry point itself)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "jaxinfer.convert", *map(str, args)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def convert_in_process(capsys, *args) -> tuple[int, str]:
+    """(exit status, stderr) of the convert CLI's ``main`` run in this process."""
+    capsys.readouterr()
+    rc = convert_main([str(a) for a in args])
+    return rc, capsys.readouterr().err
 
 
 def assert_trees_equal(a, b):
@@ -160,17 +170,10 @@ def test_orbax_restore_checks_shapes(hf_loaded, tmp_path):
     gc.collect()  # if orbax aborted reads, collect them here, under this test's filter
 
 
-def test_smollm_gguf_orbax_roundtrip(tmp_path):
+def test_smollm_gguf_orbax_roundtrip(smollm_path, smollm_ckpt, smollm_hf_named, tmp_path):
     """The real model: GGUF -> save -> restore gives identical arrays, config and tokenizer."""
-    from checkpoints_tools.default_model import default_model_path
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    ckpt = open_checkpoint(path)
-    cfg, params = load_params(ckpt, "bfloat16")
-    tok, gen_eos = load_tokenizer(path), ckpt.generation_eos_ids
+    params, cfg = params_from_hf(smollm_hf_named[1], model_config(smollm_ckpt), "bfloat16")
+    tok, gen_eos = load_tokenizer(smollm_path), smollm_ckpt.generation_eos_ids
     assert gen_eos == (2,)
     save_checkpoint(tmp_path / "ck", cfg, params, tok, gen_eos)
     m = load_model(tmp_path / "ck", "bfloat16")
@@ -185,7 +188,7 @@ def test_smollm_gguf_orbax_roundtrip(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the convert CLI
-def test_convert_cli_hf_to_orbax(hf_dir, hf_loaded, tmp_path):
+def test_convert_cli_hf_to_orbax(hf_dir, hf_loaded, tmp_path, capsys):
     dst = tmp_path / "out"
     r = run_convert(hf_dir, dst, "--dtype", "float32")
     assert r.returncode == 0, r.stderr
@@ -197,20 +200,26 @@ def test_convert_cli_hf_to_orbax(hf_dir, hf_loaded, tmp_path):
     for t in TEXTS:
         assert m.tokenizer(t).input_ids == hf_loaded.tokenizer(t).input_ids
     # a second conversion into the same (now full) DST is refused
-    r = run_convert(hf_dir, dst)
-    assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "not empty" in r.stderr and "Traceback" not in r.stderr
+    rc, err = convert_in_process(capsys, hf_dir, dst)
+    assert rc == 2
+    assert err.strip().count("\n") == 0 and "not empty" in err and "Traceback" not in err
 
 
-def _one_line_error(r: subprocess.CompletedProcess) -> str:
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+def _one_line_error(result: tuple[int, str]) -> str:
+    rc, err = result
+    assert rc == 2, (rc, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
 
 
-def test_convert_cli_errors(tmp_path):
+def test_convert_cli_errors(tmp_path, capsys):
+    """Bad inputs: one ``error:`` line on stderr, exit status 2 (``main`` in process; the
+    ``python -m`` entry point runs in test_convert_cli_hf_to_orbax)."""
     import gguf
+
+    def run_convert(*args):
+        return convert_in_process(capsys, *args)
 
     line = _one_line_error(run_convert(tmp_path / "missing", tmp_path / "dst"))
     assert "missing" in line

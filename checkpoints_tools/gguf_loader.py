@@ -5,11 +5,9 @@ to float32 (``gguf.quants.dequantize``), renamed through the ONE table `GGUF_TO_
 Q/K row permutation is undone where its converter applied one (`gguf_hf_tensors`). GGUF lists
 dimensions innermost-first, so ``dequantize`` already returns HF's row-major ``[out, in]``.
 
-Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``, applied to q_proj/k_proj for
-the ``llama`` architecture; ``Qwen3Model`` derives from ``Qwen2Model``/``TextModel`` and does not
-permute; ``LlamaModel.generate_extra_tensors`` writes the Llama 3 RoPE factors as ``rope_freqs``);
-``gguf-py/gguf/constants.py`` for the tensor and metadata names; HF transformers
-``modeling_gguf_pytorch_utils.py`` (``LlamaTensorProcessor._reverse_permute_weights``).
+Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` of q/k_proj for ``llama``,
+not for ``qwen3``; ``generate_extra_tensors`` writes Llama 3 RoPE factors as ``rope_freqs``),
+``gguf-py/gguf/constants.py`` (names), HF ``modeling_gguf_pytorch_utils.py`` (reverse permute).
 """
 
 from __future__ import annotations
@@ -23,29 +21,20 @@ import numpy as np
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen3")
 
-# llama.cpp permutes the rows of q_proj/k_proj for these architectures (its RoPE kernel rotates
-# adjacent pairs, HF rotates the two halves of each head); Qwen3 GGUFs are written unpermuted.
+# llama.cpp permutes q_proj/k_proj rows (its RoPE rotates adjacent pairs, HF's the two halves).
 _QK_PERMUTED = {"llama": True, "qwen3": False}
 
-# The one GGUF -> HF tensor-name table. ``{i}`` is the layer index. A value of None means the tensor
-# is not a weight: it is consumed while building the config (see `_llama3_scaling_from_factors`).
+# The one GGUF -> HF tensor-name table; ``{i}`` is the layer index; None: read into the config.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj"}
 GGUF_TO_HF: Mapping[str, str | None] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": None,
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
+    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight", "rope_freqs.weight": None,
+    **{f"blk.{{i}}.{g}.weight": f"model.layers.{{i}}.{h}.weight" for g, h in _LAYER_NAMES.items()}}
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -164,18 +153,11 @@ def _llama3_inv_freq_factors(theta: float, head_dim: int, factor: float, low: fl
 
 def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int,
                                  orig: int | None) -> dict | None:
-    """Recover HF ``rope_scaling`` (llama3) from llama.cpp's ``rope_freqs`` multipliers f[H/2].
-
-    The multipliers depend on ``original_max_position_embeddings`` only through ``orig/low`` and
-    ``orig/high``, so ``orig`` (from ``rope.scaling.original_context_length``, else 8192) is fixed and
-    ``low``/``high`` are fitted from the smooth band (where ``1/f`` is linear in ``orig/wavelen``),
-    falling back to Llama 3's published (1, 4). The result is verified to reproduce the tensor.
-
-    Returns:
-        The ``rope_scaling`` dict, or None when every multiplier is 1 (no scaling).
-    Raises:
-        ValueError: wrong length, or no llama3 parameters reproduce the multipliers.
-    """
+    """HF ``rope_scaling`` (llama3; None when every multiplier is 1) from llama.cpp's
+    ``rope_freqs`` multipliers f[H/2]. ``orig`` (``rope.scaling.original_context_length``, else
+    8192) is fixed, ``low``/``high`` fitted from the smooth band (``1/f`` linear in
+    ``orig/wavelen``), else Llama 3's published (1, 4); the result must reproduce the tensor.
+    Raises ValueError: wrong length, or no llama3 parameters reproduce the multipliers."""
     if factors.shape != (head_dim // 2,):
         raise ValueError(f"rope_freqs.weight has shape {factors.shape}, expected ({head_dim // 2},)")
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
@@ -218,12 +200,9 @@ def gguf_name_to_hf(name: str, num_layers: int) -> str | None:
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's ``LlamaModel.permute`` of q_proj/k_proj rows, [n_heads*H, D] -> same shape.
-
-    llama.cpp reorders each head's rows from HF's half-split order (``[x0..x_{H/2-1}, y0..]``) to
-    interleaved pairs (``[x0, y0, x1, y1, ...]``): ``reshape(n, 2, H/2, D).swapaxes(1, 2)``. The inverse
-    is ``reshape(n, H/2, 2, D).swapaxes(1, 2)``. ``n_heads`` is N for q and K for k.
-    """
+    """Undo llama.cpp's ``LlamaModel.permute`` of q_proj/k_proj rows, [n_heads*H, D] -> same shape
+    (``n_heads``: N for q, K for k). llama.cpp interleaves each head's half-split rows,
+    ``reshape(n, 2, H/2, D).swapaxes(1, 2)``; the inverse swaps ``reshape(n, H/2, 2, D)``."""
     rows = w.shape[0]
     if rows % (2 * n_heads):
         raise ValueError(f"cannot un-permute a tensor of {rows} rows into {n_heads} heads of even size")
@@ -232,14 +211,10 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def gguf_hf_tensors(reader, hf_config: Mapping[str, Any],
                     out_dtype=np.float32) -> dict[str, np.ndarray]:
-    """All weight tensors dequantised (in float32) and renamed to HF names, HF ``[out, in]`` layout,
-    with llama.cpp's Q/K permutation undone for architectures that have it, then cast one by one to
-    ``out_dtype`` (a numpy dtype; ``ml_dtypes.bfloat16`` halves peak host memory for bf16 loads).
-
-    Raises:
-        ValueError: an unknown tensor name, an unsupported quantisation type, a shape that disagrees
-            with the GGUF header, or two GGUF tensors mapping to the same HF name.
-    """
+    """Every weight dequantised (float32), renamed to its HF name, HF ``[out, in]``, Q/K permutation
+    undone where llama.cpp applied it, then cast one by one to ``out_dtype`` (numpy dtype).
+    Raises ValueError: an unknown tensor name, an unsupported quantisation type, a shape that
+    disagrees with the GGUF header, or two GGUF tensors mapping to one HF name."""
     import gguf
 
     arch = hf_config["model_type"]

@@ -91,29 +91,14 @@ def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract
     os.replace(tmp, os.path.join(dst, CONFIG_FILE))
 
 
-def _check_stored_shapes(ckptr, params_dir: str, abstract, src: str) -> None:
-    """Compare the stored shapes (orbax metadata) with ``abstract`` before reading any data
-    (skipped if this orbax lays its metadata out differently: the restore then checks). Raises
-    ValueError naming every param path whose stored shape differs, is missing or is extra."""
-    try:
-        md = ckptr.metadata(params_dir)
-        tree = getattr(md, "item_metadata", md)
-        stored = dict(getattr(tree, "tree", tree))
-    except (AttributeError, TypeError, ValueError):
-        return
-    bad = _shape_mismatches(abstract, stored)
-    if bad:
-        raise ValueError(f"checkpoint {src!r}: the stored params do not fit its {CONFIG_FILE} "
-                         f"(shape mismatch: {'; '.join(bad)})")
-
-
 def restore(src_dir: str | os.PathLike, abstract):
     """The params of a checkpoint written by `save`, as jax arrays on ``jax.devices()[0]`` in the
     shapes and dtypes of ``abstract`` (built from `read_saved_config`; other stored dtypes are cast).
 
     Raises:
         FileNotFoundError: no ``params/`` in ``src_dir``.
-        ValueError: saved arrays that do not fit ``abstract`` (paths and shapes named).
+        ValueError: stored arrays that do not fit ``abstract`` (every differing, missing or extra
+            path and its shapes named).
     """
     import jax
     import orbax.checkpoint as ocp
@@ -126,7 +111,16 @@ def restore(src_dir: str | os.PathLike, abstract):
     target = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)
     with ocp.StandardCheckpointer() as ckptr:
-        _check_stored_shapes(ckptr, params_dir, abstract, src)
+        try:  # stored shapes from orbax metadata, checked before any data is read
+            md = ckptr.metadata(params_dir)
+            md = getattr(md, "item_metadata", md)
+            stored = dict(getattr(md, "tree", md))
+        except (AttributeError, TypeError, ValueError):  # another metadata layout: restore checks
+            stored = None
+        bad = _shape_mismatches(abstract, stored) if stored is not None else []
+        if bad:
+            raise ValueError(f"checkpoint {src!r}: the stored params do not fit its "
+                             f"{CONFIG_FILE} (shape mismatch: {'; '.join(bad)})")
         try:
             return ckptr.restore(params_dir, target)
         except ValueError as e:

@@ -39,29 +39,27 @@ class ModelKernels:
     q_group_multiple: int | None = None
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "knobs", "scale", "soft_cap",
+@functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale", "soft_cap",
                                              "sliding_window", "num_heads"))
-def _decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, *, variant,
-                 knobs, scale, soft_cap, sliding_window, num_heads):
+def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, *, kernel, knobs,
+                scale, soft_cap, sliding_window, num_heads):
     """q [B, 1, N, H] (grouped [B, 1, K, Gp, H] with ``num_heads``), layer i32[] -> [B, 1, N, H]."""
     extra = dict(knobs)
     if num_heads is not None:
         extra["num_heads"] = num_heads
     if page_offset is not None:
         extra["page_offset"] = page_offset
-    out = registry.get(variant)(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer,
-                                scale=scale, soft_cap=soft_cap, sliding_window=sliding_window,
-                                **extra)
+    out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
+                 soft_cap=soft_cap, sliding_window=sliding_window, **extra)
     return out[:, None]
 
 
-@functools.partial(jax.jit, static_argnames=("variant", "scale", "soft_cap", "sliding_window"))
-def _prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, *, variant,
-                  scale, soft_cap, sliding_window):
+@functools.partial(jax.jit, static_argnames=("kernel", "scale", "soft_cap", "sliding_window"))
+def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, *, kernel, scale,
+                 soft_cap, sliding_window):
     """q [B, T, N, H], layer i32[] -> [B, T, N, H]."""
-    return registry.get_prefill(variant)(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
-                                         layer=layer, scale=scale, soft_cap=soft_cap,
-                                         sliding_window=sliding_window)
+    return kernel(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer=layer,
+                  scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
 
 
 @dataclass(frozen=True)
@@ -89,14 +87,16 @@ class PagedAttention:
             if self.decode == "mosaic":
                 from pallas_kernels.paged_attention.mosaic import layer_offsets
                 offset = layer_offsets(layer, k_pool.shape[1])
-            return _decode_step(q, k_pool, v_pool, block_tables, seq_lens,
-                                jnp.asarray(layer, jnp.int32), offset, variant=self.decode,
-                                knobs=self.decode_knobs, num_heads=num_heads, **static)
+            return decode_step(q, k_pool, v_pool, block_tables, seq_lens,
+                               jnp.asarray(layer, jnp.int32), offset,
+                               kernel=registry.get(self.decode), knobs=self.decode_knobs,
+                               num_heads=num_heads, **static)
         if q.shape[1] == 1 or self.prefill == "reference":
             return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
                                              q_positions, layer=layer, **static)
-        return _prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
-                             jnp.asarray(layer, jnp.int32), variant=self.prefill, **static)
+        return prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
+                            jnp.asarray(layer, jnp.int32),
+                            kernel=registry.get_prefill(self.prefill), **static)
 
 
 def _fused_kernel(field: str, name: str) -> Callable | None:

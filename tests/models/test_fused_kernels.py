@@ -213,3 +213,38 @@ def test_decode_down_projection_as_partial_sums_matches_jnp_path(arch, monkeypat
     want = blk.apply({"params": w}, x, parts[0] + parts[1])
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [1, 3])
+def test_unrolled_layers_share_one_kernel_lowering(T, monkeypatch):
+    """The model calls attention once per layer with a Python-int layer; `PagedAttention` runs
+    the kernel (decode for T == 1, prefill for T > 1) behind one inner jit with a traced layer,
+    so an L-layer step traces and lowers it once."""
+    import re
+
+    from jaxinfer import kernels
+    from pallas_kernels.paged_attention import prefill_triton
+    prefill = functools.partial(prefill_triton.paged_prefill_attention, interpret=True)
+    monkeypatch.setattr(kernels.registry, "get_prefill", lambda name: prefill)  # no prefill knobs
+    knobs = dict(interpret=True, pages_per_block=4, num_warps=4, num_stages=1, k_splits=1)
+    mk = model_kernels(kernel_config(decode_attention="triton", prefill_attention="triton"),
+                       decode_knobs=knobs)
+    assert mk.attention.decode_knobs == tuple(sorted(knobs.items()))
+    cfg = dataclasses.replace(_cfg("qwen3"), num_layers=4)
+    params = models.init_params(cfg, jax.random.key(0), jnp.float32)
+    pool = (cfg.num_layers, 8, cfg.num_kv_heads, PAGE, cfg.head_dim)
+    kv = KVCache(jnp.zeros(pool), jnp.zeros(pool), jnp.asarray([[3, 5], [2, 7]], jnp.int32),
+                 jnp.asarray([6, 3 + T], jnp.int32))
+    tok = jnp.ones((2, T), jnp.int32)
+    pos = jnp.asarray([[5], [2]], jnp.int32) + jnp.arange(T)
+
+    def step(p, c):
+        return models.forward(p, cfg, tok, pos, pos + 8, c, kernels=mk)[0]
+
+    name = "decode_step" if T == 1 else "prefill_step"
+    calls = [e for e in jax.make_jaxpr(step)(params, kv).jaxpr.eqns
+             if e.params.get("name") == name]
+    assert len(calls) == cfg.num_layers
+    assert len({id(e.params["jaxpr"]) for e in calls}) == 1
+    text = jax.jit(step).lower(params, kv).as_text()
+    assert len(re.findall(rf"func\.func private @{name}\b", text)) == 1

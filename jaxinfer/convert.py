@@ -18,12 +18,6 @@ import sys
 EXIT_USAGE = 2
 
 
-def check_destination(dst: str) -> None:
-    """Raises FileExistsError when DST exists and is not an empty directory."""
-    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-        raise FileExistsError(f"DST {dst!r} exists and is not empty; choose a new directory")
-
-
 def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
     """Load SRC (HF dir or GGUF file) with its tokenizer and save it as an Orbax checkpoint at DST
     with the generation-config EOS ids. On failure DST is removed (left empty if it was).
@@ -32,19 +26,19 @@ def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
         FileNotFoundError: SRC missing. FileExistsError: DST not empty. ValueError: SRC is not
             HF/GGUF (an Orbax dir needs no conversion), unsupported, bad tensors, or no tokenizer.
     """
-    from checkpoints_tools.loader import load_tokenizer, open_checkpoint
-    from jaxinfer.loading import load_params, model_config, save_checkpoint
+    from checkpoints_tools.loader import open_checkpoint
+    from jaxinfer.loading import load_model, model_config, save_checkpoint
 
     ckpt = open_checkpoint(src)
     if ckpt.format == "orbax":
         raise ValueError(f"SRC {src!r} is already an Orbax checkpoint; nothing to convert")
-    cfg = model_config(ckpt)
-    check_destination(dst)
-    tokenizer = load_tokenizer(ckpt.path, ckpt.format)
-    cfg, params = load_params(ckpt, dtype, cfg)
+    model_config(ckpt)  # an unsupported config fails before DST is looked at
     existed = os.path.exists(dst)
+    if existed and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise FileExistsError(f"DST {dst!r} exists and is not empty; choose a new directory")
+    m = load_model(ckpt, dtype)
     try:
-        save_checkpoint(dst, cfg, params, tokenizer, ckpt.generation_eos_ids)
+        save_checkpoint(dst, m.config, m.params, m.tokenizer, ckpt.generation_eos_ids)
     except BaseException:
         shutil.rmtree(dst, ignore_errors=True)
         if existed:  # it was an empty directory: leave it so

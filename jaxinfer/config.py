@@ -309,34 +309,33 @@ def _parse_value(name: str, value: str):
     return value
 
 
+def _user(default, help: str, **cli):
+    """A user setting: its ``help`` (and argparse ``cli`` keywords) for `jaxinfer.generate`."""
+    return dataclasses.field(default=default, metadata=dict(help=help, **cli))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """What a user sets (vLLM's meanings where vLLM has the field).
+    """What a user sets (vLLM's meanings where vLLM has the field); each field's ``help`` says
+    what it is. ``kernels``: a `KernelConfig`, or a string for `KernelConfig.parse`."""
 
-    Fields:
-        max_model_len: most tokens (prompt + generated) of one sequence; None: the model's
-            max_position_embeddings.
-        page_size: tokens per KV page, a power of two.
-        num_pages: KV pool pages, null page 0 included; None: `memory.engine_pool_pages`.
-        memory_fraction: fraction of device memory the engine may use (weights + KV pool).
-        max_num_seqs / max_num_batched_tokens: most sequences / prompt tokens in one step.
-        dtype: compute and KV dtype, "float32" | "bfloat16"; None: bfloat16 on GPU, else float32.
-        seed: base PRNG seed of sampling.
-        async_scheduling: dispatch step n+1 before reading back step n (same outputs).
-        compilation_cache_dir: JAX's persistent compilation cache (process-wide); None: JAX's.
-        kernels: a `KernelConfig`, or a string for `KernelConfig.parse`.
-    """
-
-    max_model_len: int | None = None
-    page_size: int = 16
-    num_pages: int | None = None
-    memory_fraction: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    dtype: str | None = None
-    seed: int = 0
-    async_scheduling: bool = True
-    compilation_cache_dir: str | None = None
+    max_model_len: int | None = _user(None, "most tokens (prompt + generated) of one sequence; "
+                                      "default: the model's max_position_embeddings")
+    page_size: int = _user(16, "tokens per KV page, a power of 2")
+    num_pages: int | None = _user(None, "KV pool size in pages, null page 0 included; default: "
+                                  "sized from free device memory (memory.engine_pool_pages)")
+    memory_fraction: float = _user(0.9, "fraction of device memory for weights + KV pool")
+    max_num_seqs: int = _user(64, "most sequences in one step")
+    max_num_batched_tokens: int = _user(2048, "most prompt tokens in one prefill step (longer "
+                                        "prompts are chunked)")
+    dtype: str | None = _user(None, "compute and KV dtype; default: bfloat16 on GPU, float32 "
+                              "elsewhere", choices=["float32", "bfloat16"])
+    seed: int = _user(0, "base seed of unseeded requests")
+    async_scheduling: bool = _user(True, "dispatch step n+1 before reading back step n's tokens "
+                                   "(same outputs either way)")
+    compilation_cache_dir: str | None = _user(
+        None, "JAX persistent compilation cache: a later run with the same DIR loads the "
+        "compiled steps (process-wide)", metavar="DIR")
     kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:

@@ -7,12 +7,17 @@ line on stderr and exits with code 2; valid prompts given with it still run and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 
-from jaxinfer.config import KernelConfig
+from jaxinfer.config import EngineConfig, KernelConfig
+
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)
+                       if f.name not in ("seed", "kernels"))
+"""`EngineConfig` fields with a CLI option of their own (``--seed`` is the requests' seed)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -66,31 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
-    g = p.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="default: the model's max_position_embeddings")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of 2)")
-    g.add_argument("--num-pages", type=int, default=None,
-                   help="KV pool size in pages; default: sized from free device memory")
-    g.add_argument("--max-num-seqs", type=int, default=64,
-                   help="most sequences in one decode step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="most prompt tokens in one prefill step (longer prompts are chunked)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="default: bfloat16 on GPU, float32 on CPU (bfloat16 is slow on CPU)")
-    g.add_argument("--memory-trace", default=None, metavar="FILE",
-                   help="write a CSV of weights / KV pool / pages in use / other bytes after each step")
+    p.add_argument("--memory-trace", default=None, metavar="FILE",
+                   help="write a CSV of weights / KV pool / pages in use / other bytes per step")
+    g = p.add_argument_group("engine (jaxinfer.config.EngineConfig)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in ENGINE_OPTIONS:  # type from the annotation: "int | None", "bool", ...
+            kind = (dict(action=argparse.BooleanOptionalAction) if f.type == "bool" else
+                    dict(type=float if f.type == "float" else int if "int" in f.type else str))
+            g.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind, **f.metadata)
     g.add_argument("--kernels", type=_kernels, default=KernelConfig(), metavar="SPEC",
-                   help="kernel choices, comma-separated key=value (e.g. decode=mosaic,"
-                        "prefill=triton); 'auto' is resolved for the device. Keys: "
+                   help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"
+                        "prefill=triton ('auto': chosen for the device). Keys: "
                         + KernelConfig.help())
-    g.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
-                   help="JAX persistent compilation cache: a later run with the same DIR loads "
-                        "the compiled steps instead of compiling them again")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="dispatch step n+1 before reading back step n's tokens (host work hides "
-                        "behind device work); --no-async-scheduling reads each step back first. "
-                        "Outputs are the same either way")
     return p
 
 
@@ -162,12 +154,8 @@ def _setup(args) -> tuple[list[str], object, object, list]:
         raise FileNotFoundError(f"--model {args.model!r} does not exist")
     from jaxinfer import llm as llm_module
 
-    llm = llm_module.LLM(
-        args.model, max_model_len=args.max_model_len, page_size=args.page_size,
-        num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-        async_scheduling=args.async_scheduling, compilation_cache_dir=args.compilation_cache_dir,
-        kernels=args.kernels)
+    llm = llm_module.LLM(args.model, kernels=args.kernels,
+                         **{name: getattr(args, name) for name in ENGINE_OPTIONS})
     inputs = prompts
     if args.chat:
         inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(

@@ -100,18 +100,17 @@ def test_stop_string_truncates_text(llm, prompt_ids):
 def test_compiles_are_bounded(llm):
     """Every compiled step shape is one of the buckets; the count is reported."""
     llm.generate(["Hi", "The capital of France is"], SamplingParams(max_tokens=3, **GREEDY))
-    b = llm.engine.buckets
+    b, stats = llm.engine.buckets, llm.engine.stats
     packed = 0
-    for (tok_shape, table_shape, _r, q_shape, _g) in llm.engine.compiled_shapes:
-        assert table_shape[0] in b.batch and table_shape[1] in b.pages
-        if q_shape is None:  # decode: one token per row
-            assert tok_shape == (table_shape[0], 1)
-        else:                # packed prefill: [1, Tp] tokens, [R, Tq] query rows
+    for key in stats.compiled_shapes:
+        assert key.batch in b.batch and key.pages in b.pages
+        if key.query is None:  # decode: one token per row
+            assert key.tokens == 1
+        else:                  # packed prefill: Tp tokens in all, R rows of Tq query tokens
             packed += 1
-            assert tok_shape[0] == 1 and tok_shape[1] in b.packed_tokens
-            assert q_shape[0] == table_shape[0] and q_shape[1] in b.prefill_tokens
+            assert key.tokens in b.packed_tokens and key.query in b.prefill_tokens
     assert packed > 0
-    assert llm.engine.num_compiles == len(llm.engine.compiled_shapes) > 0
+    assert stats.num_compiles == len(stats.compiled_shapes) > 0
 
 
 def test_stop_string_completed_by_the_last_allowed_token(llm):
@@ -142,12 +141,10 @@ def test_stop_string_spanning_many_tokens(llm):
     assert out.text == full.text[:full.text.find(stop)]
 
 
-def test_from_params_matches_hf(smollm_path, hf_greedy, prompt_ids):
+def test_from_params_matches_hf(llm, hf_greedy, prompt_ids):
     """LLM.from_params over the loaded weights (no tokenizer) gives HF's greedy tokens."""
-    import jax.numpy as jnp
-    from checkpoints_tools.loader import load_model
-    loaded = load_model(smollm_path, jnp.float32, with_tokenizer=False)
-    llm = LLM.from_params(loaded.config, loaded.params, max_model_len=256, max_num_seqs=4,
+    loaded = llm.engine  # the session LLM's config and float32 weights, loaded once
+    llm = LLM.from_params(loaded.model_config, loaded.params, max_model_len=256, max_num_seqs=4,
                           page_size=PAGE_SIZE, num_pages=64, dtype="float32")
     assert llm.get_tokenizer() is None
     ids = prompt_ids[0]
@@ -155,4 +152,4 @@ def test_from_params_matches_hf(smollm_path, hf_greedy, prompt_ids):
                        SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0]
     assert list(out.token_ids) == hf_greedy(ids, 12, ignore_eos=True)
     with pytest.raises(ValueError, match="unknown engine argument"):
-        LLM.from_params(loaded.config, loaded.params, max_batch=3)
+        LLM.from_params(loaded.model_config, loaded.params, max_batch=3)

@@ -9,7 +9,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import registry
+from jaxinfer import models
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 @pytest.fixture(scope="module")
 def llm():
     cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
-    return LLM.from_params(cfg, registry.init_params(cfg, jax.random.key(0), jnp.float32),
+    return LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), jnp.float32),
                            max_model_len=64, num_pages=32, max_num_seqs=4)
 
 
@@ -58,7 +58,7 @@ def test_stop_strings_need_a_tokenizer(llm):
 
 def test_from_params_and_engine_argument_errors():
     cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
-    params = registry.init_params(cfg, jax.random.key(0), jnp.float32)
+    params = models.init_params(cfg, jax.random.key(0), jnp.float32)
     with pytest.raises(ValueError, match="must be a jaxinfer.config.ModelConfig; got dict"):
         LLM.from_params(cfg.to_dict(), params)
     with pytest.raises(ValueError, match="seed='a' is invalid"):

@@ -33,11 +33,8 @@ def _positive_int(v) -> bool:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 RoPE frequency scaling (``rope_type: llama3`` in HF configs).
-
-    Source: Llama 3.1 reference code, ``apply_scaling`` in meta-llama/llama-models; HF
-    ``_compute_llama3_parameters``.
-    """
+    """Llama 3 RoPE frequency scaling (HF ``rope_type: llama3``; source: ``apply_scaling`` in
+    meta-llama/llama-models, HF ``_compute_llama3_parameters``)."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
@@ -46,28 +43,22 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("llama3",):
-            _fail("RopeScaling", "rope_type", self.rope_type, "only 'llama3' scaling is supported")
-        if self.factor <= 0:
-            _fail("RopeScaling", "factor", self.factor, "must be > 0")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            _fail("RopeScaling", "high_freq_factor", self.high_freq_factor,
-                  f"need 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor")
-        if self.original_max_position_embeddings < 1:
-            _fail("RopeScaling", "original_max_position_embeddings",
-                  self.original_max_position_embeddings, "must be >= 1")
+        for name, ok, allowed in (
+                ("rope_type", self.rope_type == "llama3", "only 'llama3' scaling is supported"),
+                ("factor", self.factor > 0, "must be > 0"),
+                ("high_freq_factor", 0 < self.low_freq_factor < self.high_freq_factor,
+                 f"need 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor"),
+                ("original_max_position_embeddings", self.original_max_position_embeddings >= 1,
+                 "must be >= 1")):
+            if not ok:
+                _fail("RopeScaling", name, getattr(self, name), allowed)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer of the Llama / Qwen3 families.
-
-    Shape letters (README.md): V=vocab_size, D=hidden_size, F=intermediate_size, L=num_layers,
-    N=num_heads, K=num_kv_heads, H=head_dim, G=N/K.
-
-    Raises:
-        ValueError: an unsupported architecture or RoPE type, or inconsistent sizes.
-    """
+    """Architecture of a Llama / Qwen3 decoder. Shape letters: V=vocab_size, D=hidden_size,
+    F=intermediate_size, L=num_layers, N=num_heads, K=num_kv_heads, H=head_dim, G=N/K.
+    Raises ValueError: an unsupported architecture or RoPE type, or inconsistent sizes."""
 
     architecture: str
     vocab_size: int
@@ -98,10 +89,9 @@ class ModelConfig:
                   f"must divide num_heads={self.num_heads} (GQA)")
         if self.head_dim % 2:
             _fail("ModelConfig", "head_dim", self.head_dim, "must be even (RoPE rotates pairs)")
-        if self.rms_norm_eps <= 0:
-            _fail("ModelConfig", "rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        if self.rope_theta <= 0:
-            _fail("ModelConfig", "rope_theta", self.rope_theta, "must be > 0")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                _fail("ModelConfig", name, getattr(self, name), "must be > 0")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
     @property
@@ -109,23 +99,14 @@ class ModelConfig:
         """Qwen3 applies a per-head RMSNorm to q and k before RoPE."""
         return self.architecture == "qwen3"
 
-    @property
-    def num_groups(self) -> int:
-        """G = N / K."""
-        return self.num_heads // self.num_kv_heads
-
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """KV cache bytes per token: 2 (K and V) x L x K x H x dtype_bytes."""
+        """2 (K and V) x L x K x H x dtype_bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout).
-
-        Raises:
-            ValueError: unsupported ``model_type``, RoPE type, bias, sliding window or activation;
-                a required key missing.
-        """
+        """From a parsed HF ``config.json`` (transformers 4.x or 5.x layout). Raises ValueError:
+        unsupported model_type, RoPE type, bias, sliding window or activation; a key missing."""
         try:
             return cls._from_hf_config(cfg)
         except KeyError as e:
@@ -135,19 +116,16 @@ class ModelConfig:
     @classmethod
     def _from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type")
-        archs = cfg.get("architectures") or []
         if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture: model_type={model_type!r} (architectures={archs}); "
-                f"supported model_type values are {SUPPORTED_ARCHITECTURES}")
+            raise ValueError(f"unsupported architecture: model_type={model_type!r} (architectures="
+                             f"{cfg.get('architectures') or []}); supported model_type values are "
+                             f"{SUPPORTED_ARCHITECTURES}")
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ValueError(f"{model_type} with attention_bias/mlp_bias=True is not supported")
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{model_type} with use_sliding_window=True is not supported")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported; only 'silu'")
-
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu'")
         # transformers 5 nests RoPE under rope_parameters; 4.x uses rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
         if cfg.get("rope_scaling"):
@@ -178,11 +156,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
-        """Read ``config.json`` of an HF model directory.
-
-        Raises:
-            FileNotFoundError: no ``config.json``. ValueError: not a JSON object, or as above.
-        """
+        """From an HF model directory's ``config.json``. Raises FileNotFoundError (none) and
+        ValueError (not a JSON object, or as `from_hf_config`)."""
         from checkpoints_tools.loader import read_json
 
         return cls.from_hf_config(read_json(os.path.join(os.fspath(path), "config.json")))
@@ -206,8 +181,7 @@ _BUCKETS = ("batch_buckets", "token_buckets")
 
 
 def kernel_choices() -> dict[str, tuple[str, ...]]:
-    """The allowed values of each string field of `KernelConfig` (attention variants: the
-    registry of `pallas_kernels.paged_attention`)."""
+    """Allowed values of each string field of `KernelConfig` (attention: the kernel registry)."""
     return {"decode_attention": ("auto",) + registry.names(),
             "prefill_attention": ("auto",) + registry.prefill_names(),
             "qkv_prologue": FUSED_CHOICES, "add_rms_norm": FUSED_CHOICES,
@@ -217,20 +191,17 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
 @dataclass(frozen=True)
 class KernelConfig:
     """Kernel choices and research knobs (`EngineConfig.kernels`); `resolve` replaces "auto".
+    Allowed values: `kernel_choices`; `parse` also takes the short keys of `KERNEL_ALIASES`.
 
-    Fields (allowed values: `kernel_choices`; `parse` also takes the keys of `KERNEL_ALIASES`):
-        decode_attention: paged-attention variant of decode steps (T == 1).
-        prefill_attention: variant of prefill steps (T > 1).
-        qkv_prologue: q/k norm + RoPE + K/V page write: "xla" (jnp ops) or "triton" (one Pallas
-            kernel per layer, `pallas_kernels.qkv_prologue`; GPU, H/2 a power of 2).
-        add_rms_norm: residual add + RMSNorm: "xla" or "triton" (`pallas_kernels.add_rms_norm`;
-            GPU, D a power of 2; decode steps of 128+ rows then split the down projection).
-        prefill_gemm: GEMMs of prefill steps: "xla" (XLA's choice) or "cublas" (GPU only).
-        cublas_decode_min_batch: decode buckets of at least this many rows use cuBLAS GEMMs
-            (GPU only); None: XLA's choice. Default chosen by measurement (BENCHMARKS.md:
-            "Decode step").
-        batch_buckets / token_buckets: padded sizes of B and T, strictly increasing; (): the
-            defaults (`jaxinfer.engine.buckets`).
+    decode_attention / prefill_attention: paged-attention variant of decode (T == 1) / prefill
+        (T > 1) steps, by registry name.
+    qkv_prologue: q/k norm + RoPE + K/V page write, "xla" (jnp ops) or "triton" (one Pallas kernel
+        per layer; GPU, H/2 a power of 2). add_rms_norm: residual add + RMSNorm, "xla" or "triton"
+        (GPU, D a power of 2; decode steps of 128+ rows then split the down projection).
+    prefill_gemm: GEMMs of prefill steps, "xla" (XLA's choice) or "cublas" (GPU only).
+    cublas_decode_min_batch: decode buckets of at least this many rows use cuBLAS GEMMs (GPU only;
+        None: XLA's choice). Default chosen by measurement (BENCHMARKS.md: "Decode step").
+    batch_buckets / token_buckets: padded sizes of B and T, strictly increasing; (): the defaults.
     """
 
     decode_attention: str = "auto"
@@ -260,13 +231,10 @@ class KernelConfig:
 
     @classmethod
     def parse(cls, spec: "str | KernelConfig") -> "KernelConfig":
-        """From ``"key=value,..."`` (e.g. ``"decode=mosaic,prefill=triton,batch_buckets=1:2:4,
-        cublas_decode_min_batch=none"``; ``""``: the defaults); a `KernelConfig` as given.
-
-        Raises:
-            ValueError: an item without ``=``, an unknown or repeated key, or a bad value (naming
-                the key, the value and what is allowed).
-        """
+        """From ``"key=value,..."``, e.g. ``"decode=mosaic,prefill=triton,batch_buckets=1:2:4,
+        cublas_decode_min_batch=none"`` (``""``: the defaults); a `KernelConfig` as given.
+        Raises ValueError: an item without ``=``, an unknown or repeated key, or a bad value
+        (naming the key, the value and what is allowed)."""
         if isinstance(spec, cls):
             return spec
         if not isinstance(spec, str):
@@ -343,23 +311,21 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and not _positive_int(v):
                 _fail("EngineConfig", name, v, "must be a positive integer")
-        if not is_pow2(self.page_size):
-            _fail("EngineConfig", "page_size", self.page_size, "must be a power of two (8, 16, 32, 64, ...)")
-        if self.num_pages is not None and (not _positive_int(self.num_pages) or self.num_pages < 2):
-            _fail("EngineConfig", "num_pages", self.num_pages,
-                  "must be an integer >= 2 (page 0 is the reserved null page)")
-        if not 0.0 < self.memory_fraction <= 1.0:
-            _fail("EngineConfig", "memory_fraction", self.memory_fraction, "must be in (0, 1]")
-        if self.dtype not in (None, "float32", "bfloat16"):
-            _fail("EngineConfig", "dtype", self.dtype, "allowed: None, 'float32', 'bfloat16'")
-        if self.compilation_cache_dir is not None and not isinstance(
-                self.compilation_cache_dir, (str, os.PathLike)):
-            _fail("EngineConfig", "compilation_cache_dir", self.compilation_cache_dir,
-                  "must be None or a directory path")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            _fail("EngineConfig", "seed", self.seed, "must be an integer")
-        if not isinstance(self.async_scheduling, bool):
-            _fail("EngineConfig", "async_scheduling", self.async_scheduling, "must be True or False")
+        for name, ok, allowed in (
+                ("page_size", is_pow2(self.page_size), "must be a power of two (8, 16, 32, 64, ...)"),
+                ("num_pages", self.num_pages is None or _positive_int(self.num_pages)
+                 and self.num_pages >= 2, "must be an integer >= 2 (page 0 is the null page)"),
+                ("memory_fraction", 0.0 < self.memory_fraction <= 1.0, "must be in (0, 1]"),
+                ("dtype", self.dtype in (None, "float32", "bfloat16"),
+                 "allowed: None, 'float32', 'bfloat16'"),
+                ("compilation_cache_dir", self.compilation_cache_dir is None or isinstance(
+                    self.compilation_cache_dir, (str, os.PathLike)), "must be None or a path"),
+                ("seed", isinstance(self.seed, int) and not isinstance(self.seed, bool),
+                 "must be an integer"),
+                ("async_scheduling", isinstance(self.async_scheduling, bool),
+                 "must be True or False")):
+            if not ok:
+                _fail("EngineConfig", name, getattr(self, name), allowed)
         object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
         for name, limit in zip(_BUCKETS, ("max_num_seqs", "max_num_batched_tokens")):
             b = getattr(self.kernels, name)
@@ -369,7 +335,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """A model, its `EngineConfig` and a `KernelConfig` with no "auto" left (`resolve`)."""
+    """A model, its `EngineConfig` and a `KernelConfig` with no "auto" left (from `resolve`)."""
 
     model: ModelConfig
     engine: EngineConfig

@@ -9,7 +9,7 @@ Formats, told apart by `detect_format`:
 A `Checkpoint` holds the model config as a plain dict and the generation-config EOS ids, and keeps
 a GGUF file open (its metadata is parsed once). `hf_tensors` yields HF-named tensors for
 `checkpoints_tools.mapping`. Heavy imports (JAX, transformers, orbax, gguf) happen inside the
-functions, so `detect_format` is cheap and a CLI can validate its arguments before loading.
+functions, so a CLI can validate its arguments before loading them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
+from checkpoints_tools import gguf_loader, orbax_io
+
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -26,8 +28,6 @@ INDEX_FILE = "model.safetensors.index.json"
 def detect_format(path: str | os.PathLike) -> str:
     """"gguf" | "orbax" | "hf" for ``path`` (module docstring). Raises FileNotFoundError: ``path``
     does not exist; ValueError: none of the supported formats (says what was expected)."""
-    from checkpoints_tools.orbax_io import CONFIG_FILE
-
     p = os.fspath(path)
     expected = ("expected a .gguf file, a directory with jaxinfer_config.json (an Orbax checkpoint "
                 "from `python -m jaxinfer.convert`), or an HF model directory with config.json "
@@ -38,7 +38,7 @@ def detect_format(path: str | os.PathLike) -> str:
         if p.lower().endswith(".gguf"):
             return "gguf"
         raise ValueError(f"model path {p!r} is a file but not a .gguf file; {expected}")
-    if os.path.isfile(os.path.join(p, CONFIG_FILE)):
+    if os.path.isfile(os.path.join(p, orbax_io.CONFIG_FILE)):
         return "orbax"
     if os.path.isfile(os.path.join(p, "config.json")):
         return "hf"
@@ -93,14 +93,11 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     p = os.fspath(path)
     fmt = detect_format(p)
     if fmt == "gguf":
-        from checkpoints_tools.gguf_loader import gguf_eos_token_ids, gguf_hf_config, open_gguf
-
-        reader = open_gguf(p)
-        return Checkpoint(p, fmt, gguf_hf_config(reader), gguf_eos_token_ids(reader), reader)
+        reader = gguf_loader.open_gguf(p)
+        return Checkpoint(p, fmt, gguf_loader.gguf_hf_config(reader),
+                          gguf_loader.gguf_eos_token_ids(reader), reader)
     if fmt == "orbax":
-        from checkpoints_tools.orbax_io import read_saved_config
-
-        meta = read_saved_config(p)
+        meta = orbax_io.read_saved_config(p)
         return Checkpoint(p, fmt, meta["model_config"], _ids(meta.get("eos_token_ids")))
     gen = os.path.join(p, "generation_config.json")
     eos = _ids(read_json(gen).get("eos_token_id")) if os.path.isfile(gen) else ()
@@ -113,11 +110,7 @@ def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
     never holds the model in float32; HF tensors keep their stored dtype. Raises ValueError: an
     Orbax checkpoint, or the reader's errors (`iter_tensors`, `gguf_loader.gguf_hf_tensors`)."""
     if ckpt.format == "gguf":
-        import numpy as np
-
-        from checkpoints_tools.gguf_loader import gguf_hf_tensors
-
-        return gguf_hf_tensors(ckpt.reader, ckpt.config, out_dtype or np.float32)
+        return gguf_loader.gguf_hf_tensors(ckpt.reader, ckpt.config, out_dtype or "float32")
     if ckpt.format == "hf":
         return iter_tensors(ckpt.path)
     raise ValueError(f"{ckpt.path!r} is an Orbax checkpoint: it holds a param tree, not HF tensors")
@@ -136,9 +129,7 @@ def load_tokenizer(path: str | os.PathLike, fmt: str | None = None):
         d, name = os.path.split(os.path.abspath(p))
         args, kw = (d,), {"gguf_file": name}
     elif fmt == "orbax":
-        from checkpoints_tools.orbax_io import TOKENIZER_DIR
-
-        args, kw = (os.path.join(p, TOKENIZER_DIR),), {}
+        args, kw = (os.path.join(p, orbax_io.TOKENIZER_DIR),), {}
     else:
         args, kw = (p,), {}
     try:

@@ -14,6 +14,10 @@ import dataclasses
 import os
 from typing import Any, NamedTuple
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from checkpoints_tools import orbax_io
 from checkpoints_tools.loader import Checkpoint, hf_tensors, load_tokenizer, open_checkpoint
 from checkpoints_tools.mapping import TensorSource, hf_tensors_to_params
@@ -68,9 +72,6 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
     Raises:
         FileNotFoundError, ValueError: the format reader's and the mapping's errors.
     """
-    import jax.numpy as jnp
-    import numpy as np
-
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     cfg = cfg or model_config(ckpt)
     if ckpt.format == "orbax":
@@ -106,7 +107,5 @@ def save_checkpoint(dst: str | os.PathLike, cfg: ModelConfig, params, tokenizer,
                     eos_ids) -> None:
     """Write an Orbax checkpoint that `load_model` reads back (`checkpoints_tools.orbax_io.save`:
     FileExistsError for a non-empty ``dst``, ValueError for params that do not fit ``cfg``)."""
-    import jax
-
     dtype = jax.tree_util.tree_leaves(params)[0].dtype
     orbax_io.save(dst, cfg.to_dict(), params, abstract_params(cfg, dtype), tokenizer, eos_ids)

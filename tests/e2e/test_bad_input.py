@@ -43,9 +43,15 @@ def test_bad_request_in_batch_others_unchanged(llm):
     assert not llm.engine.has_unfinished() and bm.num_free_pages == bm.num_usable_pages
 
 
-def test_length_admission_rule(smollm_path):
+def small_llm(llm, **engine_args):
+    """An engine of its own over the session LLM's weights (no second checkpoint load)."""
+    return LLM.from_params(llm.engine.model_config, llm.engine.params, dtype="float32",
+                           **engine_args)
+
+
+def test_length_admission_rule(llm):
     """C1: max_model_len 64. Rule: prompt + max_tokens <= max_model_len, else rejected."""
-    small = LLM(smollm_path, max_model_len=64, max_num_seqs=4, num_pages=64, dtype="float32")
+    small = small_llm(llm, max_model_len=64, max_num_seqs=4, num_pages=64)
     ids = list(range(100, 200))
     out = small.generate({"prompt_token_ids": ids[:63]}, SamplingParams(max_tokens=1, temperature=0.0))[0]
     assert len(out.token_ids) == 1 and out.outputs[0].finish_reason in ("length", "stop")
@@ -57,10 +63,9 @@ def test_length_admission_rule(smollm_path):
     assert 0 < small.engine.stats.max_kv_len_seen <= 64
 
 
-def test_pool_admission(smollm_path):
+def test_pool_admission(llm):
     """C3: page 16, 8 usable pages (128 tokens): a 200-token prompt fails at once, a 10-token one completes."""
-    small = LLM(smollm_path, max_model_len=512, max_num_seqs=4, page_size=16, num_pages=9,
-                dtype="float32")
+    small = small_llm(llm, max_model_len=512, max_num_seqs=4, page_size=16, num_pages=9)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = small.generate([{"prompt_token_ids": list(range(100, 300))},
                            {"prompt_token_ids": list(range(100, 110))}], sp, on_error="return")

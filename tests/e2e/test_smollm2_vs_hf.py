@@ -44,14 +44,15 @@ def test_page_boundaries(llm, hf_greedy, length):
     assert out.outputs[0].finish_reason == "length"
 
 
-def test_preemption_gives_same_outputs(smollm_path, llm, prompt_ids):
+def test_preemption_gives_same_outputs(llm, prompt_ids):
     """Acceptance 5: a pool too small for all running sequences forces preemption by recompute."""
     sp = SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
     expected = [list(o.token_ids) for o in llm.generate(prompts, sp)]
     need = sum(-(-(len(ids) + 40) // PAGE_SIZE) for ids in prompt_ids)
-    small = LLM(smollm_path, max_model_len=512, max_num_seqs=8, page_size=PAGE_SIZE,
-                num_pages=need // 2 + 1, dtype="float32")
+    small = LLM.from_params(llm.engine.model_config, llm.engine.params, max_model_len=512,
+                            max_num_seqs=8, page_size=PAGE_SIZE, num_pages=need // 2 + 1,
+                            dtype="float32")  # the session LLM's weights, a small pool
     outs = small.generate(prompts, sp)
     assert [list(o.token_ids) for o in outs] == expected
     assert sum(o.metrics.num_preemptions for o in outs) > 0

@@ -129,35 +129,24 @@ class MemoryPlan:
     def pages_per_seq(self) -> int:
         return -(-self.context // self.page_size)
 
-    @property
-    def usable_bytes(self) -> int:
-        return int(self.device_bytes * self.utilization)
-
-    @property
-    def kv_budget_bytes(self) -> int:
-        return self.usable_bytes - self.weight_bytes - self.reserve_bytes
-
-    @property
-    def max_tokens(self) -> int:
-        """Tokens the pool holds, excluding the null page."""
-        return (self.num_pages - 1) * self.page_size
-
     def table(self) -> str:
         """A readable two-column table of the plan (bytes also in GiB/MiB)."""
         def b(n: int) -> str:
             return f"{_gib(n)}  ({n:,} B)"
 
+        usable = int(self.device_bytes * self.utilization)
         rows = [
             ("device memory", b(self.device_bytes)),
-            ("utilization", f"{self.utilization:g}  -> usable {_gib(self.usable_bytes)}"),
+            ("utilization", f"{self.utilization:g}  -> usable {_gib(usable)}"),
             ("weights", b(self.weight_bytes)),
             ("reserve (activations, workspace)", b(self.reserve_bytes)),
-            ("KV budget", b(self.kv_budget_bytes)),
+            ("KV budget", b(usable - self.weight_bytes - self.reserve_bytes)),
             ("KV bytes per token",
              f"{self.kv_bytes_per_token:,} B  ({self.kv_bytes_per_token / 1024:,.1f} KiB)"),
             ("page size", f"{self.page_size} tokens  ({self.page_bytes / MIB:,.3f} MiB per page)"),
             ("KV pool", f"{self.num_pages:,} pages incl. null page 0 = {_gib(self.kv_pool_bytes)}"
-                        f"  ({self.kv_pool_bytes:,} B, {self.max_tokens:,} tokens)"),
+                        f"  ({self.kv_pool_bytes:,} B, {(self.num_pages - 1) * self.page_size:,} "
+                        "tokens)"),
             ("context", f"{self.context:,} tokens = {self.pages_per_seq:,} pages"
                         f" = {self.pages_per_seq * self.page_bytes / MIB:,.1f} MiB per sequence"),
             ("max concurrent sequences", f"{self.max_concurrent_seqs:,}"),

@@ -45,14 +45,9 @@ def model_config(ckpt: Checkpoint) -> ModelConfig:
 
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
-    """The `ModelConfig` of the checkpoint at ``path``, without reading tensor data (to load it
-    next, ``load_model(ckpt)`` after ``model_config(ckpt := open_checkpoint(path))`` parses a GGUF
-    file's metadata once).
-
-    Raises:
-        FileNotFoundError: ``path`` (or its config file) does not exist.
-        ValueError: an unsupported format, architecture or config.
-    """
+    """The `ModelConfig` of the checkpoint at ``path`` (no tensor data read; to load it next,
+    ``model_config(ckpt := open_checkpoint(path))`` then ``load_model(ckpt)`` parse a GGUF once).
+    Raises FileNotFoundError: ``path`` or its config file is absent; ValueError: unsupported."""
     return model_config(open_checkpoint(path))
 
 
@@ -68,10 +63,7 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
                 ) -> tuple[ModelConfig, dict]:
     """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype`` ("bfloat16",
     "float32" or a jnp dtype), without the tokenizer; ``cfg``: its `model_config` if already built.
-
-    Raises:
-        FileNotFoundError, ValueError: the format reader's and the mapping's errors.
-    """
+    Raises FileNotFoundError, ValueError: the format reader's and the mapping's errors."""
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     cfg = cfg or model_config(ckpt)
     if ckpt.format == "orbax":

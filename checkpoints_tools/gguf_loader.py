@@ -1,21 +1,13 @@
-"""Load a llama.cpp GGUF file (Llama or Qwen3 architecture) into our parameter tree.
+"""Read a llama.cpp GGUF file (Llama or Qwen3 architecture) as an HF config dict and HF tensors.
 
-Steps: read the metadata into an HF-style config dict -> `ModelConfig.from_hf_config`; dequantise
-every tensor to float32 with ``gguf.quants.dequantize``; rename it to its HF name through the ONE
-table `GGUF_TO_HF` below; undo llama.cpp's Q/K row permutation where its converter applied one; then
-hand the HF-named tensors to `checkpoints_tools.mapping.hf_tensors_to_params` (shape checks,
-missing/unmapped/duplicate errors, tying decided from the tensors, cast to ``dtype``).
+The metadata becomes an HF-style ``config.json`` dict (`gguf_hf_config`); each tensor is dequantised
+to float32 (``gguf.quants.dequantize``), renamed through the ONE table `GGUF_TO_HF`, and llama.cpp's
+Q/K row permutation is undone where its converter applied one (`gguf_hf_tensors`). GGUF lists
+dimensions innermost-first, so ``dequantize`` already returns HF's row-major ``[out, in]``.
 
-Layout facts (verified against HF transformers' own GGUF loader on SmolLM2-135M Q4_1, exact match):
-GGUF lists dimensions innermost-first (``ne0`` = input features), so ``ReaderTensor.shape`` is
-``[in, out]``; the numpy array that ``dequantize`` returns is already row-major ``[out, in]``, i.e.
-the HF ``nn.Linear.weight`` layout. No transpose is needed here.
-
-Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute``, applied to q_proj/k_proj for
-the ``llama`` architecture; ``Qwen3Model`` derives from ``Qwen2Model``/``TextModel`` and does not
-permute; ``LlamaModel.generate_extra_tensors`` writes the Llama 3 RoPE factors as ``rope_freqs``);
-``gguf-py/gguf/constants.py`` for the tensor and metadata names; HF transformers
-``modeling_gguf_pytorch_utils.py`` (``LlamaTensorProcessor._reverse_permute_weights``).
+Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` of q/k_proj for ``llama``,
+not for ``qwen3``; ``generate_extra_tensors`` writes Llama 3 RoPE factors as ``rope_freqs``),
+``gguf-py/gguf/constants.py`` (names), HF ``modeling_gguf_pytorch_utils.py`` (reverse permute).
 """
 
 from __future__ import annotations
@@ -29,40 +21,29 @@ import numpy as np
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen3")
 
-# llama.cpp permutes the rows of q_proj/k_proj for these architectures (its RoPE kernel rotates
-# adjacent pairs, HF rotates the two halves of each head); Qwen3 GGUFs are written unpermuted.
+# llama.cpp permutes q_proj/k_proj rows (its RoPE rotates adjacent pairs, HF's the two halves).
 _QK_PERMUTED = {"llama": True, "qwen3": False}
 
-# The one GGUF -> HF tensor-name table. ``{i}`` is the layer index. A value of None means the tensor
-# is not a weight: it is consumed while building the config (see `_llama3_scaling_from_factors`).
+# The one GGUF -> HF tensor-name table; ``{i}`` is the layer index; None: read into the config.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj"}
 GGUF_TO_HF: Mapping[str, str | None] = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "rope_freqs.weight": None,
-    "blk.{i}.attn_norm.weight": "model.layers.{i}.input_layernorm.weight",
-    "blk.{i}.attn_q.weight": "model.layers.{i}.self_attn.q_proj.weight",
-    "blk.{i}.attn_k.weight": "model.layers.{i}.self_attn.k_proj.weight",
-    "blk.{i}.attn_v.weight": "model.layers.{i}.self_attn.v_proj.weight",
-    "blk.{i}.attn_output.weight": "model.layers.{i}.self_attn.o_proj.weight",
-    "blk.{i}.attn_q_norm.weight": "model.layers.{i}.self_attn.q_norm.weight",
-    "blk.{i}.attn_k_norm.weight": "model.layers.{i}.self_attn.k_norm.weight",
-    "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
-    "blk.{i}.ffn_gate.weight": "model.layers.{i}.mlp.gate_proj.weight",
-    "blk.{i}.ffn_up.weight": "model.layers.{i}.mlp.up_proj.weight",
-    "blk.{i}.ffn_down.weight": "model.layers.{i}.mlp.down_proj.weight",
-}
+    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight", "rope_freqs.weight": None,
+    **{f"blk.{{i}}.{g}.weight": f"model.layers.{{i}}.{h}.weight" for g, h in _LAYER_NAMES.items()}}
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
-# ----------------------------------------------------------------------------------- reading
 def open_gguf(path: str | os.PathLike):
-    """Open ``path`` with ``gguf.GGUFReader`` (memory-mapped, read-only).
+    """``gguf.GGUFReader`` of ``path`` (memory-mapped, read-only).
 
     Raises:
-        FileNotFoundError: ``path`` is not a file.
-        ValueError: the file is not a readable GGUF file.
+        FileNotFoundError: ``path`` is not a file. ValueError: not a readable GGUF file.
     """
     import gguf
 
@@ -78,34 +59,14 @@ def open_gguf(path: str | os.PathLike):
 def _value(reader, key: str, default: Any = None) -> Any:
     """One metadata value (scalars as Python scalars, arrays as lists), or ``default``."""
     field = reader.fields.get(key)
-    if field is None:
-        return default
-    return field.contents()
-
-
-def gguf_architecture(reader) -> str:
-    """``general.architecture``, checked against `SUPPORTED_GGUF_ARCHITECTURES`.
-
-    Raises:
-        ValueError: missing or unsupported architecture (names it and the supported list).
-    """
-    arch = _value(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture general.architecture={arch!r}; "
-                         f"supported: {SUPPORTED_GGUF_ARCHITECTURES}")
-    return arch
+    return default if field is None else field.contents()
 
 
 def gguf_eos_token_ids(reader) -> tuple[int, ...]:
     """The end-of-generation ids in the metadata: ``tokenizer.ggml.eos_token_id`` plus the
     end-of-turn / end-of-message ids when present (llama.cpp's ``llama_vocab_is_eog`` set)."""
-    ids = []
-    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                "tokenizer.ggml.eom_token_id"):
-        v = _value(reader, key)
-        if v is not None and int(v) not in ids:
-            ids.append(int(v))
-    return tuple(ids)
+    ids = (_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+    return tuple(dict.fromkeys(int(v) for v in ids if v is not None))
 
 
 def gguf_hf_config(reader) -> dict:
@@ -118,11 +79,14 @@ def gguf_hf_config(reader) -> dict:
     recovered from the ``rope_freqs.weight`` tensor when present.
 
     Raises:
-        ValueError: unsupported architecture, a required key missing, partial rotary
-            (``rope.dimension_count`` != head dim), K and V head dims that differ, or a RoPE scaling
-            type other than none/llama3.
+        ValueError: an architecture not in `SUPPORTED_GGUF_ARCHITECTURES` (both named), a required
+            key missing, partial rotary (``rope.dimension_count`` != head dim), K and V head dims
+            that differ, or a RoPE scaling type other than none/llama3.
     """
-    arch = gguf_architecture(reader)
+    arch = _value(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture general.architecture={arch!r}; "
+                         f"supported: {SUPPORTED_GGUF_ARCHITECTURES}")
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         v = _value(reader, f"{arch}.{key}", default)
@@ -133,17 +97,14 @@ def gguf_hf_config(reader) -> dict:
     tensors = {t.name: t for t in reader.tensors}
     d = int(get("embedding_length", required=True))
     n = int(get("attention.head_count", required=True))
-    k = int(get("attention.head_count_kv", n))
-    key_len, val_len = get("attention.key_length"), get("attention.value_length")
-    rot = get("rope.dimension_count")
-    head_dim = int(key_len or rot or d // n)
+    val_len, rot = get("attention.value_length"), get("rope.dimension_count")
+    head_dim = int(get("attention.key_length") or rot or d // n)
     if val_len is not None and int(val_len) != head_dim:
         raise ValueError(f"GGUF {arch}.attention.value_length={val_len} differs from key length "
                          f"{head_dim}; only equal K/V head dims are supported")
     if rot is not None and int(rot) != head_dim:
         raise ValueError(f"GGUF {arch}.rope.dimension_count={rot} != head_dim={head_dim}: partial "
                          f"rotary embeddings are not supported")
-
     vocab = get("vocab_size")
     if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -151,29 +112,18 @@ def gguf_hf_config(reader) -> dict:
         vocab = int(tensors["token_embd.weight"].shape[-1])
     if vocab is None:
         raise ValueError(f"GGUF has no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight")
-
     theta = float(get("rope.freq_base", 10000.0))
+    bos, eos = (_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
     cfg: dict[str, Any] = {
-        "model_type": arch,
-        "architectures": [f"gguf:{arch}"],
-        "vocab_size": int(vocab),
-        "hidden_size": d,
-        "intermediate_size": int(get("feed_forward_length", required=True)),
+        "model_type": arch, "architectures": [f"gguf:{arch}"], "vocab_size": int(vocab),
+        "hidden_size": d, "intermediate_size": int(get("feed_forward_length", required=True)),
         "num_hidden_layers": int(get("block_count", required=True)),
-        "num_attention_heads": n,
-        "num_key_value_heads": k,
-        "head_dim": head_dim,
-        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": theta,
-        "max_position_embeddings": int(get("context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in tensors,
-        "hidden_act": "silu",
-    }
-    bos = _value(reader, "tokenizer.ggml.bos_token_id")
-    eos = _value(reader, "tokenizer.ggml.eos_token_id")
-    cfg["bos_token_id"] = None if bos is None else int(bos)
-    cfg["eos_token_id"] = None if eos is None else int(eos)
-
+        "num_attention_heads": n, "num_key_value_heads": int(get("attention.head_count_kv", n)),
+        "head_dim": head_dim, "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta, "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
+        "bos_token_id": None if bos is None else int(bos),
+        "eos_token_id": None if eos is None else int(eos)}
     scaling_type = get("rope.scaling.type")
     if scaling_type not in (None, "none"):
         raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
@@ -183,8 +133,8 @@ def gguf_hf_config(reader) -> dict:
 
         t = tensors["rope_freqs.weight"]
         factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
-        orig = get("rope.scaling.original_context_length")
-        scaling = _llama3_scaling_from_factors(factors, theta, head_dim, orig)
+        scaling = _llama3_scaling_from_factors(factors, theta, head_dim,
+                                               get("rope.scaling.original_context_length"))
         if scaling is not None:
             cfg["rope_scaling"] = scaling
     return cfg
@@ -192,12 +142,8 @@ def gguf_hf_config(reader) -> dict:
 
 def _llama3_inv_freq_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
                              orig: float) -> np.ndarray:
-    """Per-frequency wavelength multipliers of Llama 3 RoPE scaling, f64[H/2].
-
-    Source: Llama 3.1 ``apply_scaling`` (meta-llama/llama-models); llama.cpp writes exactly these
-    multipliers as ``rope_freqs.weight`` (1 for short wavelengths, ``factor`` for long ones, a smooth
-    blend between).
-    """
+    """Per-frequency wavelength multipliers f64[H/2] of Llama 3 RoPE scaling (Llama 3.1
+    ``apply_scaling``, meta-llama/llama-models), what llama.cpp writes as ``rope_freqs.weight``."""
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / inv_freq
     smooth = (orig / wavelen - low) / (high - low)
@@ -207,18 +153,11 @@ def _llama3_inv_freq_factors(theta: float, head_dim: int, factor: float, low: fl
 
 def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int,
                                  orig: int | None) -> dict | None:
-    """Recover HF ``rope_scaling`` (llama3) from llama.cpp's ``rope_freqs`` multipliers f[H/2].
-
-    The multipliers depend on ``original_max_position_embeddings`` only through ``orig/low`` and
-    ``orig/high``, so ``orig`` (from ``rope.scaling.original_context_length``, else 8192) is fixed and
-    ``low``/``high`` are fitted from the smooth band (where ``1/f`` is linear in ``orig/wavelen``),
-    falling back to Llama 3's published (1, 4). The result is verified to reproduce the tensor.
-
-    Returns:
-        The ``rope_scaling`` dict, or None when every multiplier is 1 (no scaling).
-    Raises:
-        ValueError: wrong length, or no llama3 parameters reproduce the multipliers.
-    """
+    """HF ``rope_scaling`` (llama3; None when every multiplier is 1) from llama.cpp's
+    ``rope_freqs`` multipliers f[H/2]. ``orig`` (``rope.scaling.original_context_length``, else
+    8192) is fixed, ``low``/``high`` fitted from the smooth band (``1/f`` linear in
+    ``orig/wavelen``), else Llama 3's published (1, 4); the result must reproduce the tensor.
+    Raises ValueError: wrong length, or no llama3 parameters reproduce the multipliers."""
     if factors.shape != (head_dim // 2,):
         raise ValueError(f"rope_freqs.weight has shape {factors.shape}, expected ({head_dim // 2},)")
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
@@ -247,13 +186,9 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
                      f"(factor={factor}, original_context_length={orig}); unsupported RoPE scaling")
 
 
-# ----------------------------------------------------------------------------------- tensors
 def gguf_name_to_hf(name: str, num_layers: int) -> str | None:
     """HF name of GGUF tensor ``name`` via `GGUF_TO_HF`; None for config-only tensors.
-
-    Raises:
-        ValueError: a name not in the table, or a layer index >= ``num_layers``.
-    """
+    Raises ValueError: a name not in the table, or a layer index >= ``num_layers``."""
     m = _LAYER_RE.match(name)
     key, layer = (f"blk.{{i}}.{m.group(2)}", int(m.group(1))) if m else (name, None)
     if key not in GGUF_TO_HF:
@@ -265,12 +200,9 @@ def gguf_name_to_hf(name: str, num_layers: int) -> str | None:
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's ``LlamaModel.permute`` of q_proj/k_proj rows, [n_heads*H, D] -> same shape.
-
-    llama.cpp reorders each head's rows from HF's half-split order (``[x0..x_{H/2-1}, y0..]``) to
-    interleaved pairs (``[x0, y0, x1, y1, ...]``): ``reshape(n, 2, H/2, D).swapaxes(1, 2)``. The inverse
-    is ``reshape(n, H/2, 2, D).swapaxes(1, 2)``. ``n_heads`` is N for q and K for k.
-    """
+    """Undo llama.cpp's ``LlamaModel.permute`` of q_proj/k_proj rows, [n_heads*H, D] -> same shape
+    (``n_heads``: N for q, K for k). llama.cpp interleaves each head's half-split rows,
+    ``reshape(n, 2, H/2, D).swapaxes(1, 2)``; the inverse swaps ``reshape(n, H/2, 2, D)``."""
     rows = w.shape[0]
     if rows % (2 * n_heads):
         raise ValueError(f"cannot un-permute a tensor of {rows} rows into {n_heads} heads of even size")
@@ -279,14 +211,10 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def gguf_hf_tensors(reader, hf_config: Mapping[str, Any],
                     out_dtype=np.float32) -> dict[str, np.ndarray]:
-    """All weight tensors dequantised (in float32) and renamed to HF names, HF ``[out, in]`` layout,
-    with llama.cpp's Q/K permutation undone for architectures that have it, then cast one by one to
-    ``out_dtype`` (a numpy dtype; ``ml_dtypes.bfloat16`` halves peak host memory for bf16 loads).
-
-    Raises:
-        ValueError: an unknown tensor name, an unsupported quantisation type, a shape that disagrees
-            with the GGUF header, or two GGUF tensors mapping to the same HF name.
-    """
+    """Every weight dequantised (float32), renamed to its HF name, HF ``[out, in]``, Q/K permutation
+    undone where llama.cpp applied it, then cast one by one to ``out_dtype`` (numpy dtype).
+    Raises ValueError: an unknown tensor name, an unsupported quantisation type, a shape that
+    disagrees with the GGUF header, or two GGUF tensors mapping to one HF name."""
     import gguf
 
     arch = hf_config["model_type"]
@@ -312,41 +240,3 @@ def gguf_hf_tensors(reader, hf_config: Mapping[str, Any],
             w = unpermute_qk(w, n if hf_name.endswith("q_proj.weight") else k)
         out[hf_name] = w.astype(out_dtype, copy=False)
     return out
-
-
-def load_gguf_hf(path: str | os.PathLike,
-                 out_dtype=np.float32) -> tuple[dict, dict[str, np.ndarray]]:
-    """``(hf_config_dict, {hf_name: array of out_dtype})`` of a GGUF file (see `gguf_hf_config`,
-    `gguf_hf_tensors`).
-
-    Raises:
-        FileNotFoundError, ValueError: as `open_gguf`, `gguf_hf_config`, `gguf_hf_tensors`.
-    """
-    reader = open_gguf(path)
-    hf_config = gguf_hf_config(reader)
-    return hf_config, gguf_hf_tensors(reader, hf_config, out_dtype)
-
-
-def load_gguf(path: str | os.PathLike, dtype="bfloat16"):
-    """Load a GGUF file into ``(ModelConfig, params)``.
-
-    Args:
-        path: a ``.gguf`` file of architecture ``llama`` or ``qwen3`` (any quantisation type that
-            ``gguf.quants.dequantize`` supports; weights are dequantised, not kept quantised).
-        dtype: parameter dtype, e.g. "bfloat16" or "float32" (dequantisation itself is float32).
-    Returns:
-        ``(cfg, params)`` with params in the `jaxinfer.models.params` layout.
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: unsupported architecture, unknown/missing tensors, bad shapes.
-    """
-    import jax.numpy as jnp
-
-    from checkpoints_tools.mapping import hf_tensors_to_params
-    from jaxinfer.config import ModelConfig
-
-    # Cast each tensor right after dequantising (f32 -> bf16 rounds to nearest even in ml_dtypes,
-    # as jnp's astype does), so a bf16 load never holds the whole model in float32.
-    hf_config, tensors = load_gguf_hf(path, np.dtype(jnp.dtype(dtype)))
-    params, cfg = hf_tensors_to_params(tensors, ModelConfig.from_hf_config(hf_config), dtype)
-    return cfg, params

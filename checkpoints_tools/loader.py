@@ -1,17 +1,15 @@
-"""One entry point for every checkpoint format: `load_model(path, dtype) -> LoadedModel`.
+"""One entry point for every checkpoint format: `open_checkpoint(path) -> Checkpoint`.
 
 Formats, told apart by `detect_format`:
-    "gguf"   a ``*.gguf`` file (llama.cpp; Llama / Qwen3)              -> `gguf_loader.load_gguf`
-    "orbax"  a directory with ``jaxinfer_config.json`` (from convert)  -> `orbax_io.restore`
-    "hf"     a directory with ``config.json`` (+ ``*.safetensors``)     -> `safetensors_loader`
+    "gguf"   a ``*.gguf`` file (llama.cpp; Llama / Qwen3)                  -> `gguf_loader`
+    "orbax"  a directory with ``jaxinfer_config.json`` (``jaxinfer.convert``) -> `orbax_io`
+    "hf"     a directory with ``config.json`` and ``model.safetensors`` or
+             ``model.safetensors.index.json`` + the shards its ``weight_map`` names
 
-The tokenizer comes from the same place (`load_tokenizer`), always offline (``local_files_only``).
-EOS handling (CASES.md C4): the engine stops on the union of the tokenizer's EOS id, the
-generation-config EOS ids (HF ``generation_config.json``, GGUF metadata, or the ids an Orbax
-checkpoint stored) and ``ModelConfig.eos_token_ids``; `LoadedModel.eos_token_ids` is that union.
-
-Heavy imports (JAX, transformers, orbax) happen inside the functions, so `detect_format` is cheap
-and a CLI can validate its arguments before loading anything.
+A `Checkpoint` holds the model config as a plain dict and the generation-config EOS ids, and keeps
+a GGUF file open (its metadata is parsed once). `hf_tensors` yields HF-named tensors for
+`checkpoints_tools.mapping`. Heavy imports (JAX, transformers, orbax, gguf) happen inside the
+functions, so a CLI can validate its arguments before loading them.
 """
 
 from __future__ import annotations
@@ -19,52 +17,28 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
-from jaxinfer.config import ModelConfig
+from checkpoints_tools import gguf_loader, orbax_io
 
-FORMATS = ("hf", "gguf", "orbax")
-
-
-@dataclass(frozen=True, eq=False)
-class LoadedModel:
-    """A model ready for the engine.
-
-    config: `jaxinfer.config.ModelConfig`.
-    params: the param tree of `jaxinfer.models.params` (jax arrays of the requested dtype).
-    tokenizer: an HF tokenizer (``PreTrainedTokenizerBase``).
-    eos_token_ids: the union (first-seen order) of the tokenizer's ``eos_token_id``, the
-        generation-config EOS ids and ``config.eos_token_ids``.
-    source: "hf" | "gguf" | "orbax".
-    """
-
-    config: Any
-    params: Any
-    tokenizer: Any
-    eos_token_ids: tuple[int, ...]
-    source: str
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """"gguf" | "orbax" | "hf" for ``path`` (see the module docstring). No heavy imports.
-
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: ``path`` is none of the supported formats (says what was expected).
-    """
-    from checkpoints_tools.orbax_io import CONFIG_FILE
-
+    """"gguf" | "orbax" | "hf" for ``path`` (module docstring). Raises FileNotFoundError: ``path``
+    does not exist; ValueError: none of the supported formats (says what was expected)."""
     p = os.fspath(path)
     expected = ("expected a .gguf file, a directory with jaxinfer_config.json (an Orbax checkpoint "
-                "from `python -m checkpoints_tools.convert`), or an HF model directory with "
-                "config.json and *.safetensors")
+                "from `python -m jaxinfer.convert`), or an HF model directory with config.json "
+                "and *.safetensors")
     if not os.path.exists(p):
         raise FileNotFoundError(f"model path {p!r} does not exist")
     if os.path.isfile(p):
         if p.lower().endswith(".gguf"):
             return "gguf"
         raise ValueError(f"model path {p!r} is a file but not a .gguf file; {expected}")
-    if os.path.isfile(os.path.join(p, CONFIG_FILE)):
+    if os.path.isfile(os.path.join(p, orbax_io.CONFIG_FILE)):
         return "orbax"
     if os.path.isfile(os.path.join(p, "config.json")):
         return "hf"
@@ -73,132 +47,162 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def _ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, (list, tuple)):
-        return tuple(int(v) for v in value)
-    return (int(value),)
+    """An ``eos_token_id`` value (None, an int or a list) as a tuple of ints."""
+    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value])
+                 if v is not None)
 
 
-def generation_eos_ids(path: str | os.PathLike) -> tuple[int, ...]:
-    """The generation-config EOS ids of a model: HF ``generation_config.json`` ``eos_token_id``
-    (int or list; () when the file or key is absent), the GGUF metadata EOS/EOT/EOM ids, or the ids
-    stored in an Orbax checkpoint.
+def read_json(path: str) -> dict:
+    """A JSON object file. Raises FileNotFoundError (absent), ValueError (not a JSON object)."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {os.path.basename(path)} in model directory "
+                                f"{os.path.dirname(path)!r}")
+    with open(path) as f:
+        try:
+            out = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(out, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return out
 
-    Raises:
-        FileNotFoundError, ValueError: as `detect_format`.
+
+@dataclass(frozen=True, eq=False)
+class Checkpoint:
+    """An opened checkpoint. path: the file or directory; format: "hf" | "gguf" | "orbax".
+
+    config: the model config dict: HF ``config.json`` layout for "hf" and "gguf" (built from the
+        metadata, `gguf_loader.gguf_hf_config`), ``ModelConfig.to_dict()`` layout for "orbax".
+    generation_eos_ids: HF ``generation_config.json`` ``eos_token_id`` (int or list; () when the
+        file or key is absent), the GGUF metadata EOS/EOT/EOM ids, or the ids an Orbax checkpoint
+        stored.
+    reader: the open ``gguf.GGUFReader`` of a GGUF file (memory-mapped), else None.
     """
+
+    path: str
+    format: str
+    config: dict
+    generation_eos_ids: tuple[int, ...]
+    reader: Any = None
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Detect the format of ``path`` and read its config and generation EOS ids (no tensor data).
+    Raises FileNotFoundError: ``path`` or a file the format needs is absent (named); ValueError: an
+    unsupported format, an unreadable file, bad JSON or unsupported GGUF metadata."""
     p = os.fspath(path)
     fmt = detect_format(p)
     if fmt == "gguf":
-        from checkpoints_tools.gguf_loader import gguf_eos_token_ids, open_gguf
-
-        return gguf_eos_token_ids(open_gguf(p))
+        reader = gguf_loader.open_gguf(p)
+        return Checkpoint(p, fmt, gguf_loader.gguf_hf_config(reader),
+                          gguf_loader.gguf_eos_token_ids(reader), reader)
     if fmt == "orbax":
-        from checkpoints_tools.orbax_io import read_saved_config
-
-        return _ids(read_saved_config(p).get("eos_token_ids"))
+        meta = orbax_io.read_saved_config(p)
+        return Checkpoint(p, fmt, meta["model_config"], _ids(meta.get("eos_token_ids")))
     gen = os.path.join(p, "generation_config.json")
-    if not os.path.isfile(gen):
-        return ()
-    with open(gen) as f:
-        return _ids(json.load(f).get("eos_token_id"))
+    eos = _ids(read_json(gen).get("eos_token_id")) if os.path.isfile(gen) else ()
+    return Checkpoint(p, fmt, read_json(os.path.join(p, "config.json")), eos)
 
 
-def load_tokenizer(path: str | os.PathLike):
-    """The HF tokenizer of a model and its generation-config EOS ids, offline.
+def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
+    """``(HF name, numpy array)`` pairs of an "hf" or "gguf" checkpoint, HF ``[out, in]`` layout.
+    ``out_dtype`` (numpy, GGUF only) casts each dequantised tensor as it is read, so a bf16 load
+    never holds the model in float32; HF tensors keep their stored dtype. Raises ValueError: an
+    Orbax checkpoint, or the reader's errors (`iter_tensors`, `gguf_loader.gguf_hf_tensors`)."""
+    if ckpt.format == "gguf":
+        return gguf_loader.gguf_hf_tensors(ckpt.reader, ckpt.config, out_dtype or "float32")
+    if ckpt.format == "hf":
+        return iter_tensors(ckpt.path)
+    raise ValueError(f"{ckpt.path!r} is an Orbax checkpoint: it holds a param tree, not HF tensors")
 
-    HF dir: ``AutoTokenizer.from_pretrained(dir)``; GGUF file: ``AutoTokenizer.from_pretrained(
-    dirname, gguf_file=basename)`` (HF builds a fast tokenizer from the GGUF vocabulary); Orbax dir:
-    the tokenizer saved under ``tokenizer/``. Always ``local_files_only=True``.
 
-    Returns:
-        (tokenizer, generation_eos_ids: tuple[int, ...]) — see `generation_eos_ids`.
-    Raises:
-        FileNotFoundError: ``path`` does not exist.
-        ValueError: not a supported format, or no tokenizer could be loaded from it.
-    """
+def load_tokenizer(path: str | os.PathLike, fmt: str | None = None):
+    """The HF tokenizer of a model, offline (``local_files_only=True``): ``AutoTokenizer`` of the HF
+    dir, of the GGUF file (``gguf_file=``; HF builds it from the GGUF vocabulary) or of an Orbax
+    dir's ``tokenizer/``. ``fmt``: the format if known. Raises FileNotFoundError: ``path`` does not
+    exist; ValueError: not a supported format, or no tokenizer could be loaded from it."""
     from transformers import AutoTokenizer
 
     p = os.fspath(path)
-    fmt = detect_format(p)
+    fmt = fmt or detect_format(p)
     if fmt == "gguf":
         d, name = os.path.split(os.path.abspath(p))
         args, kw = (d,), {"gguf_file": name}
     elif fmt == "orbax":
-        from checkpoints_tools.orbax_io import TOKENIZER_DIR
-
-        args, kw = (os.path.join(p, TOKENIZER_DIR),), {}
+        args, kw = (os.path.join(p, orbax_io.TOKENIZER_DIR),), {}
     else:
         args, kw = (p,), {}
     try:
-        tok = AutoTokenizer.from_pretrained(*args, local_files_only=True, **kw)
+        return AutoTokenizer.from_pretrained(*args, local_files_only=True, **kw)
     except ImportError as e:  # transformers' GGUF reader imports torch
         raise ValueError(f"cannot load the tokenizer of {fmt} model {p!r}: {e}; transformers needs "
                          "PyTorch for GGUF tokenizers: pip install 'jaxinfer[gguf]' (or convert the "
-                         "model once with python -m checkpoints_tools.convert on a machine that has it)"
+                         "model once with python -m jaxinfer.convert on a machine that has it)"
                          ) from e
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot load a tokenizer for {fmt} model {p!r} from {args[0]!r}: "
                          f"{type(e).__name__}: {e}") from e
-    return tok, generation_eos_ids(p)
 
 
-def union_ids(*groups: Iterable[int | None]) -> tuple[int, ...]:
-    """Ordered union of id groups (first occurrence wins; None entries skipped)."""
-    out: list[int] = []
-    for g in groups:
-        for t in g:
-            if t is not None and int(t) not in out:
-                out.append(int(t))
-    return tuple(out)
-
-
-def load_params(path: str | os.PathLike, dtype="bfloat16", fmt: str | None = None):
-    """``(ModelConfig, params)`` of the model at ``path`` in ``dtype``, without the tokenizer.
-
-    Raises:
-        FileNotFoundError, ValueError: as `detect_format` and the format's loader.
-    """
-    fmt = fmt or detect_format(path)
-    if fmt == "gguf":
-        from checkpoints_tools.gguf_loader import load_gguf
-
-        return load_gguf(path, dtype)
-    if fmt == "orbax":
-        from checkpoints_tools.orbax_io import restore
-
-        return restore(path, dtype)
-    from checkpoints_tools.safetensors_loader import load_safetensors_dir
-
-    return load_safetensors_dir(path, dtype)
-
-
-def load_model(path: str | os.PathLike, dtype="bfloat16", *,
-               with_tokenizer: bool = True) -> LoadedModel:
-    """Load config, params and tokenizer from an HF directory, a GGUF file or an Orbax checkpoint.
-
-    Args:
-        path: see `detect_format`.
-        dtype: parameter dtype ("bfloat16", "float32" or a jnp dtype).
-        with_tokenizer: False skips the tokenizer (``tokenizer`` is None; token-id prompts only);
-            EOS ids then come from the generation config and the model config.
-    Returns:
-        `LoadedModel`.
-    Raises:
-        FileNotFoundError: ``path`` does not exist (named in the message).
-        ValueError: an unsupported format or architecture, bad tensors, or no tokenizer.
-    """
-    p = os.fspath(path)
-    fmt = detect_format(p)
-    if fmt == "hf":  # an unsupported architecture fails here, before any tokenizer is built
-        ModelConfig.from_hf_dir(p)
-    if with_tokenizer:
-        tokenizer, gen_eos = load_tokenizer(p)
-        tok_eos = (tokenizer.eos_token_id,)
+def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
+    """The safetensors files of an HF directory (sorted) and the index's ``weight_map`` (tensor
+    name -> shard file; None for a single ``model.safetensors``). Raises FileNotFoundError: no
+    weights file, or a shard the index names is absent (named); ValueError: no ``weight_map``."""
+    root = os.fspath(path)
+    index = os.path.join(root, INDEX_FILE)
+    single = os.path.join(root, SINGLE_FILE)
+    weight_map = None
+    if os.path.isfile(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index!r} has no 'weight_map' object")
+        files = [os.path.join(root, name) for name in sorted(set(weight_map.values()))]
+    elif os.path.isfile(single):
+        files = [single]
     else:
-        tokenizer, gen_eos, tok_eos = None, generation_eos_ids(p), ()
-    cfg, params = load_params(p, dtype, fmt)
-    eos = union_ids(tok_eos, gen_eos, cfg.eos_token_ids)
-    return LoadedModel(config=cfg, params=params, tokenizer=tokenizer, eos_token_ids=eos,
-                       source=fmt)
+        raise FileNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in model directory {root!r}")
+    for p in files:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"safetensors shard {p!r} (named in {INDEX_FILE}) does not exist")
+    return files, weight_map
+
+
+def _read_via_jax(file: str, name: str):
+    """One tensor as numpy through safetensors' flax reader on the CPU (for safetensors builds
+    whose numpy reader rejects bf16; bf16 comes back as ml_dtypes.bfloat16)."""
+    import jax
+    import numpy as np
+    from safetensors import safe_open
+
+    with jax.default_device(jax.devices("cpu")[0]):
+        with safe_open(file, framework="flax") as f:
+            return np.asarray(f.get_tensor(name))
+
+
+def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
+    """Yield ``(name, numpy array)`` for every tensor of every shard of an HF directory, one shard
+    open at a time. Raises ValueError: a tensor in two shards (both named), or an index
+    ``weight_map`` naming a shard that lacks the tensor; FileNotFoundError: see `shard_files`."""
+    from safetensors import safe_open
+
+    files, weight_map = shard_files(path)
+    where: dict[str, str] = {}
+    for file in files:
+        with safe_open(file, framework="numpy") as f:
+            for name in f.keys():
+                if name in where:
+                    raise ValueError(f"duplicate tensor {name!r}: in shard {where[name]!r} and in "
+                                     f"shard {os.path.basename(file)!r}")
+                where[name] = os.path.basename(file)
+                try:
+                    array = f.get_tensor(name)
+                except (TypeError, ValueError, KeyError):
+                    if f.get_slice(name).get_dtype() != "BF16":
+                        raise
+                    array = _read_via_jax(file, name)
+                yield name, array
+    if weight_map is not None:
+        for name, shard in weight_map.items():
+            if where.get(name) != shard:
+                raise ValueError(f"{INDEX_FILE} maps tensor {name!r} to shard {shard!r}, but it is "
+                                 f"{'in ' + repr(where[name]) if name in where else 'in no shard'}")

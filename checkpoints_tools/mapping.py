@@ -1,53 +1,35 @@
 """HF transformers tensor names -> the jaxinfer param tree: ONE explicit table, with shape checks.
 
-Every checkpoint tensor must be either mapped by `HF_TO_PARAMS` or listed in `IGNORED_HF`; anything
-else is an error, as is a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9,
-after jax-llm-examples' converter). Tied output embeddings are decided from the tensors present,
-not only from the config (CASES.md C9):
+Every checkpoint tensor is mapped by `HF_TO_PARAMS` or listed in `IGNORED_HF`; anything else is an
+error, as is a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9, after
+jax-llm-examples' converter). Shapes and dtypes come from an abstract tree (``jax.ShapeDtypeStruct``
+pytree) the caller passes in. Tying is decided from the tensors, not the config alone (CASES.md C9):
 
     no ``lm_head.weight``                       -> tied (warns if the config said untied)
     ``lm_head.weight`` equal to the embedding   -> tied (one copy kept)
     ``lm_head.weight`` differing, config tied   -> warning, untied (the checkpoint's head is used)
     ``lm_head.weight`` differing, config untied -> untied
 
-HF stores linear weights as ``[out, in]``; the tree stores ``[in, out]`` (see
-`jaxinfer.models.params`), so those are transposed here, once, in numpy. Per-layer tensors go to
-``layers/<i>/...``. HF's q_proj/k_proj/v_proj become the q | k | v parts of ``wqkv`` and
-gate_proj/up_proj the gate | up parts of ``w_gate_up`` (placed by `fused_parts`); shape errors name
-the HF tensor and the HF shape it should have.
+HF linear weights ``[out, in]`` are transposed to the tree's ``[in, out]`` here, once, in numpy;
+q/k/v_proj fill the q | k | v parts of ``wqkv``, gate/up_proj those of ``w_gate_up``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import warnings
-from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Union
+from typing import Any, Iterable, Mapping, NamedTuple, Union
 
-import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.models.params import fused_parts, layer_param_shapes, param_shapes
 
-
-@dataclass(frozen=True)
-class TensorRule:
-    """One HF tensor -> one param entry, or one part of a fused param entry.
-
-    hf_name: the HF name; ``{i}`` stands for the layer index (then ``param`` holds ``{i}`` too).
-    param: slash-separated path in the param tree, e.g. ``layers/{i}/wo``.
-    transpose: HF ``[out, in]`` -> tree ``[in, out]``.
-    qk_norm_only: only present in architectures with ``cfg.qk_norm`` (Qwen3).
-    part: for a fused param (``wqkv``, ``w_gate_up``), which part of its output axis this tensor
-        fills (a key of ``fused_parts(cfg)[<param name>]``); None for a whole param.
-    """
+class TensorRule(NamedTuple):
+    """One HF tensor -> one param entry (slash-separated tree path), or one ``part`` of a fused
+    entry's output axis; ``{i}`` is the layer index; ``transpose``: ``[out, in]`` -> ``[in, out]``."""
 
     hf_name: str
     param: str
     transpose: bool
-    qk_norm_only: bool = False
     part: str | None = None
 
     @property
@@ -56,7 +38,6 @@ class TensorRule:
 
     @property
     def leaf(self) -> str:
-        """The param's own name (last path component), e.g. ``wqkv``."""
         return self.param.rsplit("/", 1)[-1]
 
 
@@ -68,8 +49,8 @@ HF_TO_PARAMS: tuple[TensorRule, ...] = (
     TensorRule(_L + "self_attn.k_proj.weight", _P + "wqkv", True, part="k"),
     TensorRule(_L + "self_attn.v_proj.weight", _P + "wqkv", True, part="v"),
     TensorRule(_L + "self_attn.o_proj.weight", _P + "wo", True),
-    TensorRule(_L + "self_attn.q_norm.weight", _P + "q_norm", False, qk_norm_only=True),
-    TensorRule(_L + "self_attn.k_norm.weight", _P + "k_norm", False, qk_norm_only=True),
+    TensorRule(_L + "self_attn.q_norm.weight", _P + "q_norm", False),
+    TensorRule(_L + "self_attn.k_norm.weight", _P + "k_norm", False),
     TensorRule(_L + "post_attention_layernorm.weight", _P + "mlp_norm", False),
     TensorRule(_L + "mlp.gate_proj.weight", _P + "w_gate_up", True, part="gate"),
     TensorRule(_L + "mlp.up_proj.weight", _P + "w_gate_up", True, part="up"),
@@ -79,10 +60,7 @@ HF_TO_PARAMS: tuple[TensorRule, ...] = (
 )
 
 # Non-parameter buffers some checkpoints carry; recomputed from the config, so skipped.
-IGNORED_HF: tuple[str, ...] = (
-    "model.rotary_emb.inv_freq",
-    _L + "self_attn.rotary_emb.inv_freq",
-)
+IGNORED_HF: tuple[str, ...] = ("model.rotary_emb.inv_freq", _L + "self_attn.rotary_emb.inv_freq")
 
 TensorSource = Union[Mapping[str, np.ndarray], Iterable[tuple[str, np.ndarray]]]
 
@@ -91,153 +69,126 @@ def _pattern(template: str) -> re.Pattern:
     return re.compile(re.escape(template).replace(re.escape("{i}"), r"(\d+)") + r"\Z")
 
 
-def _items(tensors: TensorSource) -> Iterator[tuple[str, np.ndarray]]:
-    if isinstance(tensors, Mapping):
-        return iter(tensors.items())
-    return iter(tensors)
+def _spec(abstract: Mapping, param: str) -> tuple[tuple[int, ...], Any]:
+    """(shape, dtype) of tree entry ``param`` (layer 0 for ``{i}``); an ``lm_head`` absent from
+    the tree is the embedding transposed."""
+    if param == "lm_head" and "lm_head" not in abstract:
+        return tuple(reversed(abstract["embed"].shape)), abstract["embed"].dtype
+    leaf = abstract
+    for key in param.format(i=0).split("/"):
+        leaf = leaf[key]
+    return tuple(leaf.shape), leaf.dtype
 
 
-def hf_shape(rule: TensorRule, cfg: ModelConfig) -> tuple[int, ...]:
-    """The shape HF gives the tensor of ``rule`` for ``cfg`` (``[out, in]`` for linear weights);
-    for a part of a fused param, the output axis is that part's width."""
-    if rule.per_layer:
-        shape = layer_param_shapes(cfg)[rule.leaf]
-    else:
-        shape = param_shapes(dataclasses.replace(cfg, tie_word_embeddings=False))[rule.param]
+def hf_shape(rule: TensorRule, abstract: Mapping, parts: Mapping) -> tuple[int, ...]:
+    """The shape HF gives ``rule``'s tensor (``[out, in]`` for linear weights; a fused part's
+    output axis is that part's width)."""
+    shape, _ = _spec(abstract, rule.param)
     if rule.part is not None:
-        sl = fused_parts(cfg)[rule.leaf][rule.part]
+        sl = parts[rule.leaf][rule.part]
         shape = (*shape[:-1], sl.stop - sl.start)
-    return tuple(reversed(shape)) if rule.transpose else tuple(shape)
+    return tuple(reversed(shape)) if rule.transpose else shape
 
 
-def _assemble(rules: list[TensorRule], pieces: list[np.ndarray], cfg: ModelConfig) -> np.ndarray:
-    """One param entry on the host, ``[in, out]``, from its HF tensor(s): a whole tensor
-    (transposed if its rule says so), or the parts of a fused param placed on its output axis."""
-    if rules[0].part is None:
-        p = pieces[0]
-        return np.ascontiguousarray(p.T) if rules[0].transpose else p
-    parts = fused_parts(cfg)[rules[0].leaf]
-    shape = layer_param_shapes(cfg)[rules[0].leaf]
-    host = np.empty(shape, np.result_type(*pieces))
-    for r, p in zip(rules, pieces):
-        host[..., parts[r.part]] = p.T if r.transpose else p
-    return host
+def _match(name: str, rules, num_layers: int, architecture: str) -> tuple[Any, int | None]:
+    """(rule, layer) of tensor ``name``; (None, None) for an ignored buffer."""
+    if any(_pattern(t).match(name) for t in IGNORED_HF):
+        return None, None
+    for r in rules:
+        m = _pattern(r.hf_name).match(name)
+        if m:
+            layer = int(m.group(1)) if r.per_layer else None
+            if layer is not None and layer >= num_layers:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint: layer index {layer} "
+                                 f">= num_layers={num_layers}")
+            return r, layer
+    raise ValueError(f"unexpected tensor {name!r} in checkpoint: no entry in the mapping table "
+                     f"for architecture {architecture!r}")
 
 
-def _set(tree: dict, path: str, value) -> None:
-    *parents, leaf = path.split("/")
-    for part in parents:
-        tree = tree.setdefault(part, {})
-    tree[leaf] = value
+def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cfg: Any) -> dict:
+    """``{hf_name: array}`` after the name, duplicate, shape and completeness checks."""
+    found: dict[str, Any] = {}
+    for name, array in tensors.items() if isinstance(tensors, Mapping) else tensors:
+        if name in found:
+            raise ValueError(f"duplicate tensor {name!r}: given more than once (e.g. in two shards)")
+        rule, layer = _match(name, rules, cfg.num_layers, cfg.architecture)
+        if rule is not None:
+            array = np.asarray(array)
+            want = hf_shape(rule, abstract, parts)
+            if tuple(array.shape) != want:
+                where = rule.param.format(i=layer) + (f" part {rule.part!r}" if rule.part else "")
+                raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {want} "
+                                 f"(for param {where!r} of {cfg.architecture} config)")
+        found[name] = array if rule is not None else None  # ignored: kept for duplicate checks
+    missing = [n for r in rules if r.param != "lm_head"
+               for n in ([r.hf_name.format(i=i) for i in range(cfg.num_layers)] if r.per_layer
+                         else [r.hf_name]) if n not in found]
+    if missing:
+        raise ValueError(f"missing tensors in checkpoint ({len(missing)}): {missing}")
+    return found
 
 
-def hf_tensors_to_params(tensors: TensorSource, cfg: ModelConfig,
-                         dtype) -> tuple[dict, ModelConfig]:
-    """Map HF-named tensors onto the jaxinfer param tree, checking names and shapes.
+def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
+                         parts: Mapping) -> dict:
+    """Map HF-named tensors onto the param tree, checking names and shapes.
 
     Args:
-        tensors: a mapping ``name -> array`` or an iterable of ``(name, array)`` pairs (numpy or
-            anything ``np.asarray`` accepts; bf16 via ml_dtypes). Pairs let a multi-file loader have
-            duplicates detected here.
-        cfg: the config from ``config.json``; its ``tie_word_embeddings`` is re-decided from the
-            tensors (module docstring).
-        dtype: dtype of the returned device arrays (e.g. ``jnp.float32``, ``jnp.bfloat16``).
+        tensors: ``{name: array}`` or ``(name, array)`` pairs (numpy or anything ``np.asarray``
+            accepts; bf16 via ml_dtypes); pairs let duplicates across shards be detected here.
+        cfg: duck-typed model config: ``num_layers``, ``architecture``, ``tie_word_embeddings``
+            (only compared with the tensors, see the module docstring).
+        abstract: the ``jax.ShapeDtypeStruct`` tree of the model (``layers/"0".."L-1"/...``; the
+            rules of leaves it lacks, e.g. q_norm outside Qwen3, do not apply); ``lm_head`` optional.
+        parts: ``{fused param: {part: slice of its last axis}}`` (``jaxinfer.models.fused_parts``).
     Returns:
-        (params: the tree of `jaxinfer.models.params` as jax arrays of ``dtype`` on the default
-        device; cfg, possibly with ``tie_word_embeddings`` replaced).
+        the param tree as jax arrays on the default device, each of its abstract leaf's dtype;
+        ``lm_head`` present iff the head is untied.
     Raises:
         ValueError: a tensor not in the table (unmapped), a tensor given twice (duplicate), a wrong
             shape (both shapes named), or missing tensors (all named).
     Warns:
         UserWarning: the config's ``tie_word_embeddings`` disagrees with the tensors.
     """
-    rules = [r for r in HF_TO_PARAMS if cfg.qk_norm or not r.qk_norm_only]
-    compiled = [(_pattern(r.hf_name), r) for r in rules]
-    ignored = [_pattern(t) for t in IGNORED_HF]
-    L = cfg.num_layers
+    import jax.numpy as jnp
 
-    found: dict[str, np.ndarray] = {}
-    for name, array in _items(tensors):
-        if name in found:
-            raise ValueError(f"duplicate tensor {name!r}: given more than once (e.g. in two shards)")
-        if any(p.match(name) for p in ignored):
-            found[name] = None  # remembered only for the duplicate check
-            continue
-        rule, layer = None, None
-        for pat, r in compiled:
-            m = pat.match(name)
-            if m:
-                rule, layer = r, (int(m.group(1)) if r.per_layer else None)
-                break
-        if rule is None or (layer is not None and layer >= L):
-            why = (f"layer index {layer} >= num_layers={L}" if rule is not None
-                   else f"no entry in the mapping table for architecture {cfg.architecture!r}")
-            raise ValueError(f"unexpected tensor {name!r} in checkpoint: {why}")
-        array = np.asarray(array)
-        want = hf_shape(rule, cfg)
-        if tuple(array.shape) != want:
-            where = rule.param.format(i=layer) + (f" part {rule.part!r}" if rule.part else "")
-            raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {want} "
-                             f"(for param {where!r} of {cfg.architecture} config)")
-        found[name] = array
-
-    expected = []
-    for r in rules:
-        if r.param == "lm_head":
-            continue
-        expected += [r.hf_name.format(i=i) for i in range(L)] if r.per_layer else [r.hf_name]
-    missing = [n for n in expected if n not in found]
-    if missing:
-        raise ValueError(f"missing tensors in checkpoint ({len(missing)}): {missing}")
-
+    layer0 = abstract["layers"].get("0", {})
+    rules = [r for r in HF_TO_PARAMS if r.param == "lm_head"
+             or (r.leaf in layer0 if r.per_layer else r.param in abstract)]
+    found = _collect(tensors, rules, abstract, parts, cfg)
     tied = _decide_tying(found, cfg)
-    out_cfg = dataclasses.replace(cfg, tie_word_embeddings=tied)
-
-    groups: dict[str, list[TensorRule]] = {}  # param path -> its rule(s), fused parts in order
-    for r in rules:
-        groups.setdefault(r.param, []).append(r)
     params: dict = {}
-    for path, group in groups.items():
-        if path == "lm_head" and tied:
-            continue
-        for i in range(L) if group[0].per_layer else [None]:
+    for path in dict.fromkeys(r.param for r in rules if not (r.param == "lm_head" and tied)):
+        group = [r for r in rules if r.param == path]  # fused parts in table order
+        shape, dtype = _spec(abstract, path)
+        for i in range(cfg.num_layers) if group[0].per_layer else [None]:
             pieces = [found.pop(r.hf_name.format(i=i)) for r in group]
-            host = _assemble(group, pieces, cfg)
+            host = np.empty(shape, np.result_type(*pieces))  # [in, out]
+            for r, p in zip(group, pieces):
+                where = parts[r.leaf][r.part] if r.part else slice(None)
+                host[..., where] = p.T if r.transpose else p
             del pieces
-            _set(params, path.format(i=i), jnp.asarray(host).astype(dtype))
+            node = params
+            *parents, leaf = path.format(i=i).split("/")
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = jnp.asarray(host).astype(dtype)
             del host
-    return params, out_cfg
+    return params
 
 
-def _decide_tying(found: Mapping[str, np.ndarray], cfg: ModelConfig) -> bool:
+def _decide_tying(found: Mapping[str, np.ndarray], cfg: Any) -> bool:
     """Tied iff there is no lm_head or it equals the embedding; warns on config disagreement."""
     head = found.get("lm_head.weight")
     if head is None:
         if not cfg.tie_word_embeddings:
             warnings.warn("config says tie_word_embeddings=False but the checkpoint has no "
-                          "'lm_head.weight'; using the embedding as the output head", stacklevel=3)
+                          "'lm_head.weight'; using the embedding as the output head", stacklevel=4)
         return True
     if np.array_equal(head, found["model.embed_tokens.weight"]):
         return True
     if cfg.tie_word_embeddings:
         warnings.warn("config says tie_word_embeddings=True but 'lm_head.weight' differs from "
                       "'model.embed_tokens.weight'; using the checkpoint's lm_head (untied)",
-                      stacklevel=3)
+                      stacklevel=4)
     return False
-
-
-def hf_name_for(param: str, layer: int | None = None, part: str | None = None) -> str:
-    """The HF tensor name of a tree entry, e.g. ``hf_name_for("layers/{i}/wqkv", 3, "k")`` ->
-    ``model.layers.3.self_attn.k_proj.weight`` (per-layer entries need ``layer``; fused entries
-    need ``part``).
-
-    Raises:
-        ValueError: an unknown param path or part, or a layer index missing/extra.
-    """
-    for r in HF_TO_PARAMS:
-        if r.param == param and r.part == part:
-            if r.per_layer != (layer is not None):
-                raise ValueError(f"param {param!r}: layer={layer!r} but per_layer={r.per_layer}")
-            return r.hf_name.format(i=layer) if r.per_layer else r.hf_name
-    raise ValueError(f"unknown param path {param!r} with part={part!r}; known: "
-                     f"{[(r.param, r.part) for r in HF_TO_PARAMS]}")

@@ -1,23 +1,16 @@
 """jaxinfer: JAX/Pallas LLM inference (pure-function models, paged KV cache, continuous batching).
 
-Public API (vLLM names): `LLM`, `SamplingParams`, `RequestOutput`, `CompletionOutput`,
-`EngineConfig`, `ModelConfig`. Attributes load lazily so host-side modules do not pull in JAX.
+Public API (vLLM names), loaded lazily so host-side modules do not pull in JAX.
 """
 
 import importlib
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig",
-           "ModelConfig"]
+_WHERE = {"LLM": "jaxinfer.llm", "SamplingParams": "jaxinfer.sampling_params",
+          "RequestOutput": "jaxinfer.outputs", "CompletionOutput": "jaxinfer.outputs",
+          "EngineConfig": "jaxinfer.config", "KernelConfig": "jaxinfer.config",
+          "ModelConfig": "jaxinfer.config"}
+__all__ = list(_WHERE)
 __version__ = "0.1.0"
-
-_WHERE = {
-    "LLM": "jaxinfer.llm",
-    "SamplingParams": "jaxinfer.sampling_params",
-    "RequestOutput": "jaxinfer.outputs",
-    "CompletionOutput": "jaxinfer.outputs",
-    "EngineConfig": "jaxinfer.config",
-    "ModelConfig": "jaxinfer.config",
-}
 
 
 def __getattr__(name):

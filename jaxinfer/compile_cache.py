@@ -1,9 +1,6 @@
-"""JAX's persistent compilation cache for the engine's compiled steps.
-
-The 36-layer Qwen3-8B step takes 8-13 s to compile per shape bucket on the H200 (BENCHMARKS.md),
-so a start-up that visits 15 buckets spends minutes compiling. With a cache directory a restarted
-engine loads those executables from disk instead (the role of vLLM's torch.compile cache).
-"""
+"""JAX's persistent compilation cache for the engine's compiled steps: a restarted engine loads
+its step executables from disk instead of compiling each shape bucket again (the role of vLLM's
+torch.compile cache)."""
 
 from __future__ import annotations
 
@@ -13,18 +10,10 @@ import jax
 
 
 def enable(path: str | os.PathLike) -> str:
-    """Point JAX's persistent compilation cache at ``path`` (created if missing) and cache every
-    compile, however short.
-
-    JAX's cache setting is process-wide: every later ``jax.jit`` compile in this process reads and
-    writes the same directory. Entries are keyed by the program, the JAX/XLA version and the
-    device, so one directory can serve several models and machines.
-
-    Returns:
-        The absolute path in use.
-    Raises:
-        ValueError: ``path`` exists and is not a directory, or cannot be created.
-    """
+    """Point JAX's (process-wide) persistent compilation cache at ``path`` (created if missing)
+    and cache every compile, however short; entries are keyed by program, JAX/XLA version and
+    device. Returns the absolute path. Raises ValueError: ``path`` is not a directory or cannot
+    be created."""
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"compilation_cache_dir={path!r} is invalid: it exists and is not a "

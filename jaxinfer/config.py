@@ -1,20 +1,23 @@
-"""Frozen, validated configuration objects.
+"""Frozen, validated configuration objects, and `resolve`: the one place "auto" becomes concrete.
 
-`ModelConfig` describes a model architecture (built from an HF ``config.json`` or GGUF metadata);
-`EngineConfig` describes how the engine runs it (KV pool, buckets, attention back-end).
-Both are frozen dataclasses validated at construction: a bad value raises ``ValueError`` naming the
-field, the value and what is allowed. Never mutate one; use ``dataclasses.replace``.
+`ModelConfig` describes a model architecture (HF ``config.json`` or GGUF metadata);
+`EngineConfig` what a user sets (vLLM meanings); `KernelConfig` the kernel and research knobs
+(`EngineConfig.kernels`); `ResolvedConfig` all of them with every "auto"/None resolved for one
+model and platform. Each is frozen and validated at construction: a bad value raises
+``ValueError`` naming the field, the value and what is allowed. Use ``dataclasses.replace``.
 
-This module imports no JAX, so the host side (scheduler, CLI argument checks) can use it.
+This module imports no JAX (the caller passes the platform, ``jax.default_backend()``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+from pallas_kernels.paged_attention import registry
+from pallas_kernels.sizes import is_pow2
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -24,13 +27,14 @@ def _fail(cls: str, name: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{cls}.{name}={value!r} is invalid: {allowed}")
 
 
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 RoPE frequency scaling (``rope_type: llama3`` in HF configs).
-
-    Source: Llama 3.1 reference code, ``apply_scaling`` in meta-llama/llama-models; HF
-    ``_compute_llama3_parameters``.
-    """
+    """Llama 3 RoPE frequency scaling (HF ``rope_type: llama3``; source: ``apply_scaling`` in
+    meta-llama/llama-models, HF ``_compute_llama3_parameters``)."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
@@ -39,28 +43,22 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("llama3",):
-            _fail("RopeScaling", "rope_type", self.rope_type, "only 'llama3' scaling is supported")
-        if self.factor <= 0:
-            _fail("RopeScaling", "factor", self.factor, "must be > 0")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            _fail("RopeScaling", "high_freq_factor", self.high_freq_factor,
-                  f"need 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor")
-        if self.original_max_position_embeddings < 1:
-            _fail("RopeScaling", "original_max_position_embeddings",
-                  self.original_max_position_embeddings, "must be >= 1")
+        for name, ok, allowed in (
+                ("rope_type", self.rope_type == "llama3", "only 'llama3' scaling is supported"),
+                ("factor", self.factor > 0, "must be > 0"),
+                ("high_freq_factor", 0 < self.low_freq_factor < self.high_freq_factor,
+                 f"need 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor"),
+                ("original_max_position_embeddings", self.original_max_position_embeddings >= 1,
+                 "must be >= 1")):
+            if not ok:
+                _fail("RopeScaling", name, getattr(self, name), allowed)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer of the Llama / Qwen3 families.
-
-    Shape letters (README.md): V=vocab_size, D=hidden_size, F=intermediate_size, L=num_layers,
-    N=num_heads, K=num_kv_heads, H=head_dim, G=N/K.
-
-    Raises:
-        ValueError: an unsupported architecture or RoPE type, or inconsistent sizes.
-    """
+    """Architecture of a Llama / Qwen3 decoder. Shape letters: V=vocab_size, D=hidden_size,
+    F=intermediate_size, L=num_layers, N=num_heads, K=num_kv_heads, H=head_dim, G=N/K.
+    Raises ValueError: an unsupported architecture or RoPE type, or inconsistent sizes."""
 
     architecture: str
     vocab_size: int
@@ -84,18 +82,16 @@ class ModelConfig:
                   f"supported architectures are {SUPPORTED_ARCHITECTURES}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                _fail("ModelConfig", name, v, "must be a positive integer")
+            if not _positive_int(getattr(self, name)):
+                _fail("ModelConfig", name, getattr(self, name), "must be a positive integer")
         if self.num_heads % self.num_kv_heads:
             _fail("ModelConfig", "num_kv_heads", self.num_kv_heads,
                   f"must divide num_heads={self.num_heads} (GQA)")
         if self.head_dim % 2:
             _fail("ModelConfig", "head_dim", self.head_dim, "must be even (RoPE rotates pairs)")
-        if self.rms_norm_eps <= 0:
-            _fail("ModelConfig", "rms_norm_eps", self.rms_norm_eps, "must be > 0")
-        if self.rope_theta <= 0:
-            _fail("ModelConfig", "rope_theta", self.rope_theta, "must be > 0")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if getattr(self, name) <= 0:
+                _fail("ModelConfig", name, getattr(self, name), "must be > 0")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
     @property
@@ -103,24 +99,14 @@ class ModelConfig:
         """Qwen3 applies a per-head RMSNorm to q and k before RoPE."""
         return self.architecture == "qwen3"
 
-    @property
-    def num_groups(self) -> int:
-        """G = N / K, query heads per KV head."""
-        return self.num_heads // self.num_kv_heads
-
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """KV cache bytes per token: 2 (K and V) x L x K x H x dtype_bytes."""
+        """2 (K and V) x L x K x H x dtype_bytes."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
-    # ------------------------------------------------------------------ constructors
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout).
-
-        Raises:
-            ValueError: unsupported ``model_type``/architecture, RoPE type, attention/MLP bias, or
-                a required key missing.
-        """
+        """From a parsed HF ``config.json`` (transformers 4.x or 5.x layout). Raises ValueError:
+        unsupported model_type, RoPE type, bias, sliding window or activation; a key missing."""
         try:
             return cls._from_hf_config(cfg)
         except KeyError as e:
@@ -129,25 +115,17 @@ class ModelConfig:
 
     @classmethod
     def _from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a parsed HF ``config.json`` (transformers 4.x or 5.x layout).
-
-        Raises:
-            ValueError: unsupported ``model_type``/architecture, RoPE type, or attention/MLP bias.
-        """
         model_type = cfg.get("model_type")
-        archs = cfg.get("architectures") or []
         if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture: model_type={model_type!r} (architectures={archs}); "
-                f"supported model_type values are {SUPPORTED_ARCHITECTURES}")
+            raise ValueError(f"unsupported architecture: model_type={model_type!r} (architectures="
+                             f"{cfg.get('architectures') or []}); supported model_type values are "
+                             f"{SUPPORTED_ARCHITECTURES}")
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ValueError(f"{model_type} with attention_bias/mlp_bias=True is not supported")
         if cfg.get("use_sliding_window"):
             raise ValueError(f"{model_type} with use_sliding_window=True is not supported")
-        act = cfg.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act={act!r} is not supported; only 'silu'")
-
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu'")
         # transformers 5 nests RoPE under rope_parameters; 4.x uses rope_theta + rope_scaling.
         rope = dict(cfg.get("rope_parameters") or {})
         if cfg.get("rope_scaling"):
@@ -156,54 +134,33 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-        scaling = None
-        if rope_type == "llama3":
-            scaling = RopeScaling(
-                factor=float(rope["factor"]),
-                low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-
+        scaling = None if rope_type != "llama3" else RopeScaling(
+            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+            high_freq_factor=float(rope["high_freq_factor"]),
+            original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
         n = int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or int(cfg["hidden_size"]) // n
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
         return cls(
-            architecture=model_type,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=n,
+            architecture=model_type, vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]), num_heads=n,
             num_kv_heads=int(cfg.get("num_key_value_heads") or n),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(theta),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
+            eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else
+            (() if eos is None else (eos,)))
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
-        """Read ``config.json`` from an HF model directory.
+        """From an HF model directory's ``config.json``. Raises FileNotFoundError (none) and
+        ValueError (not a JSON object, or as `from_hf_config`)."""
+        from checkpoints_tools.loader import read_json
 
-        Raises:
-            FileNotFoundError: no ``config.json`` in ``path``.
-        """
-        p = os.path.join(os.fspath(path), "config.json")
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"no config.json in model directory {os.fspath(path)!r}")
-        with open(p) as f:
-            try:
-                cfg = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{p}: expected a JSON object")
-        return cls.from_hf_config(cfg)
+        return cls.from_hf_config(read_json(os.path.join(os.fspath(path), "config.json")))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -217,135 +174,226 @@ class ModelConfig:
         return cls(**d)
 
 
-ATTENTION_BACKENDS = ("auto", "reference", "triton", "mosaic", "jax_triton")
-PREFILL_ATTENTION_BACKENDS = ("auto", "reference", "triton")
+FUSED_CHOICES = ("auto", "xla", "triton")
+KERNEL_ALIASES = {"decode": "decode_attention", "prefill": "prefill_attention"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+_BUCKETS = ("batch_buckets", "token_buckets")
+
+
+def kernel_choices() -> dict[str, tuple[str, ...]]:
+    """Allowed values of each string field of `KernelConfig` (attention: the kernel registry)."""
+    return {"decode_attention": ("auto",) + registry.names(),
+            "prefill_attention": ("auto",) + registry.prefill_names(),
+            "qkv_prologue": FUSED_CHOICES, "add_rms_norm": FUSED_CHOICES,
+            "prefill_gemm": ("xla", "cublas")}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Kernel choices and research knobs (`EngineConfig.kernels`); `resolve` replaces "auto".
+    Allowed values: `kernel_choices`; `parse` also takes the short keys of `KERNEL_ALIASES`.
+
+    decode_attention / prefill_attention: paged-attention variant of decode (T == 1) / prefill
+        (T > 1) steps, by registry name.
+    qkv_prologue: q/k norm + RoPE + K/V page write, "xla" (jnp ops) or "triton" (one Pallas kernel
+        per layer; GPU, H/2 a power of 2). add_rms_norm: residual add + RMSNorm, "xla" or "triton"
+        (GPU, D a power of 2; decode steps of 128+ rows then split the down projection).
+    prefill_gemm: GEMMs of prefill steps, "xla" (XLA's choice) or "cublas" (GPU only).
+    cublas_decode_min_batch: decode buckets of at least this many rows use cuBLAS GEMMs (GPU only;
+        None: XLA's choice). Default chosen by measurement (BENCHMARKS.md: "Decode step").
+    batch_buckets / token_buckets: padded sizes of B and T, strictly increasing; (): the defaults.
+    """
+
+    decode_attention: str = "auto"
+    prefill_attention: str = "auto"
+    qkv_prologue: str = "auto"
+    add_rms_norm: str = "auto"
+    prefill_gemm: str = "xla"
+    cublas_decode_min_batch: int | None = 64
+    batch_buckets: tuple[int, ...] = ()
+    token_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name, allowed in kernel_choices().items():
+            if getattr(self, name) not in allowed:
+                _fail("KernelConfig", name, getattr(self, name),
+                      "allowed: " + ", ".join(map(repr, allowed)))
+        m = self.cublas_decode_min_batch
+        if m is not None and not _positive_int(m):
+            _fail("KernelConfig", "cublas_decode_min_batch", m, "must be None or a positive integer")
+        for name in _BUCKETS:
+            b = getattr(self, name)
+            if not isinstance(b, (tuple, list)) or not all(map(_positive_int, b)) or (
+                    list(b) != sorted(set(b))):
+                _fail("KernelConfig", name, b, "must be a tuple of strictly increasing positive "
+                      "integers, or () for the defaults")
+            object.__setattr__(self, name, tuple(b))
+
+    @classmethod
+    def parse(cls, spec: "str | KernelConfig") -> "KernelConfig":
+        """From ``"key=value,..."``, e.g. ``"decode=mosaic,prefill=triton,batch_buckets=1:2:4,
+        cublas_decode_min_batch=none"`` (``""``: the defaults); a `KernelConfig` as given.
+        Raises ValueError: an item without ``=``, an unknown or repeated key, or a bad value
+        (naming the key, the value and what is allowed)."""
+        if isinstance(spec, cls):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(f"kernels={spec!r} is invalid: expected a KernelConfig or a "
+                             "'key=value,...' string")
+        keys = {f.name for f in dataclasses.fields(cls)}
+        kw: dict[str, Any] = {}
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            key, sep, value = (s.strip() for s in item.partition("="))
+            name = KERNEL_ALIASES.get(key, key)
+            if not sep or name not in keys:
+                raise ValueError(f"kernels: {item!r} is invalid: expected key=value with key one "
+                                 f"of {sorted(keys | set(KERNEL_ALIASES))}")
+            if name in kw:
+                raise ValueError(f"kernels: {name!r} is given twice in {spec!r}")
+            try:
+                kw[name] = _parse_value(name, value)
+            except ValueError:
+                _fail("KernelConfig", name, value, "expected integers (buckets joined by ':'), "
+                      "or 'none' for cublas_decode_min_batch")
+        return cls(**kw)
+
+    @classmethod
+    def help(cls) -> str:
+        """The keys with their allowed values and defaults, for CLI help texts."""
+        alias = {v: k for k, v in KERNEL_ALIASES.items()}
+        choices = kernel_choices()
+        return "; ".join(
+            f"{alias.get(f.name, f.name)}="
+            + ("|".join(choices[f.name]) if f.name in choices else "sizes joined by ':'"
+               if f.name in _BUCKETS else "none|ROWS") + f" (default {f.default or 'auto'})"
+            for f in dataclasses.fields(cls))
+
+
+def _parse_value(name: str, value: str):
+    if name in _BUCKETS:
+        return tuple(int(x) for x in value.split(":")) if value else ()
+    if name == "cublas_decode_min_batch":
+        return None if value.lower() == "none" else int(value)
+    return value
+
+
+def _user(default, help: str, **cli):
+    """A user setting: its ``help`` (and argparse ``cli`` keywords) for `jaxinfer.generate`."""
+    return dataclasses.field(default=default, metadata=dict(help=help, **cli))
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the engine runs a model.
+    """What a user sets (vLLM's meanings where vLLM has the field); each field's ``help`` says
+    what it is. ``kernels``: a `KernelConfig`, or a string for `KernelConfig.parse`."""
 
-    Fields:
-        max_model_len: the most tokens (prompt + generated) one sequence may hold. ``None``: the
-            model's ``max_position_embeddings``.
-        page_size: tokens per KV page (block).
-        num_pages: KV pool size in pages, including the reserved null page 0. ``None``: size the
-            pool from ``memory_fraction`` of free device memory after the weights.
-        memory_fraction: fraction of device memory the engine may use in total (weights + KV pool).
-        max_num_seqs: the most sequences in one decode step (largest batch bucket).
-        max_num_batched_tokens: the most prompt tokens in one prefill step (chunked prefill splits
-            longer prompts).
-        dtype: compute and KV dtype: "float32" or "bfloat16"; ``None``: bfloat16 on GPU, float32
-            on CPU (XLA:CPU has no fast bf16 matmul).
-        attention: paged-attention back-end name for decode steps; "auto" picks the fastest
-            correct one for the device.
-        prefill_attention: back-end for prefill steps (several query tokens per sequence):
-            "reference" (gather + dense float32 softmax), "triton" (Pallas flash-attention
-            kernel, GPU); "auto" is "triton" on GPU and the reference on CPU.
-        batch_buckets / token_buckets: padded sizes for B and T; ``()`` = the defaults (B:
-            powers of two up to 64, then every max(16, max_num_seqs // 16) rows; T: powers
-            of two, see `jaxinfer.engine.batch_builder.BucketSpec`).
-        compilation_cache_dir: a directory for JAX's persistent compilation cache, so a
-            restarted engine loads its compiled steps instead of compiling them again
-            (`jaxinfer.compile_cache.enable`: process-wide); ``None``: JAX's own setting.
-        async_scheduling: schedule and dispatch step n+1 before reading back step n's tokens, so
-            host work overlaps device work (vLLM's ``async_scheduling``); ``False``: each step is
-            read back before the next is scheduled. Outputs are the same either way.
-        cublas_decode_min_batch: decode steps whose batch bucket has at least this many rows are
-            compiled with cuBLAS GEMMs (XLA's Triton GEMM emitter off for that step only;
-            `jaxinfer.step.GEMM_COMPILER_OPTIONS`); every other step keeps XLA's choice. Default
-            64: on the H200, cuBLAS decode steps were 2-4% faster at 64-256 rows and 32% slower
-            at 1 row (BENCHMARKS.md). ``None``: XLA's choice for every step. GPU only in effect.
-        qkv_prologue: each layer's q/k norm + RoPE + K/V page write, in decode and prefill
-            steps: "xla" (the model's jnp ops, fused by XLA), "triton" (one Pallas kernel per
-            layer, `pallas_kernels.qkv_prologue`; GPU only, H/2 a power of 2) or "auto"
-            (default: "triton" on a GPU in bf16/f16 where the shapes allow, else "xla"). In
-            packed prefill steps it replaces XLA's slow K/V scatter: on the H200 the throughput
-            workload's 19 prefill steps took 3.68 s against 3.85 s with the kernel in decode
-            steps only, 9,705 vs 9,589 tok/s, one run each side by side (BENCHMARKS.md, tenth
-            session).
-        add_rms_norm: every residual add + RMSNorm (two per layer, and the final norm): "xla"
-            (jnp ops, fused by XLA), "triton" (one Pallas kernel each,
-            `pallas_kernels.add_rms_norm`; GPU only, hidden size a power of 2) or "auto" (as
-            above). On the H200 the two kernels together: 9,404 vs 9,305 tok/s on the
-            throughput workload, B=1 decode 4.56 vs 4.61 ms (BENCHMARKS.md). Whenever the
-            kernel is used ("triton", or "auto" where it resolves to it), decode steps (one
-            token per row) of 128 rows or more also run the MLP's down projection as two
-            float32 partial sums that the kernel adds (`jaxinfer.models.common.DOWN_PARTIALS`).
-        prefill_gemm: GEMM back-end of prefill steps (packed prompt chunks): "xla" (XLA's choice:
-            Triton GEMMs or cuBLAS per matmul) or "cublas" (XLA's Triton GEMM emitter off for
-            those steps). GPU only in effect.
-    """
-
-    max_model_len: int | None = None
-    page_size: int = 16
-    num_pages: int | None = None
-    memory_fraction: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    dtype: str | None = None
-    attention: str = "auto"
-    prefill_attention: str = "auto"
-    seed: int = 0
-    batch_buckets: tuple[int, ...] = ()
-    token_buckets: tuple[int, ...] = ()
-    async_scheduling: bool = True
-    compilation_cache_dir: str | None = None
-    cublas_decode_min_batch: int | None = 64
-    prefill_gemm: str = "xla"
-    qkv_prologue: str = "auto"
-    add_rms_norm: str = "auto"
+    max_model_len: int | None = _user(None, "most tokens (prompt + generated) of one sequence; "
+                                      "default: the model's max_position_embeddings")
+    page_size: int = _user(16, "tokens per KV page, a power of 2")
+    num_pages: int | None = _user(None, "KV pool size in pages, null page 0 included; default: "
+                                  "sized from free device memory (memory.engine_pool_pages)")
+    memory_fraction: float = _user(0.9, "fraction of device memory for weights + KV pool")
+    max_num_seqs: int = _user(64, "most sequences in one step")
+    max_num_batched_tokens: int = _user(2048, "most prompt tokens in one prefill step (longer "
+                                        "prompts are chunked)")
+    dtype: str | None = _user(None, "compute and KV dtype; default: bfloat16 on GPU, float32 "
+                              "elsewhere", choices=["float32", "bfloat16"])
+    seed: int = _user(0, "base seed of unseeded requests")
+    async_scheduling: bool = _user(True, "dispatch step n+1 before reading back step n's tokens "
+                                   "(same outputs either way)")
+    compilation_cache_dir: str | None = _user(
+        None, "JAX persistent compilation cache: a later run with the same DIR loads the "
+        "compiled steps (process-wide)", metavar="DIR")
+    kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:
-        def positive(name: str) -> None:
+        for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            if v is not None and not _positive_int(v):
                 _fail("EngineConfig", name, v, "must be a positive integer")
+        for name, ok, allowed in (
+                ("page_size", is_pow2(self.page_size), "must be a power of two (8, 16, 32, 64, ...)"),
+                ("num_pages", self.num_pages is None or _positive_int(self.num_pages)
+                 and self.num_pages >= 2, "must be an integer >= 2 (page 0 is the null page)"),
+                ("memory_fraction", 0.0 < self.memory_fraction <= 1.0, "must be in (0, 1]"),
+                ("dtype", self.dtype in (None, "float32", "bfloat16"),
+                 "allowed: None, 'float32', 'bfloat16'"),
+                ("compilation_cache_dir", self.compilation_cache_dir is None or isinstance(
+                    self.compilation_cache_dir, (str, os.PathLike)), "must be None or a path"),
+                ("seed", isinstance(self.seed, int) and not isinstance(self.seed, bool),
+                 "must be an integer"),
+                ("async_scheduling", isinstance(self.async_scheduling, bool),
+                 "must be True or False")):
+            if not ok:
+                _fail("EngineConfig", name, getattr(self, name), allowed)
+        object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
+        for name, limit in zip(_BUCKETS, ("max_num_seqs", "max_num_batched_tokens")):
+            b = getattr(self.kernels, name)
+            if b and b[-1] < getattr(self, limit):
+                _fail("KernelConfig", name, b, f"the largest must be >= {limit}={getattr(self, limit)}")
 
-        for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens",
-                     "cublas_decode_min_batch"):
-            positive(name)
-        if self.page_size & (self.page_size - 1):
-            _fail("EngineConfig", "page_size", self.page_size, "must be a power of two (8, 16, 32, 64, ...)")
-        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
-            _fail("EngineConfig", "num_pages", self.num_pages,
-                  "must be an integer >= 2 (page 0 is the reserved null page)")
-        if not 0.0 < self.memory_fraction <= 1.0:
-            _fail("EngineConfig", "memory_fraction", self.memory_fraction, "must be in (0, 1]")
-        if self.dtype not in (None, "float32", "bfloat16"):
-            _fail("EngineConfig", "dtype", self.dtype, "allowed: None, 'float32', 'bfloat16'")
-        if self.qkv_prologue not in ("auto", "xla", "triton"):
-            _fail("EngineConfig", "qkv_prologue", self.qkv_prologue, "allowed: 'auto', 'xla', 'triton'")
-        if self.add_rms_norm not in ("auto", "xla", "triton"):
-            _fail("EngineConfig", "add_rms_norm", self.add_rms_norm, "allowed: 'auto', 'xla', 'triton'")
-        if self.prefill_gemm not in ("xla", "cublas"):
-            _fail("EngineConfig", "prefill_gemm", self.prefill_gemm, "allowed: 'xla', 'cublas'")
-        if self.attention not in ATTENTION_BACKENDS:
-            _fail("EngineConfig", "attention", self.attention, f"allowed: {ATTENTION_BACKENDS}")
-        if self.prefill_attention not in PREFILL_ATTENTION_BACKENDS:
-            _fail("EngineConfig", "prefill_attention", self.prefill_attention,
-                  f"allowed: {PREFILL_ATTENTION_BACKENDS}")
-        if self.compilation_cache_dir is not None and not isinstance(
-                self.compilation_cache_dir, (str, os.PathLike)):
-            _fail("EngineConfig", "compilation_cache_dir", self.compilation_cache_dir,
-                  "must be None or a directory path")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            _fail("EngineConfig", "seed", self.seed, "must be an integer")
-        if not isinstance(self.async_scheduling, bool):
-            _fail("EngineConfig", "async_scheduling", self.async_scheduling, "must be True or False")
-        for name in ("batch_buckets", "token_buckets"):
-            b = getattr(self, name)
-            if not isinstance(b, (tuple, list)):
-                _fail("EngineConfig", name, b, "must be a tuple of strictly increasing positive "
-                      "integers, or () for the defaults")
-            b = tuple(b)
-            if any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in b) or (
-                    list(b) != sorted(set(b))):
-                _fail("EngineConfig", name, b, "must be strictly increasing positive integers")
-            object.__setattr__(self, name, b)
-        if self.batch_buckets and self.batch_buckets[-1] < self.max_num_seqs:
-            _fail("EngineConfig", "batch_buckets", self.batch_buckets,
-                  f"the largest must be >= max_num_seqs={self.max_num_seqs}")
-        if self.token_buckets and self.token_buckets[-1] < self.max_num_batched_tokens:
-            _fail("EngineConfig", "token_buckets", self.token_buckets,
-                  f"the largest must be >= max_num_batched_tokens={self.max_num_batched_tokens}")
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """A model, its `EngineConfig` and a `KernelConfig` with no "auto" left (from `resolve`)."""
+
+    model: ModelConfig
+    engine: EngineConfig
+    kernels: KernelConfig
+    max_model_len: int
+    dtype: str        # "float32" | "bfloat16"
+    platform: str     # JAX backend: "cpu" | "gpu" | ...
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+
+_GPU_FALLBACK = {"decode_attention": "reference", "prefill_attention": "reference",
+                 "qkv_prologue": "xla", "add_rms_norm": "xla"}
+
+
+def check_platform(kc: KernelConfig, platform: str) -> None:
+    """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu" (`LLM` calls
+    this before reading the checkpoint; `resolve` calls it too)."""
+    for name, fallback in _GPU_FALLBACK.items():
+        value = getattr(kc, name)
+        if platform != "gpu" and value not in ("auto", fallback):
+            raise ValueError(f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
+                             f"backend is {platform!r}; use 'auto' or {fallback!r} here (the "
+                             "kernels' CPU tests run them in interpret mode)")
+
+
+def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> ResolvedConfig:
+    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX's backend name).
+
+    Rules: dtype None -> "bfloat16" on "gpu", else "float32"; max_model_len None ->
+    max_position_embeddings; decode_attention "auto" -> "mosaic" on "gpu" in bfloat16/float16,
+    else "reference"; prefill_attention "auto" -> "triton" on "gpu", else "reference";
+    qkv_prologue / add_rms_norm "auto" -> "triton" on "gpu" in bfloat16/float16 where the shapes
+    allow (H/2 a power of 2; D a power of 2), else "xla".
+
+    Raises:
+        ValueError: max_model_len above max_position_embeddings; a GPU kernel named on a platform
+            other than "gpu" (`check_platform`); "triton" fused kernels on shapes they do not take.
+    """
+    max_len = engine.max_model_len or model.max_position_embeddings
+    if max_len > model.max_position_embeddings:
+        _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
+              f"max_position_embeddings={model.max_position_embeddings}")
+    dtype = engine.dtype or ("bfloat16" if platform == "gpu" else "float32")
+    kc = engine.kernels
+    check_platform(kc, platform)
+    gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
+    auto = {"decode_attention": "mosaic" if gpu and half else "reference",
+            "prefill_attention": "triton" if gpu else "reference"}
+    for name, ok, what in (
+            ("qkv_prologue", is_pow2(model.head_dim // 2),
+             f"head dim H/2 a power of 2 (this model: H={model.head_dim})"),
+            ("add_rms_norm", is_pow2(model.hidden_size),
+             f"a power-of-2 hidden size (this model: {model.hidden_size})")):
+        if getattr(kc, name) == "triton" and not ok:
+            raise ValueError(f"KernelConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
+        auto[name] = "triton" if gpu and half and ok else "xla"
+    kc = dataclasses.replace(kc, **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"})
+    return ResolvedConfig(model, engine, kc, max_len, dtype, platform)

@@ -7,10 +7,17 @@ line on stderr and exits with code 2; valid prompts given with it still run and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
+
+from jaxinfer.config import EngineConfig, KernelConfig
+
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)
+                       if f.name not in ("seed", "kernels"))
+"""`EngineConfig` fields with a CLI option of their own (``--seed`` is the requests' seed)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -29,6 +36,13 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         if "default" in text or d is None or d is False or d == [] or d == argparse.SUPPRESS:
             return text
         return super()._get_help_string(action)
+
+
+def _kernels(spec: str) -> KernelConfig:
+    try:
+        return KernelConfig.parse(spec)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,47 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
     p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
-    g = p.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="default: the model's max_position_embeddings")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of 2)")
-    g.add_argument("--num-pages", type=int, default=None,
-                   help="KV pool size in pages; default: sized from free device memory")
-    g.add_argument("--max-num-seqs", type=int, default=64,
-                   help="most sequences in one decode step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                   help="most prompt tokens in one prefill step (longer prompts are chunked)")
-    g.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
-                   help="default: bfloat16 on GPU, float32 on CPU (bfloat16 is slow on CPU)")
-    g.add_argument("--memory-trace", default=None, metavar="FILE",
-                   help="write a CSV of weights / KV pool / pages in use / other bytes after each step")
-    g.add_argument("--attention", default="auto",
-                   help="paged-attention back-end for decode: auto, reference, triton, mosaic, "
-                        "jax_triton")
-    g.add_argument("--prefill-attention", default="auto",
-                   help="attention back-end for prefill: auto (= reference for now), reference, "
-                        "triton")
-    g.add_argument("--qkv-prologue", choices=["auto", "xla", "triton"], default="auto",
-                   help="decode steps' q/k norm + RoPE + K/V write: one Pallas kernel per layer "
-                        "(triton, GPU only), XLA's fusions (xla), or auto (triton on a GPU where "
-                        "the model's shapes allow)")
-    g.add_argument("--add-rms-norm", choices=["auto", "xla", "triton"], default="auto",
-                   help="residual add + RMSNorm: one Pallas kernel per boundary (triton, GPU "
-                        "only), XLA's fusions (xla), or auto (as --qkv-prologue)")
-    g.add_argument("--prefill-gemm", choices=["xla", "cublas"], default="xla",
-                   help="GEMM back-end of prefill steps: XLA's choice or cuBLAS (GPU; "
-                        "ignored on CPU, where XLA has no cuBLAS)")
-    g.add_argument("--cublas-decode-min-batch", type=int, default=64, metavar="ROWS",
-                   help="decode batch buckets of at least ROWS rows use cuBLAS GEMMs (a "
-                        "positive integer, default 64; GPU only, ignored on CPU; a number above "
-                        "the largest bucket keeps XLA's GEMMs everywhere)")
-    g.add_argument("--compilation-cache-dir", default=None, metavar="DIR",
-                   help="JAX persistent compilation cache: a later run with the same DIR loads "
-                        "the compiled steps instead of compiling them again")
-    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                   help="dispatch step n+1 before reading back step n's tokens (host work hides "
-                        "behind device work); --no-async-scheduling reads each step back first. "
-                        "Outputs are the same either way")
+    p.add_argument("--memory-trace", default=None, metavar="FILE",
+                   help="write a CSV of weights / KV pool / pages in use / other bytes per step")
+    g = p.add_argument_group("engine (jaxinfer.config.EngineConfig)")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name in ENGINE_OPTIONS:  # type from the annotation: "int | None", "bool", ...
+            kind = (dict(action=argparse.BooleanOptionalAction) if f.type == "bool" else
+                    dict(type=float if f.type == "float" else int if "int" in f.type else str))
+            g.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind, **f.metadata)
+    g.add_argument("--kernels", type=_kernels, default=KernelConfig(), metavar="SPEC",
+                   help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"
+                        "prefill=triton ('auto': chosen for the device). Keys: "
+                        + KernelConfig.help())
     return p
 
 
@@ -148,6 +133,36 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def _setup(args) -> tuple[list[str], object, object, list]:
+    """(prompts, SamplingParams, LLM, generate inputs) from the arguments.
+
+    Raises:
+        ValueError, FileNotFoundError: bad input (one line on stderr, exit 2).
+    """
+    from jaxinfer.sampling_params import SamplingParams
+
+    prompts = list(args.prompt)
+    if args.prompts_file:
+        prompts += _read_prompts_file(args.prompts_file)
+    if not prompts:
+        raise ValueError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    if args.model is not None and not os.path.exists(args.model):
+        raise FileNotFoundError(f"--model {args.model!r} does not exist")
+    from jaxinfer import llm as llm_module
+
+    llm = llm_module.LLM(args.model, kernels=args.kernels,
+                         **{name: getattr(args, name) for name in ENGINE_OPTIONS})
+    inputs = prompts
+    if args.chat:
+        inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
+            [{"role": "user", "content": p}])} for p in prompts]
+    return prompts, params, llm, inputs
+
+
 def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.json and args.stream:
@@ -155,43 +170,8 @@ def _main(argv: list[str] | None = None) -> int:
                      "request on stdout")
     # Library chatter (transformers' config warnings) would break the one-line error contract.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from jaxinfer.sampling_params import SamplingParams
-
     try:
-        prompts = list(args.prompt)
-        if args.prompts_file:
-            prompts += _read_prompts_file(args.prompts_file)
-        if not prompts:
-            return _fail("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                                top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                                repetition_penalty=args.repetition_penalty, seed=args.seed,
-                                stop=tuple(args.stop), ignore_eos=args.ignore_eos)
-        if args.model is not None and not os.path.exists(args.model):
-            return _fail(f"--model {args.model!r} does not exist")
-        from jaxinfer.attention import resolve_backend, resolve_prefill_backend
-        from jaxinfer.config import ATTENTION_BACKENDS, PREFILL_ATTENTION_BACKENDS
-        # GPU-only kernels on a CPU host: say so before spending seconds loading the model
-        if args.attention in ATTENTION_BACKENDS:
-            resolve_backend(args.attention)
-        if args.prefill_attention in PREFILL_ATTENTION_BACKENDS:
-            resolve_prefill_backend(args.prefill_attention)
-        from jaxinfer.llm import LLM
-
-        llm = LLM(args.model, max_model_len=args.max_model_len, page_size=args.page_size,
-                  num_pages=args.num_pages, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-                  attention=args.attention, prefill_attention=args.prefill_attention,
-                  async_scheduling=args.async_scheduling,
-                  compilation_cache_dir=args.compilation_cache_dir,
-                  qkv_prologue=args.qkv_prologue, add_rms_norm=args.add_rms_norm,
-                  prefill_gemm=args.prefill_gemm,
-                  cublas_decode_min_batch=args.cublas_decode_min_batch)
-        if args.chat:
-            inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
-                [{"role": "user", "content": p}])} for p in prompts]
-        else:
-            inputs = prompts
+        prompts, params, llm, inputs = _setup(args)
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
 
@@ -201,19 +181,30 @@ def _main(argv: list[str] | None = None) -> int:
         sys.stdout.write(f"[{i}] {delta}\n" if len(prompts) > 1 else delta)
         sys.stdout.flush()
 
-    stream = print_delta if args.stream else None
-
     if args.memory_trace:
         llm.engine.trace_memory = True
         llm.engine.memory_snapshot()
     t0 = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=len(prompts) > 1 and not args.stream,
-                        on_error="return", stream=stream)
+                        on_error="return", stream=print_delta if args.stream else None)
     wall = time.perf_counter() - t0
     if args.stream:
         sys.stdout.write("\n")
-    bad = 0
-    n_prompt = n_gen = 0
+    bad = _print_outputs(args, prompts, outs, wall, llm.engine.stats.num_compiles)
+    if args.memory_trace:
+        try:
+            llm.engine.memory.write_csv(args.memory_trace)
+        except OSError as e:
+            return _fail(f"--memory-trace {args.memory_trace!r}: {e.strerror}")
+        print(f"memory: {llm.engine.memory.report()} (trace: {args.memory_trace})",
+              file=sys.stderr if args.json else sys.stdout)
+    return 2 if bad else 0
+
+
+def _print_outputs(args, prompts: list[str], outs: list, wall: float, num_compiles: int) -> int:
+    """Print each output (text, or a JSON object with --json), an error line per failed request
+    and the summary; returns the number of failed requests."""
+    bad = n_prompt = n_gen = 0
     ttfts = []
     for i, o in enumerate(outs):
         if o.error:
@@ -235,18 +226,11 @@ def _main(argv: list[str] | None = None) -> int:
                 print(f"--- [{i}] {prompts[i]!r}")
             print(o.text)
     ttft = sum(ttfts) / len(ttfts) if ttfts else 0.0
-    summary = (f"prompt tokens: {n_prompt}, generated tokens: {n_gen}, mean TTFT: {ttft * 1e3:.1f} ms, "
-               f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
-               f"compilation included), compiles: {llm.engine.num_compiles}")
-    print(summary, file=sys.stderr if args.json else sys.stdout)
-    if args.memory_trace:
-        try:
-            llm.engine.memory.write_csv(args.memory_trace)
-        except OSError as e:
-            return _fail(f"--memory-trace {args.memory_trace!r}: {e.strerror}")
-        print(f"memory: {llm.engine.memory.report()} (trace: {args.memory_trace})",
-              file=sys.stderr if args.json else sys.stdout)
-    return 2 if bad else 0
+    print(f"prompt tokens: {n_prompt}, generated tokens: {n_gen}, mean TTFT: {ttft * 1e3:.1f} ms, "
+          f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
+          f"compilation included), compiles: {num_compiles}",
+          file=sys.stderr if args.json else sys.stdout)
+    return bad
 
 
 if __name__ == "__main__":

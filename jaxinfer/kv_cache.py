@@ -1,17 +1,14 @@
-"""Paged KV cache as explicit state.
+"""Paged KV cache as explicit state: `KVCache`, one registered pytree threaded through the
+jitted step with buffer donation.
 
-`KVCache` is one registered pytree: the K and V page pools for all layers plus the block tables and
-sequence lengths of the current step. The pools are allocated once at start-up and threaded through
-the jit-compiled step with buffer donation; the tables are small per-step int32 arrays the host fills.
-
-Layout (one place; kernels read it directly):
-    k, v:          [L, P, K, page_size, H]   compute dtype
+    k, v:          [L, P, K, page_size, H]   compute dtype; allocated once at start-up
     block_tables:  i32[B, M]                 logical page j of sequence b -> physical page
-    seq_lens:      i32[B]                    valid KV positions of sequence b after this step's write
+    seq_lens:      i32[B]                    valid KV positions of sequence b after the write
 
-Invariant (null page): physical page 0 is reserved and never handed to a sequence. Padded batch rows
-have ``seq_lens == 0`` and block-table entries 0; padded query tokens write their K/V into page 0.
-Nothing valid is ever read from page 0, so no index is ever out of range.
+Invariant (null page, `jaxinfer.engine.block_manager.NULL_PAGE` = 0): physical page 0 is never
+handed to a sequence. Padded batch rows have ``seq_lens == 0`` and block-table entries 0; padded
+query tokens write their K/V into page 0; nothing valid is read from it, so no index is ever out
+of range.
 """
 
 from __future__ import annotations
@@ -23,8 +20,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-
-NULL_PAGE = 0
 
 
 @dataclass(frozen=True)
@@ -40,10 +35,6 @@ class KVCache:
     def num_pages(self) -> int:
         return self.k.shape[1]
 
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[3]
-
     def replace(self, **kw) -> "KVCache":
         return dataclasses.replace(self, **kw)
 
@@ -57,19 +48,14 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
     """ShapeDtypeStruct form of the cache (for sizing, `jax.eval_shape` tests and init)."""
     shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
     pool = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
-    return KVCache(
-        k=pool, v=pool,
-        block_tables=jax.ShapeDtypeStruct((batch, max_pages_per_seq), jnp.int32),
-        seq_lens=jax.ShapeDtypeStruct((batch,), jnp.int32))
+    return KVCache(pool, pool, jax.ShapeDtypeStruct((batch, max_pages_per_seq), jnp.int32),
+                   jax.ShapeDtypeStruct((batch,), jnp.int32))
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                   sharding=None) -> KVCache:
-    """Allocate the zeroed page pools once, at start-up. Tables start as one padded row.
-
-    Raises:
-        ValueError: ``num_pages < 2`` (page 0 is the reserved null page).
-    """
+    """The zeroed page pools (allocated once, at start-up) and one padded table row.
+    Raises ValueError for ``num_pages < 2`` (page 0 is the reserved null page)."""
     if num_pages < 2:
         raise ValueError(f"num_pages={num_pages} is too small: need >= 2 (page 0 is reserved)")
     a = abstract_kv_cache(cfg, num_pages, page_size, dtype)
@@ -78,24 +64,12 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                    block_tables=jnp.zeros((1, 1), jnp.int32), seq_lens=jnp.zeros((1,), jnp.int32))
 
 
-def kv_pool_bytes(cfg: ModelConfig, num_pages: int, page_size: int, dtype_bytes: int) -> int:
-    """Bytes of the K and V pools together."""
-    return cfg.kv_bytes_per_token(dtype_bytes) * num_pages * page_size
-
-
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k_new: jax.Array, v_new: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter this step's K/V into the pools of one layer.
-
-    Args:
-        k_pool, v_pool: [L, P, K, page_size, H].
-        layer: int or i32[] layer index.
-        k_new, v_new: [B, T, K, H] (cast to the pool dtype).
-        slot_mapping: i32[B, T] flat slot ``page * page_size + offset`` of each token; padded tokens
-            point into the null page.
-    Returns:
-        The updated pools (in place under donation).
-    """
+    """Scatter k_new, v_new [B, T, K, H] (cast to the pool dtype) into layer ``layer`` (int or
+    i32[]) of the pools [L, P, K, page_size, H] at ``slot_mapping`` i32[B, T] (flat slot ``page *
+    page_size + offset``; padded tokens point into the null page). Returns the new pools (in
+    place under donation)."""
     page_size = k_pool.shape[3]
     slots = slot_mapping.reshape(-1)
     page, off = slots // page_size, slots % page_size

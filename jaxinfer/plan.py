@@ -4,12 +4,9 @@
     python -m jaxinfer.plan --model /path/to/hf_dir --context 8192 --kv-dtype fp8
     python -m jaxinfer.plan --model model.gguf --context 2048 --device-memory-gib 24
 
-``--model`` is an HF model directory (its ``config.json``), a GGUF file (only the metadata header
-is read), or a preset name (``PRESETS``). Without ``--device-memory-gib`` the memory of the local
-accelerator is used (JAX's ``bytes_limit`` of device 0); on a machine where JAX sees no
-accelerator the flag is required. Bad input: one line on stderr and exit code 2.
-
-The formulas are in ``jaxinfer.memory``.
+``--model``: an HF model directory, a GGUF file (metadata only) or a preset (``PRESETS``). Without
+``--device-memory-gib``: JAX's ``bytes_limit`` of the local accelerator (required where there is
+none). Formulas: `jaxinfer.memory`. Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ import os
 import sys
 from typing import Sequence
 
-from jaxinfer.config import ModelConfig
-from jaxinfer.memory import GIB, plan_memory
+from jaxinfer.config import DTYPE_BYTES, ModelConfig
+from jaxinfer.memory import GIB, device_memory_stats, plan_memory
 
 PRESETS: dict[str, ModelConfig] = {
     # Published Qwen/Qwen3-8B config.json.
@@ -37,44 +34,38 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=1, eos_token_ids=(2,)),
 }
 
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1}
 
 def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
-    """A ``ModelConfig`` from a GGUF file's metadata, read with the ``gguf`` package (tensor data is
-    memory-mapped, not read).
+    """The `ModelConfig` of a GGUF file's metadata (tensor data is not read).
 
     Raises:
-        ValueError: not a readable GGUF file, an architecture other than llama/qwen3, or a missing
-            key.
+        ValueError: not a readable GGUF file, an unsupported architecture, or a missing key.
     """
-    from checkpoints_tools.gguf_loader import gguf_hf_config, open_gguf
+    from checkpoints_tools.loader import open_checkpoint
 
-    return ModelConfig.from_hf_config(gguf_hf_config(open_gguf(path)))
+    return ModelConfig.from_hf_config(open_checkpoint(path).config)
 
 
 def resolve_model(spec: str) -> ModelConfig:
-    """``--model``: a preset name, an HF model directory or a ``.gguf`` file.
+    """``--model``: a preset name, an HF model directory or a GGUF file.
 
     Raises:
         ValueError: none of those, or an unreadable/unsupported config.
     """
     if spec in PRESETS:
         return PRESETS[spec]
-    if os.path.isdir(spec):
-        try:
-            return ModelConfig.from_hf_dir(spec)
-        except FileNotFoundError as e:
-            raise ValueError(str(e)) from None
-        except KeyError as e:
-            raise ValueError(f"config.json in {spec!r} lacks the key {e}") from None
     if os.path.isfile(spec):
         with open(spec, "rb") as f:
-            if f.read(4) == b"GGUF":
-                return config_from_gguf(spec)
-        raise ValueError(f"--model={spec!r} is a file but not a GGUF file (magic 'GGUF'); "
-                         "pass an HF model directory, a .gguf file or a preset")
-    raise ValueError(f"--model={spec!r} is invalid: not a directory, a file or a preset; "
-                     f"allowed presets: {sorted(PRESETS)}")
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"--model={spec!r} is a file but not a GGUF file (magic 'GGUF'); "
+                                 "pass an HF model directory, a .gguf file or a preset")
+    elif not os.path.isdir(spec):
+        raise ValueError(f"--model={spec!r} is invalid: not a directory, a file or a preset; "
+                         f"allowed presets: {sorted(PRESETS)}")
+    try:
+        return config_from_gguf(spec) if os.path.isfile(spec) else ModelConfig.from_hf_dir(spec)
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
 
 
 def local_device_bytes() -> tuple[int, str] | None:
@@ -82,8 +73,6 @@ def local_device_bytes() -> tuple[int, str] | None:
     # A planning tool must not grab 75% of a GPU another process may be using.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
-
-    from jaxinfer.memory import device_memory_stats
 
     dev = jax.devices()[0]
     if dev.platform == "cpu":
@@ -94,13 +83,13 @@ def local_device_bytes() -> tuple[int, str] | None:
     return stats[1], f"JAX bytes_limit of {dev.platform}:{dev.id} ({dev.device_kind})"
 
 
+class _UsageError(Exception):
+    pass
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
         raise _UsageError(message)
-
-
-class _UsageError(Exception):
-    pass
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,8 +13,8 @@ Order of operations (vLLM's sampler, https://github.com/vllm-project/vllm, `v1/s
     7. sample                       Gumbel-max with a per-row key ``fold_in(key(seed), step_idx)``
 
 Filters 4-5 run in descending-sorted vocab order (one stable sort of ``[B, V]``); ties keep the lower
-token id first, so top-k keeps exactly k tokens. The sort is the dominant cost (about 3 ms for
-B=256, V=152k on an H200), so a step where no sampled row uses top-k or top-p skips it (`lax.cond`).
+token id first, so top-k keeps exactly k tokens. The sort is the sampler's dominant cost, so a step
+where no sampled row uses top-k or top-p skips it (`lax.cond`).
 Both branches compute each kept token's perturbed score ``scaled + gumbel[token]`` identically, so
 a row's token does not depend on which branch its batch took. Bad values (NaN, +-inf logits, a row where every
 logit is -inf) never produce NaN: NaN logits count as -inf, +inf as the largest float32, and the
@@ -29,29 +29,22 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
-GREEDY_EPS = 1e-5
-"""Rows with ``temperature < GREEDY_EPS`` (or NaN) are greedy (vLLM's ``_SAMPLING_EPS``)."""
+from jaxinfer.sampling_params import GREEDY_EPS  # rows below it (or NaN) are greedy
+
 
 _PRNG_IMPL = "threefry2x32"  # pinned so a seed maps to the same stream on every JAX version
 
 
 @dataclass(frozen=True)
 class SamplingMetadata:
-    """Per-row sampling parameters for one step (a registered pytree; all fields are data).
+    """Per-row sampling parameters of one step (a pytree; the "sampling" group of
+    `jaxinfer.step_input.FIELDS`). B rows; R = longest penalty-token list, may be 0.
 
-    Fields (B = rows of the step's batch, R = longest penalty-token list, may be 0):
-        temperature:        f32[B]  0 (or < `GREEDY_EPS`) means greedy for that row.
-        top_k:              i32[B]  <= 0 means no top-k filter (the host maps -1 to 0).
-        top_p:              f32[B]  in (0, 1]; >= 1 means off. The top token is always kept.
-        min_p:              f32[B]  0 means off.
-        repetition_penalty: f32[B]  > 0; 1 means off.
-        seeds:              u32[B] or i32[B]  per-request seed (i32 is reinterpreted as u32 bits).
-        step_idx:           i32[B]  tokens this request has generated so far (the key's fold-in).
-        penalty_tokens:     i32[B, R]  prompt + output token ids, padded with -1 (ids outside
-                            ``[0, V)`` are ignored; duplicates are fine).
-
-    The host validates ranges (temperature >= 0, top_p in (0, 1], penalty > 0); `sample` only
-    checks shapes.
+    temperature f32[B] (< `GREEDY_EPS`: greedy); top_k i32[B] (<= 0: off); top_p f32[B] (>= 1:
+    off; the top token is always kept); min_p f32[B] (0: off); repetition_penalty f32[B] (1:
+    off); seeds u32[B] or i32[B] (reinterpreted as u32 bits); step_idx i32[B] (tokens generated
+    so far: the key's fold-in); penalty_tokens i32[B, R] (prompt + output ids, -1 padded; ids
+    outside [0, V) ignored). The host validates ranges; `sample` only checks shapes.
     """
 
     temperature: jax.Array
@@ -68,12 +61,10 @@ class SamplingMetadata:
 
 
 jax.tree_util.register_dataclass(
-    SamplingMetadata,
-    data_fields=["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds",
-                 "step_idx", "penalty_tokens"],
+    SamplingMetadata, data_fields=[f.name for f in dataclasses.fields(SamplingMetadata)],
     meta_fields=[])
 
-_ROW_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seeds", "step_idx")
+_ROW_FIELDS = [f.name for f in dataclasses.fields(SamplingMetadata) if f.name != "penalty_tokens"]
 
 
 def _check_shapes(logits, meta: SamplingMetadata) -> None:
@@ -92,16 +83,9 @@ def _check_shapes(logits, meta: SamplingMetadata) -> None:
 
 def apply_repetition_penalty(logits: jax.Array, penalty_tokens: jax.Array,
                              penalty: jax.Array) -> jax.Array:
-    """Divide positive / multiply non-positive logits of every token seen by the request.
-
-    Args:
-        logits: f32[B, V].
-        penalty_tokens: i32[B, R] token ids (prompt + output), -1 padded; ids outside [0, V) ignored.
-        penalty: f32[B] per-row penalty (> 0; 1 leaves the row bit-identical).
-    Returns:
-        f32[B, V]. Source: HF transformers ``RepetitionPenaltyLogitsProcessor`` (CTRL,
-        arXiv:1909.05858); each present token is penalised once however often it occurs.
-    """
+    """f32[B, V]: positive logits of every token in ``penalty_tokens`` i32[B, R] divided by,
+    non-positive ones multiplied by ``penalty`` f32[B] (1: the row is bit-identical), once per
+    token however often it occurs. Source: HF ``RepetitionPenaltyLogitsProcessor`` (CTRL)."""
     b, v = logits.shape
     if penalty_tokens.shape[1] == 0:
         return logits
@@ -178,18 +162,9 @@ def _penalised(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 
 def filtered_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """The distribution `sample` draws from for non-greedy rows, as logits in vocab order.
-
-    Args:
-        logits: [B, V], any float dtype.
-        meta: `SamplingMetadata` with B rows.
-    Returns:
-        f32[B, V]: ``(penalised - max) / T`` with filtered-out tokens at -inf (softmax gives the
-        sampling probabilities; for greedy rows T = 1). Meant for tests and logprobs; costs one
-        extra scatter over `sample`.
-    Raises:
-        ValueError: shapes of `logits` and `meta` disagree.
-    """
+    """f32[B, V]: the distribution `sample` draws from, as logits in vocab order: ``(penalised
+    - max) / T`` (greedy rows: T = 1), filtered-out tokens at -inf (for tests and logprobs).
+    Raises ValueError: shapes of ``logits`` [B, V] and ``meta`` disagree."""
     _check_shapes(logits, meta)
     vals, ids = _sort_desc(_scale(_penalised(logits, meta), meta.temperature))
     vals = _filter_sorted(vals, meta.top_k, meta.top_p, meta.min_p)
@@ -210,18 +185,11 @@ def _gumbel_noise(seeds: jax.Array, step_idx: jax.Array, v: int) -> jax.Array:
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata, *, all_greedy: bool) -> jax.Array:
-    """Pick one token per row: penalty -> greedy | temperature -> top-k -> top-p -> min-p -> draw.
-
-    Args:
-        logits: [B, V] in any float dtype (computed in float32).
-        meta: `SamplingMetadata` with B rows.
-        all_greedy: static. True skips the sort and the random draw (argmax after the repetition
-            penalty); only valid when every row is greedy. Compile one variant for each value.
-    Returns:
-        i32[B] token ids in [0, V). Row b depends only on logits[b] and row b of `meta`.
-    Raises:
-        ValueError: shapes of `logits` and `meta` disagree.
-    Source: vLLM v1 sampler (order of operations, greedy threshold), HF logits warpers (semantics).
+    """i32[B] token ids in [0, V), one per row of ``logits`` [B, V] (any float dtype, computed
+    in float32): penalty -> greedy | temperature -> top-k -> top-p -> min-p -> draw. Row b
+    depends only on logits[b] and row b of ``meta``. ``all_greedy`` (static): every row is
+    greedy, so skip the sort and the draw. Raises ValueError: shapes disagree.
+    Source: vLLM v1 sampler (order, greedy threshold), HF logits warpers (semantics).
     """
     _check_shapes(logits, meta)
     x = _penalised(logits, meta)

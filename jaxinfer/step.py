@@ -1,8 +1,8 @@
-"""The jit entry point: one engine step (a prefill chunk batch or a decode batch).
+"""The jit entry point: one engine step (a packed prefill batch or a decode batch).
 
 Nothing else in jaxinfer is jitted. The step is a pure function
-``(params, kv, inp) -> (next_tokens i32[B], kv')`` with the KV cache donated, compiled once per
-shape bucket (B, T, M, R) and sampling mode.
+``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')`` with the KV cache donated, compiled once
+per `jaxinfer.step_input.ShapeKey` (the shape bucket and sampling mode) and GEMM back-end.
 """
 
 from __future__ import annotations
@@ -16,27 +16,23 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import models
 from jaxinfer.config import ModelConfig
+from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.models import registry as models
-from jaxinfer.models.common import Packing
 from jaxinfer.sampling import SamplingMetadata, sample
+from jaxinfer.step_input import ShapeKey, layout
 
 
 @dataclass(frozen=True)
 class StepInput:
-    """Per-step device inputs, padded to a bucket (shape letters: README.md).
+    """Per-step device inputs, padded to a bucket (fields and padding: `jaxinfer.step_input`).
 
-    Unpacked (decode; ``packing`` None): row b is sequence b.
-    tokens:          i32[B, T] token ids (padding: 0)
-    positions:       i32[B, T] absolute positions (padding: 0)
-    slot_mapping:    i32[B, T] flat KV slot ``page * page_size + offset`` (padding: null page)
-    logits_indices:  i32[B]    which of the T tokens of each row is sampled (its last real one)
-    sampling:        SamplingMetadata for the B rows
-
-    Packed (prefill; ``packing`` a `Packing`): tokens, positions and slot_mapping are [1, Tp],
-    R sequences' chunks back to back; ``logits_indices`` i32[R] are packed indices; sampling
-    has R rows.
+    Unpacked (decode; ``packing`` None): row b is sequence b; tokens, positions and
+    slot_mapping are i32[B, T]; ``logits_indices`` i32[B] is the token of each row sampled.
+    Packed (prefill; ``packing`` a `models.Packing`): tokens, positions and slot_mapping are
+    i32[1, Tp], R sequences' chunks back to back; ``logits_indices`` i32[R] are packed indices.
+    ``sampling``: `SamplingMetadata` for the B (R) rows.
 
     Asynchronous scheduling (both None when unused):
     prev_tokens:     i32[Bmax] the previous step's output, still on the device (zeros before the
@@ -50,7 +46,7 @@ class StepInput:
     slot_mapping: jax.Array
     logits_indices: jax.Array
     sampling: SamplingMetadata
-    packing: Packing | None = None
+    packing: models.Packing | None = None
     prev_tokens: jax.Array | None = None
     pending_src: jax.Array | None = None
 
@@ -59,24 +55,20 @@ jax.tree_util.register_dataclass(
     StepInput, data_fields=[f.name for f in dataclasses.fields(StepInput)], meta_fields=[])
 
 
-def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, attn_fn: Callable,
+def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
          all_greedy: bool) -> tuple[jax.Array, KVCache]:
     """Model forward over this step's tokens, KV write, logits of one token per row, sampling.
 
-    Args:
-        params: the model's parameter tree (jaxinfer/models/params.py).
-        kv: the cache; its ``block_tables`` i32[B, M] and ``seq_lens`` i32[B] describe this step.
-        inp: `StepInput`.
-        cfg, attn_fn, all_greedy: static.
-    Returns:
-        (next token ids i32[B] (i32[R] packed), updated cache); with ``inp.prev_tokens`` the ids
-        are zero-padded to its length Bmax, so that the next step's input has a fixed shape.
+    ``kv``'s ``block_tables`` i32[B, M] and ``seq_lens`` i32[B] describe this step; ``cfg``,
+    ``kernels``, ``all_greedy`` are static. Returns (next token ids i32[B] (i32[R] packed), the
+    updated cache); with ``inp.prev_tokens`` the ids are zero-padded to its length Bmax, so the
+    next step's input has a fixed shape.
     """
     tokens = inp.tokens
     if inp.prev_tokens is not None and inp.packing is None:
         tokens = merge_pending_tokens(tokens, inp.prev_tokens, inp.pending_src)
     hidden, kv = models.forward(params, cfg, tokens, inp.positions, inp.slot_mapping, kv,
-                                attn_fn=attn_fn, packing=inp.packing)
+                                kernels=kernels, packing=inp.packing)
     with jax.named_scope("lm_head"):
         if inp.packing is None:
             last = jnp.take_along_axis(hidden, inp.logits_indices[:, None, None], axis=1)[:, 0]
@@ -95,102 +87,69 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, attn_fn
 GEMM_COMPILER_OPTIONS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
-def make_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool,
+def _jit(fn: Callable, gemm: str, static: tuple[str, ...]) -> Callable:
+    if gemm not in GEMM_COMPILER_OPTIONS:
+        raise ValueError(f"gemm={gemm!r} is invalid: allowed {sorted(GEMM_COMPILER_OPTIONS)}")
+    return jax.jit(fn, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm],
+                   static_argnames=static)
+
+
+def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool,
                  gemm: str = "xla") -> Callable:
-    """``jax.jit`` of `step` for one sampling mode, donating the KV cache (argument 1), compiled
-    with the GEMM back-end ``gemm`` (a key of `GEMM_COMPILER_OPTIONS`).
+    """``jax.jit`` of `step` for one sampling mode (KV cache donated), compiled with the GEMM
+    back-end ``gemm`` (a key of `GEMM_COMPILER_OPTIONS`); for benchmarks of the bare step.
 
     Raises:
         ValueError: unknown ``gemm``.
     """
-    return _jit_step(step, cfg, attn_fn, all_greedy, gemm)
+    return _jit(functools.partial(step, cfg=cfg, kernels=kernels, all_greedy=all_greedy), gemm, ())
 
 
-def _jit_step(fn: Callable, cfg: ModelConfig, attn_fn: Callable, all_greedy: bool, gemm: str,
-              **jit_kw) -> Callable:
-    """``jax.jit`` of ``fn`` with the static model arguments bound, the KV cache (argument 1)
-    donated and the GEMM back-end's compiler options."""
-    if gemm not in GEMM_COMPILER_OPTIONS:
-        raise ValueError(f"gemm={gemm!r} is invalid: allowed {sorted(GEMM_COMPILER_OPTIONS)}")
-    fn = functools.partial(fn, cfg=cfg, attn_fn=attn_fn, all_greedy=all_greedy)
-    return jax.jit(fn, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm],
-                   **jit_kw)
-
-
-def unpack_step_inputs(buf: jax.Array, layout: tuple) -> tuple[jax.Array, jax.Array, StepInput]:
-    """The inverse of `jaxinfer.engine.batch_builder.pack_device_inputs`, inside the jit.
-
-    Args:
-        buf: i32[S] the packed inputs.
-        layout: ``((name, shape, dtype str), ...)`` (static).
-    Returns:
-        (block_tables i32[B, M], seq_lens i32[B], `StepInput` without ``prev_tokens``).
-    """
-    f, off = {}, 0
-    for name, shape, dtype in layout:
+def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInput]:
+    """The inverse of `jaxinfer.step_input.pack` inside the jit (``key`` static): returns
+    (block_tables i32[B, M], seq_lens i32[B], `StepInput` without ``prev_tokens``)."""
+    groups: dict[str, dict] = {"input": {}, "kv": {}, "sampling": {}, "packing": {}}
+    off = 0
+    for f, shape in layout(key):
         n = math.prod(shape)
         x = buf[off:off + n].reshape(shape)
-        if jnp.dtype(dtype) != jnp.int32:
-            x = jax.lax.bitcast_convert_type(x, jnp.dtype(dtype))
-        f[name] = x
+        if jnp.dtype(f.dtype) != jnp.int32:
+            x = jax.lax.bitcast_convert_type(x, jnp.dtype(f.dtype))
+        groups[f.group][f.name] = x
         off += n
-    sm = SamplingMetadata(
-        temperature=f["temperature"], top_k=f["top_k"], top_p=f["top_p"], min_p=f["min_p"],
-        repetition_penalty=f["repetition_penalty"], seeds=f["seeds"], step_idx=f["step_idx"],
-        penalty_tokens=f["penalty_tokens"])
-    packing = (Packing(f["q_index"], f["q_positions"], f["out_index"]) if "q_index" in f
-               else None)
-    inp = StepInput(tokens=f["tokens"], positions=f["positions"], slot_mapping=f["slot_mapping"],
-                    logits_indices=f["logits_indices"], sampling=sm, packing=packing,
-                    pending_src=f["pending_src"])
-    return f["block_tables"], f["seq_lens"], inp
+    packing = models.Packing(**groups["packing"]) if key.packed else None
+    inp = StepInput(**groups["input"], sampling=SamplingMetadata(**groups["sampling"]),
+                    packing=packing)
+    return groups["kv"]["block_tables"], groups["kv"]["seq_lens"], inp
 
 
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
-                layout: tuple, cfg: ModelConfig, attn_fn: Callable,
-                all_greedy: bool) -> tuple[jax.Array, KVCache]:
-    """`step` on inputs packed into one buffer (the engine's entry point: one transfer a step).
+                key: ShapeKey, cfg: ModelConfig,
+                kernels: ModelKernels) -> tuple[jax.Array, KVCache]:
+    """`step` on inputs packed into one buffer ``buf`` i32[S] (`jaxinfer.step_input.pack`;
+    ``key``, static, gives its layout and the sampling mode): one transfer a step.
 
-    Args:
-        params: the parameter tree.
-        kv: the cache; its ``block_tables``/``seq_lens`` are placeholders of fixed shape that
-            pass through unchanged (this step's come from ``buf``), so the compiled step's
-            signature depends on the bucket only through ``buf``.
-        buf: i32[S] from `jaxinfer.engine.batch_builder.pack_device_inputs`.
-        prev_tokens: i32[Bmax] the previous step's output (`StepInput.prev_tokens`).
-        layout: static, from the same call.
-    Returns:
-        (token ids i32[Bmax], updated cache with the placeholders).
+    ``kv``'s ``block_tables``/``seq_lens`` are fixed-shape placeholders passed through unchanged
+    (this step's come from ``buf``), so the compiled signature depends on the bucket only through
+    ``buf``. ``prev_tokens`` i32[Bmax]: the previous step's output. Returns (token ids
+    i32[Bmax], the updated cache).
     """
-    tables, lens, inp = unpack_step_inputs(buf, layout)
+    tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
     tokens, new = step(params, kv.replace(block_tables=tables, seq_lens=lens), inp, cfg=cfg,
-                       attn_fn=attn_fn, all_greedy=all_greedy)
+                       kernels=kernels, all_greedy=key.all_greedy)
     return tokens, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
 
 
-def make_packed_step_fn(cfg: ModelConfig, attn_fn: Callable, all_greedy: bool,
-                        gemm: str = "xla") -> Callable:
-    """``jax.jit`` of `packed_step` (KV cache donated, ``layout`` static): call it as
-    ``fn(params, kv, buf, prev_tokens, layout=layout)``; its ahead-of-time compiled form
-    (``fn.lower(...).compile()``) takes ``(params, kv, buf, prev_tokens)``.
-
-    Raises:
-        ValueError: unknown ``gemm``.
-    """
-    return _jit_step(packed_step, cfg, attn_fn, all_greedy, gemm, static_argnames=("layout",))
-
-
 def merge_pending_tokens(tokens: jax.Array, prev_tokens: jax.Array, src: jax.Array) -> jax.Array:
-    """Fill the input tokens that are still on the device (asynchronous scheduling; runs inside
-    the step, so it costs no launch and no compile of its own).
-
-    Args:
-        tokens: i32[B, T] this step's host-built input ids.
-        prev_tokens: i32[Bmax] the previous step's sampled ids (still on the device).
-        src: i32[B] for each row, the row of ``prev_tokens`` that is its first input token, or -1.
-    Returns:
-        i32[B, T]: ``tokens`` with ``tokens[i, 0] = prev_tokens[src[i]]`` where ``src[i] >= 0``.
-    """
+    """i32[B, T] ``tokens`` with ``tokens[i, 0] = prev_tokens[src[i]]`` where ``src[i] >= 0``:
+    the input tokens still on the device (asynchronous scheduling), filled inside the step."""
     picked = prev_tokens[jnp.maximum(src, 0)]
     return tokens.at[:, 0].set(jnp.where(src >= 0, picked, tokens[:, 0]))
+
+
+# The engine's jit entry points, one per GEMM back-end: call as ``PACKED_STEPS[gemm](params, kv,
+# buf, prev_tokens, key=, cfg=, kernels=)`` (all three static, hashable: engines of equal model
+# and kernels share compiled steps); ``.lower(...).compile()`` gives the ahead-of-time form.
+PACKED_STEPS = {gemm: _jit(packed_step, gemm, ("key", "cfg", "kernels"))
+                for gemm in GEMM_COMPILER_OPTIONS}

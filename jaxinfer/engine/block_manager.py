@@ -1,19 +1,10 @@
-"""KV page allocator (host side; imports no JAX).
+"""KV page allocator (host side; imports no JAX): which pages of the ``[L, P, K, page_size, H]``
+pools (`jaxinfer.kv_cache`) a sequence owns; the device sees only int32 block tables.
 
-The KV pools are ``[L, P, K, page_size, H]`` (``jaxinfer.kv_cache``). This module decides which
-page ids a sequence owns; the device only ever sees the resulting int32 block tables.
-
-Invariants:
-    * page 0 is the reserved null page: padded batch slots and padded block-table entries point at
-      it; it is never handed out and never freed.
-    * every other page is either free or owned by exactly one sequence (``_owner[page]``).
-    * free pages are handed out lowest id first, so one sequence's pages stay close together.
-
-Prefix caching would replace the single owner per page with a reference count plus a hash ->
-page map; the public methods here would keep their signatures.
-
-Source: the block manager of nano-vllm / vLLM (PagedAttention, Kwon et al. 2023), without
-prefix caching.
+Invariants: page `NULL_PAGE` is reserved (padded batch slots and block-table entries point at
+it; never handed out or freed); every other page is free or owned by exactly one sequence; free
+pages go out lowest id first. Source: nano-vllm / vLLM's block manager (PagedAttention, Kwon et
+al. 2023), without prefix caching.
 """
 
 from __future__ import annotations
@@ -24,19 +15,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from jaxinfer.engine.sequence import Sequence
 
-NULL_PAGE = 0
+NULL_PAGE = 0  # the reserved page padding points at (the one definition)
 
 
 class BlockManager:
-    """Owns the free list of KV pages ``1 .. num_pages - 1``.
-
-    Args:
-        num_pages: pool size P in pages, including the null page 0; >= 2.
-        page_size: tokens per page; >= 1.
-
-    Raises:
-        ValueError: ``num_pages < 2`` or ``page_size < 1`` (or not integers).
-    """
+    """Owns the free list of pages ``1 .. num_pages - 1`` (P = ``num_pages`` includes the null
+    page). Raises ValueError: ``num_pages`` not an integer >= 2, ``page_size`` not >= 1."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 2:
@@ -76,15 +60,8 @@ class BlockManager:
         return self.num_missing_pages(seq, num_tokens) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Extend ``seq.block_table`` so it holds positions ``[0, num_tokens)``.
-
-        Returns:
-            The newly appended page ids (possibly empty).
-
-        Raises:
-            RuntimeError: not enough free pages (nothing is allocated then); callers check
-                ``can_allocate`` first.
-        """
+        """Extend ``seq.block_table`` to hold positions ``[0, num_tokens)``; returns the new page
+        ids. Raises RuntimeError (nothing allocated): not enough free pages."""
         missing = self.num_missing_pages(seq, num_tokens)
         if missing > len(self._free):
             raise RuntimeError(
@@ -97,13 +74,8 @@ class BlockManager:
         return new
 
     def free(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s pages to the free list and clear its block table.
-
-        Raises:
-            RuntimeError: ``seq`` holds no pages (a double free), or its table names a page it
-                does not own (the null page, a free page, or another sequence's page). Nothing
-                is freed then.
-        """
+        """Free all of ``seq``'s pages and clear its table. Raises RuntimeError (nothing freed):
+        no pages (a double free), or a page it does not own (null, free, another's, twice)."""
         if not seq.block_table:
             raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} holds no pages "
                                "(double free?)")

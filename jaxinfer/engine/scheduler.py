@@ -1,41 +1,25 @@
 """Continuous-batching scheduler (host side; imports no JAX).
 
-One engine step is ``batch = scheduler.schedule()`` -> device step -> ``scheduler.postprocess(batch,
-sampled)``. Asynchronous scheduling: up to two batches may be in flight, i.e. the next step may be
-scheduled (and dispatched) before the previous one is postprocessed; batches are postprocessed in
-the order they were scheduled. ``schedule`` advances ``num_computed_tokens`` and counts the tokens
-each row samples as *pending* (``Sequence.num_pending_tokens``); a decode row whose input is a
-pending token is marked in ``ScheduledBatch.pending_input`` and the engine feeds it from the
-previous step's device output. A sequence whose pending tokens will reach ``max_tokens`` or
-``max_model_len`` is not scheduled again (it finishes when they are read back); one that finishes
-on a stop/EOS token was possibly scheduled once more, and that row's result is dropped
-(vLLM v1 async scheduling, SGLang's overlap scheduler).
+A step is ``batch = schedule()`` -> device step -> ``postprocess(batch, sampled)``. With
+asynchronous scheduling up to two batches are in flight (postprocessed in schedule order):
+``schedule`` advances ``num_computed_tokens`` and counts each sampled token as pending
+(`Sequence.num_pending_tokens`); a decode row whose input is a pending token is flagged in
+``ScheduledBatch.pending_input``. A sequence whose pending tokens reach ``max_tokens`` or
+``max_model_len`` is not scheduled again; one that ends on a stop/EOS token may have been
+scheduled once more, and that row's result is dropped.
 
-Policy (nano-vllm style, with chunked prefill):
-    * Prefill first. If sequences are waiting, the step is a PREFILL batch: the partially prefilled
-      sequence (if any) is continued first, then waiting sequences are admitted in FIFO order while
-      fewer than ``max_num_seqs`` sequences are admitted, the token budget
-      ``max_num_batched_tokens`` is not spent, and the free list has the pages for the chunk. A
-      sequence's chunk is its uncomputed tokens (prompt, plus the outputs it had before a
-      preemption) capped by the remaining budget, so a long prompt is split over several steps
-      (chunked prefill). Attention pads every row to the longest chunk, so rows x longest chunk
-      is kept within twice the budget too (a later row's chunk is cut to fit, or the row waits). Only
-      the chunk that reaches the end of the sequence samples a token. At most one sequence is
-      partially prefilled at a time (the last row of its batch).
-      FIFO is strict: if the head of the queue does not fit, nothing behind it is admitted.
-    * Otherwise a DECODE batch of every decoding sequence, one token each. If one needs a new page
-      and none is free, the most recently admitted sequence is preempted by recompute (its pages
-      freed, ``num_computed_tokens = 0``, back to the FRONT of the waiting queue) and the
-      allocation is retried. The partially prefilled sequence, if any, is always the most recently
-      admitted one and so is the first victim.
-    * Prefill and decode never mix in one batch.
+Policy: prefill first. With sequences waiting, the step is a PREFILL batch: the partially
+prefilled sequence continues first, then waiting ones are admitted strictly FIFO while fewer than
+``max_num_seqs`` are admitted, the ``max_num_batched_tokens`` budget lasts and pages are free. A
+chunk is the uncomputed tokens capped by the budget (chunked prefill; at most one sequence is
+partially prefilled, the last row), and rows x longest chunk stays within twice the budget. Only
+the chunk reaching the end of a sequence samples. Otherwise a DECODE batch of every decoding
+sequence; when a page is missing, the most recently admitted sequence is preempted by recompute
+(pages freed, back to the FRONT of the queue). Prefill and decode never mix. Admission (`add`)
+guarantees each sequence alone fits the pool and ``max_model_len`` (no livelock).
 
-Admission (``add``) guarantees that every sequence alone fits in the pool and in
-``max_model_len``, so one sequence never has to preempt itself with nobody else left (no
-livelock) and nothing is ever written at a position >= ``max_model_len``.
-
-Sources: nano-vllm ``Scheduler`` (prefill-first, preempt-by-recompute from the back of the running
-queue); vLLM chunked prefill (Agrawal et al. 2023, "SARATHI").
+Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill and asynchronous scheduling
+(Agrawal et al. 2023, "SARATHI").
 """
 
 from __future__ import annotations
@@ -53,23 +37,13 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """The work of one engine step.
+    """The work of one engine step: row i computes positions ``[start_positions[i],
+    start_positions[i] + num_new_tokens[i])`` of ``seqs[i]`` (decode: 1 token).
 
-    Fields:
-        seqs: the B sequences of the step, in batch order.
-        num_new_tokens: per sequence, the tokens computed this step: positions
-            ``[start_positions[i], start_positions[i] + num_new_tokens[i])`` of
-            ``seqs[i].all_token_ids``. Decode: all 1.
-        is_prefill: a prefill (chunk) batch; never mixed with decode.
-
-    Derived at construction (snapshots, valid even after the sequences change):
-        start_positions: ``seqs[i].num_computed_tokens`` when scheduled.
-        do_sample: whether ``seqs[i]``'s chunk reaches the end of the sequence (pending tokens
-            included), i.e. the step samples a token for it (``postprocess`` expects an int
-            there, ``None`` elsewhere).
-        pending_input: whether the token at ``start_positions[i]`` is a pending one (sampled by
-            the batch in flight, id not known on the host): the engine takes it from that
-            step's device output.
+    Snapshots taken at construction: ``start_positions`` (``num_computed_tokens`` then),
+    ``do_sample`` (the chunk reaches the sequence's end, pending tokens included: the row samples
+    and ``postprocess`` expects an int there, None elsewhere), ``pending_input`` (the input token
+    is pending: sampled by the batch in flight, taken from its device output).
 
     Raises:
         ValueError: ``seqs`` and ``num_new_tokens`` differ in length, or a count is < 1.
@@ -111,17 +85,10 @@ class ScheduledBatch:
 class Scheduler:
     """Decides which sequences run each step and owns their KV pages (via ``BlockManager``).
 
-    Args:
-        block_manager: the page allocator (its ``page_size`` must equal ``page_size``).
-        max_num_seqs: the most admitted (page-holding) sequences, hence the largest batch.
-        max_num_batched_tokens: token budget of one prefill step.
-        max_model_len: the most tokens (prompt + output) one sequence may hold.
-        page_size: tokens per KV page.
-        eos_token_ids: the engine's end-of-sequence ids (finish reason "stop" unless the request
-            sets ``ignore_eos``).
-
-    Raises:
-        ValueError: a non-positive size, or ``page_size`` differing from the block manager's.
+    ``max_num_seqs`` bounds the admitted (page-holding) sequences, ``max_num_batched_tokens`` a
+    prefill step's tokens, ``max_model_len`` one sequence's tokens; ``eos_token_ids`` finish with
+    "stop" unless ``ignore_eos``. Raises ValueError: a size not a positive integer, or
+    ``page_size`` differing from the block manager's.
     """
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
@@ -147,7 +114,6 @@ class Scheduler:
         self._requests: dict[str, Sequence] = {}  # unfinished, by request_id
         self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not postprocessed; oldest first
 
-    # ------------------------------------------------------------------ queries
     @property
     def num_waiting(self) -> int:
         """Sequences queued and not admitted (holding no pages)."""
@@ -155,7 +121,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        """Admitted sequences (holding pages): decoding plus the partially prefilled one."""
+        """Admitted sequences (holding pages), the partially prefilled one included."""
         return len(self.running) + (self.prefilling is not None)
 
     def has_unfinished(self) -> bool:
@@ -165,14 +131,9 @@ class Scheduler:
         """The unfinished sequence with this id, or ``None``."""
         return self._requests.get(request_id)
 
-    # ------------------------------------------------------------------ admission
     def check_admissible(self, n_prompt: int, params) -> None:
-        """Raise ValueError if a request of ``n_prompt`` tokens with ``params`` can never run.
-
-        Rule: ``n_prompt >= 1``, ``n_prompt + max_tokens <= max_model_len``, and the pages for
-        ``n_prompt + max_tokens`` tokens fit in the whole pool. Used by `add` and by callers that
-        validate a whole batch before queueing any of it.
-        """
+        """Raise ValueError unless ``n_prompt >= 1``, ``n_prompt + max_tokens <= max_model_len``
+        and the pages for ``n_prompt + max_tokens`` tokens fit in the whole pool."""
         max_tokens = params.max_tokens
         tokens = f"{n_prompt} token{'s' if n_prompt != 1 else ''}"
         if n_prompt == 0:
@@ -191,17 +152,8 @@ class Scheduler:
                 f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool")
 
     def add(self, seq: Sequence) -> None:
-        """Check ``seq`` and queue it (FIFO).
-
-        Rule: ``len(prompt) + max_tokens <= max_model_len`` and the pages for
-        ``len(prompt) + max_tokens`` tokens fit in the whole pool; a request that can never run
-        is rejected here rather than left to livelock.
-
-        Raises:
-            ValueError: empty prompt; prompt + max_tokens > max_model_len; the worst-case pages
-                exceed the pool; a duplicate unfinished ``request_id``; a sequence that is not
-                fresh. The scheduler's state is unchanged then.
-        """
+        """Queue ``seq`` (FIFO). Raises ValueError (nothing changes): `check_admissible` fails,
+        a duplicate unfinished ``request_id``, or a sequence that is not fresh."""
         self.check_admissible(seq.num_prompt_tokens, seq.params)
         if seq.request_id in self._requests:
             raise ValueError(f"request_id={seq.request_id!r} is invalid: an unfinished request "
@@ -213,21 +165,13 @@ class Scheduler:
         self._requests[seq.request_id] = seq
         self.waiting.append(seq)
 
-    # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch | None:
-        """Pick the next step's work (see the module docstring for the policy).
-
-        Pages for every position the step writes are allocated before returning, and the
-        batch's sequences are advanced: ``num_computed_tokens += num_new_tokens[i]`` and
-        ``num_pending_tokens += 1`` where the row samples.
-
-        Returns:
-            The batch, or ``None`` when nothing can run until a batch in flight is postprocessed
-            (or there is no unfinished sequence).
+        """The next step's batch (policy: module docstring), its pages allocated and its
+        sequences advanced (``num_computed_tokens``, ``num_pending_tokens`` where it samples);
+        None when nothing can run until a batch in flight is postprocessed, or nothing is left.
 
         Raises:
-            RuntimeError: two batches are in flight already (postprocess the oldest first); or an
-                internal invariant broke (work left, nothing in flight, nothing schedulable).
+            RuntimeError: two batches in flight already, or work left that nothing can run.
         """
         if len(self._in_flight) >= 2:
             raise RuntimeError("Scheduler.schedule: the previous batch was not postprocessed "
@@ -261,11 +205,7 @@ class Scheduler:
             if seq.num_pending_tokens:  # preempted with a token still in flight: next step
                 return False
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            # Attention pads every row to the longest chunk (rows [R, Tq]; the projections and
-            # the MLP run on the packed tokens only): keep rows x longest within twice the token
-            # budget, so one long prompt does not blow 40 short ones up to [64, 1024]. Twice, not
-            # once: on the throughput workload of scripts/plan_step_shapes.py that takes 19
-            # prefill steps instead of 31 and pads 18% fewer tokens, for the same R x Tq x S.
+            # attention pads every row to the longest chunk: rows x longest <= twice the budget
             if seqs:
                 cap = 2 * self.max_num_batched_tokens // (len(seqs) + 1)  # longest row allowed
                 if max(nums) > cap:
@@ -353,28 +293,17 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    # ------------------------------------------------------------------ after the device step
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance the batch's sequences by the device step's results.
+        """Advance the oldest batch in flight by ``sampled`` (a token id where
+        ``batch.do_sample[i]``, else None); returns the sequences that finished, in batch order.
 
-        For each sequence where ``batch.do_sample[i]``: the pending token becomes
-        ``output_token_ids[-1]`` (``num_pending_tokens -= 1``), then, in this order: token in ``stop_token_ids`` or (not
-        ``ignore_eos`` and token in the EOS ids) -> "stop"; ``len(output) >= max_tokens`` ->
-        "length"; ``num_tokens >= max_model_len`` -> "length". Finished sequences leave the
-        scheduler and free their pages. Sequences finished while the step ran (``abort``, a stop
-        string, or a stop token read back from an earlier step) are skipped.
-
-        Args:
-            batch: the oldest batch in flight.
-            sampled: B entries: the sampled token id where ``batch.do_sample[i]``, else ``None``.
-
-        Returns:
-            The sequences that finished in this call, in batch order.
+        A sampled token is appended, then in this order: a stop token (or EOS unless
+        ``ignore_eos``) -> "stop"; ``max_tokens`` outputs or ``max_model_len`` tokens -> "length".
+        Finished sequences free their pages; ones finished while the step ran are skipped.
 
         Raises:
-            RuntimeError: ``batch`` is not the batch in flight.
-            ValueError: ``sampled`` has the wrong length, or ``None``/an int where the other was
-                expected (nothing is changed then).
+            RuntimeError: ``batch`` is not the oldest in flight.
+            ValueError: ``sampled`` of the wrong length or kind (nothing changes then).
         """
         if not self._in_flight or batch is not self._in_flight[0]:
             raise RuntimeError("Scheduler.postprocess: batch is not the one returned by the last "
@@ -413,18 +342,10 @@ class Scheduler:
             return "length"
         return None
 
-    # ------------------------------------------------------------------ finishing from outside
     def finish(self, seq: Sequence, reason: str) -> bool:
-        """Finish ``seq`` from outside (e.g. a stop string matched on decoded text) and free its
-        pages.
-
-        Returns:
-            True, or False when ``seq`` had already finished (nothing changes then).
-
-        Raises:
-            ValueError: ``reason`` not in ("stop", "length", "abort"), or ``seq`` is not one of
-                this scheduler's sequences.
-        """
+        """Finish ``seq`` from outside (e.g. on a stop string) and free its pages; False when it
+        had already finished. Raises ValueError: ``reason`` not in `FINISH_REASONS`, or ``seq``
+        not one of this scheduler's."""
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish reason={reason!r} is invalid: allowed {FINISH_REASONS}")
         if seq.is_finished:
@@ -435,11 +356,7 @@ class Scheduler:
         return True
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Finish the unfinished request ``request_id`` with reason "abort".
-
-        Returns:
-            The aborted sequence, or ``None`` if no unfinished request has this id.
-        """
+        """Finish request ``request_id`` with "abort"; the sequence, or None if not unfinished."""
         seq = self._requests.get(request_id)
         if seq is None:
             return None
@@ -447,9 +364,8 @@ class Scheduler:
         return seq
 
     def abort_all(self) -> list[Sequence]:
-        """Abort every unfinished request and forget a batch that was never postprocessed (error
-        recovery: an exception or interrupt between `schedule` and `postprocess`). All pages are
-        returned to the free list."""
+        """Error recovery: abort every unfinished request (all pages freed) and forget the batches
+        in flight."""
         self._in_flight.clear()
         return [s for rid in list(self._requests) if (s := self.abort(rid)) is not None]
 

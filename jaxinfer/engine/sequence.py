@@ -13,12 +13,8 @@ from jaxinfer.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    """Where a sequence is in the scheduler.
-
-    WAITING: queued, holds no KV pages and ``num_computed_tokens == 0`` (new, or preempted).
-    RUNNING: admitted: holds KV pages (being prefilled in chunks, or decoding).
-    FINISHED: done (``finish_reason`` set); holds no pages.
-    """
+    """WAITING: queued, no pages, nothing computed (new or preempted); RUNNING: admitted,
+    holds pages; FINISHED: ``finish_reason`` set, no pages."""
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -27,34 +23,19 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request being generated: its tokens, KV pages and timing.
+    """A request being generated (identity, not field equality, tells two apart). The
+    constructor takes ``(request_id, prompt_token_ids, params, seed)``; the other fields are
+    keyword-only and belong to the scheduler.
 
-    Identity, not field equality, distinguishes two sequences (``eq=False``).
-
-    Constructor: ``Sequence(request_id, prompt_token_ids, params, seed)``; every other field is
-    keyword-only and is normally left to the scheduler.
-
-    Fields:
-        request_id: caller's id, unique among unfinished requests of one scheduler.
-        prompt_token_ids: prompt token ids (copied into a list of Python ints).
-        params: the request's ``SamplingParams``.
-        seed: resolved random seed: ``params.seed`` or one drawn by the engine.
-        output_token_ids: generated token ids so far.
-        status: ``SequenceStatus``.
-        block_table: physical KV page ids; page ``i`` holds positions
-            ``[i * page_size, (i + 1) * page_size)``. Owned by the ``BlockManager``.
-        num_computed_tokens: tokens whose K/V are in the cache or being written by a dispatched
-            step: ``Scheduler.schedule()`` advances it when it schedules a step (vLLM v1's rule,
-            which lets the next step be scheduled before this one's tokens are read back).
-        num_pending_tokens: tokens sampled by dispatched steps whose ids the host has not read
-            yet (0, 1 or 2 with asynchronous scheduling; they are the last positions of the
-            sequence, after ``output_token_ids``).
-        finish_reason: "stop" (stop/EOS token or stop string), "length" (max_tokens or
-            max_model_len), "abort", or ``None`` while unfinished.
-        arrival_time, first_token_time, finish_time: ``time.perf_counter()`` seconds.
-        num_preemptions: times the sequence was preempted (its K/V dropped and recomputed).
-        stop_string: the stop string that ended it (set by the engine, which matches stop strings
-            on decoded text), else ``None``.
+    seed: ``params.seed`` or one drawn by the engine. block_table: KV page ids; page i holds
+        positions ``[i * page_size, (i + 1) * page_size)`` (owned by the ``BlockManager``).
+    num_computed_tokens: tokens whose K/V are in the cache or being written by a dispatched step
+        (advanced when scheduled, vLLM v1's rule).
+    num_pending_tokens: tokens sampled by dispatched steps and not read back yet (0, 1 or 2; the
+        last positions, after ``output_token_ids``).
+    finish_reason: "stop" (stop/EOS token or stop string), "length" (max_tokens or
+        max_model_len), "abort", or None while unfinished; ``stop_string``: the stop string that
+        ended it. Times are ``time.perf_counter()`` seconds.
     """
 
     request_id: str
@@ -110,8 +91,7 @@ class Sequence:
 
     @property
     def ended_on_stop_token(self) -> bool:
-        """Finished with "stop" because its last token is one of ``params.stop_token_ids`` (not a
-        stop string): that token's text is left out of the output text (vLLM's rule)."""
+        """Finished on one of ``params.stop_token_ids`` (its text is left out, vLLM's rule)."""
         return (self.is_finished and self.finish_reason == "stop" and self.stop_string is None
                 and bool(self.output_token_ids)
                 and self.output_token_ids[-1] in self.params.stop_token_ids)

@@ -1,0 +1,123 @@
+"""The models as pure functions of (params, inputs, KV state), by ``cfg.architecture``.
+
+``params`` is the plain tree the Flax modules declare (`jaxinfer.models.llama` lists it; no
+``{"params": ...}`` wrapper); its dtype is the compute dtype. `abstract_params` (``jax.eval_shape``
+of init) is the one shape source for loading checks and sizing. Nothing here is jitted:
+`jaxinfer.step` jits the step around `forward` (``cfg`` and ``kernels`` are static, hashable).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.kernels import ModelKernels
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.models.layers import Packing, fused_parts  # noqa: F401 (exported)
+from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.qwen3 import Qwen3ForCausalLM
+
+_MODELS = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
+
+
+def _model(cfg, kernels: ModelKernels, dtype):
+    if cfg.architecture not in _MODELS:
+        raise ValueError(f"cfg.architecture={cfg.architecture!r} has no model; "
+                         f"supported: {tuple(_MODELS)}")
+    return _MODELS[cfg.architecture](cfg, kernels, jnp.dtype(dtype))
+
+
+def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
+            kv: KVCache, *, kernels: ModelKernels = ModelKernels(),
+            packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
+    """One model step over the paged KV cache (prefill, decode or mixed).
+
+    Args:
+        params: the param tree for ``cfg`` (`check_params`; not checked here).
+        cfg: `jaxinfer.config.ModelConfig` (static under jit).
+        tokens: i32[B, T] token ids (padding: any valid id).
+        positions: i32[B, T] absolute positions (RoPE and the causal mask).
+        slot_mapping: i32[B, T] flat KV slot ``page * page_size + offset``; padded tokens point
+            into the null page (`jaxinfer.kv_cache`).
+        kv: `KVCache`, pools [L, P, K, page_size, H], block_tables i32[R, M], seq_lens i32[R]
+            (valid KV length after this step's write); R = B unpacked.
+        kernels: `jaxinfer.kernels.ModelKernels` (static under jit).
+        packing: None (row b of tokens is sequence b) or `Packing`: tokens [1, Tp] hold R
+            sequences' chunks back to back.
+    Returns:
+        (hidden [B, T, D] after the final norm in the compute dtype, KVCache with new pools).
+    Raises:
+        ValueError: an architecture with no model.
+    """
+    model = _model(cfg, kernels, params["embed"].dtype)
+    return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
+
+
+def compute_logits(params: dict, cfg, hidden: jax.Array) -> jax.Array:
+    """f32[..., V] = hidden [..., D] @ (lm_head [D, V], or embed.T when tied), in the compute
+    dtype with float32 accumulation.
+
+    Raises:
+        ValueError: untied ``cfg`` but no ``lm_head`` in ``params``.
+    """
+    if cfg.tie_word_embeddings:
+        w, spec = params["embed"], "...d,vd->...v"
+    elif "lm_head" in params:
+        w, spec = params["lm_head"], "...d,dv->...v"
+    else:
+        raise ValueError("params has no 'lm_head' but cfg.tie_word_embeddings=False; "
+                         "an untied model needs lm_head [D, V]")
+    return jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
+def init_params(cfg, key: jax.Array, dtype) -> dict:
+    """Random params for ``cfg`` in ``dtype``: matrices and the embedding ~ N(0, 0.02) (HF
+    ``initializer_range``), norm weights 1."""
+    model = _model(cfg, ModelKernels(), dtype)
+
+    def init(key):
+        pool = jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, 1, cfg.head_dim), dtype)
+        one = jnp.ones((1, 1), jnp.int32)
+        kv = KVCache(pool, pool, one, jnp.ones((1,), jnp.int32))
+        return model.init(key, one * 0, one * 0, one, kv)["params"]
+
+    return jax.jit(init)(key)
+
+
+def abstract_params(cfg, dtype=jnp.bfloat16) -> dict:
+    """ShapeDtypeStruct tree of the params (``jax.eval_shape`` of `init_params`; allocates
+    nothing)."""
+    return jax.eval_shape(lambda key: init_params(cfg, key, dtype), jax.random.key(0))
+
+
+def check_params(params: dict, cfg) -> None:
+    """Check the structure and shapes of ``params`` against `abstract_params` (once, when params
+    are handed over; `forward` does not check).
+
+    Raises:
+        ValueError: a missing or unexpected entry, or a wrong shape (the path and both shapes).
+    """
+    def walk(exp, got, path):
+        if not isinstance(got, Mapping):
+            raise ValueError(f"params{path} must be a mapping, got {type(got).__name__}")
+        missing, extra = set(exp) - set(got), set(got) - set(exp)
+        if missing or extra:
+            raise ValueError(f"params{path}: missing {sorted(missing)}, unexpected {sorted(extra)} "
+                             f"(tie_word_embeddings={cfg.tie_word_embeddings})")
+        for name, e in exp.items():
+            if isinstance(e, Mapping):
+                walk(e, got[name], f"{path}/{name}")
+            elif tuple(got[name].shape) != tuple(e.shape):
+                raise ValueError(f"params{path}/{name} has shape {tuple(got[name].shape)}, "
+                                 f"expected {tuple(e.shape)}")
+
+    walk(abstract_params(cfg), params, "")
+
+
+def param_bytes(cfg, dtype_bytes: int = 2) -> int:
+    """Bytes of the params at ``dtype_bytes`` per element."""
+    leaves = jax.tree_util.tree_leaves(abstract_params(cfg))
+    return sum(math.prod(x.shape) for x in leaves) * dtype_bytes

@@ -1,18 +1,185 @@
-"""Llama (2/3/3.x, SmolLM2, ...): the shared blocks of `common` with plain attention.
+"""Llama (2/3/3.x, SmolLM2, ...) over the paged KV cache; the trunk the Qwen3 model extends.
 
-Source: Touvron et al. 2023, "Llama 2"; Meta "The Llama 3 Herd of Models" (2024); HF
-``modeling_llama.py`` (the numerics these functions are tested against).
+The modules' ``self.param`` calls are the one declaration of the weight tree (blocks bound into
+their layer's scope with `layers.shared`, so a layer's params form one flat dict):
+
+    embed [V, D]; layers/"0".."L-1"/{attn_norm [D], wqkv [D, (N+2K)*H] (q | k | v), wo [N*H, D],
+    (Qwen3: q_norm [H], k_norm [H]), mlp_norm [D], w_gate_up [D, 2F] (gate | up), w_down [F, D]};
+    final_norm [D]; lm_head [D, V] unless tied to ``embed``.
+
+The L layers are unrolled (a Python loop): each reads its own weight arrays, never a slice of a
+stacked array (BENCHMARKS.md: "Layer loop"). The K/V pools [L, P, K, page_size, H] are threaded
+through the loop; layer i writes them at the static index i.
+Sources: Touvron et al. 2023 (Llama 2); Meta 2024 (Llama 3); HF ``modeling_llama.py``.
 """
 
 from __future__ import annotations
 
-from jaxinfer.models import common
+from typing import Any, ClassVar
 
-LlamaAttention = common.Attention
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.kernels import ModelKernels
+from jaxinfer.kv_cache import KVCache, write_kv
+from jaxinfer.models.layers import (MLP, AddRMSNorm, Packing, StepContext, apply_rope, attend,
+                                    dense_init, fused_parts, in_dtype, rms_norm,
+                                    rope_cos_sin, rope_inv_freq, shared)
+from pallas_kernels.sizes import round_up
+
+# With the add + RMSNorm kernel, decode steps of at least DOWN_PARTIALS_MIN_ROWS rows pass the
+# MLP output on as DOWN_PARTIALS float32 partial sums over parts of F (BENCHMARKS.md: "Down
+# projection partial sums").
+DOWN_PARTIALS = 2
+DOWN_PARTIALS_MIN_ROWS = 128
 
 
-class LlamaForCausalLM(common.CausalLM):
-    """Llama trunk: embed -> L x (RMSNorm, attention, RMSNorm, SwiGLU) -> final RMSNorm."""
+class Attention(nn.Module):
+    """x [B, T, D] @ ``wqkv`` -> q/k heads qk [B, T, N + K, H] and v [B, T, K, H] (`fused_parts`)
+    -> per-head RMSNorm (with `qk_norm_weights`) -> RoPE (q and k heads in one op) -> `write_kv`
+    at ``layer`` (a Python int) -> ``kernels.attention`` -> @ ``wo``; the norm, RoPE and K/V
+    write run as ``kernels.qkv_prologue`` when set (`fused_prologue`). Returns (out [B, T, D],
+    k_pool, v_pool)."""
 
-    attention_cls = LlamaAttention
+    cfg: Any
+    kernels: ModelKernels
+    param_dtype: Any = jnp.float32
 
+    def qk_norm_weights(self) -> tuple[jax.Array | None, jax.Array | None]:
+        """RMSNorm weights (q_norm [H], k_norm [H]) of each query / key head; Llama: none."""
+        return None, None
+
+    def fused_prologue(self, qkv: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
+                       ctx: StepContext):
+        """qkv [B, T, (N+2K)*H] -> (q, k_pool, v_pool) through ``kernels.qkv_prologue``: q
+        [B, T, N, H], or in an unpacked decode step with ``kernels.q_group_multiple`` grouped
+        [B, 1, K, Gp, H] (G = N/K rows zero-padded to Gp, the next multiple of it)."""
+        cfg, mult = self.cfg, self.kernels.q_group_multiple
+        B, T, _ = qkv.shape
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        decode = T == 1 and ctx.packing is None
+        rows = None if mult is None or not decode else round_up(N // K, mult)
+        wq, wk = self.qk_norm_weights()
+        q, k_pool, v_pool = self.kernels.qkv_prologue(
+            qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
+            ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
+            layer=layer, num_heads=N, num_kv_heads=K, eps=cfg.rms_norm_eps,
+            **({} if rows is None else {"q_group_rows": rows}))
+        shape = (B, T, N, H) if rows is None else (B, T, K, rows, H)
+        return q.reshape(shape), k_pool, v_pool
+
+    @nn.compact
+    def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
+                 ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array]:
+        cfg = self.cfg
+        B, T, D = x.shape
+        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        parts = fused_parts(cfg)["wqkv"]
+        wqkv = self.param("wqkv", dense_init, (D, (N + 2 * K) * H), self.param_dtype)
+        wo = self.param("wo", dense_init, (N * H, D), self.param_dtype)
+        with jax.named_scope("qkv"):
+            qkv = x @ in_dtype(wqkv, x.dtype)                           # [B, T, (N + 2K) * H]
+        if self.kernels.qkv_prologue is not None:                       # one kernel
+            with jax.named_scope("qkv_prologue"):
+                q, k_pool, v_pool = self.fused_prologue(qkv, layer, k_pool, v_pool, ctx)
+        else:
+            qk = qkv[..., :parts["k"].stop].reshape(B, T, N + K, H)
+            v = qkv[..., parts["v"]].reshape(B, T, K, H)
+            wq, wk = self.qk_norm_weights()
+            if wq is not None:  # one RMSNorm over the N + K heads, the weights broadcast
+                w = jnp.concatenate([jnp.broadcast_to(wq, (N, H)), jnp.broadcast_to(wk, (K, H))])
+                qk = rms_norm(qk, w, cfg.rms_norm_eps)
+            with jax.named_scope("rope"):
+                qk = apply_rope(qk, ctx.cos, ctx.sin)
+                q, k = qk[:, :, :N], qk[:, :, N:]
+            with jax.named_scope("kv_write"):
+                k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
+        with jax.named_scope("attention"):
+            o = attend(self.kernels.attention, q, k_pool, v_pool, ctx, layer=layer,
+                       scale=H ** -0.5, num_heads=N)
+            out = (o.astype(x.dtype).reshape(B, T, N * H) @ in_dtype(wo, x.dtype)).astype(x.dtype)
+        return out, k_pool, v_pool
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm layer, ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, each residual add done
+    with the norm after it (`AddRMSNorm`): ``(x [B, T, D], pending, layer, k_pool, v_pool, ctx)
+    -> (x, pending, k_pool, v_pool)`` where ``pending`` is the MLP output not yet added (None
+    into layer 0). With ``kernels.add_rms_norm``, unpacked decode steps of at least
+    `DOWN_PARTIALS_MIN_ROWS` rows return it as `DOWN_PARTIALS` float32 partial sums."""
+
+    cfg: Any
+    kernels: ModelKernels
+    attention_cls: type = Attention
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, pending: jax.Array | None, layer: int, k_pool: jax.Array,
+                 v_pool: jax.Array, ctx: StepContext
+                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        eps, pd, kernel = self.cfg.rms_norm_eps, self.param_dtype, self.kernels.add_rms_norm
+        x, h = shared(self, AddRMSNorm("attn_norm", eps, pd, kernel, name="attn_norm_block"))(
+            x, pending)
+        attn = shared(self, self.attention_cls(self.cfg, self.kernels, pd, name="attention"))
+        a, k_pool, v_pool = attn(h, layer, k_pool, v_pool, ctx)
+        x, h = shared(self, AddRMSNorm("mlp_norm", eps, pd, kernel, name="mlp_norm_block"))(x, a)
+        B, T = x.shape[:2]
+        split = (kernel is not None and ctx.packing is None and T == 1
+                 and B >= DOWN_PARTIALS_MIN_ROWS
+                 and self.cfg.intermediate_size % DOWN_PARTIALS == 0)
+        mlp = MLP(self.cfg, pd, DOWN_PARTIALS if split else 1, name="mlp")
+        return x, shared(self, mlp)(h), k_pool, v_pool
+
+
+class Layers(nn.Module):
+    """The L `DecoderLayer` children "0".."L-1", unrolled: ``(x [B, T, D], k_pool, v_pool, ctx)
+    -> (x, pending, k_pool, v_pool)`` (see `DecoderLayer`; the final norm adds ``pending``)."""
+
+    cfg: Any
+    kernels: ModelKernels
+    attention_cls: type = Attention
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+                 ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        pending = None
+        for i in range(self.cfg.num_layers):
+            layer = DecoderLayer(self.cfg, self.kernels, self.attention_cls, self.param_dtype,
+                                 name=str(i))
+            x, pending, k_pool, v_pool = layer(x, pending, i, k_pool, v_pool, ctx)
+        return x, pending, k_pool, v_pool
+
+
+class LlamaForCausalLM(nn.Module):
+    """Trunk: embed -> `Layers` (named "layers") -> final norm (which adds the last layer's
+    pending MLP output). ``(tokens i32[B, T], positions i32[B, T], slot_mapping i32[B, T], kv:
+    KVCache, packing: Packing | None) -> (hidden [B, T, D] in the params' dtype, KVCache with
+    the pools written)``. ``lm_head`` (untied) is declared here for init; logits:
+    `jaxinfer.models.compute_logits`. Subclasses set ``attention_cls``."""
+
+    cfg: Any
+    kernels: ModelKernels
+    param_dtype: Any = jnp.float32
+    attention_cls: ClassVar[type] = Attention
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
+                 kv: KVCache, packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
+        cfg, pd = self.cfg, self.param_dtype
+        V, D = cfg.vocab_size, cfg.hidden_size
+        embed = self.param("embed", dense_init, (V, D), pd)
+        if not cfg.tie_word_embeddings:
+            self.param("lm_head", dense_init, (D, V), pd)
+        x = jnp.take(embed, tokens, axis=0)                          # [B, T, D], compute dtype
+        with jax.named_scope("rope"):
+            cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
+        ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
+                          kv.block_tables, kv.seq_lens, cos, sin, packing)
+        layers = Layers(cfg, self.kernels, self.attention_cls, pd, name="layers")
+        x, pending, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
+        _, x = shared(self, AddRMSNorm("final_norm", cfg.rms_norm_eps, pd,
+                                       self.kernels.add_rms_norm, name="final_norm_block"))(
+            x, pending)
+        return x, kv.replace(k=k_pool, v=v_pool)

@@ -24,12 +24,12 @@ gguf = pytest.importorskip("gguf")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from checkpoints_tools.gguf_loader import (  # noqa: E402
-    gguf_hf_config, load_gguf, load_gguf_hf, open_gguf, unpermute_qk)
-from checkpoints_tools.mapping import hf_tensors_to_params  # noqa: E402
+from checkpoints_tools.gguf_loader import gguf_hf_config, open_gguf, unpermute_qk  # noqa: E402
+from checkpoints_tools.loader import hf_tensors, open_checkpoint  # noqa: E402
+from jaxinfer import models  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.kv_cache import init_kv_cache  # noqa: E402
-from jaxinfer.models import registry  # noqa: E402
+from jaxinfer.loading import load_params, params_from_hf  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PAGE_SIZE = 16
@@ -73,12 +73,18 @@ def tree_as_hf(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
     return out
 
 
+def load_gguf_hf(path) -> tuple[dict, dict[str, np.ndarray]]:
+    """(HF-style config dict, {HF name: f32 array}) of a GGUF file."""
+    ckpt = open_checkpoint(path)
+    return ckpt.config, dict(hf_tensors(ckpt))
+
+
 def hf_state(model) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
 
 
 def paged_prefill_logits(params, cfg: ModelConfig, tokens: list[int]) -> np.ndarray:
-    """f32[T, V] logits of one prompt through registry.forward over a fresh paged KV cache
+    """f32[T, V] logits of one prompt through models.forward over a fresh paged KV cache
     (pages assigned in reverse order so the block table is not the identity)."""
     T = len(tokens)
     n_pages = -(-T // PAGE_SIZE)
@@ -90,8 +96,8 @@ def paged_prefill_logits(params, cfg: ModelConfig, tokens: list[int]) -> np.ndar
 
     @jax.jit
     def run(params, tok, pos, slots, kv):
-        hidden, _ = registry.forward(params, cfg, tok, pos, slots, kv)
-        return registry.compute_logits(params, cfg, hidden)
+        hidden, _ = models.forward(params, cfg, tok, pos, slots, kv)
+        return models.compute_logits(params, cfg, hidden)
 
     with jax.default_matmul_precision("highest"):  # f32 reference: no TF32 on GPUs
         out = run(params, jnp.asarray([tokens], jnp.int32), jnp.asarray(pos[None]),
@@ -105,15 +111,6 @@ def rel_err(a, b) -> float:
 
 # ----------------------------------------------------------------------------- real SmolLM2 GGUF
 @pytest.fixture(scope="module")
-def smollm_path():
-    from checkpoints_tools.default_model import default_model_path
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def hf_gguf_model(smollm_path):
     d, f = os.path.split(smollm_path)
     return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f,
@@ -121,16 +118,9 @@ def hf_gguf_model(smollm_path):
 
 
 @pytest.fixture(scope="module")
-def smollm_hf_named(smollm_path):
-    """(HF-style config dict, {HF name: f32}) read once; load_gguf is these two steps plus
-    hf_tensors_to_params (load_gguf itself runs in the tiny-GGUF tests)."""
-    return load_gguf_hf(smollm_path)
-
-
-@pytest.fixture(scope="module")
 def smollm_loaded(smollm_hf_named):
     hf_cfg, tensors = smollm_hf_named
-    params, cfg = hf_tensors_to_params(tensors, ModelConfig.from_hf_config(hf_cfg), jnp.float32)
+    params, cfg = params_from_hf(tensors, ModelConfig.from_hf_config(hf_cfg), jnp.float32)
     return cfg, params
 
 
@@ -151,7 +141,7 @@ def test_smollm_config_matches_hf(smollm_loaded, hf_gguf_model):
     assert cfg.eos_token_ids == (ref.eos_token_id,)
 
 
-def test_smollm_tensors_match_hf_gguf_loader(smollm_path, smollm_hf_named, smollm_loaded,
+def test_smollm_tensors_match_hf_gguf_loader(smollm_ckpt, smollm_hf_named, smollm_loaded,
                                             hf_gguf_model):
     """Renamed + un-permuted tensors, and the param tree mapped back, equal HF's tensors."""
     cfg, params = smollm_loaded
@@ -166,7 +156,7 @@ def test_smollm_tensors_match_hf_gguf_loader(smollm_path, smollm_hf_named, smoll
     worst = max(float(np.max(np.abs(ours[k] - ref[k]))) for k in ref)
     assert worst <= 1e-6, worst
     # The un-permutation mattered: the raw GGUF rows differ from HF's q_proj.
-    t = {x.name: x for x in open_gguf(smollm_path).tensors}["blk.0.attn_q.weight"]
+    t = {x.name: x for x in smollm_ckpt.reader.tensors}["blk.0.attn_q.weight"]
     raw = gguf.quants.dequantize(t.data, t.tensor_type)
     assert np.max(np.abs(raw - ref["model.layers.0.self_attn.q_proj.weight"])) > 0.1
 
@@ -290,7 +280,7 @@ def test_tiny_gguf_matches_hf(arch, tmp_path):
     assert set(tensors) == set(state)
     for k in state:
         np.testing.assert_array_equal(tensors[k], hf_ref[k])
-    cfg, params = load_gguf(tmp_path / "m.gguf", jnp.float32)
+    cfg, params = load_params(tmp_path / "m.gguf", jnp.float32)
     assert cfg.architecture == arch and cfg.qk_norm == (arch == "qwen3")
     assert cfg.tie_word_embeddings is False and cfg.head_dim == 128
     ids = np.random.default_rng(1).integers(0, TINY["vocab_size"], size=21).tolist()
@@ -298,7 +288,7 @@ def test_tiny_gguf_matches_hf(arch, tmp_path):
         ref = hf_from_gguf(torch.tensor([ids])).logits[0].numpy()
     assert rel_err(paged_prefill_logits(params, cfg, ids), ref) < 1e-4
     # a bf16 load (cast per tensor while reading) equals the f32 load cast afterwards
-    _, p16 = load_gguf(tmp_path / "m.gguf", jnp.bfloat16)
+    _, p16 = load_params(tmp_path / "m.gguf", jnp.bfloat16)
     for a, b in zip(jax.tree_util.tree_leaves(p16), jax.tree_util.tree_leaves(params)):
         assert a.dtype == jnp.bfloat16
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b.astype(jnp.bfloat16)))
@@ -343,7 +333,7 @@ def test_rope_freqs_all_ones_means_no_scaling(tmp_path):
 def test_unsupported_architecture_is_named(tmp_path):
     write_gguf(tmp_path / "g.gguf", "gpt2", TINY, {"token_embd.weight": np.ones((128, 64))})
     with pytest.raises(ValueError, match=r"'gpt2'.*\('llama', 'qwen3'\)"):
-        load_gguf(tmp_path / "g.gguf", jnp.float32)
+        load_params(tmp_path / "g.gguf", jnp.float32)
 
 
 def test_unknown_tensor_is_an_error(tmp_path):
@@ -352,12 +342,12 @@ def test_unknown_tensor_is_an_error(tmp_path):
     tensors["blk.0.attn_qkv.weight"] = np.ones((4, 64), np.float32)
     write_gguf(tmp_path / "u.gguf", "llama", TINY, tensors)
     with pytest.raises(ValueError, match="blk.0.attn_qkv.weight"):
-        load_gguf(tmp_path / "u.gguf", jnp.float32)
+        load_params(tmp_path / "u.gguf", jnp.float32)
 
 
 def test_missing_file_and_bad_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.gguf"):
-        load_gguf(tmp_path / "nope.gguf", jnp.float32)
+        load_params(tmp_path / "nope.gguf", jnp.float32)
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="junk.gguf"):
-        load_gguf(tmp_path / "junk.gguf", jnp.float32)
+        load_params(tmp_path / "junk.gguf", jnp.float32)

@@ -1,5 +1,5 @@
-"""Orbax save/restore, ``python -m checkpoints_tools.convert``, `load_model` dispatch and errors,
-and `default_model_path`.
+"""Orbax save/restore, ``python -m jaxinfer.convert``, `load_model` dispatch and errors, and
+`default_model_path`.
 
 References: the arrays, config and tokenizer that went in (restore must give them back bit for
 bit); the HF-directory load of the same tiny model (the converted checkpoint must load to the same
@@ -25,8 +25,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from checkpoints_tools import orbax_io  # noqa: E402
-from checkpoints_tools.loader import (  # noqa: E402
-    LoadedModel, detect_format, load_model, load_tokenizer)
+from checkpoints_tools.loader import detect_format, load_tokenizer, open_checkpoint  # noqa: E402
+from jaxinfer.convert import main as convert_main  # noqa: E402
+from jaxinfer.loading import (  # noqa: E402
+    LoadedModel, load_model, load_params, model_config, params_from_hf, save_checkpoint)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,9 +69,17 @@ def make_hf_dir(path, seed: int = 0, **overrides):
 
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
+    """``python -m jaxinfer.convert ARGS`` in a subprocess (the entry point itself)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "checkpoints_tools.convert", *map(str, args)],
+    return subprocess.run([sys.executable, "-m", "jaxinfer.convert", *map(str, args)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def convert_in_process(capsys, *args) -> tuple[int, str]:
+    """(exit status, stderr) of the convert CLI's ``main`` run in this process."""
+    capsys.readouterr()
+    rc = convert_main([str(a) for a in args])
+    return rc, capsys.readouterr().err
 
 
 def assert_trees_equal(a, b):
@@ -111,20 +121,20 @@ def test_hf_dir_load_model(hf_dir, hf_loaded):
 def test_orbax_roundtrip_bf16(hf_loaded, tmp_path):
     m = hf_loaded
     params = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), m.params)
-    orbax_io.save(tmp_path / "ck", m.config, params, m.tokenizer, (3, 2))
+    save_checkpoint(tmp_path / "ck", m.config, params, m.tokenizer, (3, 2))
     assert detect_format(tmp_path / "ck") == "orbax"
     meta = orbax_io.read_saved_config(tmp_path / "ck")
     assert meta["dtype"] == "bfloat16" and meta["eos_token_ids"] == [3, 2]
 
-    cfg, restored = orbax_io.restore(tmp_path / "ck", "bfloat16")
+    cfg, restored = load_params(tmp_path / "ck", "bfloat16")
     assert cfg == m.config
     assert_trees_equal(restored, params)
     # restoring into another dtype casts exactly (bf16 -> f32 is lossless)
-    _, as_f32 = orbax_io.restore(tmp_path / "ck", "float32")
+    _, as_f32 = load_params(tmp_path / "ck", "float32")
     assert_trees_equal(as_f32, jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params))
 
-    tok, gen_eos = load_tokenizer(tmp_path / "ck")
-    assert gen_eos == (3, 2)
+    tok = load_tokenizer(tmp_path / "ck")
+    assert open_checkpoint(tmp_path / "ck").generation_eos_ids == (3, 2)
     for t in TEXTS:
         assert tok(t).input_ids == m.tokenizer(t).input_ids
     assert tok.eos_token_id == m.tokenizer.eos_token_id
@@ -135,44 +145,37 @@ def test_orbax_save_refuses_nonempty_and_mismatched(hf_loaded, tmp_path):
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(FileExistsError, match="full"):
-        orbax_io.save(tmp_path / "full", m.config, m.params, None, ())
+        save_checkpoint(tmp_path / "full", m.config, m.params, None, ())
     bad = dict(m.params, final_norm=m.params["final_norm"][:-1])
     with pytest.raises(ValueError, match="do not match"):
-        orbax_io.save(tmp_path / "bad", m.config, bad, None, ())
+        save_checkpoint(tmp_path / "bad", m.config, bad, None, ())
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's aborted reads
 def test_orbax_restore_checks_shapes(hf_loaded, tmp_path):
     """A config that no longer fits the stored arrays fails instead of restoring garbage."""
     m = hf_loaded
-    orbax_io.save(tmp_path / "ck", m.config, m.params, m.tokenizer, ())
+    save_checkpoint(tmp_path / "ck", m.config, m.params, m.tokenizer, ())
     p = tmp_path / "ck" / orbax_io.CONFIG_FILE
     meta = json.loads(p.read_text())
     meta["model_config"]["intermediate_size"] += 8
     p.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="do not fit.*shape"):
-        orbax_io.restore(tmp_path / "ck", "float32")
+        load_params(tmp_path / "ck", "float32")
     meta["model_config"]["intermediate_size"] -= 8
     meta["model_config"]["tie_word_embeddings"] = True  # the stored lm_head would be left over
     p.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match=r"do not fit.*\['lm_head'\]"):
-        orbax_io.restore(tmp_path / "ck", "float32")
+        load_params(tmp_path / "ck", "float32")
     gc.collect()  # if orbax aborted reads, collect them here, under this test's filter
 
 
-def test_smollm_gguf_orbax_roundtrip(tmp_path):
+def test_smollm_gguf_orbax_roundtrip(smollm_path, smollm_ckpt, smollm_hf_named, tmp_path):
     """The real model: GGUF -> save -> restore gives identical arrays, config and tokenizer."""
-    from checkpoints_tools.default_model import default_model_path
-    from checkpoints_tools.gguf_loader import load_gguf
-
-    try:
-        path = default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    cfg, params = load_gguf(path, "bfloat16")
-    tok, gen_eos = load_tokenizer(path)
+    params, cfg = params_from_hf(smollm_hf_named[1], model_config(smollm_ckpt), "bfloat16")
+    tok, gen_eos = load_tokenizer(smollm_path), smollm_ckpt.generation_eos_ids
     assert gen_eos == (2,)
-    orbax_io.save(tmp_path / "ck", cfg, params, tok, gen_eos)
+    save_checkpoint(tmp_path / "ck", cfg, params, tok, gen_eos)
     m = load_model(tmp_path / "ck", "bfloat16")
     assert m.source == "orbax" and m.config == cfg
     assert_trees_equal(m.params, params)
@@ -185,7 +188,7 @@ def test_smollm_gguf_orbax_roundtrip(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the convert CLI
-def test_convert_cli_hf_to_orbax(hf_dir, hf_loaded, tmp_path):
+def test_convert_cli_hf_to_orbax(hf_dir, hf_loaded, tmp_path, capsys):
     dst = tmp_path / "out"
     r = run_convert(hf_dir, dst, "--dtype", "float32")
     assert r.returncode == 0, r.stderr
@@ -197,20 +200,26 @@ def test_convert_cli_hf_to_orbax(hf_dir, hf_loaded, tmp_path):
     for t in TEXTS:
         assert m.tokenizer(t).input_ids == hf_loaded.tokenizer(t).input_ids
     # a second conversion into the same (now full) DST is refused
-    r = run_convert(hf_dir, dst)
-    assert r.returncode == 2
-    assert r.stderr.strip().count("\n") == 0 and "not empty" in r.stderr and "Traceback" not in r.stderr
+    rc, err = convert_in_process(capsys, hf_dir, dst)
+    assert rc == 2
+    assert err.strip().count("\n") == 0 and "not empty" in err and "Traceback" not in err
 
 
-def _one_line_error(r: subprocess.CompletedProcess) -> str:
-    assert r.returncode == 2, (r.returncode, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+def _one_line_error(result: tuple[int, str]) -> str:
+    rc, err = result
+    assert rc == 2, (rc, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
 
 
-def test_convert_cli_errors(tmp_path):
+def test_convert_cli_errors(tmp_path, capsys):
+    """Bad inputs: one ``error:`` line on stderr, exit status 2 (``main`` in process; the
+    ``python -m`` entry point runs in test_convert_cli_hf_to_orbax)."""
     import gguf
+
+    def run_convert(*args):
+        return convert_in_process(capsys, *args)
 
     line = _one_line_error(run_convert(tmp_path / "missing", tmp_path / "dst"))
     assert "missing" in line

@@ -43,9 +43,15 @@ def test_bad_request_in_batch_others_unchanged(llm):
     assert not llm.engine.has_unfinished() and bm.num_free_pages == bm.num_usable_pages
 
 
-def test_length_admission_rule(smollm_path):
+def small_llm(llm, **engine_args):
+    """An engine of its own over the session LLM's weights (no second checkpoint load)."""
+    return LLM.from_params(llm.engine.model_config, llm.engine.params, dtype="float32",
+                           **engine_args)
+
+
+def test_length_admission_rule(llm):
     """C1: max_model_len 64. Rule: prompt + max_tokens <= max_model_len, else rejected."""
-    small = LLM(smollm_path, max_model_len=64, max_num_seqs=4, num_pages=64, dtype="float32")
+    small = small_llm(llm, max_model_len=64, max_num_seqs=4, num_pages=64)
     ids = list(range(100, 200))
     out = small.generate({"prompt_token_ids": ids[:63]}, SamplingParams(max_tokens=1, temperature=0.0))[0]
     assert len(out.token_ids) == 1 and out.outputs[0].finish_reason in ("length", "stop")
@@ -54,13 +60,12 @@ def test_length_admission_rule(smollm_path):
             small.generate({"prompt_token_ids": ids[:n]}, SamplingParams(max_tokens=m))
         assert str(n) in str(e.value) and "64" in str(e.value)
     # nothing was ever written at a position >= 64
-    assert 0 < small.engine.max_kv_len_seen <= 64
+    assert 0 < small.engine.stats.max_kv_len_seen <= 64
 
 
-def test_pool_admission(smollm_path):
+def test_pool_admission(llm):
     """C3: page 16, 8 usable pages (128 tokens): a 200-token prompt fails at once, a 10-token one completes."""
-    small = LLM(smollm_path, max_model_len=512, max_num_seqs=4, page_size=16, num_pages=9,
-                dtype="float32")
+    small = small_llm(llm, max_model_len=512, max_num_seqs=4, page_size=16, num_pages=9)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = small.generate([{"prompt_token_ids": list(range(100, 300))},
                            {"prompt_token_ids": list(range(100, 110))}], sp, on_error="return")
@@ -122,22 +127,24 @@ def test_stream_deltas_equal_final_text_with_stop_string(llm, prompt_ids):
     assert got[0] == out.text and "Paris" not in got[0]
 
 
-def test_kernel_attention_on_cpu_is_a_clear_error(smollm_path):
-    with pytest.raises(ValueError, match="GPU kernel"):
-        LLM(smollm_path, attention="mosaic", max_model_len=64, num_pages=8)
-
-
 @pytest.mark.skipif(__import__("jax").default_backend() == "gpu", reason="a CPU-host check")
-@pytest.mark.parametrize("field", ["qkv_prologue", "add_rms_norm"])
-def test_fused_kernel_on_cpu_fails_before_loading(field, monkeypatch):
-    """'triton' on a CPU host is refused before the checkpoint is read (the loader is not called)."""
-    import checkpoints_tools.loader as loader
+@pytest.mark.parametrize("spec, field", [("decode=mosaic", "decode_attention='mosaic'"),
+                                         ("prefill=triton", "prefill_attention='triton'"),
+                                         ("qkv_prologue=triton", "qkv_prologue='triton'"),
+                                         ("add_rms_norm=triton", "add_rms_norm='triton'")])
+def test_gpu_kernel_on_cpu_fails_before_loading(spec, field, monkeypatch):
+    """A GPU kernel on a CPU host is refused before the checkpoint is read (neither its config
+    nor its weights), as a spec string or a KernelConfig."""
+    from jaxinfer import loading
+    from jaxinfer.config import KernelConfig
 
     def no_load(*a, **k):
-        raise AssertionError("the model was loaded before the option was checked")
-    monkeypatch.setattr(loader, "load_model", no_load)
-    with pytest.raises(ValueError, match=f"{field}='triton' is a GPU kernel"):
-        LLM("/nonexistent/model", **{field: "triton"})
+        raise AssertionError("the model was read before the option was checked")
+    monkeypatch.setattr(loading, "load_model", no_load)
+    monkeypatch.setattr(loading, "read_model_config", no_load)
+    for kernels in (spec, KernelConfig.parse(spec)):
+        with pytest.raises(ValueError, match=f"{field} is a GPU kernel"):
+            LLM("/nonexistent/model", kernels=kernels)
 
 
 def test_config_missing_key(tmp_path):

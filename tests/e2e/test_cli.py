@@ -16,19 +16,40 @@ def run_cli(*args, timeout=600):
                           text=True, env=ENV, timeout=timeout)
 
 
-def test_default_model_chat_json_and_bad_prompt_in_batch(tmp_path):
-    """Default model, --chat, --json, a prompts file with an empty prompt: the good ones still answer."""
+def run_main(capsys, *args):
+    """``python -m jaxinfer.generate ARGS`` in this process: (exit code, stdout, stderr)."""
+    from jaxinfer import generate
+    try:
+        code = generate.main(list(args))
+    except SystemExit as e:  # argparse errors exit from inside parse_args
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def session_llm(monkeypatch, llm):
+    """The CLI in this process gets the session `LLM` (max_model_len 512) instead of loading one."""
+    import jaxinfer.llm
+    monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **k: llm)
+    return llm
+
+
+def test_json_prompts_file_and_bad_prompt_in_batch(session_llm, capsys, tmp_path):
+    """--json, a .jsonl prompts file with an empty prompt: the good one still answers, the bad one
+    is one error line, exit 2 (in this process on the session LLM; the ``python -m`` run below
+    loads the default model)."""
     f = tmp_path / "prompts.jsonl"
     f.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n" + json.dumps("") + "\n")
-    r = run_cli("--prompts-file", str(f), "--max-tokens", "16", "--json", "--max-model-len", "256")
-    assert r.returncode == 2, r.stderr
-    rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    code, out, err = run_main(capsys, "--prompts-file", str(f), "--max-tokens", "16", "--json")
+    assert code == 2, err
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert len(rows) == 1 and rows[0]["index"] == 0
     # the raw prompt (no chat template) continues the text; the --chat run below checks the answer
     assert rows[0]["token_ids"]
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "prompt 1" in errors[0] and "0 tokens" in errors[0]
-    assert "Traceback" not in r.stderr
+    assert "Traceback" not in err
 
 
 def test_default_model_chat_stream_answers_paris(tmp_path):
@@ -54,18 +75,69 @@ def test_default_model_chat_stream_answers_paris(tmp_path):
     (["--prompt", "hi", "--model", "/no/such/model"], "/no/such/model"),
     (["--max-tokens", "4"], "no prompt"),
     (["--prompt", "hi", "--max-tokens", "many"], "max-tokens"),
-    (["--prompt", "hi", "--qkv-prologue", "cuda"], "qkv-prologue"),
-    (["--prompt", "hi", "--qkv-prologue", "triton"], "qkv_prologue='triton' is a GPU kernel"),
-    (["--prompt", "hi", "--add-rms-norm", "triton"], "add_rms_norm='triton' is a GPU kernel"),
-    (["--prompt", "hi", "--prefill-gemm", "cudnn"], "prefill-gemm"),
-    (["--prompt", "hi", "--cublas-decode-min-batch", "0"], "cublas_decode_min_batch"),
+    (["--prompt", "hi", "--kernels", "qkv_prologue=cuda"],
+     "qkv_prologue='cuda' is invalid: allowed: 'auto', 'xla', 'triton'"),
+    (["--prompt", "hi", "--kernels", "qkv_prologue=triton"], "qkv_prologue='triton' is a GPU kernel"),
+    (["--prompt", "hi", "--kernels", "add_rms_norm=triton"], "add_rms_norm='triton' is a GPU kernel"),
+    (["--prompt", "hi", "--kernels", "decode=mosaic"], "decode_attention='mosaic' is a GPU kernel"),
+    (["--prompt", "hi", "--kernels", "prefill=triton"], "prefill_attention='triton' is a GPU kernel"),
+    (["--prompt", "hi", "--kernels", "decode=fast"], "decode_attention='fast' is invalid: allowed: "
+     "'auto', 'reference', 'mosaic'"),
+    (["--prompt", "hi", "--kernels", "prefill_gemm=cudnn"], "prefill_gemm='cudnn'"),
+    (["--prompt", "hi", "--kernels", "cublas_decode_min_batch=0"], "cublas_decode_min_batch"),
+    (["--prompt", "hi", "--kernels", "attention=mosaic"], "'attention=mosaic' is invalid"),
 ])
-def test_bad_arguments_one_line_exit_2(args, needle):
-    r = run_cli(*args, timeout=120)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and needle in lines[0], r.stderr
-    assert "Traceback" not in r.stderr
+def test_bad_arguments_one_line_exit_2(capsys, args, needle):
+    """Checked in this process (no model is loaded for any of them); `test_unsupported_architecture`
+    and the runs below check the same one-line contract through ``python -m``."""
+    code, _out, err = run_main(capsys, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_kernels_help_lists_keys_and_values_from_kernel_config(capsys, monkeypatch):
+    from jaxinfer.config import KernelConfig, kernel_choices
+    monkeypatch.setenv("COLUMNS", "10000")  # argparse wraps help text at $COLUMNS
+    code, help_text, _ = run_main(capsys, "--help")
+    assert code == 0
+    assert "--kernels SPEC" in help_text and "decode=mosaic,prefill=triton" in help_text
+    for values in kernel_choices().values():
+        assert "|".join(values) in help_text
+    for old in ("--attention", "--prefill-attention", "--qkv-prologue", "--add-rms-norm",
+                "--prefill-gemm", "--cublas-decode-min-batch"):
+        assert old not in help_text
+    assert KernelConfig.help().split(";")[0] in help_text
+
+
+def llm_kwargs(monkeypatch, capsys, *args) -> dict:
+    """The keyword arguments ``python -m jaxinfer.generate ARGS`` hands to `LLM`."""
+    import jaxinfer.llm
+
+    class Seen(Exception):
+        pass
+
+    def fake_llm(*_args, **kwargs):
+        raise Seen(kwargs)
+
+    monkeypatch.setattr(jaxinfer.llm, "LLM", fake_llm)
+    with pytest.raises(Seen) as e:
+        run_main(capsys, "--prompt", "hi", *args)
+    return e.value.args[0]
+
+
+def test_kernels_and_engine_options_reach_llm(monkeypatch, capsys):
+    """``--kernels SPEC`` is handed to `LLM` as a parsed `KernelConfig`; the engine options as
+    `EngineConfig` fields."""
+    from jaxinfer.config import KernelConfig
+    kw = llm_kwargs(monkeypatch, capsys, "--kernels", "decode=reference,batch_buckets=1:64",
+                    "--max-model-len", "128", "--memory-fraction", "0.5", "--num-pages", "40",
+                    "--dtype", "bfloat16", "--compilation-cache-dir", "/tmp/x")
+    assert kw["kernels"] == KernelConfig(decode_attention="reference", batch_buckets=(1, 64))
+    assert (kw["max_model_len"], kw["memory_fraction"], kw["num_pages"], kw["dtype"],
+            kw["compilation_cache_dir"], kw["page_size"]) == (128, 0.5, 40, "bfloat16", "/tmp/x", 16)
+    assert "seed" not in kw  # --seed is the requests' seed
 
 
 def test_unsupported_architecture(tmp_path):
@@ -77,60 +149,47 @@ def test_unsupported_architecture(tmp_path):
     assert len(lines) == 1 and "gpt2" in lines[0] and "llama" in lines[0], r.stderr
 
 
-def test_prompt_longer_than_max_model_len():
-    r = run_cli("--prompt", "word " * 300, "--max-model-len", "128", "--max-tokens", "4")
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "128" in lines[0], r.stderr
+def test_prompt_longer_than_max_model_len(session_llm, capsys):
+    code, _out, err = run_main(capsys, "--prompt", "word " * 600, "--max-tokens", "4")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and str(session_llm.engine.max_model_len) in lines[0], err
 
 
-def test_undecodable_prompt_bytes_and_bad_prompts_file(tmp_path):
+def test_undecodable_prompt_bytes_and_bad_prompts_file(session_llm, capsys, tmp_path):
     """Undecodable argv bytes: one error line for that prompt, the other prompt still answers.
     A prompts file that is not UTF-8 is a one-line error naming the file."""
-    r = subprocess.run([sys.executable, "-m", "jaxinfer.generate", "--prompt", b"bad \xff\xfe",
-                        "--prompt", "The capital of France is", "--max-tokens", "4",
-                        "--max-model-len", "128"], capture_output=True, env=ENV, timeout=600)
-    err = r.stderr.decode(errors="replace")
-    assert r.returncode == 2 and "Traceback" not in err
+    bad = os.fsdecode(b"bad \xff\xfe")  # what Python makes of undecodable argv bytes
+    code, out, err = run_main(capsys, "--prompt", bad, "--prompt", "The capital of France is",
+                              "--max-tokens", "4")
+    assert code == 2 and "Traceback" not in err
     assert [line for line in err.splitlines() if line.startswith("error:")][0].startswith(
         "error: prompt 0: prompt is not valid Unicode")
-    assert b"--- [1]" in r.stdout
+    assert "--- [1]" in out
     f = tmp_path / "p.txt"
     f.write_bytes(b"ok\n\xff bad\n")
-    r = run_cli("--prompts-file", str(f), timeout=120)
-    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "not UTF-8" in r.stderr and "p.txt" in r.stderr
+    code, _out, err = run_main(capsys, "--prompts-file", str(f))
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "not UTF-8" in err and "p.txt" in err
 
 
 @pytest.mark.parametrize("flag,expected", [((), True), (("--async-scheduling",), True),
                                            (("--no-async-scheduling",), False)])
-def test_async_scheduling_flag_reaches_the_engine(monkeypatch, flag, expected):
+def test_async_scheduling_flag_reaches_the_engine(monkeypatch, capsys, flag, expected):
     """--[no-]async-scheduling is handed to `LLM` (default on). That both modes give the same
     tokens, finish reasons and free pages is checked on the engine itself, with stop strings and
     preemption (`tests/e2e/test_async_scheduling.py`); this keeps the CLI's wiring honest without
     two more model runs."""
-    import jaxinfer.llm
-    from jaxinfer import generate
-
-    class Seen(Exception):
-        pass
-
-    def fake_llm(*args, **kwargs):
-        raise Seen(kwargs["async_scheduling"])
-
-    monkeypatch.setattr(jaxinfer.llm, "LLM", fake_llm)
-    with pytest.raises(Seen) as e:
-        generate.main(["--prompt", "hi", *flag])
-    assert e.value.args == (expected,)
+    assert llm_kwargs(monkeypatch, capsys, *flag)["async_scheduling"] is expected
 
 
-def test_stream_with_stop_string_prints_no_empty_deltas():
+def test_stream_with_stop_string_prints_no_empty_deltas(session_llm, capsys):
     """Text held back while it may begin a stop string is not streamed as an empty ``[i]`` line."""
     # a 40-character stop string holds back the first tokens' text until the request finishes
-    r = run_cli("--prompt", "The capital of France is", "--prompt", "List three colours:",
-                "--max-tokens", "6", "--stream", "--stop", "z" * 40, "--max-model-len", "128",
-                timeout=600)
-    assert r.returncode == 0, r.stderr
-    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("[")]
-    assert lines, r.stdout
+    code, out, err = run_main(capsys, "--prompt", "The capital of France is", "--prompt",
+                              "List three colours:", "--max-tokens", "6", "--stream", "--stop",
+                              "z" * 40)
+    assert code == 0, err
+    lines = [ln for ln in out.splitlines() if ln.startswith("[")]
+    assert lines, out
     assert all(ln.split("] ", 1)[1] if "] " in ln else "" for ln in lines), lines

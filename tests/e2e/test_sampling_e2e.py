@@ -14,8 +14,7 @@ def test_seeded_request_independent_of_runs_and_batch(llm):
     r1 = SamplingParams(temperature=0.8, seed=42, max_tokens=16, ignore_eos=True)
     r2 = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     alone = _tokens(llm, [PROMPT], r1)[0]
-    for _ in range(3):
-        assert _tokens(llm, [PROMPT], r1)[0] == alone
+    assert _tokens(llm, [PROMPT], r1)[0] == alone  # and in each batch run below
     others = ["Tell me a joke.", "Name a color:", "1, 2, 3,"]
     for pos in range(4):
         prompts = others[:pos] + [PROMPT] + others[pos:]
@@ -29,12 +28,15 @@ def test_seeded_request_independent_of_runs_and_batch(llm):
 def test_filters_that_reduce_to_greedy(llm):
     """top_k=1, temperature=0, temperature=1e-6 and top_p=1e-9 all equal greedy; top_k=-1 is no filter."""
     greedy = _tokens(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16))[0]
-    for sp in (SamplingParams(temperature=0.6, top_k=1, max_tokens=16, seed=1),
-               SamplingParams(temperature=1e-6, max_tokens=16, seed=1),
-               SamplingParams(temperature=0.6, top_p=1e-9, max_tokens=16, seed=1),
-               SamplingParams(temperature=0.6, top_k=1000, top_p=1e-9, max_tokens=16, seed=1)):
-        assert _tokens(llm, [PROMPT], sp)[0] == greedy, sp
-    free = _tokens(llm, [PROMPT], SamplingParams(temperature=1.0, top_k=-1, max_tokens=16, seed=3))[0]
+    sps = [SamplingParams(temperature=0.6, top_k=1, max_tokens=16, seed=1),
+           SamplingParams(temperature=1e-6, max_tokens=16, seed=1),
+           SamplingParams(temperature=0.6, top_p=1e-9, max_tokens=16, seed=1),
+           SamplingParams(temperature=0.6, top_k=1000, top_p=1e-9, max_tokens=16, seed=1),
+           SamplingParams(temperature=1.0, top_k=-1, max_tokens=16, seed=3)]
+    # one batch: each row is independent of the others (C7)
+    *reduced, free = _tokens(llm, [PROMPT] * len(sps), sps)
+    for sp, toks in zip(sps, reduced):
+        assert toks == greedy, sp
     assert all(0 <= t < llm.engine.model_config.vocab_size for t in free)
 
 
@@ -43,12 +45,13 @@ def test_tiny_temperature_batched_with_sampled_neighbour(llm):
     greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))[0]
     neighbour = SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)
     neighbour_alone = _tokens(llm, ["Name a color:"], neighbour)[0]
-    for t in (1e-4, 1e-6):
-        outs = llm.generate([PROMPT, "Name a color:"],
-                            [SamplingParams(temperature=t, max_tokens=16, seed=2), neighbour])
-        assert list(outs[0].token_ids) == list(greedy.token_ids)
-        assert outs[0].text.strip()
-        assert list(outs[1].token_ids) == neighbour_alone
+    outs = llm.generate([PROMPT, PROMPT, "Name a color:"],
+                        [SamplingParams(temperature=t, max_tokens=16, seed=2) for t in (1e-4, 1e-6)]
+                        + [neighbour])
+    for o in outs[:2]:
+        assert list(o.token_ids) == list(greedy.token_ids)
+        assert o.text.strip()
+    assert list(outs[2].token_ids) == neighbour_alone
 
 
 def test_repetition_penalty_does_not_leak(llm):

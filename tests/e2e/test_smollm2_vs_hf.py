@@ -44,14 +44,15 @@ def test_page_boundaries(llm, hf_greedy, length):
     assert out.outputs[0].finish_reason == "length"
 
 
-def test_preemption_gives_same_outputs(smollm_path, llm, prompt_ids):
+def test_preemption_gives_same_outputs(llm, prompt_ids):
     """Acceptance 5: a pool too small for all running sequences forces preemption by recompute."""
     sp = SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)
     prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
     expected = [list(o.token_ids) for o in llm.generate(prompts, sp)]
     need = sum(-(-(len(ids) + 40) // PAGE_SIZE) for ids in prompt_ids)
-    small = LLM(smollm_path, max_model_len=512, max_num_seqs=8, page_size=PAGE_SIZE,
-                num_pages=need // 2 + 1, dtype="float32")
+    small = LLM.from_params(llm.engine.model_config, llm.engine.params, max_model_len=512,
+                            max_num_seqs=8, page_size=PAGE_SIZE, num_pages=need // 2 + 1,
+                            dtype="float32")  # the session LLM's weights, a small pool
     outs = small.generate(prompts, sp)
     assert [list(o.token_ids) for o in outs] == expected
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -100,18 +101,17 @@ def test_stop_string_truncates_text(llm, prompt_ids):
 def test_compiles_are_bounded(llm):
     """Every compiled step shape is one of the buckets; the count is reported."""
     llm.generate(["Hi", "The capital of France is"], SamplingParams(max_tokens=3, **GREEDY))
-    b = llm.engine.buckets
+    b, stats = llm.engine.buckets, llm.engine.stats
     packed = 0
-    for (tok_shape, table_shape, _r, q_shape, _g) in llm.engine.compiled_shapes:
-        assert table_shape[0] in b.batch and table_shape[1] in b.pages
-        if q_shape is None:  # decode: one token per row
-            assert tok_shape == (table_shape[0], 1)
-        else:                # packed prefill: [1, Tp] tokens, [R, Tq] query rows
+    for key in stats.compiled_shapes:
+        assert key.batch in b.batch and key.pages in b.pages
+        if key.query is None:  # decode: one token per row
+            assert key.tokens == 1
+        else:                  # packed prefill: Tp tokens in all, R rows of Tq query tokens
             packed += 1
-            assert tok_shape[0] == 1 and tok_shape[1] in b.packed_tokens
-            assert q_shape[0] == table_shape[0] and q_shape[1] in b.prefill_tokens
+            assert key.tokens in b.packed_tokens and key.query in b.prefill_tokens
     assert packed > 0
-    assert llm.engine.num_compiles == len(llm.engine.compiled_shapes) > 0
+    assert stats.num_compiles == len(stats.compiled_shapes) > 0
 
 
 def test_stop_string_completed_by_the_last_allowed_token(llm):
@@ -142,12 +142,10 @@ def test_stop_string_spanning_many_tokens(llm):
     assert out.text == full.text[:full.text.find(stop)]
 
 
-def test_from_params_matches_hf(smollm_path, hf_greedy, prompt_ids):
+def test_from_params_matches_hf(llm, hf_greedy, prompt_ids):
     """LLM.from_params over the loaded weights (no tokenizer) gives HF's greedy tokens."""
-    import jax.numpy as jnp
-    from checkpoints_tools.loader import load_model
-    loaded = load_model(smollm_path, jnp.float32, with_tokenizer=False)
-    llm = LLM.from_params(loaded.config, loaded.params, max_model_len=256, max_num_seqs=4,
+    loaded = llm.engine  # the session LLM's config and float32 weights, loaded once
+    llm = LLM.from_params(loaded.model_config, loaded.params, max_model_len=256, max_num_seqs=4,
                           page_size=PAGE_SIZE, num_pages=64, dtype="float32")
     assert llm.get_tokenizer() is None
     ids = prompt_ids[0]
@@ -155,4 +153,4 @@ def test_from_params_matches_hf(smollm_path, hf_greedy, prompt_ids):
                        SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0]
     assert list(out.token_ids) == hf_greedy(ids, 12, ignore_eos=True)
     with pytest.raises(ValueError, match="unknown engine argument"):
-        LLM.from_params(loaded.config, loaded.params, max_batch=3)
+        LLM.from_params(loaded.model_config, loaded.params, max_batch=3)

@@ -17,16 +17,16 @@ jax.monitoring.register_event_listener(
     lambda name, **kw: hits.append(name) if name == "/jax/compilation_cache/cache_hits" else None)
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import registry
+from jaxinfer import models
 cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
-params = registry.init_params(cfg, jax.random.key(0), jnp.float32)
+params = models.init_params(cfg, jax.random.key(0), jnp.float32)
 llm = LLM.from_params(cfg, params, max_model_len=64, num_pages=32, max_num_seqs=2,
                       compilation_cache_dir=sys.argv[1])
 step_hits = len(hits)
 out = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5, 6, 7, 8]}],
                    SamplingParams(temperature=0.0, max_tokens=5))
 print(json.dumps({"tokens": [list(o.token_ids) for o in out], "hits": len(hits) - step_hits,
-                  "compiles": llm.engine.num_compiles}))
+                  "compiles": llm.engine.stats.num_compiles}))
 """
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import registry
+from jaxinfer import models
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
@@ -17,7 +17,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 @pytest.fixture(scope="module")
 def llm():
     cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
-    return LLM.from_params(cfg, registry.init_params(cfg, jax.random.key(0), jnp.float32),
+    return LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), jnp.float32),
                            max_model_len=64, num_pages=32, max_num_seqs=4)
 
 
@@ -56,16 +56,19 @@ def test_stop_strings_need_a_tokenizer(llm):
     assert "stop_token_ids" in outs[0].error and outs[1].error is None
 
 
-def test_from_params_and_engine_argument_errors():
-    cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
-    params = registry.init_params(cfg, jax.random.key(0), jnp.float32)
+def test_from_params_and_engine_argument_errors(llm):
+    cfg, params = llm.engine.model_config, llm.engine.params
     with pytest.raises(ValueError, match="must be a jaxinfer.config.ModelConfig; got dict"):
         LLM.from_params(cfg.to_dict(), params)
     with pytest.raises(ValueError, match="seed='a' is invalid"):
         LLM.from_params(cfg, params, seed="a")
     with pytest.raises(ValueError, match="a list holding NoneType"):
-        LLM.from_params(cfg, params, max_model_len=32, num_pages=8).generate(
-            [[1], [2]], [GREEDY, None])
+        llm.generate([[1], [2]], [GREEDY, None])
+    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['attention'\]; allowed: "
+                       r"\[.*'kernels'"):
+        LLM.from_params(cfg, params, attention="mosaic")
+    with pytest.raises(ValueError, match="kernels: 'attention=mosaic' is invalid"):
+        LLM.from_params(cfg, params, kernels="attention=mosaic")
 
 
 def test_raise_names_every_bad_request_including_token_ids_out_of_range(llm):

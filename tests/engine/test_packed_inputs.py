@@ -1,18 +1,19 @@
-"""One host-to-device transfer per step: pack_device_inputs (host, numpy) and unpack_step_inputs
-(device, jnp) are inverses, bit for bit, for decode and packed prefill batches."""
+"""One host-to-device transfer per step: step_input.pack (host, numpy) and step.unpack (device,
+jnp) are inverses, bit for bit, for decode and packed prefill batches; the schema is the one
+layout."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.batch_builder import (DEVICE_FIELDS, BucketSpec, build_host_batch,
-                                           pack_device_inputs)
+from jaxinfer import step_input
+from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step import unpack_step_inputs
+from jaxinfer.step import unpack
 
 PAGE = 4
 
@@ -44,10 +45,11 @@ def test_unpack_inverts_pack(which):
     hb = _host_batches()[which]
     assert hb.packed == (which == 0)
     src = np.arange(hb.logits_indices.shape[0], dtype=np.int32) - 2
-    buf, layout = pack_device_inputs(hb, src)
+    hb.pending_src[:] = src
+    buf = step_input.pack(hb)
     assert buf.dtype == np.int32 and buf.ndim == 1
-    hash(layout)  # a static jit argument
-    tables, lens, inp = jax.jit(unpack_step_inputs, static_argnums=1)(jnp.asarray(buf), layout)
+    hash(hb.shape_key)  # a static jit argument
+    tables, lens, inp = jax.jit(unpack, static_argnums=1)(jnp.asarray(buf), hb.shape_key)
     got = dict(block_tables=tables, seq_lens=lens, tokens=inp.tokens, positions=inp.positions,
                slot_mapping=inp.slot_mapping, logits_indices=inp.logits_indices,
                pending_src=inp.pending_src, **{f: getattr(inp.sampling, f) for f in (
@@ -58,8 +60,8 @@ def test_unpack_inverts_pack(which):
                    out_index=inp.packing.out_index)
     else:
         assert inp.packing is None
-    want = {f: getattr(hb, f) for f in DEVICE_FIELDS if getattr(hb, f) is not None}
-    want["pending_src"] = src
+    want = dict(hb.arrays)
+    assert set(want) == {f.name for f in step_input.FIELDS if f.group != "packing" or hb.packed}
     assert set(got) == set(want)
     for name, a in want.items():
         g = np.asarray(got[name])
@@ -70,6 +72,17 @@ def test_unpack_inverts_pack(which):
 
 def test_pack_rejects_non_four_byte_fields():
     hb = _host_batches()[1]
-    bad = hb.__class__(**{**hb.__dict__, "seq_lens": hb.seq_lens.astype(np.int64)})
+    bad = hb.__class__(hb.key, {**hb.arrays, "seq_lens": hb.seq_lens.astype(np.int64)},
+                       hb.sample_rows, hb.pending_rows)
     with pytest.raises(TypeError, match="seq_lens"):
-        pack_device_inputs(bad)
+        step_input.pack(bad)
+
+
+def test_empty_batch_matches_the_key_and_pads():
+    """The ahead-of-time batch has the layout of a real batch of the same key, all padding."""
+    for hb in _host_batches():
+        empty = step_input.empty_batch(hb.shape_key)
+        assert empty.shape_key == hb.shape_key
+        assert step_input.pack(empty).shape == step_input.pack(hb).shape
+        assert (empty.seq_lens == 0).all() and (empty.block_tables == 0).all()
+        assert (empty.pending_src == -1).all() and not empty.sample_rows.any()

@@ -77,26 +77,3 @@ def test_stop_normalisation_and_frozen():
     assert dataclasses.replace(p, top_p=0.5).top_p == 0.5
     with pytest.raises(ValueError, match="top_p"):
         dataclasses.replace(p, top_p=0)
-
-
-def test_engine_config_buckets_must_cover_the_limits():
-    import pytest
-    from jaxinfer.config import EngineConfig
-    with pytest.raises(ValueError, match="batch_buckets"):
-        EngineConfig(batch_buckets=(1, 2), max_num_seqs=8)
-    with pytest.raises(ValueError, match="token_buckets"):
-        EngineConfig(token_buckets=(16, 32), max_num_batched_tokens=64)
-    assert EngineConfig(batch_buckets=(1, 8), max_num_seqs=8).batch_buckets == (1, 8)
-
-
-def test_engine_config_buckets_must_be_a_tuple_of_ints():
-    """A bare int, None or a bool entry is a clear ValueError naming the field, not a TypeError
-    from inside the check or a bucket of True."""
-    import pytest
-    from jaxinfer.config import EngineConfig
-    for bad in (256, None, (True, 256)):
-        with pytest.raises(ValueError, match=r"EngineConfig\.batch_buckets=.* is invalid"):
-            EngineConfig(batch_buckets=bad, max_num_seqs=256)
-    with pytest.raises(ValueError, match=r"EngineConfig\.token_buckets=.* is invalid"):
-        EngineConfig(token_buckets=4096)
-    assert EngineConfig(batch_buckets=[1, 8], max_num_seqs=8).batch_buckets == (1, 8)

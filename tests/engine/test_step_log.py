@@ -1,12 +1,13 @@
-"""LLMEngine.step_log: one StepRecord per dispatched step, in read-back order, with host times."""
+"""EngineStats.step_log: one StepRecord per dispatched step, in read-back order, with host times."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.llm_engine import LLMEngine, StepRecord
-from jaxinfer.models import registry
+from jaxinfer import models
+from jaxinfer.config import EngineConfig, ModelConfig, resolve
+from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.stats import StepRecord
 from jaxinfer.sampling_params import SamplingParams
 
 CFG = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
@@ -14,21 +15,21 @@ CFG = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_step_log_records_every_step(async_scheduling):
-    params = registry.init_params(CFG, jax.random.key(0), jnp.float32)
-    eng = LLMEngine(CFG, params, EngineConfig(max_model_len=64, num_pages=64, page_size=4,
-                                              max_num_seqs=4, max_num_batched_tokens=32,
-                                              async_scheduling=async_scheduling))
+    params = models.init_params(CFG, jax.random.key(0), jnp.float32)
+    ec = EngineConfig(max_model_len=64, num_pages=64, page_size=4, max_num_seqs=4,
+                      max_num_batched_tokens=32, async_scheduling=async_scheduling)
+    eng = LLMEngine(CFG, params, resolve(CFG, ec, jax.default_backend()))
     for i, n in enumerate([5, 30, 9]):
         eng.add_request([(5 * i + j) % 250 + 1 for j in range(n)],
                         SamplingParams(temperature=0.0, max_tokens=3 + i))
-    eng.step_log = []
+    eng.stats.step_log = []
     while eng.has_unfinished():
         eng.step()
-    log = eng.step_log
-    assert len(log) == eng.num_steps and all(isinstance(r, StepRecord) for r in log)
+    log = eng.stats.step_log
+    assert len(log) == eng.stats.num_steps and all(isinstance(r, StepRecord) for r in log)
     assert [r.t_done for r in log] == sorted(r.t_done for r in log)
-    assert any(r.shape_key[3] is not None for r in log)  # a packed prefill step
-    assert any(r.shape_key[3] is None and r.rows == 3 for r in log)  # a decode step of 3 rows
+    assert any(r.shape_key.packed for r in log)  # a packed prefill step
+    assert any(not r.shape_key.packed and r.rows == 3 for r in log)  # a decode step of 3 rows
     for r in log:
         assert min(r.wait_s, r.schedule_s, r.launch_s, r.post_s) >= 0
         assert 1 <= r.rows <= 4

@@ -54,7 +54,7 @@ def test_engine_matches_hf_greedy(checkpoint, attention, prefill):
     prompts = [rng.integers(0, 151936, n).tolist() for n in (5, 17, 33, 64)]
     with jax.default_matmul_precision("highest"):
         llm = LLM(path, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                  num_pages=256, max_num_seqs=8, attention=attention, prefill_attention=prefill)
+                  num_pages=256, max_num_seqs=8, kernels=f"decode={attention},prefill={prefill}")
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     for p, o in zip(prompts, outs):
@@ -62,24 +62,26 @@ def test_engine_matches_hf_greedy(checkpoint, attention, prefill):
 
 
 def _engine_greedy(loaded, attention, prompts, n):
-    from jaxinfer import EngineConfig, SamplingParams
+    import jax
+    from jaxinfer import SamplingParams
+    from jaxinfer.config import EngineConfig, KernelConfig, resolve
     from jaxinfer.engine.llm_engine import LLMEngine
-    eng = LLMEngine(loaded.config, loaded.params,
-                    EngineConfig(dtype="bfloat16", attention=attention, max_model_len=256,
-                                 num_pages=256, max_num_seqs=8), eos_token_ids=())
+    ec = EngineConfig(dtype="bfloat16", max_model_len=256, num_pages=256, max_num_seqs=8,
+                      kernels=KernelConfig(decode_attention=attention))
+    eng = LLMEngine(loaded.config, loaded.params, resolve(loaded.config, ec, jax.default_backend()),
+                    eos_token_ids=())
     rids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
             for p in prompts]
     while eng.has_unfinished():
         eng.step()
-    assert eng.resolved.attention == attention
+    assert eng.resolved.kernels.decode_attention == attention
     return [list(eng.pop_output(r).token_ids) for r in rids]
 
 
 @pytest.fixture(scope="module")
 def bf16_model(checkpoint):
-    import jax.numpy as jnp
-    from checkpoints_tools.loader import load_model
-    loaded = load_model(checkpoint[0], jnp.bfloat16, with_tokenizer=False)
+    from jaxinfer.loading import load_model
+    loaded = load_model(checkpoint[0], "bfloat16", with_tokenizer=False)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 151936, n).tolist() for n in (3, 16, 17, 40)]
     want = _engine_greedy(loaded, "reference", prompts, 24)
@@ -91,11 +93,11 @@ def _teacher_forced_margins(path, prompts, outputs):
     """(top1 - top2) / |top1| of float32 logits at each generated position, teacher-forced."""
     import jax
     import jax.numpy as jnp
-    from checkpoints_tools.loader import load_model
+    from jaxinfer import models
     from jaxinfer.kv_cache import init_kv_cache
-    from jaxinfer.models import registry as models
+    from jaxinfer.loading import load_model
 
-    m = load_model(path, jnp.float32, with_tokenizer=False)
+    m = load_model(path, "float32", with_tokenizer=False)
     margins = []
     with jax.default_matmul_precision("highest"):
         for p, out in zip(prompts, outputs):
@@ -120,23 +122,23 @@ def _variants():
     return [n for n in registry.names() if n != "reference"]
 
 
-def _teacher_forced_picks(loaded, attn_fn, prompts, outputs):
+def _teacher_forced_picks(loaded, kernels, prompts, outputs):
     """Greedy pick of the bf16 model at every generated position when fed the reference tokens.
 
     The prompt is prefilled with the reference attention; then each position is one decode step
-    (T=1) through ``attn_fn`` whose input is the reference token, so a near-tie at one position
+    (T=1) through ``kernels`` whose input is the reference token, so a near-tie at one position
     does not change what the later positions see. Returns one list of ids per prompt.
     """
     import jax
     import jax.numpy as jnp
+    from jaxinfer import models
     from jaxinfer.kv_cache import init_kv_cache
-    from jaxinfer.models import registry as models
 
     cfg, params = loaded.config, loaded.params
 
     @jax.jit
     def decode(params, tok, pos, kv):
-        h, kv = models.forward(params, cfg, tok, pos, pos + 16, kv, attn_fn=attn_fn)
+        h, kv = models.forward(params, cfg, tok, pos, pos + 16, kv, kernels=kernels)
         return jnp.argmax(models.compute_logits(params, cfg, h[:, 0]), -1), kv
 
     picks = []
@@ -164,14 +166,17 @@ def test_kernel_variant_teacher_forced_bf16(bf16_model, variant):
     every generated position (teacher-forced, so the whole range is compared), except where the
     float32 top-2 margin is below 1% of the top logit (bf16 rounding of P before P.V can flip a
     near-tie); and at least 90% of the positions agree."""
-    from jaxinfer.attention import make_attention_fn
+    from jaxinfer.config import KernelConfig
+    from jaxinfer.kernels import model_kernels
     from pallas_kernels.paged_attention import registry
     loaded, prompts, want, margins = bf16_model
     try:
         registry.get(variant)
     except ImportError as e:  # an optional back-end (jax_triton) not installed here
         pytest.skip(f"{variant}: {e}")
-    got = _teacher_forced_picks(loaded, make_attention_fn(variant), prompts, want)
+    kernels = model_kernels(KernelConfig(decode_attention=variant, prefill_attention="reference",
+                                         qkv_prologue="xla", add_rms_norm="xla"))
+    got = _teacher_forced_picks(loaded, kernels, prompts, want)
     total = agree = 0
     for g, w, m in zip(got, want, margins):
         for i, (a, b) in enumerate(zip(g, w)):

@@ -1,7 +1,7 @@
 """Acceptance: the JAX Llama/Qwen3 models match HF transformers (torch, float32) logit for logit.
 
 Tiny random HF models are saved with ``save_pretrained`` (single file and sharded), loaded through
-`checkpoints_tools.safetensors_loader`, and run over the paged KV cache: a prefill of 2 ragged,
+`jaxinfer.loading.load_model`, and run over the paged KV cache: a prefill of 2 ragged,
 padded prompts, then 20 greedy decode steps. Page size 4 or 8 (sequences cross several pages), a
 shuffled block table, page 0 never assigned. Every step's logits are compared with HF's full-sequence
 forward over the same tokens: relative error ``||a - b|| / ||b|| < 1e-4`` per sequence and step.
@@ -20,11 +20,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from checkpoints_tools.safetensors_loader import load_safetensors_dir  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.kv_cache import KVCache  # noqa: E402
-from jaxinfer.models import registry  # noqa: E402
-from jaxinfer.models.params import param_shapes  # noqa: E402
+from jaxinfer import models  # noqa: E402
+from jaxinfer.loading import load_model  # noqa: E402
 
 REL_TOL = 1e-4
 N_DECODE = 20
@@ -70,8 +69,8 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
 
 @functools.partial(jax.jit, static_argnums=(1,))
 def _step(params, cfg, tokens, positions, slot_mapping, kv):
-    hidden, kv = registry.forward(params, cfg, tokens, positions, slot_mapping, kv)
-    return registry.compute_logits(params, cfg, hidden), kv, hidden
+    hidden, kv = models.forward(params, cfg, tokens, positions, slot_mapping, kv)
+    return models.compute_logits(params, cfg, hidden), kv, hidden
 
 
 class PagedLayout:
@@ -173,7 +172,7 @@ def test_prefill_and_decode_match_hf(case, tmp_path):
     save_kw = {"max_shard_size": "40KB"} if sharded else {}
     model.save_pretrained(tmp_path, **save_kw)  # transformers 5 always writes safetensors
     assert os.path.isfile(tmp_path / "model.safetensors.index.json") == sharded
-    cfg, params = load_safetensors_dir(tmp_path, jnp.float32)
+    cfg, params = load_model(tmp_path, jnp.float32, with_tokenizer=False)[:2]
     assert cfg.architecture == arch
     assert cfg.tie_word_embeddings == overrides.get("tie_word_embeddings", False)
     if "rope_parameters" in overrides:
@@ -196,7 +195,7 @@ def test_bf16_compute_close_to_hf(tmp_path):
     """bf16 params, KV and residual stream: dtypes stay bf16 and logits are within bf16 error."""
     model = make_hf_model("qwen3", seed=3)
     model.save_pretrained(tmp_path)
-    cfg, params = load_safetensors_dir(tmp_path, jnp.bfloat16)
+    cfg, params = load_model(tmp_path, jnp.bfloat16, with_tokenizer=False)[:2]
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(params))
     prompts = [np.random.default_rng(3).integers(0, cfg.vocab_size, size=9).tolist()]
     seqs, logits, hdtype, kv = run_paged_greedy(params, cfg, prompts, 2, 4, dtype=jnp.bfloat16)
@@ -206,22 +205,54 @@ def test_bf16_compute_close_to_hf(tmp_path):
     assert err < 3e-2, f"bf16 rel err {err:.2e}"
 
 
+def expected_shapes(cfg: ModelConfig) -> dict:
+    """The documented layout (`jaxinfer.models.llama`), written out by hand."""
+    V, D, F = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layer = {"attn_norm": (D,), "wqkv": (D, (N + 2 * K) * H), "wo": (N * H, D), "mlp_norm": (D,),
+             "w_gate_up": (D, 2 * F), "w_down": (F, D)}
+    if cfg.qk_norm:
+        layer.update(q_norm=(H,), k_norm=(H,))
+    shapes = {"embed": (V, D), "layers": {str(i): layer for i in range(cfg.num_layers)},
+              "final_norm": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    return shapes
+
+
 @pytest.mark.parametrize("arch,tied", [("llama", True), ("llama", False), ("qwen3", False)])
-def test_init_params_tree_matches_param_shapes(arch, tied):
+def test_abstract_params_match_the_layout(arch, tied):
     cfg = ModelConfig(arch, 256, 64, 96, 3, 8, 2, 16, tie_word_embeddings=tied)
-    abstract = jax.eval_shape(lambda k: registry.init_params(cfg, k, jnp.bfloat16),
-                              jax.random.key(0))
+    abstract = models.abstract_params(cfg, jnp.bfloat16)
     shapes = jax.tree_util.tree_map(lambda x: tuple(x.shape), abstract)
-    assert shapes == param_shapes(cfg)
+    assert shapes == expected_shapes(cfg)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(abstract))
+    params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), params) == \
+        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), abstract)
+    assert models.param_bytes(cfg, 2) == sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
 
 
-def test_forward_rejects_mismatched_tree():
+def test_abstract_params_qwen3_8b_without_allocating():
+    """Qwen3-8B's tree at its real size, by eval_shape: shapes and 8,190,735,360 params."""
+    cfg = ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, tie_word_embeddings=False)
+    abstract = models.abstract_params(cfg, jnp.bfloat16)
+    assert jax.tree_util.tree_map(lambda x: tuple(x.shape), abstract) == expected_shapes(cfg)
+    assert abstract["layers"]["35"]["wqkv"].shape == (4096, 6144)
+    assert abstract["lm_head"].shape == (4096, 151936)
+    assert models.param_bytes(cfg, 2) == 2 * 8_190_735_360
+
+
+def test_check_params_rejects_mismatched_tree():
     cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
-    params = registry.init_params(cfg, jax.random.key(0), jnp.float32)
+    params = models.init_params(cfg, jax.random.key(0), jnp.float32)
+    models.check_params(params, cfg)
+    wqkv = params["layers"]["0"]["wqkv"]
+    params["layers"]["0"]["wqkv"] = wqkv.T
+    with pytest.raises(ValueError, match=r"params/layers/0/wqkv has shape \(128, 64\), "
+                                         r"expected \(64, 128\)"):
+        models.check_params(params, cfg)
+    params["layers"]["0"]["wqkv"] = wqkv
     del params["layers"]["1"]["q_norm"]
-    kv = KVCache(jnp.zeros((2, 2, 2, 4, 16)), jnp.zeros((2, 2, 2, 4, 16)),
-                 jnp.ones((1, 1), jnp.int32), jnp.ones((1,), jnp.int32))
-    one = jnp.ones((1, 1), jnp.int32)
     with pytest.raises(ValueError, match="q_norm"):
-        registry.forward(params, cfg, one, one * 0, one * 4, kv)
+        models.check_params(params, cfg)

@@ -15,11 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.attention import make_attention_fn
+from jaxinfer import models
 from jaxinfer.config import ModelConfig
+from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.models import registry
-from jaxinfer.models.common import Packing
 
 PAGE = 4
 # (tokens already cached, chunk length) per row
@@ -36,7 +35,7 @@ def _cfg(arch):
 @pytest.mark.parametrize("prologue", [False, True])
 def test_packed_prefill_matches_unpacked(arch, prologue):
     cfg = _cfg(arch)
-    params = registry.init_params(cfg, jax.random.key(1), jnp.float32)
+    params = models.init_params(cfg, jax.random.key(1), jnp.float32)
     params = jax.tree_util.tree_map(lambda p: p * 5.0 if p.ndim == 2 else p, params)  # sharper attention
     if arch == "qwen3":  # q/k norm weights away from 1, so a skipped or swapped one shows
         for lp in params["layers"].values():
@@ -44,8 +43,8 @@ def test_packed_prefill_matches_unpacked(arch, prologue):
     packed_attn = {}
     if prologue:
         from pallas_kernels.qkv_prologue import triton_pallas
-        packed_attn["attn_fn"] = make_attention_fn("reference", "reference", qkv_prologue=(
-            functools.partial(triton_pallas.qkv_prologue, interpret=True)))
+        packed_attn["kernels"] = ModelKernels(qkv_prologue=functools.partial(
+            triton_pallas.qkv_prologue, interpret=True))
     rng = np.random.default_rng(0)
     R, M = len(ROWS), 4
     total = [c + n for c, n in ROWS]
@@ -69,7 +68,7 @@ def test_packed_prefill_matches_unpacked(arch, prologue):
             slot[i, :n] = slots(i, np.arange(c, c + n))
         kv = kv.replace(block_tables=jnp.asarray(pages),
                         seq_lens=jnp.asarray([c + n for c, n in zip(start_of, len_of)], jnp.int32))
-        return registry.forward(params, cfg, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slot), kv)
+        return models.forward(params, cfg, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slot), kv)
 
     kv = KVCache(k=k0, v=v0, block_tables=jnp.asarray(pages), seq_lens=jnp.zeros(R, jnp.int32))
     # cache the prefixes (row 0 has none: a 1-token dummy chunk into the null page)
@@ -93,10 +92,10 @@ def test_packed_prefill_matches_unpacked(arch, prologue):
         q_index[i, :n], q_pos[i, :n] = np.arange(off, off + n), np.arange(c, c + n)
         out_index[off:off + n] = i * Tq + np.arange(n)
         off += n
-    packing = Packing(jnp.asarray(q_index), jnp.asarray(q_pos), jnp.asarray(out_index))
+    packing = models.Packing(jnp.asarray(q_index), jnp.asarray(q_pos), jnp.asarray(out_index))
     kv_in = kv.replace(block_tables=jnp.asarray(pages), seq_lens=jnp.asarray(total, jnp.int32))
-    h_pk, kv_pk = registry.forward(params, cfg, jnp.asarray(tok), jnp.asarray(pos),
-                                   jnp.asarray(slot), kv_in, packing=packing, **packed_attn)
+    h_pk, kv_pk = models.forward(params, cfg, jnp.asarray(tok), jnp.asarray(pos),
+                                 jnp.asarray(slot), kv_in, packing=packing, **packed_attn)
 
     assert h_pk.shape == (1, Tp, cfg.hidden_size)
     off = 0

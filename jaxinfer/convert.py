@@ -1,0 +1,75 @@
+"""Convert an HF safetensors directory or a GGUF file into an Orbax checkpoint directory.
+
+    python -m jaxinfer.convert SRC DST [--dtype bfloat16|float32]
+
+DST then loads with ``jaxinfer.loading.load_model(DST)`` without any conversion work. Errors
+(missing SRC, DST not empty, unsupported format or architecture, bad tensors) print one line
+``error: ...`` on stderr and exit with status 2, without a traceback. SRC is checked (format,
+config, architecture) before any tensor is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+EXIT_USAGE = 2
+
+
+def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
+    """Load SRC (HF dir or GGUF file) with its tokenizer and save it as an Orbax checkpoint at DST
+    with the generation-config EOS ids. On failure DST is removed (left empty if it was).
+
+    Raises:
+        FileNotFoundError: SRC missing. FileExistsError: DST not empty. ValueError: SRC is not
+            HF/GGUF (an Orbax dir needs no conversion), unsupported, bad tensors, or no tokenizer.
+    """
+    from checkpoints_tools.loader import open_checkpoint
+    from jaxinfer.loading import load_model, model_config, save_checkpoint
+
+    ckpt = open_checkpoint(src)
+    if ckpt.format == "orbax":
+        raise ValueError(f"SRC {src!r} is already an Orbax checkpoint; nothing to convert")
+    model_config(ckpt)  # an unsupported config fails before DST is looked at
+    existed = os.path.exists(dst)
+    if existed and (not os.path.isdir(dst) or os.listdir(dst)):
+        raise FileExistsError(f"DST {dst!r} exists and is not empty; choose a new directory")
+    m = load_model(ckpt, dtype)
+    try:
+        save_checkpoint(dst, m.config, m.params, m.tokenizer, ckpt.generation_eos_ids)
+    except BaseException:
+        shutil.rmtree(dst, ignore_errors=True)
+        if existed:  # it was an empty directory: leave it so
+            os.makedirs(dst, exist_ok=True)
+        raise
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m jaxinfer.convert",
+        description="Convert an HF safetensors directory or a GGUF file (Llama / Qwen3) into an "
+                    "Orbax checkpoint directory that jaxinfer loads without conversion.")
+    ap.add_argument("src", metavar="SRC", help="HF model directory (config.json + *.safetensors) "
+                    "or a .gguf file")
+    ap.add_argument("dst", metavar="DST", help="new (or empty) output directory")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="parameter dtype stored in the checkpoint (default: bfloat16)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point; returns the exit status (0 ok, 2 bad input)."""
+    args = build_parser().parse_args(argv)
+    try:
+        convert(args.src, args.dst, args.dtype)
+    except (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError) as e:
+        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"wrote {args.dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The kernels a model step calls: `ModelKernels`, one frozen argument of
+`jaxinfer.models.forward` (static under jit), built by `model_kernels` from a resolved
+`jaxinfer.config.KernelConfig` (`jaxinfer.config.resolve` replaces "auto" and checks the
+platform). Attention has the signature of
+`pallas_kernels.paged_attention.reference.paged_attention`:
+
+    attn(q [B, T, N, H], k_pool [L, P, K, page_size, H], v_pool, block_tables i32[B, M],
+         seq_lens i32[B], q_positions i32[B, T], *, layer, scale, soft_cap=None,
+         sliding_window=None, num_heads=None) -> [B, T, N, H]
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import reference, registry
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """attention: paged attention (signature above).
+    qkv_prologue: None (the model's jnp q/k norm + RoPE + K/V write) or a kernel with the
+        signature of `pallas_kernels.qkv_prologue.reference.qkv_prologue` (every step).
+    add_rms_norm: None (jnp ops) or a kernel with the signature of
+        `pallas_kernels.add_rms_norm.reference.add_rms_norm` (every residual add + RMSNorm).
+    q_group_multiple: None, or (mosaic decode with a prologue) decode steps' q is written grouped
+        by KV head [B, 1, K, Gp, H], G = N/K rows zero-padded to Gp, the next multiple of this.
+    """
+
+    attention: Callable = reference.paged_attention
+    qkv_prologue: Callable | None = None
+    add_rms_norm: Callable | None = None
+    q_group_multiple: int | None = None
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale", "soft_cap",
+                                             "sliding_window", "num_heads"))
+def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, *, kernel, knobs,
+                scale, soft_cap, sliding_window, num_heads):
+    """q [B, 1, N, H] (grouped [B, 1, K, Gp, H] with ``num_heads``), layer i32[] -> [B, 1, N, H]."""
+    extra = dict(knobs)
+    if num_heads is not None:
+        extra["num_heads"] = num_heads
+    if page_offset is not None:
+        extra["page_offset"] = page_offset
+    out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
+                 soft_cap=soft_cap, sliding_window=sliding_window, **extra)
+    return out[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "scale", "soft_cap", "sliding_window"))
+def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, *, kernel, scale,
+                 soft_cap, sliding_window):
+    """q [B, T, N, H], layer i32[] -> [B, T, N, H]."""
+    return kernel(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer=layer,
+                  scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+
+
+@dataclass(frozen=True)
+class PagedAttention:
+    """Attention by step kind: T == 1 to the registered decode variant ``decode``, T > 1 to the
+    prefill variant ``prefill`` ("reference": `reference.paged_attention`); ``decode_knobs`` are
+    (name, value) tuning keywords of the decode variant. Called once per layer with ``layer`` a
+    Python int, each kernel runs behind an inner jit taking it as a traced i32[] (one lowering
+    for all L layers); mosaic gets it as constant page offsets (`mosaic.layer_offsets`).
+    Raises ValueError for a grouped q [B, T, K, Gp, H] outside a decode-kernel step."""
+
+    decode: str = "reference"
+    prefill: str = "reference"
+    decode_knobs: tuple[tuple[str, Any], ...] = ()
+
+    def __call__(self, q, k_pool, v_pool, block_tables, seq_lens, q_positions, *, layer, scale,
+                 soft_cap=None, sliding_window=None, num_heads=None):
+        static = dict(scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
+                      sliding_window=None if sliding_window is None else int(sliding_window))
+        decode = q.shape[1] == 1 and self.decode != "reference"
+        if q.ndim == 5 and not decode:
+            raise ValueError(f"a grouped q {q.shape} is for the decode kernel only")
+        if decode:
+            offset = None
+            if self.decode == "mosaic":
+                from pallas_kernels.paged_attention.mosaic import layer_offsets
+                offset = layer_offsets(layer, k_pool.shape[1])
+            return decode_step(q, k_pool, v_pool, block_tables, seq_lens,
+                               jnp.asarray(layer, jnp.int32), offset,
+                               kernel=registry.get(self.decode), knobs=self.decode_knobs,
+                               num_heads=num_heads, **static)
+        if q.shape[1] == 1 or self.prefill == "reference":
+            return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
+                                             q_positions, layer=layer, **static)
+        return prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
+                            jnp.asarray(layer, jnp.int32),
+                            kernel=registry.get_prefill(self.prefill), **static)
+
+
+def _fused_kernel(field: str, name: str) -> Callable | None:
+    """"xla" -> None; "triton" -> `pallas_kernels.<field>.triton_pallas.<field>`."""
+    if name not in ("xla", "triton"):
+        raise ValueError(f"{field}={name!r} is not one of ('xla', 'triton')")
+    if name == "xla":
+        return None
+    return getattr(importlib.import_module(f"pallas_kernels.{field}.triton_pallas"), field)
+
+
+def model_kernels(kc, decode_knobs: dict | None = None) -> ModelKernels:
+    """`ModelKernels` for a resolved `KernelConfig` ``kc`` (reads decode_attention,
+    prefill_attention, qkv_prologue, add_rms_norm); ``decode_knobs``: tuning keywords of the
+    decode variant (e.g. ``{"num_splits": 4}`` for "mosaic").
+
+    Raises:
+        ValueError: an unregistered attention variant (the registry lists them), a fused kernel
+            name other than "xla" / "triton", ``decode_knobs`` with the reference decode.
+    """
+    decode, prefill = kc.decode_attention, kc.prefill_attention
+    registry.get(decode), registry.get_prefill(prefill)  # raise ValueError listing the names
+    if decode_knobs and decode == "reference":
+        raise ValueError(f"decode_knobs={decode_knobs} need a decode kernel variant; the "
+                         "reference has no knobs")
+    prologue = _fused_kernel("qkv_prologue", kc.qkv_prologue)
+    add_norm = _fused_kernel("add_rms_norm", kc.add_rms_norm)
+    group = None
+    if prologue is not None and decode == "mosaic":
+        from pallas_kernels.paged_attention.mosaic import Q_GROUP_MULTIPLE as group
+    attention = reference.paged_attention
+    if (decode, prefill) != ("reference", "reference"):
+        attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
+    return ModelKernels(attention, prologue, add_norm, group)

@@ -1,0 +1,200 @@
+"""Functions and Flax blocks shared by the Llama/Qwen3 family.
+
+Numerics: the compute dtype is the params' dtype; RMSNorm statistics, RoPE and the attention
+softmax run in float32. Weights are ``[in, out]`` (``x @ w``). Sources: HF ``modeling_llama.py``
+(RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``), Zhang & Sennrich 2019
+(RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
+dense_init = nn.initializers.normal(stddev=INIT_STD)
+
+
+def fused_parts(cfg) -> dict[str, dict[str, slice]]:
+    """Where each projection lies on the output (last) axis of the fused matrices, in
+    concatenation order: ``{"wqkv": {"q": [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H,
+    (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up": [F, 2F)}}`` as slices."""
+    N, K, H, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
+                     "v": slice((N + K) * H, (N + 2 * K) * H)},
+            "w_gate_up": {"gate": slice(0, F), "up": slice(F, 2 * F)}}
+
+
+def in_dtype(w: jax.Array, dtype) -> jax.Array:
+    """``w`` cast to ``dtype``, or ``w`` itself when it already has it."""
+    return w if w.dtype == jnp.dtype(dtype) else w.astype(dtype)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """``weight * (x / sqrt(mean(x^2) + eps))`` over the last axis: x [..., D], weight [D] ->
+    [..., D] in x.dtype. Statistics in float32; the normalized value is cast to x.dtype before
+    the weight multiply (HF ``LlamaRMSNorm`` order)."""
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    return (in_dtype(weight, x.dtype) * normed).astype(x.dtype)
+
+
+def rope_inv_freq(cfg) -> np.ndarray:
+    """RoPE inverse frequencies f32[H/2], ``theta^(-2i/H)``, on the host; with Llama 3 scaling
+    (HF ``_compute_llama3_parameters``): wavelengths longer than ``orig/low_freq_factor`` are
+    divided by ``factor``, shorter than ``orig/high_freq_factor`` kept, the band between
+    interpolated."""
+    H = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
+    rs = cfg.rope_scaling
+    if rs is not None:
+        orig = rs.original_max_position_embeddings
+        low_wavelen = orig / rs.low_freq_factor
+        high_wavelen = orig / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (orig / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin f32[B, T, H/2] of the angles ``positions i32[B, T] * inv_freq f32[H/2]``."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, T, heads, H] in the HF ``rotate_half`` convention (dimension i pairs with
+    i + H/2: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``), in float32, returned in x.dtype.
+    cos, sin: f32[B, T, H/2], broadcast over heads."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.astype(x.dtype)
+
+
+class Packing(NamedTuple):
+    """Where the tokens of a packed (ragged) prefill batch sit.
+
+    The step's tokens are one row [1, Tp], sequence after sequence, padding only at the end.
+    Row r of the KV state (``block_tables[r]``, ``seq_lens[r]``) has its query tokens at packed
+    indices ``q_index[r, :n_r]``.
+
+    q_index:     i32[R, Tq] packed index of row r's j-th query token (padding: any valid index).
+    q_positions: i32[R, Tq] its absolute position (padding: 0).
+    out_index:   i32[Tp]    ``r * Tq + j`` for the packed token that is row r's j-th (padding: 0).
+    Source: vLLM's flattened token batch (``query_start_loc``), expressed as two gathers.
+    """
+
+    q_index: jax.Array
+    q_positions: jax.Array
+    out_index: jax.Array
+
+
+class StepContext(NamedTuple):
+    """Per-step metadata every layer reads: positions i32[B, T], slot_mapping i32[B, T],
+    block_tables i32[R, M], seq_lens i32[R], cos / sin f32[B, T, H/2], packing: `Packing` (then
+    B = 1 and R rows) or None (then R = B)."""
+
+    positions: jax.Array
+    slot_mapping: jax.Array
+    block_tables: jax.Array
+    seq_lens: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    packing: Packing | None = None
+
+
+def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
+           ctx: StepContext, *, layer: int, scale: float, num_heads: int) -> jax.Array:
+    """``attn`` (`jaxinfer.kernels.ModelKernels.attention`) on q [B, T, N, H] -> [B, T, N, H].
+    A decode step's q may be grouped, [B, 1, K, Gp, H]; ``num_heads`` (N) then goes with it.
+    Packed (``ctx.packing``): the queries [1, Tp, N, H] are gathered into rows [R, Tq, N, H],
+    attended, and gathered back."""
+    pk = ctx.packing
+    if pk is None:
+        extra = {"num_heads": num_heads} if q.ndim == 5 else {}
+        return attn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions,
+                    layer=layer, scale=scale, **extra)
+    _, Tp, N, H = q.shape
+    R, Tq = pk.q_index.shape
+    rows = q[0][pk.q_index]                                             # [R, Tq, N, H]
+    o = attn(rows, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, pk.q_positions,
+             layer=layer, scale=scale)
+    return o.reshape(R * Tq, N, H)[pk.out_index][None]                  # [1, Tp, N, H]
+
+
+def shared(parent: nn.Module, child: nn.Module) -> nn.Module:
+    """Bind ``child`` into ``parent``'s scope: its params appear directly in the parent's dict."""
+    nn.share_scope(parent, child)
+    return child
+
+
+class AddRMSNorm(nn.Module):
+    """Residual add + RMSNorm with the weight [D] named ``param_name``: ``(x [B, T, D], delta
+    [B, T, D] | None) -> (x + delta, rms_norm(x + delta))`` in x.dtype (no add for None).
+    ``delta`` may be float32 partial sums [splits, B, T, D]: their sum in x.dtype is added.
+    ``kernel``: None (jnp ops) or `ModelKernels.add_rms_norm` over [S, D] rows (one launch)."""
+
+    param_name: str
+    eps: float
+    param_dtype: Any = jnp.float32
+    kernel: Callable | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        w = self.param(self.param_name, nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        partials = delta is not None and delta.ndim == x.ndim + 1
+        if self.kernel is None:
+            if partials:
+                delta = delta.sum(0).astype(x.dtype)
+            if delta is not None:
+                x = x + delta
+            return x, rms_norm(x, w, self.eps)
+        shape = x.shape
+        if delta is not None:
+            lead = (delta.shape[0],) if partials else ()
+            delta = delta.reshape(*lead, -1, shape[-1])
+        x, h = self.kernel(x.reshape(-1, shape[-1]), delta, w, eps=self.eps)
+        return x.reshape(shape), h.reshape(shape)
+
+
+class MLP(nn.Module):
+    """SwiGLU, ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D].
+
+    gate and up are one GEMM with ``w_gate_up`` [D, 2F] (`fused_parts`); ``w_down`` [F, D]. With
+    ``down_partials`` > 1 the down projection is split over that many equal parts of F and the
+    output is their float32 partial sums [splits, B, T, D] (for an `AddRMSNorm` to add up).
+    """
+
+    cfg: Any
+    param_dtype: Any = jnp.float32
+    down_partials: int = 1
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        D, F = self.cfg.hidden_size, self.cfg.intermediate_size
+        parts = fused_parts(self.cfg)["w_gate_up"]
+        w_gate_up = self.param("w_gate_up", dense_init, (D, 2 * F), self.param_dtype)
+        w_down = self.param("w_down", dense_init, (F, D), self.param_dtype)
+        with jax.named_scope("mlp"):
+            gu = x @ in_dtype(w_gate_up, x.dtype)                       # [B, T, 2F]
+            h = jax.nn.silu(gu[..., parts["gate"]]) * gu[..., parts["up"]]
+            splits = self.down_partials
+            if splits > 1:
+                B, T, F = h.shape
+                w = in_dtype(w_down, x.dtype).reshape(splits, F // splits, -1)   # a view
+                return jnp.einsum("btpf,pfd->pbtd", h.reshape(B, T, splits, F // splits), w,
+                                  preferred_element_type=jnp.float32)
+            return (h @ in_dtype(w_down, x.dtype)).astype(x.dtype)

@@ -1,0 +1,136 @@
+"""KernelConfig (parse, validation, help), EngineConfig and resolve: the rules for "auto" and
+platform defaults, with the platform passed explicitly (no GPU needed)."""
+
+import dataclasses
+
+import pytest
+
+from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, kernel_choices, resolve
+from pallas_kernels.paged_attention import registry
+
+
+def model(hidden=4096, head_dim=128, max_pos=4096):
+    return ModelConfig(architecture="llama", vocab_size=256, hidden_size=hidden,
+                       intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=head_dim, max_position_embeddings=max_pos)
+
+
+def test_parse_keys_aliases_and_values():
+    kc = KernelConfig.parse("decode=mosaic, prefill=triton,add_rms_norm=xla,batch_buckets=1:2:4:8,"
+                            "token_buckets=16:64,cublas_decode_min_batch=none,prefill_gemm=cublas")
+    assert kc == KernelConfig(decode_attention="mosaic", prefill_attention="triton",
+                              add_rms_norm="xla", batch_buckets=(1, 2, 4, 8), token_buckets=(16, 64),
+                              cublas_decode_min_batch=None, prefill_gemm="cublas")
+    assert KernelConfig.parse("decode_attention=triton,qkv_prologue=triton") == KernelConfig(
+        decode_attention="triton", qkv_prologue="triton")
+    assert KernelConfig.parse("") == KernelConfig()
+    assert KernelConfig.parse("cublas_decode_min_batch=8").cublas_decode_min_batch == 8
+    assert KernelConfig.parse(kc) is kc
+
+
+@pytest.mark.parametrize("spec, needles", [
+    ("decode=foo", ["decode_attention='foo'", "'mosaic'", "'reference'"]),
+    ("prefill=mosaic", ["prefill_attention='mosaic'", "'triton'"]),
+    ("qkv_prologue=cuda", ["qkv_prologue='cuda'", "'auto', 'xla', 'triton'"]),
+    ("prefill_gemm=cutlass", ["prefill_gemm='cutlass'", "allowed: 'xla', 'cublas'"]),
+    ("speed=fast", ["'speed=fast'", "decode_attention", "prefill"]),
+    ("decode", ["'decode'", "key=value"]),
+    ("decode=mosaic,decode_attention=triton", ["'decode_attention' is given twice"]),
+    ("batch_buckets=1:x", ["batch_buckets='1:x'", "integers"]),
+    ("batch_buckets=4:2", ["batch_buckets=(4, 2)", "strictly increasing"]),
+    ("cublas_decode_min_batch=0", ["cublas_decode_min_batch=0", "positive integer"]),
+    ("cublas_decode_min_batch=many", ["cublas_decode_min_batch='many'"]),
+])
+def test_parse_errors_name_the_key_value_and_allowed(spec, needles):
+    with pytest.raises(ValueError) as e:
+        KernelConfig.parse(spec)
+    for n in needles:
+        assert n in str(e.value), str(e.value)
+
+
+def test_allowed_names_come_from_the_registry_and_reach_the_help():
+    assert kernel_choices()["decode_attention"] == ("auto",) + registry.names()
+    assert kernel_choices()["prefill_attention"] == ("auto",) + registry.prefill_names()
+    text = KernelConfig.help()
+    for f in dataclasses.fields(KernelConfig):
+        assert f.name in text or f.name in ("decode_attention", "prefill_attention")
+    assert "decode=" + "|".join(kernel_choices()["decode_attention"]) in text
+    assert "prefill=" + "|".join(kernel_choices()["prefill_attention"]) in text
+
+
+def test_engine_config_kernels_from_a_string_and_bucket_limits():
+    assert EngineConfig(kernels="decode=reference").kernels == KernelConfig(
+        decode_attention="reference")
+    with pytest.raises(ValueError, match=r"kernels=3 is invalid"):
+        EngineConfig(kernels=3)
+    with pytest.raises(ValueError, match="batch_buckets.*max_num_seqs=8"):
+        EngineConfig(kernels=KernelConfig(batch_buckets=(1, 2)), max_num_seqs=8)
+    with pytest.raises(ValueError, match="token_buckets.*max_num_batched_tokens=64"):
+        EngineConfig(kernels="token_buckets=16:32", max_num_batched_tokens=64)
+    assert EngineConfig(kernels="batch_buckets=1:8", max_num_seqs=8).kernels.batch_buckets == (1, 8)
+
+
+def test_buckets_must_be_a_tuple_of_ints():
+    """A bare int, None or a bool entry is a clear ValueError naming the field, not a TypeError
+    from inside the check or a bucket of True."""
+    for bad in (256, None, (True, 256)):
+        with pytest.raises(ValueError, match=r"KernelConfig\.batch_buckets=.* is invalid"):
+            KernelConfig(batch_buckets=bad)
+    with pytest.raises(ValueError, match=r"KernelConfig\.token_buckets=.* is invalid"):
+        KernelConfig(token_buckets=4096)
+    assert KernelConfig(batch_buckets=[1, 8]).batch_buckets == (1, 8)
+
+
+@pytest.mark.parametrize("field, bad", [("page_size", 12), ("num_pages", 1), ("dtype", "int8"),
+                                        ("memory_fraction", 0.0), ("max_num_seqs", 0),
+                                        ("async_scheduling", 1), ("seed", 1.5)])
+def test_engine_config_validation_names_the_field(field, bad):
+    with pytest.raises(ValueError, match=rf"EngineConfig\.{field}={bad!r} is invalid"):
+        EngineConfig(**{field: bad})
+
+
+def test_resolve_defaults_per_platform_and_dtype():
+    r = resolve(model(), EngineConfig(), "cpu")
+    assert (r.dtype, r.max_model_len, r.platform, r.dtype_bytes) == ("float32", 4096, "cpu", 4)
+    assert r.kernels == KernelConfig(decode_attention="reference", prefill_attention="reference",
+                                     qkv_prologue="xla", add_rms_norm="xla")
+    g = resolve(model(), EngineConfig(), "gpu")
+    assert g.dtype == "bfloat16"
+    assert g.kernels == KernelConfig(decode_attention="mosaic", prefill_attention="triton",
+                                     qkv_prologue="triton", add_rms_norm="triton")
+    f32 = resolve(model(), EngineConfig(dtype="float32"), "gpu").kernels
+    assert (f32.decode_attention, f32.prefill_attention, f32.qkv_prologue, f32.add_rms_norm) == (
+        "reference", "triton", "xla", "xla")
+    bf16_cpu = resolve(model(), EngineConfig(dtype="bfloat16"), "cpu").kernels
+    assert (bf16_cpu.qkv_prologue, bf16_cpu.add_rms_norm) == ("xla", "xla")
+    # SmolLM2 shapes: D=576 is not a power of 2, H/2 = 32 is
+    assert resolve(model(576, 64), EngineConfig(), "gpu").kernels.add_rms_norm == "xla"
+    assert resolve(model(576, 64), EngineConfig(), "gpu").kernels.qkv_prologue == "triton"
+    # explicit choices are kept
+    kc = KernelConfig(decode_attention="triton", prefill_attention="reference", qkv_prologue="xla")
+    assert resolve(model(), EngineConfig(kernels=kc), "gpu").kernels == dataclasses.replace(
+        kc, add_rms_norm="triton")
+
+
+def test_resolve_max_model_len():
+    assert resolve(model(max_pos=512), EngineConfig(max_model_len=128), "cpu").max_model_len == 128
+    with pytest.raises(ValueError, match="max_model_len=1024.*max_position_embeddings=512"):
+        resolve(model(max_pos=512), EngineConfig(max_model_len=1024), "cpu")
+
+
+@pytest.mark.parametrize("spec, field", [
+    ("decode=mosaic", "decode_attention"), ("decode=triton", "decode_attention"),
+    ("decode=jax_triton", "decode_attention"), ("prefill=triton", "prefill_attention"),
+    ("qkv_prologue=triton", "qkv_prologue"), ("add_rms_norm=triton", "add_rms_norm")])
+def test_gpu_kernels_on_cpu_are_rejected(spec, field):
+    value = spec.split("=")[1]
+    with pytest.raises(ValueError, match=f"{field}='{value}' is a GPU kernel.*'cpu'"):
+        resolve(model(), EngineConfig(kernels=spec), "cpu")
+    resolve(model(), EngineConfig(kernels=spec), "gpu")  # accepted there
+
+
+def test_triton_fused_kernels_on_shapes_they_do_not_take():
+    with pytest.raises(ValueError, match="add_rms_norm='triton' needs a power-of-2 hidden size"):
+        resolve(model(576, 64), EngineConfig(kernels="add_rms_norm=triton"), "gpu")
+    with pytest.raises(ValueError, match="qkv_prologue='triton' needs head dim"):
+        resolve(model(512, 96), EngineConfig(kernels="qkv_prologue=triton"), "gpu")

@@ -5,16 +5,6 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def smollm_path():
-    from checkpoints_tools.default_model import default_model_path
-
-    try:
-        return default_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="session")
 def smollm_ckpt(smollm_path):
     """`checkpoints_tools.loader.Checkpoint` of the GGUF (config dict, EOS ids, open reader)."""
     from checkpoints_tools.loader import open_checkpoint

@@ -111,10 +111,8 @@ def rel_err(a, b) -> float:
 
 # ----------------------------------------------------------------------------- real SmolLM2 GGUF
 @pytest.fixture(scope="module")
-def hf_gguf_model(smollm_path):
-    d, f = os.path.split(smollm_path)
-    return transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f,
-                                                             dtype=torch.float32).eval()
+def hf_gguf_model(hf_smollm):
+    return hf_smollm  # tests/conftest.py: loaded once for the whole run
 
 
 @pytest.fixture(scope="module")

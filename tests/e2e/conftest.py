@@ -23,18 +23,8 @@ PAGE_SIZE = 16
 
 
 @pytest.fixture(scope="session")
-def smollm_path():
-    from checkpoints_tools.default_model import default_model_path
-    return default_model_path()
-
-
-@pytest.fixture(scope="session")
-def hf_model(smollm_path):
-    import torch
-    from transformers import AutoModelForCausalLM
-    d, f = os.path.split(smollm_path)
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+def hf_model(hf_smollm):
+    return hf_smollm  # tests/conftest.py: loaded once for the whole run
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,19 @@
-"""The jit entry point: one engine step (a packed prefill batch or a decode batch).
+"""The jit entry point (nothing else in jaxinfer is jitted) and the compiled-step table.
 
-Nothing else in jaxinfer is jitted. The step is a pure function
-``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')`` with the KV cache donated, compiled once
-per `jaxinfer.step_input.ShapeKey` (the shape bucket and sampling mode) and GEMM back-end.
+A step is the pure function ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')``, KV cache
+donated, compiled once per `jaxinfer.step_input.ShapeKey` and GEMM back-end; `StepExecutor` picks
+the variant, keeps ahead-of-time executables and dispatches one step per transfer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -21,24 +25,20 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.sampling import SamplingMetadata, sample
-from jaxinfer.step_input import ShapeKey, layout
+from jaxinfer.step_input import HostBatch, ShapeKey, empty_batch, layout, pack
+
+log = logging.getLogger("jaxinfer")
 
 
 @dataclass(frozen=True)
 class StepInput:
-    """Per-step device inputs, padded to a bucket (fields and padding: `jaxinfer.step_input`).
+    """Per-step device inputs, padded to a bucket (fields: `jaxinfer.step_input.FIELDS`).
 
-    Unpacked (decode; ``packing`` None): row b is sequence b; tokens, positions and
-    slot_mapping are i32[B, T]; ``logits_indices`` i32[B] is the token of each row sampled.
-    Packed (prefill; ``packing`` a `models.Packing`): tokens, positions and slot_mapping are
-    i32[1, Tp], R sequences' chunks back to back; ``logits_indices`` i32[R] are packed indices.
-    ``sampling``: `SamplingMetadata` for the B (R) rows.
-
-    Asynchronous scheduling (both None when unused):
-    prev_tokens:     i32[Bmax] the previous step's output, still on the device (zeros before the
-                     first step); Bmax is the largest batch bucket, so its shape never varies
-    pending_src:     i32[B] for each row, the row of ``prev_tokens`` that is its input token
-                     (unpacked steps only), or -1: that row's ``tokens[b, 0]`` is used as given
+    Unpacked (decode, ``packing`` None): tokens, positions, slot_mapping i32[B, T], row b is
+    sequence b; logits_indices i32[B]. Packed (prefill, ``packing`` a `models.Packing`): those
+    are i32[1, Tp], R chunks back to back; logits_indices i32[R] are packed indices.
+    prev_tokens i32[Bmax]: the previous step's output on the device (None: unused).
+    pending_src i32[B]: the row of ``prev_tokens`` that is row b's input token, or -1.
     """
 
     tokens: jax.Array
@@ -57,13 +57,9 @@ jax.tree_util.register_dataclass(
 
 def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
          all_greedy: bool) -> tuple[jax.Array, KVCache]:
-    """Model forward over this step's tokens, KV write, logits of one token per row, sampling.
-
-    ``kv``'s ``block_tables`` i32[B, M] and ``seq_lens`` i32[B] describe this step; ``cfg``,
-    ``kernels``, ``all_greedy`` are static. Returns (next token ids i32[B] (i32[R] packed), the
-    updated cache); with ``inp.prev_tokens`` the ids are zero-padded to its length Bmax, so the
-    next step's input has a fixed shape.
-    """
+    """Forward, KV write, logits of one token per row, sampling; ``kv``'s block_tables
+    i32[B, M] and seq_lens i32[B] are this step's. Returns (token ids i32[B] (i32[R] packed),
+    zero-padded to i32[Bmax] with ``prev_tokens``; the new cache)."""
     tokens = inp.tokens
     if inp.prev_tokens is not None and inp.packing is None:
         tokens = merge_pending_tokens(tokens, inp.prev_tokens, inp.pending_src)
@@ -82,8 +78,7 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels
     return tokens, kv
 
 
-# XLA options per GEMM back-end: "xla" lets XLA pick (its autotuned Triton GEMM fusions, cuBLAS
-# as a fallback); "cublas" turns the Triton GEMM emitter off, so every matmul is a cuBLAS call.
+# XLA options per GEMM back-end: "xla" lets XLA pick; "cublas" turns the Triton GEMM emitter off.
 GEMM_COMPILER_OPTIONS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
@@ -96,18 +91,14 @@ def _jit(fn: Callable, gemm: str, static: tuple[str, ...]) -> Callable:
 
 def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool,
                  gemm: str = "xla") -> Callable:
-    """``jax.jit`` of `step` for one sampling mode (KV cache donated), compiled with the GEMM
-    back-end ``gemm`` (a key of `GEMM_COMPILER_OPTIONS`); for benchmarks of the bare step.
-
-    Raises:
-        ValueError: unknown ``gemm``.
-    """
+    """``jax.jit`` of `step` (KV donated) with GEMM back-end ``gemm``, for benchmarks of the bare
+    step. Raises ValueError: ``gemm`` not a key of `GEMM_COMPILER_OPTIONS`."""
     return _jit(functools.partial(step, cfg=cfg, kernels=kernels, all_greedy=all_greedy), gemm, ())
 
 
 def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInput]:
-    """The inverse of `jaxinfer.step_input.pack` inside the jit (``key`` static): returns
-    (block_tables i32[B, M], seq_lens i32[B], `StepInput` without ``prev_tokens``)."""
+    """Inverse of `jaxinfer.step_input.pack` (``key`` static): (block_tables i32[B, M],
+    seq_lens i32[B], `StepInput` without ``prev_tokens``)."""
     groups: dict[str, dict] = {"input": {}, "kv": {}, "sampling": {}, "packing": {}}
     off = 0
     for f, shape in layout(key):
@@ -126,14 +117,10 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
                 key: ShapeKey, cfg: ModelConfig,
                 kernels: ModelKernels) -> tuple[jax.Array, KVCache]:
-    """`step` on inputs packed into one buffer ``buf`` i32[S] (`jaxinfer.step_input.pack`;
-    ``key``, static, gives its layout and the sampling mode): one transfer a step.
-
-    ``kv``'s ``block_tables``/``seq_lens`` are fixed-shape placeholders passed through unchanged
-    (this step's come from ``buf``), so the compiled signature depends on the bucket only through
-    ``buf``. ``prev_tokens`` i32[Bmax]: the previous step's output. Returns (token ids
-    i32[Bmax], the updated cache).
-    """
+    """`step` on ``buf`` i32[S] (`jaxinfer.step_input.pack`, layout and sampling mode from
+    ``key``) and ``prev_tokens`` i32[Bmax]. ``kv``'s block_tables/seq_lens are fixed-shape
+    placeholders returned unchanged, so the signature varies only through ``buf``. Returns
+    (token ids i32[Bmax], the new cache)."""
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
     tokens, new = step(params, kv.replace(block_tables=tables, seq_lens=lens), inp, cfg=cfg,
@@ -142,14 +129,85 @@ def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Arra
 
 
 def merge_pending_tokens(tokens: jax.Array, prev_tokens: jax.Array, src: jax.Array) -> jax.Array:
-    """i32[B, T] ``tokens`` with ``tokens[i, 0] = prev_tokens[src[i]]`` where ``src[i] >= 0``:
-    the input tokens still on the device (asynchronous scheduling), filled inside the step."""
+    """i32[B, T] ``tokens`` with ``tokens[i, 0] = prev_tokens[src[i]]`` where ``src[i] >= 0``."""
     picked = prev_tokens[jnp.maximum(src, 0)]
     return tokens.at[:, 0].set(jnp.where(src >= 0, picked, tokens[:, 0]))
 
 
-# The engine's jit entry points, one per GEMM back-end: call as ``PACKED_STEPS[gemm](params, kv,
-# buf, prev_tokens, key=, cfg=, kernels=)`` (all three static, hashable: engines of equal model
-# and kernels share compiled steps); ``.lower(...).compile()`` gives the ahead-of-time form.
+# The engine's jit entry points by GEMM back-end: ``PACKED_STEPS[gemm](params, kv, buf,
+# prev_tokens, key=, cfg=, kernels=)`` (static, hashable: engines of equal model and kernels
+# share compiled steps); ``.lower(...).compile()`` gives the ahead-of-time form.
 PACKED_STEPS = {gemm: _jit(packed_step, gemm, ("key", "cfg", "kernels"))
                 for gemm in GEMM_COMPILER_OPTIONS}
+
+
+class StepExecutor:
+    """The compiled steps of model ``cfg`` with ``kernels``; ``kc`` the resolved `KernelConfig`,
+    ``max_batch`` the largest batch bucket; compiles are counted in ``stats`` (`EngineStats`)."""
+
+    def __init__(self, cfg, kernels, kc, max_batch: int, stats) -> None:
+        self.steps = PACKED_STEPS
+        self.static = dict(cfg=cfg, kernels=kernels)
+        self.cublas_min_batch = kc.cublas_decode_min_batch
+        self.prefill_gemm = kc.prefill_gemm
+        self.stats = stats
+        self.no_prev_tokens = jnp.zeros((max_batch,), jnp.int32)  # before any step: fixed shape
+        self.executables: dict[ShapeKey, object] = {}  # ahead-of-time compiled steps
+
+    def step_fn(self, key: ShapeKey):
+        """The jit step for ``key``: cuBLAS GEMMs for decode buckets of at least
+        ``cublas_decode_min_batch`` rows and, with ``prefill_gemm="cublas"``, prefill steps."""
+        if key.packed:
+            return self.steps[self.prefill_gemm]
+        cublas = self.cublas_min_batch is not None and key.batch >= self.cublas_min_batch
+        return self.steps["cublas" if cublas else "xla"]
+
+    def _args(self, params, kv, hb: HostBatch, prev_tokens) -> tuple:
+        prev = self.no_prev_tokens if prev_tokens is None else prev_tokens
+        return params, kv, jax.device_put(pack(hb)), prev
+
+    def run(self, params, kv, hb: HostBatch, prev_tokens=None):
+        """Dispatch one step, no wait: (token ids i32[Bmax] on the device, the new cache;
+        ``kv`` donated)."""
+        exe = self.executables.get(hb.key)
+        if exe is not None:
+            return exe(*self._args(params, kv, hb, prev_tokens))
+        if hb.key not in self.stats.compiled_shapes:
+            self.stats.compiled_shapes.add(hb.key)
+            self.stats.num_lazy_compiles += 1
+            log.info("compiling step for shape %s (%d so far)", hb.key, self.stats.num_compiles)
+        return self.step_fn(hb.key)(*self._args(params, kv, hb, prev_tokens), key=hb.key,
+                                    **self.static)
+
+    def precompile(self, params, kv, keys, *, max_workers: int | None, warm: bool):
+        """Compile each new key ahead of time: tracing here, XLA compiles in ``max_workers``
+        threads (default min(keys, CPUs)); with ``warm`` each runs once on `empty_batch` (writes
+        only the null page). Returns ({"shapes", "lower_s", "warm_s", "seconds"}, the new cache).
+        Raises ValueError: ``max_workers`` not None or a positive integer."""
+        if max_workers is not None and (not isinstance(max_workers, int)
+                                        or isinstance(max_workers, bool) or max_workers < 1):
+            raise ValueError(f"max_workers={max_workers!r} is invalid: must be None or a positive "
+                             "integer")
+        todo = [k for k in dict.fromkeys(keys) if k not in self.stats.compiled_shapes]
+        jax.block_until_ready(params)  # weights still being built would count as tracing
+        t0 = time.perf_counter()
+        lower_s = 0.0
+        if todo:
+            with ThreadPoolExecutor(max_workers or min(len(todo), os.cpu_count() or 1)) as pool:
+                futures = []
+                for k in todo:
+                    t = time.perf_counter()
+                    args = self._args(params, kv, empty_batch(k), None)
+                    futures.append(pool.submit(
+                        self.step_fn(k).lower(*args, key=k, **self.static).compile))
+                    lower_s += time.perf_counter() - t
+                for k, f in zip(todo, futures):
+                    self.executables[k] = f.result()
+                    self.stats.compiled_shapes.add(k)
+        t_warm = time.perf_counter()
+        if warm and todo:
+            for k in todo:
+                tokens, kv = self.executables[k](*self._args(params, kv, empty_batch(k), None))
+            tokens.block_until_ready()
+        return dict(shapes=len(todo), lower_s=lower_s, warm_s=time.perf_counter() - t_warm,
+                    seconds=time.perf_counter() - t0), kv

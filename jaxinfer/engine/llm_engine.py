@@ -1,10 +1,7 @@
-"""LLMEngine: one model's requests, from token ids in to `RequestOutput`s out.
-
-Parts, each with one job: `Scheduler` (which sequences run; KV pages via `BlockManager`),
-`build_host_batch` (a batch as padded numpy arrays, `jaxinfer.step_input`), `StepExecutor` (the
-compiled steps; one transfer and one dispatch a step), `StepLoop` (schedule, launch, complete in
-the asynchronous-scheduling order), `OutputProcessor` (stop strings, text, outputs) and
-`EngineStats` (counters). Configuration arrives resolved (`jaxinfer.config.resolve`).
+"""LLMEngine: one model's requests, token ids in, `RequestOutput`s out. Parts: `Scheduler`
+(which sequences run, KV pages via `BlockManager`), `build_host_batch` (padded numpy step inputs),
+`jaxinfer.step.StepExecutor` (compiled steps, one transfer and dispatch a step), `StepLoop`
+(schedule, launch, complete), `OutputProcessor` (stop strings, text) and `EngineStats`.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ from jaxinfer import compile_cache, memory, models
 from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.dry_run import dry_run
-from jaxinfer.engine.executor import StepExecutor
 from jaxinfer.engine.loop import Launched, StepLoop
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
@@ -30,6 +26,7 @@ from jaxinfer.kernels import model_kernels
 from jaxinfer.kv_cache import KVCache, init_kv_cache
 from jaxinfer.outputs import OutputProcessor, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.step import StepExecutor
 from jaxinfer.step_input import ShapeKey
 
 
@@ -217,8 +214,7 @@ class LLMEngine:
         return list(dict.fromkeys(hb.key for _, hb in steps))
 
     def precompile(self, shape_keys, *, max_workers: int | None = None, warm: bool = True) -> dict:
-        """`StepExecutor.precompile`: {"shapes": compiled now, "lower_s": seconds tracing,
-        "warm_s": seconds of warm runs, "seconds": wall seconds}."""
+        """`StepExecutor.precompile`: {"shapes", "lower_s", "warm_s", "seconds"}."""
         info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys,
                                                  max_workers=max_workers, warm=warm)
         return info

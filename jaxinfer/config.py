@@ -1,12 +1,8 @@
-"""Frozen, validated configuration objects, and `resolve`: the one place "auto" becomes concrete.
+"""Frozen, validated configuration, and `resolve`: the one place "auto" becomes concrete.
 
-`ModelConfig` describes a model architecture (HF ``config.json`` or GGUF metadata);
-`EngineConfig` what a user sets (vLLM meanings); `KernelConfig` the kernel and research knobs
-(`EngineConfig.kernels`); `ResolvedConfig` all of them with every "auto"/None resolved for one
-model and platform. Each is frozen and validated at construction: a bad value raises
-``ValueError`` naming the field, the value and what is allowed. Use ``dataclasses.replace``.
-
-This module imports no JAX (the caller passes the platform, ``jax.default_backend()``).
+`ModelConfig`: a model's architecture; `EngineConfig`: what a user sets (vLLM meanings);
+`KernelConfig`: kernel and research knobs; `ResolvedConfig`: all three with no "auto" left. A bad
+value raises ValueError naming the field, the value and what is allowed. Imports no JAX.
 """
 
 from __future__ import annotations
@@ -14,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from pallas_kernels.paged_attention import registry
 from pallas_kernels.sizes import is_pow2
@@ -27,14 +23,20 @@ def _fail(cls: str, name: str, value: Any, allowed: str) -> None:
     raise ValueError(f"{cls}.{name}={value!r} is invalid: {allowed}")
 
 
+def _check(obj, rules: Iterable[tuple[str, Callable[[Any], bool], str]]) -> None:
+    """Raise for the first rule ``(field, ok(value), allowed)`` of ``obj`` that fails (in order)."""
+    for name, ok, allowed in rules:
+        if not ok(getattr(obj, name)):
+            _fail(type(obj).__name__, name, getattr(obj, name), allowed)
+
+
 def _positive_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3 RoPE frequency scaling (HF ``rope_type: llama3``; source: ``apply_scaling`` in
-    meta-llama/llama-models, HF ``_compute_llama3_parameters``)."""
+    """Llama 3 RoPE frequency scaling (HF ``rope_type: llama3``, ``_compute_llama3_parameters``)."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
@@ -43,22 +45,18 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        for name, ok, allowed in (
-                ("rope_type", self.rope_type == "llama3", "only 'llama3' scaling is supported"),
-                ("factor", self.factor > 0, "must be > 0"),
-                ("high_freq_factor", 0 < self.low_freq_factor < self.high_freq_factor,
-                 f"need 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor"),
-                ("original_max_position_embeddings", self.original_max_position_embeddings >= 1,
-                 "must be >= 1")):
-            if not ok:
-                _fail("RopeScaling", name, getattr(self, name), allowed)
+        _check(self, (
+            ("rope_type", lambda v: v == "llama3", "only 'llama3' scaling is supported"),
+            ("factor", lambda v: v > 0, "must be > 0"),
+            ("high_freq_factor", lambda v: 0 < self.low_freq_factor < v,
+             f"need 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor"),
+            ("original_max_position_embeddings", lambda v: v >= 1, "must be >= 1")))
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama / Qwen3 decoder. Shape letters: V=vocab_size, D=hidden_size,
-    F=intermediate_size, L=num_layers, N=num_heads, K=num_kv_heads, H=head_dim, G=N/K.
-    Raises ValueError: an unsupported architecture or RoPE type, or inconsistent sizes."""
+    """A Llama / Qwen3 decoder. Shape letters: V=vocab_size, D=hidden_size, F=intermediate_size,
+    L=num_layers, N=num_heads, K=num_kv_heads, H=head_dim, G=N/K."""
 
     architecture: str
     vocab_size: int
@@ -77,21 +75,17 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            _fail("ModelConfig", "architecture", self.architecture,
-                  f"supported architectures are {SUPPORTED_ARCHITECTURES}")
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if not _positive_int(getattr(self, name)):
-                _fail("ModelConfig", name, getattr(self, name), "must be a positive integer")
-        if self.num_heads % self.num_kv_heads:
-            _fail("ModelConfig", "num_kv_heads", self.num_kv_heads,
-                  f"must divide num_heads={self.num_heads} (GQA)")
-        if self.head_dim % 2:
-            _fail("ModelConfig", "head_dim", self.head_dim, "must be even (RoPE rotates pairs)")
-        for name in ("rms_norm_eps", "rope_theta"):
-            if getattr(self, name) <= 0:
-                _fail("ModelConfig", name, getattr(self, name), "must be > 0")
+        _check(self, (
+            ("architecture", lambda v: v in SUPPORTED_ARCHITECTURES,
+             f"supported architectures are {SUPPORTED_ARCHITECTURES}"),
+            *((n, _positive_int, "must be a positive integer") for n in (
+                "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "max_position_embeddings")),
+            ("num_kv_heads", lambda v: self.num_heads % v == 0,
+             f"must divide num_heads={self.num_heads} (GQA)"),
+            ("head_dim", lambda v: v % 2 == 0, "must be even (RoPE rotates pairs)"),
+            ("rms_norm_eps", lambda v: v > 0, "must be > 0"),
+            ("rope_theta", lambda v: v > 0, "must be > 0")))
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
     @property
@@ -105,8 +99,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
-        """From a parsed HF ``config.json`` (transformers 4.x or 5.x layout). Raises ValueError:
-        unsupported model_type, RoPE type, bias, sliding window or activation; a key missing."""
+        """From a parsed HF ``config.json`` (transformers 4.x or 5.x). Raises ValueError: an
+        unsupported model_type, RoPE type, bias, sliding window or activation; a missing key."""
         try:
             return cls._from_hf_config(cfg)
         except KeyError as e:
@@ -120,17 +114,13 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture: model_type={model_type!r} (architectures="
                              f"{cfg.get('architectures') or []}); supported model_type values are "
                              f"{SUPPORTED_ARCHITECTURES}")
-        if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-            raise ValueError(f"{model_type} with attention_bias/mlp_bias=True is not supported")
-        if cfg.get("use_sliding_window"):
-            raise ValueError(f"{model_type} with use_sliding_window=True is not supported")
+        for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
+            if cfg.get(key):
+                raise ValueError(f"{model_type} with {key}=True is not supported")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu'")
-        # transformers 5 nests RoPE under rope_parameters; 4.x uses rope_theta + rope_scaling.
-        rope = dict(cfg.get("rope_parameters") or {})
-        if cfg.get("rope_scaling"):
-            rope.update(cfg["rope_scaling"])
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        rope = dict(cfg.get("rope_parameters") or {})  # transformers 5; 4.x: rope_scaling
+        rope.update(cfg.get("rope_scaling") or {})
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
@@ -138,21 +128,21 @@ class ModelConfig:
             factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
             high_freq_factor=float(rope["high_freq_factor"]),
             original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-        n = int(cfg["num_attention_heads"])
-        eos = cfg.get("eos_token_id")
+        n, eos = int(cfg["num_attention_heads"]), cfg.get("eos_token_id")
         return cls(
             architecture=model_type, vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]), num_heads=n,
             num_kv_heads=int(cfg.get("num_key_value_heads") or n),
             head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=float(theta),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=tuple(eos) if isinstance(eos, (list, tuple)) else
-            (() if eos is None else (eos,)))
+            eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, (list, tuple))
+            else (eos,))
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -188,20 +178,24 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
             "prefill_gemm": ("xla", "cublas")}
 
 
+def _buckets_ok(b) -> bool:
+    return isinstance(b, (tuple, list)) and all(map(_positive_int, b)) and list(b) == sorted(set(b))
+
+
 @dataclass(frozen=True)
 class KernelConfig:
     """Kernel choices and research knobs (`EngineConfig.kernels`); `resolve` replaces "auto".
-    Allowed values: `kernel_choices`; `parse` also takes the short keys of `KERNEL_ALIASES`.
+    Allowed values: `kernel_choices`.
 
-    decode_attention / prefill_attention: paged-attention variant of decode (T == 1) / prefill
-        (T > 1) steps, by registry name.
-    qkv_prologue: q/k norm + RoPE + K/V page write, "xla" (jnp ops) or "triton" (one Pallas kernel
-        per layer; GPU, H/2 a power of 2). add_rms_norm: residual add + RMSNorm, "xla" or "triton"
+    decode_attention / prefill_attention: paged-attention variant (registry name) of decode
+        (T == 1) / prefill (T > 1) steps.
+    qkv_prologue: q/k norm + RoPE + K/V page write, "xla" or "triton" (one Pallas kernel per
+        layer; GPU, H/2 a power of 2). add_rms_norm: residual add + RMSNorm, "xla" or "triton"
         (GPU, D a power of 2; decode steps of 128+ rows then split the down projection).
-    prefill_gemm: GEMMs of prefill steps, "xla" (XLA's choice) or "cublas" (GPU only).
-    cublas_decode_min_batch: decode buckets of at least this many rows use cuBLAS GEMMs (GPU only;
-        None: XLA's choice). Default chosen by measurement (BENCHMARKS.md: "Decode step").
-    batch_buckets / token_buckets: padded sizes of B and T, strictly increasing; (): the defaults.
+    prefill_gemm: GEMMs of prefill steps, "xla" or "cublas" (GPU only).
+    cublas_decode_min_batch: decode buckets of at least this many rows use cuBLAS GEMMs (GPU;
+        None: XLA's choice). Default: BENCHMARKS.md "Decode step".
+    batch_buckets / token_buckets: padded sizes of B and T, strictly increasing; (): defaults.
     """
 
     decode_attention: str = "auto"
@@ -214,27 +208,22 @@ class KernelConfig:
     token_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name, allowed in kernel_choices().items():
-            if getattr(self, name) not in allowed:
-                _fail("KernelConfig", name, getattr(self, name),
-                      "allowed: " + ", ".join(map(repr, allowed)))
-        m = self.cublas_decode_min_batch
-        if m is not None and not _positive_int(m):
-            _fail("KernelConfig", "cublas_decode_min_batch", m, "must be None or a positive integer")
+        _check(self, (
+            *((name, allowed.__contains__, "allowed: " + ", ".join(map(repr, allowed)))
+              for name, allowed in kernel_choices().items()),
+            ("cublas_decode_min_batch", lambda m: m is None or _positive_int(m),
+             "must be None or a positive integer"),
+            *((name, _buckets_ok, "must be a tuple of strictly increasing positive integers, "
+               "or () for the defaults") for name in _BUCKETS)))
         for name in _BUCKETS:
-            b = getattr(self, name)
-            if not isinstance(b, (tuple, list)) or not all(map(_positive_int, b)) or (
-                    list(b) != sorted(set(b))):
-                _fail("KernelConfig", name, b, "must be a tuple of strictly increasing positive "
-                      "integers, or () for the defaults")
-            object.__setattr__(self, name, tuple(b))
+            object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @classmethod
     def parse(cls, spec: "str | KernelConfig") -> "KernelConfig":
         """From ``"key=value,..."``, e.g. ``"decode=mosaic,prefill=triton,batch_buckets=1:2:4,
-        cublas_decode_min_batch=none"`` (``""``: the defaults); a `KernelConfig` as given.
-        Raises ValueError: an item without ``=``, an unknown or repeated key, or a bad value
-        (naming the key, the value and what is allowed)."""
+        cublas_decode_min_batch=none"`` (keys: fields or `KERNEL_ALIASES`; ``""``: the defaults);
+        a `KernelConfig` as given. Raises ValueError: an item without ``=``, an unknown or
+        repeated key, or a bad value."""
         if isinstance(spec, cls):
             return spec
         if not isinstance(spec, str):
@@ -251,7 +240,9 @@ class KernelConfig:
             if name in kw:
                 raise ValueError(f"kernels: {name!r} is given twice in {spec!r}")
             try:
-                kw[name] = _parse_value(name, value)
+                kw[name] = (tuple(int(x) for x in value.split(":")) if value else ()) \
+                    if name in _BUCKETS else value if name in kernel_choices() \
+                    else None if value.lower() == "none" else int(value)
             except ValueError:
                 _fail("KernelConfig", name, value, "expected integers (buckets joined by ':'), "
                       "or 'none' for cublas_decode_min_batch")
@@ -269,23 +260,19 @@ class KernelConfig:
             for f in dataclasses.fields(cls))
 
 
-def _parse_value(name: str, value: str):
-    if name in _BUCKETS:
-        return tuple(int(x) for x in value.split(":")) if value else ()
-    if name == "cublas_decode_min_batch":
-        return None if value.lower() == "none" else int(value)
-    return value
-
-
 def _user(default, help: str, **cli):
     """A user setting: its ``help`` (and argparse ``cli`` keywords) for `jaxinfer.generate`."""
     return dataclasses.field(default=default, metadata=dict(help=help, **cli))
 
 
+def _optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or ok(v)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    """What a user sets (vLLM's meanings where vLLM has the field); each field's ``help`` says
-    what it is. ``kernels``: a `KernelConfig`, or a string for `KernelConfig.parse`."""
+    """What a user sets (vLLM's meanings); each field's ``help`` says what it is. ``kernels``: a
+    `KernelConfig`, or a string for `KernelConfig.parse`."""
 
     max_model_len: int | None = _user(None, "most tokens (prompt + generated) of one sequence; "
                                       "default: the model's max_position_embeddings")
@@ -307,25 +294,22 @@ class EngineConfig:
     kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:
-        for name in ("max_model_len", "page_size", "max_num_seqs", "max_num_batched_tokens"):
-            v = getattr(self, name)
-            if v is not None and not _positive_int(v):
-                _fail("EngineConfig", name, v, "must be a positive integer")
-        for name, ok, allowed in (
-                ("page_size", is_pow2(self.page_size), "must be a power of two (8, 16, 32, 64, ...)"),
-                ("num_pages", self.num_pages is None or _positive_int(self.num_pages)
-                 and self.num_pages >= 2, "must be an integer >= 2 (page 0 is the null page)"),
-                ("memory_fraction", 0.0 < self.memory_fraction <= 1.0, "must be in (0, 1]"),
-                ("dtype", self.dtype in (None, "float32", "bfloat16"),
-                 "allowed: None, 'float32', 'bfloat16'"),
-                ("compilation_cache_dir", self.compilation_cache_dir is None or isinstance(
-                    self.compilation_cache_dir, (str, os.PathLike)), "must be None or a path"),
-                ("seed", isinstance(self.seed, int) and not isinstance(self.seed, bool),
-                 "must be an integer"),
-                ("async_scheduling", isinstance(self.async_scheduling, bool),
-                 "must be True or False")):
-            if not ok:
-                _fail("EngineConfig", name, getattr(self, name), allowed)
+        positive = "must be a positive integer"
+        _check(self, (
+            ("max_model_len", _optional(_positive_int), positive),
+            ("page_size", _positive_int, positive),
+            ("page_size", is_pow2, "must be a power of two (8, 16, 32, 64, ...)"),
+            ("num_pages", _optional(lambda v: _positive_int(v) and v >= 2),
+             "must be an integer >= 2 (page 0 is the null page)"),
+            ("memory_fraction", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+            ("max_num_seqs", _positive_int, positive),
+            ("max_num_batched_tokens", _positive_int, positive),
+            ("dtype", (None, "float32", "bfloat16").__contains__,
+             "allowed: None, 'float32', 'bfloat16'"),
+            ("seed", lambda v: isinstance(v, int) and not isinstance(v, bool), "must be an integer"),
+            ("async_scheduling", lambda v: isinstance(v, bool), "must be True or False"),
+            ("compilation_cache_dir", _optional(lambda v: isinstance(v, (str, os.PathLike))),
+             "must be None or a path")))
         object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
         for name, limit in zip(_BUCKETS, ("max_num_seqs", "max_num_batched_tokens")):
             b = getattr(self.kernels, name)
@@ -354,8 +338,7 @@ _GPU_FALLBACK = {"decode_attention": "reference", "prefill_attention": "referenc
 
 
 def check_platform(kc: KernelConfig, platform: str) -> None:
-    """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu" (`LLM` calls
-    this before reading the checkpoint; `resolve` calls it too)."""
+    """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu"."""
     for name, fallback in _GPU_FALLBACK.items():
         value = getattr(kc, name)
         if platform != "gpu" and value not in ("auto", fallback):
@@ -365,17 +348,14 @@ def check_platform(kc: KernelConfig, platform: str) -> None:
 
 
 def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> ResolvedConfig:
-    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX's backend name).
+    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend name).
 
-    Rules: dtype None -> "bfloat16" on "gpu", else "float32"; max_model_len None ->
+    dtype None -> "bfloat16" on "gpu", else "float32"; max_model_len None ->
     max_position_embeddings; decode_attention "auto" -> "mosaic" on "gpu" in bfloat16/float16,
     else "reference"; prefill_attention "auto" -> "triton" on "gpu", else "reference";
-    qkv_prologue / add_rms_norm "auto" -> "triton" on "gpu" in bfloat16/float16 where the shapes
-    allow (H/2 a power of 2; D a power of 2), else "xla".
-
-    Raises:
-        ValueError: max_model_len above max_position_embeddings; a GPU kernel named on a platform
-            other than "gpu" (`check_platform`); "triton" fused kernels on shapes they do not take.
+    qkv_prologue / add_rms_norm "auto" -> "triton" on "gpu" in bfloat16/float16 where H/2 / D is
+    a power of 2, else "xla". Raises ValueError: max_model_len above max_position_embeddings, a
+    GPU kernel off "gpu" (`check_platform`), "triton" fused kernels on shapes they do not take.
     """
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:

@@ -12,14 +12,10 @@ from jaxinfer.engine.buckets import bucket, powers_of_two
 from jaxinfer.step_input import INT32_MAX, HostBatch, ShapeKey, allocate
 
 
-
 @dataclass(frozen=True)
 class BucketSpec:
-    """Padded sizes: batch rows B (`jaxinfer.engine.buckets.batch_buckets` unless
-    ``batch_buckets`` is given), a prefill row's query tokens Tq, pages per row M, and the
-    packed prefill tokens Tp (``packed_tokens``: powers of two up to a quarter of
-    ``max_num_batched_tokens`` (at least 512), then its multiples, so a packed step pads less than
-    a quarter of the budget with few compiled shapes; ``token_buckets`` replaces both lists)."""
+    """Padded sizes of B, a prefill row's Tq, M and packed Tp (powers of two up to a quarter of
+    the token budget (>= 512), then its multiples; ``token_buckets`` replaces Tq's and Tp's)."""
 
     batch: tuple[int, ...]
     prefill_tokens: tuple[int, ...]
@@ -43,19 +39,10 @@ class BucketSpec:
 
 
 def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch:
-    """Pad a `ScheduledBatch` to a bucketed `HostBatch` (`jaxinfer.step_input`).
-
-    Row i computes positions ``[start, start + n)`` of ``batch.seqs[i]`` (``start =
-    batch.start_positions[i]``, ``n = batch.num_new_tokens[i]``) and is sampled iff
-    ``batch.do_sample[i]``. A row with ``batch.pending_input[i]`` (decode, n == 1) has its input
-    token left at 0 and flagged in ``pending_rows``. Penalty tokens and ``step_idx`` count only
-    tokens known on the host, so the engine schedules penalised rows synchronously. A batch with a
-    chunk longer than 1 token is packed: its tokens are padded once, at the end, to a
-    ``packed_tokens`` bucket, instead of every row to the longest chunk.
-
-    Raises:
-        ValueError: a size exceeds the largest bucket.
-    """
+    """Pad a `ScheduledBatch` to a bucketed `HostBatch`. A ``pending_input`` row's token stays
+    0, flagged in ``pending_rows``; penalty tokens and ``step_idx`` count host-known tokens only
+    (penalised rows run synchronously). A chunk > 1 token packs the batch, padded once at the
+    end. Raises ValueError: a size exceeds the largest bucket."""
     hb = allocate(shape_key(batch, page_size=page_size, buckets=buckets))
     a, off = hb.arrays, 0  # off: packed offset of row i's first token
     for i, (s, n, c) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.start_positions)):
@@ -102,7 +89,6 @@ def shape_key(batch, *, page_size: int, buckets: BucketSpec) -> ShapeKey:
 
 
 def _fill_sampling(a: dict, i: int, s, penalty_len: int) -> None:
-    """Row i's sampling fields from sequence ``s``."""
     p = s.params
     a["temperature"][i] = p.temperature
     a["top_k"][i] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= vocab: no cut

@@ -1,10 +1,7 @@
-"""KV page allocator (host side; imports no JAX): which pages of the ``[L, P, K, page_size, H]``
-pools (`jaxinfer.kv_cache`) a sequence owns; the device sees only int32 block tables.
-
-Invariants: page `NULL_PAGE` is reserved (padded batch slots and block-table entries point at
-it; never handed out or freed); every other page is free or owned by exactly one sequence; free
-pages go out lowest id first. Source: nano-vllm / vLLM's block manager (PagedAttention, Kwon et
-al. 2023), without prefix caching.
+"""KV page allocator (host side; imports no JAX): which pool pages (`jaxinfer.kv_cache`) a
+sequence owns. Page `NULL_PAGE` is reserved (padding points at it; never handed out); every other
+page is free or owned by one sequence; lowest free id first. Source: nano-vllm / vLLM's block
+manager (PagedAttention, Kwon et al. 2023), without prefix caching.
 """
 
 from __future__ import annotations
@@ -19,8 +16,8 @@ NULL_PAGE = 0  # the reserved page padding points at (the one definition)
 
 
 class BlockManager:
-    """Owns the free list of pages ``1 .. num_pages - 1`` (P = ``num_pages`` includes the null
-    page). Raises ValueError: ``num_pages`` not an integer >= 2, ``page_size`` not >= 1."""
+    """Free list of pages ``1 .. num_pages - 1``. Raises ValueError: ``num_pages`` not an
+    integer >= 2, ``page_size`` not >= 1."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 2:
@@ -31,9 +28,7 @@ class BlockManager:
                              "integer >= 1")
         self.num_pages = num_pages
         self.page_size = page_size
-        # Min-heap of free page ids (an ascending list is already a heap): lowest id first.
-        self._free: list[int] = list(range(1, num_pages))
-        # _owner[page] is the sequence owning the page, or None (free, or the null page).
+        self._free: list[int] = list(range(1, num_pages))  # a min-heap (ascending list)
         self._owner: list[Sequence | None] = [None] * num_pages
 
     @property
@@ -42,26 +37,23 @@ class BlockManager:
 
     @property
     def num_usable_pages(self) -> int:
-        """Pages that can ever be handed out: ``num_pages - 1`` (all but the null page)."""
+        """All but the null page."""
         return self.num_pages - 1
 
     def pages_needed(self, num_tokens: int) -> int:
-        """Pages to hold ``num_tokens`` positions: ``ceil(num_tokens / page_size)``."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens={num_tokens} is invalid: must be >= 0")
         return -(-num_tokens // self.page_size)
 
     def num_missing_pages(self, seq: Sequence, num_tokens: int) -> int:
-        """Pages ``seq`` still lacks to hold positions ``[0, num_tokens)``."""
         return max(0, self.pages_needed(num_tokens) - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        """Whether ``seq``'s table can be extended to hold positions ``[0, num_tokens)``."""
         return self.num_missing_pages(seq, num_tokens) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Extend ``seq.block_table`` to hold positions ``[0, num_tokens)``; returns the new page
-        ids. Raises RuntimeError (nothing allocated): not enough free pages."""
+        """Extend ``seq.block_table`` to hold ``[0, num_tokens)``; returns the new pages.
+        Raises RuntimeError (nothing allocated): not enough free pages."""
         missing = self.num_missing_pages(seq, num_tokens)
         if missing > len(self._free):
             raise RuntimeError(
@@ -74,8 +66,8 @@ class BlockManager:
         return new
 
     def free(self, seq: Sequence) -> None:
-        """Free all of ``seq``'s pages and clear its table. Raises RuntimeError (nothing freed):
-        no pages (a double free), or a page it does not own (null, free, another's, twice)."""
+        """Free ``seq``'s pages. Raises RuntimeError (nothing freed): no pages (double free), or a
+        page it does not own (null, free, another's, twice)."""
         if not seq.block_table:
             raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} holds no pages "
                                "(double free?)")
@@ -96,5 +88,4 @@ class BlockManager:
         seq.block_table.clear()
 
     def owner(self, page: int) -> Sequence | None:
-        """The sequence owning ``page``, or ``None`` if it is free or the null page."""
         return self._owner[page]

@@ -16,15 +16,8 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 
 def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Default decode batch buckets: powers of two up to 64, then ``64 + k * step`` with
-    ``step = max(16, max_num_seqs // 16)``, and ``max_num_seqs`` last: above 64 rows a step costs
-    about as much per padded row as per real one, so padding there stays under ``step`` rows
-    (vLLM pads to its CUDA-graph sizes for the same reason). Default chosen by measurement:
-    BENCHMARKS.md: "Throughput".
-
-    Raises:
-        ValueError: ``max_num_seqs`` is not a positive integer.
-    """
+    """Powers of two up to 64, then ``64 + k * max(16, max_num_seqs // 16)``, then
+    ``max_num_seqs`` (BENCHMARKS.md: "Throughput"). Raises ValueError: not a positive integer."""
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
         raise ValueError(f"max_num_seqs={max_num_seqs!r} must be a positive integer")
     small = powers_of_two(1, min(64, max_num_seqs))
@@ -33,11 +26,7 @@ def batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """Smallest bucket >= n.
-
-    Raises:
-        ValueError: ``n`` exceeds the largest bucket.
-    """
+    """Smallest bucket >= n. Raises ValueError: ``n`` exceeds the largest bucket."""
     i = bisect.bisect_left(buckets, n)
     if i == len(buckets):
         raise ValueError(f"size {n} exceeds the largest bucket {buckets[-1]}")

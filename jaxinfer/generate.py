@@ -1,7 +1,6 @@
 """Command line: ``python -m jaxinfer.generate --prompt "..." [--chat] [--stream]``.
 
-Bad input (missing model, unsupported architecture, empty prompt, out-of-range parameters) prints one
-line on stderr and exits with code 2; valid prompts given with it still run and print their output.
+Bad input prints one line on stderr and exits with code 2; valid prompts given with it still run.
 """
 
 from __future__ import annotations
@@ -18,6 +17,16 @@ from jaxinfer.config import EngineConfig, KernelConfig
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)
                        if f.name not in ("seed", "kernels"))
 """`EngineConfig` fields with a CLI option of their own (``--seed`` is the requests' seed)."""
+SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
+    ("max_tokens", int, 64, "most tokens generated per prompt"),
+    ("temperature", float, 0.0, "0 = greedy"),
+    ("top_p", float, 1.0, "nucleus sampling mass, in (0, 1]"),
+    ("top_k", int, -1, "sample from the k likeliest; -1 = off"),
+    ("min_p", float, 0.0, "drop tokens below min_p x the top probability; 0 = off"),
+    ("repetition_penalty", float, 1.0, "> 1 discourages tokens already in the prompt or output; "
+     "1 = off"),
+    ("seed", int, None, "per-request seed; unseeded requests draw from the engine's seed 0, so a "
+     "run is reproducible either way"))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,14 +36,12 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Adds "(default: X)" where the help text does not already speak of the default and there is
-    a default worth showing."""
+    """"(default: X)" unless the help speaks of the default or there is none worth showing."""
 
     def _get_help_string(self, action):
-        text = action.help or ""
         d = action.default
-        if "default" in text or d is None or d is False or d == [] or d == argparse.SUPPRESS:
-            return text
+        if "default" in (action.help or "") or d is None or d is False or d == []:
+            return action.help or ""
         return super()._get_help_string(action)
 
 
@@ -45,10 +52,13 @@ def _kernels(spec: str) -> KernelConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m jaxinfer.generate",
-                description="Generate text with jaxinfer (continuous batching, paged KV cache).",
-                formatter_class=_Formatter)
+    p = _Parser(prog="python -m jaxinfer.generate", formatter_class=_Formatter,
+                description="Generate text with jaxinfer (continuous batching, paged KV cache).")
     p.add_argument("--model", default=None,
                    help="HF model dir, GGUF file or Orbax dir (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -56,21 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one prompt per line; a file ending in .jsonl holds JSON per line "
                         "({\"prompt\": ...} or a JSON string), any other file plain text")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
-    p.add_argument("--top-k", type=int, default=-1, help="sample from the k likeliest; -1 = off")
-    p.add_argument("--min-p", type=float, default=0.0,
-                   help="drop tokens below min_p x the top probability; 0 = off")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="> 1 discourages tokens already in the prompt or output; 1 = off")
-    p.add_argument("--seed", type=int, default=None,
-                   help="per-request seed; unseeded requests draw from the engine's seed 0, so a "
-                        "run is reproducible either way")
+    for name, typ, default, help in SAMPLING_OPTIONS:
+        p.add_argument(_flag(name), type=typ, default=default, help=help)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
-    p.add_argument("--stream", action="store_true", help="print tokens as they arrive")
-    p.add_argument("--json", action="store_true", help="one JSON object per request on stdout")
+    for flag, help in (("--ignore-eos", "keep generating past EOS"),
+                       ("--stream", "print tokens as they arrive"),
+                       ("--json", "one JSON object per request on stdout")):
+        p.add_argument(flag, action="store_true", help=help)
     p.add_argument("--memory-trace", default=None, metavar="FILE",
                    help="write a CSV of weights / KV pool / pages in use / other bytes per step")
     g = p.add_argument_group("engine (jaxinfer.config.EngineConfig)")
@@ -78,42 +80,38 @@ def build_parser() -> argparse.ArgumentParser:
         if f.name in ENGINE_OPTIONS:  # type from the annotation: "int | None", "bool", ...
             kind = (dict(action=argparse.BooleanOptionalAction) if f.type == "bool" else
                     dict(type=float if f.type == "float" else int if "int" in f.type else str))
-            g.add_argument("--" + f.name.replace("_", "-"), default=f.default, **kind, **f.metadata)
+            g.add_argument(_flag(f.name), default=f.default, **kind, **f.metadata)
     g.add_argument("--kernels", type=_kernels, default=KernelConfig(), metavar="SPEC",
                    help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"
-                        "prefill=triton ('auto': chosen for the device). Keys: "
-                        + KernelConfig.help())
+                        "prefill=triton ('auto': chosen for the device). Keys: " + KernelConfig.help())
     return p
 
 
 def _read_prompts_file(path: str) -> list[str]:
+    """The prompts of ``path`` (blank lines skipped). Raises FileNotFoundError, ValueError."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--prompts-file {path!r} does not exist")
     if not os.path.isfile(path):
         raise ValueError(f"--prompts-file {path!r} is not a file")
-    prompts = []
     try:
         with open(path, encoding="utf-8-sig") as f:
-            lines = f.read().splitlines()
+            lines = [(n, s) for n, s in enumerate(f.read().splitlines(), 1) if s.strip()]
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompts-file {path!r} is not UTF-8 text (byte {e.start}: "
                          f"{e.reason})") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        if path.endswith(".jsonl"):
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})"
-                                 ) from None
-            if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-                obj = obj["prompt"]
-            if not isinstance(obj, str):
-                raise ValueError(f"{path}:{n}: expected a JSON string or {{\"prompt\": str}}")
-            prompts.append(obj)
-        else:
-            prompts.append(line)
+    if not path.endswith(".jsonl"):
+        return [s for _, s in lines]
+    prompts = []
+    for n, line in lines:
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            obj = obj["prompt"]
+        if not isinstance(obj, str):
+            raise ValueError(f"{path}:{n}: expected a JSON string or {{\"prompt\": str}}")
+        prompts.append(obj)
     return prompts
 
 
@@ -123,6 +121,7 @@ def _fail(msg: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI; returns the exit code (0; 2: bad input; 130: interrupted)."""
     try:
         return _main(argv)
     except KeyboardInterrupt:
@@ -133,33 +132,22 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _setup(args) -> tuple[list[str], object, object, list]:
-    """(prompts, SamplingParams, LLM, generate inputs) from the arguments.
-
-    Raises:
-        ValueError, FileNotFoundError: bad input (one line on stderr, exit 2).
-    """
+def _setup(args):
+    """(prompts, SamplingParams, LLM, generate inputs). Raises ValueError, FileNotFoundError."""
+    from jaxinfer import llm as llm_module
     from jaxinfer.sampling_params import SamplingParams
 
-    prompts = list(args.prompt)
-    if args.prompts_file:
-        prompts += _read_prompts_file(args.prompts_file)
+    prompts = list(args.prompt) + (_read_prompts_file(args.prompts_file) if args.prompts_file else [])
     if not prompts:
         raise ValueError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            repetition_penalty=args.repetition_penalty, seed=args.seed,
-                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    params = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                            **{name: getattr(args, name) for name, *_ in SAMPLING_OPTIONS})
     if args.model is not None and not os.path.exists(args.model):
         raise FileNotFoundError(f"--model {args.model!r} does not exist")
-    from jaxinfer import llm as llm_module
-
     llm = llm_module.LLM(args.model, kernels=args.kernels,
                          **{name: getattr(args, name) for name in ENGINE_OPTIONS})
-    inputs = prompts
-    if args.chat:
-        inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
-            [{"role": "user", "content": p}])} for p in prompts]
+    inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
+        [{"role": "user", "content": p}])} for p in prompts] if args.chat else prompts
     return prompts, params, llm, inputs
 
 
@@ -176,11 +164,11 @@ def _main(argv: list[str] | None = None) -> int:
         return _fail(str(e))
 
     def print_delta(i, _ids, delta):
-        if not delta:  # a token whose text is held back (a possible stop string) or not complete
-            return
-        sys.stdout.write(f"[{i}] {delta}\n" if len(prompts) > 1 else delta)
-        sys.stdout.flush()
+        if delta:  # empty: text held back (a possible stop string) or not complete
+            sys.stdout.write(f"[{i}] {delta}\n" if len(prompts) > 1 else delta)
+            sys.stdout.flush()
 
+    info = sys.stderr if args.json else sys.stdout
     if args.memory_trace:
         llm.engine.trace_memory = True
         llm.engine.memory_snapshot()
@@ -190,32 +178,31 @@ def _main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     if args.stream:
         sys.stdout.write("\n")
-    bad = _print_outputs(args, prompts, outs, wall, llm.engine.stats.num_compiles)
+    bad = _print_outputs(args, prompts, outs)
+    n_gen = sum(len(o.token_ids) for o in outs if not o.error)
+    ttfts = [o.metrics.ttft_s for o in outs if not o.error and o.metrics and o.metrics.ttft_s is not None]
+    print(f"prompt tokens: {sum(len(o.prompt_token_ids) for o in outs if not o.error)}, generated "
+          f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
+          f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
+          f"compilation included), compiles: {llm.engine.stats.num_compiles}", file=info)
     if args.memory_trace:
         try:
             llm.engine.memory.write_csv(args.memory_trace)
         except OSError as e:
             return _fail(f"--memory-trace {args.memory_trace!r}: {e.strerror}")
-        print(f"memory: {llm.engine.memory.report()} (trace: {args.memory_trace})",
-              file=sys.stderr if args.json else sys.stdout)
+        print(f"memory: {llm.engine.memory.report()} (trace: {args.memory_trace})", file=info)
     return 2 if bad else 0
 
 
-def _print_outputs(args, prompts: list[str], outs: list, wall: float, num_compiles: int) -> int:
-    """Print each output (text, or a JSON object with --json), an error line per failed request
-    and the summary; returns the number of failed requests."""
-    bad = n_prompt = n_gen = 0
-    ttfts = []
+def _print_outputs(args, prompts: list[str], outs: list) -> int:
+    """Each output (text, or a JSON object with --json) and an error line per failed request;
+    returns the number failed."""
+    bad = 0
     for i, o in enumerate(outs):
         if o.error:
             bad += 1
             sys.stderr.write(f"error: prompt {i}: {o.error}\n")
-            continue
-        n_prompt += len(o.prompt_token_ids)
-        n_gen += len(o.token_ids)
-        if o.metrics and o.metrics.ttft_s is not None:
-            ttfts.append(o.metrics.ttft_s)
-        if args.json:
+        elif args.json:
             print(json.dumps({"index": i, "prompt": prompts[i], "text": o.text,
                               "token_ids": list(o.token_ids),
                               "finish_reason": o.outputs[0].finish_reason,
@@ -225,11 +212,6 @@ def _print_outputs(args, prompts: list[str], outs: list, wall: float, num_compil
             if len(prompts) > 1:
                 print(f"--- [{i}] {prompts[i]!r}")
             print(o.text)
-    ttft = sum(ttfts) / len(ttfts) if ttfts else 0.0
-    print(f"prompt tokens: {n_prompt}, generated tokens: {n_gen}, mean TTFT: {ttft * 1e3:.1f} ms, "
-          f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
-          f"compilation included), compiles: {num_compiles}",
-          file=sys.stderr if args.json else sys.stdout)
     return bad
 
 

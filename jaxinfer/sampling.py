@@ -1,24 +1,12 @@
-"""On-device token sampling: pure JAX functions over per-request arrays.
+"""On-device token sampling, row-wise (a row's token never depends on other rows: CASES.md C7).
 
-The jit-compiled step calls `sample(logits, meta, all_greedy=...)` once per step. Every operation is
-row-wise, so a request's token never depends on the other rows of the batch (CASES.md C7, C10).
-
-Order of operations (vLLM's sampler, https://github.com/vllm-project/vllm, `v1/sample/sampler.py`):
-    1. repetition penalty           (HF `RepetitionPenaltyLogitsProcessor`, CTRL paper arXiv:1909.05858)
-    2. greedy rows take the argmax  (temperature < `GREEDY_EPS`)
-    3. temperature                  ``(logits - max) / T`` in float32: no overflow at T = 1e-6 (C6)
-    4. top-k                        keep the k highest (``top_k <= 0``: off)
-    5. top-p (nucleus)              smallest set with mass >= top_p; the top token is always kept (C5)
-    6. min-p                        keep p >= min_p * p_max (arXiv:2407.01082)
-    7. sample                       Gumbel-max with a per-row key ``fold_in(key(seed), step_idx)``
-
-Filters 4-5 run in descending-sorted vocab order (one stable sort of ``[B, V]``); ties keep the lower
-token id first, so top-k keeps exactly k tokens. The sort is the sampler's dominant cost, so a step
-where no sampled row uses top-k or top-p skips it (`lax.cond`).
-Both branches compute each kept token's perturbed score ``scaled + gumbel[token]`` identically, so
-a row's token does not depend on which branch its batch took. Bad values (NaN, +-inf logits, a row where every
-logit is -inf) never produce NaN: NaN logits count as -inf, +inf as the largest float32, and the
-result is always a valid id in ``[0, V)``.
+Order (vLLM ``v1/sample/sampler.py``): 1. repetition penalty (HF, CTRL arXiv:1909.05858);
+2. greedy rows (temperature < `GREEDY_EPS`) take the argmax; 3. ``(logits - max) / T`` in float32
+(no overflow at T = 1e-6, C6); 4. top-k (<= 0: off); 5. top-p, the top token always kept (C5);
+6. min-p, p >= min_p * p_max (arXiv:2407.01082); 7. Gumbel-max, row key
+``fold_in(key(seed), step_idx)``. 4-5 run on one stable descending sort (ties: lower id first),
+skipped (`lax.cond`) when no sampled row uses them; both branches score a kept token identically.
+NaN logits count as -inf, +inf as the largest float32: the result is always an id in [0, V).
 """
 
 from __future__ import annotations
@@ -37,15 +25,11 @@ _PRNG_IMPL = "threefry2x32"  # pinned so a seed maps to the same stream on every
 
 @dataclass(frozen=True)
 class SamplingMetadata:
-    """Per-row sampling parameters of one step (a pytree; the "sampling" group of
-    `jaxinfer.step_input.FIELDS`). B rows; R = longest penalty-token list, may be 0.
-
+    """Per-row sampling parameters (the "sampling" group of `jaxinfer.step_input.FIELDS`):
     temperature f32[B] (< `GREEDY_EPS`: greedy); top_k i32[B] (<= 0: off); top_p f32[B] (>= 1:
-    off; the top token is always kept); min_p f32[B] (0: off); repetition_penalty f32[B] (1:
-    off); seeds u32[B] or i32[B] (reinterpreted as u32 bits); step_idx i32[B] (tokens generated
-    so far: the key's fold-in); penalty_tokens i32[B, R] (prompt + output ids, -1 padded; ids
-    outside [0, V) ignored). The host validates ranges; `sample` only checks shapes.
-    """
+    off); min_p f32[B] (0: off); repetition_penalty f32[B] (1: off); seeds u32[B] or i32[B] (as
+    u32 bits); step_idx i32[B] (tokens generated: the fold-in); penalty_tokens i32[B, R] (-1
+    padded, ids outside [0, V) ignored). The host validates ranges; `sample` checks shapes."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -104,19 +88,14 @@ def _sanitize(x: jax.Array) -> jax.Array:
 
 
 def _min_p_keep(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
-    """bool[B, V]: p >= min_p * p_max, as ``exp(scaled) >= min_p`` (the top scaled logit is 0).
-
-    Elementwise, so the sorted and unsorted paths agree bit for bit. min_p is clipped to [0, 1].
-    """
+    """bool[B, V] ``exp(scaled) >= clip(min_p, 0, 1)`` (top scaled logit 0), elementwise."""
     return jnp.exp(scaled) >= jnp.clip(min_p.astype(jnp.float32), 0.0, 1.0)[:, None]
 
 
 def _filter_sorted(vals: jax.Array, top_k: jax.Array, top_p: jax.Array,
                    min_p: jax.Array) -> jax.Array:
-    """Apply top-k, top-p, min-p to descending-sorted scaled logits f32[B, V]; dropped -> -inf.
-
-    Position 0 (the top token) is always kept, so no row is ever left without a candidate.
-    """
+    """Top-k, top-p, min-p on descending-sorted scaled f32[B, V]: dropped -> -inf, position 0
+    always kept."""
     b, v = vals.shape
     pos = jax.lax.broadcasted_iota(jnp.int32, (b, v), 1)
     k = jnp.where(top_k <= 0, v, jnp.minimum(top_k, v)).astype(jnp.int32)
@@ -185,12 +164,9 @@ def _gumbel_noise(seeds: jax.Array, step_idx: jax.Array, v: int) -> jax.Array:
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata, *, all_greedy: bool) -> jax.Array:
-    """i32[B] token ids in [0, V), one per row of ``logits`` [B, V] (any float dtype, computed
-    in float32): penalty -> greedy | temperature -> top-k -> top-p -> min-p -> draw. Row b
-    depends only on logits[b] and row b of ``meta``. ``all_greedy`` (static): every row is
-    greedy, so skip the sort and the draw. Raises ValueError: shapes disagree.
-    Source: vLLM v1 sampler (order, greedy threshold), HF logits warpers (semantics).
-    """
+    """i32[B] ids in [0, V) for ``logits`` [B, V] (any float dtype; float32 math), in the
+    module's order; ``all_greedy`` (static): skip the sort and the draw. Raises ValueError:
+    shapes disagree. Source: vLLM v1 sampler (order), HF logits warpers (semantics)."""
     _check_shapes(logits, meta)
     x = _penalised(logits, meta)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)

@@ -1,15 +1,7 @@
-"""The step-input schema: every array one engine step sends to the device, declared once.
-
-Host side (numpy only, no JAX). From `FIELDS` derive: the arrays of a `HostBatch` (`allocate`,
-with each field's padding value), the single int32 transfer buffer (`pack`), the all-padding batch
-of ahead-of-time compiles (`empty_batch`), and the unpacking inside the jit
-(`jaxinfer.step.unpack`), which groups the fields into ``StepInput``, ``SamplingMetadata`` and
-``Packing`` by `Field.group`. A step's layout is a function of its `ShapeKey` alone, so the key
-is the jit's static argument.
-
-Padding (the null-page invariant, `jaxinfer.engine.block_manager.NULL_PAGE`): padded rows have
-``seq_len 0`` and block-table entries ``NULL_PAGE``; padded tokens write into the null page and
-are never sampled.
+"""The step-input schema (host side, numpy only): `FIELDS`, declared once, gives a `HostBatch`'s
+arrays and padding (`allocate`, `empty_batch`), the int32 transfer buffer (`pack`) and its
+unpacking in the jit (`jaxinfer.step.unpack`); the layout depends on the `ShapeKey` alone. Padded
+rows have ``seq_len`` 0 and tables of `NULL_PAGE`; padded tokens write into the null page.
 """
 
 from __future__ import annotations
@@ -23,15 +15,9 @@ INT32_MAX = 2**31 - 1
 
 
 class ShapeKey(NamedTuple):
-    """What a compiled step is specialised on.
-
-    batch:       B rows (sequences; R rows of a packed prefill step).
-    tokens:      T query tokens per row (decode: 1), or Tp packed tokens in all (packed).
-    pages:       M block-table entries per row.
-    penalty:     R' penalty tokens per row (0: no row uses a repetition penalty).
-    query:       Tq query tokens per row of a packed prefill step; None: not packed.
-    all_greedy:  every row greedy (the sampler skips sort and draw).
-    """
+    """What a compiled step is specialised on: batch B rows (R packed); tokens T per row, Tp in
+    all when packed; pages M per row; penalty R' tokens per row (0: none); query Tq per packed
+    row (None: not packed); all_greedy (the sampler skips sort and draw)."""
 
     batch: int
     tokens: int
@@ -45,15 +31,14 @@ class ShapeKey(NamedTuple):
         return self.query is not None
 
     def dims(self) -> dict[str, int]:
-        """Sizes of the schema's dimension names: ``Bt``/``T`` are the token arrays' rows and
-        columns ([B, T] unpacked, [1, Tp] packed), ``Q`` is Tq (0 unpacked)."""
+        """Sizes of the shape letters (token arrays [Bt, T]: [B, T], or [1, Tp] packed)."""
         return dict(B=self.batch, Bt=1 if self.packed else self.batch, T=self.tokens,
                     M=self.pages, R=self.penalty, Q=self.query or 0)
 
 
 class Field(NamedTuple):
-    """One device input: ``group`` is "input" (`StepInput`), "kv" (the cache's block tables and
-    lengths), "sampling" (`SamplingMetadata`) or "packing" (`Packing`, packed steps only)."""
+    """One device input; ``group``: "input" (`StepInput`), "kv", "sampling"
+    (`SamplingMetadata`) or "packing" (`Packing`, packed steps only)."""
 
     name: str
     dtype: type
@@ -85,7 +70,6 @@ FIELDS = (
 
 
 def fields(key: ShapeKey) -> tuple[Field, ...]:
-    """The fields a step of shape ``key`` sends, in buffer order (packing fields: packed only)."""
     return tuple(f for f in FIELDS if f.group != "packing" or key.packed)
 
 
@@ -97,9 +81,8 @@ def layout(key: ShapeKey) -> tuple[tuple[Field, tuple[int, ...]], ...]:
 
 @dataclass(frozen=True)
 class HostBatch:
-    """One step's arrays (``arrays``: name -> array per `layout`, also ``hb.tokens`` etc.), its
-    `ShapeKey`, and host-only row masks: ``sample_rows`` (the sampled token is real),
-    ``pending_rows`` (the input token is the previous step's device output)."""
+    """One step's ``arrays`` (name -> array, also ``hb.tokens``), `ShapeKey` and host-only row
+    masks ``sample_rows`` (sampled token real), ``pending_rows`` (input token on the device)."""
 
     key: ShapeKey
     arrays: dict
@@ -122,8 +105,7 @@ class HostBatch:
 
 
 def allocate(key: ShapeKey) -> HostBatch:
-    """An all-padding `HostBatch` of shape ``key`` (each field filled with its ``pad``): the
-    batch builder fills the real rows; ahead-of-time compiles and warm runs use it as is."""
+    """An all-padding `HostBatch` of shape ``key`` (each field at its ``pad``)."""
     arrays = {f.name: np.full(shape, f.pad, f.dtype) for f, shape in layout(key)}
     return HostBatch(key, arrays, np.zeros((key.batch,), bool), np.zeros((key.batch,), bool))
 
@@ -132,8 +114,8 @@ empty_batch = allocate
 
 
 def pack(hb: HostBatch) -> np.ndarray:
-    """Every field of ``hb`` in one i32[S] buffer in `layout` order (f32/u32 bit-cast, not
-    converted): one transfer a step. Raises TypeError: a dtype or shape not the schema's."""
+    """``hb``'s fields in one i32[S] buffer, `layout` order, f32/u32 bit-cast. Raises
+    TypeError: a dtype or shape not the schema's."""
     parts = []
     for f, shape in layout(hb.key):
         a = np.ascontiguousarray(hb.arrays[f.name])

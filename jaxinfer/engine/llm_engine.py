@@ -31,17 +31,9 @@ from jaxinfer.step_input import ShapeKey
 
 
 class LLMEngine:
-    """Continuous-batching engine over one model.
-
-    Args:
-        model_config: the model's `ModelConfig`.
-        params: its parameter tree, in the compute dtype (checked once: `models.check_params`).
-        resolved: the `ResolvedConfig` (`jaxinfer.config.resolve`).
-        eos_token_ids: ids that end a sequence unless ``ignore_eos``.
-        detokenize: ``token ids -> str`` for text, stop strings and streaming (None: no text).
-    Raises:
-        ValueError: params not of the model's shapes, or a KV pool that does not fit.
-    """
+    """Continuous-batching engine over ``model_config`` with ``params`` (compute dtype, checked
+    by `models.check_params`) and ``resolved`` (`jaxinfer.config.resolve`); ``detokenize``: ids
+    -> str, None: no text. Raises ValueError: params of wrong shapes, a pool that does not fit."""
 
     def __init__(self, model_config, params, resolved, *, eos_token_ids=(),
                  detokenize: Callable | None = None) -> None:
@@ -58,10 +50,7 @@ class LLMEngine:
         self.num_pages = memory.engine_pool_pages(resolved, dev_stats)
         self.kv: KVCache = self._new_kv()
         self.block_manager = BlockManager(self.num_pages, ec.page_size)
-        self.scheduler = Scheduler(self.block_manager, max_num_seqs=ec.max_num_seqs,
-                                   max_num_batched_tokens=ec.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len, page_size=ec.page_size,
-                                   eos_token_ids=self.eos_token_ids)
+        self.scheduler = self._scheduler(self.block_manager, self.eos_token_ids)
         self.buckets = BucketSpec.build(
             max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
             max_model_len=self.max_model_len, page_size=ec.page_size,
@@ -75,11 +64,16 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         dtype_bytes = jnp.dtype(resolved.dtype).itemsize
         page_bytes = model_config.kv_bytes_per_token(dtype_bytes) * ec.page_size
-        # weights / KV pool / pages in use / other over time; a snapshot after each step while
-        # `trace_memory` is set (CLI: --memory-trace FILE)
+        # a snapshot after each step while `trace_memory` is set (CLI: --memory-trace FILE)
         self.memory = memory.MemoryTracker(models.param_bytes(model_config, dtype_bytes),
                                            page_bytes, self.num_pages)
         self.trace_memory = False
+
+    def _scheduler(self, bm: BlockManager, eos_token_ids=()) -> Scheduler:
+        ec = self.resolved.engine
+        return Scheduler(bm, max_num_seqs=ec.max_num_seqs, page_size=ec.page_size,
+                         max_num_batched_tokens=ec.max_num_batched_tokens,
+                         max_model_len=self.max_model_len, eos_token_ids=eos_token_ids)
 
     def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
@@ -100,8 +94,8 @@ class LLMEngine:
         self.loop.async_scheduling = bool(value)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError (nothing queued) for a prompt or stop token id outside [0, V) or a
-        request `Scheduler.check_admissible` rejects."""
+        """Raise ValueError: a prompt or stop token id outside [0, V), or a request
+        `Scheduler.check_admissible` rejects."""
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -114,7 +108,7 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
-        """`check_request`, then queue the request; returns its id."""
+        """`check_request`, then queue it; returns its id."""
         self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
@@ -125,17 +119,15 @@ class LLMEngine:
         return rid
 
     def has_unfinished(self) -> bool:
-        """Requests not finished, or a dispatched step whose tokens were not read back yet."""
         return self.loop.has_unfinished()
 
     def abort_request(self, rid: str) -> None:
-        """Abort one request (no output is kept for it)."""
         self.scheduler.abort(rid)
         self._seqs.pop(rid, None)
 
     def abort_all(self) -> None:
-        """Error recovery: abort every unfinished request, free their pages and, if a donated
-        step was interrupted before it returned the cache, allocate the pools again."""
+        """Abort every unfinished request; reallocate the pools if an interrupted donated step
+        took them."""
         self.scheduler.abort_all()
         self._seqs.clear()
         self.loop.in_flight = None
@@ -146,15 +138,14 @@ class LLMEngine:
         return self._seqs[rid]
 
     def pop_output(self, rid: str, prompt: str | None = None) -> RequestOutput:
-        """The `RequestOutput` of a finished request (removes it from the engine)."""
+        """The `RequestOutput` of a finished request (removed from the engine)."""
         return self.outputs.request_output(self._seqs.pop(rid), prompt)
 
     def step(self) -> list[Sequence]:
-        """One `StepLoop.step`; returns the sequences that finished in the steps read back."""
         return self.loop.step()
 
     def _launch(self, batch: ScheduledBatch, prev: Launched | None):
-        """Build, transfer and dispatch one step (`StepLoop`'s launch; does not wait)."""
+        """`StepLoop`'s launch: build, transfer, dispatch (no wait)."""
         hb = build_host_batch(batch, page_size=self.page_size, buckets=self.buckets)
         self.stats.max_kv_len_seen = max(self.stats.max_kv_len_seen, int(hb.seq_lens.max()))
         if hb.pending_rows.any():
@@ -169,8 +160,7 @@ class LLMEngine:
         return tokens, hb
 
     def _complete(self, done: Launched, host_times: tuple[float, float]) -> list[Sequence]:
-        """Read back a step's tokens, advance its sequences, match stop strings (`StepLoop`'s
-        complete; blocks on that step only)."""
+        """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
         tokens, hb = done.handle
         t0 = time.perf_counter()
         tokens = np.asarray(tokens)
@@ -195,20 +185,16 @@ class LLMEngine:
         return finished
 
     def memory_snapshot(self):
-        """Record weights / KV pool / pages in use / other device bytes now (`MemoryTracker`)."""
+        """`MemoryTracker.snapshot` of now."""
         bm = self.block_manager
         stats = memory.device_memory_stats()
         return self.memory.snapshot(bm.num_usable_pages - bm.num_free_pages,
                                     device_bytes_in_use=stats[0] if stats else None)
 
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
-        """The `ShapeKey`s running ``requests`` on an idle engine visits, in first-visit order
-        (`jaxinfer.engine.dry_run`: to ``max_tokens``; requests that stop earlier can visit
-        others, compiled on first use). Raises ValueError: a request the scheduler rejects."""
-        ec = self.resolved.engine
-        sched = Scheduler(BlockManager(self.num_pages, ec.page_size), max_num_seqs=ec.max_num_seqs,
-                          max_num_batched_tokens=ec.max_num_batched_tokens,
-                          max_model_len=self.max_model_len, page_size=ec.page_size)
+        """The `ShapeKey`s ``requests`` visit on an idle engine, first-visit order (`dry_run`).
+        Raises ValueError: a request the scheduler rejects."""
+        sched = self._scheduler(BlockManager(self.num_pages, self.page_size))
         steps = dry_run(sched, requests, buckets=self.buckets,
                         async_scheduling=self.async_scheduling)
         return list(dict.fromkeys(hb.key for _, hb in steps))

@@ -1,12 +1,11 @@
 """``python -m jaxinfer.plan``: print the KV-cache memory plan of a model on a device.
 
     python -m jaxinfer.plan --model qwen3-8b --context 4096 --device-memory-gib 141
-    python -m jaxinfer.plan --model /path/to/hf_dir --context 8192 --kv-dtype fp8
-    python -m jaxinfer.plan --model model.gguf --context 2048 --device-memory-gib 24
+    python -m jaxinfer.plan --model /path/to/hf_dir_or.gguf --context 8192 --kv-dtype fp8
 
-``--model``: an HF model directory, a GGUF file (metadata only) or a preset (``PRESETS``). Without
-``--device-memory-gib``: JAX's ``bytes_limit`` of the local accelerator (required where there is
-none). Formulas: `jaxinfer.memory`. Bad input: one line on stderr, exit code 2.
+``--model``: an HF model directory, a GGUF file (metadata only) or a preset (``PRESETS``).
+Without ``--device-memory-gib``: JAX's ``bytes_limit`` of the local accelerator (required where
+there is none). Formulas: `jaxinfer.memory`. Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -19,14 +18,12 @@ from typing import Sequence
 from jaxinfer.config import DTYPE_BYTES, ModelConfig
 from jaxinfer.memory import GIB, device_memory_stats, plan_memory
 
-PRESETS: dict[str, ModelConfig] = {
-    # Published Qwen/Qwen3-8B config.json.
+PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, SmolLM2-135M-Instruct
     "qwen3-8b": ModelConfig(
         architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
         num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
         rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False,
         bos_token_id=151643, eos_token_ids=(151645,)),
-    # Published HuggingFaceTB/SmolLM2-135M-Instruct config.json.
     "smollm2-135m": ModelConfig(
         architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
@@ -36,65 +33,50 @@ PRESETS: dict[str, ModelConfig] = {
 
 
 def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
-    """The `ModelConfig` of a GGUF file's metadata (tensor data is not read).
-
-    Raises:
-        ValueError: not a readable GGUF file, an unsupported architecture, or a missing key.
-    """
+    """The `ModelConfig` of a GGUF file's metadata (tensor data is not read). Raises ValueError:
+    not a readable GGUF file, an unsupported architecture, or a missing key."""
     from checkpoints_tools.loader import open_checkpoint
 
     return ModelConfig.from_hf_config(open_checkpoint(path).config)
 
 
 def resolve_model(spec: str) -> ModelConfig:
-    """``--model``: a preset name, an HF model directory or a GGUF file.
-
-    Raises:
-        ValueError: none of those, or an unreadable/unsupported config.
-    """
+    """``--model``: a preset, an HF model directory or a GGUF file. Raises ValueError: none of
+    those, or an unreadable/unsupported config."""
     if spec in PRESETS:
         return PRESETS[spec]
-    if os.path.isfile(spec):
-        with open(spec, "rb") as f:
-            if f.read(4) != b"GGUF":
-                raise ValueError(f"--model={spec!r} is a file but not a GGUF file (magic 'GGUF'); "
-                                 "pass an HF model directory, a .gguf file or a preset")
-    elif not os.path.isdir(spec):
+    if not os.path.exists(spec):
         raise ValueError(f"--model={spec!r} is invalid: not a directory, a file or a preset; "
                          f"allowed presets: {sorted(PRESETS)}")
-    try:
-        return config_from_gguf(spec) if os.path.isfile(spec) else ModelConfig.from_hf_dir(spec)
-    except FileNotFoundError as e:
-        raise ValueError(str(e)) from None
+    if os.path.isdir(spec):
+        try:
+            return ModelConfig.from_hf_dir(spec)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+    with open(spec, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"--model={spec!r} is a file but not a GGUF file (magic 'GGUF'); "
+                             "pass an HF model directory, a .gguf file or a preset")
+    return config_from_gguf(spec)
 
 
 def local_device_bytes() -> tuple[int, str] | None:
     """(bytes_limit, description) of JAX's device 0 if it is an accelerator, else None."""
-    # A planning tool must not grab 75% of a GPU another process may be using.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # others may use the GPU
     import jax
 
     dev = jax.devices()[0]
-    if dev.platform == "cpu":
-        return None
-    stats = device_memory_stats(dev)
-    if stats is None:
-        return None
-    return stats[1], f"JAX bytes_limit of {dev.platform}:{dev.id} ({dev.device_kind})"
-
-
-class _UsageError(Exception):
-    pass
+    stats = None if dev.platform == "cpu" else device_memory_stats(dev)
+    return stats and (stats[1], f"JAX bytes_limit of {dev.platform}:{dev.id} ({dev.device_kind})")
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
-        raise _UsageError(message)
+        raise ValueError(message)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m jaxinfer.plan", description=__doc__.split("\n")[0],
-                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python -m jaxinfer.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True,
                    help=f"HF model dir, GGUF file, or preset ({', '.join(sorted(PRESETS))})")
     p.add_argument("--context", type=int, required=True, help="tokens per sequence")
@@ -104,8 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--utilization", type=float, default=0.9,
                    help="fraction of device memory the engine may use (default 0.9)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-    p.add_argument("--kv-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
-    p.add_argument("--weight-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16")
+    for flag in ("--kv-dtype", "--weight-dtype"):
+        p.add_argument(flag, choices=sorted(DTYPE_BYTES), default="bfloat16")
     p.add_argument("--weight-gib", type=float, default=None,
                    help="resident weight size in GiB, overriding the count from the config "
                         "(quantised checkpoints)")
@@ -114,13 +96,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _gib_to_bytes(flag: str, value: float | None, allow_zero: bool) -> int | None:
-    if value is None:
-        return None
-    if not (value > 0 or (allow_zero and value == 0)) or value == float("inf"):
+def _gib_to_bytes(flag: str, value: float | None, allow_zero: bool = True) -> int | None:
+    if value is not None and (not (value > 0 or allow_zero and value == 0) or value == float("inf")):
         raise ValueError(f"{flag}={value!r} is invalid: must be finite and "
                          f"{'>= 0' if allow_zero else '> 0'}")
-    return int(round(value * GIB))
+    return None if value is None else int(round(value * GIB))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,28 +108,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         cfg = resolve_model(args.model)
-        device_bytes = _gib_to_bytes("--device-memory-gib", args.device_memory_gib, False)
-        source = "--device-memory-gib"
-        if device_bytes is None:
-            local = local_device_bytes()
-            if local is None:
-                raise ValueError("--device-memory-gib is required: JAX sees no GPU on this machine")
-            device_bytes, source = local
+        device = _gib_to_bytes("--device-memory-gib", args.device_memory_gib, False)
+        device = (device, "--device-memory-gib") if device else local_device_bytes()
+        if device is None:
+            raise ValueError("--device-memory-gib is required: JAX sees no GPU on this machine")
         plan = plan_memory(
-            cfg, device_bytes=device_bytes, utilization=args.utilization, context=args.context,
+            cfg, device_bytes=device[0], utilization=args.utilization, context=args.context,
             page_size=args.page_size, weight_dtype_bytes=DTYPE_BYTES[args.weight_dtype],
             kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
-            reserve_bytes=_gib_to_bytes("--reserve-gib", args.reserve_gib, True),
-            weight_bytes=_gib_to_bytes("--weight-gib", args.weight_gib, True))
-    except (_UsageError, ValueError, OSError) as e:
-        msg = " ".join(str(e).split())
-        print(f"python -m jaxinfer.plan: error: {msg}", file=sys.stderr)
+            reserve_bytes=_gib_to_bytes("--reserve-gib", args.reserve_gib),
+            weight_bytes=_gib_to_bytes("--weight-gib", args.weight_gib))
+    except (ValueError, OSError) as e:
+        print(f"python -m jaxinfer.plan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     print(f"model    {args.model}: {cfg.architecture} L={cfg.num_layers} D={cfg.hidden_size} "
           f"F={cfg.intermediate_size} N={cfg.num_heads} K={cfg.num_kv_heads} H={cfg.head_dim} "
           f"V={cfg.vocab_size} tied={cfg.tie_word_embeddings}")
     print(f"dtypes   weights {args.weight_dtype if args.weight_gib is None else '(given)'}, "
-          f"KV {args.kv_dtype}; device memory from {source}")
+          f"KV {args.kv_dtype}; device memory from {device[1]}")
     print(plan.table())
     return 0
 

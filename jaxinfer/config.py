@@ -101,14 +101,6 @@ class ModelConfig:
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         """From a parsed HF ``config.json`` (transformers 4.x or 5.x). Raises ValueError: an
         unsupported model_type, RoPE type, bias, sliding window or activation; a missing key."""
-        try:
-            return cls._from_hf_config(cfg)
-        except KeyError as e:
-            raise ValueError(f"config.json lacks the required key {e.args[0]!r} "
-                             f"(model_type={cfg.get('model_type')!r})") from None
-
-    @classmethod
-    def _from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture: model_type={model_type!r} (architectures="
@@ -124,25 +116,30 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
-        scaling = None if rope_type != "llama3" else RopeScaling(
-            factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-            high_freq_factor=float(rope["high_freq_factor"]),
-            original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
-        n, eos = int(cfg["num_attention_heads"]), cfg.get("eos_token_id")
-        return cls(
-            architecture=model_type, vocab_size=int(cfg["vocab_size"]),
-            hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]), num_heads=n,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or n),
-            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-            rope_scaling=scaling,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, (list, tuple))
-            else (eos,))
+        eos = cfg.get("eos_token_id")
+        try:
+            scaling = None if rope_type != "llama3" else RopeScaling(
+                factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+            n = int(cfg["num_attention_heads"])
+            return cls(
+                architecture=model_type, vocab_size=int(cfg["vocab_size"]),
+                hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]), num_heads=n,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or n),
+                head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                rope_scaling=scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, (list, tuple))
+                else (eos,))
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the required key {e.args[0]!r} "
+                             f"(model_type={model_type!r})") from None
 
     @classmethod
     def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
@@ -178,25 +175,16 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
             "prefill_gemm": ("xla", "cublas")}
 
 
-def _buckets_ok(b) -> bool:
-    return isinstance(b, (tuple, list)) and all(map(_positive_int, b)) and list(b) == sorted(set(b))
-
-
 @dataclass(frozen=True)
 class KernelConfig:
-    """Kernel choices and research knobs (`EngineConfig.kernels`); `resolve` replaces "auto".
-    Allowed values: `kernel_choices`.
-
-    decode_attention / prefill_attention: paged-attention variant (registry name) of decode
-        (T == 1) / prefill (T > 1) steps.
-    qkv_prologue: q/k norm + RoPE + K/V page write, "xla" or "triton" (one Pallas kernel per
-        layer; GPU, H/2 a power of 2). add_rms_norm: residual add + RMSNorm, "xla" or "triton"
-        (GPU, D a power of 2; decode steps of 128+ rows then split the down projection).
-    prefill_gemm: GEMMs of prefill steps, "xla" or "cublas" (GPU only).
-    cublas_decode_min_batch: decode buckets of at least this many rows use cuBLAS GEMMs (GPU;
-        None: XLA's choice). Default: BENCHMARKS.md "Decode step".
-    batch_buckets / token_buckets: padded sizes of B and T, strictly increasing; (): defaults.
-    """
+    """Kernel choices and research knobs; `resolve` replaces "auto". Allowed: `kernel_choices`.
+    decode_attention / prefill_attention: paged-attention variant of decode (T == 1) / prefill
+    steps. qkv_prologue: q/k norm + RoPE + K/V page write (triton: GPU, H/2 a power of 2).
+    add_rms_norm: residual add + RMSNorm (triton: GPU, D a power of 2; decode steps of 128+ rows
+    then split the down projection). prefill_gemm: GEMMs of prefill steps (cublas: GPU).
+    cublas_decode_min_batch: decode buckets of this many rows or more use cuBLAS GEMMs (GPU; None:
+    XLA's choice; default: BENCHMARKS.md "Decode step"). batch_buckets / token_buckets: padded
+    sizes of B and T, strictly increasing; (): the defaults."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
@@ -213,7 +201,8 @@ class KernelConfig:
               for name, allowed in kernel_choices().items()),
             ("cublas_decode_min_batch", lambda m: m is None or _positive_int(m),
              "must be None or a positive integer"),
-            *((name, _buckets_ok, "must be a tuple of strictly increasing positive integers, "
+            *((name, lambda b: isinstance(b, (tuple, list)) and all(map(_positive_int, b))
+               and list(b) == sorted(set(b)), "must be a tuple of strictly increasing positive integers, "
                "or () for the defaults") for name in _BUCKETS)))
         for name in _BUCKETS:
             object.__setattr__(self, name, tuple(getattr(self, name)))
@@ -348,15 +337,13 @@ def check_platform(kc: KernelConfig, platform: str) -> None:
 
 
 def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> ResolvedConfig:
-    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend name).
-
+    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend name):
     dtype None -> "bfloat16" on "gpu", else "float32"; max_model_len None ->
     max_position_embeddings; decode_attention "auto" -> "mosaic" on "gpu" in bfloat16/float16,
     else "reference"; prefill_attention "auto" -> "triton" on "gpu", else "reference";
     qkv_prologue / add_rms_norm "auto" -> "triton" on "gpu" in bfloat16/float16 where H/2 / D is
     a power of 2, else "xla". Raises ValueError: max_model_len above max_position_embeddings, a
-    GPU kernel off "gpu" (`check_platform`), "triton" fused kernels on shapes they do not take.
-    """
+    GPU kernel off "gpu" (`check_platform`), "triton" fused kernels on shapes they do not take."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "

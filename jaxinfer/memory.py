@@ -1,13 +1,9 @@
-"""KV pool sizing (`kv_pool_pages`, the one formula), capacity plans (`python -m jaxinfer.plan`)
-and a memory tracker. Imports no JAX (``device_memory_stats`` does when called).
+"""KV pool sizing (`kv_pool_pages`, the one formula), capacity plans and a memory tracker
+(PagedAttention, Kwon et al. 2023; vLLM's ``gpu_memory_utilization``). Imports no JAX.
 
-    page_bytes = page_size x ModelConfig.kv_bytes_per_token(kv_dtype_bytes)
-    num_pages  = (usable_bytes - used_bytes) // page_bytes        (null page 0 included)
+    num_pages = (usable - used) // (page_size x kv_bytes_per_token)   (null page 0 included)
     plan: usable = device_bytes x utilization, used = weight_bytes + reserve_bytes;
-          max_concurrent = (num_pages - 1) // ceil(context / page_size);
-          planned = floor(planning_fraction x max_concurrent)
-
-Sources: PagedAttention (Kwon et al., SOSP 2023); vLLM's ``gpu_memory_utilization`` budget.
+          max_concurrent = (num_pages - 1) // ceil(context / page_size), planned = floor(0.7 x that)
 """
 
 from __future__ import annotations
@@ -142,18 +138,15 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
                 page_size: int = 16, weight_dtype_bytes: int = 2, kv_dtype_bytes: int = 2,
                 reserve_bytes: int | None = None, weight_bytes: int | None = None,
                 planning_fraction: float = PLANNING_FRACTION) -> MemoryPlan:
-    """Plan the paged KV pool for ``cfg`` on a device of ``device_bytes`` (module doc).
-
-    ``context``: tokens per sequence, <= max_position_embeddings; ``page_size``: a power of two;
-    ``*_dtype_bytes``: bytes per element; ``reserve_bytes`` None: `default_reserve_bytes`;
-    ``weight_bytes`` None: ``param_count x weight_dtype_bytes``. Raises ValueError: an argument
-    out of range; weights + reserve that do not fit (by how much); a ``context`` of which one
-    sequence does not fit (the largest that does).
-    """
-    for name, v, hi in (("device_bytes", device_bytes, None),
+    """The KV plan of ``cfg`` on a device of ``device_bytes`` (module doc). ``context``: tokens
+    per sequence; ``*_dtype_bytes``: bytes per element; None ``reserve_bytes``:
+    `default_reserve_bytes`, ``weight_bytes``: ``param_count x weight_dtype_bytes``. Raises
+    ValueError: an argument out of range; weights that do not fit (by how much); a ``context``
+    one sequence of which does not fit (the largest that does)."""
+    for name, v, hi in (("device_bytes", device_bytes, None), ("page_size", page_size, None),
                         ("context", context, cfg.max_position_embeddings),
-                        ("page_size", page_size, None), ("weight_dtype_bytes", weight_dtype_bytes,
-                                                         None), ("kv_dtype_bytes", kv_dtype_bytes, None)):
+                        ("weight_dtype_bytes", weight_dtype_bytes, None),
+                        ("kv_dtype_bytes", kv_dtype_bytes, None)):
         _check_int("plan_memory", name, v, 1, hi)
     if page_size & (page_size - 1):
         raise ValueError(f"plan_memory: page_size={page_size!r} is invalid: "
@@ -170,10 +163,9 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
     if budget <= 0:
         raise ValueError(
             f"plan_memory: the weights do not fit: weights {_gib(weight_bytes)} + reserve "
-            f"{_gib(reserve_bytes)} exceed device_bytes x utilization = {_gib(device_bytes)} x "
-            f"{utilization:g} = {_gib(usable)} by {_gib(-budget)} ({-budget:,} B) with no room "
-            "left for the KV cache; allowed: a larger device_bytes or utilization, a smaller "
-            "reserve_bytes, or smaller weights")
+            f"{_gib(reserve_bytes)} exceed device_bytes x utilization = {_gib(usable)} by "
+            f"{_gib(-budget)} ({-budget:,} B); allowed: a larger device_bytes or utilization, a "
+            "smaller reserve_bytes, or smaller weights")
     kv_per_token = cfg.kv_bytes_per_token(kv_dtype_bytes)
     page_bytes = page_size * kv_per_token
     num_pages = kv_pool_pages(cfg, page_size=page_size, dtype_bytes=kv_dtype_bytes,
@@ -235,9 +227,9 @@ class MemoryTracker:
         """Record one row. Raises ValueError: ``pages_in_use`` outside [0, num_pages] or
         ``device_bytes_in_use`` negative."""
         _check_int("MemoryTracker.snapshot", "pages_in_use", pages_in_use, 0, self.num_pages)
-        self._measured = device_bytes_in_use is not None
-        if self._measured:
+        if device_bytes_in_use is not None:
             _check_int("MemoryTracker.snapshot", "device_bytes_in_use", device_bytes_in_use, 0)
+        self._measured = device_bytes_in_use is not None
         row = MemorySnapshot(self._clock() - self._t0, pages_in_use, self.weights_bytes,
                              self.kv_pool_bytes, pages_in_use * self.page_bytes,
                              device_bytes_in_use - self.weights_bytes - self.kv_pool_bytes

@@ -19,7 +19,6 @@ import jax.numpy as jnp
 
 from jaxinfer.sampling_params import GREEDY_EPS  # rows below it (or NaN) are greedy
 
-
 _PRNG_IMPL = "threefry2x32"  # pinned so a seed maps to the same stream on every JAX version
 
 
@@ -81,12 +80,6 @@ def apply_repetition_penalty(logits: jax.Array, penalty_tokens: jax.Array,
     return jnp.where(present, penalised, logits)
 
 
-def _sanitize(x: jax.Array) -> jax.Array:
-    """NaN -> -inf, +inf -> largest float32 (so ``x - max`` is never inf - inf)."""
-    big = jnp.finfo(jnp.float32).max
-    return jnp.nan_to_num(x, nan=-jnp.inf, posinf=big, neginf=-jnp.inf)
-
-
 def _min_p_keep(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
     """bool[B, V] ``exp(scaled) >= clip(min_p, 0, 1)`` (top scaled logit 0), elementwise."""
     return jnp.exp(scaled) >= jnp.clip(min_p.astype(jnp.float32), 0.0, 1.0)[:, None]
@@ -105,8 +98,7 @@ def _filter_sorted(vals: jax.Array, top_k: jax.Array, top_p: jax.Array,
     top = jnp.where(jnp.isfinite(masked[:, :1]), masked[:, :1], 0.0)
     e = jnp.exp(masked - top)
     probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    mass_before = mass_before.at[:, 0].set(0.0)
+    mass_before = (jnp.cumsum(probs, axis=-1) - probs).at[:, 0].set(0.0)
     tp = top_p.astype(jnp.float32)[:, None]
     keep &= (mass_before < tp) | (tp >= 1.0)
     keep &= _min_p_keep(vals, min_p)
@@ -135,9 +127,10 @@ def _sort_desc(scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _penalised(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Penalised f32 logits, NaN -> -inf, +inf -> largest float32 (``x - max`` never NaN)."""
     x = apply_repetition_penalty(logits.astype(jnp.float32), meta.penalty_tokens,
                                  meta.repetition_penalty)
-    return _sanitize(x)
+    return jnp.nan_to_num(x, nan=-jnp.inf, posinf=jnp.finfo(jnp.float32).max, neginf=-jnp.inf)
 
 
 def filtered_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
@@ -187,8 +180,6 @@ def sample(logits: jax.Array, meta: SamplingMetadata, *, all_greedy: bool) -> ja
         kept = jnp.where(_min_p_keep(scaled, meta.min_p), scaled, -jnp.inf)
         return jnp.argmax(kept + g, axis=-1).astype(jnp.int32)
 
-    k_on = (meta.top_k > 0) & (meta.top_k < v)
-    p_on = ~(meta.top_p >= 1.0)
-    needs_sort = jnp.any(~is_greedy & (k_on | p_on))
-    tok = jax.lax.cond(needs_sort, with_sort, without_sort)
+    k_on, p_on = (meta.top_k > 0) & (meta.top_k < v), ~(meta.top_p >= 1.0)
+    tok = jax.lax.cond(jnp.any(~is_greedy & (k_on | p_on)), with_sort, without_sort)
     return jnp.where(is_greedy, greedy_tok, tok).astype(jnp.int32)

@@ -161,16 +161,13 @@ class LLMEngine:
 
     def _complete(self, done: Launched, host_times: tuple[float, float]) -> list[Sequence]:
         """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
-        tokens, hb = done.handle
-        t0 = time.perf_counter()
+        (tokens, hb), batch, t0 = done.handle, done.batch, time.perf_counter()
         tokens = np.asarray(tokens)
         t1 = time.perf_counter()
-        batch = done.batch
         sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
         finished = self.scheduler.postprocess(batch, sampled)
         for s, tok in zip(batch.seqs, sampled):
-            stop = self.outputs.find_stop_string(s) if tok is not None else None
-            if stop is None:
+            if tok is None or (stop := self.outputs.find_stop_string(s)) is None:
                 continue
             s.stop_string = stop
             if s.is_finished:  # on "length": already off the running list, its pages freed
@@ -186,8 +183,7 @@ class LLMEngine:
 
     def memory_snapshot(self):
         """`MemoryTracker.snapshot` of now."""
-        bm = self.block_manager
-        stats = memory.device_memory_stats()
+        bm, stats = self.block_manager, memory.device_memory_stats()
         return self.memory.snapshot(bm.num_usable_pages - bm.num_free_pages,
                                     device_bytes_in_use=stats[0] if stats else None)
 
@@ -195,8 +191,7 @@ class LLMEngine:
         """The `ShapeKey`s ``requests`` visit on an idle engine, first-visit order (`dry_run`).
         Raises ValueError: a request the scheduler rejects."""
         sched = self._scheduler(BlockManager(self.num_pages, self.page_size))
-        steps = dry_run(sched, requests, buckets=self.buckets,
-                        async_scheduling=self.async_scheduling)
+        steps = dry_run(sched, requests, buckets=self.buckets, async_scheduling=self.async_scheduling)
         return list(dict.fromkeys(hb.key for _, hb in steps))
 
     def precompile(self, shape_keys, *, max_workers: int | None = None, warm: bool = True) -> dict:

@@ -41,21 +41,19 @@ class ScheduledBatch:
     pending_input: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
-        # Own copies: the scheduler's queues change while the batch is in flight.
-        object.__setattr__(self, "seqs", list(self.seqs))
-        object.__setattr__(self, "num_new_tokens", [int(n) for n in self.num_new_tokens])
-        if len(self.seqs) != len(self.num_new_tokens):
-            raise ValueError(f"ScheduledBatch: {len(self.seqs)} seqs but "
-                             f"{len(self.num_new_tokens)} num_new_tokens")
-        if any(n < 1 for n in self.num_new_tokens):
-            raise ValueError(f"ScheduledBatch.num_new_tokens={self.num_new_tokens} is invalid: "
+        seqs, nums = list(self.seqs), [int(n) for n in self.num_new_tokens]  # own copies
+        if len(seqs) != len(nums):
+            raise ValueError(f"ScheduledBatch: {len(seqs)} seqs but {len(nums)} num_new_tokens")
+        if any(n < 1 for n in nums):
+            raise ValueError(f"ScheduledBatch.num_new_tokens={nums} is invalid: "
                              "every count must be >= 1")
-        starts = [s.num_computed_tokens for s in self.seqs]
-        object.__setattr__(self, "start_positions", starts)
-        object.__setattr__(self, "do_sample", [st + n == s.num_tokens_with_pending for s, st, n
-                                               in zip(self.seqs, starts, self.num_new_tokens)])
-        object.__setattr__(self, "pending_input", [st >= s.num_tokens for s, st in
-                                                   zip(self.seqs, starts)])
+        starts = [s.num_computed_tokens for s in seqs]
+        for name, v in dict(seqs=seqs, num_new_tokens=nums, start_positions=starts,
+                            do_sample=[st + n == s.num_tokens_with_pending
+                                       for s, st, n in zip(seqs, starts, nums)],
+                            pending_input=[st >= s.num_tokens for s, st in zip(seqs, starts)]
+                            ).items():
+            object.__setattr__(self, name, v)
 
     @property
     def num_seqs(self) -> int:
@@ -82,11 +80,8 @@ class Scheduler:
         if page_size != block_manager.page_size:
             raise ValueError(f"Scheduler.page_size={page_size} is invalid: must equal the block "
                              f"manager's page_size={block_manager.page_size}")
-        self.block_manager = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
-        self.page_size = page_size
+        self.block_manager, self.max_num_seqs, self.page_size = block_manager, max_num_seqs, page_size
+        self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.waiting: deque[Sequence] = deque()   # not admitted; no pages
         self.running: list[Sequence] = []         # decoding; admission order

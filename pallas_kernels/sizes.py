@@ -1,4 +1,5 @@
-"""Integer size helpers shared by the kernels (Triton block shapes must be powers of 2)."""
+"""Integer size helpers shared by the kernels (Triton block shapes must be powers of 2), and the
+table-driven argument check."""
 
 from __future__ import annotations
 
@@ -16,3 +17,10 @@ def next_pow2(n: int) -> int:
 def round_up(n: int, multiple: int) -> int:
     """``n`` rounded up to a multiple of ``multiple`` (> 0)."""
     return -(-n // multiple) * multiple
+
+
+def raise_first(checks) -> None:
+    """ValueError(msg) for the first ``(bad, msg)`` pair whose ``bad`` is true."""
+    for bad, msg in checks:
+        if bad:
+            raise ValueError(msg)

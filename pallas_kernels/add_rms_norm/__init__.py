@@ -1,2 +1,1 @@
-"""Residual add + RMSNorm (``x += delta; h = rms_norm(x)``): `reference` (plain jnp) and
-`triton_pallas` (one Pallas launch)."""
+"""Residual add + RMSNorm: `reference` (plain jnp) and `triton_pallas` (one Pallas launch)."""

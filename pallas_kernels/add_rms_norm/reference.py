@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
                eps: float = 1e-6) -> tuple[int, int]:
-    """Validate shapes, dtypes and eps; return (S, D). ValueError names the argument, its shape
-    or dtype, and what is allowed."""
+    """Validate shapes, dtypes and eps; return (S, D). ValueError names the argument, its value
+    and what is allowed."""
     if x.ndim != 2:
         raise ValueError(f"x must be [S, D]; got shape {x.shape}")
     S, D = x.shape
@@ -41,20 +41,11 @@ def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
 
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
-    """Residual add then RMSNorm, in plain jnp.
-
-    Args:
-        x: [S, D] the residual stream, compute dtype.
-        delta: [S, D] the sub-block output to add (same dtype), or float32[splits, S, D]
-            partial sums of it (a split-K GEMM's, `jaxinfer.models.common.MLP`): their sum
-            rounded to x.dtype is the output added; or None (no add: x' = x).
-        weight: [D] the norm weight (any float dtype; cast to x.dtype).
-        eps: added to the mean square.
-    Returns:
-        (x' [S, D], h [S, D]), both in x.dtype.
-    Raises:
-        ValueError: see `check_args`.
-    """
+    """Residual add then RMSNorm (module docstring) -> (x' [S, D], h [S, D]) in x.dtype.
+    x: [S, D] the residual stream, compute dtype; delta: [S, D] in x.dtype, or float32[splits, S,
+    D] partial sums of it (a split-K GEMM's, `jaxinfer.models.common.MLP`; their sum rounded to
+    x.dtype is added), or None (x' = x); weight: [D] any float dtype; eps: added to the mean
+    square. ValueError: `check_args`."""
     check_args(x, delta, weight, eps)
     if delta is not None and delta.ndim == 3:
         delta = delta.sum(0).astype(x.dtype)

@@ -63,27 +63,16 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6, interpret: bool = False,
                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
     """`reference.add_rms_norm`'s contract in one Pallas launch (D, and the number of partial sums,
-    powers of 2).
-
-    Args (beyond the reference's):
-        interpret: the Pallas interpreter (CPU).
-        num_warps: warps per program (one row of D elements per program): None (D / 256
-            clamped to 4..16) or a power of 2 in 1..32 (default chosen by measurement:
-            BENCHMARKS.md section "Throughput").
-    Raises:
-        ValueError: see `reference.check_args` (shapes, dtypes, eps); D or the number of
-            partial sums not a power of 2 (use `supports` to check); ``num_warps`` not None or
-            a power-of-2 integer in 1..32 (Triton's range).
-    """
-    warps = None
-    if num_warps is not None:
-        try:
-            warps = None if isinstance(num_warps, bool) else operator.index(num_warps)
-        except TypeError:
-            pass
-        if warps is None or not (is_pow2(warps) and warps <= 32):
-            raise ValueError(f"num_warps={num_warps!r} must be None or a power-of-2 integer in "
-                             "1..32")
+    powers of 2: `supports`). interpret: the Pallas interpreter (CPU). num_warps: per program (one
+    row each): None (D / 256 clamped to 4..16, by measurement: BENCHMARKS.md section "Throughput")
+    or a power of 2 in 1..32 (Triton's range). ValueError: `reference.check_args`; D or the number
+    of partial sums not a power of 2; a bad ``num_warps``."""
+    try:
+        warps = None if isinstance(num_warps, bool) else operator.index(num_warps)
+    except TypeError:  # None, or not an integer
+        warps = None
+    if num_warps is not None and (warps is None or not (is_pow2(warps) and warps <= 32)):
+        raise ValueError(f"num_warps={num_warps!r} must be None or a power-of-2 integer in 1..32")
     S, D = check_args(x, delta, weight, eps)
     if not supports(D):
         raise ValueError(f"hidden size D={D} must be a power of 2 for the Triton kernel")

@@ -2,17 +2,14 @@
 
 The algorithm of `triton_pallas` written directly in Triton: masked loads replace the padding of q
 and of the block table, K/V rows past the sequence end are not read, and with one split the output
-is stored straight into ``[B, N, H]``.
-
-Needs ``triton`` and ``jax_triton`` (the ``jax-triton`` extra; the module imports without them and
-a call raises ImportError) and a CUDA GPU: ``interpret=True`` raises (no CPU interpreter).
-Sources: as `triton_pallas`; Triton's fused-attention tutorial for the online-softmax loop.
+is stored straight into ``[B, N, H]``. Needs ``triton``, ``jax_triton`` (the ``jax-triton`` extra;
+the module imports without them) and a CUDA GPU. Sources: as `triton_pallas`; Triton's
+fused-attention tutorial for the online-softmax loop.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +22,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 from pallas_kernels.paged_attention import tuning
 from pallas_kernels.paged_attention.triton_pallas import (
-    check_decode_args, check_knobs, combine_splits, padded_group)
-
-LOG2E = math.log2(math.e)
+    LOG2E, check_decode_args, check_knobs, combine_splits, padded_group)
 
 
 def _jit(fn):
@@ -160,15 +155,10 @@ def paged_decode_attention(
         sliding_window: int | None = None, interpret: bool = False,
         pages_per_block: int | None = None, num_warps: int | None = None,
         num_stages: int | None = None, k_splits: int | None = None) -> jax.Array:
-    """Decode attention over the paged KV cache, a Triton kernel through ``jax_triton.triton_call``.
-    Arguments, result and knobs as in `triton_pallas.paged_decode_attention` (knob defaults from
-    `tuning.resolve("jax_triton", ...)`). q and the pools must share a dtype (bf16, f16 or f32).
-
-    Raises:
-        ValueError: bad shapes/dtypes/knobs, or ``interpret=True`` (Triton kernels need a CUDA GPU;
-            the CPU interpreter cannot run them).
-        ImportError: ``triton`` or ``jax_triton`` is not installed.
-    """
+    """`triton_pallas.paged_decode_attention`'s contract through ``jax_triton.triton_call`` (knob
+    defaults from `tuning.resolve("jax_triton", ...)`); q and the pools share a dtype (bf16, f16
+    or f32). ValueError: bad shapes/dtypes/knobs, or ``interpret=True`` (needs a CUDA GPU);
+    ImportError: ``triton`` or ``jax_triton`` is not installed."""
     if interpret:
         raise ValueError("interpret=True is not supported by the jax_triton variant: a Triton "
                          "kernel needs a CUDA GPU (use the 'triton' Pallas variant on the CPU)")

@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.sizes import round_up
+from pallas_kernels.sizes import raise_first, round_up
 
 _ROWS = 64          # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
 _TABLE_COLS = 128   # block-table entries per shared-memory row (TMA boxes are at most 256 wide)
@@ -37,17 +37,10 @@ _SMS_H100_H200 = 132
 
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeConfig:
-    """Tuning knobs of the Mosaic GPU decode kernel (static).
-
-    Attributes:
-        block_kv: keys per pipeline step (a multiple of 64; a multiple of page_size, or a divisor
-            of it).
-        num_stages: K/V shared-memory buffers (2-4): how many steps of copies are in flight.
-        num_splits: sequence splits per (row, KV head); None: the fewest that give at least 1.5
-            waves of resident programs with under 10% of the last wave idle, and at most one split
-            per two key blocks (`_pick_splits`).
-        num_sms: multiprocessors to plan the waves for; None: read from the device (132 if none).
-    """
+    """Tuning knobs of the Mosaic GPU decode kernel (static). block_kv: keys per pipeline step (a
+    multiple of 64; a multiple or divisor of page_size); num_stages: K/V shared-memory buffers
+    (2-4), the steps of copies in flight; num_splits: sequence splits per (row, KV head), None:
+    `_pick_splits`; num_sms: multiprocessors to plan the waves for, None: the device's (or 132)."""
 
     block_kv: int = 64
     num_stages: int = 2
@@ -55,32 +48,29 @@ class MosaicDecodeConfig:
     num_sms: int | None = None
 
     def __post_init__(self):
-        if self.block_kv <= 0 or self.block_kv % 64:
-            raise ValueError(f"block_kv={self.block_kv} must be a positive multiple of 64")
-        if not 1 <= self.num_stages <= 8:
-            raise ValueError(f"num_stages={self.num_stages} must be in 1..8")
-        if self.num_splits is not None and self.num_splits < 1:
-            raise ValueError(f"num_splits={self.num_splits} must be >= 1 or None")
-        if self.num_sms is not None and self.num_sms < 1:
-            raise ValueError(f"num_sms={self.num_sms} must be >= 1 or None")
+        raise_first([
+            (self.block_kv <= 0 or self.block_kv % 64,
+             f"block_kv={self.block_kv} must be a positive multiple of 64"),
+            (not 1 <= self.num_stages <= 8, f"num_stages={self.num_stages} must be in 1..8"),
+            *[(v is not None and v < 1, f"{k}={v} must be >= 1 or None")
+              for k, v in (("num_splits", self.num_splits), ("num_sms", self.num_sms))]])
 
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-    """Static sizes of one launch."""
+    """Static sizes of one launch. Gp: G rounded up to a multiple of 8 (TMA box rows of the Q /
+    output tiles); pages_per_step: TMA copies per K (and V) buffer; rows_per_copy: keys per copy,
+    min(page_size, block_kv)."""
 
-    B: int
-    K: int
     G: int
-    Gp: int            # G rounded up to a multiple of 8 (TMA box rows of the Q / output tiles)
+    Gp: int
     H: int
     page_size: int
     block_kv: int
-    pages_per_step: int   # TMA copies per K (and per V) buffer
-    rows_per_copy: int    # keys per copy: min(page_size, block_kv)
+    pages_per_step: int
+    rows_per_copy: int
     num_stages: int
     num_splits: int
-    table_rows: int       # rows of page entries in the table tile (plus one header row)
     dtype: jnp.dtype
     scale: float
     soft_cap: float | None
@@ -164,9 +154,8 @@ class _PlainMath:
 
 
 def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v_smem, wait_v):
-    """One online-softmax update with the scores ``s`` [64, bk] of keys first_pos.. (float32).
-    m is kept in log2 units (scores pre-multiplied by log2 e) so that p = exp2(s - m).
-    """
+    """One online-softmax update with the f32 scores ``s`` [64, bk] of keys first_pos.. (m in
+    log2 units, so p = exp2(s - m))."""
     acc, m, l = carry
     if geo.soft_cap is None:
         s = s * (geo.scale * _LOG2E)
@@ -189,10 +178,9 @@ def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v
 
 
 def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
-    """Start the TMA copies of keys [step * bk, (step + 1) * bk) of this row into one stage.
-    ``copies``: (pool ref [L * P, K, page_size, H], stage buffer [bk, H], barrier) for K and/or V;
-    each barrier expects ``pages_per_step`` arrivals.
-    """
+    """Start the TMA copies of keys [step * bk, (step + 1) * bk) of this row into one stage;
+    ``copies``: (pool ref [L * P, K, page_size, H], stage buffer [bk, H], barrier expecting
+    ``pages_per_step`` arrivals) for K and/or V."""
     rpc = geo.rows_per_copy
     for i in range(geo.pages_per_step):
         token = step * geo.block_kv + i * rpc
@@ -210,9 +198,7 @@ def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
 
 def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_smem, off_smem, bars,
           *, geo: _Geometry, math_, interpret: bool):
-    b = lax.axis_index("b")
-    h = lax.axis_index("h")
-    split = lax.axis_index("s")
+    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     tbl_bar, q_bar, off_bar = bars.at[0], bars.at[1], bars.at[2]
     bk, H = geo.block_kv, geo.H
     plgpu.copy_gmem_to_smem(tbl_ref.at[b], tbl_smem, tbl_bar)
@@ -237,11 +223,8 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
     count = jnp.clip(first_blk + n_blk - start, 0, per_split)
 
     def main_loop(k_bufs, v_bufs, k_bars, v_bars):
-        def k_copy(slot):
-            return (k_ref, k_bufs.at[slot], k_bars.at[slot])
-
-        def v_copy(slot):
-            return (v_ref, v_bufs.at[slot], v_bars.at[slot])
+        k_copy = lambda slot: (k_ref, k_bufs.at[slot], k_bars.at[slot])  # noqa: E731
+        v_copy = lambda slot: (v_ref, v_bufs.at[slot], v_bars.at[slot])  # noqa: E731
 
         for st in range(geo.num_stages):
             @pl.when(st < count)
@@ -322,10 +305,8 @@ def _smem_bytes(cfg: MosaicDecodeConfig, H: int, itemsize: int, table_bytes: int
 
 
 def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int) -> int:
-    """Splits per (row, KV head) so that the programs fill the GPU in near-whole waves, each
-    split covering at least two key blocks (``max_blocks // 2`` splits at most).
-    Cap chosen by measurement: BENCHMARKS.md section "Throughput".
-    """
+    """Splits per (row, KV head): the fewest giving >= 1.5 waves of resident programs with < 10%
+    of the last wave idle, at most ``max_blocks // 2`` (BENCHMARKS.md section "Throughput")."""
     if cfg.num_splits is not None:
         return max(1, min(cfg.num_splits, max_blocks))
     sms = cfg.num_sms
@@ -343,8 +324,8 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
 
 
 def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret,
-              num_heads):
-    """Check the arguments; return N (query heads)."""
+              num_heads, layer, page_offset, sliding_window, soft_cap):
+    """Check the arguments (`paged_decode_attention`'s Raises); return N (query heads)."""
     if k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
         raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H]; got {k_pool.shape}"
                          f" and {v_pool.shape}")
@@ -369,7 +350,8 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
     bk = cfg.block_kv
     allowed = [jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]
     allowed = allowed if interpret else allowed[:2]
-    for bad, msg in [
+    po_shape = getattr(page_offset, "shape", None)
+    raise_first([
             (not jnp.issubdtype(q.dtype, jnp.floating),
              f"q must be a floating dtype; got {q.dtype}"),
             (B < 1, f"q has B={B} rows; at least 1 is needed"),
@@ -387,9 +369,16 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
              f"block_kv={bk} and page_size={page_size}: one must divide the other"),
             (block_tables.ndim != 2 or block_tables.shape[0] != B,
              f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}"),
-            (seq_lens.shape != (B,), f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}")]:
-        if bad:
-            raise ValueError(msg)
+            (seq_lens.shape != (B,), f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}"),
+            (page_offset is not None and (po_shape != (_OFFSET_COLS,)
+                                          or page_offset.dtype != jnp.int32),
+             f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got "
+             f"{getattr(page_offset, 'dtype', type(page_offset).__name__)}{list(po_shape or ())}"),
+            (isinstance(layer, (int, np.integer)) and not 0 <= layer < L,
+             f"layer={layer} is outside the pools' L={L} layers"),
+            (sliding_window is not None and sliding_window < 1,
+             f"sliding_window={sliding_window} must be >= 1 or None"),
+            (soft_cap is not None and not soft_cap > 0, f"soft_cap={soft_cap} must be > 0 or None")])
     return N
 
 
@@ -405,17 +394,9 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
     bk = cfg.block_kv
     dtype = k_pool.dtype
     max_blocks = max(1, -(-M * page_size // bk))
-    geo = _Geometry(
-        B=B, K=K, G=G, Gp=Gp, H=H, page_size=page_size, block_kv=bk,
-        pages_per_step=max(1, bk // page_size), rows_per_copy=min(page_size, bk),
-        num_stages=cfg.num_stages, num_splits=1,
-        table_rows=0, dtype=dtype, scale=float(scale),
-        soft_cap=None if soft_cap is None else float(soft_cap),
-        sliding_window=None if sliding_window is None else int(sliding_window))
 
-    # Table tile [B, 1 + R, C]: row 0 holds seq_len, rows 1.. the physical pages (padded with the
-    # null page so every block read stays in range). It does not depend on the layer, so XLA
-    # computes it once for all the step's layers (CSE); the program adds layer * P itself.
+    # Table tile [B, 1 + R, C]: row 0 holds seq_len, rows 1.. the pages (null-padded), the same
+    # for every layer (XLA computes it once per step); the program adds layer * P itself.
     pages_needed = max_blocks * (bk // page_size) if page_size <= bk else M
     # (1 + R) * C * 4 bytes must be a multiple of 128 (one TMA copy, arrived on by 128 threads).
     C = min(_TABLE_COLS, round_up(pages_needed, 32))
@@ -424,26 +405,25 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
         raise ValueError(f"block_tables width M={M} too large (max {255 * _TABLE_COLS} pages)")
     splits = _pick_splits(cfg, B * K, max_blocks,
                           _smem_bytes(cfg, H, jnp.dtype(dtype).itemsize, (1 + R) * C * 4))
-    geo = dataclasses.replace(geo, table_rows=R, num_splits=splits)
+    geo = _Geometry(G=G, Gp=Gp, H=H, page_size=page_size, block_kv=bk,
+                    pages_per_step=max(1, bk // page_size), rows_per_copy=min(page_size, bk),
+                    num_stages=cfg.num_stages, num_splits=splits, dtype=dtype, scale=float(scale),
+                    soft_cap=soft_cap, sliding_window=sliding_window)
     pages = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, R * C - M)))  # pad: null page
     pages = pages.reshape(B, R, C)
     # Lengths past the table would read past it: clamp (such input is invalid anyway).
     lens = jnp.clip(seq_lens.astype(jnp.int32), 0, M * page_size)
     header = jnp.zeros((B, 1, C), jnp.int32).at[:, 0, 0].set(lens)
     table = jnp.concatenate([header, pages], axis=1)
-    if q.ndim == 4:   # already grouped and padded (e.g. by the qkv_prologue kernel)
-        qg = q.astype(dtype)
-    else:
-        qg = q.astype(dtype).reshape(B, K, G, H)
+    qg = q.astype(dtype)  # a grouped q is padded already (e.g. by the qkv_prologue kernel)
+    if q.ndim == 3:
+        qg = qg.reshape(B, K, G, H)
         if Gp != G:
             qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
-    k_flat = k_pool.reshape(L * P, K, page_size, H)
-    v_flat = v_pool.reshape(L * P, K, page_size, H)
-    math_ = _PlainMath if interpret else _WgmmaMath
+    k_flat, v_flat = (x.reshape(L * P, K, page_size, H) for x in (k_pool, v_pool))
     transforms = () if interpret else _smem_transforms(dtype, H)
-    # One split: each program's rows are final, so it writes the G real ones in q's dtype and
-    # the result is [B, N, H] by a reshape (no slice or cast launch). More: float32 partial
-    # outputs and log-sum-exps of the Gp rows, combined below.
+    # One split: the G real rows, final, in q's dtype (a reshape gives [B, N, H]); more: f32
+    # partial outputs and log-sum-exps of the Gp rows, combined below.
     single = splits == 1
     out_type = ((jax.ShapeDtypeStruct((B, K, G, H), q.dtype),) if single else
                 (jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
@@ -459,7 +439,8 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
         kw["interpret"] = _interpret_params()
     else:
         kw["compiler_params"] = plgpu.CompilerParams(approx_math=True)
-    body = functools.partial(_body, geo=geo, math_=math_, interpret=interpret)
+    body = functools.partial(_body, geo=geo, math_=_PlainMath if interpret else _WgmmaMath,
+                             interpret=interpret)
     if single:
         def body_single(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *scratch):
             body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, None, *scratch)
@@ -470,10 +451,9 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
 
 
 def layer_offsets(layer, pages_per_layer: int):
-    """i32[32], the kernel's per-layer input: element 0 is ``layer * pages_per_layer`` (the rest
-    count up from it, unread). A numpy constant when ``layer`` is a Python int, so that under jit
-    it costs no kernel launch; its elements differ so that XLA does not turn it into a broadcast
-    (a launch of its own)."""
+    """i32[32], the kernel's per-layer input: element 0 is ``layer * pages_per_layer``, the rest count
+    up from it (unread; distinct so XLA does not make it a broadcast launch). A numpy constant for
+    a Python-int ``layer`` (no launch under jit)."""
     if isinstance(layer, (int, np.integer)):
         return np.arange(_OFFSET_COLS, dtype=np.int32) + np.int32(int(layer) * pages_per_layer)
     base = jnp.asarray(layer, jnp.int32) * pages_per_layer
@@ -488,38 +468,19 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            config: MosaicDecodeConfig | None = None,
                            num_heads: int | None = None,
                            page_offset: jax.Array | None = None) -> jax.Array:
-    """`reference.paged_decode_attention`'s contract with a Mosaic GPU (Hopper) kernel.
-
-    Args (beyond the reference's):
-        q: [B, N, H], or grouped by KV head [B, K, Gp, H] with each head's G = N/K rows zero-padded
-            to Gp, the next multiple of ``Q_GROUP_MULTIPLE`` (then ``num_heads`` is required).
-        k_pool, v_pool: bfloat16 or float16 (float32 only with ``interpret=True``); H a multiple
-            of 64, page_size a multiple of 8.
-        interpret: Mosaic GPU interpret mode (CPU; the products in jnp).
-        block_kv, num_stages, num_splits: knobs of `MosaicDecodeConfig` (unless ``config``).
-        num_heads: N; required with a grouped q.
-        page_offset: i32[32] from ``layer_offsets(layer, P)``, used instead of ``layer``.
-    Returns:
-        [B, N, H] in q.dtype.
-    Raises:
-        ValueError: shapes, dtypes or knobs the kernel does not take, or a Python-int layer
-            outside [0, L). Not checked (traced): a traced layer, the page ids; lengths past the
-            table are clamped to M * page_size.
+    """`reference.paged_decode_attention`'s contract with a Mosaic GPU (Hopper) kernel -> [B, N, H]
+    in q.dtype. q: [B, N, H], or grouped [B, K, Gp, H] (G = N/K rows zero-padded to a multiple of
+    ``Q_GROUP_MULTIPLE``; needs ``num_heads`` = N). Pools bf16/f16 (f32 only in interpret mode), H
+    a multiple of 64, page_size of 8. interpret: Mosaic GPU interpret mode (CPU). block_kv,
+    num_stages, num_splits: `MosaicDecodeConfig` (unless ``config``). page_offset: i32[32]
+    ``layer_offsets(layer, P)``, used instead of ``layer``. ValueError: shapes, dtypes or knobs
+    the kernel does not take, or a Python-int layer outside [0, L). Not checked (traced): a traced
+    layer, the page ids; lengths past the table are clamped to M * page_size.
     """
     cfg = config if config is not None else MosaicDecodeConfig(
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
-    N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads)
-    if page_offset is not None and (getattr(page_offset, "shape", None) != (_OFFSET_COLS,)
-                                    or page_offset.dtype != jnp.int32):
-        raise ValueError(f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got "
-                         f"{getattr(page_offset, 'dtype', type(page_offset).__name__)}"
-                         f"{list(getattr(page_offset, 'shape', ()))}")
-    if isinstance(layer, (int, np.integer)) and not 0 <= layer < k_pool.shape[0]:
-        raise ValueError(f"layer={layer} is outside the pools' L={k_pool.shape[0]} layers")
-    if sliding_window is not None and sliding_window < 1:
-        raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
-    if soft_cap is not None and not soft_cap > 0:
-        raise ValueError(f"soft_cap={soft_cap} must be > 0 or None")
+    N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads, layer,
+                  page_offset, sliding_window, soft_cap)
     return _forward(q, k_pool, v_pool, block_tables, seq_lens,
                     layer_offsets(layer, k_pool.shape[1]) if page_offset is None else page_offset,
                     N=N, scale=float(scale),

@@ -26,15 +26,12 @@ from pallas_kernels.paged_attention.triton_pallas import (
     online_softmax_step)
 from pallas_kernels.sizes import is_pow2, next_pow2
 
-# Default tile: 64 query rows (tokens x padded group) and 64 keys per loop step.
-DEFAULT_ROWS = 64
-DEFAULT_KEYS = 64
+DEFAULT_ROWS = DEFAULT_KEYS = 64  # default tile: query rows (tokens x padded group), keys per step
 
 
 def _kernel(layer_ref, lens_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *, ROWS, H, M,
             page_size, pages_per_block, scale, soft_cap, sliding_window):
-    b = pl.program_id(0)
-    kh = pl.program_id(1)
+    b, kh = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     seq_len = jnp.minimum(lens_ref[b], M * page_size)                    # never past the table
     pos = pos_ref[...]                                                   # [ROWS] (-1: padding)
@@ -134,18 +131,13 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                             block_q: int | None = None, pages_per_block: int | None = None,
                             num_warps: int | None = None,
                             num_stages: int | None = None) -> jax.Array:
-    """`reference.paged_attention`'s contract (prefill chunks) as a Pallas/Triton kernel.
-
-    Args (beyond the reference's): q bf16/f16/f32; page_size and H powers of 2 (H >= 16);
-        interpret: the Pallas interpreter (CPU).
-        block_q: query tokens per program (``block_q * G_PAD`` must be a power of 2 >= 16);
-            pages_per_block: pages per key block (``pages_per_block * page_size`` a power of 2 >=
-            16); num_warps, num_stages: Triton launch knobs. None: `default_knobs`.
-    Returns:
-        [B, T, N, H] in q.dtype (empty, with no launch, when B or T is 0).
-    Raises:
-        ValueError: bad shapes, dtypes or knobs, naming the argument and what is allowed.
-    """
+    """`reference.paged_attention`'s contract (prefill chunks) as a Pallas/Triton kernel -> [B, T,
+    N, H] in q.dtype (empty, with no launch, when B or T is 0). q bf16/f16/f32; page_size and H
+    powers of 2 (H >= 16); interpret: the Pallas interpreter (CPU); block_q: query tokens per
+    program (``block_q * G_PAD`` a power of 2 >= 16); pages_per_block: pages per key block
+    (``pages_per_block * page_size`` a power of 2 >= 16); num_warps, num_stages: Triton launch
+    knobs; None: `default_knobs`. ValueError: bad shapes, dtypes or knobs, naming the argument and
+    what is allowed."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, N, H]; got shape {q.shape}")
     B, T, N, H = q.shape

@@ -15,21 +15,13 @@ import jax.numpy as jnp
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array,
                     seq_lens: jax.Array, q_positions: jax.Array, *, layer=0, scale: float,
                     soft_cap: float | None = None, sliding_window: int | None = None) -> jax.Array:
-    """Attention of T query tokens per sequence over that sequence's paged KV (prefill and decode).
-
-    Args:
-        q: [B, T, N, H] queries (RoPE applied).
-        k_pool, v_pool: [L, P, K, page_size, H]; this step's K/V must already be written.
-        block_tables: i32[B, M] physical page of each logical page (padding: null page 0).
-        seq_lens: i32[B] valid KV positions per sequence (0 for padded rows).
-        q_positions: i32[B, T] absolute position of each query token; key j is visible to a query at
-            position p iff ``j <= p`` and ``j < seq_len`` (and ``p - j < sliding_window`` if set).
-        layer: int or i32[] index into the pools' L axis.
-        scale: softmax scale, usually ``H ** -0.5``.
-        soft_cap: if set, logits become ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2).
-        sliding_window: if set, only the last ``sliding_window`` positions are visible.
-    Returns:
-        [B, T, N, H] in q.dtype; rows with no visible key are zeros.
+    """Attention of T query tokens per sequence over its paged KV -> [B, T, N, H] in q.dtype (rows
+    with no visible key: zeros). q: [B, T, N, H] (RoPE applied); k_pool, v_pool: [L, P, K,
+    page_size, H], this step's K/V written; block_tables: i32[B, M] physical page of each logical
+    page (padding: null page 0); seq_lens: i32[B] (0 for padded rows); q_positions: i32[B, T]:
+    key j is visible to a query at p iff ``j <= p``, ``j < seq_len`` (and ``p - j <
+    sliding_window`` if set); layer: int or i32[] into L; scale: usually ``H ** -0.5``; soft_cap:
+    logits become ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2).
     """
     B, T, N, H = q.shape
     K, page_size = k_pool.shape[2], k_pool.shape[3]
@@ -64,13 +56,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
                            soft_cap: float | None = None,
                            sliding_window: int | None = None) -> jax.Array:
-    """Decode: one query token per sequence at position ``seq_len - 1``.
-
-    Args:
-        q: [B, N, H]; other arguments as in `paged_attention`.
-    Returns:
-        [B, N, H] in q.dtype.
-    """
+    """Decode: q [B, N, H], one token per sequence at position ``seq_len - 1`` -> [B, N, H] in
+    q.dtype; other arguments as in `paged_attention`."""
     out = paged_attention(q[:, None], k_pool, v_pool, block_tables, seq_lens,
                           (seq_lens - 1)[:, None], layer=layer, scale=scale, soft_cap=soft_cap,
                           sliding_window=sliding_window)

@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attention import tuning
-from pallas_kernels.sizes import is_pow2, next_pow2
+from pallas_kernels.sizes import is_pow2, next_pow2, raise_first
 
 LOG2E = math.log2(math.e)
 MIN_MMA_ROWS = 16
@@ -38,18 +38,15 @@ NN_DIMS = (((1,), (0,)), ((), ()))
 
 def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
                       soft_cap=None, need_pow2=True) -> tuple[int, int, int, int, int, int]:
-    """Validate the shared decode signature; return (B, N, H, K, page_size, M).
-
-    Raises:
-        ValueError: naming the argument, its value and what is allowed.
-    """
+    """Validate the shared decode signature; return (B, N, H, K, page_size, M). ValueError names
+    the argument, its value and what is allowed."""
     if q.ndim != 3:
         raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
     B, N, H = q.shape
     if k_pool.ndim != 5:
         raise ValueError(f"k_pool must be [L, P, K, page_size, H]; got shape {k_pool.shape}")
     _, _, K, page_size, Hk = k_pool.shape
-    for bad, msg in [
+    raise_first([
             (v_pool.shape != k_pool.shape,
              f"v_pool shape {v_pool.shape} must equal k_pool shape {k_pool.shape}"),
             (k_pool.dtype != v_pool.dtype,
@@ -70,26 +67,20 @@ def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=
             (sliding_window is not None and sliding_window < 1,
              f"sliding_window={sliding_window} must be None or >= 1"),
             (soft_cap is not None and not soft_cap > 0,
-             f"soft_cap={soft_cap} must be None or > 0")]:
-        if bad:
-            raise ValueError(msg)
+             f"soft_cap={soft_cap} must be None or > 0")])
     return B, N, H, K, page_size, block_tables.shape[1]
 
 
 def check_knobs(pages_per_block: int, k_splits: int, num_warps: int, num_stages: int,
                 page_size: int) -> None:
     """Validate tuning knobs. Raises ValueError naming the knob."""
-    if not is_pow2(pages_per_block):
-        raise ValueError(f"pages_per_block={pages_per_block} must be a power of 2")
-    if pages_per_block * page_size < 16:
-        raise ValueError(f"pages_per_block * page_size = {pages_per_block * page_size} must be "
-                         ">= 16 (MMA minimum)")
-    if k_splits < 1:
-        raise ValueError(f"k_splits={k_splits} must be >= 1")
-    if num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8, 16")
-    if num_stages < 1:
-        raise ValueError(f"num_stages={num_stages} must be >= 1")
+    raise_first([
+        (not is_pow2(pages_per_block), f"pages_per_block={pages_per_block} must be a power of 2"),
+        (pages_per_block * page_size < 16, f"pages_per_block * page_size = "
+         f"{pages_per_block * page_size} must be >= 16 (MMA minimum)"),
+        (k_splits < 1, f"k_splits={k_splits} must be >= 1"),
+        (num_warps not in (1, 2, 4, 8, 16), f"num_warps={num_warps} must be one of 1, 2, 4, 8, 16"),
+        (num_stages < 1, f"num_stages={num_stages} must be >= 1")])
 
 
 def padded_group(G: int) -> int:
@@ -98,15 +89,10 @@ def padded_group(G: int) -> int:
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Merge flash-decoding partials (log-sum-exp weighting), float32.
-
-    Args:
-        acc: f32[S, ..., H] un-normalised partial outputs (sum_j 2^(x_j - m_s) v_j).
-        m: f32[S, ...] running max of each split in log2 units (NEG_INIT for an empty split).
-        l: f32[S, ...] partial denominators (0 for an empty split).
-    Returns:
-        f32[..., H]; zeros where every split was empty (seq_len 0).
-    """
+    """Merge flash-decoding partials (log-sum-exp weighting) -> f32[..., H], zeros where every
+    split was empty. acc: f32[S, ..., H] un-normalised partial outputs (sum_j 2^(x_j - m_s) v_j);
+    m: f32[S, ...] each split's running max in log2 units (NEG_INIT: empty); l: f32[S, ...] partial
+    denominators (0: empty)."""
     m_max = jnp.max(m, axis=0)
     w = jnp.exp2(m - m_max[None])
     l_tot = jnp.sum(w * l, axis=0)
@@ -144,11 +130,8 @@ def full_block(shape):
 
 def split_range(seq_len, s, *, page_size, pages_per_block, k_splits, sliding_window):
     """(lo, first_page, blk_lo, blk_hi): the first visible position, its page, and the blocks
-    [blk_lo, blk_hi) of split s, counted from `first_page`.
-    The visible pages of a sequence, [first_page, cdiv(seq_len, page_size)), are cut into blocks of
-    `pages_per_block`, and the blocks are dealt out to the splits in contiguous equal runs, so the
-    splits of one sequence follow its actual length (not the padded M).
-    """
+    [blk_lo, blk_hi) of split s (counted from first_page): the visible pages [first_page,
+    cdiv(seq_len, page_size)) cut into blocks, dealt to the splits in contiguous equal runs."""
     lo = jnp.int32(0) if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
     first_page = lo // page_size
     n_pages = (seq_len + page_size - 1) // page_size
@@ -160,9 +143,7 @@ def split_range(seq_len, s, *, page_size, pages_per_block, k_splits, sliding_win
 
 def _kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, H, M, page_size,
             pages_per_block, k_splits, scale, soft_cap, sliding_window):
-    b = pl.program_id(0)
-    kh = pl.program_id(1)
-    s = pl.program_id(2)
+    b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     seq_len = jnp.minimum(lens_ref[b], M * page_size)                    # never past the table
     block_n = pages_per_block * page_size
@@ -241,10 +222,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, so
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"paged_decode_triton_ppb{pages_per_block}_s{k_splits}",
     )(layer_arr, seq_lens, bt, qg, k_pool, v_pool)
-    if k_splits == 1:
-        o = outs[0]
-    else:
-        o = combine_splits(*outs)
+    o = outs[0] if k_splits == 1 else combine_splits(*outs)
     return o[:, :, :G].reshape(B, N, H).astype(q.dtype)
 
 
@@ -254,17 +232,12 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            interpret: bool = False, pages_per_block: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
                            k_splits: int | None = None) -> jax.Array:
-    """`reference.paged_decode_attention`'s contract as a Pallas/Triton kernel.
-
-    Args (beyond the reference's): q bf16/f16/f32; page_size and H powers of 2 (positions past
-    seq_len inside a visible page must hold finite values); ``interpret``: the Pallas interpreter
-    (CPU); ``pages_per_block``, ``num_warps``, ``num_stages``, ``k_splits``: tuning knobs, None
-    takes `tuning.resolve("triton", ...)` (k_splits None: enough splits to fill the device).
-    Returns:
-        [B, N, H] in q.dtype.
-    Raises:
-        ValueError: bad shapes/dtypes/knobs (see `check_decode_args`, `check_knobs`).
-    """
+    """`reference.paged_decode_attention`'s contract as a Pallas/Triton kernel -> [B, N, H] in
+    q.dtype. q bf16/f16/f32; page_size and H powers of 2 (positions past seq_len inside a visible
+    page must hold finite values); ``interpret``: the Pallas interpreter (CPU); ``pages_per_block``,
+    ``num_warps``, ``num_stages``, ``k_splits``: tuning knobs, None takes `tuning.resolve("triton",
+    ...)` (k_splits None: enough splits to fill the device). ValueError: `check_decode_args`,
+    `check_knobs`."""
     B, N, H, K, page_size, M = check_decode_args(q, k_pool, v_pool, block_tables, seq_lens,
                                                  sliding_window, soft_cap)
     knobs = tuning.resolve("triton", B=B, K=K, G=N // K, M=M, page_size=page_size, head_dim=H,

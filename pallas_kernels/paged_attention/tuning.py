@@ -1,11 +1,8 @@
-"""Tuned block sizes of the Triton paged decode-attention kernels, as data.
-
-``(variant, device_kind, page_size, head_dim, group, dtype)`` -> knobs: ``pages_per_block`` (pages
-per loop step), ``num_warps``, ``num_stages`` (pipelining depth), ``min_programs`` (the grid size
-the sequence split aims for: with fewer ``B * K`` programs each sequence is split into
-``k_splits`` parts). Records of ``tuned_h200.json`` (written by scripts/tune_paged_attention.py:
-``{"variant", "device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win
-over `BUILTIN`, then the device kind's entry, then `DEFAULTS`. Nothing is cached.
+"""Tuned block sizes of the Triton paged decode-attention kernels, as data: ``(variant,
+device_kind, page_size, head_dim, group, dtype)`` -> `KNOBS` (pages per loop step, warps,
+pipelining depth, and the grid size the sequence split aims for). Records of ``tuned_h200.json``
+(scripts/tune_paged_attention.py: ``{"variant", "device_kind", "page_size", "head_dim", "group",
+"dtype", "knobs": {...}}``) win over `BUILTIN`, then the device kind's entry, then `DEFAULTS`.
 """
 
 from __future__ import annotations
@@ -16,6 +13,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from pallas_kernels.sizes import next_pow2
+
 TUNED_FILE = Path(__file__).with_name("tuned_h200.json")
 KNOBS = ("pages_per_block", "num_warps", "num_stages", "min_programs")
 VARIANTS = ("triton", "jax_triton")
@@ -25,19 +24,14 @@ VARIANTS = ("triton", "jax_triton")
 DEFAULTS = {v: {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256}
             for v in VARIANTS}
 
-# (variant, device_kind) -> knobs, and (variant, device_kind, page_size, head_dim, group, dtype).
-# In interpret mode the device kind is "interpret": small blocks and no splits keep the CPU fast.
+# (variant, device_kind) or the full key -> knobs; device kind "interpret": fast on the CPU.
 BUILTIN = {(v, "interpret"): {"pages_per_block": 2, "num_warps": 4, "num_stages": 1,
                               "min_programs": 1} for v in VARIANTS}
 
 
 def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
-    """Records of a tuning JSON file as ``{(variant, device_kind, page_size, head_dim, group,
-    dtype): knobs}``; empty if the file is absent.
-
-    Raises:
-        ValueError: a record lacks a key field or names an unknown knob.
-    """
+    """Records of a tuning JSON file as ``{key: knobs}`` (module docstring); {} if absent.
+    ValueError: a record lacks a key field or names an unknown knob."""
     if not path.exists():
         return {}
     out = {}
@@ -77,30 +71,18 @@ def choose_k_splits(batch: int, num_kv_heads: int, num_blocks: int, min_programs
     return int(max(1, min(want, num_blocks)))
 
 
-def current_device_kind(interpret: bool) -> str:
-    """``"interpret"`` in interpret mode, else the default device's kind."""
-    return "interpret" if interpret else jax.devices()[0].device_kind
-
-
 def resolve(variant: str, *, B: int, K: int, G: int, M: int, page_size: int, head_dim: int, dtype,
             interpret: bool, pages_per_block: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, k_splits: int | None = None) -> dict:
-    """Final knobs of one call: explicit arguments win over the table; `k_splits` None is chosen
-    by `choose_k_splits`; `pages_per_block` is capped at the power of 2 covering M pages (but
-    kept >= 16 keys per block, the MMA minimum).
-
-    Returns:
-        {"pages_per_block", "num_warps", "num_stages", "k_splits"}.
-    """
-    t = lookup(variant, device_kind=current_device_kind(interpret), page_size=page_size,
-               head_dim=head_dim, group=G, dtype=dtype)
-    ppb = pages_per_block if pages_per_block is not None else t["pages_per_block"]
-    if pages_per_block is None:
-        cover = 1 << max(0, (M - 1).bit_length())
-        ppb = max(min(ppb, cover), -(-16 // page_size))
-    num_blocks = -(-M // ppb)
+    """{"pages_per_block", "num_warps", "num_stages", "k_splits"} of one call: explicit arguments
+    win over the table; `k_splits` None: `choose_k_splits`; a table `pages_per_block` is capped at
+    the power of 2 covering M pages (kept >= 16 keys per block, the MMA minimum)."""
+    t = lookup(variant, device_kind="interpret" if interpret else jax.devices()[0].device_kind,
+               page_size=page_size, head_dim=head_dim, group=G, dtype=dtype)
+    ppb = pages_per_block if pages_per_block is not None else max(
+        min(t["pages_per_block"], next_pow2(M)), -(-16 // page_size))
     if k_splits is None:
-        k_splits = choose_k_splits(B, K, num_blocks, t["min_programs"])
+        k_splits = choose_k_splits(B, K, -(-M // ppb), t["min_programs"])
     return {"pages_per_block": int(ppb),
             "num_warps": int(num_warps if num_warps is not None else t["num_warps"]),
             "num_stages": int(num_stages if num_stages is not None else t["num_stages"]),

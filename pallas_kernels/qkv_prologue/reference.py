@@ -14,14 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.sizes import raise_first
+
 
 def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
                num_kv_heads: int, q_group_rows: int | None = None) -> tuple[int, int, int, int]:
-    """Validate shapes; return (S, N, K, H).
-
-    Raises:
-        ValueError: naming the argument, its shape and what is allowed.
-    """
+    """Validate shapes; return (S, N, K, H). ValueError names the argument, its shape and what is
+    allowed."""
     N, K = num_heads, num_kv_heads
     if k_pool.ndim != 5 or v_pool.shape != k_pool.shape:
         raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H]; got {k_pool.shape} "
@@ -34,27 +33,24 @@ def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_
     if qkv.ndim != 2 or qkv.shape[1] != (N + 2 * K) * H:
         raise ValueError(f"qkv must be [S, (N + 2K) * H] = [S, {(N + 2 * K) * H}]; got {qkv.shape}")
     S = qkv.shape[0]
-    for name, a in (("cos", cos), ("sin", sin)):
-        if a.shape != (S, H // 2):
-            raise ValueError(f"{name} must be f32[S, H/2] = [{S}, {H // 2}]; got {a.shape}")
-    if slot_mapping.shape != (S,) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
-        raise ValueError(f"slot_mapping must be i32[S={S}]; got {slot_mapping.dtype}"
-                         f"{list(slot_mapping.shape)}")
-    for name, a in (("qkv", qkv), ("cos", cos), ("sin", sin), ("k_pool", k_pool)):
-        if not jnp.issubdtype(a.dtype, jnp.floating):
-            raise ValueError(f"{name} must be a floating dtype; got {a.dtype}")
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm must be given together (Qwen3) or both None (Llama)")
-    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if w is not None and w.shape != (H,):
-            raise ValueError(f"{name} must be [H={H}]; got {w.shape}")
-    if N % K:
-        raise ValueError(f"num_heads={N} must be a multiple of num_kv_heads={K}")
-    if q_group_rows is not None and (isinstance(q_group_rows, bool)
-                                     or not isinstance(q_group_rows, (int, np.integer))
-                                     or not N // K <= q_group_rows):
-        raise ValueError(f"q_group_rows={q_group_rows!r} must be an integer >= the query heads "
-                         f"per KV head ({N // K}), or None")
+    raise_first([
+        *[(a.shape != (S, H // 2), f"{name} must be f32[S, H/2] = [{S}, {H // 2}]; got {a.shape}")
+          for name, a in (("cos", cos), ("sin", sin))],
+        (slot_mapping.shape != (S,) or not jnp.issubdtype(slot_mapping.dtype, jnp.integer),
+         f"slot_mapping must be i32[S={S}]; got {slot_mapping.dtype}{list(slot_mapping.shape)}"),
+        *[(not jnp.issubdtype(a.dtype, jnp.floating), f"{name} must be a floating dtype; got "
+           f"{a.dtype}") for name, a in (("qkv", qkv), ("cos", cos), ("sin", sin),
+                                         ("k_pool", k_pool))],
+        ((q_norm is None) != (k_norm is None),
+         "q_norm and k_norm must be given together (Qwen3) or both None (Llama)"),
+        *[(w is not None and w.shape != (H,), f"{name} must be [H={H}]; got "
+           f"{getattr(w, 'shape', None)}") for name, w in (("q_norm", q_norm), ("k_norm", k_norm))],
+        (N % K, f"num_heads={N} must be a multiple of num_kv_heads={K}"),
+        (q_group_rows is not None and (isinstance(q_group_rows, bool)
+                                       or not isinstance(q_group_rows, (int, np.integer))
+                                       or not N // K <= q_group_rows),
+         f"q_group_rows={q_group_rows!r} must be an integer >= the query heads per KV head "
+         f"({N // K}), or None")])
     return S, N, K, H
 
 
@@ -78,29 +74,18 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int,
                  eps: float = 1e-6,
                  q_group_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The attention prologue of one layer, in plain jnp.
+    """The attention prologue of one layer, in plain jnp -> (q, k_pool, v_pool) with this step's
+    K/V written at ``layer``; q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H].
 
-    Args:
-        qkv: [S, (N + 2K) * H] output of the fused q/k/v projection (query heads, then key heads,
-            then value heads), compute dtype.
-        q_norm, k_norm: [H] RMSNorm weights shared by the query / key heads (Qwen3), or both None
-            (Llama: no QK-Norm).
-        cos, sin: f32[S, H/2] RoPE angles' cosines and sines at each token's position.
-        slot_mapping: i32[S] flat slot ``page * page_size + offset`` of each token (padding: a
-            slot of the null page 0); each in [0, P * page_size).
-        k_pool, v_pool: [L, P, K, page_size, H].
-        layer: int or i32[] index into L, in [0, L).
-        num_heads, num_kv_heads: N and K.
-        eps: RMSNorm epsilon.
-        q_group_rows: None, or Gq >= G = N/K: q is returned grouped by KV head, [S, K, Gq, H],
-            the rows past G zero (Gq a multiple of ``mosaic.Q_GROUP_MULTIPLE``: the Mosaic decode
-            kernel's layout).
-    Returns:
-        (q, k_pool, v_pool) with this step's K/V written at ``layer``; q [S, N, H] in qkv.dtype,
-        or [S, K, q_group_rows, H]. Slots or a layer out of range are not checked (traced):
-        what they write is undefined.
-    Raises:
-        ValueError: see `check_args` (shapes, and integer slots / floating data).
+    qkv: [S, (N + 2K) * H] the fused q/k/v projection (query, key, value heads), compute dtype.
+    q_norm, k_norm: [H] RMSNorm weights of the query / key heads (Qwen3), or both None (Llama).
+    cos, sin: f32[S, H/2] at each token's position. slot_mapping: i32[S] flat slot ``page *
+    page_size + offset`` of each token (padding: the null page 0). k_pool, v_pool: [L, P, K,
+    page_size, H]. layer: int or i32[] in [0, L). num_heads, num_kv_heads: N and K.
+    q_group_rows: None, or Gq >= G = N/K: q grouped by KV head, [S, K, Gq, H], rows past G zero
+    (the Mosaic decode kernel's layout, Gq a multiple of ``mosaic.Q_GROUP_MULTIPLE``).
+    Slots or a layer out of range are not checked (traced): what they write is undefined.
+    ValueError: `check_args`.
     """
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
                             num_heads, num_kv_heads, q_group_rows)

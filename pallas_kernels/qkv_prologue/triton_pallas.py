@@ -1,12 +1,10 @@
 """The attention prologue (q/k RMSNorm + RoPE + K/V page write) as one Pallas kernel with the
 Triton lowering; same contract as `reference.qkv_prologue`.
 
-With ``q_group_rows`` the queries are written grouped by KV head and zero-padded, the layout the
-mosaic decode kernel reads. Two grids (``grid``): one program per (token, query row or key or
-value head), or one per (token, KV group of query heads) plus one for the token's keys and one for
-its values. Each head is read as its two RoPE halves ([H/2] vectors, or [rows, H/2] tiles). The
-pools are aliased to the outputs (``input_output_aliases``), so XLA can update them in place.
-Sources: as `reference.py`.
+Two grids (``grid`` of `qkv_prologue`): "head", one program per (token, query row or key or value
+head), or "group", one per (token, KV group of query heads) plus one for the token's keys and one
+for its values. Each head is read as its two RoPE halves ([H/2] vectors, or [rows, H/2] tiles).
+The pools are aliased to the outputs, so XLA can update them in place. Sources: as `reference.py`.
 """
 
 from __future__ import annotations
@@ -24,10 +22,8 @@ from pallas_kernels.sizes import is_pow2
 
 
 def _program(slots_ref, layer_ref, H: int, page_size: int):
-    """(s, j, lo, hi, page, off, layer): grid indices, the RoPE halves' slices of a head, and
-    where the token's K/V go."""
-    s, j = pl.program_id(0), pl.program_id(1)
-    half = H // 2
+    """(s, j, lo, hi, page, off, layer): grid indices, the RoPE halves' slices, the K/V slot."""
+    s, j, half = pl.program_id(0), pl.program_id(1), H // 2
     slot = slots_ref[s]
     return (s, j, pl.ds(0, half), pl.ds(half, half), slot // page_size, slot % page_size,
             layer_ref[0])
@@ -35,9 +31,8 @@ def _program(slots_ref, layer_ref, H: int, page_size: int):
 
 def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
                      q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps, has_norm):
-    """One program per (token s, j) (any N and K): j < K * Gq the query row j % Gq of KV group
-    j // Gq (query head (j // Gq) * G + j % Gq, or a zero row past G), then the K key heads,
-    then the K value heads."""
+    """Grid "head", (token s, j): j < K * Gq query row j % Gq of KV group j // Gq (a zero row past
+    G), then the K key heads, then the K value heads."""
     del k_in, v_in  # aliased to k_ref, v_ref
     s, j, lo, hi, page, off, layer = _program(slots_ref, layer_ref, H, page_size)
     nq = K * Gq
@@ -78,9 +73,8 @@ def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv
 
 def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
                     q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps, has_norm):
-    """One program per (token s, j): j < K the G query heads of KV group j (written as Gq rows,
-    the rows past G zero), j = K all K key heads, j = K + 1 all K value heads. K and Gq must be
-    powers of 2 (Triton block shapes)."""
+    """Grid "group", (token s, j): j < K the G query heads of KV group j (as Gq rows, zero past
+    G), j = K all K key heads, j = K + 1 all K values. K, Gq powers of 2 (Triton block shapes)."""
     del k_in, v_in  # aliased to k_ref, v_ref
     s, j, lo, hi, page, off, layer = _program(slots_ref, layer_ref, H, page_size)
     half, dt = H // 2, q_ref.dtype
@@ -119,9 +113,8 @@ def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_
 
 
 def _rms_norm_halves(x1, x2, w1, w2, H, eps, dt, axis):
-    """RMSNorm of heads given as their two halves (HF order: the normalized value rounded to the
-    compute dtype ``dt``, then times the weight, also rounded to ``dt``); ``axis`` None: one head
-    ([H/2] each), 1: rows ([rows, H/2] each)."""
+    """RMSNorm of heads as their two halves, HF rounding to ``dt`` (reference.py); ``axis`` None:
+    one head ([H/2] each), 1: rows ([rows, H/2] each)."""
     f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
     keep = axis is not None
     var = (jnp.sum(f1 * f1, axis=axis, keepdims=keep) + jnp.sum(f2 * f2, axis=axis,
@@ -189,21 +182,14 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  eps: float = 1e-6, q_group_rows: int | None = None, interpret: bool = False,
                  grid: str = "auto",
                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`reference.qkv_prologue`'s contract and result in one Pallas launch (H/2 must be a power of
-    2; slots and layer are not range-checked: outside them the kernel writes out of bounds).
-
-    Args (beyond the reference's):
-        interpret: the Pallas interpreter (CPU).
-        grid: "group": S * (K + 2) programs, one per (token, KV group of query heads) plus one for
-            the token's keys and one for its values (K and the rows per group, ``q_group_rows``
-            or G, powers of 2); "head": S * (K * rows + 2K) programs, one per (token, query row
-            or key or value head); "auto": "head" while that fits in about one wave (4096), else
-            "group" where it applies (BENCHMARKS.md section "Throughput").
-        num_warps: warps per program; None: 1 for "head", 2 for "group".
-    Raises:
-        ValueError: see `reference.check_args`; H/2 not a power of 2; a ``grid`` not one of
-            "auto", "group", "head", or "group" where it does not apply.
-    """
+    """`reference.qkv_prologue`'s contract and result in one Pallas launch (H/2 a power of 2;
+    slots and layer out of range write out of bounds). interpret: the Pallas interpreter (CPU).
+    grid (module docstring): "group", S * (K + 2) programs (K and the rows per group,
+    ``q_group_rows`` or G, powers of 2); "head", S * (K * rows + 2K); "auto": "head" while that
+    fits in about one wave (4096), else "group" where it applies (BENCHMARKS.md section
+    "Throughput"). num_warps: per program; None: 1 for "head", 2 for "group". ValueError:
+    `reference.check_args`; H/2 not a power of 2; ``grid`` not "auto", "group", "head", or
+    "group" where it does not apply."""
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
                             num_heads, num_kv_heads, q_group_rows)
     if not is_pow2(H // 2):
@@ -215,16 +201,13 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     if grid == "group" and not groupable:
         raise ValueError(f"grid='group' needs the KV heads K and the query rows per group to be "
                          f"powers of 2; got K={K}, rows={rows}; use 'head' or 'auto'")
-    if grid == "auto":  # per head while its programs fit in about one wave, else grouped
-        grouped = groupable and S * (K * rows + 2 * K) > _ONE_WAVE_PROGRAMS
-    else:
-        grouped = grid == "group"
-    if num_warps is None:
-        num_warps = 2 if grouped else 1
+    grouped = (groupable and S * (K * rows + 2 * K) > _ONE_WAVE_PROGRAMS if grid == "auto"
+               else grid == "group")
     if S == 0:  # no tokens: nothing to write, no launch (a grid of 0 programs is not valid)
         return reference.qkv_prologue(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool,
                                       v_pool, layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
                                       q_group_rows=q_group_rows)
     return _prologue(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, layer, N=N,
                      K=K, Gq=q_group_rows, eps=float(eps), interpret=bool(interpret),
-                     num_warps=int(num_warps), grouped=grouped)
+                     num_warps=int((2 if grouped else 1) if num_warps is None else num_warps),
+                     grouped=grouped)

@@ -73,13 +73,11 @@ class OutputProcessor:
         """The first-starting stop string in ``seq``'s output text, or None; call it after each
         token. A "length" finish is still checked (the last token can complete a stop string)."""
         stops = seq.params.stop
-        if not stops or self.detokenize is None:
-            return None
-        if seq.is_finished and seq.finish_reason != "length":
+        if not stops or self.detokenize is None or (seq.is_finished
+                                                     and seq.finish_reason != "length"):
             return None
         # a new match ends in the last tokens (+8 for tokens decoding to nothing or part of one)
-        window = max(map(len, stops)) + 8
-        tail = self.detokenize(seq.output_token_ids[-window:])
+        tail = self.detokenize(seq.output_token_ids[-(max(map(len, stops)) + 8):])
         if not any(stop in tail for stop in stops):
             return None
         text = self.detokenize(seq.output_token_ids)
@@ -101,8 +99,7 @@ class OutputProcessor:
         """(new ids, new text, new ``sent``) since ``sent`` = (tokens, text) sent; None: no new
         token, or a running request's text ends in U+FFFD. Text that could start a stop string is
         held back while running (vLLM)."""
-        n_done, text_done = sent
-        ids = seq.output_token_ids
+        (n_done, text_done), ids = sent, seq.output_token_ids
         if len(ids) == n_done:
             return None
         text = self.visible_text(seq)

@@ -2,7 +2,8 @@
 
 A step is the pure function ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')``, KV cache
 donated, compiled once per `jaxinfer.step_input.ShapeKey` and GEMM back-end; `StepExecutor` picks
-the variant, keeps ahead-of-time executables and dispatches one step per transfer.
+the variant, keeps ahead-of-time executables and dispatches one step per transfer; compiles can
+persist on disk (`enable_compilation_cache`, the role of vLLM's torch.compile cache).
 """
 
 from __future__ import annotations
@@ -32,14 +33,10 @@ log = logging.getLogger("jaxinfer")
 
 @dataclass(frozen=True)
 class StepInput:
-    """Per-step device inputs, padded to a bucket (fields: `jaxinfer.step_input.FIELDS`).
-
-    Unpacked (decode, ``packing`` None): tokens, positions, slot_mapping i32[B, T], row b is
-    sequence b; logits_indices i32[B]. Packed (prefill, ``packing`` a `models.Packing`): those
-    are i32[1, Tp], R chunks back to back; logits_indices i32[R] are packed indices.
-    prev_tokens i32[Bmax]: the previous step's output on the device (None: unused).
-    pending_src i32[B]: the row of ``prev_tokens`` that is row b's input token, or -1.
-    """
+    """Per-step device inputs (`jaxinfer.step_input.FIELDS`): tokens, positions, slot_mapping
+    i32[B, T] (packed, with a `models.Packing`: i32[1, Tp], R chunks back to back);
+    logits_indices i32[B] (packed: i32[R] packed indices); prev_tokens i32[Bmax]: the previous
+    step's output (None: unused); pending_src i32[B]: row b's input token's row in it, or -1."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -141,16 +138,30 @@ PACKED_STEPS = {gemm: _jit(packed_step, gemm, ("key", "cfg", "kernels"))
                 for gemm in GEMM_COMPILER_OPTIONS}
 
 
+def enable_compilation_cache(path) -> str:
+    """Point JAX's process-wide persistent compilation cache at ``path`` (created if missing),
+    caching every compile (keyed by program, JAX/XLA version, device); returns the absolute path.
+    Raises ValueError: ``path`` is not a directory or cannot be created."""
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"compilation_cache_dir={path!r} is invalid: it exists and is not a "
+                         "directory")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"compilation_cache_dir={path!r} cannot be created: {e.strerror}") from None
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    return path
+
+
 class StepExecutor:
-    """The compiled steps of model ``cfg`` with ``kernels``; ``kc`` the resolved `KernelConfig`,
-    ``max_batch`` the largest batch bucket; compiles are counted in ``stats`` (`EngineStats`)."""
+    """The compiled steps of ``cfg`` with ``kernels``, resolved `KernelConfig` ``kc``, the
+    largest batch bucket ``max_batch``; counts compiles in ``stats`` (`EngineStats`)."""
 
     def __init__(self, cfg, kernels, kc, max_batch: int, stats) -> None:
-        self.steps = PACKED_STEPS
-        self.static = dict(cfg=cfg, kernels=kernels)
-        self.cublas_min_batch = kc.cublas_decode_min_batch
-        self.prefill_gemm = kc.prefill_gemm
-        self.stats = stats
+        self.steps, self.static, self.stats = PACKED_STEPS, dict(cfg=cfg, kernels=kernels), stats
+        self.cublas_min_batch, self.prefill_gemm = kc.cublas_decode_min_batch, kc.prefill_gemm
         self.no_prev_tokens = jnp.zeros((max_batch,), jnp.int32)  # before any step: fixed shape
         self.executables: dict[ShapeKey, object] = {}  # ahead-of-time compiled steps
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import compile_cache, memory, models
+from jaxinfer import memory, models
 from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.dry_run import dry_run
@@ -26,7 +26,7 @@ from jaxinfer.kernels import model_kernels
 from jaxinfer.kv_cache import KVCache, init_kv_cache
 from jaxinfer.outputs import OutputProcessor, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step import StepExecutor
+from jaxinfer.step import StepExecutor, enable_compilation_cache
 from jaxinfer.step_input import ShapeKey
 
 
@@ -39,7 +39,7 @@ class LLMEngine:
                  detokenize: Callable | None = None) -> None:
         ec, kc = resolved.engine, resolved.kernels
         if ec.compilation_cache_dir is not None:
-            compile_cache.enable(ec.compilation_cache_dir)
+            enable_compilation_cache(ec.compilation_cache_dir)
         models.check_params(params, model_config)
         self.model_config, self.params, self.resolved = model_config, params, resolved
         self.max_model_len, self.page_size = resolved.max_model_len, ec.page_size

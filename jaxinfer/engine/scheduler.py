@@ -213,12 +213,9 @@ class Scheduler:
             return None
         bm = self.block_manager
         # victims come off the back; sequences ending on their pending tokens keep their pages
-        ending: list[Sequence] = []
-        queue: deque[Sequence] = deque()
+        ending, queue, scheduled, deferred = [], deque(), [], []
         for s in self.running:
             (ending if self._finishes_on_length(s) else queue).append(s)
-        scheduled: list[Sequence] = []
-        deferred: list[Sequence] = []
         while queue:
             seq = queue.popleft()
             if seq.num_computed_tokens != seq.num_tokens_with_pending - 1:
@@ -247,14 +244,11 @@ class Scheduler:
                 scheduled.append(seq)
         kept = {id(s) for s in scheduled + deferred + ending}
         self.running = [s for s in self.running if id(s) in kept]  # admission order
-        if not scheduled:
-            return None
-        return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False)
+        return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False) if scheduled else None
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -279,13 +273,11 @@ class Scheduler:
         for seq, tok in zip(batch.seqs, sampled):
             if seq.is_finished or tok is None:
                 continue
-            tok = int(tok)
             seq.num_pending_tokens -= 1
-            seq.output_token_ids.append(tok)
+            seq.output_token_ids.append(tok := int(tok))
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._stop_reason(seq, tok)
-            if reason is not None:
+            if (reason := self._stop_reason(seq, tok)) is not None:
                 self._finish(seq, reason, now)
                 finished.append(seq)
         return finished
@@ -312,10 +304,8 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Sequence | None:
         """Finish ``request_id`` with "abort"; the sequence, or None if not unfinished."""
-        seq = self._requests.get(request_id)
-        if seq is None:
-            return None
-        self._finish(seq, "abort", time.perf_counter())
+        if (seq := self._requests.get(request_id)) is not None:
+            self._finish(seq, "abort", time.perf_counter())
         return seq
 
     def abort_all(self) -> list[Sequence]:
@@ -332,7 +322,5 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.block_table:
             self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.finish_time = now
+        seq.status, seq.finish_reason, seq.finish_time = SequenceStatus.FINISHED, reason, now
         del self._requests[seq.request_id]

@@ -49,7 +49,7 @@ def test_second_process_loads_compiled_steps(tmp_path):
 
 
 def test_cache_path_that_is_a_file_is_rejected(tmp_path):
-    from jaxinfer.compile_cache import enable
+    from jaxinfer.step import enable_compilation_cache as enable
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(ValueError, match="not a directory"):

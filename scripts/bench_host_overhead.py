@@ -12,7 +12,10 @@ Runs `LLMEngine` on the Qwen3-8B architecture (random bf16 weights, ``--layers``
 Idle fraction = 1 - device / engine step time. Appends JSON objects (bench="host_overhead") to
 ``--out``.
 
+``--kernels SPEC``: the engine's kernel config (`KernelConfig.parse`; default: the engine's).
+
     python scripts/bench_host_overhead.py [--layers 36] [--batch 64] [--context 1024] [--steps 50]
+        [--kernels SPEC]
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="KV length reached at the end")
     ap.add_argument("--steps", type=int, default=50, help="timed steps per mode")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--kernels", default="", metavar="SPEC",
+                    help="the engine's kernel config (KernelConfig.parse, resolved by the engine); "
+                         "'' = the default")
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     args = ap.parse_args()
 
@@ -46,13 +51,19 @@ def main() -> None:
     import jax.numpy as jnp
 
     import jaxinfer.engine.llm_engine as le
-    from jaxinfer.config import EngineConfig, ModelConfig
-    from jaxinfer.models import registry as models
+    from jaxinfer import models
+    from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve
+    from jaxinfer.kernels import model_kernels
     from jaxinfer.sampling_params import SamplingParams
+    from jaxinfer.step_input import pack
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_decode import QWEN3_8B, time_steps  # same directory
 
     cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
+    try:
+        kernels = KernelConfig.parse(args.kernels)
+    except ValueError as e:
+        ap.error(str(e))
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     B, ps, warm = args.batch, args.page_size, 8
     gen = warm + 2 * args.steps + 2
@@ -60,8 +71,8 @@ def main() -> None:
     pages = -(-args.context // ps)
     ec = EngineConfig(max_model_len=args.context, page_size=ps, num_pages=B * pages + 1,
                       max_num_seqs=B, max_num_batched_tokens=max(2048, prompt_len),
-                      dtype="bfloat16", attention=args.attention)
-    eng = le.LLMEngine(cfg, params, ec)
+                      dtype="bfloat16", kernels=kernels)
+    eng = le.LLMEngine(cfg, params, resolve(cfg, ec, jax.default_backend()))
     rng = np.random.default_rng(0)
     for _ in range(B):
         eng.add_request(rng.integers(0, min(10000, cfg.vocab_size), prompt_len).tolist(),
@@ -95,16 +106,21 @@ def main() -> None:
     t_sync = timed(False)
     hb = captured["hb"]
     assert hb.tokens.shape[0] == B, hb.tokens.shape
-    step = eng.step_fn(hb.shape_key)
-    (params, kv, buf, prev), layout = eng._device_inputs(hb)
+    step = eng.executor.step_fn(hb.key)
+    kv, buf = eng.kv, jax.device_put(pack(hb))
+    prev = jnp.zeros((eng.buckets.batch[-1],), jnp.int32)
+    static = dict(key=hb.key, cfg=cfg, kernels=model_kernels(eng.resolved.kernels))
 
     def run(kv):  # the engine's packed step on the same inputs, back to back (kv donated)
-        return step(params, kv, buf, prev, layout=layout)
+        return step(eng.params, kv, buf, prev, **static)
     t_dev, kv = time_steps(run, kv, args.steps)
 
     commit = git_commit()
     meta = dict(bench="host_overhead", layers=args.layers, B=B, context=args.context,
-                attention=eng.resolved.attention, compiles=eng.num_compiles, jax=jax.__version__,
+                kernels=args.kernels, attention=eng.resolved.kernels.decode_attention,
+                qkv_prologue=eng.resolved.kernels.qkv_prologue,
+                add_rms_norm=eng.resolved.kernels.add_rms_norm, compiles=eng.stats.num_compiles,
+                jax=jax.__version__,
                 device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
                 commit=commit, xla_flags=xla_flags())
     rows = [dict(meta, mode=m, ms_per_step=t * 1e3, idle_frac=max(0.0, 1 - t_dev / t))

@@ -17,7 +17,11 @@ with the published Qwen3-8B architecture (``--layers`` of them): with ``--compar
 as an HF checkpoint to ``--random-dir`` so both engines load identical weights, otherwise built
 directly on the device (``LLM.from_params``).
 
+Kernels: ``--kernels SPEC`` (`KernelConfig.parse`, e.g. ``decode=mosaic,batch_buckets=1:2:4:256``),
+resolved by the engine; default: the engine's default. Counters come from ``llm.engine.stats``.
+
     python scripts/bench_throughput.py [--num-requests 256] [--compare hf] [--model DIR]
+        [--kernels SPEC]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
+from jaxinfer.config import KernelConfig  # noqa: E402
 
 QWEN3_8B_HF = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
@@ -85,11 +90,11 @@ def step_phases(log, t0: float) -> dict:
     keys = ("wait_s", "schedule_s", "launch_s", "post_s")
     for r in log:
         dt, prev = r.t_done - prev, r.t_done
-        if r.shape_key[3] is not None:  # packed prefill step
+        if r.shape_key.packed:  # packed prefill step
             out["prefill"]["steps"] += 1
             out["prefill"]["seconds"] += dt
             continue
-        d = out["decode"].setdefault(str(r.shape_key[1][0]),
+        d = out["decode"].setdefault(str(r.shape_key.batch),
                                      dict(steps=0, seconds=0.0, rows=0, **dict.fromkeys(keys, 0.0)))
         d["steps"] += 1
         d["seconds"] += dt
@@ -166,16 +171,13 @@ def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
 def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     from jaxinfer import LLM, SamplingParams
     kw = dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
-              batch_buckets=tuple(args.batch_buckets),
-              max_num_batched_tokens=args.max_num_batched_tokens, attention=args.attention,
-              prefill_attention=args.prefill_attention, dtype=args.dtype,
-              prefill_gemm=args.prefill_gemm, qkv_prologue=args.qkv_prologue,
-              add_rms_norm=args.add_rms_norm)
+              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+              kernels=args.kernels)
     if path is None:  # random weights built on the device: no checkpoint to write or read
         import jax
         import jax.numpy as jnp
+        from jaxinfer import models
         from jaxinfer.config import ModelConfig
-        from jaxinfer.models import registry as models
         cfg = ModelConfig.from_hf_config(dict(QWEN3_8B_HF, model_type="qwen3",
                                               num_hidden_layers=args.layers))
         dtype = jnp.dtype(args.dtype or "bfloat16")
@@ -184,21 +186,23 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
         llm = LLM(path, skip_tokenizer_init=True, **kw)
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
     reqs = [{"prompt_token_ids": p} for p in prompts]
-    print(f"jaxinfer: model loaded, KV pool {llm.engine.resolved.num_pages} pages; compiling the "
+    eng = llm.engine
+    kc = eng.resolved.kernels
+    print(f"jaxinfer: model loaded, KV pool {eng.num_pages} pages, kernels {kc}; compiling the "
           "step shapes the workload visits (host dry run)", flush=True)
     pre = llm.precompile(reqs, params, max_workers=args.compile_workers)
     print(f"jaxinfer: {pre['shapes']} shapes compiled in {pre['seconds']:.0f} s "
           f"({pre['lower_s']:.0f} s of it tracing, {pre['warm_s']:.1f} s first runs)", flush=True)
-    lazy_before = llm.engine.num_lazy_compiles
+    lazy_before = eng.stats.num_lazy_compiles
     if args.trace_steps:
         import tempfile
-        llm.engine.step_log = TracedStepLog(*args.trace_steps, tempfile.mkdtemp())
+        eng.stats.step_log = TracedStepLog(*args.trace_steps, tempfile.mkdtemp())
     else:
-        llm.engine.step_log = []
+        eng.stats.step_log = []
     t = time.perf_counter()
     outs = llm.generate(reqs, params, use_tqdm=True)
     dt = time.perf_counter() - t
-    phases = step_phases(llm.engine.step_log, t)
+    phases = step_phases(eng.stats.step_log, t)
     ttft, tpot, lat = [], [], []
     for o in outs:
         m, k = o.metrics, len(o.token_ids)
@@ -208,18 +212,17 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
             tpot.append((m.finish_time - m.first_token_time) / (k - 1))
     assert [len(o.token_ids) for o in outs] == out_lens
     row = summarize("jaxinfer", dt, sum(out_lens), ttft, tpot, lat)
-    row.update(compiles=llm.engine.num_compiles,
-               compiles_in_timed_run=llm.engine.num_lazy_compiles - lazy_before,
+    row.update(compiles=eng.stats.num_compiles,
+               compiles_in_timed_run=eng.stats.num_lazy_compiles - lazy_before,
                precompile_s=pre["seconds"], precompile_lower_s=pre["lower_s"],
                precompile_warm_s=pre["warm_s"],
-               compile_workers=args.compile_workers, batch_buckets=list(llm.engine.buckets.batch),
-               phases=phases, attention=llm.engine.resolved.attention,
-               prefill_attention=llm.engine.resolved.prefill_attention,
-               num_pages=llm.engine.resolved.num_pages, prefill_gemm=args.prefill_gemm,
-               qkv_prologue=llm.engine.resolved.qkv_prologue,
-               add_rms_norm=llm.engine.resolved.add_rms_norm)
+               compile_workers=args.compile_workers, batch_buckets=list(eng.buckets.batch),
+               phases=phases, kernels=args.kernels, attention=kc.decode_attention,
+               prefill_attention=kc.prefill_attention, num_pages=eng.num_pages,
+               prefill_gemm=kc.prefill_gemm, qkv_prologue=kc.qkv_prologue,
+               add_rms_norm=kc.add_rms_norm, cublas_decode_min_batch=kc.cublas_decode_min_batch)
     if args.trace_steps:
-        row["trace"] = trace_summary(llm.engine.step_log)
+        row["trace"] = trace_summary(eng.stats.step_log)
     return row
 
 
@@ -269,16 +272,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--batch-buckets", type=int, nargs="+", default=(),
-                    help="decode batch buckets (default: the engine's)")
-    ap.add_argument("--attention", default="auto")
-    ap.add_argument("--prefill-attention", default="auto")
-    ap.add_argument("--prefill-gemm", choices=["xla", "cublas"], default="xla",
-                    help="GEMM back-end of prefill steps (EngineConfig.prefill_gemm)")
-    ap.add_argument("--qkv-prologue", choices=["auto", "xla", "triton"], default="auto",
-                    help="decode steps' q/k norm + RoPE + K/V write (EngineConfig.qkv_prologue)")
-    ap.add_argument("--add-rms-norm", choices=["auto", "xla", "triton"], default="auto",
-                    help="every residual add + RMSNorm (EngineConfig.add_rms_norm)")
+    ap.add_argument("--kernels", default="", metavar="SPEC",
+                    help="the engine's kernel config (KernelConfig.parse, resolved by the engine; "
+                         "'' = the default). Keys: " + KernelConfig.help())
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--compile-workers", type=int, default=None,
                     help="parallel ahead-of-time compiles (default: one per CPU, up to the shapes)")
@@ -292,6 +288,10 @@ def main() -> None:
                          "row gets their kernel table and the device's idle gaps)")
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     args = ap.parse_args()
+    try:
+        KernelConfig.parse(args.kernels)
+    except ValueError as e:
+        ap.error(str(e))
     if args.trace_steps and (args.trace_steps[0] < 1 or args.trace_steps[1] < 1):
         ap.error(f"--trace-steps {args.trace_steps}: START and COUNT must be >= 1")
 
@@ -299,7 +299,7 @@ def main() -> None:
     # HF needs a checkpoint on disk; jaxinfer alone builds random weights on the device
     path = args.model or (random_qwen3_checkpoint(args.random_dir, args.layers)
                           if args.compare == "hf" else None)
-    from checkpoints_tools.loader import load_params  # noqa: F401 (import check before timing)
+    from jaxinfer.loading import load_params  # noqa: F401 (import check before timing)
     from jaxinfer.config import ModelConfig
     vocab = (ModelConfig.from_hf_dir(path).vocab_size
              if path and os.path.isfile(os.path.join(path, "config.json"))

@@ -51,7 +51,7 @@ def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_b
     for batch, hb in dry_run(sched, requests, buckets=buckets, async_scheduling=async_scheduling):
         kind = "prefill" if hb.packed else "decode"
         kinds[kind] += 1
-        shapes[(kind,) + hb.shape_key] += 1
+        shapes[(kind, hb.key)] += 1
         if kind == "decode":
             rows_real += batch.num_seqs
             rows_padded += hb.tokens.shape[0]
@@ -64,9 +64,10 @@ def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_b
                 decode_rows=rows_real, decode_row_padding=1 - rows_real / max(rows_padded, 1),
                 prefill_tokens=prefill_real, prefill_tokens_padded=prefill_padded,
                 decode_kv_tokens_read=decode_kv_tokens, prefill_attn_rows_x_keys=attn_rows_keys,
-                shapes=[dict(kind=k[0], tokens=list(k[1]), block_tables=list(k[2]),
-                             q_index=None if k[4] is None else list(k[4]), steps=n)
-                        for k, n in sorted(shapes.items(), key=lambda kv: str(kv[0]))])
+                shapes=[dict(kind=kind, tokens=[1 if k.packed else k.batch, k.tokens],
+                             block_tables=[k.batch, k.pages],
+                             q_index=[k.batch, k.query] if k.packed else None, steps=n)
+                        for (kind, k), n in sorted(shapes.items(), key=lambda kv: str(kv[0]))])
 
 
 def main() -> None:
@@ -83,7 +84,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--batch-buckets", type=int, nargs="+", default=(),
-                    help="decode batch buckets (EngineConfig.batch_buckets; default powers of two)")
+                    help="decode batch buckets (KernelConfig.batch_buckets; default: the engine's)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--weight-gb", type=float, default=15.1,
                     help="weight bytes read per step, GB (15.1: Qwen3-8B bf16 without the "

@@ -6,7 +6,11 @@ prints, per kernel name: launches per step, µs per step and share of the step; 
 (union of kernel intervals) against the wall time, so the idle gaps between kernels show. Writes the
 table as JSON to ``--out`` (and ``$OUT/profile_decode.json`` when ``$OUT`` is set).
 
-    python scripts/profile_decode_step.py [--batch 1] [--context 1024] [--layers 36] [--attention auto]
+The kernels are the engine's: ``--kernels SPEC`` (`KernelConfig.parse`, resolved for the platform
+by `jaxinfer.config.resolve`; default: the engine's default), ``--gemm engine`` the engine's GEMM
+back-end for the batch.
+
+    python scripts/profile_decode_step.py [--batch 1] [--context 1024] [--layers 36] [--kernels SPEC]
 """
 
 from __future__ import annotations
@@ -26,11 +30,11 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_decode import QWEN3_8B, decode_runner, parse_knobs, time_steps  # noqa: E402
-from jaxinfer.attention import make_attention_fn, resolve_backend  # noqa: E402
-from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.models import registry as models  # noqa: E402
-from jaxinfer.step import GEMM_COMPILER_OPTIONS, make_step_fn  # noqa: E402
+from bench_decode import (QWEN3_8B, knob_error, parse_knobs, resolve_kernels,  # noqa: E402
+                          step_runner, time_steps)
+from jaxinfer import models  # noqa: E402
+from jaxinfer.config import KernelConfig, ModelConfig  # noqa: E402
+from jaxinfer.step import GEMM_COMPILER_OPTIONS  # noqa: E402
 
 
 def kernel_events(xplane_path: str) -> list[tuple[str, int, int]]:
@@ -124,16 +128,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--kernels", default="", metavar="SPEC",
+                    help="kernel config (KernelConfig.parse), resolved for this platform as the "
+                         "engine does; '' = the engine's default. Keys: " + KernelConfig.help())
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--gemm", default="xla", choices=sorted(GEMM_COMPILER_OPTIONS),
-                    help="GEMM back-end of the step (make_step_fn's gemm)")
-    ap.add_argument("--qkv-prologue", default="triton", choices=["xla", "triton"],
-                    help="q/k norm + RoPE + K/V write: XLA's fusions or the Pallas kernel "
-                         "(the engine's GPU default)")
-    ap.add_argument("--add-rms-norm", default="triton", choices=["xla", "triton"],
-                    help="residual add + RMSNorm: XLA's fusions or the Pallas kernel "
-                         "(the engine's GPU default)")
+    ap.add_argument("--gemm", default="engine", choices=["engine"] + sorted(GEMM_COMPILER_OPTIONS),
+                    help="GEMM back-end of the step; engine (default): the engine's choice for "
+                         "the batch (cuBLAS from cublas_decode_min_batch rows)")
     ap.add_argument("--decode-knobs", default="",
                     help="tuning keywords of the decode kernel, K=V[,K=V] (e.g. block_kv=128)")
     ap.add_argument("--steps", type=int, default=5)
@@ -145,15 +146,20 @@ def main() -> None:
     args = ap.parse_args()
 
     cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
+    try:
+        knobs = parse_knobs(args.decode_knobs)
+        kc = resolve_kernels(cfg, args.kernels)
+    except ValueError as e:
+        ap.error(str(e))
+    err = knobs and knob_error(kc, set(knobs))
+    if err:
+        ap.error(err)
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    attn = resolve_backend(args.attention, dtype="bfloat16")
-    knobs = parse_knobs(args.decode_knobs)
-    step_fn = make_step_fn(cfg, make_attention_fn(attn, decode_knobs=knobs or None,
-                                                  qkv_prologue=args.qkv_prologue,
-                                                  add_rms_norm=args.add_rms_norm),
-                           True, args.gemm)
+    attn = kc.decode_attention
     B, ctx = args.batch, args.context
-    run, kv = decode_runner(cfg, params, step_fn, B, ctx, args.page_size)
+    # unpacked inputs ("fixed"), as before: the trace shows the step's kernels, not the transfer
+    run, kv, gemm = step_runner(cfg, params, kc, knobs, args.gemm, "fixed", B, ctx,
+                                args.page_size, False)
     dt, kv = time_steps(run, kv, args.steps, warmup=4)
     wall_ms = dt * 1e3
     with tempfile.TemporaryDirectory() as d:
@@ -175,8 +181,9 @@ def main() -> None:
     rows = sorted(({"kernel": k, "launches_per_step": c / n, "us_per_step": t / n / 1e3,
                     "share": t / n / 1e3 / kern_us} for k, (c, t) in agg.items()),
                   key=lambda r: -r["us_per_step"])
-    summary = dict(B=B, context=ctx, layers=args.layers, attention=attn, gemm=args.gemm, steps=n,
-                   qkv_prologue=args.qkv_prologue, add_rms_norm=args.add_rms_norm,
+    summary = dict(B=B, context=ctx, layers=args.layers, attention=attn, gemm=gemm, steps=n,
+                   kernel_config=args.kernels, qkv_prologue=kc.qkv_prologue,
+                   add_rms_norm=kc.add_rms_norm,
                    decode_knobs=knobs,
                    wall_ms_per_step_untraced=wall_ms, kernel_ms_per_step=kern_us / 1e3,
                    busy_ms_per_step=busy_ns(events) / n / 1e6, span_ms_per_step=span_ns / n / 1e6,

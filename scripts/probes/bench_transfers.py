@@ -6,7 +6,7 @@ fields, block tables, ...). This measures, for batch sizes ``--batches``, the ho
   per_array   ``jnp.asarray`` on each array (what the engine did until 989f578)
   device_put  one ``jax.device_put`` call on the list
   packed      the arrays concatenated on the host into one int32 buffer, one ``jnp.asarray``
-              (the engine now sends such a buffer: `batch_builder.pack_device_inputs`)
+              (the engine now sends such a buffer: `jaxinfer.step_input.pack`)
 
 each with the device idle and with the device busy (a chain of matmuls in flight), so a transfer
 that waits for the compute stream shows. Appends JSON objects (bench="transfers") to ``--out``.

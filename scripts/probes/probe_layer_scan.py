@@ -8,7 +8,7 @@ read bandwidth against the copy ceiling measured in the same run:
   unrolled  a Python loop over a list of per-layer weight dicts (no slicing inside the step)
   fused     the unrolled form with q/k/v as one [D, (N + 2K) * H] matrix and gate/up as one
             [D, 2F] matrix (same total bytes, 4 GEMMs per layer instead of 7): the layout of
-            jaxinfer.models.params
+            jaxinfer.models (the fused wqkv and w_gate_up weights)
   scan+dsf  the scan form with XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true (separate
             process, since XLA flags are read at start-up)
   fused+cublas  the fused form with XLA_FLAGS=--xla_gpu_enable_triton_gemm=false (cuBLAS GEMMs

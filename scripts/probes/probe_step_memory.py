@@ -4,6 +4,9 @@ Lowers and compiles the jit step for the Qwen3-8B architecture (``--layers`` of 
 inputs (nothing is allocated) and prints XLA's memory analysis: argument, output, alias and temp
 bytes. A temp size that grows with the KV pool (``--pages``) means the step copies the pool.
 
+``--kernels SPEC``: the kernel config (`KernelConfig.parse`, resolved for the platform as the engine
+does; default: the engine's).
+
     python scripts/probes/probe_step_memory.py --layers 4 --pages 4000 16000 --mode decode prefill
 """
 
@@ -22,18 +25,18 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[4])
     ap.add_argument("--pages", type=int, nargs="+", default=[4000, 16000])
     ap.add_argument("--mode", nargs="+", default=["decode", "prefill"])
-    ap.add_argument("--attention", default="auto")
+    ap.add_argument("--kernels", default="", metavar="SPEC",
+                    help="kernel config (KernelConfig.parse); '' = the engine's default")
     args = ap.parse_args()
 
     import jax
     import jax.numpy as jnp
 
-    from scripts.bench_decode import QWEN3_8B
-    from jaxinfer.attention import make_attention_fn, resolve_backend
+    from scripts.bench_decode import QWEN3_8B, resolve_kernels
     from jaxinfer.config import ModelConfig
+    from jaxinfer.kernels import model_kernels
     from jaxinfer.kv_cache import KVCache
-    from jaxinfer.models.common import Packing
-    from jaxinfer.models.params import abstract_params
+    from jaxinfer.models import Packing, abstract_params
     from jaxinfer.sampling import SamplingMetadata
     from jaxinfer.step import StepInput, make_step_fn
 
@@ -43,10 +46,13 @@ def main() -> None:
           f"{'alias GB':>8} {'compile s':>9}")
     for L in args.layers:
         cfg = ModelConfig(**dict(QWEN3_8B, num_layers=L))
+        try:
+            kc = resolve_kernels(cfg, args.kernels)
+        except ValueError as e:
+            ap.error(str(e))
         params = abstract_params(cfg, dt)
         for mode in args.mode:
-            attn = resolve_backend(args.attention, dtype="bfloat16")
-            fn = make_step_fn(cfg, make_attention_fn(attn), True)
+            fn = make_step_fn(cfg, model_kernels(kc), True)
             for P in args.pages:
                 pool = S((L, P, cfg.num_kv_heads, 16, cfg.head_dim), dt)
                 if mode == "prefill":

@@ -96,13 +96,22 @@ def test_dry_run_emits_every_requested_token_once():
     assert res["steps"]["decode"] >= res["decode_rows"] / 4
     assert sum(s["steps"] for s in res["shapes"]) == sum(res["steps"].values())
     assert res["num_shapes"] == len(res["shapes"])
+    # shapes come from the steps' ShapeKeys: decode rows [B, 1] in a batch bucket, no q_index
+    for s in res["shapes"]:
+        assert (s["q_index"] is None) == (s["kind"] == "decode")
+        if s["kind"] == "decode":
+            assert s["tokens"][1] == 1 and s["tokens"][0] in buckets.batch
+            assert s["block_tables"][0] == s["tokens"][0]
+        else:
+            assert s["tokens"][0] == 1 and s["q_index"][0] == s["block_tables"][0]
 
 
 def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
     import jax.numpy as jnp
     import pytest
 
-    from jaxinfer import attention
+    from jaxinfer import kernels
+    from jaxinfer.config import KernelConfig
     bench = _load("bench_decode")
     assert bench.parse_knobs("") == {}
     assert bench.parse_knobs("num_splits=4,block_kv=128") == {"num_splits": 4, "block_kv": 128}
@@ -115,8 +124,9 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
                     sliding_window, **knobs):
         seen.update(knobs)
         return q
-    monkeypatch.setattr(attention.registry, "get", lambda name: fake_decode)
-    attn = attention.make_attention_fn("mosaic", decode_knobs={"num_splits": 3})
+    monkeypatch.setattr(kernels.registry, "get", lambda name: fake_decode)
+    mosaic = KernelConfig("mosaic", "reference", "xla", "xla")
+    attn = kernels.model_kernels(mosaic, decode_knobs={"num_splits": 3}).attention
     q = jnp.ones((2, 1, 4, 8))
     out = attn(q, jnp.zeros((1, 2, 2, 4, 8)), jnp.zeros((1, 2, 2, 4, 8)),
                jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32),
@@ -125,7 +135,8 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
     assert seen.pop("page_offset").shape == (32,)
     assert out.shape == q.shape and seen == {"num_splits": 3}
     with pytest.raises(ValueError, match="reference has no knobs"):
-        attention.make_attention_fn("reference", decode_knobs={"num_splits": 3})
+        kernels.model_kernels(KernelConfig("reference", "reference", "xla", "xla"),
+                              decode_knobs={"num_splits": 3})
 
 
 def test_trace_summary_outside_the_run_is_an_error_not_a_crash(tmp_path):

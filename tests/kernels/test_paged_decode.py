@@ -116,7 +116,7 @@ def test_matches_reference(variant, mode, name):
 
 @pytest.mark.parametrize("variant, mode", RUNS)
 def test_traced_layer_in_scan(variant, mode):
-    """The engine passes the layer index traced (`make_attention_fn`'s inner jit): one kernel
+    """The engine passes the layer index traced (`jaxinfer.kernels`' inner jit): one kernel
     lowering serves every layer, so a traced layer must select the right pool slice."""
     args, kwargs, knobs, dtype = make_case("p16_h64_g1_f32_edges", seed=1)
     q, k_pool, v_pool, bt, seq_lens = args
@@ -244,20 +244,20 @@ def test_choose_k_splits():
 
 
 def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
-    """The model calls ``attn`` once per layer (unrolled, static layer ints); `make_attention_fn`
-    routes decode through one inner jit with a traced layer, so a 4-layer step traces and lowers
-    the kernel once, and its output equals the reference model's."""
+    """The model calls the attention once per layer (unrolled, static layer ints);
+    `jaxinfer.kernels.model_kernels` routes decode through one inner jit with a traced layer, so
+    a 4-layer step traces and lowers the kernel once, and its output equals the reference
+    model's."""
     import re
 
-    from jaxinfer import attention
-    from jaxinfer.config import ModelConfig
+    from jaxinfer import kernels, models
+    from jaxinfer.config import KernelConfig, ModelConfig
     from jaxinfer.kv_cache import KVCache
-    from jaxinfer.models import registry as models
 
     knobs = dict(interpret=True, pages_per_block=4, num_warps=4, num_stages=1, k_splits=1)
     kernel = functools.partial(triton_pallas.paged_decode_attention, **knobs)
-    monkeypatch.setattr(attention.registry, "get", lambda name: kernel)
-    attn = attention.make_attention_fn("triton")
+    monkeypatch.setattr(kernels.registry, "get", lambda name: kernel)
+    attn = kernels.model_kernels(KernelConfig("triton", "reference", "xla", "xla"))
     cfg = ModelConfig("qwen3", 256, 64, 96, 4, 4, 2, 16)
     params = models.init_params(cfg, jax.random.key(0), jnp.float32)
     rng = np.random.default_rng(0)
@@ -268,8 +268,8 @@ def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
     tok = jnp.asarray([[7], [11]], jnp.int32)
     pos, slots = jnp.asarray([[5], [2]], jnp.int32), jnp.asarray([[21], [10]], jnp.int32)
 
-    def step(params, kv, attn_fn):
-        return models.forward(params, cfg, tok, pos, slots, kv, attn_fn=attn_fn)[0]
+    def step(params, kv, mk):
+        return models.forward(params, cfg, tok, pos, slots, kv, kernels=mk)[0]
 
     jaxpr = jax.make_jaxpr(lambda p, c: step(p, c, attn))(params, kv).jaxpr
     calls = [e for e in jaxpr.eqns if e.params.get("name") == "decode_step"]
@@ -279,5 +279,5 @@ def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
     assert len(re.findall(r"func\.func private @decode_step\b", text)) == 1
     with jax.default_matmul_precision("highest"):
         got = jax.jit(lambda p, c: step(p, c, attn))(params, kv)
-        want = jax.jit(lambda p, c: step(p, c, reference.paged_attention))(params, kv)
+        want = jax.jit(lambda p, c: step(p, c, kernels.ModelKernels()))(params, kv)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)

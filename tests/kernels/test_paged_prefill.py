@@ -143,18 +143,17 @@ def test_bad_input_raises():
 
 def test_model_prefill_with_kernel_matches_reference(monkeypatch):
     """A 3-layer Qwen3 prefill step (chunks continuing cached prefixes, ragged, padded) through
-    `make_attention_fn(..., prefill="triton")` equals the reference model step, and the L layer
-    calls share one trace of the kernel (inner jit with a traced layer)."""
+    `model_kernels` with ``prefill_attention="triton"`` equals the reference model step, and the L
+    layer calls share one trace of the kernel (inner jit with a traced layer)."""
     import functools
 
-    from jaxinfer import attention
-    from jaxinfer.config import ModelConfig
+    from jaxinfer import kernels, models
+    from jaxinfer.config import KernelConfig, ModelConfig
     from jaxinfer.kv_cache import KVCache
-    from jaxinfer.models import registry as models
 
     kernel = functools.partial(prefill_triton.paged_prefill_attention, interpret=True)
-    monkeypatch.setattr(attention.registry, "get_prefill", lambda name: kernel)
-    attn = attention.make_attention_fn("reference", "triton")
+    monkeypatch.setattr(kernels.registry, "get_prefill", lambda name: kernel)
+    attn = kernels.model_kernels(KernelConfig("reference", "triton", "xla", "xla"))
     cfg = ModelConfig("qwen3", 256, 64, 96, 3, 4, 2, 16)
     params = models.init_params(cfg, jax.random.key(0), jnp.float32)
     params = jax.tree_util.tree_map(lambda p: p * 5.0 if p.ndim == 2 else p, params)
@@ -173,8 +172,8 @@ def test_model_prefill_with_kernel_matches_reference(monkeypatch):
         slot[i, :n] = pages[i, pos[i, :n] // page] * page + pos[i, :n] % page
     args = (jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slot))
 
-    def step(p, c, attn_fn):
-        return models.forward(p, cfg, *args, c, attn_fn=attn_fn)
+    def step(p, c, mk):
+        return models.forward(p, cfg, *args, c, kernels=mk)
 
     jaxpr = jax.make_jaxpr(lambda p, c: step(p, c, attn))(params, kv).jaxpr
     calls = [e for e in jaxpr.eqns if e.params.get("name") == "prefill_step"]
@@ -182,7 +181,7 @@ def test_model_prefill_with_kernel_matches_reference(monkeypatch):
     assert len({id(e.params["jaxpr"]) for e in calls}) == 1
     with jax.default_matmul_precision("highest"):
         h, kv_out = jax.jit(lambda p, c: step(p, c, attn))(params, kv)
-        h_ref, kv_ref = jax.jit(lambda p, c: step(p, c, reference.paged_attention))(params, kv)
+        h_ref, kv_ref = jax.jit(lambda p, c: step(p, c, kernels.ModelKernels()))(params, kv)
     for i, (_, n) in enumerate(rows):                          # real tokens only
         np.testing.assert_allclose(np.asarray(h[i, :n]), np.asarray(h_ref[i, :n]),
                                    rtol=1e-4, atol=1e-4)

@@ -1,6 +1,6 @@
 """The fused attention prologue (q/k RMSNorm + RoPE + K/V page write): the Pallas kernel against
 the plain-jnp reference in two modes (`modes.py`: interpret on the CPU, compiled on a CUDA GPU with
-``-m gpu``), and the reference against the model's own functions (`jaxinfer.models.common`, which
+``-m gpu``), and the reference against the model's own functions (`jaxinfer.models.layers`, which
 the model tests check against HF transformers)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.kv_cache import write_kv
-from jaxinfer.models.common import apply_rope, rms_norm
+from jaxinfer.models.layers import apply_rope, rms_norm
 from pallas_kernels.qkv_prologue import reference, triton_pallas
 from pallas_kernels.sizes import is_pow2
 

@@ -201,8 +201,7 @@ class StepExecutor:
                              "integer")
         todo = [k for k in dict.fromkeys(keys) if k not in self.stats.compiled_shapes]
         jax.block_until_ready(params)  # weights still being built would count as tracing
-        t0 = time.perf_counter()
-        lower_s = 0.0
+        t0, lower_s = time.perf_counter(), 0.0
         if todo:
             with ThreadPoolExecutor(max_workers or min(len(todo), os.cpu_count() or 1)) as pool:
                 futures = []

@@ -1,5 +1,4 @@
-"""Turn a scheduled batch into a padded `HostBatch` (host side, no JAX); the arrays and their
-padding are `jaxinfer.step_input`'s."""
+"""A scheduled batch as a padded `HostBatch` (host side, no JAX; schema: `jaxinfer.step_input`)."""
 
 from __future__ import annotations
 
@@ -90,12 +89,10 @@ def shape_key(batch, *, page_size: int, buckets: BucketSpec) -> ShapeKey:
 
 def _fill_sampling(a: dict, i: int, s, penalty_len: int) -> None:
     p = s.params
-    a["temperature"][i] = p.temperature
+    a["temperature"][i], a["top_p"][i], a["min_p"][i] = p.temperature, p.top_p, p.min_p
     a["top_k"][i] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= vocab: no cut
-    a["top_p"][i], a["min_p"][i] = p.top_p, p.min_p
     a["repetition_penalty"][i] = p.repetition_penalty
     a["seeds"][i] = np.uint32((s.seed ^ (s.seed >> 32)) & 0xFFFFFFFF)  # fold int64 seeds
     a["step_idx"][i] = s.num_tokens_with_pending - s.num_prompt_tokens - 1  # outputs before it
     if penalty_len:
-        ids = s.all_token_ids
-        a["penalty_tokens"][i, :len(ids)] = ids
+        a["penalty_tokens"][i, :s.num_tokens] = s.all_token_ids

@@ -20,14 +20,12 @@ class BlockManager:
     integer >= 2, ``page_size`` not >= 1."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
-        if not isinstance(num_pages, int) or isinstance(num_pages, bool) or num_pages < 2:
-            raise ValueError(f"BlockManager.num_pages={num_pages!r} is invalid: must be an integer "
-                             ">= 2 (page 0 is the reserved null page)")
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-            raise ValueError(f"BlockManager.page_size={page_size!r} is invalid: must be an "
-                             "integer >= 1")
-        self.num_pages = num_pages
-        self.page_size = page_size
+        for name, v, lo, why in (("num_pages", num_pages, 2, " (page 0 is the reserved null page)"),
+                                 ("page_size", page_size, 1, "")):
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"BlockManager.{name}={v!r} is invalid: must be an integer "
+                                 f">= {lo}{why}")
+        self.num_pages, self.page_size = num_pages, page_size
         self._free: list[int] = list(range(1, num_pages))  # a min-heap (ascending list)
         self._owner: list[Sequence | None] = [None] * num_pages
 

@@ -1,16 +1,13 @@
 """Continuous-batching scheduler (host side; imports no JAX): ``schedule()`` -> device step ->
-``postprocess(batch, sampled)``, up to two batches in flight, postprocessed in order. ``schedule``
-advances ``num_computed_tokens`` and counts sampled tokens as pending; a sequence whose pending
-tokens reach ``max_tokens``/``max_model_len`` is not scheduled again (one ending on a stop token
-may be, and that row is dropped).
+``postprocess(batch, sampled)``, at most two batches in flight. Sampled tokens count as pending
+until read back; a sequence ending on them (length) is not scheduled again.
 
-Policy, prefill first: with sequences waiting, a PREFILL batch (the partial prefill first, then
-FIFO admission while < ``max_num_seqs`` are admitted, the ``max_num_batched_tokens`` budget
-lasts and pages are free; chunks capped by the budget, one partial prefill at most, the last row;
-rows x longest chunk <= twice the budget; only a chunk reaching the end samples). Otherwise a
-DECODE batch of every decoding sequence, a missing page preempting the newest admitted by
-recompute (back to the queue's FRONT). Admission guarantees each sequence alone fits.
-Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill, asynchronous scheduling (SARATHI).
+Prefill first: with sequences waiting, a PREFILL batch (the partial prefill, then FIFO admission
+within ``max_num_seqs``, the ``max_num_batched_tokens`` budget and free pages; one partial chunk
+at most, last; rows x longest chunk <= twice the budget). Otherwise a DECODE batch of every
+decoding sequence, a missing page preempting the newest admitted by recompute (to the queue's
+front). Admission guarantees each sequence alone fits. Sources: nano-vllm ``Scheduler``; vLLM v1
+chunked prefill and asynchronous scheduling (SARATHI).
 """
 
 from __future__ import annotations
@@ -107,8 +104,7 @@ class Scheduler:
     def check_admissible(self, n_prompt: int, params) -> None:
         """Raise ValueError unless ``n_prompt >= 1``, ``n_prompt + max_tokens <= max_model_len``
         and the pages for ``n_prompt + max_tokens`` tokens fit in the whole pool."""
-        max_tokens = params.max_tokens
-        tokens = f"{n_prompt} token{'s' if n_prompt != 1 else ''}"
+        max_tokens, tokens = params.max_tokens, f"{n_prompt} token{'s' if n_prompt != 1 else ''}"
         if n_prompt == 0:
             raise ValueError("prompt has 0 tokens; at least 1 required")
         if n_prompt + max_tokens > self.max_model_len:
@@ -116,8 +112,8 @@ class Scheduler:
                 f"prompt has {tokens} and max_tokens={max_tokens}: prompt + max_tokens = "
                 f"{n_prompt + max_tokens} exceeds max_model_len={self.max_model_len} (rule: prompt "
                 f"tokens + max_tokens <= max_model_len)")
-        need = self.block_manager.pages_needed(n_prompt + max_tokens)
-        usable = self.block_manager.num_usable_pages
+        bm = self.block_manager
+        need, usable = bm.pages_needed(n_prompt + max_tokens), bm.num_usable_pages
         if need > usable:
             raise ValueError(
                 f"prompt has {tokens} and max_tokens={max_tokens}: needs {need} KV pages "

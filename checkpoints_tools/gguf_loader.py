@@ -1,9 +1,7 @@
-"""Read a llama.cpp GGUF file (Llama or Qwen3 architecture) as an HF config dict and HF tensors.
-
-The metadata becomes an HF-style ``config.json`` dict (`gguf_hf_config`); each tensor is dequantised
-to float32 (``gguf.quants.dequantize``), renamed through the ONE table `GGUF_TO_HF`, and llama.cpp's
-Q/K row permutation is undone where its converter applied one (`gguf_hf_tensors`). GGUF lists
-dimensions innermost-first, so ``dequantize`` already returns HF's row-major ``[out, in]``.
+"""Read a llama.cpp GGUF file (Llama or Qwen3) as an HF config dict (`gguf_hf_config`) and HF
+tensors (`gguf_hf_tensors`: dequantised to float32, renamed through the ONE table `GGUF_TO_HF`,
+llama.cpp's Q/K row permutation undone where applied; GGUF dims are innermost-first, so
+``dequantize`` returns HF's ``[out, in]``).
 
 Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` of q/k_proj for ``llama``,
 not for ``qwen3``; ``generate_extra_tensors`` writes Llama 3 RoPE factors as ``rope_freqs``),
@@ -40,11 +38,8 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def open_gguf(path: str | os.PathLike):
-    """``gguf.GGUFReader`` of ``path`` (memory-mapped, read-only).
-
-    Raises:
-        FileNotFoundError: ``path`` is not a file. ValueError: not a readable GGUF file.
-    """
+    """``gguf.GGUFReader`` of ``path`` (memory-mapped, read-only). FileNotFoundError: not a file;
+    ValueError: not a readable GGUF file."""
     import gguf
 
     path = os.fspath(path)
@@ -70,19 +65,11 @@ def gguf_eos_token_ids(reader) -> tuple[int, ...]:
 
 
 def gguf_hf_config(reader) -> dict:
-    """An HF-style ``config.json`` dict built from the GGUF metadata (``{arch}.*`` keys).
-
-    Sizes: ``block_count`` -> L, ``embedding_length`` -> D, ``feed_forward_length`` -> F,
-    ``attention.head_count(_kv)`` -> N (K), ``attention.key_length`` or ``rope.dimension_count`` -> H,
-    ``vocab_size`` (or the length of ``tokenizer.ggml.tokens``, else the rows of ``token_embd``) -> V.
-    ``tie_word_embeddings`` is True when there is no ``output.weight`` tensor. Llama 3 RoPE scaling is
-    recovered from the ``rope_freqs.weight`` tensor when present.
-
-    Raises:
-        ValueError: an architecture not in `SUPPORTED_GGUF_ARCHITECTURES` (both named), a required
-            key missing, partial rotary (``rope.dimension_count`` != head dim), K and V head dims
-            that differ, or a RoPE scaling type other than none/llama3.
-    """
+    """An HF-style ``config.json`` dict from the GGUF metadata (``{arch}.*`` keys); V from
+    ``vocab_size``, else ``tokenizer.ggml.tokens``, else ``token_embd``'s rows; tied iff no
+    ``output.weight``; Llama 3 RoPE scaling recovered from ``rope_freqs.weight``. ValueError: an
+    architecture not in `SUPPORTED_GGUF_ARCHITECTURES` (both named), a required key missing,
+    partial rotary, K and V head dims that differ, or RoPE scaling other than none/llama3."""
     arch = _value(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture general.architecture={arch!r}; "
@@ -140,24 +127,13 @@ def gguf_hf_config(reader) -> dict:
     return cfg
 
 
-def _llama3_inv_freq_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
-                             orig: float) -> np.ndarray:
-    """Per-frequency wavelength multipliers f64[H/2] of Llama 3 RoPE scaling (Llama 3.1
-    ``apply_scaling``, meta-llama/llama-models), what llama.cpp writes as ``rope_freqs.weight``."""
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (orig / wavelen - low) / (high - low)
-    mid = 1.0 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor, mid))
-
-
 def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int,
                                  orig: int | None) -> dict | None:
     """HF ``rope_scaling`` (llama3; None when every multiplier is 1) from llama.cpp's
-    ``rope_freqs`` multipliers f[H/2]. ``orig`` (``rope.scaling.original_context_length``, else
-    8192) is fixed, ``low``/``high`` fitted from the smooth band (``1/f`` linear in
-    ``orig/wavelen``), else Llama 3's published (1, 4); the result must reproduce the tensor.
-    Raises ValueError: wrong length, or no llama3 parameters reproduce the multipliers."""
+    ``rope_freqs`` multipliers f[H/2]: ``orig`` given (else 8192), ``low``/``high`` fitted from
+    the smooth band (``1/f`` linear in ``orig/wavelen``), else Llama 3's (1, 4), checked against
+    Llama 3.1 ``apply_scaling`` (meta-llama/llama-models). ValueError: wrong length, or no llama3
+    parameters reproduce the multipliers."""
     if factors.shape != (head_dim // 2,):
         raise ValueError(f"rope_freqs.weight has shape {factors.shape}, expected ({head_dim // 2},)")
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
@@ -165,7 +141,8 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
     orig = int(orig or 8192)
     factor = float(factors.max())
     inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    x = orig * inv_freq / (2 * math.pi)  # orig / wavelen
+    wavelen = 2 * math.pi / inv_freq
+    x = orig / wavelen
     band = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
     candidates = [(1.0, 4.0)]
     if band.sum() >= 2:
@@ -178,7 +155,9 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
     for low, high in candidates:
         if not 0 < low < high:
             continue
-        ref = _llama3_inv_freq_factors(theta, head_dim, factor, low, high, orig)
+        smooth = (x - low) / (high - low)
+        ref = np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor,
+                                                             1.0 / ((1 - smooth) / factor + smooth)))
         if np.allclose(ref, factors, rtol=1e-4, atol=1e-6):
             return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
                     "high_freq_factor": high, "original_max_position_embeddings": orig}
@@ -187,8 +166,8 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
 
 
 def gguf_name_to_hf(name: str, num_layers: int) -> str | None:
-    """HF name of GGUF tensor ``name`` via `GGUF_TO_HF`; None for config-only tensors.
-    Raises ValueError: a name not in the table, or a layer index >= ``num_layers``."""
+    """HF name of GGUF tensor ``name`` via `GGUF_TO_HF` (None: config-only). ValueError: a name not
+    in the table, or a layer index >= ``num_layers``."""
     m = _LAYER_RE.match(name)
     key, layer = (f"blk.{{i}}.{m.group(2)}", int(m.group(1))) if m else (name, None)
     if key not in GGUF_TO_HF:
@@ -211,10 +190,9 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def gguf_hf_tensors(reader, hf_config: Mapping[str, Any],
                     out_dtype=np.float32) -> dict[str, np.ndarray]:
-    """Every weight dequantised (float32), renamed to its HF name, HF ``[out, in]``, Q/K permutation
-    undone where llama.cpp applied it, then cast one by one to ``out_dtype`` (numpy dtype).
-    Raises ValueError: an unknown tensor name, an unsupported quantisation type, a shape that
-    disagrees with the GGUF header, or two GGUF tensors mapping to one HF name."""
+    """Every weight dequantised, by HF name, HF ``[out, in]``, Q/K permutation undone, cast one by
+    one to ``out_dtype``. ValueError: an unknown name, an unsupported quantisation type, a shape
+    that disagrees with the header, or two GGUF tensors mapping to one HF name."""
     import gguf
 
     arch = hf_config["model_type"]

@@ -1,15 +1,9 @@
-"""One entry point for every checkpoint format: `open_checkpoint(path) -> Checkpoint`.
-
-Formats, told apart by `detect_format`:
-    "gguf"   a ``*.gguf`` file (llama.cpp; Llama / Qwen3)                  -> `gguf_loader`
-    "orbax"  a directory with ``jaxinfer_config.json`` (``jaxinfer.convert``) -> `orbax_io`
-    "hf"     a directory with ``config.json`` and ``model.safetensors`` or
-             ``model.safetensors.index.json`` + the shards its ``weight_map`` names
-
-A `Checkpoint` holds the model config as a plain dict and the generation-config EOS ids, and keeps
-a GGUF file open (its metadata is parsed once). `hf_tensors` yields HF-named tensors for
-`checkpoints_tools.mapping`. Heavy imports (JAX, transformers, orbax, gguf) happen inside the
-functions, so a CLI can validate its arguments before loading them.
+"""One entry point for every checkpoint format: `open_checkpoint(path) -> Checkpoint`. Formats
+(`detect_format`): "gguf", a ``*.gguf`` file (`gguf_loader`); "orbax", a directory with
+``jaxinfer_config.json`` (`orbax_io`); "hf", a directory with ``config.json`` and
+``model.safetensors`` or ``model.safetensors.index.json`` + the shards its ``weight_map`` names.
+`hf_tensors` yields HF-named tensors for `checkpoints_tools.mapping`. Heavy imports (JAX,
+transformers, orbax, gguf) happen inside the functions, so a CLI can check its arguments first.
 """
 
 from __future__ import annotations
@@ -26,8 +20,8 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """"gguf" | "orbax" | "hf" for ``path`` (module docstring). Raises FileNotFoundError: ``path``
-    does not exist; ValueError: none of the supported formats (says what was expected)."""
+    """"gguf" | "orbax" | "hf" for ``path`` (module docstring). FileNotFoundError: no ``path``;
+    ValueError: none of the formats (says what was expected)."""
     p = os.fspath(path)
     expected = ("expected a .gguf file, a directory with jaxinfer_config.json (an Orbax checkpoint "
                 "from `python -m jaxinfer.convert`), or an HF model directory with config.json "
@@ -53,7 +47,7 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 
 def read_json(path: str) -> dict:
-    """A JSON object file. Raises FileNotFoundError (absent), ValueError (not a JSON object)."""
+    """A JSON object file. FileNotFoundError: absent; ValueError: not a JSON object."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no {os.path.basename(path)} in model directory "
                                 f"{os.path.dirname(path)!r}")
@@ -69,15 +63,11 @@ def read_json(path: str) -> dict:
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """An opened checkpoint. path: the file or directory; format: "hf" | "gguf" | "orbax".
-
-    config: the model config dict: HF ``config.json`` layout for "hf" and "gguf" (built from the
-        metadata, `gguf_loader.gguf_hf_config`), ``ModelConfig.to_dict()`` layout for "orbax".
-    generation_eos_ids: HF ``generation_config.json`` ``eos_token_id`` (int or list; () when the
-        file or key is absent), the GGUF metadata EOS/EOT/EOM ids, or the ids an Orbax checkpoint
-        stored.
-    reader: the open ``gguf.GGUFReader`` of a GGUF file (memory-mapped), else None.
-    """
+    """An opened checkpoint (`detect_format`'s ``format``). config: HF ``config.json`` layout for
+    "hf" and "gguf" (`gguf_loader.gguf_hf_config`), ``ModelConfig.to_dict()``'s for "orbax".
+    generation_eos_ids: HF ``generation_config.json`` ``eos_token_id`` (() if absent), the GGUF
+    EOS/EOT/EOM ids, or those an Orbax checkpoint stored. reader: a GGUF file's open
+    ``gguf.GGUFReader``, else None."""
 
     path: str
     format: str
@@ -87,9 +77,9 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """Detect the format of ``path`` and read its config and generation EOS ids (no tensor data).
-    Raises FileNotFoundError: ``path`` or a file the format needs is absent (named); ValueError: an
-    unsupported format, an unreadable file, bad JSON or unsupported GGUF metadata."""
+    """The `Checkpoint` of ``path`` (config and EOS ids; no tensor data). FileNotFoundError: a file
+    it needs is absent (named); ValueError: an unsupported format, an unreadable file, bad JSON or
+    unsupported GGUF metadata."""
     p = os.fspath(path)
     fmt = detect_format(p)
     if fmt == "gguf":
@@ -105,10 +95,9 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
-    """``(HF name, numpy array)`` pairs of an "hf" or "gguf" checkpoint, HF ``[out, in]`` layout.
-    ``out_dtype`` (numpy, GGUF only) casts each dequantised tensor as it is read, so a bf16 load
-    never holds the model in float32; HF tensors keep their stored dtype. Raises ValueError: an
-    Orbax checkpoint, or the reader's errors (`iter_tensors`, `gguf_loader.gguf_hf_tensors`)."""
+    """``(HF name, numpy array)`` pairs of an "hf" or "gguf" checkpoint, HF ``[out, in]``;
+    ``out_dtype`` (GGUF only) casts each tensor as it is dequantised. ValueError: an Orbax
+    checkpoint, or the reader's errors (`iter_tensors`, `gguf_loader.gguf_hf_tensors`)."""
     if ckpt.format == "gguf":
         return gguf_loader.gguf_hf_tensors(ckpt.reader, ckpt.config, out_dtype or "float32")
     if ckpt.format == "hf":
@@ -117,9 +106,8 @@ def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
 
 
 def load_tokenizer(path: str | os.PathLike, fmt: str | None = None):
-    """The HF tokenizer of a model, offline (``local_files_only=True``): ``AutoTokenizer`` of the HF
-    dir, of the GGUF file (``gguf_file=``; HF builds it from the GGUF vocabulary) or of an Orbax
-    dir's ``tokenizer/``. ``fmt``: the format if known. Raises FileNotFoundError: ``path`` does not
+    """The HF ``AutoTokenizer`` (offline) of an HF dir, a GGUF file (``gguf_file=``) or an Orbax
+    dir's ``tokenizer/``; ``fmt``: the format if known. FileNotFoundError: ``path`` does not
     exist; ValueError: not a supported format, or no tokenizer could be loaded from it."""
     from transformers import AutoTokenizer
 
@@ -145,9 +133,9 @@ def load_tokenizer(path: str | os.PathLike, fmt: str | None = None):
 
 
 def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
-    """The safetensors files of an HF directory (sorted) and the index's ``weight_map`` (tensor
-    name -> shard file; None for a single ``model.safetensors``). Raises FileNotFoundError: no
-    weights file, or a shard the index names is absent (named); ValueError: no ``weight_map``."""
+    """The sorted safetensors files of an HF directory and the index's ``weight_map`` (None for a
+    single file). FileNotFoundError: no weights file, or an absent shard (named); ValueError: no
+    ``weight_map``."""
     root = os.fspath(path)
     index = os.path.join(root, INDEX_FILE)
     single = os.path.join(root, SINGLE_FILE)
@@ -168,8 +156,7 @@ def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
 
 
 def _read_via_jax(file: str, name: str):
-    """One tensor as numpy through safetensors' flax reader on the CPU (for safetensors builds
-    whose numpy reader rejects bf16; bf16 comes back as ml_dtypes.bfloat16)."""
+    """One tensor through safetensors' flax reader on the CPU (numpy readers that reject bf16)."""
     import jax
     import numpy as np
     from safetensors import safe_open
@@ -180,9 +167,9 @@ def _read_via_jax(file: str, name: str):
 
 
 def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
-    """Yield ``(name, numpy array)`` for every tensor of every shard of an HF directory, one shard
-    open at a time. Raises ValueError: a tensor in two shards (both named), or an index
-    ``weight_map`` naming a shard that lacks the tensor; FileNotFoundError: see `shard_files`."""
+    """``(name, numpy array)`` for every tensor of an HF directory, one shard open at a time.
+    ValueError: a tensor in two shards (both named), or a ``weight_map`` naming a shard that
+    lacks the tensor; FileNotFoundError: `shard_files`."""
     from safetensors import safe_open
 
     files, weight_map = shard_files(path)

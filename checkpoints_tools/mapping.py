@@ -1,16 +1,11 @@
 """HF transformers tensor names -> the jaxinfer param tree: ONE explicit table, with shape checks.
 
 Every checkpoint tensor is mapped by `HF_TO_PARAMS` or listed in `IGNORED_HF`; anything else is an
-error, as is a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9, after
-jax-llm-examples' converter). Shapes and dtypes come from an abstract tree (``jax.ShapeDtypeStruct``
-pytree) the caller passes in. Tying is decided from the tensors, not the config alone (CASES.md C9):
-
-    no ``lm_head.weight``                       -> tied (warns if the config said untied)
-    ``lm_head.weight`` equal to the embedding   -> tied (one copy kept)
-    ``lm_head.weight`` differing, config tied   -> warning, untied (the checkpoint's head is used)
-    ``lm_head.weight`` differing, config untied -> untied
-
-HF linear weights ``[out, in]`` are transposed to the tree's ``[in, out]`` here, once, in numpy;
+error, as is a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9). Shapes and
+dtypes come from the caller's abstract tree. Tying is decided from the tensors (CASES.md C9): no
+``lm_head.weight``, or one equal to the embedding -> tied (one copy kept); a differing one ->
+untied (the checkpoint's head used); a UserWarning where the config's ``tie_word_embeddings`` says
+otherwise. HF linear weights ``[out, in]`` become the tree's ``[in, out]`` here, in numpy;
 q/k/v_proj fill the q | k | v parts of ``wqkv``, gate/up_proj those of ``w_gate_up``.
 """
 
@@ -26,7 +21,6 @@ import numpy as np
 class TensorRule(NamedTuple):
     """One HF tensor -> one param entry (slash-separated tree path), or one ``part`` of a fused
     entry's output axis; ``{i}`` is the layer index; ``transpose``: ``[out, in]`` -> ``[in, out]``."""
-
     hf_name: str
     param: str
     transpose: bool
@@ -81,8 +75,7 @@ def _spec(abstract: Mapping, param: str) -> tuple[tuple[int, ...], Any]:
 
 
 def hf_shape(rule: TensorRule, abstract: Mapping, parts: Mapping) -> tuple[int, ...]:
-    """The shape HF gives ``rule``'s tensor (``[out, in]`` for linear weights; a fused part's
-    output axis is that part's width)."""
+    """The shape HF gives ``rule``'s tensor (``[out, in]``; a fused part's width on out)."""
     shape, _ = _spec(abstract, rule.param)
     if rule.part is not None:
         sl = parts[rule.leaf][rule.part]
@@ -131,24 +124,13 @@ def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cf
 
 def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
                          parts: Mapping) -> dict:
-    """Map HF-named tensors onto the param tree, checking names and shapes.
-
-    Args:
-        tensors: ``{name: array}`` or ``(name, array)`` pairs (numpy or anything ``np.asarray``
-            accepts; bf16 via ml_dtypes); pairs let duplicates across shards be detected here.
-        cfg: duck-typed model config: ``num_layers``, ``architecture``, ``tie_word_embeddings``
-            (only compared with the tensors, see the module docstring).
-        abstract: the ``jax.ShapeDtypeStruct`` tree of the model (``layers/"0".."L-1"/...``; the
-            rules of leaves it lacks, e.g. q_norm outside Qwen3, do not apply); ``lm_head`` optional.
-        parts: ``{fused param: {part: slice of its last axis}}`` (``jaxinfer.models.fused_parts``).
-    Returns:
-        the param tree as jax arrays on the default device, each of its abstract leaf's dtype;
-        ``lm_head`` present iff the head is untied.
-    Raises:
-        ValueError: a tensor not in the table (unmapped), a tensor given twice (duplicate), a wrong
-            shape (both shapes named), or missing tensors (all named).
-    Warns:
-        UserWarning: the config's ``tie_word_embeddings`` disagrees with the tensors.
+    """The param tree (jax arrays of each abstract leaf's dtype; ``lm_head`` iff untied) from
+    HF-named ``tensors``: ``{name: array}`` or ``(name, array)`` pairs (anything ``np.asarray``
+    takes; pairs let duplicates across shards be detected). cfg: duck-typed, ``num_layers``,
+    ``architecture``, ``tie_word_embeddings``; abstract: the model's ``jax.ShapeDtypeStruct`` tree
+    (``layers/"0".."L-1"/...``; rules of leaves it lacks do not apply; ``lm_head`` optional);
+    parts: ``{fused param: {part: slice of its last axis}}``. ValueError: an unmapped, duplicate
+    or missing tensor or a wrong shape (all named). UserWarning: tying disagrees with the config.
     """
     import jax.numpy as jnp
 
@@ -178,7 +160,7 @@ def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
 
 
 def _decide_tying(found: Mapping[str, np.ndarray], cfg: Any) -> bool:
-    """Tied iff there is no lm_head or it equals the embedding; warns on config disagreement."""
+    """Tied iff no lm_head or it equals the embedding (module docstring)."""
     head = found.get("lm_head.weight")
     if head is None:
         if not cfg.tie_word_embeddings:

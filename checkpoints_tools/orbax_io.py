@@ -1,14 +1,7 @@
-"""Save / restore a converted model as an Orbax checkpoint directory (a later start skips the
-HF-safetensors or GGUF conversion). Layout:
-
-    DST/params/               the param tree, orbax StandardCheckpointer
-    DST/tokenizer/            ``tokenizer.save_pretrained`` output
-    DST/jaxinfer_config.json  {"format", "version", "model_config": the config dict,
-                               "eos_token_ids": [...], "dtype": "bfloat16"|"float32"}
-
-``jaxinfer_config.json`` is written last (atomically), so a directory holding it is a complete
-checkpoint. Shapes are checked against an abstract tree (``jax.ShapeDtypeStruct`` pytree) that the
-caller builds from the config.
+"""Save / restore a converted model as an Orbax checkpoint directory: ``params/`` (orbax
+StandardCheckpointer), ``tokenizer/`` (``save_pretrained``), ``jaxinfer_config.json`` ({"format",
+"version", "model_config", "eos_token_ids", "dtype"}, written last and atomically, so a directory
+holding it is complete). Shapes are checked against the caller's abstract tree.
 """
 
 from __future__ import annotations
@@ -25,8 +18,8 @@ FORMAT_VERSION = 1
 
 
 def read_saved_config(src_dir: str | os.PathLike) -> dict:
-    """The parsed ``jaxinfer_config.json`` of a checkpoint directory. Raises FileNotFoundError
-    (absent), ValueError (not a jaxinfer checkpoint config, or an unsupported format version)."""
+    """The parsed ``jaxinfer_config.json`` of ``src_dir``. FileNotFoundError: absent; ValueError:
+    not a jaxinfer checkpoint config, or an unsupported format version."""
     p = os.path.join(os.fspath(src_dir), CONFIG_FILE)
     if not os.path.isfile(p):
         raise FileNotFoundError(f"no {CONFIG_FILE} in checkpoint directory {os.fspath(src_dir)!r}")
@@ -39,8 +32,8 @@ def read_saved_config(src_dir: str | os.PathLike) -> dict:
 
 
 def _shape_mismatches(want, got) -> list[str]:
-    """``"<path>: has <shape>, expected <shape>"`` for every path (e.g. ``['layers']['3']['wqkv']``)
-    whose leaf's ``.shape`` differs between the trees (None: absent)."""
+    """``"<path>: has <shape>, expected <shape>"`` for each leaf path whose shape differs (None:
+    absent)."""
     import jax
 
     def flat(tree):
@@ -54,16 +47,10 @@ def _shape_mismatches(want, got) -> list[str]:
 
 def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract, tokenizer,
          eos_ids: Sequence[int]) -> None:
-    """Write ``config``, ``params``, ``tokenizer`` and ``eos_ids`` to a new checkpoint directory.
-
-    ``dst_dir`` may exist if empty; ``config``: a JSON-able dict (``ModelConfig.to_dict()``);
-    ``params`` (one dtype) must match ``abstract`` in structure and shapes; ``tokenizer``: an HF
-    tokenizer or None; ``eos_ids``: the generation EOS ids to keep next to the model.
-
-    Raises:
-        FileExistsError: ``dst_dir`` exists and is not an empty directory.
-        ValueError: params whose structure or shapes do not match ``abstract``, or mixed dtypes.
-    """
+    """Write a JSON-able ``config``, ``params`` (one dtype, fitting ``abstract``), an HF
+    ``tokenizer`` (or None) and the generation ``eos_ids`` to a new (or empty) ``dst_dir``.
+    FileExistsError: ``dst_dir`` not an empty directory; ValueError: params that do not match
+    ``abstract`` in structure or shapes, or mixed dtypes."""
     import jax
     import numpy as np
     import orbax.checkpoint as ocp
@@ -92,14 +79,9 @@ def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract
 
 
 def restore(src_dir: str | os.PathLike, abstract):
-    """The params of a checkpoint written by `save`, as jax arrays on ``jax.devices()[0]`` in the
-    shapes and dtypes of ``abstract`` (built from `read_saved_config`; other stored dtypes are cast).
-
-    Raises:
-        FileNotFoundError: no ``params/`` in ``src_dir``.
-        ValueError: stored arrays that do not fit ``abstract`` (every differing, missing or extra
-            path and its shapes named).
-    """
+    """The params `save` wrote, as jax arrays on ``jax.devices()[0]`` in ``abstract``'s shapes and
+    dtypes (others cast). FileNotFoundError: no ``params/``; ValueError: stored arrays that do not
+    fit ``abstract`` (every differing, missing or extra path named)."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -111,6 +93,7 @@ def restore(src_dir: str | os.PathLike, abstract):
     target = jax.tree_util.tree_map(
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)
     with ocp.StandardCheckpointer() as ckptr:
+        misfit = f"checkpoint {src!r}: the stored params do not fit its {CONFIG_FILE}"
         try:  # stored shapes from orbax metadata, checked before any data is read
             md = ckptr.metadata(params_dir)
             md = getattr(md, "item_metadata", md)
@@ -119,10 +102,8 @@ def restore(src_dir: str | os.PathLike, abstract):
             stored = None
         bad = _shape_mismatches(abstract, stored) if stored is not None else []
         if bad:
-            raise ValueError(f"checkpoint {src!r}: the stored params do not fit its "
-                             f"{CONFIG_FILE} (shape mismatch: {'; '.join(bad)})")
+            raise ValueError(f"{misfit} (shape mismatch: {'; '.join(bad)})")
         try:
             return ckptr.restore(params_dir, target)
         except ValueError as e:
-            raise ValueError(f"checkpoint {src!r}: the stored params do not fit its "
-                             f"{CONFIG_FILE}: {e}") from e
+            raise ValueError(f"{misfit}: {e}") from e

@@ -1,12 +1,7 @@
-"""Convert an HF safetensors directory or a GGUF file into an Orbax checkpoint directory.
-
-    python -m jaxinfer.convert SRC DST [--dtype bfloat16|float32]
-
-DST then loads with ``jaxinfer.loading.load_model(DST)`` without any conversion work. Errors
-(missing SRC, DST not empty, unsupported format or architecture, bad tensors) print one line
-``error: ...`` on stderr and exit with status 2, without a traceback. SRC is checked (format,
-config, architecture) before any tensor is read.
-"""
+"""``python -m jaxinfer.convert SRC DST [--dtype bfloat16|float32]``: an HF safetensors directory
+or a GGUF file -> an Orbax checkpoint directory that ``load_model`` reads without conversion.
+Errors print one line ``error: ...`` on stderr and exit with status 2 (SRC is checked before any
+tensor is read)."""
 
 from __future__ import annotations
 
@@ -19,13 +14,10 @@ EXIT_USAGE = 2
 
 
 def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
-    """Load SRC (HF dir or GGUF file) with its tokenizer and save it as an Orbax checkpoint at DST
-    with the generation-config EOS ids. On failure DST is removed (left empty if it was).
-
-    Raises:
-        FileNotFoundError: SRC missing. FileExistsError: DST not empty. ValueError: SRC is not
-            HF/GGUF (an Orbax dir needs no conversion), unsupported, bad tensors, or no tokenizer.
-    """
+    """SRC (HF dir or GGUF file) with its tokenizer and generation EOS ids saved as an Orbax
+    checkpoint at DST; on failure DST is removed (left empty if it was). FileNotFoundError: SRC
+    missing; FileExistsError: DST not empty; ValueError: SRC not HF/GGUF, unsupported, bad
+    tensors, or no tokenizer."""
     from checkpoints_tools.loader import open_checkpoint
     from jaxinfer.loading import load_model, model_config, save_checkpoint
 
@@ -47,10 +39,9 @@ def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m jaxinfer.convert",
-        description="Convert an HF safetensors directory or a GGUF file (Llama / Qwen3) into an "
-                    "Orbax checkpoint directory that jaxinfer loads without conversion.")
+    ap = argparse.ArgumentParser(prog="python -m jaxinfer.convert", description=(
+        "Convert an HF safetensors directory or a GGUF file (Llama / Qwen3) into an Orbax "
+        "checkpoint directory that jaxinfer loads without conversion."))
     ap.add_argument("src", metavar="SRC", help="HF model directory (config.json + *.safetensors) "
                     "or a .gguf file")
     ap.add_argument("dst", metavar="DST", help="new (or empty) output directory")

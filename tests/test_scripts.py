@@ -139,6 +139,30 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
                               decode_knobs={"num_splits": 3})
 
 
+def test_bench_decode_defaults_to_the_engines_kernels():
+    """bench_decode's default spec "" resolves as the engine does (jaxinfer.config.resolve) and
+    each batch gets the engine's GEMM back-end (cuBLAS from cublas_decode_min_batch rows)."""
+    import pytest
+
+    from jaxinfer.config import ModelConfig
+    bench = _load("bench_decode")
+    cfg = ModelConfig(**bench.QWEN3_8B)
+    gpu = bench.resolve_kernels(cfg, "", "gpu")
+    assert (gpu.decode_attention, gpu.prefill_attention, gpu.qkv_prologue, gpu.add_rms_norm) == (
+        "mosaic", "triton", "triton", "triton")
+    assert [bench.engine_gemm(gpu, b) for b in (1, 63, 64, 256)] == ["xla", "xla", "cublas",
+                                                                     "cublas"]
+    no_cublas = bench.resolve_kernels(cfg, "cublas_decode_min_batch=none", "gpu")
+    assert bench.engine_gemm(no_cublas, 256) == "xla"
+    cpu = bench.resolve_kernels(cfg, "", "cpu")
+    assert (cpu.decode_attention, cpu.qkv_prologue, cpu.add_rms_norm) == ("reference", "xla", "xla")
+    with pytest.raises(ValueError, match="GPU kernel"):
+        bench.resolve_kernels(cfg, "decode=mosaic", "cpu")
+    assert bench.knob_error(gpu, {"num_splits"}) is None
+    assert "not knobs of decode attention 'mosaic'" in bench.knob_error(gpu, {"bogus"})
+    assert "its knobs: none" in bench.knob_error(cpu, {"num_splits"})
+
+
 def test_trace_summary_outside_the_run_is_an_error_not_a_crash(tmp_path):
     bench = _load("bench_throughput")
     log = bench.TracedStepLog(5, 3, str(tmp_path))

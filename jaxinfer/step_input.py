@@ -69,14 +69,11 @@ FIELDS = (
 )
 
 
-def fields(key: ShapeKey) -> tuple[Field, ...]:
-    return tuple(f for f in FIELDS if f.group != "packing" or key.packed)
-
-
 def layout(key: ShapeKey) -> tuple[tuple[Field, tuple[int, ...]], ...]:
     """``((field, shape), ...)`` in buffer order for a step of shape ``key``."""
     d = key.dims()
-    return tuple((f, tuple(d[n] for n in f.shape)) for f in fields(key))
+    return tuple((f, tuple(d[n] for n in f.shape)) for f in FIELDS
+                 if f.group != "packing" or key.packed)
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,7 @@ class StepLoop:
 
     def __init__(self, scheduler: Scheduler, launch: Callable, complete: Callable, *,
                  async_scheduling: bool = True, stats: EngineStats | None = None) -> None:
-        self.scheduler = scheduler
-        self.launch = launch
-        self.complete = complete
+        self.scheduler, self.launch, self.complete = scheduler, launch, complete
         self.async_scheduling = async_scheduling
         self.stats = stats if stats is not None else EngineStats()
         self.in_flight: Launched | None = None
@@ -61,9 +59,8 @@ class StepLoop:
             sync = any(s.params.repetition_penalty != 1.0 for s in batch.seqs)
             launched = Launched(batch, self.launch(batch, prev), sync)
         times = (t1 - t0, time.perf_counter() - t1)
-        if prev is not None and launched is not None:
-            self.stats.num_overlapped_steps += 1
         if prev is not None:
+            self.stats.num_overlapped_steps += launched is not None
             finished += self._complete(prev, times)
         self.in_flight = launched
         if launched is not None and not self.async_scheduling:

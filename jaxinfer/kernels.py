@@ -1,12 +1,9 @@
-"""The kernels a model step calls: `ModelKernels`, one frozen argument of
-`jaxinfer.models.forward` (static under jit), built by `model_kernels` from a resolved
-`jaxinfer.config.KernelConfig` (`jaxinfer.config.resolve` replaces "auto" and checks the
-platform). Attention has the signature of
-`pallas_kernels.paged_attention.reference.paged_attention`:
-
-    attn(q [B, T, N, H], k_pool [L, P, K, page_size, H], v_pool, block_tables i32[B, M],
-         seq_lens i32[B], q_positions i32[B, T], *, layer, scale, soft_cap=None,
-         sliding_window=None, num_heads=None) -> [B, T, N, H]
+"""The kernels a model step calls: `ModelKernels`, a static argument of `jaxinfer.models.forward`
+built by `model_kernels` from a resolved `KernelConfig`. Attention's signature (that of
+`pallas_kernels.paged_attention.reference.paged_attention`):
+attn(q [B, T, N, H], k_pool [L, P, K, page_size, H], v_pool, block_tables i32[B, M], seq_lens
+i32[B], q_positions i32[B, T], *, layer, scale, soft_cap=None, sliding_window=None,
+num_heads=None) -> [B, T, N, H].
 """
 
 from __future__ import annotations
@@ -24,14 +21,9 @@ from pallas_kernels.paged_attention import reference, registry
 
 @dataclass(frozen=True)
 class ModelKernels:
-    """attention: paged attention (signature above).
-    qkv_prologue: None (the model's jnp q/k norm + RoPE + K/V write) or a kernel with the
-        signature of `pallas_kernels.qkv_prologue.reference.qkv_prologue` (every step).
-    add_rms_norm: None (jnp ops) or a kernel with the signature of
-        `pallas_kernels.add_rms_norm.reference.add_rms_norm` (every residual add + RMSNorm).
-    q_group_multiple: None, or (mosaic decode with a prologue) decode steps' q is written grouped
-        by KV head [B, 1, K, Gp, H], G = N/K rows zero-padded to Gp, the next multiple of this.
-    """
+    """attention (signature above); qkv_prologue / add_rms_norm: None (jnp ops) or a kernel
+    with the signature of `pallas_kernels.<name>.reference.<name>`; q_group_multiple: None, or
+    decode q is written grouped [B, 1, K, Gp, H] (G = N/K padded to a multiple Gp of it)."""
 
     attention: Callable = reference.paged_attention
     qkv_prologue: Callable | None = None
@@ -64,12 +56,10 @@ def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, 
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """Attention by step kind: T == 1 to the registered decode variant ``decode``, T > 1 to the
-    prefill variant ``prefill`` ("reference": `reference.paged_attention`); ``decode_knobs`` are
-    (name, value) tuning keywords of the decode variant. Called once per layer with ``layer`` a
-    Python int, each kernel runs behind an inner jit taking it as a traced i32[] (one lowering
-    for all L layers); mosaic gets it as constant page offsets (`mosaic.layer_offsets`).
-    Raises ValueError for a grouped q [B, T, K, Gp, H] outside a decode-kernel step."""
+    """T == 1 to registered decode variant ``decode`` (tuning ``decode_knobs``), T > 1 to
+    prefill variant ``prefill``; each behind an inner jit taking ``layer`` as i32[] (one lowering
+    for all layers; mosaic: `mosaic.layer_offsets`). Raises ValueError: a grouped q
+    [B, T, K, Gp, H] outside a decode-kernel step."""
 
     decode: str = "reference"
     prefill: str = "reference"
@@ -109,14 +99,9 @@ def _fused_kernel(field: str, name: str) -> Callable | None:
 
 
 def model_kernels(kc, decode_knobs: dict | None = None) -> ModelKernels:
-    """`ModelKernels` for a resolved `KernelConfig` ``kc`` (reads decode_attention,
-    prefill_attention, qkv_prologue, add_rms_norm); ``decode_knobs``: tuning keywords of the
-    decode variant (e.g. ``{"num_splits": 4}`` for "mosaic").
-
-    Raises:
-        ValueError: an unregistered attention variant (the registry lists them), a fused kernel
-            name other than "xla" / "triton", ``decode_knobs`` with the reference decode.
-    """
+    """`ModelKernels` for a resolved `KernelConfig`; ``decode_knobs``: the decode variant's
+    tuning keywords (e.g. ``{"num_splits": 4}``). Raises ValueError: an unregistered variant,
+    a fused kernel not "xla"/"triton", ``decode_knobs`` with the reference decode."""
     decode, prefill = kc.decode_attention, kc.prefill_attention
     registry.get(decode), registry.get_prefill(prefill)  # raise ValueError listing the names
     if decode_knobs and decode == "reference":

@@ -1,14 +1,7 @@
-"""Paged KV cache as explicit state: `KVCache`, one registered pytree threaded through the
-jitted step with buffer donation.
+"""Paged KV cache as explicit state, a pytree threaded through the jitted step (donated).
 
-    k, v:          [L, P, K, page_size, H]   compute dtype; allocated once at start-up
-    block_tables:  i32[B, M]                 logical page j of sequence b -> physical page
-    seq_lens:      i32[B]                    valid KV positions of sequence b after the write
-
-Invariant (null page, `jaxinfer.engine.block_manager.NULL_PAGE` = 0): physical page 0 is never
-handed to a sequence. Padded batch rows have ``seq_lens == 0`` and block-table entries 0; padded
-query tokens write their K/V into page 0; nothing valid is read from it, so no index is ever out
-of range.
+Null page (`jaxinfer.engine.block_manager.NULL_PAGE` = 0): never a sequence's; padded rows have
+``seq_lens`` 0 and table entries 0, padded tokens write into it, nothing valid is read from it.
 """
 
 from __future__ import annotations
@@ -24,7 +17,8 @@ from jaxinfer.config import ModelConfig
 
 @dataclass(frozen=True)
 class KVCache:
-    """K/V page pools [L, P, K, page_size, H] plus block tables i32[B, M] and seq lens i32[B]."""
+    """k, v [L, P, K, page_size, H] (compute dtype); block_tables i32[B, M] (logical page j of
+    row b -> physical page); seq_lens i32[B] (valid KV positions after the write)."""
 
     k: jax.Array
     v: jax.Array
@@ -54,8 +48,7 @@ def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                   sharding=None) -> KVCache:
-    """The zeroed page pools (allocated once, at start-up) and one padded table row.
-    Raises ValueError for ``num_pages < 2`` (page 0 is the reserved null page)."""
+    """Zeroed pools and one padded table row. Raises ValueError: ``num_pages < 2``."""
     if num_pages < 2:
         raise ValueError(f"num_pages={num_pages} is too small: need >= 2 (page 0 is reserved)")
     a = abstract_kv_cache(cfg, num_pages, page_size, dtype)
@@ -66,10 +59,8 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
 
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k_new: jax.Array, v_new: jax.Array,
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Scatter k_new, v_new [B, T, K, H] (cast to the pool dtype) into layer ``layer`` (int or
-    i32[]) of the pools [L, P, K, page_size, H] at ``slot_mapping`` i32[B, T] (flat slot ``page *
-    page_size + offset``; padded tokens point into the null page). Returns the new pools (in
-    place under donation)."""
+    """Scatter k_new, v_new [B, T, K, H] into layer ``layer`` (int or i32[]) of the pools at
+    ``slot_mapping`` i32[B, T] (``page * page_size + offset``); returns the new pools."""
     page_size = k_pool.shape[3]
     slots = slot_mapping.reshape(-1)
     page, off = slots // page_size, slots % page_size

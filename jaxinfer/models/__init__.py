@@ -1,9 +1,7 @@
 """The models as pure functions of (params, inputs, KV state), by ``cfg.architecture``.
 
-``params`` is the plain tree the Flax modules declare (`jaxinfer.models.llama` lists it; no
-``{"params": ...}`` wrapper); its dtype is the compute dtype. `abstract_params` (``jax.eval_shape``
-of init) is the one shape source for loading checks and sizing. Nothing here is jitted:
-`jaxinfer.step` jits the step around `forward` (``cfg`` and ``kernels`` are static, hashable).
+``params``: the plain tree the Flax modules declare (`jaxinfer.models.llama`), in the compute
+dtype; `abstract_params` is the one shape source. `jaxinfer.step` jits around `forward`.
 """
 
 from __future__ import annotations
@@ -33,36 +31,18 @@ def _model(cfg, kernels: ModelKernels, dtype):
 def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
             kv: KVCache, *, kernels: ModelKernels = ModelKernels(),
             packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
-    """One model step over the paged KV cache (prefill, decode or mixed).
-
-    Args:
-        params: the param tree for ``cfg`` (`check_params`; not checked here).
-        cfg: `jaxinfer.config.ModelConfig` (static under jit).
-        tokens: i32[B, T] token ids (padding: any valid id).
-        positions: i32[B, T] absolute positions (RoPE and the causal mask).
-        slot_mapping: i32[B, T] flat KV slot ``page * page_size + offset``; padded tokens point
-            into the null page (`jaxinfer.kv_cache`).
-        kv: `KVCache`, pools [L, P, K, page_size, H], block_tables i32[R, M], seq_lens i32[R]
-            (valid KV length after this step's write); R = B unpacked.
-        kernels: `jaxinfer.kernels.ModelKernels` (static under jit).
-        packing: None (row b of tokens is sequence b) or `Packing`: tokens [1, Tp] hold R
-            sequences' chunks back to back.
-    Returns:
-        (hidden [B, T, D] after the final norm in the compute dtype, KVCache with new pools).
-    Raises:
-        ValueError: an architecture with no model.
-    """
+    """One step over the paged cache: tokens, positions (RoPE, mask) and slot_mapping (``page *
+    page_size + offset``, padding in the null page) i32[B, T]; ``kv`` block_tables i32[R, M],
+    seq_lens i32[R] (after this write; R = B unless ``packing``: tokens [1, Tp], R chunks);
+    ``cfg``, ``kernels`` static. Returns (hidden [B, T, D] after the final norm, compute dtype;
+    the cache with new pools). Raises ValueError: an architecture with no model."""
     model = _model(cfg, kernels, params["embed"].dtype)
     return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
 
 
 def compute_logits(params: dict, cfg, hidden: jax.Array) -> jax.Array:
-    """f32[..., V] = hidden [..., D] @ (lm_head [D, V], or embed.T when tied), in the compute
-    dtype with float32 accumulation.
-
-    Raises:
-        ValueError: untied ``cfg`` but no ``lm_head`` in ``params``.
-    """
+    """f32[..., V] = hidden [..., D] @ (lm_head [D, V], or embed.T tied), float32 accumulation.
+    Raises ValueError: untied ``cfg`` but no ``lm_head``."""
     if cfg.tie_word_embeddings:
         w, spec = params["embed"], "...d,vd->...v"
     elif "lm_head" in params:
@@ -88,18 +68,13 @@ def init_params(cfg, key: jax.Array, dtype) -> dict:
 
 
 def abstract_params(cfg, dtype=jnp.bfloat16) -> dict:
-    """ShapeDtypeStruct tree of the params (``jax.eval_shape`` of `init_params`; allocates
-    nothing)."""
+    """ShapeDtypeStruct tree of the params (``jax.eval_shape`` of `init_params`)."""
     return jax.eval_shape(lambda key: init_params(cfg, key, dtype), jax.random.key(0))
 
 
 def check_params(params: dict, cfg) -> None:
-    """Check the structure and shapes of ``params`` against `abstract_params` (once, when params
-    are handed over; `forward` does not check).
-
-    Raises:
-        ValueError: a missing or unexpected entry, or a wrong shape (the path and both shapes).
-    """
+    """Check ``params``' tree and shapes against `abstract_params`. Raises ValueError: a
+    missing or unexpected entry, or a wrong shape (path and both shapes)."""
     def walk(exp, got, path):
         if not isinstance(got, Mapping):
             raise ValueError(f"params{path} must be a mapping, got {type(got).__name__}")

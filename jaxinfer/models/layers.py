@@ -85,17 +85,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Packing(NamedTuple):
-    """Where the tokens of a packed (ragged) prefill batch sit.
-
-    The step's tokens are one row [1, Tp], sequence after sequence, padding only at the end.
-    Row r of the KV state (``block_tables[r]``, ``seq_lens[r]``) has its query tokens at packed
-    indices ``q_index[r, :n_r]``.
-
-    q_index:     i32[R, Tq] packed index of row r's j-th query token (padding: any valid index).
-    q_positions: i32[R, Tq] its absolute position (padding: 0).
-    out_index:   i32[Tp]    ``r * Tq + j`` for the packed token that is row r's j-th (padding: 0).
-    Source: vLLM's flattened token batch (``query_start_loc``), expressed as two gathers.
-    """
+    """A packed prefill batch: tokens [1, Tp], sequence after sequence, padding at the end.
+    q_index i32[R, Tq]: packed index of KV row r's j-th query token; q_positions i32[R, Tq]: its
+    position; out_index i32[Tp]: ``r * Tq + j`` of each packed token. Source: vLLM's
+    ``query_start_loc``, as two gathers."""
 
     q_index: jax.Array
     q_positions: jax.Array
@@ -118,10 +111,8 @@ class StepContext(NamedTuple):
 
 def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
            ctx: StepContext, *, layer: int, scale: float, num_heads: int) -> jax.Array:
-    """``attn`` (`jaxinfer.kernels.ModelKernels.attention`) on q [B, T, N, H] -> [B, T, N, H].
-    A decode step's q may be grouped, [B, 1, K, Gp, H]; ``num_heads`` (N) then goes with it.
-    Packed (``ctx.packing``): the queries [1, Tp, N, H] are gathered into rows [R, Tq, N, H],
-    attended, and gathered back."""
+    """``attn`` on q [B, T, N, H] (decode: maybe grouped [B, 1, K, Gp, H], then with
+    ``num_heads``) -> [B, T, N, H]; packed: gathered to rows [R, Tq, N, H] and back."""
     pk = ctx.packing
     if pk is None:
         extra = {"num_heads": num_heads} if q.ndim == 5 else {}

@@ -7,9 +7,8 @@ their layer's scope with `layers.shared`, so a layer's params form one flat dict
     (Qwen3: q_norm [H], k_norm [H]), mlp_norm [D], w_gate_up [D, 2F] (gate | up), w_down [F, D]};
     final_norm [D]; lm_head [D, V] unless tied to ``embed``.
 
-The L layers are unrolled (a Python loop): each reads its own weight arrays, never a slice of a
-stacked array (BENCHMARKS.md: "Layer loop"). The K/V pools [L, P, K, page_size, H] are threaded
-through the loop; layer i writes them at the static index i.
+The L layers are unrolled, each with its own arrays (BENCHMARKS.md: "Layer loop"); layer i
+writes the K/V pools at the static index i.
 Sources: Touvron et al. 2023 (Llama 2); Meta 2024 (Llama 3); HF ``modeling_llama.py``.
 """
 

@@ -1,7 +1,5 @@
 """jaxinfer: JAX/Pallas LLM inference (pure-function models, paged KV cache, continuous batching).
-
-Public API (vLLM names), loaded lazily so host-side modules do not pull in JAX.
-"""
+The public API (vLLM names) loads lazily, so host-side modules do not pull in JAX."""
 
 import importlib
 

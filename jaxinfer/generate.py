@@ -14,9 +14,8 @@ import time
 
 from jaxinfer.config import EngineConfig, KernelConfig
 
-ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)  # --seed: the requests'
                        if f.name not in ("seed", "kernels"))
-"""`EngineConfig` fields with a CLI option of their own (``--seed`` is the requests' seed)."""
 SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
     ("max_tokens", int, 64, "most tokens generated per prompt"),
     ("temperature", float, 0.0, "0 = greedy"),
@@ -36,8 +35,6 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """"(default: X)" unless the help speaks of the default or there is none worth showing."""
-
     def _get_help_string(self, action):
         d = action.default
         if "default" in (action.help or "") or d is None or d is False or d == []:
@@ -178,10 +175,21 @@ def _main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     if args.stream:
         sys.stdout.write("\n")
-    bad = _print_outputs(args, prompts, outs)
-    n_gen = sum(len(o.token_ids) for o in outs if not o.error)
-    ttfts = [o.metrics.ttft_s for o in outs if not o.error and o.metrics and o.metrics.ttft_s is not None]
-    print(f"prompt tokens: {sum(len(o.prompt_token_ids) for o in outs if not o.error)}, generated "
+    ok = [o for o in outs if not o.error]
+    for i, o in enumerate(outs):
+        if o.error:
+            sys.stderr.write(f"error: prompt {i}: {o.error}\n")
+        elif args.json:
+            print(json.dumps({"index": i, "prompt": prompts[i], "text": o.text,
+                              "token_ids": list(o.token_ids),
+                              "finish_reason": o.outputs[0].finish_reason,
+                              "prompt_tokens": len(o.prompt_token_ids),
+                              "ttft_s": o.metrics.ttft_s if o.metrics else None}))
+        elif not args.stream:
+            print(f"--- [{i}] {prompts[i]!r}\n{o.text}" if len(prompts) > 1 else o.text)
+    n_gen = sum(len(o.token_ids) for o in ok)
+    ttfts = [o.metrics.ttft_s for o in ok if o.metrics and o.metrics.ttft_s is not None]
+    print(f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "
           f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
           f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
           f"compilation included), compiles: {llm.engine.stats.num_compiles}", file=info)
@@ -191,28 +199,7 @@ def _main(argv: list[str] | None = None) -> int:
         except OSError as e:
             return _fail(f"--memory-trace {args.memory_trace!r}: {e.strerror}")
         print(f"memory: {llm.engine.memory.report()} (trace: {args.memory_trace})", file=info)
-    return 2 if bad else 0
-
-
-def _print_outputs(args, prompts: list[str], outs: list) -> int:
-    """Each output (text, or a JSON object with --json) and an error line per failed request;
-    returns the number failed."""
-    bad = 0
-    for i, o in enumerate(outs):
-        if o.error:
-            bad += 1
-            sys.stderr.write(f"error: prompt {i}: {o.error}\n")
-        elif args.json:
-            print(json.dumps({"index": i, "prompt": prompts[i], "text": o.text,
-                              "token_ids": list(o.token_ids),
-                              "finish_reason": o.outputs[0].finish_reason,
-                              "prompt_tokens": len(o.prompt_token_ids),
-                              "ttft_s": o.metrics.ttft_s if o.metrics else None}))
-        elif not args.stream:
-            if len(prompts) > 1:
-                print(f"--- [{i}] {prompts[i]!r}")
-            print(o.text)
-    return bad
+    return 2 if len(ok) < len(outs) else 0
 
 
 if __name__ == "__main__":

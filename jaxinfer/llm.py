@@ -154,8 +154,7 @@ class LLM:
                          f"{type(prompt).__name__}")
 
     def _prepare(self, prompts, sampling_params: _Params, raise_errors: bool):
-        """(params, [(text or None, ids)], {index: error message}) of the requests; with
-        ``raise_errors`` any invalid request raises ValueError naming each bad index."""
+        """(params, [(text or None, ids)], {index: error}); ``raise_errors``: ValueError instead."""
         plist, params = _normalize(prompts, sampling_params)
         errors: dict[int, str] = {}
         encoded = []
@@ -238,11 +237,10 @@ class LLM:
 
     def precompile(self, prompts, sampling_params: _Params = None, *,
                    max_workers: int | None = None) -> dict:
-        """Compile ahead of time, several at once, every step shape ``generate(prompts,
-        sampling_params)`` visits on an idle engine (`LLMEngine.plan_shapes`: each request runs
-        to ``max_tokens``; steps of requests that stop early compile on first use).
-        Returns {"planned", "shapes", "lower_s", "warm_s", "seconds"} (`LLMEngine.precompile`).
-        Raises ValueError: as `generate` with on_error="raise"; ``max_workers`` not >= 1."""
+        """Compile, several at once, the step shapes ``generate(prompts, sampling_params)`` visits
+        on an idle engine, each request run to ``max_tokens`` (`LLMEngine.plan_shapes`); returns
+        {"planned", "shapes", "lower_s", "warm_s", "seconds"}. Raises ValueError: as `generate`
+        with on_error="raise"; ``max_workers`` not >= 1."""
         params, encoded, _ = self._prepare(prompts, sampling_params, True)
         keys = self.engine.plan_shapes([(ids, sp) for (_, ids), sp in zip(encoded, params)])
         return dict(planned=len(keys), **self.engine.precompile(keys, max_workers=max_workers))

@@ -65,10 +65,10 @@ def kv_pool_pages(model: ModelConfig, *, page_size: int, dtype_bytes: int, usabl
 
 
 def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> int:
-    """The engine's pool in pages: ``EngineConfig.num_pages`` if set; else with ``memory_stats``
-    (``Device.memory_stats()``, weights resident) `kv_pool_pages` of ``memory_fraction x
-    bytes_limit - bytes_in_use``; else (CPU) the null page + ``max_num_seqs`` sequences of
-    ``max_model_len`` tokens, at most `CPU_KV_BUDGET_BYTES`. Raises ValueError: < 2 pages fit."""
+    """``EngineConfig.num_pages`` if set; else with ``memory_stats`` (``Device.memory_stats()``,
+    weights resident) `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use``; else
+    (CPU) the null page + ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most
+    `CPU_KV_BUDGET_BYTES`. Raises ValueError: fewer than 2 pages fit."""
     e, m = resolved.engine, resolved.model
     if e.num_pages is not None:
         return e.num_pages
@@ -272,9 +272,8 @@ def device_memory_stats(device=None) -> tuple[int, int] | None:
 
         device = jax.devices()[0]
     try:
-        stats = device.memory_stats()
+        stats = device.memory_stats() or {}
     except Exception:  # backends without the API raise (NotImplementedError, RuntimeError)
         return None
-    if not stats or "bytes_in_use" not in stats or "bytes_limit" not in stats:
-        return None
-    return int(stats["bytes_in_use"]), int(stats["bytes_limit"])
+    keys = ("bytes_in_use", "bytes_limit")
+    return tuple(int(stats[k]) for k in keys) if all(k in stats for k in keys) else None

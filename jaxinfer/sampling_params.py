@@ -47,9 +47,7 @@ _RULES = (  # field, valid(value), what is allowed, normalise
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next tokens of one request (vLLM's names and defaults).
-
-    temperature: >= 0; below `GREEDY_EPS` greedy (argmax). top_p: nucleus mass in (0, 1], 1 = off
+    """How to pick the next tokens of one request (vLLM's names and defaults). temperature: >= 0; below `GREEDY_EPS` greedy (argmax). top_p: nucleus mass in (0, 1], 1 = off
     (the likeliest token is always kept). top_k: -1 = off, else >= 1. min_p: keep tokens with
     probability >= min_p x the top one; [0, 1], 0 = off. repetition_penalty: > 0, 1 = off; each
     token id of the prompt or output so far has a positive logit divided by it, a negative one

@@ -39,6 +39,14 @@ def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
     return S, D
 
 
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis with HF's numerics (module docstring), in x.dtype."""
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    return (weight.astype(x.dtype) * normed).astype(x.dtype)
+
+
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
     """Residual add then RMSNorm (module docstring) -> (x' [S, D], h [S, D]) in x.dtype.
@@ -51,7 +59,4 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
         delta = delta.sum(0).astype(x.dtype)
     if delta is not None:
         x = (x + delta).astype(x.dtype)
-    xf = x.astype(jnp.float32)
-    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-    normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-    return x, (weight.astype(x.dtype) * normed).astype(x.dtype)
+    return x, rms_norm(x, weight, eps)

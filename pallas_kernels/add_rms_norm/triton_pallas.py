@@ -37,8 +37,7 @@ def _kernel(x_ref, d_ref, w_ref, xo_ref, h_ref, *, D, eps, has_delta, partials):
 def _add_rms_norm(x, delta, weight, *, eps, interpret, num_warps):
     S, D = x.shape
     has_delta = delta is not None
-    if delta is None:
-        delta = x                                                   # unread
+    delta = delta if has_delta else x                               # None: unread
     partials = delta.ndim == 3
     row = pl.BlockSpec((1, D), lambda i: (i, 0))
     d_spec = pl.BlockSpec((delta.shape[0], 1, D), lambda i: (0, i, 0)) if partials else row

@@ -25,9 +25,7 @@ from pallas_kernels.paged_attention.triton_pallas import (
     LOG2E, check_decode_args, check_knobs, combine_splits, padded_group)
 
 
-def _jit(fn):
-    """``triton.jit`` where Triton is installed; else the plain function (never launched)."""
-    return fn if triton is None else triton.jit(fn)
+_jit = (lambda fn: fn) if triton is None else triton.jit  # without Triton: never launched
 
 
 @_jit

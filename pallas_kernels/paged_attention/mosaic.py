@@ -24,13 +24,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.paged_attention.triton_pallas import HIGHEST, LOG2E, NN_DIMS, NT_DIMS
 from pallas_kernels.sizes import raise_first, round_up
 
 _ROWS = 64          # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
 _TABLE_COLS = 128   # block-table entries per shared-memory row (TMA boxes are at most 256 wide)
 _OFFSET_COLS = 32   # the per-layer page offset input: one 128-byte TMA copy
 Q_GROUP_MULTIPLE = 8  # query rows per KV head are zero-padded to a multiple of this (TMA boxes)
-_LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
 _SMS_H100_H200 = 132
 
@@ -96,9 +96,8 @@ def combine_splits(o: jax.Array, lse: jax.Array, *, num_heads: int, out_dtype) -
 def _smem_transforms(dtype, H: int):
     """Tiling + 128-byte swizzle of a [rows, H] operand tile, as wgmma wants it."""
     swizzle_elems = 128 // jnp.dtype(dtype).itemsize
-    if H % swizzle_elems:
-        return ()
-    return (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
+    return () if H % swizzle_elems else (plgpu.TilingTransform((8, swizzle_elems)),
+                                         plgpu.SwizzleTransform(128))
 
 
 class _WgmmaMath:
@@ -142,14 +141,12 @@ class _PlainMath:
 
     @staticmethod
     def scores(q_smem, k_smem):
-        return lax.dot_general(q_smem[...], k_smem[...], (((1,), (1,)), ((), ())),
-                               precision=lax.Precision.HIGHEST,
+        return lax.dot_general(q_smem[...], k_smem[...], NT_DIMS, precision=HIGHEST,
                                preferred_element_type=jnp.float32)
 
     @staticmethod
     def accumulate_pv(acc, p, v_smem):
-        return acc + lax.dot_general(p, v_smem[...], (((1,), (0,)), ((), ())),
-                                     precision=lax.Precision.HIGHEST,
+        return acc + lax.dot_general(p, v_smem[...], NN_DIMS, precision=HIGHEST,
                                      preferred_element_type=jnp.float32)
 
 
@@ -158,9 +155,9 @@ def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v
     log2 units, so p = exp2(s - m))."""
     acc, m, l = carry
     if geo.soft_cap is None:
-        s = s * (geo.scale * _LOG2E)
+        s = s * (geo.scale * LOG2E)
     else:
-        s = jnp.tanh(s * (geo.scale / geo.soft_cap)) * (geo.soft_cap * _LOG2E)
+        s = jnp.tanh(s * (geo.scale / geo.soft_cap)) * (geo.soft_cap * LOG2E)
     pos = math_.col_iota(s.shape) + first_pos
     valid = pos < seq_len
     if geo.sliding_window is not None:
@@ -309,11 +306,9 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
     of the last wave idle, at most ``max_blocks // 2`` (BENCHMARKS.md section "Throughput")."""
     if cfg.num_splits is not None:
         return max(1, min(cfg.num_splits, max_blocks))
-    sms = cfg.num_sms
-    if sms is None:
-        dev = jax.devices()[0]
-        sms = getattr(dev, "core_count", None) if dev.platform == "gpu" else None
-        sms = sms or _SMS_H100_H200
+    dev = jax.devices()[0]
+    sms = (cfg.num_sms or (dev.platform == "gpu" and getattr(dev, "core_count", None))
+           or _SMS_H100_H200)
     cap = max(1, max_blocks // 2)
     slots = sms * max(1, (227 * 1024) // smem)        # programs resident at once
     for splits in range(1, cap + 1):
@@ -386,15 +381,10 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
                                              "interpret", "cfg"))
 def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, soft_cap,
              sliding_window, interpret, cfg: MosaicDecodeConfig):
-    B, H = q.shape[0], q.shape[-1]
-    L, P, K, page_size, _ = k_pool.shape
-    G = N // K
+    B, H, (L, P, K, page_size, _) = q.shape[0], q.shape[-1], k_pool.shape
+    G, M, bk, dtype = N // K, block_tables.shape[1], cfg.block_kv, k_pool.dtype
     Gp = round_up(G, Q_GROUP_MULTIPLE)
-    M = block_tables.shape[1]
-    bk = cfg.block_kv
-    dtype = k_pool.dtype
     max_blocks = max(1, -(-M * page_size // bk))
-
     # Table tile [B, 1 + R, C]: row 0 holds seq_len, rows 1.. the pages (null-padded), the same
     # for every layer (XLA computes it once per step); the program adds layer * P itself.
     pages_needed = max_blocks * (bk // page_size) if page_size <= bk else M
@@ -451,9 +441,9 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
 
 
 def layer_offsets(layer, pages_per_layer: int):
-    """i32[32], the kernel's per-layer input: element 0 is ``layer * pages_per_layer``, the rest count
-    up from it (unread; distinct so XLA does not make it a broadcast launch). A numpy constant for
-    a Python-int ``layer`` (no launch under jit)."""
+    """i32[32], the kernel's per-layer input: element 0 is ``layer * pages_per_layer``, the rest
+    count up from it (unread; distinct so XLA does not make it a broadcast launch). A numpy
+    constant for a Python-int ``layer`` (no launch under jit)."""
     if isinstance(layer, (int, np.integer)):
         return np.arange(_OFFSET_COLS, dtype=np.int32) + np.int32(int(layer) * pages_per_layer)
     base = jnp.asarray(layer, jnp.int32) * pages_per_layer
@@ -464,10 +454,9 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            interpret: bool = False, block_kv: int = 64, num_stages: int = 2,
-                           num_splits: int | None = None,
-                           config: MosaicDecodeConfig | None = None,
-                           num_heads: int | None = None,
-                           page_offset: jax.Array | None = None) -> jax.Array:
+                           num_splits: int | None = None, config: MosaicDecodeConfig | None = None,
+                           num_heads: int | None = None, page_offset: jax.Array | None = None
+                           ) -> jax.Array:
     """`reference.paged_decode_attention`'s contract with a Mosaic GPU (Hopper) kernel -> [B, N, H]
     in q.dtype. q: [B, N, H], or grouped [B, K, Gp, H] (G = N/K rows zero-padded to a multiple of
     ``Q_GROUP_MULTIPLE``; needs ``num_heads`` = N). Pools bf16/f16 (f32 only in interpret mode), H
@@ -483,7 +472,6 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                   page_offset, sliding_window, soft_cap)
     return _forward(q, k_pool, v_pool, block_tables, seq_lens,
                     layer_offsets(layer, k_pool.shape[1]) if page_offset is None else page_offset,
-                    N=N, scale=float(scale),
-                    soft_cap=None if soft_cap is None else float(soft_cap),
+                    N=N, scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
                     sliding_window=None if sliding_window is None else int(sliding_window),
                     interpret=bool(interpret), cfg=cfg)

@@ -1,14 +1,10 @@
 """Paged prefill attention (T causal query tokens per sequence) as a Pallas kernel with the Triton
-lowering (prefill variant ``triton``).
-
-One program per (row b, KV head k, query tile i). A tile holds ``block_q`` tokens times the G query
-heads of KV head k as one ``[block_q * G_PAD, H]`` matrix (row r: token ``r // G_PAD``, head
-``r % G_PAD``; G padded to a power of 2 with zero rows), so each K/V page is read once per KV head
-and tile. When G is a power of 2 the tiles are q's own [B, T, N, H] layout; otherwise q is
-transposed and padded first. The program walks the pages from the first key any of its queries can
-see to the last, gathering them through the block table out of the pool, with an online softmax in
-float32 (`triton_pallas.online_softmax_step`); nothing of size ``T x seq_len`` is materialised.
-Sources: Dao 2023 (FlashAttention-2); Kwon et al. 2023 (PagedAttention).
+lowering (prefill variant ``triton``). One program per (row b, KV head k, query tile i); a tile is
+``block_q`` tokens times the G query heads of KV head k as one ``[block_q * G_PAD, H]`` matrix (row
+r: token ``r // G_PAD``, head ``r % G_PAD``; G zero-padded to a power of 2; q's own layout when G
+is one), so each K/V page is read once per KV head and tile. The program walks the pages any of its
+queries can see, as `triton_pallas` does, with its online softmax; nothing of size ``T x
+seq_len`` is materialised. Sources: Dao 2023 (FlashAttention-2); Kwon et al. 2023 (PagedAttention).
 """
 
 from __future__ import annotations
@@ -72,14 +68,10 @@ def _kernel(layer_ref, lens_ref, bt_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *,
 def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, *, scale,
                    soft_cap, sliding_window, interpret, block_q, pages_per_block, num_warps,
                    num_stages):
-    B, T, N, H = q.shape
-    L, P, K, page_size, _ = k_pool.shape
-    G = N // K
-    G_PAD = next_pow2(G)
+    (B, T, N, H), (L, P, K, page_size, _) = q.shape, k_pool.shape
+    G, M, nq = N // K, block_tables.shape[1], -(-T // block_q)
+    G_PAD, Tp = next_pow2(G), nq * block_q
     ROWS = block_q * G_PAD
-    M = block_tables.shape[1]
-    nq = -(-T // block_q)
-    Tp = nq * block_q
     if G == G_PAD:
         # Tiles are read and written in q's own layout [B, T, K, G, H] (a free reshape): a
         # program's [block_q, G, H] block is its [ROWS, H] matrix, so no transpose on either side.
@@ -129,8 +121,8 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                             *, layer=0, scale: float, soft_cap: float | None = None,
                             sliding_window: int | None = None, interpret: bool = False,
                             block_q: int | None = None, pages_per_block: int | None = None,
-                            num_warps: int | None = None,
-                            num_stages: int | None = None) -> jax.Array:
+                            num_warps: int | None = None, num_stages: int | None = None
+                            ) -> jax.Array:
     """`reference.paged_attention`'s contract (prefill chunks) as a Pallas/Triton kernel -> [B, T,
     N, H] in q.dtype (empty, with no launch, when B or T is 0). q bf16/f16/f32; page_size and H
     powers of 2 (H >= 16); interpret: the Pallas interpreter (CPU); block_q: query tokens per
@@ -142,11 +134,10 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
         raise ValueError(f"q must be [B, T, N, H]; got shape {q.shape}")
     B, T, N, H = q.shape
     # the per-token checks on a [B, N, H] stand-in, so that T = 0 is checked too
-    check_decode_args(jnp.zeros((B, N, H), q.dtype), k_pool, v_pool, block_tables, seq_lens,
-                      sliding_window, soft_cap)
+    *_, K, page_size, _ = check_decode_args(jnp.zeros((B, N, H), q.dtype), k_pool, v_pool,
+                                            block_tables, seq_lens, sliding_window, soft_cap)
     if q_positions.shape != (B, T):
         raise ValueError(f"q_positions must be i32[B={B}, T={T}]; got shape {q_positions.shape}")
-    K, page_size = k_pool.shape[2], k_pool.shape[3]
     knobs = default_knobs(N // K, page_size)
     given = dict(block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps,
                  num_stages=num_stages)

@@ -24,15 +24,10 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_ta
     logits become ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2).
     """
     B, T, N, H = q.shape
-    K, page_size = k_pool.shape[2], k_pool.shape[3]
-    G = N // K
-    M = block_tables.shape[1]
-    S = M * page_size
+    K, G, S = k_pool.shape[2], N // k_pool.shape[2], block_tables.shape[1] * k_pool.shape[3]
     # Gather pages: [B, M, K, page_size, H] -> [B, K, S, H]
-    k = k_pool[layer, block_tables].astype(jnp.float32)
-    v = v_pool[layer, block_tables].astype(jnp.float32)
-    k = k.transpose(0, 2, 1, 3, 4).reshape(B, K, S, H)
-    v = v.transpose(0, 2, 1, 3, 4).reshape(B, K, S, H)
+    k, v = (p[layer, block_tables].astype(jnp.float32).transpose(0, 2, 1, 3, 4).reshape(B, K, S, H)
+            for p in (k_pool, v_pool))
     qf = q.astype(jnp.float32).reshape(B, T, K, G, H)
     logits = jnp.einsum("btkgh,bksh->bkgts", qf, k) * scale
     if soft_cap is not None:

@@ -1,14 +1,12 @@
 """Paged decode attention as a Pallas kernel with the Triton lowering (variant ``triton``).
 
 One program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
-tile (G padded to a power of 2 >= 16, the MMA minimum), walks its split's pages ``pages_per_block``
-at a time, gathering each page through the block table straight out of the pool ``[L, P, K,
-page_size, H]``, and keeps an online softmax in float32. The next block's table entries are read
-one iteration ahead, so no K/V load depends on a load of its own iteration (Triton's pipeliner
-then keeps ``num_stages - 1`` blocks in flight). With ``k_splits > 1`` each split writes
-un-normalised partials that `combine_splits` merges.
-Sources: Dao et al. 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); the page gather of
-JAX's ``jax.experimental.pallas.ops.gpu.paged_attention``.
+tile (`padded_group`), walks its split's pages ``pages_per_block`` at a time, gathering them
+through the block table out of the pool, with an online softmax in float32. Table entries are read
+one block ahead, so no K/V load depends on a load of its own iteration (Triton's pipeliner keeps
+``num_stages - 1`` blocks in flight). With ``k_splits > 1`` the splits' partials are merged by
+`combine_splits`. Sources: Dao et al. 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention);
+JAX's ``jax.experimental.pallas.ops.gpu.paged_attention`` (page gather).
 """
 
 from __future__ import annotations
@@ -27,13 +25,9 @@ from pallas_kernels.sizes import is_pow2, next_pow2, raise_first
 
 LOG2E = math.log2(math.e)
 MIN_MMA_ROWS = 16
-# Finite "minus infinity" for the running max: exp2(m_old - m_new) stays finite for empty splits.
-NEG_INIT = -1e30
-# IEEE float32 MMA for f32 inputs (the Triton lowering maps DEFAULT to tf32); bf16 is unaffected.
-HIGHEST = lax.Precision.HIGHEST
-# dot_general dimension numbers: a @ b.T and a @ b (pl.dot is gone in JAX 0.11).
-NT_DIMS = (((1,), (1,)), ((), ()))
-NN_DIMS = (((1,), (0,)), ((), ()))
+NEG_INIT = -1e30  # finite "-inf" running max: exp2(m_old - m_new) stays finite for empty splits
+HIGHEST = lax.Precision.HIGHEST  # IEEE f32 MMA for f32 inputs (Triton maps DEFAULT to tf32)
+NT_DIMS, NN_DIMS = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))  # a @ b.T, a @ b
 
 
 def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
@@ -185,11 +179,9 @@ def _kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, 
     "num_stages", "k_splits"))
 def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_cap,
                   sliding_window, interpret, pages_per_block, num_warps, num_stages, k_splits):
-    B, N, H = q.shape
-    L, P, K, page_size, _ = k_pool.shape
-    G = N // K
+    (B, N, H), (L, P, K, page_size, _) = q.shape, k_pool.shape
+    G, M = N // K, block_tables.shape[1]
     G_PAD = padded_group(G)
-    M = block_tables.shape[1]
     # Pad the table so every block of `pages_per_block` entries, and the next one (prefetched), is
     # in range (padding: null page 0).
     bt = jnp.pad(block_tables, ((0, 0), (0, 2 * pages_per_block)))
@@ -203,12 +195,12 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, so
         soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window)
     in_specs = [
         full_block((1,)), full_block((B,)), full_block((B, M + 2 * pages_per_block)),
-        pl.BlockSpec((None, None, G_PAD, H), lambda b, k, s: (b, k, 0, 0)),
+        q_spec := pl.BlockSpec((None, None, G_PAD, H), lambda b, k, s: (b, k, 0, 0)),
         full_block(k_pool.shape), full_block(v_pool.shape),
     ]
     if k_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((B, K, G_PAD, H), q.dtype)]
-        out_specs = [pl.BlockSpec((None, None, G_PAD, H), lambda b, k, s: (b, k, 0, 0))]
+        out_specs = [q_spec]
     else:
         out_shape = [jax.ShapeDtypeStruct((k_splits, B, K, G_PAD, H), jnp.float32),
                      jax.ShapeDtypeStruct((k_splits, B, K, G_PAD), jnp.float32),

@@ -19,11 +19,9 @@ TUNED_FILE = Path(__file__).with_name("tuned_h200.json")
 KNOBS = ("pages_per_block", "num_warps", "num_stages", "min_programs")
 VARIANTS = ("triton", "jax_triton")
 
-# Defaults for devices without a table entry: 2 pages per loop step, 4 warps, 4-stage pipelining,
-# sequence splits until there are >= 256 programs (BENCHMARKS.md section "Paged decode attention").
+# Devices without a table entry (BENCHMARKS.md section "Paged decode attention").
 DEFAULTS = {v: {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256}
             for v in VARIANTS}
-
 # (variant, device_kind) or the full key -> knobs; device kind "interpret": fast on the CPU.
 BUILTIN = {(v, "interpret"): {"pages_per_block": 2, "num_warps": 4, "num_stages": 1,
                               "min_programs": 1} for v in VARIANTS}
@@ -42,8 +40,7 @@ def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
             knobs = dict(rec["knobs"])
         except (KeyError, TypeError) as e:
             raise ValueError(f"{path}: record {i} lacks field {e}") from None
-        unknown = set(knobs) - set(KNOBS)
-        if unknown:
+        if unknown := set(knobs) - set(KNOBS):
             raise ValueError(f"{path}: record {i} has unknown knobs {sorted(unknown)}; "
                              f"allowed: {KNOBS}")
         out[key] = knobs
@@ -57,11 +54,8 @@ def lookup(variant: str, *, device_kind: str, page_size: int, head_dim: int, gro
     if variant not in DEFAULTS:
         raise ValueError(f"unknown variant {variant!r}; tuned variants: {VARIANTS}")
     key = (variant, device_kind, int(page_size), int(head_dim), int(group), np.dtype(dtype).name)
-    knobs = dict(DEFAULTS[variant])
-    knobs.update(BUILTIN.get((variant, device_kind), {}))
-    knobs.update(BUILTIN.get(key, {}))
-    knobs.update(load_records(path).get(key, {}))
-    return knobs
+    return {**DEFAULTS[variant], **BUILTIN.get((variant, device_kind), {}), **BUILTIN.get(key, {}),
+            **load_records(path).get(key, {})}
 
 
 def choose_k_splits(batch: int, num_kv_heads: int, num_blocks: int, min_programs: int) -> int:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.add_rms_norm.reference import rms_norm
 from pallas_kernels.sizes import raise_first
 
 
@@ -54,13 +55,6 @@ def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_
     return S, N, K, H
 
 
-def _rms_norm(x, w, eps):
-    xf = x.astype(jnp.float32)
-    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-    normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-    return (w.astype(x.dtype) * normed).astype(x.dtype)
-
-
 def _rope(x, cos, sin):
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
@@ -93,7 +87,7 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     v = qkv[:, (N + K) * H:].reshape(S, K, H)
     if q_norm is not None:
         w = jnp.concatenate([jnp.broadcast_to(q_norm, (N, H)), jnp.broadcast_to(k_norm, (K, H))])
-        qk = _rms_norm(qk, w, eps)
+        qk = rms_norm(qk, w, eps)
     qk = _rope(qk, cos.astype(jnp.float32), sin.astype(jnp.float32))
     page_size = k_pool.shape[3]
     page, off = slot_mapping // page_size, slot_mapping % page_size

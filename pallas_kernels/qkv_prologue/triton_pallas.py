@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attention.triton_pallas import full_block as full
 from pallas_kernels.qkv_prologue import reference
 from pallas_kernels.qkv_prologue.reference import check_args
 from pallas_kernels.sizes import is_pow2
@@ -136,9 +137,7 @@ def _rope_halves(x1, x2, c, sn):
                                              "grouped"))
 def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, *, N, K, Gq, eps,
               interpret, num_warps, grouped):
-    S = qkv.shape[0]
-    L, P, _, page_size, H = k_pool.shape
-    G = N // K
+    S, (L, P, _, page_size, H), G = qkv.shape[0], k_pool.shape, N // K
     has_norm = wq is not None
     if wq is None:
         wq = wk = jnp.ones((H,), qkv.dtype)                  # unread
@@ -150,14 +149,12 @@ def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, *, N, 
     else:
         kernel, grid = functools.partial(_per_head_kernel, **common), (S, K * rows + 2 * K)
     q_shape = (S, K, rows, H)
-    full = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
     qkv3 = qkv.reshape(S, N + 2 * K, H)
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     q, k_pool, v_pool = pl.pallas_call(
         kernel,
-        out_shape=[jax.ShapeDtypeStruct(q_shape, qkv.dtype),
-                   jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype),
-                   jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(q_shape, qkv.dtype), jax.ShapeDtypeStruct(
+            k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
         grid=grid,
         in_specs=[full((1,)), full((S,)), full((S, H // 2)), full((S, H // 2)), full((H,)),
                   full((H,)), full((S, N + 2 * K, H)), full(k_pool.shape), full(v_pool.shape)],
@@ -180,8 +177,8 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, k_pool: jax.Array,
                  v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int,
                  eps: float = 1e-6, q_group_rows: int | None = None, interpret: bool = False,
-                 grid: str = "auto",
-                 num_warps: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 grid: str = "auto", num_warps: int | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`reference.qkv_prologue`'s contract and result in one Pallas launch (H/2 a power of 2;
     slots and layer out of range write out of bounds). interpret: the Pallas interpreter (CPU).
     grid (module docstring): "group", S * (K + 2) programs (K and the rows per group,
@@ -190,8 +187,8 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     "Throughput"). num_warps: per program; None: 1 for "head", 2 for "group". ValueError:
     `reference.check_args`; H/2 not a power of 2; ``grid`` not "auto", "group", "head", or
     "group" where it does not apply."""
-    S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
-                            num_heads, num_kv_heads, q_group_rows)
+    args = (qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool)
+    S, N, K, H = check_args(*args, num_heads, num_kv_heads, q_group_rows)
     if not is_pow2(H // 2):
         raise ValueError(f"head dim H={H}: H/2 must be a power of 2 for the Triton kernel")
     rows = q_group_rows or N // K
@@ -204,10 +201,9 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     grouped = (groupable and S * (K * rows + 2 * K) > _ONE_WAVE_PROGRAMS if grid == "auto"
                else grid == "group")
     if S == 0:  # no tokens: nothing to write, no launch (a grid of 0 programs is not valid)
-        return reference.qkv_prologue(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool,
-                                      v_pool, layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
+        return reference.qkv_prologue(*args, layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
                                       q_group_rows=q_group_rows)
-    return _prologue(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, layer, N=N,
-                     K=K, Gq=q_group_rows, eps=float(eps), interpret=bool(interpret),
+    return _prologue(*args, layer, N=N, K=K, Gq=q_group_rows, eps=float(eps),
+                     interpret=bool(interpret),
                      num_warps=int((2 if grouped else 1) if num_warps is None else num_warps),
                      grouped=grouped)

@@ -18,9 +18,7 @@ class RequestMetrics:
 
     @property
     def ttft_s(self) -> float | None:
-        if self.first_token_time is None:
-            return None
-        return self.first_token_time - self.arrival_time
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
 @dataclass(frozen=True)

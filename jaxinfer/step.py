@@ -57,9 +57,10 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels
     """Forward, KV write, logits of one token per row, sampling; ``kv``'s block_tables
     i32[B, M] and seq_lens i32[B] are this step's. Returns (token ids i32[B] (i32[R] packed),
     zero-padded to i32[Bmax] with ``prev_tokens``; the new cache)."""
-    tokens = inp.tokens
-    if inp.prev_tokens is not None and inp.packing is None:
-        tokens = merge_pending_tokens(tokens, inp.prev_tokens, inp.pending_src)
+    tokens, src = inp.tokens, inp.pending_src
+    if inp.prev_tokens is not None and inp.packing is None:  # tokens[b, 0] = prev[src[b]], src >= 0
+        picked = inp.prev_tokens[jnp.maximum(src, 0)]
+        tokens = tokens.at[:, 0].set(jnp.where(src >= 0, picked, tokens[:, 0]))
     hidden, kv = models.forward(params, cfg, tokens, inp.positions, inp.slot_mapping, kv,
                                 kernels=kernels, packing=inp.packing)
     with jax.named_scope("lm_head"):
@@ -114,21 +115,14 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
                 key: ShapeKey, cfg: ModelConfig,
                 kernels: ModelKernels) -> tuple[jax.Array, KVCache]:
-    """`step` on ``buf`` i32[S] (`jaxinfer.step_input.pack`, layout and sampling mode from
-    ``key``) and ``prev_tokens`` i32[Bmax]. ``kv``'s block_tables/seq_lens are fixed-shape
-    placeholders returned unchanged, so the signature varies only through ``buf``. Returns
-    (token ids i32[Bmax], the new cache)."""
+    """`step` on ``buf`` i32[S] (`jaxinfer.step_input.pack`, layout from ``key``) and
+    ``prev_tokens`` i32[Bmax] -> (i32[Bmax], cache); ``kv``'s tables and lengths are fixed-shape
+    placeholders passed through, so only ``buf`` varies with the bucket."""
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
     tokens, new = step(params, kv.replace(block_tables=tables, seq_lens=lens), inp, cfg=cfg,
                        kernels=kernels, all_greedy=key.all_greedy)
     return tokens, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
-
-
-def merge_pending_tokens(tokens: jax.Array, prev_tokens: jax.Array, src: jax.Array) -> jax.Array:
-    """i32[B, T] ``tokens`` with ``tokens[i, 0] = prev_tokens[src[i]]`` where ``src[i] >= 0``."""
-    picked = prev_tokens[jnp.maximum(src, 0)]
-    return tokens.at[:, 0].set(jnp.where(src >= 0, picked, tokens[:, 0]))
 
 
 # The engine's jit entry points by GEMM back-end: ``PACKED_STEPS[gemm](params, kv, buf,

@@ -118,8 +118,12 @@ def _teacher_forced_margins(path, prompts, outputs):
 
 
 def _variants():
+    """Every registered decode kernel; jax_triton skips with a reason where it is not installed
+    (the ``jax-triton`` extra), as in the kernel suites."""
     from pallas_kernels.paged_attention import registry
-    return [n for n in registry.names() if n != "reference"]
+    from tests.kernels.modes import NEEDS_JAX_TRITON
+    return [pytest.param(n, marks=NEEDS_JAX_TRITON) if n == "jax_triton" else n
+            for n in registry.names() if n != "reference"]
 
 
 def _teacher_forced_picks(loaded, kernels, prompts, outputs):

@@ -1,9 +1,7 @@
-"""Frozen, validated configuration, and `resolve`: the one place "auto" becomes concrete.
-
-`ModelConfig`: a model's architecture; `EngineConfig`: what a user sets (vLLM meanings);
-`KernelConfig`: kernel and research knobs; `ResolvedConfig`: all three with no "auto" left. A bad
-value raises ValueError naming the field, the value and what is allowed. Imports no JAX.
-"""
+"""Frozen, validated configuration: `ModelConfig` (architecture), `EngineConfig` (what a user sets,
+vLLM meanings), `KernelConfig` (kernel knobs); `resolve`, the one place "auto" becomes concrete,
+gives a `ResolvedConfig`. A bad value raises ValueError naming the field, the value and what is
+allowed. Imports no JAX."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        _check(self, (
-            ("rope_type", lambda v: v == "llama3", "only 'llama3' scaling is supported"),
+        _check(self, (("rope_type", lambda v: v == "llama3", "only 'llama3' scaling is supported"),
             ("factor", lambda v: v > 0, "must be > 0"),
             ("high_freq_factor", lambda v: 0 < self.low_freq_factor < v,
              f"need 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor"),
@@ -76,7 +73,7 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _check(self, (
-            ("architecture", lambda v: v in SUPPORTED_ARCHITECTURES,
+            ("architecture", SUPPORTED_ARCHITECTURES.__contains__,
              f"supported architectures are {SUPPORTED_ARCHITECTURES}"),
             *((n, _positive_int, "must be a positive integer") for n in (
                 "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -111,12 +108,12 @@ class ModelConfig:
                 raise ValueError(f"{model_type} with {key}=True is not supported")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu'")
-        rope = dict(cfg.get("rope_parameters") or {})  # transformers 5; 4.x: rope_scaling
-        rope.update(cfg.get("rope_scaling") or {})
+        rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}  # 5; 4.x
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
         eos = cfg.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         try:
             scaling = None if rope_type != "llama3" else RopeScaling(
                 factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
@@ -129,14 +126,11 @@ class ModelConfig:
                 num_layers=int(cfg["num_hidden_layers"]), num_heads=n,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or n),
                 head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_scaling=scaling,
                 rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
-                rope_scaling=scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=() if eos is None else tuple(eos) if isinstance(eos, (list, tuple))
-                else (eos,))
+                bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
         except KeyError as e:
             raise ValueError(f"config.json lacks the required key {e.args[0]!r} "
                              f"(model_type={model_type!r})") from None
@@ -177,14 +171,13 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Kernel choices and research knobs; `resolve` replaces "auto". Allowed: `kernel_choices`.
-    decode_attention / prefill_attention: paged-attention variant of decode (T == 1) / prefill
-    steps. qkv_prologue: q/k norm + RoPE + K/V page write (triton: GPU, H/2 a power of 2).
-    add_rms_norm: residual add + RMSNorm (triton: GPU, D a power of 2; decode steps of 128+ rows
-    then split the down projection). prefill_gemm: GEMMs of prefill steps (cublas: GPU).
-    cublas_decode_min_batch: decode buckets of this many rows or more use cuBLAS GEMMs (GPU; None:
-    XLA's choice; default: BENCHMARKS.md "Decode step"). batch_buckets / token_buckets: padded
-    sizes of B and T, strictly increasing; (): the defaults."""
+    """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"). decode_attention /
+    prefill_attention: paged attention of decode (T == 1) / prefill steps. qkv_prologue: q/k norm
+    + RoPE + K/V page write (triton: GPU, H/2 a power of 2). add_rms_norm: residual add + RMSNorm
+    (triton: GPU, D a power of 2). prefill_gemm: prefill GEMMs (cublas: GPU).
+    cublas_decode_min_batch: decode buckets of this many rows or more use cuBLAS (GPU; None: XLA;
+    BENCHMARKS.md "Decode step"). batch_buckets / token_buckets: padded B / T sizes, strictly
+    increasing; (): the defaults."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
@@ -196,8 +189,7 @@ class KernelConfig:
     token_buckets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        _check(self, (
-            *((name, allowed.__contains__, "allowed: " + ", ".join(map(repr, allowed)))
+        _check(self, (*((name, allowed.__contains__, "allowed: " + ", ".join(map(repr, allowed)))
               for name, allowed in kernel_choices().items()),
             ("cublas_decode_min_batch", lambda m: m is None or _positive_int(m),
              "must be None or a positive integer"),
@@ -209,10 +201,9 @@ class KernelConfig:
 
     @classmethod
     def parse(cls, spec: "str | KernelConfig") -> "KernelConfig":
-        """From ``"key=value,..."``, e.g. ``"decode=mosaic,prefill=triton,batch_buckets=1:2:4,
-        cublas_decode_min_batch=none"`` (keys: fields or `KERNEL_ALIASES`; ``""``: the defaults);
-        a `KernelConfig` as given. Raises ValueError: an item without ``=``, an unknown or
-        repeated key, or a bad value."""
+        """From ``"key=value,..."`` (e.g. ``"decode=mosaic,batch_buckets=1:2:4"``; keys: fields or
+        `KERNEL_ALIASES`; ``""``: the defaults); a `KernelConfig` as given. Raises ValueError: an
+        item without ``=``, an unknown or repeated key, or a bad value."""
         if isinstance(spec, cls):
             return spec
         if not isinstance(spec, str):
@@ -263,8 +254,8 @@ class EngineConfig:
     """What a user sets (vLLM's meanings); each field's ``help`` says what it is. ``kernels``: a
     `KernelConfig`, or a string for `KernelConfig.parse`."""
 
-    max_model_len: int | None = _user(None, "most tokens (prompt + generated) of one sequence; "
-                                      "default: the model's max_position_embeddings")
+    max_model_len: int | None = _user(
+        None, "most tokens (prompt + generated) of one sequence; default: max_position_embeddings")
     page_size: int = _user(16, "tokens per KV page, a power of 2")
     num_pages: int | None = _user(None, "KV pool size in pages, null page 0 included; default: "
                                   "sized from free device memory (memory.engine_pool_pages)")
@@ -277,9 +268,9 @@ class EngineConfig:
     seed: int = _user(0, "base seed of unseeded requests")
     async_scheduling: bool = _user(True, "dispatch step n+1 before reading back step n's tokens "
                                    "(same outputs either way)")
-    compilation_cache_dir: str | None = _user(
-        None, "JAX persistent compilation cache: a later run with the same DIR loads the "
-        "compiled steps (process-wide)", metavar="DIR")
+    compilation_cache_dir: str | None = _user(None, "JAX persistent compilation cache (process-"
+                                              "wide): a later run with the same DIR loads the "
+                                              "compiled steps", metavar="DIR")
     kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:
@@ -337,13 +328,11 @@ def check_platform(kc: KernelConfig, platform: str) -> None:
 
 
 def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> ResolvedConfig:
-    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend name):
-    dtype None -> "bfloat16" on "gpu", else "float32"; max_model_len None ->
-    max_position_embeddings; decode_attention "auto" -> "mosaic" on "gpu" in bfloat16/float16,
-    else "reference"; prefill_attention "auto" -> "triton" on "gpu", else "reference";
-    qkv_prologue / add_rms_norm "auto" -> "triton" on "gpu" in bfloat16/float16 where H/2 / D is
-    a power of 2, else "xla". Raises ValueError: max_model_len above max_position_embeddings, a
-    GPU kernel off "gpu" (`check_platform`), "triton" fused kernels on shapes they do not take."""
+    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend). On
+    "gpu": dtype bfloat16, prefill_attention triton, and in half precision decode_attention mosaic,
+    qkv_prologue / add_rms_norm triton where H/2 / D is a power of 2; else float32, reference,
+    xla. max_model_len None: max_position_embeddings. Raises ValueError: max_model_len above that,
+    a GPU kernel off "gpu" (`check_platform`), "triton" fused kernels on shapes they do not take."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
@@ -361,6 +350,7 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> Resolved
              f"a power-of-2 hidden size (this model: {model.hidden_size})")):
         if getattr(kc, name) == "triton" and not ok:
             raise ValueError(f"KernelConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
+
         auto[name] = "triton" if gpu and half and ok else "xla"
     kc = dataclasses.replace(kc, **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"})
     return ResolvedConfig(model, engine, kc, max_len, dtype, platform)

@@ -1,13 +1,9 @@
-"""Continuous-batching scheduler (host side; imports no JAX): ``schedule()`` -> device step ->
-``postprocess(batch, sampled)``, at most two batches in flight. Sampled tokens count as pending
-until read back; a sequence ending on them (length) is not scheduled again.
-
-Prefill first: with sequences waiting, a PREFILL batch (the partial prefill, then FIFO admission
-within ``max_num_seqs``, the ``max_num_batched_tokens`` budget and free pages; one partial chunk
-at most, last; rows x longest chunk <= twice the budget). Otherwise a DECODE batch of every
-decoding sequence, a missing page preempting the newest admitted by recompute (to the queue's
-front). Admission guarantees each sequence alone fits. Sources: nano-vllm ``Scheduler``; vLLM v1
-chunked prefill and asynchronous scheduling (SARATHI).
+"""Continuous-batching scheduler (host side, no JAX): ``schedule()`` -> step ->
+``postprocess(batch, sampled)``, at most two batches in flight; sampled tokens are pending until
+read back. Prefill first (the partial prefill, then FIFO admission within ``max_num_seqs``, the
+token budget and free pages; one partial chunk, last; rows x longest chunk <= twice the budget),
+else a decode batch, a missing page preempting the newest admitted (recompute). Sources:
+nano-vllm ``Scheduler``; vLLM v1 chunked prefill and asynchronous scheduling (SARATHI).
 """
 
 from __future__ import annotations
@@ -25,10 +21,9 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """One step: row i computes positions ``[start_positions[i], + num_new_tokens[i])`` of
-    ``seqs[i]``. Snapshots at construction: ``start_positions``, ``do_sample`` (the chunk reaches
-    the end, pending included: the row samples), ``pending_input`` (the input token is the batch
-    in flight's output). Raises ValueError: lengths differ, or a count < 1."""
+    """Row i computes positions ``[start_positions[i], + num_new_tokens[i])`` of ``seqs[i]``;
+    snapshots: ``do_sample`` (the chunk reaches the end, pending included), ``pending_input``
+    (input token from the batch in flight). Raises ValueError: lengths differ, or a count < 1."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
@@ -62,8 +57,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Which sequences run each step; owns their KV pages (via ``BlockManager``).
-    ``eos_token_ids`` finish with "stop" unless ``ignore_eos``. Raises ValueError: a size not a
+    """Which sequences run each step; owns their KV pages. Raises ValueError: a size not a
     positive integer, or ``page_size`` not the block manager's."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
@@ -102,8 +96,8 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def check_admissible(self, n_prompt: int, params) -> None:
-        """Raise ValueError unless ``n_prompt >= 1``, ``n_prompt + max_tokens <= max_model_len``
-        and the pages for ``n_prompt + max_tokens`` tokens fit in the whole pool."""
+        """Raise ValueError unless ``1 <= n_prompt`` and ``n_prompt + max_tokens`` fits
+        ``max_model_len`` and the whole pool."""
         max_tokens, tokens = params.max_tokens, f"{n_prompt} token{'s' if n_prompt != 1 else ''}"
         if n_prompt == 0:
             raise ValueError("prompt has 0 tokens; at least 1 required")
@@ -121,8 +115,8 @@ class Scheduler:
                 f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool")
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` (FIFO). Raises ValueError (nothing changes): `check_admissible` fails,
-        a duplicate unfinished ``request_id``, or a sequence that is not fresh."""
+        """Queue ``seq`` (FIFO). Raises ValueError (no change): not admissible, a duplicate
+        unfinished ``request_id``, or not fresh."""
         self.check_admissible(seq.num_prompt_tokens, seq.params)
         if seq.request_id in self._requests:
             raise ValueError(f"request_id={seq.request_id!r} is invalid: an unfinished request "
@@ -135,9 +129,8 @@ class Scheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next batch (pages allocated, sequences advanced), or None: nothing runnable until
-        a batch in flight is postprocessed, or nothing left. Raises RuntimeError: two batches
-        in flight, or work left that nothing can run."""
+        """The next batch (pages allocated, sequences advanced), or None: nothing runnable now.
+        Raises RuntimeError: two batches in flight, or work left that nothing can run."""
         if len(self._in_flight) >= 2:
             raise RuntimeError("Scheduler.schedule: the previous batch was not postprocessed "
                                "(at most one batch may be in flight when scheduling)")
@@ -160,9 +153,7 @@ class Scheduler:
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm = self.block_manager
-        seqs: list[Sequence] = []
-        nums: list[int] = []
-        budget = self.max_num_batched_tokens
+        seqs, nums, budget = [], [], self.max_num_batched_tokens
 
         def take(seq: Sequence) -> bool:
             nonlocal budget
@@ -199,19 +190,16 @@ class Scheduler:
             self.waiting.popleft()
         return ScheduledBatch(seqs, nums, is_prefill=True) if seqs else None
 
-    def _finishes_on_length(self, seq: Sequence) -> bool:
-        p = seq.num_pending_tokens
-        return p > 0 and (seq.num_output_tokens + p >= seq.params.max_tokens
-                          or seq.num_tokens + p >= self.max_model_len)
-
     def _schedule_decode(self) -> ScheduledBatch | None:
         if not self.running:
             return None
         bm = self.block_manager
         # victims come off the back; sequences ending on their pending tokens keep their pages
         ending, queue, scheduled, deferred = [], deque(), [], []
-        for s in self.running:
-            (ending if self._finishes_on_length(s) else queue).append(s)
+        for s in self.running:  # ends on its pending tokens (length)
+            p = s.num_pending_tokens
+            (ending if p > 0 and (s.num_output_tokens + p >= s.params.max_tokens
+                                  or s.num_tokens + p >= self.max_model_len) else queue).append(s)
         while queue:
             seq = queue.popleft()
             if seq.num_computed_tokens != seq.num_tokens_with_pending - 1:
@@ -249,10 +237,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Append ``sampled`` (a token id where ``batch.do_sample[i]``, else None) to the oldest
-        batch in flight; a stop token (EOS unless ``ignore_eos``) -> "stop", then ``max_tokens``
-        or ``max_model_len`` -> "length"; already finished rows are skipped. Returns the finished.
-        Raises RuntimeError: not the oldest batch; ValueError: bad ``sampled`` (no change)."""
+        """Append ``sampled`` (ids where ``batch.do_sample``, else None) for the oldest batch in
+        flight; a stop token (EOS unless ``ignore_eos``) -> "stop", then "length". Returns the
+        finished. Raises RuntimeError: not the oldest batch; ValueError: bad ``sampled``."""
         if not self._in_flight or batch is not self._in_flight[0]:
             raise RuntimeError("Scheduler.postprocess: batch is not the one returned by the last "
                                "schedule() (the oldest batch in flight)")
@@ -273,22 +260,19 @@ class Scheduler:
             seq.output_token_ids.append(tok := int(tok))
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if (reason := self._stop_reason(seq, tok)) is not None:
-                self._finish(seq, reason, now)
-                finished.append(seq)
+            p = seq.params
+            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
+                self._finish(seq, "stop", now)
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                self._finish(seq, "length", now)
+            else:
+                continue
+            finished.append(seq)
         return finished
 
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
-        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-            return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
     def finish(self, seq: Sequence, reason: str) -> bool:
-        """Finish ``seq`` from outside (a stop string); False if already finished. Raises
-        ValueError: ``reason`` not in `FINISH_REASONS`, or ``seq`` not scheduled here."""
+        """Finish ``seq`` (a stop string); False if finished. Raises ValueError: ``reason`` not in
+        `FINISH_REASONS`, or ``seq`` not scheduled here."""
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish reason={reason!r} is invalid: allowed {FINISH_REASONS}")
         if seq.is_finished:

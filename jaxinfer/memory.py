@@ -1,10 +1,8 @@
 """KV pool sizing (`kv_pool_pages`, the one formula), capacity plans and a memory tracker
 (PagedAttention, Kwon et al. 2023; vLLM's ``gpu_memory_utilization``). Imports no JAX.
-
-    num_pages = (usable - used) // (page_size x kv_bytes_per_token)   (null page 0 included)
-    plan: usable = device_bytes x utilization, used = weight_bytes + reserve_bytes;
-          max_concurrent = (num_pages - 1) // ceil(context / page_size), planned = floor(0.7 x that)
-"""
+num_pages = (usable - used) // (page_size x kv_bytes_per_token), null page 0 included. A plan:
+usable = device_bytes x utilization, used = weight_bytes + reserve_bytes; max_concurrent =
+(num_pages - 1) // ceil(context / page_size), planned = floor(PLANNING_FRACTION x that)."""
 
 from __future__ import annotations
 
@@ -18,10 +16,8 @@ from typing import Callable, NamedTuple
 from jaxinfer.config import ModelConfig, ResolvedConfig
 
 GIB, MIB = 1 << 30, 1 << 20
-PLANNING_FRACTION = 0.7
-"""Plan at this fraction of the theoretical number of concurrent sequences."""
-CPU_KV_BUDGET_BYTES = 2 * GIB
-"""KV pool cap where the device reports no memory statistics (the CPU)."""
+PLANNING_FRACTION = 0.7  # plan at this fraction of the theoretical concurrent sequences
+CPU_KV_BUDGET_BYTES = 2 * GIB  # KV pool cap where the device reports no memory stats (CPU)
 
 
 def _gib(n: float) -> str:
@@ -54,8 +50,7 @@ def kv_pool_pages(model: ModelConfig, *, page_size: int, dtype_bytes: int, usabl
                   used_bytes: int) -> int:
     """THE KV pool sizing formula: pages (null page 0 included) of ``page_size`` tokens that fit
     in ``usable_bytes - used_bytes``. Raises ValueError: fewer than 2 fit."""
-    page_bytes = page_size * model.kv_bytes_per_token(dtype_bytes)
-    free = usable_bytes - used_bytes
+    page_bytes, free = page_size * model.kv_bytes_per_token(dtype_bytes), usable_bytes - used_bytes
     pages = max(int(free // page_bytes), 0)
     if pages < 2:
         raise ValueError(f"no memory left for the KV pool: usable {_gib(usable_bytes)} - used "
@@ -149,15 +144,15 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
                         ("kv_dtype_bytes", kv_dtype_bytes, None)):
         _check_int("plan_memory", name, v, 1, hi)
     if page_size & (page_size - 1):
-        raise ValueError(f"plan_memory: page_size={page_size!r} is invalid: "
-                         "must be a power of two (8, 16, 32, 64, ...)")
+        raise ValueError(f"plan_memory: page_size={page_size!r} is invalid: must be a power of two")
+
     for name, v in (("utilization", utilization), ("planning_fraction", planning_fraction)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
             raise ValueError(f"plan_memory: {name}={v!r} is invalid: must be in (0, 1]")
     reserve_bytes = default_reserve_bytes(device_bytes) if reserve_bytes is None else reserve_bytes
     weight_bytes = param_count(cfg) * weight_dtype_bytes if weight_bytes is None else weight_bytes
-    _check_int("plan_memory", "reserve_bytes", reserve_bytes, 0)
-    _check_int("plan_memory", "weight_bytes", weight_bytes, 0)
+    for name, v in (("reserve_bytes", reserve_bytes), ("weight_bytes", weight_bytes)):
+        _check_int("plan_memory", name, v, 0)
     usable = int(device_bytes * utilization)
     budget = usable - weight_bytes - reserve_bytes
     if budget <= 0:
@@ -167,10 +162,9 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
             f"{_gib(-budget)} ({-budget:,} B); allowed: a larger device_bytes or utilization, a "
             "smaller reserve_bytes, or smaller weights")
     kv_per_token = cfg.kv_bytes_per_token(kv_dtype_bytes)
-    page_bytes = page_size * kv_per_token
+    page_bytes, pages_per_seq = page_size * kv_per_token, -(-context // page_size)
     num_pages = kv_pool_pages(cfg, page_size=page_size, dtype_bytes=kv_dtype_bytes,
                               usable_bytes=usable, used_bytes=weight_bytes + reserve_bytes)
-    pages_per_seq = -(-context // page_size)
     max_seqs = (num_pages - 1) // pages_per_seq
     if max_seqs < 1:
         raise ValueError(
@@ -209,10 +203,8 @@ class MemoryTracker:
                             ("num_pages", num_pages, 1)):
             _check_int("MemoryTracker", name, v, lo)
         self.weights_bytes, self.page_bytes, self.num_pages = weights_bytes, page_bytes, num_pages
-        self.kv_pool_bytes = page_bytes * num_pages
-        self._clock = clock or time.monotonic
-        self._t0 = self._clock()
-        self._rows: list[MemorySnapshot] = []
+        self.kv_pool_bytes, self._clock = page_bytes * num_pages, clock or time.monotonic
+        self._t0, self._rows = self._clock(), []
         self._measured = False  # whether the last row's other_bytes was measured
 
     @classmethod
@@ -240,9 +232,7 @@ class MemoryTracker:
     def write_csv(self, path: str | os.PathLike) -> None:
         """All rows as CSV under the header `CSV_HEADER`."""
         with open(path, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(CSV_HEADER)
-            w.writerows([f"{r.time_s:.6f}", *r[1:]] for r in self._rows)
+            csv.writer(f).writerows([CSV_HEADER, *([f"{r.time_s:.6f}", *r[1:]] for r in self._rows)])
 
     @staticmethod
     def read_csv(path: str | os.PathLike) -> list[MemorySnapshot]:

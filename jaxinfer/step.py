@@ -1,10 +1,6 @@
-"""The jit entry point (nothing else in jaxinfer is jitted) and the compiled-step table.
-
-A step is the pure function ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')``, KV cache
-donated, compiled once per `jaxinfer.step_input.ShapeKey` and GEMM back-end; `StepExecutor` picks
-the variant, keeps ahead-of-time executables and dispatches one step per transfer; compiles can
-persist on disk (`enable_compilation_cache`, the role of vLLM's torch.compile cache).
-"""
+"""The jit entry point: a step is ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')``, KV
+donated, compiled per `jaxinfer.step_input.ShapeKey` and GEMM back-end; `StepExecutor` picks the
+variant, keeps ahead-of-time executables, dispatches one step per transfer."""
 
 from __future__ import annotations
 
@@ -33,9 +29,8 @@ log = logging.getLogger("jaxinfer")
 
 @dataclass(frozen=True)
 class StepInput:
-    """Per-step device inputs (`jaxinfer.step_input.FIELDS`): tokens, positions, slot_mapping
-    i32[B, T] (packed, with a `models.Packing`: i32[1, Tp], R chunks back to back);
-    logits_indices i32[B] (packed: i32[R] packed indices); prev_tokens i32[Bmax]: the previous
+    """Device inputs (`jaxinfer.step_input.FIELDS`): tokens, positions, slot_mapping i32[B, T]
+    (with ``packing``: i32[1, Tp]); logits_indices i32[B]; prev_tokens i32[Bmax]: the previous
     step's output (None: unused); pending_src i32[B]: row b's input token's row in it, or -1."""
 
     tokens: jax.Array
@@ -54,8 +49,7 @@ jax.tree_util.register_dataclass(
 
 def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
          all_greedy: bool) -> tuple[jax.Array, KVCache]:
-    """Forward, KV write, logits of one token per row, sampling; ``kv``'s block_tables
-    i32[B, M] and seq_lens i32[B] are this step's. Returns (token ids i32[B] (i32[R] packed),
+    """Forward, KV write, logits of one token per row, sampling. Returns (token ids i32[B],
     zero-padded to i32[Bmax] with ``prev_tokens``; the new cache)."""
     tokens, src = inp.tokens, inp.pending_src
     if inp.prev_tokens is not None and inp.packing is None:  # tokens[b, 0] = prev[src[b]], src >= 0
@@ -89,16 +83,15 @@ def _jit(fn: Callable, gemm: str, static: tuple[str, ...]) -> Callable:
 
 def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool,
                  gemm: str = "xla") -> Callable:
-    """``jax.jit`` of `step` (KV donated) with GEMM back-end ``gemm``, for benchmarks of the bare
-    step. Raises ValueError: ``gemm`` not a key of `GEMM_COMPILER_OPTIONS`."""
+    """``jax.jit`` of `step` (KV donated), for benchmarks. Raises ValueError: ``gemm`` not a key
+    of `GEMM_COMPILER_OPTIONS`."""
     return _jit(functools.partial(step, cfg=cfg, kernels=kernels, all_greedy=all_greedy), gemm, ())
 
 
 def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInput]:
     """Inverse of `jaxinfer.step_input.pack` (``key`` static): (block_tables i32[B, M],
     seq_lens i32[B], `StepInput` without ``prev_tokens``)."""
-    groups: dict[str, dict] = {"input": {}, "kv": {}, "sampling": {}, "packing": {}}
-    off = 0
+    groups, off = {"input": {}, "kv": {}, "sampling": {}, "packing": {}}, 0
     for f, shape in layout(key):
         n = math.prod(shape)
         x = buf[off:off + n].reshape(shape)
@@ -115,9 +108,8 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
                 key: ShapeKey, cfg: ModelConfig,
                 kernels: ModelKernels) -> tuple[jax.Array, KVCache]:
-    """`step` on ``buf`` i32[S] (`jaxinfer.step_input.pack`, layout from ``key``) and
-    ``prev_tokens`` i32[Bmax] -> (i32[Bmax], cache); ``kv``'s tables and lengths are fixed-shape
-    placeholders passed through, so only ``buf`` varies with the bucket."""
+    """`step` on ``buf`` i32[S] (`jaxinfer.step_input.pack`) and ``prev_tokens`` i32[Bmax] ->
+    (i32[Bmax], cache); ``kv``'s tables and lengths are fixed-shape placeholders passed through."""
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
     tokens, new = step(params, kv.replace(block_tables=tables, seq_lens=lens), inp, cfg=cfg,
@@ -125,17 +117,15 @@ def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Arra
     return tokens, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
 
 
-# The engine's jit entry points by GEMM back-end: ``PACKED_STEPS[gemm](params, kv, buf,
-# prev_tokens, key=, cfg=, kernels=)`` (static, hashable: engines of equal model and kernels
-# share compiled steps); ``.lower(...).compile()`` gives the ahead-of-time form.
+# By GEMM back-end: ``PACKED_STEPS[gemm](params, kv, buf, prev_tokens, key=, cfg=, kernels=)``
+# (static, hashable: engines of equal model and kernels share compiled steps).
 PACKED_STEPS = {gemm: _jit(packed_step, gemm, ("key", "cfg", "kernels"))
                 for gemm in GEMM_COMPILER_OPTIONS}
 
 
 def enable_compilation_cache(path) -> str:
-    """Point JAX's process-wide persistent compilation cache at ``path`` (created if missing),
-    caching every compile (keyed by program, JAX/XLA version, device); returns the absolute path.
-    Raises ValueError: ``path`` is not a directory or cannot be created."""
+    """Point JAX's persistent compilation cache at ``path`` (created; every compile cached);
+    returns the absolute path. Raises ValueError: not a directory or cannot be created."""
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"compilation_cache_dir={path!r} is invalid: it exists and is not a "
@@ -172,8 +162,7 @@ class StepExecutor:
         return params, kv, jax.device_put(pack(hb)), prev
 
     def run(self, params, kv, hb: HostBatch, prev_tokens=None):
-        """Dispatch one step, no wait: (token ids i32[Bmax] on the device, the new cache;
-        ``kv`` donated)."""
+        """Dispatch one step, no wait: (token ids i32[Bmax] on the device, the new cache)."""
         exe = self.executables.get(hb.key)
         if exe is not None:
             return exe(*self._args(params, kv, hb, prev_tokens))
@@ -185,10 +174,9 @@ class StepExecutor:
                                     **self.static)
 
     def precompile(self, params, kv, keys, *, max_workers: int | None, warm: bool):
-        """Compile each new key ahead of time: tracing here, XLA compiles in ``max_workers``
-        threads (default min(keys, CPUs)); with ``warm`` each runs once on `empty_batch` (writes
-        only the null page). Returns ({"shapes", "lower_s", "warm_s", "seconds"}, the new cache).
-        Raises ValueError: ``max_workers`` not None or a positive integer."""
+        """Compile each new key ahead of time in ``max_workers`` threads (default min(keys,
+        CPUs)); ``warm``: run each once on `empty_batch`. Returns ({"shapes", "lower_s",
+        "warm_s", "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
         if max_workers is not None and (not isinstance(max_workers, int)
                                         or isinstance(max_workers, bool) or max_workers < 1):
             raise ValueError(f"max_workers={max_workers!r} is invalid: must be None or a positive "

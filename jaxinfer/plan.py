@@ -30,16 +30,14 @@ PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, S
 
 
 def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
-    """The `ModelConfig` of a GGUF file's metadata (tensor data is not read). Raises ValueError:
-    not a readable GGUF file, an unsupported architecture, or a missing key."""
+    """The `ModelConfig` of a GGUF file's metadata (no tensor data read). Raises ValueError."""
     from checkpoints_tools.loader import open_checkpoint
 
     return ModelConfig.from_hf_config(open_checkpoint(path).config)
 
 
 def resolve_model(spec: str) -> ModelConfig:
-    """``--model``: a preset, an HF model directory or a GGUF file. Raises ValueError: none of
-    those, or an unreadable/unsupported config."""
+    """``--model``: a preset, an HF model directory or a GGUF file. Raises ValueError."""
     if spec in PRESETS:
         return PRESETS[spec]
     if not os.path.exists(spec):
@@ -77,17 +75,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True,
                    help=f"HF model dir, GGUF file, or preset ({', '.join(sorted(PRESETS))})")
     p.add_argument("--context", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--device-memory-gib", type=float, default=None,
-                   help="device memory in GiB (default: the local accelerator's; required "
-                        "when JAX sees none)")
+    p.add_argument("--device-memory-gib", type=float, default=None, help="device memory in GiB "
+                   "(default: the local accelerator's; required when JAX sees none)")
     p.add_argument("--utilization", type=float, default=0.9,
                    help="fraction of device memory the engine may use (default 0.9)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     for flag in ("--kv-dtype", "--weight-dtype"):
         p.add_argument(flag, choices=sorted(DTYPE_BYTES), default="bfloat16")
-    p.add_argument("--weight-gib", type=float, default=None,
-                   help="resident weight size in GiB, overriding the count from the config "
-                        "(quantised checkpoints)")
+    p.add_argument("--weight-gib", type=float, default=None, help="resident weight size in GiB, "
+                   "overriding the count from the config (quantised checkpoints)")
+
     p.add_argument("--reserve-gib", type=float, default=None,
                    help="activations/workspace reserve in GiB (default max(1, 5%% of device))")
     return p

@@ -6,9 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
-GREEDY_EPS = 1e-5
-"""Temperatures below this are greedy (argmax; vLLM's ``_SAMPLING_EPS``): the device step must not
-divide bf16 logits by a tiny temperature."""
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (argmax; vLLM's _SAMPLING_EPS)
 
 
 def _int(v) -> bool:
@@ -40,24 +38,25 @@ _RULES = (  # field, valid(value), what is allowed, normalise
      lambda ids: tuple(int(t) for t in ids)),
     ("n", lambda n: _int(n) and n == 1, "only n=1 is supported (parallel sampling is not "
      "implemented; submit the prompt n times with different seeds)", int),
-    ("ignore_eos", lambda b: isinstance(b, bool), "must be a bool", bool),
-    ("skip_special_tokens", lambda b: isinstance(b, bool), "must be a bool", bool),
+    *((name, lambda b: isinstance(b, bool), "must be a bool", bool)
+      for name in ("ignore_eos", "skip_special_tokens")),
 )
+
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next tokens of one request (vLLM's names and defaults). temperature: >= 0; below `GREEDY_EPS` greedy (argmax). top_p: nucleus mass in (0, 1], 1 = off
-    (the likeliest token is always kept). top_k: -1 = off, else >= 1. min_p: keep tokens with
-    probability >= min_p x the top one; [0, 1], 0 = off. repetition_penalty: > 0, 1 = off; each
-    token id of the prompt or output so far has a positive logit divided by it, a negative one
-    multiplied (HF / vLLM). seed: int64 or None (the engine draws one); a seeded request's tokens
-    do not depend on its batch (the sampler keys on ``seed ^ (seed >> 32)`` as uint32).
-    max_tokens: >= 1. stop: strings that end generation, left out of the text (a str or a list;
-    stored as a tuple). stop_token_ids: ids that end generation (finish "stop"), even with
-    ``ignore_eos``. ignore_eos: generate past EOS. skip_special_tokens: when decoding. n: only 1.
-    Raises ValueError naming the field, the value and what is allowed.
-    """
+    """How to pick the next tokens of one request (vLLM's names and defaults). temperature: >= 0;
+    below `GREEDY_EPS` greedy. top_p: nucleus mass in (0, 1], 1 = off (the likeliest token is
+    kept). top_k: -1 = off, else >= 1. min_p: keep tokens of probability >= min_p x the top one;
+    [0, 1], 0 = off. repetition_penalty: > 0, 1 = off; divides the positive and multiplies the
+    negative logits of token ids in the prompt or output (HF / vLLM). seed: int64 or None (the
+    engine draws one); a seeded request's tokens do not depend on its batch. max_tokens: >= 1.
+    stop: strings that end generation, left out of the text (str or list; stored as a tuple).
+    stop_token_ids: ids that end generation (finish "stop"), even with ``ignore_eos``.
+    ignore_eos: generate past EOS. skip_special_tokens: when decoding. n: only 1. Raises
+    ValueError naming the field, the value and what is allowed."""
+
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -350,7 +350,6 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> Resolved
              f"a power-of-2 hidden size (this model: {model.hidden_size})")):
         if getattr(kc, name) == "triton" and not ok:
             raise ValueError(f"KernelConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
-
         auto[name] = "triton" if gpu and half and ok else "xla"
     kc = dataclasses.replace(kc, **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"})
     return ResolvedConfig(model, engine, kc, max_len, dtype, platform)

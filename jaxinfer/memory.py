@@ -145,7 +145,6 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
         _check_int("plan_memory", name, v, 1, hi)
     if page_size & (page_size - 1):
         raise ValueError(f"plan_memory: page_size={page_size!r} is invalid: must be a power of two")
-
     for name, v in (("utilization", utilization), ("planning_fraction", planning_fraction)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
             raise ValueError(f"plan_memory: {name}={v!r} is invalid: must be in (0, 1]")

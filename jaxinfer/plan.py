@@ -84,7 +84,6 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument(flag, choices=sorted(DTYPE_BYTES), default="bfloat16")
     p.add_argument("--weight-gib", type=float, default=None, help="resident weight size in GiB, "
                    "overriding the count from the config (quantised checkpoints)")
-
     p.add_argument("--reserve-gib", type=float, default=None,
                    help="activations/workspace reserve in GiB (default max(1, 5%% of device))")
     return p

@@ -43,7 +43,6 @@ _RULES = (  # field, valid(value), what is allowed, normalise
 )
 
 
-
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next tokens of one request (vLLM's names and defaults). temperature: >= 0;
@@ -56,7 +55,6 @@ class SamplingParams:
     stop_token_ids: ids that end generation (finish "stop"), even with ``ignore_eos``.
     ignore_eos: generate past EOS. skip_special_tokens: when decoding. n: only 1. Raises
     ValueError naming the field, the value and what is allowed."""
-
 
     temperature: float = 1.0
     top_p: float = 1.0

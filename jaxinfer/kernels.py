@@ -1,10 +1,7 @@
-"""The kernels a model step calls: `ModelKernels`, a static argument of `jaxinfer.models.forward`
-built by `model_kernels` from a resolved `KernelConfig`. Attention's signature (that of
-`pallas_kernels.paged_attention.reference.paged_attention`):
-attn(q [B, T, N, H], k_pool [L, P, K, page_size, H], v_pool, block_tables i32[B, M], seq_lens
-i32[B], q_positions i32[B, T], *, layer, scale, soft_cap=None, sliding_window=None,
-num_heads=None) -> [B, T, N, H].
-"""
+"""`ModelKernels`, the static kernel argument of `jaxinfer.models.forward`, built by
+`model_kernels` from a resolved `KernelConfig`. Attention: attn(q [B, T, N, H], k_pool
+[L, P, K, page_size, H], v_pool, block_tables i32[B, M], seq_lens i32[B], q_positions i32[B, T],
+*, layer, scale, soft_cap=None, sliding_window=None, num_heads=None) -> [B, T, N, H]."""
 
 from __future__ import annotations
 
@@ -56,10 +53,9 @@ def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, 
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """T == 1 to registered decode variant ``decode`` (tuning ``decode_knobs``), T > 1 to
-    prefill variant ``prefill``; each behind an inner jit taking ``layer`` as i32[] (one lowering
-    for all layers; mosaic: `mosaic.layer_offsets`). Raises ValueError: a grouped q
-    [B, T, K, Gp, H] outside a decode-kernel step."""
+    """T == 1 to decode variant ``decode`` (``decode_knobs``), T > 1 to prefill variant
+    ``prefill``, each behind a jit taking ``layer`` as i32[] (one lowering for all layers).
+    Raises ValueError: a grouped q [B, T, K, Gp, H] outside a decode-kernel step."""
 
     decode: str = "reference"
     prefill: str = "reference"
@@ -93,9 +89,8 @@ def _fused_kernel(field: str, name: str) -> Callable | None:
     """"xla" -> None; "triton" -> `pallas_kernels.<field>.triton_pallas.<field>`."""
     if name not in ("xla", "triton"):
         raise ValueError(f"{field}={name!r} is not one of ('xla', 'triton')")
-    if name == "xla":
-        return None
-    return getattr(importlib.import_module(f"pallas_kernels.{field}.triton_pallas"), field)
+    return None if name == "xla" else getattr(
+        importlib.import_module(f"pallas_kernels.{field}.triton_pallas"), field)
 
 
 def model_kernels(kc, decode_knobs: dict | None = None) -> ModelKernels:

@@ -1,8 +1,5 @@
-"""Paged KV cache as explicit state, a pytree threaded through the jitted step (donated).
-
-Null page (`jaxinfer.engine.block_manager.NULL_PAGE` = 0): never a sequence's; padded rows have
-``seq_lens`` 0 and table entries 0, padded tokens write into it, nothing valid is read from it.
-"""
+"""Paged KV cache, a pytree threaded through the jitted step (donated). Page 0
+(`jaxinfer.engine.block_manager.NULL_PAGE`) is no sequence's: padding writes into it."""
 
 from __future__ import annotations
 
@@ -37,22 +34,14 @@ jax.tree_util.register_dataclass(
     KVCache, data_fields=["k", "v", "block_tables", "seq_lens"], meta_fields=[])
 
 
-def abstract_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-                      batch: int = 1, max_pages_per_seq: int = 1) -> KVCache:
-    """ShapeDtypeStruct form of the cache (for sizing, `jax.eval_shape` tests and init)."""
-    shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
-    pool = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
-    return KVCache(pool, pool, jax.ShapeDtypeStruct((batch, max_pages_per_seq), jnp.int32),
-                   jax.ShapeDtypeStruct((batch,), jnp.int32))
-
-
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                   sharding=None) -> KVCache:
-    """Zeroed pools and one padded table row. Raises ValueError: ``num_pages < 2``."""
+    """Zeroed pools [L, P, K, page_size, H] and one padded table row. Raises ValueError:
+    ``num_pages < 2``."""
     if num_pages < 2:
         raise ValueError(f"num_pages={num_pages} is too small: need >= 2 (page 0 is reserved)")
-    a = abstract_kv_cache(cfg, num_pages, page_size, dtype)
-    zeros = jax.jit(lambda: jnp.zeros(a.k.shape, a.k.dtype), out_shardings=sharding)
+    shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(dtype)), out_shardings=sharding)
     return KVCache(k=zeros(), v=zeros(),
                    block_tables=jnp.zeros((1, 1), jnp.int32), seq_lens=jnp.zeros((1,), jnp.int32))
 

@@ -1,8 +1,5 @@
-"""LLMEngine: one model's requests, token ids in, `RequestOutput`s out. Parts: `Scheduler`
-(which sequences run, KV pages via `BlockManager`), `build_host_batch` (padded numpy step inputs),
-`jaxinfer.step.StepExecutor` (compiled steps, one transfer and dispatch a step), `StepLoop`
-(schedule, launch, complete), `OutputProcessor` (stop strings, text) and `EngineStats`.
-"""
+"""LLMEngine: token ids in, `RequestOutput`s out, over `Scheduler`, `build_host_batch`,
+`jaxinfer.step.StepExecutor`, `StepLoop`, `OutputProcessor` and `EngineStats`."""
 
 from __future__ import annotations
 
@@ -31,9 +28,9 @@ from jaxinfer.step_input import ShapeKey
 
 
 class LLMEngine:
-    """Continuous-batching engine over ``model_config`` with ``params`` (compute dtype, checked
-    by `models.check_params`) and ``resolved`` (`jaxinfer.config.resolve`); ``detokenize``: ids
-    -> str, None: no text. Raises ValueError: params of wrong shapes, a pool that does not fit."""
+    """Engine over ``params`` (compute dtype) and ``resolved`` (`jaxinfer.config.resolve`);
+    ``detokenize``: ids -> str (None: no text). Raises ValueError: params of wrong shapes, a pool
+    that does not fit."""
 
     def __init__(self, model_config, params, resolved, *, eos_token_ids=(),
                  detokenize: Callable | None = None) -> None:
@@ -43,9 +40,8 @@ class LLMEngine:
         models.check_params(params, model_config)
         self.model_config, self.params, self.resolved = model_config, params, resolved
         self.max_model_len, self.page_size = resolved.max_model_len, ec.page_size
-        self.eos_token_ids = tuple(eos_token_ids)
+        self.eos_token_ids, self.stats = tuple(eos_token_ids), EngineStats()
         self.outputs = OutputProcessor(detokenize)
-        self.stats = EngineStats()
         dev_stats = jax.local_devices()[0].memory_stats() if resolved.platform == "gpu" else None
         self.num_pages = memory.engine_pool_pages(resolved, dev_stats)
         self.kv: KVCache = self._new_kv()
@@ -59,8 +55,7 @@ class LLMEngine:
                                      self.stats)
         self.loop = StepLoop(self.scheduler, self._launch, self._complete,
                              async_scheduling=ec.async_scheduling, stats=self.stats)
-        self._rng = np.random.default_rng(ec.seed)
-        self._ids = itertools.count()
+        self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
         self._seqs: dict[str, Sequence] = {}
         dtype_bytes = jnp.dtype(resolved.dtype).itemsize
         page_bytes = model_config.kv_bytes_per_token(dtype_bytes) * ec.page_size
@@ -94,8 +89,7 @@ class LLMEngine:
         self.loop.async_scheduling = bool(value)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError: a prompt or stop token id outside [0, V), or a request
-        `Scheduler.check_admissible` rejects."""
+        """Raise ValueError: a token id outside [0, V), or not `Scheduler.check_admissible`."""
         vocab = self.model_config.vocab_size
         bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
         if bad:
@@ -126,8 +120,7 @@ class LLMEngine:
         self._seqs.pop(rid, None)
 
     def abort_all(self) -> None:
-        """Abort every unfinished request; reallocate the pools if an interrupted donated step
-        took them."""
+        """Abort every unfinished request; reallocate pools an interrupted step took."""
         self.scheduler.abort_all()
         self._seqs.clear()
         self.loop.in_flight = None
@@ -188,8 +181,8 @@ class LLMEngine:
                                     device_bytes_in_use=stats[0] if stats else None)
 
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
-        """The `ShapeKey`s ``requests`` visit on an idle engine, first-visit order (`dry_run`).
-        Raises ValueError: a request the scheduler rejects."""
+        """The `ShapeKey`s ``requests`` visit on an idle engine, in first-visit order. Raises
+        ValueError: a request the scheduler rejects."""
         sched = self._scheduler(BlockManager(self.num_pages, self.page_size))
         steps = dry_run(sched, requests, buckets=self.buckets, async_scheduling=self.async_scheduling)
         return list(dict.fromkeys(hb.key for _, hb in steps))

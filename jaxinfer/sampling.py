@@ -1,12 +1,9 @@
-"""On-device token sampling, row-wise (a row's token never depends on other rows: CASES.md C7).
-
-Order (vLLM ``v1/sample/sampler.py``): 1. repetition penalty (HF, CTRL arXiv:1909.05858);
-2. greedy rows (temperature < `GREEDY_EPS`) take the argmax; 3. ``(logits - max) / T`` in float32
-(no overflow at T = 1e-6, C6); 4. top-k (<= 0: off); 5. top-p, the top token always kept (C5);
-6. min-p, p >= min_p * p_max (arXiv:2407.01082); 7. Gumbel-max, row key
-``fold_in(key(seed), step_idx)``. 4-5 run on one stable descending sort (ties: lower id first),
-skipped (`lax.cond`) when no sampled row uses them; both branches score a kept token identically.
-NaN logits count as -inf, +inf as the largest float32: the result is always an id in [0, V).
+"""On-device token sampling, row-wise (CASES.md C7). Order (vLLM ``v1/sample/sampler.py``):
+1. repetition penalty (HF, CTRL); 2. greedy rows (temperature < `GREEDY_EPS`): argmax;
+3. ``(logits - max) / T`` in float32 (C6); 4. top-k (<= 0: off); 5. top-p, top token kept (C5);
+6. min-p (arXiv:2407.01082); 7. Gumbel-max, row key ``fold_in(key(seed), step_idx)``. 4-5 on one
+stable descending sort (ties: lower id first), skipped when no sampled row uses them. NaN logits
+count as -inf, +inf as the largest float32: the result is always an id in [0, V).
 """
 
 from __future__ import annotations
@@ -24,11 +21,10 @@ _PRNG_IMPL = "threefry2x32"  # pinned so a seed maps to the same stream on every
 
 @dataclass(frozen=True)
 class SamplingMetadata:
-    """Per-row sampling parameters (the "sampling" group of `jaxinfer.step_input.FIELDS`):
-    temperature f32[B] (< `GREEDY_EPS`: greedy); top_k i32[B] (<= 0: off); top_p f32[B] (>= 1:
-    off); min_p f32[B] (0: off); repetition_penalty f32[B] (1: off); seeds u32[B] or i32[B] (as
-    u32 bits); step_idx i32[B] (tokens generated: the fold-in); penalty_tokens i32[B, R] (-1
-    padded, ids outside [0, V) ignored). The host validates ranges; `sample` checks shapes."""
+    """Per-row parameters ("sampling" in `jaxinfer.step_input.FIELDS`): temperature f32[B];
+    top_k i32[B] (<= 0: off); top_p f32[B] (>= 1: off); min_p f32[B] (0: off);
+    repetition_penalty f32[B] (1: off); seeds u32[B] or i32[B] (u32 bits); step_idx i32[B];
+    penalty_tokens i32[B, R] (ids outside [0, V) ignored)."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -66,9 +62,8 @@ def _check_shapes(logits, meta: SamplingMetadata) -> None:
 
 def apply_repetition_penalty(logits: jax.Array, penalty_tokens: jax.Array,
                              penalty: jax.Array) -> jax.Array:
-    """f32[B, V]: positive logits of every token in ``penalty_tokens`` i32[B, R] divided by,
-    non-positive ones multiplied by ``penalty`` f32[B] (1: the row is bit-identical), once per
-    token however often it occurs. Source: HF ``RepetitionPenaltyLogitsProcessor`` (CTRL)."""
+    """f32[B, V]: logits of tokens in ``penalty_tokens`` i32[B, R] divided (> 0) or multiplied
+    by ``penalty`` f32[B], once per token. Source: HF ``RepetitionPenaltyLogitsProcessor``."""
     b, v = logits.shape
     if penalty_tokens.shape[1] == 0:
         return logits
@@ -87,8 +82,7 @@ def _min_p_keep(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
 
 def _filter_sorted(vals: jax.Array, top_k: jax.Array, top_p: jax.Array,
                    min_p: jax.Array) -> jax.Array:
-    """Top-k, top-p, min-p on descending-sorted scaled f32[B, V]: dropped -> -inf, position 0
-    always kept."""
+    """Top-k, top-p, min-p on sorted f32[B, V]: dropped -> -inf, position 0 kept."""
     b, v = vals.shape
     pos = jax.lax.broadcasted_iota(jnp.int32, (b, v), 1)
     k = jnp.where(top_k <= 0, v, jnp.minimum(top_k, v)).astype(jnp.int32)
@@ -134,8 +128,7 @@ def _penalised(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 
 def filtered_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """f32[B, V]: the distribution `sample` draws from, as logits in vocab order: ``(penalised
-    - max) / T`` (greedy rows: T = 1), filtered-out tokens at -inf (for tests and logprobs).
+    """f32[B, V]: the logits `sample` draws from, in vocab order, filtered-out tokens at -inf.
     Raises ValueError: shapes of ``logits`` [B, V] and ``meta`` disagree."""
     _check_shapes(logits, meta)
     vals, ids = _sort_desc(_scale(_penalised(logits, meta), meta.temperature))
@@ -157,9 +150,8 @@ def _gumbel_noise(seeds: jax.Array, step_idx: jax.Array, v: int) -> jax.Array:
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata, *, all_greedy: bool) -> jax.Array:
-    """i32[B] ids in [0, V) for ``logits`` [B, V] (any float dtype; float32 math), in the
-    module's order; ``all_greedy`` (static): skip the sort and the draw. Raises ValueError:
-    shapes disagree. Source: vLLM v1 sampler (order), HF logits warpers (semantics)."""
+    """i32[B] ids in [0, V) for ``logits`` [B, V] (float32 math); ``all_greedy`` (static): skip
+    the sort and the draw. Raises ValueError: shapes disagree."""
     _check_shapes(logits, meta)
     x = _penalised(logits, meta)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)

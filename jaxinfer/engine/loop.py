@@ -1,10 +1,6 @@
-"""The step loop (host side): schedule, launch, complete, in the asynchronous-scheduling order.
-
-One `StepLoop.step`: complete the step in flight first if it must be (synchronous scheduling, or
-a repetition-penalty row: it needs every token on the host); schedule and launch the next batch;
-complete the previous step while the new one runs (synchronous: the new one too). `LLMEngine`
-and the host-only `jaxinfer.engine.dry_run` drive this one loop, so both visit the same steps.
-Source: vLLM v1 asynchronous scheduling, SGLang's overlap scheduler.
+"""The step loop (host side), shared by `LLMEngine` and `jaxinfer.engine.dry_run`: complete the
+step in flight first if it must be (synchronous, or a repetition-penalty row); schedule and launch
+the next; complete the previous while it runs. Source: vLLM v1 asynchronous scheduling.
 """
 
 from __future__ import annotations
@@ -20,8 +16,7 @@ from jaxinfer.engine.stats import EngineStats
 
 @dataclass
 class Launched:
-    """A launched step: its batch, ``launch``'s handle, ``sync``: read it back before the next
-    schedule (a row uses a repetition penalty)."""
+    """A launched step; ``sync``: read it back before the next schedule."""
 
     batch: ScheduledBatch
     handle: Any
@@ -29,10 +24,8 @@ class Launched:
 
 
 class StepLoop:
-    """Drives ``scheduler``; counts ``stats.num_overlapped_steps``. ``launch(batch, previous
-    Launched | None) -> handle`` dispatches, no wait. ``complete(Launched, (schedule_s,
-    launch_s)) -> finished sequences`` reads back and postprocesses (times: this call's host
-    work before the read-back, zeros when it came first)."""
+    """Drives ``scheduler``. ``launch(batch, previous Launched | None) -> handle`` dispatches;
+    ``complete(Launched, (schedule_s, launch_s)) -> finished`` reads back and postprocesses."""
 
     def __init__(self, scheduler: Scheduler, launch: Callable, complete: Callable, *,
                  async_scheduling: bool = True, stats: EngineStats | None = None) -> None:

@@ -7,9 +7,8 @@ from typing import NamedTuple
 
 
 class StepRecord(NamedTuple):
-    """One read-back step (``time.perf_counter`` seconds): ``wait_s`` blocked on its tokens;
-    the reading `LLMEngine.step`'s ``schedule_s``/``launch_s`` of the next step (0 when the
-    read-back came first) and ``post_s``."""
+    """One read-back step (``time.perf_counter`` seconds): ``wait_s`` blocked on its tokens,
+    the reading step's ``schedule_s``/``launch_s`` (0: read back first) and ``post_s``."""
 
     shape_key: tuple
     rows: int
@@ -22,10 +21,8 @@ class StepRecord(NamedTuple):
 
 @dataclass
 class EngineStats:
-    """num_steps dispatched; num_lazy_compiles: shapes compiled inside a step (not by
-    `precompile`); num_overlapped_steps: dispatched with the previous in flight;
-    max_kv_len_seen; compiled_shapes: `ShapeKey`s; step_log: None, or ``[]`` to collect a
-    `StepRecord` per read-back step."""
+    """num_lazy_compiles: shapes compiled inside a step; num_overlapped_steps: dispatched with
+    the previous in flight; step_log: None, or ``[]`` to collect `StepRecord`s."""
 
     num_steps: int = 0
     num_lazy_compiles: int = 0

@@ -19,12 +19,8 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request being generated (compared by identity); keyword-only fields are the
-    scheduler's. block_table: page i holds positions ``[i * page_size, (i + 1) * page_size)``.
-    num_computed_tokens: K/V written or being written (advanced when scheduled, vLLM v1).
-    num_pending_tokens: sampled by dispatched steps, not read back (0-2; after the outputs).
-    finish_reason: "stop" | "length" | "abort" | None; stop_string: the one that ended it.
-    Times are ``time.perf_counter()`` seconds."""
+    """A request (compared by identity). num_computed_tokens: K/V written or being written;
+    num_pending_tokens: sampled, not read back (0-2); times: ``time.perf_counter()`` seconds."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -85,7 +81,7 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, status={self.status.name}, "
-                f"prompt={self.num_prompt_tokens}, output={self.num_output_tokens}, "
-                f"computed={self.num_computed_tokens}, pending={self.num_pending_tokens}, pages={self.block_table}, "
-                f"finish_reason={self.finish_reason!r})")
+        return (f"Sequence({self.request_id!r}, status={self.status.name}, prompt="
+                f"{self.num_prompt_tokens}, output={self.num_output_tokens}, computed="
+                f"{self.num_computed_tokens}, pending={self.num_pending_tokens}, pages="
+                f"{self.block_table}, finish_reason={self.finish_reason!r})")

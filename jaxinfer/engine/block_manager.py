@@ -1,8 +1,5 @@
-"""KV page allocator (host side; imports no JAX): which pool pages (`jaxinfer.kv_cache`) a
-sequence owns. Page `NULL_PAGE` is reserved (padding points at it; never handed out); every other
-page is free or owned by one sequence; lowest free id first. Source: nano-vllm / vLLM's block
-manager (PagedAttention, Kwon et al. 2023), without prefix caching.
-"""
+"""KV page allocator (host side, no JAX): the pool pages a sequence owns, lowest free id first;
+`NULL_PAGE` is never handed out. Source: nano-vllm / vLLM's block manager, no prefix caching."""
 
 from __future__ import annotations
 
@@ -50,8 +47,8 @@ class BlockManager:
         return self.num_missing_pages(seq, num_tokens) <= len(self._free)
 
     def allocate(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Extend ``seq.block_table`` to hold ``[0, num_tokens)``; returns the new pages.
-        Raises RuntimeError (nothing allocated): not enough free pages."""
+        """Extend ``seq.block_table`` to ``[0, num_tokens)``; the new pages. Raises RuntimeError
+        (nothing allocated): not enough free pages."""
         missing = self.num_missing_pages(seq, num_tokens)
         if missing > len(self._free):
             raise RuntimeError(

@@ -23,9 +23,8 @@ class RequestMetrics:
 
 @dataclass(frozen=True)
 class CompletionOutput:
-    """One completion: ``finish_reason`` "stop" (EOS, stop token or string), "length" or "error"
-    (rejected before scheduling, see ``RequestOutput.error``); ``stop_reason``: the stop string or
-    stop token id that ended it (EOS: None); ``text`` leaves both out, ``token_ids`` keep it."""
+    """``finish_reason``: "stop", "length" or "error" (see ``RequestOutput.error``);
+    ``stop_reason``: the stop string or token id (EOS: None), left out of ``text``."""
 
     index: int
     text: str
@@ -57,9 +56,8 @@ class RequestOutput:
 
 
 class OutputProcessor:
-    """A `Sequence`'s text and outputs with ``detokenize`` (ids -> str; None: "" and no stop
-    strings). A stop string and what follows, and a stop token's text, never appear; EOS text
-    does."""
+    """A `Sequence`'s text and outputs with ``detokenize`` (None: "" and no stop strings); a
+    stop string and what follows, and a stop token's text, never appear; EOS text does."""
 
     def __init__(self, detokenize: Callable[[list[int]], str] | None) -> None:
         self.detokenize = detokenize
@@ -68,8 +66,7 @@ class OutputProcessor:
         return self.detokenize(ids) if self.detokenize is not None else ""
 
     def find_stop_string(self, seq) -> str | None:
-        """The first-starting stop string in ``seq``'s output text, or None; call it after each
-        token. A "length" finish is still checked (the last token can complete a stop string)."""
+        """The first-starting stop string in ``seq``'s output text, or None (also on "length")."""
         stops = seq.params.stop
         if not stops or self.detokenize is None or (seq.is_finished
                                                      and seq.finish_reason != "length"):
@@ -94,9 +91,8 @@ class OutputProcessor:
 
     def stream_delta(self, seq, sent: tuple[int, str]
                      ) -> tuple[list[int], str, tuple[int, str]] | None:
-        """(new ids, new text, new ``sent``) since ``sent`` = (tokens, text) sent; None: no new
-        token, or a running request's text ends in U+FFFD. Text that could start a stop string is
-        held back while running (vLLM)."""
+        """(new ids, new text, new ``sent``) since ``sent`` = (tokens, text); None: nothing new,
+        or running text ends in U+FFFD. Text that could start a stop string is held back."""
         (n_done, text_done), ids = sent, seq.output_token_ids
         if len(ids) == n_done:
             return None

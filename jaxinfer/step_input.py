@@ -1,7 +1,6 @@
-"""The step-input schema (host side, numpy only): `FIELDS`, declared once, gives a `HostBatch`'s
-arrays and padding (`allocate`, `empty_batch`), the int32 transfer buffer (`pack`) and its
-unpacking in the jit (`jaxinfer.step.unpack`); the layout depends on the `ShapeKey` alone. Padded
-rows have ``seq_len`` 0 and tables of `NULL_PAGE`; padded tokens write into the null page.
+"""The step-input schema (numpy only): `FIELDS` gives a `HostBatch`'s arrays and padding
+(`allocate`), the int32 transfer buffer (`pack`) and its unpacking (`jaxinfer.step.unpack`);
+the layout depends on the `ShapeKey` alone. Padded rows have ``seq_len`` 0 and null-page tables.
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ INT32_MAX = 2**31 - 1
 
 
 class ShapeKey(NamedTuple):
-    """What a compiled step is specialised on: batch B rows (R packed); tokens T per row, Tp in
-    all when packed; pages M per row; penalty R' tokens per row (0: none); query Tq per packed
-    row (None: not packed); all_greedy (the sampler skips sort and draw)."""
+    """What a step is compiled for: B rows; T tokens per row (Tp in all when packed); M pages;
+    penalty R tokens per row (0: none); query Tq per packed row (None: not packed); all_greedy."""
 
     batch: int
     tokens: int
@@ -37,8 +35,7 @@ class ShapeKey(NamedTuple):
 
 
 class Field(NamedTuple):
-    """One device input; ``group``: "input" (`StepInput`), "kv", "sampling"
-    (`SamplingMetadata`) or "packing" (`Packing`, packed steps only)."""
+    """One device input; ``group``: "input", "kv", "sampling" or "packing" (packed only)."""
 
     name: str
     dtype: type
@@ -78,8 +75,8 @@ def layout(key: ShapeKey) -> tuple[tuple[Field, tuple[int, ...]], ...]:
 
 @dataclass(frozen=True)
 class HostBatch:
-    """One step's ``arrays`` (name -> array, also ``hb.tokens``), `ShapeKey` and host-only row
-    masks ``sample_rows`` (sampled token real), ``pending_rows`` (input token on the device)."""
+    """``arrays`` (name -> array, also ``hb.tokens``), `ShapeKey`, host-only row masks
+    ``sample_rows`` (sampled token real) and ``pending_rows`` (input token on the device)."""
 
     key: ShapeKey
     arrays: dict

@@ -13,8 +13,8 @@ from jaxinfer.step_input import INT32_MAX, HostBatch, ShapeKey, allocate
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """Padded sizes of B, a prefill row's Tq, M and packed Tp (powers of two up to a quarter of
-    the token budget (>= 512), then its multiples; ``token_buckets`` replaces Tq's and Tp's)."""
+    """Padded sizes of B, Tq, M and packed Tp (powers of two up to a quarter of the token budget,
+    then its multiples); ``token_buckets`` replaces Tq's and Tp's."""
 
     batch: tuple[int, ...]
     prefill_tokens: tuple[int, ...]
@@ -38,10 +38,9 @@ class BucketSpec:
 
 
 def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch:
-    """Pad a `ScheduledBatch` to a bucketed `HostBatch`. A ``pending_input`` row's token stays
-    0, flagged in ``pending_rows``; penalty tokens and ``step_idx`` count host-known tokens only
-    (penalised rows run synchronously). A chunk > 1 token packs the batch, padded once at the
-    end. Raises ValueError: a size exceeds the largest bucket."""
+    """Pad a `ScheduledBatch` to a bucketed `HostBatch` (packed if a chunk has > 1 token); a
+    ``pending_input`` row's token stays 0, flagged in ``pending_rows``. Raises ValueError: a size
+    exceeds the largest bucket."""
     hb = allocate(shape_key(batch, page_size=page_size, buckets=buckets))
     a, off = hb.arrays, 0  # off: packed offset of row i's first token
     for i, (s, n, c) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.start_positions)):
@@ -67,7 +66,14 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch
         npages = -(-(c + n) // page_size)
         a["block_tables"][i, :npages] = table[:npages]
         a["seq_lens"][i] = c + n
-        _fill_sampling(a, i, s, hb.key.penalty)
+        p = s.params
+        a["temperature"][i], a["top_p"][i], a["min_p"][i] = p.temperature, p.top_p, p.min_p
+        a["top_k"][i] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= vocab: no cut
+        a["repetition_penalty"][i] = p.repetition_penalty
+        a["seeds"][i] = np.uint32((s.seed ^ (s.seed >> 32)) & 0xFFFFFFFF)  # fold int64 seeds
+        a["step_idx"][i] = s.num_tokens_with_pending - s.num_prompt_tokens - 1  # outputs before
+        if hb.key.penalty:
+            a["penalty_tokens"][i, :s.num_tokens] = s.all_token_ids
         hb.sample_rows[i] = batch.do_sample[i]
     return hb
 
@@ -85,14 +91,3 @@ def shape_key(batch, *, page_size: int, buckets: BucketSpec) -> ShapeKey:
         return ShapeKey(B, 1, M, R, None, greedy)
     Tp = bucket(sum(nums), buckets.packed_tokens or buckets.prefill_tokens)
     return ShapeKey(B, Tp, M, R, bucket(max(nums), buckets.prefill_tokens), greedy)
-
-
-def _fill_sampling(a: dict, i: int, s, penalty_len: int) -> None:
-    p = s.params
-    a["temperature"][i], a["top_p"][i], a["min_p"][i] = p.temperature, p.top_p, p.min_p
-    a["top_k"][i] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= vocab: no cut
-    a["repetition_penalty"][i] = p.repetition_penalty
-    a["seeds"][i] = np.uint32((s.seed ^ (s.seed >> 32)) & 0xFFFFFFFF)  # fold int64 seeds
-    a["step_idx"][i] = s.num_tokens_with_pending - s.num_prompt_tokens - 1  # outputs before it
-    if penalty_len:
-        a["penalty_tokens"][i, :s.num_tokens] = s.all_token_ids

@@ -16,11 +16,9 @@ from jaxinfer.step_input import HostBatch
 def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingParams]], *,
             buckets: BucketSpec, async_scheduling: bool = True
             ) -> list[tuple[ScheduledBatch, HostBatch]]:
-    """Run ``requests`` ((prompt ids, `SamplingParams`), in order) on the fresh ``scheduler``,
-    every step sampling a token that ends no request (each runs to ``max_tokens`` or
-    ``max_model_len``; real runs that stop earlier can visit other shapes). Returns
-    (`ScheduledBatch`, `HostBatch`) per step in launch order. Raises ValueError: a rejected
-    request."""
+    """Run ``requests`` ((prompt ids, `SamplingParams`)) on the fresh ``scheduler``, sampling a
+    token that ends no request. Returns (`ScheduledBatch`, `HostBatch`) per step in launch order.
+    Raises ValueError: a rejected request."""
     stops: set[int] = set()
     for i, (ids, params) in enumerate(requests):
         stops.update(params.stop_token_ids)

@@ -33,11 +33,8 @@ class ModelKernels:
 def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, *, kernel, knobs,
                 scale, soft_cap, sliding_window, num_heads):
     """q [B, 1, N, H] (grouped [B, 1, K, Gp, H] with ``num_heads``), layer i32[] -> [B, 1, N, H]."""
-    extra = dict(knobs)
-    if num_heads is not None:
-        extra["num_heads"] = num_heads
-    if page_offset is not None:
-        extra["page_offset"] = page_offset
+    extra = dict(knobs, **{k: v for k, v in (("num_heads", num_heads),
+                                             ("page_offset", page_offset)) if v is not None})
     out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
                  soft_cap=soft_cap, sliding_window=sliding_window, **extra)
     return out[:, None]

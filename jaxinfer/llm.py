@@ -20,8 +20,7 @@ _Params = SamplingParams | Seq[SamplingParams] | None
 def _engine_config(engine_args: dict) -> EngineConfig:
     """Raises ValueError: an unknown argument (listing the allowed ones) or a bad value."""
     allowed = sorted(EngineConfig.__dataclass_fields__)
-    unknown = sorted(set(engine_args) - set(allowed))
-    if unknown:
+    if unknown := sorted(set(engine_args) - set(allowed)):
         raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {allowed}")
     return EngineConfig(**engine_args)
 
@@ -35,19 +34,16 @@ def _token_ids(ids, what: str) -> list[int]:
                              f"array of shape {ids.shape} and dtype {ids.dtype}")
     elif not isinstance(ids, (list, tuple)):
         raise ValueError(f"{what} must be a list of ints; got {type(ids).__name__}")
-    else:
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]
-        if bad:
-            raise ValueError(f"{what} must be a list of ints; it holds {bad[0]!r} "
-                             f"({type(bad[0]).__name__})")
+    elif bad := [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]:
+        raise ValueError(f"{what} must be a list of ints; it holds {bad[0]!r} "
+                         f"({type(bad[0]).__name__})")
     return [int(t) for t in ids]
 
 
 def _normalize(prompts, sampling_params: _Params) -> tuple[list, list[SamplingParams]]:
     """(prompts, one SamplingParams per prompt). Raises ValueError: prompts not a prompt or an
     iterable of them; sampling_params not a SamplingParams or a list of them; counts differ."""
-    if prompts is None or isinstance(prompts, (bytes, bytearray, int, float)) or not hasattr(
-            prompts, "__iter__"):
+    if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
         raise ValueError(f"prompts must be a str, a list of token ids, a dict, or a list of "
                          f"these; got {type(prompts).__name__}")
     single = isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
@@ -69,11 +65,10 @@ def _normalize(prompts, sampling_params: _Params) -> tuple[list, list[SamplingPa
 
 class LLM:
     """A model served with continuous batching. ``model``: an HF model directory, a GGUF file or
-    an Orbax directory (``python -m jaxinfer.convert``); None: the embedded SmolLM2-135M-Instruct.
-    ``skip_tokenizer_init``: no tokenizer (prompts are token ids, outputs carry no text).
-    ``engine_args``: `EngineConfig` fields. Raises FileNotFoundError: no such model; ValueError:
-    an unsupported architecture, a bad engine argument, GPU kernels on a host without a GPU
-    (before the checkpoint is read)."""
+    an Orbax directory; None: the embedded SmolLM2-135M-Instruct. ``skip_tokenizer_init``: token-id
+    prompts, no output text. ``engine_args``: `EngineConfig` fields. Raises FileNotFoundError: no
+    such model; ValueError: an unsupported architecture, a bad engine argument, GPU kernels
+    without a GPU (before the checkpoint is read)."""
 
     def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
                  **engine_args):
@@ -100,8 +95,8 @@ class LLM:
                              f"{type(config).__name__} (ModelConfig.from_dict builds one)")
         self = cls.__new__(cls)
         self.model_path, self.tokenizer = None, None
-        resolved = resolve(config, _engine_config(engine_args), jax.default_backend())
-        self.engine = LLMEngine(config, params, resolved)
+        self.engine = LLMEngine(config, params, resolve(config, _engine_config(engine_args),
+                                                        jax.default_backend()))
         return self
 
     def _detokenize(self, ids) -> str:
@@ -210,8 +205,8 @@ class LLM:
         from tqdm import tqdm
 
         index_of = {rid: i for i, rid in rid_of.items()}
-        bar = tqdm(total=len(rid_of), desc="generating", unit="req") if use_tqdm and len(
-            rid_of) > 1 else None
+        bar = tqdm(total=len(rid_of), desc="generating", unit="req",
+                   disable=not (use_tqdm and len(rid_of) > 1))
         outputs: dict[int, RequestOutput] = {}
         sent = {i: (0, "") for i in rid_of}
         try:
@@ -225,22 +220,19 @@ class LLM:
                 for s in finished:
                     i = index_of[s.request_id]
                     outputs[i] = self.engine.pop_output(s.request_id, texts[i])
-                    if bar is not None:
-                        bar.update(1)
+                    bar.update(1)
         except BaseException:
             self.engine.abort_all()
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         return outputs
 
     def precompile(self, prompts, sampling_params: _Params = None, *,
                    max_workers: int | None = None) -> dict:
-        """Compile, several at once, the step shapes ``generate(prompts, sampling_params)`` visits
-        on an idle engine, each request run to ``max_tokens`` (`LLMEngine.plan_shapes`); returns
-        {"planned", "shapes", "lower_s", "warm_s", "seconds"}. Raises ValueError: as `generate`
-        with on_error="raise"; ``max_workers`` not >= 1."""
+        """Compile, in parallel, the step shapes ``generate(prompts, sampling_params)`` visits on
+        an idle engine (`LLMEngine.plan_shapes`); returns {"planned", "shapes", "lower_s",
+        "warm_s", "seconds"}. Raises ValueError: as `generate`; ``max_workers`` not >= 1."""
         params, encoded, _ = self._prepare(prompts, sampling_params, True)
         keys = self.engine.plan_shapes([(ids, sp) for (_, ids), sp in zip(encoded, params)])
         return dict(planned=len(keys), **self.engine.precompile(keys, max_workers=max_workers))

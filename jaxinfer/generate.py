@@ -57,9 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="HF model dir, GGUF file or Orbax dir (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", default=None,
-                   help="one prompt per line; a file ending in .jsonl holds JSON per line "
-                        "({\"prompt\": ...} or a JSON string), any other file plain text")
+    p.add_argument("--prompts-file", default=None, help="one prompt per line: plain text, or in "
+                   "a .jsonl file a JSON string or {\"prompt\": ...}")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     for name, typ, default, help in SAMPLING_OPTIONS:
         p.add_argument(_flag(name), type=typ, default=default, help=help)
@@ -170,10 +169,9 @@ def _main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=len(prompts) > 1 and not args.stream,
                         on_error="return", stream=print_delta if args.stream else None)
-    wall = time.perf_counter() - t0
+    wall, ok = time.perf_counter() - t0, [o for o in outs if not o.error]
     if args.stream:
         sys.stdout.write("\n")
-    ok = [o for o in outs if not o.error]
     for i, o in enumerate(outs):
         if o.error:
             sys.stderr.write(f"error: prompt {i}: {o.error}\n")

@@ -57,11 +57,10 @@ class LLMEngine:
                              async_scheduling=ec.async_scheduling, stats=self.stats)
         self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
         self._seqs: dict[str, Sequence] = {}
-        dtype_bytes = jnp.dtype(resolved.dtype).itemsize
-        page_bytes = model_config.kv_bytes_per_token(dtype_bytes) * ec.page_size
-        # a snapshot after each step while `trace_memory` is set (CLI: --memory-trace FILE)
-        self.memory = memory.MemoryTracker(models.param_bytes(model_config, dtype_bytes),
-                                           page_bytes, self.num_pages)
+        dtype_bytes = jnp.dtype(resolved.dtype).itemsize  # snapshots while `trace_memory` is set
+        self.memory = memory.MemoryTracker(
+            models.param_bytes(model_config, dtype_bytes),
+            model_config.kv_bytes_per_token(dtype_bytes) * ec.page_size, self.num_pages)
         self.trace_memory = False
 
     def _scheduler(self, bm: BlockManager, eos_token_ids=()) -> Scheduler:
@@ -91,11 +90,9 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError: a token id outside [0, V), or not `Scheduler.check_admissible`."""
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not 0 <= int(t) < vocab]
-        if bad:
+        if bad := [t for t in prompt_token_ids if not 0 <= int(t) < vocab]:
             raise ValueError(f"prompt token id {bad[0]} is out of range: ids must be in [0, {vocab})")
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
+        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:
             raise ValueError(f"SamplingParams.stop_token_ids contains {bad[0]}, out of range: ids "
                              f"must be in [0, {vocab})")
         self.scheduler.check_admissible(len(prompt_token_ids), params)

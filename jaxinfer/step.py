@@ -150,8 +150,7 @@ class StepExecutor:
         self.executables: dict[ShapeKey, object] = {}  # ahead-of-time compiled steps
 
     def step_fn(self, key: ShapeKey):
-        """The jit step for ``key``: cuBLAS GEMMs for decode buckets of at least
-        ``cublas_decode_min_batch`` rows and, with ``prefill_gemm="cublas"``, prefill steps."""
+        """The jit step for ``key`` (cuBLAS: decode buckets >= ``cublas_min_batch`` rows)."""
         if key.packed:
             return self.steps[self.prefill_gemm]
         cublas = self.cublas_min_batch is not None and key.batch >= self.cublas_min_batch
@@ -163,8 +162,7 @@ class StepExecutor:
 
     def run(self, params, kv, hb: HostBatch, prev_tokens=None):
         """Dispatch one step, no wait: (token ids i32[Bmax] on the device, the new cache)."""
-        exe = self.executables.get(hb.key)
-        if exe is not None:
+        if (exe := self.executables.get(hb.key)) is not None:
             return exe(*self._args(params, kv, hb, prev_tokens))
         if hb.key not in self.stats.compiled_shapes:
             self.stats.compiled_shapes.add(hb.key)

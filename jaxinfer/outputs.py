@@ -82,9 +82,7 @@ class OutputProcessor:
     def visible_text(self, seq) -> str:
         """The output text the rules allow to be shown."""
         ids = seq.output_token_ids
-        if seq.ended_on_stop_token:
-            return self._text(ids[:-1])
-        text = self._text(ids)
+        text = self._text(ids[:-1] if seq.ended_on_stop_token else ids)  # then no stop_string
         if seq.stop_string is not None:
             text = text[:text.find(seq.stop_string)]
         return text

@@ -18,9 +18,8 @@ from pallas_kernels.paged_attention import reference, registry
 
 @dataclass(frozen=True)
 class ModelKernels:
-    """attention (signature above); qkv_prologue / add_rms_norm: None (jnp ops) or a kernel
-    with the signature of `pallas_kernels.<name>.reference.<name>`; q_group_multiple: None, or
-    decode q is written grouped [B, 1, K, Gp, H] (G = N/K padded to a multiple Gp of it)."""
+    """qkv_prologue / add_rms_norm: None (jnp ops) or `pallas_kernels.<name>.reference.<name>`'s
+    signature; q_group_multiple: None, or decode q is grouped [B, 1, K, Gp, H] (G padded to Gp)."""
 
     attention: Callable = reference.paged_attention
     qkv_prologue: Callable | None = None

@@ -47,10 +47,8 @@ class StepLoop:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
-        launched = None
-        if batch is not None:
-            sync = any(s.params.repetition_penalty != 1.0 for s in batch.seqs)
-            launched = Launched(batch, self.launch(batch, prev), sync)
+        launched = None if batch is None else Launched(batch, self.launch(batch, prev), any(
+            s.params.repetition_penalty != 1.0 for s in batch.seqs))
         times = (t1 - t0, time.perf_counter() - t1)
         if prev is not None:
             self.stats.num_overlapped_steps += launched is not None

@@ -62,9 +62,6 @@ class OutputProcessor:
     def __init__(self, detokenize: Callable[[list[int]], str] | None) -> None:
         self.detokenize = detokenize
 
-    def _text(self, ids: list[int]) -> str:
-        return self.detokenize(ids) if self.detokenize is not None else ""
-
     def find_stop_string(self, seq) -> str | None:
         """The first-starting stop string in ``seq``'s output text, or None (also on "length")."""
         stops = seq.params.stop
@@ -81,8 +78,8 @@ class OutputProcessor:
 
     def visible_text(self, seq) -> str:
         """The output text the rules allow to be shown."""
-        ids = seq.output_token_ids
-        text = self._text(ids[:-1] if seq.ended_on_stop_token else ids)  # then no stop_string
+        ids = seq.output_token_ids[:-1] if seq.ended_on_stop_token else seq.output_token_ids
+        text = self.detokenize(ids) if self.detokenize is not None else ""  # ^ no stop_string
         if seq.stop_string is not None:
             text = text[:text.find(seq.stop_string)]
         return text
@@ -106,8 +103,8 @@ class OutputProcessor:
         stop_reason = ids[-1] if seq.ended_on_stop_token else seq.stop_string
         comp = CompletionOutput(index=0, text=self.visible_text(seq), token_ids=tuple(ids),
                                 finish_reason=seq.finish_reason, stop_reason=stop_reason)
-        metrics = RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time,
-                                 seq.num_preemptions)
         return RequestOutput(request_id=seq.request_id, prompt=prompt,
                              prompt_token_ids=tuple(seq.prompt_token_ids), outputs=[comp],
-                             finished=seq.is_finished, metrics=metrics)
+                             finished=seq.is_finished, metrics=RequestMetrics(
+                                 seq.arrival_time, seq.first_token_time, seq.finish_time,
+                                 seq.num_preemptions))

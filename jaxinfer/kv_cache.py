@@ -36,8 +36,7 @@ jax.tree_util.register_dataclass(
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                   sharding=None) -> KVCache:
-    """Zeroed pools [L, P, K, page_size, H] and one padded table row. Raises ValueError:
-    ``num_pages < 2``."""
+    """Zeroed pools [L, P, K, page_size, H], one padded table row; ValueError: num_pages < 2."""
     if num_pages < 2:
         raise ValueError(f"num_pages={num_pages} is too small: need >= 2 (page 0 is reserved)")
     shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
@@ -50,9 +49,7 @@ def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k_new: jax.Array, v_ne
              slot_mapping: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Scatter k_new, v_new [B, T, K, H] into layer ``layer`` (int or i32[]) of the pools at
     ``slot_mapping`` i32[B, T] (``page * page_size + offset``); returns the new pools."""
-    page_size = k_pool.shape[3]
-    slots = slot_mapping.reshape(-1)
-    page, off = slots // page_size, slots % page_size
+    page, off = jnp.divmod(slot_mapping.reshape(-1), k_pool.shape[3])  # shape[3]: page_size
     kn = k_new.reshape(-1, *k_new.shape[2:]).astype(k_pool.dtype)  # [B*T, K, H]
     vn = v_new.reshape(-1, *v_new.shape[2:]).astype(v_pool.dtype)
     k_pool = k_pool.at[layer, page, :, off, :].set(kn, mode="promise_in_bounds")

@@ -231,8 +231,7 @@ class KernelConfig:
     @classmethod
     def help(cls) -> str:
         """The keys with their allowed values and defaults, for CLI help texts."""
-        alias = {v: k for k, v in KERNEL_ALIASES.items()}
-        choices = kernel_choices()
+        alias, choices = {v: k for k, v in KERNEL_ALIASES.items()}, kernel_choices()
         return "; ".join(
             f"{alias.get(f.name, f.name)}="
             + ("|".join(choices[f.name]) if f.name in choices else "sizes joined by ':'"
@@ -275,8 +274,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         positive = "must be a positive integer"
-        _check(self, (
-            ("max_model_len", _optional(_positive_int), positive),
+        _check(self, (("max_model_len", _optional(_positive_int), positive),
             ("page_size", _positive_int, positive),
             ("page_size", is_pow2, "must be a power of two (8, 16, 32, 64, ...)"),
             ("num_pages", _optional(lambda v: _positive_int(v) and v >= 2),

@@ -157,8 +157,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata, *, all_greedy: bool) -> ja
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)
     if all_greedy:
         return greedy_tok
-    v = x.shape[1]
-    is_greedy = _is_greedy(meta.temperature)
+    v, is_greedy = x.shape[1], _is_greedy(meta.temperature)
     scaled = _scale(x, meta.temperature)
     g = _gumbel_noise(meta.seeds, meta.step_idx, v)  # indexed by token id, not by rank
 

@@ -1,10 +1,7 @@
-"""Plain-jnp reference of the fused residual add + RMSNorm: x [S, D], delta [S, D] ->
-x' = x + delta (rounded to x.dtype) -> h = weight * (x' / sqrt(mean(x'^2) + eps)) -> (x', h).
-
-Numerics follow HF ``LlamaRMSNorm``: statistics in float32, the normalized value rounded to x.dtype
-before the weight multiply, the weight cast to x.dtype. Sources: Zhang & Sennrich 2019 (RMSNorm);
-vLLM ``fused_add_rms_norm`` (``csrc/layernorm_kernels.cu``).
-"""
+"""Plain-jnp fused residual add + RMSNorm: x [S, D], delta [S, D] -> x' = x + delta (in x.dtype)
+-> h = weight * (x' / sqrt(mean(x'^2) + eps)) -> (x', h). HF ``LlamaRMSNorm`` numerics: f32
+statistics, normalized value rounded to x.dtype before the weight multiply, weight cast to x.dtype.
+Sources: Zhang & Sennrich 2019 (RMSNorm); vLLM ``fused_add_rms_norm`` (layernorm_kernels.cu)."""
 
 from __future__ import annotations
 
@@ -16,8 +13,7 @@ import jax.numpy as jnp
 
 def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
                eps: float = 1e-6) -> tuple[int, int]:
-    """Validate shapes, dtypes and eps; return (S, D). ValueError names the argument, its value
-    and what is allowed."""
+    """Validate shapes, dtypes and eps -> (S, D); ValueError names the argument and its value."""
     if x.ndim != 2:
         raise ValueError(f"x must be [S, D]; got shape {x.shape}")
     S, D = x.shape
@@ -49,11 +45,10 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
-    """Residual add then RMSNorm (module docstring) -> (x' [S, D], h [S, D]) in x.dtype.
-    x: [S, D] the residual stream, compute dtype; delta: [S, D] in x.dtype, or float32[splits, S,
-    D] partial sums of it (a split-K GEMM's, `jaxinfer.models.common.MLP`; their sum rounded to
-    x.dtype is added), or None (x' = x); weight: [D] any float dtype; eps: added to the mean
-    square. ValueError: `check_args`."""
+    """Residual add then RMSNorm (module docstring) -> (x' [S, D], h [S, D]) in x.dtype. x: [S, D]
+    residual stream, compute dtype; delta: [S, D] in x.dtype, or f32[splits, S, D] partial sums
+    (split-K GEMM, `jaxinfer.models.common.MLP`; their sum in x.dtype is added), or None (x' = x);
+    weight: [D] any float dtype; eps: added to the mean square. ValueError: `check_args`."""
     check_args(x, delta, weight, eps)
     if delta is not None and delta.ndim == 3:
         delta = delta.sum(0).astype(x.dtype)

@@ -1,7 +1,5 @@
-"""Residual add + RMSNorm in one Pallas kernel with the Triton lowering; same contract as
-`reference.add_rms_norm`. One program per row reads x and delta once and writes x' and h once.
-Sources: as `reference.py`.
-"""
+"""Residual add + RMSNorm as one Pallas/Triton kernel, `reference.add_rms_norm`'s contract: one
+program per row reads x and delta once, writes x' and h once. Sources: as `reference.py`."""
 
 from __future__ import annotations
 
@@ -61,11 +59,10 @@ def supports(D: int) -> bool:
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6, interpret: bool = False,
                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """`reference.add_rms_norm`'s contract in one Pallas launch (D, and the number of partial sums,
-    powers of 2: `supports`). interpret: the Pallas interpreter (CPU). num_warps: per program (one
-    row each): None (D / 256 clamped to 4..16, by measurement: BENCHMARKS.md section "Throughput")
-    or a power of 2 in 1..32 (Triton's range). ValueError: `reference.check_args`; D or the number
-    of partial sums not a power of 2; a bad ``num_warps``."""
+    """`reference.add_rms_norm`'s contract in one Pallas launch (D and the number of partial sums
+    powers of 2: `supports`). num_warps per program (one row each): None (D / 256 clamped to
+    4..16, BENCHMARKS.md section "Throughput") or a power of 2 in 1..32. ValueError:
+    `reference.check_args`; D or the partial-sum count not a power of 2; a bad ``num_warps``."""
     try:
         warps = None if isinstance(num_warps, bool) else operator.index(num_warps)
     except TypeError:  # None, or not an integer

@@ -1,11 +1,9 @@
 """Paged decode attention: a plain Triton kernel called through jax-triton (variant ``jax_triton``).
 
-The algorithm of `triton_pallas` written directly in Triton: masked loads replace the padding of q
-and of the block table, K/V rows past the sequence end are not read, and with one split the output
-is stored straight into ``[B, N, H]``. Needs ``triton``, ``jax_triton`` (the ``jax-triton`` extra;
-the module imports without them) and a CUDA GPU. Sources: as `triton_pallas`; Triton's
-fused-attention tutorial for the online-softmax loop.
-"""
+`triton_pallas`'s algorithm in Triton: masked loads replace the q and block-table padding, K/V rows
+past the sequence end are not read, one split stores straight into ``[B, N, H]``. Needs ``triton``,
+``jax_triton`` (the ``jax-triton`` extra; imports without them) and a CUDA GPU. Sources: as
+`triton_pallas`; Triton's fused-attention tutorial (online-softmax loop)."""
 
 from __future__ import annotations
 
@@ -75,7 +73,6 @@ def _paged_decode_kernel(
     m_i = tl.full([G_PAD], -1e30, tl.float32)                           # = NEG_INIT
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, H], tl.float32)
-    # Table entries are loaded one block ahead, so no K/V load depends on its own iteration.
     lp = first_page + blk_lo * PPB + offs_n // PAGE                       # logical page per key
     page = tl.load(bt_ptr + b * M + lp, mask=lp < n_pages, other=0)
     for blk in range(blk_lo, blk_hi):
@@ -153,10 +150,9 @@ def paged_decode_attention(
         sliding_window: int | None = None, interpret: bool = False,
         pages_per_block: int | None = None, num_warps: int | None = None,
         num_stages: int | None = None, k_splits: int | None = None) -> jax.Array:
-    """`triton_pallas.paged_decode_attention`'s contract through ``jax_triton.triton_call`` (knob
-    defaults from `tuning.resolve("jax_triton", ...)`); q and the pools share a dtype (bf16, f16
-    or f32). ValueError: bad shapes/dtypes/knobs, or ``interpret=True`` (needs a CUDA GPU);
-    ImportError: ``triton`` or ``jax_triton`` is not installed."""
+    """`triton_pallas.paged_decode_attention`'s contract via ``jax_triton.triton_call`` (knobs:
+    `tuning.resolve("jax_triton", ...)`); q and pools share a dtype (bf16/f16/f32). ValueError:
+    bad shapes/dtypes/knobs, ``interpret=True`` (CUDA only); ImportError: no triton/jax_triton."""
     if interpret:
         raise ValueError("interpret=True is not supported by the jax_triton variant: a Triton "
                          "kernel needs a CUDA GPU (use the 'triton' Pallas variant on the CPU)")

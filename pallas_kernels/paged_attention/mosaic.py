@@ -1,15 +1,12 @@
 """Paged decode attention as a Mosaic GPU Pallas kernel for Hopper (sm_90a).
 
-One program (one warpgroup) per (row b, KV head h, split s) loads the G query heads of KV head h
-into a 64-row shared-memory tile and streams its part of the sequence through ``num_stages``
-shared-memory buffers, one TMA copy per page (through the block table, itself copied to shared
-memory). Online softmax in float32; Q K^T and P V on the tensor cores (``wgmma``; `_PlainMath` is
-the same math in jnp for interpret mode). One split: each program writes its G output rows; more:
-normalised partials and log-sum-exps merged by `combine_splits`. The pools ``[L, P, K, page_size,
-H]`` are read in place as ``[L * P, ...]``: the program adds ``layer * P`` (`layer_offsets`).
-Sources: FlashAttention (Dao et al. 2022), flash-decoding (Dao et al. 2023), PagedAttention (Kwon
-et al. 2023); JAX's attention_mgpu.py for Mosaic GPU idioms.
-"""
+One warpgroup per (row b, KV head h, split s) loads the G query heads of KV head h into a 64-row
+shared-memory tile and streams its keys through ``num_stages`` buffers, one TMA copy per page (the
+block table is copied to shared memory). Online softmax in f32; Q K^T and P V by ``wgmma``. Several
+splits: normalised partials and log-sum-exps merged by `combine_splits`. Pools ``[L, P, K,
+page_size, H]`` are read as ``[L * P, ...]`` plus ``layer * P`` (`layer_offsets`). Sources:
+FlashAttention (Dao et al. 2022), flash-decoding (Dao et al. 2023), PagedAttention (Kwon et al.
+2023); JAX's attention_mgpu.py for Mosaic GPU idioms."""
 
 from __future__ import annotations
 
@@ -37,10 +34,9 @@ _SMS_H100_H200 = 132
 
 @dataclasses.dataclass(frozen=True)
 class MosaicDecodeConfig:
-    """Tuning knobs of the Mosaic GPU decode kernel (static). block_kv: keys per pipeline step (a
-    multiple of 64; a multiple or divisor of page_size); num_stages: K/V shared-memory buffers
-    (2-4), the steps of copies in flight; num_splits: sequence splits per (row, KV head), None:
-    `_pick_splits`; num_sms: multiprocessors to plan the waves for, None: the device's (or 132)."""
+    """Static kernel knobs. block_kv: keys per pipeline step (multiple of 64; multiple or divisor
+    of page_size); num_stages: K/V shared-memory buffers (2-4); num_splits: sequence splits per
+    (row, KV head), None: `_pick_splits`; num_sms: SMs to plan for, None: the device's (or 132)."""
 
     block_kv: int = 64
     num_stages: int = 2
@@ -58,9 +54,8 @@ class MosaicDecodeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-    """Static sizes of one launch. Gp: G rounded up to a multiple of 8 (TMA box rows of the Q /
-    output tiles); pages_per_step: TMA copies per K (and V) buffer; rows_per_copy: keys per copy,
-    min(page_size, block_kv)."""
+    """Static sizes of one launch. Gp: G rounded up to a multiple of 8 (TMA box rows);
+    pages_per_step: TMA copies per K/V buffer; rows_per_copy: min(page_size, block_kv)."""
 
     G: int
     Gp: int
@@ -78,11 +73,9 @@ class _Geometry:
 
 
 def combine_splits(o: jax.Array, lse: jax.Array, *, num_heads: int, out_dtype) -> jax.Array:
-    """Merge the splits' partials (flash-decoding log-sum-exp weighting) in plain jnp.
-    o: f32[B, K, S, Gp, H] each split's normalised output (rows past G = N / K are padding);
-    lse: f32[B, K, S, Gp] natural-log log-sum-exps (-inf: no key). Returns [B, N, H] in
-    ``out_dtype``; rows with no key in any split are zeros.
-    """
+    """Merge split partials (flash-decoding LSE weighting) in jnp. o: f32[B, K, S, Gp, H]
+    normalised outputs (rows past G = N / K: padding); lse: f32[B, K, S, Gp] natural-log LSEs
+    (-inf: no key). Returns [B, N, H] in ``out_dtype``; rows with no key in any split: zeros."""
     B, K, _, _, H = o.shape
     G = num_heads // K
     mx = jnp.max(lse, axis=2, keepdims=True)
@@ -151,8 +144,7 @@ class _PlainMath:
 
 
 def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v_smem, wait_v):
-    """One online-softmax update with the f32 scores ``s`` [64, bk] of keys first_pos.. (m in
-    log2 units, so p = exp2(s - m))."""
+    """Online-softmax update with f32 scores ``s`` [64, bk] of keys first_pos.. (m in log2)."""
     acc, m, l = carry
     if geo.soft_cap is None:
         s = s * (geo.scale * LOG2E)
@@ -175,9 +167,8 @@ def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v
 
 
 def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
-    """Start the TMA copies of keys [step * bk, (step + 1) * bk) of this row into one stage;
-    ``copies``: (pool ref [L * P, K, page_size, H], stage buffer [bk, H], barrier expecting
-    ``pages_per_step`` arrivals) for K and/or V."""
+    """TMA-copy keys [step * bk, (step + 1) * bk) into one stage; ``copies``: (pool [L * P, K,
+    page_size, H], buffer [bk, H], barrier of ``pages_per_step`` arrivals) for K and/or V."""
     rpc = geo.rows_per_copy
     for i in range(geo.pages_per_step):
         token = step * geo.block_kv + i * rpc
@@ -260,9 +251,8 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
 
 
 def _store(geo: _Geometry, acc, m, l, o_ref, lse_ref, b, h, split):
-    """Epilogue: with one split (``lse_ref`` None) the G real rows, final, in the output dtype;
-    else the normalised partial output and natural-log LSE of the Gp rows (-inf and zeros when no
-    key)."""
+    """Epilogue: one split (``lse_ref`` None): the G rows in the output dtype; else normalised
+    partials and natural-log LSE of the Gp rows (zeros and -inf when no key)."""
     H = geo.H
     has_keys = l > 0.0
     inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
@@ -385,8 +375,7 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
     G, M, bk, dtype = N // K, block_tables.shape[1], cfg.block_kv, k_pool.dtype
     Gp = round_up(G, Q_GROUP_MULTIPLE)
     max_blocks = max(1, -(-M * page_size // bk))
-    # Table tile [B, 1 + R, C]: row 0 holds seq_len, rows 1.. the pages (null-padded), the same
-    # for every layer (XLA computes it once per step); the program adds layer * P itself.
+    # Table [B, 1 + R, C]: row 0 seq_len, rows 1.. the pages (null-padded); shared by all layers.
     pages_needed = max_blocks * (bk // page_size) if page_size <= bk else M
     # (1 + R) * C * 4 bytes must be a multiple of 128 (one TMA copy, arrived on by 128 threads).
     C = min(_TABLE_COLS, round_up(pages_needed, 32))
@@ -412,8 +401,7 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
             qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     k_flat, v_flat = (x.reshape(L * P, K, page_size, H) for x in (k_pool, v_pool))
     transforms = () if interpret else _smem_transforms(dtype, H)
-    # One split: the G real rows, final, in q's dtype (a reshape gives [B, N, H]); more: f32
-    # partial outputs and log-sum-exps of the Gp rows, combined below.
+    # One split: the G rows, final, in q.dtype; more: f32 partials and LSEs of the Gp rows.
     single = splits == 1
     out_type = ((jax.ShapeDtypeStruct((B, K, G, H), q.dtype),) if single else
                 (jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
@@ -441,9 +429,8 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
 
 
 def layer_offsets(layer, pages_per_layer: int):
-    """i32[32], the kernel's per-layer input: element 0 is ``layer * pages_per_layer``, the rest
-    count up from it (unread; distinct so XLA does not make it a broadcast launch). A numpy
-    constant for a Python-int ``layer`` (no launch under jit)."""
+    """i32[32] per-layer input: [0] is ``layer * pages_per_layer``, the rest count up (unread;
+    distinct, so no broadcast launch). numpy for a Python-int ``layer`` (no launch under jit)."""
     if isinstance(layer, (int, np.integer)):
         return np.arange(_OFFSET_COLS, dtype=np.int32) + np.int32(int(layer) * pages_per_layer)
     base = jnp.asarray(layer, jnp.int32) * pages_per_layer
@@ -457,15 +444,13 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            num_splits: int | None = None, config: MosaicDecodeConfig | None = None,
                            num_heads: int | None = None, page_offset: jax.Array | None = None
                            ) -> jax.Array:
-    """`reference.paged_decode_attention`'s contract with a Mosaic GPU (Hopper) kernel -> [B, N, H]
-    in q.dtype. q: [B, N, H], or grouped [B, K, Gp, H] (G = N/K rows zero-padded to a multiple of
-    ``Q_GROUP_MULTIPLE``; needs ``num_heads`` = N). Pools bf16/f16 (f32 only in interpret mode), H
-    a multiple of 64, page_size of 8. interpret: Mosaic GPU interpret mode (CPU). block_kv,
-    num_stages, num_splits: `MosaicDecodeConfig` (unless ``config``). page_offset: i32[32]
-    ``layer_offsets(layer, P)``, used instead of ``layer``. ValueError: shapes, dtypes or knobs
-    the kernel does not take, or a Python-int layer outside [0, L). Not checked (traced): a traced
-    layer, the page ids; lengths past the table are clamped to M * page_size.
-    """
+    """`reference.paged_decode_attention`'s contract on Hopper -> [B, N, H] in q.dtype. q: [B, N,
+    H] or grouped [B, K, Gp, H] (G = N/K rows zero-padded to a multiple of ``Q_GROUP_MULTIPLE``;
+    needs ``num_heads`` = N). Pools bf16/f16 (f32 only if interpret), H a multiple of 64,
+    page_size of 8. block_kv, num_stages, num_splits: `MosaicDecodeConfig` (unless ``config``).
+    page_offset: i32[32] ``layer_offsets(layer, P)``, replaces ``layer``. ValueError: shapes,
+    dtypes or knobs the kernel does not take, a Python-int layer outside [0, L). Unchecked: a
+    traced layer, page ids; lengths past the table are clamped to M * page_size."""
     cfg = config if config is not None else MosaicDecodeConfig(
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
     N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads, layer,

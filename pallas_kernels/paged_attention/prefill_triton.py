@@ -1,11 +1,9 @@
-"""Paged prefill attention (T causal query tokens per sequence) as a Pallas kernel with the Triton
-lowering (prefill variant ``triton``). One program per (row b, KV head k, query tile i); a tile is
-``block_q`` tokens times the G query heads of KV head k as one ``[block_q * G_PAD, H]`` matrix (row
-r: token ``r // G_PAD``, head ``r % G_PAD``; G zero-padded to a power of 2; q's own layout when G
-is one), so each K/V page is read once per KV head and tile. The program walks the pages any of its
-queries can see, as `triton_pallas` does, with its online softmax; nothing of size ``T x
-seq_len`` is materialised. Sources: Dao 2023 (FlashAttention-2); Kwon et al. 2023 (PagedAttention).
-"""
+"""Paged prefill attention (T causal query tokens per row) as a Pallas/Triton kernel (prefill
+variant ``triton``). One program per (row b, KV head k, query tile i): ``block_q`` tokens x the G
+query heads of KV head k as one ``[block_q * G_PAD, H]`` matrix (row r: token ``r // G_PAD``, head
+``r % G_PAD``; G zero-padded to a power of 2), so each K/V page is read once per KV head and tile;
+online softmax as `triton_pallas`, nothing of size ``T x seq_len`` materialised. Sources: Dao 2023
+(FlashAttention-2); Kwon et al. 2023 (PagedAttention)."""
 
 from __future__ import annotations
 
@@ -73,8 +71,7 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
     G_PAD, Tp = next_pow2(G), nq * block_q
     ROWS = block_q * G_PAD
     if G == G_PAD:
-        # Tiles are read and written in q's own layout [B, T, K, G, H] (a free reshape): a
-        # program's [block_q, G, H] block is its [ROWS, H] matrix, so no transpose on either side.
+        # Tiles in q's own layout [B, T, K, G, H]: [block_q, G, H] is [ROWS, H], no transpose.
         qg = q.reshape(B, T, K, G, H)
         if Tp != T:
             qg = jnp.pad(qg, ((0, 0), (0, Tp - T), (0, 0), (0, 0), (0, 0)))
@@ -123,13 +120,11 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                             block_q: int | None = None, pages_per_block: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None
                             ) -> jax.Array:
-    """`reference.paged_attention`'s contract (prefill chunks) as a Pallas/Triton kernel -> [B, T,
-    N, H] in q.dtype (empty, with no launch, when B or T is 0). q bf16/f16/f32; page_size and H
-    powers of 2 (H >= 16); interpret: the Pallas interpreter (CPU); block_q: query tokens per
-    program (``block_q * G_PAD`` a power of 2 >= 16); pages_per_block: pages per key block
-    (``pages_per_block * page_size`` a power of 2 >= 16); num_warps, num_stages: Triton launch
-    knobs; None: `default_knobs`. ValueError: bad shapes, dtypes or knobs, naming the argument and
-    what is allowed."""
+    """`reference.paged_attention`'s contract (prefill chunks) in Pallas/Triton -> [B, T, N, H] in
+    q.dtype (empty, no launch, if B or T is 0). q bf16/f16/f32; page_size, H powers of 2 (H >= 16);
+    block_q: query tokens per program (``block_q * G_PAD`` a power of 2 >= 16); pages_per_block:
+    pages per key block (``pages_per_block * page_size`` a power of 2 >= 16); None knobs:
+    `default_knobs`. ValueError: bad shapes, dtypes or knobs, naming the argument."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, N, H]; got shape {q.shape}")
     B, T, N, H = q.shape

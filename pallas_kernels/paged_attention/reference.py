@@ -1,10 +1,8 @@
 """Plain-jnp float32 paged attention: the oracle every kernel variant is tested against.
 
-Layout of the pools is the engine's (jaxinfer/kv_cache.py): ``[L, P, K, page_size, H]``.
-Math: softmax(scale * q k^T [soft-capped], masked) v, per query head, with GQA (query head n reads
-KV head n // G). Source: Kwon et al. 2023, "Efficient Memory Management for Large Language Model
-Serving with PagedAttention" (vLLM); the gather-then-dense formulation of JAX's in-tree kernel tests.
-"""
+Pools ``[L, P, K, page_size, H]`` (jaxinfer/kv_cache.py). softmax(scale * q k^T [soft-capped],
+masked) v per query head; GQA: query head n reads KV head n // G. Source: Kwon et al. 2023
+(PagedAttention, vLLM); the gather-then-dense form of JAX's in-tree kernel tests."""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_ta
     page (padding: null page 0); seq_lens: i32[B] (0 for padded rows); q_positions: i32[B, T]:
     key j is visible to a query at p iff ``j <= p``, ``j < seq_len`` (and ``p - j <
     sliding_window`` if set); layer: int or i32[] into L; scale: usually ``H ** -0.5``; soft_cap:
-    logits become ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2).
-    """
+    logits become ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2)."""
     B, T, N, H = q.shape
     K, G, S = k_pool.shape[2], N // k_pool.shape[2], block_tables.shape[1] * k_pool.shape[3]
     # Gather pages: [B, M, K, page_size, H] -> [B, K, S, H]

@@ -1,13 +1,10 @@
 """Paged decode attention as a Pallas kernel with the Triton lowering (variant ``triton``).
 
 One program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
-tile (`padded_group`), walks its split's pages ``pages_per_block`` at a time, gathering them
-through the block table out of the pool, with an online softmax in float32. Table entries are read
-one block ahead, so no K/V load depends on a load of its own iteration (Triton's pipeliner keeps
-``num_stages - 1`` blocks in flight). With ``k_splits > 1`` the splits' partials are merged by
-`combine_splits`. Sources: Dao et al. 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention);
-JAX's ``jax.experimental.pallas.ops.gpu.paged_attention`` (page gather).
-"""
+tile (`padded_group`) and gathers its split's pages ``pages_per_block`` at a time through the block
+table, online softmax in f32. Table entries are read one block ahead (no K/V load depends on a load
+of its own iteration). ``k_splits > 1``: partials merged by `combine_splits`. Sources: Dao et al.
+2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's pallas.ops.gpu.paged_attention."""
 
 from __future__ import annotations
 
@@ -32,8 +29,7 @@ NT_DIMS, NN_DIMS = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))  # a @ b.T
 
 def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
                       soft_cap=None, need_pow2=True) -> tuple[int, int, int, int, int, int]:
-    """Validate the shared decode signature; return (B, N, H, K, page_size, M). ValueError names
-    the argument, its value and what is allowed."""
+    """Validate the decode signature -> (B, N, H, K, page_size, M); ValueError names the arg."""
     if q.ndim != 3:
         raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
     B, N, H = q.shape
@@ -83,10 +79,9 @@ def padded_group(G: int) -> int:
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Merge flash-decoding partials (log-sum-exp weighting) -> f32[..., H], zeros where every
-    split was empty. acc: f32[S, ..., H] un-normalised partial outputs (sum_j 2^(x_j - m_s) v_j);
-    m: f32[S, ...] each split's running max in log2 units (NEG_INIT: empty); l: f32[S, ...] partial
-    denominators (0: empty)."""
+    """Merge flash-decoding partials -> f32[..., H] (zeros if every split is empty). acc: f32[S,
+    ..., H] un-normalised (sum_j 2^(x_j - m_s) v_j); m: f32[S, ...] running max in log2 units
+    (NEG_INIT: empty); l: f32[S, ...] partial denominators (0: empty)."""
     m_max = jnp.max(m, axis=0)
     w = jnp.exp2(m - m_max[None])
     l_tot = jnp.sum(w * l, axis=0)
@@ -123,9 +118,8 @@ def full_block(shape):
 
 
 def split_range(seq_len, s, *, page_size, pages_per_block, k_splits, sliding_window):
-    """(lo, first_page, blk_lo, blk_hi): the first visible position, its page, and the blocks
-    [blk_lo, blk_hi) of split s (counted from first_page): the visible pages [first_page,
-    cdiv(seq_len, page_size)) cut into blocks, dealt to the splits in contiguous equal runs."""
+    """(lo, first_page, blk_lo, blk_hi): first visible position, its page, and split s's blocks
+    [blk_lo, blk_hi) from first_page (visible pages in blocks, contiguous equal runs per split)."""
     lo = jnp.int32(0) if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
     first_page = lo // page_size
     n_pages = (seq_len + page_size - 1) // page_size
@@ -182,8 +176,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, so
     (B, N, H), (L, P, K, page_size, _) = q.shape, k_pool.shape
     G, M = N // K, block_tables.shape[1]
     G_PAD = padded_group(G)
-    # Pad the table so every block of `pages_per_block` entries, and the next one (prefetched), is
-    # in range (padding: null page 0).
+    # Pad (null page 0) so every block and the prefetched next one are in range.
     bt = jnp.pad(block_tables, ((0, 0), (0, 2 * pages_per_block)))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     qg = q.reshape(B, K, G, H)
@@ -224,12 +217,9 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            interpret: bool = False, pages_per_block: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
                            k_splits: int | None = None) -> jax.Array:
-    """`reference.paged_decode_attention`'s contract as a Pallas/Triton kernel -> [B, N, H] in
-    q.dtype. q bf16/f16/f32; page_size and H powers of 2 (positions past seq_len inside a visible
-    page must hold finite values); ``interpret``: the Pallas interpreter (CPU); ``pages_per_block``,
-    ``num_warps``, ``num_stages``, ``k_splits``: tuning knobs, None takes `tuning.resolve("triton",
-    ...)` (k_splits None: enough splits to fill the device). ValueError: `check_decode_args`,
-    `check_knobs`."""
+    """`reference.paged_decode_attention`'s contract in Pallas/Triton -> [B, N, H] in q.dtype. q
+    bf16/f16/f32; page_size, H powers of 2 (slots past seq_len in a visible page must be finite);
+    knobs None: `tuning.resolve("triton", ...)`. ValueError: `check_decode_args`, `check_knobs`."""
     B, N, H, K, page_size, M = check_decode_args(q, k_pool, v_pool, block_tables, seq_lens,
                                                  sliding_window, soft_cap)
     knobs = tuning.resolve("triton", B=B, K=K, G=N // K, M=M, page_size=page_size, head_dim=H,

@@ -1,9 +1,8 @@
-"""Tuned block sizes of the Triton paged decode-attention kernels, as data: ``(variant,
-device_kind, page_size, head_dim, group, dtype)`` -> `KNOBS` (pages per loop step, warps,
-pipelining depth, and the grid size the sequence split aims for). Records of ``tuned_h200.json``
-(scripts/tune_paged_attention.py: ``{"variant", "device_kind", "page_size", "head_dim", "group",
-"dtype", "knobs": {...}}``) win over `BUILTIN`, then the device kind's entry, then `DEFAULTS`.
-"""
+"""Tuned knobs of the Triton paged decode kernels: ``(variant, device_kind, page_size, head_dim,
+group, dtype)`` -> `KNOBS` (pages per loop step, warps, pipelining depth, grid size the split aims
+for). Records of ``tuned_h200.json`` (scripts/tune_paged_attention.py: ``{"variant",
+"device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win over `BUILTIN`,
+then the device kind's entry, then `DEFAULTS`."""
 
 from __future__ import annotations
 

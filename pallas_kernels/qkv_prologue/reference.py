@@ -1,12 +1,9 @@
-"""Plain-jnp reference of the attention prologue of a Llama/Qwen3 layer: qkv [S, (N + 2K) * H] ->
-per-head RMSNorm of the N query and K key heads (Qwen3; skipped for Llama) -> RoPE (HF
-``rotate_half``) -> K and V written into the page pools at each token's slot -> q [S, N, H].
-
-Numerics follow HF: RMSNorm statistics in float32, the normalized value rounded to the compute
-dtype before the weight multiply, RoPE in float32, results rounded to the compute dtype; K/V cast
-to the pools' dtype. Sources: Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoPE); Qwen Team
-2025 (QK-Norm); Kwon et al. 2023 (paged KV, slot mapping).
-"""
+"""Plain-jnp attention prologue of a Llama/Qwen3 layer: qkv [S, (N + 2K) * H] -> per-head RMSNorm
+of the N query and K key heads (Qwen3; not Llama) -> RoPE (HF ``rotate_half``) -> K/V written into
+the page pools at each token's slot -> q [S, N, H]. HF numerics: RMSNorm statistics in f32, the
+normalized value rounded to the compute dtype before the weight multiply, RoPE in f32, results in
+the compute dtype; K/V cast to the pools' dtype. Sources: Zhang & Sennrich 2019 (RMSNorm); Su et
+al. 2021 (RoPE); Qwen Team 2025 (QK-Norm); Kwon et al. 2023 (paged KV, slot mapping)."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ from pallas_kernels.sizes import raise_first
 
 def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
                num_kv_heads: int, q_group_rows: int | None = None) -> tuple[int, int, int, int]:
-    """Validate shapes; return (S, N, K, H). ValueError names the argument, its shape and what is
-    allowed."""
+    """Validate shapes -> (S, N, K, H); ValueError names the argument, its shape and the rule."""
     N, K = num_heads, num_kv_heads
     if k_pool.ndim != 5 or v_pool.shape != k_pool.shape:
         raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H]; got {k_pool.shape} "
@@ -68,19 +64,15 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int,
                  eps: float = 1e-6,
                  q_group_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The attention prologue of one layer, in plain jnp -> (q, k_pool, v_pool) with this step's
-    K/V written at ``layer``; q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H].
-
-    qkv: [S, (N + 2K) * H] the fused q/k/v projection (query, key, value heads), compute dtype.
-    q_norm, k_norm: [H] RMSNorm weights of the query / key heads (Qwen3), or both None (Llama).
-    cos, sin: f32[S, H/2] at each token's position. slot_mapping: i32[S] flat slot ``page *
-    page_size + offset`` of each token (padding: the null page 0). k_pool, v_pool: [L, P, K,
-    page_size, H]. layer: int or i32[] in [0, L). num_heads, num_kv_heads: N and K.
-    q_group_rows: None, or Gq >= G = N/K: q grouped by KV head, [S, K, Gq, H], rows past G zero
-    (the Mosaic decode kernel's layout, Gq a multiple of ``mosaic.Q_GROUP_MULTIPLE``).
-    Slots or a layer out of range are not checked (traced): what they write is undefined.
-    ValueError: `check_args`.
-    """
+    """The attention prologue of one layer in jnp -> (q, k_pool, v_pool), this step's K/V written
+    at ``layer``; q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H]. qkv: [S, (N + 2K) * H]
+    fused q/k/v projection, compute dtype. q_norm, k_norm: [H] RMSNorm weights (Qwen3), or both
+    None (Llama). cos, sin: f32[S, H/2] at each token's position. slot_mapping: i32[S] flat slot
+    ``page * page_size + offset`` (padding: null page 0). k_pool, v_pool: [L, P, K, page_size, H].
+    layer: int or i32[] in [0, L). num_heads, num_kv_heads: N, K. q_group_rows: None, or Gq >= G =
+    N/K: q as [S, K, Gq, H], rows past G zero (the Mosaic decode layout, Gq a multiple of
+    ``mosaic.Q_GROUP_MULTIPLE``). Unchecked (traced): slots or layer out of range (undefined
+    writes). ValueError: `check_args`."""
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
                             num_heads, num_kv_heads, q_group_rows)
     qk = qkv[:, :(N + K) * H].reshape(S, N + K, H)

@@ -1,11 +1,8 @@
-"""The attention prologue (q/k RMSNorm + RoPE + K/V page write) as one Pallas kernel with the
-Triton lowering; same contract as `reference.qkv_prologue`.
-
-Two grids (``grid`` of `qkv_prologue`): "head", one program per (token, query row or key or value
-head), or "group", one per (token, KV group of query heads) plus one for the token's keys and one
-for its values. Each head is read as its two RoPE halves ([H/2] vectors, or [rows, H/2] tiles).
-The pools are aliased to the outputs, so XLA can update them in place. Sources: as `reference.py`.
-"""
+"""The attention prologue (q/k RMSNorm + RoPE + K/V page write) as one Pallas/Triton kernel; same
+contract as `reference.qkv_prologue`. Two grids (``grid`` of `qkv_prologue`): "head", one program
+per (token, query row or key or value head); "group", one per (token, KV group of query heads)
+plus one for the token's keys and one for its values. Heads are read as two RoPE halves ([H/2] or
+[rows, H/2]). The pools alias the outputs (in-place update). Sources: as `reference.py`."""
 
 from __future__ import annotations
 
@@ -179,14 +176,12 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  eps: float = 1e-6, q_group_rows: int | None = None, interpret: bool = False,
                  grid: str = "auto", num_warps: int | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """`reference.qkv_prologue`'s contract and result in one Pallas launch (H/2 a power of 2;
-    slots and layer out of range write out of bounds). interpret: the Pallas interpreter (CPU).
-    grid (module docstring): "group", S * (K + 2) programs (K and the rows per group,
-    ``q_group_rows`` or G, powers of 2); "head", S * (K * rows + 2K); "auto": "head" while that
-    fits in about one wave (4096), else "group" where it applies (BENCHMARKS.md section
-    "Throughput"). num_warps: per program; None: 1 for "head", 2 for "group". ValueError:
-    `reference.check_args`; H/2 not a power of 2; ``grid`` not "auto", "group", "head", or
-    "group" where it does not apply."""
+    """`reference.qkv_prologue`'s contract in one Pallas launch (H/2 a power of 2; slots and layer
+    out of range write out of bounds). grid (module docstring): "group", S * (K + 2) programs (K
+    and rows per group, ``q_group_rows`` or G, powers of 2); "head", S * (K * rows + 2K); "auto":
+    "head" while that fits about one wave (4096), else "group" where it applies
+    (BENCHMARKS.md section "Throughput"). num_warps: None: 1 for "head", 2 for "group". ValueError:
+    `reference.check_args`; H/2 not a power of 2; ``grid`` unknown, or "group" where it can't."""
     args = (qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool)
     S, N, K, H = check_args(*args, num_heads, num_kv_heads, q_group_rows)
     if not is_pow2(H // 2):

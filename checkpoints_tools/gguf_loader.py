@@ -1,12 +1,10 @@
 """Read a llama.cpp GGUF file (Llama or Qwen3) as an HF config dict (`gguf_hf_config`) and HF
-tensors (`gguf_hf_tensors`: dequantised to float32, renamed through the ONE table `GGUF_TO_HF`,
-llama.cpp's Q/K row permutation undone where applied; GGUF dims are innermost-first, so
-``dequantize`` returns HF's ``[out, in]``).
-
-Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` of q/k_proj for ``llama``,
-not for ``qwen3``; ``generate_extra_tensors`` writes Llama 3 RoPE factors as ``rope_freqs``),
-``gguf-py/gguf/constants.py`` (names), HF ``modeling_gguf_pytorch_utils.py`` (reverse permute).
-"""
+tensors (`gguf_hf_tensors`: dequantised to f32, renamed by the ONE table `GGUF_TO_HF`, llama.cpp's
+Q/K row permutation undone where applied; GGUF dims are innermost-first, so ``dequantize`` gives
+HF's ``[out, in]``). Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` of
+q/k_proj for ``llama``, not ``qwen3``; ``generate_extra_tensors``: Llama 3 RoPE factors as
+``rope_freqs``), ``gguf-py/gguf/constants.py`` (names), HF ``modeling_gguf_pytorch_utils.py``
+(reverse permute)."""
 
 from __future__ import annotations
 
@@ -65,11 +63,10 @@ def gguf_eos_token_ids(reader) -> tuple[int, ...]:
 
 
 def gguf_hf_config(reader) -> dict:
-    """An HF-style ``config.json`` dict from the GGUF metadata (``{arch}.*`` keys); V from
-    ``vocab_size``, else ``tokenizer.ggml.tokens``, else ``token_embd``'s rows; tied iff no
-    ``output.weight``; Llama 3 RoPE scaling recovered from ``rope_freqs.weight``. ValueError: an
-    architecture not in `SUPPORTED_GGUF_ARCHITECTURES` (both named), a required key missing,
-    partial rotary, K and V head dims that differ, or RoPE scaling other than none/llama3."""
+    """An HF-style ``config.json`` dict from the GGUF ``{arch}.*`` metadata; V: ``vocab_size``, else
+    ``tokenizer.ggml.tokens``, else ``token_embd``'s rows; tied iff no ``output.weight``; Llama 3
+    RoPE scaling from ``rope_freqs.weight``. ValueError (named): an architecture not supported, a
+    missing required key, partial rotary, K and V head dims differ, RoPE scaling not none/llama3."""
     arch = _value(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture general.architecture={arch!r}; "
@@ -129,11 +126,10 @@ def gguf_hf_config(reader) -> dict:
 
 def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int,
                                  orig: int | None) -> dict | None:
-    """HF ``rope_scaling`` (llama3; None when every multiplier is 1) from llama.cpp's
-    ``rope_freqs`` multipliers f[H/2]: ``orig`` given (else 8192), ``low``/``high`` fitted from
-    the smooth band (``1/f`` linear in ``orig/wavelen``), else Llama 3's (1, 4), checked against
-    Llama 3.1 ``apply_scaling`` (meta-llama/llama-models). ValueError: wrong length, or no llama3
-    parameters reproduce the multipliers."""
+    """HF ``rope_scaling`` (llama3; None if every multiplier is 1) from llama.cpp's ``rope_freqs``
+    f[H/2]: ``orig`` given (else 8192), ``low``/``high`` fitted from the smooth band (``1/f`` linear
+    in ``orig/wavelen``), else Llama 3's (1, 4), checked against Llama 3.1 ``apply_scaling``
+    (meta-llama/llama-models). ValueError: wrong length, or no llama3 parameters fit."""
     if factors.shape != (head_dim // 2,):
         raise ValueError(f"rope_freqs.weight has shape {factors.shape}, expected ({head_dim // 2},)")
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):

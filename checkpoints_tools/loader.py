@@ -1,10 +1,8 @@
 """One entry point for every checkpoint format: `open_checkpoint(path) -> Checkpoint`. Formats
-(`detect_format`): "gguf", a ``*.gguf`` file (`gguf_loader`); "orbax", a directory with
-``jaxinfer_config.json`` (`orbax_io`); "hf", a directory with ``config.json`` and
-``model.safetensors`` or ``model.safetensors.index.json`` + the shards its ``weight_map`` names.
-`hf_tensors` yields HF-named tensors for `checkpoints_tools.mapping`. Heavy imports (JAX,
-transformers, orbax, gguf) happen inside the functions, so a CLI can check its arguments first.
-"""
+(`detect_format`): "gguf", a ``*.gguf`` file (`gguf_loader`); "orbax", a dir with
+``jaxinfer_config.json`` (`orbax_io`); "hf", a dir with ``config.json`` and ``model.safetensors``
+or ``model.safetensors.index.json`` + its ``weight_map`` shards. Heavy imports (JAX, transformers,
+orbax, gguf) are inside the functions, so a CLI can check its arguments first."""
 
 from __future__ import annotations
 
@@ -64,10 +62,9 @@ def read_json(path: str) -> dict:
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
     """An opened checkpoint (`detect_format`'s ``format``). config: HF ``config.json`` layout for
-    "hf" and "gguf" (`gguf_loader.gguf_hf_config`), ``ModelConfig.to_dict()``'s for "orbax".
-    generation_eos_ids: HF ``generation_config.json`` ``eos_token_id`` (() if absent), the GGUF
-    EOS/EOT/EOM ids, or those an Orbax checkpoint stored. reader: a GGUF file's open
-    ``gguf.GGUFReader``, else None."""
+    "hf"/"gguf" (`gguf_loader.gguf_hf_config`), ``ModelConfig.to_dict()``'s for "orbax".
+    generation_eos_ids: HF ``generation_config.json`` ``eos_token_id`` (() if absent), GGUF
+    EOS/EOT/EOM ids, or the stored Orbax ones. reader: a GGUF file's ``GGUFReader``, else None."""
 
     path: str
     format: str
@@ -77,9 +74,8 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """The `Checkpoint` of ``path`` (config and EOS ids; no tensor data). FileNotFoundError: a file
-    it needs is absent (named); ValueError: an unsupported format, an unreadable file, bad JSON or
-    unsupported GGUF metadata."""
+    """The `Checkpoint` of ``path`` (config, EOS ids; no tensors). FileNotFoundError: a needed file
+    (named); ValueError: unsupported format, unreadable file, bad JSON or GGUF metadata."""
     p = os.fspath(path)
     fmt = detect_format(p)
     if fmt == "gguf":
@@ -133,9 +129,8 @@ def load_tokenizer(path: str | os.PathLike, fmt: str | None = None):
 
 
 def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
-    """The sorted safetensors files of an HF directory and the index's ``weight_map`` (None for a
-    single file). FileNotFoundError: no weights file, or an absent shard (named); ValueError: no
-    ``weight_map``."""
+    """Sorted safetensors files of an HF dir and the index's ``weight_map`` (None: single file).
+    FileNotFoundError: no weights file or an absent shard (named); ValueError: no ``weight_map``."""
     root = os.fspath(path)
     index = os.path.join(root, INDEX_FILE)
     single = os.path.join(root, SINGLE_FILE)
@@ -167,9 +162,8 @@ def _read_via_jax(file: str, name: str):
 
 
 def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
-    """``(name, numpy array)`` for every tensor of an HF directory, one shard open at a time.
-    ValueError: a tensor in two shards (both named), or a ``weight_map`` naming a shard that
-    lacks the tensor; FileNotFoundError: `shard_files`."""
+    """``(name, numpy array)`` per tensor of an HF dir, one shard open at a time. ValueError: a
+    tensor in two shards (named) or missing from its ``weight_map`` shard; `shard_files`' errors."""
     from safetensors import safe_open
 
     files, weight_map = shard_files(path)

@@ -1,13 +1,10 @@
 """HF transformers tensor names -> the jaxinfer param tree: ONE explicit table, with shape checks.
 
-Every checkpoint tensor is mapped by `HF_TO_PARAMS` or listed in `IGNORED_HF`; anything else is an
-error, as is a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9). Shapes and
-dtypes come from the caller's abstract tree. Tying is decided from the tensors (CASES.md C9): no
-``lm_head.weight``, or one equal to the embedding -> tied (one copy kept); a differing one ->
-untied (the checkpoint's head used); a UserWarning where the config's ``tie_word_embeddings`` says
-otherwise. HF linear weights ``[out, in]`` become the tree's ``[in, out]`` here, in numpy;
-q/k/v_proj fill the q | k | v parts of ``wqkv``, gate/up_proj those of ``w_gate_up``.
-"""
+Every checkpoint tensor is mapped by `HF_TO_PARAMS` or listed in `IGNORED_HF`; else an error, as is
+a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9); shapes and dtypes from the
+caller's abstract tree. Tying (CASES.md C9): no ``lm_head.weight``, or one equal to the embedding
+-> tied (one copy); a differing one -> untied; UserWarning if ``tie_word_embeddings`` disagrees.
+HF ``[out, in]`` -> tree ``[in, out]`` (numpy); q/k/v_proj fill ``wqkv``, gate/up ``w_gate_up``."""
 
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ import numpy as np
 
 class TensorRule(NamedTuple):
     """One HF tensor -> one param entry (slash-separated tree path), or one ``part`` of a fused
-    entry's output axis; ``{i}`` is the layer index; ``transpose``: ``[out, in]`` -> ``[in, out]``."""
+    entry's output axis; ``{i}``: layer index; ``transpose``: ``[out, in]`` -> ``[in, out]``."""
     hf_name: str
     param: str
     transpose: bool
@@ -64,8 +61,7 @@ def _pattern(template: str) -> re.Pattern:
 
 
 def _spec(abstract: Mapping, param: str) -> tuple[tuple[int, ...], Any]:
-    """(shape, dtype) of tree entry ``param`` (layer 0 for ``{i}``); an ``lm_head`` absent from
-    the tree is the embedding transposed."""
+    """(shape, dtype) of ``param`` (layer 0 for ``{i}``); absent ``lm_head``: embed transposed."""
     if param == "lm_head" and "lm_head" not in abstract:
         return tuple(reversed(abstract["embed"].shape)), abstract["embed"].dtype
     leaf = abstract
@@ -124,14 +120,12 @@ def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cf
 
 def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
                          parts: Mapping) -> dict:
-    """The param tree (jax arrays of each abstract leaf's dtype; ``lm_head`` iff untied) from
-    HF-named ``tensors``: ``{name: array}`` or ``(name, array)`` pairs (anything ``np.asarray``
-    takes; pairs let duplicates across shards be detected). cfg: duck-typed, ``num_layers``,
-    ``architecture``, ``tie_word_embeddings``; abstract: the model's ``jax.ShapeDtypeStruct`` tree
-    (``layers/"0".."L-1"/...``; rules of leaves it lacks do not apply; ``lm_head`` optional);
-    parts: ``{fused param: {part: slice of its last axis}}``. ValueError: an unmapped, duplicate
-    or missing tensor or a wrong shape (all named). UserWarning: tying disagrees with the config.
-    """
+    """The param tree (jax arrays in each abstract leaf's dtype; ``lm_head`` iff untied) from
+    HF-named ``tensors``: ``{name: array}`` or ``(name, array)`` pairs (pairs let duplicates across
+    shards be found). cfg: duck-typed ``num_layers``, ``architecture``, ``tie_word_embeddings``;
+    abstract: the ``jax.ShapeDtypeStruct`` tree (``layers/"0".."L-1"/...``; rules of absent leaves
+    do not apply; ``lm_head`` optional); parts: ``{fused param: {part: slice of its last axis}}``.
+    ValueError: unmapped, duplicate or missing tensor, wrong shape (named). UserWarning: tying."""
     import jax.numpy as jnp
 
     layer0 = abstract["layers"].get("0", {})

@@ -1,8 +1,7 @@
 """Save / restore a converted model as an Orbax checkpoint directory: ``params/`` (orbax
 StandardCheckpointer), ``tokenizer/`` (``save_pretrained``), ``jaxinfer_config.json`` ({"format",
 "version", "model_config", "eos_token_ids", "dtype"}, written last and atomically, so a directory
-holding it is complete). Shapes are checked against the caller's abstract tree.
-"""
+holding it is complete). Shapes are checked against the caller's abstract tree."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ def read_saved_config(src_dir: str | os.PathLike) -> dict:
 
 
 def _shape_mismatches(want, got) -> list[str]:
-    """``"<path>: has <shape>, expected <shape>"`` for each leaf path whose shape differs (None:
-    absent)."""
+    """``"<path>: has <shape>, expected <shape>"`` per leaf whose shape differs (None: absent)."""
     import jax
 
     def flat(tree):
@@ -48,9 +46,8 @@ def _shape_mismatches(want, got) -> list[str]:
 def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract, tokenizer,
          eos_ids: Sequence[int]) -> None:
     """Write a JSON-able ``config``, ``params`` (one dtype, fitting ``abstract``), an HF
-    ``tokenizer`` (or None) and the generation ``eos_ids`` to a new (or empty) ``dst_dir``.
-    FileExistsError: ``dst_dir`` not an empty directory; ValueError: params that do not match
-    ``abstract`` in structure or shapes, or mixed dtypes."""
+    ``tokenizer`` (or None) and the generation ``eos_ids`` to a new or empty ``dst_dir``.
+    FileExistsError: ``dst_dir`` not empty; ValueError: params not fitting ``abstract``, mixed dtypes."""
     import jax
     import numpy as np
     import orbax.checkpoint as ocp

@@ -47,7 +47,7 @@ def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract
          eos_ids: Sequence[int]) -> None:
     """Write a JSON-able ``config``, ``params`` (one dtype, fitting ``abstract``), an HF
     ``tokenizer`` (or None) and the generation ``eos_ids`` to a new or empty ``dst_dir``.
-    FileExistsError: ``dst_dir`` not empty; ValueError: params not fitting ``abstract``, mixed dtypes."""
+    FileExistsError: ``dst_dir`` not empty; ValueError: params misfit ``abstract``, mixed dtypes."""
     import jax
     import numpy as np
     import orbax.checkpoint as ocp

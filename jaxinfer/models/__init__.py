@@ -1,8 +1,6 @@
-"""The models as pure functions of (params, inputs, KV state), by ``cfg.architecture``.
-
-``params``: the plain tree the Flax modules declare (`jaxinfer.models.llama`), in the compute
-dtype; `abstract_params` is the one shape source. `jaxinfer.step` jits around `forward`.
-"""
+"""The models as pure functions of (params, inputs, KV state), by ``cfg.architecture``. ``params``:
+the plain tree the Flax modules declare (`jaxinfer.models.llama`), in the compute dtype;
+`abstract_params` is the one shape source. `jaxinfer.step` jits around `forward`."""
 
 from __future__ import annotations
 
@@ -31,11 +29,11 @@ def _model(cfg, kernels: ModelKernels, dtype):
 def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
             kv: KVCache, *, kernels: ModelKernels = ModelKernels(),
             packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
-    """One step over the paged cache: tokens, positions (RoPE, mask) and slot_mapping (``page *
-    page_size + offset``, padding in the null page) i32[B, T]; ``kv`` block_tables i32[R, M],
-    seq_lens i32[R] (after this write; R = B unless ``packing``: tokens [1, Tp], R chunks);
-    ``cfg``, ``kernels`` static. Returns (hidden [B, T, D] after the final norm, compute dtype;
-    the cache with new pools). Raises ValueError: an architecture with no model."""
+    """One step over the paged cache (``cfg``, ``kernels`` static): tokens, positions (RoPE, mask),
+    slot_mapping (``page * page_size + offset``; padding: null page) i32[B, T]; ``kv``: block_tables
+    i32[R, M], seq_lens i32[R] after this write (R = B unless ``packing``: tokens [1, Tp], R chunks)
+    -> (hidden [B, T, D] after the final norm, compute dtype; cache with new pools). ValueError:
+    an architecture with no model."""
     model = _model(cfg, kernels, params["embed"].dtype)
     return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
 
@@ -54,8 +52,7 @@ def compute_logits(params: dict, cfg, hidden: jax.Array) -> jax.Array:
 
 
 def init_params(cfg, key: jax.Array, dtype) -> dict:
-    """Random params for ``cfg`` in ``dtype``: matrices and the embedding ~ N(0, 0.02) (HF
-    ``initializer_range``), norm weights 1."""
+    """Random params in ``dtype``: matrices, embedding ~ N(0, 0.02) (HF init range), norms 1."""
     model = _model(cfg, ModelKernels(), dtype)
 
     def init(key):
@@ -73,8 +70,7 @@ def abstract_params(cfg, dtype=jnp.bfloat16) -> dict:
 
 
 def check_params(params: dict, cfg) -> None:
-    """Check ``params``' tree and shapes against `abstract_params`. Raises ValueError: a
-    missing or unexpected entry, or a wrong shape (path and both shapes)."""
+    """``params`` vs `abstract_params`; ValueError: a missing/unexpected entry, a bad shape."""
     def walk(exp, got, path):
         if not isinstance(got, Mapping):
             raise ValueError(f"params{path} must be a mapping, got {type(got).__name__}")

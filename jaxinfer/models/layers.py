@@ -1,10 +1,8 @@
-"""Functions and Flax blocks shared by the Llama/Qwen3 family.
-
-Numerics: the compute dtype is the params' dtype; RMSNorm statistics, RoPE and the attention
-softmax run in float32. Weights are ``[in, out]`` (``x @ w``). Sources: HF ``modeling_llama.py``
-(RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``), Zhang & Sennrich 2019
-(RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU).
-"""
+"""Functions and Flax blocks shared by the Llama/Qwen3 family. Numerics: the compute dtype is the
+params' dtype; RMSNorm statistics, RoPE and the attention softmax in f32. Weights ``[in, out]``
+(``x @ w``). Sources: HF ``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE,
+``_compute_llama3_parameters``), Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer
+2020 (SwiGLU)."""
 
 from __future__ import annotations
 
@@ -36,9 +34,8 @@ def in_dtype(w: jax.Array, dtype) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """``weight * (x / sqrt(mean(x^2) + eps))`` over the last axis: x [..., D], weight [D] ->
-    [..., D] in x.dtype. Statistics in float32; the normalized value is cast to x.dtype before
-    the weight multiply (HF ``LlamaRMSNorm`` order)."""
+    """``weight * (x / sqrt(mean(x^2) + eps))``: x [..., D], weight [D] -> [..., D], x.dtype; f32
+    statistics, normalized value cast to x.dtype before the weight multiply (HF LlamaRMSNorm)."""
     xf = x.astype(jnp.float32)
     var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
     normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
@@ -46,10 +43,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 
 def rope_inv_freq(cfg) -> np.ndarray:
-    """RoPE inverse frequencies f32[H/2], ``theta^(-2i/H)``, on the host; with Llama 3 scaling
-    (HF ``_compute_llama3_parameters``): wavelengths longer than ``orig/low_freq_factor`` are
-    divided by ``factor``, shorter than ``orig/high_freq_factor`` kept, the band between
-    interpolated."""
+    """RoPE inverse frequencies f32[H/2], ``theta^(-2i/H)``, on the host; Llama 3 scaling (HF
+    ``_compute_llama3_parameters``): wavelengths > ``orig/low_freq_factor`` divided by ``factor``,
+    < ``orig/high_freq_factor`` kept, the band between interpolated."""
     H = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
     rs = cfg.rope_scaling
@@ -73,9 +69,8 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [B, T, heads, H] in the HF ``rotate_half`` convention (dimension i pairs with
-    i + H/2: ``(x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)``), in float32, returned in x.dtype.
-    cos, sin: f32[B, T, H/2], broadcast over heads."""
+    """HF ``rotate_half`` RoPE of x [B, T, heads, H] (i pairs with i + H/2: ``(x1, x2) -> (x1 cos -
+    x2 sin, x2 cos + x1 sin)``) in f32, returned in x.dtype; cos, sin f32[B, T, H/2] (all heads)."""
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
@@ -85,10 +80,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 class Packing(NamedTuple):
-    """A packed prefill batch: tokens [1, Tp], sequence after sequence, padding at the end.
-    q_index i32[R, Tq]: packed index of KV row r's j-th query token; q_positions i32[R, Tq]: its
-    position; out_index i32[Tp]: ``r * Tq + j`` of each packed token. Source: vLLM's
-    ``query_start_loc``, as two gathers."""
+    """A packed prefill batch: tokens [1, Tp], sequence after sequence, padding at the end. q_index
+    i32[R, Tq]: packed index of KV row r's j-th query; q_positions i32[R, Tq]: its position;
+    out_index i32[Tp]: ``r * Tq + j`` per packed token. Source: vLLM's ``query_start_loc``."""
 
     q_index: jax.Array
     q_positions: jax.Array
@@ -96,9 +90,8 @@ class Packing(NamedTuple):
 
 
 class StepContext(NamedTuple):
-    """Per-step metadata every layer reads: positions i32[B, T], slot_mapping i32[B, T],
-    block_tables i32[R, M], seq_lens i32[R], cos / sin f32[B, T, H/2], packing: `Packing` (then
-    B = 1 and R rows) or None (then R = B)."""
+    """Per-step metadata: positions, slot_mapping i32[B, T], block_tables i32[R, M], seq_lens
+    i32[R], cos/sin f32[B, T, H/2], packing: `Packing` (B = 1, R rows) or None (R = B)."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -162,12 +155,10 @@ class AddRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU, ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D].
-
-    gate and up are one GEMM with ``w_gate_up`` [D, 2F] (`fused_parts`); ``w_down`` [F, D]. With
-    ``down_partials`` > 1 the down projection is split over that many equal parts of F and the
-    output is their float32 partial sums [splits, B, T, D] (for an `AddRMSNorm` to add up).
-    """
+    """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; gate and up
+    are one GEMM with ``w_gate_up`` [D, 2F] (`fused_parts`); ``w_down`` [F, D]. ``down_partials``
+    > 1: F split in that many equal parts, output f32 partial sums [splits, B, T, D] (for
+    `AddRMSNorm`)."""
 
     cfg: Any
     param_dtype: Any = jnp.float32

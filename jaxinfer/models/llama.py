@@ -7,10 +7,8 @@ their layer's scope with `layers.shared`, so a layer's params form one flat dict
     (Qwen3: q_norm [H], k_norm [H]), mlp_norm [D], w_gate_up [D, 2F] (gate | up), w_down [F, D]};
     final_norm [D]; lm_head [D, V] unless tied to ``embed``.
 
-The L layers are unrolled, each with its own arrays (BENCHMARKS.md: "Layer loop"); layer i
-writes the K/V pools at the static index i.
-Sources: Touvron et al. 2023 (Llama 2); Meta 2024 (Llama 3); HF ``modeling_llama.py``.
-"""
+The L layers are unrolled (BENCHMARKS.md: "Layer loop"); layer i writes the K/V pools at static
+index i. Sources: Touvron et al. 2023 (Llama 2); Meta 2024 (Llama 3); HF ``modeling_llama.py``."""
 
 from __future__ import annotations
 
@@ -27,19 +25,17 @@ from jaxinfer.models.layers import (MLP, AddRMSNorm, Packing, StepContext, apply
                                     rope_cos_sin, rope_inv_freq, shared)
 from pallas_kernels.sizes import round_up
 
-# With the add + RMSNorm kernel, decode steps of at least DOWN_PARTIALS_MIN_ROWS rows pass the
-# MLP output on as DOWN_PARTIALS float32 partial sums over parts of F (BENCHMARKS.md: "Down
-# projection partial sums").
+# With the add + RMSNorm kernel, decode steps of >= DOWN_PARTIALS_MIN_ROWS rows pass the MLP
+# output on as DOWN_PARTIALS f32 partial sums (BENCHMARKS.md: "Down projection partial sums").
 DOWN_PARTIALS = 2
 DOWN_PARTIALS_MIN_ROWS = 128
 
 
 class Attention(nn.Module):
-    """x [B, T, D] @ ``wqkv`` -> q/k heads qk [B, T, N + K, H] and v [B, T, K, H] (`fused_parts`)
-    -> per-head RMSNorm (with `qk_norm_weights`) -> RoPE (q and k heads in one op) -> `write_kv`
-    at ``layer`` (a Python int) -> ``kernels.attention`` -> @ ``wo``; the norm, RoPE and K/V
-    write run as ``kernels.qkv_prologue`` when set (`fused_prologue`). Returns (out [B, T, D],
-    k_pool, v_pool)."""
+    """x [B, T, D] @ ``wqkv`` -> qk [B, T, N + K, H], v [B, T, K, H] (`fused_parts`) -> per-head
+    RMSNorm (`qk_norm_weights`) -> RoPE (q and k in one op) -> `write_kv` at ``layer`` (a Python
+    int) -> ``kernels.attention`` -> @ ``wo``; norm, RoPE and K/V write as ``kernels.qkv_prologue``
+    when set (`fused_prologue`). Returns (out [B, T, D], k_pool, v_pool)."""
 
     cfg: Any
     kernels: ModelKernels
@@ -103,10 +99,9 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm layer, ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, each residual add done
-    with the norm after it (`AddRMSNorm`): ``(x [B, T, D], pending, layer, k_pool, v_pool, ctx)
-    -> (x, pending, k_pool, v_pool)`` where ``pending`` is the MLP output not yet added (None
-    into layer 0). With ``kernels.add_rms_norm``, unpacked decode steps of at least
-    `DOWN_PARTIALS_MIN_ROWS` rows return it as `DOWN_PARTIALS` float32 partial sums."""
+    with the next norm (`AddRMSNorm`): ``(x [B, T, D], pending, layer, k_pool, v_pool, ctx) -> (x,
+    pending, k_pool, v_pool)``; ``pending``: the MLP output not yet added (None into layer 0), as
+    f32 partial sums in unpacked decode of >= `DOWN_PARTIALS_MIN_ROWS` rows (module comment)."""
 
     cfg: Any
     kernels: ModelKernels
@@ -152,11 +147,10 @@ class Layers(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Trunk: embed -> `Layers` (named "layers") -> final norm (which adds the last layer's
-    pending MLP output). ``(tokens i32[B, T], positions i32[B, T], slot_mapping i32[B, T], kv:
-    KVCache, packing: Packing | None) -> (hidden [B, T, D] in the params' dtype, KVCache with
-    the pools written)``. ``lm_head`` (untied) is declared here for init; logits:
-    `jaxinfer.models.compute_logits`. Subclasses set ``attention_cls``."""
+    """Trunk: embed -> `Layers` ("layers") -> final norm (adds the last pending MLP output):
+    ``(tokens, positions, slot_mapping i32[B, T], kv: KVCache, packing: Packing | None) -> (hidden
+    [B, T, D] in the params' dtype, KVCache with the pools written)``. ``lm_head`` (untied) is
+    declared for init; logits: `jaxinfer.models.compute_logits`. Subclasses set attention_cls."""
 
     cfg: Any
     kernels: ModelKernels

@@ -1,8 +1,7 @@
 """Qwen3 (dense): the Llama trunk plus a per-head RMSNorm of q and k before RoPE.
 
 Source: Qwen Team 2025, "Qwen3 Technical Report" (QK-Norm); HF ``modeling_qwen3.py`` (``q_norm`` /
-``k_norm`` over the head dim, applied before ``apply_rotary_pos_emb``).
-"""
+``k_norm`` over the head dim, applied before ``apply_rotary_pos_emb``)."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from jaxinfer.models.llama import Attention, LlamaForCausalLM
 
 
 class Qwen3Attention(Attention):
-    """`Attention` with RMSNorm of each query head (weight ``q_norm`` [H]) and key head
-    (``k_norm`` [H])."""
+    """`Attention` plus RMSNorm of each query head (``q_norm`` [H]) and key head (``k_norm``)."""
 
     def qk_norm_weights(self) -> tuple[jax.Array, jax.Array]:
         H, pd = self.cfg.head_dim, self.param_dtype

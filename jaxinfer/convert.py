@@ -1,7 +1,6 @@
 """``python -m jaxinfer.convert SRC DST [--dtype bfloat16|float32]``: an HF safetensors directory
 or a GGUF file -> an Orbax checkpoint directory that ``load_model`` reads without conversion.
-Errors print one line ``error: ...`` on stderr and exit with status 2 (SRC is checked before any
-tensor is read)."""
+Errors: one line ``error: ...`` on stderr, exit status 2 (SRC checked before any tensor is read)."""
 
 from __future__ import annotations
 
@@ -14,10 +13,9 @@ EXIT_USAGE = 2
 
 
 def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
-    """SRC (HF dir or GGUF file) with its tokenizer and generation EOS ids saved as an Orbax
-    checkpoint at DST; on failure DST is removed (left empty if it was). FileNotFoundError: SRC
-    missing; FileExistsError: DST not empty; ValueError: SRC not HF/GGUF, unsupported, bad
-    tensors, or no tokenizer."""
+    """Save SRC (HF dir or GGUF file), its tokenizer and EOS ids as an Orbax checkpoint at DST
+    (removed on failure; left empty if it was). FileNotFoundError: no SRC; FileExistsError: DST
+    not empty; ValueError: SRC not HF/GGUF, unsupported, bad tensors, or no tokenizer."""
     from checkpoints_tools.loader import open_checkpoint
     from jaxinfer.loading import load_model, model_config, save_checkpoint
 

@@ -1,8 +1,7 @@
 """A model from a checkpoint: `load_model(path, dtype) -> LoadedModel`. `checkpoints_tools` reads
 the files and maps tensor names; this module makes the `ModelConfig` and hands the mapping the
 abstract tree of `jaxinfer.models`, the only shape source. EOS ids (CASES.md C4): the union, in
-first-seen order, of the tokenizer's, the checkpoint's generation EOS ids and the config's.
-"""
+first-seen order, of the tokenizer's, the checkpoint's generation EOS ids and the config's."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def model_config(ckpt: Checkpoint) -> ModelConfig:
 
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
-    """The `ModelConfig` of the checkpoint at ``path`` (no tensor data read). FileNotFoundError:
-    ``path`` or its config file is absent; ValueError: unsupported."""
+    """`ModelConfig` at ``path`` (no tensors read). FileNotFoundError: absent; ValueError: unsupported."""
     return model_config(open_checkpoint(path))
 
 
@@ -65,11 +63,10 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
 
 def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
                with_tokenizer: bool = True) -> LoadedModel:
-    """Config, params and tokenizer of a checkpoint (a path, `checkpoints_tools.loader.
-    detect_format`, or an opened `Checkpoint`); ``dtype``: "bfloat16", "float32" or a jnp dtype;
-    ``with_tokenizer=False``: none (token-id prompts only). FileNotFoundError: ``path`` does not
-    exist (named); ValueError: an unsupported format or architecture (before any tokenizer is
-    built), bad tensors, or no tokenizer."""
+    """Config, params and tokenizer of a checkpoint (a path, see `detect_format`, or an opened
+    `Checkpoint`); ``dtype``: "bfloat16", "float32" or a jnp dtype; ``with_tokenizer=False``: none
+    (token-id prompts only). FileNotFoundError: no ``path`` (named); ValueError: unsupported format
+    or architecture (before any tokenizer is built), bad tensors, or no tokenizer."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = model_config(ckpt)
     tokenizer = load_tokenizer(ckpt.path, ckpt.format) if with_tokenizer else None

@@ -38,7 +38,7 @@ def model_config(ckpt: Checkpoint) -> ModelConfig:
 
 
 def read_model_config(path: str | os.PathLike) -> ModelConfig:
-    """`ModelConfig` at ``path`` (no tensors read). FileNotFoundError: absent; ValueError: unsupported."""
+    """`ModelConfig` at ``path`` (no tensors read); FileNotFoundError if absent, or ValueError."""
     return model_config(open_checkpoint(path))
 
 

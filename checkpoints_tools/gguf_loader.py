@@ -175,9 +175,8 @@ def gguf_name_to_hf(name: str, num_layers: int) -> str | None:
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's ``LlamaModel.permute`` of q_proj/k_proj rows, [n_heads*H, D] -> same shape
-    (``n_heads``: N for q, K for k). llama.cpp interleaves each head's half-split rows,
-    ``reshape(n, 2, H/2, D).swapaxes(1, 2)``; the inverse swaps ``reshape(n, H/2, 2, D)``."""
+    """Undo llama.cpp's ``LlamaModel.permute`` (``reshape(n, 2, H/2, D).swapaxes(1, 2)``) of q/k
+    rows [n_heads*H, D] (``n_heads``: N or K) by swapping ``reshape(n, H/2, 2, D)``; same shape."""
     rows = w.shape[0]
     if rows % (2 * n_heads):
         raise ValueError(f"cannot un-permute a tensor of {rows} rows into {n_heads} heads of even size")
@@ -186,9 +185,8 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def gguf_hf_tensors(reader, hf_config: Mapping[str, Any],
                     out_dtype=np.float32) -> dict[str, np.ndarray]:
-    """Every weight dequantised, by HF name, HF ``[out, in]``, Q/K permutation undone, cast one by
-    one to ``out_dtype``. ValueError: an unknown name, an unsupported quantisation type, a shape
-    that disagrees with the header, or two GGUF tensors mapping to one HF name."""
+    """Every weight by HF name, dequantised, ``[out, in]``, Q/K unpermuted, cast singly to
+    ``out_dtype``. ValueError: unknown name or quant type, shape != header, two for one HF name."""
     import gguf
 
     arch = hf_config["model_type"]

@@ -91,9 +91,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
-    """``(HF name, numpy array)`` pairs of an "hf" or "gguf" checkpoint, HF ``[out, in]``;
-    ``out_dtype`` (GGUF only) casts each tensor as it is dequantised. ValueError: an Orbax
-    checkpoint, or the reader's errors (`iter_tensors`, `gguf_loader.gguf_hf_tensors`)."""
+    """``(HF name, numpy array [out, in])`` of an "hf"/"gguf" checkpoint; ``out_dtype``: GGUF cast.
+    ValueError: an Orbax checkpoint, or `iter_tensors` / `gguf_loader.gguf_hf_tensors` errors."""
     if ckpt.format == "gguf":
         return gguf_loader.gguf_hf_tensors(ckpt.reader, ckpt.config, out_dtype or "float32")
     if ckpt.format == "hf":
@@ -102,9 +101,8 @@ def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
 
 
 def load_tokenizer(path: str | os.PathLike, fmt: str | None = None):
-    """The HF ``AutoTokenizer`` (offline) of an HF dir, a GGUF file (``gguf_file=``) or an Orbax
-    dir's ``tokenizer/``; ``fmt``: the format if known. FileNotFoundError: ``path`` does not
-    exist; ValueError: not a supported format, or no tokenizer could be loaded from it."""
+    """Offline HF ``AutoTokenizer`` of an HF dir, GGUF file or Orbax ``tokenizer/``; ``fmt`` if
+    known. FileNotFoundError: no ``path``; ValueError: unsupported format, or no tokenizer."""
     from transformers import AutoTokenizer
 
     p = os.fspath(path)

@@ -76,9 +76,8 @@ def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract
 
 
 def restore(src_dir: str | os.PathLike, abstract):
-    """The params `save` wrote, as jax arrays on ``jax.devices()[0]`` in ``abstract``'s shapes and
-    dtypes (others cast). FileNotFoundError: no ``params/``; ValueError: stored arrays that do not
-    fit ``abstract`` (every differing, missing or extra path named)."""
+    """`save`'s params as jax arrays on ``jax.devices()[0]`` in ``abstract``'s shapes and dtypes
+    (cast). FileNotFoundError: no ``params/``; ValueError: misfit to ``abstract`` (paths named)."""
     import jax
     import orbax.checkpoint as ocp
 

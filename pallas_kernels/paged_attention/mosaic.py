@@ -390,7 +390,6 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
                     soft_cap=soft_cap, sliding_window=sliding_window)
     pages = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, R * C - M)))  # pad: null page
     pages = pages.reshape(B, R, C)
-    # Lengths past the table would read past it: clamp (such input is invalid anyway).
     lens = jnp.clip(seq_lens.astype(jnp.int32), 0, M * page_size)
     header = jnp.zeros((B, 1, C), jnp.int32).at[:, 0, 0].set(lens)
     table = jnp.concatenate([header, pages], axis=1)

@@ -1,10 +1,9 @@
 """Read a llama.cpp GGUF file (Llama or Qwen3) as an HF config dict (`gguf_hf_config`) and HF
 tensors (`gguf_hf_tensors`: dequantised to f32, renamed by the ONE table `GGUF_TO_HF`, llama.cpp's
 Q/K row permutation undone where applied; GGUF dims are innermost-first, so ``dequantize`` gives
-HF's ``[out, in]``). Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` of
-q/k_proj for ``llama``, not ``qwen3``; ``generate_extra_tensors``: Llama 3 RoPE factors as
-``rope_freqs``), ``gguf-py/gguf/constants.py`` (names), HF ``modeling_gguf_pytorch_utils.py``
-(reverse permute)."""
+HF's ``[out, in]``). Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` of q/k
+for ``llama``, not ``qwen3``; ``generate_extra_tensors``: Llama 3 RoPE factors in ``rope_freqs``),
+``gguf-py/gguf/constants.py`` (names), HF ``modeling_gguf_pytorch_utils.py`` (reverse permute)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def open_gguf(path: str | os.PathLike):
-    """``gguf.GGUFReader`` of ``path`` (memory-mapped, read-only). FileNotFoundError: not a file;
-    ValueError: not a readable GGUF file."""
+    """Read-only ``GGUFReader`` of ``path``. FileNotFoundError: no file; ValueError: not GGUF."""
     import gguf
 
     path = os.fspath(path)

@@ -32,8 +32,7 @@ def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_map
     """One step over the paged cache (``cfg``, ``kernels`` static): tokens, positions (RoPE, mask),
     slot_mapping (``page * page_size + offset``; padding: null page) i32[B, T]; ``kv``: block_tables
     i32[R, M], seq_lens i32[R] after this write (R = B unless ``packing``: tokens [1, Tp], R chunks)
-    -> (hidden [B, T, D] after the final norm, compute dtype; cache with new pools). ValueError:
-    an architecture with no model."""
+    -> (hidden [B, T, D] after the final norm, compute dtype; new cache); ValueError: no model."""
     model = _model(cfg, kernels, params["embed"].dtype)
     return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
 

@@ -126,10 +126,9 @@ def shared(parent: nn.Module, child: nn.Module) -> nn.Module:
 
 
 class AddRMSNorm(nn.Module):
-    """Residual add + RMSNorm with the weight [D] named ``param_name``: ``(x [B, T, D], delta
-    [B, T, D] | None) -> (x + delta, rms_norm(x + delta))`` in x.dtype (no add for None).
-    ``delta`` may be float32 partial sums [splits, B, T, D]: their sum in x.dtype is added.
-    ``kernel``: None (jnp ops) or `ModelKernels.add_rms_norm` over [S, D] rows (one launch)."""
+    """Residual add + RMSNorm, weight [D] named ``param_name``: ``(x [B, T, D], delta [B, T, D] |
+    None) -> (x + delta, rms_norm(x + delta))`` in x.dtype; ``delta`` may be f32 partial sums
+    [splits, B, T, D] (their x.dtype sum added). ``kernel``: None or `ModelKernels.add_rms_norm`."""
 
     param_name: str
     eps: float

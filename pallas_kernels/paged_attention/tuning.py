@@ -67,9 +67,8 @@ def choose_k_splits(batch: int, num_kv_heads: int, num_blocks: int, min_programs
 def resolve(variant: str, *, B: int, K: int, G: int, M: int, page_size: int, head_dim: int, dtype,
             interpret: bool, pages_per_block: int | None = None, num_warps: int | None = None,
             num_stages: int | None = None, k_splits: int | None = None) -> dict:
-    """{"pages_per_block", "num_warps", "num_stages", "k_splits"} of one call: explicit arguments
-    win over the table; `k_splits` None: `choose_k_splits`; a table `pages_per_block` is capped at
-    the power of 2 covering M pages (kept >= 16 keys per block, the MMA minimum)."""
+    """{"pages_per_block", "num_warps", "num_stages", "k_splits"} of one call (explicit ones win);
+    k_splits None: `choose_k_splits`; table pages_per_block <= next_pow2(M), >= 16 keys (MMA)."""
     t = lookup(variant, device_kind="interpret" if interpret else jax.devices()[0].device_kind,
                page_size=page_size, head_dim=head_dim, group=G, dtype=dtype)
     ppb = pages_per_block if pages_per_block is not None else max(

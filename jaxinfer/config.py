@@ -235,7 +235,8 @@ class KernelConfig:
         return "; ".join(
             f"{alias.get(f.name, f.name)}="
             + ("|".join(choices[f.name]) if f.name in choices else "sizes joined by ':'"
-               if f.name in _BUCKETS else "none|ROWS") + f" (default {f.default or 'auto'})"
+               if f.name in _BUCKETS else "none|ROWS")
+            + (f" (default {f.default})" if f.default != () else " (default empty: engine's)")
             for f in dataclasses.fields(cls))
 
 

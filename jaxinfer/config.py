@@ -271,6 +271,8 @@ class EngineConfig:
     compilation_cache_dir: str | None = _user(None, "JAX persistent compilation cache (process-"
                                               "wide): a later run with the same DIR loads the "
                                               "compiled steps", metavar="DIR")
+    enable_prefix_caching: bool = _user(True, "reuse the KV pages of prompt prefixes already "
+                                        "computed (full pages, chained hashes, LRU eviction)")
     kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:
@@ -286,7 +288,8 @@ class EngineConfig:
             ("dtype", (None, "float32", "bfloat16").__contains__,
              "allowed: None, 'float32', 'bfloat16'"),
             ("seed", lambda v: isinstance(v, int) and not isinstance(v, bool), "must be an integer"),
-            ("async_scheduling", lambda v: isinstance(v, bool), "must be True or False"),
+            *((n, lambda v: isinstance(v, bool), "must be True or False")
+              for n in ("async_scheduling", "enable_prefix_caching")),
             ("compilation_cache_dir", _optional(lambda v: isinstance(v, (str, os.PathLike))),
              "must be None or a path")))
         object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))

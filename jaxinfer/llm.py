@@ -217,9 +217,9 @@ class LLM:
                             self.engine.sequence(rid), sent[i])) is not None:
                         ids, delta, sent[i] = d
                         stream(i, ids, delta)
-                for s in finished:
-                    i = index_of[s.request_id]
-                    outputs[i] = self.engine.pop_output(s.request_id, texts[i])
+                for rid in finished:
+                    i = index_of[rid]
+                    outputs[i] = self.engine.pop_output(rid, texts[i])
                     bar.update(1)
         except BaseException:
             self.engine.abort_all()

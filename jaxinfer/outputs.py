@@ -22,15 +22,33 @@ class RequestMetrics:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability under the raw model distribution (vLLM's ``Logprob``); rank:
+    1 = the likeliest token; decoded_token: its text (None without a tokenizer)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: {token id: Logprob}, the chosen token and the top k (vLLM's ``SampleLogprobs``).
+PositionLogprobs = dict[int, Logprob]
+
+
+@dataclass(frozen=True)
 class CompletionOutput:
-    """``finish_reason``: "stop", "length" or "error" (see ``RequestOutput.error``);
-    ``stop_reason``: the stop string or token id (EOS: None), left out of ``text``."""
+    """Sample ``index`` of a request. ``finish_reason``: "stop", "length", "abort" or "error"
+    (see ``RequestOutput.error``); ``stop_reason``: the stop string or token id (EOS: None), left
+    out of ``text`` unless ``include_stop_str_in_output``; ``logprobs``: one dict per token and
+    ``cumulative_logprob`` their sum (None: not asked)."""
 
     index: int
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str | None
     stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+    logprobs: list[PositionLogprobs] | None = None
 
 
 @dataclass(frozen=True)
@@ -44,6 +62,8 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = field(default=None)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # first position: None
+    num_cached_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -98,13 +118,32 @@ class OutputProcessor:
             return None
         return ids[n_done:], text[len(text_done):], (len(ids), text)
 
-    def request_output(self, seq, prompt: str | None) -> RequestOutput:
+    def _logprobs(self, entries) -> list[PositionLogprobs | None] | None:
+        """``{id: (logprob, rank)}`` records as `Logprob` dicts (None entries kept)."""
+        if entries is None:
+            return None
+        text = (lambda t: self.detokenize([t])) if self.detokenize is not None else (lambda t: None)
+        return [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
+                for e in entries]
+
+    def completion(self, seq) -> CompletionOutput:
         ids = seq.output_token_ids
         stop_reason = ids[-1] if seq.ended_on_stop_token else seq.stop_string
-        comp = CompletionOutput(index=0, text=self.visible_text(seq), token_ids=tuple(ids),
-                                finish_reason=seq.finish_reason, stop_reason=stop_reason)
-        return RequestOutput(request_id=seq.request_id, prompt=prompt,
-                             prompt_token_ids=tuple(seq.prompt_token_ids), outputs=[comp],
-                             finished=seq.is_finished, metrics=RequestMetrics(
-                                 seq.arrival_time, seq.first_token_time, seq.finish_time,
-                                 seq.num_preemptions))
+        return CompletionOutput(index=seq.index, text=self.visible_text(seq), token_ids=tuple(ids),
+                                finish_reason=seq.finish_reason, stop_reason=stop_reason,
+                                cumulative_logprob=seq.cumulative_logprob,
+                                logprobs=self._logprobs(seq.logprobs))
+
+    def request_output(self, seqs, prompt: str | None) -> RequestOutput:
+        """The `RequestOutput` of a request's samples ``seqs`` (index order)."""
+        first = seqs[0]
+        return RequestOutput(
+            request_id=first.parent_id, prompt=prompt, prompt_token_ids=tuple(first.prompt_token_ids),
+            outputs=[self.completion(s) for s in seqs], finished=all(s.is_finished for s in seqs),
+            metrics=RequestMetrics(first.arrival_time,
+                                   min((s.first_token_time for s in seqs if s.first_token_time),
+                                       default=None),
+                                   max((s.finish_time for s in seqs if s.finish_time), default=None),
+                                   sum(s.num_preemptions for s in seqs)),
+            prompt_logprobs=self._logprobs(first.prompt_logprobs),
+            num_cached_tokens=first.num_cached_tokens)

@@ -7,6 +7,7 @@ import numbers
 from dataclasses import dataclass
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (argmax; vLLM's _SAMPLING_EPS)
+MAX_LOGPROBS = 20  # most top log-probabilities per position (vLLM's default max_logprobs)
 
 
 def _int(v) -> bool:
@@ -25,49 +26,81 @@ _RULES = (  # field, valid(value), what is allowed, normalise
     ("min_p", _real(lambda p: 0.0 <= p <= 1.0), "must be in [0, 1]", float),
     ("repetition_penalty", _real(lambda r: 0.0 < r < math.inf),
      "must be a finite number > 0 (1 = off)", float),
-    ("top_k", lambda k: _int(k) and (k == -1 or k >= 1), "must be -1 (off) or an integer >= 1", int),
+    ("presence_penalty", _real(lambda x: -2.0 <= x <= 2.0), "must be in [-2, 2] (0 = off)", float),
+    ("frequency_penalty", _real(lambda x: -2.0 <= x <= 2.0), "must be in [-2, 2] (0 = off)",
+     float),
+    ("top_k", lambda k: _int(k) and k >= -1, "must be -1 or 0 (off) or an integer >= 1",
+     lambda k: int(k) if k > 0 else -1),
     ("seed", lambda s: s is None or _int(s) and -2 ** 63 <= s < 2 ** 63,
      "must be None or an integer in [-2**63, 2**63 - 1]", lambda s: s if s is None else int(s)),
-    ("max_tokens", lambda m: _int(m) and m >= 1, "must be an integer >= 1", int),
-    ("stop", lambda s: isinstance(s, str) and s or isinstance(s, (list, tuple)) and all(
+    ("max_tokens", lambda m: m is None or _int(m) and m >= 1,
+     "must be None (up to max_model_len) or an integer >= 1", lambda m: m if m is None else int(m)),
+    ("min_tokens", lambda m: _int(m) and m >= 0, "must be an integer >= 0", int),
+    ("stop", lambda s: s is None or isinstance(s, str) and s or isinstance(s, (list, tuple)) and all(
         isinstance(x, str) and x for x in s),
-     "must be a non-empty string or a list/tuple of non-empty strings",
-     lambda s: (s,) if isinstance(s, str) else tuple(s)),
+     "must be None, a non-empty string or a list/tuple of non-empty strings",
+     lambda s: () if s is None else (s,) if isinstance(s, str) else tuple(s)),
     ("stop_token_ids", lambda ids: isinstance(ids, (list, tuple)) and all(
         _int(t) and t >= 0 for t in ids), "must be a list/tuple of integers >= 0",
      lambda ids: tuple(int(t) for t in ids)),
-    ("n", lambda n: _int(n) and n == 1, "only n=1 is supported (parallel sampling is not "
-     "implemented; submit the prompt n times with different seeds)", int),
+    ("n", lambda n: _int(n) and n >= 1, "must be an integer >= 1", int),
+    ("logit_bias", lambda b: b is None or isinstance(b, dict) and all(
+        _token_key(t) and _real(math.isfinite)(x) for t, x in b.items()),
+     "must be None or a dict {token id (int >= 0, or its decimal string): finite number}",
+     lambda b: {int(t): min(100.0, max(-100.0, float(x))) for t, x in (b or {}).items()}),
+    *((name, lambda k: k is None or _int(k) and 0 <= k <= MAX_LOGPROBS,
+       f"must be None or an integer in [0, {MAX_LOGPROBS}]", lambda k: k if k is None else int(k))
+      for name in ("logprobs", "prompt_logprobs")),
     *((name, lambda b: isinstance(b, bool), "must be a bool", bool)
-      for name in ("ignore_eos", "skip_special_tokens")),
+      for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                   "include_stop_str_in_output")),
 )
+
+
+def _token_key(t) -> bool:
+    return _int(t) and t >= 0 or isinstance(t, str) and t.isdecimal()
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next tokens of one request (vLLM's names and defaults). temperature: >= 0;
-    below `GREEDY_EPS` greedy. top_p: nucleus mass in (0, 1], 1 = off (the likeliest token is
-    kept). top_k: -1 = off, else >= 1. min_p: keep tokens of probability >= min_p x the top one;
-    [0, 1], 0 = off. repetition_penalty: > 0, 1 = off; divides the positive and multiplies the
-    negative logits of token ids in the prompt or output (HF / vLLM). seed: int64 or None (the
-    engine draws one); a seeded request's tokens do not depend on its batch. max_tokens: >= 1.
-    stop: strings that end generation, left out of the text (str or list; stored as a tuple).
-    stop_token_ids: ids that end generation (finish "stop"), even with ``ignore_eos``.
-    ignore_eos: generate past EOS. skip_special_tokens: when decoding. n: only 1. Raises
-    ValueError naming the field, the value and what is allowed."""
+    """How to pick the next tokens of one request (vLLM's names, defaults and definitions).
+    temperature: >= 0; below `GREEDY_EPS` greedy. top_p: nucleus mass in (0, 1], 1 = off (the
+    likeliest token is kept). top_k: 0 or -1 = off (stored as -1), else >= 1. min_p: keep tokens
+    of probability >= min_p x the top one; 0 = off. repetition_penalty: > 0, 1 = off; divides the
+    positive and multiplies the negative logits of ids in the prompt or output (HF / vLLM).
+    presence_penalty / frequency_penalty: in [-2, 2]; subtract ``presence x [count > 0] +
+    frequency x count``, counts over the output tokens (OpenAI / vLLM). seed: int64 or None (the
+    engine draws one); a seeded request's tokens do not depend on its batch. max_tokens: >= 1, or
+    None: up to max_model_len. min_tokens: EOS and ``stop_token_ids`` are masked until this many
+    tokens (<= max_tokens). stop: strings that end generation (str, list or None; stored as a
+    tuple), left out of the text unless ``include_stop_str_in_output``. stop_token_ids: ids that
+    end generation (finish "stop"), even with ``ignore_eos``. ignore_eos: generate past EOS.
+    skip_special_tokens, spaces_between_special_tokens: detokenisation (HF's meanings). n: samples
+    of the prompt, sample i seeded by (seed, i). logit_bias: {token id: bias} added to the logits,
+    clipped to [-100, 100]. logprobs / prompt_logprobs: None, or k in [0, `MAX_LOGPROBS`]: the
+    chosen (prompt) token's log-probability and the top k, of the raw model distribution.
+    Raises ValueError naming the field, the value and what is allowed."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int | None = 16
+    min_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     n: int = 1
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         for name, ok, allowed, norm in _RULES:
@@ -75,6 +108,19 @@ class SamplingParams:
             if not ok(v):
                 raise ValueError(f"SamplingParams.{name}={v!r} is invalid: {allowed}")
             object.__setattr__(self, name, norm(v))
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} is invalid: must be <= "
+                             f"max_tokens={self.max_tokens}")
+
+    def __hash__(self) -> int:  # logit_bias is a dict
+        return hash(tuple(tuple(sorted(v.items())) if k == "logit_bias" else v
+                          for k, v in self.__dict__.items()))
+
+    @property
+    def needs_history(self) -> bool:
+        """A penalty reads the row's previous tokens (the step waits for the last one)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
 
     @property
     def greedy(self) -> bool:

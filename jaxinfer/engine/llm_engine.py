@@ -27,6 +27,14 @@ from jaxinfer.step import StepExecutor, enable_compilation_cache
 from jaxinfer.step_input import ShapeKey
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded ``seed`` (index 0: ``seed`` itself)."""
+    if index == 0:
+        return seed
+    state = np.random.SeedSequence([seed % 2**64, index]).generate_state(2, np.uint32)
+    return int(state[0]) | int(state[1] & 0x7FFFFFFF) << 32
+
+
 class LLMEngine:
     """Engine over ``params`` (compute dtype) and ``resolved`` (`jaxinfer.config.resolve`);
     ``detokenize``: ids -> str (None: no text). Raises ValueError: params of wrong shapes, a pool
@@ -56,7 +64,7 @@ class LLMEngine:
         self.loop = StepLoop(self.scheduler, self._launch, self._complete,
                              async_scheduling=ec.async_scheduling, stats=self.stats)
         self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
-        self._seqs: dict[str, Sequence] = {}
+        self._groups: dict[str, list[Sequence]] = {}  # request id -> its samples
         dtype_bytes = jnp.dtype(resolved.dtype).itemsize  # snapshots while `trace_memory` is set
         self.memory = memory.MemoryTracker(
             models.param_bytes(model_config, dtype_bytes),
@@ -99,40 +107,62 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
-        """`check_request`, then queue it; returns its id."""
+        """`check_request`, then queue its ``params.n`` samples (sample i seeded by (seed, i));
+        returns the request id. Raises ValueError: as `check_request`, or a duplicate id."""
         self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
+        if rid in self._groups:
+            raise ValueError(f"request_id={rid!r} is invalid: a request with this id is in the "
+                             "engine")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
-        seq = Sequence(request_id=rid, prompt_token_ids=[int(t) for t in prompt_token_ids],
-                       params=params, seed=seed)
-        self.scheduler.add(seq)  # raises ValueError before queueing
-        self._seqs[rid] = seq
+        ids = [int(t) for t in prompt_token_ids]
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        seqs = [Sequence(request_id=rid if params.n == 1 else f"{i}_{rid}", prompt_token_ids=ids,
+                         params=params, seed=sample_seed(seed, i), index=i, parent_id=rid,
+                         max_tokens=max_tokens) for i in range(params.n)]
+        for i, seq in enumerate(seqs):
+            try:
+                self.scheduler.add(seq)  # raises ValueError before queueing
+            except ValueError:
+                for s in seqs[:i]:
+                    self.scheduler.abort(s.request_id)
+                raise
+        self._groups[rid] = seqs
         return rid
 
     def has_unfinished(self) -> bool:
         return self.loop.has_unfinished()
 
     def abort_request(self, rid: str) -> None:
-        self.scheduler.abort(rid)
-        self._seqs.pop(rid, None)
+        """Abort request ``rid`` (all its samples) and forget it; unknown ids are ignored."""
+        for s in self._groups.pop(rid, ()):
+            self.scheduler.abort(s.request_id)
 
     def abort_all(self) -> None:
         """Abort every unfinished request; reallocate pools an interrupted step took."""
         self.scheduler.abort_all()
-        self._seqs.clear()
+        self._groups.clear()
         self.loop.in_flight = None
         if self.kv.k.is_deleted() or self.kv.v.is_deleted():
             self.kv = self._new_kv()
 
+    def sequences(self, rid: str) -> list[Sequence]:
+        """Request ``rid``'s samples, index order. Raises KeyError: no such request."""
+        return self._groups[rid]
+
     def sequence(self, rid: str) -> Sequence:
-        return self._seqs[rid]
+        """Sample 0 of request ``rid``."""
+        return self._groups[rid][0]
 
     def pop_output(self, rid: str, prompt: str | None = None) -> RequestOutput:
-        """The `RequestOutput` of a finished request (removed from the engine)."""
-        return self.outputs.request_output(self._seqs.pop(rid), prompt)
+        """The `RequestOutput` of request ``rid`` (removed from the engine)."""
+        return self.outputs.request_output(self._groups.pop(rid), prompt)
 
-    def step(self) -> list[Sequence]:
-        return self.loop.step()
+    def step(self) -> list[str]:
+        """Run one step; the ids of the requests whose every sample finished in it."""
+        done = dict.fromkeys(s.parent_id for s in self.loop.step())
+        return [rid for rid in done
+                if rid in self._groups and all(s.is_finished for s in self._groups[rid])]
 
     def _launch(self, batch: ScheduledBatch, prev: Launched | None):
         """`StepLoop`'s launch: build, transfer, dispatch (no wait)."""

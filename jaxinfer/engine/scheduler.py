@@ -97,10 +97,14 @@ class Scheduler:
 
     def check_admissible(self, n_prompt: int, params) -> None:
         """Raise ValueError unless ``1 <= n_prompt`` and ``n_prompt + max_tokens`` fits
-        ``max_model_len`` and the whole pool."""
-        max_tokens, tokens = params.max_tokens, f"{n_prompt} token{'s' if n_prompt != 1 else ''}"
+        ``max_model_len`` and the whole pool (max_tokens None: one token must fit)."""
+        tokens = f"{n_prompt} token{'s' if n_prompt != 1 else ''}"
         if n_prompt == 0:
             raise ValueError("prompt has 0 tokens; at least 1 required")
+        if params.max_tokens is None and n_prompt >= self.max_model_len:
+            raise ValueError(f"prompt has {tokens}, max_model_len={self.max_model_len}: no room "
+                             "for an output token (rule: prompt tokens < max_model_len)")
+        max_tokens = params.max_tokens or 1
         if n_prompt + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt has {tokens} and max_tokens={max_tokens}: prompt + max_tokens = "
@@ -198,7 +202,7 @@ class Scheduler:
         ending, queue, scheduled, deferred = [], deque(), [], []
         for s in self.running:  # ends on its pending tokens (length)
             p = s.num_pending_tokens
-            (ending if p > 0 and (s.num_output_tokens + p >= s.params.max_tokens
+            (ending if p > 0 and (s.num_output_tokens + p >= s.max_tokens
                                   or s.num_tokens + p >= self.max_model_len) else queue).append(s)
         while queue:
             seq = queue.popleft()
@@ -263,7 +267,7 @@ class Scheduler:
             p = seq.params
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
                 self._finish(seq, "stop", now)
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
                 self._finish(seq, "length", now)
             else:
                 continue

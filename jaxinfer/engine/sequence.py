@@ -19,8 +19,13 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """A request (compared by identity). num_computed_tokens: K/V written or being written;
-    num_pending_tokens: sampled, not read back (0-2); times: ``time.perf_counter()`` seconds."""
+    """One sample of a request (compared by identity; a request of ``n`` samples has n, ``index``
+    0..n-1, sharing ``parent_id``). max_tokens: resolved (None in params: up to max_model_len).
+    num_computed_tokens: K/V written or being written; num_cached_tokens: prompt tokens found in
+    the prefix cache at admission; num_pending_tokens: sampled, not read back (0-2);
+    block_hashes: chained hashes of the full pages; logprobs: per output token {id: (logprob,
+    rank)} (None: not asked); prompt_logprobs: per prompt position (the first None);
+    times: ``time.perf_counter()`` seconds."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -37,6 +42,14 @@ class Sequence:
     finish_time: float | None = field(default=None, kw_only=True)
     num_preemptions: int = field(default=0, kw_only=True)
     stop_string: str | None = field(default=None, kw_only=True)
+    index: int = field(default=0, kw_only=True)
+    parent_id: str | None = field(default=None, kw_only=True)
+    max_tokens: int | None = field(default=None, kw_only=True)
+    num_cached_tokens: int = field(default=0, kw_only=True)
+    block_hashes: list = field(default_factory=list, kw_only=True)
+    logprobs: list | None = field(default=None, kw_only=True)
+    prompt_logprobs: list | None = field(default=None, kw_only=True)
+    cumulative_logprob: float | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -44,6 +57,16 @@ class Sequence:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         self.output_token_ids = [int(t) for t in self.output_token_ids]
         self.seed = int(self.seed)
+        if self.parent_id is None:
+            self.parent_id = self.request_id
+        if self.max_tokens is None:
+            if self.params.max_tokens is None:
+                raise ValueError("Sequence.max_tokens is needed when params.max_tokens is None")
+            self.max_tokens = self.params.max_tokens
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs, self.cumulative_logprob = [], 0.0
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -46,10 +46,10 @@ def test_request_output_text_and_stop_reason():
     out = OutputProcessor(detok)
     s = _seq("hi!", stop_token_ids=[ord("!")])
     s.status, s.finish_reason = SequenceStatus.FINISHED, "stop"
-    o = out.request_output(s, "p").outputs[0]
+    o = out.request_output([s], "p").outputs[0]
     assert (o.text, o.stop_reason, o.token_ids[-1]) == ("hi", ord("!"), ord("!"))
     s = _seq("hi. more", stop=["."])
     s.stop_string, s.status, s.finish_reason = ".", SequenceStatus.FINISHED, "stop"
-    o = out.request_output(s, None).outputs[0]
+    o = out.request_output([s], None).outputs[0]
     assert (o.text, o.stop_reason, o.finish_reason) == ("hi", ".", "stop")
-    assert OutputProcessor(None).request_output(s, None).text == ""
+    assert OutputProcessor(None).request_output([s], None).text == ""

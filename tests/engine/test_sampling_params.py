@@ -27,7 +27,7 @@ def test_greedy_threshold(t, greedy):
     ("temperature", -0.1, ">= 0"), ("temperature", math.nan, ">= 0"), ("temperature", math.inf, ">= 0"),
     ("top_p", 0, "(0, 1]"), ("top_p", 0.0, "(0, 1]"), ("top_p", -0.5, "(0, 1]"), ("top_p", 1.01, "(0, 1]"),
     ("top_p", math.nan, "(0, 1]"),
-    ("top_k", 0, "-1 (off) or an integer >= 1"), ("top_k", -2, ">= 1"), ("top_k", 2.5, ">= 1"),
+    ("top_k", -2, ">= 1"), ("top_k", 2.5, ">= 1"),
     ("top_k", True, ">= 1"),
     ("min_p", -0.01, "[0, 1]"), ("min_p", 1.5, "[0, 1]"),
     ("repetition_penalty", 0.0, "> 0"), ("repetition_penalty", -1.3, "> 0"),
@@ -36,7 +36,10 @@ def test_greedy_threshold(t, greedy):
     ("stop", "", "non-empty"), ("stop", ["ok", ""], "non-empty"), ("stop", [3], "non-empty"),
     ("stop_token_ids", [1, -2], ">= 0"), ("stop_token_ids", 5, ">= 0"),
     ("ignore_eos", 1, "bool"), ("skip_special_tokens", "yes", "bool"),
-    ("n", 2, "only n=1 is supported"), ("n", 0, "only n=1"),
+    ("n", 0, ">= 1"), ("min_tokens", -1, ">= 0"), ("presence_penalty", 2.5, "[-2, 2]"),
+        ("frequency_penalty", -3, "[-2, 2]"), ("logprobs", 21, "[0, 20]"),
+        ("prompt_logprobs", -1, "[0, 20]"), ("logit_bias", {"a": 1.0}, "token id"),
+        ("logit_bias", {5: float("inf")}, "finite"), ("include_stop_str_in_output", 1, "bool"),
 ])
 def test_invalid_values_name_field_value_and_range(field, value, allowed):
     with pytest.raises(ValueError) as e:

@@ -242,3 +242,8 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in convs]
         return self.generate(prompts, sampling_params, **kw)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix page (`LLMEngine.reset_prefix_cache`): True, or False (no
+        change) while a request holds pages."""
+        return self.engine.reset_prefix_cache()

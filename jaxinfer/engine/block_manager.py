@@ -1,10 +1,19 @@
-"""KV page allocator (host side, no JAX): the pool pages a sequence owns, lowest free id first;
-`NULL_PAGE` is never handed out. Source: nano-vllm / vLLM's block manager, no prefix caching."""
+"""KV page allocator (host side, no JAX): reference-counted pages, lowest free id first;
+`NULL_PAGE` is never handed out. Prefix caching follows vLLM V1 (v1/core/block_pool.py,
+kv_cache_utils.py): a full page is keyed by a chained hash of (parent hash, its token ids)
+(blake2b-128; a hit also compares the page's token tuple exactly); a page whose last reference is
+dropped keeps its hash (evictable; least recently freed evicted first, a sequence's tail pages
+before its head); allocation takes never-cached free pages first, then evicts."""
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
+from collections import OrderedDict
 from typing import TYPE_CHECKING
+
+from jaxinfer.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from jaxinfer.engine.sequence import Sequence
@@ -13,27 +22,41 @@ NULL_PAGE = 0  # the reserved page padding points at (the one definition)
 
 
 class BlockManager:
-    """Free list of pages ``1 .. num_pages - 1``. Raises ValueError: ``num_pages`` not an
-    integer >= 2, ``page_size`` not >= 1."""
+    """Pages ``1 .. num_pages - 1``, each free, cached and unreferenced (evictable), or held by
+    sequences (``owner``: the first holder). ``stats``: counts prefix-cache queried/hit tokens.
+    Raises ValueError: ``num_pages`` not an integer >= 2, ``page_size`` not >= 1."""
 
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = False,
+                 stats: EngineStats | None = None) -> None:
         for name, v, lo, why in (("num_pages", num_pages, 2, " (page 0 is the reserved null page)"),
                                  ("page_size", page_size, 1, "")):
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"BlockManager.{name}={v!r} is invalid: must be an integer "
                                  f">= {lo}{why}")
         self.num_pages, self.page_size = num_pages, page_size
-        self._free: list[int] = list(range(1, num_pages))  # a min-heap (ascending list)
-        self._owner: list[Sequence | None] = [None] * num_pages
+        self.enable_prefix_caching = bool(enable_prefix_caching)
+        self.stats = stats if stats is not None else EngineStats()
+        self._free: list[int] = list(range(1, num_pages))  # uncached; a min-heap (ascending list)
+        self._holders: list[list[Sequence]] = [[] for _ in range(num_pages)]
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
+        self._key: list[tuple[bytes, tuple] | None] = [None] * num_pages  # (hash, tokens) if cached
+        self._cached: dict[bytes, int] = {}        # hash -> page
+        self._pending: dict[bytes, Sequence] = {}  # hash -> admitted sequence computing it
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        """Pages an allocation may take: free plus evictable."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_usable_pages(self) -> int:
         """All but the null page."""
         return self.num_pages - 1
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages with a published hash (referenced or not)."""
+        return len(self._cached)
 
     def pages_needed(self, num_tokens: int) -> int:
         if num_tokens < 0:
@@ -43,32 +66,53 @@ class BlockManager:
     def num_missing_pages(self, seq: Sequence, num_tokens: int) -> int:
         return max(0, self.pages_needed(num_tokens) - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.num_missing_pages(seq, num_tokens) <= len(self._free)
+    def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
+        """Whether `allocate` (sharing ``hits`` first) succeeds."""
+        taken = sum(not self._holders[p] for p in hits)  # evictable hits leave the free count
+        return (self.num_missing_pages(seq, num_tokens) - len(hits)
+                <= self.num_free_pages - taken)
 
-    def allocate(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Extend ``seq.block_table`` to ``[0, num_tokens)``; the new pages. Raises RuntimeError
-        (nothing allocated): not enough free pages."""
-        missing = self.num_missing_pages(seq, num_tokens)
-        if missing > len(self._free):
+    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> list[int]:
+        """Share the cached pages ``hits`` (from `match_prefix`, ``seq`` holding none), then extend
+        ``seq.block_table`` to ``[0, num_tokens)``; the new pages. Raises RuntimeError (nothing
+        allocated): not enough free pages, or hits given to a sequence holding pages."""
+        if hits and seq.block_table:
+            raise RuntimeError(f"BlockManager.allocate: request {seq.request_id!r} holds pages; "
+                               "prefix hits are shared only at admission")
+        if not self.can_allocate(seq, num_tokens, hits):
             raise RuntimeError(
-                f"BlockManager.allocate: request {seq.request_id!r} needs {missing} more pages for "
-                f"{num_tokens} tokens but only {len(self._free)} are free")
-        new = [heapq.heappop(self._free) for _ in range(missing)]
+                f"BlockManager.allocate: request {seq.request_id!r} needs "
+                f"{self.num_missing_pages(seq, num_tokens) - len(hits)} more pages for "
+                f"{num_tokens} tokens but only {self.num_free_pages} are free")
+        for page in hits:
+            if not self._holders[page]:
+                del self._evictable[page]
+            self._holders[page].append(seq)
+        seq.block_table.extend(hits)
+        new = [self._take_page() for _ in range(self.num_missing_pages(seq, num_tokens))]
         for page in new:
-            self._owner[page] = seq
+            self._holders[page].append(seq)
         seq.block_table.extend(new)
         return new
 
+    def _take_page(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        page, _ = self._evictable.popitem(last=False)  # evict the least recently freed
+        del self._cached[self._key[page][0]]
+        self._key[page] = None
+        return page
+
     def free(self, seq: Sequence) -> None:
-        """Free ``seq``'s pages. Raises RuntimeError (nothing freed): no pages (double free), or a
-        page it does not own (null, free, another's, twice)."""
+        """Drop ``seq``'s references (tail first) and its pending hashes. Raises RuntimeError
+        (nothing freed): no pages (double free), or a page it does not hold (null, free,
+        another's, twice)."""
         if not seq.block_table:
             raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} holds no pages "
                                "(double free?)")
         for page in seq.block_table:
-            if not 0 <= page < self.num_pages or self._owner[page] is not seq:
-                owner = self._owner[page] if 0 <= page < self.num_pages else None
+            if not 0 <= page < self.num_pages or not any(s is seq for s in self._holders[page]):
+                owner = self.owner(page) if 0 <= page < self.num_pages else None
                 what = ("the null page" if page == NULL_PAGE else
                         "out of range" if not 0 <= page < self.num_pages else
                         "free" if owner is None else f"owned by request {owner.request_id!r}")
@@ -77,10 +121,103 @@ class BlockManager:
         if len(set(seq.block_table)) != len(seq.block_table):
             raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} lists a page twice: "
                                f"{seq.block_table}")
-        for page in seq.block_table:
-            self._owner[page] = None
-            heapq.heappush(self._free, page)
+        for page in reversed(seq.block_table):
+            holders = self._holders[page]
+            del holders[next(i for i, s in enumerate(holders) if s is seq)]
+            if not holders:
+                if self._key[page] is not None:
+                    self._evictable[page] = None
+                else:
+                    heapq.heappush(self._free, page)
+        for h in seq.block_hashes:
+            if self._pending.get(h) is seq:
+                del self._pending[h]
         seq.block_table.clear()
 
     def owner(self, page: int) -> Sequence | None:
-        return self._owner[page]
+        """The first sequence holding ``page`` (None: free or evictable)."""
+        holders = self._holders[page]
+        return holders[0] if holders else None
+
+    def ref_count(self, page: int) -> int:
+        return len(self._holders[page])
+
+    # ---- prefix caching -------------------------------------------------------------------
+
+    def page_hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
+        """``seq.block_hashes`` extended to its first ``num_pages`` full pages (tokens so far)."""
+        hashes, P = seq.block_hashes, self.page_size
+        if len(hashes) < num_pages:
+            ids = seq.all_token_ids
+            for i in range(len(hashes), num_pages):
+                hashes.append(_chain(hashes[i - 1] if i else b"", ids[i * P:(i + 1) * P]))
+        return hashes
+
+    def match_prefix(self, seq: Sequence, max_pages: int) -> tuple[list[int], bool]:
+        """(cached pages equal to ``seq``'s leading full pages, at most ``max_pages``; whether the
+        next page, if below ``max_pages``, is being computed by an admitted sequence)."""
+        hashes = self.page_hashes(seq, max_pages)
+        ids, P, hits = seq.all_token_ids, self.page_size, []
+        for i, h in enumerate(hashes[:max_pages]):
+            page = self._cached.get(h)
+            if page is None or self._key[page][1] != tuple(ids[i * P:(i + 1) * P]):
+                return hits, h in self._pending
+            hits.append(page)
+        return hits, False
+
+    def mark_pending(self, seq: Sequence, first: int) -> None:
+        """``seq`` (just admitted) computes its full pages ``first ..``: pending until published."""
+        for h in self.page_hashes(seq, seq.num_tokens // self.page_size)[first:]:
+            self._pending.setdefault(h, seq)
+
+    def publish(self, seq: Sequence, lo: int, hi: int) -> None:
+        """Publish ``seq``'s pages ``lo .. hi-1`` (full, K/V written by a completed step); a hash
+        already cached keeps its page and ``seq``'s copy stays private."""
+        hashes, ids, P = self.page_hashes(seq, hi), seq.all_token_ids, self.page_size
+        for i in range(lo, hi):
+            page, h = seq.block_table[i], hashes[i]
+            if self._pending.get(h) is seq:
+                del self._pending[h]
+            if self._key[page] is None and h not in self._cached:
+                self._cached[h], self._key[page] = page, (h, tuple(ids[i * P:(i + 1) * P]))
+
+    def record_lookup(self, num_queried: int, num_hit: int) -> None:
+        self.stats.prefix_cache_queries += num_queried
+        self.stats.prefix_cache_hits += num_hit
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached hash (evictable pages become free); False (no change) while any page
+        is held, as vLLM's ``reset_prefix_cache``."""
+        if any(self._holders):
+            return False
+        for page in self._evictable:
+            self._key[page] = None
+            heapq.heappush(self._free, page)
+        self._evictable.clear()
+        self._cached.clear()
+        self._pending.clear()
+        return True
+
+    def check(self) -> dict[str, int]:
+        """{"free", "cached", "used"} page counts (cached: evictable, unreferenced), adding up to
+        `num_usable_pages`. Raises RuntimeError: a page in two states or none, a bad hash table."""
+        used = {p for p in range(self.num_pages) if self._holders[p]}
+        free, cached = set(self._free), set(self._evictable)
+        errors = []
+        if len(free) != len(self._free) or free & cached or (free | cached) & used:
+            errors.append("a page is in two states")
+        if free | cached | used != set(range(1, self.num_pages)):
+            errors.append("the states do not cover pages 1..P-1 exactly")
+        if any(self._key[p] is not None for p in free) or any(self._key[p] is None for p in cached):
+            errors.append("a free page has a hash or an evictable page has none")
+        if {p: k[0] for p, k in enumerate(self._key) if k} != {p: h for h, p in self._cached.items()}:
+            errors.append("the hash table and the pages' hashes differ")
+        if errors:
+            raise RuntimeError(f"BlockManager.check: {'; '.join(errors)} (free={sorted(free)}, "
+                               f"cached={sorted(cached)}, used={sorted(used)})")
+        return {"free": len(free), "cached": len(cached), "used": len(used)}
+
+
+def _chain(parent: bytes, tokens) -> bytes:
+    """The hash of a full page: blake2b-128 of (parent page's hash, its token ids as int64)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()

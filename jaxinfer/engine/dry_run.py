@@ -22,8 +22,10 @@ def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingPa
     stops: set[int] = set()
     for i, (ids, params) in enumerate(requests):
         stops.update(params.stop_token_ids)
-        scheduler.add(Sequence(request_id=f"dry-{i}", prompt_token_ids=list(ids), params=params,
-                               seed=i))
+        max_tokens = params.max_tokens or scheduler.max_model_len - len(ids)
+        for j in range(params.n):  # as `LLMEngine.add_request`: n samples
+            scheduler.add(Sequence(request_id=f"dry-{i}-{j}", prompt_token_ids=list(ids),
+                                   params=params, seed=i, index=j, max_tokens=max_tokens))
     token = next(t for t in range(len(stops) + 1) if t not in stops)  # ends no request
     steps: list[tuple[ScheduledBatch, HostBatch]] = []
 

@@ -53,7 +53,7 @@ class LLMEngine:
         dev_stats = jax.local_devices()[0].memory_stats() if resolved.platform == "gpu" else None
         self.num_pages = memory.engine_pool_pages(resolved, dev_stats)
         self.kv: KVCache = self._new_kv()
-        self.block_manager = BlockManager(self.num_pages, ec.page_size)
+        self.block_manager = self._block_manager(self.stats)
         self.scheduler = self._scheduler(self.block_manager, self.eos_token_ids)
         self.buckets = BucketSpec.build(
             max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
@@ -70,6 +70,10 @@ class LLMEngine:
             models.param_bytes(model_config, dtype_bytes),
             model_config.kv_bytes_per_token(dtype_bytes) * ec.page_size, self.num_pages)
         self.trace_memory = False
+
+    def _block_manager(self, stats: EngineStats | None = None) -> BlockManager:
+        return BlockManager(self.num_pages, self.page_size, stats=stats,
+                            enable_prefix_caching=self.resolved.engine.enable_prefix_caching)
 
     def _scheduler(self, bm: BlockManager, eos_token_ids=()) -> Scheduler:
         ec = self.resolved.engine
@@ -145,6 +149,12 @@ class LLMEngine:
         self.loop.in_flight = None
         if self.kv.k.is_deleted() or self.kv.v.is_deleted():
             self.kv = self._new_kv()
+            self.block_manager.reset_prefix_cache()  # the cached pages' K/V is gone
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix page (vLLM's ``reset_prefix_cache``): True, or False (no
+        change) while a request holds pages."""
+        return self.block_manager.reset_prefix_cache()
 
     def sequences(self, rid: str) -> list[Sequence]:
         """Request ``rid``'s samples, index order. Raises KeyError: no such request."""
@@ -210,7 +220,7 @@ class LLMEngine:
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
         """The `ShapeKey`s ``requests`` visit on an idle engine, in first-visit order. Raises
         ValueError: a request the scheduler rejects."""
-        sched = self._scheduler(BlockManager(self.num_pages, self.page_size))
+        sched = self._scheduler(self._block_manager())
         steps = dry_run(sched, requests, buckets=self.buckets, async_scheduling=self.async_scheduling)
         return list(dict.fromkeys(hb.key for _, hb in steps))
 

@@ -2,8 +2,12 @@
 ``postprocess(batch, sampled)``, at most two batches in flight; sampled tokens are pending until
 read back. Prefill first (the partial prefill, then FIFO admission within ``max_num_seqs``, the
 token budget and free pages; one partial chunk, last; rows x longest chunk <= twice the budget),
-else a decode batch, a missing page preempting the newest admitted (recompute). Sources:
-nano-vllm ``Scheduler``; vLLM v1 chunked prefill and asynchronous scheduling (SARATHI).
+else a decode batch, a missing page preempting the newest admitted (recompute). With prefix
+caching, admission shares the cached full pages of the tokens (at most (tokens - 1) // page_size,
+none for ``prompt_logprobs``), a sequence whose next page an admitted one is computing waits in
+place (so n samples hold their prompt once), and `postprocess` publishes the pages a step filled.
+Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill, prefix caching and asynchronous
+scheduling (SARATHI).
 """
 
 from __future__ import annotations
@@ -159,20 +163,34 @@ class Scheduler:
         bm = self.block_manager
         seqs, nums, budget = [], [], self.max_num_batched_tokens
 
-        def take(seq: Sequence) -> bool:
+        def take(seq: Sequence) -> bool | None:  # None: deferred (its next page is pending)
             nonlocal budget
             if seq.num_pending_tokens:  # preempted with a token still in flight: next step
                 return False
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            hits, admit = [], seq.num_computed_tokens == 0
+            lookup = admit and bm.enable_prefix_caching and seq.params.prompt_logprobs is None
+            if lookup:  # never a shared page written: the last token is always computed
+                hits, pending = bm.match_prefix(seq, (seq.num_tokens - 1) // self.page_size)
+                if pending:
+                    return None
+            start = seq.num_computed_tokens + len(hits) * self.page_size
+            n = min(seq.num_tokens - start, budget)
             # attention pads every row to the longest chunk: rows x longest <= twice the budget
             if seqs:
                 cap = 2 * self.max_num_batched_tokens // (len(seqs) + 1)  # longest row allowed
                 if max(nums) > cap:
                     return False
                 n = min(n, cap)
-            if not bm.can_allocate(seq, seq.num_computed_tokens + n):
+            if not bm.can_allocate(seq, start + n, hits):
                 return False
-            bm.allocate(seq, seq.num_computed_tokens + n)
+            bm.allocate(seq, start + n, hits)
+            if lookup:
+                bm.record_lookup(seq.num_tokens, start)
+                if not seq.num_preemptions:
+                    seq.num_cached_tokens = start
+            if admit and bm.enable_prefix_caching:
+                bm.mark_pending(seq, len(hits))
+            seq.num_computed_tokens = start
             seq.status = SequenceStatus.RUNNING
             seqs.append(seq)
             nums.append(n)
@@ -187,11 +205,15 @@ class Scheduler:
         if head is not None and not take(head):
             self.prefilling = head
             return None
-        while (self.waiting and budget > 0 and self.prefilling is None
+        i = 0  # FIFO, but a sequence whose next prompt page is being computed waits in place
+        while (i < len(self.waiting) and budget > 0 and self.prefilling is None
                and self.num_running < self.max_num_seqs):
-            if not take(self.waiting[0]):
+            if (taken := take(self.waiting[i])) is None:
+                i += 1
+            elif not taken:
                 break
-            self.waiting.popleft()
+            else:
+                del self.waiting[i]
         return ScheduledBatch(seqs, nums, is_prefill=True) if seqs else None
 
     def _schedule_decode(self) -> ScheduledBatch | None:
@@ -255,6 +277,11 @@ class Scheduler:
                 raise ValueError(f"postprocess: sampled[{i}]={tok!r} is invalid: expected "
                                  f"{'a token id' if want else 'None (prefill chunk not at the end)'}")
         self._in_flight.popleft()
+        if self.block_manager.enable_prefix_caching:  # pages this step filled: K/V written now
+            P = self.page_size
+            for seq, st, n in zip(batch.seqs, batch.start_positions, batch.num_new_tokens):
+                if seq.status is SequenceStatus.RUNNING:
+                    self.block_manager.publish(seq, st // P, (st + n) // P)
         finished: list[Sequence] = []
         now = time.perf_counter()
         for seq, tok in zip(batch.seqs, sampled):

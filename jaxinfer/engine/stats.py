@@ -22,14 +22,23 @@ class StepRecord(NamedTuple):
 @dataclass
 class EngineStats:
     """num_lazy_compiles: shapes compiled inside a step; num_overlapped_steps: dispatched with
-    the previous in flight; step_log: None, or ``[]`` to collect `StepRecord`s."""
+    the previous in flight; prefix_cache_queries / _hits: tokens of admitted sequences looked up
+    in the prefix cache / found there (vLLM's PrefixCacheStats); step_log: None, or ``[]`` to
+    collect `StepRecord`s."""
 
     num_steps: int = 0
     num_lazy_compiles: int = 0
     num_overlapped_steps: int = 0
     max_kv_len_seen: int = 0
     compiled_shapes: set = field(default_factory=set)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     step_log: list | None = None
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hit tokens / queried tokens (0.0 before any query)."""
+        return self.prefix_cache_hits / max(self.prefix_cache_queries, 1)
 
     @property
     def num_compiles(self) -> int:

@@ -76,53 +76,82 @@ class RequestOutput:
 
 
 class OutputProcessor:
-    """A `Sequence`'s text and outputs with ``detokenize`` (None: "" and no stop strings); a
-    stop string and what follows, and a stop token's text, never appear; EOS text does."""
+    """A `Sequence`'s text and outputs with ``detokenize(ids, skip_special_tokens=...,
+    spaces_between_special_tokens=...)`` (HF ``tokenizer.decode``'s arguments, from the request's
+    `SamplingParams`; None: "" and no stop strings). A stop string and what follows, and a stop
+    token's text, are left out unless ``include_stop_str_in_output``; EOS text follows
+    ``skip_special_tokens``."""
 
-    def __init__(self, detokenize: Callable[[list[int]], str] | None) -> None:
+    def __init__(self, detokenize: Callable[..., str] | None) -> None:
         self.detokenize = detokenize
 
+    def _decode(self, ids, params) -> str:
+        return self.detokenize(list(ids), skip_special_tokens=params.skip_special_tokens,
+                               spaces_between_special_tokens=params.spaces_between_special_tokens)
+
     def find_stop_string(self, seq) -> str | None:
-        """The first-starting stop string in ``seq``'s output text, or None (also on "length")."""
-        stops = seq.params.stop
-        if not stops or self.detokenize is None or (seq.is_finished
-                                                     and seq.finish_reason != "length"):
+        """The first-starting stop string in ``seq``'s output text, or None (also on "length", and
+        up to ``min_tokens`` tokens, as vLLM), checked after each new token: a new match ends in the newest token's text, so the tail
+        decoded holds that text plus at least ``len(stop)`` characters before it (the window of
+        tokens doubles until it does, whatever the characters per token)."""
+        stops, ids = seq.params.stop, seq.output_token_ids
+        if not stops or self.detokenize is None or len(ids) <= seq.params.min_tokens or (
+                seq.is_finished and seq.finish_reason != "length"):
             return None
-        # a new match ends in the last tokens (+8 for tokens decoding to nothing or part of one)
-        tail = self.detokenize(seq.output_token_ids[-(max(map(len, stops)) + 8):])
+        need = max(map(len, stops)) + len(self._decode(ids[-1:], seq.params)) + 2
+        window = need + 8
+        while True:  # leading U+FFFD: a character cut by the window's start
+            tail = self._decode(ids[-window:], seq.params)
+            if window >= len(ids) or len(tail.lstrip("\ufffd")) >= need:
+                break
+            window *= 2
         if not any(stop in tail for stop in stops):
             return None
-        text = self.detokenize(seq.output_token_ids)
-        hit = [stop for stop in stops if stop in text]
-        return min(hit, key=text.find) if hit else None
+        text = self._decode(ids, seq.params)
+        hit = [(at, stop) for stop in stops if (at := self._stop_at(seq, text, stop)) >= 0]
+        return min(hit)[1] if hit else None
+
+    def _stop_at(self, seq, text: str, stop: str) -> int:
+        """Where ``stop`` first ends past the first ``min_tokens`` tokens' text (-1: nowhere)."""
+        m = seq.params.min_tokens
+        start = len(self._decode(seq.output_token_ids[:m], seq.params)) - len(stop) + 1 if m else 0
+        return text.find(stop, max(start, 0))
 
     def visible_text(self, seq) -> str:
         """The output text the rules allow to be shown."""
-        ids = seq.output_token_ids[:-1] if seq.ended_on_stop_token else seq.output_token_ids
-        text = self.detokenize(ids) if self.detokenize is not None else ""  # ^ no stop_string
+        p = seq.params
+        ids = seq.output_token_ids
+        if seq.ended_on_stop_token and not p.include_stop_str_in_output:
+            ids = ids[:-1]
+        text = self._decode(ids, p) if self.detokenize is not None else ""  # no stop_string ^
         if seq.stop_string is not None:
-            text = text[:text.find(seq.stop_string)]
+            end = self._stop_at(seq, text, seq.stop_string)
+            text = text[:end + len(seq.stop_string) if p.include_stop_str_in_output else end]
         return text
 
     def stream_delta(self, seq, sent: tuple[int, str]
                      ) -> tuple[list[int], str, tuple[int, str]] | None:
         """(new ids, new text, new ``sent``) since ``sent`` = (tokens, text); None: nothing new,
-        or running text ends in U+FFFD. Text that could start a stop string is held back."""
+        or the running text ends in U+FFFD (an incomplete character: it may complete a stop
+        string). Text that could start a stop string is held back (vLLM: ``len(stop) - 1``
+        characters, none with ``include_stop_str_in_output``)."""
         (n_done, text_done), ids = sent, seq.output_token_ids
         if len(ids) == n_done:
             return None
-        text = self.visible_text(seq)
-        if seq.params.stop and not seq.is_finished and seq.stop_string is None:
-            text = text[:max(len(text_done), len(text) - max(map(len, seq.params.stop)) + 1)]
+        text, p = self.visible_text(seq), seq.params
         if text.endswith("\ufffd") and not seq.is_finished:
             return None
+        if p.stop and not p.include_stop_str_in_output and not seq.is_finished \
+                and seq.stop_string is None:
+            text = text[:max(len(text_done), len(text) - max(map(len, p.stop)) + 1)]
         return ids[n_done:], text[len(text_done):], (len(ids), text)
 
     def _logprobs(self, entries) -> list[PositionLogprobs | None] | None:
         """``{id: (logprob, rank)}`` records as `Logprob` dicts (None entries kept)."""
         if entries is None:
             return None
-        text = (lambda t: self.detokenize([t])) if self.detokenize is not None else (lambda t: None)
+        text = (lambda t: self.detokenize([t], skip_special_tokens=False)) \
+            if self.detokenize is not None else (lambda t: None)
         return [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
                 for e in entries]
 

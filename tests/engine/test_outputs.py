@@ -1,15 +1,24 @@
 """OutputProcessor (host only): stop-string matching, streamed deltas and RequestOutput text follow
-vLLM's rules with a toy detokenizer (token id t -> chr(t); id 1 decodes to an incomplete
-character until the next token)."""
+vLLM's rules with toy detokenizers: token id t -> chr(t) (id 1 decodes to an incomplete character
+until the next token; id 2 is a special token "<s>"), and a byte-level one (token = one UTF-8
+byte, decoded as Python does with errors="replace"), where a Korean syllable takes 3 tokens and an
+emoji 4."""
+
+import pytest
 
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 from jaxinfer.outputs import OutputProcessor
 from jaxinfer.sampling_params import SamplingParams
 
 
-def detok(ids):
-    text = "".join(chr(t) for t in ids if t != 1)
+def detok(ids, skip_special_tokens=True, spaces_between_special_tokens=True):
+    text = "".join("" if t == 2 and skip_special_tokens else "<s>" if t == 2 else chr(t)
+                   for t in ids if t != 1)
     return text + "\ufffd" if ids and ids[-1] == 1 else text
+
+
+def byte_detok(ids, **_):
+    return bytes(ids).decode("utf-8", errors="replace")
 
 
 def _seq(text, **params):
@@ -53,3 +62,59 @@ def test_request_output_text_and_stop_reason():
     o = out.request_output([s], None).outputs[0]
     assert (o.text, o.stop_reason, o.finish_reason) == ("hi", ".", "stop")
     assert OutputProcessor(None).request_output([s], None).text == ""
+
+
+def _generate(out, ids, **params):
+    """Feed ``ids`` one token at a time as the engine does (`LLMEngine._complete`: stop-string
+    check after each token) and stream; (final text, streamed text, stop_string)."""
+    seq = Sequence("r", [65], SamplingParams(max_tokens=len(ids), **params), seed=0)
+    sent, streamed = (0, ""), ""
+    for t in ids:
+        seq.output_token_ids.append(t)
+        if (stop := out.find_stop_string(seq)) is not None:
+            seq.stop_string, seq.status, seq.finish_reason = stop, SequenceStatus.FINISHED, "stop"
+        if (d := out.stream_delta(seq, sent)) is not None:
+            _ids, delta, sent = d
+            streamed += delta
+        if seq.is_finished:
+            break
+    return out.visible_text(seq), streamed, seq.stop_string
+
+
+@pytest.mark.parametrize("before, stop, after", [
+    ("Hi ", "안녕하세요", " more"),           # 5 characters, 15 tokens > len(stop) + 8
+    ("x", "😀" * 6, "y"),                      # 6 characters, 24 tokens
+    ("가나다라마바사아자차카타파하", "하", "끝"),  # a short stop after many multi-token characters
+])
+def test_stop_string_of_many_tokens_per_character_matches(before, stop, after):
+    out = OutputProcessor(byte_detok)
+    ids = list((before + stop + after).encode())
+    text, streamed, hit = _generate(out, ids, stop=[stop])
+    assert hit == stop and text == before.split(stop)[0] and streamed == text
+    text, streamed, hit = _generate(out, ids, stop=[stop], include_stop_str_in_output=True)
+    assert hit == stop and text == streamed == before.split(stop)[0] + stop
+
+
+@pytest.mark.parametrize("text, stop", [("hello X😀 tail", "X😀"), ("ab 안녕 cd", "b 안"),
+                                        ("one 😀😀 two", "😀😀")])
+def test_stream_never_sends_text_the_final_text_drops(text, stop):
+    """The stop string's last character arrives as several tokens: while it is incomplete, the
+    text before it (a possible start of the stop string) is not streamed."""
+    final, streamed, hit = _generate(OutputProcessor(byte_detok), list(text.encode()), stop=[stop])
+    assert hit == stop and final == text[:text.find(stop)] and streamed == final
+
+
+def test_include_stop_str_and_special_tokens_per_request():
+    out = OutputProcessor(detok)
+    s = _seq("hi. more", stop=["."], include_stop_str_in_output=True)
+    s.stop_string, s.status, s.finish_reason = ".", SequenceStatus.FINISHED, "stop"
+    assert out.request_output([s], None).outputs[0].text == "hi."
+    s = _seq("hi!", stop_token_ids=[ord("!")], include_stop_str_in_output=True)
+    s.status, s.finish_reason = SequenceStatus.FINISHED, "stop"
+    assert out.request_output([s], None).outputs[0].text == "hi!"
+    s = Sequence("r", [65], SamplingParams(max_tokens=5, skip_special_tokens=False), seed=0,
+                 output_token_ids=[2, ord("a")])
+    assert out.visible_text(s) == "<s>a"
+    s.params = SamplingParams(max_tokens=5)
+    assert out.visible_text(s) == "a"
+    assert _generate(out, [ord(c) for c in "ab. cd."], stop=["."], min_tokens=4)[0] == "ab. cd"

@@ -100,22 +100,27 @@ def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
     raise ValueError(f"{ckpt.path!r} is an Orbax checkpoint: it holds a param tree, not HF tensors")
 
 
-def load_tokenizer(path: str | os.PathLike, fmt: str | None = None):
-    """Offline HF ``AutoTokenizer`` of an HF dir, GGUF file or Orbax ``tokenizer/``; ``fmt`` if
-    known. FileNotFoundError: no ``path``; ValueError: unsupported format, or no tokenizer."""
-    from transformers import AutoTokenizer
+def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = None):
+    """Offline HF tokenizer of an HF dir, GGUF file or Orbax ``tokenizer/`` (``path`` or an opened
+    `Checkpoint`); ``fmt`` if known. A GGUF's is built from its tokenizer metadata alone (the fast
+    tokenizer class, not ``AutoTokenizer``, which parses the whole file again for a config).
+    FileNotFoundError: no ``path``; ValueError: unsupported format, or no tokenizer."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    if isinstance(path, Checkpoint):
+        path, fmt = path.path, path.format
     p = os.fspath(path)
     fmt = fmt or detect_format(p)
+    load = AutoTokenizer.from_pretrained
     if fmt == "gguf":
         d, name = os.path.split(os.path.abspath(p))
-        args, kw = (d,), {"gguf_file": name}
+        args, kw, load = (d,), {"gguf_file": name}, PreTrainedTokenizerFast.from_pretrained
     elif fmt == "orbax":
         args, kw = (os.path.join(p, orbax_io.TOKENIZER_DIR),), {}
     else:
         args, kw = (p,), {}
     try:
-        return AutoTokenizer.from_pretrained(*args, local_files_only=True, **kw)
+        return load(*args, local_files_only=True, **kw)
     except ImportError as e:  # transformers' GGUF reader imports torch
         raise ValueError(f"cannot load the tokenizer of {fmt} model {p!r}: {e}; transformers needs "
                          "PyTorch for GGUF tokenizers: pip install 'jaxinfer[gguf]' (or convert the "

@@ -245,6 +245,10 @@ def _user(default, help: str, **cli):
     return dataclasses.field(default=default, metadata=dict(help=help, **cli))
 
 
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def _optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or ok(v)
 
@@ -259,12 +263,16 @@ class EngineConfig:
     page_size: int = _user(16, "tokens per KV page, a power of 2")
     num_pages: int | None = _user(None, "KV pool size in pages, null page 0 included; default: "
                                   "sized from free device memory (memory.engine_pool_pages)")
-    memory_fraction: float = _user(0.9, "fraction of device memory for weights + KV pool")
+    memory_fraction: float = _user(0.9, "fraction of device memory JAX's allocator may use, for "
+                                   "weights + KV pool")
+    gpu_memory_utilization: float | None = _user(
+        None, "fraction of the whole GPU for weights + KV pool (vLLM's meaning; replaces "
+        "memory_fraction; memory.engine_pool_pages)")
     max_num_seqs: int = _user(64, "most sequences in one step")
     max_num_batched_tokens: int = _user(2048, "most prompt tokens in one prefill step (longer "
                                         "prompts are chunked)")
-    dtype: str | None = _user(None, "compute and KV dtype; default: bfloat16 on GPU, float32 "
-                              "elsewhere", choices=["float32", "bfloat16"])
+    dtype: str | None = _user(None, "compute and KV dtype; default and 'auto': bfloat16 on GPU, "
+                              "float32 elsewhere", choices=["auto", "float32", "bfloat16"])
     seed: int = _user(0, "base seed of unseeded requests")
     async_scheduling: bool = _user(True, "dispatch step n+1 before reading back step n's tokens "
                                    "(same outputs either way)")
@@ -273,25 +281,40 @@ class EngineConfig:
                                               "compiled steps", metavar="DIR")
     enable_prefix_caching: bool = _user(True, "reuse the KV pages of prompt prefixes already "
                                         "computed (full pages, chained hashes, LRU eviction)")
+    kv_cache_dtype: str = _user("auto", "KV cache dtype; 'auto': the compute dtype (the only "
+                                "choice)", choices=["auto"])
+    tensor_parallel_size: int = _user(1, "GPUs to shard over (1 only)")
+    enforce_eager: bool = _user(False, "accepted for vLLM compatibility; no effect (steps are "
+                                "always compiled)")
     kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:
-        positive = "must be a positive integer"
-        _check(self, (("max_model_len", _optional(_positive_int), positive),
+        positive, fraction = "must be a positive integer", "must be a number in (0, 1]"
+        _check(self, (*((f.name, _optional(_number) if "None" in f.type else _number,
+                         f"must be {'None or ' * ('None' in f.type)}a number")
+                        for f in dataclasses.fields(self) if f.type.startswith("float")),
+            ("max_model_len", _optional(_positive_int), positive),
             ("page_size", _positive_int, positive),
             ("page_size", is_pow2, "must be a power of two (8, 16, 32, 64, ...)"),
             ("num_pages", _optional(lambda v: _positive_int(v) and v >= 2),
              "must be an integer >= 2 (page 0 is the null page)"),
-            ("memory_fraction", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]"),
+            ("memory_fraction", lambda v: 0.0 < v <= 1.0, fraction),
+            ("gpu_memory_utilization", _optional(lambda v: 0.0 < v <= 1.0), fraction),
             ("max_num_seqs", _positive_int, positive),
             ("max_num_batched_tokens", _positive_int, positive),
-            ("dtype", (None, "float32", "bfloat16").__contains__,
-             "allowed: None, 'float32', 'bfloat16'"),
+            ("dtype", (None, "auto", "float32", "bfloat16").__contains__,
+             "allowed: None or 'auto' (bfloat16 on GPU, else float32), 'float32', 'bfloat16'"),
             ("seed", lambda v: isinstance(v, int) and not isinstance(v, bool), "must be an integer"),
             *((n, lambda v: isinstance(v, bool), "must be True or False")
-              for n in ("async_scheduling", "enable_prefix_caching")),
+              for n in ("async_scheduling", "enable_prefix_caching", "enforce_eager")),
             ("compilation_cache_dir", _optional(lambda v: isinstance(v, (str, os.PathLike))),
-             "must be None or a path")))
+             "must be None or a path"),
+            ("kv_cache_dtype", "auto".__eq__, "allowed: 'auto' (the compute dtype; FP8 KV is not "
+             "supported yet)"),
+            ("tensor_parallel_size", lambda v: v == 1 and not isinstance(v, bool),
+             "only 1 is supported (one device; multi-GPU is not implemented yet)")))
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", None)
         object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
         for name, limit in zip(_BUCKETS, ("max_num_seqs", "max_num_batched_tokens")):
             b = getattr(self.kernels, name)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, Sequence as Seq
 
 import jax
 import numpy as np
 
-from jaxinfer import loading
+from checkpoints_tools.loader import open_checkpoint
+from jaxinfer import loading, memory
 from jaxinfer.config import EngineConfig, ModelConfig, check_platform, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import CompletionOutput, RequestOutput
@@ -23,6 +25,20 @@ def _engine_config(engine_args: dict) -> EngineConfig:
     if unknown := sorted(set(engine_args) - set(allowed)):
         raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {allowed}")
     return EngineConfig(**engine_args)
+
+
+def _claim_gpu_memory(utilization: float) -> None:
+    """vLLM's ``gpu_memory_utilization``: let JAX's GPU allocator take that fraction of the card
+    (``XLA_PYTHON_CLIENT_MEM_FRACTION``) when the variable is unset and no JAX backend has
+    started yet; else `memory.card_bytes_usable` checks what the allocator got."""
+    from jax._src import xla_bridge  # JAX 0.10-0.11 has no public "backends started" test
+
+    if memory.XLA_MEM_FRACTION_ENV not in os.environ and not xla_bridge.backends_are_initialized():
+        os.environ[memory.XLA_MEM_FRACTION_ENV] = str(utilization)
+
+
+def _is_ids_array(x) -> bool:
+    return isinstance(x, np.ndarray) and x.ndim == 1 and np.issubdtype(x.dtype, np.integer)
 
 
 def _token_ids(ids, what: str) -> list[int]:
@@ -46,8 +62,9 @@ def _normalize(prompts, sampling_params: _Params) -> tuple[list, list[SamplingPa
     if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
         raise ValueError(f"prompts must be a str, a list of token ids, a dict, or a list of "
                          f"these; got {type(prompts).__name__}")
-    single = isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
-                                                  and all(isinstance(t, (int, np.integer)) for t in prompts))
+    single = isinstance(prompts, (str, dict)) or _is_ids_array(prompts) or (
+        isinstance(prompts, (list, tuple)) and prompts
+        and all(isinstance(t, (int, np.integer)) for t in prompts))
     plist = [prompts] if single else list(prompts)
     sp = SamplingParams() if sampling_params is None else sampling_params
     if isinstance(sp, SamplingParams):
@@ -65,21 +82,30 @@ def _normalize(prompts, sampling_params: _Params) -> tuple[list, list[SamplingPa
 
 class LLM:
     """A model served with continuous batching. ``model``: an HF model directory, a GGUF file or
-    an Orbax directory; None: the embedded SmolLM2-135M-Instruct. ``skip_tokenizer_init``: token-id
-    prompts, no output text. ``engine_args``: `EngineConfig` fields. Raises FileNotFoundError: no
-    such model; ValueError: an unsupported architecture, a bad engine argument, GPU kernels
-    without a GPU (before the checkpoint is read)."""
+    an Orbax directory; None: the embedded SmolLM2-135M-Instruct. ``tokenizer``: an HF tokenizer
+    directory (or GGUF file) to use instead of the model's. ``skip_tokenizer_init``: token-id
+    prompts, no output text. ``engine_args``: `EngineConfig` fields (vLLM's names where vLLM has
+    them: dtype, seed, gpu_memory_utilization, enable_prefix_caching, kv_cache_dtype,
+    tensor_parallel_size, enforce_eager, max_model_len, max_num_seqs, ...). Raises
+    FileNotFoundError: no such model or tokenizer; ValueError: an unsupported architecture, an
+    unknown or bad engine argument, GPU kernels without a GPU (before the checkpoint is read)."""
 
-    def __init__(self, model: str | None = None, *, skip_tokenizer_init: bool = False,
-                 **engine_args):
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
+                 skip_tokenizer_init: bool = False, **engine_args):
         from checkpoints_tools.default_model import default_model_path
 
-        ec, platform = _engine_config(engine_args), jax.default_backend()
+        ec = _engine_config(engine_args)
+        if ec.gpu_memory_utilization is not None:
+            _claim_gpu_memory(ec.gpu_memory_utilization)
+        platform = jax.default_backend()
         check_platform(ec.kernels, platform)  # before any file is read
-        path = model if model is not None else default_model_path()
-        resolved = resolve(loading.read_model_config(path), ec, platform)
-        loaded = loading.load_model(path, resolved.dtype, with_tokenizer=not skip_tokenizer_init)
-        self.model_path, self.tokenizer = path, loaded.tokenizer
+        if tokenizer is not None and not os.path.exists(tokenizer):
+            raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
+        ckpt = open_checkpoint(model if model is not None else default_model_path())  # once
+        resolved = resolve(loading.model_config(ckpt), ec, platform)
+        loaded = loading.load_model(ckpt, resolved.dtype, with_tokenizer=not skip_tokenizer_init,
+                                    tokenizer=tokenizer)
+        self.model_path, self.tokenizer = ckpt.path, loaded.tokenizer
         self.engine = LLMEngine(loaded.config, loaded.params,
                                 dataclasses.replace(resolved, model=loaded.config),
                                 eos_token_ids=loaded.eos_token_ids,
@@ -99,8 +125,17 @@ class LLM:
                                                         jax.default_backend()))
         return self
 
-    def _detokenize(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def _detokenize(self, ids, skip_special_tokens: bool = True,
+                    spaces_between_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens,
+                                     spaces_between_special_tokens=spaces_between_special_tokens)
+
+    def update_params(self, params) -> None:
+        """Serve new weights in place (`LLMEngine.update_params`): ``params`` has the structure,
+        shapes and dtypes of the served tree (e.g. straight from a trainer); no step is
+        recompiled and the prefix cache is reset. Raises ValueError: a mismatch (the leaf named),
+        or requests in flight."""
+        self.engine.update_params(params)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -143,7 +178,7 @@ class LLM:
             if not isinstance(prompt["prompt"], str):
                 raise ValueError(f"'prompt' must be a str; got {type(prompt['prompt']).__name__}")
             return self._to_ids(prompt["prompt"])
-        if isinstance(prompt, (list, tuple, np.ndarray)):
+        if isinstance(prompt, (list, tuple, np.ndarray)):  # ndarray: 1-D integer only
             return None, _token_ids(prompt, "a token-id prompt")
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got "
                          f"{type(prompt).__name__}")
@@ -154,16 +189,17 @@ class LLM:
         errors: dict[int, str] = {}
         encoded = []
         for i, (p, sp) in enumerate(zip(plist, params)):
+            text = p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None
+            ids = []  # a rejected request keeps what was read of it
             try:
                 text, ids = self._to_ids(p)
                 self.engine.check_request(ids, sp)
                 if sp.stop and self.tokenizer is None:
                     raise ValueError(f"SamplingParams.stop={list(sp.stop)!r} needs detokenized "
                                      "text, but this LLM has no tokenizer; use stop_token_ids")
-                encoded.append((text, ids))
             except ValueError as e:
                 errors[i] = str(e)
-                encoded.append((None, []))
+            encoded.append((text if isinstance(text, str) else None, ids))
         if errors and raise_errors:
             raise ValueError("; ".join(f"request {i}: {m}" for i, m in errors.items()))
         return params, encoded, errors

@@ -62,14 +62,17 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
 
 
 def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
-               with_tokenizer: bool = True) -> LoadedModel:
+               with_tokenizer: bool = True, tokenizer: str | None = None) -> LoadedModel:
     """Config, params and tokenizer of a checkpoint (a path, see `detect_format`, or an opened
-    `Checkpoint`); ``dtype``: "bfloat16", "float32" or a jnp dtype; ``with_tokenizer=False``: none
-    (token-id prompts only). FileNotFoundError: no ``path`` (named); ValueError: unsupported format
-    or architecture (before any tokenizer is built), bad tensors, or no tokenizer."""
+    `Checkpoint`, whose GGUF reader is reused); ``dtype``: "bfloat16", "float32" or a jnp dtype;
+    ``with_tokenizer=False``: none (token-id prompts only); ``tokenizer``: an HF tokenizer dir or
+    GGUF file instead of the checkpoint's. FileNotFoundError: no ``path`` (named); ValueError:
+    unsupported format or architecture (before any tokenizer is built), bad tensors, or no
+    tokenizer."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = model_config(ckpt)
-    tokenizer = load_tokenizer(ckpt.path, ckpt.format) if with_tokenizer else None
+    tokenizer = None if not with_tokenizer else load_tokenizer(ckpt) if tokenizer is None else \
+        load_tokenizer(tokenizer, "gguf" if str(tokenizer).endswith(".gguf") else "hf")
     cfg, params = load_params(ckpt, dtype, cfg)
     groups = ((tokenizer.eos_token_id,) if tokenizer is not None else (),
               ckpt.generation_eos_ids, cfg.eos_token_ids)

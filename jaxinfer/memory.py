@@ -59,9 +59,27 @@ def kv_pool_pages(model: ModelConfig, *, page_size: int, dtype_bytes: int, usabl
     return pages
 
 
+XLA_MEM_FRACTION_ENV, XLA_DEFAULT_MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION", 0.75
+
+
+def card_bytes_usable(utilization: float, bytes_limit: int) -> int:
+    """Bytes for weights + KV pool under vLLM's ``gpu_memory_utilization``: ``utilization`` x
+    the card's bytes (JAX's ``bytes_limit`` / its fraction, `XLA_MEM_FRACTION_ENV`, default
+    0.75), less `default_reserve_bytes` for activations. Raises ValueError: more than
+    ``bytes_limit``, the most JAX's allocator may use."""
+    card = bytes_limit / float(os.environ.get(XLA_MEM_FRACTION_ENV, XLA_DEFAULT_MEM_FRACTION))
+    if utilization * card > bytes_limit * 1.001:
+        raise ValueError(f"EngineConfig.gpu_memory_utilization={utilization} is invalid: JAX's "
+                         f"allocator may use only {bytes_limit / card:.2f} of the card "
+                         f"({_gib(bytes_limit)}); set {XLA_MEM_FRACTION_ENV}={utilization} before "
+                         "JAX starts, or lower gpu_memory_utilization")
+    return min(int(utilization * card), bytes_limit) - default_reserve_bytes(int(card))
+
+
 def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> int:
     """``EngineConfig.num_pages`` if set; else with ``memory_stats`` (``Device.memory_stats()``,
-    weights resident) `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use``; else
+    weights resident) `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use`` (with
+    ``gpu_memory_utilization``: `card_bytes_usable` - bytes_in_use); else
     (CPU) the null page + ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most
     `CPU_KV_BUDGET_BYTES`. Raises ValueError: fewer than 2 pages fit."""
     e, m = resolved.engine, resolved.model
@@ -69,6 +87,8 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
         return e.num_pages
     if memory_stats and "bytes_limit" in memory_stats:
         usable = int(e.memory_fraction * memory_stats["bytes_limit"])
+        if e.gpu_memory_utilization is not None:
+            usable = card_bytes_usable(e.gpu_memory_utilization, memory_stats["bytes_limit"])
         used = int(memory_stats.get("bytes_in_use", 0))
     else:
         page_bytes = e.page_size * m.kv_bytes_per_token(resolved.dtype_bytes)

@@ -108,3 +108,77 @@ def test_top_k_beyond_int32_means_no_cut(llm, top_k):
     assert all(o.error is None for o in outs)
     uncut = llm.generate([[1, 2, 3]], SamplingParams(**sp, top_k=-1))[0]
     assert outs[0].outputs[0].token_ids == uncut.outputs[0].token_ids
+
+
+def test_one_numpy_array_is_one_prompt(llm):
+    """A 1-D integer array is one prompt, as a list of ints is (and as it is inside a dict); a
+    2-D array is a batch of rows."""
+    ref = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    outs = llm.generate(np.array([5, 6, 7], np.int32), GREEDY)
+    assert len(outs) == 1 and outs[0].token_ids == ref and outs[0].prompt_token_ids == (5, 6, 7)
+    assert [o.token_ids for o in llm.generate(np.array([[5, 6, 7]] * 2), GREEDY)] == [ref] * 2
+
+
+def test_rejected_request_keeps_its_prompt(llm):
+    too_long = list(range(1, 70))
+    outs = llm.generate([too_long, {"prompt_token_ids": [1, -5], "prompt": "p"}, [1, 2]], GREEDY,
+                        on_error="return")
+    assert outs[0].error and outs[0].prompt_token_ids == tuple(too_long)
+    assert outs[1].error and (outs[1].prompt, outs[1].prompt_token_ids) == ("p", (1, -5))
+    assert outs[2].error is None
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is invalid: only 1"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is invalid"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5 is invalid"),
+    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization='0.9' is invalid"),
+    (dict(memory_fraction="0.5"), "memory_fraction='0.5' is invalid: must be a number"),
+    (dict(dtype="half"), "dtype='half' is invalid"),
+    (dict(trust_remote_code=True), r"unknown engine argument\(s\) \['trust_remote_code'\]"),
+])
+def test_vllm_constructor_arguments_checked(llm, kw, needle):
+    cfg, params = llm.engine.model_config, llm.engine.params
+    with pytest.raises(ValueError, match=needle):
+        LLM.from_params(cfg, params, **kw)
+
+
+def test_vllm_constructor_arguments_accepted(llm):
+    """What vLLM users paste: dtype="auto" (float32 on the CPU), enforce_eager (no effect),
+    tensor_parallel_size=1, kv_cache_dtype="auto", gpu_memory_utilization (GPU only: the CPU pool
+    is sized as without it), enable_prefix_caching, seed."""
+    cfg, params = llm.engine.model_config, llm.engine.params
+    other = LLM.from_params(cfg, params, max_model_len=64, num_pages=32, max_num_seqs=4,
+                            dtype="auto", enforce_eager=True, tensor_parallel_size=1,
+                            kv_cache_dtype="auto", gpu_memory_utilization=0.9,
+                            enable_prefix_caching=False, seed=3)
+    assert other.engine.resolved.dtype == "float32" and other.engine.resolved.engine.seed == 3
+    assert other.generate([[5, 6, 7]], GREEDY)[0].token_ids == \
+        llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+
+
+def test_update_params_equals_a_fresh_llm_without_recompiling(llm):
+    """Issue 18 item 5: perturbed weights give exactly the outputs of `LLM.from_params` on them,
+    with no new compile; the old weights come back the same way (the 40-token prompt's cached
+    pages, computed with other weights, are not reused). A mismatch names the leaf."""
+    cfg, old = llm.engine.model_config, llm.engine.params
+    prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1], [42], list(range(3, 43))]  # 2 full pages
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    before = [o.token_ids for o in llm.generate(prompts, sp)]
+    leaves, treedef = jax.tree_util.tree_flatten(old)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    new = jax.tree_util.tree_unflatten(treedef, [
+        x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+    compiles = llm.engine.stats.num_compiles
+    llm.update_params(new)
+    got = [o.token_ids for o in llm.generate(prompts, sp)]
+    assert llm.engine.stats.num_compiles == compiles
+    fresh = LLM.from_params(cfg, new, max_model_len=64, num_pages=32, max_num_seqs=4)
+    assert got == [o.token_ids for o in fresh.generate(prompts, sp)] and got != before
+    llm.update_params(old)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == before
+    assert llm.engine.stats.num_compiles == compiles
+    with pytest.raises(ValueError, match=r"params\['embed'\].*is float16\[256, 64\], expected float32"):
+        llm.update_params({**old, "embed": old["embed"].astype(jnp.float16)})
+    with pytest.raises(ValueError, match="tree differs"):
+        llm.update_params({k: v for k, v in old.items() if k != "embed"})

@@ -35,7 +35,10 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def open_gguf(path: str | os.PathLike):
-    """Read-only ``GGUFReader`` of ``path``. FileNotFoundError: no file; ValueError: not GGUF."""
+    """Read-only ``GGUFReader`` of ``path``. FileNotFoundError: no file; ValueError: not GGUF,
+    truncated or corrupt (gguf-py raises whatever its parse hits first: struct, index errors)."""
+    import struct
+
     import gguf
 
     path = os.fspath(path)
@@ -43,8 +46,9 @@ def open_gguf(path: str | os.PathLike):
         raise FileNotFoundError(f"GGUF file {path!r} does not exist")
     try:
         return gguf.GGUFReader(path, "r")
-    except (ValueError, OSError) as e:  # bad magic, truncated file, ...
-        raise ValueError(f"{path!r} is not a readable GGUF file: {e}") from e
+    except (ValueError, OSError, IndexError, KeyError, TypeError, struct.error) as e:
+        raise ValueError(f"{path!r} is not a readable GGUF file (truncated or corrupt?): "
+                         f"{type(e).__name__}: {e}") from None
 
 
 def _value(reader, key: str, default: Any = None) -> Any:

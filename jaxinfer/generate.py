@@ -18,10 +18,13 @@ SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
     ("max_tokens", int, 64, "most tokens generated per prompt"),
     ("temperature", float, 0.0, "0 = greedy"),
     ("top_p", float, 1.0, "nucleus sampling mass, in (0, 1]"),
-    ("top_k", int, -1, "sample from the k likeliest; -1 = off"),
+    ("top_k", int, -1, "sample from the k likeliest; 0 or -1 = off"),
     ("min_p", float, 0.0, "drop tokens below min_p x the top probability; 0 = off"),
     ("repetition_penalty", float, 1.0, "> 1 discourages tokens already in the prompt or output; "
      "1 = off"),
+    ("presence_penalty", float, 0.0, "in [-2, 2]: subtracted from tokens already generated"),
+    ("frequency_penalty", float, 0.0, "in [-2, 2]: subtracted per time a token was generated"),
+    ("min_tokens", int, 0, "EOS and stop tokens are masked until this many tokens"),
     ("seed", int, None, "per-request seed; unseeded requests draw from the engine's seed 0, so a "
      "run is reproducible either way"))
 
@@ -56,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                 description="Generate text with jaxinfer (continuous batching, paged KV cache).")
     p.add_argument("--model", default=None,
                    help="HF model dir, GGUF file or Orbax dir (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None,
+                   help="HF tokenizer dir or GGUF file to use instead of the model's")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", default=None, help="one prompt per line: plain text, or in "
                    "a .jsonl file a JSON string or {\"prompt\": ...}")
@@ -64,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(_flag(name), type=typ, default=default, help=help)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     for flag, help in (("--ignore-eos", "keep generating past EOS"),
+                       ("--include-stop-str-in-output", "keep the stop string in the text"),
                        ("--stream", "print tokens as they arrive"),
                        ("--json", "one JSON object per request on stdout")):
         p.add_argument(flag, action="store_true", help=help)
@@ -73,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(EngineConfig):
         if f.name in ENGINE_OPTIONS:  # type from the annotation: "int | None", "bool", ...
             kind = (dict(action=argparse.BooleanOptionalAction) if f.type == "bool" else
-                    dict(type=float if f.type == "float" else int if "int" in f.type else str))
+                    dict(type=float if "float" in f.type else int if "int" in f.type else str))
             g.add_argument(_flag(f.name), default=f.default, **kind, **f.metadata)
     g.add_argument("--kernels", type=_kernels, default=KernelConfig(), metavar="SPEC",
                    help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"
@@ -82,14 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompts_file(path: str) -> list[str]:
-    """The prompts of ``path`` (blank lines skipped). Raises FileNotFoundError, ValueError."""
+    """The prompts of ``path``: lines end at \\n or \\r\\n only (other Unicode breaks, e.g.
+    U+2028, stay in the prompt), blank lines skipped. Raises FileNotFoundError, ValueError."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--prompts-file {path!r} does not exist")
     if not os.path.isfile(path):
         raise ValueError(f"--prompts-file {path!r} is not a file")
     try:
-        with open(path, encoding="utf-8-sig") as f:
-            lines = [(n, s) for n, s in enumerate(f.read().splitlines(), 1) if s.strip()]
+        with open(path, encoding="utf-8-sig", newline="") as f:
+            lines = [(n, s.removesuffix("\r")) for n, s in enumerate(f.read().split("\n"), 1)
+                     if s.strip()]
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompts-file {path!r} is not UTF-8 text (byte {e.start}: "
                          f"{e.reason})") from None
@@ -135,10 +143,11 @@ def _setup(args):
     if not prompts:
         raise ValueError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
     params = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                            include_stop_str_in_output=args.include_stop_str_in_output,
                             **{name: getattr(args, name) for name, *_ in SAMPLING_OPTIONS})
     if args.model is not None and not os.path.exists(args.model):
         raise FileNotFoundError(f"--model {args.model!r} does not exist")
-    llm = llm_module.LLM(args.model, kernels=args.kernels,
+    llm = llm_module.LLM(args.model, tokenizer=args.tokenizer, kernels=args.kernels,
                          **{name: getattr(args, name) for name in ENGINE_OPTIONS})
     inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
         [{"role": "user", "content": p}])} for p in prompts] if args.chat else prompts

@@ -89,6 +89,26 @@ def test_engine_config_validation_names_the_field(field, bad):
         EngineConfig(**{field: bad})
 
 
+@pytest.mark.parametrize("field", ["memory_fraction", "gpu_memory_utilization", "max_model_len",
+                                   "page_size", "num_pages", "max_num_seqs",
+                                   "max_num_batched_tokens", "tensor_parallel_size"])
+def test_engine_config_numbers_given_as_strings_are_value_errors(field):
+    """A number as a string (e.g. from a config file) is a ValueError naming the field, never a
+    TypeError from a comparison."""
+    with pytest.raises(ValueError, match=rf"EngineConfig\.{field}='0\.5' is invalid"):
+        EngineConfig(**{field: "0.5"})
+
+
+def test_engine_config_vllm_arguments():
+    assert EngineConfig(dtype="auto").dtype is None  # resolve: bfloat16 on GPU, else float32
+    e = EngineConfig(gpu_memory_utilization=0.5, enforce_eager=True, kv_cache_dtype="auto")
+    assert (e.gpu_memory_utilization, e.enforce_eager, e.tensor_parallel_size) == (0.5, True, 1)
+    for kw in (dict(tensor_parallel_size=2), dict(kv_cache_dtype="fp8"), dict(enforce_eager=1),
+               dict(gpu_memory_utilization=0.0)):
+        with pytest.raises(ValueError, match=rf"EngineConfig\.{next(iter(kw))}="):
+            EngineConfig(**kw)
+
+
 def test_resolve_defaults_per_platform_and_dtype():
     r = resolve(model(), EngineConfig(), "cpu")
     assert (r.dtype, r.max_model_len, r.platform, r.dtype_bytes) == ("float32", 4096, "cpu", 4)

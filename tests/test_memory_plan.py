@@ -284,6 +284,27 @@ def test_gguf_config_matches_preset():
     assert cfg.rope_theta == pre.rope_theta
 
 
+def test_gpu_memory_utilization_is_a_fraction_of_the_whole_card(monkeypatch):
+    """vLLM's meaning: with JAX's allocator at its default 75% of a 100 GiB card (bytes_limit 75
+    GiB), utilization 0.6 leaves 60 GiB - the activation reserve (5 GiB) for weights + KV; 0.9
+    is more than the allocator may take: a ValueError that says how to allow it."""
+    from jaxinfer.config import EngineConfig, resolve
+    from jaxinfer.memory import (GIB, XLA_MEM_FRACTION_ENV, card_bytes_usable,
+                                 engine_pool_pages, kv_pool_pages)
+    monkeypatch.delenv(XLA_MEM_FRACTION_ENV, raising=False)
+    assert card_bytes_usable(0.6, 75 * GIB) == 55 * GIB
+    with pytest.raises(ValueError, match=f"allocator may use only 0.75 of the card.*"
+                       f"{XLA_MEM_FRACTION_ENV}=0.9"):
+        card_bytes_usable(0.9, 75 * GIB)
+    monkeypatch.setenv(XLA_MEM_FRACTION_ENV, "0.9")
+    assert card_bytes_usable(0.9, 90 * GIB) == 85 * GIB
+    cfg = ModelConfig("llama", 32000, 4096, 11008, 32, 32, 8, 128)
+    r = resolve(cfg, EngineConfig(gpu_memory_utilization=0.9), "gpu")
+    stats = {"bytes_limit": 90 * GIB, "bytes_in_use": 14 * GIB}
+    assert engine_pool_pages(r, stats) == kv_pool_pages(
+        cfg, page_size=16, dtype_bytes=2, usable_bytes=85 * GIB, used_bytes=14 * GIB)
+
+
 def test_gguf_truncated_is_value_error(tmp_path):
     path = _smollm_gguf()
     if path is None:

@@ -71,7 +71,7 @@ def test_default_model_chat_stream_answers_paris(tmp_path):
     (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
     (["--prompt", "hi", "--temperature", "-1"], "temperature"),
     (["--prompt", "hi", "--top-p", "0"], "top_p"),
-    (["--prompt", "hi", "--top-k", "0"], "top_k"),
+    (["--prompt", "hi", "--top-k", "-2"], "top_k"),
     (["--prompt", "hi", "--model", "/no/such/model"], "/no/such/model"),
     (["--max-tokens", "4"], "no prompt"),
     (["--prompt", "hi", "--max-tokens", "many"], "max-tokens"),
@@ -193,3 +193,37 @@ def test_stream_with_stop_string_prints_no_empty_deltas(session_llm, capsys):
     lines = [ln for ln in out.splitlines() if ln.startswith("[")]
     assert lines, out
     assert all(ln.split("] ", 1)[1] if "] " in ln else "" for ln in lines), lines
+
+
+def test_prompts_file_lines_end_only_at_newline(tmp_path):
+    """U+2028, U+0085, form feed, vertical tab and a lone \\r stay inside a prompt (not
+    str.splitlines); \\r\\n ends a line; a .jsonl line holding U+2028 is one valid JSON string."""
+    from jaxinfer.generate import _read_prompts_file
+    f = tmp_path / "p.txt"
+    f.write_bytes("a\u2028b\x0cc\r\nd\x0be\x85f\rg\n\n".encode())
+    assert _read_prompts_file(str(f)) == ["a\u2028b\x0cc", "d\x0be\x85f\rg"]
+    j = tmp_path / "p.jsonl"
+    j.write_text(json.dumps({"prompt": "x\u2028y"}, ensure_ascii=False) + "\r\n"
+                 + json.dumps("z\x0c") + "\n", encoding="utf-8")
+    assert _read_prompts_file(str(j)) == ["x\u2028y", "z\x0c"]
+
+
+@pytest.mark.parametrize("size", [24, 100, 1000, 5000, 200_000])
+def test_truncated_gguf_is_one_line_exit_2(capsys, tmp_path, smollm_path, size):
+    """A GGUF cut anywhere in its header or metadata: one error line naming the file, exit 2."""
+    bad = tmp_path / "cut.gguf"
+    with open(smollm_path, "rb") as f:
+        bad.write_bytes(f.read(size))
+    code, _out, err = run_main(capsys, "--model", str(bad), "--prompt", "hi")
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "cut.gguf" in lines[0], err
+    assert "not a readable GGUF file" in lines[0]
+
+
+def test_vllm_options_reach_llm(monkeypatch, capsys):
+    kw = llm_kwargs(monkeypatch, capsys, "--gpu-memory-utilization", "0.8", "--dtype", "auto",
+                    "--tokenizer", "/tok", "--enforce-eager", "--tensor-parallel-size", "1",
+                    "--kv-cache-dtype", "auto", "--no-enable-prefix-caching")
+    assert (kw["gpu_memory_utilization"], kw["dtype"], kw["tokenizer"], kw["enforce_eager"],
+            kw["tensor_parallel_size"], kw["kv_cache_dtype"], kw["enable_prefix_caching"]) == (
+        0.8, "auto", "/tok", True, 1, "auto", False)

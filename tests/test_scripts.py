@@ -190,3 +190,25 @@ def test_bench_add_rms_norm_rejects_bad_settings_before_any_work(monkeypatch, ca
         with pytest.raises(SystemExit) as e:
             bench.main()
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_bench_prefix_cache_tiny_runs_every_mode(tmp_path):
+    """bench_prefix_cache.py --tiny on the CPU: every mode runs, checks its tokens (cache on vs
+    off identical; n samples equal independent requests) and writes one JSON row per run."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.jsonl"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_prefix_cache.py"),
+                        "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(x["mode"], x["prefix_caching"]) for x in rows] == [
+        ("shared", False), ("shared", True), ("no-shared", False), ("no-shared", True),
+        ("rl", True), ("rl", True)]
+    shared_off, shared_on = rows[0], rows[1]
+    assert shared_off["hit_rate"] == 0 and shared_on["hit_rate"] > 0.3
+    assert shared_on["cached_tokens"] > 0 and rows[3]["compiles_in_timed_run"] == 0
+    assert all(x["output_tokens"] > 0 and x["bench"] == "prefix_cache" for x in rows)

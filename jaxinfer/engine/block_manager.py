@@ -24,6 +24,7 @@ NULL_PAGE = 0  # the reserved page padding points at (the one definition)
 class BlockManager:
     """Pages ``1 .. num_pages - 1``, each free, cached and unreferenced (evictable), or held by
     sequences (``owner``: the first holder). ``stats``: counts prefix-cache queried/hit tokens.
+    ``enable_prefix_caching`` may be switched while no page is held, after `reset_prefix_cache`.
     Raises ValueError: ``num_pages`` not an integer >= 2, ``page_size`` not >= 1."""
 
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = False,

@@ -280,7 +280,7 @@ class Scheduler:
         if self.block_manager.enable_prefix_caching:  # pages this step filled: K/V written now
             P = self.page_size
             for seq, st, n in zip(batch.seqs, batch.start_positions, batch.num_new_tokens):
-                if seq.status is SequenceStatus.RUNNING:
+                if seq.status is SequenceStatus.RUNNING and st // P < (st + n) // P:
                     self.block_manager.publish(seq, st // P, (st + n) // P)
         finished: list[Sequence] = []
         now = time.perf_counter()

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import memory, models
+from jaxinfer.engine import logprobs
 from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.dry_run import dry_run
@@ -153,6 +154,28 @@ class LLMEngine:
         change) while a request holds pages."""
         return self.block_manager.reset_prefix_cache()
 
+    def update_params(self, params) -> None:
+        """Serve ``params`` from now on: a tree of the structure, shapes and dtypes of the current
+        one (e.g. a trainer's), put where the current leaves are, so every compiled step is reused
+        (no recompile); the prefix cache is reset (its K/V came from the old weights). Raises
+        ValueError: requests in flight, another tree structure, or a leaf (named) of another
+        shape or dtype."""
+        if self.has_unfinished():
+            raise ValueError("update_params needs an idle engine: requests are in flight")
+        old, treedef = jax.tree_util.tree_flatten_with_path(self.params)
+        new, new_def = jax.tree_util.tree_flatten_with_path(params)
+        if new_def != treedef:
+            raise ValueError(f"update_params: the params tree differs from the served one: got "
+                             f"{new_def}, expected {treedef}")
+        for (path, a), (_, b) in zip(old, new):
+            shape, dtype = tuple(getattr(b, "shape", ())), getattr(b, "dtype", type(b).__name__)
+            if (shape, dtype) != (a.shape, a.dtype):
+                raise ValueError(f"update_params: params{jax.tree_util.keystr(path)} is {dtype}"
+                                 f"{list(shape)}, expected {a.dtype}{list(a.shape)}")
+        self.params = jax.tree_util.tree_unflatten(
+            treedef, [jax.device_put(b, a.sharding) for (_, a), (_, b) in zip(old, new)])
+        self.reset_prefix_cache()
+
     def sequences(self, rid: str) -> list[Sequence]:
         """Request ``rid``'s samples, index order. Raises KeyError: no such request."""
         return self._groups[rid]
@@ -173,7 +196,8 @@ class LLMEngine:
 
     def _launch(self, batch: ScheduledBatch, prev: Launched | None):
         """`StepLoop`'s launch: build, transfer, dispatch (no wait)."""
-        hb = build_host_batch(batch, page_size=self.page_size, buckets=self.buckets)
+        hb = build_host_batch(batch, page_size=self.page_size, buckets=self.buckets,
+                              eos_token_ids=self.eos_token_ids)
         self.stats.max_kv_len_seen = max(self.stats.max_kv_len_seen, int(hb.seq_lens.max()))
         if hb.pending_rows.any():
             if prev is None:
@@ -181,18 +205,21 @@ class LLMEngine:
             row_of = {id(s): i for i, s in enumerate(prev.batch.seqs)}
             for i in np.flatnonzero(hb.pending_rows):
                 hb.pending_src[i] = row_of[id(batch.seqs[i])]
-        tokens, self.kv = self.executor.run(self.params, self.kv, hb,
-                                            None if prev is None else prev.handle[0])
+        out, self.kv = self.executor.run(self.params, self.kv, hb,
+                                         None if prev is None else prev.handle[0])
         self.stats.num_steps += 1
-        return tokens, hb
+        return (out.pop("tokens"), hb, out) if isinstance(out, dict) else (out, hb, None)
 
     def _complete(self, done: Launched, host_times: tuple[float, float]) -> list[Sequence]:
         """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
-        (tokens, hb), batch, t0 = done.handle, done.batch, time.perf_counter()
+        (tokens, hb, lps), batch, t0 = done.handle, done.batch, time.perf_counter()
         tokens = np.asarray(tokens)
         t1 = time.perf_counter()
         sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
+        before = [s.num_output_tokens for s in batch.seqs]
         finished = self.scheduler.postprocess(batch, sampled)
+        logprobs.record(lps, hb, batch.seqs, [s.num_output_tokens > n
+                                              for s, n in zip(batch.seqs, before)])
         for s, tok in zip(batch.seqs, sampled):
             if tok is None or (stop := self.outputs.find_stop_string(s)) is None:
                 continue

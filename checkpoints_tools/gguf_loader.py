@@ -214,3 +214,26 @@ def gguf_hf_tensors(reader, hf_config: Mapping[str, Any],
             w = unpermute_qk(w, n if hf_name.endswith("q_proj.weight") else k)
         out[hf_name] = w.astype(out_dtype, copy=False)
     return out
+
+
+def gguf_tokenizer(reader):
+    """The HF fast tokenizer of the GGUF's ``tokenizer.*`` metadata, built from the open reader
+    (the file is not parsed again) by transformers' GGUF converter with its
+    ``get_gguf_tokenizer`` rules; None where transformers has no such converter."""
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+    except ImportError:
+        return None
+    meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    tok, config = ({name: meta[f"tokenizer.{key}"] for key, name in renames.items()
+                    if f"tokenizer.{key}" in meta} for renames in GGUF_TOKENIZER_MAPPING.values())
+    if tok.get("tokenizer_type") == "llama":  # llama.cpp adds BOS unless the file says not to
+        config.setdefault("add_bos_token", True)
+    for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
+        i = meta.get(f"tokenizer.ggml.{key}_token_id")
+        config[f"{name}_token"] = None if i is None else tok["tokens"][int(i)]
+    backend, extra = convert_gguf_tokenizer(_value(reader, "general.architecture"), tok)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+

@@ -102,12 +102,15 @@ def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
 
 def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = None):
     """Offline HF tokenizer of an HF dir, GGUF file or Orbax ``tokenizer/`` (``path`` or an opened
-    `Checkpoint`); ``fmt`` if known. A GGUF's is built from its tokenizer metadata alone (the fast
-    tokenizer class, not ``AutoTokenizer``, which parses the whole file again for a config).
+    `Checkpoint`: a GGUF's from its open reader, `gguf_loader.gguf_tokenizer`); ``fmt`` if known.
+    A GGUF file's is built from its tokenizer metadata alone (the fast tokenizer class, not
+    ``AutoTokenizer``, which parses the whole file again for a config).
     FileNotFoundError: no ``path``; ValueError: unsupported format, or no tokenizer."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if isinstance(path, Checkpoint):
+        if path.reader is not None and (tok := gguf_loader.gguf_tokenizer(path.reader)):
+            return tok
         path, fmt = path.path, path.format
     p = os.fspath(path)
     fmt = fmt or detect_format(p)

@@ -35,6 +35,6 @@ def test_gguf_tokenizer_without_torch_says_what_to_install(monkeypatch):
     def no_torch(*a, **k):
         raise ModuleNotFoundError("No module named 'torch'")
 
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", no_torch)
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "from_pretrained", no_torch)
     with pytest.raises(ValueError, match=r"jaxinfer\[gguf\]"):
         load_tokenizer(default_model_path())

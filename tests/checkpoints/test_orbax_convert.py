@@ -117,6 +117,21 @@ def test_hf_dir_load_model(hf_dir, hf_loaded):
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(m.params))
 
 
+def test_load_model_with_another_tokenizer_dir(hf_dir, tmp_path):
+    """``tokenizer=DIR`` (vLLM's ``tokenizer`` argument): a directory holding only tokenizer
+    files serves the model's text; its EOS id joins the checkpoint's."""
+    import shutil
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    for f in os.listdir(hf_dir):
+        if f.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(os.path.join(hf_dir, f), tok_dir)
+    m = load_model(hf_dir, "float32", tokenizer=str(tok_dir))
+    ref = transformers.AutoTokenizer.from_pretrained(hf_dir)
+    assert [m.tokenizer(t).input_ids for t in TEXTS] == [ref(t).input_ids for t in TEXTS]
+    assert m.eos_token_ids == (2, 3, 4)
+
+
 # ----------------------------------------------------------------------------- Orbax save/restore
 def test_orbax_roundtrip_bf16(hf_loaded, tmp_path):
     m = hf_loaded

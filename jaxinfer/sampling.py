@@ -1,5 +1,7 @@
 """On-device token sampling, row-wise (CASES.md C7). Order (vLLM ``v1/sample/sampler.py``):
-1. repetition penalty (HF, CTRL); 2. greedy rows (temperature < `GREEDY_EPS`): argmax;
+0. logit_bias and the min_tokens mask (sparse entries added); 1. repetition penalty (HF, CTRL),
+then frequency and presence penalties over the output tokens (vLLM ``apply_penalties``);
+2. greedy rows (temperature < `GREEDY_EPS`): argmax;
 3. ``(logits - max) / T`` in float32 (C6); 4. top-k (<= 0: off); 5. top-p, top token kept (C5);
 6. min-p (arXiv:2407.01082); 7. Gumbel-max, row key ``fold_in(key(seed), step_idx)``. 4-5 on one
 stable descending sort (ties: lower id first), skipped when no sampled row uses them. NaN logits
@@ -24,7 +26,10 @@ class SamplingMetadata:
     """Per-row parameters ("sampling" in `jaxinfer.step_input.FIELDS`): temperature f32[B];
     top_k i32[B] (<= 0: off); top_p f32[B] (>= 1: off); min_p f32[B] (0: off);
     repetition_penalty f32[B] (1: off); seeds u32[B] or i32[B] (u32 bits); step_idx i32[B];
-    penalty_tokens i32[B, R] (ids outside [0, V) ignored)."""
+    penalty_tokens i32[B, R] (ids outside [0, V) ignored); optional (None: off): prompt_lens
+    i32[B] (the first prompt_lens entries of penalty_tokens are the prompt, the rest the output),
+    presence_penalty, frequency_penalty f32[B]; bias_ids i32[B, E] (outside [0, V): ignored),
+    bias_values f32[B, E] added to the logits (-inf: masked)."""
 
     temperature: jax.Array
     top_k: jax.Array
@@ -34,6 +39,11 @@ class SamplingMetadata:
     seeds: jax.Array
     step_idx: jax.Array
     penalty_tokens: jax.Array
+    prompt_lens: jax.Array | None = None
+    presence_penalty: jax.Array | None = None
+    frequency_penalty: jax.Array | None = None
+    bias_ids: jax.Array | None = None
+    bias_values: jax.Array | None = None
 
     def replace(self, **kw) -> "SamplingMetadata":
         return dataclasses.replace(self, **kw)
@@ -43,7 +53,8 @@ jax.tree_util.register_dataclass(
     SamplingMetadata, data_fields=[f.name for f in dataclasses.fields(SamplingMetadata)],
     meta_fields=[])
 
-_ROW_FIELDS = [f.name for f in dataclasses.fields(SamplingMetadata) if f.name != "penalty_tokens"]
+_ROW_FIELDS = [f.name for f in dataclasses.fields(SamplingMetadata)
+               if f.name not in ("penalty_tokens", "bias_ids", "bias_values")]
 
 
 def _check_shapes(logits, meta: SamplingMetadata) -> None:
@@ -51,6 +62,8 @@ def _check_shapes(logits, meta: SamplingMetadata) -> None:
         raise ValueError(f"logits must be [B, V]; got shape {tuple(logits.shape)}")
     b = logits.shape[0]
     for name in _ROW_FIELDS:
+        if getattr(meta, name) is None:
+            continue
         shape = tuple(getattr(meta, name).shape)
         if shape != (b,):
             raise ValueError(f"SamplingMetadata.{name} must have shape ({b},) to match logits "
@@ -60,6 +73,13 @@ def _check_shapes(logits, meta: SamplingMetadata) -> None:
         raise ValueError(f"SamplingMetadata.penalty_tokens must have shape ({b}, R); got {shape}")
 
 
+def _scatter(ids: jax.Array, v: int, vals: jax.Array, into: jax.Array) -> jax.Array:
+    """``into`` [B, V] with ``vals`` [B, R] added at ``ids`` i32[B, R] (outside [0, V): dropped)."""
+    ids = jnp.where((ids >= 0) & (ids < v), ids, v)
+    rows = jnp.arange(ids.shape[0], dtype=jnp.int32)[:, None]
+    return into.at[rows, ids].add(vals.astype(into.dtype), mode="drop")
+
+
 def apply_repetition_penalty(logits: jax.Array, penalty_tokens: jax.Array,
                              penalty: jax.Array) -> jax.Array:
     """f32[B, V]: logits of tokens in ``penalty_tokens`` i32[B, R] divided (> 0) or multiplied
@@ -67,12 +87,28 @@ def apply_repetition_penalty(logits: jax.Array, penalty_tokens: jax.Array,
     b, v = logits.shape
     if penalty_tokens.shape[1] == 0:
         return logits
-    ids = jnp.where((penalty_tokens >= 0) & (penalty_tokens < v), penalty_tokens, v)
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    present = jnp.zeros((b, v), jnp.bool_).at[rows, ids].set(True, mode="drop")
+    present = _scatter(penalty_tokens, v, jnp.ones(penalty_tokens.shape), jnp.zeros((b, v))) > 0
     p = penalty.astype(jnp.float32)[:, None]
     penalised = jnp.where(logits > 0, logits / p, logits * p)
     return jnp.where(present, penalised, logits)
+
+
+def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """f32[B, V]: ``bias_values`` added at ``bias_ids``; the repetition penalty; then, with
+    ``prompt_lens``, ``- frequency x count - presence x [count > 0]``, counts of each id among
+    the output tokens (``penalty_tokens[b, prompt_lens[b]:]``). Source: vLLM
+    ``LogitBiasLogitsProcessor``, ``MinTokensLogitsProcessor``, ``ops/penalties.py``."""
+    x, v = logits.astype(jnp.float32), logits.shape[1]
+    if meta.bias_ids is not None:
+        x = _scatter(meta.bias_ids, v, meta.bias_values, x)
+    x = apply_repetition_penalty(x, meta.penalty_tokens, meta.repetition_penalty)
+    toks = meta.penalty_tokens
+    if meta.prompt_lens is not None and toks.shape[1]:
+        out = jnp.arange(toks.shape[1])[None, :] >= meta.prompt_lens[:, None]
+        counts = _scatter(toks, v, out, jnp.zeros_like(x))
+        x = (x - meta.frequency_penalty[:, None] * counts
+             - meta.presence_penalty[:, None] * (counts > 0))
+    return x
 
 
 def _min_p_keep(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
@@ -122,8 +158,7 @@ def _sort_desc(scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def _penalised(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     """Penalised f32 logits, NaN -> -inf, +inf -> largest float32 (``x - max`` never NaN)."""
-    x = apply_repetition_penalty(logits.astype(jnp.float32), meta.penalty_tokens,
-                                 meta.repetition_penalty)
+    x = apply_penalties(logits, meta)
     return jnp.nan_to_num(x, nan=-jnp.inf, posinf=jnp.finfo(jnp.float32).max, neginf=-jnp.inf)
 
 
@@ -174,3 +209,16 @@ def sample(logits: jax.Array, meta: SamplingMetadata, *, all_greedy: bool) -> ja
     k_on, p_on = (meta.top_k > 0) & (meta.top_k < v), ~(meta.top_p >= 1.0)
     tok = jax.lax.cond(jnp.any(~is_greedy & (k_on | p_on)), with_sort, without_sort)
     return jnp.where(is_greedy, greedy_tok, tok).astype(jnp.int32)
+
+
+def logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> dict:
+    """Log-probabilities of the raw distribution ``log_softmax(logits)`` (float32; vLLM's
+    "raw_logprobs") for ``logits`` [B, V] and chosen ``tokens`` i32[B] (clipped to [0, V)):
+    {"logprobs": f32[B] of the token, "ranks": i32[B] (vLLM: the number of ids at least as
+    likely, 1 = likeliest), "top_ids": i32[B, k], "top_logprobs": f32[B, k] (descending)}."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    tokens = jnp.clip(tokens, 0, lp.shape[1] - 1)
+    tok = jnp.take_along_axis(lp, tokens[:, None], axis=-1)
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    return dict(logprobs=tok[:, 0], ranks=jnp.sum(lp >= tok, axis=-1, dtype=jnp.int32),
+                top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

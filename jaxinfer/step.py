@@ -1,6 +1,6 @@
-"""The jit entry point: a step is ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')``, KV
-donated, compiled per `jaxinfer.step_input.ShapeKey` and GEMM back-end; `StepExecutor` picks the
-variant, keeps ahead-of-time executables, dispatches one step per transfer."""
+"""The jit entry point: a step is ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')`` (with
+log-probabilities: a dict of them and ``tokens``), KV donated, compiled per
+`jaxinfer.step_input.ShapeKey` and GEMM back-end; `StepExecutor` picks the variant, keeps ahead-of-time executables, dispatches one step per transfer."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from jaxinfer import models
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.sampling import SamplingMetadata, sample
+from jaxinfer.sampling import SamplingMetadata, logprobs, sample
 from jaxinfer.step_input import HostBatch, ShapeKey, empty_batch, layout, pack
 
 log = logging.getLogger("jaxinfer")
@@ -31,7 +31,9 @@ log = logging.getLogger("jaxinfer")
 class StepInput:
     """Device inputs (`jaxinfer.step_input.FIELDS`): tokens, positions, slot_mapping i32[B, T]
     (with ``packing``: i32[1, Tp]); logits_indices i32[B]; prev_tokens i32[Bmax]: the previous
-    step's output (None: unused); pending_src i32[B]: row b's input token's row in it, or -1."""
+    step's output (None: unused); pending_src i32[B]: row b's input token's row in it, or -1;
+    prompt_lp_index i32[P]: flat token index (into [Bt * T]) of each scored prompt position,
+    prompt_lp_next i32[P]: the prompt token after it (None: no prompt log-probabilities)."""
 
     tokens: jax.Array
     positions: jax.Array
@@ -41,6 +43,8 @@ class StepInput:
     packing: models.Packing | None = None
     prev_tokens: jax.Array | None = None
     pending_src: jax.Array | None = None
+    prompt_lp_index: jax.Array | None = None
+    prompt_lp_next: jax.Array | None = None
 
 
 jax.tree_util.register_dataclass(
@@ -48,9 +52,12 @@ jax.tree_util.register_dataclass(
 
 
 def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
-         all_greedy: bool) -> tuple[jax.Array, KVCache]:
+         all_greedy: bool, num_logprobs: int = 0) -> tuple[jax.Array | dict, KVCache]:
     """Forward, KV write, logits of one token per row, sampling. Returns (token ids i32[B],
-    zero-padded to i32[Bmax] with ``prev_tokens``; the new cache)."""
+    zero-padded to i32[Bmax] with ``prev_tokens``; the new cache). ``num_logprobs`` K > 0
+    (static): the ids come as ``tokens`` of a dict with `jaxinfer.sampling.logprobs` of the raw
+    logits of each row (K top), and with ``prompt_lp_index``, the same of each scored prompt
+    position for ``prompt_lp_next`` under keys prefixed ``prompt_``."""
     tokens, src = inp.tokens, inp.pending_src
     if inp.prev_tokens is not None and inp.packing is None:  # tokens[b, 0] = prev[src[b]], src >= 0
         picked = inp.prev_tokens[jnp.maximum(src, 0)]
@@ -65,9 +72,18 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels
         logits = models.compute_logits(params, cfg, last)
     with jax.named_scope("sample"):
         tokens = sample(logits, inp.sampling, all_greedy=all_greedy)
+    out = {}
+    if num_logprobs:
+        with jax.named_scope("logprobs"):
+            out = logprobs(logits, tokens, num_logprobs)
+            if inp.prompt_lp_index is not None:
+                flat = hidden.reshape(-1, hidden.shape[-1])[inp.prompt_lp_index]
+                lp = logprobs(models.compute_logits(params, cfg, flat), inp.prompt_lp_next,
+                              num_logprobs)
+                out.update({f"prompt_{k}": a for k, a in lp.items()})
     if inp.prev_tokens is not None:
         tokens = jnp.zeros_like(inp.prev_tokens).at[:tokens.shape[0]].set(tokens)
-    return tokens, kv
+    return (dict(tokens=tokens, **out) if out else tokens), kv
 
 
 # XLA options per GEMM back-end: "xla" lets XLA pick; "cublas" turns the Triton GEMM emitter off.
@@ -107,13 +123,14 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
 
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
                 key: ShapeKey, cfg: ModelConfig,
-                kernels: ModelKernels) -> tuple[jax.Array, KVCache]:
+                kernels: ModelKernels) -> tuple[jax.Array | dict, KVCache]:
     """`step` on ``buf`` i32[S] (`jaxinfer.step_input.pack`) and ``prev_tokens`` i32[Bmax] ->
-    (i32[Bmax], cache); ``kv``'s tables and lengths are fixed-shape placeholders passed through."""
+    (i32[Bmax] or `step`'s dict, cache); ``kv``'s tables and lengths are fixed-shape
+    placeholders passed through."""
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
     tokens, new = step(params, kv.replace(block_tables=tables, seq_lens=lens), inp, cfg=cfg,
-                       kernels=kernels, all_greedy=key.all_greedy)
+                       kernels=kernels, all_greedy=key.all_greedy, num_logprobs=key.logprobs)
     return tokens, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
 
 
@@ -161,7 +178,8 @@ class StepExecutor:
         return params, kv, jax.device_put(pack(hb)), prev
 
     def run(self, params, kv, hb: HostBatch, prev_tokens=None):
-        """Dispatch one step, no wait: (token ids i32[Bmax] on the device, the new cache)."""
+        """Dispatch one step, no wait: (token ids i32[Bmax] on the device, or `step`'s dict when
+        ``hb.key.logprobs``; the new cache)."""
         if (exe := self.executables.get(hb.key)) is not None:
             return exe(*self._args(params, kv, hb, prev_tokens))
         if hb.key not in self.stats.compiled_shapes:
@@ -197,7 +215,7 @@ class StepExecutor:
         t_warm = time.perf_counter()
         if warm and todo:
             for k in todo:
-                tokens, kv = self.executables[k](*self._args(params, kv, empty_batch(k), None))
-            tokens.block_until_ready()
+                out, kv = self.executables[k](*self._args(params, kv, empty_batch(k), None))
+            jax.block_until_ready(out)
         return dict(shapes=len(todo), lower_s=lower_s, warm_s=time.perf_counter() - t_warm,
                     seconds=time.perf_counter() - t0), kv

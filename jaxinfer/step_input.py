@@ -15,7 +15,10 @@ INT32_MAX = 2**31 - 1
 
 class ShapeKey(NamedTuple):
     """What a step is compiled for: B rows; T tokens per row (Tp in all when packed); M pages;
-    penalty R tokens per row (0: none); query Tq per packed row (None: not packed); all_greedy."""
+    penalty R tokens per row (0: no penalty reads history); query Tq per packed row (None: not
+    packed); all_greedy; bias E sparse (id, value) entries per row (logit_bias, min_tokens; 0:
+    none); logprobs: the top-k K returned per sampled row and prompt position (0: no
+    log-probabilities); prompt_logprobs P prompt positions scored (0: none; needs K > 0)."""
 
     batch: int
     tokens: int
@@ -23,6 +26,9 @@ class ShapeKey(NamedTuple):
     penalty: int
     query: int | None
     all_greedy: bool
+    bias: int = 0
+    logprobs: int = 0
+    prompt_logprobs: int = 0
 
     @property
     def packed(self) -> bool:
@@ -31,17 +37,20 @@ class ShapeKey(NamedTuple):
     def dims(self) -> dict[str, int]:
         """Sizes of the shape letters (token arrays [Bt, T]: [B, T], or [1, Tp] packed)."""
         return dict(B=self.batch, Bt=1 if self.packed else self.batch, T=self.tokens,
-                    M=self.pages, R=self.penalty, Q=self.query or 0)
+                    M=self.pages, R=self.penalty, Q=self.query or 0, E=self.bias,
+                    P=self.prompt_logprobs)
 
 
 class Field(NamedTuple):
-    """One device input; ``group``: "input", "kv", "sampling" or "packing" (packed only)."""
+    """One device input; ``group``: "input", "kv", "sampling" or "packing"; present only when
+    the `ShapeKey` attribute ``when`` is truthy (None: always)."""
 
     name: str
     dtype: type
     shape: tuple[str, ...]
     group: str
     pad: int | float = 0
+    when: str | None = None
 
 
 FIELDS = (
@@ -59,10 +68,17 @@ FIELDS = (
     Field("repetition_penalty", np.float32, ("B",), "sampling", 1.0),
     Field("seeds", np.uint32, ("B",), "sampling"),
     Field("step_idx", np.int32, ("B",), "sampling"),
-    Field("penalty_tokens", np.int32, ("B", "R"), "sampling", -1),
-    Field("q_index", np.int32, ("B", "Q"), "packing"),
-    Field("q_positions", np.int32, ("B", "Q"), "packing"),
-    Field("out_index", np.int32, ("T",), "packing"),
+    Field("penalty_tokens", np.int32, ("B", "R"), "sampling", -1),  # prompt + output ids
+    Field("prompt_lens", np.int32, ("B",), "sampling", 0, "penalty"),  # prompt part of them
+    Field("presence_penalty", np.float32, ("B",), "sampling", 0, "penalty"),
+    Field("frequency_penalty", np.float32, ("B",), "sampling", 0, "penalty"),
+    Field("bias_ids", np.int32, ("B", "E"), "sampling", -1, "bias"),
+    Field("bias_values", np.float32, ("B", "E"), "sampling", 0, "bias"),
+    Field("prompt_lp_index", np.int32, ("P",), "input", 0, "prompt_logprobs"),  # flat token
+    Field("prompt_lp_next", np.int32, ("P",), "input", -1, "prompt_logprobs"),  # its next id
+    Field("q_index", np.int32, ("B", "Q"), "packing", 0, "packed"),
+    Field("q_positions", np.int32, ("B", "Q"), "packing", 0, "packed"),
+    Field("out_index", np.int32, ("T",), "packing", 0, "packed"),
 )
 
 
@@ -70,18 +86,20 @@ def layout(key: ShapeKey) -> tuple[tuple[Field, tuple[int, ...]], ...]:
     """``((field, shape), ...)`` in buffer order for a step of shape ``key``."""
     d = key.dims()
     return tuple((f, tuple(d[n] for n in f.shape)) for f in FIELDS
-                 if f.group != "packing" or key.packed)
+                 if f.when is None or getattr(key, f.when))
 
 
 @dataclass(frozen=True)
 class HostBatch:
     """``arrays`` (name -> array, also ``hb.tokens``), `ShapeKey`, host-only row masks
-    ``sample_rows`` (sampled token real) and ``pending_rows`` (input token on the device)."""
+    ``sample_rows`` (sampled token real) and ``pending_rows`` (input token on the device), and
+    ``prompt_lp_rows`` i32[P]: the row of each scored prompt position (-1: padding)."""
 
     key: ShapeKey
     arrays: dict
     sample_rows: np.ndarray
     pending_rows: np.ndarray
+    prompt_lp_rows: np.ndarray | None = None
 
     def __getattr__(self, name):
         try:
@@ -101,7 +119,8 @@ class HostBatch:
 def allocate(key: ShapeKey) -> HostBatch:
     """An all-padding `HostBatch` of shape ``key`` (each field at its ``pad``)."""
     arrays = {f.name: np.full(shape, f.pad, f.dtype) for f, shape in layout(key)}
-    return HostBatch(key, arrays, np.zeros((key.batch,), bool), np.zeros((key.batch,), bool))
+    return HostBatch(key, arrays, np.zeros((key.batch,), bool), np.zeros((key.batch,), bool),
+                     np.full((key.prompt_logprobs,), -1, np.int32))
 
 
 empty_batch = allocate

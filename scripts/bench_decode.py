@@ -78,7 +78,8 @@ def step_inputs(B, ctx, page_size, M, scatter_pages=False):
     lengths stay on the host: the step donates the whole KVCache (tables included), so each step
     gets fresh copies, as the engine's host loop does."""
     hb = host_batch(B, ctx, page_size, M, scatter_pages)
-    group = {g: {f.name: hb.arrays[f.name] for f in FIELDS if f.group == g}
+    group = {g: {f.name: hb.arrays[f.name] for f in FIELDS
+                 if f.group == g and f.name in hb.arrays}
              for g in ("input", "sampling")}
     inp = StepInput(**{k: v for k, v in group["input"].items() if k != "pending_src"},
                     sampling=SamplingMetadata(**group["sampling"]))

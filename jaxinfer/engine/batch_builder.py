@@ -8,7 +8,10 @@ import numpy as np
 
 from jaxinfer.engine.buckets import batch_buckets as default_batch_buckets
 from jaxinfer.engine.buckets import bucket, powers_of_two
+from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.step_input import INT32_MAX, HostBatch, ShapeKey, allocate
+
+LOGPROB_BUCKETS = (1, 5, MAX_LOGPROBS)  # top-k sizes compiled (ShapeKey.logprobs)
 
 
 @dataclass(frozen=True)
@@ -37,13 +40,40 @@ class BucketSpec:
             packed_tokens=token_buckets or tuple(sorted(set(fine))))
 
 
-def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch:
+def _bias(s, eos_token_ids) -> list[tuple[int, float]]:
+    """Row ``s``'s sparse logit additions: ``logit_bias``, and while it has fewer than
+    ``min_tokens`` outputs, -inf at EOS and ``stop_token_ids`` (vLLM: ``all_stop_token_ids``,
+    EOS even with ``ignore_eos``)."""
+    p = s.params
+    out = list((p.logit_bias or {}).items())
+    if s.num_tokens_with_pending - s.num_prompt_tokens - 1 < p.min_tokens:
+        out += [(t, -np.inf) for t in sorted({*p.stop_token_ids, *eos_token_ids})]
+    return out
+
+
+def _prompt_positions(batch) -> list[range]:
+    """Per row, the prompt positions scored this step: position p gives prompt token p + 1's
+    log-probability; those already recorded are skipped (recompute after preemption)."""
+    out = []
+    for s, n, c in zip(batch.seqs, batch.num_new_tokens, batch.start_positions):
+        have = -1 if s.prompt_logprobs is None else len(s.prompt_logprobs)
+        out.append(range(max(c, have - 1), min(c + n, s.num_prompt_tokens - 1) if have >= 0 else c))
+    return out
+
+
+def build_host_batch(batch, *, page_size: int, buckets: BucketSpec,
+                     eos_token_ids=()) -> HostBatch:
     """Pad a `ScheduledBatch` to a bucketed `HostBatch` (packed if a chunk has > 1 token); a
-    ``pending_input`` row's token stays 0, flagged in ``pending_rows``. Raises ValueError: a size
-    exceeds the largest bucket."""
-    hb = allocate(shape_key(batch, page_size=page_size, buckets=buckets))
-    a, off = hb.arrays, 0  # off: packed offset of row i's first token
+    ``pending_input`` row's token stays 0, flagged in ``pending_rows``; ``eos_token_ids``: masked
+    by ``min_tokens``. Raises ValueError: a size exceeds the largest bucket."""
+    hb = allocate(shape_key(batch, page_size=page_size, buckets=buckets,
+                            eos_token_ids=eos_token_ids))
+    a, off, j = hb.arrays, 0, 0  # off: packed offset of row i's first token; j: prompt position
+    scored = _prompt_positions(batch) if hb.key.prompt_logprobs else [()] * batch.num_seqs
     for i, (s, n, c) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.start_positions)):
+        for q in scored[i]:
+            a["prompt_lp_index"][j] = (off if hb.packed else i * hb.key.tokens) + q - c
+            a["prompt_lp_next"][j], hb.prompt_lp_rows[j], j = s.prompt_token_ids[q + 1], i, j + 1
         pos = np.arange(c, c + n, dtype=np.int32)
         table = np.asarray(s.block_table, np.int32)
         row_slots = table[pos // page_size] * page_size + pos % page_size
@@ -74,20 +104,34 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec) -> HostBatch
         a["step_idx"][i] = s.num_tokens_with_pending - s.num_prompt_tokens - 1  # outputs before
         if hb.key.penalty:
             a["penalty_tokens"][i, :s.num_tokens] = s.all_token_ids
+            a["prompt_lens"][i] = s.num_prompt_tokens
+            a["presence_penalty"][i], a["frequency_penalty"][i] = (p.presence_penalty,
+                                                                   p.frequency_penalty)
+        if hb.key.bias and (entries := _bias(s, eos_token_ids)):
+            a["bias_ids"][i, :len(entries)], a["bias_values"][i, :len(entries)] = zip(*entries)
         hb.sample_rows[i] = batch.do_sample[i]
     return hb
 
 
-def shape_key(batch, *, page_size: int, buckets: BucketSpec) -> ShapeKey:
+def shape_key(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=()) -> ShapeKey:
     """The bucketed `ShapeKey` of a `ScheduledBatch`."""
     seqs, nums = batch.seqs, batch.num_new_tokens
     B = bucket(len(seqs), buckets.batch)
     M = bucket(max(-(-(c + n) // page_size) for c, n in zip(batch.start_positions, nums)),
                buckets.pages)
-    penalised = any(s.params.repetition_penalty != 1.0 for s in seqs)
+    penalised = any(s.params.needs_history for s in seqs)
     R = bucket(max(s.num_tokens for s in seqs), powers_of_two(16, 1 << 30)) if penalised else 0
     greedy = all(s.params.greedy for s in seqs)
+    E = max(len(_bias(s, eos_token_ids)) for s in seqs)
+    token_buckets = buckets.packed_tokens or buckets.prefill_tokens
+    P = sum(len(r) for r in _prompt_positions(batch))
+    k = max([s.params.logprobs for s in seqs if s.params.logprobs is not None] + [
+        s.params.prompt_logprobs for s in seqs if P and s.params.prompt_logprobs is not None],
+        default=-1)
+    extra = dict(bias=E and bucket(E, powers_of_two(8, 1 << 30)),
+                 logprobs=0 if k < 0 else bucket(max(k, 1), LOGPROB_BUCKETS),
+                 prompt_logprobs=P and bucket(P, token_buckets))
     if max(nums) == 1:
-        return ShapeKey(B, 1, M, R, None, greedy)
-    Tp = bucket(sum(nums), buckets.packed_tokens or buckets.prefill_tokens)
-    return ShapeKey(B, Tp, M, R, bucket(max(nums), buckets.prefill_tokens), greedy)
+        return ShapeKey(B, 1, M, R, None, greedy, **extra)
+    Tp = bucket(sum(nums), token_buckets)
+    return ShapeKey(B, Tp, M, R, bucket(max(nums), buckets.prefill_tokens), greedy, **extra)

@@ -1,5 +1,5 @@
 """The step loop (host side), shared by `LLMEngine` and `jaxinfer.engine.dry_run`: complete the
-step in flight first if it must be (synchronous, or a repetition-penalty row); schedule and launch
+step in flight first if it must be (synchronous, or a penalty reading the row's history); schedule and launch
 the next; complete the previous while it runs. Source: vLLM v1 asynchronous scheduling.
 """
 
@@ -48,7 +48,7 @@ class StepLoop:
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = None if batch is None else Launched(batch, self.launch(batch, prev), any(
-            s.params.repetition_penalty != 1.0 for s in batch.seqs))
+            s.params.needs_history for s in batch.seqs))
         times = (t1 - t0, time.perf_counter() - t1)
         if prev is not None:
             self.stats.num_overlapped_steps += launched is not None

@@ -1,0 +1,73 @@
+"""``python -m jaxinfer.serve [--model PATH] [--port 8000] [--api-key KEY]`` (console script
+``jaxinfer-serve``): the OpenAI-compatible server; every engine option of
+``python -m jaxinfer.generate``. Bad options: one line on stderr, exit code 2. SIGINT/SIGTERM:
+stop accepting, let running requests finish for ``--shutdown-timeout`` seconds, abort the rest."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+
+def build_parser():
+    from jaxinfer import generate
+
+    p = generate._Parser(prog="jaxinfer-serve", formatter_class=generate._Formatter,
+                         description="OpenAI-compatible HTTP server over the jaxinfer engine.")
+    p.add_argument("--model", default=None,
+                   help="HF model dir, GGUF file or Orbax dir (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model file or directory name)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
+    p.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                   help="larger request bodies get 413")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds running requests get to finish on SIGINT/SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    engine = next(g for g in generate.build_parser()._action_groups if g.title.startswith("engine"))
+    g = p.add_argument_group(engine.title)
+    for action in engine._group_actions:
+        g._add_action(action)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve until SIGINT/SIGTERM; returns the exit code (0; 2: bad options or model)."""
+    import uvicorn
+
+    from jaxinfer import generate
+    from jaxinfer.llm import LLM
+    from jaxinfer.serve.app import create_app
+
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        if args.model is not None and not os.path.exists(args.model):
+            raise FileNotFoundError(f"--model {args.model!r} does not exist")
+        llm = LLM(args.model, kernels=args.kernels,
+                  **{name: getattr(args, name) for name in generate.ENGINE_OPTIONS})
+    except (ValueError, FileNotFoundError) as e:
+        return generate._fail(str(e))
+    except KeyboardInterrupt:
+        return 130
+    name = args.served_model_name or os.path.splitext(os.path.basename(
+        os.path.normpath(llm.model_path)))[0]
+    app = create_app(llm, served_model_name=name, api_key=args.api_key,
+                     max_request_bytes=args.max_request_bytes)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # abort what is left after the grace period
+            super().handle_exit(sig, frame)
+            timer = threading.Timer(args.shutdown_timeout, app.state.runner.stop)
+            timer.daemon = True
+            timer.start()
+
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Request and response bodies of the OpenAI API (pydantic; field names and defaults of OpenAI
+and vLLM's ``vllm/entrypoints/openai/protocol.py``). Host side, no JAX."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jaxinfer.sampling_params import SamplingParams
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class _Sampling(_Model):
+    """The sampling fields both endpoints share; `sampling_params` validates the values."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (`SamplingParams`'s, naming the field)."""
+        fields = {k: getattr(self, k) for k in (
+            "top_p", "top_k", "min_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
+            "spaces_between_special_tokens", "include_stop_str_in_output")}
+        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                              stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens,
+                              logprobs=logprobs, **fields)
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. prompt: a string, a list of strings, token ids or lists of them."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatMessage(_Model):
+    role: str
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """The content; a list of parts: its "text" parts joined."""
+        if isinstance(self.content, list):
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions (the model's chat template)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class UsageInfo(_Model):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_Model):
+    text_offset: list[int] = []
+    token_logprobs: list[float | None] = []
+    tokens: list[str] = []
+    top_logprobs: list[dict[str, float] | None] = []
+
+
+class CompletionChoice(_Model):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class TopLogprob(_Model):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(_Model):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class DeltaMessage(_Model):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(_Model):
+    index: int
+    message: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatStreamChoice(_Model):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class _Response(_Model):
+    id: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    usage: UsageInfo | None = None
+
+
+class CompletionResponse(_Response):
+    """A completion, or one streamed chunk of it (OpenAI uses the same object)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+
+
+class ChatCompletionResponse(_Response):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+
+
+class ChatCompletionChunk(_Response):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatStreamChoice]
+
+
+class ModelCard(_Model):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "jaxinfer"
+    max_model_len: int | None = None
+
+
+class ModelList(_Model):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def error_body(message: str, status: int, param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}

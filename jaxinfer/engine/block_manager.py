@@ -211,7 +211,8 @@ class BlockManager:
             errors.append("the states do not cover pages 1..P-1 exactly")
         if any(self._key[p] is not None for p in free) or any(self._key[p] is None for p in cached):
             errors.append("a free page has a hash or an evictable page has none")
-        if {p: k[0] for p, k in enumerate(self._key) if k} != {p: h for h, p in self._cached.items()}:
+        if ({p: k[0] for p, k in enumerate(self._key) if k}
+                != {p: h for h, p in self._cached.items()}):
             errors.append("the hash table and the pages' hashes differ")
         if errors:
             raise RuntimeError(f"BlockManager.check: {'; '.join(errors)} (free={sorted(free)}, "

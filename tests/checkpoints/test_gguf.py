@@ -349,3 +349,15 @@ def test_missing_file_and_bad_file(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="junk.gguf"):
         load_params(tmp_path / "junk.gguf", jnp.float32)
+
+
+@pytest.mark.parametrize("size", [24, 100, 1000, 5000, 200_000])
+def test_gguf_cut_inside_its_metadata_is_a_value_error(smollm_path, tmp_path, size):
+    """Whatever gguf-py's parse hits first (struct, index or dtype errors) is one ValueError
+    naming the file."""
+    from checkpoints_tools.loader import open_checkpoint
+    cut = tmp_path / "cut.gguf"
+    with open(smollm_path, "rb") as f:
+        cut.write_bytes(f.read(size))
+    with pytest.raises(ValueError, match="cut.gguf.* is not a readable GGUF file"):
+        open_checkpoint(cut)

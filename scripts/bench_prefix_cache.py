@@ -4,8 +4,10 @@ the prefix cache on and off (or n > 1 against independent requests) in the same 
 Modes (``--modes``, default all three):
   shared     ``--systems`` distinct ``--system-len``-token system prompts x ``--questions``
              questions of ``--min-q``..``--max-q`` tokens (shuffled), ``--output-len`` output
-             tokens, greedy: mean TTFT and output tok/s, cache on vs off; the greedy tokens must be
-             identical (``token_match``: the fraction of requests that are).
+             tokens, greedy: mean TTFT and output tok/s, cache on vs off, and the fraction of
+             requests whose tokens are identical (``token_match``; 1.0 in float32,
+             while bf16 rounds a prompt computed in other chunks differently, which can flip a
+             near-tied argmax of random weights).
   no-shared  bench_throughput.py's workload (``--num-requests`` random prompts of
              ``--min-input``..``--max-input`` tokens, ``--min-output``..``--max-output`` outputs):
              cache on vs off (no prefix is shared; on must not be slower).
@@ -107,29 +109,22 @@ def tokens(outs):
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
 
-def run_shared(llm, args, vocab):
+def on_vs_off(llm, prompts, out_lens):
+    """Greedy, ignore_eos: the cache off, then on; the on row has ``token_match``."""
     from jaxinfer import SamplingParams
-    prompts, outs = shared_workload(args, vocab)
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
     off, o_off = timed(llm, prompts, params, caching=False)
     on, o_on = timed(llm, prompts, params, caching=True)
-    return [dict(off, run="cache off"), dict(on, run="cache on", token_match=match(o_on, o_off))]
+    same = np.mean([x == y for x, y in zip(tokens(o_on), tokens(o_off))])
+    return [dict(off, run="cache off"), dict(on, run="cache on", token_match=float(same))]
 
 
-def match(a, b) -> float:
-    """The fraction of requests whose samples' tokens are identical in runs ``a`` and ``b`` (1.0
-    in float32; bf16 rounds a prompt computed in other chunks differently, which can flip a
-    near-tied argmax of random weights)."""
-    return float(np.mean([x == y for x, y in zip(tokens(a), tokens(b))]))
+def run_shared(llm, args, vocab):
+    return on_vs_off(llm, *shared_workload(args, vocab))
 
 
 def run_no_shared(llm, args, vocab):
-    from jaxinfer import SamplingParams
-    prompts, outs = workload(args, vocab)
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in outs]
-    off, o_off = timed(llm, prompts, params, caching=False)
-    on, o_on = timed(llm, prompts, params, caching=True)
-    return [dict(off, run="cache off"), dict(on, run="cache on", token_match=match(o_on, o_off))]
+    return on_vs_off(llm, *workload(args, vocab))
 
 
 def run_rl(llm, args, vocab):

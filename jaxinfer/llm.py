@@ -33,7 +33,8 @@ def _claim_gpu_memory(utilization: float) -> None:
     started yet; else `memory.card_bytes_usable` checks what the allocator got."""
     from jax._src import xla_bridge  # JAX 0.10-0.11 has no public "backends started" test
 
-    if memory.XLA_MEM_FRACTION_ENV not in os.environ and not xla_bridge.backends_are_initialized():
+    started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
+    if memory.XLA_MEM_FRACTION_ENV not in os.environ and not started:
         os.environ[memory.XLA_MEM_FRACTION_ENV] = str(utilization)
 
 

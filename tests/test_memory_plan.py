@@ -305,6 +305,26 @@ def test_gpu_memory_utilization_is_a_fraction_of_the_whole_card(monkeypatch):
         cfg, page_size=16, dtype_bytes=2, usable_bytes=85 * GIB, used_bytes=14 * GIB)
 
 
+def test_gpu_memory_utilization_sets_jax_fraction_only_before_jax_starts(monkeypatch):
+    """`LLM` sets XLA_PYTHON_CLIENT_MEM_FRACTION=U where JAX has not started and the variable is
+    unset (a fresh process); never once a backend is up (this one) or when the user set it."""
+    from jaxinfer.llm import _claim_gpu_memory
+    from jaxinfer.memory import XLA_MEM_FRACTION_ENV
+    code = ("import os; from jaxinfer.llm import _claim_gpu_memory; _claim_gpu_memory(0.8); "
+            f"print(os.environ.get('{XLA_MEM_FRACTION_ENV}'))")
+    env = {k: v for k, v in os.environ.items() if k != XLA_MEM_FRACTION_ENV}
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.stdout.strip() == "0.8", run.stderr
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(env, **{XLA_MEM_FRACTION_ENV: "0.5"}))
+    assert run.stdout.strip() == "0.5", run.stderr
+    import jax
+    jax.devices()
+    monkeypatch.delenv(XLA_MEM_FRACTION_ENV, raising=False)
+    _claim_gpu_memory(0.8)
+    assert XLA_MEM_FRACTION_ENV not in os.environ
+
+
 def test_gguf_truncated_is_value_error(tmp_path):
     path = _smollm_gguf()
     if path is None:

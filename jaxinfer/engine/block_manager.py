@@ -182,6 +182,18 @@ class BlockManager:
             if self._key[page] is None and h not in self._cached:
                 self._cached[h], self._key[page] = page, (h, tuple(ids[i * P:(i + 1) * P]))
 
+    def copy_free(self) -> BlockManager:
+        """A block manager whose free and cached-unreferenced pages are this one's and whose held
+        pages are neither (a dry run from the state of now; `check` holds if none is held);
+        fresh stats."""
+        bm = BlockManager(self.num_pages, self.page_size,
+                          enable_prefix_caching=self.enable_prefix_caching)
+        bm._free, bm._evictable = list(self._free), OrderedDict(self._evictable)
+        for page in bm._evictable:
+            bm._key[page] = self._key[page]
+            bm._cached[self._key[page][0]] = page
+        return bm
+
     def record_lookup(self, num_queried: int, num_hit: int) -> None:
         self.stats.prefix_cache_queries += num_queried
         self.stats.prefix_cache_hits += num_hit

@@ -244,9 +244,7 @@ class LLMEngine:
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
         """The `ShapeKey`s ``requests`` visit on an idle engine, in first-visit order. Raises
         ValueError: a request the scheduler rejects."""
-        sched = self._scheduler(BlockManager(  # the prefix cache as now: on or off, empty
-            self.num_pages, self.page_size,
-            enable_prefix_caching=self.block_manager.enable_prefix_caching))
+        sched = self._scheduler(self.block_manager.copy_free())  # the prefix cache as now
         steps = dry_run(sched, requests, buckets=self.buckets, async_scheduling=self.async_scheduling)
         return list(dict.fromkeys(hb.key for _, hb in steps))
 

@@ -324,3 +324,36 @@ def test_caching_off_schedules_exactly_as_before():
     assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
     assert off.block_manager.num_cached_pages == 0
     assert off.block_manager.stats.prefix_cache_queries == 0
+
+
+def test_copy_free_plans_from_the_cache_of_now():
+    """A dry run on `copy_free` schedules exactly what the real pool then does (cached pages
+    hit in both); the copy leaves the original untouched and excludes held pages."""
+    P = 4
+    sched = make(30, P)
+    system = toks(3 * P, 5)
+    sched.add(seq_of("a", system + [1]))
+    run(sched)
+    held = seq_of("h", toks(2 * P, 6))
+    sched.block_manager.allocate(held, 2 * P)
+    bm = sched.block_manager
+    busy = bm.copy_free()
+    assert (busy.num_free_pages, busy.num_cached_pages) == (bm.num_free_pages, 4)  # 19 tokens
+    assert not any(busy.ref_count(p) for p in range(30))
+    bm.free(held)
+    copy = bm.copy_free()
+    assert copy.check() == bm.check()
+    want = [seq_of("b", system + [2]), seq_of("c", system[:P] + [3])]
+
+    def batches(s):
+        for w in want:
+            s.add(Sequence(w.request_id, w.prompt_token_ids, w.params, 0))
+        return [[(q.request_id, st, n) for q, st, n in
+                 zip(b.seqs, b.start_positions, b.num_new_tokens)] for b in run(s)]
+
+    dry = Scheduler(copy, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
+                    page_size=P)
+    dry.device = ContentDevice(dry)
+    dry.device.slots = dict(sched.device.slots)    # the same K/V content
+    assert batches(dry) == batches(sched)
+    assert batches(dry)[0][0] == ("b", 3 * P, 1)

@@ -79,14 +79,17 @@ def test_prompt_logprobs_match_hf(llm, hf_model, chunk):
     budget = sched.max_num_batched_tokens
     try:
         sched.max_num_batched_tokens = chunk or budget
-        [s] = run(llm, [(ids, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=5))])
+        out = llm.generate({"prompt_token_ids": ids},  # through RequestOutput's Logprobs
+                           SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=5))[0]
     finally:
         sched.max_num_batched_tokens = budget
     ref = hf_logprobs(hf_model, ids)
-    assert len(s.prompt_logprobs) == 40 and s.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == 40 and out.prompt_logprobs[0] is None
     for j in range(1, 40):
-        check_entry(s.prompt_logprobs[j], ref[j - 1], ids[j], 5)
-    assert s.logprobs is None
+        entry = out.prompt_logprobs[j]
+        assert isinstance(entry[ids[j]].decoded_token, str)
+        check_entry({t: (e.logprob, e.rank) for t, e in entry.items()}, ref[j - 1], ids[j], 5)
+    assert out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None
 
 
 def vllm_processed(logits: np.ndarray, prompt: list[int], output: list[int], p: SamplingParams,

@@ -1,6 +1,7 @@
 """The jit entry point: a step is ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')`` (with
 log-probabilities: a dict of them and ``tokens``), KV donated, compiled per
-`jaxinfer.step_input.ShapeKey` and GEMM back-end; `StepExecutor` picks the variant, keeps ahead-of-time executables, dispatches one step per transfer."""
+`jaxinfer.step_input.ShapeKey` and GEMM back-end; `StepExecutor` picks the variant, keeps
+ahead-of-time executables, dispatches one step per transfer."""
 
 from __future__ import annotations
 

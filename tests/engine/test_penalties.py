@@ -45,7 +45,8 @@ ROWS = [  # (prompt, output, params): mixed options, plain rows between penalise
     ([1, 3], [3, 4], SamplingParams()),
     ([8, 8, 10], [10, 12, 12, 12], SamplingParams(frequency_penalty=-1.0, presence_penalty=-0.5,
                                                   repetition_penalty=1.3)),
-    ([4], [20], SamplingParams(min_tokens=3, stop_token_ids=[30, 31], logit_bias={7: 3.0, 8: -100})),
+    ([4], [20], SamplingParams(min_tokens=3, stop_token_ids=[30, 31],
+                               logit_bias={7: 3.0, 8: -100})),
     ([4], [20, 21, 22], SamplingParams(min_tokens=3, stop_token_ids=[30], logit_bias={0: 2.5})),
     ([13, 14], [], SamplingParams(min_tokens=1, ignore_eos=True)),
 ]

@@ -36,6 +36,8 @@ class ServerMetrics:
               ).set_function(lambda: bm.num_usable_pages - bm.num_free_pages)
         Gauge(p + "kv_pages_total", "usable KV pool pages", registry=r
               ).set_function(lambda: bm.num_usable_pages)
+        Gauge(p + "compiled_step_shapes", "step shapes compiled so far", registry=r
+              ).set_function(lambda: engine.stats.num_compiles)
         Gauge(p + "prefix_cache_hit_rate", "prefix cache hit rate (tokens; 0 without stats)",
               registry=r).set_function(
             lambda: float(getattr(engine.stats, "prefix_cache_hit_rate", 0.0) or 0.0))

@@ -97,7 +97,7 @@ class EngineRunner:
                     eng.add_request(ids, params, request_id=rid)
                     self._reqs[rid] = req
                     req.sent = [(0, "")] * params.n
-                except ValueError as e:
+                except Exception as e:  # ValueError: rejected; anything else: reported too
                     events.append((req, (rid, str(e))))
             if eng.has_unfinished():
                 try:

@@ -1,0 +1,335 @@
+"""Online serving benchmark: Poisson arrivals against the OpenAI-compatible server.
+
+In the manner of vLLM's benchmark_serving.py: an asyncio client (the official ``openai`` package) sends bench_throughput.py's workload (random token-id prompts,
+uniform input and output lengths, ignore_eos, greedy, fixed seed) to the OpenAI-compatible server
+with Poisson arrivals at each of ``--rates`` requests/s (``inf``: all at once, saturation), and
+reports per rate: request throughput, output tok/s, TTFT, TPOT (per request: (latency - TTFT) /
+(tokens - 1)) and inter-token latency (gaps between streamed chunks; one chunk per engine step)
+P50/P99; a table, one JSON line per rate (bench="serving") in ``--out``, and a PNG of latency
+against the achieved rate (``--png``; needs matplotlib).
+
+The server: ``--base-url`` (one already running), else a child process this script starts:
+``--model PATH`` (``embedded``: SmolLM2) runs ``python -m jaxinfer.serve``; no ``--model``: a
+random-weight model of the published Qwen3-8B architecture (``--layers``) built on the device,
+which first runs the same workload offline (`LLM.generate`, the shapes compiled ahead of time as
+in bench_throughput.py) and reports its output tok/s, the reference of the rate ``inf`` row
+(``offline_output_tok_s``), then compiles every decode shape. Each rate runs untimed first until
+a run compiles no new step shape (at most ``--warmup`` runs); ``compiles`` counts the shapes
+compiled during the timed run (each one a stall in its latencies).
+
+``--soak``: ``--soak-requests`` (1,000) over ``--soak-seconds`` (600) with 10% of the clients
+disconnecting mid-stream and 5% malformed requests; checks that every good request got all its
+tokens and every bad one a 4xx, and compares the server's resident memory after the run with
+after warm-up (the first 10%). ``--tiny``: a small random model and workload, a CPU smoke run.
+
+    python scripts/bench_serving.py [--rates 2,4,8,16,inf] [--model PATH] [--soak] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from scripts.bench_throughput import QWEN3_8B_HF, workload  # noqa: E402
+from scripts.run_info import git_commit, xla_flags  # noqa: E402
+
+TINY_HF = dict(QWEN3_8B_HF, vocab_size=4096, hidden_size=128, intermediate_size=256,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+               max_position_embeddings=4096)
+MODEL = "bench"
+
+
+def serve_random(args) -> None:
+    """The child: a random-weight model, the workload run offline once (timed; the shapes
+    compiled first), then served on ``args.port`` (the offline row on stdout, tagged)."""
+    import jax
+    import jax.numpy as jnp
+    import uvicorn
+
+    from jaxinfer import LLM, SamplingParams, models
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.serve import create_app
+
+    hf = dict(TINY_HF if args.tiny else QWEN3_8B_HF, model_type="qwen3",
+              num_hidden_layers=args.layers)
+    cfg = ModelConfig.from_hf_config(hf)
+    llm = LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), jnp.dtype(
+        args.dtype or "bfloat16")), **engine_args(args))
+    prompts, out_lens = workload(args, cfg.vocab_size)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    llm.precompile(reqs, params)  # the offline run's shapes, then every decode shape
+    from jaxinfer.step_input import ShapeKey
+    b = llm.engine.buckets
+    llm.engine.precompile([ShapeKey(batch=n, tokens=1, pages=m, penalty=0, query=None,
+                                    all_greedy=True) for n in b.batch for m in b.pages])
+    t = time.perf_counter()
+    llm.generate(reqs, params)
+    dt = time.perf_counter() - t
+    print("OFFLINE " + json.dumps(dict(offline_output_tok_s=sum(out_lens) / dt, offline_s=dt,
+                                       device=str(jax.devices()[0].device_kind))), flush=True)
+    app = create_app(llm, served_model_name=MODEL)
+    uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
+                                  access_log=False)).run()
+
+
+def engine_args(args) -> dict:
+    return dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
+                kernels=args.kernels)
+
+
+def start_server(args) -> tuple[subprocess.Popen, str, dict]:
+    """(child, base URL, offline row or {}) once the child answers /health."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if args.model is None:
+        cmd = [sys.executable, os.path.abspath(__file__), "--serve-random", "--port", str(port),
+               *sys.argv[1:]]
+    else:
+        cmd = [sys.executable, "-m", "jaxinfer.serve", "--port", str(port), "--log-level",
+               "warning", "--served-model-name", MODEL, *(["--model", args.model]
+                                                          if args.model != "embedded" else [])]
+        for k, v in engine_args(args).items():
+            if v not in (None, ""):
+                cmd += ["--" + k.replace("_", "-"), str(v)]
+    import tempfile
+    log = open(os.path.join(tempfile.gettempdir(), "bench_serving_server.log"), "w")
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
+    url, offline = f"http://127.0.0.1:{port}", {}
+    import threading
+
+    def read():  # the offline row, then keep the pipe drained
+        for line in child.stdout:
+            if line.startswith("OFFLINE "):
+                offline.update(json.loads(line[8:]))
+    threading.Thread(target=read, daemon=True).start()
+    while True:
+        if child.poll() is not None:
+            raise SystemExit(f"the server exited with {child.returncode}; see {log.name}")
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return child, url + "/v1", offline
+        except OSError:
+            time.sleep(1)
+
+
+async def one(client, prompt, max_tokens: int, t_send: float, close_after: int | None = None):
+    """Stream one completion at ``t_send`` (perf_counter); its timings, or None if left."""
+    await asyncio.sleep(max(0.0, t_send - time.perf_counter()))
+    t0 = time.perf_counter()
+    stream = await client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    times, usage = [], None
+    async for chunk in stream:
+        if chunk.choices:
+            times.append(time.perf_counter())
+            if close_after is not None and len(times) >= close_after:
+                await stream.close()
+                return None
+        usage = chunk.usage or usage
+    n = usage.completion_tokens if usage else 0
+    return dict(start=t0, ttft=times[0] - t0, latency=times[-1] - t0, tokens=n,
+                itl=np.diff(times).tolist(), ok=n == max_tokens)
+
+
+def metric(url: str, name: str) -> float:
+    text = urllib.request.urlopen(url.rsplit("/v1", 1)[0] + "/metrics").read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(f"jaxinfer:{name}"))
+
+
+async def run_rate(url, prompts, out_lens, rate: float, seed: int) -> dict:
+    import openai
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600)
+    gaps = np.random.default_rng(seed).exponential(1 / rate, len(prompts)) if rate < np.inf \
+        else np.zeros(len(prompts))
+    t0 = time.perf_counter() + 0.05
+    sends = t0 + np.cumsum(gaps) - gaps[0]
+    res = await asyncio.gather(*(one(client, p, m, t) for p, m, t in zip(prompts, out_lens, sends)))
+    await client.close()
+    dur = max(r["start"] + r["latency"] for r in res) - t0
+    pct = (lambda xs, q: float(np.percentile(xs, q)) if len(xs) else None)
+    ttft, itl = [r["ttft"] for r in res], [g for r in res for g in r["itl"]]
+    tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in res if r["tokens"] > 1]
+    row = dict(rate=rate if rate < np.inf else "inf", duration_s=dur,
+               request_throughput=len(res) / dur, output_tok_s=sum(r["tokens"] for r in res) / dur,
+               incomplete=sum(not r["ok"] for r in res))
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        row.update({f"{name}_mean_ms": float(np.mean(xs)) * 1e3 if xs else None,
+                    f"{name}_p50_ms": (pct(xs, 50) or 0) * 1e3, f"{name}_p99_ms": (pct(xs, 99) or 0) * 1e3})
+    return row
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS"))
+
+
+async def soak(args, url, child, prompts, out_lens) -> dict:
+    """Poisson arrivals of ``--soak-requests`` good, disconnecting and malformed requests."""
+    import openai
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600)
+    rng, n = random.Random(args.seed), args.soak_requests
+    kinds = rng.choices(["good", "leave", "bad"], [0.85, 0.10, 0.05], k=n)
+    gaps = np.random.default_rng(args.seed).exponential(args.soak_seconds / n, n)
+    t0 = time.perf_counter()
+    sends = t0 + np.cumsum(gaps)
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    bad_bodies = [b"{", b'{"prompt": "x", "temperature": -1}', b'{"prompt": [1], "n": 0}',
+                  b'{"prompt": "\xff"}', b'{"max_tokens": 3}']
+
+    async def bad(t_send):
+        await asyncio.sleep(max(0.0, t_send - time.perf_counter()))
+        r, w = await asyncio.open_connection(host, int(port))
+        body = rng.choice(bad_bodies)
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        status = int((await r.read()).split(b" ", 2)[1])
+        w.close()
+        return status
+
+    async def job(i):
+        p, m = prompts[i % len(prompts)], out_lens[i % len(prompts)]
+        if kinds[i] == "bad":
+            return await bad(sends[i])
+        return await one(client, p, m, sends[i], rng.randint(1, max(1, m - 1))
+                         if kinds[i] == "leave" else None)
+
+    warm = max(1, n // 10)
+    first = await asyncio.gather(*(job(i) for i in range(warm)))
+    rss_warm = rss_bytes(child.pid)
+    rest = await asyncio.gather(*(job(i) for i in range(warm, n)))
+    await client.close()
+    rss_end = rss_bytes(child.pid)
+    res = first + rest
+    good = [r for r, k in zip(res, kinds) if k == "good"]
+    return dict(requests=n, good=len(good), lost=sum(not r["ok"] for r in good),
+                bad=kinds.count("bad"), bad_not_4xx=sum(not 400 <= r < 500 for r, k in zip(
+                    res, kinds) if k == "bad"), disconnects=kinds.count("leave"),
+                seconds=time.perf_counter() - t0, rss_after_warmup_mb=rss_warm / 2 ** 20,
+                rss_end_mb=rss_end / 2 ** 20, rss_growth=rss_end / rss_warm - 1)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG")
+        return
+    rows = sorted(rows, key=lambda r: r["request_throughput"])
+    x = [r["request_throughput"] for r in rows]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    for name in ("ttft", "tpot", "itl"):
+        for q, style in (("p50", "-o"), ("p99", "--x")):
+            (ax[0] if name == "ttft" else ax[1]).plot(
+                x, [r[f"{name}_{q}_ms"] for r in rows], style, label=f"{name.upper()} {q}")
+    for a in ax:
+        a.set_xlabel("achieved request rate (req/s)")
+        a.set_ylabel("ms")
+        a.set_yscale("log")
+        a.legend()
+    fig.suptitle("jaxinfer serving: latency against request rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"plot: {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base-url", default=None, help="a running server's /v1 URL")
+    ap.add_argument("--model", default=None, help="PATH or 'embedded'; default: random Qwen3-8B")
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--tiny", action="store_true", help="small random model and workload (CPU)")
+    ap.add_argument("--rates", default="2,4,8,16,32,inf", help="requests/s, comma-separated")
+    ap.add_argument("--warmup", type=int, default=3,
+                    help="most untimed runs of each rate first (until one compiles nothing)")
+    for name, default in (("num-requests", 256), ("min-input", 100), ("max-input", 1024),
+                          ("min-output", 100), ("max-output", 1024), ("seed", 0),
+                          ("max-num-seqs", 256), ("max-num-batched-tokens", 8192),
+                          ("soak-requests", 1000), ("soak-seconds", 600)):
+        ap.add_argument("--" + name, type=int, default=default)
+    ap.add_argument("--kernels", default="")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--soak", action="store_true")
+    ap.add_argument("--out", default="benchmarks/serving.jsonl")
+    ap.add_argument("--png", default=None, help="default: --out with .png")
+    ap.add_argument("--serve-random", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.tiny:  # only the defaults change; explicit values stay
+        for k, v in dict(layers=2, num_requests=24, min_input=16, max_input=96, min_output=8,
+                         max_output=48, max_num_seqs=16, max_num_batched_tokens=256,
+                         rates="8,inf", soak_requests=200, soak_seconds=60,
+                         dtype="float32").items():
+            if getattr(args, k) == ap.get_default(k):
+                setattr(args, k, v)
+    if args.serve_random:
+        return serve_random(args)
+    rates = [float(r) for r in args.rates.split(",")]
+    vocab = 49152 if args.model else (TINY_HF if args.tiny else QWEN3_8B_HF)["vocab_size"]
+    prompts, out_lens = workload(args, vocab)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    child, url, offline = (None, args.base_url, {}) if args.base_url else start_server(args)
+    meta = dict(bench="serving", model=args.model or f"random qwen3-8b arch, {args.layers} layers"
+                + (" (tiny)" if args.tiny else ""), num_requests=len(prompts),
+                input_range=[args.min_input, args.max_input], seed=args.seed,
+                output_range=[args.min_output, args.max_output], max_num_seqs=args.max_num_seqs,
+                date=datetime.date.today().isoformat(), commit=git_commit(), xla_flags=xla_flags(),
+                **offline)
+    rows = []
+    try:
+        if args.soak:
+            row = dict(meta, mode="soak", **asyncio.run(soak(args, url, child, prompts, out_lens)))
+            print(json.dumps(row, indent=1))
+            rows.append(row)
+        for rate in [] if args.soak else rates:
+            for _ in range(args.warmup):  # until a run compiles nothing new
+                compiles = metric(url, "compiled_step_shapes")
+                asyncio.run(run_rate(url, prompts, out_lens, rate, args.seed))
+                if metric(url, "compiled_step_shapes") == compiles:
+                    break
+            compiles = metric(url, "compiled_step_shapes")
+            row = dict(meta, **asyncio.run(run_rate(url, prompts, out_lens, rate, args.seed)),
+                       compiles=metric(url, "compiled_step_shapes") - compiles)
+            if row["rate"] == "inf" and offline:
+                row["vs_offline"] = row["output_tok_s"] / offline["offline_output_tok_s"]
+            rows.append(row)
+            print(f"rate {row['rate']:>5}: {row['request_throughput']:7.2f} req/s "
+                  f"{row['output_tok_s']:9.1f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']:8.1f}/"
+                  f"{row['ttft_p99_ms']:8.1f} ms  TPOT {row['tpot_p50_ms']:7.2f}/"
+                  f"{row['tpot_p99_ms']:7.2f} ms  ITL {row['itl_p50_ms']:7.2f}/"
+                  f"{row['itl_p99_ms']:7.2f} ms  incomplete {row['incomplete']}"
+                  + (f"  vs offline {row['vs_offline']:.3f}" if "vs_offline" in row else ""),
+                  flush=True)
+    finally:
+        if child is not None:
+            child.terminate()
+            child.wait(60)
+    with open(args.out, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    if rows and not args.soak:
+        plot(rows, args.png or os.path.splitext(args.out)[0] + ".png")
+
+
+if __name__ == "__main__":
+    main()

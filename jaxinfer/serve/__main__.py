@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # abort what is left after the grace period
             super().handle_exit(sig, frame)
+            getattr(self, "_captured_signals", []).clear()  # exit 0, not re-raised
             timer = threading.Timer(args.shutdown_timeout, app.state.runner.stop)
             timer.daemon = True
             timer.start()

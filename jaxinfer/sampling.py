@@ -219,6 +219,9 @@ def logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> dict:
     lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     tokens = jnp.clip(tokens, 0, lp.shape[1] - 1)
     tok = jnp.take_along_axis(lp, tokens[:, None], axis=-1)
-    top_lp, top_ids = jax.lax.top_k(lp, k)
+    if k == 1:  # max / argmax fuse with the softmax; top_k may sort the whole row
+        top_lp, top_ids = jnp.max(lp, axis=-1, keepdims=True), jnp.argmax(lp, axis=-1)[:, None]
+    else:
+        top_lp, top_ids = jax.lax.top_k(lp, k)
     return dict(logprobs=tok[:, 0], ranks=jnp.sum(lp >= tok, axis=-1, dtype=jnp.int32),
                 top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)

@@ -208,7 +208,11 @@ class LLMEngine:
         out, self.kv = self.executor.run(self.params, self.kv, hb,
                                          None if prev is None else prev.handle[0])
         self.stats.num_steps += 1
-        return (out.pop("tokens"), hb, out) if isinstance(out, dict) else (out, hb, None)
+        if not isinstance(out, dict):
+            return out, hb, None
+        for a in out.values():  # log-probabilities come back as soon as the step ends
+            a.copy_to_host_async()
+        return out.pop("tokens"), hb, out
 
     def _complete(self, done: Launched, host_times: tuple[float, float]) -> list[Sequence]:
         """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
@@ -216,10 +220,9 @@ class LLMEngine:
         tokens = np.asarray(tokens)
         t1 = time.perf_counter()
         sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
-        before = [s.num_output_tokens for s in batch.seqs]
+        before = None if lps is None else [s.num_output_tokens for s in batch.seqs]
         finished = self.scheduler.postprocess(batch, sampled)
-        logprobs.record(lps, hb, batch.seqs, [s.num_output_tokens > n
-                                              for s, n in zip(batch.seqs, before)])
+        logprobs.record(lps, hb, batch.seqs, before)
         for s, tok in zip(batch.seqs, sampled):
             if tok is None or (stop := self.outputs.find_stop_string(s)) is None:
                 continue

@@ -167,8 +167,8 @@ def test_record_orders_prompt_positions_and_sampled_tokens():
                prompt_ranks=np.array([3, 1, 0]), prompt_top_ids=np.array([[7, 0], [3, 0], [0, 0]]),
                prompt_top_logprobs=np.array([[-0.2, -3], [-2.0, -3], [0, 0]]))
     s.output_token_ids.append(4)
-    host_logprobs.record(out, HB, [s], [True])
-    host_logprobs.record(out, HB, [s], [False])  # the same positions again: skipped
+    host_logprobs.record(out, HB, [s], [0])
+    host_logprobs.record(out, HB, [s], [1])  # the same positions again: skipped; no new token
     assert s.prompt_logprobs == [None, {2: (-1.0, 3), 7: (-0.2, 1)}, {3: (-2.0, 1)}]
     assert s.logprobs == [{4: (-0.5, 2), 9: (-0.1, 1)}] and s.cumulative_logprob == -0.5
 

@@ -19,7 +19,7 @@ def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingPa
     """Run ``requests`` ((prompt ids, `SamplingParams`)) on the fresh ``scheduler``, sampling a
     token that ends no request. Returns (`ScheduledBatch`, `HostBatch`) per step in launch order.
     Raises ValueError: a rejected request."""
-    stops: set[int] = set()
+    stops: set[int] = set(scheduler.eos_token_ids)
     for i, (ids, params) in enumerate(requests):
         stops.update(params.stop_token_ids)
         max_tokens = params.max_tokens or scheduler.max_model_len - len(ids)
@@ -31,7 +31,8 @@ def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingPa
 
     def launch(batch: ScheduledBatch, prev: Launched | None) -> None:
         steps.append((batch, build_host_batch(batch, page_size=scheduler.page_size,
-                                              buckets=buckets)))
+                                              buckets=buckets,
+                                              eos_token_ids=scheduler.eos_token_ids)))
 
     def complete(done: Launched, times) -> list[Sequence]:
         return scheduler.postprocess(done.batch, [token if s else None

@@ -247,7 +247,7 @@ class LLMEngine:
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
         """The `ShapeKey`s ``requests`` visit on an idle engine, in first-visit order. Raises
         ValueError: a request the scheduler rejects."""
-        sched = self._scheduler(self.block_manager.copy_free())  # the prefix cache as now
+        sched = self._scheduler(self.block_manager.copy_free(), self.eos_token_ids)  # the prefix cache as now
         steps = dry_run(sched, requests, buckets=self.buckets, async_scheduling=self.async_scheduling)
         return list(dict.fromkeys(hb.key for _, hb in steps))
 

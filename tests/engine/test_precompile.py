@@ -30,11 +30,11 @@ def _workload():
     prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(n)]}
                for i, n in enumerate(lens)]
     params = [SamplingParams(temperature=0.0, max_tokens=6),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=11),
-              SamplingParams(temperature=0.0, max_tokens=2),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=11, n=2),
+              SamplingParams(temperature=0.0, max_tokens=2, logprobs=2),
               SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.3),
               SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=4),
-              SamplingParams(temperature=0.0, max_tokens=14)]
+              SamplingParams(temperature=0.0, max_tokens=14, min_tokens=14, stop_token_ids=[5])]
     return prompts, params
 
 

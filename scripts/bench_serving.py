@@ -23,6 +23,7 @@ tokens and every bad one a 4xx, and compares the server's resident memory after 
 after warm-up (the first 10%). ``--tiny``: a small random model and workload, a CPU smoke run.
 
     python scripts/bench_serving.py [--rates 2,4,8,16,inf] [--model PATH] [--soak] [--tiny]
+    python scripts/bench_serving.py --tiny --soak --soak-requests 1000 --soak-seconds 600  # CPU
 """
 
 from __future__ import annotations
@@ -274,14 +275,11 @@ def main() -> None:
     ap.add_argument("--png", default=None, help="default: --out with .png")
     ap.add_argument("--serve-random", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    if "--tiny" in sys.argv[1:]:  # other defaults; explicit values stay
+        ap.set_defaults(layers=2, num_requests=24, min_input=16, max_input=96, min_output=8,
+                        max_output=48, max_num_seqs=16, max_num_batched_tokens=256,
+                        rates="8,inf", soak_requests=200, soak_seconds=60, dtype="float32")
     args = ap.parse_args()
-    if args.tiny:  # only the defaults change; explicit values stay
-        for k, v in dict(layers=2, num_requests=24, min_input=16, max_input=96, min_output=8,
-                         max_output=48, max_num_seqs=16, max_num_batched_tokens=256,
-                         rates="8,inf", soak_requests=200, soak_seconds=60,
-                         dtype="float32").items():
-            if getattr(args, k) == ap.get_default(k):
-                setattr(args, k, v)
     if args.serve_random:
         return serve_random(args)
     rates = [float(r) for r in args.rates.split(",")]

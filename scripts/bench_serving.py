@@ -1,12 +1,13 @@
 """Online serving benchmark: Poisson arrivals against the OpenAI-compatible server.
 
-In the manner of vLLM's benchmark_serving.py: an asyncio client (the official ``openai`` package) sends bench_throughput.py's workload (random token-id prompts,
-uniform input and output lengths, ignore_eos, greedy, fixed seed) to the OpenAI-compatible server
-with Poisson arrivals at each of ``--rates`` requests/s (``inf``: all at once, saturation), and
-reports per rate: request throughput, output tok/s, TTFT, TPOT (per request: (latency - TTFT) /
-(tokens - 1)) and inter-token latency (gaps between streamed chunks; one chunk per engine step)
-P50/P99; a table, one JSON line per rate (bench="serving") in ``--out``, and a PNG of latency
-against the achieved rate (``--png``; needs matplotlib).
+In the manner of vLLM's benchmark_serving.py: an asyncio client (the official ``openai``
+package) sends bench_throughput.py's workload (random token-id prompts, uniform input and output
+lengths, ignore_eos, greedy, fixed seed) to the server with Poisson arrivals at each of
+``--rates`` requests/s (``inf``: all at once, saturation), and reports per rate: request
+throughput, output tok/s, TTFT, TPOT (per request: (latency - TTFT) / (tokens - 1)) and
+inter-token latency (gaps between streamed chunks; one chunk per engine step) P50/P99; a table,
+one JSON line per rate (bench="serving") in ``--out``, and a PNG of latency against the achieved
+rate (``--png``; needs matplotlib).
 
 The server: ``--base-url`` (one already running), else a child process this script starts:
 ``--model PATH`` (``embedded``: SmolLM2) runs ``python -m jaxinfer.serve``; no ``--model``: a
@@ -174,7 +175,8 @@ async def run_rate(url, prompts, out_lens, rate: float, seed: int) -> dict:
                incomplete=sum(not r["ok"] for r in res))
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         row.update({f"{name}_mean_ms": float(np.mean(xs)) * 1e3 if xs else None,
-                    f"{name}_p50_ms": (pct(xs, 50) or 0) * 1e3, f"{name}_p99_ms": (pct(xs, 99) or 0) * 1e3})
+                    f"{name}_p50_ms": (pct(xs, 50) or 0) * 1e3,
+                    f"{name}_p99_ms": (pct(xs, 99) or 0) * 1e3})
     return row
 
 

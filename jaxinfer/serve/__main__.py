@@ -16,7 +16,8 @@ def build_parser():
     p = generate._Parser(prog="jaxinfer-serve", formatter_class=generate._Formatter,
                          description="OpenAI-compatible HTTP server over the jaxinfer engine.")
     p.add_argument("--model", default=None,
-                   help="HF model dir, GGUF file or Orbax dir (default: embedded SmolLM2-135M-Instruct)")
+                   help="HF model dir, GGUF file or Orbax dir (default: the embedded "
+                        "SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--served-model-name", default=None,

@@ -11,7 +11,6 @@ import contextlib
 import itertools
 import json
 import re
-import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -114,7 +113,8 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise APIError(f"prompt is not valid Unicode text: {e.reason}", param="prompt") from None
+            raise APIError(f"prompt is not valid Unicode text: {e.reason}",
+                           param="prompt") from None
         try:
             return llm.encode(text)
         except ValueError as e:
@@ -207,7 +207,8 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
                         yield chunk([_choice(chat, i, ev.text, lps, ev.finish_reason)])
                 if include_usage:
                     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
-                    yield f"data: {Chunk(id=rid, model=name, choices=[], usage=usage).model_dump_json()}\n\n"
+                    last = Chunk(id=rid, model=name, choices=[], usage=usage)
+                    yield f"data: {last.model_dump_json()}\n\n"
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(events(), media_type="text/event-stream")

@@ -126,7 +126,9 @@ class EngineRunner:
                 if d is None and not done:
                     continue
                 n0 = req.sent[seq.index][0]
-                ids, text, req.sent[seq.index] = d if d is not None else ([], "", req.sent[seq.index])
+                if d is None:
+                    d = ([], "", req.sent[seq.index])
+                ids, text, req.sent[seq.index] = d
                 lps = None if seq.logprobs is None else seq.logprobs[n0:n0 + len(ids)]
                 if done:
                     req.reported.add(seq.index)

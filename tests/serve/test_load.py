@@ -23,7 +23,8 @@ def _requests(n: int, seed: int, greedy_every: int = 3):
     for i in range(n):
         prompt = " ".join(rng.sample(PROMPTS, rng.randint(1, 3)))
         samp = dict(temperature=0.0) if i % greedy_every == 0 else dict(
-            temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), seed=rng.randrange(10 ** 6),
+            temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
+            seed=rng.randrange(10 ** 6),
             extra_body={"top_k": rng.choice([-1, 20]), "min_p": rng.choice([0.0, 0.05])})
         out.append((prompt, rng.randint(4, 16), samp))
     return out

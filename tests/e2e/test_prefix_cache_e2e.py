@@ -24,7 +24,8 @@ TEXT = ("The history of the printing press begins in the fifteenth century, when
 
 @contextlib.contextmanager
 def pool(llm, *, caching: bool, num_pages: int | None = None):
-    """The engine with a fresh block manager (and scheduler) for the duration."""
+    """The engine with a fresh block manager (and scheduler) for the duration; the KV pool is
+    shared, so the saved manager's prefix cache is dropped afterwards (its pages were reused)."""
     eng = llm.engine
     saved = eng.block_manager, eng.scheduler
     bm = BlockManager(num_pages or eng.num_pages, eng.page_size, enable_prefix_caching=caching)
@@ -35,6 +36,7 @@ def pool(llm, *, caching: bool, num_pages: int | None = None):
     finally:
         eng.block_manager, eng.scheduler = saved
         eng.loop.scheduler = saved[1]
+        assert saved[0].reset_prefix_cache()
 
 
 def run(llm, prompts, params, *, watch=None):

@@ -78,9 +78,9 @@ class RequestOutput:
 class OutputProcessor:
     """A `Sequence`'s text and outputs with ``detokenize(ids, skip_special_tokens=...,
     spaces_between_special_tokens=...)`` (HF ``tokenizer.decode``'s arguments, from the request's
-    `SamplingParams`; None: "" and no stop strings). A stop string and what follows, and a stop
-    token's text, are left out unless ``include_stop_str_in_output``; EOS text follows
-    ``skip_special_tokens``."""
+    `SamplingParams`; None: "" and no stop strings). A stop string and what follows, and the text
+    of the token that stopped the request (a stop token or EOS), are left out unless
+    ``include_stop_str_in_output`` (vLLM's detokenizer)."""
 
     def __init__(self, detokenize: Callable[..., str] | None) -> None:
         self.detokenize = detokenize
@@ -121,8 +121,9 @@ class OutputProcessor:
         """The output text the rules allow to be shown."""
         p = seq.params
         ids = seq.output_token_ids
-        if seq.ended_on_stop_token and not p.include_stop_str_in_output:
-            ids = ids[:-1]
+        stopped_by_token = seq.finish_reason == "stop" and seq.stop_string is None and ids
+        if stopped_by_token and seq.is_finished and not p.include_stop_str_in_output:
+            ids = ids[:-1]  # a stop token or EOS
         text = self._decode(ids, p) if self.detokenize is not None else ""  # no stop_string ^
         if seq.stop_string is not None:
             end = self._stop_at(seq, text, seq.stop_string)

@@ -105,6 +105,9 @@ class LLMEngine:
         if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:
             raise ValueError(f"SamplingParams.stop_token_ids contains {bad[0]}, out of range: ids "
                              f"must be in [0, {vocab})")
+        if bad := [t for t in params.logit_bias if t >= vocab]:
+            raise ValueError(f"SamplingParams.logit_bias has token id {bad[0]}, out of range: ids "
+                             f"must be in [0, {vocab})")
         self.scheduler.check_admissible(len(prompt_token_ids), params)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,

@@ -79,6 +79,9 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
         err = e.errors()[0]
+        if err.get("type") == "json_invalid":  # loc is ("body", offset): not a parameter
+            return JSONResponse(P.error_body(f"the request body is not valid JSON: "
+                                             f"{err.get('msg')}", 400), 400)
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         param = ".".join(loc) or None
         return JSONResponse(P.error_body(f"{param or 'body'}: {err.get('msg')}", 400, param), 400)

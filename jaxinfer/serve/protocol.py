@@ -181,6 +181,6 @@ class ModelList(_Model):
 def error_body(message: str, status: int, param: str | None = None,
                code: str | None = None) -> dict:
     """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error"}.get(status, "server_error")
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "invalid_request_error" if 400 <= status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}

@@ -53,12 +53,15 @@ def test_special_tokens_and_stop_string_in_text(startup, hf_tokenizer):
     prompt = {"prompt_token_ids": llm.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}])}
     greedy = dict(temperature=0.0, max_tokens=40)
-    keep, drop = llm.generate([prompt, prompt], [SamplingParams(skip_special_tokens=False, **greedy),
-                                                 SamplingParams(**greedy)])
+    keep, drop, eos = llm.generate([prompt] * 3, [
+        SamplingParams(skip_special_tokens=False, **greedy), SamplingParams(**greedy),
+        SamplingParams(skip_special_tokens=False, include_stop_str_in_output=True, **greedy)])
     ids = list(keep.token_ids)
     assert keep.outputs[0].finish_reason == "stop" and ids == list(drop.token_ids)
-    assert keep.text == hf_tokenizer.decode(ids, skip_special_tokens=False)
-    assert keep.text.endswith("<|im_end|>") and drop.text == hf_tokenizer.decode(
+    # vLLM: the EOS that stopped the request is left out unless include_stop_str_in_output
+    assert keep.text == hf_tokenizer.decode(ids[:-1], skip_special_tokens=False)
+    assert eos.text == hf_tokenizer.decode(ids, skip_special_tokens=False)
+    assert eos.text.endswith("<|im_end|>") and drop.text == hf_tokenizer.decode(
         ids, skip_special_tokens=True)
     stop = drop.text.split()[1]  # a word inside the answer
     cut, kept = llm.generate([prompt, prompt], [

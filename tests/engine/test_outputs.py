@@ -118,3 +118,16 @@ def test_include_stop_str_and_special_tokens_per_request():
     s.params = SamplingParams(max_tokens=5)
     assert out.visible_text(s) == "a"
     assert _generate(out, [ord(c) for c in "ab. cd."], stop=["."], min_tokens=4)[0] == "ab. cd"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_left_out_unless_include_stop_str(include):
+    """vLLM's detokenizer drops the token that stopped the request (EOS, id 2 "<s>" here) even
+    with skip_special_tokens=False, unless include_stop_str_in_output."""
+    s = _seq("ab", skip_special_tokens=False, include_stop_str_in_output=include)
+    s.output_token_ids.append(2)
+    s.status, s.finish_reason = SequenceStatus.FINISHED, "stop"
+    comp = OutputProcessor(detok).request_output([s], None).outputs[0]
+    assert comp.text == ("ab<s>" if include else "ab") and comp.stop_reason is None
+    s.finish_reason = "length"  # the same token as the last allowed one: shown
+    assert OutputProcessor(detok).request_output([s], None).outputs[0].text == "ab<s>"

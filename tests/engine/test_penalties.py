@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxinfer.engine import logprobs as host_logprobs
 from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch
@@ -186,3 +187,19 @@ def test_history_penalties_make_the_step_synchronous():
                         lambda d, t: sched.postprocess(d.batch, [7] * d.batch.num_seqs))
         loop.step()
         assert loop.in_flight.sync is sync
+
+
+def test_logit_bias_outside_the_vocabulary_is_rejected():
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import LLM, models
+    from jaxinfer.config import ModelConfig
+
+    cfg = ModelConfig("llama", 64, 16, 32, 1, 2, 1, 8)
+    llm = LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), jnp.float32),
+                          max_model_len=32, num_pages=8, page_size=8, max_num_seqs=2)
+    with pytest.raises(ValueError, match=r"logit_bias has token id 64, out of range.*\[0, 64\)"):
+        llm.generate([[1, 2]], SamplingParams(logit_bias={64: 1.0}))
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.engine.add_request([1, 2], SamplingParams(logit_bias={"99": 1.0}))

@@ -159,7 +159,16 @@ def test_bad_parameters(server, raw, body, status, param, words):
     (b'{"prompt": "' + b"a" * (9 << 20) + b'"}', 413)])
 def test_malformed_bodies(server, raw, body, status):
     got, payload = asyncio.run(raw(server.port, body))
-    assert got == status and "message" in json.loads(payload)["error"]
+    err = json.loads(payload)["error"]
+    assert got == status and err["type"] == "invalid_request_error", err
+    if body == b"{not json":
+        assert err["param"] is None and "not valid JSON" in err["message"], err
+
+
+def test_wrong_method_is_a_client_error(server, raw):
+    got, payload = asyncio.run(raw(server.port, b"", method="GET"))
+    err = json.loads(payload)["error"]
+    assert got == 405 and err["type"] == "invalid_request_error", err
 
 
 def test_unknown_path_is_openai_json(server, raw):

@@ -192,8 +192,8 @@ class StepExecutor:
 
     def precompile(self, params, kv, keys, *, max_workers: int | None, warm: bool):
         """Compile each new key ahead of time in ``max_workers`` threads (default min(keys,
-        CPUs)); ``warm``: run each once on `empty_batch`. Returns ({"shapes", "lower_s",
-        "warm_s", "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
+        CPUs); on the CPU backend always one, the calling thread); ``warm``: run each once on
+        `empty_batch`. Returns ({"shapes", "lower_s", "warm_s", "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
         if max_workers is not None and (not isinstance(max_workers, int)
                                         or isinstance(max_workers, bool) or max_workers < 1):
             raise ValueError(f"max_workers={max_workers!r} is invalid: must be None or a positive "
@@ -201,18 +201,23 @@ class StepExecutor:
         todo = [k for k in dict.fromkeys(keys) if k not in self.stats.compiled_shapes]
         jax.block_until_ready(params)  # weights still being built would count as tracing
         t0, lower_s = time.perf_counter(), 0.0
-        if todo:
-            with ThreadPoolExecutor(max_workers or min(len(todo), os.cpu_count() or 1)) as pool:
-                futures = []
-                for k in todo:
-                    t = time.perf_counter()
-                    args = self._args(params, kv, empty_batch(k), None)
-                    futures.append(pool.submit(
-                        self.step_fn(k).lower(*args, key=k, **self.static).compile))
-                    lower_s += time.perf_counter() - t
-                for k, f in zip(todo, futures):
-                    self.executables[k] = f.result()
-                    self.stats.compiled_shapes.add(k)
+        workers = max_workers or min(len(todo), os.cpu_count() or 1)
+        if jax.default_backend() == "cpu":
+            workers = 1  # XLA:CPU compiling on a worker thread's small stack can segfault
+        lowered = []
+        for k in todo:
+            t = time.perf_counter()
+            args = self._args(params, kv, empty_batch(k), None)
+            lowered.append(self.step_fn(k).lower(*args, key=k, **self.static))
+            lower_s += time.perf_counter() - t
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                compiled = list(pool.map(lambda low: low.compile(), lowered))
+        else:
+            compiled = [low.compile() for low in lowered]
+        for k, exe in zip(todo, compiled):
+            self.executables[k] = exe
+            self.stats.compiled_shapes.add(k)
         t_warm = time.perf_counter()
         if warm and todo:
             for k in todo:

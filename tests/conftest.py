@@ -8,6 +8,17 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+# XLA:CPU compile time dominates the CPU suite (the 30 unrolled layers of SmolLM2, kernels in
+# interpret mode); LLVM's optimisation passes are most of it and buy nothing on these small shapes.
+CPU_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def pytest_configure(config):
+    """Before any test module imports JAX: the fast-compile flags, unless GPU tests are selected
+    or the caller set XLA_FLAGS (subprocesses of tests inherit them)."""
+    if "gpu" not in (config.option.markexpr or "").replace("not gpu", ""):
+        os.environ.setdefault("XLA_FLAGS", CPU_XLA_FLAGS)
+
 
 @pytest.fixture(scope="session")
 def smollm_path():

@@ -176,9 +176,10 @@ class MLP(nn.Module):
         w_down = self.param("w_down", dense_init, (F, D), self.param_dtype)
         with jax.named_scope("mlp"):
             gu = x @ in_dtype(w_gate_up, x.dtype)                       # [B, T, 2F]
-            gu = gu.reshape(*gu.shape[:-1], self.shards, -1)            # [B, T, shards, 2F/shards]
+            if self.shards > 1:                                         # [B, T, shards, 2F/shards]
+                gu = gu.reshape(*gu.shape[:-1], self.shards, -1)
             h = jax.nn.silu(gu[..., parts["gate"]]) * gu[..., parts["up"]]
-            h = h.reshape(*h.shape[:-2], F)                             # [B, T, F]
+            h = h.reshape(*h.shape[:-2], F) if self.shards > 1 else h   # [B, T, F]
             splits = self.down_partials
             if splits > 1:
                 B, T, F = h.shape

@@ -104,6 +104,14 @@ def hf_loaded(hf_dir) -> LoadedModel:
 
 
 # ----------------------------------------------------------------------------- load_model, HF
+
+
+def test_hf_dir_on_host_leaves_are_numpy(hf_dir, hf_loaded):
+    """``on_host`` (tensor parallelism places the shards itself): the same values, numpy."""
+    cfg, params = load_params(hf_dir, "float32", on_host=True)
+    assert cfg == hf_loaded.config
+    assert all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(params))
+    assert_trees_equal(params, hf_loaded.params)
 def test_hf_dir_load_model(hf_dir, hf_loaded):
     m = hf_loaded
     assert m.source == "hf" and detect_format(hf_dir) == "hf"

@@ -172,5 +172,31 @@ def test_errors_name_both_numbers(result):
         result["errors"]["devices"]
 
 
+def test_plan_per_device_bytes():
+    """Qwen3-8B (published config): KV heads split (tp 16 > K = 8: one copy per device), the
+    matrices split, the norms whole on each device."""
+    from jaxinfer.memory import kv_bytes_per_token, param_count
+    from jaxinfer.plan import PRESETS
+
+    cfg = PRESETS["qwen3-8b"]
+    L, D, H = cfg.num_layers, cfg.hidden_size, cfg.head_dim
+    assert [kv_bytes_per_token(cfg, 2, tp) for tp in (1, 2, 8, 16)] == [
+        147_456, 73_728, 18_432, 18_432]
+    whole = L * (2 * D + 2 * H) + D
+    assert param_count(cfg, 2) == (param_count(cfg) - whole) // 2 + whole
+
+
+def test_plan_cli_tensor_parallel_size(capsys):
+    from jaxinfer.plan import main as plan_main
+
+    args = ["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "80"]
+    assert plan_main(args + ["--tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "2 device(s)" in out and "73,728 B" in out
+    assert plan_main(args + ["--tensor-parallel-size", "3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "num_heads=32 is not divisible by tensor_parallel_size=3" in err[0]
+
+
 if __name__ == "__main__":
     main()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
@@ -46,8 +47,8 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
     zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(dtype)), out_shardings=sharding)
     tables = NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
     return KVCache(k=zeros(), v=zeros(),
-                   block_tables=jax.device_put(jnp.zeros((1, 1), jnp.int32), tables),
-                   seq_lens=jax.device_put(jnp.zeros((1,), jnp.int32), tables))
+                   block_tables=jax.device_put(np.zeros((1, 1), np.int32), tables),
+                   seq_lens=jax.device_put(np.zeros((1,), np.int32), tables))
 
 
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k_new: jax.Array, v_new: jax.Array,

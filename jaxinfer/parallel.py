@@ -24,13 +24,20 @@ KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]
 
 
 def make_mesh(tp: int) -> Mesh:
-    """1-D mesh, axis `AXIS`, over the first ``tp`` of ``jax.local_devices()``. Raises
-    ValueError: fewer local devices than ``tp`` (both numbers named)."""
-    devices = jax.local_devices()
+    """1-D mesh, axis `AXIS`, over the first ``tp`` of ``jax.devices()`` (this process's local
+    devices; after ``jax.distributed.initialize``, every process's, process by process). Raises
+    ValueError: fewer devices than ``tp`` (both numbers named)."""
+    devices = jax.devices()
     if tp > len(devices):
-        raise ValueError(f"tensor_parallel_size={tp} is invalid: this process sees "
-                         f"{len(devices)} local {devices[0].platform} device(s)")
+        raise ValueError(f"tensor_parallel_size={tp} is invalid: JAX sees {len(devices)} "
+                         f"{devices[0].platform} device(s)")
     return Mesh(np.array(devices[:tp]), (AXIS,))
+
+
+def local(x: jax.Array) -> jax.Array:
+    """A replicated ``x``'s copy on this process's first device of it (``x`` itself when one
+    process holds all of it), for reading back on a host of a multi-process mesh."""
+    return x if x.is_fully_addressable else x.addressable_data(0)
 
 
 def replicated(mesh: Mesh | None) -> NamedSharding | None:

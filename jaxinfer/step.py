@@ -17,6 +17,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer import models
 from jaxinfer.config import ModelConfig
@@ -167,7 +168,7 @@ class StepExecutor:
         self.steps, self.static, self.stats = PACKED_STEPS, dict(cfg=cfg, kernels=kernels), stats
         self.cublas_min_batch, self.prefill_gemm = kc.cublas_decode_min_batch, kc.prefill_gemm
         self.inputs = replicated(kernels.mesh)  # step inputs: whole on every device of a mesh
-        self.no_prev_tokens = jax.device_put(jnp.zeros((max_batch,), jnp.int32), self.inputs)
+        self.no_prev_tokens = jax.device_put(np.zeros((max_batch,), np.int32), self.inputs)
         self.executables: dict[ShapeKey, object] = {}  # ahead-of-time compiled steps
 
     def step_fn(self, key: ShapeKey):

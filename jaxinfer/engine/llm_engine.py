@@ -230,14 +230,15 @@ class LLMEngine:
         self.stats.num_steps += 1
         if not isinstance(out, dict):
             return out, hb, None
+        tokens, out = out.pop("tokens"), {k: parallel.local(a) for k, a in out.items()}
         for a in out.values():  # log-probabilities come back as soon as the step ends
             a.copy_to_host_async()
-        return out.pop("tokens"), hb, out
+        return tokens, hb, out
 
     def _complete(self, done: Launched, host_times: tuple[float, float]) -> list[Sequence]:
         """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
         (tokens, hb, lps), batch, t0 = done.handle, done.batch, time.perf_counter()
-        tokens = np.asarray(tokens)
+        tokens = np.asarray(parallel.local(tokens))
         t1 = time.perf_counter()
         sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
         before = None if lps is None else [s.num_output_tokens for s in batch.seqs]

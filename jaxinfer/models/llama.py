@@ -8,7 +8,8 @@ their layer's scope with `layers.shared`, so a layer's params form one flat dict
     final_norm [D]; lm_head [D, V] unless tied to ``embed``.
 
 Under tensor parallelism (``kernels.mesh``, `jaxinfer.parallel`) the fused matrices' columns
-are grouped by device (`fused_parts` with ``shards``) and K counts each device's KV heads.
+are grouped by device (`fused_parts` with ``shards``) and ``cfg`` is `tp_model_config`'s (KV
+heads copied up to one per device when there are fewer).
 
 The L layers are unrolled (BENCHMARKS.md: "Layer loop"); layer i writes the K/V pools at static
 index i. Sources: Touvron et al. 2023 (Llama 2); Meta 2024 (Llama 3); HF ``modeling_llama.py``."""

@@ -4,17 +4,20 @@ starts, so the checks run once in a subprocess of this file (`main`, with
 assert on it. Reference: the same engine at tensor_parallel_size=1 (today's one-device path).
 Models: tiny float32 Qwen3 (untied, V=256: vocabulary split at tp 2 and 4) and Llama (tied,
 V=250: vocabulary split at tp 2, replicated at tp 4), 8 query and 2 KV heads (tp=4 gives each
-device a copy of one KV head)."""
+device a copy of one KV head). Multi-host: two CPU processes of ``jax.distributed`` with a local
+coordinator (`main_two_processes`), a tp=2 mesh over their devices."""
 
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TPS = (1, 2, 4)
 SMALL = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
              head_dim=16, max_position_embeddings=128)
@@ -122,15 +125,38 @@ def main() -> None:
     print(json.dumps(out))
 
 
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return dict(env, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **extra)
+
+
 @pytest.fixture(scope="module")
 def result():
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root,
-               XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=ROOT, text=True,
+                          env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+                          capture_output=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def two_processes():
+    """The JSON lines of `main_two_processes` in processes 0 and 1 (a local coordinator)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(i), str(port)],
+                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    return [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
 
 
 def test_four_cpu_devices(result):
@@ -168,8 +194,16 @@ def test_per_device_shapes_match_the_plan(result, arch, tp):
 
 def test_errors_name_both_numbers(result):
     assert "num_heads=6 is not divisible by tensor_parallel_size=4" in result["errors"]["heads"]
-    assert "tensor_parallel_size=8 is invalid: this process sees 4 local cpu device(s)" in \
+    assert "tensor_parallel_size=8 is invalid: JAX sees 4 cpu device(s)" in \
         result["errors"]["devices"]
+
+
+def test_two_processes_match_one_device(result, two_processes):
+    """``jax.distributed`` on one machine: a tp=2 mesh over two processes' CPU devices, each
+    process running the same host loop, gives the one-device tokens in both."""
+    for r in two_processes:
+        assert (r["devices"], r["local"]) == (2, 1)
+        assert r["tokens"] == result["qwen3/1"]["tokens"]
 
 
 def test_plan_per_device_bytes():
@@ -198,5 +232,28 @@ def test_plan_cli_tensor_parallel_size(capsys):
     assert len(err) == 1 and "num_heads=32 is not divisible by tensor_parallel_size=3" in err[0]
 
 
+def main_two_processes(process_id: int, port: int) -> None:
+    """One of two CPU processes (one device each) of ``jax.distributed``, both running the same
+    host loop: Qwen3 greedy tokens at tensor_parallel_size 2 (both processes' devices)."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
+    import jax.numpy as jnp
+
+    from jaxinfer import LLM, SamplingParams, models
+    from jaxinfer.config import ModelConfig
+
+    cfg = ModelConfig(**CONFIGS["qwen3"])
+    params = models.init_params(cfg, jax.random.key(1), jnp.float32)
+    llm = LLM.from_params(cfg, params, tensor_parallel_size=2, **ENGINE)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    print(json.dumps({"devices": jax.device_count(), "local": len(jax.local_devices()),
+                      "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+
+
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) > 1:
+        main_two_processes(int(sys.argv[1]), int(sys.argv[2]))
+    else:
+        main()

@@ -162,8 +162,7 @@ def check_tp(model: ModelConfig, tp: int) -> None:
         if getattr(model, name) % tp:
             raise ValueError(f"{name}={getattr(model, name)} is not divisible by "
                              f"tensor_parallel_size={tp}")
-    K = model.num_kv_heads
-    if K % tp and tp % K:
+    if (K := model.num_kv_heads) % tp and tp % K:
         raise ValueError(f"num_kv_heads={K} and tensor_parallel_size={tp}: one must divide the "
                          "other (tp > K replicates the KV heads)")
 
@@ -302,8 +301,7 @@ class EngineConfig:
                                         "computed (full pages, chained hashes, LRU eviction)")
     kv_cache_dtype: str = _user("auto", "KV cache dtype; 'auto': the compute dtype (the only "
                                 "choice)", choices=["auto"])
-    tensor_parallel_size: int = _user(1, "devices to shard the model over (tensor parallelism: "
-                                      "a 1-D mesh over the first local devices)")
+    tensor_parallel_size: int = _user(1, "devices to shard the model over (tensor parallelism)")
     enforce_eager: bool = _user(False, "accepted for vLLM compatibility; no effect (steps are "
                                 "always compiled)")
     kernels: KernelConfig = KernelConfig()

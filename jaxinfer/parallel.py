@@ -45,9 +45,16 @@ def replicated(mesh: Mesh | None) -> NamedSharding | None:
     return None if mesh is None else NamedSharding(mesh, P())
 
 
-def replicate(x: jax.Array, mesh: Mesh | None) -> jax.Array:
-    """``x`` constrained to be whole on every device of ``mesh`` (traced code); no mesh: ``x``."""
-    return x if mesh is None else jax.lax.with_sharding_constraint(x, replicated(mesh))
+def gather_logits(logits: jax.Array, cfg: ModelConfig, mesh: Mesh | None) -> jax.Array:
+    """``logits`` f32[..., V] (traced) made whole on every device of ``mesh``: computed split by
+    vocabulary where lm_head is split (`param_specs`), then gathered, so that XLA gathers the
+    logits and never the lm_head weights; no mesh: ``logits``."""
+    if mesh is None:
+        return logits
+    if cfg.vocab_size % mesh.size == 0:
+        spec = P(*(None,) * (logits.ndim - 1), AXIS)
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(logits, replicated(mesh))
 
 
 def param_specs(cfg: ModelConfig, tp: int) -> dict:

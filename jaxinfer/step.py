@@ -23,7 +23,7 @@ from jaxinfer import models
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.parallel import replicate, replicated
+from jaxinfer.parallel import gather_logits, replicated
 from jaxinfer.sampling import SamplingMetadata, logprobs, sample
 from jaxinfer.step_input import HostBatch, ShapeKey, empty_batch, layout, pack
 
@@ -73,7 +73,7 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels
             last = jnp.take_along_axis(hidden, inp.logits_indices[:, None, None], axis=1)[:, 0]
         else:
             last = hidden[0][inp.logits_indices]                                # [R, D]
-        logits = replicate(models.compute_logits(params, cfg, last), kernels.mesh)
+        logits = gather_logits(models.compute_logits(params, cfg, last), cfg, kernels.mesh)
     with jax.named_scope("sample"):
         tokens = sample(logits, inp.sampling, all_greedy=all_greedy)
     out = {}

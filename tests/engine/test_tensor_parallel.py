@@ -10,6 +10,7 @@ coordinator (`main_two_processes`), a tp=2 mesh over their devices."""
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -26,6 +27,8 @@ CONFIGS = {"qwen3": dict(architecture="qwen3", vocab_size=256, **SMALL),
 SPLIT = ("wqkv", "wo", "w_gate_up", "w_down")  # always split; embed / lm_head when tp divides V
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 28,
                                                    74, 71, 35, 26, 62, 49, 77]]
+COLLECTIVE = (r"= \w+\[([\d,]*)\]\S* "  # an HLO collective: (its shape, its kind)
+              r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\(")
 ENGINE = dict(max_model_len=64, max_num_seqs=4, num_pages=24, max_num_batched_tokens=32,
               kernels="batch_buckets=2:4,token_buckets=32")
 
@@ -37,7 +40,7 @@ def _logits(llm, prompt: list[int]) -> np.ndarray:
     import jax.numpy as jnp
 
     from jaxinfer import models
-    from jaxinfer.parallel import replicate
+    from jaxinfer.parallel import gather_logits
 
     eng, T = llm.engine, len(prompt)
     cfg, kernels, ps = eng.run_config, eng.executor.static["kernels"], eng.page_size
@@ -48,7 +51,7 @@ def _logits(llm, prompt: list[int]) -> np.ndarray:
         kv = kv.replace(block_tables=jnp.arange(1, 5, dtype=jnp.int32)[None],
                         seq_lens=jnp.full((1,), T, jnp.int32))
         hidden, _ = models.forward(params, cfg, tokens, positions, slots, kv, kernels=kernels)
-        return replicate(models.compute_logits(params, cfg, hidden), kernels.mesh)[0]
+        return gather_logits(models.compute_logits(params, cfg, hidden), cfg, kernels.mesh)[0]
 
     return np.asarray(run(eng.params, eng._new_kv(), jnp.asarray([prompt], jnp.int32),
                           jnp.arange(T)[None]))
@@ -117,6 +120,8 @@ def main() -> None:
             res = out[f"{arch}/{tp}"] = _layout(llm, cfg, tp)
             res["logits"] = _logits(llm, PROMPTS[1]).tolist()
             llm.precompile(PROMPTS, greedy)  # ahead-of-time steps take the engine's arrays
+            res["collectives"] = [re.findall(COLLECTIVE, exe.as_text())
+                                  for exe in llm.engine.executor.executables.values()]
             res["tokens"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
             res["lazy_compiles"] = llm.engine.stats.num_lazy_compiles
             llm.update_params(params)  # the canonical tree, resharded
@@ -166,7 +171,8 @@ def test_four_cpu_devices(result):
 @pytest.mark.parametrize("arch", CONFIGS)
 @pytest.mark.parametrize("tp", TPS[1:])
 def test_logits_match_one_device(result, arch, tp):
-    ref, got = np.asarray(result[f"{arch}/1"]["logits"]), np.asarray(result[f"{arch}/{tp}"]["logits"])
+    ref = np.asarray(result[f"{arch}/1"]["logits"])
+    got = np.asarray(result[f"{arch}/{tp}"]["logits"])
     assert ref.shape == got.shape == (len(PROMPTS[1]), CONFIGS[arch]["vocab_size"])
     assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
 
@@ -178,6 +184,25 @@ def test_greedy_tokens_match_one_device(result, arch, tp):
     assert got["tokens"] == ref["tokens"] and len(got["tokens"][1]) == 8
     assert got["tokens_after_update"] == ref["tokens"]
     assert got["lazy_compiles"] == 0  # the precompiled steps accepted the sharded arrays
+
+
+@pytest.mark.parametrize("arch", CONFIGS)
+@pytest.mark.parametrize("tp", TPS)
+def test_collectives_move_activations_not_weights(result, arch, tp):
+    """In each compiled step (prefill and decode): an all-reduce of the hidden state [.., D] after
+    the vocabulary-split embedding and after wo and w_down of each layer, and one all-gather of
+    the logits [R, V] where lm_head is split; nothing else (no weight is gathered)."""
+    c, steps = CONFIGS[arch], result[f"{arch}/{tp}"]["collectives"]
+    split_vocab = tp > 1 and c["vocab_size"] % tp == 0
+    assert len(steps) == 2
+    for ops in steps:
+        shapes = {kind: [[int(d) for d in s.split(",")] for s, k in ops if k == kind]
+                  for kind in ("all-reduce", "all-gather")}
+        assert len(ops) == sum(map(len, shapes.values()))
+        assert len(shapes["all-reduce"]) == (2 * c["num_layers"] + split_vocab if tp > 1 else 0)
+        assert all(s[-1] == c["hidden_size"] and len(s) == 3 for s in shapes["all-reduce"])
+        assert [s[-1] for s in shapes["all-gather"]] == [c["vocab_size"]] * split_vocab
+        assert all(len(s) == 2 and s[0] <= ENGINE["max_num_seqs"] for s in shapes["all-gather"])
 
 
 @pytest.mark.parametrize("arch", CONFIGS)

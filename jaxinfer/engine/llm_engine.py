@@ -40,10 +40,10 @@ def sample_seed(seed: int, index: int) -> int:
 class LLMEngine:
     """Engine over ``params`` (compute dtype, the canonical one-device tree) and ``resolved``
     (`jaxinfer.config.resolve`); ``detokenize``: ids -> str (None: no text). With
-    ``tensor_parallel_size`` tp > 1 the engine runs ``tp_model_config`` on a mesh of tp local
-    devices (`jaxinfer.parallel`): params resharded (the canonical tree is not kept), the KV pool
-    split over KV heads. Raises ValueError: params of wrong shapes, a pool that does not fit,
-    fewer than tp local devices."""
+    ``tensor_parallel_size`` tp > 1 the engine runs ``tp_model_config`` on a mesh of tp devices
+    (`jaxinfer.parallel.make_mesh`): params resharded (the canonical tree is not kept), the KV
+    pool split over KV heads. Raises ValueError: params of wrong shapes, a pool that does not
+    fit, fewer than tp devices."""
 
     def __init__(self, model_config, params, resolved, *, eos_token_ids=(),
                  detokenize: Callable | None = None) -> None:

@@ -29,7 +29,7 @@ from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.models.layers import (MLP, AddRMSNorm, Packing, StepContext, apply_rope, attend,
                                     dense_init, fused_parts, in_dtype, rms_norm, rope_cos_sin,
                                     rope_inv_freq, shared)
-from jaxinfer.parallel import AXIS
+from jaxinfer.parallel import AXIS, KV_POOL_SPEC
 from pallas_kernels.sizes import round_up
 
 # With the add + RMSNorm kernel, decode steps of >= DOWN_PARTIALS_MIN_ROWS rows pass the MLP
@@ -63,10 +63,10 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
                     parts: dict[str, slice]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Everything between the qkv and output GEMMs, on ``num_heads`` N query and
     ``num_kv_heads`` K KV heads (one device's under tensor parallelism): qkv [B, T, (N+2K)*H]
-    (`fused_parts`: q | k | v) -> per-head RMSNorm (``wq``, ``wk`` [H], or None) -> RoPE (q and
-    k in one op) -> `write_kv` into pools [L, P, K, page_size, H] at ``layer`` (a Python int) ->
-    ``kernels.attention``; norm, RoPE and K/V write as ``kernels.qkv_prologue`` when set.
-    Returns (o [B, T, N, H], k_pool, v_pool)."""
+    (q | k | v at ``parts``, `fused_parts`) -> per-head RMSNorm (``wq``, ``wk`` [H], or None)
+    -> RoPE (q and k in one op) -> `write_kv` into pools [L, P, K, page_size, H] at ``layer``
+    (a Python int) -> ``kernels.attention``; norm, RoPE and K/V write as
+    ``kernels.qkv_prologue`` when set. Returns (o [B, T, N, H], k_pool, v_pool)."""
     B, T, _ = qkv.shape
     N, K, H = num_heads, num_kv_heads, k_pool.shape[-1]
     if kernels.qkv_prologue is not None:                                # one kernel
@@ -118,7 +118,7 @@ class Attention(nn.Module):
                                   num_heads=N // tp, num_kv_heads=K // tp, eps=cfg.rms_norm_eps,
                                   parts=fused_parts(cfg, tp)["wqkv"])
         if tp > 1:
-            pool = P(None, None, AXIS, None, None)
+            pool = KV_POOL_SPEC
             heads = jax.shard_map(heads, mesh=self.kernels.mesh, check_vma=False,
                                   in_specs=(P(None, None, AXIS), pool, pool, P(), P(), P()),
                                   out_specs=(P(None, None, AXIS, None), pool, pool))
@@ -150,7 +150,7 @@ class DecoderLayer(nn.Module):
         a, k_pool, v_pool = attn(h, layer, k_pool, v_pool, ctx)
         x, h = shared(self, AddRMSNorm("mlp_norm", eps, pd, kernel, name="mlp_norm_block"))(x, a)
         B, T = x.shape[:2]
-        tp = self.kernels.tp
+        tp = self.kernels.tp  # partial sums: one device's F (a view of w_down) only
         split = (kernel is not None and ctx.packing is None and T == 1 and tp == 1
                  and B >= DOWN_PARTIALS_MIN_ROWS
                  and self.cfg.intermediate_size % DOWN_PARTIALS == 0)

@@ -116,7 +116,8 @@ class LLM:
     @classmethod
     def from_params(cls, config, params: dict, **engine_args) -> "LLM":
         """An `LLM` without a tokenizer over ``params``, the `jaxinfer.models.init_params` tree of
-        ``config`` in the compute dtype (prompts are token ids; ``stop`` strings are rejected).
+        ``config`` in the compute dtype (with ``tensor_parallel_size`` > 1 jax or numpy leaves,
+        resharded: `jaxinfer.parallel`; prompts are token ids; ``stop`` strings are rejected).
         Raises ValueError: ``config`` not a `ModelConfig`, or a bad engine argument."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "

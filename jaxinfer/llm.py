@@ -105,7 +105,7 @@ class LLM:
         ckpt = open_checkpoint(model if model is not None else default_model_path())  # once
         resolved = resolve(loading.model_config(ckpt), ec, platform)
         loaded = loading.load_model(ckpt, resolved.dtype, with_tokenizer=not skip_tokenizer_init,
-                                    tokenizer=tokenizer,  # tp > 1: the engine places the shards
+                                    tokenizer=tokenizer,  # tp > 1: host arrays, the engine shards
                                     on_host=ec.tensor_parallel_size > 1)
         self.model_path, self.tokenizer = ckpt.path, loaded.tokenizer
         self.engine = LLMEngine(loaded.config, loaded.params,

@@ -56,13 +56,13 @@ def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
 def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | None = None,
                 on_host: bool = False) -> tuple[ModelConfig, dict]:
     """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype``; ``cfg``: its
-    `model_config` if built; ``on_host``: HF and GGUF leaves as numpy arrays, for
-    `jaxinfer.parallel.shard_params` to place shard by shard (Orbax: on device 0 as always).
+    `model_config` if built; ``on_host``: numpy leaves, for `jaxinfer.parallel.shard_params` to
+    place shard by shard.
     FileNotFoundError, ValueError: the reader's and the mapping's."""
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     cfg = cfg or model_config(ckpt)
     if ckpt.format == "orbax":
-        return cfg, orbax_io.restore(ckpt.path, abstract_params(cfg, dtype))
+        return cfg, orbax_io.restore(ckpt.path, abstract_params(cfg, dtype), on_host)
     params, cfg = params_from_hf(hf_tensors(ckpt, np.dtype(jnp.dtype(dtype))), cfg, dtype,
                                  on_host)
     return cfg, params

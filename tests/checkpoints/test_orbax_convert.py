@@ -155,6 +155,9 @@ def test_orbax_roundtrip_bf16(hf_loaded, tmp_path):
     # restoring into another dtype casts exactly (bf16 -> f32 is lossless)
     _, as_f32 = load_params(tmp_path / "ck", "float32")
     assert_trees_equal(as_f32, jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params))
+    _, on_host = load_params(tmp_path / "ck", "float32", on_host=True)  # tensor parallelism's
+    assert all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(on_host))
+    assert_trees_equal(on_host, as_f32)
 
     tok = load_tokenizer(tmp_path / "ck")
     assert open_checkpoint(tmp_path / "ck").generation_eos_ids == (3, 2)

@@ -127,7 +127,27 @@ def main() -> None:
             llm.update_params(params)  # the canonical tree, resharded
             res["tokens_after_update"] = [list(o.outputs[0].token_ids)
                                           for o in llm.generate(PROMPTS, greedy)]
+    out["orbax_tp2"] = _from_checkpoint(ModelConfig(**CONFIGS["qwen3"]), greedy)
     print(json.dumps(out))
+
+
+def _from_checkpoint(cfg, greedy) -> list[list[int]]:
+    """Greedy tokens of `LLM` on an Orbax checkpoint of `main`'s Qwen3 params at tp=2 (the
+    loader hands host arrays to the sharding)."""
+    import tempfile
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import LLM, models
+    from jaxinfer.loading import save_checkpoint
+
+    with tempfile.TemporaryDirectory() as d:
+        params = models.init_params(cfg, jax.random.key(1), jnp.float32)
+        save_checkpoint(os.path.join(d, "ck"), cfg, params, None, ())
+        llm = LLM(os.path.join(d, "ck"), skip_tokenizer_init=True, tensor_parallel_size=2,
+                  **ENGINE)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
 
 
 def _env(**extra) -> dict:
@@ -215,6 +235,10 @@ def test_per_device_shapes_match_the_plan(result, arch, tp):
     assert r["kv_shard"] == [c["num_layers"], ENGINE["num_pages"], kv_heads, 16, c["head_dim"]]
     assert r["kv_devices"] == tp
     assert r["full_copies"] == []
+
+
+def test_checkpoint_loaded_at_tp2_matches_one_device(result):
+    assert result["orbax_tp2"] == result["qwen3/1"]["tokens"]
 
 
 def test_errors_name_both_numbers(result):

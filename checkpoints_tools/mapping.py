@@ -119,8 +119,9 @@ def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cf
 
 
 def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
-                         parts: Mapping) -> dict:
-    """The param tree (jax arrays in each abstract leaf's dtype; ``lm_head`` iff untied) from
+                         parts: Mapping, on_host: bool = False) -> dict:
+    """The param tree (jax arrays in each abstract leaf's dtype, numpy arrays with ``on_host``
+    for the caller to place; ``lm_head`` iff untied) from
     HF-named ``tensors``: ``{name: array}`` or ``(name, array)`` pairs (pairs let duplicates across
     shards be found). cfg: duck-typed ``num_layers``, ``architecture``, ``tie_word_embeddings``;
     abstract: the ``jax.ShapeDtypeStruct`` tree (``layers/"0".."L-1"/...``; rules of absent leaves
@@ -148,7 +149,8 @@ def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
             *parents, leaf = path.format(i=i).split("/")
             for key in parents:
                 node = node.setdefault(key, {})
-            node[leaf] = jnp.asarray(host).astype(dtype)
+            node[leaf] = host.astype(np.dtype(dtype)) if on_host else \
+                jnp.asarray(host).astype(dtype)
             del host
     return params
 

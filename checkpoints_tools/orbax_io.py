@@ -9,6 +9,8 @@ import json
 import os
 from typing import Any, Mapping, Sequence
 
+import numpy as np
+
 CONFIG_FILE = "jaxinfer_config.json"
 PARAMS_DIR = "params"
 TOKENIZER_DIR = "tokenizer"
@@ -75,9 +77,10 @@ def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract
     os.replace(tmp, os.path.join(dst, CONFIG_FILE))
 
 
-def restore(src_dir: str | os.PathLike, abstract):
-    """`save`'s params as jax arrays on ``jax.devices()[0]`` in ``abstract``'s shapes and dtypes
-    (cast). FileNotFoundError: no ``params/``; ValueError: misfit to ``abstract`` (paths named)."""
+def restore(src_dir: str | os.PathLike, abstract, on_host: bool = False):
+    """`save`'s params as jax arrays on ``jax.devices()[0]`` (``on_host``: numpy arrays) in
+    ``abstract``'s shapes and dtypes (cast). FileNotFoundError: no ``params/``; ValueError:
+    misfit to ``abstract`` (paths named)."""
     import jax
     import orbax.checkpoint as ocp
 
@@ -86,8 +89,9 @@ def restore(src_dir: str | os.PathLike, abstract):
     if not os.path.isdir(params_dir):
         raise FileNotFoundError(f"checkpoint {src!r} has no {PARAMS_DIR}/ directory")
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree_util.tree_map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)
+    target = jax.tree_util.tree_map(  # a numpy leaf's target: its dtype (orbax reads the shape)
+        lambda s: np.empty(0, s.dtype) if on_host else
+        jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)
     with ocp.StandardCheckpointer() as ckptr:
         misfit = f"checkpoint {src!r}: the stored params do not fit its {CONFIG_FILE}"
         try:  # stored shapes from orbax metadata, checked before any data is read

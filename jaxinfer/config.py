@@ -155,6 +155,24 @@ class ModelConfig:
         return cls(**d)
 
 
+def check_tp(model: ModelConfig, tp: int) -> None:
+    """Raise ValueError naming both numbers unless tensor parallelism of degree ``tp`` splits
+    ``model``: tp divides N and F, and K % tp == 0 or tp % K == 0 (KV heads replicated)."""
+    for name in ("num_heads", "intermediate_size"):
+        if getattr(model, name) % tp:
+            raise ValueError(f"{name}={getattr(model, name)} is not divisible by "
+                             f"tensor_parallel_size={tp}")
+    if (K := model.num_kv_heads) % tp and tp % K:
+        raise ValueError(f"num_kv_heads={K} and tensor_parallel_size={tp}: one must divide the "
+                         "other (tp > K replicates the KV heads)")
+
+
+def tp_model_config(model: ModelConfig, tp: int) -> ModelConfig:
+    """The config the engine runs at tensor parallelism ``tp`` (`check_tp` holds): K' =
+    max(K, tp) KV heads, each shard one copy of KV head ``s * K // tp`` when tp > K (vLLM)."""
+    return dataclasses.replace(model, num_kv_heads=max(model.num_kv_heads, tp))
+
+
 FUSED_CHOICES = ("auto", "xla", "triton")
 KERNEL_ALIASES = {"decode": "decode_attention", "prefill": "prefill_attention"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
@@ -283,7 +301,7 @@ class EngineConfig:
                                         "computed (full pages, chained hashes, LRU eviction)")
     kv_cache_dtype: str = _user("auto", "KV cache dtype; 'auto': the compute dtype (the only "
                                 "choice)", choices=["auto"])
-    tensor_parallel_size: int = _user(1, "GPUs to shard over (1 only)")
+    tensor_parallel_size: int = _user(1, "devices to shard the model over (tensor parallelism)")
     enforce_eager: bool = _user(False, "accepted for vLLM compatibility; no effect (steps are "
                                 "always compiled)")
     kernels: KernelConfig = KernelConfig()
@@ -311,8 +329,7 @@ class EngineConfig:
              "must be None or a path"),
             ("kv_cache_dtype", "auto".__eq__, "allowed: 'auto' (the compute dtype; FP8 KV is not "
              "supported yet)"),
-            ("tensor_parallel_size", lambda v: v == 1 and not isinstance(v, bool),
-             "only 1 is supported (one device; multi-GPU is not implemented yet)")))
+            ("tensor_parallel_size", _positive_int, positive)))
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", None)
         object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
@@ -357,7 +374,8 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> Resolved
     "gpu": dtype bfloat16, prefill_attention triton, and in half precision decode_attention mosaic,
     qkv_prologue / add_rms_norm triton where H/2 / D is a power of 2; else float32, reference,
     xla. max_model_len None: max_position_embeddings. Raises ValueError: max_model_len above that,
-    a GPU kernel off "gpu" (`check_platform`), "triton" fused kernels on shapes they do not take."""
+    a GPU kernel off "gpu" (`check_platform`), "triton" fused kernels on shapes they do not take,
+    a model ``tensor_parallel_size`` cannot split (`check_tp`)."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
@@ -365,6 +383,7 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> Resolved
     dtype = engine.dtype or ("bfloat16" if platform == "gpu" else "float32")
     kc = engine.kernels
     check_platform(kc, platform)
+    check_tp(model, engine.tensor_parallel_size)
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
     auto = {"decode_attention": "mosaic" if gpu and half else "reference",
             "prefill_attention": "triton" if gpu else "reference"}

@@ -19,12 +19,19 @@ from pallas_kernels.paged_attention import reference, registry
 @dataclass(frozen=True)
 class ModelKernels:
     """qkv_prologue / add_rms_norm: None (jnp ops) or `pallas_kernels.<name>.reference.<name>`'s
-    signature; q_group_multiple: None, or decode q is grouped [B, 1, K, Gp, H] (G padded to Gp)."""
+    signature; q_group_multiple: None, or decode q is grouped [B, 1, K, Gp, H] (G padded to Gp);
+    mesh: None, or the 1-D "tp" mesh of tensor parallelism (`jaxinfer.parallel.make_mesh`)."""
 
     attention: Callable = reference.paged_attention
     qkv_prologue: Callable | None = None
     add_rms_norm: Callable | None = None
     q_group_multiple: int | None = None
+    mesh: Any = None
+
+    @property
+    def tp(self) -> int:
+        """Devices the model is sharded over (1: no mesh)."""
+        return 1 if self.mesh is None else self.mesh.size
 
 
 @functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale", "soft_cap",
@@ -89,10 +96,11 @@ def _fused_kernel(field: str, name: str) -> Callable | None:
         importlib.import_module(f"pallas_kernels.{field}.triton_pallas"), field)
 
 
-def model_kernels(kc, decode_knobs: dict | None = None) -> ModelKernels:
+def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKernels:
     """`ModelKernels` for a resolved `KernelConfig`; ``decode_knobs``: the decode variant's
-    tuning keywords (e.g. ``{"num_splits": 4}``). Raises ValueError: an unregistered variant,
-    a fused kernel not "xla"/"triton", ``decode_knobs`` with the reference decode."""
+    tuning keywords (e.g. ``{"num_splits": 4}``); ``mesh``: `ModelKernels.mesh`. Raises
+    ValueError: an unregistered variant, a fused kernel not "xla"/"triton", ``decode_knobs``
+    with the reference decode."""
     decode, prefill = kc.decode_attention, kc.prefill_attention
     registry.get(decode), registry.get_prefill(prefill)  # raise ValueError listing the names
     if decode_knobs and decode == "reference":
@@ -106,4 +114,4 @@ def model_kernels(kc, decode_knobs: dict | None = None) -> ModelKernels:
     attention = reference.paged_attention
     if (decode, prefill) != ("reference", "reference"):
         attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
-    return ModelKernels(attention, prologue, add_norm, group)
+    return ModelKernels(attention, prologue, add_norm, group, mesh)

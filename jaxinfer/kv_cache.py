@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 
@@ -36,13 +38,17 @@ jax.tree_util.register_dataclass(
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                   sharding=None) -> KVCache:
-    """Zeroed pools [L, P, K, page_size, H], one padded table row; ValueError: num_pages < 2."""
+    """Zeroed pools [L, P, K, page_size, H] placed with ``sharding`` (None: the default device),
+    one padded table row (with a ``NamedSharding``: replicated on its mesh); ValueError:
+    num_pages < 2."""
     if num_pages < 2:
         raise ValueError(f"num_pages={num_pages} is too small: need >= 2 (page 0 is reserved)")
     shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(dtype)), out_shardings=sharding)
+    tables = NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
     return KVCache(k=zeros(), v=zeros(),
-                   block_tables=jnp.zeros((1, 1), jnp.int32), seq_lens=jnp.zeros((1,), jnp.int32))
+                   block_tables=jax.device_put(np.zeros((1, 1), np.int32), tables),
+                   seq_lens=jax.device_put(np.zeros((1,), np.int32), tables))
 
 
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k_new: jax.Array, v_new: jax.Array,

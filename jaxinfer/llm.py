@@ -105,7 +105,8 @@ class LLM:
         ckpt = open_checkpoint(model if model is not None else default_model_path())  # once
         resolved = resolve(loading.model_config(ckpt), ec, platform)
         loaded = loading.load_model(ckpt, resolved.dtype, with_tokenizer=not skip_tokenizer_init,
-                                    tokenizer=tokenizer)
+                                    tokenizer=tokenizer,  # tp > 1: host arrays, the engine shards
+                                    on_host=ec.tensor_parallel_size > 1)
         self.model_path, self.tokenizer = ckpt.path, loaded.tokenizer
         self.engine = LLMEngine(loaded.config, loaded.params,
                                 dataclasses.replace(resolved, model=loaded.config),
@@ -115,7 +116,8 @@ class LLM:
     @classmethod
     def from_params(cls, config, params: dict, **engine_args) -> "LLM":
         """An `LLM` without a tokenizer over ``params``, the `jaxinfer.models.init_params` tree of
-        ``config`` in the compute dtype (prompts are token ids; ``stop`` strings are rejected).
+        ``config`` in the compute dtype (with ``tensor_parallel_size`` > 1 jax or numpy leaves,
+        resharded: `jaxinfer.parallel`; prompts are token ids; ``stop`` strings are rejected).
         Raises ValueError: ``config`` not a `ModelConfig`, or a bad engine argument."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "

@@ -21,8 +21,9 @@ from jaxinfer.models import abstract_params, fused_parts
 
 
 class LoadedModel(NamedTuple):
-    """config (tying decided from the tensors); params (jax arrays of the requested dtype);
-    tokenizer (HF, or None); eos_token_ids (module docstring); source: the checkpoint format."""
+    """config (tying decided from the tensors); params (jax arrays of the requested dtype; numpy
+    with ``on_host``); tokenizer (HF, or None); eos_token_ids (module docstring); source: the
+    checkpoint format."""
 
     config: ModelConfig
     params: Any
@@ -42,38 +43,45 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
     return model_config(open_checkpoint(path))
 
 
-def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype) -> tuple[dict, ModelConfig]:
-    """``(params, cfg with tying decided)`` from HF-named tensors (`hf_tensors_to_params`)."""
+def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
+                   on_host: bool = False) -> tuple[dict, ModelConfig]:
+    """``(params, cfg with tying decided)`` from HF-named tensors (`hf_tensors_to_params`;
+    ``on_host``: numpy leaves)."""
     untied = dataclasses.replace(cfg, tie_word_embeddings=False)
-    params = hf_tensors_to_params(tensors, cfg, abstract_params(untied, dtype), fused_parts(cfg))
+    params = hf_tensors_to_params(tensors, cfg, abstract_params(untied, dtype), fused_parts(cfg),
+                                  on_host)
     return params, dataclasses.replace(cfg, tie_word_embeddings="lm_head" not in params)
 
 
-def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | None = None
-                ) -> tuple[ModelConfig, dict]:
+def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | None = None,
+                on_host: bool = False) -> tuple[ModelConfig, dict]:
     """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype``; ``cfg``: its
-    `model_config` if built. FileNotFoundError, ValueError: the reader's and the mapping's."""
+    `model_config` if built; ``on_host``: numpy leaves, for `jaxinfer.parallel.shard_params` to
+    place shard by shard.
+    FileNotFoundError, ValueError: the reader's and the mapping's."""
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     cfg = cfg or model_config(ckpt)
     if ckpt.format == "orbax":
-        return cfg, orbax_io.restore(ckpt.path, abstract_params(cfg, dtype))
-    params, cfg = params_from_hf(hf_tensors(ckpt, np.dtype(jnp.dtype(dtype))), cfg, dtype)
+        return cfg, orbax_io.restore(ckpt.path, abstract_params(cfg, dtype), on_host)
+    params, cfg = params_from_hf(hf_tensors(ckpt, np.dtype(jnp.dtype(dtype))), cfg, dtype,
+                                 on_host)
     return cfg, params
 
 
 def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
-               with_tokenizer: bool = True, tokenizer: str | None = None) -> LoadedModel:
+               with_tokenizer: bool = True, tokenizer: str | None = None,
+               on_host: bool = False) -> LoadedModel:
     """Config, params and tokenizer of a checkpoint (a path, see `detect_format`, or an opened
     `Checkpoint`, whose GGUF reader is reused); ``dtype``: "bfloat16", "float32" or a jnp dtype;
     ``with_tokenizer=False``: none (token-id prompts only); ``tokenizer``: an HF tokenizer dir or
-    GGUF file instead of the checkpoint's. FileNotFoundError: no ``path`` (named); ValueError:
-    unsupported format or architecture (before any tokenizer is built), bad tensors, or no
-    tokenizer."""
+    GGUF file instead of the checkpoint's; ``on_host``: as `load_params`. FileNotFoundError: no
+    ``path`` (named); ValueError: unsupported format or architecture (before any tokenizer is
+    built), bad tensors, or no tokenizer."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = model_config(ckpt)
     tokenizer = None if not with_tokenizer else load_tokenizer(ckpt) if tokenizer is None else \
         load_tokenizer(tokenizer, "gguf" if str(tokenizer).endswith(".gguf") else "hf")
-    cfg, params = load_params(ckpt, dtype, cfg)
+    cfg, params = load_params(ckpt, dtype, cfg, on_host)
     groups = ((tokenizer.eos_token_id,) if tokenizer is not None else (),
               ckpt.generation_eos_ids, cfg.eos_token_ids)
     eos = tuple(dict.fromkeys(int(t) for g in groups for t in g if t is not None))

@@ -1,7 +1,8 @@
 """KV pool sizing (`kv_pool_pages`, the one formula), capacity plans and a memory tracker
 (PagedAttention, Kwon et al. 2023; vLLM's ``gpu_memory_utilization``). Imports no JAX.
 num_pages = (usable - used) // (page_size x kv_bytes_per_token), null page 0 included. A plan:
-usable = device_bytes x utilization, used = weight_bytes + reserve_bytes; max_concurrent =
+usable = device_bytes x utilization, used = weight_bytes + reserve_bytes (all per device under
+tensor parallelism: weights and KV heads split over the devices); max_concurrent =
 (num_pages - 1) // ceil(context / page_size), planned = floor(PLANNING_FRACTION x that)."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from jaxinfer.config import ModelConfig, ResolvedConfig
+from jaxinfer.config import ModelConfig, ResolvedConfig, check_tp, tp_model_config
 
 GIB, MIB = 1 << 30, 1 << 20
 PLANNING_FRACTION = 0.7  # plan at this fraction of the theoretical concurrent sequences
@@ -31,14 +32,23 @@ def _check_int(where: str, name: str, value, lo: int, hi: int | None = None) -> 
                          + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]"))
 
 
-def param_count(cfg: ModelConfig) -> int:
+def param_count(cfg: ModelConfig, tp: int = 1) -> int:
     """Parameters of the `jaxinfer.models` tree: embed V*D; per layer attn_norm D, wqkv
     D*(N+2K)*H, wo N*H*D, mlp_norm D, w_gate_up D*2F, w_down F*D (+ q_norm, k_norm H each for
-    Qwen3); final_norm D; lm_head D*V unless tied."""
+    Qwen3); final_norm D; lm_head D*V unless tied. ``tp`` > 1: those one device holds under
+    tensor parallelism (`jaxinfer.parallel.param_specs`; K' = max(K, tp) KV heads)."""
     V, D, F, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    per_layer = 2 * D + D * (N + 2 * K) * H + N * H * D + 3 * D * F + (2 * H if cfg.qk_norm else 0)
-    return V * D + L * per_layer + D + (0 if cfg.tie_word_embeddings else D * V)
+    N, K, H = cfg.num_heads, tp_model_config(cfg, tp).num_kv_heads, cfg.head_dim
+    split = 2 * D + (D * (N + 2 * K) * H + N * H * D + 3 * D * F) // tp
+    per_layer = split + (2 * H if cfg.qk_norm else 0)
+    vocab = V * D // (tp if V % tp == 0 else 1)
+    return vocab + L * per_layer + D + (0 if cfg.tie_word_embeddings else vocab)
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
+    """KV bytes per token one device holds: `ModelConfig.kv_bytes_per_token` of the K' =
+    max(K, tp) KV heads (`tp_model_config`), divided by ``tp``."""
+    return tp_model_config(cfg, tp).kv_bytes_per_token(dtype_bytes) // tp
 
 
 def default_reserve_bytes(device_bytes: int) -> int:
@@ -47,10 +57,12 @@ def default_reserve_bytes(device_bytes: int) -> int:
 
 
 def kv_pool_pages(model: ModelConfig, *, page_size: int, dtype_bytes: int, usable_bytes: int,
-                  used_bytes: int) -> int:
+                  used_bytes: int, tp: int = 1) -> int:
     """THE KV pool sizing formula: pages (null page 0 included) of ``page_size`` tokens that fit
-    in ``usable_bytes - used_bytes``. Raises ValueError: fewer than 2 fit."""
-    page_bytes, free = page_size * model.kv_bytes_per_token(dtype_bytes), usable_bytes - used_bytes
+    in ``usable_bytes - used_bytes`` of one device (`kv_bytes_per_token` at ``tp``). Raises
+    ValueError: fewer than 2 fit."""
+    page_bytes = page_size * kv_bytes_per_token(model, dtype_bytes, tp)
+    free = usable_bytes - used_bytes
     pages = max(int(free // page_bytes), 0)
     if pages < 2:
         raise ValueError(f"no memory left for the KV pool: usable {_gib(usable_bytes)} - used "
@@ -81,8 +93,10 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
     weights resident) `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use`` (with
     ``gpu_memory_utilization``: `card_bytes_usable` - bytes_in_use); else
     (CPU) the null page + ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most
-    `CPU_KV_BUDGET_BYTES`. Raises ValueError: fewer than 2 pages fit."""
+    `CPU_KV_BUDGET_BYTES`; bytes per device under tensor parallelism. Raises ValueError: fewer
+    than 2 pages fit."""
     e, m = resolved.engine, resolved.model
+    tp = e.tensor_parallel_size
     if e.num_pages is not None:
         return e.num_pages
     if memory_stats and "bytes_limit" in memory_stats:
@@ -91,16 +105,17 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
             usable = card_bytes_usable(e.gpu_memory_utilization, memory_stats["bytes_limit"])
         used = int(memory_stats.get("bytes_in_use", 0))
     else:
-        page_bytes = e.page_size * m.kv_bytes_per_token(resolved.dtype_bytes)
+        page_bytes = e.page_size * kv_bytes_per_token(m, resolved.dtype_bytes, tp)
         pages = 1 + e.max_num_seqs * -(-resolved.max_model_len // e.page_size)
         usable, used = min(pages * page_bytes, CPU_KV_BUDGET_BYTES), 0
     return kv_pool_pages(m, page_size=e.page_size, dtype_bytes=resolved.dtype_bytes,
-                         usable_bytes=usable, used_bytes=used)
+                         usable_bytes=usable, used_bytes=used, tp=tp)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """A KV capacity plan (module doc). Bytes; ``num_pages`` includes the null page."""
+    """A KV capacity plan (module doc). Bytes of one device (of ``tensor_parallel_size``);
+    ``num_pages`` includes the null page."""
 
     kv_bytes_per_token: int
     weight_bytes: int
@@ -114,6 +129,7 @@ class MemoryPlan:
     max_concurrent_seqs: int
     planned_concurrent_seqs: int
     planning_fraction: float = PLANNING_FRACTION
+    tensor_parallel_size: int = 1
 
     @property
     def page_bytes(self) -> int:
@@ -129,7 +145,9 @@ class MemoryPlan:
             return f"{_gib(n)}  ({n:,} B)"
 
         usable, kvt = int(self.device_bytes * self.utilization), self.kv_bytes_per_token
+        tp = self.tensor_parallel_size
         rows = [
+            ("tensor parallel", f"{tp} device(s); the bytes below are per device"),
             ("device memory", b(self.device_bytes)),
             ("utilization", f"{self.utilization:g}  -> usable {_gib(usable)}"),
             ("weights", b(self.weight_bytes)),
@@ -152,24 +170,30 @@ class MemoryPlan:
 def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9, context: int,
                 page_size: int = 16, weight_dtype_bytes: int = 2, kv_dtype_bytes: int = 2,
                 reserve_bytes: int | None = None, weight_bytes: int | None = None,
-                planning_fraction: float = PLANNING_FRACTION) -> MemoryPlan:
-    """The KV plan of ``cfg`` on a device of ``device_bytes`` (module doc). ``context``: tokens
-    per sequence; ``*_dtype_bytes``: bytes per element; None ``reserve_bytes``:
-    `default_reserve_bytes`, ``weight_bytes``: ``param_count x weight_dtype_bytes``. Raises
-    ValueError: an argument out of range; weights that do not fit (by how much); a ``context``
-    one sequence of which does not fit (the largest that does)."""
+                planning_fraction: float = PLANNING_FRACTION,
+                tensor_parallel_size: int = 1) -> MemoryPlan:
+    """The KV plan of ``cfg`` on ``tensor_parallel_size`` devices of ``device_bytes`` each
+    (module doc; weights and KV bytes per device). ``context``: tokens per sequence;
+    ``*_dtype_bytes``: bytes per element; None ``reserve_bytes``: `default_reserve_bytes`,
+    ``weight_bytes`` (per device): ``param_count x weight_dtype_bytes``. Raises ValueError: an
+    argument out of range; a model tp cannot split (`check_tp`); weights that do not fit (by how
+    much); a ``context`` one sequence of which does not fit (the largest that does)."""
     for name, v, hi in (("device_bytes", device_bytes, None), ("page_size", page_size, None),
                         ("context", context, cfg.max_position_embeddings),
                         ("weight_dtype_bytes", weight_dtype_bytes, None),
-                        ("kv_dtype_bytes", kv_dtype_bytes, None)):
+                        ("kv_dtype_bytes", kv_dtype_bytes, None),
+                        ("tensor_parallel_size", tensor_parallel_size, None)):
         _check_int("plan_memory", name, v, 1, hi)
+    tp = tensor_parallel_size
+    check_tp(cfg, tp)
     if page_size & (page_size - 1):
         raise ValueError(f"plan_memory: page_size={page_size!r} is invalid: must be a power of two")
     for name, v in (("utilization", utilization), ("planning_fraction", planning_fraction)):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
             raise ValueError(f"plan_memory: {name}={v!r} is invalid: must be in (0, 1]")
     reserve_bytes = default_reserve_bytes(device_bytes) if reserve_bytes is None else reserve_bytes
-    weight_bytes = param_count(cfg) * weight_dtype_bytes if weight_bytes is None else weight_bytes
+    if weight_bytes is None:
+        weight_bytes = param_count(cfg, tp) * weight_dtype_bytes
     for name, v in (("reserve_bytes", reserve_bytes), ("weight_bytes", weight_bytes)):
         _check_int("plan_memory", name, v, 0)
     usable = int(device_bytes * utilization)
@@ -180,10 +204,10 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
             f"{_gib(reserve_bytes)} exceed device_bytes x utilization = {_gib(usable)} by "
             f"{_gib(-budget)} ({-budget:,} B); allowed: a larger device_bytes or utilization, a "
             "smaller reserve_bytes, or smaller weights")
-    kv_per_token = cfg.kv_bytes_per_token(kv_dtype_bytes)
+    kv_per_token = kv_bytes_per_token(cfg, kv_dtype_bytes, tp)
     page_bytes, pages_per_seq = page_size * kv_per_token, -(-context // page_size)
     num_pages = kv_pool_pages(cfg, page_size=page_size, dtype_bytes=kv_dtype_bytes,
-                              usable_bytes=usable, used_bytes=weight_bytes + reserve_bytes)
+                              usable_bytes=usable, used_bytes=weight_bytes + reserve_bytes, tp=tp)
     max_seqs = (num_pages - 1) // pages_per_seq
     if max_seqs < 1:
         raise ValueError(
@@ -193,7 +217,7 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
             f"{(num_pages - 1) * page_size} tokens on this device")
     return MemoryPlan(kv_per_token, weight_bytes, device_bytes, float(utilization), reserve_bytes,
                       num_pages * page_bytes, page_size, num_pages, context, max_seqs,
-                      math.floor(planning_fraction * max_seqs), float(planning_fraction))
+                      math.floor(planning_fraction * max_seqs), float(planning_fraction), tp)
 
 
 class MemorySnapshot(NamedTuple):

@@ -5,7 +5,8 @@
 
 ``--model``: an HF model directory, a GGUF file (metadata only) or a preset (``PRESETS``).
 Without ``--device-memory-gib``: JAX's ``bytes_limit`` of the local accelerator (required where
-there is none). Formulas: `jaxinfer.memory`. Bad input: one line on stderr, exit code 2.
+there is none). ``--tensor-parallel-size``: the plan of one of that many devices (weights and
+KV heads split). Formulas: `jaxinfer.memory`. Bad input: one line on stderr, exit code 2.
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     for flag in ("--kv-dtype", "--weight-dtype"):
         p.add_argument(flag, choices=sorted(DTYPE_BYTES), default="bfloat16")
-    p.add_argument("--weight-gib", type=float, default=None, help="resident weight size in GiB, "
-                   "overriding the count from the config (quantised checkpoints)")
+    p.add_argument("--weight-gib", type=float, default=None, help="resident weight size in GiB "
+                   "(per device), overriding the count from the config (quantised checkpoints)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is "
+                   "sharded over; the plan is per device (default 1)")
     p.add_argument("--reserve-gib", type=float, default=None,
                    help="activations/workspace reserve in GiB (default max(1, 5%% of device))")
     return p
@@ -110,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             page_size=args.page_size, weight_dtype_bytes=DTYPE_BYTES[args.weight_dtype],
             kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
             reserve_bytes=_gib_to_bytes("--reserve-gib", args.reserve_gib),
-            weight_bytes=_gib_to_bytes("--weight-gib", args.weight_gib))
+            weight_bytes=_gib_to_bytes("--weight-gib", args.weight_gib),
+            tensor_parallel_size=args.tensor_parallel_size)
     except (ValueError, OSError) as e:
         print(f"python -m jaxinfer.plan: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -17,11 +17,13 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer import models
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
+from jaxinfer.parallel import gather_logits, replicated
 from jaxinfer.sampling import SamplingMetadata, logprobs, sample
 from jaxinfer.step_input import HostBatch, ShapeKey, empty_batch, layout, pack
 
@@ -54,7 +56,8 @@ jax.tree_util.register_dataclass(
 
 def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
          all_greedy: bool, num_logprobs: int = 0) -> tuple[jax.Array | dict, KVCache]:
-    """Forward, KV write, logits of one token per row, sampling. Returns (token ids i32[B],
+    """Forward, KV write, logits of one token per row (whole on every device under tensor
+    parallelism, ``kernels.mesh``), sampling. Returns (token ids i32[B],
     zero-padded to i32[Bmax] with ``prev_tokens``; the new cache). ``num_logprobs`` K > 0
     (static): the ids come as ``tokens`` of a dict with `jaxinfer.sampling.logprobs` of the raw
     logits of each row (K top), and with ``prompt_lp_index``, the same of each scored prompt
@@ -70,7 +73,7 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels
             last = jnp.take_along_axis(hidden, inp.logits_indices[:, None, None], axis=1)[:, 0]
         else:
             last = hidden[0][inp.logits_indices]                                # [R, D]
-        logits = models.compute_logits(params, cfg, last)
+        logits = gather_logits(models.compute_logits(params, cfg, last), cfg, kernels.mesh)
     with jax.named_scope("sample"):
         tokens = sample(logits, inp.sampling, all_greedy=all_greedy)
     out = {}
@@ -164,7 +167,8 @@ class StepExecutor:
     def __init__(self, cfg, kernels, kc, max_batch: int, stats) -> None:
         self.steps, self.static, self.stats = PACKED_STEPS, dict(cfg=cfg, kernels=kernels), stats
         self.cublas_min_batch, self.prefill_gemm = kc.cublas_decode_min_batch, kc.prefill_gemm
-        self.no_prev_tokens = jnp.zeros((max_batch,), jnp.int32)  # before any step: fixed shape
+        self.inputs = replicated(kernels.mesh)  # step inputs: whole on every device of a mesh
+        self.no_prev_tokens = jax.device_put(np.zeros((max_batch,), np.int32), self.inputs)
         self.executables: dict[ShapeKey, object] = {}  # ahead-of-time compiled steps
 
     def step_fn(self, key: ShapeKey):
@@ -176,7 +180,7 @@ class StepExecutor:
 
     def _args(self, params, kv, hb: HostBatch, prev_tokens) -> tuple:
         prev = self.no_prev_tokens if prev_tokens is None else prev_tokens
-        return params, kv, jax.device_put(pack(hb)), prev
+        return params, kv, jax.device_put(pack(hb), self.inputs), prev
 
     def run(self, params, kv, hb: HostBatch, prev_tokens=None):
         """Dispatch one step, no wait: (token ids i32[Bmax] on the device, or `step`'s dict when

@@ -103,7 +103,7 @@ def test_engine_config_vllm_arguments():
     assert EngineConfig(dtype="auto").dtype is None  # resolve: bfloat16 on GPU, else float32
     e = EngineConfig(gpu_memory_utilization=0.5, enforce_eager=True, kv_cache_dtype="auto")
     assert (e.gpu_memory_utilization, e.enforce_eager, e.tensor_parallel_size) == (0.5, True, 1)
-    for kw in (dict(tensor_parallel_size=2), dict(kv_cache_dtype="fp8"), dict(enforce_eager=1),
+    for kw in (dict(tensor_parallel_size=0), dict(kv_cache_dtype="fp8"), dict(enforce_eager=1),
                dict(gpu_memory_utilization=0.0)):
         with pytest.raises(ValueError, match=rf"EngineConfig\.{next(iter(kw))}="):
             EngineConfig(**kw)

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import memory, models
+from jaxinfer import memory, models, parallel
+from jaxinfer.config import tp_model_config
 from jaxinfer.engine import logprobs
 from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
@@ -37,9 +38,12 @@ def sample_seed(seed: int, index: int) -> int:
 
 
 class LLMEngine:
-    """Engine over ``params`` (compute dtype) and ``resolved`` (`jaxinfer.config.resolve`);
-    ``detokenize``: ids -> str (None: no text). Raises ValueError: params of wrong shapes, a pool
-    that does not fit."""
+    """Engine over ``params`` (compute dtype, the canonical one-device tree) and ``resolved``
+    (`jaxinfer.config.resolve`); ``detokenize``: ids -> str (None: no text). With
+    ``tensor_parallel_size`` tp > 1 the engine runs ``tp_model_config`` on a mesh of tp devices
+    (`jaxinfer.parallel.make_mesh`): params resharded (the canonical tree is not kept), the KV
+    pool split over KV heads. Raises ValueError: params of wrong shapes, a pool that does not
+    fit, fewer than tp devices."""
 
     def __init__(self, model_config, params, resolved, *, eos_token_ids=(),
                  detokenize: Callable | None = None) -> None:
@@ -47,7 +51,14 @@ class LLMEngine:
         if ec.compilation_cache_dir is not None:
             enable_compilation_cache(ec.compilation_cache_dir)
         models.check_params(params, model_config)
-        self.model_config, self.params, self.resolved = model_config, params, resolved
+        tp = ec.tensor_parallel_size
+        self.mesh = parallel.make_mesh(tp) if tp > 1 else None
+        self.model_config, self.resolved = model_config, resolved
+        self.run_config = tp_model_config(model_config, tp)  # K' KV heads; tp = 1: model_config
+        self._canonical = jax.tree_util.tree_flatten_with_path(  # shapes update_params takes
+            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params))
+        self.params = params if self.mesh is None else parallel.shard_params(
+            params, model_config, self.mesh)
         self.max_model_len, self.page_size = resolved.max_model_len, ec.page_size
         self.eos_token_ids, self.stats = tuple(eos_token_ids), EngineStats()
         self.outputs = OutputProcessor(detokenize)
@@ -61,16 +72,17 @@ class LLMEngine:
             max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
             max_model_len=self.max_model_len, page_size=ec.page_size,
             batch_buckets=kc.batch_buckets, token_buckets=kc.token_buckets)
-        self.executor = StepExecutor(model_config, model_kernels(kc), kc, self.buckets.batch[-1],
-                                     self.stats)
+        self.executor = StepExecutor(self.run_config, model_kernels(kc, mesh=self.mesh), kc,
+                                     self.buckets.batch[-1], self.stats)
         self.loop = StepLoop(self.scheduler, self._launch, self._complete,
                              async_scheduling=ec.async_scheduling, stats=self.stats)
         self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its samples
         dtype_bytes = jnp.dtype(resolved.dtype).itemsize  # snapshots while `trace_memory` is set
-        self.memory = memory.MemoryTracker(
-            models.param_bytes(model_config, dtype_bytes),
-            model_config.kv_bytes_per_token(dtype_bytes) * ec.page_size, self.num_pages)
+        self.memory = memory.MemoryTracker(  # bytes of one device
+            memory.param_count(model_config, tp) * dtype_bytes,
+            memory.kv_bytes_per_token(model_config, dtype_bytes, tp) * ec.page_size,
+            self.num_pages)
         self.trace_memory = False
 
     def _scheduler(self, bm: BlockManager, eos_token_ids=()) -> Scheduler:
@@ -81,8 +93,9 @@ class LLMEngine:
 
     def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
-            return init_kv_cache(self.model_config, self.num_pages, self.page_size,
-                                 jnp.dtype(self.resolved.dtype))
+            return init_kv_cache(self.run_config, self.num_pages, self.page_size,
+                                 jnp.dtype(self.resolved.dtype),
+                                 parallel.kv_pool_sharding(self.mesh))
         except jax.errors.JaxRuntimeError as e:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "
                              f"does not fit in device memory ({str(e).splitlines()[0][:120]})"
@@ -158,14 +171,15 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def update_params(self, params) -> None:
-        """Serve ``params`` from now on: a tree of the structure, shapes and dtypes of the current
-        one (e.g. a trainer's), put where the current leaves are, so every compiled step is reused
-        (no recompile); the prefix cache is reset (its K/V came from the old weights). Raises
-        ValueError: requests in flight, another tree structure, or a leaf (named) of another
-        shape or dtype."""
+        """Serve ``params`` from now on: a canonical tree of the structure, shapes and dtypes of
+        the one the engine was built with (e.g. a trainer's), put where the current leaves are
+        (under tensor parallelism: resharded, `jaxinfer.parallel.shard_params`), so every
+        compiled step is reused (no recompile); the prefix cache is reset (its K/V came from the
+        old weights). Raises ValueError: requests in flight, another tree structure, or a leaf
+        (named) of another shape or dtype."""
         if self.has_unfinished():
             raise ValueError("update_params needs an idle engine: requests are in flight")
-        old, treedef = jax.tree_util.tree_flatten_with_path(self.params)
+        old, treedef = self._canonical
         new, new_def = jax.tree_util.tree_flatten_with_path(params)
         if new_def != treedef:
             raise ValueError(f"update_params: the params tree differs from the served one: got "
@@ -175,8 +189,11 @@ class LLMEngine:
             if (shape, dtype) != (a.shape, a.dtype):
                 raise ValueError(f"update_params: params{jax.tree_util.keystr(path)} is {dtype}"
                                  f"{list(shape)}, expected {a.dtype}{list(a.shape)}")
-        self.params = jax.tree_util.tree_unflatten(
-            treedef, [jax.device_put(b, a.sharding) for (_, a), (_, b) in zip(old, new)])
+        if self.mesh is not None:
+            self.params = parallel.shard_params(params, self.model_config, self.mesh)
+        else:
+            self.params = jax.tree.map(lambda b, a: jax.device_put(b, a.sharding), params,
+                                       self.params)
         self.reset_prefix_cache()
 
     def sequences(self, rid: str) -> list[Sequence]:
@@ -213,14 +230,15 @@ class LLMEngine:
         self.stats.num_steps += 1
         if not isinstance(out, dict):
             return out, hb, None
+        tokens, out = out.pop("tokens"), {k: parallel.local(a) for k, a in out.items()}
         for a in out.values():  # log-probabilities come back as soon as the step ends
             a.copy_to_host_async()
-        return out.pop("tokens"), hb, out
+        return tokens, hb, out
 
     def _complete(self, done: Launched, host_times: tuple[float, float]) -> list[Sequence]:
         """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
         (tokens, hb, lps), batch, t0 = done.handle, done.batch, time.perf_counter()
-        tokens = np.asarray(tokens)
+        tokens = np.asarray(parallel.local(tokens))
         t1 = time.perf_counter()
         sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
         before = None if lps is None else [s.num_output_tokens for s in batch.seqs]

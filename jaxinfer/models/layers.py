@@ -18,11 +18,15 @@ INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and
 dense_init = nn.initializers.normal(stddev=INIT_STD)
 
 
-def fused_parts(cfg) -> dict[str, dict[str, slice]]:
+def fused_parts(cfg, shards: int = 1) -> dict[str, dict[str, slice]]:
     """Where each projection lies on the output (last) axis of the fused matrices, in
     concatenation order: ``{"wqkv": {"q": [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H,
-    (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up": [F, 2F)}}`` as slices."""
-    N, K, H, F = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up": [F, 2F)}}`` as slices. ``shards`` > 1
+    (tensor parallelism, `jaxinfer.parallel`): the columns are grouped by shard, [q_0 | k_0 | v_0
+    | q_1 | ...], [gate_0 | up_0 | gate_1 | ...], and the slices are within one shard's group
+    (N, K, F divided by ``shards``)."""
+    N, K, F = cfg.num_heads // shards, cfg.num_kv_heads // shards, cfg.intermediate_size // shards
+    H = cfg.head_dim
     return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
                      "v": slice((N + K) * H, (N + 2 * K) * H)},
             "w_gate_up": {"gate": slice(0, F), "up": slice(F, 2 * F)}}
@@ -155,23 +159,27 @@ class AddRMSNorm(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; gate and up
-    are one GEMM with ``w_gate_up`` [D, 2F] (`fused_parts`); ``w_down`` [F, D]. ``down_partials``
-    > 1: F split in that many equal parts, output f32 partial sums [splits, B, T, D] (for
-    `AddRMSNorm`)."""
+    are one GEMM with ``w_gate_up`` [D, 2F] (`fused_parts`, ``shards`` groups of columns, each
+    sliced locally); ``w_down`` [F, D]. ``down_partials`` > 1: F split in that many equal parts,
+    output f32 partial sums [splits, B, T, D] (for `AddRMSNorm`)."""
 
     cfg: Any
     param_dtype: Any = jnp.float32
     down_partials: int = 1
+    shards: int = 1
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         D, F = self.cfg.hidden_size, self.cfg.intermediate_size
-        parts = fused_parts(self.cfg)["w_gate_up"]
+        parts = fused_parts(self.cfg, self.shards)["w_gate_up"]
         w_gate_up = self.param("w_gate_up", dense_init, (D, 2 * F), self.param_dtype)
         w_down = self.param("w_down", dense_init, (F, D), self.param_dtype)
         with jax.named_scope("mlp"):
             gu = x @ in_dtype(w_gate_up, x.dtype)                       # [B, T, 2F]
+            if self.shards > 1:                                         # [B, T, shards, 2F/shards]
+                gu = gu.reshape(*gu.shape[:-1], self.shards, -1)
             h = jax.nn.silu(gu[..., parts["gate"]]) * gu[..., parts["up"]]
+            h = h.reshape(*h.shape[:-2], F) if self.shards > 1 else h   # [B, T, F]
             splits = self.down_partials
             if splits > 1:
                 B, T, F = h.shape

@@ -7,22 +7,29 @@ their layer's scope with `layers.shared`, so a layer's params form one flat dict
     (Qwen3: q_norm [H], k_norm [H]), mlp_norm [D], w_gate_up [D, 2F] (gate | up), w_down [F, D]};
     final_norm [D]; lm_head [D, V] unless tied to ``embed``.
 
+Under tensor parallelism (``kernels.mesh``, `jaxinfer.parallel`) the fused matrices' columns
+are grouped by device (`fused_parts` with ``shards``) and ``cfg`` is `tp_model_config`'s (KV
+heads copied up to one per device when there are fewer).
+
 The L layers are unrolled (BENCHMARKS.md: "Layer loop"); layer i writes the K/V pools at static
 index i. Sources: Touvron et al. 2023 (Llama 2); Meta 2024 (Llama 3); HF ``modeling_llama.py``."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.models.layers import (MLP, AddRMSNorm, Packing, StepContext, apply_rope, attend,
-                                    dense_init, fused_parts, in_dtype, rms_norm,
-                                    rope_cos_sin, rope_inv_freq, shared)
+                                    dense_init, fused_parts, in_dtype, rms_norm, rope_cos_sin,
+                                    rope_inv_freq, shared)
+from jaxinfer.parallel import AXIS, KV_POOL_SPEC
 from pallas_kernels.sizes import round_up
 
 # With the add + RMSNorm kernel, decode steps of >= DOWN_PARTIALS_MIN_ROWS rows pass the MLP
@@ -31,11 +38,63 @@ DOWN_PARTIALS = 2
 DOWN_PARTIALS_MIN_ROWS = 128
 
 
+def _fused_prologue(kernels: ModelKernels, qkv: jax.Array, wq, wk, layer: int, k_pool: jax.Array,
+                    v_pool: jax.Array, ctx: StepContext, N: int, K: int, eps: float):
+    """qkv [B, T, (N+2K)*H] -> (q, k_pool, v_pool) through ``kernels.qkv_prologue``: q
+    [B, T, N, H], or in an unpacked decode step with ``kernels.q_group_multiple`` grouped
+    [B, 1, K, Gp, H] (G = N/K rows zero-padded to Gp, the next multiple of it)."""
+    mult = kernels.q_group_multiple
+    B, T, _ = qkv.shape
+    H = k_pool.shape[-1]
+    decode = T == 1 and ctx.packing is None
+    rows = None if mult is None or not decode else round_up(N // K, mult)
+    q, k_pool, v_pool = kernels.qkv_prologue(
+        qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
+        ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
+        layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
+        **({} if rows is None else {"q_group_rows": rows}))
+    shape = (B, T, N, H) if rows is None else (B, T, K, rows, H)
+    return q.reshape(shape), k_pool, v_pool
+
+
+def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: StepContext,
+                    wq: jax.Array | None, wk: jax.Array | None, *, kernels: ModelKernels,
+                    layer: int, num_heads: int, num_kv_heads: int, eps: float,
+                    parts: dict[str, slice]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Everything between the qkv and output GEMMs, on ``num_heads`` N query and
+    ``num_kv_heads`` K KV heads (one device's under tensor parallelism): qkv [B, T, (N+2K)*H]
+    (q | k | v at ``parts``, `fused_parts`) -> per-head RMSNorm (``wq``, ``wk`` [H], or None)
+    -> RoPE (q and k in one op) -> `write_kv` into pools [L, P, K, page_size, H] at ``layer``
+    (a Python int) -> ``kernels.attention``; norm, RoPE and K/V write as
+    ``kernels.qkv_prologue`` when set. Returns (o [B, T, N, H], k_pool, v_pool)."""
+    B, T, _ = qkv.shape
+    N, K, H = num_heads, num_kv_heads, k_pool.shape[-1]
+    if kernels.qkv_prologue is not None:                                # one kernel
+        with jax.named_scope("qkv_prologue"):
+            q, k_pool, v_pool = _fused_prologue(kernels, qkv, wq, wk, layer, k_pool, v_pool,
+                                                ctx, N, K, eps)
+    else:
+        qk = qkv[..., :parts["k"].stop].reshape(B, T, N + K, H)
+        v = qkv[..., parts["v"]].reshape(B, T, K, H)
+        if wq is not None:  # one RMSNorm over the N + K heads, the weights broadcast
+            w = jnp.concatenate([jnp.broadcast_to(wq, (N, H)), jnp.broadcast_to(wk, (K, H))])
+            qk = rms_norm(qk, w, eps)
+        with jax.named_scope("rope"):
+            qk = apply_rope(qk, ctx.cos, ctx.sin)
+            q, k = qk[:, :, :N], qk[:, :, N:]
+        with jax.named_scope("kv_write"):
+            k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
+    with jax.named_scope("attention"):
+        o = attend(kernels.attention, q, k_pool, v_pool, ctx, layer=layer, scale=H ** -0.5,
+                   num_heads=N)
+    return o, k_pool, v_pool
+
+
 class Attention(nn.Module):
-    """x [B, T, D] @ ``wqkv`` -> qk [B, T, N + K, H], v [B, T, K, H] (`fused_parts`) -> per-head
-    RMSNorm (`qk_norm_weights`) -> RoPE (q and k in one op) -> `write_kv` at ``layer`` (a Python
-    int) -> ``kernels.attention`` -> @ ``wo``; norm, RoPE and K/V write as ``kernels.qkv_prologue``
-    when set (`fused_prologue`). Returns (out [B, T, D], k_pool, v_pool)."""
+    """x [B, T, D] @ ``wqkv`` -> `attention_heads` -> @ ``wo``. With ``kernels.mesh`` (tensor
+    parallelism) `attention_heads` runs under ``jax.shard_map`` on each device's heads (wqkv's
+    columns shard-major, `fused_parts`), and the ``wo`` GEMM, its rows split, is summed over the
+    devices by XLA. Returns (out [B, T, D], k_pool, v_pool)."""
 
     cfg: Any
     kernels: ModelKernels
@@ -45,54 +104,26 @@ class Attention(nn.Module):
         """RMSNorm weights (q_norm [H], k_norm [H]) of each query / key head; Llama: none."""
         return None, None
 
-    def fused_prologue(self, qkv: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
-                       ctx: StepContext):
-        """qkv [B, T, (N+2K)*H] -> (q, k_pool, v_pool) through ``kernels.qkv_prologue``: q
-        [B, T, N, H], or in an unpacked decode step with ``kernels.q_group_multiple`` grouped
-        [B, 1, K, Gp, H] (G = N/K rows zero-padded to Gp, the next multiple of it)."""
-        cfg, mult = self.cfg, self.kernels.q_group_multiple
-        B, T, _ = qkv.shape
-        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        decode = T == 1 and ctx.packing is None
-        rows = None if mult is None or not decode else round_up(N // K, mult)
-        wq, wk = self.qk_norm_weights()
-        q, k_pool, v_pool = self.kernels.qkv_prologue(
-            qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
-            ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
-            layer=layer, num_heads=N, num_kv_heads=K, eps=cfg.rms_norm_eps,
-            **({} if rows is None else {"q_group_rows": rows}))
-        shape = (B, T, N, H) if rows is None else (B, T, K, rows, H)
-        return q.reshape(shape), k_pool, v_pool
-
     @nn.compact
     def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
                  ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array]:
-        cfg = self.cfg
+        cfg, tp = self.cfg, self.kernels.tp
         B, T, D = x.shape
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        parts = fused_parts(cfg)["wqkv"]
         wqkv = self.param("wqkv", dense_init, (D, (N + 2 * K) * H), self.param_dtype)
         wo = self.param("wo", dense_init, (N * H, D), self.param_dtype)
         with jax.named_scope("qkv"):
             qkv = x @ in_dtype(wqkv, x.dtype)                           # [B, T, (N + 2K) * H]
-        if self.kernels.qkv_prologue is not None:                       # one kernel
-            with jax.named_scope("qkv_prologue"):
-                q, k_pool, v_pool = self.fused_prologue(qkv, layer, k_pool, v_pool, ctx)
-        else:
-            qk = qkv[..., :parts["k"].stop].reshape(B, T, N + K, H)
-            v = qkv[..., parts["v"]].reshape(B, T, K, H)
-            wq, wk = self.qk_norm_weights()
-            if wq is not None:  # one RMSNorm over the N + K heads, the weights broadcast
-                w = jnp.concatenate([jnp.broadcast_to(wq, (N, H)), jnp.broadcast_to(wk, (K, H))])
-                qk = rms_norm(qk, w, cfg.rms_norm_eps)
-            with jax.named_scope("rope"):
-                qk = apply_rope(qk, ctx.cos, ctx.sin)
-                q, k = qk[:, :, :N], qk[:, :, N:]
-            with jax.named_scope("kv_write"):
-                k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
+        heads = functools.partial(attention_heads, kernels=self.kernels, layer=layer,
+                                  num_heads=N // tp, num_kv_heads=K // tp, eps=cfg.rms_norm_eps,
+                                  parts=fused_parts(cfg, tp)["wqkv"])
+        if tp > 1:
+            pool = KV_POOL_SPEC
+            heads = jax.shard_map(heads, mesh=self.kernels.mesh, check_vma=False,
+                                  in_specs=(P(None, None, AXIS), pool, pool, P(), P(), P()),
+                                  out_specs=(P(None, None, AXIS, None), pool, pool))
+        o, k_pool, v_pool = heads(qkv, k_pool, v_pool, ctx, *self.qk_norm_weights())
         with jax.named_scope("attention"):
-            o = attend(self.kernels.attention, q, k_pool, v_pool, ctx, layer=layer,
-                       scale=H ** -0.5, num_heads=N)
             out = (o.astype(x.dtype).reshape(B, T, N * H) @ in_dtype(wo, x.dtype)).astype(x.dtype)
         return out, k_pool, v_pool
 
@@ -119,10 +150,11 @@ class DecoderLayer(nn.Module):
         a, k_pool, v_pool = attn(h, layer, k_pool, v_pool, ctx)
         x, h = shared(self, AddRMSNorm("mlp_norm", eps, pd, kernel, name="mlp_norm_block"))(x, a)
         B, T = x.shape[:2]
-        split = (kernel is not None and ctx.packing is None and T == 1
+        tp = self.kernels.tp  # partial sums: one device's F (a view of w_down) only
+        split = (kernel is not None and ctx.packing is None and T == 1 and tp == 1
                  and B >= DOWN_PARTIALS_MIN_ROWS
                  and self.cfg.intermediate_size % DOWN_PARTIALS == 0)
-        mlp = MLP(self.cfg, pd, DOWN_PARTIALS if split else 1, name="mlp")
+        mlp = MLP(self.cfg, pd, DOWN_PARTIALS if split else 1, tp, name="mlp")
         return x, shared(self, mlp)(h), k_pool, v_pool
 
 

@@ -104,6 +104,14 @@ def hf_loaded(hf_dir) -> LoadedModel:
 
 
 # ----------------------------------------------------------------------------- load_model, HF
+
+
+def test_hf_dir_on_host_leaves_are_numpy(hf_dir, hf_loaded):
+    """``on_host`` (tensor parallelism places the shards itself): the same values, numpy."""
+    cfg, params = load_params(hf_dir, "float32", on_host=True)
+    assert cfg == hf_loaded.config
+    assert all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(params))
+    assert_trees_equal(params, hf_loaded.params)
 def test_hf_dir_load_model(hf_dir, hf_loaded):
     m = hf_loaded
     assert m.source == "hf" and detect_format(hf_dir) == "hf"
@@ -147,6 +155,9 @@ def test_orbax_roundtrip_bf16(hf_loaded, tmp_path):
     # restoring into another dtype casts exactly (bf16 -> f32 is lossless)
     _, as_f32 = load_params(tmp_path / "ck", "float32")
     assert_trees_equal(as_f32, jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), params))
+    _, on_host = load_params(tmp_path / "ck", "float32", on_host=True)  # tensor parallelism's
+    assert all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(on_host))
+    assert_trees_equal(on_host, as_f32)
 
     tok = load_tokenizer(tmp_path / "ck")
     assert open_checkpoint(tmp_path / "ck").generation_eos_ids == (3, 2)

@@ -86,6 +86,9 @@ def test_default_model_chat_stream_answers_paris(tmp_path):
     (["--prompt", "hi", "--kernels", "prefill_gemm=cudnn"], "prefill_gemm='cudnn'"),
     (["--prompt", "hi", "--kernels", "cublas_decode_min_batch=0"], "cublas_decode_min_batch"),
     (["--prompt", "hi", "--kernels", "attention=mosaic"], "'attention=mosaic' is invalid"),
+    (["--prompt", "hi", "--tensor-parallel-size", "0"], "tensor_parallel_size=0 is invalid"),
+    (["--prompt", "hi", "--tensor-parallel-size", "2"],  # SmolLM2's 9 heads: config read only
+     "num_heads=9 is not divisible by tensor_parallel_size=2"),
 ])
 def test_bad_arguments_one_line_exit_2(capsys, args, needle):
     """Checked in this process (no model is loaded for any of them); `test_unsupported_architecture`
@@ -222,8 +225,8 @@ def test_truncated_gguf_is_one_line_exit_2(capsys, tmp_path, smollm_path, size):
 
 def test_vllm_options_reach_llm(monkeypatch, capsys):
     kw = llm_kwargs(monkeypatch, capsys, "--gpu-memory-utilization", "0.8", "--dtype", "auto",
-                    "--tokenizer", "/tok", "--enforce-eager", "--tensor-parallel-size", "1",
+                    "--tokenizer", "/tok", "--enforce-eager", "--tensor-parallel-size", "2",
                     "--kv-cache-dtype", "auto", "--no-enable-prefix-caching")
     assert (kw["gpu_memory_utilization"], kw["dtype"], kw["tokenizer"], kw["enforce_eager"],
             kw["tensor_parallel_size"], kw["kv_cache_dtype"], kw["enable_prefix_caching"]) == (
-        0.8, "auto", "/tok", True, 1, "auto", False)
+        0.8, "auto", "/tok", True, 2, "auto", False)

@@ -1,0 +1,107 @@
+"""Tensor parallelism through JAX sharding: the 1-D "tp" mesh, the shardings of the weights
+(declared as data beside the weight tree, `param_specs`) and of the KV pool, and the canonical ->
+engine weight layout (`shard_params`). XLA inserts the collectives (all-reduce after ``wo`` and
+``w_down``, the gather of the logits). Sources: Shoeybi et al. 2019 (Megatron-LM: column-split
+qkv and gate/up, row-split wo and down); vLLM (vocabulary-split embedding and lm_head, one KV
+head copy per device when tp exceeds the KV head count).
+
+Canonical layout: the tree `jaxinfer.models.init_params` and the loaders make (one device).
+Engine layout at tp > 1: the tree of `jaxinfer.config.tp_model_config` (K' = max(K, tp) KV
+heads), the fused matrices' columns grouped by device (`jaxinfer.models.fused_parts`), each
+leaf placed with its `param_specs` entry."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxinfer import models
+from jaxinfer.config import ModelConfig, tp_model_config
+
+AXIS = "tp"
+KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]: split over K'
+
+
+def make_mesh(tp: int) -> Mesh:
+    """1-D mesh, axis `AXIS`, over the first ``tp`` of ``jax.devices()`` (this process's local
+    devices; after ``jax.distributed.initialize``, every process's, process by process). Raises
+    ValueError: fewer devices than ``tp`` (both numbers named)."""
+    devices = jax.devices()
+    if tp > len(devices):
+        raise ValueError(f"tensor_parallel_size={tp} is invalid: JAX sees {len(devices)} "
+                         f"{devices[0].platform} device(s)")
+    return Mesh(np.array(devices[:tp]), (AXIS,))
+
+
+def local(x: jax.Array) -> jax.Array:
+    """A replicated ``x``'s copy on this process's first device of it (``x`` itself when one
+    process holds all of it), for reading back on a host of a multi-process mesh."""
+    return x if x.is_fully_addressable else x.addressable_data(0)
+
+
+def replicated(mesh: Mesh | None) -> NamedSharding | None:
+    """The sharding of arrays every device holds whole (page tables, step inputs); None: none."""
+    return None if mesh is None else NamedSharding(mesh, P())
+
+
+def gather_logits(logits: jax.Array, cfg: ModelConfig, mesh: Mesh | None) -> jax.Array:
+    """``logits`` f32[..., V] (traced) made whole on every device of ``mesh``: computed split by
+    vocabulary where lm_head is split (`param_specs`), then gathered, so that XLA gathers the
+    logits and never the lm_head weights; no mesh: ``logits``."""
+    if mesh is None:
+        return logits
+    if cfg.vocab_size % mesh.size == 0:
+        spec = P(*(None,) * (logits.ndim - 1), AXIS)
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(logits, replicated(mesh))
+
+
+def param_specs(cfg: ModelConfig, tp: int) -> dict:
+    """PartitionSpec tree with the structure of ``models.abstract_params(cfg)``: wqkv, w_gate_up
+    split by output column P(None, "tp"); wo, w_down by input row P("tp", None); embed
+    P("tp", None) and lm_head P(None, "tp") split by vocabulary when tp divides V (else
+    replicated); norms replicated P()."""
+    vocab = AXIS if cfg.vocab_size % tp == 0 else None
+    rules = {"wqkv": P(None, AXIS), "w_gate_up": P(None, AXIS), "wo": P(AXIS, None),
+             "w_down": P(AXIS, None), "embed": P(vocab, None), "lm_head": P(None, vocab)}
+    return jax.tree_util.tree_map_with_path(lambda path, _: rules.get(path[-1].key, P()),
+                                            models.abstract_params(cfg))
+
+
+def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
+    """Leaf ``name`` of the canonical tree of ``cfg`` in the engine layout of tp devices: wqkv
+    [D, (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp..,
+    k_s, v_s: KV heads s*K'/tp.., KV head j of K' a copy of head j*K//K'); w_gate_up [D, 2F] ->
+    [gate_0 | up_0 | gate_1 | ...]; any other leaf as it is."""
+    parts = models.fused_parts(cfg).get(name)
+    if parts is None:
+        return w
+    D = w.shape[0]
+    if name == "wqkv":
+        K, K2, H = cfg.num_kv_heads, tp_model_config(cfg, tp).num_kv_heads, cfg.head_dim
+        src = np.arange(K2) * K // K2                          # KV head copied into each of K'
+        groups = [w[:, parts["q"]]] + [w[:, parts[n]].reshape(D, K, H)[:, src] for n in "kv"]
+    else:
+        groups = [w[:, parts["gate"]], w[:, parts["up"]]]
+    return np.concatenate([g.reshape(D, tp, -1) for g in groups], axis=2).reshape(D, -1)
+
+
+def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
+    """Canonical ``params`` of ``cfg`` (jax or numpy leaves) -> the engine layout on ``mesh``,
+    leaf by leaf: each device receives only its shard of a split leaf (built on the host,
+    ``jax.make_array_from_callback``), never the whole. Shapes: ``abstract_params`` of
+    ``tp_model_config(cfg, mesh.size)``."""
+    tp = mesh.size
+
+    def place(path, w, spec):
+        host = engine_layout(path[-1].key, np.asarray(w), cfg, tp)
+        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
+                                            lambda index: host[index])
+
+    return jax.tree_util.tree_map_with_path(place, params, param_specs(cfg, tp))
+
+
+def kv_pool_sharding(mesh: Mesh | None) -> NamedSharding | None:
+    """The KV pools' sharding: split over KV heads (`KV_POOL_SPEC`); None: no mesh."""
+    return None if mesh is None else NamedSharding(mesh, KV_POOL_SPEC)

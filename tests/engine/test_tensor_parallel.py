@@ -150,9 +150,10 @@ def _from_checkpoint(cfg, greedy) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
 
 
-def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return dict(env, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **extra)
+def _env(XLA_FLAGS: str = "") -> dict:
+    """This environment on the CPU, ``XLA_FLAGS`` added to the inherited ones (conftest's)."""
+    flags = " ".join(filter(None, (os.environ.get("XLA_FLAGS", ""), XLA_FLAGS)))
+    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=flags)
 
 
 @pytest.fixture(scope="module")

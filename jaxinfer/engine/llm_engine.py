@@ -23,6 +23,7 @@ from jaxinfer.engine.stats import EngineStats, StepRecord
 from jaxinfer.kernels import model_kernels
 from jaxinfer.kv_cache import KVCache, init_kv_cache
 from jaxinfer.outputs import OutputProcessor, RequestOutput
+from jaxinfer.quantize import quantize_params
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.step import StepExecutor, enable_compilation_cache
 from jaxinfer.step_input import ShapeKey
@@ -46,7 +47,7 @@ class LLMEngine:
         ec, kc = resolved.engine, resolved.kernels
         if ec.compilation_cache_dir is not None:
             enable_compilation_cache(ec.compilation_cache_dir)
-        models.check_params(params, model_config)
+        models.check_params(params, model_config, resolved.quantization)
         self.model_config, self.params, self.resolved = model_config, params, resolved
         self.max_model_len, self.page_size = resolved.max_model_len, ec.page_size
         self.eos_token_ids, self.stats = tuple(eos_token_ids), EngineStats()
@@ -69,7 +70,7 @@ class LLMEngine:
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its samples
         dtype_bytes = jnp.dtype(resolved.dtype).itemsize  # snapshots while `trace_memory` is set
         self.memory = memory.MemoryTracker(
-            models.param_bytes(model_config, dtype_bytes),
+            sum(x.nbytes for x in jax.tree_util.tree_leaves(params)),
             model_config.kv_bytes_per_token(dtype_bytes) * ec.page_size, self.num_pages)
         self.trace_memory = False
 
@@ -162,9 +163,11 @@ class LLMEngine:
         one (e.g. a trainer's), put where the current leaves are, so every compiled step is reused
         (no recompile); the prefix cache is reset (its K/V came from the old weights). Raises
         ValueError: requests in flight, another tree structure, or a leaf (named) of another
-        shape or dtype."""
+        shape or dtype. An fp8 engine quantises an unquantised tree first (`quantize_params`)."""
         if self.has_unfinished():
             raise ValueError("update_params needs an idle engine: requests are in flight")
+        if self.resolved.quantization is not None:
+            params = quantize_params(params, self.model_config.weight_block_size)
         old, treedef = jax.tree_util.tree_flatten_with_path(self.params)
         new, new_def = jax.tree_util.tree_flatten_with_path(params)
         if new_def != treedef:

@@ -390,8 +390,8 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
         if getattr(kc, name) == "triton" and not ok:
             raise ValueError(f"KernelConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
         auto[name] = "triton" if gpu and half and ok else "xla"
-    for k in KERNEL_ALIASES.values():
-        if gpu and (new := registry.for_device(auto[k], device_kind)) != auto[k]:
+    for k in (k for k in KERNEL_ALIASES.values() if getattr(kc, k) == "auto"):  # explicit: kept
+        if (new := registry.for_device(auto[k], device_kind)) != auto[k]:
             logging.getLogger("jaxinfer").warning("jaxinfer: %s=%r is not validated on %r; using "
                                                   "%r", k, auto[k], device_kind, new)
             auto[k] = new

@@ -1,9 +1,10 @@
 """Accuracy of fp8 weights (`quantization="fp8"`) on SmolLM2-135M, the embedded real weights, on
 the CPU in float32: perplexity of English text nobody here wrote (the Python documentation that
 ships with the standard library, ``pydoc_data.topics.topics``, topics in sorted order) with the
-float32 weights and with fp8 weights, and greedy agreement with float32 on ``--prompts`` prompts
-(pieces of the same text) x ``--max-tokens`` tokens: per prompt, the fraction of positions equal up
-to the first divergence, averaged. Perplexity: the text's first ``--tokens`` tokens in windows of
+float32 weights and with fp8 weights (float32 compute; ``--bf16``: also bfloat16 weights and
+compute), and greedy agreement with float32 on ``--prompts`` prompts (pieces of the same text) x
+``--max-tokens`` tokens: per prompt, the fraction of positions equal up to the first divergence,
+averaged. Perplexity: the text's first ``--tokens`` tokens in windows of
 ``--window`` tokens, each scored from its own start (`SamplingParams.prompt_logprobs`). Prints a
 table and appends one JSON line to ``benchmarks/weights_accuracy.jsonl``.
 
@@ -63,6 +64,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=20)
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--bf16", action="store_true", help="also bfloat16 weights and compute, for "
+                   "scale: how far mere bf16 rounding moves the same numbers")
     p.add_argument("--out", default=os.path.join("benchmarks", "weights_accuracy.jsonl"))
     args = p.parse_args()
 
@@ -77,6 +80,8 @@ def main() -> None:
     windows = [ids[i:i + args.window] for i in range(0, args.tokens, args.window)]
     stride = (len(ids) - args.tokens) // args.prompts                  # prompts after that text
     prompts = [ids[args.tokens + i * stride:][:args.prompt_tokens] for i in range(args.prompts)]
+    if args.bf16:
+        llms["bfloat16"] = LLM(**dict(kw, dtype="bfloat16"))
     llms["fp8"] = LLM(quantization="fp8", **kw)
     rows, base = [], None
     for name, llm in llms.items():

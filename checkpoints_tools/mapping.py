@@ -5,7 +5,8 @@ a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9); shapes 
 caller's abstract tree. Tying (CASES.md C9): no ``lm_head.weight``, or one equal to the embedding
 -> tied (one copy); a differing one -> untied; UserWarning if ``tie_word_embeddings`` disagrees.
 HF ``[out, in]`` -> tree ``[in, out]`` (numpy); q/k/v_proj fill ``wqkv``, gate/up ``w_gate_up``.
-HF FP8 checkpoints: fp8 matrices must stay fp8, their ``weight_scale_inv`` fill ``<param>_scale``."""
+HF FP8 checkpoints: fp8 matrices must stay fp8; their ``weight_scale_inv`` fill ``<param>_scale``
+(fused parts placed like the weights', `scale_parts`)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ HF_TO_PARAMS: tuple[TensorRule, ...] = (
     TensorRule("lm_head.weight", "lm_head", True),
 )
 # HF FP8 checkpoints (`fp8_block_size`): each layer matrix's f32 block scales [out/bo, in/bi],
-# ``<name>.weight_scale_inv``, go to ``<param>_scale`` [in/bi, out/bo], fused parts like the weights.
+# ``<name>.weight_scale_inv``, go to ``<param>_scale`` [in/bi, out/bo].
 HF_TO_PARAMS += tuple(TensorRule(r.hf_name + "_scale_inv", r.param + "_scale", True, r.part)
                       for r in HF_TO_PARAMS if r.per_layer and r.transpose)
 

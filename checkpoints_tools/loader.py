@@ -156,15 +156,26 @@ def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
     return files, weight_map
 
 
-def _read_via_jax(file: str, name: str):
-    """One tensor through safetensors' flax reader on the CPU (numpy readers that reject bf16)."""
-    import jax
-    import numpy as np
-    from safetensors import safe_open
+# Safetensors dtypes numpy lacks, read as ml_dtypes arrays by `_read_raw`.
+_RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}
 
-    with jax.default_device(jax.devices("cpu")[0]):
-        with safe_open(file, framework="flax") as f:
-            return np.asarray(f.get_tensor(name))
+
+def _read_raw(file: str, name: str):
+    """Tensor ``name`` of a `_RAW_DTYPES` dtype, read at its header's offsets (safetensors layout:
+    u64 little-endian header size, JSON header, data) into a read-only ml_dtypes array."""
+    import struct
+
+    import ml_dtypes
+    import numpy as np
+
+    with open(file, "rb") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        info = json.loads(f.read(size))[name]
+        start, stop = info["data_offsets"]
+        f.seek(8 + size + start)
+        data = f.read(stop - start)
+    dtype = getattr(ml_dtypes, _RAW_DTYPES[info["dtype"]])
+    return np.frombuffer(data, dtype).reshape(info["shape"])
 
 
 def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
@@ -183,10 +194,10 @@ def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
                 where[name] = os.path.basename(file)
                 try:
                     array = f.get_tensor(name)
-                except (TypeError, ValueError, KeyError):
-                    if f.get_slice(name).get_dtype() != "BF16":
+                except (TypeError, ValueError, KeyError, AttributeError):
+                    if f.get_slice(name).get_dtype() not in _RAW_DTYPES:
                         raise
-                    array = _read_via_jax(file, name)
+                    array = _read_raw(file, name)
                 yield name, array
     if weight_map is not None:
         for name, shard in weight_map.items():

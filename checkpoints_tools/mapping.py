@@ -4,7 +4,9 @@ Every checkpoint tensor is mapped by `HF_TO_PARAMS` or listed in `IGNORED_HF`; e
 a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9); shapes and dtypes from the
 caller's abstract tree. Tying (CASES.md C9): no ``lm_head.weight``, or one equal to the embedding
 -> tied (one copy); a differing one -> untied; UserWarning if ``tie_word_embeddings`` disagrees.
-HF ``[out, in]`` -> tree ``[in, out]`` (numpy); q/k/v_proj fill ``wqkv``, gate/up ``w_gate_up``."""
+HF ``[out, in]`` -> tree ``[in, out]`` (numpy); q/k/v_proj fill ``wqkv``, gate/up ``w_gate_up``.
+HF FP8 checkpoints: fp8 matrices must stay fp8; their ``weight_scale_inv`` fill ``<param>_scale``
+(fused parts placed like the weights', `scale_parts`)."""
 
 from __future__ import annotations
 
@@ -49,11 +51,45 @@ HF_TO_PARAMS: tuple[TensorRule, ...] = (
     TensorRule("model.norm.weight", "final_norm", False),
     TensorRule("lm_head.weight", "lm_head", True),
 )
+# HF FP8 checkpoints (`fp8_block_size`): each layer matrix's f32 block scales [out/bo, in/bi],
+# ``<name>.weight_scale_inv``, go to ``<param>_scale`` [in/bi, out/bo].
+HF_TO_PARAMS += tuple(TensorRule(r.hf_name + "_scale_inv", r.param + "_scale", True, r.part)
+                      for r in HF_TO_PARAMS if r.per_layer and r.transpose)
 
 # Non-parameter buffers some checkpoints carry; recomputed from the config, so skipped.
 IGNORED_HF: tuple[str, ...] = ("model.rotary_emb.inv_freq", _L + "self_attn.rotary_emb.inv_freq")
 
 TensorSource = Union[Mapping[str, np.ndarray], Iterable[tuple[str, np.ndarray]]]
+
+
+def fp8_block_size(qc: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    """``weight_block_size`` (block_out, block_in) of an HF ``quantization_config`` (None: none).
+    Raises ValueError: not quant_method "fp8" with dynamic activation scales and a block size."""
+    if not qc:
+        return None
+    block = qc.get("weight_block_size")
+    if (qc.get("quant_method") != "fp8" or qc.get("activation_scheme", "dynamic") != "dynamic"
+            or not isinstance(block, (list, tuple)) or len(block) != 2):
+        raise ValueError(f"quantization_config={dict(qc)} is not supported: only HF FP8 "
+                         "checkpoints (quant_method 'fp8', activation_scheme 'dynamic', "
+                         "weight_block_size [out, in])")
+    return int(block[0]), int(block[1])
+
+
+def scale_parts(parts: Mapping[str, Mapping[str, slice]], block_out: int) -> dict:
+    """``{"<fused>_scale": {part: slice}}``: where each part of ``parts`` lies on the block-scale
+    out axis (bounds / ``block_out``). Raises ValueError: a part whose size is not a multiple of
+    ``block_out`` (a scale block would span two of the checkpoint's tensors)."""
+    out: dict = {}
+    for leaf, ps in parts.items():
+        for part, sl in ps.items():
+            if (sl.stop - sl.start) % block_out:
+                raise ValueError(f"{leaf} part {part!r} has {sl.stop - sl.start} output rows, not "
+                                 f"a multiple of weight_block_size's {block_out}: its FP8 block "
+                                 "scales cannot be fused")
+            out.setdefault(leaf + "_scale", {})[part] = slice(sl.start // block_out,
+                                                              sl.stop // block_out)
+    return out
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -105,10 +141,12 @@ def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cf
         if rule is not None:
             array = np.asarray(array)
             want = hf_shape(rule, abstract, parts)
-            if tuple(array.shape) != want:
+            fp8 = np.dtype(_spec(abstract, rule.param)[1]).name == "float8_e4m3fn"
+            if tuple(array.shape) != want or (fp8 and array.dtype.name != "float8_e4m3fn"):
                 where = rule.param.format(i=layer) + (f" part {rule.part!r}" if rule.part else "")
-                raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)}, expected {want} "
-                                 f"(for param {where!r} of {cfg.architecture} config)")
+                raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)} ({array.dtype})"
+                                 f", expected {want}{' in float8_e4m3fn' * fp8} (for param "
+                                 f"{where!r} of {cfg.architecture} config)")
         found[name] = array if rule is not None else None  # ignored: kept for duplicate checks
     missing = [n for r in rules if r.param != "lm_head"
                for n in ([r.hf_name.format(i=i) for i in range(cfg.num_layers)] if r.per_layer

@@ -6,10 +6,12 @@ allowed. Imports no JAX."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+from checkpoints_tools.mapping import fp8_block_size
 from pallas_kernels.paged_attention import registry
 from pallas_kernels.sizes import is_pow2
 
@@ -70,6 +72,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    weight_block_size: tuple[int, int] | None = None  # an HF FP8 checkpoint's (block_out, block_in)
 
     def __post_init__(self) -> None:
         _check(self, (
@@ -82,8 +85,11 @@ class ModelConfig:
              f"must divide num_heads={self.num_heads} (GQA)"),
             ("head_dim", lambda v: v % 2 == 0, "must be even (RoPE rotates pairs)"),
             ("rms_norm_eps", lambda v: v > 0, "must be > 0"),
-            ("rope_theta", lambda v: v > 0, "must be > 0")))
+            ("rope_theta", lambda v: v > 0, "must be > 0"),
+            ("weight_block_size", lambda v: v is None or len(v) == 2, "None or (out, in) sizes")))
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        object.__setattr__(self, "weight_block_size", self.weight_block_size and tuple(
+            int(b) for b in self.weight_block_size))
 
     @property
     def qk_norm(self) -> bool:
@@ -130,7 +136,8 @@ class ModelConfig:
                 rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos)
+                bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos,
+                weight_block_size=fp8_block_size(cfg.get("quantization_config")))
         except KeyError as e:
             raise ValueError(f"config.json lacks the required key {e.args[0]!r} "
                              f"(model_type={model_type!r})") from None
@@ -302,6 +309,8 @@ class EngineConfig:
     kv_cache_dtype: str = _user("auto", "KV cache dtype; 'auto': the compute dtype (the only "
                                 "choice)", choices=["auto"])
     tensor_parallel_size: int = _user(1, "devices to shard the model over (tensor parallelism)")
+    quantization: str | None = _user(None, "weights: 'fp8' (e4m3, per-output-channel scales) or "
+                                     "None; an FP8 checkpoint runs fp8 either way", choices=["fp8"])
     enforce_eager: bool = _user(False, "accepted for vLLM compatibility; no effect (steps are "
                                 "always compiled)")
     kernels: KernelConfig = KernelConfig()
@@ -329,7 +338,8 @@ class EngineConfig:
              "must be None or a path"),
             ("kv_cache_dtype", "auto".__eq__, "allowed: 'auto' (the compute dtype; FP8 KV is not "
              "supported yet)"),
-            ("tensor_parallel_size", _positive_int, positive)))
+            ("tensor_parallel_size", _positive_int, positive),
+            ("quantization", (None, "fp8").__contains__, "allowed: None or 'fp8'")))
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", None)
         object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
@@ -349,6 +359,7 @@ class ResolvedConfig:
     max_model_len: int
     dtype: str        # "float32" | "bfloat16"
     platform: str     # JAX backend: "cpu" | "gpu" | ...
+    quantization: str | None = None  # weights: None | "fp8"
 
     @property
     def dtype_bytes(self) -> int:
@@ -369,13 +380,16 @@ def check_platform(kc: KernelConfig, platform: str) -> None:
                              "kernels' CPU tests run them in interpret mode)")
 
 
-def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> ResolvedConfig:
+def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
+            device_kind: str | None = None) -> ResolvedConfig:
     """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend). On
     "gpu": dtype bfloat16, prefill_attention triton, and in half precision decode_attention mosaic,
     qkv_prologue / add_rms_norm triton where H/2 / D is a power of 2; else float32, reference,
-    xla. max_model_len None: max_position_embeddings. Raises ValueError: max_model_len above that,
-    a GPU kernel off "gpu" (`check_platform`), "triton" fused kernels on shapes they do not take,
-    a model ``tensor_parallel_size`` cannot split (`check_tp`)."""
+    xla; an attention variant not validated on ``device_kind`` falls back (`registry.for_device`,
+    logged). max_model_len None: max_position_embeddings; quantization None: "fp8" for an FP8
+    checkpoint. Raises ValueError: max_model_len above that, a GPU kernel off "gpu"
+    (`check_platform`), "triton" fused kernels on shapes they do not take, a model
+    ``tensor_parallel_size`` cannot split (`check_tp`) or fp8 weights with it above 1."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
@@ -395,5 +409,14 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str) -> Resolved
         if getattr(kc, name) == "triton" and not ok:
             raise ValueError(f"KernelConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
         auto[name] = "triton" if gpu and half and ok else "xla"
+    for k in (k for k in KERNEL_ALIASES.values() if getattr(kc, k) == "auto"):  # explicit: kept
+        if (new := registry.for_device(auto[k], device_kind)) != auto[k]:
+            logging.getLogger("jaxinfer").warning("jaxinfer: %s=%r is not validated on %r; using "
+                                                  "%r", k, auto[k], device_kind, new)
+            auto[k] = new
     kc = dataclasses.replace(kc, **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"})
-    return ResolvedConfig(model, engine, kc, max_len, dtype, platform)
+    quant = engine.quantization or ("fp8" if model.weight_block_size else None)
+    if quant and engine.tensor_parallel_size > 1:
+        _fail("EngineConfig", "tensor_parallel_size", engine.tensor_parallel_size,
+              f"quantization={quant!r} runs on one device only (1)")
+    return ResolvedConfig(model, engine, kc, max_len, dtype, platform, quant)

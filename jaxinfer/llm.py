@@ -14,6 +14,7 @@ from jaxinfer import loading, memory
 from jaxinfer.config import EngineConfig, ModelConfig, check_platform, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.quantize import quantize_params
 from jaxinfer.sampling_params import SamplingParams
 
 _Params = SamplingParams | Seq[SamplingParams] | None
@@ -103,10 +104,10 @@ class LLM:
         if tokenizer is not None and not os.path.exists(tokenizer):
             raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
         ckpt = open_checkpoint(model if model is not None else default_model_path())  # once
-        resolved = resolve(loading.model_config(ckpt), ec, platform)
+        resolved = resolve(loading.model_config(ckpt), ec, platform, jax.devices()[0].device_kind)
         loaded = loading.load_model(ckpt, resolved.dtype, with_tokenizer=not skip_tokenizer_init,
-                                    tokenizer=tokenizer,  # tp > 1: host arrays, the engine shards
-                                    on_host=ec.tensor_parallel_size > 1)
+                                    tokenizer=tokenizer, quantization=resolved.quantization,
+                                    on_host=ec.tensor_parallel_size > 1)  # tp > 1: engine shards
         self.model_path, self.tokenizer = ckpt.path, loaded.tokenizer
         self.engine = LLMEngine(loaded.config, loaded.params,
                                 dataclasses.replace(resolved, model=loaded.config),
@@ -117,15 +118,19 @@ class LLM:
     def from_params(cls, config, params: dict, **engine_args) -> "LLM":
         """An `LLM` without a tokenizer over ``params``, the `jaxinfer.models.init_params` tree of
         ``config`` in the compute dtype (with ``tensor_parallel_size`` > 1 jax or numpy leaves,
-        resharded: `jaxinfer.parallel`; prompts are token ids; ``stop`` strings are rejected).
+        resharded: `jaxinfer.parallel`; prompts are token ids; ``stop`` strings are rejected),
+        quantised first with ``quantization="fp8"`` (`jaxinfer.quantize.quantize_params`).
         Raises ValueError: ``config`` not a `ModelConfig`, or a bad engine argument."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "
                              f"{type(config).__name__} (ModelConfig.from_dict builds one)")
         self = cls.__new__(cls)
         self.model_path, self.tokenizer = None, None
-        self.engine = LLMEngine(config, params, resolve(config, _engine_config(engine_args),
-                                                        jax.default_backend()))
+        resolved = resolve(config, _engine_config(engine_args), jax.default_backend(),
+                           jax.devices()[0].device_kind)
+        if resolved.quantization is not None:
+            params = quantize_params(params, config.weight_block_size)
+        self.engine = LLMEngine(config, params, resolved)
         return self
 
     def _detokenize(self, ids, skip_special_tokens: bool = True,

@@ -15,9 +15,10 @@ import numpy as np
 
 from checkpoints_tools import orbax_io
 from checkpoints_tools.loader import Checkpoint, hf_tensors, load_tokenizer, open_checkpoint
-from checkpoints_tools.mapping import TensorSource, hf_tensors_to_params
+from checkpoints_tools.mapping import TensorSource, hf_tensors_to_params, scale_parts
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import abstract_params, fused_parts
+from jaxinfer.quantize import quantize_params
 
 
 class LoadedModel(NamedTuple):
@@ -46,42 +47,51 @@ def read_model_config(path: str | os.PathLike) -> ModelConfig:
 def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
                    on_host: bool = False) -> tuple[dict, ModelConfig]:
     """``(params, cfg with tying decided)`` from HF-named tensors (`hf_tensors_to_params`;
-    ``on_host``: numpy leaves)."""
+    ``on_host``: numpy leaves); an FP8 checkpoint (``cfg.weight_block_size``) keeps its fp8
+    matrices and block scales."""
     untied = dataclasses.replace(cfg, tie_word_embeddings=False)
-    params = hf_tensors_to_params(tensors, cfg, abstract_params(untied, dtype), fused_parts(cfg),
+    parts, quant = fused_parts(cfg), "fp8" if cfg.weight_block_size else None
+    if quant:
+        parts = {**parts, **scale_parts(parts, cfg.weight_block_size[0])}
+    params = hf_tensors_to_params(tensors, cfg, abstract_params(untied, dtype, quant), parts,
                                   on_host)
     return params, dataclasses.replace(cfg, tie_word_embeddings="lm_head" not in params)
 
 
 def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | None = None,
-                on_host: bool = False) -> tuple[ModelConfig, dict]:
+                on_host: bool = False, quantization: str | None = None
+                ) -> tuple[ModelConfig, dict]:
     """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype``; ``cfg``: its
     `model_config` if built; ``on_host``: numpy leaves, for `jaxinfer.parallel.shard_params` to
-    place shard by shard.
-    FileNotFoundError, ValueError: the reader's and the mapping's."""
+    place shard by shard; ``quantization`` "fp8": quantised after mapping (`quantize_params`;
+    an FP8 checkpoint is fp8 either way). FileNotFoundError, ValueError: the reader's and the
+    mapping's."""
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     cfg = cfg or model_config(ckpt)
     if ckpt.format == "orbax":
-        return cfg, orbax_io.restore(ckpt.path, abstract_params(cfg, dtype), on_host)
-    params, cfg = params_from_hf(hf_tensors(ckpt, np.dtype(jnp.dtype(dtype))), cfg, dtype,
-                                 on_host)
+        params = orbax_io.restore(ckpt.path, abstract_params(cfg, dtype), on_host)
+    else:
+        params, cfg = params_from_hf(hf_tensors(ckpt, np.dtype(jnp.dtype(dtype))), cfg, dtype,
+                                     on_host)
+    if quantization is not None:
+        params = quantize_params(params, cfg.weight_block_size)
     return cfg, params
 
 
 def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
                with_tokenizer: bool = True, tokenizer: str | None = None,
-               on_host: bool = False) -> LoadedModel:
+               on_host: bool = False, quantization: str | None = None) -> LoadedModel:
     """Config, params and tokenizer of a checkpoint (a path, see `detect_format`, or an opened
     `Checkpoint`, whose GGUF reader is reused); ``dtype``: "bfloat16", "float32" or a jnp dtype;
     ``with_tokenizer=False``: none (token-id prompts only); ``tokenizer``: an HF tokenizer dir or
-    GGUF file instead of the checkpoint's; ``on_host``: as `load_params`. FileNotFoundError: no
-    ``path`` (named); ValueError: unsupported format or architecture (before any tokenizer is
-    built), bad tensors, or no tokenizer."""
+    GGUF file instead of the checkpoint's; ``on_host``, ``quantization``: as `load_params`.
+    FileNotFoundError: no ``path`` (named); ValueError: unsupported format or architecture
+    (before any tokenizer is built), bad tensors, or no tokenizer."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = model_config(ckpt)
     tokenizer = None if not with_tokenizer else load_tokenizer(ckpt) if tokenizer is None else \
         load_tokenizer(tokenizer, "gguf" if str(tokenizer).endswith(".gguf") else "hf")
-    cfg, params = load_params(ckpt, dtype, cfg, on_host)
+    cfg, params = load_params(ckpt, dtype, cfg, on_host, quantization)
     groups = ((tokenizer.eos_token_id,) if tokenizer is not None else (),
               ckpt.generation_eos_ids, cfg.eos_token_ids)
     eos = tuple(dict.fromkeys(int(t) for g in groups for t in g if t is not None))

@@ -154,3 +154,35 @@ def test_triton_fused_kernels_on_shapes_they_do_not_take():
         resolve(model(576, 64), EngineConfig(kernels="add_rms_norm=triton"), "gpu")
     with pytest.raises(ValueError, match="qkv_prologue='triton' needs head dim"):
         resolve(model(512, 96), EngineConfig(kernels="qkv_prologue=triton"), "gpu")
+
+
+def test_unvalidated_device_kind_falls_back_from_mosaic_with_one_log_line(caplog):
+    """A faked Blackwell (sm_100) GPU: "auto" decode leaves Mosaic GPU (written for sm_90a) for
+    the Triton variant and says so once; validated kinds and explicit choices are kept."""
+    assert "NVIDIA B200" not in registry.VALIDATED["mosaic"]
+    with caplog.at_level("WARNING", logger="jaxinfer"):
+        b200 = resolve(model(), EngineConfig(), "gpu", device_kind="NVIDIA B200").kernels
+    assert (b200.decode_attention, b200.prefill_attention) == ("triton", "triton")
+    assert (b200.qkv_prologue, b200.add_rms_norm) == ("triton", "triton")
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxinfer"]
+    assert len(lines) == 1 and "decode_attention='mosaic'" in lines[0] and "'NVIDIA B200'" in \
+        lines[0] and "'triton'" in lines[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxinfer"):
+        h200 = resolve(model(), EngineConfig(), "gpu", device_kind="NVIDIA H200").kernels
+        kept = resolve(model(), EngineConfig(kernels="decode=mosaic"), "gpu",
+                       device_kind="NVIDIA B200").kernels
+        cpu = resolve(model(), EngineConfig(), "cpu", device_kind="cpu").kernels
+    assert h200.decode_attention == "mosaic" and kept.decode_attention == "mosaic"
+    assert cpu.decode_attention == "reference" and not caplog.records
+    assert registry.for_device("reference", "NVIDIA B200") == "reference"
+
+
+def test_quantization_resolves_from_the_checkpoint():
+    assert resolve(model(), EngineConfig(), "cpu").quantization is None
+    assert resolve(model(), EngineConfig(quantization="fp8"), "cpu").quantization == "fp8"
+    fp8_ckpt = dataclasses.replace(model(), weight_block_size=[128, 128])
+    assert fp8_ckpt.weight_block_size == (128, 128)
+    assert resolve(fp8_ckpt, EngineConfig(), "cpu").quantization == "fp8"
+    with pytest.raises(ValueError, match="ModelConfig.weight_block_size=.*invalid"):
+        dataclasses.replace(model(), weight_block_size=(128,))

@@ -213,3 +213,11 @@ def test_bench_prefix_cache_tiny_runs_every_mode(tmp_path):
     assert shared_on["cached_tokens"] > 0 and rows[3]["compiles_in_timed_run"] == 0
     assert all(x["output_tokens"] > 0 and x["bench"] == "prefix_cache" for x in rows)
     assert [rows[i]["token_match"] for i in (1, 3, 5, 6)] == [1.0] * 4   # float32: identical
+
+
+def test_weights_accuracy_agreement_counts_up_to_the_first_divergence():
+    ev = _load("eval_weights_accuracy")
+    assert ev.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
+    assert ev.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5     # position 3 equal again: not counted
+    assert ev.agreement([5, 2], [1, 2]) == 0.0
+    assert "The " in ev.english_text()[:20000]

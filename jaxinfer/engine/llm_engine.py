@@ -24,6 +24,7 @@ from jaxinfer.engine.stats import EngineStats, StepRecord
 from jaxinfer.kernels import model_kernels
 from jaxinfer.kv_cache import KVCache, init_kv_cache
 from jaxinfer.outputs import OutputProcessor, RequestOutput
+from jaxinfer.quantize import quantize_params
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.step import StepExecutor, enable_compilation_cache
 from jaxinfer.step_input import ShapeKey
@@ -50,7 +51,7 @@ class LLMEngine:
         ec, kc = resolved.engine, resolved.kernels
         if ec.compilation_cache_dir is not None:
             enable_compilation_cache(ec.compilation_cache_dir)
-        models.check_params(params, model_config)
+        models.check_params(params, model_config, resolved.quantization)
         tp = ec.tensor_parallel_size
         self.mesh = parallel.make_mesh(tp) if tp > 1 else None
         self.model_config, self.resolved = model_config, resolved
@@ -79,9 +80,11 @@ class LLMEngine:
         self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its samples
         dtype_bytes = jnp.dtype(resolved.dtype).itemsize  # snapshots while `trace_memory` is set
+        weight_bytes = (sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+                        if resolved.quantization else
+                        memory.param_count(model_config, tp) * dtype_bytes)
         self.memory = memory.MemoryTracker(  # bytes of one device
-            memory.param_count(model_config, tp) * dtype_bytes,
-            memory.kv_bytes_per_token(model_config, dtype_bytes, tp) * ec.page_size,
+            weight_bytes, memory.kv_bytes_per_token(model_config, dtype_bytes, tp) * ec.page_size,
             self.num_pages)
         self.trace_memory = False
 
@@ -175,10 +178,13 @@ class LLMEngine:
         the one the engine was built with (e.g. a trainer's), put where the current leaves are
         (under tensor parallelism: resharded, `jaxinfer.parallel.shard_params`), so every
         compiled step is reused (no recompile); the prefix cache is reset (its K/V came from the
-        old weights). Raises ValueError: requests in flight, another tree structure, or a leaf
-        (named) of another shape or dtype."""
+        old weights). An fp8 engine quantises an unquantised tree first (`quantize_params`).
+        Raises ValueError: requests in flight, another tree structure, or a leaf (named) of
+        another shape or dtype."""
         if self.has_unfinished():
             raise ValueError("update_params needs an idle engine: requests are in flight")
+        if self.resolved.quantization is not None:
+            params = quantize_params(params, self.model_config.weight_block_size)
         old, treedef = self._canonical
         new, new_def = jax.tree_util.tree_flatten_with_path(params)
         if new_def != treedef:

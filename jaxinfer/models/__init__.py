@@ -1,6 +1,7 @@
 """The models as pure functions of (params, inputs, KV state), by ``cfg.architecture``. ``params``:
-the plain tree the Flax modules declare (`jaxinfer.models.llama`), in the compute dtype;
-`abstract_params` is the one shape source. `jaxinfer.step` jits around `forward`."""
+the plain tree the Flax modules declare (`jaxinfer.models.llama`), in the compute dtype (the layers'
+matrices maybe fp8 with scales: quantization "fp8", `jaxinfer.quantize`); `abstract_params` is the
+one shape source. `jaxinfer.step` jits around `forward`."""
 
 from __future__ import annotations
 
@@ -15,15 +16,20 @@ from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.layers import Packing, fused_parts  # noqa: F401 (exported)
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.qwen3 import Qwen3ForCausalLM
+from jaxinfer.quantize import is_quantized, quantize_params
+
+QUANTIZATIONS = (None, "fp8")
 
 _MODELS = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 
-def _model(cfg, kernels: ModelKernels, dtype):
+def _model(cfg, kernels: ModelKernels, dtype, quantization: str | None = None):
     if cfg.architecture not in _MODELS:
         raise ValueError(f"cfg.architecture={cfg.architecture!r} has no model; "
                          f"supported: {tuple(_MODELS)}")
-    return _MODELS[cfg.architecture](cfg, kernels, jnp.dtype(dtype))
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is invalid: allowed {QUANTIZATIONS}")
+    return _MODELS[cfg.architecture](cfg, kernels, jnp.dtype(dtype), quantization)
 
 
 def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
@@ -32,8 +38,9 @@ def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_map
     """One step over the paged cache (``cfg``, ``kernels`` static): tokens, positions (RoPE, mask),
     slot_mapping (``page * page_size + offset``; padding: null page) i32[B, T]; ``kv``: block_tables
     i32[R, M], seq_lens i32[R] after this write (R = B unless ``packing``: tokens [1, Tp], R chunks)
-    -> (hidden [B, T, D] after the final norm, compute dtype; new cache); ValueError: no model."""
-    model = _model(cfg, kernels, params["embed"].dtype)
+    -> (hidden [B, T, D] after the final norm, compute dtype; new cache); ValueError: no model.
+    fp8 ``params`` (`jaxinfer.quantize.is_quantized`) run with quantization "fp8"."""
+    model = _model(cfg, kernels, params["embed"].dtype, "fp8" if is_quantized(params) else None)
     return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
 
 
@@ -50,9 +57,9 @@ def compute_logits(params: dict, cfg, hidden: jax.Array) -> jax.Array:
     return jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
-def init_params(cfg, key: jax.Array, dtype) -> dict:
-    """Random params in ``dtype``: matrices, embedding ~ N(0, 0.02) (HF init range), norms 1."""
-    model = _model(cfg, ModelKernels(), dtype)
+def _init_fn(cfg, dtype, quantization: str | None = None):
+    """``key -> params``, the modules' init (fp8: draws cast to e4m3, scales 1; `init_params`)."""
+    model = _model(cfg, ModelKernels(), dtype, quantization)
 
     def init(key):
         pool = jnp.zeros((cfg.num_layers, 2, cfg.num_kv_heads, 1, cfg.head_dim), dtype)
@@ -60,16 +67,29 @@ def init_params(cfg, key: jax.Array, dtype) -> dict:
         kv = KVCache(pool, pool, one, jnp.ones((1,), jnp.int32))
         return model.init(key, one * 0, one * 0, one, kv)["params"]
 
-    return jax.jit(init)(key)
+    return init
 
 
-def abstract_params(cfg, dtype=jnp.bfloat16) -> dict:
-    """ShapeDtypeStruct tree of the params (``jax.eval_shape`` of `init_params`)."""
-    return jax.eval_shape(lambda key: init_params(cfg, key, dtype), jax.random.key(0))
+def init_params(cfg, key: jax.Array, dtype, quantization: str | None = None) -> dict:
+    """Random params in ``dtype``: matrices, embedding ~ N(0, 0.02) (HF init range), norms 1;
+    quantization "fp8": then `jaxinfer.quantize.quantize_params` (``cfg.weight_block_size``).
+    ValueError: another ``quantization``."""
+    params = jax.jit(_init_fn(cfg, dtype))(key)
+    if quantization is None:
+        return params
+    _model(cfg, ModelKernels(), dtype, quantization)  # checks the value
+    return quantize_params(params, cfg.weight_block_size)
 
 
-def check_params(params: dict, cfg) -> None:
-    """``params`` vs `abstract_params`; ValueError: a missing/unexpected entry, a bad shape."""
+def abstract_params(cfg, dtype=jnp.bfloat16, quantization: str | None = None) -> dict:
+    """ShapeDtypeStruct tree of the params as the modules declare them (``jax.eval_shape`` of
+    their init; ``quantization`` None or "fp8"). ValueError: another ``quantization``."""
+    return jax.eval_shape(_init_fn(cfg, dtype, quantization), jax.random.key(0))
+
+
+def check_params(params: dict, cfg, quantization: str | None = None) -> None:
+    """``params`` vs `abstract_params` (``quantization``); ValueError: a missing/unexpected entry,
+    a bad shape."""
     def walk(exp, got, path):
         if not isinstance(got, Mapping):
             raise ValueError(f"params{path} must be a mapping, got {type(got).__name__}")
@@ -84,7 +104,7 @@ def check_params(params: dict, cfg) -> None:
                 raise ValueError(f"params{path}/{name} has shape {tuple(got[name].shape)}, "
                                  f"expected {tuple(e.shape)}")
 
-    walk(abstract_params(cfg), params, "")
+    walk(abstract_params(cfg, quantization=quantization), params, "")
 
 
 def param_bytes(cfg, dtype_bytes: int = 2) -> int:

@@ -6,6 +6,8 @@ params' dtype; RMSNorm statistics, RoPE and the attention softmax in f32. Weight
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -35,6 +37,62 @@ def fused_parts(cfg, shards: int = 1) -> dict[str, dict[str, slice]]:
 def in_dtype(w: jax.Array, dtype) -> jax.Array:
     """``w`` cast to ``dtype``, or ``w`` itself when it already has it."""
     return w if w.dtype == jnp.dtype(dtype) else w.astype(dtype)
+
+
+def scale_shape(shape: tuple[int, int], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """Shape of the f32 scale of an fp8 matrix ``shape`` [in, out]: per output channel [out]
+    (``block`` None), or per HF block ``(block_out, block_in)``: [ceil(in/bi), ceil(out/bo)]."""
+    if block is None:
+        return (shape[1],)
+    return (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
+
+
+def expand_scale(scale: jax.Array, shape: tuple[int, int],
+                 block: tuple[int, int] | None) -> jax.Array:
+    """A `scale_shape` scale broadcast to the elements of its matrix: f32[in, out] (per channel:
+    f32[1, out]); block ``(block_out, block_in)`` as in `scale_shape`."""
+    if block is None:
+        return scale[None, :]
+    rows = jnp.repeat(scale, block[1], axis=0)[:shape[0]]
+    return jnp.repeat(rows, block[0], axis=1)[:, :shape[1]]
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "scale"],
+                   meta_fields=["block"])
+@dataclasses.dataclass(frozen=True)
+class Weight:
+    """A matrix w [in, out] as declared: in the compute dtype (``scale`` None), or
+    float8_e4m3fn with its f32 `scale_shape` scale (``block``, static: None per channel, or HF's
+    ``(block_out, block_in)``), meaning ``w * expand_scale(scale)``."""
+
+    w: jax.Array
+    scale: jax.Array | None = None
+    block: tuple[int, int] | None = None
+
+    def value(self, dtype) -> jax.Array:
+        """The matrix in ``dtype``: ``(w.astype(f32) * expand_scale(scale)).astype(dtype)``, traced
+        inside the caller's jit, so XLA fuses the convert into the consuming GEMM."""
+        if self.scale is None:
+            return in_dtype(self.w, dtype)
+        wf = self.w.astype(jnp.float32) * expand_scale(self.scale, self.w.shape, self.block)
+        return wf.astype(dtype)
+
+
+def dense(x: jax.Array, w: Weight) -> jax.Array:
+    """The GEMM of every projection: x [..., in] @ ``w.value(x.dtype)`` [in, out] -> [..., out]."""
+    return x @ w.value(x.dtype)
+
+
+def declare_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> Weight:
+    """Declare matrix ``name`` [in, out] on ``module`` (its ``param_dtype``, ``quantization`` and
+    ``cfg.weight_block_size``): with ``quantization == "fp8"`` a float8_e4m3fn leaf plus the f32
+    leaf ``name + "_scale"`` (`scale_shape`) beside it; else one leaf in ``param_dtype``."""
+    if module.quantization is None:
+        return Weight(module.param(name, dense_init, shape, module.param_dtype))
+    block = module.cfg.weight_block_size
+    return Weight(module.param(name, dense_init, shape, jnp.float8_e4m3fn),
+                  module.param(name + "_scale", nn.initializers.ones, scale_shape(shape, block),
+                               jnp.float32), block)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -161,21 +219,23 @@ class MLP(nn.Module):
     """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; gate and up
     are one GEMM with ``w_gate_up`` [D, 2F] (`fused_parts`, ``shards`` groups of columns, each
     sliced locally); ``w_down`` [F, D]. ``down_partials`` > 1: F split in that many equal parts,
-    output f32 partial sums [splits, B, T, D] (for `AddRMSNorm`)."""
+    output f32 partial sums [splits, B, T, D] (for `AddRMSNorm`). ``quantization``: None or
+    "fp8" (`declare_weight`)."""
 
     cfg: Any
     param_dtype: Any = jnp.float32
     down_partials: int = 1
     shards: int = 1
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         D, F = self.cfg.hidden_size, self.cfg.intermediate_size
         parts = fused_parts(self.cfg, self.shards)["w_gate_up"]
-        w_gate_up = self.param("w_gate_up", dense_init, (D, 2 * F), self.param_dtype)
-        w_down = self.param("w_down", dense_init, (F, D), self.param_dtype)
+        w_gate_up = declare_weight(self, "w_gate_up", (D, 2 * F))
+        w_down = declare_weight(self, "w_down", (F, D))
         with jax.named_scope("mlp"):
-            gu = x @ in_dtype(w_gate_up, x.dtype)                       # [B, T, 2F]
+            gu = dense(x, w_gate_up)                                    # [B, T, 2F]
             if self.shards > 1:                                         # [B, T, shards, 2F/shards]
                 gu = gu.reshape(*gu.shape[:-1], self.shards, -1)
             h = jax.nn.silu(gu[..., parts["gate"]]) * gu[..., parts["up"]]
@@ -183,7 +243,7 @@ class MLP(nn.Module):
             splits = self.down_partials
             if splits > 1:
                 B, T, F = h.shape
-                w = in_dtype(w_down, x.dtype).reshape(splits, F // splits, -1)   # a view
+                w = w_down.value(x.dtype).reshape(splits, F // splits, -1)   # a view
                 return jnp.einsum("btpf,pfd->pbtd", h.reshape(B, T, splits, F // splits), w,
                                   preferred_element_type=jnp.float32)
-            return (h @ in_dtype(w_down, x.dtype)).astype(x.dtype)
+            return dense(h, w_down).astype(x.dtype)

@@ -5,7 +5,8 @@ their layer's scope with `layers.shared`, so a layer's params form one flat dict
 
     embed [V, D]; layers/"0".."L-1"/{attn_norm [D], wqkv [D, (N+2K)*H] (q | k | v), wo [N*H, D],
     (Qwen3: q_norm [H], k_norm [H]), mlp_norm [D], w_gate_up [D, 2F] (gate | up), w_down [F, D]};
-    final_norm [D]; lm_head [D, V] unless tied to ``embed``.
+    final_norm [D]; lm_head [D, V] unless tied to ``embed``. Quantised ("fp8"): wqkv, wo, w_gate_up,
+    w_down in float8_e4m3fn, each with an f32 ``<name>_scale`` beside it (`layers.declare_weight`).
 
 Under tensor parallelism (``kernels.mesh``, `jaxinfer.parallel`) the fused matrices' columns
 are grouped by device (`fused_parts` with ``shards``) and ``cfg`` is `tp_model_config`'s (KV
@@ -27,8 +28,8 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache, write_kv
 from jaxinfer.models.layers import (MLP, AddRMSNorm, Packing, StepContext, apply_rope, attend,
-                                    dense_init, fused_parts, in_dtype, rms_norm, rope_cos_sin,
-                                    rope_inv_freq, shared)
+                                    declare_weight, dense, dense_init, fused_parts, rms_norm,
+                                    rope_cos_sin, rope_inv_freq, shared)
 from jaxinfer.parallel import AXIS, KV_POOL_SPEC
 from pallas_kernels.sizes import round_up
 
@@ -94,11 +95,13 @@ class Attention(nn.Module):
     """x [B, T, D] @ ``wqkv`` -> `attention_heads` -> @ ``wo``. With ``kernels.mesh`` (tensor
     parallelism) `attention_heads` runs under ``jax.shard_map`` on each device's heads (wqkv's
     columns shard-major, `fused_parts`), and the ``wo`` GEMM, its rows split, is summed over the
-    devices by XLA. Returns (out [B, T, D], k_pool, v_pool)."""
+    devices by XLA. Returns (out [B, T, D], k_pool, v_pool). ``quantization``: None or "fp8"
+    (`declare_weight`)."""
 
     cfg: Any
     kernels: ModelKernels
     param_dtype: Any = jnp.float32
+    quantization: str | None = None
 
     def qk_norm_weights(self) -> tuple[jax.Array | None, jax.Array | None]:
         """RMSNorm weights (q_norm [H], k_norm [H]) of each query / key head; Llama: none."""
@@ -110,10 +113,10 @@ class Attention(nn.Module):
         cfg, tp = self.cfg, self.kernels.tp
         B, T, D = x.shape
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        wqkv = self.param("wqkv", dense_init, (D, (N + 2 * K) * H), self.param_dtype)
-        wo = self.param("wo", dense_init, (N * H, D), self.param_dtype)
+        wqkv = declare_weight(self, "wqkv", (D, (N + 2 * K) * H))
+        wo = declare_weight(self, "wo", (N * H, D))
         with jax.named_scope("qkv"):
-            qkv = x @ in_dtype(wqkv, x.dtype)                           # [B, T, (N + 2K) * H]
+            qkv = dense(x, wqkv)                                        # [B, T, (N + 2K) * H]
         heads = functools.partial(attention_heads, kernels=self.kernels, layer=layer,
                                   num_heads=N // tp, num_kv_heads=K // tp, eps=cfg.rms_norm_eps,
                                   parts=fused_parts(cfg, tp)["wqkv"])
@@ -124,7 +127,7 @@ class Attention(nn.Module):
                                   out_specs=(P(None, None, AXIS, None), pool, pool))
         o, k_pool, v_pool = heads(qkv, k_pool, v_pool, ctx, *self.qk_norm_weights())
         with jax.named_scope("attention"):
-            out = (o.astype(x.dtype).reshape(B, T, N * H) @ in_dtype(wo, x.dtype)).astype(x.dtype)
+            out = dense(o.astype(x.dtype).reshape(B, T, N * H), wo).astype(x.dtype)
         return out, k_pool, v_pool
 
 
@@ -138,6 +141,7 @@ class DecoderLayer(nn.Module):
     kernels: ModelKernels
     attention_cls: type = Attention
     param_dtype: Any = jnp.float32
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, pending: jax.Array | None, layer: int, k_pool: jax.Array,
@@ -146,7 +150,8 @@ class DecoderLayer(nn.Module):
         eps, pd, kernel = self.cfg.rms_norm_eps, self.param_dtype, self.kernels.add_rms_norm
         x, h = shared(self, AddRMSNorm("attn_norm", eps, pd, kernel, name="attn_norm_block"))(
             x, pending)
-        attn = shared(self, self.attention_cls(self.cfg, self.kernels, pd, name="attention"))
+        attn = shared(self, self.attention_cls(self.cfg, self.kernels, pd, self.quantization,
+                                               name="attention"))
         a, k_pool, v_pool = attn(h, layer, k_pool, v_pool, ctx)
         x, h = shared(self, AddRMSNorm("mlp_norm", eps, pd, kernel, name="mlp_norm_block"))(x, a)
         B, T = x.shape[:2]
@@ -154,7 +159,8 @@ class DecoderLayer(nn.Module):
         split = (kernel is not None and ctx.packing is None and T == 1 and tp == 1
                  and B >= DOWN_PARTIALS_MIN_ROWS
                  and self.cfg.intermediate_size % DOWN_PARTIALS == 0)
-        mlp = MLP(self.cfg, pd, DOWN_PARTIALS if split else 1, tp, name="mlp")
+        mlp = MLP(self.cfg, pd, DOWN_PARTIALS if split else 1, tp, self.quantization,
+                  name="mlp")
         return x, shared(self, mlp)(h), k_pool, v_pool
 
 
@@ -166,6 +172,7 @@ class Layers(nn.Module):
     kernels: ModelKernels
     attention_cls: type = Attention
     param_dtype: Any = jnp.float32
+    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
@@ -173,7 +180,7 @@ class Layers(nn.Module):
         pending = None
         for i in range(self.cfg.num_layers):
             layer = DecoderLayer(self.cfg, self.kernels, self.attention_cls, self.param_dtype,
-                                 name=str(i))
+                                 self.quantization, name=str(i))
             x, pending, k_pool, v_pool = layer(x, pending, i, k_pool, v_pool, ctx)
         return x, pending, k_pool, v_pool
 
@@ -182,11 +189,14 @@ class LlamaForCausalLM(nn.Module):
     """Trunk: embed -> `Layers` ("layers") -> final norm (adds the last pending MLP output):
     ``(tokens, positions, slot_mapping i32[B, T], kv: KVCache, packing: Packing | None) -> (hidden
     [B, T, D] in the params' dtype, KVCache with the pools written)``. ``lm_head`` (untied) is
-    declared for init; logits: `jaxinfer.models.compute_logits`. Subclasses set attention_cls."""
+    declared for init; logits: `jaxinfer.models.compute_logits`. Subclasses set attention_cls.
+    ``quantization`` "fp8": the layers' matrices in fp8 (`declare_weight`); embed, lm_head and
+    norms stay in ``param_dtype``."""
 
     cfg: Any
     kernels: ModelKernels
     param_dtype: Any = jnp.float32
+    quantization: str | None = None
     attention_cls: ClassVar[type] = Attention
 
     @nn.compact
@@ -202,7 +212,8 @@ class LlamaForCausalLM(nn.Module):
             cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
         ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
                           kv.block_tables, kv.seq_lens, cos, sin, packing)
-        layers = Layers(cfg, self.kernels, self.attention_cls, pd, name="layers")
+        layers = Layers(cfg, self.kernels, self.attention_cls, pd, self.quantization,
+                        name="layers")
         x, pending, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
         _, x = shared(self, AddRMSNorm("final_norm", cfg.rms_norm_eps, pd,
                                        self.kernels.add_rms_norm, name="final_norm_block"))(

@@ -15,6 +15,20 @@ _VARIANTS = {name: (_PKG + module, "paged_decode_attention") for name, module in
 _PREFILL_VARIANTS = {"reference": (_PKG + "reference", "paged_attention"),
                      "triton": (_PKG + "prefill_triton", "paged_prefill_attention")}
 
+# GPU device kinds (JAX ``Device.device_kind``) each variant's GPU suite and benchmarks passed on.
+VALIDATED = {"mosaic": ("NVIDIA H200",), "triton": ("NVIDIA H200",)}
+# Variants that lower on any CUDA GPU (Triton's back-end; plain jnp), in fallback order. Mosaic
+# GPU's decode kernel is written for sm_90a (warpgroup MMA, TMA) and is not among them.
+PORTABLE = ("triton", "reference")
+
+
+def for_device(name: str, device_kind: str | None) -> str:
+    """``name``, or the first `PORTABLE` variant when ``name`` is neither portable nor validated on
+    ``device_kind`` (None: not checked; e.g. "NVIDIA B200" for "mosaic" gives "triton")."""
+    if device_kind is None or name in PORTABLE or device_kind in VALIDATED.get(name, ()):
+        return name
+    return PORTABLE[0]
+
 
 def _load(table: dict, kind: str, name: str) -> Callable:
     if name not in table:

@@ -226,7 +226,8 @@ def test_truncated_gguf_is_one_line_exit_2(capsys, tmp_path, smollm_path, size):
 def test_vllm_options_reach_llm(monkeypatch, capsys):
     kw = llm_kwargs(monkeypatch, capsys, "--gpu-memory-utilization", "0.8", "--dtype", "auto",
                     "--tokenizer", "/tok", "--enforce-eager", "--tensor-parallel-size", "2",
-                    "--kv-cache-dtype", "auto", "--no-enable-prefix-caching")
+                    "--kv-cache-dtype", "auto", "--no-enable-prefix-caching",
+                    "--quantization", "fp8")
     assert (kw["gpu_memory_utilization"], kw["dtype"], kw["tokenizer"], kw["enforce_eager"],
-            kw["tensor_parallel_size"], kw["kv_cache_dtype"], kw["enable_prefix_caching"]) == (
-        0.8, "auto", "/tok", True, 2, "auto", False)
+            kw["tensor_parallel_size"], kw["kv_cache_dtype"], kw["enable_prefix_caching"],
+            kw["quantization"]) == (0.8, "auto", "/tok", True, 2, "auto", False, "fp8")

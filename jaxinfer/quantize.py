@@ -1,0 +1,59 @@
+"""fp8 (e4m3) weight quantisation of a param tree, leaf by leaf after mapping: the layers' matrices
+`QUANTIZED` become float8_e4m3fn with an f32 ``<name>_scale`` leaf beside them (the layout
+`jaxinfer.models.layers.declare_weight` declares); embed, lm_head and norms are kept. Scales:
+``amax / 448`` (448: the largest finite e4m3fn value) per output channel, or per HF block.
+Source: Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (e4m3, per-tensor scaling)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.models.layers import expand_scale, scale_shape
+
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+QUANTIZED = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+@functools.partial(jax.jit, static_argnames="block")
+def quantize_fp8(w: jax.Array, block: tuple[int, int] | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
+    """w [in, out] (any float dtype) -> (float8_e4m3fn [in, out], f32 scale of `scale_shape`):
+    ``scale = amax(|w|) / 448`` over each output channel's inputs (``block`` None), or over each
+    HF block ``(block_out, block_in)`` (edge blocks partial); an all-zero group gets scale 1.
+    ``q = round_to_nearest_e4m3(w / scale)``, so ``|w - q * scale| <= scale * max(|w / scale| *
+    2^-4, 2^-10)`` (half an e4m3 ulp; 2^-10: the subnormal spacing's half)."""
+    wf = w.astype(jnp.float32)
+    In, Out = w.shape
+    if block is None:
+        amax = jnp.max(jnp.abs(wf), axis=0)
+    else:
+        bo, bi = block
+        I, O = scale_shape(w.shape, block)
+        padded = jnp.pad(jnp.abs(wf), ((0, I * bi - In), (0, O * bo - Out)))
+        amax = padded.reshape(I, bi, O, bo).max(axis=(1, 3))
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
+    q = jnp.clip(wf / expand_scale(scale, w.shape, block), -FP8_MAX, FP8_MAX)
+    return q.astype(FP8), scale
+
+
+def is_quantized(params: dict) -> bool:
+    """Whether ``params`` (a model tree) holds fp8 layer matrices (a ``wqkv_scale`` leaf)."""
+    return "wqkv_scale" in params["layers"].get("0", {})
+
+
+def quantize_params(params: dict, block: tuple[int, int] | None = None) -> dict:
+    """A new tree with each layer's `QUANTIZED` matrices replaced by `quantize_fp8` of them
+    (``block``: None per channel, else HF's ``(block_out, block_in)``, the model config's
+    ``weight_block_size``); other leaves shared. A tree already quantised is returned as is."""
+    if is_quantized(params):
+        return params
+    layers = {}
+    for i, layer in params["layers"].items():
+        layers[i] = dict(layer)
+        for name in QUANTIZED:
+            layers[i][name], layers[i][name + "_scale"] = quantize_fp8(layer[name], block)
+    return {**params, "layers": layers}

@@ -1,0 +1,153 @@
+"""fp8 weights (`jaxinfer.quantize`, `layers.Weight`): e4m3 quantisation error within half an ulp
+of float32 numpy references, the GEMM helper against float32 math on the dequantised values, the
+declared tree, and the engine generating with ``quantization="fp8"`` exactly as the float32 engine
+on the dequantised weights."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams, models
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.generate import build_parser
+from jaxinfer.models.layers import Weight, dense
+from jaxinfer.quantize import QUANTIZED, quantize_fp8, quantize_params
+
+CFG = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
+BLOCKS = [None, (128, 128), (32, 16)]
+
+
+def np_scales(w: np.ndarray, block) -> np.ndarray:
+    """float32 reference of the scales: amax / 448 per output column, or per (bo, bi) block."""
+    if block is None:
+        amax = np.abs(w).max(0)
+    else:
+        bo, bi = block
+        amax = np.array([[np.abs(w[i:i + bi, o:o + bo]).max() for o in range(0, w.shape[1], bo)]
+                         for i in range(0, w.shape[0], bi)])
+    return np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
+
+
+def np_expand(s: np.ndarray, shape, block) -> np.ndarray:
+    if block is None:
+        return np.broadcast_to(s[None], shape)
+    return np.repeat(np.repeat(s, block[1], 0), block[0], 1)[:shape[0], :shape[1]]
+
+
+def wide_range_weights():
+    """Columns spanning 1e-4..10 (so e4m3 subnormals appear) and one all-zero column."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((200, 300)) * np.logspace(-4, 1, 300)[None]
+    w[:, 7] = 0.0
+    w[3, 11] = 1e-7                   # a tiny entry beside large ones in its block
+    return w.astype(np.float32)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_quantize_error_within_half_an_ulp(block):
+    w = wide_range_weights()
+    q, s = quantize_fp8(jnp.asarray(w), block)
+    assert q.dtype == jnp.float8_e4m3fn and s.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(s), np_scales(w, block), rtol=1e-6)
+    es = np_expand(np_scales(w, block), w.shape, block).astype(np.float64)
+    qf = np.asarray(q).astype(np.float64)
+    x = w / es                                                   # in units of the scale
+    # e4m3: 3 mantissa bits, so half an ulp is <= |x| 2^-4 for normals, 2^-10 below 2^-6
+    bound = np.maximum(np.abs(x) * 2.0 ** -4, 2.0 ** -10) * es
+    err = np.abs(w - qf * es)
+    assert np.all(err <= bound * (1 + 1e-6)), float((err / bound).max())
+    assert np.abs(qf).max() == 448.0 and np.all(qf[:, 7] == 0)
+    # rounding to nearest, not truncation: the mean error is well below the bound's
+    assert float((err / bound).mean()) < 0.6
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_dense_matches_float32_reference_on_dequantised_weights(block):
+    w = wide_range_weights()
+    q, s = quantize_fp8(jnp.asarray(w), block)
+    x = np.random.default_rng(1).standard_normal((3, 5, 200)).astype(np.float32)
+    deq = np.asarray(q).astype(np.float64) * np_expand(np.asarray(s), w.shape, block)
+    want = x.astype(np.float64) @ deq
+    got = np.asarray(jax.jit(dense)(jnp.asarray(x), Weight(q, s, block)))
+    assert got.shape == (3, 5, 300) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    got16 = np.asarray(dense(jnp.asarray(x, jnp.bfloat16), Weight(q, s, block)), np.float64)
+    assert np.abs(got16 - want).max() < 2e-2 * np.abs(want).max()   # bf16 inputs and output
+
+
+@pytest.mark.parametrize("block", [None, (128, 128)])
+def test_declared_tree_and_quantised_init(block):
+    cfg = ModelConfig("llama", 256, 64, 96, 2, 4, 2, 16, weight_block_size=block)
+    abstract = models.abstract_params(cfg, jnp.bfloat16, "fp8")
+    params = jax.eval_shape(lambda k: models.init_params(cfg, k, jnp.bfloat16, "fp8"),
+                            jax.random.key(0))
+    spec = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), abstract)
+    assert jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), params) == spec
+    layer = spec["layers"]["1"]
+    for name in QUANTIZED:
+        shape, dtype = layer[name]
+        assert dtype == jnp.float8_e4m3fn and layer[name + "_scale"][1] == jnp.float32
+        assert layer[name + "_scale"][0] == ((shape[1],) if block is None else
+                                             (-(-shape[0] // 128), -(-shape[1] // 128)))
+    assert spec["embed"][1] == jnp.bfloat16 and spec["lm_head"][1] == jnp.bfloat16
+    assert spec["layers"]["0"]["attn_norm"][1] == jnp.bfloat16
+    models.check_params(params, cfg, "fp8")
+    with pytest.raises(ValueError, match="missing"):
+        models.check_params(params, cfg)
+    with pytest.raises(ValueError, match="quantization='int8' is invalid"):
+        models.abstract_params(cfg, jnp.bfloat16, "int8")
+
+
+def test_quantization_setting_is_validated_and_on_the_cli():
+    with pytest.raises(ValueError, match=r"EngineConfig.quantization='int8' is invalid.*'fp8'"):
+        EngineConfig(quantization="int8")
+    assert build_parser().parse_args(["--quantization", "fp8"]).quantization == "fp8"
+    assert build_parser().parse_args([]).quantization is None
+
+
+def dequantised(params: dict) -> dict:
+    """The float32 tree holding exactly the values an fp8 tree means (numpy, per channel)."""
+    layers = {}
+    for i, layer in params["layers"].items():
+        layers[i] = {k: v for k, v in layer.items() if not k.endswith("_scale")}
+        for name in QUANTIZED:
+            w = np.asarray(layer[name]).astype(np.float32)
+            layers[i][name] = jnp.asarray(w * np.asarray(layer[name + "_scale"])[None])
+    return {**params, "layers": layers}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    params = models.init_params(CFG, jax.random.key(3), jnp.float32)
+    kw = dict(max_model_len=64, num_pages=32, max_num_seqs=4)
+    fp8 = LLM.from_params(CFG, params, quantization="fp8", **kw)
+    ref = LLM.from_params(CFG, dequantised(fp8.engine.params), **kw)
+    return params, fp8, ref
+
+
+def test_engine_generates_like_float32_on_dequantised_weights(engines):
+    params, fp8, ref = engines
+    assert fp8.engine.resolved.quantization == "fp8"
+    assert fp8.engine.params["layers"]["0"]["w_down"].dtype == jnp.float8_e4m3fn
+    assert fp8.engine.memory.weights_bytes < ref.engine.memory.weights_bytes
+    prompts = [[5, 17, 99, 3, 42], [7, 7, 200, 1], list(range(30, 50))]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)
+    got, want = fp8.generate(prompts, sp), ref.generate(prompts, sp)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        lp_g, lp_w = ([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                      for o in (g, w))
+        np.testing.assert_allclose(lp_g, lp_w, rtol=1e-4, atol=1e-4)
+
+
+def test_update_params_quantises_a_float_tree(engines):
+    params, fp8, ref = engines
+    new = jax.tree_util.tree_map(lambda a: a * 1.5, params)
+    fp8.update_params(new)
+    q = fp8.engine.params["layers"]["1"]
+    w = np.asarray(new["layers"]["1"]["wo"])
+    np.testing.assert_allclose(np.asarray(q["wo_scale"]), np.abs(w).max(0) / 448, rtol=1e-6)
+    assert q["wo"].dtype == ml_dtypes.float8_e4m3fn
+    fp8.update_params(quantize_params(params))          # an fp8 tree goes in as it is

@@ -67,10 +67,10 @@ class LLMEngine:
                              async_scheduling=ec.async_scheduling, stats=self.stats)
         self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its samples
-        dtype_bytes = jnp.dtype(resolved.dtype).itemsize  # snapshots while `trace_memory` is set
-        self.memory = memory.MemoryTracker(
-            models.param_bytes(model_config, dtype_bytes),
-            model_config.kv_bytes_per_token(dtype_bytes) * ec.page_size, self.num_pages)
+        self.memory = memory.MemoryTracker(  # snapshots while `trace_memory` is set
+            models.param_bytes(model_config, resolved.dtype_bytes),
+            model_config.kv_bytes_per_token(resolved.kv_dtype_bytes) * ec.page_size,
+            self.num_pages)
         self.trace_memory = False
 
     def _scheduler(self, bm: BlockManager, eos_token_ids=()) -> Scheduler:
@@ -82,7 +82,7 @@ class LLMEngine:
     def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
             return init_kv_cache(self.model_config, self.num_pages, self.page_size,
-                                 jnp.dtype(self.resolved.dtype))
+                                 jnp.dtype(self.resolved.kv_dtype))
         except jax.errors.JaxRuntimeError as e:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "
                              f"does not fit in device memory ({str(e).splitlines()[0][:120]})"

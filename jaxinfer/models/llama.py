@@ -60,7 +60,7 @@ class Attention(nn.Module):
             qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
             ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
             layer=layer, num_heads=N, num_kv_heads=K, eps=cfg.rms_norm_eps,
-            **({} if rows is None else {"q_group_rows": rows}))
+            **({} if rows is None else {"q_group_rows": rows}), **(ctx.kv_scales or {}))
         shape = (B, T, N, H) if rows is None else (B, T, K, rows, H)
         return q.reshape(shape), k_pool, v_pool
 
@@ -89,7 +89,8 @@ class Attention(nn.Module):
                 qk = apply_rope(qk, ctx.cos, ctx.sin)
                 q, k = qk[:, :, :N], qk[:, :, N:]
             with jax.named_scope("kv_write"):
-                k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
+                k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping,
+                                          **(ctx.kv_scales or {}))
         with jax.named_scope("attention"):
             o = attend(self.kernels.attention, q, k_pool, v_pool, ctx, layer=layer,
                        scale=H ** -0.5, num_heads=N)
@@ -169,7 +170,7 @@ class LlamaForCausalLM(nn.Module):
         with jax.named_scope("rope"):
             cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
         ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
-                          kv.block_tables, kv.seq_lens, cos, sin, packing)
+                          kv.block_tables, kv.seq_lens, cos, sin, packing, kv.scales())
         layers = Layers(cfg, self.kernels, self.attention_cls, pd, name="layers")
         x, pending, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
         _, x = shared(self, AddRMSNorm("final_norm", cfg.rms_norm_eps, pd,

@@ -76,8 +76,8 @@ def teacher_forced(params, cfg, ids: np.ndarray, chunk: int, kv_dtype, scales=No
     M = n // PAGE_SIZE
     kv = init_kv_cache(cfg, M + 1, PAGE_SIZE, kv_dtype)
     kv = kv.replace(block_tables=jnp.arange(1, M + 1, dtype=jnp.int32)[None])
-    if scales is not None:
-        kv = kv.replace(k_scale=scales[0], v_scale=scales[1])
+    if scales is not None:  # copies: the cache is donated
+        kv = kv.replace(k_scale=jnp.array(scales[0]), v_scale=jnp.array(scales[1]))
     targets = np.append(ids[1:], 0).astype(np.int32)
     weights = np.append(np.ones(n - 1, np.float32), 0.0)
     total = 0.0
@@ -105,7 +105,8 @@ def greedy(params, cfg, prompts, gen_tokens: int, kv_cache_dtype: str, scales=No
                           max_model_len=max(map(len, prompts)) + gen_tokens,
                           max_num_seqs=len(prompts), page_size=PAGE_SIZE)
     if scales is not None:
-        llm.engine.kv = llm.engine.kv.replace(k_scale=scales[0], v_scale=scales[1])
+        llm.engine.kv = llm.engine.kv.replace(k_scale=jnp.array(scales[0]),
+                                              v_scale=jnp.array(scales[1]))
     sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     return [list(o.token_ids) for o in llm.generate(prompts, sp)]
 
@@ -163,7 +164,8 @@ def main(argv=None) -> None:
                                          (args.kv_cache_dtype, fp8, scales)):
         t = time.perf_counter()
         nll, _ = teacher_forced(params, cfg, ids, args.chunk, kv_dtype, sc)
-        print(f"{kv_cache_dtype}: perplexity in {time.perf_counter() - t:.0f} s", file=sys.stderr)
+        print(f"{kv_cache_dtype}: perplexity {np.exp(nll):.4f} in {time.perf_counter() - t:.0f} s",
+              file=sys.stderr)
         gen = greedy(params, cfg, prompts, args.gen_tokens, kv_cache_dtype, sc)
         rows.append(dict(kv_cache_dtype=kv_cache_dtype,
                          kv_scales=args.kv_scales if kv_cache_dtype != "auto" else None,
@@ -184,7 +186,8 @@ def main(argv=None) -> None:
             f.write(json.dumps(dict(
                 bench="accuracy", model=os.path.basename(args.model or default_model_path()),
                 compute_dtype="float32", tokens=args.tokens, chunk=args.chunk,
-                prompts=args.prompts, gen_tokens=args.gen_tokens, margin=args.margin, **r,
+                prompts=args.prompts, gen_tokens=args.gen_tokens,
+                margin=args.margin if r["kv_scales"] == "calibrated" else None, **r,
                 commit=git_commit(), time=stamp)) + "\n")
     print(f"total {time.perf_counter() - t0:.0f} s")
 

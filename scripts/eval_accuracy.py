@@ -126,7 +126,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-dtype", choices=[k for k in KV_CACHE_DTYPES if k != "auto"],
                    default="fp8")
     p.add_argument("--kv-scales", choices=("one", "calibrated"), default="one")
-    p.add_argument("--margin", type=float, default=1.0, help="calibrated scales' headroom")
+    p.add_argument("--margin", type=float, default=1.25, help="calibrated scales' headroom")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--prompts", type=int, default=20)

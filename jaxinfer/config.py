@@ -182,7 +182,10 @@ def tp_model_config(model: ModelConfig, tp: int) -> ModelConfig:
 
 FUSED_CHOICES = ("auto", "xla", "triton")
 KERNEL_ALIASES = {"decode": "decode_attention", "prefill": "prefill_attention"}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
+# EngineConfig.kv_cache_dtype -> the pools' dtype ("auto": the compute dtype); vLLM's names.
+KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
+FP8_KV_DECODE = ("reference", "triton")  # decode variants validated on fp8 pages
 _BUCKETS = ("batch_buckets", "token_buckets")
 
 
@@ -306,8 +309,9 @@ class EngineConfig:
                                               "compiled steps", metavar="DIR")
     enable_prefix_caching: bool = _user(True, "reuse the KV pages of prompt prefixes already "
                                         "computed (full pages, chained hashes, LRU eviction)")
-    kv_cache_dtype: str = _user("auto", "KV cache dtype; 'auto': the compute dtype (the only "
-                                "choice)", choices=["auto"])
+    kv_cache_dtype: str = _user("auto", "KV cache dtype; 'auto': the compute dtype; 'fp8' (= "
+                                "'fp8_e4m3'): float8_e4m3fn pages, half the bytes of bfloat16",
+                                choices=list(KV_CACHE_DTYPES))
     tensor_parallel_size: int = _user(1, "devices to shard the model over (tensor parallelism)")
     quantization: str | None = _user(None, "weights: 'fp8' (e4m3, per-output-channel scales) or "
                                      "None; an FP8 checkpoint runs fp8 either way", choices=["fp8"])
@@ -336,8 +340,8 @@ class EngineConfig:
               for n in ("async_scheduling", "enable_prefix_caching", "enforce_eager")),
             ("compilation_cache_dir", _optional(lambda v: isinstance(v, (str, os.PathLike))),
              "must be None or a path"),
-            ("kv_cache_dtype", "auto".__eq__, "allowed: 'auto' (the compute dtype; FP8 KV is not "
-             "supported yet)"),
+            ("kv_cache_dtype", KV_CACHE_DTYPES.__contains__,
+             "allowed: 'auto' (the compute dtype), 'fp8' or 'fp8_e4m3' (float8_e4m3fn)"),
             ("tensor_parallel_size", _positive_int, positive),
             ("quantization", (None, "fp8").__contains__, "allowed: None or 'fp8'")))
         if self.dtype == "auto":
@@ -359,11 +363,16 @@ class ResolvedConfig:
     max_model_len: int
     dtype: str        # "float32" | "bfloat16"
     platform: str     # JAX backend: "cpu" | "gpu" | ...
+    kv_dtype: str     # the KV pools': dtype or "float8_e4m3fn"
     quantization: str | None = None  # weights: None | "fp8"
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def kv_dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.kv_dtype]
 
 
 _GPU_FALLBACK = {"decode_attention": "reference", "prefill_attention": "reference",
@@ -386,10 +395,12 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
     "gpu": dtype bfloat16, prefill_attention triton, and in half precision decode_attention mosaic,
     qkv_prologue / add_rms_norm triton where H/2 / D is a power of 2; else float32, reference,
     xla; an attention variant not validated on ``device_kind`` falls back (`registry.for_device`,
-    logged). max_model_len None: max_position_embeddings; quantization None: "fp8" for an FP8
-    checkpoint. Raises ValueError: max_model_len above that, a GPU kernel off "gpu"
-    (`check_platform`), "triton" fused kernels on shapes they do not take, a model
-    ``tensor_parallel_size`` cannot split (`check_tp`) or fp8 weights with it above 1."""
+    logged); with an fp8 KV cache decode_attention triton (not mosaic) on "gpu". max_model_len
+    None: max_position_embeddings; quantization None: "fp8" for an FP8 checkpoint. Raises
+    ValueError: max_model_len above that, a GPU kernel off "gpu" (`check_platform`), "triton"
+    fused kernels on shapes they do not take, a decode variant not validated on fp8 pages
+    (`FP8_KV_DECODE`) with an fp8 KV cache, a model ``tensor_parallel_size`` cannot split
+    (`check_tp`), fp8 weights or KV with it above 1."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
@@ -399,7 +410,13 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
     check_platform(kc, platform)
     check_tp(model, engine.tensor_parallel_size)
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
-    auto = {"decode_attention": "mosaic" if gpu and half else "reference",
+    kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype
+    fp8 = kv_dtype != dtype
+    if fp8 and kc.decode_attention not in ("auto", *FP8_KV_DECODE):
+        raise ValueError(f"KernelConfig.decode_attention={kc.decode_attention!r} is not validated "
+                         f"with fp8 KV (kv_cache_dtype={engine.kv_cache_dtype!r}); use one of "
+                         f"{('auto', *FP8_KV_DECODE)}")
+    auto = {"decode_attention": ("triton" if fp8 else "mosaic") if gpu and half else "reference",
             "prefill_attention": "triton" if gpu else "reference"}
     for name, ok, what in (
             ("qkv_prologue", is_pow2(model.head_dim // 2),
@@ -416,7 +433,8 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
             auto[k] = new
     kc = dataclasses.replace(kc, **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"})
     quant = engine.quantization or ("fp8" if model.weight_block_size else None)
-    if quant and engine.tensor_parallel_size > 1:
+    if (quant or engine.kv_cache_dtype != "auto") and engine.tensor_parallel_size > 1:
         _fail("EngineConfig", "tensor_parallel_size", engine.tensor_parallel_size,
-              f"quantization={quant!r} runs on one device only (1)")
-    return ResolvedConfig(model, engine, kc, max_len, dtype, platform, quant)
+              f"quantization={quant!r} / kv_cache_dtype={engine.kv_cache_dtype!r} run on one "
+              "device only (1)")
+    return ResolvedConfig(model, engine, kc, max_len, dtype, platform, kv_dtype, quant)

@@ -1,7 +1,8 @@
 """`ModelKernels`, the static kernel argument of `jaxinfer.models.forward`, built by
 `model_kernels` from a resolved `KernelConfig`. Attention: attn(q [B, T, N, H], k_pool
 [L, P, K, page_size, H], v_pool, block_tables i32[B, M], seq_lens i32[B], q_positions i32[B, T],
-*, layer, scale, soft_cap=None, sliding_window=None, num_heads=None) -> [B, T, N, H]."""
+*, layer, scale, soft_cap=None, sliding_window=None, num_heads=None, k_scale=None, v_scale=None)
+-> [B, T, N, H] (k_scale, v_scale: f32[L, K] of fp8 pools, `pallas_kernels.kv_quant`)."""
 
 from __future__ import annotations
 
@@ -36,22 +37,24 @@ class ModelKernels:
 
 @functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale", "soft_cap",
                                              "sliding_window", "num_heads"))
-def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, *, kernel, knobs,
-                scale, soft_cap, sliding_window, num_heads):
-    """q [B, 1, N, H] (grouped [B, 1, K, Gp, H] with ``num_heads``), layer i32[] -> [B, 1, N, H]."""
-    extra = dict(knobs, **{k: v for k, v in (("num_heads", num_heads),
-                                             ("page_offset", page_offset)) if v is not None})
+def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel,
+                knobs, scale, soft_cap, sliding_window, num_heads):
+    """q [B, 1, N, H] (grouped [B, 1, K, Gp, H] with ``num_heads``), layer i32[], scales: {} or
+    fp8 pools' {"k_scale", "v_scale"} -> [B, 1, N, H]."""
+    extra = dict(knobs, **scales, **{k: v for k, v in (("num_heads", num_heads),
+                                                       ("page_offset", page_offset))
+                                     if v is not None})
     out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
                  soft_cap=soft_cap, sliding_window=sliding_window, **extra)
     return out[:, None]
 
 
 @functools.partial(jax.jit, static_argnames=("kernel", "scale", "soft_cap", "sliding_window"))
-def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, *, kernel, scale,
-                 soft_cap, sliding_window):
-    """q [B, T, N, H], layer i32[] -> [B, T, N, H]."""
+def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, scales, *, kernel,
+                 scale, soft_cap, sliding_window):
+    """q [B, T, N, H], layer i32[], scales as `decode_step` -> [B, T, N, H]."""
     return kernel(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer=layer,
-                  scale=scale, soft_cap=soft_cap, sliding_window=sliding_window)
+                  scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, **scales)
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,8 @@ class PagedAttention:
     decode_knobs: tuple[tuple[str, Any], ...] = ()
 
     def __call__(self, q, k_pool, v_pool, block_tables, seq_lens, q_positions, *, layer, scale,
-                 soft_cap=None, sliding_window=None, num_heads=None):
+                 soft_cap=None, sliding_window=None, num_heads=None, k_scale=None, v_scale=None):
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         static = dict(scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
                       sliding_window=None if sliding_window is None else int(sliding_window))
         decode = q.shape[1] == 1 and self.decode != "reference"
@@ -77,14 +81,14 @@ class PagedAttention:
                 from pallas_kernels.paged_attention.mosaic import layer_offsets
                 offset = layer_offsets(layer, k_pool.shape[1])
             return decode_step(q, k_pool, v_pool, block_tables, seq_lens,
-                               jnp.asarray(layer, jnp.int32), offset,
+                               jnp.asarray(layer, jnp.int32), offset, scales,
                                kernel=registry.get(self.decode), knobs=self.decode_knobs,
                                num_heads=num_heads, **static)
         if q.shape[1] == 1 or self.prefill == "reference":
             return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
-                                             q_positions, layer=layer, **static)
+                                             q_positions, layer=layer, **static, **scales)
         return prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
-                            jnp.asarray(layer, jnp.int32),
+                            jnp.asarray(layer, jnp.int32), scales,
                             kernel=registry.get_prefill(self.prefill), **static)
 
 

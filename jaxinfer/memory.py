@@ -105,10 +105,10 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
             usable = card_bytes_usable(e.gpu_memory_utilization, memory_stats["bytes_limit"])
         used = int(memory_stats.get("bytes_in_use", 0))
     else:
-        page_bytes = e.page_size * kv_bytes_per_token(m, resolved.dtype_bytes, tp)
+        page_bytes = e.page_size * kv_bytes_per_token(m, resolved.kv_dtype_bytes, tp)
         pages = 1 + e.max_num_seqs * -(-resolved.max_model_len // e.page_size)
         usable, used = min(pages * page_bytes, CPU_KV_BUDGET_BYTES), 0
-    return kv_pool_pages(m, page_size=e.page_size, dtype_bytes=resolved.dtype_bytes,
+    return kv_pool_pages(m, page_size=e.page_size, dtype_bytes=resolved.kv_dtype_bytes,
                          usable_bytes=usable, used_bytes=used, tp=tp)
 
 

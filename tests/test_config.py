@@ -103,7 +103,7 @@ def test_engine_config_vllm_arguments():
     assert EngineConfig(dtype="auto").dtype is None  # resolve: bfloat16 on GPU, else float32
     e = EngineConfig(gpu_memory_utilization=0.5, enforce_eager=True, kv_cache_dtype="auto")
     assert (e.gpu_memory_utilization, e.enforce_eager, e.tensor_parallel_size) == (0.5, True, 1)
-    for kw in (dict(tensor_parallel_size=0), dict(kv_cache_dtype="fp8"), dict(enforce_eager=1),
+    for kw in (dict(tensor_parallel_size=0), dict(kv_cache_dtype="fp16"), dict(enforce_eager=1),
                dict(gpu_memory_utilization=0.0)):
         with pytest.raises(ValueError, match=rf"EngineConfig\.{next(iter(kw))}="):
             EngineConfig(**kw)
@@ -130,6 +130,28 @@ def test_resolve_defaults_per_platform_and_dtype():
     kc = KernelConfig(decode_attention="triton", prefill_attention="reference", qkv_prologue="xla")
     assert resolve(model(), EngineConfig(kernels=kc), "gpu").kernels == dataclasses.replace(
         kc, add_rms_norm="triton")
+
+
+def test_kv_cache_dtype_fp8():
+    """'fp8' and vLLM's 'fp8_e4m3' give float8_e4m3fn pools of 1 byte; "auto" decode is triton
+    on the GPU (mosaic is not validated on fp8 pages, and an explicit mosaic is an error)."""
+    for name in ("fp8", "fp8_e4m3"):
+        r = resolve(model(), EngineConfig(kv_cache_dtype=name), "cpu")
+        assert (r.dtype, r.kv_dtype, r.kv_dtype_bytes, r.dtype_bytes) == (
+            "float32", "float8_e4m3fn", 1, 4)
+    auto = resolve(model(), EngineConfig(dtype="bfloat16"), "cpu")
+    assert (auto.kv_dtype, auto.kv_dtype_bytes) == ("bfloat16", 2)
+    g = resolve(model(), EngineConfig(kv_cache_dtype="fp8"), "gpu").kernels
+    assert (g.decode_attention, g.prefill_attention, g.qkv_prologue) == (
+        "triton", "triton", "triton")
+    for variant in ("mosaic", "jax_triton"):
+        with pytest.raises(ValueError, match=f"decode_attention='{variant}' is not validated with "
+                           "fp8 KV"):
+            resolve(model(), EngineConfig(kv_cache_dtype="fp8", kernels=f"decode={variant}"),
+                    "gpu")
+    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is invalid: allowed: 'auto'.*"
+                       "'fp8' or 'fp8_e4m3'"):
+        EngineConfig(kv_cache_dtype="int8")
 
 
 def test_resolve_max_model_len():

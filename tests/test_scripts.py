@@ -215,9 +215,16 @@ def test_bench_prefix_cache_tiny_runs_every_mode(tmp_path):
     assert [rows[i]["token_match"] for i in (1, 3, 5, 6)] == [1.0] * 4   # float32: identical
 
 
-def test_weights_accuracy_agreement_counts_up_to_the_first_divergence():
-    ev = _load("eval_weights_accuracy")
-    assert ev.agreement([1, 2, 3, 4], [1, 2, 3, 4]) == 1.0
-    assert ev.agreement([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5     # position 3 equal again: not counted
-    assert ev.agreement([5, 2], [1, 2]) == 0.0
-    assert "The " in ev.english_text()[:20000]
+def test_eval_accuracy_agreement_and_arguments():
+    acc = _load("eval_accuracy")
+    # equal up to the first divergence only: 2/4, then 4/4 (a later match does not count)
+    assert acc.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]]) == 0.75
+    assert acc.agreement([[1, 2]], [[3, 2]]) == 0.0
+    assert acc.parse_args(["--tokens", "1024", "--chunk", "256"]).kv_cache_dtype == "fp8"
+    for bad in (["--tokens", "1000"], ["--chunk", "100", "--tokens", "1000"], ["--prompts", "0"]):
+        try:
+            acc.parse_args(bad)
+        except SystemExit as e:
+            assert e.code == 2
+        else:
+            raise AssertionError(f"{bad} accepted")

@@ -79,12 +79,12 @@ class LLMEngine:
                              async_scheduling=ec.async_scheduling, stats=self.stats)
         self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
         self._groups: dict[str, list[Sequence]] = {}  # request id -> its samples
-        dtype_bytes = jnp.dtype(resolved.dtype).itemsize  # snapshots while `trace_memory` is set
         weight_bytes = (sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
                         if resolved.quantization else
-                        memory.param_count(model_config, tp) * dtype_bytes)
-        self.memory = memory.MemoryTracker(  # bytes of one device
-            weight_bytes, memory.kv_bytes_per_token(model_config, dtype_bytes, tp) * ec.page_size,
+                        memory.param_count(model_config, tp) * resolved.dtype_bytes)
+        self.memory = memory.MemoryTracker(  # bytes of one device; snapshots while trace_memory
+            weight_bytes,
+            memory.kv_bytes_per_token(model_config, resolved.kv_dtype_bytes, tp) * ec.page_size,
             self.num_pages)
         self.trace_memory = False
 
@@ -97,7 +97,7 @@ class LLMEngine:
     def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
             return init_kv_cache(self.run_config, self.num_pages, self.page_size,
-                                 jnp.dtype(self.resolved.dtype),
+                                 jnp.dtype(self.resolved.kv_dtype),
                                  parallel.kv_pool_sharding(self.mesh))
         except jax.errors.JaxRuntimeError as e:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "

@@ -153,7 +153,9 @@ class Packing(NamedTuple):
 
 class StepContext(NamedTuple):
     """Per-step metadata: positions, slot_mapping i32[B, T], block_tables i32[R, M], seq_lens
-    i32[R], cos/sin f32[B, T, H/2], packing: `Packing` (B = 1, R rows) or None (R = B)."""
+    i32[R], cos/sin f32[B, T, H/2], packing: `Packing` (B = 1, R rows) or None (R = B);
+    kv_scales: `KVCache.scales` (fp8 pools: k_scale, v_scale f32[L, K], keywords of the K/V write
+    and attention), None: none."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -162,22 +164,23 @@ class StepContext(NamedTuple):
     cos: jax.Array
     sin: jax.Array
     packing: Packing | None = None
+    kv_scales: dict | None = None
 
 
 def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
            ctx: StepContext, *, layer: int, scale: float, num_heads: int) -> jax.Array:
     """``attn`` on q [B, T, N, H] (decode: maybe grouped [B, 1, K, Gp, H], then with
     ``num_heads``) -> [B, T, N, H]; packed: gathered to rows [R, Tq, N, H] and back."""
-    pk = ctx.packing
+    pk, scales = ctx.packing, ctx.kv_scales or {}
     if pk is None:
-        extra = {"num_heads": num_heads} if q.ndim == 5 else {}
+        extra = dict(scales, **({"num_heads": num_heads} if q.ndim == 5 else {}))
         return attn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions,
                     layer=layer, scale=scale, **extra)
     _, Tp, N, H = q.shape
     R, Tq = pk.q_index.shape
     rows = q[0][pk.q_index]                                             # [R, Tq, N, H]
     o = attn(rows, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, pk.q_positions,
-             layer=layer, scale=scale)
+             layer=layer, scale=scale, **scales)
     return o.reshape(R * Tq, N, H)[pk.out_index][None]                  # [1, Tp, N, H]
 
 

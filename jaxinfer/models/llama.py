@@ -53,7 +53,7 @@ def _fused_prologue(kernels: ModelKernels, qkv: jax.Array, wq, wk, layer: int, k
         qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
         ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
         layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
-        **({} if rows is None else {"q_group_rows": rows}))
+        **({} if rows is None else {"q_group_rows": rows}), **(ctx.kv_scales or {}))
     shape = (B, T, N, H) if rows is None else (B, T, K, rows, H)
     return q.reshape(shape), k_pool, v_pool
 
@@ -84,7 +84,8 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
             qk = apply_rope(qk, ctx.cos, ctx.sin)
             q, k = qk[:, :, :N], qk[:, :, N:]
         with jax.named_scope("kv_write"):
-            k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping)
+            k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping,
+                                      **(ctx.kv_scales or {}))
     with jax.named_scope("attention"):
         o = attend(kernels.attention, q, k_pool, v_pool, ctx, layer=layer, scale=H ** -0.5,
                    num_heads=N)
@@ -211,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
         with jax.named_scope("rope"):
             cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
         ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
-                          kv.block_tables, kv.seq_lens, cos, sin, packing)
+                          kv.block_tables, kv.seq_lens, cos, sin, packing, kv.scales())
         layers = Layers(cfg, self.kernels, self.attention_cls, pd, self.quantization,
                         name="layers")
         x, pending, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)

@@ -2,7 +2,8 @@
 
 Pools ``[L, P, K, page_size, H]`` (jaxinfer/kv_cache.py). softmax(scale * q k^T [soft-capped],
 masked) v per query head; GQA: query head n reads KV head n // G. Source: Kwon et al. 2023
-(PagedAttention, vLLM); the gather-then-dense form of JAX's in-tree kernel tests."""
+(PagedAttention, vLLM); the gather-then-dense form of JAX's in-tree kernel tests. fp8 pools are
+dequantised on read (`pallas_kernels.kv_quant`)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,30 @@ import jax
 import jax.numpy as jnp
 
 
+def _dequantised(pages: jax.Array, scale: jax.Array | None, layer) -> jax.Array:
+    """pages [B, M, K, page_size, H] in f32, times ``scale[layer]`` f32[K] per head if given."""
+    pages = pages.astype(jnp.float32)
+    return pages if scale is None else pages * scale[layer][None, None, :, None, None]
+
+
 def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array,
                     seq_lens: jax.Array, q_positions: jax.Array, *, layer=0, scale: float,
-                    soft_cap: float | None = None, sliding_window: int | None = None) -> jax.Array:
+                    soft_cap: float | None = None, sliding_window: int | None = None,
+                    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None
+                    ) -> jax.Array:
     """Attention of T query tokens per sequence over its paged KV -> [B, T, N, H] in q.dtype (rows
     with no visible key: zeros). q: [B, T, N, H] (RoPE applied); k_pool, v_pool: [L, P, K,
     page_size, H], this step's K/V written; block_tables: i32[B, M] physical page of each logical
     page (padding: null page 0); seq_lens: i32[B] (0 for padded rows); q_positions: i32[B, T]:
     key j is visible to a query at p iff ``j <= p``, ``j < seq_len`` (and ``p - j <
     sliding_window`` if set); layer: int or i32[] into L; scale: usually ``H ** -0.5``; soft_cap:
-    logits become ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2)."""
+    logits become ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2); k_scale, v_scale: None, or
+    f32[L, K] per-head scales the pages are multiplied by in f32 (fp8 pools)."""
     B, T, N, H = q.shape
     K, G, S = k_pool.shape[2], N // k_pool.shape[2], block_tables.shape[1] * k_pool.shape[3]
     # Gather pages: [B, M, K, page_size, H] -> [B, K, S, H]
-    k, v = (p[layer, block_tables].astype(jnp.float32).transpose(0, 2, 1, 3, 4).reshape(B, K, S, H)
-            for p in (k_pool, v_pool))
+    k, v = (_dequantised(p[layer, block_tables], s, layer).transpose(0, 2, 1, 3, 4)
+            .reshape(B, K, S, H) for p, s in ((k_pool, k_scale), (v_pool, v_scale)))
     qf = q.astype(jnp.float32).reshape(B, T, K, G, H)
     logits = jnp.einsum("btkgh,bksh->bkgts", qf, k) * scale
     if soft_cap is not None:
@@ -46,11 +56,12 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_ta
 
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
-                           soft_cap: float | None = None,
-                           sliding_window: int | None = None) -> jax.Array:
+                           soft_cap: float | None = None, sliding_window: int | None = None,
+                           k_scale: jax.Array | None = None,
+                           v_scale: jax.Array | None = None) -> jax.Array:
     """Decode: q [B, N, H], one token per sequence at position ``seq_len - 1`` -> [B, N, H] in
     q.dtype; other arguments as in `paged_attention`."""
     out = paged_attention(q[:, None], k_pool, v_pool, block_tables, seq_lens,
                           (seq_lens - 1)[:, None], layer=layer, scale=scale, soft_cap=soft_cap,
-                          sliding_window=sliding_window)
+                          sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
     return out[:, 0]

@@ -3,8 +3,11 @@
 One program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
 tile (`padded_group`) and gathers its split's pages ``pages_per_block`` at a time through the block
 table, online softmax in f32. Table entries are read one block ahead (no K/V load depends on a load
-of its own iteration). ``k_splits > 1``: partials merged by `combine_splits`. Sources: Dao et al.
-2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's pallas.ops.gpu.paged_attention."""
+of its own iteration). ``k_splits > 1``: partials merged by `combine_splits`. fp8 pages
+(`pallas_kernels.kv_quant`) are cast to q's dtype (exact) and their per-head scales folded in: the
+K scale into the logit scale, the V scale into the output, both constant per program. Sources:
+Dao et al. 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's
+pallas.ops.gpu.paged_attention."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_quant import check_scales
 from pallas_kernels.paged_attention import tuning
 from pallas_kernels.sizes import is_pow2, next_pow2, raise_first
 
@@ -73,6 +77,12 @@ def check_knobs(pages_per_block: int, k_splits: int, num_warps: int, num_stages:
         (num_stages < 1, f"num_stages={num_stages} must be >= 1")])
 
 
+def layer_scales(k_scale, v_scale, layer, L: int, K: int) -> tuple[jax.Array, jax.Array]:
+    """The K and V scales f32[K] of ``layer`` (``[layer]`` of f32[L, K]; None: ones)."""
+    return tuple(jnp.ones((K,), jnp.float32) if s is None else
+                 jnp.asarray(s, jnp.float32).reshape(L, K)[layer] for s in (k_scale, v_scale))
+
+
 def padded_group(G: int) -> int:
     """Query heads per program: G rounded up to a power of 2 and to at least 16 (MMA rows)."""
     return max(MIN_MMA_ROWS, next_pow2(G))
@@ -90,9 +100,11 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 
 def online_softmax_step(q, k, v, valid, carry, *, qk_scale, soft_cap):
-    """One key block of the online softmax, in log2 units: q [R, H], k and v [BLOCK_N, H],
-    ``valid`` bool broadcastable to [R, BLOCK_N]; carry (acc f32[R, H], m f32[R], l f32[R])."""
+    """One key block of the online softmax, in log2 units: q [R, H], k and v [BLOCK_N, H] (q's
+    dtype or fp8), ``valid`` bool broadcastable to [R, BLOCK_N]; carry (acc f32[R, H], m f32[R],
+    l f32[R])."""
     acc, m_i, l_i = carry
+    k, v = k.astype(q.dtype), v.astype(q.dtype)                           # fp8 pages: exact
     x = lax.dot_general(q, k, NT_DIMS, precision=HIGHEST,
                         preferred_element_type=jnp.float32) * qk_scale   # [R, BLOCK_N]
     if soft_cap is not None:
@@ -129,8 +141,8 @@ def split_range(seq_len, s, *, page_size, pages_per_block, k_splits, sliding_win
     return lo, first_page, blk_lo, jnp.minimum(blk_lo + per_split, n_blocks)
 
 
-def _kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, H, M, page_size,
-            pages_per_block, k_splits, scale, soft_cap, sliding_window):
+def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, H,
+            M, page_size, pages_per_block, k_splits, scale, soft_cap, sliding_window):
     b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     seq_len = jnp.minimum(lens_ref[b], M * page_size)                    # never past the table
@@ -139,7 +151,7 @@ def _kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, 
         seq_len, s, page_size=page_size, pages_per_block=pages_per_block, k_splits=k_splits,
         sliding_window=sliding_window)
     q = q_ref[...]                                                        # [G_PAD, H]
-    qk_scale = scale if soft_cap is not None else scale * LOG2E
+    qk_scale = (scale if soft_cap is not None else scale * LOG2E) * ks_ref[kh]
     offs = jnp.arange(block_n, dtype=jnp.int32)
     tok_page = offs // page_size                                          # page of each key
     slot = offs % page_size                                               # slot in its page
@@ -158,6 +170,7 @@ def _kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, 
     init = (jnp.zeros((G_PAD, H), jnp.float32), jnp.full((G_PAD,), NEG_INIT, jnp.float32),
             jnp.zeros((G_PAD,), jnp.float32), pages0)
     acc, m_i, l_i, _ = lax.fori_loop(blk_lo, blk_hi, body, init)
+    acc = acc * vs_ref[kh]
     if k_splits == 1:
         (o_ref,) = out_refs
         o_ref[...] = normalize(acc, l_i).astype(o_ref.dtype)
@@ -171,14 +184,16 @@ def _kernel(layer_ref, lens_ref, bt_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, 
 @functools.partial(jax.jit, static_argnames=(
     "scale", "soft_cap", "sliding_window", "interpret", "pages_per_block", "num_warps",
     "num_stages", "k_splits"))
-def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, soft_cap,
-                  sliding_window, interpret, pages_per_block, num_warps, num_stages, k_splits):
+def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, k_scale, v_scale, *, scale,
+                  soft_cap, sliding_window, interpret, pages_per_block, num_warps, num_stages,
+                  k_splits):
     (B, N, H), (L, P, K, page_size, _) = q.shape, k_pool.shape
     G, M = N // K, block_tables.shape[1]
     G_PAD = padded_group(G)
     # Pad (null page 0) so every block and the prefetched next one are in range.
     bt = jnp.pad(block_tables, ((0, 0), (0, 2 * pages_per_block)))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
+    scales = layer_scales(k_scale, v_scale, layer, L, K)
     qg = q.reshape(B, K, G, H)
     if G_PAD != G:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G_PAD - G), (0, 0)))
@@ -188,6 +203,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, so
         soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window)
     in_specs = [
         full_block((1,)), full_block((B,)), full_block((B, M + 2 * pages_per_block)),
+        full_block((K,)), full_block((K,)),
         q_spec := pl.BlockSpec((None, None, G_PAD, H), lambda b, k, s: (b, k, 0, 0)),
         full_block(k_pool.shape), full_block(v_pool.shape),
     ]
@@ -206,7 +222,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, *, scale, so
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"paged_decode_triton_ppb{pages_per_block}_s{k_splits}",
-    )(layer_arr, seq_lens, bt, qg, k_pool, v_pool)
+    )(layer_arr, seq_lens, bt, *scales, qg, k_pool, v_pool)
     o = outs[0] if k_splits == 1 else combine_splits(*outs)
     return o[:, :, :G].reshape(B, N, H).astype(q.dtype)
 
@@ -216,10 +232,13 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            interpret: bool = False, pages_per_block: int | None = None,
                            num_warps: int | None = None, num_stages: int | None = None,
-                           k_splits: int | None = None) -> jax.Array:
+                           k_splits: int | None = None, k_scale: jax.Array | None = None,
+                           v_scale: jax.Array | None = None) -> jax.Array:
     """`reference.paged_decode_attention`'s contract in Pallas/Triton -> [B, N, H] in q.dtype. q
-    bf16/f16/f32; page_size, H powers of 2 (slots past seq_len in a visible page must be finite);
-    knobs None: `tuning.resolve("triton", ...)`. ValueError: `check_decode_args`, `check_knobs`."""
+    bf16/f16/f32; pools q's dtype or fp8 (with k_scale, v_scale f32[L, K]); page_size, H powers
+    of 2 (slots past seq_len in a visible page must be finite); knobs None:
+    `tuning.resolve("triton", ...)`. ValueError: `check_decode_args`, `check_knobs`,
+    `kv_quant.check_scales`."""
     B, N, H, K, page_size, M = check_decode_args(q, k_pool, v_pool, block_tables, seq_lens,
                                                  sliding_window, soft_cap)
     knobs = tuning.resolve("triton", B=B, K=K, G=N // K, M=M, page_size=page_size, head_dim=H,
@@ -227,6 +246,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            pages_per_block=pages_per_block, num_warps=num_warps,
                            num_stages=num_stages, k_splits=k_splits)
     check_knobs(page_size=page_size, **knobs)
-    return _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, scale=float(scale),
+    check_scales(k_pool, k_scale, v_scale)
+    return _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, k_scale, v_scale,
+                         scale=float(scale),
                          soft_cap=soft_cap, sliding_window=sliding_window,
                          interpret=bool(interpret), **knobs)

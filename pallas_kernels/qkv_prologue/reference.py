@@ -2,8 +2,9 @@
 of the N query and K key heads (Qwen3; not Llama) -> RoPE (HF ``rotate_half``) -> K/V written into
 the page pools at each token's slot -> q [S, N, H]. HF numerics: RMSNorm statistics in f32, the
 normalized value rounded to the compute dtype before the weight multiply, RoPE in f32, results in
-the compute dtype; K/V cast to the pools' dtype. Sources: Zhang & Sennrich 2019 (RMSNorm); Su et
-al. 2021 (RoPE); Qwen Team 2025 (QK-Norm); Kwon et al. 2023 (paged KV, slot mapping)."""
+the compute dtype; K/V cast to the pools' dtype (fp8: `pallas_kernels.kv_quant.quantize`).
+Sources: Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoPE); Qwen Team 2025 (QK-Norm); Kwon
+et al. 2023 (paged KV, slot mapping)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.add_rms_norm.reference import rms_norm
+from pallas_kernels.kv_quant import check_scales, quantize
 from pallas_kernels.sizes import raise_first
 
 
@@ -63,7 +65,8 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, k_pool: jax.Array,
                  v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int,
                  eps: float = 1e-6,
-                 q_group_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 q_group_rows: int | None = None, k_scale: jax.Array | None = None,
+                 v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention prologue of one layer in jnp -> (q, k_pool, v_pool), this step's K/V written
     at ``layer``; q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H]. qkv: [S, (N + 2K) * H]
     fused q/k/v projection, compute dtype. q_norm, k_norm: [H] RMSNorm weights (Qwen3), or both
@@ -71,10 +74,13 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     ``page * page_size + offset`` (padding: null page 0). k_pool, v_pool: [L, P, K, page_size, H].
     layer: int or i32[] in [0, L). num_heads, num_kv_heads: N, K. q_group_rows: None, or Gq >= G =
     N/K: q as [S, K, Gq, H], rows past G zero (the Mosaic decode layout, Gq a multiple of
-    ``mosaic.Q_GROUP_MULTIPLE``). Unchecked (traced): slots or layer out of range (undefined
-    writes). ValueError: `check_args`."""
+    ``mosaic.Q_GROUP_MULTIPLE``). k_scale, v_scale: None or f32[L, K], the fp8 pools' scales.
+    Unchecked (traced): slots or layer out of range (undefined writes). ValueError: `check_args`,
+    `kv_quant.check_scales`."""
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
                             num_heads, num_kv_heads, q_group_rows)
+    check_scales(k_pool, k_scale, v_scale)
+    ks, vs = (None if x is None else x[layer][None, :, None] for x in (k_scale, v_scale))
     qk = qkv[:, :(N + K) * H].reshape(S, N + K, H)
     v = qkv[:, (N + K) * H:].reshape(S, K, H)
     if q_norm is not None:
@@ -83,8 +89,8 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     qk = _rope(qk, cos.astype(jnp.float32), sin.astype(jnp.float32))
     page_size = k_pool.shape[3]
     page, off = slot_mapping // page_size, slot_mapping % page_size
-    k_pool = k_pool.at[layer, page, :, off, :].set(qk[:, N:].astype(k_pool.dtype))
-    v_pool = v_pool.at[layer, page, :, off, :].set(v.astype(v_pool.dtype))
+    k_pool = k_pool.at[layer, page, :, off, :].set(quantize(qk[:, N:], ks, k_pool.dtype))
+    v_pool = v_pool.at[layer, page, :, off, :].set(quantize(v, vs, v_pool.dtype))
     q = qk[:, :N]
     if q_group_rows is not None:
         G = N // K

@@ -2,7 +2,8 @@
 contract as `reference.qkv_prologue`. Two grids (``grid`` of `qkv_prologue`): "head", one program
 per (token, query row or key or value head); "group", one per (token, KV group of query heads)
 plus one for the token's keys and one for its values. Heads are read as two RoPE halves ([H/2] or
-[rows, H/2]). The pools alias the outputs (in-place update). Sources: as `reference.py`."""
+[rows, H/2]). The pools alias the outputs (in-place update); fp8 pools are written through
+`kv_quant.quantize` with the layer's per-head scales. Sources: as `reference.py`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.kv_quant import check_scales, quantize
 from pallas_kernels.paged_attention.triton_pallas import full_block as full
+from pallas_kernels.paged_attention.triton_pallas import layer_scales
 from pallas_kernels.qkv_prologue import reference
 from pallas_kernels.qkv_prologue.reference import check_args
 from pallas_kernels.sizes import is_pow2
@@ -28,7 +31,8 @@ def _program(slots_ref, layer_ref, H: int, page_size: int):
 
 
 def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
-                     q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps, has_norm):
+                     ks_ref, vs_ref, q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps,
+                     has_norm):
     """Grid "head", (token s, j): j < K * Gq query row j % Gq of KV group j // Gq (a zero row past
     G), then the K key heads, then the K value heads."""
     del k_in, v_in  # aliased to k_ref, v_ref
@@ -59,18 +63,21 @@ def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv
     def _key():
         kh = j - nq
         o1, o2 = norm_rope(N + kh, wk_ref)
-        k_ref[layer, page, kh, off, lo] = o1.astype(dt).astype(k_ref.dtype)
-        k_ref[layer, page, kh, off, hi] = o2.astype(dt).astype(k_ref.dtype)
+        k_ref[layer, page, kh, off, lo] = quantize(o1.astype(dt), ks_ref[kh], k_ref.dtype)
+        k_ref[layer, page, kh, off, hi] = quantize(o2.astype(dt), ks_ref[kh], k_ref.dtype)
 
     @pl.when(j >= nq + K)
     def _value():
         kh = j - nq - K
-        v_ref[layer, page, kh, off, lo] = qkv_ref[s, N + K + kh, lo].astype(v_ref.dtype)
-        v_ref[layer, page, kh, off, hi] = qkv_ref[s, N + K + kh, hi].astype(v_ref.dtype)
+        v_ref[layer, page, kh, off, lo] = quantize(qkv_ref[s, N + K + kh, lo], vs_ref[kh],
+                                                   v_ref.dtype)
+        v_ref[layer, page, kh, off, hi] = quantize(qkv_ref[s, N + K + kh, hi], vs_ref[kh],
+                                                   v_ref.dtype)
 
 
 def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
-                    q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps, has_norm):
+                    ks_ref, vs_ref, q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps,
+                     has_norm):
     """Grid "group", (token s, j): j < K the G query heads of KV group j (as Gq rows, zero past
     G), j = K all K key heads, j = K + 1 all K values. K, Gq powers of 2 (Triton block shapes)."""
     del k_in, v_in  # aliased to k_ref, v_ref
@@ -102,12 +109,14 @@ def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_
     def _keys():
         rows = pl.ds(N, K)
         o1, o2 = norm_rope(qkv_ref[s, rows, lo], qkv_ref[s, rows, hi], wk_ref)
-        k_ref[layer, page, :, off, lo] = o1.astype(dt).astype(k_ref.dtype)
-        k_ref[layer, page, :, off, hi] = o2.astype(dt).astype(k_ref.dtype)
+        ks = ks_ref[...][:, None]                                         # [K, 1]
+        k_ref[layer, page, :, off, lo] = quantize(o1.astype(dt), ks, k_ref.dtype)
+        k_ref[layer, page, :, off, hi] = quantize(o2.astype(dt), ks, k_ref.dtype)
 
     @pl.when(j == K + 1)
     def _values():
-        v_ref[layer, page, :, off, :] = qkv_ref[s, pl.ds(N + K, K), :].astype(v_ref.dtype)
+        v_ref[layer, page, :, off, :] = quantize(qkv_ref[s, pl.ds(N + K, K), :],
+                                                 vs_ref[...][:, None], v_ref.dtype)
 
 
 def _rms_norm_halves(x1, x2, w1, w2, H, eps, dt, axis):
@@ -132,8 +141,8 @@ def _rope_halves(x1, x2, c, sn):
 
 @functools.partial(jax.jit, static_argnames=("N", "K", "Gq", "eps", "interpret", "num_warps",
                                              "grouped"))
-def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, *, N, K, Gq, eps,
-              interpret, num_warps, grouped):
+def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, k_scale, v_scale, *, N,
+              K, Gq, eps, interpret, num_warps, grouped):
     S, (L, P, _, page_size, H), G = qkv.shape[0], k_pool.shape, N // K
     has_norm = wq is not None
     if wq is None:
@@ -154,14 +163,16 @@ def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, *, N, 
             k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype)],
         grid=grid,
         in_specs=[full((1,)), full((S,)), full((S, H // 2)), full((S, H // 2)), full((H,)),
-                  full((H,)), full((S, N + 2 * K, H)), full(k_pool.shape), full(v_pool.shape)],
+                  full((H,)), full((S, N + 2 * K, H)), full(k_pool.shape), full(v_pool.shape),
+                  full((K,)), full((K,))],
         out_specs=[full(q_shape), full(k_pool.shape), full(v_pool.shape)],
         input_output_aliases={7: 1, 8: 2},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         name="qkv_prologue",
     )(layer_arr, slot_mapping.astype(jnp.int32), cos.astype(jnp.float32),
-      sin.astype(jnp.float32), wq, wk, qkv3, k_pool, v_pool)
+      sin.astype(jnp.float32), wq, wk, qkv3, k_pool, v_pool,
+      *layer_scales(k_scale, v_scale, layer, L, K))
     if Gq is None:
         q = q.reshape(S, N, H)
     return q, k_pool, v_pool
@@ -174,16 +185,19 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, k_pool: jax.Array,
                  v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int,
                  eps: float = 1e-6, q_group_rows: int | None = None, interpret: bool = False,
-                 grid: str = "auto", num_warps: int | None = None
+                 grid: str = "auto", num_warps: int | None = None,
+                 k_scale: jax.Array | None = None, v_scale: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`reference.qkv_prologue`'s contract in one Pallas launch (H/2 a power of 2; slots and layer
     out of range write out of bounds). grid (module docstring): "group", S * (K + 2) programs (K
     and rows per group, ``q_group_rows`` or G, powers of 2); "head", S * (K * rows + 2K); "auto":
     "head" while that fits about one wave (4096), else "group" where it applies
     (BENCHMARKS.md section "Throughput"). num_warps: None: 1 for "head", 2 for "group". ValueError:
-    `reference.check_args`; H/2 not a power of 2; ``grid`` unknown, or "group" where it can't."""
+    `reference.check_args`, `kv_quant.check_scales`; H/2 not a power of 2; ``grid`` unknown, or
+    "group" where it can't."""
     args = (qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool)
     S, N, K, H = check_args(*args, num_heads, num_kv_heads, q_group_rows)
+    check_scales(k_pool, k_scale, v_scale)
     if not is_pow2(H // 2):
         raise ValueError(f"head dim H={H}: H/2 must be a power of 2 for the Triton kernel")
     rows = q_group_rows or N // K
@@ -197,8 +211,9 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                else grid == "group")
     if S == 0:  # no tokens: nothing to write, no launch (a grid of 0 programs is not valid)
         return reference.qkv_prologue(*args, layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
-                                      q_group_rows=q_group_rows)
-    return _prologue(*args, layer, N=N, K=K, Gq=q_group_rows, eps=float(eps),
+                                      q_group_rows=q_group_rows, k_scale=k_scale,
+                                      v_scale=v_scale)
+    return _prologue(*args, layer, k_scale, v_scale, N=N, K=K, Gq=q_group_rows, eps=float(eps),
                      interpret=bool(interpret),
                      num_warps=int((2 if grouped else 1) if num_warps is None else num_warps),
                      grouped=grouped)

@@ -131,7 +131,7 @@ def test_rejected_request_keeps_its_prompt(llm):
 @pytest.mark.parametrize("kw, needle", [
     (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is invalid: JAX sees 1 cpu"),
     (dict(tensor_parallel_size=3), "num_heads=4 is not divisible by tensor_parallel_size=3"),
-    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' is invalid"),
+    (dict(kv_cache_dtype="fp16"), "kv_cache_dtype='fp16' is invalid"),
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5 is invalid"),
     (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization='0.9' is invalid"),
     (dict(memory_fraction="0.5"), "memory_fraction='0.5' is invalid: must be a number"),

@@ -1,0 +1,209 @@
+"""Accuracy of the fp8 settings (KV cache, weights, both) on SmolLM2-135M-Instruct (real weights,
+CPU, float32 compute), each against the unquantised baseline of the same run:
+
+  perplexity  of the first ``--tokens`` tokens of the Python documentation that ships with the
+              standard library (`pydoc_data.topics.topics`, values joined in sorted key order),
+              teacher-forced as one sequence through `jaxinfer.models.forward` over the paged
+              cache in chunks of ``--chunk`` tokens, each chunk's K/V appended to the cache and
+              read back (so fp8 pages are what attention reads).
+  agreement   greedy decoding of ``--prompts`` prompts (the first ``--prompt-len`` tokens of
+              topics spread over the text) x ``--gen-tokens`` tokens through `LLM.generate`
+              (EOS ignored): the fraction of positions equal to the baseline's up to the first
+              divergence, averaged over prompts.
+
+``--kv-scales one`` keeps the cache's scales at 1.0 (`jaxinfer.kv_cache.KVCache`);
+``calibrated`` sets them to ``amax x --margin / 448`` per layer and KV head of the baseline's K
+and V over the first chunk (start-up calibration on the first prefill). Prints a table and
+appends one JSON line per setting (baseline included) to ``--out``.
+
+    python scripts/eval_accuracy.py [--settings kv weights both] [--kv-scales one|calibrated]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxinfer import LLM, SamplingParams, models  # noqa: E402
+from jaxinfer.config import KV_CACHE_DTYPES  # noqa: E402
+from jaxinfer.kv_cache import init_kv_cache  # noqa: E402
+from jaxinfer.quantize import quantize_params  # noqa: E402
+from pallas_kernels.kv_quant import FP8_MAX  # noqa: E402
+from scripts.run_info import git_commit  # noqa: E402
+
+PAGE_SIZE = 16
+
+
+def corpus_text() -> str:
+    """The standard library's pydoc topics, values joined in sorted key order."""
+    from pydoc_data.topics import topics
+    return "\n".join(topics[k] for k in sorted(topics))
+
+
+def prompt_ids(tokenizer, n: int, length: int) -> list[list[int]]:
+    """The first ``length`` tokens of ``n`` topics evenly spread over the sorted keys."""
+    from pydoc_data.topics import topics
+    keys = sorted(topics)
+    picks = [keys[i * len(keys) // n] for i in range(n)]
+    return [tokenizer.encode(topics[k][:8 * length])[:length] for k in picks]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("kv",))
+def _chunk(params, cfg, kv, tokens, positions, targets, weights):
+    """Forward one chunk [1, T] at ``positions`` (slot = page 1 onwards, contiguous) -> (sum of
+    the weighted next-token NLL, cache)."""
+    hidden, kv = models.forward(params, cfg, tokens, positions, positions + PAGE_SIZE, kv)
+    logp = jax.nn.log_softmax(models.compute_logits(params, cfg, hidden), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * weights), kv
+
+
+def teacher_forced(params, cfg, ids: np.ndarray, chunk: int, kv_dtype, scales=None,
+                   chunks: int | None = None):
+    """(mean next-token NLL over ``ids[1:]``, final cache) of ``ids`` as one sequence in chunks
+    of ``chunk`` tokens (pages 1.. in order); ``chunks``: stop after that many."""
+    n = len(ids)
+    M = n // PAGE_SIZE
+    kv = init_kv_cache(cfg, M + 1, PAGE_SIZE, kv_dtype)
+    kv = kv.replace(block_tables=jnp.arange(1, M + 1, dtype=jnp.int32)[None])
+    if scales is not None:  # copies: the cache is donated
+        kv = kv.replace(k_scale=jnp.array(scales[0]), v_scale=jnp.array(scales[1]))
+    targets = np.append(ids[1:], 0).astype(np.int32)
+    weights = np.append(np.ones(n - 1, np.float32), 0.0)
+    total = 0.0
+    for c in range(n // chunk if chunks is None else chunks):
+        sl = slice(c * chunk, (c + 1) * chunk)
+        kv = kv.replace(seq_lens=jnp.asarray([sl.stop], jnp.int32))
+        pos = np.arange(sl.start, sl.stop, dtype=np.int32)[None]
+        nll, kv = _chunk(params, cfg, kv, jnp.asarray(ids[sl][None]), jnp.asarray(pos),
+                         jnp.asarray(targets[sl][None]), jnp.asarray(weights[sl][None]))
+        total += float(nll)
+    return total / (n - 1), kv
+
+
+def calibrated_scales(params, cfg, ids: np.ndarray, chunk: int, margin: float):
+    """k_scale, v_scale f32[L, K]: ``amax x margin / 448`` of the float32 K and V per layer and
+    KV head over the first chunk of ``ids``."""
+    _, kv = teacher_forced(params, cfg, ids, chunk, jnp.float32, chunks=1)
+    return tuple(jnp.maximum(jnp.max(jnp.abs(p), axis=(1, 3, 4)), 1e-6) * margin / FP8_MAX
+                 for p in (kv.k, kv.v))
+
+
+def greedy(params, cfg, prompts, gen_tokens: int, kv_cache_dtype: str, scales=None,
+           quantization=None):
+    """Greedy token ids of each prompt (EOS ignored) through the engine, float32 compute
+    (``quantization`` "fp8": weights quantised by `LLM.from_params`)."""
+    llm = LLM.from_params(cfg, params, dtype="float32", kv_cache_dtype=kv_cache_dtype,
+                          quantization=quantization,
+                          max_model_len=max(map(len, prompts)) + gen_tokens,
+                          max_num_seqs=len(prompts), page_size=PAGE_SIZE)
+    if scales is not None:
+        llm.engine.kv = llm.engine.kv.replace(k_scale=jnp.array(scales[0]),
+                                              v_scale=jnp.array(scales[1]))
+    sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
+    return [list(o.token_ids) for o in llm.generate(prompts, sp)]
+
+
+def agreement(ref: list[list[int]], out: list[list[int]]) -> float:
+    """Mean over prompts of (positions equal before the first divergence) / len(ref)."""
+    fr = []
+    for a, b in zip(ref, out):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        fr.append(same / len(a))
+    return float(np.mean(fr))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2)")
+    p.add_argument("--kv-cache-dtype", choices=[k for k in KV_CACHE_DTYPES if k != "auto"],
+                   default="fp8")
+    p.add_argument("--settings", nargs="+", choices=("kv", "weights", "both"),
+                   default=["kv", "weights", "both"],
+                   help="besides the baseline: fp8 KV, fp8 weights, both")
+    p.add_argument("--kv-scales", choices=("one", "calibrated"), default="one")
+    p.add_argument("--margin", type=float, default=1.25, help="calibrated scales' headroom")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--out", default="benchmarks/accuracy.jsonl")
+    args = p.parse_args(argv)
+    for name in ("tokens", "chunk", "prompts", "prompt_len", "gen_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.chunk % PAGE_SIZE or args.tokens % args.chunk:
+        p.error(f"--chunk={args.chunk} must be a multiple of {PAGE_SIZE} and divide "
+                f"--tokens={args.tokens}")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from checkpoints_tools.default_model import default_model_path
+    from jaxinfer.loading import load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(args.model or default_model_path(), "float32")
+    print(f"loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    cfg, params, tok = loaded.config, loaded.params, loaded.tokenizer
+    ids = np.asarray(tok.encode(corpus_text()[:8 * args.tokens])[:args.tokens], np.int32)
+    if len(ids) < args.tokens:
+        raise SystemExit(f"the corpus has only {len(ids)} tokens; lower --tokens")
+    prompts = prompt_ids(tok, args.prompts, args.prompt_len)
+    scales = (calibrated_scales(params, cfg, ids, args.chunk, args.margin)
+              if args.kv_scales == "calibrated" else None)
+    fp8 = KV_CACHE_DTYPES[args.kv_cache_dtype]
+    settings = {"auto": ("auto", jnp.float32, None, None),
+                "kv": (args.kv_cache_dtype, fp8, scales, None),
+                "weights": ("auto", jnp.float32, None, "fp8"),
+                "both": (args.kv_cache_dtype, fp8, scales, "fp8")}
+    rows = []
+    for name in ("auto", *args.settings):
+        kv_cache_dtype, kv_dtype, sc, quant = settings[name]
+        t = time.perf_counter()
+        p = params if quant is None else quantize_params(params, None)
+        nll, _ = teacher_forced(p, cfg, ids, args.chunk, kv_dtype, sc)
+        print(f"{name}: perplexity {np.exp(nll):.4f} in {time.perf_counter() - t:.0f} s",
+              file=sys.stderr)
+        gen = greedy(params, cfg, prompts, args.gen_tokens, kv_cache_dtype, sc, quant)
+        rows.append(dict(kv_cache_dtype=kv_cache_dtype, quantization=quant,
+                         kv_scales=args.kv_scales if kv_cache_dtype != "auto" else None,
+                         ppl=float(np.exp(nll)), gen=gen, seconds=time.perf_counter() - t))
+    base = rows[0]
+    for r in rows[::-1]:
+        r["ppl_rel"] = r["ppl"] / base["ppl"] - 1.0
+        r["greedy_agreement"] = agreement(base["gen"], r.pop("gen"))
+    print(f"SmolLM2-135M, float32 compute, {args.tokens} tokens of pydoc_data topics, chunks of "
+          f"{args.chunk}; greedy {args.prompts} x {args.gen_tokens}")
+    print(f"{'kv_cache_dtype':>14} {'weights':>8} {'scales':>10} {'perplexity':>11} "
+          f"{'vs auto':>8} {'agreement':>9}")
+    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    with open(args.out, "a") as f:
+        for r in rows:
+            print(f"{r['kv_cache_dtype']:>14} {str(r['quantization']):>8} "
+                  f"{str(r['kv_scales']):>10} {r['ppl']:>11.4f} "
+                  f"{100 * r['ppl_rel']:>+7.2f}% {r['greedy_agreement']:>9.3f}")
+            f.write(json.dumps(dict(
+                bench="accuracy", model=os.path.basename(args.model or default_model_path()),
+                compute_dtype="float32", tokens=args.tokens, chunk=args.chunk,
+                prompts=args.prompts, gen_tokens=args.gen_tokens,
+                margin=args.margin if r["kv_scales"] == "calibrated" else None, **r,
+                commit=git_commit(), time=stamp)) + "\n")
+    print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""fp8 KV pages (`pallas_kernels.kv_quant`): the quantised writes (`write_kv`, the attention
+prologue's reference and Triton kernel) against numpy's float8_e4m3fn rounding (ml_dtypes), and
+the dequantising reads (the reference, the Triton decode and prefill kernels) against float32
+attention over the dequantised pages ``stored.astype(f32) * scale``.
+
+Tolerances: every read dequantises the same fp8 pages, so the only differences are float32
+rounding (summation order, the scales folded into the logit scale and the output): 1e-5 relative
+in float32, as the unquantised kernel suites; bf16 queries 1e-2 (their own rounding). A write
+rounds x / scale to e4m3 (3 mantissa bits), relative error <= 2^-4 inside the normal range."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxinfer.kv_cache import write_kv
+from pallas_kernels.kv_quant import FP8, FP8_MAX, quantize
+from pallas_kernels.paged_attention import prefill_triton, reference, triton_pallas
+from pallas_kernels.qkv_prologue import reference as prologue_ref
+from pallas_kernels.qkv_prologue import triton_pallas as prologue_triton
+
+from .modes import runs
+from .test_qkv_prologue import make_inputs
+
+
+def np_fp8(x, scale):
+    """Independent oracle of a write: numpy's round-to-nearest-even cast to e4m3 of x / scale."""
+    y = np.clip(np.asarray(x, np.float32) / np.asarray(scale, np.float32), -FP8_MAX, FP8_MAX)
+    return y.astype(ml_dtypes.float8_e4m3fn)
+
+
+def fp8_case(seed, *, L=2, K=2, ps=16, H=64, N=4, lens=(1, 15, 16, 17, 64, 0), qdt="float32"):
+    """Random pools (scaled so that ``x / scale`` spans e4m3's range) quantised with random
+    per-head scales, a permuted table, ragged lengths -> (q, kq, vq, bt, lens, ks, vs, dequantised
+    k, dequantised v)."""
+    rng = np.random.default_rng(seed)
+    B, M = len(lens), max(-(-max(lens) // ps), 1)
+    P = B * M + 2
+    ks, vs = (rng.uniform(0.002, 0.05, (L, K)).astype(np.float32) for _ in range(2))
+    pools = rng.standard_normal((2, L, P, K, ps, H)).astype(np.float32) * 3
+    kq, vq = (np_fp8(p, s[:, None, :, None, None]) for p, s in zip(pools, (ks, vs)))
+    deq = [x.astype(np.float32) * s[:, None, :, None, None] for x, s in ((kq, ks), (vq, vs))]
+    bt = rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((B, N, H)), jnp.dtype(qdt))
+    return (q, jnp.asarray(kq), jnp.asarray(vq), jnp.asarray(bt),
+            jnp.asarray(np.array(lens, np.int32)), jnp.asarray(ks), jnp.asarray(vs),
+            jnp.asarray(deq[0]), jnp.asarray(deq[1]))
+
+
+def assert_close(out, ref, tol):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.all(np.isfinite(out))
+    rel = np.linalg.norm(out - ref) / np.linalg.norm(ref)
+    assert rel < tol, f"relative error {rel:.2e} >= {tol}"
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=4 * tol)
+
+
+def test_quantize_matches_numpy_e4m3_and_clips():
+    x = np.concatenate([np.random.default_rng(0).standard_normal(1000) * 50,
+                        [1e4, -1e4, 0.0, 1e-4]]).astype(np.float32)
+    got = np.asarray(quantize(jnp.asarray(x), jnp.float32(0.25), FP8)).astype(np.float32)
+    np.testing.assert_array_equal(got, np_fp8(x, 0.25).astype(np.float32))
+    assert got.max() == FP8_MAX and got.min() == -FP8_MAX            # clipped, never NaN
+    normal = (np.abs(x / 0.25) >= 2.0 ** -6) & (np.abs(x / 0.25) <= FP8_MAX)
+    rel = np.abs(got * 0.25 - x)[normal] / np.abs(x[normal])
+    assert rel.max() <= 2.0 ** -4 and rel.max() > 2.0 ** -7           # e4m3's half ulp is used
+    np.testing.assert_array_equal(np.asarray(quantize(jnp.asarray(x), None, jnp.float32)), x)
+    with pytest.raises(ValueError, match="fp8 KV pool needs"):
+        quantize(jnp.asarray(x), None, FP8)
+
+
+def test_write_kv_quantises_with_the_layers_head_scales():
+    rng = np.random.default_rng(1)
+    L, P, K, ps, H = 2, 4, 3, 8, 16
+    k_new, v_new = (rng.standard_normal((2, 3, K, H)).astype(np.float32) * 4 for _ in range(2))
+    ks, vs = (rng.uniform(0.01, 0.1, (L, K)).astype(np.float32) for _ in range(2))
+    slots = np.array([[8, 9, 10], [17, 30, 31]], np.int32)
+    zeros = jnp.zeros((L, P, K, ps, H), FP8)
+    kp, vp = write_kv(zeros, zeros, 1, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slots),
+                      jnp.asarray(ks), jnp.asarray(vs))
+    assert kp.dtype == vp.dtype == FP8
+    for pool, new, s in ((kp, k_new, ks), (vp, v_new, vs)):
+        pool = np.asarray(pool).astype(np.float32)
+        for (b, t), slot in np.ndenumerate(slots):
+            want = np_fp8(new[b, t], s[1][:, None]).astype(np.float32)
+            np.testing.assert_array_equal(pool[1, slot // ps, :, slot % ps], want)
+        assert not pool[0].any()                                      # layer 0 untouched
+
+
+def test_reference_dequantises_with_per_head_scales():
+    q, kq, vq, bt, lens, ks, vs, kd, vd = fp8_case(0)
+    with jax.default_matmul_precision("highest"):
+        out = reference.paged_decode_attention(q, kq, vq, bt, lens, layer=1, scale=0.125,
+                                               k_scale=ks, v_scale=vs)
+        ref = reference.paged_decode_attention(q, kd, vd, bt, lens, layer=1, scale=0.125)
+    assert_close(out, ref, 1e-6)
+
+
+DECODE = [  # (H, N, K, q dtype, k_splits, soft_cap)
+    (64, 4, 2, "float32", 1, None),
+    (128, 8, 1, "float32", 3, None),
+    (64, 8, 2, "bfloat16", 2, 5.0),
+]
+
+
+@pytest.mark.parametrize("mode, case", runs(DECODE))
+def test_triton_decode_reads_fp8_pages(mode, case):
+    H, N, K, qdt, splits, cap = case
+    q, kq, vq, bt, lens, ks, vs, kd, vd = fp8_case(2, H=H, N=N, K=K, qdt=qdt)
+    kw = dict(layer=1, scale=H ** -0.5, soft_cap=cap)
+    out = triton_pallas.paged_decode_attention(
+        q, kq, vq, bt, lens, **kw, k_scale=ks, v_scale=vs, k_splits=splits, pages_per_block=1,
+        interpret=mode == "interpret")
+    with jax.default_matmul_precision("highest"):
+        ref = reference.paged_decode_attention(q.astype(jnp.float32), kd, vd, bt, lens, **kw)
+    assert_close(out, ref, 1e-5 if qdt == "float32" else 1e-2)
+    assert not np.asarray(out)[np.asarray(lens) == 0].any()
+
+
+@pytest.mark.parametrize("mode, case", runs([(64, 4, 2), (64, 6, 3)]))
+def test_triton_prefill_reads_fp8_pages(mode, case):
+    H, N, K = case
+    q, kq, vq, bt, lens, ks, vs, kd, vd = fp8_case(3, H=H, N=N, K=K, lens=(40, 17, 5))
+    T = 5
+    pos = np.stack([np.arange(n - T, n) for n in np.asarray(lens)]).astype(np.int32)
+    qt = jnp.asarray(np.random.default_rng(4).standard_normal((3, T, N, H)), jnp.float32)
+    kw = dict(layer=0, scale=H ** -0.5)
+    out = prefill_triton.paged_prefill_attention(
+        qt, kq, vq, bt, lens, jnp.asarray(pos), **kw, k_scale=ks, v_scale=vs,
+        interpret=mode == "interpret")
+    with jax.default_matmul_precision("highest"):
+        ref = reference.paged_attention(qt, kd, vd, bt, lens, jnp.asarray(pos), **kw)
+    assert_close(out, ref, 1e-5)
+
+
+@pytest.mark.parametrize("mode, grid", runs([("head",), ("group",)]))
+def test_prologue_writes_fp8_pages(mode, grid):
+    """The Triton prologue and the reference store the same e4m3 values as numpy's rounding of
+    the float32 prologue's K/V over the scales (one e4m3 step apart at most: RoPE's float32
+    rounding may differ by an ulp and cross a rounding boundary)."""
+    (grid,) = grid
+    qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(5, S=2, N=4, K=2, H=32)
+    L, K = kp.shape[0], kp.shape[2]
+    ks, vs = (jnp.asarray(np.random.default_rng(i).uniform(0.005, 0.05, (L, K)), jnp.float32)
+              for i in (6, 7))
+    kw = dict(layer=1, num_heads=4, num_kv_heads=2)
+    _, k32, v32 = prologue_ref.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, **kw)
+    fp8_pools = (jnp.zeros(kp.shape, FP8), jnp.zeros(vp.shape, FP8))
+    got = prologue_triton.qkv_prologue(qkv, qn, kn, cos, sin, slots, *fp8_pools, **kw, grid=grid,
+                                       k_scale=ks, v_scale=vs, interpret=mode == "interpret")
+    ref = prologue_ref.qkv_prologue(qkv, qn, kn, cos, sin, slots, *fp8_pools, **kw, k_scale=ks,
+                                    v_scale=vs)
+    ps = kp.shape[3]
+    page, off = np.asarray(slots) // ps, np.asarray(slots) % ps
+    for pool, p32, s, r in ((got[1], k32, ks, ref[1]), (got[2], v32, vs, ref[2])):
+        assert pool.dtype == FP8
+        want = np_fp8(np.asarray(p32)[1, page, :, off], np.asarray(s)[1][None, :, None])
+        for written in (pool, r):
+            w = np.asarray(written).astype(np.float32)[1, page, :, off]
+            np.testing.assert_allclose(w, want.astype(np.float32), rtol=2.0 ** -3, atol=2.0 ** -9)
+        assert np.mean(np.asarray(pool)[1, page, :, off] == want) > 0.99
+
+
+def test_fp8_pools_need_scales():
+    q, kq, vq, bt, lens, ks, vs, *_ = fp8_case(8)
+    with pytest.raises(ValueError, match="k_scale=None: fp8 KV pools need"):
+        triton_pallas.paged_decode_attention(q, kq, vq, bt, lens, scale=0.1, interpret=True)
+    with pytest.raises(ValueError, match=r"v_scale must be f32\[L=2, K=2\]"):
+        prefill_triton.paged_prefill_attention(q[:, None], kq, vq, bt, lens, lens[:, None] - 1,
+                                               scale=0.1, k_scale=ks, v_scale=vs[0],
+                                               interpret=True)

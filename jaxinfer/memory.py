@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
-from jaxinfer.config import ModelConfig, ResolvedConfig, check_tp, tp_model_config
+from jaxinfer.config import ResolvedConfig
+from jaxinfer.model_config import ModelConfig, check_tp, tp_model_config
 
 GIB, MIB = 1 << 30, 1 << 20
 PLANNING_FRACTION = 0.7  # plan at this fraction of the theoretical concurrent sequences

@@ -6,7 +6,7 @@ qkv and gate/up, row-split wo and down); vLLM (vocabulary-split embedding and lm
 head copy per device when tp exceeds the KV head count).
 
 Canonical layout: the tree `jaxinfer.models.init_params` and the loaders make (one device).
-Engine layout at tp > 1: the tree of `jaxinfer.config.tp_model_config` (K' = max(K, tp) KV
+Engine layout at tp > 1: the tree of `jaxinfer.model_config.tp_model_config` (K' = max(K, tp) KV
 heads), the fused matrices' columns grouped by device (`jaxinfer.models.fused_parts`), each
 leaf placed with its `param_specs` entry."""
 
@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer import models
-from jaxinfer.config import ModelConfig, tp_model_config
+from jaxinfer.model_config import ModelConfig, tp_model_config
 
 AXIS = "tp"
 KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]: split over K'

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import memory, models, parallel
-from jaxinfer.config import tp_model_config
+from jaxinfer.model_config import tp_model_config
 from jaxinfer.engine import logprobs
 from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch
 from jaxinfer.engine.block_manager import BlockManager

@@ -1,0 +1,176 @@
+"""`ModelConfig`, the architecture of a Llama / Qwen3 decoder (from HF ``config.json``, GGUF
+metadata or a saved dict), and its tensor-parallel form (`check_tp`, `tp_model_config`). A bad
+value raises ValueError naming the field, the value and what is allowed. Imports no JAX."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from checkpoints_tools.mapping import fp8_block_size
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+def _fail(cls: str, name: str, value: Any, allowed: str) -> None:
+    raise ValueError(f"{cls}.{name}={value!r} is invalid: {allowed}")
+
+
+def _check(obj, rules: Iterable[tuple[str, Callable[[Any], bool], str]]) -> None:
+    """Raise for the first rule ``(field, ok(value), allowed)`` of ``obj`` that fails (in order)."""
+    for name, ok, allowed in rules:
+        if not ok(getattr(obj, name)):
+            _fail(type(obj).__name__, name, getattr(obj, name), allowed)
+
+
+def _positive_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 RoPE frequency scaling (HF ``rope_type: llama3``, ``_compute_llama3_parameters``)."""
+
+    rope_type: str = "llama3"
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        _check(self, (("rope_type", lambda v: v == "llama3", "only 'llama3' scaling is supported"),
+            ("factor", lambda v: v > 0, "must be > 0"),
+            ("high_freq_factor", lambda v: 0 < self.low_freq_factor < v,
+             f"need 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor"),
+            ("original_max_position_embeddings", lambda v: v >= 1, "must be >= 1")))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A Llama / Qwen3 decoder. Shape letters: V=vocab_size, D=hidden_size, F=intermediate_size,
+    L=num_layers, N=num_heads, K=num_kv_heads, H=head_dim, G=N/K."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    weight_block_size: tuple[int, int] | None = None  # an HF FP8 checkpoint's (block_out, block_in)
+
+    def __post_init__(self) -> None:
+        _check(self, (
+            ("architecture", SUPPORTED_ARCHITECTURES.__contains__,
+             f"supported architectures are {SUPPORTED_ARCHITECTURES}"),
+            *((n, _positive_int, "must be a positive integer") for n in (
+                "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                "num_kv_heads", "head_dim", "max_position_embeddings")),
+            ("num_kv_heads", lambda v: self.num_heads % v == 0,
+             f"must divide num_heads={self.num_heads} (GQA)"),
+            ("head_dim", lambda v: v % 2 == 0, "must be even (RoPE rotates pairs)"),
+            ("rms_norm_eps", lambda v: v > 0, "must be > 0"),
+            ("rope_theta", lambda v: v > 0, "must be > 0"),
+            ("weight_block_size", lambda v: v is None or len(v) == 2, "None or (out, in) sizes")))
+        object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        object.__setattr__(self, "weight_block_size", self.weight_block_size and tuple(
+            int(b) for b in self.weight_block_size))
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3 applies a per-head RMSNorm to q and k before RoPE."""
+        return self.architecture == "qwen3"
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """2 (K and V) x L x K x H x dtype_bytes."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelConfig":
+        """From a parsed HF ``config.json`` (transformers 4.x or 5.x). Raises ValueError: an
+        unsupported model_type, RoPE type, bias, sliding window or activation; a missing key."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture: model_type={model_type!r} (architectures="
+                             f"{cfg.get('architectures') or []}); supported model_type values are "
+                             f"{SUPPORTED_ARCHITECTURES}")
+        for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
+            if cfg.get(key):
+                raise ValueError(f"{model_type} with {key}=True is not supported")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act={cfg['hidden_act']!r} is not supported; only 'silu'")
+        rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}  # 5; 4.x
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+        eos = cfg.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        try:
+            scaling = None if rope_type != "llama3" else RopeScaling(
+                factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
+                high_freq_factor=float(rope["high_freq_factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+            n = int(cfg["num_attention_heads"])
+            return cls(
+                architecture=model_type, vocab_size=int(cfg["vocab_size"]),
+                hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]), num_heads=n,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or n),
+                head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_scaling=scaling,
+                rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos,
+                weight_block_size=fp8_block_size(cfg.get("quantization_config")))
+        except KeyError as e:
+            raise ValueError(f"config.json lacks the required key {e.args[0]!r} "
+                             f"(model_type={model_type!r})") from None
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
+        """From an HF model directory's ``config.json``. Raises FileNotFoundError (none) and
+        ValueError (not a JSON object, or as `from_hf_config`)."""
+        from checkpoints_tools.loader import read_json
+
+        return cls.from_hf_config(read_json(os.path.join(os.fspath(path), "config.json")))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        d = dict(d)
+        if d.get("rope_scaling"):
+            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        return cls(**d)
+
+
+def check_tp(model: ModelConfig, tp: int) -> None:
+    """Raise ValueError naming both numbers unless tensor parallelism of degree ``tp`` splits
+    ``model``: tp divides N and F, and K % tp == 0 or tp % K == 0 (KV heads replicated)."""
+    for name in ("num_heads", "intermediate_size"):
+        if getattr(model, name) % tp:
+            raise ValueError(f"{name}={getattr(model, name)} is not divisible by "
+                             f"tensor_parallel_size={tp}")
+    if (K := model.num_kv_heads) % tp and tp % K:
+        raise ValueError(f"num_kv_heads={K} and tensor_parallel_size={tp}: one must divide the "
+                         "other (tp > K replicates the KV heads)")
+
+
+def tp_model_config(model: ModelConfig, tp: int) -> ModelConfig:
+    """The config the engine runs at tensor parallelism ``tp`` (`check_tp` holds): K' =
+    max(K, tp) KV heads, each shard one copy of KV head ``s * K // tp`` when tp > K (vLLM)."""
+    return dataclasses.replace(model, num_kv_heads=max(model.num_kv_heads, tp))

@@ -172,7 +172,8 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     from jaxinfer import LLM, SamplingParams
     kw = dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-              kernels=args.kernels)
+              kernels=args.kernels, tensor_parallel_size=args.tensor_parallel_size,
+              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     if path is None:  # random weights built on the device: no checkpoint to write or read
         import jax
         import jax.numpy as jnp
@@ -276,6 +277,9 @@ def main() -> None:
                     help="the engine's kernel config (KernelConfig.parse, resolved by the engine; "
                          "'' = the default). Keys: " + KernelConfig.help())
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="fp8 weights")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
     ap.add_argument("--compile-workers", type=int, default=None,
                     help="parallel ahead-of-time compiles (default: one per CPU, up to the shapes)")
     ap.add_argument("--compare", choices=["hf"], default=None)
@@ -310,6 +314,8 @@ def main() -> None:
     meta = dict(bench="throughput", model=args.model or f"random qwen3-8b arch, {args.layers} layers",
                 num_requests=args.num_requests, input_range=[args.min_input, args.max_input],
                 output_range=[args.min_output, args.max_output], seed=args.seed,
+                tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
+                kv_cache_dtype=args.kv_cache_dtype,
                 jax=jax.__version__, date=datetime.date.today().isoformat(), commit=commit,
                 xla_flags=xla_flags())
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

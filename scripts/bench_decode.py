@@ -193,7 +193,7 @@ def engine_gemm(kc: KernelConfig, B: int) -> str:
     """The GEMM back-end the engine compiles a greedy decode step of B rows with
     (`StepExecutor.step_fn`: cuBLAS from ``kc.cublas_decode_min_batch`` rows, else XLA's)."""
     key = ShapeKey(batch=B, tokens=1, pages=1, penalty=0, query=None, all_greedy=True)
-    fn = StepExecutor(None, None, kc, 1, None).step_fn(key)
+    fn = StepExecutor(None, ModelKernels(), kc, 1, None).step_fn(key)
     return next(g for g, f in PACKED_STEPS.items() if f is fn)
 
 

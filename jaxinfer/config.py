@@ -148,8 +148,9 @@ class EngineConfig:
                                 "'fp8_e4m3'): float8_e4m3fn pages, half the bytes of bfloat16",
                                 choices=list(KV_CACHE_DTYPES))
     tensor_parallel_size: int = _user(1, "devices to shard the model over (tensor parallelism)")
-    quantization: str | None = _user(None, "weights: 'fp8' (e4m3, per-output-channel scales) or "
-                                     "None; an FP8 checkpoint runs fp8 either way", choices=["fp8"])
+    quantization: str | None = _user(None, "weights: 'fp8' (e4m3, per-output-channel scales); "
+                                     "default: unquantised, but an FP8 checkpoint runs fp8",
+                                     choices=["fp8"])
     enforce_eager: bool = _user(False, "accepted for vLLM compatibility; no effect (steps are "
                                 "always compiled)")
     kernels: KernelConfig = KernelConfig()
@@ -243,6 +244,13 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
     dtype = engine.dtype or ("bfloat16" if platform == "gpu" else "float32")
     kc = engine.kernels
     check_platform(kc, platform)
+    quant = engine.quantization or ("fp8" if model.weight_block_size else None)
+    fp8_set = [f"{k}={v!r}" for k, v in (("quantization", quant),
+                                         ("kv_cache_dtype", engine.kv_cache_dtype))
+               if v not in (None, "auto")]
+    if fp8_set and engine.tensor_parallel_size > 1:
+        _fail("EngineConfig", "tensor_parallel_size", engine.tensor_parallel_size,
+              f"{' and '.join(fp8_set)} runs on one device only; use 1 or drop the fp8 setting")
     check_tp(model, engine.tensor_parallel_size)
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
     kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype
@@ -267,9 +275,4 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
                                                   "%r", k, auto[k], device_kind, new)
             auto[k] = new
     kc = dataclasses.replace(kc, **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"})
-    quant = engine.quantization or ("fp8" if model.weight_block_size else None)
-    if (quant or engine.kv_cache_dtype != "auto") and engine.tensor_parallel_size > 1:
-        _fail("EngineConfig", "tensor_parallel_size", engine.tensor_parallel_size,
-              f"quantization={quant!r} / kv_cache_dtype={engine.kv_cache_dtype!r} run on one "
-              "device only (1)")
     return ResolvedConfig(model, engine, kc, max_len, dtype, platform, kv_dtype, quant)

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 
 from checkpoints_tools.loader import open_checkpoint
-from jaxinfer import loading, memory
+from jaxinfer import loading, memory, parallel
 from jaxinfer.config import EngineConfig, ModelConfig, check_platform, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import CompletionOutput, RequestOutput
@@ -101,6 +101,8 @@ class LLM:
             _claim_gpu_memory(ec.gpu_memory_utilization)
         platform = jax.default_backend()
         check_platform(ec.kernels, platform)  # before any file is read
+        if ec.tensor_parallel_size > 1:
+            parallel.make_mesh(ec.tensor_parallel_size)  # enough devices, or ValueError now
         if tokenizer is not None and not os.path.exists(tokenizer):
             raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
         ckpt = open_checkpoint(model if model is not None else default_model_path())  # once

@@ -46,6 +46,17 @@ def param_count(cfg: ModelConfig, tp: int = 1) -> int:
     return vocab + L * per_layer + D + (0 if cfg.tie_word_embeddings else vocab)
 
 
+def fp8_weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
+    """Bytes of the tree with fp8 weights (`jaxinfer.quantize`, one device): the layers'
+    matrices at 1 byte plus an f32 scale per output channel; embedding, lm_head and norms at
+    ``dtype_bytes`` (the compute dtype)."""
+    D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    matrices = D * (N + 2 * K) * H + N * H * D + 3 * D * F
+    scales = (N + 2 * K) * H + 2 * D + 2 * F
+    return param_count(cfg) * dtype_bytes - L * matrices * (dtype_bytes - 1) + L * scales * 4
+
+
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
     """KV bytes per token one device holds: `ModelConfig.kv_bytes_per_token` of the K' =
     max(K, tp) KV heads (`tp_model_config`), divided by ``tp``."""

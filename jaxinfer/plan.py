@@ -17,7 +17,7 @@ import sys
 from typing import Sequence
 
 from jaxinfer.config import DTYPE_BYTES, ModelConfig
-from jaxinfer.memory import GIB, device_memory_stats, plan_memory
+from jaxinfer.memory import GIB, device_memory_stats, fp8_weight_bytes, plan_memory
 
 PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, SmolLM2-135M-Instruct
     # (V, D, F, L, N, K, H: `ModelConfig` field order)
@@ -81,8 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--utilization", type=float, default=0.9,
                    help="fraction of device memory the engine may use (default 0.9)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
-    for flag in ("--kv-dtype", "--weight-dtype"):
-        p.add_argument(flag, choices=sorted(DTYPE_BYTES), default="bfloat16")
+    p.add_argument("--kv-dtype", "--kv-cache-dtype", choices=sorted(DTYPE_BYTES),
+                   default="bfloat16")
+    p.add_argument("--weight-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16",
+                   help="fp8: the engine's quantization='fp8' (embedding, lm_head, norms in "
+                   "bfloat16, f32 scales; one device)")
     p.add_argument("--weight-gib", type=float, default=None, help="resident weight size in GiB "
                    "(per device), overriding the count from the config (quantised checkpoints)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is "
@@ -99,6 +102,17 @@ def _gib_to_bytes(flag: str, value: float | None, allow_zero: bool = True) -> in
     return None if value is None else int(round(value * GIB))
 
 
+def _weight_bytes(args, cfg: ModelConfig) -> int | None:
+    """``--weight-gib``, or for ``--weight-dtype fp8`` `fp8_weight_bytes`; None: counted."""
+    given = _gib_to_bytes("--weight-gib", args.weight_gib)
+    if given is not None or args.weight_dtype != "fp8":
+        return given
+    if args.tensor_parallel_size > 1:
+        raise ValueError(f"--weight-dtype fp8 with --tensor-parallel-size "
+                         f"{args.tensor_parallel_size}: fp8 weights run on one device only (1)")
+    return fp8_weight_bytes(cfg, 2)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 2 bad input)."""
     try:
@@ -113,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             page_size=args.page_size, weight_dtype_bytes=DTYPE_BYTES[args.weight_dtype],
             kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
             reserve_bytes=_gib_to_bytes("--reserve-gib", args.reserve_gib),
-            weight_bytes=_gib_to_bytes("--weight-gib", args.weight_gib),
+            weight_bytes=_weight_bytes(args, cfg),
             tensor_parallel_size=args.tensor_parallel_size)
     except (ValueError, OSError) as e:
         print(f"python -m jaxinfer.plan: error: {' '.join(str(e).split())}", file=sys.stderr)

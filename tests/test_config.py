@@ -208,3 +208,13 @@ def test_quantization_resolves_from_the_checkpoint():
     assert resolve(fp8_ckpt, EngineConfig(), "cpu").quantization == "fp8"
     with pytest.raises(ValueError, match="ModelConfig.weight_block_size=.*invalid"):
         dataclasses.replace(model(), weight_block_size=(128,))
+
+
+def test_fp8_with_tensor_parallelism_names_the_fp8_setting():
+    """fp8 weights or KV run on one device: the error names tensor_parallel_size and only the
+    fp8 settings that are on, before the model's own divisibility checks."""
+    for kw, named in ((dict(quantization="fp8"), "quantization='fp8' runs"),
+                      (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' runs")):
+        with pytest.raises(ValueError, match=f"tensor_parallel_size=3 is invalid: {named} on one "
+                           "device only"):
+            resolve(model(), EngineConfig(tensor_parallel_size=3, **kw), "cpu")

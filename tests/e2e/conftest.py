@@ -1,7 +1,7 @@
 """Shared fixtures for end-to-end tests on the real SmolLM2-135M-Instruct weights (float32, CPU).
 
 The HF transformers reference loads the same GGUF file; its greedy outputs are computed once per
-session, one prompt at a time (no padding), and cached.
+run, one prompt at a time (no padding), and cached.
 """
 
 import os

@@ -43,7 +43,7 @@ def test_bad_request_in_batch_others_unchanged(llm):
 
 
 def small_llm(llm, **engine_args):
-    """An engine of its own over the session LLM's weights (no second checkpoint load)."""
+    """An engine of its own over the shared LLM's weights (no second checkpoint load)."""
     return LLM.from_params(llm.engine.model_config, llm.engine.params, dtype="float32",
                            **engine_args)
 

@@ -29,7 +29,7 @@ def run_main(capsys, *args):
 
 @pytest.fixture
 def session_llm(monkeypatch, llm):
-    """The CLI in this process gets the session `LLM` (max_model_len 512) instead of loading one."""
+    """The CLI in this process gets the shared `LLM` (max_model_len 512) instead of loading one."""
     import jaxinfer.llm
     monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **k: llm)
     return llm
@@ -37,7 +37,7 @@ def session_llm(monkeypatch, llm):
 
 def test_json_prompts_file_and_bad_prompt_in_batch(session_llm, capsys, tmp_path):
     """--json, a .jsonl prompts file with an empty prompt: the good one still answers, the bad one
-    is one error line, exit 2 (in this process on the session LLM; the ``python -m`` run below
+    is one error line, exit 2 (in this process on the shared LLM; the ``python -m`` run below
     loads the default model)."""
     f = tmp_path / "prompts.jsonl"
     f.write_text(json.dumps({"prompt": "What is the capital of France?"}) + "\n" + json.dumps("") + "\n")

@@ -52,7 +52,7 @@ def test_preemption_gives_same_outputs(llm, prompt_ids):
     need = sum(-(-(len(ids) + 40) // PAGE_SIZE) for ids in prompt_ids)
     small = LLM.from_params(llm.engine.model_config, llm.engine.params, max_model_len=512,
                             max_num_seqs=8, page_size=PAGE_SIZE, num_pages=need // 2 + 1,
-                            dtype="float32")  # the session LLM's weights, a small pool
+                            dtype="float32")  # the shared LLM's weights, a small pool
     outs = small.generate(prompts, sp)
     assert [list(o.token_ids) for o in outs] == expected
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -144,7 +144,7 @@ def test_stop_string_spanning_many_tokens(llm):
 
 def test_from_params_matches_hf(llm, hf_greedy, prompt_ids):
     """LLM.from_params over the loaded weights (no tokenizer) gives HF's greedy tokens."""
-    loaded = llm.engine  # the session LLM's config and float32 weights, loaded once
+    loaded = llm.engine  # the shared LLM's config and float32 weights, loaded once
     llm = LLM.from_params(loaded.model_config, loaded.params, max_model_len=256, max_num_seqs=4,
                           page_size=PAGE_SIZE, num_pages=64, dtype="float32")
     assert llm.get_tokenizer() is None

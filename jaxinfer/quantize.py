@@ -12,9 +12,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.models.layers import expand_scale, scale_shape
+from pallas_kernels.kv_quant import FP8, FP8_MAX  # e4m3, the format of the fp8 KV pages too
 
-FP8 = jnp.float8_e4m3fn
-FP8_MAX = 448.0
 QUANTIZED = ("wqkv", "wo", "w_gate_up", "w_down")
 
 

@@ -21,12 +21,10 @@ class KVCache:
     (logical page j of row b -> physical page); seq_lens i32[B] (valid KV positions after the
     write); k_scale, v_scale f32[L, K] (None: no scaling): an fp8 page holds ``x / scale``
     (`pallas_kernels.kv_quant`). The scales are data, fixed at 1.0 (vLLM's default without
-    calibration; `init_kv_cache`): e4m3 keeps 3 mantissa bits at any scale, and 1.0 clips
-    nothing (SmolLM2's |K| < 21, |V| < 16), while scales calibrated on a first prefill (amax per
-    layer and head x 1.25 / 448) clip later, larger values. On SmolLM2-135M (float32 compute,
-    scripts/eval_accuracy.py) fixed 1.0 costs +2.2% perplexity, calibrated +2.5%; 1.0 is also
-    the simpler (no calibration pass, no dependence on the first prompt). Scales from a
-    checkpoint or a calibration can be set with `replace`."""
+    calibration; `init_kv_cache`): e4m3 keeps 3 mantissa bits at any scale, 1.0 clips only
+    values above 448, and scales calibrated on a first prefill clip later, larger values
+    (BENCHMARKS.md "FP8 accuracy": they measured worse); 1.0 also needs no calibration pass.
+    Scales from a checkpoint or a calibration can be set with `replace`."""
 
     k: jax.Array
     v: jax.Array

@@ -169,7 +169,8 @@ class StepExecutor:
         self.cublas_min_batch, self.prefill_gemm = kc.cublas_decode_min_batch, kc.prefill_gemm
         self.inputs = replicated(kernels.mesh)  # step inputs: whole on every device of a mesh
         self.no_prev_tokens = jax.device_put(np.zeros((max_batch,), np.int32), self.inputs)
-        self.executables: dict[ShapeKey, object] = {}  # ahead-of-time compiled steps
+        # every step this engine compiled (lazily or ahead of time); they die with the engine
+        self.executables: dict[ShapeKey, object] = {}
 
     def step_fn(self, key: ShapeKey):
         """The jit step for ``key`` (cuBLAS: decode buckets >= ``cublas_min_batch`` rows)."""
@@ -185,19 +186,21 @@ class StepExecutor:
     def run(self, params, kv, hb: HostBatch, prev_tokens=None):
         """Dispatch one step, no wait: (token ids i32[Bmax] on the device, or `step`'s dict when
         ``hb.key.logprobs``; the new cache)."""
-        if (exe := self.executables.get(hb.key)) is not None:
-            return exe(*self._args(params, kv, hb, prev_tokens))
-        if hb.key not in self.stats.compiled_shapes:
-            self.stats.compiled_shapes.add(hb.key)
+        args = self._args(params, kv, hb, prev_tokens)
+        if (exe := self.executables.get(hb.key)) is None:
             self.stats.num_lazy_compiles += 1
-            log.info("compiling step for shape %s (%d so far)", hb.key, self.stats.num_compiles)
-        return self.step_fn(hb.key)(*self._args(params, kv, hb, prev_tokens), key=hb.key,
-                                    **self.static)
+            log.info("compiling step for shape %s (%d so far)", hb.key, self.stats.num_compiles + 1)
+            exe = self.executables[hb.key] = self._lower(hb.key, args).compile()
+            self.stats.compiled_shapes.add(hb.key)
+        return exe(*args)
+
+    def _lower(self, key: ShapeKey, args):
+        return self.step_fn(key).lower(*args, key=key, **self.static)
 
     def precompile(self, params, kv, keys, *, max_workers: int | None, warm: bool):
         """Compile each new key ahead of time in ``max_workers`` threads (default min(keys,
-        CPUs); on the CPU backend always one, the calling thread); ``warm``: run each once on
-        `empty_batch`. Returns ({"shapes", "lower_s", "warm_s", "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
+        CPUs)); ``warm``: run each once on `empty_batch`. Returns ({"shapes", "lower_s",
+        "warm_s", "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
         if max_workers is not None and (not isinstance(max_workers, int)
                                         or isinstance(max_workers, bool) or max_workers < 1):
             raise ValueError(f"max_workers={max_workers!r} is invalid: must be None or a positive "
@@ -205,23 +208,17 @@ class StepExecutor:
         todo = [k for k in dict.fromkeys(keys) if k not in self.stats.compiled_shapes]
         jax.block_until_ready(params)  # weights still being built would count as tracing
         t0, lower_s = time.perf_counter(), 0.0
-        workers = max_workers or min(len(todo), os.cpu_count() or 1)
-        if jax.default_backend() == "cpu":
-            workers = 1  # XLA:CPU compiling on a worker thread's small stack can segfault
-        lowered = []
-        for k in todo:
-            t = time.perf_counter()
-            args = self._args(params, kv, empty_batch(k), None)
-            lowered.append(self.step_fn(k).lower(*args, key=k, **self.static))
-            lower_s += time.perf_counter() - t
-        if workers > 1:
-            with ThreadPoolExecutor(workers) as pool:
-                compiled = list(pool.map(lambda low: low.compile(), lowered))
-        else:
-            compiled = [low.compile() for low in lowered]
-        for k, exe in zip(todo, compiled):
-            self.executables[k] = exe
-            self.stats.compiled_shapes.add(k)
+        if todo:
+            with ThreadPoolExecutor(max_workers or min(len(todo), os.cpu_count() or 1)) as pool:
+                futures = []
+                for k in todo:
+                    t = time.perf_counter()
+                    low = self._lower(k, self._args(params, kv, empty_batch(k), None))
+                    futures.append(pool.submit(low.compile))
+                    lower_s += time.perf_counter() - t
+                for k, f in zip(todo, futures):
+                    self.executables[k] = f.result()
+                    self.stats.compiled_shapes.add(k)
         t_warm = time.perf_counter()
         if warm and todo:
             for k in todo:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 log = logging.getLogger("jaxinfer.serve")
-ENGINE_STACK_BYTES = 64 << 20  # the engine thread's stack (`EngineRunner.start`)
 
 
 class Delta(NamedTuple):
@@ -51,16 +50,10 @@ class EngineRunner:
         self.idle = threading.Event()  # set while no request is in the engine
 
     def start(self) -> None:
-        """Start the thread, with a stack of `ENGINE_STACK_BYTES` (steps compile on it, and
-        XLA:CPU's compiler overflows the 2 MiB a thread gets where the stack limit is unlimited);
-        the process's GIL switch interval drops to 0.5 ms, so a step's Python work waits at most
-        that long for the HTTP side (the default 5 ms slows steps)."""
+        """Start the thread; the process's GIL switch interval drops to 0.5 ms, so a step's
+        Python work waits at most that long for the HTTP side (the default 5 ms slows steps)."""
         sys.setswitchinterval(min(sys.getswitchinterval(), 5e-4))
-        old = threading.stack_size(ENGINE_STACK_BYTES)  # this thread's size, fixed at its start
-        try:
-            self._thread.start()
-        finally:
-            threading.stack_size(old)
+        self._thread.start()
 
     def submit(self, rid: str, prompt_token_ids: list[int], params, sink: asyncio.Queue,
                stream: bool) -> None:

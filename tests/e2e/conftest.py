@@ -1,7 +1,7 @@
 """Shared fixtures for end-to-end tests on the real SmolLM2-135M-Instruct weights (float32, CPU).
 
 The HF transformers reference loads the same GGUF file; its greedy outputs are computed once per
-run, one prompt at a time (no padding), and cached.
+run of tests/e2e, one prompt at a time (no padding), and cached.
 """
 
 import os
@@ -22,12 +22,12 @@ CHAT_PROMPTS = [
 PAGE_SIZE = 16
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def hf_model(hf_smollm):
     return hf_smollm  # tests/conftest.py: loaded once for the whole run
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def llm(smollm_path):
     from jaxinfer import LLM
     return LLM(smollm_path, max_model_len=512, max_num_seqs=8, page_size=PAGE_SIZE, num_pages=160,
@@ -64,12 +64,12 @@ class HFGreedy:
         return self.cache[key]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def hf_greedy(hf_model, llm):
     return HFGreedy(hf_model, llm.engine.eos_token_ids)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def prompt_ids(llm):
     """Token ids of the plain prompts and of the chat prompts in the chat template."""
     plain = [llm.encode(p) for p in PLAIN_PROMPTS]

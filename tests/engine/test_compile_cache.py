@@ -32,6 +32,7 @@ print(json.dumps({"tokens": [list(o.token_ids) for o in out], "hits": len(hits) 
 
 def _run(cache_dir):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the run-wide cache of tests/conftest.py
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir)], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]

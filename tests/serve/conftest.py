@@ -17,7 +17,7 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "One, two, three,",
            "My favourite colour is", "import numpy as np\n"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server(smollm_path):
     import uvicorn
 
@@ -47,7 +47,7 @@ def server(smollm_path):
     thread.join(60)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def client(server):
     import openai
     return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)

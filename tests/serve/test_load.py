@@ -60,7 +60,9 @@ async def _stream(ac, prompt, max_tokens, samp, close_after: int | None = None):
 
 
 def _client(server):
-    return openai.AsyncOpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=600)
+    """The last of 200 queued streams waits for every stream ahead of it (on 2 CPU cores,
+    SmolLM2's float32 steps are the cost): the read timeout is 30 minutes."""
+    return openai.AsyncOpenAI(base_url=server.url, api_key=KEY, max_retries=0, timeout=1800)
 
 
 def _metric(server, name, **labels) -> float:

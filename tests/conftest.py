@@ -43,8 +43,8 @@ def free_executables():
 
     Every XLA:CPU executable keeps a few hundred memory maps for its JIT-compiled code; a
     process may hold at most vm.max_map_count (65,530 by default), and XLA:CPU's compile
-    segfaults when it runs out. Engines keep their own compiled steps, so session fixtures
-    lose nothing here."""
+    segfaults when it runs out. Engines keep their own compiled steps, so fixtures shared
+    across modules lose nothing here."""
     yield
     if "jax" in sys.modules:
         sys.modules["jax"].clear_caches()

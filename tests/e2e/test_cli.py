@@ -28,14 +28,14 @@ def run_main(capsys, *args):
 
 
 @pytest.fixture
-def session_llm(monkeypatch, llm):
+def shared_llm(monkeypatch, llm):
     """The CLI in this process gets the shared `LLM` (max_model_len 512) instead of loading one."""
     import jaxinfer.llm
     monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **k: llm)
     return llm
 
 
-def test_json_prompts_file_and_bad_prompt_in_batch(session_llm, capsys, tmp_path):
+def test_json_prompts_file_and_bad_prompt_in_batch(shared_llm, capsys, tmp_path):
     """--json, a .jsonl prompts file with an empty prompt: the good one still answers, the bad one
     is one error line, exit 2 (in this process on the shared LLM; the ``python -m`` run below
     loads the default model)."""
@@ -156,14 +156,14 @@ def test_unsupported_architecture(tmp_path):
     assert len(lines) == 1 and "gpt2" in lines[0] and "llama" in lines[0], r.stderr
 
 
-def test_prompt_longer_than_max_model_len(session_llm, capsys):
+def test_prompt_longer_than_max_model_len(shared_llm, capsys):
     code, _out, err = run_main(capsys, "--prompt", "word " * 600, "--max-tokens", "4")
     assert code == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and str(session_llm.engine.max_model_len) in lines[0], err
+    assert len(lines) == 1 and str(shared_llm.engine.max_model_len) in lines[0], err
 
 
-def test_undecodable_prompt_bytes_and_bad_prompts_file(session_llm, capsys, tmp_path):
+def test_undecodable_prompt_bytes_and_bad_prompts_file(shared_llm, capsys, tmp_path):
     """Undecodable argv bytes: one error line for that prompt, the other prompt still answers.
     A prompts file that is not UTF-8 is a one-line error naming the file."""
     bad = os.fsdecode(b"bad \xff\xfe")  # what Python makes of undecodable argv bytes
@@ -190,7 +190,7 @@ def test_async_scheduling_flag_reaches_the_engine(monkeypatch, capsys, flag, exp
     assert llm_kwargs(monkeypatch, capsys, *flag)["async_scheduling"] is expected
 
 
-def test_stream_with_stop_string_prints_no_empty_deltas(session_llm, capsys):
+def test_stream_with_stop_string_prints_no_empty_deltas(shared_llm, capsys):
     """Text held back while it may begin a stop string is not streamed as an empty ``[i]`` line."""
     # a 40-character stop string holds back the first tokens' text until the request finishes
     code, out, err = run_main(capsys, "--prompt", "The capital of France is", "--prompt",

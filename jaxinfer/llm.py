@@ -9,7 +9,7 @@ from typing import Callable, Sequence as Seq
 import jax
 import numpy as np
 
-from checkpoints_tools.loader import open_checkpoint
+from checkpoints_tools.loader import load_tokenizer, open_checkpoint
 from jaxinfer import loading, memory, parallel
 from jaxinfer.config import EngineConfig, ModelConfig, check_platform, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
@@ -117,22 +117,33 @@ class LLM:
                                 detokenize=None if skip_tokenizer_init else self._detokenize)
 
     @classmethod
-    def from_params(cls, config, params: dict, **engine_args) -> "LLM":
-        """An `LLM` without a tokenizer over ``params``, the `jaxinfer.models.init_params` tree of
-        ``config`` in the compute dtype (with ``tensor_parallel_size`` > 1 jax or numpy leaves,
-        resharded: `jaxinfer.parallel`; prompts are token ids; ``stop`` strings are rejected),
-        quantised first with ``quantization="fp8"`` (`jaxinfer.quantize.quantize_params`).
-        Raises ValueError: ``config`` not a `ModelConfig`, or a bad engine argument."""
+    def from_params(cls, config, params: dict, *, tokenizer=None, **engine_args) -> "LLM":
+        """An `LLM` over ``params``, the `jaxinfer.models.init_params` tree of ``config`` in the
+        compute dtype (with ``tensor_parallel_size`` > 1 jax or numpy leaves, resharded:
+        `jaxinfer.parallel`), quantised first with ``quantization="fp8"``
+        (`jaxinfer.quantize.quantize_params`). ``tokenizer``: an HF tokenizer object, or a path
+        as `LLM`'s (an HF dir or GGUF file); its EOS id joins ``config.eos_token_ids``. Without
+        one, prompts are token ids and ``stop`` strings are rejected. Raises ValueError:
+        ``config`` not a `ModelConfig`, or a bad engine argument; FileNotFoundError: no such
+        tokenizer path."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "
                              f"{type(config).__name__} (ModelConfig.from_dict builds one)")
         self = cls.__new__(cls)
-        self.model_path, self.tokenizer = None, None
+        if isinstance(tokenizer, (str, os.PathLike)):
+            if not os.path.exists(tokenizer):
+                raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r} does not exist")
+            tokenizer = load_tokenizer(tokenizer, "gguf" if os.fspath(tokenizer).endswith(
+                ".gguf") else "hf")
+        self.model_path, self.tokenizer = None, tokenizer
         resolved = resolve(config, _engine_config(engine_args), jax.default_backend(),
                            jax.devices()[0].device_kind)
         if resolved.quantization is not None:
             params = quantize_params(params, config.weight_block_size)
-        self.engine = LLMEngine(config, params, resolved)
+        eos = (getattr(tokenizer, "eos_token_id", None), *config.eos_token_ids)
+        self.engine = LLMEngine(config, params, resolved,
+                                eos_token_ids=tuple(dict.fromkeys(t for t in eos if t is not None)),
+                                detokenize=None if tokenizer is None else self._detokenize)
         return self
 
     def _detokenize(self, ids, skip_special_tokens: bool = True,

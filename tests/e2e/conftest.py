@@ -1,4 +1,7 @@
-"""Shared fixtures for end-to-end tests on the real SmolLM2-135M-Instruct weights (float32, CPU).
+"""Shared fixtures for end-to-end tests: ``llm``, the real SmolLM2-135M-Instruct weights (float32,
+CPU) for comparisons with HF transformers, and ``tiny``, the tiny random model with SmolLM2's
+tokenizer (tests/conftest.py) for the engine's mechanics, both with pages of 16 tokens and
+max_model_len 512.
 
 The HF transformers reference loads the same GGUF file; its greedy outputs are computed once per
 run of tests/e2e, one prompt at a time (no padding), and cached.
@@ -34,6 +37,14 @@ def llm(smollm_path):
                dtype="float32")
 
 
+@pytest.fixture(scope="package")
+def tiny(tiny_llm):
+    return tiny_llm(max_model_len=512, num_pages=160, max_compiles=TINY_COMPILES)
+
+
+TINY_COMPILES = 60  # step shapes the e2e tests may compile on ``tiny``
+
+
 class HFGreedy:
     """Greedy reference: HF generate on one unpadded prompt, stopping at EOS like our engine."""
 
@@ -67,6 +78,14 @@ class HFGreedy:
 @pytest.fixture(scope="package")
 def hf_greedy(hf_model, llm):
     return HFGreedy(hf_model, llm.engine.eos_token_ids)
+
+
+@pytest.fixture(scope="package")
+def tiny_prompt_ids(tiny):
+    """The prompts of `prompt_ids`, tokenized by the tiny model's (SmolLM2's) tokenizer."""
+    plain = [tiny.encode(p) for p in PLAIN_PROMPTS]
+    chat = [tiny.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
+    return plain + chat
 
 
 @pytest.fixture(scope="package")

@@ -1,8 +1,15 @@
-"""Acceptance 7 and CASES C1, C2, C3: bad input through the API; the engine keeps serving."""
+"""Acceptance 7 and CASES C1, C2, C3: bad input through the API; the engine keeps serving (on
+the tiny random model with SmolLM2's tokenizer)."""
 
 import pytest
 
 from jaxinfer import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    """These mechanics run on the tiny model (tests/e2e/conftest.py)."""
+    return tiny
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -115,15 +122,16 @@ def test_engine_survives_a_failing_stream_callback(llm):
     assert [list(o.token_ids) for o in llm.generate(["One", "Two"], sp)] == want
 
 
-def test_stream_deltas_equal_final_text_with_stop_string(llm, prompt_ids):
+def test_stream_deltas_equal_final_text_with_stop_string(llm):
     """Streamed text never shows a stop string: the deltas add up to the final text."""
-    ids = prompt_ids[3]  # "What is the capital of France?" -> "... Paris."
+    prompt = "What is the capital of France?"
+    full = llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0))[0].text
+    stop = full[12:16]  # reached by greedy decoding
     got = {}
-    out = llm.generate({"prompt_token_ids": ids},
-                       SamplingParams(max_tokens=32, stop=["Paris"], temperature=0.0),
+    out = llm.generate(prompt, SamplingParams(max_tokens=32, stop=[stop], temperature=0.0),
                        stream=lambda i, _t, d: got.__setitem__(i, got.get(i, "") + d))[0]
-    assert out.outputs[0].stop_reason == "Paris"
-    assert got[0] == out.text and "Paris" not in got[0]
+    assert out.outputs[0].stop_reason == stop
+    assert got[0] == out.text == full[:full.index(stop)] and stop not in got[0]
 
 
 @pytest.mark.skipif(__import__("jax").default_backend() == "gpu", reason="a CPU-host check")
@@ -151,22 +159,3 @@ def test_config_missing_key(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(str(tmp_path))
-
-
-def test_stop_token_and_eos_reasons_follow_vllm(llm, prompt_ids):
-    """A stop token id: finish "stop", stop_reason = that id, its text left out of ``text`` (and of
-    the streamed text), the id kept in ``token_ids``. EOS: finish "stop", stop_reason None."""
-    ids = prompt_ids[3]  # "What is the capital of France?" -> "... Paris."
-    full = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=32, temperature=0.0))[0]
-    assert full.outputs[0].finish_reason == "stop" and full.outputs[0].stop_reason is None  # EOS
-    tok = llm.get_tokenizer()
-    k = next(i for i in range(1, len(full.token_ids)) if tok.decode(full.token_ids[i:i + 1]).strip())
-    stop_id = full.token_ids[k]
-    got = {}
-    out = llm.generate({"prompt_token_ids": ids},
-                       SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=[stop_id]),
-                       stream=lambda i, _t, d: got.__setitem__(i, got.get(i, "") + d))[0]
-    assert list(out.token_ids) == list(full.token_ids[:k + 1])
-    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
-    assert out.text == tok.decode(list(full.token_ids[:k]), skip_special_tokens=True)
-    assert got[0] == out.text

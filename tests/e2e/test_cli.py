@@ -28,11 +28,12 @@ def run_main(capsys, *args):
 
 
 @pytest.fixture
-def shared_llm(monkeypatch, llm):
-    """The CLI in this process gets the shared `LLM` (max_model_len 512) instead of loading one."""
+def shared_llm(monkeypatch, tiny):
+    """The CLI in this process gets the shared tiny `LLM` (max_model_len 512, SmolLM2's
+    tokenizer) instead of loading one: these tests are about the CLI's mechanics."""
     import jaxinfer.llm
-    monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **k: llm)
-    return llm
+    monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **k: tiny)
+    return tiny
 
 
 def test_json_prompts_file_and_bad_prompt_in_batch(shared_llm, capsys, tmp_path):

@@ -1,4 +1,4 @@
-"""``n`` > 1 parallel sampling on the real SmolLM2 weights (float32, CPU; issue 18 acceptance 3).
+"""``n`` > 1 parallel sampling on the tiny random model (float32, CPU; issue 18 acceptance 3).
 
 Sample i of a request seeded s draws from its own stream seeded ``sample_seed(s, i)``, so the
 reference for a sample is the same prompt sent as an n=1 request with that seed: the n samples
@@ -15,6 +15,12 @@ from .conftest import PAGE_SIZE as P
 from .test_prefix_cache_e2e import TEXT, pool
 
 SEED = 1234
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    """These mechanics run on the tiny model (tests/e2e/conftest.py)."""
+    return tiny
 
 
 def params(**kw):

@@ -1,4 +1,4 @@
-"""Prefix caching on vs off on the real SmolLM2 weights (float32, CPU; issue 18 acceptance 2).
+"""Prefix caching on vs off on the tiny random model (float32, CPU; issue 18 acceptance 2).
 
 One engine (the shared ``llm`` fixture) runs each workload twice, greedy: with prefix caching off
 (the reference: every request computes its whole prompt) and on, each on a fresh block manager of
@@ -15,6 +15,12 @@ from jaxinfer import SamplingParams
 from jaxinfer.engine.block_manager import BlockManager
 
 from .conftest import PAGE_SIZE as P
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    """These mechanics run on the tiny model (tests/e2e/conftest.py)."""
+    return tiny
 
 TEXT = ("The history of the printing press begins in the fifteenth century, when movable type "
         "changed how books were made, how ideas travelled across Europe, and how people learned "

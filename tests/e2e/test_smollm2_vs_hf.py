@@ -1,4 +1,5 @@
-"""Acceptance 1, 2, 4, 5 and CASES C4, C8: real SmolLM2 weights, jaxinfer vs HF transformers greedy."""
+"""Acceptance 1, 2, 4, 5 and CASES C4, C8: real SmolLM2 weights, jaxinfer vs HF transformers greedy;
+the mechanics (preemption, ragged batches, stop strings, compile bounds) on the tiny model."""
 
 import pytest
 
@@ -44,15 +45,15 @@ def test_page_boundaries(llm, hf_greedy, length):
     assert out.outputs[0].finish_reason == "length"
 
 
-def test_preemption_gives_same_outputs(llm, prompt_ids):
+def test_preemption_gives_same_outputs(tiny, tiny_prompt_ids):
     """Acceptance 5: a pool too small for all running sequences forces preemption by recompute."""
     sp = SamplingParams(max_tokens=40, ignore_eos=True, **GREEDY)
-    prompts = [{"prompt_token_ids": ids} for ids in prompt_ids]
-    expected = [list(o.token_ids) for o in llm.generate(prompts, sp)]
-    need = sum(-(-(len(ids) + 40) // PAGE_SIZE) for ids in prompt_ids)
-    small = LLM.from_params(llm.engine.model_config, llm.engine.params, max_model_len=512,
+    prompts = [{"prompt_token_ids": ids} for ids in tiny_prompt_ids]
+    expected = [list(o.token_ids) for o in tiny.generate(prompts, sp)]
+    need = sum(-(-(len(ids) + 40) // PAGE_SIZE) for ids in tiny_prompt_ids)
+    small = LLM.from_params(tiny.engine.model_config, tiny.engine.params, max_model_len=512,
                             max_num_seqs=8, page_size=PAGE_SIZE, num_pages=need // 2 + 1,
-                            dtype="float32")  # the shared LLM's weights, a small pool
+                            dtype="float32")  # the tiny LLM's weights, a small pool
     outs = small.generate(prompts, sp)
     assert [list(o.token_ids) for o in outs] == expected
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -75,13 +76,13 @@ def test_ignore_eos_and_eos_union(llm, hf_greedy, prompt_ids):
     assert list(off.token_ids) == list(on.token_ids[:len(off.token_ids)])
 
 
-def test_template_prompts_batch_equals_single(llm):
+def test_template_prompts_batch_equals_single(tiny):
     """CASES C8: prompts from one template with different-length codes: batch == one at a time."""
     codes = ["A1", "B22-7", "C333-xx-9", "D4444-yyyy-88-q", "E5"]
     prompts = [f"Repeat the code exactly: {c}. The code is" for c in codes]
     sp = SamplingParams(max_tokens=16, **GREEDY)
-    batch = [list(o.token_ids) for o in llm.generate(prompts, sp)]
-    single = [list(llm.generate(p, sp)[0].token_ids) for p in prompts]
+    batch = [list(o.token_ids) for o in tiny.generate(prompts, sp)]
+    single = [list(tiny.generate(p, sp)[0].token_ids) for p in prompts]
     assert batch == single
 
 
@@ -98,10 +99,10 @@ def test_stop_string_truncates_text(llm, prompt_ids):
     assert len(out.token_ids) <= len(full.token_ids)
 
 
-def test_compiles_are_bounded(llm):
+def test_compiles_are_bounded(tiny):
     """Every compiled step shape is one of the buckets; the count is reported."""
-    llm.generate(["Hi", "The capital of France is"], SamplingParams(max_tokens=3, **GREEDY))
-    b, stats = llm.engine.buckets, llm.engine.stats
+    tiny.generate(["Hi", "The capital of France is"], SamplingParams(max_tokens=3, **GREEDY))
+    b, stats = tiny.engine.buckets, tiny.engine.stats
     packed = 0
     for key in stats.compiled_shapes:
         assert key.batch in b.batch and key.pages in b.pages
@@ -114,29 +115,29 @@ def test_compiles_are_bounded(llm):
     assert stats.num_compiles == len(stats.compiled_shapes) > 0
 
 
-def test_stop_string_completed_by_the_last_allowed_token(llm):
+def test_stop_string_completed_by_the_last_allowed_token(tiny):
     """A stop string finished by the max_tokens-th token still ends with 'stop' and is cut."""
     sp = SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)
-    full = llm.generate("The capital of France is", sp)[0]
+    full = tiny.generate("The capital of France is", sp)[0]
     ids = list(full.token_ids)
-    k = next(i for i in range(2, 12) if llm.get_tokenizer().decode(ids[i:i + 1]).strip())
-    stop = llm.get_tokenizer().decode(ids[k:k + 1]).strip()
+    k = next(i for i in range(2, 12) if tiny.get_tokenizer().decode(ids[i:i + 1]).strip())
+    stop = tiny.get_tokenizer().decode(ids[k:k + 1]).strip()
     first = full.text.find(stop)
-    n = len(llm.get_tokenizer().decode(ids[:k + 1]))
-    out = llm.generate("The capital of France is",
+    n = len(tiny.get_tokenizer().decode(ids[:k + 1]))
+    out = tiny.generate("The capital of France is",
                        SamplingParams(max_tokens=k + 1, ignore_eos=True, stop=[stop], **GREEDY))[0]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert out.text == full.text[:first] and first < n
 
 
-def test_stop_string_spanning_many_tokens(llm):
+def test_stop_string_spanning_many_tokens(tiny):
     """A stop string longer than 16 tokens is still found (the match window follows its length)."""
     sp = SamplingParams(max_tokens=60, ignore_eos=True, **GREEDY)
-    full = llm.generate("Once upon a time", sp)[0]
-    tok = llm.get_tokenizer()
+    full = tiny.generate("Once upon a time", sp)[0]
+    tok = tiny.get_tokenizer()
     stop = tok.decode(list(full.token_ids[2:22]))
     assert len(stop) > 20
-    out = llm.generate("Once upon a time", SamplingParams(max_tokens=60, ignore_eos=True,
+    out = tiny.generate("Once upon a time", SamplingParams(max_tokens=60, ignore_eos=True,
                                                         stop=[stop], **GREEDY))[0]
     assert out.outputs[0].finish_reason == "stop" and stop not in out.text
     assert out.text == full.text[:full.text.find(stop)]
@@ -154,3 +155,22 @@ def test_from_params_matches_hf(llm, hf_greedy, prompt_ids):
     assert list(out.token_ids) == hf_greedy(ids, 12, ignore_eos=True)
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM.from_params(loaded.model_config, loaded.params, max_batch=3)
+
+
+def test_stop_token_and_eos_reasons_follow_vllm(llm, prompt_ids):
+    """A stop token id: finish "stop", stop_reason = that id, its text left out of ``text`` (and of
+    the streamed text), the id kept in ``token_ids``. EOS: finish "stop", stop_reason None."""
+    ids = prompt_ids[3]  # "What is the capital of France?" -> "... Paris."
+    full = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=32, temperature=0.0))[0]
+    assert full.outputs[0].finish_reason == "stop" and full.outputs[0].stop_reason is None  # EOS
+    tok = llm.get_tokenizer()
+    k = next(i for i in range(1, len(full.token_ids)) if tok.decode(full.token_ids[i:i + 1]).strip())
+    stop_id = full.token_ids[k]
+    got = {}
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=[stop_id]),
+                       stream=lambda i, _t, d: got.__setitem__(i, got.get(i, "") + d))[0]
+    assert list(out.token_ids) == list(full.token_ids[:k + 1])
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
+    assert out.text == tok.decode(list(full.token_ids[:k]), skip_special_tokens=True)
+    assert got[0] == out.text

@@ -24,6 +24,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # V, D, F, L, N, K, H (`ModelConfig` field order): 2 layers, GQA 2, compiles in about a second
 TINY = dict(architecture="qwen3", vocab_size=256, hidden_size=64, intermediate_size=96,
             num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+# every SmolLM2 engine of the run (in this process or a CLI subprocess) has this pool and these
+# buckets, so a step shape compiles once and later engines load it from the run-wide cache
+SMOLLM_ENGINE = dict(dtype="float32", max_model_len=512, page_size=16, num_pages=160,
+                     max_num_seqs=8)
 # the engine every tiny_llm starts from: float32, pages of 16 tokens, 8 rows, one batch bucket
 TINY_ENGINE = dict(dtype="float32", max_model_len=256, page_size=16, num_pages=96, max_num_seqs=8,
                    max_num_batched_tokens=128, kernels="batch_buckets=8,token_buckets=32:128")
@@ -75,6 +79,18 @@ def smollm_path():
         return default_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm_engine():
+    """`SMOLLM_ENGINE`: the engine arguments of every SmolLM2 `LLM` of the run."""
+    return dict(SMOLLM_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def smollm_cli_args():
+    """`SMOLLM_ENGINE` as ``python -m jaxinfer.generate`` options."""
+    return [a for k, v in SMOLLM_ENGINE.items() for a in ("--" + k.replace("_", "-"), str(v))]
 
 
 @pytest.fixture(scope="session")

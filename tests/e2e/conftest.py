@@ -31,10 +31,9 @@ def hf_model(hf_smollm):
 
 
 @pytest.fixture(scope="package")
-def llm(smollm_path):
+def llm(smollm_path, smollm_engine):
     from jaxinfer import LLM
-    return LLM(smollm_path, max_model_len=512, max_num_seqs=8, page_size=PAGE_SIZE, num_pages=160,
-               dtype="float32")
+    return LLM(smollm_path, **smollm_engine)
 
 
 @pytest.fixture(scope="package")

@@ -53,10 +53,10 @@ def test_json_prompts_file_and_bad_prompt_in_batch(shared_llm, capsys, tmp_path)
     assert "Traceback" not in err
 
 
-def test_default_model_chat_stream_answers_paris(tmp_path):
+def test_default_model_chat_stream_answers_paris(tmp_path, smollm_cli_args):
     trace = tmp_path / "mem.csv"
     r = run_cli("--chat", "--prompt", "What is the capital of France?", "--max-tokens", "16",
-                "--stream", "--max-model-len", "256", "--memory-trace", str(trace))
+                "--stream", *smollm_cli_args, "--memory-trace", str(trace))
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "generated tokens:" in r.stdout and "TTFT" in r.stdout

@@ -143,11 +143,11 @@ def test_stop_string_spanning_many_tokens(tiny):
     assert out.text == full.text[:full.text.find(stop)]
 
 
-def test_from_params_matches_hf(llm, hf_greedy, prompt_ids):
-    """LLM.from_params over the loaded weights (no tokenizer) gives HF's greedy tokens."""
+def test_from_params_matches_hf(llm, hf_greedy, prompt_ids, smollm_engine):
+    """LLM.from_params over the loaded weights (no tokenizer) gives HF's greedy tokens (the
+    shared LLM's engine arguments: its compiled steps come from the run-wide cache)."""
     loaded = llm.engine  # the shared LLM's config and float32 weights, loaded once
-    llm = LLM.from_params(loaded.model_config, loaded.params, max_model_len=256, max_num_seqs=4,
-                          page_size=PAGE_SIZE, num_pages=64, dtype="float32")
+    llm = LLM.from_params(loaded.model_config, loaded.params, **smollm_engine)
     assert llm.get_tokenizer() is None
     ids = prompt_ids[0]
     out = llm.generate({"prompt_token_ids": ids},

@@ -11,7 +11,7 @@ from jaxinfer import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def startup(smollm_path):
+def startup(smollm_path, smollm_engine):
     """(LLM, number of times the GGUF file was opened while it was built)."""
     from jaxinfer import LLM
     real_open, opened = builtins.open, []
@@ -23,7 +23,7 @@ def startup(smollm_path):
 
     builtins.open = spy
     try:
-        llm = LLM(smollm_path, max_model_len=256, num_pages=64, max_num_seqs=4, dtype="float32")
+        llm = LLM(smollm_path, **smollm_engine)  # the e2e engine's shapes: cached
     finally:
         builtins.open = real_open
     return llm, len(opened)

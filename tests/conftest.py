@@ -4,7 +4,7 @@
   float32 model of it, loaded once per run (the HF GGUF load dequantises every tensor and is one
   of the slowest set-ups of the suite). Real weights are for comparisons with HF only.
 - The tiny random model for mechanics (scheduling, streaming, n, prefix cache, the server):
-  `TINY_CFG` (token ids only) and `tiny_text_cfg` (SmolLM2's vocabulary and tokenizer, so text,
+  `TINY` (token ids only) and `tiny_text_cfg` (SmolLM2's vocabulary and tokenizer, so text,
   stop strings and chat templates work), their float32 params, and `tiny_llm(**engine_args)`,
   one `LLM` per distinct configuration per run. Each engine declares the step shapes it may
   compile (`max_compiles`); `check_compiles` fails a test that makes it compile more, since
@@ -19,22 +19,14 @@ import tempfile
 
 import pytest
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from tiny_model import SMOLLM_ENGINE, TINY, TINY_ENGINE, tiny_params_of
 
-# V, D, F, L, N, K, H (`ModelConfig` field order): 2 layers, GQA 2, compiles in about a second
-TINY = dict(architecture="qwen3", vocab_size=256, hidden_size=64, intermediate_size=96,
-            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
-# every SmolLM2 engine of the run (in this process or a CLI subprocess) has this pool and these
-# buckets, so a step shape compiles once and later engines load it from the run-wide cache
-SMOLLM_ENGINE = dict(dtype="float32", max_model_len=512, page_size=16, num_pages=160,
-                     max_num_seqs=8)
-# the engine every tiny_llm starts from: float32, pages of 16 tokens, 8 rows, one batch bucket
-TINY_ENGINE = dict(dtype="float32", max_model_len=256, page_size=16, num_pages=96, max_num_seqs=8,
-                   max_num_batched_tokens=128, kernels="batch_buckets=8,token_buckets=32:128")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 # XLA:CPU compile time dominates the CPU suite (the 30 unrolled layers of SmolLM2, kernels in
 # interpret mode); LLVM's optimisation passes are most of it and buy nothing on these small shapes.
 CPU_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
 CACHE_DIR = pytest.StashKey[str]()
 
 
@@ -111,23 +103,6 @@ def smollm_tokenizer(smollm_path):
     return load_tokenizer(smollm_path, "gguf")
 
 
-def tiny_params_of(cfg, seed: int = 0):
-    """Random float32 params of ``cfg`` with decisive logits: matrices N(0, 1/in), embedding
-    N(0, 1), norms 1 (the HF init's N(0, 0.02) gives near-uniform logits, whose argmax can
-    flip between batch compositions)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxinfer import models
-
-    params = models.init_params(cfg, jax.random.key(seed), jnp.float32)
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    out = [x if x.ndim < 2 else jax.random.normal(k, x.shape, x.dtype) * (
-        1.0 if x.shape[0] == cfg.vocab_size else x.shape[0] ** -0.5) for k, x in zip(keys, leaves)]
-    return jax.tree_util.tree_unflatten(treedef, out)
-
-
 @pytest.fixture(scope="session")
 def tiny_cfg():
     from jaxinfer.config import ModelConfig
@@ -136,7 +111,12 @@ def tiny_cfg():
 
 @pytest.fixture(scope="session")
 def tiny_params(tiny_cfg):
-    return tiny_params_of(tiny_cfg)
+    """`jaxinfer.models.init_params` of `TINY`, float32, key 0 (the modules' own N(0, 0.02))."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import models
+    return models.init_params(tiny_cfg, jax.random.key(0), jnp.float32)
 
 
 @pytest.fixture(scope="session")
@@ -162,11 +142,11 @@ def check_compiles(llm, budget: int | None) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_llm(tiny_text_cfg, tiny_text_params, smollm_tokenizer):
+def tiny_llm(tiny_cfg, tiny_params, tiny_text_cfg, tiny_text_params, smollm_tokenizer):
     """``tiny_llm(max_compiles=N, text=True, **engine_args)``: the tiny model's `LLM` over
     `TINY_ENGINE` updated with ``engine_args``, built once per distinct configuration per run;
-    ``text=False``: `TINY_CFG`, no tokenizer. ``max_compiles``: the step shapes it may compile
-    in the whole run (`check_compiles`, run after every test that used it)."""
+    ``text=False``: `TINY` with `tiny_params`, no tokenizer. ``max_compiles``: the step shapes
+    it may compile in the whole run (`check_compiles`, run after every test that used it)."""
     from jaxinfer import LLM
 
     engines = {}
@@ -179,9 +159,7 @@ def tiny_llm(tiny_text_cfg, tiny_text_params, smollm_tokenizer):
                 llm = LLM.from_params(tiny_text_cfg, tiny_text_params,
                                       tokenizer=smollm_tokenizer, **args)
             else:
-                from jaxinfer.config import ModelConfig
-                cfg = ModelConfig(**TINY)
-                llm = LLM.from_params(cfg, tiny_params_of(cfg), **args)
+                llm = LLM.from_params(tiny_cfg, tiny_params, **args)
             engines[key] = llm, max_compiles
         _used.append(engines[key])
         return engines[key][0]

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from tiny_model import TINY
+
 SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp
@@ -18,7 +20,7 @@ jax.monitoring.register_event_listener(
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import ModelConfig
 from jaxinfer import models
-cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
+cfg = ModelConfig(**TINY)
 params = models.init_params(cfg, jax.random.key(0), jnp.float32)
 llm = LLM.from_params(cfg, params, max_model_len=64, num_pages=32, max_num_seqs=2,
                       compilation_cache_dir=sys.argv[1])
@@ -33,7 +35,8 @@ print(json.dumps({"tokens": [list(o.token_ids) for o in out], "hits": len(hits) 
 def _run(cache_dir):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the run-wide cache of tests/conftest.py
-    r = subprocess.run([sys.executable, "-c", SCRIPT, str(cache_dir)], capture_output=True,
+    script = SCRIPT.replace("**TINY", f"**{TINY!r}")
+    r = subprocess.run([sys.executable, "-c", script, str(cache_dir)], capture_output=True,
                        text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])

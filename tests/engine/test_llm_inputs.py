@@ -8,17 +8,13 @@ import numpy as np
 import pytest
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import ModelConfig
-from jaxinfer import models
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
 
 @pytest.fixture(scope="module")
-def llm():
-    cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
-    return LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), jnp.float32),
-                           max_model_len=64, num_pages=32, max_num_seqs=4)
+def llm(tiny_cfg, tiny_params):
+    return LLM.from_params(tiny_cfg, tiny_params, max_model_len=64, num_pages=32, max_num_seqs=4)
 
 
 @pytest.mark.parametrize("bad, needle", [

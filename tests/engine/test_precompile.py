@@ -2,14 +2,13 @@
 after LLM.precompile generate() compiles nothing and returns the same tokens."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 
-from jaxinfer import LLM, SamplingParams, models
+from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve
 from jaxinfer.step_input import ShapeKey
+from tiny_model import TINY
 
-CFG = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
 # small budgets so the workload has chunked prefill, several batch buckets and preemption-free
 # page growth across page-table buckets
 ENGINE = dict(max_model_len=96, num_pages=64, page_size=4, max_num_seqs=3,
@@ -17,12 +16,12 @@ ENGINE = dict(max_model_len=96, num_pages=64, page_size=4, max_num_seqs=3,
 
 
 @pytest.fixture(scope="module")
-def weights():
-    return models.init_params(CFG, jax.random.key(0), jnp.float32)
+def weights(tiny_params):
+    return tiny_params
 
 
 def _llm(params, kernels=KernelConfig(), **kw):
-    return LLM.from_params(CFG, params, kernels=kernels, **dict(ENGINE, **kw))
+    return LLM.from_params(ModelConfig(**TINY), params, kernels=kernels, **dict(ENGINE, **kw))
 
 
 def _workload():

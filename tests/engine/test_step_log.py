@@ -1,24 +1,18 @@
 """EngineStats.step_log: one StepRecord per dispatched step, in read-back order, with host times."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 
-from jaxinfer import models
-from jaxinfer.config import EngineConfig, ModelConfig, resolve
+from jaxinfer.config import EngineConfig, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.engine.stats import StepRecord
 from jaxinfer.sampling_params import SamplingParams
 
-CFG = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
-
-
 @pytest.mark.parametrize("async_scheduling", [True, False])
-def test_step_log_records_every_step(async_scheduling):
-    params = models.init_params(CFG, jax.random.key(0), jnp.float32)
+def test_step_log_records_every_step(async_scheduling, tiny_cfg, tiny_params):
     ec = EngineConfig(max_model_len=64, num_pages=64, page_size=4, max_num_seqs=4,
                       max_num_batched_tokens=32, async_scheduling=async_scheduling)
-    eng = LLMEngine(CFG, params, resolve(CFG, ec, jax.default_backend()))
+    eng = LLMEngine(tiny_cfg, tiny_params, resolve(tiny_cfg, ec, jax.default_backend()))
     for i, n in enumerate([5, 30, 9]):
         eng.add_request([(5 * i + j) % 250 + 1 for j in range(n)],
                         SamplingParams(temperature=0.0, max_tokens=3 + i))

@@ -96,9 +96,8 @@ def test_triton_kernels_on_fp8_pages_match_the_jnp_path(model, monkeypatch):
     assert 1e-4 < rel < 1e-1, rel
 
 
-def test_engine_generates_with_fp8_kv():
-    cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
-    params = models.init_params(cfg, jax.random.key(0), jnp.float32)
+def test_engine_generates_with_fp8_kv(tiny_cfg, tiny_params):
+    cfg, params = tiny_cfg, tiny_params
     kw = dict(max_model_len=64, max_num_seqs=4, num_pages=24)
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9] * 7, [200]]

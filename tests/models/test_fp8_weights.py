@@ -14,8 +14,9 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.generate import build_parser
 from jaxinfer.models.layers import Weight, dense
 from jaxinfer.quantize import QUANTIZED, quantize_fp8, quantize_params
+from tiny_model import TINY
 
-CFG = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
+CFG = ModelConfig(**TINY)
 BLOCKS = [None, (128, 128), (32, 16)]
 
 
@@ -79,7 +80,7 @@ def test_dense_matches_float32_reference_on_dequantised_weights(block):
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_declared_tree_and_quantised_init(block):
-    cfg = ModelConfig("llama", 256, 64, 96, 2, 4, 2, 16, weight_block_size=block)
+    cfg = ModelConfig(**dict(TINY, architecture="llama", weight_block_size=block))
     abstract = models.abstract_params(cfg, jnp.bfloat16, "fp8")
     params = jax.eval_shape(lambda k: models.init_params(cfg, k, jnp.bfloat16, "fp8"),
                             jax.random.key(0))

@@ -243,9 +243,9 @@ def test_abstract_params_qwen3_8b_without_allocating():
     assert models.param_bytes(cfg, 2) == 2 * 8_190_735_360
 
 
-def test_check_params_rejects_mismatched_tree():
-    cfg = ModelConfig("qwen3", 256, 64, 96, 2, 4, 2, 16)
-    params = models.init_params(cfg, jax.random.key(0), jnp.float32)
+def test_check_params_rejects_mismatched_tree(tiny_cfg, tiny_params):
+    cfg = tiny_cfg
+    params = jax.tree.map(lambda x: x, tiny_params)  # a copy of the dicts: edited below
     models.check_params(params, cfg)
     wqkv = params["layers"]["0"]["wqkv"]
     params["layers"]["0"]["wqkv"] = wqkv.T

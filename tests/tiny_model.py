@@ -1,0 +1,31 @@
+"""The test suite's model definitions, importable from any test module (``from tiny_model import
+TINY``: pytest puts ``tests/`` on ``sys.path``): the tiny random model for mechanics and the one
+engine configuration of every SmolLM2 engine. Fixtures over them: tests/conftest.py."""
+
+# V, D, F, L, N, K, H (`ModelConfig` field order): 2 layers, GQA 2, compiles in about a second
+TINY = dict(architecture="qwen3", vocab_size=256, hidden_size=64, intermediate_size=96,
+            num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16)
+# every SmolLM2 engine of the run (in this process or a CLI subprocess) has this pool and these
+# buckets, so a step shape compiles once and later engines load it from the run-wide cache
+SMOLLM_ENGINE = dict(dtype="float32", max_model_len=512, page_size=16, num_pages=160,
+                     max_num_seqs=8)
+# the engine every tiny_llm starts from: float32, pages of 16 tokens, 8 rows, one batch bucket
+TINY_ENGINE = dict(dtype="float32", max_model_len=256, page_size=16, num_pages=96, max_num_seqs=8,
+                   max_num_batched_tokens=128, kernels="batch_buckets=8,token_buckets=32:128")
+
+
+def tiny_params_of(cfg, seed: int = 0):
+    """Random float32 params of ``cfg`` with decisive logits: matrices N(0, 1/in), embedding
+    N(0, 1), norms 1 (the HF init's N(0, 0.02) gives near-uniform logits, whose argmax can
+    flip between batch compositions)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import models
+
+    params = models.init_params(cfg, jax.random.key(seed), jnp.float32)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    out = [x if x.ndim < 2 else jax.random.normal(k, x.shape, x.dtype) * (
+        1.0 if x.shape[0] == cfg.vocab_size else x.shape[0] ** -0.5) for k, x in zip(keys, leaves)]
+    return jax.tree_util.tree_unflatten(treedef, out)

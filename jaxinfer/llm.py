@@ -11,6 +11,7 @@ import numpy as np
 
 from checkpoints_tools.loader import load_tokenizer, open_checkpoint
 from jaxinfer import loading, memory, parallel
+from jaxinfer.checks import is_int
 from jaxinfer.config import EngineConfig, ModelConfig, check_platform, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import CompletionOutput, RequestOutput
@@ -52,7 +53,7 @@ def _token_ids(ids, what: str) -> list[int]:
                              f"array of shape {ids.shape} and dtype {ids.dtype}")
     elif not isinstance(ids, (list, tuple)):
         raise ValueError(f"{what} must be a list of ints; got {type(ids).__name__}")
-    elif bad := [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]:
+    elif bad := [t for t in ids if not is_int(t, numpy=True)]:
         raise ValueError(f"{what} must be a list of ints; it holds {bad[0]!r} "
                          f"({type(bad[0]).__name__})")
     return [int(t) for t in ids]

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+from jaxinfer.checks import check_int, is_number
 from jaxinfer.config import ResolvedConfig
 from jaxinfer.model_config import ModelConfig, check_tp, tp_model_config
 
@@ -24,13 +25,6 @@ CPU_KV_BUDGET_BYTES = 2 * GIB  # KV pool cap where the device reports no memory 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:,.2f} GiB"
-
-
-def _check_int(where: str, name: str, value, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
-            hi is not None and value > hi):
-        raise ValueError(f"{where}: {name}={value!r} is invalid: must be an integer "
-                         + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]"))
 
 
 def param_count(cfg: ModelConfig, tp: int = 1) -> int:
@@ -195,19 +189,19 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
                         ("weight_dtype_bytes", weight_dtype_bytes, None),
                         ("kv_dtype_bytes", kv_dtype_bytes, None),
                         ("tensor_parallel_size", tensor_parallel_size, None)):
-        _check_int("plan_memory", name, v, 1, hi)
+        check_int(f"plan_memory: {name}", v, 1, hi)
     tp = tensor_parallel_size
     check_tp(cfg, tp)
     if page_size & (page_size - 1):
         raise ValueError(f"plan_memory: page_size={page_size!r} is invalid: must be a power of two")
     for name, v in (("utilization", utilization), ("planning_fraction", planning_fraction)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+        if not (is_number(v) and 0.0 < v <= 1.0):
             raise ValueError(f"plan_memory: {name}={v!r} is invalid: must be in (0, 1]")
     reserve_bytes = default_reserve_bytes(device_bytes) if reserve_bytes is None else reserve_bytes
     if weight_bytes is None:
         weight_bytes = param_count(cfg, tp) * weight_dtype_bytes
     for name, v in (("reserve_bytes", reserve_bytes), ("weight_bytes", weight_bytes)):
-        _check_int("plan_memory", name, v, 0)
+        check_int(f"plan_memory: {name}", v, 0)
     usable = int(device_bytes * utilization)
     budget = usable - weight_bytes - reserve_bytes
     if budget <= 0:
@@ -256,7 +250,7 @@ class MemoryTracker:
                  clock: Callable[[], float] | None = None) -> None:
         for name, v, lo in (("weights_bytes", weights_bytes, 0), ("page_bytes", page_bytes, 1),
                             ("num_pages", num_pages, 1)):
-            _check_int("MemoryTracker", name, v, lo)
+            check_int(f"MemoryTracker: {name}", v, lo)
         self.weights_bytes, self.page_bytes, self.num_pages = weights_bytes, page_bytes, num_pages
         self.kv_pool_bytes, self._clock = page_bytes * num_pages, clock or time.monotonic
         self._t0, self._rows = self._clock(), []
@@ -273,9 +267,9 @@ class MemoryTracker:
     def snapshot(self, pages_in_use: int, device_bytes_in_use: int | None = None) -> MemorySnapshot:
         """Record one row. Raises ValueError: ``pages_in_use`` outside [0, num_pages] or
         ``device_bytes_in_use`` negative."""
-        _check_int("MemoryTracker.snapshot", "pages_in_use", pages_in_use, 0, self.num_pages)
+        check_int("MemoryTracker.snapshot: pages_in_use", pages_in_use, 0, self.num_pages)
         if device_bytes_in_use is not None:
-            _check_int("MemoryTracker.snapshot", "device_bytes_in_use", device_bytes_in_use, 0)
+            check_int("MemoryTracker.snapshot: device_bytes_in_use", device_bytes_in_use, 0)
         self._measured = device_bytes_in_use is not None
         row = MemorySnapshot(self._clock() - self._t0, pages_in_use, self.weights_bytes,
                              self.kv_pool_bytes, pages_in_use * self.page_bytes,

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from checkpoints_tools.mapping import fp8_block_size
+from jaxinfer.checks import is_int
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -24,10 +25,6 @@ def _check(obj, rules: Iterable[tuple[str, Callable[[Any], bool], str]]) -> None
     for name, ok, allowed in rules:
         if not ok(getattr(obj, name)):
             _fail(type(obj).__name__, name, getattr(obj, name), allowed)
-
-
-def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 @dataclass(frozen=True)
@@ -74,7 +71,7 @@ class ModelConfig:
         _check(self, (
             ("architecture", SUPPORTED_ARCHITECTURES.__contains__,
              f"supported architectures are {SUPPORTED_ARCHITECTURES}"),
-            *((n, _positive_int, "must be a positive integer") for n in (
+            *((n, lambda v: is_int(v, 1), "must be a positive integer") for n in (
                 "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "max_position_embeddings")),
             ("num_kv_heads", lambda v: self.num_heads % v == 0,

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import models
+from jaxinfer.checks import is_int
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
@@ -201,8 +202,7 @@ class StepExecutor:
         """Compile each new key ahead of time in ``max_workers`` threads (default min(keys,
         CPUs)); ``warm``: run each once on `empty_batch`. Returns ({"shapes", "lower_s",
         "warm_s", "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
-        if max_workers is not None and (not isinstance(max_workers, int)
-                                        or isinstance(max_workers, bool) or max_workers < 1):
+        if max_workers is not None and not is_int(max_workers, 1):
             raise ValueError(f"max_workers={max_workers!r} is invalid: must be None or a positive "
                              "integer")
         todo = [k for k in dict.fromkeys(keys) if k not in self.stats.compiled_shapes]

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.add_rms_norm.reference import rms_norm
 from pallas_kernels.kv_quant import check_scales, quantize
-from pallas_kernels.sizes import raise_first
+from pallas_kernels.sizes import is_int, raise_first
 
 
 def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
@@ -45,9 +44,7 @@ def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_
         *[(w is not None and w.shape != (H,), f"{name} must be [H={H}]; got "
            f"{getattr(w, 'shape', None)}") for name, w in (("q_norm", q_norm), ("k_norm", k_norm))],
         (N % K, f"num_heads={N} must be a multiple of num_kv_heads={K}"),
-        (q_group_rows is not None and (isinstance(q_group_rows, bool)
-                                       or not isinstance(q_group_rows, (int, np.integer))
-                                       or not N // K <= q_group_rows),
+        (q_group_rows is not None and not (is_int(q_group_rows) and N // K <= q_group_rows),
          f"q_group_rows={q_group_rows!r} must be an integer >= the query heads per KV head "
          f"({N // K}), or None")])
     return S, N, K, H

@@ -105,7 +105,7 @@ class LLM:
         if tokenizer is not None and not os.path.exists(tokenizer):
             raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
         ckpt = open_checkpoint(model if model is not None else default_model_path())  # once
-        resolved = resolve(loading.model_config(ckpt), ec, platform, jax.devices()[0].device_kind)
+        resolved = resolve(ModelConfig.from_checkpoint(ckpt), ec, platform, jax.devices()[0].device_kind)
         if ec.tensor_parallel_size > 1:
             parallel.make_mesh(ec.tensor_parallel_size)  # enough devices, before the weights
         loaded = loading.load_model(ckpt, resolved.dtype, with_tokenizer=not skip_tokenizer_init,

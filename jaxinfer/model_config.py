@@ -5,7 +5,6 @@ value raises ValueError naming the field, the value and what is allowed. Imports
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -136,12 +135,15 @@ class ModelConfig:
                              f"(model_type={model_type!r})") from None
 
     @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
-        """From an HF model directory's ``config.json``. Raises FileNotFoundError (none) and
-        ValueError (not a JSON object, or as `from_hf_config`)."""
-        from checkpoints_tools.loader import read_json
+    def from_checkpoint(cls, ckpt) -> "ModelConfig":
+        """From a checkpoint's config, no tensors read: an opened `checkpoints_tools.loader
+        .Checkpoint`, or a path (HF directory, GGUF file or Orbax directory: `detect_format`).
+        Raises FileNotFoundError (a needed file, named) and ValueError (unsupported format or
+        config, as `from_hf_config`)."""
+        from checkpoints_tools.loader import Checkpoint, open_checkpoint
 
-        return cls.from_hf_config(read_json(os.path.join(os.fspath(path), "config.json")))
+        ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
+        return (cls.from_dict if ckpt.format == "orbax" else cls.from_hf_config)(ckpt.config)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -26,7 +26,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.memory import (GIB, MemoryPlan, MemorySnapshot, MemoryTracker, default_reserve_bytes,
                              device_memory_stats, param_count, plan_memory)
 from jaxinfer import plan as plan_module
-from jaxinfer.plan import PRESETS, config_from_gguf
+from jaxinfer.plan import PRESETS
 from jaxinfer.plan import main as plan_main
 
 QWEN3_8B = PRESETS["qwen3-8b"]
@@ -47,9 +47,12 @@ LLAMA3_70B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=81
                          head_dim=128, max_position_embeddings=8192)
 
 
+_from_checkpoint = ModelConfig.from_checkpoint  # bound before test_cli_gguf patches it
+
+
 @functools.lru_cache
 def _gguf_config(path: str) -> ModelConfig:
-    return config_from_gguf(path)
+    return _from_checkpoint(path)
 
 
 def _smollm_gguf() -> str | None:
@@ -333,7 +336,7 @@ def test_gguf_truncated_is_value_error(tmp_path):
     with open(path, "rb") as f:
         bad.write_bytes(f.read(5000))
     with pytest.raises(ValueError, match="not a readable GGUF file"):
-        config_from_gguf(bad)
+        ModelConfig.from_checkpoint(bad)
 
 
 # ------------------------------------------------------------------ CLI
@@ -372,12 +375,12 @@ def test_cli_preset_and_hf_dir_agree(tmp_path):
 
 
 def test_cli_gguf(monkeypatch):
-    """A .gguf --model goes through `config_from_gguf` (checked against the preset above; the
+    """A .gguf --model goes through `ModelConfig.from_checkpoint` (checked against the preset above; the
     file's metadata takes seconds to parse, so it is read once per test run)."""
     path = _smollm_gguf()
     if path is None:
         pytest.skip("SmolLM2 GGUF not installed")
-    monkeypatch.setattr(plan_module, "config_from_gguf", lambda p: _gguf_config(str(p)))
+    monkeypatch.setattr(ModelConfig, "from_checkpoint", lambda p: _gguf_config(str(p)))
     r = _cli("--model", path, "--context", "2048", "--device-memory-gib", "8")
     assert r.returncode == 0, r.stderr
     plan = plan_memory(PRESETS["smollm2-135m"], device_bytes=8 * GIB, context=2048)

@@ -17,6 +17,7 @@ import os
 import sys
 from typing import Sequence
 
+from jaxinfer.cli_args import Parser
 from jaxinfer.config import DTYPE_BYTES, ModelConfig
 from jaxinfer.memory import GIB, device_memory_stats, fp8_weight_bytes, plan_memory
 
@@ -52,13 +53,8 @@ def local_device_bytes() -> tuple[int, str] | None:
     return stats and (stats[1], f"JAX bytes_limit of {dev.platform}:{dev.id} ({dev.device_kind})")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
-        raise ValueError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m jaxinfer.plan", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m jaxinfer.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True,
                    help=f"HF model dir, GGUF file, or preset ({', '.join(sorted(PRESETS))})")
     p.add_argument("--context", type=int, required=True, help="tokens per sequence")

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.memory import (GIB, MemoryPlan, MemorySnapshot, MemoryTracker, default_reserve_bytes,
+from jaxinfer.memory import (GIB, MemoryPlan, MemoryTracker, default_reserve_bytes,
                              device_memory_stats, param_count, plan_memory)
 from jaxinfer import plan as plan_module
 from jaxinfer.plan import PRESETS
@@ -220,16 +220,13 @@ def test_memory_tracker_csv_round_trip(tmp_path):
         assert int(r[5]) == (d - w - page * P if i % 2 else 0)
     times_read = [float(r[0]) for r in rows[1:]]
     assert all(b > a for a, b in zip(times_read, times_read[1:])) and times_read[0] > 0
-    back = MemoryTracker.read_csv(path)
-    assert [s[1:] for s in back] == [s[1:] for s in tr.snapshots]
-    np.testing.assert_allclose([s.time_s for s in back], [s.time_s for s in tr.snapshots],
-                               atol=1e-6)
-    assert all(isinstance(s, MemorySnapshot) for s in back)
+    assert [tuple(map(int, r[1:])) for r in rows[1:]] == [s[1:] for s in tr.rows]
+    np.testing.assert_allclose(times_read, [s[0] for s in tr.rows], atol=1e-6)
 
 
 def test_memory_tracker_report_and_validation():
     plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096)
-    tr = MemoryTracker.from_plan(plan)
+    tr = MemoryTracker(plan.weight_bytes, plan.page_bytes, plan.num_pages)
     assert tr.kv_pool_bytes == plan.kv_pool_bytes
     assert "not measured" in tr.report()
     used = 1234

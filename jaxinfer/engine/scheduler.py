@@ -56,10 +56,6 @@ class ScheduledBatch:
     def num_seqs(self) -> int:
         return len(self.seqs)
 
-    @property
-    def total_new_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
 
 class Scheduler:
     """Which sequences run each step; owns their KV pages. Raises ValueError: a size not a

@@ -29,7 +29,7 @@ def detect_format(path: str | os.PathLike) -> str:
     if os.path.isfile(p):
         if p.lower().endswith(".gguf"):
             return "gguf"
-        raise ValueError(f"model path {p!r} is a file but not a .gguf file; {expected}")
+        raise ValueError(f"model path {p!r} is a file but not a GGUF file (.gguf); {expected}")
     if os.path.isfile(os.path.join(p, orbax_io.CONFIG_FILE)):
         return "orbax"
     if os.path.isfile(os.path.join(p, "config.json")):

@@ -92,6 +92,30 @@ def scale_parts(parts: Mapping[str, Mapping[str, slice]], block_out: int) -> dic
     return out
 
 
+def tree_mismatches(want, got, *, dtypes: bool = False, slash: bool = False) -> list[str]:
+    """One line per leaf path where pytree ``got`` differs from ``want`` (leaves with ``.shape``,
+    ``.dtype``): ``"params<path> has shape (got), expected (want)"``, with ``dtypes``
+    ``"params<path> is dtype[shape], expected dtype[shape]"``; ``"params<path> is missing"`` /
+    ``"is unexpected"`` for a path only ``want`` / ``got`` has. Paths as ``jax.tree_util.keystr``
+    (``['layers']['0']``), with ``slash`` as ``/layers/0``."""
+    import jax
+
+    def flat(tree):
+        return {("/" + jax.tree_util.keystr(k, simple=True, separator="/") if slash
+                 else jax.tree_util.keystr(k)): v
+                for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    def desc(a):
+        shape = tuple(int(d) for d in getattr(a, "shape", ()))
+        return f"{getattr(a, 'dtype', type(a).__name__)}{list(shape)}" if dtypes else f"{shape}"
+
+    w, g = flat(want), flat(got)
+    return [f"params{k} is missing" if k not in g else f"params{k} is unexpected" if k not in w
+            else f"params{k} {'is' if dtypes else 'has shape'} {desc(g[k])}, expected {desc(w[k])}"
+            for k in sorted(w.keys() | g.keys()) if k not in g or k not in w
+            or desc(g[k]) != desc(w[k])]
+
+
 def _pattern(template: str) -> re.Pattern:
     return re.compile(re.escape(template).replace(re.escape("{i}"), r"(\d+)") + r"\Z")
 

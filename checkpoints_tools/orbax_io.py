@@ -11,6 +11,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from checkpoints_tools.mapping import tree_mismatches
+
 CONFIG_FILE = "jaxinfer_config.json"
 PARAMS_DIR = "params"
 TOKENIZER_DIR = "tokenizer"
@@ -32,19 +34,6 @@ def read_saved_config(src_dir: str | os.PathLike) -> dict:
     return meta
 
 
-def _shape_mismatches(want, got) -> list[str]:
-    """``"<path>: has <shape>, expected <shape>"`` per leaf whose shape differs (None: absent)."""
-    import jax
-
-    def flat(tree):
-        leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-        return {jax.tree_util.keystr(k): tuple(int(d) for d in v.shape) for k, v in leaves}
-
-    want, got = flat(want), flat(got)
-    return [f"{k}: has {got.get(k)}, expected {want.get(k)}"
-            for k in sorted(set(want) | set(got)) if want.get(k) != got.get(k)]
-
-
 def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract, tokenizer,
          eos_ids: Sequence[int]) -> None:
     """Write a JSON-able ``config``, ``params`` (one dtype, fitting ``abstract``), an HF
@@ -57,7 +46,7 @@ def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract
     dst = os.path.abspath(os.fspath(dst_dir))
     if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
         raise FileExistsError(f"destination {dst!r} exists and is not an empty directory")
-    bad = _shape_mismatches(abstract, params)
+    bad = tree_mismatches(abstract, params)
     if bad:
         raise ValueError(f"params do not match the config: {'; '.join(bad)}")
     dtypes = {np.dtype(x.dtype).name for x in jax.tree_util.tree_leaves(params)}
@@ -100,7 +89,7 @@ def restore(src_dir: str | os.PathLike, abstract, on_host: bool = False):
             stored = dict(getattr(md, "tree", md))
         except (AttributeError, TypeError, ValueError):  # another metadata layout: restore checks
             stored = None
-        bad = _shape_mismatches(abstract, stored) if stored is not None else []
+        bad = tree_mismatches(abstract, stored) if stored is not None else []
         if bad:
             raise ValueError(f"{misfit} (shape mismatch: {'; '.join(bad)})")
         try:

@@ -11,7 +11,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from jaxinfer.model_config import ModelConfig, _check, _fail, _positive_int, check_tp
+from jaxinfer.checks import is_int, is_number
+from jaxinfer.model_config import ModelConfig, _check, _fail, check_tp
 from pallas_kernels.paged_attention import registry
 from pallas_kernels.sizes import is_pow2
 
@@ -54,9 +55,9 @@ class KernelConfig:
     def __post_init__(self) -> None:
         _check(self, (*((name, allowed.__contains__, "allowed: " + ", ".join(map(repr, allowed)))
               for name, allowed in kernel_choices().items()),
-            ("cublas_decode_min_batch", lambda m: m is None or _positive_int(m),
+            ("cublas_decode_min_batch", lambda m: m is None or is_int(m, 1),
              "must be None or a positive integer"),
-            *((name, lambda b: isinstance(b, (tuple, list)) and all(map(_positive_int, b))
+            *((name, lambda b: isinstance(b, (tuple, list)) and all(is_int(x, 1) for x in b)
                and list(b) == sorted(set(b)), "must be a tuple of strictly increasing positive integers, "
                "or () for the defaults") for name in _BUCKETS)))
         for name in _BUCKETS:
@@ -108,10 +109,6 @@ def _user(default, help: str, **cli):
     return dataclasses.field(default=default, metadata=dict(help=help, **cli))
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or ok(v)
 
@@ -157,28 +154,28 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         positive, fraction = "must be a positive integer", "must be a number in (0, 1]"
-        _check(self, (*((f.name, _optional(_number) if "None" in f.type else _number,
+        _check(self, (*((f.name, _optional(is_number) if "None" in f.type else is_number,
                          f"must be {'None or ' * ('None' in f.type)}a number")
                         for f in dataclasses.fields(self) if f.type.startswith("float")),
-            ("max_model_len", _optional(_positive_int), positive),
-            ("page_size", _positive_int, positive),
+            ("max_model_len", _optional(lambda v: is_int(v, 1)), positive),
+            ("page_size", lambda v: is_int(v, 1), positive),
             ("page_size", is_pow2, "must be a power of two (8, 16, 32, 64, ...)"),
-            ("num_pages", _optional(lambda v: _positive_int(v) and v >= 2),
+            ("num_pages", _optional(lambda v: is_int(v, 2)),
              "must be an integer >= 2 (page 0 is the null page)"),
             ("memory_fraction", lambda v: 0.0 < v <= 1.0, fraction),
             ("gpu_memory_utilization", _optional(lambda v: 0.0 < v <= 1.0), fraction),
-            ("max_num_seqs", _positive_int, positive),
-            ("max_num_batched_tokens", _positive_int, positive),
+            ("max_num_seqs", lambda v: is_int(v, 1), positive),
+            ("max_num_batched_tokens", lambda v: is_int(v, 1), positive),
             ("dtype", (None, "auto", "float32", "bfloat16").__contains__,
              "allowed: None or 'auto' (bfloat16 on GPU, else float32), 'float32', 'bfloat16'"),
-            ("seed", lambda v: isinstance(v, int) and not isinstance(v, bool), "must be an integer"),
+            ("seed", is_int, "must be an integer"),
             *((n, lambda v: isinstance(v, bool), "must be True or False")
               for n in ("async_scheduling", "enable_prefix_caching", "enforce_eager")),
             ("compilation_cache_dir", _optional(lambda v: isinstance(v, (str, os.PathLike))),
              "must be None or a path"),
             ("kv_cache_dtype", KV_CACHE_DTYPES.__contains__,
              "allowed: 'auto' (the compute dtype), 'fp8' or 'fp8_e4m3' (float8_e4m3fn)"),
-            ("tensor_parallel_size", _positive_int, positive),
+            ("tensor_parallel_size", lambda v: is_int(v, 1), positive),
             ("quantization", (None, "fp8").__contains__, "allowed: None or 'fp8'")))
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", None)

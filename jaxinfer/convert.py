@@ -17,12 +17,13 @@ def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
     (removed on failure; left empty if it was). FileNotFoundError: no SRC; FileExistsError: DST
     not empty; ValueError: SRC not HF/GGUF, unsupported, bad tensors, or no tokenizer."""
     from checkpoints_tools.loader import open_checkpoint
-    from jaxinfer.loading import load_model, model_config, save_checkpoint
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.loading import load_model, save_checkpoint
 
     ckpt = open_checkpoint(src)
     if ckpt.format == "orbax":
         raise ValueError(f"SRC {src!r} is already an Orbax checkpoint; nothing to convert")
-    model_config(ckpt)  # an unsupported config fails before DST is looked at
+    ModelConfig.from_checkpoint(ckpt)  # an unsupported config fails before DST is looked at
     existed = os.path.exists(dst)
     if existed and (not os.path.isdir(dst) or os.listdir(dst)):
         raise FileExistsError(f"DST {dst!r} exists and is not empty; choose a new directory")

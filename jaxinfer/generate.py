@@ -4,16 +4,12 @@ one line on stderr, exit code 2 (valid prompts given with it still run)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
 import time
 
-from jaxinfer.config import EngineConfig, KernelConfig
-
-ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)  # --seed: the requests'
-                       if f.name not in ("seed", "kernels"))
+from jaxinfer.cli_args import HelpFormatter, Parser, add_engine_options, fail, flag, make_llm
 SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
     ("max_tokens", int, 64, "most tokens generated per prompt"),
     ("temperature", float, 0.0, "0 = greedy"),
@@ -29,33 +25,8 @@ SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
      "run is reproducible either way"))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, no usage dump
-        sys.stderr.write(f"error: {message}\n")
-        sys.exit(2)
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    def _get_help_string(self, action):
-        d = action.default
-        if "default" in (action.help or "") or d is None or d is False or d == []:
-            return action.help or ""
-        return super()._get_help_string(action)
-
-
-def _kernels(spec: str) -> KernelConfig:
-    try:
-        return KernelConfig.parse(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m jaxinfer.generate", formatter_class=_Formatter,
+    p = Parser(prog="python -m jaxinfer.generate", formatter_class=HelpFormatter,
                 description="Generate text with jaxinfer (continuous batching, paged KV cache).")
     p.add_argument("--model", default=None,
                    help="HF model dir, GGUF file or Orbax dir (default: embedded SmolLM2-135M-Instruct)")
@@ -66,24 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "a .jsonl file a JSON string or {\"prompt\": ...}")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     for name, typ, default, help in SAMPLING_OPTIONS:
-        p.add_argument(_flag(name), type=typ, default=default, help=help)
+        p.add_argument(flag(name), type=typ, default=default, help=help)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    for flag, help in (("--ignore-eos", "keep generating past EOS"),
-                       ("--include-stop-str-in-output", "keep the stop string in the text"),
-                       ("--stream", "print tokens as they arrive"),
-                       ("--json", "one JSON object per request on stdout")):
-        p.add_argument(flag, action="store_true", help=help)
+    for opt, help in (("--ignore-eos", "keep generating past EOS"),
+                      ("--include-stop-str-in-output", "keep the stop string in the text"),
+                      ("--stream", "print tokens as they arrive"),
+                      ("--json", "one JSON object per request on stdout")):
+        p.add_argument(opt, action="store_true", help=help)
     p.add_argument("--memory-trace", default=None, metavar="FILE",
                    help="write a CSV of weights / KV pool / pages in use / other bytes per step")
-    g = p.add_argument_group("engine (jaxinfer.config.EngineConfig)")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in ENGINE_OPTIONS:  # type from the annotation: "int | None", "bool", ...
-            kind = (dict(action=argparse.BooleanOptionalAction) if f.type == "bool" else
-                    dict(type=float if "float" in f.type else int if "int" in f.type else str))
-            g.add_argument(_flag(f.name), default=f.default, **kind, **f.metadata)
-    g.add_argument("--kernels", type=_kernels, default=KernelConfig(), metavar="SPEC",
-                   help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"
-                        "prefill=triton ('auto': chosen for the device). Keys: " + KernelConfig.help())
+    add_engine_options(p)
     return p
 
 
@@ -117,11 +80,6 @@ def _read_prompts_file(path: str) -> list[str]:
     return prompts
 
 
-def _fail(msg: str) -> int:
-    sys.stderr.write(f"error: {msg}\n")
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     """The CLI; returns the exit code (0; 2: bad input; 130: interrupted)."""
     try:
@@ -136,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _setup(args):
     """(prompts, SamplingParams, LLM, generate inputs). Raises ValueError, FileNotFoundError."""
-    from jaxinfer import llm as llm_module
     from jaxinfer.sampling_params import SamplingParams
 
     prompts = list(args.prompt) + (_read_prompts_file(args.prompts_file) if args.prompts_file else [])
@@ -145,26 +102,26 @@ def _setup(args):
     params = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos,
                             include_stop_str_in_output=args.include_stop_str_in_output,
                             **{name: getattr(args, name) for name, *_ in SAMPLING_OPTIONS})
-    if args.model is not None and not os.path.exists(args.model):
-        raise FileNotFoundError(f"--model {args.model!r} does not exist")
-    llm = llm_module.LLM(args.model, tokenizer=args.tokenizer, kernels=args.kernels,
-                         **{name: getattr(args, name) for name in ENGINE_OPTIONS})
+    llm = make_llm(args, tokenizer=args.tokenizer)
     inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
         [{"role": "user", "content": p}])} for p in prompts] if args.chat else prompts
     return prompts, params, llm, inputs
 
 
 def _main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except ValueError as e:
+        return fail(str(e))
     if args.json and args.stream:
-        return _fail("--json and --stream cannot be combined: --json writes one JSON object per "
+        return fail("--json and --stream cannot be combined: --json writes one JSON object per "
                      "request on stdout")
     # Library chatter (transformers' config warnings) would break the one-line error contract.
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         prompts, params, llm, inputs = _setup(args)
     except (ValueError, FileNotFoundError) as e:
-        return _fail(str(e))
+        return fail(str(e))
 
     def print_delta(i, _ids, delta):
         if delta:  # empty: text held back (a possible stop string) or not complete
@@ -202,7 +159,7 @@ def _main(argv: list[str] | None = None) -> int:
         try:
             llm.engine.memory.write_csv(args.memory_trace)
         except OSError as e:
-            return _fail(f"--memory-trace {args.memory_trace!r}: {e.strerror}")
+            return fail(f"--memory-trace {args.memory_trace!r}: {e.strerror}")
         print(f"memory: {llm.engine.memory.report()} (trace: {args.memory_trace})", file=info)
     return 2 if len(ok) < len(outs) else 0
 

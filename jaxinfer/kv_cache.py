@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from pallas_kernels.kv_quant import check_scales, is_fp8, quantize
+from pallas_kernels.kv_quant import check_scales, is_fp8
 
 
 @dataclass(frozen=True)
@@ -69,18 +69,3 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                    block_tables=jax.device_put(np.zeros((1, 1), np.int32), tables),
                    seq_lens=jax.device_put(np.zeros((1,), np.int32), tables),
                    k_scale=ones, v_scale=jnp.array(ones))
-
-
-def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k_new: jax.Array, v_new: jax.Array,
-             slot_mapping: jax.Array, k_scale: jax.Array | None = None,
-             v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Scatter k_new, v_new [B, T, K, H] into layer ``layer`` (int or i32[]) of the pools at
-    ``slot_mapping`` i32[B, T] (``page * page_size + offset``), fp8 pools through
-    `kv_quant.quantize` with ``k_scale``, ``v_scale`` f32[L, K]; returns the new pools."""
-    page, off = jnp.divmod(slot_mapping.reshape(-1), k_pool.shape[3])  # shape[3]: page_size
-    ks, vs = (None if s is None else s[layer][None, :, None] for s in (k_scale, v_scale))
-    kn = quantize(k_new.reshape(-1, *k_new.shape[2:]), ks, k_pool.dtype)  # [B*T, K, H]
-    vn = quantize(v_new.reshape(-1, *v_new.shape[2:]), vs, v_pool.dtype)
-    k_pool = k_pool.at[layer, page, :, off, :].set(kn, mode="promise_in_bounds")
-    v_pool = v_pool.at[layer, page, :, off, :].set(vn, mode="promise_in_bounds")
-    return k_pool, v_pool

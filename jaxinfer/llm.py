@@ -11,6 +11,7 @@ import numpy as np
 
 from checkpoints_tools.loader import load_tokenizer, open_checkpoint
 from jaxinfer import loading, memory, parallel
+from jaxinfer.checks import is_int
 from jaxinfer.config import EngineConfig, ModelConfig, check_platform, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.outputs import CompletionOutput, RequestOutput
@@ -52,7 +53,7 @@ def _token_ids(ids, what: str) -> list[int]:
                              f"array of shape {ids.shape} and dtype {ids.dtype}")
     elif not isinstance(ids, (list, tuple)):
         raise ValueError(f"{what} must be a list of ints; got {type(ids).__name__}")
-    elif bad := [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))]:
+    elif bad := [t for t in ids if not is_int(t, numpy=True)]:
         raise ValueError(f"{what} must be a list of ints; it holds {bad[0]!r} "
                          f"({type(bad[0]).__name__})")
     return [int(t) for t in ids]
@@ -104,7 +105,7 @@ class LLM:
         if tokenizer is not None and not os.path.exists(tokenizer):
             raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
         ckpt = open_checkpoint(model if model is not None else default_model_path())  # once
-        resolved = resolve(loading.model_config(ckpt), ec, platform, jax.devices()[0].device_kind)
+        resolved = resolve(ModelConfig.from_checkpoint(ckpt), ec, platform, jax.devices()[0].device_kind)
         if ec.tensor_parallel_size > 1:
             parallel.make_mesh(ec.tensor_parallel_size)  # enough devices, before the weights
         loaded = loading.load_model(ckpt, resolved.dtype, with_tokenizer=not skip_tokenizer_init,

@@ -33,17 +33,6 @@ class LoadedModel(NamedTuple):
     source: str
 
 
-def model_config(ckpt: Checkpoint) -> ModelConfig:
-    """The `ModelConfig` of an opened checkpoint. Raises ValueError: unsupported config."""
-    from_ = ModelConfig.from_dict if ckpt.format == "orbax" else ModelConfig.from_hf_config
-    return from_(ckpt.config)
-
-
-def read_model_config(path: str | os.PathLike) -> ModelConfig:
-    """`ModelConfig` at ``path`` (no tensors read); FileNotFoundError if absent, or ValueError."""
-    return model_config(open_checkpoint(path))
-
-
 def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
                    on_host: bool = False) -> tuple[dict, ModelConfig]:
     """``(params, cfg with tying decided)`` from HF-named tensors (`hf_tensors_to_params`;
@@ -67,7 +56,7 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
     an FP8 checkpoint is fp8 either way). FileNotFoundError, ValueError: the reader's and the
     mapping's."""
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
-    cfg = cfg or model_config(ckpt)
+    cfg = cfg or ModelConfig.from_checkpoint(ckpt)
     if ckpt.format == "orbax":
         params = orbax_io.restore(ckpt.path, abstract_params(cfg, dtype), on_host)
     else:
@@ -88,7 +77,7 @@ def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
     FileNotFoundError: no ``path`` (named); ValueError: unsupported format or architecture
     (before any tokenizer is built), bad tensors, or no tokenizer."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
-    cfg = model_config(ckpt)
+    cfg = ModelConfig.from_checkpoint(ckpt)
     tokenizer = None if not with_tokenizer else load_tokenizer(ckpt) if tokenizer is None else \
         load_tokenizer(tokenizer, "gguf" if str(tokenizer).endswith(".gguf") else "hf")
     cfg, params = load_params(ckpt, dtype, cfg, on_host, quantization)

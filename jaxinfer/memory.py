@@ -12,8 +12,9 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
+from jaxinfer.checks import check_int, is_number
 from jaxinfer.config import ResolvedConfig
 from jaxinfer.model_config import ModelConfig, check_tp, tp_model_config
 
@@ -24,13 +25,6 @@ CPU_KV_BUDGET_BYTES = 2 * GIB  # KV pool cap where the device reports no memory 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:,.2f} GiB"
-
-
-def _check_int(where: str, name: str, value, lo: int, hi: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (
-            hi is not None and value > hi):
-        raise ValueError(f"{where}: {name}={value!r} is invalid: must be an integer "
-                         + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]"))
 
 
 def param_count(cfg: ModelConfig, tp: int = 1) -> int:
@@ -195,19 +189,19 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
                         ("weight_dtype_bytes", weight_dtype_bytes, None),
                         ("kv_dtype_bytes", kv_dtype_bytes, None),
                         ("tensor_parallel_size", tensor_parallel_size, None)):
-        _check_int("plan_memory", name, v, 1, hi)
+        check_int(f"plan_memory: {name}", v, 1, hi)
     tp = tensor_parallel_size
     check_tp(cfg, tp)
     if page_size & (page_size - 1):
         raise ValueError(f"plan_memory: page_size={page_size!r} is invalid: must be a power of two")
     for name, v in (("utilization", utilization), ("planning_fraction", planning_fraction)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
+        if not (is_number(v) and 0.0 < v <= 1.0):
             raise ValueError(f"plan_memory: {name}={v!r} is invalid: must be in (0, 1]")
     reserve_bytes = default_reserve_bytes(device_bytes) if reserve_bytes is None else reserve_bytes
     if weight_bytes is None:
         weight_bytes = param_count(cfg, tp) * weight_dtype_bytes
     for name, v in (("reserve_bytes", reserve_bytes), ("weight_bytes", weight_bytes)):
-        _check_int("plan_memory", name, v, 0)
+        check_int(f"plan_memory: {name}", v, 0)
     usable = int(device_bytes * utilization)
     budget = usable - weight_bytes - reserve_bytes
     if budget <= 0:
@@ -232,23 +226,14 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
                       math.floor(planning_fraction * max_seqs), float(planning_fraction), tp)
 
 
-class MemorySnapshot(NamedTuple):
-    """One row of a memory trace, bytes; ``time_s``: seconds since the tracker started;
-    ``other_bytes``: device bytes in use - weights - KV pool when measured, else 0."""
-
-    time_s: float
-    pages_in_use: int
-    weights_bytes: int
-    kv_pool_bytes: int
-    kv_used_bytes: int
-    other_bytes: int
-
-
-CSV_HEADER = MemorySnapshot._fields
+CSV_HEADER = ("time_s", "pages_in_use", "weights_bytes", "kv_pool_bytes", "kv_used_bytes",
+              "other_bytes")
 
 
 class MemoryTracker:
-    """Weights / KV pool / pages in use / other bytes over time (``--memory-trace FILE``).
+    """Weights / KV pool / pages in use / other bytes over time (``--memory-trace FILE``): `rows`,
+    one tuple of `CSV_HEADER` per `snapshot`, bytes; ``time_s``: seconds since the tracker
+    started; ``other_bytes``: device bytes in use - weights - KV pool when measured, else 0.
     ``page_bytes``: one page of K and V, all layers; ``num_pages`` includes the null page;
     ``clock``: seconds (default ``time.monotonic``). Raises ValueError: a size out of range."""
 
@@ -256,57 +241,37 @@ class MemoryTracker:
                  clock: Callable[[], float] | None = None) -> None:
         for name, v, lo in (("weights_bytes", weights_bytes, 0), ("page_bytes", page_bytes, 1),
                             ("num_pages", num_pages, 1)):
-            _check_int("MemoryTracker", name, v, lo)
+            check_int(f"MemoryTracker: {name}", v, lo)
         self.weights_bytes, self.page_bytes, self.num_pages = weights_bytes, page_bytes, num_pages
         self.kv_pool_bytes, self._clock = page_bytes * num_pages, clock or time.monotonic
-        self._t0, self._rows = self._clock(), []
+        self._t0, self.rows = self._clock(), []
         self._measured = False  # whether the last row's other_bytes was measured
 
-    @classmethod
-    def from_plan(cls, plan: MemoryPlan, clock: Callable[[], float] | None = None) -> "MemoryTracker":
-        return cls(plan.weight_bytes, plan.page_bytes, plan.num_pages, clock=clock)
-
-    @property
-    def snapshots(self) -> tuple[MemorySnapshot, ...]:
-        return tuple(self._rows)
-
-    def snapshot(self, pages_in_use: int, device_bytes_in_use: int | None = None) -> MemorySnapshot:
-        """Record one row. Raises ValueError: ``pages_in_use`` outside [0, num_pages] or
-        ``device_bytes_in_use`` negative."""
-        _check_int("MemoryTracker.snapshot", "pages_in_use", pages_in_use, 0, self.num_pages)
+    def snapshot(self, pages_in_use: int, device_bytes_in_use: int | None = None) -> tuple:
+        """Record and return one row. Raises ValueError: ``pages_in_use`` outside [0, num_pages]
+        or ``device_bytes_in_use`` negative."""
+        check_int("MemoryTracker.snapshot: pages_in_use", pages_in_use, 0, self.num_pages)
         if device_bytes_in_use is not None:
-            _check_int("MemoryTracker.snapshot", "device_bytes_in_use", device_bytes_in_use, 0)
+            check_int("MemoryTracker.snapshot: device_bytes_in_use", device_bytes_in_use, 0)
         self._measured = device_bytes_in_use is not None
-        row = MemorySnapshot(self._clock() - self._t0, pages_in_use, self.weights_bytes,
-                             self.kv_pool_bytes, pages_in_use * self.page_bytes,
-                             device_bytes_in_use - self.weights_bytes - self.kv_pool_bytes
-                             if self._measured else 0)
-        self._rows.append(row)
-        return row
+        self.rows.append((self._clock() - self._t0, pages_in_use, self.weights_bytes,
+                          self.kv_pool_bytes, pages_in_use * self.page_bytes,
+                          device_bytes_in_use - self.weights_bytes - self.kv_pool_bytes
+                          if self._measured else 0))
+        return self.rows[-1]
 
     def write_csv(self, path: str | os.PathLike) -> None:
         """All rows as CSV under the header `CSV_HEADER`."""
         with open(path, "w", newline="") as f:
-            csv.writer(f).writerows([CSV_HEADER, *([f"{r.time_s:.6f}", *r[1:]] for r in self._rows)])
-
-    @staticmethod
-    def read_csv(path: str | os.PathLike) -> list[MemorySnapshot]:
-        """Rows of a file `write_csv` wrote. Raises ValueError: another header."""
-        with open(path, newline="") as f:
-            rows = list(csv.reader(f))
-        if not rows or tuple(rows[0]) != CSV_HEADER:
-            raise ValueError(f"memory trace {os.fspath(path)!r}: header={rows[0] if rows else None!r}"
-                             f" is invalid: expected {list(CSV_HEADER)}")
-        return [MemorySnapshot(float(r[0]), *(int(x) for x in r[1:])) for r in rows[1:]]
+            csv.writer(f).writerows([CSV_HEADER, *([f"{r[0]:.6f}", *r[1:]] for r in self.rows)])
 
     def report(self) -> str:
         """One line: weights / KV pool / pages in use / other, from the latest snapshot."""
-        last = self._rows[-1] if self._rows else MemorySnapshot(0.0, 0, 0, 0, 0, 0)
-        other = _gib(last.other_bytes) if self._rows and self._measured else "n/a (not measured)"
+        _, used, _, _, used_bytes, other = self.rows[-1] if self.rows else (0.0, 0, 0, 0, 0, 0)
+        other = _gib(other) if self.rows and self._measured else "n/a (not measured)"
         return (f"weights {_gib(self.weights_bytes)} | KV pool {_gib(self.kv_pool_bytes)} "
-                f"({self.num_pages:,} pages) | pages in use {last.pages_in_use:,}/{self.num_pages:,}"
-                f" ({last.pages_in_use / self.num_pages:.1%}, {_gib(last.kv_used_bytes)}) | "
-                f"other {other}")
+                f"({self.num_pages:,} pages) | pages in use {used:,}/{self.num_pages:,}"
+                f" ({used / self.num_pages:.1%}, {_gib(used_bytes)}) | other {other}")
 
 
 def device_memory_stats(device=None) -> tuple[int, int] | None:

@@ -5,11 +5,11 @@ value raises ValueError naming the field, the value and what is allowed. Imports
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from checkpoints_tools.mapping import fp8_block_size
+from jaxinfer.checks import is_int
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
@@ -24,10 +24,6 @@ def _check(obj, rules: Iterable[tuple[str, Callable[[Any], bool], str]]) -> None
     for name, ok, allowed in rules:
         if not ok(getattr(obj, name)):
             _fail(type(obj).__name__, name, getattr(obj, name), allowed)
-
-
-def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,7 @@ class ModelConfig:
         _check(self, (
             ("architecture", SUPPORTED_ARCHITECTURES.__contains__,
              f"supported architectures are {SUPPORTED_ARCHITECTURES}"),
-            *((n, _positive_int, "must be a positive integer") for n in (
+            *((n, lambda v: is_int(v, 1), "must be a positive integer") for n in (
                 "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "max_position_embeddings")),
             ("num_kv_heads", lambda v: self.num_heads % v == 0,
@@ -139,12 +135,15 @@ class ModelConfig:
                              f"(model_type={model_type!r})") from None
 
     @classmethod
-    def from_hf_dir(cls, path: str | os.PathLike) -> "ModelConfig":
-        """From an HF model directory's ``config.json``. Raises FileNotFoundError (none) and
-        ValueError (not a JSON object, or as `from_hf_config`)."""
-        from checkpoints_tools.loader import read_json
+    def from_checkpoint(cls, ckpt) -> "ModelConfig":
+        """From a checkpoint's config, no tensors read: an opened `checkpoints_tools.loader
+        .Checkpoint`, or a path (HF directory, GGUF file or Orbax directory: `detect_format`).
+        Raises FileNotFoundError (a needed file, named) and ValueError (unsupported format or
+        config, as `from_hf_config`)."""
+        from checkpoints_tools.loader import Checkpoint, open_checkpoint
 
-        return cls.from_hf_config(read_json(os.path.join(os.fspath(path), "config.json")))
+        ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
+        return (cls.from_dict if ckpt.format == "orbax" else cls.from_hf_config)(ckpt.config)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

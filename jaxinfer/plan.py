@@ -3,7 +3,8 @@
     python -m jaxinfer.plan --model qwen3-8b --context 4096 --device-memory-gib 141
     python -m jaxinfer.plan --model /path/to/hf_dir_or.gguf --context 8192 --kv-dtype fp8
 
-``--model``: an HF model directory, a GGUF file (metadata only) or a preset (``PRESETS``).
+``--model``: an HF model directory, a GGUF file (metadata only), an Orbax directory or a preset
+(``PRESETS``).
 Without ``--device-memory-gib``: JAX's ``bytes_limit`` of the local accelerator (required where
 there is none). ``--tensor-parallel-size``: the plan of one of that many devices (weights and
 KV heads split). Formulas: `jaxinfer.memory`. Bad input: one line on stderr, exit code 2.
@@ -16,6 +17,7 @@ import os
 import sys
 from typing import Sequence
 
+from jaxinfer.cli_args import Parser
 from jaxinfer.config import DTYPE_BYTES, ModelConfig
 from jaxinfer.memory import GIB, device_memory_stats, fp8_weight_bytes, plan_memory
 
@@ -30,30 +32,15 @@ PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, S
 }
 
 
-def config_from_gguf(path: str | os.PathLike) -> ModelConfig:
-    """The `ModelConfig` of a GGUF file's metadata (no tensor data read). Raises ValueError."""
-    from checkpoints_tools.loader import open_checkpoint
-
-    return ModelConfig.from_hf_config(open_checkpoint(path).config)
-
-
 def resolve_model(spec: str) -> ModelConfig:
-    """``--model``: a preset, an HF model directory or a GGUF file. Raises ValueError."""
+    """``--model``: a preset, or a checkpoint `ModelConfig.from_checkpoint` reads (HF directory,
+    GGUF file, Orbax directory). Raises ValueError (and FileNotFoundError: a needed file)."""
     if spec in PRESETS:
         return PRESETS[spec]
     if not os.path.exists(spec):
         raise ValueError(f"--model={spec!r} is invalid: not a directory, a file or a preset; "
                          f"allowed presets: {sorted(PRESETS)}")
-    if os.path.isdir(spec):
-        try:
-            return ModelConfig.from_hf_dir(spec)
-        except FileNotFoundError as e:
-            raise ValueError(str(e)) from None
-    with open(spec, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ValueError(f"--model={spec!r} is a file but not a GGUF file (magic 'GGUF'); "
-                             "pass an HF model directory, a .gguf file or a preset")
-    return config_from_gguf(spec)
+    return ModelConfig.from_checkpoint(spec)
 
 
 def local_device_bytes() -> tuple[int, str] | None:
@@ -66,13 +53,8 @@ def local_device_bytes() -> tuple[int, str] | None:
     return stats and (stats[1], f"JAX bytes_limit of {dev.platform}:{dev.id} ({dev.device_kind})")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
-        raise ValueError(message)
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m jaxinfer.plan", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m jaxinfer.plan", description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True,
                    help=f"HF model dir, GGUF file, or preset ({', '.join(sorted(PRESETS))})")
     p.add_argument("--context", type=int, required=True, help="tokens per sequence")

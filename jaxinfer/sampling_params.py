@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
+
+from jaxinfer.checks import is_int
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (argmax; vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # most top log-probabilities per position (vLLM's default max_logprobs)
 
 
-def _int(v) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+_int = functools.partial(is_int, numpy=True)
 
 
 def _real(ok):

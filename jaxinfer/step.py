@@ -20,12 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import models
+from jaxinfer.checks import is_int
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.parallel import gather_logits, replicated
 from jaxinfer.sampling import SamplingMetadata, logprobs, sample
-from jaxinfer.step_input import HostBatch, ShapeKey, empty_batch, layout, pack
+from jaxinfer.step_input import HostBatch, ShapeKey, allocate, layout, pack
 
 log = logging.getLogger("jaxinfer")
 
@@ -199,10 +200,9 @@ class StepExecutor:
 
     def precompile(self, params, kv, keys, *, max_workers: int | None, warm: bool):
         """Compile each new key ahead of time in ``max_workers`` threads (default min(keys,
-        CPUs)); ``warm``: run each once on `empty_batch`. Returns ({"shapes", "lower_s",
+        CPUs)); ``warm``: run each once on an all-padding batch (`allocate`). Returns ({"shapes", "lower_s",
         "warm_s", "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
-        if max_workers is not None and (not isinstance(max_workers, int)
-                                        or isinstance(max_workers, bool) or max_workers < 1):
+        if max_workers is not None and not is_int(max_workers, 1):
             raise ValueError(f"max_workers={max_workers!r} is invalid: must be None or a positive "
                              "integer")
         todo = [k for k in dict.fromkeys(keys) if k not in self.stats.compiled_shapes]
@@ -213,7 +213,7 @@ class StepExecutor:
                 futures = []
                 for k in todo:
                     t = time.perf_counter()
-                    low = self._lower(k, self._args(params, kv, empty_batch(k), None))
+                    low = self._lower(k, self._args(params, kv, allocate(k), None))
                     futures.append(pool.submit(low.compile))
                     lower_s += time.perf_counter() - t
                 for k, f in zip(todo, futures):
@@ -222,7 +222,7 @@ class StepExecutor:
         t_warm = time.perf_counter()
         if warm and todo:
             for k in todo:
-                out, kv = self.executables[k](*self._args(params, kv, empty_batch(k), None))
+                out, kv = self.executables[k](*self._args(params, kv, allocate(k), None))
             jax.block_until_ready(out)
         return dict(shapes=len(todo), lower_s=lower_s, warm_s=time.perf_counter() - t_warm,
                     seconds=time.perf_counter() - t0), kv

@@ -107,14 +107,6 @@ class HostBatch:
         except KeyError:
             raise AttributeError(name) from None
 
-    @property
-    def shape_key(self) -> ShapeKey:
-        return self.key
-
-    @property
-    def packed(self) -> bool:
-        return self.key.packed
-
 
 def allocate(key: ShapeKey) -> HostBatch:
     """An all-padding `HostBatch` of shape ``key`` (each field at its ``pad``)."""
@@ -122,8 +114,6 @@ def allocate(key: ShapeKey) -> HostBatch:
     return HostBatch(key, arrays, np.zeros((key.batch,), bool), np.zeros((key.batch,), bool),
                      np.full((key.prompt_logprobs,), -1, np.int32))
 
-
-empty_batch = allocate
 
 
 def pack(hb: HostBatch) -> np.ndarray:

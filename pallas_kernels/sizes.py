@@ -3,6 +3,13 @@ table-driven argument check."""
 
 from __future__ import annotations
 
+import numbers
+
+
+def is_int(v) -> bool:
+    """Whether ``v`` is an integer (Python or NumPy) and not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
 
 def is_pow2(n: int) -> bool:
     """Whether ``n`` is a positive power of 2 (1, 2, 4, ...)."""

@@ -44,7 +44,7 @@ from jaxinfer.kv_cache import KVCache  # noqa: E402
 from jaxinfer.sampling import SamplingMetadata  # noqa: E402
 from jaxinfer.step import (GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecutor,  # noqa: E402
                            StepInput, make_step_fn)
-from jaxinfer.step_input import FIELDS, ShapeKey, empty_batch, pack  # noqa: E402
+from jaxinfer.step_input import FIELDS, ShapeKey, allocate, pack  # noqa: E402
 
 QWEN3_8B = dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
@@ -56,7 +56,7 @@ def host_batch(B, ctx, page_size, M, scatter_pages=False):
     context ``ctx``: row b holds pages ``1 + b * pages ...`` in order, or, with
     ``scatter_pages``, a random permutation of the same pages (as a free list hands them out
     after many allocations and frees)."""
-    hb = empty_batch(ShapeKey(batch=B, tokens=1, pages=M, penalty=0, query=None, all_greedy=True))
+    hb = allocate(ShapeKey(batch=B, tokens=1, pages=M, penalty=0, query=None, all_greedy=True))
     a = hb.arrays
     pages = -(-(ctx) // page_size)
     ids = 1 + np.arange(B * pages, dtype=np.int32)

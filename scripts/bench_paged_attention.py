@@ -8,7 +8,7 @@ bound 2e-2), then timed: a jitted ``lax.fori_loop`` of ``--iters`` calls rotatin
 ``benchmarks/h200.jsonl``; draws ``benchmarks/paged_attention.png``.
 
     python scripts/bench_paged_attention.py [--batches 1 8 64 256] [--contexts 512 2048 8192 32768]
-        [--page-sizes 16 64] [--variants triton mosaic jax_triton] [--max-kv-gib 24]
+        [--page-sizes 16 64] [--variants triton mosaic] [--max-kv-gib 24]
 """
 
 from __future__ import annotations

@@ -305,7 +305,7 @@ def main() -> None:
                           if args.compare == "hf" else None)
     from jaxinfer.loading import load_params  # noqa: F401 (import check before timing)
     from jaxinfer.config import ModelConfig
-    vocab = (ModelConfig.from_hf_dir(path).vocab_size
+    vocab = (ModelConfig.from_checkpoint(path).vocab_size
              if path and os.path.isfile(os.path.join(path, "config.json"))
              else QWEN3_8B_HF["vocab_size"] if path is None else 49152)
     prompts, out_lens = workload(args, vocab)

@@ -49,7 +49,7 @@ def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_b
     prefill_real = prefill_padded = decode_kv_tokens = 0
     attn_rows_keys = 0  # sum over prefill steps of R * Tq * (M * page_size): the reference's logits
     for batch, hb in dry_run(sched, requests, buckets=buckets, async_scheduling=async_scheduling):
-        kind = "prefill" if hb.packed else "decode"
+        kind = "prefill" if hb.key.packed else "decode"
         kinds[kind] += 1
         shapes[(kind, hb.key)] += 1
         if kind == "decode":

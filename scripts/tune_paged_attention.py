@@ -1,4 +1,4 @@
-"""Tune and time the Triton paged decode kernels at the Qwen3-8B decode shape (device machine).
+"""Tune and time the Triton paged decode kernel at the Qwen3-8B decode shape (device machine).
 
 Validates each variant against the float32 reference first, then sweeps knobs, prints a table,
 writes JSON lines of every configuration to $OUT/sweep.jsonl (or /tmp) and the best knobs per
@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels.paged_attention import jax_triton_kernel, reference, triton_pallas  # noqa: E402
+from pallas_kernels.paged_attention import reference, triton_pallas  # noqa: E402
 from pallas_kernels.paged_attention.tuning import TUNED_FILE  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -120,13 +120,11 @@ def main():
     ref = jax.jit(lambda *a: reference.paged_decode_attention(*a[:5], layer=a[5], scale=scale))(
         q.astype(jnp.float32), k_pool, v_pool, bt, sl, layer)
     ref = np.asarray(ref, np.float32)
-    variants = {"triton": triton_pallas.paged_decode_attention,
-                "jax_triton": jax_triton_kernel.paged_decode_attention}
+    variants = {"triton": triton_pallas.paged_decode_attention}
     rows = []
     best = {}
     cfgs = {"triton": [(2, 4, 4, 1), (4, 4, 4, 1), (4, 4, 3, 1), (2, 4, 3, 1), (8, 8, 3, 1),
-                       (4, 4, 4, 2)],
-            "jax_triton": [(4, 4, 4, 1), (2, 4, 4, 1)]}
+                       (4, 4, 4, 2)]}
     for vname, fn in variants.items():
         for ppb, nw, ns, ks in (cfgs[vname][:3] if quick else cfgs[vname]):
             rec = dict(variant=vname, pages_per_block=ppb, num_warps=nw, num_stages=ns,

@@ -144,11 +144,8 @@ def test_kv_cache_dtype_fp8():
     g = resolve(model(), EngineConfig(kv_cache_dtype="fp8"), "gpu").kernels
     assert (g.decode_attention, g.prefill_attention, g.qkv_prologue) == (
         "triton", "triton", "triton")
-    for variant in ("mosaic", "jax_triton"):
-        with pytest.raises(ValueError, match=f"decode_attention='{variant}' is not validated with "
-                           "fp8 KV"):
-            resolve(model(), EngineConfig(kv_cache_dtype="fp8", kernels=f"decode={variant}"),
-                    "gpu")
+    with pytest.raises(ValueError, match="decode_attention='mosaic' is not validated with fp8 KV"):
+        resolve(model(), EngineConfig(kv_cache_dtype="fp8", kernels="decode=mosaic"), "gpu")
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is invalid: allowed: 'auto'.*"
                        "'fp8' or 'fp8_e4m3'"):
         EngineConfig(kv_cache_dtype="int8")
@@ -162,7 +159,7 @@ def test_resolve_max_model_len():
 
 @pytest.mark.parametrize("spec, field", [
     ("decode=mosaic", "decode_attention"), ("decode=triton", "decode_attention"),
-    ("decode=jax_triton", "decode_attention"), ("prefill=triton", "prefill_attention"),
+    ("prefill=triton", "prefill_attention"),
     ("qkv_prologue=triton", "qkv_prologue"), ("add_rms_norm=triton", "add_rms_norm")])
 def test_gpu_kernels_on_cpu_are_rejected(spec, field):
     value = spec.split("=")[1]

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.memory import (GIB, MemoryPlan, MemorySnapshot, MemoryTracker, default_reserve_bytes,
+from jaxinfer.memory import (GIB, MemoryPlan, MemoryTracker, default_reserve_bytes,
                              device_memory_stats, param_count, plan_memory)
 from jaxinfer import plan as plan_module
-from jaxinfer.plan import PRESETS, config_from_gguf
+from jaxinfer.plan import PRESETS
 from jaxinfer.plan import main as plan_main
 
 QWEN3_8B = PRESETS["qwen3-8b"]
@@ -47,9 +47,12 @@ LLAMA3_70B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=81
                          head_dim=128, max_position_embeddings=8192)
 
 
+_from_checkpoint = ModelConfig.from_checkpoint  # bound before test_cli_gguf patches it
+
+
 @functools.lru_cache
 def _gguf_config(path: str) -> ModelConfig:
-    return config_from_gguf(path)
+    return _from_checkpoint(path)
 
 
 def _smollm_gguf() -> str | None:
@@ -217,16 +220,13 @@ def test_memory_tracker_csv_round_trip(tmp_path):
         assert int(r[5]) == (d - w - page * P if i % 2 else 0)
     times_read = [float(r[0]) for r in rows[1:]]
     assert all(b > a for a, b in zip(times_read, times_read[1:])) and times_read[0] > 0
-    back = MemoryTracker.read_csv(path)
-    assert [s[1:] for s in back] == [s[1:] for s in tr.snapshots]
-    np.testing.assert_allclose([s.time_s for s in back], [s.time_s for s in tr.snapshots],
-                               atol=1e-6)
-    assert all(isinstance(s, MemorySnapshot) for s in back)
+    assert [tuple(map(int, r[1:])) for r in rows[1:]] == [s[1:] for s in tr.rows]
+    np.testing.assert_allclose(times_read, [s[0] for s in tr.rows], atol=1e-6)
 
 
 def test_memory_tracker_report_and_validation():
     plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096)
-    tr = MemoryTracker.from_plan(plan)
+    tr = MemoryTracker(plan.weight_bytes, plan.page_bytes, plan.num_pages)
     assert tr.kv_pool_bytes == plan.kv_pool_bytes
     assert "not measured" in tr.report()
     used = 1234
@@ -333,7 +333,7 @@ def test_gguf_truncated_is_value_error(tmp_path):
     with open(path, "rb") as f:
         bad.write_bytes(f.read(5000))
     with pytest.raises(ValueError, match="not a readable GGUF file"):
-        config_from_gguf(bad)
+        ModelConfig.from_checkpoint(bad)
 
 
 # ------------------------------------------------------------------ CLI
@@ -372,12 +372,12 @@ def test_cli_preset_and_hf_dir_agree(tmp_path):
 
 
 def test_cli_gguf(monkeypatch):
-    """A .gguf --model goes through `config_from_gguf` (checked against the preset above; the
+    """A .gguf --model goes through `ModelConfig.from_checkpoint` (checked against the preset above; the
     file's metadata takes seconds to parse, so it is read once per test run)."""
     path = _smollm_gguf()
     if path is None:
         pytest.skip("SmolLM2 GGUF not installed")
-    monkeypatch.setattr(plan_module, "config_from_gguf", lambda p: _gguf_config(str(p)))
+    monkeypatch.setattr(ModelConfig, "from_checkpoint", lambda p: _gguf_config(str(p)))
     r = _cli("--model", path, "--context", "2048", "--device-memory-gib", "8")
     assert r.returncode == 0, r.stderr
     plan = plan_memory(PRESETS["smollm2-135m"], device_bytes=8 * GIB, context=2048)

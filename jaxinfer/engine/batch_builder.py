@@ -72,12 +72,12 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec,
     scored = _prompt_positions(batch) if hb.key.prompt_logprobs else [()] * batch.num_seqs
     for i, (s, n, c) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.start_positions)):
         for q in scored[i]:
-            a["prompt_lp_index"][j] = (off if hb.packed else i * hb.key.tokens) + q - c
+            a["prompt_lp_index"][j] = (off if hb.key.packed else i * hb.key.tokens) + q - c
             a["prompt_lp_next"][j], hb.prompt_lp_rows[j], j = s.prompt_token_ids[q + 1], i, j + 1
         pos = np.arange(c, c + n, dtype=np.int32)
         table = np.asarray(s.block_table, np.int32)
         row_slots = table[pos // page_size] * page_size + pos % page_size
-        if hb.packed:
+        if hb.key.packed:
             rows = slice(off, off + n)
             a["tokens"][0, rows] = s.all_token_ids[c:c + n]
             a["positions"][0, rows], a["slot_mapping"][0, rows] = pos, row_slots

@@ -13,6 +13,7 @@ from array import array
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from jaxinfer.checks import check_int
 from jaxinfer.engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -29,11 +30,8 @@ class BlockManager:
 
     def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = False,
                  stats: EngineStats | None = None) -> None:
-        for name, v, lo, why in (("num_pages", num_pages, 2, " (page 0 is the reserved null page)"),
-                                 ("page_size", page_size, 1, "")):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"BlockManager.{name}={v!r} is invalid: must be an integer "
-                                 f">= {lo}{why}")
+        check_int("BlockManager.num_pages", num_pages, 2)  # page 0 is the reserved null page
+        check_int("BlockManager.page_size", page_size, 1)
         self.num_pages, self.page_size = num_pages, page_size
         self.enable_prefix_caching = bool(enable_prefix_caching)
         self.stats = stats if stats is not None else EngineStats()

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from checkpoints_tools.mapping import tree_mismatches
 from jaxinfer import memory, models, parallel
 from jaxinfer.model_config import tp_model_config
 from jaxinfer.engine import logprobs
@@ -56,8 +57,8 @@ class LLMEngine:
         self.mesh = parallel.make_mesh(tp) if tp > 1 else None
         self.model_config, self.resolved = model_config, resolved
         self.run_config = tp_model_config(model_config, tp)  # K' KV heads; tp = 1: model_config
-        self._canonical = jax.tree_util.tree_flatten_with_path(  # shapes update_params takes
-            jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params))
+        self._canonical = jax.tree.map(  # the shapes and dtypes update_params takes
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
         self.params = params if self.mesh is None else parallel.shard_params(
             params, model_config, self.mesh)
         self.max_model_len, self.page_size = resolved.max_model_len, ec.page_size
@@ -185,16 +186,11 @@ class LLMEngine:
             raise ValueError("update_params needs an idle engine: requests are in flight")
         if self.resolved.quantization is not None:
             params = quantize_params(params, self.model_config.weight_block_size)
-        old, treedef = self._canonical
-        new, new_def = jax.tree_util.tree_flatten_with_path(params)
-        if new_def != treedef:
+        if (treedef := jax.tree.structure(params)) != jax.tree.structure(self._canonical):
             raise ValueError(f"update_params: the params tree differs from the served one: got "
-                             f"{new_def}, expected {treedef}")
-        for (path, a), (_, b) in zip(old, new):
-            shape, dtype = tuple(getattr(b, "shape", ())), getattr(b, "dtype", type(b).__name__)
-            if (shape, dtype) != (a.shape, a.dtype):
-                raise ValueError(f"update_params: params{jax.tree_util.keystr(path)} is {dtype}"
-                                 f"{list(shape)}, expected {a.dtype}{list(a.shape)}")
+                             f"{treedef}, expected {jax.tree.structure(self._canonical)}")
+        if bad := tree_mismatches(self._canonical, params, dtypes=True):
+            raise ValueError(f"update_params: {'; '.join(bad)}")
         if self.mesh is not None:
             self.params = parallel.shard_params(params, self.model_config, self.mesh)
         else:

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from jaxinfer.checks import check_int
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 
@@ -55,10 +56,6 @@ class ScheduledBatch:
     def num_seqs(self) -> int:
         return len(self.seqs)
 
-    @property
-    def total_new_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
 
 class Scheduler:
     """Which sequences run each step; owns their KV pages. Raises ValueError: a size not a
@@ -70,8 +67,7 @@ class Scheduler:
         for name, v in (("max_num_seqs", max_num_seqs),
                         ("max_num_batched_tokens", max_num_batched_tokens),
                         ("max_model_len", max_model_len), ("page_size", page_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Scheduler.{name}={v!r} is invalid: must be a positive integer")
+            check_int(f"Scheduler.{name}", v, 1)
         if page_size != block_manager.page_size:
             raise ValueError(f"Scheduler.page_size={page_size} is invalid: must equal the block "
                              f"manager's page_size={block_manager.page_size}")

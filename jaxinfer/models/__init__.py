@@ -6,11 +6,11 @@ one shape source. `jaxinfer.step` jits around `forward`."""
 from __future__ import annotations
 
 import math
-from typing import Mapping
 
 import jax
 import jax.numpy as jnp
 
+from checkpoints_tools.mapping import tree_mismatches
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.layers import Packing, fused_parts  # noqa: F401 (exported)
@@ -88,23 +88,12 @@ def abstract_params(cfg, dtype=jnp.bfloat16, quantization: str | None = None) ->
 
 
 def check_params(params: dict, cfg, quantization: str | None = None) -> None:
-    """``params`` vs `abstract_params` (``quantization``); ValueError: a missing/unexpected entry,
-    a bad shape."""
-    def walk(exp, got, path):
-        if not isinstance(got, Mapping):
-            raise ValueError(f"params{path} must be a mapping, got {type(got).__name__}")
-        missing, extra = set(exp) - set(got), set(got) - set(exp)
-        if missing or extra:
-            raise ValueError(f"params{path}: missing {sorted(missing)}, unexpected {sorted(extra)} "
-                             f"(tie_word_embeddings={cfg.tie_word_embeddings})")
-        for name, e in exp.items():
-            if isinstance(e, Mapping):
-                walk(e, got[name], f"{path}/{name}")
-            elif tuple(got[name].shape) != tuple(e.shape):
-                raise ValueError(f"params{path}/{name} has shape {tuple(got[name].shape)}, "
-                                 f"expected {tuple(e.shape)}")
-
-    walk(abstract_params(cfg, quantization=quantization), params, "")
+    """``params`` vs `abstract_params` (``quantization``); ValueError listing each missing or
+    unexpected entry and bad shape (`checkpoints_tools.mapping.tree_mismatches`)."""
+    if bad := tree_mismatches(abstract_params(cfg, quantization=quantization), params, slash=True):
+        raise ValueError("params have missing or unexpected entries or wrong shapes for the model "
+                         f"(tie_word_embeddings={cfg.tie_word_embeddings}, quantization="
+                         f"{quantization!r}): " + "; ".join(bad))
 
 
 def param_bytes(cfg, dtype_bytes: int = 2) -> int:

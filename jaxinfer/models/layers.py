@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.add_rms_norm import reference as add_rms_norm_reference
+
 INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
 dense_init = nn.initializers.normal(stddev=INIT_STD)
 
@@ -95,15 +97,6 @@ def declare_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> Weig
                                jnp.float32), block)
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """``weight * (x / sqrt(mean(x^2) + eps))``: x [..., D], weight [D] -> [..., D], x.dtype; f32
-    statistics, normalized value cast to x.dtype before the weight multiply (HF LlamaRMSNorm)."""
-    xf = x.astype(jnp.float32)
-    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
-    normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-    return (in_dtype(weight, x.dtype) * normed).astype(x.dtype)
-
-
 def rope_inv_freq(cfg) -> np.ndarray:
     """RoPE inverse frequencies f32[H/2], ``theta^(-2i/H)``, on the host; Llama 3 scaling (HF
     ``_compute_llama3_parameters``): wavelengths > ``orig/low_freq_factor`` divided by ``factor``,
@@ -128,17 +121,6 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
     """cos, sin f32[B, T, H/2] of the angles ``positions i32[B, T] * inv_freq f32[H/2]``."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """HF ``rotate_half`` RoPE of x [B, T, heads, H] (i pairs with i + H/2: ``(x1, x2) -> (x1 cos -
-    x2 sin, x2 cos + x1 sin)``) in f32, returned in x.dtype; cos, sin f32[B, T, H/2] (all heads)."""
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    return out.astype(x.dtype)
 
 
 class Packing(NamedTuple):
@@ -193,7 +175,8 @@ def shared(parent: nn.Module, child: nn.Module) -> nn.Module:
 class AddRMSNorm(nn.Module):
     """Residual add + RMSNorm, weight [D] named ``param_name``: ``(x [B, T, D], delta [B, T, D] |
     None) -> (x + delta, rms_norm(x + delta))`` in x.dtype; ``delta`` may be f32 partial sums
-    [splits, B, T, D] (their x.dtype sum added). ``kernel``: None or `ModelKernels.add_rms_norm`."""
+    [splits, B, T, D] (their x.dtype sum added). ``kernel``: `ModelKernels.add_rms_norm`, None:
+    its plain-jnp reference (`pallas_kernels.add_rms_norm.reference`)."""
 
     param_name: str
     eps: float
@@ -203,18 +186,12 @@ class AddRMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         w = self.param(self.param_name, nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        partials = delta is not None and delta.ndim == x.ndim + 1
-        if self.kernel is None:
-            if partials:
-                delta = delta.sum(0).astype(x.dtype)
-            if delta is not None:
-                x = x + delta
-            return x, rms_norm(x, w, self.eps)
         shape = x.shape
         if delta is not None:
-            lead = (delta.shape[0],) if partials else ()
+            lead = (delta.shape[0],) if delta.ndim == x.ndim + 1 else ()
             delta = delta.reshape(*lead, -1, shape[-1])
-        x, h = self.kernel(x.reshape(-1, shape[-1]), delta, w, eps=self.eps)
+        kernel = self.kernel or add_rms_norm_reference.add_rms_norm
+        x, h = kernel(x.reshape(-1, shape[-1]), delta, w, eps=self.eps)
         return x.reshape(shape), h.reshape(shape)
 
 

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.kernels import ModelKernels
-from jaxinfer.kv_cache import KVCache, write_kv
-from jaxinfer.models.layers import (MLP, AddRMSNorm, Packing, StepContext, apply_rope, attend,
-                                    declare_weight, dense, dense_init, fused_parts, rms_norm,
-                                    rope_cos_sin, rope_inv_freq, shared)
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.models.layers import (MLP, AddRMSNorm, Packing, StepContext, attend, declare_weight,
+                                    dense, dense_init, rope_cos_sin, rope_inv_freq, shared)
 from jaxinfer.parallel import AXIS, KV_POOL_SPEC
+from pallas_kernels.qkv_prologue import reference as qkv_reference
 from pallas_kernels.sizes import round_up
 
 # With the add + RMSNorm kernel, decode steps of >= DOWN_PARTIALS_MIN_ROWS rows pass the MLP
@@ -39,53 +39,30 @@ DOWN_PARTIALS = 2
 DOWN_PARTIALS_MIN_ROWS = 128
 
 
-def _fused_prologue(kernels: ModelKernels, qkv: jax.Array, wq, wk, layer: int, k_pool: jax.Array,
-                    v_pool: jax.Array, ctx: StepContext, N: int, K: int, eps: float):
-    """qkv [B, T, (N+2K)*H] -> (q, k_pool, v_pool) through ``kernels.qkv_prologue``: q
-    [B, T, N, H], or in an unpacked decode step with ``kernels.q_group_multiple`` grouped
-    [B, 1, K, Gp, H] (G = N/K rows zero-padded to Gp, the next multiple of it)."""
-    mult = kernels.q_group_multiple
-    B, T, _ = qkv.shape
-    H = k_pool.shape[-1]
-    decode = T == 1 and ctx.packing is None
-    rows = None if mult is None or not decode else round_up(N // K, mult)
-    q, k_pool, v_pool = kernels.qkv_prologue(
-        qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
-        ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
-        layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
-        **({} if rows is None else {"q_group_rows": rows}), **(ctx.kv_scales or {}))
-    shape = (B, T, N, H) if rows is None else (B, T, K, rows, H)
-    return q.reshape(shape), k_pool, v_pool
-
-
 def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: StepContext,
                     wq: jax.Array | None, wk: jax.Array | None, *, kernels: ModelKernels,
-                    layer: int, num_heads: int, num_kv_heads: int, eps: float,
-                    parts: dict[str, slice]) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    layer: int, num_heads: int, num_kv_heads: int,
+                    eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Everything between the qkv and output GEMMs, on ``num_heads`` N query and
     ``num_kv_heads`` K KV heads (one device's under tensor parallelism): qkv [B, T, (N+2K)*H]
-    (q | k | v at ``parts``, `fused_parts`) -> per-head RMSNorm (``wq``, ``wk`` [H], or None)
-    -> RoPE (q and k in one op) -> `write_kv` into pools [L, P, K, page_size, H] at ``layer``
-    (a Python int) -> ``kernels.attention``; norm, RoPE and K/V write as
-    ``kernels.qkv_prologue`` when set. Returns (o [B, T, N, H], k_pool, v_pool)."""
+    (q | k | v, `fused_parts`) -> ``kernels.qkv_prologue`` (None: its plain-jnp reference,
+    `pallas_kernels.qkv_prologue.reference`): per-head RMSNorm (``wq``, ``wk`` [H], or None),
+    RoPE, K/V written into pools [L, P, K, page_size, H] at ``layer`` (a Python int) ->
+    ``kernels.attention``. q is [B, T, N, H], or in an unpacked decode step with
+    ``kernels.q_group_multiple`` grouped [B, 1, K, Gp, H] (G = N/K rows zero-padded to Gp, the
+    next multiple of it). Returns (o [B, T, N, H], k_pool, v_pool)."""
     B, T, _ = qkv.shape
     N, K, H = num_heads, num_kv_heads, k_pool.shape[-1]
-    if kernels.qkv_prologue is not None:                                # one kernel
-        with jax.named_scope("qkv_prologue"):
-            q, k_pool, v_pool = _fused_prologue(kernels, qkv, wq, wk, layer, k_pool, v_pool,
-                                                ctx, N, K, eps)
-    else:
-        qk = qkv[..., :parts["k"].stop].reshape(B, T, N + K, H)
-        v = qkv[..., parts["v"]].reshape(B, T, K, H)
-        if wq is not None:  # one RMSNorm over the N + K heads, the weights broadcast
-            w = jnp.concatenate([jnp.broadcast_to(wq, (N, H)), jnp.broadcast_to(wk, (K, H))])
-            qk = rms_norm(qk, w, eps)
-        with jax.named_scope("rope"):
-            qk = apply_rope(qk, ctx.cos, ctx.sin)
-            q, k = qk[:, :, :N], qk[:, :, N:]
-        with jax.named_scope("kv_write"):
-            k_pool, v_pool = write_kv(k_pool, v_pool, layer, k, v, ctx.slot_mapping,
-                                      **(ctx.kv_scales or {}))
+    mult = kernels.q_group_multiple
+    rows = None if mult is None or T != 1 or ctx.packing is not None else round_up(N // K, mult)
+    prologue = kernels.qkv_prologue or qkv_reference.qkv_prologue
+    with jax.named_scope("qkv_prologue"):
+        q, k_pool, v_pool = prologue(
+            qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
+            ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
+            layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
+            **({} if rows is None else {"q_group_rows": rows}), **(ctx.kv_scales or {}))
+    q = q.reshape((B, T, N, H) if rows is None else (B, T, K, rows, H))
     with jax.named_scope("attention"):
         o = attend(kernels.attention, q, k_pool, v_pool, ctx, layer=layer, scale=H ** -0.5,
                    num_heads=N)
@@ -119,8 +96,7 @@ class Attention(nn.Module):
         with jax.named_scope("qkv"):
             qkv = dense(x, wqkv)                                        # [B, T, (N + 2K) * H]
         heads = functools.partial(attention_heads, kernels=self.kernels, layer=layer,
-                                  num_heads=N // tp, num_kv_heads=K // tp, eps=cfg.rms_norm_eps,
-                                  parts=fused_parts(cfg, tp)["wqkv"])
+                                  num_heads=N // tp, num_kv_heads=K // tp, eps=cfg.rms_norm_eps)
         if tp > 1:
             pool = KV_POOL_SPEC
             heads = jax.shard_map(heads, mesh=self.kernels.mesh, check_vma=False,

@@ -11,10 +11,10 @@ import threading
 
 
 def build_parser():
-    from jaxinfer import generate
+    from jaxinfer.cli_args import HelpFormatter, Parser, add_engine_options
 
-    p = generate._Parser(prog="jaxinfer-serve", formatter_class=generate._Formatter,
-                         description="OpenAI-compatible HTTP server over the jaxinfer engine.")
+    p = Parser(prog="jaxinfer-serve", formatter_class=HelpFormatter,
+               description="OpenAI-compatible HTTP server over the jaxinfer engine.")
     p.add_argument("--model", default=None,
                    help="HF model dir, GGUF file or Orbax dir (default: the embedded "
                         "SmolLM2-135M-Instruct)")
@@ -28,10 +28,7 @@ def build_parser():
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    engine = next(g for g in generate.build_parser()._action_groups if g.title.startswith("engine"))
-    g = p.add_argument_group(engine.title)
-    for action in engine._group_actions:
-        g._add_action(action)
+    add_engine_options(p)
     return p
 
 
@@ -39,19 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     """Serve until SIGINT/SIGTERM; returns the exit code (0; 2: bad options or model)."""
     import uvicorn
 
-    from jaxinfer import generate
-    from jaxinfer.llm import LLM
+    from jaxinfer.cli_args import fail, make_llm
     from jaxinfer.serve.app import create_app
 
-    args = build_parser().parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
-        if args.model is not None and not os.path.exists(args.model):
-            raise FileNotFoundError(f"--model {args.model!r} does not exist")
-        llm = LLM(args.model, kernels=args.kernels,
-                  **{name: getattr(args, name) for name in generate.ENGINE_OPTIONS})
+        args = build_parser().parse_args(argv)
+        llm = make_llm(args)
     except (ValueError, FileNotFoundError) as e:
-        return generate._fail(str(e))
+        return fail(str(e))
     except KeyboardInterrupt:
         return 130
     name = args.served_model_name or os.path.splitext(os.path.basename(

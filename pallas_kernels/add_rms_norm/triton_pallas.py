@@ -4,7 +4,6 @@ program per row reads x and delta once, writes x' and h once. Sources: as `refer
 from __future__ import annotations
 
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.add_rms_norm.reference import check_args
-from pallas_kernels.sizes import is_pow2
+from pallas_kernels.sizes import is_int, is_pow2
 
 
 def _kernel(x_ref, d_ref, w_ref, xo_ref, h_ref, *, D, eps, has_delta, partials):
@@ -63,11 +62,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
     powers of 2: `supports`). num_warps per program (one row each): None (D / 256 clamped to
     4..16, BENCHMARKS.md section "Throughput") or a power of 2 in 1..32. ValueError:
     `reference.check_args`; D or the partial-sum count not a power of 2; a bad ``num_warps``."""
-    try:
-        warps = None if isinstance(num_warps, bool) else operator.index(num_warps)
-    except TypeError:  # None, or not an integer
-        warps = None
-    if num_warps is not None and (warps is None or not (is_pow2(warps) and warps <= 32)):
+    if num_warps is not None and not (is_int(num_warps) and is_pow2(num_warps) and num_warps <= 32):
         raise ValueError(f"num_warps={num_warps!r} must be None or a power-of-2 integer in 1..32")
     S, D = check_args(x, delta, weight, eps)
     if not supports(D):
@@ -77,7 +72,6 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                          "power of 2")
     if S == 0:  # no rows: no launch (a grid of 0 programs is not valid)
         return x, x
-    if warps is None:
-        warps = min(16, max(4, D // 256))
+    warps = min(16, max(4, D // 256)) if num_warps is None else int(num_warps)
     return _add_rms_norm(x, delta, weight, eps=float(eps), interpret=bool(interpret),
                          num_warps=warps)

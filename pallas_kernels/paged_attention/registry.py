@@ -1,5 +1,5 @@
-"""Paged-attention variants by name, imported lazily (a missing optional back-end such as
-jax_triton fails only when asked for). Decode variants (`names`, `get`) take the arguments of
+"""Paged-attention variants by name, imported lazily (a GPU-only back-end is imported only when
+asked for). Decode variants (`names`, `get`) take the arguments of
 `reference.paged_decode_attention`, prefill variants (`prefill_names`, `get_prefill`) those of
 `reference.paged_attention`, both plus ``interpret=False, **tuning``."""
 
@@ -10,8 +10,7 @@ from typing import Callable
 
 _PKG = "pallas_kernels.paged_attention."
 _VARIANTS = {name: (_PKG + module, "paged_decode_attention") for name, module in (
-    ("reference", "reference"), ("mosaic", "mosaic"), ("triton", "triton_pallas"),
-    ("jax_triton", "jax_triton_kernel"))}
+    ("reference", "reference"), ("mosaic", "mosaic"), ("triton", "triton_pallas"))}
 _PREFILL_VARIANTS = {"reference": (_PKG + "reference", "paged_attention"),
                      "triton": (_PKG + "prefill_triton", "paged_prefill_attention")}
 

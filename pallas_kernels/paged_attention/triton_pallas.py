@@ -32,7 +32,7 @@ NT_DIMS, NN_DIMS = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))  # a @ b.T
 
 
 def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
-                      soft_cap=None, need_pow2=True) -> tuple[int, int, int, int, int, int]:
+                      soft_cap=None) -> tuple[int, int, int, int, int, int]:
     """Validate the decode signature -> (B, N, H, K, page_size, M); ValueError names the arg."""
     if q.ndim != 3:
         raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
@@ -54,9 +54,9 @@ def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=
              f"block_tables dtype must be int32; got {block_tables.dtype}"),
             (seq_lens.shape != (B,), f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}"),
             (seq_lens.dtype != jnp.int32, f"seq_lens dtype must be int32; got {seq_lens.dtype}"),
-            (need_pow2 and not is_pow2(page_size),
+            (not is_pow2(page_size),
              f"page_size={page_size} must be a power of 2 for the Triton kernels"),
-            (need_pow2 and not (is_pow2(H) and H >= 16),
+            (not (is_pow2(H) and H >= 16),
              f"head dim H={H} must be a power of 2 >= 16 for the Triton kernels"),
             (sliding_window is not None and sliding_window < 1,
              f"sliding_window={sliding_window} must be None or >= 1"),

@@ -1,4 +1,4 @@
-"""Tuned knobs of the Triton paged decode kernels: ``(variant, device_kind, page_size, head_dim,
+"""Tuned knobs of the Triton paged decode kernel: ``(variant, device_kind, page_size, head_dim,
 group, dtype)`` -> `KNOBS` (pages per loop step, warps, pipelining depth, grid size the split aims
 for). Records of ``tuned_h200.json`` (scripts/tune_paged_attention.py: ``{"variant",
 "device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win over `BUILTIN`,
@@ -16,7 +16,7 @@ from pallas_kernels.sizes import next_pow2
 
 TUNED_FILE = Path(__file__).with_name("tuned_h200.json")
 KNOBS = ("pages_per_block", "num_warps", "num_stages", "min_programs")
-VARIANTS = ("triton", "jax_triton")
+VARIANTS = ("triton",)
 
 # Devices without a table entry (BENCHMARKS.md section "Paged decode attention").
 DEFAULTS = {v: {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256}

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.add_rms_norm.reference import rms_norm
 from pallas_kernels.kv_quant import check_scales, quantize
-from pallas_kernels.sizes import raise_first
+from pallas_kernels.sizes import is_int, raise_first
 
 
 def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
@@ -45,20 +44,36 @@ def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_
         *[(w is not None and w.shape != (H,), f"{name} must be [H={H}]; got "
            f"{getattr(w, 'shape', None)}") for name, w in (("q_norm", q_norm), ("k_norm", k_norm))],
         (N % K, f"num_heads={N} must be a multiple of num_kv_heads={K}"),
-        (q_group_rows is not None and (isinstance(q_group_rows, bool)
-                                       or not isinstance(q_group_rows, (int, np.integer))
-                                       or not N // K <= q_group_rows),
+        (q_group_rows is not None and not (is_int(q_group_rows) and N // K <= q_group_rows),
          f"q_group_rows={q_group_rows!r} must be an integer >= the query heads per KV head "
          f"({N // K}), or None")])
     return S, N, K, H
 
 
-def _rope(x, cos, sin):
+def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF ``rotate_half`` RoPE of x [..., heads, H] (i pairs with i + H/2: ``(x1, x2) -> (x1 cos -
+    x2 sin, x2 cos + x1 sin)``) in f32, returned in x.dtype; cos, sin f32[..., H/2] (all heads)."""
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array, k_scale: jax.Array | None = None,
+             v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Scatter k, v [S, K, H] into layer ``layer`` (int or i32[]) of the pools [L, P, K,
+    page_size, H] at ``slot_mapping`` i32[S] (``page * page_size + offset``), fp8 pools through
+    `kv_quant.quantize` with ``k_scale``, ``v_scale`` f32[L, K]; returns the new pools. Slots
+    and layer are promised in range (out of range: undefined writes)."""
+    page, off = jnp.divmod(slot_mapping, k_pool.shape[3])  # shape[3]: page_size
+    ks, vs = (None if x is None else x[layer][None, :, None] for x in (k_scale, v_scale))
+    k_pool = k_pool.at[layer, page, :, off, :].set(quantize(k, ks, k_pool.dtype),
+                                                   mode="promise_in_bounds")
+    v_pool = v_pool.at[layer, page, :, off, :].set(quantize(v, vs, v_pool.dtype),
+                                                   mode="promise_in_bounds")
+    return k_pool, v_pool
 
 
 def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
@@ -75,22 +90,21 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     layer: int or i32[] in [0, L). num_heads, num_kv_heads: N, K. q_group_rows: None, or Gq >= G =
     N/K: q as [S, K, Gq, H], rows past G zero (the Mosaic decode layout, Gq a multiple of
     ``mosaic.Q_GROUP_MULTIPLE``). k_scale, v_scale: None or f32[L, K], the fp8 pools' scales.
-    Unchecked (traced): slots or layer out of range (undefined writes). ValueError: `check_args`,
-    `kv_quant.check_scales`."""
+    Unchecked (traced): slots or layer out of range (undefined writes, `write_kv`). ValueError:
+    `check_args`, `kv_quant.check_scales`."""
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
                             num_heads, num_kv_heads, q_group_rows)
     check_scales(k_pool, k_scale, v_scale)
-    ks, vs = (None if x is None else x[layer][None, :, None] for x in (k_scale, v_scale))
     qk = qkv[:, :(N + K) * H].reshape(S, N + K, H)
     v = qkv[:, (N + K) * H:].reshape(S, K, H)
-    if q_norm is not None:
+    if q_norm is not None:  # one RMSNorm over the N + K heads, the weights broadcast
         w = jnp.concatenate([jnp.broadcast_to(q_norm, (N, H)), jnp.broadcast_to(k_norm, (K, H))])
         qk = rms_norm(qk, w, eps)
-    qk = _rope(qk, cos.astype(jnp.float32), sin.astype(jnp.float32))
-    page_size = k_pool.shape[3]
-    page, off = slot_mapping // page_size, slot_mapping % page_size
-    k_pool = k_pool.at[layer, page, :, off, :].set(quantize(qk[:, N:], ks, k_pool.dtype))
-    v_pool = v_pool.at[layer, page, :, off, :].set(quantize(v, vs, v_pool.dtype))
+    with jax.named_scope("rope"):
+        qk = rope(qk, cos.astype(jnp.float32), sin.astype(jnp.float32))
+    with jax.named_scope("kv_write"):
+        k_pool, v_pool = write_kv(k_pool, v_pool, layer, qk[:, N:], v, slot_mapping,
+                                  k_scale, v_scale)
     q = qk[:, :N]
     if q_group_rows is not None:
         G = N // K

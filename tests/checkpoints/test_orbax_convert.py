@@ -26,9 +26,10 @@ import jax.numpy as jnp  # noqa: E402
 
 from checkpoints_tools import orbax_io  # noqa: E402
 from checkpoints_tools.loader import detect_format, load_tokenizer, open_checkpoint  # noqa: E402
+from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.convert import main as convert_main  # noqa: E402
 from jaxinfer.loading import (  # noqa: E402
-    LoadedModel, load_model, load_params, model_config, params_from_hf, save_checkpoint)
+    LoadedModel, load_model, load_params, params_from_hf, save_checkpoint)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -198,7 +199,8 @@ def test_orbax_restore_checks_shapes(hf_loaded, tmp_path):
 
 def test_smollm_gguf_orbax_roundtrip(smollm_path, smollm_ckpt, smollm_hf_named, tmp_path):
     """The real model: GGUF -> save -> restore gives identical arrays, config and tokenizer."""
-    params, cfg = params_from_hf(smollm_hf_named[1], model_config(smollm_ckpt), "bfloat16")
+    params, cfg = params_from_hf(smollm_hf_named[1], ModelConfig.from_checkpoint(smollm_ckpt),
+                                 "bfloat16")
     tok, gen_eos = load_tokenizer(smollm_path), smollm_ckpt.generation_eos_ids
     assert gen_eos == (2,)
     save_checkpoint(tmp_path / "ck", cfg, params, tok, gen_eos)

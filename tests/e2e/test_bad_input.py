@@ -143,12 +143,12 @@ def test_gpu_kernel_on_cpu_fails_before_loading(spec, field, monkeypatch):
     """A GPU kernel on a CPU host is refused before the checkpoint is read (neither its config
     nor its weights), as a spec string or a KernelConfig."""
     from jaxinfer import loading
-    from jaxinfer.config import KernelConfig
+    from jaxinfer.config import KernelConfig, ModelConfig
 
     def no_load(*a, **k):
         raise AssertionError("the model was read before the option was checked")
     monkeypatch.setattr(loading, "load_model", no_load)
-    monkeypatch.setattr(loading, "read_model_config", no_load)
+    monkeypatch.setattr(ModelConfig, "from_checkpoint", no_load)
     for kernels in (spec, KernelConfig.parse(spec)):
         with pytest.raises(ValueError, match=f"{field} is a GPU kernel"):
             LLM("/nonexistent/model", kernels=kernels)

@@ -45,20 +45,20 @@ def _host_batches():
 @pytest.mark.parametrize("which", [0, 1], ids=["packed_prefill", "decode"])
 def test_unpack_inverts_pack(which):
     hb = _host_batches()[which]
-    assert hb.packed == (which == 0)
+    assert hb.key.packed == (which == 0)
     src = np.arange(hb.logits_indices.shape[0], dtype=np.int32) - 2
     hb.pending_src[:] = src
     buf = step_input.pack(hb)
     assert buf.dtype == np.int32 and buf.ndim == 1
-    hash(hb.shape_key)  # a static jit argument
-    tables, lens, inp = jax.jit(unpack, static_argnums=1)(jnp.asarray(buf), hb.shape_key)
+    hash(hb.key)  # a static jit argument
+    tables, lens, inp = jax.jit(unpack, static_argnums=1)(jnp.asarray(buf), hb.key)
     got = dict(block_tables=tables, seq_lens=lens, tokens=inp.tokens, positions=inp.positions,
                slot_mapping=inp.slot_mapping, logits_indices=inp.logits_indices,
                pending_src=inp.pending_src, **{k: v for k, v in vars(inp.sampling).items()
                                                if v is not None})
     if inp.prompt_lp_index is not None:
         got.update(prompt_lp_index=inp.prompt_lp_index, prompt_lp_next=inp.prompt_lp_next)
-    if hb.packed:
+    if hb.key.packed:
         got.update(q_index=inp.packing.q_index, q_positions=inp.packing.q_positions,
                    out_index=inp.packing.out_index)
     else:
@@ -73,7 +73,7 @@ def test_unpack_inverts_pack(which):
         np.testing.assert_array_equal(g.view(np.int32), a.view(np.int32), err_msg=name)
     assert (hb.seeds > 2**31).any() and (hb.temperature > 0).any()
     assert hb.key.penalty and hb.key.bias == 8 and hb.key.logprobs == 5  # the optional groups
-    assert bool(hb.key.prompt_logprobs) == hb.packed  # prompt positions in the prefill only
+    assert bool(hb.key.prompt_logprobs) == hb.key.packed  # prompt positions in the prefill only
 
 
 def test_pack_rejects_non_four_byte_fields():
@@ -87,8 +87,8 @@ def test_pack_rejects_non_four_byte_fields():
 def test_empty_batch_matches_the_key_and_pads():
     """The ahead-of-time batch has the layout of a real batch of the same key, all padding."""
     for hb in _host_batches():
-        empty = step_input.empty_batch(hb.shape_key)
-        assert empty.shape_key == hb.shape_key
+        empty = step_input.allocate(hb.key)
+        assert empty.key == hb.key
         assert step_input.pack(empty).shape == step_input.pack(hb).shape
         assert (empty.seq_lens == 0).all() and (empty.block_tables == 0).all()
         assert (empty.pending_src == -1).all() and not empty.sample_rows.any()

@@ -107,7 +107,7 @@ def check_invariants(sched, batch):
     assert batch.num_seqs <= sched.max_num_seqs
     assert len({id(s) for s in batch.seqs}) == batch.num_seqs
     if batch.is_prefill:
-        assert batch.total_new_tokens <= sched.max_num_batched_tokens
+        assert sum(batch.num_new_tokens) <= sched.max_num_batched_tokens
     else:
         assert batch.num_new_tokens == [1] * batch.num_seqs and all(batch.do_sample)
         assert all(st + 1 == s.num_computed_tokens == s.num_tokens_with_pending - 1

@@ -118,12 +118,9 @@ def _teacher_forced_margins(path, prompts, outputs):
 
 
 def _variants():
-    """Every registered decode kernel; jax_triton skips with a reason where it is not installed
-    (the ``jax-triton`` extra), as in the kernel suites."""
+    """Every registered decode kernel but the reference."""
     from pallas_kernels.paged_attention import registry
-    from tests.kernels.modes import NEEDS_JAX_TRITON
-    return [pytest.param(n, marks=NEEDS_JAX_TRITON) if n == "jax_triton" else n
-            for n in registry.names() if n != "reference"]
+    return [n for n in registry.names() if n != "reference"]
 
 
 def _teacher_forced_picks(loaded, kernels, prompts, outputs):
@@ -172,12 +169,7 @@ def test_kernel_variant_teacher_forced_bf16(bf16_model, variant):
     near-tie); and at least 90% of the positions agree."""
     from jaxinfer.config import KernelConfig
     from jaxinfer.kernels import model_kernels
-    from pallas_kernels.paged_attention import registry
     loaded, prompts, want, margins = bf16_model
-    try:
-        registry.get(variant)
-    except ImportError as e:  # an optional back-end (jax_triton) not installed here
-        pytest.skip(f"{variant}: {e}")
     kernels = model_kernels(KernelConfig(decode_attention=variant, prefill_attention="reference",
                                          qkv_prologue="xla", add_rms_norm="xla"))
     got = _teacher_forced_picks(loaded, kernels, prompts, want)
@@ -203,12 +195,7 @@ def test_kernel_variant_matches_reference_tokens_bf16(bf16_model, variant):
     `test_kernel_variant_teacher_forced_bf16`, so no share of compared tokens is required here (a
     near-tie at the 4th token is luck, not a kernel fault).
     """
-    from pallas_kernels.paged_attention import registry
     loaded, prompts, want, margins = bf16_model
-    try:
-        registry.get(variant)
-    except ImportError as e:  # an optional back-end (jax_triton) not installed here
-        pytest.skip(f"{variant}: {e}")
     got = _engine_greedy(loaded, variant, prompts, 24)
     assert [len(g) for g in got] == [len(w) for w in want]
     for g, w, m in zip(got, want, margins):

@@ -10,19 +10,6 @@ import pytest
 ON_GPU = jax.default_backend() == "gpu"
 GPU = [pytest.mark.gpu, pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU")]
 
-
-def _have_jax_triton() -> bool:
-    try:
-        import jax_triton  # noqa: F401
-        import triton  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means the variant cannot run
-        return False
-    return True
-
-
-NEEDS_JAX_TRITON = pytest.mark.skipif(
-    not _have_jax_triton(),
-    reason="jax_triton/triton not importable (install the extra: pip install -e '.[jax-triton]')")
 MODES = ["interpret", pytest.param("compiled", marks=GPU)]
 
 

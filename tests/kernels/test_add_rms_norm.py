@@ -1,7 +1,7 @@
 """The fused residual add + RMSNorm: the Pallas kernel against the plain-jnp reference in two modes
 (`modes.py`: interpret on the CPU, compiled on a CUDA GPU with ``-m gpu``), and the reference
-against the model's own functions (`jaxinfer.models.layers`, which the model tests check against
-HF transformers)."""
+against its own rms_norm (the model runs the reference on its xla path, which the model tests
+check against HF transformers)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models.layers import rms_norm
 from pallas_kernels.add_rms_norm import reference, triton_pallas
+from pallas_kernels.add_rms_norm.reference import rms_norm
 
 from .modes import GPU, runs
 

@@ -16,7 +16,6 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxinfer.kv_cache import write_kv
 from pallas_kernels.kv_quant import FP8, FP8_MAX, quantize
 from pallas_kernels.paged_attention import prefill_triton, reference, triton_pallas
 from pallas_kernels.qkv_prologue import reference as prologue_ref
@@ -79,8 +78,9 @@ def test_write_kv_quantises_with_the_layers_head_scales():
     ks, vs = (rng.uniform(0.01, 0.1, (L, K)).astype(np.float32) for _ in range(2))
     slots = np.array([[8, 9, 10], [17, 30, 31]], np.int32)
     zeros = jnp.zeros((L, P, K, ps, H), FP8)
-    kp, vp = write_kv(zeros, zeros, 1, jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(slots),
-                      jnp.asarray(ks), jnp.asarray(vs))
+    kp, vp = prologue_ref.write_kv(zeros, zeros, 1, jnp.asarray(k_new.reshape(-1, K, H)),
+                                   jnp.asarray(v_new.reshape(-1, K, H)),
+                                   jnp.asarray(slots.reshape(-1)), jnp.asarray(ks), jnp.asarray(vs))
     assert kp.dtype == vp.dtype == FP8
     for pool, new, s in ((kp, k_new, ks), (vp, v_new, vs)):
         pool = np.asarray(pool).astype(np.float32)

@@ -1,8 +1,7 @@
-"""Paged decode attention: the Triton-lowered variants vs the float32 reference, one suite run in
+"""Paged decode attention: the Triton-lowered variant vs the float32 reference, one suite run in
 two modes (`modes.py`): Pallas interpret mode on the CPU and compiled on a CUDA GPU (``-m gpu``).
 
-The `jax_triton` variant is a Triton kernel: it cannot be interpreted (it raises) and needs
-``jax_triton``. Interpret mode starts every output buffer as NaN (Pallas' uninitialised value), so
+Interpret mode starts every output buffer as NaN (Pallas' uninitialised value), so
 an output row or a flash-decoding partial that the kernel forgets to write shows up as NaN; compiled
 outputs cannot be pre-filled, so every element is checked finite and matched against the reference.
 Each case draws fresh random data (never zeros) over the whole pool, page 0 included, with a
@@ -19,9 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import jax_triton_kernel, reference, triton_pallas, tuning
+from pallas_kernels.paged_attention import reference, triton_pallas, tuning
 
-from .modes import GPU, NEEDS_JAX_TRITON
+from .modes import GPU
 
 # name: (page_size, H, N, K, M, lens, dtype, L, layer, k_splits, pages_per_block, extra kwargs)
 # lens use ps = page_size and mx = M * page_size; 0 is a padded row.
@@ -86,16 +85,10 @@ def check_against_reference(out, args, kwargs, dtype):
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * 4)
 
 
-VARIANTS = {"triton": triton_pallas.paged_decode_attention,
-            "jax_triton": jax_triton_kernel.paged_decode_attention}
+VARIANTS = {"triton": triton_pallas.paged_decode_attention}
 RUNS = [
     pytest.param("triton", "interpret", id="triton-interpret"),
     pytest.param("triton", "compiled", marks=GPU, id="triton-compiled"),
-    pytest.param("jax_triton", "interpret", id="jax_triton-interpret", marks=pytest.mark.skip(
-        reason="a Triton kernel cannot be interpreted on the CPU (test_jax_triton_refuses_"
-               "interpret checks that it raises)")),
-    pytest.param("jax_triton", "compiled", marks=[*GPU, NEEDS_JAX_TRITON],
-                 id="jax_triton-compiled"),
 ]
 
 
@@ -203,13 +196,6 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="page_size=24"):
         fn(q, k_pool[:, :, :, :12].repeat(2, axis=3), v_pool[:, :, :, :12].repeat(2, axis=3), bt,
            seq_lens, **kwargs, interpret=True)
-
-
-def test_jax_triton_refuses_interpret():
-    """A Triton kernel cannot run in the CPU interpreter: ``interpret=True`` is an error."""
-    args, kwargs, _, _ = make_case("p16_h64_g1_f32_edges")
-    with pytest.raises(ValueError, match="interpret=True is not supported"):
-        jax_triton_kernel.paged_decode_attention(*args, **kwargs, interpret=True)
 
 
 def test_tuning_lookup_and_json(tmp_path):

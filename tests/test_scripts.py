@@ -201,7 +201,8 @@ def test_bench_prefix_cache_tiny_runs_every_mode(tmp_path):
 
     out = tmp_path / "rows.jsonl"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_prefix_cache.py"),
-                        "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=900,
+                        "--tiny", "--kernels", "batch_buckets=8,token_buckets=64", "--out", str(out)],
+                       capture_output=True, text=True, timeout=900,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]

@@ -29,3 +29,27 @@ def tiny_params_of(cfg, seed: int = 0):
     out = [x if x.ndim < 2 else jax.random.normal(k, x.shape, x.dtype) * (
         1.0 if x.shape[0] == cfg.vocab_size else x.shape[0] ** -0.5) for k, x in zip(keys, leaves)]
     return jax.tree_util.tree_unflatten(treedef, out)
+
+
+# ChatML, as SmolLM2's and Qwen's templates lay out a conversation
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_tokenizer():
+    """A character-level HF fast tokenizer of 100 tokens, so that the tiny model's logits are
+    small (sampling sorts the whole vocabulary every step): "<unk>" (0, any byte outside the
+    vocabulary), "<|im_start|>" (1), "<|im_end|>" (2, EOS), then printable ASCII, space, newline
+    and tab, one token each (byte-level, so decoding is exact), and the ChatML template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(b) for b in range(0x21, 0x7F)] + ["Ġ", "Ċ", "ĉ"]  # ByteLevel's space, \n, \t
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2,
+             **{c: i + 3 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>",
+                                   additional_special_tokens=["<|im_start|>"],
+                                   chat_template=CHAT_TEMPLATE)

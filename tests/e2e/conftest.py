@@ -1,7 +1,7 @@
 """Shared fixtures for end-to-end tests: ``llm``, the real SmolLM2-135M-Instruct weights (float32,
-CPU) for comparisons with HF transformers, and ``tiny``, the tiny random model with SmolLM2's
-tokenizer (tests/conftest.py) for the engine's mechanics, both with pages of 16 tokens and
-max_model_len 512.
+CPU) for comparisons with HF transformers, and ``tiny``, the tiny random model with its
+character-level tokenizer (tests/conftest.py) for the engine's mechanics, both with pages of 16
+tokens and max_model_len 512.
 
 The HF transformers reference loads the same GGUF file; its greedy outputs are computed once per
 run of tests/e2e, one prompt at a time (no padding), and cached.
@@ -81,7 +81,7 @@ def hf_greedy(hf_model, llm):
 
 @pytest.fixture(scope="package")
 def tiny_prompt_ids(tiny):
-    """The prompts of `prompt_ids`, tokenized by the tiny model's (SmolLM2's) tokenizer."""
+    """The prompts of `prompt_ids`, tokenized by the tiny model's tokenizer."""
     plain = [tiny.encode(p) for p in PLAIN_PROMPTS]
     chat = [tiny.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     return plain + chat

@@ -29,8 +29,8 @@ def run_main(capsys, *args):
 
 @pytest.fixture
 def shared_llm(monkeypatch, tiny):
-    """The CLI in this process gets the shared tiny `LLM` (max_model_len 512, SmolLM2's
-    tokenizer) instead of loading one: these tests are about the CLI's mechanics."""
+    """The CLI in this process gets the shared tiny `LLM` (max_model_len 512, its
+    character-level tokenizer) instead of loading one: these tests are about the CLI's mechanics."""
     import jaxinfer.llm
     monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **k: tiny)
     return tiny

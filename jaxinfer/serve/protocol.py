@@ -3,6 +3,7 @@ and vLLM's ``vllm/entrypoints/openai/protocol.py``). Host side, no JAX."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Literal
 
@@ -45,14 +46,12 @@ class _Sampling(_Model):
     stream_options: StreamOptions | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (`SamplingParams`'s, naming the field)."""
-        fields = {k: getattr(self, k) for k in (
-            "top_p", "top_k", "min_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
-            "spaces_between_special_tokens", "include_stop_str_in_output")}
-        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
-                              stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens,
-                              logprobs=logprobs, **fields)
+        """The `SamplingParams` fields this body shares by name; raises ValueError (naming one)."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)
+               if f.name in type(self).model_fields}
+        return SamplingParams(**dict(
+            own, temperature=1.0 if self.temperature is None else self.temperature,
+            stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens, logprobs=logprobs))
 
 
 class CompletionRequest(_Sampling):
@@ -177,10 +176,3 @@ class ModelList(_Model):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
-
-def error_body(message: str, status: int, param: str | None = None,
-               code: str | None = None) -> dict:
-    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(
-        status, "invalid_request_error" if 400 <= status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}

@@ -1,7 +1,5 @@
-"""The FastAPI application (vLLM's ``api_server.py``): ``/v1/models``, ``/v1/completions``
-(`completions`), ``/v1/chat/completions`` (`chat`), ``/health``, ``/metrics``; the engine thread
-(`EngineRunner`) starts and stops with the app; 401 without the API key, 413 for a body over the
-limit; errors are OpenAI's JSON (`errors`)."""
+"""The FastAPI app (vLLM's ``api_server.py``): routes to `completions` and `chat`, /v1/models,
+/health, /metrics; the engine thread's lifespan; 401 without the API key, 413 over the limit."""
 
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import Request
 
 from jaxinfer.serve import protocol as P
+from jaxinfer.serve.completions import OpenAIServing
 from jaxinfer.serve.errors import APIError
 from jaxinfer.serve.openai_logprobs import chat_logprobs
-from jaxinfer.serve.serving import OpenAIServing
 
 
 class ServingChat(OpenAIServing):

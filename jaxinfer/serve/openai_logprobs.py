@@ -1,7 +1,5 @@
-"""OpenAI's log-probability objects from the engine's per-token records (``{token id:
-`jaxinfer.outputs.Logprob`}``, the chosen token and the top k): completions' parallel lists and
-chat's entries with UTF-8 bytes. A token's text is its ``decoded_token`` ("token_id:N" without a
-tokenizer, as vLLM). Source: vLLM's ``serving_completion`` / ``serving_chat`` logprob builders."""
+"""OpenAI's logprobs of both endpoints (vLLM's) from per-token ``{id: Logprob}`` records (the
+chosen token and the top k); a token's text: its ``decoded_token``, else "token_id:N"."""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ compiled up front; a test that makes it compile another fails (`SERVER_COMPILES`
 compare the server's outputs with `LLM.generate` on the same engine, not with expected text."""
 
 import asyncio
+import os
+import signal
 import socket
 import threading
 import time
@@ -23,6 +25,16 @@ SERVE_ENGINE = dict(max_model_len=64, max_num_seqs=32, page_size=64, num_pages=4
 # {prefill, decode} x {greedy, sampled} x {no logprobs, top-5 bucket}, and the prefill of a
 # step holding a prompt's first chunk (its row carries EOS's min_tokens bias), greedy or sampled
 SERVER_COMPILES = 10
+
+
+def _interrupt(signum, frame):
+    """SIGTERM while the server is up: KeyboardInterrupt (pytest tears down and stops; asyncio
+    re-raises it, where ``gather(return_exceptions=True)`` would keep an Exception), and a hard
+    exit if stopping takes over 30 s."""
+    timer = threading.Timer(30, os._exit, (128 + signum,))
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @pytest.fixture(scope="package")
@@ -51,7 +63,9 @@ def server(tiny_llm):
     while not srv.started:
         assert thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # test_load.py's docstring says why
     yield SimpleNamespace(llm=llm, app=app, port=port, url=f"http://127.0.0.1:{port}/v1")
+    signal.signal(signal.SIGTERM, previous)
     srv.should_exit = True
     thread.join(60)
 

@@ -1,7 +1,14 @@
 """The server under concurrent load with the official ``openai`` async client (issue 19 items
 2-4, scaled for the CPU): 200 concurrent streams; clients that disconnect mid-stream; malformed
 bodies mixed into normal traffic. Greedy outputs are compared with `LLM.generate` on the same
-engine, run while the server is idle."""
+engine, run while the server is idle.
+
+A CI timeout's SIGTERM: nothing here catches it (uvicorn runs in a thread, so it installs no
+handler; asyncio.run only takes SIGINT), so it kills pytest, unless pytest is the first process
+of its PID namespace (a container's command), where the kernel drops signals it has no handler
+for and only SIGKILL works. While the server is up, conftest.py's handler turns SIGTERM into a
+KeyboardInterrupt (pytest tears the server down and stops; an Exception would be kept by
+``gather(return_exceptions=True)``), and exits hard if that takes over 30 s."""
 
 import asyncio
 import json

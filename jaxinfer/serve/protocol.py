@@ -3,23 +3,20 @@ and vLLM's ``vllm/entrypoints/openai/protocol.py``). Host side, no JAX."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from jaxinfer.sampling_params import SamplingParams
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class StreamOptions(_Model):
+class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Sampling(_Model):
+class _Sampling(BaseModel):
     """The sampling fields both endpoints share; `sampling_params` validates the values."""
 
     model: str | None = None
@@ -45,14 +42,12 @@ class _Sampling(_Model):
     stream_options: StreamOptions | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (`SamplingParams`'s, naming the field)."""
-        fields = {k: getattr(self, k) for k in (
-            "top_p", "top_k", "min_p", "seed", "stop", "n", "presence_penalty", "frequency_penalty",
-            "repetition_penalty", "min_tokens", "ignore_eos", "logit_bias", "skip_special_tokens",
-            "spaces_between_special_tokens", "include_stop_str_in_output")}
-        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
-                              stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens,
-                              logprobs=logprobs, **fields)
+        """The `SamplingParams` fields this body shares by name; raises ValueError (naming one)."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)
+               if f.name in type(self).model_fields}
+        return SamplingParams(**dict(
+            own, temperature=1.0 if self.temperature is None else self.temperature,
+            stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens, logprobs=logprobs))
 
 
 class CompletionRequest(_Sampling):
@@ -66,7 +61,7 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
-class ChatMessage(_Model):
+class ChatMessage(BaseModel):
     role: str
     content: str | list[dict] | None = None
 
@@ -86,20 +81,20 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
 
 
-class UsageInfo(_Model):
+class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
 
 
-class CompletionLogprobs(_Model):
+class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
     token_logprobs: list[float | None] = []
     tokens: list[str] = []
     top_logprobs: list[dict[str, float] | None] = []
 
 
-class CompletionChoice(_Model):
+class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -107,7 +102,7 @@ class CompletionChoice(_Model):
     stop_reason: int | str | None = None
 
 
-class TopLogprob(_Model):
+class TopLogprob(BaseModel):
     token: str
     logprob: float
     bytes: list[int] | None = None
@@ -117,16 +112,16 @@ class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob] = []
 
 
-class ChatLogprobs(_Model):
+class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
-class DeltaMessage(_Model):
+class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
 
 
-class ChatChoice(_Model):
+class ChatChoice(BaseModel):
     index: int
     message: DeltaMessage
     logprobs: ChatLogprobs | None = None
@@ -134,14 +129,14 @@ class ChatChoice(_Model):
     stop_reason: int | str | None = None
 
 
-class ChatStreamChoice(_Model):
+class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
-class _Response(_Model):
+class _Response(BaseModel):
     id: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
@@ -165,7 +160,7 @@ class ChatCompletionChunk(_Response):
     choices: list[ChatStreamChoice]
 
 
-class ModelCard(_Model):
+class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -173,14 +168,7 @@ class ModelCard(_Model):
     max_model_len: int | None = None
 
 
-class ModelList(_Model):
+class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
-
-def error_body(message: str, status: int, param: str | None = None,
-               code: str | None = None) -> dict:
-    """OpenAI's error JSON: ``{"error": {"message", "type", "param", "code"}}``."""
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(
-        status, "invalid_request_error" if 400 <= status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code or status}}

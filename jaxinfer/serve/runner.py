@@ -6,25 +6,16 @@ Source: vLLM's ``AsyncLLM`` / output handler, in one process. Host side, no JAX.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import sys
 import threading
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
+
+from jaxinfer.outputs import CompletionOutput
 
 log = logging.getLogger("jaxinfer.serve")
-
-
-class Delta(NamedTuple):
-    """New output of sample ``index``: token ids, text (stop strings never shown), their
-    ``{id: (logprob, rank)}`` records (None: not asked), and its finish reason once finished."""
-
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list | None
-    finish_reason: str | None
 
 
 @dataclass
@@ -32,15 +23,14 @@ class _Request:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     stream: bool
-    sent: list = field(default_factory=list)  # per sample: stream_delta's (tokens, text)
-    reported: set = field(default_factory=set)  # samples whose finish was sent
+    sent: list  # per sample: stream_delta's (tokens, text); None once its finish was sent
 
 
 class EngineRunner:
-    """Runs ``engine`` (an `LLMEngine`) on a daemon thread. Events put on a request's sink, as
-    ``(request id, event)``: a `Delta` (streaming requests only), then one final
-    `jaxinfer.outputs.RequestOutput` (finish reason "abort" when aborted) or an error str.
-    ``metrics``: a `ServerMetrics` told of every finished request."""
+    """Runs ``engine`` (an `LLMEngine`) on a daemon thread. Events on a request's sink, as
+    ``(request id, event)``: when streamed, a sample's new tokens, text and logprobs as a
+    `CompletionOutput` (finish reason once finished, no stop reason); then one `RequestOutput`
+    (finish reason "abort" when aborted) or an error str. ``metrics``: a `ServerMetrics`."""
 
     def __init__(self, engine, metrics=None) -> None:
         self.engine, self.metrics = engine, metrics
@@ -59,8 +49,8 @@ class EngineRunner:
                stream: bool) -> None:
         """Queue a request (from the event loop's thread); its events go to ``sink``."""
         self.idle.clear()
-        self._cmds.put(("add", rid, prompt_token_ids, params,
-                        _Request(sink, asyncio.get_running_loop(), stream)))
+        req = _Request(sink, asyncio.get_running_loop(), stream, [(0, "")] * params.n)
+        self._cmds.put(("add", rid, prompt_token_ids, params, req))
 
     def abort(self, rid: str) -> None:
         """Abort ``rid`` at the next step (its pages return to the pool); unknown ids ignored."""
@@ -78,14 +68,11 @@ class EngineRunner:
             busy = eng.has_unfinished()
             if not busy and not self._reqs:
                 self.idle.set()
-            cmds: list = []
-            try:
+            cmds, events = [], []
+            with contextlib.suppress(queue.Empty):
                 cmds.append(self._cmds.get(block=not busy))
                 while True:
                     cmds.append(self._cmds.get_nowait())
-            except queue.Empty:
-                pass
-            events: list = []
             for cmd in cmds:
                 if cmd[0] == "stop":
                     for rid in list(self._reqs):
@@ -100,7 +87,6 @@ class EngineRunner:
                 try:
                     eng.add_request(ids, params, request_id=rid)
                     self._reqs[rid] = req
-                    req.sent = [(0, "")] * params.n
                 except Exception as e:  # ValueError: rejected; anything else: reported too
                     events.append((req, (rid, str(e))))
             if eng.has_unfinished():
@@ -118,22 +104,19 @@ class EngineRunner:
         eng = self.engine
         finished = eng.step()
         for rid, req in self._reqs.items():
-            if not req.stream:
-                continue
-            for seq in eng.sequences(rid):
-                d = eng.outputs.stream_delta(seq, req.sent[seq.index])
-                done = seq.is_finished and seq.index not in req.reported
-                if d is None and not done:
+            for seq in eng.sequences(rid) if req.stream else ():
+                i, sent = seq.index, req.sent[seq.index]
+                d = None if sent is None else eng.outputs.stream_delta(seq, sent)
+                if sent is None or d is None and not seq.is_finished:
                     continue
-                n0 = req.sent[seq.index][0]
-                if d is None:
-                    d = ([], "", req.sent[seq.index])
-                ids, text, req.sent[seq.index] = d
-                lps = None if seq.logprobs is None else seq.logprobs[n0:n0 + len(ids)]
-                if done:
-                    req.reported.add(seq.index)
-                events.append((req, (rid, Delta(seq.index, ids, text, lps,
-                                                seq.finish_reason if done else None))))
+                ids, text, req.sent[i] = d or ([], "", sent)
+                lps = eng.outputs._logprobs(None if seq.logprobs is None else
+                                            seq.logprobs[sent[0]:sent[0] + len(ids)])
+                if seq.is_finished:
+                    req.sent[i] = None
+                events.append((req, (rid, CompletionOutput(
+                    i, text, tuple(ids), seq.finish_reason if seq.is_finished else None,
+                    logprobs=lps))))
         for rid in finished:
             self._finish(rid, events)
 
@@ -154,7 +137,5 @@ class EngineRunner:
         for req, ev in events:
             by_loop.setdefault(req.loop, []).append((req.sink, ev))
         for loop, items in by_loop.items():
-            try:
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is waiting
                 loop.call_soon_threadsafe(lambda items=items: [s.put_nowait(e) for s, e in items])
-            except RuntimeError:  # the loop is closed: nobody is waiting
-                pass

@@ -1,9 +1,14 @@
-"""One server for tests/serve: the embedded SmolLM2 (float32) behind `jaxinfer.serve.create_app`,
-uvicorn on a free loopback port in a thread, an API key set. Four step shapes (one batch bucket,
-one page of 64 tokens per sequence; prefill and decode, greedy or not), compiled in parallel up
-front, keep the CPU compile time down."""
+"""One server for tests/serve: the tiny random model with SmolLM2's tokenizer (tests/conftest.py:
+text prompts, chat template, stop strings and logprob token texts work) behind
+`jaxinfer.serve.create_app`, uvicorn on a free loopback port in a thread, an API key set. Its
+step shapes are fixed (one batch bucket of 32, one token bucket of 256, one page of 64 tokens per
+sequence): prefill and decode, greedy or sampled, with or without log-probabilities, are
+compiled up front; a test that makes it compile another fails (`SERVER_COMPILES`). Random weights: tests
+compare the server's outputs with `LLM.generate` on the same engine, not with expected text."""
 
 import asyncio
+import os
+import signal
 import socket
 import threading
 import time
@@ -15,23 +20,39 @@ MODEL, KEY = "smol", "test-key"
 PROMPTS = ["The capital of France is", "def add(a, b):", "One, two, three,",
            "Water boils at", "The quick brown fox", "In 1492, Columbus",
            "My favourite colour is", "import numpy as np\n"]
+SERVE_ENGINE = dict(max_model_len=64, max_num_seqs=32, page_size=64, num_pages=40,
+                    max_num_batched_tokens=256, kernels="batch_buckets=32,token_buckets=256")
+# {prefill, decode} x {greedy, sampled} x {no logprobs, top-5 bucket}, and the prefill of a
+# step holding a prompt's first chunk (its row carries EOS's min_tokens bias), greedy or sampled
+SERVER_COMPILES = 10
+
+
+def _interrupt(signum, frame):
+    """SIGTERM while the server is up: KeyboardInterrupt (pytest tears down and stops; asyncio
+    re-raises it, where ``gather(return_exceptions=True)`` would keep an Exception), and a hard
+    exit if stopping takes over 30 s."""
+    timer = threading.Timer(30, os._exit, (128 + signum,))
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @pytest.fixture(scope="package")
-def server(smollm_path):
+def server(tiny_llm):
     import uvicorn
 
-    from jaxinfer import LLM
+    from jaxinfer import SamplingParams
     from jaxinfer.serve import create_app
 
-    from jaxinfer import SamplingParams
+    llm = tiny_llm(max_compiles=SERVER_COMPILES, **SERVE_ENGINE)
+    ids = llm.encode(" ".join(PROMPTS))  # 8 at once overflow a step's 256 tokens: one chunked
 
-    llm = LLM(smollm_path, max_model_len=64, max_num_seqs=32, page_size=64, num_pages=40,
-              max_num_batched_tokens=256, dtype="float32",
-              kernels="batch_buckets=32,token_buckets=256")
-    ids = llm.encode(PROMPTS[0])
-    llm.engine.precompile([k for t in (0.0, 1.0) for k in llm.engine.plan_shapes(
-        [(ids, SamplingParams(temperature=t, max_tokens=2))])])
+    def plan(t, lp, n):
+        return llm.engine.plan_shapes([(ids, SamplingParams(temperature=t, max_tokens=2,
+                                                            logprobs=lp))] * n)
+    llm.engine.precompile(list(dict.fromkeys(
+        k for t in (0.0, 1.0) for lp, n in ((None, 8), (3, 1)) for k in plan(t, lp, n))))
+    assert llm.engine.stats.num_compiles == SERVER_COMPILES, llm.engine.stats.compiled_shapes
     app = create_app(llm, served_model_name=MODEL, api_key=KEY)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -42,9 +63,19 @@ def server(smollm_path):
     while not srv.started:
         assert thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # test_load.py's docstring says why
     yield SimpleNamespace(llm=llm, app=app, port=port, url=f"http://127.0.0.1:{port}/v1")
+    signal.signal(signal.SIGTERM, previous)
     srv.should_exit = True
     thread.join(60)
+
+
+@pytest.fixture(autouse=True)
+def _server_compile_budget(request):
+    """Each test that uses the server names its engine to `tiny_llm`, whose budget check
+    (tests/conftest.py) then fails the test if it compiled a step shape not precompiled."""
+    if "server" in request.fixturenames:
+        request.getfixturevalue("tiny_llm")(max_compiles=SERVER_COMPILES, **SERVE_ENGINE)
 
 
 @pytest.fixture(scope="package")

@@ -1,6 +1,7 @@
-"""``python -m jaxinfer.serve`` as a process: bad options exit 2 with one line; SIGTERM while a
-stream runs ends that stream (finished or aborted), then the process exits 0 without a
-traceback."""
+"""``python -m jaxinfer.serve`` as a process, on the tiny random model's Orbax directory
+(``tiny_checkpoint``, tests/conftest.py): it loads back with SmolLM2's tokenizer; bad options
+exit 2 with one line; SIGTERM while a stream runs ends that stream (finished or aborted), then
+the process exits 0 without a traceback."""
 
 import os
 import signal
@@ -24,14 +25,32 @@ def test_bad_option_is_one_line_exit_2():
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.slow
-def test_sigterm_ends_streams_and_exits_cleanly(smollm_path):
+def test_tiny_checkpoint_loads_back(tiny_checkpoint, tiny_text_params, smollm_tokenizer):
+    """`LLM(path)` reads back the weights, SmolLM2's tokenizer (vocabulary, special tokens, chat
+    template) and its EOS."""
+    import jax
+    import numpy as np
+
+    from jaxinfer import LLM
+
+    llm = LLM(tiny_checkpoint, max_model_len=64, page_size=64, num_pages=2, max_num_seqs=1,
+              dtype="float32")
+    tok, text = llm.tokenizer, "Hello, wörld! <|im_start|>user\n"
+    assert tok.encode(text) == smollm_tokenizer.encode(text) and len(tok) == len(smollm_tokenizer)
+    assert tok.chat_template == smollm_tokenizer.chat_template
+    assert smollm_tokenizer.eos_token_id in llm.engine.eos_token_ids
+    for a, b in zip(jax.tree_util.tree_leaves(llm.engine.params),
+                    jax.tree_util.tree_leaves(tiny_text_params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sigterm_ends_streams_and_exits_cleanly(tiny_checkpoint):
     import openai
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxinfer.serve", "--model", smollm_path, "--port", str(port),
+        [sys.executable, "-m", "jaxinfer.serve", "--model", tiny_checkpoint, "--port", str(port),
          "--api-key", KEY, "--served-model-name", "m", "--max-model-len", "64", "--page-size",
          "64", "--num-pages", "4", "--max-num-seqs", "1", "--dtype", "float32", "--kernels",
          "batch_buckets=1,token_buckets=64", "--max-num-batched-tokens", "64",

@@ -1,7 +1,14 @@
 """The server under concurrent load with the official ``openai`` async client (issue 19 items
 2-4, scaled for the CPU): 200 concurrent streams; clients that disconnect mid-stream; malformed
 bodies mixed into normal traffic. Greedy outputs are compared with `LLM.generate` on the same
-engine, run while the server is idle."""
+engine, run while the server is idle.
+
+A CI timeout's SIGTERM: nothing here catches it (uvicorn runs in a thread, so it installs no
+handler; asyncio.run only takes SIGINT), so it kills pytest, unless pytest is the first process
+of its PID namespace (a container's command), where the kernel drops signals it has no handler
+for and only SIGKILL works. While the server is up, conftest.py's handler turns SIGTERM into a
+KeyboardInterrupt (pytest tears the server down and stops; an Exception would be kept by
+``gather(return_exceptions=True)``), and exits hard if that takes over 30 s."""
 
 import asyncio
 import json
@@ -18,14 +25,15 @@ pytestmark = pytest.mark.slow
 
 def _requests(n: int, seed: int, greedy_every: int = 3):
     """(prompt, max_tokens, sampling kwargs): 1-3 prompts joined, 4-16 tokens, every
-    ``greedy_every``-th greedy, the others sampled (seeded) with mixed top_p / top_k / min_p."""
+    ``greedy_every``-th greedy, the others sampled (seeded) at temperature 0.7 or 1.0, half with
+    min_p (no top_p / top_k: their sort of the 49,152-token vocabulary takes seconds a step on
+    the CPU suite's unoptimised XLA; tests/test_sampling.py covers them)."""
     rng, out = random.Random(seed), []
     for i in range(n):
         prompt = " ".join(rng.sample(PROMPTS, rng.randint(1, 3)))
         samp = dict(temperature=0.0) if i % greedy_every == 0 else dict(
-            temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
-            seed=rng.randrange(10 ** 6),
-            extra_body={"top_k": rng.choice([-1, 20]), "min_p": rng.choice([0.0, 0.05])})
+            temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(10 ** 6),
+            extra_body={"min_p": rng.choice([0.0, 0.05])})
         out.append((prompt, rng.randint(4, 16), samp))
     return out
 

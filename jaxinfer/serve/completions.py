@@ -1,0 +1,160 @@
+"""``POST /v1/completions`` (vLLM's ``serving_completion.py``): prompts are strings or token
+ids, choice ``i * n + j`` is sample j of prompt i; and `OpenAIServing`, what the endpoints share
+(vLLM's ``serving_engine.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.serve import protocol as P
+from jaxinfer.serve.errors import APIError, error_body
+from jaxinfer.serve.openai_logprobs import completion_logprobs
+
+
+class OpenAIServing:
+    """An endpoint over ``llm`` and ``runner`` serving ``model_name``: the model check, the
+    body's `SamplingParams`, prompt checks, and one way to build choices and usage, streamed
+    (server-sent events) or not; ``ids``: the request-id counter the endpoints share.
+    Subclasses set ``prefix`` (of response ids), ``Response`` and ``Chunk`` and define
+    ``choice(index, out, k, offset=0, stream=False)``: a `CompletionOutput` (streamed: what is
+    new) with its top-``k`` logprobs, ``offset`` characters of its text already sent."""
+
+    prefix: str
+
+    def __init__(self, llm, runner, model_name: str, ids) -> None:
+        self.llm, self.runner, self.model_name, self.ids = llm, runner, model_name, ids
+
+    def opening(self, n: int) -> list:
+        """The choices of the first streamed chunk."""
+        return []
+
+    def sampling_params(self, body: P._Sampling, max_tokens, logprobs):
+        """The body's `SamplingParams` once its model name and values pass (else `APIError`)."""
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(f"The model `{body.model}` does not exist; this server serves "
+                           f"`{self.model_name}`", 404, "model", "model_not_found")
+        limit = self.runner.engine.resolved.engine.max_num_seqs
+        if not 1 <= body.n <= limit:
+            raise APIError(f"n={body.n} is invalid: must be in [1, max_num_seqs={limit}]",
+                           param="n")
+        try:
+            sp = body.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError.invalid(e) from None
+        if sp.stop and self.llm.tokenizer is None:
+            raise APIError("stop strings need a tokenizer; this model has none", param="stop")
+        return sp
+
+    async def prompt_ids(self, make, sp, param: str) -> list[int]:
+        """``make()``'s token ids (in a worker thread: tokenizing takes a while) once the engine
+        would admit them with ``sp``; a ValueError is a 400 naming ``param``."""
+        def checked():
+            self.runner.engine.check_request(ids := make(), sp)
+            return ids
+        try:
+            return await run_in_threadpool(checked)
+        except ValueError as e:
+            raise APIError.invalid(e, param) from None
+
+    async def respond(self, request: Request, body: P._Sampling, prompts, sp):
+        """The whole response, or (``body.stream``) a `StreamingResponse` of its chunks."""
+        rid = f"{self.prefix}-{next(self.ids)}"
+        events = self._events(request, prompts, sp, body.stream)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._chunks(rid, events, sp, usage),
+                                     media_type="text/event-stream")
+        choices, usage = [], P.UsageInfo()
+        async for p, out in events:
+            if isinstance(out, str):
+                raise APIError(out)
+            _count(usage, out)
+            choices += [self.choice(p * sp.n + c.index, c, sp.logprobs) for c in out.outputs]
+        return self.Response(id=rid, model=self.model_name, usage=usage,
+                             choices=sorted(choices, key=lambda c: c.index))
+
+    async def _events(self, request: Request, prompts: list[list[int]], sp, stream: bool):
+        """Yield ``(prompt index, event)`` until every prompt's request finished; abort those
+        left when the client goes away (the generator is closed)."""
+        sink: asyncio.Queue = asyncio.Queue()
+        rids = {f"req-{next(self.ids)}": i for i in range(len(prompts))}
+        for rid, i in rids.items():
+            self.runner.submit(rid, prompts[i], sp, sink, stream)
+        left = set(rids)
+        try:
+            while left:
+                try:
+                    rid, ev = await asyncio.wait_for(sink.get(), 1.0)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+                if not isinstance(ev, CompletionOutput):
+                    left.discard(rid)
+                yield rids[rid], ev
+        finally:
+            for rid in left:
+                self.runner.abort(rid)
+
+    async def _chunks(self, rid: str, events, sp, include_usage: bool):
+        def chunk(choices, usage=None) -> str:
+            c = self.Chunk(id=rid, model=self.model_name, choices=choices, usage=usage)
+            return f"data: {c.model_dump_json()}\n\n"
+
+        if opening := self.opening(sp.n):
+            yield chunk(opening)
+        usage, offsets = P.UsageInfo(), {}
+        async for p, ev in events:
+            if isinstance(ev, str):
+                yield f"data: {json.dumps(error_body(ev, 400))}\n\n"
+            elif isinstance(ev, RequestOutput):
+                _count(usage, ev)
+                for c in ev.outputs:  # an aborted sample's finish reason
+                    if c.finish_reason == "abort":
+                        abort = CompletionOutput(c.index, "", (), "abort")
+                        yield chunk([self.choice(p * sp.n + c.index, abort, None, stream=True)])
+            else:
+                i = p * sp.n + ev.index
+                yield chunk([self.choice(i, ev, sp.logprobs, offsets.get(i, 0), True)])
+                offsets[i] = offsets.get(i, 0) + len(ev.text)
+        if include_usage:
+            yield chunk([], usage)
+        yield "data: [DONE]\n\n"
+
+
+def _count(usage: P.UsageInfo, out: RequestOutput) -> None:
+    usage.prompt_tokens += len(out.prompt_token_ids)
+    usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+
+
+class ServingCompletion(OpenAIServing):
+    prefix, Response, Chunk = "cmpl", P.CompletionResponse, P.CompletionResponse
+
+    async def create(self, body: P.CompletionRequest, request: Request):
+        for field, bad in (("echo", body.echo), ("suffix", body.suffix is not None),
+                           ("best_of", body.best_of not in (None, body.n))):
+            if bad:
+                raise APIError(f"{field} is not supported", param=field)
+        sp = self.sampling_params(body, body.max_tokens, body.logprobs)
+        p = body.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            p = [p]
+        if not p:
+            raise APIError("prompt must not be empty", param="prompt")
+        prompts = [await self.prompt_ids(lambda x=x: self.llm._to_ids(x)[1], sp, "prompt")
+                   for x in p]
+        return await self.respond(request, body, prompts, sp)
+
+    def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False):
+        lps = None if k is None or out.logprobs is None else completion_logprobs(
+            out.token_ids, out.logprobs, k, offset)
+        return P.CompletionChoice(index=index, text=out.text, logprobs=lps,
+                                  finish_reason=out.finish_reason,
+                                  stop_reason=out.stop_reason)

@@ -1,0 +1,57 @@
+"""OpenAI's error JSON, ``{"error": {"message", "type", "param", "code"}}`` (``code`` a string
+or null), and the handlers answering with it: `APIError`, pydantic's request validation (400),
+Starlette's HTTP errors (404 unknown path, 405). Source: vLLM's ``create_error_response``."""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+
+class APIError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+    @classmethod
+    def invalid(cls, e: ValueError, param: str | None = None) -> APIError:
+        """A 400 for ``e`` naming ``param``, or the field of a `SamplingParams` error
+        ("SamplingParams.top_p=0 is invalid: ..." becomes "top_p=0 is invalid: ...", "top_p")."""
+        if (m := re.search(r"SamplingParams\.(\w+)=", str(e))) is None:
+            return cls(str(e), param=param)
+        return cls(str(e).replace("SamplingParams.", ""), param=m.group(1))
+
+
+def error_response(message: str, status: int, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, status, param, code), status)
+
+
+def error_body(message: str, status: int, param: str | None = None,
+               code: str | None = None) -> dict:
+    kind = {401: "authentication_error", 404: "not_found_error"}.get(
+        status, "invalid_request_error" if 400 <= status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError) -> JSONResponse:
+        return error_response(str(e), e.status, e.param, e.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0]
+        if err.get("type") == "json_invalid":  # loc is ("body", offset): not a parameter
+            return error_response(f"the request body is not valid JSON: {err.get('msg')}", 400)
+        param = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
+        return error_response(f"{param or 'body'}: {err.get('msg')}", 400, param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException) -> JSONResponse:
+        return error_response(str(e.detail), e.status_code)

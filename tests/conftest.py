@@ -179,13 +179,13 @@ def _compile_budget():
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tiny_text_cfg, tiny_text_params, smollm_tokenizer, tmp_path_factory):
-    """The tiny text model (`tiny_text_cfg`, `tiny_text_params`, SmolLM2's tokenizer and EOS)
+def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_factory):
+    """The tiny text model (`tiny_text_cfg`, `tiny_text_params`, its tokenizer and EOS)
     as an Orbax directory (`jaxinfer.loading.save_checkpoint`), written once per run, for tests
     that start ``LLM(path)`` in another process (the server's CLI)."""
     from jaxinfer.loading import save_checkpoint
 
     path = tmp_path_factory.mktemp("tiny-checkpoint") / "tiny"
-    save_checkpoint(path, tiny_text_cfg, tiny_text_params, smollm_tokenizer,
+    save_checkpoint(path, tiny_text_cfg, tiny_text_params, tiny_tokenizer,
                     tiny_text_cfg.eos_token_ids)
     return str(path)

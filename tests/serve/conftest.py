@@ -1,10 +1,10 @@
-"""One server for tests/serve: the tiny random model with SmolLM2's tokenizer (tests/conftest.py:
-text prompts, chat template, stop strings and logprob token texts work) behind
+"""One server for tests/serve: the tiny random model and its character-level tokenizer
+(tests/conftest.py: text prompts, chat template, stop strings and logprob token texts work) behind
 `jaxinfer.serve.create_app`, uvicorn on a free loopback port in a thread, an API key set. Its
-step shapes are fixed (one batch bucket of 32, one token bucket of 256, one page of 64 tokens per
+step shapes are fixed (one batch bucket of 32, one token bucket of 256, one page of 256 tokens per
 sequence): prefill and decode, greedy or sampled, with or without log-probabilities, are
-compiled up front; a test that makes it compile another fails (`SERVER_COMPILES`). Random weights: tests
-compare the server's outputs with `LLM.generate` on the same engine, not with expected text."""
+compiled up front; a test that makes it compile another fails (`SERVER_COMPILES`). Random
+weights: tests compare the server's outputs with `LLM.generate` on the same engine, not with expected text."""
 
 import asyncio
 import os
@@ -20,7 +20,7 @@ MODEL, KEY = "smol", "test-key"
 PROMPTS = ["The capital of France is", "def add(a, b):", "One, two, three,",
            "Water boils at", "The quick brown fox", "In 1492, Columbus",
            "My favourite colour is", "import numpy as np\n"]
-SERVE_ENGINE = dict(max_model_len=64, max_num_seqs=32, page_size=64, num_pages=40,
+SERVE_ENGINE = dict(max_model_len=256, max_num_seqs=32, page_size=256, num_pages=40,
                     max_num_batched_tokens=256, kernels="batch_buckets=32,token_buckets=256")
 # {prefill, decode} x {greedy, sampled} x {no logprobs, top-5 bucket}, and the prefill of a
 # step holding a prompt's first chunk (its row carries EOS's min_tokens bias), greedy or sampled

@@ -1,5 +1,5 @@
 """``python -m jaxinfer.serve`` as a process, on the tiny random model's Orbax directory
-(``tiny_checkpoint``, tests/conftest.py): it loads back with SmolLM2's tokenizer; bad options
+(``tiny_checkpoint``, tests/conftest.py): it loads back with its tokenizer; bad options
 exit 2 with one line; SIGTERM while a stream runs ends that stream (finished or aborted), then
 the process exits 0 without a traceback."""
 
@@ -25,8 +25,8 @@ def test_bad_option_is_one_line_exit_2():
     assert "Traceback" not in r.stderr
 
 
-def test_tiny_checkpoint_loads_back(tiny_checkpoint, tiny_text_params, smollm_tokenizer):
-    """`LLM(path)` reads back the weights, SmolLM2's tokenizer (vocabulary, special tokens, chat
+def test_tiny_checkpoint_loads_back(tiny_checkpoint, tiny_text_params, tiny_tokenizer):
+    """`LLM(path)` reads back the weights, the tiny tokenizer (vocabulary, special tokens, chat
     template) and its EOS."""
     import jax
     import numpy as np
@@ -36,9 +36,9 @@ def test_tiny_checkpoint_loads_back(tiny_checkpoint, tiny_text_params, smollm_to
     llm = LLM(tiny_checkpoint, max_model_len=64, page_size=64, num_pages=2, max_num_seqs=1,
               dtype="float32")
     tok, text = llm.tokenizer, "Hello, wörld! <|im_start|>user\n"
-    assert tok.encode(text) == smollm_tokenizer.encode(text) and len(tok) == len(smollm_tokenizer)
-    assert tok.chat_template == smollm_tokenizer.chat_template
-    assert smollm_tokenizer.eos_token_id in llm.engine.eos_token_ids
+    assert tok.encode(text) == tiny_tokenizer.encode(text) and len(tok) == len(tiny_tokenizer)
+    assert tok.chat_template == tiny_tokenizer.chat_template
+    assert tiny_tokenizer.eos_token_id in llm.engine.eos_token_ids
     for a, b in zip(jax.tree_util.tree_leaves(llm.engine.params),
                     jax.tree_util.tree_leaves(tiny_text_params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -51,8 +51,8 @@ def test_sigterm_ends_streams_and_exits_cleanly(tiny_checkpoint):
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxinfer.serve", "--model", tiny_checkpoint, "--port", str(port),
-         "--api-key", KEY, "--served-model-name", "m", "--max-model-len", "64", "--page-size",
-         "64", "--num-pages", "4", "--max-num-seqs", "1", "--dtype", "float32", "--kernels",
+         "--api-key", KEY, "--served-model-name", "m", "--max-model-len", "128", "--page-size",
+         "128", "--num-pages", "4", "--max-num-seqs", "1", "--dtype", "float32", "--kernels",
          "batch_buckets=1,token_buckets=64", "--max-num-batched-tokens", "64",
          "--shutdown-timeout", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

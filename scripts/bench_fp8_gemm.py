@@ -49,13 +49,12 @@ def candidates(M: int, K: int, N: int) -> list:
     """The default knobs and one-knob variations around them (``--sweep``)."""
     base = triton_pallas.default_config(M, K, N)
     rep = dataclasses.replace
-    out = [base, rep(base, splits=max(1, base.splits // 2)), rep(base, splits=base.splits * 2),
-           rep(base, num_warps=4 if base.num_warps == 8 else 8), rep(base, num_stages=5),
-           rep(base, block_n=64), rep(base, block_n=256), rep(base, block_k=base.block_k * 2)]
+    out = [base, rep(base, splits=base.splits * 2), rep(base, splits=max(1, base.splits // 2))]
     if M > base.gemv_rows:
-        out += [rep(base, block_m=128), rep(base, block_m=256, num_warps=8)]
+        out += [rep(base, swap_ab=True), rep(base, swap_ab=True, splits=base.splits * 2)]
+        out += [rep(base, block_m=2 * base.block_m)] if M >= 2 * base.block_m else []
     else:
-        out += [rep(base, gemv_rows=0, block_m=16)]  # the dot path on 16 padded rows
+        out += [rep(base, block_k=32), rep(base, splits=base.splits * 4)]
     seen, uniq = set(), []
     for c in out:
         if c not in seen and N % c.block_n == 0 and K % (c.splits * c.block_k) == 0:

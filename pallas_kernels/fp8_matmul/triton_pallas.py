@@ -24,22 +24,24 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.fp8_matmul.reference import check_args
 from pallas_kernels.sizes import is_pow2, next_pow2, raise_first, round_up
 
-_TARGET_PROGRAMS = 264  # two per SM of an H100/H200 (132 SMs)
+_TN = (((0,), (1,)), ((), ()))  # w [bk, bn], x [rows, bk] -> w^T x^T [bn, rows]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Fp8MatmulConfig:
     """Static knobs: gemv_rows (M at or below it: GEMV path; 0: never), block_m (tiled-path rows,
     power of 2 >= 16), block_n and block_k (powers of 2 >= 16), splits (K ranges, >= 1),
-    num_warps (1..16, power of 2), num_stages (software-pipeline depth, >= 1)."""
+    num_warps (1..16, power of 2), num_stages (software-pipeline depth, >= 1), swap_ab (tiled
+    path: out^T = w^T x^T, the weight on the MMA's M side and the rows on its N side)."""
 
-    gemv_rows: int = 4
+    gemv_rows: int = 2
     block_m: int = 64
     block_n: int = 128
     block_k: int = 64
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap_ab: bool = False
 
     def __post_init__(self):
         raise_first([
@@ -54,21 +56,21 @@ class Fp8MatmulConfig:
 
 
 def default_config(M: int, K: int, N: int) -> Fp8MatmulConfig:
-    """Knobs for x [M, K] @ w [K, N]: GEMV tiles [32, 128] for M <= 4, else dot tiles of
-    min(64, rows) x 128 x 64; splits: the fewest (power of 2) giving >= 264 programs, keeping
-    >= 4 K tiles per split."""
-    gemv = M <= 4
-    bm = 1 if gemv else min(64, max(16, next_pow2(M)))
-    bk = 32 if gemv else 64
+    """Knobs for x [M, K] @ w [K, N] from the H200 sweep (benchmarks/fp8_gemm_notes.md): M <= 2:
+    GEMV tiles [64, 128], 8 warps; else dot tiles of 16 (M <= 16), 64 (M <= 64) or 128 rows x 128
+    x 64. splits: the fewest (power of 2) giving >= 512 (GEMV), 384 (M <= 64) or 192 programs,
+    keeping >= 4 K tiles per split."""
+    gemv, bk = M <= 2, 64
+    bm = 1 if gemv else 16 if M <= 16 else 64 if M <= 64 else 128
+    target = 512 if gemv else 384 if M <= 64 else 192
     splits, tiles = 1, -(-M // bm) * max(1, N // 128)
-    while tiles * splits < _TARGET_PROGRAMS and K % (2 * splits * bk) == 0 \
-            and K // (2 * splits * bk) >= 4:
+    while tiles * splits < target and K % (2 * splits * bk) == 0 and K // (2 * splits * bk) >= 4:
         splits *= 2
-    return Fp8MatmulConfig(gemv_rows=4, block_m=max(bm, 16), block_k=bk, splits=splits,
+    return Fp8MatmulConfig(block_m=max(bm, 16), block_k=bk, splits=splits,
                            num_warps=8 if gemv else 4)
 
 
-def _kernel(x_ref, w_ref, s_ref, o_ref, *, gemv: bool, bk: int, steps: int):
+def _kernel(x_ref, w_ref, s_ref, o_ref, *, gemv: bool, swap_ab: bool, bk: int, steps: int):
     """x_ref [rows, K] bf16, w_ref [K, bn] fp8, s_ref f32[bn] -> o_ref [rows, bn] (partials f32)."""
     k_lo = pl.program_id(1) * steps
 
@@ -90,10 +92,13 @@ def _kernel(x_ref, w_ref, s_ref, o_ref, *, gemv: bool, bk: int, steps: int):
 
     def dot_step(i, acc):
         k0, w = tile(i)
-        return acc + jnp.dot(x_ref[:, pl.ds(k0, bk)], w.astype(jnp.bfloat16),
-                             preferred_element_type=jnp.float32)
-    acc = lax.fori_loop(0, steps, dot_step, jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = (acc * s_ref[...][None, :]).astype(o_ref.dtype)
+        x, w = x_ref[:, pl.ds(k0, bk)], w.astype(jnp.bfloat16)
+        if swap_ab:
+            return acc + lax.dot_general(w, x, _TN, preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+    shape = o_ref.shape[::-1] if swap_ab else o_ref.shape
+    acc = lax.fori_loop(0, steps, dot_step, jnp.zeros(shape, jnp.float32))
+    o_ref[...] = ((acc.T if swap_ab else acc) * s_ref[...][None, :]).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "interpret"))
@@ -103,8 +108,10 @@ def _fp8_matmul(x, w, scale, *, cfg: Fp8MatmulConfig, interpret: bool):
     bm, bn, S = (M if gemv else cfg.block_m), cfg.block_n, cfg.splits
     Mp = round_up(M, bm)
     xp = jnp.pad(x, ((0, Mp - M), (0, 0))) if Mp != M else x
+    kernel = functools.partial(_kernel, gemv=gemv, swap_ab=cfg.swap_ab, bk=cfg.block_k,
+                               steps=K // (S * cfg.block_k))
     out = pl.pallas_call(
-        functools.partial(_kernel, gemv=gemv, bk=cfg.block_k, steps=K // (S * cfg.block_k)),
+        kernel,
         out_shape=jax.ShapeDtypeStruct((S, Mp, N), jnp.bfloat16 if S == 1 else jnp.float32),
         grid=(Mp // bm, S, N // bn),
         in_specs=[pl.BlockSpec((bm, K), lambda r, s, j: (r, 0)),
@@ -113,7 +120,7 @@ def _fp8_matmul(x, w, scale, *, cfg: Fp8MatmulConfig, interpret: bool):
         out_specs=pl.BlockSpec((None, bm, bn), lambda r, s, j: (s, r, j)),
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-        name=f"fp8_{'gemv' if gemv else 'gemm'}_n{bn}_k{cfg.block_k}_s{S}",
+        name=f"fp8_{'gemv' if gemv else 'gemm'}_m{bm}_n{bn}_k{cfg.block_k}_s{S}",
     )(xp, w, scale)
     out = out[0] if S == 1 else out.sum(0).astype(jnp.bfloat16)
     return out[:M] if Mp != M else out
@@ -124,7 +131,7 @@ def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
     """`reference.fp8_matmul` in one Pallas/Triton launch (plus an f32 sum when splits > 1): x
     bf16 [M, K], w float8_e4m3fn [K, N], scale f32[N] -> bf16 [M, N]. config None:
     `default_config`. ValueError: `reference.check_args`; N not a multiple of block_n; K not a
-    multiple of splits * block_k; more than 16 GEMV rows."""
+    multiple of splits * block_k."""
     M, K, N = check_args(x, w, scale)
     cfg = config if config is not None else default_config(M, K, N)
     raise_first([

@@ -31,13 +31,15 @@ def rel_err(got, want):
 
 CASES = [  # (M, K, N, config or None: default_config)
     (1, 256, 128, None),                                                    # GEMV, split K
-    (3, 256, 256, Fp8MatmulConfig(splits=2, block_k=32)),                   # GEMV, 3 rows
+    (3, 256, 256, Fp8MatmulConfig(gemv_rows=4, splits=2, block_k=32)),      # GEMV, 3 rows
     (3, 128, 128, Fp8MatmulConfig(gemv_rows=0, block_m=16, block_k=32)),    # dot, padded rows
     (16, 256, 128, None),                                                   # dot, 16 rows
     (64, 128, 256, Fp8MatmulConfig(block_n=64, block_k=32, splits=2)),      # dot, split K
+    (20, 128, 128, Fp8MatmulConfig(block_m=16, block_k=32, swap_ab=True)),  # w^T x^T, padded
 ]
 QWEN3_8B = [(1, 4096, 6144, None), (4, 12288, 4096, None), (16, 4096, 24576, None),
-            (64, 4096, 6144, None), (256, 12288, 4096, None)]
+            (64, 4096, 6144, None), (256, 12288, 4096, None),
+            (64, 4096, 6144, Fp8MatmulConfig(block_m=64, splits=8, swap_ab=True))]
 
 
 @pytest.mark.parametrize("mode, case", runs(CASES, QWEN3_8B))

@@ -1,6 +1,6 @@
 """fp8-weight GEMMs at Qwen3-8B's decode shapes: bf16 ``x @ w``, the engine's dequant path
 (`jaxinfer.models.layers.dense`), XLA's scale-after-dot, and the `pallas_kernels.fp8_matmul`
-kernels (default knobs, and with ``--sweep`` the best of a few knob sets around them).
+kernels (default knobs, and with ``--sweep N`` the best of N knob sets around them).
 
 Each fp8 implementation is checked against the float32 reference first (relative error < 1e-2).
 Time: GPU kernel µs per GEMM from a profiler trace (`profile_decode_step.kernel_us_per_call`; the
@@ -9,7 +9,7 @@ the weights come from HBM, not L2. GB/s counts weights, x and the output once. P
 appends JSON objects (bench="fp8_gemm") to ``--out``.
 
     python scripts/bench_fp8_gemm.py [--rows 1 4 16 64 128 256] [--shapes wqkv gate_up down]
-        [--sweep] [--out benchmarks/h200.jsonl]
+        [--sweep N] [--out benchmarks/h200.jsonl]
 """
 
 from __future__ import annotations
@@ -46,15 +46,17 @@ def baselines() -> dict:
 
 
 def candidates(M: int, K: int, N: int) -> list:
-    """The default knobs and one-knob variations around them (``--sweep``)."""
+    """The default knobs, then variations around them, most promising first."""
     base = triton_pallas.default_config(M, K, N)
     rep = dataclasses.replace
-    out = [base, rep(base, splits=base.splits * 2), rep(base, splits=max(1, base.splits // 2))]
     if M > base.gemv_rows:
-        out += [rep(base, swap_ab=True), rep(base, swap_ab=True, splits=base.splits * 2)]
+        out = [base, rep(base, swap_ab=True), rep(base, splits=base.splits * 2),
+               rep(base, swap_ab=True, splits=base.splits * 2)]
         out += [rep(base, block_m=2 * base.block_m)] if M >= 2 * base.block_m else []
     else:
-        out += [rep(base, block_k=32), rep(base, splits=base.splits * 4)]
+        out = [base, rep(base, splits=base.splits * 4), rep(base, splits=base.splits * 2),
+               rep(base, block_k=32)]
+    out.append(rep(base, splits=max(1, base.splits // 2)))
     seen, uniq = set(), []
     for c in out:
         if c not in seen and N % c.block_n == 0 and K % (c.splits * c.block_k) == 0:
@@ -85,7 +87,7 @@ def run_shape(name, M, args, meta):
     xs, w8, wb, ss = make_inputs(M, K, N, args.layers)
     want = np.asarray(reference.fp8_matmul(xs[0], w8[0], ss[0]), np.float32)
     fns = dict(baselines())
-    cfgs = candidates(M, K, N) if args.sweep else [triton_pallas.default_config(M, K, N)]
+    cfgs = candidates(M, K, N)[:args.sweep]
     for i, c in enumerate(cfgs):
         fns[f"triton{'' if i == 0 else i}"] = (
             lambda x, w, s, c=c: triton_pallas.fp8_matmul(x, w, s, config=c), c)
@@ -115,11 +117,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--sweep", action="store_true", help="also time knob variations")
+    ap.add_argument("--sweep", type=int, default=1, metavar="N",
+                    help="knob sets timed per shape: the default and N - 1 variations of it")
     ap.add_argument("--layers", type=int, default=8, help="weight sets per timed call")
     ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
     ap.add_argument("--out", default="benchmarks/h200.jsonl", help="JSON lines appended here")
     args = ap.parse_args()
+    if args.sweep < 1:
+        ap.error(f"--sweep {args.sweep}: at least 1 (the default knobs)")
     meta = dict(bench="fp8_gemm", date=datetime.date.today().isoformat(), commit=git_commit(),
                 jax=jax.__version__, device=jax.devices()[0].device_kind, xla_flags=xla_flags())
     print(f"{'shape':<8} {'M':>4} {'variant':<16} {'us':>8} {'GB/s':>7}")

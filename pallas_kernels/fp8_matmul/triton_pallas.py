@@ -57,10 +57,11 @@ class Fp8MatmulConfig:
 
 def default_config(M: int, K: int, N: int) -> Fp8MatmulConfig:
     """Knobs for x [M, K] @ w [K, N] from the H200 sweep (benchmarks/fp8_gemm_notes.md): M <= 2:
-    GEMV tiles [64, 128], 8 warps; else dot tiles of 16 (M <= 16), 64 (M <= 64) or 128 rows x 128
+    GEMV tiles [32, 128], 8 warps; else dot tiles of 16 (M <= 16), 64 (M <= 64) or 128 rows x 128
     x 64. splits: the fewest (power of 2) giving >= 512 (GEMV), 384 (M <= 64) or 192 programs,
     keeping >= 4 K tiles per split."""
-    gemv, bk = M <= 2, 64
+    gemv = M <= 2
+    bk = 32 if gemv else 64
     bm = 1 if gemv else 16 if M <= 16 else 64 if M <= 64 else 128
     target = 512 if gemv else 384 if M <= 64 else 192
     splits, tiles = 1, -(-M // bm) * max(1, N // 128)

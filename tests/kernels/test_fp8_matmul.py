@@ -37,9 +37,8 @@ CASES = [  # (M, K, N, config or None: default_config)
     (64, 128, 256, Fp8MatmulConfig(block_n=64, block_k=32, splits=2)),      # dot, split K
     (20, 128, 128, Fp8MatmulConfig(block_m=16, block_k=32, swap_ab=True)),  # w^T x^T, padded
 ]
-QWEN3_8B = [(1, 4096, 6144, None), (4, 12288, 4096, None), (16, 4096, 24576, None),
-            (64, 4096, 6144, None), (256, 12288, 4096, None),
-            (64, 4096, 6144, Fp8MatmulConfig(block_m=64, splits=8, swap_ab=True))]
+# compiled only; three, so that the GPU tier stays inside one 10-minute call
+QWEN3_8B = [(1, 4096, 6144, None), (16, 4096, 24576, None), (256, 12288, 4096, None)]
 
 
 @pytest.mark.parametrize("mode, case", runs(CASES, QWEN3_8B))

@@ -26,15 +26,14 @@ pytestmark = pytest.mark.slow
 
 def _requests(n: int, seed: int, greedy_every: int = 3):
     """(prompt, max_tokens, sampling kwargs): 1-3 prompts joined, 4-16 tokens, every
-    ``greedy_every``-th greedy, the others sampled (seeded) at temperature 0.7 or 1.0, half with
-    min_p (no top_p / top_k: their sort of the 49,152-token vocabulary takes seconds a step on
-    the CPU suite's unoptimised XLA; tests/test_sampling.py covers them)."""
+    ``greedy_every``-th greedy, the others sampled (seeded) with mixed top_p / top_k / min_p."""
     rng, out = random.Random(seed), []
     for i in range(n):
         prompt = " ".join(rng.sample(PROMPTS, rng.randint(1, 3)))
         samp = dict(temperature=0.0) if i % greedy_every == 0 else dict(
-            temperature=rng.choice([0.7, 1.0]), seed=rng.randrange(10 ** 6),
-            extra_body={"min_p": rng.choice([0.0, 0.05])})
+            temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
+            seed=rng.randrange(10 ** 6),
+            extra_body={"top_k": rng.choice([-1, 20]), "min_p": rng.choice([0.0, 0.05])})
         out.append((prompt, rng.randint(4, 16), samp))
     return out
 

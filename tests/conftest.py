@@ -145,7 +145,8 @@ def tiny_llm(tiny_cfg, tiny_params, tiny_text_cfg, tiny_text_params, tiny_tokeni
     """``tiny_llm(max_compiles=N, text=True, **engine_args)``: the tiny model's `LLM` over
     `TINY_ENGINE` updated with ``engine_args``, built once per distinct configuration per run;
     ``text=False``: `TINY` with `tiny_params`, no tokenizer. ``max_compiles``: the step shapes
-    it may compile in the whole run (`check_compiles`, run after every test that used it)."""
+    it may compile in the whole run (`check_compiles`, after each test on the engines that
+    compiled during it: the test that makes one compile too much fails)."""
     from jaxinfer import LLM
 
     engines = {}
@@ -160,22 +161,25 @@ def tiny_llm(tiny_cfg, tiny_params, tiny_text_cfg, tiny_text_params, tiny_tokeni
             else:
                 llm = LLM.from_params(tiny_cfg, tiny_params, **args)
             engines[key] = llm, max_compiles
-        _used.append(engines[key])
+            _engines.append(engines[key])
         return engines[key][0]
 
     yield get
     engines.clear()
+    _engines.clear()
 
 
-_used: list = []  # (LLM, max_compiles) of the tiny engines the running test asked for
+_engines: list = []  # (LLM, max_compiles) of every tiny engine built in this run
 
 
 @pytest.fixture(autouse=True)
 def _compile_budget():
-    """After each test: `check_compiles` on every tiny engine the test used."""
+    """After each test: `check_compiles` on every tiny engine that compiled during it."""
+    before = {id(llm): llm.engine.stats.num_compiles for llm, _ in _engines}
     yield
-    while _used:
-        check_compiles(*_used.pop())
+    for llm, budget in _engines:
+        if llm.engine.stats.num_compiles != before.get(id(llm)):
+            check_compiles(llm, budget)
 
 
 @pytest.fixture(scope="session")

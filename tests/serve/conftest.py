@@ -70,14 +70,6 @@ def server(tiny_llm):
     thread.join(60)
 
 
-@pytest.fixture(autouse=True)
-def _server_compile_budget(request):
-    """Each test that uses the server names its engine to `tiny_llm`, whose budget check
-    (tests/conftest.py) then fails the test if it compiled a step shape not precompiled."""
-    if "server" in request.fixturenames:
-        request.getfixturevalue("tiny_llm")(max_compiles=SERVER_COMPILES, **SERVE_ENGINE)
-
-
 @pytest.fixture(scope="package")
 def client(server):
     import openai

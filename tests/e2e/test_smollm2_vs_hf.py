@@ -135,8 +135,8 @@ def test_stop_string_spanning_many_tokens(tiny):
     sp = SamplingParams(max_tokens=60, ignore_eos=True, **GREEDY)
     full = tiny.generate("Once upon a time", sp)[0]
     tok = tiny.get_tokenizer()
-    stop = tok.decode(list(full.token_ids[2:22]))
-    assert len(stop) > 20
+    stop = tok.decode(list(full.token_ids[2:26]), skip_special_tokens=True)  # 24 tokens
+    assert len(stop) > 16  # one character a token (the tiny tokenizer), specials left out
     out = tiny.generate("Once upon a time", SamplingParams(max_tokens=60, ignore_eos=True,
                                                         stop=[stop], **GREEDY))[0]
     assert out.outputs[0].finish_reason == "stop" and stop not in out.text

@@ -193,3 +193,17 @@ def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_fa
     save_checkpoint(path, tiny_text_cfg, tiny_text_params, tiny_tokenizer,
                     tiny_text_cfg.eos_token_ids)
     return str(path)
+
+
+# Tests that share a costly run-wide set-up run on one pytest-xdist worker (`--dist loadgroup`):
+# SmolLM2's engines and HF model, and the server's engine.
+_GROUPS = {"smollm": {"smollm_path", "smollm_engine", "smollm_cli_args"}}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "tests/serve/" in item.nodeid:
+            item.add_marker(pytest.mark.xdist_group("serve"))
+        for name, fixtures in _GROUPS.items():
+            if fixtures & set(item.fixturenames):
+                item.add_marker(pytest.mark.xdist_group(name))

@@ -449,13 +449,20 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     page_size of 8. block_kv, num_stages, num_splits: `MosaicDecodeConfig` (unless ``config``).
     page_offset: i32[32] ``layer_offsets(layer, P)``, replaces ``layer``. ValueError: shapes,
     dtypes or knobs the kernel does not take, a Python-int layer outside [0, L). Unchecked: a
-    traced layer, page ids; lengths past the table are clamped to M * page_size."""
+    traced layer, page ids; lengths past the table are clamped to M * page_size.
+
+    Called eagerly in interpret mode, it returns only once the result is ready: the interpreter
+    runs JAX computations inside host callbacks, and XLA:CPU can deadlock when the caller
+    dispatches more work meanwhile (seen with jax 0.10.2 on 2 cores)."""
     cfg = config if config is not None else MosaicDecodeConfig(
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
     N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads, layer,
                   page_offset, sliding_window, soft_cap)
-    return _forward(q, k_pool, v_pool, block_tables, seq_lens,
-                    layer_offsets(layer, k_pool.shape[1]) if page_offset is None else page_offset,
-                    N=N, scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
-                    sliding_window=None if sliding_window is None else int(sliding_window),
-                    interpret=bool(interpret), cfg=cfg)
+    out = _forward(q, k_pool, v_pool, block_tables, seq_lens,
+                   layer_offsets(layer, k_pool.shape[1]) if page_offset is None else page_offset,
+                   N=N, scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
+                   sliding_window=None if sliding_window is None else int(sliding_window),
+                   interpret=bool(interpret), cfg=cfg)
+    if interpret and not isinstance(out, jax.core.Tracer):
+        out.block_until_ready()
+    return out

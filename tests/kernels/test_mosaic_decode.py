@@ -101,8 +101,8 @@ def run_case(mode, seed, *, page_size, H, G, K=2, M=3, dtype=jnp.float32, layer=
     q, k, v, t, s = make_inputs(seed, lens=lens, N=G * K, K=K, H=H, page_size=page_size, M=M,
                                 dtype=dtype)
     scale = H ** -0.5
-    out = _jitted(mode == "interpret", scale, soft_cap, window, cfg)(q, k, v, t, s,
-                                                                  jnp.int32(layer))
+    out = jax.block_until_ready(  # interpret mode: no dispatch while its callbacks run
+        _jitted(mode == "interpret", scale, soft_cap, window, cfg)(q, k, v, t, s, jnp.int32(layer)))
     ref = ref_out(q, k, v, t, s, layer=layer, scale=scale, soft_cap=soft_cap,
                   sliding_window=window)
     rel = check(out, ref, dtype)
@@ -184,7 +184,8 @@ def test_layer_traced_in_scan(mode, case):
     def body(carry, layer):
         return carry, mosaic.paged_decode_attention(q, k, v, t, s, layer=layer, scale=scale,
                                                     interpret=mode == "interpret")
-    _, outs = jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32)))()
+    _, outs = jax.block_until_ready(
+        jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32)))())
     for layer in range(2):
         check(outs[layer], ref_out(q, k, v, t, s, layer=layer, scale=scale), case["dtype"])
     assert not np.allclose(np.asarray(outs[0]), np.asarray(outs[1]))

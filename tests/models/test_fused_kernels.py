@@ -103,8 +103,11 @@ def test_decode_step_grouped_q_into_mosaic_matches_jnp_path(arch):
     assert built.q_group_multiple == 8
     assert built.attention == PagedAttention("mosaic", "reference", (("interpret", True),))
     fused = ModelKernels(built.attention, qkv_prologue=PROLOGUE, q_group_multiple=8)
-    run = lambda mk: models.forward(params, cfg, tok, jnp.asarray(pos), jnp.asarray(slot),  # noqa: E731
-                                    kv, kernels=mk)
+    # one jitted computation each, waited for: GPU interpret mode runs JAX inside host callbacks,
+    # and eager dispatches while they run can deadlock XLA:CPU
+    run = lambda mk: jax.block_until_ready(jax.jit(  # noqa: E731
+        lambda p, c: models.forward(p, cfg, tok, jnp.asarray(pos), jnp.asarray(slot), c,
+                                    kernels=mk))(params, kv))
     (h0, kv0), (h1, kv1) = run(ModelKernels()), run(fused)
     assert float(jnp.std(h0[:2])) > 0.1
     np.testing.assert_allclose(np.asarray(h1[:2]), np.asarray(h0[:2]), rtol=1e-4, atol=1e-4)

@@ -1,6 +1,6 @@
-"""What the command lines share (`jaxinfer.generate`, `jaxinfer.plan`, `jaxinfer.serve`): a parser
-whose errors are one line, the help formatter, the engine options built from `EngineConfig`, and
-``--model`` -> `LLM`."""
+"""What the command lines share (`jaxinfer.generate`, `jaxinfer.serve`, `jaxinfer.plan`,
+`jaxinfer.convert`): a parser whose errors are one line (`fail`), and for the engine's command
+lines ``--model``, the engine options built from `EngineConfig` and ``--model`` -> `LLM`."""
 
 from __future__ import annotations
 
@@ -15,14 +15,6 @@ ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)  # --see
                        if f.name not in ("seed", "kernels"))
 
 
-class Parser(argparse.ArgumentParser):
-    """An argparse parser whose errors raise ValueError(message) instead of printing the usage
-    and exiting (the caller prints one line and exits with code 2)."""
-
-    def error(self, message):
-        raise ValueError(message)
-
-
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Appends "(default: ...)" unless the help says it or the default is None, False or []."""
 
@@ -33,9 +25,20 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class Parser(argparse.ArgumentParser):
+    """An argparse parser (`HelpFormatter`) whose errors raise ValueError(message) instead of
+    printing the usage and exiting (the caller prints one line and exits with code 2)."""
+
+    def __init__(self, prog: str, description: str) -> None:
+        super().__init__(prog=prog, description=description, formatter_class=HelpFormatter)
+
+    def error(self, message):
+        raise ValueError(message)
+
+
 def fail(msg: str) -> int:
-    """Print ``error: msg`` on stderr; returns the exit code 2."""
-    sys.stderr.write(f"error: {msg}\n")
+    """Print ``error: msg`` (its whitespace runs as one space) on stderr; returns exit code 2."""
+    sys.stderr.write(f"error: {' '.join(msg.split())}\n")
     return 2
 
 
@@ -51,9 +54,12 @@ def _kernels(spec: str) -> KernelConfig:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_engine_options(p: argparse.ArgumentParser) -> None:
-    """The group of `ENGINE_OPTIONS` (type, default and help from `EngineConfig`) and
-    ``--kernels SPEC`` (`KernelConfig.parse`)."""
+def engine_parser(prog: str, description: str) -> Parser:
+    """A `Parser` with ``--model``, the group of `ENGINE_OPTIONS` (type, default and help from
+    `EngineConfig`) and ``--kernels SPEC`` (`KernelConfig.parse`)."""
+    p = Parser(prog, description)
+    p.add_argument("--model", default=None, help="HF model dir, GGUF file or Orbax dir "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
     g = p.add_argument_group("engine (jaxinfer.config.EngineConfig)")
     for f in dataclasses.fields(EngineConfig):
         if f.name in ENGINE_OPTIONS:  # type from the annotation: "int | None", "bool", ...
@@ -63,14 +69,17 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernels", type=_kernels, default=KernelConfig(), metavar="SPEC",
                    help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"
                         "prefill=triton ('auto': chosen for the device). Keys: " + KernelConfig.help())
+    return p
 
 
 def make_llm(args: argparse.Namespace, **kwargs):
     """`jaxinfer.llm.LLM` of ``args.model`` (None: the embedded default model) with the engine
-    options of ``args`` (`add_engine_options`) and ``kwargs``. Raises FileNotFoundError: no such
+    options of ``args`` (`engine_parser`) and ``kwargs``; transformers' warnings are silenced
+    (they would break the one-line error contract). Raises FileNotFoundError: no such
     ``--model``; ValueError: as `LLM`."""
     from jaxinfer import llm
 
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.model is not None and not os.path.exists(args.model):
         raise FileNotFoundError(f"--model {args.model!r} does not exist")
     return llm.LLM(args.model, kernels=args.kernels,

@@ -9,7 +9,7 @@ import os
 import shutil
 import sys
 
-EXIT_USAGE = 2
+from jaxinfer.cli_args import Parser, fail
 
 
 def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
@@ -38,25 +38,24 @@ def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m jaxinfer.convert", description=(
-        "Convert an HF safetensors directory or a GGUF file (Llama / Qwen3) into an Orbax "
-        "checkpoint directory that jaxinfer loads without conversion."))
+    ap = Parser("python -m jaxinfer.convert", "Convert an HF safetensors directory or a GGUF file "
+                "(Llama / Qwen3) into an Orbax checkpoint directory that jaxinfer loads without "
+                "conversion.")
     ap.add_argument("src", metavar="SRC", help="HF model directory (config.json + *.safetensors) "
                     "or a .gguf file")
     ap.add_argument("dst", metavar="DST", help="new (or empty) output directory")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="parameter dtype stored in the checkpoint (default: bfloat16)")
+                    help="parameter dtype stored in the checkpoint")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point; returns the exit status (0 ok, 2 bad input)."""
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         convert(args.src, args.dst, args.dtype)
     except (FileNotFoundError, FileExistsError, NotADirectoryError, ValueError) as e:
-        print(f"error: {' '.join(str(e).split()) or type(e).__name__}", file=sys.stderr)
-        return EXIT_USAGE
+        return fail(str(e) or type(e).__name__)
     print(f"wrote {args.dst}")
     return 0
 

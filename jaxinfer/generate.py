@@ -9,7 +9,8 @@ import os
 import sys
 import time
 
-from jaxinfer.cli_args import HelpFormatter, Parser, add_engine_options, fail, flag, make_llm
+from jaxinfer.cli_args import engine_parser, fail, flag, make_llm
+
 SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
     ("max_tokens", int, 64, "most tokens generated per prompt"),
     ("temperature", float, 0.0, "0 = greedy"),
@@ -26,10 +27,8 @@ SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m jaxinfer.generate", formatter_class=HelpFormatter,
-                description="Generate text with jaxinfer (continuous batching, paged KV cache).")
-    p.add_argument("--model", default=None,
-                   help="HF model dir, GGUF file or Orbax dir (default: embedded SmolLM2-135M-Instruct)")
+    p = engine_parser("python -m jaxinfer.generate",
+                      "Generate text with jaxinfer (continuous batching, paged KV cache).")
     p.add_argument("--tokenizer", default=None,
                    help="HF tokenizer dir or GGUF file to use instead of the model's")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -46,7 +45,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(opt, action="store_true", help=help)
     p.add_argument("--memory-trace", default=None, metavar="FILE",
                    help="write a CSV of weights / KV pool / pages in use / other bytes per step")
-    add_engine_options(p)
     return p
 
 
@@ -92,10 +90,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _setup(args):
-    """(prompts, SamplingParams, LLM, generate inputs). Raises ValueError, FileNotFoundError."""
+def _setup(argv: list[str] | None):
+    """(args, prompts, SamplingParams, LLM, generate inputs). Raises ValueError, FileNotFoundError."""
     from jaxinfer.sampling_params import SamplingParams
 
+    args = build_parser().parse_args(argv)
+    if args.json and args.stream:
+        raise ValueError("--json and --stream cannot be combined: --json writes one JSON object "
+                         "per request on stdout")
     prompts = list(args.prompt) + (_read_prompts_file(args.prompts_file) if args.prompts_file else [])
     if not prompts:
         raise ValueError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
@@ -105,21 +107,12 @@ def _setup(args):
     llm = make_llm(args, tokenizer=args.tokenizer)
     inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
         [{"role": "user", "content": p}])} for p in prompts] if args.chat else prompts
-    return prompts, params, llm, inputs
+    return args, prompts, params, llm, inputs
 
 
 def _main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
-    except ValueError as e:
-        return fail(str(e))
-    if args.json and args.stream:
-        return fail("--json and --stream cannot be combined: --json writes one JSON object per "
-                     "request on stdout")
-    # Library chatter (transformers' config warnings) would break the one-line error contract.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        prompts, params, llm, inputs = _setup(args)
+        args, prompts, params, llm, inputs = _setup(argv)
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
 

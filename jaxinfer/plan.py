@@ -17,7 +17,7 @@ import os
 import sys
 from typing import Sequence
 
-from jaxinfer.cli_args import Parser
+from jaxinfer.cli_args import Parser, fail
 from jaxinfer.config import DTYPE_BYTES, ModelConfig
 from jaxinfer.memory import GIB, device_memory_stats, fp8_weight_bytes, plan_memory
 
@@ -54,15 +54,15 @@ def local_device_bytes() -> tuple[int, str] | None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m jaxinfer.plan", description=__doc__.split("\n")[0])
+    p = Parser("python -m jaxinfer.plan", __doc__.split("\n")[0])
     p.add_argument("--model", required=True,
                    help=f"HF model dir, GGUF file, or preset ({', '.join(sorted(PRESETS))})")
     p.add_argument("--context", type=int, required=True, help="tokens per sequence")
     p.add_argument("--device-memory-gib", type=float, default=None, help="device memory in GiB "
                    "(default: the local accelerator's; required when JAX sees none)")
     p.add_argument("--utilization", type=float, default=0.9,
-                   help="fraction of device memory the engine may use (default 0.9)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+                   help="fraction of device memory the engine may use")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--kv-dtype", "--kv-cache-dtype", choices=sorted(DTYPE_BYTES),
                    default="bfloat16")
     p.add_argument("--weight-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16",
@@ -70,8 +70,8 @@ def _parser() -> argparse.ArgumentParser:
                    "bfloat16, f32 scales; one device)")
     p.add_argument("--weight-gib", type=float, default=None, help="resident weight size in GiB "
                    "(per device), overriding the count from the config (quantised checkpoints)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices the model is "
-                   "sharded over; the plan is per device (default 1)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="devices the model is sharded over; the plan is per device")
     p.add_argument("--reserve-gib", type=float, default=None,
                    help="activations/workspace reserve in GiB (default max(1, 5%% of device))")
     return p
@@ -112,8 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             weight_bytes=_weight_bytes(args, cfg),
             tensor_parallel_size=args.tensor_parallel_size)
     except (ValueError, OSError) as e:
-        print(f"python -m jaxinfer.plan: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 2
+        return fail(str(e))
     print(f"model    {args.model}: {cfg.architecture} L={cfg.num_layers} D={cfg.hidden_size} "
           f"F={cfg.intermediate_size} N={cfg.num_heads} K={cfg.num_kv_heads} H={cfg.head_dim} "
           f"V={cfg.vocab_size} tied={cfg.tie_word_embeddings}")

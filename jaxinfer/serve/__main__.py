@@ -11,13 +11,9 @@ import threading
 
 
 def build_parser():
-    from jaxinfer.cli_args import HelpFormatter, Parser, add_engine_options
+    from jaxinfer.cli_args import engine_parser
 
-    p = Parser(prog="jaxinfer-serve", formatter_class=HelpFormatter,
-               description="OpenAI-compatible HTTP server over the jaxinfer engine.")
-    p.add_argument("--model", default=None,
-                   help="HF model dir, GGUF file or Orbax dir (default: the embedded "
-                        "SmolLM2-135M-Instruct)")
+    p = engine_parser("jaxinfer-serve", "OpenAI-compatible HTTP server over the jaxinfer engine.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
     p.add_argument("--served-model-name", default=None,
@@ -28,7 +24,6 @@ def build_parser():
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    add_engine_options(p)
     return p
 
 
@@ -39,7 +34,6 @@ def main(argv: list[str] | None = None) -> int:
     from jaxinfer.cli_args import fail, make_llm
     from jaxinfer.serve.app import create_app
 
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         args = build_parser().parse_args(argv)
         llm = make_llm(args)

@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from jaxinfer.serve import protocol as P
 from jaxinfer.serve.chat import ServingChat
 from jaxinfer.serve.completions import ServingCompletion
-from jaxinfer.serve.errors import APIError, add_exception_handlers, error_response
+from jaxinfer.serve.errors import APIError, add_exception_handlers
 from jaxinfer.serve.metrics import ServerMetrics
 from jaxinfer.serve.runner import EngineRunner
 
@@ -30,7 +30,7 @@ class _BodyLimit:
         size = headers.get(b"content-length", b"0")
         if size.isdigit() and int(size) > self.limit:
             msg = f"request body of {int(size)} bytes exceeds the limit of {self.limit} bytes"
-            return await error_response(msg, 413)(scope, receive, send)
+            return await APIError(msg, 413).response()(scope, receive, send)
         await self.app(scope, receive, send)
 
 

@@ -8,7 +8,6 @@ from fastapi import Request
 from jaxinfer.serve import protocol as P
 from jaxinfer.serve.completions import OpenAIServing
 from jaxinfer.serve.errors import APIError
-from jaxinfer.serve.openai_logprobs import chat_logprobs
 
 
 class ServingChat(OpenAIServing):
@@ -20,16 +19,16 @@ class ServingChat(OpenAIServing):
         sp = self.sampling_params(body, body.max_completion_tokens or body.max_tokens,
                                   (body.top_logprobs or 0) if body.logprobs else None)
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = await self.prompt_ids(lambda: self.llm.apply_chat_template(msgs), sp, "messages")
-        return await self.respond(request, body, [prompt], sp)
+        prompts = await self.encode(
+            lambda: {"prompt_token_ids": self.llm.apply_chat_template(msgs)}, sp, "messages")
+        return await self.respond(request, body, prompts, sp)
 
     def opening(self, n: int) -> list[P.ChatStreamChoice]:
         return [P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
                 for i in range(n)]
 
     def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False):
-        lps = None if k is None or out.logprobs is None else chat_logprobs(
-            out.token_ids, out.logprobs, k)
+        lps = P.ChatLogprobs.of(out, k)
         if stream:
             return P.ChatStreamChoice(index=index, delta=P.DeltaMessage(content=out.text),
                                       logprobs=lps, finish_reason=out.finish_reason)

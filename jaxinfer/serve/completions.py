@@ -13,8 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.serve import protocol as P
-from jaxinfer.serve.errors import APIError, error_body
-from jaxinfer.serve.openai_logprobs import completion_logprobs
+from jaxinfer.serve.errors import APIError
 
 
 class OpenAIServing:
@@ -44,23 +43,19 @@ class OpenAIServing:
             raise APIError(f"n={body.n} is invalid: must be in [1, max_num_seqs={limit}]",
                            param="n")
         try:
-            sp = body.sampling_params(max_tokens, logprobs)
+            return body.sampling_params(max_tokens, logprobs)
         except ValueError as e:
             raise APIError.invalid(e) from None
-        if sp.stop and self.llm.tokenizer is None:
-            raise APIError("stop strings need a tokenizer; this model has none", param="stop")
-        return sp
 
-    async def prompt_ids(self, make, sp, param: str) -> list[int]:
-        """``make()``'s token ids (in a worker thread: tokenizing takes a while) once the engine
-        would admit them with ``sp``; a ValueError is a 400 naming ``param``."""
-        def checked():
-            self.runner.engine.check_request(ids := make(), sp)
-            return ids
+    async def encode(self, prompts, sp, param: str) -> list[list[int]]:
+        """The token ids of ``prompts()`` (`LLM.generate`'s prompts; in a worker thread:
+        tokenizing takes a while) once the engine would admit each with ``sp``
+        (`LLM._prepare`); a ValueError is a 400 naming ``param`` or the `SamplingParams` field."""
         try:
-            return await run_in_threadpool(checked)
+            _, encoded, _ = await run_in_threadpool(lambda: self.llm._prepare(prompts(), sp, True))
         except ValueError as e:
             raise APIError.invalid(e, param) from None
+        return [ids for _, ids in encoded]
 
     async def respond(self, request: Request, body: P._Sampling, prompts, sp):
         """The whole response, or (``body.stream``) a `StreamingResponse` of its chunks."""
@@ -112,7 +107,7 @@ class OpenAIServing:
         usage, offsets = P.UsageInfo(), {}
         async for p, ev in events:
             if isinstance(ev, str):
-                yield f"data: {json.dumps(error_body(ev, 400))}\n\n"
+                yield f"data: {json.dumps(APIError(ev).body())}\n\n"
             elif isinstance(ev, RequestOutput):
                 _count(usage, ev)
                 for c in ev.outputs:  # an aborted sample's finish reason
@@ -143,18 +138,13 @@ class ServingCompletion(OpenAIServing):
             if bad:
                 raise APIError(f"{field} is not supported", param=field)
         sp = self.sampling_params(body, body.max_tokens, body.logprobs)
-        p = body.prompt
-        if isinstance(p, str) or (p and isinstance(p[0], int)):
-            p = [p]
-        if not p:
+        if body.prompt == []:
             raise APIError("prompt must not be empty", param="prompt")
-        prompts = [await self.prompt_ids(lambda x=x: self.llm._to_ids(x)[1], sp, "prompt")
-                   for x in p]
+        prompts = await self.encode(lambda: body.prompt, sp, "prompt")
         return await self.respond(request, body, prompts, sp)
 
     def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False):
-        lps = None if k is None or out.logprobs is None else completion_logprobs(
-            out.token_ids, out.logprobs, k, offset)
-        return P.CompletionChoice(index=index, text=out.text, logprobs=lps,
+        return P.CompletionChoice(index=index, text=out.text,
+                                  logprobs=P.CompletionLogprobs.of(out, k, offset),
                                   finish_reason=out.finish_reason,
                                   stop_reason=out.stop_reason)

@@ -13,6 +13,8 @@ from starlette.exceptions import HTTPException
 
 
 class APIError(Exception):
+    """An error answered with HTTP ``status``: `body`, its JSON, or `response`."""
+
     def __init__(self, message: str, status: int = 400, param: str | None = None,
                  code: str | None = None) -> None:
         super().__init__(message)
@@ -26,32 +28,29 @@ class APIError(Exception):
             return cls(str(e), param=param)
         return cls(str(e).replace("SamplingParams.", ""), param=m.group(1))
 
+    def body(self) -> dict:
+        kind = {401: "authentication_error", 404: "not_found_error"}.get(
+            self.status, "invalid_request_error" if 400 <= self.status < 500 else "server_error")
+        return {"error": {"message": str(self), "type": kind, "param": self.param,
+                          "code": self.code}}
 
-def error_response(message: str, status: int, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status, param, code), status)
-
-
-def error_body(message: str, status: int, param: str | None = None,
-               code: str | None = None) -> dict:
-    kind = {401: "authentication_error", 404: "not_found_error"}.get(
-        status, "invalid_request_error" if 400 <= status < 500 else "server_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), self.status)
 
 
 def add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_, e: APIError) -> JSONResponse:
-        return error_response(str(e), e.status, e.param, e.code)
+        return e.response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0]
         if err.get("type") == "json_invalid":  # loc is ("body", offset): not a parameter
-            return error_response(f"the request body is not valid JSON: {err.get('msg')}", 400)
+            return APIError(f"the request body is not valid JSON: {err.get('msg')}").response()
         param = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
-        return error_response(f"{param or 'body'}: {err.get('msg')}", 400, param)
+        return APIError(f"{param or 'body'}: {err.get('msg')}", 400, param).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e: HTTPException) -> JSONResponse:
-        return error_response(str(e.detail), e.status_code)
+        return APIError(str(e.detail), e.status_code).response()

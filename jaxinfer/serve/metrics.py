@@ -28,19 +28,18 @@ class ServerMetrics:
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "arrival to finish",
                              buckets=_LATENCY, registry=r)
         sched, bm = engine.scheduler, engine.block_manager
-        Gauge(p + "num_requests_running", "sequences holding KV pages", registry=r
-              ).set_function(lambda: sched.num_running)
-        Gauge(p + "num_requests_waiting", "sequences waiting for admission", registry=r
-              ).set_function(lambda: sched.num_waiting)
-        Gauge(p + "kv_pages_in_use", "KV pool pages not free", registry=r
-              ).set_function(lambda: bm.num_usable_pages - bm.num_free_pages)
-        Gauge(p + "kv_pages_total", "usable KV pool pages", registry=r
-              ).set_function(lambda: bm.num_usable_pages)
-        Gauge(p + "compiled_step_shapes", "step shapes compiled so far", registry=r
-              ).set_function(lambda: engine.stats.num_compiles)
-        Gauge(p + "prefix_cache_hit_rate", "prefix cache hit rate (tokens; 0 without stats)",
-              registry=r).set_function(
-            lambda: float(getattr(engine.stats, "prefix_cache_hit_rate", 0.0) or 0.0))
+        for name, doc, value in (
+                ("num_requests_running", "sequences holding KV pages", lambda: sched.num_running),
+                ("num_requests_waiting", "sequences waiting for admission",
+                 lambda: sched.num_waiting),
+                ("kv_pages_in_use", "KV pool pages not free",
+                 lambda: bm.num_usable_pages - bm.num_free_pages),
+                ("kv_pages_total", "usable KV pool pages", lambda: bm.num_usable_pages),
+                ("compiled_step_shapes", "step shapes compiled so far",
+                 lambda: engine.stats.num_compiles),
+                ("prefix_cache_hit_rate", "prefix cache hit rate (tokens; 0 without stats)",
+                 lambda: float(getattr(engine.stats, "prefix_cache_hit_rate", 0.0) or 0.0))):
+            Gauge(p + name, doc, registry=r).set_function(value)
 
     def record(self, out) -> None:
         """Count a finished `RequestOutput` (sample 0's finish reason and timings)."""

@@ -1,5 +1,6 @@
 """Request and response bodies of the OpenAI API (pydantic; field names and defaults of OpenAI
-and vLLM's ``vllm/entrypoints/openai/protocol.py``). Host side, no JAX."""
+and vLLM's ``vllm/entrypoints/openai/protocol.py``), logprobs built from `Logprob` records. Host
+side, no JAX."""
 
 from __future__ import annotations
 
@@ -87,11 +88,38 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
+def _text(t: int, rec: dict) -> str:
+    """Token ``t``'s text in its position's ``{id: Logprob}`` record: its ``decoded_token``, else
+    "token_id:N" (vLLM's)."""
+    return rec[t].decoded_token if rec[t].decoded_token is not None else f"token_id:{t}"
+
+
+def _top(rec: dict, k: int) -> list[tuple[str, float]]:
+    """(text, logprob) of the position's top ``k``, likeliest first."""
+    ranked = sorted((lp.rank, t) for t, lp in rec.items() if lp.rank is not None and lp.rank <= k)
+    return [(_text(t, rec), rec[t].logprob) for _, t in ranked]
+
+
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
     token_logprobs: list[float | None] = []
     tokens: list[str] = []
     top_logprobs: list[dict[str, float] | None] = []
+
+    @classmethod
+    def of(cls, out, k: int | None, offset: int = 0) -> CompletionLogprobs | None:
+        """Those of ``out`` (a `CompletionOutput`) with the top ``k``, its text starting at
+        ``offset``; None: not asked (``k`` or ``out.logprobs`` None)."""
+        if k is None or out.logprobs is None:
+            return None
+        lps = cls()
+        for t, rec in zip(out.token_ids, out.logprobs):
+            lps.tokens.append(s := _text(t, rec))
+            lps.token_logprobs.append(rec[t].logprob)
+            lps.top_logprobs.append(dict(_top(rec, k)))
+            lps.text_offset.append(offset)
+            offset += len(s)
+        return lps
 
 
 class CompletionChoice(BaseModel):
@@ -114,6 +142,19 @@ class ChatTokenLogprob(TopLogprob):
 
 class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
+
+    @classmethod
+    def of(cls, out, k: int | None) -> ChatLogprobs | None:
+        """As `CompletionLogprobs.of`, in the chat endpoint's shape."""
+        if k is None or out.logprobs is None:
+            return None
+
+        def entry(text, logprob, kind=TopLogprob, **kw):
+            return kind(token=text, logprob=logprob, bytes=list(text.encode("utf-8", "replace")),
+                        **kw)
+        return cls(content=[entry(_text(t, rec), rec[t].logprob, ChatTokenLogprob,
+                                  top_logprobs=[entry(s, lp) for s, lp in _top(rec, k)])
+                            for t, rec in zip(out.token_ids, out.logprobs)])
 
 
 class DeltaMessage(BaseModel):

@@ -153,10 +153,8 @@ class LLM:
                                      spaces_between_special_tokens=spaces_between_special_tokens)
 
     def update_params(self, params) -> None:
-        """Serve new weights in place (`LLMEngine.update_params`): ``params`` has the structure,
-        shapes and dtypes of the served tree (e.g. straight from a trainer); no step is
-        recompiled and the prefix cache is reset. Raises ValueError: a mismatch (the leaf named),
-        or requests in flight."""
+        """Serve new weights in place, no step recompiled: `LLMEngine.update_params` (its
+        ValueErrors: a mismatch, the leaf named, or requests in flight)."""
         self.engine.update_params(params)
 
     def get_tokenizer(self):
@@ -183,25 +181,23 @@ class LLM:
                              'each message needs {"role": ..., "content": ...}') from None
         return self.encode(text, add_special_tokens=False)
 
-    def _to_ids(self, prompt) -> tuple[str | None, list[int]]:
+    def _to_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
+            if "prompt" not in prompt:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+            if not isinstance(prompt := prompt["prompt"], str):
+                raise ValueError(f"'prompt' must be a str; got {type(prompt).__name__}")
         if isinstance(prompt, str):
             try:
                 prompt.encode("utf-8")
             except UnicodeEncodeError as e:  # lone surrogates, e.g. undecodable bytes in argv
                 raise ValueError(f"prompt is not valid Unicode text: {e.reason} at character "
                                  f"{e.start}") from None
-            return prompt, self.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"],
-                                                        "prompt_token_ids")
-            if "prompt" not in prompt:
-                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-            if not isinstance(prompt["prompt"], str):
-                raise ValueError(f"'prompt' must be a str; got {type(prompt['prompt']).__name__}")
-            return self._to_ids(prompt["prompt"])
+            return self.encode(prompt)
         if isinstance(prompt, (list, tuple, np.ndarray)):  # ndarray: 1-D integer only
-            return None, _token_ids(prompt, "a token-id prompt")
+            return _token_ids(prompt, "a token-id prompt")
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got "
                          f"{type(prompt).__name__}")
 
@@ -214,7 +210,7 @@ class LLM:
             text = p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None
             ids = []  # a rejected request keeps what was read of it
             try:
-                text, ids = self._to_ids(p)
+                ids = self._to_ids(p)
                 self.engine.check_request(ids, sp)
                 if sp.stop and self.tokenizer is None:
                     raise ValueError(f"SamplingParams.stop={list(sp.stop)!r} needs detokenized "
@@ -238,36 +234,28 @@ class LLM:
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
         params, encoded, errors = self._prepare(prompts, sampling_params, on_error == "raise")
-        rid_of: dict[int, str] = {}
-        for i, ((_, ids), sp) in enumerate(zip(encoded, params)):
-            try:
-                if i not in errors:
-                    rid_of[i] = self.engine.add_request(ids, sp)
-            except ValueError as e:
-                if on_error == "raise":
-                    for rid in rid_of.values():
-                        self.engine.abort_request(rid)
-                    raise ValueError(f"request {i}: {e}") from None
-                errors[i] = str(e)
-        outputs = self._run(rid_of, [t for t, _ in encoded], use_tqdm, stream)
+        outputs = self._run({i: (ids, sp) for i, ((_, ids), sp) in enumerate(zip(encoded, params))
+                             if i not in errors}, [t for t, _ in encoded], use_tqdm, stream)
         for i, msg in errors.items():
             outputs[i] = RequestOutput(
                 request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=tuple(encoded[i][1]),
                 outputs=[CompletionOutput(0, "", (), "error")], finished=True, error=msg)
         return [outputs[i] for i in range(len(encoded))]
 
-    def _run(self, rid_of: dict[int, str], texts: list, use_tqdm: bool,
+    def _run(self, requests: dict[int, tuple], texts: list, use_tqdm: bool,
              stream) -> dict[int, RequestOutput]:
-        """Step until the requests ``rid_of`` (index -> id) finish; on any exception (an
-        interrupt, a failing callback) abort them all so the LLM stays usable."""
+        """Add ``requests`` ({index: (ids, params)}, checked by `_prepare`) and step until they
+        finish; on any exception (an interrupt, a failing callback) abort them all so the LLM
+        stays usable."""
         from tqdm import tqdm
 
-        index_of = {rid: i for i, rid in rid_of.items()}
-        bar = tqdm(total=len(rid_of), desc="generating", unit="req",
-                   disable=not (use_tqdm and len(rid_of) > 1))
+        bar = tqdm(total=len(requests), desc="generating", unit="req",
+                   disable=not (use_tqdm and len(requests) > 1))
         outputs: dict[int, RequestOutput] = {}
-        sent = {i: (0, "") for i in rid_of}
+        sent = {i: (0, "") for i in requests}
         try:
+            rid_of = {i: self.engine.add_request(ids, sp) for i, (ids, sp) in requests.items()}
+            index_of = {rid: i for i, rid in rid_of.items()}
             while self.engine.has_unfinished():
                 finished = self.engine.step()
                 for i, rid in rid_of.items() if stream is not None else ():
@@ -302,6 +290,5 @@ class LLM:
         return self.generate(prompts, sampling_params, **kw)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix page (`LLMEngine.reset_prefix_cache`): True, or False (no
-        change) while a request holds pages."""
+        """`LLMEngine.reset_prefix_cache`: True, or False (no change) while a request holds pages."""
         return self.engine.reset_prefix_cache()

@@ -3,12 +3,9 @@
     python -m jaxinfer.plan --model qwen3-8b --context 4096 --device-memory-gib 141
     python -m jaxinfer.plan --model /path/to/hf_dir_or.gguf --context 8192 --kv-dtype fp8
 
-``--model``: an HF model directory, a GGUF file (metadata only), an Orbax directory or a preset
-(``PRESETS``).
-Without ``--device-memory-gib``: JAX's ``bytes_limit`` of the local accelerator (required where
-there is none). ``--tensor-parallel-size``: the plan of one of that many devices (weights and
-KV heads split). Formulas: `jaxinfer.memory`. Bad input: one line on stderr, exit code 2.
-"""
+``--model``: a preset (``PRESETS``) or a checkpoint `ModelConfig.from_checkpoint` reads (a
+GGUF file's metadata only). Without ``--device-memory-gib``: JAX's ``bytes_limit`` of the local
+accelerator. Formulas: `jaxinfer.memory`. Bad input: one line on stderr, exit code 2."""
 
 from __future__ import annotations
 
@@ -30,17 +27,6 @@ PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, S
                                 rope_theta=1e5, max_position_embeddings=8192,
                                 tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
 }
-
-
-def resolve_model(spec: str) -> ModelConfig:
-    """``--model``: a preset, or a checkpoint `ModelConfig.from_checkpoint` reads (HF directory,
-    GGUF file, Orbax directory). Raises ValueError (and FileNotFoundError: a needed file)."""
-    if spec in PRESETS:
-        return PRESETS[spec]
-    if not os.path.exists(spec):
-        raise ValueError(f"--model={spec!r} is invalid: not a directory, a file or a preset; "
-                         f"allowed presets: {sorted(PRESETS)}")
-    return ModelConfig.from_checkpoint(spec)
 
 
 def local_device_bytes() -> tuple[int, str] | None:
@@ -99,7 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 2 bad input)."""
     try:
         args = _parser().parse_args(argv)
-        cfg = resolve_model(args.model)
+        if args.model not in PRESETS and not os.path.exists(args.model):
+            raise ValueError(f"--model={args.model!r} is invalid: not a directory, a file or a "
+                             f"preset; allowed presets: {sorted(PRESETS)}")
+        cfg = PRESETS.get(args.model) or ModelConfig.from_checkpoint(args.model)
         device = _gib_to_bytes("--device-memory-gib", args.device_memory_gib, False)
         device = (device, "--device-memory-gib") if device else local_device_bytes()
         if device is None:

@@ -91,9 +91,9 @@ class OutputProcessor:
 
     def find_stop_string(self, seq) -> str | None:
         """The first-starting stop string in ``seq``'s output text, or None (also on "length", and
-        up to ``min_tokens`` tokens, as vLLM), checked after each new token: a new match ends in the newest token's text, so the tail
-        decoded holds that text plus at least ``len(stop)`` characters before it (the window of
-        tokens doubles until it does, whatever the characters per token)."""
+        up to ``min_tokens`` tokens, as vLLM), checked after each new token: a new match ends in
+        the newest token's text, so the tail decoded holds that text plus at least ``len(stop)``
+        characters before it (the window of tokens doubles until it does)."""
         stops, ids = seq.params.stop, seq.output_token_ids
         if not stops or self.detokenize is None or len(ids) <= seq.params.min_tokens or (
                 seq.is_finished and seq.finish_reason != "length"):
@@ -119,8 +119,7 @@ class OutputProcessor:
 
     def visible_text(self, seq) -> str:
         """The output text the rules allow to be shown."""
-        p = seq.params
-        ids = seq.output_token_ids
+        p, ids = seq.params, seq.output_token_ids
         stopped_by_token = seq.finish_reason == "stop" and seq.stop_string is None and ids
         if stopped_by_token and seq.is_finished and not p.include_stop_str_in_output:
             ids = ids[:-1]  # a stop token or EOS

@@ -13,12 +13,16 @@ GREEDY_EPS = 1e-5  # temperatures below this are greedy (argmax; vLLM's _SAMPLIN
 MAX_LOGPROBS = 20  # most top log-probabilities per position (vLLM's default max_logprobs)
 
 
-_int = functools.partial(is_int, numpy=True)
+_int = functools.partial(is_int, numpy=True)  # (v, lo=None): a Python or NumPy int, not a bool
 
 
 def _real(ok):
     return lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v) \
         and ok(float(v))
+
+
+def _opt_int(v) -> int | None:
+    return None if v is None else int(v)
 
 
 _RULES = (  # field, valid(value), what is allowed, normalise
@@ -28,39 +32,34 @@ _RULES = (  # field, valid(value), what is allowed, normalise
     ("min_p", _real(lambda p: 0.0 <= p <= 1.0), "must be in [0, 1]", float),
     ("repetition_penalty", _real(lambda r: 0.0 < r < math.inf),
      "must be a finite number > 0 (1 = off)", float),
-    ("presence_penalty", _real(lambda x: -2.0 <= x <= 2.0), "must be in [-2, 2] (0 = off)", float),
-    ("frequency_penalty", _real(lambda x: -2.0 <= x <= 2.0), "must be in [-2, 2] (0 = off)",
-     float),
-    ("top_k", lambda k: _int(k) and k >= -1, "must be -1 or 0 (off) or an integer >= 1",
+    *((name, _real(lambda x: -2.0 <= x <= 2.0), "must be in [-2, 2] (0 = off)", float)
+      for name in ("presence_penalty", "frequency_penalty")),
+    ("top_k", lambda k: _int(k, -1), "must be -1 or 0 (off) or an integer >= 1",
      lambda k: int(k) if k > 0 else -1),
     ("seed", lambda s: s is None or _int(s) and -2 ** 63 <= s < 2 ** 63,
-     "must be None or an integer in [-2**63, 2**63 - 1]", lambda s: s if s is None else int(s)),
-    ("max_tokens", lambda m: m is None or _int(m) and m >= 1,
-     "must be None (up to max_model_len) or an integer >= 1", lambda m: m if m is None else int(m)),
-    ("min_tokens", lambda m: _int(m) and m >= 0, "must be an integer >= 0", int),
+     "must be None or an integer in [-2**63, 2**63 - 1]", _opt_int),
+    ("max_tokens", lambda m: m is None or _int(m, 1),
+     "must be None (up to max_model_len) or an integer >= 1", _opt_int),
+    ("min_tokens", lambda m: _int(m, 0), "must be an integer >= 0", int),
     ("stop", lambda s: s is None or isinstance(s, str) and s or isinstance(s, (list, tuple)) and all(
         isinstance(x, str) and x for x in s),
      "must be None, a non-empty string or a list/tuple of non-empty strings",
      lambda s: () if s is None else (s,) if isinstance(s, str) else tuple(s)),
-    ("stop_token_ids", lambda ids: isinstance(ids, (list, tuple)) and all(
-        _int(t) and t >= 0 for t in ids), "must be a list/tuple of integers >= 0",
-     lambda ids: tuple(int(t) for t in ids)),
-    ("n", lambda n: _int(n) and n >= 1, "must be an integer >= 1", int),
+    ("stop_token_ids", lambda ids: isinstance(ids, (list, tuple)) and all(_int(t, 0) for t in ids),
+     "must be a list/tuple of integers >= 0", lambda ids: tuple(int(t) for t in ids)),
+    ("n", lambda n: _int(n, 1), "must be an integer >= 1", int),
     ("logit_bias", lambda b: b is None or isinstance(b, dict) and all(
-        _token_key(t) and _real(math.isfinite)(x) for t, x in b.items()),
+        (_int(t, 0) or isinstance(t, str) and t.isdecimal()) and _real(math.isfinite)(x)
+        for t, x in b.items()),
      "must be None or a dict {token id (int >= 0, or its decimal string): finite number}",
      lambda b: {int(t): min(100.0, max(-100.0, float(x))) for t, x in (b or {}).items()}),
-    *((name, lambda k: k is None or _int(k) and 0 <= k <= MAX_LOGPROBS,
-       f"must be None or an integer in [0, {MAX_LOGPROBS}]", lambda k: k if k is None else int(k))
+    *((name, lambda k: k is None or _int(k, 0) and k <= MAX_LOGPROBS,
+       f"must be None or an integer in [0, {MAX_LOGPROBS}]", _opt_int)
       for name in ("logprobs", "prompt_logprobs")),
     *((name, lambda b: isinstance(b, bool), "must be a bool", bool)
       for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                    "include_stop_str_in_output")),
 )
-
-
-def _token_key(t) -> bool:
-    return _int(t) and t >= 0 or isinstance(t, str) and t.isdecimal()
 
 
 @dataclass(frozen=True)

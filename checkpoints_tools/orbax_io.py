@@ -40,7 +40,6 @@ def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract
     ``tokenizer`` (or None) and the generation ``eos_ids`` to a new or empty ``dst_dir``.
     FileExistsError: ``dst_dir`` not empty; ValueError: params misfit ``abstract``, mixed dtypes."""
     import jax
-    import numpy as np
     import orbax.checkpoint as ocp
 
     dst = os.path.abspath(os.fspath(dst_dir))

@@ -40,13 +40,13 @@ class KVCache:
     def replace(self, **kw) -> "KVCache":
         return dataclasses.replace(self, **kw)
 
-    def scales(self) -> dict:
-        """``{"k_scale": .., "v_scale": ..}`` for the kernels if the pools are fp8, else {}.
-        Raises ValueError: fp8 pools without scales."""
+    def scales(self) -> tuple:
+        """(k_scale, v_scale) for the kernels if the pools are fp8, else (None, None). Raises
+        ValueError: fp8 pools without scales."""
         if not is_fp8(self.k.dtype):
-            return {}
+            return None, None
         check_scales(self.k, self.k_scale, self.v_scale)
-        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        return self.k_scale, self.v_scale
 
 
 jax.tree_util.register_dataclass(

@@ -100,8 +100,3 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
                                             lambda index: host[index])
 
     return jax.tree_util.tree_map_with_path(place, params, param_specs(cfg, tp))
-
-
-def kv_pool_sharding(mesh: Mesh | None) -> NamedSharding | None:
-    """The KV pools' sharding: split over KV heads (`KV_POOL_SPEC`); None: no mesh."""
-    return None if mesh is None else NamedSharding(mesh, KV_POOL_SPEC)

@@ -11,66 +11,48 @@ count as -inf, +inf as the largest float32: the result is always an id in [0, V)
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.sampling_params import GREEDY_EPS  # rows below it (or NaN) are greedy
+from jaxinfer.step_input import FIELDS, names
 
 _PRNG_IMPL = "threefry2x32"  # pinned so a seed maps to the same stream on every JAX version
 
 
-@dataclass(frozen=True)
-class SamplingMetadata:
-    """Per-row parameters ("sampling" in `jaxinfer.step_input.FIELDS`): temperature f32[B];
-    top_k i32[B] (<= 0: off); top_p f32[B] (>= 1: off); min_p f32[B] (0: off);
-    repetition_penalty f32[B] (1: off); seeds u32[B] or i32[B] (u32 bits); step_idx i32[B];
-    penalty_tokens i32[B, R] (ids outside [0, V) ignored); optional (None: off): prompt_lens
-    i32[B] (the first prompt_lens entries of penalty_tokens are the prompt, the rest the output),
-    presence_penalty, frequency_penalty f32[B]; bias_ids i32[B, E] (outside [0, V): ignored),
-    bias_values f32[B, E] added to the logits (-inf: masked)."""
-
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
-    repetition_penalty: jax.Array
-    seeds: jax.Array
-    step_idx: jax.Array
-    penalty_tokens: jax.Array
-    prompt_lens: jax.Array | None = None
-    presence_penalty: jax.Array | None = None
-    frequency_penalty: jax.Array | None = None
-    bias_ids: jax.Array | None = None
-    bias_values: jax.Array | None = None
-
-    def replace(self, **kw) -> "SamplingMetadata":
-        return dataclasses.replace(self, **kw)
+def pytree_dataclass(module: str, name: str, required, optional, doc: str) -> type:
+    """A frozen dataclass ``module.name`` with fields ``required`` then ``optional`` (default
+    None), registered as a pytree of them all, with ``replace(**changes)``."""
+    namespace = dict(__doc__=doc, __module__=module,
+                     replace=lambda self, **kw: dataclasses.replace(self, **kw))
+    cls = dataclasses.make_dataclass(name, [*required, *((n, Any, None) for n in optional)],
+                                     frozen=True, namespace=namespace)
+    return jax.tree_util.register_dataclass(cls, [*required, *optional], [])
 
 
-jax.tree_util.register_dataclass(
-    SamplingMetadata, data_fields=[f.name for f in dataclasses.fields(SamplingMetadata)],
-    meta_fields=[])
-
-_ROW_FIELDS = [f.name for f in dataclasses.fields(SamplingMetadata)
-               if f.name not in ("penalty_tokens", "bias_ids", "bias_values")]
+SamplingMetadata = pytree_dataclass(__name__, "SamplingMetadata", *names("sampling"), doc="""
+    Per-row parameters ("sampling" in `jaxinfer.step_input.FIELDS`): temperature f32[B]; top_k i32[B]
+    (<= 0: off); top_p f32[B] (>= 1: off); min_p f32[B] (0: off); repetition_penalty f32[B] (1:
+    off); seeds u32[B] or i32[B] (u32 bits); step_idx i32[B]; penalty_tokens i32[B, R] (ids
+    outside [0, V) ignored); optional (None: off): prompt_lens i32[B] (the first prompt_lens
+    entries of penalty_tokens are the prompt, the rest the output), presence_penalty,
+    frequency_penalty f32[B]; bias_ids i32[B, E] (outside [0, V): ignored), bias_values f32[B, E]
+    added to the logits (-inf: masked).""")
 
 
 def _check_shapes(logits, meta: SamplingMetadata) -> None:
+    """Raises ValueError naming the field whose shape is not its `FIELDS` one, B = logits' rows."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V]; got shape {tuple(logits.shape)}")
     b = logits.shape[0]
-    for name in _ROW_FIELDS:
-        if getattr(meta, name) is None:
-            continue
-        shape = tuple(getattr(meta, name).shape)
-        if shape != (b,):
-            raise ValueError(f"SamplingMetadata.{name} must have shape ({b},) to match logits "
-                             f"{tuple(logits.shape)}; got {shape}")
-    shape = tuple(meta.penalty_tokens.shape)
-    if len(shape) != 2 or shape[0] != b:
-        raise ValueError(f"SamplingMetadata.penalty_tokens must have shape ({b}, R); got {shape}")
+    for f in FIELDS:
+        a = getattr(meta, f.name) if f.group == "sampling" else None
+        if a is not None and (a.ndim != len(f.shape) or a.shape[0] != b):
+            raise ValueError(f"SamplingMetadata.{f.name} must have shape "
+                             f"({', '.join((str(b), *f.shape[1:]))}) to match logits "
+                             f"{tuple(logits.shape)}; got {tuple(a.shape)}")
 
 
 def _scatter(ids: jax.Array, v: int, vals: jax.Array, into: jax.Array) -> jax.Array:

@@ -12,7 +12,6 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 import jax
@@ -20,39 +19,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import models
-from jaxinfer.checks import is_int
+from jaxinfer.checks import check_int
 from jaxinfer.config import ModelConfig
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.parallel import gather_logits, replicated
-from jaxinfer.sampling import SamplingMetadata, logprobs, sample
-from jaxinfer.step_input import HostBatch, ShapeKey, allocate, layout, pack
+from jaxinfer.sampling import SamplingMetadata, logprobs, pytree_dataclass, sample
+from jaxinfer.step_input import HostBatch, ShapeKey, allocate, layout, names, pack
 
 log = logging.getLogger("jaxinfer")
 
 
-@dataclass(frozen=True)
-class StepInput:
-    """Device inputs (`jaxinfer.step_input.FIELDS`): tokens, positions, slot_mapping i32[B, T]
-    (with ``packing``: i32[1, Tp]); logits_indices i32[B]; prev_tokens i32[Bmax]: the previous
-    step's output (None: unused); pending_src i32[B]: row b's input token's row in it, or -1;
-    prompt_lp_index i32[P]: flat token index (into [Bt * T]) of each scored prompt position,
-    prompt_lp_next i32[P]: the prompt token after it (None: no prompt log-probabilities)."""
-
-    tokens: jax.Array
-    positions: jax.Array
-    slot_mapping: jax.Array
-    logits_indices: jax.Array
-    sampling: SamplingMetadata
-    packing: models.Packing | None = None
-    prev_tokens: jax.Array | None = None
-    pending_src: jax.Array | None = None
-    prompt_lp_index: jax.Array | None = None
-    prompt_lp_next: jax.Array | None = None
-
-
-jax.tree_util.register_dataclass(
-    StepInput, data_fields=[f.name for f in dataclasses.fields(StepInput)], meta_fields=[])
+_INPUT = names("input")[0]  # tokens, positions, slot_mapping, logits_indices, pending_src
+StepInput = pytree_dataclass(
+    __name__, "StepInput", [*_INPUT[:4], "sampling"],
+    ["packing", "prev_tokens", *_INPUT[4:], *names("input")[1]], doc="""Device inputs
+    (`jaxinfer.step_input.FIELDS`): tokens, positions, slot_mapping i32[B, T] (with ``packing``,
+    a `models.Packing`: i32[1, Tp]); logits_indices i32[B]; sampling: `SamplingMetadata`;
+    prev_tokens i32[Bmax]: the previous step's output (None: unused); pending_src i32[B]: row
+    b's input token's row in it, or -1; prompt_lp_index i32[P]: flat token index (into [Bt * T])
+    of each scored prompt position, prompt_lp_next i32[P]: the prompt token after it (None: no
+    prompt log-probabilities).""")
 
 
 def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
@@ -200,11 +187,10 @@ class StepExecutor:
 
     def precompile(self, params, kv, keys, *, max_workers: int | None, warm: bool):
         """Compile each new key ahead of time in ``max_workers`` threads (default min(keys,
-        CPUs)); ``warm``: run each once on an all-padding batch (`allocate`). Returns ({"shapes", "lower_s",
-        "warm_s", "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
-        if max_workers is not None and not is_int(max_workers, 1):
-            raise ValueError(f"max_workers={max_workers!r} is invalid: must be None or a positive "
-                             "integer")
+        CPUs)); ``warm``: run each once on an all-padding batch (`allocate`). Returns ({"shapes",
+        "lower_s", "warm_s", "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
+        if max_workers is not None:
+            check_int("max_workers", max_workers, 1)
         todo = [k for k in dict.fromkeys(keys) if k not in self.stats.compiled_shapes]
         jax.block_until_ready(params)  # weights still being built would count as tracing
         t0, lower_s = time.perf_counter(), 0.0

@@ -82,6 +82,12 @@ FIELDS = (
 )
 
 
+def names(group: str) -> tuple[list[str], list[str]]:
+    """Names of ``group``'s fields in `FIELDS` order: (always present, present only ``when``)."""
+    return ([f.name for f in FIELDS if f.group == group and f.when is None],
+            [f.name for f in FIELDS if f.group == group and f.when is not None])
+
+
 def layout(key: ShapeKey) -> tuple[tuple[Field, tuple[int, ...]], ...]:
     """``((field, shape), ...)`` in buffer order for a step of shape ``key``."""
     d = key.dims()
@@ -113,7 +119,6 @@ def allocate(key: ShapeKey) -> HostBatch:
     arrays = {f.name: np.full(shape, f.pad, f.dtype) for f, shape in layout(key)}
     return HostBatch(key, arrays, np.zeros((key.batch,), bool), np.zeros((key.batch,), bool),
                      np.full((key.prompt_logprobs,), -1, np.int32))
-
 
 
 def pack(hb: HostBatch) -> np.ndarray:

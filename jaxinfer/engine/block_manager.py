@@ -192,10 +192,6 @@ class BlockManager:
             bm._cached[self._key[page][0]] = page
         return bm
 
-    def record_lookup(self, num_queried: int, num_hit: int) -> None:
-        self.stats.prefix_cache_queries += num_queried
-        self.stats.prefix_cache_hits += num_hit
-
     def reset_prefix_cache(self) -> bool:
         """Drop every cached hash (evictable pages become free); False (no change) while any page
         is held, as vLLM's ``reset_prefix_cache``."""

@@ -10,6 +10,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 
 from checkpoints_tools.mapping import tree_mismatches
 from jaxinfer import memory, models, parallel
@@ -97,9 +98,9 @@ class LLMEngine:
 
     def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
+            pools = None if self.mesh is None else NamedSharding(self.mesh, parallel.KV_POOL_SPEC)
             return init_kv_cache(self.run_config, self.num_pages, self.page_size,
-                                 jnp.dtype(self.resolved.kv_dtype),
-                                 parallel.kv_pool_sharding(self.mesh))
+                                 jnp.dtype(self.resolved.kv_dtype), pools)
         except jax.errors.JaxRuntimeError as e:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "
                              f"does not fit in device memory ({str(e).splitlines()[0][:120]})"
@@ -117,14 +118,11 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError: a token id outside [0, V), or not `Scheduler.check_admissible`."""
         vocab = self.model_config.vocab_size
-        if bad := [t for t in prompt_token_ids if not 0 <= int(t) < vocab]:
-            raise ValueError(f"prompt token id {bad[0]} is out of range: ids must be in [0, {vocab})")
-        if bad := [t for t in params.stop_token_ids if not 0 <= t < vocab]:
-            raise ValueError(f"SamplingParams.stop_token_ids contains {bad[0]}, out of range: ids "
-                             f"must be in [0, {vocab})")
-        if bad := [t for t in params.logit_bias if t >= vocab]:
-            raise ValueError(f"SamplingParams.logit_bias has token id {bad[0]}, out of range: ids "
-                             f"must be in [0, {vocab})")
+        for ids, what in ((prompt_token_ids, "prompt token id {} is"),
+                          (params.stop_token_ids, "SamplingParams.stop_token_ids contains {},"),
+                          (params.logit_bias, "SamplingParams.logit_bias has token id {},")):
+            if bad := [t for t in ids if not 0 <= int(t) < vocab]:
+                raise ValueError(what.format(bad[0]) + f" out of range: ids must be in [0, {vocab})")
         self.scheduler.check_admissible(len(prompt_token_ids), params)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,

@@ -181,7 +181,8 @@ class Scheduler:
                 return False
             bm.allocate(seq, start + n, hits)
             if lookup:
-                bm.record_lookup(seq.num_tokens, start)
+                bm.stats.prefix_cache_queries += seq.num_tokens
+                bm.stats.prefix_cache_hits += start
                 if not seq.num_preemptions:
                     seq.num_cached_tokens = start
             if admit and bm.enable_prefix_caching:

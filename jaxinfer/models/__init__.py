@@ -13,23 +13,23 @@ import jax.numpy as jnp
 from checkpoints_tools.mapping import tree_mismatches
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.models.layers import Packing, fused_parts  # noqa: F401 (exported)
+from jaxinfer.models.layers import Packing, fused_parts
+from jaxinfer.model_config import SUPPORTED_ARCHITECTURES
 from jaxinfer.models.llama import LlamaForCausalLM
-from jaxinfer.models.qwen3 import Qwen3ForCausalLM
 from jaxinfer.quantize import is_quantized, quantize_params
 
+__all__ = ["Packing", "fused_parts", "forward", "compute_logits", "init_params", "abstract_params",
+           "check_params", "param_bytes", "QUANTIZATIONS"]
 QUANTIZATIONS = (None, "fp8")
-
-_MODELS = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM}
 
 
 def _model(cfg, kernels: ModelKernels, dtype, quantization: str | None = None):
-    if cfg.architecture not in _MODELS:
+    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"cfg.architecture={cfg.architecture!r} has no model; "
-                         f"supported: {tuple(_MODELS)}")
+                         f"supported: {SUPPORTED_ARCHITECTURES}")
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is invalid: allowed {QUANTIZATIONS}")
-    return _MODELS[cfg.architecture](cfg, kernels, jnp.dtype(dtype), quantization)
+    return LlamaForCausalLM(cfg, kernels, jnp.dtype(dtype), quantization)
 
 
 def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.step_input import names
 from pallas_kernels.add_rms_norm import reference as add_rms_norm_reference
 
 INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
@@ -34,11 +35,6 @@ def fused_parts(cfg, shards: int = 1) -> dict[str, dict[str, slice]]:
     return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
                      "v": slice((N + K) * H, (N + 2 * K) * H)},
             "w_gate_up": {"gate": slice(0, F), "up": slice(F, 2 * F)}}
-
-
-def in_dtype(w: jax.Array, dtype) -> jax.Array:
-    """``w`` cast to ``dtype``, or ``w`` itself when it already has it."""
-    return w if w.dtype == jnp.dtype(dtype) else w.astype(dtype)
 
 
 def scale_shape(shape: tuple[int, int], block: tuple[int, int] | None) -> tuple[int, ...]:
@@ -75,7 +71,7 @@ class Weight:
         """The matrix in ``dtype``: ``(w.astype(f32) * expand_scale(scale)).astype(dtype)``, traced
         inside the caller's jit, so XLA fuses the convert into the consuming GEMM."""
         if self.scale is None:
-            return in_dtype(self.w, dtype)
+            return self.w.astype(dtype)
         wf = self.w.astype(jnp.float32) * expand_scale(self.scale, self.w.shape, self.block)
         return wf.astype(dtype)
 
@@ -123,21 +119,18 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
     return jnp.cos(angles), jnp.sin(angles)
 
 
-class Packing(NamedTuple):
-    """A packed prefill batch: tokens [1, Tp], sequence after sequence, padding at the end. q_index
-    i32[R, Tq]: packed index of KV row r's j-th query; q_positions i32[R, Tq]: its position;
-    out_index i32[Tp]: ``r * Tq + j`` per packed token. Source: vLLM's ``query_start_loc``."""
-
-    q_index: jax.Array
-    q_positions: jax.Array
-    out_index: jax.Array
+Packing = NamedTuple("Packing", [(n, jax.Array) for n in names("packing")[1]])
+Packing.__doc__ = """A packed prefill batch: tokens [1, Tp], sequence after sequence, padding at the
+    end. q_index i32[R, Tq]: packed index of KV row r's j-th query; q_positions i32[R, Tq]: its
+    position; out_index i32[Tp]: ``r * Tq + j`` per packed token ("packing" in
+    `jaxinfer.step_input.FIELDS`). Source: vLLM's ``query_start_loc``."""
 
 
 class StepContext(NamedTuple):
     """Per-step metadata: positions, slot_mapping i32[B, T], block_tables i32[R, M], seq_lens
     i32[R], cos/sin f32[B, T, H/2], packing: `Packing` (B = 1, R rows) or None (R = B);
-    kv_scales: `KVCache.scales` (fp8 pools: k_scale, v_scale f32[L, K], keywords of the K/V write
-    and attention), None: none."""
+    k_scale, v_scale: `KVCache.scales` (fp8 pools: f32[L, K]; else None), keywords of the K/V
+    write and attention."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -146,23 +139,23 @@ class StepContext(NamedTuple):
     cos: jax.Array
     sin: jax.Array
     packing: Packing | None = None
-    kv_scales: dict | None = None
+    k_scale: jax.Array | None = None
+    v_scale: jax.Array | None = None
 
 
 def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
            ctx: StepContext, *, layer: int, scale: float, num_heads: int) -> jax.Array:
     """``attn`` on q [B, T, N, H] (decode: maybe grouped [B, 1, K, Gp, H], then with
     ``num_heads``) -> [B, T, N, H]; packed: gathered to rows [R, Tq, N, H] and back."""
-    pk, scales = ctx.packing, ctx.kv_scales or {}
+    pk, scales = ctx.packing, dict(layer=layer, scale=scale, k_scale=ctx.k_scale,
+                                   v_scale=ctx.v_scale)
     if pk is None:
-        extra = dict(scales, **({"num_heads": num_heads} if q.ndim == 5 else {}))
-        return attn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions,
-                    layer=layer, scale=scale, **extra)
+        return attn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions, **scales,
+                    **({"num_heads": num_heads} if q.ndim == 5 else {}))
     _, Tp, N, H = q.shape
     R, Tq = pk.q_index.shape
     rows = q[0][pk.q_index]                                             # [R, Tq, N, H]
-    o = attn(rows, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, pk.q_positions,
-             layer=layer, scale=scale, **scales)
+    o = attn(rows, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, pk.q_positions, **scales)
     return o.reshape(R * Tq, N, H)[pk.out_index][None]                  # [1, Tp, N, H]
 
 

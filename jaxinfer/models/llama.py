@@ -1,4 +1,5 @@
-"""Llama (2/3/3.x, SmolLM2, ...) over the paged KV cache; the trunk the Qwen3 model extends.
+"""Llama (2/3/3.x, SmolLM2, ...) and Qwen3 (dense: the Llama trunk plus a per-head RMSNorm of q
+and k before RoPE, ``cfg.qk_norm``) over the paged KV cache.
 
 The modules' ``self.param`` calls are the one declaration of the weight tree (blocks bound into
 their layer's scope with `layers.shared`, so a layer's params form one flat dict):
@@ -13,12 +14,14 @@ are grouped by device (`fused_parts` with ``shards``) and ``cfg`` is `tp_model_c
 heads copied up to one per device when there are fewer).
 
 The L layers are unrolled (BENCHMARKS.md: "Layer loop"); layer i writes the K/V pools at static
-index i. Sources: Touvron et al. 2023 (Llama 2); Meta 2024 (Llama 3); HF ``modeling_llama.py``."""
+index i. Sources: Touvron et al. 2023 (Llama 2); Meta 2024 (Llama 3); HF ``modeling_llama.py``;
+Qwen Team 2025, "Qwen3 Technical Report" (QK-Norm), HF ``modeling_qwen3.py`` (``q_norm`` /
+``k_norm`` over the head dim, applied before ``apply_rotary_pos_emb``)."""
 
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -60,8 +63,8 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
         q, k_pool, v_pool = prologue(
             qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
             ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
-            layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
-            **({} if rows is None else {"q_group_rows": rows}), **(ctx.kv_scales or {}))
+            layer=layer, num_heads=N, num_kv_heads=K, eps=eps, q_group_rows=rows,
+            k_scale=ctx.k_scale, v_scale=ctx.v_scale)
     q = q.reshape((B, T, N, H) if rows is None else (B, T, K, rows, H))
     with jax.named_scope("attention"):
         o = attend(kernels.attention, q, k_pool, v_pool, ctx, layer=layer, scale=H ** -0.5,
@@ -69,21 +72,22 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
     return o, k_pool, v_pool
 
 
-class Attention(nn.Module):
-    """x [B, T, D] @ ``wqkv`` -> `attention_heads` -> @ ``wo``. With ``kernels.mesh`` (tensor
-    parallelism) `attention_heads` runs under ``jax.shard_map`` on each device's heads (wqkv's
-    columns shard-major, `fused_parts`), and the ``wo`` GEMM, its rows split, is summed over the
-    devices by XLA. Returns (out [B, T, D], k_pool, v_pool). ``quantization``: None or "fp8"
-    (`declare_weight`)."""
+class _Module(nn.Module):
+    """The fields of every block here: ``cfg``, ``kernels``, the params' dtype, ``quantization``
+    (None or "fp8": the layers' matrices in fp8, `declare_weight`)."""
 
     cfg: Any
     kernels: ModelKernels
     param_dtype: Any = jnp.float32
     quantization: str | None = None
 
-    def qk_norm_weights(self) -> tuple[jax.Array | None, jax.Array | None]:
-        """RMSNorm weights (q_norm [H], k_norm [H]) of each query / key head; Llama: none."""
-        return None, None
+
+class Attention(_Module):
+    """x [B, T, D] @ ``wqkv`` -> `attention_heads` (``cfg.qk_norm``: with RMSNorm weights
+    ``q_norm``, ``k_norm`` [H] of each query / key head) -> @ ``wo``. With ``kernels.mesh``
+    (tensor parallelism) `attention_heads` runs under ``jax.shard_map`` on each device's heads
+    (wqkv's columns shard-major, `fused_parts`), and the ``wo`` GEMM, its rows split, is summed
+    over the devices by XLA. Returns (out [B, T, D], k_pool, v_pool)."""
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
@@ -93,6 +97,8 @@ class Attention(nn.Module):
         N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         wqkv = declare_weight(self, "wqkv", (D, (N + 2 * K) * H))
         wo = declare_weight(self, "wo", (N * H, D))
+        norms = [self.param(n, nn.initializers.ones, (H,), self.param_dtype) if cfg.qk_norm
+                 else None for n in ("q_norm", "k_norm")]
         with jax.named_scope("qkv"):
             qkv = dense(x, wqkv)                                        # [B, T, (N + 2K) * H]
         heads = functools.partial(attention_heads, kernels=self.kernels, layer=layer,
@@ -102,23 +108,17 @@ class Attention(nn.Module):
             heads = jax.shard_map(heads, mesh=self.kernels.mesh, check_vma=False,
                                   in_specs=(P(None, None, AXIS), pool, pool, P(), P(), P()),
                                   out_specs=(P(None, None, AXIS, None), pool, pool))
-        o, k_pool, v_pool = heads(qkv, k_pool, v_pool, ctx, *self.qk_norm_weights())
+        o, k_pool, v_pool = heads(qkv, k_pool, v_pool, ctx, *norms)
         with jax.named_scope("attention"):
             out = dense(o.astype(x.dtype).reshape(B, T, N * H), wo).astype(x.dtype)
         return out, k_pool, v_pool
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(_Module):
     """Pre-norm layer, ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, each residual add done
     with the next norm (`AddRMSNorm`): ``(x [B, T, D], pending, layer, k_pool, v_pool, ctx) -> (x,
     pending, k_pool, v_pool)``; ``pending``: the MLP output not yet added (None into layer 0), as
     f32 partial sums in unpacked decode of >= `DOWN_PARTIALS_MIN_ROWS` rows (module comment)."""
-
-    cfg: Any
-    kernels: ModelKernels
-    attention_cls: type = Attention
-    param_dtype: Any = jnp.float32
-    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, pending: jax.Array | None, layer: int, k_pool: jax.Array,
@@ -127,8 +127,8 @@ class DecoderLayer(nn.Module):
         eps, pd, kernel = self.cfg.rms_norm_eps, self.param_dtype, self.kernels.add_rms_norm
         x, h = shared(self, AddRMSNorm("attn_norm", eps, pd, kernel, name="attn_norm_block"))(
             x, pending)
-        attn = shared(self, self.attention_cls(self.cfg, self.kernels, pd, self.quantization,
-                                               name="attention"))
+        attn = shared(self, Attention(self.cfg, self.kernels, pd, self.quantization,
+                                      name="attention"))
         a, k_pool, v_pool = attn(h, layer, k_pool, v_pool, ctx)
         x, h = shared(self, AddRMSNorm("mlp_norm", eps, pd, kernel, name="mlp_norm_block"))(x, a)
         B, T = x.shape[:2]
@@ -141,40 +141,27 @@ class DecoderLayer(nn.Module):
         return x, shared(self, mlp)(h), k_pool, v_pool
 
 
-class Layers(nn.Module):
+class Layers(_Module):
     """The L `DecoderLayer` children "0".."L-1", unrolled: ``(x [B, T, D], k_pool, v_pool, ctx)
     -> (x, pending, k_pool, v_pool)`` (see `DecoderLayer`; the final norm adds ``pending``)."""
-
-    cfg: Any
-    kernels: ModelKernels
-    attention_cls: type = Attention
-    param_dtype: Any = jnp.float32
-    quantization: str | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                  ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         pending = None
         for i in range(self.cfg.num_layers):
-            layer = DecoderLayer(self.cfg, self.kernels, self.attention_cls, self.param_dtype,
-                                 self.quantization, name=str(i))
+            layer = DecoderLayer(self.cfg, self.kernels, self.param_dtype, self.quantization,
+                                 name=str(i))
             x, pending, k_pool, v_pool = layer(x, pending, i, k_pool, v_pool, ctx)
         return x, pending, k_pool, v_pool
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(_Module):
     """Trunk: embed -> `Layers` ("layers") -> final norm (adds the last pending MLP output):
     ``(tokens, positions, slot_mapping i32[B, T], kv: KVCache, packing: Packing | None) -> (hidden
     [B, T, D] in the params' dtype, KVCache with the pools written)``. ``lm_head`` (untied) is
-    declared for init; logits: `jaxinfer.models.compute_logits`. Subclasses set attention_cls.
-    ``quantization`` "fp8": the layers' matrices in fp8 (`declare_weight`); embed, lm_head and
-    norms stay in ``param_dtype``."""
-
-    cfg: Any
-    kernels: ModelKernels
-    param_dtype: Any = jnp.float32
-    quantization: str | None = None
-    attention_cls: ClassVar[type] = Attention
+    declared for init; logits: `jaxinfer.models.compute_logits`. Embed, lm_head and norms stay in
+    ``param_dtype`` under any ``quantization``."""
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
@@ -188,9 +175,8 @@ class LlamaForCausalLM(nn.Module):
         with jax.named_scope("rope"):
             cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
         ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
-                          kv.block_tables, kv.seq_lens, cos, sin, packing, kv.scales())
-        layers = Layers(cfg, self.kernels, self.attention_cls, pd, self.quantization,
-                        name="layers")
+                          kv.block_tables, kv.seq_lens, cos, sin, packing, *kv.scales())
+        layers = Layers(cfg, self.kernels, pd, self.quantization, name="layers")
         x, pending, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
         _, x = shared(self, AddRMSNorm("final_norm", cfg.rms_norm_eps, pd,
                                        self.kernels.add_rms_norm, name="final_norm_block"))(

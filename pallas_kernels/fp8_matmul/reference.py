@@ -7,9 +7,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kv_quant import FP8
 from pallas_kernels.sizes import raise_first
-
-FP8 = jnp.dtype(jnp.float8_e4m3fn)
 
 
 def check_args(x: jax.Array, w: jax.Array, scale: jax.Array) -> tuple[int, int, int]:

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.fp8_matmul.reference import check_args
-from pallas_kernels.sizes import is_pow2, next_pow2, raise_first, round_up
+from pallas_kernels.sizes import is_pow2, raise_first, round_up
 
 _TN = (((0,), (1,)), ((), ()))  # w [bk, bn], x [rows, bk] -> w^T x^T [bn, rows]
 

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels.paged_attention import reference
 from pallas_kernels.paged_attention.triton_pallas import HIGHEST, LOG2E, NN_DIMS, NT_DIMS
 from pallas_kernels.sizes import raise_first, round_up
 
@@ -311,10 +312,7 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
 def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret,
               num_heads, layer, page_offset, sliding_window, soft_cap):
     """Check the arguments (`paged_decode_attention`'s Raises); return N (query heads)."""
-    if k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H]; got {k_pool.shape}"
-                         f" and {v_pool.shape}")
-    L, P, K, page_size, Hk = k_pool.shape
+    L, _, K, page_size, _ = reference.check_pools(k_pool, v_pool)
     if q.ndim == 3:
         B, N, H = q.shape
         if num_heads is not None and num_heads != N:
@@ -340,11 +338,8 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
             (not jnp.issubdtype(q.dtype, jnp.floating),
              f"q must be a floating dtype; got {q.dtype}"),
             (B < 1, f"q has B={B} rows; at least 1 is needed"),
-            (Hk != H, f"head dim of q ({H}) and of the pools ({Hk}) differ"),
             (N % K, f"num query heads N={N} must be a multiple of num KV heads K={K}"),
             (N // K > _ROWS, f"GQA group N/K={N // K} must be <= {_ROWS}"),
-            (k_pool.dtype != v_pool.dtype,
-             f"k_pool dtype {k_pool.dtype} != v_pool dtype {v_pool.dtype}"),
             (k_pool.dtype not in allowed, f"k_pool dtype {k_pool.dtype} not supported; allowed: "
              f"{[d.name for d in allowed]} (float32 only in interpret mode: Hopper wgmma has no "
              "float32 P.V path)"),
@@ -352,18 +347,13 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
             (page_size % 8, f"page_size={page_size} must be a multiple of 8"),
             (bk % page_size and page_size % bk,
              f"block_kv={bk} and page_size={page_size}: one must divide the other"),
-            (block_tables.ndim != 2 or block_tables.shape[0] != B,
-             f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}"),
-            (seq_lens.shape != (B,), f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}"),
             (page_offset is not None and (po_shape != (_OFFSET_COLS,)
                                           or page_offset.dtype != jnp.int32),
              f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got "
              f"{getattr(page_offset, 'dtype', type(page_offset).__name__)}{list(po_shape or ())}"),
             (isinstance(layer, (int, np.integer)) and not 0 <= layer < L,
-             f"layer={layer} is outside the pools' L={L} layers"),
-            (sliding_window is not None and sliding_window < 1,
-             f"sliding_window={sliding_window} must be >= 1 or None"),
-            (soft_cap is not None and not soft_cap > 0, f"soft_cap={soft_cap} must be > 0 or None")])
+             f"layer={layer} is outside the pools' L={L} layers")])
+    reference.check_args(B, H, k_pool, v_pool, block_tables, seq_lens, sliding_window, soft_cap)
     return N
 
 
@@ -430,10 +420,8 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
 def layer_offsets(layer, pages_per_layer: int):
     """i32[32] per-layer input: [0] is ``layer * pages_per_layer``, the rest count up (unread;
     distinct, so no broadcast launch). numpy for a Python-int ``layer`` (no launch under jit)."""
-    if isinstance(layer, (int, np.integer)):
-        return np.arange(_OFFSET_COLS, dtype=np.int32) + np.int32(int(layer) * pages_per_layer)
-    base = jnp.asarray(layer, jnp.int32) * pages_per_layer
-    return jnp.arange(_OFFSET_COLS, dtype=jnp.int32) + base
+    xp = np if isinstance(layer, (int, np.integer)) else jnp
+    return xp.arange(_OFFSET_COLS, dtype=np.int32) + xp.asarray(layer, np.int32) * pages_per_layer
 
 
 def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,

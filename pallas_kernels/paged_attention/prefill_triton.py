@@ -69,7 +69,7 @@ def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, pos_ref, q_ref, k_ref, 
 def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, k_scale,
                    v_scale, *, scale, soft_cap, sliding_window, interpret, block_q,
                    pages_per_block, num_warps, num_stages):
-    (B, T, N, H), (L, P, K, page_size, _) = q.shape, k_pool.shape
+    (B, T, N, H), (L, _, K, page_size, _) = q.shape, k_pool.shape
     G, M, nq = N // K, block_tables.shape[1], -(-T // block_q)
     G_PAD, Tp = next_pow2(G), nq * block_q
     ROWS = block_q * G_PAD

@@ -10,6 +10,32 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.sizes import raise_first
+
+
+def check_pools(k_pool: jax.Array, v_pool: jax.Array) -> tuple[int, ...]:
+    """-> k_pool's shape; ValueError unless both pools are [L, P, K, page_size, H] of one dtype."""
+    if k_pool.ndim != 5 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H] of one dtype; got "
+                         f"{k_pool.dtype}{list(k_pool.shape)} and {v_pool.dtype}{list(v_pool.shape)}")
+    return k_pool.shape
+
+
+def check_args(B: int, H: int, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
+               soft_cap=None) -> tuple[int, int, int]:
+    """The checks of every variant, for q of B rows and head dim H -> (K, page_size, M). Raises
+    ValueError naming the argument."""
+    *_, K, page_size, Hk = check_pools(k_pool, v_pool)
+    raise_first([
+        (Hk != H, f"k_pool head dim {Hk} must equal q head dim {H}"),
+        (block_tables.ndim != 2 or block_tables.shape[0] != B,
+         f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}"),
+        (seq_lens.shape != (B,), f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}"),
+        (sliding_window is not None and sliding_window < 1,
+         f"sliding_window={sliding_window} must be None or >= 1"),
+        (soft_cap is not None and not soft_cap > 0, f"soft_cap={soft_cap} must be None or > 0")])
+    return K, page_size, block_tables.shape[1]
+
 
 def _dequantised(pages: jax.Array, scale: jax.Array | None, layer) -> jax.Array:
     """pages [B, M, K, page_size, H] in f32, times ``scale[layer]`` f32[K] per head if given."""

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.kv_quant import check_scales
-from pallas_kernels.paged_attention import tuning
+from pallas_kernels.paged_attention import reference, tuning
 from pallas_kernels.sizes import is_pow2, next_pow2, raise_first
 
 LOG2E = math.log2(math.e)
@@ -33,36 +33,23 @@ NT_DIMS, NN_DIMS = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))  # a @ b.T
 
 def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
                       soft_cap=None) -> tuple[int, int, int, int, int, int]:
-    """Validate the decode signature -> (B, N, H, K, page_size, M); ValueError names the arg."""
+    """Validate the decode signature -> (B, N, H, K, page_size, M); ValueError names the arg
+    (`reference.check_args`, int32 tables and lengths, powers of 2 for the Triton kernels)."""
     if q.ndim != 3:
         raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
     B, N, H = q.shape
-    if k_pool.ndim != 5:
-        raise ValueError(f"k_pool must be [L, P, K, page_size, H]; got shape {k_pool.shape}")
-    _, _, K, page_size, Hk = k_pool.shape
+    K, page_size, M = reference.check_args(B, H, k_pool, v_pool, block_tables, seq_lens,
+                                           sliding_window, soft_cap)
     raise_first([
-            (v_pool.shape != k_pool.shape,
-             f"v_pool shape {v_pool.shape} must equal k_pool shape {k_pool.shape}"),
-            (k_pool.dtype != v_pool.dtype,
-             f"v_pool dtype {v_pool.dtype} must equal k_pool dtype {k_pool.dtype}"),
-            (Hk != H, f"k_pool head dim {Hk} must equal q head dim {H}"),
-            (K < 1 or N % max(K, 1),
-             f"q heads N={N} must be a positive multiple of KV heads K={K}"),
-            (block_tables.ndim != 2 or block_tables.shape[0] != B,
-             f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}"),
-            (block_tables.dtype != jnp.int32,
-             f"block_tables dtype must be int32; got {block_tables.dtype}"),
-            (seq_lens.shape != (B,), f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}"),
-            (seq_lens.dtype != jnp.int32, f"seq_lens dtype must be int32; got {seq_lens.dtype}"),
-            (not is_pow2(page_size),
-             f"page_size={page_size} must be a power of 2 for the Triton kernels"),
-            (not (is_pow2(H) and H >= 16),
-             f"head dim H={H} must be a power of 2 >= 16 for the Triton kernels"),
-            (sliding_window is not None and sliding_window < 1,
-             f"sliding_window={sliding_window} must be None or >= 1"),
-            (soft_cap is not None and not soft_cap > 0,
-             f"soft_cap={soft_cap} must be None or > 0")])
-    return B, N, H, K, page_size, block_tables.shape[1]
+        (K < 1 or N % max(K, 1), f"q heads N={N} must be a positive multiple of KV heads K={K}"),
+        (block_tables.dtype != jnp.int32,
+         f"block_tables dtype must be int32; got {block_tables.dtype}"),
+        (seq_lens.dtype != jnp.int32, f"seq_lens dtype must be int32; got {seq_lens.dtype}"),
+        (not is_pow2(page_size),
+         f"page_size={page_size} must be a power of 2 for the Triton kernels"),
+        (not (is_pow2(H) and H >= 16),
+         f"head dim H={H} must be a power of 2 >= 16 for the Triton kernels")])
+    return B, N, H, K, page_size, M
 
 
 def check_knobs(pages_per_block: int, k_splits: int, num_warps: int, num_stages: int,
@@ -187,7 +174,7 @@ def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, *o
 def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, k_scale, v_scale, *, scale,
                   soft_cap, sliding_window, interpret, pages_per_block, num_warps, num_stages,
                   k_splits):
-    (B, N, H), (L, P, K, page_size, _) = q.shape, k_pool.shape
+    (B, N, H), (L, _, K, page_size, _) = q.shape, k_pool.shape
     G, M = N // K, block_tables.shape[1]
     G_PAD = padded_group(G)
     # Pad (null page 0) so every block and the prefetched next one are in range.

@@ -1,8 +1,8 @@
 """Tuned knobs of the Triton paged decode kernel: ``(variant, device_kind, page_size, head_dim,
 group, dtype)`` -> `KNOBS` (pages per loop step, warps, pipelining depth, grid size the split aims
 for). Records of ``tuned_h200.json`` (scripts/tune_paged_attention.py: ``{"variant",
-"device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win over `BUILTIN`,
-then the device kind's entry, then `DEFAULTS`."""
+"device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win over the device
+kind's `BUILTIN` entry, which wins over `DEFAULTS`."""
 
 from __future__ import annotations
 
@@ -19,11 +19,9 @@ KNOBS = ("pages_per_block", "num_warps", "num_stages", "min_programs")
 VARIANTS = ("triton",)
 
 # Devices without a table entry (BENCHMARKS.md section "Paged decode attention").
-DEFAULTS = {v: {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256}
-            for v in VARIANTS}
-# (variant, device_kind) or the full key -> knobs; device kind "interpret": fast on the CPU.
-BUILTIN = {(v, "interpret"): {"pages_per_block": 2, "num_warps": 4, "num_stages": 1,
-                              "min_programs": 1} for v in VARIANTS}
+DEFAULTS = {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256}
+# device kind -> knobs; "interpret": fast on the CPU.
+BUILTIN = {"interpret": {"pages_per_block": 2, "num_warps": 4, "num_stages": 1, "min_programs": 1}}
 
 
 def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
@@ -50,11 +48,10 @@ def lookup(variant: str, *, device_kind: str, page_size: int, head_dim: int, gro
            dtype, path: Path = TUNED_FILE) -> dict:
     """Every knob of `KNOBS` for one shape (group = G); ``device_kind`` is
     ``jax.Device.device_kind`` or "interpret". ValueError: unknown variant."""
-    if variant not in DEFAULTS:
+    if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; tuned variants: {VARIANTS}")
     key = (variant, device_kind, int(page_size), int(head_dim), int(group), np.dtype(dtype).name)
-    return {**DEFAULTS[variant], **BUILTIN.get((variant, device_kind), {}), **BUILTIN.get(key, {}),
-            **load_records(path).get(key, {})}
+    return {**DEFAULTS, **BUILTIN.get(device_kind, {}), **load_records(path).get(key, {})}
 
 
 def choose_k_splits(batch: int, num_kv_heads: int, num_blocks: int, min_programs: int) -> int:

@@ -13,19 +13,16 @@ import jax.numpy as jnp
 
 from pallas_kernels.add_rms_norm.reference import rms_norm
 from pallas_kernels.kv_quant import check_scales, quantize
+from pallas_kernels.paged_attention.reference import check_pools
 from pallas_kernels.sizes import is_int, raise_first
 
 
 def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
                num_kv_heads: int, q_group_rows: int | None = None) -> tuple[int, int, int, int]:
     """Validate shapes -> (S, N, K, H); ValueError names the argument, its shape and the rule."""
-    N, K = num_heads, num_kv_heads
-    if k_pool.ndim != 5 or v_pool.shape != k_pool.shape:
-        raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H]; got {k_pool.shape} "
-                         f"and {v_pool.shape}")
+    N, K, H = num_heads, num_kv_heads, check_pools(k_pool, v_pool)[4]
     if k_pool.shape[2] != K:
         raise ValueError(f"the pools have {k_pool.shape[2]} KV heads, num_kv_heads={K}")
-    H = k_pool.shape[4]
     if H % 2:
         raise ValueError(f"head dim H={H} must be even (RoPE pairs i with i + H/2)")
     if qkv.ndim != 2 or qkv.shape[1] != (N + 2 * K) * H:

@@ -69,10 +69,8 @@ def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv
     @pl.when(j >= nq + K)
     def _value():
         kh = j - nq - K
-        v_ref[layer, page, kh, off, lo] = quantize(qkv_ref[s, N + K + kh, lo], vs_ref[kh],
-                                                   v_ref.dtype)
-        v_ref[layer, page, kh, off, hi] = quantize(qkv_ref[s, N + K + kh, hi], vs_ref[kh],
-                                                   v_ref.dtype)
+        v_ref[layer, page, kh, off, :] = quantize(qkv_ref[s, N + K + kh, :], vs_ref[kh],
+                                                  v_ref.dtype)
 
 
 def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
@@ -143,7 +141,7 @@ def _rope_halves(x1, x2, c, sn):
                                              "grouped"))
 def _prologue(qkv, wq, wk, cos, sin, slot_mapping, k_pool, v_pool, layer, k_scale, v_scale, *, N,
               K, Gq, eps, interpret, num_warps, grouped):
-    S, (L, P, _, page_size, H), G = qkv.shape[0], k_pool.shape, N // K
+    S, (L, _, _, page_size, H), G = qkv.shape[0], k_pool.shape, N // K
     has_norm = wq is not None
     if wq is None:
         wq = wk = jnp.ones((H,), qkv.dtype)                  # unread

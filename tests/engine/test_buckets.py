@@ -2,7 +2,8 @@
 
 import pytest
 
-from jaxinfer.engine.buckets import batch_buckets, bucket, powers_of_two
+from jaxinfer.engine.batch_builder import bucket, powers_of_two
+from jaxinfer.engine.batch_builder import default_batch_buckets as batch_buckets
 
 
 def test_bucket_is_the_smallest_that_fits():

@@ -1,4 +1,4 @@
-"""The FastAPI app (vLLM's ``api_server.py``): routes to `serving`'s endpoints, /v1/models,
+"""The FastAPI app (vLLM's ``api_server.py``): routes to `completions` and `chat`, /v1/models,
 /health, /metrics; the engine thread's lifespan; 401 without the API key, 413 over the limit."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 
 from jaxinfer.serve import protocol as P
-from jaxinfer.serve.serving import ServingChat, ServingCompletion
+from jaxinfer.serve.chat import ServingChat
+from jaxinfer.serve.completions import ServingCompletion
 from jaxinfer.serve.errors import APIError, add_exception_handlers
 from jaxinfer.serve.metrics import ServerMetrics
 from jaxinfer.serve.runner import EngineRunner

@@ -25,7 +25,6 @@ import pytest
 from jaxinfer.config import ModelConfig
 from jaxinfer.memory import (GIB, MemoryPlan, MemoryTracker, default_reserve_bytes,
                              device_memory_stats, param_count, plan_memory)
-from jaxinfer import plan as plan_module
 from jaxinfer.plan import PRESETS
 from jaxinfer.plan import main as plan_main
 

@@ -13,7 +13,7 @@ import pytest
 from pallas_kernels.add_rms_norm import reference, triton_pallas
 from pallas_kernels.add_rms_norm.reference import rms_norm
 
-from .modes import GPU, runs
+from .modes import runs
 
 
 def make_inputs(seed, *, S, D, dtype=jnp.float32, scale=3.0):

@@ -9,7 +9,7 @@ import pytest
 
 openai = pytest.importorskip("openai")  # the GPU machine has no openai client
 
-from .conftest import KEY, MODEL, PROMPTS
+from .conftest import MODEL, PROMPTS
 
 GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
 

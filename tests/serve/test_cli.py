@@ -12,8 +12,6 @@ import threading
 import time
 import urllib.request
 
-import pytest
-
 from .conftest import KEY
 
 

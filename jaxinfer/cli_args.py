@@ -1,5 +1,5 @@
-"""What the command lines share (`jaxinfer.generate`, `jaxinfer.serve`, `jaxinfer.plan`,
-`jaxinfer.convert`): a parser whose errors are one line (`fail`), and for the engine's command
+"""What the command lines share (`jaxinfer.generate`, `jaxinfer.serve`, `jaxinfer.convert`,
+``scripts/plan_memory.py``): a parser whose errors are one line (`fail`), and for the engine's command
 lines ``--model``, the engine options built from `EngineConfig` and ``--model`` -> `LLM`."""
 
 from __future__ import annotations

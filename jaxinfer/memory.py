@@ -1,25 +1,21 @@
-"""KV pool sizing (`kv_pool_pages`, the one formula), capacity plans and a memory tracker
-(PagedAttention, Kwon et al. 2023; vLLM's ``gpu_memory_utilization``). Imports no JAX.
-num_pages = (usable - used) // (page_size x kv_bytes_per_token), null page 0 included. A plan:
-usable = device_bytes x utilization, used = weight_bytes + reserve_bytes (all per device under
-tensor parallelism: weights and KV heads split over the devices); max_concurrent =
-(num_pages - 1) // ceil(context / page_size), planned = floor(PLANNING_FRACTION x that)."""
+"""KV pool sizing (`kv_pool_pages`, the one formula) and a memory tracker (PagedAttention, Kwon
+et al. 2023; vLLM's ``gpu_memory_utilization``). Imports no JAX (`device_memory_stats` imports
+it when called). num_pages = (usable - used) // (page_size x kv_bytes_per_token), null page 0
+included; bytes per device under tensor parallelism (weights and KV heads split over the
+devices). Capacity plans from these formulas: ``scripts/plan_memory.py``."""
 
 from __future__ import annotations
 
 import csv
-import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Callable
 
-from jaxinfer.checks import check_int, is_number
+from jaxinfer.checks import check_int
 from jaxinfer.config import ResolvedConfig
-from jaxinfer.model_config import ModelConfig, check_tp, tp_model_config
+from jaxinfer.model_config import ModelConfig, tp_model_config
 
-GIB, MIB = 1 << 30, 1 << 20
-PLANNING_FRACTION = 0.7  # plan at this fraction of the theoretical concurrent sequences
+GIB = 1 << 30
 CPU_KV_BUDGET_BYTES = 2 * GIB  # KV pool cap where the device reports no memory stats (CPU)
 
 
@@ -38,17 +34,6 @@ def param_count(cfg: ModelConfig, tp: int = 1) -> int:
     per_layer = split + (2 * H if cfg.qk_norm else 0)
     vocab = V * D // (tp if V % tp == 0 else 1)
     return vocab + L * per_layer + D + (0 if cfg.tie_word_embeddings else vocab)
-
-
-def fp8_weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """Bytes of the tree with fp8 weights (`jaxinfer.quantize`, one device): the layers'
-    matrices at 1 byte plus an f32 scale per output channel; embedding, lm_head and norms at
-    ``dtype_bytes`` (the compute dtype)."""
-    D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    matrices = D * (N + 2 * K) * H + N * H * D + 3 * D * F
-    scales = (N + 2 * K) * H + 2 * D + 2 * F
-    return param_count(cfg) * dtype_bytes - L * matrices * (dtype_bytes - 1) + L * scales * 4
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
@@ -116,114 +101,6 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
         usable, used = min(pages * page_bytes, CPU_KV_BUDGET_BYTES), 0
     return kv_pool_pages(m, page_size=e.page_size, dtype_bytes=resolved.kv_dtype_bytes,
                          usable_bytes=usable, used_bytes=used, tp=tp)
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """A KV capacity plan (module doc). Bytes of one device (of ``tensor_parallel_size``);
-    ``num_pages`` includes the null page."""
-
-    kv_bytes_per_token: int
-    weight_bytes: int
-    device_bytes: int
-    utilization: float
-    reserve_bytes: int
-    kv_pool_bytes: int
-    page_size: int
-    num_pages: int
-    context: int
-    max_concurrent_seqs: int
-    planned_concurrent_seqs: int
-    planning_fraction: float = PLANNING_FRACTION
-    tensor_parallel_size: int = 1
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_size * self.kv_bytes_per_token
-
-    @property
-    def pages_per_seq(self) -> int:
-        return -(-self.context // self.page_size)
-
-    def table(self) -> str:
-        """A two-column text table of the plan."""
-        def b(n: int) -> str:
-            return f"{_gib(n)}  ({n:,} B)"
-
-        usable, kvt = int(self.device_bytes * self.utilization), self.kv_bytes_per_token
-        tp = self.tensor_parallel_size
-        rows = [
-            ("tensor parallel", f"{tp} device(s); the bytes below are per device"),
-            ("device memory", b(self.device_bytes)),
-            ("utilization", f"{self.utilization:g}  -> usable {_gib(usable)}"),
-            ("weights", b(self.weight_bytes)),
-            ("reserve (activations, workspace)", b(self.reserve_bytes)),
-            ("KV budget", b(usable - self.weight_bytes - self.reserve_bytes)),
-            ("KV bytes per token", f"{kvt:,} B  ({kvt / 1024:,.1f} KiB)"),
-            ("page size", f"{self.page_size} tokens  ({self.page_bytes / MIB:,.3f} MiB per page)"),
-            ("KV pool", f"{self.num_pages:,} pages incl. null page 0 = {_gib(self.kv_pool_bytes)}"
-                        f"  ({self.kv_pool_bytes:,} B, {(self.num_pages - 1) * self.page_size:,} "
-                        "tokens)"),
-            ("context", f"{self.context:,} tokens = {self.pages_per_seq:,} pages"
-                        f" = {self.pages_per_seq * self.page_bytes / MIB:,.1f} MiB per sequence"),
-            ("max concurrent sequences", f"{self.max_concurrent_seqs:,}"),
-            (f"planned ({self.planning_fraction:.0%})", f"{self.planned_concurrent_seqs:,}"),
-        ]
-        w = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
-
-
-def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9, context: int,
-                page_size: int = 16, weight_dtype_bytes: int = 2, kv_dtype_bytes: int = 2,
-                reserve_bytes: int | None = None, weight_bytes: int | None = None,
-                planning_fraction: float = PLANNING_FRACTION,
-                tensor_parallel_size: int = 1) -> MemoryPlan:
-    """The KV plan of ``cfg`` on ``tensor_parallel_size`` devices of ``device_bytes`` each
-    (module doc; weights and KV bytes per device). ``context``: tokens per sequence;
-    ``*_dtype_bytes``: bytes per element; None ``reserve_bytes``: `default_reserve_bytes`,
-    ``weight_bytes`` (per device): ``param_count x weight_dtype_bytes``. Raises ValueError: an
-    argument out of range; a model tp cannot split (`check_tp`); weights that do not fit (by how
-    much); a ``context`` one sequence of which does not fit (the largest that does)."""
-    for name, v, hi in (("device_bytes", device_bytes, None), ("page_size", page_size, None),
-                        ("context", context, cfg.max_position_embeddings),
-                        ("weight_dtype_bytes", weight_dtype_bytes, None),
-                        ("kv_dtype_bytes", kv_dtype_bytes, None),
-                        ("tensor_parallel_size", tensor_parallel_size, None)):
-        check_int(f"plan_memory: {name}", v, 1, hi)
-    tp = tensor_parallel_size
-    check_tp(cfg, tp)
-    if page_size & (page_size - 1):
-        raise ValueError(f"plan_memory: page_size={page_size!r} is invalid: must be a power of two")
-    for name, v in (("utilization", utilization), ("planning_fraction", planning_fraction)):
-        if not (is_number(v) and 0.0 < v <= 1.0):
-            raise ValueError(f"plan_memory: {name}={v!r} is invalid: must be in (0, 1]")
-    reserve_bytes = default_reserve_bytes(device_bytes) if reserve_bytes is None else reserve_bytes
-    if weight_bytes is None:
-        weight_bytes = param_count(cfg, tp) * weight_dtype_bytes
-    for name, v in (("reserve_bytes", reserve_bytes), ("weight_bytes", weight_bytes)):
-        check_int(f"plan_memory: {name}", v, 0)
-    usable = int(device_bytes * utilization)
-    budget = usable - weight_bytes - reserve_bytes
-    if budget <= 0:
-        raise ValueError(
-            f"plan_memory: the weights do not fit: weights {_gib(weight_bytes)} + reserve "
-            f"{_gib(reserve_bytes)} exceed device_bytes x utilization = {_gib(usable)} by "
-            f"{_gib(-budget)} ({-budget:,} B); allowed: a larger device_bytes or utilization, a "
-            "smaller reserve_bytes, or smaller weights")
-    kv_per_token = kv_bytes_per_token(cfg, kv_dtype_bytes, tp)
-    page_bytes, pages_per_seq = page_size * kv_per_token, -(-context // page_size)
-    num_pages = kv_pool_pages(cfg, page_size=page_size, dtype_bytes=kv_dtype_bytes,
-                              usable_bytes=usable, used_bytes=weight_bytes + reserve_bytes, tp=tp)
-    max_seqs = (num_pages - 1) // pages_per_seq
-    if max_seqs < 1:
-        raise ValueError(
-            f"plan_memory: context={context!r} is invalid: one sequence needs {pages_per_seq} "
-            f"pages ({_gib(pages_per_seq * page_bytes)}) plus the null page, but the KV budget "
-            f"{_gib(budget)} holds only {num_pages} pages; allowed: context <= "
-            f"{(num_pages - 1) * page_size} tokens on this device")
-    return MemoryPlan(kv_per_token, weight_bytes, device_bytes, float(utilization), reserve_bytes,
-                      num_pages * page_bytes, page_size, num_pages, context, max_seqs,
-                      math.floor(planning_fraction * max_seqs), float(planning_fraction), tp)
 
 
 CSV_HEADER = ("time_s", "pages_in_use", "weights_bytes", "kv_pool_bytes", "kv_used_bytes",

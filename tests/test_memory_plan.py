@@ -1,4 +1,4 @@
-"""Tests for jaxinfer.memory (plan, tracker) and the `python -m jaxinfer.plan` CLI.
+"""Tests for jaxinfer.memory (pool sizing, tracker) and scripts/plan_memory.py (plans, its CLI).
 
 Every expected number is computed by hand here from published shapes / the seeds' example,
 independently of the code under test.
@@ -23,10 +23,13 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.memory import (GIB, MemoryPlan, MemoryTracker, default_reserve_bytes,
-                             device_memory_stats, param_count, plan_memory)
-from jaxinfer.plan import PRESETS
-from jaxinfer.plan import main as plan_main
+from jaxinfer.memory import (GIB, MemoryTracker, default_reserve_bytes, device_memory_stats,
+                             param_count)
+from script_module import ROOT, load_script
+
+PLANNER = load_script("plan_memory")
+MemoryPlan, PRESETS, plan_memory = PLANNER.MemoryPlan, PLANNER.PRESETS, PLANNER.plan_memory
+plan_main = PLANNER.main
 
 QWEN3_8B = PRESETS["qwen3-8b"]
 
@@ -337,7 +340,7 @@ def test_gguf_truncated_is_value_error(tmp_path):
 
 # ------------------------------------------------------------------ CLI
 def _cli(*args):
-    """`python -m jaxinfer.plan ARGS` in this process (JAX sees the CPU only): its exit code,
+    """`python scripts/plan_memory.py ARGS` in this process (JAX sees the CPU only): its exit code,
     stdout and stderr."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -345,8 +348,8 @@ def _cli(*args):
     return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
-def test_cli_runs_as_a_module():
-    r = subprocess.run([sys.executable, "-m", "jaxinfer.plan", "--model", "qwen3-8b", "--context",
+def test_cli_runs_as_a_script():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan_memory.py"), "--model", "qwen3-8b", "--context",
                         "4096", "--device-memory-gib", "141"], capture_output=True, text=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
     assert r.returncode == 0, r.stderr
@@ -424,14 +427,14 @@ def test_cli_requires_device_memory_without_gpu():
 
 
 def test_fp8_weight_bytes_equal_the_quantised_tree():
-    """The plan's fp8 weight bytes (`memory.fp8_weight_bytes`) equal the bytes of the tree
+    """The plan's fp8 weight bytes (`fp8_weight_bytes`) equal the bytes of the tree
     `init_params(..., quantization="fp8")` builds (fp8 matrices, f32 scales, f32 rest)."""
     import jax
     import jax.numpy as jnp
 
     from jaxinfer import models
     from jaxinfer.config import ModelConfig
-    from jaxinfer.memory import fp8_weight_bytes
+    fp8_weight_bytes = PLANNER.fp8_weight_bytes
 
     for arch, tied in (("qwen3", False), ("llama", True)):
         cfg = ModelConfig(arch, 96, 32, 64, 2, 4, 2, 8, tie_word_embeddings=tied)

@@ -1,25 +1,14 @@
 """Pure helpers of the scripts in scripts/ and scripts/probes/ (no GPU): trace arithmetic of
 profile_decode_step.py, the host-only workload dry run of plan_step_shapes.py, argument checks."""
 
-import importlib.util
 import os
 
 import numpy as np
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load(name):
-    """The script ``scripts/<name>.py`` as a module (``name`` may be ``probes/<script>``)."""
-    path = os.path.join(ROOT, "scripts", f"{name}.py")
-    spec = importlib.util.spec_from_file_location(os.path.basename(name), path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_module import ROOT, load_script
 
 
 def test_busy_time_is_the_union_of_kernel_intervals():
-    prof = _load("profile_decode_step")
+    prof = load_script("profile_decode_step")
     # [0, 10) and [5, 12) overlap (two streams): 12; [20, 25): 5; [21, 22) inside it: 0
     events = [("a", 0, 10), ("b", 5, 7), ("c", 20, 5), ("d", 21, 1)]
     assert prof.busy_ns(events) == 17
@@ -29,7 +18,7 @@ def test_busy_time_is_the_union_of_kernel_intervals():
 
 
 def test_layer_sequence_is_one_layer_in_launch_order():
-    prof = _load("profile_decode_step")
+    prof = load_script("profile_decode_step")
     # two "layers": gemm, attn (anchor), add; the sequence runs from attn #1 to attn #2 (exclusive)
     events = [("gemm_0", 0, 5), ("attn_mosaic", 7, 2), ("add_1", 10, 1),
               ("gemm_2", 20, 5), ("attn_mosaic", 30, 2), ("add_3", 33, 1),
@@ -41,7 +30,7 @@ def test_layer_sequence_is_one_layer_in_launch_order():
 
 
 def test_largest_gaps_name_the_kernels_around_them():
-    prof = _load("profile_decode_step")
+    prof = load_script("profile_decode_step")
     # idle [10, 20) between a and b; c overlaps b (another stream), then idle [40, 45) before d
     events = [("d", 45, 5), ("a", 0, 10), ("b", 20, 10), ("c", 25, 15)]
     gaps = prof.largest_gaps(events)
@@ -57,7 +46,7 @@ def test_decode_gemm_formulations_compute_the_same_product():
     import jax
     import jax.numpy as jnp
     import pytest
-    bench = _load("probes/bench_decode_gemm")
+    bench = load_script("probes/bench_decode_gemm")
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (3, 64), jnp.float32)
     w = jax.random.normal(kw, (64, 16), jnp.float32)
@@ -78,7 +67,7 @@ def test_decode_gemm_formulations_compute_the_same_product():
 
 
 def test_dry_run_emits_every_requested_token_once():
-    plan = _load("plan_step_shapes")
+    plan = load_script("plan_step_shapes")
     from jaxinfer.engine.batch_builder import BucketSpec
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 100, int(n)).tolist() for n in rng.integers(5, 60, 12)]
@@ -112,7 +101,7 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
 
     from jaxinfer import kernels
     from jaxinfer.config import KernelConfig
-    bench = _load("bench_decode")
+    bench = load_script("bench_decode")
     assert bench.parse_knobs("") == {}
     assert bench.parse_knobs("num_splits=4,block_kv=128") == {"num_splits": 4, "block_kv": 128}
     for bad in ("num_splits", "num_splits=x", "=3", "a b=1"):
@@ -145,7 +134,7 @@ def test_bench_decode_defaults_to_the_engines_kernels():
     import pytest
 
     from jaxinfer.config import ModelConfig
-    bench = _load("bench_decode")
+    bench = load_script("bench_decode")
     cfg = ModelConfig(**bench.QWEN3_8B)
     gpu = bench.resolve_kernels(cfg, "", "gpu")
     assert (gpu.decode_attention, gpu.prefill_attention, gpu.qkv_prologue, gpu.add_rms_norm) == (
@@ -164,7 +153,7 @@ def test_bench_decode_defaults_to_the_engines_kernels():
 
 
 def test_trace_summary_outside_the_run_is_an_error_not_a_crash(tmp_path):
-    bench = _load("bench_throughput")
+    bench = load_script("bench_throughput")
     log = bench.TracedStepLog(5, 3, str(tmp_path))
     for i in range(2):
         log.append(i)
@@ -179,7 +168,7 @@ def test_bench_add_rms_norm_rejects_bad_settings_before_any_work(monkeypatch, ca
 
     import jax
     import pytest
-    bench = _load("probes/bench_add_rms_norm")
+    bench = load_script("probes/bench_add_rms_norm")
     cases = [(["--partials", "3"], "power-of-2 count"), (["--warps", "0"], "must be >= 1"),
              (["--warps", "6"], "power-of-2 count of warps"), (["--hidden", "96"], "power-of-2"),
              (["--reps", "0"], "must be >= 1")]
@@ -217,7 +206,7 @@ def test_bench_prefix_cache_tiny_runs_every_mode(tmp_path):
 
 
 def test_eval_accuracy_agreement_and_arguments():
-    acc = _load("eval_accuracy")
+    acc = load_script("eval_accuracy")
     # equal up to the first divergence only: 2/4, then 4/4 (a later match does not count)
     assert acc.agreement([[1, 2, 3, 4], [5, 6, 7, 8]], [[1, 2, 9, 4], [5, 6, 7, 8]]) == 0.75
     assert acc.agreement([[1, 2]], [[3, 2]]) == 0.0

@@ -61,8 +61,11 @@ def _layout(llm, cfg, tp: int) -> dict:
     """Per-device shapes and bytes of the params and the KV pool, against `plan_memory`."""
     import jax
 
-    from jaxinfer.memory import GIB, plan_memory
+    from script_module import load_script
 
+    from jaxinfer.memory import GIB
+
+    plan_memory = load_script("plan_memory").plan_memory
     eng = llm.engine
     plan = plan_memory(cfg, device_bytes=2 * GIB, context=64, page_size=eng.page_size,
                        weight_dtype_bytes=4, kv_dtype_bytes=4, tensor_parallel_size=tp)
@@ -260,9 +263,9 @@ def test_plan_per_device_bytes():
     """Qwen3-8B (published config): KV heads split (tp 16 > K = 8: one copy per device), the
     matrices split, the norms whole on each device."""
     from jaxinfer.memory import kv_bytes_per_token, param_count
-    from jaxinfer.plan import PRESETS
+    from script_module import load_script
 
-    cfg = PRESETS["qwen3-8b"]
+    cfg = load_script("plan_memory").PRESETS["qwen3-8b"]
     L, D, H = cfg.num_layers, cfg.hidden_size, cfg.head_dim
     assert [kv_bytes_per_token(cfg, 2, tp) for tp in (1, 2, 8, 16)] == [
         147_456, 73_728, 18_432, 18_432]
@@ -271,7 +274,9 @@ def test_plan_per_device_bytes():
 
 
 def test_plan_cli_tensor_parallel_size(capsys):
-    from jaxinfer.plan import main as plan_main
+    from script_module import load_script
+
+    plan_main = load_script("plan_memory").main
 
     args = ["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "80"]
     assert plan_main(args + ["--tensor-parallel-size", "2"]) == 0

@@ -103,9 +103,9 @@ class BlockManager:
         return page
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references (tail first) and its pending hashes. Raises RuntimeError
-        (nothing freed): no pages (double free), or a page it does not hold (null, free,
-        another's, twice)."""
+        """Drop ``seq``'s references (tail first) and pending hashes. Raises RuntimeError (nothing
+        freed): no pages (double free), or a page it does not hold (null, free, another's,
+        twice)."""
         if not seq.block_table:
             raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} holds no pages "
                                "(double free?)")
@@ -181,9 +181,8 @@ class BlockManager:
                 self._cached[h], self._key[page] = page, (h, tuple(ids[i * P:(i + 1) * P]))
 
     def copy_free(self) -> BlockManager:
-        """A block manager whose free and cached-unreferenced pages are this one's and whose held
-        pages are neither (a dry run from the state of now; `check` holds if none is held);
-        fresh stats."""
+        """A block manager with this one's free and cached-unreferenced pages, none of its held
+        ones, and fresh stats (a dry run from now; `check` holds if none is held)."""
         bm = BlockManager(self.num_pages, self.page_size,
                           enable_prefix_caching=self.enable_prefix_caching)
         bm._free, bm._evictable = list(self._free), OrderedDict(self._evictable)

@@ -1,14 +1,12 @@
-"""Continuous-batching scheduler (host side, no JAX): ``schedule()`` -> step ->
-``postprocess(batch, sampled)``, at most two batches in flight; sampled tokens are pending until
-read back. Prefill first (the partial prefill, then FIFO admission within ``max_num_seqs``, the
-token budget and free pages; one partial chunk, last; rows x longest chunk <= twice the budget),
-else a decode batch, a missing page preempting the newest admitted (recompute). With prefix
-caching, admission shares the cached full pages of the tokens (at most (tokens - 1) // page_size,
-none for ``prompt_logprobs``), a sequence whose next page an admitted one is computing waits in
-place (so n samples hold their prompt once), and `postprocess` publishes the pages a step filled.
-Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill, prefix caching and asynchronous
-scheduling (SARATHI).
-"""
+"""Continuous-batching scheduler (host side, no JAX): ``schedule()`` -> step -> ``postprocess(batch,
+sampled)``, at most two batches in flight; sampled tokens are pending until read back. Prefill first
+(the partial prefill, then FIFO admission within ``max_num_seqs``, the token budget and free pages;
+one partial chunk, last; rows x longest chunk <= twice the budget), else a decode batch, a missing
+page preempting the newest admitted (recompute). With prefix caching, admission shares the cached
+full pages of the tokens (at most (tokens - 1) // page_size, none for ``prompt_logprobs``), a
+sequence whose next page an admitted one is computing waits in place, and `postprocess` publishes
+the pages a step filled. Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill, prefix caching
+and asynchronous scheduling (SARATHI)."""
 
 from __future__ import annotations
 
@@ -171,7 +169,6 @@ class Scheduler:
                     return None
             start = seq.num_computed_tokens + len(hits) * self.page_size
             n = min(seq.num_tokens - start, budget)
-            # attention pads every row to the longest chunk: rows x longest <= twice the budget
             if seqs:
                 cap = 2 * self.max_num_batched_tokens // (len(seqs) + 1)  # longest row allowed
                 if max(nums) > cap:
@@ -217,7 +214,6 @@ class Scheduler:
         if not self.running:
             return None
         bm = self.block_manager
-        # victims come off the back; sequences ending on their pending tokens keep their pages
         ending, queue, scheduled, deferred = [], deque(), [], []
         for s in self.running:  # ends on its pending tokens (length)
             p = s.num_pending_tokens

@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompts_file(path: str) -> list[str]:
-    """The prompts of ``path``: lines end at \\n or \\r\\n only (other Unicode breaks, e.g.
-    U+2028, stay in the prompt), blank lines skipped. Raises FileNotFoundError, ValueError."""
+    """The non-blank lines of ``path``, split at \\n or \\r\\n only; FileNotFoundError,
+    ValueError."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--prompts-file {path!r} does not exist")
     if not os.path.isfile(path):

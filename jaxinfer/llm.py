@@ -30,9 +30,8 @@ def _engine_config(engine_args: dict) -> EngineConfig:
 
 
 def _claim_gpu_memory(utilization: float) -> None:
-    """vLLM's ``gpu_memory_utilization``: let JAX's GPU allocator take that fraction of the card
-    (``XLA_PYTHON_CLIENT_MEM_FRACTION``) when the variable is unset and no JAX backend has
-    started yet; else `memory.card_bytes_usable` checks what the allocator got."""
+    """vLLM's ``gpu_memory_utilization`` as ``XLA_PYTHON_CLIENT_MEM_FRACTION``, if unset and no
+    JAX backend has started (else `memory.card_bytes_usable` checks what the allocator got)."""
     from jax._src import xla_bridge  # JAX 0.10-0.11 has no public "backends started" test
 
     started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
@@ -86,10 +85,8 @@ def _normalize(prompts, sampling_params: _Params) -> tuple[list, list[SamplingPa
 class LLM:
     """A model served with continuous batching. ``model``: an HF model directory, a GGUF file or
     an Orbax directory; None: the embedded SmolLM2-135M-Instruct. ``tokenizer``: an HF tokenizer
-    directory (or GGUF file) to use instead of the model's. ``skip_tokenizer_init``: token-id
-    prompts, no output text. ``engine_args``: `EngineConfig` fields (vLLM's names where vLLM has
-    them: dtype, seed, gpu_memory_utilization, enable_prefix_caching, kv_cache_dtype,
-    tensor_parallel_size, enforce_eager, max_model_len, max_num_seqs, ...). Raises
+    directory (or GGUF file) instead of the model's. ``skip_tokenizer_init``: token-id prompts,
+    no output text. ``engine_args``: `EngineConfig` fields (vLLM's names). Raises
     FileNotFoundError: no such model or tokenizer; ValueError: an unsupported architecture, an
     unknown or bad engine argument, GPU kernels without a GPU (before the checkpoint is read)."""
 
@@ -120,13 +117,11 @@ class LLM:
     @classmethod
     def from_params(cls, config, params: dict, *, tokenizer=None, **engine_args) -> "LLM":
         """An `LLM` over ``params``, the `jaxinfer.models.init_params` tree of ``config`` in the
-        compute dtype (with ``tensor_parallel_size`` > 1 jax or numpy leaves, resharded:
-        `jaxinfer.parallel`), quantised first with ``quantization="fp8"``
-        (`jaxinfer.quantize.quantize_params`). ``tokenizer``: an HF tokenizer object, or a path
-        as `LLM`'s (an HF dir or GGUF file); its EOS id joins ``config.eos_token_ids``. Without
-        one, prompts are token ids and ``stop`` strings are rejected. Raises ValueError:
-        ``config`` not a `ModelConfig`, or a bad engine argument; FileNotFoundError: no such
-        tokenizer path."""
+        compute dtype (``tensor_parallel_size`` > 1: jax or numpy leaves, resharded), quantised
+        first with ``quantization="fp8"``. ``tokenizer``: an HF tokenizer object, or a path as
+        `LLM`'s; its EOS id joins ``config.eos_token_ids``. Without one, prompts are token ids
+        and ``stop`` strings are rejected. Raises ValueError: ``config`` not a `ModelConfig`, or a
+        bad engine argument; FileNotFoundError: no such tokenizer path."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "
                              f"{type(config).__name__} (ModelConfig.from_dict builds one)")
@@ -245,8 +240,7 @@ class LLM:
     def _run(self, requests: dict[int, tuple], texts: list, use_tqdm: bool,
              stream) -> dict[int, RequestOutput]:
         """Add ``requests`` ({index: (ids, params)}, checked by `_prepare`) and step until they
-        finish; on any exception (an interrupt, a failing callback) abort them all so the LLM
-        stays usable."""
+        finish; any exception aborts them all (the LLM stays usable)."""
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), desc="generating", unit="req",

@@ -136,10 +136,9 @@ class ModelConfig:
 
     @classmethod
     def from_checkpoint(cls, ckpt) -> "ModelConfig":
-        """From a checkpoint's config, no tensors read: an opened `checkpoints_tools.loader
-        .Checkpoint`, or a path (HF directory, GGUF file or Orbax directory: `detect_format`).
-        Raises FileNotFoundError (a needed file, named) and ValueError (unsupported format or
-        config, as `from_hf_config`)."""
+        """From a checkpoint's config, no tensors read: an opened
+        `checkpoints_tools.loader.Checkpoint`, or a path (`detect_format`). FileNotFoundError (a
+        needed file, named); ValueError: unsupported format or config (`from_hf_config`)."""
         from checkpoints_tools.loader import Checkpoint, open_checkpoint
 
         ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
@@ -170,6 +169,6 @@ def check_tp(model: ModelConfig, tp: int) -> None:
 
 
 def tp_model_config(model: ModelConfig, tp: int) -> ModelConfig:
-    """The config the engine runs at tensor parallelism ``tp`` (`check_tp` holds): K' =
-    max(K, tp) KV heads, each shard one copy of KV head ``s * K // tp`` when tp > K (vLLM)."""
+    """The config run at tensor parallelism ``tp`` (`check_tp` holds): K' = max(K, tp) KV heads,
+    shard s holding KV head ``s * K // tp`` when tp > K (vLLM)."""
     return dataclasses.replace(model, num_kv_heads=max(model.num_kv_heads, tp))

@@ -1,7 +1,6 @@
 """The step-input schema (numpy only): `FIELDS` gives a `HostBatch`'s arrays and padding
-(`allocate`), the int32 transfer buffer (`pack`) and its unpacking (`jaxinfer.step.unpack`);
-the layout depends on the `ShapeKey` alone. Padded rows have ``seq_len`` 0 and null-page tables.
-"""
+(`allocate`), the int32 transfer buffer (`pack`) and its unpacking (`jaxinfer.step.unpack`); the
+layout depends on the `ShapeKey` alone. Padded rows have ``seq_len`` 0 and null-page tables."""
 
 from __future__ import annotations
 

@@ -24,12 +24,11 @@ dense_init = nn.initializers.normal(stddev=INIT_STD)
 
 
 def fused_parts(cfg, shards: int = 1) -> dict[str, dict[str, slice]]:
-    """Where each projection lies on the output (last) axis of the fused matrices, in
-    concatenation order: ``{"wqkv": {"q": [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H,
-    (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up": [F, 2F)}}`` as slices. ``shards`` > 1
-    (tensor parallelism, `jaxinfer.parallel`): the columns are grouped by shard, [q_0 | k_0 | v_0
-    | q_1 | ...], [gate_0 | up_0 | gate_1 | ...], and the slices are within one shard's group
-    (N, K, F divided by ``shards``)."""
+    """Slices of each projection on the output (last) axis of the fused matrices, in concatenation
+    order: ``{"wqkv": {"q": [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H, (N+2K)*H)}, "w_gate_up":
+    {"gate": [0, F), "up": [F, 2F)}}``. ``shards`` > 1: columns grouped by shard, [q_0 | k_0 | v_0 |
+    q_1 | ...], [gate_0 | up_0 | gate_1 | ...], the slices within one group (N, K, F divided by
+    ``shards``)."""
     N, K, F = cfg.num_heads // shards, cfg.num_kv_heads // shards, cfg.intermediate_size // shards
     H = cfg.head_dim
     return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
@@ -68,8 +67,7 @@ class Weight:
     block: tuple[int, int] | None = None
 
     def value(self, dtype) -> jax.Array:
-        """The matrix in ``dtype``: ``(w.astype(f32) * expand_scale(scale)).astype(dtype)``, traced
-        inside the caller's jit, so XLA fuses the convert into the consuming GEMM."""
+        """``(w.astype(f32) * expand_scale(scale)).astype(dtype)``, traced (fused into the GEMM)."""
         if self.scale is None:
             return self.w.astype(dtype)
         wf = self.w.astype(jnp.float32) * expand_scale(self.scale, self.w.shape, self.block)
@@ -82,9 +80,8 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
 
 
 def declare_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> Weight:
-    """Declare matrix ``name`` [in, out] on ``module`` (its ``param_dtype``, ``quantization`` and
-    ``cfg.weight_block_size``): with ``quantization == "fp8"`` a float8_e4m3fn leaf plus the f32
-    leaf ``name + "_scale"`` (`scale_shape`) beside it; else one leaf in ``param_dtype``."""
+    """Declare matrix ``name`` [in, out] on ``module``; fp8 (``module.quantization``): float8_e4m3fn
+    plus an f32 leaf ``name + "_scale"`` (`scale_shape`)."""
     if module.quantization is None:
         return Weight(module.param(name, dense_init, shape, module.param_dtype))
     block = module.cfg.weight_block_size
@@ -128,9 +125,8 @@ Packing.__doc__ = """A packed prefill batch: tokens [1, Tp], sequence after sequ
 
 class StepContext(NamedTuple):
     """Per-step metadata: positions, slot_mapping i32[B, T], block_tables i32[R, M], seq_lens
-    i32[R], cos/sin f32[B, T, H/2], packing: `Packing` (B = 1, R rows) or None (R = B);
-    k_scale, v_scale: `KVCache.scales` (fp8 pools: f32[L, K]; else None), keywords of the K/V
-    write and attention."""
+    i32[R], cos/sin f32[B, T, H/2], packing: `Packing` (B = 1, R rows) or None (R = B); k_scale,
+    v_scale: `KVCache.scales`."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -168,8 +164,8 @@ def shared(parent: nn.Module, child: nn.Module) -> nn.Module:
 class AddRMSNorm(nn.Module):
     """Residual add + RMSNorm, weight [D] named ``param_name``: ``(x [B, T, D], delta [B, T, D] |
     None) -> (x + delta, rms_norm(x + delta))`` in x.dtype; ``delta`` may be f32 partial sums
-    [splits, B, T, D] (their x.dtype sum added). ``kernel``: `ModelKernels.add_rms_norm`, None:
-    its plain-jnp reference (`pallas_kernels.add_rms_norm.reference`)."""
+    [splits, B, T, D] (their x.dtype sum added). ``kernel``: `ModelKernels.add_rms_norm` (None:
+    `pallas_kernels.add_rms_norm.reference`)."""
 
     param_name: str
     eps: float
@@ -189,11 +185,10 @@ class AddRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; gate and up
-    are one GEMM with ``w_gate_up`` [D, 2F] (`fused_parts`, ``shards`` groups of columns, each
-    sliced locally); ``w_down`` [F, D]. ``down_partials`` > 1: F split in that many equal parts,
-    output f32 partial sums [splits, B, T, D] (for `AddRMSNorm`). ``quantization``: None or
-    "fp8" (`declare_weight`)."""
+    """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; ``w_gate_up``
+    [D, 2F] (`fused_parts`, ``shards`` column groups), ``w_down`` [F, D]. ``down_partials`` > 1: F
+    split in that many parts, output f32 partial sums [splits, B, T, D] (for `AddRMSNorm`).
+    ``quantization``: `declare_weight`."""
 
     cfg: Any
     param_dtype: Any = jnp.float32

@@ -1,12 +1,10 @@
 """Paged decode attention as a Mosaic GPU Pallas kernel for Hopper (sm_90a).
 
-One warpgroup per (row b, KV head h, split s) loads the G query heads of KV head h into a 64-row
-shared-memory tile and streams its keys through ``num_stages`` buffers, one TMA copy per page (the
-block table is copied to shared memory). Online softmax in f32; Q K^T and P V by ``wgmma``. Several
-splits: normalised partials and log-sum-exps merged by `combine_splits`. Pools ``[L, P, K,
-page_size, H]`` are read as ``[L * P, ...]`` plus ``layer * P`` (`layer_offsets`). Sources:
-FlashAttention (Dao et al. 2022), flash-decoding (Dao et al. 2023), PagedAttention (Kwon et al.
-2023); JAX's attention_mgpu.py for Mosaic GPU idioms."""
+One warpgroup per (row b, KV head h, split s): the G query heads of h in a 64-row shared-memory
+tile, keys streamed through ``num_stages`` buffers by TMA, online softmax in f32, ``wgmma``
+matmuls; split partials merged by `combine_splits`. Pools ``[L, P, K, page_size, H]`` are read as
+``[L * P, ...]`` plus ``layer * P`` (`layer_offsets`). Sources: FlashAttention (Dao et al. 2022),
+flash-decoding (Dao et al. 2023), PagedAttention (Kwon et al. 2023); JAX's attention_mgpu.py."""
 
 from __future__ import annotations
 
@@ -390,7 +388,6 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
             qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     k_flat, v_flat = (x.reshape(L * P, K, page_size, H) for x in (k_pool, v_pool))
     transforms = () if interpret else _smem_transforms(dtype, H)
-    # One split: the G rows, final, in q.dtype; more: f32 partials and LSEs of the Gp rows.
     single = splits == 1
     out_type = ((jax.ShapeDtypeStruct((B, K, G, H), q.dtype),) if single else
                 (jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
@@ -418,8 +415,8 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
 
 
 def layer_offsets(layer, pages_per_layer: int):
-    """i32[32] per-layer input: [0] is ``layer * pages_per_layer``, the rest count up (unread;
-    distinct, so no broadcast launch). numpy for a Python-int ``layer`` (no launch under jit)."""
+    """i32[32]: [0] ``layer * pages_per_layer``, the rest unread; numpy for a Python-int
+    ``layer``."""
     xp = np if isinstance(layer, (int, np.integer)) else jnp
     return xp.arange(_OFFSET_COLS, dtype=np.int32) + xp.asarray(layer, np.int32) * pages_per_layer
 
@@ -437,11 +434,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     page_size of 8. block_kv, num_stages, num_splits: `MosaicDecodeConfig` (unless ``config``).
     page_offset: i32[32] ``layer_offsets(layer, P)``, replaces ``layer``. ValueError: shapes,
     dtypes or knobs the kernel does not take, a Python-int layer outside [0, L). Unchecked: a
-    traced layer, page ids; lengths past the table are clamped to M * page_size.
-
-    Called eagerly in interpret mode, it returns only once the result is ready: the interpreter
-    runs JAX computations inside host callbacks, and XLA:CPU can deadlock when the caller
-    dispatches more work meanwhile (seen with jax 0.10.2 on 2 cores)."""
+    traced layer, page ids; lengths past the table are clamped to M * page_size. Eager interpret
+    calls return once the result is ready (else XLA:CPU can deadlock on host callbacks)."""
     cfg = config if config is not None else MosaicDecodeConfig(
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
     N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads, layer,

@@ -1,8 +1,7 @@
 """Tuned knobs of the Triton paged decode kernel: ``(variant, device_kind, page_size, head_dim,
-group, dtype)`` -> `KNOBS` (pages per loop step, warps, pipelining depth, grid size the split aims
-for). Records of ``tuned_h200.json`` (scripts/tune_paged_attention.py: ``{"variant",
-"device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win over the device
-kind's `BUILTIN` entry, which wins over `DEFAULTS`."""
+group, dtype)`` -> `KNOBS`. Records of ``tuned_h200.json`` (scripts/tune_paged_attention.py:
+``{"variant", "device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win over
+the device kind's `BUILTIN` entry, which wins over `DEFAULTS`."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
-"""The attention prologue (q/k RMSNorm + RoPE + K/V page write) as one Pallas/Triton kernel; same
-contract as `reference.qkv_prologue`. Two grids (``grid`` of `qkv_prologue`): "head", one program
-per (token, query row or key or value head); "group", one per (token, KV group of query heads)
-plus one for the token's keys and one for its values. Heads are read as two RoPE halves ([H/2] or
-[rows, H/2]). The pools alias the outputs (in-place update); fp8 pools are written through
-`kv_quant.quantize` with the layer's per-head scales. Sources: as `reference.py`."""
+"""The attention prologue (q/k RMSNorm + RoPE + K/V page write) as one Pallas/Triton kernel,
+`reference.qkv_prologue`'s contract. Two grids (``grid`` of `qkv_prologue`): "head", one program per
+(token, query row or key or value head); "group", one per (token, KV group of query heads) plus one
+for the token's keys and one for its values. The pools alias the outputs; fp8 pools are written
+through `kv_quant.quantize`. Sources: as `reference.py`."""
 
 from __future__ import annotations
 
@@ -132,7 +131,6 @@ def _rms_norm_halves(x1, x2, w1, w2, H, eps, dt, axis):
 
 
 def _rope_halves(x1, x2, c, sn):
-    """HF ``rotate_half`` RoPE on the two halves, in float32."""
     f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
     return f1 * c - f2 * sn, f2 * c + f1 * sn
 
@@ -187,12 +185,11 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  k_scale: jax.Array | None = None, v_scale: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`reference.qkv_prologue`'s contract in one Pallas launch (H/2 a power of 2; slots and layer
-    out of range write out of bounds). grid (module docstring): "group", S * (K + 2) programs (K
-    and rows per group, ``q_group_rows`` or G, powers of 2); "head", S * (K * rows + 2K); "auto":
-    "head" while that fits about one wave (4096), else "group" where it applies
-    (BENCHMARKS.md section "Throughput"). num_warps: None: 1 for "head", 2 for "group". ValueError:
-    `reference.check_args`, `kv_quant.check_scales`; H/2 not a power of 2; ``grid`` unknown, or
-    "group" where it can't."""
+    out of range write out of bounds). grid: "group", S * (K + 2) programs (K and rows per group,
+    ``q_group_rows`` or G, powers of 2); "head", S * (K * rows + 2K); "auto": "head" while that fits
+    about one wave (4096; BENCHMARKS.md "Throughput"), else "group" where it applies. num_warps
+    None: 1 for "head", 2 for "group". ValueError: `reference.check_args`, `kv_quant.check_scales`;
+    H/2 not a power of 2; ``grid`` unknown, or "group" where it can't."""
     args = (qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool)
     S, N, K, H = check_args(*args, num_heads, num_kv_heads, q_group_rows)
     check_scales(k_pool, k_scale, v_scale)

@@ -1,8 +1,7 @@
 """One entry point for every checkpoint format: `open_checkpoint(path) -> Checkpoint`. Formats
 (`detect_format`): "gguf", a ``*.gguf`` file (`gguf_loader`); "orbax", a dir with
 ``jaxinfer_config.json`` (`orbax_io`); "hf", a dir with ``config.json`` and ``model.safetensors``
-or ``model.safetensors.index.json`` + its ``weight_map`` shards. Heavy imports (JAX, transformers,
-orbax, gguf) are inside the functions, so a CLI can check its arguments first."""
+(or an index and its shards). Heavy imports are deferred."""
 
 from __future__ import annotations
 
@@ -39,7 +38,6 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def _ids(value: Any) -> tuple[int, ...]:
-    """An ``eos_token_id`` value (None, an int or a list) as a tuple of ints."""
     return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value])
                  if v is not None)
 
@@ -102,10 +100,9 @@ def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
 
 def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = None):
     """Offline HF tokenizer of an HF dir, GGUF file or Orbax ``tokenizer/`` (``path`` or an opened
-    `Checkpoint`: a GGUF's from its open reader, `gguf_loader.gguf_tokenizer`); ``fmt`` if known.
-    A GGUF file's is built from its tokenizer metadata alone (the fast tokenizer class, not
-    ``AutoTokenizer``, which parses the whole file again for a config).
-    FileNotFoundError: no ``path``; ValueError: unsupported format, or no tokenizer."""
+    `Checkpoint`: a GGUF's from its reader, `gguf_loader.gguf_tokenizer`); ``fmt`` if known. A GGUF
+    path's tokenizer is a ``PreTrainedTokenizerFast``. FileNotFoundError: no ``path``; ValueError:
+    unsupported format, or no tokenizer."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if isinstance(path, Checkpoint):
@@ -161,8 +158,7 @@ _RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}
 
 
 def _read_raw(file: str, name: str):
-    """Tensor ``name`` of a `_RAW_DTYPES` dtype, read at its header's offsets (safetensors layout:
-    u64 little-endian header size, JSON header, data) into a read-only ml_dtypes array."""
+    """Tensor ``name`` (a `_RAW_DTYPES` dtype) from its safetensors header offsets, read-only."""
     import struct
 
     import ml_dtypes

@@ -34,8 +34,7 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def open_gguf(path: str | os.PathLike):
-    """``GGUFReader`` of ``path``; FileNotFoundError: no file; ValueError: not GGUF, truncated,
-    corrupt."""
+    """``GGUFReader`` of ``path``; FileNotFoundError: no file; ValueError: not GGUF or corrupt."""
     import struct
 
     import gguf
@@ -57,8 +56,7 @@ def _value(reader, key: str, default: Any = None) -> Any:
 
 
 def gguf_eos_token_ids(reader) -> tuple[int, ...]:
-    """``tokenizer.ggml.eos_token_id`` plus end-of-turn / -message ids (llama.cpp's
-    ``llama_vocab_is_eog``)."""
+    """``tokenizer.ggml.{eos,eot,eom}_token_id`` as present (llama.cpp's ``llama_vocab_is_eog``)."""
     ids = (_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
     return tuple(dict.fromkeys(int(v) for v in ids if v is not None))
 
@@ -129,8 +127,7 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
                                  orig: int | None) -> dict | None:
     """HF ``rope_scaling`` (llama3; None if all multipliers are 1) from llama.cpp's ``rope_freqs``
     f[H/2]: ``orig`` (None: 8192), ``low``/``high`` fitted from the smooth band or Llama 3's (1, 4),
-    checked against Llama 3.1 ``apply_scaling``. ValueError: wrong length, or no llama3 parameters
-    fit."""
+    checked against Llama 3.1 ``apply_scaling``. ValueError: bad length; no llama3 fit."""
     if factors.shape != (head_dim // 2,):
         raise ValueError(f"rope_freqs.weight has shape {factors.shape}, expected ({head_dim // 2},)")
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):

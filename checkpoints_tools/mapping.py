@@ -1,5 +1,4 @@
 """HF transformers tensor names -> the jaxinfer param tree: ONE explicit table, with shape checks.
-
 Every checkpoint tensor is mapped by `HF_TO_PARAMS` or listed in `IGNORED_HF`; else an error, as is
 a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9); shapes and dtypes from the
 caller's abstract tree. Tying (CASES.md C9): no ``lm_head.weight``, or one equal to the embedding ->

@@ -1,7 +1,6 @@
-"""Frozen, validated configuration: `ModelConfig` (`jaxinfer.model_config`), `EngineConfig` (what a
-user sets, vLLM meanings), `KernelConfig` (kernel knobs); `resolve` makes "auto" concrete
-(`ResolvedConfig`). A bad value raises ValueError naming the field, the value and what is allowed.
-Imports no JAX."""
+"""Frozen, validated configuration: `ModelConfig` (`jaxinfer.model_config`), `EngineConfig` (user
+settings, vLLM meanings), `KernelConfig`; `resolve` makes "auto" concrete (`ResolvedConfig`). A bad
+value raises ValueError naming the field, the value and what is allowed. No JAX."""
 
 from __future__ import annotations
 

@@ -60,8 +60,7 @@ def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, 
 @dataclass(frozen=True)
 class PagedAttention:
     """T == 1 to decode variant ``decode`` (``decode_knobs``), T > 1 to prefill variant ``prefill``,
-    each jitted with ``layer`` as i32[] (one lowering). ValueError: a grouped q [B, T, K, Gp, H]
-    outside a decode-kernel step."""
+    jitted with ``layer`` as i32[]. ValueError: a grouped q [B, T, K, Gp, H] off a decode kernel."""
 
     decode: str = "reference"
     prefill: str = "reference"

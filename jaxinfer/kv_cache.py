@@ -38,8 +38,7 @@ class KVCache:
         return dataclasses.replace(self, **kw)
 
     def scales(self) -> tuple:
-        """(k_scale, v_scale) if the pools are fp8, else (None, None); ValueError: fp8 without
-        scales."""
+        """(k_scale, v_scale) if the pools are fp8, else (None, None); ValueError: no scales."""
         if not is_fp8(self.k.dtype):
             return None, None
         check_scales(self.k, self.k_scale, self.v_scale)
@@ -53,9 +52,8 @@ jax.tree_util.register_dataclass(
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                   sharding=None) -> KVCache:
-    """Zeroed pools [L, P, K, page_size, H] of ``dtype``, scales 1.0, placed with ``sharding``
-    (None: the default device), one padded table row (replicated on a ``NamedSharding``'s mesh);
-    ValueError: num_pages < 2."""
+    """Zeroed pools [L, P, K, page_size, H] of ``dtype``, scales 1.0, placed with ``sharding``, one
+    padded table row (replicated on a ``NamedSharding``'s mesh); ValueError: num_pages < 2."""
     if num_pages < 2:
         raise ValueError(f"num_pages={num_pages} is too small: need >= 2 (page 0 is reserved)")
     shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)

@@ -1,6 +1,6 @@
 """A model from a checkpoint: `load_model(path, dtype) -> LoadedModel`; `checkpoints_tools` reads
 the files and maps tensor names onto `jaxinfer.models.abstract_params`. EOS ids (CASES.md C4): the
-union, in first-seen order, of the tokenizer's, the checkpoint's generation EOS ids and the
+union, first-seen order, of the tokenizer's, the checkpoint's generation EOS ids and the
 config's."""
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ from jaxinfer.quantize import quantize_params
 
 
 class LoadedModel(NamedTuple):
-    """config (tying decided from the tensors); params (``dtype`` jax arrays; numpy with
-    ``on_host``); tokenizer (HF, or None); eos_token_ids (module docstring); source: the checkpoint
-    format."""
+    """config (tying decided from the tensors); params (``dtype`` jax arrays; ``on_host``: numpy);
+    tokenizer (HF, or None); eos_token_ids (module docstring); source: the format."""
 
     config: ModelConfig
     params: Any

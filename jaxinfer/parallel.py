@@ -2,11 +2,10 @@
 (`param_specs`) and of the KV pool, and the canonical -> engine weight layout (`shard_params`); XLA
 inserts the collectives. Sources: Shoeybi et al. 2019 (Megatron-LM: column-split qkv and gate/up,
 row-split wo and down); vLLM (vocabulary-split embedding and lm_head, one KV head copy per device
-when tp exceeds the KV head count).
-
-Canonical layout: the one-device tree of `jaxinfer.models.init_params` and the loaders. Engine
-layout at tp > 1: the tree of `jaxinfer.model_config.tp_model_config` (K' = max(K, tp) KV heads),
-fused matrices' columns grouped by device (`engine_layout`), each leaf placed by `param_specs`."""
+when tp exceeds the KV head count). Canonical layout: the one-device tree of
+`jaxinfer.models.init_params` and the loaders. Engine layout at tp > 1: the tree of
+`jaxinfer.model_config.tp_model_config` (K' = max(K, tp) KV heads), fused matrices' columns grouped
+by device (`engine_layout`), each leaf placed by `param_specs`."""
 
 from __future__ import annotations
 

@@ -88,8 +88,7 @@ def _jit(fn: Callable, gemm: str, static: tuple[str, ...]) -> Callable:
 
 def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool,
                  gemm: str = "xla") -> Callable:
-    """``jax.jit`` of `step` (KV donated), for benchmarks. Raises ValueError: ``gemm`` not a key
-    of `GEMM_COMPILER_OPTIONS`."""
+    """``jax.jit`` of `step` (KV donated), for benchmarks; ValueError: unknown ``gemm``."""
     return _jit(functools.partial(step, cfg=cfg, kernels=kernels, all_greedy=all_greedy), gemm, ())
 
 

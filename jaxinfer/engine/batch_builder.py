@@ -79,8 +79,7 @@ def _bias(s, eos_token_ids) -> list[tuple[int, float]]:
 
 
 def _prompt_positions(batch) -> list[range]:
-    """Per row, the prompt positions scored this step (p: prompt token p + 1's log-probability),
-    minus those already recorded."""
+    """Per row, the prompt positions scored this step (p scores token p + 1), not yet recorded."""
     out = []
     for s, n, c in zip(batch.seqs, batch.num_new_tokens, batch.start_positions):
         have = -1 if s.prompt_logprobs is None else len(s.prompt_logprobs)
@@ -90,9 +89,8 @@ def _prompt_positions(batch) -> list[range]:
 
 def build_host_batch(batch, *, page_size: int, buckets: BucketSpec,
                      eos_token_ids=()) -> HostBatch:
-    """Pad a `ScheduledBatch` to a bucketed `HostBatch` (packed if a chunk has > 1 token); a
-    ``pending_input`` row's token stays 0, flagged in ``pending_rows``. ValueError: a size exceeds
-    the largest bucket."""
+    """Pad a `ScheduledBatch` to a bucketed `HostBatch` (packed if a chunk has > 1 token;
+    ``pending_input`` rows in ``pending_rows``). ValueError: a size past the largest bucket."""
     hb = allocate(shape_key(batch, page_size=page_size, buckets=buckets,
                             eos_token_ids=eos_token_ids))
     a, off, j = hb.arrays, 0, 0  # off: packed offset of row i's first token; j: prompt position

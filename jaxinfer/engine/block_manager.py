@@ -103,9 +103,8 @@ class BlockManager:
         return page
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references (tail first) and pending hashes. Raises RuntimeError (nothing
-        freed): no pages (double free), or a page it does not hold (null, free, another's,
-        twice)."""
+        """Drop ``seq``'s references (tail first) and pending hashes. RuntimeError (nothing freed):
+        no pages (double free), or a page it does not hold (null, free, another's, twice)."""
         if not seq.block_table:
             raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} holds no pages "
                                "(double free?)")

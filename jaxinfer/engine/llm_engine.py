@@ -171,11 +171,10 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def update_params(self, params) -> None:
-        """Serve ``params``, a canonical tree of the structure, shapes and dtypes the engine was
-        built with, put where the current leaves are (resharded under tensor parallelism): no
-        recompile; the prefix cache is reset. An fp8 engine quantises an unquantised tree first.
-        Raises ValueError: requests in flight, another tree structure, or a leaf (named) of another
-        shape or dtype."""
+        """Serve ``params`` (the structure, shapes and dtypes the engine was built with; fp8 engine:
+        quantised first) in place of the current leaves (resharded under tensor parallelism): no
+        recompile; the prefix cache is reset. ValueError: requests in flight, another tree
+        structure, or a leaf (named) of another shape or dtype."""
         if self.has_unfinished():
             raise ValueError("update_params needs an idle engine: requests are in flight")
         if self.resolved.quantization is not None:

@@ -1,6 +1,6 @@
 """Functions and Flax blocks shared by the Llama/Qwen3 family. Numerics: the compute dtype is the
-params' dtype; RMSNorm statistics, RoPE and the attention softmax in f32. Weights ``[in, out]``
-(``x @ w``). Sources: HF ``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE,
+params' dtype; RMSNorm statistics, RoPE and the attention softmax in f32. Weights ``[in, out]``.
+Sources: HF ``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE,
 ``_compute_llama3_parameters``), Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer
 2020 (SwiGLU)."""
 
@@ -24,11 +24,10 @@ dense_init = nn.initializers.normal(stddev=INIT_STD)
 
 
 def fused_parts(cfg, shards: int = 1) -> dict[str, dict[str, slice]]:
-    """Slices of each projection on the output (last) axis of the fused matrices, in concatenation
-    order: ``{"wqkv": {"q": [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H, (N+2K)*H)}, "w_gate_up":
-    {"gate": [0, F), "up": [F, 2F)}}``. ``shards`` > 1: columns grouped by shard, [q_0 | k_0 | v_0 |
-    q_1 | ...], [gate_0 | up_0 | gate_1 | ...], the slices within one group (N, K, F divided by
-    ``shards``)."""
+    """Slices of each projection on the output (last) axis of the fused matrices: ``{"wqkv": {"q":
+    [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H, (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up":
+    [F, 2F)}}``. ``shards`` > 1: columns grouped by shard, [q_0 | k_0 | v_0 | q_1 | ...], [gate_0 |
+    up_0 | gate_1 | ...], slices within one group (N, K, F divided by ``shards``)."""
     N, K, F = cfg.num_heads // shards, cfg.num_kv_heads // shards, cfg.intermediate_size // shards
     H = cfg.head_dim
     return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
@@ -125,8 +124,8 @@ Packing.__doc__ = """A packed prefill batch: tokens [1, Tp], sequence after sequ
 
 class StepContext(NamedTuple):
     """Per-step metadata: positions, slot_mapping i32[B, T], block_tables i32[R, M], seq_lens
-    i32[R], cos/sin f32[B, T, H/2], packing: `Packing` (B = 1, R rows) or None (R = B); k_scale,
-    v_scale: `KVCache.scales`."""
+    i32[R], cos/sin f32[B, T, H/2], packing: `Packing` or None (R = B); k_scale, v_scale:
+    `KVCache.scales`."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -186,9 +185,8 @@ class AddRMSNorm(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; ``w_gate_up``
-    [D, 2F] (`fused_parts`, ``shards`` column groups), ``w_down`` [F, D]. ``down_partials`` > 1: F
-    split in that many parts, output f32 partial sums [splits, B, T, D] (for `AddRMSNorm`).
-    ``quantization``: `declare_weight`."""
+    [D, 2F] (`fused_parts`, ``shards`` groups), ``w_down`` [F, D]. ``down_partials`` > 1: F split in
+    that many parts, output f32 partial sums [splits, B, T, D] (`AddRMSNorm`)."""
 
     cfg: Any
     param_dtype: Any = jnp.float32

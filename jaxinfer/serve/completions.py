@@ -72,8 +72,7 @@ class OpenAIServing:
                              choices=sorted(choices, key=lambda c: c.index))
 
     async def _events(self, request: Request, prompts: list[list[int]], sp, stream: bool):
-        """Yield ``(prompt index, event)`` until all prompts finish; abort those left if the client
-        leaves."""
+        """Yield ``(prompt index, event)`` until all finish; abort the rest if the client leaves."""
         sink: asyncio.Queue = asyncio.Queue()
         rids = {f"req-{next(self.ids)}": i for i in range(len(prompts))}
         for rid, i in rids.items():

@@ -1,5 +1,4 @@
 """fp8-weight GEMM as one Pallas launch with the Triton lowering, `reference.fp8_matmul`'s contract.
-
 Each program owns ``block_n`` output columns (tiled path: and ``block_m`` rows) over one of
 ``splits`` contiguous K ranges, streaming its ``[block_k, block_n]`` fp8 weight tiles through a
 ``num_stages`` pipeline: GEMV path (M <= ``gemv_rows``): f32 FMAs, reduced over K at the end; tiled

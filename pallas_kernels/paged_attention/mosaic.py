@@ -1,10 +1,9 @@
-"""Paged decode attention as a Mosaic GPU Pallas kernel for Hopper (sm_90a).
-
-One warpgroup per (row b, KV head h, split s): the G query heads of h in a 64-row shared-memory
-tile, keys streamed through ``num_stages`` buffers by TMA, online softmax in f32, ``wgmma``
-matmuls; split partials merged by `combine_splits`. Pools ``[L, P, K, page_size, H]`` are read as
-``[L * P, ...]`` plus ``layer * P`` (`layer_offsets`). Sources: FlashAttention (Dao et al. 2022),
-flash-decoding (Dao et al. 2023), PagedAttention (Kwon et al. 2023); JAX's attention_mgpu.py."""
+"""Paged decode attention as a Mosaic GPU Pallas kernel for Hopper (sm_90a). One warpgroup per (row
+b, KV head h, split s): the G query heads of h in a 64-row shared-memory tile, keys streamed through
+``num_stages`` buffers by TMA, online softmax in f32, ``wgmma`` matmuls; split partials merged by
+`combine_splits`. Pools ``[L, P, K, page_size, H]`` are read as ``[L * P, ...]`` plus ``layer * P``
+(`layer_offsets`). Sources: FlashAttention (Dao et al. 2022), flash-decoding (Dao et al. 2023),
+PagedAttention (Kwon et al. 2023); JAX's attention_mgpu.py."""
 
 from __future__ import annotations
 
@@ -415,8 +414,7 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
 
 
 def layer_offsets(layer, pages_per_layer: int):
-    """i32[32]: [0] ``layer * pages_per_layer``, the rest unread; numpy for a Python-int
-    ``layer``."""
+    """i32[32]: [0] ``layer * pages_per_layer``, the rest unread; numpy for an int ``layer``."""
     xp = np if isinstance(layer, (int, np.integer)) else jnp
     return xp.arange(_OFFSET_COLS, dtype=np.int32) + xp.asarray(layer, np.int32) * pages_per_layer
 

@@ -22,8 +22,8 @@ def check_pools(k_pool: jax.Array, v_pool: jax.Array) -> tuple[int, ...]:
 
 def check_args(B: int, H: int, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
                soft_cap=None) -> tuple[int, int, int]:
-    """The checks of every variant, for q of B rows and head dim H -> (K, page_size, M). Raises
-    ValueError naming the argument."""
+    """Checks of every variant (q: B rows, head dim H) -> (K, page_size, M); ValueError names the
+    arg."""
     *_, K, page_size, Hk = check_pools(k_pool, v_pool)
     raise_first([
         (Hk != H, f"k_pool head dim {Hk} must equal q head dim {H}"),

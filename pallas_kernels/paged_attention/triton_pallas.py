@@ -1,6 +1,5 @@
-"""Paged decode attention as a Pallas kernel with the Triton lowering (variant ``triton``).
-
-One program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
+"""Paged decode attention as a Pallas kernel with the Triton lowering (variant ``triton``). One
+program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
 tile (`padded_group`) and gathers its split's pages ``pages_per_block`` at a time, online softmax in
 f32; ``k_splits > 1``: partials merged by `combine_splits`. fp8 pages (`pallas_kernels.kv_quant`):
 cast to q's dtype, the K scale folded into the logit scale, the V scale into the output. Sources:
@@ -85,9 +84,8 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 
 def online_softmax_step(q, k, v, valid, carry, *, qk_scale, soft_cap):
-    """One key block of the online softmax, in log2 units: q [R, H], k and v [BLOCK_N, H] (q's
-    dtype or fp8), ``valid`` bool broadcastable to [R, BLOCK_N]; carry (acc f32[R, H], m f32[R],
-    l f32[R])."""
+    """Online-softmax step over one key block (log2 units): q [R, H], k, v [BLOCK_N, H] (q's dtype
+    or fp8), ``valid`` bool broadcastable to [R, BLOCK_N]; carry (acc f32[R, H], m, l f32[R])."""
     acc, m_i, l_i = carry
     k, v = k.astype(q.dtype), v.astype(q.dtype)                           # fp8 pages: exact
     x = lax.dot_general(q, k, NT_DIMS, precision=HIGHEST,

@@ -59,10 +59,9 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array, k_scale: jax.Array | None = None,
              v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Scatter k, v [S, K, H] into ``layer`` (int or i32[]) of the pools [L, P, K, page_size, H] at
-    ``slot_mapping`` i32[S] (``page * page_size + offset``), fp8 pools via `kv_quant.quantize` with
-    ``k_scale``, ``v_scale`` f32[L, K] -> the new pools. Slots and layer out of range: undefined
-    writes."""
+    """Scatter k, v [S, K, H] into ``layer`` of pools [L, P, K, page_size, H] at ``slot_mapping``
+    i32[S] (``page * page_size + offset``; fp8: `kv_quant.quantize` by ``k_scale``, ``v_scale``
+    f32[L, K]) -> new pools. Out-of-range slots or layer: undefined writes."""
     page, off = jnp.divmod(slot_mapping, k_pool.shape[3])  # shape[3]: page_size
     ks, vs = (None if x is None else x[layer][None, :, None] for x in (k_scale, v_scale))
     k_pool = k_pool.at[layer, page, :, off, :].set(quantize(k, ks, k_pool.dtype),

@@ -1,8 +1,7 @@
 """Read a llama.cpp GGUF file (Llama or Qwen3) as an HF config dict (`gguf_hf_config`) and HF
 tensors (`gguf_hf_tensors`: f32, renamed by `GGUF_TO_HF`, Q/K row permutation undone). Sources:
-llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` for ``llama``, not ``qwen3``;
-``generate_extra_tensors``: Llama 3 RoPE factors in ``rope_freqs``), ``gguf-py/gguf/constants.py``,
-HF ``modeling_gguf_pytorch_utils.py``."""
+llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` for ``llama``, not ``qwen3``; Llama 3
+RoPE factors in ``rope_freqs``), ``gguf-py``, HF ``modeling_gguf_pytorch_utils.py``."""
 
 from __future__ import annotations
 

@@ -100,9 +100,8 @@ def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
 
 def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = None):
     """Offline HF tokenizer of an HF dir, GGUF file or Orbax ``tokenizer/`` (``path`` or an opened
-    `Checkpoint`: a GGUF's from its reader, `gguf_loader.gguf_tokenizer`); ``fmt`` if known. A GGUF
-    path's tokenizer is a ``PreTrainedTokenizerFast``. FileNotFoundError: no ``path``; ValueError:
-    unsupported format, or no tokenizer."""
+    `Checkpoint`: a GGUF's from its reader, `gguf_loader.gguf_tokenizer`); ``fmt`` if known.
+    FileNotFoundError: no ``path``; ValueError: unsupported format, or no tokenizer."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if isinstance(path, Checkpoint):

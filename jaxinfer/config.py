@@ -223,13 +223,12 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
             device_kind: str | None = None) -> ResolvedConfig:
     """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend). On
     "gpu": dtype bfloat16, prefill_attention triton, and in half precision decode_attention mosaic
-    (triton with an fp8 KV cache), qkv_prologue / add_rms_norm triton where H/2 / D is a power of 2;
-    else float32, reference, xla; an attention variant not validated on ``device_kind`` falls back
+    (fp8 KV: triton), qkv_prologue / add_rms_norm triton where H/2 / D is a power of 2; else
+    float32, reference, xla; an attention variant not validated on ``device_kind`` falls back
     (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization None:
-    "fp8" for an FP8 checkpoint. Raises ValueError: max_model_len above that, a GPU kernel off "gpu"
-    (`check_platform`), "triton" fused kernels on shapes they do not take, a decode variant not in
-    `FP8_KV_DECODE` with an fp8 KV cache, a model ``tensor_parallel_size`` cannot split
-    (`check_tp`), fp8 weights or KV with it above 1."""
+    "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off "gpu",
+    "triton" fused kernels on shapes they do not take, a decode variant not in `FP8_KV_DECODE` with
+    fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`), fp8 with tp > 1."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "

@@ -49,8 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompts_file(path: str) -> list[str]:
-    """The non-blank lines of ``path``, split at \\n or \\r\\n only; FileNotFoundError,
-    ValueError."""
+    """Non-blank lines of ``path``, split at \\n or \\r\\n only; FileNotFoundError, ValueError."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--prompts-file {path!r} does not exist")
     if not os.path.isfile(path):

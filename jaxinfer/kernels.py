@@ -39,8 +39,7 @@ class ModelKernels:
                                              "sliding_window", "num_heads"))
 def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel,
                 knobs, scale, soft_cap, sliding_window, num_heads):
-    """q [B, 1, N, H] (grouped [B, 1, K, Gp, H] with ``num_heads``), layer i32[], scales: {} or
-    fp8 pools' {"k_scale", "v_scale"} -> [B, 1, N, H]."""
+    """q [B, 1, N, H] (or [B, 1, K, Gp, H]), layer i32[], scales: {} or fp8's -> [B, 1, N, H]."""
     extra = dict(knobs, **scales, **{k: v for k, v in (("num_heads", num_heads),
                                                        ("page_offset", page_offset))
                                      if v is not None})

@@ -1,7 +1,6 @@
 """A model from a checkpoint: `load_model(path, dtype) -> LoadedModel`; `checkpoints_tools` reads
 the files and maps tensor names onto `jaxinfer.models.abstract_params`. EOS ids (CASES.md C4): the
-union, first-seen order, of the tokenizer's, the checkpoint's generation EOS ids and the
-config's."""
+union, first-seen order, of the tokenizer's, the generation config's and the config's."""
 
 from __future__ import annotations
 
@@ -49,9 +48,8 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
                 on_host: bool = False, quantization: str | None = None
                 ) -> tuple[ModelConfig, dict]:
     """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype``; ``cfg``: its config if
-    built; ``on_host``: numpy leaves (for `jaxinfer.parallel.shard_params`); ``quantization`` "fp8":
-    `quantize_params` after mapping (an FP8 checkpoint is fp8 either way). FileNotFoundError,
-    ValueError: the reader's and the mapping's."""
+    built; ``on_host``: numpy leaves (`jaxinfer.parallel.shard_params`); ``quantization`` "fp8":
+    `quantize_params` after mapping. FileNotFoundError, ValueError: the reader's, mapping's."""
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     cfg = cfg or ModelConfig.from_checkpoint(ckpt)
     if ckpt.format == "orbax":

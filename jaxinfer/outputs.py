@@ -76,9 +76,9 @@ class RequestOutput:
 
 class OutputProcessor:
     """A `Sequence`'s text and outputs with ``detokenize(ids, skip_special_tokens=...,
-    spaces_between_special_tokens=...)`` (HF ``tokenizer.decode``'s; None: "" and no stop strings).
-    A stop string and what follows, and the text of a stop token or EOS, are left out unless
-    ``include_stop_str_in_output`` (vLLM's detokenizer)."""
+    spaces_between_special_tokens=...)`` (None: "" and no stop strings). A stop string and what
+    follows, and a stop token's or EOS's text, are left out unless
+    ``include_stop_str_in_output``."""
 
     def __init__(self, detokenize: Callable[..., str] | None) -> None:
         self.detokenize = detokenize

@@ -65,10 +65,10 @@ def param_specs(cfg: ModelConfig, tp: int) -> dict:
 
 
 def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
-    """Leaf ``name`` of the canonical tree of ``cfg`` in the engine layout of tp devices: wqkv
-    [D, (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp..,
-    k_s, v_s: KV heads s*K'/tp.., KV head j of K' a copy of head j*K//K'); w_gate_up [D, 2F] ->
-    [gate_0 | up_0 | gate_1 | ...]; any other leaf as it is."""
+    """Leaf ``name`` of the canonical tree of ``cfg`` in the engine layout of tp devices: wqkv [D,
+    (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp.., k_s,
+    v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up -> [gate_0 | up_0 |
+    ...]."""
     parts = models.fused_parts(cfg).get(name)
     if parts is None:
         return w

@@ -1,7 +1,6 @@
-"""fp8 (e4m3) weight quantisation of a param tree: the layers' matrices `QUANTIZED` become
-float8_e4m3fn with an f32 ``<name>_scale`` leaf beside them
-(`jaxinfer.models.layers.declare_weight`); embed, lm_head and norms are kept. Source: Micikevicius
-et al. 2022, "FP8 Formats for Deep Learning"."""
+"""fp8 (e4m3) weight quantisation of a param tree: the layers' `QUANTIZED` matrices become
+float8_e4m3fn plus an f32 ``<name>_scale`` leaf (`jaxinfer.models.layers.declare_weight`); embed,
+lm_head, norms kept. Source: Micikevicius et al. 2022, "FP8 Formats for Deep Learning"."""
 
 from __future__ import annotations
 

@@ -3,9 +3,9 @@ logit_bias and the min_tokens mask (sparse entries added); 1. repetition penalty
 frequency and presence penalties over the output tokens (vLLM ``apply_penalties``); 2. greedy rows
 (temperature < `GREEDY_EPS`): argmax; 3. ``(logits - max) / T`` in float32 (C6); 4. top-k (<= 0:
 off); 5. top-p, top token kept (C5); 6. min-p (arXiv:2407.01082); 7. Gumbel-max, row key
-``fold_in(key(seed), step_idx)``. 4-5 on one stable descending sort (ties: lower id first), skipped
-when no sampled row uses them. NaN logits count as -inf, +inf as the largest float32: the result is
-always an id in [0, V)."""
+``fold_in(key(seed), step_idx)``. 4-5 on one stable descending sort (ties: lower id first), only if
+a sampled row uses them. NaN logits count as -inf, +inf as the largest float32: ids always in [0,
+V)."""
 
 from __future__ import annotations
 

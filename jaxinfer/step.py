@@ -93,8 +93,7 @@ def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool,
 
 
 def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInput]:
-    """Inverse of `jaxinfer.step_input.pack` (``key`` static): (block_tables i32[B, M],
-    seq_lens i32[B], `StepInput` without ``prev_tokens``)."""
+    """Inverse of `pack` (``key`` static): (block_tables, seq_lens, `StepInput`, no prev_tokens)."""
     groups, off = {"input": {}, "kv": {}, "sampling": {}, "packing": {}}, 0
     for f, shape in layout(key):
         n = math.prod(shape)
@@ -164,8 +163,7 @@ class StepExecutor:
         return params, kv, jax.device_put(pack(hb), self.inputs), prev
 
     def run(self, params, kv, hb: HostBatch, prev_tokens=None):
-        """Dispatch one step, no wait: (token ids i32[Bmax] on the device, or `step`'s dict when
-        ``hb.key.logprobs``; the new cache)."""
+        """Dispatch a step, no wait: (i32[Bmax] tokens, or `step`'s dict if logprobs; the cache)."""
         args = self._args(params, kv, hb, prev_tokens)
         if (exe := self.executables.get(hb.key)) is None:
             self.stats.num_lazy_compiles += 1

@@ -121,8 +121,7 @@ def allocate(key: ShapeKey) -> HostBatch:
 
 
 def pack(hb: HostBatch) -> np.ndarray:
-    """``hb``'s fields in one i32[S] buffer, `layout` order, f32/u32 bit-cast. Raises
-    TypeError: a dtype or shape not the schema's."""
+    """``hb``'s fields as one i32[S] (`layout`; f32/u32 bit-cast); TypeError: not the schema."""
     parts = []
     for f, shape in layout(hb.key):
         a = np.ascontiguousarray(hb.arrays[f.name])

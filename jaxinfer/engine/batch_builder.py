@@ -25,8 +25,7 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 
 def default_batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Powers of two up to 64, then ``64 + k * max(16, max_num_seqs // 16)``, then ``max_num_seqs``.
-    ValueError: not a positive integer."""
+    """Powers of two to 64, then ``64 + k * max(16, max_num_seqs // 16)``, then ``max_num_seqs``."""
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
         raise ValueError(f"max_num_seqs={max_num_seqs!r} must be a positive integer")
     small = powers_of_two(1, min(64, max_num_seqs))

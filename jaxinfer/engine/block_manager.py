@@ -191,8 +191,8 @@ class BlockManager:
         return bm
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash (evictable pages become free); False (no change) while any page
-        is held, as vLLM's ``reset_prefix_cache``."""
+        """Drop all cached hashes (evictable pages become free); False (no change) while pages are
+        held."""
         if any(self._holders):
             return False
         for page in self._evictable:

@@ -1,5 +1,4 @@
-"""Host-only dry run of `jaxinfer.engine.loop.StepLoop`: the steps a set of requests visits
-(`LLMEngine.plan_shapes`, scripts/plan_step_shapes.py)."""
+"""Host-only dry run of `StepLoop`: the steps requests visit (`LLMEngine.plan_shapes`)."""
 
 from __future__ import annotations
 

@@ -261,8 +261,8 @@ class LLMEngine:
                                     device_bytes_in_use=stats[0] if stats else None)
 
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
-        """The `ShapeKey`s ``requests`` visit on an idle engine, in first-visit order. ValueError: a
-        request the scheduler rejects."""
+        """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: one is
+        rejected."""
         sched = self._scheduler(self.block_manager.copy_free(), self.eos_token_ids)  # the prefix cache as now
         steps = dry_run(sched, requests, buckets=self.buckets, async_scheduling=self.async_scheduling)
         return list(dict.fromkeys(hb.key for _, hb in steps))

@@ -2,11 +2,10 @@
 sampled)``, at most two batches in flight; sampled tokens are pending until read back. Prefill first
 (the partial prefill, then FIFO admission within ``max_num_seqs``, the token budget and free pages;
 one partial chunk, last; rows x longest chunk <= twice the budget), else a decode batch, a missing
-page preempting the newest admitted (recompute). With prefix caching, admission shares the cached
-full pages of the tokens (at most (tokens - 1) // page_size, none for ``prompt_logprobs``), a
-sequence whose next page an admitted one is computing waits in place, and `postprocess` publishes
-the pages a step filled. Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill, prefix caching
-and asynchronous scheduling (SARATHI)."""
+page preempting the newest admitted (recompute). With prefix caching, admission shares cached full
+pages (at most (tokens - 1) // page_size, none for ``prompt_logprobs``), a sequence whose next page
+an admitted one computes waits in place, and `postprocess` publishes filled pages. Sources:
+nano-vllm ``Scheduler``; vLLM v1 chunked prefill, prefix caching, async scheduling (SARATHI)."""
 
 from __future__ import annotations
 
@@ -117,8 +116,8 @@ class Scheduler:
                 f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool")
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` (FIFO). Raises ValueError (no change): not admissible, a duplicate
-        unfinished ``request_id``, or not fresh."""
+        """Queue ``seq`` (FIFO). ValueError (no change): inadmissible, duplicate ``request_id``, not
+        new."""
         self.check_admissible(seq.num_prompt_tokens, seq.params)
         if seq.request_id in self._requests:
             raise ValueError(f"request_id={seq.request_id!r} is invalid: an unfinished request "
@@ -295,8 +294,7 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: str) -> bool:
-        """Finish ``seq`` (a stop string); False if finished. Raises ValueError: ``reason`` not in
-        `FINISH_REASONS`, or ``seq`` not scheduled here."""
+        """Finish ``seq`` (stop string); False if finished. ValueError: bad ``reason``, not ours."""
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish reason={reason!r} is invalid: allowed {FINISH_REASONS}")
         if seq.is_finished:

@@ -1,8 +1,7 @@
-"""Functions and Flax blocks shared by the Llama/Qwen3 family. Numerics: the compute dtype is the
-params' dtype; RMSNorm statistics, RoPE and the attention softmax in f32. Weights ``[in, out]``.
-Sources: HF ``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE,
-``_compute_llama3_parameters``), Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer
-2020 (SwiGLU)."""
+"""Functions and Flax blocks of the Llama/Qwen3 family. Numerics: compute dtype = params' dtype;
+RMSNorm statistics, RoPE and attention softmax in f32. Weights ``[in, out]``. Sources: HF
+``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``),
+Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU)."""
 
 from __future__ import annotations
 
@@ -57,9 +56,9 @@ def expand_scale(scale: jax.Array, shape: tuple[int, int],
                    meta_fields=["block"])
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    """A matrix w [in, out] as declared: in the compute dtype (``scale`` None), or
-    float8_e4m3fn with its f32 `scale_shape` scale (``block``, static: None per channel, or HF's
-    ``(block_out, block_in)``), meaning ``w * expand_scale(scale)``."""
+    """A matrix w [in, out]: compute dtype (``scale`` None), or float8_e4m3fn with an f32
+    `scale_shape` scale (``block``, static: None per channel, or HF's ``(block_out, block_in)``):
+    ``w * expand_scale(scale)``."""
 
     w: jax.Array
     scale: jax.Array | None = None
@@ -124,8 +123,7 @@ Packing.__doc__ = """A packed prefill batch: tokens [1, Tp], sequence after sequ
 
 class StepContext(NamedTuple):
     """Per-step metadata: positions, slot_mapping i32[B, T], block_tables i32[R, M], seq_lens
-    i32[R], cos/sin f32[B, T, H/2], packing: `Packing` or None (R = B); k_scale, v_scale:
-    `KVCache.scales`."""
+    i32[R], cos/sin f32[B, T, H/2], packing (None: R = B); k_scale, v_scale: `KVCache.scales`."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -163,8 +161,7 @@ def shared(parent: nn.Module, child: nn.Module) -> nn.Module:
 class AddRMSNorm(nn.Module):
     """Residual add + RMSNorm, weight [D] named ``param_name``: ``(x [B, T, D], delta [B, T, D] |
     None) -> (x + delta, rms_norm(x + delta))`` in x.dtype; ``delta`` may be f32 partial sums
-    [splits, B, T, D] (their x.dtype sum added). ``kernel``: `ModelKernels.add_rms_norm` (None:
-    `pallas_kernels.add_rms_norm.reference`)."""
+    [splits, B, T, D]. ``kernel``: `ModelKernels.add_rms_norm` (None: the jnp reference)."""
 
     param_name: str
     eps: float

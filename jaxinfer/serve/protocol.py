@@ -106,8 +106,7 @@ class CompletionLogprobs(BaseModel):
 
     @classmethod
     def of(cls, out, k: int | None, offset: int = 0) -> CompletionLogprobs | None:
-        """``out``'s (`CompletionOutput`) top-``k`` logprobs, text at ``offset``; None: not
-        asked."""
+        """``out``'s top-``k`` logprobs, text from ``offset``; None: not asked."""
         if k is None or out.logprobs is None:
             return None
         lps = cls()

@@ -26,10 +26,9 @@ class _Request:
 
 
 class EngineRunner:
-    """Runs ``engine`` (an `LLMEngine`) on a daemon thread. Events on a request's sink, as
-    ``(request id, event)``: when streamed, a sample's new tokens, text and logprobs as a
-    `CompletionOutput` (finish reason once finished); then one `RequestOutput` (aborted: "abort") or
-    an error str. ``metrics``: a `ServerMetrics`."""
+    """Runs ``engine`` (an `LLMEngine`) on a daemon thread. Events on a request's sink, ``(request
+    id, event)``: streamed, a sample's new tokens, text and logprobs as a `CompletionOutput` (finish
+    reason once finished); then one `RequestOutput` (aborted: "abort") or an error str."""
 
     def __init__(self, engine, metrics=None) -> None:
         self.engine, self.metrics = engine, metrics

@@ -3,9 +3,8 @@ Each program owns ``block_n`` output columns (tiled path: and ``block_m`` rows) 
 ``splits`` contiguous K ranges, streaming its ``[block_k, block_n]`` fp8 weight tiles through a
 ``num_stages`` pipeline: GEMV path (M <= ``gemv_rows``): f32 FMAs, reduced over K at the end; tiled
 path: bf16 ``dot`` of x and the upcast tile, f32 accumulation. The per-channel scale is applied in
-the epilogue; ``splits > 1``: f32 partials summed by XLA. Sources: split-K GEMV as in
-vLLM/TensorRT-LLM fp8 weight-only kernels; W8A16 "upcast after load" as in tokamax's sm90 quantized
-GEMM."""
+the epilogue; ``splits > 1``: f32 partials summed by XLA. Sources: split-K GEMV (vLLM/TensorRT-LLM
+fp8 weight-only kernels); W8A16 "upcast after load" (tokamax's sm90 quantized GEMM)."""
 
 from __future__ import annotations
 
@@ -52,10 +51,9 @@ class Fp8MatmulConfig:
 
 
 def default_config(M: int, K: int, N: int) -> Fp8MatmulConfig:
-    """Knobs for x [M, K] @ w [K, N] from the H200 sweep (benchmarks/fp8_gemm_notes.md): M <= 2:
-    GEMV tiles [32, 128], 8 warps; else dot tiles of 16 (M <= 16), 64 (M <= 64) or 128 rows x 128
-    x 64. splits: the fewest (power of 2) giving >= 512 (GEMV), 384 (M <= 64) or 192 programs,
-    keeping >= 4 K tiles per split."""
+    """Knobs for x [M, K] @ w [K, N] (H200 sweep, benchmarks/fp8_gemm_notes.md): M <= 2: GEMV tiles
+    [32, 128], 8 warps; else dot tiles of 16 (M <= 16), 64 (M <= 64) or 128 rows x 128 x 64; splits:
+    the fewest (power of 2) giving >= 512 (GEMV), 384 (M <= 64) or 192 programs, >= 4 K tiles."""
     gemv = M <= 2
     bk = 32 if gemv else 64
     bm = 1 if gemv else 16 if M <= 16 else 64 if M <= 64 else 128

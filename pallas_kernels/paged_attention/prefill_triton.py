@@ -127,9 +127,8 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     """`reference.paged_attention`'s contract (prefill chunks) in Pallas/Triton -> [B, T, N, H] in
     q.dtype (empty, no launch, if B or T is 0). q bf16/f16/f32; pools q's dtype or fp8 (with
     k_scale, v_scale f32[L, K]); page_size, H powers of 2 (H >= 16); block_q: query tokens per
-    program (``block_q * G_PAD`` a power of 2 >= 16); pages_per_block: pages per key block
-    (``pages_per_block * page_size`` >= 16); None knobs: `default_knobs`. ValueError: bad shapes,
-    dtypes or knobs, naming the argument."""
+    program (``block_q * G_PAD`` a power of 2 >= 16); pages_per_block: per key block (>= 16 keys);
+    None knobs: `default_knobs`. ValueError: bad shapes, dtypes, knobs."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, N, H]; got shape {q.shape}")
     B, T, N, H = q.shape

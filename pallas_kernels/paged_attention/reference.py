@@ -1,8 +1,7 @@
-"""Plain-jnp float32 paged attention: the oracle every kernel variant is tested against. Pools ``[L,
-P, K, page_size, H]`` (jaxinfer/kv_cache.py); softmax(scale * q k^T [soft-capped], masked) v per
-query head; GQA: query head n reads KV head n // G; fp8 pools dequantised on read
-(`pallas_kernels.kv_quant`). Source: Kwon et al. 2023 (PagedAttention, vLLM); the gather-then-dense
-form of JAX's in-tree kernel tests."""
+"""Plain-jnp float32 paged attention, the oracle of every kernel variant. Pools ``[L, P, K,
+page_size, H]``; softmax(scale * q k^T [soft-capped], masked) v per query head; GQA: query head n
+reads KV head n // G; fp8 pools dequantised on read (`pallas_kernels.kv_quant`). Source: Kwon et al.
+2023 (PagedAttention, vLLM); JAX's in-tree kernel tests (gather, then dense)."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ def check_pools(k_pool: jax.Array, v_pool: jax.Array) -> tuple[int, ...]:
 
 def check_args(B: int, H: int, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
                soft_cap=None) -> tuple[int, int, int]:
-    """Checks of every variant (q: B rows, head dim H) -> (K, page_size, M); ValueError names the
-    arg."""
+    """Checks of every variant (q: B rows, head dim H) -> (K, page_size, M); ValueError names it."""
     *_, K, page_size, Hk = check_pools(k_pool, v_pool)
     raise_first([
         (Hk != H, f"k_pool head dim {Hk} must equal q head dim {H}"),
@@ -83,8 +81,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None) -> jax.Array:
-    """Decode: q [B, N, H], one token per sequence at position ``seq_len - 1`` -> [B, N, H] in
-    q.dtype; other arguments as in `paged_attention`."""
+    """Decode: q [B, N, H] at position ``seq_len - 1`` -> [B, N, H]; else as `paged_attention`."""
     out = paged_attention(q[:, None], k_pool, v_pool, block_tables, seq_lens,
                           (seq_lens - 1)[:, None], layer=layer, scale=scale, soft_cap=soft_cap,
                           sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)

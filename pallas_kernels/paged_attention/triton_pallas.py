@@ -1,10 +1,9 @@
 """Paged decode attention as a Pallas kernel with the Triton lowering (variant ``triton``). One
 program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
 tile (`padded_group`) and gathers its split's pages ``pages_per_block`` at a time, online softmax in
-f32; ``k_splits > 1``: partials merged by `combine_splits`. fp8 pages (`pallas_kernels.kv_quant`):
-cast to q's dtype, the K scale folded into the logit scale, the V scale into the output. Sources:
-Dao et al. 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's
-pallas.ops.gpu.paged_attention."""
+f32; ``k_splits > 1``: partials merged by `combine_splits`. fp8 pages (`kv_quant`): cast to q's
+dtype, the K scale folded into the logit scale, the V scale into the output. Sources: Dao et al.
+2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's pallas.ops.gpu.paged_attention."""
 
 from __future__ import annotations
 
@@ -73,9 +72,9 @@ def padded_group(G: int) -> int:
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Merge flash-decoding partials -> f32[..., H] (zeros if all splits are empty). acc: f32[S,
-    ..., H] un-normalised (sum_j 2^(x_j - m_s) v_j); m: f32[S, ...] running max, log2 units
-    (NEG_INIT: empty); l: f32[S, ...] partial denominators."""
+    """Merge flash-decoding partials -> f32[..., H] (zeros if all empty). acc: f32[S, ..., H]
+    un-normalised (sum_j 2^(x_j - m_s) v_j); m: f32[S, ...] running max, log2 (NEG_INIT: empty); l:
+    sums."""
     m_max = jnp.max(m, axis=0)
     w = jnp.exp2(m - m_max[None])
     l_tot = jnp.sum(w * l, axis=0)

@@ -45,8 +45,8 @@ def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
 
 def lookup(variant: str, *, device_kind: str, page_size: int, head_dim: int, group: int,
            dtype, path: Path = TUNED_FILE) -> dict:
-    """Every knob of `KNOBS` for one shape (group = G); ``device_kind`` is
-    ``jax.Device.device_kind`` or "interpret". ValueError: unknown variant."""
+    """All `KNOBS` of a shape; ``device_kind``: a device kind or "interpret". ValueError:
+    variant."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; tuned variants: {VARIANTS}")
     key = (variant, device_kind, int(page_size), int(head_dim), int(group), np.dtype(dtype).name)

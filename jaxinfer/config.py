@@ -36,9 +36,8 @@ class KernelConfig:
     """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"). decode_attention /
     prefill_attention: paged attention of decode (T == 1) / prefill steps. qkv_prologue: q/k norm +
     RoPE + K/V page write (triton: GPU, H/2 a power of 2). add_rms_norm: residual add + RMSNorm
-    (triton: GPU, D a power of 2). prefill_gemm: prefill GEMMs (cublas: GPU).
-    cublas_decode_min_batch: decode buckets of at least this many rows use cuBLAS (GPU; None: XLA).
-    batch_buckets / token_buckets: padded B / T sizes, strictly increasing; (): the defaults."""
+    (triton: GPU, D a power of 2). prefill_gemm (cublas: GPU). cublas_decode_min_batch: decode
+    buckets of >= this many rows use cuBLAS (None: XLA). batch_buckets / token_buckets: B / T."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
@@ -63,8 +62,8 @@ class KernelConfig:
     @classmethod
     def parse(cls, spec: "str | KernelConfig") -> "KernelConfig":
         """From ``"key=value,..."`` (e.g. ``"decode=mosaic,batch_buckets=1:2:4"``; keys: fields or
-        `KERNEL_ALIASES`; ``""``: the defaults); a `KernelConfig` as given. Raises ValueError: an
-        item without ``=``, an unknown or repeated key, or a bad value."""
+        `KERNEL_ALIASES`); a `KernelConfig` as given. ValueError: no ``=``, an unknown or repeated
+        key, a bad value."""
         if isinstance(spec, cls):
             return spec
         if not isinstance(spec, str):
@@ -112,8 +111,8 @@ def _optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What a user sets (vLLM's meanings); each field's ``help`` says what it is. ``kernels``: a
-    `KernelConfig`, or a string for `KernelConfig.parse`."""
+    """User settings (vLLM's meanings; see each ``help``); ``kernels``: `KernelConfig` or its
+    string."""
 
     max_model_len: int | None = _user(
         None, "most tokens (prompt + generated) of one sequence; default: max_position_embeddings")

@@ -98,9 +98,8 @@ def _fused_kernel(field: str, name: str) -> Callable | None:
 
 
 def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKernels:
-    """`ModelKernels` for a resolved `KernelConfig`; ``decode_knobs``: the decode variant's keywords
-    (e.g. ``{"num_splits": 4}``). ValueError: an unregistered variant, a fused kernel not
-    "xla"/"triton", ``decode_knobs`` with the reference decode."""
+    """`ModelKernels` for a resolved `KernelConfig`; ``decode_knobs``: decode-variant keywords.
+    ValueError: an unregistered variant, a fused kernel not "xla"/"triton", reference knobs."""
     decode, prefill = kc.decode_attention, kc.prefill_attention
     registry.get(decode), registry.get_prefill(prefill)  # raise ValueError listing the names
     if decode_knobs and decode == "reference":

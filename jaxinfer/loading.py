@@ -33,8 +33,7 @@ class LoadedModel(NamedTuple):
 
 def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
                    on_host: bool = False) -> tuple[dict, ModelConfig]:
-    """``(params, cfg with tying decided)`` from HF-named tensors (`hf_tensors_to_params`); an FP8
-    checkpoint keeps its fp8 matrices and block scales."""
+    """``(params, cfg with tying decided)`` from HF-named tensors; FP8 checkpoints stay fp8."""
     untied = dataclasses.replace(cfg, tie_word_embeddings=False)
     parts, quant = fused_parts(cfg), "fp8" if cfg.weight_block_size else None
     if quant:

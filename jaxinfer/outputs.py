@@ -77,8 +77,7 @@ class RequestOutput:
 class OutputProcessor:
     """A `Sequence`'s text and outputs with ``detokenize(ids, skip_special_tokens=...,
     spaces_between_special_tokens=...)`` (None: "" and no stop strings). A stop string and what
-    follows, and a stop token's or EOS's text, are left out unless
-    ``include_stop_str_in_output``."""
+    follows, and a stop token's or EOS's text, are hidden unless ``include_stop_str_in_output``."""
 
     def __init__(self, detokenize: Callable[..., str] | None) -> None:
         self.detokenize = detokenize

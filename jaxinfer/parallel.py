@@ -21,9 +21,8 @@ KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]
 
 
 def make_mesh(tp: int) -> Mesh:
-    """1-D mesh, axis `AXIS`, over the first ``tp`` of ``jax.devices()`` (this process's local
-    devices; after ``jax.distributed.initialize``, every process's, process by process). Raises
-    ValueError: fewer devices than ``tp`` (both numbers named)."""
+    """1-D mesh, axis `AXIS`, over the first ``tp`` of ``jax.devices()`` (multi-process: every
+    process's, in order). ValueError: fewer devices than ``tp`` (both named)."""
     devices = jax.devices()
     if tp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} is invalid: JAX sees {len(devices)} "
@@ -54,9 +53,8 @@ def gather_logits(logits: jax.Array, cfg: ModelConfig, mesh: Mesh | None) -> jax
 
 
 def param_specs(cfg: ModelConfig, tp: int) -> dict:
-    """PartitionSpec tree shaped as ``models.abstract_params(cfg)``: wqkv, w_gate_up split by output
-    column P(None, "tp"); wo, w_down by input row P("tp", None); embed P("tp", None) and lm_head
-    P(None, "tp") when tp divides V (else replicated); the rest P()."""
+    """PartitionSpecs shaped as ``abstract_params(cfg)``: wqkv, w_gate_up P(None, "tp"); wo, w_down
+    P("tp", None); embed P("tp", None), lm_head P(None, "tp") if tp divides V; the rest P()."""
     vocab = AXIS if cfg.vocab_size % tp == 0 else None
     rules = {"wqkv": P(None, AXIS), "w_gate_up": P(None, AXIS), "wo": P(AXIS, None),
              "w_down": P(AXIS, None), "embed": P(vocab, None), "lm_head": P(None, vocab)}
@@ -67,8 +65,7 @@ def param_specs(cfg: ModelConfig, tp: int) -> dict:
 def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
     """Leaf ``name`` of the canonical tree of ``cfg`` in the engine layout of tp devices: wqkv [D,
     (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp.., k_s,
-    v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up -> [gate_0 | up_0 |
-    ...]."""
+    v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up: [gate_0 | up_0 | ...]."""
     parts = models.fused_parts(cfg).get(name)
     if parts is None:
         return w
@@ -83,9 +80,8 @@ def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.nda
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """Canonical ``params`` of ``cfg`` (jax or numpy leaves) -> the engine layout on ``mesh``, leaf
-    by leaf, each device receiving only its shard (``jax.make_array_from_callback``). Shapes:
-    ``abstract_params`` of ``tp_model_config(cfg, mesh.size)``."""
+    """Canonical ``params`` of ``cfg`` (jax or numpy leaves) -> engine layout on ``mesh``, each
+    device getting only its shard; shapes: ``abstract_params(tp_model_config(cfg, mesh.size))``."""
     tp = mesh.size
 
     def place(path, w, spec):

@@ -3,9 +3,8 @@ logit_bias and the min_tokens mask (sparse entries added); 1. repetition penalty
 frequency and presence penalties over the output tokens (vLLM ``apply_penalties``); 2. greedy rows
 (temperature < `GREEDY_EPS`): argmax; 3. ``(logits - max) / T`` in float32 (C6); 4. top-k (<= 0:
 off); 5. top-p, top token kept (C5); 6. min-p (arXiv:2407.01082); 7. Gumbel-max, row key
-``fold_in(key(seed), step_idx)``. 4-5 on one stable descending sort (ties: lower id first), only if
-a sampled row uses them. NaN logits count as -inf, +inf as the largest float32: ids always in [0,
-V)."""
+``fold_in(key(seed), step_idx)``. 4-5 on one stable descending sort (ties: lower id first), if a
+sampled row uses them. NaN logits count as -inf, +inf as the largest float32: ids in [0, V)."""
 
 from __future__ import annotations
 
@@ -75,10 +74,10 @@ def apply_repetition_penalty(logits: jax.Array, penalty_tokens: jax.Array,
 
 
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """f32[B, V]: ``bias_values`` added at ``bias_ids``; the repetition penalty; then, with
-    ``prompt_lens``, ``- frequency x count - presence x [count > 0]``, counts of each id among
-    the output tokens (``penalty_tokens[b, prompt_lens[b]:]``). Source: vLLM
-    ``LogitBiasLogitsProcessor``, ``MinTokensLogitsProcessor``, ``ops/penalties.py``."""
+    """f32[B, V]: ``bias_values`` added at ``bias_ids``; the repetition penalty; with
+    ``prompt_lens``, ``- frequency x count - presence x [count > 0]`` (counts over
+    ``penalty_tokens[b, prompt_lens[b]:]``). Source: vLLM ``LogitBiasLogitsProcessor``,
+    ``MinTokensLogitsProcessor``, ``ops/penalties.py``."""
     x, v = logits.astype(jnp.float32), logits.shape[1]
     if meta.bias_ids is not None:
         x = _scatter(meta.bias_ids, v, meta.bias_values, x)
@@ -164,8 +163,8 @@ def _gumbel_noise(seeds: jax.Array, step_idx: jax.Array, v: int) -> jax.Array:
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata, *, all_greedy: bool) -> jax.Array:
-    """i32[B] ids in [0, V) for ``logits`` [B, V] (float32 math); ``all_greedy`` (static): skip
-    the sort and the draw. Raises ValueError: shapes disagree."""
+    """i32[B] ids in [0, V) of ``logits`` [B, V]; static ``all_greedy``: argmax. ValueError:
+    shapes."""
     _check_shapes(logits, meta)
     x = _penalised(logits, meta)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)

@@ -1,6 +1,5 @@
-"""The jit entry point: a step is ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')`` (with
-log-probabilities: a dict), KV donated, compiled per `ShapeKey` and GEMM back-end; `StepExecutor`
-picks the variant and keeps ahead-of-time executables."""
+"""The jit entry point: a step is ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')``
+(logprobs: a dict), KV donated, compiled per `ShapeKey` and GEMM back-end (`StepExecutor`)."""
 
 from __future__ import annotations
 

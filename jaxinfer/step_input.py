@@ -41,8 +41,7 @@ class ShapeKey(NamedTuple):
 
 
 class Field(NamedTuple):
-    """One device input; ``group``: "input", "kv", "sampling" or "packing"; present only when
-    the `ShapeKey` attribute ``when`` is truthy (None: always)."""
+    """A device input of ``group`` (`names`), present if `ShapeKey`'s ``when`` (None: always)."""
 
     name: str
     dtype: type

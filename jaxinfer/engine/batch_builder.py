@@ -43,8 +43,7 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """Padded sizes of B, Tq, M and packed Tp (powers of two up to a quarter of the token budget,
-    then its multiples); ``token_buckets`` replaces Tq's and Tp's."""
+    """Padded B, Tq, M and packed Tp (powers of two to a quarter of the budget, then multiples)."""
 
     batch: tuple[int, ...]
     prefill_tokens: tuple[int, ...]
@@ -68,8 +67,7 @@ class BucketSpec:
 
 
 def _bias(s, eos_token_ids) -> list[tuple[int, float]]:
-    """``logit_bias``, plus -inf at EOS and ``stop_token_ids`` while ``s`` has fewer than
-    ``min_tokens`` outputs (vLLM: EOS even with ``ignore_eos``)."""
+    """``logit_bias``, and -inf at EOS and ``stop_token_ids`` below ``min_tokens`` outputs."""
     p = s.params
     out = list((p.logit_bias or {}).items())
     if s.num_tokens_with_pending - s.num_prompt_tokens - 1 < p.min_tokens:

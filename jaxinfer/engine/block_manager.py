@@ -1,9 +1,8 @@
-"""KV page allocator (host side, no JAX): reference-counted pages, lowest free id first;
-`NULL_PAGE` is never handed out. Prefix caching follows vLLM V1 (v1/core/block_pool.py,
-kv_cache_utils.py): a full page is keyed by a chained hash of (parent hash, its token ids)
-(blake2b-128; a hit also compares the page's token tuple exactly); a page whose last reference is
-dropped keeps its hash (evictable; least recently freed evicted first, a sequence's tail pages
-before its head); allocation takes never-cached free pages first, then evicts."""
+"""KV page allocator (host side, no JAX): reference-counted pages, lowest free id first; `NULL_PAGE`
+never handed out. Prefix caching as vLLM V1 (v1/core/block_pool.py, kv_cache_utils.py): a full page
+is keyed by a chained hash of (parent hash, its token ids) (blake2b-128; a hit also compares the
+tokens); a page whose last reference is dropped keeps its hash (evictable: least recently freed
+first, tail pages before head); allocation takes never-cached free pages first."""
 
 from __future__ import annotations
 
@@ -169,8 +168,7 @@ class BlockManager:
             self._pending.setdefault(h, seq)
 
     def publish(self, seq: Sequence, lo: int, hi: int) -> None:
-        """Publish ``seq``'s pages ``lo .. hi-1`` (full, K/V written by a completed step); a hash
-        already cached keeps its page and ``seq``'s copy stays private."""
+        """Publish ``seq``'s full, written pages ``lo .. hi-1``; a cached hash keeps its page."""
         hashes, ids, P = self.page_hashes(seq, hi), seq.all_token_ids, self.page_size
         for i in range(lo, hi):
             page, h = seq.block_table[i], hashes[i]
@@ -191,7 +189,7 @@ class BlockManager:
         return bm
 
     def reset_prefix_cache(self) -> bool:
-        """Drop all cached hashes (evictable pages become free); False (no change) while pages are
+        """Drop all cached hashes (evictable pages become free); False (no change) if any is
         held."""
         if any(self._holders):
             return False

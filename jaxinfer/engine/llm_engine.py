@@ -171,10 +171,10 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def update_params(self, params) -> None:
-        """Serve ``params`` (the structure, shapes and dtypes the engine was built with; fp8 engine:
-        quantised first) in place of the current leaves (resharded under tensor parallelism): no
-        recompile; the prefix cache is reset. ValueError: requests in flight, another tree
-        structure, or a leaf (named) of another shape or dtype."""
+        """Serve ``params`` (the built structure, shapes, dtypes; fp8 engine: quantised first) in
+        place of the current leaves (resharded under tensor parallelism), no recompile; resets the
+        prefix cache. ValueError: requests in flight, another tree structure, a leaf (named) of
+        another shape or dtype."""
         if self.has_unfinished():
             raise ValueError("update_params needs an idle engine: requests are in flight")
         if self.resolved.quantization is not None:
@@ -261,8 +261,7 @@ class LLMEngine:
                                     device_bytes_in_use=stats[0] if stats else None)
 
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
-        """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: one is
-        rejected."""
+        """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""
         sched = self._scheduler(self.block_manager.copy_free(), self.eos_token_ids)  # the prefix cache as now
         steps = dry_run(sched, requests, buckets=self.buckets, async_scheduling=self.async_scheduling)
         return list(dict.fromkeys(hb.key for _, hb in steps))

@@ -55,8 +55,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Which sequences run each step; owns their KV pages. Raises ValueError: a size not a
-    positive integer, or ``page_size`` not the block manager's."""
+    """Which sequences run each step; owns their pages. ValueError: bad sizes or ``page_size``."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, page_size: int,
@@ -116,8 +115,7 @@ class Scheduler:
                 f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool")
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` (FIFO). ValueError (no change): inadmissible, duplicate ``request_id``, not
-        new."""
+        """Queue ``seq`` (FIFO). ValueError (no change): inadmissible, duplicate id, not fresh."""
         self.check_admissible(seq.num_prompt_tokens, seq.params)
         if seq.request_id in self._requests:
             raise ValueError(f"request_id={seq.request_id!r} is invalid: an unfinished request "

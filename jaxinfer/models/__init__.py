@@ -35,15 +35,14 @@ def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_map
             packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
     """One step over the paged cache: tokens, positions, slot_mapping (``page * page_size +
     offset``; padding: null page) i32[B, T]; ``kv``: block_tables i32[R, M], seq_lens i32[R] after
-    this write (R = B unless ``packing``: tokens [1, Tp], R chunks) -> (hidden [B, T, D] after the
-    final norm, compute dtype; new cache). ValueError: no model."""
+    this write (R = B unless ``packing``: tokens [1, Tp], R chunks) -> (hidden [B, T, D], new
+    cache). ValueError: no model."""
     model = _model(cfg, kernels, params["embed"].dtype, "fp8" if is_quantized(params) else None)
     return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
 
 
 def compute_logits(params: dict, cfg, hidden: jax.Array) -> jax.Array:
-    """f32[..., V] = hidden [..., D] @ (lm_head [D, V], or embed.T tied), float32 accumulation.
-    Raises ValueError: untied ``cfg`` but no ``lm_head``."""
+    """f32[..., V] = hidden [..., D] @ (lm_head, or embed.T tied); ValueError: untied, no head."""
     if cfg.tie_word_embeddings:
         w, spec = params["embed"], "...d,vd->...v"
     elif "lm_head" in params:

@@ -57,8 +57,8 @@ def expand_scale(scale: jax.Array, shape: tuple[int, int],
 @dataclasses.dataclass(frozen=True)
 class Weight:
     """A matrix w [in, out]: compute dtype (``scale`` None), or float8_e4m3fn with an f32
-    `scale_shape` scale (``block``, static: None per channel, or HF's ``(block_out, block_in)``):
-    ``w * expand_scale(scale)``."""
+    `scale_shape` scale (static ``block``: None per channel, or HF's ``(block_out, block_in)``): ``w
+    * expand_scale(scale)``."""
 
     w: jax.Array
     scale: jax.Array | None = None
@@ -78,8 +78,8 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
 
 
 def declare_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> Weight:
-    """Declare matrix ``name`` [in, out] on ``module``; fp8 (``module.quantization``): float8_e4m3fn
-    plus an f32 leaf ``name + "_scale"`` (`scale_shape`)."""
+    """Declare matrix ``name`` [in, out]; fp8: float8_e4m3fn plus f32 ``name_scale``
+    (`scale_shape`)."""
     if module.quantization is None:
         return Weight(module.param(name, dense_init, shape, module.param_dtype))
     block = module.cfg.weight_block_size

@@ -1,8 +1,6 @@
 """Llama (2/3/3.x, SmolLM2, ...) and Qwen3 (dense: the Llama trunk plus a per-head RMSNorm of q
-and k before RoPE, ``cfg.qk_norm``) over the paged KV cache.
-
-The modules' ``self.param`` calls declare the weight tree (blocks bound into their layer's scope
-with `layers.shared`: one flat dict per layer):
+and k before RoPE, ``cfg.qk_norm``) over the paged KV cache. The modules' ``self.param`` calls
+declare the weight tree (blocks bound into their layer's scope with `layers.shared`):
 
     embed [V, D]; layers/"0".."L-1"/{attn_norm [D], wqkv [D, (N+2K)*H] (q | k | v), wo [N*H, D],
     (Qwen3: q_norm [H], k_norm [H]), mlp_norm [D], w_gate_up [D, 2F] (gate | up), w_down [F, D]};
@@ -32,8 +30,7 @@ from jaxinfer.parallel import AXIS, KV_POOL_SPEC
 from pallas_kernels.qkv_prologue import reference as qkv_reference
 from pallas_kernels.sizes import round_up
 
-# With the add + RMSNorm kernel, decode steps of >= DOWN_PARTIALS_MIN_ROWS rows pass the MLP
-# output on as DOWN_PARTIALS f32 partial sums (BENCHMARKS.md: "Down projection partial sums").
+# add + RMSNorm kernel, decode of >= DOWN_PARTIALS_MIN_ROWS rows: MLP out as DOWN_PARTIALS f32 sums
 DOWN_PARTIALS = 2
 DOWN_PARTIALS_MIN_ROWS = 128
 
@@ -68,8 +65,7 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
 
 
 class _Module(nn.Module):
-    """The fields of every block here: ``cfg``, ``kernels``, the params' dtype, ``quantization``
-    (None or "fp8": the layers' matrices in fp8, `declare_weight`)."""
+    """Fields of every block here: ``cfg``, ``kernels``, the params' dtype, ``quantization``."""
 
     cfg: Any
     kernels: ModelKernels
@@ -152,9 +148,9 @@ class Layers(_Module):
 
 class LlamaForCausalLM(_Module):
     """Trunk: embed -> `Layers` -> final norm: ``(tokens, positions, slot_mapping i32[B, T], kv,
-    packing) -> (hidden [B, T, D] in the params' dtype, kv with the pools written)``. ``lm_head``
-    (untied) is declared for init (logits: `jaxinfer.models.compute_logits`). Embed, lm_head and
-    norms stay in ``param_dtype`` under any ``quantization``."""
+    packing) -> (hidden [B, T, D] in the params' dtype, kv with the pools written)``; ``lm_head``
+    declared for init (logits: `jaxinfer.models.compute_logits`). Embed, lm_head, norms:
+    ``param_dtype`` always."""
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,

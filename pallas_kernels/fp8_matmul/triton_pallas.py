@@ -25,9 +25,8 @@ _TN = (((0,), (1,)), ((), ()))  # w [bk, bn], x [rows, bk] -> w^T x^T [bn, rows]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Fp8MatmulConfig:
-    """Static knobs (checked in ``__post_init__``): gemv_rows (M at or below it: GEMV path; 0:
-    never), block_m (tiled-path rows), block_n, block_k, splits (K ranges), num_warps, num_stages
-    (pipeline depth), swap_ab (tiled path: out^T = w^T x^T)."""
+    """Knobs (checked in ``__post_init__``): gemv_rows (M <= it: GEMV path; 0: never), block_m
+    (tiled rows), block_n, block_k, splits (K ranges), num_warps, num_stages, swap_ab (w^T x^T)."""
 
     gemv_rows: int = 2
     block_m: int = 64

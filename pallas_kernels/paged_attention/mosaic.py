@@ -196,7 +196,6 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
     plgpu.barrier_wait(tbl_bar)
     plgpu.barrier_wait(off_bar)
     layer_off = off_smem[0]
-    # This program's key blocks: the row's visible blocks, cut into num_splits near-equal parts.
     seq_len = tbl_smem[0, 0]
     if geo.sliding_window is None:
         lo_pos = jnp.int32(0)
@@ -308,7 +307,6 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
 
 def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret,
               num_heads, layer, page_offset, sliding_window, soft_cap):
-    """Check the arguments (`paged_decode_attention`'s Raises); return N (query heads)."""
     L, _, K, page_size, _ = reference.check_pools(k_pool, v_pool)
     if q.ndim == 3:
         B, N, H = q.shape
@@ -426,14 +424,13 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            num_splits: int | None = None, config: MosaicDecodeConfig | None = None,
                            num_heads: int | None = None, page_offset: jax.Array | None = None
                            ) -> jax.Array:
-    """`reference.paged_decode_attention`'s contract on Hopper -> [B, N, H] in q.dtype. q: [B, N,
-    H] or grouped [B, K, Gp, H] (G = N/K rows zero-padded to a multiple of ``Q_GROUP_MULTIPLE``;
-    needs ``num_heads`` = N). Pools bf16/f16 (f32 only if interpret), H a multiple of 64,
-    page_size of 8. block_kv, num_stages, num_splits: `MosaicDecodeConfig` (unless ``config``).
-    page_offset: i32[32] ``layer_offsets(layer, P)``, replaces ``layer``. ValueError: shapes,
-    dtypes or knobs the kernel does not take, a Python-int layer outside [0, L). Unchecked: a
-    traced layer, page ids; lengths past the table are clamped to M * page_size. Eager interpret
-    calls return once the result is ready (else XLA:CPU can deadlock on host callbacks)."""
+    """`reference.paged_decode_attention`'s contract on Hopper -> [B, N, H] in q.dtype. q: [B, N, H]
+    or grouped [B, K, Gp, H] (G = N/K rows zero-padded to a multiple of ``Q_GROUP_MULTIPLE``; needs
+    ``num_heads`` = N). Pools bf16/f16 (f32 only if interpret), H a multiple of 64, page_size of 8.
+    Knobs: `MosaicDecodeConfig` (unless ``config``). page_offset: ``layer_offsets(layer, P)``,
+    replaces ``layer``. ValueError: shapes, dtypes or knobs the kernel does not take, a Python-int
+    layer outside [0, L). Unchecked: a traced layer, page ids; lengths past the table are clamped to
+    M * page_size. Eager interpret calls block until ready (XLA:CPU callback deadlock)."""
     cfg = config if config is not None else MosaicDecodeConfig(
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
     N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads, layer,

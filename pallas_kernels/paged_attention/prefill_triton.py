@@ -73,7 +73,6 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
     G_PAD, Tp = next_pow2(G), nq * block_q
     ROWS = block_q * G_PAD
     if G == G_PAD:
-        # Tiles in q's own layout [B, T, K, G, H]: [block_q, G, H] is [ROWS, H], no transpose.
         qg = q.reshape(B, T, K, G, H)
         if Tp != T:
             qg = jnp.pad(qg, ((0, 0), (0, Tp - T), (0, 0), (0, 0), (0, 0)))
@@ -132,7 +131,6 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, N, H]; got shape {q.shape}")
     B, T, N, H = q.shape
-    # the per-token checks on a [B, N, H] stand-in, so that T = 0 is checked too
     *_, K, page_size, _ = check_decode_args(jnp.zeros((B, N, H), q.dtype), k_pool, v_pool,
                                             block_tables, seq_lens, sliding_window, soft_cap)
     if q_positions.shape != (B, T):

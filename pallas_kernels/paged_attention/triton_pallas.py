@@ -73,8 +73,7 @@ def padded_group(G: int) -> int:
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     """Merge flash-decoding partials -> f32[..., H] (zeros if all empty). acc: f32[S, ..., H]
-    un-normalised (sum_j 2^(x_j - m_s) v_j); m: f32[S, ...] running max, log2 (NEG_INIT: empty); l:
-    sums."""
+    un-normalised (sum_j 2^(x_j - m_s) v_j); m: f32[S, ...] running max, log2 (NEG_INIT: none)."""
     m_max = jnp.max(m, axis=0)
     w = jnp.exp2(m - m_max[None])
     l_tot = jnp.sum(w * l, axis=0)
@@ -216,10 +215,10 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            num_warps: int | None = None, num_stages: int | None = None,
                            k_splits: int | None = None, k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None) -> jax.Array:
-    """`reference.paged_decode_attention`'s contract in Pallas/Triton -> [B, N, H] in q.dtype. q
-    bf16/f16/f32; pools q's dtype or fp8 (with k_scale, v_scale f32[L, K]); page_size, H powers of 2
-    (slots past seq_len in a visible page must be finite); knobs None: `tuning.resolve`. ValueError:
-    `check_decode_args`, `check_knobs`, `kv_quant.check_scales`."""
+    """`reference.paged_decode_attention`'s contract in Pallas/Triton. q bf16/f16/f32; pools q's
+    dtype or fp8 (with k_scale, v_scale f32[L, K]); page_size, H powers of 2 (slots past seq_len in
+    a visible page must be finite); knobs None: `tuning.resolve`. ValueError: `check_decode_args`,
+    `check_knobs`, `check_scales`."""
     B, N, H, K, page_size, M = check_decode_args(q, k_pool, v_pool, block_tables, seq_lens,
                                                  sliding_window, soft_cap)
     knobs = tuning.resolve("triton", B=B, K=K, G=N // K, M=M, page_size=page_size, head_dim=H,

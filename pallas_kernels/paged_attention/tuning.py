@@ -19,13 +19,11 @@ VARIANTS = ("triton",)
 
 # Devices without a table entry (BENCHMARKS.md section "Paged decode attention").
 DEFAULTS = {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256}
-# device kind -> knobs; "interpret": fast on the CPU.
 BUILTIN = {"interpret": {"pages_per_block": 2, "num_warps": 4, "num_stages": 1, "min_programs": 1}}
 
 
 def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
-    """Records of a tuning JSON file as ``{key: knobs}`` (module docstring); {} if absent.
-    ValueError: a record lacks a key field or names an unknown knob."""
+    """``{key: knobs}`` of a tuning file (module docstring; absent: {}); ValueError: bad record."""
     if not path.exists():
         return {}
     out = {}
@@ -45,8 +43,7 @@ def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
 
 def lookup(variant: str, *, device_kind: str, page_size: int, head_dim: int, group: int,
            dtype, path: Path = TUNED_FILE) -> dict:
-    """All `KNOBS` of a shape; ``device_kind``: a device kind or "interpret". ValueError:
-    variant."""
+    """`KNOBS` of a shape; ``device_kind``: a device kind or "interpret". ValueError: variant."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; tuned variants: {VARIANTS}")
     key = (variant, device_kind, int(page_size), int(head_dim), int(group), np.dtype(dtype).name)

@@ -1,8 +1,7 @@
 """The attention prologue (q/k RMSNorm + RoPE + K/V page write) as one Pallas/Triton kernel,
-`reference.qkv_prologue`'s contract. Two grids (``grid`` of `qkv_prologue`): "head", one program per
-(token, query row or key or value head); "group", one per (token, KV group of query heads) plus one
-for the token's keys and one for its values. The pools alias the outputs; fp8 pools are written
-through `kv_quant.quantize`. Sources: as `reference.py`."""
+`reference.qkv_prologue`'s contract. Grids (``grid``): "head", one program per (token, query row or
+key or value head); "group", one per (token, KV group of query heads), plus one for the keys and one
+for the values. The pools alias the outputs. Sources: as `reference.py`."""
 
 from __future__ import annotations
 
@@ -32,8 +31,7 @@ def _program(slots_ref, layer_ref, H: int, page_size: int):
 def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
                      ks_ref, vs_ref, q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps,
                      has_norm):
-    """Grid "head", (token s, j): j < K * Gq query row j % Gq of KV group j // Gq (a zero row past
-    G), then the K key heads, then the K value heads."""
+    """Grid "head", (token s, j): query row j % Gq of group j // Gq (j < K * Gq), keys, values."""
     del k_in, v_in  # aliased to k_ref, v_ref
     s, j, lo, hi, page, off, layer = _program(slots_ref, layer_ref, H, page_size)
     nq = K * Gq

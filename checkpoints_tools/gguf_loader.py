@@ -208,8 +208,7 @@ def gguf_hf_tensors(reader, hf_config: Mapping[str, Any],
 
 
 def gguf_tokenizer(reader):
-    """The HF fast tokenizer of the reader's ``tokenizer.*`` metadata (transformers' GGUF converter
-    and ``get_gguf_tokenizer`` rules); None without such a converter."""
+    """HF fast tokenizer of the ``tokenizer.*`` metadata (transformers' GGUF converter), or None."""
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (

@@ -1,7 +1,6 @@
 """One entry point for every checkpoint format: `open_checkpoint(path) -> Checkpoint`. Formats
 (`detect_format`): "gguf", a ``*.gguf`` file (`gguf_loader`); "orbax", a dir with
-``jaxinfer_config.json`` (`orbax_io`); "hf", a dir with ``config.json`` and safetensors (one file,
-or an index and its shards)."""
+``jaxinfer_config.json`` (`orbax_io`); "hf", a dir with ``config.json`` and safetensors."""
 
 from __future__ import annotations
 
@@ -151,8 +150,7 @@ def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
     return files, weight_map
 
 
-# Safetensors dtypes numpy lacks, read as ml_dtypes arrays by `_read_raw`.
-_RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}
+_RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}  # numpy lacks them: `_read_raw`
 
 
 def _read_raw(file: str, name: str):

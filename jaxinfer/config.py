@@ -62,8 +62,7 @@ class KernelConfig:
     @classmethod
     def parse(cls, spec: "str | KernelConfig") -> "KernelConfig":
         """From ``"key=value,..."`` (e.g. ``"decode=mosaic,batch_buckets=1:2:4"``; keys: fields or
-        `KERNEL_ALIASES`); a `KernelConfig` as given. ValueError: no ``=``, an unknown or repeated
-        key, a bad value."""
+        `KERNEL_ALIASES`), or a `KernelConfig`. ValueError: no ``=``, bad/repeated key or value."""
         if isinstance(spec, cls):
             return spec
         if not isinstance(spec, str):
@@ -111,8 +110,7 @@ def _optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """User settings (vLLM's meanings; see each ``help``); ``kernels``: `KernelConfig` or its
-    string."""
+    """User settings (vLLM's meanings; see each ``help``); ``kernels``: a `KernelConfig` or str."""
 
     max_model_len: int | None = _user(
         None, "most tokens (prompt + generated) of one sequence; default: max_position_embeddings")

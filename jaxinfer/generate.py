@@ -1,5 +1,5 @@
-"""Command line: ``python -m jaxinfer.generate --prompt "..." [--chat] [--stream]``. Bad input:
-one line on stderr, exit code 2 (valid prompts given with it still run)."""
+"""CLI: ``python -m jaxinfer.generate --prompt "..." [--chat] [--stream]``. Bad input: a stderr
+line, exit code 2 (valid prompts still run)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Paged KV cache, a pytree threaded through the jitted step (donated). Page 0
-(`jaxinfer.engine.block_manager.NULL_PAGE`) is no sequence's: padding writes into it."""
+"""Paged KV cache, a pytree through the jitted step (donated); padding writes to `NULL_PAGE`."""
 
 from __future__ import annotations
 

@@ -161,8 +161,7 @@ class LLM:
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """``messages`` in the chat template, generation prompt added, as ids; ValueError: no
-        template, or it fails."""
+        """Ids of ``messages`` in the chat template plus generation prompt; ValueError: it fails."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use plain prompts")
         try:
@@ -235,8 +234,7 @@ class LLM:
 
     def _run(self, requests: dict[int, tuple], texts: list, use_tqdm: bool,
              stream) -> dict[int, RequestOutput]:
-        """Add ``requests`` ({index: (ids, params)}), step until done; an exception aborts them
-        all."""
+        """Add ``requests`` ({index: (ids, params)}), step until done; exceptions abort them all."""
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), desc="generating", unit="req",

@@ -31,8 +31,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# Per position: {token id: Logprob}, the chosen token and the top k (vLLM's ``SampleLogprobs``).
-PositionLogprobs = dict[int, Logprob]
+PositionLogprobs = dict[int, Logprob]  # the chosen token and the top k (vLLM's SampleLogprobs)
 
 
 @dataclass(frozen=True)

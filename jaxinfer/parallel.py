@@ -2,10 +2,9 @@
 (`param_specs`) and of the KV pool, and the canonical -> engine weight layout (`shard_params`); XLA
 inserts the collectives. Sources: Shoeybi et al. 2019 (Megatron-LM: column-split qkv and gate/up,
 row-split wo and down); vLLM (vocabulary-split embedding and lm_head, one KV head copy per device
-when tp exceeds the KV head count). Canonical layout: the one-device tree of
-`jaxinfer.models.init_params` and the loaders. Engine layout at tp > 1: the tree of
-`jaxinfer.model_config.tp_model_config` (K' = max(K, tp) KV heads), fused matrices' columns grouped
-by device (`engine_layout`), each leaf placed by `param_specs`."""
+when tp exceeds the KV head count). Canonical: the one-device tree (`jaxinfer.models.init_params`,
+loaders). Engine (tp > 1): `tp_model_config`'s tree (K' = max(K, tp) KV heads), fused matrices'
+columns grouped by device (`engine_layout`)."""
 
 from __future__ import annotations
 
@@ -21,8 +20,7 @@ KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]
 
 
 def make_mesh(tp: int) -> Mesh:
-    """1-D mesh, axis `AXIS`, over the first ``tp`` of ``jax.devices()`` (multi-process: every
-    process's, in order). ValueError: fewer devices than ``tp`` (both named)."""
+    """1-D mesh `AXIS` over the first ``tp`` of ``jax.devices()``; ValueError if fewer."""
     devices = jax.devices()
     if tp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} is invalid: JAX sees {len(devices)} "

@@ -74,10 +74,9 @@ def apply_repetition_penalty(logits: jax.Array, penalty_tokens: jax.Array,
 
 
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """f32[B, V]: ``bias_values`` added at ``bias_ids``; the repetition penalty; with
-    ``prompt_lens``, ``- frequency x count - presence x [count > 0]`` (counts over
-    ``penalty_tokens[b, prompt_lens[b]:]``). Source: vLLM ``LogitBiasLogitsProcessor``,
-    ``MinTokensLogitsProcessor``, ``ops/penalties.py``."""
+    """f32[B, V]: ``bias_values`` at ``bias_ids``, repetition penalty, then (``prompt_lens``) ``-
+    frequency x count - presence x [count > 0]`` over outputs. Source: vLLM
+    ``LogitBiasLogitsProcessor``, ``MinTokensLogitsProcessor``, ``ops/penalties.py``."""
     x, v = logits.astype(jnp.float32), logits.shape[1]
     if meta.bias_ids is not None:
         x = _scatter(meta.bias_ids, v, meta.bias_values, x)
@@ -141,8 +140,7 @@ def _penalised(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 
 def filtered_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """f32[B, V]: the logits `sample` draws from, in vocab order, filtered-out tokens at -inf.
-    Raises ValueError: shapes of ``logits`` [B, V] and ``meta`` disagree."""
+    """f32[B, V] logits `sample` draws from (vocab order; filtered: -inf). ValueError: shapes."""
     _check_shapes(logits, meta)
     vals, ids = _sort_desc(_scale(_penalised(logits, meta), meta.temperature))
     vals = _filter_sorted(vals, meta.top_k, meta.top_p, meta.min_p)
@@ -163,8 +161,7 @@ def _gumbel_noise(seeds: jax.Array, step_idx: jax.Array, v: int) -> jax.Array:
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata, *, all_greedy: bool) -> jax.Array:
-    """i32[B] ids in [0, V) of ``logits`` [B, V]; static ``all_greedy``: argmax. ValueError:
-    shapes."""
+    """i32[B] ids in [0, V) of ``logits`` [B, V]; ``all_greedy``: argmax (ValueError: shapes)."""
     _check_shapes(logits, meta)
     x = _penalised(logits, meta)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)

@@ -42,11 +42,10 @@ StepInput = pytree_dataclass(
 
 def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
          all_greedy: bool, num_logprobs: int = 0) -> tuple[jax.Array | dict, KVCache]:
-    """Forward, KV write, logits of one token per row (whole on every device under tensor
-    parallelism), sampling -> (token ids i32[B] zero-padded to i32[Bmax] with ``prev_tokens``; the
-    new cache). ``num_logprobs`` K > 0 (static): the ids come as ``tokens`` of a dict with
-    `jaxinfer.sampling.logprobs` of each row, and with ``prompt_lp_index``, of each scored prompt
-    position (for ``prompt_lp_next``) under keys prefixed ``prompt_``."""
+    """Forward, KV write, logits of one token per row, sampling -> (token ids i32[B] zero-padded to
+    i32[Bmax] with ``prev_tokens``; the new cache). ``num_logprobs`` K > 0 (static): ids as
+    ``tokens`` of a dict with `logprobs` of each row, and with ``prompt_lp_index``, of each scored
+    prompt position (for ``prompt_lp_next``) under keys prefixed ``prompt_``."""
     tokens, src = inp.tokens, inp.pending_src
     if inp.prev_tokens is not None and inp.packing is None:  # tokens[b, 0] = prev[src[b]], src >= 0
         picked = inp.prev_tokens[jnp.maximum(src, 0)]
@@ -110,8 +109,7 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
                 key: ShapeKey, cfg: ModelConfig,
                 kernels: ModelKernels) -> tuple[jax.Array | dict, KVCache]:
-    """`step` on ``buf`` i32[S] (`jaxinfer.step_input.pack`) and ``prev_tokens`` i32[Bmax]; ``kv``'s
-    tables and lengths are fixed-shape placeholders passed through."""
+    """`step` on ``buf`` i32[S] (`pack`), ``prev_tokens`` i32[Bmax]; ``kv`` tables: placeholders."""
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
     tokens, new = step(params, kv.replace(block_tables=tables, seq_lens=lens), inp, cfg=cfg,

@@ -1,5 +1,4 @@
-"""A scheduled batch as a padded `HostBatch` (host side, no JAX; schema: `jaxinfer.step_input`), its
-sizes rounded up to shape buckets (bounding the compiled steps)."""
+"""A `ScheduledBatch` as a padded, bucketed `HostBatch` (host side, no JAX; `step_input` schema)."""
 
 from __future__ import annotations
 

@@ -139,8 +139,6 @@ class BlockManager:
     def ref_count(self, page: int) -> int:
         return len(self._holders[page])
 
-    # ---- prefix caching -------------------------------------------------------------------
-
     def page_hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
         """``seq.block_hashes`` extended to its first ``num_pages`` full pages (tokens so far)."""
         hashes, P = seq.block_hashes, self.page_size
@@ -189,8 +187,7 @@ class BlockManager:
         return bm
 
     def reset_prefix_cache(self) -> bool:
-        """Drop all cached hashes (evictable pages become free); False (no change) if any is
-        held."""
+        """Drop all cached hashes (evictable pages become free); False (no change) if pages held."""
         if any(self._holders):
             return False
         for page in self._evictable:

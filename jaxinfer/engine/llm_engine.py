@@ -1,5 +1,4 @@
-"""LLMEngine: token ids in, `RequestOutput`s out, over `Scheduler`, `build_host_batch`,
-`jaxinfer.step.StepExecutor`, `StepLoop`, `OutputProcessor` and `EngineStats`."""
+"""LLMEngine: token ids in, `RequestOutput`s out; over `Scheduler`, `StepExecutor`, `StepLoop`."""
 
 from __future__ import annotations
 
@@ -171,10 +170,9 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def update_params(self, params) -> None:
-        """Serve ``params`` (the built structure, shapes, dtypes; fp8 engine: quantised first) in
-        place of the current leaves (resharded under tensor parallelism), no recompile; resets the
-        prefix cache. ValueError: requests in flight, another tree structure, a leaf (named) of
-        another shape or dtype."""
+        """Serve ``params`` (structure, shapes, dtypes as built; fp8 engine: quantised first) in
+        place of the current leaves (resharded under tp), no recompile; resets the prefix cache.
+        ValueError: requests in flight, other tree structure, a leaf (named) mismatch."""
         if self.has_unfinished():
             raise ValueError("update_params needs an idle engine: requests are in flight")
         if self.resolved.quantization is not None:

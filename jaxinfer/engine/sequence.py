@@ -19,11 +19,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One sample of a request (compared by identity; ``n`` samples: ``index`` 0..n-1, one
-    ``parent_id``). num_computed_tokens: K/V written or being written; num_cached_tokens: prompt
-    tokens hit in the prefix cache at admission; num_pending_tokens: sampled, not read back (0-2);
-    block_hashes: of the full pages; logprobs: per output token {id: (logprob, rank)} (None: not
-    asked); prompt_logprobs: per prompt position (first None)."""
+    """One sample of a request (identity-compared; ``index`` 0..n-1 of ``parent_id``).
+    num_computed_tokens: K/V written or in flight; num_cached_tokens: prefix-cache hits at
+    admission; num_pending_tokens: sampled, not read back (0-2); logprobs: per output token {id:
+    (logprob, rank)} (None: not asked); prompt_logprobs: per prompt position (first None)."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -33,10 +33,9 @@ def _model(cfg, kernels: ModelKernels, dtype, quantization: str | None = None):
 def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
             kv: KVCache, *, kernels: ModelKernels = ModelKernels(),
             packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
-    """One step over the paged cache: tokens, positions, slot_mapping (``page * page_size +
-    offset``; padding: null page) i32[B, T]; ``kv``: block_tables i32[R, M], seq_lens i32[R] after
-    this write (R = B unless ``packing``: tokens [1, Tp], R chunks) -> (hidden [B, T, D], new
-    cache). ValueError: no model."""
+    """One step over the paged cache: tokens, positions, slot_mapping i32[B, T]; ``kv``:
+    block_tables i32[R, M], seq_lens i32[R] after this write (R = B unless ``packing``: tokens [1,
+    Tp], R chunks) -> (hidden [B, T, D], new cache). ValueError: no model."""
     model = _model(cfg, kernels, params["embed"].dtype, "fp8" if is_quantized(params) else None)
     return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
 

@@ -56,9 +56,8 @@ def expand_scale(scale: jax.Array, shape: tuple[int, int],
                    meta_fields=["block"])
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    """A matrix w [in, out]: compute dtype (``scale`` None), or float8_e4m3fn with an f32
-    `scale_shape` scale (static ``block``: None per channel, or HF's ``(block_out, block_in)``): ``w
-    * expand_scale(scale)``."""
+    """w [in, out]: compute dtype (``scale`` None), or float8_e4m3fn with an f32 `scale_shape` scale
+    (static ``block``: None per channel, or an HF block): ``w * expand_scale(scale)``."""
 
     w: jax.Array
     scale: jax.Array | None = None
@@ -78,8 +77,7 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
 
 
 def declare_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> Weight:
-    """Declare matrix ``name`` [in, out]; fp8: float8_e4m3fn plus f32 ``name_scale``
-    (`scale_shape`)."""
+    """Declare ``name`` [in, out]; fp8: float8_e4m3fn plus f32 ``name_scale``, `scale_shape`."""
     if module.quantization is None:
         return Weight(module.param(name, dense_init, shape, module.param_dtype))
     block = module.cfg.weight_block_size
@@ -138,8 +136,7 @@ class StepContext(NamedTuple):
 
 def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
            ctx: StepContext, *, layer: int, scale: float, num_heads: int) -> jax.Array:
-    """``attn`` on q [B, T, N, H] (decode: maybe grouped [B, 1, K, Gp, H], then with
-    ``num_heads``) -> [B, T, N, H]; packed: gathered to rows [R, Tq, N, H] and back."""
+    """``attn`` on q [B, T, N, H] (decode: maybe [B, 1, K, Gp, H]) -> [B, T, N, H]; packs rows."""
     pk, scales = ctx.packing, dict(layer=layer, scale=scale, k_scale=ctx.k_scale,
                                    v_scale=ctx.v_scale)
     if pk is None:

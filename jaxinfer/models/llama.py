@@ -149,8 +149,7 @@ class Layers(_Module):
 class LlamaForCausalLM(_Module):
     """Trunk: embed -> `Layers` -> final norm: ``(tokens, positions, slot_mapping i32[B, T], kv,
     packing) -> (hidden [B, T, D] in the params' dtype, kv with the pools written)``; ``lm_head``
-    declared for init (logits: `jaxinfer.models.compute_logits`). Embed, lm_head, norms:
-    ``param_dtype`` always."""
+    declared for init (logits: `compute_logits`). Embed, lm_head, norms: never fp8."""
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,

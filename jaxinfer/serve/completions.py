@@ -46,8 +46,7 @@ class OpenAIServing:
             raise APIError.invalid(e) from None
 
     async def encode(self, prompts, sp, param: str) -> list[list[int]]:
-        """Token ids of ``prompts()`` (`LLM.generate`'s), checked by `LLM._prepare` in a worker
-        thread; ValueError -> 400 naming ``param`` or the `SamplingParams` field."""
+        """Ids of ``prompts()``, checked by `LLM._prepare` (thread); ValueError: 400 (``param``)."""
         try:
             _, encoded, _ = await run_in_threadpool(lambda: self.llm._prepare(prompts(), sp, True))
         except ValueError as e:

@@ -1,9 +1,9 @@
 """Paged decode attention as a Mosaic GPU Pallas kernel for Hopper (sm_90a). One warpgroup per (row
-b, KV head h, split s): the G query heads of h in a 64-row shared-memory tile, keys streamed through
+b, KV head h, split s): the G query heads of h in a 64-row tile, keys streamed through
 ``num_stages`` buffers by TMA, online softmax in f32, ``wgmma`` matmuls; split partials merged by
 `combine_splits`. Pools ``[L, P, K, page_size, H]`` are read as ``[L * P, ...]`` plus ``layer * P``
-(`layer_offsets`). Sources: FlashAttention (Dao et al. 2022), flash-decoding (Dao et al. 2023),
-PagedAttention (Kwon et al. 2023); JAX's attention_mgpu.py."""
+(`layer_offsets`). Sources: Dao et al. 2022 (FlashAttention), 2023 (flash-decoding); Kwon et al.
+2023 (PagedAttention); JAX's attention_mgpu.py."""
 
 from __future__ import annotations
 
@@ -52,8 +52,8 @@ class MosaicDecodeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-    """Static sizes of one launch. Gp: G rounded up to a multiple of 8 (TMA box rows);
-    pages_per_step: TMA copies per K/V buffer; rows_per_copy: min(page_size, block_kv)."""
+    """Static sizes of a launch. Gp: G rounded up to a multiple of 8; pages_per_step: TMA copies per
+    K/V buffer; rows_per_copy: min(page_size, block_kv)."""
 
     G: int
     Gp: int

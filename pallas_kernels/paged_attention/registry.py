@@ -1,6 +1,6 @@
-"""Paged-attention variants by name, imported lazily. Decode variants (`names`, `get`) take
-`reference.paged_decode_attention`'s arguments, prefill variants (`prefill_names`, `get_prefill`)
-`reference.paged_attention`'s, both plus ``interpret=False, **tuning``."""
+"""Paged-attention variants by name, imported lazily: decode (`names`, `get`) with
+`reference.paged_decode_attention`'s arguments, prefill (`prefill_names`, `get_prefill`)
+`reference.paged_attention`'s, plus ``interpret=False, **tuning``."""
 
 from __future__ import annotations
 

@@ -215,10 +215,9 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            num_warps: int | None = None, num_stages: int | None = None,
                            k_splits: int | None = None, k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None) -> jax.Array:
-    """`reference.paged_decode_attention`'s contract in Pallas/Triton. q bf16/f16/f32; pools q's
-    dtype or fp8 (with k_scale, v_scale f32[L, K]); page_size, H powers of 2 (slots past seq_len in
-    a visible page must be finite); knobs None: `tuning.resolve`. ValueError: `check_decode_args`,
-    `check_knobs`, `check_scales`."""
+    """`reference.paged_decode_attention` in Pallas/Triton. q bf16/f16/f32; pools q's dtype or fp8
+    (k_scale, v_scale f32[L, K]); page_size, H powers of 2 (visible slots past seq_len: finite);
+    knobs None: `tuning.resolve`. ValueError: `check_decode_args`, `check_knobs`, `check_scales`."""
     B, N, H, K, page_size, M = check_decode_args(q, k_pool, v_pool, block_tables, seq_lens,
                                                  sliding_window, soft_cap)
     knobs = tuning.resolve("triton", B=B, K=K, G=N // K, M=M, page_size=page_size, head_dim=H,

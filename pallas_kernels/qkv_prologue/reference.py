@@ -81,9 +81,8 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     ``layer``; q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H]. qkv: [S, (N + 2K) * H] fused
     q/k/v projection, compute dtype. q_norm, k_norm: [H] RMSNorm weights (Qwen3), or both None
     (Llama). cos, sin: f32[S, H/2] at each token's position. slot_mapping, k_pool, v_pool, layer,
-    k_scale, v_scale: as `write_kv`. q_group_rows: None, or Gq >= G = N/K: q as [S, K, Gq, H], rows
-    past G zero (the Mosaic decode layout). Unchecked (traced): slots or layer out of range.
-    ValueError: `check_args`, `kv_quant.check_scales`."""
+    k_scale, v_scale: as `write_kv` (unchecked ranges). q_group_rows: None, or Gq >= G = N/K: q as
+    [S, K, Gq, H], rows past G zero (Mosaic layout). ValueError: `check_args`, `check_scales`."""
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
                             num_heads, num_kv_heads, q_group_rows)
     check_scales(k_pool, k_scale, v_scale)

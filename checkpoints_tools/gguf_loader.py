@@ -1,9 +1,7 @@
 """Read a llama.cpp GGUF file (Llama or Qwen3) as an HF config dict (`gguf_hf_config`) and HF
-tensors (`gguf_hf_tensors`: dequantised to f32, renamed by the ONE table `GGUF_TO_HF`, llama.cpp's
-Q/K row permutation undone where applied; GGUF dims are innermost-first, so ``dequantize`` gives
-HF's ``[out, in]``). Sources: llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` of q/k
-for ``llama``, not ``qwen3``; ``generate_extra_tensors``: Llama 3 RoPE factors in ``rope_freqs``),
-``gguf-py/gguf/constants.py`` (names), HF ``modeling_gguf_pytorch_utils.py`` (reverse permute)."""
+tensors (`gguf_hf_tensors`: f32, renamed by `GGUF_TO_HF`, Q/K row permutation undone). Sources:
+llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` for ``llama``, not ``qwen3``; Llama 3
+RoPE factors in ``rope_freqs``), ``gguf-py``, HF ``modeling_gguf_pytorch_utils.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ import numpy as np
 
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen3")
 
-# llama.cpp permutes q_proj/k_proj rows (its RoPE rotates adjacent pairs, HF's the two halves).
 _QK_PERMUTED = {"llama": True, "qwen3": False}
 
 # The one GGUF -> HF tensor-name table; ``{i}`` is the layer index; None: read into the config.
@@ -35,8 +32,7 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def open_gguf(path: str | os.PathLike):
-    """Read-only ``GGUFReader`` of ``path``. FileNotFoundError: no file; ValueError: not GGUF,
-    truncated or corrupt (gguf-py raises whatever its parse hits first: struct, index errors)."""
+    """``GGUFReader`` of ``path``; FileNotFoundError: no file; ValueError: not GGUF or corrupt."""
     import struct
 
     import gguf
@@ -58,8 +54,7 @@ def _value(reader, key: str, default: Any = None) -> Any:
 
 
 def gguf_eos_token_ids(reader) -> tuple[int, ...]:
-    """The end-of-generation ids in the metadata: ``tokenizer.ggml.eos_token_id`` plus the
-    end-of-turn / end-of-message ids when present (llama.cpp's ``llama_vocab_is_eog`` set)."""
+    """``tokenizer.ggml.{eos,eot,eom}_token_id`` as present (llama.cpp's ``llama_vocab_is_eog``)."""
     ids = (_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
     return tuple(dict.fromkeys(int(v) for v in ids if v is not None))
 
@@ -128,10 +123,9 @@ def gguf_hf_config(reader) -> dict:
 
 def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int,
                                  orig: int | None) -> dict | None:
-    """HF ``rope_scaling`` (llama3; None if every multiplier is 1) from llama.cpp's ``rope_freqs``
-    f[H/2]: ``orig`` given (else 8192), ``low``/``high`` fitted from the smooth band (``1/f`` linear
-    in ``orig/wavelen``), else Llama 3's (1, 4), checked against Llama 3.1 ``apply_scaling``
-    (meta-llama/llama-models). ValueError: wrong length, or no llama3 parameters fit."""
+    """HF ``rope_scaling`` (llama3; None if all multipliers are 1) from llama.cpp's ``rope_freqs``
+    f[H/2]: ``orig`` (None: 8192), ``low``/``high`` fitted from the smooth band or Llama 3's (1, 4),
+    checked against Llama 3.1 ``apply_scaling``. ValueError: bad length; no llama3 fit."""
     if factors.shape != (head_dim // 2,):
         raise ValueError(f"rope_freqs.weight has shape {factors.shape}, expected ({head_dim // 2},)")
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
@@ -148,7 +142,6 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
         slope, icpt = np.polyfit(x[band], s, 1)
         if slope > 0:
             low, high = -icpt / slope, -icpt / slope + 1 / slope
-            # prefer the rounded fit (the published values are short decimals), else the raw one
             candidates[:0] = [(round(low, 3), round(high, 3)), (float(low), float(high))]
     for low, high in candidates:
         if not 0 < low < high:
@@ -164,8 +157,7 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
 
 
 def gguf_name_to_hf(name: str, num_layers: int) -> str | None:
-    """HF name of GGUF tensor ``name`` via `GGUF_TO_HF` (None: config-only). ValueError: a name not
-    in the table, or a layer index >= ``num_layers``."""
+    """HF name of ``name`` (`GGUF_TO_HF`; None: config-only); ValueError: unknown, bad layer."""
     m = _LAYER_RE.match(name)
     key, layer = (f"blk.{{i}}.{m.group(2)}", int(m.group(1))) if m else (name, None)
     if key not in GGUF_TO_HF:
@@ -177,8 +169,7 @@ def gguf_name_to_hf(name: str, num_layers: int) -> str | None:
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undo llama.cpp's ``LlamaModel.permute`` (``reshape(n, 2, H/2, D).swapaxes(1, 2)``) of q/k
-    rows [n_heads*H, D] (``n_heads``: N or K) by swapping ``reshape(n, H/2, 2, D)``; same shape."""
+    """Undo llama.cpp's ``LlamaModel.permute`` of q/k rows [n_heads*H, D]; same shape."""
     rows = w.shape[0]
     if rows % (2 * n_heads):
         raise ValueError(f"cannot un-permute a tensor of {rows} rows into {n_heads} heads of even size")
@@ -217,9 +208,7 @@ def gguf_hf_tensors(reader, hf_config: Mapping[str, Any],
 
 
 def gguf_tokenizer(reader):
-    """The HF fast tokenizer of the GGUF's ``tokenizer.*`` metadata, built from the open reader
-    (the file is not parsed again) by transformers' GGUF converter with its
-    ``get_gguf_tokenizer`` rules; None where transformers has no such converter."""
+    """HF fast tokenizer of the ``tokenizer.*`` metadata (transformers' GGUF converter), or None."""
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (

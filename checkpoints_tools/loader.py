@@ -1,8 +1,6 @@
 """One entry point for every checkpoint format: `open_checkpoint(path) -> Checkpoint`. Formats
 (`detect_format`): "gguf", a ``*.gguf`` file (`gguf_loader`); "orbax", a dir with
-``jaxinfer_config.json`` (`orbax_io`); "hf", a dir with ``config.json`` and ``model.safetensors``
-or ``model.safetensors.index.json`` + its ``weight_map`` shards. Heavy imports (JAX, transformers,
-orbax, gguf) are inside the functions, so a CLI can check its arguments first."""
+``jaxinfer_config.json`` (`orbax_io`); "hf", a dir with ``config.json`` and safetensors."""
 
 from __future__ import annotations
 
@@ -18,8 +16,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """"gguf" | "orbax" | "hf" for ``path`` (module docstring). FileNotFoundError: no ``path``;
-    ValueError: none of the formats (says what was expected)."""
+    """"gguf" | "orbax" | "hf" of ``path``; FileNotFoundError: no ``path``; ValueError: other."""
     p = os.fspath(path)
     expected = ("expected a .gguf file, a directory with jaxinfer_config.json (an Orbax checkpoint "
                 "from `python -m jaxinfer.convert`), or an HF model directory with config.json "
@@ -39,7 +36,6 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def _ids(value: Any) -> tuple[int, ...]:
-    """An ``eos_token_id`` value (None, an int or a list) as a tuple of ints."""
     return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value])
                  if v is not None)
 
@@ -102,9 +98,7 @@ def hf_tensors(ckpt: Checkpoint, out_dtype=None) -> Iterable[tuple[str, Any]]:
 
 def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = None):
     """Offline HF tokenizer of an HF dir, GGUF file or Orbax ``tokenizer/`` (``path`` or an opened
-    `Checkpoint`: a GGUF's from its open reader, `gguf_loader.gguf_tokenizer`); ``fmt`` if known.
-    A GGUF file's is built from its tokenizer metadata alone (the fast tokenizer class, not
-    ``AutoTokenizer``, which parses the whole file again for a config).
+    `Checkpoint`: a GGUF's from its reader, `gguf_loader.gguf_tokenizer`); ``fmt`` if known.
     FileNotFoundError: no ``path``; ValueError: unsupported format, or no tokenizer."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
@@ -156,13 +150,11 @@ def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
     return files, weight_map
 
 
-# Safetensors dtypes numpy lacks, read as ml_dtypes arrays by `_read_raw`.
-_RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}
+_RAW_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn"}  # numpy lacks them: `_read_raw`
 
 
 def _read_raw(file: str, name: str):
-    """Tensor ``name`` of a `_RAW_DTYPES` dtype, read at its header's offsets (safetensors layout:
-    u64 little-endian header size, JSON header, data) into a read-only ml_dtypes array."""
+    """Tensor ``name`` (a `_RAW_DTYPES` dtype) from its safetensors header offsets, read-only."""
     import struct
 
     import ml_dtypes

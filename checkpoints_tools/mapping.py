@@ -1,12 +1,10 @@
 """HF transformers tensor names -> the jaxinfer param tree: ONE explicit table, with shape checks.
-
 Every checkpoint tensor is mapped by `HF_TO_PARAMS` or listed in `IGNORED_HF`; else an error, as is
 a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9); shapes and dtypes from the
-caller's abstract tree. Tying (CASES.md C9): no ``lm_head.weight``, or one equal to the embedding
--> tied (one copy); a differing one -> untied; UserWarning if ``tie_word_embeddings`` disagrees.
-HF ``[out, in]`` -> tree ``[in, out]`` (numpy); q/k/v_proj fill ``wqkv``, gate/up ``w_gate_up``.
-HF FP8 checkpoints: fp8 matrices must stay fp8; their ``weight_scale_inv`` fill ``<param>_scale``
-(fused parts placed like the weights', `scale_parts`)."""
+caller's abstract tree. Tying (CASES.md C9): no ``lm_head.weight``, or one equal to the embedding ->
+tied; a differing one -> untied; UserWarning if ``tie_word_embeddings`` disagrees. HF ``[out, in]``
+-> tree ``[in, out]``; q/k/v_proj fill ``wqkv``, gate/up ``w_gate_up``. HF FP8 checkpoints: fp8
+matrices stay fp8; ``weight_scale_inv`` fills ``<param>_scale`` (`scale_parts`)."""
 
 from __future__ import annotations
 
@@ -51,12 +49,11 @@ HF_TO_PARAMS: tuple[TensorRule, ...] = (
     TensorRule("model.norm.weight", "final_norm", False),
     TensorRule("lm_head.weight", "lm_head", True),
 )
-# HF FP8 checkpoints (`fp8_block_size`): each layer matrix's f32 block scales [out/bo, in/bi],
-# ``<name>.weight_scale_inv``, go to ``<param>_scale`` [in/bi, out/bo].
+# HF FP8 block scales ``<name>.weight_scale_inv`` [out/bo, in/bi] -> ``<param>_scale``.
 HF_TO_PARAMS += tuple(TensorRule(r.hf_name + "_scale_inv", r.param + "_scale", True, r.part)
                       for r in HF_TO_PARAMS if r.per_layer and r.transpose)
 
-# Non-parameter buffers some checkpoints carry; recomputed from the config, so skipped.
+# Non-parameter buffers (recomputed from the config).
 IGNORED_HF: tuple[str, ...] = ("model.rotary_emb.inv_freq", _L + "self_attn.rotary_emb.inv_freq")
 
 TensorSource = Union[Mapping[str, np.ndarray], Iterable[tuple[str, np.ndarray]]]
@@ -77,9 +74,8 @@ def fp8_block_size(qc: Mapping[str, Any] | None) -> tuple[int, int] | None:
 
 
 def scale_parts(parts: Mapping[str, Mapping[str, slice]], block_out: int) -> dict:
-    """``{"<fused>_scale": {part: slice}}``: where each part of ``parts`` lies on the block-scale
-    out axis (bounds / ``block_out``). Raises ValueError: a part whose size is not a multiple of
-    ``block_out`` (a scale block would span two of the checkpoint's tensors)."""
+    """``{"<fused>_scale": {part: slice}}``: each part of ``parts`` on the block-scale out axis
+    (bounds / ``block_out``). ValueError: a part's size not a multiple of ``block_out``."""
     out: dict = {}
     for leaf, ps in parts.items():
         for part, sl in ps.items():
@@ -93,11 +89,9 @@ def scale_parts(parts: Mapping[str, Mapping[str, slice]], block_out: int) -> dic
 
 
 def tree_mismatches(want, got, *, dtypes: bool = False, slash: bool = False) -> list[str]:
-    """One line per leaf path where pytree ``got`` differs from ``want`` (leaves with ``.shape``,
-    ``.dtype``): ``"params<path> has shape (got), expected (want)"``, with ``dtypes``
-    ``"params<path> is dtype[shape], expected dtype[shape]"``; ``"params<path> is missing"`` /
-    ``"is unexpected"`` for a path only ``want`` / ``got`` has. Paths as ``jax.tree_util.keystr``
-    (``['layers']['0']``), with ``slash`` as ``/layers/0``."""
+    """A line per leaf path (leaves with ``.shape``, ``.dtype``) where ``got`` differs from
+    ``want``: ``"params<path> has shape (got), expected (want)"`` (``dtypes``: ``"is dtype[shape],
+    ..."``), ``"is missing"``, ``"is unexpected"``. Paths: ``keystr``; ``slash``: ``/a/0``."""
     import jax
 
     def flat(tree):
@@ -182,13 +176,11 @@ def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cf
 
 def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
                          parts: Mapping, on_host: bool = False) -> dict:
-    """The param tree (jax arrays in each abstract leaf's dtype, numpy arrays with ``on_host``
-    for the caller to place; ``lm_head`` iff untied) from
-    HF-named ``tensors``: ``{name: array}`` or ``(name, array)`` pairs (pairs let duplicates across
-    shards be found). cfg: duck-typed ``num_layers``, ``architecture``, ``tie_word_embeddings``;
-    abstract: the ``jax.ShapeDtypeStruct`` tree (``layers/"0".."L-1"/...``; rules of absent leaves
-    do not apply; ``lm_head`` optional); parts: ``{fused param: {part: slice of its last axis}}``.
-    ValueError: unmapped, duplicate or missing tensor, wrong shape (named). UserWarning: tying."""
+    """The param tree (jax arrays in each abstract leaf's dtype; numpy with ``on_host``; ``lm_head``
+    iff untied) from HF-named ``tensors`` (a dict or ``(name, array)`` pairs). cfg: duck-typed
+    ``num_layers``, ``architecture``, ``tie_word_embeddings``; abstract: the ShapeDtypeStruct tree
+    (absent leaves' rules skipped); parts: ``{fused param: {part: slice of its last axis}}``.
+    ValueError: unmapped, duplicate or missing tensor, bad shape. UserWarning: tying."""
     import jax.numpy as jnp
 
     layer0 = abstract["layers"].get("0", {})
@@ -218,7 +210,6 @@ def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
 
 
 def _decide_tying(found: Mapping[str, np.ndarray], cfg: Any) -> bool:
-    """Tied iff no lm_head or it equals the embedding (module docstring)."""
     head = found.get("lm_head.weight")
     if head is None:
         if not cfg.tie_word_embeddings:

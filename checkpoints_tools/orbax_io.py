@@ -1,7 +1,6 @@
-"""Save / restore a converted model as an Orbax checkpoint directory: ``params/`` (orbax
-StandardCheckpointer), ``tokenizer/`` (``save_pretrained``), ``jaxinfer_config.json`` ({"format",
-"version", "model_config", "eos_token_ids", "dtype"}, written last and atomically, so a directory
-holding it is complete). Shapes are checked against the caller's abstract tree."""
+"""Orbax checkpoint directory of a converted model: ``params/`` (StandardCheckpointer),
+``tokenizer/`` (``save_pretrained``), ``jaxinfer_config.json`` ({"format", "version",
+"model_config", "eos_token_ids", "dtype"}; written last, atomically: present means complete)."""
 
 from __future__ import annotations
 
@@ -66,9 +65,8 @@ def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract
 
 
 def restore(src_dir: str | os.PathLike, abstract, on_host: bool = False):
-    """`save`'s params as jax arrays on ``jax.devices()[0]`` (``on_host``: numpy arrays) in
-    ``abstract``'s shapes and dtypes (cast). FileNotFoundError: no ``params/``; ValueError:
-    misfit to ``abstract`` (paths named)."""
+    """`save`'s params as jax arrays on ``jax.devices()[0]`` (``on_host``: numpy) in ``abstract``'s
+    shapes and dtypes. FileNotFoundError: no ``params/``; ValueError: misfit (paths named)."""
     import jax
     import orbax.checkpoint as ocp
 

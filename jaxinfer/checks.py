@@ -6,8 +6,7 @@ import numbers
 
 
 def is_int(v, lo: int | None = None, *, numpy: bool = False) -> bool:
-    """Whether ``v`` is an integer and not a bool (a Python int; with ``numpy`` also a NumPy
-    integer scalar), and ``>= lo`` when ``lo`` is given."""
+    """``v`` is an int (``numpy``: or a NumPy integer), not a bool, and ``>= lo`` if given."""
     return (isinstance(v, numbers.Integral if numpy else int) and not isinstance(v, bool)
             and (lo is None or v >= lo))
 
@@ -18,8 +17,7 @@ def is_number(v) -> bool:
 
 
 def check_int(what: str, v, lo: int, hi: int | None = None) -> None:
-    """Raises ValueError ``"{what}={v!r} is invalid: must be an integer >= {lo}"`` (with ``hi``:
-    ``in [lo, hi]``) unless ``v`` is such a Python int (`is_int`)."""
+    """Raises ValueError ``"{what}={v!r} is invalid: ..."`` unless ``v`` is an int in [lo, hi]."""
     if not is_int(v, lo) or (hi is not None and v > hi):
         raise ValueError(f"{what}={v!r} is invalid: must be an integer "
                          + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]"))

@@ -1,7 +1,6 @@
-"""Frozen, validated configuration: `ModelConfig` (architecture, `jaxinfer.model_config`), `EngineConfig` (what a user sets,
-vLLM meanings), `KernelConfig` (kernel knobs); `resolve`, the one place "auto" becomes concrete,
-gives a `ResolvedConfig`. A bad value raises ValueError naming the field, the value and what is
-allowed. Imports no JAX."""
+"""Frozen, validated configuration: `ModelConfig` (`jaxinfer.model_config`), `EngineConfig` (user
+settings, vLLM meanings), `KernelConfig`; `resolve` makes "auto" concrete (`ResolvedConfig`). A bad
+value raises ValueError naming the field, the value and what is allowed. No JAX."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ from pallas_kernels.sizes import is_pow2
 FUSED_CHOICES = ("auto", "xla", "triton")
 KERNEL_ALIASES = {"decode": "decode_attention", "prefill": "prefill_attention"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
-# EngineConfig.kv_cache_dtype -> the pools' dtype ("auto": the compute dtype); vLLM's names.
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 FP8_KV_DECODE = ("reference", "triton")  # decode variants validated on fp8 pages
 _BUCKETS = ("batch_buckets", "token_buckets")
@@ -36,12 +34,10 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
 @dataclass(frozen=True)
 class KernelConfig:
     """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"). decode_attention /
-    prefill_attention: paged attention of decode (T == 1) / prefill steps. qkv_prologue: q/k norm
-    + RoPE + K/V page write (triton: GPU, H/2 a power of 2). add_rms_norm: residual add + RMSNorm
-    (triton: GPU, D a power of 2). prefill_gemm: prefill GEMMs (cublas: GPU).
-    cublas_decode_min_batch: decode buckets of this many rows or more use cuBLAS (GPU; None: XLA;
-    BENCHMARKS.md "Decode step"). batch_buckets / token_buckets: padded B / T sizes, strictly
-    increasing; (): the defaults."""
+    prefill_attention: paged attention of decode (T == 1) / prefill steps. qkv_prologue: q/k norm +
+    RoPE + K/V page write (triton: GPU, H/2 a power of 2). add_rms_norm: residual add + RMSNorm
+    (triton: GPU, D a power of 2). prefill_gemm (cublas: GPU). cublas_decode_min_batch: decode
+    buckets of >= this many rows use cuBLAS (None: XLA). batch_buckets / token_buckets: B / T."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
@@ -66,8 +62,7 @@ class KernelConfig:
     @classmethod
     def parse(cls, spec: "str | KernelConfig") -> "KernelConfig":
         """From ``"key=value,..."`` (e.g. ``"decode=mosaic,batch_buckets=1:2:4"``; keys: fields or
-        `KERNEL_ALIASES`; ``""``: the defaults); a `KernelConfig` as given. Raises ValueError: an
-        item without ``=``, an unknown or repeated key, or a bad value."""
+        `KERNEL_ALIASES`), or a `KernelConfig`. ValueError: no ``=``, bad/repeated key or value."""
         if isinstance(spec, cls):
             return spec
         if not isinstance(spec, str):
@@ -115,8 +110,7 @@ def _optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """What a user sets (vLLM's meanings); each field's ``help`` says what it is. ``kernels``: a
-    `KernelConfig`, or a string for `KernelConfig.parse`."""
+    """User settings (vLLM's meanings; see each ``help``); ``kernels``: a `KernelConfig` or str."""
 
     max_model_len: int | None = _user(
         None, "most tokens (prompt + generated) of one sequence; default: max_position_embeddings")
@@ -225,15 +219,13 @@ def check_platform(kc: KernelConfig, platform: str) -> None:
 def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
             device_kind: str | None = None) -> ResolvedConfig:
     """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend). On
-    "gpu": dtype bfloat16, prefill_attention triton, and in half precision decode_attention mosaic,
-    qkv_prologue / add_rms_norm triton where H/2 / D is a power of 2; else float32, reference,
-    xla; an attention variant not validated on ``device_kind`` falls back (`registry.for_device`,
-    logged); with an fp8 KV cache decode_attention triton (not mosaic) on "gpu". max_model_len
-    None: max_position_embeddings; quantization None: "fp8" for an FP8 checkpoint. Raises
-    ValueError: max_model_len above that, a GPU kernel off "gpu" (`check_platform`), "triton"
-    fused kernels on shapes they do not take, a decode variant not validated on fp8 pages
-    (`FP8_KV_DECODE`) with an fp8 KV cache, a model ``tensor_parallel_size`` cannot split
-    (`check_tp`), fp8 weights or KV with it above 1."""
+    "gpu": dtype bfloat16, prefill_attention triton, and in half precision decode_attention mosaic
+    (fp8 KV: triton), qkv_prologue / add_rms_norm triton where H/2 / D is a power of 2; else
+    float32, reference, xla; an attention variant not validated on ``device_kind`` falls back
+    (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization None:
+    "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off "gpu",
+    "triton" fused kernels on shapes they do not take, a decode variant not in `FP8_KV_DECODE` with
+    fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`), fp8 with tp > 1."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "

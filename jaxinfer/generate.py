@@ -1,5 +1,5 @@
-"""Command line: ``python -m jaxinfer.generate --prompt "..." [--chat] [--stream]``. Bad input:
-one line on stderr, exit code 2 (valid prompts given with it still run)."""
+"""CLI: ``python -m jaxinfer.generate --prompt "..." [--chat] [--stream]``. Bad input: a stderr
+line, exit code 2 (valid prompts still run)."""
 
 from __future__ import annotations
 
@@ -49,8 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _read_prompts_file(path: str) -> list[str]:
-    """The prompts of ``path``: lines end at \\n or \\r\\n only (other Unicode breaks, e.g.
-    U+2028, stay in the prompt), blank lines skipped. Raises FileNotFoundError, ValueError."""
+    """Non-blank lines of ``path``, split at \\n or \\r\\n only; FileNotFoundError, ValueError."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--prompts-file {path!r} does not exist")
     if not os.path.isfile(path):

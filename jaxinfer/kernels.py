@@ -39,8 +39,7 @@ class ModelKernels:
                                              "sliding_window", "num_heads"))
 def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel,
                 knobs, scale, soft_cap, sliding_window, num_heads):
-    """q [B, 1, N, H] (grouped [B, 1, K, Gp, H] with ``num_heads``), layer i32[], scales: {} or
-    fp8 pools' {"k_scale", "v_scale"} -> [B, 1, N, H]."""
+    """q [B, 1, N, H] (or [B, 1, K, Gp, H]), layer i32[], scales: {} or fp8's -> [B, 1, N, H]."""
     extra = dict(knobs, **scales, **{k: v for k, v in (("num_heads", num_heads),
                                                        ("page_offset", page_offset))
                                      if v is not None})
@@ -59,9 +58,8 @@ def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, 
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """T == 1 to decode variant ``decode`` (``decode_knobs``), T > 1 to prefill variant
-    ``prefill``, each behind a jit taking ``layer`` as i32[] (one lowering for all layers).
-    Raises ValueError: a grouped q [B, T, K, Gp, H] outside a decode-kernel step."""
+    """T == 1 to decode variant ``decode`` (``decode_knobs``), T > 1 to prefill variant ``prefill``,
+    jitted with ``layer`` as i32[]. ValueError: a grouped q [B, T, K, Gp, H] off a decode kernel."""
 
     decode: str = "reference"
     prefill: str = "reference"
@@ -93,7 +91,6 @@ class PagedAttention:
 
 
 def _fused_kernel(field: str, name: str) -> Callable | None:
-    """"xla" -> None; "triton" -> `pallas_kernels.<field>.triton_pallas.<field>`."""
     if name not in ("xla", "triton"):
         raise ValueError(f"{field}={name!r} is not one of ('xla', 'triton')")
     return None if name == "xla" else getattr(
@@ -101,10 +98,8 @@ def _fused_kernel(field: str, name: str) -> Callable | None:
 
 
 def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKernels:
-    """`ModelKernels` for a resolved `KernelConfig`; ``decode_knobs``: the decode variant's
-    tuning keywords (e.g. ``{"num_splits": 4}``); ``mesh``: `ModelKernels.mesh`. Raises
-    ValueError: an unregistered variant, a fused kernel not "xla"/"triton", ``decode_knobs``
-    with the reference decode."""
+    """`ModelKernels` for a resolved `KernelConfig`; ``decode_knobs``: decode-variant keywords.
+    ValueError: an unregistered variant, a fused kernel not "xla"/"triton", reference knobs."""
     decode, prefill = kc.decode_attention, kc.prefill_attention
     registry.get(decode), registry.get_prefill(prefill)  # raise ValueError listing the names
     if decode_knobs and decode == "reference":

@@ -1,5 +1,4 @@
-"""Paged KV cache, a pytree threaded through the jitted step (donated). Page 0
-(`jaxinfer.engine.block_manager.NULL_PAGE`) is no sequence's: padding writes into it."""
+"""Paged KV cache, a pytree through the jitted step (donated); padding writes to `NULL_PAGE`."""
 
 from __future__ import annotations
 
@@ -20,11 +19,7 @@ class KVCache:
     """k, v [L, P, K, page_size, H] (compute dtype, or float8_e4m3fn); block_tables i32[B, M]
     (logical page j of row b -> physical page); seq_lens i32[B] (valid KV positions after the
     write); k_scale, v_scale f32[L, K] (None: no scaling): an fp8 page holds ``x / scale``
-    (`pallas_kernels.kv_quant`). The scales are data, fixed at 1.0 (vLLM's default without
-    calibration; `init_kv_cache`): e4m3 keeps 3 mantissa bits at any scale, 1.0 clips only
-    values above 448, and scales calibrated on a first prefill clip later, larger values
-    (BENCHMARKS.md "FP8 accuracy": they measured worse); 1.0 also needs no calibration pass.
-    Scales from a checkpoint or a calibration can be set with `replace`."""
+    (`kv_quant`); 1.0 from `init_kv_cache` (vLLM's default; BENCHMARKS.md "FP8 accuracy")."""
 
     k: jax.Array
     v: jax.Array
@@ -41,8 +36,7 @@ class KVCache:
         return dataclasses.replace(self, **kw)
 
     def scales(self) -> tuple:
-        """(k_scale, v_scale) for the kernels if the pools are fp8, else (None, None). Raises
-        ValueError: fp8 pools without scales."""
+        """(k_scale, v_scale) if the pools are fp8, else (None, None); ValueError: no scales."""
         if not is_fp8(self.k.dtype):
             return None, None
         check_scales(self.k, self.k_scale, self.v_scale)
@@ -56,9 +50,8 @@ jax.tree_util.register_dataclass(
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
                   sharding=None) -> KVCache:
-    """Zeroed pools [L, P, K, page_size, H] of ``dtype`` (float8_e4m3fn: fp8 KV), scales 1.0,
-    placed with ``sharding`` (None: the default device), one padded table row (with a
-    ``NamedSharding``: replicated on its mesh); ValueError: num_pages < 2."""
+    """Zeroed pools [L, P, K, page_size, H] of ``dtype``, scales 1.0, placed with ``sharding``, one
+    padded table row (replicated on a ``NamedSharding``'s mesh); ValueError: num_pages < 2."""
     if num_pages < 2:
         raise ValueError(f"num_pages={num_pages} is too small: need >= 2 (page 0 is reserved)")
     shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)

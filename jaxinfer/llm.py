@@ -30,9 +30,8 @@ def _engine_config(engine_args: dict) -> EngineConfig:
 
 
 def _claim_gpu_memory(utilization: float) -> None:
-    """vLLM's ``gpu_memory_utilization``: let JAX's GPU allocator take that fraction of the card
-    (``XLA_PYTHON_CLIENT_MEM_FRACTION``) when the variable is unset and no JAX backend has
-    started yet; else `memory.card_bytes_usable` checks what the allocator got."""
+    """vLLM's ``gpu_memory_utilization`` as ``XLA_PYTHON_CLIENT_MEM_FRACTION``, if unset and no
+    JAX backend has started (else `memory.card_bytes_usable` checks what the allocator got)."""
     from jax._src import xla_bridge  # JAX 0.10-0.11 has no public "backends started" test
 
     started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
@@ -84,14 +83,11 @@ def _normalize(prompts, sampling_params: _Params) -> tuple[list, list[SamplingPa
 
 
 class LLM:
-    """A model served with continuous batching. ``model``: an HF model directory, a GGUF file or
-    an Orbax directory; None: the embedded SmolLM2-135M-Instruct. ``tokenizer``: an HF tokenizer
-    directory (or GGUF file) to use instead of the model's. ``skip_tokenizer_init``: token-id
-    prompts, no output text. ``engine_args``: `EngineConfig` fields (vLLM's names where vLLM has
-    them: dtype, seed, gpu_memory_utilization, enable_prefix_caching, kv_cache_dtype,
-    tensor_parallel_size, enforce_eager, max_model_len, max_num_seqs, ...). Raises
-    FileNotFoundError: no such model or tokenizer; ValueError: an unsupported architecture, an
-    unknown or bad engine argument, GPU kernels without a GPU (before the checkpoint is read)."""
+    """A model served with continuous batching. ``model``: an HF model directory, a GGUF file or an
+    Orbax directory; None: the embedded SmolLM2-135M-Instruct. ``tokenizer``: an HF tokenizer
+    directory or GGUF file instead of the model's. ``skip_tokenizer_init``: token-id prompts, no
+    output text. ``engine_args``: `EngineConfig` fields. FileNotFoundError: no such model or
+    tokenizer; ValueError: unsupported architecture, bad engine argument, GPU kernels off GPU."""
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  skip_tokenizer_init: bool = False, **engine_args):
@@ -119,14 +115,11 @@ class LLM:
 
     @classmethod
     def from_params(cls, config, params: dict, *, tokenizer=None, **engine_args) -> "LLM":
-        """An `LLM` over ``params``, the `jaxinfer.models.init_params` tree of ``config`` in the
-        compute dtype (with ``tensor_parallel_size`` > 1 jax or numpy leaves, resharded:
-        `jaxinfer.parallel`), quantised first with ``quantization="fp8"``
-        (`jaxinfer.quantize.quantize_params`). ``tokenizer``: an HF tokenizer object, or a path
-        as `LLM`'s (an HF dir or GGUF file); its EOS id joins ``config.eos_token_ids``. Without
-        one, prompts are token ids and ``stop`` strings are rejected. Raises ValueError:
-        ``config`` not a `ModelConfig`, or a bad engine argument; FileNotFoundError: no such
-        tokenizer path."""
+        """An `LLM` over ``params``, the `jaxinfer.models.init_params` tree of ``config`` (compute
+        dtype; ``tensor_parallel_size`` > 1: jax or numpy leaves, resharded), quantised first with
+        ``quantization="fp8"``. ``tokenizer``: an HF tokenizer object, or a path as `LLM`'s; its EOS
+        id joins ``config.eos_token_ids``; None: token-id prompts, no ``stop``. ValueError:
+        ``config`` not a `ModelConfig`, a bad engine argument; FileNotFoundError: no tokenizer."""
         if not isinstance(config, ModelConfig):
             raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "
                              f"{type(config).__name__} (ModelConfig.from_dict builds one)")
@@ -153,8 +146,7 @@ class LLM:
                                      spaces_between_special_tokens=spaces_between_special_tokens)
 
     def update_params(self, params) -> None:
-        """Serve new weights in place, no step recompiled: `LLMEngine.update_params` (its
-        ValueErrors: a mismatch, the leaf named, or requests in flight)."""
+        """`LLMEngine.update_params`: new weights, no recompile (ValueError: mismatch, requests)."""
         self.engine.update_params(params)
 
     def get_tokenizer(self):
@@ -169,8 +161,7 @@ class LLM:
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Token ids of ``messages`` in the chat template, with the generation prompt. Raises
-        ValueError: no chat template, or the template rejects the messages."""
+        """Ids of ``messages`` in the chat template plus generation prompt; ValueError: it fails."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use plain prompts")
         try:
@@ -225,12 +216,11 @@ class LLM:
     def generate(self, prompts, sampling_params: _Params = None, *, use_tqdm: bool = False,
                  on_error: str = "raise",
                  stream: Callable[[int, list[int], str], None] | None = None) -> list[RequestOutput]:
-        """Outputs of ``prompts`` (a str, token ids, {"prompt": str}, {"prompt_token_ids": ids},
-        or a list of these) in input order; ``sampling_params``: one, or one per prompt (default
-        ``SamplingParams()``, temperature 1 as in vLLM). ``on_error``: "raise": ValueError naming
-        each invalid request before any runs; "return": those come back with ``error`` set
-        (finish reason "error"). ``stream(index, new_token_ids, text_delta)`` as tokens arrive;
-        the deltas add up to the final text (stop strings never shown)."""
+        """Outputs of ``prompts`` (a str, token ids, {"prompt": str}, {"prompt_token_ids": ids}, or
+        a list of these) in input order; ``sampling_params``: one, or one per prompt (default
+        ``SamplingParams()``). ``on_error``: "raise": ValueError naming each invalid request before
+        any runs; "return": those come back with ``error`` set (finish reason "error").
+        ``stream(index, new_token_ids, text_delta)`` as tokens arrive (deltas sum to the text)."""
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
         params, encoded, errors = self._prepare(prompts, sampling_params, on_error == "raise")
@@ -244,9 +234,7 @@ class LLM:
 
     def _run(self, requests: dict[int, tuple], texts: list, use_tqdm: bool,
              stream) -> dict[int, RequestOutput]:
-        """Add ``requests`` ({index: (ids, params)}, checked by `_prepare`) and step until they
-        finish; on any exception (an interrupt, a failing callback) abort them all so the LLM
-        stays usable."""
+        """Add ``requests`` ({index: (ids, params)}), step until done; exceptions abort them all."""
         from tqdm import tqdm
 
         bar = tqdm(total=len(requests), desc="generating", unit="req",

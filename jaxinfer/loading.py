@@ -1,7 +1,6 @@
-"""A model from a checkpoint: `load_model(path, dtype) -> LoadedModel`. `checkpoints_tools` reads
-the files and maps tensor names; this module makes the `ModelConfig` and hands the mapping the
-abstract tree of `jaxinfer.models`, the only shape source. EOS ids (CASES.md C4): the union, in
-first-seen order, of the tokenizer's, the checkpoint's generation EOS ids and the config's."""
+"""A model from a checkpoint: `load_model(path, dtype) -> LoadedModel`; `checkpoints_tools` reads
+the files and maps tensor names onto `jaxinfer.models.abstract_params`. EOS ids (CASES.md C4): the
+union, first-seen order, of the tokenizer's, the generation config's and the config's."""
 
 from __future__ import annotations
 
@@ -22,9 +21,8 @@ from jaxinfer.quantize import quantize_params
 
 
 class LoadedModel(NamedTuple):
-    """config (tying decided from the tensors); params (jax arrays of the requested dtype; numpy
-    with ``on_host``); tokenizer (HF, or None); eos_token_ids (module docstring); source: the
-    checkpoint format."""
+    """config (tying decided from the tensors); params (``dtype`` jax arrays; ``on_host``: numpy);
+    tokenizer (HF, or None); eos_token_ids (module docstring); source: the format."""
 
     config: ModelConfig
     params: Any
@@ -35,9 +33,7 @@ class LoadedModel(NamedTuple):
 
 def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
                    on_host: bool = False) -> tuple[dict, ModelConfig]:
-    """``(params, cfg with tying decided)`` from HF-named tensors (`hf_tensors_to_params`;
-    ``on_host``: numpy leaves); an FP8 checkpoint (``cfg.weight_block_size``) keeps its fp8
-    matrices and block scales."""
+    """``(params, cfg with tying decided)`` from HF-named tensors; FP8 checkpoints stay fp8."""
     untied = dataclasses.replace(cfg, tie_word_embeddings=False)
     parts, quant = fused_parts(cfg), "fp8" if cfg.weight_block_size else None
     if quant:
@@ -50,11 +46,9 @@ def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
 def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | None = None,
                 on_host: bool = False, quantization: str | None = None
                 ) -> tuple[ModelConfig, dict]:
-    """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype``; ``cfg``: its
-    `model_config` if built; ``on_host``: numpy leaves, for `jaxinfer.parallel.shard_params` to
-    place shard by shard; ``quantization`` "fp8": quantised after mapping (`quantize_params`;
-    an FP8 checkpoint is fp8 either way). FileNotFoundError, ValueError: the reader's and the
-    mapping's."""
+    """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype``; ``cfg``: its config if
+    built; ``on_host``: numpy leaves (`jaxinfer.parallel.shard_params`); ``quantization`` "fp8":
+    `quantize_params` after mapping. FileNotFoundError, ValueError: the reader's, mapping's."""
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     cfg = cfg or ModelConfig.from_checkpoint(ckpt)
     if ckpt.format == "orbax":
@@ -70,12 +64,11 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
 def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
                with_tokenizer: bool = True, tokenizer: str | None = None,
                on_host: bool = False, quantization: str | None = None) -> LoadedModel:
-    """Config, params and tokenizer of a checkpoint (a path, see `detect_format`, or an opened
-    `Checkpoint`, whose GGUF reader is reused); ``dtype``: "bfloat16", "float32" or a jnp dtype;
-    ``with_tokenizer=False``: none (token-id prompts only); ``tokenizer``: an HF tokenizer dir or
-    GGUF file instead of the checkpoint's; ``on_host``, ``quantization``: as `load_params`.
-    FileNotFoundError: no ``path`` (named); ValueError: unsupported format or architecture
-    (before any tokenizer is built), bad tensors, or no tokenizer."""
+    """Config, params and tokenizer of a checkpoint (a path, `detect_format`, or an opened
+    `Checkpoint`); ``dtype``: "bfloat16", "float32" or a jnp dtype; ``with_tokenizer=False``: none;
+    ``tokenizer``: an HF tokenizer dir or GGUF file instead of the checkpoint's; ``on_host``,
+    ``quantization``: `load_params`. FileNotFoundError: no ``path`` (named); ValueError: unsupported
+    format or architecture (before any tokenizer is built), bad tensors, or no tokenizer."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = ModelConfig.from_checkpoint(ckpt)
     tokenizer = None if not with_tokenizer else load_tokenizer(ckpt) if tokenizer is None else \

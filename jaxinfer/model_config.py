@@ -20,7 +20,6 @@ def _fail(cls: str, name: str, value: Any, allowed: str) -> None:
 
 
 def _check(obj, rules: Iterable[tuple[str, Callable[[Any], bool], str]]) -> None:
-    """Raise for the first rule ``(field, ok(value), allowed)`` of ``obj`` that fails (in order)."""
     for name, ok, allowed in rules:
         if not ok(getattr(obj, name)):
             _fail(type(obj).__name__, name, getattr(obj, name), allowed)
@@ -46,8 +45,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama / Qwen3 decoder. Shape letters: V=vocab_size, D=hidden_size, F=intermediate_size,
-    L=num_layers, N=num_heads, K=num_kv_heads, H=head_dim, G=N/K."""
+    """A Llama / Qwen3 decoder; shape letters: V, D, F (intermediate), L, N, K, H, G = N/K."""
 
     architecture: str
     vocab_size: int
@@ -136,10 +134,9 @@ class ModelConfig:
 
     @classmethod
     def from_checkpoint(cls, ckpt) -> "ModelConfig":
-        """From a checkpoint's config, no tensors read: an opened `checkpoints_tools.loader
-        .Checkpoint`, or a path (HF directory, GGUF file or Orbax directory: `detect_format`).
-        Raises FileNotFoundError (a needed file, named) and ValueError (unsupported format or
-        config, as `from_hf_config`)."""
+        """From a checkpoint's config, no tensors read: an opened
+        `checkpoints_tools.loader.Checkpoint`, or a path (`detect_format`). FileNotFoundError (a
+        needed file, named); ValueError: unsupported format or config (`from_hf_config`)."""
         from checkpoints_tools.loader import Checkpoint, open_checkpoint
 
         ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
@@ -170,6 +167,5 @@ def check_tp(model: ModelConfig, tp: int) -> None:
 
 
 def tp_model_config(model: ModelConfig, tp: int) -> ModelConfig:
-    """The config the engine runs at tensor parallelism ``tp`` (`check_tp` holds): K' =
-    max(K, tp) KV heads, each shard one copy of KV head ``s * K // tp`` when tp > K (vLLM)."""
+    """Config at tensor parallelism ``tp``: K' = max(K, tp), shard s copying KV head s*K//tp."""
     return dataclasses.replace(model, num_kv_heads=max(model.num_kv_heads, tp))

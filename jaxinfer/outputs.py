@@ -31,16 +31,14 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# Per position: {token id: Logprob}, the chosen token and the top k (vLLM's ``SampleLogprobs``).
-PositionLogprobs = dict[int, Logprob]
+PositionLogprobs = dict[int, Logprob]  # the chosen token and the top k (vLLM's SampleLogprobs)
 
 
 @dataclass(frozen=True)
 class CompletionOutput:
     """Sample ``index`` of a request. ``finish_reason``: "stop", "length", "abort" or "error"
-    (see ``RequestOutput.error``); ``stop_reason``: the stop string or token id (EOS: None), left
-    out of ``text`` unless ``include_stop_str_in_output``; ``logprobs``: one dict per token and
-    ``cumulative_logprob`` their sum (None: not asked)."""
+    (``RequestOutput.error``); ``stop_reason``: the stop string or token id (EOS: None);
+    ``logprobs``: one dict per token, ``cumulative_logprob`` their sum (None: not asked)."""
 
     index: int
     text: str
@@ -77,10 +75,8 @@ class RequestOutput:
 
 class OutputProcessor:
     """A `Sequence`'s text and outputs with ``detokenize(ids, skip_special_tokens=...,
-    spaces_between_special_tokens=...)`` (HF ``tokenizer.decode``'s arguments, from the request's
-    `SamplingParams`; None: "" and no stop strings). A stop string and what follows, and the text
-    of the token that stopped the request (a stop token or EOS), are left out unless
-    ``include_stop_str_in_output`` (vLLM's detokenizer)."""
+    spaces_between_special_tokens=...)`` (None: "" and no stop strings). A stop string and what
+    follows, and a stop token's or EOS's text, are hidden unless ``include_stop_str_in_output``."""
 
     def __init__(self, detokenize: Callable[..., str] | None) -> None:
         self.detokenize = detokenize
@@ -91,9 +87,7 @@ class OutputProcessor:
 
     def find_stop_string(self, seq) -> str | None:
         """The first-starting stop string in ``seq``'s output text, or None (also on "length", and
-        up to ``min_tokens`` tokens, as vLLM), checked after each new token: a new match ends in
-        the newest token's text, so the tail decoded holds that text plus at least ``len(stop)``
-        characters before it (the window of tokens doubles until it does)."""
+        up to ``min_tokens`` tokens, as vLLM); call after each new token."""
         stops, ids = seq.params.stop, seq.output_token_ids
         if not stops or self.detokenize is None or len(ids) <= seq.params.min_tokens or (
                 seq.is_finished and seq.finish_reason != "length"):
@@ -131,10 +125,9 @@ class OutputProcessor:
 
     def stream_delta(self, seq, sent: tuple[int, str]
                      ) -> tuple[list[int], str, tuple[int, str]] | None:
-        """(new ids, new text, new ``sent``) since ``sent`` = (tokens, text); None: nothing new,
-        or the running text ends in U+FFFD (an incomplete character: it may complete a stop
-        string). Text that could start a stop string is held back (vLLM: ``len(stop) - 1``
-        characters, none with ``include_stop_str_in_output``)."""
+        """(new ids, new text, new ``sent``) since ``sent`` = (tokens, text); None: nothing new, or
+        the text ends in U+FFFD (an incomplete character). Text that could start a stop string is
+        held back (vLLM: ``len(stop) - 1`` characters, none with ``include_stop_str_in_output``)."""
         (n_done, text_done), ids = sent, seq.output_token_ids
         if len(ids) == n_done:
             return None

@@ -1,14 +1,9 @@
-"""Tensor parallelism through JAX sharding: the 1-D "tp" mesh, the shardings of the weights
-(declared as data beside the weight tree, `param_specs`) and of the KV pool, and the canonical ->
-engine weight layout (`shard_params`). XLA inserts the collectives (all-reduce after ``wo`` and
-``w_down``, the gather of the logits). Sources: Shoeybi et al. 2019 (Megatron-LM: column-split
-qkv and gate/up, row-split wo and down); vLLM (vocabulary-split embedding and lm_head, one KV
-head copy per device when tp exceeds the KV head count).
-
-Canonical layout: the tree `jaxinfer.models.init_params` and the loaders make (one device).
-Engine layout at tp > 1: the tree of `jaxinfer.model_config.tp_model_config` (K' = max(K, tp) KV
-heads), the fused matrices' columns grouped by device (`jaxinfer.models.fused_parts`), each
-leaf placed with its `param_specs` entry."""
+"""Tensor parallelism through JAX sharding: the "tp" mesh, weight and KV-pool shardings
+(`param_specs`), and the canonical -> engine weight layout (`shard_params`); XLA inserts the
+collectives. Sources: Shoeybi et al. 2019 (Megatron-LM: column-split qkv and gate/up, row-split wo
+and down); vLLM (vocabulary-split embedding and lm_head, one KV head copy per device when tp > K).
+Canonical: the one-device tree (`init_params`, loaders). Engine (tp > 1): `tp_model_config`'s tree
+(K' = max(K, tp) KV heads), fused matrices' columns grouped by device (`engine_layout`)."""
 
 from __future__ import annotations
 
@@ -24,9 +19,7 @@ KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]
 
 
 def make_mesh(tp: int) -> Mesh:
-    """1-D mesh, axis `AXIS`, over the first ``tp`` of ``jax.devices()`` (this process's local
-    devices; after ``jax.distributed.initialize``, every process's, process by process). Raises
-    ValueError: fewer devices than ``tp`` (both numbers named)."""
+    """1-D mesh `AXIS` over the first ``tp`` of ``jax.devices()``; ValueError if fewer."""
     devices = jax.devices()
     if tp > len(devices):
         raise ValueError(f"tensor_parallel_size={tp} is invalid: JAX sees {len(devices)} "
@@ -46,9 +39,8 @@ def replicated(mesh: Mesh | None) -> NamedSharding | None:
 
 
 def gather_logits(logits: jax.Array, cfg: ModelConfig, mesh: Mesh | None) -> jax.Array:
-    """``logits`` f32[..., V] (traced) made whole on every device of ``mesh``: computed split by
-    vocabulary where lm_head is split (`param_specs`), then gathered, so that XLA gathers the
-    logits and never the lm_head weights; no mesh: ``logits``."""
+    """``logits`` f32[..., V] (traced) made whole on every device of ``mesh`` (None: as is), split
+    by vocabulary first where lm_head is (XLA never gathers lm_head)."""
     if mesh is None:
         return logits
     if cfg.vocab_size % mesh.size == 0:
@@ -58,10 +50,8 @@ def gather_logits(logits: jax.Array, cfg: ModelConfig, mesh: Mesh | None) -> jax
 
 
 def param_specs(cfg: ModelConfig, tp: int) -> dict:
-    """PartitionSpec tree with the structure of ``models.abstract_params(cfg)``: wqkv, w_gate_up
-    split by output column P(None, "tp"); wo, w_down by input row P("tp", None); embed
-    P("tp", None) and lm_head P(None, "tp") split by vocabulary when tp divides V (else
-    replicated); norms replicated P()."""
+    """PartitionSpecs shaped as ``abstract_params(cfg)``: wqkv, w_gate_up P(None, "tp"); wo, w_down
+    P("tp", None); embed P("tp", None), lm_head P(None, "tp") if tp divides V; the rest P()."""
     vocab = AXIS if cfg.vocab_size % tp == 0 else None
     rules = {"wqkv": P(None, AXIS), "w_gate_up": P(None, AXIS), "wo": P(AXIS, None),
              "w_down": P(AXIS, None), "embed": P(vocab, None), "lm_head": P(None, vocab)}
@@ -70,10 +60,9 @@ def param_specs(cfg: ModelConfig, tp: int) -> dict:
 
 
 def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
-    """Leaf ``name`` of the canonical tree of ``cfg`` in the engine layout of tp devices: wqkv
-    [D, (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp..,
-    k_s, v_s: KV heads s*K'/tp.., KV head j of K' a copy of head j*K//K'); w_gate_up [D, 2F] ->
-    [gate_0 | up_0 | gate_1 | ...]; any other leaf as it is."""
+    """Leaf ``name`` of the canonical tree of ``cfg`` in the engine layout of tp devices: wqkv [D,
+    (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp.., k_s,
+    v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up: [gate_0 | up_0 | ...]."""
     parts = models.fused_parts(cfg).get(name)
     if parts is None:
         return w
@@ -88,10 +77,8 @@ def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.nda
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """Canonical ``params`` of ``cfg`` (jax or numpy leaves) -> the engine layout on ``mesh``,
-    leaf by leaf: each device receives only its shard of a split leaf (built on the host,
-    ``jax.make_array_from_callback``), never the whole. Shapes: ``abstract_params`` of
-    ``tp_model_config(cfg, mesh.size)``."""
+    """Canonical ``params`` of ``cfg`` (jax or numpy leaves) -> engine layout on ``mesh``, each
+    device getting only its shard; shapes: ``abstract_params(tp_model_config(cfg, mesh.size))``."""
     tp = mesh.size
 
     def place(path, w, spec):

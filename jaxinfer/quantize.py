@@ -1,8 +1,6 @@
-"""fp8 (e4m3) weight quantisation of a param tree, leaf by leaf after mapping: the layers' matrices
-`QUANTIZED` become float8_e4m3fn with an f32 ``<name>_scale`` leaf beside them (the layout
-`jaxinfer.models.layers.declare_weight` declares); embed, lm_head and norms are kept. Scales:
-``amax / 448`` (448: the largest finite e4m3fn value) per output channel, or per HF block.
-Source: Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (e4m3, per-tensor scaling)."""
+"""fp8 (e4m3) weight quantisation of a param tree: the layers' `QUANTIZED` matrices become
+float8_e4m3fn plus an f32 ``<name>_scale`` leaf (`jaxinfer.models.layers.declare_weight`); embed,
+lm_head, norms kept. Source: Micikevicius et al. 2022, "FP8 Formats for Deep Learning"."""
 
 from __future__ import annotations
 
@@ -21,10 +19,9 @@ QUANTIZED = ("wqkv", "wo", "w_gate_up", "w_down")
 def quantize_fp8(w: jax.Array, block: tuple[int, int] | None = None
                  ) -> tuple[jax.Array, jax.Array]:
     """w [in, out] (any float dtype) -> (float8_e4m3fn [in, out], f32 scale of `scale_shape`):
-    ``scale = amax(|w|) / 448`` over each output channel's inputs (``block`` None), or over each
-    HF block ``(block_out, block_in)`` (edge blocks partial); an all-zero group gets scale 1.
-    ``q = round_to_nearest_e4m3(w / scale)``, so ``|w - q * scale| <= scale * max(|w / scale| *
-    2^-4, 2^-10)`` (half an e4m3 ulp; 2^-10: the subnormal spacing's half)."""
+    ``scale = amax(|w|) / 448`` over each output channel (``block`` None) or HF block ``(block_out,
+    block_in)`` (edge blocks partial); all-zero: 1. ``q = round_to_nearest_e4m3(w / scale)``, so
+    ``|w - q * scale| <= scale * max(|w / scale| * 2^-4, 2^-10)``."""
     wf = w.astype(jnp.float32)
     In, Out = w.shape
     if block is None:
@@ -46,8 +43,7 @@ def is_quantized(params: dict) -> bool:
 
 def quantize_params(params: dict, block: tuple[int, int] | None = None) -> dict:
     """A new tree with each layer's `QUANTIZED` matrices replaced by `quantize_fp8` of them
-    (``block``: None per channel, else HF's ``(block_out, block_in)``, the model config's
-    ``weight_block_size``); other leaves shared. A tree already quantised is returned as is."""
+    (``block``: ``weight_block_size``); other leaves shared. A quantised tree is returned as is."""
     if is_quantized(params):
         return params
     layers = {}

@@ -1,12 +1,10 @@
-"""On-device token sampling, row-wise (CASES.md C7). Order (vLLM ``v1/sample/sampler.py``):
-0. logit_bias and the min_tokens mask (sparse entries added); 1. repetition penalty (HF, CTRL),
-then frequency and presence penalties over the output tokens (vLLM ``apply_penalties``);
-2. greedy rows (temperature < `GREEDY_EPS`): argmax;
-3. ``(logits - max) / T`` in float32 (C6); 4. top-k (<= 0: off); 5. top-p, top token kept (C5);
-6. min-p (arXiv:2407.01082); 7. Gumbel-max, row key ``fold_in(key(seed), step_idx)``. 4-5 on one
-stable descending sort (ties: lower id first), skipped when no sampled row uses them. NaN logits
-count as -inf, +inf as the largest float32: the result is always an id in [0, V).
-"""
+"""On-device token sampling, row-wise (CASES.md C7). Order (vLLM ``v1/sample/sampler.py``): 0.
+logit_bias and the min_tokens mask (sparse entries added); 1. repetition penalty (HF, CTRL), then
+frequency and presence penalties over the output tokens (vLLM ``apply_penalties``); 2. greedy rows
+(temperature < `GREEDY_EPS`): argmax; 3. ``(logits - max) / T`` in float32 (C6); 4. top-k (<= 0:
+off); 5. top-p, top token kept (C5); 6. min-p (arXiv:2407.01082); 7. Gumbel-max, row key
+``fold_in(key(seed), step_idx)``. 4-5 on one stable descending sort (ties: lower id first), if a
+sampled row uses them. NaN logits count as -inf, +inf as the largest float32: ids in [0, V)."""
 
 from __future__ import annotations
 
@@ -76,9 +74,8 @@ def apply_repetition_penalty(logits: jax.Array, penalty_tokens: jax.Array,
 
 
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """f32[B, V]: ``bias_values`` added at ``bias_ids``; the repetition penalty; then, with
-    ``prompt_lens``, ``- frequency x count - presence x [count > 0]``, counts of each id among
-    the output tokens (``penalty_tokens[b, prompt_lens[b]:]``). Source: vLLM
+    """f32[B, V]: ``bias_values`` at ``bias_ids``, repetition penalty, then (``prompt_lens``) ``-
+    frequency x count - presence x [count > 0]`` over outputs. Source: vLLM
     ``LogitBiasLogitsProcessor``, ``MinTokensLogitsProcessor``, ``ops/penalties.py``."""
     x, v = logits.astype(jnp.float32), logits.shape[1]
     if meta.bias_ids is not None:
@@ -106,7 +103,6 @@ def _filter_sorted(vals: jax.Array, top_k: jax.Array, top_p: jax.Array,
     k = jnp.where(top_k <= 0, v, jnp.minimum(top_k, v)).astype(jnp.int32)
     keep = pos < k[:, None]
     masked = jnp.where(keep, vals, -jnp.inf)
-    # vals[:, 0] is 0 for any row with a finite max, so exp never overflows; guard all -inf rows.
     top = jnp.where(jnp.isfinite(masked[:, :1]), masked[:, :1], 0.0)
     e = jnp.exp(masked - top)
     probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
@@ -131,7 +127,6 @@ def _scale(x: jax.Array, temperature: jax.Array) -> jax.Array:
 
 
 def _sort_desc(scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Stable descending sort of each row: (f32[B, V] values, i32[B, V] token ids)."""
     b, v = scaled.shape
     ids = jax.lax.broadcasted_iota(jnp.int32, (b, v), 1)
     neg_sorted, sorted_ids = jax.lax.sort((-scaled, ids), dimension=1, is_stable=True, num_keys=1)
@@ -145,8 +140,7 @@ def _penalised(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 
 def filtered_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """f32[B, V]: the logits `sample` draws from, in vocab order, filtered-out tokens at -inf.
-    Raises ValueError: shapes of ``logits`` [B, V] and ``meta`` disagree."""
+    """f32[B, V] logits `sample` draws from (vocab order; filtered: -inf). ValueError: shapes."""
     _check_shapes(logits, meta)
     vals, ids = _sort_desc(_scale(_penalised(logits, meta), meta.temperature))
     vals = _filter_sorted(vals, meta.top_k, meta.top_p, meta.min_p)
@@ -167,8 +161,7 @@ def _gumbel_noise(seeds: jax.Array, step_idx: jax.Array, v: int) -> jax.Array:
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata, *, all_greedy: bool) -> jax.Array:
-    """i32[B] ids in [0, V) for ``logits`` [B, V] (float32 math); ``all_greedy`` (static): skip
-    the sort and the draw. Raises ValueError: shapes disagree."""
+    """i32[B] ids in [0, V) of ``logits`` [B, V]; ``all_greedy``: argmax (ValueError: shapes)."""
     _check_shapes(logits, meta)
     x = _penalised(logits, meta)
     greedy_tok = jnp.argmax(x, axis=-1).astype(jnp.int32)

@@ -64,23 +64,18 @@ _RULES = (  # field, valid(value), what is allowed, normalise
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick the next tokens of one request (vLLM's names, defaults and definitions).
-    temperature: >= 0; below `GREEDY_EPS` greedy. top_p: nucleus mass in (0, 1], 1 = off (the
-    likeliest token is kept). top_k: 0 or -1 = off (stored as -1), else >= 1. min_p: keep tokens
-    of probability >= min_p x the top one; 0 = off. repetition_penalty: > 0, 1 = off; divides the
-    positive and multiplies the negative logits of ids in the prompt or output (HF / vLLM).
-    presence_penalty / frequency_penalty: in [-2, 2]; subtract ``presence x [count > 0] +
-    frequency x count``, counts over the output tokens (OpenAI / vLLM). seed: int64 or None (the
-    engine draws one); a seeded request's tokens do not depend on its batch. max_tokens: >= 1, or
-    None: up to max_model_len. min_tokens: EOS and ``stop_token_ids`` are masked until this many
-    tokens (<= max_tokens). stop: strings that end generation (str, list or None; stored as a
-    tuple), left out of the text unless ``include_stop_str_in_output``. stop_token_ids: ids that
-    end generation (finish "stop"), even with ``ignore_eos``. ignore_eos: generate past EOS.
-    skip_special_tokens, spaces_between_special_tokens: detokenisation (HF's meanings). n: samples
-    of the prompt, sample i seeded by (seed, i). logit_bias: {token id: bias} added to the logits,
-    clipped to [-100, 100]. logprobs / prompt_logprobs: None, or k in [0, `MAX_LOGPROBS`]: the
-    chosen (prompt) token's log-probability and the top k, of the raw model distribution.
-    Raises ValueError naming the field, the value and what is allowed."""
+    """How to pick the next tokens of one request (vLLM's names, defaults and definitions; allowed
+    values: `_RULES`). temperature below `GREEDY_EPS`: greedy. top_p: nucleus mass, 1 = off. top_k:
+    0 or -1 = off. min_p: keep tokens of probability >= min_p x the top one. repetition_penalty:
+    divides the positive and multiplies the negative logits of ids in the prompt or output.
+    presence_penalty / frequency_penalty: subtract ``presence x [count > 0] + frequency x count``,
+    counts over the output tokens. seed: None: the engine draws one; a seeded request's tokens do
+    not depend on its batch. max_tokens None: up to max_model_len. min_tokens: EOS and
+    ``stop_token_ids`` masked until this many tokens. stop: strings that end generation, left out of
+    the text unless ``include_stop_str_in_output``. stop_token_ids: end generation (finish "stop"),
+    even with ``ignore_eos``. n: samples of the prompt, sample i seeded by (seed, i). logit_bias:
+    {token id: bias} added to the logits, clipped to [-100, 100]. logprobs / prompt_logprobs: k: the
+    chosen (prompt) token's raw log-probability and the top k. ValueError: a bad value (named)."""
 
     temperature: float = 1.0
     top_p: float = 1.0

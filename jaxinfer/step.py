@@ -1,7 +1,5 @@
-"""The jit entry point: a step is ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')`` (with
-log-probabilities: a dict of them and ``tokens``), KV donated, compiled per
-`jaxinfer.step_input.ShapeKey` and GEMM back-end; `StepExecutor` picks the variant, keeps
-ahead-of-time executables, dispatches one step per transfer."""
+"""The jit entry point: a step is ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')``
+(logprobs: a dict), KV donated, compiled per `ShapeKey` and GEMM back-end (`StepExecutor`)."""
 
 from __future__ import annotations
 
@@ -44,12 +42,10 @@ StepInput = pytree_dataclass(
 
 def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
          all_greedy: bool, num_logprobs: int = 0) -> tuple[jax.Array | dict, KVCache]:
-    """Forward, KV write, logits of one token per row (whole on every device under tensor
-    parallelism, ``kernels.mesh``), sampling. Returns (token ids i32[B],
-    zero-padded to i32[Bmax] with ``prev_tokens``; the new cache). ``num_logprobs`` K > 0
-    (static): the ids come as ``tokens`` of a dict with `jaxinfer.sampling.logprobs` of the raw
-    logits of each row (K top), and with ``prompt_lp_index``, the same of each scored prompt
-    position for ``prompt_lp_next`` under keys prefixed ``prompt_``."""
+    """Forward, KV write, logits of one token per row, sampling -> (token ids i32[B] zero-padded to
+    i32[Bmax] with ``prev_tokens``; the new cache). ``num_logprobs`` K > 0 (static): ids as
+    ``tokens`` of a dict with `logprobs` of each row, and with ``prompt_lp_index``, of each scored
+    prompt position (for ``prompt_lp_next``) under keys prefixed ``prompt_``."""
     tokens, src = inp.tokens, inp.pending_src
     if inp.prev_tokens is not None and inp.packing is None:  # tokens[b, 0] = prev[src[b]], src >= 0
         picked = inp.prev_tokens[jnp.maximum(src, 0)]
@@ -78,7 +74,6 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels
     return (dict(tokens=tokens, **out) if out else tokens), kv
 
 
-# XLA options per GEMM back-end: "xla" lets XLA pick; "cublas" turns the Triton GEMM emitter off.
 GEMM_COMPILER_OPTIONS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
 
 
@@ -91,14 +86,12 @@ def _jit(fn: Callable, gemm: str, static: tuple[str, ...]) -> Callable:
 
 def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool,
                  gemm: str = "xla") -> Callable:
-    """``jax.jit`` of `step` (KV donated), for benchmarks. Raises ValueError: ``gemm`` not a key
-    of `GEMM_COMPILER_OPTIONS`."""
+    """``jax.jit`` of `step` (KV donated), for benchmarks; ValueError: unknown ``gemm``."""
     return _jit(functools.partial(step, cfg=cfg, kernels=kernels, all_greedy=all_greedy), gemm, ())
 
 
 def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInput]:
-    """Inverse of `jaxinfer.step_input.pack` (``key`` static): (block_tables i32[B, M],
-    seq_lens i32[B], `StepInput` without ``prev_tokens``)."""
+    """Inverse of `pack` (``key`` static): (block_tables, seq_lens, `StepInput`, no prev_tokens)."""
     groups, off = {"input": {}, "kv": {}, "sampling": {}, "packing": {}}, 0
     for f, shape in layout(key):
         n = math.prod(shape)
@@ -116,9 +109,7 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
                 key: ShapeKey, cfg: ModelConfig,
                 kernels: ModelKernels) -> tuple[jax.Array | dict, KVCache]:
-    """`step` on ``buf`` i32[S] (`jaxinfer.step_input.pack`) and ``prev_tokens`` i32[Bmax] ->
-    (i32[Bmax] or `step`'s dict, cache); ``kv``'s tables and lengths are fixed-shape
-    placeholders passed through."""
+    """`step` on ``buf`` i32[S] (`pack`), ``prev_tokens`` i32[Bmax]; ``kv`` tables: placeholders."""
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
     tokens, new = step(params, kv.replace(block_tables=tables, seq_lens=lens), inp, cfg=cfg,
@@ -126,8 +117,6 @@ def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Arra
     return tokens, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
 
 
-# By GEMM back-end: ``PACKED_STEPS[gemm](params, kv, buf, prev_tokens, key=, cfg=, kernels=)``
-# (static, hashable: engines of equal model and kernels share compiled steps).
 PACKED_STEPS = {gemm: _jit(packed_step, gemm, ("key", "cfg", "kernels"))
                 for gemm in GEMM_COMPILER_OPTIONS}
 
@@ -157,7 +146,6 @@ class StepExecutor:
         self.cublas_min_batch, self.prefill_gemm = kc.cublas_decode_min_batch, kc.prefill_gemm
         self.inputs = replicated(kernels.mesh)  # step inputs: whole on every device of a mesh
         self.no_prev_tokens = jax.device_put(np.zeros((max_batch,), np.int32), self.inputs)
-        # every step this engine compiled (lazily or ahead of time); they die with the engine
         self.executables: dict[ShapeKey, object] = {}
 
     def step_fn(self, key: ShapeKey):
@@ -172,8 +160,7 @@ class StepExecutor:
         return params, kv, jax.device_put(pack(hb), self.inputs), prev
 
     def run(self, params, kv, hb: HostBatch, prev_tokens=None):
-        """Dispatch one step, no wait: (token ids i32[Bmax] on the device, or `step`'s dict when
-        ``hb.key.logprobs``; the new cache)."""
+        """Dispatch a step, no wait: (i32[Bmax] tokens, or `step`'s dict if logprobs; the cache)."""
         args = self._args(params, kv, hb, prev_tokens)
         if (exe := self.executables.get(hb.key)) is None:
             self.stats.num_lazy_compiles += 1

@@ -1,7 +1,6 @@
 """The step-input schema (numpy only): `FIELDS` gives a `HostBatch`'s arrays and padding
-(`allocate`), the int32 transfer buffer (`pack`) and its unpacking (`jaxinfer.step.unpack`);
-the layout depends on the `ShapeKey` alone. Padded rows have ``seq_len`` 0 and null-page tables.
-"""
+(`allocate`), the int32 transfer buffer (`pack`) and its unpacking (`jaxinfer.step.unpack`); the
+layout depends on the `ShapeKey` alone. Padded rows have ``seq_len`` 0 and null-page tables."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class ShapeKey(NamedTuple):
 
 
 class Field(NamedTuple):
-    """One device input; ``group``: "input", "kv", "sampling" or "packing"; present only when
-    the `ShapeKey` attribute ``when`` is truthy (None: always)."""
+    """A device input of ``group`` (`names`), present if `ShapeKey`'s ``when`` (None: always)."""
 
     name: str
     dtype: type
@@ -122,8 +120,7 @@ def allocate(key: ShapeKey) -> HostBatch:
 
 
 def pack(hb: HostBatch) -> np.ndarray:
-    """``hb``'s fields in one i32[S] buffer, `layout` order, f32/u32 bit-cast. Raises
-    TypeError: a dtype or shape not the schema's."""
+    """``hb``'s fields as one i32[S] (`layout`; f32/u32 bit-cast); TypeError: not the schema."""
     parts = []
     for f, shape in layout(hb.key):
         a = np.ascontiguousarray(hb.arrays[f.name])

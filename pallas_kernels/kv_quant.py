@@ -1,8 +1,7 @@
 """fp8 (e4m3) KV pages: a K or V value ``x`` is stored as ``clip(x / scale, -448, 448)`` in
-float8_e4m3fn, and read back as ``stored.astype(f32) * scale``, one f32 scale per (layer, KV head)
-(``k_scale``, ``v_scale`` f32[L, K]). Pools of any other dtype store ``x`` as it is (no scale).
-Source: vLLM's ``kv_cache_dtype="fp8"`` (e4m3, per-tensor ``k_scale`` / ``v_scale``); Micikevicius
-et al. 2022 (FP8 formats, e4m3 max 448)."""
+float8_e4m3fn and read back as ``stored.astype(f32) * scale``, one f32 scale per (layer, KV head)
+(``k_scale``, ``v_scale`` f32[L, K]); other pools store ``x`` as it is. Source: vLLM's
+``kv_cache_dtype="fp8"``; Micikevicius et al. 2022 (FP8 formats, e4m3 max 448)."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ def is_fp8(dtype) -> bool:
 
 
 def quantize(x: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
-    """``x`` as stored in a pool of ``dtype``: fp8: ``clip(x.astype(f32) / scale, -448, 448)`` cast
-    to float8_e4m3fn (``scale`` broadcast against ``x``); other dtypes: ``x.astype(dtype)``
-    (``scale`` unused). Raises ValueError: an fp8 ``dtype`` without ``scale``."""
+    """``x`` stored in a pool of ``dtype``: fp8: ``clip(x.astype(f32) / scale, -448, 448)`` as e4m3
+    (``scale`` broadcast); else ``x.astype(dtype)``. ValueError: fp8 without ``scale``."""
     if not is_fp8(dtype):
         return x.astype(dtype)
     if scale is None:
@@ -30,8 +28,7 @@ def quantize(x: jax.Array, scale: jax.Array | None, dtype) -> jax.Array:
 
 
 def check_scales(k_pool: jax.Array, k_scale: jax.Array | None, v_scale: jax.Array | None) -> None:
-    """Scales of pools [L, P, K, page_size, H]: None or f32[L, K], both given for fp8 pools.
-    Raises ValueError naming the argument."""
+    """ValueError naming the argument unless the scales are None or f32[L, K], both given if fp8."""
     L, K = k_pool.shape[0], k_pool.shape[2]
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is None and is_fp8(k_pool.dtype):

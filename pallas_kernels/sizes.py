@@ -1,5 +1,4 @@
-"""Integer size helpers shared by the kernels (Triton block shapes must be powers of 2), and the
-table-driven argument check."""
+"""Integer size helpers of the kernels (Triton block shapes are powers of 2); `raise_first`."""
 
 from __future__ import annotations
 

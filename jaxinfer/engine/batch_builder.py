@@ -1,5 +1,4 @@
-"""A scheduled batch as a padded `HostBatch` (host side, no JAX; schema: `jaxinfer.step_input`),
-its sizes rounded up to shape buckets, the padded sizes that bound the number of compiled steps."""
+"""A `ScheduledBatch` as a padded, bucketed `HostBatch` (host side, no JAX; `step_input` schema)."""
 
 from __future__ import annotations
 
@@ -25,8 +24,7 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 
 def default_batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Powers of two up to 64, then ``64 + k * max(16, max_num_seqs // 16)``, then
-    ``max_num_seqs`` (BENCHMARKS.md: "Throughput"). Raises ValueError: not a positive integer."""
+    """Powers of two to 64, then ``64 + k * max(16, max_num_seqs // 16)``, then ``max_num_seqs``."""
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
         raise ValueError(f"max_num_seqs={max_num_seqs!r} must be a positive integer")
     small = powers_of_two(1, min(64, max_num_seqs))
@@ -44,8 +42,7 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """Padded sizes of B, Tq, M and packed Tp (powers of two up to a quarter of the token budget,
-    then its multiples); ``token_buckets`` replaces Tq's and Tp's."""
+    """Padded B, Tq, M and packed Tp (powers of two to a quarter of the budget, then multiples)."""
 
     batch: tuple[int, ...]
     prefill_tokens: tuple[int, ...]
@@ -69,9 +66,7 @@ class BucketSpec:
 
 
 def _bias(s, eos_token_ids) -> list[tuple[int, float]]:
-    """Row ``s``'s sparse logit additions: ``logit_bias``, and while it has fewer than
-    ``min_tokens`` outputs, -inf at EOS and ``stop_token_ids`` (vLLM: ``all_stop_token_ids``,
-    EOS even with ``ignore_eos``)."""
+    """``logit_bias``, and -inf at EOS and ``stop_token_ids`` below ``min_tokens`` outputs."""
     p = s.params
     out = list((p.logit_bias or {}).items())
     if s.num_tokens_with_pending - s.num_prompt_tokens - 1 < p.min_tokens:
@@ -80,8 +75,7 @@ def _bias(s, eos_token_ids) -> list[tuple[int, float]]:
 
 
 def _prompt_positions(batch) -> list[range]:
-    """Per row, the prompt positions scored this step: position p gives prompt token p + 1's
-    log-probability; those already recorded are skipped (recompute after preemption)."""
+    """Per row, the prompt positions scored this step (p scores token p + 1), not yet recorded."""
     out = []
     for s, n, c in zip(batch.seqs, batch.num_new_tokens, batch.start_positions):
         have = -1 if s.prompt_logprobs is None else len(s.prompt_logprobs)
@@ -91,9 +85,8 @@ def _prompt_positions(batch) -> list[range]:
 
 def build_host_batch(batch, *, page_size: int, buckets: BucketSpec,
                      eos_token_ids=()) -> HostBatch:
-    """Pad a `ScheduledBatch` to a bucketed `HostBatch` (packed if a chunk has > 1 token); a
-    ``pending_input`` row's token stays 0, flagged in ``pending_rows``; ``eos_token_ids``: masked
-    by ``min_tokens``. Raises ValueError: a size exceeds the largest bucket."""
+    """Pad a `ScheduledBatch` to a bucketed `HostBatch` (packed if a chunk has > 1 token;
+    ``pending_input`` rows in ``pending_rows``). ValueError: a size past the largest bucket."""
     hb = allocate(shape_key(batch, page_size=page_size, buckets=buckets,
                             eos_token_ids=eos_token_ids))
     a, off, j = hb.arrays, 0, 0  # off: packed offset of row i's first token; j: prompt position

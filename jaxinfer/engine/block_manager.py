@@ -1,9 +1,8 @@
-"""KV page allocator (host side, no JAX): reference-counted pages, lowest free id first;
-`NULL_PAGE` is never handed out. Prefix caching follows vLLM V1 (v1/core/block_pool.py,
-kv_cache_utils.py): a full page is keyed by a chained hash of (parent hash, its token ids)
-(blake2b-128; a hit also compares the page's token tuple exactly); a page whose last reference is
-dropped keeps its hash (evictable; least recently freed evicted first, a sequence's tail pages
-before its head); allocation takes never-cached free pages first, then evicts."""
+"""KV page allocator (host side, no JAX): reference-counted pages, lowest free id first; `NULL_PAGE`
+never handed out. Prefix caching as vLLM V1 (v1/core/block_pool.py, kv_cache_utils.py): a full page
+is keyed by a chained hash of (parent hash, its token ids) (blake2b-128; a hit also compares the
+tokens); a page whose last reference is dropped keeps its hash (evictable: least recently freed
+first, tail pages before head); allocation takes never-cached free pages first."""
 
 from __future__ import annotations
 
@@ -103,9 +102,8 @@ class BlockManager:
         return page
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references (tail first) and its pending hashes. Raises RuntimeError
-        (nothing freed): no pages (double free), or a page it does not hold (null, free,
-        another's, twice)."""
+        """Drop ``seq``'s references (tail first) and pending hashes. RuntimeError (nothing freed):
+        no pages (double free), or a page it does not hold (null, free, another's, twice)."""
         if not seq.block_table:
             raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} holds no pages "
                                "(double free?)")
@@ -141,8 +139,6 @@ class BlockManager:
     def ref_count(self, page: int) -> int:
         return len(self._holders[page])
 
-    # ---- prefix caching -------------------------------------------------------------------
-
     def page_hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
         """``seq.block_hashes`` extended to its first ``num_pages`` full pages (tokens so far)."""
         hashes, P = seq.block_hashes, self.page_size
@@ -170,8 +166,7 @@ class BlockManager:
             self._pending.setdefault(h, seq)
 
     def publish(self, seq: Sequence, lo: int, hi: int) -> None:
-        """Publish ``seq``'s pages ``lo .. hi-1`` (full, K/V written by a completed step); a hash
-        already cached keeps its page and ``seq``'s copy stays private."""
+        """Publish ``seq``'s full, written pages ``lo .. hi-1``; a cached hash keeps its page."""
         hashes, ids, P = self.page_hashes(seq, hi), seq.all_token_ids, self.page_size
         for i in range(lo, hi):
             page, h = seq.block_table[i], hashes[i]
@@ -181,9 +176,8 @@ class BlockManager:
                 self._cached[h], self._key[page] = page, (h, tuple(ids[i * P:(i + 1) * P]))
 
     def copy_free(self) -> BlockManager:
-        """A block manager whose free and cached-unreferenced pages are this one's and whose held
-        pages are neither (a dry run from the state of now; `check` holds if none is held);
-        fresh stats."""
+        """A block manager with this one's free and cached-unreferenced pages, none of its held
+        ones, and fresh stats (a dry run from now; `check` holds if none is held)."""
         bm = BlockManager(self.num_pages, self.page_size,
                           enable_prefix_caching=self.enable_prefix_caching)
         bm._free, bm._evictable = list(self._free), OrderedDict(self._evictable)
@@ -193,8 +187,7 @@ class BlockManager:
         return bm
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash (evictable pages become free); False (no change) while any page
-        is held, as vLLM's ``reset_prefix_cache``."""
+        """Drop all cached hashes (evictable pages become free); False (no change) if pages held."""
         if any(self._holders):
             return False
         for page in self._evictable:

@@ -1,5 +1,4 @@
-"""Host-only dry run of `jaxinfer.engine.loop.StepLoop`: the steps a set of requests visits
-(`LLMEngine.plan_shapes`, scripts/plan_step_shapes.py)."""
+"""Host-only dry run of `StepLoop`: the steps requests visit (`LLMEngine.plan_shapes`)."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ from jaxinfer.step_input import HostBatch
 def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingParams]], *,
             buckets: BucketSpec, async_scheduling: bool = True
             ) -> list[tuple[ScheduledBatch, HostBatch]]:
-    """Run ``requests`` ((prompt ids, `SamplingParams`)) on the fresh ``scheduler``, sampling a
-    token that ends no request. Returns (`ScheduledBatch`, `HostBatch`) per step in launch order.
-    Raises ValueError: a rejected request."""
+    """Run ``requests`` on the fresh ``scheduler``, sampling a token that ends no request:
+    (`ScheduledBatch`, `HostBatch`) per step in launch order. ValueError: a rejected request."""
     stops: set[int] = set(scheduler.eos_token_ids)
     for i, (ids, params) in enumerate(requests):
         stops.update(params.stop_token_ids)

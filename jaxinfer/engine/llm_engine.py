@@ -1,5 +1,4 @@
-"""LLMEngine: token ids in, `RequestOutput`s out, over `Scheduler`, `build_host_batch`,
-`jaxinfer.step.StepExecutor`, `StepLoop`, `OutputProcessor` and `EngineStats`."""
+"""LLMEngine: token ids in, `RequestOutput`s out; over `Scheduler`, `StepExecutor`, `StepLoop`."""
 
 from __future__ import annotations
 
@@ -42,11 +41,10 @@ def sample_seed(seed: int, index: int) -> int:
 
 class LLMEngine:
     """Engine over ``params`` (compute dtype, the canonical one-device tree) and ``resolved``
-    (`jaxinfer.config.resolve`); ``detokenize``: ids -> str (None: no text). With
-    ``tensor_parallel_size`` tp > 1 the engine runs ``tp_model_config`` on a mesh of tp devices
-    (`jaxinfer.parallel.make_mesh`): params resharded (the canonical tree is not kept), the KV
-    pool split over KV heads. Raises ValueError: params of wrong shapes, a pool that does not
-    fit, fewer than tp devices."""
+    (`jaxinfer.config.resolve`); ``detokenize``: ids -> str (None: no text). tp =
+    ``tensor_parallel_size`` > 1: ``tp_model_config`` on a `jaxinfer.parallel.make_mesh` of tp
+    devices, params resharded (the canonical tree not kept), the KV pool split over KV heads. Raises
+    ValueError: params of wrong shapes, a pool that does not fit, fewer than tp devices."""
 
     def __init__(self, model_config, params, resolved, *, eos_token_ids=(),
                  detokenize: Callable | None = None) -> None:
@@ -168,18 +166,13 @@ class LLMEngine:
             self.block_manager.reset_prefix_cache()  # the cached pages' K/V is gone
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix page (vLLM's ``reset_prefix_cache``): True, or False (no
-        change) while a request holds pages."""
+        """Drop every cached prefix page: True, or False (no change) while a request holds pages."""
         return self.block_manager.reset_prefix_cache()
 
     def update_params(self, params) -> None:
-        """Serve ``params`` from now on: a canonical tree of the structure, shapes and dtypes of
-        the one the engine was built with (e.g. a trainer's), put where the current leaves are
-        (under tensor parallelism: resharded, `jaxinfer.parallel.shard_params`), so every
-        compiled step is reused (no recompile); the prefix cache is reset (its K/V came from the
-        old weights). An fp8 engine quantises an unquantised tree first (`quantize_params`).
-        Raises ValueError: requests in flight, another tree structure, or a leaf (named) of
-        another shape or dtype."""
+        """Serve ``params`` (structure, shapes, dtypes as built; fp8 engine: quantised first) in
+        place of the current leaves (resharded under tp), no recompile; resets the prefix cache.
+        ValueError: requests in flight, other tree structure, a leaf (named) mismatch."""
         if self.has_unfinished():
             raise ValueError("update_params needs an idle engine: requests are in flight")
         if self.resolved.quantization is not None:
@@ -266,8 +259,7 @@ class LLMEngine:
                                     device_bytes_in_use=stats[0] if stats else None)
 
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
-        """The `ShapeKey`s ``requests`` visit on an idle engine, in first-visit order. Raises
-        ValueError: a request the scheduler rejects."""
+        """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""
         sched = self._scheduler(self.block_manager.copy_free(), self.eos_token_ids)  # the prefix cache as now
         steps = dry_run(sched, requests, buckets=self.buckets, async_scheduling=self.async_scheduling)
         return list(dict.fromkeys(hb.key for _, hb in steps))

@@ -1,6 +1,5 @@
-"""Log-probability arrays of a step -> `Sequence` records (host side, no JAX). A record is vLLM's
-per position ``{token id: (logprob, rank)}``: the chosen token first, then the top k (ranks 1..k,
-overwriting the chosen token's entry when it is among them, as vLLM's dict does)."""
+"""Step log-probabilities -> `Sequence` records (host side, no JAX): vLLM's per position ``{token
+id: (logprob, rank)}``, the chosen token, then the top k (ranks 1..k, overwriting it)."""
 
 from __future__ import annotations
 
@@ -16,11 +15,9 @@ def _record(tok: int, lp: float, rank: int, top_ids: list, top_lps: list,
 
 
 def record(out: dict | None, hb, seqs, before: list[int] | None) -> None:
-    """Append to ``seqs``' (a step's rows) records from ``out`` (`jaxinfer.step.step`'s dict,
-    None: no log-probabilities this step): row i's sampled token when its output grew past
-    ``before[i]`` tokens to ``logprobs`` and ``cumulative_logprob``; each scored prompt position of ``hb``
-    (`jaxinfer.step_input.HostBatch`) to ``prompt_logprobs`` in order (first entry None; entries
-    already recorded are skipped)."""
+    """Append records from ``out`` (`jaxinfer.step.step`'s dict; None: none) to ``seqs`` (the step's
+    rows): row i's sampled token, if its output grew past ``before[i]``, to ``logprobs`` and
+    ``cumulative_logprob``; ``hb``'s scored prompt positions to ``prompt_logprobs`` (first None)."""
     for s in seqs:
         if s.prompt_logprobs == []:
             s.prompt_logprobs.append(None)

@@ -1,7 +1,6 @@
-"""The step loop (host side), shared by `LLMEngine` and `jaxinfer.engine.dry_run`: complete the
-step in flight first if it must be (synchronous, or a penalty reading the row's history); schedule and launch
-the next; complete the previous while it runs. Source: vLLM v1 asynchronous scheduling.
-"""
+"""The step loop (host side) of `LLMEngine` and `jaxinfer.engine.dry_run`: complete the step in
+flight first if it must be (synchronous, or a penalty reading the row's history); schedule and
+launch the next; complete the previous while it runs. Source: vLLM v1 asynchronous scheduling."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
-"""Continuous-batching scheduler (host side, no JAX): ``schedule()`` -> step ->
-``postprocess(batch, sampled)``, at most two batches in flight; sampled tokens are pending until
-read back. Prefill first (the partial prefill, then FIFO admission within ``max_num_seqs``, the
-token budget and free pages; one partial chunk, last; rows x longest chunk <= twice the budget),
-else a decode batch, a missing page preempting the newest admitted (recompute). With prefix
-caching, admission shares the cached full pages of the tokens (at most (tokens - 1) // page_size,
-none for ``prompt_logprobs``), a sequence whose next page an admitted one is computing waits in
-place (so n samples hold their prompt once), and `postprocess` publishes the pages a step filled.
-Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill, prefix caching and asynchronous
-scheduling (SARATHI).
-"""
+"""Continuous-batching scheduler (host side, no JAX): ``schedule()`` -> step -> ``postprocess(batch,
+sampled)``, at most two batches in flight; sampled tokens are pending until read back. Prefill first
+(the partial prefill, then FIFO admission within ``max_num_seqs``, the token budget and free pages;
+one partial chunk, last; rows x longest chunk <= twice the budget), else a decode batch, a missing
+page preempting the newest admitted (recompute). With prefix caching, admission shares cached full
+pages (at most (tokens - 1) // page_size, none for ``prompt_logprobs``), a sequence whose next page
+an admitted one computes waits in place, and `postprocess` publishes filled pages. Sources:
+nano-vllm ``Scheduler``; vLLM v1 chunked prefill, prefix caching, async scheduling (SARATHI)."""
 
 from __future__ import annotations
 
@@ -58,8 +55,7 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Which sequences run each step; owns their KV pages. Raises ValueError: a size not a
-    positive integer, or ``page_size`` not the block manager's."""
+    """Which sequences run each step; owns their pages. ValueError: bad sizes or ``page_size``."""
 
     def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, page_size: int,
@@ -119,8 +115,7 @@ class Scheduler:
                 f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool")
 
     def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` (FIFO). Raises ValueError (no change): not admissible, a duplicate
-        unfinished ``request_id``, or not fresh."""
+        """Queue ``seq`` (FIFO). ValueError (no change): inadmissible, duplicate id, not fresh."""
         self.check_admissible(seq.num_prompt_tokens, seq.params)
         if seq.request_id in self._requests:
             raise ValueError(f"request_id={seq.request_id!r} is invalid: an unfinished request "
@@ -171,7 +166,6 @@ class Scheduler:
                     return None
             start = seq.num_computed_tokens + len(hits) * self.page_size
             n = min(seq.num_tokens - start, budget)
-            # attention pads every row to the longest chunk: rows x longest <= twice the budget
             if seqs:
                 cap = 2 * self.max_num_batched_tokens // (len(seqs) + 1)  # longest row allowed
                 if max(nums) > cap:
@@ -217,7 +211,6 @@ class Scheduler:
         if not self.running:
             return None
         bm = self.block_manager
-        # victims come off the back; sequences ending on their pending tokens keep their pages
         ending, queue, scheduled, deferred = [], deque(), [], []
         for s in self.running:  # ends on its pending tokens (length)
             p = s.num_pending_tokens
@@ -299,8 +292,7 @@ class Scheduler:
         return finished
 
     def finish(self, seq: Sequence, reason: str) -> bool:
-        """Finish ``seq`` (a stop string); False if finished. Raises ValueError: ``reason`` not in
-        `FINISH_REASONS`, or ``seq`` not scheduled here."""
+        """Finish ``seq`` (stop string); False if finished. ValueError: bad ``reason``, not ours."""
         if reason not in FINISH_REASONS:
             raise ValueError(f"finish reason={reason!r} is invalid: allowed {FINISH_REASONS}")
         if seq.is_finished:

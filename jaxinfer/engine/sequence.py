@@ -19,13 +19,10 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
-    """One sample of a request (compared by identity; a request of ``n`` samples has n, ``index``
-    0..n-1, sharing ``parent_id``). max_tokens: resolved (None in params: up to max_model_len).
-    num_computed_tokens: K/V written or being written; num_cached_tokens: prompt tokens found in
-    the prefix cache at admission; num_pending_tokens: sampled, not read back (0-2);
-    block_hashes: chained hashes of the full pages; logprobs: per output token {id: (logprob,
-    rank)} (None: not asked); prompt_logprobs: per prompt position (the first None);
-    times: ``time.perf_counter()`` seconds."""
+    """One sample of a request (identity-compared; ``index`` 0..n-1 of ``parent_id``).
+    num_computed_tokens: K/V written or in flight; num_cached_tokens: prefix-cache hits at
+    admission; num_pending_tokens: sampled, not read back (0-2); logprobs: per output token {id:
+    (logprob, rank)} (None: not asked); prompt_logprobs: per prompt position (first None)."""
 
     request_id: str
     prompt_token_ids: list[int]

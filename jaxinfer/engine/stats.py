@@ -21,10 +21,9 @@ class StepRecord(NamedTuple):
 
 @dataclass
 class EngineStats:
-    """num_lazy_compiles: shapes compiled inside a step; num_overlapped_steps: dispatched with
-    the previous in flight; prefix_cache_queries / _hits: tokens of admitted sequences looked up
-    in the prefix cache / found there (vLLM's PrefixCacheStats); step_log: None, or ``[]`` to
-    collect `StepRecord`s."""
+    """num_lazy_compiles: shapes compiled inside a step; num_overlapped_steps: dispatched with the
+    previous in flight; prefix_cache_queries / _hits: admitted tokens looked up / found (vLLM's
+    PrefixCacheStats); step_log: None, or ``[]`` to collect `StepRecord`s."""
 
     num_steps: int = 0
     num_lazy_compiles: int = 0

@@ -1,7 +1,5 @@
-"""The models as pure functions of (params, inputs, KV state), by ``cfg.architecture``. ``params``:
-the plain tree the Flax modules declare (`jaxinfer.models.llama`), in the compute dtype (the layers'
-matrices maybe fp8 with scales: quantization "fp8", `jaxinfer.quantize`); `abstract_params` is the
-one shape source. `jaxinfer.step` jits around `forward`."""
+"""The models as pure functions of (params, inputs, KV state), by ``cfg.architecture``; ``params``:
+the tree the Flax modules declare (`jaxinfer.models.llama`), shapes from `abstract_params`."""
 
 from __future__ import annotations
 
@@ -35,18 +33,15 @@ def _model(cfg, kernels: ModelKernels, dtype, quantization: str | None = None):
 def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
             kv: KVCache, *, kernels: ModelKernels = ModelKernels(),
             packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
-    """One step over the paged cache (``cfg``, ``kernels`` static): tokens, positions (RoPE, mask),
-    slot_mapping (``page * page_size + offset``; padding: null page) i32[B, T]; ``kv``: block_tables
-    i32[R, M], seq_lens i32[R] after this write (R = B unless ``packing``: tokens [1, Tp], R chunks)
-    -> (hidden [B, T, D] after the final norm, compute dtype; new cache); ValueError: no model.
-    fp8 ``params`` (`jaxinfer.quantize.is_quantized`) run with quantization "fp8"."""
+    """One step over the paged cache: tokens, positions, slot_mapping i32[B, T]; ``kv``:
+    block_tables i32[R, M], seq_lens i32[R] after this write (R = B unless ``packing``: tokens [1,
+    Tp], R chunks) -> (hidden [B, T, D], new cache). ValueError: no model."""
     model = _model(cfg, kernels, params["embed"].dtype, "fp8" if is_quantized(params) else None)
     return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
 
 
 def compute_logits(params: dict, cfg, hidden: jax.Array) -> jax.Array:
-    """f32[..., V] = hidden [..., D] @ (lm_head [D, V], or embed.T tied), float32 accumulation.
-    Raises ValueError: untied ``cfg`` but no ``lm_head``."""
+    """f32[..., V] = hidden [..., D] @ (lm_head, or embed.T tied); ValueError: untied, no head."""
     if cfg.tie_word_embeddings:
         w, spec = params["embed"], "...d,vd->...v"
     elif "lm_head" in params:
@@ -71,9 +66,8 @@ def _init_fn(cfg, dtype, quantization: str | None = None):
 
 
 def init_params(cfg, key: jax.Array, dtype, quantization: str | None = None) -> dict:
-    """Random params in ``dtype``: matrices, embedding ~ N(0, 0.02) (HF init range), norms 1;
-    quantization "fp8": then `jaxinfer.quantize.quantize_params` (``cfg.weight_block_size``).
-    ValueError: another ``quantization``."""
+    """Random params in ``dtype``: matrices and embedding ~ N(0, 0.02), norms 1; "fp8": then
+    `jaxinfer.quantize.quantize_params`. ValueError: another ``quantization``."""
     params = jax.jit(_init_fn(cfg, dtype))(key)
     if quantization is None:
         return params

@@ -1,8 +1,7 @@
-"""Functions and Flax blocks shared by the Llama/Qwen3 family. Numerics: the compute dtype is the
-params' dtype; RMSNorm statistics, RoPE and the attention softmax in f32. Weights ``[in, out]``
-(``x @ w``). Sources: HF ``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE,
-``_compute_llama3_parameters``), Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer
-2020 (SwiGLU)."""
+"""Functions and Flax blocks of the Llama/Qwen3 family. Numerics: compute dtype = params' dtype;
+RMSNorm statistics, RoPE and attention softmax in f32. Weights ``[in, out]``. Sources: HF
+``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``),
+Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU)."""
 
 from __future__ import annotations
 
@@ -24,12 +23,10 @@ dense_init = nn.initializers.normal(stddev=INIT_STD)
 
 
 def fused_parts(cfg, shards: int = 1) -> dict[str, dict[str, slice]]:
-    """Where each projection lies on the output (last) axis of the fused matrices, in
-    concatenation order: ``{"wqkv": {"q": [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H,
-    (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up": [F, 2F)}}`` as slices. ``shards`` > 1
-    (tensor parallelism, `jaxinfer.parallel`): the columns are grouped by shard, [q_0 | k_0 | v_0
-    | q_1 | ...], [gate_0 | up_0 | gate_1 | ...], and the slices are within one shard's group
-    (N, K, F divided by ``shards``)."""
+    """Slices of each projection on the output (last) axis of the fused matrices: ``{"wqkv": {"q":
+    [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H, (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up":
+    [F, 2F)}}``. ``shards`` > 1: columns grouped by shard, [q_0 | k_0 | v_0 | q_1 | ...], [gate_0 |
+    up_0 | gate_1 | ...], slices within one group (N, K, F divided by ``shards``)."""
     N, K, F = cfg.num_heads // shards, cfg.num_kv_heads // shards, cfg.intermediate_size // shards
     H = cfg.head_dim
     return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
@@ -59,17 +56,15 @@ def expand_scale(scale: jax.Array, shape: tuple[int, int],
                    meta_fields=["block"])
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    """A matrix w [in, out] as declared: in the compute dtype (``scale`` None), or
-    float8_e4m3fn with its f32 `scale_shape` scale (``block``, static: None per channel, or HF's
-    ``(block_out, block_in)``), meaning ``w * expand_scale(scale)``."""
+    """w [in, out]: compute dtype (``scale`` None), or float8_e4m3fn with an f32 `scale_shape` scale
+    (static ``block``: None per channel, or an HF block): ``w * expand_scale(scale)``."""
 
     w: jax.Array
     scale: jax.Array | None = None
     block: tuple[int, int] | None = None
 
     def value(self, dtype) -> jax.Array:
-        """The matrix in ``dtype``: ``(w.astype(f32) * expand_scale(scale)).astype(dtype)``, traced
-        inside the caller's jit, so XLA fuses the convert into the consuming GEMM."""
+        """``(w.astype(f32) * expand_scale(scale)).astype(dtype)``, traced (fused into the GEMM)."""
         if self.scale is None:
             return self.w.astype(dtype)
         wf = self.w.astype(jnp.float32) * expand_scale(self.scale, self.w.shape, self.block)
@@ -82,9 +77,7 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
 
 
 def declare_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> Weight:
-    """Declare matrix ``name`` [in, out] on ``module`` (its ``param_dtype``, ``quantization`` and
-    ``cfg.weight_block_size``): with ``quantization == "fp8"`` a float8_e4m3fn leaf plus the f32
-    leaf ``name + "_scale"`` (`scale_shape`) beside it; else one leaf in ``param_dtype``."""
+    """Declare ``name`` [in, out]; fp8: float8_e4m3fn plus f32 ``name_scale``, `scale_shape`."""
     if module.quantization is None:
         return Weight(module.param(name, dense_init, shape, module.param_dtype))
     block = module.cfg.weight_block_size
@@ -128,9 +121,7 @@ Packing.__doc__ = """A packed prefill batch: tokens [1, Tp], sequence after sequ
 
 class StepContext(NamedTuple):
     """Per-step metadata: positions, slot_mapping i32[B, T], block_tables i32[R, M], seq_lens
-    i32[R], cos/sin f32[B, T, H/2], packing: `Packing` (B = 1, R rows) or None (R = B);
-    k_scale, v_scale: `KVCache.scales` (fp8 pools: f32[L, K]; else None), keywords of the K/V
-    write and attention."""
+    i32[R], cos/sin f32[B, T, H/2], packing (None: R = B); k_scale, v_scale: `KVCache.scales`."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -145,8 +136,7 @@ class StepContext(NamedTuple):
 
 def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
            ctx: StepContext, *, layer: int, scale: float, num_heads: int) -> jax.Array:
-    """``attn`` on q [B, T, N, H] (decode: maybe grouped [B, 1, K, Gp, H], then with
-    ``num_heads``) -> [B, T, N, H]; packed: gathered to rows [R, Tq, N, H] and back."""
+    """``attn`` on q [B, T, N, H] (decode: maybe [B, 1, K, Gp, H]) -> [B, T, N, H]; packs rows."""
     pk, scales = ctx.packing, dict(layer=layer, scale=scale, k_scale=ctx.k_scale,
                                    v_scale=ctx.v_scale)
     if pk is None:
@@ -168,8 +158,7 @@ def shared(parent: nn.Module, child: nn.Module) -> nn.Module:
 class AddRMSNorm(nn.Module):
     """Residual add + RMSNorm, weight [D] named ``param_name``: ``(x [B, T, D], delta [B, T, D] |
     None) -> (x + delta, rms_norm(x + delta))`` in x.dtype; ``delta`` may be f32 partial sums
-    [splits, B, T, D] (their x.dtype sum added). ``kernel``: `ModelKernels.add_rms_norm`, None:
-    its plain-jnp reference (`pallas_kernels.add_rms_norm.reference`)."""
+    [splits, B, T, D]. ``kernel``: `ModelKernels.add_rms_norm` (None: the jnp reference)."""
 
     param_name: str
     eps: float
@@ -189,11 +178,9 @@ class AddRMSNorm(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; gate and up
-    are one GEMM with ``w_gate_up`` [D, 2F] (`fused_parts`, ``shards`` groups of columns, each
-    sliced locally); ``w_down`` [F, D]. ``down_partials`` > 1: F split in that many equal parts,
-    output f32 partial sums [splits, B, T, D] (for `AddRMSNorm`). ``quantization``: None or
-    "fp8" (`declare_weight`)."""
+    """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; ``w_gate_up``
+    [D, 2F] (`fused_parts`, ``shards`` groups), ``w_down`` [F, D]. ``down_partials`` > 1: F split in
+    that many parts, output f32 partial sums [splits, B, T, D] (`AddRMSNorm`)."""
 
     cfg: Any
     param_dtype: Any = jnp.float32

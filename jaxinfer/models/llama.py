@@ -1,22 +1,16 @@
 """Llama (2/3/3.x, SmolLM2, ...) and Qwen3 (dense: the Llama trunk plus a per-head RMSNorm of q
-and k before RoPE, ``cfg.qk_norm``) over the paged KV cache.
-
-The modules' ``self.param`` calls are the one declaration of the weight tree (blocks bound into
-their layer's scope with `layers.shared`, so a layer's params form one flat dict):
+and k before RoPE, ``cfg.qk_norm``) over the paged KV cache. The modules' ``self.param`` calls
+declare the weight tree (blocks bound into their layer's scope with `layers.shared`):
 
     embed [V, D]; layers/"0".."L-1"/{attn_norm [D], wqkv [D, (N+2K)*H] (q | k | v), wo [N*H, D],
     (Qwen3: q_norm [H], k_norm [H]), mlp_norm [D], w_gate_up [D, 2F] (gate | up), w_down [F, D]};
     final_norm [D]; lm_head [D, V] unless tied to ``embed``. Quantised ("fp8"): wqkv, wo, w_gate_up,
     w_down in float8_e4m3fn, each with an f32 ``<name>_scale`` beside it (`layers.declare_weight`).
 
-Under tensor parallelism (``kernels.mesh``, `jaxinfer.parallel`) the fused matrices' columns
-are grouped by device (`fused_parts` with ``shards``) and ``cfg`` is `tp_model_config`'s (KV
-heads copied up to one per device when there are fewer).
-
-The L layers are unrolled (BENCHMARKS.md: "Layer loop"); layer i writes the K/V pools at static
-index i. Sources: Touvron et al. 2023 (Llama 2); Meta 2024 (Llama 3); HF ``modeling_llama.py``;
-Qwen Team 2025, "Qwen3 Technical Report" (QK-Norm), HF ``modeling_qwen3.py`` (``q_norm`` /
-``k_norm`` over the head dim, applied before ``apply_rotary_pos_emb``)."""
+Under tensor parallelism ``cfg`` is `tp_model_config`'s (`Attention`). The L layers are unrolled;
+layer i writes the K/V pools at static index i. Sources: Touvron et al. 2023 (Llama 2); Meta 2024
+(Llama 3); HF ``modeling_llama.py``; Qwen Team 2025, "Qwen3 Technical Report" (QK-Norm), HF
+``modeling_qwen3.py``."""
 
 from __future__ import annotations
 
@@ -36,8 +30,7 @@ from jaxinfer.parallel import AXIS, KV_POOL_SPEC
 from pallas_kernels.qkv_prologue import reference as qkv_reference
 from pallas_kernels.sizes import round_up
 
-# With the add + RMSNorm kernel, decode steps of >= DOWN_PARTIALS_MIN_ROWS rows pass the MLP
-# output on as DOWN_PARTIALS f32 partial sums (BENCHMARKS.md: "Down projection partial sums").
+# add + RMSNorm kernel, decode of >= DOWN_PARTIALS_MIN_ROWS rows: MLP out as DOWN_PARTIALS f32 sums
 DOWN_PARTIALS = 2
 DOWN_PARTIALS_MIN_ROWS = 128
 
@@ -46,14 +39,13 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
                     wq: jax.Array | None, wk: jax.Array | None, *, kernels: ModelKernels,
                     layer: int, num_heads: int, num_kv_heads: int,
                     eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Everything between the qkv and output GEMMs, on ``num_heads`` N query and
-    ``num_kv_heads`` K KV heads (one device's under tensor parallelism): qkv [B, T, (N+2K)*H]
-    (q | k | v, `fused_parts`) -> ``kernels.qkv_prologue`` (None: its plain-jnp reference,
-    `pallas_kernels.qkv_prologue.reference`): per-head RMSNorm (``wq``, ``wk`` [H], or None),
-    RoPE, K/V written into pools [L, P, K, page_size, H] at ``layer`` (a Python int) ->
-    ``kernels.attention``. q is [B, T, N, H], or in an unpacked decode step with
-    ``kernels.q_group_multiple`` grouped [B, 1, K, Gp, H] (G = N/K rows zero-padded to Gp, the
-    next multiple of it). Returns (o [B, T, N, H], k_pool, v_pool)."""
+    """Everything between the qkv and output GEMMs on N = ``num_heads`` query and K =
+    ``num_kv_heads`` KV heads (one device's under tensor parallelism): qkv [B, T, (N+2K)*H]
+    (`fused_parts`) -> ``kernels.qkv_prologue`` (None: `pallas_kernels.qkv_prologue.reference`):
+    per-head RMSNorm (``wq``, ``wk`` [H], or None), RoPE, K/V written into pools [L, P, K,
+    page_size, H] at ``layer`` (a Python int) -> ``kernels.attention``. q is [B, T, N, H], or in an
+    unpacked decode step with ``kernels.q_group_multiple`` grouped [B, 1, K, Gp, H] (G = N/K rows
+    zero-padded to a multiple of it). Returns (o [B, T, N, H], k_pool, v_pool)."""
     B, T, _ = qkv.shape
     N, K, H = num_heads, num_kv_heads, k_pool.shape[-1]
     mult = kernels.q_group_multiple
@@ -73,8 +65,7 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
 
 
 class _Module(nn.Module):
-    """The fields of every block here: ``cfg``, ``kernels``, the params' dtype, ``quantization``
-    (None or "fp8": the layers' matrices in fp8, `declare_weight`)."""
+    """Fields of every block here: ``cfg``, ``kernels``, the params' dtype, ``quantization``."""
 
     cfg: Any
     kernels: ModelKernels
@@ -83,11 +74,10 @@ class _Module(nn.Module):
 
 
 class Attention(_Module):
-    """x [B, T, D] @ ``wqkv`` -> `attention_heads` (``cfg.qk_norm``: with RMSNorm weights
-    ``q_norm``, ``k_norm`` [H] of each query / key head) -> @ ``wo``. With ``kernels.mesh``
-    (tensor parallelism) `attention_heads` runs under ``jax.shard_map`` on each device's heads
-    (wqkv's columns shard-major, `fused_parts`), and the ``wo`` GEMM, its rows split, is summed
-    over the devices by XLA. Returns (out [B, T, D], k_pool, v_pool)."""
+    """x [B, T, D] @ ``wqkv`` -> `attention_heads` (``cfg.qk_norm``: RMSNorm weights ``q_norm``,
+    ``k_norm`` [H]) -> @ ``wo``. With ``kernels.mesh``, `attention_heads` runs under
+    ``jax.shard_map`` on each device's heads (wqkv's columns shard-major, `fused_parts`) and XLA
+    sums the row-split ``wo`` GEMM. Returns (out [B, T, D], k_pool, v_pool)."""
 
     @nn.compact
     def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
@@ -157,11 +147,9 @@ class Layers(_Module):
 
 
 class LlamaForCausalLM(_Module):
-    """Trunk: embed -> `Layers` ("layers") -> final norm (adds the last pending MLP output):
-    ``(tokens, positions, slot_mapping i32[B, T], kv: KVCache, packing: Packing | None) -> (hidden
-    [B, T, D] in the params' dtype, KVCache with the pools written)``. ``lm_head`` (untied) is
-    declared for init; logits: `jaxinfer.models.compute_logits`. Embed, lm_head and norms stay in
-    ``param_dtype`` under any ``quantization``."""
+    """Trunk: embed -> `Layers` -> final norm: ``(tokens, positions, slot_mapping i32[B, T], kv,
+    packing) -> (hidden [B, T, D] in the params' dtype, kv with the pools written)``; ``lm_head``
+    declared for init (logits: `compute_logits`). Embed, lm_head, norms: never fp8."""
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,

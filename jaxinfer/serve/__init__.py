@@ -1,5 +1,4 @@
-"""The OpenAI-compatible server (``python -m jaxinfer.serve``; extra ``serve``): `create_app`
-builds the FastAPI app over a `jaxinfer.LLM`."""
+"""OpenAI-compatible server (``python -m jaxinfer.serve``; extra ``serve``): `create_app`."""
 
 from jaxinfer.serve.app import create_app
 

@@ -1,7 +1,6 @@
-"""``python -m jaxinfer.serve [--model PATH] [--port 8000] [--api-key KEY]`` (console script
-``jaxinfer-serve``): the OpenAI-compatible server; every engine option of
-``python -m jaxinfer.generate``. Bad options: one line on stderr, exit code 2. SIGINT/SIGTERM:
-stop accepting, let running requests finish for ``--shutdown-timeout`` seconds, abort the rest."""
+"""``python -m jaxinfer.serve [--model PATH] [--port 8000] [--api-key KEY]`` (``jaxinfer-serve``):
+the OpenAI-compatible server, engine options as ``jaxinfer.generate``. Bad options: one line on
+stderr, exit code 2. SIGINT/SIGTERM: stop accepting, abort all after ``--shutdown-timeout``."""
 
 from __future__ import annotations
 

@@ -36,9 +36,8 @@ class _BodyLimit:
 
 def create_app(llm, *, served_model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = 8 << 20) -> FastAPI:
-    """The app over ``llm`` (a `jaxinfer.LLM`: its engine, tokenizer and chat template); the
-    engine thread starts and stops with the app (lifespan). ``api_key``: when set, /v1 requests
-    need ``Authorization: Bearer KEY``. ``app.state.runner``: the `EngineRunner`."""
+    """The app over ``llm`` (a `jaxinfer.LLM`), its engine thread ``app.state.runner``
+    (`EngineRunner`) tied to its lifespan; ``api_key``: /v1 needs ``Authorization: Bearer KEY``."""
     name, ids = served_model_name or "jaxinfer", itertools.count()
     metrics = ServerMetrics(llm.engine)
     runner = EngineRunner(llm.engine, metrics)

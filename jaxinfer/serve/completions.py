@@ -1,6 +1,5 @@
-"""``POST /v1/completions`` (vLLM's ``serving_completion.py``): prompts are strings or token
-ids, choice ``i * n + j`` is sample j of prompt i; and `OpenAIServing`, what the endpoints share
-(vLLM's ``serving_engine.py``)."""
+"""``POST /v1/completions`` (vLLM's ``serving_completion.py``): choice ``i * n + j`` is sample j of
+prompt i; and `OpenAIServing`, what the endpoints share (vLLM's ``serving_engine.py``)."""
 
 from __future__ import annotations
 
@@ -17,12 +16,11 @@ from jaxinfer.serve.errors import APIError
 
 
 class OpenAIServing:
-    """An endpoint over ``llm`` and ``runner`` serving ``model_name``: the model check, the
-    body's `SamplingParams`, prompt checks, and one way to build choices and usage, streamed
-    (server-sent events) or not; ``ids``: the request-id counter the endpoints share.
+    """An endpoint over ``llm`` and ``runner`` serving ``model_name``: checks, `SamplingParams`,
+    choices and usage, streamed (server-sent events) or not; ``ids``: the shared request-id counter.
     Subclasses set ``prefix`` (of response ids), ``Response`` and ``Chunk`` and define
-    ``choice(index, out, k, offset=0, stream=False)``: a `CompletionOutput` (streamed: what is
-    new) with its top-``k`` logprobs, ``offset`` characters of its text already sent."""
+    ``choice(index, out, k, offset=0, stream=False)``: a `CompletionOutput` (streamed: what is new)
+    with its top-``k`` logprobs, ``offset`` characters of its text already sent."""
 
     prefix: str
 
@@ -48,9 +46,7 @@ class OpenAIServing:
             raise APIError.invalid(e) from None
 
     async def encode(self, prompts, sp, param: str) -> list[list[int]]:
-        """The token ids of ``prompts()`` (`LLM.generate`'s prompts; in a worker thread:
-        tokenizing takes a while) once the engine would admit each with ``sp``
-        (`LLM._prepare`); a ValueError is a 400 naming ``param`` or the `SamplingParams` field."""
+        """Ids of ``prompts()``, checked by `LLM._prepare` (thread); ValueError: 400 (``param``)."""
         try:
             _, encoded, _ = await run_in_threadpool(lambda: self.llm._prepare(prompts(), sp, True))
         except ValueError as e:
@@ -75,8 +71,7 @@ class OpenAIServing:
                              choices=sorted(choices, key=lambda c: c.index))
 
     async def _events(self, request: Request, prompts: list[list[int]], sp, stream: bool):
-        """Yield ``(prompt index, event)`` until every prompt's request finished; abort those
-        left when the client goes away (the generator is closed)."""
+        """Yield ``(prompt index, event)`` until all finish; abort the rest if the client leaves."""
         sink: asyncio.Queue = asyncio.Queue()
         rids = {f"req-{next(self.ids)}": i for i in range(len(prompts))}
         for rid, i in rids.items():

@@ -22,8 +22,7 @@ class APIError(Exception):
 
     @classmethod
     def invalid(cls, e: ValueError, param: str | None = None) -> APIError:
-        """A 400 for ``e`` naming ``param``, or the field of a `SamplingParams` error
-        ("SamplingParams.top_p=0 is invalid: ..." becomes "top_p=0 is invalid: ...", "top_p")."""
+        """A 400 for ``e`` naming ``param`` or the field of a `SamplingParams` error."""
         if (m := re.search(r"SamplingParams\.(\w+)=", str(e))) is None:
             return cls(str(e), param=param)
         return cls(str(e).replace("SamplingParams.", ""), param=m.group(1))

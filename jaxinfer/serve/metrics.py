@@ -1,5 +1,4 @@
-"""Prometheus metrics of the server (vLLM's ``vllm:*`` metrics under the ``jaxinfer:`` prefix),
-in a registry of their own so several servers can live in one process. Host side, no JAX."""
+"""Prometheus metrics (vLLM's ``vllm:*`` as ``jaxinfer:*``), a registry per server; no JAX."""
 
 from __future__ import annotations
 
@@ -9,8 +8,7 @@ _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 6
 
 
 class ServerMetrics:
-    """Counters and histograms updated by the engine thread (`record`), gauges read from the
-    engine when scraped. ``engine``: an `LLMEngine`."""
+    """Counters, histograms (`record`); gauges read from ``engine`` (`LLMEngine`) when scraped."""
 
     def __init__(self, engine) -> None:
         self.registry = r = CollectorRegistry()

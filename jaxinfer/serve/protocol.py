@@ -1,6 +1,5 @@
-"""Request and response bodies of the OpenAI API (pydantic; field names and defaults of OpenAI
-and vLLM's ``vllm/entrypoints/openai/protocol.py``), logprobs built from `Logprob` records. Host
-side, no JAX."""
+"""Request and response bodies of the OpenAI API (pydantic; OpenAI's and vLLM's ``protocol.py``
+field names and defaults), logprobs from `Logprob` records. Host side, no JAX."""
 
 from __future__ import annotations
 
@@ -89,8 +88,7 @@ class UsageInfo(BaseModel):
 
 
 def _text(t: int, rec: dict) -> str:
-    """Token ``t``'s text in its position's ``{id: Logprob}`` record: its ``decoded_token``, else
-    "token_id:N" (vLLM's)."""
+    """Token ``t``'s ``decoded_token`` in ``rec``, else "token_id:N" (vLLM's)."""
     return rec[t].decoded_token if rec[t].decoded_token is not None else f"token_id:{t}"
 
 
@@ -108,8 +106,7 @@ class CompletionLogprobs(BaseModel):
 
     @classmethod
     def of(cls, out, k: int | None, offset: int = 0) -> CompletionLogprobs | None:
-        """Those of ``out`` (a `CompletionOutput`) with the top ``k``, its text starting at
-        ``offset``; None: not asked (``k`` or ``out.logprobs`` None)."""
+        """``out``'s top-``k`` logprobs, text from ``offset``; None: not asked."""
         if k is None or out.logprobs is None:
             return None
         lps = cls()

@@ -1,7 +1,6 @@
-"""The engine thread: one thread owns the `LLMEngine` and runs its step loop; the HTTP side
-(asyncio) only queues commands (`submit`, `abort`) and receives events on asyncio queues. New
-requests join the running batch between steps (continuous batching; async scheduling kept).
-Source: vLLM's ``AsyncLLM`` / output handler, in one process. Host side, no JAX."""
+"""The engine thread owns the `LLMEngine` and runs its step loop; the HTTP side (asyncio) queues
+commands (`submit`, `abort`) and gets events on asyncio queues; new requests join between steps.
+Source: vLLM's ``AsyncLLM`` / output handler, one process. Host side, no JAX."""
 
 from __future__ import annotations
 
@@ -27,10 +26,9 @@ class _Request:
 
 
 class EngineRunner:
-    """Runs ``engine`` (an `LLMEngine`) on a daemon thread. Events on a request's sink, as
-    ``(request id, event)``: when streamed, a sample's new tokens, text and logprobs as a
-    `CompletionOutput` (finish reason once finished, no stop reason); then one `RequestOutput`
-    (finish reason "abort" when aborted) or an error str. ``metrics``: a `ServerMetrics`."""
+    """Runs ``engine`` (an `LLMEngine`) on a daemon thread. Events on a request's sink, ``(request
+    id, event)``: streamed, a sample's new tokens, text and logprobs as a `CompletionOutput` (finish
+    reason once finished); then one `RequestOutput` (aborted: "abort") or an error str."""
 
     def __init__(self, engine, metrics=None) -> None:
         self.engine, self.metrics = engine, metrics
@@ -40,8 +38,7 @@ class EngineRunner:
         self.idle = threading.Event()  # set while no request is in the engine
 
     def start(self) -> None:
-        """Start the thread; the process's GIL switch interval drops to 0.5 ms, so a step's
-        Python work waits at most that long for the HTTP side (the default 5 ms slows steps)."""
+        """Start the thread; the process's GIL switch interval drops to 0.5 ms."""
         sys.setswitchinterval(min(sys.getswitchinterval(), 5e-4))
         self._thread.start()
 
@@ -132,7 +129,6 @@ class EngineRunner:
 
     @staticmethod
     def _deliver(events: list) -> None:
-        """Hand the events to their event loops, one wake-up per loop."""
         by_loop: dict = {}
         for req, ev in events:
             by_loop.setdefault(req.loop, []).append((req.sink, ev))

@@ -45,10 +45,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
-    """Residual add then RMSNorm (module docstring) -> (x' [S, D], h [S, D]) in x.dtype. x: [S, D]
-    residual stream, compute dtype; delta: [S, D] in x.dtype, or f32[splits, S, D] partial sums
-    (split-K GEMM, `jaxinfer.models.common.MLP`; their sum in x.dtype is added), or None (x' = x);
-    weight: [D] any float dtype; eps: added to the mean square. ValueError: `check_args`."""
+    """Residual add then RMSNorm -> (x' [S, D], h [S, D]) in x.dtype. delta: [S, D] in x.dtype,
+    f32[splits, S, D] partial sums, or None (x' = x). ValueError: `check_args`."""
     check_args(x, delta, weight, eps)
     if delta is not None and delta.ndim == 3:
         delta = delta.sum(0).astype(x.dtype)

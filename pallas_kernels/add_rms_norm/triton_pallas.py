@@ -1,5 +1,4 @@
-"""Residual add + RMSNorm as one Pallas/Triton kernel, `reference.add_rms_norm`'s contract: one
-program per row reads x and delta once, writes x' and h once. Sources: as `reference.py`."""
+"""Residual add + RMSNorm as one Pallas/Triton kernel; contract and sources: `reference.py`."""
 
 from __future__ import annotations
 
@@ -58,10 +57,9 @@ def supports(D: int) -> bool:
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6, interpret: bool = False,
                  num_warps: int | None = None) -> tuple[jax.Array, jax.Array]:
-    """`reference.add_rms_norm`'s contract in one Pallas launch (D and the number of partial sums
-    powers of 2: `supports`). num_warps per program (one row each): None (D / 256 clamped to
-    4..16, BENCHMARKS.md section "Throughput") or a power of 2 in 1..32. ValueError:
-    `reference.check_args`; D or the partial-sum count not a power of 2; a bad ``num_warps``."""
+    """`reference.add_rms_norm` in one Pallas launch (D and the partial-sum count powers of 2:
+    `supports`); num_warps None: D / 256 clamped to 4..16, else a power of 2 <= 32. ValueError:
+    `reference.check_args`; D or the count not a power of 2; a bad ``num_warps``."""
     if num_warps is not None and not (is_int(num_warps) and is_pow2(num_warps) and num_warps <= 32):
         raise ValueError(f"num_warps={num_warps!r} must be None or a power-of-2 integer in 1..32")
     S, D = check_args(x, delta, weight, eps)

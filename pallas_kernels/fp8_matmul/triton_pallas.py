@@ -1,14 +1,10 @@
 """fp8-weight GEMM as one Pallas launch with the Triton lowering, `reference.fp8_matmul`'s contract.
-
-Each program owns ``block_n`` output columns (and, tiled path, ``block_m`` rows) over one of
-``splits`` contiguous K ranges, and streams its ``[block_k, block_n]`` fp8 weight tiles (rows of
-``block_n`` bytes: 16-byte loads) through a ``num_stages`` pipeline, converting them in registers:
-  * GEMV path (M <= ``gemv_rows``): f32 FMAs into one ``[block_k, block_n]`` accumulator per row of
-    x, reduced over K once at the end (no tensor cores; x rows are re-read from L1);
-  * tiled path: bf16 ``dot`` (mma/wgmma) of x ``[block_m, block_k]`` and the upcast tile, f32.
-The per-channel scale is applied in the epilogue; ``splits > 1`` writes f32 partials that XLA sums
-and rounds to bf16 in one fusion. Sources: split-K GEMV as in vLLM/TensorRT-LLM fp8 weight-only
-kernels; W8A16 "upcast after load" as in tokamax's sm90 quantized GEMM."""
+Each program owns ``block_n`` output columns (tiled path: and ``block_m`` rows) over one of
+``splits`` contiguous K ranges, streaming its ``[block_k, block_n]`` fp8 weight tiles through a
+``num_stages`` pipeline: GEMV path (M <= ``gemv_rows``): f32 FMAs, reduced over K at the end; tiled
+path: bf16 ``dot`` of x and the upcast tile, f32 accumulation. The per-channel scale is applied in
+the epilogue; ``splits > 1``: f32 partials summed by XLA. Sources: split-K GEMV (vLLM/TensorRT-LLM
+fp8 weight-only kernels); W8A16 "upcast after load" (tokamax's sm90 quantized GEMM)."""
 
 from __future__ import annotations
 
@@ -29,10 +25,8 @@ _TN = (((0,), (1,)), ((), ()))  # w [bk, bn], x [rows, bk] -> w^T x^T [bn, rows]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Fp8MatmulConfig:
-    """Static knobs: gemv_rows (M at or below it: GEMV path; 0: never), block_m (tiled-path rows,
-    power of 2 >= 16), block_n and block_k (powers of 2 >= 16), splits (K ranges, >= 1),
-    num_warps (1..16, power of 2), num_stages (software-pipeline depth, >= 1), swap_ab (tiled
-    path: out^T = w^T x^T, the weight on the MMA's M side and the rows on its N side)."""
+    """Knobs (checked in ``__post_init__``): gemv_rows (M <= it: GEMV path; 0: never), block_m
+    (tiled rows), block_n, block_k, splits (K ranges), num_warps, num_stages, swap_ab (w^T x^T)."""
 
     gemv_rows: int = 2
     block_m: int = 64
@@ -56,10 +50,9 @@ class Fp8MatmulConfig:
 
 
 def default_config(M: int, K: int, N: int) -> Fp8MatmulConfig:
-    """Knobs for x [M, K] @ w [K, N] from the H200 sweep (benchmarks/fp8_gemm_notes.md): M <= 2:
-    GEMV tiles [32, 128], 8 warps; else dot tiles of 16 (M <= 16), 64 (M <= 64) or 128 rows x 128
-    x 64. splits: the fewest (power of 2) giving >= 512 (GEMV), 384 (M <= 64) or 192 programs,
-    keeping >= 4 K tiles per split."""
+    """Knobs for x [M, K] @ w [K, N] (H200 sweep, benchmarks/fp8_gemm_notes.md): M <= 2: GEMV tiles
+    [32, 128], 8 warps; else dot tiles of 16 (M <= 16), 64 (M <= 64) or 128 rows x 128 x 64; splits:
+    the fewest (power of 2) giving >= 512 (GEMV), 384 (M <= 64) or 192 programs, >= 4 K tiles."""
     gemv = M <= 2
     bk = 32 if gemv else 64
     bm = 1 if gemv else 16 if M <= 16 else 64 if M <= 64 else 128
@@ -129,10 +122,9 @@ def _fp8_matmul(x, w, scale, *, cfg: Fp8MatmulConfig, interpret: bool):
 
 def fp8_matmul(x: jax.Array, w: jax.Array, scale: jax.Array, *,
                config: Fp8MatmulConfig | None = None, interpret: bool = False) -> jax.Array:
-    """`reference.fp8_matmul` in one Pallas/Triton launch (plus an f32 sum when splits > 1): x
-    bf16 [M, K], w float8_e4m3fn [K, N], scale f32[N] -> bf16 [M, N]. config None:
-    `default_config`. ValueError: `reference.check_args`; N not a multiple of block_n; K not a
-    multiple of splits * block_k."""
+    """`reference.fp8_matmul` in one Pallas/Triton launch (plus an f32 sum when splits > 1): x bf16
+    [M, K], w float8_e4m3fn [K, N], scale f32[N] -> bf16 [M, N]; config None: `default_config`.
+    ValueError: `reference.check_args`; N % block_n; K % (splits * block_k)."""
     M, K, N = check_args(x, w, scale)
     cfg = config if config is not None else default_config(M, K, N)
     raise_first([

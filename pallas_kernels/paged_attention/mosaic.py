@@ -1,12 +1,9 @@
-"""Paged decode attention as a Mosaic GPU Pallas kernel for Hopper (sm_90a).
-
-One warpgroup per (row b, KV head h, split s) loads the G query heads of KV head h into a 64-row
-shared-memory tile and streams its keys through ``num_stages`` buffers, one TMA copy per page (the
-block table is copied to shared memory). Online softmax in f32; Q K^T and P V by ``wgmma``. Several
-splits: normalised partials and log-sum-exps merged by `combine_splits`. Pools ``[L, P, K,
-page_size, H]`` are read as ``[L * P, ...]`` plus ``layer * P`` (`layer_offsets`). Sources:
-FlashAttention (Dao et al. 2022), flash-decoding (Dao et al. 2023), PagedAttention (Kwon et al.
-2023); JAX's attention_mgpu.py for Mosaic GPU idioms."""
+"""Paged decode attention as a Mosaic GPU Pallas kernel, Hopper (sm_90a). One warpgroup per (row b,
+KV head h, split s): h's G query heads in a 64-row tile, keys streamed through ``num_stages``
+buffers by TMA, online softmax in f32, ``wgmma`` matmuls; splits merged by `combine_splits`. Pools
+read as ``[L * P, ...]`` + ``layer * P`` (`layer_offsets`). Sources: Dao et al. 2022
+(FlashAttention), 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's
+attention_mgpu.py."""
 
 from __future__ import annotations
 
@@ -55,8 +52,8 @@ class MosaicDecodeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-    """Static sizes of one launch. Gp: G rounded up to a multiple of 8 (TMA box rows);
-    pages_per_step: TMA copies per K/V buffer; rows_per_copy: min(page_size, block_kv)."""
+    """Static sizes of a launch. Gp: G rounded up to a multiple of 8; pages_per_step: TMA copies per
+    K/V buffer; rows_per_copy: min(page_size, block_kv)."""
 
     G: int
     Gp: int
@@ -199,7 +196,6 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
     plgpu.barrier_wait(tbl_bar)
     plgpu.barrier_wait(off_bar)
     layer_off = off_smem[0]
-    # This program's key blocks: the row's visible blocks, cut into num_splits near-equal parts.
     seq_len = tbl_smem[0, 0]
     if geo.sliding_window is None:
         lo_pos = jnp.int32(0)
@@ -311,7 +307,6 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
 
 def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret,
               num_heads, layer, page_offset, sliding_window, soft_cap):
-    """Check the arguments (`paged_decode_attention`'s Raises); return N (query heads)."""
     L, _, K, page_size, _ = reference.check_pools(k_pool, v_pool)
     if q.ndim == 3:
         B, N, H = q.shape
@@ -390,7 +385,6 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
             qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     k_flat, v_flat = (x.reshape(L * P, K, page_size, H) for x in (k_pool, v_pool))
     transforms = () if interpret else _smem_transforms(dtype, H)
-    # One split: the G rows, final, in q.dtype; more: f32 partials and LSEs of the Gp rows.
     single = splits == 1
     out_type = ((jax.ShapeDtypeStruct((B, K, G, H), q.dtype),) if single else
                 (jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
@@ -418,8 +412,7 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
 
 
 def layer_offsets(layer, pages_per_layer: int):
-    """i32[32] per-layer input: [0] is ``layer * pages_per_layer``, the rest count up (unread;
-    distinct, so no broadcast launch). numpy for a Python-int ``layer`` (no launch under jit)."""
+    """i32[32]: [0] ``layer * pages_per_layer``, the rest unread; numpy for an int ``layer``."""
     xp = np if isinstance(layer, (int, np.integer)) else jnp
     return xp.arange(_OFFSET_COLS, dtype=np.int32) + xp.asarray(layer, np.int32) * pages_per_layer
 
@@ -431,17 +424,13 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            num_splits: int | None = None, config: MosaicDecodeConfig | None = None,
                            num_heads: int | None = None, page_offset: jax.Array | None = None
                            ) -> jax.Array:
-    """`reference.paged_decode_attention`'s contract on Hopper -> [B, N, H] in q.dtype. q: [B, N,
-    H] or grouped [B, K, Gp, H] (G = N/K rows zero-padded to a multiple of ``Q_GROUP_MULTIPLE``;
-    needs ``num_heads`` = N). Pools bf16/f16 (f32 only if interpret), H a multiple of 64,
-    page_size of 8. block_kv, num_stages, num_splits: `MosaicDecodeConfig` (unless ``config``).
-    page_offset: i32[32] ``layer_offsets(layer, P)``, replaces ``layer``. ValueError: shapes,
-    dtypes or knobs the kernel does not take, a Python-int layer outside [0, L). Unchecked: a
-    traced layer, page ids; lengths past the table are clamped to M * page_size.
-
-    Called eagerly in interpret mode, it returns only once the result is ready: the interpreter
-    runs JAX computations inside host callbacks, and XLA:CPU can deadlock when the caller
-    dispatches more work meanwhile (seen with jax 0.10.2 on 2 cores)."""
+    """`reference.paged_decode_attention`'s contract on Hopper -> [B, N, H] in q.dtype. q: [B, N, H]
+    or grouped [B, K, Gp, H] (G = N/K rows zero-padded to a multiple of ``Q_GROUP_MULTIPLE``; needs
+    ``num_heads`` = N). Pools bf16/f16 (f32 only if interpret), H a multiple of 64, page_size of 8.
+    Knobs: `MosaicDecodeConfig` (unless ``config``). page_offset: ``layer_offsets(layer, P)``,
+    replaces ``layer``. ValueError: shapes, dtypes or knobs the kernel does not take, a Python-int
+    layer outside [0, L). Unchecked: a traced layer, page ids; lengths past the table are clamped to
+    M * page_size. Eager interpret calls block until ready (XLA:CPU callback deadlock)."""
     cfg = config if config is not None else MosaicDecodeConfig(
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
     N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads, layer,

@@ -1,8 +1,7 @@
 """Paged prefill attention (T causal query tokens per row) as a Pallas/Triton kernel (prefill
 variant ``triton``). One program per (row b, KV head k, query tile i): ``block_q`` tokens x the G
 query heads of KV head k as one ``[block_q * G_PAD, H]`` matrix (row r: token ``r // G_PAD``, head
-``r % G_PAD``; G zero-padded to a power of 2), so each K/V page is read once per KV head and tile;
-online softmax and fp8 pages as `triton_pallas`, nothing of size ``T x seq_len`` materialised.
+``r % G_PAD``; G zero-padded to a power of 2); online softmax and fp8 pages as `triton_pallas`.
 Sources: Dao 2023 (FlashAttention-2); Kwon et al. 2023 (PagedAttention)."""
 
 from __future__ import annotations
@@ -74,7 +73,6 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
     G_PAD, Tp = next_pow2(G), nq * block_q
     ROWS = block_q * G_PAD
     if G == G_PAD:
-        # Tiles in q's own layout [B, T, K, G, H]: [block_q, G, H] is [ROWS, H], no transpose.
         qg = q.reshape(B, T, K, G, H)
         if Tp != T:
             qg = jnp.pad(qg, ((0, 0), (0, Tp - T), (0, 0), (0, 0), (0, 0)))
@@ -88,7 +86,6 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
         out_shape = (B, K, Tp * G_PAD, H)
     pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=-1)
     pos_rows = jnp.repeat(pos, G_PAD, axis=1)                              # [B, Tp * G_PAD]
-    # Pad the table so the last block of `pages_per_block` entries is in range (null page 0).
     bt = jnp.pad(block_tables, ((0, 0), (0, pages_per_block)))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     scales = layer_scales(k_scale, v_scale, layer, L, K)
@@ -128,14 +125,12 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                             ) -> jax.Array:
     """`reference.paged_attention`'s contract (prefill chunks) in Pallas/Triton -> [B, T, N, H] in
     q.dtype (empty, no launch, if B or T is 0). q bf16/f16/f32; pools q's dtype or fp8 (with
-    k_scale, v_scale f32[L, K]); page_size, H powers of 2 (H >= 16);
-    block_q: query tokens per program (``block_q * G_PAD`` a power of 2 >= 16); pages_per_block:
-    pages per key block (``pages_per_block * page_size`` a power of 2 >= 16); None knobs:
-    `default_knobs`. ValueError: bad shapes, dtypes or knobs, naming the argument."""
+    k_scale, v_scale f32[L, K]); page_size, H powers of 2 (H >= 16); block_q: query tokens per
+    program (``block_q * G_PAD`` a power of 2 >= 16); pages_per_block: per key block (>= 16 keys);
+    None knobs: `default_knobs`. ValueError: bad shapes, dtypes, knobs."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, N, H]; got shape {q.shape}")
     B, T, N, H = q.shape
-    # the per-token checks on a [B, N, H] stand-in, so that T = 0 is checked too
     *_, K, page_size, _ = check_decode_args(jnp.zeros((B, N, H), q.dtype), k_pool, v_pool,
                                             block_tables, seq_lens, sliding_window, soft_cap)
     if q_positions.shape != (B, T):

@@ -1,9 +1,7 @@
-"""Plain-jnp float32 paged attention: the oracle every kernel variant is tested against.
-
-Pools ``[L, P, K, page_size, H]`` (jaxinfer/kv_cache.py). softmax(scale * q k^T [soft-capped],
-masked) v per query head; GQA: query head n reads KV head n // G. Source: Kwon et al. 2023
-(PagedAttention, vLLM); the gather-then-dense form of JAX's in-tree kernel tests. fp8 pools are
-dequantised on read (`pallas_kernels.kv_quant`)."""
+"""Plain-jnp float32 paged attention, the oracle of every kernel variant. Pools ``[L, P, K,
+page_size, H]``; softmax(scale * q k^T [soft-capped], masked) v per query head; GQA: query head n
+reads KV head n // G; fp8 pools dequantised on read (`pallas_kernels.kv_quant`). Source: Kwon et al.
+2023 (PagedAttention, vLLM); JAX's in-tree kernel tests (gather, then dense)."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ def check_pools(k_pool: jax.Array, v_pool: jax.Array) -> tuple[int, ...]:
 
 def check_args(B: int, H: int, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
                soft_cap=None) -> tuple[int, int, int]:
-    """The checks of every variant, for q of B rows and head dim H -> (K, page_size, M). Raises
-    ValueError naming the argument."""
+    """Checks of every variant (q: B rows, head dim H) -> (K, page_size, M); ValueError names it."""
     *_, K, page_size, Hk = check_pools(k_pool, v_pool)
     raise_first([
         (Hk != H, f"k_pool head dim {Hk} must equal q head dim {H}"),
@@ -51,11 +48,10 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_ta
     """Attention of T query tokens per sequence over its paged KV -> [B, T, N, H] in q.dtype (rows
     with no visible key: zeros). q: [B, T, N, H] (RoPE applied); k_pool, v_pool: [L, P, K,
     page_size, H], this step's K/V written; block_tables: i32[B, M] physical page of each logical
-    page (padding: null page 0); seq_lens: i32[B] (0 for padded rows); q_positions: i32[B, T]:
-    key j is visible to a query at p iff ``j <= p``, ``j < seq_len`` (and ``p - j <
-    sliding_window`` if set); layer: int or i32[] into L; scale: usually ``H ** -0.5``; soft_cap:
-    logits become ``soft_cap * tanh(logits / soft_cap)`` (Gemma 2); k_scale, v_scale: None, or
-    f32[L, K] per-head scales the pages are multiplied by in f32 (fp8 pools)."""
+    page (padding: null page 0); seq_lens: i32[B] (0 for padded rows); q_positions: i32[B, T]: key j
+    is visible to a query at p iff ``j <= p``, ``j < seq_len`` (and ``p - j < sliding_window`` if
+    set); layer: int or i32[] into L; soft_cap: logits become ``soft_cap * tanh(logits / soft_cap)``
+    (Gemma 2); k_scale, v_scale: None, or f32[L, K] per-head scales of fp8 pages."""
     B, T, N, H = q.shape
     K, G, S = k_pool.shape[2], N // k_pool.shape[2], block_tables.shape[1] * k_pool.shape[3]
     # Gather pages: [B, M, K, page_size, H] -> [B, K, S, H]
@@ -85,8 +81,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None) -> jax.Array:
-    """Decode: q [B, N, H], one token per sequence at position ``seq_len - 1`` -> [B, N, H] in
-    q.dtype; other arguments as in `paged_attention`."""
+    """Decode: q [B, N, H] at position ``seq_len - 1`` -> [B, N, H]; else as `paged_attention`."""
     out = paged_attention(q[:, None], k_pool, v_pool, block_tables, seq_lens,
                           (seq_lens - 1)[:, None], layer=layer, scale=scale, soft_cap=soft_cap,
                           sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)

@@ -1,7 +1,6 @@
-"""Paged-attention variants by name, imported lazily (a GPU-only back-end is imported only when
-asked for). Decode variants (`names`, `get`) take the arguments of
-`reference.paged_decode_attention`, prefill variants (`prefill_names`, `get_prefill`) those of
-`reference.paged_attention`, both plus ``interpret=False, **tuning``."""
+"""Paged-attention variants by name, imported lazily: decode (`names`, `get`) with
+`reference.paged_decode_attention`'s arguments, prefill (`prefill_names`, `get_prefill`)
+`reference.paged_attention`'s, plus ``interpret=False, **tuning``."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ _PREFILL_VARIANTS = {"reference": (_PKG + "reference", "paged_attention"),
 
 # GPU device kinds (JAX ``Device.device_kind``) each variant's GPU suite and benchmarks passed on.
 VALIDATED = {"mosaic": ("NVIDIA H200",), "triton": ("NVIDIA H200",)}
-# Variants that lower on any CUDA GPU (Triton's back-end; plain jnp), in fallback order. Mosaic
-# GPU's decode kernel is written for sm_90a (warpgroup MMA, TMA) and is not among them.
+# Variants that lower on any CUDA GPU, in fallback order (mosaic needs sm_90a).
 PORTABLE = ("triton", "reference")
 
 

@@ -1,13 +1,9 @@
-"""Paged decode attention as a Pallas kernel with the Triton lowering (variant ``triton``).
-
-One program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
-tile (`padded_group`) and gathers its split's pages ``pages_per_block`` at a time through the block
-table, online softmax in f32. Table entries are read one block ahead (no K/V load depends on a load
-of its own iteration). ``k_splits > 1``: partials merged by `combine_splits`. fp8 pages
-(`pallas_kernels.kv_quant`) are cast to q's dtype (exact) and their per-head scales folded in: the
-K scale into the logit scale, the V scale into the output, both constant per program. Sources:
-Dao et al. 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's
-pallas.ops.gpu.paged_attention."""
+"""Paged decode attention as a Pallas kernel with the Triton lowering (variant ``triton``). One
+program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
+tile (`padded_group`) and gathers its split's pages ``pages_per_block`` at a time, online softmax in
+f32; ``k_splits > 1``: partials merged by `combine_splits`. fp8 pages (`kv_quant`): cast to q's
+dtype, the K scale folded into the logit scale, the V scale into the output. Sources: Dao et al.
+2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's pallas.ops.gpu.paged_attention."""
 
 from __future__ import annotations
 
@@ -76,9 +72,8 @@ def padded_group(G: int) -> int:
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Merge flash-decoding partials -> f32[..., H] (zeros if every split is empty). acc: f32[S,
-    ..., H] un-normalised (sum_j 2^(x_j - m_s) v_j); m: f32[S, ...] running max in log2 units
-    (NEG_INIT: empty); l: f32[S, ...] partial denominators (0: empty)."""
+    """Merge flash-decoding partials -> f32[..., H] (zeros if all empty). acc: f32[S, ..., H]
+    un-normalised (sum_j 2^(x_j - m_s) v_j); m: f32[S, ...] running max, log2 (NEG_INIT: none)."""
     m_max = jnp.max(m, axis=0)
     w = jnp.exp2(m - m_max[None])
     l_tot = jnp.sum(w * l, axis=0)
@@ -87,9 +82,8 @@ def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
 
 
 def online_softmax_step(q, k, v, valid, carry, *, qk_scale, soft_cap):
-    """One key block of the online softmax, in log2 units: q [R, H], k and v [BLOCK_N, H] (q's
-    dtype or fp8), ``valid`` bool broadcastable to [R, BLOCK_N]; carry (acc f32[R, H], m f32[R],
-    l f32[R])."""
+    """Online-softmax step over one key block (log2 units): q [R, H], k, v [BLOCK_N, H] (q's dtype
+    or fp8), ``valid`` bool broadcastable to [R, BLOCK_N]; carry (acc f32[R, H], m, l f32[R])."""
     acc, m_i, l_i = carry
     k, v = k.astype(q.dtype), v.astype(q.dtype)                           # fp8 pages: exact
     x = lax.dot_general(q, k, NT_DIMS, precision=HIGHEST,
@@ -221,11 +215,9 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            num_warps: int | None = None, num_stages: int | None = None,
                            k_splits: int | None = None, k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None) -> jax.Array:
-    """`reference.paged_decode_attention`'s contract in Pallas/Triton -> [B, N, H] in q.dtype. q
-    bf16/f16/f32; pools q's dtype or fp8 (with k_scale, v_scale f32[L, K]); page_size, H powers
-    of 2 (slots past seq_len in a visible page must be finite); knobs None:
-    `tuning.resolve("triton", ...)`. ValueError: `check_decode_args`, `check_knobs`,
-    `kv_quant.check_scales`."""
+    """`reference.paged_decode_attention` in Pallas/Triton. q bf16/f16/f32; pools q's dtype or fp8
+    (k_scale, v_scale f32[L, K]); page_size, H powers of 2 (visible slots past seq_len: finite);
+    knobs None: `tuning.resolve`. ValueError: `check_decode_args`, `check_knobs`, `check_scales`."""
     B, N, H, K, page_size, M = check_decode_args(q, k_pool, v_pool, block_tables, seq_lens,
                                                  sliding_window, soft_cap)
     knobs = tuning.resolve("triton", B=B, K=K, G=N // K, M=M, page_size=page_size, head_dim=H,

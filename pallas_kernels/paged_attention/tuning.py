@@ -1,8 +1,7 @@
 """Tuned knobs of the Triton paged decode kernel: ``(variant, device_kind, page_size, head_dim,
-group, dtype)`` -> `KNOBS` (pages per loop step, warps, pipelining depth, grid size the split aims
-for). Records of ``tuned_h200.json`` (scripts/tune_paged_attention.py: ``{"variant",
-"device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win over the device
-kind's `BUILTIN` entry, which wins over `DEFAULTS`."""
+group, dtype)`` -> `KNOBS`. Records of ``tuned_h200.json`` (scripts/tune_paged_attention.py:
+``{"variant", "device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win over
+the device kind's `BUILTIN` entry, which wins over `DEFAULTS`."""
 
 from __future__ import annotations
 
@@ -20,13 +19,11 @@ VARIANTS = ("triton",)
 
 # Devices without a table entry (BENCHMARKS.md section "Paged decode attention").
 DEFAULTS = {"pages_per_block": 2, "num_warps": 4, "num_stages": 4, "min_programs": 256}
-# device kind -> knobs; "interpret": fast on the CPU.
 BUILTIN = {"interpret": {"pages_per_block": 2, "num_warps": 4, "num_stages": 1, "min_programs": 1}}
 
 
 def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
-    """Records of a tuning JSON file as ``{key: knobs}`` (module docstring); {} if absent.
-    ValueError: a record lacks a key field or names an unknown knob."""
+    """``{key: knobs}`` of a tuning file (module docstring; absent: {}); ValueError: bad record."""
     if not path.exists():
         return {}
     out = {}
@@ -46,8 +43,7 @@ def load_records(path: Path = TUNED_FILE) -> dict[tuple, dict]:
 
 def lookup(variant: str, *, device_kind: str, page_size: int, head_dim: int, group: int,
            dtype, path: Path = TUNED_FILE) -> dict:
-    """Every knob of `KNOBS` for one shape (group = G); ``device_kind`` is
-    ``jax.Device.device_kind`` or "interpret". ValueError: unknown variant."""
+    """`KNOBS` of a shape; ``device_kind``: a device kind or "interpret". ValueError: variant."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; tuned variants: {VARIANTS}")
     key = (variant, device_kind, int(page_size), int(head_dim), int(group), np.dtype(dtype).name)

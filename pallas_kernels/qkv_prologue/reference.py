@@ -1,10 +1,9 @@
-"""Plain-jnp attention prologue of a Llama/Qwen3 layer: qkv [S, (N + 2K) * H] -> per-head RMSNorm
-of the N query and K key heads (Qwen3; not Llama) -> RoPE (HF ``rotate_half``) -> K/V written into
-the page pools at each token's slot -> q [S, N, H]. HF numerics: RMSNorm statistics in f32, the
-normalized value rounded to the compute dtype before the weight multiply, RoPE in f32, results in
-the compute dtype; K/V cast to the pools' dtype (fp8: `pallas_kernels.kv_quant.quantize`).
-Sources: Zhang & Sennrich 2019 (RMSNorm); Su et al. 2021 (RoPE); Qwen Team 2025 (QK-Norm); Kwon
-et al. 2023 (paged KV, slot mapping)."""
+"""Plain-jnp attention prologue of a Llama/Qwen3 layer: qkv [S, (N + 2K) * H] -> per-head RMSNorm of
+the query and key heads (Qwen3) -> RoPE (HF ``rotate_half``) -> K/V written into the page pools at
+each token's slot -> q [S, N, H]. HF numerics: RMSNorm statistics in f32, the normalized value
+rounded to the compute dtype before the weight multiply, RoPE in f32, results in the compute dtype;
+K/V cast to the pools' dtype (fp8: `kv_quant.quantize`). Sources: Zhang & Sennrich 2019 (RMSNorm);
+Su et al. 2021 (RoPE); Qwen Team 2025 (QK-Norm); Kwon et al. 2023 (paged KV, slot mapping)."""
 
 from __future__ import annotations
 
@@ -60,10 +59,9 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array, k_scale: jax.Array | None = None,
              v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Scatter k, v [S, K, H] into layer ``layer`` (int or i32[]) of the pools [L, P, K,
-    page_size, H] at ``slot_mapping`` i32[S] (``page * page_size + offset``), fp8 pools through
-    `kv_quant.quantize` with ``k_scale``, ``v_scale`` f32[L, K]; returns the new pools. Slots
-    and layer are promised in range (out of range: undefined writes)."""
+    """Scatter k, v [S, K, H] into ``layer`` of pools [L, P, K, page_size, H] at ``slot_mapping``
+    i32[S] (``page * page_size + offset``; fp8: `kv_quant.quantize` by ``k_scale``, ``v_scale``
+    f32[L, K]) -> new pools. Out-of-range slots or layer: undefined writes."""
     page, off = jnp.divmod(slot_mapping, k_pool.shape[3])  # shape[3]: page_size
     ks, vs = (None if x is None else x[layer][None, :, None] for x in (k_scale, v_scale))
     k_pool = k_pool.at[layer, page, :, off, :].set(quantize(k, ks, k_pool.dtype),
@@ -79,16 +77,12 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  eps: float = 1e-6,
                  q_group_rows: int | None = None, k_scale: jax.Array | None = None,
                  v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The attention prologue of one layer in jnp -> (q, k_pool, v_pool), this step's K/V written
-    at ``layer``; q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H]. qkv: [S, (N + 2K) * H]
-    fused q/k/v projection, compute dtype. q_norm, k_norm: [H] RMSNorm weights (Qwen3), or both
-    None (Llama). cos, sin: f32[S, H/2] at each token's position. slot_mapping: i32[S] flat slot
-    ``page * page_size + offset`` (padding: null page 0). k_pool, v_pool: [L, P, K, page_size, H].
-    layer: int or i32[] in [0, L). num_heads, num_kv_heads: N, K. q_group_rows: None, or Gq >= G =
-    N/K: q as [S, K, Gq, H], rows past G zero (the Mosaic decode layout, Gq a multiple of
-    ``mosaic.Q_GROUP_MULTIPLE``). k_scale, v_scale: None or f32[L, K], the fp8 pools' scales.
-    Unchecked (traced): slots or layer out of range (undefined writes, `write_kv`). ValueError:
-    `check_args`, `kv_quant.check_scales`."""
+    """The attention prologue of one layer in jnp -> (q, k_pool, v_pool), this step's K/V written at
+    ``layer``; q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H]. qkv: [S, (N + 2K) * H] fused
+    q/k/v projection, compute dtype. q_norm, k_norm: [H] RMSNorm weights (Qwen3), or both None
+    (Llama). cos, sin: f32[S, H/2] at each token's position. slot_mapping, k_pool, v_pool, layer,
+    k_scale, v_scale: as `write_kv` (unchecked ranges). q_group_rows: None, or Gq >= G = N/K: q as
+    [S, K, Gq, H], rows past G zero (Mosaic layout). ValueError: `check_args`, `check_scales`."""
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
                             num_heads, num_kv_heads, q_group_rows)
     check_scales(k_pool, k_scale, v_scale)

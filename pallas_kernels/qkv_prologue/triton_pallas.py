@@ -1,9 +1,7 @@
-"""The attention prologue (q/k RMSNorm + RoPE + K/V page write) as one Pallas/Triton kernel; same
-contract as `reference.qkv_prologue`. Two grids (``grid`` of `qkv_prologue`): "head", one program
-per (token, query row or key or value head); "group", one per (token, KV group of query heads)
-plus one for the token's keys and one for its values. Heads are read as two RoPE halves ([H/2] or
-[rows, H/2]). The pools alias the outputs (in-place update); fp8 pools are written through
-`kv_quant.quantize` with the layer's per-head scales. Sources: as `reference.py`."""
+"""The attention prologue (q/k RMSNorm + RoPE + K/V page write) as one Pallas/Triton kernel,
+`reference.qkv_prologue`'s contract. Grids (``grid``): "head", one program per (token, query row or
+key or value head); "group", one per (token, KV group of query heads), plus one for the keys and one
+for the values. The pools alias the outputs. Sources: as `reference.py`."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ def _program(slots_ref, layer_ref, H: int, page_size: int):
 def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
                      ks_ref, vs_ref, q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps,
                      has_norm):
-    """Grid "head", (token s, j): j < K * Gq query row j % Gq of KV group j // Gq (a zero row past
-    G), then the K key heads, then the K value heads."""
+    """Grid "head", (token s, j): query row j % Gq of group j // Gq (j < K * Gq), keys, values."""
     del k_in, v_in  # aliased to k_ref, v_ref
     s, j, lo, hi, page, off, layer = _program(slots_ref, layer_ref, H, page_size)
     nq = K * Gq
@@ -118,8 +115,7 @@ def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_
 
 
 def _rms_norm_halves(x1, x2, w1, w2, H, eps, dt, axis):
-    """RMSNorm of heads as their two halves, HF rounding to ``dt`` (reference.py); ``axis`` None:
-    one head ([H/2] each), 1: rows ([rows, H/2] each)."""
+    """RMSNorm of heads as two halves, HF rounding to ``dt``; ``axis`` None: a head, 1: rows."""
     f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
     keep = axis is not None
     var = (jnp.sum(f1 * f1, axis=axis, keepdims=keep) + jnp.sum(f2 * f2, axis=axis,
@@ -132,7 +128,6 @@ def _rms_norm_halves(x1, x2, w1, w2, H, eps, dt, axis):
 
 
 def _rope_halves(x1, x2, c, sn):
-    """HF ``rotate_half`` RoPE on the two halves, in float32."""
     f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
     return f1 * c - f2 * sn, f2 * c + f1 * sn
 
@@ -187,12 +182,11 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                  k_scale: jax.Array | None = None, v_scale: jax.Array | None = None
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`reference.qkv_prologue`'s contract in one Pallas launch (H/2 a power of 2; slots and layer
-    out of range write out of bounds). grid (module docstring): "group", S * (K + 2) programs (K
-    and rows per group, ``q_group_rows`` or G, powers of 2); "head", S * (K * rows + 2K); "auto":
-    "head" while that fits about one wave (4096), else "group" where it applies
-    (BENCHMARKS.md section "Throughput"). num_warps: None: 1 for "head", 2 for "group". ValueError:
-    `reference.check_args`, `kv_quant.check_scales`; H/2 not a power of 2; ``grid`` unknown, or
-    "group" where it can't."""
+    out of range write out of bounds). grid: "group", S * (K + 2) programs (K and rows per group,
+    ``q_group_rows`` or G, powers of 2); "head", S * (K * rows + 2K); "auto": "head" while that fits
+    about one wave (4096; BENCHMARKS.md "Throughput"), else "group" where it applies. num_warps
+    None: 1 for "head", 2 for "group". ValueError: `reference.check_args`, `kv_quant.check_scales`;
+    H/2 not a power of 2; ``grid`` unknown, or "group" where it can't."""
     args = (qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool)
     S, N, K, H = check_args(*args, num_heads, num_kv_heads, q_group_rows)
     check_scales(k_pool, k_scale, v_scale)

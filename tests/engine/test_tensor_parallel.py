@@ -308,6 +308,7 @@ def main_two_processes(process_id: int, port: int) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
     if len(sys.argv) > 1:
         main_two_processes(int(sys.argv[1]), int(sys.argv[2]))
     else:

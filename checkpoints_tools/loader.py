@@ -2,8 +2,6 @@
 (`detect_format`): "gguf", a ``*.gguf`` file (`gguf_loader`); "orbax", a dir with
 ``jaxinfer_config.json`` (`orbax_io`); "hf", a dir with ``config.json`` and safetensors."""
 
-from __future__ import annotations
-
 import json
 import os
 from dataclasses import dataclass

@@ -6,8 +6,6 @@ tied; a differing one -> untied; UserWarning if ``tie_word_embeddings`` disagree
 -> tree ``[in, out]``; q/k/v_proj fill ``wqkv``, gate/up ``w_gate_up``. HF FP8 checkpoints: fp8
 matrices stay fp8; ``weight_scale_inv`` fills ``<param>_scale`` (`scale_parts`)."""
 
-from __future__ import annotations
-
 import re
 import warnings
 from typing import Any, Iterable, Mapping, NamedTuple, Union

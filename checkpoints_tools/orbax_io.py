@@ -2,8 +2,6 @@
 ``tokenizer/`` (``save_pretrained``), ``jaxinfer_config.json`` ({"format", "version",
 "model_config", "eos_token_ids", "dtype"}; written last, atomically: present means complete)."""
 
-from __future__ import annotations
-
 import json
 import os
 from typing import Any, Mapping, Sequence

@@ -1,7 +1,5 @@
 """Argument checks shared by the library and the host side (imports nothing of jaxinfer, no JAX)."""
 
-from __future__ import annotations
-
 import numbers
 
 

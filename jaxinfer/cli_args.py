@@ -2,8 +2,6 @@
 ``scripts/plan_memory.py``): a parser whose errors are one line (`fail`), and for the engine's command
 lines ``--model``, the engine options built from `EngineConfig` and ``--model`` -> `LLM`."""
 
-from __future__ import annotations
-
 import argparse
 import dataclasses
 import os

@@ -2,8 +2,6 @@
 settings, vLLM meanings), `KernelConfig`; `resolve` makes "auto" concrete (`ResolvedConfig`). A bad
 value raises ValueError naming the field, the value and what is allowed. No JAX."""
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import os

@@ -2,8 +2,6 @@
 or a GGUF file -> an Orbax checkpoint directory that ``load_model`` reads without conversion.
 Errors: one line ``error: ...`` on stderr, exit status 2 (SRC checked before any tensor is read)."""
 
-from __future__ import annotations
-
 import argparse
 import os
 import shutil

@@ -1,8 +1,6 @@
 """CLI: ``python -m jaxinfer.generate --prompt "..." [--chat] [--stream]``. Bad input: a stderr
 line, exit code 2 (valid prompts still run)."""
 
-from __future__ import annotations
-
 import argparse
 import json
 import os

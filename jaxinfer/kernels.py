@@ -4,8 +4,6 @@
 *, layer, scale, soft_cap=None, sliding_window=None, num_heads=None, k_scale=None, v_scale=None)
 -> [B, T, N, H] (k_scale, v_scale: f32[L, K] of fp8 pools, `pallas_kernels.kv_quant`)."""
 
-from __future__ import annotations
-
 import functools
 import importlib
 from dataclasses import dataclass

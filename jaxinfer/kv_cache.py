@@ -1,7 +1,5 @@
 """Paged KV cache, a pytree through the jitted step (donated); padding writes to `NULL_PAGE`."""
 
-from __future__ import annotations
-
 import dataclasses
 from dataclasses import dataclass
 

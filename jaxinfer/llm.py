@@ -1,7 +1,5 @@
 """`LLM`: the offline-inference API (vLLM's names: `LLM.generate`, `SamplingParams`, `RequestOutput`)."""
 
-from __future__ import annotations
-
 import dataclasses
 import os
 from typing import Callable, Sequence as Seq

@@ -2,8 +2,6 @@
 the files and maps tensor names onto `jaxinfer.models.abstract_params`. EOS ids (CASES.md C4): the
 union, first-seen order, of the tokenizer's, the generation config's and the config's."""
 
-from __future__ import annotations
-
 import dataclasses
 import os
 from typing import Any, NamedTuple

@@ -4,8 +4,6 @@ it when called). num_pages = (usable - used) // (page_size x kv_bytes_per_token)
 included; bytes per device under tensor parallelism (weights and KV heads split over the
 devices). Capacity plans from these formulas: ``scripts/plan_memory.py``."""
 
-from __future__ import annotations
-
 import csv
 import os
 import time

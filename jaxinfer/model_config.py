@@ -2,8 +2,6 @@
 metadata or a saved dict), and its tensor-parallel form (`check_tp`, `tp_model_config`). A bad
 value raises ValueError naming the field, the value and what is allowed. Imports no JAX."""
 
-from __future__ import annotations
-
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping

@@ -1,8 +1,6 @@
 """Output processing (host side, no JAX) for the library, the CLI and a server: detokenisation,
 stop strings, streaming deltas and `RequestOutput` (vLLM's names, shapes and rules)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from typing import Callable
 

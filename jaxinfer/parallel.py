@@ -5,8 +5,6 @@ and down); vLLM (vocabulary-split embedding and lm_head, one KV head copy per de
 Canonical: the one-device tree (`init_params`, loaders). Engine (tp > 1): `tp_model_config`'s tree
 (K' = max(K, tp) KV heads), fused matrices' columns grouped by device (`engine_layout`)."""
 
-from __future__ import annotations
-
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P

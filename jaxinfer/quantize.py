@@ -2,8 +2,6 @@
 float8_e4m3fn plus an f32 ``<name>_scale`` leaf (`jaxinfer.models.layers.declare_weight`); embed,
 lm_head, norms kept. Source: Micikevicius et al. 2022, "FP8 Formats for Deep Learning"."""
 
-from __future__ import annotations
-
 import functools
 
 import jax

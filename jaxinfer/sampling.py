@@ -6,8 +6,6 @@ off); 5. top-p, top token kept (C5); 6. min-p (arXiv:2407.01082); 7. Gumbel-max,
 ``fold_in(key(seed), step_idx)``. 4-5 on one stable descending sort (ties: lower id first), if a
 sampled row uses them. NaN logits count as -inf, +inf as the largest float32: ids in [0, V)."""
 
-from __future__ import annotations
-
 import dataclasses
 from typing import Any
 

@@ -1,7 +1,5 @@
 """Per-request sampling parameters, vLLM's names and defaults (host side; imports no JAX)."""
 
-from __future__ import annotations
-
 import functools
 import math
 import numbers

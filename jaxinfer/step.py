@@ -1,8 +1,6 @@
 """The jit entry point: a step is ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')``
 (logprobs: a dict), KV donated, compiled per `ShapeKey` and GEMM back-end (`StepExecutor`)."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import logging

@@ -2,8 +2,6 @@
 (`allocate`), the int32 transfer buffer (`pack`) and its unpacking (`jaxinfer.step.unpack`); the
 layout depends on the `ShapeKey` alone. Padded rows have ``seq_len`` 0 and null-page tables."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 from typing import NamedTuple
 

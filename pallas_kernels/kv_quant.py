@@ -3,8 +3,6 @@ float8_e4m3fn and read back as ``stored.astype(f32) * scale``, one f32 scale per
 (``k_scale``, ``v_scale`` f32[L, K]); other pools store ``x`` as it is. Source: vLLM's
 ``kv_cache_dtype="fp8"``; Micikevicius et al. 2022 (FP8 formats, e4m3 max 448)."""
 
-from __future__ import annotations
-
 import jax
 import jax.numpy as jnp
 

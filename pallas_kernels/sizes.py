@@ -1,7 +1,5 @@
 """Integer size helpers of the kernels (Triton block shapes are powers of 2); `raise_first`."""
 
-from __future__ import annotations
-
 import numbers
 
 

@@ -1,7 +1,5 @@
 """A `ScheduledBatch` as a padded, bucketed `HostBatch` (host side, no JAX; `step_input` schema)."""
 
-from __future__ import annotations
-
 import bisect
 from dataclasses import dataclass
 

@@ -1,7 +1,5 @@
 """Host-only dry run of `StepLoop`: the steps requests visit (`LLMEngine.plan_shapes`)."""
 
-from __future__ import annotations
-
 from typing import Iterable
 
 from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch

@@ -1,7 +1,5 @@
 """LLMEngine: token ids in, `RequestOutput`s out; over `Scheduler`, `StepExecutor`, `StepLoop`."""
 
-from __future__ import annotations
-
 import itertools
 import time
 from typing import Callable

@@ -1,8 +1,6 @@
 """Step log-probabilities -> `Sequence` records (host side, no JAX): vLLM's per position ``{token
 id: (logprob, rank)}``, the chosen token, then the top k (ranks 1..k, overwriting it)."""
 
-from __future__ import annotations
-
 import numpy as np
 
 

@@ -2,8 +2,6 @@
 flight first if it must be (synchronous, or a penalty reading the row's history); schedule and
 launch the next; complete the previous while it runs. Source: vLLM v1 asynchronous scheduling."""
 
-from __future__ import annotations
-
 import time
 from dataclasses import dataclass
 from typing import Any, Callable

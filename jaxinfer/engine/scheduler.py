@@ -7,8 +7,6 @@ pages (at most (tokens - 1) // page_size, none for ``prompt_logprobs``), a seque
 an admitted one computes waits in place, and `postprocess` publishes filled pages. Sources:
 nano-vllm ``Scheduler``; vLLM v1 chunked prefill, prefix caching, async scheduling (SARATHI)."""
 
-from __future__ import annotations
-
 import time
 from collections import deque
 from dataclasses import dataclass, field

@@ -1,7 +1,5 @@
 """One request's host-side state (imports no JAX). Source: nano-vllm / vLLM ``Sequence``."""
 
-from __future__ import annotations
-
 import enum
 import time
 from dataclasses import dataclass, field

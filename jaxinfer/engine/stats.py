@@ -1,7 +1,5 @@
 """Engine counters and the per-step log (host side, no JAX), never read by the engine itself."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 from typing import NamedTuple
 

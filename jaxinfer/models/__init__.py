@@ -1,8 +1,6 @@
 """The models as pure functions of (params, inputs, KV state), by ``cfg.architecture``; ``params``:
 the tree the Flax modules declare (`jaxinfer.models.llama`), shapes from `abstract_params`."""
 
-from __future__ import annotations
-
 import math
 
 import jax

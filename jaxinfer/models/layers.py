@@ -3,8 +3,6 @@ RMSNorm statistics, RoPE and attention softmax in f32. Weights ``[in, out]``. So
 ``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``),
 Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU)."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import math

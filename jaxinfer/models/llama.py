@@ -12,8 +12,6 @@ layer i writes the K/V pools at static index i. Sources: Touvron et al. 2023 (Ll
 (Llama 3); HF ``modeling_llama.py``; Qwen Team 2025, "Qwen3 Technical Report" (QK-Norm), HF
 ``modeling_qwen3.py``."""
 
-from __future__ import annotations
-
 import functools
 from typing import Any
 

@@ -2,8 +2,6 @@
 the OpenAI-compatible server, engine options as ``jaxinfer.generate``. Bad options: one line on
 stderr, exit code 2. SIGINT/SIGTERM: stop accepting, abort all after ``--shutdown-timeout``."""
 
-from __future__ import annotations
-
 import os
 import sys
 import threading

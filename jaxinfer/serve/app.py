@@ -1,8 +1,6 @@
 """The FastAPI app (vLLM's ``api_server.py``): routes to `completions` and `chat`, /v1/models,
 /health, /metrics; the engine thread's lifespan; 401 without the API key, 413 over the limit."""
 
-from __future__ import annotations
-
 import contextlib
 import itertools
 

@@ -1,8 +1,6 @@
 """``POST /v1/chat/completions`` (vLLM's ``serving_chat.py``): the messages in the model's chat
 template; logprobs with ``logprobs`` + ``top_logprobs``; a stream opens with the assistant role."""
 
-from __future__ import annotations
-
 from fastapi import Request
 
 from jaxinfer.serve import protocol as P

@@ -1,8 +1,6 @@
 """``POST /v1/completions`` (vLLM's ``serving_completion.py``): choice ``i * n + j`` is sample j of
 prompt i; and `OpenAIServing`, what the endpoints share (vLLM's ``serving_engine.py``)."""
 
-from __future__ import annotations
-
 import asyncio
 import json
 

@@ -1,7 +1,5 @@
 """Prometheus metrics (vLLM's ``vllm:*`` as ``jaxinfer:*``), a registry per server; no JAX."""
 
-from __future__ import annotations
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)

@@ -2,8 +2,6 @@
 commands (`submit`, `abort`) and gets events on asyncio queues; new requests join between steps.
 Source: vLLM's ``AsyncLLM`` / output handler, one process. Host side, no JAX."""
 
-from __future__ import annotations
-
 import asyncio
 import contextlib
 import logging

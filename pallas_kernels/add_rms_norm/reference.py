@@ -3,8 +3,6 @@
 statistics, normalized value rounded to x.dtype before the weight multiply, weight cast to x.dtype.
 Sources: Zhang & Sennrich 2019 (RMSNorm); vLLM ``fused_add_rms_norm`` (layernorm_kernels.cu)."""
 
-from __future__ import annotations
-
 import numbers
 
 import jax

@@ -1,7 +1,5 @@
 """Residual add + RMSNorm as one Pallas/Triton kernel; contract and sources: `reference.py`."""
 
-from __future__ import annotations
-
 import functools
 
 import jax

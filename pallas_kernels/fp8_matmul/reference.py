@@ -2,8 +2,6 @@
 (per output channel) -> ``((x.f32 @ w.f32) * scale)`` as bf16 [M, N]; the same function as
 `jaxinfer.models.layers.dense` with a per-channel fp8 `Weight`, up to where it rounds."""
 
-from __future__ import annotations
-
 import jax
 import jax.numpy as jnp
 

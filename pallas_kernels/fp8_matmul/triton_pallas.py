@@ -6,8 +6,6 @@ path: bf16 ``dot`` of x and the upcast tile, f32 accumulation. The per-channel s
 the epilogue; ``splits > 1``: f32 partials summed by XLA. Sources: split-K GEMV (vLLM/TensorRT-LLM
 fp8 weight-only kernels); W8A16 "upcast after load" (tokamax's sm90 quantized GEMM)."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 

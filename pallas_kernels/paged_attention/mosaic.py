@@ -5,8 +5,6 @@ read as ``[L * P, ...]`` + ``layer * P`` (`layer_offsets`). Sources: Dao et al. 
 (FlashAttention), 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's
 attention_mgpu.py."""
 
-from __future__ import annotations
-
 import dataclasses
 import functools
 import math

@@ -4,8 +4,6 @@ query heads of KV head k as one ``[block_q * G_PAD, H]`` matrix (row r: token ``
 ``r % G_PAD``; G zero-padded to a power of 2); online softmax and fp8 pages as `triton_pallas`.
 Sources: Dao 2023 (FlashAttention-2); Kwon et al. 2023 (PagedAttention)."""
 
-from __future__ import annotations
-
 import functools
 
 import jax

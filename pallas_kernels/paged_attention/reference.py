@@ -3,8 +3,6 @@ page_size, H]``; softmax(scale * q k^T [soft-capped], masked) v per query head; 
 reads KV head n // G; fp8 pools dequantised on read (`pallas_kernels.kv_quant`). Source: Kwon et al.
 2023 (PagedAttention, vLLM); JAX's in-tree kernel tests (gather, then dense)."""
 
-from __future__ import annotations
-
 import jax
 import jax.numpy as jnp
 

@@ -2,8 +2,6 @@
 `reference.paged_decode_attention`'s arguments, prefill (`prefill_names`, `get_prefill`)
 `reference.paged_attention`'s, plus ``interpret=False, **tuning``."""
 
-from __future__ import annotations
-
 import importlib
 from typing import Callable
 

@@ -5,8 +5,6 @@ f32; ``k_splits > 1``: partials merged by `combine_splits`. fp8 pages (`kv_quant
 dtype, the K scale folded into the logit scale, the V scale into the output. Sources: Dao et al.
 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's pallas.ops.gpu.paged_attention."""
 
-from __future__ import annotations
-
 import functools
 import math
 

@@ -3,8 +3,6 @@ group, dtype)`` -> `KNOBS`. Records of ``tuned_h200.json`` (scripts/tune_paged_a
 ``{"variant", "device_kind", "page_size", "head_dim", "group", "dtype", "knobs": {...}}``) win over
 the device kind's `BUILTIN` entry, which wins over `DEFAULTS`."""
 
-from __future__ import annotations
-
 import json
 from pathlib import Path
 

@@ -5,8 +5,6 @@ rounded to the compute dtype before the weight multiply, RoPE in f32, results in
 K/V cast to the pools' dtype (fp8: `kv_quant.quantize`). Sources: Zhang & Sennrich 2019 (RMSNorm);
 Su et al. 2021 (RoPE); Qwen Team 2025 (QK-Norm); Kwon et al. 2023 (paged KV, slot mapping)."""
 
-from __future__ import annotations
-
 import jax
 import jax.numpy as jnp
 

@@ -3,8 +3,6 @@
 key or value head); "group", one per (token, KV group of query heads), plus one for the keys and one
 for the values. The pools alias the outputs. Sources: as `reference.py`."""
 
-from __future__ import annotations
-
 import functools
 
 import jax

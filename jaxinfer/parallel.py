@@ -10,10 +10,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer import models
+from jaxinfer.kv_cache import AXIS
 from jaxinfer.model_config import ModelConfig, tp_model_config
 
-AXIS = "tp"
-KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]: split over K'
 
 
 def make_mesh(tp: int) -> Mesh:

@@ -7,10 +7,27 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.models.layers import expand_scale, scale_shape
 from pallas_kernels.kv_quant import FP8, FP8_MAX  # e4m3, the format of the fp8 KV pages too
 
 QUANTIZED = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+def scale_shape(shape: tuple[int, int], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """Shape of the f32 scale of an fp8 matrix ``shape`` [in, out]: per output channel [out]
+    (``block`` None), or per HF block ``(block_out, block_in)``: [ceil(in/bi), ceil(out/bo)]."""
+    if block is None:
+        return (shape[1],)
+    return (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
+
+
+def expand_scale(scale: jax.Array, shape: tuple[int, int],
+                 block: tuple[int, int] | None) -> jax.Array:
+    """A `scale_shape` scale broadcast to the elements of its matrix: f32[in, out] (per channel:
+    f32[1, out]); block ``(block_out, block_in)`` as in `scale_shape`."""
+    if block is None:
+        return scale[None, :]
+    rows = jnp.repeat(scale, block[1], axis=0)[:shape[0]]
+    return jnp.repeat(rows, block[0], axis=1)[:, :shape[1]]
 
 
 @functools.partial(jax.jit, static_argnames="block")

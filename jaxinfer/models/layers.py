@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.quantize import expand_scale, scale_shape
 from jaxinfer.step_input import names
 from pallas_kernels.add_rms_norm import reference as add_rms_norm_reference
 
@@ -30,24 +31,6 @@ def fused_parts(cfg, shards: int = 1) -> dict[str, dict[str, slice]]:
     return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
                      "v": slice((N + K) * H, (N + 2 * K) * H)},
             "w_gate_up": {"gate": slice(0, F), "up": slice(F, 2 * F)}}
-
-
-def scale_shape(shape: tuple[int, int], block: tuple[int, int] | None) -> tuple[int, ...]:
-    """Shape of the f32 scale of an fp8 matrix ``shape`` [in, out]: per output channel [out]
-    (``block`` None), or per HF block ``(block_out, block_in)``: [ceil(in/bi), ceil(out/bo)]."""
-    if block is None:
-        return (shape[1],)
-    return (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
-
-
-def expand_scale(scale: jax.Array, shape: tuple[int, int],
-                 block: tuple[int, int] | None) -> jax.Array:
-    """A `scale_shape` scale broadcast to the elements of its matrix: f32[in, out] (per channel:
-    f32[1, out]); block ``(block_out, block_in)`` as in `scale_shape`."""
-    if block is None:
-        return scale[None, :]
-    rows = jnp.repeat(scale, block[1], axis=0)[:shape[0]]
-    return jnp.repeat(rows, block[0], axis=1)[:, :shape[1]]
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "scale"],

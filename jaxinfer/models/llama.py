@@ -21,10 +21,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.kernels import ModelKernels
-from jaxinfer.kv_cache import KVCache
+from jaxinfer.kv_cache import AXIS, KV_POOL_SPEC, KVCache
 from jaxinfer.models.layers import (MLP, AddRMSNorm, Packing, StepContext, attend, declare_weight,
                                     dense, dense_init, rope_cos_sin, rope_inv_freq, shared)
-from jaxinfer.parallel import AXIS, KV_POOL_SPEC
 from pallas_kernels.qkv_prologue import reference as qkv_reference
 from pallas_kernels.sizes import round_up
 

@@ -2,6 +2,8 @@
 settings, vLLM meanings), `KernelConfig`; `resolve` makes "auto" concrete (`ResolvedConfig`). A bad
 value raises ValueError naming the field, the value and what is allowed. No JAX."""
 
+from __future__ import annotations  # the field types stay strings: `_check` and cli_args read them
+
 import dataclasses
 import logging
 import os

@@ -21,7 +21,7 @@ from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.stats import EngineStats, StepRecord
 from jaxinfer.kernels import model_kernels
-from jaxinfer.kv_cache import KVCache, init_kv_cache
+from jaxinfer.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache
 from jaxinfer.outputs import OutputProcessor, RequestOutput
 from jaxinfer.quantize import quantize_params
 from jaxinfer.sampling_params import SamplingParams
@@ -94,7 +94,7 @@ class LLMEngine:
 
     def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
-            pools = None if self.mesh is None else NamedSharding(self.mesh, parallel.KV_POOL_SPEC)
+            pools = None if self.mesh is None else NamedSharding(self.mesh, KV_POOL_SPEC)
             return init_kv_cache(self.run_config, self.num_pages, self.page_size,
                                  jnp.dtype(self.resolved.kv_dtype), pools)
         except jax.errors.JaxRuntimeError as e:

@@ -1,5 +1,6 @@
-"""Print the KV-cache memory plan of a model on a device (capacity planning; the engine sizes its
-pool with `jaxinfer.memory.engine_pool_pages`).
+"""Print the KV-cache memory plan of a model on a device.
+
+Capacity planning; the engine sizes its pool with `jaxinfer.memory.engine_pool_pages`.
 
     python scripts/plan_memory.py --model qwen3-8b --context 4096 --device-memory-gib 141
     python scripts/plan_memory.py --model /path/to/hf_dir_or.gguf --context 8192 --kv-dtype fp8

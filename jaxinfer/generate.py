@@ -144,7 +144,7 @@ def _main(argv: list[str] | None = None) -> int:
     print(f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "
           f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
           f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
-          f"compilation included), compiles: {llm.engine.stats.num_compiles}", file=info)
+          f"compilation included), compiles: {llm.engine.stats().num_compiles}", file=info)
     if args.memory_trace:
         try:
             llm.engine.memory.write_csv(args.memory_trace)

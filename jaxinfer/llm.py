@@ -12,9 +12,10 @@ from jaxinfer import loading, memory, parallel
 from jaxinfer.checks import is_int
 from jaxinfer.config import EngineConfig, ModelConfig, check_platform, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.quantize import quantize_params
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 
 _Params = SamplingParams | Seq[SamplingParams] | None
 
@@ -106,9 +107,9 @@ class LLM:
                                     tokenizer=tokenizer, quantization=resolved.quantization,
                                     on_host=ec.tensor_parallel_size > 1)  # tp > 1: engine shards
         self.model_path, self.tokenizer = ckpt.path, loaded.tokenizer
-        self.engine = LLMEngine(loaded.config, loaded.params,
-                                dataclasses.replace(resolved, model=loaded.config),
-                                eos_token_ids=loaded.eos_token_ids,
+        runner = ModelRunner(loaded.config, loaded.params,
+                             dataclasses.replace(resolved, model=loaded.config))
+        self.engine = LLMEngine(runner, eos_token_ids=loaded.eos_token_ids,
                                 detokenize=None if skip_tokenizer_init else self._detokenize)
 
     @classmethod
@@ -133,7 +134,7 @@ class LLM:
         if resolved.quantization is not None:
             params = quantize_params(params, config.weight_block_size)
         eos = (getattr(tokenizer, "eos_token_id", None), *config.eos_token_ids)
-        self.engine = LLMEngine(config, params, resolved,
+        self.engine = LLMEngine(ModelRunner(config, params, resolved),
                                 eos_token_ids=tuple(dict.fromkeys(t for t in eos if t is not None)),
                                 detokenize=None if tokenizer is None else self._detokenize)
         return self
@@ -238,21 +239,20 @@ class LLM:
         bar = tqdm(total=len(requests), desc="generating", unit="req",
                    disable=not (use_tqdm and len(requests) > 1))
         outputs: dict[int, RequestOutput] = {}
-        sent = {i: (0, "") for i in requests}
+        kind = RequestOutputKind.FINAL_ONLY if stream is None else RequestOutputKind.DELTA
         try:
-            rid_of = {i: self.engine.add_request(ids, sp) for i, (ids, sp) in requests.items()}
-            index_of = {rid: i for i, rid in rid_of.items()}
+            index_of = {self.engine.add_request(ids, dataclasses.replace(sp, output_kind=kind),
+                                                prompt=texts[i]): i
+                        for i, (ids, sp) in requests.items()}
             while self.engine.has_unfinished():
-                finished = self.engine.step()
-                for i, rid in rid_of.items() if stream is not None else ():
-                    if i not in outputs and (d := self.engine.outputs.stream_delta(
-                            self.engine.sequence(rid), sent[i])) is not None:
-                        ids, delta, sent[i] = d
-                        stream(i, ids, delta)
-                for rid in finished:
-                    i = index_of[rid]
-                    outputs[i] = self.engine.pop_output(rid, texts[i])
-                    bar.update(1)
+                for out in self.engine.step():
+                    i = index_of[out.request_id]
+                    if stream is not None:
+                        for c in out.outputs:
+                            if c.index == 0 and (c.token_ids or c.text):
+                                stream(i, list(c.token_ids), c.text)
+                    outputs[i] = outputs[i].add(out) if i in outputs else out
+                    bar.update(out.finished)
         except BaseException:
             self.engine.abort_all()
             raise

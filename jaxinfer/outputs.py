@@ -1,8 +1,11 @@
 """Output processing (host side, no JAX) for the library, the CLI and a server: detokenisation,
 stop strings, streaming deltas and `RequestOutput` (vLLM's names, shapes and rules)."""
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
+
+from jaxinfer.sampling_params import RequestOutputKind
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,31 @@ class RequestOutput:
     def token_ids(self) -> tuple[int, ...]:
         return self.outputs[0].token_ids if self.outputs else ()
 
+    def add(self, delta: "RequestOutput") -> "RequestOutput":
+        """This output with the later DELTA output ``delta`` of the same request appended (vLLM's
+        ``RequestOutput.add``): text, token ids and logprobs joined per sample index; finish
+        reasons, stop reasons, cumulative logprobs, metrics and ``finished`` from ``delta``."""
+        outs = {c.index: c for c in self.outputs}
+        for c in delta.outputs:
+            old = outs.get(c.index)
+            outs[c.index] = c if old is None else dataclasses.replace(
+                c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
+                logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs)
+        return dataclasses.replace(delta, outputs=sorted(outs.values(), key=lambda c: c.index),
+                                   prompt_logprobs=self.prompt_logprobs or delta.prompt_logprobs)
+
+
+@dataclass
+class RequestState:
+    """A request in the engine: its samples (index order), prompt text, output kind, and per
+    sample what was sent, `OutputProcessor.stream_delta`'s (tokens, text); None: finish sent."""
+
+    seqs: list
+    prompt: str | None
+    kind: RequestOutputKind
+    sent: list
+    acc: RequestOutput | None = None  # CUMULATIVE: the output so far
+
 
 class OutputProcessor:
     """A `Sequence`'s text and outputs with ``detokenize(ids, skip_special_tokens=...,
@@ -78,6 +106,50 @@ class OutputProcessor:
 
     def __init__(self, detokenize: Callable[..., str] | None) -> None:
         self.detokenize = detokenize
+        self.requests: dict[str, RequestState] = {}  # request id -> its state
+
+    def add(self, rid: str, seqs: list, prompt: str | None) -> None:
+        """Track request ``rid``'s samples ``seqs``; its kind is ``seqs[0].params.output_kind``."""
+        self.requests[rid] = RequestState(seqs, prompt, seqs[0].params.output_kind,
+                                          [(0, "")] * len(seqs))
+
+    def outputs(self, rids) -> list[RequestOutput]:
+        """The outputs due for requests ``rids`` (those a step touched or aborted), by each one's
+        kind; a finished request's last output is its final one, and it is forgotten."""
+        outs = []
+        for rid in dict.fromkeys(rids):
+            if (st := self.requests.get(rid)) is None:
+                continue
+            done = all(s.is_finished for s in st.seqs)
+            if st.kind is RequestOutputKind.FINAL_ONLY:
+                out = self.request_output(st.seqs, st.prompt) if done else None
+            elif (out := self._delta_output(st, done)) is not None and \
+                    st.kind is RequestOutputKind.CUMULATIVE:
+                out = st.acc = out if st.acc is None else st.acc.add(out)
+            if done:
+                del self.requests[rid]
+            if out is not None:
+                outs.append(out)
+        return outs
+
+    def _delta_output(self, st: RequestState, done: bool) -> RequestOutput | None:
+        """What is new in ``st``'s samples since the last output (`stream_delta`; the first
+        output carries the prompt logprobs), a finished sample's finish reason once; None:
+        nothing new."""
+        comps, first = [], all(x == (0, "") for x in st.sent)
+        for seq in st.seqs:
+            i, sent = seq.index, st.sent[seq.index]
+            d = None if sent is None else self.stream_delta(seq, sent)
+            if sent is None or d is None and not seq.is_finished:
+                continue
+            ids, text, st.sent[i] = d or ([], "", sent)
+            lps = None if seq.logprobs is None else seq.logprobs[sent[0]:sent[0] + len(ids)]
+            if seq.is_finished:
+                st.sent[i] = None
+            comps.append(CompletionOutput(i, text, tuple(ids), seq.finish_reason,
+                                          self._stop_reason(seq), seq.cumulative_logprob,
+                                          self._logprobs(lps)))
+        return None if not comps else self.request_output(st.seqs, st.prompt, comps, first)
 
     def _decode(self, ids, params) -> str:
         return self.detokenize(list(ids), skip_special_tokens=params.skip_special_tokens,
@@ -146,24 +218,30 @@ class OutputProcessor:
         return [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
                 for e in entries]
 
+    @staticmethod
+    def _stop_reason(seq) -> int | str | None:
+        return seq.output_token_ids[-1] if seq.ended_on_stop_token else seq.stop_string
+
     def completion(self, seq) -> CompletionOutput:
-        ids = seq.output_token_ids
-        stop_reason = ids[-1] if seq.ended_on_stop_token else seq.stop_string
-        return CompletionOutput(index=seq.index, text=self.visible_text(seq), token_ids=tuple(ids),
-                                finish_reason=seq.finish_reason, stop_reason=stop_reason,
+        return CompletionOutput(index=seq.index, text=self.visible_text(seq),
+                                token_ids=tuple(seq.output_token_ids),
+                                finish_reason=seq.finish_reason, stop_reason=self._stop_reason(seq),
                                 cumulative_logprob=seq.cumulative_logprob,
                                 logprobs=self._logprobs(seq.logprobs))
 
-    def request_output(self, seqs, prompt: str | None) -> RequestOutput:
-        """The `RequestOutput` of a request's samples ``seqs`` (index order)."""
-        first = seqs[0]
+    def request_output(self, seqs, prompt: str | None, outputs: list | None = None,
+                       prompt_logprobs: bool = True) -> RequestOutput:
+        """The `RequestOutput` of a request's samples ``seqs`` (index order): ``outputs`` (None:
+        each sample's `completion`); metrics once all finished."""
+        first, finished = seqs[0], all(s.is_finished for s in seqs)
+        metrics = RequestMetrics(
+            first.arrival_time,
+            min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+            max((s.finish_time for s in seqs if s.finish_time), default=None),
+            sum(s.num_preemptions for s in seqs)) if finished else None
         return RequestOutput(
             request_id=first.parent_id, prompt=prompt, prompt_token_ids=tuple(first.prompt_token_ids),
-            outputs=[self.completion(s) for s in seqs], finished=all(s.is_finished for s in seqs),
-            metrics=RequestMetrics(first.arrival_time,
-                                   min((s.first_token_time for s in seqs if s.first_token_time),
-                                       default=None),
-                                   max((s.finish_time for s in seqs if s.finish_time), default=None),
-                                   sum(s.num_preemptions for s in seqs)),
-            prompt_logprobs=self._logprobs(first.prompt_logprobs),
+            outputs=[self.completion(s) for s in seqs] if outputs is None else outputs,
+            finished=finished, metrics=metrics,
+            prompt_logprobs=self._logprobs(first.prompt_logprobs) if prompt_logprobs else None,
             num_cached_tokens=first.num_cached_tokens)

@@ -1,5 +1,6 @@
 """Per-request sampling parameters, vLLM's names and defaults (host side; imports no JAX)."""
 
+import enum
 import functools
 import math
 import numbers
@@ -9,6 +10,15 @@ from jaxinfer.checks import is_int
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (argmax; vLLM's _SAMPLING_EPS)
 MAX_LOGPROBS = 20  # most top log-probabilities per position (vLLM's default max_logprobs)
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step` returns for a request (vLLM's): CUMULATIVE: everything so far, each
+    step it grows; DELTA: what is new since the last output; FINAL_ONLY: one output, at the end."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 _int = functools.partial(is_int, numpy=True)  # (v, lo=None): a Python or NumPy int, not a bool
@@ -57,6 +67,8 @@ _RULES = (  # field, valid(value), what is allowed, normalise
     *((name, lambda b: isinstance(b, bool), "must be a bool", bool)
       for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                    "include_stop_str_in_output")),
+    ("output_kind", lambda k: isinstance(k, RequestOutputKind),
+     f"must be a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})", lambda k: k),
 )
 
 
@@ -73,7 +85,8 @@ class SamplingParams:
     the text unless ``include_stop_str_in_output``. stop_token_ids: end generation (finish "stop"),
     even with ``ignore_eos``. n: samples of the prompt, sample i seeded by (seed, i). logit_bias:
     {token id: bias} added to the logits, clipped to [-100, 100]. logprobs / prompt_logprobs: k: the
-    chosen (prompt) token's raw log-probability and the top k. ValueError: a bad value (named)."""
+    chosen (prompt) token's raw log-probability and the top k. output_kind: `RequestOutputKind`.
+    ValueError: a bad value (named)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -95,6 +108,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         for name, ok, allowed, norm in _RULES:

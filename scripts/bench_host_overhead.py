@@ -53,6 +53,7 @@ def main() -> None:
     import jaxinfer.engine.llm_engine as le
     from jaxinfer import models
     from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve
+    from jaxinfer.engine.model_runner import ModelRunner
     from jaxinfer.kernels import model_kernels
     from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.step_input import pack
@@ -72,7 +73,7 @@ def main() -> None:
     ec = EngineConfig(max_model_len=args.context, page_size=ps, num_pages=B * pages + 1,
                       max_num_seqs=B, max_num_batched_tokens=max(2048, prompt_len),
                       dtype="bfloat16", kernels=kernels)
-    eng = le.LLMEngine(cfg, params, resolve(cfg, ec, jax.default_backend()))
+    eng = le.LLMEngine(ModelRunner(cfg, params, resolve(cfg, ec, jax.default_backend())))
     rng = np.random.default_rng(0)
     for _ in range(B):
         eng.add_request(rng.integers(0, min(10000, cfg.vocab_size), prompt_len).tolist(),
@@ -106,20 +107,20 @@ def main() -> None:
     t_sync = timed(False)
     hb = captured["hb"]
     assert hb.tokens.shape[0] == B, hb.tokens.shape
-    step = eng.executor.step_fn(hb.key)
-    kv, buf = eng.kv, jax.device_put(pack(hb))
-    prev = jnp.zeros((eng.buckets.batch[-1],), jnp.int32)
+    step = eng.runner.executor.step_fn(hb.key)
+    kv, buf = eng.runner.kv, jax.device_put(pack(hb))
+    prev = jnp.zeros((eng.runner.buckets.batch[-1],), jnp.int32)
     static = dict(key=hb.key, cfg=cfg, kernels=model_kernels(eng.resolved.kernels))
 
     def run(kv):  # the engine's packed step on the same inputs, back to back (kv donated)
-        return step(eng.params, kv, buf, prev, **static)
+        return step(eng.runner.params, kv, buf, prev, **static)
     t_dev, kv = time_steps(run, kv, args.steps)
 
     commit = git_commit()
     meta = dict(bench="host_overhead", layers=args.layers, B=B, context=args.context,
                 kernels=args.kernels, attention=eng.resolved.kernels.decode_attention,
                 qkv_prologue=eng.resolved.kernels.qkv_prologue,
-                add_rms_norm=eng.resolved.kernels.add_rms_norm, compiles=eng.stats.num_compiles,
+                add_rms_norm=eng.resolved.kernels.add_rms_norm, compiles=eng.stats().num_compiles,
                 jax=jax.__version__,
                 device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
                 commit=commit, xla_flags=xla_flags())

@@ -88,19 +88,19 @@ def timed(llm, prompts, params, *, caching: bool) -> tuple[dict, list]:
     eng.block_manager.enable_prefix_caching = caching
     reqs = [{"prompt_token_ids": p} for p in prompts]
     pre = llm.precompile(reqs, params)
-    lazy, hits, queries = (eng.stats.num_lazy_compiles, eng.stats.prefix_cache_hits,
-                           eng.stats.prefix_cache_queries)
+    lazy, hits, queries = (eng.stats().num_lazy_compiles, eng.stats().prefix_cache_hits,
+                           eng.stats().prefix_cache_queries)
     t = time.perf_counter()
     outs = llm.generate(reqs, params)
     dt = time.perf_counter() - t
     n_out = sum(len(c.token_ids) for o in outs for c in o.outputs)
     ttft = [o.metrics.ttft_s for o in outs if o.metrics is not None]
-    q = eng.stats.prefix_cache_queries - queries
+    q = eng.stats().prefix_cache_queries - queries
     row = dict(prefix_caching=caching, seconds=dt, requests=len(prompts), output_tokens=n_out,
                output_tok_s=n_out / dt, mean_ttft_s=float(np.mean(ttft)) if ttft else None,
-               hit_rate=(eng.stats.prefix_cache_hits - hits) / q if q else 0.0,
+               hit_rate=(eng.stats().prefix_cache_hits - hits) / q if q else 0.0,
                cached_tokens=sum(o.num_cached_tokens for o in outs), precompile_s=pre["seconds"],
-               compiles_in_timed_run=eng.stats.num_lazy_compiles - lazy)
+               compiles_in_timed_run=eng.stats().num_lazy_compiles - lazy)
     eng.block_manager.enable_prefix_caching = True
     return row, outs
 
@@ -196,7 +196,7 @@ def main() -> None:
     llm, cfg = build_llm(args)
     meta = dict(bench="prefix_cache", model="tiny random qwen3" if args.tiny else
                 f"random qwen3-8b arch, {args.layers} layers", device=jax.devices()[0].device_kind,
-                num_pages=llm.engine.num_pages, jax=jax.__version__,
+                num_pages=llm.engine.runner.num_pages, jax=jax.__version__,
                 date=datetime.date.today().isoformat(), commit=git_commit(), xla_flags=xla_flags(),
                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

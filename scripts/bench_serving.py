@@ -76,7 +76,7 @@ def serve_random(args) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
     llm.precompile(reqs, params)  # the offline run's shapes, then every decode shape
     from jaxinfer.step_input import ShapeKey
-    b = llm.engine.buckets
+    b = llm.engine.runner.buckets
     llm.engine.precompile([ShapeKey(batch=n, tokens=1, pages=m, penalty=0, query=None,
                                     all_greedy=True) for n in b.batch for m in b.pages])
     t = time.perf_counter()

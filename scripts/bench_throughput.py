@@ -18,7 +18,7 @@ as an HF checkpoint to ``--random-dir`` so both engines load identical weights, 
 directly on the device (``LLM.from_params``).
 
 Kernels: ``--kernels SPEC`` (`KernelConfig.parse`, e.g. ``decode=mosaic,batch_buckets=1:2:4:256``),
-resolved by the engine; default: the engine's default. Counters come from ``llm.engine.stats``.
+resolved by the engine; default: the engine's default. Counters come from ``llm.engine.stats()``.
 
     python scripts/bench_throughput.py [--num-requests 256] [--compare hf] [--model DIR]
         [--kernels SPEC]
@@ -189,21 +189,21 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     reqs = [{"prompt_token_ids": p} for p in prompts]
     eng = llm.engine
     kc = eng.resolved.kernels
-    print(f"jaxinfer: model loaded, KV pool {eng.num_pages} pages, kernels {kc}; compiling the "
+    print(f"jaxinfer: model loaded, KV pool {eng.runner.num_pages} pages, kernels {kc}; compiling the "
           "step shapes the workload visits (host dry run)", flush=True)
     pre = llm.precompile(reqs, params, max_workers=args.compile_workers)
     print(f"jaxinfer: {pre['shapes']} shapes compiled in {pre['seconds']:.0f} s "
           f"({pre['lower_s']:.0f} s of it tracing, {pre['warm_s']:.1f} s first runs)", flush=True)
-    lazy_before = eng.stats.num_lazy_compiles
+    lazy_before = eng.stats().num_lazy_compiles
     if args.trace_steps:
         import tempfile
-        eng.stats.step_log = TracedStepLog(*args.trace_steps, tempfile.mkdtemp())
+        eng.runner.stats.step_log = TracedStepLog(*args.trace_steps, tempfile.mkdtemp())
     else:
-        eng.stats.step_log = []
+        eng.runner.stats.step_log = []
     t = time.perf_counter()
     outs = llm.generate(reqs, params, use_tqdm=True)
     dt = time.perf_counter() - t
-    phases = step_phases(eng.stats.step_log, t)
+    phases = step_phases(eng.stats().step_log, t)
     ttft, tpot, lat = [], [], []
     for o in outs:
         m, k = o.metrics, len(o.token_ids)
@@ -213,17 +213,17 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
             tpot.append((m.finish_time - m.first_token_time) / (k - 1))
     assert [len(o.token_ids) for o in outs] == out_lens
     row = summarize("jaxinfer", dt, sum(out_lens), ttft, tpot, lat)
-    row.update(compiles=eng.stats.num_compiles,
-               compiles_in_timed_run=eng.stats.num_lazy_compiles - lazy_before,
+    row.update(compiles=eng.stats().num_compiles,
+               compiles_in_timed_run=eng.stats().num_lazy_compiles - lazy_before,
                precompile_s=pre["seconds"], precompile_lower_s=pre["lower_s"],
                precompile_warm_s=pre["warm_s"],
-               compile_workers=args.compile_workers, batch_buckets=list(eng.buckets.batch),
+               compile_workers=args.compile_workers, batch_buckets=list(eng.runner.buckets.batch),
                phases=phases, kernels=args.kernels, attention=kc.decode_attention,
-               prefill_attention=kc.prefill_attention, num_pages=eng.num_pages,
+               prefill_attention=kc.prefill_attention, num_pages=eng.runner.num_pages,
                prefill_gemm=kc.prefill_gemm, qkv_prologue=kc.qkv_prologue,
                add_rms_norm=kc.add_rms_norm, cublas_decode_min_batch=kc.cublas_decode_min_batch)
     if args.trace_steps:
-        row["trace"] = trace_summary(eng.stats.step_log)
+        row["trace"] = trace_summary(eng.stats().step_log)
     return row
 
 

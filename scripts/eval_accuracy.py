@@ -109,7 +109,7 @@ def greedy(params, cfg, prompts, gen_tokens: int, kv_cache_dtype: str, scales=No
                           max_model_len=max(map(len, prompts)) + gen_tokens,
                           max_num_seqs=len(prompts), page_size=PAGE_SIZE)
     if scales is not None:
-        llm.engine.kv = llm.engine.kv.replace(k_scale=jnp.array(scales[0]),
+        llm.engine.runner.kv = llm.engine.runner.kv.replace(k_scale=jnp.array(scales[0]),
                                               v_scale=jnp.array(scales[1]))
     sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     return [list(o.token_ids) for o in llm.generate(prompts, sp)]

@@ -133,7 +133,7 @@ def tiny_text_params(tiny_text_cfg):
 
 def check_compiles(llm, budget: int | None) -> None:
     """Fail when ``llm`` compiled more step shapes than ``budget`` (None: no limit)."""
-    stats = llm.engine.stats
+    stats = llm.engine.stats()
     if budget is not None and stats.num_compiles > budget:
         shapes = "\n  ".join(map(str, sorted(stats.compiled_shapes, key=str)))
         pytest.fail(f"the engine compiled {stats.num_compiles} step shapes, more than the "
@@ -175,10 +175,10 @@ _engines: list = []  # (LLM, max_compiles) of every tiny engine built in this ru
 @pytest.fixture(autouse=True)
 def _compile_budget():
     """After each test: `check_compiles` on every tiny engine that compiled during it."""
-    before = {id(llm): llm.engine.stats.num_compiles for llm, _ in _engines}
+    before = {id(llm): llm.engine.stats().num_compiles for llm, _ in _engines}
     yield
     for llm, budget in _engines:
-        if llm.engine.stats.num_compiles != before.get(id(llm)):
+        if llm.engine.stats().num_compiles != before.get(id(llm)):
             check_compiles(llm, budget)
 
 

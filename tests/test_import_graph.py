@@ -59,3 +59,18 @@ def test_no_import_cycles():
             visit(m, [m])
     assert len(graph) > 50 and any(graph.values())
     assert cycles == []
+
+
+def test_host_side_imports_no_jax():
+    """The engine's host side (the engine, scheduler, block manager, output processing, the
+    server's engine thread) runs in a fresh interpreter without loading JAX or Flax."""
+    import subprocess
+    import sys
+
+    host = ["jaxinfer.engine.llm_engine", "jaxinfer.engine.scheduler", "jaxinfer.outputs",
+            "jaxinfer.engine.block_manager", "jaxinfer.sampling_params", "jaxinfer.serve.runner"]
+    code = (f"import sys, {', '.join(host)}; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'jaxlib', 'flax'}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

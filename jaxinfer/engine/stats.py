@@ -21,7 +21,8 @@ class StepRecord(NamedTuple):
 class EngineStats:
     """num_lazy_compiles: shapes compiled inside a step; num_overlapped_steps: dispatched with the
     previous in flight; prefix_cache_queries / _hits: admitted tokens looked up / found (vLLM's
-    PrefixCacheStats); step_log: None, or ``[]`` to collect `StepRecord`s."""
+    PrefixCacheStats); step_log: None, or ``[]`` to collect `StepRecord`s. The queue and pool
+    sizes are filled in by `LLMEngine.stats`."""
 
     num_steps: int = 0
     num_lazy_compiles: int = 0
@@ -31,6 +32,10 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     step_log: list | None = None
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_pages_in_use: int = 0
+    kv_pages_total: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -8,7 +8,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from jaxinfer.outputs import CompletionOutput, RequestOutput
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.serve import protocol as P
 from jaxinfer.serve.errors import APIError
 
@@ -34,7 +34,7 @@ class OpenAIServing:
         if body.model is not None and body.model != self.model_name:
             raise APIError(f"The model `{body.model}` does not exist; this server serves "
                            f"`{self.model_name}`", 404, "model", "model_not_found")
-        limit = self.runner.engine.resolved.engine.max_num_seqs
+        limit = self.llm.engine.resolved.engine.max_num_seqs
         if not 1 <= body.n <= limit:
             raise APIError(f"n={body.n} is invalid: must be in [1, max_num_seqs={limit}]",
                            param="n")
@@ -83,7 +83,7 @@ class OpenAIServing:
                     if await request.is_disconnected():
                         return
                     continue
-                if not isinstance(ev, CompletionOutput):
+                if isinstance(ev, str) or ev.finished:
                     left.discard(rid)
                 yield rids[rid], ev
         finally:
@@ -101,23 +101,19 @@ class OpenAIServing:
         async for p, ev in events:
             if isinstance(ev, str):
                 yield f"data: {json.dumps(APIError(ev).body())}\n\n"
-            elif isinstance(ev, RequestOutput):
-                _count(usage, ev)
-                for c in ev.outputs:  # an aborted sample's finish reason
-                    if c.finish_reason == "abort":
-                        abort = CompletionOutput(c.index, "", (), "abort")
-                        yield chunk([self.choice(p * sp.n + c.index, abort, None, stream=True)])
-            else:
-                i = p * sp.n + ev.index
-                yield chunk([self.choice(i, ev, sp.logprobs, offsets.get(i, 0), True)])
-                offsets[i] = offsets.get(i, 0) + len(ev.text)
+                continue
+            _count(usage, ev, prompt=ev.finished)
+            for c in ev.outputs:  # DELTA outputs: each sample's new text, its finish reason
+                i = p * sp.n + c.index
+                yield chunk([self.choice(i, c, sp.logprobs, offsets.get(i, 0), True)])
+                offsets[i] = offsets.get(i, 0) + len(c.text)
         if include_usage:
             yield chunk([], usage)
         yield "data: [DONE]\n\n"
 
 
-def _count(usage: P.UsageInfo, out: RequestOutput) -> None:
-    usage.prompt_tokens += len(out.prompt_token_ids)
+def _count(usage: P.UsageInfo, out: RequestOutput, prompt: bool = True) -> None:
+    usage.prompt_tokens += len(out.prompt_token_ids) if prompt else 0
     usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
 

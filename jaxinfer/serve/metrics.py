@@ -6,7 +6,8 @@ _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 6
 
 
 class ServerMetrics:
-    """Counters, histograms (`record`); gauges read from ``engine`` (`LLMEngine`) when scraped."""
+    """Counters, histograms (`record`); gauges read from ``engine.stats()`` (`LLMEngine`)
+    when scraped."""
 
     def __init__(self, engine) -> None:
         self.registry = r = CollectorRegistry()
@@ -23,19 +24,16 @@ class ServerMetrics:
                               "after the first, per request", buckets=_LATENCY, registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "arrival to finish",
                              buckets=_LATENCY, registry=r)
-        sched, bm = engine.scheduler, engine.block_manager
-        for name, doc, value in (
-                ("num_requests_running", "sequences holding KV pages", lambda: sched.num_running),
-                ("num_requests_waiting", "sequences waiting for admission",
-                 lambda: sched.num_waiting),
-                ("kv_pages_in_use", "KV pool pages not free",
-                 lambda: bm.num_usable_pages - bm.num_free_pages),
-                ("kv_pages_total", "usable KV pool pages", lambda: bm.num_usable_pages),
-                ("compiled_step_shapes", "step shapes compiled so far",
-                 lambda: engine.stats.num_compiles),
-                ("prefix_cache_hit_rate", "prefix cache hit rate (tokens; 0 without stats)",
-                 lambda: float(getattr(engine.stats, "prefix_cache_hit_rate", 0.0) or 0.0))):
-            Gauge(p + name, doc, registry=r).set_function(value)
+        for name, doc, field in (
+                ("num_requests_running", "sequences holding KV pages", "num_running"),
+                ("num_requests_waiting", "sequences waiting for admission", "num_waiting"),
+                ("kv_pages_in_use", "KV pool pages not free", "kv_pages_in_use"),
+                ("kv_pages_total", "usable KV pool pages", "kv_pages_total"),
+                ("compiled_step_shapes", "step shapes compiled so far", "num_compiles"),
+                ("prefix_cache_hit_rate", "prefix cache hit rate (tokens)",
+                 "prefix_cache_hit_rate")):
+            Gauge(p + name, doc, registry=r).set_function(
+                lambda field=field: float(getattr(engine.stats(), field)))
 
     def record(self, out) -> None:
         """Count a finished `RequestOutput` (sample 0's finish reason and timings)."""

@@ -4,13 +4,15 @@ Source: vLLM's ``AsyncLLM`` / output handler, one process. Host side, no JAX."""
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import sys
 import threading
 from dataclasses import dataclass
 
-from jaxinfer.outputs import CompletionOutput
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sampling_params import RequestOutputKind
 
 log = logging.getLogger("jaxinfer.serve")
 
@@ -19,14 +21,13 @@ log = logging.getLogger("jaxinfer.serve")
 class _Request:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
-    stream: bool
-    sent: list  # per sample: stream_delta's (tokens, text); None once its finish was sent
+    acc: RequestOutput | None = None  # streamed: the deltas so far, for the metrics
 
 
 class EngineRunner:
-    """Runs ``engine`` (an `LLMEngine`) on a daemon thread. Events on a request's sink, ``(request
-    id, event)``: streamed, a sample's new tokens, text and logprobs as a `CompletionOutput` (finish
-    reason once finished); then one `RequestOutput` (aborted: "abort") or an error str."""
+    """Runs ``engine`` (an `LLMEngine`) on a daemon thread, through its door only. Events on a
+    request's sink, ``(request id, event)``: `RequestOutput`s (streamed: DELTA outputs, else one
+    FINAL_ONLY output; the last has ``finished``; aborted samples: "abort"), or an error str."""
 
     def __init__(self, engine, metrics=None) -> None:
         self.engine, self.metrics = engine, metrics
@@ -44,8 +45,9 @@ class EngineRunner:
                stream: bool) -> None:
         """Queue a request (from the event loop's thread); its events go to ``sink``."""
         self.idle.clear()
-        req = _Request(sink, asyncio.get_running_loop(), stream, [(0, "")] * params.n)
-        self._cmds.put(("add", rid, prompt_token_ids, params, req))
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        self._cmds.put(("add", rid, prompt_token_ids, dataclasses.replace(params, output_kind=kind),
+                        _Request(sink, asyncio.get_running_loop())))
 
     def abort(self, rid: str) -> None:
         """Abort ``rid`` at the next step (its pages return to the pool); unknown ids ignored."""
@@ -70,13 +72,13 @@ class EngineRunner:
                     cmds.append(self._cmds.get_nowait())
             for cmd in cmds:
                 if cmd[0] == "stop":
-                    for rid in list(self._reqs):
-                        self._finish(rid, events, abort=True)
+                    for rid in self._reqs:
+                        eng.abort_request(rid)
+                    self._step(events)
                     self._deliver(events)
                     return
                 if cmd[0] == "abort":
-                    if cmd[1] in self._reqs:
-                        self._finish(cmd[1], events, abort=True)
+                    eng.abort_request(cmd[1])
                     continue
                 _, rid, ids, params, req = cmd
                 try:
@@ -96,34 +98,16 @@ class EngineRunner:
             self._deliver(events)
 
     def _step(self, events: list) -> None:
-        eng = self.engine
-        finished = eng.step()
-        for rid, req in self._reqs.items():
-            for seq in eng.sequences(rid) if req.stream else ():
-                i, sent = seq.index, req.sent[seq.index]
-                d = None if sent is None else eng.outputs.stream_delta(seq, sent)
-                if sent is None or d is None and not seq.is_finished:
-                    continue
-                ids, text, req.sent[i] = d or ([], "", sent)
-                lps = eng.outputs._logprobs(None if seq.logprobs is None else
-                                            seq.logprobs[sent[0]:sent[0] + len(ids)])
-                if seq.is_finished:
-                    req.sent[i] = None
-                events.append((req, (rid, CompletionOutput(
-                    i, text, tuple(ids), seq.finish_reason if seq.is_finished else None,
-                    logprobs=lps))))
-        for rid in finished:
-            self._finish(rid, events)
-
-    def _finish(self, rid: str, events: list, abort: bool = False) -> None:
-        if abort:
-            for s in self.engine.sequences(rid):
-                if not s.is_finished:
-                    self.engine.scheduler.abort(s.request_id)
-        out = self.engine.pop_output(rid)
-        if self.metrics is not None:
-            self.metrics.record(out)
-        events.append((self._reqs.pop(rid), (rid, out)))
+        for out in self.engine.step():
+            if (req := self._reqs.get(out.request_id)) is None:
+                continue
+            events.append((req, (out.request_id, out)))
+            if out.finished:
+                del self._reqs[out.request_id]
+                if self.metrics is not None:
+                    self.metrics.record(out if req.acc is None else req.acc.add(out))
+            else:
+                req.acc = out if req.acc is None else req.acc.add(out)
 
     @staticmethod
     def _deliver(events: list) -> None:

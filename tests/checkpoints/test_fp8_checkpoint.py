@@ -101,7 +101,7 @@ def test_engine_runs_an_fp8_checkpoint_as_fp8_unasked(fp8_checkpoint):
     path, _, ref = fp8_checkpoint
     llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=64, num_pages=16, max_num_seqs=2)
     assert llm.engine.resolved.quantization == "fp8"
-    assert llm.engine.params["layers"]["0"]["w_gate_up"].dtype == jnp.float8_e4m3fn
+    assert llm.engine.runner.params["layers"]["0"]["w_gate_up"].dtype == jnp.float8_e4m3fn
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     with torch.no_grad():
         want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False,

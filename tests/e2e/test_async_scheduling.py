@@ -41,11 +41,11 @@ def test_async_and_sync_scheduling_give_identical_outputs(small_pool_llm):
     results = {}
     for mode in (False, True):
         eng.async_scheduling = mode
-        before = eng.stats.num_overlapped_steps
+        before = eng.stats().num_overlapped_steps
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[mode] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
                          for o in outs]
-        overlapped = eng.stats.num_overlapped_steps - before
+        overlapped = eng.stats().num_overlapped_steps - before
         preempted = sum(o.metrics.num_preemptions for o in outs)
         assert preempted > 0, "the pool is meant to be too small for all requests at once"
         assert (overlapped > 0) == mode

@@ -51,7 +51,7 @@ def test_bad_request_in_batch_others_unchanged(llm):
 
 def small_llm(llm, **engine_args):
     """An engine of its own over the shared LLM's weights (no second checkpoint load)."""
-    return LLM.from_params(llm.engine.model_config, llm.engine.params, dtype="float32",
+    return LLM.from_params(llm.engine.model_config, llm.engine.runner.params, dtype="float32",
                            **engine_args)
 
 
@@ -66,7 +66,7 @@ def test_length_admission_rule(llm):
             small.generate({"prompt_token_ids": ids[:n]}, SamplingParams(max_tokens=m))
         assert str(n) in str(e.value) and "64" in str(e.value)
     # nothing was ever written at a position >= 64
-    assert 0 < small.engine.stats.max_kv_len_seen <= 64
+    assert 0 < small.engine.stats().max_kv_len_seen <= 64
 
 
 def test_pool_admission(llm):

@@ -26,11 +26,9 @@ def run(llm, requests):
     """The engine's finished `Sequence`s (sample 0) of ``requests`` [(ids, SamplingParams)]."""
     eng = llm.engine
     rids = [eng.add_request(ids, p) for ids, p in requests]
+    seqs = [eng.outputs.requests[r].seqs[0] for r in rids]
     while eng.has_unfinished():
         eng.step()
-    seqs = [eng.sequence(r) for r in rids]
-    for r in rids:
-        eng.abort_request(r)
     return seqs
 
 

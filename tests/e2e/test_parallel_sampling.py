@@ -77,13 +77,12 @@ def test_prompt_pages_held_once(llm, prompt):
     eng = llm.engine
     with pool(llm, caching=True) as bm:
         rid = eng.add_request(prompt, params())
-        seqs, tables = eng.sequences(rid), None
+        seqs, tables = eng.outputs.requests[rid].seqs, None
         while eng.has_unfinished():
             eng.step()
             if tables is None and all(s.block_table for s in seqs):
                 tables = [list(s.block_table) for s in seqs]
                 used = bm.check()["used"]
-        eng.pop_output(rid)
     full = len(prompt) // P                                # 2 full prompt pages, shared
     assert all(t[:full] == tables[0][:full] for t in tables)
     assert len({p for t in tables for p in t}) == used == full + 4 * (len(tables[0]) - full)

@@ -34,7 +34,7 @@ def pool(llm, *, caching: bool, num_pages: int | None = None):
     shared, so the saved manager's prefix cache is dropped afterwards (its pages were reused)."""
     eng = llm.engine
     saved = eng.block_manager, eng.scheduler
-    bm = BlockManager(num_pages or eng.num_pages, eng.page_size, enable_prefix_caching=caching)
+    bm = BlockManager(num_pages or eng.runner.num_pages, eng.page_size, enable_prefix_caching=caching)
     eng.block_manager = bm
     eng.scheduler = eng.loop.scheduler = eng._scheduler(bm, eng.eos_token_ids)
     try:
@@ -50,15 +50,15 @@ def run(llm, prompts, params, *, watch=None):
     returns ([token ids per request], [num_cached_tokens], [preemptions per request])."""
     eng, bm = llm.engine, llm.engine.block_manager
     rids = [eng.add_request(p, params) for p in prompts]
-    seqs = {rid: eng.sequences(rid) for rid in rids}
+    seqs, done = {rid: eng.outputs.requests[rid].seqs for rid in rids}, {}
     while eng.has_unfinished():
-        eng.step()
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
         c = bm.check()
         assert c["free"] + c["cached"] + c["used"] == bm.num_usable_pages
         if watch:
             watch(seqs)
     assert bm.check()["used"] == 0
-    outs = [eng.pop_output(rid) for rid in rids]
+    outs = [done[rid] for rid in rids]
     return ([list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs],
             [sum(s.num_preemptions for s in seqs[rid]) for rid in rids])
 
@@ -132,12 +132,12 @@ def test_preemption_while_pages_are_shared(llm, system):
 def test_hit_rate_and_reset(llm, system):
     eng = llm.engine
     with pool(llm, caching=True) as bm:
-        eng.stats.prefix_cache_queries = eng.stats.prefix_cache_hits = 0
-        bm.stats = eng.stats
+        eng.runner.stats.prefix_cache_queries = eng.runner.stats.prefix_cache_hits = 0
+        bm.stats = eng.runner.stats
         prompt = system[:2 * P + 1]
         run(llm, [prompt], GREEDY)
         run(llm, [prompt], GREEDY)
-        assert eng.stats.prefix_cache_hit_rate == pytest.approx(2 * P / (2 * (2 * P + 1)))
+        assert eng.stats().prefix_cache_hit_rate == pytest.approx(2 * P / (2 * (2 * P + 1)))
         rid = eng.add_request(prompt, GREEDY)
         eng.step()
         assert llm.reset_prefix_cache() is False and bm.num_cached_pages > 0   # pages in use

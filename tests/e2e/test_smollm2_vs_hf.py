@@ -51,7 +51,7 @@ def test_preemption_gives_same_outputs(tiny, tiny_prompt_ids):
     prompts = [{"prompt_token_ids": ids} for ids in tiny_prompt_ids]
     expected = [list(o.token_ids) for o in tiny.generate(prompts, sp)]
     need = sum(-(-(len(ids) + 40) // PAGE_SIZE) for ids in tiny_prompt_ids)
-    small = LLM.from_params(tiny.engine.model_config, tiny.engine.params, max_model_len=512,
+    small = LLM.from_params(tiny.engine.model_config, tiny.engine.runner.params, max_model_len=512,
                             max_num_seqs=8, page_size=PAGE_SIZE, num_pages=need // 2 + 1,
                             dtype="float32")  # the tiny LLM's weights, a small pool
     outs = small.generate(prompts, sp)
@@ -102,7 +102,7 @@ def test_stop_string_truncates_text(llm, prompt_ids):
 def test_compiles_are_bounded(tiny):
     """Every compiled step shape is one of the buckets; the count is reported."""
     tiny.generate(["Hi", "The capital of France is"], SamplingParams(max_tokens=3, **GREEDY))
-    b, stats = tiny.engine.buckets, tiny.engine.stats
+    b, stats = tiny.engine.runner.buckets, tiny.engine.stats()
     packed = 0
     for key in stats.compiled_shapes:
         assert key.batch in b.batch and key.pages in b.pages

@@ -28,7 +28,7 @@ step_hits = len(hits)
 out = llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5, 6, 7, 8]}],
                    SamplingParams(temperature=0.0, max_tokens=5))
 print(json.dumps({"tokens": [list(o.token_ids) for o in out], "hits": len(hits) - step_hits,
-                  "compiles": llm.engine.stats.num_compiles}))
+                  "compiles": llm.engine.stats().num_compiles}))
 """
 
 

@@ -53,7 +53,7 @@ def test_stop_strings_need_a_tokenizer(llm):
 
 
 def test_from_params_and_engine_argument_errors(llm):
-    cfg, params = llm.engine.model_config, llm.engine.params
+    cfg, params = llm.engine.model_config, llm.engine.runner.params
     with pytest.raises(ValueError, match="must be a jaxinfer.config.ModelConfig; got dict"):
         LLM.from_params(cfg.to_dict(), params)
     with pytest.raises(ValueError, match="seed='a' is invalid"):
@@ -135,7 +135,7 @@ def test_rejected_request_keeps_its_prompt(llm):
     (dict(trust_remote_code=True), r"unknown engine argument\(s\) \['trust_remote_code'\]"),
 ])
 def test_vllm_constructor_arguments_checked(llm, kw, needle):
-    cfg, params = llm.engine.model_config, llm.engine.params
+    cfg, params = llm.engine.model_config, llm.engine.runner.params
     with pytest.raises(ValueError, match=needle):
         LLM.from_params(cfg, params, **kw)
 
@@ -144,7 +144,7 @@ def test_vllm_constructor_arguments_accepted(llm):
     """What vLLM users paste: dtype="auto" (float32 on the CPU), enforce_eager (no effect),
     tensor_parallel_size=1, kv_cache_dtype="auto", gpu_memory_utilization (GPU only: the CPU pool
     is sized as without it), enable_prefix_caching, seed."""
-    cfg, params = llm.engine.model_config, llm.engine.params
+    cfg, params = llm.engine.model_config, llm.engine.runner.params
     other = LLM.from_params(cfg, params, max_model_len=64, num_pages=32, max_num_seqs=4,
                             dtype="auto", enforce_eager=True, tensor_parallel_size=1,
                             kv_cache_dtype="auto", gpu_memory_utilization=0.9,
@@ -158,7 +158,7 @@ def test_update_params_equals_a_fresh_llm_without_recompiling(llm):
     """Issue 18 item 5: perturbed weights give exactly the outputs of `LLM.from_params` on them,
     with no new compile; the old weights come back the same way (the 40-token prompt's cached
     pages, computed with other weights, are not reused). A mismatch names the leaf."""
-    cfg, old = llm.engine.model_config, llm.engine.params
+    cfg, old = llm.engine.model_config, llm.engine.runner.params
     prompts = [[5, 6, 7], [9, 8, 7, 6, 5, 4, 3, 2, 1], [42], list(range(3, 43))]  # 2 full pages
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     before = [o.token_ids for o in llm.generate(prompts, sp)]
@@ -166,15 +166,15 @@ def test_update_params_equals_a_fresh_llm_without_recompiling(llm):
     keys = jax.random.split(jax.random.key(1), len(leaves))
     new = jax.tree_util.tree_unflatten(treedef, [
         x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
-    compiles = llm.engine.stats.num_compiles
+    compiles = llm.engine.stats().num_compiles
     llm.update_params(new)
     got = [o.token_ids for o in llm.generate(prompts, sp)]
-    assert llm.engine.stats.num_compiles == compiles
+    assert llm.engine.stats().num_compiles == compiles
     fresh = LLM.from_params(cfg, new, max_model_len=64, num_pages=32, max_num_seqs=4)
     assert got == [o.token_ids for o in fresh.generate(prompts, sp)] and got != before
     llm.update_params(old)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == before
-    assert llm.engine.stats.num_compiles == compiles
+    assert llm.engine.stats().num_compiles == compiles
     with pytest.raises(ValueError, match=r"params\['embed'\].*is float16\[256, 64\], expected float32"):
         llm.update_params({**old, "embed": old["embed"].astype(jnp.float16)})
     with pytest.raises(ValueError, match="tree differs"):

@@ -48,8 +48,8 @@ def test_plan_shapes_are_the_shapes_generate_visits(weights, async_scheduling, n
     out = llm.generate(prompts, params)
     preempted = sum(o.metrics.num_preemptions for o in out)
     assert (preempted > 0) == (num_pages == 16)  # the small pool preempts: the dry run must too
-    assert llm.engine.stats.compiled_shapes == set(planned)
-    assert llm.engine.stats.num_lazy_compiles == len(planned)
+    assert llm.engine.stats().compiled_shapes == set(planned)
+    assert llm.engine.stats().num_lazy_compiles == len(planned)
 
 
 def test_precompile_then_generate_compiles_nothing_and_matches(weights):
@@ -63,10 +63,10 @@ def test_precompile_then_generate_compiles_nothing_and_matches(weights):
 
     llm = _llm(w, kc)
     info = llm.precompile(prompts, params, max_workers=2)
-    assert info["shapes"] == info["planned"] == llm.engine.stats.num_compiles >= 4
+    assert info["shapes"] == info["planned"] == llm.engine.stats().num_compiles >= 4
     assert llm.precompile(prompts, params)["shapes"] == 0  # already compiled: nothing to do
     compiles, jit_calls = [], []
-    ex = llm.engine.executor
+    ex = llm.engine.runner.executor
     ex.steps = {g: (lambda *a, _f=f, **k: jit_calls.append(1) or _f(*a, **k))
                 for g, f in ex.steps.items()}
 
@@ -79,7 +79,7 @@ def test_precompile_then_generate_compiles_nothing_and_matches(weights):
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert [o.token_ids for o in out] == expected
-    assert llm.engine.stats.num_lazy_compiles == 0
+    assert llm.engine.stats().num_lazy_compiles == 0
     # nothing at all is compiled while generating (not even a helper of the engine loop: the
     # pending-token merge of asynchronous scheduling used to compile once per batch-size pair)
     assert compiles == []
@@ -91,7 +91,7 @@ def test_precompile_rejects_a_bad_request_by_index(weights):
     llm = _llm(weights)
     with pytest.raises(ValueError, match="request 1: .*max_model_len"):
         llm.precompile([[1, 2, 3], [4] * 90], SamplingParams(max_tokens=20))
-    assert llm.engine.stats.num_compiles == 0
+    assert llm.engine.stats().num_compiles == 0
 
 
 def test_warm_runs_write_only_the_null_page(weights):
@@ -99,17 +99,17 @@ def test_warm_runs_write_only_the_null_page(weights):
     llm = _llm(weights)
     prompts, params = _workload()
     llm.generate(prompts[:2], params[:2])  # fills some pages
-    k0, v0 = np.asarray(llm.engine.kv.k), np.asarray(llm.engine.kv.v)
+    k0, v0 = np.asarray(llm.engine.runner.kv.k), np.asarray(llm.engine.runner.kv.v)
     assert np.abs(k0[:, 1:]).sum() > 0  # pages beyond the null page hold KV
     info = llm.precompile(prompts[2:], params[2:])
     assert info["shapes"] >= 1 and info["warm_s"] > 0
-    k1, v1 = np.asarray(llm.engine.kv.k), np.asarray(llm.engine.kv.v)
+    k1, v1 = np.asarray(llm.engine.runner.kv.k), np.asarray(llm.engine.runner.kv.v)
     np.testing.assert_array_equal(k1[:, 1:], k0[:, 1:])
     np.testing.assert_array_equal(v1[:, 1:], v0[:, 1:])
 
 
 def _steps(w, **kernels):
-    ex = _llm(w, KernelConfig(**kernels)).engine.executor
+    ex = _llm(w, KernelConfig(**kernels)).engine.runner.executor
     return ex.step_fn, ex.steps
 
 

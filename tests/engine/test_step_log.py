@@ -5,6 +5,7 @@ import pytest
 
 from jaxinfer.config import EngineConfig, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.engine.model_runner import ModelRunner
 from jaxinfer.engine.stats import StepRecord
 from jaxinfer.sampling_params import SamplingParams
 
@@ -12,15 +13,15 @@ from jaxinfer.sampling_params import SamplingParams
 def test_step_log_records_every_step(async_scheduling, tiny_cfg, tiny_params):
     ec = EngineConfig(max_model_len=64, num_pages=64, page_size=4, max_num_seqs=4,
                       max_num_batched_tokens=32, async_scheduling=async_scheduling)
-    eng = LLMEngine(tiny_cfg, tiny_params, resolve(tiny_cfg, ec, jax.default_backend()))
+    eng = LLMEngine(ModelRunner(tiny_cfg, tiny_params, resolve(tiny_cfg, ec, jax.default_backend())))
     for i, n in enumerate([5, 30, 9]):
         eng.add_request([(5 * i + j) % 250 + 1 for j in range(n)],
                         SamplingParams(temperature=0.0, max_tokens=3 + i))
-    eng.stats.step_log = []
+    eng.runner.stats.step_log = []
     while eng.has_unfinished():
         eng.step()
-    log = eng.stats.step_log
-    assert len(log) == eng.stats.num_steps and all(isinstance(r, StepRecord) for r in log)
+    log = eng.stats().step_log
+    assert len(log) == eng.stats().num_steps and all(isinstance(r, StepRecord) for r in log)
     assert [r.t_done for r in log] == sorted(r.t_done for r in log)
     assert any(r.shape_key.packed for r in log)  # a packed prefill step
     assert any(not r.shape_key.packed and r.rows == 3 for r in log)  # a decode step of 3 rows

@@ -43,7 +43,7 @@ def _logits(llm, prompt: list[int]) -> np.ndarray:
     from jaxinfer.parallel import gather_logits
 
     eng, T = llm.engine, len(prompt)
-    cfg, kernels, ps = eng.run_config, eng.executor.static["kernels"], eng.page_size
+    cfg, kernels, ps = eng.runner.run_config, eng.runner.executor.static["kernels"], eng.page_size
 
     @jax.jit
     def run(params, kv, tokens, positions):
@@ -53,7 +53,7 @@ def _logits(llm, prompt: list[int]) -> np.ndarray:
         hidden, _ = models.forward(params, cfg, tokens, positions, slots, kv, kernels=kernels)
         return gather_logits(models.compute_logits(params, cfg, hidden), cfg, kernels.mesh)[0]
 
-    return np.asarray(run(eng.params, eng._new_kv(), jnp.asarray([prompt], jnp.int32),
+    return np.asarray(run(eng.runner.params, eng.runner._new_kv(), jnp.asarray([prompt], jnp.int32),
                           jnp.arange(T)[None]))
 
 
@@ -69,7 +69,7 @@ def _layout(llm, cfg, tp: int) -> dict:
     eng = llm.engine
     plan = plan_memory(cfg, device_bytes=2 * GIB, context=64, page_size=eng.page_size,
                        weight_dtype_bytes=4, kv_dtype_bytes=4, tensor_parallel_size=tp)
-    leaves, full_copies, weight_bytes = jax.tree_util.tree_leaves_with_path(eng.params), [], 0
+    leaves, full_copies, weight_bytes = jax.tree_util.tree_leaves_with_path(eng.runner.params), [], 0
     for path, x in leaves:
         name = path[-1].key
         shards = x.addressable_shards
@@ -79,12 +79,12 @@ def _layout(llm, cfg, tp: int) -> dict:
         if split and tp > 1 and any(s.data.shape == x.shape for s in shards):
             full_copies.append(jax.tree_util.keystr(path))
         weight_bytes += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
-    k = eng.kv.k
+    k = eng.runner.kv.k
     return dict(weight_bytes=weight_bytes, plan_weight_bytes=plan.weight_bytes,
                 full_copies=full_copies, kv_shard=list(k.sharding.shard_shape(k.shape)),
                 kv_devices=len({s.device for s in k.addressable_shards}),
                 kv_bytes=2 * math.prod(k.sharding.shard_shape(k.shape)) * k.dtype.itemsize,
-                plan_kv_bytes=eng.num_pages * plan.page_bytes)
+                plan_kv_bytes=eng.runner.num_pages * plan.page_bytes)
 
 
 def _errors(params) -> dict:
@@ -124,9 +124,9 @@ def main() -> None:
             res["logits"] = _logits(llm, PROMPTS[1]).tolist()
             llm.precompile(PROMPTS, greedy)  # ahead-of-time steps take the engine's arrays
             res["collectives"] = [re.findall(COLLECTIVE, exe.as_text())
-                                  for exe in llm.engine.executor.executables.values()]
+                                  for exe in llm.engine.runner.executor.executables.values()]
             res["tokens"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
-            res["lazy_compiles"] = llm.engine.stats.num_lazy_compiles
+            res["lazy_compiles"] = llm.engine.stats().num_lazy_compiles
             llm.update_params(params)  # the canonical tree, resharded
             res["tokens_after_update"] = [list(o.outputs[0].token_ids)
                                           for o in llm.generate(PROMPTS, greedy)]

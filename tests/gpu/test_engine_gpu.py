@@ -66,16 +66,18 @@ def _engine_greedy(loaded, attention, prompts, n):
     from jaxinfer import SamplingParams
     from jaxinfer.config import EngineConfig, KernelConfig, resolve
     from jaxinfer.engine.llm_engine import LLMEngine
+    from jaxinfer.engine.model_runner import ModelRunner
     ec = EngineConfig(dtype="bfloat16", max_model_len=256, num_pages=256, max_num_seqs=8,
                       kernels=KernelConfig(decode_attention=attention))
-    eng = LLMEngine(loaded.config, loaded.params, resolve(loaded.config, ec, jax.default_backend()),
-                    eos_token_ids=())
+    eng = LLMEngine(ModelRunner(loaded.config, loaded.params,
+                                resolve(loaded.config, ec, jax.default_backend())))
     rids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
             for p in prompts]
+    done = {}
     while eng.has_unfinished():
-        eng.step()
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
     assert eng.resolved.kernels.decode_attention == attention
-    return [list(eng.pop_output(r).token_ids) for r in rids]
+    return [list(done[r].token_ids) for r in rids]
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,7 @@ def test_engine_generates_with_fp8_kv(tiny_cfg, tiny_params):
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9] * 7, [200]]
     fp8 = LLM.from_params(cfg, params, kv_cache_dtype="fp8", **kw)
-    kv = fp8.engine.kv
+    kv = fp8.engine.runner.kv
     assert kv.k.dtype == FP8 and kv.k.nbytes == 24 * 2 * 2 * 16 * 16 * 1
     np.testing.assert_array_equal(np.asarray(kv.k_scale), np.ones((2, 2), np.float32))
     auto = LLM.from_params(cfg, params, **kw)

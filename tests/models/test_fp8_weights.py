@@ -124,14 +124,14 @@ def engines():
     params = models.init_params(CFG, jax.random.key(3), jnp.float32)
     kw = dict(max_model_len=64, num_pages=32, max_num_seqs=4)
     fp8 = LLM.from_params(CFG, params, quantization="fp8", **kw)
-    ref = LLM.from_params(CFG, dequantised(fp8.engine.params), **kw)
+    ref = LLM.from_params(CFG, dequantised(fp8.engine.runner.params), **kw)
     return params, fp8, ref
 
 
 def test_engine_generates_like_float32_on_dequantised_weights(engines):
     params, fp8, ref = engines
     assert fp8.engine.resolved.quantization == "fp8"
-    assert fp8.engine.params["layers"]["0"]["w_down"].dtype == jnp.float8_e4m3fn
+    assert fp8.engine.runner.params["layers"]["0"]["w_down"].dtype == jnp.float8_e4m3fn
     assert fp8.engine.memory.weights_bytes < ref.engine.memory.weights_bytes
     prompts = [[5, 17, 99, 3, 42], [7, 7, 200, 1], list(range(30, 50))]
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)
@@ -147,7 +147,7 @@ def test_update_params_quantises_a_float_tree(engines):
     params, fp8, ref = engines
     new = jax.tree_util.tree_map(lambda a: a * 1.5, params)
     fp8.update_params(new)
-    q = fp8.engine.params["layers"]["1"]
+    q = fp8.engine.runner.params["layers"]["1"]
     w = np.asarray(new["layers"]["1"]["wo"])
     np.testing.assert_allclose(np.asarray(q["wo_scale"]), np.abs(w).max(0) / 448, rtol=1e-6)
     assert q["wo"].dtype == ml_dtypes.float8_e4m3fn

@@ -52,7 +52,7 @@ def server(tiny_llm):
                                                             logprobs=lp))] * n)
     llm.engine.precompile(list(dict.fromkeys(
         k for t in (0.0, 1.0) for lp, n in ((None, 8), (3, 1)) for k in plan(t, lp, n))))
-    assert llm.engine.stats.num_compiles == SERVER_COMPILES, llm.engine.stats.compiled_shapes
+    assert llm.engine.stats().num_compiles == SERVER_COMPILES, llm.engine.stats().compiled_shapes
     app = create_app(llm, served_model_name=MODEL, api_key=KEY)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

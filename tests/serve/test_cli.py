@@ -37,7 +37,7 @@ def test_tiny_checkpoint_loads_back(tiny_checkpoint, tiny_text_params, tiny_toke
     assert tok.encode(text) == tiny_tokenizer.encode(text) and len(tok) == len(tiny_tokenizer)
     assert tok.chat_template == tiny_tokenizer.chat_template
     assert tiny_tokenizer.eos_token_id in llm.engine.eos_token_ids
-    for a, b in zip(jax.tree_util.tree_leaves(llm.engine.params),
+    for a, b in zip(jax.tree_util.tree_leaves(llm.engine.runner.params),
                     jax.tree_util.tree_leaves(tiny_text_params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

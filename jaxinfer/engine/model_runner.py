@@ -1,0 +1,122 @@
+"""ModelRunner: the device side of `jaxinfer.engine.llm_engine.LLMEngine`: the mesh, the served
+params, the KV pool and the compiled steps. The engine hands it `HostBatch`es (numpy) and reads
+numpy results back; nothing above the engine calls it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from checkpoints_tools.mapping import tree_mismatches
+from jaxinfer import memory, models, parallel
+from jaxinfer.engine.batch_builder import BucketSpec
+from jaxinfer.engine.stats import EngineStats
+from jaxinfer.kernels import model_kernels
+from jaxinfer.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache
+from jaxinfer.model_config import tp_model_config
+from jaxinfer.quantize import quantize_params
+from jaxinfer.step import StepExecutor, enable_compilation_cache
+from jaxinfer.step_input import HostBatch, ShapeKey
+
+
+class ModelRunner:
+    """Serves ``params`` (compute dtype, the canonical one-device tree) of ``model_config`` under
+    ``resolved`` (`jaxinfer.config.resolve`). tp = ``tensor_parallel_size`` > 1: `tp_model_config`
+    on a `jaxinfer.parallel.make_mesh` of tp devices, params resharded (the canonical tree not
+    kept), the KV pool split over KV heads. ``stats``: compiles are counted there. Raises
+    ValueError: params of wrong shapes, a pool that does not fit, fewer than tp devices."""
+
+    def __init__(self, model_config, params, resolved, stats: EngineStats | None = None) -> None:
+        ec, kc = resolved.engine, resolved.kernels
+        if ec.compilation_cache_dir is not None:
+            enable_compilation_cache(ec.compilation_cache_dir)
+        models.check_params(params, model_config, resolved.quantization)
+        tp = ec.tensor_parallel_size
+        self.mesh = parallel.make_mesh(tp) if tp > 1 else None
+        self.model_config, self.resolved = model_config, resolved
+        self.stats = stats if stats is not None else EngineStats()
+        self.run_config = tp_model_config(model_config, tp)  # K' KV heads; tp = 1: model_config
+        self._canonical = jax.tree.map(  # the shapes and dtypes update_params takes
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
+        self.params = params if self.mesh is None else parallel.shard_params(
+            params, model_config, self.mesh)
+        dev_stats = jax.local_devices()[0].memory_stats() if resolved.platform == "gpu" else None
+        self.num_pages = memory.engine_pool_pages(resolved, dev_stats)
+        self.kv: KVCache = self._new_kv()
+        self.buckets = BucketSpec.build(
+            max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
+            max_model_len=resolved.max_model_len, page_size=ec.page_size,
+            batch_buckets=kc.batch_buckets, token_buckets=kc.token_buckets)
+        self.executor = StepExecutor(self.run_config, model_kernels(kc, mesh=self.mesh), kc,
+                                     self.buckets.batch[-1], self.stats)
+        self.weight_bytes = (sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+                             if resolved.quantization else
+                             memory.param_count(model_config, tp) * resolved.dtype_bytes)
+        self.page_bytes = memory.kv_bytes_per_token(  # one device's KV bytes per page
+            model_config, resolved.kv_dtype_bytes, tp) * ec.page_size
+
+    def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
+        try:
+            pools = None if self.mesh is None else NamedSharding(self.mesh, KV_POOL_SPEC)
+            return init_kv_cache(self.run_config, self.num_pages, self.resolved.engine.page_size,
+                                 jnp.dtype(self.resolved.kv_dtype), pools)
+        except jax.errors.JaxRuntimeError as e:
+            raise ValueError(f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "
+                             f"does not fit in device memory ({str(e).splitlines()[0][:120]})"
+                             ) from None
+
+    def execute(self, hb: HostBatch, prev=None):
+        """Dispatch the step of ``hb``, no wait; ``prev``: the handle of the step in flight (its
+        tokens feed ``hb.pending_rows``). Returns the handle `read` takes."""
+        out, self.kv = self.executor.run(self.params, self.kv, hb,
+                                         None if prev is None else prev[0])
+        if not isinstance(out, dict):
+            return out, None
+        tokens, out = out.pop("tokens"), {k: parallel.local(a) for k, a in out.items()}
+        for a in out.values():  # log-probabilities come back as soon as the step ends
+            a.copy_to_host_async()
+        return tokens, out
+
+    @staticmethod
+    def read(handle) -> tuple[np.ndarray, dict | None]:
+        """Block on a step: (i32[Bmax] tokens, its log-probability arrays as numpy, or None)."""
+        tokens, lps = handle
+        return (np.asarray(parallel.local(tokens)),
+                None if lps is None else {k: np.asarray(a) for k, a in lps.items()})
+
+    def recover(self) -> bool:
+        """After an interrupted step: reallocate a pool it took (True: the pages' K/V is gone)."""
+        if not (self.kv.k.is_deleted() or self.kv.v.is_deleted()):
+            return False
+        self.kv = self._new_kv()
+        return True
+
+    def update_params(self, params) -> None:
+        """Serve ``params`` (structure, shapes, dtypes as built; fp8: quantised first) in place
+        of the current leaves (resharded under tp), no recompile. ValueError: other tree
+        structure, a leaf (named) mismatch."""
+        if self.resolved.quantization is not None:
+            params = quantize_params(params, self.model_config.weight_block_size)
+        if (treedef := jax.tree.structure(params)) != jax.tree.structure(self._canonical):
+            raise ValueError(f"update_params: the params tree differs from the served one: got "
+                             f"{treedef}, expected {jax.tree.structure(self._canonical)}")
+        if bad := tree_mismatches(self._canonical, params, dtypes=True):
+            raise ValueError(f"update_params: {'; '.join(bad)}")
+        if self.mesh is not None:
+            self.params = parallel.shard_params(params, self.model_config, self.mesh)
+        else:
+            self.params = jax.tree.map(lambda b, a: jax.device_put(b, a.sharding), params,
+                                       self.params)
+
+    def precompile(self, shape_keys: list[ShapeKey], *, max_workers: int | None = None,
+                   warm: bool = True) -> dict:
+        """`StepExecutor.precompile`: {"shapes", "lower_s", "warm_s", "seconds"}."""
+        info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys,
+                                                 max_workers=max_workers, warm=warm)
+        return info
+
+    @staticmethod
+    def device_bytes_in_use() -> int | None:
+        """Bytes in use on the first local device (None: it keeps no statistics)."""
+        stats = memory.device_memory_stats()
+        return stats[0] if stats else None

@@ -147,14 +147,14 @@ def test_from_params_matches_hf(llm, hf_greedy, prompt_ids, smollm_engine):
     """LLM.from_params over the loaded weights (no tokenizer) gives HF's greedy tokens (the
     shared LLM's engine arguments: its compiled steps come from the run-wide cache)."""
     loaded = llm.engine  # the shared LLM's config and float32 weights, loaded once
-    llm = LLM.from_params(loaded.model_config, loaded.params, **smollm_engine)
+    llm = LLM.from_params(loaded.model_config, loaded.runner.params, **smollm_engine)
     assert llm.get_tokenizer() is None
     ids = prompt_ids[0]
     out = llm.generate({"prompt_token_ids": ids},
                        SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0]
     assert list(out.token_ids) == hf_greedy(ids, 12, ignore_eos=True)
     with pytest.raises(ValueError, match="unknown engine argument"):
-        LLM.from_params(loaded.model_config, loaded.params, max_batch=3)
+        LLM.from_params(loaded.model_config, loaded.runner.params, max_batch=3)
 
 
 def test_stop_token_and_eos_reasons_follow_vllm(llm, prompt_ids):

@@ -41,6 +41,7 @@ from jaxinfer import models  # noqa: E402
 from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve  # noqa: E402
 from jaxinfer.kernels import ModelKernels, model_kernels  # noqa: E402
 from jaxinfer.kv_cache import KVCache  # noqa: E402
+from jaxinfer.memory import param_count  # noqa: E402
 from jaxinfer.sampling import SamplingMetadata  # noqa: E402
 from jaxinfer.step import (GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecutor,  # noqa: E402
                            StepInput, make_step_fn)
@@ -301,7 +302,7 @@ def main() -> None:
     ceiling = max(ceil.values())
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     # embedding is gathered, not read
-    wbytes = models.param_bytes(cfg, 2) - cfg.vocab_size * cfg.hidden_size * 2
+    wbytes = param_count(cfg) * 2 - cfg.vocab_size * cfg.hidden_size * 2
     # the variants compared side by side at every (context, B); a row's variant: `variant_of`
     variants = list(itertools.product(args.gemm, args.inputs, args.decode_knobs, args.kernels))
     kv_tok = cfg.kv_bytes_per_token(2)

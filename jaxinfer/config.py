@@ -12,7 +12,6 @@ from typing import Any, Callable
 
 from jaxinfer.checks import is_int, is_number
 from jaxinfer.model_config import ModelConfig, _check, _fail, check_tp
-from jaxinfer.weights import check_fp8_split
 from pallas_kernels.paged_attention import registry
 from pallas_kernels.sizes import is_pow2
 
@@ -226,8 +225,8 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
     (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization None:
     "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off "gpu",
     "triton" fused kernels on shapes they do not take, a decode variant not in `FP8_KV_DECODE` with
-    fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`) or whose fp8 blocks it
-    cannot (`check_fp8_split`), fp8 KV with tp > 1."""
+    fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`: FP8 blocks too), fp8 KV
+    with tp > 1."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
@@ -240,7 +239,6 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
         _fail("EngineConfig", "tensor_parallel_size", tp, f"kv_cache_dtype="
               f"{engine.kv_cache_dtype!r} runs on one device only; use 1 or kv_cache_dtype='auto'")
     check_tp(model, engine.tensor_parallel_size)
-    check_fp8_split(model, engine.tensor_parallel_size)  # an FP8 checkpoint's blocks
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
     kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype
     fp8 = kv_dtype != dtype

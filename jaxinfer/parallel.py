@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer import weights
 from jaxinfer.kv_cache import AXIS
-from jaxinfer.model_config import ModelConfig, tp_model_config
+from jaxinfer.model_config import ModelConfig, check_tp, tp_model_config
 from jaxinfer.quantize import is_quantized
 
 
@@ -60,7 +60,7 @@ def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.nda
     (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp.., k_s,
     v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up: [gate_0 | up_0 | ...];
     their fp8 scales alike (per channel [out]; blocks [in/bi, out/bo] by block, whole blocks:
-    `weights.check_fp8_split`)."""
+    `check_tp`)."""
     parts = weights.fused_parts(cfg).get(name.removesuffix("_scale"))
     if parts is None:
         return w
@@ -76,10 +76,9 @@ def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.nda
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
     """Canonical ``params`` of ``cfg`` (jax or numpy leaves, fp8 too) -> engine layout on ``mesh``,
     each device getting only its shard; shapes: ``abstract_params(tp_model_config(cfg, tp))``.
-    ValueError: fp8 blocks not whole on each device (`weights.check_fp8_split`)."""
+    ValueError: a model tp cannot split, fp8 blocks not whole on each device (`check_tp`)."""
     tp, quantization = mesh.size, "fp8" if is_quantized(params) else None
-    if quantization:
-        weights.check_fp8_split(cfg, tp)
+    check_tp(cfg, tp)
 
     def place(path, w, spec):
         host = engine_layout(path[-1].key, np.asarray(w), cfg, tp)

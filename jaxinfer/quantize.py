@@ -52,8 +52,8 @@ def quantize_params(params: dict, block: tuple[int, int] | None = None) -> dict:
     (``block``: ``weight_block_size``); other leaves shared. A quantised tree is returned as is."""
     if is_quantized(params):
         return params
-    layers = params["layers"]
-    fp8 = {i: {k: v for n in QUANTIZED for k, v in zip((n, n + "_scale"),
-                                                       quantize_fp8(layers[i][n], block))}
-           for i in layers}
-    return {**params, "layers": {i: {**layers[i], **fp8[i]} for i in layers}}
+    layers = {i: dict(layer) for i, layer in params["layers"].items()}
+    for layer in layers.values():
+        for name in QUANTIZED:
+            layer[name], layer[name + "_scale"] = quantize_fp8(layer[name], block)
+    return {**params, "layers": layers}

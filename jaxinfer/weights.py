@@ -7,7 +7,7 @@ declare their params from it (`jaxinfer.models.layers.declare`); `entries` and `
 import math
 from typing import Any, Callable, NamedTuple
 
-from jaxinfer.model_config import _fail, tp_model_config
+from jaxinfer.model_config import tp_model_config
 
 INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
 
@@ -92,19 +92,3 @@ def device_bytes(cfg, tp: int = 1, compute_bytes: int = 1, quantization: str | N
     size = {"compute": compute_bytes, "float8_e4m3fn": 1, "float32": 4}
     return sum(math.prod(shape) // (1 if split is None else tp) * size[dtype]
                for _, shape, dtype, split in entries(cfg, tp, quantization))
-
-
-def check_fp8_split(cfg, tp: int) -> None:
-    """ValueError naming the sizes unless at ``tp`` > 1 each device's share holds whole HF blocks
-    ``cfg.weight_block_size`` (block_out, block_in): the columns of each fused part (`fused_parts`)
-    a multiple of block_out, the rows of each row-split matrix of block_in."""
-    if cfg.weight_block_size is None or tp == 1:
-        return
-    run, (bo, bi) = tp_model_config(cfg, tp), cfg.weight_block_size
-    sizes = {f"{m} {p} columns": (s.stop - s.start, bo) for m, parts in fused_parts(run, tp).items()
-             for p, s in parts.items()}
-    sizes |= {f"{m} rows": (shape_of(m, run)[0] // tp, bi) for m in QUANTIZED
-              if LAYER[m].split == "row"}
-    if bad := {k: n for k, (n, b) in sizes.items() if n % b}:
-        _fail("EngineConfig", "tensor_parallel_size", tp, f"weight_block_size={(bo, bi)} needs "
-              f"whole FP8 blocks on each device; per device {bad}")

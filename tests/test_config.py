@@ -215,10 +215,9 @@ def test_fp8_with_tensor_parallelism():
                    "cpu").quantization == "fp8"
     fp8_ckpt = dataclasses.replace(model(), weight_block_size=(128, 128))  # F / 2 = 32 columns
     assert resolve(fp8_ckpt, EngineConfig(), "cpu").quantization == "fp8"
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 is invalid: weight_block_size="
-                       r"\(128, 128\) needs whole FP8 blocks on each device; per device "
-                       r"\{'w_gate_up gate columns': 32, 'w_gate_up up columns': 32, "
-                       r"'w_down rows': 32\}"):
+    with pytest.raises(ValueError, match=r"weight_block_size=\(128, 128\) and tensor_parallel_size"
+                       r"=2: each device needs whole FP8 blocks .*N\*H/tp=256, k, v columns "
+                       r"K'\*H/tp=128, gate, up columns and w_down rows F/tp=32"):
         resolve(fp8_ckpt, EngineConfig(tensor_parallel_size=2), "cpu")
     with pytest.raises(ValueError, match="tensor_parallel_size=3 is invalid: kv_cache_dtype='fp8' "
                        "runs on one device only"):

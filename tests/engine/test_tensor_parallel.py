@@ -27,7 +27,8 @@ CONFIGS = {"qwen3": dict(architecture="qwen3", vocab_size=256, **SMALL),
            "llama": dict(architecture="llama", vocab_size=250, tie_word_embeddings=True, **SMALL)}
 # fp8 weights (per-output-channel scales) at tp 1 and 3: 6 query heads, 1 KV head (3 copies)
 FP8_CFG = dict(architecture="llama", vocab_size=96, hidden_size=48, intermediate_size=96,
-               num_layers=2, num_heads=6, num_kv_heads=1, head_dim=16, max_position_embeddings=128)
+               num_layers=2, num_heads=6, num_kv_heads=1, head_dim=16,
+               max_position_embeddings=128)
 SPLIT = ("wqkv", "wo", "w_gate_up", "w_down")  # always split; embed / lm_head when tp divides V
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 28,
                                                    74, 71, 35, 26, 62, 49, 77]]
@@ -140,9 +141,9 @@ def main() -> None:
 
 
 def _fp8(greedy) -> dict:
-    """Greedy tokens of ``quantization="fp8"`` engines on `FP8_CFG` at tp 1 and 3, and the per-device
-    shapes of the fp8 leaves and their scales at tp 3. Matrices N(0, 1/in) with columns scaled by
-    0.1..10 (shuffled), so that a scale laid out on the wrong column changes the tokens."""
+    """Greedy tokens of ``quantization="fp8"`` engines on `FP8_CFG` at tp 1 and 3, and the
+    per-device shapes of the fp8 leaves and their scales at tp 3. Matrices N(0, 1/in) with columns
+    scaled by 0.1..10 (shuffled): a scale laid out on the wrong column changes the tokens."""
     import jax
     import jax.numpy as jnp
 
@@ -299,10 +300,11 @@ def test_fp8_block_scales_follow_their_columns(tp):
     from jaxinfer.config import ModelConfig
     from jaxinfer.parallel import engine_layout
     from jaxinfer.quantize import expand_scale, quantize_fp8
-    from jaxinfer.weights import LAYER, QUANTIZED, check_fp8_split, shape_of
+    from jaxinfer.model_config import check_tp
+    from jaxinfer.weights import LAYER, QUANTIZED, shape_of
 
     cfg, rng = ModelConfig(**dict(FP8_CFG, weight_block_size=(16, 8))), np.random.default_rng(0)
-    check_fp8_split(cfg, tp)
+    check_tp(cfg, tp)
     for name in QUANTIZED:
         w = rng.standard_normal(shape_of(name, cfg)).astype(np.float32)
         q, s = (np.asarray(a) for a in quantize_fp8(jnp.asarray(w), cfg.weight_block_size))
@@ -311,9 +313,9 @@ def test_fp8_block_scales_follow_their_columns(tp):
         got = q2.astype(np.float32) * np.asarray(expand_scale(s2, q2.shape, (16, 8)))
         want = q.astype(np.float32) * np.asarray(expand_scale(s, q.shape, (16, 8)))
         np.testing.assert_array_equal(got, engine_layout(name, want, cfg, tp))
-    with pytest.raises(ValueError, match=rf"tensor_parallel_size={tp} is invalid: weight_block_"
-                       r"size=\(32, 8\) needs whole FP8 blocks.*'wqkv k columns': 16"):
-        check_fp8_split(dataclasses.replace(cfg, weight_block_size=(32, 8)), tp)
+    with pytest.raises(ValueError, match=rf"weight_block_size=\(32, 8\) and tensor_parallel_size="
+                       rf"{tp}: each device needs whole FP8 blocks .* K'\*H/tp=16,"):
+        check_tp(dataclasses.replace(cfg, weight_block_size=(32, 8)), tp)
 
 
 def test_errors_name_both_numbers(result):

@@ -225,8 +225,7 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
     (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization None:
     "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off "gpu",
     "triton" fused kernels on shapes they do not take, a decode variant not in `FP8_KV_DECODE` with
-    fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`: FP8 blocks too), fp8 KV
-    with tp > 1."""
+    fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`), fp8 KV with tp > 1."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "

@@ -32,9 +32,8 @@ class LoadedModel(NamedTuple):
 def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
                    on_host: bool = False) -> tuple[dict, ModelConfig]:
     """``(params, cfg with tying decided)`` from HF-named tensors; FP8 checkpoints stay fp8."""
-    untied, parts, bo = dataclasses.replace(cfg, tie_word_embeddings=False), fused_parts(cfg), \
-        cfg.weight_block_size and cfg.weight_block_size[0]
-    if bo:  # the block scales' parts: bounds / block_out
+    untied, parts = dataclasses.replace(cfg, tie_word_embeddings=False), fused_parts(cfg)
+    if bo := cfg.weight_block_size and cfg.weight_block_size[0]:  # block scales' parts: bounds / bo
         for m, p, n in ((m, p, s.stop - s.start) for m, ps in parts.items() for p, s in ps.items()):
             if n % bo:
                 raise ValueError(f"{m} part {p!r} has {n} output rows, not a multiple of "

@@ -40,7 +40,7 @@ QUANTIZED = tuple(name for name, leaf in LAYER.items() if leaf.fp8)
 
 
 def shape_of(name: str, cfg) -> tuple[int, ...]:
-    """Leaf ``name``'s shape, V, D, N, K, H, F: ``cfg``'s vocab_size, hidden_size, num_heads,
+    """Leaf ``name``'s shape for ``cfg``: V, D, N, K, H, F = vocab_size, hidden_size, num_heads,
     num_kv_heads, head_dim, intermediate_size."""
     letters = dict(V=cfg.vocab_size, D=cfg.hidden_size, N=cfg.num_heads, K=cfg.num_kv_heads,
                    H=cfg.head_dim, F=cfg.intermediate_size)

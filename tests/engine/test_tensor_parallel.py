@@ -25,9 +25,10 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, n
              head_dim=16, max_position_embeddings=128)
 CONFIGS = {"qwen3": dict(architecture="qwen3", vocab_size=256, **SMALL),
            "llama": dict(architecture="llama", vocab_size=250, tie_word_embeddings=True, **SMALL)}
-# fp8 weights (per-output-channel scales) at tp 1 and 3: 6 query heads, 1 KV head (3 copies)
+# fp8 weights (per-output-channel scales) at tp 1 and 3: one layer of 6 query heads and 1 KV head
+# (a copy on each of 3 devices)
 FP8_CFG = dict(architecture="llama", vocab_size=96, hidden_size=48, intermediate_size=96,
-               num_layers=2, num_heads=6, num_kv_heads=1, head_dim=16,
+               num_layers=1, num_heads=6, num_kv_heads=1, head_dim=16,
                max_position_embeddings=128)
 SPLIT = ("wqkv", "wo", "w_gate_up", "w_down")  # always split; embed / lm_head when tp divides V
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 28,

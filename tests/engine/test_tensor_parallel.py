@@ -4,8 +4,9 @@ starts, so the checks run once in a subprocess of this file (`main`, with
 assert on it. Reference: the same engine at tensor_parallel_size=1 (today's one-device path).
 Models: tiny float32 Qwen3 (untied, V=256: vocabulary split at tp 2 and 4) and Llama (tied,
 V=250: vocabulary split at tp 2, replicated at tp 4), 8 query and 2 KV heads (tp=4 gives each
-device a copy of one KV head). Multi-host: two CPU processes of ``jax.distributed`` with a local
-coordinator (`main_two_processes`), a tp=2 mesh over their devices."""
+device a copy of one KV head); fp8 weights: `FP8_CFG` at tp 1 and 3 (3 of the 4 devices).
+Multi-host: two CPU processes of ``jax.distributed`` with a local coordinator
+(`main_two_processes`), a tp=2 mesh over their devices."""
 
 import dataclasses
 import json

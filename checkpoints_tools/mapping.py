@@ -4,7 +4,7 @@ a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9); shapes 
 caller's abstract tree. Tying (CASES.md C9): no ``lm_head.weight``, or one equal to the embedding ->
 tied; a differing one -> untied; UserWarning if ``tie_word_embeddings`` disagrees. HF ``[out, in]``
 -> tree ``[in, out]``; q/k/v_proj fill ``wqkv``, gate/up ``w_gate_up``. HF FP8 checkpoints: fp8
-matrices stay fp8; ``weight_scale_inv`` fills ``<param>_scale`` (`scale_parts`)."""
+matrices stay fp8; ``weight_scale_inv`` fills ``<param>_scale`` (its parts: the caller's)."""
 
 import re
 import warnings
@@ -69,21 +69,6 @@ def fp8_block_size(qc: Mapping[str, Any] | None) -> tuple[int, int] | None:
                          "checkpoints (quant_method 'fp8', activation_scheme 'dynamic', "
                          "weight_block_size [out, in])")
     return int(block[0]), int(block[1])
-
-
-def scale_parts(parts: Mapping[str, Mapping[str, slice]], block_out: int) -> dict:
-    """``{"<fused>_scale": {part: slice}}``: each part of ``parts`` on the block-scale out axis
-    (bounds / ``block_out``). ValueError: a part's size not a multiple of ``block_out``."""
-    out: dict = {}
-    for leaf, ps in parts.items():
-        for part, sl in ps.items():
-            if (sl.stop - sl.start) % block_out:
-                raise ValueError(f"{leaf} part {part!r} has {sl.stop - sl.start} output rows, not "
-                                 f"a multiple of weight_block_size's {block_out}: its FP8 block "
-                                 "scales cannot be fused")
-            out.setdefault(leaf + "_scale", {})[part] = slice(sl.start // block_out,
-                                                              sl.stop // block_out)
-    return out
 
 
 def tree_mismatches(want, got, *, dtypes: bool = False, slash: bool = False) -> list[str]:

@@ -225,7 +225,7 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
     (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization None:
     "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off "gpu",
     "triton" fused kernels on shapes they do not take, a decode variant not in `FP8_KV_DECODE` with
-    fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`), fp8 with tp > 1."""
+    fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`), fp8 KV with tp > 1."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
@@ -234,12 +234,9 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
     kc = engine.kernels
     check_platform(kc, platform)
     quant = engine.quantization or ("fp8" if model.weight_block_size else None)
-    fp8_set = [f"{k}={v!r}" for k, v in (("quantization", quant),
-                                         ("kv_cache_dtype", engine.kv_cache_dtype))
-               if v not in (None, "auto")]
-    if fp8_set and engine.tensor_parallel_size > 1:
-        _fail("EngineConfig", "tensor_parallel_size", engine.tensor_parallel_size,
-              f"{' and '.join(fp8_set)} runs on one device only; use 1 or drop the fp8 setting")
+    if engine.kv_cache_dtype != "auto" and (tp := engine.tensor_parallel_size) > 1:
+        _fail("EngineConfig", "tensor_parallel_size", tp, f"kv_cache_dtype="
+              f"{engine.kv_cache_dtype!r} runs on one device only; use 1 or kv_cache_dtype='auto'")
     check_tp(model, engine.tensor_parallel_size)
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
     kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype

@@ -12,7 +12,7 @@ import numpy as np
 
 from checkpoints_tools import orbax_io
 from checkpoints_tools.loader import Checkpoint, hf_tensors, load_tokenizer, open_checkpoint
-from checkpoints_tools.mapping import TensorSource, hf_tensors_to_params, scale_parts
+from checkpoints_tools.mapping import TensorSource, hf_tensors_to_params
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import abstract_params, fused_parts
 from jaxinfer.quantize import quantize_params
@@ -32,12 +32,16 @@ class LoadedModel(NamedTuple):
 def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
                    on_host: bool = False) -> tuple[dict, ModelConfig]:
     """``(params, cfg with tying decided)`` from HF-named tensors; FP8 checkpoints stay fp8."""
-    untied = dataclasses.replace(cfg, tie_word_embeddings=False)
-    parts, quant = fused_parts(cfg), "fp8" if cfg.weight_block_size else None
-    if quant:
-        parts = {**parts, **scale_parts(parts, cfg.weight_block_size[0])}
-    params = hf_tensors_to_params(tensors, cfg, abstract_params(untied, dtype, quant), parts,
-                                  on_host)
+    untied, parts = dataclasses.replace(cfg, tie_word_embeddings=False), fused_parts(cfg)
+    if bo := cfg.weight_block_size and cfg.weight_block_size[0]:  # block scales' parts: bounds / bo
+        for m, p, n in ((m, p, s.stop - s.start) for m, ps in parts.items() for p, s in ps.items()):
+            if n % bo:
+                raise ValueError(f"{m} part {p!r} has {n} output rows, not a multiple of "
+                                 f"weight_block_size's {bo}: its FP8 block scales cannot be fused")
+        parts |= {m + "_scale": {p: slice(s.start // bo, s.stop // bo) for p, s in ps.items()}
+                  for m, ps in parts.items()}
+    params = hf_tensors_to_params(tensors, cfg, abstract_params(untied, dtype, bo and "fp8"),
+                                  parts, on_host)
     return params, dataclasses.replace(cfg, tie_word_embeddings="lm_head" not in params)
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 from jaxinfer.checks import check_int
 from jaxinfer.config import ResolvedConfig
 from jaxinfer.model_config import ModelConfig, tp_model_config
+from jaxinfer.weights import device_bytes
 
 GIB = 1 << 30
 CPU_KV_BUDGET_BYTES = 2 * GIB  # KV pool cap where the device reports no memory stats (CPU)
@@ -22,16 +23,8 @@ def _gib(n: float) -> str:
 
 
 def param_count(cfg: ModelConfig, tp: int = 1) -> int:
-    """Parameters of the `jaxinfer.models` tree: embed V*D; per layer attn_norm D, wqkv
-    D*(N+2K)*H, wo N*H*D, mlp_norm D, w_gate_up D*2F, w_down F*D (+ q_norm, k_norm H each for
-    Qwen3); final_norm D; lm_head D*V unless tied. ``tp`` > 1: those one device holds under
-    tensor parallelism (`jaxinfer.parallel.param_specs`; K' = max(K, tp) KV heads)."""
-    V, D, F, L = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    N, K, H = cfg.num_heads, tp_model_config(cfg, tp).num_kv_heads, cfg.head_dim
-    split = 2 * D + (D * (N + 2 * K) * H + N * H * D + 3 * D * F) // tp
-    per_layer = split + (2 * H if cfg.qk_norm else 0)
-    vocab = V * D // (tp if V % tp == 0 else 1)
-    return vocab + L * per_layer + D + (0 if cfg.tie_word_embeddings else vocab)
+    """Parameters of the model one device of ``tp`` holds (`jaxinfer.weights.device_bytes`)."""
+    return device_bytes(cfg, tp)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:

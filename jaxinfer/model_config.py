@@ -153,8 +153,10 @@ class ModelConfig:
 
 
 def check_tp(model: ModelConfig, tp: int) -> None:
-    """Raise ValueError naming both numbers unless tensor parallelism of degree ``tp`` splits
-    ``model``: tp divides N and F, and K % tp == 0 or tp % K == 0 (KV heads replicated)."""
+    """Raise ValueError naming the numbers unless tensor parallelism of degree ``tp`` splits
+    ``model``: tp divides N and F, and K % tp == 0 or tp % K == 0 (KV heads replicated); at tp > 1
+    an FP8 checkpoint's blocks ``weight_block_size`` (bo, bi) whole on each device: bo divides its
+    q, k, v, gate, up columns (N*H/tp, K'*H/tp, F/tp), bi its wo, w_down rows (N*H/tp, F/tp)."""
     for name in ("num_heads", "intermediate_size"):
         if getattr(model, name) % tp:
             raise ValueError(f"{name}={getattr(model, name)} is not divisible by "
@@ -162,6 +164,14 @@ def check_tp(model: ModelConfig, tp: int) -> None:
     if (K := model.num_kv_heads) % tp and tp % K:
         raise ValueError(f"num_kv_heads={K} and tensor_parallel_size={tp}: one must divide the "
                          "other (tp > K replicates the KV heads)")
+    if tp > 1 and (block := model.weight_block_size):
+        H, F = model.head_dim, model.intermediate_size // tp
+        NH, KH = model.num_heads * H // tp, max(K, tp) * H // tp
+        if NH % block[0] or KH % block[0] or F % block[0] or NH % block[1] or F % block[1]:
+            raise ValueError(f"weight_block_size={block} and tensor_parallel_size={tp}: each "
+                             "device needs whole FP8 blocks (block_out, block_in) in its q columns "
+                             f"and wo rows N*H/tp={NH}, k, v columns K'*H/tp={KH}, gate, up "
+                             f"columns and w_down rows F/tp={F}")
 
 
 def tp_model_config(model: ModelConfig, tp: int) -> ModelConfig:

@@ -1,18 +1,20 @@
 """Tensor parallelism through JAX sharding: the "tp" mesh, weight and KV-pool shardings
-(`param_specs`), and the canonical -> engine weight layout (`shard_params`); XLA inserts the
-collectives. Sources: Shoeybi et al. 2019 (Megatron-LM: column-split qkv and gate/up, row-split wo
-and down); vLLM (vocabulary-split embedding and lm_head, one KV head copy per device when tp > K).
-Canonical: the one-device tree (`init_params`, loaders). Engine (tp > 1): `tp_model_config`'s tree
-(K' = max(K, tp) KV heads), fused matrices' columns grouped by device (`engine_layout`)."""
+(`param_specs`, from the weight table `jaxinfer.weights`), and the canonical -> engine weight
+layout (`shard_params`, fp8 scales with their matrices); XLA inserts the collectives. Sources:
+Shoeybi et al. 2019 (Megatron-LM: column-split qkv and gate/up, row-split wo and down); vLLM
+(vocabulary-split embedding and lm_head, one KV head copy per device when tp > K). Canonical:
+the one-device tree (`init_params`, loaders). Engine (tp > 1): `tp_model_config`'s tree (K' =
+max(K, tp) KV heads), fused matrices' columns grouped by device (`engine_layout`)."""
 
 import jax
 import numpy as np
+from flax.traverse_util import unflatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxinfer import models
+from jaxinfer import weights
 from jaxinfer.kv_cache import AXIS
-from jaxinfer.model_config import ModelConfig, tp_model_config
-
+from jaxinfer.model_config import ModelConfig, check_tp, tp_model_config
+from jaxinfer.quantize import is_quantized
 
 
 def make_mesh(tp: int) -> Mesh:
@@ -46,41 +48,41 @@ def gather_logits(logits: jax.Array, cfg: ModelConfig, mesh: Mesh | None) -> jax
     return jax.lax.with_sharding_constraint(logits, replicated(mesh))
 
 
-def param_specs(cfg: ModelConfig, tp: int) -> dict:
-    """PartitionSpecs shaped as ``abstract_params(cfg)``: wqkv, w_gate_up P(None, "tp"); wo, w_down
-    P("tp", None); embed P("tp", None), lm_head P(None, "tp") if tp divides V; the rest P()."""
-    vocab = AXIS if cfg.vocab_size % tp == 0 else None
-    rules = {"wqkv": P(None, AXIS), "w_gate_up": P(None, AXIS), "wo": P(AXIS, None),
-             "w_down": P(AXIS, None), "embed": P(vocab, None), "lm_head": P(None, vocab)}
-    return jax.tree_util.tree_map_with_path(lambda path, _: rules.get(path[-1].key, P()),
-                                            models.abstract_params(cfg))
+def param_specs(cfg: ModelConfig, tp: int, quantization: str | None = None) -> dict:
+    """PartitionSpecs shaped as ``abstract_params(cfg, quantization=...)``: "tp" on the split axis
+    of each leaf (`jaxinfer.weights.entries`: wqkv, w_gate_up, wo, w_down, V if tp divides it)."""
+    return unflatten_dict({path: P() if split is None else P(*(None,) * split, AXIS)
+                           for path, _, _, split in weights.entries(cfg, tp, quantization)})
 
 
 def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
     """Leaf ``name`` of the canonical tree of ``cfg`` in the engine layout of tp devices: wqkv [D,
     (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp.., k_s,
-    v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up: [gate_0 | up_0 | ...]."""
-    parts = models.fused_parts(cfg).get(name)
+    v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up: [gate_0 | up_0 | ...];
+    their fp8 scales alike (per channel [out]; blocks [in/bi, out/bo] by block, whole blocks:
+    `check_tp`)."""
+    parts = weights.fused_parts(cfg).get(name.removesuffix("_scale"))
     if parts is None:
         return w
-    D = w.shape[0]
-    if name == "wqkv":
-        K, K2, H = cfg.num_kv_heads, tp_model_config(cfg, tp).num_kv_heads, cfg.head_dim
-        src = np.arange(K2) * K // K2                          # KV head copied into each of K'
-        groups = [w[:, parts["q"]]] + [w[:, parts[n]].reshape(D, K, H)[:, src] for n in "kv"]
-    else:
-        groups = [w[:, parts["gate"]], w[:, parts["up"]]]
-    return np.concatenate([g.reshape(D, tp, -1) for g in groups], axis=2).reshape(D, -1)
+    K, K2, H = cfg.num_kv_heads, tp_model_config(cfg, tp).num_kv_heads, cfg.head_dim
+    groups = [np.arange(s.start, s.stop) for s in parts.values()]  # canonical columns
+    if name.startswith("wqkv"):  # the KV heads, copied where tp > K
+        groups[1:] = [g.reshape(K, H)[np.arange(K2) * K // K2] for g in groups[1:]]
+    cols = np.concatenate([g.reshape(tp, -1) for g in groups], axis=1).reshape(-1)
+    bo = cfg.weight_block_size and cfg.weight_block_size[0]
+    return w[cols] if w.ndim == 1 else w[:, cols[::bo] // bo if name.endswith("_scale") else cols]
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
-    """Canonical ``params`` of ``cfg`` (jax or numpy leaves) -> engine layout on ``mesh``, each
-    device getting only its shard; shapes: ``abstract_params(tp_model_config(cfg, mesh.size))``."""
-    tp = mesh.size
+    """Canonical ``params`` of ``cfg`` (jax or numpy leaves, fp8 too) -> engine layout on ``mesh``,
+    each device getting only its shard; shapes: ``abstract_params(tp_model_config(cfg, tp))``.
+    ValueError: a model tp cannot split, fp8 blocks not whole on each device (`check_tp`)."""
+    tp, quantization = mesh.size, "fp8" if is_quantized(params) else None
+    check_tp(cfg, tp)
 
     def place(path, w, spec):
         host = engine_layout(path[-1].key, np.asarray(w), cfg, tp)
         return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
                                             lambda index: host[index])
 
-    return jax.tree_util.tree_map_with_path(place, params, param_specs(cfg, tp))
+    return jax.tree_util.tree_map_with_path(place, params, param_specs(cfg, tp, quantization))

@@ -1,23 +1,14 @@
-"""fp8 (e4m3) weight quantisation of a param tree: the layers' `QUANTIZED` matrices become
-float8_e4m3fn plus an f32 ``<name>_scale`` leaf (`jaxinfer.models.layers.declare_weight`); embed,
-lm_head, norms kept. Source: Micikevicius et al. 2022, "FP8 Formats for Deep Learning"."""
+"""fp8 (e4m3) weight quantisation of a param tree: the layers' `QUANTIZED` matrices (the weight
+table's, `jaxinfer.weights`) become float8_e4m3fn plus an f32 ``<name>_scale`` leaf; the rest
+kept. Source: Micikevicius et al. 2022, "FP8 Formats for Deep Learning"."""
 
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.weights import QUANTIZED, scale_shape
 from pallas_kernels.kv_quant import FP8, FP8_MAX  # e4m3, the format of the fp8 KV pages too
-
-QUANTIZED = ("wqkv", "wo", "w_gate_up", "w_down")
-
-
-def scale_shape(shape: tuple[int, int], block: tuple[int, int] | None) -> tuple[int, ...]:
-    """Shape of the f32 scale of an fp8 matrix ``shape`` [in, out]: per output channel [out]
-    (``block`` None), or per HF block ``(block_out, block_in)``: [ceil(in/bi), ceil(out/bo)]."""
-    if block is None:
-        return (shape[1],)
-    return (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
 
 
 def expand_scale(scale: jax.Array, shape: tuple[int, int],
@@ -61,9 +52,8 @@ def quantize_params(params: dict, block: tuple[int, int] | None = None) -> dict:
     (``block``: ``weight_block_size``); other leaves shared. A quantised tree is returned as is."""
     if is_quantized(params):
         return params
-    layers = {}
-    for i, layer in params["layers"].items():
-        layers[i] = dict(layer)
+    layers = {i: dict(layer) for i, layer in params["layers"].items()}
+    for layer in layers.values():
         for name in QUANTIZED:
-            layers[i][name], layers[i][name + "_scale"] = quantize_fp8(layer[name], block)
+            layer[name], layer[name + "_scale"] = quantize_fp8(layer[name], block)
     return {**params, "layers": layers}

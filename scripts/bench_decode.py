@@ -300,8 +300,8 @@ def main() -> None:
     ceil = copy_ceiling_tbps()
     ceiling = max(ceil.values())
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    # embedding is gathered, not read
-    wbytes = models.param_bytes(cfg, 2) - cfg.vocab_size * cfg.hidden_size * 2
+    leaves = jax.tree_util.tree_leaves(params)  # the embedding is gathered, not read
+    wbytes = sum(x.nbytes for x in leaves) - cfg.vocab_size * cfg.hidden_size * 2
     # the variants compared side by side at every (context, B); a row's variant: `variant_of`
     variants = list(itertools.product(args.gemm, args.inputs, args.decode_knobs, args.kernels))
     kv_tok = cfg.kv_bytes_per_token(2)

@@ -29,6 +29,7 @@ from jaxinfer.config import DTYPE_BYTES, ModelConfig  # noqa: E402
 from jaxinfer.memory import (GIB, _gib, default_reserve_bytes, device_memory_stats,  # noqa: E402
                              kv_bytes_per_token, kv_pool_pages, param_count)
 from jaxinfer.model_config import check_tp  # noqa: E402
+from jaxinfer.weights import device_bytes  # noqa: E402
 
 MIB = 1 << 20
 PLANNING_FRACTION = 0.7  # plan at this fraction of the theoretical concurrent sequences
@@ -44,16 +45,11 @@ PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, S
 }
 
 
-def fp8_weight_bytes(cfg: ModelConfig, dtype_bytes: int) -> int:
-    """Bytes of the tree with fp8 weights (`jaxinfer.quantize`, one device): the layers'
-    matrices at 1 byte plus an f32 scale per output channel; embedding, lm_head and norms at
-    ``dtype_bytes`` (the compute dtype)."""
-    D, F, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
-    N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    matrices = D * (N + 2 * K) * H + N * H * D + 3 * D * F
-    scales = (N + 2 * K) * H + 2 * D + 2 * F
-    return param_count(cfg) * dtype_bytes - L * matrices * (dtype_bytes - 1) + L * scales * 4
-
+def fp8_weight_bytes(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
+    """Bytes one device of ``tp`` holds of the tree with fp8 weights (`jaxinfer.quantize`): the
+    layers' matrices at 1 byte plus their f32 scales; embedding, lm_head and norms at
+    ``dtype_bytes`` (the compute dtype). `jaxinfer.weights.device_bytes`."""
+    return device_bytes(cfg, tp, dtype_bytes, "fp8")
 
 
 @dataclass(frozen=True)
@@ -188,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
                    default="bfloat16")
     p.add_argument("--weight-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16",
                    help="fp8: the engine's quantization='fp8' (embedding, lm_head, norms in "
-                   "bfloat16, f32 scales; one device)")
+                   "bfloat16, f32 scales)")
     p.add_argument("--weight-gib", type=float, default=None, help="resident weight size in GiB "
                    "(per device), overriding the count from the config (quantised checkpoints)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -210,10 +206,7 @@ def _weight_bytes(args, cfg: ModelConfig) -> int | None:
     given = _gib_to_bytes("--weight-gib", args.weight_gib)
     if given is not None or args.weight_dtype != "fp8":
         return given
-    if args.tensor_parallel_size > 1:
-        raise ValueError(f"--weight-dtype fp8 with --tensor-parallel-size "
-                         f"{args.tensor_parallel_size}: fp8 weights run on one device only (1)")
-    return fp8_weight_bytes(cfg, 2)
+    return fp8_weight_bytes(cfg, 2, args.tensor_parallel_size)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -207,11 +207,18 @@ def test_quantization_resolves_from_the_checkpoint():
         dataclasses.replace(model(), weight_block_size=(128,))
 
 
-def test_fp8_with_tensor_parallelism_names_the_fp8_setting():
-    """fp8 weights or KV run on one device: the error names tensor_parallel_size and only the
-    fp8 settings that are on, before the model's own divisibility checks."""
-    for kw, named in ((dict(quantization="fp8"), "quantization='fp8' runs"),
-                      (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8' runs")):
-        with pytest.raises(ValueError, match=f"tensor_parallel_size=3 is invalid: {named} on one "
-                           "device only"):
-            resolve(model(), EngineConfig(tensor_parallel_size=3, **kw), "cpu")
+def test_fp8_with_tensor_parallelism():
+    """fp8 weights split over devices, FP8 checkpoints' blocks where they fall whole into each
+    device's share (else the error names the sizes); fp8 KV runs on one device only, refused
+    before the model's own divisibility checks."""
+    assert resolve(model(), EngineConfig(tensor_parallel_size=2, quantization="fp8"),
+                   "cpu").quantization == "fp8"
+    fp8_ckpt = dataclasses.replace(model(), weight_block_size=(128, 128))  # F / 2 = 32 columns
+    assert resolve(fp8_ckpt, EngineConfig(), "cpu").quantization == "fp8"
+    with pytest.raises(ValueError, match=r"weight_block_size=\(128, 128\) and tensor_parallel_size"
+                       r"=2: each device needs whole FP8 blocks .*N\*H/tp=256, k, v columns "
+                       r"K'\*H/tp=128, gate, up columns and w_down rows F/tp=32"):
+        resolve(fp8_ckpt, EngineConfig(tensor_parallel_size=2), "cpu")
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 is invalid: kv_cache_dtype='fp8' "
+                       "runs on one device only"):
+        resolve(model(), EngineConfig(tensor_parallel_size=3, kv_cache_dtype="fp8"), "cpu")

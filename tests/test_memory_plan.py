@@ -95,13 +95,57 @@ def test_qwen3_8b_weight_bytes_hand_count():
     assert param_count(tied) == total - head
 
 
+def _device_bytes(abstract, specs, tp: int) -> int:
+    """Bytes one device holds of ``abstract`` (ShapeDtypeStructs) split by ``specs``."""
+    import jax
+
+    def shard_bytes(a, spec):
+        shape = list(a.shape)
+        for axis, name in enumerate(spec):
+            if name is not None:
+                assert shape[axis] % tp == 0, (a.shape, spec)
+                shape[axis] //= tp
+        return math.prod(shape) * a.dtype.itemsize
+
+    return sum(jax.tree_util.tree_leaves(jax.tree_util.tree_map(shard_bytes, abstract, specs)))
+
+
 def test_param_count_matches_param_tree():
-    from jaxinfer.models import param_bytes  # imports jax; the layout source of truth
+    import jax
+
+    from jaxinfer import models  # imports jax; the layout source of truth
 
     for cfg in (QWEN3_8B, PRESETS["smollm2-135m"], LLAMA3_70B):
         # every layer has the same shapes: two layers check the per-layer count (faster trace)
         cfg = dataclasses.replace(cfg, num_layers=2)
-        assert param_count(cfg) == param_bytes(cfg, dtype_bytes=1)
+        leaves = jax.tree_util.tree_leaves(models.abstract_params(cfg))
+        assert param_count(cfg) == sum(math.prod(x.shape) for x in leaves)
+
+
+@pytest.mark.parametrize("arch, tied, kv_heads", [("llama", True, 1), ("qwen3", False, 6)])
+@pytest.mark.parametrize("block", [None, (8, 8)])
+def test_counts_match_the_sharded_tree(arch, tied, kv_heads, block):
+    """`param_count` and `fp8_weight_bytes` at tp 1, 2, 3 equal the bytes one device holds of
+    `abstract_params` of `tp_model_config` split by `param_specs` (the structure of which is the
+    tree's): float32 and fp8 (per channel, or in blocks), V = 96 split, V = 100 not at tp 3."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import models
+    from jaxinfer.model_config import tp_model_config
+    from jaxinfer.parallel import param_specs
+
+    cfg = ModelConfig(arch, 100 if tied else 96, 32, 48, 2, 6, kv_heads, 8,
+                      tie_word_embeddings=tied, weight_block_size=block)
+    for tp in (1, 2, 3):
+        run = tp_model_config(cfg, tp)
+        for quant in (None, "fp8"):
+            abstract = models.abstract_params(run, jnp.float32, quant)
+            specs = param_specs(cfg, tp, quant)
+            assert jax.tree.structure(specs) == jax.tree.structure(abstract)
+            got = _device_bytes(abstract, specs, tp)
+            want = (PLANNER.fp8_weight_bytes(cfg, 4, tp) if quant else 4 * param_count(cfg, tp))
+            assert got == want, (tp, quant)
 
 
 def test_qwen3_8b_on_h200_by_hand():

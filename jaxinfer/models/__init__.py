@@ -1,21 +1,20 @@
 """The models as pure functions of (params, inputs, KV state), by ``cfg.architecture``; ``params``:
 the tree the Flax modules declare (`jaxinfer.models.llama`), shapes from `abstract_params`."""
 
-import math
-
 import jax
 import jax.numpy as jnp
 
 from checkpoints_tools.mapping import tree_mismatches
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import KVCache
-from jaxinfer.models.layers import Packing, fused_parts
+from jaxinfer.models.layers import Packing
 from jaxinfer.model_config import SUPPORTED_ARCHITECTURES
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.quantize import is_quantized, quantize_params
+from jaxinfer.weights import fused_parts
 
 __all__ = ["Packing", "fused_parts", "forward", "compute_logits", "init_params", "abstract_params",
-           "check_params", "param_bytes", "QUANTIZATIONS"]
+           "check_params", "QUANTIZATIONS"]
 QUANTIZATIONS = (None, "fp8")
 
 
@@ -86,9 +85,3 @@ def check_params(params: dict, cfg, quantization: str | None = None) -> None:
         raise ValueError("params have missing or unexpected entries or wrong shapes for the model "
                          f"(tie_word_embeddings={cfg.tie_word_embeddings}, quantization="
                          f"{quantization!r}): " + "; ".join(bad))
-
-
-def param_bytes(cfg, dtype_bytes: int = 2) -> int:
-    """Bytes of the params at ``dtype_bytes`` per element."""
-    leaves = jax.tree_util.tree_leaves(abstract_params(cfg))
-    return sum(math.prod(x.shape) for x in leaves) * dtype_bytes

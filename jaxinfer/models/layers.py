@@ -6,31 +6,19 @@ Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU).""
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.quantize import expand_scale, scale_shape
+from jaxinfer.quantize import FP8, expand_scale
 from jaxinfer.step_input import names
+from jaxinfer.weights import INIT_STD, LEAVES, scale_shape, shape_of
 from pallas_kernels.add_rms_norm import reference as add_rms_norm_reference
 
-INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
-dense_init = nn.initializers.normal(stddev=INIT_STD)
-
-
-def fused_parts(cfg, shards: int = 1) -> dict[str, dict[str, slice]]:
-    """Slices of each projection on the output (last) axis of the fused matrices: ``{"wqkv": {"q":
-    [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H, (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up":
-    [F, 2F)}}``. ``shards`` > 1: columns grouped by shard, [q_0 | k_0 | v_0 | q_1 | ...], [gate_0 |
-    up_0 | gate_1 | ...], slices within one group (N, K, F divided by ``shards``)."""
-    N, K, F = cfg.num_heads // shards, cfg.num_kv_heads // shards, cfg.intermediate_size // shards
-    H = cfg.head_dim
-    return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
-                     "v": slice((N + K) * H, (N + 2 * K) * H)},
-            "w_gate_up": {"gate": slice(0, F), "up": slice(F, 2 * F)}}
+INITS = {"normal": nn.initializers.normal(stddev=INIT_STD), "ones": nn.initializers.ones}
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "scale"],
@@ -57,14 +45,20 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
     return x @ w.value(x.dtype)
 
 
-def declare_weight(module: nn.Module, name: str, shape: tuple[int, int]) -> Weight:
-    """Declare ``name`` [in, out]; fp8: float8_e4m3fn plus f32 ``name_scale``, `scale_shape`."""
-    if module.quantization is None:
-        return Weight(module.param(name, dense_init, shape, module.param_dtype))
-    block = module.cfg.weight_block_size
-    return Weight(module.param(name, dense_init, shape, jnp.float8_e4m3fn),
-                  module.param(name + "_scale", nn.initializers.ones, scale_shape(shape, block),
-                               jnp.float32), block)
+def declare(module: nn.Module, name: str) -> Weight | jax.Array | None:
+    """Declare leaf ``name`` of the weight table (`jaxinfer.weights`) in ``module``'s scope: shape
+    of ``module.cfg``, the table's init, ``module.param_dtype``; a quantisable matrix as a `Weight`
+    (``module.quantization`` "fp8": float8_e4m3fn plus f32 ``name_scale`` of `scale_shape`).
+    None: a leaf this model does not have (the table's ``when``)."""
+    leaf, shape, block = LEAVES[name], shape_of(name, module.cfg), module.cfg.weight_block_size
+    if not leaf.when(module.cfg):
+        return None
+    fp8 = leaf.fp8 and module.quantization is not None
+    w = module.param(name, INITS[leaf.init], shape, FP8 if fp8 else module.param_dtype)
+    if not fp8:
+        return Weight(w) if leaf.fp8 else w
+    return Weight(w, module.param(name + "_scale", nn.initializers.ones, scale_shape(shape, block),
+                                  jnp.float32), block)
 
 
 def rope_inv_freq(cfg) -> np.ndarray:
@@ -130,61 +124,33 @@ def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     return o.reshape(R * Tq, N, H)[pk.out_index][None]                  # [1, Tp, N, H]
 
 
-def shared(parent: nn.Module, child: nn.Module) -> nn.Module:
-    """Bind ``child`` into ``parent``'s scope: its params appear directly in the parent's dict."""
-    nn.share_scope(parent, child)
-    return child
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, w: jax.Array, *, eps: float,
+                 kernel: Callable | None = None) -> tuple[jax.Array, jax.Array]:
+    """Residual add + RMSNorm of weight w [D]: ``(x [B, T, D], delta [B, T, D] | None) -> (x +
+    delta, rms_norm(x + delta))`` in x.dtype; ``delta`` may be f32 partial sums [splits, B, T, D].
+    ``kernel``: `ModelKernels.add_rms_norm` (None: the jnp reference)."""
+    shape = x.shape
+    if delta is not None:
+        lead = (delta.shape[0],) if delta.ndim == x.ndim + 1 else ()
+        delta = delta.reshape(*lead, -1, shape[-1])
+    kernel = kernel or add_rms_norm_reference.add_rms_norm
+    x, h = kernel(x.reshape(-1, shape[-1]), delta, w, eps=eps)
+    return x.reshape(shape), h.reshape(shape)
 
 
-class AddRMSNorm(nn.Module):
-    """Residual add + RMSNorm, weight [D] named ``param_name``: ``(x [B, T, D], delta [B, T, D] |
-    None) -> (x + delta, rms_norm(x + delta))`` in x.dtype; ``delta`` may be f32 partial sums
-    [splits, B, T, D]. ``kernel``: `ModelKernels.add_rms_norm` (None: the jnp reference)."""
-
-    param_name: str
-    eps: float
-    param_dtype: Any = jnp.float32
-    kernel: Callable | None = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        w = self.param(self.param_name, nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        shape = x.shape
-        if delta is not None:
-            lead = (delta.shape[0],) if delta.ndim == x.ndim + 1 else ()
-            delta = delta.reshape(*lead, -1, shape[-1])
-        kernel = self.kernel or add_rms_norm_reference.add_rms_norm
-        x, h = kernel(x.reshape(-1, shape[-1]), delta, w, eps=self.eps)
-        return x.reshape(shape), h.reshape(shape)
-
-
-class MLP(nn.Module):
+def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1,
+        down_partials: int = 1) -> jax.Array:
     """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; ``w_gate_up``
-    [D, 2F] (`fused_parts`, ``shards`` groups), ``w_down`` [F, D]. ``down_partials`` > 1: F split in
-    that many parts, output f32 partial sums [splits, B, T, D] (`AddRMSNorm`)."""
-
-    cfg: Any
-    param_dtype: Any = jnp.float32
-    down_partials: int = 1
-    shards: int = 1
-    quantization: str | None = None
-
-    @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        D, F = self.cfg.hidden_size, self.cfg.intermediate_size
-        parts = fused_parts(self.cfg, self.shards)["w_gate_up"]
-        w_gate_up = declare_weight(self, "w_gate_up", (D, 2 * F))
-        w_down = declare_weight(self, "w_down", (F, D))
-        with jax.named_scope("mlp"):
-            gu = dense(x, w_gate_up)                                    # [B, T, 2F]
-            if self.shards > 1:                                         # [B, T, shards, 2F/shards]
-                gu = gu.reshape(*gu.shape[:-1], self.shards, -1)
-            h = jax.nn.silu(gu[..., parts["gate"]]) * gu[..., parts["up"]]
-            h = h.reshape(*h.shape[:-2], F) if self.shards > 1 else h   # [B, T, F]
-            splits = self.down_partials
-            if splits > 1:
-                B, T, F = h.shape
-                w = w_down.value(x.dtype).reshape(splits, F // splits, -1)   # a view
-                return jnp.einsum("btpf,pfd->pbtd", h.reshape(B, T, splits, F // splits), w,
-                                  preferred_element_type=jnp.float32)
-            return dense(h, w_down).astype(x.dtype)
+    [D, 2F] ([gate | up] in each of ``shards`` column groups, `fused_parts`), ``w_down`` [F, D].
+    ``down_partials`` > 1: F split in that many parts, output f32 partial sums [splits, B, T, D]
+    (`add_rms_norm`)."""
+    with jax.named_scope("mlp"):
+        gu = dense(x, w_gate_up)                                        # [B, T, 2F]
+        gu = gu.reshape(*gu.shape[:-1], shards, 2, -1)                  # [B, T, shards, 2, F/s]
+        h = (jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]).reshape(*x.shape[:-1], -1)  # [B, T, F]
+        if down_partials > 1:
+            B, T, F = h.shape
+            w = w_down.value(x.dtype).reshape(down_partials, F // down_partials, -1)   # a view
+            return jnp.einsum("btpf,pfd->pbtd", h.reshape(B, T, down_partials, -1), w,
+                              preferred_element_type=jnp.float32)
+        return dense(h, w_down).astype(x.dtype)

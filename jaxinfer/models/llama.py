@@ -1,13 +1,9 @@
 """Llama (2/3/3.x, SmolLM2, ...) and Qwen3 (dense: the Llama trunk plus a per-head RMSNorm of q
-and k before RoPE, ``cfg.qk_norm``) over the paged KV cache. The modules' ``self.param`` calls
-declare the weight tree (blocks bound into their layer's scope with `layers.shared`):
+and k before RoPE, ``cfg.qk_norm``) over the paged KV cache. The modules declare the weight tree
+of the table `jaxinfer.weights` (`layers.declare`: `MODEL` in `LlamaForCausalLM`, `LAYER` in each
+`DecoderLayer`); ``lm_head`` only for init (logits: `compute_logits`).
 
-    embed [V, D]; layers/"0".."L-1"/{attn_norm [D], wqkv [D, (N+2K)*H] (q | k | v), wo [N*H, D],
-    (Qwen3: q_norm [H], k_norm [H]), mlp_norm [D], w_gate_up [D, 2F] (gate | up), w_down [F, D]};
-    final_norm [D]; lm_head [D, V] unless tied to ``embed``. Quantised ("fp8"): wqkv, wo, w_gate_up,
-    w_down in float8_e4m3fn, each with an f32 ``<name>_scale`` beside it (`layers.declare_weight`).
-
-Under tensor parallelism ``cfg`` is `tp_model_config`'s (`Attention`). The L layers are unrolled;
+Under tensor parallelism ``cfg`` is `tp_model_config`'s (`attention`). The L layers are unrolled;
 layer i writes the K/V pools at static index i. Sources: Touvron et al. 2023 (Llama 2); Meta 2024
 (Llama 3); HF ``modeling_llama.py``; Qwen Team 2025, "Qwen3 Technical Report" (QK-Norm), HF
 ``modeling_qwen3.py``."""
@@ -22,8 +18,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.kernels import ModelKernels
 from jaxinfer.kv_cache import AXIS, KV_POOL_SPEC, KVCache
-from jaxinfer.models.layers import (MLP, AddRMSNorm, Packing, StepContext, attend, declare_weight,
-                                    dense, dense_init, rope_cos_sin, rope_inv_freq, shared)
+from jaxinfer.models.layers import (Packing, StepContext, add_rms_norm, attend, declare, dense, mlp,
+                                    rope_cos_sin, rope_inv_freq)
+from jaxinfer.weights import LAYER, MODEL
 from pallas_kernels.qkv_prologue import reference as qkv_reference
 from pallas_kernels.sizes import round_up
 
@@ -61,6 +58,30 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
     return o, k_pool, v_pool
 
 
+def attention(x: jax.Array, w: dict, layer: int, k_pool: jax.Array, v_pool: jax.Array,
+              ctx: StepContext, *, cfg, kernels: ModelKernels
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [B, T, D] @ ``w["wqkv"]`` -> `attention_heads` (RMSNorm weights ``w["q_norm"]``,
+    ``w["k_norm"]`` [H], or None) -> @ ``w["wo"]``. With ``kernels.mesh``, `attention_heads` runs
+    under ``jax.shard_map`` on each device's heads (wqkv's columns shard-major, `fused_parts`) and
+    XLA sums the row-split ``wo`` GEMM. Returns (out [B, T, D], k_pool, v_pool)."""
+    B, T, _ = x.shape
+    N, K, H, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kernels.tp
+    with jax.named_scope("qkv"):
+        qkv = dense(x, w["wqkv"])                                       # [B, T, (N + 2K) * H]
+    heads = functools.partial(attention_heads, kernels=kernels, layer=layer, num_heads=N // tp,
+                              num_kv_heads=K // tp, eps=cfg.rms_norm_eps)
+    if tp > 1:
+        pool = KV_POOL_SPEC
+        heads = jax.shard_map(heads, mesh=kernels.mesh, check_vma=False,
+                              in_specs=(P(None, None, AXIS), pool, pool, P(), P(), P()),
+                              out_specs=(P(None, None, AXIS, None), pool, pool))
+    o, k_pool, v_pool = heads(qkv, k_pool, v_pool, ctx, w["q_norm"], w["k_norm"])
+    with jax.named_scope("attention"):
+        out = dense(o.astype(x.dtype).reshape(B, T, N * H), w["wo"]).astype(x.dtype)
+    return out, k_pool, v_pool
+
+
 class _Module(nn.Module):
     """Fields of every block here: ``cfg``, ``kernels``, the params' dtype, ``quantization``."""
 
@@ -70,40 +91,9 @@ class _Module(nn.Module):
     quantization: str | None = None
 
 
-class Attention(_Module):
-    """x [B, T, D] @ ``wqkv`` -> `attention_heads` (``cfg.qk_norm``: RMSNorm weights ``q_norm``,
-    ``k_norm`` [H]) -> @ ``wo``. With ``kernels.mesh``, `attention_heads` runs under
-    ``jax.shard_map`` on each device's heads (wqkv's columns shard-major, `fused_parts`) and XLA
-    sums the row-split ``wo`` GEMM. Returns (out [B, T, D], k_pool, v_pool)."""
-
-    @nn.compact
-    def __call__(self, x: jax.Array, layer: int, k_pool: jax.Array, v_pool: jax.Array,
-                 ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array]:
-        cfg, tp = self.cfg, self.kernels.tp
-        B, T, D = x.shape
-        N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        wqkv = declare_weight(self, "wqkv", (D, (N + 2 * K) * H))
-        wo = declare_weight(self, "wo", (N * H, D))
-        norms = [self.param(n, nn.initializers.ones, (H,), self.param_dtype) if cfg.qk_norm
-                 else None for n in ("q_norm", "k_norm")]
-        with jax.named_scope("qkv"):
-            qkv = dense(x, wqkv)                                        # [B, T, (N + 2K) * H]
-        heads = functools.partial(attention_heads, kernels=self.kernels, layer=layer,
-                                  num_heads=N // tp, num_kv_heads=K // tp, eps=cfg.rms_norm_eps)
-        if tp > 1:
-            pool = KV_POOL_SPEC
-            heads = jax.shard_map(heads, mesh=self.kernels.mesh, check_vma=False,
-                                  in_specs=(P(None, None, AXIS), pool, pool, P(), P(), P()),
-                                  out_specs=(P(None, None, AXIS, None), pool, pool))
-        o, k_pool, v_pool = heads(qkv, k_pool, v_pool, ctx, *norms)
-        with jax.named_scope("attention"):
-            out = dense(o.astype(x.dtype).reshape(B, T, N * H), wo).astype(x.dtype)
-        return out, k_pool, v_pool
-
-
 class DecoderLayer(_Module):
     """Pre-norm layer, ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, each residual add done
-    with the next norm (`AddRMSNorm`): ``(x [B, T, D], pending, layer, k_pool, v_pool, ctx) -> (x,
+    with the next norm (`add_rms_norm`): ``(x [B, T, D], pending, layer, k_pool, v_pool, ctx) -> (x,
     pending, k_pool, v_pool)``; ``pending``: the MLP output not yet added (None into layer 0), as
     f32 partial sums in unpacked decode of >= `DOWN_PARTIALS_MIN_ROWS` rows (module comment)."""
 
@@ -111,21 +101,20 @@ class DecoderLayer(_Module):
     def __call__(self, x: jax.Array, pending: jax.Array | None, layer: int, k_pool: jax.Array,
                  v_pool: jax.Array, ctx: StepContext
                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        eps, pd, kernel = self.cfg.rms_norm_eps, self.param_dtype, self.kernels.add_rms_norm
-        x, h = shared(self, AddRMSNorm("attn_norm", eps, pd, kernel, name="attn_norm_block"))(
-            x, pending)
-        attn = shared(self, Attention(self.cfg, self.kernels, pd, self.quantization,
-                                      name="attention"))
-        a, k_pool, v_pool = attn(h, layer, k_pool, v_pool, ctx)
-        x, h = shared(self, AddRMSNorm("mlp_norm", eps, pd, kernel, name="mlp_norm_block"))(x, a)
+        w = {name: declare(self, name) for name in LAYER}              # the weight table's
+        kernel = self.kernels.add_rms_norm
+        norm = functools.partial(add_rms_norm, eps=self.cfg.rms_norm_eps, kernel=kernel)
+        x, h = norm(x, pending, w["attn_norm"])
+        a, k_pool, v_pool = attention(h, w, layer, k_pool, v_pool, ctx, cfg=self.cfg,
+                                      kernels=self.kernels)
+        x, h = norm(x, a, w["mlp_norm"])
         B, T = x.shape[:2]
         tp = self.kernels.tp  # partial sums: one device's F (a view of w_down) only
         split = (kernel is not None and ctx.packing is None and T == 1 and tp == 1
                  and B >= DOWN_PARTIALS_MIN_ROWS
                  and self.cfg.intermediate_size % DOWN_PARTIALS == 0)
-        mlp = MLP(self.cfg, pd, DOWN_PARTIALS if split else 1, tp, self.quantization,
-                  name="mlp")
-        return x, shared(self, mlp)(h), k_pool, v_pool
+        return x, mlp(h, w["w_gate_up"], w["w_down"], tp, DOWN_PARTIALS if split else 1), \
+            k_pool, v_pool
 
 
 class Layers(_Module):
@@ -145,25 +134,19 @@ class Layers(_Module):
 
 class LlamaForCausalLM(_Module):
     """Trunk: embed -> `Layers` -> final norm: ``(tokens, positions, slot_mapping i32[B, T], kv,
-    packing) -> (hidden [B, T, D] in the params' dtype, kv with the pools written)``; ``lm_head``
-    declared for init (logits: `compute_logits`). Embed, lm_head, norms: never fp8."""
+    packing) -> (hidden [B, T, D] in the params' dtype, kv with the pools written)``."""
 
     @nn.compact
     def __call__(self, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
                  kv: KVCache, packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
-        cfg, pd = self.cfg, self.param_dtype
-        V, D = cfg.vocab_size, cfg.hidden_size
-        embed = self.param("embed", dense_init, (V, D), pd)
-        if not cfg.tie_word_embeddings:
-            self.param("lm_head", dense_init, (D, V), pd)
-        x = jnp.take(embed, tokens, axis=0)                          # [B, T, D], compute dtype
+        cfg, w = self.cfg, {name: declare(self, name) for name in MODEL}
+        x = jnp.take(w["embed"], tokens, axis=0)                          # [B, T, D], compute dtype
         with jax.named_scope("rope"):
             cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
         ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
                           kv.block_tables, kv.seq_lens, cos, sin, packing, *kv.scales())
-        layers = Layers(cfg, self.kernels, pd, self.quantization, name="layers")
+        layers = Layers(cfg, self.kernels, self.param_dtype, self.quantization, name="layers")
         x, pending, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
-        _, x = shared(self, AddRMSNorm("final_norm", cfg.rms_norm_eps, pd,
-                                       self.kernels.add_rms_norm, name="final_norm_block"))(
-            x, pending)
+        _, x = add_rms_norm(x, pending, w["final_norm"], eps=cfg.rms_norm_eps,
+                            kernel=self.kernels.add_rms_norm)
         return x, kv.replace(k=k_pool, v=v_pool)

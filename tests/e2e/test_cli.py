@@ -92,8 +92,8 @@ def test_default_model_chat_stream_answers_paris(tmp_path, smollm_cli_args):
      "num_heads=9 is not divisible by tensor_parallel_size=2"),
     (["--prompt", "hi", "--tensor-parallel-size", "3"],  # divides 9 heads; one CPU device
      "tensor_parallel_size=3 is invalid: JAX sees 1 cpu device(s)"),
-    (["--prompt", "hi", "--tensor-parallel-size", "2", "--quantization", "fp8"],
-     "tensor_parallel_size=2 is invalid: quantization='fp8' runs on one device only"),
+    (["--prompt", "hi", "--tensor-parallel-size", "2", "--kv-cache-dtype", "fp8"],
+     "tensor_parallel_size=2 is invalid: kv_cache_dtype='fp8' runs on one device only"),
 ])
 def test_bad_arguments_one_line_exit_2(capsys, args, needle):
     """Checked in this process (no model is loaded for any of them); `test_unsupported_architecture`

@@ -4,9 +4,11 @@ starts, so the checks run once in a subprocess of this file (`main`, with
 assert on it. Reference: the same engine at tensor_parallel_size=1 (today's one-device path).
 Models: tiny float32 Qwen3 (untied, V=256: vocabulary split at tp 2 and 4) and Llama (tied,
 V=250: vocabulary split at tp 2, replicated at tp 4), 8 query and 2 KV heads (tp=4 gives each
-device a copy of one KV head). Multi-host: two CPU processes of ``jax.distributed`` with a local
-coordinator (`main_two_processes`), a tp=2 mesh over their devices."""
+device a copy of one KV head); fp8 weights: `FP8_CFG` at tp 1 and 3 (3 of the 4 devices).
+Multi-host: two CPU processes of ``jax.distributed`` with a local coordinator
+(`main_two_processes`), a tp=2 mesh over their devices."""
 
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +26,11 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, n
              head_dim=16, max_position_embeddings=128)
 CONFIGS = {"qwen3": dict(architecture="qwen3", vocab_size=256, **SMALL),
            "llama": dict(architecture="llama", vocab_size=250, tie_word_embeddings=True, **SMALL)}
+# fp8 weights (per-output-channel scales) at tp 1 and 3: one layer of 6 query heads and 1 KV head
+# (a copy on each of 3 devices)
+FP8_CFG = dict(architecture="llama", vocab_size=96, hidden_size=48, intermediate_size=96,
+               num_layers=1, num_heads=6, num_kv_heads=1, head_dim=16,
+               max_position_embeddings=128)
 SPLIT = ("wqkv", "wo", "w_gate_up", "w_down")  # always split; embed / lm_head when tp divides V
 PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 28,
                                                    74, 71, 35, 26, 62, 49, 77]]
@@ -131,7 +138,34 @@ def main() -> None:
             res["tokens_after_update"] = [list(o.outputs[0].token_ids)
                                           for o in llm.generate(PROMPTS, greedy)]
     out["orbax_tp2"] = _from_checkpoint(ModelConfig(**CONFIGS["qwen3"]), greedy)
+    out["fp8"] = _fp8(greedy)
     print(json.dumps(out))
+
+
+def _fp8(greedy) -> dict:
+    """Greedy tokens of ``quantization="fp8"`` engines on `FP8_CFG` at tp 1 and 3, and the
+    per-device shapes of the fp8 leaves and their scales at tp 3. Matrices N(0, 1/in) with columns
+    scaled by 0.1..10 (shuffled): a scale laid out on the wrong column changes the tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import LLM, models
+    from jaxinfer.config import ModelConfig
+
+    cfg, out, rng = ModelConfig(**FP8_CFG), {}, np.random.default_rng(2)
+
+    def spread(x):  # x ~ N(0, 0.02)
+        cols = rng.permutation(np.logspace(-1, 1, x.shape[-1], dtype=np.float32))
+        return x if x.ndim < 2 else x / 0.02 * x.shape[0] ** -0.5 * cols
+
+    params = jax.tree.map(spread, models.init_params(cfg, jax.random.key(2), jnp.float32))
+    for tp in (1, 3):
+        llm = LLM.from_params(cfg, params, tensor_parallel_size=tp, quantization="fp8", **ENGINE)
+        out[str(tp)] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
+    layer = llm.engine.params["layers"]["0"]
+    out["shards"] = {k: list(x.sharding.shard_shape(x.shape)) for k, x in layer.items()
+                     if k.startswith(SPLIT)}
+    return out
 
 
 def _from_checkpoint(cfg, greedy) -> list[list[int]]:
@@ -243,6 +277,47 @@ def test_per_device_shapes_match_the_plan(result, arch, tp):
 
 def test_checkpoint_loaded_at_tp2_matches_one_device(result):
     assert result["orbax_tp2"] == result["qwen3/1"]["tokens"]
+
+
+def test_fp8_at_tp3_matches_one_device(result):
+    """fp8 weights at tp=3: wqkv and w_gate_up with their per-channel scales split by column (the
+    one KV head copied to each device), wo and w_down by row with whole scales; tokens as tp=1."""
+    r, c = result["fp8"], FP8_CFG
+    assert r["3"] == r["1"] and len(r["1"][1]) == 8
+    D, F, H, N = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["num_heads"]
+    qkv = (N + 2 * 3) * H // 3
+    assert r["shards"] == {"wqkv": [D, qkv], "wqkv_scale": [qkv], "wo": [N * H // 3, D],
+                           "wo_scale": [D], "w_gate_up": [D, 2 * F // 3],
+                           "w_gate_up_scale": [2 * F // 3], "w_down": [F // 3, D],
+                           "w_down_scale": [D]}
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_fp8_block_scales_follow_their_columns(tp):
+    """`engine_layout` of an fp8 matrix of `FP8_CFG` and of its HF block scales [in/bi, out/bo]
+    means the engine layout of the dequantised matrix (the KV head copied to each device); blocks
+    that do not fall whole into each device's share: ValueError naming the sizes."""
+    import jax.numpy as jnp
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.parallel import engine_layout
+    from jaxinfer.quantize import expand_scale, quantize_fp8
+    from jaxinfer.model_config import check_tp
+    from jaxinfer.weights import LAYER, QUANTIZED, shape_of
+
+    cfg, rng = ModelConfig(**dict(FP8_CFG, weight_block_size=(16, 8))), np.random.default_rng(0)
+    check_tp(cfg, tp)
+    for name in QUANTIZED:
+        w = rng.standard_normal(shape_of(name, cfg)).astype(np.float32)
+        q, s = (np.asarray(a) for a in quantize_fp8(jnp.asarray(w), cfg.weight_block_size))
+        q2, s2 = engine_layout(name, q, cfg, tp), engine_layout(name + "_scale", s, cfg, tp)
+        assert s2.shape[LAYER[name].split == "column"] % tp == 0   # split with the matrix
+        got = q2.astype(np.float32) * np.asarray(expand_scale(s2, q2.shape, (16, 8)))
+        want = q.astype(np.float32) * np.asarray(expand_scale(s, q.shape, (16, 8)))
+        np.testing.assert_array_equal(got, engine_layout(name, want, cfg, tp))
+    with pytest.raises(ValueError, match=rf"weight_block_size=\(32, 8\) and tensor_parallel_size="
+                       rf"{tp}: each device needs whole FP8 blocks .* K'\*H/tp=16,"):
+        check_tp(dataclasses.replace(cfg, weight_block_size=(32, 8)), tp)
 
 
 def test_errors_name_both_numbers(result):

@@ -207,13 +207,11 @@ def test_decode_down_projection_as_partial_sums_matches_jnp_path(arch, monkeypat
     assert seen.count((llama.DOWN_PARTIALS, 3, D)) == cfg.num_layers
     np.testing.assert_allclose(np.asarray(h1[:2]), np.asarray(h0[:2]), rtol=2e-5, atol=2e-5)
     assert float(jnp.std(h0[:2])) > 0.1
-    # the XLA path sums partial sums too (AddRMSNorm without a kernel)
-    blk = layers.AddRMSNorm("n", 1e-6)
+    # the XLA path sums partial sums too (add_rms_norm without a kernel)
     x = jnp.asarray(rng.standard_normal((2, 1, D)), jnp.float32)
     parts = jnp.asarray(rng.standard_normal((2, 2, 1, D)), jnp.float32)
-    w = {"n": jnp.ones((D,))}
-    got = blk.apply({"params": w}, x, parts)
-    want = blk.apply({"params": w}, x, parts[0] + parts[1])
+    got = layers.add_rms_norm(x, parts, jnp.ones((D,)), eps=1e-6)
+    want = layers.add_rms_norm(x, parts[0] + parts[1], jnp.ones((D,)), eps=1e-6)
     for g, r in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
 

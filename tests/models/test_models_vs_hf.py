@@ -24,6 +24,7 @@ from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.kv_cache import KVCache  # noqa: E402
 from jaxinfer import models  # noqa: E402
 from jaxinfer.loading import load_model  # noqa: E402
+from jaxinfer.memory import param_count  # noqa: E402
 
 REL_TOL = 1e-4
 N_DECODE = 20
@@ -230,7 +231,7 @@ def test_abstract_params_match_the_layout(arch, tied):
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
     assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), params) == \
         jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), abstract)
-    assert models.param_bytes(cfg, 2) == sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    assert param_count(cfg) * 2 == sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
 
 
 def test_abstract_params_qwen3_8b_without_allocating():
@@ -240,7 +241,7 @@ def test_abstract_params_qwen3_8b_without_allocating():
     assert jax.tree_util.tree_map(lambda x: tuple(x.shape), abstract) == expected_shapes(cfg)
     assert abstract["layers"]["35"]["wqkv"].shape == (4096, 6144)
     assert abstract["lm_head"].shape == (4096, 151936)
-    assert models.param_bytes(cfg, 2) == 2 * 8_190_735_360
+    assert param_count(cfg) * 2 == 2 * 8_190_735_360
 
 
 def test_check_params_rejects_mismatched_tree(tiny_cfg, tiny_params):

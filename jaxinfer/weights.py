@@ -1,0 +1,94 @@
+"""THE weight table: each leaf of the param tree once, `MODEL` at the top, `LAYER` under layers/
+"0".."L-1"; matrices [in, out]. Dtype: the compute dtype (norms too); under quantization "fp8" a
+`QUANTIZED` matrix is float8_e4m3fn with an f32 ``<name>_scale`` (`scale_shape`). The Flax modules
+declare their params from it (`jaxinfer.models.layers.declare`); `entries` and `device_bytes` give
+`jaxinfer.parallel.param_specs` and `jaxinfer.memory.param_count`. Imports no JAX."""
+
+import math
+from typing import Any, Callable, NamedTuple
+
+from jaxinfer.model_config import tp_model_config
+
+INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
+
+
+class Leaf(NamedTuple):
+    """``shape``: per axis an expression of V, D, N, K, H, F (`shape_of`); ``split``: the axis
+    tensor parallelism splits, "column" (out), "row" (in), "vocab" (V, if tp divides V) or None;
+    ``init``: "normal" N(0, `INIT_STD`) or "ones"; ``fp8``: quantisable; ``when``: cfg -> has it."""
+
+    shape: tuple[str, ...]
+    split: str | None
+    init: str = "normal"
+    fp8: bool = False
+    when: Callable[[Any], bool] = lambda cfg: True
+
+
+MODEL = {"embed": Leaf(("V", "D"), "vocab"),
+         "lm_head": Leaf(("D", "V"), "vocab", when=lambda cfg: not cfg.tie_word_embeddings),
+         "final_norm": Leaf(("D",), None, "ones")}
+LAYER = {"attn_norm": Leaf(("D",), None, "ones"),
+         "wqkv": Leaf(("D", "(N + 2 * K) * H"), "column", fp8=True),  # q | k | v: `fused_parts`
+         "wo": Leaf(("N * H", "D"), "row", fp8=True),
+         "q_norm": Leaf(("H",), None, "ones", when=lambda cfg: cfg.qk_norm),
+         "k_norm": Leaf(("H",), None, "ones", when=lambda cfg: cfg.qk_norm),
+         "mlp_norm": Leaf(("D",), None, "ones"),
+         "w_gate_up": Leaf(("D", "2 * F"), "column", fp8=True),       # gate | up
+         "w_down": Leaf(("F", "D"), "row", fp8=True)}
+LEAVES = {**MODEL, **LAYER}
+QUANTIZED = tuple(name for name, leaf in LAYER.items() if leaf.fp8)
+
+
+def shape_of(name: str, cfg) -> tuple[int, ...]:
+    """Leaf ``name``'s shape for ``cfg``: V, D, N, K, H, F = vocab_size, hidden_size, num_heads,
+    num_kv_heads, head_dim, intermediate_size."""
+    letters = dict(V=cfg.vocab_size, D=cfg.hidden_size, N=cfg.num_heads, K=cfg.num_kv_heads,
+                   H=cfg.head_dim, F=cfg.intermediate_size)
+    return tuple(eval(e, {"__builtins__": {}}, letters) for e in LEAVES[name].shape)
+
+
+def scale_shape(shape: tuple[int, int], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """Shape of the f32 scale of an fp8 matrix ``shape`` [in, out]: per output channel [out]
+    (``block`` None), or per HF block ``(block_out, block_in)``: [ceil(in/bi), ceil(out/bo)]."""
+    if block is None:
+        return (shape[1],)
+    return (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
+
+
+def fused_parts(cfg, shards: int = 1) -> dict[str, dict[str, slice]]:
+    """Slices of each projection on the output (last) axis of the fused matrices: ``{"wqkv": {"q":
+    [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H, (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up":
+    [F, 2F)}}``. ``shards`` > 1: columns grouped by shard, [q_0 | k_0 | v_0 | q_1 | ...], [gate_0 |
+    up_0 | gate_1 | ...], slices within one group (N, K, F divided by ``shards``)."""
+    N, K, F = cfg.num_heads // shards, cfg.num_kv_heads // shards, cfg.intermediate_size // shards
+    H = cfg.head_dim
+    return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
+                     "v": slice((N + K) * H, (N + 2 * K) * H)},
+            "w_gate_up": {"gate": slice(0, F), "up": slice(F, 2 * F)}}
+
+
+def entries(cfg, tp: int = 1, quantization: str | None = None) -> list[tuple]:
+    """``(path, shape, dtype, split)`` of each leaf of ``cfg``'s tree at tensor parallelism ``tp``:
+    tree path, whole shape (of `tp_model_config`: K' = max(K, tp)), "compute", "float8_e4m3fn" or
+    "float32", the axis tp splits (None: whole on each device); ``quantization`` None or "fp8"
+    (``cfg.weight_block_size``): scales split as their matrix, those per channel of rows not."""
+    run, block, out = tp_model_config(cfg, tp), cfg.weight_block_size, []
+    for name, leaf in ((n, f) for n, f in LEAVES.items() if f.when(cfg)):
+        shape, fp8 = shape_of(name, run), quantization == "fp8" and leaf.fp8
+        axis = None if leaf.split is None or leaf.split == "vocab" and cfg.vocab_size % tp else \
+            leaf.shape.index("V") if leaf.split == "vocab" else int(leaf.split == "column")
+        leaves = [(name, shape, "float8_e4m3fn" if fp8 else "compute", axis)]
+        if fp8:
+            leaves.append((name + "_scale", scale_shape(shape, block), "float32",
+                           axis if block else 0 if axis == 1 else None))
+        layers = [("layers", str(i)) for i in range(cfg.num_layers)] if name in LAYER else [()]
+        out += [((*at, n), *rest) for at in layers for n, *rest in leaves]
+    return out
+
+
+def device_bytes(cfg, tp: int = 1, compute_bytes: int = 1, quantization: str | None = None) -> int:
+    """Bytes one device of ``tp`` holds of the tree (`entries`): ``compute_bytes`` per compute-dtype
+    element, fp8 1, scales 4 (``compute_bytes`` 1, unquantised: the parameter count)."""
+    size = {"compute": compute_bytes, "float8_e4m3fn": 1, "float32": 4}
+    return sum(math.prod(shape) // (1 if split is None else tp) * size[dtype]
+               for _, shape, dtype, split in entries(cfg, tp, quantization))

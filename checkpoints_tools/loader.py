@@ -17,7 +17,7 @@ def detect_format(path: str | os.PathLike) -> str:
     """"gguf" | "orbax" | "hf" of ``path``; FileNotFoundError: no ``path``; ValueError: other."""
     p = os.fspath(path)
     expected = ("expected a .gguf file, a directory with jaxinfer_config.json (an Orbax checkpoint "
-                "from `python -m jaxinfer.convert`), or an HF model directory with config.json "
+                "from `python scripts/convert_checkpoint.py`), or an HF model directory with config.json "
                 "and *.safetensors")
     if not os.path.exists(p):
         raise FileNotFoundError(f"model path {p!r} does not exist")
@@ -119,7 +119,7 @@ def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = Non
     except ImportError as e:  # transformers' GGUF reader imports torch
         raise ValueError(f"cannot load the tokenizer of {fmt} model {p!r}: {e}; transformers needs "
                          "PyTorch for GGUF tokenizers: pip install 'jaxinfer[gguf]' (or convert the "
-                         "model once with python -m jaxinfer.convert on a machine that has it)"
+                         "model once with python scripts/convert_checkpoint.py on a machine that has it)"
                          ) from e
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot load a tokenizer for {fmt} model {p!r} from {args[0]!r}: "

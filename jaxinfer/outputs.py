@@ -74,9 +74,8 @@ class RequestOutput:
         return self.outputs[0].token_ids if self.outputs else ()
 
     def add(self, delta: "RequestOutput") -> "RequestOutput":
-        """This output with the later DELTA output ``delta`` of the same request appended (vLLM's
-        ``RequestOutput.add``): text, token ids and logprobs joined per sample index; finish
-        reasons, stop reasons, cumulative logprobs, metrics and ``finished`` from ``delta``."""
+        """This output with the request's later DELTA output appended (vLLM's ``add``): text, ids
+        and logprobs joined per sample index; the rest from ``delta``."""
         outs = {c.index: c for c in self.outputs}
         for c in delta.outputs:
             old = outs.get(c.index)
@@ -133,9 +132,8 @@ class OutputProcessor:
         return outs
 
     def _delta_output(self, st: RequestState, done: bool) -> RequestOutput | None:
-        """What is new in ``st``'s samples since the last output (`stream_delta`; the first
-        output carries the prompt logprobs), a finished sample's finish reason once; None:
-        nothing new."""
+        """What is new in ``st``'s samples since the last output (`stream_delta`; prompt logprobs
+        in the first), a finished sample's finish reason once; None: nothing new."""
         comps, first = [], all(x == (0, "") for x in st.sent)
         for seq in st.seqs:
             i, sent = seq.index, st.sent[seq.index]

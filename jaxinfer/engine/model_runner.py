@@ -17,6 +17,7 @@ from jaxinfer.model_config import tp_model_config
 from jaxinfer.quantize import quantize_params
 from jaxinfer.step import StepExecutor, enable_compilation_cache
 from jaxinfer.step_input import HostBatch, ShapeKey
+from jaxinfer.weights import device_bytes
 
 
 class ModelRunner:
@@ -49,9 +50,8 @@ class ModelRunner:
             batch_buckets=kc.batch_buckets, token_buckets=kc.token_buckets)
         self.executor = StepExecutor(self.run_config, model_kernels(kc, mesh=self.mesh), kc,
                                      self.buckets.batch[-1], self.stats)
-        self.weight_bytes = (sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
-                             if resolved.quantization else
-                             memory.param_count(model_config, tp) * resolved.dtype_bytes)
+        self.weight_bytes = device_bytes(model_config, tp, resolved.dtype_bytes,
+                                         resolved.quantization)  # one device's
         self.page_bytes = memory.kv_bytes_per_token(  # one device's KV bytes per page
             model_config, resolved.kv_dtype_bytes, tp) * ec.page_size
 
@@ -118,5 +118,4 @@ class ModelRunner:
     @staticmethod
     def device_bytes_in_use() -> int | None:
         """Bytes in use on the first local device (None: it keeps no statistics)."""
-        stats = memory.device_memory_stats()
-        return stats[0] if stats else None
+        return (memory.device_memory_stats() or (None,))[0]

@@ -19,10 +19,9 @@ class StepRecord(NamedTuple):
 
 @dataclass
 class EngineStats:
-    """num_lazy_compiles: shapes compiled inside a step; num_overlapped_steps: dispatched with the
-    previous in flight; prefix_cache_queries / _hits: admitted tokens looked up / found (vLLM's
-    PrefixCacheStats); step_log: None, or ``[]`` to collect `StepRecord`s. The queue and pool
-    sizes are filled in by `LLMEngine.stats`."""
+    """num_lazy_compiles: shapes compiled in a step; num_overlapped_steps: dispatched with one in
+    flight; prefix_cache_queries / _hits: admitted tokens looked up / found; step_log: None, or
+    ``[]`` to collect `StepRecord`s; queue and pool sizes: filled in by `LLMEngine.stats`."""
 
     num_steps: int = 0
     num_lazy_compiles: int = 0

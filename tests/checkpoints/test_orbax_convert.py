@@ -1,4 +1,4 @@
-"""Orbax save/restore, ``python -m jaxinfer.convert``, `load_model` dispatch and errors, and
+"""Orbax save/restore, ``python scripts/convert_checkpoint.py``, `load_model` dispatch and errors, and
 `default_model_path`.
 
 References: the arrays, config and tokenizer that went in (restore must give them back bit for
@@ -27,7 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from checkpoints_tools import orbax_io  # noqa: E402
 from checkpoints_tools.loader import detect_format, load_tokenizer, open_checkpoint  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.convert import main as convert_main  # noqa: E402
+from script_module import load_script  # noqa: E402
 from jaxinfer.loading import (  # noqa: E402
     LoadedModel, load_model, load_params, params_from_hf, save_checkpoint)
 
@@ -70,16 +70,16 @@ def make_hf_dir(path, seed: int = 0, **overrides):
 
 
 def run_convert(*args: str) -> subprocess.CompletedProcess:
-    """``python -m jaxinfer.convert ARGS`` in a subprocess (the entry point itself)."""
+    """``python scripts/convert_checkpoint.py ARGS`` in a subprocess (the entry point itself)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-m", "jaxinfer.convert", *map(str, args)],
+    return subprocess.run([sys.executable, "scripts/convert_checkpoint.py", *map(str, args)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 
 
 def convert_in_process(capsys, *args) -> tuple[int, str]:
     """(exit status, stderr) of the convert CLI's ``main`` run in this process."""
     capsys.readouterr()
-    rc = convert_main([str(a) for a in args])
+    rc = load_script("convert_checkpoint").main([str(a) for a in args])
     return rc, capsys.readouterr().err
 
 

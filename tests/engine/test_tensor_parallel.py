@@ -162,7 +162,7 @@ def _fp8(greedy) -> dict:
     for tp in (1, 3):
         llm = LLM.from_params(cfg, params, tensor_parallel_size=tp, quantization="fp8", **ENGINE)
         out[str(tp)] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
-    layer = llm.engine.params["layers"]["0"]
+    layer = llm.engine.runner.params["layers"]["0"]
     out["shards"] = {k: list(x.sharding.shard_shape(x.shape)) for k, x in layer.items()
                      if k.startswith(SPLIT)}
     return out

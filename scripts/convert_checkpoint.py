@@ -1,4 +1,4 @@
-"""``python -m jaxinfer.convert SRC DST [--dtype bfloat16|float32]``: an HF safetensors directory
+"""``python scripts/convert_checkpoint.py SRC DST [--dtype bfloat16|float32]``: an HF safetensors directory
 or a GGUF file -> an Orbax checkpoint directory that ``load_model`` reads without conversion.
 Errors: one line ``error: ...`` on stderr, exit status 2 (SRC checked before any tensor is read)."""
 
@@ -7,7 +7,9 @@ import os
 import shutil
 import sys
 
-from jaxinfer.cli_args import Parser, fail
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jaxinfer.cli_args import Parser, fail  # noqa: E402
 
 
 def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
@@ -36,7 +38,7 @@ def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser("python -m jaxinfer.convert", "Convert an HF safetensors directory or a GGUF file "
+    ap = Parser("python scripts/convert_checkpoint.py", "Convert an HF safetensors directory or a GGUF file "
                 "(Llama / Qwen3) into an Orbax checkpoint directory that jaxinfer loads without "
                 "conversion.")
     ap.add_argument("src", metavar="SRC", help="HF model directory (config.json + *.safetensors) "

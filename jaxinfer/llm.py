@@ -8,13 +8,13 @@ import jax
 import numpy as np
 
 from checkpoints_tools.loader import load_tokenizer, open_checkpoint
-from jaxinfer import loading, memory, parallel
 from jaxinfer.checks import is_int
-from jaxinfer.config import EngineConfig, ModelConfig, check_platform, resolve
+from jaxinfer.config import EngineConfig, ModelConfig, check_platform, memory, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.engine.model_runner import ModelRunner
+from jaxinfer.models.quantize import quantize_params
 from jaxinfer.outputs import CompletionOutput, RequestOutput
-from jaxinfer.quantize import quantize_params
+from jaxinfer.runner import loading, parallel
+from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 
 _Params = SamplingParams | Seq[SamplingParams] | None

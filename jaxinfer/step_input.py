@@ -1,7 +1,8 @@
 """The step-input schema (numpy only): `FIELDS` gives a `HostBatch`'s arrays and padding
-(`allocate`), the int32 transfer buffer (`pack`) and its unpacking (`jaxinfer.step.unpack`); the
+(`allocate`), the int32 transfer buffer (`pack`) and its unpacking (`runner.step.unpack`); the
 layout depends on the `ShapeKey` alone. Padded rows have ``seq_len`` 0 and null-page tables."""
 
+import bisect
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -127,3 +128,55 @@ def pack(hb: HostBatch) -> np.ndarray:
                             f"{np.dtype(f.dtype)}{list(shape)}")
         parts.append(a.view(np.int32).reshape(-1))
     return np.concatenate(parts)
+
+
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """``lo, 2*lo, ...`` up to the first power >= hi, with ``hi`` itself as the last bucket."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(sorted(set(out)))
+
+
+def default_batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Powers of two to 64, then ``64 + k * max(16, max_num_seqs // 16)``, then ``max_num_seqs``."""
+    if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs={max_num_seqs!r} must be a positive integer")
+    small = powers_of_two(1, min(64, max_num_seqs))
+    step = max(16, max_num_seqs // 16)
+    return tuple(sorted(set(small + tuple(range(64 + step, max_num_seqs, step)) + (max_num_seqs,))))
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """Smallest bucket >= n. Raises ValueError: ``n`` exceeds the largest bucket."""
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"size {n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """Padded B, Tq, M and packed Tp (powers of two to a quarter of the budget, then multiples)."""
+
+    batch: tuple[int, ...]
+    prefill_tokens: tuple[int, ...]
+    pages: tuple[int, ...]
+    packed_tokens: tuple[int, ...] = ()
+
+    @classmethod
+    def build(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+              page_size: int, batch_buckets: tuple[int, ...] = (),
+              token_buckets: tuple[int, ...] = ()) -> "BucketSpec":
+        max_pages = -(-max_model_len // page_size)
+        top = max(16, max_num_batched_tokens)
+        quarter = max(512, top // 4)
+        fine = tuple(b for b in powers_of_two(16, quarter) if b < top)
+        fine += tuple(range(quarter, top, quarter)) + (top,)
+        return cls(
+            batch=batch_buckets or default_batch_buckets(max_num_seqs),
+            prefill_tokens=token_buckets or powers_of_two(16, top),
+            pages=powers_of_two(1, max_pages),
+            packed_tokens=token_buckets or tuple(sorted(set(fine))))

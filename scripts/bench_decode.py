@@ -34,17 +34,16 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.run_info import git_commit, xla_flags  # noqa: E402
-
-from pallas_kernels.paged_attention import registry  # noqa: E402
 from jaxinfer import models  # noqa: E402
 from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve  # noqa: E402
-from jaxinfer.kernels import ModelKernels, model_kernels  # noqa: E402
-from jaxinfer.kv_cache import KVCache  # noqa: E402
-from jaxinfer.sampling import SamplingMetadata  # noqa: E402
-from jaxinfer.step import (GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecutor,  # noqa: E402
-                           StepInput, make_step_fn)
+from jaxinfer.models.kernels import ModelKernels, model_kernels  # noqa: E402
+from jaxinfer.models.kv_cache import KVCache  # noqa: E402
+from jaxinfer.runner.sampling import SamplingMetadata  # noqa: E402
+from jaxinfer.runner.step import (GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecutor, StepInput,  # noqa: E402
+                                  make_step_fn)
 from jaxinfer.step_input import FIELDS, ShapeKey, allocate, pack  # noqa: E402
+from pallas_kernels.paged_attention import registry  # noqa: E402
+from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 QWEN3_8B = dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,

@@ -27,10 +27,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.run_info import git_commit, xla_flags  # noqa: E402
-
 from jaxinfer.models.layers import Weight, dense  # noqa: E402
 from pallas_kernels.fp8_matmul import reference, triton_pallas  # noqa: E402
+from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 SHAPES = {"wqkv": (4096, 6144), "gate_up": (4096, 24576), "down": (12288, 4096)}
 

@@ -53,8 +53,8 @@ def main() -> None:
     import jaxinfer.engine.llm_engine as le
     from jaxinfer import models
     from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve
-    from jaxinfer.engine.model_runner import ModelRunner
-    from jaxinfer.kernels import model_kernels
+    from jaxinfer.models.kernels import model_kernels
+    from jaxinfer.runner.model_runner import ModelRunner
     from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.step_input import pack
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -29,9 +29,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.run_info import git_commit  # noqa: E402
-
 from pallas_kernels.paged_attention import prefill_triton, reference  # noqa: E402
+from scripts.run_info import git_commit  # noqa: E402
 
 N, K, H = 32, 8, 128
 

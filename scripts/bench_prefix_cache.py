@@ -67,6 +67,7 @@ def shared_workload(args, vocab: int):
 def build_llm(args):
     import jax
     import jax.numpy as jnp
+
     from jaxinfer import LLM, models
     from jaxinfer.config import ModelConfig
     hf = TINY if args.tiny else QWEN3_8B_HF

@@ -64,7 +64,7 @@ def serve_random(args) -> None:
 
     from jaxinfer import LLM, SamplingParams, models
     from jaxinfer.config import ModelConfig
-    from jaxinfer.serve import create_app
+    from jaxinfer.serve.app import create_app
 
     hf = dict(TINY_HF if args.tiny else QWEN3_8B_HF, model_type="qwen3",
               num_hidden_layers=args.layers)

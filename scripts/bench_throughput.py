@@ -37,8 +37,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.run_info import git_commit, xla_flags  # noqa: E402
 from jaxinfer.config import KernelConfig  # noqa: E402
+from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 QWEN3_8B_HF = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
@@ -135,6 +135,7 @@ def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
     idle gaps (the host not keeping the device fed shows as gaps of tens of µs or more)."""
     import collections
     import glob
+
     from scripts.profile_decode_step import busy_ns, idle_gaps, kernel_events, short
     if log.active:  # the run ended inside the window
         import jax
@@ -177,6 +178,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     if path is None:  # random weights built on the device: no checkpoint to write or read
         import jax
         import jax.numpy as jnp
+
         from jaxinfer import models
         from jaxinfer.config import ModelConfig
         cfg = ModelConfig.from_hf_config(dict(QWEN3_8B_HF, model_type="qwen3",
@@ -229,8 +231,9 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
 
 def run_hf(path, prompts, out_lens, args) -> dict:
     import torch
-    from checkpoints_tools.loader import detect_format
     from transformers import AutoModelForCausalLM
+
+    from checkpoints_tools.loader import detect_format
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype or ("bfloat16" if dev == "cuda" else "float32"))
     if detect_format(path) == "gguf":
@@ -303,8 +306,8 @@ def main() -> None:
     # HF needs a checkpoint on disk; jaxinfer alone builds random weights on the device
     path = args.model or (random_qwen3_checkpoint(args.random_dir, args.layers)
                           if args.compare == "hf" else None)
-    from jaxinfer.loading import load_params  # noqa: F401 (import check before timing)
     from jaxinfer.config import ModelConfig
+    from jaxinfer.runner.loading import load_params  # noqa: F401 (import check before timing)
     vocab = (ModelConfig.from_checkpoint(path).vocab_size
              if path and os.path.isfile(os.path.join(path, "config.json"))
              else QWEN3_8B_HF["vocab_size"] if path is None else 49152)

@@ -18,7 +18,7 @@ def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
     not empty; ValueError: SRC not HF/GGUF, unsupported, bad tensors, or no tokenizer."""
     from checkpoints_tools.loader import open_checkpoint
     from jaxinfer.config import ModelConfig
-    from jaxinfer.loading import load_model, save_checkpoint
+    from jaxinfer.runner.loading import load_model, save_checkpoint
 
     ckpt = open_checkpoint(src)
     if ckpt.format == "orbax":

@@ -11,7 +11,7 @@ CPU, float32 compute), each against the unquantised baseline of the same run:
               (EOS ignored): the fraction of positions equal to the baseline's up to the first
               divergence, averaged over prompts.
 
-``--kv-scales one`` keeps the cache's scales at 1.0 (`jaxinfer.kv_cache.KVCache`);
+``--kv-scales one`` keeps the cache's scales at 1.0 (`jaxinfer.models.kv_cache.KVCache`);
 ``calibrated`` sets them to ``amax x --margin / 448`` per layer and KV head of the baseline's K
 and V over the first chunk (start-up calibration on the first prefill). Prints a table and
 appends one JSON line per setting (baseline included) to ``--out``.
@@ -37,8 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxinfer import LLM, SamplingParams, models  # noqa: E402
 from jaxinfer.config import KV_CACHE_DTYPES  # noqa: E402
-from jaxinfer.kv_cache import init_kv_cache  # noqa: E402
-from jaxinfer.quantize import quantize_params  # noqa: E402
+from jaxinfer.models.kv_cache import init_kv_cache  # noqa: E402
+from jaxinfer.models.quantize import quantize_params  # noqa: E402
 from pallas_kernels.kv_quant import FP8_MAX  # noqa: E402
 from scripts.run_info import git_commit  # noqa: E402
 
@@ -153,7 +153,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     from checkpoints_tools.default_model import default_model_path
-    from jaxinfer.loading import load_model
+    from jaxinfer.runner.loading import load_model
 
     t0 = time.perf_counter()
     loaded = load_model(args.model or default_model_path(), "float32")

@@ -1,6 +1,6 @@
 """Print the KV-cache memory plan of a model on a device.
 
-Capacity planning; the engine sizes its pool with `jaxinfer.memory.engine_pool_pages`.
+Capacity planning; the engine sizes its pool with `jaxinfer.config.memory.engine_pool_pages`.
 
     python scripts/plan_memory.py --model qwen3-8b --context 4096 --device-memory-gib 141
     python scripts/plan_memory.py --model /path/to/hf_dir_or.gguf --context 8192 --kv-dtype fp8
@@ -8,7 +8,7 @@ Capacity planning; the engine sizes its pool with `jaxinfer.memory.engine_pool_p
 ``--model``: a preset (``PRESETS``) or a checkpoint `ModelConfig.from_checkpoint` reads (a
 GGUF file's metadata only). Without ``--device-memory-gib``: JAX's ``bytes_limit`` of the local
 accelerator. A plan: usable = device_bytes x utilization, used = weight_bytes + reserve_bytes
-(per device under tensor parallelism); num_pages = `jaxinfer.memory.kv_pool_pages`;
+(per device under tensor parallelism); num_pages = `jaxinfer.config.memory.kv_pool_pages`;
 max_concurrent = (num_pages - 1) // ceil(context / page_size), planned = floor(PLANNING_FRACTION
 x that). Bad input: one line on stderr, exit code 2."""
 
@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxinfer.checks import check_int, is_number  # noqa: E402
 from jaxinfer.cli_args import Parser, fail  # noqa: E402
 from jaxinfer.config import DTYPE_BYTES, ModelConfig  # noqa: E402
-from jaxinfer.memory import (GIB, _gib, default_reserve_bytes, device_memory_stats,  # noqa: E402
-                             kv_bytes_per_token, kv_pool_pages, param_count)
-from jaxinfer.model_config import check_tp  # noqa: E402
-from jaxinfer.weights import device_bytes  # noqa: E402
+from jaxinfer.config.memory import (GIB, _gib, default_reserve_bytes, device_memory_stats,  # noqa: E402
+                                    kv_bytes_per_token, kv_pool_pages, param_count)
+from jaxinfer.config.model import check_tp  # noqa: E402
+from jaxinfer.config.weights import device_bytes  # noqa: E402
 
 MIB = 1 << 20
 PLANNING_FRACTION = 0.7  # plan at this fraction of the theoretical concurrent sequences
@@ -46,9 +46,9 @@ PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, S
 
 
 def fp8_weight_bytes(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
-    """Bytes one device of ``tp`` holds of the tree with fp8 weights (`jaxinfer.quantize`): the
+    """Bytes one device of ``tp`` holds of the tree with fp8 weights (`jaxinfer.models.quantize`): the
     layers' matrices at 1 byte plus their f32 scales; embedding, lm_head and norms at
-    ``dtype_bytes`` (the compute dtype). `jaxinfer.weights.device_bytes`."""
+    ``dtype_bytes`` (the compute dtype). `jaxinfer.config.weights.device_bytes`."""
     return device_bytes(cfg, tp, dtype_bytes, "fp8")
 
 

@@ -27,11 +27,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxinfer.engine.batch_builder import BucketSpec  # noqa: E402
 from jaxinfer.engine.block_manager import BlockManager  # noqa: E402
 from jaxinfer.engine.dry_run import dry_run  # noqa: E402
 from jaxinfer.engine.scheduler import Scheduler  # noqa: E402
 from jaxinfer.sampling_params import SamplingParams  # noqa: E402
+from jaxinfer.step_input import BucketSpec  # noqa: E402
 
 
 def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,

@@ -30,11 +30,11 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_decode import (QWEN3_8B, knob_error, parse_knobs, resolve_kernels,  # noqa: E402
-                          step_runner, time_steps)
+from bench_decode import QWEN3_8B, knob_error, parse_knobs, resolve_kernels, step_runner, time_steps  # noqa: E402
+
 from jaxinfer import models  # noqa: E402
 from jaxinfer.config import KernelConfig, ModelConfig  # noqa: E402
-from jaxinfer.step import GEMM_COMPILER_OPTIONS  # noqa: E402
+from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS  # noqa: E402
 
 
 def kernel_events(xplane_path: str) -> list[tuple[str, int, int]]:

@@ -18,7 +18,6 @@ import sys
 import tempfile
 
 import pytest
-
 from tiny_model import SMOLLM_ENGINE, TINY, TINY_ENGINE, tiny_params_of, tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -185,9 +184,9 @@ def _compile_budget():
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_factory):
     """The tiny text model (`tiny_text_cfg`, `tiny_text_params`, its tokenizer and EOS)
-    as an Orbax directory (`jaxinfer.loading.save_checkpoint`), written once per run, for tests
+    as an Orbax directory (`jaxinfer.runner.loading.save_checkpoint`), written once per run, for tests
     that start ``LLM(path)`` in another process (the server's CLI)."""
-    from jaxinfer.loading import save_checkpoint
+    from jaxinfer.runner.loading import save_checkpoint
 
     path = tmp_path_factory.mktemp("tiny-checkpoint") / "tiny"
     save_checkpoint(path, tiny_text_cfg, tiny_text_params, tiny_tokenizer,

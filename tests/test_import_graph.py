@@ -74,3 +74,29 @@ def test_host_side_imports_no_jax():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# Each folder of `jaxinfer` with the folders and top-level modules it may import at module level
+# (the layers of README's layout, lower ones first); anything else is an arrow back up.
+SHARED = {"jaxinfer.checks", "jaxinfer.sampling_params", "jaxinfer.step_input", "jaxinfer.stats",
+          "jaxinfer.outputs"}
+ALLOWED = {
+    "jaxinfer.config": {"jaxinfer.config"} | SHARED,
+    "jaxinfer.models": {"jaxinfer.config", "jaxinfer.models"} | SHARED,
+    "jaxinfer.runner": {"jaxinfer.config", "jaxinfer.models", "jaxinfer.runner"} | SHARED,
+    "jaxinfer.engine": {"jaxinfer.config", "jaxinfer.engine"} | SHARED,
+}
+
+
+def _folder(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_goes_back_up():
+    """The host engine imports neither the runner nor the models (it reaches the device only
+    through the runner it is given), the models import no runner, config imports neither."""
+    modules = _modules()
+    arrows = [f"{m} -> {d}" for m, p in modules.items() if _folder(m) in ALLOWED
+              for d in _edges(m, p, modules)
+              if d.startswith("jaxinfer.") and _folder(d) not in ALLOWED[_folder(m)]]
+    assert arrows == []

@@ -1,4 +1,4 @@
-"""Tests for jaxinfer.memory (pool sizing, tracker) and scripts/plan_memory.py (plans, its CLI).
+"""Tests for jaxinfer.config.memory (pool sizing, tracker) and scripts/plan_memory.py (plans, its CLI).
 
 Every expected number is computed by hand here from published shapes / the seeds' example,
 independently of the code under test.
@@ -21,11 +21,11 @@ import types
 
 import numpy as np
 import pytest
+from script_module import ROOT, load_script
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.memory import (GIB, MemoryTracker, default_reserve_bytes, device_memory_stats,
-                             param_count)
-from script_module import ROOT, load_script
+from jaxinfer.config.memory import (GIB, MemoryTracker, default_reserve_bytes, device_memory_stats,
+                                    param_count)
 
 PLANNER = load_script("plan_memory")
 MemoryPlan, PRESETS, plan_memory = PLANNER.MemoryPlan, PLANNER.PRESETS, PLANNER.plan_memory
@@ -132,8 +132,8 @@ def test_counts_match_the_sharded_tree(arch, tied, kv_heads, block):
     import jax.numpy as jnp
 
     from jaxinfer import models
-    from jaxinfer.model_config import tp_model_config
-    from jaxinfer.parallel import param_specs
+    from jaxinfer.config.model import tp_model_config
+    from jaxinfer.runner.parallel import param_specs
 
     cfg = ModelConfig(arch, 100 if tied else 96, 32, 48, 2, 6, kv_heads, 8,
                       tie_word_embeddings=tied, weight_block_size=block)
@@ -335,8 +335,13 @@ def test_gpu_memory_utilization_is_a_fraction_of_the_whole_card(monkeypatch):
     GiB), utilization 0.6 leaves 60 GiB - the activation reserve (5 GiB) for weights + KV; 0.9
     is more than the allocator may take: a ValueError that says how to allow it."""
     from jaxinfer.config import EngineConfig, resolve
-    from jaxinfer.memory import (GIB, XLA_MEM_FRACTION_ENV, card_bytes_usable,
-                                 engine_pool_pages, kv_pool_pages)
+    from jaxinfer.config.memory import (
+        GIB,
+        XLA_MEM_FRACTION_ENV,
+        card_bytes_usable,
+        engine_pool_pages,
+        kv_pool_pages,
+    )
     monkeypatch.delenv(XLA_MEM_FRACTION_ENV, raising=False)
     assert card_bytes_usable(0.6, 75 * GIB) == 55 * GIB
     with pytest.raises(ValueError, match=f"allocator may use only 0.75 of the card.*"
@@ -354,8 +359,8 @@ def test_gpu_memory_utilization_is_a_fraction_of_the_whole_card(monkeypatch):
 def test_gpu_memory_utilization_sets_jax_fraction_only_before_jax_starts(monkeypatch):
     """`LLM` sets XLA_PYTHON_CLIENT_MEM_FRACTION=U where JAX has not started and the variable is
     unset (a fresh process); never once a backend is up (this one) or when the user set it."""
+    from jaxinfer.config.memory import XLA_MEM_FRACTION_ENV
     from jaxinfer.llm import _claim_gpu_memory
-    from jaxinfer.memory import XLA_MEM_FRACTION_ENV
     code = ("import os; from jaxinfer.llm import _claim_gpu_memory; _claim_gpu_memory(0.8); "
             f"print(os.environ.get('{XLA_MEM_FRACTION_ENV}'))")
     env = {k: v for k, v in os.environ.items() if k != XLA_MEM_FRACTION_ENV}

@@ -1,4 +1,4 @@
-"""Tests for jaxinfer.sampling against independent numpy (float64) and HF transformers references."""
+"""Tests for jaxinfer.runner.sampling against independent numpy (float64) and HF transformers references."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.sampling import (SamplingMetadata, apply_repetition_penalty, filtered_logits,
-                               sample)
+from jaxinfer.runner.sampling import (SamplingMetadata, apply_repetition_penalty, filtered_logits,
+                                      sample)
 
 _sample = jax.jit(sample, static_argnames="all_greedy")
 _filtered = jax.jit(filtered_logits)

@@ -68,7 +68,7 @@ def test_decode_gemm_formulations_compute_the_same_product():
 
 def test_dry_run_emits_every_requested_token_once():
     plan = load_script("plan_step_shapes")
-    from jaxinfer.engine.batch_builder import BucketSpec
+    from jaxinfer.step_input import BucketSpec
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 100, int(n)).tolist() for n in rng.integers(5, 60, 12)]
     out_lens = [int(n) for n in rng.integers(1, 30, 12)]
@@ -99,8 +99,8 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
     import jax.numpy as jnp
     import pytest
 
-    from jaxinfer import kernels
     from jaxinfer.config import KernelConfig
+    from jaxinfer.models import kernels
     bench = load_script("bench_decode")
     assert bench.parse_knobs("") == {}
     assert bench.parse_knobs("num_splits=4,block_kv=128") == {"num_splits": 4, "block_kv": 128}

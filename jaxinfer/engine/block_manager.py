@@ -13,7 +13,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from jaxinfer.checks import check_int
-from jaxinfer.engine.stats import EngineStats
+from jaxinfer.stats import EngineStats
 
 if TYPE_CHECKING:
     from jaxinfer.engine.sequence import Sequence

@@ -2,12 +2,12 @@
 
 from typing import Iterable
 
-from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch
+from jaxinfer.engine.batch_builder import build_host_batch
 from jaxinfer.engine.loop import Launched, StepLoop
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step_input import HostBatch
+from jaxinfer.step_input import BucketSpec, HostBatch
 
 
 def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingParams]], *,

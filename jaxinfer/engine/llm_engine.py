@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from jaxinfer.config.memory import MemoryTracker
 from jaxinfer.engine import logprobs
 from jaxinfer.engine.batch_builder import build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
@@ -16,10 +17,9 @@ from jaxinfer.engine.dry_run import dry_run
 from jaxinfer.engine.loop import Launched, StepLoop
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
-from jaxinfer.engine.stats import EngineStats, StepRecord
-from jaxinfer.memory import MemoryTracker
 from jaxinfer.outputs import OutputProcessor, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.stats import EngineStats, StepRecord
 from jaxinfer.step_input import ShapeKey
 
 
@@ -32,7 +32,7 @@ def sample_seed(seed: int, index: int) -> int:
 
 
 class LLMEngine:
-    """The engine over ``runner`` (a `jaxinfer.engine.model_runner.ModelRunner`: its config,
+    """The engine over ``runner`` (a `jaxinfer.runner.model_runner.ModelRunner`: its config,
     params, KV pool and compiled steps); ``eos_token_ids`` end generation; ``detokenize``: ids ->
     str (None: no text). Outputs by each request's ``SamplingParams.output_kind``."""
 

@@ -13,7 +13,7 @@ def _record(tok: int, lp: float, rank: int, top_ids: list, top_lps: list,
 
 
 def record(out: dict | None, hb, seqs, before: list[int] | None) -> None:
-    """Append records from ``out`` (`jaxinfer.step.step`'s dict; None: none) to ``seqs`` (the step's
+    """Append records from ``out`` (`runner.step.step`'s dict; None: none) to ``seqs`` (the step's
     rows): row i's sampled token, if its output grew past ``before[i]``, to ``logprobs`` and
     ``cumulative_logprob``; ``hb``'s scored prompt positions to ``prompt_logprobs`` (first None)."""
     for s in seqs:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
-from jaxinfer.engine.stats import EngineStats
+from jaxinfer.stats import EngineStats
 
 
 @dataclass

@@ -5,13 +5,13 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints_tools.mapping import tree_mismatches
-from jaxinfer.kernels import ModelKernels
-from jaxinfer.kv_cache import KVCache
+from jaxinfer.config.model import SUPPORTED_ARCHITECTURES
+from jaxinfer.config.weights import fused_parts
+from jaxinfer.models.kernels import ModelKernels
+from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.models.layers import Packing
-from jaxinfer.model_config import SUPPORTED_ARCHITECTURES
 from jaxinfer.models.llama import LlamaForCausalLM
-from jaxinfer.quantize import is_quantized, quantize_params
-from jaxinfer.weights import fused_parts
+from jaxinfer.models.quantize import is_quantized, quantize_params
 
 __all__ = ["Packing", "fused_parts", "forward", "compute_logits", "init_params", "abstract_params",
            "check_params", "QUANTIZATIONS"]
@@ -64,7 +64,7 @@ def _init_fn(cfg, dtype, quantization: str | None = None):
 
 def init_params(cfg, key: jax.Array, dtype, quantization: str | None = None) -> dict:
     """Random params in ``dtype``: matrices and embedding ~ N(0, 0.02), norms 1; "fp8": then
-    `jaxinfer.quantize.quantize_params`. ValueError: another ``quantization``."""
+    `jaxinfer.models.quantize.quantize_params`. ValueError: another ``quantization``."""
     params = jax.jit(_init_fn(cfg, dtype))(key)
     if quantization is None:
         return params

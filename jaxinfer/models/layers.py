@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.quantize import FP8, expand_scale
+from jaxinfer.config.weights import INIT_STD, LEAVES, scale_shape, shape_of
+from jaxinfer.models.quantize import FP8, expand_scale
 from jaxinfer.step_input import names
-from jaxinfer.weights import INIT_STD, LEAVES, scale_shape, shape_of
 from pallas_kernels.add_rms_norm import reference as add_rms_norm_reference
 
 INITS = {"normal": nn.initializers.normal(stddev=INIT_STD), "ones": nn.initializers.ones}
@@ -46,7 +46,7 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
 
 
 def declare(module: nn.Module, name: str) -> Weight | jax.Array | None:
-    """Declare leaf ``name`` of the weight table (`jaxinfer.weights`) in ``module``'s scope: shape
+    """Declare leaf ``name`` of the weight table (`config.weights`) in ``module``'s scope: shape
     of ``module.cfg``, the table's init, ``module.param_dtype``; a quantisable matrix as a `Weight`
     (``module.quantization`` "fp8": float8_e4m3fn plus f32 ``name_scale`` of `scale_shape`).
     None: a leaf this model does not have (the table's ``when``)."""

@@ -1,6 +1,6 @@
 """Llama (2/3/3.x, SmolLM2, ...) and Qwen3 (dense: the Llama trunk plus a per-head RMSNorm of q
 and k before RoPE, ``cfg.qk_norm``) over the paged KV cache. The modules declare the weight tree
-of the table `jaxinfer.weights` (`layers.declare`: `MODEL` in `LlamaForCausalLM`, `LAYER` in each
+of the table `config.weights` (`layers.declare`: `MODEL` in `LlamaForCausalLM`, `LAYER` in each
 `DecoderLayer`); ``lm_head`` only for init (logits: `compute_logits`).
 
 Under tensor parallelism ``cfg`` is `tp_model_config`'s (`attention`). The L layers are unrolled;
@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxinfer.kernels import ModelKernels
-from jaxinfer.kv_cache import AXIS, KV_POOL_SPEC, KVCache
+from jaxinfer.config.weights import LAYER, MODEL
+from jaxinfer.models.kernels import ModelKernels
+from jaxinfer.models.kv_cache import AXIS, KV_POOL_SPEC, KVCache
 from jaxinfer.models.layers import (Packing, StepContext, add_rms_norm, attend, declare, dense, mlp,
                                     rope_cos_sin, rope_inv_freq)
-from jaxinfer.weights import LAYER, MODEL
 from pallas_kernels.qkv_prologue import reference as qkv_reference
 from pallas_kernels.sizes import round_up
 

@@ -1,5 +1,1 @@
-"""OpenAI-compatible server (``python -m jaxinfer.serve``; extra ``serve``): `create_app`."""
-
-from jaxinfer.serve.app import create_app
-
-__all__ = ["create_app"]
+"""OpenAI-compatible server (``python -m jaxinfer.serve``; extra ``serve``): `app.create_app`."""

@@ -22,10 +22,9 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from pallas_kernels.sizes import is_pow2  # noqa: E402
 from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
 from scripts.run_info import git_commit  # noqa: E402
-
-from pallas_kernels.sizes import is_pow2  # noqa: E402
 
 CALLS = 8  # independent kernels per timed call
 

@@ -32,13 +32,13 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from scripts.bench_decode import QWEN3_8B, resolve_kernels
     from jaxinfer.config import ModelConfig
-    from jaxinfer.kernels import model_kernels
-    from jaxinfer.kv_cache import KVCache
     from jaxinfer.models import Packing, abstract_params
-    from jaxinfer.sampling import SamplingMetadata
-    from jaxinfer.step import StepInput, make_step_fn
+    from jaxinfer.models.kernels import model_kernels
+    from jaxinfer.models.kv_cache import KVCache
+    from jaxinfer.runner.sampling import SamplingMetadata
+    from jaxinfer.runner.step import StepInput, make_step_fn
+    from scripts.bench_decode import QWEN3_8B, resolve_kernels
 
     S = jax.ShapeDtypeStruct
     dt = jnp.bfloat16

@@ -15,14 +15,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from models.test_models_vs_hf import (hf_logits, hf_numpy_state, make_hf_model, rel_err,  # noqa: E402
+                                      run_paged_greedy)
 from safetensors.flax import save_file  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.loading import load_params, params_from_hf  # noqa: E402
-
-from models.test_models_vs_hf import (  # noqa: E402
-    hf_logits, hf_numpy_state, make_hf_model, rel_err, run_paged_greedy)
+from jaxinfer.runner.loading import load_params, params_from_hf  # noqa: E402
 
 # q 8*32 = 256, k and v 4*32 = 128, gate and up 128 rows: whole 128-row blocks per fused part;
 # D = 64 inputs: one partial block.

@@ -28,8 +28,8 @@ from checkpoints_tools.gguf_loader import gguf_hf_config, open_gguf, unpermute_q
 from checkpoints_tools.loader import hf_tensors, open_checkpoint  # noqa: E402
 from jaxinfer import models  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.kv_cache import init_kv_cache  # noqa: E402
-from jaxinfer.loading import load_params, params_from_hf  # noqa: E402
+from jaxinfer.models.kv_cache import init_kv_cache  # noqa: E402
+from jaxinfer.runner.loading import load_params, params_from_hf  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 PAGE_SIZE = 16

@@ -23,13 +23,13 @@ torch = pytest.importorskip("torch")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from script_module import load_script  # noqa: E402
 
 from checkpoints_tools import orbax_io  # noqa: E402
 from checkpoints_tools.loader import detect_format, load_tokenizer, open_checkpoint  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from script_module import load_script  # noqa: E402
-from jaxinfer.loading import (  # noqa: E402
-    LoadedModel, load_model, load_params, params_from_hf, save_checkpoint)
+from jaxinfer.runner.loading import (LoadedModel, load_model, load_params, params_from_hf,  # noqa: E402
+                                     save_checkpoint)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

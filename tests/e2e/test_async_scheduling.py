@@ -8,7 +8,7 @@ import pytest
 
 from jaxinfer import SamplingParams
 
-from .conftest import CHAT_PROMPTS, PLAIN_PROMPTS, PAGE_SIZE
+from .conftest import CHAT_PROMPTS, PAGE_SIZE, PLAIN_PROMPTS
 
 
 @pytest.fixture(scope="module")

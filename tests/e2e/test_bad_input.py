@@ -142,8 +142,8 @@ def test_stream_deltas_equal_final_text_with_stop_string(llm):
 def test_gpu_kernel_on_cpu_fails_before_loading(spec, field, monkeypatch):
     """A GPU kernel on a CPU host is refused before the checkpoint is read (neither its config
     nor its weights), as a spec string or a KernelConfig."""
-    from jaxinfer import loading
     from jaxinfer.config import KernelConfig, ModelConfig
+    from jaxinfer.runner import loading
 
     def no_load(*a, **k):
         raise AssertionError("the model was read before the option was checked")

@@ -2,8 +2,7 @@
 
 import pytest
 
-from jaxinfer.engine.batch_builder import bucket, powers_of_two
-from jaxinfer.engine.batch_builder import default_batch_buckets as batch_buckets
+from jaxinfer.step_input import bucket, default_batch_buckets as batch_buckets, powers_of_two
 
 
 def test_bucket_is_the_smallest_that_fits():

@@ -8,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from tiny_model import TINY
 
 SCRIPT = r"""
@@ -53,7 +52,7 @@ def test_second_process_loads_compiled_steps(tmp_path):
 
 
 def test_cache_path_that_is_a_file_is_rejected(tmp_path):
-    from jaxinfer.step import enable_compilation_cache as enable
+    from jaxinfer.runner.step import enable_compilation_cache as enable
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(ValueError, match="not a directory"):

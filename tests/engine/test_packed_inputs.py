@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from jaxinfer import step_input
-from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch
+from jaxinfer.engine.batch_builder import build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
+from jaxinfer.runner.step import unpack
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step import unpack
+from jaxinfer.step_input import BucketSpec
 
 PAGE = 4
 

@@ -1,5 +1,5 @@
 """Presence/frequency penalties, min_tokens, logit_bias and log-probabilities: the device
-functions (`jaxinfer.sampling`) against plain-numpy reimplementations of vLLM's definitions
+functions (`jaxinfer.runner.sampling`) against plain-numpy reimplementations of vLLM's definitions
 (``v1/sample/sampler.py``, ``ops/penalties.py``, ``MinTokensLogitsProcessor``,
 ``LogitBiasLogitsProcessor``, ``gather_logprobs``); the host side (`build_host_batch` entries,
 `jaxinfer.engine.logprobs.record`, the synchronous step) on plain sequences."""
@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from jaxinfer.engine import logprobs as host_logprobs
-from jaxinfer.engine.batch_builder import BucketSpec, build_host_batch
+from jaxinfer.engine.batch_builder import build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.loop import StepLoop
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
-from jaxinfer.sampling import SamplingMetadata, filtered_logits, logprobs, sample
+from jaxinfer.runner.sampling import SamplingMetadata, filtered_logits, logprobs, sample
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step_input import ShapeKey
+from jaxinfer.step_input import BucketSpec, ShapeKey
 
 V, PAGE, EOS = 64, 4, 2
 

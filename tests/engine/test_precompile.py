@@ -3,11 +3,11 @@ after LLM.precompile generate() compiles nothing and returns the same tokens."""
 
 import jax
 import pytest
+from tiny_model import TINY
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve
 from jaxinfer.step_input import ShapeKey
-from tiny_model import TINY
 
 # small budgets so the workload has chunked prefill, several batch buckets and preemption-free
 # page growth across page-table buckets

@@ -5,9 +5,10 @@ import pytest
 
 from jaxinfer.config import EngineConfig, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
-from jaxinfer.engine.model_runner import ModelRunner
-from jaxinfer.engine.stats import StepRecord
+from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.stats import StepRecord
+
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_step_log_records_every_step(async_scheduling, tiny_cfg, tiny_params):

@@ -1,4 +1,4 @@
-"""Tensor parallelism (`jaxinfer.parallel`) on 4 CPU devices. JAX fixes its device count when it
+"""Tensor parallelism (`jaxinfer.runner.parallel`) on 4 CPU devices. JAX fixes its device count when it
 starts, so the checks run once in a subprocess of this file (`main`, with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4``) that prints one JSON object; the tests
 assert on it. Reference: the same engine at tensor_parallel_size=1 (today's one-device path).
@@ -47,7 +47,7 @@ def _logits(llm, prompt: list[int]) -> np.ndarray:
     import jax.numpy as jnp
 
     from jaxinfer import models
-    from jaxinfer.parallel import gather_logits
+    from jaxinfer.runner.parallel import gather_logits
 
     eng, T = llm.engine, len(prompt)
     cfg, kernels, ps = eng.runner.run_config, eng.runner.executor.static["kernels"], eng.page_size
@@ -67,10 +67,9 @@ def _logits(llm, prompt: list[int]) -> np.ndarray:
 def _layout(llm, cfg, tp: int) -> dict:
     """Per-device shapes and bytes of the params and the KV pool, against `plan_memory`."""
     import jax
-
     from script_module import load_script
 
-    from jaxinfer.memory import GIB
+    from jaxinfer.config.memory import GIB
 
     plan_memory = load_script("plan_memory").plan_memory
     eng = llm.engine
@@ -177,7 +176,7 @@ def _from_checkpoint(cfg, greedy) -> list[list[int]]:
     import jax.numpy as jnp
 
     from jaxinfer import LLM, models
-    from jaxinfer.loading import save_checkpoint
+    from jaxinfer.runner.loading import save_checkpoint
 
     with tempfile.TemporaryDirectory() as d:
         params = models.init_params(cfg, jax.random.key(1), jnp.float32)
@@ -300,10 +299,10 @@ def test_fp8_block_scales_follow_their_columns(tp):
     import jax.numpy as jnp
 
     from jaxinfer.config import ModelConfig
-    from jaxinfer.parallel import engine_layout
-    from jaxinfer.quantize import expand_scale, quantize_fp8
-    from jaxinfer.model_config import check_tp
-    from jaxinfer.weights import LAYER, QUANTIZED, shape_of
+    from jaxinfer.config.model import check_tp
+    from jaxinfer.config.weights import LAYER, QUANTIZED, shape_of
+    from jaxinfer.models.quantize import expand_scale, quantize_fp8
+    from jaxinfer.runner.parallel import engine_layout
 
     cfg, rng = ModelConfig(**dict(FP8_CFG, weight_block_size=(16, 8))), np.random.default_rng(0)
     check_tp(cfg, tp)
@@ -337,8 +336,9 @@ def test_two_processes_match_one_device(result, two_processes):
 def test_plan_per_device_bytes():
     """Qwen3-8B (published config): KV heads split (tp 16 > K = 8: one copy per device), the
     matrices split, the norms whole on each device."""
-    from jaxinfer.memory import kv_bytes_per_token, param_count
     from script_module import load_script
+
+    from jaxinfer.config.memory import kv_bytes_per_token, param_count
 
     cfg = load_script("plan_memory").PRESETS["qwen3-8b"]
     L, D, H = cfg.num_layers, cfg.hidden_size, cfg.head_dim

@@ -47,6 +47,7 @@ def _hf_greedy(model, ids, n):
                                                 ("reference", "triton")])
 def test_engine_matches_hf_greedy(checkpoint, attention, prefill):
     import jax
+
     from jaxinfer import LLM, SamplingParams
 
     path, hf = checkpoint
@@ -63,10 +64,11 @@ def test_engine_matches_hf_greedy(checkpoint, attention, prefill):
 
 def _engine_greedy(loaded, attention, prompts, n):
     import jax
+
     from jaxinfer import SamplingParams
     from jaxinfer.config import EngineConfig, KernelConfig, resolve
     from jaxinfer.engine.llm_engine import LLMEngine
-    from jaxinfer.engine.model_runner import ModelRunner
+    from jaxinfer.runner.model_runner import ModelRunner
     ec = EngineConfig(dtype="bfloat16", max_model_len=256, num_pages=256, max_num_seqs=8,
                       kernels=KernelConfig(decode_attention=attention))
     eng = LLMEngine(ModelRunner(loaded.config, loaded.params,
@@ -82,7 +84,7 @@ def _engine_greedy(loaded, attention, prompts, n):
 
 @pytest.fixture(scope="module")
 def bf16_model(checkpoint):
-    from jaxinfer.loading import load_model
+    from jaxinfer.runner.loading import load_model
     loaded = load_model(checkpoint[0], "bfloat16", with_tokenizer=False)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 151936, n).tolist() for n in (3, 16, 17, 40)]
@@ -95,9 +97,10 @@ def _teacher_forced_margins(path, prompts, outputs):
     """(top1 - top2) / |top1| of float32 logits at each generated position, teacher-forced."""
     import jax
     import jax.numpy as jnp
+
     from jaxinfer import models
-    from jaxinfer.kv_cache import init_kv_cache
-    from jaxinfer.loading import load_model
+    from jaxinfer.models.kv_cache import init_kv_cache
+    from jaxinfer.runner.loading import load_model
 
     m = load_model(path, "float32", with_tokenizer=False)
     margins = []
@@ -134,8 +137,9 @@ def _teacher_forced_picks(loaded, kernels, prompts, outputs):
     """
     import jax
     import jax.numpy as jnp
+
     from jaxinfer import models
-    from jaxinfer.kv_cache import init_kv_cache
+    from jaxinfer.models.kv_cache import init_kv_cache
 
     cfg, params = loaded.config, loaded.params
 
@@ -170,7 +174,7 @@ def test_kernel_variant_teacher_forced_bf16(bf16_model, variant):
     float32 top-2 margin is below 1% of the top logit (bf16 rounding of P before P.V can flip a
     near-tie); and at least 90% of the positions agree."""
     from jaxinfer.config import KernelConfig
-    from jaxinfer.kernels import model_kernels
+    from jaxinfer.models.kernels import model_kernels
     loaded, prompts, want, margins = bf16_model
     kernels = model_kernels(KernelConfig(decode_attention=variant, prefill_attention="reference",
                                          qkv_prologue="xla", add_rms_norm="xla"))

@@ -18,8 +18,7 @@ import pytest
 
 from pallas_kernels.kv_quant import FP8, FP8_MAX, quantize
 from pallas_kernels.paged_attention import prefill_triton, reference, triton_pallas
-from pallas_kernels.qkv_prologue import reference as prologue_ref
-from pallas_kernels.qkv_prologue import triton_pallas as prologue_triton
+from pallas_kernels.qkv_prologue import reference as prologue_ref, triton_pallas as prologue_triton
 
 from .modes import runs
 from .test_qkv_prologue import make_inputs

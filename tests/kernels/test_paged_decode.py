@@ -109,7 +109,7 @@ def test_matches_reference(variant, mode, name):
 
 @pytest.mark.parametrize("variant, mode", RUNS)
 def test_traced_layer_in_scan(variant, mode):
-    """The engine passes the layer index traced (`jaxinfer.kernels`' inner jit): one kernel
+    """The engine passes the layer index traced (`jaxinfer.models.kernels`' inner jit): one kernel
     lowering serves every layer, so a traced layer must select the right pool slice."""
     args, kwargs, knobs, dtype = make_case("p16_h64_g1_f32_edges", seed=1)
     q, k_pool, v_pool, bt, seq_lens = args
@@ -231,14 +231,15 @@ def test_choose_k_splits():
 
 def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
     """The model calls the attention once per layer (unrolled, static layer ints);
-    `jaxinfer.kernels.model_kernels` routes decode through one inner jit with a traced layer, so
+    `jaxinfer.models.kernels.model_kernels` routes decode through one inner jit with a traced layer, so
     a 4-layer step traces and lowers the kernel once, and its output equals the reference
     model's."""
     import re
 
-    from jaxinfer import kernels, models
+    from jaxinfer import models
     from jaxinfer.config import KernelConfig, ModelConfig
-    from jaxinfer.kv_cache import KVCache
+    from jaxinfer.models import kernels
+    from jaxinfer.models.kv_cache import KVCache
 
     knobs = dict(interpret=True, pages_per_block=4, num_warps=4, num_stages=1, k_splits=1)
     kernel = functools.partial(triton_pallas.paged_decode_attention, **knobs)

@@ -147,9 +147,10 @@ def test_model_prefill_with_kernel_matches_reference(monkeypatch):
     layer calls share one trace of the kernel (inner jit with a traced layer)."""
     import functools
 
-    from jaxinfer import kernels, models
+    from jaxinfer import models
     from jaxinfer.config import KernelConfig, ModelConfig
-    from jaxinfer.kv_cache import KVCache
+    from jaxinfer.models import kernels
+    from jaxinfer.models.kv_cache import KVCache
 
     kernel = functools.partial(prefill_triton.paged_prefill_attention, interpret=True)
     monkeypatch.setattr(kernels.registry, "get_prefill", lambda name: kernel)

@@ -15,15 +15,14 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams, models
 from jaxinfer.config import EngineConfig, ModelConfig, resolve
-from jaxinfer.kernels import ModelKernels, model_kernels
-from jaxinfer.kv_cache import KVCache
-from jaxinfer.memory import GIB, engine_pool_pages
+from jaxinfer.config.memory import GIB, engine_pool_pages
+from jaxinfer.models.kernels import ModelKernels, model_kernels
+from jaxinfer.models.kv_cache import KVCache
 from pallas_kernels.kv_quant import FP8
 from pallas_kernels.paged_attention import prefill_triton
 from pallas_kernels.qkv_prologue import triton_pallas as prologue
 
-from .test_fused_kernels import PAGE, kernel_config
-from .test_fused_kernels import _cfg as tiny_cfg
+from .test_fused_kernels import PAGE, _cfg as tiny_cfg, kernel_config
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +73,7 @@ def test_triton_kernels_on_fp8_pages_match_the_jnp_path(model, monkeypatch):
     identical inputs, so float32 rounding only (1e-4); and the fp8 model within 10% of
     its float32-KV run, with scales from that run's K/V amax (a scale applied wrongly is off by
     orders of magnitude)."""
-    from jaxinfer import kernels
+    from jaxinfer.models import kernels
     cfg, params = model
     h32, kv32 = run_steps(cfg, params, fresh_kv(cfg, jnp.float32), ModelKernels())
     scales = tuple(jnp.max(jnp.abs(p), axis=(1, 3, 4)) / 240.0 for p in (kv32.k, kv32.v))

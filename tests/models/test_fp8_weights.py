@@ -1,4 +1,4 @@
-"""fp8 weights (`jaxinfer.quantize`, `layers.Weight`): e4m3 quantisation error within half an ulp
+"""fp8 weights (`jaxinfer.models.quantize`, `layers.Weight`): e4m3 quantisation error within half an ulp
 of float32 numpy references, the GEMM helper against float32 math on the dequantised values, the
 declared tree, and the engine generating with ``quantization="fp8"`` exactly as the float32 engine
 on the dequantised weights."""
@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from tiny_model import TINY
 
 from jaxinfer import LLM, SamplingParams, models
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.generate import build_parser
 from jaxinfer.models.layers import Weight, dense
-from jaxinfer.quantize import QUANTIZED, quantize_fp8, quantize_params
-from tiny_model import TINY
+from jaxinfer.models.quantize import QUANTIZED, quantize_fp8, quantize_params
 
 CFG = ModelConfig(**TINY)
 BLOCKS = [None, (128, 128), (32, 16)]

@@ -15,9 +15,9 @@ import pytest
 
 from jaxinfer import models
 from jaxinfer.config import KernelConfig
-from jaxinfer.kernels import ModelKernels, PagedAttention, model_kernels
-from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import layers, llama
+from jaxinfer.models.kernels import ModelKernels, PagedAttention, model_kernels
+from jaxinfer.models.kv_cache import KVCache
 from pallas_kernels.add_rms_norm import triton_pallas as add_norm_kernel
 from pallas_kernels.qkv_prologue import triton_pallas
 
@@ -223,7 +223,7 @@ def test_unrolled_layers_share_one_kernel_lowering(T, monkeypatch):
     so an L-layer step traces and lowers it once."""
     import re
 
-    from jaxinfer import kernels
+    from jaxinfer.models import kernels
     from pallas_kernels.paged_attention import prefill_triton
     prefill = functools.partial(prefill_triton.paged_prefill_attention, interpret=True)
     monkeypatch.setattr(kernels.registry, "get_prefill", lambda name: prefill)  # no prefill knobs

@@ -1,4 +1,4 @@
-"""The HF name-mapping table (through `jaxinfer.loading.params_from_hf`) and the safetensors
+"""The HF name-mapping table (through `jaxinfer.runner.loading.params_from_hf`) and the safetensors
 loader: CASES.md C9 (weight tying) and the missing / unmapped / duplicate / wrong-shape errors.
 Logits are checked against HF transformers on the same tensors."""
 
@@ -19,11 +19,10 @@ from safetensors.numpy import save_file  # noqa: E402
 from checkpoints_tools import loader  # noqa: E402
 from checkpoints_tools.mapping import HF_TO_PARAMS  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.loading import load_params, params_from_hf  # noqa: E402
 from jaxinfer.models import fused_parts  # noqa: E402
+from jaxinfer.runner.loading import load_params, params_from_hf  # noqa: E402
 
-from .test_models_vs_hf import (  # noqa: E402
-    hf_logits, hf_numpy_state, make_hf_model, rel_err, run_paged_greedy)
+from .test_models_vs_hf import hf_logits, hf_numpy_state, make_hf_model, rel_err, run_paged_greedy  # noqa: E402
 
 REL_TOL = 1e-4
 ARCHS = ("llama", "qwen3")

@@ -1,7 +1,7 @@
 """Acceptance: the JAX Llama/Qwen3 models match HF transformers (torch, float32) logit for logit.
 
 Tiny random HF models are saved with ``save_pretrained`` (single file and sharded), loaded through
-`jaxinfer.loading.load_model`, and run over the paged KV cache: a prefill of 2 ragged,
+`jaxinfer.runner.loading.load_model`, and run over the paged KV cache: a prefill of 2 ragged,
 padded prompts, then 20 greedy decode steps. Page size 4 or 8 (sequences cross several pages), a
 shuffled block table, page 0 never assigned. Every step's logits are compared with HF's full-sequence
 forward over the same tokens: relative error ``||a - b|| / ||b|| < 1e-4`` per sequence and step.
@@ -20,11 +20,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.kv_cache import KVCache  # noqa: E402
 from jaxinfer import models  # noqa: E402
-from jaxinfer.loading import load_model  # noqa: E402
-from jaxinfer.memory import param_count  # noqa: E402
+from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.config.memory import param_count  # noqa: E402
+from jaxinfer.models.kv_cache import KVCache  # noqa: E402
+from jaxinfer.runner.loading import load_model  # noqa: E402
 
 REL_TOL = 1e-4
 N_DECODE = 20

@@ -17,8 +17,8 @@ import pytest
 
 from jaxinfer import models
 from jaxinfer.config import ModelConfig
-from jaxinfer.kernels import ModelKernels
-from jaxinfer.kv_cache import KVCache
+from jaxinfer.models.kernels import ModelKernels
+from jaxinfer.models.kv_cache import KVCache
 
 PAGE = 4
 # (tokens already cached, chunk length) per row

@@ -1,6 +1,6 @@
 """One server for tests/serve: the tiny random model and its character-level tokenizer
 (tests/conftest.py: text prompts, chat template, stop strings and logprob token texts work) behind
-`jaxinfer.serve.create_app`, uvicorn on a free loopback port in a thread, an API key set. Its
+`jaxinfer.serve.app.create_app`, uvicorn on a free loopback port in a thread, an API key set. Its
 step shapes are fixed (one batch bucket of 32, one token bucket of 256, one page of 256 tokens per
 sequence): prefill and decode, greedy or sampled, with or without log-probabilities, are
 compiled up front; a test that makes it compile another fails (`SERVER_COMPILES`). Random
@@ -42,7 +42,7 @@ def server(tiny_llm):
     import uvicorn
 
     from jaxinfer import SamplingParams
-    from jaxinfer.serve import create_app
+    from jaxinfer.serve.app import create_app
 
     llm = tiny_llm(max_compiles=SERVER_COMPILES, **SERVE_ENGINE)
     ids = llm.encode(" ".join(PROMPTS))  # 8 at once overflow a step's 256 tokens: one chunked

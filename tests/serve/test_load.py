@@ -19,6 +19,7 @@ import pytest
 openai = pytest.importorskip("openai")  # the GPU machine has no openai client
 
 from jaxinfer import SamplingParams
+
 from .conftest import KEY, MODEL, PROMPTS
 
 pytestmark = pytest.mark.slow

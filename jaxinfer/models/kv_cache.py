@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxinfer.config import ModelConfig
 from pallas_kernels.kv_quant import check_scales, is_fp8
 
-AXIS = "tp"  # the mesh axis of tensor parallelism (`jaxinfer.parallel`)
+AXIS = "tp"  # the mesh axis of tensor parallelism (`jaxinfer.runner.parallel`)
 KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]: split over K'
 
 

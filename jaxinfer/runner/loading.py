@@ -15,7 +15,7 @@ from checkpoints_tools.loader import Checkpoint, hf_tensors, load_tokenizer, ope
 from checkpoints_tools.mapping import TensorSource, hf_tensors_to_params
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import abstract_params, fused_parts
-from jaxinfer.quantize import quantize_params
+from jaxinfer.models.quantize import quantize_params
 
 
 class LoadedModel(NamedTuple):
@@ -49,7 +49,7 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
                 on_host: bool = False, quantization: str | None = None
                 ) -> tuple[ModelConfig, dict]:
     """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype``; ``cfg``: its config if
-    built; ``on_host``: numpy leaves (`jaxinfer.parallel.shard_params`); ``quantization`` "fp8":
+    built; ``on_host``: numpy leaves (`parallel.shard_params`); ``quantization`` "fp8":
     `quantize_params` after mapping. FileNotFoundError, ValueError: the reader's, mapping's."""
     ckpt = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
     cfg = cfg or ModelConfig.from_checkpoint(ckpt)

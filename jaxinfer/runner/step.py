@@ -17,10 +17,10 @@ import numpy as np
 from jaxinfer import models
 from jaxinfer.checks import check_int
 from jaxinfer.config import ModelConfig
-from jaxinfer.kernels import ModelKernels
-from jaxinfer.kv_cache import KVCache
-from jaxinfer.parallel import gather_logits, replicated
-from jaxinfer.sampling import SamplingMetadata, logprobs, pytree_dataclass, sample
+from jaxinfer.models.kernels import ModelKernels
+from jaxinfer.models.kv_cache import KVCache
+from jaxinfer.runner.parallel import gather_logits, replicated
+from jaxinfer.runner.sampling import SamplingMetadata, logprobs, pytree_dataclass, sample
 from jaxinfer.step_input import HostBatch, ShapeKey, allocate, layout, names, pack
 
 log = logging.getLogger("jaxinfer")

@@ -11,8 +11,8 @@ from typing import Callable
 
 from jaxinfer.checks import check_int
 from jaxinfer.config import ResolvedConfig
-from jaxinfer.model_config import ModelConfig, tp_model_config
-from jaxinfer.weights import device_bytes
+from jaxinfer.config.model import ModelConfig, tp_model_config
+from jaxinfer.config.weights import device_bytes
 
 GIB = 1 << 30
 CPU_KV_BUDGET_BYTES = 2 * GIB  # KV pool cap where the device reports no memory stats (CPU)
@@ -23,7 +23,7 @@ def _gib(n: float) -> str:
 
 
 def param_count(cfg: ModelConfig, tp: int = 1) -> int:
-    """Parameters of the model one device of ``tp`` holds (`jaxinfer.weights.device_bytes`)."""
+    """Parameters of the model one device of ``tp`` holds (`weights.device_bytes`)."""
     return device_bytes(cfg, tp)
 
 

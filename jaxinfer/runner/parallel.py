@@ -1,5 +1,5 @@
 """Tensor parallelism through JAX sharding: the "tp" mesh, weight and KV-pool shardings
-(`param_specs`, from the weight table `jaxinfer.weights`), and the canonical -> engine weight
+(`param_specs`, from the weight table `jaxinfer.config.weights`), and the canonical -> engine weight
 layout (`shard_params`, fp8 scales with their matrices); XLA inserts the collectives. Sources:
 Shoeybi et al. 2019 (Megatron-LM: column-split qkv and gate/up, row-split wo and down); vLLM
 (vocabulary-split embedding and lm_head, one KV head copy per device when tp > K). Canonical:
@@ -11,10 +11,10 @@ import numpy as np
 from flax.traverse_util import unflatten_dict
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxinfer import weights
-from jaxinfer.kv_cache import AXIS
-from jaxinfer.model_config import ModelConfig, check_tp, tp_model_config
-from jaxinfer.quantize import is_quantized
+from jaxinfer.config import weights
+from jaxinfer.config.model import ModelConfig, check_tp, tp_model_config
+from jaxinfer.models.kv_cache import AXIS
+from jaxinfer.models.quantize import is_quantized
 
 
 def make_mesh(tp: int) -> Mesh:
@@ -50,7 +50,7 @@ def gather_logits(logits: jax.Array, cfg: ModelConfig, mesh: Mesh | None) -> jax
 
 def param_specs(cfg: ModelConfig, tp: int, quantization: str | None = None) -> dict:
     """PartitionSpecs shaped as ``abstract_params(cfg, quantization=...)``: "tp" on the split axis
-    of each leaf (`jaxinfer.weights.entries`: wqkv, w_gate_up, wo, w_down, V if tp divides it)."""
+    of each leaf (`weights.entries`: wqkv, w_gate_up, wo, w_down, V if tp divides it)."""
     return unflatten_dict({path: P() if split is None else P(*(None,) * split, AXIS)
                            for path, _, _, split in weights.entries(cfg, tp, quantization)})
 

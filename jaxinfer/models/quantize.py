@@ -1,5 +1,5 @@
 """fp8 (e4m3) weight quantisation of a param tree: the layers' `QUANTIZED` matrices (the weight
-table's, `jaxinfer.weights`) become float8_e4m3fn plus an f32 ``<name>_scale`` leaf; the rest
+table's, `jaxinfer.config.weights`) become float8_e4m3fn plus an f32 ``<name>_scale`` leaf; the rest
 kept. Source: Micikevicius et al. 2022, "FP8 Formats for Deep Learning"."""
 
 import functools
@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.weights import QUANTIZED, scale_shape
+from jaxinfer.config.weights import QUANTIZED, scale_shape
 from pallas_kernels.kv_quant import FP8, FP8_MAX  # e4m3, the format of the fp8 KV pages too
 
 

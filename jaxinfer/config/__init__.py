@@ -1,4 +1,4 @@
-"""Frozen, validated configuration: `ModelConfig` (`jaxinfer.model_config`), `EngineConfig` (user
+"""Frozen, validated configuration: `ModelConfig` (`jaxinfer.config.model`), `EngineConfig` (user
 settings, vLLM meanings), `KernelConfig`; `resolve` makes "auto" concrete (`ResolvedConfig`). A bad
 value raises ValueError naming the field, the value and what is allowed. No JAX."""
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from jaxinfer.checks import is_int, is_number
-from jaxinfer.model_config import ModelConfig, _check, _fail, check_tp
+from jaxinfer.config.model import ModelConfig, _check, _fail, check_tp
 from pallas_kernels.paged_attention import registry
 from pallas_kernels.sizes import is_pow2
 

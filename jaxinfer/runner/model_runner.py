@@ -8,22 +8,23 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from checkpoints_tools.mapping import tree_mismatches
-from jaxinfer import memory, models, parallel
-from jaxinfer.engine.batch_builder import BucketSpec
-from jaxinfer.engine.stats import EngineStats
-from jaxinfer.kernels import model_kernels
-from jaxinfer.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache
-from jaxinfer.model_config import tp_model_config
-from jaxinfer.quantize import quantize_params
-from jaxinfer.step import StepExecutor, enable_compilation_cache
-from jaxinfer.step_input import HostBatch, ShapeKey
-from jaxinfer.weights import device_bytes
+from jaxinfer import models
+from jaxinfer.config import memory
+from jaxinfer.config.model import tp_model_config
+from jaxinfer.config.weights import device_bytes
+from jaxinfer.models.kernels import model_kernels
+from jaxinfer.models.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache
+from jaxinfer.models.quantize import quantize_params
+from jaxinfer.runner import parallel
+from jaxinfer.runner.step import StepExecutor, enable_compilation_cache
+from jaxinfer.stats import EngineStats
+from jaxinfer.step_input import BucketSpec, HostBatch, ShapeKey
 
 
 class ModelRunner:
     """Serves ``params`` (compute dtype, the canonical one-device tree) of ``model_config`` under
     ``resolved`` (`jaxinfer.config.resolve`). tp = ``tensor_parallel_size`` > 1: `tp_model_config`
-    on a `jaxinfer.parallel.make_mesh` of tp devices, params resharded (the canonical tree not
+    on a `parallel.make_mesh` of tp devices, params resharded (the canonical tree not
     kept), the KV pool split over KV heads. ``stats``: compiles are counted there. Raises
     ValueError: params of wrong shapes, a pool that does not fit, fewer than tp devices."""
 

@@ -19,7 +19,7 @@ from pallas_kernels.paged_attention import reference, registry
 class ModelKernels:
     """qkv_prologue / add_rms_norm: None (jnp ops) or `pallas_kernels.<name>.reference.<name>`'s
     signature; q_group_multiple: None, or decode q is grouped [B, 1, K, Gp, H] (G padded to Gp);
-    mesh: None, or the 1-D "tp" mesh of tensor parallelism (`jaxinfer.parallel.make_mesh`)."""
+    mesh: None, or the 1-D "tp" mesh of tensor parallelism (`runner.parallel.make_mesh`)."""
 
     attention: Callable = reference.paged_attention
     qkv_prologue: Callable | None = None

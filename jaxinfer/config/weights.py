@@ -2,12 +2,12 @@
 "0".."L-1"; matrices [in, out]. Dtype: the compute dtype (norms too); under quantization "fp8" a
 `QUANTIZED` matrix is float8_e4m3fn with an f32 ``<name>_scale`` (`scale_shape`). The Flax modules
 declare their params from it (`jaxinfer.models.layers.declare`); `entries` and `device_bytes` give
-`jaxinfer.parallel.param_specs` and `jaxinfer.memory.param_count`. Imports no JAX."""
+`jaxinfer.runner.parallel.param_specs` and `jaxinfer.config.memory.param_count`. Imports no JAX."""
 
 import math
 from typing import Any, Callable, NamedTuple
 
-from jaxinfer.model_config import tp_model_config
+from jaxinfer.config.model import tp_model_config
 
 INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and the embedding.
 

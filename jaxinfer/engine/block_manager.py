@@ -148,6 +148,11 @@ class BlockManager:
                 hashes.append(_chain(hashes[i - 1] if i else b"", ids[i * P:(i + 1) * P]))
         return hashes
 
+    def first_page_cached(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s first prompt page (not its last token's) is in the cache."""
+        return (seq.num_tokens - 1) // self.page_size > 0 and \
+            self.page_hashes(seq, 1)[0] in self._cached
+
     def match_prefix(self, seq: Sequence, max_pages: int) -> tuple[list[int], bool]:
         """(cached pages equal to ``seq``'s leading full pages, at most ``max_pages``; whether the
         next page, if below ``max_pages``, is being computed by an admitted sequence)."""

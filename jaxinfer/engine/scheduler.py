@@ -1,11 +1,12 @@
 """Continuous-batching scheduler (host side, no JAX): ``schedule()`` -> step -> ``postprocess(batch,
 sampled)``, at most two batches in flight; sampled tokens are pending until read back. Prefill first
-(the partial prefill, then FIFO admission within ``max_num_seqs``, the token budget and free pages;
-one partial chunk, last; rows x longest chunk <= twice the budget), else a decode batch, a missing
-page preempting the newest admitted (recompute). With prefix caching, admission shares cached full
-pages (at most (tokens - 1) // page_size, none for ``prompt_logprobs``), a sequence whose next page
-an admitted one computes waits in place, and `postprocess` publishes filled pages. Sources:
-nano-vllm ``Scheduler``; vLLM v1 chunked prefill, prefix caching, async scheduling (SARATHI)."""
+(the partial prefill, then admission within ``max_num_seqs``, the token budget and free pages; one
+partial chunk, last; rows x longest chunk <= twice the budget), else a decode batch, a missing page
+preempting the newest admitted (recompute). Admission is FIFO; with prefix caching it is
+cache-aware (`_admission_order`), shares cached full pages (at most (tokens - 1) // page_size, none
+for ``prompt_logprobs``), a sequence whose next page an admitted one computes waits in place, and
+`postprocess` publishes filled pages. Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill,
+prefix caching, async scheduling (SARATHI); SGLang's longest-prefix-match admission."""
 
 import time
 from collections import deque
@@ -17,6 +18,7 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 
 FINISH_REASONS = ("stop", "length", "abort")
+PASS_LIMIT = 64  # cache-aware admission: how many later requests may overtake a waiting one
 
 
 @dataclass(frozen=True)
@@ -194,16 +196,37 @@ class Scheduler:
         if head is not None and not take(head):
             self.prefilling = head
             return None
-        i = 0  # FIFO, but a sequence whose next prompt page is being computed waits in place
-        while (i < len(self.waiting) and budget > 0 and self.prefilling is None
-               and self.num_running < self.max_num_seqs):
-            if (taken := take(self.waiting[i])) is None:
-                i += 1
-            elif not taken:
+        admitted = []  # a sequence whose next prompt page is being computed waits in place
+        for seq in self._admission_order():
+            if budget <= 0 or self.prefilling is not None or self.num_running >= self.max_num_seqs:
                 break
-            else:
-                del self.waiting[i]
+            if (taken := take(seq)) is None:
+                continue
+            if not taken:
+                break
+            admitted.append(seq)
+        self._remove_admitted(admitted)
         return ScheduledBatch(seqs, nums, is_prefill=True) if seqs else None
+
+    def _admission_order(self) -> list[Sequence]:
+        """The waiting queue in admission order. With prefix caching: the preempted and those
+        overtaken `PASS_LIMIT` times, then those whose first prompt page is cached (cheap to
+        prefill: served first, mean TTFT drops), then the rest, each FIFO. Else FIFO."""
+        if not self.block_manager.enable_prefix_caching:
+            return list(self.waiting)
+        cached = self.block_manager.first_page_cached
+        return sorted(self.waiting, key=lambda s: 0 if s.num_preemptions or (
+            s.num_passed_over >= PASS_LIMIT) else 1 if cached(s) else 2)
+
+    def _remove_admitted(self, admitted: list[Sequence]) -> None:
+        """Drop ``admitted`` from the queue; each one left behind counts those queued after it."""
+        taken, behind, kept = {id(s) for s in admitted}, len(admitted), deque()
+        for seq in self.waiting:
+            behind -= id(seq) in taken
+            if id(seq) not in taken:
+                seq.num_passed_over += behind
+                kept.append(seq)
+        self.waiting = kept
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         if not self.running:

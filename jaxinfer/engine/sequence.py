@@ -36,6 +36,7 @@ class Sequence:
     first_token_time: float | None = field(default=None, kw_only=True)
     finish_time: float | None = field(default=None, kw_only=True)
     num_preemptions: int = field(default=0, kw_only=True)
+    num_passed_over: int = field(default=0, kw_only=True)  # admissions that overtook it
     stop_string: str | None = field(default=None, kw_only=True)
     index: int = field(default=0, kw_only=True)
     parent_id: str | None = field(default=None, kw_only=True)

@@ -357,3 +357,49 @@ def test_copy_free_plans_from_the_cache_of_now():
     dry.device.slots = dict(sched.device.slots)    # the same K/V content
     assert batches(dry) == batches(sched)
     assert batches(dry)[0][0] == ("b", 3 * P, 1)
+
+
+def _warm(P, system, **kw):
+    """A scheduler whose cache holds ``system``'s full pages (one request ran on it)."""
+    sched = make(128, P, **kw)
+    sched.add(seq_of("warm", system + [9]))
+    run(sched)
+    return sched
+
+
+def test_admission_serves_cached_prompts_first():
+    P = 4
+    system = toks(3 * P, 7)
+    sched = _warm(P, system, budget=16)
+    xs = [seq_of(f"x{i}", toks(12, 20 + i)) for i in range(2)]
+    c = seq_of("c", system + [1, 2])
+    for s in (*xs, c):
+        sched.add(s)
+    first = sched.schedule()
+    assert first.seqs == [c, xs[0]]               # c overtakes the FIFO head: 2 tokens to compute
+    assert first.num_new_tokens == [2, 12] and xs[1].num_passed_over == 1
+    out = sched.device.step(first)                # the warm run's device: its KV content
+    sched.postprocess(first, out)
+    sched.device.postprocessed(first, out)
+    run(sched)
+    check_reference(sched, [*xs, c])
+
+
+@pytest.mark.parametrize("limit", [2, 10**9])
+def test_admission_overtakes_a_waiting_request_at_most_pass_limit_times(monkeypatch, limit):
+    from jaxinfer.engine import scheduler as scheduler_module
+    monkeypatch.setattr(scheduler_module, "PASS_LIMIT", limit)
+    P = 4
+    system = toks(3 * P, 7)
+    sched = _warm(P, system, budget=3)
+    u = seq_of("u", toks(12, 30))
+    cs = [seq_of(f"c{i}", system + [i, i + 1]) for i in range(5)]
+    for s in (u, *cs):
+        sched.add(s)
+    batches = run(sched)
+    first = {s.request_id: min(i for i, b in enumerate(batches) if s in b.seqs) for s in (u, *cs)}
+    if limit == 2:   # two overtakes (c0 whole, c1's first chunk), then u goes first
+        assert first["u"] < first["c2"] and u.num_passed_over == 2
+    else:            # every cached request goes first
+        assert first["u"] > first["c4"] and u.num_passed_over == 5
+    check_reference(sched, [u, *cs])

@@ -18,7 +18,7 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 
 FINISH_REASONS = ("stop", "length", "abort")
-PASS_LIMIT = 64  # cache-aware admission: how many later requests may overtake a waiting one
+PASS_LIMIT = 256  # cache-aware admission: how many later requests may overtake a waiting one
 
 
 @dataclass(frozen=True)

@@ -41,8 +41,13 @@ class Weight:
 
 
 def dense(x: jax.Array, w: Weight) -> jax.Array:
-    """The GEMM of every projection: x [..., in] @ ``w.value(x.dtype)`` [in, out] -> [..., out]."""
-    return x @ w.value(x.dtype)
+    """The GEMM of every projection: x [..., in] @ ``w.value(x.dtype)`` [in, out] -> [..., out].
+    fp8 with per-channel scales: the e4m3 weight (exact in bf16) in the GEMM, f32 accumulation,
+    the scale applied to the output, so no scaled copy of the weight is written each step."""
+    if w.scale is None or w.block is not None:
+        return x @ w.value(x.dtype)
+    y = jnp.matmul(x, w.w.astype(x.dtype), preferred_element_type=jnp.float32)
+    return (y * w.scale).astype(x.dtype)
 
 
 def declare(module: nn.Module, name: str) -> Weight | jax.Array | None:

@@ -1,10 +1,9 @@
-"""Orbax checkpoint directory of a converted model: ``params/`` (StandardCheckpointer),
-``tokenizer/`` (``save_pretrained``), ``jaxinfer_config.json`` ({"format", "version",
-"model_config", "eos_token_ids", "dtype"}; written last, atomically: present means complete)."""
+"""An Orbax checkpoint directory, written by ``scripts/convert_checkpoint.py``: ``params/``
+(StandardCheckpointer), ``tokenizer/`` (``save_pretrained``), ``jaxinfer_config.json`` ({"format",
+"version", "model_config", "eos_token_ids", "dtype"}; last, atomically: present means complete)."""
 
 import json
 import os
-from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -31,39 +30,8 @@ def read_saved_config(src_dir: str | os.PathLike) -> dict:
     return meta
 
 
-def save(dst_dir: str | os.PathLike, config: Mapping[str, Any], params, abstract, tokenizer,
-         eos_ids: Sequence[int]) -> None:
-    """Write a JSON-able ``config``, ``params`` (one dtype, fitting ``abstract``), an HF
-    ``tokenizer`` (or None) and the generation ``eos_ids`` to a new or empty ``dst_dir``.
-    FileExistsError: ``dst_dir`` not empty; ValueError: params misfit ``abstract``, mixed dtypes."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    dst = os.path.abspath(os.fspath(dst_dir))
-    if os.path.exists(dst) and (not os.path.isdir(dst) or os.listdir(dst)):
-        raise FileExistsError(f"destination {dst!r} exists and is not an empty directory")
-    bad = tree_mismatches(abstract, params)
-    if bad:
-        raise ValueError(f"params do not match the config: {'; '.join(bad)}")
-    dtypes = {np.dtype(x.dtype).name for x in jax.tree_util.tree_leaves(params)}
-    if len(dtypes) != 1:
-        raise ValueError(f"params mix dtypes {sorted(dtypes)}; expected one dtype")
-    os.makedirs(dst, exist_ok=True)
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.join(dst, PARAMS_DIR), params)
-        ckptr.wait_until_finished()
-    if tokenizer is not None:
-        tokenizer.save_pretrained(os.path.join(dst, TOKENIZER_DIR))
-    meta = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "model_config": dict(config),
-            "eos_token_ids": [int(t) for t in eos_ids], "dtype": dtypes.pop()}
-    tmp = os.path.join(dst, CONFIG_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(tmp, os.path.join(dst, CONFIG_FILE))
-
-
 def restore(src_dir: str | os.PathLike, abstract, on_host: bool = False):
-    """`save`'s params as jax arrays on ``jax.devices()[0]`` (``on_host``: numpy) in ``abstract``'s
+    """The stored params, jax arrays on ``jax.devices()[0]`` (``on_host``: numpy), in ``abstract``'s
     shapes and dtypes. FileNotFoundError: no ``params/``; ValueError: misfit (paths named)."""
     import jax
     import orbax.checkpoint as ocp

@@ -183,14 +183,14 @@ def _compile_budget():
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_factory):
-    """The tiny text model (`tiny_text_cfg`, `tiny_text_params`, its tokenizer and EOS)
-    as an Orbax directory (`jaxinfer.runner.loading.save_checkpoint`), written once per run, for tests
-    that start ``LLM(path)`` in another process (the server's CLI)."""
-    from jaxinfer.runner.loading import save_checkpoint
+    """The tiny text model (`tiny_text_cfg`, `tiny_text_params`, its tokenizer and EOS) as an
+    Orbax directory (``scripts/convert_checkpoint.py``'s `save_checkpoint`), written once per run,
+    for tests that start ``LLM(path)`` in another process (the server's CLI)."""
+    from script_module import load_script
 
     path = tmp_path_factory.mktemp("tiny-checkpoint") / "tiny"
-    save_checkpoint(path, tiny_text_cfg, tiny_text_params, tiny_tokenizer,
-                    tiny_text_cfg.eos_token_ids)
+    load_script("convert_checkpoint").save_checkpoint(
+        path, tiny_text_cfg, tiny_text_params, tiny_tokenizer, tiny_text_cfg.eos_token_ids)
     return str(path)
 
 

@@ -55,13 +55,11 @@ def scale_shape(shape: tuple[int, int], block: tuple[int, int] | None) -> tuple[
     return (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
 
 
-def fused_parts(cfg, shards: int = 1) -> dict[str, dict[str, slice]]:
+def fused_parts(cfg) -> dict[str, dict[str, slice]]:
     """Slices of each projection on the output (last) axis of the fused matrices: ``{"wqkv": {"q":
     [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H, (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up":
-    [F, 2F)}}``. ``shards`` > 1: columns grouped by shard, [q_0 | k_0 | v_0 | q_1 | ...], [gate_0 |
-    up_0 | gate_1 | ...], slices within one group (N, K, F divided by ``shards``)."""
-    N, K, F = cfg.num_heads // shards, cfg.num_kv_heads // shards, cfg.intermediate_size // shards
-    H = cfg.head_dim
+    [F, 2F)}}`` (the tensor-parallel layout: `jaxinfer.runner.parallel.engine_layout`)."""
+    N, K, F, H = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.head_dim
     return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
                      "v": slice((N + K) * H, (N + 2 * K) * H)},
             "w_gate_up": {"gate": slice(0, F), "up": slice(F, 2 * F)}}

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints_tools.mapping import tree_mismatches
-from jaxinfer.config.model import SUPPORTED_ARCHITECTURES
 from jaxinfer.config.weights import fused_parts
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import KVCache
@@ -19,9 +18,7 @@ QUANTIZATIONS = (None, "fp8")
 
 
 def _model(cfg, kernels: ModelKernels, dtype, quantization: str | None = None):
-    if cfg.architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"cfg.architecture={cfg.architecture!r} has no model; "
-                         f"supported: {SUPPORTED_ARCHITECTURES}")
+    """Llama's modules serve every architecture `ModelConfig` accepts (llama, qwen3)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is invalid: allowed {QUANTIZATIONS}")
     return LlamaForCausalLM(cfg, kernels, jnp.dtype(dtype), quantization)
@@ -32,7 +29,7 @@ def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_map
             packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
     """One step over the paged cache: tokens, positions, slot_mapping i32[B, T]; ``kv``:
     block_tables i32[R, M], seq_lens i32[R] after this write (R = B unless ``packing``: tokens [1,
-    Tp], R chunks) -> (hidden [B, T, D], new cache). ValueError: no model."""
+    Tp], R chunks) -> (hidden [B, T, D], new cache)."""
     model = _model(cfg, kernels, params["embed"].dtype, "fp8" if is_quantized(params) else None)
     return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
 

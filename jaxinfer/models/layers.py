@@ -146,7 +146,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, w: jax.Array, *, eps: fl
 def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1,
         down_partials: int = 1) -> jax.Array:
     """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; ``w_gate_up``
-    [D, 2F] ([gate | up] in each of ``shards`` column groups, `fused_parts`), ``w_down`` [F, D].
+    [D, 2F] ([gate | up] in each of ``shards`` column groups, `engine_layout`), ``w_down`` [F, D].
     ``down_partials`` > 1: F split in that many parts, output f32 partial sums [splits, B, T, D]
     (`add_rms_norm`)."""
     with jax.named_scope("mlp"):

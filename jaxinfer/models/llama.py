@@ -63,7 +63,7 @@ def attention(x: jax.Array, w: dict, layer: int, k_pool: jax.Array, v_pool: jax.
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D] @ ``w["wqkv"]`` -> `attention_heads` (RMSNorm weights ``w["q_norm"]``,
     ``w["k_norm"]`` [H], or None) -> @ ``w["wo"]``. With ``kernels.mesh``, `attention_heads` runs
-    under ``jax.shard_map`` on each device's heads (wqkv's columns shard-major, `fused_parts`) and
+    under ``jax.shard_map`` on each device's heads (wqkv's columns shard-major, `engine_layout`) and
     XLA sums the row-split ``wo`` GEMM. Returns (out [B, T, D], k_pool, v_pool)."""
     B, T, _ = x.shape
     N, K, H, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kernels.tp

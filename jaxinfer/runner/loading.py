@@ -6,7 +6,6 @@ import dataclasses
 import os
 from typing import Any, NamedTuple
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -81,9 +80,3 @@ def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
     eos = tuple(dict.fromkeys(int(t) for g in groups for t in g if t is not None))
     return LoadedModel(cfg, params, tokenizer, eos, ckpt.format)
 
-
-def save_checkpoint(dst: str | os.PathLike, cfg: ModelConfig, params, tokenizer,
-                    eos_ids) -> None:
-    """Write an Orbax checkpoint that `load_model` reads back (`orbax_io.save` and its errors)."""
-    dtype = jax.tree_util.tree_leaves(params)[0].dtype
-    orbax_io.save(dst, cfg.to_dict(), params, abstract_params(cfg, dtype), tokenizer, eos_ids)

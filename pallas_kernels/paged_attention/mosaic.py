@@ -272,15 +272,6 @@ def _store(geo: _Geometry, acc, m, l, o_ref, lse_ref, b, h, split):
     pl.run_scoped(store, plgpu.SMEM((_ROWS, H), jnp.float32), plgpu.SMEM((_ROWS,), jnp.float32))
 
 
-def _interpret_params():
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-    except ImportError as e:  # pragma: no cover - depends on the installed jax
-        raise NotImplementedError(
-            f"GPU interpret mode is not available in jax {jax.__version__}: {e}") from e
-    return InterpretGPUParams()
-
-
 def _smem_bytes(cfg: MosaicDecodeConfig, H: int, itemsize: int, table_bytes: int) -> int:
     return (cfg.num_stages * 2 * cfg.block_kv * H * itemsize + _ROWS * H * itemsize
             + table_bytes + _OFFSET_COLS * 4 + 1024)
@@ -394,8 +385,9 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
                        plgpu.SMEM((_OFFSET_COLS,), jnp.int32),
                        plgpu.Barrier(num_barriers=3)],
         grid=(B, K, splits), grid_names=("b", "h", "s"))
-    if interpret:
-        kw["interpret"] = _interpret_params()
+    if interpret:  # Mosaic GPU's interpret mode is private in JAX 0.10-0.11 (pyproject's range)
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+        kw["interpret"] = InterpretGPUParams()
     else:
         kw["compiler_params"] = plgpu.CompilerParams(approx_math=True)
     body = functools.partial(_body, geo=geo, math_=_PlainMath if interpret else _WgmmaMath,

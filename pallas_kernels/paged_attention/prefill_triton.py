@@ -22,8 +22,7 @@ DEFAULT_ROWS = DEFAULT_KEYS = 64  # default tile: query rows (tokens x padded gr
 
 
 def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, pos_ref, q_ref, k_ref, v_ref, o_ref, *,
-            ROWS, H, M,
-            page_size, pages_per_block, scale, soft_cap, sliding_window):
+            ROWS, H, M, page_size, pages_per_block, scale, soft_cap, sliding_window):
     b, kh = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     seq_len = jnp.minimum(lens_ref[b], M * page_size)                    # never past the table

@@ -225,6 +225,5 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     check_knobs(page_size=page_size, **knobs)
     check_scales(k_pool, k_scale, v_scale)
     return _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, k_scale, v_scale,
-                         scale=float(scale),
-                         soft_cap=soft_cap, sliding_window=sliding_window,
+                         scale=float(scale), soft_cap=soft_cap, sliding_window=sliding_window,
                          interpret=bool(interpret), **knobs)

@@ -71,8 +71,7 @@ def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k: jax.Array, v: jax.A
 
 def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                  cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, k_pool: jax.Array,
-                 v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int,
-                 eps: float = 1e-6,
+                 v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int, eps: float = 1e-6,
                  q_group_rows: int | None = None, k_scale: jax.Array | None = None,
                  v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention prologue of one layer in jnp -> (q, k_pool, v_pool), this step's K/V written at

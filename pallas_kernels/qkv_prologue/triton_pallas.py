@@ -70,7 +70,7 @@ def _per_head_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv
 
 def _grouped_kernel(layer_ref, slots_ref, cos_ref, sin_ref, wq_ref, wk_ref, qkv_ref, k_in, v_in,
                     ks_ref, vs_ref, q_ref, k_ref, v_ref, *, N, K, G, Gq, H, page_size, eps,
-                     has_norm):
+                    has_norm):
     """Grid "group", (token s, j): j < K the G query heads of KV group j (as Gq rows, zero past
     G), j = K all K key heads, j = K + 1 all K values. K, Gq powers of 2 (Triton block shapes)."""
     del k_in, v_in  # aliased to k_ref, v_ref
@@ -201,8 +201,7 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
                else grid == "group")
     if S == 0:  # no tokens: nothing to write, no launch (a grid of 0 programs is not valid)
         return reference.qkv_prologue(*args, layer=layer, num_heads=N, num_kv_heads=K, eps=eps,
-                                      q_group_rows=q_group_rows, k_scale=k_scale,
-                                      v_scale=v_scale)
+                                      q_group_rows=q_group_rows, k_scale=k_scale, v_scale=v_scale)
     return _prologue(*args, layer, k_scale, v_scale, N=N, K=K, Gq=q_group_rows, eps=float(eps),
                      interpret=bool(interpret),
                      num_warps=int((2 if grouped else 1) if num_warps is None else num_warps),

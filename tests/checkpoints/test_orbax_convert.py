@@ -28,10 +28,11 @@ from script_module import load_script  # noqa: E402
 from checkpoints_tools import orbax_io  # noqa: E402
 from checkpoints_tools.loader import detect_format, load_tokenizer, open_checkpoint  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.runner.loading import (LoadedModel, load_model, load_params, params_from_hf,  # noqa: E402
-                                     save_checkpoint)
+from jaxinfer.runner.loading import (LoadedModel, load_model, load_params,  # noqa: E402
+                                     params_from_hf)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+save_checkpoint = load_script("convert_checkpoint").save_checkpoint
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEXTS = ["hello world , the cat sat", "a b c unknownword </s>"]
 GEN_EOS = [2, 3]    # generation_config.json

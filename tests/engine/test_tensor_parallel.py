@@ -176,11 +176,12 @@ def _from_checkpoint(cfg, greedy) -> list[list[int]]:
     import jax.numpy as jnp
 
     from jaxinfer import LLM, models
-    from jaxinfer.runner.loading import save_checkpoint
+    from script_module import load_script
 
     with tempfile.TemporaryDirectory() as d:
         params = models.init_params(cfg, jax.random.key(1), jnp.float32)
-        save_checkpoint(os.path.join(d, "ck"), cfg, params, None, ())
+        load_script("convert_checkpoint").save_checkpoint(os.path.join(d, "ck"), cfg, params,
+                                                          None, ())
         llm = LLM(os.path.join(d, "ck"), skip_tokenizer_init=True, tensor_parallel_size=2,
                   **ENGINE)
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]

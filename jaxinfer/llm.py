@@ -110,7 +110,8 @@ class LLM:
         runner = ModelRunner(loaded.config, loaded.params,
                              dataclasses.replace(resolved, model=loaded.config))
         self.engine = LLMEngine(runner, eos_token_ids=loaded.eos_token_ids,
-                                detokenize=None if skip_tokenizer_init else self._detokenize)
+                                detokenize=None if skip_tokenizer_init else self._detokenize,
+                                tokenizer=self.tokenizer)
 
     @classmethod
     def from_params(cls, config, params: dict, *, tokenizer=None, **engine_args) -> "LLM":
@@ -136,7 +137,8 @@ class LLM:
         eos = (getattr(tokenizer, "eos_token_id", None), *config.eos_token_ids)
         self.engine = LLMEngine(ModelRunner(config, params, resolved),
                                 eos_token_ids=tuple(dict.fromkeys(t for t in eos if t is not None)),
-                                detokenize=None if tokenizer is None else self._detokenize)
+                                detokenize=None if tokenizer is None else self._detokenize,
+                                tokenizer=tokenizer)
         return self
 
     def _detokenize(self, ids, skip_special_tokens: bool = True,

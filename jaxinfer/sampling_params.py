@@ -28,8 +28,9 @@ class StructuredOutputsParams:
     a dict, e.g. a pydantic model's ``model_json_schema()``, or its JSON text), ``regex`` (full
     match), ``choice`` (one of these strings), ``grammar`` (Lark or GBNF, llguidance's syntax),
     ``json_object`` (True: any JSON object). Normalised: ``json`` to its JSON text, ``choice`` to
-    a tuple. ValueError: none or several set, or a value of the wrong type (named); a spec the
-    grammar library rejects is a ValueError at submission (`LLMEngine.check_request`)."""
+    a tuple; ``key``: (kind, spec text), as grammars are cached. ValueError: none or several set,
+    a value of the wrong type (named); a spec the grammar library rejects is a ValueError at
+    submission (`LLMEngine.check_request`)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -53,12 +54,7 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams.{k}={v!r} is invalid: must be " + dict(
                 json="a dict or a JSON string", choice="a non-empty list of strings",
                 json_object="True").get(k, "a string"))
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """(kind, spec text): the one constraint, as the grammar cache keys it."""
-        k = next(k for k, v in self.__dict__.items() if v is not None and v is not False)
-        return k, _json.dumps(list(self.choice)) if k == "choice" else str(getattr(self, k))
+        object.__setattr__(self, "key", (k, _json.dumps(list(v)) if k == "choice" else str(v)))
 
 
 _int = functools.partial(is_int, numpy=True)  # (v, lo=None): a Python or NumPy int, not a bool

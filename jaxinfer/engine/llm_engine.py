@@ -188,11 +188,10 @@ class LLMEngine:
         sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
         before = None if lps is None else [s.num_output_tokens for s in batch.seqs]
         finished = self.scheduler.postprocess(batch, sampled)
+        logprobs.record(lps, hb, batch.seqs, before)
         for s, tok in zip(batch.seqs, sampled):
             if tok is not None and s.matcher is not None:
                 self.structured.accept(s.matcher, tok)
-        logprobs.record(lps, hb, batch.seqs, before)
-        for s, tok in zip(batch.seqs, sampled):
             if tok is None or (stop := self.outputs.find_stop_string(s)) is None:
                 continue
             s.stop_string = stop
@@ -217,8 +216,8 @@ class LLMEngine:
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
         """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""
         sched = self._scheduler(self.block_manager.copy_free(), self.eos_token_ids)  # the prefix cache as now
-        steps = dry_run(sched, requests, buckets=self.runner.buckets, mask_words=self.structured.words,
-                        async_scheduling=self.async_scheduling)
+        steps = dry_run(sched, requests, buckets=self.runner.buckets,
+                        async_scheduling=self.async_scheduling, mask_words=self.structured.words)
         return list(dict.fromkeys(hb.key for _, hb in steps))
 
     def precompile(self, shape_keys, *, max_workers: int | None = None, warm: bool = True) -> dict:

@@ -16,12 +16,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class JsonSchema(BaseModel):
+class JsonSchema(BaseModel):  # also "name", "description", "strict": accepted, unused
     model_config = ConfigDict(populate_by_name=True)
-    name: str | None = None
-    description: str | None = None
     json_schema: dict | None = Field(None, alias="schema")
-    strict: bool | None = None
 
 
 class ResponseFormat(BaseModel):

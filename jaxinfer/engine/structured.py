@@ -11,32 +11,38 @@ while the host postprocesses, schedules, fills the masks and dispatches. Steps w
 constrained row keep the overlap and their shape keys (`ShapeKey.bitmask` 0)."""
 
 import collections
+import threading
 
-_FORMATS = {"json": "json_schema", "json_object": "json_schema", "choice": "choice",
-            "regex": "regex", "grammar": "grammar"}  # StructuredOutputsParams -> llguidance
+_FORMATS = {"json": "json_schema", "json_object": "json_schema"}  # else llguidance's own name
 
 
 class StructuredOutputManager:
     """Grammars over ``tokenizer`` (an HF fast tokenizer; None: constrained requests are
     rejected), V = ``vocab_size`` logits, ``eos_token_ids`` (all a completed grammar allows).
     Compiled grammars (a matcher in its start state) are cached by (kind, spec text), the
-    ``cache_size`` last used; the llguidance tokenizer (about 0.5 s) is built at first use."""
+    ``cache_size`` last used; the llguidance tokenizer (about 0.5 s) is built at first use.
+    `matcher` is thread-safe (the server checks requests outside the engine's thread)."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids, cache_size: int = 256) -> None:
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, list(eos_token_ids)
         self.words = -(-vocab_size // 32)  # W: i32 words of a row's bitmask
         self.cache_size, self._cache = cache_size, collections.OrderedDict()
         self._ll_tokenizer = self._executor = None
+        self._lock = threading.Lock()
 
     def matcher(self, so):
         """A fresh ``llguidance.LLMatcher`` of ``so`` (`StructuredOutputsParams`). ValueError: no
         tokenizer, or the spec is invalid (llguidance's message: the schema, regex or grammar)."""
+        with self._lock:
+            return self._matcher(so).deep_copy()
+
+    def _matcher(self, so):
         import llguidance
         import llguidance.hf
 
         if (m := self._cache.get(so.key)) is not None:
             self._cache.move_to_end(so.key)
-            return m.deep_copy()
+            return m
         kind, spec = so.key
         if self.tokenizer is None:
             raise ValueError("SamplingParams.structured_outputs needs a tokenizer, but this engine "
@@ -46,7 +52,7 @@ class StructuredOutputManager:
                                                               self.eos or None)
         try:
             m = llguidance.LLMatcher(self._ll_tokenizer, llguidance.grammar_from(
-                _FORMATS[kind], '{"type": "object"}' if kind == "json_object" else spec))
+                _FORMATS.get(kind, kind), '{"type": "object"}' if kind == "json_object" else spec))
             error = m.get_error() if m.is_error() else None
         except Exception as e:  # llguidance raises ValueError, json TypeError/ValueError, ...
             error = f"{type(e).__name__}: {e}"
@@ -55,7 +61,7 @@ class StructuredOutputManager:
         self._cache[so.key] = m
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
-        return m.deep_copy()
+        return m
 
     def fill(self, bitmask, rows) -> None:
         """Write each ``(row, matcher)``'s allowed next tokens into ``bitmask`` i32[B, W] (bit

@@ -110,7 +110,8 @@ class LLM:
         runner = ModelRunner(loaded.config, loaded.params,
                              dataclasses.replace(resolved, model=loaded.config))
         self.engine = LLMEngine(runner, eos_token_ids=loaded.eos_token_ids,
-                                detokenize=None if skip_tokenizer_init else self._detokenize)
+                                detokenize=None if skip_tokenizer_init else self._detokenize,
+                                tokenizer=self.tokenizer)
 
     @classmethod
     def from_params(cls, config, params: dict, *, tokenizer=None, **engine_args) -> "LLM":
@@ -136,7 +137,8 @@ class LLM:
         eos = (getattr(tokenizer, "eos_token_id", None), *config.eos_token_ids)
         self.engine = LLMEngine(ModelRunner(config, params, resolved),
                                 eos_token_ids=tuple(dict.fromkeys(t for t in eos if t is not None)),
-                                detokenize=None if tokenizer is None else self._detokenize)
+                                detokenize=None if tokenizer is None else self._detokenize,
+                                tokenizer=tokenizer)
         return self
 
     def _detokenize(self, ids, skip_special_tokens: bool = True,
@@ -159,13 +161,15 @@ class LLM:
                              "{'prompt_token_ids': [...]} instead")
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Ids of ``messages`` in the chat template plus generation prompt; ValueError: it fails."""
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
+                            ) -> list[int]:
+        """Ids of ``messages`` (and OpenAI-style ``tools``, for templates that show them) in the
+        chat template plus generation prompt; ValueError: it fails."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; use plain prompts")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                      tokenize=False)
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True)
         except Exception as e:  # jinja errors: a message without "role"/"content", etc.
             raise ValueError(f"the chat template rejected the messages: {type(e).__name__}: {e}; "
                              'each message needs {"role": ..., "content": ...}') from None

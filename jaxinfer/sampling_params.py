@@ -2,6 +2,7 @@
 
 import enum
 import functools
+import json as _json
 import math
 import numbers
 from dataclasses import dataclass
@@ -19,6 +20,41 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = 0
     DELTA = 1
     FINAL_ONLY = 2
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's names): exactly one of ``json`` (a JSON schema:
+    a dict, e.g. a pydantic model's ``model_json_schema()``, or its JSON text), ``regex`` (full
+    match), ``choice`` (one of these strings), ``grammar`` (Lark or GBNF, llguidance's syntax),
+    ``json_object`` (True: any JSON object). Normalised: ``json`` to its JSON text, ``choice`` to
+    a tuple; ``key``: (kind, spec text), as grammars are cached. ValueError: none or several set,
+    a value of the wrong type (named); a spec the grammar library rejects is a ValueError at
+    submission (`LLMEngine.check_request`)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k, v in self.__dict__.items() if v is not None and v is not False]
+        if len(given) != 1:
+            raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, "
+                             f"grammar, json_object; got {given or 'none'}")
+        k, v = given[0], getattr(self, given[0])
+        if k == "json" and isinstance(v, dict):
+            object.__setattr__(self, "json", v := _json.dumps(v))
+        if k == "choice" and isinstance(v, (list, tuple)):
+            object.__setattr__(self, "choice", v := tuple(v))
+        ok = (v is True if k == "json_object" else all(isinstance(c, str) for c in v) and v
+              if k == "choice" else isinstance(v, str))
+        if not ok:
+            raise ValueError(f"StructuredOutputsParams.{k}={v!r} is invalid: must be " + dict(
+                json="a dict or a JSON string", choice="a non-empty list of strings",
+                json_object="True").get(k, "a string"))
+        object.__setattr__(self, "key", (k, _json.dumps(list(v)) if k == "choice" else str(v)))
 
 
 _int = functools.partial(is_int, numpy=True)  # (v, lo=None): a Python or NumPy int, not a bool
@@ -67,6 +103,8 @@ _RULES = (  # field, valid(value), what is allowed, normalise
     *((name, lambda b: isinstance(b, bool), "must be a bool", bool)
       for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
                    "include_stop_str_in_output")),
+    ("structured_outputs", lambda s: s is None or isinstance(s, StructuredOutputsParams),
+     "must be None or a StructuredOutputsParams", lambda s: s),
     ("output_kind", lambda k: isinstance(k, RequestOutputKind),
      f"must be a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})", lambda k: k),
 )
@@ -85,7 +123,9 @@ class SamplingParams:
     the text unless ``include_stop_str_in_output``. stop_token_ids: end generation (finish "stop"),
     even with ``ignore_eos``. n: samples of the prompt, sample i seeded by (seed, i). logit_bias:
     {token id: bias} added to the logits, clipped to [-100, 100]. logprobs / prompt_logprobs: k: the
-    chosen (prompt) token's raw log-probability and the top k. output_kind: `RequestOutputKind`.
+    chosen (prompt) token's raw log-probability and the top k (constrained rows: of the masked
+    logits, as vLLM). structured_outputs: `StructuredOutputsParams`, the output's grammar (it
+    completes: EOS only, finish "stop"). output_kind: `RequestOutputKind`.
     ValueError: a bad value (named)."""
 
     temperature: float = 1.0
@@ -108,6 +148,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:

@@ -16,7 +16,9 @@ class ShapeKey(NamedTuple):
     penalty R tokens per row (0: no penalty reads history); query Tq per packed row (None: not
     packed); all_greedy; bias E sparse (id, value) entries per row (logit_bias, min_tokens; 0:
     none); logprobs: the top-k K returned per sampled row and prompt position (0: no
-    log-probabilities); prompt_logprobs P prompt positions scored (0: none; needs K > 0)."""
+    log-probabilities); prompt_logprobs P prompt positions scored (0: none; needs K > 0);
+    bitmask: W = ceil(V / 32) words per row of the allowed-token bitmask, set only when a sampled
+    row is constrained (0: none; unconstrained steps keep their keys)."""
 
     batch: int
     tokens: int
@@ -27,6 +29,7 @@ class ShapeKey(NamedTuple):
     bias: int = 0
     logprobs: int = 0
     prompt_logprobs: int = 0
+    bitmask: int = 0
 
     @property
     def packed(self) -> bool:
@@ -36,7 +39,7 @@ class ShapeKey(NamedTuple):
         """Sizes of the shape letters (token arrays [Bt, T]: [B, T], or [1, Tp] packed)."""
         return dict(B=self.batch, Bt=1 if self.packed else self.batch, T=self.tokens,
                     M=self.pages, R=self.penalty, Q=self.query or 0, E=self.bias,
-                    P=self.prompt_logprobs)
+                    P=self.prompt_logprobs, W=self.bitmask)
 
 
 class Field(NamedTuple):
@@ -71,6 +74,7 @@ FIELDS = (
     Field("frequency_penalty", np.float32, ("B",), "sampling", 0, "penalty"),
     Field("bias_ids", np.int32, ("B", "E"), "sampling", -1, "bias"),
     Field("bias_values", np.float32, ("B", "E"), "sampling", 0, "bias"),
+    Field("bitmask", np.int32, ("B", "W"), "sampling", -1, "bitmask"),  # bit v%32 of [b, v//32]
     Field("prompt_lp_index", np.int32, ("P",), "input", 0, "prompt_logprobs"),  # flat token
     Field("prompt_lp_next", np.int32, ("P",), "input", -1, "prompt_logprobs"),  # its next id
     Field("q_index", np.int32, ("B", "Q"), "packing", 0, "packed"),

@@ -68,7 +68,8 @@ def test_host_side_imports_no_jax():
     import sys
 
     host = ["jaxinfer.engine.llm_engine", "jaxinfer.engine.scheduler", "jaxinfer.outputs",
-            "jaxinfer.engine.block_manager", "jaxinfer.sampling_params", "jaxinfer.serve.runner"]
+            "jaxinfer.engine.block_manager", "jaxinfer.sampling_params", "jaxinfer.serve.runner",
+            "jaxinfer.engine.structured"]
     code = (f"import sys, {', '.join(host)}; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'jaxlib', 'flax'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -218,3 +218,15 @@ def test_eval_accuracy_agreement_and_arguments():
             assert e.code == 2
         else:
             raise AssertionError(f"{bad} accepted")
+
+
+def test_bench_structured_mask_replay_accepts_its_documents(smollm_path):
+    """bench_structured.py's mask timing replays valid documents: every token is allowed by its
+    row's mask, no matcher fails, and one time per step comes back (host only, no device)."""
+    from checkpoints_tools.loader import load_tokenizer
+    from jaxinfer.engine.structured import StructuredOutputManager
+
+    bench = load_script("bench_structured")
+    tok = load_tokenizer(smollm_path, "gguf")
+    times = bench.mask_times(StructuredOutputManager(tok, 49152, [tok.eos_token_id]), tok, 3)
+    assert len(times) > 100 and (times > 0).all()

@@ -27,12 +27,13 @@ def _prompt_positions(batch) -> list[range]:
     return out
 
 
-def build_host_batch(batch, *, page_size: int, buckets: BucketSpec,
-                     eos_token_ids=()) -> HostBatch:
+def build_host_batch(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(),
+                     mask_words: int = 0) -> HostBatch:
     """Pad a `ScheduledBatch` to a bucketed `HostBatch` (packed if a chunk has > 1 token;
-    ``pending_input`` rows in ``pending_rows``). ValueError: a size past the largest bucket."""
+    ``pending_input`` rows in ``pending_rows``; ``mask_words`` W: a bitmask i32[B, W], all -1, if
+    a sampled row is constrained). ValueError: a size past the largest bucket."""
     hb = allocate(shape_key(batch, page_size=page_size, buckets=buckets,
-                            eos_token_ids=eos_token_ids))
+                            eos_token_ids=eos_token_ids, mask_words=mask_words))
     a, off, j = hb.arrays, 0, 0  # off: packed offset of row i's first token; j: prompt position
     scored = _prompt_positions(batch) if hb.key.prompt_logprobs else [()] * batch.num_seqs
     for i, (s, n, c) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.start_positions)):
@@ -78,7 +79,8 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec,
     return hb
 
 
-def shape_key(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=()) -> ShapeKey:
+def shape_key(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(),
+              mask_words: int = 0) -> ShapeKey:
     """The bucketed `ShapeKey` of a `ScheduledBatch`."""
     seqs, nums = batch.seqs, batch.num_new_tokens
     B = bucket(len(seqs), buckets.batch)
@@ -95,7 +97,9 @@ def shape_key(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=()) -
         default=-1)
     extra = dict(bias=E and bucket(E, powers_of_two(8, 1 << 30)),
                  logprobs=0 if k < 0 else bucket(max(k, 1), LOGPROB_BUCKETS),
-                 prompt_logprobs=P and bucket(P, token_buckets))
+                 prompt_logprobs=P and bucket(P, token_buckets),
+                 bitmask=mask_words if any(s.params.structured_outputs and d for s, d in zip(
+                     seqs, batch.do_sample)) else 0)
     if max(nums) == 1:
         return ShapeKey(B, 1, M, R, None, greedy, **extra)
     Tp = bucket(sum(nums), token_buckets)

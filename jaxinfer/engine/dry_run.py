@@ -11,9 +11,10 @@ from jaxinfer.step_input import BucketSpec, HostBatch
 
 
 def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingParams]], *,
-            buckets: BucketSpec, async_scheduling: bool = True
+            buckets: BucketSpec, async_scheduling: bool = True, mask_words: int = 0
             ) -> list[tuple[ScheduledBatch, HostBatch]]:
-    """Run ``requests`` on the fresh ``scheduler``, sampling a token that ends no request:
+    """Run ``requests`` on the fresh ``scheduler``, sampling a token that ends no request (no
+    grammar runs; ``mask_words``: `build_host_batch`'s):
     (`ScheduledBatch`, `HostBatch`) per step in launch order. ValueError: a rejected request."""
     stops: set[int] = set(scheduler.eos_token_ids)
     for i, (ids, params) in enumerate(requests):
@@ -28,7 +29,8 @@ def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingPa
     def launch(batch: ScheduledBatch, prev: Launched | None) -> None:
         steps.append((batch, build_host_batch(batch, page_size=scheduler.page_size,
                                               buckets=buckets,
-                                              eos_token_ids=scheduler.eos_token_ids)))
+                                              eos_token_ids=scheduler.eos_token_ids,
+                                              mask_words=mask_words)))
 
     def complete(done: Launched, times) -> list[Sequence]:
         return scheduler.postprocess(done.batch, [token if s else None

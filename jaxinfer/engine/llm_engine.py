@@ -17,6 +17,7 @@ from jaxinfer.engine.dry_run import dry_run
 from jaxinfer.engine.loop import Launched, StepLoop
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.structured import StructuredOutputManager
 from jaxinfer.outputs import OutputProcessor, RequestOutput
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import EngineStats, StepRecord
@@ -34,14 +35,18 @@ def sample_seed(seed: int, index: int) -> int:
 class LLMEngine:
     """The engine over ``runner`` (a `jaxinfer.runner.model_runner.ModelRunner`: its config,
     params, KV pool and compiled steps); ``eos_token_ids`` end generation; ``detokenize``: ids ->
-    str (None: no text). Outputs by each request's ``SamplingParams.output_kind``."""
+    str (None: no text); ``tokenizer``: the HF tokenizer grammars are built over (None: no
+    ``structured_outputs``). Outputs by each request's ``SamplingParams.output_kind``."""
 
-    def __init__(self, runner, *, eos_token_ids=(), detokenize: Callable | None = None) -> None:
+    def __init__(self, runner, *, eos_token_ids=(), detokenize: Callable | None = None,
+                 tokenizer=None) -> None:
         self.runner, self.resolved = runner, runner.resolved
         self.model_config, ec = runner.model_config, runner.resolved.engine
         self.max_model_len, self.page_size = self.resolved.max_model_len, ec.page_size
         self.eos_token_ids, self._stats = tuple(eos_token_ids), runner.stats
         self.outputs = OutputProcessor(detokenize)
+        self.structured = StructuredOutputManager(tokenizer, self.model_config.vocab_size,
+                                                  self.eos_token_ids)
         self.block_manager = BlockManager(runner.num_pages, ec.page_size, stats=self._stats,
                                           enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = self._scheduler(self.block_manager, self.eos_token_ids)
@@ -68,7 +73,8 @@ class LLMEngine:
         self.loop.async_scheduling = bool(value)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError: a token id outside [0, V), or not `Scheduler.check_admissible`."""
+        """Raise ValueError: a token id outside [0, V), an invalid ``structured_outputs``
+        (`StructuredOutputManager.matcher`), or not `Scheduler.check_admissible`."""
         vocab = self.model_config.vocab_size
         for ids, what in ((prompt_token_ids, "prompt token id {} is"),
                           (params.stop_token_ids, "SamplingParams.stop_token_ids contains {},"),
@@ -76,12 +82,14 @@ class LLMEngine:
             if bad := [t for t in ids if not 0 <= int(t) < vocab]:
                 raise ValueError(what.format(bad[0]) + f" out of range: ids must be in [0, {vocab})")
         self.scheduler.check_admissible(len(prompt_token_ids), params)
+        if params.structured_outputs is not None:
+            self.structured.matcher(params.structured_outputs)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, prompt: str | None = None) -> str:
         """`check_request`, then queue its ``params.n`` samples (sample i seeded by (seed, i));
         ``prompt``: its text, for the outputs. Returns the request id. Raises ValueError: as
-        `check_request`, or a duplicate id."""
+        `check_request`, or a duplicate id. A constrained sample gets its own matcher."""
         self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.outputs.requests:
@@ -89,10 +97,11 @@ class LLMEngine:
                              "engine")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
         ids = [int(t) for t in prompt_token_ids]
-        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        max_tokens, so = params.max_tokens or self.max_model_len - len(ids), params.structured_outputs
         seqs = [Sequence(request_id=rid if params.n == 1 else f"{i}_{rid}", prompt_token_ids=ids,
                          params=params, seed=sample_seed(seed, i), index=i, parent_id=rid,
-                         max_tokens=max_tokens) for i in range(params.n)]
+                         max_tokens=max_tokens, matcher=so and self.structured.matcher(so))
+                for i in range(params.n)]
         for i, seq in enumerate(seqs):
             try:
                 self.scheduler.add(seq)  # raises ValueError before queueing
@@ -153,9 +162,13 @@ class LLMEngine:
         self.reset_prefix_cache()
 
     def _launch(self, batch: ScheduledBatch, prev: Launched | None):
-        """`StepLoop`'s launch: build the host batch, have the runner dispatch it (no wait)."""
+        """`StepLoop`'s launch: build the host batch and the constrained rows' masks (their
+        grammars are up to date: `StepLoop` read their step back), have the runner dispatch it."""
         hb = build_host_batch(batch, page_size=self.page_size, buckets=self.runner.buckets,
-                              eos_token_ids=self.eos_token_ids)
+                              eos_token_ids=self.eos_token_ids, mask_words=self.structured.words)
+        if hb.key.bitmask:
+            self.structured.fill(hb.bitmask, [(i, s.matcher) for i, s in enumerate(batch.seqs)
+                                              if s.matcher is not None and hb.sample_rows[i]])
         self._stats.max_kv_len_seen = max(self._stats.max_kv_len_seen, int(hb.seq_lens.max()))
         if hb.pending_rows.any():
             if prev is None:
@@ -177,6 +190,8 @@ class LLMEngine:
         finished = self.scheduler.postprocess(batch, sampled)
         logprobs.record(lps, hb, batch.seqs, before)
         for s, tok in zip(batch.seqs, sampled):
+            if tok is not None and s.matcher is not None:
+                self.structured.accept(s.matcher, tok)
             if tok is None or (stop := self.outputs.find_stop_string(s)) is None:
                 continue
             s.stop_string = stop
@@ -202,7 +217,7 @@ class LLMEngine:
         """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""
         sched = self._scheduler(self.block_manager.copy_free(), self.eos_token_ids)  # the prefix cache as now
         steps = dry_run(sched, requests, buckets=self.runner.buckets,
-                        async_scheduling=self.async_scheduling)
+                        async_scheduling=self.async_scheduling, mask_words=self.structured.words)
         return list(dict.fromkeys(hb.key for _, hb in steps))
 
     def precompile(self, shape_keys, *, max_workers: int | None = None, warm: bool = True) -> dict:

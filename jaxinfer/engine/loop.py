@@ -1,6 +1,7 @@
 """The step loop (host side) of `LLMEngine` and `jaxinfer.engine.dry_run`: complete the step in
-flight first if it must be (synchronous, or a penalty reading the row's history); schedule and
-launch the next; complete the previous while it runs. Source: vLLM v1 asynchronous scheduling."""
+flight first if it must be (synchronous, a penalty reading the row's history, or a grammar
+(`jaxinfer.engine.structured`) advanced by the row's token before its mask); schedule and launch
+the next; complete the previous while it runs. Source: vLLM v1 asynchronous scheduling."""
 
 import time
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ class StepLoop:
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = None if batch is None else Launched(batch, self.launch(batch, prev), any(
-            s.params.needs_history for s in batch.seqs))
+            s.params.needs_history or s.params.structured_outputs for s in batch.seqs))
         times = (t1 - t0, time.perf_counter() - t1)
         if prev is not None:
             self.stats.num_overlapped_steps += launched is not None

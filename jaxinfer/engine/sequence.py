@@ -20,7 +20,9 @@ class Sequence:
     """One sample of a request (identity-compared; ``index`` 0..n-1 of ``parent_id``).
     num_computed_tokens: K/V written or in flight; num_cached_tokens: prefix-cache hits at
     admission; num_pending_tokens: sampled, not read back (0-2); logprobs: per output token {id:
-    (logprob, rank)} (None: not asked); prompt_logprobs: per prompt position (first None)."""
+    (logprob, rank)} (None: not asked); prompt_logprobs: per prompt position (first None); matcher:
+a constrained sample's grammar, advanced by each output token (kept on preemption: recompute
+keeps the outputs)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -46,6 +48,7 @@ class Sequence:
     logprobs: list | None = field(default=None, kw_only=True)
     prompt_logprobs: list | None = field(default=None, kw_only=True)
     cumulative_logprob: float | None = field(default=None, kw_only=True)
+    matcher: object = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):

@@ -35,7 +35,7 @@ SamplingMetadata = pytree_dataclass(__name__, "SamplingMetadata", *names("sampli
     outside [0, V) ignored); optional (None: off): prompt_lens i32[B] (the first prompt_lens
     entries of penalty_tokens are the prompt, the rest the output), presence_penalty,
     frequency_penalty f32[B]; bias_ids i32[B, E] (outside [0, V): ignored), bias_values f32[B, E]
-    added to the logits (-inf: masked).""")
+    added to the logits (-inf: masked); bitmask i32[B, W] (`apply_token_bitmask`, in `step`).""")
 
 
 def _check_shapes(logits, meta: SamplingMetadata) -> None:
@@ -86,6 +86,14 @@ def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
         x = (x - meta.frequency_penalty[:, None] * counts
              - meta.presence_penalty[:, None] * (counts > 0))
     return x
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """[B, V] ``logits`` with -inf where bit ``v % 32`` of ``bitmask[b, v // 32]`` is 0 (i32[B,
+    W], W = ceil(V / 32), llguidance's layout; a row of -1: unchanged). Source: vLLM's
+    ``apply_grammar_bitmask``, applied before the sampler (its logprobs see the mask)."""
+    v = jnp.arange(logits.shape[1], dtype=jnp.int32)
+    return jnp.where((bitmask[:, v // 32] >> (v % 32)) & 1 != 0, logits, -jnp.inf)
 
 
 def _min_p_keep(scaled: jax.Array, min_p: jax.Array) -> jax.Array:

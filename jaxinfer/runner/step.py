@@ -20,7 +20,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.runner.parallel import gather_logits, replicated
-from jaxinfer.runner.sampling import SamplingMetadata, logprobs, pytree_dataclass, sample
+from jaxinfer.runner.sampling import (SamplingMetadata, apply_token_bitmask, logprobs,
+                                     pytree_dataclass, sample)
 from jaxinfer.step_input import HostBatch, ShapeKey, allocate, layout, names, pack
 
 log = logging.getLogger("jaxinfer")
@@ -56,6 +57,8 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels
         else:
             last = hidden[0][inp.logits_indices]                                # [R, D]
         logits = gather_logits(models.compute_logits(params, cfg, last), cfg, kernels.mesh)
+        if inp.sampling.bitmask is not None:  # constrained rows: before sampling and logprobs
+            logits = apply_token_bitmask(logits, inp.sampling.bitmask)
     with jax.named_scope("sample"):
         tokens = sample(logits, inp.sampling, all_greedy=all_greedy)
     out = {}

@@ -1,5 +1,10 @@
 """``POST /v1/chat/completions`` (vLLM's ``serving_chat.py``): the messages in the model's chat
-template; logprobs with ``logprobs`` + ``top_logprobs``; a stream opens with the assistant role."""
+template; logprobs with ``logprobs`` + ``top_logprobs``; a stream opens with the assistant role.
+A forced tool call (``tool_choice``) comes back as ``tool_calls`` (OpenAI's shape, vLLM's
+finish reasons: "stop" for a named function, "tool_calls" for "required")."""
+
+import json
+import uuid
 
 from fastapi import Request
 
@@ -8,28 +13,45 @@ from jaxinfer.serve.completions import OpenAIServing
 from jaxinfer.serve.errors import APIError
 
 
+def _call(name: str | None, arguments: str, index: int | None = None) -> P.ToolCall:
+    return P.ToolCall(index=index, id=name and f"call_{uuid.uuid4().hex[:24]}",
+                      type=name and "function", function=P.FunctionCall(name=name,
+                                                                        arguments=arguments))
+
+
 class ServingChat(OpenAIServing):
     prefix, Response, Chunk = "chatcmpl", P.ChatCompletionResponse, P.ChatCompletionChunk
 
     async def create(self, body: P.ChatCompletionRequest, request: Request):
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if body.stream and body.tool_choice == "required":
+            raise APIError('tool_choice="required" is not supported with stream=true',
+                           param="tool_choice")
         sp = self.sampling_params(body, body.max_completion_tokens or body.max_tokens,
                                   (body.top_logprobs or 0) if body.logprobs else None)
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        tools = body.tools and [t.model_dump() for t in body.tools]
         prompts = await self.encode(
-            lambda: {"prompt_token_ids": self.llm.apply_chat_template(msgs)}, sp, "messages")
+            lambda: {"prompt_token_ids": self.llm.apply_chat_template(msgs, tools)}, sp, "messages")
         return await self.respond(request, body, prompts, sp)
 
     def opening(self, n: int) -> list[P.ChatStreamChoice]:
         return [P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
                 for i in range(n)]
 
-    def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False):
-        lps = P.ChatLogprobs.of(out, k)
+    def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False,
+               body=None):
+        lps, tool, reason = P.ChatLogprobs.of(out, k), body.tool_choice, out.finish_reason
+        msg = P.DeltaMessage(role=None if stream else "assistant", content=out.text)
+        if isinstance(tool, dict):  # one named function: the text is its arguments
+            name = None if offset else tool["function"]["name"]
+            msg.content, msg.tool_calls = None, [_call(name, out.text, 0 if stream else None)]
+        elif tool == "required" and reason == "stop" and out.stop_reason is None:  # on EOS
+            msg.content, reason = None, "tool_calls"
+            msg.tool_calls = [_call(c["name"], json.dumps(c["parameters"]))
+                              for c in json.loads(out.text)]
         if stream:
-            return P.ChatStreamChoice(index=index, delta=P.DeltaMessage(content=out.text),
-                                      logprobs=lps, finish_reason=out.finish_reason)
-        return P.ChatChoice(index=index, message=P.DeltaMessage(role="assistant", content=out.text),
-                            logprobs=lps, finish_reason=out.finish_reason,
+            return P.ChatStreamChoice(index=index, delta=msg, logprobs=lps, finish_reason=reason)
+        return P.ChatChoice(index=index, message=msg, logprobs=lps, finish_reason=reason,
                             stop_reason=out.stop_reason)

@@ -17,8 +17,9 @@ class OpenAIServing:
     """An endpoint over ``llm`` and ``runner`` serving ``model_name``: checks, `SamplingParams`,
     choices and usage, streamed (server-sent events) or not; ``ids``: the shared request-id counter.
     Subclasses set ``prefix`` (of response ids), ``Response`` and ``Chunk`` and define
-    ``choice(index, out, k, offset=0, stream=False)``: a `CompletionOutput` (streamed: what is new)
-    with its top-``k`` logprobs, ``offset`` characters of its text already sent."""
+    ``choice(index, out, k, offset=0, stream=False, body=None)``: a `CompletionOutput` (streamed:
+    what is new) with its top-``k`` logprobs, ``offset`` characters of its text already sent.
+    A ``response_format`` or ``structured_outputs`` constrains the output (`SamplingParams`)."""
 
     prefix: str
 
@@ -57,14 +58,15 @@ class OpenAIServing:
         events = self._events(request, prompts, sp, body.stream)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._chunks(rid, events, sp, usage),
+            return StreamingResponse(self._chunks(rid, events, sp, usage, body),
                                      media_type="text/event-stream")
         choices, usage = [], P.UsageInfo()
         async for p, out in events:
             if isinstance(out, str):
                 raise APIError(out)
             _count(usage, out)
-            choices += [self.choice(p * sp.n + c.index, c, sp.logprobs) for c in out.outputs]
+            choices += [self.choice(p * sp.n + c.index, c, sp.logprobs, body=body)
+                        for c in out.outputs]
         return self.Response(id=rid, model=self.model_name, usage=usage,
                              choices=sorted(choices, key=lambda c: c.index))
 
@@ -90,7 +92,7 @@ class OpenAIServing:
             for rid in left:
                 self.runner.abort(rid)
 
-    async def _chunks(self, rid: str, events, sp, include_usage: bool):
+    async def _chunks(self, rid: str, events, sp, include_usage: bool, body):
         def chunk(choices, usage=None) -> str:
             c = self.Chunk(id=rid, model=self.model_name, choices=choices, usage=usage)
             return f"data: {c.model_dump_json()}\n\n"
@@ -105,7 +107,7 @@ class OpenAIServing:
             _count(usage, ev, prompt=ev.finished)
             for c in ev.outputs:  # DELTA outputs: each sample's new text, its finish reason
                 i = p * sp.n + c.index
-                yield chunk([self.choice(i, c, sp.logprobs, offsets.get(i, 0), True)])
+                yield chunk([self.choice(i, c, sp.logprobs, offsets.get(i, 0), True, body)])
                 offsets[i] = offsets.get(i, 0) + len(c.text)
         if include_usage:
             yield chunk([], usage)
@@ -132,7 +134,8 @@ class ServingCompletion(OpenAIServing):
         prompts = await self.encode(lambda: body.prompt, sp, "prompt")
         return await self.respond(request, body, prompts, sp)
 
-    def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False):
+    def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False,
+               body=None):
         return P.CompletionChoice(index=index, text=out.text,
                                   logprobs=P.CompletionLogprobs.of(out, k, offset),
                                   finish_reason=out.finish_reason,

@@ -7,13 +7,23 @@ import dataclasses
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchema(BaseModel):  # also "name", "description", "strict": accepted, unused
+    model_config = ConfigDict(populate_by_name=True)
+    json_schema: dict | None = Field(None, alias="schema")
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
 
 
 class _Sampling(BaseModel):
@@ -40,6 +50,23 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict | None = None  # vLLM's extra body: StructuredOutputsParams' fields
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The output's constraint: ``structured_outputs``, else ``response_format``'s."""
+        if self.structured_outputs is not None:
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:  # an unknown field
+                raise ValueError(f"structured_outputs is invalid: {e}") from None
+        if (rf := self.response_format) is None or rf.type == "text":
+            return None
+        if rf.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if rf.json_schema is None or rf.json_schema.json_schema is None:
+            raise ValueError("response_format.json_schema.schema is required with json_schema")
+        return StructuredOutputsParams(json=rf.json_schema.json_schema)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The `SamplingParams` fields this body shares by name; raises ValueError (naming one)."""
@@ -47,7 +74,8 @@ class _Sampling(BaseModel):
                if f.name in type(self).model_fields}
         return SamplingParams(**dict(
             own, temperature=1.0 if self.temperature is None else self.temperature,
-            stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens, logprobs=logprobs))
+            stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens, logprobs=logprobs,
+            structured_outputs=self.structured()))
 
 
 class CompletionRequest(_Sampling):
@@ -72,13 +100,53 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class Function(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: Function
+
+
 class ChatCompletionRequest(_Sampling):
-    """POST /v1/chat/completions (the model's chat template)."""
+    """POST /v1/chat/completions (the model's chat template, ``tools`` passed to it).
+    ``tool_choice`` {"type": "function", "function": {"name"}} or "required" constrains the output
+    (`tool_schema`); "none" (or no tools) leaves it free."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+
+    def tool_schema(self) -> dict | None:
+        """The JSON schema of a forced tool call (vLLM's): the named function's parameters, or
+        for "required" an array (>= 1) of {"name", "parameters"} of any tool; None: no constraint.
+        ValueError: an unknown name, "auto" (no tool parser), or "required" without tools."""
+        choice, tools = self.tool_choice, {t.function.name: t.function for t in self.tools or ()}
+        if choice in (None, "none") and (choice == "none" or not tools):
+            return None
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name")
+            if name not in tools:
+                raise ValueError(f"tool_choice names function {name!r}, not one of tools "
+                                 f"{sorted(tools)}")
+            return tools[name].parameters or {"type": "object", "properties": {}}
+        if choice != "required" or not tools:
+            raise ValueError(f"tool_choice={choice!r} is not supported: name a function in "
+                             'tool_choice, or use "required" (with tools) or "none"')
+        return {"type": "array", "minItems": 1, "items": {"anyOf": [
+            {"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
+             "properties": {"name": {"enum": [f.name]}, "parameters": f.parameters or {
+                 "type": "object", "properties": {}}}} for f in tools.values()]}}
+
+    def structured(self) -> StructuredOutputsParams | None:
+        schema = self.tool_schema()
+        return super().structured() if schema is None else StructuredOutputsParams(json=schema)
 
 
 class UsageInfo(BaseModel):
@@ -154,9 +222,24 @@ class ChatLogprobs(BaseModel):
                             for t, rec in zip(out.token_ids, out.logprobs)])
 
 
+class FunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """OpenAI's tool call; in a streamed delta ``index``, and ``id``, ``name`` first only."""
+
+    index: int | None = None
+    id: str | None = None
+    type: Literal["function"] | None = "function"
+    function: FunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):

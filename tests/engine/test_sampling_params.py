@@ -1,6 +1,7 @@
 """SamplingParams: vLLM names/defaults, validation messages, normalisation (CASES.md C5)."""
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -80,3 +81,25 @@ def test_stop_normalisation_and_frozen():
     assert dataclasses.replace(p, top_p=0.5).top_p == 0.5
     with pytest.raises(ValueError, match="top_p"):
         dataclasses.replace(p, top_p=0)
+
+
+def test_structured_outputs_params_one_constraint_normalised():
+    from jaxinfer import StructuredOutputsParams as S
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert S(json=schema).json == json.dumps(schema) and S(json=schema).key == ("json", S(
+        json=json.dumps(schema)).json)
+    assert S(choice=["x", "y"]).choice == ("x", "y") and S(choice=["x"]).key == ("choice", '["x"]')
+    assert S(json_object=True).key == ("json_object", "True")
+    p = SamplingParams(structured_outputs=S(regex="[0-9]+"))
+    assert hash(p) == hash(SamplingParams(structured_outputs=S(regex="[0-9]+")))
+    for kw, msg in (({}, "got none"), (dict(regex="a", grammar="b"), r"\['regex', 'grammar'\]"),
+                    (dict(choice=[]), "choice=.*non-empty list of strings"),
+                    (dict(choice=["a", 1]), "non-empty list of strings"),
+                    (dict(json=3), "json=3 is invalid: must be a dict or a JSON string"),
+                    (dict(json_object="yes"), "json_object='yes' is invalid: must be True"),
+                    (dict(regex=b"a"), "regex=b'a' is invalid: must be a string")):
+        with pytest.raises(ValueError, match=msg):
+            S(**kw)
+    with pytest.raises(ValueError, match="structured_outputs=.*StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})

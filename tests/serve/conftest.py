@@ -23,8 +23,9 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "One, two, three,",
 SERVE_ENGINE = dict(max_model_len=256, max_num_seqs=32, page_size=256, num_pages=40,
                     max_num_batched_tokens=256, kernels="batch_buckets=32,token_buckets=256")
 # {prefill, decode} x {greedy, sampled} x {no logprobs, top-5 bucket}, and the prefill of a
-# step holding a prompt's first chunk (its row carries EOS's min_tokens bias), greedy or sampled
-SERVER_COMPILES = 10
+# step holding a prompt's first chunk (its row carries EOS's min_tokens bias), greedy or sampled;
+# {prefill, decode} x {greedy, sampled} with a token bitmask (test_structured.py)
+SERVER_COMPILES = 14
 
 
 def _interrupt(signum, frame):
@@ -41,17 +42,19 @@ def _interrupt(signum, frame):
 def server(tiny_llm):
     import uvicorn
 
-    from jaxinfer import SamplingParams
+    from jaxinfer import SamplingParams, StructuredOutputsParams
     from jaxinfer.serve.app import create_app
 
     llm = tiny_llm(max_compiles=SERVER_COMPILES, **SERVE_ENGINE)
     ids = llm.encode(" ".join(PROMPTS))  # 8 at once overflow a step's 256 tokens: one chunked
 
-    def plan(t, lp, n):
-        return llm.engine.plan_shapes([(ids, SamplingParams(temperature=t, max_tokens=2,
-                                                            logprobs=lp))] * n)
+    def plan(t, lp, n, so=None):
+        return llm.engine.plan_shapes([(ids, SamplingParams(
+            temperature=t, max_tokens=2, logprobs=lp, structured_outputs=so))] * n)
+    choice = StructuredOutputsParams(choice=["a"])
     llm.engine.precompile(list(dict.fromkeys(
-        k for t in (0.0, 1.0) for lp, n in ((None, 8), (3, 1)) for k in plan(t, lp, n))))
+        k for t in (0.0, 1.0) for lp, n, so in ((None, 8, None), (3, 1, None), (None, 1, choice))
+        for k in plan(t, lp, n, so))))
     assert llm.engine.stats().num_compiles == SERVER_COMPILES, llm.engine.stats().compiled_shapes
     app = create_app(llm, served_model_name=MODEL, api_key=KEY)
     with socket.socket() as s:

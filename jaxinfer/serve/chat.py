@@ -18,8 +18,8 @@ class ServingChat(OpenAIServing):
                                   (body.top_logprobs or 0) if body.logprobs else None)
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
         prompts = await self.encode(
-            lambda: {"prompt_token_ids": self.llm.apply_chat_template(msgs)}, sp, "messages")
-        return await self.respond(request, body, prompts, sp)
+            lambda: {"prompt_token_ids": self.client.prompts.apply_chat_template(msgs)}, sp, "messages")
+        return await self.respond(request, body, prompts, sp, "messages")
 
     def opening(self, n: int) -> list[P.ChatStreamChoice]:
         return [P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))

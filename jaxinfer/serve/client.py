@@ -1,9 +1,9 @@
-"""The API process's side of the engine core (vLLM V1's ``AsyncLLM`` with its
-``EngineCoreClient``): it starts the engine-core process (`core.run_core`, multiprocessing
-"spawn": JAX is not fork-safe, and this process never imports it), sends requests and aborts,
-and turns each step's `core.StepOutputs` into `RequestOutput`s with an `OutputProcessor` over
-mirrors of the core's `Sequence`s: detokenization, stop-string cuts, deltas and logprob texts
-happen here, on the event loop. Host side, no JAX."""
+"""The API process's side of the engine core (vLLM V1's ``AsyncLLM`` and ``EngineCoreClient``):
+it starts the engine-core process (`core.run_core`, multiprocessing "spawn": JAX is not
+fork-safe, and this process never imports it), sends requests and aborts, and turns each
+`core.StepOutputs` into `RequestOutput`s with an `OutputProcessor` over mirrors of the core's
+`Sequence`s: detokenization, stop-string cuts, deltas and logprob texts happen here, on the
+event loop. Host side, no JAX."""
 
 import asyncio
 import dataclasses
@@ -27,13 +27,6 @@ from jaxinfer.serve.errors import APIError
 log = logging.getLogger("jaxinfer.serve")
 
 
-@dataclasses.dataclass
-class _Open:
-    sink: asyncio.Queue
-    seqs: list[Sequence]
-    ack: asyncio.Future  # None: accepted; str: rejected; APIError: the core died
-
-
 class EngineCoreClient:
     """Starts ``factory()`` (a picklable callable returning a `jaxinfer.LLM`) in the engine-core
     process and waits until it is ready (ValueError: it could not start, its one-line error).
@@ -48,21 +41,20 @@ class EngineCoreClient:
         self.proc = ctx.Process(target=core.run_core, args=(factory, "ipc://" + self._dir, send),
                                 name="jaxinfer-engine-core")
         self.loop = self.dead = self.on_death = self.metrics = None
-        self._closing, self._open, self._ids = False, {}, itertools.count()
+        self._closing, self._ids = False, itertools.count()
+        self._open: dict = {}  # request id -> (its queue, its ack: None, or a str: rejected)
         try:
             self.proc.start()
             send.close()  # the core's end only: its exit is an EOF here
             kind, self.info = recv.recv()
-        except EOFError:
+            if kind == "error":
+                raise ValueError(self.info)
+        except BaseException as e:
             self.close()
-            raise ValueError(f"the engine core process exited with code {self.proc.exitcode} "
-                             "while starting (its traceback is above)") from None
-        except BaseException:
-            self.close()
+            if isinstance(e, EOFError):
+                raise ValueError(f"the engine core process exited with code "
+                                 f"{self.proc.exitcode} while starting (traceback above)") from None
             raise
-        if kind == "error":
-            self.close()
-            raise ValueError(self.info)
         self.prompts, self.stats = Prompts(self.info["tokenizer"]), self.info["stats"]
         self.outputs = OutputProcessor(self.prompts._detokenize if self.prompts.tokenizer else None)
         self.encode = msgspec.msgpack.Encoder().encode
@@ -80,30 +72,28 @@ class EngineCoreClient:
         """Queue one request per prompt (token ids) and wait until the core took them all.
         Returns ({request id: prompt index}, the queue of their events ``(request id, event)``:
         `RequestOutput`s (``stream``: DELTA outputs, else one FINAL_ONLY; the last one has
-        ``finished``) or an `APIError` (500: a step failed; 503: the core died), each request's
-        last). Raises APIError: 503, the core is gone; 400 naming ``param``, one was rejected
-        (the others are aborted)."""
+        ``finished``) or, last, an `APIError` (503: the core died)). Raises
+        APIError: 503, the core is gone; 400 naming ``param``, one was rejected (the others are
+        aborted)."""
         if self.dead is not None:
             raise APIError(self.dead, 503)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         params, sink = dataclasses.replace(params, output_kind=kind), asyncio.Queue()
         rids = {f"req-{next(self._ids)}": i for i in range(len(prompts))}
-        for rid, i in rids.items():
-            try:
-                msg = self.encode(core.Add(rid, prompts[i], params))
-            except OverflowError:  # msgpack's integers: 64 bits
-                self.abort(list(rids)[:i])
+        try:
+            for rid, i in rids.items():
+                msg = self.encode(core.Add(rid, prompts[i], params))  # OverflowError: > 64 bits
+                seqs = [Sequence(rid, prompts[i], params, 0, index=j, max_tokens=0)  # a mirror
+                        for j in range(params.n)]
+                self.outputs.add(rid, seqs, None)
+                self._open[rid] = sink, self.loop.create_future()
+                self._in.send(msg)
+            acks = await asyncio.gather(*(self._open[rid][1] for rid in rids))
+        except BaseException as e:
+            self.abort(rid for rid in rids if rid in self._open)
+            if isinstance(e, OverflowError):
                 raise APIError(f"request {i}: an integer in it is out of range (|x| < 2**63)",
                                param=param) from None
-            seqs = [Sequence(rid, prompts[i], params, 0, index=j, max_tokens=0)  # a mirror
-                    for j in range(params.n)]
-            self.outputs.add(rid, seqs, None)
-            self._open[rid] = _Open(sink, seqs, self.loop.create_future())
-            self._in.send(msg)
-        try:
-            acks = await asyncio.gather(*(self._open[rid].ack for rid in rids))
-        except BaseException:
-            self.abort(rids)
             raise
         if bad := [(i, a) for i, a in enumerate(acks) if a is not None]:
             self.abort(rids)
@@ -114,11 +104,11 @@ class EngineCoreClient:
 
     def abort(self, rids) -> None:
         """Abort these requests at the core's next step (their final outputs still come)."""
-        if rids and self.dead is None:
-            self._in.send(self.encode(core.Abort(list(rids))))
+        if (rids := list(rids)) and self.dead is None:
+            self._in.send(self.encode(core.Abort(rids)))
 
     def abort_all(self) -> None:
-        self.abort(list(self._open))
+        self.abort(self._open)
 
     async def _read(self) -> None:
         decode = msgspec.msgpack.Decoder(core.StepOutputs).decode
@@ -130,34 +120,35 @@ class EngineCoreClient:
                 log.exception("the engine core's message could not be applied")
 
     def _apply(self, msg: core.StepOutputs) -> None:
-        """Acks, errors, new tokens -> the mirrors; the outputs due to their queues."""
+        """Acks, errors and new tokens into the mirrors; the outputs due into their queues."""
         self.stats = msg.stats
         for rid in msg.accepted:
-            if (req := self._open.get(rid)) is not None and not req.ack.done():
-                req.ack.set_result(None)
-        for rid, err in msg.errors.items():
+            if rid in self._open and not self._open[rid][1].done():
+                self._open[rid][1].set_result(None)
+        for rid, err in msg.rejected.items():
             self._fail(rid, err)
-        touched = [r.request_id for r in msg.requests if r.request_id in self._open]
-        for r in msg.requests:
-            for d in r.samples if r.request_id in self._open else ():
-                _merge(self._open[r.request_id].seqs[d.index], d, r.num_cached_tokens)
+        touched = [d.request_id for d in msg.samples if d.request_id in self._open]
+        for d in msg.samples:
+            if d.request_id in self._open:
+                _merge(self.outputs.requests[d.request_id].seqs[d.index], d)
+        seqs = {rid: self.outputs.requests[rid].seqs for rid in touched}
         for out in self.outputs.outputs(touched):
-            req = self._open[out.request_id]
-            req.sink.put_nowait((out.request_id, out))
+            self._open[out.request_id][0].put_nowait((out.request_id, out))
             if out.finished:
                 del self._open[out.request_id]
                 if self.metrics is not None:
-                    self.metrics.record(req.seqs)
+                    self.metrics.record(seqs[out.request_id])
 
     def _fail(self, rid: str, err) -> None:
-        """End ``rid`` with ``err``: its ack if pending (a str: rejected), else an APIError event."""
+        """End ``rid`` with ``err`` (a str: rejected; an APIError): its ack if pending, else its
+        last event."""
         if (req := self._open.pop(rid, None)) is None:
             return
         self.outputs.requests.pop(rid, None)
-        if not req.ack.done():
-            req.ack.set_result(err)
+        if not req[1].done():
+            req[1].set_result(err)
         else:
-            req.sink.put_nowait((rid, err if isinstance(err, APIError) else APIError(err, 500)))
+            req[0].put_nowait((rid, err))
 
     def _died(self) -> None:
         """The core's process ended: every open request gets a 503; `on_death`."""
@@ -172,14 +163,14 @@ class EngineCoreClient:
         if self.on_death is not None:
             self.on_death()
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the core (`core.Stop`), wait up to ``timeout`` s, then kill it; close sockets."""
+    async def shutdown(self) -> None:
+        """Stop the core (`core.Stop`; killed after 10 s) and close the sockets."""
         self._closing = True
         self.loop.remove_reader(self.proc.sentinel)
         self._reader.cancel()
         if self.proc.is_alive():
             self._in.send(self.encode(core.Stop()))
-        await self.loop.run_in_executor(None, self.close, timeout)
+        await self.loop.run_in_executor(None, self.close, 10.0)
         for sock in (self._in, self._out):
             sock.close(linger=0)
 
@@ -194,13 +185,13 @@ class EngineCoreClient:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-def _merge(s: Sequence, d: core.SampleDelta, num_cached_tokens: int) -> None:
+def _merge(s: Sequence, d: core.SampleDelta) -> None:
     """Apply a `core.SampleDelta` to the mirror ``s``."""
     s.output_token_ids += d.token_ids
     if d.logprobs is not None:
         s.logprobs += d.logprobs
-    s.cumulative_logprob, s.first_token_time = d.cumulative_logprob, d.first_token_time
-    s.num_preemptions, s.num_cached_tokens = d.num_preemptions, num_cached_tokens
+    for f in ("cumulative_logprob", "first_token_time", "num_preemptions", "finish_reason",
+              "stop_string", "finish_time", "num_cached_tokens"):
+        setattr(s, f, getattr(d, f))
     if d.finish_reason is not None:
-        s.status, s.finish_reason = SequenceStatus.FINISHED, d.finish_reason
-        s.stop_string, s.finish_time = d.stop_string, d.finish_time
+        s.status = SequenceStatus.FINISHED

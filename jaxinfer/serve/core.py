@@ -1,22 +1,14 @@
-"""The engine-core process (vLLM V1's ``EngineCoreProc``): it owns JAX, the `LLM` and its
-`LLMEngine` (scheduler, KV pool, step loop). `run_core` is its main, `EngineCore` its loop; the
-wire messages (msgspec structs, msgpack) are defined here and shared with `client`.
+"""The engine-core process (vLLM V1's ``EngineCoreProc``): it owns JAX, the `LLM`, its `LLMEngine`
+(scheduler, KV pool) and the step loop; `run_core` is its main. Wire: ZeroMQ PUSH/PULL on
+``ipc://DIR/in`` and ``ipc://DIR/out`` (bound here), msgspec msgpack; in: `Add`, `Abort`, `Stop`;
+out: one `StepOutputs` per step that has news. Stop strings are matched here (the engine must end
+a sequence on one to free its slot) and the API process cuts the text at the ``stop_string`` sent.
+Times: ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock for both processes). The core
+ignores SIGINT and SIGTERM (signals to the process group: the API process drains, then sends
+`Stop`) and ends when its parent is gone. An exception in a step ends it (vLLM V1's
+``EngineDeadError``: the API process fails the open requests and exits for a restart). Importing
+this module loads no JAX."""
 
-Wire (ZeroMQ PUSH/PULL over ``ipc://DIR/in`` and ``ipc://DIR/out``, both bound here): the API
-process sends `Add`, `Abort` and `Stop`; the core sends one `StepOutputs` per engine step that has
-news: for every request the step touched, each sample's new token ids (never text) and logprob
-records, and its finish; the requests added or rejected since the last message; the engine's
-counters. Stop strings are matched here, not in the API process: the engine must end a sequence
-on its stop string to free its slot; a finished sample carries its ``stop_string`` and the API
-process cuts the text there. Times are ``time.perf_counter`` seconds (CLOCK_MONOTONIC on Linux:
-one clock for both processes).
-
-Signals: the core ignores SIGINT and SIGTERM (a terminal's or a supervisor's signal to the whole
-process group); the API process drains and then sends `Stop`. The core also ends when its parent
-is gone or its output cannot be sent for 2 s. Importing this module loads no JAX (the factory
-does, in the child)."""
-
-import logging
 import os
 import signal
 
@@ -24,10 +16,6 @@ import msgspec
 import zmq
 
 from jaxinfer.sampling_params import SamplingParams
-
-log = logging.getLogger("jaxinfer.serve")
-LogprobRecord = dict[int, tuple[float, int | None]] | None  # {token id: (logprob, rank)}
-
 
 class Add(msgspec.Struct, tag=True, array_like=True):
     request_id: str
@@ -40,38 +28,34 @@ class Abort(msgspec.Struct, tag=True, array_like=True):
 
 
 class Stop(msgspec.Struct, tag=True, array_like=True):
-    """End the process (the API process has drained or aborted its requests)."""
+    """End the process."""
 
 
 class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
-    """Sample ``index``'s news since the last message: ``token_ids`` appended (with their
-    ``logprobs`` records; None: not asked); the rest as its `Sequence` now (finish: once)."""
+    """Sample ``index`` of ``request_id``: its new ``token_ids`` (never text) since the last
+    message, their ``logprobs`` records ({token id: (logprob, rank)}; None: not asked); the
+    rest as its `Sequence`'s now."""
 
+    request_id: str
     index: int
     token_ids: list[int]
-    logprobs: list[LogprobRecord] | None = None
+    logprobs: list[dict[int, tuple[float, int | None]] | None] | None = None
     cumulative_logprob: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
     finish_reason: str | None = None
     stop_string: str | None = None
     finish_time: float | None = None
-
-
-class RequestDelta(msgspec.Struct, array_like=True):
-    request_id: str
-    num_cached_tokens: int
-    samples: list[SampleDelta]
+    num_cached_tokens: int = 0
 
 
 class StepOutputs(msgspec.Struct, array_like=True):
-    """One step's message: ``requests``' news; ``accepted``: request ids added; ``errors``:
-    {request id: message}, rejected by `LLMEngine.add_request` (never accepted) or failed in a
-    step; ``stats``: `engine_stats`."""
+    """One step's news: the ``samples`` it touched; ``accepted`` request ids; ``rejected``
+    {request id: `LLMEngine.add_request`'s error}; ``stats``: `engine_stats`."""
 
-    requests: list[RequestDelta] = []
+    samples: list[SampleDelta] = []
     accepted: list[str] = []
-    errors: dict[str, str] = {}
+    rejected: dict[str, str] = {}
     stats: dict[str, float] = {}
 
 
@@ -89,8 +73,7 @@ class EngineCore:
     def __init__(self, engine, addr: str) -> None:
         self.engine, self.parent, ctx = engine, os.getppid(), zmq.Context()
         self.inp, self.out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-        self.out.setsockopt(zmq.SNDHWM, 0)  # never drop a step; a peer gone: Again after 2 s
-        self.out.setsockopt(zmq.SNDTIMEO, 2000)
+        self.out.sndhwm, self.out.sndtimeo = 0, 2000  # never drop a step; no peer: Again, 2 s
         self.inp.bind(addr + "/in")
         self.out.bind(addr + "/out")
         self.sent: dict[str, list] = {}  # request id -> per sample: tokens sent (None: finished)
@@ -98,66 +81,49 @@ class EngineCore:
         self.encode = msgspec.msgpack.Encoder().encode
 
     def run(self) -> None:
-        """Step while requests are in the engine; block on commands when idle. Returns on
-        `Stop`, when the parent process is gone, or when a message cannot be sent."""
+        """Step while requests are in the engine, taking commands between steps (an `Add` is
+        acknowledged in the step's message); block on commands when idle. Returns on `Stop`, when
+        the parent process is gone, or when a message cannot be sent for 2 s."""
         eng = self.engine
         while os.getppid() == self.parent:
             if not eng.has_unfinished() and not self.inp.poll(500):
                 continue
             msg = StepOutputs()
             while self.inp.poll(0):
-                if not self._take(self.decode(self.inp.recv()), msg):
+                cmd = self.decode(self.inp.recv())
+                if isinstance(cmd, Stop):
                     return
+                for rid in cmd.request_ids if isinstance(cmd, Abort) else ():
+                    eng.abort_request(rid)
+                if isinstance(cmd, Add):
+                    try:
+                        eng.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id)
+                    except Exception as e:  # ValueError: rejected; anything else: the same way
+                        msg.rejected[cmd.request_id] = str(e)
+                        continue
+                    self.sent[cmd.request_id] = [0] * cmd.params.n
+                    msg.accepted.append(cmd.request_id)
             if eng.has_unfinished():
                 self._step(msg)
-            if msg.requests or msg.accepted or msg.errors:
+            if msg.samples or msg.accepted or msg.rejected:
                 msg.stats = engine_stats(eng)
                 try:
                     self.out.send(self.encode(msg))
                 except zmq.Again:
                     return
 
-    def _take(self, cmd, msg: StepOutputs) -> bool:
-        """Apply one command (False: `Stop`); an `Add` is acknowledged in ``msg``."""
-        if isinstance(cmd, Stop):
-            return False
-        if isinstance(cmd, Abort):
-            for rid in cmd.request_ids:
-                self.engine.abort_request(rid)
-            return True
-        try:
-            self.engine.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id)
-        except Exception as e:  # ValueError: rejected; anything else: reported the same way
-            msg.errors[cmd.request_id] = str(e)
-        else:
-            self.sent[cmd.request_id] = [0] * cmd.params.n
-            msg.accepted.append(cmd.request_id)
-        return True
-
     def _step(self, msg: StepOutputs) -> None:
         """One `LLMEngine.step` (raw: `Sequence`s); what is new per sample into ``msg``."""
-        try:
-            states = self.engine.step(raw=True)
-        except Exception as e:  # never leave a client waiting: fail the requests in the engine
-            log.exception("engine step failed; aborting the running requests")
-            self.engine.abort_all()
-            msg.errors.update({rid: f"engine error: {type(e).__name__}: {e}" for rid in self.sent})
-            self.sent.clear()
-            return
-        for seqs in states:
-            rid, news = seqs[0].parent_id, []
-            sent = self.sent[rid]
+        for seqs in self.engine.step(raw=True):
+            sent = self.sent[rid := seqs[0].parent_id]
             for s in seqs:
-                n, done = sent[s.index], s.is_finished
-                if n is None or n == s.num_output_tokens and not done:
+                if (n := sent[s.index]) is None or n == s.num_output_tokens and not s.is_finished:
                     continue
-                news.append(SampleDelta(
-                    s.index, s.output_token_ids[n:], None if s.logprobs is None else s.logprobs[n:],
-                    s.cumulative_logprob, s.first_token_time, s.num_preemptions,
-                    *((s.finish_reason, s.stop_string, s.finish_time) if done else ())))
-                sent[s.index] = None if done else s.num_output_tokens
-            if news:
-                msg.requests.append(RequestDelta(rid, seqs[0].num_cached_tokens, news))
+                msg.samples.append(SampleDelta(
+                    rid, s.index, s.output_token_ids[n:], s.logprobs and s.logprobs[n:],
+                    s.cumulative_logprob, s.first_token_time, s.num_preemptions, s.finish_reason,
+                    s.stop_string, s.finish_time, s.num_cached_tokens))
+                sent[s.index] = None if s.is_finished else s.num_output_tokens
             if all(n is None for n in sent):
                 del self.sent[rid]
 

@@ -93,10 +93,6 @@ class LLM(Prompts):
                                 detokenize=None if tokenizer is None else self._detokenize)
         return self
 
-    def check_request(self, prompt_token_ids, params) -> None:
-        """`LLMEngine.check_request` (ValueError: the engine cannot run it)."""
-        self.engine.check_request(prompt_token_ids, params)
-
     def update_params(self, params) -> None:
         """`LLMEngine.update_params`: new weights, no recompile (ValueError: mismatch, requests)."""
         self.engine.update_params(params)
@@ -111,7 +107,8 @@ class LLM(Prompts):
         ``stream(index, new_token_ids, text_delta)`` as tokens arrive (deltas sum to the text)."""
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
-        params, encoded, errors = self._prepare(prompts, sampling_params, on_error == "raise")
+        params, encoded, errors = self._prepare(prompts, sampling_params, on_error == "raise",
+                                                self.engine.check_request)
         outputs = self._run({i: (ids, sp) for i, ((_, ids), sp) in enumerate(zip(encoded, params))
                              if i not in errors}, [t for t, _ in encoded], use_tqdm, stream)
         for i, msg in errors.items():
@@ -154,7 +151,8 @@ class LLM(Prompts):
         """Compile, in parallel, the step shapes ``generate(prompts, sampling_params)`` visits on
         an idle engine (`LLMEngine.plan_shapes`); returns {"planned", "shapes", "lower_s",
         "warm_s", "seconds"}. Raises ValueError: as `generate`; ``max_workers`` not >= 1."""
-        params, encoded, _ = self._prepare(prompts, sampling_params, True)
+        params, encoded, _ = self._prepare(prompts, sampling_params, True,
+                                           self.engine.check_request)
         keys = self.engine.plan_shapes([(ids, sp) for (_, ids), sp in zip(encoded, params)])
         return dict(planned=len(keys), **self.engine.precompile(keys, max_workers=max_workers))
 

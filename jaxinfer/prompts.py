@@ -56,14 +56,10 @@ def _normalize(prompts, sampling_params: ParamsArg) -> tuple[list, list[Sampling
 
 
 class Prompts:
-    """Prompt handling over ``self.tokenizer`` (an HF tokenizer, or None: token-id prompts only);
-    `check_request` is the hook through which `LLM` has its engine check each request."""
+    """Prompt handling over ``self.tokenizer`` (an HF tokenizer, or None: token-id prompts only)."""
 
     def __init__(self, tokenizer=None) -> None:
         self.tokenizer = tokenizer
-
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError: the request cannot run (here nothing is checked)."""
 
     def _detokenize(self, ids, skip_special_tokens: bool = True,
                     spaces_between_special_tokens: bool = True) -> str:
@@ -113,8 +109,10 @@ class Prompts:
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got "
                          f"{type(prompt).__name__}")
 
-    def _prepare(self, prompts, sampling_params: ParamsArg, raise_errors: bool):
-        """(params, [(text or None, ids)], {index: error}); ``raise_errors``: ValueError instead."""
+    def _prepare(self, prompts, sampling_params: ParamsArg, raise_errors: bool, check=None):
+        """(params, [(text or None, ids)], {index: error}); ``raise_errors``: ValueError instead.
+        ``check(ids, params)``: raises ValueError for a request that cannot run (`LLM`: its
+        engine's `check_request`; None: the server's engine core checks at admission)."""
         plist, params = _normalize(prompts, sampling_params)
         errors: dict[int, str] = {}
         encoded = []
@@ -123,7 +121,8 @@ class Prompts:
             ids = []  # a rejected request keeps what was read of it
             try:
                 ids = self._to_ids(p)
-                self.check_request(ids, sp)
+                if check is not None:
+                    check(ids, sp)
                 if sp.stop and self.tokenizer is None:
                     raise ValueError(f"SamplingParams.stop={list(sp.stop)!r} needs detokenized "
                                      "text, but this LLM has no tokenizer; use stop_token_ids")

@@ -89,10 +89,10 @@ def serve_random(args) -> int:
     """The child: `jaxinfer.serve`'s API process over `random_llm` in its engine core."""
     import functools
 
-    from jaxinfer.serve.__main__ import build_parser, serve
+    from jaxinfer.serve.__main__ import main
 
-    return serve(functools.partial(random_llm, args), build_parser().parse_args(
-        ["--port", str(args.port), "--served-model-name", MODEL, "--log-level", "warning"]))
+    return main(["--port", str(args.port), "--served-model-name", MODEL, "--log-level", "warning"],
+                functools.partial(random_llm, args))
 
 
 def engine_args(args) -> dict:

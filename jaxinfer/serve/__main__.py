@@ -26,29 +26,20 @@ def build_parser():
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Serve until SIGINT/SIGTERM; returns the exit code (`serve`; 2: bad options)."""
-    from jaxinfer.cli_args import fail, make_llm
-
-    try:
-        args = build_parser().parse_args(argv)
-    except ValueError as e:
-        return fail(str(e))
-    return serve(functools.partial(make_llm, args), args)
-
-
-def serve(factory, args) -> int:
-    """Start the engine core on ``factory()`` (picklable; returns a `jaxinfer.LLM`), then serve
-    HTTP with ``args`` (`build_parser`'s) until SIGINT/SIGTERM or the core's death. Returns the
-    exit code: 0; 1: the core died; 2: it could not start; 130: interrupted while starting."""
+def main(argv: list[str] | None = None, factory=None) -> int:
+    """Start the engine core on ``factory()`` (picklable, returns a `jaxinfer.LLM`; None: the
+    ``--model`` and engine options of ``argv``), then serve HTTP until SIGINT/SIGTERM or the
+    core's death. Returns the exit code: 0; 1: the core died; 2: bad options, or the core could
+    not start; 130: interrupted while starting."""
     import uvicorn
 
-    from jaxinfer.cli_args import fail
+    from jaxinfer.cli_args import fail, make_llm
     from jaxinfer.serve.app import create_app
     from jaxinfer.serve.client import EngineCoreClient
 
     try:
-        client = EngineCoreClient(factory)
+        args = build_parser().parse_args(argv)
+        client = EngineCoreClient(factory or functools.partial(make_llm, args))
     except ValueError as e:
         return fail(str(e))
     except KeyboardInterrupt:

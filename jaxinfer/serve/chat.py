@@ -17,8 +17,8 @@ class ServingChat(OpenAIServing):
         sp = self.sampling_params(body, body.max_completion_tokens or body.max_tokens,
                                   (body.top_logprobs or 0) if body.logprobs else None)
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompts = await self.encode(
-            lambda: {"prompt_token_ids": self.client.prompts.apply_chat_template(msgs)}, sp, "messages")
+        chat = self.client.prompts.apply_chat_template
+        prompts = await self.encode(lambda: {"prompt_token_ids": chat(msgs)}, sp, "messages")
         return await self.respond(request, body, prompts, sp, "messages")
 
     def opening(self, n: int) -> list[P.ChatStreamChoice]:

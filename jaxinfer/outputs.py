@@ -112,15 +112,18 @@ class OutputProcessor:
         self.requests[rid] = RequestState(seqs, prompt, seqs[0].params.output_kind,
                                           [(0, "")] * len(seqs))
 
-    def outputs(self, rids) -> list[RequestOutput]:
+    def outputs(self, rids, raw: bool = False) -> list:
         """The outputs due for requests ``rids`` (those a step touched or aborted), by each one's
-        kind; a finished request's last output is its final one, and it is forgotten."""
+        kind (``raw``: each one's ``seqs``); a finished request's last output is its final one,
+        and it is forgotten."""
         outs = []
         for rid in dict.fromkeys(rids):
             if (st := self.requests.get(rid)) is None:
                 continue
             done = all(s.is_finished for s in st.seqs)
-            if st.kind is RequestOutputKind.FINAL_ONLY:
+            if raw:
+                out = st.seqs
+            elif st.kind is RequestOutputKind.FINAL_ONLY:
                 out = self.request_output(st.seqs, st.prompt) if done else None
             elif (out := self._delta_output(st, done)) is not None and \
                     st.kind is RequestOutputKind.CUMULATIVE:

@@ -55,16 +55,15 @@ TINY_HF = dict(QWEN3_8B_HF, vocab_size=4096, hidden_size=128, intermediate_size=
 MODEL = "bench"
 
 
-def serve_random(args) -> None:
-    """The child: a random-weight model, the workload run offline once (timed; the shapes
-    compiled first), then served on ``args.port`` (the offline row on stdout, tagged)."""
+def random_llm(args):
+    """In the engine-core process: a random-weight model, the workload run offline once (timed;
+    the shapes compiled first, then every decode shape); the offline row on stdout, tagged."""
     import jax
     import jax.numpy as jnp
-    import uvicorn
 
     from jaxinfer import LLM, SamplingParams, models
     from jaxinfer.config import ModelConfig
-    from jaxinfer.serve.app import create_app
+    from jaxinfer.step_input import ShapeKey
 
     hf = dict(TINY_HF if args.tiny else QWEN3_8B_HF, model_type="qwen3",
               num_hidden_layers=args.layers)
@@ -75,7 +74,6 @@ def serve_random(args) -> None:
     reqs = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
     llm.precompile(reqs, params)  # the offline run's shapes, then every decode shape
-    from jaxinfer.step_input import ShapeKey
     b = llm.engine.runner.buckets
     llm.engine.precompile([ShapeKey(batch=n, tokens=1, pages=m, penalty=0, query=None,
                                     all_greedy=True) for n in b.batch for m in b.pages])
@@ -84,9 +82,17 @@ def serve_random(args) -> None:
     dt = time.perf_counter() - t
     print("OFFLINE " + json.dumps(dict(offline_output_tok_s=sum(out_lens) / dt, offline_s=dt,
                                        device=str(jax.devices()[0].device_kind))), flush=True)
-    app = create_app(llm, served_model_name=MODEL)
-    uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
-                                  access_log=False)).run()
+    return llm
+
+
+def serve_random(args) -> int:
+    """The child: `jaxinfer.serve`'s API process over `random_llm` in its engine core."""
+    import functools
+
+    from jaxinfer.serve.__main__ import main
+
+    return main(["--port", str(args.port), "--served-model-name", MODEL, "--log-level", "warning"],
+                functools.partial(random_llm, args))
 
 
 def engine_args(args) -> dict:
@@ -283,7 +289,7 @@ def main() -> None:
                         rates="8,inf", soak_requests=200, soak_seconds=60, dtype="float32")
     args = ap.parse_args()
     if args.serve_random:
-        return serve_random(args)
+        sys.exit(serve_random(args))
     rates = [float(r) for r in args.rates.split(",")]
     vocab = 49152 if args.model else (TINY_HF if args.tiny else QWEN3_8B_HF)["vocab_size"]
     prompts, out_lens = workload(args, vocab)

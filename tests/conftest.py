@@ -18,7 +18,8 @@ import sys
 import tempfile
 
 import pytest
-from tiny_model import SMOLLM_ENGINE, TINY, TINY_ENGINE, tiny_params_of, tiny_tokenizer
+from tiny_model import (SMOLLM_ENGINE, TINY, TINY_ENGINE, tiny_params_of, tiny_text_config,
+                        tiny_tokenizer)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -119,10 +120,8 @@ def tiny_params(tiny_cfg):
 
 @pytest.fixture(scope="session")
 def tiny_text_cfg(tiny_tokenizer):
-    """`TINY` over the tiny tokenizer's vocabulary and EOS (Llama architecture)."""
-    from jaxinfer.config import ModelConfig
-    return ModelConfig(**dict(TINY, architecture="llama", vocab_size=len(tiny_tokenizer),
-                              eos_token_ids=(tiny_tokenizer.eos_token_id,)))
+    """`tiny_model.tiny_text_config`."""
+    return tiny_text_config(tiny_tokenizer)
 
 
 @pytest.fixture(scope="session")

@@ -62,14 +62,16 @@ def test_no_import_cycles():
 
 
 def test_host_side_imports_no_jax():
-    """The engine's host side (the engine, scheduler, block manager, output processing, the
-    server's engine thread) runs in a fresh interpreter without loading JAX or Flax."""
+    """The engine's host side (the engine, scheduler, block manager, output processing) and the
+    server's API process (app, endpoints, the engine core's client, and the core's module, whose
+    factory loads JAX in the child only) run in a fresh interpreter without loading JAX or Flax."""
     import subprocess
     import sys
 
     host = ["jaxinfer.engine.llm_engine", "jaxinfer.engine.scheduler", "jaxinfer.outputs",
-            "jaxinfer.engine.block_manager", "jaxinfer.sampling_params", "jaxinfer.serve.runner",
-            "jaxinfer.engine.structured"]
+            "jaxinfer.engine.block_manager", "jaxinfer.sampling_params", "jaxinfer.prompts",
+            "jaxinfer.serve.app", "jaxinfer.serve.client", "jaxinfer.serve.core",
+            "jaxinfer.serve.__main__", "jaxinfer.cli_args", "jaxinfer.engine.structured"]
     code = (f"import sys, {', '.join(host)}; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'jaxlib', 'flax'}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)

@@ -18,7 +18,7 @@ from jaxinfer.engine.loop import Launched, StepLoop
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.structured import StructuredOutputManager
-from jaxinfer.outputs import OutputProcessor, RequestOutput
+from jaxinfer.outputs import OutputProcessor
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import EngineStats, StepRecord
 from jaxinfer.step_input import ShapeKey
@@ -125,12 +125,14 @@ class LLMEngine:
         """Requests in the engine, a step in flight, or outputs not yet returned."""
         return self.loop.has_unfinished() or bool(self._touched)
 
-    def step(self) -> list[RequestOutput]:
-        """Run one step (launch the next, read back the previous); the outputs due now, by each
-        request's ``output_kind``, finals of requests aborted since the last call included."""
+    def step(self, raw: bool = False) -> list:
+        """Run one step (launch the next, read back the previous); the `RequestOutput`s due now, by
+        each request's ``output_kind``, finals of requests aborted since the last call included.
+        ``raw``: instead, the samples (`Sequence`s, index order) of each request the step touched,
+        no text built (vLLM's ``EngineCore.step``: the server's API process builds the outputs)."""
         self.loop.step()
         touched, self._touched = self._touched, []
-        return self.outputs.outputs(touched)
+        return self.outputs.outputs(touched, raw)
 
     def stats(self) -> EngineStats:
         """A copy of the engine's counters with its queue and KV pool sizes filled in."""

@@ -1,10 +1,12 @@
 """``python -m jaxinfer.serve [--model PATH] [--port 8000] [--api-key KEY]`` (``jaxinfer-serve``):
-the OpenAI-compatible server, engine options as ``jaxinfer.generate``. Bad options: one line on
-stderr, exit code 2. SIGINT/SIGTERM: stop accepting, abort all after ``--shutdown-timeout``."""
+the OpenAI-compatible server, engine options as ``jaxinfer.generate``: this process serves HTTP
+(no JAX), the engine runs in an engine-core process (`client`, `core`). Bad options or model: one
+line on stderr, exit code 2. SIGINT/SIGTERM: stop accepting, abort all after
+``--shutdown-timeout``, stop the core, exit 0. The core dies: open requests fail (503), exit 1."""
 
+import functools
 import os
 import sys
-import threading
 
 
 def build_parser():
@@ -24,34 +26,47 @@ def build_parser():
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Serve until SIGINT/SIGTERM; returns the exit code (0; 2: bad options or model)."""
+def main(argv: list[str] | None = None, factory=None) -> int:
+    """Start the engine core on ``factory()`` (picklable, returns a `jaxinfer.LLM`; None: the
+    ``--model`` and engine options of ``argv``), then serve HTTP until SIGINT/SIGTERM or the
+    core's death. Returns the exit code: 0; 1: the core died; 2: bad options, or the core could
+    not start; 130: interrupted while starting."""
     import uvicorn
 
     from jaxinfer.cli_args import fail, make_llm
     from jaxinfer.serve.app import create_app
+    from jaxinfer.serve.client import EngineCoreClient
 
     try:
         args = build_parser().parse_args(argv)
-        llm = make_llm(args)
-    except (ValueError, FileNotFoundError) as e:
+        client = EngineCoreClient(factory or functools.partial(make_llm, args))
+    except ValueError as e:
         return fail(str(e))
     except KeyboardInterrupt:
         return 130
-    name = args.served_model_name or os.path.splitext(os.path.basename(
-        os.path.normpath(llm.model_path)))[0]
-    app = create_app(llm, served_model_name=name, api_key=args.api_key,
+    path = client.info["model_path"]
+    name = args.served_model_name or (path and os.path.splitext(os.path.basename(
+        os.path.normpath(path)))[0])
+    app = create_app(client, served_model_name=name, api_key=args.api_key,
                      max_request_bytes=args.max_request_bytes)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # abort what is left after the grace period
             super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()  # exit 0, not re-raised
-            timer = threading.Timer(args.shutdown_timeout, app.state.runner.stop)
-            timer.daemon = True
-            timer.start()
+            if client.loop is not None:
+                client.loop.call_soon_threadsafe(client.loop.call_later, args.shutdown_timeout,
+                                                 client.abort_all)
 
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)).run()
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    client.on_death = lambda: setattr(server, "should_exit", True)
+    try:
+        server.run()
+    finally:
+        client.close()
+    if client.dead is not None:
+        fail(client.dead)
+        return 1
     return 0
 
 

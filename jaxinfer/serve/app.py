@@ -1,5 +1,6 @@
 """The FastAPI app (vLLM's ``api_server.py``): routes to `completions` and `chat`, /v1/models,
-/health, /metrics; the engine thread's lifespan; 401 without the API key, 413 over the limit."""
+/health, /metrics; the engine core's client in its lifespan; 401 without the API key, 413 over
+the limit. Host side, no JAX."""
 
 import contextlib
 import itertools
@@ -7,14 +8,12 @@ import itertools
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.concurrency import run_in_threadpool
 
 from jaxinfer.serve import protocol as P
 from jaxinfer.serve.chat import ServingChat
 from jaxinfer.serve.completions import ServingCompletion
 from jaxinfer.serve.errors import APIError, add_exception_handlers
 from jaxinfer.serve.metrics import ServerMetrics
-from jaxinfer.serve.runner import EngineRunner
 
 
 class _BodyLimit:
@@ -32,19 +31,19 @@ class _BodyLimit:
         await self.app(scope, receive, send)
 
 
-def create_app(llm, *, served_model_name: str | None = None, api_key: str | None = None,
+def create_app(client, *, served_model_name: str | None = None, api_key: str | None = None,
                max_request_bytes: int = 8 << 20) -> FastAPI:
-    """The app over ``llm`` (a `jaxinfer.LLM`), its engine thread ``app.state.runner``
-    (`EngineRunner`) tied to its lifespan; ``api_key``: /v1 needs ``Authorization: Bearer KEY``."""
+    """The app over ``client`` (a started `EngineCoreClient`, ``app.state.client``; its sockets
+    open and close with the app's lifespan, which stops the core); ``api_key``: /v1 needs
+    ``Authorization: Bearer KEY``. /health answers 503 once the core is gone."""
     name, ids = served_model_name or "jaxinfer", itertools.count()
-    metrics = ServerMetrics(llm.engine)
-    runner = EngineRunner(llm.engine, metrics)
+    client.metrics = metrics = ServerMetrics(client)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        runner.start()
+        await client.connect()
         yield
-        await run_in_threadpool(runner.stop)
+        await client.shutdown()
 
     def auth(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
@@ -52,23 +51,23 @@ def create_app(llm, *, served_model_name: str | None = None, api_key: str | None
                            code="invalid_api_key")
 
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if client.dead is None else 503)
 
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models() -> P.ModelList:
-        return P.ModelList(data=[P.ModelCard(id=name, max_model_len=llm.engine.max_model_len)])
+        return P.ModelList(data=[P.ModelCard(id=name, max_model_len=client.info["max_model_len"])])
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
-    app.state.runner, app.state.metrics = runner, metrics
+    app.state.client, app.state.metrics = client, metrics
     app.add_middleware(_BodyLimit, limit=max_request_bytes)
     add_exception_handlers(app)
     app.add_api_route("/health", health)
     app.add_api_route("/metrics", prometheus)
     for path, endpoint, method in (
             ("/models", models, "GET"),
-            ("/completions", ServingCompletion(llm, runner, name, ids).create, "POST"),
-            ("/chat/completions", ServingChat(llm, runner, name, ids).create, "POST")):
+            ("/completions", ServingCompletion(client, name, ids).create, "POST"),
+            ("/chat/completions", ServingChat(client, name, ids).create, "POST")):
         app.add_api_route("/v1" + path, endpoint, methods=[method], dependencies=[Depends(auth)])
     return app

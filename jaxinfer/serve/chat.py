@@ -32,9 +32,9 @@ class ServingChat(OpenAIServing):
                                   (body.top_logprobs or 0) if body.logprobs else None)
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
         tools = body.tools and [t.model_dump() for t in body.tools]
-        prompts = await self.encode(
-            lambda: {"prompt_token_ids": self.llm.apply_chat_template(msgs, tools)}, sp, "messages")
-        return await self.respond(request, body, prompts, sp)
+        chat = self.client.prompts.apply_chat_template
+        prompts = await self.encode(lambda: {"prompt_token_ids": chat(msgs, tools)}, sp, "messages")
+        return await self.respond(request, body, prompts, sp, "messages")
 
     def opening(self, n: int) -> list[P.ChatStreamChoice]:
         return [P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))

@@ -14,8 +14,9 @@ from jaxinfer.serve.errors import APIError
 
 
 class OpenAIServing:
-    """An endpoint over ``llm`` and ``runner`` serving ``model_name``: checks, `SamplingParams`,
-    choices and usage, streamed (server-sent events) or not; ``ids``: the shared request-id counter.
+    """An endpoint over ``client`` (an `EngineCoreClient`) serving ``model_name``: checks,
+    `SamplingParams`, choices and usage, streamed (server-sent events) or not; ``ids``: the
+    shared response-id counter.
     Subclasses set ``prefix`` (of response ids), ``Response`` and ``Chunk`` and define
     ``choice(index, out, k, offset=0, stream=False, body=None)``: a `CompletionOutput` (streamed:
     what is new) with its top-``k`` logprobs, ``offset`` characters of its text already sent.
@@ -23,8 +24,8 @@ class OpenAIServing:
 
     prefix: str
 
-    def __init__(self, llm, runner, model_name: str, ids) -> None:
-        self.llm, self.runner, self.model_name, self.ids = llm, runner, model_name, ids
+    def __init__(self, client, model_name: str, ids) -> None:
+        self.client, self.model_name, self.ids = client, model_name, ids
 
     def opening(self, n: int) -> list:
         """The choices of the first streamed chunk."""
@@ -35,7 +36,7 @@ class OpenAIServing:
         if body.model is not None and body.model != self.model_name:
             raise APIError(f"The model `{body.model}` does not exist; this server serves "
                            f"`{self.model_name}`", 404, "model", "model_not_found")
-        limit = self.llm.engine.resolved.engine.max_num_seqs
+        limit = self.client.info["max_num_seqs"]
         if not 1 <= body.n <= limit:
             raise APIError(f"n={body.n} is invalid: must be in [1, max_num_seqs={limit}]",
                            param="n")
@@ -45,37 +46,36 @@ class OpenAIServing:
             raise APIError.invalid(e) from None
 
     async def encode(self, prompts, sp, param: str) -> list[list[int]]:
-        """Ids of ``prompts()``, checked by `LLM._prepare` (thread); ValueError: 400 (``param``)."""
+        """Ids of ``prompts()`` by `Prompts._prepare` (a thread; the engine core checks the rest
+        at `EngineCoreClient.add`); ValueError: 400 (``param``)."""
         try:
-            _, encoded, _ = await run_in_threadpool(lambda: self.llm._prepare(prompts(), sp, True))
+            _, encoded, _ = await run_in_threadpool(
+                lambda: self.client.prompts._prepare(prompts(), sp, True))
         except ValueError as e:
             raise APIError.invalid(e, param) from None
         return [ids for _, ids in encoded]
 
-    async def respond(self, request: Request, body: P._Sampling, prompts, sp):
-        """The whole response, or (``body.stream``) a `StreamingResponse` of its chunks."""
+    async def respond(self, request: Request, body: P._Sampling, prompts, sp, param: str):
+        """The whole response, or (``body.stream``) a `StreamingResponse` of its chunks, once
+        the engine core took every prompt (else `APIError`: 400 naming ``param``, 503)."""
         rid = f"{self.prefix}-{next(self.ids)}"
-        events = self._events(request, prompts, sp, body.stream)
+        events = self._events(request, *await self.client.add(prompts, sp, body.stream, param))
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(self._chunks(rid, events, sp, usage, body),
                                      media_type="text/event-stream")
         choices, usage = [], P.UsageInfo()
         async for p, out in events:
-            if isinstance(out, str):
-                raise APIError(out)
+            if isinstance(out, APIError):
+                raise out
             _count(usage, out)
             choices += [self.choice(p * sp.n + c.index, c, sp.logprobs, body=body)
                         for c in out.outputs]
         return self.Response(id=rid, model=self.model_name, usage=usage,
                              choices=sorted(choices, key=lambda c: c.index))
 
-    async def _events(self, request: Request, prompts: list[list[int]], sp, stream: bool):
+    async def _events(self, request: Request, rids: dict[str, int], sink: asyncio.Queue):
         """Yield ``(prompt index, event)`` until all finish; abort the rest if the client leaves."""
-        sink: asyncio.Queue = asyncio.Queue()
-        rids = {f"req-{next(self.ids)}": i for i in range(len(prompts))}
-        for rid, i in rids.items():
-            self.runner.submit(rid, prompts[i], sp, sink, stream)
         left = set(rids)
         try:
             while left:
@@ -85,12 +85,11 @@ class OpenAIServing:
                     if await request.is_disconnected():
                         return
                     continue
-                if isinstance(ev, str) or ev.finished:
+                if isinstance(ev, APIError) or ev.finished:
                     left.discard(rid)
                 yield rids[rid], ev
         finally:
-            for rid in left:
-                self.runner.abort(rid)
+            self.client.abort(left)
 
     async def _chunks(self, rid: str, events, sp, include_usage: bool, body):
         def chunk(choices, usage=None) -> str:
@@ -101,8 +100,8 @@ class OpenAIServing:
             yield chunk(opening)
         usage, offsets = P.UsageInfo(), {}
         async for p, ev in events:
-            if isinstance(ev, str):
-                yield f"data: {json.dumps(APIError(ev).body())}\n\n"
+            if isinstance(ev, APIError):
+                yield f"data: {json.dumps(ev.body())}\n\n"
                 continue
             _count(usage, ev, prompt=ev.finished)
             for c in ev.outputs:  # DELTA outputs: each sample's new text, its finish reason
@@ -132,7 +131,7 @@ class ServingCompletion(OpenAIServing):
         if body.prompt == []:
             raise APIError("prompt must not be empty", param="prompt")
         prompts = await self.encode(lambda: body.prompt, sp, "prompt")
-        return await self.respond(request, body, prompts, sp)
+        return await self.respond(request, body, prompts, sp, "prompt")
 
     def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False,
                body=None):

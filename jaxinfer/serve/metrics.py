@@ -6,10 +6,10 @@ _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 6
 
 
 class ServerMetrics:
-    """Counters, histograms (`record`); gauges read from ``engine.stats()`` (`LLMEngine`)
-    when scraped."""
+    """Counters, histograms (`record`); gauges read from ``client.stats`` (the engine core's
+    latest `core.engine_stats`, an `EngineCoreClient`'s) when scraped."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, client) -> None:
         self.registry = r = CollectorRegistry()
         p = "jaxinfer:"
         self.requests = Counter(p + "request_success", "finished requests by finish reason",
@@ -33,19 +33,19 @@ class ServerMetrics:
                 ("prefix_cache_hit_rate", "prefix cache hit rate (tokens)",
                  "prefix_cache_hit_rate")):
             Gauge(p + name, doc, registry=r).set_function(
-                lambda field=field: float(getattr(engine.stats(), field)))
+                lambda field=field: float(client.stats[field]))
 
-    def record(self, out) -> None:
-        """Count a finished `RequestOutput` (sample 0's finish reason and timings)."""
-        first = out.outputs[0]
+    def record(self, seqs) -> None:
+        """Count a finished request from its samples' `Sequence`s (per-sample token counts;
+        sample 0's finish reason and timings, ``time.perf_counter`` seconds)."""
+        first = seqs[0]
         self.requests.labels(first.finish_reason or "abort").inc()
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
-        self.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
-        m = out.metrics
-        if m is None or m.first_token_time is None:
+        self.prompt_tokens.inc(first.num_prompt_tokens)
+        self.generation_tokens.inc(sum(s.num_output_tokens for s in seqs))
+        if first.first_token_time is None:
             return
-        self.ttft.observe(m.ttft_s)
-        if m.finish_time is not None:
-            self.e2e.observe(m.finish_time - m.arrival_time)
-            if len(first.token_ids) > 1:
-                self.tpot.observe((m.finish_time - m.first_token_time) / (len(first.token_ids) - 1))
+        self.ttft.observe(first.first_token_time - first.arrival_time)
+        if first.finish_time is not None:
+            self.e2e.observe(first.finish_time - first.arrival_time)
+            if (n := first.num_output_tokens) > 1:
+                self.tpot.observe((first.finish_time - first.first_token_time) / (n - 1))

@@ -1,12 +1,15 @@
 """One server for tests/serve: the tiny random model and its character-level tokenizer
-(tests/conftest.py: text prompts, chat template, stop strings and logprob token texts work) behind
-`jaxinfer.serve.app.create_app`, uvicorn on a free loopback port in a thread, an API key set. Its
-step shapes are fixed (one batch bucket of 32, one token bucket of 256, one page of 256 tokens per
-sequence): prefill and decode, greedy or sampled, with or without log-probabilities, are
-compiled up front; a test that makes it compile another fails (`SERVER_COMPILES`). Random
-weights: tests compare the server's outputs with `LLM.generate` on the same engine, not with expected text."""
+(tests/conftest.py: text prompts, chat template, stop strings and logprob token texts work) in an
+engine-core process (`tiny_model.tiny_serve_llm`) behind `jaxinfer.serve.app.create_app`, uvicorn
+on a free loopback port in a thread of this process, an API key set. Its step shapes are fixed
+(one batch bucket of 32, one token bucket of 256, one page of 256 tokens per sequence): prefill
+and decode, greedy or sampled, with or without log-probabilities, are compiled up front; a test
+that makes it compile another fails (`SERVER_COMPILES`, checked by ``wait_idle``). Random
+weights: tests compare the server's outputs with `LLM.generate` on an engine of the same model
+and configuration in this process (``server.llm``), not with expected text."""
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -41,22 +44,14 @@ def _interrupt(signum, frame):
 @pytest.fixture(scope="package")
 def server(tiny_llm):
     import uvicorn
+    from tiny_model import tiny_serve_llm
 
-    from jaxinfer import SamplingParams, StructuredOutputsParams
     from jaxinfer.serve.app import create_app
+    from jaxinfer.serve.client import EngineCoreClient
 
-    llm = tiny_llm(max_compiles=SERVER_COMPILES, **SERVE_ENGINE)
-    ids = llm.encode(" ".join(PROMPTS))  # 8 at once overflow a step's 256 tokens: one chunked
-
-    def plan(t, lp, n, so=None):
-        return llm.engine.plan_shapes([(ids, SamplingParams(
-            temperature=t, max_tokens=2, logprobs=lp, structured_outputs=so))] * n)
-    choice = StructuredOutputsParams(choice=["a"])
-    llm.engine.precompile(list(dict.fromkeys(
-        k for t in (0.0, 1.0) for lp, n, so in ((None, 8, None), (3, 1, None), (None, 1, choice))
-        for k in plan(t, lp, n, so))))
-    assert llm.engine.stats().num_compiles == SERVER_COMPILES, llm.engine.stats().compiled_shapes
-    app = create_app(llm, served_model_name=MODEL, api_key=KEY)
+    client = EngineCoreClient(functools.partial(tiny_serve_llm, SERVE_ENGINE, " ".join(PROMPTS),
+                                                SERVER_COMPILES))
+    app = create_app(client, served_model_name=MODEL, api_key=KEY)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -67,10 +62,13 @@ def server(tiny_llm):
         assert thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # test_load.py's docstring says why
-    yield SimpleNamespace(llm=llm, app=app, port=port, url=f"http://127.0.0.1:{port}/v1")
+    llm = tiny_llm(max_compiles=SERVER_COMPILES, **SERVE_ENGINE)
+    yield SimpleNamespace(llm=llm, app=app, client=client, port=port,
+                          url=f"http://127.0.0.1:{port}/v1")
     signal.signal(signal.SIGTERM, previous)
     srv.should_exit = True
     thread.join(60)
+    client.close()
 
 
 @pytest.fixture(scope="package")
@@ -90,15 +88,14 @@ def raw():
 
 
 def _wait_idle(server, timeout: float = 60.0) -> None:
-    """Wait until the engine thread holds no request; then every KV page is free (or cached)."""
-    runner, bm = server.app.state.runner, server.llm.engine.block_manager
-    deadline = time.monotonic() + timeout
-    while not (runner.idle.is_set() and runner._cmds.empty()):
+    """Wait until the engine core holds no request; then every KV page is free (or cached) and it
+    compiled no step shape beyond `SERVER_COMPILES`."""
+    client, deadline = server.client, time.monotonic() + timeout
+    while client._open or client.stats["num_running"] or client.stats["num_waiting"]:
         assert time.monotonic() < deadline, "the engine did not go idle"
         time.sleep(0.02)
-    assert bm.num_free_pages == bm.num_usable_pages
-    if hasattr(bm, "check"):
-        assert bm.check()["used"] == 0
+    assert client.stats["kv_pages_in_use"] == 0
+    assert client.stats["num_compiles"] == SERVER_COMPILES
 
 
 async def _raw_request(port: int, body: bytes, *, path: str = "/v1/completions",

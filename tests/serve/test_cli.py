@@ -1,7 +1,8 @@
 """``python -m jaxinfer.serve`` as a process, on the tiny random model's Orbax directory
 (``tiny_checkpoint``, tests/conftest.py): it loads back with its tokenizer; bad options
 exit 2 with one line; SIGTERM while a stream runs ends that stream (finished or aborted), then
-the process exits 0 without a traceback."""
+the process exits 0 without a traceback and leaves no engine-core process; a killed engine core
+ends the open requests with errors and the process with code 1."""
 
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 from .conftest import KEY
@@ -42,39 +44,84 @@ def test_tiny_checkpoint_loads_back(tiny_checkpoint, tiny_text_params, tiny_toke
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_sigterm_ends_streams_and_exits_cleanly(tiny_checkpoint):
-    import openai
+def _start(checkpoint) -> tuple[subprocess.Popen, int, int]:
+    """(the API process, its port, the engine core's pid) of ``python -m jaxinfer.serve`` on the
+    tiny checkpoint (one sequence at a time), once /health answers."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxinfer.serve", "--model", tiny_checkpoint, "--port", str(port),
+        [sys.executable, "-m", "jaxinfer.serve", "--model", checkpoint, "--port", str(port),
          "--api-key", KEY, "--served-model-name", "m", "--max-model-len", "128", "--page-size",
          "128", "--num-pages", "4", "--max-num-seqs", "1", "--dtype", "float32", "--kernels",
          "batch_buckets=1,token_buckets=64", "--max-num-batched-tokens", "64",
          "--shutdown-timeout", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    deadline = time.monotonic() + 600
+    while _health(port) != 200:
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        kids = [int(k) for k in f.read().split()]
+    cores = [k for k in kids if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
+    assert len(cores) == 1, kids
+    return proc, port, cores[0]
+
+
+def _health(port: int) -> int | None:
+    """/health's status; None: no answer."""
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.5)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY,
-                               max_retries=0)
-        chunks = []
-        stream = client.completions.create(model="m", prompt="Once upon a time", max_tokens=60,
-                                           temperature=0, stream=True,
-                                           extra_body={"ignore_eos": True})
-        reader = threading.Thread(target=lambda: chunks.extend(stream))
-        reader.start()
-        while not chunks:
-            time.sleep(0.05)
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return None
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie: exited
+    except FileNotFoundError:
+        return True
+
+
+def _stream_in_thread(port: int, max_tokens: int, **kw):
+    """(thread, chunks, errors) of a greedy completion read on a thread, streamed unless
+    ``stream=False``."""
+    import openai
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+    chunks, errors = [], []
+
+    def read():
+        try:
+            out = client.completions.create(model="m", prompt="Once upon a time", temperature=0,
+                                            max_tokens=max_tokens, extra_body={"ignore_eos": True},
+                                            **{"stream": True, **kw})
+            chunks.extend(out if kw.get("stream", True) else [out])
+        except Exception as e:  # an error event in the stream, or an error status
+            errors.append(e)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return reader, chunks, errors
+
+
+def _first_chunk(chunks: list, errors: list) -> None:
+    deadline = time.monotonic() + 120
+    while not chunks and not errors:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_sigterm_ends_streams_and_exits_cleanly(tiny_checkpoint):
+    proc, port, core = _start(tiny_checkpoint)
+    try:
+        with open(f"/proc/{proc.pid}/maps") as f:
+            assert "jaxlib" not in f.read()  # JAX lives in the engine core only
+        reader, chunks, errors = _stream_in_thread(port, 60)
+        _first_chunk(chunks, errors)
         proc.send_signal(signal.SIGTERM)
         reader.join(120)
         assert not reader.is_alive()
@@ -82,6 +129,33 @@ def test_sigterm_ends_streams_and_exits_cleanly(tiny_checkpoint):
         assert proc.wait(120) == 0
         err = proc.stderr.read()
         assert "Traceback" not in err, err[-3000:]
+        assert _gone(core)  # no process left behind
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_engine_core_killed_mid_stream(tiny_checkpoint):
+    """kill -9 of the engine core: the open stream and a queued request end within seconds (an
+    error event, a 503), /health stops answering 200, the API process exits 1."""
+    import openai
+    proc, port, core = _start(tiny_checkpoint)
+    try:
+        reader, chunks, errors = _stream_in_thread(port, 100)
+        time.sleep(0.2)  # first in the queue
+        queued, _, queued_errors = _stream_in_thread(port, 8, stream=False)
+        _first_chunk(chunks, errors)
+        t = time.monotonic()
+        os.kill(core, signal.SIGKILL)
+        for thread in (reader, queued):
+            thread.join(20)
+            assert not thread.is_alive()
+        assert time.monotonic() - t < 20
+        assert errors and "engine core process died" in str(errors[0]), (errors, chunks[-1:])
+        assert isinstance(queued_errors[0], openai.InternalServerError), queued_errors
+        assert _health(port) != 200
+        assert proc.wait(30) == 1
+        assert "error: the engine core process died" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,0 +1,150 @@
+"""The engine-core process (vLLM V1's ``EngineCoreProc``): it owns JAX, the `LLM`, its `LLMEngine`
+(scheduler, KV pool) and the step loop; `run_core` is its main. Wire: ZeroMQ PUSH/PULL on
+``ipc://DIR/in`` and ``ipc://DIR/out`` (bound here), msgspec msgpack; in: `Add`, `Abort`, `Stop`;
+out: one `StepOutputs` per step that has news. Stop strings are matched here (the engine must end
+a sequence on one to free its slot) and the API process cuts the text at the ``stop_string`` sent.
+Times: ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock for both processes). The core
+ignores SIGINT and SIGTERM (signals to the process group: the API process drains, then sends
+`Stop`) and ends when its parent is gone. An exception in a step ends it (vLLM V1's
+``EngineDeadError``: the API process fails the open requests and exits for a restart). Importing
+this module loads no JAX."""
+
+import os
+import signal
+
+import msgspec
+import zmq
+
+from jaxinfer.sampling_params import SamplingParams
+
+class Add(msgspec.Struct, tag=True, array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Abort(msgspec.Struct, tag=True, array_like=True):
+    request_ids: list[str]
+
+
+class Stop(msgspec.Struct, tag=True, array_like=True):
+    """End the process."""
+
+
+class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Sample ``index`` of ``request_id``: its new ``token_ids`` (never text) since the last
+    message, their ``logprobs`` records ({token id: (logprob, rank)}; None: not asked); the
+    rest as its `Sequence`'s now."""
+
+    request_id: str
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, tuple[float, int | None]] | None] | None = None
+    cumulative_logprob: float | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    stop_string: str | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0
+
+
+class StepOutputs(msgspec.Struct, array_like=True):
+    """One step's news: the ``samples`` it touched; ``accepted`` request ids; ``rejected``
+    {request id: `LLMEngine.add_request`'s error}; ``stats``: `engine_stats`."""
+
+    samples: list[SampleDelta] = []
+    accepted: list[str] = []
+    rejected: dict[str, str] = {}
+    stats: dict[str, float] = {}
+
+
+def engine_stats(engine) -> dict[str, float]:
+    """`LLMEngine.stats`' numbers by name (counters, queue and KV pool sizes)."""
+    s = engine.stats()
+    return {"num_compiles": s.num_compiles, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            **{k: v for k, v in vars(s).items() if type(v) in (int, float)}}
+
+
+class EngineCore:
+    """The step loop over ``engine`` (an `LLMEngine`, through its door) between the sockets at
+    ``addr`` (``ipc://DIR``): commands are taken between steps, each step's news leaves at once."""
+
+    def __init__(self, engine, addr: str) -> None:
+        self.engine, self.parent, ctx = engine, os.getppid(), zmq.Context()
+        self.inp, self.out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+        self.out.sndhwm, self.out.sndtimeo = 0, 2000  # never drop a step; no peer: Again, 2 s
+        self.inp.bind(addr + "/in")
+        self.out.bind(addr + "/out")
+        self.sent: dict[str, list] = {}  # request id -> per sample: tokens sent (None: finished)
+        self.decode = msgspec.msgpack.Decoder(Add | Abort | Stop).decode
+        self.encode = msgspec.msgpack.Encoder().encode
+
+    def run(self) -> None:
+        """Step while requests are in the engine, taking commands between steps (an `Add` is
+        acknowledged in the step's message); block on commands when idle. Returns on `Stop`, when
+        the parent process is gone, or when a message cannot be sent for 2 s."""
+        eng = self.engine
+        while os.getppid() == self.parent:
+            if not eng.has_unfinished() and not self.inp.poll(500):
+                continue
+            msg = StepOutputs()
+            while self.inp.poll(0):
+                cmd = self.decode(self.inp.recv())
+                if isinstance(cmd, Stop):
+                    return
+                for rid in cmd.request_ids if isinstance(cmd, Abort) else ():
+                    eng.abort_request(rid)
+                if isinstance(cmd, Add):
+                    try:
+                        eng.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id)
+                    except Exception as e:  # ValueError: rejected; anything else: the same way
+                        msg.rejected[cmd.request_id] = str(e)
+                        continue
+                    self.sent[cmd.request_id] = [0] * cmd.params.n
+                    msg.accepted.append(cmd.request_id)
+            if eng.has_unfinished():
+                self._step(msg)
+            if msg.samples or msg.accepted or msg.rejected:
+                msg.stats = engine_stats(eng)
+                try:
+                    self.out.send(self.encode(msg))
+                except zmq.Again:
+                    return
+
+    def _step(self, msg: StepOutputs) -> None:
+        """One `LLMEngine.step` (raw: `Sequence`s); what is new per sample into ``msg``."""
+        for seqs in self.engine.step(raw=True):
+            sent = self.sent[rid := seqs[0].parent_id]
+            for s in seqs:
+                if (n := sent[s.index]) is None or n == s.num_output_tokens and not s.is_finished:
+                    continue
+                msg.samples.append(SampleDelta(
+                    rid, s.index, s.output_token_ids[n:], s.logprobs and s.logprobs[n:],
+                    s.cumulative_logprob, s.first_token_time, s.num_preemptions, s.finish_reason,
+                    s.stop_string, s.finish_time, s.num_cached_tokens))
+                sent[s.index] = None if s.is_finished else s.num_output_tokens
+            if all(n is None for n in sent):
+                del self.sent[rid]
+
+
+def run_core(factory, addr: str, conn) -> None:
+    """The engine-core process's main (multiprocessing "spawn"): ``llm = factory()`` (a
+    `jaxinfer.LLM`), then on ``conn`` (a `multiprocessing.Pipe` end) ``("ready", info)`` or
+    ``("error", message)`` (ValueError or FileNotFoundError, e.g. a bad ``--model``; any other
+    exception prints its traceback and ends the process); then `EngineCore.run`. ``info``: the
+    API process's needs: tokenizer, model_path, max_model_len, max_num_seqs, stats."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        llm = factory()
+        core = EngineCore(llm.engine, addr)
+    except (ValueError, FileNotFoundError) as e:
+        conn.send(("error", str(e)))
+        return
+    eng = llm.engine
+    conn.send(("ready", dict(tokenizer=llm.tokenizer, model_path=llm.model_path,
+                             max_model_len=eng.max_model_len, stats=engine_stats(eng),
+                             max_num_seqs=eng.resolved.engine.max_num_seqs)))
+    conn.close()
+    core.run()

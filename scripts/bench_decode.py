@@ -336,7 +336,6 @@ def main() -> None:
         moved = wbytes + B * ctx * kv_tok
         row = dict(meta, B=B, context=ctx, gemm=gemm, gemm_backend=backend, inputs=inputs,
                    decode_knobs=knobs, kernels=spec, variant=kc.decode_attention,
-                   qkv_prologue=kc.qkv_prologue, add_rms_norm=kc.add_rms_norm,
                    cublas_decode_min_batch=kc.cublas_decode_min_batch,
                    ms_per_step=dt * 1e3,
                    tok_s=B / dt,
@@ -345,7 +344,7 @@ def main() -> None:
         rows.append(row)
         print(json.dumps({k: row[k] for k in (
             "B", "context", "kernels", "variant", "gemm_backend", "inputs", "decode_knobs",
-            "qkv_prologue", "add_rms_norm", "ms_per_step", "tok_s", "tbps", "frac_of_copy",
+            "ms_per_step", "tok_s", "tbps", "frac_of_copy",
             "dispatch_ms", "compile_s")}))
         del kv
     for ctx, v in itertools.product(args.contexts, variants):
@@ -389,14 +388,14 @@ def main() -> None:
         print("matplotlib not installed: no PNG")
     print("\ndispatch: host ms for one step's call to return with the device idle (launch cost)")
     print(f"\n{'B':>4} {'ctx':>5} {'gemm':>6} {'inputs':>6} {'ms/step':>8} {'tok/s':>8} "
-          f"{'GB/step':>8} {'TB/s':>6} {'frac':>5} {'dispatch':>8} {'prologue':>8} {'add+norm':>8}  "
+          f"{'GB/step':>8} {'TB/s':>6} {'frac':>5} {'dispatch':>8}  "
           "kernels / knobs")
     for r in rows:
         print(f"{r['B']:>4} {r['context']:>5} {r['gemm_backend']:>6} {r['inputs']:>6} "
               f"{r['ms_per_step']:>8.2f} "
               f"{r['tok_s']:>8.0f} "
               f"{r['bytes_per_step'] / 1e9:>8.2f} {r['tbps']:>6.2f} {r['frac_of_copy']:>5.2f} "
-              f"{r['dispatch_ms']:>8.2f} {r['qkv_prologue']:>8} {r['add_rms_norm']:>8}  "
+              f"{r['dispatch_ms']:>8.2f}  "
               f"{r['kernels'] or 'default'} ({r['variant']}) {r['decode_knobs'] or '-'}"
               f"{'  <- knee' if r.get('knee') else ''}")
 

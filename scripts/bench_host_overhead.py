@@ -119,8 +119,7 @@ def main() -> None:
     commit = git_commit()
     meta = dict(bench="host_overhead", layers=args.layers, B=B, context=args.context,
                 kernels=args.kernels, attention=eng.resolved.kernels.decode_attention,
-                qkv_prologue=eng.resolved.kernels.qkv_prologue,
-                add_rms_norm=eng.resolved.kernels.add_rms_norm, compiles=eng.stats().num_compiles,
+                compiles=eng.stats().num_compiles,
                 jax=jax.__version__,
                 device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
                 commit=commit, xla_flags=xla_flags())

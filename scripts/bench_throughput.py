@@ -222,8 +222,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
                compile_workers=args.compile_workers, batch_buckets=list(eng.runner.buckets.batch),
                phases=phases, kernels=args.kernels, attention=kc.decode_attention,
                prefill_attention=kc.prefill_attention, num_pages=eng.runner.num_pages,
-               prefill_gemm=kc.prefill_gemm, qkv_prologue=kc.qkv_prologue,
-               add_rms_norm=kc.add_rms_norm, cublas_decode_min_batch=kc.cublas_decode_min_batch)
+               prefill_gemm=kc.prefill_gemm, cublas_decode_min_batch=kc.cublas_decode_min_batch)
     if args.trace_steps:
         row["trace"] = trace_summary(eng.stats().step_log)
     return row

@@ -182,8 +182,7 @@ def main() -> None:
                     "share": t / n / 1e3 / kern_us} for k, (c, t) in agg.items()),
                   key=lambda r: -r["us_per_step"])
     summary = dict(B=B, context=ctx, layers=args.layers, attention=attn, gemm=gemm, steps=n,
-                   kernel_config=args.kernels, qkv_prologue=kc.qkv_prologue,
-                   add_rms_norm=kc.add_rms_norm,
+                   kernel_config=args.kernels,
                    decode_knobs=knobs,
                    wall_ms_per_step_untraced=wall_ms, kernel_ms_per_step=kern_us / 1e3,
                    busy_ms_per_step=busy_ns(events) / n / 1e6, span_ms_per_step=span_ns / n / 1e6,

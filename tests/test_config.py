@@ -16,13 +16,13 @@ def model(hidden=4096, head_dim=128, max_pos=4096):
 
 
 def test_parse_keys_aliases_and_values():
-    kc = KernelConfig.parse("decode=mosaic, prefill=triton,add_rms_norm=xla,batch_buckets=1:2:4:8,"
+    kc = KernelConfig.parse("decode=mosaic, prefill=triton,batch_buckets=1:2:4:8,"
                             "token_buckets=16:64,cublas_decode_min_batch=none,prefill_gemm=cublas")
     assert kc == KernelConfig(decode_attention="mosaic", prefill_attention="triton",
-                              add_rms_norm="xla", batch_buckets=(1, 2, 4, 8), token_buckets=(16, 64),
+                              batch_buckets=(1, 2, 4, 8), token_buckets=(16, 64),
                               cublas_decode_min_batch=None, prefill_gemm="cublas")
-    assert KernelConfig.parse("decode_attention=triton,qkv_prologue=triton") == KernelConfig(
-        decode_attention="triton", qkv_prologue="triton")
+    assert KernelConfig.parse("decode_attention=triton") == KernelConfig(
+        decode_attention="triton")
     assert KernelConfig.parse("") == KernelConfig()
     assert KernelConfig.parse("cublas_decode_min_batch=8").cublas_decode_min_batch == 8
     assert KernelConfig.parse(kc) is kc
@@ -31,7 +31,7 @@ def test_parse_keys_aliases_and_values():
 @pytest.mark.parametrize("spec, needles", [
     ("decode=foo", ["decode_attention='foo'", "'mosaic'", "'reference'"]),
     ("prefill=mosaic", ["prefill_attention='mosaic'", "'triton'"]),
-    ("qkv_prologue=cuda", ["qkv_prologue='cuda'", "'auto', 'xla', 'triton'"]),
+    ("qkv_prologue=triton", ["'qkv_prologue=triton'", "decode_attention", "prefill"]),
     ("prefill_gemm=cutlass", ["prefill_gemm='cutlass'", "allowed: 'xla', 'cublas'"]),
     ("speed=fast", ["'speed=fast'", "decode_attention", "prefill"]),
     ("decode", ["'decode'", "key=value"]),
@@ -112,24 +112,15 @@ def test_engine_config_vllm_arguments():
 def test_resolve_defaults_per_platform_and_dtype():
     r = resolve(model(), EngineConfig(), "cpu")
     assert (r.dtype, r.max_model_len, r.platform, r.dtype_bytes) == ("float32", 4096, "cpu", 4)
-    assert r.kernels == KernelConfig(decode_attention="reference", prefill_attention="reference",
-                                     qkv_prologue="xla", add_rms_norm="xla")
+    assert r.kernels == KernelConfig(decode_attention="reference", prefill_attention="reference")
     g = resolve(model(), EngineConfig(), "gpu")
     assert g.dtype == "bfloat16"
-    assert g.kernels == KernelConfig(decode_attention="mosaic", prefill_attention="triton",
-                                     qkv_prologue="triton", add_rms_norm="triton")
+    assert g.kernels == KernelConfig(decode_attention="mosaic", prefill_attention="triton")
     f32 = resolve(model(), EngineConfig(dtype="float32"), "gpu").kernels
-    assert (f32.decode_attention, f32.prefill_attention, f32.qkv_prologue, f32.add_rms_norm) == (
-        "reference", "triton", "xla", "xla")
-    bf16_cpu = resolve(model(), EngineConfig(dtype="bfloat16"), "cpu").kernels
-    assert (bf16_cpu.qkv_prologue, bf16_cpu.add_rms_norm) == ("xla", "xla")
-    # SmolLM2 shapes: D=576 is not a power of 2, H/2 = 32 is
-    assert resolve(model(576, 64), EngineConfig(), "gpu").kernels.add_rms_norm == "xla"
-    assert resolve(model(576, 64), EngineConfig(), "gpu").kernels.qkv_prologue == "triton"
+    assert (f32.decode_attention, f32.prefill_attention) == ("reference", "triton")
     # explicit choices are kept
-    kc = KernelConfig(decode_attention="triton", prefill_attention="reference", qkv_prologue="xla")
-    assert resolve(model(), EngineConfig(kernels=kc), "gpu").kernels == dataclasses.replace(
-        kc, add_rms_norm="triton")
+    kc = KernelConfig(decode_attention="triton", prefill_attention="reference")
+    assert resolve(model(), EngineConfig(kernels=kc), "gpu").kernels == kc
 
 
 def test_kv_cache_dtype_fp8():
@@ -142,8 +133,7 @@ def test_kv_cache_dtype_fp8():
     auto = resolve(model(), EngineConfig(dtype="bfloat16"), "cpu")
     assert (auto.kv_dtype, auto.kv_dtype_bytes) == ("bfloat16", 2)
     g = resolve(model(), EngineConfig(kv_cache_dtype="fp8"), "gpu").kernels
-    assert (g.decode_attention, g.prefill_attention, g.qkv_prologue) == (
-        "triton", "triton", "triton")
+    assert (g.decode_attention, g.prefill_attention) == ("triton", "triton")
     with pytest.raises(ValueError, match="decode_attention='mosaic' is not validated with fp8 KV"):
         resolve(model(), EngineConfig(kv_cache_dtype="fp8", kernels="decode=mosaic"), "gpu")
     with pytest.raises(ValueError, match="kv_cache_dtype='int8' is invalid: allowed: 'auto'.*"
@@ -159,20 +149,12 @@ def test_resolve_max_model_len():
 
 @pytest.mark.parametrize("spec, field", [
     ("decode=mosaic", "decode_attention"), ("decode=triton", "decode_attention"),
-    ("prefill=triton", "prefill_attention"),
-    ("qkv_prologue=triton", "qkv_prologue"), ("add_rms_norm=triton", "add_rms_norm")])
+    ("prefill=triton", "prefill_attention")])
 def test_gpu_kernels_on_cpu_are_rejected(spec, field):
     value = spec.split("=")[1]
     with pytest.raises(ValueError, match=f"{field}='{value}' is a GPU kernel.*'cpu'"):
         resolve(model(), EngineConfig(kernels=spec), "cpu")
     resolve(model(), EngineConfig(kernels=spec), "gpu")  # accepted there
-
-
-def test_triton_fused_kernels_on_shapes_they_do_not_take():
-    with pytest.raises(ValueError, match="add_rms_norm='triton' needs a power-of-2 hidden size"):
-        resolve(model(576, 64), EngineConfig(kernels="add_rms_norm=triton"), "gpu")
-    with pytest.raises(ValueError, match="qkv_prologue='triton' needs head dim"):
-        resolve(model(512, 96), EngineConfig(kernels="qkv_prologue=triton"), "gpu")
 
 
 def test_unvalidated_device_kind_falls_back_from_mosaic_with_one_log_line(caplog):
@@ -182,7 +164,6 @@ def test_unvalidated_device_kind_falls_back_from_mosaic_with_one_log_line(caplog
     with caplog.at_level("WARNING", logger="jaxinfer"):
         b200 = resolve(model(), EngineConfig(), "gpu", device_kind="NVIDIA B200").kernels
     assert (b200.decode_attention, b200.prefill_attention) == ("triton", "triton")
-    assert (b200.qkv_prologue, b200.add_rms_norm) == ("triton", "triton")
     lines = [r.getMessage() for r in caplog.records if r.name == "jaxinfer"]
     assert len(lines) == 1 and "decode_attention='mosaic'" in lines[0] and "'NVIDIA B200'" in \
         lines[0] and "'triton'" in lines[0]

@@ -15,7 +15,6 @@ from jaxinfer.config.model import ModelConfig, _check, _fail, check_tp
 from pallas_kernels.paged_attention import registry
 from pallas_kernels.sizes import is_pow2
 
-FUSED_CHOICES = ("auto", "xla", "triton")
 KERNEL_ALIASES = {"decode": "decode_attention", "prefill": "prefill_attention"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
@@ -27,22 +26,18 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
     """Allowed values of each string field of `KernelConfig` (attention: the kernel registry)."""
     return {"decode_attention": ("auto",) + registry.names(),
             "prefill_attention": ("auto",) + registry.prefill_names(),
-            "qkv_prologue": FUSED_CHOICES, "add_rms_norm": FUSED_CHOICES,
             "prefill_gemm": ("xla", "cublas")}
 
 
 @dataclass(frozen=True)
 class KernelConfig:
     """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"). decode_attention /
-    prefill_attention: paged attention of decode (T == 1) / prefill steps. qkv_prologue: q/k norm +
-    RoPE + K/V page write (triton: GPU, H/2 a power of 2). add_rms_norm: residual add + RMSNorm
-    (triton: GPU, D a power of 2). prefill_gemm (cublas: GPU). cublas_decode_min_batch: decode
-    buckets of >= this many rows use cuBLAS (None: XLA). batch_buckets / token_buckets: B / T."""
+    prefill_attention: paged attention of decode (T == 1) / prefill steps. prefill_gemm (cublas:
+    GPU). cublas_decode_min_batch: decode buckets of >= this many rows use cuBLAS (None: XLA).
+    batch_buckets / token_buckets: B / T."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
-    qkv_prologue: str = "auto"
-    add_rms_norm: str = "auto"
     prefill_gemm: str = "xla"
     cublas_decode_min_batch: int | None = 64
     batch_buckets: tuple[int, ...] = ()
@@ -202,8 +197,7 @@ class ResolvedConfig:
         return DTYPE_BYTES[self.kv_dtype]
 
 
-_GPU_FALLBACK = {"decode_attention": "reference", "prefill_attention": "reference",
-                 "qkv_prologue": "xla", "add_rms_norm": "xla"}
+_GPU_FALLBACK = {"decode_attention": "reference", "prefill_attention": "reference"}
 
 
 def check_platform(kc: KernelConfig, platform: str) -> None:
@@ -220,11 +214,10 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
             device_kind: str | None = None) -> ResolvedConfig:
     """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend). On
     "gpu": dtype bfloat16, prefill_attention triton, and in half precision decode_attention mosaic
-    (fp8 KV: triton), qkv_prologue / add_rms_norm triton where H/2 / D is a power of 2; else
-    float32, reference, xla; an attention variant not validated on ``device_kind`` falls back
+    (fp8 KV: triton); else float32 and reference; an attention variant not validated on ``device_kind`` falls back
     (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization None:
     "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off "gpu",
-    "triton" fused kernels on shapes they do not take, a decode variant not in `FP8_KV_DECODE` with
+    a decode variant not in `FP8_KV_DECODE` with
     fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`), fp8 KV with tp > 1."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
@@ -247,14 +240,6 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
                          f"{('auto', *FP8_KV_DECODE)}")
     auto = {"decode_attention": ("triton" if fp8 else "mosaic") if gpu and half else "reference",
             "prefill_attention": "triton" if gpu else "reference"}
-    for name, ok, what in (
-            ("qkv_prologue", is_pow2(model.head_dim // 2),
-             f"head dim H/2 a power of 2 (this model: H={model.head_dim})"),
-            ("add_rms_norm", is_pow2(model.hidden_size),
-             f"a power-of-2 hidden size (this model: {model.hidden_size})")):
-        if getattr(kc, name) == "triton" and not ok:
-            raise ValueError(f"KernelConfig.{name}='triton' needs {what}; use 'xla' or 'auto'")
-        auto[name] = "triton" if gpu and half and ok else "xla"
     for k in (k for k in KERNEL_ALIASES.values() if getattr(kc, k) == "auto"):  # explicit: kept
         if (new := registry.for_device(auto[k], device_kind)) != auto[k]:
             logging.getLogger("jaxinfer").warning("jaxinfer: %s=%r is not validated on %r; using "

@@ -5,7 +5,6 @@
 -> [B, T, N, H] (k_scale, v_scale: f32[L, K] of fp8 pools, `pallas_kernels.kv_quant`)."""
 
 import functools
-import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -17,14 +16,9 @@ from pallas_kernels.paged_attention import reference, registry
 
 @dataclass(frozen=True)
 class ModelKernels:
-    """qkv_prologue / add_rms_norm: None (jnp ops) or `pallas_kernels.<name>.reference.<name>`'s
-    signature; q_group_multiple: None, or decode q is grouped [B, 1, K, Gp, H] (G padded to Gp);
-    mesh: None, or the 1-D "tp" mesh of tensor parallelism (`runner.parallel.make_mesh`)."""
+    """mesh: None, or the 1-D "tp" mesh of tensor parallelism (`runner.parallel.make_mesh`)."""
 
     attention: Callable = reference.paged_attention
-    qkv_prologue: Callable | None = None
-    add_rms_norm: Callable | None = None
-    q_group_multiple: int | None = None
     mesh: Any = None
 
     @property
@@ -88,27 +82,15 @@ class PagedAttention:
                             kernel=registry.get_prefill(self.prefill), **static)
 
 
-def _fused_kernel(field: str, name: str) -> Callable | None:
-    if name not in ("xla", "triton"):
-        raise ValueError(f"{field}={name!r} is not one of ('xla', 'triton')")
-    return None if name == "xla" else getattr(
-        importlib.import_module(f"pallas_kernels.{field}.triton_pallas"), field)
-
-
 def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKernels:
     """`ModelKernels` for a resolved `KernelConfig`; ``decode_knobs``: decode-variant keywords.
-    ValueError: an unregistered variant, a fused kernel not "xla"/"triton", reference knobs."""
+    ValueError: an unregistered variant, reference knobs."""
     decode, prefill = kc.decode_attention, kc.prefill_attention
     registry.get(decode), registry.get_prefill(prefill)  # raise ValueError listing the names
     if decode_knobs and decode == "reference":
         raise ValueError(f"decode_knobs={decode_knobs} need a decode kernel variant; the "
                          "reference has no knobs")
-    prologue = _fused_kernel("qkv_prologue", kc.qkv_prologue)
-    add_norm = _fused_kernel("add_rms_norm", kc.add_rms_norm)
-    group = None
-    if prologue is not None and decode == "mosaic":
-        from pallas_kernels.paged_attention.mosaic import Q_GROUP_MULTIPLE as group
     attention = reference.paged_attention
     if (decode, prefill) != ("reference", "reference"):
         attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
-    return ModelKernels(attention, prologue, add_norm, group, mesh)
+    return ModelKernels(attention, mesh)

@@ -129,33 +129,20 @@ def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     return o.reshape(R * Tq, N, H)[pk.out_index][None]                  # [1, Tp, N, H]
 
 
-def add_rms_norm(x: jax.Array, delta: jax.Array | None, w: jax.Array, *, eps: float,
-                 kernel: Callable | None = None) -> tuple[jax.Array, jax.Array]:
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, w: jax.Array, *, eps: float
+                 ) -> tuple[jax.Array, jax.Array]:
     """Residual add + RMSNorm of weight w [D]: ``(x [B, T, D], delta [B, T, D] | None) -> (x +
-    delta, rms_norm(x + delta))`` in x.dtype; ``delta`` may be f32 partial sums [splits, B, T, D].
-    ``kernel``: `ModelKernels.add_rms_norm` (None: the jnp reference)."""
-    shape = x.shape
-    if delta is not None:
-        lead = (delta.shape[0],) if delta.ndim == x.ndim + 1 else ()
-        delta = delta.reshape(*lead, -1, shape[-1])
-    kernel = kernel or add_rms_norm_reference.add_rms_norm
-    x, h = kernel(x.reshape(-1, shape[-1]), delta, w, eps=eps)
+    delta, rms_norm(x + delta))`` in x.dtype (`pallas_kernels.add_rms_norm.reference`)."""
+    shape, flat = x.shape, (lambda a: None if a is None else a.reshape(-1, x.shape[-1]))
+    x, h = add_rms_norm_reference.add_rms_norm(flat(x), flat(delta), w, eps=eps)
     return x.reshape(shape), h.reshape(shape)
 
 
-def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1,
-        down_partials: int = 1) -> jax.Array:
+def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1) -> jax.Array:
     """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; ``w_gate_up``
-    [D, 2F] ([gate | up] in each of ``shards`` column groups, `engine_layout`), ``w_down`` [F, D].
-    ``down_partials`` > 1: F split in that many parts, output f32 partial sums [splits, B, T, D]
-    (`add_rms_norm`)."""
+    [D, 2F] ([gate | up] in each of ``shards`` column groups, `engine_layout`), ``w_down`` [F, D]."""
     with jax.named_scope("mlp"):
         gu = dense(x, w_gate_up)                                        # [B, T, 2F]
         gu = gu.reshape(*gu.shape[:-1], shards, 2, -1)                  # [B, T, shards, 2, F/s]
         h = (jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]).reshape(*x.shape[:-1], -1)  # [B, T, F]
-        if down_partials > 1:
-            B, T, F = h.shape
-            w = w_down.value(x.dtype).reshape(down_partials, F // down_partials, -1)   # a view
-            return jnp.einsum("btpf,pfd->pbtd", h.reshape(B, T, down_partials, -1), w,
-                              preferred_element_type=jnp.float32)
         return dense(h, w_down).astype(x.dtype)

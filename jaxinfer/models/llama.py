@@ -21,12 +21,7 @@ from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import AXIS, KV_POOL_SPEC, KVCache
 from jaxinfer.models.layers import (Packing, StepContext, add_rms_norm, attend, declare, dense, mlp,
                                     rope_cos_sin, rope_inv_freq)
-from pallas_kernels.qkv_prologue import reference as qkv_reference
-from pallas_kernels.sizes import round_up
-
-# add + RMSNorm kernel, decode of >= DOWN_PARTIALS_MIN_ROWS rows: MLP out as DOWN_PARTIALS f32 sums
-DOWN_PARTIALS = 2
-DOWN_PARTIALS_MIN_ROWS = 128
+from pallas_kernels.qkv_prologue.reference import qkv_prologue
 
 
 def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: StepContext,
@@ -35,23 +30,19 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
                     eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Everything between the qkv and output GEMMs on N = ``num_heads`` query and K =
     ``num_kv_heads`` KV heads (one device's under tensor parallelism): qkv [B, T, (N+2K)*H]
-    (`fused_parts`) -> ``kernels.qkv_prologue`` (None: `pallas_kernels.qkv_prologue.reference`):
-    per-head RMSNorm (``wq``, ``wk`` [H], or None), RoPE, K/V written into pools [L, P, K,
-    page_size, H] at ``layer`` (a Python int) -> ``kernels.attention``. q is [B, T, N, H], or in an
-    unpacked decode step with ``kernels.q_group_multiple`` grouped [B, 1, K, Gp, H] (G = N/K rows
-    zero-padded to a multiple of it). Returns (o [B, T, N, H], k_pool, v_pool)."""
+    (`fused_parts`) -> `pallas_kernels.qkv_prologue.reference.qkv_prologue`: per-head RMSNorm
+    (``wq``, ``wk`` [H], or None), RoPE, K/V written into pools [L, P, K, page_size, H] at
+    ``layer`` (a Python int) -> q [B, T, N, H] -> ``kernels.attention``. Returns (o [B, T, N, H],
+    k_pool, v_pool)."""
     B, T, _ = qkv.shape
     N, K, H = num_heads, num_kv_heads, k_pool.shape[-1]
-    mult = kernels.q_group_multiple
-    rows = None if mult is None or T != 1 or ctx.packing is not None else round_up(N // K, mult)
-    prologue = kernels.qkv_prologue or qkv_reference.qkv_prologue
     with jax.named_scope("qkv_prologue"):
-        q, k_pool, v_pool = prologue(
+        q, k_pool, v_pool = qkv_prologue(
             qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
             ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
-            layer=layer, num_heads=N, num_kv_heads=K, eps=eps, q_group_rows=rows,
-            k_scale=ctx.k_scale, v_scale=ctx.v_scale)
-    q = q.reshape((B, T, N, H) if rows is None else (B, T, K, rows, H))
+            layer=layer, num_heads=N, num_kv_heads=K, eps=eps, k_scale=ctx.k_scale,
+            v_scale=ctx.v_scale)
+    q = q.reshape(B, T, N, H)
     with jax.named_scope("attention"):
         o = attend(kernels.attention, q, k_pool, v_pool, ctx, layer=layer, scale=H ** -0.5,
                    num_heads=N)
@@ -94,27 +85,19 @@ class _Module(nn.Module):
 class DecoderLayer(_Module):
     """Pre-norm layer, ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, each residual add done
     with the next norm (`add_rms_norm`): ``(x [B, T, D], pending, layer, k_pool, v_pool, ctx) -> (x,
-    pending, k_pool, v_pool)``; ``pending``: the MLP output not yet added (None into layer 0), as
-    f32 partial sums in unpacked decode of >= `DOWN_PARTIALS_MIN_ROWS` rows (module comment)."""
+    pending, k_pool, v_pool)``; ``pending``: the MLP output not yet added (None into layer 0)."""
 
     @nn.compact
     def __call__(self, x: jax.Array, pending: jax.Array | None, layer: int, k_pool: jax.Array,
                  v_pool: jax.Array, ctx: StepContext
                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         w = {name: declare(self, name) for name in LAYER}              # the weight table's
-        kernel = self.kernels.add_rms_norm
-        norm = functools.partial(add_rms_norm, eps=self.cfg.rms_norm_eps, kernel=kernel)
+        norm = functools.partial(add_rms_norm, eps=self.cfg.rms_norm_eps)
         x, h = norm(x, pending, w["attn_norm"])
         a, k_pool, v_pool = attention(h, w, layer, k_pool, v_pool, ctx, cfg=self.cfg,
                                       kernels=self.kernels)
         x, h = norm(x, a, w["mlp_norm"])
-        B, T = x.shape[:2]
-        tp = self.kernels.tp  # partial sums: one device's F (a view of w_down) only
-        split = (kernel is not None and ctx.packing is None and T == 1 and tp == 1
-                 and B >= DOWN_PARTIALS_MIN_ROWS
-                 and self.cfg.intermediate_size % DOWN_PARTIALS == 0)
-        return x, mlp(h, w["w_gate_up"], w["w_down"], tp, DOWN_PARTIALS if split else 1), \
-            k_pool, v_pool
+        return x, mlp(h, w["w_gate_up"], w["w_down"], self.kernels.tp), k_pool, v_pool
 
 
 class Layers(_Module):
@@ -147,6 +130,5 @@ class LlamaForCausalLM(_Module):
                           kv.block_tables, kv.seq_lens, cos, sin, packing, *kv.scales())
         layers = Layers(cfg, self.kernels, self.param_dtype, self.quantization, name="layers")
         x, pending, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
-        _, x = add_rms_norm(x, pending, w["final_norm"], eps=cfg.rms_norm_eps,
-                            kernel=self.kernels.add_rms_norm)
+        _, x = add_rms_norm(x, pending, w["final_norm"], eps=cfg.rms_norm_eps)
         return x, kv.replace(k=k_pool, v=v_pool)

@@ -1,1 +1,1 @@
-"""Residual add + RMSNorm: `reference` (plain jnp) and `triton_pallas` (one Pallas launch)."""
+"""Residual add + RMSNorm in plain jnp (`reference`), the model's layer norm."""

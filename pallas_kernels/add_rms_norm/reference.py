@@ -15,14 +15,9 @@ def check_args(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
     if x.ndim != 2:
         raise ValueError(f"x must be [S, D]; got shape {x.shape}")
     S, D = x.shape
-    partials = delta is not None and delta.ndim == 3
-    if partials and (delta.shape[1:] != x.shape or delta.dtype != jnp.float32
-                     or delta.shape[0] < 1):
-        raise ValueError(f"delta as partial sums must be float32[splits >= 1, S={S}, D={D}]; "
-                         f"got {delta.dtype}{list(delta.shape)}")
-    if delta is not None and not partials and (delta.shape != x.shape or delta.dtype != x.dtype):
-        raise ValueError(f"delta must match x ({x.dtype}{list(x.shape)}) or be float32 partial "
-                         f"sums [splits, S, D]; got {delta.dtype}{list(delta.shape)}")
+    if delta is not None and (delta.shape != x.shape or delta.dtype != x.dtype):
+        raise ValueError(f"delta must match x ({x.dtype}{list(x.shape)}); got "
+                         f"{delta.dtype}{list(delta.shape)}")
     if weight.shape != (D,):
         raise ValueError(f"weight must be [D={D}]; got shape {weight.shape}")
     for name, a in (("x", x), ("weight", weight)):
@@ -44,10 +39,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, *,
                  eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
     """Residual add then RMSNorm -> (x' [S, D], h [S, D]) in x.dtype. delta: [S, D] in x.dtype,
-    f32[splits, S, D] partial sums, or None (x' = x). ValueError: `check_args`."""
+    or None (x' = x). ValueError: `check_args`."""
     check_args(x, delta, weight, eps)
-    if delta is not None and delta.ndim == 3:
-        delta = delta.sum(0).astype(x.dtype)
     if delta is not None:
         x = (x + delta).astype(x.dtype)
     return x, rms_norm(x, weight, eps)

@@ -1,1 +1,1 @@
-"""Fused attention prologue: `reference` (plain jnp) and `triton_pallas` (one Pallas launch)."""
+"""The attention prologue in plain jnp (`reference`): q/k RMSNorm, RoPE, the K/V page write."""

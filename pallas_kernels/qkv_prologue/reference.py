@@ -11,11 +11,11 @@ import jax.numpy as jnp
 from pallas_kernels.add_rms_norm.reference import rms_norm
 from pallas_kernels.kv_quant import check_scales, quantize
 from pallas_kernels.paged_attention.reference import check_pools
-from pallas_kernels.sizes import is_int, raise_first
+from pallas_kernels.sizes import raise_first
 
 
 def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_heads: int,
-               num_kv_heads: int, q_group_rows: int | None = None) -> tuple[int, int, int, int]:
+               num_kv_heads: int) -> tuple[int, int, int, int]:
     """Validate shapes -> (S, N, K, H); ValueError names the argument, its shape and the rule."""
     N, K, H = num_heads, num_kv_heads, check_pools(k_pool, v_pool)[4]
     if k_pool.shape[2] != K:
@@ -37,10 +37,7 @@ def check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool, num_
          "q_norm and k_norm must be given together (Qwen3) or both None (Llama)"),
         *[(w is not None and w.shape != (H,), f"{name} must be [H={H}]; got "
            f"{getattr(w, 'shape', None)}") for name, w in (("q_norm", q_norm), ("k_norm", k_norm))],
-        (N % K, f"num_heads={N} must be a multiple of num_kv_heads={K}"),
-        (q_group_rows is not None and not (is_int(q_group_rows) and N // K <= q_group_rows),
-         f"q_group_rows={q_group_rows!r} must be an integer >= the query heads per KV head "
-         f"({N // K}), or None")])
+        (N % K, f"num_heads={N} must be a multiple of num_kv_heads={K}")])
     return S, N, K, H
 
 
@@ -72,16 +69,15 @@ def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer, k: jax.Array, v: jax.A
 def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None,
                  cos: jax.Array, sin: jax.Array, slot_mapping: jax.Array, k_pool: jax.Array,
                  v_pool: jax.Array, *, layer, num_heads: int, num_kv_heads: int, eps: float = 1e-6,
-                 q_group_rows: int | None = None, k_scale: jax.Array | None = None,
-                 v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 k_scale: jax.Array | None = None, v_scale: jax.Array | None = None
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention prologue of one layer in jnp -> (q, k_pool, v_pool), this step's K/V written at
-    ``layer``; q [S, N, H] in qkv.dtype, or [S, K, q_group_rows, H]. qkv: [S, (N + 2K) * H] fused
+    ``layer``; q [S, N, H] in qkv.dtype. qkv: [S, (N + 2K) * H] fused
     q/k/v projection, compute dtype. q_norm, k_norm: [H] RMSNorm weights (Qwen3), or both None
     (Llama). cos, sin: f32[S, H/2] at each token's position. slot_mapping, k_pool, v_pool, layer,
-    k_scale, v_scale: as `write_kv` (unchecked ranges). q_group_rows: None, or Gq >= G = N/K: q as
-    [S, K, Gq, H], rows past G zero (Mosaic layout). ValueError: `check_args`, `check_scales`."""
+    k_scale, v_scale: as `write_kv` (unchecked ranges). ValueError: `check_args`, `check_scales`."""
     S, N, K, H = check_args(qkv, q_norm, k_norm, cos, sin, slot_mapping, k_pool, v_pool,
-                            num_heads, num_kv_heads, q_group_rows)
+                            num_heads, num_kv_heads)
     check_scales(k_pool, k_scale, v_scale)
     qk = qkv[:, :(N + K) * H].reshape(S, N + K, H)
     v = qkv[:, (N + K) * H:].reshape(S, K, H)
@@ -93,8 +89,4 @@ def qkv_prologue(qkv: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | N
     with jax.named_scope("kv_write"):
         k_pool, v_pool = write_kv(k_pool, v_pool, layer, qk[:, N:], v, slot_mapping,
                                   k_scale, v_scale)
-    q = qk[:, :N]
-    if q_group_rows is not None:
-        G = N // K
-        q = jnp.pad(q.reshape(S, K, G, H), ((0, 0), (0, 0), (0, q_group_rows - G), (0, 0)))
-    return q, k_pool, v_pool
+    return qk[:, :N], k_pool, v_pool

@@ -32,7 +32,6 @@ def sim(limit, caching=True, P=16, systems=32, qs=8, syslen=2048, out=128, budge
         b = sched.schedule()
         if b is not None:
             toks = sum(b.num_new_tokens)
-            ctx = sum(st + n for st, n in zip(b.start_positions, b.num_new_tokens))
             t += (0.01 + toks * 2.5e-5) if b.is_prefill else (0.008 + len(b.seqs) * 5e-5)
             inflight.append(b)
         while inflight and (len(inflight) > 1 or b is None):

@@ -136,9 +136,7 @@ def test_stream_deltas_equal_final_text_with_stop_string(llm):
 
 @pytest.mark.skipif(__import__("jax").default_backend() == "gpu", reason="a CPU-host check")
 @pytest.mark.parametrize("spec, field", [("decode=mosaic", "decode_attention='mosaic'"),
-                                         ("prefill=triton", "prefill_attention='triton'"),
-                                         ("qkv_prologue=triton", "qkv_prologue='triton'"),
-                                         ("add_rms_norm=triton", "add_rms_norm='triton'")])
+                                         ("prefill=triton", "prefill_attention='triton'")])
 def test_gpu_kernel_on_cpu_fails_before_loading(spec, field, monkeypatch):
     """A GPU kernel on a CPU host is refused before the checkpoint is read (neither its config
     nor its weights), as a spec string or a KernelConfig."""

@@ -6,7 +6,7 @@ import pytest
 from tiny_model import TINY
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve
+from jaxinfer.config import KernelConfig, ModelConfig
 from jaxinfer.step_input import ShapeKey
 
 # small budgets so the workload has chunked prefill, several batch buckets and preemption-free
@@ -137,32 +137,3 @@ def test_prefill_gemm_picks_the_prefill_steps_back_end(weights):
     assert step_fn(decode(4)) is steps["xla"]
     with pytest.raises(ValueError, match="prefill_gemm.*allowed: 'xla', 'cublas'"):
         KernelConfig(prefill_gemm="cutlass")
-
-
-@pytest.mark.parametrize("name", ["qkv_prologue", "add_rms_norm"])
-def test_fused_kernel_options_are_checked(weights, name):
-    with pytest.raises(ValueError, match=f"{name}.*allowed: 'auto', 'xla', 'triton'"):
-        KernelConfig(**{name: "cuda"})
-    if jax.default_backend() != "gpu":
-        with pytest.raises(ValueError, match="GPU kernel"):
-            _llm(weights, KernelConfig(**{name: "triton"}))
-
-
-def test_fused_kernels_auto_resolution():
-    def fused(D, H, platform, dtype, **kernels):
-        cfg = ModelConfig(architecture="qwen3", vocab_size=64, hidden_size=D,
-                          intermediate_size=2 * D, num_layers=1, num_heads=2, num_kv_heads=1,
-                          head_dim=H, max_position_embeddings=64)
-        kc = resolve(cfg, EngineConfig(dtype=dtype, kernels=KernelConfig(**kernels)),
-                     platform).kernels
-        return kc.qkv_prologue, kc.add_rms_norm
-
-    assert fused(4096, 128, "gpu", "bfloat16") == ("triton", "triton")
-    assert fused(4096, 128, "cpu", "bfloat16") == ("xla", "xla")
-    assert fused(4096, 128, "gpu", "float32") == ("xla", "xla")
-    # SmolLM2: D=576 is no power of 2, H=64 is fine
-    assert fused(576, 64, "gpu", "bfloat16") == ("triton", "xla")
-    with pytest.raises(ValueError, match="add_rms_norm='triton' needs a power-of-2 hidden size"):
-        fused(576, 64, "gpu", "bfloat16", add_rms_norm="triton")
-    with pytest.raises(ValueError, match="qkv_prologue='triton' needs head dim"):
-        fused(512, 96, "gpu", "bfloat16", qkv_prologue="triton")

@@ -176,8 +176,7 @@ def test_kernel_variant_teacher_forced_bf16(bf16_model, variant):
     from jaxinfer.config import KernelConfig
     from jaxinfer.models.kernels import model_kernels
     loaded, prompts, want, margins = bf16_model
-    kernels = model_kernels(KernelConfig(decode_attention=variant, prefill_attention="reference",
-                                         qkv_prologue="xla", add_rms_norm="xla"))
+    kernels = model_kernels(KernelConfig(decode_attention=variant, prefill_attention="reference"))
     got = _teacher_forced_picks(loaded, kernels, prompts, want)
     total = agree = 0
     for g, w, m in zip(got, want, margins):

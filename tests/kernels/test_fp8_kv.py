@@ -18,7 +18,7 @@ import pytest
 
 from pallas_kernels.kv_quant import FP8, FP8_MAX, quantize
 from pallas_kernels.paged_attention import prefill_triton, reference, triton_pallas
-from pallas_kernels.qkv_prologue import reference as prologue_ref, triton_pallas as prologue_triton
+from pallas_kernels.qkv_prologue import reference as prologue_ref
 
 from .modes import runs
 from .test_qkv_prologue import make_inputs
@@ -135,12 +135,10 @@ def test_triton_prefill_reads_fp8_pages(mode, case):
     assert_close(out, ref, 1e-5)
 
 
-@pytest.mark.parametrize("mode, grid", runs([("head",), ("group",)]))
-def test_prologue_writes_fp8_pages(mode, grid):
-    """The Triton prologue and the reference store the same e4m3 values as numpy's rounding of
-    the float32 prologue's K/V over the scales (one e4m3 step apart at most: RoPE's float32
-    rounding may differ by an ulp and cross a rounding boundary)."""
-    (grid,) = grid
+def test_prologue_writes_fp8_pages():
+    """The prologue stores e4m3 values within one e4m3 step of numpy's rounding of the float32
+    prologue's K/V over the scales (RoPE's float32 rounding may differ by an ulp and cross a
+    rounding boundary), and equal to it for nearly every element."""
     qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(5, S=2, N=4, K=2, H=32)
     L, K = kp.shape[0], kp.shape[2]
     ks, vs = (jnp.asarray(np.random.default_rng(i).uniform(0.005, 0.05, (L, K)), jnp.float32)
@@ -148,18 +146,15 @@ def test_prologue_writes_fp8_pages(mode, grid):
     kw = dict(layer=1, num_heads=4, num_kv_heads=2)
     _, k32, v32 = prologue_ref.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, **kw)
     fp8_pools = (jnp.zeros(kp.shape, FP8), jnp.zeros(vp.shape, FP8))
-    got = prologue_triton.qkv_prologue(qkv, qn, kn, cos, sin, slots, *fp8_pools, **kw, grid=grid,
-                                       k_scale=ks, v_scale=vs, interpret=mode == "interpret")
-    ref = prologue_ref.qkv_prologue(qkv, qn, kn, cos, sin, slots, *fp8_pools, **kw, k_scale=ks,
+    got = prologue_ref.qkv_prologue(qkv, qn, kn, cos, sin, slots, *fp8_pools, **kw, k_scale=ks,
                                     v_scale=vs)
     ps = kp.shape[3]
     page, off = np.asarray(slots) // ps, np.asarray(slots) % ps
-    for pool, p32, s, r in ((got[1], k32, ks, ref[1]), (got[2], v32, vs, ref[2])):
+    for pool, p32, s in ((got[1], k32, ks), (got[2], v32, vs)):
         assert pool.dtype == FP8
         want = np_fp8(np.asarray(p32)[1, page, :, off], np.asarray(s)[1][None, :, None])
-        for written in (pool, r):
-            w = np.asarray(written).astype(np.float32)[1, page, :, off]
-            np.testing.assert_allclose(w, want.astype(np.float32), rtol=2.0 ** -3, atol=2.0 ** -9)
+        w = np.asarray(pool).astype(np.float32)[1, page, :, off]
+        np.testing.assert_allclose(w, want.astype(np.float32), rtol=2.0 ** -3, atol=2.0 ** -9)
         assert np.mean(np.asarray(pool)[1, page, :, off] == want) > 0.99
 
 

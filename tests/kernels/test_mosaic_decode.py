@@ -200,7 +200,7 @@ def grouped(q, K, rows=mosaic.Q_GROUP_MULTIPLE):
 
 
 def grouped_case(mode, G, splits, K=2, H=64):
-    """A grouped, zero-padded q (what the qkv_prologue kernel writes) with the layer a Python int
+    """A grouped, zero-padded q (the layout the kernel pads to) with the layer a Python int
     (its page offset then a constant) gives the reference's output, as [B, N, H] does."""
     page_size, M = 16, 5
     lens = [1, 17, 80, 0]

@@ -244,7 +244,7 @@ def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
     knobs = dict(interpret=True, pages_per_block=4, num_warps=4, num_stages=1, k_splits=1)
     kernel = functools.partial(triton_pallas.paged_decode_attention, **knobs)
     monkeypatch.setattr(kernels.registry, "get", lambda name: kernel)
-    attn = kernels.model_kernels(KernelConfig("triton", "reference", "xla", "xla"))
+    attn = kernels.model_kernels(KernelConfig("triton", "reference"))
     cfg = ModelConfig("qwen3", 256, 64, 96, 4, 4, 2, 16)
     params = models.init_params(cfg, jax.random.key(0), jnp.float32)
     rng = np.random.default_rng(0)

@@ -154,7 +154,7 @@ def test_model_prefill_with_kernel_matches_reference(monkeypatch):
 
     kernel = functools.partial(prefill_triton.paged_prefill_attention, interpret=True)
     monkeypatch.setattr(kernels.registry, "get_prefill", lambda name: kernel)
-    attn = kernels.model_kernels(KernelConfig("reference", "triton", "xla", "xla"))
+    attn = kernels.model_kernels(KernelConfig("reference", "triton"))
     cfg = ModelConfig("qwen3", 256, 64, 96, 3, 4, 2, 16)
     params = models.init_params(cfg, jax.random.key(0), jnp.float32)
     params = jax.tree_util.tree_map(lambda p: p * 5.0 if p.ndim == 2 else p, params)

@@ -5,7 +5,6 @@ holding twice the tokens of bfloat16 in the same memory."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,9 +19,8 @@ from jaxinfer.models.kernels import ModelKernels, model_kernels
 from jaxinfer.models.kv_cache import KVCache
 from pallas_kernels.kv_quant import FP8
 from pallas_kernels.paged_attention import prefill_triton
-from pallas_kernels.qkv_prologue import triton_pallas as prologue
 
-from .test_fused_kernels import PAGE, _cfg as tiny_cfg, kernel_config
+from .test_model_kernels import PAGE, _cfg as tiny_cfg, kernel_config
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +67,7 @@ def fresh_kv(cfg, dtype, scales=None):
 
 
 def test_triton_kernels_on_fp8_pages_match_the_jnp_path(model, monkeypatch):
-    """Prologue, prefill and decode kernels (interpret) vs the jnp path on the same fp8 pages:
+    """Prefill and decode kernels (interpret) vs the jnp path on the same fp8 pages:
     identical inputs, so float32 rounding only (1e-4); and the fp8 model within 10% of
     its float32-KV run, with scales from that run's K/V amax (a scale applied wrongly is off by
     orders of magnitude)."""
@@ -82,8 +80,6 @@ def test_triton_kernels_on_fp8_pages_match_the_jnp_path(model, monkeypatch):
     knobs = dict(interpret=True, pages_per_block=4, num_warps=4, num_stages=1, k_splits=2)
     mk = model_kernels(kernel_config(decode_attention="triton", prefill_attention="triton"),
                        decode_knobs=knobs)
-    mk = dataclasses.replace(mk, qkv_prologue=functools.partial(
-        prologue.qkv_prologue, interpret=True, grid="group"))
     with jax.default_matmul_precision("highest"):
         h_ref, kv_ref = run_steps(cfg, params, fresh_kv(cfg, FP8, scales), ModelKernels())
         h, kv = run_steps(cfg, params, fresh_kv(cfg, FP8, scales), mk)

@@ -95,6 +95,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024, help="KV length reached at the end")
     ap.add_argument("--steps", type=int, default=50, help="timed steps per mode")
+    ap.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="an HF tokenizer directory saved from SmolLM2's (default: read the GGUF)")
     ap.add_argument("--out", default=None, help="default: benchmarks/h200.jsonl on a GPU, "
                                                 "else benchmarks/cpu.jsonl")
     args = ap.parse_args()
@@ -112,7 +114,11 @@ def main() -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_decode import QWEN3_8B  # same directory
 
-    tok = load_tokenizer(default_model_path(), "gguf")
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        tok = load_tokenizer(default_model_path(), "gguf")
     gpu = jax.default_backend() == "gpu"
     arch = dict(QWEN3_8B, num_layers=args.layers) if args.arch == "qwen3-8b" else dict(
         TINY, vocab_size=len(tok))

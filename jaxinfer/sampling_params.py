@@ -48,11 +48,11 @@ class StructuredOutputsParams:
             object.__setattr__(self, "json", v := _json.dumps(v))
         if k == "choice" and isinstance(v, (list, tuple)):
             object.__setattr__(self, "choice", v := tuple(v))
-        ok = (v is True if k == "json_object" else all(isinstance(c, str) for c in v) and v
-              if k == "choice" else isinstance(v, str))
+        ok = (v is True if k == "json_object" else isinstance(v, tuple) and v and all(
+            isinstance(c, str) and c for c in v) if k == "choice" else isinstance(v, str))
         if not ok:
             raise ValueError(f"StructuredOutputsParams.{k}={v!r} is invalid: must be " + dict(
-                json="a dict or a JSON string", choice="a non-empty list of strings",
+                json="a dict or a JSON string", choice="a non-empty list of non-empty strings",
                 json_object="True").get(k, "a string"))
         object.__setattr__(self, "key", (k, _json.dumps(list(v)) if k == "choice" else str(v)))
 

@@ -90,7 +90,11 @@ class EngineCore:
                 continue
             msg = StepOutputs()
             while self.inp.poll(0):
-                cmd = self.decode(self.inp.recv())
+                try:
+                    cmd = self.decode(raw := self.inp.recv())
+                except msgspec.ValidationError as e:  # an Add our types refuse: rejected, not fatal
+                    msg.rejected[msgspec.msgpack.decode(raw)[1]] = f"the request is invalid: {e}"
+                    continue
                 if isinstance(cmd, Stop):
                     return
                 for rid in cmd.request_ids if isinstance(cmd, Abort) else ():

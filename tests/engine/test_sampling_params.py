@@ -94,8 +94,10 @@ def test_structured_outputs_params_one_constraint_normalised():
     p = SamplingParams(structured_outputs=S(regex="[0-9]+"))
     assert hash(p) == hash(SamplingParams(structured_outputs=S(regex="[0-9]+")))
     for kw, msg in (({}, "got none"), (dict(regex="a", grammar="b"), r"\['regex', 'grammar'\]"),
-                    (dict(choice=[]), "choice=.*non-empty list of strings"),
-                    (dict(choice=["a", 1]), "non-empty list of strings"),
+                    (dict(choice=[]), "choice=.*non-empty list of non-empty strings"),
+                    (dict(choice=["a", 1]), "non-empty list of non-empty strings"),
+                    (dict(choice="yes"), "choice='yes' is invalid: must be a non-empty list"),
+                    (dict(choice=[""]), "non-empty list of non-empty strings"),
                     (dict(json=3), "json=3 is invalid: must be a dict or a JSON string"),
                     (dict(json_object="yes"), "json_object='yes' is invalid: must be True"),
                     (dict(regex=b"a"), "regex=b'a' is invalid: must be a string")):

@@ -88,6 +88,7 @@ def test_tool_choice_required(client):
         "name": "x", "schema": {"type": "nope"}}}}, "nope"),
     ({"structured_outputs": {"regex": "(", "choice": ["a"]}}, "exactly one"),
     ({"structured_outputs": {"regex": "("}}, "unclosed group"),
+    ({"structured_outputs": {"choice": "yes"}}, "non-empty list"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "'x'"),
     ({"tools": TOOLS, "tool_choice": "auto"}, "auto"),
 ])

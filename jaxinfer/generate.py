@@ -118,7 +118,7 @@ def _main(argv: list[str] | None = None) -> int:
             sys.stdout.write(f"[{i}] {delta}\n" if len(prompts) > 1 else delta)
             sys.stdout.flush()
 
-    info = sys.stderr if args.json else sys.stdout
+    info = sys.stderr  # statistics beside the answers, never mixed into them
     if args.memory_trace:
         llm.engine.trace_memory = True
         llm.engine.memory_snapshot()
@@ -141,10 +141,11 @@ def _main(argv: list[str] | None = None) -> int:
             print(f"--- [{i}] {prompts[i]!r}\n{o.text}" if len(prompts) > 1 else o.text)
     n_gen = sum(len(o.token_ids) for o in ok)
     ttfts = [o.metrics.ttft_s for o in ok if o.metrics and o.metrics.ttft_s is not None]
-    print(f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "
-          f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
-          f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
-          f"compilation included), compiles: {llm.engine.stats().num_compiles}", file=info)
+    if ok:  # a run whose every prompt failed prints only its errors
+        print(f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "
+              f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
+              f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
+              f"compilation included), compiles: {llm.engine.stats().num_compiles}", file=info)
     if args.memory_trace:
         try:
             llm.engine.memory.write_csv(args.memory_trace)

@@ -81,7 +81,9 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec, eos_token_id
 
 def shape_key(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(),
               mask_words: int = 0) -> ShapeKey:
-    """The bucketed `ShapeKey` of a `ScheduledBatch`."""
+    """The bucketed `ShapeKey` of a `ScheduledBatch`. A packed step's M is the largest page
+    bucket (its attention loops to each row's seq_len, so only the table's width pads): one
+    shape per (B, Tp, Q) instead of one per M as well."""
     seqs, nums = batch.seqs, batch.num_new_tokens
     B = bucket(len(seqs), buckets.batch)
     M = bucket(max(-(-(c + n) // page_size) for c, n in zip(batch.start_positions, nums)),
@@ -103,4 +105,4 @@ def shape_key(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(),
     if max(nums) == 1:
         return ShapeKey(B, 1, M, R, None, greedy, **extra)
     Tp = bucket(sum(nums), token_buckets)
-    return ShapeKey(B, Tp, M, R, bucket(max(nums), buckets.prefill_tokens), greedy, **extra)
+    return ShapeKey(B, Tp, buckets.pages[-1], R, bucket(max(nums), buckets.prefill_tokens), greedy, **extra)

@@ -128,6 +128,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = _user(None, "JAX persistent compilation cache (process-"
                                               "wide): a later run with the same DIR loads the "
                                               "compiled steps", metavar="DIR")
+    compile_in_background: bool = _user(
+        False, "a step shape not compiled yet compiles in a thread while its steps run padded to a "
+        "compiled shape that covers it (no stall; the server's default)")
     enable_prefix_caching: bool = _user(True, "reuse the KV pages of prompt prefixes already "
                                         "computed (full pages, chained hashes, LRU eviction)")
     kv_cache_dtype: str = _user("auto", "KV cache dtype; 'auto': the compute dtype; 'fp8' (= "
@@ -159,7 +162,8 @@ class EngineConfig:
              "allowed: None or 'auto' (bfloat16 on GPU, else float32), 'float32', 'bfloat16'"),
             ("seed", is_int, "must be an integer"),
             *((n, lambda v: isinstance(v, bool), "must be True or False")
-              for n in ("async_scheduling", "enable_prefix_caching", "enforce_eager")),
+              for n in ("async_scheduling", "enable_prefix_caching", "enforce_eager",
+                      "compile_in_background")),
             ("compilation_cache_dir", _optional(lambda v: isinstance(v, (str, os.PathLike))),
              "must be None or a path"),
             ("kv_cache_dtype", KV_CACHE_DTYPES.__contains__,

@@ -28,12 +28,13 @@ def _prompt_positions(batch) -> list[range]:
 
 
 def build_host_batch(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(),
-                     mask_words: int = 0) -> HostBatch:
+                     mask_words: int = 0, key: ShapeKey | None = None) -> HostBatch:
     """Pad a `ScheduledBatch` to a bucketed `HostBatch` (packed if a chunk has > 1 token;
     ``pending_input`` rows in ``pending_rows``; ``mask_words`` W: a bitmask i32[B, W], all -1, if
-    a sampled row is constrained). ValueError: a size past the largest bucket."""
-    hb = allocate(shape_key(batch, page_size=page_size, buckets=buckets,
-                            eos_token_ids=eos_token_ids, mask_words=mask_words))
+    a sampled row is constrained); ``key``: a shape that `covers` its `shape_key` instead.
+    ValueError: a size past the largest bucket."""
+    hb = allocate(key or shape_key(batch, page_size=page_size, buckets=buckets,
+                                   eos_token_ids=eos_token_ids, mask_words=mask_words))
     a, off, j = hb.arrays, 0, 0  # off: packed offset of row i's first token; j: prompt position
     scored = _prompt_positions(batch) if hb.key.prompt_logprobs else [()] * batch.num_seqs
     for i, (s, n, c) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.start_positions)):

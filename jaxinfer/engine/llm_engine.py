@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxinfer.config.memory import MemoryTracker
 from jaxinfer.engine import logprobs
-from jaxinfer.engine.batch_builder import build_host_batch
+from jaxinfer.engine.batch_builder import build_host_batch, shape_key
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.dry_run import dry_run
 from jaxinfer.engine.loop import Launched, StepLoop
@@ -166,8 +166,12 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch, prev: Launched | None):
         """`StepLoop`'s launch: build the host batch and the constrained rows' masks (their
         grammars are up to date: `StepLoop` read their step back), have the runner dispatch it."""
-        hb = build_host_batch(batch, page_size=self.page_size, buckets=self.runner.buckets,
-                              eos_token_ids=self.eos_token_ids, mask_words=self.structured.words)
+        shape = dict(page_size=self.page_size, buckets=self.runner.buckets,
+                     eos_token_ids=self.eos_token_ids, mask_words=self.structured.words)
+        key = shape_key(batch, **shape)
+        if (run_key := self.runner.runnable(key)) != key:
+            self._stats.num_covered_steps += 1
+        hb = build_host_batch(batch, **shape, key=run_key)
         if hb.key.bitmask:
             self.structured.fill(hb.bitmask, [(i, s.matcher) for i, s in enumerate(batch.seqs)
                                               if s.matcher is not None and hb.sample_rows[i]])

@@ -50,7 +50,7 @@ class ModelRunner:
             max_model_len=resolved.max_model_len, page_size=ec.page_size,
             batch_buckets=kc.batch_buckets, token_buckets=kc.token_buckets)
         self.executor = StepExecutor(self.run_config, model_kernels(kc, mesh=self.mesh), kc,
-                                     self.buckets.batch[-1], self.stats)
+                                     self.buckets.batch[-1], self.stats, ec.compile_in_background)
         self.weight_bytes = device_bytes(model_config, tp, resolved.dtype_bytes,
                                          resolved.quantization)  # one device's
         self.page_bytes = memory.kv_bytes_per_token(  # one device's KV bytes per page
@@ -65,6 +65,10 @@ class ModelRunner:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "
                              f"does not fit in device memory ({str(e).splitlines()[0][:120]})"
                              ) from None
+
+    def runnable(self, key: ShapeKey) -> ShapeKey:
+        """`StepExecutor.runnable`: the compiled shape a batch of shape ``key`` runs under."""
+        return self.executor.runnable(key, self.params, self.kv)
 
     def execute(self, hb: HostBatch, prev=None):
         """Dispatch the step of ``hb``, no wait; ``prev``: the handle of the step in flight (its

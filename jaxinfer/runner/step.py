@@ -22,7 +22,7 @@ from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.runner.parallel import gather_logits, replicated
 from jaxinfer.runner.sampling import (SamplingMetadata, apply_token_bitmask, logprobs,
                                      pytree_dataclass, sample)
-from jaxinfer.step_input import HostBatch, ShapeKey, allocate, layout, names, pack
+from jaxinfer.step_input import HostBatch, ShapeKey, allocate, covers, layout, names, pack
 
 log = logging.getLogger("jaxinfer")
 
@@ -138,16 +138,41 @@ def enable_compilation_cache(path) -> str:
     return path
 
 
+def _cost(key: ShapeKey) -> tuple:
+    return key.batch * key.tokens, key.pages, key.query or 0, not key.all_greedy
+
+
 class StepExecutor:
     """The compiled steps of ``cfg`` with ``kernels``, resolved `KernelConfig` ``kc``, the
-    largest batch bucket ``max_batch``; counts compiles in ``stats`` (`EngineStats`)."""
+    largest batch bucket ``max_batch``; counts compiles in ``stats`` (`EngineStats`);
+    ``background``: `runnable` compiles missing shapes in a thread."""
 
-    def __init__(self, cfg, kernels, kc, max_batch: int, stats) -> None:
+    def __init__(self, cfg, kernels, kc, max_batch: int, stats, background: bool = False) -> None:
         self.steps, self.static, self.stats = PACKED_STEPS, dict(cfg=cfg, kernels=kernels), stats
         self.cublas_min_batch, self.prefill_gemm = kc.cublas_decode_min_batch, kc.prefill_gemm
         self.inputs = replicated(kernels.mesh)  # step inputs: whole on every device of a mesh
         self.no_prev_tokens = jax.device_put(np.zeros((max_batch,), np.int32), self.inputs)
         self.executables: dict[ShapeKey, object] = {}
+        self.pool = ThreadPoolExecutor(1) if background else None
+        self.pending: dict[ShapeKey, object] = {}  # key -> Future of its executable
+
+    def runnable(self, key: ShapeKey, params, kv) -> ShapeKey:
+        """The shape to run a batch of shape ``key`` under: ``key`` once compiled (or without
+        ``background``); else the cheapest compiled shape that `covers` it, ``key`` itself
+        compiling meanwhile in the background from ``params``' and ``kv``'s avals; else ``key``
+        (`run` compiles it: a stall)."""
+        for k in [k for k, f in self.pending.items() if f.done()]:
+            self.executables[k] = self.pending.pop(k).result()
+            self.stats.compiled_shapes.add(k)
+        if key in self.executables or self.pool is None:
+            return key
+        cover = min((k for k in self.executables if covers(k, key)), key=_cost, default=None)
+        if cover is not None and key not in self.pending:
+            avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                sharding=a.sharding),
+                                 self._args(params, kv, allocate(key), None))
+            self.pending[key] = self.pool.submit(lambda: self._lower(key, avals).compile())
+        return key if cover is None else cover
 
     def step_fn(self, key: ShapeKey):
         """The jit step for ``key`` (cuBLAS: decode buckets >= ``cublas_min_batch`` rows)."""

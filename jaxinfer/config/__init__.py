@@ -125,9 +125,10 @@ class EngineConfig:
     seed: int = _user(0, "base seed of unseeded requests")
     async_scheduling: bool = _user(True, "dispatch step n+1 before reading back step n's tokens "
                                    "(same outputs either way)")
-    compilation_cache_dir: str | None = _user(None, "JAX persistent compilation cache (process-"
-                                              "wide): a later run with the same DIR loads the "
-                                              "compiled steps", metavar="DIR")
+    compilation_cache_dir: str | None = _user(
+        "auto", "JAX persistent compilation cache (process-wide): a later run with the same DIR "
+        "loads the compiled steps; 'auto': JAX's own if set ($JAX_COMPILATION_CACHE_DIR), else "
+        "$XDG_CACHE_HOME/jaxinfer/jax (~/.cache/...); 'none': off", metavar="DIR")
     compile_in_background: bool = _user(
         False, "a step shape not compiled yet compiles in a thread while its steps run padded to a "
         "compiled shape that covers it (no stall; the server's default)")
@@ -165,7 +166,7 @@ class EngineConfig:
               for n in ("async_scheduling", "enable_prefix_caching", "enforce_eager",
                       "compile_in_background")),
             ("compilation_cache_dir", _optional(lambda v: isinstance(v, (str, os.PathLike))),
-             "must be None or a path"),
+             "must be None, 'auto', 'none' or a path"),
             ("kv_cache_dtype", KV_CACHE_DTYPES.__contains__,
              "allowed: 'auto' (the compute dtype), 'fp8' or 'fp8_e4m3' (float8_e4m3fn)"),
             ("tensor_parallel_size", lambda v: is_int(v, 1), positive),

@@ -2,6 +2,8 @@
 params, the KV pool and the compiled steps. The engine hands it `HostBatch`es (numpy) and reads
 numpy results back; nothing above the engine calls it."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,8 +32,11 @@ class ModelRunner:
 
     def __init__(self, model_config, params, resolved, stats: EngineStats | None = None) -> None:
         ec, kc = resolved.engine, resolved.kernels
-        if ec.compilation_cache_dir is not None:
-            enable_compilation_cache(ec.compilation_cache_dir)
+        if (cache := ec.compilation_cache_dir) == "auto":  # JAX's own, else the user's cache
+            cache = None if jax.config.jax_compilation_cache_dir else os.path.join(
+                os.environ.get("XDG_CACHE_HOME") or "~/.cache", "jaxinfer", "jax")
+        if cache not in (None, "none"):
+            enable_compilation_cache(cache)
         models.check_params(params, model_config, resolved.quantization)
         tp = ec.tensor_parallel_size
         self.mesh = parallel.make_mesh(tp) if tp > 1 else None

@@ -1,8 +1,8 @@
 """`ModelKernels`, the static kernel argument of `jaxinfer.models.forward`, built by
 `model_kernels` from a resolved `KernelConfig`. Attention: attn(q [B, T, N, H], k_pool
 [L, P, K, page_size, H], v_pool, block_tables i32[B, M], seq_lens i32[B], q_positions i32[B, T],
-*, layer, scale, soft_cap=None, sliding_window=None, num_heads=None, k_scale=None, v_scale=None)
--> [B, T, N, H] (k_scale, v_scale: f32[L, K] of fp8 pools, `pallas_kernels.kv_quant`)."""
+*, layer, scale, soft_cap=None, sliding_window=None, k_scale=None, v_scale=None) -> [B, T, N, H]
+(k_scale, v_scale: f32[L, K] of fp8 pools, `pallas_kernels.kv_quant`)."""
 
 import functools
 from dataclasses import dataclass
@@ -28,13 +28,12 @@ class ModelKernels:
 
 
 @functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale", "soft_cap",
-                                             "sliding_window", "num_heads"))
+                                             "sliding_window"))
 def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel,
-                knobs, scale, soft_cap, sliding_window, num_heads):
-    """q [B, 1, N, H] (or [B, 1, K, Gp, H]), layer i32[], scales: {} or fp8's -> [B, 1, N, H]."""
-    extra = dict(knobs, **scales, **{k: v for k, v in (("num_heads", num_heads),
-                                                       ("page_offset", page_offset))
-                                     if v is not None})
+                knobs, scale, soft_cap, sliding_window):
+    """q [B, 1, N, H], layer i32[], page_offset: mosaic's or None, scales: {} or fp8's ->
+    [B, 1, N, H]."""
+    extra = dict(knobs, **scales, **({} if page_offset is None else {"page_offset": page_offset}))
     out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
                  soft_cap=soft_cap, sliding_window=sliding_window, **extra)
     return out[:, None]
@@ -51,29 +50,25 @@ def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, 
 @dataclass(frozen=True)
 class PagedAttention:
     """T == 1 to decode variant ``decode`` (``decode_knobs``), T > 1 to prefill variant ``prefill``,
-    jitted with ``layer`` as i32[]. ValueError: a grouped q [B, T, K, Gp, H] off a decode kernel."""
+    jitted with ``layer`` as i32[]."""
 
     decode: str = "reference"
     prefill: str = "reference"
     decode_knobs: tuple[tuple[str, Any], ...] = ()
 
     def __call__(self, q, k_pool, v_pool, block_tables, seq_lens, q_positions, *, layer, scale,
-                 soft_cap=None, sliding_window=None, num_heads=None, k_scale=None, v_scale=None):
+                 soft_cap=None, sliding_window=None, k_scale=None, v_scale=None):
         scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         static = dict(scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
                       sliding_window=None if sliding_window is None else int(sliding_window))
-        decode = q.shape[1] == 1 and self.decode != "reference"
-        if q.ndim == 5 and not decode:
-            raise ValueError(f"a grouped q {q.shape} is for the decode kernel only")
-        if decode:
+        if q.shape[1] == 1 and self.decode != "reference":
             offset = None
             if self.decode == "mosaic":
                 from pallas_kernels.paged_attention.mosaic import layer_offsets
                 offset = layer_offsets(layer, k_pool.shape[1])
             return decode_step(q, k_pool, v_pool, block_tables, seq_lens,
                                jnp.asarray(layer, jnp.int32), offset, scales,
-                               kernel=registry.get(self.decode), knobs=self.decode_knobs,
-                               num_heads=num_heads, **static)
+                               kernel=registry.get(self.decode), knobs=self.decode_knobs, **static)
         if q.shape[1] == 1 or self.prefill == "reference":
             return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
                                              q_positions, layer=layer, **static, **scales)

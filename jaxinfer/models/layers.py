@@ -116,13 +116,12 @@ class StepContext(NamedTuple):
 
 
 def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-           ctx: StepContext, *, layer: int, scale: float, num_heads: int) -> jax.Array:
-    """``attn`` on q [B, T, N, H] (decode: maybe [B, 1, K, Gp, H]) -> [B, T, N, H]; packs rows."""
+           ctx: StepContext, *, layer: int, scale: float) -> jax.Array:
+    """``attn`` on q [B, T, N, H] -> [B, T, N, H]; packs rows."""
     pk, scales = ctx.packing, dict(layer=layer, scale=scale, k_scale=ctx.k_scale,
                                    v_scale=ctx.v_scale)
     if pk is None:
-        return attn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions, **scales,
-                    **({"num_heads": num_heads} if q.ndim == 5 else {}))
+        return attn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions, **scales)
     _, Tp, N, H = q.shape
     R, Tq = pk.q_index.shape
     rows = q[0][pk.q_index]                                             # [R, Tq, N, H]

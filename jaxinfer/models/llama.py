@@ -47,7 +47,7 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
                                       ctx.slot_mapping.reshape(-1), ctx.k_scale, ctx.v_scale)
     with jax.named_scope("attention"):
         o = attend(kernels.attention, qk[:, :, :N], k_pool, v_pool, ctx, layer=layer,
-                   scale=H ** -0.5, num_heads=N)
+                   scale=H ** -0.5)
     return o, k_pool, v_pool
 
 

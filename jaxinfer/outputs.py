@@ -125,7 +125,7 @@ class OutputProcessor:
                 out = st.seqs
             elif st.kind is RequestOutputKind.FINAL_ONLY:
                 out = self.request_output(st.seqs, st.prompt) if done else None
-            elif (out := self._delta_output(st, done)) is not None and \
+            elif (out := self._delta_output(st)) is not None and \
                     st.kind is RequestOutputKind.CUMULATIVE:
                 out = st.acc = out if st.acc is None else st.acc.add(out)
             if done:
@@ -134,7 +134,7 @@ class OutputProcessor:
                 outs.append(out)
         return outs
 
-    def _delta_output(self, st: RequestState, done: bool) -> RequestOutput | None:
+    def _delta_output(self, st: RequestState) -> RequestOutput | None:
         """What is new in ``st``'s samples since the last output (`stream_delta`; prompt logprobs
         in the first), a finished sample's finish reason once; None: nothing new."""
         comps, first = [], all(x == (0, "") for x in st.sent)

@@ -24,8 +24,8 @@ _BUCKETS = ("batch_buckets", "token_buckets")
 
 def kernel_choices() -> dict[str, tuple[str, ...]]:
     """Allowed values of each string field of `KernelConfig` (attention: the kernel registry)."""
-    return {"decode_attention": ("auto",) + registry.names(),
-            "prefill_attention": ("auto",) + registry.prefill_names(),
+    return {"decode_attention": ("auto",) + tuple(registry.DECODE),
+            "prefill_attention": ("auto",) + tuple(registry.PREFILL),
             "prefill_gemm": ("xla", "cublas")}
 
 
@@ -202,16 +202,13 @@ class ResolvedConfig:
         return DTYPE_BYTES[self.kv_dtype]
 
 
-_GPU_FALLBACK = {"decode_attention": "reference", "prefill_attention": "reference"}
-
-
 def check_platform(kc: KernelConfig, platform: str) -> None:
     """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu"."""
-    for name, fallback in _GPU_FALLBACK.items():
+    for name in KERNEL_ALIASES.values():
         value = getattr(kc, name)
-        if platform != "gpu" and value not in ("auto", fallback):
+        if platform != "gpu" and value not in ("auto", "reference"):
             raise ValueError(f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
-                             f"backend is {platform!r}; use 'auto' or {fallback!r} here (the "
+                             f"backend is {platform!r}; use 'auto' or 'reference' here (the "
                              "kernels' CPU tests run them in interpret mode)")
 
 

@@ -90,15 +90,19 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
+class ContentPart(BaseModel):  # other types (image_url, ...): accepted, left out of the text
+    type: str
+    text: str = ""
+
+
 class ChatMessage(BaseModel):
-    role: str
-    content: str | list[dict] | None = None
+    role: Literal["developer", "system", "user", "assistant", "tool"]  # OpenAI's (vLLM takes them)
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         """The content; a list of parts: its "text" parts joined."""
-        if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
-        return self.content or ""
+        c = self.content
+        return "".join(p.text for p in c if p.type == "text") if isinstance(c, list) else c or ""
 
 
 class Function(BaseModel):
@@ -122,7 +126,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    tool_choice: Literal["none", "auto", "required"] | Tool | None = None
 
     def tool_schema(self) -> dict | None:
         """The JSON schema of a forced tool call (vLLM's): the named function's parameters, or
@@ -131,9 +135,8 @@ class ChatCompletionRequest(_Sampling):
         choice, tools = self.tool_choice, {t.function.name: t.function for t in self.tools or ()}
         if choice in (None, "none") and (choice == "none" or not tools):
             return None
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
-            if name not in tools:
+        if isinstance(choice, Tool):
+            if (name := choice.function.name) not in tools:
                 raise ValueError(f"tool_choice names function {name!r}, not one of tools "
                                  f"{sorted(tools)}")
             return tools[name].parameters or {"type": "object", "properties": {}}

@@ -49,6 +49,15 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
 
+    def top_logprobs(self, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        """Per token: (its text, its log-probability, the top ``k`` as (text, log-probability),
+        likeliest first); a token without text is "token_id:N" (vLLM's). []: none asked."""
+        def text(t: int, lp: Logprob) -> str:
+            return lp.decoded_token if lp.decoded_token is not None else f"token_id:{t}"
+        return [(text(t, rec[t]), rec[t].logprob, [(text(u, lp), lp.logprob) for u, lp in sorted(
+            rec.items(), key=lambda x: x[1].rank or 0) if lp.rank is not None and lp.rank <= k])
+            for t, rec in zip(self.token_ids, self.logprobs or ())]
+
 
 @dataclass(frozen=True)
 class RequestOutput:

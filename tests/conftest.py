@@ -198,6 +198,7 @@ def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_fa
 _GROUPS = {"smollm": {"smollm_path", "smollm_engine", "smollm_cli_args"}}
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/serve/" in item.nodeid:
@@ -205,3 +206,18 @@ def pytest_collection_modifyitems(config, items):
         for name, fixtures in _GROUPS.items():
             if fixtures & set(item.fixturenames):
                 item.add_marker(pytest.mark.xdist_group(name))
+    yield  # pytest-xdist's hook (in a worker) appends "@group" to each grouped test's id ...
+    if getattr(config.option, "loadgroup", False):  # set in an xdist worker by --dist loadgroup
+        for item in items:
+            _group_suffix(item)
+
+
+def _group_suffix(item) -> None:
+    """... by setting ``Item._nodeid``, which pytest 9.2 no longer reads (its node ids are
+    ``Item._id``, a `NodeId`): the suffix is then missing and every test is a unit of its own,
+    so each worker loaded SmolLM2, its HF model and the server. Add it here where it is missing
+    (`NodeId.parse` keeps the given string as the id)."""
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})
+    if groups and "@" not in item.nodeid.rpartition("]")[2] and hasattr(item, "_id"):
+        item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")

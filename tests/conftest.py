@@ -39,6 +39,9 @@ def pytest_configure(config):
     if "gpu" in (config.option.markexpr or "").replace("not gpu", ""):
         return
     os.environ.setdefault("XLA_FLAGS", CPU_XLA_FLAGS)
+    # every compile is cached, also the tiny model's shorter than JAX's default 1 s threshold (the
+    # server's engine core and the CLI subprocesses compile shapes that in-process engines load)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         path = config.stash[CACHE_DIR] = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-")
         os.environ["JAX_COMPILATION_CACHE_DIR"] = path
@@ -200,6 +203,9 @@ _GROUPS = {"smollm": {"smollm_path", "smollm_engine", "smollm_cli_args"}}
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    # the SmolLM2 CLI run in a subprocess goes last: its step shapes are those of in-process
+    # tests (`SMOLLM_ENGINE`), which are then in the run-wide compilation cache
+    items.sort(key=lambda item: "smollm_cli_args" in item.fixturenames)
     for item in items:
         if "tests/serve/" in item.nodeid:
             item.add_marker(pytest.mark.xdist_group("serve"))

@@ -71,15 +71,26 @@ class ModelRunner:
                              f"does not fit in device memory ({str(e).splitlines()[0][:120]})"
                              ) from None
 
-    def runnable(self, key: ShapeKey) -> ShapeKey:
-        """`StepExecutor.runnable`: the compiled shape a batch of shape ``key`` runs under."""
-        return self.executor.runnable(key, self.params, self.kv)
+    def runnable(self, key: ShapeKey, split: bool = False) -> ShapeKey:
+        """`StepExecutor.runnable`: the shape a batch of shape ``key`` runs under (``split``)."""
+        return self.executor.runnable(key, self.params, self.kv, split)
 
-    def execute(self, hb: HostBatch, prev=None):
+    def execute(self, hb: HostBatch, prev=None, phase: str = "step"):
         """Dispatch the step of ``hb``, no wait; ``prev``: the handle of the step in flight (its
-        tokens feed ``hb.pending_rows``). Returns the handle `read` takes."""
+        tokens feed ``hb.pending_rows``). Returns the handle `read` takes; ``phase`` "forward":
+        its first half (`runner.step.forward`), the handle `execute_sample` takes."""
         out, self.kv = self.executor.run(self.params, self.kv, hb,
-                                         None if prev is None else prev[0])
+                                         None if prev is None else prev[0], phase)
+        return out if phase == "forward" else self._handle(out)
+
+    def execute_sample(self, handle, hb: HostBatch):
+        """`execute`'s second half on ``handle`` (its "forward" of the same ``hb``, its
+        sampling fields, bitmask included, read now), no wait: the handle `read` takes."""
+        out, prompt = self.executor.run(handle[0], None, hb, None, "sample"), handle[1]
+        return self._handle({**out, **prompt} if prompt else out)
+
+    @staticmethod
+    def _handle(out):
         if not isinstance(out, dict):
             return out, None
         tokens, out = out.pop("tokens"), {k: parallel.local(a) for k, a in out.items()}
@@ -119,9 +130,9 @@ class ModelRunner:
                                        self.params)
 
     def precompile(self, shape_keys: list[ShapeKey], *, max_workers: int | None = None,
-                   warm: bool = True) -> dict:
+                   warm: bool = True, split: bool = False) -> dict:
         """`StepExecutor.precompile`: {"shapes", "lower_s", "warm_s", "seconds"}."""
-        info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys,
+        info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys, split=split,
                                                  max_workers=max_workers, warm=warm)
         return info
 

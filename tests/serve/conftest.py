@@ -27,8 +27,9 @@ SERVE_ENGINE = dict(max_model_len=256, max_num_seqs=32, page_size=256, num_pages
                     max_num_batched_tokens=256, kernels="batch_buckets=32,token_buckets=256")
 # {prefill, decode} x {greedy, sampled} x {no logprobs, top-5 bucket}, and the prefill of a
 # step holding a prompt's first chunk (its row carries EOS's min_tokens bias), greedy or sampled;
-# {prefill, decode} x {greedy, sampled} with a token bitmask (test_structured.py)
-SERVER_COMPILES = 14
+# {prefill, decode} x {greedy, sampled} with a token bitmask (test_structured.py), each compiled
+# as its two calls (forward, then sampling: `jaxinfer.engine.structured`)
+SERVER_COMPILES = 18
 
 
 def _interrupt(signum, frame):

@@ -106,7 +106,7 @@ class ChatMessage(BaseModel):
 
 
 class Function(BaseModel):
-    name: str
+    name: str = Field(min_length=1)  # "": the forced call's id and type were "" (a 500)
     description: str | None = None
     parameters: dict | None = None
 

@@ -166,6 +166,10 @@ def test_logprobs(client):
      "tool_choice.function", ["(got 'f')"]),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0, "max_tokens": 4,
       "_path": "/v1/chat/completions"}, 400, "max_tokens", ["max_tokens=0"]),  # not ignored
+    # found by the 10,000-case fuzz (BENCHMARKS.md): a 500, or a stream cut short
+    ({"messages": [{"role": "user"}], "tools": [{"function": {"name": ""}}], "stream": True,
+      "tool_choice": {"type": "function", "function": {"name": ""}},
+      "_path": "/v1/chat/completions"}, 400, "tools.0.function.name", ["at least 1 character"]),
 ])
 def test_bad_parameters(server, raw, body, status, param, words):
     path = body.pop("_path", "/v1/completions")

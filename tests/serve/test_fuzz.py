@@ -6,9 +6,11 @@ each generates at most one token; in CI a fixed few examples per operation run, 
 that pick another compiled step shape (penalties, logit_bias, min_tokens, logprobs) are left
 out so the server compiles nothing new. ``JAXINFER_FUZZ_EXAMPLES=N`` runs N examples per
 operation with those fields kept and schemathesis's coverage phase on, and prints the count of
-each (operation, status) (BENCHMARKS.md):
+each (operation, status) (BENCHMARKS.md; an operation then takes over the 5 minutes after which
+pytest's faulthandler_timeout prints every thread's stack, hence the -o):
 
-    JAXINFER_FUZZ_EXAMPLES=10000 python -m pytest tests/serve/test_fuzz.py -q -s
+    JAXINFER_FUZZ_EXAMPLES=10000 python -m pytest tests/serve/test_fuzz.py -q -s \
+        -o faulthandler_timeout=0
 """
 
 import asyncio

@@ -7,13 +7,14 @@ Runs `LLMEngine` on random weights (``--arch qwen3-8b``: the Qwen3-8B architectu
 tokens in steady decode, ``ignore_eos`` so that no row ends:
 
   free   no constraint: asynchronous scheduling overlaps the host with the device
-  json   every row under `SCHEMA` (an unbounded array of records, so no grammar completes):
+  json   every row under a schema of `SCHEMAS` (``--schemas``; an unbounded array of records, so
+         no grammar completes):
          each step runs as a forward dispatched before the previous step is read back, then a
          sampling call once the host has filled B bitmask rows (`jaxinfer.engine.structured`);
          ``overlapped``: the fraction of timed steps dispatched with one in flight (1.0 expected)
 
 and, apart from the engine, ``mask``: `StructuredOutputManager.fill` of B rows per step (the
-engine's call, llguidance's thread pool) replaying B valid documents of `SCHEMA` token by token
+engine's call, llguidance's thread pool) replaying B valid documents of the schema token by token
 (p50, p99, mean ms per step). Ratio = json / free step time (issue 30: <= 1.10 on the H200).
 Appends JSON objects (bench="structured") to ``--out`` and prints a table.
 
@@ -40,16 +41,18 @@ RECORD = {"type": "object", "additionalProperties": False, "required": ["name", 
           "properties": {"name": {"type": "string", "maxLength": 16},
                          "age": {"type": "integer", "minimum": 0, "maximum": 150},
                          "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}}}
-SCHEMA = {"type": "array", "items": RECORD}
+PLAIN = dict(RECORD, properties=dict(RECORD["properties"], name={"type": "string"}))
+SCHEMAS = {"bounded": {"type": "array", "items": RECORD},  # the name's maxLength: llguidance
+           "plain": {"type": "array", "items": PLAIN}}     # counts characters in the string
 TINY = dict(architecture="qwen3", hidden_size=64, intermediate_size=128, num_layers=2,
             num_heads=4, num_kv_heads=2, head_dim=16)
 
 
-def mask_times(manager, tokenizer, batch: int) -> np.ndarray:
-    """Seconds of each step's `fill` of ``batch`` rows replaying valid documents of `SCHEMA`."""
+def mask_times(manager, tokenizer, batch: int, schema: dict) -> np.ndarray:
+    """Seconds of each step's `fill` of ``batch`` rows replaying valid documents of ``schema``."""
     from jaxinfer.sampling_params import StructuredOutputsParams
 
-    so = StructuredOutputsParams(json=SCHEMA)
+    so = StructuredOutputsParams(json=schema)
     docs = [tokenizer.encode(json.dumps([{"name": f"Name{i}{j}", "age": (i * 7 + j) % 150,
                                           "tags": ["red", "blue"][:1 + (i + j) % 2]}
                                          for j in range(8)]), add_special_tokens=False)
@@ -100,6 +103,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=50, help="timed steps per mode")
     ap.add_argument("--tokenizer", default=None, metavar="DIR",
                     help="an HF tokenizer directory saved from SmolLM2's (default: read the GGUF)")
+    ap.add_argument("--schemas", nargs="+", choices=sorted(SCHEMAS), default=sorted(SCHEMAS))
     ap.add_argument("--out", default=None, help="default: benchmarks/h200.jsonl on a GPU, "
                                                 "else benchmarks/cpu.jsonl")
     args = ap.parse_args()
@@ -134,18 +138,19 @@ def main() -> None:
     eng = LLMEngine(ModelRunner(cfg, params, resolve(cfg, ec, jax.default_backend())),
                     eos_token_ids=(tok.eos_token_id,), tokenizer=tok)
     t_free, o_free = step_time(eng, None, args)
-    t_json, o_json = step_time(eng, StructuredOutputsParams(json=SCHEMA), args)
-    mask = mask_times(eng.structured, tok, B)
     meta = dict(bench="structured", arch=args.arch, layers=cfg.num_layers, B=B,
                 context=args.context, vocab=cfg.vocab_size, jax=jax.__version__,
                 device=jax.devices()[0].device_kind, cpus=os.cpu_count(),
                 date=datetime.date.today().isoformat(), commit=git_commit(), xla_flags=xla_flags())
-    rows = [dict(meta, mode="free", ms_per_step=t_free * 1e3, overlapped=o_free),
-            dict(meta, mode="json", ms_per_step=t_json * 1e3, ratio=t_json / t_free,
-                 overlapped=o_json),
-            dict(meta, mode="mask", ms_per_step=float(mask.mean() * 1e3),
-                 p50_ms=float(np.percentile(mask, 50) * 1e3),
-                 p99_ms=float(np.percentile(mask, 99) * 1e3), steps=len(mask))]
+    rows = [dict(meta, mode="free", ms_per_step=t_free * 1e3, overlapped=o_free)]
+    for name in args.schemas:
+        t_json, o_json = step_time(eng, StructuredOutputsParams(json=SCHEMAS[name]), args)
+        mask = mask_times(eng.structured, tok, B, SCHEMAS[name])
+        rows += [dict(meta, mode="json", schema=name, ms_per_step=t_json * 1e3,
+                      ratio=t_json / t_free, overlapped=o_json),
+                 dict(meta, mode="mask", schema=name, ms_per_step=float(mask.mean() * 1e3),
+                      p50_ms=float(np.percentile(mask, 50) * 1e3),
+                      p99_ms=float(np.percentile(mask, 99) * 1e3), steps=len(mask))]
     out = args.out or f"benchmarks/{'h200' if gpu else 'cpu'}.jsonl"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "a") as fh:
@@ -153,9 +158,9 @@ def main() -> None:
             fh.write(json.dumps(r) + "\n")
     print(f"\n{args.arch} layers={cfg.num_layers} B={B} context={args.context} V={cfg.vocab_size} "
           f"device={meta['device']}")
-    print(f"{'mode':<6} {'ms/step':>9} {'ratio':>7} {'p50 ms':>8} {'p99 ms':>8} {'overlap':>8}")
+    print(f"{'mode':<14} {'ms/step':>9} {'ratio':>7} {'p50 ms':>8} {'p99 ms':>8} {'overlap':>8}")
     for r in rows:
-        print(f"{r['mode']:<6} {r['ms_per_step']:>9.3f} {r.get('ratio', float('nan')):>7.3f} "
+        print(f"{r['mode'] + ' ' + r.get('schema', ''):<14} {r['ms_per_step']:>9.3f} {r.get('ratio', float('nan')):>7.3f} "
               f"{r.get('p50_ms', float('nan')):>8.3f} {r.get('p99_ms', float('nan')):>8.3f} "
               f"{r.get('overlapped', float('nan')):>8.2f}")
 

@@ -167,3 +167,15 @@ class LLM(Prompts):
     def reset_prefix_cache(self) -> bool:
         """`LLMEngine.reset_prefix_cache`: True, or False (no change) while a request holds pages."""
         return self.engine.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``LLM.sleep`` between rollouts: frees the KV pool's and the weights' device
+        memory; level 1 keeps the weights in host memory, level 2 discards them (give them back
+        with `update_params` after `wake_up`). RuntimeError: requests unfinished; ValueError:
+        another level. Requests are refused (RuntimeError) until `wake_up`."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's ``LLM.wake_up``: ``tags`` (None: both) "weights" (level 1's back on the
+        device) and "kv_cache" (a new pool). Generation after it equals generation before."""
+        self.engine.wake_up(tags)

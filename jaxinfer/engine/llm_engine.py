@@ -89,7 +89,9 @@ class LLMEngine:
                     request_id: str | None = None, *, prompt: str | None = None) -> str:
         """`check_request`, then queue its ``params.n`` samples (sample i seeded by (seed, i));
         ``prompt``: its text, for the outputs. Returns the request id. Raises ValueError: as
-        `check_request`, or a duplicate id. A constrained sample gets its own matcher."""
+        `check_request`, or a duplicate id; RuntimeError: `ModelRunner.check_awake`. A
+        constrained sample gets its own matcher."""
+        self.runner.check_awake()
         self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.outputs.requests:
@@ -150,6 +152,18 @@ class LLMEngine:
         self.loop.in_flight = None
         if self.runner.recover():
             self.block_manager.reset_prefix_cache()  # the cached pages' K/V is gone
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's ``sleep`` (`ModelRunner.sleep`), the prefix cache emptied. RuntimeError:
+        unfinished requests."""
+        if self.has_unfinished():
+            raise RuntimeError("sleep() needs an idle engine: requests are unfinished")
+        self.reset_prefix_cache()
+        self.runner.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's ``wake_up`` (`ModelRunner.wake_up`)."""
+        self.runner.wake_up(tags)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix page: True, or False (no change) while a request holds pages."""

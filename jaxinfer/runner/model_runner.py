@@ -50,6 +50,7 @@ class ModelRunner:
         dev_stats = jax.local_devices()[0].memory_stats() if resolved.platform == "gpu" else None
         self.num_pages = memory.engine_pool_pages(resolved, dev_stats)
         self.kv: KVCache = self._new_kv()
+        self.sleeping, self._host_params = 0, None  # `sleep`'s level (0: awake)
         self.buckets = BucketSpec.build(
             max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
             max_model_len=resolved.max_model_len, page_size=ec.page_size,
@@ -107,7 +108,7 @@ class ModelRunner:
 
     def recover(self) -> bool:
         """After an interrupted step: reallocate a pool it took (True: the pages' K/V is gone)."""
-        if not (self.kv.k.is_deleted() or self.kv.v.is_deleted()):
+        if self.sleeping or not (self.kv.k.is_deleted() or self.kv.v.is_deleted()):
             return False
         self.kv = self._new_kv()
         return True
@@ -128,6 +129,44 @@ class ModelRunner:
         else:
             self.params = jax.tree.map(lambda b, a: jax.device_put(b, a.sharding), params,
                                        self.params)
+
+    def sleep(self, level: int) -> None:
+        """vLLM's ``sleep``: the device memory of the KV pool (its pages' K/V lost) and of the
+        weights freed; level 1 copies the weights to host memory first (`wake_up` puts them
+        back), level 2 keeps none (`update_params` after `wake_up`). Asleep already: nothing.
+        ValueError: another level."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep(level={level!r}): 1 (weights kept in host memory) or 2 "
+                             "(weights discarded)")
+        if not self.sleeping:
+            self._host_params = jax.tree.map(np.array, self.params) if level == 1 else None
+            for a in jax.tree.leaves((self.params, self.kv)):
+                a.delete()
+            self.sleeping = level
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's ``wake_up``: of ``tags`` (None: both), "kv_cache" a new (empty) KV pool,
+        "weights" level 1's weights back on their devices. ValueError: another tag."""
+        tags = {"weights", "kv_cache"} if tags is None else set(tags)
+        if bad := tags - {"weights", "kv_cache"}:
+            raise ValueError(f"wake_up tags {sorted(bad)}: allowed 'weights', 'kv_cache'")
+        if "weights" in tags and self._host_params is not None:
+            self.params = jax.tree.map(lambda h, a: jax.device_put(h, a.sharding),
+                                       self._host_params, self.params)
+            self._host_params = None
+        if "kv_cache" in tags and self.kv.k.is_deleted():
+            self.kv = self._new_kv()
+        if self._host_params is None and not self.kv.k.is_deleted():
+            self.sleeping = 0
+
+    def check_awake(self) -> None:
+        """RuntimeError: asleep, or woken from ``sleep(level=2)`` without `update_params`."""
+        if self.sleeping:
+            raise RuntimeError(f"the engine is asleep (sleep(level={self.sleeping})): call "
+                               "wake_up() first")
+        if jax.tree.leaves(self.params)[0].is_deleted():
+            raise RuntimeError("the weights were discarded by sleep(level=2): call "
+                               "update_params(params) after wake_up()")
 
     def precompile(self, shape_keys: list[ShapeKey], *, max_workers: int | None = None,
                    warm: bool = True, split: bool = False) -> dict:

@@ -2,6 +2,7 @@
 line, exit code 2 (valid prompts still run)."""
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -43,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                       ("--stream", "print tokens as they arrive"),
                       ("--json", "one JSON object per request on stdout")):
         p.add_argument(opt, action="store_true", help=help)
+    p.add_argument("--verbose", action="store_true", help="print the seconds of each phase "
+                   "(imports, load, compile, first token) on stderr")
     p.add_argument("--memory-trace", default=None, metavar="FILE",
                    help="write a CSV of weights / KV pool / pages in use / other bytes per step")
     return p
@@ -103,6 +106,7 @@ def _print(args, i: int, prompts: list[str], o, c) -> None:
 
 
 def _main(argv: list[str] | None = None) -> int:
+    t_start = time.perf_counter()
     from jaxinfer.sampling_params import SamplingParams
 
     try:  # the options, prompts, SamplingParams and LLM; a bad one: one line, exit code 2
@@ -117,6 +121,9 @@ def _main(argv: list[str] | None = None) -> int:
         params = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos,
                                 include_stop_str_in_output=args.include_stop_str_in_output,
                                 **{name: getattr(args, name) for name, *_ in SAMPLING_OPTIONS})
+        if args.verbose:
+            importlib.import_module("jaxinfer.llm")  # timed apart from the load
+        t_import = time.perf_counter()
         llm = make_llm(args, tokenizer=args.tokenizer)
         inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
             [{"role": "user", "content": p}])} for p in prompts] if args.chat else prompts
@@ -151,6 +158,12 @@ def _main(argv: list[str] | None = None) -> int:
               f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
               f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
               f"compilation included), compiles: {llm.engine.stats().num_compiles}", file=info)
+    if args.verbose:
+        first = min(ttfts, default=float("nan")) + t0 - t_start
+        print(f"phases: imports {t_import - t_start:.1f} s, load {t0 - t_import:.1f} s, compile "
+              f"{llm.engine.stats().compile_s:.1f} s ({llm.engine.stats().num_compiles} shapes), "
+              f"first token {first:.1f} s, total {time.perf_counter() - t_start:.1f} s "
+              "(from the start of main)", file=info)
     if args.memory_trace:
         try:
             llm.engine.memory.write_csv(args.memory_trace)

@@ -238,7 +238,9 @@ class StepExecutor:
         if (exe := self.executables.get(name := _name(phase, hb.key))) is None:
             self.stats.num_lazy_compiles += 1
             log.info("compiling %s for %s (%d so far)", phase, hb.key, self.stats.num_compiles + 1)
+            t = time.perf_counter()
             exe = self._add(name, self._lower(phase, hb.key, args).compile())
+            self.stats.compile_s += time.perf_counter() - t
         return exe(*args)
 
     def _lower(self, phase: str, key: ShapeKey, args):

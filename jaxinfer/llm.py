@@ -7,7 +7,7 @@ from typing import Callable
 import jax
 
 from checkpoints_tools.loader import load_tokenizer, open_checkpoint
-from jaxinfer.config import EngineConfig, ModelConfig, check_platform, memory, resolve
+from jaxinfer.config import ModelConfig, check_platform, engine_config, memory, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.models.quantize import quantize_params
 from jaxinfer.outputs import CompletionOutput, RequestOutput
@@ -15,14 +15,6 @@ from jaxinfer.prompts import ParamsArg, Prompts
 from jaxinfer.runner import loading, parallel
 from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.sampling_params import RequestOutputKind
-
-
-def _engine_config(engine_args: dict) -> EngineConfig:
-    """Raises ValueError: an unknown argument (listing the allowed ones) or a bad value."""
-    allowed = sorted(EngineConfig.__dataclass_fields__)
-    if unknown := sorted(set(engine_args) - set(allowed)):
-        raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {allowed}")
-    return EngineConfig(**engine_args)
 
 
 def _claim_gpu_memory(utilization: float) -> None:
@@ -39,21 +31,33 @@ class LLM(Prompts):
     """A model served with continuous batching. ``model``: an HF model directory, a GGUF file or an
     Orbax directory; None: the embedded SmolLM2-135M-Instruct. ``tokenizer``: an HF tokenizer
     directory or GGUF file instead of the model's. ``skip_tokenizer_init``: token-id prompts, no
-    output text. ``engine_args``: `EngineConfig` fields. FileNotFoundError: no such model or
-    tokenizer; ValueError: unsupported architecture, bad engine argument, GPU kernels off GPU."""
+    output text. ``hf_overrides``: a dict over the model's config.json (Orbax: `ModelConfig`
+    fields). ``engine_args``: `EngineConfig` fields and vLLM's arguments (`engine_config`).
+    FileNotFoundError: no such model (a hub id: the local forms named) or tokenizer; ValueError:
+    unsupported architecture, bad engine argument, GPU kernels off GPU."""
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
-                 skip_tokenizer_init: bool = False, **engine_args):
+                 skip_tokenizer_init: bool = False, hf_overrides: dict | None = None,
+                 **engine_args):
         from checkpoints_tools.default_model import default_model_path
 
-        ec = _engine_config(engine_args)
+        ec = engine_config(**engine_args)
+        if not isinstance(hf_overrides, (dict, type(None))):  # vLLM's callable edits an HF config
+            raise ValueError(f"hf_overrides must be a dict of config.json keys; got {hf_overrides!r}")
         if ec.gpu_memory_utilization is not None:
             _claim_gpu_memory(ec.gpu_memory_utilization)
         platform = jax.default_backend()
         check_platform(ec.kernels, platform)  # before any file is read
         if tokenizer is not None and not os.path.exists(tokenizer):
             raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
-        ckpt = open_checkpoint(model if model is not None else default_model_path())  # once
+        path = model if model is not None else default_model_path()
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model {path!r} is no local path (nothing is downloaded); "
+                                    "give an HF model directory (config.json + *.safetensors), "
+                                    "a .gguf file or an Orbax directory")
+        ckpt = open_checkpoint(path)  # once
+        if hf_overrides:
+            ckpt = dataclasses.replace(ckpt, config={**ckpt.config, **hf_overrides})
         resolved = resolve(ModelConfig.from_checkpoint(ckpt), ec, platform, jax.devices()[0].device_kind)
         if ec.tensor_parallel_size > 1:
             parallel.make_mesh(ec.tensor_parallel_size)  # enough devices, before the weights
@@ -84,7 +88,7 @@ class LLM(Prompts):
             tokenizer = load_tokenizer(tokenizer, "gguf" if os.fspath(tokenizer).endswith(
                 ".gguf") else "hf")
         self.model_path, self.tokenizer = None, tokenizer
-        resolved = resolve(config, _engine_config(engine_args), jax.default_backend(),
+        resolved = resolve(config, engine_config(**engine_args), jax.default_backend(),
                            jax.devices()[0].device_kind)
         if resolved.quantization is not None:
             params = quantize_params(params, config.weight_block_size)

@@ -73,8 +73,13 @@ class LLMEngine:
         self.loop.async_scheduling = bool(value)
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError: a token id outside [0, V), an invalid ``structured_outputs``
-        (`StructuredOutputManager.matcher`), or not `Scheduler.check_admissible`."""
+        """Raise ValueError: logprobs above ``EngineConfig.max_logprobs``, a token id outside
+        [0, V), an invalid ``structured_outputs`` (`StructuredOutputManager.matcher`), or not
+        `Scheduler.check_admissible`."""
+        if (k := max(params.logprobs or 0, params.prompt_logprobs or 0)) > (
+                m := self.resolved.engine.max_logprobs):
+            raise ValueError(f"{k} log-probabilities per token requested; this engine gives at "
+                             f"most max_logprobs={m}")
         vocab = self.model_config.vocab_size
         for ids, what in ((prompt_token_ids, "prompt token id {} is"),
                           (params.stop_token_ids, "SamplingParams.stop_token_ids contains {},"),

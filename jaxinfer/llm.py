@@ -119,8 +119,8 @@ class LLM(Prompts):
                              if i not in errors}, [t for t, _ in encoded], use_tqdm, stream)
         for i, msg in errors.items():
             outputs[i] = RequestOutput(
-                request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=tuple(encoded[i][1]),
-                outputs=[CompletionOutput(0, "", (), "error")], finished=True, error=msg)
+                request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=list(encoded[i][1]),
+                outputs=[CompletionOutput(0, "", [], "error")], finished=True, error=msg)
         return [outputs[i] for i in range(len(encoded))]
 
     def _run(self, requests: dict[int, tuple], texts: list, use_tqdm: bool,

@@ -72,10 +72,20 @@ class LLMEngine:
     def async_scheduling(self, value: bool) -> None:
         self.loop.async_scheduling = bool(value)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError: logprobs above ``EngineConfig.max_logprobs``, a token id outside
-        [0, V), an invalid ``structured_outputs`` (`StructuredOutputManager.matcher`), or not
-        `Scheduler.check_admissible`."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams
+                      ) -> tuple[list[int], SamplingParams]:
+        """(the prompt's ids, its last ``truncate_prompt_tokens`` kept (-1: max_model_len); a copy
+        of ``params`` validated again: it is mutable). ValueError: a bad ``params`` value, a
+        non-empty bad_words, allowed_token_ids or logits_processors (not supported yet), logprobs
+        above ``EngineConfig.max_logprobs``, a token id outside [0, V), an invalid
+        ``structured_outputs`` (`StructuredOutputManager.matcher`), not `check_admissible`."""
+        params = dataclasses.replace(params)  # SamplingParams.__post_init__ checks the copy
+        if (k := params.truncate_prompt_tokens) is not None:
+            prompt_token_ids = prompt_token_ids[-(self.max_model_len if k == -1 else k):]
+        if name := next((n for n in ("bad_words", "allowed_token_ids", "logits_processors")
+                         if getattr(params, n)), None):
+            raise ValueError(f"SamplingParams.{name}={getattr(params, name)!r} is not supported "
+                             "yet; leave it None")
         if (k := max(params.logprobs or 0, params.prompt_logprobs or 0)) > (
                 m := self.resolved.engine.max_logprobs):
             raise ValueError(f"{k} log-probabilities per token requested; this engine gives at "
@@ -89,13 +99,14 @@ class LLMEngine:
         self.scheduler.check_admissible(len(prompt_token_ids), params)
         if params.structured_outputs is not None:
             self.structured.matcher(params.structured_outputs)
+        return prompt_token_ids, params
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, prompt: str | None = None) -> str:
         """`check_request`, then queue its ``params.n`` samples (sample i seeded by (seed, i));
         ``prompt``: its text, for the outputs. Returns the request id. Raises ValueError: as
         `check_request`, or a duplicate id. A constrained sample gets its own matcher."""
-        self.check_request(prompt_token_ids, params)
+        prompt_token_ids, params = self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.outputs.requests:
             raise ValueError(f"request_id={rid!r} is invalid: a request with this id is in the "
@@ -222,6 +233,7 @@ class LLMEngine:
 
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
         """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""
+        requests = [self.check_request(ids, sp) for ids, sp in requests]
         sched = self._scheduler(self.block_manager.copy_free(), self.eos_token_ids)  # the prefix cache as now
         steps = dry_run(sched, requests, buckets=self.runner.buckets,
                         async_scheduling=self.async_scheduling, mask_words=self.structured.words)

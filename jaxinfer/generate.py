@@ -21,7 +21,9 @@ SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
     ("frequency_penalty", float, 0.0, "in [-2, 2]: subtracted per time a token was generated"),
     ("min_tokens", int, 0, "EOS and stop tokens are masked until this many tokens"),
     ("seed", int, None, "per-request seed; unseeded requests draw from the engine's seed 0, so a "
-     "run is reproducible either way"))
+     "run is reproducible either way"),
+    ("n", int, 1, "samples per prompt (sample i seeded by (seed, i))"),
+    ("logprobs", int, None, "print each generated token's top N (0 to 20) log-probabilities"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,20 +61,15 @@ def _read_prompts_file(path: str) -> list[str]:
     except UnicodeDecodeError as e:
         raise ValueError(f"--prompts-file {path!r} is not UTF-8 text (byte {e.start}: "
                          f"{e.reason})") from None
-    if not path.endswith(".jsonl"):
-        return [s for _, s in lines]
-    prompts = []
-    for n, line in lines:
+    for k, (n, line) in enumerate(lines if path.endswith(".jsonl") else ()):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            obj = obj["prompt"]
-        if not isinstance(obj, str):
+        if not isinstance(obj := obj.get("prompt") if isinstance(obj, dict) else obj, str):
             raise ValueError(f"{path}:{n}: expected a JSON string or {{\"prompt\": str}}")
-        prompts.append(obj)
-    return prompts
+        lines[k] = n, obj
+    return [s for _, s in lines]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,29 +84,42 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
-def _setup(argv: list[str] | None):
-    """(args, prompts, SamplingParams, LLM, generate inputs). Raises ValueError, FileNotFoundError."""
-    from jaxinfer.sampling_params import SamplingParams
-
-    args = build_parser().parse_args(argv)
-    if args.json and args.stream:
-        raise ValueError("--json and --stream cannot be combined: --json writes one JSON object "
-                         "per request on stdout")
-    prompts = list(args.prompt) + (_read_prompts_file(args.prompts_file) if args.prompts_file else [])
-    if not prompts:
-        raise ValueError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
-    params = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-                            include_stop_str_in_output=args.include_stop_str_in_output,
-                            **{name: getattr(args, name) for name, *_ in SAMPLING_OPTIONS})
-    llm = make_llm(args, tokenizer=args.tokenizer)
-    inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
-        [{"role": "user", "content": p}])} for p in prompts] if args.chat else prompts
-    return args, prompts, params, llm, inputs
+def _print(args, i: int, prompts: list[str], o, c) -> None:
+    """Sample ``c`` of prompt ``i``'s output ``o``: a JSON line (``--json``), or its text after a
+    ``--- [i] 'prompt' [sample j]`` line when there are several, then with ``--logprobs N`` one
+    line per token: its text (repr), its log-probability, ``top:`` the N likeliest with theirs."""
+    top = c.top_logprobs(args.logprobs) if args.logprobs is not None else None
+    if args.json:  # "logprobs": null unless asked
+        return print(json.dumps({
+            "index": i, "sample": c.index, "prompt": prompts[i], "text": c.text,
+            "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
+            "prompt_tokens": len(o.prompt_token_ids), "ttft_s": o.metrics and o.metrics.ttft_s,
+            "logprobs": top and [{"token": s, "logprob": lp, "top": t} for s, lp, t in top]}))
+    if len(prompts) > 1 or args.n > 1:
+        print(f"--- [{i}] {prompts[i]!r}" + (f" sample {c.index}" if args.n > 1 else ""))
+    print(c.text)
+    for s, lp, t in top or ():
+        print(f"  {s!r} {lp:.4f}  top: " + ", ".join(f"{u!r} {x:.4f}" for u, x in t))
 
 
 def _main(argv: list[str] | None = None) -> int:
-    try:
-        args, prompts, params, llm, inputs = _setup(argv)
+    from jaxinfer.sampling_params import SamplingParams
+
+    try:  # the options, prompts, SamplingParams and LLM; a bad one: one line, exit code 2
+        args = build_parser().parse_args(argv)
+        if args.stream and (args.json or args.n > 1 or args.logprobs is not None):
+            raise ValueError("--stream prints one sample's text per prompt as it comes: it cannot "
+                             "be combined with --json, --n above 1 or --logprobs")
+        prompts = args.prompt + (_read_prompts_file(args.prompts_file) if args.prompts_file else [])
+        if not prompts:
+            raise ValueError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file "
+                             "FILE")
+        params = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+                                include_stop_str_in_output=args.include_stop_str_in_output,
+                                **{name: getattr(args, name) for name, *_ in SAMPLING_OPTIONS})
+        llm = make_llm(args, tokenizer=args.tokenizer)
+        inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
+            [{"role": "user", "content": p}])} for p in prompts] if args.chat else prompts
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
 
@@ -131,15 +141,10 @@ def _main(argv: list[str] | None = None) -> int:
     for i, o in enumerate(outs):
         if o.error:
             sys.stderr.write(f"error: prompt {i}: {o.error}\n")
-        elif args.json:
-            print(json.dumps({"index": i, "prompt": prompts[i], "text": o.text,
-                              "token_ids": list(o.token_ids),
-                              "finish_reason": o.outputs[0].finish_reason,
-                              "prompt_tokens": len(o.prompt_token_ids),
-                              "ttft_s": o.metrics.ttft_s if o.metrics else None}))
         elif not args.stream:
-            print(f"--- [{i}] {prompts[i]!r}\n{o.text}" if len(prompts) > 1 else o.text)
-    n_gen = sum(len(o.token_ids) for o in ok)
+            for c in o.outputs:
+                _print(args, i, prompts, o, c)
+    n_gen = sum(len(c.token_ids) for o in ok for c in o.outputs)
     ttfts = [o.metrics.ttft_s for o in ok if o.metrics and o.metrics.ttft_s is not None]
     if ok:  # a run whose every prompt failed prints only its errors
         print(f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "

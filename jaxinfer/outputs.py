@@ -52,6 +52,15 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def top_logprobs(self, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
+        """Per token: (its text, its log-probability, the top ``k`` as (text, log-probability),
+        likeliest first); a token without text is "token_id:N" (vLLM's). []: none asked."""
+        def text(t: int, lp: Logprob) -> str:
+            return lp.decoded_token if lp.decoded_token is not None else f"token_id:{t}"
+        return [(text(t, rec[t]), rec[t].logprob, [(text(u, lp), lp.logprob) for u, lp in sorted(
+            rec.items(), key=lambda x: x[1].rank or 0) if lp.rank is not None and lp.rank <= k])
+            for t, rec in zip(self.token_ids, self.logprobs or ())]
+
 
 @dataclass(frozen=True)
 class RequestOutput:
@@ -130,7 +139,7 @@ class OutputProcessor:
                 out = st.seqs
             elif st.kind is RequestOutputKind.FINAL_ONLY:
                 out = self.request_output(st.seqs, st.prompt) if done else None
-            elif (out := self._delta_output(st, done)) is not None and \
+            elif (out := self._delta_output(st)) is not None and \
                     st.kind is RequestOutputKind.CUMULATIVE:
                 out = st.acc = out if st.acc is None else st.acc.add(out)
             if done:
@@ -139,7 +148,7 @@ class OutputProcessor:
                 outs.append(out)
         return outs
 
-    def _delta_output(self, st: RequestState, done: bool) -> RequestOutput | None:
+    def _delta_output(self, st: RequestState) -> RequestOutput | None:
         """What is new in ``st``'s samples since the last output (`stream_delta`; prompt logprobs
         in the first), a finished sample's finish reason once; None: nothing new."""
         comps, first = [], all(x == (0, "") for x in st.sent)

@@ -20,12 +20,14 @@ class StepRecord(NamedTuple):
 @dataclass
 class EngineStats:
     """num_lazy_compiles: shapes compiled in a step; num_overlapped_steps: dispatched with one in
-    flight; prefix_cache_queries / _hits: admitted tokens looked up / found; step_log: None, or
-    ``[]`` to collect `StepRecord`s; queue and pool sizes: filled in by `LLMEngine.stats`."""
+    flight; num_covered_steps: run padded to a compiled shape while theirs compiled;
+    prefix_cache_queries / _hits: admitted tokens looked up / found; step_log: None, or ``[]``
+    to collect `StepRecord`s; queue and pool sizes: filled in by `LLMEngine.stats`."""
 
     num_steps: int = 0
     num_lazy_compiles: int = 0
     num_overlapped_steps: int = 0
+    num_covered_steps: int = 0
     max_kv_len_seen: int = 0
     compiled_shapes: set = field(default_factory=set)
     prefix_cache_queries: int = 0

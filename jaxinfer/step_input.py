@@ -134,6 +134,16 @@ def pack(hb: HostBatch) -> np.ndarray:
     return np.concatenate(parts)
 
 
+def covers(a: ShapeKey, b: ShapeKey) -> bool:
+    """Whether a step of shape ``a`` runs a batch of shape ``b`` padded: the same packing and
+    features, B, T, M (and Q) no smaller; a sampling ``a`` also runs an all-greedy ``b``."""
+    same = a._replace(batch=b.batch, tokens=b.tokens, pages=b.pages, query=b.query,
+                      all_greedy=b.all_greedy) == b
+    return (same and a.packed == b.packed and (b.all_greedy or not a.all_greedy)
+            and a.batch >= b.batch and a.tokens >= b.tokens and a.pages >= b.pages
+            and (a.query or 0) >= (b.query or 0))
+
+
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     """``lo, 2*lo, ...`` up to the first power >= hi, with ``hi`` itself as the last bucket."""
     out, b = [], lo
@@ -184,3 +194,19 @@ class BucketSpec:
             prefill_tokens=token_buckets or powers_of_two(16, top),
             pages=powers_of_two(1, max_pages),
             packed_tokens=token_buckets or tuple(sorted(set(fine))))
+
+    def covering_keys(self) -> list[ShapeKey]:
+        """Sampling shapes without optional features that `covers` such shapes these buckets
+        produce: decode at the most rows and pages; packed at the most tokens and pages, per
+        query bucket Q the most rows a step with a chunk in Q can have, but at most those of
+        the widest bucket <= 8 Tp / Q (attention's [B, Q] query rows stay <= 8 Tp)."""
+        B, Tp, M = self.batch[-1], self.packed_tokens[-1], self.pages[-1]
+        keys, lo = [ShapeKey(B, 1, M, 0, None, False)], 2  # lo: the least chunk of bucket Q
+        for q in self.prefill_tokens:
+            if lo > min(q, Tp):
+                break
+            fit = [b for b in self.batch if b * q <= 8 * Tp] or [1]
+            rows = min(bucket(min(B, Tp - lo + 1), self.batch), fit[-1])
+            keys.append(ShapeKey(rows, Tp, M, 0, q, False))
+            lo = q + 1
+        return keys

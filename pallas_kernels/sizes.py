@@ -1,12 +1,5 @@
 """Integer size helpers of the kernels (Triton block shapes are powers of 2); `raise_first`."""
 
-import numbers
-
-
-def is_int(v) -> bool:
-    """Whether ``v`` is an integer (Python or NumPy) and not a bool."""
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
 
 def is_pow2(n: int) -> bool:
     """Whether ``n`` is a positive power of 2 (1, 2, 4, ...)."""

@@ -203,7 +203,7 @@ def knob_error(kc: KernelConfig, knobs: set) -> str | None:
     allowed = (set() if name == "reference" else
                set(inspect.signature(registry.get(name)).parameters) - {
                    "q", "k_pool", "v_pool", "block_tables", "seq_lens", "layer", "scale",
-                   "soft_cap", "sliding_window", "interpret", "num_heads", "page_offset"})
+                   "soft_cap", "sliding_window", "interpret", "page_offset"})
     if knobs - allowed:
         return (f"--decode-knobs {sorted(knobs - allowed)} are not knobs of decode attention "
                 f"{name!r}; its knobs: {sorted(allowed) or 'none'}")

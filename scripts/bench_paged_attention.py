@@ -181,7 +181,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--variants", nargs="+", default=[v for v in registry.names() if v != "reference"])
+    ap.add_argument("--variants", nargs="+", default=[v for v in registry.DECODE if v != "reference"])
     ap.add_argument("--max-kv-gib", type=float, default=24.0, help="skip configs whose KV exceeds this")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)

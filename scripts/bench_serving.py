@@ -14,9 +14,10 @@ The server: ``--base-url`` (one already running), else a child process this scri
 random-weight model of the published Qwen3-8B architecture (``--layers``) built on the device,
 which first runs the same workload offline (`LLM.generate`, the shapes compiled ahead of time as
 in bench_throughput.py) and reports its output tok/s, the reference of the rate ``inf`` row
-(``offline_output_tok_s``), then compiles every decode shape. Each rate runs untimed first until
-a run compiles no new step shape (at most ``--warmup`` runs); ``compiles`` counts the shapes
-compiled during the timed run (each one a stall in its latencies).
+(``offline_output_tok_s``); the engine core then warms up as `jaxinfer.serve` does. Each rate
+runs untimed first until a run compiles no new step shape (at most ``--warmup`` runs);
+``compiles`` counts the shapes compiled during the timed run (each one a stall in its latencies
+with ``--no-background-compile``), ``covered_steps`` the steps run padded meanwhile.
 
 ``--soak``: ``--soak-requests`` (1,000) over ``--soak-seconds`` (600) with 10% of the clients
 disconnecting mid-stream and 5% malformed requests; checks that every good request got all its
@@ -57,13 +58,12 @@ MODEL = "bench"
 
 def random_llm(args):
     """In the engine-core process: a random-weight model, the workload run offline once (timed;
-    the shapes compiled first, then every decode shape); the offline row on stdout, tagged."""
+    its shapes compiled first); the offline row on stdout, tagged."""
     import jax
     import jax.numpy as jnp
 
     from jaxinfer import LLM, SamplingParams, models
     from jaxinfer.config import ModelConfig
-    from jaxinfer.step_input import ShapeKey
 
     hf = dict(TINY_HF if args.tiny else QWEN3_8B_HF, model_type="qwen3",
               num_hidden_layers=args.layers)
@@ -73,10 +73,7 @@ def random_llm(args):
     prompts, out_lens = workload(args, cfg.vocab_size)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
-    llm.precompile(reqs, params)  # the offline run's shapes, then every decode shape
-    b = llm.engine.runner.buckets
-    llm.engine.precompile([ShapeKey(batch=n, tokens=1, pages=m, penalty=0, query=None,
-                                    all_greedy=True) for n in b.batch for m in b.pages])
+    llm.precompile(reqs, params)  # the offline run's shapes (the server's warm-up: its own)
     t = time.perf_counter()
     llm.generate(reqs, params)
     dt = time.perf_counter() - t
@@ -98,7 +95,7 @@ def serve_random(args) -> int:
 def engine_args(args) -> dict:
     return dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-                kernels=args.kernels)
+                kernels=args.kernels, compile_in_background=not args.no_background_compile)
 
 
 def start_server(args) -> tuple[subprocess.Popen, str, dict]:
@@ -114,7 +111,9 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
                "warning", "--served-model-name", MODEL, *(["--model", args.model]
                                                           if args.model != "embedded" else [])]
         for k, v in engine_args(args).items():
-            if v not in (None, ""):
+            if isinstance(v, bool):
+                cmd.append("--" + "no-" * (not v) + k.replace("_", "-"))
+            elif v not in (None, ""):
                 cmd += ["--" + k.replace("_", "-"), str(v)]
     import tempfile
     log = open(os.path.join(tempfile.gettempdir(), "bench_serving_server.log"), "w")
@@ -279,6 +278,8 @@ def main() -> None:
     ap.add_argument("--kernels", default="")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--soak", action="store_true")
+    ap.add_argument("--no-background-compile", action="store_true",
+                    help="compile a new step shape in the step that needs it (a stall)")
     ap.add_argument("--out", default="benchmarks/serving.jsonl")
     ap.add_argument("--png", default=None, help="default: --out with .png")
     ap.add_argument("--serve-random", action="store_true", help=argparse.SUPPRESS)
@@ -313,9 +314,10 @@ def main() -> None:
                 asyncio.run(run_rate(url, prompts, out_lens, rate, args.seed))
                 if metric(url, "compiled_step_shapes") == compiles:
                     break
-            compiles = metric(url, "compiled_step_shapes")
+            compiles, covered = (metric(url, m) for m in ("compiled_step_shapes", "covered_steps"))
             row = dict(meta, **asyncio.run(run_rate(url, prompts, out_lens, rate, args.seed)),
-                       compiles=metric(url, "compiled_step_shapes") - compiles)
+                       compiles=metric(url, "compiled_step_shapes") - compiles,
+                       covered_steps=metric(url, "covered_steps") - covered)
             if row["rate"] == "inf" and offline:
                 row["vs_offline"] = row["output_tok_s"] / offline["offline_output_tok_s"]
             rows.append(row)
@@ -323,7 +325,8 @@ def main() -> None:
                   f"{row['output_tok_s']:9.1f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']:8.1f}/"
                   f"{row['ttft_p99_ms']:8.1f} ms  TPOT {row['tpot_p50_ms']:7.2f}/"
                   f"{row['tpot_p99_ms']:7.2f} ms  ITL {row['itl_p50_ms']:7.2f}/"
-                  f"{row['itl_p99_ms']:7.2f} ms  incomplete {row['incomplete']}"
+                  f"{row['itl_p99_ms']:7.2f} ms  incomplete {row['incomplete']}  compiles "
+                  f"{row['compiles']:.0f} covered steps {row['covered_steps']:.0f}"
                   + (f"  vs offline {row['vs_offline']:.3f}" if "vs_offline" in row else ""),
                   flush=True)
     finally:

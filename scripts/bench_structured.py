@@ -8,8 +8,9 @@ tokens in steady decode, ``ignore_eos`` so that no row ends:
 
   free   no constraint: asynchronous scheduling overlaps the host with the device
   json   every row under `SCHEMA` (an unbounded array of records, so no grammar completes):
-         each step is read back before the next (`jaxinfer.engine.structured`) and the host
-         fills B bitmask rows
+         each step runs as a forward dispatched before the previous step is read back, then a
+         sampling call once the host has filled B bitmask rows (`jaxinfer.engine.structured`);
+         ``overlapped``: the fraction of timed steps dispatched with one in flight (1.0 expected)
 
 and, apart from the engine, ``mask``: `StructuredOutputManager.fill` of B rows per step (the
 engine's call, llguidance's thread pool) replaying B valid documents of `SCHEMA` token by token
@@ -67,8 +68,9 @@ def mask_times(manager, tokenizer, batch: int) -> np.ndarray:
     return np.array(times)
 
 
-def step_time(eng, so, args) -> float:
-    """Mean wall seconds of `LLMEngine.step` in steady decode of ``args.batch`` rows."""
+def step_time(eng, so, args) -> tuple[float, float]:
+    """Mean wall seconds of `LLMEngine.step` in steady decode of ``args.batch`` rows, and the
+    fraction of those steps launched while the previous one was in flight."""
     from jaxinfer.sampling_params import SamplingParams
 
     rng, warm = np.random.default_rng(0), 8
@@ -80,12 +82,13 @@ def step_time(eng, so, args) -> float:
         eng.step()
     for _ in range(warm):  # compile and warm the decode shape
         eng.step()
-    t = time.perf_counter()
+    t, overlapped = time.perf_counter(), eng.stats().num_overlapped_steps
     for _ in range(args.steps):
         eng.step()
     dt = (time.perf_counter() - t) / args.steps
+    overlapped = (eng.stats().num_overlapped_steps - overlapped) / args.steps
     eng.abort_all()
-    return dt
+    return dt, overlapped
 
 
 def main() -> None:
@@ -130,15 +133,16 @@ def main() -> None:
                       max_num_batched_tokens=max(2048, args.context))
     eng = LLMEngine(ModelRunner(cfg, params, resolve(cfg, ec, jax.default_backend())),
                     eos_token_ids=(tok.eos_token_id,), tokenizer=tok)
-    t_free = step_time(eng, None, args)
-    t_json = step_time(eng, StructuredOutputsParams(json=SCHEMA), args)
+    t_free, o_free = step_time(eng, None, args)
+    t_json, o_json = step_time(eng, StructuredOutputsParams(json=SCHEMA), args)
     mask = mask_times(eng.structured, tok, B)
     meta = dict(bench="structured", arch=args.arch, layers=cfg.num_layers, B=B,
                 context=args.context, vocab=cfg.vocab_size, jax=jax.__version__,
                 device=jax.devices()[0].device_kind, cpus=os.cpu_count(),
                 date=datetime.date.today().isoformat(), commit=git_commit(), xla_flags=xla_flags())
-    rows = [dict(meta, mode="free", ms_per_step=t_free * 1e3),
-            dict(meta, mode="json", ms_per_step=t_json * 1e3, ratio=t_json / t_free),
+    rows = [dict(meta, mode="free", ms_per_step=t_free * 1e3, overlapped=o_free),
+            dict(meta, mode="json", ms_per_step=t_json * 1e3, ratio=t_json / t_free,
+                 overlapped=o_json),
             dict(meta, mode="mask", ms_per_step=float(mask.mean() * 1e3),
                  p50_ms=float(np.percentile(mask, 50) * 1e3),
                  p99_ms=float(np.percentile(mask, 99) * 1e3), steps=len(mask))]
@@ -149,10 +153,11 @@ def main() -> None:
             fh.write(json.dumps(r) + "\n")
     print(f"\n{args.arch} layers={cfg.num_layers} B={B} context={args.context} V={cfg.vocab_size} "
           f"device={meta['device']}")
-    print(f"{'mode':<6} {'ms/step':>9} {'ratio':>7} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'mode':<6} {'ms/step':>9} {'ratio':>7} {'p50 ms':>8} {'p99 ms':>8} {'overlap':>8}")
     for r in rows:
         print(f"{r['mode']:<6} {r['ms_per_step']:>9.3f} {r.get('ratio', float('nan')):>7.3f} "
-              f"{r.get('p50_ms', float('nan')):>8.3f} {r.get('p99_ms', float('nan')):>8.3f}")
+              f"{r.get('p50_ms', float('nan')):>8.3f} {r.get('p99_ms', float('nan')):>8.3f} "
+              f"{r.get('overlapped', float('nan')):>8.2f}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ def pytest_configure(config):
     if "gpu" in (config.option.markexpr or "").replace("not gpu", ""):
         return
     os.environ.setdefault("XLA_FLAGS", CPU_XLA_FLAGS)
+    # every compile is cached, also the tiny model's shorter than JAX's default 1 s threshold (the
+    # server's engine core and the CLI subprocesses compile shapes that in-process engines load)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         path = config.stash[CACHE_DIR] = tempfile.mkdtemp(prefix="jaxinfer-tests-xla-")
         os.environ["JAX_COMPILATION_CACHE_DIR"] = path
@@ -198,10 +201,29 @@ def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_fa
 _GROUPS = {"smollm": {"smollm_path", "smollm_engine", "smollm_cli_args"}}
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    # the SmolLM2 CLI run in a subprocess goes last: its step shapes are those of in-process
+    # tests (`SMOLLM_ENGINE`), which are then in the run-wide compilation cache
+    items.sort(key=lambda item: "smollm_cli_args" in item.fixturenames)
     for item in items:
         if "tests/serve/" in item.nodeid:
             item.add_marker(pytest.mark.xdist_group("serve"))
         for name, fixtures in _GROUPS.items():
             if fixtures & set(item.fixturenames):
                 item.add_marker(pytest.mark.xdist_group(name))
+    yield  # pytest-xdist's hook (in a worker) appends "@group" to each grouped test's id ...
+    if getattr(config.option, "loadgroup", False):  # set in an xdist worker by --dist loadgroup
+        for item in items:
+            _group_suffix(item)
+
+
+def _group_suffix(item) -> None:
+    """... by setting ``Item._nodeid``, which pytest 9.2 no longer reads (its node ids are
+    ``Item._id``, a `NodeId`): the suffix is then missing and every test is a unit of its own,
+    so each worker loaded SmolLM2, its HF model and the server. Add it here where it is missing
+    (`NodeId.parse` keeps the given string as the id)."""
+    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                     for m in item.iter_markers("xdist_group")})
+    if groups and "@" not in item.nodeid.rpartition("]")[2] and hasattr(item, "_id"):
+        item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")

@@ -49,8 +49,8 @@ def test_parse_errors_name_the_key_value_and_allowed(spec, needles):
 
 
 def test_allowed_names_come_from_the_registry_and_reach_the_help():
-    assert kernel_choices()["decode_attention"] == ("auto",) + registry.names()
-    assert kernel_choices()["prefill_attention"] == ("auto",) + registry.prefill_names()
+    assert kernel_choices()["decode_attention"] == ("auto",) + tuple(registry.DECODE)
+    assert kernel_choices()["prefill_attention"] == ("auto",) + tuple(registry.PREFILL)
     text = KernelConfig.help()
     for f in dataclasses.fields(KernelConfig):
         assert f.name in text or f.name in ("decode_attention", "prefill_attention")

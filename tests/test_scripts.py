@@ -109,8 +109,7 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
             bench.parse_knobs(bad)
     seen = {}
 
-    def fake_decode(q, k_pool, v_pool, block_tables, seq_lens, *, layer, scale, soft_cap,
-                    sliding_window, **knobs):
+    def fake_decode(q, k_pool, v_pool, block_tables, seq_lens, *, layer, scale, **knobs):
         seen.update(knobs)
         return q
     monkeypatch.setattr(kernels.registry, "get", lambda name: fake_decode)

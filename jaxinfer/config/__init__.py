@@ -26,8 +26,8 @@ _DTYPE_ALIASES = {"auto": None, "float": "float32", "half": "float16"}  # vLLM's
 
 def kernel_choices() -> dict[str, tuple[str, ...]]:
     """Allowed values of each string field of `KernelConfig` (attention: the kernel registry)."""
-    return {"decode_attention": ("auto",) + registry.names(),
-            "prefill_attention": ("auto",) + registry.prefill_names(),
+    return {"decode_attention": ("auto",) + tuple(registry.DECODE),
+            "prefill_attention": ("auto",) + tuple(registry.PREFILL),
             "prefill_gemm": ("xla", "cublas")}
 
 
@@ -128,9 +128,13 @@ class EngineConfig:
     seed: int = _user(0, "base seed of unseeded requests")
     async_scheduling: bool = _user(True, "dispatch step n+1 before reading back step n's tokens "
                                    "(same outputs either way)")
-    compilation_cache_dir: str | None = _user(None, "JAX persistent compilation cache (process-"
-                                              "wide): a later run with the same DIR loads the "
-                                              "compiled steps", metavar="DIR")
+    compilation_cache_dir: str | None = _user(
+        "auto", "JAX persistent compilation cache (process-wide): a later run with the same DIR "
+        "loads the compiled steps; 'auto': JAX's own if set ($JAX_COMPILATION_CACHE_DIR), else "
+        "$XDG_CACHE_HOME/jaxinfer/jax (~/.cache/...); 'none': off", metavar="DIR")
+    compile_in_background: bool = _user(
+        False, "a step shape not compiled yet compiles in a thread while its steps run padded to a "
+        "compiled shape that covers it (no stall; the server's default)")
     enable_prefix_caching: bool = _user(True, "reuse the KV pages of prompt prefixes already "
                                         "computed (full pages, chained hashes, LRU eviction)")
     kv_cache_dtype: str = _user("auto", "KV cache dtype; 'auto': the compute dtype; 'fp8' (= "
@@ -165,9 +169,10 @@ class EngineConfig:
              "else float32), 'float32' (= 'float'), 'bfloat16', 'float16' (= 'half')"),
             ("seed", is_int, "must be an integer"),
             *((n, lambda v: isinstance(v, bool), "must be True or False")
-              for n in ("async_scheduling", "enable_prefix_caching", "enforce_eager")),
+              for n in ("async_scheduling", "enable_prefix_caching", "enforce_eager",
+                      "compile_in_background")),
             ("compilation_cache_dir", _optional(lambda v: isinstance(v, (str, os.PathLike))),
-             "must be None or a path"),
+             "must be None, 'auto', 'none' or a path"),
             ("kv_cache_dtype", KV_CACHE_DTYPES.__contains__,
              "allowed: 'auto' (the compute dtype), 'fp8' or 'fp8_e4m3' (float8_e4m3fn)"),
             ("tensor_parallel_size", lambda v: is_int(v, 1), positive),
@@ -242,16 +247,13 @@ class ResolvedConfig:
         return DTYPE_BYTES[self.kv_dtype]
 
 
-_GPU_FALLBACK = {"decode_attention": "reference", "prefill_attention": "reference"}
-
-
 def check_platform(kc: KernelConfig, platform: str) -> None:
     """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu"."""
-    for name, fallback in _GPU_FALLBACK.items():
+    for name in KERNEL_ALIASES.values():
         value = getattr(kc, name)
-        if platform != "gpu" and value not in ("auto", fallback):
+        if platform != "gpu" and value not in ("auto", "reference"):
             raise ValueError(f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
-                             f"backend is {platform!r}; use 'auto' or {fallback!r} here (the "
+                             f"backend is {platform!r}; use 'auto' or 'reference' here (the "
                              "kernels' CPU tests run them in interpret mode)")
 
 

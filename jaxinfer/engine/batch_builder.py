@@ -28,12 +28,13 @@ def _prompt_positions(batch) -> list[range]:
 
 
 def build_host_batch(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(),
-                     mask_words: int = 0) -> HostBatch:
+                     mask_words: int = 0, key: ShapeKey | None = None) -> HostBatch:
     """Pad a `ScheduledBatch` to a bucketed `HostBatch` (packed if a chunk has > 1 token;
     ``pending_input`` rows in ``pending_rows``; ``mask_words`` W: a bitmask i32[B, W], all -1, if
-    a sampled row is constrained). ValueError: a size past the largest bucket."""
-    hb = allocate(shape_key(batch, page_size=page_size, buckets=buckets,
-                            eos_token_ids=eos_token_ids, mask_words=mask_words))
+    a sampled row is constrained); ``key``: a shape that `covers` its `shape_key` instead.
+    ValueError: a size past the largest bucket."""
+    hb = allocate(key or shape_key(batch, page_size=page_size, buckets=buckets,
+                                   eos_token_ids=eos_token_ids, mask_words=mask_words))
     a, off, j = hb.arrays, 0, 0  # off: packed offset of row i's first token; j: prompt position
     scored = _prompt_positions(batch) if hb.key.prompt_logprobs else [()] * batch.num_seqs
     for i, (s, n, c) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.start_positions)):
@@ -81,7 +82,9 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec, eos_token_id
 
 def shape_key(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(),
               mask_words: int = 0) -> ShapeKey:
-    """The bucketed `ShapeKey` of a `ScheduledBatch`."""
+    """The bucketed `ShapeKey` of a `ScheduledBatch`. A packed step's M is the largest page
+    bucket (its attention loops to each row's seq_len, so only the table's width pads): one
+    shape per (B, Tp, Q) instead of one per M as well."""
     seqs, nums = batch.seqs, batch.num_new_tokens
     B = bucket(len(seqs), buckets.batch)
     M = bucket(max(-(-(c + n) // page_size) for c, n in zip(batch.start_positions, nums)),
@@ -103,4 +106,4 @@ def shape_key(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(),
     if max(nums) == 1:
         return ShapeKey(B, 1, M, R, None, greedy, **extra)
     Tp = bucket(sum(nums), token_buckets)
-    return ShapeKey(B, Tp, M, R, bucket(max(nums), buckets.prefill_tokens), greedy, **extra)
+    return ShapeKey(B, Tp, buckets.pages[-1], R, bucket(max(nums), buckets.prefill_tokens), greedy, **extra)

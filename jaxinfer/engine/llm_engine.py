@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxinfer.config.memory import MemoryTracker
 from jaxinfer.engine import logprobs
-from jaxinfer.engine.batch_builder import build_host_batch
+from jaxinfer.engine.batch_builder import build_host_batch, shape_key
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.dry_run import dry_run
 from jaxinfer.engine.loop import Launched, StepLoop
@@ -50,7 +50,7 @@ class LLMEngine:
         self.block_manager = BlockManager(runner.num_pages, ec.page_size, stats=self._stats,
                                           enable_prefix_caching=ec.enable_prefix_caching)
         self.scheduler = self._scheduler(self.block_manager, self.eos_token_ids)
-        self.loop = StepLoop(self.scheduler, self._launch, self._complete,
+        self.loop = StepLoop(self.scheduler, self._launch, self._complete, sample=self._sample,
                              async_scheduling=ec.async_scheduling, stats=self._stats)
         self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
         self._touched: list[str] = []  # request ids a step or an abort gave new output
@@ -180,13 +180,16 @@ class LLMEngine:
         self.reset_prefix_cache()
 
     def _launch(self, batch: ScheduledBatch, prev: Launched | None):
-        """`StepLoop`'s launch: build the host batch and the constrained rows' masks (their
-        grammars are up to date: `StepLoop` read their step back), have the runner dispatch it."""
-        hb = build_host_batch(batch, page_size=self.page_size, buckets=self.runner.buckets,
-                              eos_token_ids=self.eos_token_ids, mask_words=self.structured.words)
-        if hb.key.bitmask:
-            self.structured.fill(hb.bitmask, [(i, s.matcher) for i, s in enumerate(batch.seqs)
-                                              if s.matcher is not None and hb.sample_rows[i]])
+        """`StepLoop`'s launch: build the host batch, have the runner dispatch it; a constrained
+        step's masks need the grammars advanced by ``prev``'s tokens: under async scheduling
+        only its forward now, else nothing (`_sample` ends it). Returns (handle, `HostBatch`)."""
+        shape = dict(page_size=self.page_size, buckets=self.runner.buckets,
+                     eos_token_ids=self.eos_token_ids, mask_words=self.structured.words)
+        key = shape_key(batch, **shape)
+        split = bool(key.bitmask) and self.async_scheduling
+        if (run_key := self.runner.runnable(key, split)) != key:
+            self._stats.num_covered_steps += 1
+        hb = build_host_batch(batch, **shape, key=run_key)
         self._stats.max_kv_len_seen = max(self._stats.max_kv_len_seen, int(hb.seq_lens.max()))
         if hb.pending_rows.any():
             if prev is None:
@@ -194,9 +197,22 @@ class LLMEngine:
             row_of = {id(s): i for i, s in enumerate(prev.batch.seqs)}
             for i in np.flatnonzero(hb.pending_rows):
                 hb.pending_src[i] = row_of[id(batch.seqs[i])]
-        handle = self.runner.execute(hb, None if prev is None else prev.handle[0])
         self._stats.num_steps += 1
-        return handle, hb
+        prev_handle = None if prev is None else prev.handle[0]
+        if key.bitmask:
+            return (self.runner.execute(hb, prev_handle, "forward") if split else None), hb
+        return self.runner.execute(hb, prev_handle), hb
+
+    def _sample(self, done: Launched) -> None:
+        """`StepLoop`'s sample: a constrained step's masks (grammars advanced by the step read
+        back; rows finished since: none, tokens discarded), then its sampling (sync: the step)."""
+        (handle, hb), batch = done.handle, done.batch
+        if hb.key.bitmask:
+            self.structured.fill(hb.bitmask, [(i, s.matcher) for i, s in enumerate(batch.seqs)
+                                              if s.matcher is not None and hb.sample_rows[i]
+                                              and not s.is_finished])
+            done.handle = (self.runner.execute(hb) if handle is None
+                           else self.runner.execute_sample(handle, hb)), hb
 
     def _complete(self, done: Launched, host_times: tuple[float, float]) -> list[Sequence]:
         """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
@@ -204,12 +220,13 @@ class LLMEngine:
         tokens, lps = self.runner.read(handle)
         t1 = time.perf_counter()
         sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
+        for s, tok in zip(batch.seqs, sampled):  # a row finished earlier: its token discarded
+            if tok is not None and s.matcher is not None and not s.is_finished:
+                self.structured.accept(s.matcher, tok)
         before = None if lps is None else [s.num_output_tokens for s in batch.seqs]
         finished = self.scheduler.postprocess(batch, sampled)
         logprobs.record(lps, hb, batch.seqs, before)
         for s, tok in zip(batch.seqs, sampled):
-            if tok is not None and s.matcher is not None:
-                self.structured.accept(s.matcher, tok)
             if tok is None or (stop := self.outputs.find_stop_string(s)) is None:
                 continue
             s.stop_string = stop
@@ -240,5 +257,6 @@ class LLMEngine:
         return list(dict.fromkeys(hb.key for _, hb in steps))
 
     def precompile(self, shape_keys, *, max_workers: int | None = None, warm: bool = True) -> dict:
-        """`ModelRunner.precompile`: {"shapes", "lower_s", "warm_s", "seconds"}."""
-        return self.runner.precompile(shape_keys, max_workers=max_workers, warm=warm)
+        """`ModelRunner.precompile`, split as `_launch` runs: {"shapes", "lower_s", ...}."""
+        return self.runner.precompile(shape_keys, max_workers=max_workers, warm=warm,
+                                      split=self.async_scheduling)

@@ -1,7 +1,7 @@
 """The step loop (host side) of `LLMEngine` and `jaxinfer.engine.dry_run`: complete the step in
-flight first if it must be (synchronous, a penalty reading the row's history, or a grammar
-(`jaxinfer.engine.structured`) advanced by the row's token before its mask); schedule and launch
-the next; complete the previous while it runs. Source: vLLM v1 asynchronous scheduling."""
+flight first if it must be (synchronous, or a penalty reading the row's history); schedule and
+launch the next; complete the previous while it runs; end the launch (``sample``: a grammar's
+mask after the previous token, `jaxinfer.engine.structured`). Source: vLLM v1 async scheduling."""
 
 import time
 from dataclasses import dataclass
@@ -23,11 +23,13 @@ class Launched:
 
 class StepLoop:
     """Drives ``scheduler``. ``launch(batch, previous Launched | None) -> handle`` dispatches;
-    ``complete(Launched, (schedule_s, launch_s)) -> finished`` reads back and postprocesses."""
+    ``complete(Launched, (schedule_s, launch_s)) -> finished`` reads back and postprocesses;
+    ``sample(Launched)`` (None: none) ends a launch once the previous step is completed."""
 
     def __init__(self, scheduler: Scheduler, launch: Callable, complete: Callable, *,
-                 async_scheduling: bool = True, stats: EngineStats | None = None) -> None:
-        self.scheduler, self.launch, self.complete = scheduler, launch, complete
+                 sample: Callable | None = None, async_scheduling: bool = True,
+                 stats: EngineStats | None = None) -> None:
+        self.scheduler, self.launch, self.complete, self.sample = scheduler, launch, complete, sample
         self.async_scheduling = async_scheduling
         self.stats = stats if stats is not None else EngineStats()
         self.in_flight: Launched | None = None
@@ -46,11 +48,13 @@ class StepLoop:
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = None if batch is None else Launched(batch, self.launch(batch, prev), any(
-            s.params.needs_history or s.params.structured_outputs for s in batch.seqs))
+            s.params.needs_history for s in batch.seqs))
         times = (t1 - t0, time.perf_counter() - t1)
         if prev is not None:
             self.stats.num_overlapped_steps += launched is not None
             finished += self._complete(prev, times)
+        if launched is not None and self.sample is not None:
+            self.sample(launched)
         self.in_flight = launched
         if launched is not None and not self.async_scheduling:
             finished += self._complete(launched, times)

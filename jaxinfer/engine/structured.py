@@ -5,10 +5,11 @@ compiles in about 2 ms (xgrammar 16 ms) and masks into a NumPy i32[B, W] without
 ms a row on the CPU (xgrammar p50 5 us), README's Structured output section.
 
 Timing under async scheduling: a constrained row's mask needs the grammar advanced by the row's
-previous token, so a step holding a constrained row is read back before the next is scheduled
-(`StepLoop`, as vLLM waits for the previous tokens of constrained requests): the device idles
-while the host postprocesses, schedules, fills the masks and dispatches. Steps without a
-constrained row keep the overlap and their shape keys (`ShapeKey.bitmask` 0)."""
+previous token, so a step holding one is split (`LLMEngine._launch`): its forward (KV write,
+logits f32[B, V]) is dispatched before the previous step is read back, whose tokens then advance
+the grammars; the host fills the masks while the forward runs, then dispatches the sampling (as
+vLLM, the bitmask applied just before the sampler). Steps without a constrained row keep one
+fused call and their shape keys (`ShapeKey.bitmask` 0)."""
 
 import collections
 import threading
@@ -66,7 +67,9 @@ class StructuredOutputManager:
     def fill(self, bitmask, rows) -> None:
         """Write each ``(row, matcher)``'s allowed next tokens into ``bitmask`` i32[B, W] (bit
         ``v % 32`` of word ``v // 32``; other rows untouched), rows in parallel (llguidance's
-        thread pool); a stopped or failed matcher allows EOS only."""
+        thread pool; none: nothing); a stopped or failed matcher allows EOS only."""
+        if not rows:
+            return
         import llguidance
         import llguidance.numpy
 

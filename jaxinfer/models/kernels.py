@@ -1,8 +1,8 @@
 """`ModelKernels`, the static kernel argument of `jaxinfer.models.forward`, built by
 `model_kernels` from a resolved `KernelConfig`. Attention: attn(q [B, T, N, H], k_pool
 [L, P, K, page_size, H], v_pool, block_tables i32[B, M], seq_lens i32[B], q_positions i32[B, T],
-*, layer, scale, soft_cap=None, sliding_window=None, num_heads=None, k_scale=None, v_scale=None)
--> [B, T, N, H] (k_scale, v_scale: f32[L, K] of fp8 pools, `pallas_kernels.kv_quant`)."""
+*, layer, scale, k_scale=None, v_scale=None) -> [B, T, N, H] (k_scale, v_scale: f32[L, K] of fp8
+pools, `pallas_kernels.kv_quant`)."""
 
 import functools
 from dataclasses import dataclass
@@ -27,45 +27,38 @@ class ModelKernels:
         return 1 if self.mesh is None else self.mesh.size
 
 
-@functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale", "soft_cap",
-                                             "sliding_window", "num_heads"))
+@functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale"))
 def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel,
-                knobs, scale, soft_cap, sliding_window, num_heads):
-    """q [B, 1, N, H] (or [B, 1, K, Gp, H]), layer i32[], scales: {} or fp8's -> [B, 1, N, H]."""
-    extra = dict(knobs, **scales, **{k: v for k, v in (("num_heads", num_heads),
-                                                       ("page_offset", page_offset))
-                                     if v is not None})
-    out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale,
-                 soft_cap=soft_cap, sliding_window=sliding_window, **extra)
+                knobs, scale):
+    """q [B, 1, N, H], layer i32[], page_offset: mosaic's or None, scales: {} or fp8's ->
+    [B, 1, N, H]."""
+    extra = dict(knobs, **scales, **({} if page_offset is None else {"page_offset": page_offset}))
+    out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale, **extra)
     return out[:, None]
 
 
-@functools.partial(jax.jit, static_argnames=("kernel", "scale", "soft_cap", "sliding_window"))
+@functools.partial(jax.jit, static_argnames=("kernel", "scale"))
 def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, scales, *, kernel,
-                 scale, soft_cap, sliding_window):
+                 scale):
     """q [B, T, N, H], layer i32[], scales as `decode_step` -> [B, T, N, H]."""
     return kernel(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer=layer,
-                  scale=scale, soft_cap=soft_cap, sliding_window=sliding_window, **scales)
+                  scale=scale, **scales)
 
 
 @dataclass(frozen=True)
 class PagedAttention:
     """T == 1 to decode variant ``decode`` (``decode_knobs``), T > 1 to prefill variant ``prefill``,
-    jitted with ``layer`` as i32[]. ValueError: a grouped q [B, T, K, Gp, H] off a decode kernel."""
+    jitted with ``layer`` as i32[]."""
 
     decode: str = "reference"
     prefill: str = "reference"
     decode_knobs: tuple[tuple[str, Any], ...] = ()
 
     def __call__(self, q, k_pool, v_pool, block_tables, seq_lens, q_positions, *, layer, scale,
-                 soft_cap=None, sliding_window=None, num_heads=None, k_scale=None, v_scale=None):
+                 k_scale=None, v_scale=None):
         scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
-        static = dict(scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
-                      sliding_window=None if sliding_window is None else int(sliding_window))
-        decode = q.shape[1] == 1 and self.decode != "reference"
-        if q.ndim == 5 and not decode:
-            raise ValueError(f"a grouped q {q.shape} is for the decode kernel only")
-        if decode:
+        scale = float(scale)
+        if q.shape[1] == 1 and self.decode != "reference":
             offset = None
             if self.decode == "mosaic":
                 from pallas_kernels.paged_attention.mosaic import layer_offsets
@@ -73,13 +66,13 @@ class PagedAttention:
             return decode_step(q, k_pool, v_pool, block_tables, seq_lens,
                                jnp.asarray(layer, jnp.int32), offset, scales,
                                kernel=registry.get(self.decode), knobs=self.decode_knobs,
-                               num_heads=num_heads, **static)
+                               scale=scale)
         if q.shape[1] == 1 or self.prefill == "reference":
             return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
-                                             q_positions, layer=layer, **static, **scales)
+                                             q_positions, layer=layer, scale=scale, **scales)
         return prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
                             jnp.asarray(layer, jnp.int32), scales,
-                            kernel=registry.get_prefill(self.prefill), **static)
+                            kernel=registry.get_prefill(self.prefill), scale=scale)
 
 
 def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKernels:

@@ -1,7 +1,8 @@
 """Functions and Flax blocks of the Llama/Qwen3 family. Numerics: compute dtype = params' dtype;
 RMSNorm statistics, RoPE and attention softmax in f32. Weights ``[in, out]``. Sources: HF
 ``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``),
-Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU)."""
+Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU), Kwon et al. 2023
+(paged KV, slot mapping)."""
 
 import dataclasses
 import functools
@@ -16,7 +17,7 @@ import numpy as np
 from jaxinfer.config.weights import INIT_STD, LEAVES, scale_shape, shape_of
 from jaxinfer.models.quantize import FP8, expand_scale
 from jaxinfer.step_input import names
-from pallas_kernels.add_rms_norm import reference as add_rms_norm_reference
+from pallas_kernels.kv_quant import quantize
 
 INITS = {"normal": nn.initializers.normal(stddev=INIT_STD), "ones": nn.initializers.ones}
 
@@ -115,13 +116,12 @@ class StepContext(NamedTuple):
 
 
 def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-           ctx: StepContext, *, layer: int, scale: float, num_heads: int) -> jax.Array:
-    """``attn`` on q [B, T, N, H] (decode: maybe [B, 1, K, Gp, H]) -> [B, T, N, H]; packs rows."""
+           ctx: StepContext, *, layer: int, scale: float) -> jax.Array:
+    """``attn`` on q [B, T, N, H] -> [B, T, N, H]; packs rows."""
     pk, scales = ctx.packing, dict(layer=layer, scale=scale, k_scale=ctx.k_scale,
                                    v_scale=ctx.v_scale)
     if pk is None:
-        return attn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions, **scales,
-                    **({"num_heads": num_heads} if q.ndim == 5 else {}))
+        return attn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions, **scales)
     _, Tp, N, H = q.shape
     R, Tq = pk.q_index.shape
     rows = q[0][pk.q_index]                                             # [R, Tq, N, H]
@@ -129,13 +129,48 @@ def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     return o.reshape(R * Tq, N, H)[pk.out_index][None]                  # [1, Tp, N, H]
 
 
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm over the last axis, ``w * x / sqrt(mean(x^2) + eps)``, in x.dtype; HF
+    ``LlamaRMSNorm`` numerics: f32 statistics, the normalised value rounded to x.dtype before the
+    multiply by w (cast to x.dtype)."""
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
+    return w.astype(x.dtype) * (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+
+
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, w: jax.Array, *, eps: float
                  ) -> tuple[jax.Array, jax.Array]:
     """Residual add + RMSNorm of weight w [D]: ``(x [B, T, D], delta [B, T, D] | None) -> (x +
-    delta, rms_norm(x + delta))`` in x.dtype (`pallas_kernels.add_rms_norm.reference`)."""
-    shape, flat = x.shape, (lambda a: None if a is None else a.reshape(-1, x.shape[-1]))
-    x, h = add_rms_norm_reference.add_rms_norm(flat(x), flat(delta), w, eps=eps)
-    return x.reshape(shape), h.reshape(shape)
+    delta, rms_norm(x + delta))`` in x.dtype (None: x unchanged). Source: vLLM
+    ``fused_add_rms_norm``."""
+    if delta is not None:
+        x = (x + delta).astype(x.dtype)
+    return x, rms_norm(x, w, eps)
+
+
+def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """HF ``rotate_half`` RoPE of x [..., heads, H] (i pairs with i + H/2: ``(x1, x2) -> (x1 cos -
+    x2 sin, x2 cos + x1 sin)``) in f32, returned in x.dtype; cos, sin f32[..., H/2] (all heads)."""
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[..., None, :], sin[..., None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer: int, k: jax.Array, v: jax.Array,
+             slot_mapping: jax.Array, k_scale: jax.Array | None = None,
+             v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Scatter k, v [S, K, H] into ``layer`` of pools [L, P, K, page_size, H] at ``slot_mapping``
+    i32[S] (``page * page_size + offset``; fp8 pools: `kv_quant.quantize` by ``k_scale``,
+    ``v_scale`` f32[L, K]) -> new pools. Out-of-range slots or layer: undefined writes."""
+    page, off = jnp.divmod(slot_mapping, k_pool.shape[3])  # shape[3]: page_size
+    ks, vs = (None if x is None else x[layer][None, :, None] for x in (k_scale, v_scale))
+    k_pool = k_pool.at[layer, page, :, off, :].set(quantize(k, ks, k_pool.dtype),
+                                                   mode="promise_in_bounds")
+    v_pool = v_pool.at[layer, page, :, off, :].set(quantize(v, vs, v_pool.dtype),
+                                                   mode="promise_in_bounds")
+    return k_pool, v_pool
 
 
 def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1) -> jax.Array:

@@ -20,8 +20,7 @@ from jaxinfer.config.weights import LAYER, MODEL
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import AXIS, KV_POOL_SPEC, KVCache
 from jaxinfer.models.layers import (Packing, StepContext, add_rms_norm, attend, declare, dense, mlp,
-                                    rope_cos_sin, rope_inv_freq)
-from pallas_kernels.qkv_prologue.reference import qkv_prologue
+                                    rms_norm, rope, rope_cos_sin, rope_inv_freq, write_kv)
 
 
 def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: StepContext,
@@ -30,22 +29,25 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
                     eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Everything between the qkv and output GEMMs on N = ``num_heads`` query and K =
     ``num_kv_heads`` KV heads (one device's under tensor parallelism): qkv [B, T, (N+2K)*H]
-    (`fused_parts`) -> `pallas_kernels.qkv_prologue.reference.qkv_prologue`: per-head RMSNorm
-    (``wq``, ``wk`` [H], or None), RoPE, K/V written into pools [L, P, K, page_size, H] at
-    ``layer`` (a Python int) -> q [B, T, N, H] -> ``kernels.attention``. Returns (o [B, T, N, H],
-    k_pool, v_pool)."""
+    (`fused_parts`) -> per-head RMSNorm of q and k (``wq``, ``wk`` [H], or None), RoPE, K/V written
+    into pools [L, P, K, page_size, H] at ``layer`` (a Python int) -> ``kernels.attention`` on q
+    [B, T, N, H]. Returns (o [B, T, N, H], k_pool, v_pool)."""
     B, T, _ = qkv.shape
     N, K, H = num_heads, num_kv_heads, k_pool.shape[-1]
     with jax.named_scope("qkv_prologue"):
-        q, k_pool, v_pool = qkv_prologue(
-            qkv.reshape(B * T, -1), wq, wk, ctx.cos.reshape(B * T, -1),
-            ctx.sin.reshape(B * T, -1), ctx.slot_mapping.reshape(-1), k_pool, v_pool,
-            layer=layer, num_heads=N, num_kv_heads=K, eps=eps, k_scale=ctx.k_scale,
-            v_scale=ctx.v_scale)
-    q = q.reshape(B, T, N, H)
+        qk = qkv[..., :(N + K) * H].reshape(B, T, N + K, H)
+        v = qkv[..., (N + K) * H:].reshape(B * T, K, H)
+        if wq is not None:  # one RMSNorm over the N + K heads, the weights broadcast
+            qk = rms_norm(qk, jnp.concatenate([jnp.broadcast_to(wq, (N, H)),
+                                               jnp.broadcast_to(wk, (K, H))]), eps)
+        with jax.named_scope("rope"):
+            qk = rope(qk, ctx.cos, ctx.sin)
+        with jax.named_scope("kv_write"):
+            k_pool, v_pool = write_kv(k_pool, v_pool, layer, qk[:, :, N:].reshape(B * T, K, H), v,
+                                      ctx.slot_mapping.reshape(-1), ctx.k_scale, ctx.v_scale)
     with jax.named_scope("attention"):
-        o = attend(kernels.attention, q, k_pool, v_pool, ctx, layer=layer, scale=H ** -0.5,
-                   num_heads=N)
+        o = attend(kernels.attention, qk[:, :, :N], k_pool, v_pool, ctx, layer=layer,
+                   scale=H ** -0.5)
     return o, k_pool, v_pool
 
 

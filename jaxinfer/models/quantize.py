@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config.weights import QUANTIZED, scale_shape
-from pallas_kernels.kv_quant import FP8, FP8_MAX  # e4m3, the format of the fp8 KV pages too
+from pallas_kernels.kv_quant import FP8, FP8_MAX, quantize  # e4m3, as the fp8 KV pages
 
 
 def expand_scale(scale: jax.Array, shape: tuple[int, int],
@@ -38,8 +38,7 @@ def quantize_fp8(w: jax.Array, block: tuple[int, int] | None = None
         padded = jnp.pad(jnp.abs(wf), ((0, I * bi - In), (0, O * bo - Out)))
         amax = padded.reshape(I, bi, O, bo).max(axis=(1, 3))
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
-    q = jnp.clip(wf / expand_scale(scale, w.shape, block), -FP8_MAX, FP8_MAX)
-    return q.astype(FP8), scale
+    return quantize(wf, expand_scale(scale, w.shape, block), FP8), scale
 
 
 def is_quantized(params: dict) -> bool:

@@ -2,6 +2,8 @@
 params, the KV pool and the compiled steps. The engine hands it `HostBatch`es (numpy) and reads
 numpy results back; nothing above the engine calls it."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,8 +32,11 @@ class ModelRunner:
 
     def __init__(self, model_config, params, resolved, stats: EngineStats | None = None) -> None:
         ec, kc = resolved.engine, resolved.kernels
-        if ec.compilation_cache_dir is not None:
-            enable_compilation_cache(ec.compilation_cache_dir)
+        if (cache := ec.compilation_cache_dir) == "auto":  # JAX's own, else the user's cache
+            cache = None if jax.config.jax_compilation_cache_dir else os.path.join(
+                os.environ.get("XDG_CACHE_HOME") or "~/.cache", "jaxinfer", "jax")
+        if cache not in (None, "none"):
+            enable_compilation_cache(cache)
         models.check_params(params, model_config, resolved.quantization)
         tp = ec.tensor_parallel_size
         self.mesh = parallel.make_mesh(tp) if tp > 1 else None
@@ -50,7 +55,7 @@ class ModelRunner:
             max_model_len=resolved.max_model_len, page_size=ec.page_size,
             batch_buckets=kc.batch_buckets, token_buckets=kc.token_buckets)
         self.executor = StepExecutor(self.run_config, model_kernels(kc, mesh=self.mesh), kc,
-                                     self.buckets.batch[-1], self.stats)
+                                     self.buckets.batch[-1], self.stats, ec.compile_in_background)
         self.weight_bytes = device_bytes(model_config, tp, resolved.dtype_bytes,
                                          resolved.quantization)  # one device's
         self.page_bytes = memory.kv_bytes_per_token(  # one device's KV bytes per page
@@ -66,11 +71,26 @@ class ModelRunner:
                              f"does not fit in device memory ({str(e).splitlines()[0][:120]})"
                              ) from None
 
-    def execute(self, hb: HostBatch, prev=None):
+    def runnable(self, key: ShapeKey, split: bool = False) -> ShapeKey:
+        """`StepExecutor.runnable`: the shape a batch of shape ``key`` runs under (``split``)."""
+        return self.executor.runnable(key, self.params, self.kv, split)
+
+    def execute(self, hb: HostBatch, prev=None, phase: str = "step"):
         """Dispatch the step of ``hb``, no wait; ``prev``: the handle of the step in flight (its
-        tokens feed ``hb.pending_rows``). Returns the handle `read` takes."""
+        tokens feed ``hb.pending_rows``). Returns the handle `read` takes; ``phase`` "forward":
+        its first half (`runner.step.forward`), the handle `execute_sample` takes."""
         out, self.kv = self.executor.run(self.params, self.kv, hb,
-                                         None if prev is None else prev[0])
+                                         None if prev is None else prev[0], phase)
+        return out if phase == "forward" else self._handle(out)
+
+    def execute_sample(self, handle, hb: HostBatch):
+        """`execute`'s second half on ``handle`` (its "forward" of the same ``hb``, its
+        sampling fields, bitmask included, read now), no wait: the handle `read` takes."""
+        out, prompt = self.executor.run(handle[0], None, hb, None, "sample"), handle[1]
+        return self._handle({**out, **prompt} if prompt else out)
+
+    @staticmethod
+    def _handle(out):
         if not isinstance(out, dict):
             return out, None
         tokens, out = out.pop("tokens"), {k: parallel.local(a) for k, a in out.items()}
@@ -110,9 +130,9 @@ class ModelRunner:
                                        self.params)
 
     def precompile(self, shape_keys: list[ShapeKey], *, max_workers: int | None = None,
-                   warm: bool = True) -> dict:
+                   warm: bool = True, split: bool = False) -> dict:
         """`StepExecutor.precompile`: {"shapes", "lower_s", "warm_s", "seconds"}."""
-        info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys,
+        info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys, split=split,
                                                  max_workers=max_workers, warm=warm)
         return info
 

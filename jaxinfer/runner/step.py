@@ -22,7 +22,7 @@ from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.runner.parallel import gather_logits, replicated
 from jaxinfer.runner.sampling import (SamplingMetadata, apply_token_bitmask, logprobs,
                                      pytree_dataclass, sample)
-from jaxinfer.step_input import HostBatch, ShapeKey, allocate, layout, names, pack
+from jaxinfer.step_input import HostBatch, ShapeKey, allocate, covers, layout, names, pack
 
 log = logging.getLogger("jaxinfer")
 
@@ -39,12 +39,11 @@ StepInput = pytree_dataclass(
     prompt log-probabilities).""")
 
 
-def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
-         all_greedy: bool, num_logprobs: int = 0) -> tuple[jax.Array | dict, KVCache]:
-    """Forward, KV write, logits of one token per row, sampling -> (token ids i32[B] zero-padded to
-    i32[Bmax] with ``prev_tokens``; the new cache). ``num_logprobs`` K > 0 (static): ids as
-    ``tokens`` of a dict with `logprobs` of each row, and with ``prompt_lp_index``, of each scored
-    prompt position (for ``prompt_lp_next``) under keys prefixed ``prompt_``."""
+def forward(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig,
+            kernels: ModelKernels, num_logprobs: int = 0) -> tuple[jax.Array, dict, KVCache]:
+    """Forward, KV write, logits of one token per row -> (f32[B, V], whole on every device;
+    with ``prompt_lp_index`` and ``num_logprobs`` K > 0 (static), `logprobs` of each scored
+    prompt position (for ``prompt_lp_next``) under keys prefixed ``prompt_``, else {}; kv')."""
     tokens, src = inp.tokens, inp.pending_src
     if inp.prev_tokens is not None and inp.packing is None:  # tokens[b, 0] = prev[src[b]], src >= 0
         picked = inp.prev_tokens[jnp.maximum(src, 0)]
@@ -57,22 +56,39 @@ def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels
         else:
             last = hidden[0][inp.logits_indices]                                # [R, D]
         logits = gather_logits(models.compute_logits(params, cfg, last), cfg, kernels.mesh)
-        if inp.sampling.bitmask is not None:  # constrained rows: before sampling and logprobs
-            logits = apply_token_bitmask(logits, inp.sampling.bitmask)
+    if not (num_logprobs and inp.prompt_lp_index is not None):
+        return logits, {}, kv
+    with jax.named_scope("logprobs"):
+        flat = hidden.reshape(-1, hidden.shape[-1])[inp.prompt_lp_index]
+        lp = logprobs(models.compute_logits(params, cfg, flat), inp.prompt_lp_next, num_logprobs)
+    return logits, {f"prompt_{k}": a for k, a in lp.items()}, kv
+
+
+def sample_logits(logits: jax.Array, inp: StepInput, *, all_greedy: bool,
+                  num_logprobs: int = 0) -> jax.Array | dict:
+    """``logits`` f32[B, V] -> ids i32[B] (zero-padded to i32[Bmax] with ``prev_tokens``): the
+    ``sampling.bitmask`` first (vLLM: sampling and logprobs see the masked logits), `sample`;
+    ``num_logprobs`` K > 0 (static): a dict of the ids as ``tokens`` and each row's `logprobs`."""
+    if inp.sampling.bitmask is not None:
+        logits = apply_token_bitmask(logits, inp.sampling.bitmask)
     with jax.named_scope("sample"):
         tokens = sample(logits, inp.sampling, all_greedy=all_greedy)
     out = {}
     if num_logprobs:
         with jax.named_scope("logprobs"):
             out = logprobs(logits, tokens, num_logprobs)
-            if inp.prompt_lp_index is not None:
-                flat = hidden.reshape(-1, hidden.shape[-1])[inp.prompt_lp_index]
-                lp = logprobs(models.compute_logits(params, cfg, flat), inp.prompt_lp_next,
-                              num_logprobs)
-                out.update({f"prompt_{k}": a for k, a in lp.items()})
     if inp.prev_tokens is not None:
         tokens = jnp.zeros_like(inp.prev_tokens).at[:tokens.shape[0]].set(tokens)
-    return (dict(tokens=tokens, **out) if out else tokens), kv
+    return dict(tokens=tokens, **out) if out else tokens
+
+
+def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
+         all_greedy: bool, num_logprobs: int = 0) -> tuple[jax.Array | dict, KVCache]:
+    """`forward`, then `sample_logits` (its dict with the prompt log-probabilities), fused."""
+    logits, prompt, kv = forward(params, kv, inp, cfg=cfg, kernels=kernels,
+                                 num_logprobs=num_logprobs)
+    out = sample_logits(logits, inp, all_greedy=all_greedy, num_logprobs=num_logprobs)
+    return ({**out, **prompt} if prompt else out), kv
 
 
 GEMM_COMPILER_OPTIONS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
@@ -108,18 +124,33 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
 
 
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
-                key: ShapeKey, cfg: ModelConfig,
-                kernels: ModelKernels) -> tuple[jax.Array | dict, KVCache]:
-    """`step` on ``buf`` i32[S] (`pack`), ``prev_tokens`` i32[Bmax]; ``kv`` tables: placeholders."""
+                key: ShapeKey, cfg: ModelConfig, kernels: ModelKernels, phase: str = "step"):
+    """`step` on ``buf`` i32[S] (`pack`), ``prev_tokens`` i32[Bmax]; ``kv`` tables: placeholders.
+    ``phase`` "forward": `forward` only: ((logits f32[B, V], prompt dict), the cache); "sample":
+    `sample_logits` of ``params``, the forward's logits (``kv`` None), read from a fresh ``buf``
+    of the same ``key`` (the bitmask filled since): ids or dict."""
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
-    tokens, new = step(params, kv.replace(block_tables=tables, seq_lens=lens), inp, cfg=cfg,
-                       kernels=kernels, all_greedy=key.all_greedy, num_logprobs=key.logprobs)
-    return tokens, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
+    if phase == "sample":
+        return sample_logits(params, inp, all_greedy=key.all_greedy, num_logprobs=key.logprobs)
+    step_kv = kv.replace(block_tables=tables, seq_lens=lens)
+    if phase == "forward":
+        logits, prompt, new = forward(params, step_kv, inp, cfg=cfg, kernels=kernels,
+                                      num_logprobs=key.logprobs)
+        out = logits, prompt
+    else:
+        out, new = step(params, step_kv, inp, cfg=cfg, kernels=kernels,
+                        all_greedy=key.all_greedy, num_logprobs=key.logprobs)
+    return out, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
 
 
-PACKED_STEPS = {gemm: _jit(packed_step, gemm, ("key", "cfg", "kernels"))
+PACKED_STEPS = {gemm: _jit(packed_step, gemm, ("key", "cfg", "kernels", "phase"))
                 for gemm in GEMM_COMPILER_OPTIONS}
+PHASES = {False: ("step",), True: ("forward", "sample")}  # by split: fused, or two calls
+
+
+def _name(phase: str, key: ShapeKey):  # an executable's `EngineStats.compiled_shapes` entry
+    return key if phase == "step" else (phase, key)
 
 
 def enable_compilation_cache(path) -> str:
@@ -138,16 +169,45 @@ def enable_compilation_cache(path) -> str:
     return path
 
 
+def _cost(key: ShapeKey) -> tuple:
+    return key.batch * key.tokens, key.pages, key.query or 0, not key.all_greedy
+
+
 class StepExecutor:
     """The compiled steps of ``cfg`` with ``kernels``, resolved `KernelConfig` ``kc``, the
-    largest batch bucket ``max_batch``; counts compiles in ``stats`` (`EngineStats`)."""
+    largest batch bucket ``max_batch``; counts compiles in ``stats`` (`EngineStats`);
+    ``background``: `runnable` compiles missing shapes in a thread. ``split``: a step compiled
+    and run as its "forward" and "sample" phases (`PHASES`), else fused ("step")."""
 
-    def __init__(self, cfg, kernels, kc, max_batch: int, stats) -> None:
+    def __init__(self, cfg, kernels, kc, max_batch: int, stats, background: bool = False) -> None:
         self.steps, self.static, self.stats = PACKED_STEPS, dict(cfg=cfg, kernels=kernels), stats
         self.cublas_min_batch, self.prefill_gemm = kc.cublas_decode_min_batch, kc.prefill_gemm
         self.inputs = replicated(kernels.mesh)  # step inputs: whole on every device of a mesh
         self.no_prev_tokens = jax.device_put(np.zeros((max_batch,), np.int32), self.inputs)
-        self.executables: dict[ShapeKey, object] = {}
+        self.executables: dict = {}  # `_name` -> executable
+        self.pool = ThreadPoolExecutor(1) if background else None
+        self.pending: dict = {}  # `_name` -> Future of its executable
+
+    def runnable(self, key: ShapeKey, params, kv, split: bool = False) -> ShapeKey:
+        """The shape to run a batch of shape ``key`` under: ``key`` once compiled (or without
+        ``background``); else the cheapest compiled shape that `covers` it, ``key`` itself
+        compiling meanwhile in the background from ``params``' and ``kv``'s avals; else ``key``
+        (`run` compiles it: a stall)."""
+        for k in [k for k, f in self.pending.items() if f.done()]:
+            self._add(k, self.pending.pop(k).result())
+        ready = lambda k: all(_name(p, k) in self.executables for p in PHASES[split])  # noqa: E731
+        if ready(key) or self.pool is None:
+            return key
+        keys = {k if isinstance(k, ShapeKey) else k[1] for k in self.executables}
+        cover = min((k for k in keys if ready(k) and covers(k, key)), key=_cost, default=None)
+        for phase in PHASES[split] if cover is not None else ():
+            if (name := _name(phase, key)) not in self.pending:
+                avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                                    sharding=a.sharding),
+                                     self._padding_args(phase, params, kv, key))
+                self.pending[name] = self.pool.submit(
+                    lambda p=phase, a=avals: self._lower(p, key, a).compile())
+        return key if cover is None else cover
 
     def step_fn(self, key: ShapeKey):
         """The jit step for ``key`` (cuBLAS: decode buckets >= ``cublas_min_batch`` rows)."""
@@ -160,43 +220,56 @@ class StepExecutor:
         prev = self.no_prev_tokens if prev_tokens is None else prev_tokens
         return params, kv, jax.device_put(pack(hb), self.inputs), prev
 
-    def run(self, params, kv, hb: HostBatch, prev_tokens=None):
-        """Dispatch a step, no wait: (i32[Bmax] tokens, or `step`'s dict if logprobs; the cache)."""
+    def _padding_args(self, phase: str, params, kv, key: ShapeKey) -> tuple:
+        if phase == "sample":  # the avals of the forward's logits
+            params, kv = jax.ShapeDtypeStruct((key.batch, self.static["cfg"].vocab_size),
+                                              jnp.float32, sharding=self.inputs), None
+        return self._args(params, kv, allocate(key), None)
+
+    def _add(self, name, exe):
+        self.executables[name] = exe
+        self.stats.compiled_shapes.add(name)
+        return exe
+
+    def run(self, params, kv, hb: HostBatch, prev_tokens=None, phase: str = "step"):
+        """Dispatch ``phase`` of a step, no wait (`packed_step`): "step": (i32[Bmax] tokens, or
+        `step`'s dict if logprobs; the cache); "forward" and "sample" as `packed_step`'s."""
         args = self._args(params, kv, hb, prev_tokens)
-        if (exe := self.executables.get(hb.key)) is None:
+        if (exe := self.executables.get(name := _name(phase, hb.key))) is None:
             self.stats.num_lazy_compiles += 1
-            log.info("compiling step for shape %s (%d so far)", hb.key, self.stats.num_compiles + 1)
-            exe = self.executables[hb.key] = self._lower(hb.key, args).compile()
-            self.stats.compiled_shapes.add(hb.key)
+            log.info("compiling %s for %s (%d so far)", phase, hb.key, self.stats.num_compiles + 1)
+            exe = self._add(name, self._lower(phase, hb.key, args).compile())
         return exe(*args)
 
-    def _lower(self, key: ShapeKey, args):
-        return self.step_fn(key).lower(*args, key=key, **self.static)
+    def _lower(self, phase: str, key: ShapeKey, args):
+        return self.step_fn(key).lower(*args, key=key, phase=phase, **self.static)
 
-    def precompile(self, params, kv, keys, *, max_workers: int | None, warm: bool):
-        """Compile each new key ahead of time in ``max_workers`` threads (default min(keys,
-        CPUs)); ``warm``: run each once on an all-padding batch (`allocate`). Returns ({"shapes",
-        "lower_s", "warm_s", "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
+    def precompile(self, params, kv, keys, *, max_workers: int | None, warm: bool,
+                   split: bool = False):
+        """Compile each new key ahead of time (``split``: a key with a bitmask as its phases) in
+        ``max_workers`` threads (default min(executables, CPUs)); ``warm``: run each once on an
+        all-padding batch (`allocate`). Returns ({"shapes" (executables), "lower_s", "warm_s",
+        "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
         if max_workers is not None:
             check_int("max_workers", max_workers, 1)
-        todo = [k for k in dict.fromkeys(keys) if k not in self.stats.compiled_shapes]
+        todo = [(p, k) for k in dict.fromkeys(keys) for p in PHASES[split and bool(k.bitmask)]
+                if _name(p, k) not in self.stats.compiled_shapes]
         jax.block_until_ready(params)  # weights still being built would count as tracing
         t0, lower_s = time.perf_counter(), 0.0
         if todo:
             with ThreadPoolExecutor(max_workers or min(len(todo), os.cpu_count() or 1)) as pool:
                 futures = []
-                for k in todo:
+                for p, k in todo:
                     t = time.perf_counter()
-                    low = self._lower(k, self._args(params, kv, allocate(k), None))
+                    low = self._lower(p, k, self._padding_args(p, params, kv, k))
                     futures.append(pool.submit(low.compile))
                     lower_s += time.perf_counter() - t
-                for k, f in zip(todo, futures):
-                    self.executables[k] = f.result()
-                    self.stats.compiled_shapes.add(k)
+                for (p, k), f in zip(todo, futures):
+                    self._add(_name(p, k), f.result())
         t_warm = time.perf_counter()
         if warm and todo:
-            for k in todo:
-                out, kv = self.executables[k](*self._args(params, kv, allocate(k), None))
+            for p, k in [t for t in todo if t[0] != "sample"]:  # sampling: small, not warmed
+                out, kv = self.executables[_name(p, k)](*self._padding_args(p, params, kv, k))
             jax.block_until_ready(out)
         return dict(shapes=len(todo), lower_s=lower_s, warm_s=time.perf_counter() - t_warm,
                     seconds=time.perf_counter() - t0), kv

@@ -28,8 +28,8 @@ class ServingChat(OpenAIServing):
         if body.stream and body.tool_choice == "required":
             raise APIError('tool_choice="required" is not supported with stream=true',
                            param="tool_choice")
-        sp = self.sampling_params(body, body.max_completion_tokens or body.max_tokens,
-                                  (body.top_logprobs or 0) if body.logprobs else None)
+        most = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        sp = self.sampling_params(body, most, (body.top_logprobs or 0) if body.logprobs else None)
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
         tools = body.tools and [t.model_dump() for t in body.tools]
         chat = self.client.prompts.apply_chat_template
@@ -44,8 +44,8 @@ class ServingChat(OpenAIServing):
                body=None):
         lps, tool, reason = P.ChatLogprobs.of(out, k), body.tool_choice, out.finish_reason
         msg = P.DeltaMessage(role=None if stream else "assistant", content=out.text)
-        if isinstance(tool, dict):  # one named function: the text is its arguments
-            name = None if offset else tool["function"]["name"]
+        if isinstance(tool, P.Tool):  # one named function: the text is its arguments
+            name = None if offset else tool.function.name
             msg.content, msg.tool_calls = None, [_call(name, out.text, 0 if stream else None)]
         elif tool == "required" and reason == "stop" and out.stop_reason is None:  # on EOS
             msg.content, reason = None, "tool_calls"

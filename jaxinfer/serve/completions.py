@@ -61,8 +61,7 @@ class OpenAIServing:
         rid = f"{self.prefix}-{next(self.ids)}"
         events = self._events(request, *await self.client.add(prompts, sp, body.stream, param))
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._chunks(rid, events, sp, usage, body),
+            return StreamingResponse(self._chunks(rid, events, sp, body),
                                      media_type="text/event-stream")
         choices, usage = [], P.UsageInfo()
         async for p, out in events:
@@ -91,7 +90,7 @@ class OpenAIServing:
         finally:
             self.client.abort(left)
 
-    async def _chunks(self, rid: str, events, sp, include_usage: bool, body):
+    async def _chunks(self, rid: str, events, sp, body):
         def chunk(choices, usage=None) -> str:
             c = self.Chunk(id=rid, model=self.model_name, choices=choices, usage=usage)
             return f"data: {c.model_dump_json()}\n\n"
@@ -108,7 +107,7 @@ class OpenAIServing:
                 i = p * sp.n + c.index
                 yield chunk([self.choice(i, c, sp.logprobs, offsets.get(i, 0), True, body)])
                 offsets[i] = offsets.get(i, 0) + len(c.text)
-        if include_usage:
+        if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], usage)
         yield "data: [DONE]\n\n"
 

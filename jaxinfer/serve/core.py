@@ -142,6 +142,8 @@ def run_core(factory, addr: str, conn) -> None:
         signal.signal(sig, signal.SIG_IGN)
     try:
         llm = factory()
+        if llm.engine.resolved.engine.compile_in_background:  # then no request waits for one
+            llm.engine.precompile(llm.engine.runner.buckets.covering_keys())
         core = EngineCore(llm.engine, addr)
     except (ValueError, FileNotFoundError) as e:
         conn.send(("error", str(e)))

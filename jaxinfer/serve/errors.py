@@ -5,6 +5,7 @@ Starlette's HTTP errors (404 unknown path, 405). Source: vLLM's ``create_error_r
 from __future__ import annotations
 
 import re
+import reprlib
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -39,17 +40,16 @@ class APIError(Exception):
 
 def add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def api_error(_, e: APIError) -> JSONResponse:
-        return e.response()
+    @app.exception_handler(HTTPException)
+    async def api_error(_, e: APIError | HTTPException) -> JSONResponse:
+        return (e if isinstance(e, APIError) else APIError(str(e.detail), e.status_code)).response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError) -> JSONResponse:
-        err = e.errors()[0]
-        if err.get("type") == "json_invalid":  # loc is ("body", offset): not a parameter
-            return APIError(f"the request body is not valid JSON: {err.get('msg')}").response()
-        param = ".".join(str(x) for x in err.get("loc", ()) if x != "body") or None
-        return APIError(f"{param or 'body'}: {err.get('msg')}", 400, param).response()
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_, e: HTTPException) -> JSONResponse:
-        return APIError(str(e.detail), e.status_code).response()
+        err = max(e.errors(), key=lambda x: len(x["loc"]))  # the deepest: in a union's member
+        if err["type"] == "json_invalid":  # loc is ("body", offset): not a parameter
+            return APIError(f"the request body is not valid JSON: {err['msg']}").response()
+        param = ".".join(str(x) for x in err["loc"][1:] if not (isinstance(x, str) and (
+            x in ("str", "int") or "[" in x or x[:1].isupper()))) or None  # no union members
+        got = "" if isinstance(v := err.get("input"), dict | list) else f" (got {reprlib.repr(v)})"
+        return APIError(f"{param or 'body'}: {err['msg']}{got}", 400, param).response()

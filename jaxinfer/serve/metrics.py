@@ -1,5 +1,7 @@
 """Prometheus metrics (vLLM's ``vllm:*`` as ``jaxinfer:*``), a registry per server; no JAX."""
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
@@ -11,25 +13,24 @@ class ServerMetrics:
 
     def __init__(self, client) -> None:
         self.registry = r = CollectorRegistry()
-        p = "jaxinfer:"
+        p, hist = "jaxinfer:", functools.partial(Histogram, buckets=_LATENCY, registry=r)
         self.requests = Counter(p + "request_success", "finished requests by finish reason",
                                 ["finished_reason"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests",
                                      registry=r)
-        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated",
-                                         registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "arrival to first token",
-                              buckets=_LATENCY, registry=r)
-        self.tpot = Histogram(p + "time_per_output_token_seconds", "mean time per output token "
-                              "after the first, per request", buckets=_LATENCY, registry=r)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "arrival to finish",
-                             buckets=_LATENCY, registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
+        self.ttft = hist(p + "time_to_first_token_seconds", "arrival to first token")
+        self.tpot = hist(p + "time_per_output_token_seconds",
+                         "mean time per output token after the first, per request")
+        self.e2e = hist(p + "e2e_request_latency_seconds", "arrival to finish")
         for name, doc, field in (
                 ("num_requests_running", "sequences holding KV pages", "num_running"),
                 ("num_requests_waiting", "sequences waiting for admission", "num_waiting"),
                 ("kv_pages_in_use", "KV pool pages not free", "kv_pages_in_use"),
                 ("kv_pages_total", "usable KV pool pages", "kv_pages_total"),
                 ("compiled_step_shapes", "step shapes compiled so far", "num_compiles"),
+                ("covered_steps", "steps run padded to a compiled shape while theirs compiled",
+                 "num_covered_steps"),
                 ("prefix_cache_hit_rate", "prefix cache hit rate (tokens)",
                  "prefix_cache_hit_rate")):
             Gauge(p + name, doc, registry=r).set_function(

@@ -4,6 +4,7 @@ field names and defaults), logprobs from `Logprob` records. Host side, no JAX.""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from typing import Literal
 
@@ -89,19 +90,23 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
+class ContentPart(BaseModel):  # other types (image_url, ...): accepted, left out of the text
+    type: str
+    text: str = ""
+
+
 class ChatMessage(BaseModel):
-    role: str
-    content: str | list[dict] | None = None
+    role: Literal["developer", "system", "user", "assistant", "tool"]  # OpenAI's (vLLM takes them)
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         """The content; a list of parts: its "text" parts joined."""
-        if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
-        return self.content or ""
+        c = self.content
+        return "".join(p.text for p in c if p.type == "text") if isinstance(c, list) else c or ""
 
 
 class Function(BaseModel):
-    name: str
+    name: str = Field(min_length=1)  # "": the forced call's id and type were "" (a 500)
     description: str | None = None
     parameters: dict | None = None
 
@@ -121,7 +126,7 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict | None = None
+    tool_choice: Literal["none", "auto", "required"] | Tool | None = None
 
     def tool_schema(self) -> dict | None:
         """The JSON schema of a forced tool call (vLLM's): the named function's parameters, or
@@ -130,9 +135,8 @@ class ChatCompletionRequest(_Sampling):
         choice, tools = self.tool_choice, {t.function.name: t.function for t in self.tools or ()}
         if choice in (None, "none") and (choice == "none" or not tools):
             return None
-        if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name")
-            if name not in tools:
+        if isinstance(choice, Tool):
+            if (name := choice.function.name) not in tools:
                 raise ValueError(f"tool_choice names function {name!r}, not one of tools "
                                  f"{sorted(tools)}")
             return tools[name].parameters or {"type": "object", "properties": {}}
@@ -155,17 +159,6 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
-def _text(t: int, rec: dict) -> str:
-    """Token ``t``'s ``decoded_token`` in ``rec``, else "token_id:N" (vLLM's)."""
-    return rec[t].decoded_token if rec[t].decoded_token is not None else f"token_id:{t}"
-
-
-def _top(rec: dict, k: int) -> list[tuple[str, float]]:
-    """(text, logprob) of the position's top ``k``, likeliest first."""
-    ranked = sorted((lp.rank, t) for t, lp in rec.items() if lp.rank is not None and lp.rank <= k)
-    return [(_text(t, rec), rec[t].logprob) for _, t in ranked]
-
-
 class CompletionLogprobs(BaseModel):
     text_offset: list[int] = []
     token_logprobs: list[float | None] = []
@@ -177,14 +170,11 @@ class CompletionLogprobs(BaseModel):
         """``out``'s top-``k`` logprobs, text from ``offset``; None: not asked."""
         if k is None or out.logprobs is None:
             return None
-        lps = cls()
-        for t, rec in zip(out.token_ids, out.logprobs):
-            lps.tokens.append(s := _text(t, rec))
-            lps.token_logprobs.append(rec[t].logprob)
-            lps.top_logprobs.append(dict(_top(rec, k)))
-            lps.text_offset.append(offset)
-            offset += len(s)
-        return lps
+        rows = out.top_logprobs(k)
+        return cls(text_offset=list(itertools.accumulate((len(s) for s, *_ in rows[:-1]),
+                                                         initial=offset))[:len(rows)],
+                   tokens=[s for s, *_ in rows], token_logprobs=[lp for _, lp, _ in rows],
+                   top_logprobs=[dict(top) for *_, top in rows])
 
 
 class CompletionChoice(BaseModel):
@@ -214,12 +204,10 @@ class ChatLogprobs(BaseModel):
         if k is None or out.logprobs is None:
             return None
 
-        def entry(text, logprob, kind=TopLogprob, **kw):
-            return kind(token=text, logprob=logprob, bytes=list(text.encode("utf-8", "replace")),
-                        **kw)
-        return cls(content=[entry(_text(t, rec), rec[t].logprob, ChatTokenLogprob,
-                                  top_logprobs=[entry(s, lp) for s, lp in _top(rec, k)])
-                            for t, rec in zip(out.token_ids, out.logprobs)])
+        def entry(s: str, lp: float, kind=TopLogprob, **kw):
+            return kind(token=s, logprob=lp, bytes=list(s.encode("utf-8", "replace")), **kw)
+        return cls(content=[entry(s, lp, ChatTokenLogprob, top_logprobs=[entry(*x) for x in top])
+                            for s, lp, top in out.top_logprobs(k)])
 
 
 class FunctionCall(BaseModel):

@@ -295,25 +295,11 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
 
 
 def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret,
-              num_heads, layer, page_offset, sliding_window, soft_cap):
+              layer, page_offset, sliding_window, soft_cap) -> None:
     L, _, K, page_size, _ = reference.check_pools(k_pool, v_pool)
-    if q.ndim == 3:
-        B, N, H = q.shape
-        if num_heads is not None and num_heads != N:
-            raise ValueError(f"num_heads={num_heads} but q [B, N, H] has N={N}")
-    elif q.ndim == 4:
-        B, Kq, Gp, H = q.shape
-        if num_heads is None or num_heads < 1 or num_heads % K:
-            raise ValueError(f"a grouped q [B, K, Gp, H] needs num_heads (a multiple of K={K}); "
-                             f"got num_heads={num_heads}")
-        N = num_heads
-        want = round_up(N // K, Q_GROUP_MULTIPLE)
-        if Kq != K or Gp != want:
-            raise ValueError(f"a grouped q must be [B, K={K}, Gp={want}, H] (G = N/K = {N // K} "
-                             f"rows zero-padded to a multiple of {Q_GROUP_MULTIPLE}); got "
-                             f"{q.shape}")
-    else:
-        raise ValueError(f"q must be [B, N, H] or grouped [B, K, Gp, H]; got shape {q.shape}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
+    B, N, H = q.shape
     bk = cfg.block_kv
     allowed = [jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]
     allowed = allowed if interpret else allowed[:2]
@@ -338,14 +324,13 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
             (isinstance(layer, (int, np.integer)) and not 0 <= layer < L,
              f"layer={layer} is outside the pools' L={L} layers")])
     reference.check_args(B, H, k_pool, v_pool, block_tables, seq_lens, sliding_window, soft_cap)
-    return N
 
 
-@functools.partial(jax.jit, static_argnames=("N", "scale", "soft_cap", "sliding_window",
-                                             "interpret", "cfg"))
-def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, soft_cap,
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
+                                             "cfg"))
+def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, scale, soft_cap,
              sliding_window, interpret, cfg: MosaicDecodeConfig):
-    B, H, (L, P, K, page_size, _) = q.shape[0], q.shape[-1], k_pool.shape
+    (B, N, H), (L, P, K, page_size, _) = q.shape, k_pool.shape
     G, M, bk, dtype = N // K, block_tables.shape[1], cfg.block_kv, k_pool.dtype
     Gp = round_up(G, Q_GROUP_MULTIPLE)
     max_blocks = max(1, -(-M * page_size // bk))
@@ -367,11 +352,9 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, N, scale, 
     lens = jnp.clip(seq_lens.astype(jnp.int32), 0, M * page_size)
     header = jnp.zeros((B, 1, C), jnp.int32).at[:, 0, 0].set(lens)
     table = jnp.concatenate([header, pages], axis=1)
-    qg = q.astype(dtype)  # a grouped q is padded already (e.g. by the qkv_prologue kernel)
-    if q.ndim == 3:
-        qg = qg.reshape(B, K, G, H)
-        if Gp != G:
-            qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    qg = q.astype(dtype).reshape(B, K, G, H)
+    if Gp != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     k_flat, v_flat = (x.reshape(L * P, K, page_size, H) for x in (k_pool, v_pool))
     transforms = () if interpret else _smem_transforms(dtype, H)
     single = splits == 1
@@ -412,22 +395,20 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            soft_cap: float | None = None, sliding_window: int | None = None,
                            interpret: bool = False, block_kv: int = 64, num_stages: int = 2,
                            num_splits: int | None = None, config: MosaicDecodeConfig | None = None,
-                           num_heads: int | None = None, page_offset: jax.Array | None = None
-                           ) -> jax.Array:
-    """`reference.paged_decode_attention`'s contract on Hopper -> [B, N, H] in q.dtype. q: [B, N, H]
-    or grouped [B, K, Gp, H] (G = N/K rows zero-padded to a multiple of ``Q_GROUP_MULTIPLE``; needs
-    ``num_heads`` = N). Pools bf16/f16 (f32 only if interpret), H a multiple of 64, page_size of 8.
+                           page_offset: jax.Array | None = None) -> jax.Array:
+    """`reference.paged_decode_attention`'s contract on Hopper -> [B, N, H] in q.dtype. Pools
+    bf16/f16 (f32 only if interpret), H a multiple of 64, page_size of 8.
     Knobs: `MosaicDecodeConfig` (unless ``config``). page_offset: ``layer_offsets(layer, P)``,
     replaces ``layer``. ValueError: shapes, dtypes or knobs the kernel does not take, a Python-int
     layer outside [0, L). Unchecked: a traced layer, page ids; lengths past the table are clamped to
     M * page_size. Eager interpret calls block until ready (XLA:CPU callback deadlock)."""
     cfg = config if config is not None else MosaicDecodeConfig(
         block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
-    N = _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, num_heads, layer,
-                  page_offset, sliding_window, soft_cap)
+    _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, layer, page_offset,
+              sliding_window, soft_cap)
     out = _forward(q, k_pool, v_pool, block_tables, seq_lens,
                    layer_offsets(layer, k_pool.shape[1]) if page_offset is None else page_offset,
-                   N=N, scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
+                   scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
                    sliding_window=None if sliding_window is None else int(sliding_window),
                    interpret=bool(interpret), cfg=cfg)
     if interpret and not isinstance(out, jax.core.Tracer):

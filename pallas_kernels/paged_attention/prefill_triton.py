@@ -106,12 +106,6 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
     return out.transpose(0, 2, 1, 3, 4).reshape(B, T, N, H)
 
 
-def default_knobs(G: int, page_size: int) -> dict:
-    """Tile sizes when none are given: 64 query rows and 64 keys (one page if pages are larger)."""
-    return dict(block_q=max(1, DEFAULT_ROWS // next_pow2(G)),
-                pages_per_block=max(1, DEFAULT_KEYS // page_size), num_warps=4, num_stages=2)
-
-
 def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                             block_tables: jax.Array, seq_lens: jax.Array, q_positions: jax.Array,
                             *, layer=0, scale: float, soft_cap: float | None = None,
@@ -124,7 +118,8 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     q.dtype (empty, no launch, if B or T is 0). q bf16/f16/f32; pools q's dtype or fp8 (with
     k_scale, v_scale f32[L, K]); page_size, H powers of 2 (H >= 16); block_q: query tokens per
     program (``block_q * G_PAD`` a power of 2 >= 16); pages_per_block: per key block (>= 16 keys);
-    None knobs: `default_knobs`. ValueError: bad shapes, dtypes, knobs."""
+    None knobs: 64 query rows and 64 keys (one page if pages are larger), 4 warps, 2 stages.
+    ValueError: bad shapes, dtypes, knobs."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, N, H]; got shape {q.shape}")
     B, T, N, H = q.shape
@@ -132,7 +127,8 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                                             block_tables, seq_lens, sliding_window, soft_cap)
     if q_positions.shape != (B, T):
         raise ValueError(f"q_positions must be i32[B={B}, T={T}]; got shape {q_positions.shape}")
-    knobs = default_knobs(N // K, page_size)
+    knobs = dict(block_q=max(1, DEFAULT_ROWS // next_pow2(N // K)),
+                 pages_per_block=max(1, DEFAULT_KEYS // page_size), num_warps=4, num_stages=2)
     given = dict(block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps,
                  num_stages=num_stages)
     knobs.update({k: v for k, v in given.items() if v is not None})

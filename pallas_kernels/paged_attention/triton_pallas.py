@@ -1,6 +1,6 @@
 """Paged decode attention as a Pallas kernel with the Triton lowering (variant ``triton``). One
 program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
-tile (`padded_group`) and gathers its split's pages ``pages_per_block`` at a time, online softmax in
+tile (G zero-padded to a power of 2 >= 16, the MMA rows) and gathers its split's pages ``pages_per_block`` at a time, online softmax in
 f32; ``k_splits > 1``: partials merged by `combine_splits`. fp8 pages (`kv_quant`): cast to q's
 dtype, the K scale folded into the logit scale, the V scale into the output. Sources: Dao et al.
 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's pallas.ops.gpu.paged_attention."""
@@ -62,11 +62,6 @@ def layer_scales(k_scale, v_scale, layer, L: int, K: int) -> tuple[jax.Array, ja
     """The K and V scales f32[K] of ``layer`` (``[layer]`` of f32[L, K]; None: ones)."""
     return tuple(jnp.ones((K,), jnp.float32) if s is None else
                  jnp.asarray(s, jnp.float32).reshape(L, K)[layer] for s in (k_scale, v_scale))
-
-
-def padded_group(G: int) -> int:
-    """Query heads per program: G rounded up to a power of 2 and to at least 16 (MMA rows)."""
-    return max(MIN_MMA_ROWS, next_pow2(G))
 
 
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
@@ -168,7 +163,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, k_scale, v_s
                   k_splits):
     (B, N, H), (L, _, K, page_size, _) = q.shape, k_pool.shape
     G, M = N // K, block_tables.shape[1]
-    G_PAD = padded_group(G)
+    G_PAD = max(MIN_MMA_ROWS, next_pow2(G))
     # Pad (null page 0) so every block and the prefetched next one are in range.
     bt = jnp.pad(block_tables, ((0, 0), (0, 2 * pages_per_block)))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)

@@ -31,9 +31,29 @@ def hf_model(hf_smollm):
 
 
 @pytest.fixture(scope="package")
-def llm(smollm_path, smollm_engine):
+def smollm_startup(smollm_path, smollm_engine):
+    """(``llm``, how many times building it opened the GGUF file: test_startup_and_text.py)."""
+    import builtins
+
     from jaxinfer import LLM
-    return LLM(smollm_path, **smollm_engine)
+    real_open, opened = builtins.open, []
+
+    def spy(file, *a, **k):
+        if isinstance(file, (str, os.PathLike)) and os.path.abspath(file) == smollm_path:
+            opened.append(file)
+        return real_open(file, *a, **k)
+
+    builtins.open = spy
+    try:
+        llm = LLM(smollm_path, **smollm_engine)
+    finally:
+        builtins.open = real_open
+    return llm, len(opened)
+
+
+@pytest.fixture(scope="package")
+def llm(smollm_startup):
+    return smollm_startup[0]
 
 
 @pytest.fixture(scope="package")

@@ -75,6 +75,13 @@ def test_default_model_chat_stream_answers_paris(tmp_path, smollm_cli_args):
     (["--prompt", "hi", "--top-k", "-2"], "top_k"),
     (["--prompt", "hi", "--model", "/no/such/model"], "/no/such/model"),
     (["--max-tokens", "4"], "no prompt"),
+    (["--prompt", "hi", "--n", "0"], "n=0 is invalid: must be an integer >= 1"),
+    (["--prompt", "hi", "--n", "two"], "argument --n: invalid int value: 'two'"),
+    (["--prompt", "hi", "--logprobs", "21"], "logprobs=21 is invalid: must be None or an integer "
+     "in [0, 20]"),
+    (["--prompt", "hi", "--logprobs", "-1"], "logprobs=-1 is invalid"),
+    (["--prompt", "hi", "--stream", "--n", "2"], "--n above 1"),
+    (["--prompt", "hi", "--stream", "--logprobs", "0"], "cannot be combined with --json, --n"),
     (["--prompt", "hi", "--max-tokens", "many"], "max-tokens"),
     (["--prompt", "hi", "--kernels", "qkv_prologue=triton"], "'qkv_prologue=triton' is invalid"),
     (["--prompt", "hi", "--kernels", "decode=mosaic"], "decode_attention='mosaic' is a GPU kernel"),
@@ -100,6 +107,36 @@ def test_bad_arguments_one_line_exit_2(capsys, args, needle):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0], err
     assert "Traceback" not in err
+
+
+def test_n_samples_and_logprobs(shared_llm, capsys):
+    """--n 2 --logprobs 2: per sample a ``--- [i] 'prompt' sample j`` line, its text, then one line
+    per token: the token (repr), its log-probability and ``top:`` the 2 likeliest; --json: one
+    object per sample with "logprobs" per token. Seeded, so both formats carry the same samples.
+    The request is test_engine_door.py's (`PARAMS`): no step shape to compile for it."""
+    args = ("--prompt", "the door of the engine", "--max-tokens", "9", "--n", "2", "--seed", "7",
+            "--temperature", "0.8", "--ignore-eos", "--logprobs", "2")
+    code, out, err = run_main(capsys, *args, "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [(r["index"], r["sample"]) for r in rows] == [(0, 0), (0, 1)]
+    for r in rows:
+        assert len(r["logprobs"]) == len(r["token_ids"]) == 9
+        for e in r["logprobs"]:
+            tops = [lp for _, lp in e["top"]]
+            assert len(tops) == 2 and tops == sorted(tops, reverse=True) and e["logprob"] <= 0
+            assert e["logprob"] <= tops[0] + 1e-6
+    code, out, err = run_main(capsys, *args)
+    assert code == 0, err
+    lines = out.splitlines()
+    for j, r in enumerate(rows):
+        at = lines.index(f"--- [0] 'the door of the engine' sample {j}") + 1
+        text = r["text"].split("\n")  # the text may hold newlines
+        assert lines[at:at + len(text)] == text
+        for line, e in zip(lines[at + len(text):][:9], r["logprobs"], strict=True):
+            assert line == f"  {e['token']!r} {e['logprob']:.4f}  top: " + ", ".join(
+                f"{t!r} {lp:.4f}" for t, lp in e["top"])
+    assert "generated tokens: 18" in err
 
 
 def test_kernels_help_lists_keys_and_values_from_kernel_config(capsys, monkeypatch):

@@ -2,7 +2,6 @@
 and the per-request text options on real weights match HF's ``tokenizer.decode`` (an
 ``AutoTokenizer`` built by transformers from the file: an independent reference)."""
 
-import builtins
 import os
 
 import pytest
@@ -11,22 +10,10 @@ from jaxinfer import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def startup(smollm_path, smollm_engine):
-    """(LLM, number of times the GGUF file was opened while it was built)."""
-    from jaxinfer import LLM
-    real_open, opened = builtins.open, []
-
-    def spy(file, *a, **k):
-        if isinstance(file, (str, os.PathLike)) and os.path.abspath(file) == smollm_path:
-            opened.append(file)
-        return real_open(file, *a, **k)
-
-    builtins.open = spy
-    try:
-        llm = LLM(smollm_path, **smollm_engine)  # the e2e engine's shapes: cached
-    finally:
-        builtins.open = real_open
-    return llm, len(opened)
+def startup(smollm_startup):
+    """(the shared SmolLM2 `LLM`, number of times the GGUF file was opened while it was built:
+    tests/e2e/conftest.py)."""
+    return smollm_startup
 
 
 @pytest.fixture(scope="module")

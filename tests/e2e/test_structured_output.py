@@ -137,3 +137,35 @@ def test_invalid_specs_rejected_others_run(tiny, tiny_text_cfg, tiny_text_params
     with pytest.raises(ValueError, match="needs a tokenizer"):
         bare.generate({"prompt_token_ids": [5, 6]},
                       SamplingParams(structured_outputs=so(choice=["a"])))
+
+
+def test_tiny_overlapped_constrained_steps_equal_sync(tiny):
+    """Under async scheduling a constrained step's forward is dispatched before the previous step
+    is read back (its masks and sampling after): the same outputs and logprobs as the sync path,
+    for a schema/regex/choice mix with free rows, a grammar that stops early, and n=2."""
+    so = StructuredOutputsParams
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    prompts = ["Once upon a time", "The answer is", "Colors:", "Hello there", "1, 2, 3,"]
+    params = [SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=30, logprobs=2,
+                             structured_outputs=so(json=schema)),
+              SamplingParams(temperature=0, max_tokens=30, structured_outputs=so(regex="ab?")),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=25, structured_outputs=so(
+                  regex=WORDS)),
+              SamplingParams(temperature=0, max_tokens=5, structured_outputs=so(
+                  choice=["yes", "no"])),
+              SamplingParams(temperature=0.8, seed=1, max_tokens=20)]
+    results, overlapped = [], []
+    for mode in (False, True):
+        tiny.engine.async_scheduling = mode
+        before = tiny.engine.stats().num_overlapped_steps
+        outs = tiny.generate(prompts, params)
+        overlapped.append(tiny.engine.stats().num_overlapped_steps - before)
+        results.append([(c.token_ids, c.finish_reason, c.logprobs) for o in outs for c in o.outputs])
+    tiny.engine.async_scheduling = True
+    assert results[0] == results[1]
+    assert overlapped[0] == 0 and overlapped[1] >= 20  # the constrained steps overlapped too
+    short = outs[1].outputs[0]  # "a" or "ab", then EOS: the grammar stops early
+    assert short.finish_reason == "stop" and len(short.token_ids) <= 3
+    assert all(json.loads(c.text)["a"] is not None for c in outs[0].outputs)
+    assert outs[3].text in ("yes", "no") and len(outs[4].token_ids) == 20

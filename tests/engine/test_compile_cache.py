@@ -31,8 +31,8 @@ print(json.dumps({"tokens": [list(o.token_ids) for o in out], "hits": len(hits) 
 """
 
 
-def _run(cache_dir):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _run(cache_dir, **env_vars):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **env_vars)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the run-wide cache of tests/conftest.py
     script = SCRIPT.replace("**TINY", f"**{TINY!r}")
     r = subprocess.run([sys.executable, "-c", script, str(cache_dir)], capture_output=True,
@@ -42,11 +42,13 @@ def _run(cache_dir):
 
 
 def test_second_process_loads_compiled_steps(tmp_path):
-    cache = tmp_path / "xla_cache"
-    first = _run(cache)
+    """The default, ``"auto"``, with no JAX cache set: the user's cache directory (vLLM keeps its
+    compile cache in ~/.cache/vllm), here $XDG_CACHE_HOME/jaxinfer/jax."""
+    cache = tmp_path / "jaxinfer" / "jax"
+    first = _run("auto", XDG_CACHE_HOME=str(tmp_path))
     assert first["compiles"] >= 2 and first["hits"] == 0
     assert any(name.startswith("jit_packed_step") for name in os.listdir(cache)), os.listdir(cache)
-    second = _run(cache)
+    second = _run("auto", XDG_CACHE_HOME=str(tmp_path))
     assert second["tokens"] == first["tokens"]
     assert second["hits"] >= first["compiles"]  # every step shape came from the cache
 

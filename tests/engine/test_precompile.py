@@ -52,15 +52,22 @@ def test_plan_shapes_are_the_shapes_generate_visits(weights, async_scheduling, n
     assert llm.engine.stats().num_lazy_compiles == len(planned)
 
 
-def test_precompile_then_generate_compiles_nothing_and_matches(weights):
-    w = weights
-    prompts, params = _workload()
-    # a batch bucket no other test uses (the reference run is synchronous: it never merges
-    # pending tokens)
-    kc = KernelConfig(batch_buckets=(5,))
-    expected = [o.token_ids for o in _llm(w, kc, async_scheduling=False)
-                .generate(prompts, params)]
+# a batch bucket no other test uses
+KC5 = KernelConfig(batch_buckets=(5,))
 
+
+@pytest.fixture(scope="module")
+def expected5(weights):
+    """`_workload`'s token ids on a synchronous engine (it never merges pending tokens)."""
+    prompts, params = _workload()
+    return [o.token_ids for o in _llm(weights, KC5, async_scheduling=False)
+            .generate(prompts, params)]
+
+
+def test_precompile_then_generate_compiles_nothing_and_matches(weights, expected5):
+    w, expected = weights, expected5
+    prompts, params = _workload()
+    kc = KC5
     llm = _llm(w, kc)
     info = llm.precompile(prompts, params, max_workers=2)
     assert info["shapes"] == info["planned"] == llm.engine.stats().num_compiles >= 4
@@ -85,6 +92,29 @@ def test_precompile_then_generate_compiles_nothing_and_matches(weights):
     assert compiles == []
     # the jit entry points were never called: every step ran an ahead-of-time executable
     assert jit_calls == []
+
+
+def test_background_compile_never_stalls_and_matches(weights, expected5):
+    """As vLLM never compiles inside a running step (its CUDA graphs are captured at start), a
+    step shape not compiled yet runs padded to a compiled shape that covers it (more rows, pages,
+    tokens; sampling for all-greedy) while its own compiles in a thread, used once done."""
+    prompts, params = _workload()
+    llm = _llm(weights, KC5, compile_in_background=True)
+    planned = llm.engine.plan_shapes([(p["prompt_token_ids"], sp)
+                                      for p, sp in zip(prompts, params)])
+    b = llm.engine.runner.buckets
+    covering = {k._replace(pages=b.pages[-1], all_greedy=False) if not k.packed else
+                k._replace(pages=b.pages[-1], all_greedy=False, tokens=b.packed_tokens[-1],
+                           query=b.prefill_tokens[-1]) for k in planned}
+    assert len(covering) < len(set(planned))
+    llm.engine.precompile(sorted(covering, key=str))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected5
+    stats, ex = llm.engine.stats(), llm.engine.runner.executor
+    assert stats.num_lazy_compiles == 0 and stats.num_covered_steps > 0
+    assert ex.pending and set(ex.pending) <= set(planned) - covering
+    for f in list(ex.pending.values()):
+        f.result()
+    assert all(llm.engine.runner.runnable(k) == k for k in planned)  # now their own shapes
 
 
 def test_precompile_rejects_a_bad_request_by_index(weights):

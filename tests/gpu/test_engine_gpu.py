@@ -125,7 +125,7 @@ def _teacher_forced_margins(path, prompts, outputs):
 def _variants():
     """Every registered decode kernel but the reference."""
     from pallas_kernels.paged_attention import registry
-    return [n for n in registry.names() if n != "reference"]
+    return [n for n in registry.DECODE if n != "reference"]
 
 
 def _teacher_forced_picks(loaded, kernels, prompts, outputs):

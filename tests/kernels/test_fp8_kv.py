@@ -1,7 +1,7 @@
-"""fp8 KV pages (`pallas_kernels.kv_quant`): the quantised writes (`write_kv`, the attention
-prologue's reference and Triton kernel) against numpy's float8_e4m3fn rounding (ml_dtypes), and
-the dequantising reads (the reference, the Triton decode and prefill kernels) against float32
-attention over the dequantised pages ``stored.astype(f32) * scale``.
+"""fp8 KV pages (`pallas_kernels.kv_quant`): `quantize` against numpy's float8_e4m3fn rounding
+(ml_dtypes; the model's page write: tests/models/test_fp8_kv.py), and the dequantising reads
+(the reference, the Triton decode and prefill kernels) against float32 attention over the
+dequantised pages ``stored.astype(f32) * scale``.
 
 Tolerances: every read dequantises the same fp8 pages, so the only differences are float32
 rounding (summation order, the scales folded into the logit scale and the output): 1e-5 relative
@@ -18,10 +18,8 @@ import pytest
 
 from pallas_kernels.kv_quant import FP8, FP8_MAX, quantize
 from pallas_kernels.paged_attention import prefill_triton, reference, triton_pallas
-from pallas_kernels.qkv_prologue import reference as prologue_ref
 
 from .modes import runs
-from .test_qkv_prologue import make_inputs
 
 
 def np_fp8(x, scale):
@@ -70,25 +68,6 @@ def test_quantize_matches_numpy_e4m3_and_clips():
         quantize(jnp.asarray(x), None, FP8)
 
 
-def test_write_kv_quantises_with_the_layers_head_scales():
-    rng = np.random.default_rng(1)
-    L, P, K, ps, H = 2, 4, 3, 8, 16
-    k_new, v_new = (rng.standard_normal((2, 3, K, H)).astype(np.float32) * 4 for _ in range(2))
-    ks, vs = (rng.uniform(0.01, 0.1, (L, K)).astype(np.float32) for _ in range(2))
-    slots = np.array([[8, 9, 10], [17, 30, 31]], np.int32)
-    zeros = jnp.zeros((L, P, K, ps, H), FP8)
-    kp, vp = prologue_ref.write_kv(zeros, zeros, 1, jnp.asarray(k_new.reshape(-1, K, H)),
-                                   jnp.asarray(v_new.reshape(-1, K, H)),
-                                   jnp.asarray(slots.reshape(-1)), jnp.asarray(ks), jnp.asarray(vs))
-    assert kp.dtype == vp.dtype == FP8
-    for pool, new, s in ((kp, k_new, ks), (vp, v_new, vs)):
-        pool = np.asarray(pool).astype(np.float32)
-        for (b, t), slot in np.ndenumerate(slots):
-            want = np_fp8(new[b, t], s[1][:, None]).astype(np.float32)
-            np.testing.assert_array_equal(pool[1, slot // ps, :, slot % ps], want)
-        assert not pool[0].any()                                      # layer 0 untouched
-
-
 def test_reference_dequantises_with_per_head_scales():
     q, kq, vq, bt, lens, ks, vs, kd, vd = fp8_case(0)
     with jax.default_matmul_precision("highest"):
@@ -133,29 +112,6 @@ def test_triton_prefill_reads_fp8_pages(mode, case):
     with jax.default_matmul_precision("highest"):
         ref = reference.paged_attention(qt, kd, vd, bt, lens, jnp.asarray(pos), **kw)
     assert_close(out, ref, 1e-5)
-
-
-def test_prologue_writes_fp8_pages():
-    """The prologue stores e4m3 values within one e4m3 step of numpy's rounding of the float32
-    prologue's K/V over the scales (RoPE's float32 rounding may differ by an ulp and cross a
-    rounding boundary), and equal to it for nearly every element."""
-    qkv, qn, kn, cos, sin, slots, kp, vp = make_inputs(5, S=2, N=4, K=2, H=32)
-    L, K = kp.shape[0], kp.shape[2]
-    ks, vs = (jnp.asarray(np.random.default_rng(i).uniform(0.005, 0.05, (L, K)), jnp.float32)
-              for i in (6, 7))
-    kw = dict(layer=1, num_heads=4, num_kv_heads=2)
-    _, k32, v32 = prologue_ref.qkv_prologue(qkv, qn, kn, cos, sin, slots, kp, vp, **kw)
-    fp8_pools = (jnp.zeros(kp.shape, FP8), jnp.zeros(vp.shape, FP8))
-    got = prologue_ref.qkv_prologue(qkv, qn, kn, cos, sin, slots, *fp8_pools, **kw, k_scale=ks,
-                                    v_scale=vs)
-    ps = kp.shape[3]
-    page, off = np.asarray(slots) // ps, np.asarray(slots) % ps
-    for pool, p32, s in ((got[1], k32, ks), (got[2], v32, vs)):
-        assert pool.dtype == FP8
-        want = np_fp8(np.asarray(p32)[1, page, :, off], np.asarray(s)[1][None, :, None])
-        w = np.asarray(pool).astype(np.float32)[1, page, :, off]
-        np.testing.assert_allclose(w, want.astype(np.float32), rtol=2.0 ** -3, atol=2.0 ** -9)
-        assert np.mean(np.asarray(pool)[1, page, :, off] == want) > 0.99
 
 
 def test_fp8_pools_need_scales():

@@ -191,58 +191,22 @@ def test_layer_traced_in_scan(mode, case):
     assert not np.allclose(np.asarray(outs[0]), np.asarray(outs[1]))
 
 
-def grouped(q, K, rows=mosaic.Q_GROUP_MULTIPLE):
-    """[B, N, H] -> [B, K, Gp, H], each KV head's G query rows zero-padded to a multiple of 8."""
-    B, N, H = q.shape
-    G = N // K
-    Gp = -(-G // rows) * rows
-    return jnp.pad(q.reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
-
-
-def grouped_case(mode, G, splits, K=2, H=64):
-    """A grouped, zero-padded q (the layout the kernel pads to) with the layer a Python int
-    (its page offset then a constant) gives the reference's output, as [B, N, H] does."""
-    page_size, M = 16, 5
-    lens = [1, 17, 80, 0]
-    q, k, v, t, s = make_inputs(20 + G, lens=lens, N=G * K, K=K, H=H, page_size=page_size, M=M,
-                                dtype=jnp.bfloat16)
-    kw = dict(scale=H ** -0.5, interpret=mode == "interpret", num_splits=splits)
-    ref = ref_out(q, k, v, t, s, layer=1, scale=H ** -0.5)
-    flat = mosaic.paged_decode_attention(q, k, v, t, s, layer=1, **kw)
-    group = mosaic.paged_decode_attention(grouped(q, K), k, v, t, s, layer=1, num_heads=G * K,
-                                          **kw)
-    assert group.shape == q.shape
-    check(flat, ref, jnp.bfloat16)
-    check(group, ref, jnp.bfloat16)
-    np.testing.assert_array_equal(np.asarray(group, np.float32), np.asarray(flat, np.float32))
-    # the layer as a page-offset constant (how the attention dispatch passes it) reads the same pages
-    off = mosaic.layer_offsets(1, k.shape[1])
-    assert isinstance(off, np.ndarray) and len(set(off.tolist())) == off.size  # never uniform
-    by_offset = mosaic.paged_decode_attention(grouped(q, K), k, v, t, s, layer=0,
-                                              page_offset=off, num_heads=G * K, **kw)
-    np.testing.assert_array_equal(np.asarray(by_offset, np.float32), np.asarray(group, np.float32))
-
-
 @pytest.mark.parametrize("mode, case", by_mode(
     [(4, None, 2, 64)],   # padded rows and automatic splits; G=8 and forced splits run compiled
     [(4, None, 8, 128), (8, 1, 2, 64), (2, 2, 2, 128)]))
-def test_grouped_q_and_int_layer(mode, case):
+def test_int_layer_and_page_offset(mode, case):
+    """The layer as a Python int, and as its page-offset constant (how the attention dispatch
+    passes it), gives the reference's output; G query rows are zero-padded to a multiple of 8."""
     G, splits, K, H = case
-    grouped_case(mode, G, splits, K=K, H=H)
-
-
-@pytest.mark.parametrize("q_shape, num_heads, match", [
-    ((2, 2, 8, 64), None, "needs num_heads"),
-    ((2, 2, 4, 64), 4, r"must be \[B, K=2, Gp=8, H\]"),
-    ((2, 3, 8, 64), 6, r"must be \[B, K=2, Gp=8, H\]"),
-    ((2, 4, 64), 8, "num_heads=8 but q"),
-    ((2, 4), None, "must be \\[B, N, H\\] or grouped"),
-])
-def test_bad_grouped_q_raises(q_shape, num_heads, match):
-    _, k, v, t, s = _shapes()
-    with pytest.raises(ValueError, match=match):
-        mosaic.paged_decode_attention(jnp.zeros(q_shape, jnp.bfloat16), k, v, t, s, scale=0.1,
-                                      num_heads=num_heads)
+    q, k, v, t, s = make_inputs(20 + G, lens=[1, 17, 80, 0], N=G * K, K=K, H=H, page_size=16,
+                                M=5, dtype=jnp.bfloat16)
+    kw = dict(scale=H ** -0.5, interpret=mode == "interpret", num_splits=splits)
+    out = mosaic.paged_decode_attention(q, k, v, t, s, layer=1, **kw)
+    check(out, ref_out(q, k, v, t, s, layer=1, scale=H ** -0.5), jnp.bfloat16)
+    off = mosaic.layer_offsets(1, k.shape[1])
+    assert isinstance(off, np.ndarray) and len(set(off.tolist())) == off.size  # never uniform
+    by_offset = mosaic.paged_decode_attention(q, k, v, t, s, layer=0, page_offset=off, **kw)
+    np.testing.assert_array_equal(np.asarray(by_offset, np.float32), np.asarray(out, np.float32))
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -256,8 +220,10 @@ def test_bad_layer_or_offset_raises(kw, match):
         mosaic.paged_decode_attention(*_shapes(), scale=0.1, **kw)
 
 
-def test_bad_q_dtype_or_empty_batch_raises():
+def test_bad_q_raises():
     q, k, v, t, s = _shapes()
+    with pytest.raises(ValueError, match=r"q must be \[B, N, H\]"):
+        mosaic.paged_decode_attention(q[:, None], k, v, t, s, scale=0.1)
     with pytest.raises(ValueError, match="q must be a floating dtype"):
         mosaic.paged_decode_attention(q.astype(jnp.int32), k, v, t, s, scale=0.1)
     q, k, v, t, s = _shapes(B=0)

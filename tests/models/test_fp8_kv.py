@@ -1,6 +1,7 @@
-"""The fp8 KV cache through the model and the engine: the Triton prologue, prefill and decode
-kernels (interpret mode) on fp8 pages against the model's jnp path on the same pages; the fp8
-model against its float32-KV run; the engine generating with ``kv_cache_dtype="fp8"``; the pool
+"""The fp8 KV cache through the model and the engine: the model's page write (q/k RMSNorm, RoPE,
+quantised K/V) against an independent float32 prologue rounded by numpy; the Triton prefill and
+decode kernels (interpret mode) on fp8 pages against the model's jnp path on the same pages; the
+fp8 model against its float32-KV run; the engine generating with ``kv_cache_dtype="fp8"``; the pool
 holding twice the tokens of bfloat16 in the same memory."""
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from jaxinfer.config import EngineConfig, ModelConfig, resolve
 from jaxinfer.config.memory import GIB, engine_pool_pages
 from jaxinfer.models.kernels import ModelKernels, model_kernels
 from jaxinfer.models.kv_cache import KVCache
+from jaxinfer.models.layers import StepContext
+from jaxinfer.models.llama import attention_heads
 from pallas_kernels.kv_quant import FP8
 from pallas_kernels.paged_attention import prefill_triton
+
+from tests.kernels.test_fp8_kv import np_fp8
 
 from .test_model_kernels import PAGE, _cfg as tiny_cfg, kernel_config
 
@@ -64,6 +69,48 @@ def fresh_kv(cfg, dtype, scales=None):
     k, v = (jnp.clip(p / s[:, None, :, None, None], -448, 448).astype(dtype)
             for p, s in ((kv.k, ks), (kv.v, vs)))
     return kv.replace(k=k, v=v, k_scale=ks, v_scale=vs)
+
+
+def f32_prologue(qkv, wq, wk, cos, sin, *, N, K, H, eps=1e-6):
+    """Independent float32 oracle of the K/V a layer writes: qkv [B, T, (N + 2K) * H] -> k (HF
+    RMSNorm by ``wk``, then ``rotate_half`` RoPE), v f32[B, T, K, H]."""
+    heads = jnp.asarray(qkv, jnp.float32).reshape(*qkv.shape[:2], N + 2 * K, H)
+    k, v = heads[:, :, N:N + K], heads[:, :, N + K:]
+    k = k * jax.lax.rsqrt(jnp.mean(k * k, axis=-1, keepdims=True) + eps) * wk
+    k1, k2 = k[..., :H // 2], k[..., H // 2:]
+    c, s = cos[:, :, None], sin[:, :, None]
+    return jnp.concatenate([k1 * c - k2 * s, k2 * c + k1 * s], axis=-1), v
+
+
+def test_model_writes_fp8_pages():
+    """`attention_heads` into fp8 pools at layer 1 stores numpy's e4m3 rounding of the float32
+    prologue's K/V over that layer's per-head scales: within one e4m3 step (float32 rounding may
+    cross a rounding boundary), equal for nearly every element; nothing else written."""
+    rng = np.random.default_rng(5)
+    B, T, N, K, H, L, P, ps = 2, 3, 4, 2, 32, 2, 6, 8
+    qkv = jnp.asarray(rng.standard_normal((B, T, (N + 2 * K) * H)), jnp.float32)
+    wq, wk = (jnp.asarray(1 + 0.1 * rng.standard_normal(H), jnp.float32) for _ in range(2))
+    ang = rng.integers(0, 4096, (B, T, 1)) * 10000.0 ** (-np.arange(0, H, 2) / H)
+    cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+    slots = (rng.permutation((P - 1) * ps)[:B * T] + ps).reshape(B, T).astype(np.int32)  # no null
+    ks, vs = (rng.uniform(0.005, 0.05, (L, K)).astype(np.float32) for _ in range(2))
+    zeros = jnp.zeros((L, P, K, ps, H), FP8)
+    ctx = StepContext(jnp.zeros((B, T), jnp.int32), jnp.asarray(slots),
+                      jnp.zeros((B, 1), jnp.int32), jnp.zeros((B,), jnp.int32), cos, sin,
+                      k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs))
+    _, kp, vp = attention_heads(qkv, zeros, zeros, ctx, wq, wk, kernels=ModelKernels(), layer=1,
+                                num_heads=N, num_kv_heads=K, eps=1e-6)
+    page, off = slots // ps, slots % ps
+    for pool, want, s in zip((kp, vp), f32_prologue(qkv, wq, wk, cos, sin, N=N, K=K, H=H),
+                             (ks, vs)):
+        assert pool.dtype == FP8
+        want = np_fp8(want, s[1][:, None])                               # [B, T, K, H]
+        got = np.asarray(pool).astype(np.float32)
+        np.testing.assert_allclose(got[1, page, :, off], want.astype(np.float32),
+                                   rtol=2.0 ** -3, atol=2.0 ** -9)
+        assert np.mean(np.asarray(pool)[1, page, :, off] == want) > 0.99
+        got[1, page, :, off] = 0
+        assert not got.any()                                            # layer 0, other slots
 
 
 def test_triton_kernels_on_fp8_pages_match_the_jnp_path(model, monkeypatch):

@@ -60,8 +60,8 @@ def decode_batch(cfg, rng, page, *, lens, slot_pages):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decode_step_with_mosaic_matches_jnp_path(arch):
-    """The mosaic decode kernel (interpret mode) inside the model, which pads q to its grouped
-    layout itself, against the jnp path with the reference attention."""
+    """The mosaic decode kernel (interpret mode) inside the model against the jnp path with the
+    reference attention."""
     pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params")
     cfg = dataclasses.replace(tiny_cfg(arch), head_dim=64)   # mosaic: H a multiple of 64
     page = 8                                                 # and pages a multiple of 8

@@ -72,6 +72,15 @@ def test_chat_stream_equals_non_stream(server, client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_chat_roles(server, client):
+    """OpenAI's roles, "developer" too (vLLM takes it), reach the chat template as they are;
+    another role is a 400 (`test_bad_parameters`)."""
+    msgs = [{"role": r, "content": r} for r in ("developer", "system", "user", "assistant",
+                                                "tool", "user")]
+    out = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, **GREEDY)
+    assert out.usage.prompt_tokens == len(server.llm.apply_chat_template(msgs))
+
+
 def test_stop_string(client):
     base = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, **GREEDY)
     text = base.choices[0].text
@@ -147,6 +156,20 @@ def test_logprobs(client):
     ({"messages": [], "_path": "/v1/chat/completions"}, 400, "messages", []),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2,
       "_path": "/v1/chat/completions"}, 400, "top_logprobs", ["logprobs"]),
+    ({"messages": [{"role": "robot", "content": "hi"}], "_path": "/v1/chat/completions"}, 400,
+     "messages.0.role", ["'developer', 'system', 'user', 'assistant' or 'tool'", "'robot'"]),
+    # 500s before content parts and tool_choice were typed (found while writing test_fuzz.py)
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}],
+      "_path": "/v1/chat/completions"}, 400, "messages.0.content.0.text", ["(got 5)"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": {"name": "f"}}],
+      "tool_choice": {"function": "f"}, "_path": "/v1/chat/completions"}, 400,
+     "tool_choice.function", ["(got 'f')"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0, "max_tokens": 4,
+      "_path": "/v1/chat/completions"}, 400, "max_tokens", ["max_tokens=0"]),  # not ignored
+    # found by the 10,000-case fuzz (BENCHMARKS.md): a 500, or a stream cut short
+    ({"messages": [{"role": "user"}], "tools": [{"function": {"name": ""}}], "stream": True,
+      "tool_choice": {"type": "function", "function": {"name": ""}},
+      "_path": "/v1/chat/completions"}, 400, "tools.0.function.name", ["at least 1 character"]),
 ])
 def test_bad_parameters(server, raw, body, status, param, words):
     path = body.pop("_path", "/v1/completions")

@@ -1,1 +1,0 @@
-"""Residual add + RMSNorm in plain jnp (`reference`), the model's layer norm."""

@@ -1,1 +1,0 @@
-"""The attention prologue in plain jnp (`reference`): q/k RMSNorm, RoPE, the K/V page write."""

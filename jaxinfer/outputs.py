@@ -158,12 +158,9 @@ class OutputProcessor:
             if sent is None or d is None and not seq.is_finished:
                 continue
             ids, text, st.sent[i] = d or ([], "", sent)
-            lps = None if seq.logprobs is None else seq.logprobs[sent[0]:sent[0] + len(ids)]
             if seq.is_finished:
                 st.sent[i] = None
-            comps.append(CompletionOutput(i, text, list(ids), seq.finish_reason,
-                                          self._stop_reason(seq), seq.cumulative_logprob,
-                                          self._logprobs(lps, seq.params)))
+            comps.append(self.completion(seq, (ids, text, sent[0])))
         return None if not comps else self.request_output(st.seqs, st.prompt, comps, first)
 
     def _decode(self, ids, params) -> str:
@@ -234,16 +231,14 @@ class OutputProcessor:
         return [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
                 for e in entries]
 
-    @staticmethod
-    def _stop_reason(seq) -> int | str | None:
-        return seq.output_token_ids[-1] if seq.ended_on_stop_token else seq.stop_string
-
-    def completion(self, seq) -> CompletionOutput:
-        return CompletionOutput(index=seq.index, text=self.visible_text(seq),
-                                token_ids=list(seq.output_token_ids),
-                                finish_reason=seq.finish_reason, stop_reason=self._stop_reason(seq),
-                                cumulative_logprob=seq.cumulative_logprob,
-                                logprobs=self._logprobs(seq.logprobs, seq.params))
+    def completion(self, seq, delta: tuple | None = None) -> CompletionOutput:
+        """``seq``'s output so far, or ``delta`` = (new ids, new text, tokens sent before) only."""
+        ids, text, start = delta or (seq.output_token_ids, self.visible_text(seq), 0)
+        lps = None if seq.logprobs is None else seq.logprobs[start:start + len(ids)]
+        return CompletionOutput(seq.index, text, list(ids), seq.finish_reason,
+                                seq.output_token_ids[-1] if seq.ended_on_stop_token
+                                else seq.stop_string, seq.cumulative_logprob,
+                                self._logprobs(lps, seq.params))
 
     def request_output(self, seqs, prompt: str | None, outputs: list | None = None,
                        prompt_logprobs: bool = True) -> RequestOutput:

@@ -151,31 +151,29 @@ class EngineConfig:
     kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:
-        positive, fraction = "must be a positive integer", "must be a number in (0, 1]"
+        positive, fraction, fields = ("must be a positive integer", "must be a number in (0, 1]",
+                                      dataclasses.fields(self))
         _check(self, (*((f.name, _optional(is_number) if "None" in f.type else is_number,
                          f"must be {'None or ' * ('None' in f.type)}a number")
-                        for f in dataclasses.fields(self) if f.type.startswith("float")),
+                        for f in fields if f.type.startswith("float")),
+            *((f.name, lambda v: isinstance(v, bool), "must be True or False")
+              for f in fields if f.type == "bool"),
+            *((n, lambda v: is_int(v, 1), positive) for n in (
+                "page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")),
             ("max_model_len", _optional(lambda v: is_int(v, 1)), positive),
-            ("page_size", lambda v: is_int(v, 1), positive),
             ("page_size", is_pow2, "must be a power of two (8, 16, 32, 64, ...)"),
             ("num_pages", _optional(lambda v: is_int(v, 2)),
              "must be an integer >= 2 (page 0 is the null page)"),
             ("memory_fraction", lambda v: 0.0 < v <= 1.0, fraction),
             ("gpu_memory_utilization", _optional(lambda v: 0.0 < v <= 1.0), fraction),
-            ("max_num_seqs", lambda v: is_int(v, 1), positive),
-            ("max_num_batched_tokens", lambda v: is_int(v, 1), positive),
             ("dtype", (None, "float32", "bfloat16", "float16", *_DTYPE_ALIASES).__contains__,
-             "allowed: None or 'auto' (bfloat16 on GPU, "
-             "else float32), 'float32' (= 'float'), 'bfloat16', 'float16' (= 'half')"),
+             "allowed: None or 'auto' (bfloat16 on GPU, else float32), 'float32' (= 'float'), "
+             "'bfloat16', 'float16' (= 'half')"),
             ("seed", is_int, "must be an integer"),
-            *((n, lambda v: isinstance(v, bool), "must be True or False")
-              for n in ("async_scheduling", "enable_prefix_caching", "enforce_eager",
-                      "compile_in_background")),
             ("compilation_cache_dir", _optional(lambda v: isinstance(v, (str, os.PathLike))),
              "must be None, 'auto', 'none' or a path"),
             ("kv_cache_dtype", KV_CACHE_DTYPES.__contains__,
              "allowed: 'auto' (the compute dtype), 'fp8' or 'fp8_e4m3' (float8_e4m3fn)"),
-            ("tensor_parallel_size", lambda v: is_int(v, 1), positive),
             ("quantization", (None, "fp8").__contains__, "allowed: None or 'fp8'"),
             ("max_logprobs", lambda v: is_int(v, 0) and v <= MAX_LOGPROBS,
              f"must be an integer in [0, {MAX_LOGPROBS}]")))
@@ -260,12 +258,12 @@ def check_platform(kc: KernelConfig, platform: str) -> None:
 def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
             device_kind: str | None = None) -> ResolvedConfig:
     """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend). On
-    "gpu": dtype bfloat16, prefill_attention triton, and in half precision decode_attention mosaic
-    (fp8 KV: triton); else float32 and reference; an attention variant not validated on ``device_kind`` falls back
-    (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization None:
-    "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off "gpu",
-    float16 on "gpu", a decode variant not in `FP8_KV_DECODE` with
-    fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`), fp8 KV with tp > 1."""
+    "gpu": dtype bfloat16, prefill_attention triton, in half precision decode_attention mosaic (fp8
+    KV: triton); else float32 and reference; a variant not validated on ``device_kind`` falls back
+    (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization
+    None: "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off
+    "gpu", float16 on "gpu", fp8 KV with a decode variant not in `FP8_KV_DECODE` or with tp > 1, a
+    model ``tensor_parallel_size`` cannot split (`check_tp`)."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "

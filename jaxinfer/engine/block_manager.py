@@ -206,21 +206,18 @@ class BlockManager:
     def check(self) -> dict[str, int]:
         """{"free", "cached", "used"} page counts (cached: evictable, unreferenced), adding up to
         `num_usable_pages`. Raises RuntimeError: a page in two states or none, a bad hash table."""
-        used = {p for p in range(self.num_pages) if self._holders[p]}
-        free, cached = set(self._free), set(self._evictable)
-        errors = []
-        if len(free) != len(self._free) or free & cached or (free | cached) & used:
-            errors.append("a page is in two states")
-        if free | cached | used != set(range(1, self.num_pages)):
-            errors.append("the states do not cover pages 1..P-1 exactly")
-        if any(self._key[p] is not None for p in free) or any(self._key[p] is None for p in cached):
-            errors.append("a free page has a hash or an evictable page has none")
-        if ({p: k[0] for p, k in enumerate(self._key) if k}
-                != {p: h for h, p in self._cached.items()}):
-            errors.append("the hash table and the pages' hashes differ")
+        used = [p for p in range(self.num_pages) if self._holders[p]]
+        free, cached, key = set(self._free), set(self._evictable), self._key
+        errors = [what for bad, what in (
+            (sorted([*self._free, *cached, *used]) != list(range(1, self.num_pages)),
+             "a page is in two states or in none (pages 1..P-1)"),
+            (any(key[p] is not None for p in free) or any(key[p] is None for p in cached),
+             "a free page has a hash or an evictable page has none"),
+            ({p: k[0] for p, k in enumerate(key) if k} != {p: h for h, p in self._cached.items()},
+             "the hash table and the pages' hashes differ")) if bad]
         if errors:
             raise RuntimeError(f"BlockManager.check: {'; '.join(errors)} (free={sorted(free)}, "
-                               f"cached={sorted(cached)}, used={sorted(used)})")
+                               f"cached={sorted(cached)}, used={used})")
         return {"free": len(free), "cached": len(cached), "used": len(used)}
 
 

@@ -25,13 +25,12 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """A constraint on a request's output (vLLM's names): exactly one of ``json`` (a JSON schema:
-    a dict, e.g. a pydantic model's ``model_json_schema()``, or its JSON text), ``regex`` (full
-    match), ``choice`` (one of these strings), ``grammar`` (Lark or GBNF, llguidance's syntax),
-    ``json_object`` (True: any JSON object). Normalised: ``json`` to its JSON text, ``choice`` to
-    a tuple; ``key``: (kind, spec text), as grammars are cached. ValueError: none or several set,
-    a value of the wrong type (named); a spec the grammar library rejects is a ValueError at
-    submission (`LLMEngine.check_request`)."""
+    """A constraint on a request's output (vLLM's names): exactly one of ``json`` (a JSON schema, a
+    dict or its JSON text), ``regex`` (full match), ``choice`` (one of these strings), ``grammar``
+    (Lark or GBNF, llguidance's syntax), ``json_object`` (True: any JSON object). Normalised:
+    ``json`` to JSON text, ``choice`` to a tuple; ``key``: (kind, spec text), the grammar cache's.
+    ValueError: none or several set, a value of the wrong type (named); a spec the grammar library
+    rejects: at submission (`LLMEngine.check_request`)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -124,24 +123,21 @@ _RULES = (  # field, valid(value), what is allowed, normalise
 
 @dataclass
 class SamplingParams:
-    """How to pick the next tokens of one request (vLLM's names, defaults and definitions; allowed
-    values: `_RULES`). temperature below `GREEDY_EPS`: greedy. top_p: nucleus mass, 1 = off. top_k:
-    0 or -1 = off. min_p: keep tokens of probability >= min_p x the top one. repetition_penalty:
-    divides the positive and multiplies the negative logits of ids in the prompt or output.
-    presence_penalty / frequency_penalty: subtract ``presence x [count > 0] + frequency x count``,
-    counts over the output tokens. seed: None: the engine draws one; a seeded request's tokens do
-    not depend on its batch. max_tokens None: up to max_model_len. min_tokens: EOS and
-    ``stop_token_ids`` masked until this many tokens. stop: strings that end generation, left out of
-    the text unless ``include_stop_str_in_output``. stop_token_ids: end generation (finish "stop"),
-    even with ``ignore_eos``. n: samples of the prompt, sample i seeded by (seed, i). logit_bias:
-    {token id: bias} added to the logits, clipped to [-100, 100]. logprobs / prompt_logprobs: k: the
-    chosen (prompt) token's raw log-probability and the top k (constrained rows: of the masked
-    logits, as vLLM). structured_outputs: `StructuredOutputsParams`, the output's grammar (it
-    completes: EOS only, finish "stop"). output_kind: `RequestOutputKind`. detokenize False: ids,
-    no text (no ``stop``). truncate_prompt_tokens k: keep the prompt's last k tokens (-1:
-    max_model_len). extra_args: kept, for the caller. bad_words, allowed_token_ids,
-    logits_processors: refused at submission unless empty. Mutable (vLLM's): validated here and
-    at each submission (`LLMEngine.check_request`); `clone` deep-copies. ValueError: a bad value."""
+    """How to pick the next tokens of one request (vLLM's names, defaults and meanings; allowed
+    values: `_RULES`). temperature < `GREEDY_EPS`: greedy. top_p 1, top_k 0 or -1: off. min_p: keep
+    tokens of probability >= min_p x the top one. repetition_penalty: divides positive, multiplies
+    negative logits of prompt or output ids. presence / frequency_penalty: subtract ``presence x
+    [count > 0] + frequency x count`` (output tokens). seed None: the engine draws one (a seeded
+    request's tokens do not depend on its batch). max_tokens None: up to max_model_len. min_tokens:
+    EOS and ``stop_token_ids`` masked until this many. stop: strings ending generation, left out of
+    the text unless ``include_stop_str_in_output``. stop_token_ids: finish "stop", even with
+    ``ignore_eos``. n: samples, sample i seeded by (seed, i). logit_bias: {token id: bias}, clipped
+    to [-100, 100]. logprobs / prompt_logprobs k: the chosen token's raw log-probability and the top
+    k (of the masked logits on constrained rows). structured_outputs: the output's grammar (ends on
+    EOS, finish "stop"). detokenize False: ids, no text, no ``stop``. truncate_prompt_tokens k: keep
+    the last k prompt tokens (-1: max_model_len). extra_args: kept for the caller. bad_words,
+    allowed_token_ids, logits_processors: refused at submission unless empty. Mutable (vLLM's):
+    validated here and at each submission (`LLMEngine.check_request`). ValueError: a bad value."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -30,8 +30,7 @@ class ModelKernels:
 @functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale"))
 def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel,
                 knobs, scale):
-    """q [B, 1, N, H], layer i32[], page_offset: mosaic's or None, scales: {} or fp8's ->
-    [B, 1, N, H]."""
+    """q [B, 1, N, H], layer i32[], page_offset: mosaic's or None, scales: {} or fp8's -> q's."""
     extra = dict(knobs, **scales, **({} if page_offset is None else {"page_offset": page_offset}))
     out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale, **extra)
     return out[:, None]

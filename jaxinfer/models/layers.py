@@ -1,8 +1,6 @@
-"""Functions and Flax blocks of the Llama/Qwen3 family. Numerics: compute dtype = params' dtype;
-RMSNorm statistics, RoPE and attention softmax in f32. Weights ``[in, out]``. Sources: HF
-``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``),
-Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU), Kwon et al. 2023
-(paged KV, slot mapping)."""
+"""Functions and Flax blocks of the Llama/Qwen3 family: compute dtype = params' dtype; RMSNorm
+statistics, RoPE and attention softmax in f32; weights ``[in, out]``. Sources: HF
+``modeling_llama.py``; the RMSNorm, RoPE, SwiGLU and PagedAttention papers."""
 
 import dataclasses
 import functools

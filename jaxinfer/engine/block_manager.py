@@ -1,7 +1,6 @@
 """KV page allocator (host side, no JAX): reference-counted pages, lowest free id first; `NULL_PAGE`
-never handed out. Prefix caching as vLLM V1 (v1/core/block_pool.py, kv_cache_utils.py): a full page
-is keyed by a chained hash of (parent hash, its token ids) (blake2b-128; a hit also compares the
-tokens); a page whose last reference is dropped keeps its hash (evictable: least recently freed
+never handed out. Prefix caching as vLLM V1: a full page keyed by a chained hash (`_chain`; a hit
+also compares the tokens); an unreferenced page keeps its hash (evictable: least recently freed
 first, tail pages before head); allocation takes never-cached free pages first."""
 
 from __future__ import annotations

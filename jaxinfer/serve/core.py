@@ -130,11 +130,10 @@ class EngineCore:
 
 
 def run_core(factory, addr: str, conn) -> None:
-    """The engine-core process's main (multiprocessing "spawn"): ``llm = factory()`` (a
-    `jaxinfer.LLM`), then on ``conn`` (a `multiprocessing.Pipe` end) ``("ready", info)`` or
-    ``("error", message)`` (ValueError or FileNotFoundError, e.g. a bad ``--model``; any other
-    exception prints its traceback and ends the process); then `EngineCore.run`. ``info``: the
-    API process's needs: tokenizer, model_path, max_model_len, max_num_seqs, stats."""
+    """The engine-core process's main: ``llm = factory()`` (a `jaxinfer.LLM`), then on ``conn`` (a
+    `multiprocessing.Pipe` end) ``("ready", info)`` (tokenizer, model_path, max_model_len,
+    max_num_seqs, stats) or ``("error", message)`` (ValueError or FileNotFoundError; any other
+    exception prints its traceback and ends the process); then `EngineCore.run`."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:

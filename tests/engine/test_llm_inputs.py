@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, SamplingParams, TokensPrompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
@@ -46,7 +46,6 @@ def test_numpy_token_ids_are_accepted(llm):
     assert llm.generate([np.array([5, 6, 7])], GREEDY)[0].token_ids == ref
     assert llm.generate([[np.int64(5), np.int32(6), 7]], GREEDY)[0].token_ids == ref
     assert llm.generate({"prompt_token_ids": np.array([5, 6, 7])}, GREEDY)[0].token_ids == ref
-    from jaxinfer import TokensPrompt  # vLLM's prompt types, exported at the top level too
     assert llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), GREEDY)[0].token_ids == ref
 
 

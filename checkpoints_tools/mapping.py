@@ -1,10 +1,8 @@
-"""HF transformers tensor names -> the jaxinfer param tree: ONE explicit table, with shape checks.
-Every checkpoint tensor is mapped by `HF_TO_PARAMS` or listed in `IGNORED_HF`; else an error, as is
-a missing or duplicate tensor or a wrong shape (DESIGN.md convention 9); shapes and dtypes from the
-caller's abstract tree. Tying (CASES.md C9): no ``lm_head.weight``, or one equal to the embedding ->
-tied; a differing one -> untied; UserWarning if ``tie_word_embeddings`` disagrees. HF ``[out, in]``
--> tree ``[in, out]``; q/k/v_proj fill ``wqkv``, gate/up ``w_gate_up``. HF FP8 checkpoints: fp8
-matrices stay fp8; ``weight_scale_inv`` fills ``<param>_scale`` (its parts: the caller's)."""
+"""HF tensor names -> the jaxinfer param tree: ONE table, `HF_TO_PARAMS` (`IGNORED_HF`: skipped);
+any other, missing, duplicate or wrongly shaped tensor is an error (DESIGN.md convention 9).
+Tying (CASES.md C9): no ``lm_head.weight``, or one equal to the embedding -> tied (UserWarning if
+``tie_word_embeddings`` disagrees). HF ``[out, in]`` -> ``[in, out]``; q/k/v_proj fill ``wqkv``,
+gate/up ``w_gate_up``; HF FP8: matrices stay fp8, ``weight_scale_inv`` -> ``<param>_scale``."""
 
 import re
 import warnings

@@ -6,23 +6,40 @@ from typing import Callable
 
 import jax
 
-from checkpoints_tools.loader import load_tokenizer, open_checkpoint
-from jaxinfer.config import EngineConfig, ModelConfig, check_platform, memory, resolve
+from checkpoints_tools.loader import load_tokenizer, open_checkpoint, read_json
+from jaxinfer.config import ModelConfig, check_platform, engine_config, memory, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.models.quantize import quantize_params
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import ParamsArg, Prompts
 from jaxinfer.runner import loading, parallel
 from jaxinfer.runner.model_runner import ModelRunner
-from jaxinfer.sampling_params import RequestOutputKind
+from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
+
+PROFILER_DIR_ENV = "JAXINFER_PROFILER_DIR"  # `LLM.start_profile`'s default directory
+GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
+                       "max_new_tokens")  # generation_config.json keys vLLM takes as defaults
 
 
-def _engine_config(engine_args: dict) -> EngineConfig:
-    """Raises ValueError: an unknown argument (listing the allowed ones) or a bad value."""
-    allowed = sorted(EngineConfig.__dataclass_fields__)
-    if unknown := sorted(set(engine_args) - set(allowed)):
-        raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {allowed}")
-    return EngineConfig(**engine_args)
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """One entry of `LLM.get_metrics` (vLLM's ``vllm.v1.metrics.reader`` names)."""
+
+    name: str
+    labels: dict
+    value: float
+
+
+Counter = type("Counter", (Metric,), {"__doc__": "A `Metric` that only grows."})
+Gauge = type("Gauge", (Metric,), {"__doc__": "A `Metric` that is a level now."})
+_METRICS = (  # vLLM's names where the engine has the same counter
+    (Gauge, "vllm:num_requests_running", lambda s: s.num_running),
+    (Gauge, "vllm:num_requests_waiting", lambda s: s.num_waiting),
+    (Gauge, "vllm:kv_cache_usage_perc", lambda s: s.kv_pages_in_use / max(s.kv_pages_total, 1)),
+    (Counter, "vllm:prefix_cache_queries", lambda s: s.prefix_cache_queries),
+    (Counter, "vllm:prefix_cache_hits", lambda s: s.prefix_cache_hits),
+    (Counter, "jaxinfer:num_steps", lambda s: s.num_steps),
+    (Gauge, "jaxinfer:compiled_step_shapes", lambda s: s.num_compiles))
 
 
 def _claim_gpu_memory(utilization: float) -> None:
@@ -39,21 +56,35 @@ class LLM(Prompts):
     """A model served with continuous batching. ``model``: an HF model directory, a GGUF file or an
     Orbax directory; None: the embedded SmolLM2-135M-Instruct. ``tokenizer``: an HF tokenizer
     directory or GGUF file instead of the model's. ``skip_tokenizer_init``: token-id prompts, no
-    output text. ``engine_args``: `EngineConfig` fields. FileNotFoundError: no such model or
-    tokenizer; ValueError: unsupported architecture, bad engine argument, GPU kernels off GPU."""
+    output text. ``hf_overrides``: a dict over the model's config.json (Orbax: `ModelConfig`
+    fields). ``engine_args``: `EngineConfig` fields and vLLM's arguments (`engine_config`).
+    FileNotFoundError: no such model (a hub id: the local forms named) or tokenizer; ValueError:
+    unsupported architecture, bad engine argument, GPU kernels off GPU."""
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
-                 skip_tokenizer_init: bool = False, **engine_args):
+                 skip_tokenizer_init: bool = False, hf_overrides: dict | None = None,
+                 **engine_args):
         from checkpoints_tools.default_model import default_model_path
 
-        ec = _engine_config(engine_args)
+        ec = engine_config(**engine_args)
+        if not isinstance(hf_overrides, (dict, type(None))):  # vLLM's callable edits an HF config
+            raise ValueError(f"hf_overrides must be a dict of config.json keys; got {hf_overrides!r}")
         if ec.gpu_memory_utilization is not None:
             _claim_gpu_memory(ec.gpu_memory_utilization)
         platform = jax.default_backend()
         check_platform(ec.kernels, platform)  # before any file is read
         if tokenizer is not None and not os.path.exists(tokenizer):
             raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
-        ckpt = open_checkpoint(model if model is not None else default_model_path())  # once
+        path = model if model is not None else default_model_path()
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"model {path!r} is no local path (nothing is downloaded); "
+                                    "give an HF model directory (config.json + *.safetensors), "
+                                    "a .gguf file or an Orbax directory")
+        ckpt = open_checkpoint(path)  # once
+        if hf_overrides:
+            ckpt = dataclasses.replace(ckpt, config={**ckpt.config, **hf_overrides})
+        gen = os.path.join(ckpt.path, "generation_config.json")
+        self.generation_config = read_json(gen) if os.path.isfile(gen) else {}
         resolved = resolve(ModelConfig.from_checkpoint(ckpt), ec, platform, jax.devices()[0].device_kind)
         if ec.tensor_parallel_size > 1:
             parallel.make_mesh(ec.tensor_parallel_size)  # enough devices, before the weights
@@ -78,13 +109,14 @@ class LLM(Prompts):
             raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "
                              f"{type(config).__name__} (ModelConfig.from_dict builds one)")
         self = cls.__new__(cls)
+        self.generation_config = {}
         if isinstance(tokenizer, (str, os.PathLike)):
             if not os.path.exists(tokenizer):
                 raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r} does not exist")
             tokenizer = load_tokenizer(tokenizer, "gguf" if os.fspath(tokenizer).endswith(
                 ".gguf") else "hf")
         self.model_path, self.tokenizer = None, tokenizer
-        resolved = resolve(config, _engine_config(engine_args), jax.default_backend(),
+        resolved = resolve(config, engine_config(**engine_args), jax.default_backend(),
                            jax.devices()[0].device_kind)
         if resolved.quantization is not None:
             params = quantize_params(params, config.weight_block_size)
@@ -102,21 +134,24 @@ class LLM(Prompts):
     def generate(self, prompts, sampling_params: ParamsArg = None, *, use_tqdm: bool = False,
                  on_error: str = "raise",
                  stream: Callable[[int, list[int], str], None] | None = None) -> list[RequestOutput]:
-        """Outputs of ``prompts`` (a str, token ids, {"prompt": str}, {"prompt_token_ids": ids}, or
-        a list of these) in input order; ``sampling_params``: one, or one per prompt (default
-        ``SamplingParams()``). ``on_error``: "raise": ValueError naming each invalid request before
-        any runs; "return": those come back with ``error`` set (finish reason "error").
+        """Outputs of ``prompts`` (a str, token ids, a `jaxinfer.inputs` TextPrompt or
+        TokensPrompt, or a list of these) in input order; ``sampling_params``: one, or one per
+        prompt (default `get_default_sampling_params`). ``on_error``: "raise": ValueError naming
+        each invalid request before any runs; "return": those come back with ``error`` set
+        (finish reason "error").
         ``stream(index, new_token_ids, text_delta)`` as tokens arrive (deltas sum to the text)."""
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params, encoded, errors = self._prepare(prompts, sampling_params, on_error == "raise",
                                                 self.engine.check_request)
         outputs = self._run({i: (ids, sp) for i, ((_, ids), sp) in enumerate(zip(encoded, params))
                              if i not in errors}, [t for t, _ in encoded], use_tqdm, stream)
         for i, msg in errors.items():
             outputs[i] = RequestOutput(
-                request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=tuple(encoded[i][1]),
-                outputs=[CompletionOutput(0, "", (), "error")], finished=True, error=msg)
+                request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=list(encoded[i][1]),
+                outputs=[CompletionOutput(0, "", [], "error")], finished=True, error=msg)
         return [outputs[i] for i in range(len(encoded))]
 
     def _run(self, requests: dict[int, tuple], texts: list, use_tqdm: bool,
@@ -153,16 +188,54 @@ class LLM(Prompts):
         """Compile, in parallel, the step shapes ``generate(prompts, sampling_params)`` visits on
         an idle engine (`LLMEngine.plan_shapes`); returns {"planned", "shapes", "lower_s",
         "warm_s", "seconds"}. Raises ValueError: as `generate`; ``max_workers`` not >= 1."""
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params, encoded, _ = self._prepare(prompts, sampling_params, True,
                                            self.engine.check_request)
         keys = self.engine.plan_shapes([(ids, sp) for (_, ids), sp in zip(encoded, params)])
         return dict(planned=len(keys), **self.engine.precompile(keys, max_workers=max_workers))
 
-    def chat(self, messages, sampling_params: ParamsArg = None, **kw) -> list[RequestOutput]:
-        """`generate` on a conversation (a list of {"role", "content"} dicts) or a list of them."""
+    def chat(self, messages, sampling_params: ParamsArg = None, use_tqdm: bool = False, *,
+             tools: list[dict] | None = None, on_error: str = "raise", stream=None,
+             **template) -> list[RequestOutput]:
+        """`generate` on a conversation (a list of {"role", "content"} dicts) or a list of them,
+        each in the chat template (`Prompts.apply_chat_template` with ``tools`` and ``template``,
+        vLLM's ``chat_template``, ``add_generation_prompt``, ``continue_final_message``,
+        ``chat_template_kwargs``); ``RequestOutput.prompt``: the templated text."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c)} for c in convs]
-        return self.generate(prompts, sampling_params, **kw)
+        texts = [self.apply_chat_template(c, tools, tokenize=False, **template) for c in convs]
+        prompts = [{"prompt": t, "prompt_token_ids": self._encode(t, add_special_tokens=False)}
+                   for t in texts]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, on_error=on_error,
+                             stream=stream)
+
+    def encode(self, *args, **kwargs):
+        """vLLM's ``LLM.encode`` is pooling (embeddings), which jaxinfer does not do: ValueError."""
+        raise ValueError("LLM.encode is vLLM's pooling (embeddings), which jaxinfer does not "
+                         "support; the token ids of a text: llm.get_tokenizer().encode(text)")
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: `SamplingParams` with the fields the model's generation_config.json sets
+        (`GENERATION_DEFAULTS`; max_new_tokens as max_tokens), else ``SamplingParams()``."""
+        return SamplingParams(**{"max_tokens" if k == "max_new_tokens" else k: v for k, v in
+                                 self.generation_config.items()
+                                 if k in GENERATION_DEFAULTS and v is not None})
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's counters and gauges now (`_METRICS`; vLLM V1's ``get_metrics``)."""
+        stats = self.engine.stats()
+        return [kind(name, {}, value(stats)) for kind, name, value in _METRICS]
+
+    def start_profile(self, profile_dir: str | None = None) -> None:
+        """Start a `jax.profiler` trace into ``profile_dir``, else ``$JAXINFER_PROFILER_DIR``
+        (vLLM's ``VLLM_TORCH_PROFILER_DIR``); `stop_profile` writes it. ValueError: neither."""
+        if not (path := profile_dir or os.environ.get(PROFILER_DIR_ENV)):
+            raise ValueError(f"start_profile needs profile_dir or ${PROFILER_DIR_ENV} (a directory)")
+        jax.profiler.start_trace(path)
+
+    def stop_profile(self) -> None:
+        """End the trace `start_profile` began and write it (RuntimeError: none running)."""
+        jax.profiler.stop_trace()
 
     def reset_prefix_cache(self) -> bool:
         """`LLMEngine.reset_prefix_cache`: True, or False (no change) while a request holds pages."""

@@ -43,11 +43,14 @@ class CompletionOutput:
 
     index: int
     text: str
-    token_ids: tuple[int, ...]
+    token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
     def top_logprobs(self, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
         """Per token: (its text, its log-probability, the top ``k`` as (text, log-probability),
@@ -61,17 +64,19 @@ class CompletionOutput:
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """The result of one request, in the order the prompts were given."""
+    """The result of one request, in the order the prompts were given; ``lora_request``,
+    ``encoder_prompt``, ``encoder_prompt_token_ids``, ``kv_transfer_params``: vLLM's, always None."""
 
     request_id: str
     prompt: str | None
-    prompt_token_ids: tuple[int, ...]
+    prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = field(default=None)
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # first position: None
     num_cached_tokens: int = 0
+    lora_request = encoder_prompt = encoder_prompt_token_ids = kv_transfer_params = None
 
     @property
     def text(self) -> str:
@@ -79,8 +84,8 @@ class RequestOutput:
         return self.outputs[0].text if self.outputs else ""
 
     @property
-    def token_ids(self) -> tuple[int, ...]:
-        return self.outputs[0].token_ids if self.outputs else ()
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids if self.outputs else []
 
     def add(self, delta: "RequestOutput") -> "RequestOutput":
         """This output with the request's later DELTA output appended (vLLM's ``add``): text, ids
@@ -153,12 +158,9 @@ class OutputProcessor:
             if sent is None or d is None and not seq.is_finished:
                 continue
             ids, text, st.sent[i] = d or ([], "", sent)
-            lps = None if seq.logprobs is None else seq.logprobs[sent[0]:sent[0] + len(ids)]
             if seq.is_finished:
                 st.sent[i] = None
-            comps.append(CompletionOutput(i, text, tuple(ids), seq.finish_reason,
-                                          self._stop_reason(seq), seq.cumulative_logprob,
-                                          self._logprobs(lps)))
+            comps.append(self.completion(seq, (ids, text, sent[0])))
         return None if not comps else self.request_output(st.seqs, st.prompt, comps, first)
 
     def _decode(self, ids, params) -> str:
@@ -197,7 +199,7 @@ class OutputProcessor:
         stopped_by_token = seq.finish_reason == "stop" and seq.stop_string is None and ids
         if stopped_by_token and seq.is_finished and not p.include_stop_str_in_output:
             ids = ids[:-1]  # a stop token or EOS
-        text = self._decode(ids, p) if self.detokenize is not None else ""  # no stop_string ^
+        text = self._decode(ids, p) if self.detokenize and p.detokenize else ""  # no stop_string ^
         if seq.stop_string is not None:
             end = self._stop_at(seq, text, seq.stop_string)
             text = text[:end + len(seq.stop_string) if p.include_stop_str_in_output else end]
@@ -219,25 +221,24 @@ class OutputProcessor:
             text = text[:max(len(text_done), len(text) - max(map(len, p.stop)) + 1)]
         return ids[n_done:], text[len(text_done):], (len(ids), text)
 
-    def _logprobs(self, entries) -> list[PositionLogprobs | None] | None:
-        """``{id: (logprob, rank)}`` records as `Logprob` dicts (None entries kept)."""
+    def _logprobs(self, entries, params) -> list[PositionLogprobs | None] | None:
+        """``{id: (logprob, rank)}`` records as `Logprob` dicts (None entries kept); their text
+        unless ``params.detokenize`` is False."""
         if entries is None:
             return None
         text = (lambda t: self.detokenize([t], skip_special_tokens=False)) \
-            if self.detokenize is not None else (lambda t: None)
+            if self.detokenize and params.detokenize else (lambda t: None)
         return [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
                 for e in entries]
 
-    @staticmethod
-    def _stop_reason(seq) -> int | str | None:
-        return seq.output_token_ids[-1] if seq.ended_on_stop_token else seq.stop_string
-
-    def completion(self, seq) -> CompletionOutput:
-        return CompletionOutput(index=seq.index, text=self.visible_text(seq),
-                                token_ids=tuple(seq.output_token_ids),
-                                finish_reason=seq.finish_reason, stop_reason=self._stop_reason(seq),
-                                cumulative_logprob=seq.cumulative_logprob,
-                                logprobs=self._logprobs(seq.logprobs))
+    def completion(self, seq, delta: tuple | None = None) -> CompletionOutput:
+        """``seq``'s output so far, or ``delta`` = (new ids, new text, tokens sent before) only."""
+        ids, text, start = delta or (seq.output_token_ids, self.visible_text(seq), 0)
+        lps = None if seq.logprobs is None else seq.logprobs[start:start + len(ids)]
+        return CompletionOutput(seq.index, text, list(ids), seq.finish_reason,
+                                seq.output_token_ids[-1] if seq.ended_on_stop_token
+                                else seq.stop_string, seq.cumulative_logprob,
+                                self._logprobs(lps, seq.params))
 
     def request_output(self, seqs, prompt: str | None, outputs: list | None = None,
                        prompt_logprobs: bool = True) -> RequestOutput:
@@ -250,8 +251,9 @@ class OutputProcessor:
             max((s.finish_time for s in seqs if s.finish_time), default=None),
             sum(s.num_preemptions for s in seqs)) if finished else None
         return RequestOutput(
-            request_id=first.parent_id, prompt=prompt, prompt_token_ids=tuple(first.prompt_token_ids),
+            request_id=first.parent_id, prompt=prompt, prompt_token_ids=list(first.prompt_token_ids),
             outputs=[self.completion(s) for s in seqs] if outputs is None else outputs,
             finished=finished, metrics=metrics,
-            prompt_logprobs=self._logprobs(first.prompt_logprobs) if prompt_logprobs else None,
+            prompt_logprobs=self._logprobs(first.prompt_logprobs, first.params)
+            if prompt_logprobs else None,
             num_cached_tokens=first.num_cached_tokens)

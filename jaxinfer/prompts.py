@@ -69,7 +69,7 @@ class Prompts:
     def get_tokenizer(self):
         return self.tokenizer
 
-    def encode(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
+    def _encode(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt. Raises ValueError: no tokenizer."""
         if self.tokenizer is None:
             raise ValueError("text prompts need a tokenizer, but this LLM has no tokenizer "
@@ -77,22 +77,32 @@ class Prompts:
                              "{'prompt_token_ids': [...]} instead")
         return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
 
-    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None
-                            ) -> list[int]:
-        """Ids of ``messages`` (and OpenAI-style ``tools``, for templates that show them) in the
-        chat template plus generation prompt; ValueError: it fails."""
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None, *,
+                            tokenize: bool = True, chat_template: str | None = None,
+                            add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
+                            chat_template_kwargs: dict | None = None) -> list[int] | str:
+        """Ids (``tokenize=False``: the text) of ``messages`` (and OpenAI-style ``tools``, for
+        templates that show them) in ``chat_template`` (None: the tokenizer's), by HF
+        ``apply_chat_template`` with vLLM's `LLM.chat` arguments (``chat_template_kwargs`` go to
+        the template, overriding the others); ValueError: no template, or it fails."""
+        if self.tokenizer is None or not (chat_template or getattr(
+                self.tokenizer, "chat_template", None)):
             raise ValueError("this model's tokenizer has no chat template; use plain prompts")
         try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, **dict(
+                tools=tools, chat_template=chat_template, continue_final_message=continue_final_message,
+                add_generation_prompt=add_generation_prompt) | (chat_template_kwargs or {}))
         except Exception as e:  # jinja errors: a message without "role"/"content", etc.
             raise ValueError(f"the chat template rejected the messages: {type(e).__name__}: {e}; "
                              'each message needs {"role": ..., "content": ...}') from None
-        return self.encode(text, add_special_tokens=False)
+        return self._encode(text, add_special_tokens=False) if tokenize else text
 
     def _to_ids(self, prompt) -> list[int]:
         if isinstance(prompt, dict):
+            if other := sorted(set(prompt) - {"prompt", "prompt_token_ids"}, key=str):
+                raise ValueError(f"a dict prompt may hold 'prompt' and 'prompt_token_ids' "
+                                 f"(jaxinfer.inputs); {other} are not supported")
             if "prompt_token_ids" in prompt:
                 return _token_ids(prompt["prompt_token_ids"], "prompt_token_ids")
             if "prompt" not in prompt:
@@ -105,7 +115,7 @@ class Prompts:
             except UnicodeEncodeError as e:  # lone surrogates, e.g. undecodable bytes in argv
                 raise ValueError(f"prompt is not valid Unicode text: {e.reason} at character "
                                  f"{e.start}") from None
-            return self.encode(prompt)
+            return self._encode(prompt)
         if isinstance(prompt, (list, tuple, np.ndarray)):  # ndarray: 1-D integer only
             return _token_ids(prompt, "a token-id prompt")
         raise ValueError(f"a prompt must be a str, a list of token ids or a dict; got "

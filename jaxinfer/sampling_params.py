@@ -1,5 +1,6 @@
 """Per-request sampling parameters, vLLM's names and defaults (host side; imports no JAX)."""
 
+import copy
 import enum
 import functools
 import json as _json
@@ -24,13 +25,12 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass(frozen=True)
 class StructuredOutputsParams:
-    """A constraint on a request's output (vLLM's names): exactly one of ``json`` (a JSON schema:
-    a dict, e.g. a pydantic model's ``model_json_schema()``, or its JSON text), ``regex`` (full
-    match), ``choice`` (one of these strings), ``grammar`` (Lark or GBNF, llguidance's syntax),
-    ``json_object`` (True: any JSON object). Normalised: ``json`` to its JSON text, ``choice`` to
-    a tuple; ``key``: (kind, spec text), as grammars are cached. ValueError: none or several set,
-    a value of the wrong type (named); a spec the grammar library rejects is a ValueError at
-    submission (`LLMEngine.check_request`)."""
+    """A constraint on a request's output (vLLM's names): exactly one of ``json`` (a JSON schema, a
+    dict or its JSON text), ``regex`` (full match), ``choice`` (one of these strings), ``grammar``
+    (Lark or GBNF, llguidance's syntax), ``json_object`` (True: any JSON object). Normalised:
+    ``json`` to JSON text, ``choice`` to a tuple; ``key``: (kind, spec text), the grammar cache's.
+    ValueError: none or several set, a value of the wrong type (named); a spec the grammar library
+    rejects: at submission (`LLMEngine.check_request`)."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -89,8 +89,19 @@ _RULES = (  # field, valid(value), what is allowed, normalise
         isinstance(x, str) and x for x in s),
      "must be None, a non-empty string or a list/tuple of non-empty strings",
      lambda s: () if s is None else (s,) if isinstance(s, str) else tuple(s)),
-    ("stop_token_ids", lambda ids: isinstance(ids, (list, tuple)) and all(_int(t, 0) for t in ids),
-     "must be a list/tuple of integers >= 0", lambda ids: tuple(int(t) for t in ids)),
+    ("stop_token_ids", lambda ids: ids is None or isinstance(ids, (list, tuple)) and all(
+        _int(t, 0) for t in ids), "must be None or a list/tuple of integers >= 0",
+     lambda ids: tuple(int(t) for t in ids or ())),
+    *((name, lambda v, ok=ok: v is None or isinstance(v, (list, tuple)) and all(map(ok, v)),
+       f"must be None or a list of {what}", lambda v: v and list(v))
+      for name, ok, what in (("bad_words", lambda w: isinstance(w, str) and w, "non-empty strings"),
+                             ("allowed_token_ids", lambda t: _int(t, 0), "integers >= 0"),
+                             ("logits_processors", callable, "callables"))),
+    ("truncate_prompt_tokens", lambda k: k is None or k == -1 and _int(k) or _int(k, 1),
+     "must be None, -1 (max_model_len) or an integer >= 1 (keep the last k prompt tokens)",
+     _opt_int),
+    ("extra_args", lambda a: a is None or isinstance(a, dict), "must be None or a dict",
+     lambda a: a),
     ("n", lambda n: _int(n, 1), "must be an integer >= 1", int),
     ("logit_bias", lambda b: b is None or isinstance(b, dict) and all(
         (_int(t, 0) or isinstance(t, str) and t.isdecimal()) and _real(math.isfinite)(x)
@@ -102,7 +113,7 @@ _RULES = (  # field, valid(value), what is allowed, normalise
       for name in ("logprobs", "prompt_logprobs")),
     *((name, lambda b: isinstance(b, bool), "must be a bool", bool)
       for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                   "include_stop_str_in_output")),
+                   "include_stop_str_in_output", "detokenize")),
     ("structured_outputs", lambda s: s is None or isinstance(s, StructuredOutputsParams),
      "must be None or a StructuredOutputsParams", lambda s: s),
     ("output_kind", lambda k: isinstance(k, RequestOutputKind),
@@ -110,23 +121,23 @@ _RULES = (  # field, valid(value), what is allowed, normalise
 )
 
 
-@dataclass(frozen=True)
+@dataclass
 class SamplingParams:
-    """How to pick the next tokens of one request (vLLM's names, defaults and definitions; allowed
-    values: `_RULES`). temperature below `GREEDY_EPS`: greedy. top_p: nucleus mass, 1 = off. top_k:
-    0 or -1 = off. min_p: keep tokens of probability >= min_p x the top one. repetition_penalty:
-    divides the positive and multiplies the negative logits of ids in the prompt or output.
-    presence_penalty / frequency_penalty: subtract ``presence x [count > 0] + frequency x count``,
-    counts over the output tokens. seed: None: the engine draws one; a seeded request's tokens do
-    not depend on its batch. max_tokens None: up to max_model_len. min_tokens: EOS and
-    ``stop_token_ids`` masked until this many tokens. stop: strings that end generation, left out of
-    the text unless ``include_stop_str_in_output``. stop_token_ids: end generation (finish "stop"),
-    even with ``ignore_eos``. n: samples of the prompt, sample i seeded by (seed, i). logit_bias:
-    {token id: bias} added to the logits, clipped to [-100, 100]. logprobs / prompt_logprobs: k: the
-    chosen (prompt) token's raw log-probability and the top k (constrained rows: of the masked
-    logits, as vLLM). structured_outputs: `StructuredOutputsParams`, the output's grammar (it
-    completes: EOS only, finish "stop"). output_kind: `RequestOutputKind`.
-    ValueError: a bad value (named)."""
+    """How to pick the next tokens of one request (vLLM's names, defaults and meanings; allowed
+    values: `_RULES`). temperature < `GREEDY_EPS`: greedy. top_p 1, top_k 0 or -1: off. min_p: keep
+    tokens of probability >= min_p x the top one. repetition_penalty: divides positive, multiplies
+    negative logits of prompt or output ids. presence / frequency_penalty: subtract ``presence x
+    [count > 0] + frequency x count`` (output tokens). seed None: the engine draws one (a seeded
+    request's tokens do not depend on its batch). max_tokens None: up to max_model_len. min_tokens:
+    EOS and ``stop_token_ids`` masked until this many. stop: strings ending generation, left out of
+    the text unless ``include_stop_str_in_output``. stop_token_ids: finish "stop", even with
+    ``ignore_eos``. n: samples, sample i seeded by (seed, i). logit_bias: {token id: bias}, clipped
+    to [-100, 100]. logprobs / prompt_logprobs k: the chosen token's raw log-probability and the top
+    k (of the masked logits on constrained rows). structured_outputs: the output's grammar (ends on
+    EOS, finish "stop"). detokenize False: ids, no text, no ``stop``. truncate_prompt_tokens k: keep
+    the last k prompt tokens (-1: max_model_len). extra_args: kept for the caller. bad_words,
+    allowed_token_ids, logits_processors: refused at submission unless empty. Mutable (vLLM's):
+    validated here and at each submission (`LLMEngine.check_request`). ValueError: a bad value."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -150,20 +161,29 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
+    extra_args: dict | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logits_processors: list | None = None
 
     def __post_init__(self) -> None:
         for name, ok, allowed, norm in _RULES:
             v = getattr(self, name)
             if not ok(v):
                 raise ValueError(f"SamplingParams.{name}={v!r} is invalid: {allowed}")
-            object.__setattr__(self, name, norm(v))
+            setattr(self, name, norm(v))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} is invalid: must be <= "
                              f"max_tokens={self.max_tokens}")
+        if self.stop and not self.detokenize:
+            raise ValueError(f"SamplingParams.stop={list(self.stop)!r} is invalid with "
+                             "detokenize=False: stop strings are matched in the text")
 
-    def __hash__(self) -> int:  # logit_bias is a dict
-        return hash(tuple(tuple(sorted(v.items())) if k == "logit_bias" else v
-                          for k, v in self.__dict__.items()))
+    def clone(self) -> "SamplingParams":
+        """A deep copy (vLLM's ``clone``)."""
+        return copy.deepcopy(self)
 
     @property
     def needs_history(self) -> bool:

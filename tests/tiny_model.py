@@ -73,7 +73,7 @@ def tiny_serve_llm(engine_args: dict, text: str, compiles: int):
     tok = tiny_tokenizer()
     cfg = tiny_text_config(tok)
     llm = LLM.from_params(cfg, tiny_params_of(cfg), tokenizer=tok, **dict(TINY_ENGINE, **engine_args))
-    ids = llm.encode(text)
+    ids = llm.get_tokenizer().encode(text)
 
     def plan(t, lp, n, so=None):
         return llm.engine.plan_shapes([(ids, SamplingParams(

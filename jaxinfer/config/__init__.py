@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from jaxinfer.checks import is_int, is_number
 from jaxinfer.config.model import ModelConfig, _check, _fail, check_tp
+from jaxinfer.sampling_params import MAX_LOGPROBS
 from pallas_kernels.paged_attention import registry
 from pallas_kernels.sizes import is_pow2
 
@@ -20,6 +21,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3
 KV_CACHE_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn"}
 FP8_KV_DECODE = ("reference", "triton")  # decode variants validated on fp8 pages
 _BUCKETS = ("batch_buckets", "token_buckets")
+_DTYPE_ALIASES = {"auto": None, "float": "float32", "half": "float16"}  # vLLM's dtype names
 
 
 def kernel_choices() -> dict[str, tuple[str, ...]]:
@@ -121,7 +123,8 @@ class EngineConfig:
     max_num_batched_tokens: int = _user(2048, "most prompt tokens in one prefill step (longer "
                                         "prompts are chunked)")
     dtype: str | None = _user(None, "compute and KV dtype; default and 'auto': bfloat16 on GPU, "
-                              "float32 elsewhere", choices=["auto", "float32", "bfloat16"])
+                              "float32 elsewhere; float16 (= 'half'): CPU only",
+                              choices=["auto", "float32", "bfloat16", "float16", "half"])
     seed: int = _user(0, "base seed of unseeded requests")
     async_scheduling: bool = _user(True, "dispatch step n+1 before reading back step n's tokens "
                                    "(same outputs either way)")
@@ -143,41 +146,81 @@ class EngineConfig:
                                      choices=["fp8"])
     enforce_eager: bool = _user(False, "accepted for vLLM compatibility; no effect (steps are "
                                 "always compiled)")
+    max_logprobs: int = _user(MAX_LOGPROBS, "most log-probabilities a request may ask for per "
+                              f"token (logprobs, prompt_logprobs), at most {MAX_LOGPROBS}")
     kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:
-        positive, fraction = "must be a positive integer", "must be a number in (0, 1]"
+        positive, fraction, fields = ("must be a positive integer", "must be a number in (0, 1]",
+                                      dataclasses.fields(self))
         _check(self, (*((f.name, _optional(is_number) if "None" in f.type else is_number,
                          f"must be {'None or ' * ('None' in f.type)}a number")
-                        for f in dataclasses.fields(self) if f.type.startswith("float")),
+                        for f in fields if f.type.startswith("float")),
+            *((f.name, lambda v: isinstance(v, bool), "must be True or False")
+              for f in fields if f.type == "bool"),
+            *((n, lambda v: is_int(v, 1), positive) for n in (
+                "page_size", "max_num_seqs", "max_num_batched_tokens", "tensor_parallel_size")),
             ("max_model_len", _optional(lambda v: is_int(v, 1)), positive),
-            ("page_size", lambda v: is_int(v, 1), positive),
             ("page_size", is_pow2, "must be a power of two (8, 16, 32, 64, ...)"),
             ("num_pages", _optional(lambda v: is_int(v, 2)),
              "must be an integer >= 2 (page 0 is the null page)"),
             ("memory_fraction", lambda v: 0.0 < v <= 1.0, fraction),
             ("gpu_memory_utilization", _optional(lambda v: 0.0 < v <= 1.0), fraction),
-            ("max_num_seqs", lambda v: is_int(v, 1), positive),
-            ("max_num_batched_tokens", lambda v: is_int(v, 1), positive),
-            ("dtype", (None, "auto", "float32", "bfloat16").__contains__,
-             "allowed: None or 'auto' (bfloat16 on GPU, else float32), 'float32', 'bfloat16'"),
+            ("dtype", (None, "float32", "bfloat16", "float16", *_DTYPE_ALIASES).__contains__,
+             "allowed: None or 'auto' (bfloat16 on GPU, else float32), 'float32' (= 'float'), "
+             "'bfloat16', 'float16' (= 'half')"),
             ("seed", is_int, "must be an integer"),
-            *((n, lambda v: isinstance(v, bool), "must be True or False")
-              for n in ("async_scheduling", "enable_prefix_caching", "enforce_eager",
-                      "compile_in_background")),
             ("compilation_cache_dir", _optional(lambda v: isinstance(v, (str, os.PathLike))),
              "must be None, 'auto', 'none' or a path"),
             ("kv_cache_dtype", KV_CACHE_DTYPES.__contains__,
              "allowed: 'auto' (the compute dtype), 'fp8' or 'fp8_e4m3' (float8_e4m3fn)"),
-            ("tensor_parallel_size", lambda v: is_int(v, 1), positive),
-            ("quantization", (None, "fp8").__contains__, "allowed: None or 'fp8'")))
-        if self.dtype == "auto":
-            object.__setattr__(self, "dtype", None)
+            ("quantization", (None, "fp8").__contains__, "allowed: None or 'fp8'"),
+            ("max_logprobs", lambda v: is_int(v, 0) and v <= MAX_LOGPROBS,
+             f"must be an integer in [0, {MAX_LOGPROBS}]")))
+        object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
         object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
         for name, limit in zip(_BUCKETS, ("max_num_seqs", "max_num_batched_tokens")):
             b = getattr(self.kernels, name)
             if b and b[-1] < getattr(self, limit):
                 _fail("KernelConfig", name, b, f"the largest must be >= {limit}={getattr(self, limit)}")
+
+
+# vLLM `LLM` arguments that are not `EngineConfig` fields, as `engine_config` reads them
+VLLM_ALIASES = {"block_size": "page_size", "num_gpu_blocks_override": "num_pages"}
+VLLM_ONLY = {  # name: (the values allowed, why no other)
+    **{k: (("auto", "generate"), "jaxinfer runs generative models only (no pooling)")
+       for k in ("task", "runner")},
+    "pipeline_parallel_size": ((1,), "one pipeline stage (tensor_parallel_size splits a model)"),
+    "load_format": (("auto", "safetensors", "gguf"), "the format is read from the model path")}
+VLLM_NO_EFFECT = {  # name: (values that mean vLLM's default, why any other value changes nothing)
+    "trust_remote_code": ((False,), "no model code is loaded (the architectures are built in)"),
+    "swap_space": ((4,), "preempted requests are recomputed, never swapped to host memory"),
+    "disable_log_stats": ((True,), "LLM logs no statistics (LLM.get_metrics() returns them)"),
+    "enable_chunked_prefill": ((None, True), "prompts over max_num_batched_tokens are chunked"),
+    "compilation_config": ((None, {}), "each step shape is compiled by XLA (jax.jit)"),
+    "tokenizer_mode": (("auto", "hf"), "the checkpoint's HF tokenizer is used"),
+    **{k: ((None,), "the model is read from local files only, as they are")
+       for k in ("revision", "tokenizer_revision", "download_dir", "hf_token")}}
+
+
+def engine_config(**args) -> EngineConfig:
+    """The `EngineConfig` of `LLM`'s keyword arguments: its fields and the `VLLM_*` tables' (a
+    `VLLM_NO_EFFECT` value other than vLLM's default: one warning line). ValueError: an unknown
+    argument (the allowed ones named), a value not allowed, an alias disagreeing with its field."""
+    known = {*EngineConfig.__dataclass_fields__, *VLLM_ALIASES, *VLLM_ONLY, *VLLM_NO_EFFECT}
+    if unknown := sorted(set(args) - known):
+        raise ValueError(f"unknown engine argument(s) {unknown}; allowed: {sorted(known)}")
+    for alias, name in VLLM_ALIASES.items():
+        if alias in args and args.setdefault(name, args[alias]) != args.pop(alias):
+            raise ValueError(f"{alias} (vLLM's name of {name}) and {name} differ: give one")
+    for name, (allowed, why) in VLLM_ONLY.items():
+        if (v := args.pop(name, allowed[0])) not in allowed:
+            raise ValueError(f"{name}={v!r} is invalid: {why}; allowed: "
+                             + ", ".join(map(repr, allowed)))
+    for name, (silent, why) in VLLM_NO_EFFECT.items():
+        if name in args and (v := args.pop(name)) not in silent:
+            logging.getLogger("jaxinfer").warning("jaxinfer: %s=%r has no effect: %s", name, v, why)
+    return EngineConfig(**args)
 
 
 @dataclass(frozen=True)
@@ -215,17 +258,20 @@ def check_platform(kc: KernelConfig, platform: str) -> None:
 def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
             device_kind: str | None = None) -> ResolvedConfig:
     """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend). On
-    "gpu": dtype bfloat16, prefill_attention triton, and in half precision decode_attention mosaic
-    (fp8 KV: triton); else float32 and reference; an attention variant not validated on ``device_kind`` falls back
-    (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization None:
-    "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off "gpu",
-    a decode variant not in `FP8_KV_DECODE` with
-    fp8 KV, a model ``tensor_parallel_size`` cannot split (`check_tp`), fp8 KV with tp > 1."""
+    "gpu": dtype bfloat16, prefill_attention triton, in half precision decode_attention mosaic (fp8
+    KV: triton); else float32 and reference; a variant not validated on ``device_kind`` falls back
+    (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization
+    None: "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off
+    "gpu", float16 on "gpu", fp8 KV with a decode variant not in `FP8_KV_DECODE` or with tp > 1, a
+    model ``tensor_parallel_size`` cannot split (`check_tp`)."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
               f"max_position_embeddings={model.max_position_embeddings}")
     dtype = engine.dtype or ("bfloat16" if platform == "gpu" else "float32")
+    if dtype == "float16" and platform == "gpu":
+        _fail("EngineConfig", "dtype", dtype,
+              "the GPU kernels are not validated in float16; use 'bfloat16'")
     kc = engine.kernels
     check_platform(kc, platform)
     quant = engine.quantization or ("fp8" if model.weight_block_size else None)

@@ -1,8 +1,6 @@
-"""KV pool sizing (`kv_pool_pages`, the one formula) and a memory tracker (PagedAttention, Kwon
-et al. 2023; vLLM's ``gpu_memory_utilization``). Imports no JAX (`device_memory_stats` imports
-it when called). num_pages = (usable - used) // (page_size x kv_bytes_per_token), null page 0
-included; bytes per device under tensor parallelism (weights and KV heads split over the
-devices). Capacity plans from these formulas: ``scripts/plan_memory.py``."""
+"""KV pool sizing (`kv_pool_pages`, the one formula; vLLM's ``gpu_memory_utilization``), bytes per
+device under tensor parallelism, and a memory tracker; capacity plans: ``scripts/plan_memory.py``.
+Imports no JAX (`device_memory_stats` imports it when called)."""
 
 import csv
 import os

@@ -1,8 +1,7 @@
 """THE weight table: each leaf of the param tree once, `MODEL` at the top, `LAYER` under layers/
-"0".."L-1"; matrices [in, out]. Dtype: the compute dtype (norms too); under quantization "fp8" a
-`QUANTIZED` matrix is float8_e4m3fn with an f32 ``<name>_scale`` (`scale_shape`). The Flax modules
-declare their params from it (`jaxinfer.models.layers.declare`); `entries` and `device_bytes` give
-`jaxinfer.runner.parallel.param_specs` and `jaxinfer.config.memory.param_count`. Imports no JAX."""
+"0".."L-1"; matrices [in, out], compute dtype (norms too); under "fp8" a `QUANTIZED` matrix is
+float8_e4m3fn with an f32 ``<name>_scale`` (`scale_shape`). The Flax modules (`layers.declare`),
+shardings (`entries`) and sizes (`device_bytes`) read it. Imports no JAX."""
 
 import math
 from typing import Any, Callable, NamedTuple

@@ -1,7 +1,6 @@
 """KV page allocator (host side, no JAX): reference-counted pages, lowest free id first; `NULL_PAGE`
-never handed out. Prefix caching as vLLM V1 (v1/core/block_pool.py, kv_cache_utils.py): a full page
-is keyed by a chained hash of (parent hash, its token ids) (blake2b-128; a hit also compares the
-tokens); a page whose last reference is dropped keeps its hash (evictable: least recently freed
+never handed out. Prefix caching as vLLM V1: a full page keyed by a chained hash (`_chain`; a hit
+also compares the tokens); an unreferenced page keeps its hash (evictable: least recently freed
 first, tail pages before head); allocation takes never-cached free pages first."""
 
 from __future__ import annotations
@@ -206,21 +205,18 @@ class BlockManager:
     def check(self) -> dict[str, int]:
         """{"free", "cached", "used"} page counts (cached: evictable, unreferenced), adding up to
         `num_usable_pages`. Raises RuntimeError: a page in two states or none, a bad hash table."""
-        used = {p for p in range(self.num_pages) if self._holders[p]}
-        free, cached = set(self._free), set(self._evictable)
-        errors = []
-        if len(free) != len(self._free) or free & cached or (free | cached) & used:
-            errors.append("a page is in two states")
-        if free | cached | used != set(range(1, self.num_pages)):
-            errors.append("the states do not cover pages 1..P-1 exactly")
-        if any(self._key[p] is not None for p in free) or any(self._key[p] is None for p in cached):
-            errors.append("a free page has a hash or an evictable page has none")
-        if ({p: k[0] for p, k in enumerate(self._key) if k}
-                != {p: h for h, p in self._cached.items()}):
-            errors.append("the hash table and the pages' hashes differ")
+        used = [p for p in range(self.num_pages) if self._holders[p]]
+        free, cached, key = set(self._free), set(self._evictable), self._key
+        errors = [what for bad, what in (
+            (sorted([*self._free, *cached, *used]) != list(range(1, self.num_pages)),
+             "a page is in two states or in none (pages 1..P-1)"),
+            (any(key[p] is not None for p in free) or any(key[p] is None for p in cached),
+             "a free page has a hash or an evictable page has none"),
+            ({p: k[0] for p, k in enumerate(key) if k} != {p: h for h, p in self._cached.items()},
+             "the hash table and the pages' hashes differ")) if bad]
         if errors:
             raise RuntimeError(f"BlockManager.check: {'; '.join(errors)} (free={sorted(free)}, "
-                               f"cached={sorted(cached)}, used={sorted(used)})")
+                               f"cached={sorted(cached)}, used={used})")
         return {"free": len(free), "cached": len(cached), "used": len(used)}
 
 

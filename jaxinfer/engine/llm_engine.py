@@ -72,9 +72,24 @@ class LLMEngine:
     def async_scheduling(self, value: bool) -> None:
         self.loop.async_scheduling = bool(value)
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """Raise ValueError: a token id outside [0, V), an invalid ``structured_outputs``
-        (`StructuredOutputManager.matcher`), or not `Scheduler.check_admissible`."""
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams
+                      ) -> tuple[list[int], SamplingParams]:
+        """(the prompt's ids, its last ``truncate_prompt_tokens`` kept (-1: max_model_len); a copy
+        of ``params`` validated again: it is mutable). ValueError: a bad ``params`` value, a
+        non-empty bad_words, allowed_token_ids or logits_processors (not supported yet), logprobs
+        above ``EngineConfig.max_logprobs``, a token id outside [0, V), an invalid
+        ``structured_outputs`` (`StructuredOutputManager.matcher`), not `check_admissible`."""
+        params = dataclasses.replace(params)  # SamplingParams.__post_init__ checks the copy
+        if (k := params.truncate_prompt_tokens) is not None:
+            prompt_token_ids = prompt_token_ids[-(self.max_model_len if k == -1 else k):]
+        if name := next((n for n in ("bad_words", "allowed_token_ids", "logits_processors")
+                         if getattr(params, n)), None):
+            raise ValueError(f"SamplingParams.{name}={getattr(params, name)!r} is not supported "
+                             "yet; leave it None")
+        if (k := max(params.logprobs or 0, params.prompt_logprobs or 0)) > (
+                m := self.resolved.engine.max_logprobs):
+            raise ValueError(f"{k} log-probabilities per token requested; this engine gives at "
+                             f"most max_logprobs={m}")
         vocab = self.model_config.vocab_size
         for ids, what in ((prompt_token_ids, "prompt token id {} is"),
                           (params.stop_token_ids, "SamplingParams.stop_token_ids contains {},"),
@@ -84,6 +99,7 @@ class LLMEngine:
         self.scheduler.check_admissible(len(prompt_token_ids), params)
         if params.structured_outputs is not None:
             self.structured.matcher(params.structured_outputs)
+        return prompt_token_ids, params
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, *, prompt: str | None = None) -> str:
@@ -92,7 +108,7 @@ class LLMEngine:
         `check_request`, or a duplicate id; RuntimeError: `ModelRunner.check_awake`. A
         constrained sample gets its own matcher."""
         self.runner.check_awake()
-        self.check_request(prompt_token_ids, params)
+        prompt_token_ids, params = self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.outputs.requests:
             raise ValueError(f"request_id={rid!r} is invalid: a request with this id is in the "
@@ -248,6 +264,7 @@ class LLMEngine:
 
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
         """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""
+        requests = [self.check_request(ids, sp) for ids, sp in requests]
         sched = self._scheduler(self.block_manager.copy_free(), self.eos_token_ids)  # the prefix cache as now
         steps = dry_run(sched, requests, buckets=self.runner.buckets,
                         async_scheduling=self.async_scheduling, mask_words=self.structured.words)

@@ -1,7 +1,5 @@
-"""The step loop (host side) of `LLMEngine` and `jaxinfer.engine.dry_run`: complete the step in
-flight first if it must be (synchronous, or a penalty reading the row's history); schedule and
-launch the next; complete the previous while it runs; end the launch (``sample``: a grammar's
-mask after the previous token, `jaxinfer.engine.structured`). Source: vLLM v1 async scheduling."""
+"""The step loop (host side) of `LLMEngine` and `jaxinfer.engine.dry_run`. Source: vLLM v1's async
+scheduling."""
 
 import time
 from dataclasses import dataclass
@@ -38,7 +36,9 @@ class StepLoop:
         return self.scheduler.has_unfinished() or self.in_flight is not None
 
     def step(self) -> list[Sequence]:
-        """Launch the next step, complete the previous; returns the sequences finished."""
+        """Complete the step in flight first if it must be (synchronous, or a penalty reads its
+        history); schedule and launch the next, complete the previous while it runs, `sample` the
+        launch. Returns the sequences finished."""
         finished: list[Sequence] = []
         prev = self.in_flight
         if prev is not None and (prev.sync or not self.async_scheduling):

@@ -1,12 +1,10 @@
 """Continuous-batching scheduler (host side, no JAX): ``schedule()`` -> step -> ``postprocess(batch,
-sampled)``, at most two batches in flight; sampled tokens are pending until read back. Prefill first
+sampled)``, at most two batches in flight (sampled tokens pending until read back). Prefill first
 (the partial prefill, then admission within ``max_num_seqs``, the token budget and free pages; one
-partial chunk, last; rows x longest chunk <= twice the budget), else a decode batch, a missing page
-preempting the newest admitted (recompute). Admission is FIFO; with prefix caching it is
-cache-aware (`_admission_order`), shares cached full pages (at most (tokens - 1) // page_size, none
-for ``prompt_logprobs``), a sequence whose next page an admitted one computes waits in place, and
-`postprocess` publishes filled pages. Sources: nano-vllm ``Scheduler``; vLLM v1 chunked prefill,
-prefix caching, async scheduling (SARATHI); SGLang's longest-prefix-match admission."""
+partial chunk, last; rows x longest chunk <= twice the budget), else decode, a missing page
+preempting the newest admitted (recompute). Prefix caching: `_admission_order`, cached full pages
+shared (none for ``prompt_logprobs``), a sequence whose next page is being computed waits in place.
+Sources: nano-vllm; vLLM v1 chunked prefill, prefix caching, async scheduling; SGLang."""
 
 import time
 from collections import deque

@@ -20,9 +20,8 @@ class Sequence:
     """One sample of a request (identity-compared; ``index`` 0..n-1 of ``parent_id``).
     num_computed_tokens: K/V written or in flight; num_cached_tokens: prefix-cache hits at
     admission; num_pending_tokens: sampled, not read back (0-2); logprobs: per output token {id:
-    (logprob, rank)} (None: not asked); prompt_logprobs: per prompt position (first None); matcher:
-a constrained sample's grammar, advanced by each output token (kept on preemption: recompute
-keeps the outputs)."""
+    (logprob, rank)} (None: not asked); prompt_logprobs: per prompt position (first None);
+    matcher: a constrained sample's grammar (kept on preemption, as the outputs are)."""
 
     request_id: str
     prompt_token_ids: list[int]

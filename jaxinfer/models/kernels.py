@@ -1,8 +1,5 @@
-"""`ModelKernels`, the static kernel argument of `jaxinfer.models.forward`, built by
-`model_kernels` from a resolved `KernelConfig`. Attention: attn(q [B, T, N, H], k_pool
-[L, P, K, page_size, H], v_pool, block_tables i32[B, M], seq_lens i32[B], q_positions i32[B, T],
-*, layer, scale, k_scale=None, v_scale=None) -> [B, T, N, H] (k_scale, v_scale: f32[L, K] of fp8
-pools, `pallas_kernels.kv_quant`)."""
+"""`ModelKernels`, the static kernel argument of `jaxinfer.models.forward`, built by `model_kernels`
+from a resolved `KernelConfig`; its attention has `reference.paged_attention`'s signature."""
 
 import functools
 from dataclasses import dataclass
@@ -30,8 +27,7 @@ class ModelKernels:
 @functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale"))
 def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel,
                 knobs, scale):
-    """q [B, 1, N, H], layer i32[], page_offset: mosaic's or None, scales: {} or fp8's ->
-    [B, 1, N, H]."""
+    """q [B, 1, N, H], layer i32[], page_offset: mosaic's or None, scales: {} or fp8's -> q's."""
     extra = dict(knobs, **scales, **({} if page_offset is None else {"page_offset": page_offset}))
     out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale, **extra)
     return out[:, None]

@@ -20,7 +20,7 @@ class KVCache:
     """k, v [L, P, K, page_size, H] (compute dtype, or float8_e4m3fn); block_tables i32[B, M]
     (logical page j of row b -> physical page); seq_lens i32[B] (valid KV positions after the
     write); k_scale, v_scale f32[L, K] (None: no scaling): an fp8 page holds ``x / scale``
-    (`kv_quant`); 1.0 from `init_kv_cache` (vLLM's default; BENCHMARKS.md "FP8 accuracy")."""
+    (`kv_quant`); 1.0 from `init_kv_cache` (vLLM's default)."""
 
     k: jax.Array
     v: jax.Array

@@ -1,8 +1,6 @@
-"""Functions and Flax blocks of the Llama/Qwen3 family. Numerics: compute dtype = params' dtype;
-RMSNorm statistics, RoPE and attention softmax in f32. Weights ``[in, out]``. Sources: HF
-``modeling_llama.py`` (RMSNorm cast order, ``rotate_half`` RoPE, ``_compute_llama3_parameters``),
-Zhang & Sennrich 2019 (RMSNorm), Su et al. 2021 (RoPE), Shazeer 2020 (SwiGLU), Kwon et al. 2023
-(paged KV, slot mapping)."""
+"""Functions and Flax blocks of the Llama/Qwen3 family: compute dtype = params' dtype; RMSNorm
+statistics, RoPE and attention softmax in f32; weights ``[in, out]``. Sources: HF
+``modeling_llama.py``; the RMSNorm, RoPE, SwiGLU and PagedAttention papers."""
 
 import dataclasses
 import functools
@@ -73,17 +71,12 @@ def rope_inv_freq(cfg) -> np.ndarray:
     < ``orig/high_freq_factor`` kept, the band between interpolated."""
     H = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, H, 2, dtype=np.float64) / H))
-    rs = cfg.rope_scaling
-    if rs is not None:
-        orig = rs.original_max_position_embeddings
-        low_wavelen = orig / rs.low_freq_factor
-        high_wavelen = orig / rs.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    if (rs := cfg.rope_scaling) is not None:
+        orig, wavelen = rs.original_max_position_embeddings, 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > orig / rs.low_freq_factor, inv_freq / rs.factor, inv_freq)
         smooth = (orig / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
-        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
-        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        inv_freq = np.where(medium, smoothed, scaled)
+        medium = (wavelen >= orig / rs.high_freq_factor) & (wavelen <= orig / rs.low_freq_factor)
+        inv_freq = np.where(medium, (1 - smooth) * scaled / rs.factor + smooth * scaled, scaled)
     return inv_freq.astype(np.float32)
 
 
@@ -130,9 +123,8 @@ def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, ``w * x / sqrt(mean(x^2) + eps)``, in x.dtype; HF
-    ``LlamaRMSNorm`` numerics: f32 statistics, the normalised value rounded to x.dtype before the
-    multiply by w (cast to x.dtype)."""
+    """``w * x / sqrt(mean(x^2) + eps)`` over the last axis in x.dtype (HF ``LlamaRMSNorm``: f32
+    statistics, the normalised value rounded to x.dtype before the multiply by w)."""
     xf = x.astype(jnp.float32)
     var = jnp.mean(jnp.square(xf), axis=-1, keepdims=True)
     return w.astype(x.dtype) * (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
@@ -140,9 +132,8 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
 
 def add_rms_norm(x: jax.Array, delta: jax.Array | None, w: jax.Array, *, eps: float
                  ) -> tuple[jax.Array, jax.Array]:
-    """Residual add + RMSNorm of weight w [D]: ``(x [B, T, D], delta [B, T, D] | None) -> (x +
-    delta, rms_norm(x + delta))`` in x.dtype (None: x unchanged). Source: vLLM
-    ``fused_add_rms_norm``."""
+    """vLLM's ``fused_add_rms_norm``: x, delta [B, T, D] (None: x unchanged), w [D] -> (x + delta,
+    its `rms_norm`) in x.dtype."""
     if delta is not None:
         x = (x + delta).astype(x.dtype)
     return x, rms_norm(x, w, eps)
@@ -166,11 +157,9 @@ def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer: int, k: jax.Array, v: 
     ``v_scale`` f32[L, K]) -> new pools. Out-of-range slots or layer: undefined writes."""
     page, off = jnp.divmod(slot_mapping, k_pool.shape[3])  # shape[3]: page_size
     ks, vs = (None if x is None else x[layer][None, :, None] for x in (k_scale, v_scale))
-    k_pool = k_pool.at[layer, page, :, off, :].set(quantize(k, ks, k_pool.dtype),
-                                                   mode="promise_in_bounds")
-    v_pool = v_pool.at[layer, page, :, off, :].set(quantize(v, vs, v_pool.dtype),
-                                                   mode="promise_in_bounds")
-    return k_pool, v_pool
+    return tuple(pool.at[layer, page, :, off, :].set(quantize(x, s, pool.dtype),
+                                                     mode="promise_in_bounds")
+                 for pool, x, s in ((k_pool, k, ks), (v_pool, v, vs)))
 
 
 def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1) -> jax.Array:

@@ -1,12 +1,8 @@
-"""Llama (2/3/3.x, SmolLM2, ...) and Qwen3 (dense: the Llama trunk plus a per-head RMSNorm of q
-and k before RoPE, ``cfg.qk_norm``) over the paged KV cache. The modules declare the weight tree
-of the table `config.weights` (`layers.declare`: `MODEL` in `LlamaForCausalLM`, `LAYER` in each
-`DecoderLayer`); ``lm_head`` only for init (logits: `compute_logits`).
-
-Under tensor parallelism ``cfg`` is `tp_model_config`'s (`attention`). The L layers are unrolled;
-layer i writes the K/V pools at static index i. Sources: Touvron et al. 2023 (Llama 2); Meta 2024
-(Llama 3); HF ``modeling_llama.py``; Qwen Team 2025, "Qwen3 Technical Report" (QK-Norm), HF
-``modeling_qwen3.py``."""
+"""Llama (2/3/3.x, SmolLM2, ...) and Qwen3 (the Llama trunk plus a per-head RMSNorm of q and k,
+``cfg.qk_norm``) over the paged KV cache; the modules declare `config.weights`' tree (`MODEL` in
+`LlamaForCausalLM`, `LAYER` per `DecoderLayer`; ``lm_head`` for init only). The L layers are
+unrolled, layer i writing the pools at static index i. Sources: HF ``modeling_llama.py``,
+``modeling_qwen3.py``; the Llama 2, Llama 3 and Qwen3 reports."""
 
 import functools
 from typing import Any

@@ -25,10 +25,9 @@ from jaxinfer.step_input import BucketSpec, HostBatch, ShapeKey
 
 class ModelRunner:
     """Serves ``params`` (compute dtype, the canonical one-device tree) of ``model_config`` under
-    ``resolved`` (`jaxinfer.config.resolve`). tp = ``tensor_parallel_size`` > 1: `tp_model_config`
-    on a `parallel.make_mesh` of tp devices, params resharded (the canonical tree not
-    kept), the KV pool split over KV heads. ``stats``: compiles are counted there. Raises
-    ValueError: params of wrong shapes, a pool that does not fit, fewer than tp devices."""
+    ``resolved`` (`jaxinfer.config.resolve`); tp > 1: on a mesh of tp devices, params resharded,
+    the KV pool split over KV heads. ``stats``: compiles are counted there. ValueError: params of
+    wrong shapes, a pool that does not fit, fewer than tp devices."""
 
     def __init__(self, model_config, params, resolved, stats: EngineStats | None = None) -> None:
         ec, kc = resolved.engine, resolved.kernels

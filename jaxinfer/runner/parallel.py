@@ -1,10 +1,7 @@
-"""Tensor parallelism through JAX sharding: the "tp" mesh, weight and KV-pool shardings
-(`param_specs`, from the weight table `jaxinfer.config.weights`), and the canonical -> engine weight
-layout (`shard_params`, fp8 scales with their matrices); XLA inserts the collectives. Sources:
-Shoeybi et al. 2019 (Megatron-LM: column-split qkv and gate/up, row-split wo and down); vLLM
-(vocabulary-split embedding and lm_head, one KV head copy per device when tp > K). Canonical:
-the one-device tree (`init_params`, loaders). Engine (tp > 1): `tp_model_config`'s tree (K' =
-max(K, tp) KV heads), fused matrices' columns grouped by device (`engine_layout`)."""
+"""Tensor parallelism through JAX sharding (XLA inserts the collectives): the "tp" mesh, weight and
+KV-pool shardings (`param_specs`, from `jaxinfer.config.weights`), and the canonical (one-device)
+-> engine weight layout (`shard_params`, `engine_layout`). Sources: Megatron-LM (column-split qkv,
+gate/up; row-split wo, down); vLLM (vocabulary-split embedding and lm_head, KV heads copied)."""
 
 import jax
 import numpy as np

@@ -1,10 +1,8 @@
-"""On-device token sampling, row-wise (CASES.md C7). Order (vLLM ``v1/sample/sampler.py``): 0.
-logit_bias and the min_tokens mask (sparse entries added); 1. repetition penalty (HF, CTRL), then
-frequency and presence penalties over the output tokens (vLLM ``apply_penalties``); 2. greedy rows
-(temperature < `GREEDY_EPS`): argmax; 3. ``(logits - max) / T`` in float32 (C6); 4. top-k (<= 0:
-off); 5. top-p, top token kept (C5); 6. min-p (arXiv:2407.01082); 7. Gumbel-max, row key
-``fold_in(key(seed), step_idx)``. 4-5 on one stable descending sort (ties: lower id first), if a
-sampled row uses them. NaN logits count as -inf, +inf as the largest float32: ids in [0, V)."""
+"""On-device token sampling, row-wise (CASES.md C7), in vLLM's order: 0. logit_bias, min_tokens
+mask; 1. repetition, frequency, presence penalties; 2. greedy rows (T < `GREEDY_EPS`): argmax; 3.
+``(logits - max) / T`` in f32 (C6); 4. top-k; 5. top-p, top token kept (C5); 6. min-p; 7.
+Gumbel-max, row key ``fold_in(key(seed), step_idx)``. 4-5 on one stable descending sort (ties: lower
+id first), if a sampled row uses them. NaN logits count as -inf, +inf as the largest f32."""
 
 import dataclasses
 from typing import Any

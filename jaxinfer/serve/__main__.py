@@ -1,8 +1,7 @@
 """``python -m jaxinfer.serve [--model PATH] [--port 8000] [--api-key KEY]`` (``jaxinfer-serve``):
-the OpenAI-compatible server, engine options as ``jaxinfer.generate``: this process serves HTTP
-(no JAX), the engine runs in an engine-core process (`client`, `core`). Bad options or model: one
-line on stderr, exit code 2. SIGINT/SIGTERM: stop accepting, abort all after
-``--shutdown-timeout``, stop the core, exit 0. The core dies: open requests fail (503), exit 1."""
+the OpenAI-compatible server (engine options as ``jaxinfer.generate``); HTTP here (no JAX), the
+engine in an engine-core process (`client`, `core`). SIGINT/SIGTERM: stop accepting, abort all
+after ``--shutdown-timeout``, stop the core; exit codes: `main`."""
 
 import functools
 import os

@@ -1,9 +1,7 @@
-"""The API process's side of the engine core (vLLM V1's ``AsyncLLM`` and ``EngineCoreClient``):
-it starts the engine-core process (`core.run_core`, multiprocessing "spawn": JAX is not
-fork-safe, and this process never imports it), sends requests and aborts, and turns each
-`core.StepOutputs` into `RequestOutput`s with an `OutputProcessor` over mirrors of the core's
-`Sequence`s: detokenization, stop-string cuts, deltas and logprob texts happen here, on the
-event loop. Host side, no JAX."""
+"""The API process's side of the engine core (vLLM V1's ``AsyncLLM``, ``EngineCoreClient``): starts
+`core.run_core` (multiprocessing "spawn": JAX is not fork-safe), sends requests and aborts, turns
+each `core.StepOutputs` into `RequestOutput`s (an `OutputProcessor` over mirrors of the core's
+`Sequence`s: text, stop-string cuts, deltas) on the event loop. Host side, no JAX."""
 
 import asyncio
 import dataclasses
@@ -69,12 +67,11 @@ class EngineCoreClient:
         self._reader = asyncio.create_task(self._read())
 
     async def add(self, prompts: list[list[int]], params, stream: bool, param: str):
-        """Queue one request per prompt (token ids) and wait until the core took them all.
-        Returns ({request id: prompt index}, the queue of their events ``(request id, event)``:
-        `RequestOutput`s (``stream``: DELTA outputs, else one FINAL_ONLY; the last one has
-        ``finished``) or, last, an `APIError` (503: the core died)). Raises
-        APIError: 503, the core is gone; 400 naming ``param``, one was rejected (the others are
-        aborted)."""
+        """Queue one request per prompt (token ids), wait until the core took them all. Returns
+        ({request id: prompt index}, the queue of their ``(request id, event)``: `RequestOutput`s
+        (``stream``: DELTA, else one FINAL_ONLY; the last ``finished``) or, last, an `APIError`
+        (503: the core died)). APIError: 503, the core is gone; 400 naming ``param``, one was
+        rejected (the others aborted)."""
         if self.dead is not None:
             raise APIError(self.dead, 503)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY

@@ -15,12 +15,10 @@ from jaxinfer.serve.errors import APIError
 
 class OpenAIServing:
     """An endpoint over ``client`` (an `EngineCoreClient`) serving ``model_name``: checks,
-    `SamplingParams`, choices and usage, streamed (server-sent events) or not; ``ids``: the
-    shared response-id counter.
-    Subclasses set ``prefix`` (of response ids), ``Response`` and ``Chunk`` and define
+    `SamplingParams`, choices and usage, streamed (server-sent events) or not; ``ids``: the shared
+    response-id counter. Subclasses set ``prefix`` (of ids), ``Response``, ``Chunk`` and define
     ``choice(index, out, k, offset=0, stream=False, body=None)``: a `CompletionOutput` (streamed:
-    what is new) with its top-``k`` logprobs, ``offset`` characters of its text already sent.
-    A ``response_format`` or ``structured_outputs`` constrains the output (`SamplingParams`)."""
+    what is new) with its top-``k`` logprobs, ``offset`` characters of its text already sent."""
 
     prefix: str
 

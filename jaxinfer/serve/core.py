@@ -1,13 +1,10 @@
-"""The engine-core process (vLLM V1's ``EngineCoreProc``): it owns JAX, the `LLM`, its `LLMEngine`
-(scheduler, KV pool) and the step loop; `run_core` is its main. Wire: ZeroMQ PUSH/PULL on
-``ipc://DIR/in`` and ``ipc://DIR/out`` (bound here), msgspec msgpack; in: `Add`, `Abort`, `Stop`;
-out: one `StepOutputs` per step that has news. Stop strings are matched here (the engine must end
-a sequence on one to free its slot) and the API process cuts the text at the ``stop_string`` sent.
-Times: ``time.perf_counter`` (CLOCK_MONOTONIC on Linux: one clock for both processes). The core
-ignores SIGINT and SIGTERM (signals to the process group: the API process drains, then sends
-`Stop`) and ends when its parent is gone. An exception in a step ends it (vLLM V1's
-``EngineDeadError``: the API process fails the open requests and exits for a restart). Importing
-this module loads no JAX."""
+"""The engine-core process (vLLM V1's ``EngineCoreProc``): it owns JAX, the `LLM` and its step loop;
+`run_core` is its main. Wire: ZeroMQ PUSH/PULL on ``ipc://DIR/in`` and ``ipc://DIR/out`` (bound
+here), msgspec msgpack; in: `Add`, `Abort`, `Stop`; out: one `StepOutputs` per step with news. Stop
+strings are matched here (to free the slot); the API process cuts the text at the ``stop_string``.
+Times: ``time.perf_counter`` (one clock for both processes on Linux). SIGINT and SIGTERM are ignored
+(the API process drains, then sends `Stop`); the core ends with its parent, or on an exception in a
+step (vLLM's ``EngineDeadError``: the API process fails open requests). Imports no JAX."""
 
 import os
 import signal
@@ -133,11 +130,10 @@ class EngineCore:
 
 
 def run_core(factory, addr: str, conn) -> None:
-    """The engine-core process's main (multiprocessing "spawn"): ``llm = factory()`` (a
-    `jaxinfer.LLM`), then on ``conn`` (a `multiprocessing.Pipe` end) ``("ready", info)`` or
-    ``("error", message)`` (ValueError or FileNotFoundError, e.g. a bad ``--model``; any other
-    exception prints its traceback and ends the process); then `EngineCore.run`. ``info``: the
-    API process's needs: tokenizer, model_path, max_model_len, max_num_seqs, stats."""
+    """The engine-core process's main: ``llm = factory()`` (a `jaxinfer.LLM`), then on ``conn`` (a
+    `multiprocessing.Pipe` end) ``("ready", info)`` (tokenizer, model_path, max_model_len,
+    max_num_seqs, stats) or ``("error", message)`` (ValueError or FileNotFoundError; any other
+    exception prints its traceback and ends the process); then `EngineCore.run`."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     try:

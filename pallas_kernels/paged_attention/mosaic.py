@@ -1,9 +1,8 @@
 """Paged decode attention as a Mosaic GPU Pallas kernel, Hopper (sm_90a). One warpgroup per (row b,
 KV head h, split s): h's G query heads in a 64-row tile, keys streamed through ``num_stages``
-buffers by TMA, online softmax in f32, ``wgmma`` matmuls; splits merged by `combine_splits`. Pools
-read as ``[L * P, ...]`` + ``layer * P`` (`layer_offsets`). Sources: Dao et al. 2022
-(FlashAttention), 2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's
-attention_mgpu.py."""
+buffers by TMA, online softmax in f32, ``wgmma``; splits merged by `combine_splits`. Pools read as
+``[L * P, ...]`` + ``layer * P`` (`layer_offsets`). Sources: FlashAttention, flash-decoding,
+PagedAttention; JAX's attention_mgpu.py."""
 
 import dataclasses
 import functools

@@ -1,7 +1,5 @@
-"""Plain-jnp float32 paged attention, the oracle of every kernel variant. Pools ``[L, P, K,
-page_size, H]``; softmax(scale * q k^T [soft-capped], masked) v per query head; GQA: query head n
-reads KV head n // G; fp8 pools dequantised on read (`pallas_kernels.kv_quant`). Source: Kwon et al.
-2023 (PagedAttention, vLLM); JAX's in-tree kernel tests (gather, then dense)."""
+"""Plain-jnp float32 paged attention (gather, then dense), the oracle of every kernel variant; GQA:
+query head n reads KV head n // G; fp8 pools dequantised on read. Source: PagedAttention (vLLM)."""
 
 import jax
 import jax.numpy as jnp

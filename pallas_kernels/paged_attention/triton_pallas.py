@@ -1,9 +1,8 @@
-"""Paged decode attention as a Pallas kernel with the Triton lowering (variant ``triton``). One
-program per (row b, KV head k, split s) holds the G query heads of KV head k as a ``[G_PAD, H]``
-tile (G zero-padded to a power of 2 >= 16, the MMA rows) and gathers its split's pages ``pages_per_block`` at a time, online softmax in
-f32; ``k_splits > 1``: partials merged by `combine_splits`. fp8 pages (`kv_quant`): cast to q's
-dtype, the K scale folded into the logit scale, the V scale into the output. Sources: Dao et al.
-2023 (flash-decoding); Kwon et al. 2023 (PagedAttention); JAX's pallas.ops.gpu.paged_attention."""
+"""Paged decode attention, Pallas with the Triton lowering (variant ``triton``). One program per (row
+b, KV head k, split s): k's G query heads as a ``[G_PAD, H]`` tile (G_PAD a power of 2 >= 16),
+``pages_per_block`` pages a step, online softmax in f32, splits merged by `combine_splits`. fp8
+pages: cast to q's dtype, K scale in the logit scale, V scale in the output. Sources:
+flash-decoding; PagedAttention; JAX's pallas.ops.gpu.paged_attention."""
 
 import functools
 import math

@@ -102,7 +102,7 @@ def hf_greedy(hf_model, llm):
 @pytest.fixture(scope="package")
 def tiny_prompt_ids(tiny):
     """The prompts of `prompt_ids`, tokenized by the tiny model's tokenizer."""
-    plain = [tiny.encode(p) for p in PLAIN_PROMPTS]
+    plain = [tiny.get_tokenizer().encode(p) for p in PLAIN_PROMPTS]
     chat = [tiny.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     return plain + chat
 
@@ -110,6 +110,6 @@ def tiny_prompt_ids(tiny):
 @pytest.fixture(scope="package")
 def prompt_ids(llm):
     """Token ids of the plain prompts and of the chat prompts in the chat template."""
-    plain = [llm.encode(p) for p in PLAIN_PROMPTS]
+    plain = [llm.get_tokenizer().encode(p) for p in PLAIN_PROMPTS]
     chat = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     return plain + chat

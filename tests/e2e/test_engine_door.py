@@ -28,7 +28,7 @@ def summary(out):
 
 @pytest.fixture(scope="module")
 def reference(tiny):
-    ids = tiny.encode("the door of the engine")
+    ids = tiny.get_tokenizer().encode("the door of the engine")
     (out,) = tiny.generate([{"prompt_token_ids": ids}], PARAMS)
     return ids, out
 

@@ -71,7 +71,7 @@ def test_sample_logprobs_match_hf(llm, hf_model, hf_greedy, prompt_ids):
 def test_prompt_logprobs_match_hf(llm, hf_model, chunk):
     """prompt_logprobs=5 of a 40-token prompt: entry 0 None, entry j HF's log_softmax at j - 1
     for token j; the same when the prompt is prefilled in chunks of 16 tokens."""
-    ids = llm.encode(TEXT)[:40]
+    ids = llm.get_tokenizer().encode(TEXT)[:40]
     assert len(ids) == 40
     sched = llm.engine.scheduler
     budget = sched.max_num_batched_tokens

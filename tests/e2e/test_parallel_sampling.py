@@ -30,7 +30,7 @@ def params(**kw):
 
 @pytest.fixture(scope="module")
 def prompt(llm):
-    return llm.encode(TEXT)[:2 * P + 7]
+    return llm.get_tokenizer().encode(TEXT)[:2 * P + 7]
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +50,14 @@ def test_n4_equals_independent_requests_and_samples_differ(llm, prompt, alone):
     (out,) = llm.generate([{"prompt_token_ids": prompt}], params())
     assert samples(out) == alone
     assert len({tuple(s) for s in alone}) == 4
-    assert out.prompt_token_ids == tuple(prompt)
+    assert out.prompt_token_ids == prompt
     assert out.num_cached_tokens == 2 * P          # sample 0: the pages `alone` left cached
     (again,) = llm.generate([{"prompt_token_ids": prompt}], params())
     assert samples(again) == alone
 
 
 def test_n4_in_other_batch_compositions(llm, prompt, alone):
-    other = llm.encode("def fibonacci(n):")
+    other = llm.get_tokenizer().encode("def fibonacci(n):")
     outs = llm.generate([{"prompt_token_ids": other}, {"prompt_token_ids": prompt},
                          {"prompt_token_ids": prompt[:20]}],
                         [params(n=2, seed=7), params(), params(n=3, seed=SEED)])

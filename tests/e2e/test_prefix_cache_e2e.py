@@ -79,7 +79,7 @@ def on_vs_off(llm, batches, params, num_pages=None):
 
 @pytest.fixture(scope="module")
 def system(llm):
-    ids = llm.encode(TEXT * 2)
+    ids = llm.get_tokenizer().encode(TEXT * 2)
     assert len(ids) >= 3 * P + 8
     return ids
 
@@ -90,7 +90,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 def test_shared_three_page_system_prompt_eight_questions(llm, system):
     questions = ["What century?", "Who made it?", "Summarise.", "Is it old?", "Name a city.",
                  "Why books?", "One word.", "Translate to French."]
-    prompts = [system[:3 * P] + llm.encode(q, add_special_tokens=False) for q in questions]
+    tok = llm.get_tokenizer()
+    prompts = [system[:3 * P] + tok.encode(q, add_special_tokens=False) for q in questions]
     (run_on,), _ = on_vs_off(llm, [prompts], GREEDY)
     assert run_on[1] == [0] + [3 * P] * 7    # the first computes, the other 7 wait, then hit
 

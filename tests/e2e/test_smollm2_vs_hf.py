@@ -37,7 +37,7 @@ def test_page_boundaries(llm, hf_greedy, length):
     """Acceptance 4: prompts around one page, generation crossing several page boundaries."""
     text = ("In the beginning of the twentieth century, the city grew quickly as new railways "
             "brought workers, merchants and families from the countryside.")
-    ids = llm.encode(text)[:length]
+    ids = llm.get_tokenizer().encode(text)[:length]
     assert len(ids) == length
     out = llm.generate({"prompt_token_ids": ids},
                        SamplingParams(max_tokens=3 * PAGE_SIZE, ignore_eos=True, **GREEDY))[0]

@@ -29,7 +29,7 @@ def test_gguf_is_opened_once_and_the_tokenizer_matches_hf(startup, hf_tokenizer)
     tok = llm.get_tokenizer()
     for text in ["Hello world", "<|im_start|>user\nHi<|im_end|>", "안녕하세요 😀", "  a\n\tb"]:
         assert tok.encode(text) == hf_tokenizer.encode(text)
-    assert llm.encode("<|im_start|>x") == hf_tokenizer.encode("<|im_start|>x")
+    assert llm.get_tokenizer().encode("<|im_start|>x") == hf_tokenizer.encode("<|im_start|>x")
     msgs = [{"role": "user", "content": "hi"}]
     assert llm.apply_chat_template(msgs) == hf_tokenizer.apply_chat_template(
         msgs, add_generation_prompt=True, tokenize=True, return_dict=False)

@@ -107,7 +107,7 @@ def test_tiny_mechanics_async_sync_preemption_prefix_cache(tiny, small_pool):
     assert stop.outputs[0].stop_reason == "b" and re.fullmatch("[ac]*", stop.text)
     assert length.outputs[0].finish_reason == "length" and len(length.token_ids) == 6
     assert re.fullmatch("[0-9]{6}", length.text) and len(free.token_ids) == 40
-    allowed = {tiny.encode(w[:1])[0] for w in ("yes", "no", "never")}
+    allowed = {tiny.get_tokenizer().encode(w[:1])[0] for w in ("yes", "no", "never")}
     first = choice.outputs[0].logprobs[0]  # the masked distribution, as vLLM's
     assert {t for t, lp in first.items() if lp.logprob > -math.inf} == allowed
     assert math.fsum(math.exp(first[t].logprob) for t in allowed) == pytest.approx(1, abs=1e-5)

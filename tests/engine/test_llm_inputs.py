@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM, SamplingParams, TokensPrompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=3)
 
@@ -25,7 +25,9 @@ def llm(tiny_cfg, tiny_params):
     ({"prompt_token_ids": [1, True]}, "holds True (bool)"),
     ({"prompt_token_ids": [1, 2.0]}, "holds 2.0 (float)"),
     ({"prompt_token_ids": np.ones((2, 2), np.int32)}, "1-D integer array"),
-    ({1: 2}, "needs 'prompt' or 'prompt_token_ids'"),
+    ({1: 2}, "[1] are not supported"),
+    ({"prompt": "p"}, "has no tokenizer"),
+    ({"prompt_token_ids": [1], "multi_modal_data": {}}, "['multi_modal_data'] are not supported"),
     ({"prompt": None}, "'prompt' must be a str"),
     ([1, [2]], "holds [2] (list)"),
     ("text", "has no tokenizer"),
@@ -44,6 +46,7 @@ def test_numpy_token_ids_are_accepted(llm):
     assert llm.generate([np.array([5, 6, 7])], GREEDY)[0].token_ids == ref
     assert llm.generate([[np.int64(5), np.int32(6), 7]], GREEDY)[0].token_ids == ref
     assert llm.generate({"prompt_token_ids": np.array([5, 6, 7])}, GREEDY)[0].token_ids == ref
+    assert llm.generate(TokensPrompt(prompt_token_ids=[5, 6, 7]), GREEDY)[0].token_ids == ref
 
 
 def test_stop_strings_need_a_tokenizer(llm):
@@ -111,7 +114,7 @@ def test_one_numpy_array_is_one_prompt(llm):
     2-D array is a batch of rows."""
     ref = llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
     outs = llm.generate(np.array([5, 6, 7], np.int32), GREEDY)
-    assert len(outs) == 1 and outs[0].token_ids == ref and outs[0].prompt_token_ids == (5, 6, 7)
+    assert len(outs) == 1 and outs[0].token_ids == ref and outs[0].prompt_token_ids == [5, 6, 7]
     assert [o.token_ids for o in llm.generate(np.array([[5, 6, 7]] * 2), GREEDY)] == [ref] * 2
 
 
@@ -119,8 +122,8 @@ def test_rejected_request_keeps_its_prompt(llm):
     too_long = list(range(1, 70))
     outs = llm.generate([too_long, {"prompt_token_ids": [1, -5], "prompt": "p"}, [1, 2]], GREEDY,
                         on_error="return")
-    assert outs[0].error and outs[0].prompt_token_ids == tuple(too_long)
-    assert outs[1].error and (outs[1].prompt, outs[1].prompt_token_ids) == ("p", (1, -5))
+    assert outs[0].error and outs[0].prompt_token_ids == too_long
+    assert outs[1].error and (outs[1].prompt, outs[1].prompt_token_ids) == ("p", [1, -5])
     assert outs[2].error is None
 
 
@@ -131,8 +134,16 @@ def test_rejected_request_keeps_its_prompt(llm):
     (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5 is invalid"),
     (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization='0.9' is invalid"),
     (dict(memory_fraction="0.5"), "memory_fraction='0.5' is invalid: must be a number"),
-    (dict(dtype="half"), "dtype='half' is invalid"),
-    (dict(trust_remote_code=True), r"unknown engine argument\(s\) \['trust_remote_code'\]"),
+    (dict(dtype="float64"), "dtype='float64' is invalid"),
+    (dict(trust_remote_code=True, worker_cls="x"), r"unknown engine argument\(s\) \['worker_cls'\]"),
+    (dict(task="embed"), "task='embed' is invalid: jaxinfer runs generative models only .*"
+     "allowed: 'auto', 'generate'"),
+    (dict(runner="pooling"), "runner='pooling' is invalid"),
+    (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is invalid: one pipeline stage "
+     r"\(tensor_parallel_size splits a model\); allowed: 1"),
+    (dict(load_format="dummy"), "load_format='dummy' is invalid"),
+    (dict(block_size=8, page_size=16), "block_size .* and page_size differ"),
+    (dict(max_logprobs=-1), r"max_logprobs=-1 is invalid: must be an integer in \[0, 20\]"),
 ])
 def test_vllm_constructor_arguments_checked(llm, kw, needle):
     cfg, params = llm.engine.model_config, llm.engine.runner.params
@@ -152,6 +163,50 @@ def test_vllm_constructor_arguments_accepted(llm):
     assert other.engine.resolved.dtype == "float32" and other.engine.resolved.engine.seed == 3
     assert other.generate([[5, 6, 7]], GREEDY)[0].token_ids == \
         llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+
+
+def test_vllm_engine_arguments_map_or_warn(llm, caplog):
+    """vLLM's `LLM` arguments: ``block_size`` is the KV page size and ``num_gpu_blocks_override``
+    the pool's block count (vLLM V1's block 0 is a null block, as our page 0); ``max_logprobs``
+    caps a request's (prompt) logprobs; ``task``/``runner`` "generate" and
+    ``pipeline_parallel_size=1`` are what runs. An argument without effect here is silent at
+    vLLM's default value and one warning line otherwise (vLLM would act on it); a value that
+    cannot be honoured is a ValueError (`test_vllm_constructor_arguments_checked`); float16 is
+    refused on a GPU (kernels not validated), run on the CPU (test_vllm_api.py); a hub id that
+    is no local path is an error naming the local forms accepted (nothing is downloaded)."""
+    from jaxinfer.config import EngineConfig, resolve
+
+    cfg, params = llm.engine.model_config, llm.engine.runner.params
+    defaults = dict(trust_remote_code=False, swap_space=4, disable_log_stats=True,
+                    enable_chunked_prefill=None, compilation_config=None, tokenizer_mode="auto",
+                    revision=None, download_dir=None, task="generate", runner="auto",
+                    pipeline_parallel_size=1, load_format="auto")
+    with caplog.at_level("WARNING", logger="jaxinfer"):
+        other = LLM.from_params(cfg, params, max_model_len=64, block_size=8,
+                                num_gpu_blocks_override=40, max_num_seqs=4, max_logprobs=2,
+                                **defaults)
+        assert not caplog.records
+        ec = other.engine.resolved.engine
+        assert (ec.page_size, ec.num_pages, ec.max_logprobs) == (8, 40, 2)
+        assert other.engine.block_manager.num_usable_pages == 39
+        with pytest.raises(ValueError, match="3 log-probabilities per token requested; this "
+                           "engine gives at most max_logprobs=2"):
+            other.generate([[1, 2]], SamplingParams(prompt_logprobs=3, max_tokens=1))
+        LLM.from_params(cfg, params, max_model_len=64, num_pages=32, max_num_seqs=4,
+                        trust_remote_code=True, swap_space=0, disable_log_stats=False,
+                        enable_chunked_prefill=False, compilation_config={"level": 3},
+                        download_dir="/tmp/x")
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 6 and all(" has no effect: " in m for m in lines), lines
+    assert "trust_remote_code=True has no effect: no model code is loaded" in lines[0]
+    with pytest.raises(ValueError, match="dtype='float16' is invalid: the GPU kernels are not "
+                       "validated in float16"):
+        resolve(cfg, EngineConfig(dtype="half"), "gpu")
+    with pytest.raises(FileNotFoundError, match=r"model 'Qwen/Qwen3-8B' is no local path \(nothing "
+                       r"is downloaded\); give an HF model directory .*, a .gguf file or an Orbax"):
+        LLM("Qwen/Qwen3-8B")
+    with pytest.raises(ValueError, match="hf_overrides must be a dict"):
+        LLM("Qwen/Qwen3-8B", hf_overrides=lambda c: c)
 
 
 def test_update_params_equals_a_fresh_llm_without_recompiling(llm):

@@ -131,3 +131,15 @@ def test_eos_text_left_out_unless_include_stop_str(include):
     assert comp.text == ("ab<s>" if include else "ab") and comp.stop_reason is None
     s.finish_reason = "length"  # the same token as the last allowed one: shown
     assert OutputProcessor(detok).request_output([s], None).outputs[0].text == "ab<s>"
+
+
+def test_detokenize_false_gives_ids_without_text():
+    """vLLM's ``SamplingParams(detokenize=False)``: the token ids, no text, and logprobs without
+    their tokens' text (``decoded_token`` None)."""
+    s = _seq("hi", detokenize=False, logprobs=1)
+    s.logprobs = [{104: (-0.5, 1)}, {105: (-0.25, 1), 7: (-2.0, 2)}]
+    s.status, s.finish_reason = SequenceStatus.FINISHED, "length"
+    o = OutputProcessor(detok).request_output([s], "p").outputs[0]
+    assert (o.text, o.token_ids) == ("", [104, 105])
+    assert [{t: lp.decoded_token for t, lp in pos.items()} for pos in o.logprobs] == [
+        {104: None}, {105: None, 7: None}]

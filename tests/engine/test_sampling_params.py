@@ -70,15 +70,24 @@ def test_boundaries_accepted():
     assert SamplingParams(min_p=0, seed=2 ** 63 - 1).seed == 2 ** 63 - 1
 
 
-def test_stop_normalisation_and_frozen():
+def test_stop_normalisation_and_mutability():
+    """vLLM's SamplingParams is mutable (a msgspec Struct, unhashable): fields can be set after
+    construction, ``clone()`` is a deep copy, ``dataclasses.replace`` validates again; stop=None
+    and stop_token_ids=None (vLLM's defaults passed explicitly) mean none."""
     p = SamplingParams(stop="###", stop_token_ids=[7, 9])
     assert p.stop == ("###",) and p.stop_token_ids == (7, 9)
     q = SamplingParams(stop=["a", "bc"], stop_token_ids=(7, 9))
     assert q.stop == ("a", "bc") and q.stop_token_ids == (7, 9)
-    assert hash(p) == hash(SamplingParams(stop=("###",), stop_token_ids=(7, 9)))
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        p.top_p = 0.5
-    assert dataclasses.replace(p, top_p=0.5).top_p == 0.5
+    assert p == SamplingParams(stop=("###",), stop_token_ids=(7, 9))
+    assert SamplingParams(stop=None, stop_token_ids=None) == SamplingParams()
+    p.top_p, p.extra_args = 0.5, {"k": [1]}
+    c = p.clone()
+    assert c == p and c is not p and c.extra_args is not p.extra_args
+    c.extra_args["k"].append(2)
+    assert p.extra_args == {"k": [1]}
+    with pytest.raises(TypeError):
+        hash(p)
+    assert dataclasses.replace(p, top_p=0.25).top_p == 0.25
     with pytest.raises(ValueError, match="top_p"):
         dataclasses.replace(p, top_p=0)
 
@@ -92,7 +101,7 @@ def test_structured_outputs_params_one_constraint_normalised():
     assert S(choice=["x", "y"]).choice == ("x", "y") and S(choice=["x"]).key == ("choice", '["x"]')
     assert S(json_object=True).key == ("json_object", "True")
     p = SamplingParams(structured_outputs=S(regex="[0-9]+"))
-    assert hash(p) == hash(SamplingParams(structured_outputs=S(regex="[0-9]+")))
+    assert p == SamplingParams(structured_outputs=S(regex="[0-9]+"))
     for kw, msg in (({}, "got none"), (dict(regex="a", grammar="b"), r"\['regex', 'grammar'\]"),
                     (dict(choice=[]), "choice=.*non-empty list of non-empty strings"),
                     (dict(choice=["a", 1]), "non-empty list of non-empty strings"),

@@ -32,7 +32,7 @@ def test_completion_stream_equals_non_stream_and_usage(server, client):
         full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, **GREEDY)
         (choice,) = full.choices
         assert choice.finish_reason == "length"
-        assert full.usage.prompt_tokens == len(llm.encode(prompt))
+        assert full.usage.prompt_tokens == len(llm.get_tokenizer().encode(prompt))
         assert full.usage.completion_tokens == 8
         assert full.usage.total_tokens == full.usage.prompt_tokens + 8
         chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=8,
@@ -41,13 +41,13 @@ def test_completion_stream_equals_non_stream_and_usage(server, client):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
         assert chunks[-1].usage.completion_tokens == 8 and not chunks[-1].choices
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
-        ids = client.completions.create(model=MODEL, prompt=llm.encode(prompt), max_tokens=8,
-                                        **GREEDY)
+        ids = client.completions.create(model=MODEL, prompt=llm.get_tokenizer().encode(prompt),
+                                        max_tokens=8, **GREEDY)
         assert ids.choices[0].text == choice.text
 
 
 def test_several_prompts_and_token_id_prompts(client, server):
-    ids = [server.llm.encode(p) for p in PROMPTS[:2]]
+    ids = [server.llm.get_tokenizer().encode(p) for p in PROMPTS[:2]]
     out = client.completions.create(model=MODEL, prompt=ids, max_tokens=5, **GREEDY)
     single = [client.completions.create(model=MODEL, prompt=p, max_tokens=5, **GREEDY)
               .choices[0].text for p in PROMPTS[:2]]

@@ -130,16 +130,19 @@ class ModelRunner:
                                        self.params)
 
     def sleep(self, level: int) -> None:
-        """vLLM's ``sleep``: the device memory of the KV pool (its pages' K/V lost) and of the
-        weights freed; level 1 copies the weights to host memory first (`wake_up` puts them
-        back), level 2 keeps none (`update_params` after `wake_up`). Asleep already: nothing.
-        ValueError: another level."""
+        """vLLM's ``sleep``: the KV pool deleted (its pages' K/V lost) and the weights let go
+        (their device memory freed unless the caller still holds them, e.g. `LLM.from_params`'
+        tree); level 1 copies them to host memory first (`wake_up` puts them back), level 2
+        keeps none (`update_params` after `wake_up`). Asleep already: nothing. ValueError:
+        another level."""
         if level not in (1, 2):
             raise ValueError(f"sleep(level={level!r}): 1 (weights kept in host memory) or 2 "
                              "(weights discarded)")
         if not self.sleeping:
             self._host_params = jax.tree.map(np.array, self.params) if level == 1 else None
-            for a in jax.tree.leaves((self.params, self.kv)):
+            self.params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
+                a.shape, a.dtype, sharding=a.sharding), self.params)
+            for a in jax.tree.leaves(self.kv):
                 a.delete()
             self.sleeping = level
 
@@ -163,7 +166,7 @@ class ModelRunner:
         if self.sleeping:
             raise RuntimeError(f"the engine is asleep (sleep(level={self.sleeping})): call "
                                "wake_up() first")
-        if jax.tree.leaves(self.params)[0].is_deleted():
+        if isinstance(jax.tree.leaves(self.params)[0], jax.ShapeDtypeStruct):
             raise RuntimeError("the weights were discarded by sleep(level=2): call "
                                "update_params(params) after wake_up()")
 

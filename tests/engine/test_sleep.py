@@ -26,8 +26,11 @@ def llm(tiny_llm):
 def test_sleep_levels_free_device_arrays_and_wake_up_gives_the_same_outputs(llm):
     runner, before = llm.engine.runner, ids(llm)
     host = jax.tree.map(np.array, runner.params)
+    caller = jax.tree.leaves(runner.params)
     llm.sleep(level=1)
-    assert all(a.is_deleted() for a in jax.tree.leaves((runner.params, runner.kv)))
+    assert all(a.is_deleted() for a in jax.tree.leaves(runner.kv))
+    assert all(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(runner.params))
+    assert not any(a.is_deleted() for a in caller)  # the caller's (from_params') tree is intact
     with pytest.raises(RuntimeError, match="asleep"):
         ids(llm)
     llm.wake_up(tags=["weights"])  # vLLM's RL pattern: weights first, then the cache

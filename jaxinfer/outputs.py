@@ -83,9 +83,7 @@ class RequestOutput:
         """The first completion's."""
         return self.outputs[0].text if self.outputs else ""
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids if self.outputs else []
+    token_ids = property(lambda self: self.outputs[0].token_ids if self.outputs else [])
 
     def add(self, delta: "RequestOutput") -> "RequestOutput":
         """This output with the request's later DELTA output appended (vLLM's ``add``): text, ids

@@ -45,6 +45,4 @@ class EngineStats:
         """Hit tokens / queried tokens (0.0 before any query)."""
         return self.prefix_cache_hits / max(self.prefix_cache_queries, 1)
 
-    @property
-    def num_compiles(self) -> int:
-        return len(self.compiled_shapes)
+    num_compiles = property(lambda self: len(self.compiled_shapes))

@@ -31,9 +31,7 @@ class ShapeKey(NamedTuple):
     prompt_logprobs: int = 0
     bitmask: int = 0
 
-    @property
-    def packed(self) -> bool:
-        return self.query is not None
+    packed = property(lambda self: self.query is not None)
 
     def dims(self) -> dict[str, int]:
         """Sizes of the shape letters (token arrays [Bt, T]: [B, T], or [1, Tp] packed)."""

@@ -47,9 +47,7 @@ class ScheduledBatch:
                             ).items():
             object.__setattr__(self, name, v)
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqs)
+    num_seqs = property(lambda self: len(self.seqs))
 
 
 class Scheduler:
@@ -74,9 +72,7 @@ class Scheduler:
         self._requests: dict[str, Sequence] = {}  # unfinished, by request_id
         self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not postprocessed; oldest first
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
+    num_waiting = property(lambda self: len(self.waiting))
 
     @property
     def num_running(self) -> int:
@@ -144,9 +140,7 @@ class Scheduler:
         self._in_flight.append(batch)
         return batch
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
+    num_in_flight = property(lambda self: len(self._in_flight))
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm = self.block_manager

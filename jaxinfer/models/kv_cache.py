@@ -29,9 +29,7 @@ class KVCache:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
 
-    @property
-    def num_pages(self) -> int:
-        return self.k.shape[1]
+    num_pages = property(lambda self: self.k.shape[1])
 
     def replace(self, **kw) -> "KVCache":
         return dataclasses.replace(self, **kw)

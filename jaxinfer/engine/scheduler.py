@@ -73,11 +73,8 @@ class Scheduler:
         self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not postprocessed; oldest first
 
     num_waiting = property(lambda self: len(self.waiting))
-
-    @property
-    def num_running(self) -> int:
-        """Admitted (page-holding) sequences, the partial prefill included."""
-        return len(self.running) + (self.prefilling is not None)
+    num_running = property(lambda self: len(self.running) + (self.prefilling is not None),
+                           doc="Admitted (page-holding) sequences, the partial prefill included.")
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)

@@ -72,13 +72,12 @@ class BlockManager:
                 f"BlockManager.allocate: request {seq.request_id!r} needs "
                 f"{self.num_missing_pages(seq, num_tokens) - len(hits)} more pages for "
                 f"{num_tokens} tokens but only {self.num_free_pages} are free")
-        for page in hits:
+        for page in hits:  # evictable hits first, so that no new page evicts one
             if not self._holders[page]:
                 del self._evictable[page]
-            self._holders[page].append(seq)
         seq.block_table.extend(hits)
         new = [self._take_page() for _ in range(self.num_missing_pages(seq, num_tokens))]
-        for page in new:
+        for page in (*hits, *new):
             self._holders[page].append(seq)
         seq.block_table.extend(new)
         return new

@@ -27,15 +27,15 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchema | None = None
 
 
-_AS_SAMPLING = ("top_p", "top_k", "min_p", "seed", "n", "presence_penalty", "frequency_penalty",
-                "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-                "spaces_between_special_tokens", "include_stop_str_in_output")  # type, default
+_SHARED = ("top_p", "top_k", "min_p", "seed", "n", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+           "spaces_between_special_tokens", "include_stop_str_in_output")  # type, default
 _SamplingFields = create_model("_SamplingFields", **{
-    f.name: (f.type, f.default) for f in dataclasses.fields(SamplingParams) if f.name in _AS_SAMPLING})
+    f.name: (f.type, f.default) for f in dataclasses.fields(SamplingParams) if f.name in _SHARED})
 
 
 class _Sampling(_SamplingFields):
-    """The sampling fields both endpoints share (`_AS_SAMPLING`: `SamplingParams`' type and
+    """The sampling fields both endpoints share (`_SHARED`: `SamplingParams`' type and
     default); `sampling_params` validates the values."""
 
     model: str | None = None

@@ -19,13 +19,8 @@ class TensorRule(NamedTuple):
     transpose: bool
     part: str | None = None
 
-    @property
-    def per_layer(self) -> bool:
-        return "{i}" in self.hf_name
-
-    @property
-    def leaf(self) -> str:
-        return self.param.rsplit("/", 1)[-1]
+    per_layer = property(lambda self: "{i}" in self.hf_name)
+    leaf = property(lambda self: self.param.rsplit("/", 1)[-1])
 
 
 _L, _P = "model.layers.{i}.", "layers/{i}/"

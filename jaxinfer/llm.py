@@ -14,11 +14,9 @@ from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import ParamsArg, Prompts
 from jaxinfer.runner import loading, parallel
 from jaxinfer.runner.model_runner import ModelRunner
-from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
+from jaxinfer.sampling_params import RequestOutputKind
 
 PROFILER_DIR_ENV = "JAXINFER_PROFILER_DIR"  # `LLM.start_profile`'s default directory
-GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
-                       "max_new_tokens")  # generation_config.json keys vLLM takes as defaults
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,8 +140,6 @@ class LLM(Prompts):
         ``stream(index, new_token_ids, text_delta)`` as tokens arrive (deltas sum to the text)."""
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
         params, encoded, errors = self._prepare(prompts, sampling_params, on_error == "raise",
                                                 self.engine.check_request)
         outputs = self._run({i: (ids, sp) for i, ((_, ids), sp) in enumerate(zip(encoded, params))
@@ -188,8 +184,6 @@ class LLM(Prompts):
         """Compile, in parallel, the step shapes ``generate(prompts, sampling_params)`` visits on
         an idle engine (`LLMEngine.plan_shapes`); returns {"planned", "shapes", "lower_s",
         "warm_s", "seconds"}. Raises ValueError: as `generate`; ``max_workers`` not >= 1."""
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
         params, encoded, _ = self._prepare(prompts, sampling_params, True,
                                            self.engine.check_request)
         keys = self.engine.plan_shapes([(ids, sp) for (_, ids), sp in zip(encoded, params)])
@@ -213,13 +207,6 @@ class LLM(Prompts):
         """vLLM's ``LLM.encode`` is pooling (embeddings), which jaxinfer does not do: ValueError."""
         raise ValueError("LLM.encode is vLLM's pooling (embeddings), which jaxinfer does not "
                          "support; the token ids of a text: llm.get_tokenizer().encode(text)")
-
-    def get_default_sampling_params(self) -> SamplingParams:
-        """vLLM's: `SamplingParams` with the fields the model's generation_config.json sets
-        (`GENERATION_DEFAULTS`; max_new_tokens as max_tokens), else ``SamplingParams()``."""
-        return SamplingParams(**{"max_tokens" if k == "max_new_tokens" else k: v for k, v in
-                                 self.generation_config.items()
-                                 if k in GENERATION_DEFAULTS and v is not None})
 
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges now (`_METRICS`; vLLM V1's ``get_metrics``)."""

@@ -78,14 +78,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     lora_request = encoder_prompt = encoder_prompt_token_ids = kv_transfer_params = None
 
-    @property
-    def text(self) -> str:
-        """The first completion's."""
-        return self.outputs[0].text if self.outputs else ""
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids if self.outputs else []
+    text = property(lambda self: self.outputs[0].text if self.outputs else "",
+                    doc="The first completion's.")
+    token_ids = property(lambda self: self.outputs[0].token_ids if self.outputs else [])
 
     def add(self, delta: "RequestOutput") -> "RequestOutput":
         """This output with the request's later DELTA output appended (vLLM's ``add``): text, ids

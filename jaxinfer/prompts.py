@@ -10,6 +10,8 @@ from jaxinfer.checks import is_int
 from jaxinfer.sampling_params import SamplingParams
 
 ParamsArg = SamplingParams | Seq[SamplingParams] | None
+GENERATION_DEFAULTS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p",
+                       "max_new_tokens")  # generation_config.json keys vLLM takes as defaults
 
 
 def _is_ids_array(x) -> bool:
@@ -31,7 +33,7 @@ def _token_ids(ids, what: str) -> list[int]:
     return [int(t) for t in ids]
 
 
-def _normalize(prompts, sampling_params: ParamsArg) -> tuple[list, list[SamplingParams]]:
+def _normalize(prompts, sp: ParamsArg) -> tuple[list, list[SamplingParams]]:
     """(prompts, one SamplingParams per prompt). Raises ValueError: prompts not a prompt or an
     iterable of them; sampling_params not a SamplingParams or a list of them; counts differ."""
     if isinstance(prompts, (bytes, bytearray)) or not hasattr(prompts, "__iter__"):
@@ -41,7 +43,6 @@ def _normalize(prompts, sampling_params: ParamsArg) -> tuple[list, list[Sampling
         isinstance(prompts, (list, tuple)) and prompts
         and all(isinstance(t, (int, np.integer)) for t in prompts))
     plist = [prompts] if single else list(prompts)
-    sp = SamplingParams() if sampling_params is None else sampling_params
     if isinstance(sp, SamplingParams):
         return plist, [sp] * len(plist)
     bad = None if isinstance(sp, (list, tuple)) else type(sp).__name__
@@ -59,7 +60,7 @@ class Prompts:
     """Prompt handling over ``self.tokenizer`` (an HF tokenizer, or None: token-id prompts only)."""
 
     def __init__(self, tokenizer=None) -> None:
-        self.tokenizer = tokenizer
+        self.tokenizer, self.generation_config = tokenizer, {}  # generation_config.json's
 
     def _detokenize(self, ids, skip_special_tokens: bool = True,
                     spaces_between_special_tokens: bool = True) -> str:
@@ -68,6 +69,13 @@ class Prompts:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: `SamplingParams` with the fields the model's generation_config.json sets
+        (`GENERATION_DEFAULTS`; max_new_tokens as max_tokens), else ``SamplingParams()``."""
+        return SamplingParams(**{"max_tokens" if k == "max_new_tokens" else k: v for k, v in
+                                 self.generation_config.items()
+                                 if k in GENERATION_DEFAULTS and v is not None})
 
     def _encode(self, prompt: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a text prompt. Raises ValueError: no tokenizer."""
@@ -124,8 +132,9 @@ class Prompts:
     def _prepare(self, prompts, sampling_params: ParamsArg, raise_errors: bool, check=None):
         """(params, [(text or None, ids)], {index: error}); ``raise_errors``: ValueError instead.
         ``check(ids, params)``: raises ValueError for a request that cannot run (`LLM`: its
-        engine's `check_request`; None: the server's engine core checks at admission)."""
-        plist, params = _normalize(prompts, sampling_params)
+        engine's `check_request`; None: the server's core checks); None params: the defaults."""
+        plist, params = _normalize(prompts, self.get_default_sampling_params()
+                                   if sampling_params is None else sampling_params)
         errors: dict[int, str] = {}
         encoded = []
         for i, (p, sp) in enumerate(zip(plist, params)):

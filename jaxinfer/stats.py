@@ -40,11 +40,7 @@ class EngineStats:
     kv_pages_in_use: int = 0
     kv_pages_total: int = 0
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        """Hit tokens / queried tokens (0.0 before any query)."""
-        return self.prefix_cache_hits / max(self.prefix_cache_queries, 1)
-
-    @property
-    def num_compiles(self) -> int:
-        return len(self.compiled_shapes)
+    prefix_cache_hit_rate = property(
+        lambda self: self.prefix_cache_hits / max(self.prefix_cache_queries, 1),
+        doc="Hit tokens / queried tokens (0.0 before any query).")
+    num_compiles = property(lambda self: len(self.compiled_shapes))

@@ -31,9 +31,7 @@ class ShapeKey(NamedTuple):
     prompt_logprobs: int = 0
     bitmask: int = 0
 
-    @property
-    def packed(self) -> bool:
-        return self.query is not None
+    packed = property(lambda self: self.query is not None)
 
     def dims(self) -> dict[str, int]:
         """Sizes of the shape letters (token arrays [Bt, T]: [B, T], or [1, Tp] packed)."""
@@ -146,12 +144,7 @@ def covers(a: ShapeKey, b: ShapeKey) -> bool:
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     """``lo, 2*lo, ...`` up to the first power >= hi, with ``hi`` itself as the last bucket."""
-    out, b = [], lo
-    while b < hi:
-        out.append(b)
-        b *= 2
-    out.append(hi)
-    return tuple(sorted(set(out)))
+    return tuple(sorted({*(lo << i for i in range(hi.bit_length()) if lo << i < hi), hi}))
 
 
 def default_batch_buckets(max_num_seqs: int) -> tuple[int, ...]:

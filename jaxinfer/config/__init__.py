@@ -236,13 +236,8 @@ class ResolvedConfig:
     kv_dtype: str     # the KV pools': dtype or "float8_e4m3fn"
     quantization: str | None = None  # weights: None | "fp8"
 
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def kv_dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.kv_dtype]
+    dtype_bytes = property(lambda self: DTYPE_BYTES[self.dtype])
+    kv_dtype_bytes = property(lambda self: DTYPE_BYTES[self.kv_dtype])
 
 
 def check_platform(kc: KernelConfig, platform: str) -> None:

@@ -49,9 +49,7 @@ def shape_of(name: str, cfg) -> tuple[int, ...]:
 def scale_shape(shape: tuple[int, int], block: tuple[int, int] | None) -> tuple[int, ...]:
     """Shape of the f32 scale of an fp8 matrix ``shape`` [in, out]: per output channel [out]
     (``block`` None), or per HF block ``(block_out, block_in)``: [ceil(in/bi), ceil(out/bo)]."""
-    if block is None:
-        return (shape[1],)
-    return (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
+    return (shape[1],) if block is None else (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
 
 
 def fused_parts(cfg) -> dict[str, dict[str, slice]]:

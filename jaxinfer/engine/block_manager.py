@@ -40,20 +40,11 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}        # hash -> page
         self._pending: dict[bytes, Sequence] = {}  # hash -> admitted sequence computing it
 
-    @property
-    def num_free_pages(self) -> int:
-        """Pages an allocation may take: free plus evictable."""
-        return len(self._free) + len(self._evictable)
-
-    @property
-    def num_usable_pages(self) -> int:
-        """All but the null page."""
-        return self.num_pages - 1
-
-    @property
-    def num_cached_pages(self) -> int:
-        """Pages with a published hash (referenced or not)."""
-        return len(self._cached)
+    num_free_pages = property(lambda self: len(self._free) + len(self._evictable),
+                              doc="Pages an allocation may take: free plus evictable.")
+    num_usable_pages = property(lambda self: self.num_pages - 1, doc="All but the null page.")
+    num_cached_pages = property(lambda self: len(self._cached),
+                                doc="Pages with a published hash (referenced or not).")
 
     def pages_needed(self, num_tokens: int) -> int:
         if num_tokens < 0:
@@ -81,13 +72,12 @@ class BlockManager:
                 f"BlockManager.allocate: request {seq.request_id!r} needs "
                 f"{self.num_missing_pages(seq, num_tokens) - len(hits)} more pages for "
                 f"{num_tokens} tokens but only {self.num_free_pages} are free")
-        for page in hits:
+        for page in hits:  # evictable hits first, so that no new page evicts one
             if not self._holders[page]:
                 del self._evictable[page]
-            self._holders[page].append(seq)
         seq.block_table.extend(hits)
         new = [self._take_page() for _ in range(self.num_missing_pages(seq, num_tokens))]
-        for page in new:
+        for page in (*hits, *new):
             self._holders[page].append(seq)
         seq.block_table.extend(new)
         return new

@@ -6,10 +6,7 @@ import numpy as np
 
 def _record(tok: int, lp: float, rank: int, top_ids: list, top_lps: list,
             k: int) -> dict[int, tuple[float, int]]:
-    rec = {tok: (lp, rank)}
-    for j in range(k):
-        rec[top_ids[j]] = (top_lps[j], j + 1)
-    return rec
+    return {tok: (lp, rank), **{top_ids[j]: (top_lps[j], j + 1) for j in range(k)}}
 
 
 def record(out: dict | None, hb, seqs, before: list[int] | None) -> None:

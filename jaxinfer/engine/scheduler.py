@@ -47,9 +47,7 @@ class ScheduledBatch:
                             ).items():
             object.__setattr__(self, name, v)
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seqs)
+    num_seqs = property(lambda self: len(self.seqs))
 
 
 class Scheduler:
@@ -74,14 +72,9 @@ class Scheduler:
         self._requests: dict[str, Sequence] = {}  # unfinished, by request_id
         self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not postprocessed; oldest first
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        """Admitted (page-holding) sequences, the partial prefill included."""
-        return len(self.running) + (self.prefilling is not None)
+    num_waiting = property(lambda self: len(self.waiting))
+    num_running = property(lambda self: len(self.running) + (self.prefilling is not None),
+                           doc="Admitted (page-holding) sequences, the partial prefill included.")
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -144,9 +137,7 @@ class Scheduler:
         self._in_flight.append(batch)
         return batch
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._in_flight)
+    num_in_flight = property(lambda self: len(self._in_flight))
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm = self.block_manager

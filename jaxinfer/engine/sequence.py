@@ -66,25 +66,11 @@ class Sequence:
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
             self.prompt_logprobs = []
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_tokens_with_pending(self) -> int:
-        return self.num_tokens + self.num_pending_tokens
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+    all_token_ids = property(lambda self: self.prompt_token_ids + self.output_token_ids)
+    num_tokens = property(lambda self: len(self.prompt_token_ids) + len(self.output_token_ids))
+    num_tokens_with_pending = property(lambda self: self.num_tokens + self.num_pending_tokens)
+    num_prompt_tokens = property(lambda self: len(self.prompt_token_ids))
+    num_output_tokens = property(lambda self: len(self.output_token_ids))
 
     @property
     def last_token_id(self) -> int:
@@ -97,9 +83,7 @@ class Sequence:
                 and bool(self.output_token_ids)
                 and self.output_token_ids[-1] in self.params.stop_token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+    is_finished = property(lambda self: self.status is SequenceStatus.FINISHED)
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, status={self.status.name}, prompt="

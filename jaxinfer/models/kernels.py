@@ -18,10 +18,8 @@ class ModelKernels:
     attention: Callable = reference.paged_attention
     mesh: Any = None
 
-    @property
-    def tp(self) -> int:
-        """Devices the model is sharded over (1: no mesh)."""
-        return 1 if self.mesh is None else self.mesh.size
+    tp = property(lambda self: 1 if self.mesh is None else self.mesh.size,
+                  doc="Devices the model is sharded over (1: no mesh).")
 
 
 @functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale"))

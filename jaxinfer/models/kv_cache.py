@@ -15,6 +15,7 @@ AXIS = "tp"  # the mesh axis of tensor parallelism (`jaxinfer.runner.parallel`)
 KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]: split over K'
 
 
+@jax.tree_util.register_dataclass  # every field a pytree child
 @dataclass(frozen=True)
 class KVCache:
     """k, v [L, P, K, page_size, H] (compute dtype, or float8_e4m3fn); block_tables i32[B, M]
@@ -29,9 +30,7 @@ class KVCache:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
 
-    @property
-    def num_pages(self) -> int:
-        return self.k.shape[1]
+    num_pages = property(lambda self: self.k.shape[1])
 
     def replace(self, **kw) -> "KVCache":
         return dataclasses.replace(self, **kw)
@@ -42,11 +41,6 @@ class KVCache:
             return None, None
         check_scales(self.k, self.k_scale, self.v_scale)
         return self.k_scale, self.v_scale
-
-
-jax.tree_util.register_dataclass(
-    KVCache, data_fields=["k", "v", "block_tables", "seq_lens", "k_scale", "v_scale"],
-    meta_fields=[])
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,

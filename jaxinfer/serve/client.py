@@ -187,8 +187,7 @@ def _merge(s: Sequence, d: core.SampleDelta) -> None:
     s.output_token_ids += d.token_ids
     if d.logprobs is not None:
         s.logprobs += d.logprobs
-    for f in ("cumulative_logprob", "first_token_time", "num_preemptions", "finish_reason",
-              "stop_string", "finish_time", "num_cached_tokens"):
+    for f in core.SampleDelta.__struct_fields__[4:]:  # as the `Sequence`'s now
         setattr(s, f, getattr(d, f))
     if d.finish_reason is not None:
         s.status = SequenceStatus.FINISHED

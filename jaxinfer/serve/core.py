@@ -120,10 +120,9 @@ class EngineCore:
             for s in seqs:
                 if (n := sent[s.index]) is None or n == s.num_output_tokens and not s.is_finished:
                     continue
-                msg.samples.append(SampleDelta(
-                    rid, s.index, s.output_token_ids[n:], s.logprobs and s.logprobs[n:],
-                    s.cumulative_logprob, s.first_token_time, s.num_preemptions, s.finish_reason,
-                    s.stop_string, s.finish_time, s.num_cached_tokens))
+                rest = (getattr(s, f) for f in SampleDelta.__struct_fields__[4:])  # as now
+                msg.samples.append(SampleDelta(rid, s.index, s.output_token_ids[n:],
+                                               s.logprobs and s.logprobs[n:], *rest))
                 sent[s.index] = None if s.is_finished else s.num_output_tokens
             if all(n is None for n in sent):
                 del self.sent[rid]

@@ -8,7 +8,7 @@ import itertools
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -27,28 +27,23 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchema | None = None
 
 
-class _Sampling(BaseModel):
-    """The sampling fields both endpoints share; `sampling_params` validates the values."""
+_SHARED = ("top_p", "top_k", "min_p", "seed", "n", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
+           "spaces_between_special_tokens", "include_stop_str_in_output")  # type, default
+_SamplingFields = create_model("_SamplingFields", **{
+    f.name: (f.type, f.default) for f in dataclasses.fields(SamplingParams) if f.name in _SHARED})
+
+
+class _Sampling(_SamplingFields):
+    """The sampling fields both endpoints share (`_SHARED`: `SamplingParams`' type and
+    default); `sampling_params` validates the values."""
 
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens: int = 0
-    ignore_eos: bool = False
     logit_bias: dict[str, float] | None = None
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None

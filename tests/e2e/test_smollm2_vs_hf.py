@@ -32,15 +32,26 @@ def test_batch_of_mixed_lengths_matches_single(llm, hf_greedy, prompt_ids):
         assert list(out.token_ids) == hf_greedy(ids, 32)
 
 
-@pytest.mark.parametrize("length", [PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1])
-def test_page_boundaries(llm, hf_greedy, length):
-    """Acceptance 4: prompts around one page, generation crossing several page boundaries."""
+BOUNDARY_LENGTHS = (PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1)
+
+
+@pytest.fixture(scope="module")
+def page_boundary_runs(llm):
+    """{length: (prompt ids, output)}: the prompts of `test_page_boundaries`, generated in one
+    batch (one engine run: each row crosses the page boundaries of its own pages)."""
     text = ("In the beginning of the twentieth century, the city grew quickly as new railways "
             "brought workers, merchants and families from the countryside.")
-    ids = llm.get_tokenizer().encode(text)[:length]
+    prompts = [llm.get_tokenizer().encode(text)[:n] for n in BOUNDARY_LENGTHS]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                        SamplingParams(max_tokens=3 * PAGE_SIZE, ignore_eos=True, **GREEDY))
+    return dict(zip(BOUNDARY_LENGTHS, zip(prompts, outs)))
+
+
+@pytest.mark.parametrize("length", BOUNDARY_LENGTHS)
+def test_page_boundaries(page_boundary_runs, hf_greedy, length):
+    """Acceptance 4: prompts around one page, generation crossing several page boundaries."""
+    ids, out = page_boundary_runs[length]
     assert len(ids) == length
-    out = llm.generate({"prompt_token_ids": ids},
-                       SamplingParams(max_tokens=3 * PAGE_SIZE, ignore_eos=True, **GREEDY))[0]
     assert list(out.token_ids) == hf_greedy(ids, 3 * PAGE_SIZE, ignore_eos=True)
     assert out.outputs[0].finish_reason == "length"
 

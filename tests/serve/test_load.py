@@ -25,8 +25,8 @@ from .conftest import KEY, MODEL, PROMPTS
 pytestmark = pytest.mark.slow
 
 
-def _requests(n: int, seed: int, greedy_every: int = 3):
-    """(prompt, max_tokens, sampling kwargs): 1-3 prompts joined, 4-16 tokens, every
+def _requests(n: int, seed: int, greedy_every: int = 3, tokens: tuple[int, int] = (4, 16)):
+    """(prompt, max_tokens, sampling kwargs): 1-3 prompts joined, max_tokens in ``tokens``, every
     ``greedy_every``-th greedy, the others sampled (seeded) with mixed top_p / top_k / min_p."""
     rng, out = random.Random(seed), []
     for i in range(n):
@@ -35,7 +35,7 @@ def _requests(n: int, seed: int, greedy_every: int = 3):
             temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
             seed=rng.randrange(10 ** 6),
             extra_body={"top_k": rng.choice([-1, 20]), "min_p": rng.choice([0.0, 0.05])})
-        out.append((prompt, rng.randint(4, 16), samp))
+        out.append((prompt, rng.randint(*tokens), samp))
     return out
 
 
@@ -80,7 +80,8 @@ def _metric(server, name, **labels) -> float:
 
 
 def test_200_concurrent_streams(server, wait_idle):
-    reqs = _requests(200, seed=0)
+    # 2-6 tokens a stream: the 200 streams are still open at once (32 rows run, the others queue)
+    reqs = _requests(200, seed=0, tokens=(2, 6))
     wait_idle(server)
     refs = _references(server, reqs)
 

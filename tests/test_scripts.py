@@ -206,5 +206,7 @@ def test_bench_structured_mask_replay_accepts_its_documents(smollm_path):
 
     bench = load_script("bench_structured")
     tok = load_tokenizer(smollm_path, "gguf")
-    times = bench.mask_times(StructuredOutputManager(tok, 49152, [tok.eos_token_id]), tok, 3)
-    assert len(times) > 100 and (times > 0).all()
+    manager = StructuredOutputManager(tok, 49152, [tok.eos_token_id])
+    for schema in bench.SCHEMAS.values():
+        times = bench.mask_times(manager, tok, 3, schema)
+        assert len(times) > 100 and (times > 0).all()

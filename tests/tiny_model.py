@@ -8,7 +8,7 @@ TINY = dict(architecture="qwen3", vocab_size=256, hidden_size=64, intermediate_s
 # every SmolLM2 engine of the run (in this process or a CLI subprocess) has this pool and these
 # buckets, so a step shape compiles once and later engines load it from the run-wide cache
 SMOLLM_ENGINE = dict(dtype="float32", max_model_len=512, page_size=16, num_pages=160,
-                     max_num_seqs=8)
+                     max_num_seqs=8, kernels="batch_buckets=8")  # one decode batch: fewer compiles
 # the engine every tiny_llm starts from: float32, pages of 16 tokens, 8 rows, one batch bucket
 TINY_ENGINE = dict(dtype="float32", max_model_len=256, page_size=16, num_pages=96, max_num_seqs=8,
                    max_num_batched_tokens=128, kernels="batch_buckets=8,token_buckets=32:128")

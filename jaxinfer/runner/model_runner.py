@@ -132,14 +132,16 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """vLLM's ``sleep``: the KV pool deleted (its pages' K/V lost) and the weights let go
         (their device memory freed unless the caller still holds them, e.g. `LLM.from_params`'
-        tree); level 1 copies them to host memory first (`wake_up` puts them back), level 2
+        tree); level 1 copies them to pinned host memory first (`wake_up` puts them back), level 2
         keeps none (`update_params` after `wake_up`). Asleep already: nothing. ValueError:
         another level."""
         if level not in (1, 2):
             raise ValueError(f"sleep(level={level!r}): 1 (weights kept in host memory) or 2 "
                              "(weights discarded)")
         if not self.sleeping:
-            self._host_params = jax.tree.map(np.array, self.params) if level == 1 else None
+            self._host_params = jax.device_put(self.params, jax.tree.map(
+                lambda a: a.sharding.with_memory_kind("pinned_host"), self.params)) \
+                if level == 1 else None
             self.params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
                 a.shape, a.dtype, sharding=a.sharding), self.params)
             for a in jax.tree.leaves(self.kv):
@@ -153,8 +155,8 @@ class ModelRunner:
         if bad := tags - {"weights", "kv_cache"}:
             raise ValueError(f"wake_up tags {sorted(bad)}: allowed 'weights', 'kv_cache'")
         if "weights" in tags and self._host_params is not None:
-            self.params = jax.tree.map(lambda h, a: jax.device_put(h, a.sharding),
-                                       self._host_params, self.params)
+            self.params = jax.device_put(self._host_params,
+                                         jax.tree.map(lambda a: a.sharding, self.params))
             self._host_params = None
         if "kv_cache" in tags and self.kv.k.is_deleted():
             self.kv = self._new_kv()

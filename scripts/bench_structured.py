@@ -73,14 +73,16 @@ def mask_times(manager, tokenizer, batch: int, schema: dict) -> np.ndarray:
 
 def step_time(eng, so, args) -> tuple[float, float]:
     """Mean wall seconds of `LLMEngine.step` in steady decode of ``args.batch`` rows, and the
-    fraction of those steps launched while the previous one was in flight."""
-    from jaxinfer.sampling_params import SamplingParams
+    fraction of those steps launched while the previous one was in flight. Outputs are
+    FINAL_ONLY, as `LLM.generate` asks (no per-step `RequestOutput`s)."""
+    from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 
     rng, warm = np.random.default_rng(0), 8
     for _ in range(args.batch):
         eng.add_request(rng.integers(100, 10000, args.context - warm - args.steps - 4).tolist(),
                         SamplingParams(temperature=0.0, max_tokens=warm + args.steps + 2,
-                                       ignore_eos=True, structured_outputs=so))
+                                       ignore_eos=True, structured_outputs=so,
+                                       output_kind=RequestOutputKind.FINAL_ONLY))
     while eng.scheduler.num_waiting or eng.scheduler.prefilling is not None:
         eng.step()
     for _ in range(warm):  # compile and warm the decode shape

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator
 
-from checkpoints_tools import gguf_loader, orbax_io
+from checkpoints_tools import gguf_cache, gguf_loader, orbax_io
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -68,10 +68,13 @@ class Checkpoint:
 
 
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
-    """The `Checkpoint` of ``path`` (config, EOS ids; no tensors). FileNotFoundError: a needed file
+    """The `Checkpoint` of ``path`` (config, EOS ids; no tensors; a GGUF file converted before:
+    its "hf" `gguf_cache` entry). FileNotFoundError: a needed file
     (named); ValueError: unsupported format, unreadable file, bad JSON or GGUF metadata."""
     p = os.fspath(path)
     fmt = detect_format(p)
+    if fmt == "gguf" and (cached := gguf_cache.lookup(p)) is not None:
+        return open_checkpoint(cached)  # `gguf_cache`: an HF directory converted before
     if fmt == "gguf":
         reader = gguf_loader.open_gguf(p)
         return Checkpoint(p, fmt, gguf_loader.gguf_hf_config(reader),

@@ -89,7 +89,7 @@ class LLM(Prompts):
         loaded = loading.load_model(ckpt, resolved.dtype, with_tokenizer=not skip_tokenizer_init,
                                     tokenizer=tokenizer, quantization=resolved.quantization,
                                     on_host=ec.tensor_parallel_size > 1)  # tp > 1: engine shards
-        self.model_path, self.tokenizer = ckpt.path, loaded.tokenizer
+        self.model_path, self.tokenizer = os.fspath(path), loaded.tokenizer
         runner = ModelRunner(loaded.config, loaded.params,
                              dataclasses.replace(resolved, model=loaded.config))
         self.engine = LLMEngine(runner, eos_token_ids=loaded.eos_token_ids,

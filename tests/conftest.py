@@ -22,6 +22,8 @@ from tiny_model import (SMOLLM_ENGINE, TINY, TINY_ENGINE, tiny_params_of, tiny_t
                         tiny_tokenizer)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# tests read the GGUF itself, not a converted copy from an earlier run (test_gguf_cache turns it on)
+os.environ.setdefault("JAXINFER_GGUF_CACHE", "0")
 
 # XLA:CPU compile time dominates the CPU suite (the 30 unrolled layers of SmolLM2, kernels in
 # interpret mode); LLVM's optimisation passes are most of it and buy nothing on these small shapes.

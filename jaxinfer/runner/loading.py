@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-from checkpoints_tools import orbax_io
+from checkpoints_tools import gguf_cache, orbax_io
 from checkpoints_tools.loader import Checkpoint, hf_tensors, load_tokenizer, open_checkpoint
 from checkpoints_tools.mapping import TensorSource, hf_tensors_to_params
 from jaxinfer.config import ModelConfig
@@ -72,9 +72,12 @@ def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
     format or architecture (before any tokenizer is built), bad tensors, or no tokenizer."""
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = ModelConfig.from_checkpoint(ckpt)
-    tokenizer = None if not with_tokenizer else load_tokenizer(ckpt) if tokenizer is None else \
+    own = tokenizer is None  # the checkpoint's own
+    tokenizer = None if not with_tokenizer else load_tokenizer(ckpt) if own else \
         load_tokenizer(tokenizer, "gguf" if str(tokenizer).endswith(".gguf") else "hf")
     cfg, params = load_params(ckpt, dtype, cfg, on_host, quantization)
+    if ckpt.format == "gguf" and own and tokenizer is not None:
+        gguf_cache.store(ckpt, tokenizer)  # the next open skips the GGUF's metadata and tokenizer
     groups = ((tokenizer.eos_token_id,) if tokenizer is not None else (),
               ckpt.generation_eos_ids, cfg.eos_token_ids)
     eos = tuple(dict.fromkeys(int(t) for g in groups for t in g if t is not None))

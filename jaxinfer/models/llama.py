@@ -1,8 +1,8 @@
 """Llama (2/3/3.x, SmolLM2, ...) and Qwen3 (the Llama trunk plus a per-head RMSNorm of q and k,
 ``cfg.qk_norm``) over the paged KV cache; the modules declare `config.weights`' tree (`MODEL` in
 `LlamaForCausalLM`, `LAYER` per `DecoderLayer`; ``lm_head`` for init only). The L layers are
-unrolled, layer i writing the pools at static index i. Sources: HF ``modeling_llama.py``,
-``modeling_qwen3.py``; the Llama 2, Llama 3 and Qwen3 reports."""
+unrolled, each a call of one jitted `decoder_layer` with its index as an argument (traced once).
+Sources: HF ``modeling_llama.py``, ``modeling_qwen3.py``; the Llama 2, Llama 3 and Qwen3 reports."""
 
 import functools
 from typing import Any
@@ -21,12 +21,12 @@ from jaxinfer.models.layers import (Packing, StepContext, add_rms_norm, attend, 
 
 def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: StepContext,
                     wq: jax.Array | None, wk: jax.Array | None, *, kernels: ModelKernels,
-                    layer: int, num_heads: int, num_kv_heads: int,
+                    layer: jax.Array, num_heads: int, num_kv_heads: int,
                     eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Everything between the qkv and output GEMMs on N = ``num_heads`` query and K =
     ``num_kv_heads`` KV heads (one device's under tensor parallelism): qkv [B, T, (N+2K)*H]
     (`fused_parts`) -> per-head RMSNorm of q and k (``wq``, ``wk`` [H], or None), RoPE, K/V written
-    into pools [L, P, K, page_size, H] at ``layer`` (a Python int) -> ``kernels.attention`` on q
+    into pools [L, P, K, page_size, H] at ``layer`` (i32[]) -> ``kernels.attention`` on q
     [B, T, N, H]. Returns (o [B, T, N, H], k_pool, v_pool)."""
     B, T, _ = qkv.shape
     N, K, H = num_heads, num_kv_heads, k_pool.shape[-1]
@@ -47,7 +47,7 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
     return o, k_pool, v_pool
 
 
-def attention(x: jax.Array, w: dict, layer: int, k_pool: jax.Array, v_pool: jax.Array,
+def attention(x: jax.Array, w: dict, layer: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
               ctx: StepContext, *, cfg, kernels: ModelKernels
               ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D] @ ``w["wqkv"]`` -> `attention_heads` (RMSNorm weights ``w["q_norm"]``,
@@ -80,22 +80,36 @@ class _Module(nn.Module):
     quantization: str | None = None
 
 
+def decoder_layer(w: dict, x: jax.Array, pending: jax.Array | None, layer: jax.Array,
+                  k_pool: jax.Array, v_pool: jax.Array, ctx: StepContext, *, cfg,
+                  kernels: ModelKernels) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Pre-norm layer ``layer`` (i32[]) with weights ``w`` (`LAYER`'s), ``x += attn(attn_norm(x));
+    x += mlp(mlp_norm(x))``, each residual add done with the next norm (`add_rms_norm`): ``(x [B,
+    T, D], pending, ...) -> (x, pending, k_pool, v_pool)``; ``pending``: the MLP output not yet
+    added (None into layer 0)."""
+    norm = functools.partial(add_rms_norm, eps=cfg.rms_norm_eps)
+    x, h = norm(x, pending, w["attn_norm"])
+    a, k_pool, v_pool = attention(h, w, layer, k_pool, v_pool, ctx, cfg=cfg, kernels=kernels)
+    x, h = norm(x, a, w["mlp_norm"])
+    return x, mlp(h, w["w_gate_up"], w["w_down"], kernels.tp), k_pool, v_pool
+
+
+# one trace per step shape for all L layers (the layer index is an argument): the step's tracing
+# time does not grow with L; XLA inlines the call, so the compiled step is the unrolled one
+_decoder_layer = jax.jit(decoder_layer, static_argnames=("cfg", "kernels"))
+
+
 class DecoderLayer(_Module):
-    """Pre-norm layer, ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, each residual add done
-    with the next norm (`add_rms_norm`): ``(x [B, T, D], pending, layer, k_pool, v_pool, ctx) -> (x,
-    pending, k_pool, v_pool)``; ``pending``: the MLP output not yet added (None into layer 0)."""
+    """`decoder_layer` over this module's weights: ``(x, pending, layer: int, k_pool, v_pool,
+    ctx) -> (x, pending, k_pool, v_pool)``."""
 
     @nn.compact
     def __call__(self, x: jax.Array, pending: jax.Array | None, layer: int, k_pool: jax.Array,
                  v_pool: jax.Array, ctx: StepContext
                  ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         w = {name: declare(self, name) for name in LAYER}              # the weight table's
-        norm = functools.partial(add_rms_norm, eps=self.cfg.rms_norm_eps)
-        x, h = norm(x, pending, w["attn_norm"])
-        a, k_pool, v_pool = attention(h, w, layer, k_pool, v_pool, ctx, cfg=self.cfg,
-                                      kernels=self.kernels)
-        x, h = norm(x, a, w["mlp_norm"])
-        return x, mlp(h, w["w_gate_up"], w["w_down"], self.kernels.tp), k_pool, v_pool
+        return _decoder_layer(w, x, pending, jnp.asarray(layer, jnp.int32), k_pool, v_pool, ctx,
+                              cfg=self.cfg, kernels=self.kernels)
 
 
 class Layers(_Module):

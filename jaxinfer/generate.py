@@ -46,8 +46,6 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(opt, action="store_true", help=help)
     p.add_argument("--verbose", action="store_true", help="print the seconds of each phase "
                    "(imports, load, compile, first token) on stderr")
-    p.add_argument("--memory-trace", default=None, metavar="FILE",
-                   help="write a CSV of weights / KV pool / pages in use / other bytes per step")
     return p
 
 
@@ -136,9 +134,6 @@ def _main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
 
     info = sys.stderr  # statistics beside the answers, never mixed into them
-    if args.memory_trace:
-        llm.engine.trace_memory = True
-        llm.engine.memory_snapshot()
     t0 = time.perf_counter()
     outs = llm.generate(inputs, params, use_tqdm=len(prompts) > 1 and not args.stream,
                         on_error="return", stream=print_delta if args.stream else None)
@@ -164,12 +159,6 @@ def _main(argv: list[str] | None = None) -> int:
               f"{llm.engine.stats().compile_s:.1f} s ({llm.engine.stats().num_compiles} shapes), "
               f"first token {first:.1f} s, total {time.perf_counter() - t_start:.1f} s "
               "(from the start of main)", file=info)
-    if args.memory_trace:
-        try:
-            llm.engine.memory.write_csv(args.memory_trace)
-        except OSError as e:
-            return fail(f"--memory-trace {args.memory_trace!r}: {e.strerror}")
-        print(f"memory: {llm.engine.memory.report()} (trace: {args.memory_trace})", file=info)
     return 2 if len(ok) < len(outs) else 0
 
 

@@ -1,4 +1,5 @@
-"""Tests for jaxinfer.config.memory (pool sizing, tracker) and scripts/plan_memory.py (plans, its CLI).
+"""Tests for jaxinfer.config.memory (pool sizing, tracker), scripts/plan_memory.py (plans, its CLI)
+and scripts/probes/memory_trace.py (the tracker's CSV and report).
 
 Every expected number is computed by hand here from published shapes / the seeds' example,
 independently of the code under test.
@@ -30,6 +31,7 @@ from jaxinfer.config.memory import (GIB, MemoryTracker, default_reserve_bytes, d
 PLANNER = load_script("plan_memory")
 MemoryPlan, PRESETS, plan_memory = PLANNER.MemoryPlan, PLANNER.PRESETS, PLANNER.plan_memory
 plan_main = PLANNER.main
+TRACE = load_script("probes/memory_trace")  # the tracker's CSV and report line
 
 QWEN3_8B = PRESETS["qwen3-8b"]
 
@@ -253,7 +255,7 @@ def test_memory_tracker_csv_round_trip(tmp_path):
     for i, (p, d) in enumerate(zip(pages, devs)):
         tr.snapshot(int(p), int(d) if i % 2 else None)
     path = tmp_path / "mem.csv"
-    tr.write_csv(path)
+    TRACE.write_csv(tr, path)
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0] == ["time_s", "pages_in_use", "weights_bytes", "kv_pool_bytes",
@@ -274,11 +276,11 @@ def test_memory_tracker_report_and_validation():
     plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096)
     tr = MemoryTracker(plan.weight_bytes, plan.page_bytes, plan.num_pages)
     assert tr.kv_pool_bytes == plan.kv_pool_bytes
-    assert "not measured" in tr.report()
+    assert "not measured" in TRACE.report(tr)
     used = 1234
     extra = 3 * GIB + 12345
     tr.snapshot(used, plan.weight_bytes + plan.kv_pool_bytes + extra)
-    line = tr.report()
+    line = TRACE.report(tr)
     assert "\n" not in line
     assert f"weights {plan.weight_bytes / GIB:,.2f} GiB" in line
     assert f"KV pool {plan.kv_pool_bytes / GIB:,.2f} GiB" in line

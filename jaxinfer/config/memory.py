@@ -2,7 +2,6 @@
 device under tensor parallelism, and a memory tracker; capacity plans: ``scripts/plan_memory.py``.
 Imports no JAX (`device_memory_stats` imports it when called)."""
 
-import csv
 import os
 import time
 from typing import Callable
@@ -92,14 +91,11 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
                          usable_bytes=usable, used_bytes=used, tp=tp)
 
 
-CSV_HEADER = ("time_s", "pages_in_use", "weights_bytes", "kv_pool_bytes", "kv_used_bytes",
-              "other_bytes")
-
-
 class MemoryTracker:
-    """Weights / KV pool / pages in use / other bytes over time (``--memory-trace FILE``): `rows`,
-    one tuple of `CSV_HEADER` per `snapshot`, bytes; ``time_s``: seconds since the tracker
-    started; ``other_bytes``: device bytes in use - weights - KV pool when measured, else 0.
+    """Weights / KV pool / pages in use / other bytes over time (scripts/probes/memory_trace.py):
+    `rows`, one (time_s, pages_in_use, weights, KV pool, KV used, other bytes) per `snapshot`;
+    ``time_s``: seconds since the tracker started; other: device bytes in use - weights - KV pool
+    when measured (``measured``: the last row's was), else 0.
     ``page_bytes``: one page of K and V, all layers; ``num_pages`` includes the null page;
     ``clock``: seconds (default ``time.monotonic``). Raises ValueError: a size out of range."""
 
@@ -111,7 +107,7 @@ class MemoryTracker:
         self.weights_bytes, self.page_bytes, self.num_pages = weights_bytes, page_bytes, num_pages
         self.kv_pool_bytes, self._clock = page_bytes * num_pages, clock or time.monotonic
         self._t0, self.rows = self._clock(), []
-        self._measured = False  # whether the last row's other_bytes was measured
+        self.measured = False
 
     def snapshot(self, pages_in_use: int, device_bytes_in_use: int | None = None) -> tuple:
         """Record and return one row. Raises ValueError: ``pages_in_use`` outside [0, num_pages]
@@ -119,25 +115,12 @@ class MemoryTracker:
         check_int("MemoryTracker.snapshot: pages_in_use", pages_in_use, 0, self.num_pages)
         if device_bytes_in_use is not None:
             check_int("MemoryTracker.snapshot: device_bytes_in_use", device_bytes_in_use, 0)
-        self._measured = device_bytes_in_use is not None
+        self.measured = device_bytes_in_use is not None
         self.rows.append((self._clock() - self._t0, pages_in_use, self.weights_bytes,
                           self.kv_pool_bytes, pages_in_use * self.page_bytes,
                           device_bytes_in_use - self.weights_bytes - self.kv_pool_bytes
-                          if self._measured else 0))
+                          if self.measured else 0))
         return self.rows[-1]
-
-    def write_csv(self, path: str | os.PathLike) -> None:
-        """All rows as CSV under the header `CSV_HEADER`."""
-        with open(path, "w", newline="") as f:
-            csv.writer(f).writerows([CSV_HEADER, *([f"{r[0]:.6f}", *r[1:]] for r in self.rows)])
-
-    def report(self) -> str:
-        """One line: weights / KV pool / pages in use / other, from the latest snapshot."""
-        _, used, _, _, used_bytes, other = self.rows[-1] if self.rows else (0.0, 0, 0, 0, 0, 0)
-        other = _gib(other) if self.rows and self._measured else "n/a (not measured)"
-        return (f"weights {_gib(self.weights_bytes)} | KV pool {_gib(self.kv_pool_bytes)} "
-                f"({self.num_pages:,} pages) | pages in use {used:,}/{self.num_pages:,}"
-                f" ({used / self.num_pages:.1%}, {_gib(used_bytes)}) | other {other}")
 
 
 def device_memory_stats(device=None) -> tuple[int, int] | None:

@@ -171,7 +171,7 @@ class BlockManager:
 
     def copy_free(self) -> BlockManager:
         """A block manager with this one's free and cached-unreferenced pages, none of its held
-        ones, and fresh stats (a dry run from now; `check` holds if none is held)."""
+        ones, and fresh stats (a dry run from now)."""
         bm = BlockManager(self.num_pages, self.page_size,
                           enable_prefix_caching=self.enable_prefix_caching)
         bm._free, bm._evictable = list(self._free), OrderedDict(self._evictable)
@@ -191,23 +191,6 @@ class BlockManager:
         self._cached.clear()
         self._pending.clear()
         return True
-
-    def check(self) -> dict[str, int]:
-        """{"free", "cached", "used"} page counts (cached: evictable, unreferenced), adding up to
-        `num_usable_pages`. Raises RuntimeError: a page in two states or none, a bad hash table."""
-        used = [p for p in range(self.num_pages) if self._holders[p]]
-        free, cached, key = set(self._free), set(self._evictable), self._key
-        errors = [what for bad, what in (
-            (sorted([*self._free, *cached, *used]) != list(range(1, self.num_pages)),
-             "a page is in two states or in none (pages 1..P-1)"),
-            (any(key[p] is not None for p in free) or any(key[p] is None for p in cached),
-             "a free page has a hash or an evictable page has none"),
-            ({p: k[0] for p, k in enumerate(key) if k} != {p: h for h, p in self._cached.items()},
-             "the hash table and the pages' hashes differ")) if bad]
-        if errors:
-            raise RuntimeError(f"BlockManager.check: {'; '.join(errors)} (free={sorted(free)}, "
-                               f"cached={sorted(cached)}, used={used})")
-        return {"free": len(free), "cached": len(cached), "used": len(used)}
 
 
 def _chain(parent: bytes, tokens) -> bytes:

@@ -4,12 +4,12 @@ the limit. Host side, no JAX."""
 
 import contextlib
 import itertools
+import time
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jaxinfer.serve import protocol as P
 from jaxinfer.serve.chat import ServingChat
 from jaxinfer.serve.completions import ServingCompletion
 from jaxinfer.serve.errors import APIError, add_exception_handlers
@@ -56,8 +56,9 @@ def create_app(client, *, served_model_name: str | None = None, api_key: str | N
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def models() -> P.ModelList:
-        return P.ModelList(data=[P.ModelCard(id=name, max_model_len=client.info["max_model_len"])])
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(
+            time.time()), "owned_by": "jaxinfer", "max_model_len": client.info["max_model_len"]}]}
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
     app.state.client, app.state.metrics = client, metrics

@@ -7,20 +7,22 @@ import json
 import uuid
 
 from fastapi import Request
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from jaxinfer.serve import protocol as P
 from jaxinfer.serve.completions import OpenAIServing
 from jaxinfer.serve.errors import APIError
 
 
-def _call(name: str | None, arguments: str, index: int | None = None) -> P.ToolCall:
-    return P.ToolCall(index=index, id=name and f"call_{uuid.uuid4().hex[:24]}",
-                      type=name and "function", function=P.FunctionCall(name=name,
-                                                                        arguments=arguments))
+def _call(name: str | None, arguments: str, index: int | None = None) -> dict:
+    """A tool call; streamed: ``index``, and ``id``, ``type``, ``name`` in the first delta only."""
+    call = dict(id=name and f"call_{uuid.uuid4().hex[:24]}", type=name and "function",
+                function=dict(name=name, arguments=arguments))
+    return call if index is None else dict(call, index=index)
 
 
 class ServingChat(OpenAIServing):
-    prefix, Response, Chunk = "chatcmpl", P.ChatCompletionResponse, P.ChatCompletionChunk
+    prefix, Response, Chunk = "chatcmpl", ChatCompletion, ChatCompletionChunk
 
     async def create(self, body: P.ChatCompletionRequest, request: Request):
         if body.top_logprobs is not None and not body.logprobs:
@@ -36,22 +38,22 @@ class ServingChat(OpenAIServing):
         prompts = await self.encode(lambda: {"prompt_token_ids": chat(msgs, tools)}, sp, "messages")
         return await self.respond(request, body, prompts, sp, "messages")
 
-    def opening(self, n: int) -> list[P.ChatStreamChoice]:
-        return [P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
-                for i in range(n)]
+    def opening(self, n: int) -> list[dict]:
+        return [dict(index=i, delta=dict(role="assistant", content=""), logprobs=None,
+                     finish_reason=None) for i in range(n)]
 
     def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False,
                body=None):
-        lps, tool, reason = P.ChatLogprobs.of(out, k), body.tool_choice, out.finish_reason
-        msg = P.DeltaMessage(role=None if stream else "assistant", content=out.text)
+        tool, reason = body.tool_choice, out.finish_reason
+        msg = dict(role=None if stream else "assistant", content=out.text, tool_calls=None)
         if isinstance(tool, P.Tool):  # one named function: the text is its arguments
             name = None if offset else tool.function.name
-            msg.content, msg.tool_calls = None, [_call(name, out.text, 0 if stream else None)]
+            msg.update(content=None, tool_calls=[_call(name, out.text, 0 if stream else None)])
         elif tool == "required" and reason == "stop" and out.stop_reason is None:  # on EOS
-            msg.content, reason = None, "tool_calls"
-            msg.tool_calls = [_call(c["name"], json.dumps(c["parameters"]))
-                              for c in json.loads(out.text)]
+            reason = "tool_calls"
+            msg.update(content=None, tool_calls=[_call(c["name"], json.dumps(c["parameters"]))
+                                                 for c in json.loads(out.text)])
+        choice = dict(index=index, logprobs=P.chat_logprobs(out, k), finish_reason=reason)
         if stream:
-            return P.ChatStreamChoice(index=index, delta=msg, logprobs=lps, finish_reason=reason)
-        return P.ChatChoice(index=index, message=msg, logprobs=lps, finish_reason=reason,
-                            stop_reason=out.stop_reason)
+            return dict(choice, delta=msg)
+        return dict(choice, message=msg, stop_reason=out.stop_reason)

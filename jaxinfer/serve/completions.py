@@ -3,9 +3,12 @@ prompt i; and `OpenAIServing`, what the endpoints share (vLLM's ``serving_engine
 
 import asyncio
 import json
+import time
+import typing
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
+from openai.types import Completion, CompletionUsage
 from starlette.concurrency import run_in_threadpool
 
 from jaxinfer.outputs import RequestOutput
@@ -16,9 +19,10 @@ from jaxinfer.serve.errors import APIError
 class OpenAIServing:
     """An endpoint over ``client`` (an `EngineCoreClient`) serving ``model_name``: checks,
     `SamplingParams`, choices and usage, streamed (server-sent events) or not; ``ids``: the shared
-    response-id counter. Subclasses set ``prefix`` (of ids), ``Response``, ``Chunk`` and define
-    ``choice(index, out, k, offset=0, stream=False, body=None)``: a `CompletionOutput` (streamed:
-    what is new) with its top-``k`` logprobs, ``offset`` characters of its text already sent."""
+    response-id counter. Subclasses set ``prefix`` (of ids), ``Response``, ``Chunk`` (the
+    ``openai`` package's types) and define ``choice(index, out, k, offset=0, stream=False,
+    body=None)``: a dict of a `CompletionOutput` (streamed: what is new) with its top-``k``
+    logprobs, ``offset`` characters of its text already sent."""
 
     prefix: str
 
@@ -61,15 +65,23 @@ class OpenAIServing:
         if body.stream:
             return StreamingResponse(self._chunks(rid, events, sp, body),
                                      media_type="text/event-stream")
-        choices, usage = [], P.UsageInfo()
+        choices, usage = [], _usage()
         async for p, out in events:
             if isinstance(out, APIError):
                 raise out
             _count(usage, out)
             choices += [self.choice(p * sp.n + c.index, c, sp.logprobs, body=body)
                         for c in out.outputs]
-        return self.Response(id=rid, model=self.model_name, usage=usage,
-                             choices=sorted(choices, key=lambda c: c.index))
+        return Response(self.dump(self.Response, rid, sorted(choices, key=lambda c: c["index"]),
+                                  usage), media_type="application/json")
+
+    def dump(self, cls, rid: str, choices: list[dict], usage=None) -> str:
+        """A response or chunk as ``cls`` (built unvalidated: vLLM's finish reasons and
+        ``stop_reason`` pass) in JSON, the fields set only."""
+        obj = typing.get_args(cls.model_fields["object"].annotation)[0]
+        return cls.model_construct(id=rid, object=obj, created=int(time.time()), choices=choices,
+                                   model=self.model_name, usage=usage).model_dump_json(
+                                       exclude_unset=True)
 
     async def _events(self, request: Request, rids: dict[str, int], sink: asyncio.Queue):
         """Yield ``(prompt index, event)`` until all finish; abort the rest if the client leaves."""
@@ -90,12 +102,11 @@ class OpenAIServing:
 
     async def _chunks(self, rid: str, events, sp, body):
         def chunk(choices, usage=None) -> str:
-            c = self.Chunk(id=rid, model=self.model_name, choices=choices, usage=usage)
-            return f"data: {c.model_dump_json()}\n\n"
+            return f"data: {self.dump(self.Chunk, rid, choices, usage)}\n\n"
 
         if opening := self.opening(sp.n):
             yield chunk(opening)
-        usage, offsets = P.UsageInfo(), {}
+        usage, offsets = _usage(), {}
         async for p, ev in events:
             if isinstance(ev, APIError):
                 yield f"data: {json.dumps(ev.body())}\n\n"
@@ -110,14 +121,18 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
-def _count(usage: P.UsageInfo, out: RequestOutput, prompt: bool = True) -> None:
+def _usage() -> CompletionUsage:
+    return CompletionUsage.model_construct(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+
+
+def _count(usage: CompletionUsage, out: RequestOutput, prompt: bool = True) -> None:
     usage.prompt_tokens += len(out.prompt_token_ids) if prompt else 0
     usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
     usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
 
 
 class ServingCompletion(OpenAIServing):
-    prefix, Response, Chunk = "cmpl", P.CompletionResponse, P.CompletionResponse
+    prefix, Response, Chunk = "cmpl", Completion, Completion
 
     async def create(self, body: P.CompletionRequest, request: Request):
         for field, bad in (("echo", body.echo), ("suffix", body.suffix is not None),
@@ -132,7 +147,5 @@ class ServingCompletion(OpenAIServing):
 
     def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False,
                body=None):
-        return P.CompletionChoice(index=index, text=out.text,
-                                  logprobs=P.CompletionLogprobs.of(out, k, offset),
-                                  finish_reason=out.finish_reason,
-                                  stop_reason=out.stop_reason)
+        return dict(index=index, text=out.text, logprobs=P.completion_logprobs(out, k, offset),
+                    finish_reason=out.finish_reason, stop_reason=out.stop_reason)

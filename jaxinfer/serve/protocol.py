@@ -1,11 +1,11 @@
-"""Request and response bodies of the OpenAI API (pydantic; OpenAI's and vLLM's ``protocol.py``
-field names and defaults), logprobs from `Logprob` records. Host side, no JAX."""
+"""Request bodies of the OpenAI API (pydantic; OpenAI's and vLLM's ``protocol.py`` field names and
+defaults) and logprobs from `Logprob` records; responses are the ``openai`` package's types. Host
+side, no JAX."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -148,131 +148,24 @@ class ChatCompletionRequest(_Sampling):
         return super().structured() if schema is None else StructuredOutputsParams(json=schema)
 
 
-class UsageInfo(BaseModel):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    total_tokens: int = 0
+def completion_logprobs(out, k: int | None, offset: int = 0) -> dict | None:
+    """``out``'s top-``k`` logprobs in OpenAI's completions shape, text from ``offset``; None: not
+    asked."""
+    if k is None or out.logprobs is None:
+        return None
+    rows = out.top_logprobs(k)
+    return dict(text_offset=list(itertools.accumulate((len(s) for s, *_ in rows[:-1]),
+                                                      initial=offset))[:len(rows)],
+                tokens=[s for s, *_ in rows], token_logprobs=[lp for _, lp, _ in rows],
+                top_logprobs=[dict(top) for *_, top in rows])
 
 
-class CompletionLogprobs(BaseModel):
-    text_offset: list[int] = []
-    token_logprobs: list[float | None] = []
-    tokens: list[str] = []
-    top_logprobs: list[dict[str, float] | None] = []
+def chat_logprobs(out, k: int | None) -> dict | None:
+    """As `completion_logprobs`, in the chat endpoint's shape."""
+    if k is None or out.logprobs is None:
+        return None
 
-    @classmethod
-    def of(cls, out, k: int | None, offset: int = 0) -> CompletionLogprobs | None:
-        """``out``'s top-``k`` logprobs, text from ``offset``; None: not asked."""
-        if k is None or out.logprobs is None:
-            return None
-        rows = out.top_logprobs(k)
-        return cls(text_offset=list(itertools.accumulate((len(s) for s, *_ in rows[:-1]),
-                                                         initial=offset))[:len(rows)],
-                   tokens=[s for s, *_ in rows], token_logprobs=[lp for _, lp, _ in rows],
-                   top_logprobs=[dict(top) for *_, top in rows])
-
-
-class CompletionChoice(BaseModel):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = []
-
-
-class ChatLogprobs(BaseModel):
-    content: list[ChatTokenLogprob] | None = None
-
-    @classmethod
-    def of(cls, out, k: int | None) -> ChatLogprobs | None:
-        """As `CompletionLogprobs.of`, in the chat endpoint's shape."""
-        if k is None or out.logprobs is None:
-            return None
-
-        def entry(s: str, lp: float, kind=TopLogprob, **kw):
-            return kind(token=s, logprob=lp, bytes=list(s.encode("utf-8", "replace")), **kw)
-        return cls(content=[entry(s, lp, ChatTokenLogprob, top_logprobs=[entry(*x) for x in top])
-                            for s, lp, top in out.top_logprobs(k)])
-
-
-class FunctionCall(BaseModel):
-    name: str | None = None
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    """OpenAI's tool call; in a streamed delta ``index``, and ``id``, ``name`` first only."""
-
-    index: int | None = None
-    id: str | None = None
-    type: Literal["function"] | None = "function"
-    function: FunctionCall
-
-
-class DeltaMessage(BaseModel):
-    role: str | None = None
-    content: str | None = None
-    tool_calls: list[ToolCall] | None = None
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatStreamChoice(BaseModel):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class _Response(BaseModel):
-    id: str
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    usage: UsageInfo | None = None
-
-
-class CompletionResponse(_Response):
-    """A completion, or one streamed chunk of it (OpenAI uses the same object)."""
-
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class ChatCompletionResponse(_Response):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class ChatCompletionChunk(_Response):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatStreamChoice]
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    owned_by: str = "jaxinfer"
-    max_model_len: int | None = None
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
+    def entry(s: str, lp: float, **kw) -> dict:
+        return dict(token=s, logprob=lp, bytes=list(s.encode("utf-8", "replace")), **kw)
+    return {"content": [entry(s, lp, top_logprobs=[entry(*x) for x in top])
+                        for s, lp, top in out.top_logprobs(k)]}

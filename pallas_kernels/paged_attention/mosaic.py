@@ -182,10 +182,8 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
     plgpu.barrier_wait(off_bar)
     layer_off = off_smem[0]
     seq_len = tbl_smem[0, 0]
-    if geo.sliding_window is None:
-        lo_pos = jnp.int32(0)
-    else:
-        lo_pos = jnp.maximum(seq_len - geo.sliding_window, 0)
+    lo_pos = (jnp.int32(0) if geo.sliding_window is None
+              else jnp.maximum(seq_len - geo.sliding_window, 0))
     first_blk = lax.div(lo_pos, bk)
     n_blk = lax.div(seq_len + (bk - 1), bk) - first_blk
     per_split = lax.div(n_blk + (geo.num_splits - 1), geo.num_splits)
@@ -287,9 +285,7 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
     if q.ndim != 3:
         raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
     B, N, H = q.shape
-    bk = cfg.block_kv
-    allowed = [jnp.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32)]
-    allowed = allowed if interpret else allowed[:2]
+    allowed = [jnp.dtype(d) for d in ("bfloat16", "float16", "float32")[:2 + bool(interpret)]]
     po_shape = getattr(page_offset, "shape", None)
     raise_first([
             (not jnp.issubdtype(q.dtype, jnp.floating),
@@ -302,8 +298,8 @@ def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig
              "float32 P.V path)"),
             (H % 64, f"head dim H={H} must be a multiple of 64"),
             (page_size % 8, f"page_size={page_size} must be a multiple of 8"),
-            (bk % page_size and page_size % bk,
-             f"block_kv={bk} and page_size={page_size}: one must divide the other"),
+            (cfg.block_kv % page_size and page_size % cfg.block_kv,
+             f"block_kv={cfg.block_kv} and page_size={page_size}: one must divide the other"),
             (page_offset is not None and (po_shape != (_OFFSET_COLS,)
                                           or page_offset.dtype != jnp.int32),
              f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got "

@@ -9,11 +9,13 @@ import sys
 import pytest
 
 ENV = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
+MEMORY_TRACE = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "probes",
+                            "memory_trace.py")  # generate's CLI with a memory trace
 
 
-def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "jaxinfer.generate", *args], capture_output=True,
-                          text=True, env=ENV, timeout=timeout)
+def run_cli(*args, timeout=600, cmd=("-m", "jaxinfer.generate")):
+    return subprocess.run([sys.executable, *cmd, *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout)
 
 
 def run_main(capsys, *args):
@@ -55,12 +57,12 @@ def test_json_prompts_file_and_bad_prompt_in_batch(shared_llm, capsys, tmp_path)
 
 def test_default_model_chat_stream_answers_paris(tmp_path, smollm_cli_args):
     trace = tmp_path / "mem.csv"
-    r = run_cli("--chat", "--prompt", "What is the capital of France?", "--max-tokens", "16",
-                "--stream", *smollm_cli_args, "--memory-trace", str(trace))
+    r = run_cli(str(trace), "--chat", "--prompt", "What is the capital of France?", "--max-tokens",
+                "16", "--stream", *smollm_cli_args, cmd=[MEMORY_TRACE])
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "generated tokens:" in r.stderr and "TTFT" in r.stderr and "TTFT" not in r.stdout
-    # the memory trace: a header, one row before generation and one per step; pages were used
+    # the probe's memory trace: a header, one row before generation and one per step; pages used
     rows = list(csv.DictReader(trace.open()))
     assert len(rows) >= 3
     assert int(rows[0]["pages_in_use"]) == 0

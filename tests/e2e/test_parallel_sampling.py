@@ -10,6 +10,7 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.engine.llm_engine import sample_seed
+from tests.engine.pages import check_pages
 
 from .conftest import PAGE_SIZE as P
 from .test_prefix_cache_e2e import TEXT, pool
@@ -82,7 +83,7 @@ def test_prompt_pages_held_once(llm, prompt):
             eng.step()
             if tables is None and all(s.block_table for s in seqs):
                 tables = [list(s.block_table) for s in seqs]
-                used = bm.check()["used"]
+                used = check_pages(bm)["used"]
     full = len(prompt) // P                                # 2 full prompt pages, shared
     assert all(t[:full] == tables[0][:full] for t in tables)
     assert len({p for t in tables for p in t}) == used == full + 4 * (len(tables[0]) - full)

@@ -13,6 +13,7 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.engine.block_manager import BlockManager
+from tests.engine.pages import check_pages
 
 from .conftest import PAGE_SIZE as P
 
@@ -53,11 +54,11 @@ def run(llm, prompts, params, *, watch=None):
     seqs, done = {rid: eng.outputs.requests[rid].seqs for rid in rids}, {}
     while eng.has_unfinished():
         done.update((o.request_id, o) for o in eng.step() if o.finished)
-        c = bm.check()
+        c = check_pages(bm)
         assert c["free"] + c["cached"] + c["used"] == bm.num_usable_pages
         if watch:
             watch(seqs)
-    assert bm.check()["used"] == 0
+    assert check_pages(bm)["used"] == 0
     outs = [done[rid] for rid in rids]
     return ([list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs],
             [sum(s.num_preemptions for s in seqs[rid]) for rid in rids])

@@ -16,6 +16,7 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.sampling_params import SamplingParams
+from tests.engine.pages import check_pages
 from tests.engine.test_scheduler import VOCAB, fake_next_token, reference_generate
 
 
@@ -55,7 +56,7 @@ def accounting(sched):
     bm = sched.block_manager
     holders = list(sched.running) + ([sched.prefilling] if sched.prefilling else [])
     held = {p for s in holders for p in s.block_table}
-    counts = bm.check()
+    counts = check_pages(bm)
     assert counts["used"] == len(held) and 0 not in held
     assert counts["free"] + counts["cached"] + counts["used"] == bm.num_usable_pages
     assert bm.num_free_pages == counts["free"] + counts["cached"]
@@ -130,11 +131,11 @@ def test_publish_match_share_and_lru_eviction():
     assert bm.can_allocate(b, 10, [1, 2])
     assert bm.allocate(b, 10, [1, 2]) == [4]               # shares 1, 2; its own last page
     assert (bm.ref_count(1), bm.ref_count(2), bm.ref_count(3)) == (2, 2, 1)
-    assert bm.check() == {"free": 1, "cached": 0, "used": 4}
+    assert check_pages(bm) == {"free": 1, "cached": 0, "used": 4}
     bm.free(a)                                             # shared pages still held by b
-    assert bm.check() == {"free": 2, "cached": 0, "used": 3} and bm.owner(1) is b
+    assert check_pages(bm) == {"free": 2, "cached": 0, "used": 3} and bm.owner(1) is b
     bm.free(b)                                             # freed tail first: 2 then 1 evictable
-    assert bm.check() == {"free": 3, "cached": 2, "used": 0} and bm.num_free_pages == 5
+    assert check_pages(bm) == {"free": 3, "cached": 2, "used": 0} and bm.num_free_pages == 5
     assert bm.reset_prefix_cache() is True and bm.num_cached_pages == 0
     # LRU: never-cached pages go first, then the least recently freed cached page
     bm.allocate(a, 10, bm.match_prefix(a, 2)[0])           # no hits after the reset
@@ -144,7 +145,7 @@ def test_publish_match_share_and_lru_eviction():
     c = seq_of("c", toks(16, 2))
     assert bm.allocate(c, 16) == [3, 4, 5, 2]              # 3 free pages, then evicts page 2
     assert bm.match_prefix(a, 2) == ([1], False)           # page 0 still cached, page 1 gone
-    assert bm.check() == {"free": 0, "cached": 1, "used": 4}
+    assert check_pages(bm) == {"free": 0, "cached": 1, "used": 4}
 
 
 def test_hit_on_evictable_page_counts_against_free_pages():
@@ -161,7 +162,7 @@ def test_hit_on_evictable_page_counts_against_free_pages():
     assert bm.can_allocate(b, 6, hits) and not bm.can_allocate(b, 7, hits)
     with pytest.raises(RuntimeError, match="more pages"):
         bm.allocate(b, 7, hits)
-    assert bm.check() == {"free": 1, "cached": 2, "used": 0}   # nothing taken
+    assert check_pages(bm) == {"free": 1, "cached": 2, "used": 0}   # nothing taken
 
 
 def test_hash_collision_never_gives_wrong_pages(monkeypatch):
@@ -184,14 +185,14 @@ def test_reset_refused_while_pages_held_and_double_free():
     bm.free(a)
     with pytest.raises(RuntimeError, match="holds no pages"):
         bm.free(a)
-    assert bm.check() == {"free": 6, "cached": 1, "used": 0}
+    assert check_pages(bm) == {"free": 6, "cached": 1, "used": 0}
 
 
 def test_check_detects_a_corrupt_pool():
     bm = BlockManager(5, 2, enable_prefix_caching=True)
     bm._free.append(1)    # page 1 listed twice
     with pytest.raises(RuntimeError, match="two states"):
-        bm.check()
+        check_pages(bm)
 
 
 # ---------------------------------------------------------------- scheduler
@@ -342,7 +343,7 @@ def test_copy_free_plans_from_the_cache_of_now():
     assert not any(busy.ref_count(p) for p in range(30))
     bm.free(held)
     copy = bm.copy_free()
-    assert copy.check() == bm.check()
+    assert check_pages(copy) == check_pages(bm)
     want = [seq_of("b", system + [2]), seq_of("c", system[:P] + [3])]
 
     def batches(s):

@@ -135,9 +135,11 @@ class SamplingParams:
     to [-100, 100]. logprobs / prompt_logprobs k: the chosen token's raw log-probability and the top
     k (of the masked logits on constrained rows). structured_outputs: the output's grammar (ends on
     EOS, finish "stop"). detokenize False: ids, no text, no ``stop``. truncate_prompt_tokens k: keep
-    the last k prompt tokens (-1: max_model_len). extra_args: kept for the caller. bad_words,
-    allowed_token_ids, logits_processors: refused at submission unless empty. Mutable (vLLM's):
-    validated here and at each submission (`LLMEngine.check_request`). ValueError: a bad value."""
+    the last k prompt tokens (-1: max_model_len). extra_args: kept for the caller. allowed_token_ids
+    only these sampled; bad_words: never generated (`StructuredOutputManager.fill`, vLLM V1's);
+    logits_processors: JAX ``fn(output_token_ids, logits) -> logits`` (`runner.sampling`). Mutable
+    (vLLM's): validated here and at each submission (`LLMEngine.check_request`). ValueError: a bad
+    value."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -187,9 +189,9 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
-        """A penalty reads the row's previous tokens (the step waits for the last one)."""
+        """A penalty or a logits processor reads the row's tokens (the step waits for the last)."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+                or self.frequency_penalty != 0.0 or bool(self.logits_processors))
 
     @property
     def greedy(self) -> bool:

@@ -18,7 +18,8 @@ class ShapeKey(NamedTuple):
     none); logprobs: the top-k K returned per sampled row and prompt position (0: no
     log-probabilities); prompt_logprobs P prompt positions scored (0: none; needs K > 0);
     bitmask: W = ceil(V / 32) words per row of the allowed-token bitmask, set only when a sampled
-    row is constrained (0: none; unconstrained steps keep their keys)."""
+    row is constrained (0: none; unconstrained steps keep their keys); processors: the distinct
+    logits processors of the sampled rows, in order of first use (a new tuple compiles anew)."""
 
     batch: int
     tokens: int
@@ -30,6 +31,7 @@ class ShapeKey(NamedTuple):
     logprobs: int = 0
     prompt_logprobs: int = 0
     bitmask: int = 0
+    processors: tuple = ()
 
     packed = property(lambda self: self.query is not None)
 
@@ -37,7 +39,7 @@ class ShapeKey(NamedTuple):
         """Sizes of the shape letters (token arrays [Bt, T]: [B, T], or [1, Tp] packed)."""
         return dict(B=self.batch, Bt=1 if self.packed else self.batch, T=self.tokens,
                     M=self.pages, R=self.penalty, Q=self.query or 0, E=self.bias,
-                    P=self.prompt_logprobs, W=self.bitmask)
+                    P=self.prompt_logprobs, W=self.bitmask, J=len(self.processors))
 
 
 class Field(NamedTuple):
@@ -73,6 +75,7 @@ FIELDS = (
     Field("bias_ids", np.int32, ("B", "E"), "sampling", -1, "bias"),
     Field("bias_values", np.float32, ("B", "E"), "sampling", 0, "bias"),
     Field("bitmask", np.int32, ("B", "W"), "sampling", -1, "bitmask"),  # bit v%32 of [b, v//32]
+    Field("processor_rows", np.int32, ("B", "J"), "sampling", 0, "processors"),  # 1: row uses j
     Field("prompt_lp_index", np.int32, ("P",), "input", 0, "prompt_logprobs"),  # flat token
     Field("prompt_lp_next", np.int32, ("P",), "input", -1, "prompt_logprobs"),  # its next id
     Field("q_index", np.int32, ("B", "Q"), "packing", 0, "packed"),

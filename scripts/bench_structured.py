@@ -50,7 +50,8 @@ TINY = dict(architecture="qwen3", hidden_size=64, intermediate_size=128, num_lay
 
 def mask_times(manager, tokenizer, batch: int, schema: dict) -> np.ndarray:
     """Seconds of each step's `fill` of ``batch`` rows replaying valid documents of ``schema``."""
-    from jaxinfer.sampling_params import StructuredOutputsParams
+    from jaxinfer.engine.sequence import Sequence
+    from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
     so = StructuredOutputsParams(json=schema)
     docs = [tokenizer.encode(json.dumps([{"name": f"Name{i}{j}", "age": (i * 7 + j) % 150,
@@ -58,11 +59,13 @@ def mask_times(manager, tokenizer, batch: int, schema: dict) -> np.ndarray:
                                          for j in range(8)]), add_special_tokens=False)
             for i in range(batch)]
     matchers = [manager.matcher(so) for _ in docs]
+    rows = [(i, Sequence(str(i), [0], SamplingParams(), 0, matcher=m))
+            for i, m in enumerate(matchers)]
     bitmask = np.full((batch, manager.words), -1, np.int32)
     times = []
     for t in range(min(map(len, docs))):
         t0 = time.perf_counter()
-        manager.fill(bitmask, list(enumerate(matchers)))
+        manager.fill(bitmask, rows)
         times.append(time.perf_counter() - t0)
         for i, (doc, m) in enumerate(zip(docs, matchers)):
             assert bitmask[i, doc[t] // 32] >> (doc[t] % 32) & 1, "a valid token masked out"
@@ -119,7 +122,8 @@ def main() -> None:
     from jaxinfer.config import EngineConfig, ModelConfig, resolve
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.runner.model_runner import ModelRunner
-    from jaxinfer.sampling_params import StructuredOutputsParams
+    from jaxinfer.engine.sequence import Sequence
+    from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_decode import QWEN3_8B  # same directory
 

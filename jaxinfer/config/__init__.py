@@ -191,7 +191,9 @@ VLLM_ONLY = {  # name: (the values allowed, why no other)
     **{k: (("auto", "generate"), "jaxinfer runs generative models only (no pooling)")
        for k in ("task", "runner")},
     "pipeline_parallel_size": ((1,), "one pipeline stage (tensor_parallel_size splits a model)"),
-    "load_format": (("auto", "safetensors", "gguf"), "the format is read from the model path")}
+    "load_format": (("auto", "safetensors", "gguf"), "the format is read from the model path"),
+    "logits_processors": ((None, []), "vLLM V1's logits-processor classes are not supported; give"
+                          " SamplingParams(logits_processors=[JAX fn(output_token_ids, logits)])")}
 VLLM_NO_EFFECT = {  # name: (values that mean vLLM's default, why any other value changes nothing)
     "trust_remote_code": ((False,), "no model code is loaded (the architectures are built in)"),
     "swap_space": ((4,), "preempted requests are recomputed, never swapped to host memory"),

@@ -74,6 +74,8 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec, eos_token_id
             a["prompt_lens"][i] = s.num_prompt_tokens
             a["presence_penalty"][i], a["frequency_penalty"][i] = (p.presence_penalty,
                                                                    p.frequency_penalty)
+        if hb.key.processors:
+            a["processor_rows"][i] = [f in (p.logits_processors or ()) for f in hb.key.processors]
         if hb.key.bias and (entries := _bias(s, eos_token_ids)):
             a["bias_ids"][i, :len(entries)], a["bias_values"][i, :len(entries)] = zip(*entries)
         hb.sample_rows[i] = batch.do_sample[i]
@@ -101,8 +103,11 @@ def shape_key(batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(),
     extra = dict(bias=E and bucket(E, powers_of_two(8, 1 << 30)),
                  logprobs=0 if k < 0 else bucket(max(k, 1), LOGPROB_BUCKETS),
                  prompt_logprobs=P and bucket(P, token_buckets),
-                 bitmask=mask_words if any(s.params.structured_outputs and d for s, d in zip(
-                     seqs, batch.do_sample)) else 0)
+                 bitmask=mask_words if any(d and (s.params.structured_outputs or s.params.bad_words
+                                                  or s.params.allowed_token_ids)
+                                             for s, d in zip(seqs, batch.do_sample)) else 0,
+                 processors=tuple(dict.fromkeys(f for s, d in zip(seqs, batch.do_sample) if d
+                                                for f in s.params.logits_processors or ())))
     if max(nums) == 1:
         return ShapeKey(B, 1, M, R, None, greedy, **extra)
     Tp = bucket(sum(nums), token_buckets)

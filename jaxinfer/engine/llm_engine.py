@@ -75,17 +75,13 @@ class LLMEngine:
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams
                       ) -> tuple[list[int], SamplingParams]:
         """(the prompt's ids, its last ``truncate_prompt_tokens`` kept (-1: max_model_len); a copy
-        of ``params`` validated again: it is mutable). ValueError: a bad ``params`` value, a
-        non-empty bad_words, allowed_token_ids or logits_processors (not supported yet), logprobs
-        above ``EngineConfig.max_logprobs``, a token id outside [0, V), an invalid
-        ``structured_outputs`` (`StructuredOutputManager.matcher`), not `check_admissible`."""
+        of ``params`` validated again: it is mutable). ValueError: a bad ``params`` value,
+        logprobs above ``EngineConfig.max_logprobs``, a token id outside [0, V), as
+        `StructuredOutputManager.token_rules`, `ModelRunner.check_logits_processor` or
+        `StructuredOutputManager.matcher`, not `check_admissible`."""
         params = dataclasses.replace(params)  # SamplingParams.__post_init__ checks the copy
         if (k := params.truncate_prompt_tokens) is not None:
             prompt_token_ids = prompt_token_ids[-(self.max_model_len if k == -1 else k):]
-        if name := next((n for n in ("bad_words", "allowed_token_ids", "logits_processors")
-                         if getattr(params, n)), None):
-            raise ValueError(f"SamplingParams.{name}={getattr(params, name)!r} is not supported "
-                             "yet; leave it None")
         if (k := max(params.logprobs or 0, params.prompt_logprobs or 0)) > (
                 m := self.resolved.engine.max_logprobs):
             raise ValueError(f"{k} log-probabilities per token requested; this engine gives at "
@@ -93,10 +89,15 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         for ids, what in ((prompt_token_ids, "prompt token id {} is"),
                           (params.stop_token_ids, "SamplingParams.stop_token_ids contains {},"),
-                          (params.logit_bias, "SamplingParams.logit_bias has token id {},")):
+                          (params.logit_bias, "SamplingParams.logit_bias has token id {},"),
+                          (params.allowed_token_ids or (),
+                           "SamplingParams.allowed_token_ids contains {},")):
             if bad := [t for t in ids if not 0 <= int(t) < vocab]:
                 raise ValueError(what.format(bad[0]) + f" out of range: ids must be in [0, {vocab})")
         self.scheduler.check_admissible(len(prompt_token_ids), params)
+        self.structured.token_rules(params)
+        for fn in params.logits_processors or ():
+            self.runner.check_logits_processor(fn)
         if params.structured_outputs is not None:
             self.structured.matcher(params.structured_outputs)
         return prompt_token_ids, params
@@ -118,7 +119,8 @@ class LLMEngine:
         max_tokens, so = params.max_tokens or self.max_model_len - len(ids), params.structured_outputs
         seqs = [Sequence(request_id=rid if params.n == 1 else f"{i}_{rid}", prompt_token_ids=ids,
                          params=params, seed=sample_seed(seed, i), index=i, parent_id=rid,
-                         max_tokens=max_tokens, matcher=so and self.structured.matcher(so))
+                         max_tokens=max_tokens, matcher=so and self.structured.matcher(so),
+                         rules=self.structured.token_rules(params))
                 for i in range(params.n)]
         for i, seq in enumerate(seqs):
             try:
@@ -218,13 +220,12 @@ class LLMEngine:
         return self.runner.execute(hb, prev_handle), hb
 
     def _sample(self, done: Launched) -> None:
-        """`StepLoop`'s sample: a constrained step's masks (grammars advanced by the step read
-        back; rows finished since: none, tokens discarded), then its sampling (sync: the step)."""
+        """`StepLoop`'s sample: a constrained step's masks (`StructuredOutputManager.fill` after the
+        step read back; rows finished since: none, tokens discarded), then its sampling."""
         (handle, hb), batch = done.handle, done.batch
         if hb.key.bitmask:
-            self.structured.fill(hb.bitmask, [(i, s.matcher) for i, s in enumerate(batch.seqs)
-                                              if s.matcher is not None and hb.sample_rows[i]
-                                              and not s.is_finished])
+            self.structured.fill(hb.bitmask, [(i, s) for i, s in enumerate(batch.seqs)
+                                              if hb.sample_rows[i] and not s.is_finished])
             done.handle = (self.runner.execute(hb) if handle is None
                            else self.runner.execute_sample(handle, hb)), hb
 

@@ -21,7 +21,8 @@ class Sequence:
     num_computed_tokens: K/V written or in flight; num_cached_tokens: prefix-cache hits at
     admission; num_pending_tokens: sampled, not read back (0-2); logprobs: per output token {id:
     (logprob, rank)} (None: not asked); prompt_logprobs: per prompt position (first None);
-    matcher: a constrained sample's grammar (kept on preemption, as the outputs are)."""
+    matcher, rules: a constrained sample's grammar, `StructuredOutputManager.token_rules` (kept
+    on preemption, as the outputs are)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -48,6 +49,7 @@ class Sequence:
     prompt_logprobs: list | None = field(default=None, kw_only=True)
     cumulative_logprob: float | None = field(default=None, kw_only=True)
     matcher: object = field(default=None, kw_only=True)
+    rules: tuple | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):

@@ -8,6 +8,8 @@ sampler, as vLLM). Steps without a constrained row stay fused, their keys unchan
 import collections
 import threading
 
+import numpy as np
+
 _FORMATS = {"json": "json_schema", "json_object": "json_schema"}  # else llguidance's own name
 
 
@@ -58,19 +60,43 @@ class StructuredOutputManager:
             self._cache.popitem(last=False)
         return m
 
-    def fill(self, bitmask, rows) -> None:
-        """Write each ``(row, matcher)``'s allowed next tokens into ``bitmask`` i32[B, W] (bit
-        ``v % 32`` of word ``v // 32``; other rows untouched), rows in parallel (llguidance's
-        thread pool; none: nothing); a stopped or failed matcher allows EOS only."""
-        if not rows:
-            return
-        import llguidance
-        import llguidance.numpy
+    def token_rules(self, params) -> tuple | None:
+        """(``allowed_token_ids`` as an i32[W] bitmask or None, bad words' ids as vLLM V1's
+        ``update_from_tokenizer``: as given, and after a space if that starts with another token
+        and has as many), None: neither. ValueError: no tokenizer, a word of no ids or one >= V."""
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer; this engine has none")
+        words = []
+        for w in params.bad_words or ():
+            ids, sp = (self.tokenizer.encode(p + w.lstrip(), add_special_tokens=False)
+                       for p in ("", " "))
+            kept = [ids] + [sp] * bool(ids and sp[0] != ids[0] and len(sp) == len(ids))
+            if not ids or max(map(max, kept)) >= self.vocab_size:
+                raise ValueError(f"SamplingParams.bad_words entry {w!r} is invalid: its tokens "
+                                 f"{kept} are none or outside [0, {self.vocab_size})")
+            words += kept
+        allowed = None if not params.allowed_token_ids else np.packbits(np.isin(np.arange(
+            self.words * 32), params.allowed_token_ids), bitorder="little").view(np.int32)
+        return None if allowed is None and not words else (allowed, words)
 
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llguidance.numpy.fill_next_token_bitmask_par(
-            self._executor, [(m, i) for i, m in rows], bitmask)
+    def fill(self, bitmask, rows) -> None:
+        """Write each ``(row, seq)``'s allowed next ids into ``bitmask`` i32[B, W] (bit v % 32 of
+        word v // 32; other rows untouched): its grammar's (stopped or failed: EOS only) AND its
+        rules' (vLLM V1's bad words: a word's last id masked when the outputs end with the rest)."""
+        if grammars := [(s.matcher, i) for i, s in rows if s.matcher is not None]:
+            import llguidance
+            import llguidance.numpy
+
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, grammars, bitmask)
+        for i, s in rows:
+            allowed, words = s.rules or (None, ())
+            if allowed is not None:
+                bitmask[i] &= allowed
+            for w in words:
+                if (out := s.output_token_ids)[len(out) - len(w) + 1:] == w[:-1]:
+                    bitmask[i].view(np.uint32)[w[-1] // 32] &= ~np.uint32(1 << w[-1] % 32)
 
     @staticmethod
     def accept(matcher, token: int) -> None:

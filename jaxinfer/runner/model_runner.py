@@ -172,6 +172,19 @@ class ModelRunner:
             raise RuntimeError("the weights were discarded by sleep(level=2): call "
                                "update_params(params) after wake_up()")
 
+    def check_logits_processor(self, fn) -> None:
+        """ValueError naming ``fn`` unless ``fn(i32[16], f32[V])`` traces to f32[V] (eval_shape)."""
+        v = self.model_config.vocab_size
+        try:
+            out = jax.eval_shape(fn, jax.ShapeDtypeStruct((16,), jnp.int32),
+                                 jax.ShapeDtypeStruct((v,), jnp.float32))
+            error = "" if getattr(out, "shape", None) == (v,) else f"it returns {out}"
+        except Exception as e:  # anything a user's function raises while traced
+            error = f"{type(e).__name__}: {str(e)[:200]}"
+        if error:
+            raise ValueError(f"SamplingParams.logits_processors entry {fn!r} is invalid: not a JAX "
+                             f"(output_token_ids i32[R], logits f32[V]) -> f32[V] fn; {error}")
+
     def precompile(self, shape_keys: list[ShapeKey], *, max_workers: int | None = None,
                    warm: bool = True, split: bool = False) -> dict:
         """`StepExecutor.precompile`: {"shapes", "lower_s", "warm_s", "seconds"}."""

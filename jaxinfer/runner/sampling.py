@@ -33,7 +33,8 @@ SamplingMetadata = pytree_dataclass(__name__, "SamplingMetadata", *names("sampli
     outside [0, V) ignored); optional (None: off): prompt_lens i32[B] (the first prompt_lens
     entries of penalty_tokens are the prompt, the rest the output), presence_penalty,
     frequency_penalty f32[B]; bias_ids i32[B, E] (outside [0, V): ignored), bias_values f32[B, E]
-    added to the logits (-inf: masked); bitmask i32[B, W] (`apply_token_bitmask`, in `step`).""")
+    added to the logits (-inf: masked); bitmask i32[B, W] (`apply_token_bitmask`, in `step`);
+    processor_rows i32[B, J] (`apply_logits_processors`).""")
 
 
 def _check_shapes(logits, meta: SamplingMetadata) -> None:
@@ -92,6 +93,23 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     ``apply_grammar_bitmask``, applied before the sampler (its logprobs see the mask)."""
     v = jnp.arange(logits.shape[1], dtype=jnp.int32)
     return jnp.where((bitmask[:, v // 32] >> (v % 32)) & 1 != 0, logits, -jnp.inf)
+
+
+def apply_logits_processors(logits: jax.Array, meta: SamplingMetadata, processors) -> jax.Array:
+    """f32[B, V]: processor j of ``processors`` (static) in turn on the rows whose
+    ``processor_rows`` column j is 1, vLLM V0's per-request ``fn(output_token_ids, logits) ->
+    logits`` vmapped over rows: the row's output ids as i32[R] then -1s (R static, a
+    `ShapeKey.penalty` bucket; the count is ``sum(ids >= 0)``), its f32[V] logits; as vLLM's,
+    before the bitmask, penalties and sampling (whose logprobs see the processed logits)."""
+    if not processors:
+        return logits
+    toks, r = meta.penalty_tokens, meta.penalty_tokens.shape[1]
+    at = meta.prompt_lens[:, None] + jnp.arange(r)  # the outputs follow the prompt
+    out = jnp.where(at < r, jnp.take_along_axis(toks, jnp.minimum(at, r - 1), axis=1), -1)
+    for j, fn in enumerate(processors):
+        new = jax.vmap(fn)(out, logits).astype(logits.dtype)
+        logits = jnp.where(meta.processor_rows[:, j:j + 1] != 0, new, logits)
+    return logits
 
 
 def _min_p_keep(scaled: jax.Array, min_p: jax.Array) -> jax.Array:

@@ -20,8 +20,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.runner.parallel import gather_logits, replicated
-from jaxinfer.runner.sampling import (SamplingMetadata, apply_token_bitmask, logprobs,
-                                     pytree_dataclass, sample)
+from jaxinfer.runner.sampling import (SamplingMetadata, apply_logits_processors,
+                                     apply_token_bitmask, logprobs, pytree_dataclass, sample)
 from jaxinfer.step_input import HostBatch, ShapeKey, allocate, covers, layout, names, pack
 
 log = logging.getLogger("jaxinfer")
@@ -65,10 +65,11 @@ def forward(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig,
 
 
 def sample_logits(logits: jax.Array, inp: StepInput, *, all_greedy: bool,
-                  num_logprobs: int = 0) -> jax.Array | dict:
-    """``logits`` f32[B, V] -> ids i32[B] (zero-padded to i32[Bmax] with ``prev_tokens``): the
-    ``sampling.bitmask`` first (vLLM: sampling and logprobs see the masked logits), `sample`;
-    ``num_logprobs`` K > 0 (static): a dict of the ids as ``tokens`` and each row's `logprobs`."""
+                  num_logprobs: int = 0, processors: tuple = ()) -> jax.Array | dict:
+    """``logits`` f32[B, V] -> ids i32[B] (zero-padded to i32[Bmax] with ``prev_tokens``): static
+    ``processors`` (`apply_logits_processors`), ``sampling.bitmask`` (vLLM: sampling, logprobs see
+    both), `sample`; K = ``num_logprobs`` > 0 (static): a dict of ``tokens``, rows' `logprobs`."""
+    logits = apply_logits_processors(logits, inp.sampling, processors)
     if inp.sampling.bitmask is not None:
         logits = apply_token_bitmask(logits, inp.sampling.bitmask)
     with jax.named_scope("sample"):
@@ -83,11 +84,13 @@ def sample_logits(logits: jax.Array, inp: StepInput, *, all_greedy: bool,
 
 
 def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
-         all_greedy: bool, num_logprobs: int = 0) -> tuple[jax.Array | dict, KVCache]:
+         all_greedy: bool, num_logprobs: int = 0, processors: tuple = ()
+         ) -> tuple[jax.Array | dict, KVCache]:
     """`forward`, then `sample_logits` (its dict with the prompt log-probabilities), fused."""
     logits, prompt, kv = forward(params, kv, inp, cfg=cfg, kernels=kernels,
                                  num_logprobs=num_logprobs)
-    out = sample_logits(logits, inp, all_greedy=all_greedy, num_logprobs=num_logprobs)
+    out = sample_logits(logits, inp, all_greedy=all_greedy, num_logprobs=num_logprobs,
+                        processors=processors)
     return ({**out, **prompt} if prompt else out), kv
 
 
@@ -132,15 +135,16 @@ def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Arra
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
     if phase == "sample":
-        return sample_logits(params, inp, all_greedy=key.all_greedy, num_logprobs=key.logprobs)
+        return sample_logits(params, inp, all_greedy=key.all_greedy, num_logprobs=key.logprobs,
+                             processors=key.processors)
     step_kv = kv.replace(block_tables=tables, seq_lens=lens)
     if phase == "forward":
         logits, prompt, new = forward(params, step_kv, inp, cfg=cfg, kernels=kernels,
                                       num_logprobs=key.logprobs)
         out = logits, prompt
     else:
-        out, new = step(params, step_kv, inp, cfg=cfg, kernels=kernels,
-                        all_greedy=key.all_greedy, num_logprobs=key.logprobs)
+        out, new = step(params, step_kv, inp, cfg=cfg, kernels=kernels, all_greedy=key.all_greedy,
+                        num_logprobs=key.logprobs, processors=key.processors)
     return out, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
 
 

@@ -22,9 +22,9 @@ TEXT = "The capital of Japan is"
 def test_sampling_params_fields(tiny):
     """vLLM's SamplingParams: ``truncate_prompt_tokens=k`` keeps the prompt's last k tokens;
     ``detokenize=False`` gives token ids, no text; ``extra_args`` is kept as
-    given; ``bad_words``, ``allowed_token_ids`` and ``logits_processors`` are fields, refused at
-    submission here ("not supported yet"), never ignored; the object is mutable and validated
-    again when a request is added."""
+    given (``bad_words``, ``allowed_token_ids``, ``logits_processors``:
+    tests/engine/test_token_masks.py); the object is mutable and validated again when a request
+    is added."""
     ids = tiny.get_tokenizer().encode(TEXT)
     sp = SamplingParams(temperature=0.0, max_tokens=5, truncate_prompt_tokens=8,
                         extra_args={"tag": [1]})
@@ -33,12 +33,6 @@ def test_sampling_params_fields(tiny):
     assert sp.extra_args == {"tag": [1]} and sp.truncate_prompt_tokens == 8
     (quiet,) = tiny.generate([ids[-8:]], dataclasses.replace(GREEDY, detokenize=False))
     assert quiet.text == "" and quiet.token_ids == last8.token_ids and last8.text  # test_outputs
-    refused = [SamplingParams(bad_words=["x"]), SamplingParams(allowed_token_ids=[3]),
-               SamplingParams(logits_processors=[lambda ids, logits: logits])]
-    outs = tiny.generate([ids] * 4, refused + [GREEDY], on_error="return")
-    for out, name in zip(outs, ("bad_words", "allowed_token_ids", "logits_processors")):
-        assert f"SamplingParams.{name}=" in out.error and "is not supported yet" in out.error
-    assert outs[3].error is None
     sp.max_tokens, sp.truncate_prompt_tokens = 3, None
     assert tiny.generate([ids], sp)[0].token_ids == tiny.generate(
         [ids], dataclasses.replace(GREEDY, max_tokens=3))[0].token_ids

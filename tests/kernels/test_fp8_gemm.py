@@ -1,6 +1,7 @@
 """`pallas_kernels.fp8_gemm.fp8_matmul` against its float32 reference: interpreted on small shapes
 (rows 1, 5 and 16 padded to the MMA's 16, split_k 1 and 2, several K chunks per program), compiled
-on the GPU at Qwen3-8B's decode shapes with the default knobs; argument errors.
+on the GPU at Qwen3-8B's decode shapes with the default knobs; argument errors. Its dispatch:
+``KernelConfig.fp8_gemm`` -> `ModelKernels` -> each fp8 `Weight` -> `dense` (decode rows only).
 
 Tolerance: the products of bf16 x and e4m3 w (exact in bf16) are exact in f32, so the kernel
 differs from the f32 reference by f32 summation order (|err| <= K * 2^-24 * sum |x||w| * scale,
@@ -14,7 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.fp8_gemm import FP8, check_args, default_knobs, fp8_matmul, fp8_matmul_reference
+from tiny_model import TINY
+
+from jaxinfer import models
+from jaxinfer.config import EngineConfig, ModelConfig, resolve
+from jaxinfer.models import layers
+from jaxinfer.models.kernels import ModelKernels, model_kernels
+from jaxinfer.models.kv_cache import KVCache
+from pallas_kernels.fp8_gemm import (DECODE_MAX_ROWS, FP8, check_args, default_knobs, fp8_matmul,
+                                     fp8_matmul_reference)
 
 from .modes import ON_GPU
 
@@ -30,8 +39,8 @@ def case(M, K, N, seed=0):
 
 def assert_matches_reference(y, x, w, scale):
     want = np.asarray(fp8_matmul_reference(x, w, scale), np.float64)
-    mag = np.asarray(jnp.abs(x.astype(jnp.float32)) @ jnp.abs(w.astype(jnp.float32)),
-                     np.float64) * np.asarray(scale)[None]            # sum |x||w| * scale
+    xf, wf = (np.asarray(a.astype(jnp.float32), np.float64) for a in (x, w))
+    mag = np.abs(xf) @ np.abs(wf) * np.asarray(scale)[None]           # sum |x||w| * scale
     assert y.dtype == jnp.bfloat16 and y.shape == want.shape
     err = np.abs(np.asarray(y, np.float64) - want)
     assert np.all(err <= 2.0 ** -8 * np.abs(want) + 1e-5 * mag), float((err / mag).max())
@@ -87,3 +96,50 @@ def test_bad_arguments_raise(change, match):
 def test_compiled_qwen3_8b_shapes(M, K, N):
     x, w, scale = case(M, K, N)
     assert_matches_reference(jax.block_until_ready(fp8_matmul(x, w, scale)), x, w, scale)
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The x shapes `dense` hands `fp8_matmul`, which runs interpreted."""
+    calls = []
+
+    def interpreted(x, w, scale):
+        calls.append(x.shape)
+        return fp8_matmul(x, w, scale, interpret=True)
+    monkeypatch.setattr(layers, "fp8_matmul", interpreted)
+    return calls
+
+
+def test_dense_runs_decode_rows_of_bf16_through_the_kernel(kernel_calls):
+    x, w, scale = case(2, 256, 256)
+    y = layers.dense(x.reshape(1, 2, 256), layers.Weight(w, scale, None, "triton"))
+    assert kernel_calls == [(2, 256)] and y.shape == (1, 2, 256)
+    assert_matches_reference(y[0], x, w, scale)
+    for x in (jnp.zeros((1, DECODE_MAX_ROWS + 1, 256), jnp.bfloat16), x.astype(jnp.float32)):
+        layers.dense(x, layers.Weight(w, scale, None, "triton"))     # XLA's dot
+    layers.dense(x, layers.Weight(w, scale))
+    assert len(kernel_calls) == 1
+
+
+def test_fp8_gemm_choice_reaches_every_fp8_matrix_of_the_model(kernel_calls):
+    cfg = ModelConfig(**TINY)
+    spec = "decode=reference,prefill=reference,fp8_gemm=triton"
+    kc = resolve(cfg, EngineConfig(kernels=spec), "gpu").kernels
+    kernels = model_kernels(kc)
+    assert kernels == ModelKernels(fp8_gemm="triton")
+    params = models.abstract_params(cfg, jnp.bfloat16, "fp8")
+    pool = jax.ShapeDtypeStruct((cfg.num_layers, 2, cfg.num_kv_heads, 16, cfg.head_dim),
+                                jnp.bfloat16)
+    i32 = jax.ShapeDtypeStruct((3, 1), jnp.int32)
+    kv = KVCache(pool, pool, i32, jax.ShapeDtypeStruct((3,), jnp.int32))
+    jax.eval_shape(lambda p, kv: models.forward(p, cfg, kv.block_tables, kv.block_tables,
+                                                kv.block_tables, kv, kernels=kernels), params, kv)
+    assert len(kernel_calls) == 4 * cfg.num_layers                    # wqkv, wo, gate_up, down
+    assert {s[0] for s in kernel_calls} == {3}
+
+
+@pytest.mark.parametrize("platform,tp", [("cpu", 1), ("gpu", 2)])
+def test_fp8_gemm_triton_needs_one_gpu(platform, tp):
+    with pytest.raises(ValueError, match="fp8_gemm='triton' is invalid: runs on one GPU only"):
+        resolve(ModelConfig(**TINY), EngineConfig(kernels="fp8_gemm=triton",
+                                                  tensor_parallel_size=tp), platform)

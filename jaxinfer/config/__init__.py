@@ -259,8 +259,8 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
     KV: triton); else float32 and reference; a variant not validated on ``device_kind`` falls back
     (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization
     None: "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off
-    "gpu" (fp8_gemm triton: or with tp > 1), float16 on "gpu", fp8 KV with a decode variant not in `FP8_KV_DECODE` or with tp > 1, a
-    model ``tensor_parallel_size`` cannot split (`check_tp`)."""
+    "gpu" (fp8_gemm triton: or with tp > 1), float16 on "gpu", fp8 KV with a decode variant not
+    in `FP8_KV_DECODE` or with tp > 1, a model ``tensor_parallel_size`` cannot split."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "

@@ -1,5 +1,5 @@
 """Decode-step benchmark on the GPU: the engine's jit step (model + paged attention + sampling) on the
-Qwen3-8B architecture with random bf16 weights, over batch x context.
+Qwen3-8B architecture with random bf16 (or fp8: ``--quantization``) weights, over batch x context.
 
 Bytes per step = weight bytes read (embedding gather excluded) + KV bytes read (B x context x KV
 bytes per token). The kernels are the engine's: each ``--kernels`` spec is parsed with
@@ -38,6 +38,7 @@ from jaxinfer import models  # noqa: E402
 from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve  # noqa: E402
 from jaxinfer.models.kernels import ModelKernels, model_kernels  # noqa: E402
 from jaxinfer.models.kv_cache import KVCache  # noqa: E402
+from jaxinfer.models.quantize import quantize_params  # noqa: E402
 from jaxinfer.runner.sampling import SamplingMetadata  # noqa: E402
 from jaxinfer.runner.step import (GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecutor, StepInput,  # noqa: E402
                                   make_step_fn)
@@ -177,7 +178,8 @@ def dispatch_times(run, kv, steps: int = 5):
 
 def variant_of(row: dict) -> tuple:
     """What a row compares side by side at one (context, B)."""
-    return (row["gemm"], row["inputs"], row["decode_knobs"], row.get("kernels", ""))
+    return (row["gemm"], row["inputs"], row["decode_knobs"], row.get("kernels", ""),
+            row.get("quantization", "none"))
 
 
 def resolve_kernels(cfg: ModelConfig, spec: str, platform: str | None = None) -> KernelConfig:
@@ -277,6 +279,10 @@ def main() -> None:
     ap.add_argument("--no-check", action="store_true",
                     help="skip the first check of each kernel config against the reference "
                          "kernels (one decode step's logits, smallest batch and context)")
+    ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
+                    help="weights compared side by side: none (bf16), fp8 (the engine's "
+                         "quantization='fp8': e4m3, per-output-channel scales; with --kernels "
+                         "'' fp8_gemm=triton: XLA's GEMMs against pallas_kernels.fp8_gemm)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-kv-gib", type=float, default=100.0)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
@@ -290,42 +296,40 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     knob_names = {n for knobs in knob_sets.values() for n in knobs}
-    for kc in kcs.values():
-        err = knob_names and knob_error(kc, knob_names)
-        if err:
-            ap.error(err)
+    for err in filter(None, (knob_names and knob_error(kc, knob_names) for kc in kcs.values())):
+        ap.error(err)
 
     from bench_paged_attention import copy_ceiling_tbps  # same directory
-    ceil = copy_ceiling_tbps()
-    ceiling = max(ceil.values())
-    params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    leaves = jax.tree_util.tree_leaves(params)  # the embedding is gathered, not read
-    wbytes = sum(x.nbytes for x in leaves) - cfg.vocab_size * cfg.hidden_size * 2
+    ceiling = max((ceil := copy_ceiling_tbps()).values())
+    base = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    params = {q: base if q == "none" else quantize_params(base) for q in args.quantization}
+    wbytes = {q: sum(x.nbytes for x in jax.tree_util.tree_leaves(p))  # the embedding: gathered
+              - cfg.vocab_size * cfg.hidden_size * 2 for q, p in params.items()}
     # the variants compared side by side at every (context, B); a row's variant: `variant_of`
-    variants = list(itertools.product(args.gemm, args.inputs, args.decode_knobs, args.kernels))
+    variants = list(itertools.product(args.gemm, args.inputs, args.decode_knobs, args.kernels,
+                                      args.quantization))
     kv_tok = cfg.kv_bytes_per_token(2)
-    commit = git_commit()
     meta = dict(bench="decode", jax=jax.__version__, device=jax.devices()[0].device_kind,
-                date=datetime.date.today().isoformat(), commit=commit, xla_flags=xla_flags(),
-                layers=args.layers,
-                copy_tbps=ceiling, page_size=args.page_size, scatter_pages=args.scatter_pages)
-    print(f"copy ceilings {ceil}; weights read/step {wbytes / 1e9:.2f} GB")
-    for spec, kc in kcs.items():
-        print(f"kernels {spec!r} -> {kc}")
+                date=datetime.date.today().isoformat(), commit=git_commit(), xla_flags=xla_flags(),
+                layers=args.layers, copy_tbps=ceiling, page_size=args.page_size,
+                scatter_pages=args.scatter_pages)
+    print(f"copy ceilings {ceil}; weights read/step (GB) "
+          + ", ".join(f"{q}: {b / 1e9:.2f}" for q, b in wbytes.items()))
+    for (spec, kc), q in itertools.product(kcs.items(), args.quantization):
+        print(f"kernels {spec!r} -> {kc}, quantization {q}")
         for knobs in ([] if args.no_check else args.decode_knobs):
-            err = check_against_reference(cfg, params, kc, knob_sets[knobs], min(args.batches),
-                                          min(args.contexts), args.page_size)
+            err = check_against_reference(cfg, params[q], kc, knob_sets[knobs],
+                                          min(args.batches), min(args.contexts), args.page_size)
             print(f"  {knobs or 'default knobs'}: logits vs the reference kernels, relative "
                   f"error {err:.2e}", flush=True)
     rows = []
-    for ctx, B, (gemm, inputs, knobs, spec) in itertools.product(args.contexts, args.batches,
-                                                                 variants):
-        kv_gib = B * ctx * kv_tok / 2**30
-        if kv_gib > args.max_kv_gib:
+    for ctx, B, (gemm, inputs, knobs, spec, q) in itertools.product(args.contexts, args.batches,
+                                                                    variants):
+        if (kv_gib := B * ctx * kv_tok / 2**30) > args.max_kv_gib:
             print(f"skip B={B} ctx={ctx}: KV {kv_gib:.1f} GiB")
             continue
         kc = kcs[spec]
-        run, kv, backend = step_runner(cfg, params, kc, knob_sets[knobs], gemm, inputs, B, ctx,
+        run, kv, backend = step_runner(cfg, params[q], kc, knob_sets[knobs], gemm, inputs, B, ctx,
                                        args.page_size, args.scatter_pages)
         t = time.perf_counter()
         toks, kv = run(kv)  # compile
@@ -333,54 +337,49 @@ def main() -> None:
         compile_s = time.perf_counter() - t
         dt, kv = time_steps(run, kv, args.steps)
         disp, alone, kv = dispatch_times(run, kv)
-        moved = wbytes + B * ctx * kv_tok
+        moved = wbytes[q] + B * ctx * kv_tok
         row = dict(meta, B=B, context=ctx, gemm=gemm, gemm_backend=backend, inputs=inputs,
-                   decode_knobs=knobs, kernels=spec, variant=kc.decode_attention,
-                   cublas_decode_min_batch=kc.cublas_decode_min_batch,
-                   ms_per_step=dt * 1e3,
-                   tok_s=B / dt,
-                   dispatch_ms=disp * 1e3, isolated_step_ms=alone * 1e3, compile_s=compile_s,
-                   bytes_per_step=moved, tbps=moved / dt / 1e12, frac_of_copy=moved / dt / 1e12 / ceiling)
+                   decode_knobs=knobs, kernels=spec, quantization=q, variant=kc.decode_attention,
+                   cublas_decode_min_batch=kc.cublas_decode_min_batch, ms_per_step=dt * 1e3,
+                   tok_s=B / dt, dispatch_ms=disp * 1e3, isolated_step_ms=alone * 1e3,
+                   compile_s=compile_s, bytes_per_step=moved, tbps=moved / dt / 1e12,
+                   frac_of_copy=moved / dt / 1e12 / ceiling)
         rows.append(row)
         print(json.dumps({k: row[k] for k in (
-            "B", "context", "kernels", "variant", "gemm_backend", "inputs", "decode_knobs",
-            "ms_per_step", "tok_s", "tbps", "frac_of_copy",
-            "dispatch_ms", "compile_s")}))
+            "B", "context", "kernels", "quantization", "variant", "gemm_backend", "inputs",
+            "decode_knobs", "ms_per_step", "tok_s", "tbps", "frac_of_copy", "dispatch_ms",
+            "compile_s")}))
         del kv
     for ctx, v in itertools.product(args.contexts, variants):
         rs = [r for r in rows if r["context"] == ctx and variant_of(r) == v]
         for a, b in zip(rs, rs[1:]):
-            gain, ratio = b["tok_s"] / a["tok_s"], b["B"] / a["B"]
-            if gain < 0.5 * ratio and not any(r.get("knee") for r in rs):
+            if (b["tok_s"] / a["tok_s"] < 0.5 * b["B"] / a["B"]
+                    and not any(r.get("knee") for r in rs)):
                 a["knee"] = True
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "a") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "decode.jsonl"), "w") as fh:
-            for r in rows:
-                fh.write(json.dumps(r) + "\n")
+    for path, mode in [(args.out, "a")] + ([(os.path.join(os.environ["OUT"], "decode.jsonl"), "w")]
+                                           if os.environ.get("OUT") else []):
+        with open(path, mode) as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in rows)
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(7, 5))
-        for ctx, (gemm, inputs, knobs, spec) in itertools.product(args.contexts, variants):
+        for ctx, (gemm, inputs, knobs, spec, q) in itertools.product(args.contexts, variants):
             sel = [r for r in rows
-                   if r["context"] == ctx and variant_of(r) == (gemm, inputs, knobs, spec)]
+                   if r["context"] == ctx and variant_of(r) == (gemm, inputs, knobs, spec, q)]
             if sel:
                 x, y = zip(*[(r["B"], r["tok_s"]) for r in sel])
                 ax.plot(x, y, marker="o", label=f"context {ctx}, {gemm} GEMMs, {inputs} inputs"
                         + (f", {knobs}" if knobs else "")
-                        + f", kernels {spec or 'default'} ({sel[0]['variant']})")
-                knee = [r for r in sel if r.get("knee")]
-                for r in knee:
+                        + f", kernels {spec or 'default'} ({sel[0]['variant']})"
+                        + ("" if q == "none" else f", {q} weights"))
+                for r in (r for r in sel if r.get("knee")):
                     ax.annotate("knee", (r["B"], r["tok_s"]))
         ax.set_xscale("log", base=2); ax.set_xlabel("batch"); ax.set_ylabel("decode tok/s")
         ax.set_title(f"Qwen3-8B arch decode step, {meta['device']}")
-        ax.legend()
-        fig.tight_layout()
+        ax.legend(); fig.tight_layout()
         fig.savefig(args.png, dpi=120)
         if os.environ.get("OUT"):
             fig.savefig(os.path.join(os.environ["OUT"], os.path.basename(args.png)), dpi=120)
@@ -388,16 +387,13 @@ def main() -> None:
         print("matplotlib not installed: no PNG")
     print("\ndispatch: host ms for one step's call to return with the device idle (launch cost)")
     print(f"\n{'B':>4} {'ctx':>5} {'gemm':>6} {'inputs':>6} {'ms/step':>8} {'tok/s':>8} "
-          f"{'GB/step':>8} {'TB/s':>6} {'frac':>5} {'dispatch':>8}  "
-          "kernels / knobs")
+          f"{'GB/step':>8} {'TB/s':>6} {'frac':>5} {'dispatch':>8} {'weights':>7}  kernels / knobs")
     for r in rows:
         print(f"{r['B']:>4} {r['context']:>5} {r['gemm_backend']:>6} {r['inputs']:>6} "
-              f"{r['ms_per_step']:>8.2f} "
-              f"{r['tok_s']:>8.0f} "
-              f"{r['bytes_per_step'] / 1e9:>8.2f} {r['tbps']:>6.2f} {r['frac_of_copy']:>5.2f} "
-              f"{r['dispatch_ms']:>8.2f}  "
-              f"{r['kernels'] or 'default'} ({r['variant']}) {r['decode_knobs'] or '-'}"
-              f"{'  <- knee' if r.get('knee') else ''}")
+              f"{r['ms_per_step']:>8.2f} {r['tok_s']:>8.0f} {r['bytes_per_step'] / 1e9:>8.2f} "
+              f"{r['tbps']:>6.2f} {r['frac_of_copy']:>5.2f} {r['dispatch_ms']:>8.2f} "
+              f"{r['quantization'].replace('none', 'bf16'):>7}  {r['kernels'] or 'default'} "
+              f"({r['variant']}) {r['decode_knobs'] or '-'}{'  <- knee' if r.get('knee') else ''}")
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ from pallas_kernels.paged_attention import reference, registry
 
 @dataclass(frozen=True)
 class ModelKernels:
-    """mesh: None, or the 1-D "tp" mesh of tensor parallelism (`runner.parallel.make_mesh`)."""
+    """mesh: None, or the 1-D "tp" mesh of tensor parallelism (`runner.parallel.make_mesh`);
+    fp8_gemm: `KernelConfig.fp8_gemm` (`jaxinfer.models.layers.dense`)."""
 
     attention: Callable = reference.paged_attention
     mesh: Any = None
+    fp8_gemm: str = "xla"
 
     tp = property(lambda self: 1 if self.mesh is None else self.mesh.size,
                   doc="Devices the model is sharded over (1: no mesh).")
@@ -80,4 +82,4 @@ def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKerne
     attention = reference.paged_attention
     if (decode, prefill) != ("reference", "reference"):
         attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
-    return ModelKernels(attention, mesh)
+    return ModelKernels(attention, mesh, kc.fp8_gemm)

@@ -195,3 +195,33 @@ class SamplingParams:
     def greedy(self) -> bool:
         """``temperature < GREEDY_EPS``: the token is the argmax."""
         return self.temperature < GREEDY_EPS
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """`LLM.beam_search`'s parameters (vLLM's ``BeamSearchParams``: names, defaults, meanings):
+    ``beam_width`` beams (each proposes ``2 * beam_width`` tokens a step, so at most
+    ``MAX_LOGPROBS // 2``), ``max_tokens`` >= 1 steps; ``length_penalty``: the exponent of the
+    score's length; ``include_stop_str_in_output``: EOS's text in ``text``. ValueError: a bad
+    value."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name, ok, allowed in (
+                ("beam_width", _int(self.beam_width, 1) and self.beam_width <= MAX_LOGPROBS // 2,
+                 f"an integer in [1, {MAX_LOGPROBS // 2}]"),
+                ("max_tokens", _int(self.max_tokens, 1), "an integer >= 1"),
+                ("temperature", _real(lambda t: 0 <= t < math.inf)(self.temperature),
+                 "a finite number >= 0"),
+                ("length_penalty", _real(math.isfinite)(self.length_penalty), "a finite number"),
+                *((n, isinstance(getattr(self, n), bool), "a bool")
+                  for n in ("ignore_eos", "include_stop_str_in_output"))):
+            if not ok:
+                raise ValueError(f"BeamSearchParams.{name}={getattr(self, name)!r} is invalid: "
+                                 f"must be {allowed}")

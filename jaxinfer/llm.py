@@ -7,7 +7,7 @@ from typing import Callable
 import jax
 
 from checkpoints_tools.loader import load_tokenizer, open_checkpoint, read_json
-from jaxinfer.beam_search import BeamSearchOutput, beam_search
+from jaxinfer.beam_search import beam_search
 from jaxinfer.config import ModelConfig, check_platform, engine_config, memory, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.models.quantize import quantize_params
@@ -15,7 +15,7 @@ from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import ParamsArg, Prompts
 from jaxinfer.runner import loading, parallel
 from jaxinfer.runner.model_runner import ModelRunner
-from jaxinfer.sampling_params import BeamSearchParams, RequestOutputKind
+from jaxinfer.sampling_params import RequestOutputKind
 
 PROFILER_DIR_ENV = "JAXINFER_PROFILER_DIR"  # `LLM.start_profile`'s default directory
 
@@ -180,10 +180,7 @@ class LLM(Prompts):
             bar.close()
         return outputs
 
-    def beam_search(self, prompts, params: BeamSearchParams,
-                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """vLLM's ``LLM.beam_search``: `jaxinfer.beam_search.beam_search` on this engine."""
-        return beam_search(self, prompts, params, use_tqdm)
+    beam_search = beam_search  # vLLM's ``LLM.beam_search(prompts, params, use_tqdm=False)``
 
     def precompile(self, prompts, sampling_params: ParamsArg = None, *,
                    max_workers: int | None = None) -> dict:

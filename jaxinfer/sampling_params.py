@@ -197,13 +197,12 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
 
+
 @dataclass(frozen=True)
 class BeamSearchParams:
-    """`LLM.beam_search`'s parameters (vLLM's ``BeamSearchParams``: names, defaults, meanings):
-    ``beam_width`` beams (each proposes ``2 * beam_width`` tokens a step, so at most
-    ``MAX_LOGPROBS // 2``), ``max_tokens`` >= 1 steps; ``length_penalty``: the exponent of the
-    score's length; ``include_stop_str_in_output``: EOS's text in ``text``. ValueError: a bad
-    value."""
+    """`LLM.beam_search`'s parameters (vLLM's names, defaults, meanings): ``beam_width`` beams,
+    each proposing ``2 * beam_width`` tokens a step (<= `MAX_LOGPROBS`), for ``max_tokens``
+    steps; ``length_penalty``: the exponent of the score's length. ValueError: a bad value."""
 
     beam_width: int
     max_tokens: int
@@ -213,15 +212,12 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        for name, ok, allowed in (
-                ("beam_width", _int(self.beam_width, 1) and self.beam_width <= MAX_LOGPROBS // 2,
-                 f"an integer in [1, {MAX_LOGPROBS // 2}]"),
-                ("max_tokens", _int(self.max_tokens, 1), "an integer >= 1"),
-                ("temperature", _real(lambda t: 0 <= t < math.inf)(self.temperature),
-                 "a finite number >= 0"),
-                ("length_penalty", _real(math.isfinite)(self.length_penalty), "a finite number"),
-                *((n, isinstance(getattr(self, n), bool), "a bool")
-                  for n in ("ignore_eos", "include_stop_str_in_output"))):
-            if not ok:
-                raise ValueError(f"BeamSearchParams.{name}={getattr(self, name)!r} is invalid: "
-                                 f"must be {allowed}")
+        rules = {"beam_width": (lambda w: _int(w, 1) and 2 * w <= MAX_LOGPROBS,
+                                f"an integer in [1, {MAX_LOGPROBS // 2}]"),
+                 "max_tokens": (lambda m: _int(m, 1), "an integer >= 1"),
+                 "temperature": (_real(lambda t: 0 <= t < math.inf), "a finite number >= 0"),
+                 "length_penalty": (_real(math.isfinite), "a finite number")}
+        for name, value in self.__dict__.items():
+            ok, allowed = rules.get(name, (lambda b: isinstance(b, bool), "a bool"))
+            if not ok(value):
+                raise ValueError(f"BeamSearchParams.{name}={value!r} is invalid: must be {allowed}")

@@ -44,7 +44,7 @@ def beam_search(llm, prompts, params: BeamSearchParams,
     ``ignore_eos``) finish, the ``beam_width`` best others (`beam_search_score`) live on. A beam at
     ``max_model_len`` ends ("length"; vLLM drops it). Per prompt, in order: the ``beam_width``
     best of finished and live beams. ValueError: a prompt `LLM.generate` refuses."""
-    step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width, detokenize=False,
+    step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width,
                           temperature=params.temperature)
     _, encoded, _ = llm._prepare(prompts, step, True, llm.engine.check_request)
     eos = set(llm.engine.eos_token_ids)

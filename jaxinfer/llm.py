@@ -7,6 +7,7 @@ from typing import Callable
 import jax
 
 from checkpoints_tools.loader import load_tokenizer, open_checkpoint, read_json
+from jaxinfer.beam_search import beam_search
 from jaxinfer.config import ModelConfig, check_platform, engine_config, memory, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.models.quantize import quantize_params
@@ -178,6 +179,8 @@ class LLM(Prompts):
         finally:
             bar.close()
         return outputs
+
+    beam_search = beam_search  # vLLM's ``LLM.beam_search(prompts, params, use_tqdm=False)``
 
     def precompile(self, prompts, sampling_params: ParamsArg = None, *,
                    max_workers: int | None = None) -> dict:

@@ -197,3 +197,29 @@ class SamplingParams:
     def greedy(self) -> bool:
         """``temperature < GREEDY_EPS``: the token is the argmax."""
         return self.temperature < GREEDY_EPS
+
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """`LLM.beam_search`'s parameters (vLLM's names, defaults, meanings): ``beam_width`` beams,
+    each proposing ``2 * beam_width`` tokens a step (<= `MAX_LOGPROBS`), for ``max_tokens``
+    steps; ``length_penalty``: the exponent of the score's length. ValueError: a bad value."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        rules = {"beam_width": (lambda w: _int(w, 1) and 2 * w <= MAX_LOGPROBS,
+                                f"an integer in [1, {MAX_LOGPROBS // 2}]"),
+                 "max_tokens": (lambda m: _int(m, 1), "an integer >= 1"),
+                 "temperature": (_real(lambda t: 0 <= t < math.inf), "a finite number >= 0"),
+                 "length_penalty": (_real(math.isfinite), "a finite number")}
+        for name, value in self.__dict__.items():
+            ok, allowed = rules.get(name, (lambda b: isinstance(b, bool), "a bool"))
+            if not ok(value):
+                raise ValueError(f"BeamSearchParams.{name}={value!r} is invalid: must be {allowed}")

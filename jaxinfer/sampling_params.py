@@ -95,8 +95,9 @@ _RULES = (  # field, valid(value), what is allowed, normalise
     *((name, lambda v, ok=ok: v is None or isinstance(v, (list, tuple)) and all(map(ok, v)),
        f"must be None or a list of {what}", lambda v: v and list(v))
       for name, ok, what in (("bad_words", lambda w: isinstance(w, str) and w, "non-empty strings"),
-                             ("allowed_token_ids", lambda t: _int(t, 0), "integers >= 0"),
                              ("logits_processors", callable, "callables"))),
+    ("allowed_token_ids", lambda v: v is None or isinstance(v, (list, tuple)) and len(v) > 0 and all(
+        _int(t, 0) for t in v), "must be None or a non-empty list of integers >= 0", lambda v: v and list(v)),
     ("truncate_prompt_tokens", lambda k: k is None or k == -1 and _int(k) or _int(k, 1),
      "must be None, -1 (max_model_len) or an integer >= 1 (keep the last k prompt tokens)",
      _opt_int),

@@ -143,3 +143,5 @@ def test_invalid_values_are_rejected(llm):
     assert not llm.engine.has_unfinished()
     with pytest.raises(ValueError, match="V1's logits-processor classes are not supported"):
         engine_config(logits_processors=[object])
+    with pytest.raises(ValueError, match="allowed_token_ids.*non-empty list"):  # vLLM: empty is an error
+        SamplingParams(allowed_token_ids=[])

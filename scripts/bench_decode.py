@@ -281,8 +281,7 @@ def main() -> None:
                          "kernels (one decode step's logits, smallest batch and context)")
     ap.add_argument("--quantization", nargs="+", default=["none"], choices=["none", "fp8"],
                     help="weights compared side by side: none (bf16), fp8 (the engine's "
-                         "quantization='fp8': e4m3, per-output-channel scales; with --kernels "
-                         "'' fp8_gemm=triton: XLA's GEMMs against pallas_kernels.fp8_gemm)")
+                         "quantization='fp8': e4m3, per-output-channel scales)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--max-kv-gib", type=float, default=100.0)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")

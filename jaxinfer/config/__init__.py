@@ -28,7 +28,7 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
     """Allowed values of each string field of `KernelConfig` (attention: the kernel registry)."""
     return {"decode_attention": ("auto",) + tuple(registry.DECODE),
             "prefill_attention": ("auto",) + tuple(registry.PREFILL),
-            "prefill_gemm": ("xla", "cublas"), "fp8_gemm": ("xla", "triton")}
+            "prefill_gemm": ("xla", "cublas")}
 
 
 @dataclass(frozen=True)
@@ -36,14 +36,12 @@ class KernelConfig:
     """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"). decode_attention /
     prefill_attention: paged attention of decode (T == 1) / prefill steps. prefill_gemm (cublas:
     GPU). cublas_decode_min_batch: decode buckets of >= this many rows use cuBLAS (None: XLA).
-    batch_buckets / token_buckets: B / T. fp8_gemm: GEMMs of fp8 per-channel weights at decode
-    row counts (triton: `pallas_kernels.fp8_gemm`, one GPU; xla: scale after an XLA dot)."""
+    batch_buckets / token_buckets: B / T."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     prefill_gemm: str = "xla"
     cublas_decode_min_batch: int | None = 64
-    fp8_gemm: str = "xla"
     batch_buckets: tuple[int, ...] = ()
     token_buckets: tuple[int, ...] = ()
 
@@ -261,8 +259,8 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
     KV: triton); else float32 and reference; a variant not validated on ``device_kind`` falls back
     (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization
     None: "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off
-    "gpu" (fp8_gemm triton: or with tp > 1), float16 on "gpu", fp8 KV with a decode variant not
-    in `FP8_KV_DECODE` or with tp > 1, a model ``tensor_parallel_size`` cannot split."""
+    "gpu", float16 on "gpu", fp8 KV with a decode variant not in `FP8_KV_DECODE` or with tp > 1, a
+    model ``tensor_parallel_size`` cannot split (`check_tp`)."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
@@ -278,8 +276,6 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
         _fail("EngineConfig", "tensor_parallel_size", tp, f"kv_cache_dtype="
               f"{engine.kv_cache_dtype!r} runs on one device only; use 1 or kv_cache_dtype='auto'")
     check_tp(model, engine.tensor_parallel_size)
-    if kc.fp8_gemm != "xla" and (platform != "gpu" or engine.tensor_parallel_size > 1):
-        _fail("KernelConfig", "fp8_gemm", kc.fp8_gemm, "runs on one GPU only; use 'xla'")
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
     kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype
     fp8 = kv_dtype != dtype

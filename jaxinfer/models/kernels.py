@@ -13,12 +13,10 @@ from pallas_kernels.paged_attention import reference, registry
 
 @dataclass(frozen=True)
 class ModelKernels:
-    """mesh: None, or the 1-D "tp" mesh of tensor parallelism (`runner.parallel.make_mesh`);
-    fp8_gemm: `KernelConfig.fp8_gemm` (`jaxinfer.models.layers.dense`)."""
+    """mesh: None, or the 1-D "tp" mesh of tensor parallelism (`runner.parallel.make_mesh`)."""
 
     attention: Callable = reference.paged_attention
     mesh: Any = None
-    fp8_gemm: str = "xla"
 
     tp = property(lambda self: 1 if self.mesh is None else self.mesh.size,
                   doc="Devices the model is sharded over (1: no mesh).")
@@ -82,4 +80,4 @@ def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKerne
     attention = reference.paged_attention
     if (decode, prefill) != ("reference", "reference"):
         attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
-    return ModelKernels(attention, mesh, kc.fp8_gemm)
+    return ModelKernels(attention, mesh)

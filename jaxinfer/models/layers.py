@@ -15,24 +15,21 @@ import numpy as np
 from jaxinfer.config.weights import INIT_STD, LEAVES, scale_shape, shape_of
 from jaxinfer.models.quantize import FP8, expand_scale
 from jaxinfer.step_input import names
-from pallas_kernels.fp8_gemm import DECODE_MAX_ROWS, fp8_matmul
 from pallas_kernels.kv_quant import quantize
 
 INITS = {"normal": nn.initializers.normal(stddev=INIT_STD), "ones": nn.initializers.ones}
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "scale"],
-                   meta_fields=["block", "gemm"])
+                   meta_fields=["block"])
 @dataclasses.dataclass(frozen=True)
 class Weight:
     """w [in, out]: compute dtype (``scale`` None), or float8_e4m3fn with an f32 `scale_shape` scale
-    (static ``block``: None per channel, or an HF block): ``w * expand_scale(scale)``; static
-    ``gemm``: `KernelConfig.fp8_gemm`, how `dense` multiplies by a per-channel fp8 weight."""
+    (static ``block``: None per channel, or an HF block): ``w * expand_scale(scale)``."""
 
     w: jax.Array
     scale: jax.Array | None = None
     block: tuple[int, int] | None = None
-    gemm: str = "xla"
 
     def value(self, dtype) -> jax.Array:
         """``(w.astype(f32) * expand_scale(scale)).astype(dtype)``, traced (fused into the GEMM)."""
@@ -45,13 +42,9 @@ class Weight:
 def dense(x: jax.Array, w: Weight) -> jax.Array:
     """The GEMM of every projection: x [..., in] @ ``w.value(x.dtype)`` [in, out] -> [..., out].
     fp8 with per-channel scales: the e4m3 weight (exact in bf16) in the GEMM, f32 accumulation,
-    the scale applied to the output, so no scaled copy of the weight is written each step;
-    ``w.gemm`` "triton", bf16 x of <= `DECODE_MAX_ROWS` rows: `fp8_matmul` (reads e4m3 once)."""
+    the scale applied to the output, so no scaled copy of the weight is written each step."""
     if w.scale is None or w.block is not None:
         return x @ w.value(x.dtype)
-    if w.gemm == "triton" and x.dtype == jnp.bfloat16 and x.size <= DECODE_MAX_ROWS * x.shape[-1]:
-        y = fp8_matmul(x.reshape(-1, x.shape[-1]), w.w, w.scale)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
     y = jnp.matmul(x, w.w.astype(x.dtype), preferred_element_type=jnp.float32)
     return (y * w.scale).astype(x.dtype)
 
@@ -69,7 +62,7 @@ def declare(module: nn.Module, name: str) -> Weight | jax.Array | None:
     if not fp8:
         return Weight(w) if leaf.fp8 else w
     return Weight(w, module.param(name + "_scale", nn.initializers.ones, scale_shape(shape, block),
-                                  jnp.float32), block, module.kernels.fp8_gemm)
+                                  jnp.float32), block)
 
 
 def rope_inv_freq(cfg) -> np.ndarray:

@@ -32,6 +32,7 @@ import json
 import os
 import sys
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -79,8 +80,42 @@ def summarize(name, t_total, n_out, ttft, tpot, latency) -> dict:
                 p99_latency_s=float(np.percentile(latency, 99)) if latency else None)
 
 
+class StepRecord(NamedTuple):
+    """One read-back step (``time.perf_counter`` seconds): ``wait_s`` blocked on its tokens,
+    the reading step's ``schedule_s``/``launch_s`` (0: read back first) and ``post_s``."""
+
+    shape_key: tuple
+    rows: int
+    t_done: float
+    wait_s: float = 0.0
+    schedule_s: float = 0.0
+    launch_s: float = 0.0
+    post_s: float = 0.0
+
+
+def record_steps(engine, log: list) -> list:
+    """Append a `StepRecord` to ``log`` per step ``engine`` (an `LLMEngine`) reads back, by
+    wrapping its step loop's ``complete`` and its runner's ``read``; returns ``log``."""
+    complete, read, t = engine.loop.complete, engine.runner.read, {}
+
+    def timed_read(handle):
+        t["read"] = time.perf_counter()
+        out = read(handle)
+        t["done"] = time.perf_counter()
+        return out
+
+    def timed_complete(done, host_times):
+        finished = complete(done, host_times)
+        log.append(StepRecord(done.handle[1].key, done.batch.num_seqs, t["done"],
+                              t["done"] - t["read"], *host_times, time.perf_counter() - t["done"]))
+        return finished
+
+    engine.runner.read, engine.loop.complete = timed_read, timed_complete
+    return log
+
+
 def step_phases(log, t0: float) -> dict:
-    """Seconds per step kind from the engine's step log (`StepRecord`s; time between consecutive
+    """Seconds per step kind from a step log (`record_steps`; time between consecutive
     read-backs, the first counted from ``t0``): prefill steps, and decode steps per batch bucket
     with their mean real rows, plus the host's time per step blocked on the device (``wait``)
     and in its own work (``schedule``, ``launch``: build + transfer + dispatch, ``post``). A
@@ -110,7 +145,7 @@ def step_phases(log, t0: float) -> dict:
 
 
 class TracedStepLog(list):
-    """The engine's step log that also runs the JAX profiler over a window of steps: the trace
+    """A step log (`record_steps`) that also runs the JAX profiler over a window of steps: the trace
     starts when step ``start`` is read back and stops when step ``start + count`` is (under
     asynchronous scheduling about ``count`` steps of device work lie between)."""
 
@@ -199,13 +234,13 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     lazy_before = eng.stats().num_lazy_compiles
     if args.trace_steps:
         import tempfile
-        eng.runner.stats.step_log = TracedStepLog(*args.trace_steps, tempfile.mkdtemp())
+        steps = record_steps(eng, TracedStepLog(*args.trace_steps, tempfile.mkdtemp()))
     else:
-        eng.runner.stats.step_log = []
+        steps = record_steps(eng, [])
     t = time.perf_counter()
     outs = llm.generate(reqs, params, use_tqdm=True)
     dt = time.perf_counter() - t
-    phases = step_phases(eng.stats().step_log, t)
+    phases = step_phases(steps, t)
     ttft, tpot, lat = [], [], []
     for o in outs:
         m, k = o.metrics, len(o.token_ids)
@@ -224,7 +259,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
                prefill_attention=kc.prefill_attention, num_pages=eng.runner.num_pages,
                prefill_gemm=kc.prefill_gemm, cublas_decode_min_batch=kc.cublas_decode_min_batch)
     if args.trace_steps:
-        row["trace"] = trace_summary(eng.stats().step_log)
+        row["trace"] = trace_summary(steps)
     return row
 
 

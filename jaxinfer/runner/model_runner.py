@@ -58,8 +58,6 @@ class ModelRunner:
                                      self.buckets.batch[-1], self.stats, ec.compile_in_background)
         self.weight_bytes = device_bytes(model_config, tp, resolved.dtype_bytes,
                                          resolved.quantization)  # one device's
-        self.page_bytes = memory.kv_bytes_per_token(  # one device's KV bytes per page
-            model_config, resolved.kv_dtype_bytes, tp) * ec.page_size
 
     def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
@@ -191,8 +189,3 @@ class ModelRunner:
         info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys, split=split,
                                                  max_workers=max_workers, warm=warm)
         return info
-
-    @staticmethod
-    def device_bytes_in_use() -> int | None:
-        """Bytes in use on the first local device (None: it keeps no statistics)."""
-        return (memory.device_memory_stats() or (None,))[0]

@@ -36,12 +36,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxinfer import models  # noqa: E402
 from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve  # noqa: E402
-from jaxinfer.models.kernels import ModelKernels, model_kernels  # noqa: E402
+from jaxinfer.models.kernels import ModelKernels, PagedAttention, model_kernels  # noqa: E402
 from jaxinfer.models.kv_cache import KVCache  # noqa: E402
 from jaxinfer.models.quantize import quantize_params  # noqa: E402
 from jaxinfer.runner.sampling import SamplingMetadata  # noqa: E402
 from jaxinfer.runner.step import (GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecutor, StepInput,  # noqa: E402
-                                  make_step_fn)
+                                  forward, sample_logits)
 from jaxinfer.step_input import FIELDS, ShapeKey, allocate, pack  # noqa: E402
 from pallas_kernels.paged_attention import registry  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
@@ -143,6 +143,29 @@ def time_steps(run, kv, steps: int, warmup: int = 3):
     return (time.perf_counter() - t) / steps, kv
 
 
+def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool, gemm: str = "xla"):
+    """``jax.jit`` of one fused step ``(params, kv, StepInput) -> (ids, kv')``, KV donated: the
+    engine's `forward`, then `sample_logits`, without its packed input buffer."""
+    def step(params, kv, inp):
+        logits, _, kv = forward(params, kv, inp, cfg=cfg, kernels=kernels)
+        return sample_logits(logits, inp, all_greedy=all_greedy), kv
+
+    return jax.jit(step, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm])
+
+
+def knob_kernels(kc: KernelConfig, knobs: dict | None) -> ModelKernels:
+    """`model_kernels` of ``kc`` with the decode-variant keywords ``knobs`` bound (None or {}:
+    none). ValueError: an unregistered variant, or knobs for the reference."""
+    kernels = model_kernels(kc)
+    if not knobs:
+        return kernels
+    if kc.decode_attention == "reference":
+        raise ValueError(f"decode_knobs={knobs} need a decode kernel variant; the reference has "
+                         "no knobs")
+    return dataclasses.replace(kernels, attention=PagedAttention(
+        kc.decode_attention, kc.prefill_attention, tuple(sorted(knobs.items()))))
+
+
 def parse_knobs(text: str) -> dict:
     """``"num_splits=4,block_kv=128"`` -> ``{"num_splits": 4, "block_kv": 128}`` (integer values;
     "" -> {}).
@@ -233,7 +256,7 @@ def check_against_reference(cfg, params, kc, knobs: dict, B: int, ctx: int, page
         kv = KVCache(k=k, v=v, block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(lens))
         return np.asarray(jax.jit(f)(params, kv), np.float64)
     want = logits(ModelKernels())
-    err = float(np.linalg.norm(logits(model_kernels(kc, knobs or None)) - want)
+    err = float(np.linalg.norm(logits(knob_kernels(kc, knobs)) - want)
                 / np.linalg.norm(want))
     assert err <= tol, f"kernels {kc} disagree with the reference: relative error {err:.3g}"
     return err
@@ -241,9 +264,9 @@ def check_against_reference(cfg, params, kc, knobs: dict, B: int, ctx: int, page
 
 def step_runner(cfg, params, kc, knobs: dict, gemm: str, inputs: str, B: int, ctx: int,
                 page_size: int, scatter_pages: bool):
-    """`decode_runner` over the engine's step with the kernels of ``kc`` (`model_kernels`) and
+    """`decode_runner` over the engine's step with the kernels of ``kc`` (`knob_kernels`) and
     GEMM back-end ``gemm`` ("engine": `engine_gemm`). Returns (run, kv, the back-end used)."""
-    kernels = model_kernels(kc, knobs or None)
+    kernels = knob_kernels(kc, knobs)
     backend = engine_gemm(kc, B) if gemm == "engine" else gemm
     if inputs == "packed":
         fn = functools.partial(PACKED_STEPS[backend], cfg=cfg, kernels=kernels)

@@ -255,7 +255,7 @@ class LLMEngine:
                         async_scheduling=self.async_scheduling, mask_words=self.structured.words)
         return list(dict.fromkeys(hb.key for _, hb in steps))
 
-    def precompile(self, shape_keys, *, max_workers: int | None = None, warm: bool = True) -> dict:
+    def precompile(self, shape_keys, *, max_workers: int | None = None) -> dict:
         """`ModelRunner.precompile`, split as `_launch` runs: {"shapes", "lower_s", ...}."""
-        return self.runner.precompile(shape_keys, max_workers=max_workers, warm=warm,
+        return self.runner.precompile(shape_keys, max_workers=max_workers,
                                       split=self.async_scheduling)

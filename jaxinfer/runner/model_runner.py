@@ -184,8 +184,8 @@ class ModelRunner:
                              f"(output_token_ids i32[R], logits f32[V]) -> f32[V] fn; {error}")
 
     def precompile(self, shape_keys: list[ShapeKey], *, max_workers: int | None = None,
-                   warm: bool = True, split: bool = False) -> dict:
+                   split: bool = False) -> dict:
         """`StepExecutor.precompile`: {"shapes", "lower_s", "warm_s", "seconds"}."""
         info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys, split=split,
-                                                 max_workers=max_workers, warm=warm)
+                                                 max_workers=max_workers)
         return info

@@ -36,15 +36,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxinfer import models  # noqa: E402
 from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve  # noqa: E402
-from jaxinfer.models.kernels import ModelKernels, PagedAttention, model_kernels  # noqa: E402
+from jaxinfer.models.kernels import ModelKernels  # noqa: E402
 from jaxinfer.models.kv_cache import KVCache  # noqa: E402
 from jaxinfer.models.quantize import quantize_params  # noqa: E402
 from jaxinfer.runner.sampling import SamplingMetadata  # noqa: E402
-from jaxinfer.runner.step import (GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecutor, StepInput,  # noqa: E402
-                                  forward, sample_logits)
+from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecutor, StepInput  # noqa: E402
 from jaxinfer.step_input import FIELDS, ShapeKey, allocate, pack  # noqa: E402
 from pallas_kernels.paged_attention import registry  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
+from scripts.step_tools import knob_kernels, make_step_fn  # noqa: E402,F401
 
 QWEN3_8B = dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
@@ -141,29 +141,6 @@ def time_steps(run, kv, steps: int, warmup: int = 3):
         toks, kv = run(kv)
     toks.block_until_ready()
     return (time.perf_counter() - t) / steps, kv
-
-
-def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool, gemm: str = "xla"):
-    """``jax.jit`` of one fused step ``(params, kv, StepInput) -> (ids, kv')``, KV donated: the
-    engine's `forward`, then `sample_logits`, without its packed input buffer."""
-    def step(params, kv, inp):
-        logits, _, kv = forward(params, kv, inp, cfg=cfg, kernels=kernels)
-        return sample_logits(logits, inp, all_greedy=all_greedy), kv
-
-    return jax.jit(step, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm])
-
-
-def knob_kernels(kc: KernelConfig, knobs: dict | None) -> ModelKernels:
-    """`model_kernels` of ``kc`` with the decode-variant keywords ``knobs`` bound (None or {}:
-    none). ValueError: an unregistered variant, or knobs for the reference."""
-    kernels = model_kernels(kc)
-    if not knobs:
-        return kernels
-    if kc.decode_attention == "reference":
-        raise ValueError(f"decode_knobs={knobs} need a decode kernel variant; the reference has "
-                         "no knobs")
-    return dataclasses.replace(kernels, attention=PagedAttention(
-        kc.decode_attention, kc.prefill_attention, tuple(sorted(knobs.items()))))
 
 
 def parse_knobs(text: str) -> dict:

@@ -1,4 +1,4 @@
-"""scripts/bench_throughput.py's `record_steps`: one StepRecord per dispatched step, in read-back
+"""scripts/step_tools.py's `record_steps`: one StepRecord per dispatched step, in read-back
 order, with host times."""
 
 import jax
@@ -10,7 +10,7 @@ from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.sampling_params import SamplingParams
 
-BENCH = load_script("bench_throughput")
+STEPS = load_script("step_tools")
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -21,10 +21,10 @@ def test_step_log_records_every_step(async_scheduling, tiny_cfg, tiny_params):
     for i, n in enumerate([5, 30, 9]):
         eng.add_request([(5 * i + j) % 250 + 1 for j in range(n)],
                         SamplingParams(temperature=0.0, max_tokens=3 + i))
-    log = BENCH.record_steps(eng, [])
+    log = STEPS.record_steps(eng, [])
     while eng.has_unfinished():
         eng.step()
-    assert len(log) == eng.stats().num_steps and all(isinstance(r, BENCH.StepRecord) for r in log)
+    assert len(log) == eng.stats().num_steps and all(isinstance(r, STEPS.StepRecord) for r in log)
     assert [r.t_done for r in log] == sorted(r.t_done for r in log)
     assert any(r.shape_key.packed for r in log)  # a packed prefill step
     assert any(not r.shape_key.packed and r.rows == 3 for r in log)  # a decode step of 3 rows

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxinfer import models  # noqa: E402
 from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve  # noqa: E402
-from jaxinfer.models.kernels import ModelKernels  # noqa: E402
+from jaxinfer.models.kernels import ModelKernels, model_kernels  # noqa: E402
 from jaxinfer.models.kv_cache import KVCache  # noqa: E402
 from jaxinfer.models.quantize import quantize_params  # noqa: E402
 from jaxinfer.runner.sampling import SamplingMetadata  # noqa: E402
@@ -44,7 +44,7 @@ from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecut
 from jaxinfer.step_input import FIELDS, ShapeKey, allocate, pack  # noqa: E402
 from pallas_kernels.paged_attention import registry  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
-from scripts.step_tools import knob_kernels, make_step_fn  # noqa: E402,F401
+from scripts.step_tools import make_step_fn  # noqa: E402,F401
 
 QWEN3_8B = dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
@@ -233,7 +233,7 @@ def check_against_reference(cfg, params, kc, knobs: dict, B: int, ctx: int, page
         kv = KVCache(k=k, v=v, block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(lens))
         return np.asarray(jax.jit(f)(params, kv), np.float64)
     want = logits(ModelKernels())
-    err = float(np.linalg.norm(logits(knob_kernels(kc, knobs)) - want)
+    err = float(np.linalg.norm(logits(model_kernels(kc, knobs or None)) - want)
                 / np.linalg.norm(want))
     assert err <= tol, f"kernels {kc} disagree with the reference: relative error {err:.3g}"
     return err
@@ -241,9 +241,9 @@ def check_against_reference(cfg, params, kc, knobs: dict, B: int, ctx: int, page
 
 def step_runner(cfg, params, kc, knobs: dict, gemm: str, inputs: str, B: int, ctx: int,
                 page_size: int, scatter_pages: bool):
-    """`decode_runner` over the engine's step with the kernels of ``kc`` (`knob_kernels`) and
+    """`decode_runner` over the engine's step with the kernels of ``kc`` (`model_kernels`) and
     GEMM back-end ``gemm`` ("engine": `engine_gemm`). Returns (run, kv, the back-end used)."""
-    kernels = knob_kernels(kc, knobs)
+    kernels = model_kernels(kc, knobs or None)
     backend = engine_gemm(kc, B) if gemm == "engine" else gemm
     if inputs == "packed":
         fn = functools.partial(PACKED_STEPS[backend], cfg=cfg, kernels=kernels)

@@ -1,19 +1,17 @@
 """What benchmarks build around the engine's step, outside the package: a fused jit step without
-the packed input buffer (`make_step_fn`), kernels with decode-variant tuning keywords bound
-(`knob_kernels`), and a per-step log recorded through the engine's hooks (`record_steps`,
-`StepRecord`, `step_phases`, `TracedStepLog`, `trace_summary`)."""
+the packed input buffer (`make_step_fn`) and a per-step log recorded through the engine's hooks
+(`record_steps`, `StepRecord`, `step_phases`, `TracedStepLog`, `trace_summary`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from typing import NamedTuple
 
 import jax
 
-from jaxinfer.config import KernelConfig, ModelConfig
-from jaxinfer.models.kernels import ModelKernels, PagedAttention, model_kernels
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS, forward, sample_logits
 
 
@@ -25,19 +23,6 @@ def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool, gemm
         return sample_logits(logits, inp, all_greedy=all_greedy), kv
 
     return jax.jit(step, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm])
-
-
-def knob_kernels(kc: KernelConfig, knobs: dict | None) -> ModelKernels:
-    """`model_kernels` of ``kc`` with the decode-variant keywords ``knobs`` bound (None or {}:
-    none). ValueError: an unregistered variant, or knobs for the reference."""
-    kernels = model_kernels(kc)
-    if not knobs:
-        return kernels
-    if kc.decode_attention == "reference":
-        raise ValueError(f"decode_knobs={knobs} need a decode kernel variant; the reference has "
-                         "no knobs")
-    return dataclasses.replace(kernels, attention=PagedAttention(
-        kc.decode_attention, kc.prefill_attention, tuple(sorted(knobs.items()))))
 
 
 class StepRecord(NamedTuple):

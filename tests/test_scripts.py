@@ -114,7 +114,7 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
         return q
     monkeypatch.setattr(kernels.registry, "get", lambda name: fake_decode)
     mosaic = KernelConfig("mosaic", "reference")
-    attn = bench.knob_kernels(mosaic, {"num_splits": 3}).attention
+    attn = kernels.model_kernels(mosaic, decode_knobs={"num_splits": 3}).attention
     q = jnp.ones((2, 1, 4, 8))
     out = attn(q, jnp.zeros((1, 2, 2, 4, 8)), jnp.zeros((1, 2, 2, 4, 8)),
                jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32),
@@ -123,7 +123,8 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
     assert seen.pop("page_offset").shape == (32,)
     assert out.shape == q.shape and seen == {"num_splits": 3}
     with pytest.raises(ValueError, match="reference has no knobs"):
-        bench.knob_kernels(KernelConfig("reference", "reference"), {"num_splits": 3})
+        kernels.model_kernels(KernelConfig("reference", "reference"),
+                              decode_knobs={"num_splits": 3})
 
 
 def test_bench_decode_defaults_to_the_engines_kernels():

@@ -43,8 +43,8 @@ def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, 
 
 @dataclass(frozen=True)
 class PagedAttention:
-    """T == 1 to decode variant ``decode`` (``decode_knobs``: its keywords, benchmarks' tuning),
-    T > 1 to prefill variant ``prefill``, jitted with ``layer`` as i32[]."""
+    """T == 1 to decode variant ``decode`` (``decode_knobs``), T > 1 to prefill variant ``prefill``,
+    jitted with ``layer`` as i32[]."""
 
     decode: str = "reference"
     prefill: str = "reference"
@@ -71,11 +71,15 @@ class PagedAttention:
                             kernel=registry.get_prefill(self.prefill), scale=scale)
 
 
-def model_kernels(kc, mesh=None) -> ModelKernels:
-    """`ModelKernels` for a resolved `KernelConfig`. ValueError: an unregistered variant."""
+def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKernels:
+    """`ModelKernels` for a resolved `KernelConfig`; ``decode_knobs``: decode-variant keywords.
+    ValueError: an unregistered variant, reference knobs."""
     decode, prefill = kc.decode_attention, kc.prefill_attention
     registry.get(decode), registry.get_prefill(prefill)  # raise ValueError listing the names
+    if decode_knobs and decode == "reference":
+        raise ValueError(f"decode_knobs={decode_knobs} need a decode kernel variant; the "
+                         "reference has no knobs")
     attention = reference.paged_attention
     if (decode, prefill) != ("reference", "reference"):
-        attention = PagedAttention(decode, prefill)
+        attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
     return ModelKernels(attention, mesh, kc.fp8_gemm)

@@ -87,13 +87,15 @@ def test_decode_step_with_mosaic_matches_jnp_path(arch):
 
 def test_model_kernels_attention():
     """The reference pair is the reference function itself; other variants a value-equal
-    (so jit-cache-sharing) dispatch; unknown variants are rejected with the registered names
-    (decode knobs: scripts/step_tools.py's `knob_kernels`, tests/test_scripts.py)."""
+    (so jit-cache-sharing) dispatch; knobs need a decode kernel; unknown variants are rejected
+    with the registered names."""
     from pallas_kernels.paged_attention import reference
     assert model_kernels(kernel_config()) == ModelKernels(reference.paged_attention)
     a = model_kernels(kernel_config(prefill_attention="triton"))
     assert a.attention == PagedAttention("reference", "triton")
     assert hash(a) == hash(model_kernels(kernel_config(prefill_attention="triton")))
+    with pytest.raises(ValueError, match="decode_knobs"):
+        model_kernels(kernel_config(), decode_knobs={"num_splits": 3})
     with pytest.raises(ValueError, match="registered"):
         model_kernels(kernel_config(decode_attention="auto"))
 

@@ -1,20 +1,6 @@
-"""Engine counters and the per-step log (host side, no JAX), never read by the engine itself."""
+"""Engine counters (host side, no JAX), never read by the engine itself."""
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
-
-
-class StepRecord(NamedTuple):
-    """One read-back step (``time.perf_counter`` seconds): ``wait_s`` blocked on its tokens,
-    the reading step's ``schedule_s``/``launch_s`` (0: read back first) and ``post_s``."""
-
-    shape_key: tuple
-    rows: int
-    t_done: float
-    wait_s: float = 0.0
-    schedule_s: float = 0.0
-    launch_s: float = 0.0
-    post_s: float = 0.0
 
 
 @dataclass
@@ -22,8 +8,8 @@ class EngineStats:
     """num_lazy_compiles: shapes compiled in a step (compile_s: their seconds, lowering
     included); num_overlapped_steps: dispatched with one in
     flight; num_covered_steps: run padded to a compiled shape while theirs compiled;
-    prefix_cache_queries / _hits: admitted tokens looked up / found; step_log: None, or ``[]``
-    to collect `StepRecord`s; queue and pool sizes: filled in by `LLMEngine.stats`."""
+    prefix_cache_queries / _hits: admitted tokens looked up / found; queue and pool sizes:
+    filled in by `LLMEngine.stats`."""
 
     num_steps: int = 0
     num_lazy_compiles: int = 0
@@ -34,7 +20,6 @@ class EngineStats:
     compiled_shapes: set = field(default_factory=set)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    step_log: list | None = None
     num_running: int = 0
     num_waiting: int = 0
     kv_pages_in_use: int = 0

@@ -40,11 +40,11 @@ from jaxinfer.models.kernels import ModelKernels, model_kernels  # noqa: E402
 from jaxinfer.models.kv_cache import KVCache  # noqa: E402
 from jaxinfer.models.quantize import quantize_params  # noqa: E402
 from jaxinfer.runner.sampling import SamplingMetadata  # noqa: E402
-from jaxinfer.runner.step import (GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecutor, StepInput,  # noqa: E402
-                                  make_step_fn)
+from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS, PACKED_STEPS, StepExecutor, StepInput  # noqa: E402
 from jaxinfer.step_input import FIELDS, ShapeKey, allocate, pack  # noqa: E402
 from pallas_kernels.paged_attention import registry  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
+from scripts.step_tools import make_step_fn  # noqa: E402,F401
 
 QWEN3_8B = dict(architecture="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,

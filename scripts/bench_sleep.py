@@ -40,7 +40,7 @@ def main() -> None:
 
     from jaxinfer import LLM, SamplingParams, models
     from jaxinfer.config import ModelConfig
-    from jaxinfer.config.memory import device_memory_stats
+    from scripts.plan_memory import device_memory_stats
 
     hf = dict(TINY_HF if args.tiny else QWEN3_8B_HF, model_type="qwen3",
               num_hidden_layers=2 if args.tiny else args.layers)

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxinfer.config import KernelConfig  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
+from scripts.step_tools import TracedStepLog, record_steps, step_phases, trace_summary  # noqa: E402,F401
 
 QWEN3_8B_HF = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
@@ -79,96 +80,6 @@ def summarize(name, t_total, n_out, ttft, tpot, latency) -> dict:
                 p99_latency_s=float(np.percentile(latency, 99)) if latency else None)
 
 
-def step_phases(log, t0: float) -> dict:
-    """Seconds per step kind from the engine's step log (`StepRecord`s; time between consecutive
-    read-backs, the first counted from ``t0``): prefill steps, and decode steps per batch bucket
-    with their mean real rows, plus the host's time per step blocked on the device (``wait``)
-    and in its own work (``schedule``, ``launch``: build + transfer + dispatch, ``post``). A
-    bucket whose wait is near 0 is host-bound: the device finished before the host asked."""
-    out: dict = {"prefill": dict(steps=0, seconds=0.0), "decode": {}}
-    prev = t0
-    keys = ("wait_s", "schedule_s", "launch_s", "post_s")
-    for r in log:
-        dt, prev = r.t_done - prev, r.t_done
-        if r.shape_key.packed:  # packed prefill step
-            out["prefill"]["steps"] += 1
-            out["prefill"]["seconds"] += dt
-            continue
-        d = out["decode"].setdefault(str(r.shape_key.batch),
-                                     dict(steps=0, seconds=0.0, rows=0, **dict.fromkeys(keys, 0.0)))
-        d["steps"] += 1
-        d["seconds"] += dt
-        d["rows"] += r.rows
-        for k in keys:
-            d[k] += getattr(r, k)
-    for d in out["decode"].values():
-        d["ms_per_step"] = d["seconds"] / d["steps"] * 1e3
-        d["mean_rows"] = d.pop("rows") / d["steps"]
-        for k in keys:
-            d[k.replace("_s", "_ms_per_step")] = d.pop(k) / d["steps"] * 1e3
-    return out
-
-
-class TracedStepLog(list):
-    """The engine's step log that also runs the JAX profiler over a window of steps: the trace
-    starts when step ``start`` is read back and stops when step ``start + count`` is (under
-    asynchronous scheduling about ``count`` steps of device work lie between)."""
-
-    def __init__(self, start: int, count: int, logdir: str):
-        super().__init__()
-        self.start, self.count, self.logdir = start, count, logdir
-        self.active = False
-
-    def append(self, item) -> None:
-        super().append(item)
-        import jax
-        if len(self) == self.start:
-            jax.profiler.start_trace(self.logdir)
-            self.active = True
-        elif self.active and len(self) == self.start + self.count:
-            jax.profiler.stop_trace()
-            self.active = False
-
-
-def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
-    """Kernel time per step in the traced window, the GPU's busy time against the span, and its
-    idle gaps (the host not keeping the device fed shows as gaps of tens of µs or more)."""
-    import collections
-    import glob
-
-    from scripts.profile_decode_step import busy_ns, idle_gaps, kernel_events, short
-    if log.active:  # the run ended inside the window
-        import jax
-        jax.profiler.stop_trace()
-        log.active = False
-    paths = glob.glob(os.path.join(log.logdir, "**", "*.xplane.pb"), recursive=True)
-    window = log[log.start:log.start + log.count]
-    n = len(window)
-    if not paths or not n:
-        return dict(error=f"the run had {len(log)} steps: none inside the traced window "
-                          f"starting at step {log.start}")
-    try:
-        ev = sorted(kernel_events(paths[0]), key=lambda e: e[1])
-    except RuntimeError as e:  # no GPU plane (a CPU run)
-        return dict(error=str(e))
-    if not ev:
-        return dict(error="the trace holds no GPU kernel events")
-    span = ev[-1][1] + ev[-1][2] - ev[0][1]
-    gaps = idle_gaps(ev)
-    agg = collections.defaultdict(lambda: [0, 0])
-    for name, _, d in ev:
-        agg[short(name)][0] += 1
-        agg[short(name)][1] += d
-    kernels = sorted(({"kernel": k, "launches_per_step": c / n, "us_per_step": t / n / 1e3}
-                      for k, (c, t) in agg.items()), key=lambda r: -r["us_per_step"])[:top]
-    big = [g["us"] for g in gaps if g["us"] >= 20]
-    return dict(steps=n, shapes=sorted({str(r.shape_key) for r in window}),
-                rows=[r.rows for r in window], span_ms_per_step=span / n / 1e6,
-                busy_ms_per_step=busy_ns(ev) / n / 1e6, launches_per_step=len(ev) / n,
-                gaps_over_20us=len(big), gap_ms_over_20us=sum(big) / 1e3,
-                largest_gaps=sorted(gaps, key=lambda g: -g["us"])[:8], kernels=kernels)
-
-
 def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     from jaxinfer import LLM, SamplingParams
     kw = dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
@@ -199,13 +110,13 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     lazy_before = eng.stats().num_lazy_compiles
     if args.trace_steps:
         import tempfile
-        eng.runner.stats.step_log = TracedStepLog(*args.trace_steps, tempfile.mkdtemp())
+        steps = record_steps(eng, TracedStepLog(*args.trace_steps, tempfile.mkdtemp()))
     else:
-        eng.runner.stats.step_log = []
+        steps = record_steps(eng, [])
     t = time.perf_counter()
     outs = llm.generate(reqs, params, use_tqdm=True)
     dt = time.perf_counter() - t
-    phases = step_phases(eng.stats().step_log, t)
+    phases = step_phases(steps, t)
     ttft, tpot, lat = [], [], []
     for o in outs:
         m, k = o.metrics, len(o.token_ids)
@@ -224,7 +135,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
                prefill_attention=kc.prefill_attention, num_pages=eng.runner.num_pages,
                prefill_gemm=kc.prefill_gemm, cublas_decode_min_batch=kc.cublas_decode_min_batch)
     if args.trace_steps:
-        row["trace"] = trace_summary(eng.stats().step_log)
+        row["trace"] = trace_summary(steps)
     return row
 
 

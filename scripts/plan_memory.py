@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxinfer.checks import check_int, is_number  # noqa: E402
 from jaxinfer.cli_args import Parser, fail  # noqa: E402
 from jaxinfer.config import DTYPE_BYTES, ModelConfig  # noqa: E402
-from jaxinfer.config.memory import (GIB, _gib, default_reserve_bytes, device_memory_stats,  # noqa: E402
-                                    kv_bytes_per_token, kv_pool_pages, param_count)
+from jaxinfer.config.memory import (GIB, _gib, default_reserve_bytes,  # noqa: E402
+                                    kv_bytes_per_token, kv_pool_pages)
 from jaxinfer.config.model import check_tp  # noqa: E402
 from jaxinfer.config.weights import device_bytes  # noqa: E402
 
@@ -43,6 +43,26 @@ PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, S
                                 rope_theta=1e5, max_position_embeddings=8192,
                                 tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
 }
+
+
+def param_count(cfg: ModelConfig, tp: int = 1) -> int:
+    """Parameters of the model one device of ``tp`` holds (`weights.device_bytes`)."""
+    return device_bytes(cfg, tp)
+
+
+def device_memory_stats(device=None) -> tuple[int, int] | None:
+    """``(bytes_in_use, bytes_limit)`` (the XLA allocator's limit) of ``device`` (default
+    ``jax.devices()[0]``), or None where the backend reports none (the CPU)."""
+    if device is None:
+        import jax
+
+        device = jax.devices()[0]
+    try:
+        stats = device.memory_stats() or {}
+    except Exception:  # backends without the API raise (NotImplementedError, RuntimeError)
+        return None
+    keys = ("bytes_in_use", "bytes_limit")
+    return tuple(int(stats[k]) for k in keys) if all(k in stats for k in keys) else None
 
 
 def fp8_weight_bytes(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:

@@ -1,5 +1,5 @@
-"""Tests for jaxinfer.config.memory (pool sizing, tracker), scripts/plan_memory.py (plans, its CLI)
-and scripts/probes/memory_trace.py (the tracker's CSV and report).
+"""Tests for jaxinfer.config.memory (pool sizing), scripts/plan_memory.py (plans, its CLI)
+and scripts/probes/memory_trace.py (the tracker, its CSV and report).
 
 Every expected number is computed by hand here from published shapes / the seeds' example,
 independently of the code under test.
@@ -25,13 +25,14 @@ import pytest
 from script_module import ROOT, load_script
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.config.memory import (GIB, MemoryTracker, default_reserve_bytes, device_memory_stats,
-                                    param_count)
+from jaxinfer.config.memory import GIB, default_reserve_bytes
 
 PLANNER = load_script("plan_memory")
 MemoryPlan, PRESETS, plan_memory = PLANNER.MemoryPlan, PLANNER.PRESETS, PLANNER.plan_memory
 plan_main = PLANNER.main
-TRACE = load_script("probes/memory_trace")  # the tracker's CSV and report line
+TRACE = load_script("probes/memory_trace")  # the tracker, its CSV and report line
+MemoryTracker = TRACE.MemoryTracker
+param_count, device_memory_stats = PLANNER.param_count, PLANNER.device_memory_stats
 
 QWEN3_8B = PRESETS["qwen3-8b"]
 

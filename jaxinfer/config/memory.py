@@ -1,15 +1,10 @@
 """KV pool sizing (`kv_pool_pages`, the one formula; vLLM's ``gpu_memory_utilization``), bytes per
-device under tensor parallelism, and a memory tracker; capacity plans: ``scripts/plan_memory.py``.
-Imports no JAX (`device_memory_stats` imports it when called)."""
+device under tensor parallelism; capacity plans: ``scripts/plan_memory.py``. Imports no JAX."""
 
 import os
-import time
-from typing import Callable
 
-from jaxinfer.checks import check_int
 from jaxinfer.config import ResolvedConfig
 from jaxinfer.config.model import ModelConfig, tp_model_config
-from jaxinfer.config.weights import device_bytes
 
 GIB = 1 << 30
 CPU_KV_BUDGET_BYTES = 2 * GIB  # KV pool cap where the device reports no memory stats (CPU)
@@ -17,11 +12,6 @@ CPU_KV_BUDGET_BYTES = 2 * GIB  # KV pool cap where the device reports no memory 
 
 def _gib(n: float) -> str:
     return f"{n / GIB:,.2f} GiB"
-
-
-def param_count(cfg: ModelConfig, tp: int = 1) -> int:
-    """Parameters of the model one device of ``tp`` holds (`weights.device_bytes`)."""
-    return device_bytes(cfg, tp)
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
@@ -89,50 +79,3 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
         usable, used = min(pages * page_bytes, CPU_KV_BUDGET_BYTES), 0
     return kv_pool_pages(m, page_size=e.page_size, dtype_bytes=resolved.kv_dtype_bytes,
                          usable_bytes=usable, used_bytes=used, tp=tp)
-
-
-class MemoryTracker:
-    """Weights / KV pool / pages in use / other bytes over time (scripts/probes/memory_trace.py):
-    `rows`, one (time_s, pages_in_use, weights, KV pool, KV used, other bytes) per `snapshot`;
-    ``time_s``: seconds since the tracker started; other: device bytes in use - weights - KV pool
-    when measured (``measured``: the last row's was), else 0.
-    ``page_bytes``: one page of K and V, all layers; ``num_pages`` includes the null page;
-    ``clock``: seconds (default ``time.monotonic``). Raises ValueError: a size out of range."""
-
-    def __init__(self, weights_bytes: int, page_bytes: int, num_pages: int,
-                 clock: Callable[[], float] | None = None) -> None:
-        for name, v, lo in (("weights_bytes", weights_bytes, 0), ("page_bytes", page_bytes, 1),
-                            ("num_pages", num_pages, 1)):
-            check_int(f"MemoryTracker: {name}", v, lo)
-        self.weights_bytes, self.page_bytes, self.num_pages = weights_bytes, page_bytes, num_pages
-        self.kv_pool_bytes, self._clock = page_bytes * num_pages, clock or time.monotonic
-        self._t0, self.rows = self._clock(), []
-        self.measured = False
-
-    def snapshot(self, pages_in_use: int, device_bytes_in_use: int | None = None) -> tuple:
-        """Record and return one row. Raises ValueError: ``pages_in_use`` outside [0, num_pages]
-        or ``device_bytes_in_use`` negative."""
-        check_int("MemoryTracker.snapshot: pages_in_use", pages_in_use, 0, self.num_pages)
-        if device_bytes_in_use is not None:
-            check_int("MemoryTracker.snapshot: device_bytes_in_use", device_bytes_in_use, 0)
-        self.measured = device_bytes_in_use is not None
-        self.rows.append((self._clock() - self._t0, pages_in_use, self.weights_bytes,
-                          self.kv_pool_bytes, pages_in_use * self.page_bytes,
-                          device_bytes_in_use - self.weights_bytes - self.kv_pool_bytes
-                          if self.measured else 0))
-        return self.rows[-1]
-
-
-def device_memory_stats(device=None) -> tuple[int, int] | None:
-    """``(bytes_in_use, bytes_limit)`` (the XLA allocator's limit) of ``device`` (default
-    ``jax.devices()[0]``), or None where the backend reports none (the CPU)."""
-    if device is None:
-        import jax
-
-        device = jax.devices()[0]
-    try:
-        stats = device.memory_stats() or {}
-    except Exception:  # backends without the API raise (NotImplementedError, RuntimeError)
-        return None
-    keys = ("bytes_in_use", "bytes_limit")
-    return tuple(int(stats[k]) for k in keys) if all(k in stats for k in keys) else None

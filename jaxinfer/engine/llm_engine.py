@@ -4,12 +4,10 @@
 
 import dataclasses
 import itertools
-import time
 from typing import Callable
 
 import numpy as np
 
-from jaxinfer.config.memory import MemoryTracker
 from jaxinfer.engine import logprobs
 from jaxinfer.engine.batch_builder import build_host_batch, shape_key
 from jaxinfer.engine.block_manager import BlockManager
@@ -20,7 +18,7 @@ from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.structured import StructuredOutputManager
 from jaxinfer.outputs import OutputProcessor
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.stats import EngineStats, StepRecord
+from jaxinfer.stats import EngineStats
 from jaxinfer.step_input import ShapeKey
 
 
@@ -54,8 +52,6 @@ class LLMEngine:
                              async_scheduling=ec.async_scheduling, stats=self._stats)
         self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
         self._touched: list[str] = []  # request ids a step or an abort gave new output
-        self.memory = MemoryTracker(runner.weight_bytes, runner.page_bytes, runner.num_pages)
-        self.trace_memory = False  # a `MemoryTracker` snapshot after every step
 
     def _scheduler(self, bm: BlockManager, eos_token_ids=()) -> Scheduler:
         ec = self.resolved.engine
@@ -231,9 +227,8 @@ class LLMEngine:
 
     def _complete(self, done: Launched, host_times: tuple[float, float]) -> list[Sequence]:
         """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
-        (handle, hb), batch, t0 = done.handle, done.batch, time.perf_counter()
+        (handle, hb), batch = done.handle, done.batch
         tokens, lps = self.runner.read(handle)
-        t1 = time.perf_counter()
         sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
         for s, tok in zip(batch.seqs, sampled):  # a row finished earlier: its token discarded
             if tok is not None and s.matcher is not None and not s.is_finished:
@@ -250,18 +245,7 @@ class LLMEngine:
             elif self.scheduler.finish(s, "stop"):
                 finished.append(s)
         self._touched += [s.parent_id for s in batch.seqs]
-        if self._stats.step_log is not None:
-            self._stats.step_log.append(StepRecord(hb.key, batch.num_seqs, t1, t1 - t0,
-                                                   *host_times, time.perf_counter() - t1))
-        if self.trace_memory:
-            self.memory_snapshot()
         return finished
-
-    def memory_snapshot(self):
-        """`MemoryTracker.snapshot` of now."""
-        bm = self.block_manager
-        return self.memory.snapshot(bm.num_usable_pages - bm.num_free_pages,
-                                    device_bytes_in_use=self.runner.device_bytes_in_use())
 
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
         """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""
@@ -271,7 +255,7 @@ class LLMEngine:
                         async_scheduling=self.async_scheduling, mask_words=self.structured.words)
         return list(dict.fromkeys(hb.key for _, hb in steps))
 
-    def precompile(self, shape_keys, *, max_workers: int | None = None, warm: bool = True) -> dict:
+    def precompile(self, shape_keys, *, max_workers: int | None = None) -> dict:
         """`ModelRunner.precompile`, split as `_launch` runs: {"shapes", "lower_s", ...}."""
-        return self.runner.precompile(shape_keys, max_workers=max_workers, warm=warm,
+        return self.runner.precompile(shape_keys, max_workers=max_workers,
                                       split=self.async_scheduling)

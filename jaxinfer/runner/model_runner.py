@@ -58,8 +58,6 @@ class ModelRunner:
                                      self.buckets.batch[-1], self.stats, ec.compile_in_background)
         self.weight_bytes = device_bytes(model_config, tp, resolved.dtype_bytes,
                                          resolved.quantization)  # one device's
-        self.page_bytes = memory.kv_bytes_per_token(  # one device's KV bytes per page
-            model_config, resolved.kv_dtype_bytes, tp) * ec.page_size
 
     def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
@@ -186,13 +184,8 @@ class ModelRunner:
                              f"(output_token_ids i32[R], logits f32[V]) -> f32[V] fn; {error}")
 
     def precompile(self, shape_keys: list[ShapeKey], *, max_workers: int | None = None,
-                   warm: bool = True, split: bool = False) -> dict:
+                   split: bool = False) -> dict:
         """`StepExecutor.precompile`: {"shapes", "lower_s", "warm_s", "seconds"}."""
         info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys, split=split,
-                                                 max_workers=max_workers, warm=warm)
+                                                 max_workers=max_workers)
         return info
-
-    @staticmethod
-    def device_bytes_in_use() -> int | None:
-        """Bytes in use on the first local device (None: it keeps no statistics)."""
-        return (memory.device_memory_stats() or (None,))[0]

@@ -1,14 +1,13 @@
 """The jit entry point: a step is ``(params, kv, inputs) -> (next_tokens i32[Bmax], kv')``
-(logprobs: a dict), KV donated, compiled per `ShapeKey` and GEMM back-end (`StepExecutor`)."""
+(logprobs: a dict), KV donated, compiled per `ShapeKey` and GEMM back-end (`packed_step`,
+`StepExecutor`)."""
 
 import dataclasses
-import functools
 import logging
 import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -83,31 +82,7 @@ def sample_logits(logits: jax.Array, inp: StepInput, *, all_greedy: bool,
     return dict(tokens=tokens, **out) if out else tokens
 
 
-def step(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig, kernels: ModelKernels,
-         all_greedy: bool, num_logprobs: int = 0, processors: tuple = ()
-         ) -> tuple[jax.Array | dict, KVCache]:
-    """`forward`, then `sample_logits` (its dict with the prompt log-probabilities), fused."""
-    logits, prompt, kv = forward(params, kv, inp, cfg=cfg, kernels=kernels,
-                                 num_logprobs=num_logprobs)
-    out = sample_logits(logits, inp, all_greedy=all_greedy, num_logprobs=num_logprobs,
-                        processors=processors)
-    return ({**out, **prompt} if prompt else out), kv
-
-
 GEMM_COMPILER_OPTIONS = {"xla": None, "cublas": {"xla_gpu_enable_triton_gemm": False}}
-
-
-def _jit(fn: Callable, gemm: str, static: tuple[str, ...]) -> Callable:
-    if gemm not in GEMM_COMPILER_OPTIONS:
-        raise ValueError(f"gemm={gemm!r} is invalid: allowed {sorted(GEMM_COMPILER_OPTIONS)}")
-    return jax.jit(fn, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm],
-                   static_argnames=static)
-
-
-def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool,
-                 gemm: str = "xla") -> Callable:
-    """``jax.jit`` of `step` (KV donated), for benchmarks; ValueError: unknown ``gemm``."""
-    return _jit(functools.partial(step, cfg=cfg, kernels=kernels, all_greedy=all_greedy), gemm, ())
 
 
 def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInput]:
@@ -128,8 +103,10 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
 
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
                 key: ShapeKey, cfg: ModelConfig, kernels: ModelKernels, phase: str = "step"):
-    """`step` on ``buf`` i32[S] (`pack`), ``prev_tokens`` i32[Bmax]; ``kv`` tables: placeholders.
-    ``phase`` "forward": `forward` only: ((logits f32[B, V], prompt dict), the cache); "sample":
+    """One step on ``buf`` i32[S] (`pack`), ``prev_tokens`` i32[Bmax]; ``kv`` tables:
+    placeholders. ``phase`` "step": `forward` then `sample_logits`, fused: (ids, or with K > 0
+    a dict, the prompt log-probabilities included; the cache); "forward": `forward` only:
+    ((logits f32[B, V], prompt dict), the cache); "sample":
     `sample_logits` of ``params``, the forward's logits (``kv`` None), read from a fresh ``buf``
     of the same ``key`` (the bitmask filled since): ids or dict."""
     tables, lens, inp = unpack(buf, key)
@@ -137,19 +114,19 @@ def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Arra
     if phase == "sample":
         return sample_logits(params, inp, all_greedy=key.all_greedy, num_logprobs=key.logprobs,
                              processors=key.processors)
-    step_kv = kv.replace(block_tables=tables, seq_lens=lens)
-    if phase == "forward":
-        logits, prompt, new = forward(params, step_kv, inp, cfg=cfg, kernels=kernels,
-                                      num_logprobs=key.logprobs)
-        out = logits, prompt
-    else:
-        out, new = step(params, step_kv, inp, cfg=cfg, kernels=kernels, all_greedy=key.all_greedy,
-                        num_logprobs=key.logprobs, processors=key.processors)
+    logits, prompt, new = forward(params, kv.replace(block_tables=tables, seq_lens=lens), inp,
+                                  cfg=cfg, kernels=kernels, num_logprobs=key.logprobs)
+    out = (logits, prompt) if phase == "forward" else sample_logits(
+        logits, inp, all_greedy=key.all_greedy, num_logprobs=key.logprobs,
+        processors=key.processors)
+    if phase == "step" and prompt:
+        out = {**out, **prompt}
     return out, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
 
 
-PACKED_STEPS = {gemm: _jit(packed_step, gemm, ("key", "cfg", "kernels", "phase"))
-                for gemm in GEMM_COMPILER_OPTIONS}
+PACKED_STEPS = {gemm: jax.jit(packed_step, donate_argnums=(1,), compiler_options=options,
+                              static_argnames=("key", "cfg", "kernels", "phase"))
+                for gemm, options in GEMM_COMPILER_OPTIONS.items()}
 PHASES = {False: ("step",), True: ("forward", "sample")}  # by split: fused, or two calls
 
 
@@ -250,10 +227,9 @@ class StepExecutor:
     def _lower(self, phase: str, key: ShapeKey, args):
         return self.step_fn(key).lower(*args, key=key, phase=phase, **self.static)
 
-    def precompile(self, params, kv, keys, *, max_workers: int | None, warm: bool,
-                   split: bool = False):
+    def precompile(self, params, kv, keys, *, max_workers: int | None, split: bool = False):
         """Compile each new key ahead of time (``split``: a key with a bitmask as its phases) in
-        ``max_workers`` threads (default min(executables, CPUs)); ``warm``: run each once on an
+        ``max_workers`` threads (default min(executables, CPUs)), then run each once on an
         all-padding batch (`allocate`). Returns ({"shapes" (executables), "lower_s", "warm_s",
         "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
         if max_workers is not None:
@@ -273,7 +249,7 @@ class StepExecutor:
                 for (p, k), f in zip(todo, futures):
                     self._add(_name(p, k), f.result())
         t_warm = time.perf_counter()
-        if warm and todo:
+        if todo:
             for p, k in [t for t in todo if t[0] != "sample"]:  # sampling: small, not warmed
                 out, kv = self.executables[_name(p, k)](*self._padding_args(p, params, kv, k))
             jax.block_until_ready(out)

@@ -37,8 +37,8 @@ def main() -> None:
     from jaxinfer.models.kernels import model_kernels
     from jaxinfer.models.kv_cache import KVCache
     from jaxinfer.runner.sampling import SamplingMetadata
-    from jaxinfer.runner.step import StepInput, make_step_fn
-    from scripts.bench_decode import QWEN3_8B, resolve_kernels
+    from jaxinfer.runner.step import StepInput
+    from scripts.bench_decode import QWEN3_8B, make_step_fn, resolve_kernels
 
     S = jax.ShapeDtypeStruct
     dt = jnp.bfloat16

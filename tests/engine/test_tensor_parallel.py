@@ -339,7 +339,8 @@ def test_plan_per_device_bytes():
     matrices split, the norms whole on each device."""
     from script_module import load_script
 
-    from jaxinfer.config.memory import kv_bytes_per_token, param_count
+    from jaxinfer.config.memory import kv_bytes_per_token
+    from jaxinfer.config.weights import device_bytes as param_count  # parameters per device
 
     cfg = load_script("plan_memory").PRESETS["qwen3-8b"]
     L, D, H = cfg.num_layers, cfg.hidden_size, cfg.head_dim

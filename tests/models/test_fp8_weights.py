@@ -132,7 +132,7 @@ def test_engine_generates_like_float32_on_dequantised_weights(engines):
     params, fp8, ref = engines
     assert fp8.engine.resolved.quantization == "fp8"
     assert fp8.engine.runner.params["layers"]["0"]["w_down"].dtype == jnp.float8_e4m3fn
-    assert fp8.engine.memory.weights_bytes < ref.engine.memory.weights_bytes
+    assert fp8.engine.runner.weight_bytes < ref.engine.runner.weight_bytes
     prompts = [[5, 17, 99, 3, 42], [7, 7, 200, 1], list(range(30, 50))]
     sp = SamplingParams(temperature=0.0, max_tokens=12, logprobs=1)
     got, want = fp8.generate(prompts, sp), ref.generate(prompts, sp)

@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from jaxinfer import models  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.config.memory import param_count  # noqa: E402
+from jaxinfer.config.weights import device_bytes as param_count  # noqa: E402 (compute_bytes 1)
 from jaxinfer.models.kv_cache import KVCache  # noqa: E402
 from jaxinfer.runner.loading import load_model  # noqa: E402
 

@@ -1,13 +1,16 @@
-"""EngineStats.step_log: one StepRecord per dispatched step, in read-back order, with host times."""
+"""scripts/step_tools.py's `record_steps`: one StepRecord per dispatched step, in read-back
+order, with host times."""
 
 import jax
 import pytest
+from script_module import load_script
 
 from jaxinfer.config import EngineConfig, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.runner.model_runner import ModelRunner
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.stats import StepRecord
+
+STEPS = load_script("step_tools")
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
@@ -18,11 +21,10 @@ def test_step_log_records_every_step(async_scheduling, tiny_cfg, tiny_params):
     for i, n in enumerate([5, 30, 9]):
         eng.add_request([(5 * i + j) % 250 + 1 for j in range(n)],
                         SamplingParams(temperature=0.0, max_tokens=3 + i))
-    eng.runner.stats.step_log = []
+    log = STEPS.record_steps(eng, [])
     while eng.has_unfinished():
         eng.step()
-    log = eng.stats().step_log
-    assert len(log) == eng.stats().num_steps and all(isinstance(r, StepRecord) for r in log)
+    assert len(log) == eng.stats().num_steps and all(isinstance(r, STEPS.StepRecord) for r in log)
     assert [r.t_done for r in log] == sorted(r.t_done for r in log)
     assert any(r.shape_key.packed for r in log)  # a packed prefill step
     assert any(not r.shape_key.packed and r.rows == 3 for r in log)  # a decode step of 3 rows

@@ -1,0 +1,149 @@
+"""What benchmarks build around the engine's step, outside the package: a fused jit step without
+the packed input buffer (`make_step_fn`) and a per-step log recorded through the engine's hooks
+(`record_steps`, `StepRecord`, `step_phases`, `TracedStepLog`, `trace_summary`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import NamedTuple
+
+import jax
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.kernels import ModelKernels
+from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS, forward, sample_logits
+
+
+def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool, gemm: str = "xla"):
+    """``jax.jit`` of one fused step ``(params, kv, StepInput) -> (ids, kv')``, KV donated: the
+    engine's `forward`, then `sample_logits`, without its packed input buffer."""
+    def step(params, kv, inp):
+        logits, _, kv = forward(params, kv, inp, cfg=cfg, kernels=kernels)
+        return sample_logits(logits, inp, all_greedy=all_greedy), kv
+
+    return jax.jit(step, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm])
+
+
+class StepRecord(NamedTuple):
+    """One read-back step (``time.perf_counter`` seconds): ``wait_s`` blocked on its tokens,
+    the reading step's ``schedule_s``/``launch_s`` (0: read back first) and ``post_s``."""
+
+    shape_key: tuple
+    rows: int
+    t_done: float
+    wait_s: float = 0.0
+    schedule_s: float = 0.0
+    launch_s: float = 0.0
+    post_s: float = 0.0
+
+
+def record_steps(engine, log: list) -> list:
+    """Append a `StepRecord` to ``log`` per step ``engine`` (an `LLMEngine`) reads back, by
+    wrapping its step loop's ``complete`` and its runner's ``read``; returns ``log``."""
+    complete, read, t = engine.loop.complete, engine.runner.read, {}
+
+    def timed_read(handle):
+        t["read"] = time.perf_counter()
+        out = read(handle)
+        t["done"] = time.perf_counter()
+        return out
+
+    def timed_complete(done, host_times):
+        finished = complete(done, host_times)
+        log.append(StepRecord(done.handle[1].key, done.batch.num_seqs, t["done"],
+                              t["done"] - t["read"], *host_times, time.perf_counter() - t["done"]))
+        return finished
+
+    engine.runner.read, engine.loop.complete = timed_read, timed_complete
+    return log
+
+
+def step_phases(log, t0: float) -> dict:
+    """Seconds per step kind from a step log (`record_steps`; time between consecutive
+    read-backs, the first counted from ``t0``): prefill steps, and decode steps per batch bucket
+    with their mean real rows, plus the host's time per step blocked on the device (``wait``)
+    and in its own work (``schedule``, ``launch``: build + transfer + dispatch, ``post``). A
+    bucket whose wait is near 0 is host-bound: the device finished before the host asked."""
+    out: dict = {"prefill": dict(steps=0, seconds=0.0), "decode": {}}
+    prev = t0
+    keys = ("wait_s", "schedule_s", "launch_s", "post_s")
+    for r in log:
+        dt, prev = r.t_done - prev, r.t_done
+        if r.shape_key.packed:  # packed prefill step
+            out["prefill"]["steps"] += 1
+            out["prefill"]["seconds"] += dt
+            continue
+        d = out["decode"].setdefault(str(r.shape_key.batch),
+                                     dict(steps=0, seconds=0.0, rows=0, **dict.fromkeys(keys, 0.0)))
+        d["steps"] += 1
+        d["seconds"] += dt
+        d["rows"] += r.rows
+        for k in keys:
+            d[k] += getattr(r, k)
+    for d in out["decode"].values():
+        d["ms_per_step"] = d["seconds"] / d["steps"] * 1e3
+        d["mean_rows"] = d.pop("rows") / d["steps"]
+        for k in keys:
+            d[k.replace("_s", "_ms_per_step")] = d.pop(k) / d["steps"] * 1e3
+    return out
+
+
+class TracedStepLog(list):
+    """A step log (`record_steps`) that also runs the JAX profiler over a window of steps: the trace
+    starts when step ``start`` is read back and stops when step ``start + count`` is (under
+    asynchronous scheduling about ``count`` steps of device work lie between)."""
+
+    def __init__(self, start: int, count: int, logdir: str):
+        super().__init__()
+        self.start, self.count, self.logdir = start, count, logdir
+        self.active = False
+
+    def append(self, item) -> None:
+        super().append(item)
+        import jax
+        if len(self) == self.start:
+            jax.profiler.start_trace(self.logdir)
+            self.active = True
+        elif self.active and len(self) == self.start + self.count:
+            jax.profiler.stop_trace()
+            self.active = False
+
+
+def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
+    """Kernel time per step in the traced window, the GPU's busy time against the span, and its
+    idle gaps (the host not keeping the device fed shows as gaps of tens of µs or more)."""
+    import collections
+    import glob
+
+    from scripts.profile_decode_step import busy_ns, idle_gaps, kernel_events, short
+    if log.active:  # the run ended inside the window
+        import jax
+        jax.profiler.stop_trace()
+        log.active = False
+    paths = glob.glob(os.path.join(log.logdir, "**", "*.xplane.pb"), recursive=True)
+    window = log[log.start:log.start + log.count]
+    n = len(window)
+    if not paths or not n:
+        return dict(error=f"the run had {len(log)} steps: none inside the traced window "
+                          f"starting at step {log.start}")
+    try:
+        ev = sorted(kernel_events(paths[0]), key=lambda e: e[1])
+    except RuntimeError as e:  # no GPU plane (a CPU run)
+        return dict(error=str(e))
+    if not ev:
+        return dict(error="the trace holds no GPU kernel events")
+    span = ev[-1][1] + ev[-1][2] - ev[0][1]
+    gaps = idle_gaps(ev)
+    agg = collections.defaultdict(lambda: [0, 0])
+    for name, _, d in ev:
+        agg[short(name)][0] += 1
+        agg[short(name)][1] += d
+    kernels = sorted(({"kernel": k, "launches_per_step": c / n, "us_per_step": t / n / 1e3}
+                      for k, (c, t) in agg.items()), key=lambda r: -r["us_per_step"])[:top]
+    big = [g["us"] for g in gaps if g["us"] >= 20]
+    return dict(steps=n, shapes=sorted({str(r.shape_key) for r in window}),
+                rows=[r.rows for r in window], span_ms_per_step=span / n / 1e6,
+                busy_ms_per_step=busy_ns(ev) / n / 1e6, launches_per_step=len(ev) / n,
+                gaps_over_20us=len(big), gap_ms_over_20us=sum(big) / 1e3,
+                largest_gaps=sorted(gaps, key=lambda g: -g["us"])[:8], kernels=kernels)

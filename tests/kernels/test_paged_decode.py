@@ -230,7 +230,7 @@ def test_choose_k_splits():
 
 
 def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
-    """The model calls the attention once per layer (unrolled, static layer ints);
+    """The model calls the attention once per layer (each layer a call of one jitted body);
     `jaxinfer.models.kernels.model_kernels` routes decode through one inner jit with a traced layer, so
     a 4-layer step traces and lowers the kernel once, and its output equals the reference
     model's."""
@@ -259,7 +259,10 @@ def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
         return models.forward(params, cfg, tok, pos, slots, kv, kernels=mk)[0]
 
     jaxpr = jax.make_jaxpr(lambda p, c: step(p, c, attn))(params, kv).jaxpr
-    calls = [e for e in jaxpr.eqns if e.params.get("name") == "decode_step"]
+    layers = [e for e in jaxpr.eqns if e.params.get("name") == "decoder_layer"]
+    assert len(layers) == cfg.num_layers  # one jitted layer body, the layer index an argument
+    calls = [e for lay in layers for e in lay.params["jaxpr"].jaxpr.eqns
+             if e.params.get("name") == "decode_step"]
     assert len(calls) == cfg.num_layers
     assert len({id(e.params["jaxpr"]) for e in calls}) == 1
     text = jax.jit(lambda p, c: step(p, c, attn)).lower(params, kv).as_text()

@@ -177,7 +177,10 @@ def test_model_prefill_with_kernel_matches_reference(monkeypatch):
         return models.forward(p, cfg, *args, c, kernels=mk)
 
     jaxpr = jax.make_jaxpr(lambda p, c: step(p, c, attn))(params, kv).jaxpr
-    calls = [e for e in jaxpr.eqns if e.params.get("name") == "prefill_step"]
+    layers = [e for e in jaxpr.eqns if e.params.get("name") == "decoder_layer"]
+    assert len(layers) == cfg.num_layers  # one jitted layer body, the layer index an argument
+    calls = [e for lay in layers for e in lay.params["jaxpr"].jaxpr.eqns
+             if e.params.get("name") == "prefill_step"]
     assert len(calls) == cfg.num_layers
     assert len({id(e.params["jaxpr"]) for e in calls}) == 1
     with jax.default_matmul_precision("highest"):

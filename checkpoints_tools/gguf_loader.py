@@ -6,21 +6,20 @@ RoPE factors in ``rope_freqs``), ``gguf-py``, HF ``modeling_gguf_pytorch_utils.p
 import math
 import os
 import re
+import struct
 from typing import Any, Mapping
 
 import numpy as np
 
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen3")
-
-_QK_PERMUTED = {"llama": True, "qwen3": False}
+_QK_PERMUTED = {"llama": True, "qwen3": False}  # llama.cpp permutes the Q/K rows of llama's
+SUPPORTED_GGUF_ARCHITECTURES = tuple(_QK_PERMUTED)
 
 # The one GGUF -> HF tensor-name table; ``{i}`` is the layer index; None: read into the config.
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj"}
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_up": "mlp.up_proj",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj"}
 GGUF_TO_HF: Mapping[str, str | None] = {
     "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight", "rope_freqs.weight": None,
@@ -31,8 +30,6 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 def open_gguf(path: str | os.PathLike):
     """``GGUFReader`` of ``path``; FileNotFoundError: no file; ValueError: not GGUF or corrupt."""
-    import struct
-
     import gguf
 
     path = os.fspath(path)
@@ -47,8 +44,7 @@ def open_gguf(path: str | os.PathLike):
 
 def _value(reader, key: str, default: Any = None) -> Any:
     """One metadata value (scalars as Python scalars, arrays as lists), or ``default``."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    return default if (field := reader.fields.get(key)) is None else field.contents()
 
 
 def gguf_eos_token_ids(reader) -> tuple[int, ...]:
@@ -74,8 +70,7 @@ def gguf_hf_config(reader) -> dict:
         return v
 
     tensors = {t.name: t for t in reader.tensors}
-    d = int(get("embedding_length", required=True))
-    n = int(get("attention.head_count", required=True))
+    d, n = (int(get(k, required=True)) for k in ("embedding_length", "attention.head_count"))
     val_len, rot = get("attention.value_length"), get("rope.dimension_count")
     head_dim = int(get("attention.key_length") or rot or d // n)
     if val_len is not None and int(val_len) != head_dim:
@@ -92,7 +87,6 @@ def gguf_hf_config(reader) -> dict:
     if vocab is None:
         raise ValueError(f"GGUF has no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight")
     theta = float(get("rope.freq_base", 10000.0))
-    bos, eos = (_value(reader, f"tokenizer.ggml.{k}_token_id") for k in ("bos", "eos"))
     cfg: dict[str, Any] = {
         "model_type": arch, "architectures": [f"gguf:{arch}"], "vocab_size": int(vocab),
         "hidden_size": d, "intermediate_size": int(get("feed_forward_length", required=True)),
@@ -101,20 +95,17 @@ def gguf_hf_config(reader) -> dict:
         "head_dim": head_dim, "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": theta, "max_position_embeddings": int(get("context_length", 4096)),
         "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
-        "bos_token_id": None if bos is None else int(bos),
-        "eos_token_id": None if eos is None else int(eos)}
-    scaling_type = get("rope.scaling.type")
-    if scaling_type not in (None, "none"):
+        **{f"{k}_token_id": None if (i := _value(reader, f"tokenizer.ggml.{k}_token_id")) is None
+           else int(i) for k in ("bos", "eos")}}
+    if (scaling_type := get("rope.scaling.type")) not in (None, "none"):
         raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
                          f"supported: none, or Llama 3 factors in rope_freqs.weight")
-    if "rope_freqs.weight" in tensors:
+    if (t := tensors.get("rope_freqs.weight")) is not None:
         import gguf
 
-        t = tensors["rope_freqs.weight"]
         factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
-        scaling = _llama3_scaling_from_factors(factors, theta, head_dim,
-                                               get("rope.scaling.original_context_length"))
-        if scaling is not None:
+        if scaling := _llama3_scaling_from_factors(factors, theta, head_dim,
+                                                   get("rope.scaling.original_context_length")):
             cfg["rope_scaling"] = scaling
     return cfg
 
@@ -128,10 +119,8 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
         raise ValueError(f"rope_freqs.weight has shape {factors.shape}, expected ({head_dim // 2},)")
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
         return None
-    orig = int(orig or 8192)
-    factor = float(factors.max())
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv_freq
+    orig, factor = int(orig or 8192), float(factors.max())
+    wavelen = 2 * math.pi * theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     x = orig / wavelen
     band = (factors > 1 + 1e-6) & (factors < factor * (1 - 1e-6))
     candidates = [(1.0, 4.0)]
@@ -141,9 +130,7 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
         if slope > 0:
             low, high = -icpt / slope, -icpt / slope + 1 / slope
             candidates[:0] = [(round(low, 3), round(high, 3)), (float(low), float(high))]
-    for low, high in candidates:
-        if not 0 < low < high:
-            continue
+    for low, high in (c for c in candidates if 0 < c[0] < c[1]):
         smooth = (x - low) / (high - low)
         ref = np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor,
                                                              1.0 / ((1 - smooth) / factor + smooth)))
@@ -154,18 +141,6 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
                      f"(factor={factor}, original_context_length={orig}); unsupported RoPE scaling")
 
 
-def gguf_name_to_hf(name: str, num_layers: int) -> str | None:
-    """HF name of ``name`` (`GGUF_TO_HF`; None: config-only); ValueError: unknown, bad layer."""
-    m = _LAYER_RE.match(name)
-    key, layer = (f"blk.{{i}}.{m.group(2)}", int(m.group(1))) if m else (name, None)
-    if key not in GGUF_TO_HF:
-        raise ValueError(f"unknown GGUF tensor {name!r}; known names: {sorted(GGUF_TO_HF)}")
-    if layer is not None and layer >= num_layers:
-        raise ValueError(f"GGUF tensor {name!r} has layer index {layer} >= block_count={num_layers}")
-    hf = GGUF_TO_HF[key]
-    return None if hf is None else hf.format(i=layer)
-
-
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's ``LlamaModel.permute`` of q/k rows [n_heads*H, D]; same shape."""
     rows = w.shape[0]
@@ -174,29 +149,34 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_hf_tensors(reader, hf_config: Mapping[str, Any],
-                    out_dtype=np.float32) -> dict[str, np.ndarray]:
-    """Every weight by HF name, dequantised, ``[out, in]``, Q/K unpermuted, cast singly to
-    ``out_dtype``. ValueError: unknown name or quant type, shape != header, two for one HF name."""
+def gguf_hf_tensors(reader, hf_config: Mapping[str, Any], out_dtype) -> dict[str, np.ndarray]:
+    """Every weight by HF name (`GGUF_TO_HF`), dequantised, ``[out, in]``, Q/K unpermuted, cast
+    singly to ``out_dtype``. ValueError: unknown name or quant type, a layer index past
+    ``num_hidden_layers``, shape != header, two for one HF name."""
     import gguf
 
-    arch = hf_config["model_type"]
-    num_layers = int(hf_config["num_hidden_layers"])
+    arch, num_layers = hf_config["model_type"], int(hf_config["num_hidden_layers"])
     n, k = int(hf_config["num_attention_heads"]), int(hf_config["num_key_value_heads"])
     out: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        hf_name = gguf_name_to_hf(t.name, num_layers)
-        if hf_name is None:
+        m = _LAYER_RE.match(t.name)
+        key, layer = (f"blk.{{i}}.{m.group(2)}", int(m.group(1))) if m else (t.name, None)
+        if key not in GGUF_TO_HF:
+            raise ValueError(f"unknown GGUF tensor {t.name!r}; known names: {sorted(GGUF_TO_HF)}")
+        if layer is not None and layer >= num_layers:
+            raise ValueError(f"GGUF tensor {t.name!r} has layer index {layer} >= block_count="
+                             f"{num_layers}")
+        if (hf_name := GGUF_TO_HF[key]) is None:  # read into the config
             continue
+        hf_name = hf_name.format(i=layer)
         if hf_name in out:
             raise ValueError(f"duplicate GGUF tensor for {hf_name!r} (from {t.name!r})")
         try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except NotImplementedError as e:
             raise ValueError(f"GGUF tensor {t.name!r} has unsupported quantisation type "
                              f"{t.tensor_type.name}: {e}") from e
         expect = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF dims are innermost-first
-        w = np.asarray(w, dtype=np.float32)
         if w.shape != expect:
             raise ValueError(f"GGUF tensor {t.name!r}: dequantised shape {w.shape} != header {expect}")
         if _QK_PERMUTED[arch] and hf_name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -104,8 +104,7 @@ def hf_shape(rule: TensorRule, abstract: Mapping, parts: Mapping) -> tuple[int, 
     """The shape HF gives ``rule``'s tensor (``[out, in]``; a fused part's width on out)."""
     shape, _ = _spec(abstract, rule.param)
     if rule.part is not None:
-        sl = parts[rule.leaf][rule.part]
-        shape = (*shape[:-1], sl.stop - sl.start)
+        shape = (*shape[:-1], (sl := parts[rule.leaf][rule.part]).stop - sl.start)
     return tuple(reversed(shape)) if rule.transpose else shape
 
 
@@ -114,8 +113,7 @@ def _match(name: str, rules, num_layers: int, architecture: str) -> tuple[Any, i
     if any(_pattern(t).match(name) for t in IGNORED_HF):
         return None, None
     for r in rules:
-        m = _pattern(r.hf_name).match(name)
-        if m:
+        if m := _pattern(r.hf_name).match(name):
             layer = int(m.group(1)) if r.per_layer else None
             if layer is not None and layer >= num_layers:
                 raise ValueError(f"unexpected tensor {name!r} in checkpoint: layer index {layer} "
@@ -184,8 +182,7 @@ def _fuse(pieces, parts: Mapping, shape, dtype, xp):
     its rule says so, concatenated along the last axis in their ``parts`` order. ``xp``: numpy
     (host) or jax.numpy: then each piece goes to the device as stored and is transposed there
     (NumPy's strided transpose of an 8B model's bfloat16 weights takes over a minute)."""
-    ordered = sorted(pieces, key=lambda rp: parts[rp[0].leaf][rp[0].part].start if rp[0].part
-                     else 0)
+    ordered = sorted(pieces, key=lambda p: parts[p[0].leaf][p[0].part].start if p[0].part else 0)
     arrays = [xp.asarray(p).astype(dtype) for _, p in ordered]
     arrays = [a.T if r.transpose else a for a, (r, _) in zip(arrays, ordered)]
     out = arrays[0] if len(arrays) == 1 else xp.concatenate(arrays, axis=-1)
@@ -194,15 +191,13 @@ def _fuse(pieces, parts: Mapping, shape, dtype, xp):
 
 
 def _decide_tying(found: Mapping[str, np.ndarray], cfg: Any) -> bool:
-    head = found.get("lm_head.weight")
-    if head is None:
+    if (head := found.get("lm_head.weight")) is None:
         if not cfg.tie_word_embeddings:
             warnings.warn("config says tie_word_embeddings=False but the checkpoint has no "
                           "'lm_head.weight'; using the embedding as the output head", stacklevel=4)
         return True
     embed = found["model.embed_tokens.weight"]
-    if head.shape == embed.shape and np.array_equal(head[:1], embed[:1]) and (
-            np.array_equal(head, embed)):
+    if np.array_equal(head[:1], embed[:1]) and np.array_equal(head, embed):  # first row: fast no
         return True
     if cfg.tie_word_embeddings:
         warnings.warn("config says tie_word_embeddings=True but 'lm_head.weight' differs from "

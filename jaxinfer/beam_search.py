@@ -37,8 +37,7 @@ def beam_search_score(seq: BeamSearchSequence, eos: set, length_penalty: float) 
     return seq.cum_logprob / (len(seq.tokens) - (seq.tokens[-1] in eos)) ** length_penalty
 
 
-def beam_search(llm, prompts, params: BeamSearchParams,
-                use_tqdm: bool = False) -> list[BeamSearchOutput]:
+def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm=False) -> list[BeamSearchOutput]:
     """vLLM's ``LLM.beam_search`` on ``llm``: each step every live beam is a request of one token
     with ``2 * beam_width`` logprobs; each candidate extends its beam, those ending in EOS (unless
     ``ignore_eos``) finish, the ``beam_width`` best others (`beam_search_score`) live on. A beam at

@@ -45,7 +45,6 @@ def _claim_gpu_memory(utilization: float) -> None:
     """vLLM's ``gpu_memory_utilization`` as ``XLA_PYTHON_CLIENT_MEM_FRACTION``, if unset and no
     JAX backend has started (else `memory.card_bytes_usable` checks what the allocator got)."""
     from jax._src import xla_bridge  # JAX 0.10-0.11 has no public "backends started" test
-
     started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
     if memory.XLA_MEM_FRACTION_ENV not in os.environ and not started:
         os.environ[memory.XLA_MEM_FRACTION_ENV] = str(utilization)
@@ -108,22 +107,21 @@ class LLM(Prompts):
             raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "
                              f"{type(config).__name__} (ModelConfig.from_dict builds one)")
         self = cls.__new__(cls)
-        self.generation_config = {}
+        self.generation_config, self.model_path = {}, None
         if isinstance(tokenizer, (str, os.PathLike)):
             if not os.path.exists(tokenizer):
                 raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r} does not exist")
             tokenizer = load_tokenizer(tokenizer, "gguf" if os.fspath(tokenizer).endswith(
                 ".gguf") else "hf")
-        self.model_path, self.tokenizer = None, tokenizer
+        self.tokenizer = tokenizer
         resolved = resolve(config, engine_config(**engine_args), jax.default_backend(),
                            jax.devices()[0].device_kind)
         if resolved.quantization is not None:
             params = quantize_params(params, config.weight_block_size)
         eos = (getattr(tokenizer, "eos_token_id", None), *config.eos_token_ids)
-        self.engine = LLMEngine(ModelRunner(config, params, resolved),
+        self.engine = LLMEngine(ModelRunner(config, params, resolved), tokenizer=tokenizer,
                                 eos_token_ids=tuple(dict.fromkeys(t for t in eos if t is not None)),
-                                detokenize=None if tokenizer is None else self._detokenize,
-                                tokenizer=tokenizer)
+                                detokenize=None if tokenizer is None else self._detokenize)
         return self
 
     def update_params(self, params) -> None:
@@ -136,9 +134,8 @@ class LLM(Prompts):
         """Outputs of ``prompts`` (a str, token ids, a `jaxinfer.inputs` TextPrompt or
         TokensPrompt, or a list of these) in input order; ``sampling_params``: one, or one per
         prompt (default `get_default_sampling_params`). ``on_error``: "raise": ValueError naming
-        each invalid request before any runs; "return": those come back with ``error`` set
-        (finish reason "error").
-        ``stream(index, new_token_ids, text_delta)`` as tokens arrive (deltas sum to the text)."""
+        each invalid request before any runs; "return": those come back with ``error`` set (finish
+        reason "error"). ``stream(index, new_token_ids, text_delta)`` as tokens arrive."""
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
         params, encoded, errors = self._prepare(prompts, sampling_params, on_error == "raise",
@@ -146,9 +143,8 @@ class LLM(Prompts):
         outputs = self._run({i: (ids, sp) for i, ((_, ids), sp) in enumerate(zip(encoded, params))
                              if i not in errors}, [t for t, _ in encoded], use_tqdm, stream)
         for i, msg in errors.items():
-            outputs[i] = RequestOutput(
-                request_id=f"rejected-{i}", prompt=encoded[i][0], prompt_token_ids=list(encoded[i][1]),
-                outputs=[CompletionOutput(0, "", [], "error")], finished=True, error=msg)
+            outputs[i] = RequestOutput(f"rejected-{i}", encoded[i][0], list(encoded[i][1]),
+                                       [CompletionOutput(0, "", [], "error")], True, error=msg)
         return [outputs[i] for i in range(len(encoded))]
 
     def _run(self, requests: dict[int, tuple], texts: list, use_tqdm: bool,
@@ -167,10 +163,9 @@ class LLM(Prompts):
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     i = index_of[out.request_id]
-                    if stream is not None:
-                        for c in out.outputs:
-                            if c.index == 0 and (c.token_ids or c.text):
-                                stream(i, list(c.token_ids), c.text)
+                    for c in out.outputs if stream is not None else ():
+                        if c.index == 0 and (c.token_ids or c.text):
+                            stream(i, list(c.token_ids), c.text)
                     outputs[i] = outputs[i].add(out) if i in outputs else out
                     bar.update(out.finished)
         except BaseException:
@@ -201,10 +196,9 @@ class LLM(Prompts):
         ``chat_template_kwargs``); ``RequestOutput.prompt``: the templated text."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts = [self.apply_chat_template(c, tools, tokenize=False, **template) for c in convs]
-        prompts = [{"prompt": t, "prompt_token_ids": self._encode(t, add_special_tokens=False)}
-                   for t in texts]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, on_error=on_error,
-                             stream=stream)
+        return self.generate([{"prompt": t, "prompt_token_ids": self._encode(
+            t, add_special_tokens=False)} for t in texts], sampling_params, use_tqdm=use_tqdm,
+            on_error=on_error, stream=stream)
 
     def encode(self, *args, **kwargs):
         """vLLM's ``LLM.encode`` is pooling (embeddings), which jaxinfer does not do: ValueError."""
@@ -213,12 +207,11 @@ class LLM(Prompts):
 
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges now (`_METRICS`; vLLM V1's ``get_metrics``)."""
-        stats = self.engine.stats()
-        return [kind(name, {}, value(stats)) for kind, name, value in _METRICS]
+        return [k(name, {}, value(s)) for s in [self.engine.stats()] for k, name, value in _METRICS]
 
     def start_profile(self, profile_dir: str | None = None) -> None:
-        """Start a `jax.profiler` trace into ``profile_dir``, else ``$JAXINFER_PROFILER_DIR``
-        (vLLM's ``VLLM_TORCH_PROFILER_DIR``); `stop_profile` writes it. ValueError: neither."""
+        """A `jax.profiler` trace into ``profile_dir``, else ``$JAXINFER_PROFILER_DIR`` (vLLM's
+        ``VLLM_TORCH_PROFILER_DIR``) until `stop_profile`. ValueError: neither."""
         if not (path := profile_dir or os.environ.get(PROFILER_DIR_ENV)):
             raise ValueError(f"start_profile needs profile_dir or ${PROFILER_DIR_ENV} (a directory)")
         jax.profiler.start_trace(path)
@@ -232,13 +225,12 @@ class LLM(Prompts):
         return self.engine.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
-        """vLLM's ``LLM.sleep`` between rollouts: frees the KV pool's and the weights' device
-        memory; level 1 keeps the weights in host memory, level 2 discards them (give them back
-        with `update_params` after `wake_up`). RuntimeError: requests unfinished; ValueError:
-        another level. Requests are refused (RuntimeError) until `wake_up`."""
+        """vLLM's ``LLM.sleep``: frees the KV pool's and the weights' device memory; level 1 keeps
+        the weights on the host, level 2 discards them (`update_params` after `wake_up`).
+        RuntimeError: requests unfinished, and for requests until `wake_up`; ValueError: level."""
         self.engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """vLLM's ``LLM.wake_up``: ``tags`` (None: both) "weights" (level 1's back on the
-        device) and "kv_cache" (a new pool). Generation after it equals generation before."""
+        """vLLM's ``LLM.wake_up``: ``tags`` (None: both) "weights" (level 1's back on the device),
+        "kv_cache" (a new pool). Generation after it equals generation before."""
         self.engine.wake_up(tags)

@@ -2,7 +2,7 @@
 stop strings, streaming deltas and `RequestOutput` (vLLM's names, shapes and rules)."""
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from jaxinfer.sampling_params import RequestOutputKind
@@ -16,10 +16,8 @@ class RequestMetrics:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int = 0
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+    ttft_s = property(lambda self: None if self.first_token_time is None
+                      else self.first_token_time - self.arrival_time)
 
 
 @dataclass(frozen=True)
@@ -48,9 +46,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
+    finished = lambda self: self.finish_reason is not None  # noqa: E731 (vLLM's method)
 
     def top_logprobs(self, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
         """Per token: (its text, its log-probability, the top ``k`` as (text, log-probability),
@@ -73,13 +69,12 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    error: str | None = field(default=None)
+    error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # first position: None
     num_cached_tokens: int = 0
     lora_request = encoder_prompt = encoder_prompt_token_ids = kv_transfer_params = None
 
-    text = property(lambda self: self.outputs[0].text if self.outputs else "",
-                    doc="The first completion's.")
+    text = property(lambda self: self.outputs[0].text if self.outputs else "")  # the first sample's
     token_ids = property(lambda self: self.outputs[0].token_ids if self.outputs else [])
 
     def add(self, delta: "RequestOutput") -> "RequestOutput":
@@ -97,8 +92,8 @@ class RequestOutput:
 
 @dataclass
 class RequestState:
-    """A request in the engine: its samples (index order), prompt text, output kind, and per
-    sample what was sent, `OutputProcessor.stream_delta`'s (tokens, text); None: finish sent."""
+    """A request: its samples (index order), prompt text, output kind, and per sample what was
+    sent, `OutputProcessor.stream_delta`'s (tokens, text); None: finish sent."""
 
     seqs: list
     prompt: str | None
@@ -123,8 +118,7 @@ class OutputProcessor:
 
     def outputs(self, rids, raw: bool = False) -> list:
         """The outputs due for requests ``rids`` (those a step touched or aborted), by each one's
-        kind (``raw``: each one's ``seqs``); a finished request's last output is its final one,
-        and it is forgotten."""
+        kind (``raw``: its ``seqs``); a finished request's last output is final, then forgotten."""
         outs = []
         for rid in dict.fromkeys(rids):
             if (st := self.requests.get(rid)) is None:
@@ -152,9 +146,8 @@ class OutputProcessor:
             d = None if sent is None else self.stream_delta(seq, sent)
             if sent is None or d is None and not seq.is_finished:
                 continue
-            ids, text, st.sent[i] = d or ([], "", sent)
-            if seq.is_finished:
-                st.sent[i] = None
+            ids, text, new = d or ([], "", sent)
+            st.sent[i] = None if seq.is_finished else new
             comps.append(self.completion(seq, (ids, text, sent[0])))
         return None if not comps else self.request_output(st.seqs, st.prompt, comps, first)
 
@@ -169,8 +162,7 @@ class OutputProcessor:
         if not stops or self.detokenize is None or len(ids) <= seq.params.min_tokens or (
                 seq.is_finished and seq.finish_reason != "length"):
             return None
-        need = max(map(len, stops)) + len(self._decode(ids[-1:], seq.params)) + 2
-        window = need + 8
+        window = 8 + (need := max(map(len, stops)) + len(self._decode(ids[-1:], seq.params)) + 2)
         while True:  # leading U+FFFD: a character cut by the window's start
             tail = self._decode(ids[-window:], seq.params)
             if window >= len(ids) or len(tail.lstrip("\ufffd")) >= need:
@@ -211,14 +203,12 @@ class OutputProcessor:
         text, p = self.visible_text(seq), seq.params
         if text.endswith("\ufffd") and not seq.is_finished:
             return None
-        if p.stop and not p.include_stop_str_in_output and not seq.is_finished \
-                and seq.stop_string is None:
+        if p.stop and not (p.include_stop_str_in_output or seq.is_finished or seq.stop_string):
             text = text[:max(len(text_done), len(text) - max(map(len, p.stop)) + 1)]
         return ids[n_done:], text[len(text_done):], (len(ids), text)
 
     def _logprobs(self, entries, params) -> list[PositionLogprobs | None] | None:
-        """``{id: (logprob, rank)}`` records as `Logprob` dicts (None entries kept); their text
-        unless ``params.detokenize`` is False."""
+        """``{id: (logprob, rank)}`` records as `Logprob` dicts (None kept), text if detokenized."""
         if entries is None:
             return None
         text = (lambda t: self.detokenize([t], skip_special_tokens=False)) \
@@ -230,10 +220,9 @@ class OutputProcessor:
         """``seq``'s output so far, or ``delta`` = (new ids, new text, tokens sent before) only."""
         ids, text, start = delta or (seq.output_token_ids, self.visible_text(seq), 0)
         lps = None if seq.logprobs is None else seq.logprobs[start:start + len(ids)]
-        return CompletionOutput(seq.index, text, list(ids), seq.finish_reason,
-                                seq.output_token_ids[-1] if seq.ended_on_stop_token
-                                else seq.stop_string, seq.cumulative_logprob,
-                                self._logprobs(lps, seq.params))
+        stop = seq.output_token_ids[-1] if seq.ended_on_stop_token else seq.stop_string
+        return CompletionOutput(seq.index, text, list(ids), seq.finish_reason, stop,
+                                seq.cumulative_logprob, self._logprobs(lps, seq.params))
 
     def request_output(self, seqs, prompt: str | None, outputs: list | None = None,
                        prompt_logprobs: bool = True) -> RequestOutput:
@@ -245,10 +234,7 @@ class OutputProcessor:
             min((s.first_token_time for s in seqs if s.first_token_time), default=None),
             max((s.finish_time for s in seqs if s.finish_time), default=None),
             sum(s.num_preemptions for s in seqs)) if finished else None
-        return RequestOutput(
-            request_id=first.parent_id, prompt=prompt, prompt_token_ids=list(first.prompt_token_ids),
-            outputs=[self.completion(s) for s in seqs] if outputs is None else outputs,
-            finished=finished, metrics=metrics,
-            prompt_logprobs=self._logprobs(first.prompt_logprobs, first.params)
-            if prompt_logprobs else None,
-            num_cached_tokens=first.num_cached_tokens)
+        plp = self._logprobs(first.prompt_logprobs if prompt_logprobs else None, first.params)
+        return RequestOutput(first.parent_id, prompt, list(first.prompt_token_ids),
+                             [self.completion(s) for s in seqs] if outputs is None else outputs,
+                             finished, metrics, None, plp, first.num_cached_tokens)

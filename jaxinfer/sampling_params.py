@@ -125,22 +125,19 @@ _RULES = (  # field, valid(value), what is allowed, normalise
 @dataclass
 class SamplingParams:
     """How to pick the next tokens of one request (vLLM's names, defaults and meanings; allowed
-    values: `_RULES`). temperature < `GREEDY_EPS`: greedy. top_p 1, top_k 0 or -1: off. min_p: keep
-    tokens of probability >= min_p x the top one. repetition_penalty: divides positive, multiplies
-    negative logits of prompt or output ids. presence / frequency_penalty: subtract ``presence x
-    [count > 0] + frequency x count`` (output tokens). seed None: the engine draws one (a seeded
-    request's tokens do not depend on its batch). max_tokens None: up to max_model_len. min_tokens:
-    EOS and ``stop_token_ids`` masked until this many. stop: strings ending generation, left out of
-    the text unless ``include_stop_str_in_output``. stop_token_ids: finish "stop", even with
-    ``ignore_eos``. n: samples, sample i seeded by (seed, i). logit_bias: {token id: bias}, clipped
-    to [-100, 100]. logprobs / prompt_logprobs k: the chosen token's raw log-probability and the top
-    k (of the masked logits on constrained rows). structured_outputs: the output's grammar (ends on
-    EOS, finish "stop"). detokenize False: ids, no text, no ``stop``. truncate_prompt_tokens k: keep
-    the last k prompt tokens (-1: max_model_len). extra_args: kept for the caller. allowed_token_ids
-    only these sampled; bad_words: never generated (`StructuredOutputManager.fill`, vLLM V1's);
-    logits_processors: JAX ``fn(output_token_ids, logits) -> logits`` (`runner.sampling`). Mutable
-    (vLLM's): validated here and at each submission (`LLMEngine.check_request`). ValueError: a bad
-    value."""
+    values and normalisation: `_RULES`). min_p: keep tokens of probability >= min_p x the top one.
+    repetition_penalty: divides positive, multiplies negative logits of prompt or output ids.
+    presence / frequency_penalty: subtract ``presence x [count > 0] + frequency x count`` (output
+    tokens). seed None: the engine draws one (a seeded request's tokens do not depend on its batch).
+    min_tokens: EOS and ``stop_token_ids`` masked until this many. stop: strings ending generation,
+    left out of the text unless ``include_stop_str_in_output``. stop_token_ids: finish "stop", even
+    with ``ignore_eos``. n: samples, sample i seeded by (seed, i). logprobs / prompt_logprobs k: the
+    chosen token's raw log-probability and the top k (of the masked logits on constrained rows).
+    structured_outputs: the output's grammar (ends on EOS, finish "stop"). detokenize False: ids, no
+    text. extra_args: kept for the caller. allowed_token_ids: only these sampled; bad_words: never
+    generated (`StructuredOutputManager.fill`, vLLM V1's); logits_processors: JAX
+    ``fn(output_token_ids, logits) -> logits`` (`runner.sampling`). Mutable (vLLM's): validated here
+    and at each submission (`LLMEngine.check_request`). ValueError: a bad value."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -184,9 +181,7 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop={list(self.stop)!r} is invalid with "
                              "detokenize=False: stop strings are matched in the text")
 
-    def clone(self) -> "SamplingParams":
-        """A deep copy (vLLM's ``clone``)."""
-        return copy.deepcopy(self)
+    clone = copy.deepcopy  # vLLM's ``clone``: a deep copy
 
     @property
     def needs_history(self) -> bool:
@@ -194,11 +189,7 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0 or bool(self.logits_processors))
 
-    @property
-    def greedy(self) -> bool:
-        """``temperature < GREEDY_EPS``: the token is the argmax."""
-        return self.temperature < GREEDY_EPS
-
+    greedy = property(lambda self: self.temperature < GREEDY_EPS, doc="The token is the argmax.")
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.runner.sampling import (SamplingMetadata, apply_repetition_penalty, filtered_logits,
-                                      sample)
+from jaxinfer.runner.sampling import (SamplingMetadata, _check_shapes, _filter_sorted, _penalised,
+                                      _scale, _sort_desc, apply_repetition_penalty, sample)
+
+
+def filtered_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """f32[B, V] logits `sample` draws from (vocab order; filtered: -inf). ValueError: shapes."""
+    _check_shapes(logits, meta)
+    vals, ids = _sort_desc(_scale(_penalised(logits, meta), meta.temperature))
+    vals = _filter_sorted(vals, meta.top_k, meta.top_p, meta.min_p)
+    rows = jnp.arange(vals.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.full_like(vals, -jnp.inf).at[rows, ids].set(vals)
+
 
 _sample = jax.jit(sample, static_argnames="all_greedy")
 _filtered = jax.jit(filtered_logits)

@@ -26,17 +26,15 @@ _DTYPE_ALIASES = {"auto": None, "float": "float32", "half": "float16"}  # vLLM's
 
 def kernel_choices() -> dict[str, tuple[str, ...]]:
     """Allowed values of each string field of `KernelConfig` (attention: the kernel registry)."""
-    return {"decode_attention": ("auto",) + tuple(registry.DECODE),
-            "prefill_attention": ("auto",) + tuple(registry.PREFILL),
-            "prefill_gemm": ("xla", "cublas")}
+    return {"decode_attention": ("auto", *registry.DECODE),
+            "prefill_attention": ("auto", *registry.PREFILL), "prefill_gemm": ("xla", "cublas")}
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"). decode_attention /
-    prefill_attention: paged attention of decode (T == 1) / prefill steps. prefill_gemm (cublas:
-    GPU). cublas_decode_min_batch: decode buckets of >= this many rows use cuBLAS (None: XLA).
-    batch_buckets / token_buckets: B / T."""
+    """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"): paged attention of
+    decode (T == 1) / prefill steps; prefill_gemm (cublas: GPU); decode buckets of >=
+    cublas_decode_min_batch rows use cuBLAS (None: XLA); batch_buckets / token_buckets: B / T."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
@@ -65,8 +63,7 @@ class KernelConfig:
         if not isinstance(spec, str):
             raise ValueError(f"kernels={spec!r} is invalid: expected a KernelConfig or a "
                              "'key=value,...' string")
-        keys = {f.name for f in dataclasses.fields(cls)}
-        kw: dict[str, Any] = {}
+        keys, kw = {f.name for f in dataclasses.fields(cls)}, {}
         for item in filter(None, (s.strip() for s in spec.split(","))):
             key, sep, value = (s.strip() for s in item.partition("="))
             name = KERNEL_ALIASES.get(key, key)
@@ -96,8 +93,7 @@ class KernelConfig:
             for f in dataclasses.fields(cls))
 
 
-def _user(default, help: str, **cli):
-    """A user setting: its ``help`` (and argparse ``cli`` keywords) for `jaxinfer.generate`."""
+def _user(default, help: str, **cli):  # a user setting, its help and argparse keywords
     return dataclasses.field(default=default, metadata=dict(help=help, **cli))
 
 
@@ -180,8 +176,7 @@ class EngineConfig:
         object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
         object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
         for name, limit in zip(_BUCKETS, ("max_num_seqs", "max_num_batched_tokens")):
-            b = getattr(self.kernels, name)
-            if b and b[-1] < getattr(self, limit):
+            if (b := getattr(self.kernels, name)) and b[-1] < getattr(self, limit):
                 _fail("KernelConfig", name, b, f"the largest must be >= {limit}={getattr(self, limit)}")
 
 
@@ -245,8 +240,7 @@ class ResolvedConfig:
 def check_platform(kc: KernelConfig, platform: str) -> None:
     """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu"."""
     for name in KERNEL_ALIASES.values():
-        value = getattr(kc, name)
-        if platform != "gpu" and value not in ("auto", "reference"):
+        if platform != "gpu" and (value := getattr(kc, name)) not in ("auto", "reference"):
             raise ValueError(f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
                              f"backend is {platform!r}; use 'auto' or 'reference' here (the "
                              "kernels' CPU tests run them in interpret mode)")
@@ -254,13 +248,12 @@ def check_platform(kc: KernelConfig, platform: str) -> None:
 
 def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
             device_kind: str | None = None) -> ResolvedConfig:
-    """Resolve every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend). On
-    "gpu": dtype bfloat16, prefill_attention triton, in half precision decode_attention mosaic (fp8
-    KV: triton); else float32 and reference; a variant not validated on ``device_kind`` falls back
-    (`registry.for_device`, logged). max_model_len None: max_position_embeddings; quantization
-    None: "fp8" for an FP8 checkpoint. ValueError: max_model_len above that, a GPU kernel off
-    "gpu", float16 on "gpu", fp8 KV with a decode variant not in `FP8_KV_DECODE` or with tp > 1, a
-    model ``tensor_parallel_size`` cannot split (`check_tp`)."""
+    """Every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend) made concrete. On
+    "gpu": bfloat16, prefill triton, in half precision decode mosaic (fp8 KV: triton); else float32
+    and reference; a variant not validated on ``device_kind`` falls back (`registry.for_device`,
+    logged). max_model_len None: max_position_embeddings; quantization None: "fp8" for an FP8
+    checkpoint. ValueError: max_model_len above that, a GPU kernel off "gpu", float16 on "gpu", fp8
+    KV with a decode variant not in `FP8_KV_DECODE` or tp > 1, a tp the model cannot take."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "

@@ -111,15 +111,11 @@ class StepContext(NamedTuple):
 def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
            ctx: StepContext, *, layer: int, scale: float) -> jax.Array:
     """``attn`` on q [B, T, N, H] -> [B, T, N, H]; packs rows."""
-    pk, scales = ctx.packing, dict(layer=layer, scale=scale, k_scale=ctx.k_scale,
-                                   v_scale=ctx.v_scale)
-    if pk is None:
-        return attn(q, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, ctx.positions, **scales)
-    _, Tp, N, H = q.shape
-    R, Tq = pk.q_index.shape
-    rows = q[0][pk.q_index]                                             # [R, Tq, N, H]
-    o = attn(rows, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, pk.q_positions, **scales)
-    return o.reshape(R * Tq, N, H)[pk.out_index][None]                  # [1, Tp, N, H]
+    pk = ctx.packing  # packed: rows q[0][q_index] [R, Tq, N, H], output back to [1, Tp, N, H]
+    rows, pos = (q, ctx.positions) if pk is None else (q[0][pk.q_index], pk.q_positions)
+    o = attn(rows, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, pos, layer=layer, scale=scale,
+             k_scale=ctx.k_scale, v_scale=ctx.v_scale)
+    return o if pk is None else o.reshape(-1, *q.shape[2:])[pk.out_index][None]
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -142,9 +138,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, w: jax.Array, *, eps: fl
 def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """HF ``rotate_half`` RoPE of x [..., heads, H] (i pairs with i + H/2: ``(x1, x2) -> (x1 cos -
     x2 sin, x2 cos + x1 sin)``) in f32, returned in x.dtype; cos, sin f32[..., H/2] (all heads)."""
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     c, s = cos[..., None, :], sin[..., None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 

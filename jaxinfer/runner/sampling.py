@@ -130,8 +130,7 @@ def _filter_sorted(vals: jax.Array, top_k: jax.Array, top_p: jax.Array,
     probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
     mass_before = (jnp.cumsum(probs, axis=-1) - probs).at[:, 0].set(0.0)
     tp = top_p.astype(jnp.float32)[:, None]
-    keep &= (mass_before < tp) | (tp >= 1.0)
-    keep &= _min_p_keep(vals, min_p)
+    keep &= ((mass_before < tp) | (tp >= 1.0)) & _min_p_keep(vals, min_p)
     keep |= pos == 0
     return jnp.where(keep, vals, -jnp.inf)
 
@@ -149,8 +148,7 @@ def _scale(x: jax.Array, temperature: jax.Array) -> jax.Array:
 
 
 def _sort_desc(scaled: jax.Array) -> tuple[jax.Array, jax.Array]:
-    b, v = scaled.shape
-    ids = jax.lax.broadcasted_iota(jnp.int32, (b, v), 1)
+    ids = jax.lax.broadcasted_iota(jnp.int32, scaled.shape, 1)
     neg_sorted, sorted_ids = jax.lax.sort((-scaled, ids), dimension=1, is_stable=True, num_keys=1)
     return -neg_sorted, sorted_ids
 
@@ -159,15 +157,6 @@ def _penalised(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     """Penalised f32 logits, NaN -> -inf, +inf -> largest float32 (``x - max`` never NaN)."""
     x = apply_penalties(logits, meta)
     return jnp.nan_to_num(x, nan=-jnp.inf, posinf=jnp.finfo(jnp.float32).max, neginf=-jnp.inf)
-
-
-def filtered_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """f32[B, V] logits `sample` draws from (vocab order; filtered: -inf). ValueError: shapes."""
-    _check_shapes(logits, meta)
-    vals, ids = _sort_desc(_scale(_penalised(logits, meta), meta.temperature))
-    vals = _filter_sorted(vals, meta.top_k, meta.top_p, meta.min_p)
-    rows = jnp.arange(vals.shape[0], dtype=jnp.int32)[:, None]
-    return jnp.full_like(vals, -jnp.inf).at[rows, ids].set(vals)
 
 
 def _gumbel_noise(seeds: jax.Array, step_idx: jax.Array, v: int) -> jax.Array:

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.paged_attention import reference
-from pallas_kernels.paged_attention.triton_pallas import HIGHEST, LOG2E, NN_DIMS, NT_DIMS
+from pallas_kernels.paged_attention.triton_pallas import HIGHEST, LOG2E, NN_DIMS, NT_DIMS, normalize
 from pallas_kernels.sizes import raise_first, round_up
 
 _ROWS = 64          # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
@@ -77,8 +77,7 @@ def combine_splits(o: jax.Array, lse: jax.Array, *, num_heads: int, out_dtype) -
     mx = jnp.max(lse, axis=2, keepdims=True)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     w = jnp.exp(lse - mx)                                       # [B, K, S, Gp]; 0 for empty splits
-    den = jnp.sum(w, axis=2)
-    out = jnp.einsum("bksg,bksgh->bkgh", w, o) / jnp.where(den > 0, den, 1.0)[..., None]
+    out = normalize(jnp.einsum("bksg,bksgh->bkgh", w, o), jnp.sum(w, axis=2))
     return out[:, :, :G].reshape(B, num_heads, H).astype(out_dtype)
 
 
@@ -89,34 +88,27 @@ def _smem_transforms(dtype, H: int):
                                          plgpu.SwizzleTransform(128))
 
 
-class _WgmmaMath:
-    """Hopper tensor-core math in Mosaic GPU's WGMMA register layout (compiled path)."""
-
-    @staticmethod
-    def full(shape, value, row_stat: bool = False):
-        layout = plgpu.Layout.WGMMA.reduce(1) if row_stat else plgpu.Layout.WGMMA
-        return plgpu.layout_cast(jnp.full(shape, value, jnp.float32), layout)
-
-    @staticmethod
-    def col_iota(shape):
-        return plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-
-    @staticmethod
-    def scores(q_smem, k_smem):
-        """[64, H] x [bk, H]^T -> [64, bk] float32."""
-        def qk(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
-            return acc_ref[...]
-        return pl.run_scoped(qk, plgpu.ACC((_ROWS, k_smem.shape[0]), jnp.float32))
-
-    @staticmethod
-    def accumulate_pv(acc, p, v_smem):
-        """acc [64, H] += p [64, bk] (KV dtype, registers) x v [bk, H]."""
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p, v_smem)
-        return pl.run_state(pv)(plgpu.ACC.init(acc))
+def _wgmma_scores(q_smem, k_smem):
+    """[64, H] x [bk, H]^T -> [64, bk] float32."""
+    def qk(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
+        return acc_ref[...]
+    return pl.run_scoped(qk, plgpu.ACC((_ROWS, k_smem.shape[0]), jnp.float32))
 
 
+def _wgmma_pv(acc, p, v_smem):
+    """acc [64, H] += p [64, bk] (KV dtype, registers) x v [bk, H]."""
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p, v_smem)
+    return pl.run_state(pv)(plgpu.ACC.init(acc))
+
+
+_WgmmaMath = types.SimpleNamespace(  # Hopper tensor-core math in Mosaic GPU's WGMMA layout
+    full=lambda shape, value, row_stat=False: plgpu.layout_cast(
+        jnp.full(shape, value, jnp.float32),
+        plgpu.Layout.WGMMA.reduce(1) if row_stat else plgpu.Layout.WGMMA),
+    col_iota=lambda shape: plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA),
+    scores=_wgmma_scores, accumulate_pv=_wgmma_pv)
 _PlainMath = types.SimpleNamespace(  # `_WgmmaMath` in plain jnp (GPU interpret mode on the CPU)
     full=lambda shape, value, row_stat=False: jnp.full(shape, value, jnp.float32),
     col_iota=lambda shape: lax.broadcasted_iota(jnp.int32, shape, 1),
@@ -167,8 +159,9 @@ def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
             plgpu.copy_gmem_to_smem(src(ref, phys), buf.at[pl.ds(i * rpc, rpc)], bar)
 
 
-def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_smem, off_smem, bars,
-          *, geo: _Geometry, math_, interpret: bool):
+def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *refs, geo: _Geometry, math_,
+          interpret: bool):
+    lse_ref, q_smem, tbl_smem, off_smem, bars = (None, *refs) if geo.num_splits == 1 else refs
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     tbl_bar, q_bar, off_bar = bars.at[0], bars.at[1], bars.at[2]
     bk, H = geo.block_kv, geo.H
@@ -180,8 +173,7 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
     plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, geo.Gp)], q_bar)
     plgpu.barrier_wait(tbl_bar)
     plgpu.barrier_wait(off_bar)
-    layer_off = off_smem[0]
-    seq_len = tbl_smem[0, 0]
+    layer_off, seq_len = off_smem[0], tbl_smem[0, 0]
     lo_pos = (jnp.int32(0) if geo.sliding_window is None
               else jnp.maximum(seq_len - geo.sliding_window, 0))
     first_blk = lax.div(lo_pos, bk)
@@ -201,22 +193,20 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, lse_ref, q_smem, tbl_sme
         plgpu.barrier_wait(q_bar)
 
         def step(j, carry):
-            slot = lax.rem(j, geo.num_stages)
-            refill = j + geo.num_stages < count
+            slot, nxt = lax.rem(j, geo.num_stages), start + j + geo.num_stages
+            refill = nxt < start + count
             plgpu.barrier_wait(k_bars.at[slot])
             s = math_.scores(q_smem, k_bufs.at[slot])
 
             @pl.when(refill)
             def _refill_k():  # Q K^T has completed: this K buffer is free again
-                _issue_block(geo, tbl_smem, layer_off, h, start + j + geo.num_stages,
-                             [k_copy(slot)])
+                _issue_block(geo, tbl_smem, layer_off, h, nxt, [k_copy(slot)])
             carry = _softmax_step(math_, geo, carry, s, (start + j) * bk, seq_len, lo_pos,
                                   v_bufs.at[slot], lambda: plgpu.barrier_wait(v_bars.at[slot]))
 
             @pl.when(refill)
             def _refill_v():  # P V has completed
-                _issue_block(geo, tbl_smem, layer_off, h, start + j + geo.num_stages,
-                             [v_copy(slot)])
+                _issue_block(geo, tbl_smem, layer_off, h, nxt, [v_copy(slot)])
             return carry
 
         init = (math_.full((_ROWS, H), 0.0), math_.full((_ROWS,), -jnp.inf, row_stat=True),
@@ -238,28 +228,20 @@ def _store(geo: _Geometry, acc, m, l, o_ref, lse_ref, b, h, split):
     inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
     lse = jnp.where(has_keys, m * _LN2 + jnp.log(jnp.where(has_keys, l, 1.0)), -jnp.inf)
-    if lse_ref is None:
-        def store_final(o_smem):
-            o_smem[...] = out.astype(o_ref.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, geo.G)], o_ref.at[b, h])
-            plgpu.wait_smem_to_gmem(0)
-        pl.run_scoped(store_final, plgpu.SMEM((_ROWS, H), o_ref.dtype))
-        return
+    single = lse_ref is None  # one split: the G rows in the output dtype, no LSE
 
-    def store(o_smem, lse_smem):
-        o_smem[...] = out
-        lse_smem[...] = lse
+    def store(o_smem, *lse_smem):
+        o_smem[...] = out.astype(o_ref.dtype)
+        if not single:
+            lse_smem[0][...] = lse
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, geo.Gp)], o_ref.at[b, h, split])
-        plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, geo.Gp)], lse_ref.at[b, h, split])
+        rows, dst = (geo.G, o_ref.at[b, h]) if single else (geo.Gp, o_ref.at[b, h, split])
+        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, rows)], dst)
+        if not single:
+            plgpu.copy_smem_to_gmem(lse_smem[0].at[pl.ds(0, geo.Gp)], lse_ref.at[b, h, split])
         plgpu.wait_smem_to_gmem(0)
-    pl.run_scoped(store, plgpu.SMEM((_ROWS, H), jnp.float32), plgpu.SMEM((_ROWS,), jnp.float32))
-
-
-def _smem_bytes(cfg: MosaicDecodeConfig, H: int, itemsize: int, table_bytes: int) -> int:
-    return (cfg.num_stages * 2 * cfg.block_kv * H * itemsize + _ROWS * H * itemsize
-            + table_bytes + _OFFSET_COLS * 4 + 1024)
+    pl.run_scoped(store, plgpu.SMEM((_ROWS, H), o_ref.dtype),
+                  *() if single else (plgpu.SMEM((_ROWS,), jnp.float32),))
 
 
 def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int) -> int:
@@ -281,32 +263,29 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
 
 def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret,
               layer, page_offset, sliding_window, soft_cap) -> None:
-    L, _, K, page_size, _ = reference.check_pools(k_pool, v_pool)
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
-    B, N, H = q.shape
+    B, N, H, K, page_size, _ = reference.check_args(q, k_pool, v_pool, block_tables, seq_lens,
+                                                    sliding_window, soft_cap)
+    L = k_pool.shape[0]
     allowed = [jnp.dtype(d) for d in ("bfloat16", "float16", "float32")[:2 + bool(interpret)]]
     po_shape = getattr(page_offset, "shape", None)
     raise_first([
-            (not jnp.issubdtype(q.dtype, jnp.floating),
-             f"q must be a floating dtype; got {q.dtype}"),
-            (B < 1, f"q has B={B} rows; at least 1 is needed"),
-            (N % K, f"num query heads N={N} must be a multiple of num KV heads K={K}"),
-            (N // K > _ROWS, f"GQA group N/K={N // K} must be <= {_ROWS}"),
-            (k_pool.dtype not in allowed, f"k_pool dtype {k_pool.dtype} not supported; allowed: "
-             f"{[d.name for d in allowed]} (float32 only in interpret mode: Hopper wgmma has no "
-             "float32 P.V path)"),
-            (H % 64, f"head dim H={H} must be a multiple of 64"),
-            (page_size % 8, f"page_size={page_size} must be a multiple of 8"),
-            (cfg.block_kv % page_size and page_size % cfg.block_kv,
-             f"block_kv={cfg.block_kv} and page_size={page_size}: one must divide the other"),
-            (page_offset is not None and (po_shape != (_OFFSET_COLS,)
-                                          or page_offset.dtype != jnp.int32),
-             f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got "
-             f"{getattr(page_offset, 'dtype', type(page_offset).__name__)}{list(po_shape or ())}"),
-            (isinstance(layer, (int, np.integer)) and not 0 <= layer < L,
-             f"layer={layer} is outside the pools' L={L} layers")])
-    reference.check_args(B, H, k_pool, v_pool, block_tables, seq_lens, sliding_window, soft_cap)
+        (not jnp.issubdtype(q.dtype, jnp.floating), f"q must be a floating dtype; got {q.dtype}"),
+        (B < 1, f"q has B={B} rows; at least 1 is needed"),
+        (N % K, f"num query heads N={N} must be a multiple of num KV heads K={K}"),
+        (N // K > _ROWS, f"GQA group N/K={N // K} must be <= {_ROWS}"),
+        (k_pool.dtype not in allowed, f"k_pool dtype {k_pool.dtype} not supported; allowed: "
+         f"{[d.name for d in allowed]} (float32 only in interpret mode: Hopper wgmma has no "
+         "float32 P.V path)"),
+        (H % 64, f"head dim H={H} must be a multiple of 64"),
+        (page_size % 8, f"page_size={page_size} must be a multiple of 8"),
+        (cfg.block_kv % page_size and page_size % cfg.block_kv,
+         f"block_kv={cfg.block_kv} and page_size={page_size}: one must divide the other"),
+        (page_offset is not None and (po_shape != (_OFFSET_COLS,)
+                                      or page_offset.dtype != jnp.int32),
+         f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got "
+         f"{getattr(page_offset, 'dtype', type(page_offset).__name__)}{list(po_shape or ())}"),
+        (isinstance(layer, (int, np.integer)) and not 0 <= layer < L,
+         f"layer={layer} is outside the pools' L={L} layers")])
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
@@ -324,47 +303,37 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, scale, sof
     R = -(-pages_needed // C)       # entry lp lives at [1 + lp // 128, lp % 128] (R == 1 if C < 128)
     if 1 + R > 256:
         raise ValueError(f"block_tables width M={M} too large (max {255 * _TABLE_COLS} pages)")
-    splits = _pick_splits(cfg, B * K, max_blocks,
-                          _smem_bytes(cfg, H, jnp.dtype(dtype).itemsize, (1 + R) * C * 4))
-    geo = _Geometry(G=G, Gp=Gp, H=H, page_size=page_size, block_kv=bk,
-                    pages_per_step=max(1, bk // page_size), rows_per_copy=min(page_size, bk),
-                    num_stages=cfg.num_stages, num_splits=splits, dtype=dtype, scale=float(scale),
-                    soft_cap=soft_cap, sliding_window=sliding_window)
-    pages = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, R * C - M)))  # pad: null page
-    pages = pages.reshape(B, R, C)
+    isz = jnp.dtype(dtype).itemsize  # shared memory: K/V stages, Q, table, offsets, barriers
+    smem = (2 * cfg.num_stages * bk + _ROWS) * H * isz + (1 + R) * C * 4 + _OFFSET_COLS * 4 + 1024
+    splits = _pick_splits(cfg, B * K, max_blocks, smem)
+    geo = _Geometry(G, Gp, H, page_size, bk, max(1, bk // page_size), min(page_size, bk),
+                    cfg.num_stages, splits, dtype, float(scale), soft_cap, sliding_window)
+    pages = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, R * C - M))).reshape(B, R, C)
     lens = jnp.clip(seq_lens.astype(jnp.int32), 0, M * page_size)
     header = jnp.zeros((B, 1, C), jnp.int32).at[:, 0, 0].set(lens)
     table = jnp.concatenate([header, pages], axis=1)
-    qg = q.astype(dtype).reshape(B, K, G, H)
-    if Gp != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    qg = jnp.pad(q.astype(dtype).reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
     k_flat, v_flat = (x.reshape(L * P, K, page_size, H) for x in (k_pool, v_pool))
     transforms = () if interpret else _smem_transforms(dtype, H)
     single = splits == 1
     out_type = ((jax.ShapeDtypeStruct((B, K, G, H), q.dtype),) if single else
                 (jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
                  jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32)))
-    kw = dict(
-        out_type=out_type,
-        scratch_types=[plgpu.SMEM((_ROWS, H), dtype, transforms=transforms),
-                       plgpu.SMEM((1 + R, C), jnp.int32),
-                       plgpu.SMEM((_OFFSET_COLS,), jnp.int32),
-                       plgpu.Barrier(num_barriers=3)],
-        grid=(B, K, splits), grid_names=("b", "h", "s"))
+    kw = dict(out_type=out_type, grid=(B, K, splits), grid_names=("b", "h", "s"),
+              scratch_types=[plgpu.SMEM((_ROWS, H), dtype, transforms=transforms),
+                             plgpu.SMEM((1 + R, C), jnp.int32),
+                             plgpu.SMEM((_OFFSET_COLS,), jnp.int32), plgpu.Barrier(num_barriers=3)])
     if interpret:  # Mosaic GPU's interpret mode is private in JAX 0.10-0.11 (pyproject's range)
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
         kw["interpret"] = InterpretGPUParams()
     else:
         kw["compiler_params"] = plgpu.CompilerParams(approx_math=True)
     body = functools.partial(_body, geo=geo, math_=_PlainMath if interpret else _WgmmaMath,
-                             interpret=interpret)
+                             interpret=interpret)  # one split: no LSE output (lse_ref None)
+    outs = plgpu.kernel(body, **kw)(qg, k_flat, v_flat, table, layer_off)
     if single:
-        def body_single(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *scratch):
-            body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, None, *scratch)
-        (o,) = plgpu.kernel(body_single, **kw)(qg, k_flat, v_flat, table, layer_off)
-        return o.reshape(B, N, H)
-    o, lse = plgpu.kernel(body, **kw)(qg, k_flat, v_flat, table, layer_off)
-    return combine_splits(o, lse, num_heads=N, out_dtype=q.dtype)
+        return outs[0].reshape(B, N, H)
+    return combine_splits(*outs, num_heads=N, out_dtype=q.dtype)
 
 
 def layer_offsets(layer, pages_per_layer: int):
@@ -385,8 +354,7 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     replaces ``layer``. ValueError: shapes, dtypes or knobs the kernel does not take, a Python-int
     layer outside [0, L). Unchecked: a traced layer, page ids; lengths past the table are clamped to
     M * page_size. Eager interpret calls block until ready (XLA:CPU callback deadlock)."""
-    cfg = config if config is not None else MosaicDecodeConfig(
-        block_kv=block_kv, num_stages=num_stages, num_splits=num_splits)
+    cfg = config or MosaicDecodeConfig(block_kv, num_stages, num_splits)
     _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, layer, page_offset,
               sliding_window, soft_cap)
     out = _forward(q, k_pool, v_pool, block_tables, seq_lens,

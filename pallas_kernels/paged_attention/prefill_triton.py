@@ -31,10 +31,8 @@ def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, pos_ref, q_ref, k_ref, 
     block_n = pages_per_block * page_size
     # Keys [lo, hi) can be visible to some query of this tile.
     hi = jnp.minimum(seq_len, jnp.max(pos) + 1)
-    if sliding_window is None:
-        lo = jnp.int32(0)
-    else:
-        lo = jnp.maximum(jnp.min(jnp.where(pos >= 0, pos, hi)) - (sliding_window - 1), 0)
+    lo = jnp.int32(0) if sliding_window is None else jnp.maximum(
+        jnp.min(jnp.where(pos >= 0, pos, hi)) - (sliding_window - 1), 0)
     blk_lo = lo // block_n
     blk_hi = jnp.maximum((hi + block_n - 1) // block_n, blk_lo)
     qk_scale = (scale if soft_cap is not None else scale * LOG2E) * ks_ref[kh]
@@ -120,11 +118,9 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     program (``block_q * G_PAD`` a power of 2 >= 16); pages_per_block: per key block (>= 16 keys);
     None knobs: 64 query rows and 64 keys (one page if pages are larger), 4 warps, 2 stages.
     ValueError: bad shapes, dtypes, knobs."""
-    if q.ndim != 4:
-        raise ValueError(f"q must be [B, T, N, H]; got shape {q.shape}")
-    B, T, N, H = q.shape
-    *_, K, page_size, _ = check_decode_args(jnp.zeros((B, N, H), q.dtype), k_pool, v_pool,
-                                            block_tables, seq_lens, sliding_window, soft_cap)
+    B, N, H, K, page_size, _ = check_decode_args(q, k_pool, v_pool, block_tables, seq_lens,
+                                                 sliding_window, soft_cap, ndim=4)
+    T = q.shape[1]
     if q_positions.shape != (B, T):
         raise ValueError(f"q_positions must be i32[B={B}, T={T}]; got shape {q_positions.shape}")
     knobs = dict(block_q=max(1, DEFAULT_ROWS // next_pow2(N // K)),

@@ -15,9 +15,13 @@ def check_pools(k_pool: jax.Array, v_pool: jax.Array) -> tuple[int, ...]:
     return k_pool.shape
 
 
-def check_args(B: int, H: int, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
-               soft_cap=None) -> tuple[int, int, int]:
-    """Checks of every variant (q: B rows, head dim H) -> (K, page_size, M); ValueError names it."""
+def check_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None, soft_cap=None,
+               ndim: int = 3) -> tuple[int, int, int, int, int, int]:
+    """Checks of every variant, q [B, N, H] (``ndim`` 4: [B, T, N, H]) -> (B, N, H, K, page_size,
+    M); ValueError names the argument."""
+    if q.ndim != ndim:
+        raise ValueError(f"q must be [B, {'T, ' * (ndim == 4)}N, H]; got shape {q.shape}")
+    B, *_, N, H = q.shape
     *_, K, page_size, Hk = check_pools(k_pool, v_pool)
     raise_first([
         (Hk != H, f"k_pool head dim {Hk} must equal q head dim {H}"),
@@ -27,7 +31,7 @@ def check_args(B: int, H: int, k_pool, v_pool, block_tables, seq_lens, sliding_w
         (sliding_window is not None and sliding_window < 1,
          f"sliding_window={sliding_window} must be None or >= 1"),
         (soft_cap is not None and not soft_cap > 0, f"soft_cap={soft_cap} must be None or > 0")])
-    return K, page_size, block_tables.shape[1]
+    return B, N, H, K, page_size, block_tables.shape[1]
 
 
 def _dequantised(pages: jax.Array, scale: jax.Array | None, layer) -> jax.Array:

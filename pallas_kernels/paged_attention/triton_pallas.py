@@ -25,14 +25,10 @@ NT_DIMS, NN_DIMS = (((1,), (1,)), ((), ())), (((1,), (0,)), ((), ()))  # a @ b.T
 
 
 def check_decode_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None,
-                      soft_cap=None) -> tuple[int, int, int, int, int, int]:
-    """Validate the decode signature -> (B, N, H, K, page_size, M); ValueError names the arg
-    (`reference.check_args`, int32 tables and lengths, powers of 2 for the Triton kernels)."""
-    if q.ndim != 3:
-        raise ValueError(f"q must be [B, N, H]; got shape {q.shape}")
-    B, N, H = q.shape
-    K, page_size, M = reference.check_args(B, H, k_pool, v_pool, block_tables, seq_lens,
-                                           sliding_window, soft_cap)
+                      soft_cap=None, ndim: int = 3) -> tuple[int, int, int, int, int, int]:
+    """`reference.check_args` plus int32 tables and lengths, powers of 2 for the Triton kernels."""
+    B, N, H, K, page_size, M = reference.check_args(q, k_pool, v_pool, block_tables, seq_lens,
+                                                    sliding_window, soft_cap, ndim)
     raise_first([
         (K < 1 or N % max(K, 1), f"q heads N={N} must be a positive multiple of KV heads K={K}"),
         (block_tables.dtype != jnp.int32,
@@ -63,14 +59,16 @@ def layer_scales(k_scale, v_scale, layer, L: int, K: int) -> tuple[jax.Array, ja
                  jnp.asarray(s, jnp.float32).reshape(L, K)[layer] for s in (k_scale, v_scale))
 
 
+def normalize(acc, l):
+    """acc / l per row; zeros for rows with no key (l == 0)."""
+    return jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+
+
 def combine_splits(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     """Merge flash-decoding partials -> f32[..., H] (zeros if all empty). acc: f32[S, ..., H]
     un-normalised (sum_j 2^(x_j - m_s) v_j); m: f32[S, ...] running max, log2 (NEG_INIT: none)."""
-    m_max = jnp.max(m, axis=0)
-    w = jnp.exp2(m - m_max[None])
-    l_tot = jnp.sum(w * l, axis=0)
-    o = jnp.sum(w[..., None] * acc, axis=0)
-    return jnp.where(l_tot[..., None] > 0, o / jnp.where(l_tot > 0, l_tot, 1.0)[..., None], 0.0)
+    w = jnp.exp2(m - jnp.max(m, axis=0)[None])
+    return normalize(jnp.sum(w[..., None] * acc, axis=0), jnp.sum(w * l, axis=0))
 
 
 def online_softmax_step(q, k, v, valid, carry, *, qk_scale, soft_cap):
@@ -92,26 +90,9 @@ def online_softmax_step(q, k, v, valid, carry, *, qk_scale, soft_cap):
     return acc, m_new, l_new
 
 
-def normalize(acc, l):
-    """acc / l per row; zeros for rows with no key (l == 0)."""
-    return jnp.where(l[:, None] > 0, acc / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
-
-
 def full_block(shape):
     """A BlockSpec of the whole array (every program sees all of it)."""
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
-
-
-def split_range(seq_len, s, *, page_size, pages_per_block, k_splits, sliding_window):
-    """(lo, first_page, blk_lo, blk_hi): first visible position, its page, and split s's blocks
-    [blk_lo, blk_hi) from first_page (visible pages in blocks, contiguous equal runs per split)."""
-    lo = jnp.int32(0) if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
-    first_page = lo // page_size
-    n_pages = (seq_len + page_size - 1) // page_size
-    n_blocks = (jnp.maximum(n_pages - first_page, 0) + pages_per_block - 1) // pages_per_block
-    per_split = (n_blocks + k_splits - 1) // k_splits
-    blk_lo = jnp.minimum(s * per_split, n_blocks)
-    return lo, first_page, blk_lo, jnp.minimum(blk_lo + per_split, n_blocks)
 
 
 def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, *out_refs, G_PAD, H,
@@ -120,9 +101,14 @@ def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, *o
     layer = layer_ref[0]
     seq_len = jnp.minimum(lens_ref[b], M * page_size)                    # never past the table
     block_n = pages_per_block * page_size
-    lo, first_page, blk_lo, blk_hi = split_range(
-        seq_len, s, page_size=page_size, pages_per_block=pages_per_block, k_splits=k_splits,
-        sliding_window=sliding_window)
+    # visible positions [lo, seq_len), their pages in blocks from first_page; split s: equal runs
+    lo = jnp.int32(0) if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    first_page = lo // page_size
+    n_pages = (seq_len + page_size - 1) // page_size
+    n_blocks = (jnp.maximum(n_pages - first_page, 0) + pages_per_block - 1) // pages_per_block
+    per_split = (n_blocks + k_splits - 1) // k_splits
+    blk_lo = jnp.minimum(s * per_split, n_blocks)
+    blk_hi = jnp.minimum(blk_lo + per_split, n_blocks)
     q = q_ref[...]                                                        # [G_PAD, H]
     qk_scale = (scale if soft_cap is not None else scale * LOG2E) * ks_ref[kh]
     offs = jnp.arange(block_n, dtype=jnp.int32)
@@ -145,13 +131,10 @@ def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, *o
     acc, m_i, l_i, _ = lax.fori_loop(blk_lo, blk_hi, body, init)
     acc = acc * vs_ref[kh]
     if k_splits == 1:
-        (o_ref,) = out_refs
-        o_ref[...] = normalize(acc, l_i).astype(o_ref.dtype)
-    else:
-        o_ref, m_ref, l_ref = out_refs
-        o_ref[...] = acc
-        m_ref[...] = m_i
-        l_ref[...] = l_i
+        out_refs[0][...] = normalize(acc, l_i).astype(out_refs[0].dtype)
+    else:  # the partials
+        for ref, x in zip(out_refs, (acc, m_i, l_i)):
+            ref[...] = x
 
 
 @functools.partial(jax.jit, static_argnames=(
@@ -167,34 +150,27 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, k_scale, v_s
     bt = jnp.pad(block_tables, ((0, 0), (0, 2 * pages_per_block)))
     layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     scales = layer_scales(k_scale, v_scale, layer, L, K)
-    qg = q.reshape(B, K, G, H)
-    if G_PAD != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, G_PAD - G), (0, 0)))
+    qg = jnp.pad(q.reshape(B, K, G, H), ((0, 0), (0, 0), (0, G_PAD - G), (0, 0)))
     kernel = functools.partial(
         _kernel, G_PAD=G_PAD, H=H, M=M, page_size=page_size, pages_per_block=pages_per_block,
         k_splits=k_splits, scale=float(scale),
         soft_cap=None if soft_cap is None else float(soft_cap), sliding_window=sliding_window)
-    in_specs = [
-        full_block((1,)), full_block((B,)), full_block((B, M + 2 * pages_per_block)),
-        full_block((K,)), full_block((K,)),
-        q_spec := pl.BlockSpec((None, None, G_PAD, H), lambda b, k, s: (b, k, 0, 0)),
-        full_block(k_pool.shape), full_block(v_pool.shape),
-    ]
+    q_spec = pl.BlockSpec((None, None, G_PAD, H), lambda b, k, s: (b, k, 0, 0))
+    in_specs = [full_block((1,)), full_block((B,)), full_block((B, M + 2 * pages_per_block)),
+                full_block((K,)), full_block((K,)), q_spec, full_block(k_pool.shape),
+                full_block(v_pool.shape)]
     if k_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((B, K, G_PAD, H), q.dtype)]
         out_specs = [q_spec]
-    else:
-        out_shape = [jax.ShapeDtypeStruct((k_splits, B, K, G_PAD, H), jnp.float32),
-                     jax.ShapeDtypeStruct((k_splits, B, K, G_PAD), jnp.float32),
-                     jax.ShapeDtypeStruct((k_splits, B, K, G_PAD), jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, None, G_PAD, H), lambda b, k, s: (s, b, k, 0, 0)),
-                     pl.BlockSpec((None, None, None, G_PAD), lambda b, k, s: (s, b, k, 0)),
-                     pl.BlockSpec((None, None, None, G_PAD), lambda b, k, s: (s, b, k, 0))]
+    else:  # partials acc [S, B, K, G_PAD, H], m and l [S, B, K, G_PAD]
+        tails = ((G_PAD, H), (G_PAD,), (G_PAD,))
+        out_shape = [jax.ShapeDtypeStruct((k_splits, B, K, *t), jnp.float32) for t in tails]
+        out_specs = [pl.BlockSpec((None, None, None, *t), lambda b, k, s, n=len(t): (s, b, k)
+                                  + (0,) * n) for t in tails]
     outs = pl.pallas_call(
         kernel, out_shape=out_shape, grid=(B, K, k_splits), in_specs=in_specs, out_specs=out_specs,
-        interpret=interpret,
+        interpret=interpret, name=f"paged_decode_triton_ppb{pages_per_block}_s{k_splits}",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        name=f"paged_decode_triton_ppb{pages_per_block}_s{k_splits}",
     )(layer_arr, seq_lens, bt, *scales, qg, k_pool, v_pool)
     o = outs[0] if k_splits == 1 else combine_splits(*outs)
     return o[:, :, :G].reshape(B, N, H).astype(q.dtype)
@@ -213,9 +189,8 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     B, N, H, K, page_size, M = check_decode_args(q, k_pool, v_pool, block_tables, seq_lens,
                                                  sliding_window, soft_cap)
     knobs = tuning.resolve("triton", B=B, K=K, G=N // K, M=M, page_size=page_size, head_dim=H,
-                           dtype=k_pool.dtype, interpret=interpret,
-                           pages_per_block=pages_per_block, num_warps=num_warps,
-                           num_stages=num_stages, k_splits=k_splits)
+                           dtype=k_pool.dtype, interpret=interpret, pages_per_block=pages_per_block,
+                           num_warps=num_warps, num_stages=num_stages, k_splits=k_splits)
     check_knobs(page_size=page_size, **knobs)
     check_scales(k_pool, k_scale, v_scale)
     return _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, k_scale, v_scale,

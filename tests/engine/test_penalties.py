@@ -17,9 +17,10 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.loop import StepLoop
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
-from jaxinfer.runner.sampling import SamplingMetadata, filtered_logits, logprobs, sample
+from jaxinfer.runner.sampling import SamplingMetadata, logprobs, sample
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.step_input import BucketSpec, ShapeKey
+from tests.test_sampling import filtered_logits
 
 V, PAGE, EOS = 64, 4, 2
 

@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 
+from jaxinfer.checks import no_local_model
 from jaxinfer.config import EngineConfig, KernelConfig
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)  # --seed: the requests'
@@ -79,6 +80,6 @@ def make_llm(args: argparse.Namespace, **kwargs):
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.model is not None and not os.path.exists(args.model):
-        raise FileNotFoundError(f"--model {args.model!r} does not exist")
+        raise FileNotFoundError(no_local_model(f"--model {args.model!r}"))
     return llm.LLM(args.model, kernels=args.kernels,
                    **{name: getattr(args, name) for name in ENGINE_OPTIONS}, **kwargs)

@@ -5,6 +5,7 @@ after ``--shutdown-timeout``, stop the core; exit codes: `main`."""
 
 import functools
 import os
+import signal
 import sys
 
 
@@ -26,17 +27,22 @@ def build_parser():
     return p
 
 
+def _interrupt(sig, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None, factory=None) -> int:
     """Start the engine core on ``factory()`` (picklable, returns a `jaxinfer.LLM`; None: the
     ``--model`` and engine options of ``argv``), then serve HTTP until SIGINT/SIGTERM or the
     core's death. Returns the exit code: 0; 1: the core died; 2: bad options, or the core could
-    not start; 130: interrupted while starting."""
+    not start; 130: interrupted (SIGINT, SIGTERM) while starting, the core stopped."""
     import uvicorn
 
     from jaxinfer.cli_args import fail, make_llm
     from jaxinfer.serve.app import create_app
     from jaxinfer.serve.client import EngineCoreClient
 
+    signal.signal(signal.SIGTERM, _interrupt)  # while the core starts: it is stopped too
     try:
         args = build_parser().parse_args(argv)
         client = EngineCoreClient(factory or functools.partial(make_llm, args))

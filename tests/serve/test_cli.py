@@ -1,8 +1,9 @@
 """``python -m jaxinfer.serve`` as a process, on the tiny random model's Orbax directory
 (``tiny_checkpoint``, tests/conftest.py): it loads back with its tokenizer; bad options
 exit 2 with one line; SIGTERM while a stream runs ends that stream (finished or aborted), then
-the process exits 0 without a traceback and leaves no engine-core process; a killed engine core
-ends the open requests with errors and the process with code 1."""
+the process exits 0 without a traceback and leaves no engine-core process (nor when SIGTERM
+comes while it starts); a killed engine core ends the open requests with errors and the process
+with code 1."""
 
 import os
 import signal
@@ -44,9 +45,10 @@ def test_tiny_checkpoint_loads_back(tiny_checkpoint, tiny_text_params, tiny_toke
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _start(checkpoint) -> tuple[subprocess.Popen, int, int]:
+def _start(checkpoint, ready: bool = True) -> tuple[subprocess.Popen, int, int]:
     """(the API process, its port, the engine core's pid) of ``python -m jaxinfer.serve`` on the
-    tiny checkpoint (one sequence at a time), once /health answers."""
+    tiny checkpoint (one sequence at a time), once /health answers (``ready=False``: once the
+    core's process exists)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -59,15 +61,19 @@ def _start(checkpoint) -> tuple[subprocess.Popen, int, int]:
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, HF_HUB_OFFLINE="1"))
     deadline = time.monotonic() + 600
-    while _health(port) != 200:
+    while not (cores := _cores(proc)) or ready and _health(port) != 200:
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         assert time.monotonic() < deadline
         time.sleep(0.5)
+    assert len(cores) == 1, cores
+    return proc, port, cores[0]
+
+
+def _cores(proc) -> list[int]:
+    """The pids of ``proc``'s children started by multiprocessing's spawn (the engine core)."""
     with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
         kids = [int(k) for k in f.read().split()]
-    cores = [k for k in kids if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
-    assert len(cores) == 1, kids
-    return proc, port, cores[0]
+    return [k for k in kids if b"spawn_main" in open(f"/proc/{k}/cmdline", "rb").read()]
 
 
 def _health(port: int) -> int | None:
@@ -133,6 +139,24 @@ def test_sigterm_ends_streams_and_exits_cleanly(tiny_checkpoint):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_sigterm_while_starting_stops_the_core(tiny_checkpoint):
+    """SIGTERM before /health answers (the core still loading or compiling): the process exits
+    130 and its engine core does not outlive it (vLLM's server shuts its engine core down)."""
+    proc, _, core = _start(tiny_checkpoint, ready=False)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 130
+        deadline = time.monotonic() + 10
+        while not _gone(core):
+            assert time.monotonic() < deadline, "the engine core outlived the server"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if not _gone(core):
+            os.kill(core, signal.SIGKILL)
 
 
 def test_engine_core_killed_mid_stream(tiny_checkpoint):

@@ -1,9 +1,8 @@
-"""A GGUF file converted once into an HF model directory in the user's cache, so that later opens
-neither parse the GGUF's metadata nor convert its tokenizer: ``config.json`` (`gguf_hf_config`),
-``generation_config.json`` (the GGUF's EOS ids), ``model.safetensors`` (the dequantised tensors,
-float32, HF names) and the tokenizer's files. Root: ``$JAXINFER_GGUF_CACHE`` ("0": no cache), else
-``$XDG_CACHE_HOME/jaxinfer/gguf`` (``~/.cache``). An entry is keyed by the file's absolute path,
-size and modification time, and appears whole (written aside, then renamed)."""
+"""A GGUF file converted once into an HF model directory in the user's cache (config.json,
+generation_config.json with the GGUF's EOS ids, float32 model.safetensors, the tokenizer's files),
+so later opens neither parse its metadata nor convert its tokenizer. Root: $JAXINFER_GGUF_CACHE
+("0": off), else $XDG_CACHE_HOME (~/.cache)/jaxinfer/gguf; an entry is keyed by the file's path,
+size and mtime, and appears whole (written aside, then renamed)."""
 
 import hashlib
 import json
@@ -32,9 +31,8 @@ def lookup(path: str) -> str | None:
 
 
 def store(ckpt, tokenizer) -> str | None:
-    """Write the entry of opened GGUF `Checkpoint` ``ckpt`` with HF ``tokenizer`` (its tensors
-    dequantised again); None: caching off, the tensors over `MAX_BYTES`, or the write failed
-    (OSError: nothing is left behind, the GGUF stays the source)."""
+    """Write opened GGUF `Checkpoint` ``ckpt``'s entry with HF ``tokenizer`` (tensors dequantised
+    again) -> its path; None: caching off, over `MAX_BYTES`, or an OSError (nothing left behind)."""
     import numpy as np
     from safetensors.numpy import save_file
 
@@ -49,8 +47,8 @@ def store(ckpt, tokenizer) -> str | None:
         os.makedirs(os.path.dirname(d), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(d))
         config = gguf_hf_config(ckpt.reader)  # not ckpt.config: that may carry hf_overrides
-        for name, obj in (("config.json", config),
-                          ("generation_config.json", {"eos_token_id": list(ckpt.generation_eos_ids)})):
+        for name, obj in (("config.json", config), ("generation_config.json", {
+                "eos_token_id": list(ckpt.generation_eos_ids)})):
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(obj, f)
         save_file(gguf_hf_tensors(ckpt.reader, config, "float32"),

@@ -19,9 +19,3 @@ def check_int(what: str, v, lo: int, hi: int | None = None) -> None:
     if not is_int(v, lo) or (hi is not None and v > hi):
         raise ValueError(f"{what}={v!r} is invalid: must be an integer "
                          + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]"))
-
-
-def no_local_model(what: str) -> str:
-    """The error for a model argument ``what`` (e.g. "model 'x'") that is no local path."""
-    return (f"{what} is no local path (nothing is downloaded); give an HF model directory "
-            "(config.json + *.safetensors), a .gguf file or an Orbax directory")

@@ -7,7 +7,6 @@ import dataclasses
 import os
 import sys
 
-from jaxinfer.checks import no_local_model
 from jaxinfer.config import EngineConfig, KernelConfig
 
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)  # --seed: the requests'
@@ -74,12 +73,10 @@ def engine_parser(prog: str, description: str) -> Parser:
 def make_llm(args: argparse.Namespace, **kwargs):
     """`jaxinfer.llm.LLM` of ``args.model`` (None: the embedded default model) with the engine
     options of ``args`` (`engine_parser`) and ``kwargs``; transformers' warnings are silenced
-    (they would break the one-line error contract). Raises FileNotFoundError: no such
-    ``--model``; ValueError: as `LLM`."""
+    (they would break the one-line error contract). Raises FileNotFoundError (no such
+    ``--model``: `LLM`'s message naming the local forms), ValueError: as `LLM`."""
     from jaxinfer import llm
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if args.model is not None and not os.path.exists(args.model):
-        raise FileNotFoundError(no_local_model(f"--model {args.model!r}"))
     return llm.LLM(args.model, kernels=args.kernels,
                    **{name: getattr(args, name) for name in ENGINE_OPTIONS}, **kwargs)

@@ -8,7 +8,6 @@ import jax
 
 from checkpoints_tools.loader import load_tokenizer, open_checkpoint, read_json
 from jaxinfer.beam_search import beam_search
-from jaxinfer.checks import no_local_model
 from jaxinfer.config import ModelConfig, check_platform, engine_config, memory, resolve
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.models.quantize import quantize_params
@@ -76,7 +75,9 @@ class LLM(Prompts):
             raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
         path = model if model is not None else default_model_path()
         if not os.path.exists(path):
-            raise FileNotFoundError(no_local_model(f"model {path!r}"))
+            raise FileNotFoundError(f"model {path!r} is no local path (nothing is downloaded); "
+                                    "give an HF model directory (config.json + *.safetensors), "
+                                    "a .gguf file or an Orbax directory")
         ckpt = open_checkpoint(path)  # once
         if hf_overrides:
             ckpt = dataclasses.replace(ckpt, config={**ckpt.config, **hf_overrides})

@@ -27,10 +27,6 @@ def build_parser():
     return p
 
 
-def _interrupt(sig, frame):
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None, factory=None) -> int:
     """Start the engine core on ``factory()`` (picklable, returns a `jaxinfer.LLM`; None: the
     ``--model`` and engine options of ``argv``), then serve HTTP until SIGINT/SIGTERM or the
@@ -42,7 +38,7 @@ def main(argv: list[str] | None = None, factory=None) -> int:
     from jaxinfer.serve.app import create_app
     from jaxinfer.serve.client import EngineCoreClient
 
-    signal.signal(signal.SIGTERM, _interrupt)  # while the core starts: it is stopped too
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # while the core starts: stop it too
     try:
         args = build_parser().parse_args(argv)
         client = EngineCoreClient(factory or functools.partial(make_llm, args))

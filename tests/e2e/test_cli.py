@@ -76,7 +76,7 @@ def test_default_model_chat_stream_answers_paris(tmp_path, smollm_cli_args):
     (["--prompt", "hi", "--top-p", "0"], "top_p"),
     (["--prompt", "hi", "--top-k", "-2"], "top_k"),
     (["--prompt", "hi", "--model", "Qwen/Qwen3-8B"],  # a hub id: the local forms named
-     "--model 'Qwen/Qwen3-8B' is no local path (nothing is downloaded); give an HF model"),
+     "model 'Qwen/Qwen3-8B' is no local path (nothing is downloaded); give an HF model"),
     (["--max-tokens", "4"], "no prompt"),
     (["--prompt", "hi", "--n", "0"], "n=0 is invalid: must be an integer >= 1"),
     (["--prompt", "hi", "--n", "two"], "argument --n: invalid int value: 'two'"),

@@ -101,7 +101,7 @@ def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = Non
     """Offline HF tokenizer of an HF dir, GGUF file or Orbax ``tokenizer/`` (``path`` or an opened
     `Checkpoint`: a GGUF's from its reader, `gguf_loader.gguf_tokenizer`); ``fmt`` if known.
     FileNotFoundError: no ``path``; ValueError: unsupported format, or no tokenizer."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     if isinstance(path, Checkpoint):
         if path.reader is not None and (tok := gguf_loader.gguf_tokenizer(path.reader)):
@@ -109,14 +109,15 @@ def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = Non
         path, fmt = path.path, path.format
     p = os.fspath(path)
     fmt = fmt or detect_format(p)
-    load = AutoTokenizer.from_pretrained
-    if fmt == "gguf":
-        d, name = os.path.split(os.path.abspath(p))
-        args, kw, load = (d,), {"gguf_file": name}, PreTrainedTokenizerFast.from_pretrained
-    elif fmt == "orbax":
-        args, kw = (os.path.join(p, orbax_io.TOKENIZER_DIR),), {}
-    else:
-        args, kw = (p,), {}
+    d, name = os.path.split(os.path.abspath(p))
+    args, kw = ((d,), {"gguf_file": name}) if fmt == "gguf" else (
+        (os.path.join(p, orbax_io.TOKENIZER_DIR) if fmt == "orbax" else p,), {})
+    saved = os.path.join(args[0], "tokenizer_config.json")  # the generic fast class: no Auto*
+    load = PreTrainedTokenizerFast.from_pretrained  # (their imports take seconds, torch's too)
+    if fmt != "gguf" and not (os.path.isfile(saved) and read_json(saved).get("tokenizer_class") in (
+            "TokenizersBackend", "PreTrainedTokenizerFast")):
+        from transformers import AutoTokenizer
+        load = AutoTokenizer.from_pretrained
     try:
         return load(*args, local_files_only=True, **kw)
     except ImportError as e:  # transformers' GGUF reader imports torch

@@ -23,7 +23,7 @@ from jaxinfer.models.llama import attention_heads
 from pallas_kernels.kv_quant import FP8
 from pallas_kernels.paged_attention import prefill_triton
 
-from tests.kernels.test_fp8_kv import np_fp8
+from tests.kernel_tests.test_fp8_kv import np_fp8
 
 from .test_model_kernels import PAGE, _cfg as tiny_cfg, kernel_config
 

@@ -1,6 +1,6 @@
 """The two tiers of every kernel suite, as parameters of one suite (as JAX's own Pallas tests):
 ``interpret`` (the Pallas interpreter on the CPU, the default run) and ``compiled`` (on a CUDA GPU,
-marked ``gpu``: ``python -m pytest -m gpu tests/kernels`` on the device machine)."""
+marked ``gpu``: ``python -m pytest -m gpu tests/kernel_tests`` on the device machine)."""
 
 from __future__ import annotations
 

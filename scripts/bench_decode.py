@@ -182,11 +182,14 @@ def variant_of(row: dict) -> tuple:
             row.get("quantization", "none"))
 
 
-def resolve_kernels(cfg: ModelConfig, spec: str, platform: str | None = None) -> KernelConfig:
+def resolve_kernels(cfg: ModelConfig, spec: str, platform: str | None = None,
+                    quantization: str = "none") -> KernelConfig:
     """The engine's resolved `KernelConfig` for ``spec`` (`KernelConfig.parse`; "" = the
-    defaults) on ``platform`` (default: JAX's backend) in bfloat16, by `jaxinfer.config.resolve`.
+    defaults) on ``platform`` (default: JAX's backend) in bfloat16 with ``quantization`` ("none"
+    or "fp8" weights), by `jaxinfer.config.resolve`.
     Raises ValueError: a bad spec, or kernels the platform or the model's shapes do not take."""
-    ec = EngineConfig(dtype="bfloat16", kernels=KernelConfig.parse(spec))
+    ec = EngineConfig(dtype="bfloat16", kernels=KernelConfig.parse(spec),
+                      quantization=None if quantization == "none" else quantization)
     return resolve(cfg, ec, platform or jax.default_backend()).kernels
 
 
@@ -291,7 +294,8 @@ def main() -> None:
     # settings are checked before any device work: specs, the platform, knobs vs. the kernel
     try:
         knob_sets = {k: parse_knobs(k) for k in args.decode_knobs}
-        kcs = {spec: resolve_kernels(cfg, spec) for spec in args.kernels}
+        kcs = {(spec, q): resolve_kernels(cfg, spec, quantization=q)
+               for spec, q in itertools.product(args.kernels, args.quantization)}
     except ValueError as e:
         ap.error(str(e))
     knob_names = {n for knobs in knob_sets.values() for n in knobs}
@@ -314,7 +318,7 @@ def main() -> None:
                 scatter_pages=args.scatter_pages)
     print(f"copy ceilings {ceil}; weights read/step (GB) "
           + ", ".join(f"{q}: {b / 1e9:.2f}" for q, b in wbytes.items()))
-    for (spec, kc), q in itertools.product(kcs.items(), args.quantization):
+    for (spec, q), kc in kcs.items():
         print(f"kernels {spec!r} -> {kc}, quantization {q}")
         for knobs in ([] if args.no_check else args.decode_knobs):
             err = check_against_reference(cfg, params[q], kc, knob_sets[knobs],
@@ -327,7 +331,7 @@ def main() -> None:
         if (kv_gib := B * ctx * kv_tok / 2**30) > args.max_kv_gib:
             print(f"skip B={B} ctx={ctx}: KV {kv_gib:.1f} GiB")
             continue
-        kc = kcs[spec]
+        kc = kcs[spec, q]
         run, kv, backend = step_runner(cfg, params[q], kc, knob_sets[knobs], gemm, inputs, B, ctx,
                                        args.page_size, args.scatter_pages)
         t = time.perf_counter()

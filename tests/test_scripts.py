@@ -141,6 +141,8 @@ def test_bench_decode_defaults_to_the_engines_kernels():
                                                                      "cublas"]
     no_cublas = bench.resolve_kernels(cfg, "cublas_decode_min_batch=none", "gpu")
     assert bench.engine_gemm(no_cublas, 256) == "xla"
+    fp8 = bench.resolve_kernels(cfg, "", "gpu", quantization="fp8")  # cuBLAS cannot fuse e4m3
+    assert bench.engine_gemm(fp8, 256) == "xla"
     cpu = bench.resolve_kernels(cfg, "", "cpu")
     assert cpu.decode_attention == "reference"
     with pytest.raises(ValueError, match="GPU kernel"):

@@ -252,8 +252,9 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
     "gpu": bfloat16, prefill triton, in half precision decode mosaic (fp8 KV: triton); else float32
     and reference; a variant not validated on ``device_kind`` falls back (`registry.for_device`,
     logged). max_model_len None: max_position_embeddings; quantization None: "fp8" for an FP8
-    checkpoint. ValueError: max_model_len above that, a GPU kernel off "gpu", float16 on "gpu", fp8
-    KV with a decode variant not in `FP8_KV_DECODE` or tp > 1, a tp the model cannot take."""
+    checkpoint; fp8 GEMMs stay on XLA (cuBLAS cannot fuse the e4m3 convert). ValueError:
+    max_model_len above that, a GPU kernel off "gpu", float16 on "gpu", fp8 KV with a decode
+    variant not in `FP8_KV_DECODE` or tp > 1, a tp the model cannot take."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail("EngineConfig", "max_model_len", max_len, "the model supports at most "
@@ -283,5 +284,6 @@ def resolve(model: ModelConfig, engine: EngineConfig, platform: str,
             logging.getLogger("jaxinfer").warning("jaxinfer: %s=%r is not validated on %r; using "
                                                   "%r", k, auto[k], device_kind, new)
             auto[k] = new
-    kc = dataclasses.replace(kc, **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"})
+    kc = dataclasses.replace(kc, **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"},
+                             **({"cublas_decode_min_batch": None} if quant else {}))
     return ResolvedConfig(model, engine, kc, max_len, dtype, platform, kv_dtype, quant)

@@ -84,19 +84,26 @@ class OpenAIServing:
                                        exclude_unset=True)
 
     async def _events(self, request: Request, rids: dict[str, int], sink: asyncio.Queue):
-        """Yield ``(prompt index, event)`` until all finish; abort the rest if the client leaves."""
+        """Yield ``(prompt index, event)`` until all finish; abort the rest if the client leaves.
+        Events queued meanwhile are joined per request (`RequestOutput.add`, as vLLM's
+        ``RequestOutputCollector``): a slow reader gets fewer, longer chunks, never a backlog."""
         left = set(rids)
         try:
             while left:
                 try:
-                    rid, ev = await asyncio.wait_for(sink.get(), 1.0)
+                    first = await asyncio.wait_for(sink.get(), 1.0)
                 except asyncio.TimeoutError:
                     if await request.is_disconnected():
                         return
                     continue
-                if isinstance(ev, APIError) or ev.finished:
-                    left.discard(rid)
-                yield rids[rid], ev
+                joined: dict = {}
+                for rid, ev in [first, *(sink.get_nowait() for _ in range(sink.qsize()))]:
+                    joined[rid] = ev if rid not in joined or isinstance(ev, APIError) \
+                        else joined[rid].add(ev)  # an APIError is a request's last event
+                for rid, ev in joined.items():
+                    if isinstance(ev, APIError) or ev.finished:
+                        left.discard(rid)
+                    yield rids[rid], ev
         finally:
             self.client.abort(left)
 

@@ -125,9 +125,6 @@ class BlockManager:
         holders = self._holders[page]
         return holders[0] if holders else None
 
-    def ref_count(self, page: int) -> int:
-        return len(self._holders[page])
-
     def page_hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
         """``seq.block_hashes`` extended to its first ``num_pages`` full pages (tokens so far)."""
         hashes, P = seq.block_hashes, self.page_size

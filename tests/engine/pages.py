@@ -18,3 +18,8 @@ def check_pages(bm) -> dict[str, int]:
         raise RuntimeError(f"check_pages: {'; '.join(errors)} (free={sorted(free)}, "
                            f"cached={sorted(cached)}, used={used})")
     return {"free": len(free), "cached": len(cached), "used": len(used)}
+
+
+def ref_count(bm, page: int) -> int:
+    """How many sequences hold ``page`` of ``bm``."""
+    return len(bm._holders[page])

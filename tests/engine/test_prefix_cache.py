@@ -16,7 +16,7 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.sampling_params import SamplingParams
-from tests.engine.pages import check_pages
+from tests.engine.pages import check_pages, ref_count
 from tests.engine.test_scheduler import VOCAB, fake_next_token, reference_generate
 
 
@@ -32,7 +32,7 @@ class ContentDevice:
             toks = seq.all_token_ids + self.sampled.get(id(seq), [])
             for pos in range(start, start + n):
                 page = seq.block_table[pos // P]
-                assert page != 0 and bm.ref_count(page) == 1, (seq, pos, "writes a shared page")
+                assert page != 0 and ref_count(bm, page) == 1, (seq, pos, "writes a shared page")
                 assert bm._key[page] is None, (seq, pos, "writes a published page")
                 self.slots[page * P + pos % P] = (toks[pos], pos)
             if not samp:
@@ -130,7 +130,7 @@ def test_publish_match_share_and_lru_eviction():
     assert bm.match_prefix(b, 1) == ([1], False)           # capped
     assert bm.can_allocate(b, 10, [1, 2])
     assert bm.allocate(b, 10, [1, 2]) == [4]               # shares 1, 2; its own last page
-    assert (bm.ref_count(1), bm.ref_count(2), bm.ref_count(3)) == (2, 2, 1)
+    assert (ref_count(bm, 1), ref_count(bm, 2), ref_count(bm, 3)) == (2, 2, 1)
     assert check_pages(bm) == {"free": 1, "cached": 0, "used": 4}
     bm.free(a)                                             # shared pages still held by b
     assert check_pages(bm) == {"free": 2, "cached": 0, "used": 3} and bm.owner(1) is b
@@ -340,7 +340,7 @@ def test_copy_free_plans_from_the_cache_of_now():
     bm = sched.block_manager
     busy = bm.copy_free()
     assert (busy.num_free_pages, busy.num_cached_pages) == (bm.num_free_pages, 4)  # 19 tokens
-    assert not any(busy.ref_count(p) for p in range(30))
+    assert not any(ref_count(busy, p) for p in range(30))
     bm.free(held)
     copy = bm.copy_free()
     assert check_pages(copy) == check_pages(bm)

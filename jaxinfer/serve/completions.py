@@ -44,8 +44,8 @@ class OpenAIServing:
                            param="n")
         try:
             return body.sampling_params(max_tokens, logprobs)
-        except ValueError as e:
-            raise APIError.invalid(e) from None
+        except ValueError as e:  # not a SamplingParams field's: the output constraint's
+            raise APIError.invalid(e, body.constraint()) from None
 
     async def encode(self, prompts, sp, param: str) -> list[list[int]]:
         """Ids of ``prompts()`` by `Prompts._prepare` (a thread; the engine core checks the rest
@@ -61,7 +61,13 @@ class OpenAIServing:
         """The whole response, or (``body.stream``) a `StreamingResponse` of its chunks, once
         the engine core took every prompt (else `APIError`: 400 naming ``param``, 503)."""
         rid = f"{self.prefix}-{next(self.ids)}"
-        events = self._events(request, *await self.client.add(prompts, sp, body.stream, param))
+        try:
+            added = await self.client.add(prompts, sp, body.stream, param)
+        except APIError as e:  # a constraint the engine core could not compile: its own field
+            if "StructuredOutputsParams." in str(e):
+                e.param = body.constraint()
+            raise
+        events = self._events(request, *added)
         if body.stream:
             return StreamingResponse(self._chunks(rid, events, sp, body),
                                      media_type="text/event-stream")

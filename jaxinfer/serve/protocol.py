@@ -49,6 +49,10 @@ class _Sampling(_SamplingFields):
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None  # vLLM's extra body: StructuredOutputsParams' fields
 
+    def constraint(self) -> str:
+        """The field an invalid output constraint is reported under (OpenAI's ``param``)."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
+
     def structured(self) -> StructuredOutputsParams | None:
         """The output's constraint: ``structured_outputs``, else ``response_format``'s."""
         if self.structured_outputs is not None:
@@ -142,6 +146,9 @@ class ChatCompletionRequest(_Sampling):
             {"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
              "properties": {"name": {"enum": [f.name]}, "parameters": f.parameters or {
                  "type": "object", "properties": {}}}} for f in tools.values()]}}
+
+    def constraint(self) -> str:
+        return "tool_choice" if self.tool_choice not in (None, "none") else super().constraint()
 
     def structured(self) -> StructuredOutputsParams | None:
         schema = self.tool_schema()

@@ -83,20 +83,24 @@ def test_tool_choice_required(client):
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
-@pytest.mark.parametrize("extra, needle", [
+@pytest.mark.parametrize("extra, needle, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "nope"}}}}, "nope"),
-    ({"structured_outputs": {"regex": "(", "choice": ["a"]}}, "exactly one"),
-    ({"structured_outputs": {"regex": "("}}, "unclosed group"),
-    ({"structured_outputs": {"choice": "yes"}}, "non-empty list"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "'x'"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "auto"),
+        "name": "x", "schema": {"type": "nope"}}}}, "nope", "response_format"),
+    ({"structured_outputs": {"regex": "(", "choice": ["a"]}}, "exactly one", "structured_outputs"),
+    ({"structured_outputs": {"regex": "("}}, "unclosed group", "structured_outputs"),
+    ({"structured_outputs": {"choice": "yes"}}, "non-empty list", "structured_outputs"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "'x'",
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "auto", "tool_choice"),
 ])
-def test_bad_constraints_are_400(client, extra, needle):
+def test_bad_constraints_are_400(client, extra, needle, param):
+    """The error names the field at fault (OpenAI's ``param``), also when the engine core found
+    it (an invalid schema or regex), not the messages the request was checked with."""
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4,
                                        extra_body=extra)
     assert e.value.status_code == 400 and needle in e.value.body["message"]
+    assert e.value.body["param"] == param
     ok = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, temperature=0,
                                         extra_body={"ignore_eos": True})
     assert ok.choices[0].finish_reason == "length"

@@ -54,7 +54,8 @@ class StructuredOutputManager:
         except Exception as e:  # llguidance raises ValueError, json TypeError/ValueError, ...
             error = f"{type(e).__name__}: {e}"
         if error is not None:
-            raise ValueError(f"StructuredOutputsParams.{kind}={spec[:80]!r} is invalid: {error}")
+            raise ValueError(f"StructuredOutputsParams.{kind}={spec[:80]!r} is invalid: "
+                             + " ".join(error.split()))  # llguidance's lines: one line
         self._cache[so.key] = m
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)

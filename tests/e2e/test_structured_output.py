@@ -128,6 +128,7 @@ def test_invalid_specs_rejected_others_run(tiny, tiny_text_cfg, tiny_text_params
                                      for s in bad] + [SamplingParams(max_tokens=3)],
                          on_error="return")
     assert "unclosed group" in outs[0].error and "StructuredOutputsParams.regex" in outs[0].error
+    assert all("\n" not in o.error for o in outs[:3])  # one line (the CLI prints it as its line)
     assert "nope" in outs[1].error and "StructuredOutputsParams.grammar" in outs[2].error
     assert outs[3].error is None and len(outs[3].token_ids) == 3
     with pytest.raises(ValueError, match="exactly one of json, regex"):

@@ -6,8 +6,11 @@ Times: ``time.perf_counter`` (one clock for both processes on Linux). SIGINT and
 (the API process drains, then sends `Stop`); the core ends with its parent, or on an exception in a
 step (vLLM's ``EngineDeadError``: the API process fails open requests). Imports no JAX."""
 
+import functools
 import os
 import signal
+import sys
+import time
 
 import msgspec
 import zmq
@@ -132,13 +135,18 @@ def run_core(factory, addr: str, conn) -> None:
     """The engine-core process's main: ``llm = factory()`` (a `jaxinfer.LLM`), then on ``conn`` (a
     `multiprocessing.Pipe` end) ``("ready", info)`` (tokenizer, model_path, max_model_len,
     max_num_seqs, stats) or ``("error", message)`` (ValueError or FileNotFoundError; any other
-    exception prints its traceback and ends the process); then `EngineCore.run`."""
+    exception prints its traceback and ends the process); then `EngineCore.run`. The start-up
+    precompile says what it does on stderr."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    say = functools.partial(print, "jaxinfer-serve:", file=sys.stderr, flush=True)
     try:
-        llm = factory()
+        llm, t = factory(), time.perf_counter()
         if llm.engine.resolved.engine.compile_in_background:  # then no request waits for one
-            llm.engine.precompile(llm.engine.runner.buckets.covering_keys())
+            say(f"compiling {len(keys := llm.engine.runner.buckets.covering_keys())} step shapes "
+                "before /health answers (a restart loads them from the compilation cache)")
+            llm.engine.precompile(keys)
+            say(f"compiled in {time.perf_counter() - t:.0f} s")
         core = EngineCore(llm.engine, addr)
     except (ValueError, FileNotFoundError) as e:
         conn.send(("error", str(e)))

@@ -137,9 +137,9 @@ class ModelRunner:
             raise ValueError(f"sleep(level={level!r}): 1 (weights kept in host memory) or 2 "
                              "(weights discarded)")
         if not self.sleeping:
-            self._host_params = jax.device_put(self.params, jax.tree.map(
-                lambda a: a.sharding.with_memory_kind("pinned_host"), self.params)) \
-                if level == 1 else None
+            self._host_params = jax.block_until_ready(jax.device_put(self.params, jax.tree.map(
+                lambda a: a.sharding.with_memory_kind("pinned_host"), self.params))) \
+                if level == 1 else None  # copied before the device copy is let go
             self.params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
                 a.shape, a.dtype, sharding=a.sharding), self.params)
             for a in jax.tree.leaves(self.kv):

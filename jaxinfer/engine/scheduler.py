@@ -137,8 +137,6 @@ class Scheduler:
         self._in_flight.append(batch)
         return batch
 
-    num_in_flight = property(lambda self: len(self._in_flight))
-
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm = self.block_manager
         seqs, nums, budget = [], [], self.max_num_batched_tokens

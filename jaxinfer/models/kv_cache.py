@@ -30,8 +30,6 @@ class KVCache:
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
 
-    num_pages = property(lambda self: self.k.shape[1])
-
     def replace(self, **kw) -> "KVCache":
         return dataclasses.replace(self, **kw)
 

@@ -82,7 +82,6 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None) -> jax.Array:
     """Decode: q [B, N, H] at position ``seq_len - 1`` -> [B, N, H]; else as `paged_attention`."""
-    out = paged_attention(q[:, None], k_pool, v_pool, block_tables, seq_lens,
-                          (seq_lens - 1)[:, None], layer=layer, scale=scale, soft_cap=soft_cap,
-                          sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
-    return out[:, 0]
+    return paged_attention(q[:, None], k_pool, v_pool, block_tables, seq_lens,
+                           (seq_lens - 1)[:, None], layer=layer, scale=scale, soft_cap=soft_cap,
+                           sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)[:, 0]

@@ -244,7 +244,10 @@ class Scheduler:
                 if victim is None:
                     deferred.append(seq)
                     break
-                self._preempt(victim)
+                bm.free(victim)  # preempted: recomputed from its first token once readmitted
+                victim.num_computed_tokens, victim.status = 0, SequenceStatus.WAITING
+                victim.num_preemptions += 1
+                self.waiting.appendleft(victim)
                 if victim is seq:
                     break
             else:
@@ -253,12 +256,6 @@ class Scheduler:
         kept = {id(s) for s in scheduled + deferred + ending}
         self.running = [s for s in self.running if id(s) in kept]  # admission order
         return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False) if scheduled else None
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-        seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Append ``sampled`` (ids where ``batch.do_sample``, else None) for the oldest batch in

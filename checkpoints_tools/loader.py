@@ -134,16 +134,14 @@ def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
     """Sorted safetensors files of an HF dir and the index's ``weight_map`` (None: single file).
     FileNotFoundError: no weights file or an absent shard (named); ValueError: no ``weight_map``."""
     root = os.fspath(path)
-    index = os.path.join(root, INDEX_FILE)
-    single = os.path.join(root, SINGLE_FILE)
-    weight_map = None
+    index, single = (os.path.join(root, name) for name in (INDEX_FILE, SINGLE_FILE))
     if os.path.isfile(index):
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
             raise ValueError(f"{index!r} has no 'weight_map' object")
         files = [os.path.join(root, name) for name in sorted(set(weight_map.values()))]
     elif os.path.isfile(single):
-        files = [single]
+        files, weight_map = [single], None
     else:
         raise FileNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in model directory {root!r}")
     for p in files:

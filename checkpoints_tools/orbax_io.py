@@ -52,8 +52,7 @@ def restore(src_dir: str | os.PathLike, abstract, on_host: bool = False):
             stored = dict(getattr(md, "tree", md))
         except (AttributeError, TypeError, ValueError):  # another metadata layout: restore checks
             stored = None
-        bad = tree_mismatches(abstract, stored) if stored is not None else []
-        if bad:
+        if stored is not None and (bad := tree_mismatches(abstract, stored)):
             raise ValueError(f"{misfit} (shape mismatch: {'; '.join(bad)})")
         try:
             return ckptr.restore(params_dir, target)

@@ -45,9 +45,8 @@ def _claim_gpu_memory(utilization: float) -> None:
     """vLLM's ``gpu_memory_utilization`` as ``XLA_PYTHON_CLIENT_MEM_FRACTION``, if unset and no
     JAX backend has started (else `memory.card_bytes_usable` checks what the allocator got)."""
     from jax._src import xla_bridge  # JAX 0.10-0.11 has no public "backends started" test
-    started = getattr(xla_bridge, "backends_are_initialized", lambda: True)()
-    if memory.XLA_MEM_FRACTION_ENV not in os.environ and not started:
-        os.environ[memory.XLA_MEM_FRACTION_ENV] = str(utilization)
+    if not getattr(xla_bridge, "backends_are_initialized", lambda: True)():
+        os.environ.setdefault(memory.XLA_MEM_FRACTION_ENV, str(utilization))
 
 
 class LLM(Prompts):

@@ -2,13 +2,12 @@
 stop strings, streaming deltas and `RequestOutput` (vLLM's names, shapes and rules)."""
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Callable
 
 from jaxinfer.sampling_params import RequestOutputKind
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RequestMetrics:
     """Per-request ``time.perf_counter`` seconds; ``ttft_s``: arrival -> first token."""
 
@@ -20,7 +19,7 @@ class RequestMetrics:
                       else self.first_token_time - self.arrival_time)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Logprob:
     """One token's log-probability under the raw model distribution (vLLM's ``Logprob``); rank:
     1 = the likeliest token; decoded_token: its text (None without a tokenizer)."""
@@ -33,7 +32,7 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]  # the chosen token and the top k (vLLM's SampleLogprobs)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CompletionOutput:
     """Sample ``index`` of a request. ``finish_reason``: "stop", "length", "abort" or "error"
     (``RequestOutput.error``); ``stop_reason``: the stop string or token id (EOS: None);
@@ -58,7 +57,7 @@ class CompletionOutput:
             for t, rec in zip(self.token_ids, self.logprobs or ())]
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """The result of one request, in the order the prompts were given; ``lora_request``,
     ``encoder_prompt``, ``encoder_prompt_token_ids``, ``kv_transfer_params``: vLLM's, always None."""
@@ -90,7 +89,7 @@ class RequestOutput:
                                    prompt_logprobs=self.prompt_logprobs or delta.prompt_logprobs)
 
 
-@dataclass
+@dataclasses.dataclass
 class RequestState:
     """A request: its samples (index order), prompt text, output kind, and per sample what was
     sent, `OutputProcessor.stream_delta`'s (tokens, text); None: finish sent."""

@@ -5,11 +5,10 @@ from dataclasses import dataclass, field
 
 @dataclass
 class EngineStats:
-    """num_lazy_compiles: shapes compiled in a step (compile_s: their seconds, lowering
-    included); num_overlapped_steps: dispatched with one in
-    flight; num_covered_steps: run padded to a compiled shape while theirs compiled;
-    prefix_cache_queries / _hits: admitted tokens looked up / found; queue and pool sizes:
-    filled in by `LLMEngine.stats`."""
+    """num_lazy_compiles: shapes compiled in a step (compile_s: their seconds, lowering included);
+    num_overlapped_steps: dispatched with one in flight; num_covered_steps: run padded to a compiled
+    shape while theirs compiled; prefix_cache_queries / _hits: admitted tokens looked up / found;
+    queue and pool sizes: filled in by `LLMEngine.stats`."""
 
     num_steps: int = 0
     num_lazy_compiles: int = 0

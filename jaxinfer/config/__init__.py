@@ -7,7 +7,6 @@ from __future__ import annotations  # the field types stay strings: `_check` and
 import dataclasses
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Callable
 
 from jaxinfer.checks import is_int, is_number
@@ -30,7 +29,7 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
             "prefill_attention": ("auto", *registry.PREFILL), "prefill_gemm": ("xla", "cublas")}
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"): paged attention of
     decode (T == 1) / prefill steps; prefill_gemm (cublas: GPU); decode buckets of >=
@@ -101,7 +100,7 @@ def _optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or ok(v)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """User settings (vLLM's meanings; see each ``help``); ``kernels``: a `KernelConfig` or str."""
 
@@ -220,7 +219,7 @@ def engine_config(**args) -> EngineConfig:
     return EngineConfig(**args)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ResolvedConfig:
     """A model, its `EngineConfig` and a `KernelConfig` with no "auto" left (from `resolve`)."""
 

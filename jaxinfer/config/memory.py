@@ -60,12 +60,10 @@ def card_bytes_usable(utilization: float, bytes_limit: int) -> int:
 def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> int:
     """``EngineConfig.num_pages`` if set; else with ``memory_stats`` (``Device.memory_stats()``,
     weights resident) `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use`` (with
-    ``gpu_memory_utilization``: `card_bytes_usable` - bytes_in_use); else
-    (CPU) the null page + ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most
-    `CPU_KV_BUDGET_BYTES`; bytes per device under tensor parallelism. Raises ValueError: fewer
-    than 2 pages fit."""
-    e, m = resolved.engine, resolved.model
-    tp = e.tensor_parallel_size
+    ``gpu_memory_utilization``: `card_bytes_usable` - bytes_in_use); else (CPU) the null page +
+    ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most `CPU_KV_BUDGET_BYTES`; bytes per
+    device under tensor parallelism. Raises ValueError: fewer than 2 pages fit."""
+    e, m, tp = resolved.engine, resolved.model, resolved.engine.tensor_parallel_size
     if e.num_pages is not None:
         return e.num_pages
     if memory_stats and "bytes_limit" in memory_stats:

@@ -3,7 +3,6 @@ metadata or a saved dict), and its tensor-parallel form (`check_tp`, `tp_model_c
 value raises ValueError naming the field, the value and what is allowed. Imports no JAX."""
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from checkpoints_tools.mapping import fp8_block_size
@@ -23,7 +22,7 @@ def _check(obj, rules: Iterable[tuple[str, Callable[[Any], bool], str]]) -> None
             _fail(type(obj).__name__, name, getattr(obj, name), allowed)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RopeScaling:
     """Llama 3 RoPE frequency scaling (HF ``rope_type: llama3``, ``_compute_llama3_parameters``)."""
 
@@ -41,7 +40,7 @@ class RopeScaling:
             ("original_max_position_embeddings", lambda v: v >= 1, "must be >= 1")))
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """A Llama / Qwen3 decoder; shape letters: V, D, F (intermediate), L, N, K, H, G = N/K."""
 
@@ -148,7 +147,6 @@ class ModelConfig:
         d = dict(d)
         if d.get("rope_scaling"):
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
 
 

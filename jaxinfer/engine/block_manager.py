@@ -43,8 +43,6 @@ class BlockManager:
     num_free_pages = property(lambda self: len(self._free) + len(self._evictable),
                               doc="Pages an allocation may take: free plus evictable.")
     num_usable_pages = property(lambda self: self.num_pages - 1, doc="All but the null page.")
-    num_cached_pages = property(lambda self: len(self._cached),
-                                doc="Pages with a published hash (referenced or not).")
 
     def pages_needed(self, num_tokens: int) -> int:
         if num_tokens < 0:
@@ -57,8 +55,7 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
         """Whether `allocate` (sharing ``hits`` first) succeeds."""
         taken = sum(not self._holders[p] for p in hits)  # evictable hits leave the free count
-        return (self.num_missing_pages(seq, num_tokens) - len(hits)
-                <= self.num_free_pages - taken)
+        return self.num_missing_pages(seq, num_tokens) - len(hits) <= self.num_free_pages - taken
 
     def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> list[int]:
         """Share the cached pages ``hits`` (from `match_prefix`, ``seq`` holding none), then extend

@@ -27,8 +27,7 @@ def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingPa
     steps: list[tuple[ScheduledBatch, HostBatch]] = []
 
     def launch(batch: ScheduledBatch, prev: Launched | None) -> None:
-        steps.append((batch, build_host_batch(batch, page_size=scheduler.page_size,
-                                              buckets=buckets,
+        steps.append((batch, build_host_batch(batch, page_size=scheduler.page_size, buckets=buckets,
                                               eos_token_ids=scheduler.eos_token_ids,
                                               mask_words=mask_words)))
 

@@ -10,10 +10,9 @@ def _record(tok: int, lp: float, rank: int, top_ids: list, top_lps: list,
 
 
 def record(out: dict | None, hb, seqs, before: list[int] | None) -> None:
-    """Append records from ``out`` (`runner.step.packed_step`'s dict; None: none) to ``seqs``
-    (the step's rows): row i's sampled token, if its output grew past ``before[i]``, to
-    ``logprobs`` and ``cumulative_logprob``; ``hb``'s scored prompt positions to
-    ``prompt_logprobs`` (first None)."""
+    """Append records from ``out`` (`runner.step.packed_step`'s dict; None: none) to ``seqs`` (the
+    step's rows): row i's sampled token, if its output grew past ``before[i]``, to ``logprobs`` and
+    ``cumulative_logprob``; ``hb``'s scored prompt positions to ``prompt_logprobs`` (first None)."""
     for s in seqs:
         if s.prompt_logprobs == []:
             s.prompt_logprobs.append(None)

@@ -137,8 +137,6 @@ class Scheduler:
         self._in_flight.append(batch)
         return batch
 
-    num_in_flight = property(lambda self: len(self._in_flight))
-
     def _schedule_prefill(self) -> ScheduledBatch | None:
         bm = self.block_manager
         seqs, nums, budget = [], [], self.max_num_batched_tokens
@@ -246,7 +244,10 @@ class Scheduler:
                 if victim is None:
                     deferred.append(seq)
                     break
-                self._preempt(victim)
+                bm.free(victim)  # preempted: recomputed from its first token once readmitted
+                victim.num_computed_tokens, victim.status = 0, SequenceStatus.WAITING
+                victim.num_preemptions += 1
+                self.waiting.appendleft(victim)
                 if victim is seq:
                     break
             else:
@@ -255,12 +256,6 @@ class Scheduler:
         kept = {id(s) for s in scheduled + deferred + ending}
         self.running = [s for s in self.running if id(s) in kept]  # admission order
         return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False) if scheduled else None
-
-    def _preempt(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
-        seq.num_computed_tokens, seq.status = 0, SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Append ``sampled`` (ids where ``batch.do_sample``, else None) for the oldest batch in

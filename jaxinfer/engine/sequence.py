@@ -74,9 +74,7 @@ class Sequence:
     num_prompt_tokens = property(lambda self: len(self.prompt_token_ids))
     num_output_tokens = property(lambda self: len(self.output_token_ids))
 
-    @property
-    def last_token_id(self) -> int:
-        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+    last_token_id = property(lambda self: (self.output_token_ids or self.prompt_token_ids)[-1])
 
     @property
     def ended_on_stop_token(self) -> bool:

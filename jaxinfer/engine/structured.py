@@ -24,8 +24,7 @@ class StructuredOutputManager:
         self.tokenizer, self.vocab_size, self.eos = tokenizer, vocab_size, list(eos_token_ids)
         self.words = -(-vocab_size // 32)  # W: i32 words of a row's bitmask
         self.cache_size, self._cache = cache_size, collections.OrderedDict()
-        self._ll_tokenizer = self._executor = None
-        self._lock = threading.Lock()
+        self._ll_tokenizer, self._executor, self._lock = None, None, threading.Lock()
 
     def matcher(self, so):
         """A fresh ``llguidance.LLMatcher`` of ``so`` (`StructuredOutputsParams`). ValueError: no

@@ -1,7 +1,6 @@
 """Paged KV cache, a pytree through the jitted step (donated); padding writes to `NULL_PAGE`."""
 
 import dataclasses
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]
 
 
 @jax.tree_util.register_dataclass  # every field a pytree child
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class KVCache:
     """k, v [L, P, K, page_size, H] (compute dtype, or float8_e4m3fn); block_tables i32[B, M]
     (logical page j of row b -> physical page); seq_lens i32[B] (valid KV positions after the
@@ -29,8 +28,6 @@ class KVCache:
     seq_lens: jax.Array
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
-
-    num_pages = property(lambda self: self.k.shape[1])
 
     def replace(self, **kw) -> "KVCache":
         return dataclasses.replace(self, **kw)

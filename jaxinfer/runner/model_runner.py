@@ -128,11 +128,10 @@ class ModelRunner:
                                        self.params)
 
     def sleep(self, level: int) -> None:
-        """vLLM's ``sleep``: the KV pool deleted (its pages' K/V lost) and the weights let go
-        (their device memory freed unless the caller still holds them, e.g. `LLM.from_params`'
-        tree); level 1 copies them to pinned host memory first (`wake_up` puts them back), level 2
-        keeps none (`update_params` after `wake_up`). Asleep already: nothing. ValueError:
-        another level."""
+        """vLLM's ``sleep``: the KV pool deleted (its pages' K/V lost) and the weights let go (their
+        device memory freed unless the caller still holds them, e.g. `LLM.from_params`' tree); level
+        1 copies them to pinned host memory first (`wake_up` puts them back), level 2 keeps none
+        (`update_params` after `wake_up`). Asleep already: nothing. ValueError: another level."""
         if level not in (1, 2):
             raise ValueError(f"sleep(level={level!r}): 1 (weights kept in host memory) or 2 "
                              "(weights discarded)")

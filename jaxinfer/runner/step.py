@@ -103,12 +103,11 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
 
 def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
                 key: ShapeKey, cfg: ModelConfig, kernels: ModelKernels, phase: str = "step"):
-    """One step on ``buf`` i32[S] (`pack`), ``prev_tokens`` i32[Bmax]; ``kv`` tables:
-    placeholders. ``phase`` "step": `forward` then `sample_logits`, fused: (ids, or with K > 0
-    a dict, the prompt log-probabilities included; the cache); "forward": `forward` only:
-    ((logits f32[B, V], prompt dict), the cache); "sample":
-    `sample_logits` of ``params``, the forward's logits (``kv`` None), read from a fresh ``buf``
-    of the same ``key`` (the bitmask filled since): ids or dict."""
+    """One step on ``buf`` i32[S] (`pack`), ``prev_tokens`` i32[Bmax]; ``kv`` tables: placeholders.
+    ``phase`` "step": `forward` then `sample_logits`, fused: (ids, or with K > 0 a dict, the prompt
+    log-probabilities included; the cache); "forward": `forward` only: ((logits f32[B, V], prompt
+    dict), the cache); "sample": `sample_logits` of ``params``, the forward's logits (``kv`` None),
+    read from a fresh ``buf`` of the same ``key`` (the bitmask filled since): ids or dict."""
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
     if phase == "sample":
@@ -150,10 +149,6 @@ def enable_compilation_cache(path) -> str:
     return path
 
 
-def _cost(key: ShapeKey) -> tuple:
-    return key.batch * key.tokens, key.pages, key.query or 0, not key.all_greedy
-
-
 class StepExecutor:
     """The compiled steps of ``cfg`` with ``kernels``, resolved `KernelConfig` ``kc``, the
     largest batch bucket ``max_batch``; counts compiles in ``stats`` (`EngineStats`);
@@ -180,7 +175,8 @@ class StepExecutor:
         if ready(key) or self.pool is None:
             return key
         keys = {k if isinstance(k, ShapeKey) else k[1] for k in self.executables}
-        cover = min((k for k in keys if ready(k) and covers(k, key)), key=_cost, default=None)
+        cover = min((k for k in keys if ready(k) and covers(k, key)), default=None,  # the cheapest
+                    key=lambda k: (k.batch * k.tokens, k.pages, k.query or 0, not k.all_greedy))
         for phase in PHASES[split] if cover is not None else ():
             if (name := _name(phase, key)) not in self.pending:
                 avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
@@ -248,10 +244,9 @@ class StepExecutor:
                     lower_s += time.perf_counter() - t
                 for (p, k), f in zip(todo, futures):
                     self._add(_name(p, k), f.result())
-        t_warm = time.perf_counter()
-        if todo:
-            for p, k in [t for t in todo if t[0] != "sample"]:  # sampling: small, not warmed
-                out, kv = self.executables[_name(p, k)](*self._padding_args(p, params, kv, k))
-            jax.block_until_ready(out)
+        t_warm, out = time.perf_counter(), None
+        for p, k in [t for t in todo if t[0] != "sample"]:  # sampling: small, not warmed
+            out, kv = self.executables[_name(p, k)](*self._padding_args(p, params, kv, k))
+        jax.block_until_ready(out)
         return dict(shapes=len(todo), lower_s=lower_s, warm_s=time.perf_counter() - t_warm,
                     seconds=time.perf_counter() - t0), kv

@@ -156,8 +156,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 def completion_logprobs(out, k: int | None, offset: int = 0) -> dict | None:
-    """``out``'s top-``k`` logprobs in OpenAI's completions shape, text from ``offset``; None: not
-    asked."""
+    """``out``'s top-``k`` logprobs (OpenAI completions), text from ``offset``; None: not asked."""
     if k is None or out.logprobs is None:
         return None
     rows = out.top_logprobs(k)

@@ -123,11 +123,10 @@ def paged_prefill_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     T = q.shape[1]
     if q_positions.shape != (B, T):
         raise ValueError(f"q_positions must be i32[B={B}, T={T}]; got shape {q_positions.shape}")
-    knobs = dict(block_q=max(1, DEFAULT_ROWS // next_pow2(N // K)),
-                 pages_per_block=max(1, DEFAULT_KEYS // page_size), num_warps=4, num_stages=2)
-    given = dict(block_q=block_q, pages_per_block=pages_per_block, num_warps=num_warps,
-                 num_stages=num_stages)
-    knobs.update({k: v for k, v in given.items() if v is not None})
+    knobs = {k: default if v is None else v for k, v, default in (
+        ("block_q", block_q, max(1, DEFAULT_ROWS // next_pow2(N // K))),
+        ("pages_per_block", pages_per_block, max(1, DEFAULT_KEYS // page_size)),
+        ("num_warps", num_warps, 4), ("num_stages", num_stages, 2))}
     rows = knobs["block_q"] * next_pow2(N // K)
     if not (is_pow2(rows) and rows >= MIN_MMA_ROWS):
         raise ValueError(f"block_q={knobs['block_q']} gives {rows} query rows per program "

@@ -7,22 +7,16 @@ import jax.numpy as jnp
 from pallas_kernels.sizes import raise_first
 
 
-def check_pools(k_pool: jax.Array, v_pool: jax.Array) -> tuple[int, ...]:
-    """-> k_pool's shape; ValueError unless both pools are [L, P, K, page_size, H] of one dtype."""
-    if k_pool.ndim != 5 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H] of one dtype; got "
-                         f"{k_pool.dtype}{list(k_pool.shape)} and {v_pool.dtype}{list(v_pool.shape)}")
-    return k_pool.shape
-
-
 def check_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None, soft_cap=None,
                ndim: int = 3) -> tuple[int, int, int, int, int, int]:
     """Checks of every variant, q [B, N, H] (``ndim`` 4: [B, T, N, H]) -> (B, N, H, K, page_size,
     M); ValueError names the argument."""
     if q.ndim != ndim:
         raise ValueError(f"q must be [B, {'T, ' * (ndim == 4)}N, H]; got shape {q.shape}")
-    B, *_, N, H = q.shape
-    *_, K, page_size, Hk = check_pools(k_pool, v_pool)
+    if k_pool.ndim != 5 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
+        raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H] of one dtype; got "
+                         f"{k_pool.dtype}{list(k_pool.shape)} and {v_pool.dtype}{list(v_pool.shape)}")
+    (B, *_, N, H), (*_, K, page_size, Hk) = q.shape, k_pool.shape
     raise_first([
         (Hk != H, f"k_pool head dim {Hk} must equal q head dim {H}"),
         (block_tables.ndim != 2 or block_tables.shape[0] != B,
@@ -82,7 +76,6 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
                            k_scale: jax.Array | None = None,
                            v_scale: jax.Array | None = None) -> jax.Array:
     """Decode: q [B, N, H] at position ``seq_len - 1`` -> [B, N, H]; else as `paged_attention`."""
-    out = paged_attention(q[:, None], k_pool, v_pool, block_tables, seq_lens,
-                          (seq_lens - 1)[:, None], layer=layer, scale=scale, soft_cap=soft_cap,
-                          sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
-    return out[:, 0]
+    return paged_attention(q[:, None], k_pool, v_pool, block_tables, seq_lens,
+                           (seq_lens - 1)[:, None], layer=layer, scale=scale, soft_cap=soft_cap,
+                           sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)[:, 0]

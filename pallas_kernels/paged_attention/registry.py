@@ -2,6 +2,7 @@
 `reference.paged_decode_attention`'s arguments, `PREFILL` (`get_prefill`) with
 `reference.paged_attention`'s, plus ``interpret=False, **tuning``."""
 
+import functools
 import importlib
 from typing import Callable
 
@@ -27,17 +28,12 @@ def for_device(name: str, device_kind: str | None) -> str:
 
 
 def _load(table: dict, kind: str, name: str) -> Callable:
+    """The callable of ``table`` registered as ``name``; ValueError listing the names if unknown."""
     if name not in table:
         raise ValueError(f"unknown {kind}-attention variant {name!r}; registered: {tuple(table)}")
     module, attr = table[name]
     return getattr(importlib.import_module("pallas_kernels.paged_attention." + module), attr)
 
 
-def get(name: str) -> Callable:
-    """The decode callable registered as ``name``; ValueError listing the names if unknown."""
-    return _load(DECODE, "paged", name)
-
-
-def get_prefill(name: str) -> Callable:
-    """The prefill callable registered as ``name``; ValueError listing the names if unknown."""
-    return _load(PREFILL, "prefill", name)
+get = functools.partial(_load, DECODE, "paged")  # get(name): the decode variant ``name``
+get_prefill = functools.partial(_load, PREFILL, "prefill")  # get_prefill(name): the prefill one

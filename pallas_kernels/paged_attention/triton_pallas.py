@@ -160,8 +160,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, k_scale, v_s
                 full_block((K,)), full_block((K,)), q_spec, full_block(k_pool.shape),
                 full_block(v_pool.shape)]
     if k_splits == 1:
-        out_shape = [jax.ShapeDtypeStruct((B, K, G_PAD, H), q.dtype)]
-        out_specs = [q_spec]
+        out_shape, out_specs = [jax.ShapeDtypeStruct((B, K, G_PAD, H), q.dtype)], [q_spec]
     else:  # partials acc [S, B, K, G_PAD, H], m and l [S, B, K, G_PAD]
         tails = ((G_PAD, H), (G_PAD,), (G_PAD,))
         out_shape = [jax.ShapeDtypeStruct((k_splits, B, K, *t), jnp.float32) for t in tails]

@@ -51,8 +51,7 @@ def lookup(variant: str, *, device_kind: str, page_size: int, head_dim: int, gro
 def choose_k_splits(batch: int, num_kv_heads: int, num_blocks: int, min_programs: int) -> int:
     """Sequence splits so that ``batch * num_kv_heads * k_splits >= min_programs``, at most one
     split per block of pages (`num_blocks` = cdiv(M, pages_per_block)) and at least 1."""
-    want = -(-min_programs // max(1, batch * num_kv_heads))
-    return int(max(1, min(want, num_blocks)))
+    return int(max(1, min(-(-min_programs // max(1, batch * num_kv_heads)), num_blocks)))
 
 
 def resolve(variant: str, *, B: int, K: int, G: int, M: int, page_size: int, head_dim: int, dtype,

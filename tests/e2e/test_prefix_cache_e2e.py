@@ -13,7 +13,7 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.engine.block_manager import BlockManager
-from tests.engine.pages import check_pages
+from tests.engine.pages import cached_pages, check_pages
 
 from .conftest import PAGE_SIZE as P
 
@@ -71,7 +71,7 @@ def on_vs_off(llm, batches, params, num_pages=None):
         with pool(llm, caching=caching, num_pages=num_pages) as bm:
             results[caching] = [run(llm, b, params) for b in batches]
             if caching:
-                cached = bm.num_cached_pages
+                cached = cached_pages(bm)
     for off, on in zip(results[False], results[True]):
         assert on[0] == off[0]
     assert all(c == 0 for r in results[False] for c in r[1])
@@ -142,7 +142,7 @@ def test_hit_rate_and_reset(llm, system):
         assert eng.stats().prefix_cache_hit_rate == pytest.approx(2 * P / (2 * (2 * P + 1)))
         rid = eng.add_request(prompt, GREEDY)
         eng.step()
-        assert llm.reset_prefix_cache() is False and bm.num_cached_pages > 0   # pages in use
+        assert llm.reset_prefix_cache() is False and cached_pages(bm) > 0   # pages in use
         eng.abort_request(rid)
-        assert llm.reset_prefix_cache() is True and bm.num_cached_pages == 0
+        assert llm.reset_prefix_cache() is True and cached_pages(bm) == 0
         assert run(llm, [prompt], GREEDY)[1] == [0]

@@ -20,6 +20,11 @@ def check_pages(bm) -> dict[str, int]:
     return {"free": len(free), "cached": len(cached), "used": len(used)}
 
 
+def cached_pages(bm) -> int:
+    """How many pages of ``bm`` have a published hash (referenced or not)."""
+    return len(bm._cached)
+
+
 def ref_count(bm, page: int) -> int:
     """How many sequences hold ``page`` of ``bm``."""
     return len(bm._holders[page])

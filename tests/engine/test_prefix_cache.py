@@ -16,7 +16,7 @@ from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.sampling_params import SamplingParams
-from tests.engine.pages import check_pages, ref_count
+from tests.engine.pages import cached_pages, check_pages, ref_count
 from tests.engine.test_scheduler import VOCAB, fake_next_token, reference_generate
 
 
@@ -126,7 +126,7 @@ def test_publish_match_share_and_lru_eviction():
     b = seq_of("b", a.prompt_token_ids)
     assert bm.match_prefix(b, 2) == ([], True)            # a is computing page 0: pending
     bm.publish(a, 0, 2)
-    assert bm.num_cached_pages == 2 and bm.match_prefix(b, 2) == ([1, 2], False)
+    assert cached_pages(bm) == 2 and bm.match_prefix(b, 2) == ([1, 2], False)
     assert bm.match_prefix(b, 1) == ([1], False)           # capped
     assert bm.can_allocate(b, 10, [1, 2])
     assert bm.allocate(b, 10, [1, 2]) == [4]               # shares 1, 2; its own last page
@@ -136,7 +136,7 @@ def test_publish_match_share_and_lru_eviction():
     assert check_pages(bm) == {"free": 2, "cached": 0, "used": 3} and bm.owner(1) is b
     bm.free(b)                                             # freed tail first: 2 then 1 evictable
     assert check_pages(bm) == {"free": 3, "cached": 2, "used": 0} and bm.num_free_pages == 5
-    assert bm.reset_prefix_cache() is True and bm.num_cached_pages == 0
+    assert bm.reset_prefix_cache() is True and cached_pages(bm) == 0
     # LRU: never-cached pages go first, then the least recently freed cached page
     bm.allocate(a, 10, bm.match_prefix(a, 2)[0])           # no hits after the reset
     bm.publish(a, 0, 2)
@@ -181,7 +181,7 @@ def test_reset_refused_while_pages_held_and_double_free():
     a = seq_of("a", [1, 2, 3])
     bm.allocate(a, 3)
     bm.publish(a, 0, 1)
-    assert bm.reset_prefix_cache() is False and bm.num_cached_pages == 1
+    assert bm.reset_prefix_cache() is False and cached_pages(bm) == 1
     bm.free(a)
     with pytest.raises(RuntimeError, match="holds no pages"):
         bm.free(a)
@@ -225,7 +225,7 @@ def test_same_prefix_in_one_step_waits_then_shares():
     first = sched.schedule()
     assert first.seqs == [a, other]                        # b waits in place, x is admitted
     assert list(sched.waiting) == [b]
-    assert sched.block_manager.num_cached_pages == 0       # published only once the step ran
+    assert cached_pages(sched.block_manager) == 0       # published only once the step ran
     sched.device = ContentDevice(sched)
     out = sched.device.step(first)
     sched.postprocess(first, out)
@@ -264,7 +264,7 @@ def test_prompt_logprobs_takes_no_hits_but_publishes():
     a = seq_of("a", prompt, prompt_logprobs=1)
     sched.add(a)
     run(sched)
-    assert a.num_cached_tokens == 0 and sched.block_manager.num_cached_pages >= 2
+    assert a.num_cached_tokens == 0 and cached_pages(sched.block_manager) >= 2
     b = seq_of("b", prompt, prompt_logprobs=0)
     sched.add(b)
     batches = run(sched)
@@ -323,7 +323,7 @@ def test_caching_off_schedules_exactly_as_before():
     off.add(b)
     run(off)
     assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
-    assert off.block_manager.num_cached_pages == 0
+    assert cached_pages(off.block_manager) == 0
     assert off.block_manager.stats.prefix_cache_queries == 0
 
 
@@ -339,7 +339,7 @@ def test_copy_free_plans_from_the_cache_of_now():
     sched.block_manager.allocate(held, 2 * P)
     bm = sched.block_manager
     busy = bm.copy_free()
-    assert (busy.num_free_pages, busy.num_cached_pages) == (bm.num_free_pages, 4)  # 19 tokens
+    assert (busy.num_free_pages, cached_pages(busy)) == (bm.num_free_pages, 4)  # 19 tokens
     assert not any(ref_count(busy, p) for p in range(30))
     bm.free(held)
     copy = bm.copy_free()

@@ -475,7 +475,7 @@ def test_postprocess_and_schedule_misuse():
     batch = sched.schedule()
     assert batch.do_sample == [False] and batch.seqs[0].num_computed_tokens == 4
     second = sched.schedule()                    # one batch may be in flight: the next chunk
-    assert second.start_positions == [4] and sched.num_in_flight == 2
+    assert second.start_positions == [4] and len(sched._in_flight) == 2
     with pytest.raises(RuntimeError, match="not postprocessed"):
         sched.schedule()                         # but not two
     with pytest.raises(ValueError, match="expected None"):
@@ -489,7 +489,7 @@ def test_postprocess_and_schedule_misuse():
     assert batch.seqs[0].num_computed_tokens == 8          # nothing changed by the failures
     sched.postprocess(batch, [None])
     sched.postprocess(second, [None])
-    assert sched.num_in_flight == 0
+    assert len(sched._in_flight) == 0
 
 
 # ---------------------------------------------------------------- batch limits and fairness

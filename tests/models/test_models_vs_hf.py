@@ -188,7 +188,7 @@ def test_prefill_and_decode_match_hf(case, tmp_path):
     assert_matches_hf(model, seqs, logits, [len(p) for p in prompts])
     # Nothing valid was written outside the assigned pages: unassigned pages stay zero.
     bt = np.asarray(kv.block_tables)
-    unused = sorted(set(range(1, kv.num_pages)) - set(bt.ravel().tolist()))
+    unused = sorted(set(range(1, kv.k.shape[1])) - set(bt.ravel().tolist()))
     assert unused and not np.any(np.asarray(kv.k)[:, unused])
 
 

@@ -33,14 +33,19 @@ CACHE_DIR = pytest.StashKey[str]()
 
 
 def pytest_configure(config):
-    """Before any test module imports JAX, for a CPU run (GPU tests not selected): the fast-compile
-    flags unless the caller set XLA_FLAGS, and a persistent compilation cache for the run unless
-    the caller set JAX_COMPILATION_CACHE_DIR. Engines that compile the same step (a new `LLM` of
-    the same model, the CLI in a subprocess) then load it instead of compiling it again.
-    Subprocesses of tests inherit both."""
+    """Before any test module imports JAX or torch, for a CPU run (GPU tests not selected): the
+    fast-compile flags unless the caller set XLA_FLAGS, one OpenMP thread unless OMP_NUM_THREADS
+    is set, and a persistent compilation cache for the run unless the caller set
+    JAX_COMPILATION_CACHE_DIR. Engines that compile the same step (a new `LLM` of the same model,
+    the CLI in a subprocess) then load it instead of compiling it again. Subprocesses of tests
+    inherit all three."""
     if "gpu" in (config.option.markexpr or "").replace("not gpu", ""):
         return
     os.environ.setdefault("XLA_FLAGS", CPU_XLA_FLAGS)
+    # torch (the HF references) on one OpenMP thread: with two xdist workers on two cores, its
+    # threads spin-wait for one another while the other worker holds a core (HF's greedy
+    # generate of 32 SmolLM2 tokens: 10-15 s on two threads, 1.5 s on one)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # every compile is cached, also the tiny model's shorter than JAX's default 1 s threshold (the
     # server's engine core and the CLI subprocesses compile shapes that in-process engines load)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -38,7 +38,10 @@ def pytest_configure(config):
     is set, and a persistent compilation cache for the run unless the caller set
     JAX_COMPILATION_CACHE_DIR. Engines that compile the same step (a new `LLM` of the same model,
     the CLI in a subprocess) then load it instead of compiling it again. Subprocesses of tests
-    inherit all three."""
+    inherit all three. In any run: pytest-xdist's units in collection order (`_order`), not
+    reordered by their number of tests."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if "gpu" in (config.option.markexpr or "").replace("not gpu", ""):
         return
     os.environ.setdefault("XLA_FLAGS", CPU_XLA_FLAGS)
@@ -203,37 +206,40 @@ def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_fa
     return str(path)
 
 
-# Tests that share a costly set-up run on one pytest-xdist worker (`--dist loadgroup`). SmolLM2's
-# tests are the suite's longest chain: they are split between two groups, each of which builds its
-# own SmolLM2 `LLM` and HF model (compiled steps are shared through the compilation cache). A test
-# that needs more of SmolLM2 than the GGUF's path: "smollm_tp" when its file is in
-# `_SMOLLM_TP_FILES`, else "serve_smollm", which also holds the server's tests (one engine-core
-# process); "smollm_tp" also holds test_tensor_parallel.py (its module-scoped subprocess runs
-# would otherwise run once on each worker that gets one of its tests). loadgroup hands out groups
-# largest first, one a worker: these two, the largest, go to different workers, and the other
-# tests fill in around them. test_precompile.py, for its module-scoped reference run: its own.
+# Tests that share a costly set-up run on one pytest-xdist worker (`--dist loadgroup`), one group
+# per set-up, in `_GROUPS` order: "smollm", every test that needs more of SmolLM2 than the GGUF's
+# path (one SmolLM2 `LLM`, one HF model, one dequantised GGUF for the run, the step shapes compiled
+# in one process); "serve", tests/serve (one engine-core process); "precompile" and
+# "tensor_parallel", for their module-scoped reference runs. loadgroup hands out units (a group,
+# or an ungrouped module) in collection order (`pytest_configure` turns off its reordering by
+# test count): the groups, heaviest first, then the other modules fill in around them.
 _SMOLLM_FIXTURES = {"hf_smollm", "smollm_ckpt", "smollm_startup", "smollm_engine",
                     "smollm_cli_args"}
-_SMOLLM_TP_FILES = ("tests/checkpoints/", "tests/e2e/test_logprobs_vs_hf.py",
-                    "tests/e2e/test_structured_output.py")
+_GROUPS = ("smollm", "serve", "precompile", "tensor_parallel")
 
 
 def _group(item) -> str | None:
     path = item.nodeid.partition("::")[0]
-    if path == "tests/engine/test_tensor_parallel.py":
-        return "smollm_tp"
     if _SMOLLM_FIXTURES & set(item.fixturenames):
-        return "smollm_tp" if path.startswith(_SMOLLM_TP_FILES) else "serve_smollm"
+        return "smollm"
     if path.startswith("tests/serve/"):
-        return "serve_smollm"
-    return "precompile" if path == "tests/engine/test_precompile.py" else None
+        return "serve"
+    return {"tests/engine/test_precompile.py": "precompile",
+            "tests/engine/test_tensor_parallel.py": "tensor_parallel"}.get(path)
+
+
+def _order(item) -> tuple[int, bool]:
+    """Grouped tests first, in `_GROUPS` order; the SmolLM2 CLI run in a subprocess last of its
+    group: its step shapes are those of in-process tests (`SMOLLM_ENGINE`), which are then in the
+    run-wide compilation cache."""
+    group = _group(item)
+    return (_GROUPS.index(group) if group else len(_GROUPS),
+            "smollm_cli_args" in item.fixturenames)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    # the SmolLM2 CLI run in a subprocess goes last: its step shapes are those of in-process
-    # tests (`SMOLLM_ENGINE`), which are then in the run-wide compilation cache
-    items.sort(key=lambda item: "smollm_cli_args" in item.fixturenames)
+    items.sort(key=_order)
     for item in items:
         if (group := _group(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))

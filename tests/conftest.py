@@ -27,20 +27,31 @@ os.environ.setdefault("JAXINFER_GGUF_CACHE", "0")
 
 # XLA:CPU compile time dominates the CPU suite (the 30 unrolled layers of SmolLM2, kernels in
 # interpret mode); LLVM's optimisation passes are most of it and buy nothing on these small shapes.
-CPU_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# The legacy fusion emitters compile the suite's ~3,000 small programs (eager ops, the tiny model,
+# interpreted kernels) in about 60% of the time of the MLIR ones (SmolLM2's steps: the same).
+CPU_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+                 "--xla_cpu_use_fusion_emitters=false")
 
 CACHE_DIR = pytest.StashKey[str]()
 
 
 def pytest_configure(config):
-    """Before any test module imports JAX, for a CPU run (GPU tests not selected): the fast-compile
-    flags unless the caller set XLA_FLAGS, and a persistent compilation cache for the run unless
-    the caller set JAX_COMPILATION_CACHE_DIR. Engines that compile the same step (a new `LLM` of
-    the same model, the CLI in a subprocess) then load it instead of compiling it again.
-    Subprocesses of tests inherit both."""
+    """Before any test module imports JAX or torch, for a CPU run (GPU tests not selected): the
+    fast-compile flags unless the caller set XLA_FLAGS, one OpenMP thread unless OMP_NUM_THREADS
+    is set, and a persistent compilation cache for the run unless the caller set
+    JAX_COMPILATION_CACHE_DIR. Engines that compile the same step (a new `LLM` of the same model,
+    the CLI in a subprocess) then load it instead of compiling it again. Subprocesses of tests
+    inherit all three. In any run: pytest-xdist's units in collection order (`_order`), not
+    reordered by their number of tests."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if "gpu" in (config.option.markexpr or "").replace("not gpu", ""):
         return
     os.environ.setdefault("XLA_FLAGS", CPU_XLA_FLAGS)
+    # torch (the HF references) on one OpenMP thread: with two xdist workers on two cores, its
+    # threads spin-wait for one another while the other worker holds a core (HF's greedy
+    # generate of 32 SmolLM2 tokens: 10-15 s on two threads, 1.5 s on one)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     # every compile is cached, also the tiny model's shorter than JAX's default 1 s threshold (the
     # server's engine core and the CLI subprocesses compile shapes that in-process engines load)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
@@ -92,13 +103,22 @@ def smollm_cli_args():
 
 @pytest.fixture(scope="session")
 def hf_smollm(smollm_path):
-    """HF transformers' ``AutoModelForCausalLM`` of the GGUF, float32, eval mode (the reference)."""
+    """HF transformers' ``AutoModelForCausalLM`` of the GGUF, float32, eval mode (the reference).
+    While it loads, ``gguf.get_tensor_name_map`` (a pure function of the architecture and layer
+    count, which transformers rebuilds for each of the model's 397 modules) is memoised: the same
+    model in 7-8 s instead of 12-13 s."""
+    import functools
+    from unittest import mock
+
+    import gguf
     import torch
     from transformers import AutoModelForCausalLM
 
     d, f = os.path.split(smollm_path)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    with mock.patch.object(gguf, "get_tensor_name_map",
+                           functools.lru_cache(gguf.get_tensor_name_map)):
+        return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session", name="tiny_tokenizer")
@@ -198,37 +218,40 @@ def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_fa
     return str(path)
 
 
-# Tests that share a costly set-up run on one pytest-xdist worker (`--dist loadgroup`). SmolLM2's
-# tests are the suite's longest chain: they are split between two groups, each of which builds its
-# own SmolLM2 `LLM` and HF model (compiled steps are shared through the compilation cache). A test
-# that needs more of SmolLM2 than the GGUF's path: "smollm_tp" when its file is in
-# `_SMOLLM_TP_FILES`, else "serve_smollm", which also holds the server's tests (one engine-core
-# process); "smollm_tp" also holds test_tensor_parallel.py (its module-scoped subprocess runs
-# would otherwise run once on each worker that gets one of its tests). loadgroup hands out groups
-# largest first, one a worker: these two, the largest, go to different workers, and the other
-# tests fill in around them. test_precompile.py, for its module-scoped reference run: its own.
+# Tests that share a costly set-up run on one pytest-xdist worker (`--dist loadgroup`), one group
+# per set-up, in `_GROUPS` order: "smollm", every test that needs more of SmolLM2 than the GGUF's
+# path (one SmolLM2 `LLM`, one HF model, one dequantised GGUF for the run, the step shapes compiled
+# in one process); "serve", tests/serve (one engine-core process); "precompile" and
+# "tensor_parallel", for their module-scoped reference runs. loadgroup hands out units (a group,
+# or an ungrouped module) in collection order (`pytest_configure` turns off its reordering by
+# test count): the groups, heaviest first, then the other modules fill in around them.
 _SMOLLM_FIXTURES = {"hf_smollm", "smollm_ckpt", "smollm_startup", "smollm_engine",
                     "smollm_cli_args"}
-_SMOLLM_TP_FILES = ("tests/checkpoints/", "tests/e2e/test_logprobs_vs_hf.py",
-                    "tests/e2e/test_structured_output.py")
+_GROUPS = ("smollm", "serve", "precompile", "tensor_parallel")
 
 
 def _group(item) -> str | None:
     path = item.nodeid.partition("::")[0]
-    if path == "tests/engine/test_tensor_parallel.py":
-        return "smollm_tp"
     if _SMOLLM_FIXTURES & set(item.fixturenames):
-        return "smollm_tp" if path.startswith(_SMOLLM_TP_FILES) else "serve_smollm"
+        return "smollm"
     if path.startswith("tests/serve/"):
-        return "serve_smollm"
-    return "precompile" if path == "tests/engine/test_precompile.py" else None
+        return "serve"
+    return {"tests/engine/test_precompile.py": "precompile",
+            "tests/engine/test_tensor_parallel.py": "tensor_parallel"}.get(path)
+
+
+def _order(item) -> tuple[int, bool]:
+    """Grouped tests first, in `_GROUPS` order; the SmolLM2 CLI run in a subprocess last of its
+    group: its step shapes are those of in-process tests (`SMOLLM_ENGINE`), which are then in the
+    run-wide compilation cache."""
+    group = _group(item)
+    return (_GROUPS.index(group) if group else len(_GROUPS),
+            "smollm_cli_args" in item.fixturenames)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
-    # the SmolLM2 CLI run in a subprocess goes last: its step shapes are those of in-process
-    # tests (`SMOLLM_ENGINE`), which are then in the run-wide compilation cache
-    items.sort(key=lambda item: "smollm_cli_args" in item.fixturenames)
+    items.sort(key=_order)
     for item in items:
         if (group := _group(item)) is not None:
             item.add_marker(pytest.mark.xdist_group(group))

@@ -20,21 +20,14 @@ TOL = STEPS * 1e-4  # test_logprobs_vs_hf.py: float32 log-probabilities agree to
 
 
 def hf_beams(hf_model, ids, eos):
-    """HF's ``WIDTH`` best (generated ids ending at the first EOS, cumulative log-probability),
-    on one torch thread: on the suite's shared cores (xdist workers, load 4 a core) two threads
-    spin against each other and this took 46-69 s instead of 4-7 s."""
+    """HF's ``WIDTH`` best (generated ids ending at the first EOS, cumulative log-probability)."""
     import torch
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.inference_mode():
-            out = hf_model.generate(
-                torch.tensor([ids]), num_beams=WIDTH, num_return_sequences=WIDTH,
-                do_sample=False, max_new_tokens=STEPS, length_penalty=0.0,
-                early_stopping="never", output_scores=True, return_dict_in_generate=True,
-                eos_token_id=list(eos), pad_token_id=eos[0])
-    finally:
-        torch.set_num_threads(threads)
+    with torch.inference_mode():
+        out = hf_model.generate(
+            torch.tensor([ids]), num_beams=WIDTH, num_return_sequences=WIDTH,
+            do_sample=False, max_new_tokens=STEPS, length_penalty=0.0,
+            early_stopping="never", output_scores=True, return_dict_in_generate=True,
+            eos_token_id=list(eos), pad_token_id=eos[0])
     beams = []
     for seq in out.sequences[:, len(ids):].tolist():
         end = next((k + 1 for k, t in enumerate(seq) if t in eos), len(seq))  # then padding

@@ -9,6 +9,7 @@ import pytest
 from jaxinfer import SamplingParams
 
 TOL = 1e-4
+STEPS = 16  # sampled positions checked a row: 16 tokens after the chat prompt stay in 4 pages
 TEXT = ("In the beginning of the twentieth century, the city grew quickly as new railways brought "
         "workers, merchants and families from the countryside, and the old market square became "
         "the busiest place in the whole region.")
@@ -47,18 +48,18 @@ def check_entry(entry, ref: np.ndarray, chosen: int, k: int) -> None:
 
 
 def test_sample_logprobs_match_hf(llm, hf_model, hf_greedy, prompt_ids):
-    """logprobs=5 over 32 greedy steps (two rows asking, one not, in one batch): the chosen
+    """logprobs=5 over 16 greedy steps (two rows asking, one not, in one batch): the chosen
     token's logprob, rank 1 and the top 5 match HF; cumulative_logprob sums them; the neighbour
     without logprobs keeps HF's tokens."""
     asks, plain = prompt_ids[3], prompt_ids[0]
-    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
     seqs = run(llm, [(asks, SamplingParams(**{**vars(sp), "logprobs": 5})), (plain, sp),
                      (prompt_ids[1], SamplingParams(**{**vars(sp), "logprobs": 0}))])
-    assert seqs[1].output_token_ids == hf_greedy(plain, 32, ignore_eos=True)
+    assert seqs[1].output_token_ids == hf_greedy(plain, STEPS, ignore_eos=True)
     assert seqs[1].logprobs is None and seqs[1].cumulative_logprob is None
     for ids, s, k in ((asks, seqs[0], 5), (prompt_ids[1], seqs[2], 0)):
         toks = s.output_token_ids
-        assert toks == hf_greedy(ids, 32, ignore_eos=True) and len(s.logprobs) == 32
+        assert toks == hf_greedy(ids, STEPS, ignore_eos=True) and len(s.logprobs) == STEPS
         ref = hf_logprobs(hf_model, list(ids) + toks[:-1])[len(ids) - 1:]
         for entry, r, t in zip(s.logprobs, ref, toks):
             check_entry(entry, r, t, k)

@@ -10,25 +10,38 @@ from .conftest import PAGE_SIZE
 GREEDY = dict(temperature=0.0)
 
 
-def test_each_prompt_matches_hf(llm, hf_greedy, prompt_ids):
+# the prompts compared with HF: the plain and the code prompt, both chat prompts (the third plain
+# prompt is one more short sentence: tests/e2e/conftest.py)
+CHECKED = (0, 1, 3, 4)
+
+
+@pytest.fixture(scope="module")
+def singles(llm, prompt_ids):
+    """{i: output} of each `CHECKED` prompt run alone (one request at a time), greedy, 32 new
+    tokens: the runs the tests below check against HF and build on."""
+    sp = SamplingParams(max_tokens=32, **GREEDY)
+    return {i: llm.generate({"prompt_token_ids": prompt_ids[i]}, sp)[0] for i in CHECKED}
+
+
+def test_each_prompt_matches_hf(singles, hf_greedy, prompt_ids):
     """Acceptance 1: greedy, 32 new tokens, token-identical to HF, one request at a time."""
-    for ids in prompt_ids:
-        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=32, **GREEDY))[0]
-        assert list(out.token_ids) == hf_greedy(ids, 32)
+    for i, out in singles.items():
+        assert list(out.token_ids) == hf_greedy(prompt_ids[i], 32)
 
 
-def test_france_answers_paris(llm, prompt_ids):
-    out = llm.generate({"prompt_token_ids": prompt_ids[3]}, SamplingParams(max_tokens=32, **GREEDY))[0]
+def test_france_answers_paris(singles):
+    out = singles[3]
     assert "Paris" in out.text
     assert out.outputs[0].finish_reason == "stop"
 
 
 def test_batch_of_mixed_lengths_matches_single(llm, hf_greedy, prompt_ids):
     """Acceptance 2: the same prompts as one ragged batch give the same tokens."""
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
+    prompts = [prompt_ids[i] for i in CHECKED]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                         SamplingParams(max_tokens=32, **GREEDY))
-    assert len({len(ids) for ids in prompt_ids}) > 1  # really ragged
-    for ids, out in zip(prompt_ids, outs):
+    assert len({len(ids) for ids in prompts}) > 1  # really ragged
+    for ids, out in zip(prompts, outs):
         assert list(out.token_ids) == hf_greedy(ids, 32)
 
 
@@ -72,14 +85,14 @@ def test_preemption_gives_same_outputs(tiny, tiny_prompt_ids):
     assert bm.num_free_pages == bm.num_usable_pages
 
 
-def test_ignore_eos_and_eos_union(llm, hf_greedy, prompt_ids):
+def test_ignore_eos_and_eos_union(llm, hf_greedy, prompt_ids, singles):
     """CASES C4: ignore_eos -> exactly max_tokens, 'length'; else stop at the first EOS id, 'stop'."""
     ids = prompt_ids[4]  # one-word answer
     on = llm.generate({"prompt_token_ids": ids},
                       SamplingParams(max_tokens=32, ignore_eos=True, **GREEDY))[0]
     assert len(on.token_ids) == 32 and on.outputs[0].finish_reason == "length"
     assert list(on.token_ids) == hf_greedy(ids, 32, ignore_eos=True)
-    off = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=32, **GREEDY))[0]
+    off = singles[4]  # the same request without ignore_eos
     eos = set(llm.engine.eos_token_ids)
     assert off.outputs[0].finish_reason == "stop"
     assert off.token_ids[-1] in eos
@@ -97,10 +110,9 @@ def test_template_prompts_batch_equals_single(tiny):
     assert batch == single
 
 
-def test_stop_string_truncates_text(llm, prompt_ids):
+def test_stop_string_truncates_text(llm, prompt_ids, singles):
     """Stop strings are matched on decoded text and cut from the returned text."""
-    ids = prompt_ids[3]
-    full = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=32, **GREEDY))[0]
+    ids, full = prompt_ids[3], singles[3]
     assert "Paris" in full.text
     out = llm.generate({"prompt_token_ids": ids},
                        SamplingParams(max_tokens=32, stop=["Paris"], **GREEDY))[0]
@@ -168,11 +180,10 @@ def test_from_params_matches_hf(llm, hf_greedy, prompt_ids, smollm_engine):
         LLM.from_params(loaded.model_config, loaded.runner.params, max_batch=3)
 
 
-def test_stop_token_and_eos_reasons_follow_vllm(llm, prompt_ids):
+def test_stop_token_and_eos_reasons_follow_vllm(llm, prompt_ids, singles):
     """A stop token id: finish "stop", stop_reason = that id, its text left out of ``text`` (and of
     the streamed text), the id kept in ``token_ids``. EOS: finish "stop", stop_reason None."""
-    ids = prompt_ids[3]  # "What is the capital of France?" -> "... Paris."
-    full = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=32, temperature=0.0))[0]
+    ids, full = prompt_ids[3], singles[3]  # "What is the capital of France?" -> "... Paris."
     assert full.outputs[0].finish_reason == "stop" and full.outputs[0].stop_reason is None  # EOS
     tok = llm.get_tokenizer()
     k = next(i for i in range(1, len(full.token_ids)) if tok.decode(full.token_ids[i:i + 1]).strip())

@@ -119,17 +119,18 @@ def test_penalised_rows_never_change_a_neighbour():
     and beside the penalised rows."""
     batch, hb = _decode_batch()
     meta, x = _meta(hb), _logits(hb.key.batch, 1)
-    both = np.asarray(jax.jit(filtered_logits)(jnp.asarray(x), meta))
-    toks = np.asarray(jax.jit(sample, static_argnames="all_greedy")(jnp.asarray(x), meta,
-                                                                     all_greedy=False))
+    # jitted as in the engine's step, so that each row alone is one compile, not one per op
+    filt, samp = jax.jit(filtered_logits), jax.jit(sample, static_argnames="all_greedy")
+    both = np.asarray(filt(jnp.asarray(x), meta))
+    toks = np.asarray(samp(jnp.asarray(x), meta, all_greedy=False))
     for i in range(len(ROWS)):
         one = jax.tree_util.tree_map(lambda a: a[i:i + 1], meta)
-        alone = np.asarray(filtered_logits(jnp.asarray(x[i:i + 1]), one))[0]
+        alone = np.asarray(filt(jnp.asarray(x[i:i + 1]), one))[0]
         np.testing.assert_array_equal(alone, both[i])
-        assert int(sample(jnp.asarray(x[i:i + 1]), one, all_greedy=False)[0]) == toks[i]
+        assert int(samp(jnp.asarray(x[i:i + 1]), one, all_greedy=False)[0]) == toks[i]
     plain = [(pr, out, SamplingParams()) for pr, out, _ in ROWS]
     meta0 = _meta(_decode_batch(plain)[1])
-    np.testing.assert_array_equal(np.asarray(filtered_logits(jnp.asarray(x), meta0))[1], both[1])
+    np.testing.assert_array_equal(np.asarray(filt(jnp.asarray(x), meta0))[1], both[1])
 
 
 def test_logprobs_match_numpy():

@@ -45,19 +45,20 @@ def test_tiny_checkpoint_loads_back(tiny_checkpoint, tiny_text_params, tiny_toke
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _start(checkpoint, ready: bool = True) -> tuple[subprocess.Popen, int, int]:
+def _start(checkpoint, ready: bool = True,
+           max_model_len: int = 128) -> tuple[subprocess.Popen, int, int]:
     """(the API process, its port, the engine core's pid) of ``python -m jaxinfer.serve`` on the
-    tiny checkpoint (one sequence at a time), once /health answers (``ready=False``: once the
-    core's process exists)."""
+    tiny checkpoint (one sequence at a time, pages of 128 tokens), once /health answers
+    (``ready=False``: once the core's process exists)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
         [sys.executable, "-m", "jaxinfer.serve", "--model", checkpoint, "--port", str(port),
-         "--api-key", KEY, "--served-model-name", "m", "--max-model-len", "128", "--page-size",
-         "128", "--num-pages", "4", "--max-num-seqs", "1", "--dtype", "float32", "--kernels",
-         "batch_buckets=1,token_buckets=64", "--max-num-batched-tokens", "64",
-         "--shutdown-timeout", "0.5"],
+         "--api-key", KEY, "--served-model-name", "m", "--max-model-len", str(max_model_len),
+         "--page-size", "128", "--num-pages", str(max_model_len // 128 + 3), "--max-num-seqs",
+         "1", "--dtype", "float32", "--kernels", "batch_buckets=1,token_buckets=64",
+         "--max-num-batched-tokens", "64", "--shutdown-timeout", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, HF_HUB_OFFLINE="1"))
     deadline = time.monotonic() + 600
@@ -164,9 +165,11 @@ def test_engine_core_killed_mid_stream(tiny_checkpoint):
     """kill -9 of the engine core: the open stream and a queued request end within seconds (an
     error event, a 503), /health stops answering 200, the API process exits 1."""
     import openai
-    proc, port, core = _start(tiny_checkpoint)
+    # a stream of 1,000 tokens: still open when the kill comes, however the API process and the
+    # core are scheduled (100 could all be computed before the first chunk was read)
+    proc, port, core = _start(tiny_checkpoint, max_model_len=1024)
     try:
-        reader, chunks, errors = _stream_in_thread(port, 100)
+        reader, chunks, errors = _stream_in_thread(port, 1000)
         time.sleep(0.2)  # first in the queue
         queued, _, queued_errors = _stream_in_thread(port, 8, stream=False)
         _first_chunk(chunks, errors)

@@ -185,6 +185,14 @@ def test_kernels_and_engine_options_reach_llm(monkeypatch, capsys):
     assert "seed" not in kw  # --seed is the requests' seed
 
 
+@pytest.mark.parametrize("args, expected", [((), 1), (("--n", "3", "--prompt", "b"), 6),
+                                            (("--max-num-seqs", "5"), 5)])
+def test_max_num_seqs_defaults_to_the_samples_asked(monkeypatch, capsys, args, expected):
+    """Unset, ``--max-num-seqs`` is the number of samples asked (prompts x n, at most
+    `EngineConfig`'s 64), so the KV pool a CPU run allocates and zeroes fits the run."""
+    assert llm_kwargs(monkeypatch, capsys, *args)["max_num_seqs"] == expected
+
+
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 10}))

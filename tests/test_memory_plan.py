@@ -492,3 +492,19 @@ def test_fp8_weight_bytes_equal_the_quantised_tree():
         cfg = ModelConfig(arch, 96, 32, 64, 2, 4, 2, 8, tie_word_embeddings=tied)
         tree = models.init_params(cfg, jax.random.key(0), jnp.float32, "fp8")
         assert fp8_weight_bytes(cfg, 4) == sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def test_pool_pages_stay_the_same_when_bytes_in_use_moves_by_mibs():
+    """The pool's page count is a step input shape, so it is part of every compilation-cache
+    key: bytes in use that differ by a few MiB between two starts (freed load temporaries)
+    give the same pool, rounded up to `USED_BYTES_STEP`; a GiB more gives a smaller one."""
+    from jaxinfer.config import EngineConfig, resolve
+    from jaxinfer.config.memory import GIB, USED_BYTES_STEP, engine_pool_pages, kv_pool_pages
+    cfg = ModelConfig("llama", 32000, 4096, 11008, 32, 32, 8, 128)
+    r = resolve(cfg, EngineConfig(), "gpu")
+    pages = [engine_pool_pages(r, {"bytes_limit": 140 * GIB, "bytes_in_use": 16 * GIB + d})
+             for d in (1, 5 << 20, 37 << 20)]
+    assert pages[0] == pages[1] == pages[2] == kv_pool_pages(
+        cfg, page_size=16, dtype_bytes=2, usable_bytes=int(r.engine.memory_fraction * 140 * GIB),
+        used_bytes=16 * GIB + USED_BYTES_STEP)
+    assert engine_pool_pages(r, {"bytes_limit": 140 * GIB, "bytes_in_use": 18 * GIB}) < pages[0]

@@ -8,6 +8,8 @@ from jaxinfer.config.model import ModelConfig, tp_model_config
 
 GIB = 1 << 30
 CPU_KV_BUDGET_BYTES = 2 * GIB  # KV pool cap where the device reports no memory stats (CPU)
+USED_BYTES_STEP = GIB  # measured bytes in use, rounded up: the pool (a step input shape) and
+# with it every compilation-cache key stay the same across starts (bytes_in_use varies by MiBs)
 
 
 def _gib(n: float) -> str:
@@ -60,7 +62,8 @@ def card_bytes_usable(utilization: float, bytes_limit: int) -> int:
 def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> int:
     """``EngineConfig.num_pages`` if set; else with ``memory_stats`` (``Device.memory_stats()``,
     weights resident) `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use`` (with
-    ``gpu_memory_utilization``: `card_bytes_usable` - bytes_in_use); else (CPU) the null page +
+    ``gpu_memory_utilization``: `card_bytes_usable` - bytes_in_use; bytes_in_use rounded up to
+    `USED_BYTES_STEP`, so a restart gets the same pool and hits the compilation cache); else (CPU) the null page +
     ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most `CPU_KV_BUDGET_BYTES`; bytes per
     device under tensor parallelism. Raises ValueError: fewer than 2 pages fit."""
     e, m, tp = resolved.engine, resolved.model, resolved.engine.tensor_parallel_size
@@ -70,7 +73,7 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
         usable = int(e.memory_fraction * memory_stats["bytes_limit"])
         if e.gpu_memory_utilization is not None:
             usable = card_bytes_usable(e.gpu_memory_utilization, memory_stats["bytes_limit"])
-        used = int(memory_stats.get("bytes_in_use", 0))
+        used = -(-int(memory_stats.get("bytes_in_use", 0)) // USED_BYTES_STEP) * USED_BYTES_STEP
     else:
         page_bytes = e.page_size * kv_bytes_per_token(m, resolved.kv_dtype_bytes, tp)
         pages = 1 + e.max_num_seqs * -(-resolved.max_model_len // e.page_size)

@@ -6,9 +6,10 @@ import json
 import time
 import typing
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
-from openai.types import Completion, CompletionUsage
+from openai.types import Completion
 from starlette.concurrency import run_in_threadpool
 
 from jaxinfer.outputs import RequestOutput
@@ -81,13 +82,13 @@ class OpenAIServing:
         return Response(self.dump(self.Response, rid, sorted(choices, key=lambda c: c["index"]),
                                   usage), media_type="application/json")
 
-    def dump(self, cls, rid: str, choices: list[dict], usage=None) -> str:
-        """A response or chunk as ``cls`` (built unvalidated: vLLM's finish reasons and
-        ``stop_reason`` pass) in JSON, the fields set only."""
+    def dump(self, cls, rid: str, choices: list[dict], usage: dict | None = None) -> bytes:
+        """A response or chunk of ``cls`` (the ``openai`` type naming its ``object``) as JSON bytes,
+        unvalidated (vLLM's finish reasons and ``stop_reason`` pass; inf and NaN: null). msgspec,
+        not pydantic: a chunk per stream per step costs microseconds, not a tenth of a ms."""
         obj = typing.get_args(cls.model_fields["object"].annotation)[0]
-        return cls.model_construct(id=rid, object=obj, created=int(time.time()), choices=choices,
-                                   model=self.model_name, usage=usage).model_dump_json(
-                                       exclude_unset=True)
+        return _ENCODE(dict(id=rid, object=obj, created=int(time.time()), model=self.model_name,
+                            choices=choices, usage=usage))
 
     async def _events(self, request: Request, rids: dict[str, int], sink: asyncio.Queue):
         """Yield ``(prompt index, event)`` until all finish; abort the rest if the client leaves.
@@ -114,8 +115,8 @@ class OpenAIServing:
             self.client.abort(left)
 
     async def _chunks(self, rid: str, events, sp, body):
-        def chunk(choices, usage=None) -> str:
-            return f"data: {self.dump(self.Chunk, rid, choices, usage)}\n\n"
+        def chunk(choices, usage=None) -> bytes:
+            return b"data: " + self.dump(self.Chunk, rid, choices, usage) + b"\n\n"
 
         if opening := self.opening(sp.n):
             yield chunk(opening)
@@ -134,14 +135,17 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
 
-def _usage() -> CompletionUsage:
-    return CompletionUsage.model_construct(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+_ENCODE = msgspec.json.Encoder().encode
 
 
-def _count(usage: CompletionUsage, out: RequestOutput, prompt: bool = True) -> None:
-    usage.prompt_tokens += len(out.prompt_token_ids) if prompt else 0
-    usage.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-    usage.total_tokens = usage.prompt_tokens + usage.completion_tokens
+def _usage() -> dict:
+    return dict(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+
+
+def _count(usage: dict, out: RequestOutput, prompt: bool = True) -> None:
+    usage["prompt_tokens"] += len(out.prompt_token_ids) if prompt else 0
+    usage["completion_tokens"] += sum(len(c.token_ids) for c in out.outputs)
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
 
 
 class ServingCompletion(OpenAIServing):

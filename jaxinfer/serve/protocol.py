@@ -155,6 +155,11 @@ class ChatCompletionRequest(_Sampling):
         return super().structured() if schema is None else StructuredOutputsParams(json=schema)
 
 
+def _lp(x: float) -> float:
+    """A log-probability for JSON: at least -9999.0, as vLLM sends -inf (a masked token)."""
+    return max(x, -9999.0)
+
+
 def completion_logprobs(out, k: int | None, offset: int = 0) -> dict | None:
     """``out``'s top-``k`` logprobs (OpenAI completions), text from ``offset``; None: not asked."""
     if k is None or out.logprobs is None:
@@ -162,8 +167,8 @@ def completion_logprobs(out, k: int | None, offset: int = 0) -> dict | None:
     rows = out.top_logprobs(k)
     return dict(text_offset=list(itertools.accumulate((len(s) for s, *_ in rows[:-1]),
                                                       initial=offset))[:len(rows)],
-                tokens=[s for s, *_ in rows], token_logprobs=[lp for _, lp, _ in rows],
-                top_logprobs=[dict(top) for *_, top in rows])
+                tokens=[s for s, *_ in rows], token_logprobs=[_lp(lp) for _, lp, _ in rows],
+                top_logprobs=[{s: _lp(x) for s, x in top} for *_, top in rows])
 
 
 def chat_logprobs(out, k: int | None) -> dict | None:
@@ -172,6 +177,6 @@ def chat_logprobs(out, k: int | None) -> dict | None:
         return None
 
     def entry(s: str, lp: float, **kw) -> dict:
-        return dict(token=s, logprob=lp, bytes=list(s.encode("utf-8", "replace")), **kw)
+        return dict(token=s, logprob=_lp(lp), bytes=list(s.encode("utf-8", "replace")), **kw)
     return {"content": [entry(s, lp, top_logprobs=[entry(*x) for x in top])
                         for s, lp, top in out.top_logprobs(k)]}

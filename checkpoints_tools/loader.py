@@ -11,6 +11,7 @@ from checkpoints_tools import gguf_cache, gguf_loader, orbax_io
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -101,7 +102,7 @@ def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = Non
     """Offline HF tokenizer of an HF dir, GGUF file or Orbax ``tokenizer/`` (``path`` or an opened
     `Checkpoint`: a GGUF's from its reader, `gguf_loader.gguf_tokenizer`); ``fmt`` if known.
     FileNotFoundError: no ``path``; ValueError: unsupported format, or no tokenizer."""
-    from transformers import PreTrainedTokenizerFast
+    import transformers
 
     if isinstance(path, Checkpoint):
         if path.reader is not None and (tok := gguf_loader.gguf_tokenizer(path.reader)):
@@ -112,19 +113,20 @@ def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = Non
     d, name = os.path.split(os.path.abspath(p))
     args, kw = ((d,), {"gguf_file": name}) if fmt == "gguf" else (
         (os.path.join(p, orbax_io.TOKENIZER_DIR) if fmt == "orbax" else p,), {})
-    saved = os.path.join(args[0], "tokenizer_config.json")  # the generic fast class: no Auto*
-    load = PreTrainedTokenizerFast.from_pretrained  # (their imports take seconds, torch's too)
-    if fmt != "gguf" and not (os.path.isfile(saved) and read_json(saved).get("tokenizer_class") in (
-            "TokenizersBackend", "PreTrainedTokenizerFast")):
-        from transformers import AutoTokenizer
-        load = AutoTokenizer.from_pretrained
+    load, saved = transformers.PreTrainedTokenizerFast.from_pretrained, f"{args[0]}/{TOKENIZER_FILES[0]}"
+    if fmt != "gguf":  # the saved class by name: AutoTokenizer's imports take seconds (torch's)
+        if not any(os.path.isfile(os.path.join(args[0], f)) for f in TOKENIZER_FILES):
+            raise ValueError(f"{fmt} model {p!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}"
+                             f" in {args[0]!r}): give tokenizer=DIR, or skip_tokenizer_init")
+        name = (read_json(saved) if os.path.isfile(saved) else {}).get("tokenizer_class") or "-"
+        cls = getattr(transformers, name + "Fast", None) or getattr(transformers, name, None)
+        load = getattr(cls, "from_pretrained", None) or transformers.AutoTokenizer.from_pretrained
     try:
         return load(*args, local_files_only=True, **kw)
     except ImportError as e:  # transformers' GGUF reader imports torch
-        raise ValueError(f"cannot load the tokenizer of {fmt} model {p!r}: {e}; transformers needs "
-                         "PyTorch for GGUF tokenizers: pip install 'jaxinfer[gguf]' (or convert the "
-                         "model once with python scripts/convert_checkpoint.py on a machine that has it)"
-                         ) from e
+        raise ValueError(f"cannot load the tokenizer of {fmt} model {p!r}: {e}; GGUF tokenizers need"
+                         " PyTorch: pip install 'jaxinfer[gguf]' (or convert the model once with "
+                         "python scripts/convert_checkpoint.py where it is installed)") from e
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ValueError(f"cannot load a tokenizer for {fmt} model {p!r} from {args[0]!r}: "
                          f"{type(e).__name__}: {e}") from e

@@ -11,8 +11,6 @@ import time
 from jaxinfer.cli_args import engine_parser, fail, flag, make_llm
 from jaxinfer.config import EngineConfig
 
-MAX_NUM_SEQS = EngineConfig.max_num_seqs  # --max-num-seqs unset: the samples asked, at most this
-
 SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
     ("max_tokens", int, 64, "most tokens generated per prompt"),
     ("temperature", float, 0.0, "0 = greedy"),
@@ -48,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                       ("--json", "one JSON object per request on stdout")):
         p.add_argument(opt, action="store_true", help=help)
     seqs = p._option_string_actions["--max-num-seqs"]  # argparse has no public lookup
-    seqs.default, seqs.help = None, (f"most sequences in one step (default: the samples asked, "
-                                     f"at most {MAX_NUM_SEQS}; the CPU's KV pool is sized by it)")
+    seqs.default, seqs.help = None, ("most sequences in one step (default: the samples asked, at "
+                                     f"most {EngineConfig.max_num_seqs}; sizes the CPU's KV pool)")
     p.add_argument("--verbose", action="store_true", help="print the seconds of each phase "
                    "(imports, load, compile, first token) on stderr")
     return p
@@ -126,7 +124,7 @@ def _main(argv: list[str] | None = None) -> int:
                                 include_stop_str_in_output=args.include_stop_str_in_output,
                                 **{name: getattr(args, name) for name, *_ in SAMPLING_OPTIONS})
         if args.max_num_seqs is None:
-            args.max_num_seqs = min(len(prompts) * max(args.n, 1), MAX_NUM_SEQS)
+            args.max_num_seqs = min(len(prompts) * max(args.n, 1), EngineConfig.max_num_seqs)
         if args.verbose:
             importlib.import_module("jaxinfer.llm")  # timed apart from the load
         t_import = time.perf_counter()

@@ -35,7 +35,8 @@ from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 
 def checkpoint(path: str, hf: dict, layers: int) -> str:
-    """A random-weight Qwen3 HF checkpoint of ``hf`` with ``layers`` layers at ``path`` (once)."""
+    """A random-weight Qwen3 HF checkpoint of ``hf`` with ``layers`` layers at ``path`` (once), with
+    a 1,000-word word-level tokenizer."""
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     import torch
@@ -43,6 +44,11 @@ def checkpoint(path: str, hf: dict, layers: int) -> str:
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, **hf)).to(torch.bfloat16)
     model.save_pretrained(path)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1000)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()  # a word-level stand-in: the server needs one
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1").save_pretrained(path)
     return path
 
 

@@ -185,11 +185,21 @@ class OutputProcessor:
         stopped_by_token = seq.finish_reason == "stop" and seq.stop_string is None and ids
         if stopped_by_token and seq.is_finished and not p.include_stop_str_in_output:
             ids = ids[:-1]  # a stop token or EOS
-        text = self._decode(ids, p) if self.detokenize and p.detokenize else ""  # no stop_string ^
+        text = self._incremental(seq, ids) if self.detokenize and p.detokenize else ""  # no stop ^
         if seq.stop_string is not None:
             end = self._stop_at(seq, text, seq.stop_string)
             text = text[:end + len(seq.stop_string) if p.include_stop_str_in_output else end]
         return text
+
+    def _incremental(self, seq, ids: list[int]) -> str:
+        """Text of ``ids`` (``seq``'s first): ``seq.decoded`` + from 6 before on (vLLM's offsets)."""
+        m, text, p = seq.decoded
+        m, text = (m, text) if p is seq.params and m <= len(ids) else (0, "")
+        old, new = (self._decode(ids[k:n], seq.params) for k in [max(m - 6, 0)] for n in (m, None))
+        full = text + new[len(old):] if new.startswith(old) else self._decode(ids, seq.params)
+        if not full.endswith("\ufffd"):  # a character cut at the end: not kept
+            seq.decoded = (len(ids), full, seq.params)
+        return full
 
     def stream_delta(self, seq, sent: tuple[int, str]
                      ) -> tuple[list[int], str, tuple[int, str]] | None:

@@ -8,8 +8,7 @@ from jaxinfer.config.model import ModelConfig, tp_model_config
 
 GIB = 1 << 30
 CPU_KV_BUDGET_BYTES = 2 * GIB  # KV pool cap where the device reports no memory stats (CPU)
-USED_BYTES_STEP = GIB  # measured bytes in use, rounded up: the pool (a step input shape) and
-# with it every compilation-cache key stay the same across starts (bytes_in_use varies by MiBs)
+USED_BYTES_STEP = GIB  # bytes in use rounded up: the same pool shape (cache keys) on each start
 
 
 def _gib(n: float) -> str:

@@ -34,11 +34,9 @@ class ScheduledBatch:
 
     def __post_init__(self) -> None:
         seqs, nums = list(self.seqs), [int(n) for n in self.num_new_tokens]  # own copies
-        if len(seqs) != len(nums):
-            raise ValueError(f"ScheduledBatch: {len(seqs)} seqs but {len(nums)} num_new_tokens")
-        if any(n < 1 for n in nums):
-            raise ValueError(f"ScheduledBatch.num_new_tokens={nums} is invalid: "
-                             "every count must be >= 1")
+        if len(seqs) != len(nums) or any(n < 1 for n in nums):
+            raise ValueError(f"ScheduledBatch.num_new_tokens={nums} is invalid: one count >= 1 "
+                             f"for each of the {len(seqs)} seqs")
         starts = [s.num_computed_tokens for s in seqs]
         for name, v in dict(seqs=seqs, num_new_tokens=nums, start_positions=starts,
                             do_sample=[st + n == s.num_tokens_with_pending

@@ -50,6 +50,7 @@ class Sequence:
     cumulative_logprob: float | None = field(default=None, kw_only=True)
     matcher: object = field(default=None, kw_only=True)
     rules: tuple | None = field(default=None, kw_only=True)
+    decoded: tuple = field(default=(0, "", None), kw_only=True)  # `OutputProcessor`'s (m, text, params)
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
@@ -57,8 +58,7 @@ class Sequence:
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         self.output_token_ids = [int(t) for t in self.output_token_ids]
         self.seed = int(self.seed)
-        if self.parent_id is None:
-            self.parent_id = self.request_id
+        self.parent_id = self.request_id if self.parent_id is None else self.parent_id
         if self.max_tokens is None:
             if self.params.max_tokens is None:
                 raise ValueError("Sequence.max_tokens is needed when params.max_tokens is None")
@@ -73,20 +73,17 @@ class Sequence:
     num_tokens_with_pending = property(lambda self: self.num_tokens + self.num_pending_tokens)
     num_prompt_tokens = property(lambda self: len(self.prompt_token_ids))
     num_output_tokens = property(lambda self: len(self.output_token_ids))
-
     last_token_id = property(lambda self: (self.output_token_ids or self.prompt_token_ids)[-1])
 
     @property
     def ended_on_stop_token(self) -> bool:
         """Finished on one of ``params.stop_token_ids`` (its text is left out)."""
         return (self.is_finished and self.finish_reason == "stop" and self.stop_string is None
-                and bool(self.output_token_ids)
-                and self.output_token_ids[-1] in self.params.stop_token_ids)
+                and any(t in self.params.stop_token_ids for t in self.output_token_ids[-1:]))
 
     is_finished = property(lambda self: self.status is SequenceStatus.FINISHED)
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, status={self.status.name}, prompt="
-                f"{self.num_prompt_tokens}, output={self.num_output_tokens}, computed="
-                f"{self.num_computed_tokens}, pending={self.num_pending_tokens}, pages="
-                f"{self.block_table}, finish_reason={self.finish_reason!r})")
+        return (f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, pending="
+                f"{self.num_pending_tokens}, pages={self.block_table}, {self.finish_reason!r})")

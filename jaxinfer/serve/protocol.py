@@ -155,9 +155,7 @@ class ChatCompletionRequest(_Sampling):
         return super().structured() if schema is None else StructuredOutputsParams(json=schema)
 
 
-def _lp(x: float) -> float:
-    """A log-probability for JSON: at least -9999.0, as vLLM sends -inf (a masked token)."""
-    return max(x, -9999.0)
+_lp = lambda x: max(x, -9999.0)  # noqa: E731 JSON has no -inf: vLLM sends a masked token's -9999.0
 
 
 def completion_logprobs(out, k: int | None, offset: int = 0) -> dict | None:

@@ -143,3 +143,25 @@ def test_detokenize_false_gives_ids_without_text():
     assert (o.text, o.token_ids) == ("", [104, 105])
     assert [{t: lp.decoded_token for t, lp in pos.items()} for pos in o.logprobs] == [
         {104: None}, {105: None, 7: None}]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_incremental_text_equals_the_whole_decode(skip):
+    """Streamed text is decoded incrementally (vLLM's prefix/read offsets: the kept text plus a
+    window from 6 ids back), so a delta costs a few ids, not the whole output. On a byte-level BPE
+    tokenizer (HF ``tokenizers``, random ids: cut UTF-8 characters, special tokens) the text after
+    every token equals the tokenizer's decode of all ids (the reference)."""
+    import random
+
+    from tokenizers import ByteLevelBPETokenizer
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["héllo wörld, 한국어 text. " * 20, "emoji 🙂 and spaces  "],
+                            vocab_size=400, special_tokens=["<s>"])
+    def decode(ids, skip_special_tokens=True, spaces_between_special_tokens=True):  # noqa: E306
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    out, rng = OutputProcessor(decode), random.Random(0)
+    for trial in range(5):
+        s = Sequence("r", [1], SamplingParams(max_tokens=400, skip_special_tokens=skip), seed=0)
+        for _ in range(200):
+            s.output_token_ids.append(rng.randrange(tok.get_vocab_size()))
+            assert out.visible_text(s) == decode(s.output_token_ids, skip), trial

@@ -117,7 +117,9 @@ def test_disconnects_do_not_change_the_others(server, wait_idle):
     results = asyncio.run(run())
     assert not [r for r in results if isinstance(r, BaseException)]
     assert {i: results[i][0] for i in range(50)} == refs
-    assert all(r is None for r in results[50:])
+    # joined chunks (a slow reader gets fewer, longer ones) can end a stream before it leaves
+    assert all(r is None or r[1].completion_tokens == m for r, (_, m, _) in zip(results[50:],
+                                                                                leaving))
     wait_idle(server)  # every page is back
     assert _metric(server, "requests", finished_reason="abort") - aborted >= 25
 

@@ -157,8 +157,8 @@ def _main(argv: list[str] | None = None) -> int:
     if ok:  # a run whose every prompt failed prints only its errors
         print(f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "
               f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
-              f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, first-run "
-              f"compilation included), compiles: {llm.engine.stats().num_compiles}", file=info)
+              f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, step "
+              f"compiles or cache loads included), shapes: {llm.engine.stats().num_compiles}", file=info)
     if args.verbose:
         first = min(ttfts, default=float("nan")) + t0 - t_start
         print(f"phases: imports {t_import - t_start:.1f} s, load {t0 - t_import:.1f} s, compile "

@@ -16,10 +16,14 @@ CPU, float32 compute), each against the unquantised baseline of the same run:
 and V over the first chunk (start-up calibration on the first prefill). Prints a table and
 appends one JSON line per setting (baseline included) to ``--out``.
 
-``--kv-sim`` adds perplexity-only rows of fp8 KV methods the engine lacks, simulated on float32
-pools by an attention (`simulated_attention`) that reads every page as fp8 pages would give it
-back (`pallas_kernels.kv_quant.quantize`, then times the scale), except where a method says
-otherwise; each method is "+"-joined parts ("fp8" alone: none, the engine's fp8 KV re-derived):
+``--kv-smooth`` gives the engine's fp8 KV rows (kv, both) the means per layer and KV head of
+the baseline's post-RoPE K and of V over the first chunk (`KVCache.k_mean`, ``v_mean``), as
+"smooth" below. ``--jitter N`` adds N perplexity rows of the engine's fp8 KV with 1e-3 x N(0, 1)
+added to the means: the spread of fp8 rounding noise (a few values rounded the other way early
+on change many later ones). ``--kv-sim`` adds perplexity-only rows of fp8 KV methods the
+engine lacks, simulated on float32 pools by an attention (`simulated_attention`) that reads
+every page as fp8 pages would give it back (`pallas_kernels.kv_quant.quantize`, then times the
+scale), except where a method says otherwise; each method is "+"-joined parts ("fp8" alone: none, the engine's fp8 KV re-derived):
   chunk    the current chunk's K/V exact, only the earlier pages fp8 (vLLM's / SGLang's prefill
            attends the chunk's own K/V before they are read back from the cache);
   smooth   pages hold ``k - m_k`` and ``v - m_v``, m the mean per layer and KV head of the
@@ -29,6 +33,7 @@ otherwise; each method is "+"-joined parts ("fp8" alone: none, the engine's fp8 
   weights  fp8 weights as the "weights" setting.
 
     python scripts/eval_accuracy.py [--settings kv weights both] [--kv-scales one|calibrated]
+                                    [--kv-smooth] [--perplexity-only]
                                     [--kv-sim fp8 chunk smooth chunk+smooth smooth+weights]
 """
 
@@ -112,17 +117,16 @@ def _chunk(params, cfg, kv, tokens, positions, targets, weights, kernels=ModelKe
     return jnp.sum(nll * weights), kv
 
 
-def teacher_forced(params, cfg, ids: np.ndarray, chunk: int, kv_dtype, scales=None,
+def teacher_forced(params, cfg, ids: np.ndarray, chunk: int, kv_dtype, kv_set=None,
                    chunks: int | None = None, kernels=ModelKernels()):
     """(mean next-token NLL over ``ids[1:]``, final cache) of ``ids`` as one sequence in chunks
-    of ``chunk`` tokens (pages 1.. in order); ``chunks``: stop after that many; ``kernels``: the
-    model's (`simulated_attention`)."""
+    of ``chunk`` tokens (pages 1.. in order); ``kv_set``: `KVCache` fields to set (scales,
+    means); ``chunks``: stop after that many; ``kernels``: the model's (`simulated_attention`)."""
     n = len(ids)
     M = n // PAGE_SIZE
     kv = init_kv_cache(cfg, M + 1, PAGE_SIZE, kv_dtype)
     kv = kv.replace(block_tables=jnp.arange(1, M + 1, dtype=jnp.int32)[None])
-    if scales is not None:  # copies: the cache is donated
-        kv = kv.replace(k_scale=jnp.array(scales[0]), v_scale=jnp.array(scales[1]))
+    kv = kv.replace(**{k: jnp.array(x) for k, x in (kv_set or {}).items()})  # copies: donated
     targets = np.append(ids[1:], 0).astype(np.int32)
     weights = np.append(np.ones(n - 1, np.float32), 0.0)
     total = 0.0
@@ -143,6 +147,12 @@ def first_chunk_kv(params, cfg, ids: np.ndarray, chunk: int):
     return tuple(p[:, 1:1 + chunk // PAGE_SIZE] for p in (kv.k, kv.v))
 
 
+def first_chunk_means(kv, k: bool = True, v: bool = True):
+    """k_mean, v_mean f32[L, K, H] of `first_chunk_kv`'s K and V (zeros where ``k``, ``v`` off)."""
+    return tuple(jnp.mean(p, axis=(1, 3)) if on else jnp.zeros_like(p[:, 0, :, 0])
+                 for p, on in zip(kv, (k, v)))
+
+
 def calibrated_scales(kv, margin: float, means=None):
     """k_scale, v_scale f32[L, K]: ``amax x margin / 448`` of `first_chunk_kv`'s K and V less
     ``means`` (f32[L, K, H] each; None: 0) per layer and KV head."""
@@ -156,9 +166,8 @@ def simulated(params, cfg, ids, args, method: str, first) -> dict:
     """The perplexity row of ``--kv-sim`` ``method`` (`simulated_attention`); ``first``:
     `first_chunk_kv`, for the means and calibrated scales."""
     parts = set(method.split("+"))
-    smooth = (bool(parts & {"smooth", "smoothk"}), "smooth" in parts)     # K, V
-    k_mean, v_mean = (jnp.mean(p, axis=(1, 3)) if on else jnp.zeros_like(p[:, 0, :, 0])
-                      for p, on in zip(first, smooth))                    # f32[L, K, H]
+    k_mean, v_mean = first_chunk_means(first, bool(parts & {"smooth", "smoothk"}),
+                                       "smooth" in parts)
     scales = (calibrated_scales(first, args.margin, (k_mean, v_mean))
               if args.kv_scales == "calibrated" else (jnp.ones(k_mean.shape[:2]),) * 2)
     kernels = ModelKernels(simulated_attention("chunk" in parts, *scales, k_mean, v_mean))
@@ -173,7 +182,22 @@ def simulated(params, cfg, ids, args, method: str, first) -> dict:
                 seconds=time.perf_counter() - t)
 
 
-def greedy(params, cfg, prompts, gen_tokens: int, kv_cache_dtype: str, scales=None,
+def jittered(params, cfg, ids, args, setting, seed: int) -> dict:
+    """The perplexity row of the engine's fp8 KV ``setting`` (as in `main`) with 1e-3 x N(0, 1)
+    (``seed``) added to its means (zeros if none): no change to the method, but other values
+    round differently, so the spread of such rows is the noise of fp8 rounding."""
+    kv_cache_dtype, kv_dtype, kv_set, _ = setting
+    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    noise = np.random.default_rng(seed).standard_normal((2, L, K, H)).astype(np.float32) * 1e-3
+    jit = {k: kv_set.get(k, 0.0) + n for k, n in zip(("k_mean", "v_mean"), noise)}
+    t = time.perf_counter()
+    nll, _ = teacher_forced(params, cfg, ids, args.chunk, kv_dtype, {**kv_set, **jit})
+    return dict(kv_cache_dtype=kv_cache_dtype, quantization=None, kv_scales=args.kv_scales,
+                kv_method=f"engine{'+smooth' * args.kv_smooth} jitter {seed}",
+                ppl=float(np.exp(nll)), gen=None, seconds=time.perf_counter() - t)
+
+
+def greedy(params, cfg, prompts, gen_tokens: int, kv_cache_dtype: str, kv_set=None,
            quantization=None):
     """Greedy token ids of each prompt (EOS ignored) through the engine, float32 compute
     (``quantization`` "fp8": weights quantised by `LLM.from_params`)."""
@@ -181,9 +205,8 @@ def greedy(params, cfg, prompts, gen_tokens: int, kv_cache_dtype: str, scales=No
                           quantization=quantization,
                           max_model_len=max(map(len, prompts)) + gen_tokens,
                           max_num_seqs=len(prompts), page_size=PAGE_SIZE)
-    if scales is not None:
-        llm.engine.runner.kv = llm.engine.runner.kv.replace(k_scale=jnp.array(scales[0]),
-                                              v_scale=jnp.array(scales[1]))
+    runner = llm.engine.runner
+    runner.kv = runner.kv.replace(**{k: jnp.array(x) for k, x in (kv_set or {}).items()})
     sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
     return [list(o.token_ids) for o in llm.generate(prompts, sp)]
 
@@ -206,6 +229,10 @@ def parse_args(argv=None):
                    default=["kv", "weights", "both"],
                    help="besides the baseline: fp8 KV, fp8 weights, both")
     p.add_argument("--kv-scales", choices=("one", "calibrated"), default="one")
+    p.add_argument("--kv-smooth", action="store_true",
+                   help="the engine's fp8 KV rows with K and V means of the first chunk")
+    p.add_argument("--jitter", type=int, default=0, metavar="N",
+                   help="perplexity only: N more fp8 KV rows, means + 1e-3 noise (seeds 1..N)")
     p.add_argument("--kv-sim", nargs="*", default=[], metavar="METHOD",
                    help=f"perplexity only: fp8 KV simulated, '+'-joined parts of {SIM_PARTS}")
     p.add_argument("--margin", type=float, default=1.25, help="calibrated scales' headroom")
@@ -243,13 +270,16 @@ def main(argv=None) -> None:
         raise SystemExit(f"the corpus has only {len(ids)} tokens; lower --tokens")
     prompts = prompt_ids(tok, args.prompts, args.prompt_len)
     first = (first_chunk_kv(params, cfg, ids, args.chunk)
-             if args.kv_sim or args.kv_scales == "calibrated" else None)
-    scales = calibrated_scales(first, args.margin) if args.kv_scales == "calibrated" else None
+             if args.kv_sim or args.kv_smooth or args.kv_scales == "calibrated" else None)
+    means = first_chunk_means(first) if args.kv_smooth else None
+    kv_set = {} if means is None else dict(k_mean=means[0], v_mean=means[1])
+    if args.kv_scales == "calibrated":
+        kv_set.update(zip(("k_scale", "v_scale"), calibrated_scales(first, args.margin, means)))
     fp8 = KV_CACHE_DTYPES[args.kv_cache_dtype]
     settings = {"auto": ("auto", jnp.float32, None, None),
-                "kv": (args.kv_cache_dtype, fp8, scales, None),
+                "kv": (args.kv_cache_dtype, fp8, kv_set, None),
                 "weights": ("auto", jnp.float32, None, "fp8"),
-                "both": (args.kv_cache_dtype, fp8, scales, "fp8")}
+                "both": (args.kv_cache_dtype, fp8, kv_set, "fp8")}
     rows = []
     for name in ("auto", *args.settings):
         kv_cache_dtype, kv_dtype, sc, quant = settings[name]
@@ -262,9 +292,12 @@ def main(argv=None) -> None:
                greedy(params, cfg, prompts, args.gen_tokens, kv_cache_dtype, sc, quant))
         rows.append(dict(kv_cache_dtype=kv_cache_dtype, quantization=quant,
                          kv_scales=args.kv_scales if kv_cache_dtype != "auto" else None,
-                         kv_method="engine" if kv_cache_dtype != "auto" else None,
+                         kv_method=(None if kv_cache_dtype == "auto" else
+                                    "engine+smooth" if args.kv_smooth else "engine"),
                          ppl=float(np.exp(nll)), gen=gen, seconds=time.perf_counter() - t))
     rows += [simulated(params, cfg, ids, args, m, first) for m in args.kv_sim]
+    rows += [jittered(params, cfg, ids, args, settings["kv"], seed)
+             for seed in range(1, args.jitter + 1)]
     base = rows[0]
     for r in rows[::-1]:
         r["ppl_rel"] = r["ppl"] / base["ppl"] - 1.0
@@ -272,14 +305,14 @@ def main(argv=None) -> None:
         r["greedy_agreement"] = None if gen is None else agreement(base["gen"], gen)
     print(f"SmolLM2-135M, float32 compute, {args.tokens} tokens of pydoc_data topics, chunks of "
           f"{args.chunk}; greedy {args.prompts} x {args.gen_tokens}")
-    print(f"{'kv_cache_dtype':>14} {'weights':>8} {'scales':>10} {'kv method':>18} "
+    print(f"{'kv_cache_dtype':>14} {'weights':>8} {'scales':>10} {'kv method':>24} "
           f"{'perplexity':>11} {'vs auto':>8} {'agreement':>9}")
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     with open(args.out, "a") as f:
         for r in rows:
             agree = r["greedy_agreement"]
             print(f"{r['kv_cache_dtype']:>14} {str(r['quantization']):>8} "
-                  f"{str(r['kv_scales']):>10} {str(r['kv_method']):>18} {r['ppl']:>11.4f} "
+                  f"{str(r['kv_scales']):>10} {str(r['kv_method']):>24} {r['ppl']:>11.4f} "
                   f"{100 * r['ppl_rel']:>+7.2f}% {'-' if agree is None else f'{agree:.3f}':>9}")
             f.write(json.dumps(dict(
                 bench="accuracy", model=os.path.basename(args.model or default_model_path()),

@@ -131,8 +131,7 @@ def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cf
             raise ValueError(f"duplicate tensor {name!r}: given more than once (e.g. in two shards)")
         rule, layer = _match(name, rules, cfg.num_layers, cfg.architecture)
         if rule is not None:
-            array = np.asarray(array)
-            want = hf_shape(rule, abstract, parts)
+            array, want = np.asarray(array), hf_shape(rule, abstract, parts)
             fp8 = np.dtype(_spec(abstract, rule.param)[1]).name == "float8_e4m3fn"
             if tuple(array.shape) != want or (fp8 and array.dtype.name != "float8_e4m3fn"):
                 where = rule.param.format(i=layer) + (f" part {rule.part!r}" if rule.part else "")

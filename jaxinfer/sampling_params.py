@@ -18,9 +18,7 @@ class RequestOutputKind(enum.Enum):
     """What `LLMEngine.step` returns for a request (vLLM's): CUMULATIVE: everything so far, each
     step it grows; DELTA: what is new since the last output; FINAL_ONLY: one output, at the end."""
 
-    CUMULATIVE = 0
-    DELTA = 1
-    FINAL_ONLY = 2
+    CUMULATIVE, DELTA, FINAL_ONLY = 0, 1, 2
 
 
 @dataclass(frozen=True)

@@ -154,8 +154,7 @@ def default_batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
     """Powers of two to 64, then ``64 + k * max(16, max_num_seqs // 16)``, then ``max_num_seqs``."""
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
         raise ValueError(f"max_num_seqs={max_num_seqs!r} must be a positive integer")
-    small = powers_of_two(1, min(64, max_num_seqs))
-    step = max(16, max_num_seqs // 16)
+    small, step = powers_of_two(1, min(64, max_num_seqs)), max(16, max_num_seqs // 16)
     return tuple(sorted(set(small + tuple(range(64 + step, max_num_seqs, step)) + (max_num_seqs,))))
 
 
@@ -180,8 +179,7 @@ class BucketSpec:
     def build(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
               page_size: int, batch_buckets: tuple[int, ...] = (),
               token_buckets: tuple[int, ...] = ()) -> "BucketSpec":
-        max_pages = -(-max_model_len // page_size)
-        top = max(16, max_num_batched_tokens)
+        max_pages, top = -(-max_model_len // page_size), max(16, max_num_batched_tokens)
         quarter = max(512, top // 4)
         fine = tuple(b for b in powers_of_two(16, quarter) if b < top)
         fine += tuple(range(quarter, top, quarter)) + (top,)

@@ -41,8 +41,7 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec, eos_token_id
         for q in scored[i]:
             a["prompt_lp_index"][j] = (off if hb.key.packed else i * hb.key.tokens) + q - c
             a["prompt_lp_next"][j], hb.prompt_lp_rows[j], j = s.prompt_token_ids[q + 1], i, j + 1
-        pos = np.arange(c, c + n, dtype=np.int32)
-        table = np.asarray(s.block_table, np.int32)
+        pos, table = np.arange(c, c + n, dtype=np.int32), np.asarray(s.block_table, np.int32)
         row_slots = table[pos // page_size] * page_size + pos % page_size
         if hb.key.packed:
             rows = slice(off, off + n)

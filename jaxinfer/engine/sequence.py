@@ -10,9 +10,7 @@ from jaxinfer.sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     """WAITING: queued, no pages (new or preempted); RUNNING: holds pages; FINISHED: no pages."""
 
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
+    WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 @dataclass(eq=False)

@@ -19,8 +19,10 @@ KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]
 class KVCache:
     """k, v [L, P, K, page_size, H] (compute dtype, or float8_e4m3fn); block_tables i32[B, M]
     (logical page j of row b -> physical page); seq_lens i32[B] (valid KV positions after the
-    write); k_scale, v_scale f32[L, K] (None: no scaling): an fp8 page holds ``x / scale``
-    (`kv_quant`); 1.0 from `init_kv_cache` (vLLM's default)."""
+    write); k_scale, v_scale f32[L, K] (None: no scaling): an fp8 page holds ``(x - mean) /
+    scale`` (`kv_quant`); 1.0 from `init_kv_cache` (vLLM's default); k_mean, v_mean f32[L, K, H]
+    (None: 0, as from `init_kv_cache`): SageAttention's smoothing (arXiv 2410.02367), exact as
+    softmax(q.(k - m)) = softmax(q.k) and `layers.attention_heads` adds V's mean back."""
 
     k: jax.Array
     v: jax.Array
@@ -28,16 +30,18 @@ class KVCache:
     seq_lens: jax.Array
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    k_mean: jax.Array | None = None
+    v_mean: jax.Array | None = None
 
     def replace(self, **kw) -> "KVCache":
         return dataclasses.replace(self, **kw)
 
     def scales(self) -> tuple:
-        """(k_scale, v_scale) if the pools are fp8, else (None, None); ValueError: no scales."""
+        """(k_scale, v_scale, k_mean, v_mean) if the pools are fp8, else 4 Nones; ValueError."""
         if not is_fp8(self.k.dtype):
-            return None, None
+            return (None,) * 4
         check_scales(self.k, self.k_scale, self.v_scale)
-        return self.k_scale, self.v_scale
+        return self.k_scale, self.v_scale, self.k_mean, self.v_mean
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,

@@ -95,7 +95,7 @@ Packing.__doc__ = """A packed prefill batch: tokens [1, Tp], sequence after sequ
 
 class StepContext(NamedTuple):
     """Per-step metadata: positions, slot_mapping i32[B, T], block_tables i32[R, M], seq_lens
-    i32[R], cos/sin f32[B, T, H/2], packing (None: R = B); k_scale, v_scale: `KVCache.scales`."""
+    i32[R], cos/sin f32[B, T, H/2], packing (None: R = B); k_scale ... v_mean: `KVCache.scales`."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -106,6 +106,8 @@ class StepContext(NamedTuple):
     packing: Packing | None = None
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
+    k_mean: jax.Array | None = None
+    v_mean: jax.Array | None = None
 
 
 def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
@@ -144,16 +146,17 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer: int, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array, k_scale: jax.Array | None = None,
-             v_scale: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+             slot_mapping: jax.Array, k_scale=None, v_scale=None, k_mean=None,
+             v_mean=None) -> tuple[jax.Array, jax.Array]:
     """Scatter k, v [S, K, H] into ``layer`` of pools [L, P, K, page_size, H] at ``slot_mapping``
-    i32[S] (``page * page_size + offset``; fp8 pools: `kv_quant.quantize` by ``k_scale``,
-    ``v_scale`` f32[L, K]) -> new pools. Out-of-range slots or layer: undefined writes."""
+    i32[S] (``page * page_size + offset``; fp8 pools: `kv_quant.quantize` of ``x - mean`` by the
+    scale, scales f32[L, K], means f32[L, K, H] or None) -> pools. Out of range: undefined."""
     page, off = jnp.divmod(slot_mapping, k_pool.shape[3])  # shape[3]: page_size
     ks, vs = (None if x is None else x[layer][None, :, None] for x in (k_scale, v_scale))
-    return tuple(pool.at[layer, page, :, off, :].set(quantize(x, s, pool.dtype),
-                                                     mode="promise_in_bounds")
-                 for pool, x, s in ((k_pool, k, ks), (v_pool, v, vs)))
+    km, vm = (x if x is None else x[layer] for x in (k_mean, v_mean))
+    return tuple(pool.at[layer, page, :, off, :].set(
+        quantize(x if m is None else x - m, s, pool.dtype), mode="promise_in_bounds")
+        for pool, x, s, m in ((k_pool, k, ks, km), (v_pool, v, vs, vm)))
 
 
 def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1) -> jax.Array:

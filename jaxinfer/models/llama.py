@@ -40,10 +40,12 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
             qk = rope(qk, ctx.cos, ctx.sin)
         with jax.named_scope("kv_write"):
             k_pool, v_pool = write_kv(k_pool, v_pool, layer, qk[:, :, N:].reshape(B * T, K, H), v,
-                                      ctx.slot_mapping.reshape(-1), ctx.k_scale, ctx.v_scale)
+                                      ctx.slot_mapping.reshape(-1), *ctx[7:])  # scales, means
     with jax.named_scope("attention"):
         o = attend(kernels.attention, qk[:, :, :N], k_pool, v_pool, ctx, layer=layer,
                    scale=H ** -0.5)
+    if ctx.v_mean is not None:  # pages hold v - v_mean; the probabilities sum to 1
+        o = o + jnp.repeat(ctx.v_mean[layer], N // K, axis=0).astype(o.dtype)
     return o, k_pool, v_pool
 
 

@@ -135,10 +135,7 @@ class OpenAIServing:
 
 
 _ENCODE = msgspec.json.Encoder().encode
-
-
-def _usage() -> dict:
-    return dict(prompt_tokens=0, completion_tokens=0, total_tokens=0)
+_usage = lambda: dict(prompt_tokens=0, completion_tokens=0, total_tokens=0)  # noqa: E731
 
 
 def _count(usage: dict, out: RequestOutput, prompt: bool = True) -> None:

@@ -52,9 +52,10 @@ def run_steps(cfg, params, kv, mk):
     return jnp.concatenate([h1[0], h1[1, :4], h2[:, 0]]), kv
 
 
-def fresh_kv(cfg, dtype, scales=None):
+def fresh_kv(cfg, dtype, scales=None, means=None):
     """Pools [L, 9, K, PAGE, H] (page 0 null) with the first 6 positions of row 0 random (the
-    cached prefix, quantised as a write would), rows' pages permuted."""
+    cached prefix, quantised as a write would: less ``means`` f32[L, K, H] if given), rows' pages
+    permuted."""
     rng = np.random.default_rng(0)
     shape = (cfg.num_layers, 9, cfg.num_kv_heads, PAGE, cfg.head_dim)
     pools = [np.zeros(shape, np.float32) for _ in range(2)]
@@ -65,9 +66,10 @@ def fresh_kv(cfg, dtype, scales=None):
     kv = KVCache(*(jnp.asarray(p) for p in pools), jnp.asarray(pages), jnp.zeros(2, jnp.int32))
     if scales is None:
         return kv
-    ks, vs = scales
-    k, v = (jnp.clip(p / s[:, None, :, None, None], -448, 448).astype(dtype)
-            for p, s in ((kv.k, ks), (kv.v, vs)))
+    zero = jnp.zeros((cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
+    (ks, vs), (km, vm) = scales, (m[:, None, :, None] for m in means or (zero, zero))
+    k, v = (jnp.clip((p - m) / s[:, None, :, None, None], -448, 448).astype(dtype)
+            for p, s, m in ((kv.k, ks, km), (kv.v, vs, vm)))
     return kv.replace(k=k, v=v, k_scale=ks, v_scale=vs)
 
 
@@ -84,8 +86,9 @@ def f32_prologue(qkv, wq, wk, cos, sin, *, N, K, H, eps=1e-6):
 
 def test_model_writes_fp8_pages():
     """`attention_heads` into fp8 pools at layer 1 stores numpy's e4m3 rounding of the float32
-    prologue's K/V over that layer's per-head scales: within one e4m3 step (float32 rounding may
-    cross a rounding boundary), equal for nearly every element; nothing else written."""
+    prologue's K/V less that layer's means (`KVCache.k_mean`, ``v_mean``) over its per-head
+    scales: within one e4m3 step (float32 rounding may cross a rounding boundary), equal for
+    nearly every element; nothing else written."""
     rng = np.random.default_rng(5)
     B, T, N, K, H, L, P, ps = 2, 3, 4, 2, 32, 2, 6, 8
     qkv = jnp.asarray(rng.standard_normal((B, T, (N + 2 * K) * H)), jnp.float32)
@@ -94,17 +97,19 @@ def test_model_writes_fp8_pages():
     cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
     slots = (rng.permutation((P - 1) * ps)[:B * T] + ps).reshape(B, T).astype(np.int32)  # no null
     ks, vs = (rng.uniform(0.005, 0.05, (L, K)).astype(np.float32) for _ in range(2))
+    km, vm = (rng.uniform(-1, 1, (L, K, H)).astype(np.float32) for _ in range(2))
     zeros = jnp.zeros((L, P, K, ps, H), FP8)
     ctx = StepContext(jnp.zeros((B, T), jnp.int32), jnp.asarray(slots),
                       jnp.zeros((B, 1), jnp.int32), jnp.zeros((B,), jnp.int32), cos, sin,
-                      k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs))
+                      k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs), k_mean=jnp.asarray(km),
+                      v_mean=jnp.asarray(vm))
     _, kp, vp = attention_heads(qkv, zeros, zeros, ctx, wq, wk, kernels=ModelKernels(), layer=1,
                                 num_heads=N, num_kv_heads=K, eps=1e-6)
     page, off = slots // ps, slots % ps
-    for pool, want, s in zip((kp, vp), f32_prologue(qkv, wq, wk, cos, sin, N=N, K=K, H=H),
-                             (ks, vs)):
+    for pool, want, s, m in zip((kp, vp), f32_prologue(qkv, wq, wk, cos, sin, N=N, K=K, H=H),
+                                (ks, vs), (km, vm)):
         assert pool.dtype == FP8
-        want = np_fp8(want, s[1][:, None])                               # [B, T, K, H]
+        want = np_fp8(np.asarray(want) - m[1], s[1][:, None])          # [B, T, K, H]
         got = np.asarray(pool).astype(np.float32)
         np.testing.assert_allclose(got[1, page, :, off], want.astype(np.float32),
                                    rtol=2.0 ** -3, atol=2.0 ** -9)
@@ -136,6 +141,29 @@ def test_triton_kernels_on_fp8_pages_match_the_jnp_path(model, monkeypatch):
         assert np.mean(np.asarray(got) == np.asarray(want)) > 0.999
     rel = float(jnp.linalg.norm(h_ref - h32) / jnp.linalg.norm(h32))
     assert 1e-4 < rel < 1e-1, rel
+
+
+def test_smoothing_means_cancel(model):
+    """K/V smoothing (SageAttention, arXiv 2410.02367): fp8 pages holding ``x - m`` for arbitrary
+    means m f32[L, K, H] up to the largest |x| give the float32-KV run within the 10% of fp8
+    rounding (the K mean cancels in the softmax, the V mean is added to the output: without it,
+    off by about the output itself); float32 pools ignore the means."""
+    cfg, params = model
+    h32, kv32 = run_steps(cfg, params, fresh_kv(cfg, jnp.float32), ModelKernels())
+    rng = np.random.default_rng(7)
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    km, vm = (jnp.asarray(rng.uniform(-1, 1, shape), jnp.float32) * jnp.max(jnp.abs(p))
+              for p in (kv32.k, kv32.v))
+    scales = tuple(jnp.max(jnp.abs(p - m[:, None, :, None]), axis=(1, 3, 4)) / 240.0
+                   for p, m in ((kv32.k, km), (kv32.v, vm)))
+    kv = fresh_kv(cfg, FP8, scales, (km, vm)).replace(k_mean=km)
+    rel = [float(jnp.linalg.norm(h - h32) / jnp.linalg.norm(h32)) for h, _ in (
+        run_steps(cfg, params, kv.replace(v_mean=vm), ModelKernels()),
+        run_steps(cfg, params, kv, ModelKernels()))]                  # pages hold v - vm
+    assert 1e-4 < rel[0] < 1e-1 and rel[1] > 0.5, rel
+    f32 = fresh_kv(cfg, jnp.float32).replace(k_mean=km, v_mean=vm)
+    np.testing.assert_array_equal(np.asarray(run_steps(cfg, params, f32, ModelKernels())[0]),
+                                  np.asarray(h32))
 
 
 def test_engine_generates_with_fp8_kv(tiny_cfg, tiny_params):

@@ -62,9 +62,10 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
     """``EngineConfig.num_pages`` if set; else with ``memory_stats`` (``Device.memory_stats()``,
     weights resident) `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use`` (with
     ``gpu_memory_utilization``: `card_bytes_usable` - bytes_in_use; bytes_in_use rounded up to
-    `USED_BYTES_STEP`, so a restart gets the same pool and hits the compilation cache); else (CPU) the null page +
-    ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most `CPU_KV_BUDGET_BYTES`; bytes per
-    device under tensor parallelism. Raises ValueError: fewer than 2 pages fit."""
+    `USED_BYTES_STEP`, so a restart gets the same pool and hits the compilation cache); else
+    (CPU) the null page + ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most
+    `CPU_KV_BUDGET_BYTES`; bytes per device under tensor parallelism. Raises ValueError: fewer
+    than 2 pages fit."""
     e, m, tp = resolved.engine, resolved.model, resolved.engine.tensor_parallel_size
     if e.num_pages is not None:
         return e.num_pages

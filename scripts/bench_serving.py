@@ -162,15 +162,40 @@ def metric(url: str, name: str) -> float:
                if line.startswith(f"jaxinfer:{name}"))
 
 
-async def run_rate(url, prompts, out_lens, rate: float, seed: int) -> dict:
+async def client_part(url, items) -> list:
+    """Stream ``items`` ((prompt, max_tokens, perf_counter send time)) on one asyncio client."""
     import openai
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600)
+    res = await asyncio.gather(*(one(client, p, m, t) for p, m, t in items))
+    await client.close()
+    return res
+
+
+def run_part(url, items) -> list:
+    return asyncio.run(client_part(url, items))
+
+
+def run_rate(url, prompts, out_lens, rate: float, seed: int, procs: int = 1) -> dict:
+    """One timed run at ``rate``; with ``procs`` > 1 the requests are dealt round-robin to that
+    many client processes (perf_counter is the system's monotonic clock, shared by them), so
+    that one Python client's chunk parsing does not bound what is measured."""
     gaps = np.random.default_rng(seed).exponential(1 / rate, len(prompts)) if rate < np.inf \
         else np.zeros(len(prompts))
+    if procs > 1:
+        import concurrent.futures
+        import multiprocessing
+        pool = concurrent.futures.ProcessPoolExecutor(
+            procs, mp_context=multiprocessing.get_context("spawn"))
+        list(pool.map(time.sleep, [0.5] * procs))  # the workers started and imported
     t0 = time.perf_counter() + 0.05
     sends = t0 + np.cumsum(gaps) - gaps[0]
-    res = await asyncio.gather(*(one(client, p, m, t) for p, m, t in zip(prompts, out_lens, sends)))
-    await client.close()
+    items = list(zip(prompts, out_lens, sends))
+    if procs > 1:
+        with pool:
+            parts = list(pool.map(run_part, [url] * procs, [items[i::procs] for i in range(procs)]))
+        res = [r for part in parts for r in part]
+    else:
+        res = run_part(url, items)
     dur = max(r["start"] + r["latency"] for r in res) - t0
     pct = (lambda xs, q: float(np.percentile(xs, q)) if len(xs) else None)
     ttft, itl = [r["ttft"] for r in res], [g for r in res for g in r["itl"]]
@@ -276,6 +301,8 @@ def main() -> None:
                           ("soak-requests", 1000), ("soak-seconds", 600)):
         ap.add_argument("--" + name, type=int, default=default)
     ap.add_argument("--kernels", default="")
+    ap.add_argument("--client-procs", type=int, default=1,
+                    help="client processes the requests are dealt to (default 1)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--soak", action="store_true")
     ap.add_argument("--no-background-compile", action="store_true",
@@ -300,6 +327,7 @@ def main() -> None:
                 + (" (tiny)" if args.tiny else ""), num_requests=len(prompts),
                 input_range=[args.min_input, args.max_input], seed=args.seed,
                 output_range=[args.min_output, args.max_output], max_num_seqs=args.max_num_seqs,
+                client_procs=args.client_procs,
                 date=datetime.date.today().isoformat(), commit=git_commit(), xla_flags=xla_flags(),
                 **offline)
     rows = []
@@ -311,11 +339,12 @@ def main() -> None:
         for rate in [] if args.soak else rates:
             for _ in range(args.warmup):  # until a run compiles nothing new
                 compiles = metric(url, "compiled_step_shapes")
-                asyncio.run(run_rate(url, prompts, out_lens, rate, args.seed))
+                run_rate(url, prompts, out_lens, rate, args.seed, args.client_procs)
                 if metric(url, "compiled_step_shapes") == compiles:
                     break
             compiles, covered = (metric(url, m) for m in ("compiled_step_shapes", "covered_steps"))
-            row = dict(meta, **asyncio.run(run_rate(url, prompts, out_lens, rate, args.seed)),
+            row = dict(meta, **run_rate(url, prompts, out_lens, rate, args.seed,
+                                        args.client_procs),
                        compiles=metric(url, "compiled_step_shapes") - compiles,
                        covered_steps=metric(url, "covered_steps") - covered)
             if row["rate"] == "inf" and offline:

@@ -78,5 +78,8 @@ def make_llm(args: argparse.Namespace, **kwargs):
     from jaxinfer import llm
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    return llm.LLM(args.model, kernels=args.kernels,
-                   **{name: getattr(args, name) for name in ENGINE_OPTIONS}, **kwargs)
+    opts = {name: getattr(args, name) for name in ENGINE_OPTIONS}
+    if "compile_in_background" in opts and opts["compile_in_background"] is None:  # serve's
+        import jax                                                              # default
+        opts["compile_in_background"] = jax.default_backend() == "gpu"
+    return llm.LLM(args.model, kernels=args.kernels, **opts, **kwargs)

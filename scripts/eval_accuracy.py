@@ -18,7 +18,9 @@ appends one JSON line per setting (baseline included) to ``--out``.
 
 ``--kv-smooth`` gives the engine's fp8 KV rows (kv, both) the means per layer and KV head of
 the baseline's post-RoPE K and of V over the first chunk (`KVCache.k_mean`, ``v_mean``), as
-"smooth" below. ``--jitter N`` adds N perplexity rows of the engine's fp8 KV with 1e-3 x N(0, 1)
+"smooth" below; ``--kv-smooth calibration``: the means the engine itself sets
+(`EngineConfig.calculate_kv_scales`: `kv_means` over `calibration_ids`, text held out from the
+one measured). ``--jitter N`` adds N perplexity rows of the engine's fp8 KV with 1e-3 x N(0, 1)
 added to the means: the spread of fp8 rounding noise (a few values rounded the other way early
 on change many later ones). ``--kv-sim`` adds perplexity-only rows of fp8 KV methods the
 engine lacks, simulated on float32 pools by an attention (`simulated_attention`) that reads
@@ -55,6 +57,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxinfer import LLM, SamplingParams, models  # noqa: E402
 from jaxinfer.config import KV_CACHE_DTYPES  # noqa: E402
+from jaxinfer.engine.llm_engine import calibration_ids  # noqa: E402
+from jaxinfer.runner.model_runner import kv_means  # noqa: E402
 from jaxinfer.models.kernels import ModelKernels  # noqa: E402
 from jaxinfer.models.kv_cache import init_kv_cache  # noqa: E402
 from jaxinfer.models.quantize import quantize_params  # noqa: E402
@@ -193,7 +197,8 @@ def jittered(params, cfg, ids, args, setting, seed: int) -> dict:
     t = time.perf_counter()
     nll, _ = teacher_forced(params, cfg, ids, args.chunk, kv_dtype, {**kv_set, **jit})
     return dict(kv_cache_dtype=kv_cache_dtype, quantization=None, kv_scales=args.kv_scales,
-                kv_method=f"engine{'+smooth' * args.kv_smooth} jitter {seed}",
+                kv_method=("engine" + (f"+smooth ({args.kv_smooth})" if args.kv_smooth else "")
+                           + f" jitter {seed}"),
                 ppl=float(np.exp(nll)), gen=None, seconds=time.perf_counter() - t)
 
 
@@ -229,8 +234,10 @@ def parse_args(argv=None):
                    default=["kv", "weights", "both"],
                    help="besides the baseline: fp8 KV, fp8 weights, both")
     p.add_argument("--kv-scales", choices=("one", "calibrated"), default="one")
-    p.add_argument("--kv-smooth", action="store_true",
-                   help="the engine's fp8 KV rows with K and V means of the first chunk")
+    p.add_argument("--kv-smooth", nargs="?", const="first-chunk", default=None,
+                   choices=("first-chunk", "calibration"),
+                   help="the engine's fp8 KV rows with K and V means of the first chunk, or of "
+                        "the engine's own calibration text (held out)")
     p.add_argument("--jitter", type=int, default=0, metavar="N",
                    help="perplexity only: N more fp8 KV rows, means + 1e-3 noise (seeds 1..N)")
     p.add_argument("--kv-sim", nargs="*", default=[], metavar="METHOD",
@@ -270,8 +277,10 @@ def main(argv=None) -> None:
         raise SystemExit(f"the corpus has only {len(ids)} tokens; lower --tokens")
     prompts = prompt_ids(tok, args.prompts, args.prompt_len)
     first = (first_chunk_kv(params, cfg, ids, args.chunk)
-             if args.kv_sim or args.kv_smooth or args.kv_scales == "calibrated" else None)
-    means = first_chunk_means(first) if args.kv_smooth else None
+             if args.kv_sim or args.kv_smooth == "first-chunk" or args.kv_scales == "calibrated"
+             else None)
+    means = (first_chunk_means(first) if args.kv_smooth == "first-chunk" else
+             kv_means(params, cfg, calibration_ids(tok), PAGE_SIZE) if args.kv_smooth else None)
     kv_set = {} if means is None else dict(k_mean=means[0], v_mean=means[1])
     if args.kv_scales == "calibrated":
         kv_set.update(zip(("k_scale", "v_scale"), calibrated_scales(first, args.margin, means)))
@@ -293,7 +302,8 @@ def main(argv=None) -> None:
         rows.append(dict(kv_cache_dtype=kv_cache_dtype, quantization=quant,
                          kv_scales=args.kv_scales if kv_cache_dtype != "auto" else None,
                          kv_method=(None if kv_cache_dtype == "auto" else
-                                    "engine+smooth" if args.kv_smooth else "engine"),
+                                    f"engine+smooth ({args.kv_smooth})" if args.kv_smooth
+                                    else "engine"),
                          ppl=float(np.exp(nll)), gen=gen, seconds=time.perf_counter() - t))
     rows += [simulated(params, cfg, ids, args, m, first) for m in args.kv_sim]
     rows += [jittered(params, cfg, ids, args, settings["kv"], seed)

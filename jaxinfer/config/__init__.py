@@ -129,12 +129,16 @@ class EngineConfig:
         "$XDG_CACHE_HOME/jaxinfer/jax (~/.cache/...); 'none': off", metavar="DIR")
     compile_in_background: bool = _user(
         False, "a step shape not compiled yet compiles in a thread while its steps run padded to a "
-        "compiled shape that covers it (no stall; the server's default)")
+        "compiled shape that covers it (no stall; the server's default on a GPU)")
     enable_prefix_caching: bool = _user(True, "reuse the KV pages of prompt prefixes already "
                                         "computed (full pages, chained hashes, LRU eviction)")
     kv_cache_dtype: str = _user("auto", "KV cache dtype; 'auto': the compute dtype; 'fp8' (= "
                                 "'fp8_e4m3'): float8_e4m3fn pages, half the bytes of bfloat16",
                                 choices=list(KV_CACHE_DTYPES))
+    calculate_kv_scales: bool = _user(
+        True, "fp8 KV: at start, per layer and KV head, the means of K (after RoPE) and V over "
+        "512 tokens of a calibration text; pages hold x - mean (SageAttention's smoothing; scales "
+        "stay 1.0). Needs a tokenizer")
     tensor_parallel_size: int = _user(1, "devices to shard the model over (tensor parallelism)")
     quantization: str | None = _user(None, "weights: 'fp8' (e4m3, per-output-channel scales); "
                                      "default: unquantised, but an FP8 checkpoint runs fp8",

@@ -30,6 +30,14 @@ def sample_seed(seed: int, index: int) -> int:
     return int(state[0]) | int(state[1] & 0x7FFFFFFF) << 32
 
 
+def calibration_ids(tokenizer, n: int = 512) -> np.ndarray:
+    """i32[n]: the fp8 KV calibration text's tokens, the head of Python's ``pydoc_data.topics``
+    in reverse key order (``scripts/eval_accuracy.py`` measures on the other end)."""
+    from pydoc_data.topics import topics
+    text = "\n".join(topics[k] for k in sorted(topics, reverse=True))
+    return np.asarray(tokenizer.encode(text[:8 * n])[:n], np.int32)
+
+
 class LLMEngine:
     """The engine over ``runner`` (a `jaxinfer.runner.model_runner.ModelRunner`: its config,
     params, KV pool and compiled steps); ``eos_token_ids`` end generation; ``detokenize``: ids ->
@@ -40,6 +48,8 @@ class LLMEngine:
                  tokenizer=None) -> None:
         self.runner, self.resolved = runner, runner.resolved
         self.model_config, ec = runner.model_config, runner.resolved.engine
+        if ec.kv_cache_dtype != "auto" and ec.calculate_kv_scales and tokenizer is not None:
+            runner.calibrate_kv(calibration_ids(tokenizer))
         self.max_model_len, self.page_size = self.resolved.max_model_len, ec.page_size
         self.eos_token_ids, self._stats = tuple(eos_token_ids), runner.stats
         self.outputs = OutputProcessor(detokenize)

@@ -23,6 +23,20 @@ from jaxinfer.stats import EngineStats
 from jaxinfer.step_input import BucketSpec, HostBatch, ShapeKey
 
 
+def kv_means(params, cfg, ids: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(k_mean, v_mean) f32[L, K, H]: per layer and KV head, the means of the post-RoPE K and of V
+    over ``ids`` i32[T] (one sequence from position 0; the last T mod ``page_size`` dropped),
+    from a forward pass (jnp attention) into a float32 cache."""
+    m = len(ids) // page_size
+    kv = init_kv_cache(cfg, m + 1, page_size, jnp.float32).replace(
+        block_tables=jnp.arange(1, m + 1, dtype=jnp.int32)[None],
+        seq_lens=jnp.asarray([m * page_size], jnp.int32))
+    pos = jnp.arange(m * page_size, dtype=jnp.int32)[None]
+    _, kv = jax.jit(models.forward, static_argnums=1)(
+        params, cfg, jnp.asarray(ids[:m * page_size], jnp.int32)[None], pos, pos + page_size, kv)
+    return tuple(np.asarray(jnp.mean(p[:, 1:], axis=(1, 3))) for p in (kv.k, kv.v))
+
+
 class ModelRunner:
     """Serves ``params`` (compute dtype, the canonical one-device tree) of ``model_config`` under
     ``resolved`` (`jaxinfer.config.resolve`); tp > 1: on a mesh of tp devices, params resharded,
@@ -48,6 +62,7 @@ class ModelRunner:
             params, model_config, self.mesh)
         dev_stats = jax.local_devices()[0].memory_stats() if resolved.platform == "gpu" else None
         self.num_pages = memory.engine_pool_pages(resolved, dev_stats)
+        self.kv_means: dict = {}  # `calibrate_kv`'s, set on every pool
         self.kv: KVCache = self._new_kv()
         self.sleeping, self._host_params = 0, None  # `sleep`'s level (0: awake)
         self.buckets = BucketSpec.build(
@@ -63,11 +78,20 @@ class ModelRunner:
         try:
             pools = None if self.mesh is None else NamedSharding(self.mesh, KV_POOL_SPEC)
             return init_kv_cache(self.run_config, self.num_pages, self.resolved.engine.page_size,
-                                 jnp.dtype(self.resolved.kv_dtype), pools)
+                                 jnp.dtype(self.resolved.kv_dtype), pools).replace(
+                **{k: jnp.asarray(m) for k, m in self.kv_means.items()})
         except jax.errors.JaxRuntimeError as e:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "
                              f"does not fit in device memory ({str(e).splitlines()[0][:120]})"
                              ) from None
+
+    def calibrate_kv(self, ids: np.ndarray) -> None:
+        """fp8 KV smoothing (SageAttention, arXiv 2410.02367): `KVCache.k_mean`, ``v_mean`` of
+        this and later pools = `kv_means` over ``ids``. Before any step: pages written earlier
+        hold K/V less other means."""
+        self.kv_means = dict(zip(("k_mean", "v_mean"), kv_means(
+            self.params, self.run_config, ids, self.resolved.engine.page_size)))
+        self.kv = self.kv.replace(**{k: jnp.asarray(m) for k, m in self.kv_means.items()})
 
     def runnable(self, key: ShapeKey, split: bool = False) -> ShapeKey:
         """`StepExecutor.runnable`: the shape a batch of shape ``key`` runs under (``split``)."""

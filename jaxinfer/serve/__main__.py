@@ -23,7 +23,7 @@ def build_parser():
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.set_defaults(compile_in_background=True)  # a new shape never stalls the running requests
+    p.set_defaults(compile_in_background=None)  # on a GPU: no new shape stalls running requests
     return p
 
 

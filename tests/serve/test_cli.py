@@ -58,7 +58,8 @@ def _start(checkpoint, ready: bool = True,
          "--api-key", KEY, "--served-model-name", "m", "--max-model-len", str(max_model_len),
          "--page-size", "128", "--num-pages", str(max_model_len // 128 + 3), "--max-num-seqs",
          "1", "--dtype", "float32", "--kernels", "batch_buckets=1,token_buckets=64",
-         "--max-num-batched-tokens", "64", "--shutdown-timeout", "0.5"],
+         "--max-num-batched-tokens", "64", "--shutdown-timeout", "0.5",
+         "--compile-in-background"],  # a GPU's default: the start-up precompile runs
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env=dict(os.environ, HF_HUB_OFFLINE="1"))
     deadline = time.monotonic() + 600
@@ -187,3 +188,17 @@ def test_engine_core_killed_mid_stream(tiny_checkpoint):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_server_compiles_in_the_step_on_a_cpu(tiny_checkpoint):
+    """The server's default: background compiles (and the start-up precompile) on a GPU only;
+    on a CPU a covering step costs more than the compile stall it saves."""
+    from jaxinfer.cli_args import make_llm
+    from jaxinfer.serve.__main__ import build_parser
+
+    args = build_parser().parse_args(["--model", tiny_checkpoint, "--max-model-len", "64",
+                                      "--num-pages", "8", "--max-num-seqs", "1"])
+    assert args.compile_in_background is None
+    assert make_llm(args).engine.resolved.engine.compile_in_background is False
+    args = build_parser().parse_args(["--compile-in-background"])
+    assert args.compile_in_background is True

@@ -38,8 +38,7 @@ HF_TO_PARAMS: tuple[TensorRule, ...] = (
     TensorRule(_L + "mlp.up_proj.weight", _P + "w_gate_up", True, part="up"),
     TensorRule(_L + "mlp.down_proj.weight", _P + "w_down", True),
     TensorRule("model.norm.weight", "final_norm", False),
-    TensorRule("lm_head.weight", "lm_head", True),
-)
+    TensorRule("lm_head.weight", "lm_head", True))
 # HF FP8 block scales ``<name>.weight_scale_inv`` [out/bo, in/bi] -> ``<param>_scale``.
 HF_TO_PARAMS += tuple(TensorRule(r.hf_name + "_scale_inv", r.param + "_scale", True, r.part)
                       for r in HF_TO_PARAMS if r.per_layer and r.transpose)

@@ -5,7 +5,9 @@ import os
 from typing import Callable
 
 import jax
+from tqdm import tqdm
 
+from checkpoints_tools.default_model import default_model_path
 from checkpoints_tools.loader import load_tokenizer, open_checkpoint, read_json
 from jaxinfer.beam_search import beam_search
 from jaxinfer.config import ModelConfig, check_platform, engine_config, memory, resolve
@@ -61,8 +63,6 @@ class LLM(Prompts):
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  skip_tokenizer_init: bool = False, hf_overrides: dict | None = None,
                  **engine_args):
-        from checkpoints_tools.default_model import default_model_path
-
         ec = engine_config(**engine_args)
         if not isinstance(hf_overrides, (dict, type(None))):  # vLLM's callable edits an HF config
             raise ValueError(f"hf_overrides must be a dict of config.json keys; got {hf_overrides!r}")
@@ -149,8 +149,6 @@ class LLM(Prompts):
     def _run(self, requests: dict[int, tuple], texts: list, use_tqdm: bool,
              stream) -> dict[int, RequestOutput]:
         """Add ``requests`` ({index: (ids, params)}), step until done; exceptions abort them all."""
-        from tqdm import tqdm
-
         bar = tqdm(total=len(requests), desc="generating", unit="req",
                    disable=not (use_tqdm and len(requests) > 1))
         outputs: dict[int, RequestOutput] = {}

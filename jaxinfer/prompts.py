@@ -135,8 +135,7 @@ class Prompts:
         engine's `check_request`; None: the server's core checks); None params: the defaults."""
         plist, params = _normalize(prompts, self.get_default_sampling_params()
                                    if sampling_params is None else sampling_params)
-        errors: dict[int, str] = {}
-        encoded = []
+        encoded, errors = [], {}
         for i, (p, sp) in enumerate(zip(plist, params)):
             text = p if isinstance(p, str) else p.get("prompt") if isinstance(p, dict) else None
             ids = []  # a rejected request keeps what was read of it

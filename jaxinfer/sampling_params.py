@@ -116,8 +116,7 @@ _RULES = (  # field, valid(value), what is allowed, normalise
     ("structured_outputs", lambda s: s is None or isinstance(s, StructuredOutputsParams),
      "must be None or a StructuredOutputsParams", lambda s: s),
     ("output_kind", lambda k: isinstance(k, RequestOutputKind),
-     f"must be a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})", lambda k: k),
-)
+     f"must be a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})", lambda k: k))
 
 
 @dataclass

@@ -80,8 +80,7 @@ FIELDS = (
     Field("prompt_lp_next", np.int32, ("P",), "input", -1, "prompt_logprobs"),  # its next id
     Field("q_index", np.int32, ("B", "Q"), "packing", 0, "packed"),
     Field("q_positions", np.int32, ("B", "Q"), "packing", 0, "packed"),
-    Field("out_index", np.int32, ("T",), "packing", 0, "packed"),
-)
+    Field("out_index", np.int32, ("T",), "packing", 0, "packed"))
 
 
 def names(group: str) -> tuple[list[str], list[str]]:
@@ -183,11 +182,10 @@ class BucketSpec:
         quarter = max(512, top // 4)
         fine = tuple(b for b in powers_of_two(16, quarter) if b < top)
         fine += tuple(range(quarter, top, quarter)) + (top,)
-        return cls(
-            batch=batch_buckets or default_batch_buckets(max_num_seqs),
-            prefill_tokens=token_buckets or powers_of_two(16, top),
-            pages=powers_of_two(1, max_pages),
-            packed_tokens=token_buckets or tuple(sorted(set(fine))))
+        return cls(batch=batch_buckets or default_batch_buckets(max_num_seqs),
+                   prefill_tokens=token_buckets or powers_of_two(16, top),
+                   pages=powers_of_two(1, max_pages),
+                   packed_tokens=token_buckets or tuple(sorted(set(fine))))
 
     def covering_keys(self) -> list[ShapeKey]:
         """Sampling shapes without optional features that `covers` such shapes these buckets

@@ -62,9 +62,8 @@ class ModelConfig:
     weight_block_size: tuple[int, int] | None = None  # an HF FP8 checkpoint's (block_out, block_in)
 
     def __post_init__(self) -> None:
-        _check(self, (
-            ("architecture", SUPPORTED_ARCHITECTURES.__contains__,
-             f"supported architectures are {SUPPORTED_ARCHITECTURES}"),
+        _check(self, (("architecture", SUPPORTED_ARCHITECTURES.__contains__,
+                       f"supported architectures are {SUPPORTED_ARCHITECTURES}"),
             *((n, lambda v: is_int(v, 1), "must be a positive integer") for n in (
                 "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                 "num_kv_heads", "head_dim", "max_position_embeddings")),

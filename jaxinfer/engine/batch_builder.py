@@ -53,11 +53,9 @@ def build_host_batch(batch, *, page_size: int, buckets: BucketSpec, eos_token_id
             a["logits_indices"][i] = off + n - 1
             off += n
         else:
-            if batch.pending_input[i]:
-                hb.pending_rows[i] = True
-            else:
-                a["tokens"][i, 0] = (s.last_token_id if c == s.num_tokens - 1
-                                     else s.all_token_ids[c])
+            hb.pending_rows[i] = batch.pending_input[i]
+            if not batch.pending_input[i]:
+                a["tokens"][i, 0] = s.last_token_id if c == s.num_tokens - 1 else s.all_token_ids[c]
             a["positions"][i, 0], a["slot_mapping"][i, 0] = c, row_slots[0]
         npages = -(-(c + n) // page_size)
         a["block_tables"][i, :npages] = table[:npages]

@@ -3,19 +3,14 @@ never handed out. Prefix caching as vLLM V1: a full page keyed by a chained hash
 also compares the tokens); an unreferenced page keeps its hash (evictable: least recently freed
 first, tail pages before head); allocation takes never-cached free pages first."""
 
-from __future__ import annotations
-
 import hashlib
 import heapq
 from array import array
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 from jaxinfer.checks import check_int
+from jaxinfer.engine.sequence import Sequence
 from jaxinfer.stats import EngineStats
-
-if TYPE_CHECKING:
-    from jaxinfer.engine.sequence import Sequence
 
 NULL_PAGE = 0  # the reserved page padding points at (the one definition)
 
@@ -65,10 +60,9 @@ class BlockManager:
             raise RuntimeError(f"BlockManager.allocate: request {seq.request_id!r} holds pages; "
                                "prefix hits are shared only at admission")
         if not self.can_allocate(seq, num_tokens, hits):
-            raise RuntimeError(
-                f"BlockManager.allocate: request {seq.request_id!r} needs "
-                f"{self.num_missing_pages(seq, num_tokens) - len(hits)} more pages for "
-                f"{num_tokens} tokens but only {self.num_free_pages} are free")
+            raise RuntimeError(f"BlockManager.allocate: request {seq.request_id!r} needs "
+                               f"{self.num_missing_pages(seq, num_tokens) - len(hits)} more pages "
+                               f"for {num_tokens} tokens but only {self.num_free_pages} are free")
         for page in hits:  # evictable hits first, so that no new page evicts one
             if not self._holders[page]:
                 del self._evictable[page]
@@ -119,8 +113,7 @@ class BlockManager:
 
     def owner(self, page: int) -> Sequence | None:
         """The first sequence holding ``page`` (None: free or evictable)."""
-        holders = self._holders[page]
-        return holders[0] if holders else None
+        return next(iter(self._holders[page]), None)
 
     def page_hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
         """``seq.block_hashes`` extended to its first ``num_pages`` full pages (tokens so far)."""
@@ -163,7 +156,7 @@ class BlockManager:
             if self._key[page] is None and h not in self._cached:
                 self._cached[h], self._key[page] = page, (h, tuple(ids[i * P:(i + 1) * P]))
 
-    def copy_free(self) -> BlockManager:
+    def copy_free(self) -> "BlockManager":
         """A block manager with this one's free and cached-unreferenced pages, none of its held
         ones, and fresh stats (a dry run from now)."""
         bm = BlockManager(self.num_pages, self.page_size,

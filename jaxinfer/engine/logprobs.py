@@ -4,9 +4,9 @@ id: (logprob, rank)}``, the chosen token, then the top k (ranks 1..k, overwritin
 import numpy as np
 
 
-def _record(tok: int, lp: float, rank: int, top_ids: list, top_lps: list,
-            k: int) -> dict[int, tuple[float, int]]:
-    return {tok: (lp, rank), **{top_ids[j]: (top_lps[j], j + 1) for j in range(k)}}
+def _record(tok: int, a: dict, i: int, k: int, pre: str = "") -> dict[int, tuple[float, int]]:
+    lp, rank, ids, lps = (a[pre + f][i] for f in ("logprobs", "ranks", "top_ids", "top_logprobs"))
+    return {tok: (lp, rank), **{ids[j]: (lps[j], j + 1) for j in range(k)}}
 
 
 def record(out: dict | None, hb, seqs, before: list[int] | None) -> None:
@@ -19,18 +19,14 @@ def record(out: dict | None, hb, seqs, before: list[int] | None) -> None:
     if out is None:
         return
     a = {k: np.asarray(v).tolist() for k, v in out.items()}  # Python scalars: fast per row
-    lps, ranks, top_ids, top_lps = a["logprobs"], a["ranks"], a["top_ids"], a["top_logprobs"]
     for i, (s, n) in enumerate(zip(seqs, before)):
         if s.logprobs is not None and s.num_output_tokens > n:
-            s.logprobs.append(_record(s.output_token_ids[-1], lps[i], ranks[i], top_ids[i],
-                                      top_lps[i], s.params.logprobs))
-            s.cumulative_logprob += lps[i]
+            s.logprobs.append(_record(s.output_token_ids[-1], a, i, s.params.logprobs))
+            s.cumulative_logprob += a["logprobs"][i]
     if "prompt_logprobs" not in a:
         return
     pos = hb.positions.reshape(-1)[hb.prompt_lp_index].tolist()
     rows, nxt = hb.prompt_lp_rows.tolist(), hb.prompt_lp_next.tolist()
     for j, row in enumerate(rows):
         if row >= 0 and len((s := seqs[row]).prompt_logprobs) == pos[j] + 1:
-            s.prompt_logprobs.append(_record(
-                nxt[j], a["prompt_logprobs"][j], a["prompt_ranks"][j], a["prompt_top_ids"][j],
-                a["prompt_top_logprobs"][j], s.params.prompt_logprobs))
+            s.prompt_logprobs.append(_record(nxt[j], a, j, s.params.prompt_logprobs, "prompt_"))

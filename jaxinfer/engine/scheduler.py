@@ -38,11 +38,9 @@ class ScheduledBatch:
             raise ValueError(f"ScheduledBatch.num_new_tokens={nums} is invalid: one count >= 1 "
                              f"for each of the {len(seqs)} seqs")
         starts = [s.num_computed_tokens for s in seqs]
-        for name, v in dict(seqs=seqs, num_new_tokens=nums, start_positions=starts,
-                            do_sample=[st + n == s.num_tokens_with_pending
-                                       for s, st, n in zip(seqs, starts, nums)],
-                            pending_input=[st >= s.num_tokens for s, st in zip(seqs, starts)]
-                            ).items():
+        for name, v in dict(seqs=seqs, num_new_tokens=nums, start_positions=starts, do_sample=[
+                st + n == s.num_tokens_with_pending for s, st, n in zip(seqs, starts, nums)],
+                pending_input=[st >= s.num_tokens for s, st in zip(seqs, starts)]).items():
             object.__setattr__(self, name, v)
 
     num_seqs = property(lambda self: len(self.seqs))
@@ -275,8 +273,7 @@ class Scheduler:
             for seq, st, n in zip(batch.seqs, batch.start_positions, batch.num_new_tokens):
                 if seq.status is SequenceStatus.RUNNING and st // P < (st + n) // P:
                     self.block_manager.publish(seq, st // P, (st + n) // P)
-        finished: list[Sequence] = []
-        now = time.perf_counter()
+        finished, now = [], time.perf_counter()
         for seq, tok in zip(batch.seqs, sampled):
             if seq.is_finished or tok is None:
                 continue

@@ -54,7 +54,6 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
     zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(dtype)), out_shardings=sharding)
     tables = NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
     ones = jax.device_put(np.ones((cfg.num_layers, cfg.num_kv_heads), np.float32), tables)
-    return KVCache(k=zeros(), v=zeros(),
+    return KVCache(k=zeros(), v=zeros(), k_scale=ones, v_scale=jnp.array(ones),
                    block_tables=jax.device_put(np.zeros((1, 1), np.int32), tables),
-                   seq_lens=jax.device_put(np.zeros((1,), np.int32), tables),
-                   k_scale=ones, v_scale=jnp.array(ones))
+                   seq_lens=jax.device_put(np.zeros((1,), np.int32), tables))

@@ -22,19 +22,16 @@ def expand_scale(scale: jax.Array, shape: tuple[int, int],
 
 
 @functools.partial(jax.jit, static_argnames="block")
-def quantize_fp8(w: jax.Array, block: tuple[int, int] | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+def quantize_fp8(w: jax.Array, block: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
     """w [in, out] (any float dtype) -> (float8_e4m3fn [in, out], f32 scale of `scale_shape`):
     ``scale = amax(|w|) / 448`` over each output channel (``block`` None) or HF block ``(block_out,
     block_in)`` (edge blocks partial); all-zero: 1. ``q = round_to_nearest_e4m3(w / scale)``, so
     ``|w - q * scale| <= scale * max(|w / scale| * 2^-4, 2^-10)``."""
     wf = w.astype(jnp.float32)
-    In, Out = w.shape
     if block is None:
         amax = jnp.max(jnp.abs(wf), axis=0)
     else:
-        bo, bi = block
-        I, O = scale_shape(w.shape, block)
+        (bo, bi), (I, O), (In, Out) = block, scale_shape(w.shape, block), w.shape
         padded = jnp.pad(jnp.abs(wf), ((0, I * bi - In), (0, O * bo - Out)))
         amax = padded.reshape(I, bi, O, bo).max(axis=(1, 3))
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)

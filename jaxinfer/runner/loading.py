@@ -45,8 +45,7 @@ def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
 
 
 def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | None = None,
-                on_host: bool = False, quantization: str | None = None
-                ) -> tuple[ModelConfig, dict]:
+                on_host: bool = False, quantization: str | None = None) -> tuple[ModelConfig, dict]:
     """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype``; ``cfg``: its config if
     built; ``on_host``: numpy leaves (`parallel.shard_params`); ``quantization`` "fp8":
     `quantize_params` after mapping. FileNotFoundError, ValueError: the reader's, mapping's."""

@@ -95,9 +95,8 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
             x = jax.lax.bitcast_convert_type(x, jnp.dtype(f.dtype))
         groups[f.group][f.name] = x
         off += n
-    packing = models.Packing(**groups["packing"]) if key.packed else None
     inp = StepInput(**groups["input"], sampling=SamplingMetadata(**groups["sampling"]),
-                    packing=packing)
+                    packing=models.Packing(**groups["packing"]) if key.packed else None)
     return groups["kv"]["block_tables"], groups["kv"]["seq_lens"], inp
 
 
@@ -110,14 +109,12 @@ def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Arra
     read from a fresh ``buf`` of the same ``key`` (the bitmask filled since): ids or dict."""
     tables, lens, inp = unpack(buf, key)
     inp = dataclasses.replace(inp, prev_tokens=prev_tokens)
+    kw = dict(all_greedy=key.all_greedy, num_logprobs=key.logprobs, processors=key.processors)
     if phase == "sample":
-        return sample_logits(params, inp, all_greedy=key.all_greedy, num_logprobs=key.logprobs,
-                             processors=key.processors)
+        return sample_logits(params, inp, **kw)
     logits, prompt, new = forward(params, kv.replace(block_tables=tables, seq_lens=lens), inp,
                                   cfg=cfg, kernels=kernels, num_logprobs=key.logprobs)
-    out = (logits, prompt) if phase == "forward" else sample_logits(
-        logits, inp, all_greedy=key.all_greedy, num_logprobs=key.logprobs,
-        processors=key.processors)
+    out = (logits, prompt) if phase == "forward" else sample_logits(logits, inp, **kw)
     if phase == "step" and prompt:
         out = {**out, **prompt}
     return out, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)

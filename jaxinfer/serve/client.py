@@ -124,10 +124,9 @@ class EngineCoreClient:
                 self._open[rid][1].set_result(None)
         for rid, err in msg.rejected.items():
             self._fail(rid, err)
-        touched = [d.request_id for d in msg.samples if d.request_id in self._open]
-        for d in msg.samples:
-            if d.request_id in self._open:
-                _merge(self.outputs.requests[d.request_id].seqs[d.index], d)
+        for d in (live := [d for d in msg.samples if d.request_id in self._open]):
+            _merge(self.outputs.requests[d.request_id].seqs[d.index], d)
+        touched = [d.request_id for d in live]
         seqs = {rid: self.outputs.requests[rid].seqs for rid in touched}
         for out in self.outputs.outputs(touched):
             self._open[out.request_id][0].put_nowait((out.request_id, out))

@@ -2,8 +2,6 @@
 or null), and the handlers answering with it: `APIError`, pydantic's request validation (400),
 Starlette's HTTP errors (404 unknown path, 405). Source: vLLM's ``create_error_response``."""
 
-from __future__ import annotations
-
 import re
 import reprlib
 
@@ -22,7 +20,7 @@ class APIError(Exception):
         self.status, self.param, self.code = status, param, code
 
     @classmethod
-    def invalid(cls, e: ValueError, param: str | None = None) -> APIError:
+    def invalid(cls, e: ValueError, param: str | None = None) -> "APIError":
         """A 400 for ``e`` naming ``param`` or the field of a `SamplingParams` error."""
         if (m := re.search(r"SamplingParams\.(\w+)=", str(e))) is None:
             return cls(str(e), param=param)
@@ -31,8 +29,7 @@ class APIError(Exception):
     def body(self) -> dict:
         kind = {401: "authentication_error", 404: "not_found_error"}.get(
             self.status, "invalid_request_error" if 400 <= self.status < 500 else "server_error")
-        return {"error": {"message": str(self), "type": kind, "param": self.param,
-                          "code": self.code}}
+        return {"error": dict(message=str(self), type=kind, param=self.param, code=self.code)}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), self.status)

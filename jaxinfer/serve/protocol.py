@@ -2,8 +2,6 @@
 defaults) and logprobs from `Logprob` records; responses are the ``openai`` package's types. Host
 side, no JAX."""
 
-from __future__ import annotations
-
 import dataclasses
 import itertools
 from typing import Literal

@@ -131,8 +131,7 @@ def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v
         valid = valid & (pos >= lo_pos)
     s = jnp.where(valid, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
-    alpha = jnp.exp2(m - m_new)
-    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+    alpha, p = jnp.exp2(m - m_new), jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
     l = l * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     p = p.astype(geo.dtype)
@@ -151,8 +150,7 @@ def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
             lp = step * geo.pages_per_step + i                 # logical page
             src = lambda ref, phys: ref.at[phys, h]
         else:
-            lp = lax.div(token, geo.page_size)
-            off = lax.rem(token, geo.page_size)
+            lp, off = lax.div(token, geo.page_size), lax.rem(token, geo.page_size)
             src = lambda ref, phys, off=off: ref.at[phys, h, pl.ds(off, rpc)]
         phys = tbl_smem[1 + lax.div(lp, _TABLE_COLS), lax.rem(lp, _TABLE_COLS)] + layer_off
         for ref, buf, bar in copies:
@@ -223,7 +221,6 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *refs, geo: _Geometry, m
 def _store(geo: _Geometry, acc, m, l, o_ref, lse_ref, b, h, split):
     """Epilogue: one split (``lse_ref`` None): the G rows in the output dtype; else normalised
     partials and natural-log LSE of the Gp rows (zeros and -inf when no key)."""
-    H = geo.H
     has_keys = l > 0.0
     inv_l = jnp.where(has_keys, 1.0 / jnp.where(has_keys, l, 1.0), 0.0)
     out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
@@ -240,7 +237,7 @@ def _store(geo: _Geometry, acc, m, l, o_ref, lse_ref, b, h, split):
         if not single:
             plgpu.copy_smem_to_gmem(lse_smem[0].at[pl.ds(0, geo.Gp)], lse_ref.at[b, h, split])
         plgpu.wait_smem_to_gmem(0)
-    pl.run_scoped(store, plgpu.SMEM((_ROWS, H), o_ref.dtype),
+    pl.run_scoped(store, plgpu.SMEM((_ROWS, geo.H), o_ref.dtype),
                   *() if single else (plgpu.SMEM((_ROWS,), jnp.float32),))
 
 

@@ -37,8 +37,7 @@ def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, pos_ref, q_ref, k_ref, 
     blk_hi = jnp.maximum((hi + block_n - 1) // block_n, blk_lo)
     qk_scale = (scale if soft_cap is not None else scale * LOG2E) * ks_ref[kh]
     offs = jnp.arange(block_n, dtype=jnp.int32)
-    tok_page = offs // page_size                                          # page of each key
-    slot = offs % page_size                                               # slot in its page
+    tok_page, slot = offs // page_size, offs % page_size                  # each key's page and slot
 
     def body(blk, carry):
         p0 = blk * pages_per_block

@@ -82,8 +82,7 @@ def online_softmax_step(q, k, v, valid, carry, *, qk_scale, soft_cap):
         x = (soft_cap * LOG2E) * jnp.tanh(x / soft_cap)
     x = jnp.where(valid, x, -jnp.inf)
     m_new = jnp.maximum(m_i, jnp.max(x, axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(x - m_new[:, None])
+    alpha, p = jnp.exp2(m_i - m_new), jnp.exp2(x - m_new[:, None])
     l_new = l_i * alpha + jnp.sum(p, axis=1)
     acc = acc * alpha[:, None] + lax.dot_general(
         p.astype(v.dtype), v, NN_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32)
@@ -103,8 +102,7 @@ def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, *o
     block_n = pages_per_block * page_size
     # visible positions [lo, seq_len), their pages in blocks from first_page; split s: equal runs
     lo = jnp.int32(0) if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
-    first_page = lo // page_size
-    n_pages = (seq_len + page_size - 1) // page_size
+    first_page, n_pages = lo // page_size, (seq_len + page_size - 1) // page_size
     n_blocks = (jnp.maximum(n_pages - first_page, 0) + pages_per_block - 1) // pages_per_block
     per_split = (n_blocks + k_splits - 1) // k_splits
     blk_lo = jnp.minimum(s * per_split, n_blocks)
@@ -112,8 +110,7 @@ def _kernel(layer_ref, lens_ref, bt_ref, ks_ref, vs_ref, q_ref, k_ref, v_ref, *o
     q = q_ref[...]                                                        # [G_PAD, H]
     qk_scale = (scale if soft_cap is not None else scale * LOG2E) * ks_ref[kh]
     offs = jnp.arange(block_n, dtype=jnp.int32)
-    tok_page = offs // page_size                                          # page of each key
-    slot = offs % page_size                                               # slot in its page
+    tok_page, slot = offs // page_size, offs % page_size                  # each key's page and slot
 
     def body(blk, carry):
         *state, pages = carry

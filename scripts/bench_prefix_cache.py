@@ -110,22 +110,27 @@ def tokens(outs):
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
 
-def on_vs_off(llm, prompts, out_lens):
-    """Greedy, ignore_eos: the cache off, then on; the on row has ``token_match``."""
+def on_vs_off(llm, prompts, out_lens, abba: bool = False):
+    """Greedy, ignore_eos: the cache off, then on (``abba``: off, on, on, off, so that a drift
+    across the process shows); an on row has ``token_match``."""
     from jaxinfer import SamplingParams
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
-    off, o_off = timed(llm, prompts, params, caching=False)
-    on, o_on = timed(llm, prompts, params, caching=True)
-    same = np.mean([x == y for x, y in zip(tokens(o_on), tokens(o_off))])
-    return [dict(off, run="cache off"), dict(on, run="cache on", token_match=float(same))]
+    rows, first = [], None
+    for i, caching in enumerate((False, True, True, False) if abba else (False, True)):
+        row, outs = timed(llm, prompts, params, caching=caching)
+        first = first or tokens(outs)
+        same = np.mean([x == y for x, y in zip(tokens(outs), first)])
+        rows.append(dict(row, run=f"cache {'on' if caching else 'off'}" + (f" ({i + 1})" * abba),
+                         **(dict(token_match=float(same)) if caching else {})))
+    return rows
 
 
 def run_shared(llm, args, vocab):
-    return on_vs_off(llm, *shared_workload(args, vocab))
+    return on_vs_off(llm, *shared_workload(args, vocab), abba=args.abba)
 
 
 def run_no_shared(llm, args, vocab):
-    return on_vs_off(llm, *workload(args, vocab))
+    return on_vs_off(llm, *workload(args, vocab), abba=args.abba)
 
 
 def run_rl(llm, args, vocab):
@@ -180,6 +185,8 @@ def main() -> None:
     ap.add_argument("--num-pages", type=int, default=None, help="KV pool pages (default: plan)")
     ap.add_argument("--kernels", default="", metavar="SPEC", help="KernelConfig.parse spec")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument("--abba", action="store_true", help="shared, no-shared: the cache off, on, "
+                    "on, off (a drift over the run shows as off (1) against off (4))")
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     argv = sys.argv[1:]
     args = ap.parse_args(argv)

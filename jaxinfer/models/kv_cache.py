@@ -8,8 +8,10 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from pallas_kernels.kv_quant import check_scales, is_fp8
+from pallas_kernels.kv_quant import FP8, check_scales, is_fp8
 
+STORED = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), FP8: jnp.dtype(jnp.uint8)}
+PAGES = {v: k for k, v in STORED.items()}
 AXIS = "tp"  # the mesh axis of tensor parallelism (`jaxinfer.runner.parallel`)
 KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]: split over K'
 
@@ -17,7 +19,8 @@ KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]
 @jax.tree_util.register_dataclass  # every field a pytree child
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """k, v [L, P, K, page_size, H] (compute dtype, or float8_e4m3fn); block_tables i32[B, M]
+    """k, v [L, P, K, page_size, H] (compute dtype, or float8_e4m3fn; kept in `stored_dtype`
+    of it); block_tables i32[B, M]
     (logical page j of row b -> physical page); seq_lens i32[B] (valid KV positions after the
     write); k_scale, v_scale f32[L, K] (None: no scaling): an fp8 page holds ``(x - mean) /
     scale`` (`kv_quant`); 1.0 from `init_kv_cache` (vLLM's default); k_mean, v_mean f32[L, K, H]
@@ -38,10 +41,22 @@ class KVCache:
 
     def scales(self) -> tuple:
         """(k_scale, v_scale, k_mean, v_mean) if the pools are fp8, else 4 Nones; ValueError."""
-        if not is_fp8(self.k.dtype):
+        if not is_fp8(page_dtype(self.k.dtype)):
             return (None,) * 4
         check_scales(self.k, self.k_scale, self.v_scale)
         return self.k_scale, self.v_scale, self.k_mean, self.v_mean
+
+
+def stored_dtype(dtype, platform: str) -> jnp.dtype:
+    """The dtype a pool of ``dtype`` pages is kept in: on "cpu" bf16 and fp8 as the unsigned integer
+    of their width (XLA:CPU copies a whole bf16 or fp8 pool at each scatter, not these), else
+    ``dtype``. `page_dtype` inverts it; ``pool.view(page_dtype(pool.dtype))`` reads the pages."""
+    return STORED.get(jnp.dtype(dtype), jnp.dtype(dtype)) if platform == "cpu" else jnp.dtype(dtype)
+
+
+def page_dtype(dtype) -> jnp.dtype:
+    """The pages' dtype of a pool kept in ``dtype`` (`stored_dtype`)."""
+    return PAGES.get(jnp.dtype(dtype), jnp.dtype(dtype))
 
 
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config.weights import INIT_STD, LEAVES, scale_shape, shape_of
+from jaxinfer.models.kv_cache import page_dtype
 from jaxinfer.models.quantize import FP8, expand_scale
 from jaxinfer.step_input import names
 from pallas_kernels.kv_quant import quantize
@@ -115,6 +116,7 @@ def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     """``attn`` on q [B, T, N, H] -> [B, T, N, H]; packs rows."""
     pk = ctx.packing  # packed: rows q[0][q_index] [R, Tq, N, H], output back to [1, Tp, N, H]
     rows, pos = (q, ctx.positions) if pk is None else (q[0][pk.q_index], pk.q_positions)
+    k_pool, v_pool = (p.view(page_dtype(p.dtype)) for p in (k_pool, v_pool))  # `stored_dtype`
     o = attn(rows, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, pos, layer=layer, scale=scale,
              k_scale=ctx.k_scale, v_scale=ctx.v_scale)
     return o if pk is None else o.reshape(-1, *q.shape[2:])[pk.out_index][None]
@@ -148,14 +150,16 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer: int, k: jax.Array, v: jax.Array,
              slot_mapping: jax.Array, k_scale=None, v_scale=None, k_mean=None,
              v_mean=None) -> tuple[jax.Array, jax.Array]:
-    """Scatter k, v [S, K, H] into ``layer`` of pools [L, P, K, page_size, H] at ``slot_mapping``
-    i32[S] (``page * page_size + offset``; fp8 pools: `kv_quant.quantize` of ``x - mean`` by the
-    scale, scales f32[L, K], means f32[L, K, H] or None) -> pools. Out of range: undefined."""
+    """Scatter k, v [S, K, H] into ``layer`` of pools [L, P, K, page_size, H] (kept in a
+    `stored_dtype`) at ``slot_mapping`` i32[S] (``page * page_size + offset``; fp8 pages:
+    `kv_quant.quantize` of ``x - mean`` by the scale, scales f32[L, K], means f32[L, K, H] or
+    None) -> pools. Out of range: undefined."""
     page, off = jnp.divmod(slot_mapping, k_pool.shape[3])  # shape[3]: page_size
     ks, vs = (None if x is None else x[layer][None, :, None] for x in (k_scale, v_scale))
     km, vm = (x if x is None else x[layer] for x in (k_mean, v_mean))
     return tuple(pool.at[layer, page, :, off, :].set(
-        quantize(x if m is None else x - m, s, pool.dtype), mode="promise_in_bounds")
+        quantize(x if m is None else x - m, s, page_dtype(pool.dtype)).view(pool.dtype),
+        mode="promise_in_bounds")
         for pool, x, s, m in ((k_pool, k, ks, km), (v_pool, v, vs, vm)))
 
 

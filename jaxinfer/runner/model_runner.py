@@ -15,7 +15,7 @@ from jaxinfer.config import memory
 from jaxinfer.config.model import tp_model_config
 from jaxinfer.config.weights import device_bytes
 from jaxinfer.models.kernels import model_kernels
-from jaxinfer.models.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache
+from jaxinfer.models.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache, stored_dtype
 from jaxinfer.models.quantize import quantize_params
 from jaxinfer.runner import parallel
 from jaxinfer.runner.step import StepExecutor, enable_compilation_cache
@@ -77,8 +77,9 @@ class ModelRunner:
     def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
             pools = None if self.mesh is None else NamedSharding(self.mesh, KV_POOL_SPEC)
-            return init_kv_cache(self.run_config, self.num_pages, self.resolved.engine.page_size,
-                                 jnp.dtype(self.resolved.kv_dtype), pools).replace(
+            r = self.resolved
+            return init_kv_cache(self.run_config, self.num_pages, r.engine.page_size,
+                                 stored_dtype(r.kv_dtype, r.platform), pools).replace(
                 **{k: jnp.asarray(m) for k, m in self.kv_means.items()})
         except jax.errors.JaxRuntimeError as e:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "

@@ -17,7 +17,7 @@ from jaxinfer import LLM, SamplingParams, models
 from jaxinfer.config import EngineConfig, ModelConfig, resolve
 from jaxinfer.config.memory import GIB, engine_pool_pages
 from jaxinfer.models.kernels import ModelKernels, model_kernels
-from jaxinfer.models.kv_cache import KVCache
+from jaxinfer.models.kv_cache import KVCache, page_dtype, stored_dtype
 from jaxinfer.models.layers import StepContext
 from jaxinfer.models.llama import attention_heads
 from pallas_kernels.kv_quant import FP8
@@ -118,6 +118,26 @@ def test_model_writes_fp8_pages():
         assert not got.any()                                            # layer 0, other slots
 
 
+@pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16])
+def test_pools_kept_as_integers_run_as_their_pages(model, dtype):
+    """A CPU keeps bf16 and fp8 pools as uint16 and uint8 (`stored_dtype`): the model's steps on
+    such pools give the same hidden states and the same page bits as on pools of ``dtype``."""
+    cfg, params = model
+    kv = fresh_kv(cfg, jnp.float32)
+    scales = tuple(jnp.max(jnp.abs(p), axis=(1, 3, 4)) / 240.0 for p in (kv.k, kv.v))
+    kv = (fresh_kv(cfg, FP8, scales) if dtype == FP8 else
+          kv.replace(k=kv.k.astype(dtype), v=kv.v.astype(dtype)))
+    stored = stored_dtype(dtype, "cpu")
+    assert stored.itemsize == jnp.dtype(dtype).itemsize and page_dtype(stored) == dtype
+    h, got = run_steps(cfg, params, kv, ModelKernels())
+    h_st, got_st = run_steps(cfg, params, kv.replace(k=kv.k.view(stored), v=kv.v.view(stored)),
+                             ModelKernels())
+    assert got_st.k.dtype == stored
+    np.testing.assert_array_equal(np.asarray(h_st), np.asarray(h))
+    for a, b in ((got_st.k, got.k), (got_st.v, got.v)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b).view(stored))
+
+
 def test_triton_kernels_on_fp8_pages_match_the_jnp_path(model, monkeypatch):
     """Prefill and decode kernels (interpret) vs the jnp path on the same fp8 pages:
     identical inputs, so float32 rounding only (1e-4); and the fp8 model within 10% of
@@ -173,7 +193,8 @@ def test_engine_generates_with_fp8_kv(tiny_cfg, tiny_params):
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9] * 7, [200]]
     fp8 = LLM.from_params(cfg, params, kv_cache_dtype="fp8", **kw)
     kv = fp8.engine.runner.kv
-    assert kv.k.dtype == FP8 and kv.k.nbytes == 24 * 2 * 2 * 16 * 16 * 1
+    assert kv.k.dtype == stored_dtype(FP8, jax.default_backend()) and page_dtype(kv.k.dtype) == FP8
+    assert kv.k.nbytes == 24 * 2 * 2 * 16 * 16 * 1
     np.testing.assert_array_equal(np.asarray(kv.k_scale), np.ones((2, 2), np.float32))
     auto = LLM.from_params(cfg, params, **kw)
     want = [o.token_ids for o in auto.generate(prompts, greedy)]

@@ -7,6 +7,7 @@ The HF transformers reference loads the same GGUF file; its greedy outputs are c
 run of tests/e2e, one prompt at a time (no padding), and cached.
 """
 
+import inspect
 import os
 
 import pytest
@@ -77,12 +78,12 @@ class HFGreedy:
             with torch.inference_mode():
                 x = torch.tensor([list(ids)])
                 if ignore_eos:  # plain argmax loop: EOS is sampled and decoding goes on
-                    out = []
-                    past = None
-                    cur = x
+                    out, past, cur = [], None, x
+                    name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
+                        else "past_key_values"  # transformers >= 5.25: cache
                     for _ in range(max_new_tokens):
-                        r = self.model(cur, past_key_values=past, use_cache=True)
-                        past = r.past_key_values
+                        r = self.model(cur, use_cache=True, **{name: past})
+                        past = getattr(r, name)
                         nxt = int(r.logits[0, -1].argmax())
                         out.append(nxt)
                         cur = torch.tensor([[nxt]])

@@ -137,9 +137,8 @@ class LLMEngine:
         """Abort request ``rid``: its unfinished samples finish with "abort", and the next `step`
         returns its final output. Unknown or finished ids are ignored."""
         if (st := self.outputs.requests.get(rid)) is not None:
-            for s in st.seqs:
-                if not s.is_finished:
-                    self.scheduler.abort(s.request_id)
+            for s in (s for s in st.seqs if not s.is_finished):
+                self.scheduler.abort(s.request_id)
             self._touched.append(rid)
 
     def has_unfinished(self) -> bool:

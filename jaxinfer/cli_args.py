@@ -59,11 +59,10 @@ def engine_parser(prog: str, description: str) -> Parser:
     p.add_argument("--model", default=None, help="HF model dir, GGUF file or Orbax dir "
                    "(default: the embedded SmolLM2-135M-Instruct)")
     g = p.add_argument_group("engine (jaxinfer.config.EngineConfig)")
-    for f in dataclasses.fields(EngineConfig):
-        if f.name in ENGINE_OPTIONS:  # type from the annotation: "int | None", "bool", ...
-            kind = (dict(action=argparse.BooleanOptionalAction) if f.type == "bool" else
-                    dict(type=float if "float" in f.type else int if "int" in f.type else str))
-            g.add_argument(flag(f.name), default=f.default, **kind, **f.metadata)
+    for f in (f for f in dataclasses.fields(EngineConfig) if f.name in ENGINE_OPTIONS):
+        kind = (dict(action=argparse.BooleanOptionalAction) if f.type == "bool" else  # f.type: str
+                dict(type=float if "float" in f.type else int if "int" in f.type else str))
+        g.add_argument(flag(f.name), default=f.default, **kind, **f.metadata)
     g.add_argument("--kernels", type=_kernels, default=KernelConfig(), metavar="SPEC",
                    help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"
                         "prefill=triton ('auto': chosen for the device). Keys: " + KernelConfig.help())

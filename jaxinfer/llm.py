@@ -108,10 +108,9 @@ class LLM(Prompts):
         self = cls.__new__(cls)
         self.generation_config, self.model_path = {}, None
         if isinstance(tokenizer, (str, os.PathLike)):
-            if not os.path.exists(tokenizer):
-                raise FileNotFoundError(f"tokenizer {os.fspath(tokenizer)!r} does not exist")
-            tokenizer = load_tokenizer(tokenizer, "gguf" if os.fspath(tokenizer).endswith(
-                ".gguf") else "hf")
+            if not os.path.exists(path := os.fspath(tokenizer)):
+                raise FileNotFoundError(f"tokenizer {path!r} does not exist")
+            tokenizer = load_tokenizer(path, "gguf" if path.endswith(".gguf") else "hf")
         self.tokenizer = tokenizer
         resolved = resolve(config, engine_config(**engine_args), jax.default_backend(),
                            jax.devices()[0].device_kind)

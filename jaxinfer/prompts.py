@@ -21,13 +21,12 @@ def _is_ids_array(x) -> bool:
 def _token_ids(ids, what: str) -> list[int]:
     """``ids`` (a list/tuple of ints or a 1-D integer array) as Python ints. Raises ValueError:
     anything else (str, float, bool, None and nested items are rejected, not converted)."""
-    if isinstance(ids, np.ndarray):
-        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"{what} must be a 1-D integer array or a list of ints; got an "
-                             f"array of shape {ids.shape} and dtype {ids.dtype}")
-    elif not isinstance(ids, (list, tuple)):
+    if isinstance(ids, np.ndarray) and not _is_ids_array(ids):
+        raise ValueError(f"{what} must be a 1-D integer array or a list of ints; got an "
+                         f"array of shape {ids.shape} and dtype {ids.dtype}")
+    if not isinstance(ids, (list, tuple, np.ndarray)):
         raise ValueError(f"{what} must be a list of ints; got {type(ids).__name__}")
-    elif bad := [t for t in ids if not is_int(t, numpy=True)]:
+    if not isinstance(ids, np.ndarray) and (bad := [t for t in ids if not is_int(t, numpy=True)]):
         raise ValueError(f"{what} must be a list of ints; it holds {bad[0]!r} "
                          f"({type(bad[0]).__name__})")
     return [int(t) for t in ids]

@@ -180,11 +180,10 @@ class SamplingParams:
 
     clone = copy.deepcopy  # vLLM's ``clone``: a deep copy
 
-    @property
-    def needs_history(self) -> bool:
-        """A penalty or a logits processor reads the row's tokens (the step waits for the last)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0 or bool(self.logits_processors))
+    needs_history = property(lambda self: (
+        self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+        or self.frequency_penalty != 0.0 or bool(self.logits_processors)),
+        doc="A penalty or a logits processor reads the row's tokens (the step waits for the last).")
 
     greedy = property(lambda self: self.temperature < GREEDY_EPS, doc="The token is the argmax.")
 

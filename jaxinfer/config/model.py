@@ -77,10 +77,8 @@ class ModelConfig:
         object.__setattr__(self, "weight_block_size", self.weight_block_size and tuple(
             int(b) for b in self.weight_block_size))
 
-    @property
-    def qk_norm(self) -> bool:
-        """Qwen3 applies a per-head RMSNorm to q and k before RoPE."""
-        return self.architecture == "qwen3"
+    qk_norm = property(lambda self: self.architecture == "qwen3",
+                       doc="Qwen3 applies a per-head RMSNorm to q and k before RoPE.")
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """2 (K and V) x L x K x H x dtype_bytes."""
@@ -143,10 +141,8 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
-        d = dict(d)
-        if d.get("rope_scaling"):
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        return cls(**d)
+        rope = d.get("rope_scaling")
+        return cls(**{**d, "rope_scaling": rope and RopeScaling(**rope)})
 
 
 def check_tp(model: ModelConfig, tp: int) -> None:

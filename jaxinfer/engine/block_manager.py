@@ -106,9 +106,8 @@ class BlockManager:
                     self._evictable[page] = None
                 else:
                     heapq.heappush(self._free, page)
-        for h in seq.block_hashes:
-            if self._pending.get(h) is seq:
-                del self._pending[h]
+        for h in (h for h in seq.block_hashes if self._pending.get(h) is seq):
+            del self._pending[h]
         seq.block_table.clear()
 
     def owner(self, page: int) -> Sequence | None:

@@ -69,14 +69,10 @@ class LLMEngine:
                          max_num_batched_tokens=ec.max_num_batched_tokens,
                          max_model_len=self.max_model_len, eos_token_ids=eos_token_ids)
 
-    @property
-    def async_scheduling(self) -> bool:
-        """Schedule step n+1 before step n's tokens are read back (settable)."""
-        return self.loop.async_scheduling
-
-    @async_scheduling.setter
-    def async_scheduling(self, value: bool) -> None:
-        self.loop.async_scheduling = bool(value)
+    async_scheduling = property(
+        lambda self: self.loop.async_scheduling,
+        lambda self, value: setattr(self.loop, "async_scheduling", bool(value)),
+        doc="Schedule step n+1 before step n's tokens are read back (settable).")
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams
                       ) -> tuple[list[int], SamplingParams]:
@@ -126,8 +122,7 @@ class LLMEngine:
         seqs = [Sequence(request_id=rid if params.n == 1 else f"{i}_{rid}", prompt_token_ids=ids,
                          params=params, seed=sample_seed(seed, i), index=i, parent_id=rid,
                          max_tokens=max_tokens, matcher=so and self.structured.matcher(so),
-                         rules=self.structured.token_rules(params))
-                for i in range(params.n)]
+                         rules=self.structured.token_rules(params)) for i in range(params.n)]
         for i, seq in enumerate(seqs):
             try:
                 self.scheduler.add(seq)  # raises ValueError before queueing
@@ -142,9 +137,8 @@ class LLMEngine:
         """Abort request ``rid``: its unfinished samples finish with "abort", and the next `step`
         returns its final output. Unknown or finished ids are ignored."""
         if (st := self.outputs.requests.get(rid)) is not None:
-            for s in st.seqs:
-                if not s.is_finished:
-                    self.scheduler.abort(s.request_id)
+            for s in (s for s in st.seqs if not s.is_finished):
+                self.scheduler.abort(s.request_id)
             self._touched.append(rid)
 
     def has_unfinished(self) -> bool:

@@ -13,9 +13,8 @@ def record(out: dict | None, hb, seqs, before: list[int] | None) -> None:
     """Append records from ``out`` (`runner.step.packed_step`'s dict; None: none) to ``seqs`` (the
     step's rows): row i's sampled token, if its output grew past ``before[i]``, to ``logprobs`` and
     ``cumulative_logprob``; ``hb``'s scored prompt positions to ``prompt_logprobs`` (first None)."""
-    for s in seqs:
-        if s.prompt_logprobs == []:
-            s.prompt_logprobs.append(None)
+    for s in (s for s in seqs if s.prompt_logprobs == []):
+        s.prompt_logprobs.append(None)
     if out is None:
         return
     a = {k: np.asarray(v).tolist() for k, v in out.items()}  # Python scalars: fast per row

@@ -232,14 +232,12 @@ class Scheduler:
                     victim = queue.pop()
                 elif scheduled:
                     victim = seq             # newest of the page holders left
-                elif ending:
-                    victim = None            # pages come back when the batch in flight ends
+                elif ending:                 # pages come back when the batch in flight ends
+                    deferred.append(seq)
+                    break
                 else:
                     raise RuntimeError(f"Scheduler: {seq!r} alone does not fit the pool; "
                                        "admission should have rejected it")
-                if victim is None:
-                    deferred.append(seq)
-                    break
                 bm.free(victim)  # preempted: recomputed from its first token once readmitted
                 victim.num_computed_tokens, victim.status = 0, SequenceStatus.WAITING
                 victim.num_preemptions += 1

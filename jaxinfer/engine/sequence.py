@@ -74,11 +74,10 @@ class Sequence:
     last_token_id = property(lambda self: (self.output_token_ids or self.prompt_token_ids)[-1])
     is_finished = property(lambda self: self.status is SequenceStatus.FINISHED)
 
-    @property
-    def ended_on_stop_token(self) -> bool:
-        """Finished on one of ``params.stop_token_ids`` (its text is left out)."""
-        return (self.is_finished and self.finish_reason == "stop" and self.stop_string is None
-                and any(t in self.params.stop_token_ids for t in self.output_token_ids[-1:]))
+    ended_on_stop_token = property(lambda self: (
+        self.is_finished and self.finish_reason == "stop" and self.stop_string is None
+        and any(t in self.params.stop_token_ids for t in self.output_token_ids[-1:])),
+        doc="Finished on one of ``params.stop_token_ids`` (its text is left out).")
 
     def __repr__(self) -> str:
         return (f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "

@@ -66,8 +66,7 @@ def apply_repetition_penalty(logits: jax.Array, penalty_tokens: jax.Array,
         return logits
     present = _scatter(penalty_tokens, v, jnp.ones(penalty_tokens.shape), jnp.zeros((b, v))) > 0
     p = penalty.astype(jnp.float32)[:, None]
-    penalised = jnp.where(logits > 0, logits / p, logits * p)
-    return jnp.where(present, penalised, logits)
+    return jnp.where(present, jnp.where(logits > 0, logits / p, logits * p), logits)
 
 
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
@@ -122,11 +121,9 @@ def _filter_sorted(vals: jax.Array, top_k: jax.Array, top_p: jax.Array,
     """Top-k, top-p, min-p on sorted f32[B, V]: dropped -> -inf, position 0 kept."""
     b, v = vals.shape
     pos = jax.lax.broadcasted_iota(jnp.int32, (b, v), 1)
-    k = jnp.where(top_k <= 0, v, jnp.minimum(top_k, v)).astype(jnp.int32)
-    keep = pos < k[:, None]
+    keep = pos < jnp.where(top_k <= 0, v, jnp.minimum(top_k, v)).astype(jnp.int32)[:, None]
     masked = jnp.where(keep, vals, -jnp.inf)
-    top = jnp.where(jnp.isfinite(masked[:, :1]), masked[:, :1], 0.0)
-    e = jnp.exp(masked - top)
+    e = jnp.exp(masked - jnp.where(jnp.isfinite(masked[:, :1]), masked[:, :1], 0.0))
     probs = e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
     mass_before = (jnp.cumsum(probs, axis=-1) - probs).at[:, 0].set(0.0)
     tp = top_p.astype(jnp.float32)[:, None]

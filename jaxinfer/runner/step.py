@@ -50,10 +50,8 @@ def forward(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig,
     hidden, kv = models.forward(params, cfg, tokens, inp.positions, inp.slot_mapping, kv,
                                 kernels=kernels, packing=inp.packing)
     with jax.named_scope("lm_head"):
-        if inp.packing is None:
-            last = jnp.take_along_axis(hidden, inp.logits_indices[:, None, None], axis=1)[:, 0]
-        else:
-            last = hidden[0][inp.logits_indices]                                # [R, D]
+        last = (hidden[0][inp.logits_indices] if inp.packing is not None  # packed: [R, D]
+                else jnp.take_along_axis(hidden, inp.logits_indices[:, None, None], axis=1)[:, 0])
         logits = gather_logits(models.compute_logits(params, cfg, last), cfg, kernels.mesh)
     if not (num_logprobs and inp.prompt_lp_index is not None):
         return logits, {}, kv

@@ -81,7 +81,6 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
     pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, Tp - T)), constant_values=-1)
     pos_rows = jnp.repeat(pos, G_PAD, axis=1)                              # [B, Tp * G_PAD]
     bt = jnp.pad(block_tables, ((0, 0), (0, pages_per_block)))
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     scales = layer_scales(k_scale, v_scale, layer, L, K)
     kernel = functools.partial(
         _kernel, ROWS=ROWS, H=H, M=M, page_size=page_size, pages_per_block=pages_per_block,
@@ -96,7 +95,7 @@ def _paged_prefill(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer
         out_specs=tile, interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         name=f"paged_prefill_triton_r{ROWS}_ppb{pages_per_block}",
-    )(layer_arr, seq_lens, bt, *scales, pos_rows, qg, k_pool, v_pool)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens, bt, *scales, pos_rows, qg, k_pool, v_pool)
     if G == G_PAD:
         return out[:, :T].reshape(B, T, N, H)
     out = out.reshape(B, K, Tp, G_PAD, H)[:, :, :T, :G]

@@ -145,7 +145,6 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, k_scale, v_s
     G_PAD = max(MIN_MMA_ROWS, next_pow2(G))
     # Pad (null page 0) so every block and the prefetched next one are in range.
     bt = jnp.pad(block_tables, ((0, 0), (0, 2 * pages_per_block)))
-    layer_arr = jnp.asarray(layer, jnp.int32).reshape(1)
     scales = layer_scales(k_scale, v_scale, layer, L, K)
     qg = jnp.pad(q.reshape(B, K, G, H), ((0, 0), (0, 0), (0, G_PAD - G), (0, 0)))
     kernel = functools.partial(
@@ -167,7 +166,7 @@ def _paged_decode(q, k_pool, v_pool, block_tables, seq_lens, layer, k_scale, v_s
         kernel, out_shape=out_shape, grid=(B, K, k_splits), in_specs=in_specs, out_specs=out_specs,
         interpret=interpret, name=f"paged_decode_triton_ppb{pages_per_block}_s{k_splits}",
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-    )(layer_arr, seq_lens, bt, *scales, qg, k_pool, v_pool)
+    )(jnp.asarray(layer, jnp.int32).reshape(1), seq_lens, bt, *scales, qg, k_pool, v_pool)
     o = outs[0] if k_splits == 1 else combine_splits(*outs)
     return o[:, :, :G].reshape(B, N, H).astype(q.dtype)
 

@@ -74,11 +74,18 @@ def random_llm(args):
     reqs = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
     llm.precompile(reqs, params)  # the offline run's shapes (the server's warm-up: its own)
+    trace = None
+    if args.trace_steps:
+        from scripts.probes.step_trace import StepTrace
+        trace = StepTrace(llm.engine, args.trace_steps)
+        trace.mark("offline")
     t = time.perf_counter()
     llm.generate(reqs, params)
     dt = time.perf_counter() - t
     print("OFFLINE " + json.dumps(dict(offline_output_tok_s=sum(out_lens) / dt, offline_s=dt,
                                        device=str(jax.devices()[0].device_kind))), flush=True)
+    if trace is not None:
+        trace.mark("server")
     return llm
 
 
@@ -307,6 +314,9 @@ def main() -> None:
     ap.add_argument("--soak", action="store_true")
     ap.add_argument("--no-background-compile", action="store_true",
                     help="compile a new step shape in the step that needs it (a stall)")
+    ap.add_argument("--trace-steps", default=None, metavar="PATH",
+                    help="random model: each engine step's times into PATH "
+                         "(scripts/probes/step_trace.py summarizes)")
     ap.add_argument("--out", default="benchmarks/serving.jsonl")
     ap.add_argument("--png", default=None, help="default: --out with .png")
     ap.add_argument("--serve-random", action="store_true", help=argparse.SUPPRESS)
@@ -343,6 +353,10 @@ def main() -> None:
                 if metric(url, "compiled_step_shapes") == compiles:
                     break
             compiles, covered = (metric(url, m) for m in ("compiled_step_shapes", "covered_steps"))
+            if args.trace_steps:  # the timed run's start in the trace's clock (perf_counter)
+                with open(args.trace_steps + ".marks", "a") as f:
+                    f.write(json.dumps({"mark": f"timed rate {rate}", "t": time.perf_counter()})
+                            + "\n")
             row = dict(meta, **run_rate(url, prompts, out_lens, rate, args.seed,
                                         args.client_procs),
                        compiles=metric(url, "compiled_step_shapes") - compiles,

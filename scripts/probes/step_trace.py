@@ -1,9 +1,12 @@
 """Probe: a timeline of an engine's steps, one JSON line per `LLMEngine.step` call, and its summary.
 
 `StepTrace(llm.engine, path)` wraps the engine's ``step`` (an instance attribute; a probe, not
-engine code) and appends per call: ``t0``/``t1`` (perf_counter seconds around the call), ``key`` (its `ShapeKey`'s B, T, M, Q), ``rows``
-and ``tokens`` of the step it launched (0: none), ``prefill``, ``pending`` (step shapes compiling in
-the background), ``covered`` and ``steps`` (`EngineStats` counters), ``running``/``waiting``.
+engine code) and appends per call: ``t0``/``t1`` (perf_counter seconds around the call), the
+``key`` (`ShapeKey` B, T, M, Q), ``rows`` and ``tokens`` of the step it launched (0: none),
+``prefill``, ``pending`` (step shapes compiling in the background), ``covered`` and ``steps``
+(`EngineStats` counters), ``running``/``waiting``. Unlike `scripts.step_tools.record_steps` (a
+timeline of read-backs), it also shows the time a caller spends between calls (the server's core
+loop) and the background compiles each step overlapped.
 `mark(label)` writes ``{"mark": label, "t": ...}`` between phases (offline, server); other
 processes write theirs to ``path + ".marks"`` (perf_counter is the system's monotonic clock).
 
@@ -34,7 +37,8 @@ class StepTrace:
         fl, st = eng.loop.in_flight, eng._stats
         b = fl.batch if fl is not None else None
         self.f.write(json.dumps(dict(
-            t0=t0, t1=t1, key=list(fl.handle[1].key[:4]) if fl else None, rows=len(b.seqs) if b else 0, tokens=sum(b.num_new_tokens) if b else 0,
+            t0=t0, t1=t1, key=list(fl.handle[1].key[:4]) if fl else None,
+            rows=len(b.seqs) if b else 0, tokens=sum(b.num_new_tokens) if b else 0,
             prefill=bool(b and b.is_prefill), pending=len(eng.runner.executor.pending),
             covered=st.num_covered_steps, steps=st.num_steps,
             running=eng.scheduler.num_running, waiting=eng.scheduler.num_waiting)) + "\n")
@@ -55,18 +59,18 @@ def summarize(path: str) -> None:
         phases.setdefault(label, []).append(r)
     for label, rs in phases.items():
         t0, t1 = np.array([r["t0"] for r in rs]), np.array([r["t1"] for r in rs])
-        dt, idle = t1 - t0, t0[1:] - t1[:-1]
+        dt, idle = t1 - t0, np.append(t0[1:] - t1[:-1], 0.0)  # the last call: none after
         print(f"{label}: {len(rs)} calls over {t1[-1] - t0[0]:.2f} s; in step {dt.sum():.2f} s, "
               f"between {idle.sum():.2f} s (p50 {np.median(idle) * 1e3:.2f} ms, max "
-              f"{idle.max() * 1e3 if len(idle) else 0:.1f} ms); step p50/p90/p99/max "
+              f"{idle.max() * 1e3:.1f} ms); step p50/p90/p99/max "
               + "/".join(f"{np.percentile(dt, q) * 1e3:.1f}" for q in (50, 90, 99, 100)) + " ms; "
               f"rows mean {np.mean([r['rows'] for r in rs]):.0f}, tokens sum "
               f"{sum(r['tokens'] for r in rs)}; covered {rs[-1]['covered'] - rs[0]['covered']}")
         for i in np.argsort(-dt)[:8]:
             r = rs[i]
-            print(f"   {dt[i] * 1e3:8.1f} ms at +{r['t0'] - t0[0]:6.2f} s key {r['key']} rows {r['rows']} tokens "
-                  f"{r['tokens']} prefill {r['prefill']} pending {r['pending']} running "
-                  f"{r['running']} waiting {r['waiting']}")
+            print(f"   {dt[i] * 1e3:8.1f} ms at +{r['t0'] - t0[0]:6.2f} s key {r['key']} rows "
+                  f"{r['rows']} tokens {r['tokens']} prefill {r['prefill']} pending "
+                  f"{r['pending']} running {r['running']} waiting {r['waiting']}")
 
 
 if __name__ == "__main__":

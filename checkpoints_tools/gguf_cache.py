@@ -16,7 +16,8 @@ MAX_BYTES = 4 << 30  # float32 tensors of larger files are not cached
 def entry(path: str) -> str | None:
     """The cache directory of GGUF file ``path`` (it may not exist yet); None: caching is off."""
     root = os.environ.get("JAXINFER_GGUF_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxinfer", "gguf")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxinfer", "gguf"
+    )
     if root == "0":
         return None
     st = os.stat(path)
@@ -39,20 +40,26 @@ def store(ckpt, tokenizer) -> str | None:
     from checkpoints_tools.gguf_loader import gguf_hf_config, gguf_hf_tensors
 
     d = entry(ckpt.path)
-    if d is None or lookup(ckpt.path) or 4 * sum(
-            int(np.prod(t.shape)) for t in ckpt.reader.tensors) > MAX_BYTES:
+    if (
+        d is None
+        or lookup(ckpt.path)
+        or 4 * sum(int(np.prod(t.shape)) for t in ckpt.reader.tensors) > MAX_BYTES
+    ):
         return None
     tmp = None
     try:
         os.makedirs(os.path.dirname(d), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(d))
         config = gguf_hf_config(ckpt.reader)  # not ckpt.config: that may carry hf_overrides
-        for name, obj in (("config.json", config), ("generation_config.json", {
-                "eos_token_id": list(ckpt.generation_eos_ids)})):
+        for name, obj in (
+            ("config.json", config),
+            ("generation_config.json", {"eos_token_id": list(ckpt.generation_eos_ids)}),
+        ):
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(obj, f)
-        save_file(gguf_hf_tensors(ckpt.reader, config, "float32"),
-                  os.path.join(tmp, "model.safetensors"))
+        save_file(
+            gguf_hf_tensors(ckpt.reader, config, "float32"), os.path.join(tmp, "model.safetensors")
+        )
         tokenizer.save_pretrained(tmp)
         os.rename(tmp, d)
         return d

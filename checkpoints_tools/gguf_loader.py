@@ -7,7 +7,8 @@ import math
 import os
 import re
 import struct
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -16,14 +17,25 @@ SUPPORTED_GGUF_ARCHITECTURES = tuple(_QK_PERMUTED)
 
 # The one GGUF -> HF tensor-name table; ``{i}`` is the layer index; None: read into the config.
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_down": "mlp.down_proj",
-    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm", "ffn_up": "mlp.up_proj",
-    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj"}
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_up": "mlp.up_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+}
 GGUF_TO_HF: Mapping[str, str | None] = {
-    "token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight", "rope_freqs.weight": None,
-    **{f"blk.{{i}}.{g}.weight": f"model.layers.{{i}}.{h}.weight" for g, h in _LAYER_NAMES.items()}}
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "rope_freqs.weight": None,
+    **{f"blk.{{i}}.{g}.weight": f"model.layers.{{i}}.{h}.weight" for g, h in _LAYER_NAMES.items()},
+}
 
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
@@ -38,8 +50,9 @@ def open_gguf(path: str | os.PathLike):
     try:
         return gguf.GGUFReader(path, "r")
     except (ValueError, OSError, IndexError, KeyError, TypeError, struct.error) as e:
-        raise ValueError(f"{path!r} is not a readable GGUF file (truncated or corrupt?): "
-                         f"{type(e).__name__}: {e}") from None
+        raise ValueError(
+            f"{path!r} is not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}"
+        ) from None
 
 
 def _value(reader, key: str, default: Any = None) -> Any:
@@ -60,8 +73,10 @@ def gguf_hf_config(reader) -> dict:
     missing required key, partial rotary, K and V head dims differ, RoPE scaling not none/llama3."""
     arch = _value(reader, "general.architecture")
     if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture general.architecture={arch!r}; "
-                         f"supported: {SUPPORTED_GGUF_ARCHITECTURES}")
+        raise ValueError(
+            f"unsupported GGUF architecture general.architecture={arch!r}; "
+            f"supported: {SUPPORTED_GGUF_ARCHITECTURES}"
+        )
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         v = _value(reader, f"{arch}.{key}", default)
@@ -74,49 +89,73 @@ def gguf_hf_config(reader) -> dict:
     val_len, rot = get("attention.value_length"), get("rope.dimension_count")
     head_dim = int(get("attention.key_length") or rot or d // n)
     if val_len is not None and int(val_len) != head_dim:
-        raise ValueError(f"GGUF {arch}.attention.value_length={val_len} differs from key length "
-                         f"{head_dim}; only equal K/V head dims are supported")
+        raise ValueError(
+            f"GGUF {arch}.attention.value_length={val_len} differs from key length "
+            f"{head_dim}; only equal K/V head dims are supported"
+        )
     if rot is not None and int(rot) != head_dim:
-        raise ValueError(f"GGUF {arch}.rope.dimension_count={rot} != head_dim={head_dim}: partial "
-                         f"rotary embeddings are not supported")
+        raise ValueError(
+            f"GGUF {arch}.rope.dimension_count={rot} != head_dim={head_dim}: partial "
+            f"rotary embeddings are not supported"
+        )
     vocab = get("vocab_size")
     if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     if vocab is None and "token_embd.weight" in tensors:
         vocab = int(tensors["token_embd.weight"].shape[-1])
     if vocab is None:
-        raise ValueError(f"GGUF has no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight")
+        raise ValueError(
+            f"GGUF has no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight"
+        )
     theta = float(get("rope.freq_base", 10000.0))
     cfg: dict[str, Any] = {
-        "model_type": arch, "architectures": [f"gguf:{arch}"], "vocab_size": int(vocab),
-        "hidden_size": d, "intermediate_size": int(get("feed_forward_length", required=True)),
+        "model_type": arch,
+        "architectures": [f"gguf:{arch}"],
+        "vocab_size": int(vocab),
+        "hidden_size": d,
+        "intermediate_size": int(get("feed_forward_length", required=True)),
         "num_hidden_layers": int(get("block_count", required=True)),
-        "num_attention_heads": n, "num_key_value_heads": int(get("attention.head_count_kv", n)),
-        "head_dim": head_dim, "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": theta, "max_position_embeddings": int(get("context_length", 4096)),
-        "tie_word_embeddings": "output.weight" not in tensors, "hidden_act": "silu",
-        **{f"{k}_token_id": None if (i := _value(reader, f"tokenizer.ggml.{k}_token_id")) is None
-           else int(i) for k in ("bos", "eos")}}
+        "num_attention_heads": n,
+        "num_key_value_heads": int(get("attention.head_count_kv", n)),
+        "head_dim": head_dim,
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta,
+        "max_position_embeddings": int(get("context_length", 4096)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "hidden_act": "silu",
+        **{
+            f"{k}_token_id": None
+            if (i := _value(reader, f"tokenizer.ggml.{k}_token_id")) is None
+            else int(i)
+            for k in ("bos", "eos")
+        },
+    }
     if (scaling_type := get("rope.scaling.type")) not in (None, "none"):
-        raise ValueError(f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
-                         f"supported: none, or Llama 3 factors in rope_freqs.weight")
+        raise ValueError(
+            f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
+            f"supported: none, or Llama 3 factors in rope_freqs.weight"
+        )
     if (t := tensors.get("rope_freqs.weight")) is not None:
         import gguf
 
         factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
-        if scaling := _llama3_scaling_from_factors(factors, theta, head_dim,
-                                                   get("rope.scaling.original_context_length")):
+        if scaling := _llama3_scaling_from_factors(
+            factors, theta, head_dim, get("rope.scaling.original_context_length")
+        ):
             cfg["rope_scaling"] = scaling
     return cfg
 
 
-def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: int,
-                                 orig: int | None) -> dict | None:
+def _llama3_scaling_from_factors(
+    factors: np.ndarray, theta: float, head_dim: int, orig: int | None
+) -> dict | None:
     """HF ``rope_scaling`` (llama3; None if all multipliers are 1) from llama.cpp's ``rope_freqs``
     f[H/2]: ``orig`` (None: 8192), ``low``/``high`` fitted from the smooth band or Llama 3's (1, 4),
     checked against Llama 3.1 ``apply_scaling``. ValueError: bad length; no llama3 fit."""
     if factors.shape != (head_dim // 2,):
-        raise ValueError(f"rope_freqs.weight has shape {factors.shape}, expected ({head_dim // 2},)")
+        raise ValueError(
+            f"rope_freqs.weight has shape {factors.shape}, expected ({head_dim // 2},)"
+        )
     if np.allclose(factors, 1.0, rtol=0, atol=1e-6):
         return None
     orig, factor = int(orig or 8192), float(factors.max())
@@ -132,20 +171,32 @@ def _llama3_scaling_from_factors(factors: np.ndarray, theta: float, head_dim: in
             candidates[:0] = [(round(low, 3), round(high, 3)), (float(low), float(high))]
     for low, high in (c for c in candidates if 0 < c[0] < c[1]):
         smooth = (x - low) / (high - low)
-        ref = np.where(wavelen < orig / high, 1.0, np.where(wavelen > orig / low, factor,
-                                                             1.0 / ((1 - smooth) / factor + smooth)))
+        ref = np.where(
+            wavelen < orig / high,
+            1.0,
+            np.where(wavelen > orig / low, factor, 1.0 / ((1 - smooth) / factor + smooth)),
+        )
         if np.allclose(ref, factors, rtol=1e-4, atol=1e-6):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
-                    "high_freq_factor": high, "original_max_position_embeddings": orig}
-    raise ValueError("rope_freqs.weight does not match any Llama 3 RoPE scaling "
-                     f"(factor={factor}, original_context_length={orig}); unsupported RoPE scaling")
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": low,
+                "high_freq_factor": high,
+                "original_max_position_embeddings": orig,
+            }
+    raise ValueError(
+        "rope_freqs.weight does not match any Llama 3 RoPE scaling "
+        f"(factor={factor}, original_context_length={orig}); unsupported RoPE scaling"
+    )
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's ``LlamaModel.permute`` of q/k rows [n_heads*H, D]; same shape."""
     rows = w.shape[0]
     if rows % (2 * n_heads):
-        raise ValueError(f"cannot un-permute a tensor of {rows} rows into {n_heads} heads of even size")
+        raise ValueError(
+            f"cannot un-permute a tensor of {rows} rows into {n_heads} heads of even size"
+        )
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
@@ -164,8 +215,9 @@ def gguf_hf_tensors(reader, hf_config: Mapping[str, Any], out_dtype) -> dict[str
         if key not in GGUF_TO_HF:
             raise ValueError(f"unknown GGUF tensor {t.name!r}; known names: {sorted(GGUF_TO_HF)}")
         if layer is not None and layer >= num_layers:
-            raise ValueError(f"GGUF tensor {t.name!r} has layer index {layer} >= block_count="
-                             f"{num_layers}")
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has layer index {layer} >= block_count={num_layers}"
+            )
         if (hf_name := GGUF_TO_HF[key]) is None:  # read into the config
             continue
         hf_name = hf_name.format(i=layer)
@@ -174,11 +226,15 @@ def gguf_hf_tensors(reader, hf_config: Mapping[str, Any], out_dtype) -> dict[str
         try:
             w = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
         except NotImplementedError as e:
-            raise ValueError(f"GGUF tensor {t.name!r} has unsupported quantisation type "
-                             f"{t.tensor_type.name}: {e}") from e
+            raise ValueError(
+                f"GGUF tensor {t.name!r} has unsupported quantisation type "
+                f"{t.tensor_type.name}: {e}"
+            ) from e
         expect = tuple(int(s) for s in reversed(t.shape.tolist()))  # GGUF dims are innermost-first
         if w.shape != expect:
-            raise ValueError(f"GGUF tensor {t.name!r}: dequantised shape {w.shape} != header {expect}")
+            raise ValueError(
+                f"GGUF tensor {t.name!r}: dequantised shape {w.shape} != header {expect}"
+            )
         if _QK_PERMUTED[arch] and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             w = unpermute_qk(w, n if hf_name.endswith("q_proj.weight") else k)
         out[hf_name] = w.astype(out_dtype, copy=False)
@@ -190,12 +246,20 @@ def gguf_tokenizer(reader):
     try:
         from transformers import PreTrainedTokenizerFast
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
     except ImportError:
         return None
     meta = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    tok, config = ({name: meta[f"tokenizer.{key}"] for key, name in renames.items()
-                    if f"tokenizer.{key}" in meta} for renames in GGUF_TOKENIZER_MAPPING.values())
+    tok, config = (
+        {
+            name: meta[f"tokenizer.{key}"]
+            for key, name in renames.items()
+            if f"tokenizer.{key}" in meta
+        }
+        for renames in GGUF_TOKENIZER_MAPPING.values()
+    )
     if tok.get("tokenizer_type") == "llama":  # llama.cpp adds BOS unless the file says not to
         config.setdefault("add_bos_token", True)
     for name, key in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding")):
@@ -203,4 +267,3 @@ def gguf_tokenizer(reader):
         config[f"{name}_token"] = None if i is None else tok["tokens"][int(i)]
     backend, extra = convert_gguf_tokenizer(_value(reader, "general.architecture"), tok)
     return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
-

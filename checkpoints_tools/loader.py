@@ -4,8 +4,9 @@
 
 import json
 import os
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from checkpoints_tools import gguf_cache, gguf_loader, orbax_io
 
@@ -15,11 +16,13 @@ TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model",
 
 
 def detect_format(path: str | os.PathLike) -> str:
-    """"gguf" | "orbax" | "hf" of ``path``; FileNotFoundError: no ``path``; ValueError: other."""
+    """ "gguf" | "orbax" | "hf" of ``path``; FileNotFoundError: no ``path``; ValueError: other."""
     p = os.fspath(path)
-    expected = ("expected a .gguf file, a directory with jaxinfer_config.json (an Orbax checkpoint "
-                "from `python scripts/convert_checkpoint.py`), or an HF model directory with config.json "
-                "and *.safetensors")
+    expected = (
+        "expected a .gguf file, a directory with jaxinfer_config.json (an Orbax checkpoint "
+        "from `python scripts/convert_checkpoint.py`), or an HF model directory with config.json "
+        "and *.safetensors"
+    )
     if not os.path.exists(p):
         raise FileNotFoundError(f"model path {p!r} does not exist")
     if os.path.isfile(p):
@@ -30,20 +33,23 @@ def detect_format(path: str | os.PathLike) -> str:
         return "orbax"
     if os.path.isfile(os.path.join(p, "config.json")):
         return "hf"
-    raise ValueError(f"model directory {p!r} has neither jaxinfer_config.json nor config.json; "
-                     f"{expected}")
+    raise ValueError(
+        f"model directory {p!r} has neither jaxinfer_config.json nor config.json; {expected}"
+    )
 
 
 def _ids(value: Any) -> tuple[int, ...]:
-    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value])
-                 if v is not None)
+    return tuple(
+        int(v) for v in (value if isinstance(value, (list, tuple)) else [value]) if v is not None
+    )
 
 
 def read_json(path: str) -> dict:
     """A JSON object file. FileNotFoundError: absent; ValueError: not a JSON object."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no {os.path.basename(path)} in model directory "
-                                f"{os.path.dirname(path)!r}")
+        raise FileNotFoundError(
+            f"no {os.path.basename(path)} in model directory {os.path.dirname(path)!r}"
+        )
     with open(path) as f:
         try:
             out = json.load(f)
@@ -78,8 +84,13 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         return open_checkpoint(cached)  # `gguf_cache`: an HF directory converted before
     if fmt == "gguf":
         reader = gguf_loader.open_gguf(p)
-        return Checkpoint(p, fmt, gguf_loader.gguf_hf_config(reader),
-                          gguf_loader.gguf_eos_token_ids(reader), reader)
+        return Checkpoint(
+            p,
+            fmt,
+            gguf_loader.gguf_hf_config(reader),
+            gguf_loader.gguf_eos_token_ids(reader),
+            reader,
+        )
     if fmt == "orbax":
         meta = orbax_io.read_saved_config(p)
         return Checkpoint(p, fmt, meta["model_config"], _ids(meta.get("eos_token_ids")))
@@ -111,25 +122,37 @@ def load_tokenizer(path: "str | os.PathLike | Checkpoint", fmt: str | None = Non
     p = os.fspath(path)
     fmt = fmt or detect_format(p)
     d, name = os.path.split(os.path.abspath(p))
-    args, kw = ((d,), {"gguf_file": name}) if fmt == "gguf" else (
-        (os.path.join(p, orbax_io.TOKENIZER_DIR) if fmt == "orbax" else p,), {})
-    load, saved = transformers.PreTrainedTokenizerFast.from_pretrained, f"{args[0]}/{TOKENIZER_FILES[0]}"
+    args, kw = (
+        ((d,), {"gguf_file": name})
+        if fmt == "gguf"
+        else ((os.path.join(p, orbax_io.TOKENIZER_DIR) if fmt == "orbax" else p,), {})
+    )
+    load, saved = (
+        transformers.PreTrainedTokenizerFast.from_pretrained,
+        f"{args[0]}/{TOKENIZER_FILES[0]}",
+    )
     if fmt != "gguf":  # the saved class by name: AutoTokenizer's imports take seconds (torch's)
         if not any(os.path.isfile(os.path.join(args[0], f)) for f in TOKENIZER_FILES):
-            raise ValueError(f"{fmt} model {p!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}"
-                             f" in {args[0]!r}): give tokenizer=DIR, or skip_tokenizer_init")
+            raise ValueError(
+                f"{fmt} model {p!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}"
+                f" in {args[0]!r}): give tokenizer=DIR, or skip_tokenizer_init"
+            )
         name = (read_json(saved) if os.path.isfile(saved) else {}).get("tokenizer_class") or "-"
         cls = getattr(transformers, name + "Fast", None) or getattr(transformers, name, None)
         load = getattr(cls, "from_pretrained", None) or transformers.AutoTokenizer.from_pretrained
     try:
         return load(*args, local_files_only=True, **kw)
     except ImportError as e:  # transformers' GGUF reader imports torch
-        raise ValueError(f"cannot load the tokenizer of {fmt} model {p!r}: {e}; GGUF tokenizers need"
-                         " PyTorch: pip install 'jaxinfer[gguf]' (or convert the model once with "
-                         "python scripts/convert_checkpoint.py where it is installed)") from e
+        raise ValueError(
+            f"cannot load the tokenizer of {fmt} model {p!r}: {e}; GGUF tokenizers need"
+            " PyTorch: pip install 'jaxinfer[gguf]' (or convert the model once with "
+            "python scripts/convert_checkpoint.py where it is installed)"
+        ) from e
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"cannot load a tokenizer for {fmt} model {p!r} from {args[0]!r}: "
-                         f"{type(e).__name__}: {e}") from e
+        raise ValueError(
+            f"cannot load a tokenizer for {fmt} model {p!r} from {args[0]!r}: "
+            f"{type(e).__name__}: {e}"
+        ) from e
 
 
 def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
@@ -148,7 +171,9 @@ def shard_files(path: str | os.PathLike) -> tuple[list[str], dict | None]:
         raise FileNotFoundError(f"no {SINGLE_FILE!r} or {INDEX_FILE!r} in model directory {root!r}")
     for p in files:
         if not os.path.isfile(p):
-            raise FileNotFoundError(f"safetensors shard {p!r} (named in {INDEX_FILE}) does not exist")
+            raise FileNotFoundError(
+                f"safetensors shard {p!r} (named in {INDEX_FILE}) does not exist"
+            )
     return files, weight_map
 
 
@@ -183,8 +208,10 @@ def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
         with safe_open(file, framework="numpy") as f:
             for name in f.keys():
                 if name in where:
-                    raise ValueError(f"duplicate tensor {name!r}: in shard {where[name]!r} and in "
-                                     f"shard {os.path.basename(file)!r}")
+                    raise ValueError(
+                        f"duplicate tensor {name!r}: in shard {where[name]!r} and in "
+                        f"shard {os.path.basename(file)!r}"
+                    )
                 where[name] = os.path.basename(file)
                 try:
                     array = f.get_tensor(name)
@@ -196,5 +223,7 @@ def iter_tensors(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
     if weight_map is not None:
         for name, shard in weight_map.items():
             if where.get(name) != shard:
-                raise ValueError(f"{INDEX_FILE} maps tensor {name!r} to shard {shard!r}, but it is "
-                                 f"{'in ' + repr(where[name]) if name in where else 'in no shard'}")
+                raise ValueError(
+                    f"{INDEX_FILE} maps tensor {name!r} to shard {shard!r}, but it is "
+                    f"{'in ' + repr(where[name]) if name in where else 'in no shard'}"
+                )

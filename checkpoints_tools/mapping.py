@@ -6,7 +6,8 @@ gate/up ``w_gate_up``; HF FP8: matrices stay fp8, ``weight_scale_inv`` -> ``<par
 
 import re
 import warnings
-from typing import Any, Iterable, Mapping, NamedTuple, Union
+from collections.abc import Iterable, Mapping
+from typing import Any, NamedTuple, Union
 
 import numpy as np
 
@@ -14,6 +15,7 @@ import numpy as np
 class TensorRule(NamedTuple):
     """One HF tensor -> one param entry (slash-separated tree path), or one ``part`` of a fused
     entry's output axis; ``{i}``: layer index; ``transpose``: ``[out, in]`` -> ``[in, out]``."""
+
     hf_name: str
     param: str
     transpose: bool
@@ -38,10 +40,14 @@ HF_TO_PARAMS: tuple[TensorRule, ...] = (
     TensorRule(_L + "mlp.up_proj.weight", _P + "w_gate_up", True, part="up"),
     TensorRule(_L + "mlp.down_proj.weight", _P + "w_down", True),
     TensorRule("model.norm.weight", "final_norm", False),
-    TensorRule("lm_head.weight", "lm_head", True))
+    TensorRule("lm_head.weight", "lm_head", True),
+)
 # HF FP8 block scales ``<name>.weight_scale_inv`` [out/bo, in/bi] -> ``<param>_scale``.
-HF_TO_PARAMS += tuple(TensorRule(r.hf_name + "_scale_inv", r.param + "_scale", True, r.part)
-                      for r in HF_TO_PARAMS if r.per_layer and r.transpose)
+HF_TO_PARAMS += tuple(
+    TensorRule(r.hf_name + "_scale_inv", r.param + "_scale", True, r.part)
+    for r in HF_TO_PARAMS
+    if r.per_layer and r.transpose
+)
 
 # Non-parameter buffers (recomputed from the config).
 IGNORED_HF: tuple[str, ...] = ("model.rotary_emb.inv_freq", _L + "self_attn.rotary_emb.inv_freq")
@@ -55,11 +61,17 @@ def fp8_block_size(qc: Mapping[str, Any] | None) -> tuple[int, int] | None:
     if not qc:
         return None
     block = qc.get("weight_block_size")
-    if (qc.get("quant_method") != "fp8" or qc.get("activation_scheme", "dynamic") != "dynamic"
-            or not isinstance(block, (list, tuple)) or len(block) != 2):
-        raise ValueError(f"quantization_config={dict(qc)} is not supported: only HF FP8 "
-                         "checkpoints (quant_method 'fp8', activation_scheme 'dynamic', "
-                         "weight_block_size [out, in])")
+    if (
+        qc.get("quant_method") != "fp8"
+        or qc.get("activation_scheme", "dynamic") != "dynamic"
+        or not isinstance(block, (list, tuple))
+        or len(block) != 2
+    ):
+        raise ValueError(
+            f"quantization_config={dict(qc)} is not supported: only HF FP8 "
+            "checkpoints (quant_method 'fp8', activation_scheme 'dynamic', "
+            "weight_block_size [out, in])"
+        )
     return int(block[0]), int(block[1])
 
 
@@ -70,19 +82,29 @@ def tree_mismatches(want, got, *, dtypes: bool = False, slash: bool = False) -> 
     import jax
 
     def flat(tree):
-        return {("/" + jax.tree_util.keystr(k, simple=True, separator="/") if slash
-                 else jax.tree_util.keystr(k)): v
-                for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+        return {
+            (
+                "/" + jax.tree_util.keystr(k, simple=True, separator="/")
+                if slash
+                else jax.tree_util.keystr(k)
+            ): v
+            for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]
+        }
 
     def desc(a):
         shape = tuple(int(d) for d in getattr(a, "shape", ()))
         return f"{getattr(a, 'dtype', type(a).__name__)}{list(shape)}" if dtypes else f"{shape}"
 
     w, g = flat(want), flat(got)
-    return [f"params{k} is missing" if k not in g else f"params{k} is unexpected" if k not in w
-            else f"params{k} {'is' if dtypes else 'has shape'} {desc(g[k])}, expected {desc(w[k])}"
-            for k in sorted(w.keys() | g.keys()) if k not in g or k not in w
-            or desc(g[k]) != desc(w[k])]
+    return [
+        f"params{k} is missing"
+        if k not in g
+        else f"params{k} is unexpected"
+        if k not in w
+        else f"params{k} {'is' if dtypes else 'has shape'} {desc(g[k])}, expected {desc(w[k])}"
+        for k in sorted(w.keys() | g.keys())
+        if k not in g or k not in w or desc(g[k]) != desc(w[k])
+    ]
 
 
 def _pattern(template: str) -> re.Pattern:
@@ -115,11 +137,15 @@ def _match(name: str, rules, num_layers: int, architecture: str) -> tuple[Any, i
         if m := _pattern(r.hf_name).match(name):
             layer = int(m.group(1)) if r.per_layer else None
             if layer is not None and layer >= num_layers:
-                raise ValueError(f"unexpected tensor {name!r} in checkpoint: layer index {layer} "
-                                 f">= num_layers={num_layers}")
+                raise ValueError(
+                    f"unexpected tensor {name!r} in checkpoint: layer index {layer} "
+                    f">= num_layers={num_layers}"
+                )
             return r, layer
-    raise ValueError(f"unexpected tensor {name!r} in checkpoint: no entry in the mapping table "
-                     f"for architecture {architecture!r}")
+    raise ValueError(
+        f"unexpected tensor {name!r} in checkpoint: no entry in the mapping table "
+        f"for architecture {architecture!r}"
+    )
 
 
 def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cfg: Any) -> dict:
@@ -127,27 +153,38 @@ def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cf
     found: dict[str, Any] = {}
     for name, array in tensors.items() if isinstance(tensors, Mapping) else tensors:
         if name in found:
-            raise ValueError(f"duplicate tensor {name!r}: given more than once (e.g. in two shards)")
+            raise ValueError(
+                f"duplicate tensor {name!r}: given more than once (e.g. in two shards)"
+            )
         rule, layer = _match(name, rules, cfg.num_layers, cfg.architecture)
         if rule is not None:
             array, want = np.asarray(array), hf_shape(rule, abstract, parts)
             fp8 = np.dtype(_spec(abstract, rule.param)[1]).name == "float8_e4m3fn"
             if tuple(array.shape) != want or (fp8 and array.dtype.name != "float8_e4m3fn"):
                 where = rule.param.format(i=layer) + (f" part {rule.part!r}" if rule.part else "")
-                raise ValueError(f"tensor {name!r} has shape {tuple(array.shape)} ({array.dtype})"
-                                 f", expected {want}{' in float8_e4m3fn' * fp8} (for param "
-                                 f"{where!r} of {cfg.architecture} config)")
+                raise ValueError(
+                    f"tensor {name!r} has shape {tuple(array.shape)} ({array.dtype})"
+                    f", expected {want}{' in float8_e4m3fn' * fp8} (for param "
+                    f"{where!r} of {cfg.architecture} config)"
+                )
         found[name] = array if rule is not None else None  # ignored: kept for duplicate checks
-    missing = [n for r in rules if r.param != "lm_head"
-               for n in ([r.hf_name.format(i=i) for i in range(cfg.num_layers)] if r.per_layer
-                         else [r.hf_name]) if n not in found]
+    missing = [
+        n
+        for r in rules
+        if r.param != "lm_head"
+        for n in (
+            [r.hf_name.format(i=i) for i in range(cfg.num_layers)] if r.per_layer else [r.hf_name]
+        )
+        if n not in found
+    ]
     if missing:
         raise ValueError(f"missing tensors in checkpoint ({len(missing)}): {missing}")
     return found
 
 
-def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
-                         parts: Mapping, on_host: bool = False) -> dict:
+def hf_tensors_to_params(
+    tensors: TensorSource, cfg: Any, abstract: Mapping, parts: Mapping, on_host: bool = False
+) -> dict:
     """The param tree (jax arrays in each abstract leaf's dtype; numpy with ``on_host``; ``lm_head``
     iff untied) from HF-named ``tensors`` (a dict or ``(name, array)`` pairs). cfg: duck-typed
     ``num_layers``, ``architecture``, ``tie_word_embeddings``; abstract: the ShapeDtypeStruct tree
@@ -156,8 +193,11 @@ def hf_tensors_to_params(tensors: TensorSource, cfg: Any, abstract: Mapping,
     import jax.numpy as jnp
 
     layer0 = abstract["layers"].get("0", {})
-    rules = [r for r in HF_TO_PARAMS if r.param == "lm_head"
-             or (r.leaf in layer0 if r.per_layer else r.param in abstract)]
+    rules = [
+        r
+        for r in HF_TO_PARAMS
+        if r.param == "lm_head" or (r.leaf in layer0 if r.per_layer else r.param in abstract)
+    ]
     found = _collect(tensors, rules, abstract, parts, cfg)
     tied = _decide_tying(found, cfg)
     params: dict = {}
@@ -191,14 +231,19 @@ def _fuse(pieces, parts: Mapping, shape, dtype, xp):
 def _decide_tying(found: Mapping[str, np.ndarray], cfg: Any) -> bool:
     if (head := found.get("lm_head.weight")) is None:
         if not cfg.tie_word_embeddings:
-            warnings.warn("config says tie_word_embeddings=False but the checkpoint has no "
-                          "'lm_head.weight'; using the embedding as the output head", stacklevel=4)
+            warnings.warn(
+                "config says tie_word_embeddings=False but the checkpoint has no "
+                "'lm_head.weight'; using the embedding as the output head",
+                stacklevel=4,
+            )
         return True
     embed = found["model.embed_tokens.weight"]
     if np.array_equal(head[:1], embed[:1]) and np.array_equal(head, embed):  # first row: fast no
         return True
     if cfg.tie_word_embeddings:
-        warnings.warn("config says tie_word_embeddings=True but 'lm_head.weight' differs from "
-                      "'model.embed_tokens.weight'; using the checkpoint's lm_head (untied)",
-                      stacklevel=4)
+        warnings.warn(
+            "config says tie_word_embeddings=True but 'lm_head.weight' differs from "
+            "'model.embed_tokens.weight'; using the checkpoint's lm_head (untied)",
+            stacklevel=4,
+        )
     return False

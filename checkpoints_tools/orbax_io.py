@@ -25,8 +25,10 @@ def read_saved_config(src_dir: str | os.PathLike) -> dict:
     with open(p) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT_NAME or meta.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{p}: format={meta.get('format')!r} version={meta.get('version')!r}; "
-                         f"expected format={FORMAT_NAME!r} version={FORMAT_VERSION}")
+        raise ValueError(
+            f"{p}: format={meta.get('format')!r} version={meta.get('version')!r}; "
+            f"expected format={FORMAT_NAME!r} version={FORMAT_VERSION}"
+        )
     return meta
 
 
@@ -42,8 +44,13 @@ def restore(src_dir: str | os.PathLike, abstract, on_host: bool = False):
         raise FileNotFoundError(f"checkpoint {src!r} has no {PARAMS_DIR}/ directory")
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = jax.tree_util.tree_map(  # a numpy leaf's target: its dtype (orbax reads the shape)
-        lambda s: np.empty(0, s.dtype) if on_host else
-        jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), abstract)
+        lambda s: (
+            np.empty(0, s.dtype)
+            if on_host
+            else jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
+        ),
+        abstract,
+    )
     with ocp.StandardCheckpointer() as ckptr:
         misfit = f"checkpoint {src!r}: the stored params do not fit its {CONFIG_FILE}"
         try:  # stored shapes from orbax metadata, checked before any data is read

@@ -3,12 +3,19 @@ The public API (vLLM names) loads lazily, so host-side modules do not pull in JA
 
 import importlib
 
-_WHERE = {"LLM": "jaxinfer.llm", "SamplingParams": "jaxinfer.sampling_params",
-          "RequestOutput": "jaxinfer.outputs", "CompletionOutput": "jaxinfer.outputs",
-          "EngineConfig": "jaxinfer.config", "KernelConfig": "jaxinfer.config",
-          "ModelConfig": "jaxinfer.config", "StructuredOutputsParams": "jaxinfer.sampling_params",
-          "BeamSearchParams": "jaxinfer.sampling_params",
-          "TextPrompt": "jaxinfer.inputs", "TokensPrompt": "jaxinfer.inputs"}
+_WHERE = {
+    "LLM": "jaxinfer.llm",
+    "SamplingParams": "jaxinfer.sampling_params",
+    "RequestOutput": "jaxinfer.outputs",
+    "CompletionOutput": "jaxinfer.outputs",
+    "EngineConfig": "jaxinfer.config",
+    "KernelConfig": "jaxinfer.config",
+    "ModelConfig": "jaxinfer.config",
+    "StructuredOutputsParams": "jaxinfer.sampling_params",
+    "BeamSearchParams": "jaxinfer.sampling_params",
+    "TextPrompt": "jaxinfer.inputs",
+    "TokensPrompt": "jaxinfer.inputs",
+}
 __all__ = list(_WHERE)
 __version__ = "0.1.0"
 

@@ -43,35 +43,46 @@ def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm=False) -> list[
     ``ignore_eos``) finish, the ``beam_width`` best others (`beam_search_score`) live on. A beam at
     ``max_model_len`` ends ("length"; vLLM drops it). Per prompt, in order: the ``beam_width``
     best of finished and live beams. ValueError: a prompt `LLM.generate` refuses."""
-    step = SamplingParams(max_tokens=1, logprobs=2 * params.beam_width,
-                          temperature=params.temperature)
+    step = SamplingParams(
+        max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature
+    )
     _, encoded, _ = llm._prepare(prompts, step, True, llm.engine.check_request)
     eos = set(llm.engine.eos_token_ids)
     stops = set() if params.ignore_eos else eos  # tokens that finish a beam
 
     def best(beams: list[BeamSearchSequence]) -> list[BeamSearchSequence]:
-        return sorted(beams, key=lambda b: beam_search_score(b, eos, params.length_penalty),
-                      reverse=True)[:params.beam_width]
+        return sorted(
+            beams, key=lambda b: beam_search_score(b, eos, params.length_penalty), reverse=True
+        )[: params.beam_width]
 
     live, done = [[BeamSearchSequence(list(ids))] for _, ids in encoded], [[] for _ in encoded]
     for _ in tqdm(range(params.max_tokens), desc="beam search", disable=not use_tqdm):
         beams = [(i, b) for i, bs in enumerate(live) for b in bs]  # none: nothing runs
-        outs = llm.generate([{"prompt_token_ids": b.tokens} for _, b in beams], step,
-                            on_error="return")
+        outs = llm.generate(
+            [{"prompt_token_ids": b.tokens} for _, b in beams], step, on_error="return"
+        )
         live = [[] for _ in encoded]
         for (i, beam), out in zip(beams, outs):
             if out.error is not None:  # the beam is at max_model_len: it ends ("length")
                 done[i].append(beam)
                 continue
             for t, lp in (cands := out.outputs[0].logprobs[0]).items():
-                (done[i] if t in stops else live[i]).append(BeamSearchSequence(
-                    beam.tokens + [t], beam.logprobs + [cands], beam.cum_logprob + lp.logprob,
-                    stop_reason=t if t in stops else None))
+                (done[i] if t in stops else live[i]).append(
+                    BeamSearchSequence(
+                        beam.tokens + [t],
+                        beam.logprobs + [cands],
+                        beam.cum_logprob + lp.logprob,
+                        stop_reason=t if t in stops else None,
+                    )
+                )
         live = [best(bs) for bs in live]
     results = [BeamSearchOutput(best(finished + bs)) for finished, bs in zip(done, live)]
     for b in (b for r in results for b in r.sequences):
         b.finish_reason = "length" if b.stop_reason is None else "stop"
         cut = b.stop_reason is not None and not params.include_stop_str_in_output
-        b.text = None if llm.tokenizer is None else llm._detokenize(
-            b.tokens[:len(b.tokens) - cut], skip_special_tokens=False)
+        b.text = (
+            None
+            if llm.tokenizer is None
+            else llm._detokenize(b.tokens[: len(b.tokens) - cut], skip_special_tokens=False)
+        )
     return results

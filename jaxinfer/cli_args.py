@@ -9,8 +9,11 @@ import sys
 
 from jaxinfer.config import EngineConfig, KernelConfig
 
-ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineConfig)  # --seed: the requests'
-                       if f.name not in ("seed", "kernels"))
+ENGINE_OPTIONS = tuple(
+    f.name
+    for f in dataclasses.fields(EngineConfig)  # --seed: the requests'
+    if f.name not in ("seed", "kernels")
+)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -56,16 +59,28 @@ def engine_parser(prog: str, description: str) -> Parser:
     """A `Parser` with ``--model``, the group of `ENGINE_OPTIONS` (type, default and help from
     `EngineConfig`) and ``--kernels SPEC`` (`KernelConfig.parse`)."""
     p = Parser(prog, description)
-    p.add_argument("--model", default=None, help="HF model dir, GGUF file or Orbax dir "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model dir, GGUF file or Orbax dir (default: the embedded SmolLM2-135M-Instruct)",
+    )
     g = p.add_argument_group("engine (jaxinfer.config.EngineConfig)")
     for f in (f for f in dataclasses.fields(EngineConfig) if f.name in ENGINE_OPTIONS):
-        kind = (dict(action=argparse.BooleanOptionalAction) if f.type == "bool" else  # f.type: str
-                dict(type=float if "float" in f.type else int if "int" in f.type else str))
+        kind = (
+            dict(action=argparse.BooleanOptionalAction)
+            if f.type == "bool"
+            # f.type: str
+            else dict(type=float if "float" in f.type else int if "int" in f.type else str)
+        )
         g.add_argument(flag(f.name), default=f.default, **kind, **f.metadata)
-    g.add_argument("--kernels", type=_kernels, default=KernelConfig(), metavar="SPEC",
-                   help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"
-                        "prefill=triton ('auto': chosen for the device). Keys: " + KernelConfig.help())
+    g.add_argument(
+        "--kernels",
+        type=_kernels,
+        default=KernelConfig(),
+        metavar="SPEC",
+        help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"
+        "prefill=triton ('auto': chosen for the device). Keys: " + KernelConfig.help(),
+    )
     return p
 
 
@@ -79,6 +94,7 @@ def make_llm(args: argparse.Namespace, **kwargs):
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     opts = {name: getattr(args, name) for name in ENGINE_OPTIONS}
     if "compile_in_background" in opts and opts["compile_in_background"] is None:  # serve's
-        import jax                                                              # default
+        import jax  # default
+
         opts["compile_in_background"] = jax.default_backend() == "gpu"
     return llm.LLM(args.model, kernels=args.kernels, **opts, **kwargs)

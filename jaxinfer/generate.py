@@ -17,39 +17,70 @@ SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
     ("top_p", float, 1.0, "nucleus sampling mass, in (0, 1]"),
     ("top_k", int, -1, "sample from the k likeliest; 0 or -1 = off"),
     ("min_p", float, 0.0, "drop tokens below min_p x the top probability; 0 = off"),
-    ("repetition_penalty", float, 1.0, "> 1 discourages tokens already in the prompt or output; "
-     "1 = off"),
+    (
+        "repetition_penalty",
+        float,
+        1.0,
+        "> 1 discourages tokens already in the prompt or output; 1 = off",
+    ),
     ("presence_penalty", float, 0.0, "in [-2, 2]: subtracted from tokens already generated"),
     ("frequency_penalty", float, 0.0, "in [-2, 2]: subtracted per time a token was generated"),
     ("min_tokens", int, 0, "EOS and stop tokens are masked until this many tokens"),
-    ("seed", int, None, "per-request seed; unseeded requests draw from the engine's seed 0, so a "
-     "run is reproducible either way"),
+    (
+        "seed",
+        int,
+        None,
+        "per-request seed; unseeded requests draw from the engine's seed 0, so a "
+        "run is reproducible either way",
+    ),
     ("n", int, 1, "samples per prompt (sample i seeded by (seed, i))"),
-    ("logprobs", int, None, "print each generated token's top N (0 to 20) log-probabilities"))
+    ("logprobs", int, None, "print each generated token's top N (0 to 20) log-probabilities"),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = engine_parser("python -m jaxinfer.generate",
-                      "Generate text with jaxinfer (continuous batching, paged KV cache).")
-    p.add_argument("--tokenizer", default=None,
-                   help="HF tokenizer dir or GGUF file to use instead of the model's")
+    p = engine_parser(
+        "python -m jaxinfer.generate",
+        "Generate text with jaxinfer (continuous batching, paged KV cache).",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer dir or GGUF file to use instead of the model's",
+    )
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    p.add_argument("--prompts-file", default=None, help="one prompt per line: plain text, or in "
-                   "a .jsonl file a JSON string or {\"prompt\": ...}")
-    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument(
+        "--prompts-file",
+        default=None,
+        help="one prompt per line: plain text, or in "
+        'a .jsonl file a JSON string or {"prompt": ...}',
+    )
+    p.add_argument(
+        "--chat", action="store_true", help="wrap each prompt in the model's chat template"
+    )
     for name, typ, default, help in SAMPLING_OPTIONS:
         p.add_argument(flag(name), type=typ, default=default, help=help)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    for opt, help in (("--ignore-eos", "keep generating past EOS"),
-                      ("--include-stop-str-in-output", "keep the stop string in the text"),
-                      ("--stream", "print tokens as they arrive"),
-                      ("--json", "one JSON object per request on stdout")):
+    for opt, help in (
+        ("--ignore-eos", "keep generating past EOS"),
+        ("--include-stop-str-in-output", "keep the stop string in the text"),
+        ("--stream", "print tokens as they arrive"),
+        ("--json", "one JSON object per request on stdout"),
+    ):
         p.add_argument(opt, action="store_true", help=help)
     seqs = p._option_string_actions["--max-num-seqs"]  # argparse has no public lookup
-    seqs.default, seqs.help = None, ("most sequences in one step (default: the samples asked, at "
-                                     f"most {EngineConfig.max_num_seqs}; sizes the CPU's KV pool)")
-    p.add_argument("--verbose", action="store_true", help="print the seconds of each phase "
-                   "(imports, load, compile, first token) on stderr")
+    seqs.default, seqs.help = (
+        None,
+        (
+            "most sequences in one step (default: the samples asked, at "
+            f"most {EngineConfig.max_num_seqs}; sizes the CPU's KV pool)"
+        ),
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="print the seconds of each phase (imports, load, compile, first token) on stderr",
+    )
     return p
 
 
@@ -61,18 +92,22 @@ def _read_prompts_file(path: str) -> list[str]:
         raise ValueError(f"--prompts-file {path!r} is not a file")
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
-            lines = [(n, s.removesuffix("\r")) for n, s in enumerate(f.read().split("\n"), 1)
-                     if s.strip()]
+            lines = [
+                (n, s.removesuffix("\r"))
+                for n, s in enumerate(f.read().split("\n"), 1)
+                if s.strip()
+            ]
     except UnicodeDecodeError as e:
-        raise ValueError(f"--prompts-file {path!r} is not UTF-8 text (byte {e.start}: "
-                         f"{e.reason})") from None
+        raise ValueError(
+            f"--prompts-file {path!r} is not UTF-8 text (byte {e.start}: {e.reason})"
+        ) from None
     for k, (n, line) in enumerate(lines if path.endswith(".jsonl") else ()):
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(obj := obj.get("prompt") if isinstance(obj, dict) else obj, str):
-            raise ValueError(f"{path}:{n}: expected a JSON string or {{\"prompt\": str}}")
+            raise ValueError(f'{path}:{n}: expected a JSON string or {{"prompt": str}}')
         lines[k] = n, obj
     return [s for _, s in lines]
 
@@ -95,11 +130,21 @@ def _print(args, i: int, prompts: list[str], o, c) -> None:
     line per token: its text (repr), its log-probability, ``top:`` the N likeliest with theirs."""
     top = c.top_logprobs(args.logprobs) if args.logprobs is not None else None
     if args.json:  # "logprobs": null unless asked
-        return print(json.dumps({
-            "index": i, "sample": c.index, "prompt": prompts[i], "text": c.text,
-            "token_ids": list(c.token_ids), "finish_reason": c.finish_reason,
-            "prompt_tokens": len(o.prompt_token_ids), "ttft_s": o.metrics and o.metrics.ttft_s,
-            "logprobs": top and [{"token": s, "logprob": lp, "top": t} for s, lp, t in top]}))
+        return print(
+            json.dumps(
+                {
+                    "index": i,
+                    "sample": c.index,
+                    "prompt": prompts[i],
+                    "text": c.text,
+                    "token_ids": list(c.token_ids),
+                    "finish_reason": c.finish_reason,
+                    "prompt_tokens": len(o.prompt_token_ids),
+                    "ttft_s": o.metrics and o.metrics.ttft_s,
+                    "logprobs": top and [{"token": s, "logprob": lp, "top": t} for s, lp, t in top],
+                }
+            )
+        )
     if len(prompts) > 1 or args.n > 1:
         print(f"--- [{i}] {prompts[i]!r}" + (f" sample {c.index}" if args.n > 1 else ""))
     print(c.text)
@@ -114,23 +159,38 @@ def _main(argv: list[str] | None = None) -> int:
     try:  # the options, prompts, SamplingParams and LLM; a bad one: one line, exit code 2
         args = build_parser().parse_args(argv)
         if args.stream and (args.json or args.n > 1 or args.logprobs is not None):
-            raise ValueError("--stream prints one sample's text per prompt as it comes: it cannot "
-                             "be combined with --json, --n above 1 or --logprobs")
+            raise ValueError(
+                "--stream prints one sample's text per prompt as it comes: it cannot "
+                "be combined with --json, --n above 1 or --logprobs"
+            )
         prompts = args.prompt + (_read_prompts_file(args.prompts_file) if args.prompts_file else [])
         if not prompts:
-            raise ValueError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file "
-                             "FILE")
-        params = SamplingParams(stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-                                include_stop_str_in_output=args.include_stop_str_in_output,
-                                **{name: getattr(args, name) for name, *_ in SAMPLING_OPTIONS})
+            raise ValueError(
+                "no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE"
+            )
+        params = SamplingParams(
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+            include_stop_str_in_output=args.include_stop_str_in_output,
+            **{name: getattr(args, name) for name, *_ in SAMPLING_OPTIONS},
+        )
         if args.max_num_seqs is None:
             args.max_num_seqs = min(len(prompts) * max(args.n, 1), EngineConfig.max_num_seqs)
         if args.verbose:
             importlib.import_module("jaxinfer.llm")  # timed apart from the load
         t_import = time.perf_counter()
         llm = make_llm(args, tokenizer=args.tokenizer)
-        inputs = [{"prompt": p, "prompt_token_ids": llm.apply_chat_template(
-            [{"role": "user", "content": p}])} for p in prompts] if args.chat else prompts
+        inputs = (
+            [
+                {
+                    "prompt": p,
+                    "prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}]),
+                }
+                for p in prompts
+            ]
+            if args.chat
+            else prompts
+        )
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
 
@@ -141,8 +201,13 @@ def _main(argv: list[str] | None = None) -> int:
 
     info = sys.stderr  # statistics beside the answers, never mixed into them
     t0 = time.perf_counter()
-    outs = llm.generate(inputs, params, use_tqdm=len(prompts) > 1 and not args.stream,
-                        on_error="return", stream=print_delta if args.stream else None)
+    outs = llm.generate(
+        inputs,
+        params,
+        use_tqdm=len(prompts) > 1 and not args.stream,
+        on_error="return",
+        stream=print_delta if args.stream else None,
+    )
     wall, ok = time.perf_counter() - t0, [o for o in outs if not o.error]
     if args.stream:
         sys.stdout.write("\n")
@@ -155,16 +220,22 @@ def _main(argv: list[str] | None = None) -> int:
     n_gen = sum(len(c.token_ids) for o in ok for c in o.outputs)
     ttfts = [o.metrics.ttft_s for o in ok if o.metrics and o.metrics.ttft_s is not None]
     if ok:  # a run whose every prompt failed prints only its errors
-        print(f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "
-              f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
-              f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, step "
-              f"compiles or cache loads included), shapes: {llm.engine.stats().num_compiles}", file=info)
+        print(
+            f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "
+            f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
+            f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, step "
+            f"compiles or cache loads included), shapes: {llm.engine.stats().num_compiles}",
+            file=info,
+        )
     if args.verbose:
         first = min(ttfts, default=float("nan")) + t0 - t_start
-        print(f"phases: imports {t_import - t_start:.1f} s, load {t0 - t_import:.1f} s, compile "
-              f"{llm.engine.stats().compile_s:.1f} s ({llm.engine.stats().num_compiles} shapes), "
-              f"first token {first:.1f} s, total {time.perf_counter() - t_start:.1f} s "
-              "(from the start of main)", file=info)
+        print(
+            f"phases: imports {t_import - t_start:.1f} s, load {t0 - t_import:.1f} s, compile "
+            f"{llm.engine.stats().compile_s:.1f} s ({llm.engine.stats().num_compiles} shapes), "
+            f"first token {first:.1f} s, total {time.perf_counter() - t_start:.1f} s "
+            "(from the start of main)",
+            file=info,
+        )
     return 2 if len(ok) < len(outs) else 0
 
 

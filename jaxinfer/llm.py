@@ -2,7 +2,7 @@
 
 import dataclasses
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 from tqdm import tqdm
@@ -40,13 +40,15 @@ _METRICS = (  # vLLM's names where the engine has the same counter
     (Counter, "vllm:prefix_cache_queries", lambda s: s.prefix_cache_queries),
     (Counter, "vllm:prefix_cache_hits", lambda s: s.prefix_cache_hits),
     (Counter, "jaxinfer:num_steps", lambda s: s.num_steps),
-    (Gauge, "jaxinfer:compiled_step_shapes", lambda s: s.num_compiles))
+    (Gauge, "jaxinfer:compiled_step_shapes", lambda s: s.num_compiles),
+)
 
 
 def _claim_gpu_memory(utilization: float) -> None:
     """vLLM's ``gpu_memory_utilization`` as ``XLA_PYTHON_CLIENT_MEM_FRACTION``, if unset and no
     JAX backend has started (else `memory.card_bytes_usable` checks what the allocator got)."""
     from jax._src import xla_bridge  # JAX 0.10-0.11 has no public "backends started" test
+
     if not getattr(xla_bridge, "backends_are_initialized", lambda: True)():
         os.environ.setdefault(memory.XLA_MEM_FRACTION_ENV, str(utilization))
 
@@ -60,12 +62,20 @@ class LLM(Prompts):
     FileNotFoundError: no such model (a hub id: the local forms named) or tokenizer; ValueError:
     unsupported architecture, bad engine argument, GPU kernels off GPU."""
 
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
-                 skip_tokenizer_init: bool = False, hf_overrides: dict | None = None,
-                 **engine_args):
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
+        hf_overrides: dict | None = None,
+        **engine_args,
+    ):
         ec = engine_config(**engine_args)
         if not isinstance(hf_overrides, (dict, type(None))):  # vLLM's callable edits an HF config
-            raise ValueError(f"hf_overrides must be a dict of config.json keys; got {hf_overrides!r}")
+            raise ValueError(
+                f"hf_overrides must be a dict of config.json keys; got {hf_overrides!r}"
+            )
         if ec.gpu_memory_utilization is not None:
             _claim_gpu_memory(ec.gpu_memory_utilization)
         platform = jax.default_backend()
@@ -74,26 +84,39 @@ class LLM(Prompts):
             raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
         path = model if model is not None else default_model_path()
         if not os.path.exists(path):
-            raise FileNotFoundError(f"model {path!r} is no local path (nothing is downloaded); "
-                                    "give an HF model directory (config.json + *.safetensors), "
-                                    "a .gguf file or an Orbax directory")
+            raise FileNotFoundError(
+                f"model {path!r} is no local path (nothing is downloaded); "
+                "give an HF model directory (config.json + *.safetensors), "
+                "a .gguf file or an Orbax directory"
+            )
         ckpt = open_checkpoint(path)  # once
         if hf_overrides:
             ckpt = dataclasses.replace(ckpt, config={**ckpt.config, **hf_overrides})
         gen = os.path.join(ckpt.path, "generation_config.json")
         self.generation_config = read_json(gen) if os.path.isfile(gen) else {}
-        resolved = resolve(ModelConfig.from_checkpoint(ckpt), ec, platform, jax.devices()[0].device_kind)
+        resolved = resolve(
+            ModelConfig.from_checkpoint(ckpt), ec, platform, jax.devices()[0].device_kind
+        )
         if ec.tensor_parallel_size > 1:
             parallel.make_mesh(ec.tensor_parallel_size)  # enough devices, before the weights
-        loaded = loading.load_model(ckpt, resolved.dtype, with_tokenizer=not skip_tokenizer_init,
-                                    tokenizer=tokenizer, quantization=resolved.quantization,
-                                    on_host=ec.tensor_parallel_size > 1)  # tp > 1: engine shards
+        loaded = loading.load_model(
+            ckpt,
+            resolved.dtype,
+            with_tokenizer=not skip_tokenizer_init,
+            tokenizer=tokenizer,
+            quantization=resolved.quantization,
+            on_host=ec.tensor_parallel_size > 1,
+        )  # tp > 1: engine shards
         self.model_path, self.tokenizer = os.fspath(path), loaded.tokenizer
-        runner = ModelRunner(loaded.config, loaded.params,
-                             dataclasses.replace(resolved, model=loaded.config))
-        self.engine = LLMEngine(runner, eos_token_ids=loaded.eos_token_ids,
-                                detokenize=None if skip_tokenizer_init else self._detokenize,
-                                tokenizer=self.tokenizer)
+        runner = ModelRunner(
+            loaded.config, loaded.params, dataclasses.replace(resolved, model=loaded.config)
+        )
+        self.engine = LLMEngine(
+            runner,
+            eos_token_ids=loaded.eos_token_ids,
+            detokenize=None if skip_tokenizer_init else self._detokenize,
+            tokenizer=self.tokenizer,
+        )
 
     @classmethod
     def from_params(cls, config, params: dict, *, tokenizer=None, **engine_args) -> "LLM":
@@ -103,8 +126,10 @@ class LLM(Prompts):
         id joins ``config.eos_token_ids``; None: token-id prompts, no ``stop``. ValueError:
         ``config`` not a `ModelConfig`, a bad engine argument; FileNotFoundError: no tokenizer."""
         if not isinstance(config, ModelConfig):
-            raise ValueError(f"config must be a jaxinfer.config.ModelConfig; got "
-                             f"{type(config).__name__} (ModelConfig.from_dict builds one)")
+            raise ValueError(
+                f"config must be a jaxinfer.config.ModelConfig; got "
+                f"{type(config).__name__} (ModelConfig.from_dict builds one)"
+            )
         self = cls.__new__(cls)
         self.generation_config, self.model_path = {}, None
         if isinstance(tokenizer, (str, os.PathLike)):
@@ -112,23 +137,36 @@ class LLM(Prompts):
                 raise FileNotFoundError(f"tokenizer {path!r} does not exist")
             tokenizer = load_tokenizer(path, "gguf" if path.endswith(".gguf") else "hf")
         self.tokenizer = tokenizer
-        resolved = resolve(config, engine_config(**engine_args), jax.default_backend(),
-                           jax.devices()[0].device_kind)
+        resolved = resolve(
+            config,
+            engine_config(**engine_args),
+            jax.default_backend(),
+            jax.devices()[0].device_kind,
+        )
         if resolved.quantization is not None:
             params = quantize_params(params, config.weight_block_size)
         eos = (getattr(tokenizer, "eos_token_id", None), *config.eos_token_ids)
-        self.engine = LLMEngine(ModelRunner(config, params, resolved), tokenizer=tokenizer,
-                                eos_token_ids=tuple(dict.fromkeys(t for t in eos if t is not None)),
-                                detokenize=None if tokenizer is None else self._detokenize)
+        self.engine = LLMEngine(
+            ModelRunner(config, params, resolved),
+            tokenizer=tokenizer,
+            eos_token_ids=tuple(dict.fromkeys(t for t in eos if t is not None)),
+            detokenize=None if tokenizer is None else self._detokenize,
+        )
         return self
 
     def update_params(self, params) -> None:
         """`LLMEngine.update_params`: new weights, no recompile (ValueError: mismatch, requests)."""
         self.engine.update_params(params)
 
-    def generate(self, prompts, sampling_params: ParamsArg = None, *, use_tqdm: bool = False,
-                 on_error: str = "raise",
-                 stream: Callable[[int, list[int], str], None] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: ParamsArg = None,
+        *,
+        use_tqdm: bool = False,
+        on_error: str = "raise",
+        stream: Callable[[int, list[int], str], None] | None = None,
+    ) -> list[RequestOutput]:
         """Outputs of ``prompts`` (a str, token ids, a `jaxinfer.inputs` TextPrompt or
         TokensPrompt, or a list of these) in input order; ``sampling_params``: one, or one per
         prompt (default `get_default_sampling_params`). ``on_error``: "raise": ValueError naming
@@ -136,26 +174,49 @@ class LLM(Prompts):
         reason "error"). ``stream(index, new_token_ids, text_delta)`` as tokens arrive."""
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
-        params, encoded, errors = self._prepare(prompts, sampling_params, on_error == "raise",
-                                                self.engine.check_request)
-        outputs = self._run({i: (ids, sp) for i, ((_, ids), sp) in enumerate(zip(encoded, params))
-                             if i not in errors}, [t for t, _ in encoded], use_tqdm, stream)
+        params, encoded, errors = self._prepare(
+            prompts, sampling_params, on_error == "raise", self.engine.check_request
+        )
+        outputs = self._run(
+            {
+                i: (ids, sp)
+                for i, ((_, ids), sp) in enumerate(zip(encoded, params))
+                if i not in errors
+            },
+            [t for t, _ in encoded],
+            use_tqdm,
+            stream,
+        )
         for i, msg in errors.items():
-            outputs[i] = RequestOutput(f"rejected-{i}", encoded[i][0], list(encoded[i][1]),
-                                       [CompletionOutput(0, "", [], "error")], True, error=msg)
+            outputs[i] = RequestOutput(
+                f"rejected-{i}",
+                encoded[i][0],
+                list(encoded[i][1]),
+                [CompletionOutput(0, "", [], "error")],
+                True,
+                error=msg,
+            )
         return [outputs[i] for i in range(len(encoded))]
 
-    def _run(self, requests: dict[int, tuple], texts: list, use_tqdm: bool,
-             stream) -> dict[int, RequestOutput]:
+    def _run(
+        self, requests: dict[int, tuple], texts: list, use_tqdm: bool, stream
+    ) -> dict[int, RequestOutput]:
         """Add ``requests`` ({index: (ids, params)}), step until done; exceptions abort them all."""
-        bar = tqdm(total=len(requests), desc="generating", unit="req",
-                   disable=not (use_tqdm and len(requests) > 1))
+        bar = tqdm(
+            total=len(requests),
+            desc="generating",
+            unit="req",
+            disable=not (use_tqdm and len(requests) > 1),
+        )
         outputs: dict[int, RequestOutput] = {}
         kind = RequestOutputKind.FINAL_ONLY if stream is None else RequestOutputKind.DELTA
         try:
-            index_of = {self.engine.add_request(ids, dataclasses.replace(sp, output_kind=kind),
-                                                prompt=texts[i]): i
-                        for i, (ids, sp) in requests.items()}
+            index_of = {
+                self.engine.add_request(
+                    ids, dataclasses.replace(sp, output_kind=kind), prompt=texts[i]
+                ): i
+                for i, (ids, sp) in requests.items()
+            }
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     i = index_of[out.request_id]
@@ -173,33 +234,52 @@ class LLM(Prompts):
 
     beam_search = beam_search  # vLLM's ``LLM.beam_search(prompts, params, use_tqdm=False)``
 
-    def precompile(self, prompts, sampling_params: ParamsArg = None, *,
-                   max_workers: int | None = None) -> dict:
+    def precompile(
+        self, prompts, sampling_params: ParamsArg = None, *, max_workers: int | None = None
+    ) -> dict:
         """Compile, in parallel, the step shapes ``generate(prompts, sampling_params)`` visits on
         an idle engine (`LLMEngine.plan_shapes`); returns {"planned", "shapes", "lower_s",
         "warm_s", "seconds"}. Raises ValueError: as `generate`; ``max_workers`` not >= 1."""
-        params, encoded, _ = self._prepare(prompts, sampling_params, True,
-                                           self.engine.check_request)
+        params, encoded, _ = self._prepare(
+            prompts, sampling_params, True, self.engine.check_request
+        )
         keys = self.engine.plan_shapes([(ids, sp) for (_, ids), sp in zip(encoded, params)])
         return dict(planned=len(keys), **self.engine.precompile(keys, max_workers=max_workers))
 
-    def chat(self, messages, sampling_params: ParamsArg = None, use_tqdm: bool = False, *,
-             tools: list[dict] | None = None, on_error: str = "raise", stream=None,
-             **template) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params: ParamsArg = None,
+        use_tqdm: bool = False,
+        *,
+        tools: list[dict] | None = None,
+        on_error: str = "raise",
+        stream=None,
+        **template,
+    ) -> list[RequestOutput]:
         """`generate` on a conversation (a list of {"role", "content"} dicts) or a list of them,
         each in the chat template (`Prompts.apply_chat_template` with ``tools`` and ``template``,
         vLLM's ``chat_template``, ``add_generation_prompt``, ``continue_final_message``,
         ``chat_template_kwargs``); ``RequestOutput.prompt``: the templated text."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         texts = [self.apply_chat_template(c, tools, tokenize=False, **template) for c in convs]
-        return self.generate([{"prompt": t, "prompt_token_ids": self._encode(
-            t, add_special_tokens=False)} for t in texts], sampling_params, use_tqdm=use_tqdm,
-            on_error=on_error, stream=stream)
+        return self.generate(
+            [
+                {"prompt": t, "prompt_token_ids": self._encode(t, add_special_tokens=False)}
+                for t in texts
+            ],
+            sampling_params,
+            use_tqdm=use_tqdm,
+            on_error=on_error,
+            stream=stream,
+        )
 
     def encode(self, *args, **kwargs):
         """vLLM's ``LLM.encode`` is pooling (embeddings), which jaxinfer does not do: ValueError."""
-        raise ValueError("LLM.encode is vLLM's pooling (embeddings), which jaxinfer does not "
-                         "support; the token ids of a text: llm.get_tokenizer().encode(text)")
+        raise ValueError(
+            "LLM.encode is vLLM's pooling (embeddings), which jaxinfer does not "
+            "support; the token ids of a text: llm.get_tokenizer().encode(text)"
+        )
 
     def get_metrics(self) -> list[Metric]:
         """The engine's counters and gauges now (`_METRICS`; vLLM V1's ``get_metrics``)."""
@@ -209,7 +289,9 @@ class LLM(Prompts):
         """A `jax.profiler` trace into ``profile_dir``, else ``$JAXINFER_PROFILER_DIR`` (vLLM's
         ``VLLM_TORCH_PROFILER_DIR``) until `stop_profile`. ValueError: neither."""
         if not (path := profile_dir or os.environ.get(PROFILER_DIR_ENV)):
-            raise ValueError(f"start_profile needs profile_dir or ${PROFILER_DIR_ENV} (a directory)")
+            raise ValueError(
+                f"start_profile needs profile_dir or ${PROFILER_DIR_ENV} (a directory)"
+            )
         jax.profiler.start_trace(path)
 
     def stop_profile(self) -> None:

@@ -2,7 +2,7 @@
 stop strings, streaming deltas and `RequestOutput` (vLLM's names, shapes and rules)."""
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from jaxinfer.sampling_params import RequestOutputKind
 
@@ -15,8 +15,11 @@ class RequestMetrics:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int = 0
-    ttft_s = property(lambda self: None if self.first_token_time is None
-                      else self.first_token_time - self.arrival_time)
+    ttft_s = property(
+        lambda self: (
+            None if self.first_token_time is None else self.first_token_time - self.arrival_time
+        )
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,11 +53,22 @@ class CompletionOutput:
     def top_logprobs(self, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
         """Per token: (its text, its log-probability, the top ``k`` as (text, log-probability),
         likeliest first); a token without text is "token_id:N" (vLLM's). []: none asked."""
+
         def text(t: int, lp: Logprob) -> str:
             return lp.decoded_token if lp.decoded_token is not None else f"token_id:{t}"
-        return [(text(t, rec[t]), rec[t].logprob, [(text(u, lp), lp.logprob) for u, lp in sorted(
-            rec.items(), key=lambda x: x[1].rank or 0) if lp.rank is not None and lp.rank <= k])
-            for t, rec in zip(self.token_ids, self.logprobs or ())]
+
+        return [
+            (
+                text(t, rec[t]),
+                rec[t].logprob,
+                [
+                    (text(u, lp), lp.logprob)
+                    for u, lp in sorted(rec.items(), key=lambda x: x[1].rank or 0)
+                    if lp.rank is not None and lp.rank <= k
+                ],
+            )
+            for t, rec in zip(self.token_ids, self.logprobs or ())
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +96,21 @@ class RequestOutput:
         outs = {c.index: c for c in self.outputs}
         for c in delta.outputs:
             old = outs.get(c.index)
-            outs[c.index] = c if old is None else dataclasses.replace(
-                c, text=old.text + c.text, token_ids=old.token_ids + c.token_ids,
-                logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs)
-        return dataclasses.replace(delta, outputs=sorted(outs.values(), key=lambda c: c.index),
-                                   prompt_logprobs=self.prompt_logprobs or delta.prompt_logprobs)
+            outs[c.index] = (
+                c
+                if old is None
+                else dataclasses.replace(
+                    c,
+                    text=old.text + c.text,
+                    token_ids=old.token_ids + c.token_ids,
+                    logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs,
+                )
+            )
+        return dataclasses.replace(
+            delta,
+            outputs=sorted(outs.values(), key=lambda c: c.index),
+            prompt_logprobs=self.prompt_logprobs or delta.prompt_logprobs,
+        )
 
 
 @dataclasses.dataclass
@@ -112,8 +136,9 @@ class OutputProcessor:
 
     def add(self, rid: str, seqs: list, prompt: str | None) -> None:
         """Track request ``rid``'s samples ``seqs``; its kind is ``seqs[0].params.output_kind``."""
-        self.requests[rid] = RequestState(seqs, prompt, seqs[0].params.output_kind,
-                                          [(0, "")] * len(seqs))
+        self.requests[rid] = RequestState(
+            seqs, prompt, seqs[0].params.output_kind, [(0, "")] * len(seqs)
+        )
 
     def outputs(self, rids, raw: bool = False) -> list:
         """The outputs due for requests ``rids`` (those a step touched or aborted), by each one's
@@ -127,8 +152,9 @@ class OutputProcessor:
                 out = st.seqs
             elif st.kind is RequestOutputKind.FINAL_ONLY:
                 out = self.request_output(st.seqs, st.prompt) if done else None
-            elif (out := self._delta_output(st)) is not None and \
-                    st.kind is RequestOutputKind.CUMULATIVE:
+            elif (
+                out := self._delta_output(st)
+            ) is not None and st.kind is RequestOutputKind.CUMULATIVE:
                 out = st.acc = out if st.acc is None else st.acc.add(out)
             if done:
                 del self.requests[rid]
@@ -151,15 +177,22 @@ class OutputProcessor:
         return None if not comps else self.request_output(st.seqs, st.prompt, comps, first)
 
     def _decode(self, ids, params) -> str:
-        return self.detokenize(list(ids), skip_special_tokens=params.skip_special_tokens,
-                               spaces_between_special_tokens=params.spaces_between_special_tokens)
+        return self.detokenize(
+            list(ids),
+            skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens,
+        )
 
     def find_stop_string(self, seq) -> str | None:
         """The first-starting stop string in ``seq``'s output text, or None (also on "length", and
         up to ``min_tokens`` tokens, as vLLM); call after each new token."""
         stops, ids = seq.params.stop, seq.output_token_ids
-        if not stops or self.detokenize is None or len(ids) <= seq.params.min_tokens or (
-                seq.is_finished and seq.finish_reason != "length"):
+        if (
+            not stops
+            or self.detokenize is None
+            or len(ids) <= seq.params.min_tokens
+            or (seq.is_finished and seq.finish_reason != "length")
+        ):
             return None
         window = 8 + (need := max(map(len, stops)) + len(self._decode(ids[-1:], seq.params)) + 2)
         while True:  # leading U+FFFD: a character cut by the window's start
@@ -188,7 +221,7 @@ class OutputProcessor:
         text = self._incremental(seq, ids) if self.detokenize and p.detokenize else ""  # no stop ^
         if seq.stop_string is not None:
             end = self._stop_at(seq, text, seq.stop_string)
-            text = text[:end + len(seq.stop_string) if p.include_stop_str_in_output else end]
+            text = text[: end + len(seq.stop_string) if p.include_stop_str_in_output else end]
         return text
 
     def _incremental(self, seq, ids: list[int]) -> str:
@@ -196,13 +229,14 @@ class OutputProcessor:
         m, text, p = seq.decoded
         m, text = (m, text) if p is seq.params and m <= len(ids) else (0, "")
         old, new = (self._decode(ids[k:n], seq.params) for k in [max(m - 6, 0)] for n in (m, None))
-        full = text + new[len(old):] if new.startswith(old) else self._decode(ids, seq.params)
+        full = text + new[len(old) :] if new.startswith(old) else self._decode(ids, seq.params)
         if not full.endswith("\ufffd"):  # a character cut at the end: not kept
             seq.decoded = (len(ids), full, seq.params)
         return full
 
-    def stream_delta(self, seq, sent: tuple[int, str]
-                     ) -> tuple[list[int], str, tuple[int, str]] | None:
+    def stream_delta(
+        self, seq, sent: tuple[int, str]
+    ) -> tuple[list[int], str, tuple[int, str]] | None:
         """(new ids, new text, new ``sent``) since ``sent`` = (tokens, text); None: nothing new, or
         the text ends in U+FFFD (an incomplete character). Text that could start a stop string is
         held back (vLLM: ``len(stop) - 1`` characters, none with ``include_stop_str_in_output``)."""
@@ -213,37 +247,63 @@ class OutputProcessor:
         if text.endswith("\ufffd") and not seq.is_finished:
             return None
         if p.stop and not (p.include_stop_str_in_output or seq.is_finished or seq.stop_string):
-            text = text[:max(len(text_done), len(text) - max(map(len, p.stop)) + 1)]
-        return ids[n_done:], text[len(text_done):], (len(ids), text)
+            text = text[: max(len(text_done), len(text) - max(map(len, p.stop)) + 1)]
+        return ids[n_done:], text[len(text_done) :], (len(ids), text)
 
     def _logprobs(self, entries, params) -> list[PositionLogprobs | None] | None:
         """``{id: (logprob, rank)}`` records as `Logprob` dicts (None kept), text if detokenized."""
         if entries is None:
             return None
-        text = (lambda t: self.detokenize([t], skip_special_tokens=False)) \
-            if self.detokenize and params.detokenize else (lambda t: None)
-        return [None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
-                for e in entries]
+        text = (
+            (lambda t: self.detokenize([t], skip_special_tokens=False))
+            if self.detokenize and params.detokenize
+            else (lambda t: None)
+        )
+        return [
+            None if e is None else {t: Logprob(lp, rank, text(t)) for t, (lp, rank) in e.items()}
+            for e in entries
+        ]
 
     def completion(self, seq, delta: tuple | None = None) -> CompletionOutput:
         """``seq``'s output so far, or ``delta`` = (new ids, new text, tokens sent before) only."""
         ids, text, start = delta or (seq.output_token_ids, self.visible_text(seq), 0)
-        lps = None if seq.logprobs is None else seq.logprobs[start:start + len(ids)]
+        lps = None if seq.logprobs is None else seq.logprobs[start : start + len(ids)]
         stop = seq.output_token_ids[-1] if seq.ended_on_stop_token else seq.stop_string
-        return CompletionOutput(seq.index, text, list(ids), seq.finish_reason, stop,
-                                seq.cumulative_logprob, self._logprobs(lps, seq.params))
+        return CompletionOutput(
+            seq.index,
+            text,
+            list(ids),
+            seq.finish_reason,
+            stop,
+            seq.cumulative_logprob,
+            self._logprobs(lps, seq.params),
+        )
 
-    def request_output(self, seqs, prompt: str | None, outputs: list | None = None,
-                       prompt_logprobs: bool = True) -> RequestOutput:
+    def request_output(
+        self, seqs, prompt: str | None, outputs: list | None = None, prompt_logprobs: bool = True
+    ) -> RequestOutput:
         """The `RequestOutput` of a request's samples ``seqs`` (index order): ``outputs`` (None:
         each sample's `completion`); metrics once all finished."""
         first, finished = seqs[0], all(s.is_finished for s in seqs)
-        metrics = RequestMetrics(
-            first.arrival_time,
-            min((s.first_token_time for s in seqs if s.first_token_time), default=None),
-            max((s.finish_time for s in seqs if s.finish_time), default=None),
-            sum(s.num_preemptions for s in seqs)) if finished else None
+        metrics = (
+            RequestMetrics(
+                first.arrival_time,
+                min((s.first_token_time for s in seqs if s.first_token_time), default=None),
+                max((s.finish_time for s in seqs if s.finish_time), default=None),
+                sum(s.num_preemptions for s in seqs),
+            )
+            if finished
+            else None
+        )
         plp = self._logprobs(first.prompt_logprobs if prompt_logprobs else None, first.params)
-        return RequestOutput(first.parent_id, prompt, list(first.prompt_token_ids),
-                             [self.completion(s) for s in seqs] if outputs is None else outputs,
-                             finished, metrics, None, plp, first.num_cached_tokens)
+        return RequestOutput(
+            first.parent_id,
+            prompt,
+            list(first.prompt_token_ids),
+            [self.completion(s) for s in seqs] if outputs is None else outputs,
+            finished,
+            metrics,
+            None,
+            plp,
+            first.num_cached_tokens,
+        )

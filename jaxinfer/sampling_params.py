@@ -39,19 +39,31 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         given = [k for k, v in self.__dict__.items() if v is not None and v is not False]
         if len(given) != 1:
-            raise ValueError(f"StructuredOutputsParams needs exactly one of json, regex, choice, "
-                             f"grammar, json_object; got {given or 'none'}")
+            raise ValueError(
+                f"StructuredOutputsParams needs exactly one of json, regex, choice, "
+                f"grammar, json_object; got {given or 'none'}"
+            )
         k, v = given[0], getattr(self, given[0])
         if k == "json" and isinstance(v, dict):
             object.__setattr__(self, "json", v := _json.dumps(v))
         if k == "choice" and isinstance(v, (list, tuple)):
             object.__setattr__(self, "choice", v := tuple(v))
-        ok = (v is True if k == "json_object" else isinstance(v, tuple) and v and all(
-            isinstance(c, str) and c for c in v) if k == "choice" else isinstance(v, str))
+        ok = (
+            v is True
+            if k == "json_object"
+            else isinstance(v, tuple) and v and all(isinstance(c, str) and c for c in v)
+            if k == "choice"
+            else isinstance(v, str)
+        )
         if not ok:
-            raise ValueError(f"StructuredOutputsParams.{k}={v!r} is invalid: must be " + dict(
-                json="a dict or a JSON string", choice="a non-empty list of non-empty strings",
-                json_object="True").get(k, "a string"))
+            raise ValueError(
+                f"StructuredOutputsParams.{k}={v!r} is invalid: must be "
+                + dict(
+                    json="a dict or a JSON string",
+                    choice="a non-empty list of non-empty strings",
+                    json_object="True",
+                ).get(k, "a string")
+            )
         object.__setattr__(self, "key", (k, _json.dumps(list(v)) if k == "choice" else str(v)))
 
 
@@ -59,8 +71,12 @@ _int = functools.partial(is_int, numpy=True)  # (v, lo=None): a Python or NumPy 
 
 
 def _real(ok):
-    return lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool) and not math.isnan(v) \
+    return lambda v: (
+        isinstance(v, numbers.Real)
+        and not isinstance(v, bool)
+        and not math.isnan(v)
         and ok(float(v))
+    )
 
 
 def _opt_int(v) -> int | None:
@@ -68,55 +84,139 @@ def _opt_int(v) -> int | None:
 
 
 _RULES = (  # field, valid(value), what is allowed, normalise
-    ("temperature", _real(lambda t: 0.0 <= t < math.inf),
-     f"must be a finite number >= 0 (< {GREEDY_EPS:g} means greedy)", float),
+    (
+        "temperature",
+        _real(lambda t: 0.0 <= t < math.inf),
+        f"must be a finite number >= 0 (< {GREEDY_EPS:g} means greedy)",
+        float,
+    ),
     ("top_p", _real(lambda p: 0.0 < p <= 1.0), "must be in (0, 1]", float),
     ("min_p", _real(lambda p: 0.0 <= p <= 1.0), "must be in [0, 1]", float),
-    ("repetition_penalty", _real(lambda r: 0.0 < r < math.inf),
-     "must be a finite number > 0 (1 = off)", float),
-    *((name, _real(lambda x: -2.0 <= x <= 2.0), "must be in [-2, 2] (0 = off)", float)
-      for name in ("presence_penalty", "frequency_penalty")),
-    ("top_k", lambda k: _int(k, -1), "must be -1 or 0 (off) or an integer >= 1",
-     lambda k: int(k) if k > 0 else -1),
-    ("seed", lambda s: s is None or _int(s) and -2 ** 63 <= s < 2 ** 63,
-     "must be None or an integer in [-2**63, 2**63 - 1]", _opt_int),
-    ("max_tokens", lambda m: m is None or _int(m, 1),
-     "must be None (up to max_model_len) or an integer >= 1", _opt_int),
+    (
+        "repetition_penalty",
+        _real(lambda r: 0.0 < r < math.inf),
+        "must be a finite number > 0 (1 = off)",
+        float,
+    ),
+    *(
+        (name, _real(lambda x: -2.0 <= x <= 2.0), "must be in [-2, 2] (0 = off)", float)
+        for name in ("presence_penalty", "frequency_penalty")
+    ),
+    (
+        "top_k",
+        lambda k: _int(k, -1),
+        "must be -1 or 0 (off) or an integer >= 1",
+        lambda k: int(k) if k > 0 else -1,
+    ),
+    (
+        "seed",
+        lambda s: s is None or _int(s) and -(2**63) <= s < 2**63,
+        "must be None or an integer in [-2**63, 2**63 - 1]",
+        _opt_int,
+    ),
+    (
+        "max_tokens",
+        lambda m: m is None or _int(m, 1),
+        "must be None (up to max_model_len) or an integer >= 1",
+        _opt_int,
+    ),
     ("min_tokens", lambda m: _int(m, 0), "must be an integer >= 0", int),
-    ("stop", lambda s: s is None or isinstance(s, str) and s or isinstance(s, (list, tuple)) and all(
-        isinstance(x, str) and x for x in s),
-     "must be None, a non-empty string or a list/tuple of non-empty strings",
-     lambda s: () if s is None else (s,) if isinstance(s, str) else tuple(s)),
-    ("stop_token_ids", lambda ids: ids is None or isinstance(ids, (list, tuple)) and all(
-        _int(t, 0) for t in ids), "must be None or a list/tuple of integers >= 0",
-     lambda ids: tuple(int(t) for t in ids or ())),
-    *((name, lambda v, ok=ok: v is None or isinstance(v, (list, tuple)) and all(map(ok, v)),
-       f"must be None or a list of {what}", lambda v: v and list(v))
-      for name, ok, what in (("bad_words", lambda w: isinstance(w, str) and w, "non-empty strings"),
-                             ("logits_processors", callable, "callables"))),
-    ("allowed_token_ids", lambda v: v is None or isinstance(v, (list, tuple)) and len(v) > 0 and all(
-        _int(t, 0) for t in v), "must be None or a non-empty list of integers >= 0", lambda v: v and list(v)),
-    ("truncate_prompt_tokens", lambda k: k is None or k == -1 and _int(k) or _int(k, 1),
-     "must be None, -1 (max_model_len) or an integer >= 1 (keep the last k prompt tokens)",
-     _opt_int),
-    ("extra_args", lambda a: a is None or isinstance(a, dict), "must be None or a dict",
-     lambda a: a),
+    (
+        "stop",
+        lambda s: (
+            s is None
+            or isinstance(s, str)
+            and s
+            or isinstance(s, (list, tuple))
+            and all(isinstance(x, str) and x for x in s)
+        ),
+        "must be None, a non-empty string or a list/tuple of non-empty strings",
+        lambda s: () if s is None else (s,) if isinstance(s, str) else tuple(s),
+    ),
+    (
+        "stop_token_ids",
+        lambda ids: ids is None or isinstance(ids, (list, tuple)) and all(_int(t, 0) for t in ids),
+        "must be None or a list/tuple of integers >= 0",
+        lambda ids: tuple(int(t) for t in ids or ()),
+    ),
+    *(
+        (
+            name,
+            lambda v, ok=ok: v is None or isinstance(v, (list, tuple)) and all(map(ok, v)),
+            f"must be None or a list of {what}",
+            lambda v: v and list(v),
+        )
+        for name, ok, what in (
+            ("bad_words", lambda w: isinstance(w, str) and w, "non-empty strings"),
+            ("logits_processors", callable, "callables"),
+        )
+    ),
+    (
+        "allowed_token_ids",
+        lambda v: (
+            v is None or isinstance(v, (list, tuple)) and len(v) > 0 and all(_int(t, 0) for t in v)
+        ),
+        "must be None or a non-empty list of integers >= 0",
+        lambda v: v and list(v),
+    ),
+    (
+        "truncate_prompt_tokens",
+        lambda k: k is None or k == -1 and _int(k) or _int(k, 1),
+        "must be None, -1 (max_model_len) or an integer >= 1 (keep the last k prompt tokens)",
+        _opt_int,
+    ),
+    (
+        "extra_args",
+        lambda a: a is None or isinstance(a, dict),
+        "must be None or a dict",
+        lambda a: a,
+    ),
     ("n", lambda n: _int(n, 1), "must be an integer >= 1", int),
-    ("logit_bias", lambda b: b is None or isinstance(b, dict) and all(
-        (_int(t, 0) or isinstance(t, str) and t.isdecimal()) and _real(math.isfinite)(x)
-        for t, x in b.items()),
-     "must be None or a dict {token id (int >= 0, or its decimal string): finite number}",
-     lambda b: {int(t): min(100.0, max(-100.0, float(x))) for t, x in (b or {}).items()}),
-    *((name, lambda k: k is None or _int(k, 0) and k <= MAX_LOGPROBS,
-       f"must be None or an integer in [0, {MAX_LOGPROBS}]", _opt_int)
-      for name in ("logprobs", "prompt_logprobs")),
-    *((name, lambda b: isinstance(b, bool), "must be a bool", bool)
-      for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-                   "include_stop_str_in_output", "detokenize")),
-    ("structured_outputs", lambda s: s is None or isinstance(s, StructuredOutputsParams),
-     "must be None or a StructuredOutputsParams", lambda s: s),
-    ("output_kind", lambda k: isinstance(k, RequestOutputKind),
-     f"must be a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})", lambda k: k))
+    (
+        "logit_bias",
+        lambda b: (
+            b is None
+            or isinstance(b, dict)
+            and all(
+                (_int(t, 0) or isinstance(t, str) and t.isdecimal()) and _real(math.isfinite)(x)
+                for t, x in b.items()
+            )
+        ),
+        "must be None or a dict {token id (int >= 0, or its decimal string): finite number}",
+        lambda b: {int(t): min(100.0, max(-100.0, float(x))) for t, x in (b or {}).items()},
+    ),
+    *(
+        (
+            name,
+            lambda k: k is None or _int(k, 0) and k <= MAX_LOGPROBS,
+            f"must be None or an integer in [0, {MAX_LOGPROBS}]",
+            _opt_int,
+        )
+        for name in ("logprobs", "prompt_logprobs")
+    ),
+    *(
+        (name, lambda b: isinstance(b, bool), "must be a bool", bool)
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+            "detokenize",
+        )
+    ),
+    (
+        "structured_outputs",
+        lambda s: s is None or isinstance(s, StructuredOutputsParams),
+        "must be None or a StructuredOutputsParams",
+        lambda s: s,
+    ),
+    (
+        "output_kind",
+        lambda k: isinstance(k, RequestOutputKind),
+        f"must be a RequestOutputKind ({', '.join(k.name for k in RequestOutputKind)})",
+        lambda k: k,
+    ),
+)
 
 
 @dataclass
@@ -172,18 +272,27 @@ class SamplingParams:
                 raise ValueError(f"SamplingParams.{name}={v!r} is invalid: {allowed}")
             setattr(self, name, norm(v))
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"SamplingParams.min_tokens={self.min_tokens} is invalid: must be <= "
-                             f"max_tokens={self.max_tokens}")
+            raise ValueError(
+                f"SamplingParams.min_tokens={self.min_tokens} is invalid: must be <= "
+                f"max_tokens={self.max_tokens}"
+            )
         if self.stop and not self.detokenize:
-            raise ValueError(f"SamplingParams.stop={list(self.stop)!r} is invalid with "
-                             "detokenize=False: stop strings are matched in the text")
+            raise ValueError(
+                f"SamplingParams.stop={list(self.stop)!r} is invalid with "
+                "detokenize=False: stop strings are matched in the text"
+            )
 
     clone = copy.deepcopy  # vLLM's ``clone``: a deep copy
 
-    needs_history = property(lambda self: (
-        self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-        or self.frequency_penalty != 0.0 or bool(self.logits_processors)),
-        doc="A penalty or a logits processor reads the row's tokens (the step waits for the last).")
+    needs_history = property(
+        lambda self: (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or bool(self.logits_processors)
+        ),
+        doc="A penalty or a logits processor reads the row's tokens (the step waits for the last).",
+    )
 
     greedy = property(lambda self: self.temperature < GREEDY_EPS, doc="The token is the argmax.")
 
@@ -202,11 +311,15 @@ class BeamSearchParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        rules = {"beam_width": (lambda w: _int(w, 1) and 2 * w <= MAX_LOGPROBS,
-                                f"an integer in [1, {MAX_LOGPROBS // 2}]"),
-                 "max_tokens": (lambda m: _int(m, 1), "an integer >= 1"),
-                 "temperature": (_real(lambda t: 0 <= t < math.inf), "a finite number >= 0"),
-                 "length_penalty": (_real(math.isfinite), "a finite number")}
+        rules = {
+            "beam_width": (
+                lambda w: _int(w, 1) and 2 * w <= MAX_LOGPROBS,
+                f"an integer in [1, {MAX_LOGPROBS // 2}]",
+            ),
+            "max_tokens": (lambda m: _int(m, 1), "an integer >= 1"),
+            "temperature": (_real(lambda t: 0 <= t < math.inf), "a finite number >= 0"),
+            "length_penalty": (_real(math.isfinite), "a finite number"),
+        }
         for name, value in self.__dict__.items():
             ok, allowed = rules.get(name, (lambda b: isinstance(b, bool), "a bool"))
             if not ok(value):

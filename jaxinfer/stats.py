@@ -26,5 +26,6 @@ class EngineStats:
 
     prefix_cache_hit_rate = property(
         lambda self: self.prefix_cache_hits / max(self.prefix_cache_queries, 1),
-        doc="Hit tokens / queried tokens (0.0 before any query).")
+        doc="Hit tokens / queried tokens (0.0 before any query).",
+    )
     num_compiles = property(lambda self: len(self.compiled_shapes))

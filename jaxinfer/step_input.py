@@ -37,9 +37,18 @@ class ShapeKey(NamedTuple):
 
     def dims(self) -> dict[str, int]:
         """Sizes of the shape letters (token arrays [Bt, T]: [B, T], or [1, Tp] packed)."""
-        return dict(B=self.batch, Bt=1 if self.packed else self.batch, T=self.tokens,
-                    M=self.pages, R=self.penalty, Q=self.query or 0, E=self.bias,
-                    P=self.prompt_logprobs, W=self.bitmask, J=len(self.processors))
+        return dict(
+            B=self.batch,
+            Bt=1 if self.packed else self.batch,
+            T=self.tokens,
+            M=self.pages,
+            R=self.penalty,
+            Q=self.query or 0,
+            E=self.bias,
+            P=self.prompt_logprobs,
+            W=self.bitmask,
+            J=len(self.processors),
+        )
 
 
 class Field(NamedTuple):
@@ -56,13 +65,13 @@ class Field(NamedTuple):
 FIELDS = (
     Field("tokens", np.int32, ("Bt", "T"), "input"),
     Field("positions", np.int32, ("Bt", "T"), "input"),
-    Field("slot_mapping", np.int32, ("Bt", "T"), "input"),   # page * page_size + offset
-    Field("logits_indices", np.int32, ("B",), "input"),      # the token of each row sampled
-    Field("pending_src", np.int32, ("B",), "input", -1),     # row of prev_tokens, or -1
+    Field("slot_mapping", np.int32, ("Bt", "T"), "input"),  # page * page_size + offset
+    Field("logits_indices", np.int32, ("B",), "input"),  # the token of each row sampled
+    Field("pending_src", np.int32, ("B",), "input", -1),  # row of prev_tokens, or -1
     Field("block_tables", np.int32, ("B", "M"), "kv"),
     Field("seq_lens", np.int32, ("B",), "kv"),
     Field("temperature", np.float32, ("B",), "sampling"),
-    Field("top_k", np.int32, ("B",), "sampling"),            # 0: off
+    Field("top_k", np.int32, ("B",), "sampling"),  # 0: off
     Field("top_p", np.float32, ("B",), "sampling", 1.0),
     Field("min_p", np.float32, ("B",), "sampling"),
     Field("repetition_penalty", np.float32, ("B",), "sampling", 1.0),
@@ -80,20 +89,24 @@ FIELDS = (
     Field("prompt_lp_next", np.int32, ("P",), "input", -1, "prompt_logprobs"),  # its next id
     Field("q_index", np.int32, ("B", "Q"), "packing", 0, "packed"),
     Field("q_positions", np.int32, ("B", "Q"), "packing", 0, "packed"),
-    Field("out_index", np.int32, ("T",), "packing", 0, "packed"))
+    Field("out_index", np.int32, ("T",), "packing", 0, "packed"),
+)
 
 
 def names(group: str) -> tuple[list[str], list[str]]:
     """Names of ``group``'s fields in `FIELDS` order: (always present, present only ``when``)."""
-    return ([f.name for f in FIELDS if f.group == group and f.when is None],
-            [f.name for f in FIELDS if f.group == group and f.when is not None])
+    return (
+        [f.name for f in FIELDS if f.group == group and f.when is None],
+        [f.name for f in FIELDS if f.group == group and f.when is not None],
+    )
 
 
 def layout(key: ShapeKey) -> tuple[tuple[Field, tuple[int, ...]], ...]:
     """``((field, shape), ...)`` in buffer order for a step of shape ``key``."""
     d = key.dims()
-    return tuple((f, tuple(d[n] for n in f.shape)) for f in FIELDS
-                 if f.when is None or getattr(key, f.when))
+    return tuple(
+        (f, tuple(d[n] for n in f.shape)) for f in FIELDS if f.when is None or getattr(key, f.when)
+    )
 
 
 @dataclass(frozen=True)
@@ -118,8 +131,13 @@ class HostBatch:
 def allocate(key: ShapeKey) -> HostBatch:
     """An all-padding `HostBatch` of shape ``key`` (each field at its ``pad``)."""
     arrays = {f.name: np.full(shape, f.pad, f.dtype) for f, shape in layout(key)}
-    return HostBatch(key, arrays, np.zeros((key.batch,), bool), np.zeros((key.batch,), bool),
-                     np.full((key.prompt_logprobs,), -1, np.int32))
+    return HostBatch(
+        key,
+        arrays,
+        np.zeros((key.batch,), bool),
+        np.zeros((key.batch,), bool),
+        np.full((key.prompt_logprobs,), -1, np.int32),
+    )
 
 
 def pack(hb: HostBatch) -> np.ndarray:
@@ -128,8 +146,10 @@ def pack(hb: HostBatch) -> np.ndarray:
     for f, shape in layout(hb.key):
         a = np.ascontiguousarray(hb.arrays[f.name])
         if a.dtype != f.dtype or a.shape != shape:
-            raise TypeError(f"HostBatch.{f.name} is {a.dtype}{list(a.shape)}; the schema needs "
-                            f"{np.dtype(f.dtype)}{list(shape)}")
+            raise TypeError(
+                f"HostBatch.{f.name} is {a.dtype}{list(a.shape)}; the schema needs "
+                f"{np.dtype(f.dtype)}{list(shape)}"
+            )
         parts.append(a.view(np.int32).reshape(-1))
     return np.concatenate(parts)
 
@@ -137,11 +157,21 @@ def pack(hb: HostBatch) -> np.ndarray:
 def covers(a: ShapeKey, b: ShapeKey) -> bool:
     """Whether a step of shape ``a`` runs a batch of shape ``b`` padded: the same packing and
     features, B, T, M (and Q) no smaller; a sampling ``a`` also runs an all-greedy ``b``."""
-    same = a._replace(batch=b.batch, tokens=b.tokens, pages=b.pages, query=b.query,
-                      all_greedy=b.all_greedy) == b
-    return (same and a.packed == b.packed and (b.all_greedy or not a.all_greedy)
-            and a.batch >= b.batch and a.tokens >= b.tokens and a.pages >= b.pages
-            and (a.query or 0) >= (b.query or 0))
+    same = (
+        a._replace(
+            batch=b.batch, tokens=b.tokens, pages=b.pages, query=b.query, all_greedy=b.all_greedy
+        )
+        == b
+    )
+    return (
+        same
+        and a.packed == b.packed
+        and (b.all_greedy or not a.all_greedy)
+        and a.batch >= b.batch
+        and a.tokens >= b.tokens
+        and a.pages >= b.pages
+        and (a.query or 0) >= (b.query or 0)
+    )
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -175,17 +205,26 @@ class BucketSpec:
     packed_tokens: tuple[int, ...] = ()
 
     @classmethod
-    def build(cls, *, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-              page_size: int, batch_buckets: tuple[int, ...] = (),
-              token_buckets: tuple[int, ...] = ()) -> "BucketSpec":
+    def build(
+        cls,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        page_size: int,
+        batch_buckets: tuple[int, ...] = (),
+        token_buckets: tuple[int, ...] = (),
+    ) -> "BucketSpec":
         max_pages, top = -(-max_model_len // page_size), max(16, max_num_batched_tokens)
         quarter = max(512, top // 4)
         fine = tuple(b for b in powers_of_two(16, quarter) if b < top)
         fine += tuple(range(quarter, top, quarter)) + (top,)
-        return cls(batch=batch_buckets or default_batch_buckets(max_num_seqs),
-                   prefill_tokens=token_buckets or powers_of_two(16, top),
-                   pages=powers_of_two(1, max_pages),
-                   packed_tokens=token_buckets or tuple(sorted(set(fine))))
+        return cls(
+            batch=batch_buckets or default_batch_buckets(max_num_seqs),
+            prefill_tokens=token_buckets or powers_of_two(16, top),
+            pages=powers_of_two(1, max_pages),
+            packed_tokens=token_buckets or tuple(sorted(set(fine))),
+        )
 
     def covering_keys(self) -> list[ShapeKey]:
         """Sampling shapes without optional features that `covers` such shapes these buckets

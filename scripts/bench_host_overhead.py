@@ -41,9 +41,13 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024, help="KV length reached at the end")
     ap.add_argument("--steps", type=int, default=50, help="timed steps per mode")
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--kernels", default="", metavar="SPEC",
-                    help="the engine's kernel config (KernelConfig.parse, resolved by the engine); "
-                         "'' = the default")
+    ap.add_argument(
+        "--kernels",
+        default="",
+        metavar="SPEC",
+        help="the engine's kernel config (KernelConfig.parse, resolved by the engine); "
+        "'' = the default",
+    )
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     args = ap.parse_args()
 
@@ -57,6 +61,7 @@ def main() -> None:
     from jaxinfer.runner.model_runner import ModelRunner
     from jaxinfer.sampling_params import SamplingParams
     from jaxinfer.step_input import pack
+
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_decode import QWEN3_8B, time_steps  # same directory
 
@@ -70,14 +75,22 @@ def main() -> None:
     gen = warm + 2 * args.steps + 2
     prompt_len = args.context - gen
     pages = -(-args.context // ps)
-    ec = EngineConfig(max_model_len=args.context, page_size=ps, num_pages=B * pages + 1,
-                      max_num_seqs=B, max_num_batched_tokens=max(2048, prompt_len),
-                      dtype="bfloat16", kernels=kernels)
+    ec = EngineConfig(
+        max_model_len=args.context,
+        page_size=ps,
+        num_pages=B * pages + 1,
+        max_num_seqs=B,
+        max_num_batched_tokens=max(2048, prompt_len),
+        dtype="bfloat16",
+        kernels=kernels,
+    )
     eng = le.LLMEngine(ModelRunner(cfg, params, resolve(cfg, ec, jax.default_backend())))
     rng = np.random.default_rng(0)
     for _ in range(B):
-        eng.add_request(rng.integers(0, min(10000, cfg.vocab_size), prompt_len).tolist(),
-                        SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True))
+        eng.add_request(
+            rng.integers(0, min(10000, cfg.vocab_size), prompt_len).tolist(),
+            SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True),
+        )
 
     captured = {}
     build = le.build_host_batch
@@ -87,6 +100,7 @@ def main() -> None:
         if not batch.is_prefill:
             captured["hb"] = hb
         return hb
+
     le.build_host_batch = capture
 
     while eng.scheduler.num_waiting or eng.scheduler.prefilling is not None:
@@ -114,23 +128,36 @@ def main() -> None:
 
     def run(kv):  # the engine's packed step on the same inputs, back to back (kv donated)
         return step(eng.runner.params, kv, buf, prev, **static)
+
     t_dev, kv = time_steps(run, kv, args.steps)
 
     commit = git_commit()
-    meta = dict(bench="host_overhead", layers=args.layers, B=B, context=args.context,
-                kernels=args.kernels, attention=eng.resolved.kernels.decode_attention,
-                compiles=eng.stats().num_compiles,
-                jax=jax.__version__,
-                device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
-                commit=commit, xla_flags=xla_flags())
-    rows = [dict(meta, mode=m, ms_per_step=t * 1e3, idle_frac=max(0.0, 1 - t_dev / t))
-            for m, t in (("device", t_dev), ("async", t_async), ("sync", t_sync))]
+    meta = dict(
+        bench="host_overhead",
+        layers=args.layers,
+        B=B,
+        context=args.context,
+        kernels=args.kernels,
+        attention=eng.resolved.kernels.decode_attention,
+        compiles=eng.stats().num_compiles,
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        date=datetime.date.today().isoformat(),
+        commit=commit,
+        xla_flags=xla_flags(),
+    )
+    rows = [
+        dict(meta, mode=m, ms_per_step=t * 1e3, idle_frac=max(0.0, 1 - t_dev / t))
+        for m, t in (("device", t_dev), ("async", t_async), ("sync", t_sync))
+    ]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "a") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
-    print(f"\nB={B} context={args.context} layers={args.layers} attention={meta['attention']} "
-          f"compiles={meta['compiles']}")
+    print(
+        f"\nB={B} context={args.context} layers={args.layers} attention={meta['attention']} "
+        f"compiles={meta['compiles']}"
+    )
     print(f"{'mode':<8} {'ms/step':>8} {'idle':>6}")
     for r in rows:
         print(f"{r['mode']:<8} {r['ms_per_step']:>8.2f} {r['idle_frac']:>6.1%}")

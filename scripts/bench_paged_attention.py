@@ -48,14 +48,20 @@ def copy_ceiling_tbps() -> dict:
     del a
     try:
         import torch
+
         x = torch.randn(n, dtype=torch.bfloat16, device="cuda")
         y = torch.empty_like(x)
         for _ in range(3):
             y.copy_(x)
         torch.cuda.synchronize()
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
+        ev = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(10)
+        ]
         for s, e in ev:
-            s.record(); y.copy_(x); e.record()
+            s.record()
+            y.copy_(x)
+            e.record()
         torch.cuda.synchronize()
         ms = np.median([s.elapsed_time(e) for s, e in ev])
         out["torch_copy"] = 2 * 2 * n / (ms / 1e3) / 1e12
@@ -82,7 +88,7 @@ def make_inputs(B, ctx, page_size, seed=0):
 
 def impls(variants, page_size):
     """name -> fn(q [B,N,H], k_pool, v_pool, tables, lens) with the engine's layout."""
-    scale = H ** -0.5
+    scale = H**-0.5
     out = {}
     for v in variants:
         f = registry.get(v)
@@ -98,17 +104,22 @@ def impls(variants, page_size):
         p = jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1)
         o = jnp.einsum("bkgs,bksh->bkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return o.reshape(B, N, H).astype(q.dtype)
+
     out["xla_gather"] = xla_gather
 
     try:
         from jax.experimental.pallas.ops.gpu import paged_attention as intree
 
         def in_tree(q, kt, vt, bt, sl):  # pools in its own layout [K, P, ps, H]: see run_config
-            M = bt.shape[1]  # BASELINE's best knobs (8 pages per block, 8 splits) where they divide M
+            M = bt.shape[
+                1
+            ]  # BASELINE's best knobs (8 pages per block, 8 splits) where they divide M
             ks = next(k for k in (8, 4, 2, 1) if M % k == 0)
             ppb = next(p for p in (8, 4, 2, 1) if (M // ks) % p == 0)
-            return intree.paged_attention(q * scale, kt, vt, bt, sl, pages_per_compute_block=ppb,
-                                          k_splits=ks)
+            return intree.paged_attention(
+                q * scale, kt, vt, bt, sl, pages_per_compute_block=ppb, k_splits=ks
+            )
+
         out["jax_in_tree"] = in_tree
     except ImportError as e:
         print(f"in-tree kernel unavailable: {e}")
@@ -121,9 +132,19 @@ def impls(variants, page_size):
             # shift the table; its BNSH layout for a block is our [K, page_size, H].
             B, M = bt.shape
             pt = (bt - 1)[:, None, :, None]
-            o = cudnn_paged(q[:, :, None, :], kp[0, 1:], vp[0, 1:], jnp.ones((B,), jnp.int32), sl,
-                            pt, pt, scale=scale, qkv_layout="BNSH")
+            o = cudnn_paged(
+                q[:, :, None, :],
+                kp[0, 1:],
+                vp[0, 1:],
+                jnp.ones((B,), jnp.int32),
+                sl,
+                pt,
+                pt,
+                scale=scale,
+                qkv_layout="BNSH",
+            )
             return o[:, :, 0, :]
+
         out["cudnn"] = cudnn
     except ImportError as e:
         print(f"cuDNN paged attention unavailable: {e}")
@@ -134,7 +155,9 @@ def time_fn(fn, qs, args, iters, repeats):
     def loop(qs, *args):
         def body(i, acc):
             return acc + fn(qs[i % qs.shape[0]], *args)[..., :1].astype(jnp.float32)
+
         return jax.lax.fori_loop(0, iters, body, jnp.zeros(qs.shape[1:-1] + (1,), jnp.float32))
+
     f = jax.jit(loop)
     f(qs, *args).block_until_ready()
     ts = []
@@ -147,7 +170,7 @@ def time_fn(fn, qs, args, iters, repeats):
 
 def run_config(B, ctx, page_size, fns, ceiling, iters, repeats, meta):
     qs, kp, vp, bt, sl = make_inputs(B, ctx, page_size)
-    ref = reference.paged_decode_attention(qs[0], kp, vp, bt, sl, scale=H ** -0.5).astype(jnp.float32)
+    ref = reference.paged_decode_attention(qs[0], kp, vp, bt, sl, scale=H**-0.5).astype(jnp.float32)
     kv_bytes = 2 * B * ctx * K * H * 2
     rows = []
     kt = vt = None
@@ -158,8 +181,18 @@ def run_config(B, ctx, page_size, fns, ceiling, iters, repeats, meta):
             if kt is None:  # transposed once, outside the timing
                 kt, vt = kp[0].transpose(1, 0, 2, 3), vp[0].transpose(1, 0, 2, 3)
             args = (kt, vt, bt, sl)
-        row = dict(meta, bench="paged_decode_attention", variant=name, B=B, context=ctx,
-                   page_size=page_size, N=N, K=K, H=H, dtype="bfloat16")
+        row = dict(
+            meta,
+            bench="paged_decode_attention",
+            variant=name,
+            B=B,
+            context=ctx,
+            page_size=page_size,
+            N=N,
+            K=K,
+            H=H,
+            dtype="bfloat16",
+        )
         try:
             out = jax.jit(call)(qs[0], *args).astype(jnp.float32)
             err = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
@@ -181,8 +214,12 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--page-sizes", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--variants", nargs="+", default=[v for v in registry.DECODE if v != "reference"])
-    ap.add_argument("--max-kv-gib", type=float, default=24.0, help="skip configs whose KV exceeds this")
+    ap.add_argument(
+        "--variants", nargs="+", default=[v for v in registry.DECODE if v != "reference"]
+    )
+    ap.add_argument(
+        "--max-kv-gib", type=float, default=24.0, help="skip configs whose KV exceeds this"
+    )
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
@@ -192,9 +229,14 @@ def main() -> None:
     ceil = copy_ceiling_tbps()
     ceiling = max(ceil.values())
     commit = git_commit()
-    meta = dict(jax=jax.__version__, device=jax.devices()[0].device_kind,
-                date=datetime.date.today().isoformat(), commit=commit,
-                copy_tbps=ceiling, copy_ceilings=ceil)
+    meta = dict(
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        date=datetime.date.today().isoformat(),
+        commit=commit,
+        copy_tbps=ceiling,
+        copy_ceilings=ceil,
+    )
     print(f"copy ceilings (TB/s): {ceil}; using {ceiling:.2f}")
     rows = []
     for ps in args.page_sizes:
@@ -204,9 +246,24 @@ def main() -> None:
                 if 2 * B * ctx * K * H * 2 > args.max_kv_gib * 2**30:
                     continue
                 rows += run_config(B, ctx, ps, fns, ceiling, args.iters, args.repeats, meta)
-                for r in rows[-len(fns):]:
-                    print(json.dumps({k: r.get(k) for k in ("variant", "B", "context", "page_size",
-                                                            "us", "kv_tbps", "rel_err", "error")}))
+                for r in rows[-len(fns) :]:
+                    print(
+                        json.dumps(
+                            {
+                                k: r.get(k)
+                                for k in (
+                                    "variant",
+                                    "B",
+                                    "context",
+                                    "page_size",
+                                    "us",
+                                    "kv_tbps",
+                                    "rel_err",
+                                    "error",
+                                )
+                            }
+                        )
+                    )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "a") as fh:
         for r in rows:
@@ -218,19 +275,31 @@ def main() -> None:
                 fh.write(json.dumps(r) + "\n")
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        fig, axes = plt.subplots(1, len(args.page_sizes), figsize=(7 * len(args.page_sizes), 5), squeeze=False)
+
+        fig, axes = plt.subplots(
+            1, len(args.page_sizes), figsize=(7 * len(args.page_sizes), 5), squeeze=False
+        )
         for ax, ps in zip(axes[0], args.page_sizes):
             for name in sorted({r["variant"] for r in rows}):
                 for B in args.batches:
-                    pts = [(r["context"], r["kv_tbps"]) for r in rows if r["variant"] == name
-                           and r["B"] == B and r["page_size"] == ps and "kv_tbps" in r]
+                    pts = [
+                        (r["context"], r["kv_tbps"])
+                        for r in rows
+                        if r["variant"] == name
+                        and r["B"] == B
+                        and r["page_size"] == ps
+                        and "kv_tbps" in r
+                    ]
                     if pts:
                         x, y = zip(*sorted(pts))
                         ax.plot(x, y, marker="o", label=f"{name} B={B}")
             ax.axhline(ceiling, color="k", ls="--", label="copy ceiling")
-            ax.set_xscale("log", base=2); ax.set_xlabel("context"); ax.set_ylabel("KV read TB/s")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context")
+            ax.set_ylabel("KV read TB/s")
             ax.set_title(f"paged decode attention, page {ps}, {meta['device']}")
             ax.legend(fontsize=6)
         fig.tight_layout()
@@ -240,13 +309,17 @@ def main() -> None:
     except ImportError:
         print("matplotlib not installed: no PNG")
 
-    print(f"\n{'variant':<12} {'B':>4} {'ctx':>6} {'page':>4} {'us':>9} {'TB/s':>6} {'frac':>5}  note")
+    print(
+        f"\n{'variant':<12} {'B':>4} {'ctx':>6} {'page':>4} {'us':>9} {'TB/s':>6} {'frac':>5}  note"
+    )
     for r in rows:
         note = r.get("error", "")
         us = f"{r['us']:.1f}" if "us" in r else "-"
         tb = f"{r['kv_tbps']:.2f}" if "kv_tbps" in r else "-"
         fr = f"{r['frac_of_copy']:.2f}" if "frac_of_copy" in r else "-"
-        print(f"{r['variant']:<12} {r['B']:>4} {r['context']:>6} {r['page_size']:>4} {us:>9} {tb:>6} {fr:>5}  {note[:60]}")
+        print(
+            f"{r['variant']:<12} {r['B']:>4} {r['context']:>6} {r['page_size']:>4} {us:>9} {tb:>6} {fr:>5}  {note[:60]}"
+        )
 
 
 if __name__ == "__main__":

@@ -52,7 +52,9 @@ def time_fn(fn, args, iters, repeats):
     def loop(*args):
         def body(i, acc):
             return acc + fn(*args)[0, 0, 0, 0].astype(jnp.float32)
+
         return jax.lax.fori_loop(0, iters, body, jnp.float32(0))
+
     f = jax.jit(loop)
     f(*args).block_until_ready()
     ts = []
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 2048])
     ap.add_argument("--page-size", type=int, default=16)
+
     def knob(spec: str) -> tuple[int, int, int, int]:
         try:
             vals = tuple(int(x) for x in spec.split(","))
@@ -76,12 +79,17 @@ def main() -> None:
             vals = ()
         if len(vals) != 4:
             raise argparse.ArgumentTypeError(
-                f"{spec!r}: expected four integers block_q,pages_per_block,num_warps,num_stages")
+                f"{spec!r}: expected four integers block_q,pages_per_block,num_warps,num_stages"
+            )
         return vals
 
-    ap.add_argument("--knobs", nargs="*", type=knob,
-                    default=[(16, 4, 4, 2), (32, 4, 8, 2), (32, 8, 8, 3), (16, 8, 4, 3)],
-                    help="triton settings block_q,pages_per_block,num_warps,num_stages")
+    ap.add_argument(
+        "--knobs",
+        nargs="*",
+        type=knob,
+        default=[(16, 4, 4, 2), (32, 4, 8, 2), (32, 8, 8, 3), (16, 8, 4, 3)],
+        help="triton settings block_q,pages_per_block,num_warps,num_stages",
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=16384, help="skip R * Tq above this")
@@ -89,14 +97,25 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     args = ap.parse_args()
     if not args.interpret and jax.default_backend() != "gpu":
-        ap.error(f"JAX's backend is {jax.default_backend()!r}: the kernel compiles for a GPU only; "
-                 "use --interpret for a CPU smoke run")
+        ap.error(
+            f"JAX's backend is {jax.default_backend()!r}: the kernel compiles for a GPU only; "
+            "use --interpret for a CPU smoke run"
+        )
 
     dtype = jnp.float32 if args.interpret else jnp.bfloat16
     commit = git_commit()
-    meta = dict(bench="paged_prefill", jax=jax.__version__, device=jax.devices()[0].device_kind,
-                date=datetime.date.today().isoformat(), commit=commit, N=N, K=K, H=H,
-                page_size=args.page_size, dtype=jnp.dtype(dtype).name)
+    meta = dict(
+        bench="paged_prefill",
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        date=datetime.date.today().isoformat(),
+        commit=commit,
+        N=N,
+        K=K,
+        H=H,
+        page_size=args.page_size,
+        dtype=jnp.dtype(dtype).name,
+    )
     rows = []
     for prefix in args.prefix:
         for R in args.rows:
@@ -104,18 +123,25 @@ def main() -> None:
                 if R * Tq > args.max_tokens:
                     continue
                 inp = make_inputs(R, Tq, prefix, args.page_size, dtype)
-                kw = dict(layer=0, scale=H ** -0.5)
+                kw = dict(layer=0, scale=H**-0.5)
                 with jax.default_matmul_precision("highest"):
-                    ref = reference.paged_attention(*[a.astype(jnp.float32) if a.dtype == dtype
-                                                      else a for a in inp], **kw)
+                    ref = reference.paged_attention(
+                        *[a.astype(jnp.float32) if a.dtype == dtype else a for a in inp], **kw
+                    )
                 # causal pairs (query, visible key), 2 matmuls of 2*H flops each per head
                 pairs = R * (Tq * prefix + Tq * (Tq + 1) // 2)
                 flops = 4 * pairs * N * H
                 fns = {"reference": functools.partial(reference.paged_attention, **kw)}
                 for bq, ppb, nw, ns in args.knobs:
                     fns[f"triton[{bq},{ppb},{nw},{ns}]"] = functools.partial(
-                        prefill_triton.paged_prefill_attention, **kw, interpret=args.interpret,
-                        block_q=bq, pages_per_block=ppb, num_warps=nw, num_stages=ns)
+                        prefill_triton.paged_prefill_attention,
+                        **kw,
+                        interpret=args.interpret,
+                        block_q=bq,
+                        pages_per_block=ppb,
+                        num_warps=nw,
+                        num_stages=ns,
+                    )
                 base = None
                 for name, fn in fns.items():
                     row = dict(meta, variant=name, R=R, Tq=Tq, prefix=prefix)
@@ -131,11 +157,22 @@ def main() -> None:
                         rows.append(row)
                         continue
                     base = dt if name == "reference" else base
-                    row.update(us=dt * 1e6, tflops=flops / dt / 1e12, rel_err=rel,
-                               speedup_vs_reference=(base / dt) if base else None)
+                    row.update(
+                        us=dt * 1e6,
+                        tflops=flops / dt / 1e12,
+                        rel_err=rel,
+                        speedup_vs_reference=(base / dt) if base else None,
+                    )
                     rows.append(row)
-                    print(json.dumps({k: row[k] for k in ("R", "Tq", "prefix", "variant", "us",
-                                                          "tflops", "rel_err")}), flush=True)
+                    print(
+                        json.dumps(
+                            {
+                                k: row[k]
+                                for k in ("R", "Tq", "prefix", "variant", "us", "tflops", "rel_err")
+                            }
+                        ),
+                        flush=True,
+                    )
     if not args.interpret:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "a") as fh:
@@ -145,13 +182,16 @@ def main() -> None:
         with open(os.path.join(os.environ["OUT"], "paged_prefill.jsonl"), "w") as fh:
             for r in rows:
                 fh.write(json.dumps(r) + "\n")
-    print(f"\n{'R':>3} {'Tq':>5} {'prefix':>6} {'variant':<22} {'us':>10} {'TFLOP/s':>8} "
-          f"{'x ref':>6}")
+    print(
+        f"\n{'R':>3} {'Tq':>5} {'prefix':>6} {'variant':<22} {'us':>10} {'TFLOP/s':>8} {'x ref':>6}"
+    )
     for r in rows:
         if "us" in r:
             x = r["speedup_vs_reference"]
-            print(f"{r['R']:>3} {r['Tq']:>5} {r['prefix']:>6} {r['variant']:<22} {r['us']:>10.1f} "
-                  f"{r['tflops']:>8.1f} {x if x is None else f'{x:.2f}':>6}")
+            print(
+                f"{r['R']:>3} {r['Tq']:>5} {r['prefix']:>6} {r['variant']:<22} {r['us']:>10.1f} "
+                f"{r['tflops']:>8.1f} {x if x is None else f'{x:.2f}':>6}"
+            )
         else:
             print(f"{r['R']:>3} {r['Tq']:>5} {r['prefix']:>6} {r['variant']:<22} {r['error']}")
 

@@ -50,9 +50,16 @@ sys.path.insert(0, ROOT)
 from scripts.bench_throughput import QWEN3_8B_HF, workload  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
-TINY_HF = dict(QWEN3_8B_HF, vocab_size=4096, hidden_size=128, intermediate_size=256,
-               num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-               max_position_embeddings=4096)
+TINY_HF = dict(
+    QWEN3_8B_HF,
+    vocab_size=4096,
+    hidden_size=128,
+    intermediate_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=4096,
+)
 MODEL = "bench"
 
 
@@ -65,11 +72,15 @@ def random_llm(args):
     from jaxinfer import LLM, SamplingParams, models
     from jaxinfer.config import ModelConfig
 
-    hf = dict(TINY_HF if args.tiny else QWEN3_8B_HF, model_type="qwen3",
-              num_hidden_layers=args.layers)
+    hf = dict(
+        TINY_HF if args.tiny else QWEN3_8B_HF, model_type="qwen3", num_hidden_layers=args.layers
+    )
     cfg = ModelConfig.from_hf_config(hf)
-    llm = LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), jnp.dtype(
-        args.dtype or "bfloat16")), **engine_args(args))
+    llm = LLM.from_params(
+        cfg,
+        models.init_params(cfg, jax.random.key(0), jnp.dtype(args.dtype or "bfloat16")),
+        **engine_args(args),
+    )
     prompts, out_lens = workload(args, cfg.vocab_size)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
@@ -77,13 +88,23 @@ def random_llm(args):
     trace = None
     if args.trace_steps:
         from scripts.probes.step_trace import StepTrace
+
         trace = StepTrace(llm.engine, args.trace_steps)
         trace.mark("offline")
     t = time.perf_counter()
     llm.generate(reqs, params)
     dt = time.perf_counter() - t
-    print("OFFLINE " + json.dumps(dict(offline_output_tok_s=sum(out_lens) / dt, offline_s=dt,
-                                       device=str(jax.devices()[0].device_kind))), flush=True)
+    print(
+        "OFFLINE "
+        + json.dumps(
+            dict(
+                offline_output_tok_s=sum(out_lens) / dt,
+                offline_s=dt,
+                device=str(jax.devices()[0].device_kind),
+            )
+        ),
+        flush=True,
+    )
     if trace is not None:
         trace.mark("server")
     return llm
@@ -95,14 +116,21 @@ def serve_random(args) -> int:
 
     from jaxinfer.serve.__main__ import main
 
-    return main(["--port", str(args.port), "--served-model-name", MODEL, "--log-level", "warning"],
-                functools.partial(random_llm, args))
+    return main(
+        ["--port", str(args.port), "--served-model-name", MODEL, "--log-level", "warning"],
+        functools.partial(random_llm, args),
+    )
 
 
 def engine_args(args) -> dict:
-    return dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-                kernels=args.kernels, compile_in_background=not args.no_background_compile)
+    return dict(
+        max_model_len=args.max_input + args.max_output,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        kernels=args.kernels,
+        compile_in_background=not args.no_background_compile,
+    )
 
 
 def start_server(args) -> tuple[subprocess.Popen, str, dict]:
@@ -111,18 +139,34 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     if args.model is None:
-        cmd = [sys.executable, os.path.abspath(__file__), "--serve-random", "--port", str(port),
-               *sys.argv[1:]]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--serve-random",
+            "--port",
+            str(port),
+            *sys.argv[1:],
+        ]
     else:
-        cmd = [sys.executable, "-m", "jaxinfer.serve", "--port", str(port), "--log-level",
-               "warning", "--served-model-name", MODEL, *(["--model", args.model]
-                                                          if args.model != "embedded" else [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "jaxinfer.serve",
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            "--served-model-name",
+            MODEL,
+            *(["--model", args.model] if args.model != "embedded" else []),
+        ]
         for k, v in engine_args(args).items():
             if isinstance(v, bool):
                 cmd.append("--" + "no-" * (not v) + k.replace("_", "-"))
             elif v not in (None, ""):
                 cmd += ["--" + k.replace("_", "-"), str(v)]
     import tempfile
+
     log = open(os.path.join(tempfile.gettempdir(), "bench_serving_server.log"), "w")
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, cwd=ROOT)
     url, offline = f"http://127.0.0.1:{port}", {}
@@ -132,6 +176,7 @@ def start_server(args) -> tuple[subprocess.Popen, str, dict]:
         for line in child.stdout:
             if line.startswith("OFFLINE "):
                 offline.update(json.loads(line[8:]))
+
     threading.Thread(target=read, daemon=True).start()
     while True:
         if child.poll() is not None:
@@ -148,8 +193,14 @@ async def one(client, prompt, max_tokens: int, t_send: float, close_after: int |
     await asyncio.sleep(max(0.0, t_send - time.perf_counter()))
     t0 = time.perf_counter()
     stream = await client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     times, usage = [], None
     async for chunk in stream:
         if chunk.choices:
@@ -159,19 +210,27 @@ async def one(client, prompt, max_tokens: int, t_send: float, close_after: int |
                 return None
         usage = chunk.usage or usage
     n = usage.completion_tokens if usage else 0
-    return dict(start=t0, ttft=times[0] - t0, latency=times[-1] - t0, tokens=n,
-                itl=np.diff(times).tolist(), ok=n == max_tokens)
+    return dict(
+        start=t0,
+        ttft=times[0] - t0,
+        latency=times[-1] - t0,
+        tokens=n,
+        itl=np.diff(times).tolist(),
+        ok=n == max_tokens,
+    )
 
 
 def metric(url: str, name: str) -> float:
     text = urllib.request.urlopen(url.rsplit("/v1", 1)[0] + "/metrics").read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(f"jaxinfer:{name}"))
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"jaxinfer:{name}")
+    )
 
 
 async def client_part(url, items) -> list:
     """Stream ``items`` ((prompt, max_tokens, perf_counter send time)) on one asyncio client."""
     import openai
+
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600)
     res = await asyncio.gather(*(one(client, p, m, t) for p, m, t in items))
     await client.close()
@@ -186,13 +245,18 @@ def run_rate(url, prompts, out_lens, rate: float, seed: int, procs: int = 1) -> 
     """One timed run at ``rate``; with ``procs`` > 1 the requests are dealt round-robin to that
     many client processes (perf_counter is the system's monotonic clock, shared by them), so
     that one Python client's chunk parsing does not bound what is measured."""
-    gaps = np.random.default_rng(seed).exponential(1 / rate, len(prompts)) if rate < np.inf \
+    gaps = (
+        np.random.default_rng(seed).exponential(1 / rate, len(prompts))
+        if rate < np.inf
         else np.zeros(len(prompts))
+    )
     if procs > 1:
         import concurrent.futures
         import multiprocessing
+
         pool = concurrent.futures.ProcessPoolExecutor(
-            procs, mp_context=multiprocessing.get_context("spawn"))
+            procs, mp_context=multiprocessing.get_context("spawn")
+        )
         list(pool.map(time.sleep, [0.5] * procs))  # the workers started and imported
     t0 = time.perf_counter() + 0.05
     sends = t0 + np.cumsum(gaps) - gaps[0]
@@ -204,16 +268,24 @@ def run_rate(url, prompts, out_lens, rate: float, seed: int, procs: int = 1) -> 
     else:
         res = run_part(url, items)
     dur = max(r["start"] + r["latency"] for r in res) - t0
-    pct = (lambda xs, q: float(np.percentile(xs, q)) if len(xs) else None)
+    pct = lambda xs, q: float(np.percentile(xs, q)) if len(xs) else None
     ttft, itl = [r["ttft"] for r in res], [g for r in res for g in r["itl"]]
     tpot = [(r["latency"] - r["ttft"]) / (r["tokens"] - 1) for r in res if r["tokens"] > 1]
-    row = dict(rate=rate if rate < np.inf else "inf", duration_s=dur,
-               request_throughput=len(res) / dur, output_tok_s=sum(r["tokens"] for r in res) / dur,
-               incomplete=sum(not r["ok"] for r in res))
+    row = dict(
+        rate=rate if rate < np.inf else "inf",
+        duration_s=dur,
+        request_throughput=len(res) / dur,
+        output_tok_s=sum(r["tokens"] for r in res) / dur,
+        incomplete=sum(not r["ok"] for r in res),
+    )
     for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
-        row.update({f"{name}_mean_ms": float(np.mean(xs)) * 1e3 if xs else None,
-                    f"{name}_p50_ms": (pct(xs, 50) or 0) * 1e3,
-                    f"{name}_p99_ms": (pct(xs, 99) or 0) * 1e3})
+        row.update(
+            {
+                f"{name}_mean_ms": float(np.mean(xs)) * 1e3 if xs else None,
+                f"{name}_p50_ms": (pct(xs, 50) or 0) * 1e3,
+                f"{name}_p99_ms": (pct(xs, 99) or 0) * 1e3,
+            }
+        )
     return row
 
 
@@ -225,6 +297,7 @@ def rss_bytes(pid: int) -> int:
 async def soak(args, url, child, prompts, out_lens) -> dict:
     """Poisson arrivals of ``--soak-requests`` good, disconnecting and malformed requests."""
     import openai
+
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600)
     rng, n = random.Random(args.seed), args.soak_requests
     kinds = rng.choices(["good", "leave", "bad"], [0.85, 0.10, 0.05], k=n)
@@ -232,15 +305,22 @@ async def soak(args, url, child, prompts, out_lens) -> dict:
     t0 = time.perf_counter()
     sends = t0 + np.cumsum(gaps)
     host, port = url.split("//")[1].split("/")[0].split(":")
-    bad_bodies = [b"{", b'{"prompt": "x", "temperature": -1}', b'{"prompt": [1], "n": 0}',
-                  b'{"prompt": "\xff"}', b'{"max_tokens": 3}']
+    bad_bodies = [
+        b"{",
+        b'{"prompt": "x", "temperature": -1}',
+        b'{"prompt": [1], "n": 0}',
+        b'{"prompt": "\xff"}',
+        b'{"max_tokens": 3}',
+    ]
 
     async def bad(t_send):
         await asyncio.sleep(max(0.0, t_send - time.perf_counter()))
         r, w = await asyncio.open_connection(host, int(port))
         body = rng.choice(bad_bodies)
-        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        w.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         status = int((await r.read()).split(b" ", 2)[1])
         w.close()
         return status
@@ -249,8 +329,9 @@ async def soak(args, url, child, prompts, out_lens) -> dict:
         p, m = prompts[i % len(prompts)], out_lens[i % len(prompts)]
         if kinds[i] == "bad":
             return await bad(sends[i])
-        return await one(client, p, m, sends[i], rng.randint(1, max(1, m - 1))
-                         if kinds[i] == "leave" else None)
+        return await one(
+            client, p, m, sends[i], rng.randint(1, max(1, m - 1)) if kinds[i] == "leave" else None
+        )
 
     warm = max(1, n // 10)
     first = await asyncio.gather(*(job(i) for i in range(warm)))
@@ -260,16 +341,24 @@ async def soak(args, url, child, prompts, out_lens) -> dict:
     rss_end = rss_bytes(child.pid)
     res = first + rest
     good = [r for r, k in zip(res, kinds) if k == "good"]
-    return dict(requests=n, good=len(good), lost=sum(not r["ok"] for r in good),
-                bad=kinds.count("bad"), bad_not_4xx=sum(not 400 <= r < 500 for r, k in zip(
-                    res, kinds) if k == "bad"), disconnects=kinds.count("leave"),
-                seconds=time.perf_counter() - t0, rss_after_warmup_mb=rss_warm / 2 ** 20,
-                rss_end_mb=rss_end / 2 ** 20, rss_growth=rss_end / rss_warm - 1)
+    return dict(
+        requests=n,
+        good=len(good),
+        lost=sum(not r["ok"] for r in good),
+        bad=kinds.count("bad"),
+        bad_not_4xx=sum(not 400 <= r < 500 for r, k in zip(res, kinds) if k == "bad"),
+        disconnects=kinds.count("leave"),
+        seconds=time.perf_counter() - t0,
+        rss_after_warmup_mb=rss_warm / 2**20,
+        rss_end_mb=rss_end / 2**20,
+        rss_growth=rss_end / rss_warm - 1,
+    )
 
 
 def plot(rows: list[dict], path: str) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -281,7 +370,8 @@ def plot(rows: list[dict], path: str) -> None:
     for name in ("ttft", "tpot", "itl"):
         for q, style in (("p50", "-o"), ("p99", "--x")):
             (ax[0] if name == "ttft" else ax[1]).plot(
-                x, [r[f"{name}_{q}_ms"] for r in rows], style, label=f"{name.upper()} {q}")
+                x, [r[f"{name}_{q}_ms"] for r in rows], style, label=f"{name.upper()} {q}"
+            )
     for a in ax:
         a.set_xlabel("achieved request rate (req/s)")
         a.set_ylabel("ms")
@@ -300,31 +390,65 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--tiny", action="store_true", help="small random model and workload (CPU)")
     ap.add_argument("--rates", default="2,4,8,16,32,inf", help="requests/s, comma-separated")
-    ap.add_argument("--warmup", type=int, default=3,
-                    help="most untimed runs of each rate first (until one compiles nothing)")
-    for name, default in (("num-requests", 256), ("min-input", 100), ("max-input", 1024),
-                          ("min-output", 100), ("max-output", 1024), ("seed", 0),
-                          ("max-num-seqs", 256), ("max-num-batched-tokens", 8192),
-                          ("soak-requests", 1000), ("soak-seconds", 600)):
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="most untimed runs of each rate first (until one compiles nothing)",
+    )
+    for name, default in (
+        ("num-requests", 256),
+        ("min-input", 100),
+        ("max-input", 1024),
+        ("min-output", 100),
+        ("max-output", 1024),
+        ("seed", 0),
+        ("max-num-seqs", 256),
+        ("max-num-batched-tokens", 8192),
+        ("soak-requests", 1000),
+        ("soak-seconds", 600),
+    ):
         ap.add_argument("--" + name, type=int, default=default)
     ap.add_argument("--kernels", default="")
-    ap.add_argument("--client-procs", type=int, default=1,
-                    help="client processes the requests are dealt to (default 1)")
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=1,
+        help="client processes the requests are dealt to (default 1)",
+    )
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--soak", action="store_true")
-    ap.add_argument("--no-background-compile", action="store_true",
-                    help="compile a new step shape in the step that needs it (a stall)")
-    ap.add_argument("--trace-steps", default=None, metavar="PATH",
-                    help="random model: each engine step's times into PATH "
-                         "(scripts/probes/step_trace.py summarizes)")
+    ap.add_argument(
+        "--no-background-compile",
+        action="store_true",
+        help="compile a new step shape in the step that needs it (a stall)",
+    )
+    ap.add_argument(
+        "--trace-steps",
+        default=None,
+        metavar="PATH",
+        help="random model: each engine step's times into PATH "
+        "(scripts/probes/step_trace.py summarizes)",
+    )
     ap.add_argument("--out", default="benchmarks/serving.jsonl")
     ap.add_argument("--png", default=None, help="default: --out with .png")
     ap.add_argument("--serve-random", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     if "--tiny" in sys.argv[1:]:  # other defaults; explicit values stay
-        ap.set_defaults(layers=2, num_requests=24, min_input=16, max_input=96, min_output=8,
-                        max_output=48, max_num_seqs=16, max_num_batched_tokens=256,
-                        rates="8,inf", soak_requests=200, soak_seconds=60, dtype="float32")
+        ap.set_defaults(
+            layers=2,
+            num_requests=24,
+            min_input=16,
+            max_input=96,
+            min_output=8,
+            max_output=48,
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            rates="8,inf",
+            soak_requests=200,
+            soak_seconds=60,
+            dtype="float32",
+        )
     args = ap.parse_args()
     if args.serve_random:
         sys.exit(serve_random(args))
@@ -333,13 +457,21 @@ def main() -> None:
     prompts, out_lens = workload(args, vocab)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     child, url, offline = (None, args.base_url, {}) if args.base_url else start_server(args)
-    meta = dict(bench="serving", model=args.model or f"random qwen3-8b arch, {args.layers} layers"
-                + (" (tiny)" if args.tiny else ""), num_requests=len(prompts),
-                input_range=[args.min_input, args.max_input], seed=args.seed,
-                output_range=[args.min_output, args.max_output], max_num_seqs=args.max_num_seqs,
-                client_procs=args.client_procs,
-                date=datetime.date.today().isoformat(), commit=git_commit(), xla_flags=xla_flags(),
-                **offline)
+    meta = dict(
+        bench="serving",
+        model=args.model
+        or f"random qwen3-8b arch, {args.layers} layers" + (" (tiny)" if args.tiny else ""),
+        num_requests=len(prompts),
+        input_range=[args.min_input, args.max_input],
+        seed=args.seed,
+        output_range=[args.min_output, args.max_output],
+        max_num_seqs=args.max_num_seqs,
+        client_procs=args.client_procs,
+        date=datetime.date.today().isoformat(),
+        commit=git_commit(),
+        xla_flags=xla_flags(),
+        **offline,
+    )
     rows = []
     try:
         if args.soak:
@@ -355,23 +487,28 @@ def main() -> None:
             compiles, covered = (metric(url, m) for m in ("compiled_step_shapes", "covered_steps"))
             if args.trace_steps:  # the timed run's start in the trace's clock (perf_counter)
                 with open(args.trace_steps + ".marks", "a") as f:
-                    f.write(json.dumps({"mark": f"timed rate {rate}", "t": time.perf_counter()})
-                            + "\n")
-            row = dict(meta, **run_rate(url, prompts, out_lens, rate, args.seed,
-                                        args.client_procs),
-                       compiles=metric(url, "compiled_step_shapes") - compiles,
-                       covered_steps=metric(url, "covered_steps") - covered)
+                    f.write(
+                        json.dumps({"mark": f"timed rate {rate}", "t": time.perf_counter()}) + "\n"
+                    )
+            row = dict(
+                meta,
+                **run_rate(url, prompts, out_lens, rate, args.seed, args.client_procs),
+                compiles=metric(url, "compiled_step_shapes") - compiles,
+                covered_steps=metric(url, "covered_steps") - covered,
+            )
             if row["rate"] == "inf" and offline:
                 row["vs_offline"] = row["output_tok_s"] / offline["offline_output_tok_s"]
             rows.append(row)
-            print(f"rate {row['rate']:>5}: {row['request_throughput']:7.2f} req/s "
-                  f"{row['output_tok_s']:9.1f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']:8.1f}/"
-                  f"{row['ttft_p99_ms']:8.1f} ms  TPOT {row['tpot_p50_ms']:7.2f}/"
-                  f"{row['tpot_p99_ms']:7.2f} ms  ITL {row['itl_p50_ms']:7.2f}/"
-                  f"{row['itl_p99_ms']:7.2f} ms  incomplete {row['incomplete']}  compiles "
-                  f"{row['compiles']:.0f} covered steps {row['covered_steps']:.0f}"
-                  + (f"  vs offline {row['vs_offline']:.3f}" if "vs_offline" in row else ""),
-                  flush=True)
+            print(
+                f"rate {row['rate']:>5}: {row['request_throughput']:7.2f} req/s "
+                f"{row['output_tok_s']:9.1f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']:8.1f}/"
+                f"{row['ttft_p99_ms']:8.1f} ms  TPOT {row['tpot_p50_ms']:7.2f}/"
+                f"{row['tpot_p99_ms']:7.2f} ms  ITL {row['itl_p50_ms']:7.2f}/"
+                f"{row['itl_p99_ms']:7.2f} ms  incomplete {row['incomplete']}  compiles "
+                f"{row['compiles']:.0f} covered steps {row['covered_steps']:.0f}"
+                + (f"  vs offline {row['vs_offline']:.3f}" if "vs_offline" in row else ""),
+                flush=True,
+            )
     finally:
         if child is not None:
             child.terminate()

@@ -42,12 +42,19 @@ def main() -> None:
     from jaxinfer.config import ModelConfig
     from scripts.plan_memory import device_memory_stats
 
-    hf = dict(TINY_HF if args.tiny else QWEN3_8B_HF, model_type="qwen3",
-              num_hidden_layers=2 if args.tiny else args.layers)
+    hf = dict(
+        TINY_HF if args.tiny else QWEN3_8B_HF,
+        model_type="qwen3",
+        num_hidden_layers=2 if args.tiny else args.layers,
+    )
     cfg = ModelConfig.from_hf_config(hf)
     dtype = "float32" if args.tiny else "bfloat16"
-    llm = LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), jnp.dtype(dtype)),
-                          max_model_len=512, max_num_seqs=8)
+    llm = LLM.from_params(
+        cfg,
+        models.init_params(cfg, jax.random.key(0), jnp.dtype(dtype)),
+        max_model_len=512,
+        max_num_seqs=8,
+    )
     rng = np.random.default_rng(0)
     reqs = [{"prompt_token_ids": rng.integers(0, cfg.vocab_size, 64).tolist()} for _ in range(8)]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -69,17 +76,32 @@ def main() -> None:
             llm.update_params(host)
         jax.block_until_ready(llm.engine.runner.params)
         t_wake = time.perf_counter() - t1
-        rows.append(dict(bench="sleep", level=level, layers=cfg.num_layers, dtype=dtype,
-                         device=str(jax.devices()[0].device_kind), bytes_awake=awake,
-                         bytes_asleep=asleep, freed_gib=None if awake is None else
-                         (awake - asleep) / 2**30, sleep_s=t_sleep, wake_s=t_wake,
-                         same_tokens=run() == before, date=datetime.date.today().isoformat(),
-                         commit=git_commit(), xla_flags=xla_flags()))
+        rows.append(
+            dict(
+                bench="sleep",
+                level=level,
+                layers=cfg.num_layers,
+                dtype=dtype,
+                device=str(jax.devices()[0].device_kind),
+                bytes_awake=awake,
+                bytes_asleep=asleep,
+                freed_gib=None if awake is None else (awake - asleep) / 2**30,
+                sleep_s=t_sleep,
+                wake_s=t_wake,
+                same_tokens=run() == before,
+                date=datetime.date.today().isoformat(),
+                commit=git_commit(),
+                xla_flags=xla_flags(),
+            )
+        )
         r = rows[-1]
         freed = "n/a" if r["freed_gib"] is None else f"{r['freed_gib']:.1f} GiB"
-        print(f"level {level}: freed {freed}, sleep {t_sleep:.2f} s, wake_up"
-              f"{' + update_params' * (level == 2)} {t_wake:.2f} s, same tokens after: "
-              f"{r['same_tokens']}", flush=True)
+        print(
+            f"level {level}: freed {freed}, sleep {t_sleep:.2f} s, wake_up"
+            f"{' + update_params' * (level == 2)} {t_wake:.2f} s, same tokens after: "
+            f"{r['same_tokens']}",
+            flush=True,
+        )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)

@@ -41,20 +41,25 @@ def checkpoint(path: str, hf: dict, layers: int) -> str:
         return path
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, **hf)).to(torch.bfloat16)
     model.save_pretrained(path)
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1000)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()  # a word-level stand-in: the server needs one
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1").save_pretrained(
+        path
+    )
     return path
 
 
 def start(cmd: list[str], timeout: float) -> tuple[float, float]:
     """(seconds to /health 200, step shapes compiled by then); the server is stopped after."""
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -69,8 +74,14 @@ def start(cmd: list[str], timeout: float) -> tuple[float, float]:
                 urllib.request.urlopen(url + "/health", timeout=1)
                 ready = time.perf_counter() - t0
                 text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-                compiles = next((float(line.split()[-1]) for line in text.splitlines()
-                                 if line.startswith("jaxinfer:compiled_step_shapes")), float("nan"))
+                compiles = next(
+                    (
+                        float(line.split()[-1])
+                        for line in text.splitlines()
+                        if line.startswith("jaxinfer:compiled_step_shapes")
+                    ),
+                    float("nan"),
+                )
                 return ready, compiles
             except OSError:
                 time.sleep(0.2)
@@ -86,8 +97,11 @@ def main() -> None:
     ap.add_argument("--ckpt", default=os.path.join(tempfile.gettempdir(), "qwen3_random"))
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--tiny", action="store_true")
-    for name, default in (("max-model-len", 2048), ("max-num-seqs", 256),
-                          ("max-num-batched-tokens", 8192)):
+    for name, default in (
+        ("max-model-len", 2048),
+        ("max-num-seqs", 256),
+        ("max-num-batched-tokens", 8192),
+    ):
         ap.add_argument("--" + name, type=int, default=default)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
@@ -95,26 +109,50 @@ def main() -> None:
     if args.tiny:
         args.layers, args.max_model_len, args.max_num_seqs = 2, 256, 16
         args.max_num_batched_tokens, args.ckpt = 256, args.ckpt + "_tiny"
-    model = args.model or checkpoint(args.ckpt, TINY_HF if args.tiny else QWEN3_8B_HF,
-                                     args.layers)
+    model = args.model or checkpoint(args.ckpt, TINY_HF if args.tiny else QWEN3_8B_HF, args.layers)
     cache = tempfile.mkdtemp(prefix="jaxinfer_cc_")
-    cmd = [sys.executable, "-m", "jaxinfer.serve", "--model", model, "--log-level", "warning",
-           "--compilation-cache-dir", cache, "--max-model-len", str(args.max_model_len),
-           "--max-num-seqs", str(args.max_num_seqs),
-           "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxinfer.serve",
+        "--model",
+        model,
+        "--log-level",
+        "warning",
+        "--compilation-cache-dir",
+        cache,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-seqs",
+        str(args.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(args.max_num_batched_tokens),
+    ]
     rows = []
     try:
         for cache_state in ("cold", "warm"):
             ready, compiles = start(cmd, args.timeout)
-            rows.append(dict(bench="startup", cache=cache_state, health_s=ready,
-                             compiled_shapes=compiles, model=args.model or
-                             f"random qwen3-8b arch, {args.layers} layers" + " (tiny)" * args.tiny,
-                             max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                             max_num_batched_tokens=args.max_num_batched_tokens,
-                             date=datetime.date.today().isoformat(), commit=git_commit(),
-                             xla_flags=xla_flags()))
-            print(f"{cache_state:>5} cache: /health 200 after {ready:6.1f} s, "
-                  f"{compiles:.0f} step shapes compiled", flush=True)
+            rows.append(
+                dict(
+                    bench="startup",
+                    cache=cache_state,
+                    health_s=ready,
+                    compiled_shapes=compiles,
+                    model=args.model
+                    or f"random qwen3-8b arch, {args.layers} layers" + " (tiny)" * args.tiny,
+                    max_model_len=args.max_model_len,
+                    max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
+                    date=datetime.date.today().isoformat(),
+                    commit=git_commit(),
+                    xla_flags=xla_flags(),
+                )
+            )
+            print(
+                f"{cache_state:>5} cache: /health 200 after {ready:6.1f} s, "
+                f"{compiles:.0f} step shapes compiled",
+                flush=True,
+            )
     finally:
         shutil.rmtree(cache, ignore_errors=True)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

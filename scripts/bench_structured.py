@@ -37,15 +37,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
-RECORD = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
-          "properties": {"name": {"type": "string", "maxLength": 16},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
-                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}}}}
+RECORD = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "tags"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}},
+    },
+}
 PLAIN = dict(RECORD, properties=dict(RECORD["properties"], name={"type": "string"}))
-SCHEMAS = {"bounded": {"type": "array", "items": RECORD},  # the name's maxLength: llguidance
-           "plain": {"type": "array", "items": PLAIN}}     # counts characters in the string
-TINY = dict(architecture="qwen3", hidden_size=64, intermediate_size=128, num_layers=2,
-            num_heads=4, num_kv_heads=2, head_dim=16)
+SCHEMAS = {
+    "bounded": {"type": "array", "items": RECORD},  # the name's maxLength: llguidance
+    "plain": {"type": "array", "items": PLAIN},
+}  # counts characters in the string
+TINY = dict(
+    architecture="qwen3",
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+)
 
 
 def mask_times(manager, tokenizer, batch: int, schema: dict) -> np.ndarray:
@@ -54,13 +69,26 @@ def mask_times(manager, tokenizer, batch: int, schema: dict) -> np.ndarray:
     from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
     so = StructuredOutputsParams(json=schema)
-    docs = [tokenizer.encode(json.dumps([{"name": f"Name{i}{j}", "age": (i * 7 + j) % 150,
-                                          "tags": ["red", "blue"][:1 + (i + j) % 2]}
-                                         for j in range(8)]), add_special_tokens=False)
-            for i in range(batch)]
+    docs = [
+        tokenizer.encode(
+            json.dumps(
+                [
+                    {
+                        "name": f"Name{i}{j}",
+                        "age": (i * 7 + j) % 150,
+                        "tags": ["red", "blue"][: 1 + (i + j) % 2],
+                    }
+                    for j in range(8)
+                ]
+            ),
+            add_special_tokens=False,
+        )
+        for i in range(batch)
+    ]
     matchers = [manager.matcher(so) for _ in docs]
-    rows = [(i, Sequence(str(i), [0], SamplingParams(), 0, matcher=m))
-            for i, m in enumerate(matchers)]
+    rows = [
+        (i, Sequence(str(i), [0], SamplingParams(), 0, matcher=m)) for i, m in enumerate(matchers)
+    ]
     bitmask = np.full((batch, manager.words), -1, np.int32)
     times = []
     for t in range(min(map(len, docs))):
@@ -82,10 +110,16 @@ def step_time(eng, so, args) -> tuple[float, float]:
 
     rng, warm = np.random.default_rng(0), 8
     for _ in range(args.batch):
-        eng.add_request(rng.integers(100, 10000, args.context - warm - args.steps - 4).tolist(),
-                        SamplingParams(temperature=0.0, max_tokens=warm + args.steps + 2,
-                                       ignore_eos=True, structured_outputs=so,
-                                       output_kind=RequestOutputKind.FINAL_ONLY))
+        eng.add_request(
+            rng.integers(100, 10000, args.context - warm - args.steps - 4).tolist(),
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=warm + args.steps + 2,
+                ignore_eos=True,
+                structured_outputs=so,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            ),
+        )
     while eng.scheduler.num_waiting or eng.scheduler.prefilling is not None:
         eng.step()
     for _ in range(warm):  # compile and warm the decode shape
@@ -106,11 +140,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024, help="KV length reached at the end")
     ap.add_argument("--steps", type=int, default=50, help="timed steps per mode")
-    ap.add_argument("--tokenizer", default=None, metavar="DIR",
-                    help="an HF tokenizer directory saved from SmolLM2's (default: read the GGUF)")
+    ap.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="an HF tokenizer directory saved from SmolLM2's (default: read the GGUF)",
+    )
     ap.add_argument("--schemas", nargs="+", choices=sorted(SCHEMAS), default=sorted(SCHEMAS))
-    ap.add_argument("--out", default=None, help="default: benchmarks/h200.jsonl on a GPU, "
-                                                "else benchmarks/cpu.jsonl")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="default: benchmarks/h200.jsonl on a GPU, else benchmarks/cpu.jsonl",
+    )
     args = ap.parse_args()
 
     import jax
@@ -122,53 +163,93 @@ def main() -> None:
     from jaxinfer.config import EngineConfig, ModelConfig, resolve
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.runner.model_runner import ModelRunner
-    from jaxinfer.engine.sequence import Sequence
-    from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
+    from jaxinfer.sampling_params import StructuredOutputsParams
+
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from bench_decode import QWEN3_8B  # same directory
 
     if args.tokenizer:
         from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
     else:
         tok = load_tokenizer(default_model_path(), "gguf")
     gpu = jax.default_backend() == "gpu"
-    arch = dict(QWEN3_8B, num_layers=args.layers) if args.arch == "qwen3-8b" else dict(
-        TINY, vocab_size=len(tok))
+    arch = (
+        dict(QWEN3_8B, num_layers=args.layers)
+        if args.arch == "qwen3-8b"
+        else dict(TINY, vocab_size=len(tok))
+    )
     cfg, dtype = ModelConfig(**arch), "bfloat16" if gpu else "float32"
     params = models.init_params(cfg, jax.random.key(0), jnp.dtype(dtype))
     B, ps = args.batch, 16
-    ec = EngineConfig(max_model_len=args.context, page_size=ps, dtype=dtype, max_num_seqs=B,
-                      num_pages=B * -(-args.context // ps) + 1,
-                      max_num_batched_tokens=max(2048, args.context))
-    eng = LLMEngine(ModelRunner(cfg, params, resolve(cfg, ec, jax.default_backend())),
-                    eos_token_ids=(tok.eos_token_id,), tokenizer=tok)
+    ec = EngineConfig(
+        max_model_len=args.context,
+        page_size=ps,
+        dtype=dtype,
+        max_num_seqs=B,
+        num_pages=B * -(-args.context // ps) + 1,
+        max_num_batched_tokens=max(2048, args.context),
+    )
+    eng = LLMEngine(
+        ModelRunner(cfg, params, resolve(cfg, ec, jax.default_backend())),
+        eos_token_ids=(tok.eos_token_id,),
+        tokenizer=tok,
+    )
     t_free, o_free = step_time(eng, None, args)
-    meta = dict(bench="structured", arch=args.arch, layers=cfg.num_layers, B=B,
-                context=args.context, vocab=cfg.vocab_size, jax=jax.__version__,
-                device=jax.devices()[0].device_kind, cpus=os.cpu_count(),
-                date=datetime.date.today().isoformat(), commit=git_commit(), xla_flags=xla_flags())
+    meta = dict(
+        bench="structured",
+        arch=args.arch,
+        layers=cfg.num_layers,
+        B=B,
+        context=args.context,
+        vocab=cfg.vocab_size,
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        cpus=os.cpu_count(),
+        date=datetime.date.today().isoformat(),
+        commit=git_commit(),
+        xla_flags=xla_flags(),
+    )
     rows = [dict(meta, mode="free", ms_per_step=t_free * 1e3, overlapped=o_free)]
     for name in args.schemas:
         t_json, o_json = step_time(eng, StructuredOutputsParams(json=SCHEMAS[name]), args)
         mask = mask_times(eng.structured, tok, B, SCHEMAS[name])
-        rows += [dict(meta, mode="json", schema=name, ms_per_step=t_json * 1e3,
-                      ratio=t_json / t_free, overlapped=o_json),
-                 dict(meta, mode="mask", schema=name, ms_per_step=float(mask.mean() * 1e3),
-                      p50_ms=float(np.percentile(mask, 50) * 1e3),
-                      p99_ms=float(np.percentile(mask, 99) * 1e3), steps=len(mask))]
+        rows += [
+            dict(
+                meta,
+                mode="json",
+                schema=name,
+                ms_per_step=t_json * 1e3,
+                ratio=t_json / t_free,
+                overlapped=o_json,
+            ),
+            dict(
+                meta,
+                mode="mask",
+                schema=name,
+                ms_per_step=float(mask.mean() * 1e3),
+                p50_ms=float(np.percentile(mask, 50) * 1e3),
+                p99_ms=float(np.percentile(mask, 99) * 1e3),
+                steps=len(mask),
+            ),
+        ]
     out = args.out or f"benchmarks/{'h200' if gpu else 'cpu'}.jsonl"
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "a") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
-    print(f"\n{args.arch} layers={cfg.num_layers} B={B} context={args.context} V={cfg.vocab_size} "
-          f"device={meta['device']}")
+    print(
+        f"\n{args.arch} layers={cfg.num_layers} B={B} context={args.context} V={cfg.vocab_size} "
+        f"device={meta['device']}"
+    )
     print(f"{'mode':<14} {'ms/step':>9} {'ratio':>7} {'p50 ms':>8} {'p99 ms':>8} {'overlap':>8}")
     for r in rows:
-        print(f"{r['mode'] + ' ' + r.get('schema', ''):<14} {r['ms_per_step']:>9.3f} {r.get('ratio', float('nan')):>7.3f} "
-              f"{r.get('p50_ms', float('nan')):>8.3f} {r.get('p99_ms', float('nan')):>8.3f} "
-              f"{r.get('overlapped', float('nan')):>8.2f}")
+        print(
+            f"{r['mode'] + ' ' + r.get('schema', ''):<14} {r['ms_per_step']:>9.3f} {r.get('ratio', float('nan')):>7.3f} "
+            f"{r.get('p50_ms', float('nan')):>8.3f} {r.get('p99_ms', float('nan')):>8.3f} "
+            f"{r.get('overlapped', float('nan')):>8.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -41,9 +41,18 @@ from jaxinfer.config import KernelConfig  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 from scripts.step_tools import TracedStepLog, record_steps, step_phases, trace_summary  # noqa: E402,F401
 
-QWEN3_8B_HF = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                   num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
-                   max_position_embeddings=40960, tie_word_embeddings=False, rms_norm_eps=1e-6)
+QWEN3_8B_HF = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=1e6,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-6,
+)
 
 
 def random_qwen3_checkpoint(path: str, layers: int) -> str:
@@ -52,6 +61,7 @@ def random_qwen3_checkpoint(path: str, layers: int) -> str:
         return path
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
     torch.manual_seed(0)
     cfg = Qwen3Config(num_hidden_layers=layers, **QWEN3_8B_HF)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
@@ -73,27 +83,41 @@ def workload(args, vocab: int):
 
 
 def summarize(name, t_total, n_out, ttft, tpot, latency) -> dict:
-    return dict(engine=name, seconds=t_total, output_tokens=n_out, output_tok_s=n_out / t_total,
-                mean_ttft_s=float(np.mean(ttft)) if ttft else None,
-                mean_tpot_s=float(np.mean(tpot)) if tpot else None,
-                p50_latency_s=float(np.percentile(latency, 50)) if latency else None,
-                p99_latency_s=float(np.percentile(latency, 99)) if latency else None)
+    return dict(
+        engine=name,
+        seconds=t_total,
+        output_tokens=n_out,
+        output_tok_s=n_out / t_total,
+        mean_ttft_s=float(np.mean(ttft)) if ttft else None,
+        mean_tpot_s=float(np.mean(tpot)) if tpot else None,
+        p50_latency_s=float(np.percentile(latency, 50)) if latency else None,
+        p99_latency_s=float(np.percentile(latency, 99)) if latency else None,
+    )
 
 
 def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     from jaxinfer import LLM, SamplingParams
-    kw = dict(max_model_len=args.max_input + args.max_output, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
-              kernels=args.kernels, tensor_parallel_size=args.tensor_parallel_size,
-              quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+
+    kw = dict(
+        max_model_len=args.max_input + args.max_output,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        kernels=args.kernels,
+        tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     if path is None:  # random weights built on the device: no checkpoint to write or read
         import jax
         import jax.numpy as jnp
 
         from jaxinfer import models
         from jaxinfer.config import ModelConfig
-        cfg = ModelConfig.from_hf_config(dict(QWEN3_8B_HF, model_type="qwen3",
-                                              num_hidden_layers=args.layers))
+
+        cfg = ModelConfig.from_hf_config(
+            dict(QWEN3_8B_HF, model_type="qwen3", num_hidden_layers=args.layers)
+        )
         dtype = jnp.dtype(args.dtype or "bfloat16")
         llm = LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), dtype), **kw)
     else:
@@ -102,14 +126,21 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     reqs = [{"prompt_token_ids": p} for p in prompts]
     eng = llm.engine
     kc = eng.resolved.kernels
-    print(f"jaxinfer: model loaded, KV pool {eng.runner.num_pages} pages, kernels {kc}; compiling the "
-          "step shapes the workload visits (host dry run)", flush=True)
+    print(
+        f"jaxinfer: model loaded, KV pool {eng.runner.num_pages} pages, kernels {kc}; compiling the "
+        "step shapes the workload visits (host dry run)",
+        flush=True,
+    )
     pre = llm.precompile(reqs, params, max_workers=args.compile_workers)
-    print(f"jaxinfer: {pre['shapes']} shapes compiled in {pre['seconds']:.0f} s "
-          f"({pre['lower_s']:.0f} s of it tracing, {pre['warm_s']:.1f} s first runs)", flush=True)
+    print(
+        f"jaxinfer: {pre['shapes']} shapes compiled in {pre['seconds']:.0f} s "
+        f"({pre['lower_s']:.0f} s of it tracing, {pre['warm_s']:.1f} s first runs)",
+        flush=True,
+    )
     lazy_before = eng.stats().num_lazy_compiles
     if args.trace_steps:
         import tempfile
+
         steps = record_steps(eng, TracedStepLog(*args.trace_steps, tempfile.mkdtemp()))
     else:
         steps = record_steps(eng, [])
@@ -126,14 +157,22 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
             tpot.append((m.finish_time - m.first_token_time) / (k - 1))
     assert [len(o.token_ids) for o in outs] == out_lens
     row = summarize("jaxinfer", dt, sum(out_lens), ttft, tpot, lat)
-    row.update(compiles=eng.stats().num_compiles,
-               compiles_in_timed_run=eng.stats().num_lazy_compiles - lazy_before,
-               precompile_s=pre["seconds"], precompile_lower_s=pre["lower_s"],
-               precompile_warm_s=pre["warm_s"],
-               compile_workers=args.compile_workers, batch_buckets=list(eng.runner.buckets.batch),
-               phases=phases, kernels=args.kernels, attention=kc.decode_attention,
-               prefill_attention=kc.prefill_attention, num_pages=eng.runner.num_pages,
-               prefill_gemm=kc.prefill_gemm, cublas_decode_min_batch=kc.cublas_decode_min_batch)
+    row.update(
+        compiles=eng.stats().num_compiles,
+        compiles_in_timed_run=eng.stats().num_lazy_compiles - lazy_before,
+        precompile_s=pre["seconds"],
+        precompile_lower_s=pre["lower_s"],
+        precompile_warm_s=pre["warm_s"],
+        compile_workers=args.compile_workers,
+        batch_buckets=list(eng.runner.buckets.batch),
+        phases=phases,
+        kernels=args.kernels,
+        attention=kc.decode_attention,
+        prefill_attention=kc.prefill_attention,
+        num_pages=eng.runner.num_pages,
+        prefill_gemm=kc.prefill_gemm,
+        cublas_decode_min_batch=kc.cublas_decode_min_batch,
+    )
     if args.trace_steps:
         row["trace"] = trace_summary(steps)
     return row
@@ -144,6 +183,7 @@ def run_hf(path, prompts, out_lens, args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from checkpoints_tools.loader import detect_format
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = getattr(torch, args.dtype or ("bfloat16" if dev == "cuda" else "float32"))
     if detect_format(path) == "gguf":
@@ -157,12 +197,18 @@ def run_hf(path, prompts, out_lens, args) -> dict:
     lat = []
     with torch.inference_mode():
         for i in range(0, len(prompts), args.hf_batch):
-            ps, ns = prompts[i:i + args.hf_batch], out_lens[i:i + args.hf_batch]
+            ps, ns = prompts[i : i + args.hf_batch], out_lens[i : i + args.hf_batch]
             L = max(len(p) for p in ps)
             ids = torch.tensor([[pad] * (L - len(p)) + p for p in ps], device=dev)
             mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in ps], device=dev)
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ns),
-                           min_new_tokens=max(ns), do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max(ns),
+                min_new_tokens=max(ns),
+                do_sample=False,
+                pad_token_id=pad,
+            )
             if dev == "cuda":
                 torch.cuda.synchronize()
             lat += [time.perf_counter() - t] * len(ps)
@@ -186,23 +232,41 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--kernels", default="", metavar="SPEC",
-                    help="the engine's kernel config (KernelConfig.parse, resolved by the engine; "
-                         "'' = the default). Keys: " + KernelConfig.help())
+    ap.add_argument(
+        "--kernels",
+        default="",
+        metavar="SPEC",
+        help="the engine's kernel config (KernelConfig.parse, resolved by the engine; "
+        "'' = the default). Keys: " + KernelConfig.help(),
+    )
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--quantization", choices=["fp8"], default=None, help="fp8 weights")
     ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
-    ap.add_argument("--compile-workers", type=int, default=None,
-                    help="parallel ahead-of-time compiles (default: one per CPU, up to the shapes)")
+    ap.add_argument(
+        "--compile-workers",
+        type=int,
+        default=None,
+        help="parallel ahead-of-time compiles (default: one per CPU, up to the shapes)",
+    )
     ap.add_argument("--compare", choices=["hf"], default=None)
     ap.add_argument("--hf-batch", type=int, default=64)
-    ap.add_argument("--hf-requests", type=int, default=None,
-                    help="HF runs only the first N requests (an i.i.d. sample of the workload; "
-                         "its tok/s is compared): HF takes ~390 s for all 256 on an H200")
-    ap.add_argument("--trace-steps", type=int, nargs=2, metavar=("START", "COUNT"), default=None,
-                    help="profile steps START..START+COUNT of the timed run (JAX profiler; the "
-                         "row gets their kernel table and the device's idle gaps)")
+    ap.add_argument(
+        "--hf-requests",
+        type=int,
+        default=None,
+        help="HF runs only the first N requests (an i.i.d. sample of the workload; "
+        "its tok/s is compared): HF takes ~390 s for all 256 on an H200",
+    )
+    ap.add_argument(
+        "--trace-steps",
+        type=int,
+        nargs=2,
+        metavar=("START", "COUNT"),
+        default=None,
+        help="profile steps START..START+COUNT of the timed run (JAX profiler; the "
+        "row gets their kernel table and the device's idle gaps)",
+    )
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     args = ap.parse_args()
     try:
@@ -213,36 +277,55 @@ def main() -> None:
         ap.error(f"--trace-steps {args.trace_steps}: START and COUNT must be >= 1")
 
     import jax
+
     # HF needs a checkpoint on disk; jaxinfer alone builds random weights on the device
-    path = args.model or (random_qwen3_checkpoint(args.random_dir, args.layers)
-                          if args.compare == "hf" else None)
+    path = args.model or (
+        random_qwen3_checkpoint(args.random_dir, args.layers) if args.compare == "hf" else None
+    )
     from jaxinfer.config import ModelConfig
     from jaxinfer.runner.loading import load_params  # noqa: F401 (import check before timing)
-    vocab = (ModelConfig.from_checkpoint(path).vocab_size
-             if path and os.path.isfile(os.path.join(path, "config.json"))
-             else QWEN3_8B_HF["vocab_size"] if path is None else 49152)
+
+    vocab = (
+        ModelConfig.from_checkpoint(path).vocab_size
+        if path and os.path.isfile(os.path.join(path, "config.json"))
+        else QWEN3_8B_HF["vocab_size"]
+        if path is None
+        else 49152
+    )
     prompts, out_lens = workload(args, vocab)
     commit = git_commit()
     # no jax.devices() before HF has run: it would make JAX take its memory pool first
-    meta = dict(bench="throughput", model=args.model or f"random qwen3-8b arch, {args.layers} layers",
-                num_requests=args.num_requests, input_range=[args.min_input, args.max_input],
-                output_range=[args.min_output, args.max_output], seed=args.seed,
-                tensor_parallel_size=args.tensor_parallel_size, quantization=args.quantization,
-                kv_cache_dtype=args.kv_cache_dtype,
-                jax=jax.__version__, date=datetime.date.today().isoformat(), commit=commit,
-                xla_flags=xla_flags())
+    meta = dict(
+        bench="throughput",
+        model=args.model or f"random qwen3-8b arch, {args.layers} layers",
+        num_requests=args.num_requests,
+        input_range=[args.min_input, args.max_input],
+        output_range=[args.min_output, args.max_output],
+        seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+        jax=jax.__version__,
+        date=datetime.date.today().isoformat(),
+        commit=commit,
+        xla_flags=xla_flags(),
+    )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     t0 = time.perf_counter()
 
     def record(row: dict, device: str) -> None:  # written at once: a later kill loses nothing
         with open(args.out, "a") as fh:
             fh.write(json.dumps(dict(meta, device=device, **row)) + "\n")
-        print(f"[{time.perf_counter() - t0:.0f} s] {row['engine']}: {row['output_tok_s']:.1f} "
-              f"output tok/s", flush=True)
+        print(
+            f"[{time.perf_counter() - t0:.0f} s] {row['engine']}: {row['output_tok_s']:.1f} "
+            f"output tok/s",
+            flush=True,
+        )
 
     hf = None
     if args.compare == "hf":
         import torch
+
         k = args.hf_requests or len(prompts)
         hf = run_hf(path, prompts[:k], out_lens[:k], args)
         hf["num_requests_run"] = k
@@ -252,30 +335,42 @@ def main() -> None:
         rows.append(hf)
         rows[0]["speedup_vs_hf"] = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]
     record(rows[0], jax.devices()[0].device_kind)
-    print(f"\n{'engine':<16} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'P50 s':>7} {'P99 s':>7}")
+    print(
+        f"\n{'engine':<16} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'P50 s':>7} {'P99 s':>7}"
+    )
     for r in rows:
         f = lambda x, s=1e3: f"{x * s:.1f}" if x is not None else "-"  # noqa: E731
-        print(f"{r['engine']:<16} {r['output_tok_s']:>10.1f} {f(r['mean_ttft_s']):>8} "
-              f"{f(r['mean_tpot_s']):>8} {f(r['p50_latency_s'], 1):>7} {f(r['p99_latency_s'], 1):>7}")
+        print(
+            f"{r['engine']:<16} {r['output_tok_s']:>10.1f} {f(r['mean_ttft_s']):>8} "
+            f"{f(r['mean_tpot_s']):>8} {f(r['p50_latency_s'], 1):>7} {f(r['p99_latency_s'], 1):>7}"
+        )
     ph = rows[0]["phases"]
     print(f"\njaxinfer prefill: {ph['prefill']['steps']} steps, {ph['prefill']['seconds']:.2f} s")
-    print("decode steps per bucket; host ms per step: blocked on the device (wait), scheduling, "
-          "building + dispatching (launch), advancing sequences (post)")
-    print(f"{'decode B':>9} {'steps':>6} {'s':>7} {'ms/step':>8} {'mean rows':>9} {'wait':>6} "
-          f"{'sched':>6} {'launch':>6} {'post':>6}")
+    print(
+        "decode steps per bucket; host ms per step: blocked on the device (wait), scheduling, "
+        "building + dispatching (launch), advancing sequences (post)"
+    )
+    print(
+        f"{'decode B':>9} {'steps':>6} {'s':>7} {'ms/step':>8} {'mean rows':>9} {'wait':>6} "
+        f"{'sched':>6} {'launch':>6} {'post':>6}"
+    )
     for b, d in sorted(ph["decode"].items(), key=lambda kv: int(kv[0])):
-        print(f"{b:>9} {d['steps']:>6} {d['seconds']:>7.2f} {d['ms_per_step']:>8.2f} "
-              f"{d['mean_rows']:>9.1f} {d['wait_ms_per_step']:>6.2f} "
-              f"{d['schedule_ms_per_step']:>6.2f} {d['launch_ms_per_step']:>6.2f} "
-              f"{d['post_ms_per_step']:>6.2f}")
+        print(
+            f"{b:>9} {d['steps']:>6} {d['seconds']:>7.2f} {d['ms_per_step']:>8.2f} "
+            f"{d['mean_rows']:>9.1f} {d['wait_ms_per_step']:>6.2f} "
+            f"{d['schedule_ms_per_step']:>6.2f} {d['launch_ms_per_step']:>6.2f} "
+            f"{d['post_ms_per_step']:>6.2f}"
+        )
     tr = rows[0].get("trace")
     if tr and "error" in tr:
         print(f"\ntraced steps {args.trace_steps}: {tr['error']}")
     elif tr:
         print(f"\ntraced steps {args.trace_steps}: shapes {tr['shapes']}, rows {tr['rows']}")
-        print(f"span {tr['span_ms_per_step']:.3f} ms/step, GPU busy {tr['busy_ms_per_step']:.3f} "
-              f"ms/step, {tr['launches_per_step']:.0f} launches/step; {tr['gaps_over_20us']} "
-              f"gaps >= 20 us ({tr['gap_ms_over_20us']:.2f} ms); largest:")
+        print(
+            f"span {tr['span_ms_per_step']:.3f} ms/step, GPU busy {tr['busy_ms_per_step']:.3f} "
+            f"ms/step, {tr['launches_per_step']:.0f} launches/step; {tr['gaps_over_20us']} "
+            f"gaps >= 20 us ({tr['gap_ms_over_20us']:.2f} ms); largest:"
+        )
         for g in tr["largest_gaps"]:
             print(f"  {g['us']:>9.1f} us  {g['before'][:50]} -> {g['after'][:50]}")
         for k in tr["kernels"]:

@@ -42,9 +42,13 @@ def save_checkpoint(dst: str | os.PathLike, cfg, params, tokenizer, eos_ids) -> 
         ckptr.wait_until_finished()
     if tokenizer is not None:
         tokenizer.save_pretrained(os.path.join(dst, orbax_io.TOKENIZER_DIR))
-    meta = {"format": orbax_io.FORMAT_NAME, "version": orbax_io.FORMAT_VERSION,
-            "model_config": cfg.to_dict(), "eos_token_ids": [int(t) for t in eos_ids],
-            "dtype": dtypes.pop()}
+    meta = {
+        "format": orbax_io.FORMAT_NAME,
+        "version": orbax_io.FORMAT_VERSION,
+        "model_config": cfg.to_dict(),
+        "eos_token_ids": [int(t) for t in eos_ids],
+        "dtype": dtypes.pop(),
+    }
     tmp = os.path.join(dst, orbax_io.CONFIG_FILE + ".tmp")
     with open(tmp, "w") as f:
         json.dump(meta, f, indent=2)
@@ -77,14 +81,24 @@ def convert(src: str, dst: str, dtype: str = "bfloat16") -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = Parser("python scripts/convert_checkpoint.py", "Convert an HF safetensors directory or a GGUF file "
-                "(Llama / Qwen3) into an Orbax checkpoint directory that jaxinfer loads without "
-                "conversion.")
-    ap.add_argument("src", metavar="SRC", help="HF model directory (config.json + *.safetensors) "
-                    "or a .gguf file")
+    ap = Parser(
+        "python scripts/convert_checkpoint.py",
+        "Convert an HF safetensors directory or a GGUF file "
+        "(Llama / Qwen3) into an Orbax checkpoint directory that jaxinfer loads without "
+        "conversion.",
+    )
+    ap.add_argument(
+        "src",
+        metavar="SRC",
+        help="HF model directory (config.json + *.safetensors) or a .gguf file",
+    )
     ap.add_argument("dst", metavar="DST", help="new (or empty) output directory")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                    help="parameter dtype stored in the checkpoint")
+    ap.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="parameter dtype stored in the checkpoint",
+    )
     return ap
 
 

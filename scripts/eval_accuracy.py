@@ -58,10 +58,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from jaxinfer import LLM, SamplingParams, models  # noqa: E402
 from jaxinfer.config import KV_CACHE_DTYPES  # noqa: E402
 from jaxinfer.engine.llm_engine import calibration_ids  # noqa: E402
-from jaxinfer.runner.model_runner import kv_means  # noqa: E402
 from jaxinfer.models.kernels import ModelKernels  # noqa: E402
 from jaxinfer.models.kv_cache import init_kv_cache  # noqa: E402
 from jaxinfer.models.quantize import quantize_params  # noqa: E402
+from jaxinfer.runner.model_runner import kv_means  # noqa: E402
 from pallas_kernels.kv_quant import FP8, FP8_MAX, quantize  # noqa: E402
 from pallas_kernels.paged_attention import reference  # noqa: E402
 from scripts.run_info import git_commit  # noqa: E402
@@ -73,15 +73,17 @@ SIM_PARTS = ("fp8", "chunk", "smooth", "smoothk", "weights")
 def corpus_text() -> str:
     """The standard library's pydoc topics, values joined in sorted key order."""
     from pydoc_data.topics import topics
+
     return "\n".join(topics[k] for k in sorted(topics))
 
 
 def prompt_ids(tokenizer, n: int, length: int) -> list[list[int]]:
     """The first ``length`` tokens of ``n`` topics evenly spread over the sorted keys."""
     from pydoc_data.topics import topics
+
     keys = sorted(topics)
     picks = [keys[i * len(keys) // n] for i in range(n)]
-    return [tokenizer.encode(topics[k][:8 * length])[:length] for k in picks]
+    return [tokenizer.encode(topics[k][: 8 * length])[:length] for k in picks]
 
 
 def fp8_read(x: jax.Array, scale: jax.Array, mean: jax.Array) -> jax.Array:
@@ -99,13 +101,19 @@ def simulated_attention(chunk_exact: bool, k_scale, v_scale, k_mean, v_mean):
     def attn(q, k_pool, v_pool, block_tables, seq_lens, q_positions, *, layer, scale, **_):
         M, ps = block_tables.shape[1], k_pool.shape[3]
         start = jnp.min(q_positions) if chunk_exact else jnp.iinfo(jnp.int32).max
-        page_pos = jnp.full(k_pool.shape[1], -1, jnp.int32).at[block_tables[0]].set(
-            jnp.arange(M, dtype=jnp.int32) * ps)                 # first position of each page
+        page_pos = (
+            jnp.full(k_pool.shape[1], -1, jnp.int32)
+            .at[block_tables[0]]
+            .set(jnp.arange(M, dtype=jnp.int32) * ps)
+        )  # first position of each page
         exact = (page_pos >= start)[:, None, None, None]
-        k, v = (jnp.where(exact, p[layer], fp8_read(p[layer], s[layer], m[layer]))[None]
-                for p, s, m in ((k_pool, k_scale, k_mean), (v_pool, v_scale, v_mean)))
-        return reference.paged_attention(q, k, v, block_tables, seq_lens, q_positions, layer=0,
-                                         scale=scale)
+        k, v = (
+            jnp.where(exact, p[layer], fp8_read(p[layer], s[layer], m[layer]))[None]
+            for p, s, m in ((k_pool, k_scale, k_mean), (v_pool, v_scale, v_mean))
+        )
+        return reference.paged_attention(
+            q, k, v, block_tables, seq_lens, q_positions, layer=0, scale=scale
+        )
 
     return attn
 
@@ -114,15 +122,24 @@ def simulated_attention(chunk_exact: bool, k_scale, v_scale, k_mean, v_mean):
 def _chunk(params, cfg, kv, tokens, positions, targets, weights, kernels=ModelKernels()):
     """Forward one chunk [1, T] at ``positions`` (slot = page 1 onwards, contiguous) -> (sum of
     the weighted next-token NLL, cache)."""
-    hidden, kv = models.forward(params, cfg, tokens, positions, positions + PAGE_SIZE, kv,
-                                kernels=kernels)
+    hidden, kv = models.forward(
+        params, cfg, tokens, positions, positions + PAGE_SIZE, kv, kernels=kernels
+    )
     logp = jax.nn.log_softmax(models.compute_logits(params, cfg, hidden), axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
     return jnp.sum(nll * weights), kv
 
 
-def teacher_forced(params, cfg, ids: np.ndarray, chunk: int, kv_dtype, kv_set=None,
-                   chunks: int | None = None, kernels=ModelKernels()):
+def teacher_forced(
+    params,
+    cfg,
+    ids: np.ndarray,
+    chunk: int,
+    kv_dtype,
+    kv_set=None,
+    chunks: int | None = None,
+    kernels=ModelKernels(),
+):
     """(mean next-token NLL over ``ids[1:]``, final cache) of ``ids`` as one sequence in chunks
     of ``chunk`` tokens (pages 1.. in order); ``kv_set``: `KVCache` fields to set (scales,
     means); ``chunks``: stop after that many; ``kernels``: the model's (`simulated_attention`)."""
@@ -138,9 +155,16 @@ def teacher_forced(params, cfg, ids: np.ndarray, chunk: int, kv_dtype, kv_set=No
         sl = slice(c * chunk, (c + 1) * chunk)
         kv = kv.replace(seq_lens=jnp.asarray([sl.stop], jnp.int32))
         pos = np.arange(sl.start, sl.stop, dtype=np.int32)[None]
-        nll, kv = _chunk(params, cfg, kv, jnp.asarray(ids[sl][None]), jnp.asarray(pos),
-                         jnp.asarray(targets[sl][None]), jnp.asarray(weights[sl][None]),
-                         kernels)
+        nll, kv = _chunk(
+            params,
+            cfg,
+            kv,
+            jnp.asarray(ids[sl][None]),
+            jnp.asarray(pos),
+            jnp.asarray(targets[sl][None]),
+            jnp.asarray(weights[sl][None]),
+            kernels,
+        )
         total += float(nll)
     return total / (n - 1), kv
 
@@ -148,42 +172,65 @@ def teacher_forced(params, cfg, ids: np.ndarray, chunk: int, kv_dtype, kv_set=No
 def first_chunk_kv(params, cfg, ids: np.ndarray, chunk: int):
     """The float32 K and V [L, chunk / page_size, K, page_size, H] of the first chunk of ids."""
     _, kv = teacher_forced(params, cfg, ids, chunk, jnp.float32, chunks=1)
-    return tuple(p[:, 1:1 + chunk // PAGE_SIZE] for p in (kv.k, kv.v))
+    return tuple(p[:, 1 : 1 + chunk // PAGE_SIZE] for p in (kv.k, kv.v))
 
 
 def first_chunk_means(kv, k: bool = True, v: bool = True):
     """k_mean, v_mean f32[L, K, H] of `first_chunk_kv`'s K and V (zeros where ``k``, ``v`` off)."""
-    return tuple(jnp.mean(p, axis=(1, 3)) if on else jnp.zeros_like(p[:, 0, :, 0])
-                 for p, on in zip(kv, (k, v)))
+    return tuple(
+        jnp.mean(p, axis=(1, 3)) if on else jnp.zeros_like(p[:, 0, :, 0])
+        for p, on in zip(kv, (k, v))
+    )
 
 
 def calibrated_scales(kv, margin: float, means=None):
     """k_scale, v_scale f32[L, K]: ``amax x margin / 448`` of `first_chunk_kv`'s K and V less
     ``means`` (f32[L, K, H] each; None: 0) per layer and KV head."""
     means = means or tuple(jnp.zeros_like(p[:, 0, :, 0]) for p in kv)
-    return tuple(jnp.maximum(jnp.max(jnp.abs(p - m[:, None, :, None]),
-                                     axis=(1, 3, 4)), 1e-6) * margin / FP8_MAX
-                 for p, m in zip(kv, means))
+    return tuple(
+        jnp.maximum(jnp.max(jnp.abs(p - m[:, None, :, None]), axis=(1, 3, 4)), 1e-6)
+        * margin
+        / FP8_MAX
+        for p, m in zip(kv, means)
+    )
 
 
 def simulated(params, cfg, ids, args, method: str, first) -> dict:
     """The perplexity row of ``--kv-sim`` ``method`` (`simulated_attention`); ``first``:
     `first_chunk_kv`, for the means and calibrated scales."""
     parts = set(method.split("+"))
-    k_mean, v_mean = first_chunk_means(first, bool(parts & {"smooth", "smoothk"}),
-                                       "smooth" in parts)
-    scales = (calibrated_scales(first, args.margin, (k_mean, v_mean))
-              if args.kv_scales == "calibrated" else (jnp.ones(k_mean.shape[:2]),) * 2)
+    k_mean, v_mean = first_chunk_means(
+        first, bool(parts & {"smooth", "smoothk"}), "smooth" in parts
+    )
+    scales = (
+        calibrated_scales(first, args.margin, (k_mean, v_mean))
+        if args.kv_scales == "calibrated"
+        else (jnp.ones(k_mean.shape[:2]),) * 2
+    )
     kernels = ModelKernels(simulated_attention("chunk" in parts, *scales, k_mean, v_mean))
     quant = "fp8" if "weights" in parts else None
     t = time.perf_counter()
-    nll, _ = teacher_forced(params if quant is None else quantize_params(params, None), cfg, ids,
-                            args.chunk, jnp.float32, kernels=kernels)
-    print(f"sim {method}: perplexity {np.exp(nll):.4f} in {time.perf_counter() - t:.0f} s",
-          file=sys.stderr)
-    return dict(kv_cache_dtype=args.kv_cache_dtype, quantization=quant, kv_scales=args.kv_scales,
-                kv_method=method, ppl=float(np.exp(nll)), gen=None,
-                seconds=time.perf_counter() - t)
+    nll, _ = teacher_forced(
+        params if quant is None else quantize_params(params, None),
+        cfg,
+        ids,
+        args.chunk,
+        jnp.float32,
+        kernels=kernels,
+    )
+    print(
+        f"sim {method}: perplexity {np.exp(nll):.4f} in {time.perf_counter() - t:.0f} s",
+        file=sys.stderr,
+    )
+    return dict(
+        kv_cache_dtype=args.kv_cache_dtype,
+        quantization=quant,
+        kv_scales=args.kv_scales,
+        kv_method=method,
+        ppl=float(np.exp(nll)),
+        gen=None,
+        seconds=time.perf_counter() - t,
+    )
 
 
 def jittered(params, cfg, ids, args, setting, seed: int) -> dict:
@@ -196,20 +243,34 @@ def jittered(params, cfg, ids, args, setting, seed: int) -> dict:
     jit = {k: kv_set.get(k, 0.0) + n for k, n in zip(("k_mean", "v_mean"), noise)}
     t = time.perf_counter()
     nll, _ = teacher_forced(params, cfg, ids, args.chunk, kv_dtype, {**kv_set, **jit})
-    return dict(kv_cache_dtype=kv_cache_dtype, quantization=None, kv_scales=args.kv_scales,
-                kv_method=("engine" + (f"+smooth ({args.kv_smooth})" if args.kv_smooth else "")
-                           + f" jitter {seed}"),
-                ppl=float(np.exp(nll)), gen=None, seconds=time.perf_counter() - t)
+    return dict(
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=None,
+        kv_scales=args.kv_scales,
+        kv_method=(
+            "engine" + (f"+smooth ({args.kv_smooth})" if args.kv_smooth else "") + f" jitter {seed}"
+        ),
+        ppl=float(np.exp(nll)),
+        gen=None,
+        seconds=time.perf_counter() - t,
+    )
 
 
-def greedy(params, cfg, prompts, gen_tokens: int, kv_cache_dtype: str, kv_set=None,
-           quantization=None):
+def greedy(
+    params, cfg, prompts, gen_tokens: int, kv_cache_dtype: str, kv_set=None, quantization=None
+):
     """Greedy token ids of each prompt (EOS ignored) through the engine, float32 compute
     (``quantization`` "fp8": weights quantised by `LLM.from_params`)."""
-    llm = LLM.from_params(cfg, params, dtype="float32", kv_cache_dtype=kv_cache_dtype,
-                          quantization=quantization,
-                          max_model_len=max(map(len, prompts)) + gen_tokens,
-                          max_num_seqs=len(prompts), page_size=PAGE_SIZE)
+    llm = LLM.from_params(
+        cfg,
+        params,
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
+        max_model_len=max(map(len, prompts)) + gen_tokens,
+        max_num_seqs=len(prompts),
+        page_size=PAGE_SIZE,
+    )
     runner = llm.engine.runner
     runner.kv = runner.kv.replace(**{k: jnp.array(x) for k, x in (kv_set or {}).items()})
     sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
@@ -228,20 +289,40 @@ def agreement(ref: list[list[int]], out: list[list[int]]) -> float:
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the embedded SmolLM2)")
-    p.add_argument("--kv-cache-dtype", choices=[k for k in KV_CACHE_DTYPES if k != "auto"],
-                   default="fp8")
-    p.add_argument("--settings", nargs="*", choices=("kv", "weights", "both"),
-                   default=["kv", "weights", "both"],
-                   help="besides the baseline: fp8 KV, fp8 weights, both")
+    p.add_argument(
+        "--kv-cache-dtype", choices=[k for k in KV_CACHE_DTYPES if k != "auto"], default="fp8"
+    )
+    p.add_argument(
+        "--settings",
+        nargs="*",
+        choices=("kv", "weights", "both"),
+        default=["kv", "weights", "both"],
+        help="besides the baseline: fp8 KV, fp8 weights, both",
+    )
     p.add_argument("--kv-scales", choices=("one", "calibrated"), default="one")
-    p.add_argument("--kv-smooth", nargs="?", const="first-chunk", default=None,
-                   choices=("first-chunk", "calibration"),
-                   help="the engine's fp8 KV rows with K and V means of the first chunk, or of "
-                        "the engine's own calibration text (held out)")
-    p.add_argument("--jitter", type=int, default=0, metavar="N",
-                   help="perplexity only: N more fp8 KV rows, means + 1e-3 noise (seeds 1..N)")
-    p.add_argument("--kv-sim", nargs="*", default=[], metavar="METHOD",
-                   help=f"perplexity only: fp8 KV simulated, '+'-joined parts of {SIM_PARTS}")
+    p.add_argument(
+        "--kv-smooth",
+        nargs="?",
+        const="first-chunk",
+        default=None,
+        choices=("first-chunk", "calibration"),
+        help="the engine's fp8 KV rows with K and V means of the first chunk, or of "
+        "the engine's own calibration text (held out)",
+    )
+    p.add_argument(
+        "--jitter",
+        type=int,
+        default=0,
+        metavar="N",
+        help="perplexity only: N more fp8 KV rows, means + 1e-3 noise (seeds 1..N)",
+    )
+    p.add_argument(
+        "--kv-sim",
+        nargs="*",
+        default=[],
+        metavar="METHOD",
+        help=f"perplexity only: fp8 KV simulated, '+'-joined parts of {SIM_PARTS}",
+    )
     p.add_argument("--margin", type=float, default=1.25, help="calibrated scales' headroom")
     p.add_argument("--perplexity-only", action="store_true", help="no greedy decoding")
     p.add_argument("--tokens", type=int, default=4096)
@@ -258,8 +339,10 @@ def parse_args(argv=None):
         if not set(m.split("+")) <= set(SIM_PARTS):
             p.error(f"--kv-sim {m}: parts must be of {SIM_PARTS}")
     if args.chunk % PAGE_SIZE or args.tokens % args.chunk:
-        p.error(f"--chunk={args.chunk} must be a multiple of {PAGE_SIZE} and divide "
-                f"--tokens={args.tokens}")
+        p.error(
+            f"--chunk={args.chunk} must be a multiple of {PAGE_SIZE} and divide "
+            f"--tokens={args.tokens}"
+        )
     return args
 
 
@@ -272,64 +355,108 @@ def main(argv=None) -> None:
     loaded = load_model(args.model or default_model_path(), "float32")
     print(f"loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     cfg, params, tok = loaded.config, loaded.params, loaded.tokenizer
-    ids = np.asarray(tok.encode(corpus_text()[:8 * args.tokens])[:args.tokens], np.int32)
+    ids = np.asarray(tok.encode(corpus_text()[: 8 * args.tokens])[: args.tokens], np.int32)
     if len(ids) < args.tokens:
         raise SystemExit(f"the corpus has only {len(ids)} tokens; lower --tokens")
     prompts = prompt_ids(tok, args.prompts, args.prompt_len)
-    first = (first_chunk_kv(params, cfg, ids, args.chunk)
-             if args.kv_sim or args.kv_smooth == "first-chunk" or args.kv_scales == "calibrated"
-             else None)
-    means = (first_chunk_means(first) if args.kv_smooth == "first-chunk" else
-             kv_means(params, cfg, calibration_ids(tok), PAGE_SIZE) if args.kv_smooth else None)
+    first = (
+        first_chunk_kv(params, cfg, ids, args.chunk)
+        if args.kv_sim or args.kv_smooth == "first-chunk" or args.kv_scales == "calibrated"
+        else None
+    )
+    means = (
+        first_chunk_means(first)
+        if args.kv_smooth == "first-chunk"
+        else kv_means(params, cfg, calibration_ids(tok), PAGE_SIZE)
+        if args.kv_smooth
+        else None
+    )
     kv_set = {} if means is None else dict(k_mean=means[0], v_mean=means[1])
     if args.kv_scales == "calibrated":
         kv_set.update(zip(("k_scale", "v_scale"), calibrated_scales(first, args.margin, means)))
     fp8 = KV_CACHE_DTYPES[args.kv_cache_dtype]
-    settings = {"auto": ("auto", jnp.float32, None, None),
-                "kv": (args.kv_cache_dtype, fp8, kv_set, None),
-                "weights": ("auto", jnp.float32, None, "fp8"),
-                "both": (args.kv_cache_dtype, fp8, kv_set, "fp8")}
+    settings = {
+        "auto": ("auto", jnp.float32, None, None),
+        "kv": (args.kv_cache_dtype, fp8, kv_set, None),
+        "weights": ("auto", jnp.float32, None, "fp8"),
+        "both": (args.kv_cache_dtype, fp8, kv_set, "fp8"),
+    }
     rows = []
     for name in ("auto", *args.settings):
         kv_cache_dtype, kv_dtype, sc, quant = settings[name]
         t = time.perf_counter()
         p = params if quant is None else quantize_params(params, None)
         nll, _ = teacher_forced(p, cfg, ids, args.chunk, kv_dtype, sc)
-        print(f"{name}: perplexity {np.exp(nll):.4f} in {time.perf_counter() - t:.0f} s",
-              file=sys.stderr)
-        gen = (None if args.perplexity_only else
-               greedy(params, cfg, prompts, args.gen_tokens, kv_cache_dtype, sc, quant))
-        rows.append(dict(kv_cache_dtype=kv_cache_dtype, quantization=quant,
-                         kv_scales=args.kv_scales if kv_cache_dtype != "auto" else None,
-                         kv_method=(None if kv_cache_dtype == "auto" else
-                                    f"engine+smooth ({args.kv_smooth})" if args.kv_smooth
-                                    else "engine"),
-                         ppl=float(np.exp(nll)), gen=gen, seconds=time.perf_counter() - t))
+        print(
+            f"{name}: perplexity {np.exp(nll):.4f} in {time.perf_counter() - t:.0f} s",
+            file=sys.stderr,
+        )
+        gen = (
+            None
+            if args.perplexity_only
+            else greedy(params, cfg, prompts, args.gen_tokens, kv_cache_dtype, sc, quant)
+        )
+        rows.append(
+            dict(
+                kv_cache_dtype=kv_cache_dtype,
+                quantization=quant,
+                kv_scales=args.kv_scales if kv_cache_dtype != "auto" else None,
+                kv_method=(
+                    None
+                    if kv_cache_dtype == "auto"
+                    else f"engine+smooth ({args.kv_smooth})"
+                    if args.kv_smooth
+                    else "engine"
+                ),
+                ppl=float(np.exp(nll)),
+                gen=gen,
+                seconds=time.perf_counter() - t,
+            )
+        )
     rows += [simulated(params, cfg, ids, args, m, first) for m in args.kv_sim]
-    rows += [jittered(params, cfg, ids, args, settings["kv"], seed)
-             for seed in range(1, args.jitter + 1)]
+    rows += [
+        jittered(params, cfg, ids, args, settings["kv"], seed) for seed in range(1, args.jitter + 1)
+    ]
     base = rows[0]
     for r in rows[::-1]:
         r["ppl_rel"] = r["ppl"] / base["ppl"] - 1.0
         gen = r.pop("gen")
         r["greedy_agreement"] = None if gen is None else agreement(base["gen"], gen)
-    print(f"SmolLM2-135M, float32 compute, {args.tokens} tokens of pydoc_data topics, chunks of "
-          f"{args.chunk}; greedy {args.prompts} x {args.gen_tokens}")
-    print(f"{'kv_cache_dtype':>14} {'weights':>8} {'scales':>10} {'kv method':>24} "
-          f"{'perplexity':>11} {'vs auto':>8} {'agreement':>9}")
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    print(
+        f"SmolLM2-135M, float32 compute, {args.tokens} tokens of pydoc_data topics, chunks of "
+        f"{args.chunk}; greedy {args.prompts} x {args.gen_tokens}"
+    )
+    print(
+        f"{'kv_cache_dtype':>14} {'weights':>8} {'scales':>10} {'kv method':>24} "
+        f"{'perplexity':>11} {'vs auto':>8} {'agreement':>9}"
+    )
+    stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     with open(args.out, "a") as f:
         for r in rows:
             agree = r["greedy_agreement"]
-            print(f"{r['kv_cache_dtype']:>14} {str(r['quantization']):>8} "
-                  f"{str(r['kv_scales']):>10} {str(r['kv_method']):>24} {r['ppl']:>11.4f} "
-                  f"{100 * r['ppl_rel']:>+7.2f}% {'-' if agree is None else f'{agree:.3f}':>9}")
-            f.write(json.dumps(dict(
-                bench="accuracy", model=os.path.basename(args.model or default_model_path()),
-                compute_dtype="float32", tokens=args.tokens, chunk=args.chunk,
-                prompts=args.prompts, gen_tokens=args.gen_tokens,
-                margin=args.margin if r["kv_scales"] == "calibrated" else None, **r,
-                commit=git_commit(), time=stamp)) + "\n")
+            print(
+                f"{r['kv_cache_dtype']:>14} {str(r['quantization']):>8} "
+                f"{str(r['kv_scales']):>10} {str(r['kv_method']):>24} {r['ppl']:>11.4f} "
+                f"{100 * r['ppl_rel']:>+7.2f}% {'-' if agree is None else f'{agree:.3f}':>9}"
+            )
+            f.write(
+                json.dumps(
+                    dict(
+                        bench="accuracy",
+                        model=os.path.basename(args.model or default_model_path()),
+                        compute_dtype="float32",
+                        tokens=args.tokens,
+                        chunk=args.chunk,
+                        prompts=args.prompts,
+                        gen_tokens=args.gen_tokens,
+                        margin=args.margin if r["kv_scales"] == "calibrated" else None,
+                        **r,
+                        commit=git_commit(),
+                        time=stamp,
+                    )
+                )
+                + "\n"
+            )
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 

@@ -18,16 +18,21 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxinfer.checks import check_int, is_number  # noqa: E402
 from jaxinfer.cli_args import Parser, fail  # noqa: E402
 from jaxinfer.config import DTYPE_BYTES, ModelConfig  # noqa: E402
-from jaxinfer.config.memory import (GIB, _gib, default_reserve_bytes,  # noqa: E402
-                                    kv_bytes_per_token, kv_pool_pages)
+from jaxinfer.config.memory import (
+    GIB,
+    _gib,
+    default_reserve_bytes,  # noqa: E402
+    kv_bytes_per_token,
+    kv_pool_pages,
+)
 from jaxinfer.config.model import check_tp  # noqa: E402
 from jaxinfer.config.weights import device_bytes  # noqa: E402
 
@@ -36,12 +41,37 @@ PLANNING_FRACTION = 0.7  # plan at this fraction of the theoretical concurrent s
 
 PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, SmolLM2-135M-Instruct
     # (V, D, F, L, N, K, H: `ModelConfig` field order)
-    "qwen3-8b": ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, rms_norm_eps=1e-6,
-                            rope_theta=1e6, max_position_embeddings=40960,
-                            bos_token_id=151643, eos_token_ids=(151645,)),
-    "smollm2-135m": ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, rms_norm_eps=1e-5,
-                                rope_theta=1e5, max_position_embeddings=8192,
-                                tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,)),
+    "qwen3-8b": ModelConfig(
+        "qwen3",
+        151936,
+        4096,
+        12288,
+        36,
+        32,
+        8,
+        128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_ids=(151645,),
+    ),
+    "smollm2-135m": ModelConfig(
+        "llama",
+        49152,
+        576,
+        1536,
+        30,
+        9,
+        3,
+        64,
+        rms_norm_eps=1e-5,
+        rope_theta=1e5,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_ids=(2,),
+    ),
 }
 
 
@@ -101,6 +131,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         """A two-column text table of the plan."""
+
         def b(n: int) -> str:
             return f"{_gib(n)}  ({n:,} B)"
 
@@ -115,11 +146,17 @@ class MemoryPlan:
             ("KV budget", b(usable - self.weight_bytes - self.reserve_bytes)),
             ("KV bytes per token", f"{kvt:,} B  ({kvt / 1024:,.1f} KiB)"),
             ("page size", f"{self.page_size} tokens  ({self.page_bytes / MIB:,.3f} MiB per page)"),
-            ("KV pool", f"{self.num_pages:,} pages incl. null page 0 = {_gib(self.kv_pool_bytes)}"
-                        f"  ({self.kv_pool_bytes:,} B, {(self.num_pages - 1) * self.page_size:,} "
-                        "tokens)"),
-            ("context", f"{self.context:,} tokens = {self.pages_per_seq:,} pages"
-                        f" = {self.pages_per_seq * self.page_bytes / MIB:,.1f} MiB per sequence"),
+            (
+                "KV pool",
+                f"{self.num_pages:,} pages incl. null page 0 = {_gib(self.kv_pool_bytes)}"
+                f"  ({self.kv_pool_bytes:,} B, {(self.num_pages - 1) * self.page_size:,} "
+                "tokens)",
+            ),
+            (
+                "context",
+                f"{self.context:,} tokens = {self.pages_per_seq:,} pages"
+                f" = {self.pages_per_seq * self.page_bytes / MIB:,.1f} MiB per sequence",
+            ),
             ("max concurrent sequences", f"{self.max_concurrent_seqs:,}"),
             (f"planned ({self.planning_fraction:.0%})", f"{self.planned_concurrent_seqs:,}"),
         ]
@@ -127,22 +164,34 @@ class MemoryPlan:
         return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 
 
-def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9, context: int,
-                page_size: int = 16, weight_dtype_bytes: int = 2, kv_dtype_bytes: int = 2,
-                reserve_bytes: int | None = None, weight_bytes: int | None = None,
-                planning_fraction: float = PLANNING_FRACTION,
-                tensor_parallel_size: int = 1) -> MemoryPlan:
+def plan_memory(
+    cfg: ModelConfig,
+    *,
+    device_bytes: int,
+    utilization: float = 0.9,
+    context: int,
+    page_size: int = 16,
+    weight_dtype_bytes: int = 2,
+    kv_dtype_bytes: int = 2,
+    reserve_bytes: int | None = None,
+    weight_bytes: int | None = None,
+    planning_fraction: float = PLANNING_FRACTION,
+    tensor_parallel_size: int = 1,
+) -> MemoryPlan:
     """The KV plan of ``cfg`` on ``tensor_parallel_size`` devices of ``device_bytes`` each
     (module doc; weights and KV bytes per device). ``context``: tokens per sequence;
     ``*_dtype_bytes``: bytes per element; None ``reserve_bytes``: `default_reserve_bytes`,
     ``weight_bytes`` (per device): ``param_count x weight_dtype_bytes``. Raises ValueError: an
     argument out of range; a model tp cannot split (`check_tp`); weights that do not fit (by how
     much); a ``context`` one sequence of which does not fit (the largest that does)."""
-    for name, v, hi in (("device_bytes", device_bytes, None), ("page_size", page_size, None),
-                        ("context", context, cfg.max_position_embeddings),
-                        ("weight_dtype_bytes", weight_dtype_bytes, None),
-                        ("kv_dtype_bytes", kv_dtype_bytes, None),
-                        ("tensor_parallel_size", tensor_parallel_size, None)):
+    for name, v, hi in (
+        ("device_bytes", device_bytes, None),
+        ("page_size", page_size, None),
+        ("context", context, cfg.max_position_embeddings),
+        ("weight_dtype_bytes", weight_dtype_bytes, None),
+        ("kv_dtype_bytes", kv_dtype_bytes, None),
+        ("tensor_parallel_size", tensor_parallel_size, None),
+    ):
         check_int(f"plan_memory: {name}", v, 1, hi)
     tp = tensor_parallel_size
     check_tp(cfg, tp)
@@ -163,21 +212,41 @@ def plan_memory(cfg: ModelConfig, *, device_bytes: int, utilization: float = 0.9
             f"plan_memory: the weights do not fit: weights {_gib(weight_bytes)} + reserve "
             f"{_gib(reserve_bytes)} exceed device_bytes x utilization = {_gib(usable)} by "
             f"{_gib(-budget)} ({-budget:,} B); allowed: a larger device_bytes or utilization, a "
-            "smaller reserve_bytes, or smaller weights")
+            "smaller reserve_bytes, or smaller weights"
+        )
     kv_per_token = kv_bytes_per_token(cfg, kv_dtype_bytes, tp)
     page_bytes, pages_per_seq = page_size * kv_per_token, -(-context // page_size)
-    num_pages = kv_pool_pages(cfg, page_size=page_size, dtype_bytes=kv_dtype_bytes,
-                              usable_bytes=usable, used_bytes=weight_bytes + reserve_bytes, tp=tp)
+    num_pages = kv_pool_pages(
+        cfg,
+        page_size=page_size,
+        dtype_bytes=kv_dtype_bytes,
+        usable_bytes=usable,
+        used_bytes=weight_bytes + reserve_bytes,
+        tp=tp,
+    )
     max_seqs = (num_pages - 1) // pages_per_seq
     if max_seqs < 1:
         raise ValueError(
             f"plan_memory: context={context!r} is invalid: one sequence needs {pages_per_seq} "
             f"pages ({_gib(pages_per_seq * page_bytes)}) plus the null page, but the KV budget "
             f"{_gib(budget)} holds only {num_pages} pages; allowed: context <= "
-            f"{(num_pages - 1) * page_size} tokens on this device")
-    return MemoryPlan(kv_per_token, weight_bytes, device_bytes, float(utilization), reserve_bytes,
-                      num_pages * page_bytes, page_size, num_pages, context, max_seqs,
-                      math.floor(planning_fraction * max_seqs), float(planning_fraction), tp)
+            f"{(num_pages - 1) * page_size} tokens on this device"
+        )
+    return MemoryPlan(
+        kv_per_token,
+        weight_bytes,
+        device_bytes,
+        float(utilization),
+        reserve_bytes,
+        num_pages * page_bytes,
+        page_size,
+        num_pages,
+        context,
+        max_seqs,
+        math.floor(planning_fraction * max_seqs),
+        float(planning_fraction),
+        tp,
+    )
 
 
 def local_device_bytes() -> tuple[int, str] | None:
@@ -192,32 +261,64 @@ def local_device_bytes() -> tuple[int, str] | None:
 
 def _parser() -> argparse.ArgumentParser:
     p = Parser("python scripts/plan_memory.py", __doc__.split("\n")[0])
-    p.add_argument("--model", required=True,
-                   help=f"HF model dir, GGUF file, or preset ({', '.join(sorted(PRESETS))})")
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"HF model dir, GGUF file, or preset ({', '.join(sorted(PRESETS))})",
+    )
     p.add_argument("--context", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--device-memory-gib", type=float, default=None, help="device memory in GiB "
-                   "(default: the local accelerator's; required when JAX sees none)")
-    p.add_argument("--utilization", type=float, default=0.9,
-                   help="fraction of device memory the engine may use")
+    p.add_argument(
+        "--device-memory-gib",
+        type=float,
+        default=None,
+        help="device memory in GiB (default: the local accelerator's; required when JAX sees none)",
+    )
+    p.add_argument(
+        "--utilization",
+        type=float,
+        default=0.9,
+        help="fraction of device memory the engine may use",
+    )
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    p.add_argument("--kv-dtype", "--kv-cache-dtype", choices=sorted(DTYPE_BYTES),
-                   default="bfloat16")
-    p.add_argument("--weight-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16",
-                   help="fp8: the engine's quantization='fp8' (embedding, lm_head, norms in "
-                   "bfloat16, f32 scales)")
-    p.add_argument("--weight-gib", type=float, default=None, help="resident weight size in GiB "
-                   "(per device), overriding the count from the config (quantised checkpoints)")
-    p.add_argument("--tensor-parallel-size", type=int, default=1,
-                   help="devices the model is sharded over; the plan is per device")
-    p.add_argument("--reserve-gib", type=float, default=None,
-                   help="activations/workspace reserve in GiB (default max(1, 5%% of device))")
+    p.add_argument(
+        "--kv-dtype", "--kv-cache-dtype", choices=sorted(DTYPE_BYTES), default="bfloat16"
+    )
+    p.add_argument(
+        "--weight-dtype",
+        choices=sorted(DTYPE_BYTES),
+        default="bfloat16",
+        help="fp8: the engine's quantization='fp8' (embedding, lm_head, norms in "
+        "bfloat16, f32 scales)",
+    )
+    p.add_argument(
+        "--weight-gib",
+        type=float,
+        default=None,
+        help="resident weight size in GiB "
+        "(per device), overriding the count from the config (quantised checkpoints)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="devices the model is sharded over; the plan is per device",
+    )
+    p.add_argument(
+        "--reserve-gib",
+        type=float,
+        default=None,
+        help="activations/workspace reserve in GiB (default max(1, 5%% of device))",
+    )
     return p
 
 
 def _gib_to_bytes(flag: str, value: float | None, allow_zero: bool = True) -> int | None:
-    if value is not None and (not (value > 0 or allow_zero and value == 0) or value == float("inf")):
-        raise ValueError(f"{flag}={value!r} is invalid: must be finite and "
-                         f"{'>= 0' if allow_zero else '> 0'}")
+    if value is not None and (
+        not (value > 0 or allow_zero and value == 0) or value == float("inf")
+    ):
+        raise ValueError(
+            f"{flag}={value!r} is invalid: must be finite and {'>= 0' if allow_zero else '> 0'}"
+        )
     return None if value is None else int(round(value * GIB))
 
 
@@ -234,27 +335,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
         if args.model not in PRESETS and not os.path.exists(args.model):
-            raise ValueError(f"--model={args.model!r} is invalid: not a directory, a file or a "
-                             f"preset; allowed presets: {sorted(PRESETS)}")
+            raise ValueError(
+                f"--model={args.model!r} is invalid: not a directory, a file or a "
+                f"preset; allowed presets: {sorted(PRESETS)}"
+            )
         cfg = PRESETS.get(args.model) or ModelConfig.from_checkpoint(args.model)
         device = _gib_to_bytes("--device-memory-gib", args.device_memory_gib, False)
         device = (device, "--device-memory-gib") if device else local_device_bytes()
         if device is None:
             raise ValueError("--device-memory-gib is required: JAX sees no GPU on this machine")
         plan = plan_memory(
-            cfg, device_bytes=device[0], utilization=args.utilization, context=args.context,
-            page_size=args.page_size, weight_dtype_bytes=DTYPE_BYTES[args.weight_dtype],
+            cfg,
+            device_bytes=device[0],
+            utilization=args.utilization,
+            context=args.context,
+            page_size=args.page_size,
+            weight_dtype_bytes=DTYPE_BYTES[args.weight_dtype],
             kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
             reserve_bytes=_gib_to_bytes("--reserve-gib", args.reserve_gib),
             weight_bytes=_weight_bytes(args, cfg),
-            tensor_parallel_size=args.tensor_parallel_size)
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
     except (ValueError, OSError) as e:
         return fail(str(e))
-    print(f"model    {args.model}: {cfg.architecture} L={cfg.num_layers} D={cfg.hidden_size} "
-          f"F={cfg.intermediate_size} N={cfg.num_heads} K={cfg.num_kv_heads} H={cfg.head_dim} "
-          f"V={cfg.vocab_size} tied={cfg.tie_word_embeddings}")
-    print(f"dtypes   weights {args.weight_dtype if args.weight_gib is None else '(given)'}, "
-          f"KV {args.kv_dtype}; device memory from {device[1]}")
+    print(
+        f"model    {args.model}: {cfg.architecture} L={cfg.num_layers} D={cfg.hidden_size} "
+        f"F={cfg.intermediate_size} N={cfg.num_heads} K={cfg.num_kv_heads} H={cfg.head_dim} "
+        f"V={cfg.vocab_size} tied={cfg.tie_word_embeddings}"
+    )
+    print(
+        f"dtypes   weights {args.weight_dtype if args.weight_gib is None else '(given)'}, "
+        f"KV {args.kv_dtype}; device memory from {device[1]}"
+    )
     print(plan.table())
     return 0
 

@@ -34,15 +34,32 @@ from jaxinfer.sampling_params import SamplingParams  # noqa: E402
 from jaxinfer.step_input import BucketSpec  # noqa: E402
 
 
-def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_batched_tokens,
-             max_model_len, buckets: BucketSpec, async_scheduling: bool = True) -> dict:
+def simulate(
+    prompts,
+    out_lens,
+    *,
+    num_pages,
+    page_size,
+    max_num_seqs,
+    max_num_batched_tokens,
+    max_model_len,
+    buckets: BucketSpec,
+    async_scheduling: bool = True,
+) -> dict:
     """Run the workload to completion in the engine's step order (`jaxinfer.engine.dry_run`) and
     count steps and shapes."""
     bm = BlockManager(num_pages, page_size)
-    sched = Scheduler(bm, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                      max_model_len=max_model_len, page_size=page_size)
-    requests = [(list(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-                for p, n in zip(prompts, out_lens)]
+    sched = Scheduler(
+        bm,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        page_size=page_size,
+    )
+    requests = [
+        (list(p), SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        for p, n in zip(prompts, out_lens)
+    ]
     shapes: collections.Counter = collections.Counter()
     kinds: collections.Counter = collections.Counter()
     rows_real = rows_padded = 0
@@ -60,14 +77,26 @@ def simulate(prompts, out_lens, *, num_pages, page_size, max_num_seqs, max_num_b
             prefill_real += sum(batch.num_new_tokens)
             prefill_padded += hb.tokens.shape[1]
             attn_rows_keys += hb.q_index.size * hb.block_tables.shape[1] * page_size
-    return dict(steps=dict(kinds), num_shapes=len(shapes),
-                decode_rows=rows_real, decode_row_padding=1 - rows_real / max(rows_padded, 1),
-                prefill_tokens=prefill_real, prefill_tokens_padded=prefill_padded,
-                decode_kv_tokens_read=decode_kv_tokens, prefill_attn_rows_x_keys=attn_rows_keys,
-                shapes=[dict(kind=kind, tokens=[1 if k.packed else k.batch, k.tokens],
-                             block_tables=[k.batch, k.pages],
-                             q_index=[k.batch, k.query] if k.packed else None, steps=n)
-                        for (kind, k), n in sorted(shapes.items(), key=lambda kv: str(kv[0]))])
+    return dict(
+        steps=dict(kinds),
+        num_shapes=len(shapes),
+        decode_rows=rows_real,
+        decode_row_padding=1 - rows_real / max(rows_padded, 1),
+        prefill_tokens=prefill_real,
+        prefill_tokens_padded=prefill_padded,
+        decode_kv_tokens_read=decode_kv_tokens,
+        prefill_attn_rows_x_keys=attn_rows_keys,
+        shapes=[
+            dict(
+                kind=kind,
+                tokens=[1 if k.packed else k.batch, k.tokens],
+                block_tables=[k.batch, k.pages],
+                q_index=[k.batch, k.query] if k.packed else None,
+                steps=n,
+            )
+            for (kind, k), n in sorted(shapes.items(), key=lambda kv: str(kv[0]))
+        ],
+    )
 
 
 def main() -> None:
@@ -83,19 +112,35 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--batch-buckets", type=int, nargs="+", default=(),
-                    help="decode batch buckets (KernelConfig.batch_buckets; default: the engine's)")
+    ap.add_argument(
+        "--batch-buckets",
+        type=int,
+        nargs="+",
+        default=(),
+        help="decode batch buckets (KernelConfig.batch_buckets; default: the engine's)",
+    )
     ap.add_argument("--json", default=None)
-    ap.add_argument("--weight-gb", type=float, default=15.1,
-                    help="weight bytes read per step, GB (15.1: Qwen3-8B bf16 without the "
-                         "embedding); 0: print no time floors")
+    ap.add_argument(
+        "--weight-gb",
+        type=float,
+        default=15.1,
+        help="weight bytes read per step, GB (15.1: Qwen3-8B bf16 without the "
+        "embedding); 0: print no time floors",
+    )
     ap.add_argument("--kv-bytes-per-token", type=int, default=147456)
     ap.add_argument("--params-b", type=float, default=8.0, help="GEMM parameters, billions")
     ap.add_argument("--hbm-tbps", type=float, default=4.27, help="measured copy bandwidth")
     ap.add_argument("--tflops", type=float, default=990.0, help="dense bf16 peak")
     args = ap.parse_args()
-    for name in ("num_requests", "min_input", "min_output", "vocab", "page_size",
-                 "max_num_seqs", "max_num_batched_tokens"):
+    for name in (
+        "num_requests",
+        "min_input",
+        "min_output",
+        "vocab",
+        "page_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+    ):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.num_pages < 2:
@@ -111,12 +156,16 @@ def main() -> None:
         ap.error(f"--page-size {args.page_size} must be a power of two (as the engine requires)")
     bb = args.batch_buckets
     if bb and (any(b < 1 for b in bb) or list(bb) != sorted(set(bb)) or bb[-1] < args.max_num_seqs):
-        ap.error(f"--batch-buckets {' '.join(map(str, bb))}: must be strictly increasing positive "
-                 f"integers, the largest >= --max-num-seqs ({args.max_num_seqs})")
+        ap.error(
+            f"--batch-buckets {' '.join(map(str, bb))}: must be strictly increasing positive "
+            f"integers, the largest >= --max-num-seqs ({args.max_num_seqs})"
+        )
     if args.min_input > args.max_input or args.min_output > args.max_output:
-        ap.error(f"--min-input/--max-input ({args.min_input}/{args.max_input}) and --min-output/"
-                 f"--max-output ({args.min_output}/{args.max_output}): each minimum must be <= its "
-                 "maximum")
+        ap.error(
+            f"--min-input/--max-input ({args.min_input}/{args.max_input}) and --min-output/"
+            f"--max-output ({args.min_output}/{args.max_output}): each minimum must be <= its "
+            "maximum"
+        )
 
     # the workload of bench_throughput.py (same generator calls, same order)
     rng = np.random.default_rng(args.seed)
@@ -125,33 +174,52 @@ def main() -> None:
     out_lens = [int(x) for x in rng.integers(args.min_output, args.max_output + 1, n)]
     prompts = [rng.integers(0, min(args.vocab, 10000), int(k)).tolist() for k in in_lens]
     max_model_len = args.max_input + args.max_output
-    buckets = BucketSpec.build(max_num_seqs=args.max_num_seqs,
-                               max_num_batched_tokens=args.max_num_batched_tokens,
-                               max_model_len=max_model_len, page_size=args.page_size,
-                               batch_buckets=tuple(args.batch_buckets))
+    buckets = BucketSpec.build(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len,
+        page_size=args.page_size,
+        batch_buckets=tuple(args.batch_buckets),
+    )
     try:
-        res = simulate(prompts, out_lens, num_pages=args.num_pages, page_size=args.page_size,
-                       max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=max_model_len, buckets=buckets)
+        res = simulate(
+            prompts,
+            out_lens,
+            num_pages=args.num_pages,
+            page_size=args.page_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            buckets=buckets,
+        )
     except ValueError as e:  # a request the pool or the buckets cannot hold
         ap.error(str(e))
-    print(f"steps: {res['steps']}; distinct step shapes: {res['num_shapes']}; decode rows that are "
-          f"padding: {res['decode_row_padding']:.1%}")
-    print(f"prefill tokens {res['prefill_tokens']} (padded to {res['prefill_tokens_padded']}); "
-          f"KV tokens read by decode steps {res['decode_kv_tokens_read']}; prefill R*Tq*S "
-          f"{res['prefill_attn_rows_x_keys']:.3e}")
+    print(
+        f"steps: {res['steps']}; distinct step shapes: {res['num_shapes']}; decode rows that are "
+        f"padding: {res['decode_row_padding']:.1%}"
+    )
+    print(
+        f"prefill tokens {res['prefill_tokens']} (padded to {res['prefill_tokens_padded']}); "
+        f"KV tokens read by decode steps {res['decode_kv_tokens_read']}; prefill R*Tq*S "
+        f"{res['prefill_attn_rows_x_keys']:.3e}"
+    )
     if args.weight_gb:
         # bandwidth floor of decode (weights once per step + KV) and compute floor of prefill GEMMs
-        dec = (res["steps"].get("decode", 0) * args.weight_gb * 1e9
-               + res["decode_kv_tokens_read"] * args.kv_bytes_per_token) / (args.hbm_tbps * 1e12)
+        dec = (
+            res["steps"].get("decode", 0) * args.weight_gb * 1e9
+            + res["decode_kv_tokens_read"] * args.kv_bytes_per_token
+        ) / (args.hbm_tbps * 1e12)
         pre = res["prefill_tokens_padded"] * 2 * args.params_b * 1e9 / (args.tflops * 1e12)
-        print(f"floors at {args.hbm_tbps} TB/s and {args.tflops} TFLOP/s: decode {dec:.2f} s, prefill "
-              f"GEMMs {pre:.2f} s (attention, sampling and host time not included)")
+        print(
+            f"floors at {args.hbm_tbps} TB/s and {args.tflops} TFLOP/s: decode {dec:.2f} s, prefill "
+            f"GEMMs {pre:.2f} s (attention, sampling and host time not included)"
+        )
     print(f"{'kind':<8} {'tokens':>12} {'tables':>12} {'q_index':>12} {'steps':>6}")
     for s in res["shapes"]:
-        print(f"{s['kind']:<8} {str(s['tokens']):>12} {str(s['block_tables']):>12} "
-              f"{str(s['q_index']):>12} {s['steps']:>6}")
+        print(
+            f"{s['kind']:<8} {str(s['tokens']):>12} {str(s['block_tables']):>12} "
+            f"{str(s['q_index']):>12} {s['steps']:>6}"
+        )
     if args.json:
         try:
             with open(args.json, "w") as fh:

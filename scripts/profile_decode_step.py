@@ -40,6 +40,7 @@ from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS  # noqa: E402
 def kernel_events(xplane_path: str) -> list[tuple[str, int, int]]:
     """(name, start_ns, duration_ns) of every kernel on the first GPU plane's stream lines."""
     from jax.profiler import ProfileData
+
     data = ProfileData.from_file(xplane_path)
     gpu = [p for p in data.planes if p.name.startswith("/device:GPU")]
     if not gpu:
@@ -99,7 +100,7 @@ def layer_sequence(events, anchor: str, which: int = 10) -> list[dict]:
     if len(marks) <= which + 1:
         return []
     out, prev_end = [], None
-    for name, start, dur in ev[marks[which]:marks[which + 1]]:
+    for name, start, dur in ev[marks[which] : marks[which + 1]]:
         gap = 0.0 if prev_end is None else max(0, start - prev_end) / 1e3
         out.append(dict(kernel=name[:120], us=dur / 1e3, gap_us_before=gap))
         prev_end = start + dur if prev_end is None else max(prev_end, start + dur)
@@ -128,20 +129,34 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--kernels", default="", metavar="SPEC",
-                    help="kernel config (KernelConfig.parse), resolved for this platform as the "
-                         "engine does; '' = the engine's default. Keys: " + KernelConfig.help())
+    ap.add_argument(
+        "--kernels",
+        default="",
+        metavar="SPEC",
+        help="kernel config (KernelConfig.parse), resolved for this platform as the "
+        "engine does; '' = the engine's default. Keys: " + KernelConfig.help(),
+    )
     ap.add_argument("--page-size", type=int, default=16)
-    ap.add_argument("--gemm", default="engine", choices=["engine"] + sorted(GEMM_COMPILER_OPTIONS),
-                    help="GEMM back-end of the step; engine (default): the engine's choice for "
-                         "the batch (cuBLAS from cublas_decode_min_batch rows)")
-    ap.add_argument("--decode-knobs", default="",
-                    help="tuning keywords of the decode kernel, K=V[,K=V] (e.g. block_kv=128)")
+    ap.add_argument(
+        "--gemm",
+        default="engine",
+        choices=["engine"] + sorted(GEMM_COMPILER_OPTIONS),
+        help="GEMM back-end of the step; engine (default): the engine's choice for "
+        "the batch (cuBLAS from cublas_decode_min_batch rows)",
+    )
+    ap.add_argument(
+        "--decode-knobs",
+        default="",
+        help="tuning keywords of the decode kernel, K=V[,K=V] (e.g. block_kv=128)",
+    )
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--anchor", default="mosaic",
-                    help="substring of a once-per-layer kernel: one layer's launch sequence "
-                         "(from one such launch to the next) is printed and saved")
+    ap.add_argument(
+        "--anchor",
+        default="mosaic",
+        help="substring of a once-per-layer kernel: one layer's launch sequence "
+        "(from one such launch to the next) is printed and saved",
+    )
     ap.add_argument("--out", default="benchmarks/profile_decode.json")
     args = ap.parse_args()
 
@@ -158,8 +173,9 @@ def main() -> None:
     attn = kc.decode_attention
     B, ctx = args.batch, args.context
     # unpacked inputs ("fixed"), as before: the trace shows the step's kernels, not the transfer
-    run, kv, gemm = step_runner(cfg, params, kc, knobs, args.gemm, "fixed", B, ctx,
-                                args.page_size, False)
+    run, kv, gemm = step_runner(
+        cfg, params, kc, knobs, args.gemm, "fixed", B, ctx, args.page_size, False
+    )
     dt, kv = time_steps(run, kv, args.steps, warmup=4)
     wall_ms = dt * 1e3
     with tempfile.TemporaryDirectory() as d:
@@ -178,37 +194,64 @@ def main() -> None:
         agg[short(name)][1] += dur
     n = args.steps
     kern_us = sum(d for _, _, d in events) / n / 1e3
-    rows = sorted(({"kernel": k, "launches_per_step": c / n, "us_per_step": t / n / 1e3,
-                    "share": t / n / 1e3 / kern_us} for k, (c, t) in agg.items()),
-                  key=lambda r: -r["us_per_step"])
-    summary = dict(B=B, context=ctx, layers=args.layers, attention=attn, gemm=gemm, steps=n,
-                   kernel_config=args.kernels,
-                   decode_knobs=knobs,
-                   wall_ms_per_step_untraced=wall_ms, kernel_ms_per_step=kern_us / 1e3,
-                   busy_ms_per_step=busy_ns(events) / n / 1e6, span_ms_per_step=span_ns / n / 1e6,
-                   launches_per_step=len(events) / n, device=jax.devices()[0].device_kind,
-                   jax=jax.__version__, kernels=rows,
-                   layer_sequence=layer_sequence(events, args.anchor),
-                   largest_gaps=largest_gaps(events))
-    print(f"B={B} ctx={ctx} layers={args.layers} attention={attn}: untraced {wall_ms:.3f} ms/step; "
-          f"traced span {summary['span_ms_per_step']:.3f} ms, GPU busy {summary['busy_ms_per_step']:.3f} "
-          f"ms, {summary['launches_per_step']:.0f} kernel launches per step")
+    rows = sorted(
+        (
+            {
+                "kernel": k,
+                "launches_per_step": c / n,
+                "us_per_step": t / n / 1e3,
+                "share": t / n / 1e3 / kern_us,
+            }
+            for k, (c, t) in agg.items()
+        ),
+        key=lambda r: -r["us_per_step"],
+    )
+    summary = dict(
+        B=B,
+        context=ctx,
+        layers=args.layers,
+        attention=attn,
+        gemm=gemm,
+        steps=n,
+        kernel_config=args.kernels,
+        decode_knobs=knobs,
+        wall_ms_per_step_untraced=wall_ms,
+        kernel_ms_per_step=kern_us / 1e3,
+        busy_ms_per_step=busy_ns(events) / n / 1e6,
+        span_ms_per_step=span_ns / n / 1e6,
+        launches_per_step=len(events) / n,
+        device=jax.devices()[0].device_kind,
+        jax=jax.__version__,
+        kernels=rows,
+        layer_sequence=layer_sequence(events, args.anchor),
+        largest_gaps=largest_gaps(events),
+    )
+    print(
+        f"B={B} ctx={ctx} layers={args.layers} attention={attn}: untraced {wall_ms:.3f} ms/step; "
+        f"traced span {summary['span_ms_per_step']:.3f} ms, GPU busy {summary['busy_ms_per_step']:.3f} "
+        f"ms, {summary['launches_per_step']:.0f} kernel launches per step"
+    )
     print(f"{'kernel':<80} {'n/step':>7} {'us/step':>9} {'share':>6}")
-    for r in rows[:args.top]:
-        print(f"{r['kernel']:<80} {r['launches_per_step']:>7.1f} {r['us_per_step']:>9.1f} "
-              f"{r['share']:>6.1%}")
+    for r in rows[: args.top]:
+        print(
+            f"{r['kernel']:<80} {r['launches_per_step']:>7.1f} {r['us_per_step']:>9.1f} "
+            f"{r['share']:>6.1%}"
+        )
     print("\nlargest idle gaps (us, the kernel before -> the kernel after):")
     for g in summary["largest_gaps"]:
         print(f"  {g['us']:>8.1f}  {g['before'][:60]} -> {g['after'][:60]}")
     seq = summary["layer_sequence"]
     if seq:
-        print(f"\none layer, in launch order ({len(seq)} kernels, "
-              f"{sum(r['us'] for r in seq):.1f} us busy, {sum(r['gap_us_before'] for r in seq):.1f} "
-              f"us idle):")
+        print(
+            f"\none layer, in launch order ({len(seq)} kernels, "
+            f"{sum(r['us'] for r in seq):.1f} us busy, {sum(r['gap_us_before'] for r in seq):.1f} "
+            f"us idle):"
+        )
         for r in seq:
             print(f"  {r['kernel']:<80} {r['us']:>7.2f} us  gap {r['gap_us_before']:>5.2f}")
-    for path in [args.out] + ([os.path.join(os.environ["OUT"], "profile_decode.json")]
-                              if os.environ.get("OUT") else []):
+    for path in [args.out] + (
+        [os.path.join(os.environ["OUT"], "profile_decode.json")] if os.environ.get("OUT") else []
+    ):
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as fh:
             json.dump(summary, fh, indent=1)

@@ -18,6 +18,7 @@ from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS, forward, sample_logits
 def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool, gemm: str = "xla"):
     """``jax.jit`` of one fused step ``(params, kv, StepInput) -> (ids, kv')``, KV donated: the
     engine's `forward`, then `sample_logits`, without its packed input buffer."""
+
     def step(params, kv, inp):
         logits, _, kv = forward(params, kv, inp, cfg=cfg, kernels=kernels)
         return sample_logits(logits, inp, all_greedy=all_greedy), kv
@@ -51,8 +52,16 @@ def record_steps(engine, log: list) -> list:
 
     def timed_complete(done, host_times):
         finished = complete(done, host_times)
-        log.append(StepRecord(done.handle[1].key, done.batch.num_seqs, t["done"],
-                              t["done"] - t["read"], *host_times, time.perf_counter() - t["done"]))
+        log.append(
+            StepRecord(
+                done.handle[1].key,
+                done.batch.num_seqs,
+                t["done"],
+                t["done"] - t["read"],
+                *host_times,
+                time.perf_counter() - t["done"],
+            )
+        )
         return finished
 
     engine.runner.read, engine.loop.complete = timed_read, timed_complete
@@ -74,8 +83,9 @@ def step_phases(log, t0: float) -> dict:
             out["prefill"]["steps"] += 1
             out["prefill"]["seconds"] += dt
             continue
-        d = out["decode"].setdefault(str(r.shape_key.batch),
-                                     dict(steps=0, seconds=0.0, rows=0, **dict.fromkeys(keys, 0.0)))
+        d = out["decode"].setdefault(
+            str(r.shape_key.batch), dict(steps=0, seconds=0.0, rows=0, **dict.fromkeys(keys, 0.0))
+        )
         d["steps"] += 1
         d["seconds"] += dt
         d["rows"] += r.rows
@@ -102,6 +112,7 @@ class TracedStepLog(list):
     def append(self, item) -> None:
         super().append(item)
         import jax
+
         if len(self) == self.start:
             jax.profiler.start_trace(self.logdir)
             self.active = True
@@ -117,16 +128,20 @@ def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
     import glob
 
     from scripts.profile_decode_step import busy_ns, idle_gaps, kernel_events, short
+
     if log.active:  # the run ended inside the window
         import jax
+
         jax.profiler.stop_trace()
         log.active = False
     paths = glob.glob(os.path.join(log.logdir, "**", "*.xplane.pb"), recursive=True)
-    window = log[log.start:log.start + log.count]
+    window = log[log.start : log.start + log.count]
     n = len(window)
     if not paths or not n:
-        return dict(error=f"the run had {len(log)} steps: none inside the traced window "
-                          f"starting at step {log.start}")
+        return dict(
+            error=f"the run had {len(log)} steps: none inside the traced window "
+            f"starting at step {log.start}"
+        )
     try:
         ev = sorted(kernel_events(paths[0]), key=lambda e: e[1])
     except RuntimeError as e:  # no GPU plane (a CPU run)
@@ -139,11 +154,23 @@ def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
     for name, _, d in ev:
         agg[short(name)][0] += 1
         agg[short(name)][1] += d
-    kernels = sorted(({"kernel": k, "launches_per_step": c / n, "us_per_step": t / n / 1e3}
-                      for k, (c, t) in agg.items()), key=lambda r: -r["us_per_step"])[:top]
+    kernels = sorted(
+        (
+            {"kernel": k, "launches_per_step": c / n, "us_per_step": t / n / 1e3}
+            for k, (c, t) in agg.items()
+        ),
+        key=lambda r: -r["us_per_step"],
+    )[:top]
     big = [g["us"] for g in gaps if g["us"] >= 20]
-    return dict(steps=n, shapes=sorted({str(r.shape_key) for r in window}),
-                rows=[r.rows for r in window], span_ms_per_step=span / n / 1e6,
-                busy_ms_per_step=busy_ns(ev) / n / 1e6, launches_per_step=len(ev) / n,
-                gaps_over_20us=len(big), gap_ms_over_20us=sum(big) / 1e3,
-                largest_gaps=sorted(gaps, key=lambda g: -g["us"])[:8], kernels=kernels)
+    return dict(
+        steps=n,
+        shapes=sorted({str(r.shape_key) for r in window}),
+        rows=[r.rows for r in window],
+        span_ms_per_step=span / n / 1e6,
+        busy_ms_per_step=busy_ns(ev) / n / 1e6,
+        launches_per_step=len(ev) / n,
+        gaps_over_20us=len(big),
+        gap_ms_over_20us=sum(big) / 1e3,
+        largest_gaps=sorted(gaps, key=lambda g: -g["us"])[:8],
+        kernels=kernels,
+    )

@@ -33,7 +33,8 @@ def ceiling():
     res = {}
     try:
         import torch
-        a = torch.randn(2 ** 30 // 2, device="cuda", dtype=torch.bfloat16).repeat(2)  # 2 GiB
+
+        a = torch.randn(2**30 // 2, device="cuda", dtype=torch.bfloat16).repeat(2)  # 2 GiB
         b = torch.empty_like(a)
         for _ in range(3):
             b.copy_(a)
@@ -41,14 +42,17 @@ def ceiling():
         ts = []
         for _ in range(10):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize()
+            e0.record()
+            b.copy_(a)
+            e1.record()
+            torch.cuda.synchronize()
             ts.append(e0.elapsed_time(e1) / 1e3)
         res["torch_copy_TBps"] = 2 * a.numel() * 2 / np.median(ts) / 1e12
         del a, b
         torch.cuda.empty_cache()
     except Exception as e:  # noqa: BLE001
         res["torch_copy_error"] = repr(e)
-    x = jax.random.normal(jax.random.key(0), (2 ** 30,), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(0), (2**30,), jnp.bfloat16)
     f = jax.jit(lambda a: a * 1.0001)
     res["jax_scale_TBps"] = 2 * x.size * 2 / timeit(lambda: f(x)) / 1e12
     del x
@@ -76,11 +80,14 @@ R = 20
 def looped(fn, **kw):
     """One jit running the kernel R times over alternating (traced) layers, like the engine's scan;
     per-call time = loop time / R (no host dispatch between calls)."""
+
     def run(q, k_pool, v_pool, bt, sl):
         def body(i, acc):
             o = fn(q, k_pool, v_pool, bt, sl, layer=i % L, **kw)
             return acc + o.astype(jnp.float32)
+
         return jax.lax.fori_loop(0, R, body, jnp.zeros(q.shape, jnp.float32))
+
     return jax.jit(run)
 
 
@@ -102,8 +109,18 @@ def make_inputs(seed=0, B=B):
 
 
 CONFIGS = [  # (pages_per_block, num_warps, num_stages, k_splits)
-    (4, 4, 3, 1), (4, 4, 3, 2), (2, 4, 4, 1), (2, 4, 4, 2), (2, 4, 3, 2), (4, 4, 4, 1),
-    (8, 4, 3, 1), (8, 8, 3, 1), (4, 8, 3, 2), (8, 4, 2, 1), (2, 4, 5, 2), (4, 4, 2, 2),
+    (4, 4, 3, 1),
+    (4, 4, 3, 2),
+    (2, 4, 4, 1),
+    (2, 4, 4, 2),
+    (2, 4, 3, 2),
+    (4, 4, 4, 1),
+    (8, 4, 3, 1),
+    (8, 8, 3, 1),
+    (4, 8, 3, 2),
+    (8, 4, 2, 1),
+    (2, 4, 5, 2),
+    (4, 4, 2, 2),
 ]
 
 
@@ -115,31 +132,54 @@ def main():
     print("ceilings", ceil, flush=True)
     q, k_pool, v_pool, bt, sl = make_inputs()
     layer = jnp.int32(1)
-    scale = H ** -0.5
+    scale = H**-0.5
     jax.config.update("jax_default_matmul_precision", "highest")
     ref = jax.jit(lambda *a: reference.paged_decode_attention(*a[:5], layer=a[5], scale=scale))(
-        q.astype(jnp.float32), k_pool, v_pool, bt, sl, layer)
+        q.astype(jnp.float32), k_pool, v_pool, bt, sl, layer
+    )
     ref = np.asarray(ref, np.float32)
     variants = {"triton": triton_pallas.paged_decode_attention}
     rows = []
     best = {}
-    cfgs = {"triton": [(2, 4, 4, 1), (4, 4, 4, 1), (4, 4, 3, 1), (2, 4, 3, 1), (8, 8, 3, 1),
-                       (4, 4, 4, 2)]}
+    cfgs = {
+        "triton": [
+            (2, 4, 4, 1),
+            (4, 4, 4, 1),
+            (4, 4, 3, 1),
+            (2, 4, 3, 1),
+            (8, 8, 3, 1),
+            (4, 4, 4, 2),
+        ]
+    }
     for vname, fn in variants.items():
-        for ppb, nw, ns, ks in (cfgs[vname][:3] if quick else cfgs[vname]):
-            rec = dict(variant=vname, pages_per_block=ppb, num_warps=nw, num_stages=ns,
-                       k_splits=ks)
+        for ppb, nw, ns, ks in cfgs[vname][:3] if quick else cfgs[vname]:
+            rec = dict(variant=vname, pages_per_block=ppb, num_warps=nw, num_stages=ns, k_splits=ks)
             try:
                 t0 = time.perf_counter()
-                f = jax.jit(lambda *a, fn=fn, ppb=ppb, nw=nw, ns=ns, ks=ks: fn(
-                    *a[:5], layer=a[5], scale=scale, pages_per_block=ppb, num_warps=nw,
-                    num_stages=ns, k_splits=ks))
+                f = jax.jit(
+                    lambda *a, fn=fn, ppb=ppb, nw=nw, ns=ns, ks=ks: fn(
+                        *a[:5],
+                        layer=a[5],
+                        scale=scale,
+                        pages_per_block=ppb,
+                        num_warps=nw,
+                        num_stages=ns,
+                        k_splits=ks,
+                    )
+                )
                 out = np.asarray(f(q, k_pool, v_pool, bt, sl, layer), np.float32)
                 rec["compile_s"] = round(time.perf_counter() - t0, 2)
                 rec["finite"] = bool(np.all(np.isfinite(out)))
                 rec["rel_err"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-                t = time_kernel(fn, (q, k_pool, v_pool, bt, sl), scale=scale, pages_per_block=ppb,
-                                num_warps=nw, num_stages=ns, k_splits=ks)
+                t = time_kernel(
+                    fn,
+                    (q, k_pool, v_pool, bt, sl),
+                    scale=scale,
+                    pages_per_block=ppb,
+                    num_warps=nw,
+                    num_stages=ns,
+                    k_splits=ks,
+                )
                 rec["us"] = round(t * 1e6, 1)
                 rec["TBps"] = round(KV_BYTES / t / 1e12, 3)
                 ok = rec["finite"] and rec["rel_err"] < 1e-2
@@ -153,25 +193,48 @@ def main():
     # small batch: the sequence split matters (B*K = 64 programs)
     Bs = 8
     qs, ks_, vs, bts, sls = make_inputs(1, B=Bs)
-    refs = np.asarray(jax.jit(lambda *a: reference.paged_decode_attention(
-        *a[:5], layer=a[5], scale=scale))(qs.astype(jnp.float32), ks_, vs, bts, sls, layer))
+    refs = np.asarray(
+        jax.jit(lambda *a: reference.paged_decode_attention(*a[:5], layer=a[5], scale=scale))(
+            qs.astype(jnp.float32), ks_, vs, bts, sls, layer
+        )
+    )
     for vname, fn in variants.items():
         if vname not in best:
             continue
         r0 = best[vname]
         for ks in (1, 4, 8):
-            rec = dict(variant=vname, B=Bs, pages_per_block=r0["pages_per_block"],
-                       num_warps=r0["num_warps"], num_stages=r0["num_stages"], k_splits=ks)
+            rec = dict(
+                variant=vname,
+                B=Bs,
+                pages_per_block=r0["pages_per_block"],
+                num_warps=r0["num_warps"],
+                num_stages=r0["num_stages"],
+                k_splits=ks,
+            )
             try:
-                f = jax.jit(lambda *a, fn=fn, r0=r0, ks=ks: fn(
-                    *a[:5], layer=a[5], scale=scale, pages_per_block=r0["pages_per_block"],
-                    num_warps=r0["num_warps"], num_stages=r0["num_stages"], k_splits=ks))
+                f = jax.jit(
+                    lambda *a, fn=fn, r0=r0, ks=ks: fn(
+                        *a[:5],
+                        layer=a[5],
+                        scale=scale,
+                        pages_per_block=r0["pages_per_block"],
+                        num_warps=r0["num_warps"],
+                        num_stages=r0["num_stages"],
+                        k_splits=ks,
+                    )
+                )
                 out = np.asarray(f(qs, ks_, vs, bts, sls, layer), np.float32)
                 rec["finite"] = bool(np.all(np.isfinite(out)))
                 rec["rel_err"] = float(np.linalg.norm(out - refs) / np.linalg.norm(refs))
-                t = time_kernel(fn, (qs, ks_, vs, bts, sls), scale=scale,
-                                pages_per_block=r0["pages_per_block"], num_warps=r0["num_warps"],
-                                num_stages=r0["num_stages"], k_splits=ks)
+                t = time_kernel(
+                    fn,
+                    (qs, ks_, vs, bts, sls),
+                    scale=scale,
+                    pages_per_block=r0["pages_per_block"],
+                    num_warps=r0["num_warps"],
+                    num_stages=r0["num_stages"],
+                    k_splits=ks,
+                )
                 rec["us"] = round(t * 1e6, 1)
                 rec["TBps"] = round(KV_BYTES * Bs / B / t / 1e12, 3)
             except Exception as e:  # noqa: BLE001
@@ -185,24 +248,56 @@ def main():
     for vname, r in best.items():
         small = [x for x in rows if x["variant"] == vname and x.get("B") == Bs and "us" in x]
         ks_small = min(small, key=lambda x: x["us"])["k_splits"] if small else 1
-        min_programs = max(Bs * K * ks_small, B * K * r["k_splits"]) if r["k_splits"] > 1 \
+        min_programs = (
+            max(Bs * K * ks_small, B * K * r["k_splits"])
+            if r["k_splits"] > 1
             else Bs * K * ks_small
-        tuned.append({"variant": vname, "device_kind": dev.device_kind, "page_size": PS,
-                      "head_dim": H, "group": N // K, "dtype": "bfloat16",
-                      "knobs": {"pages_per_block": r["pages_per_block"],
-                                "num_warps": r["num_warps"], "num_stages": r["num_stages"],
-                                "min_programs": min_programs},
-                      "measured": {"B": B, "ctx": CTX, "us": r["us"], "TBps": r["TBps"],
-                                   "k_splits": r["k_splits"]}})
+        )
+        tuned.append(
+            {
+                "variant": vname,
+                "device_kind": dev.device_kind,
+                "page_size": PS,
+                "head_dim": H,
+                "group": N // K,
+                "dtype": "bfloat16",
+                "knobs": {
+                    "pages_per_block": r["pages_per_block"],
+                    "num_warps": r["num_warps"],
+                    "num_stages": r["num_stages"],
+                    "min_programs": min_programs,
+                },
+                "measured": {
+                    "B": B,
+                    "ctx": CTX,
+                    "us": r["us"],
+                    "TBps": r["TBps"],
+                    "k_splits": r["k_splits"],
+                },
+            }
+        )
     for path in (TUNED_FILE, os.path.join(OUT, "tuned_h200.json")):
         with open(path, "w") as fh:
             json.dump(tuned, fh, indent=1)
-    print("\n%-10s %3s %4s %3s %3s %3s %8s %7s %9s" % ("variant", "B", "ppb", "nw", "ns", "ks",
-                                                        "us", "TB/s", "rel_err"))
+    print(
+        "\n%-10s %3s %4s %3s %3s %3s %8s %7s %9s"
+        % ("variant", "B", "ppb", "nw", "ns", "ks", "us", "TB/s", "rel_err")
+    )
     for r in rows:
-        print("%-10s %3d %4d %3d %3d %3d %8s %7s %9s" % (
-            r["variant"], r.get("B", B), r["pages_per_block"], r["num_warps"], r["num_stages"], r["k_splits"],
-            r.get("us", "ERR"), r.get("TBps", "-"), "%.1e" % r["rel_err"] if "rel_err" in r else "-"))
+        print(
+            "%-10s %3d %4d %3d %3d %3d %8s %7s %9s"
+            % (
+                r["variant"],
+                r.get("B", B),
+                r["pages_per_block"],
+                r["num_warps"],
+                r["num_stages"],
+                r["k_splits"],
+                r.get("us", "ERR"),
+                r.get("TBps", "-"),
+                "%.1e" % r["rel_err"] if "rel_err" in r else "-",
+            )
+        )
     print("ceilings", ceil, "KV bytes", KV_BYTES)
 
 

@@ -18,8 +18,14 @@ import sys
 import tempfile
 
 import pytest
-from tiny_model import (SMOLLM_ENGINE, TINY, TINY_ENGINE, tiny_params_of, tiny_text_config,
-                        tiny_tokenizer)
+from tiny_model import (
+    SMOLLM_ENGINE,
+    TINY,
+    TINY_ENGINE,
+    tiny_params_of,
+    tiny_text_config,
+    tiny_tokenizer,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # tests read the GGUF itself, not a converted copy from an earlier run (test_gguf_cache turns it on)
@@ -29,8 +35,10 @@ os.environ.setdefault("JAXINFER_GGUF_CACHE", "0")
 # interpret mode); LLVM's optimisation passes are most of it and buy nothing on these small shapes.
 # The legacy fusion emitters compile the suite's ~3,000 small programs (eager ops, the tiny model,
 # interpreted kernels) in about 60% of the time of the MLIR ones (SmolLM2's steps: the same).
-CPU_XLA_FLAGS = ("--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
-                 "--xla_cpu_use_fusion_emitters=false")
+CPU_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true "
+    "--xla_cpu_use_fusion_emitters=false"
+)
 
 CACHE_DIR = pytest.StashKey[str]()
 
@@ -116,8 +124,9 @@ def hf_smollm(smollm_path):
 
     d, f = os.path.split(smollm_path)
     torch.manual_seed(0)
-    with mock.patch.object(gguf, "get_tensor_name_map",
-                           functools.lru_cache(gguf.get_tensor_name_map)):
+    with mock.patch.object(
+        gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map)
+    ):
         return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
 
 
@@ -130,6 +139,7 @@ def tiny_tokenizer_fixture():
 @pytest.fixture(scope="session")
 def tiny_cfg():
     from jaxinfer.config import ModelConfig
+
     return ModelConfig(**TINY)
 
 
@@ -140,6 +150,7 @@ def tiny_params(tiny_cfg):
     import jax.numpy as jnp
 
     from jaxinfer import models
+
     return models.init_params(tiny_cfg, jax.random.key(0), jnp.float32)
 
 
@@ -159,8 +170,10 @@ def check_compiles(llm, budget: int | None) -> None:
     stats = llm.engine.stats()
     if budget is not None and stats.num_compiles > budget:
         shapes = "\n  ".join(map(str, sorted(stats.compiled_shapes, key=str)))
-        pytest.fail(f"the engine compiled {stats.num_compiles} step shapes, more than the "
-                    f"{budget} it declared:\n  {shapes}")
+        pytest.fail(
+            f"the engine compiled {stats.num_compiles} step shapes, more than the "
+            f"{budget} it declared:\n  {shapes}"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -179,8 +192,9 @@ def tiny_llm(tiny_cfg, tiny_params, tiny_text_cfg, tiny_text_params, tiny_tokeni
         key = (text, tuple(sorted(args.items())))
         if key not in engines:
             if text:
-                llm = LLM.from_params(tiny_text_cfg, tiny_text_params,
-                                      tokenizer=tiny_tokenizer, **args)
+                llm = LLM.from_params(
+                    tiny_text_cfg, tiny_text_params, tokenizer=tiny_tokenizer, **args
+                )
             else:
                 llm = LLM.from_params(tiny_cfg, tiny_params, **args)
             engines[key] = llm, max_compiles
@@ -214,7 +228,8 @@ def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_fa
 
     path = tmp_path_factory.mktemp("tiny-checkpoint") / "tiny"
     load_script("convert_checkpoint").save_checkpoint(
-        path, tiny_text_cfg, tiny_text_params, tiny_tokenizer, tiny_text_cfg.eos_token_ids)
+        path, tiny_text_cfg, tiny_text_params, tiny_tokenizer, tiny_text_cfg.eos_token_ids
+    )
     return str(path)
 
 
@@ -225,8 +240,13 @@ def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_fa
 # "tensor_parallel", for their module-scoped reference runs. loadgroup hands out units (a group,
 # or an ungrouped module) in collection order (`pytest_configure` turns off its reordering by
 # test count): the groups, heaviest first, then the other modules fill in around them.
-_SMOLLM_FIXTURES = {"hf_smollm", "smollm_ckpt", "smollm_startup", "smollm_engine",
-                    "smollm_cli_args"}
+_SMOLLM_FIXTURES = {
+    "hf_smollm",
+    "smollm_ckpt",
+    "smollm_startup",
+    "smollm_engine",
+    "smollm_cli_args",
+}
 _GROUPS = ("smollm", "serve", "precompile", "tensor_parallel")
 
 
@@ -236,8 +256,10 @@ def _group(item) -> str | None:
         return "smollm"
     if path.startswith("tests/serve/"):
         return "serve"
-    return {"tests/engine/test_precompile.py": "precompile",
-            "tests/engine/test_tensor_parallel.py": "tensor_parallel"}.get(path)
+    return {
+        "tests/engine/test_precompile.py": "precompile",
+        "tests/engine/test_tensor_parallel.py": "tensor_parallel",
+    }.get(path)
 
 
 def _order(item) -> tuple[int, bool]:
@@ -245,8 +267,7 @@ def _order(item) -> tuple[int, bool]:
     group: its step shapes are those of in-process tests (`SMOLLM_ENGINE`), which are then in the
     run-wide compilation cache."""
     group = _group(item)
-    return (_GROUPS.index(group) if group else len(_GROUPS),
-            "smollm_cli_args" in item.fixturenames)
+    return (_GROUPS.index(group) if group else len(_GROUPS), "smollm_cli_args" in item.fixturenames)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -266,7 +287,11 @@ def _group_suffix(item) -> None:
     ``Item._id``, a `NodeId`): the suffix is then missing and every test is a unit of its own,
     so each worker loaded SmolLM2, its HF model and the server. Add it here where it is missing
     (`NodeId.parse` keeps the given string as the id)."""
-    groups = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
-                     for m in item.iter_markers("xdist_group")})
+    groups = sorted(
+        {
+            str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+            for m in item.iter_markers("xdist_group")
+        }
+    )
     if groups and "@" not in item.nodeid.rpartition("]")[2] and hasattr(item, "_id"):
         item._id = type(item._id).parse(f"{item.nodeid}@{'_'.join(groups)}")

@@ -10,37 +10,54 @@ from pallas_kernels.paged_attention import registry
 
 
 def model(hidden=4096, head_dim=128, max_pos=4096):
-    return ModelConfig(architecture="llama", vocab_size=256, hidden_size=hidden,
-                       intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                       head_dim=head_dim, max_position_embeddings=max_pos)
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=max_pos,
+    )
 
 
 def test_parse_keys_aliases_and_values():
-    kc = KernelConfig.parse("decode=mosaic, prefill=triton,batch_buckets=1:2:4:8,"
-                            "token_buckets=16:64,cublas_decode_min_batch=none,prefill_gemm=cublas")
-    assert kc == KernelConfig(decode_attention="mosaic", prefill_attention="triton",
-                              batch_buckets=(1, 2, 4, 8), token_buckets=(16, 64),
-                              cublas_decode_min_batch=None, prefill_gemm="cublas")
-    assert KernelConfig.parse("decode_attention=triton") == KernelConfig(
-        decode_attention="triton")
+    kc = KernelConfig.parse(
+        "decode=mosaic, prefill=triton,batch_buckets=1:2:4:8,"
+        "token_buckets=16:64,cublas_decode_min_batch=none,prefill_gemm=cublas"
+    )
+    assert kc == KernelConfig(
+        decode_attention="mosaic",
+        prefill_attention="triton",
+        batch_buckets=(1, 2, 4, 8),
+        token_buckets=(16, 64),
+        cublas_decode_min_batch=None,
+        prefill_gemm="cublas",
+    )
+    assert KernelConfig.parse("decode_attention=triton") == KernelConfig(decode_attention="triton")
     assert KernelConfig.parse("") == KernelConfig()
     assert KernelConfig.parse("cublas_decode_min_batch=8").cublas_decode_min_batch == 8
     assert KernelConfig.parse(kc) is kc
 
 
-@pytest.mark.parametrize("spec, needles", [
-    ("decode=foo", ["decode_attention='foo'", "'mosaic'", "'reference'"]),
-    ("prefill=mosaic", ["prefill_attention='mosaic'", "'triton'"]),
-    ("qkv_prologue=triton", ["'qkv_prologue=triton'", "decode_attention", "prefill"]),
-    ("prefill_gemm=cutlass", ["prefill_gemm='cutlass'", "allowed: 'xla', 'cublas'"]),
-    ("speed=fast", ["'speed=fast'", "decode_attention", "prefill"]),
-    ("decode", ["'decode'", "key=value"]),
-    ("decode=mosaic,decode_attention=triton", ["'decode_attention' is given twice"]),
-    ("batch_buckets=1:x", ["batch_buckets='1:x'", "integers"]),
-    ("batch_buckets=4:2", ["batch_buckets=(4, 2)", "strictly increasing"]),
-    ("cublas_decode_min_batch=0", ["cublas_decode_min_batch=0", "positive integer"]),
-    ("cublas_decode_min_batch=many", ["cublas_decode_min_batch='many'"]),
-])
+@pytest.mark.parametrize(
+    "spec, needles",
+    [
+        ("decode=foo", ["decode_attention='foo'", "'mosaic'", "'reference'"]),
+        ("prefill=mosaic", ["prefill_attention='mosaic'", "'triton'"]),
+        ("qkv_prologue=triton", ["'qkv_prologue=triton'", "decode_attention", "prefill"]),
+        ("prefill_gemm=cutlass", ["prefill_gemm='cutlass'", "allowed: 'xla', 'cublas'"]),
+        ("speed=fast", ["'speed=fast'", "decode_attention", "prefill"]),
+        ("decode", ["'decode'", "key=value"]),
+        ("decode=mosaic,decode_attention=triton", ["'decode_attention' is given twice"]),
+        ("batch_buckets=1:x", ["batch_buckets='1:x'", "integers"]),
+        ("batch_buckets=4:2", ["batch_buckets=(4, 2)", "strictly increasing"]),
+        ("cublas_decode_min_batch=0", ["cublas_decode_min_batch=0", "positive integer"]),
+        ("cublas_decode_min_batch=many", ["cublas_decode_min_batch='many'"]),
+    ],
+)
 def test_parse_errors_name_the_key_value_and_allowed(spec, needles):
     with pytest.raises(ValueError) as e:
         KernelConfig.parse(spec)
@@ -60,7 +77,8 @@ def test_allowed_names_come_from_the_registry_and_reach_the_help():
 
 def test_engine_config_kernels_from_a_string_and_bucket_limits():
     assert EngineConfig(kernels="decode=reference").kernels == KernelConfig(
-        decode_attention="reference")
+        decode_attention="reference"
+    )
     with pytest.raises(ValueError, match=r"kernels=3 is invalid"):
         EngineConfig(kernels=3)
     with pytest.raises(ValueError, match="batch_buckets.*max_num_seqs=8"):
@@ -81,17 +99,36 @@ def test_buckets_must_be_a_tuple_of_ints():
     assert KernelConfig(batch_buckets=[1, 8]).batch_buckets == (1, 8)
 
 
-@pytest.mark.parametrize("field, bad", [("page_size", 12), ("num_pages", 1), ("dtype", "int8"),
-                                        ("memory_fraction", 0.0), ("max_num_seqs", 0),
-                                        ("async_scheduling", 1), ("seed", 1.5)])
+@pytest.mark.parametrize(
+    "field, bad",
+    [
+        ("page_size", 12),
+        ("num_pages", 1),
+        ("dtype", "int8"),
+        ("memory_fraction", 0.0),
+        ("max_num_seqs", 0),
+        ("async_scheduling", 1),
+        ("seed", 1.5),
+    ],
+)
 def test_engine_config_validation_names_the_field(field, bad):
     with pytest.raises(ValueError, match=rf"EngineConfig\.{field}={bad!r} is invalid"):
         EngineConfig(**{field: bad})
 
 
-@pytest.mark.parametrize("field", ["memory_fraction", "gpu_memory_utilization", "max_model_len",
-                                   "page_size", "num_pages", "max_num_seqs",
-                                   "max_num_batched_tokens", "tensor_parallel_size"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "memory_fraction",
+        "gpu_memory_utilization",
+        "max_model_len",
+        "page_size",
+        "num_pages",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "tensor_parallel_size",
+    ],
+)
 def test_engine_config_numbers_given_as_strings_are_value_errors(field):
     """A number as a string (e.g. from a config file) is a ValueError naming the field, never a
     TypeError from a comparison."""
@@ -103,8 +140,12 @@ def test_engine_config_vllm_arguments():
     assert EngineConfig(dtype="auto").dtype is None  # resolve: bfloat16 on GPU, else float32
     e = EngineConfig(gpu_memory_utilization=0.5, enforce_eager=True, kv_cache_dtype="auto")
     assert (e.gpu_memory_utilization, e.enforce_eager, e.tensor_parallel_size) == (0.5, True, 1)
-    for kw in (dict(tensor_parallel_size=0), dict(kv_cache_dtype="fp16"), dict(enforce_eager=1),
-               dict(gpu_memory_utilization=0.0)):
+    for kw in (
+        dict(tensor_parallel_size=0),
+        dict(kv_cache_dtype="fp16"),
+        dict(enforce_eager=1),
+        dict(gpu_memory_utilization=0.0),
+    ):
         with pytest.raises(ValueError, match=rf"EngineConfig\.{next(iter(kw))}="):
             EngineConfig(**kw)
 
@@ -129,15 +170,20 @@ def test_kv_cache_dtype_fp8():
     for name in ("fp8", "fp8_e4m3"):
         r = resolve(model(), EngineConfig(kv_cache_dtype=name), "cpu")
         assert (r.dtype, r.kv_dtype, r.kv_dtype_bytes, r.dtype_bytes) == (
-            "float32", "float8_e4m3fn", 1, 4)
+            "float32",
+            "float8_e4m3fn",
+            1,
+            4,
+        )
     auto = resolve(model(), EngineConfig(dtype="bfloat16"), "cpu")
     assert (auto.kv_dtype, auto.kv_dtype_bytes) == ("bfloat16", 2)
     g = resolve(model(), EngineConfig(kv_cache_dtype="fp8"), "gpu").kernels
     assert (g.decode_attention, g.prefill_attention) == ("triton", "triton")
     with pytest.raises(ValueError, match="decode_attention='mosaic' is not validated with fp8 KV"):
         resolve(model(), EngineConfig(kv_cache_dtype="fp8", kernels="decode=mosaic"), "gpu")
-    with pytest.raises(ValueError, match="kv_cache_dtype='int8' is invalid: allowed: 'auto'.*"
-                       "'fp8' or 'fp8_e4m3'"):
+    with pytest.raises(
+        ValueError, match="kv_cache_dtype='int8' is invalid: allowed: 'auto'.*'fp8' or 'fp8_e4m3'"
+    ):
         EngineConfig(kv_cache_dtype="int8")
 
 
@@ -147,9 +193,14 @@ def test_resolve_max_model_len():
         resolve(model(max_pos=512), EngineConfig(max_model_len=1024), "cpu")
 
 
-@pytest.mark.parametrize("spec, field", [
-    ("decode=mosaic", "decode_attention"), ("decode=triton", "decode_attention"),
-    ("prefill=triton", "prefill_attention")])
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ("decode=mosaic", "decode_attention"),
+        ("decode=triton", "decode_attention"),
+        ("prefill=triton", "prefill_attention"),
+    ],
+)
 def test_gpu_kernels_on_cpu_are_rejected(spec, field):
     value = spec.split("=")[1]
     with pytest.raises(ValueError, match=f"{field}='{value}' is a GPU kernel.*'cpu'"):
@@ -165,13 +216,18 @@ def test_unvalidated_device_kind_falls_back_from_mosaic_with_one_log_line(caplog
         b200 = resolve(model(), EngineConfig(), "gpu", device_kind="NVIDIA B200").kernels
     assert (b200.decode_attention, b200.prefill_attention) == ("triton", "triton")
     lines = [r.getMessage() for r in caplog.records if r.name == "jaxinfer"]
-    assert len(lines) == 1 and "decode_attention='mosaic'" in lines[0] and "'NVIDIA B200'" in \
-        lines[0] and "'triton'" in lines[0]
+    assert (
+        len(lines) == 1
+        and "decode_attention='mosaic'" in lines[0]
+        and "'NVIDIA B200'" in lines[0]
+        and "'triton'" in lines[0]
+    )
     caplog.clear()
     with caplog.at_level("WARNING", logger="jaxinfer"):
         h200 = resolve(model(), EngineConfig(), "gpu", device_kind="NVIDIA H200").kernels
-        kept = resolve(model(), EngineConfig(kernels="decode=mosaic"), "gpu",
-                       device_kind="NVIDIA B200").kernels
+        kept = resolve(
+            model(), EngineConfig(kernels="decode=mosaic"), "gpu", device_kind="NVIDIA B200"
+        ).kernels
         cpu = resolve(model(), EngineConfig(), "cpu", device_kind="cpu").kernels
     assert h200.decode_attention == "mosaic" and kept.decode_attention == "mosaic"
     assert cpu.decode_attention == "reference" and not caplog.records
@@ -192,14 +248,23 @@ def test_fp8_with_tensor_parallelism():
     """fp8 weights split over devices, FP8 checkpoints' blocks where they fall whole into each
     device's share (else the error names the sizes); fp8 KV runs on one device only, refused
     before the model's own divisibility checks."""
-    assert resolve(model(), EngineConfig(tensor_parallel_size=2, quantization="fp8"),
-                   "cpu").quantization == "fp8"
+    assert (
+        resolve(
+            model(), EngineConfig(tensor_parallel_size=2, quantization="fp8"), "cpu"
+        ).quantization
+        == "fp8"
+    )
     fp8_ckpt = dataclasses.replace(model(), weight_block_size=(128, 128))  # F / 2 = 32 columns
     assert resolve(fp8_ckpt, EngineConfig(), "cpu").quantization == "fp8"
-    with pytest.raises(ValueError, match=r"weight_block_size=\(128, 128\) and tensor_parallel_size"
-                       r"=2: each device needs whole FP8 blocks .*N\*H/tp=256, k, v columns "
-                       r"K'\*H/tp=128, gate, up columns and w_down rows F/tp=32"):
+    with pytest.raises(
+        ValueError,
+        match=r"weight_block_size=\(128, 128\) and tensor_parallel_size"
+        r"=2: each device needs whole FP8 blocks .*N\*H/tp=256, k, v columns "
+        r"K'\*H/tp=128, gate, up columns and w_down rows F/tp=32",
+    ):
         resolve(fp8_ckpt, EngineConfig(tensor_parallel_size=2), "cpu")
-    with pytest.raises(ValueError, match="tensor_parallel_size=3 is invalid: kv_cache_dtype='fp8' "
-                       "runs on one device only"):
+    with pytest.raises(
+        ValueError,
+        match="tensor_parallel_size=3 is invalid: kv_cache_dtype='fp8' runs on one device only",
+    ):
         resolve(model(), EngineConfig(tensor_parallel_size=3, kv_cache_dtype="fp8"), "cpu")

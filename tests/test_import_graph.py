@@ -49,7 +49,7 @@ def test_no_import_cycles():
         state[m] = "open"
         for d in sorted(graph[m]):
             if state.get(d) == "open":
-                cycles.append(" -> ".join(stack[stack.index(d):] + [d]))
+                cycles.append(" -> ".join(stack[stack.index(d) :] + [d]))
             elif d not in state:
                 visit(d, stack + [d])
         state[m] = "done"
@@ -68,12 +68,24 @@ def test_host_side_imports_no_jax():
     import subprocess
     import sys
 
-    host = ["jaxinfer.engine.llm_engine", "jaxinfer.engine.scheduler", "jaxinfer.outputs",
-            "jaxinfer.engine.block_manager", "jaxinfer.sampling_params", "jaxinfer.prompts",
-            "jaxinfer.serve.app", "jaxinfer.serve.client", "jaxinfer.serve.core",
-            "jaxinfer.serve.__main__", "jaxinfer.cli_args", "jaxinfer.engine.structured"]
-    code = (f"import sys, {', '.join(host)}; "
-            "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'jaxlib', 'flax'}))")
+    host = [
+        "jaxinfer.engine.llm_engine",
+        "jaxinfer.engine.scheduler",
+        "jaxinfer.outputs",
+        "jaxinfer.engine.block_manager",
+        "jaxinfer.sampling_params",
+        "jaxinfer.prompts",
+        "jaxinfer.serve.app",
+        "jaxinfer.serve.client",
+        "jaxinfer.serve.core",
+        "jaxinfer.serve.__main__",
+        "jaxinfer.cli_args",
+        "jaxinfer.engine.structured",
+    ]
+    code = (
+        f"import sys, {', '.join(host)}; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'jax', 'jaxlib', 'flax'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -81,8 +93,13 @@ def test_host_side_imports_no_jax():
 
 # Each folder of `jaxinfer` with the folders and top-level modules it may import at module level
 # (the layers of README's layout, lower ones first); anything else is an arrow back up.
-SHARED = {"jaxinfer.checks", "jaxinfer.sampling_params", "jaxinfer.step_input", "jaxinfer.stats",
-          "jaxinfer.outputs"}
+SHARED = {
+    "jaxinfer.checks",
+    "jaxinfer.sampling_params",
+    "jaxinfer.step_input",
+    "jaxinfer.stats",
+    "jaxinfer.outputs",
+}
 ALLOWED = {
     "jaxinfer.config": {"jaxinfer.config"} | SHARED,
     "jaxinfer.models": {"jaxinfer.config", "jaxinfer.models"} | SHARED,
@@ -99,7 +116,11 @@ def test_no_import_goes_back_up():
     """The host engine imports neither the runner nor the models (it reaches the device only
     through the runner it is given), the models import no runner, config imports neither."""
     modules = _modules()
-    arrows = [f"{m} -> {d}" for m, p in modules.items() if _folder(m) in ALLOWED
-              for d in _edges(m, p, modules)
-              if d.startswith("jaxinfer.") and _folder(d) not in ALLOWED[_folder(m)]]
+    arrows = [
+        f"{m} -> {d}"
+        for m, p in modules.items()
+        if _folder(m) in ALLOWED
+        for d in _edges(m, p, modules)
+        if d.startswith("jaxinfer.") and _folder(d) not in ALLOWED[_folder(m)]
+    ]
     assert arrows == []

@@ -38,18 +38,38 @@ QWEN3_8B = PRESETS["qwen3-8b"]
 
 # Published Qwen/Qwen3-8B config.json (the fields ModelConfig.from_hf_config reads).
 QWEN3_8B_HF = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936,
-    "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
-    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000, "max_position_embeddings": 40960, "tie_word_embeddings": False,
-    "attention_bias": False, "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645,
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "max_position_embeddings": 40960,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "hidden_act": "silu",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
     "use_sliding_window": False,
 }
 
 # Llama-3-70B shapes (published config): only L, K, H matter for KV; weights are given (4-bit).
-LLAMA3_70B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=8192,
-                         intermediate_size=28672, num_layers=80, num_heads=64, num_kv_heads=8,
-                         head_dim=128, max_position_embeddings=8192)
+LLAMA3_70B = ModelConfig(
+    architecture="llama",
+    vocab_size=128256,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_layers=80,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+)
 
 
 _from_checkpoint = ModelConfig.from_checkpoint  # bound before test_cli_gguf patches it
@@ -73,10 +93,18 @@ def test_qwen3_8b_kv_bytes_per_token():
     plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096)
     assert plan.kv_bytes_per_token == 2 * 36 * 8 * 128 * 2 == 147_456
     # fp8 and f32 KV scale the element size only.
-    assert plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096,
-                       kv_dtype_bytes=1).kv_bytes_per_token == 2 * 36 * 8 * 128 * 1
-    assert plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096,
-                       kv_dtype_bytes=4).kv_bytes_per_token == 2 * 36 * 8 * 128 * 4
+    assert (
+        plan_memory(
+            QWEN3_8B, device_bytes=141 * GIB, context=4096, kv_dtype_bytes=1
+        ).kv_bytes_per_token
+        == 2 * 36 * 8 * 128 * 1
+    )
+    assert (
+        plan_memory(
+            QWEN3_8B, device_bytes=141 * GIB, context=4096, kv_dtype_bytes=4
+        ).kv_bytes_per_token
+        == 2 * 36 * 8 * 128 * 4
+    )
 
 
 def test_qwen3_8b_weight_bytes_hand_count():
@@ -91,8 +119,12 @@ def test_qwen3_8b_weight_bytes_hand_count():
     assert total == 8_190_735_360  # the published "8.2B" parameter count
     plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096)
     assert plan.weight_bytes == 2 * total
-    assert plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096,
-                       weight_dtype_bytes=4).weight_bytes == 4 * total
+    assert (
+        plan_memory(
+            QWEN3_8B, device_bytes=141 * GIB, context=4096, weight_dtype_bytes=4
+        ).weight_bytes
+        == 4 * total
+    )
     # Tied head: the head matrix is not counted twice.
     tied = dataclasses.replace(QWEN3_8B, tie_word_embeddings=True)
     assert param_count(tied) == total - head
@@ -138,8 +170,18 @@ def test_counts_match_the_sharded_tree(arch, tied, kv_heads, block):
     from jaxinfer.config.model import tp_model_config
     from jaxinfer.runner.parallel import param_specs
 
-    cfg = ModelConfig(arch, 100 if tied else 96, 32, 48, 2, 6, kv_heads, 8,
-                      tie_word_embeddings=tied, weight_block_size=block)
+    cfg = ModelConfig(
+        arch,
+        100 if tied else 96,
+        32,
+        48,
+        2,
+        6,
+        kv_heads,
+        8,
+        tie_word_embeddings=tied,
+        weight_block_size=block,
+    )
     for tp in (1, 2, 3):
         run = tp_model_config(cfg, tp)
         for quant in (None, "fp8"):
@@ -147,7 +189,7 @@ def test_counts_match_the_sharded_tree(arch, tied, kv_heads, block):
             specs = param_specs(cfg, tp, quant)
             assert jax.tree.structure(specs) == jax.tree.structure(abstract)
             got = _device_bytes(abstract, specs, tp)
-            want = (PLANNER.fp8_weight_bytes(cfg, 4, tp) if quant else 4 * param_count(cfg, tp))
+            want = PLANNER.fp8_weight_bytes(cfg, 4, tp) if quant else 4 * param_count(cfg, tp)
             assert got == want, (tp, quant)
 
 
@@ -176,9 +218,16 @@ def test_seeds_llama3_70b_example():
     128e9 / (4096 * 327,680) = 95.4 sequences (the seeds' "~240" does not follow from their own
     formula); paged with 16-token pages: 24,414 pages, 256 per sequence, 1 null page -> 95.
     """
-    plan = plan_memory(LLAMA3_70B, device_bytes=192 * 10**9, utilization=1.0, context=4096,
-                       page_size=16, kv_dtype_bytes=2, reserve_bytes=16 * 10**9,
-                       weight_bytes=48 * 10**9)
+    plan = plan_memory(
+        LLAMA3_70B,
+        device_bytes=192 * 10**9,
+        utilization=1.0,
+        context=4096,
+        page_size=16,
+        kv_dtype_bytes=2,
+        reserve_bytes=16 * 10**9,
+        weight_bytes=48 * 10**9,
+    )
     kv_per_token = 2 * 80 * 8 * 128 * 2
     budget = 192 * 10**9 - 48 * 10**9 - 16 * 10**9
     assert plan.kv_bytes_per_token == kv_per_token == 327_680
@@ -189,26 +238,34 @@ def test_seeds_llama3_70b_example():
 
 def test_partial_last_page_rounds_up():
     # context 4097 needs 257 pages of 16, so fewer sequences than at 4096.
-    kw = dict(device_bytes=192 * 10**9, utilization=1.0, page_size=16, reserve_bytes=16 * 10**9,
-              weight_bytes=48 * 10**9)
+    kw = dict(
+        device_bytes=192 * 10**9,
+        utilization=1.0,
+        page_size=16,
+        reserve_bytes=16 * 10**9,
+        weight_bytes=48 * 10**9,
+    )
     plan = plan_memory(LLAMA3_70B, context=4097, **kw)
     assert plan.pages_per_seq == 257
     assert plan.max_concurrent_seqs == (24_414 - 1) // 257
 
 
-@pytest.mark.parametrize("field,kwargs", [
-    ("utilization", dict(utilization=0.0)),
-    ("utilization", dict(utilization=1.5)),
-    ("utilization", dict(utilization=-0.1)),
-    ("context", dict(context=0)),
-    ("context", dict(context=40961)),  # > max_position_embeddings
-    ("page_size", dict(page_size=12)),
-    ("page_size", dict(page_size=0)),
-    ("device_bytes", dict(device_bytes=0)),
-    ("kv_dtype_bytes", dict(kv_dtype_bytes=0)),
-    ("reserve_bytes", dict(reserve_bytes=-1)),
-    ("planning_fraction", dict(planning_fraction=0.0)),
-])
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [
+        ("utilization", dict(utilization=0.0)),
+        ("utilization", dict(utilization=1.5)),
+        ("utilization", dict(utilization=-0.1)),
+        ("context", dict(context=0)),
+        ("context", dict(context=40961)),  # > max_position_embeddings
+        ("page_size", dict(page_size=12)),
+        ("page_size", dict(page_size=0)),
+        ("device_bytes", dict(device_bytes=0)),
+        ("kv_dtype_bytes", dict(kv_dtype_bytes=0)),
+        ("reserve_bytes", dict(reserve_bytes=-1)),
+        ("planning_fraction", dict(planning_fraction=0.0)),
+    ],
+)
 def test_validation_names_field_and_value(field, kwargs):
     args = dict(device_bytes=141 * GIB, context=4096)
     args.update(kwargs)
@@ -259,8 +316,14 @@ def test_memory_tracker_csv_round_trip(tmp_path):
     TRACE.write_csv(tr, path)
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
-    assert rows[0] == ["time_s", "pages_in_use", "weights_bytes", "kv_pool_bytes",
-                       "kv_used_bytes", "other_bytes"]
+    assert rows[0] == [
+        "time_s",
+        "pages_in_use",
+        "weights_bytes",
+        "kv_pool_bytes",
+        "kv_used_bytes",
+        "other_bytes",
+    ]
     assert len(rows) == 1 + 8
     for i, (r, p, d) in enumerate(zip(rows[1:], pages, devs)):
         assert int(r[1]) == p
@@ -325,9 +388,20 @@ def test_gguf_config_matches_preset():
         pytest.skip("SmolLM2 GGUF not installed")
     cfg = _gguf_config(path)
     pre = PRESETS["smollm2-135m"]
-    for f in ("architecture", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-              "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings",
-              "tie_word_embeddings", "bos_token_id", "eos_token_ids"):
+    for f in (
+        "architecture",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_ids",
+    ):
         assert getattr(cfg, f) == getattr(pre, f), f
     assert cfg.rms_norm_eps == pytest.approx(pre.rms_norm_eps)
     assert cfg.rope_theta == pre.rope_theta
@@ -345,10 +419,12 @@ def test_gpu_memory_utilization_is_a_fraction_of_the_whole_card(monkeypatch):
         engine_pool_pages,
         kv_pool_pages,
     )
+
     monkeypatch.delenv(XLA_MEM_FRACTION_ENV, raising=False)
     assert card_bytes_usable(0.6, 75 * GIB) == 55 * GIB
-    with pytest.raises(ValueError, match=f"allocator may use only 0.75 of the card.*"
-                       f"{XLA_MEM_FRACTION_ENV}=0.9"):
+    with pytest.raises(
+        ValueError, match=f"allocator may use only 0.75 of the card.*{XLA_MEM_FRACTION_ENV}=0.9"
+    ):
         card_bytes_usable(0.9, 75 * GIB)
     monkeypatch.setenv(XLA_MEM_FRACTION_ENV, "0.9")
     assert card_bytes_usable(0.9, 90 * GIB) == 85 * GIB
@@ -356,7 +432,8 @@ def test_gpu_memory_utilization_is_a_fraction_of_the_whole_card(monkeypatch):
     r = resolve(cfg, EngineConfig(gpu_memory_utilization=0.9), "gpu")
     stats = {"bytes_limit": 90 * GIB, "bytes_in_use": 14 * GIB}
     assert engine_pool_pages(r, stats) == kv_pool_pages(
-        cfg, page_size=16, dtype_bytes=2, usable_bytes=85 * GIB, used_bytes=14 * GIB)
+        cfg, page_size=16, dtype_bytes=2, usable_bytes=85 * GIB, used_bytes=14 * GIB
+    )
 
 
 def test_gpu_memory_utilization_sets_jax_fraction_only_before_jax_starts(monkeypatch):
@@ -364,15 +441,23 @@ def test_gpu_memory_utilization_sets_jax_fraction_only_before_jax_starts(monkeyp
     unset (a fresh process); never once a backend is up (this one) or when the user set it."""
     from jaxinfer.config.memory import XLA_MEM_FRACTION_ENV
     from jaxinfer.llm import _claim_gpu_memory
-    code = ("import os; from jaxinfer.llm import _claim_gpu_memory; _claim_gpu_memory(0.8); "
-            f"print(os.environ.get('{XLA_MEM_FRACTION_ENV}'))")
+
+    code = (
+        "import os; from jaxinfer.llm import _claim_gpu_memory; _claim_gpu_memory(0.8); "
+        f"print(os.environ.get('{XLA_MEM_FRACTION_ENV}'))"
+    )
     env = {k: v for k, v in os.environ.items() if k != XLA_MEM_FRACTION_ENV}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert run.stdout.strip() == "0.8", run.stderr
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(env, **{XLA_MEM_FRACTION_ENV: "0.5"}))
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(env, **{XLA_MEM_FRACTION_ENV: "0.5"}),
+    )
     assert run.stdout.strip() == "0.5", run.stderr
     import jax
+
     jax.devices()
     monkeypatch.delenv(XLA_MEM_FRACTION_ENV, raising=False)
     _claim_gpu_memory(0.8)
@@ -401,9 +486,22 @@ def _cli(*args):
 
 
 def test_cli_runs_as_a_script():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "plan_memory.py"), "--model", "qwen3-8b", "--context",
-                        "4096", "--device-memory-gib", "141"], capture_output=True, text=True,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "plan_memory.py"),
+            "--model",
+            "qwen3-8b",
+            "--context",
+            "4096",
+            "--device-memory-gib",
+            "141",
+        ],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096).table() in r.stdout
 
@@ -417,11 +515,29 @@ def test_cli_preset_and_hf_dir_agree(tmp_path):
     r2 = _cli("--model", str(tmp_path), "--context", "4096", "--device-memory-gib", "141")
     assert r2.returncode == 0, r2.stderr
     assert plan.table() in r2.stdout
-    r3 = _cli("--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "141",
-              "--kv-dtype", "fp8", "--utilization", "0.85", "--page-size", "32")
+    r3 = _cli(
+        "--model",
+        "qwen3-8b",
+        "--context",
+        "4096",
+        "--device-memory-gib",
+        "141",
+        "--kv-dtype",
+        "fp8",
+        "--utilization",
+        "0.85",
+        "--page-size",
+        "32",
+    )
     assert r3.returncode == 0, r3.stderr
-    plan3 = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096, kv_dtype_bytes=1,
-                        utilization=0.85, page_size=32)
+    plan3 = plan_memory(
+        QWEN3_8B,
+        device_bytes=141 * GIB,
+        context=4096,
+        kv_dtype_bytes=1,
+        utilization=0.85,
+        page_size=32,
+    )
     assert plan3.table() in r3.stdout
 
 
@@ -438,19 +554,46 @@ def test_cli_gguf(monkeypatch):
     assert plan.table() in r.stdout
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--model", "no-such-model", "--context", "4096", "--device-memory-gib", "80"], "presets"),
-    (["--model", "qwen3-8b", "--context", "abc", "--device-memory-gib", "80"], "--context"),
-    (["--model", "qwen3-8b", "--context", "0", "--device-memory-gib", "80"], "context=0"),
-    (["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "10"], "do not fit"),
-    (["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "80",
-      "--utilization", "1.2"], "utilization=1.2"),
-    (["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "-3"],
-     "--device-memory-gib=-3.0"),
-    (["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "80",
-      "--kv-dtype", "int3"], "--kv-dtype"),
-    (["--context", "4096"], "--model"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--model", "no-such-model", "--context", "4096", "--device-memory-gib", "80"], "presets"),
+        (["--model", "qwen3-8b", "--context", "abc", "--device-memory-gib", "80"], "--context"),
+        (["--model", "qwen3-8b", "--context", "0", "--device-memory-gib", "80"], "context=0"),
+        (["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "10"], "do not fit"),
+        (
+            [
+                "--model",
+                "qwen3-8b",
+                "--context",
+                "4096",
+                "--device-memory-gib",
+                "80",
+                "--utilization",
+                "1.2",
+            ],
+            "utilization=1.2",
+        ),
+        (
+            ["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "-3"],
+            "--device-memory-gib=-3.0",
+        ),
+        (
+            [
+                "--model",
+                "qwen3-8b",
+                "--context",
+                "4096",
+                "--device-memory-gib",
+                "80",
+                "--kv-dtype",
+                "int3",
+            ],
+            "--kv-dtype",
+        ),
+        (["--context", "4096"], "--model"),
+    ],
+)
 def test_cli_bad_input_exit_2(args, needle):
     r = _cli(*args)
     assert r.returncode == 2
@@ -486,6 +629,7 @@ def test_fp8_weight_bytes_equal_the_quantised_tree():
 
     from jaxinfer import models
     from jaxinfer.config import ModelConfig
+
     fp8_weight_bytes = PLANNER.fp8_weight_bytes
 
     for arch, tied in (("qwen3", False), ("llama", True)):
@@ -500,11 +644,23 @@ def test_pool_pages_stay_the_same_when_bytes_in_use_moves_by_mibs():
     give the same pool, rounded up to `USED_BYTES_STEP`; a GiB more gives a smaller one."""
     from jaxinfer.config import EngineConfig, resolve
     from jaxinfer.config.memory import GIB, USED_BYTES_STEP, engine_pool_pages, kv_pool_pages
+
     cfg = ModelConfig("llama", 32000, 4096, 11008, 32, 32, 8, 128)
     r = resolve(cfg, EngineConfig(), "gpu")
-    pages = [engine_pool_pages(r, {"bytes_limit": 140 * GIB, "bytes_in_use": 16 * GIB + d})
-             for d in (1, 5 << 20, 37 << 20)]
-    assert pages[0] == pages[1] == pages[2] == kv_pool_pages(
-        cfg, page_size=16, dtype_bytes=2, usable_bytes=int(r.engine.memory_fraction * 140 * GIB),
-        used_bytes=16 * GIB + USED_BYTES_STEP)
+    pages = [
+        engine_pool_pages(r, {"bytes_limit": 140 * GIB, "bytes_in_use": 16 * GIB + d})
+        for d in (1, 5 << 20, 37 << 20)
+    ]
+    assert (
+        pages[0]
+        == pages[1]
+        == pages[2]
+        == kv_pool_pages(
+            cfg,
+            page_size=16,
+            dtype_bytes=2,
+            usable_bytes=int(r.engine.memory_fraction * 140 * GIB),
+            used_bytes=16 * GIB + USED_BYTES_STEP,
+        )
+    )
     assert engine_pool_pages(r, {"bytes_limit": 140 * GIB, "bytes_in_use": 18 * GIB}) < pages[0]

@@ -7,8 +7,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.runner.sampling import (SamplingMetadata, _check_shapes, _filter_sorted, _penalised,
-                                      _scale, _sort_desc, apply_repetition_penalty, sample)
+from jaxinfer.runner.sampling import (
+    SamplingMetadata,
+    _check_shapes,
+    _filter_sorted,
+    _penalised,
+    _scale,
+    _sort_desc,
+    apply_repetition_penalty,
+    sample,
+)
 
 
 def filtered_logits(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
@@ -25,25 +33,42 @@ _filtered = jax.jit(filtered_logits)
 _penalty = jax.jit(apply_repetition_penalty)
 
 
-def make_meta(b, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-              seeds=None, step_idx=0, penalty_tokens=None, seed_dtype=np.uint32):
+def make_meta(
+    b,
+    *,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    seeds=None,
+    step_idx=0,
+    penalty_tokens=None,
+    seed_dtype=np.uint32,
+):
     """Metadata with scalars broadcast to B rows."""
+
     def row(x, dt):
         return jnp.asarray(np.broadcast_to(np.asarray(x, dt), (b,)).copy())
+
     if seeds is None:
         seeds = np.arange(b) + 1000
     if penalty_tokens is None:
         penalty_tokens = np.full((b, 0), -1, np.int32)
     return SamplingMetadata(
-        temperature=row(temperature, np.float32), top_k=row(top_k, np.int32),
-        top_p=row(top_p, np.float32), min_p=row(min_p, np.float32),
+        temperature=row(temperature, np.float32),
+        top_k=row(top_k, np.int32),
+        top_p=row(top_p, np.float32),
+        min_p=row(min_p, np.float32),
         repetition_penalty=row(repetition_penalty, np.float32),
         seeds=row(np.asarray(seeds).astype(seed_dtype), seed_dtype),
         step_idx=row(step_idx, np.int32),
-        penalty_tokens=jnp.asarray(np.asarray(penalty_tokens, np.int32)))
+        penalty_tokens=jnp.asarray(np.asarray(penalty_tokens, np.int32)),
+    )
 
 
 # ----------------------------------------------------------------------------- numpy references
+
 
 def np_repetition_penalty(logits, token_lists, penalties):
     """HF RepetitionPenaltyLogitsProcessor, per row, in float32 numpy."""
@@ -93,6 +118,7 @@ def np_filtered_probs(logits, t, k, p, min_p, margin=1e-4):
 
 # ----------------------------------------------------------------------------- repetition penalty
 
+
 def test_repetition_penalty_matches_numpy_and_hf():
     torch = pytest.importorskip("torch")
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
@@ -105,7 +131,7 @@ def test_repetition_penalty_matches_numpy_and_hf():
     lists[1] = np.concatenate([lists[1], lists[1][:2]])  # duplicates
     padded = np.full((b, r), -1, np.int32)
     for i, lst in enumerate(lists):
-        padded[i, :len(lst)] = lst
+        padded[i, : len(lst)] = lst
 
     got = np.asarray(_penalty(jnp.asarray(logits), jnp.asarray(padded), jnp.asarray(penalties)))
     ref = np_repetition_penalty(logits, lists, penalties)
@@ -114,7 +140,9 @@ def test_repetition_penalty_matches_numpy_and_hf():
     assert np.any(got != logits)
     for i, lst in enumerate(lists):
         proc = RepetitionPenaltyLogitsProcessor(penalty=float(penalties[i]))
-        hf = proc(torch.tensor(lst[None], dtype=torch.long), torch.tensor(logits[i:i + 1])).numpy()
+        hf = proc(
+            torch.tensor(lst[None], dtype=torch.long), torch.tensor(logits[i : i + 1])
+        ).numpy()
         np.testing.assert_allclose(got[i], hf[0], rtol=2.5e-7, atol=0)
     # penalty 1.0 leaves its row bit-identical; R = 0 is a no-op
     np.testing.assert_array_equal(got[0], logits[0])
@@ -144,8 +172,9 @@ def test_penalty_row_unaffected_by_neighbour_c10():
         assert both[1] == ref_b
     assert ref_b != both[0]  # the penalty did act on row B
     # sampled row A next to penalised row B
-    meta2s = meta2.replace(temperature=jnp.asarray([0.9, 0.9], jnp.float32),
-                           seeds=jnp.asarray([7, 8], jnp.uint32))
+    meta2s = meta2.replace(
+        temperature=jnp.asarray([0.9, 0.9], jnp.float32), seeds=jnp.asarray([7, 8], jnp.uint32)
+    )
     for step in range(4):
         m2 = meta2s.replace(step_idx=jnp.full((2,), step, jnp.int32))
         both = np.asarray(_sample(jnp.asarray(logits), m2, all_greedy=False))
@@ -169,12 +198,18 @@ def test_greedy_paths_equal_argmax():
     logits = _big_logits(b, 2)
     ref = np.argmax(logits, axis=-1)
     meta = make_meta(b, temperature=0.0, seeds=np.arange(b) * 31, step_idx=3)
-    np.testing.assert_array_equal(np.asarray(_sample(jnp.asarray(logits), meta, all_greedy=True)), ref)
-    np.testing.assert_array_equal(np.asarray(_sample(jnp.asarray(logits), meta, all_greedy=False)), ref)
+    np.testing.assert_array_equal(
+        np.asarray(_sample(jnp.asarray(logits), meta, all_greedy=True)), ref
+    )
+    np.testing.assert_array_equal(
+        np.asarray(_sample(jnp.asarray(logits), meta, all_greedy=False)), ref
+    )
     # top_k = 1 with a real temperature, many seeds
     for step in range(4):
         m = make_meta(b, temperature=1.0, top_k=1, seeds=np.arange(b) * 7 + step, step_idx=step)
-        np.testing.assert_array_equal(np.asarray(_sample(jnp.asarray(logits), m, all_greedy=False)), ref)
+        np.testing.assert_array_equal(
+            np.asarray(_sample(jnp.asarray(logits), m, all_greedy=False)), ref
+        )
 
 
 @pytest.mark.parametrize("top_p", [0.0, 1e-9])
@@ -189,7 +224,9 @@ def test_tiny_top_p_keeps_exactly_top_token_c5(top_p):
     np.testing.assert_array_equal(np.argmax(f, -1), ref)
     for step in range(4):
         m = meta.replace(step_idx=jnp.full((b,), step, jnp.int32))
-        np.testing.assert_array_equal(np.asarray(_sample(jnp.asarray(logits), m, all_greedy=False)), ref)
+        np.testing.assert_array_equal(
+            np.asarray(_sample(jnp.asarray(logits), m, all_greedy=False)), ref
+        )
 
 
 @pytest.mark.parametrize("top_k", [0, -1])
@@ -201,8 +238,9 @@ def test_top_k_off_means_no_filter_c5(top_k):
     assert np.isfinite(f).all()
     ref = (logits - logits.max(-1, keepdims=True)) / np.float32(0.6)
     np.testing.assert_allclose(f, ref, rtol=1e-6, atol=1e-5)
-    f_full = np.asarray(_filtered(jnp.asarray(logits), meta.replace(
-        top_k=jnp.full((b,), V_BIG, jnp.int32))))
+    f_full = np.asarray(
+        _filtered(jnp.asarray(logits), meta.replace(top_k=jnp.full((b,), V_BIG, jnp.int32)))
+    )
     np.testing.assert_array_equal(f, f_full)
 
 
@@ -224,8 +262,13 @@ def test_tiny_temperature_bf16_equals_greedy_c6(temperature):
     assert np.isfinite(f.max(-1)).all()
     out = np.asarray(_sample(logits, meta, all_greedy=False))
     np.testing.assert_array_equal(out[1:][gap_ok[1:]], ref[1:][gap_ok[1:]])
-    alone = np.asarray(_sample(logits[:1], make_meta(1, temperature=0.8, top_k=50, top_p=0.95,
-                                                      seeds=[5], step_idx=2), all_greedy=False))
+    alone = np.asarray(
+        _sample(
+            logits[:1],
+            make_meta(1, temperature=0.8, top_k=50, top_p=0.95, seeds=[5], step_idx=2),
+            all_greedy=False,
+        )
+    )
     assert out[0] == alone[0]
 
 
@@ -254,7 +297,7 @@ def test_empirical_distribution_matches_reference():
     hist = np.stack([rng.permutation(V_SMALL)[:3] for _ in range(n_cfg)]).astype(np.int32)
     refs = []
     for c, (t, k, p, mp, rp) in enumerate(CONFIGS):
-        pen = np_repetition_penalty(base[c:c + 1], [hist[c]], [rp])[0]
+        pen = np_repetition_penalty(base[c : c + 1], [hist[c]], [rp])[0]
         refs.append(np_filtered_probs(pen, t, k, p, mp))
     cols = np.array(CONFIGS, np.float64)
     rows = np.repeat(np.arange(n_cfg), N_DRAWS)
@@ -263,9 +306,17 @@ def test_empirical_distribution_matches_reference():
     j = np.tile(np.arange(N_DRAWS), n_cfg)
     seeds = np.where(j < N_DRAWS // 2, j * 7919 + rows, 12345 + rows).astype(np.uint32)
     steps = np.where(j < N_DRAWS // 2, 5, j).astype(np.int32)
-    meta = make_meta(bsz, temperature=cols[rows, 0], top_k=cols[rows, 1], top_p=cols[rows, 2],
-                     min_p=cols[rows, 3], repetition_penalty=cols[rows, 4], seeds=seeds,
-                     step_idx=steps, penalty_tokens=hist[rows])
+    meta = make_meta(
+        bsz,
+        temperature=cols[rows, 0],
+        top_k=cols[rows, 1],
+        top_p=cols[rows, 2],
+        min_p=cols[rows, 3],
+        repetition_penalty=cols[rows, 4],
+        seeds=seeds,
+        step_idx=steps,
+        penalty_tokens=hist[rows],
+    )
     out = np.asarray(_sample(jnp.asarray(base[rows]), meta, all_greedy=False))
     assert out.min() >= 0 and out.max() < V_SMALL
     # the configs without top-k/top-p, alone in a batch, take the no-sort branch: same tokens
@@ -281,41 +332,51 @@ def test_empirical_distribution_matches_reference():
         bound = 5 * np.sqrt(ref * (1 - ref) / N_DRAWS) + 1.0 / N_DRAWS
         assert np.all(np.abs(freq - ref) <= bound), (c, freq, ref, bound)
         # both halves (seed-varied and step-varied) are themselves distributed correctly
-        for half in (out[rows == c][:N_DRAWS // 2], out[rows == c][N_DRAWS // 2:]):
+        for half in (out[rows == c][: N_DRAWS // 2], out[rows == c][N_DRAWS // 2 :]):
             f = np.bincount(half, minlength=V_SMALL) / half.size
-            assert np.all(np.abs(f - ref) <= 5 * np.sqrt(ref * (1 - ref) / half.size)
-                          + 1.0 / half.size), (c, f, ref)
+            assert np.all(
+                np.abs(f - ref) <= 5 * np.sqrt(ref * (1 - ref) / half.size) + 1.0 / half.size
+            ), (c, f, ref)
     # the filters actually removed something in the filtered configs
     assert all((refs[c] == 0).sum() >= 2 for c in (2, 3, 4, 5))
 
 
 # ----------------------------------------------------------------------------- seeds (C7)
 
+
 def test_row_token_independent_of_batch_composition_c7():
     rng = np.random.default_rng(8)
     v = 64
     target = (rng.standard_normal(v) * 1.5).astype(np.float32)
-    tgt = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1,
-               seeds=42)
+    tgt = dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.01, repetition_penalty=1.1, seeds=42)
     tgt_hist = np.array([3, 9, 3, 17, -1, -1], np.int32)
     b = 5
     tokens_alone = []
     for step in range(8):
-        m1 = make_meta(1, step_idx=step, penalty_tokens=tgt_hist[None],
-                       **{k: [val] for k, val in tgt.items()})
+        m1 = make_meta(
+            1, step_idx=step, penalty_tokens=tgt_hist[None], **{k: [val] for k, val in tgt.items()}
+        )
         alone = int(_sample(jnp.asarray(target[None]), m1, all_greedy=False)[0])
-        m1i = make_meta(1, step_idx=step, penalty_tokens=tgt_hist[None], seed_dtype=np.int32,
-                        **{k: [val] for k, val in tgt.items()})
+        m1i = make_meta(
+            1,
+            step_idx=step,
+            penalty_tokens=tgt_hist[None],
+            seed_dtype=np.int32,
+            **{k: [val] for k, val in tgt.items()},
+        )
         assert int(_sample(jnp.asarray(target[None]), m1i, all_greedy=False)[0]) == alone
         tokens_alone.append(alone)
         for pos in range(b):
             logits = (rng.standard_normal((b, v)) * 1.5).astype(np.float32)
             logits[pos] = target
-            cols = dict(temperature=rng.choice([0.0, 0.5, 1.0, 1.3], b),
-                        top_k=rng.choice([0, 5, 20], b), top_p=rng.choice([1.0, 0.5], b),
-                        min_p=rng.choice([0.0, 0.1], b),
-                        repetition_penalty=rng.choice([1.0, 1.3], b),
-                        seeds=rng.integers(0, 2**31, b))
+            cols = dict(
+                temperature=rng.choice([0.0, 0.5, 1.0, 1.3], b),
+                top_k=rng.choice([0, 5, 20], b),
+                top_p=rng.choice([1.0, 0.5], b),
+                min_p=rng.choice([0.0, 0.1], b),
+                repetition_penalty=rng.choice([1.0, 1.3], b),
+                seeds=rng.integers(0, 2**31, b),
+            )
             for k, val in tgt.items():
                 cols[k][pos] = val
             hist = rng.integers(-1, v, (b, 6)).astype(np.int32)
@@ -328,6 +389,7 @@ def test_row_token_independent_of_batch_composition_c7():
 
 
 # ----------------------------------------------------------------------------- extremes, errors
+
 
 def test_extreme_inputs_never_nan():
     v = 32
@@ -347,15 +409,30 @@ def test_extreme_inputs_never_nan():
     base[3] = np.roll(base[3], 5)  # +inf at index 5
     nr = base.shape[0]
     temps = [0.0, 1e-6, 1e-4, 0.5, 1.0, 100.0]
-    combos = [(t, k, p, mp, rp) for t in temps for (k, p, mp, rp) in
-              [(0, 1.0, 0.0, 1.0), (3, 1e-9, 0.0, 1.0), (0, 0.5, 0.5, 1.3), (1, 0.0, 1.0, 0.5)]]
+    combos = [
+        (t, k, p, mp, rp)
+        for t in temps
+        for (k, p, mp, rp) in [
+            (0, 1.0, 0.0, 1.0),
+            (3, 1e-9, 0.0, 1.0),
+            (0, 0.5, 0.5, 1.3),
+            (1, 0.0, 1.0, 0.5),
+        ]
+    ]
     logits = np.tile(base, (len(combos), 1))
     cidx = np.repeat(np.arange(len(combos)), nr)
     cols = np.array(combos)[cidx]
     hist = np.tile(np.arange(6, dtype=np.int32)[None], (logits.shape[0], 1))
-    meta = make_meta(logits.shape[0], temperature=cols[:, 0], top_k=cols[:, 1], top_p=cols[:, 2],
-                     min_p=cols[:, 3], repetition_penalty=cols[:, 4],
-                     seeds=np.arange(logits.shape[0]), penalty_tokens=hist)
+    meta = make_meta(
+        logits.shape[0],
+        temperature=cols[:, 0],
+        top_k=cols[:, 1],
+        top_p=cols[:, 2],
+        min_p=cols[:, 3],
+        repetition_penalty=cols[:, 4],
+        seeds=np.arange(logits.shape[0]),
+        penalty_tokens=hist,
+    )
     for dt in (jnp.float32, jnp.bfloat16):
         x = jnp.asarray(logits).astype(dt)
         f = np.asarray(_filtered(x, meta))
@@ -377,7 +454,10 @@ def test_shape_errors_name_the_field():
     with pytest.raises(ValueError, match="top_p"):
         sample(jnp.zeros((3, 8)), meta.replace(top_p=jnp.ones((2,))), all_greedy=False)
     with pytest.raises(ValueError, match="penalty_tokens"):
-        sample(jnp.zeros((3, 8)), meta.replace(penalty_tokens=jnp.zeros((3,), jnp.int32)),
-               all_greedy=True)
+        sample(
+            jnp.zeros((3, 8)),
+            meta.replace(penalty_tokens=jnp.zeros((3,), jnp.int32)),
+            all_greedy=True,
+        )
     with pytest.raises(ValueError, match="logits"):
         sample(jnp.zeros((8,)), meta, all_greedy=True)

@@ -20,9 +20,16 @@ def test_busy_time_is_the_union_of_kernel_intervals():
 def test_layer_sequence_is_one_layer_in_launch_order():
     prof = load_script("profile_decode_step")
     # two "layers": gemm, attn (anchor), add; the sequence runs from attn #1 to attn #2 (exclusive)
-    events = [("gemm_0", 0, 5), ("attn_mosaic", 7, 2), ("add_1", 10, 1),
-              ("gemm_2", 20, 5), ("attn_mosaic", 30, 2), ("add_3", 33, 1),
-              ("gemm_4", 40, 5), ("attn_mosaic", 50, 2)]
+    events = [
+        ("gemm_0", 0, 5),
+        ("attn_mosaic", 7, 2),
+        ("add_1", 10, 1),
+        ("gemm_2", 20, 5),
+        ("attn_mosaic", 30, 2),
+        ("add_3", 33, 1),
+        ("gemm_4", 40, 5),
+        ("attn_mosaic", 50, 2),
+    ]
     seq = prof.layer_sequence(list(reversed(events)), "mosaic", which=1)
     assert [r["kernel"] for r in seq] == ["attn_mosaic", "add_3", "gemm_4"]
     assert [r["gap_us_before"] for r in seq] == [0.0, 0.001, 0.006]
@@ -34,8 +41,10 @@ def test_largest_gaps_name_the_kernels_around_them():
     # idle [10, 20) between a and b; c overlaps b (another stream), then idle [40, 45) before d
     events = [("d", 45, 5), ("a", 0, 10), ("b", 20, 10), ("c", 25, 15)]
     gaps = prof.largest_gaps(events)
-    assert gaps == [{"us": 0.01, "before": "a", "after": "b"},
-                    {"us": 0.005, "before": "c", "after": "d"}]
+    assert gaps == [
+        {"us": 0.01, "before": "a", "after": "b"},
+        {"us": 0.005, "before": "c", "after": "d"},
+    ]
     assert prof.largest_gaps(events, top=1) == gaps[:1]
     assert prof.largest_gaps([("a", 0, 5), ("b", 2, 9)]) == []
 
@@ -46,6 +55,7 @@ def test_decode_gemm_formulations_compute_the_same_product():
     import jax
     import jax.numpy as jnp
     import pytest
+
     bench = load_script("probes/bench_decode_gemm")
     kx, kw = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (3, 64), jnp.float32)
@@ -69,13 +79,23 @@ def test_decode_gemm_formulations_compute_the_same_product():
 def test_dry_run_emits_every_requested_token_once():
     plan = load_script("plan_step_shapes")
     from jaxinfer.step_input import BucketSpec
+
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 100, int(n)).tolist() for n in rng.integers(5, 60, 12)]
     out_lens = [int(n) for n in rng.integers(1, 30, 12)]
-    buckets = BucketSpec.build(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
-                               page_size=8)
-    res = plan.simulate(prompts, out_lens, num_pages=40, page_size=8, max_num_seqs=4,
-                        max_num_batched_tokens=64, max_model_len=96, buckets=buckets)
+    buckets = BucketSpec.build(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96, page_size=8
+    )
+    res = plan.simulate(
+        prompts,
+        out_lens,
+        num_pages=40,
+        page_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=96,
+        buckets=buckets,
+    )
     # every prompt token is prefilled once (preemption would recompute: the pool is large enough)
     assert res["prefill_tokens"] == sum(len(p) for p in prompts)
     assert res["prefill_tokens_padded"] >= res["prefill_tokens"]
@@ -101,6 +121,7 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
 
     from jaxinfer.config import KernelConfig
     from jaxinfer.models import kernels
+
     bench = load_script("bench_decode")
     assert bench.parse_knobs("") == {}
     assert bench.parse_knobs("num_splits=4,block_kv=128") == {"num_splits": 4, "block_kv": 128}
@@ -112,19 +133,28 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
     def fake_decode(q, k_pool, v_pool, block_tables, seq_lens, *, layer, scale, **knobs):
         seen.update(knobs)
         return q
+
     monkeypatch.setattr(kernels.registry, "get", lambda name: fake_decode)
     mosaic = KernelConfig("mosaic", "reference")
     attn = kernels.model_kernels(mosaic, decode_knobs={"num_splits": 3}).attention
     q = jnp.ones((2, 1, 4, 8))
-    out = attn(q, jnp.zeros((1, 2, 2, 4, 8)), jnp.zeros((1, 2, 2, 4, 8)),
-               jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), jnp.zeros((2, 1), jnp.int32),
-               layer=0, scale=0.5)
+    out = attn(
+        q,
+        jnp.zeros((1, 2, 2, 4, 8)),
+        jnp.zeros((1, 2, 2, 4, 8)),
+        jnp.zeros((2, 1), jnp.int32),
+        jnp.ones((2,), jnp.int32),
+        jnp.zeros((2, 1), jnp.int32),
+        layer=0,
+        scale=0.5,
+    )
     # "mosaic" also gets its layer as the page-offset array (mosaic.layer_offsets)
     assert seen.pop("page_offset").shape == (32,)
     assert out.shape == q.shape and seen == {"num_splits": 3}
     with pytest.raises(ValueError, match="reference has no knobs"):
-        kernels.model_kernels(KernelConfig("reference", "reference"),
-                              decode_knobs={"num_splits": 3})
+        kernels.model_kernels(
+            KernelConfig("reference", "reference"), decode_knobs={"num_splits": 3}
+        )
 
 
 def test_bench_decode_defaults_to_the_engines_kernels():
@@ -133,12 +163,17 @@ def test_bench_decode_defaults_to_the_engines_kernels():
     import pytest
 
     from jaxinfer.config import ModelConfig
+
     bench = load_script("bench_decode")
     cfg = ModelConfig(**bench.QWEN3_8B)
     gpu = bench.resolve_kernels(cfg, "", "gpu")
     assert (gpu.decode_attention, gpu.prefill_attention) == ("mosaic", "triton")
-    assert [bench.engine_gemm(gpu, b) for b in (1, 63, 64, 256)] == ["xla", "xla", "cublas",
-                                                                     "cublas"]
+    assert [bench.engine_gemm(gpu, b) for b in (1, 63, 64, 256)] == [
+        "xla",
+        "xla",
+        "cublas",
+        "cublas",
+    ]
     no_cublas = bench.resolve_kernels(cfg, "cublas_decode_min_batch=none", "gpu")
     assert bench.engine_gemm(no_cublas, 256) == "xla"
     fp8 = bench.resolve_kernels(cfg, "", "gpu", quantization="fp8")  # cuBLAS cannot fuse e4m3
@@ -169,20 +204,37 @@ def test_bench_prefix_cache_tiny_runs_every_mode(tmp_path):
     import sys
 
     out = tmp_path / "rows.jsonl"
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_prefix_cache.py"),
-                        "--tiny", "--kernels", "batch_buckets=8,token_buckets=64", "--out", str(out)],
-                       capture_output=True, text=True, timeout=900,
-                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "bench_prefix_cache.py"),
+            "--tiny",
+            "--kernels",
+            "batch_buckets=8,token_buckets=64",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(x["mode"], x["prefix_caching"]) for x in rows] == [
-        ("shared", False), ("shared", True), ("no-shared", False), ("no-shared", True),
-        ("rl", True), ("rl", True), ("rl", True)]
+        ("shared", False),
+        ("shared", True),
+        ("no-shared", False),
+        ("no-shared", True),
+        ("rl", True),
+        ("rl", True),
+        ("rl", True),
+    ]
     shared_off, shared_on = rows[0], rows[1]
     assert shared_off["hit_rate"] == 0 and shared_on["hit_rate"] > 0.3
     assert shared_on["cached_tokens"] > 0 and rows[3]["compiles_in_timed_run"] == 0
     assert all(x["output_tokens"] > 0 and x["bench"] == "prefix_cache" for x in rows)
-    assert [rows[i]["token_match"] for i in (1, 3, 5, 6)] == [1.0] * 4   # float32: identical
+    assert [rows[i]["token_match"] for i in (1, 3, 5, 6)] == [1.0] * 4  # float32: identical
 
 
 def test_eval_accuracy_agreement_and_arguments():

@@ -26,8 +26,15 @@ def default_reserve_bytes(device_bytes: int) -> int:
     return max(GIB, int(device_bytes * 0.05))
 
 
-def kv_pool_pages(model: ModelConfig, *, page_size: int, dtype_bytes: int, usable_bytes: int,
-                  used_bytes: int, tp: int = 1) -> int:
+def kv_pool_pages(
+    model: ModelConfig,
+    *,
+    page_size: int,
+    dtype_bytes: int,
+    usable_bytes: int,
+    used_bytes: int,
+    tp: int = 1,
+) -> int:
     """THE KV pool sizing formula: pages (null page 0 included) of ``page_size`` tokens that fit
     in ``usable_bytes - used_bytes`` of one device (`kv_bytes_per_token` at ``tp``). Raises
     ValueError: fewer than 2 fit."""
@@ -35,9 +42,11 @@ def kv_pool_pages(model: ModelConfig, *, page_size: int, dtype_bytes: int, usabl
     free = usable_bytes - used_bytes
     pages = max(int(free // page_bytes), 0)
     if pages < 2:
-        raise ValueError(f"no memory left for the KV pool: usable {_gib(usable_bytes)} - used "
-                         f"{_gib(used_bytes)} = {_gib(free)} holds {pages} pages of {page_bytes:,} "
-                         "B, at least 2 are needed; raise memory_fraction or set num_pages")
+        raise ValueError(
+            f"no memory left for the KV pool: usable {_gib(usable_bytes)} - used "
+            f"{_gib(used_bytes)} = {_gib(free)} holds {pages} pages of {page_bytes:,} "
+            "B, at least 2 are needed; raise memory_fraction or set num_pages"
+        )
     return pages
 
 
@@ -51,10 +60,12 @@ def card_bytes_usable(utilization: float, bytes_limit: int) -> int:
     ``bytes_limit``, the most JAX's allocator may use."""
     card = bytes_limit / float(os.environ.get(XLA_MEM_FRACTION_ENV, XLA_DEFAULT_MEM_FRACTION))
     if utilization * card > bytes_limit * 1.001:
-        raise ValueError(f"EngineConfig.gpu_memory_utilization={utilization} is invalid: JAX's "
-                         f"allocator may use only {bytes_limit / card:.2f} of the card "
-                         f"({_gib(bytes_limit)}); set {XLA_MEM_FRACTION_ENV}={utilization} before "
-                         "JAX starts, or lower gpu_memory_utilization")
+        raise ValueError(
+            f"EngineConfig.gpu_memory_utilization={utilization} is invalid: JAX's "
+            f"allocator may use only {bytes_limit / card:.2f} of the card "
+            f"({_gib(bytes_limit)}); set {XLA_MEM_FRACTION_ENV}={utilization} before "
+            "JAX starts, or lower gpu_memory_utilization"
+        )
     return min(int(utilization * card), bytes_limit) - default_reserve_bytes(int(card))
 
 
@@ -78,5 +89,11 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
         page_bytes = e.page_size * kv_bytes_per_token(m, resolved.kv_dtype_bytes, tp)
         pages = 1 + e.max_num_seqs * -(-resolved.max_model_len // e.page_size)
         usable, used = min(pages * page_bytes, CPU_KV_BUDGET_BYTES), 0
-    return kv_pool_pages(m, page_size=e.page_size, dtype_bytes=resolved.kv_dtype_bytes,
-                         usable_bytes=usable, used_bytes=used, tp=tp)
+    return kv_pool_pages(
+        m,
+        page_size=e.page_size,
+        dtype_bytes=resolved.kv_dtype_bytes,
+        usable_bytes=usable,
+        used_bytes=used,
+        tp=tp,
+    )

@@ -3,7 +3,8 @@ metadata or a saved dict), and its tensor-parallel form (`check_tp`, `tp_model_c
 value raises ValueError naming the field, the value and what is allowed. Imports no JAX."""
 
 import dataclasses
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from checkpoints_tools.mapping import fp8_block_size
 from jaxinfer.checks import is_int
@@ -33,11 +34,19 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        _check(self, (("rope_type", lambda v: v == "llama3", "only 'llama3' scaling is supported"),
-            ("factor", lambda v: v > 0, "must be > 0"),
-            ("high_freq_factor", lambda v: 0 < self.low_freq_factor < v,
-             f"need 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor"),
-            ("original_max_position_embeddings", lambda v: v >= 1, "must be >= 1")))
+        _check(
+            self,
+            (
+                ("rope_type", lambda v: v == "llama3", "only 'llama3' scaling is supported"),
+                ("factor", lambda v: v > 0, "must be > 0"),
+                (
+                    "high_freq_factor",
+                    lambda v: 0 < self.low_freq_factor < v,
+                    f"need 0 < low_freq_factor ({self.low_freq_factor}) < high_freq_factor",
+                ),
+                ("original_max_position_embeddings", lambda v: v >= 1, "must be >= 1"),
+            ),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,23 +71,53 @@ class ModelConfig:
     weight_block_size: tuple[int, int] | None = None  # an HF FP8 checkpoint's (block_out, block_in)
 
     def __post_init__(self) -> None:
-        _check(self, (("architecture", SUPPORTED_ARCHITECTURES.__contains__,
-                       f"supported architectures are {SUPPORTED_ARCHITECTURES}"),
-            *((n, lambda v: is_int(v, 1), "must be a positive integer") for n in (
-                "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                "num_kv_heads", "head_dim", "max_position_embeddings")),
-            ("num_kv_heads", lambda v: self.num_heads % v == 0,
-             f"must divide num_heads={self.num_heads} (GQA)"),
-            ("head_dim", lambda v: v % 2 == 0, "must be even (RoPE rotates pairs)"),
-            ("rms_norm_eps", lambda v: v > 0, "must be > 0"),
-            ("rope_theta", lambda v: v > 0, "must be > 0"),
-            ("weight_block_size", lambda v: v is None or len(v) == 2, "None or (out, in) sizes")))
+        _check(
+            self,
+            (
+                (
+                    "architecture",
+                    SUPPORTED_ARCHITECTURES.__contains__,
+                    f"supported architectures are {SUPPORTED_ARCHITECTURES}",
+                ),
+                *(
+                    (n, lambda v: is_int(v, 1), "must be a positive integer")
+                    for n in (
+                        "vocab_size",
+                        "hidden_size",
+                        "intermediate_size",
+                        "num_layers",
+                        "num_heads",
+                        "num_kv_heads",
+                        "head_dim",
+                        "max_position_embeddings",
+                    )
+                ),
+                (
+                    "num_kv_heads",
+                    lambda v: self.num_heads % v == 0,
+                    f"must divide num_heads={self.num_heads} (GQA)",
+                ),
+                ("head_dim", lambda v: v % 2 == 0, "must be even (RoPE rotates pairs)"),
+                ("rms_norm_eps", lambda v: v > 0, "must be > 0"),
+                ("rope_theta", lambda v: v > 0, "must be > 0"),
+                (
+                    "weight_block_size",
+                    lambda v: v is None or len(v) == 2,
+                    "None or (out, in) sizes",
+                ),
+            ),
+        )
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
-        object.__setattr__(self, "weight_block_size", self.weight_block_size and tuple(
-            int(b) for b in self.weight_block_size))
+        object.__setattr__(
+            self,
+            "weight_block_size",
+            self.weight_block_size and tuple(int(b) for b in self.weight_block_size),
+        )
 
-    qk_norm = property(lambda self: self.architecture == "qwen3",
-                       doc="Qwen3 applies a per-head RMSNorm to q and k before RoPE.")
+    qk_norm = property(
+        lambda self: self.architecture == "qwen3",
+        doc="Qwen3 applies a per-head RMSNorm to q and k before RoPE.",
+    )
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """2 (K and V) x L x K x H x dtype_bytes."""
@@ -90,9 +129,11 @@ class ModelConfig:
         unsupported model_type, RoPE type, bias, sliding window or activation; a missing key."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported architecture: model_type={model_type!r} (architectures="
-                             f"{cfg.get('architectures') or []}); supported model_type values are "
-                             f"{SUPPORTED_ARCHITECTURES}")
+            raise ValueError(
+                f"unsupported architecture: model_type={model_type!r} (architectures="
+                f"{cfg.get('architectures') or []}); supported model_type values are "
+                f"{SUPPORTED_ARCHITECTURES}"
+            )
         for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
             if cfg.get(key):
                 raise ValueError(f"{model_type} with {key}=True is not supported")
@@ -101,30 +142,45 @@ class ModelConfig:
         rope = {**(cfg.get("rope_parameters") or {}), **(cfg.get("rope_scaling") or {})}  # 5; 4.x
         rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+            raise ValueError(
+                f"unsupported RoPE type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
+            )
         eos = cfg.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         try:
-            scaling = None if rope_type != "llama3" else RopeScaling(
-                factor=float(rope["factor"]), low_freq_factor=float(rope["low_freq_factor"]),
-                high_freq_factor=float(rope["high_freq_factor"]),
-                original_max_position_embeddings=int(rope["original_max_position_embeddings"]))
+            scaling = (
+                None
+                if rope_type != "llama3"
+                else RopeScaling(
+                    factor=float(rope["factor"]),
+                    low_freq_factor=float(rope["low_freq_factor"]),
+                    high_freq_factor=float(rope["high_freq_factor"]),
+                    original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                )
+            )
             n = int(cfg["num_attention_heads"])
             return cls(
-                architecture=model_type, vocab_size=int(cfg["vocab_size"]),
-                hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]), num_heads=n,
+                architecture=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=int(cfg["hidden_size"]),
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=n,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or n),
                 head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // n),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_scaling=scaling,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_scaling=scaling,
                 rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0))),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                bos_token_id=cfg.get("bos_token_id"), eos_token_ids=eos,
-                weight_block_size=fp8_block_size(cfg.get("quantization_config")))
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos,
+                weight_block_size=fp8_block_size(cfg.get("quantization_config")),
+            )
         except KeyError as e:
-            raise ValueError(f"config.json lacks the required key {e.args[0]!r} "
-                             f"(model_type={model_type!r})") from None
+            raise ValueError(
+                f"config.json lacks the required key {e.args[0]!r} (model_type={model_type!r})"
+            ) from None
 
     @classmethod
     def from_checkpoint(cls, ckpt) -> "ModelConfig":
@@ -152,19 +208,24 @@ def check_tp(model: ModelConfig, tp: int) -> None:
     q, k, v, gate, up columns (N*H/tp, K'*H/tp, F/tp), bi its wo, w_down rows (N*H/tp, F/tp)."""
     for name in ("num_heads", "intermediate_size"):
         if getattr(model, name) % tp:
-            raise ValueError(f"{name}={getattr(model, name)} is not divisible by "
-                             f"tensor_parallel_size={tp}")
+            raise ValueError(
+                f"{name}={getattr(model, name)} is not divisible by tensor_parallel_size={tp}"
+            )
     if (K := model.num_kv_heads) % tp and tp % K:
-        raise ValueError(f"num_kv_heads={K} and tensor_parallel_size={tp}: one must divide the "
-                         "other (tp > K replicates the KV heads)")
+        raise ValueError(
+            f"num_kv_heads={K} and tensor_parallel_size={tp}: one must divide the "
+            "other (tp > K replicates the KV heads)"
+        )
     if tp > 1 and (block := model.weight_block_size):
         H, F = model.head_dim, model.intermediate_size // tp
         NH, KH = model.num_heads * H // tp, max(K, tp) * H // tp
         if NH % block[0] or KH % block[0] or F % block[0] or NH % block[1] or F % block[1]:
-            raise ValueError(f"weight_block_size={block} and tensor_parallel_size={tp}: each "
-                             "device needs whole FP8 blocks (block_out, block_in) in its q columns "
-                             f"and wo rows N*H/tp={NH}, k, v columns K'*H/tp={KH}, gate, up "
-                             f"columns and w_down rows F/tp={F}")
+            raise ValueError(
+                f"weight_block_size={block} and tensor_parallel_size={tp}: each "
+                "device needs whole FP8 blocks (block_out, block_in) in its q columns "
+                f"and wo rows N*H/tp={NH}, k, v columns K'*H/tp={KH}, gate, up "
+                f"columns and w_down rows F/tp={F}"
+            )
 
 
 def tp_model_config(model: ModelConfig, tp: int) -> ModelConfig:

@@ -4,7 +4,8 @@ float8_e4m3fn with an f32 ``<name>_scale`` (`scale_shape`). The Flax modules (`l
 shardings (`entries`) and sizes (`device_bytes`) read it. Imports no JAX."""
 
 import math
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from jaxinfer.config.model import tp_model_config
 
@@ -23,17 +24,21 @@ class Leaf(NamedTuple):
     when: Callable[[Any], bool] = lambda cfg: True
 
 
-MODEL = {"embed": Leaf(("V", "D"), "vocab"),
-         "lm_head": Leaf(("D", "V"), "vocab", when=lambda cfg: not cfg.tie_word_embeddings),
-         "final_norm": Leaf(("D",), None, "ones")}
-LAYER = {"attn_norm": Leaf(("D",), None, "ones"),
-         "wqkv": Leaf(("D", "(N + 2 * K) * H"), "column", fp8=True),  # q | k | v: `fused_parts`
-         "wo": Leaf(("N * H", "D"), "row", fp8=True),
-         "q_norm": Leaf(("H",), None, "ones", when=lambda cfg: cfg.qk_norm),
-         "k_norm": Leaf(("H",), None, "ones", when=lambda cfg: cfg.qk_norm),
-         "mlp_norm": Leaf(("D",), None, "ones"),
-         "w_gate_up": Leaf(("D", "2 * F"), "column", fp8=True),       # gate | up
-         "w_down": Leaf(("F", "D"), "row", fp8=True)}
+MODEL = {
+    "embed": Leaf(("V", "D"), "vocab"),
+    "lm_head": Leaf(("D", "V"), "vocab", when=lambda cfg: not cfg.tie_word_embeddings),
+    "final_norm": Leaf(("D",), None, "ones"),
+}
+LAYER = {
+    "attn_norm": Leaf(("D",), None, "ones"),
+    "wqkv": Leaf(("D", "(N + 2 * K) * H"), "column", fp8=True),  # q | k | v: `fused_parts`
+    "wo": Leaf(("N * H", "D"), "row", fp8=True),
+    "q_norm": Leaf(("H",), None, "ones", when=lambda cfg: cfg.qk_norm),
+    "k_norm": Leaf(("H",), None, "ones", when=lambda cfg: cfg.qk_norm),
+    "mlp_norm": Leaf(("D",), None, "ones"),
+    "w_gate_up": Leaf(("D", "2 * F"), "column", fp8=True),  # gate | up
+    "w_down": Leaf(("F", "D"), "row", fp8=True),
+}
 LEAVES = {**MODEL, **LAYER}
 QUANTIZED = tuple(name for name, leaf in LAYER.items() if leaf.fp8)
 
@@ -41,8 +46,14 @@ QUANTIZED = tuple(name for name, leaf in LAYER.items() if leaf.fp8)
 def shape_of(name: str, cfg) -> tuple[int, ...]:
     """Leaf ``name``'s shape for ``cfg``: V, D, N, K, H, F = vocab_size, hidden_size, num_heads,
     num_kv_heads, head_dim, intermediate_size."""
-    letters = dict(V=cfg.vocab_size, D=cfg.hidden_size, N=cfg.num_heads, K=cfg.num_kv_heads,
-                   H=cfg.head_dim, F=cfg.intermediate_size)
+    letters = dict(
+        V=cfg.vocab_size,
+        D=cfg.hidden_size,
+        N=cfg.num_heads,
+        K=cfg.num_kv_heads,
+        H=cfg.head_dim,
+        F=cfg.intermediate_size,
+    )
     return tuple(eval(e, {"__builtins__": {}}, letters) for e in LEAVES[name].shape)
 
 
@@ -57,9 +68,14 @@ def fused_parts(cfg) -> dict[str, dict[str, slice]]:
     [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H, (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up":
     [F, 2F)}}`` (the tensor-parallel layout: `jaxinfer.runner.parallel.engine_layout`)."""
     N, K, F, H = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.head_dim
-    return {"wqkv": {"q": slice(0, N * H), "k": slice(N * H, (N + K) * H),
-                     "v": slice((N + K) * H, (N + 2 * K) * H)},
-            "w_gate_up": {"gate": slice(0, F), "up": slice(F, 2 * F)}}
+    return {
+        "wqkv": {
+            "q": slice(0, N * H),
+            "k": slice(N * H, (N + K) * H),
+            "v": slice((N + K) * H, (N + 2 * K) * H),
+        },
+        "w_gate_up": {"gate": slice(0, F), "up": slice(F, 2 * F)},
+    }
 
 
 def entries(cfg, tp: int = 1, quantization: str | None = None) -> list[tuple]:
@@ -70,12 +86,23 @@ def entries(cfg, tp: int = 1, quantization: str | None = None) -> list[tuple]:
     run, block, out = tp_model_config(cfg, tp), cfg.weight_block_size, []
     for name, leaf in ((n, f) for n, f in LEAVES.items() if f.when(cfg)):
         shape, fp8 = shape_of(name, run), quantization == "fp8" and leaf.fp8
-        axis = None if leaf.split is None or leaf.split == "vocab" and cfg.vocab_size % tp else \
-            leaf.shape.index("V") if leaf.split == "vocab" else int(leaf.split == "column")
+        axis = (
+            None
+            if leaf.split is None or leaf.split == "vocab" and cfg.vocab_size % tp
+            else leaf.shape.index("V")
+            if leaf.split == "vocab"
+            else int(leaf.split == "column")
+        )
         leaves = [(name, shape, "float8_e4m3fn" if fp8 else "compute", axis)]
         if fp8:
-            leaves.append((name + "_scale", scale_shape(shape, block), "float32",
-                           axis if block else 0 if axis == 1 else None))
+            leaves.append(
+                (
+                    name + "_scale",
+                    scale_shape(shape, block),
+                    "float32",
+                    axis if block else 0 if axis == 1 else None,
+                )
+            )
         layers = [("layers", str(i)) for i in range(cfg.num_layers)] if name in LAYER else [()]
         out += [((*at, n), *rest) for at in layers for n, *rest in leaves]
     return out
@@ -85,5 +112,7 @@ def device_bytes(cfg, tp: int = 1, compute_bytes: int = 1, quantization: str | N
     """Bytes one device of ``tp`` holds of the tree (`entries`): ``compute_bytes`` per compute-dtype
     element, fp8 1, scales 4 (``compute_bytes`` 1, unquantised: the parameter count)."""
     size = {"compute": compute_bytes, "float8_e4m3fn": 1, "float32": 4}
-    return sum(math.prod(shape) // (1 if split is None else tp) * size[dtype]
-               for _, shape, dtype, split in entries(cfg, tp, quantization))
+    return sum(
+        math.prod(shape) // (1 if split is None else tp) * size[dtype]
+        for _, shape, dtype, split in entries(cfg, tp, quantization)
+    )

@@ -21,8 +21,14 @@ class BlockManager:
     ``enable_prefix_caching`` may be switched while no page is held, after `reset_prefix_cache`.
     Raises ValueError: ``num_pages`` not an integer >= 2, ``page_size`` not >= 1."""
 
-    def __init__(self, num_pages: int, page_size: int, *, enable_prefix_caching: bool = False,
-                 stats: EngineStats | None = None) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        *,
+        enable_prefix_caching: bool = False,
+        stats: EngineStats | None = None,
+    ) -> None:
         check_int("BlockManager.num_pages", num_pages, 2)  # page 0 is the reserved null page
         check_int("BlockManager.page_size", page_size, 1)
         self.num_pages, self.page_size = num_pages, page_size
@@ -32,11 +38,13 @@ class BlockManager:
         self._holders: list[list[Sequence]] = [[] for _ in range(num_pages)]
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; LRU first
         self._key: list[tuple[bytes, tuple] | None] = [None] * num_pages  # (hash, tokens) if cached
-        self._cached: dict[bytes, int] = {}        # hash -> page
+        self._cached: dict[bytes, int] = {}  # hash -> page
         self._pending: dict[bytes, Sequence] = {}  # hash -> admitted sequence computing it
 
-    num_free_pages = property(lambda self: len(self._free) + len(self._evictable),
-                              doc="Pages an allocation may take: free plus evictable.")
+    num_free_pages = property(
+        lambda self: len(self._free) + len(self._evictable),
+        doc="Pages an allocation may take: free plus evictable.",
+    )
     num_usable_pages = property(lambda self: self.num_pages - 1, doc="All but the null page.")
 
     def pages_needed(self, num_tokens: int) -> int:
@@ -57,12 +65,16 @@ class BlockManager:
         ``seq.block_table`` to ``[0, num_tokens)``; the new pages. Raises RuntimeError (nothing
         allocated): not enough free pages, or hits given to a sequence holding pages."""
         if hits and seq.block_table:
-            raise RuntimeError(f"BlockManager.allocate: request {seq.request_id!r} holds pages; "
-                               "prefix hits are shared only at admission")
+            raise RuntimeError(
+                f"BlockManager.allocate: request {seq.request_id!r} holds pages; "
+                "prefix hits are shared only at admission"
+            )
         if not self.can_allocate(seq, num_tokens, hits):
-            raise RuntimeError(f"BlockManager.allocate: request {seq.request_id!r} needs "
-                               f"{self.num_missing_pages(seq, num_tokens) - len(hits)} more pages "
-                               f"for {num_tokens} tokens but only {self.num_free_pages} are free")
+            raise RuntimeError(
+                f"BlockManager.allocate: request {seq.request_id!r} needs "
+                f"{self.num_missing_pages(seq, num_tokens) - len(hits)} more pages "
+                f"for {num_tokens} tokens but only {self.num_free_pages} are free"
+            )
         for page in hits:  # evictable hits first, so that no new page evicts one
             if not self._holders[page]:
                 del self._evictable[page]
@@ -85,19 +97,30 @@ class BlockManager:
         """Drop ``seq``'s references (tail first) and pending hashes. RuntimeError (nothing freed):
         no pages (double free), or a page it does not hold (null, free, another's, twice)."""
         if not seq.block_table:
-            raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} holds no pages "
-                               "(double free?)")
+            raise RuntimeError(
+                f"BlockManager.free: request {seq.request_id!r} holds no pages (double free?)"
+            )
         for page in seq.block_table:
             if not 0 <= page < self.num_pages or not any(s is seq for s in self._holders[page]):
                 owner = self.owner(page) if 0 <= page < self.num_pages else None
-                what = ("the null page" if page == NULL_PAGE else
-                        "out of range" if not 0 <= page < self.num_pages else
-                        "free" if owner is None else f"owned by request {owner.request_id!r}")
-                raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} does not own "
-                                   f"page {page} ({what})")
+                what = (
+                    "the null page"
+                    if page == NULL_PAGE
+                    else "out of range"
+                    if not 0 <= page < self.num_pages
+                    else "free"
+                    if owner is None
+                    else f"owned by request {owner.request_id!r}"
+                )
+                raise RuntimeError(
+                    f"BlockManager.free: request {seq.request_id!r} does not own "
+                    f"page {page} ({what})"
+                )
         if len(set(seq.block_table)) != len(seq.block_table):
-            raise RuntimeError(f"BlockManager.free: request {seq.request_id!r} lists a page twice: "
-                               f"{seq.block_table}")
+            raise RuntimeError(
+                f"BlockManager.free: request {seq.request_id!r} lists a page twice: "
+                f"{seq.block_table}"
+            )
         for page in reversed(seq.block_table):
             holders = self._holders[page]
             del holders[next(i for i, s in enumerate(holders) if s is seq)]
@@ -120,13 +143,14 @@ class BlockManager:
         if len(hashes) < num_pages:
             ids = seq.all_token_ids
             for i in range(len(hashes), num_pages):
-                hashes.append(_chain(hashes[i - 1] if i else b"", ids[i * P:(i + 1) * P]))
+                hashes.append(_chain(hashes[i - 1] if i else b"", ids[i * P : (i + 1) * P]))
         return hashes
 
     def first_page_cached(self, seq: Sequence) -> bool:
         """Whether ``seq``'s first prompt page (not its last token's) is in the cache."""
-        return (seq.num_tokens - 1) // self.page_size > 0 and \
-            self.page_hashes(seq, 1)[0] in self._cached
+        return (seq.num_tokens - 1) // self.page_size > 0 and self.page_hashes(seq, 1)[
+            0
+        ] in self._cached
 
     def match_prefix(self, seq: Sequence, max_pages: int) -> tuple[list[int], bool]:
         """(cached pages equal to ``seq``'s leading full pages, at most ``max_pages``; whether the
@@ -135,7 +159,7 @@ class BlockManager:
         ids, P, hits = seq.all_token_ids, self.page_size, []
         for i, h in enumerate(hashes[:max_pages]):
             page = self._cached.get(h)
-            if page is None or self._key[page][1] != tuple(ids[i * P:(i + 1) * P]):
+            if page is None or self._key[page][1] != tuple(ids[i * P : (i + 1) * P]):
                 return hits, h in self._pending
             hits.append(page)
         return hits, False
@@ -153,13 +177,14 @@ class BlockManager:
             if self._pending.get(h) is seq:
                 del self._pending[h]
             if self._key[page] is None and h not in self._cached:
-                self._cached[h], self._key[page] = page, (h, tuple(ids[i * P:(i + 1) * P]))
+                self._cached[h], self._key[page] = page, (h, tuple(ids[i * P : (i + 1) * P]))
 
     def copy_free(self) -> "BlockManager":
         """A block manager with this one's free and cached-unreferenced pages, none of its held
         ones, and fresh stats (a dry run from now)."""
-        bm = BlockManager(self.num_pages, self.page_size,
-                          enable_prefix_caching=self.enable_prefix_caching)
+        bm = BlockManager(
+            self.num_pages, self.page_size, enable_prefix_caching=self.enable_prefix_caching
+        )
         bm._free, bm._evictable = list(self._free), OrderedDict(self._evictable)
         for page in bm._evictable:
             bm._key[page] = self._key[page]

@@ -1,6 +1,6 @@
 """Host-only dry run of `StepLoop`: the steps requests visit (`LLMEngine.plan_shapes`)."""
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from jaxinfer.engine.batch_builder import build_host_batch
 from jaxinfer.engine.loop import Launched, StepLoop
@@ -10,9 +10,14 @@ from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.step_input import BucketSpec, HostBatch
 
 
-def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingParams]], *,
-            buckets: BucketSpec, async_scheduling: bool = True, mask_words: int = 0
-            ) -> list[tuple[ScheduledBatch, HostBatch]]:
+def dry_run(
+    scheduler: Scheduler,
+    requests: Iterable[tuple[list[int], SamplingParams]],
+    *,
+    buckets: BucketSpec,
+    async_scheduling: bool = True,
+    mask_words: int = 0,
+) -> list[tuple[ScheduledBatch, HostBatch]]:
     """Run ``requests`` on the fresh ``scheduler``, sampling a token that ends no request (no
     grammar runs; ``mask_words``: `build_host_batch`'s):
     (`ScheduledBatch`, `HostBatch`) per step in launch order. ValueError: a rejected request."""
@@ -21,19 +26,37 @@ def dry_run(scheduler: Scheduler, requests: Iterable[tuple[list[int], SamplingPa
         stops.update(params.stop_token_ids)
         max_tokens = params.max_tokens or scheduler.max_model_len - len(ids)
         for j in range(params.n):  # as `LLMEngine.add_request`: n samples
-            scheduler.add(Sequence(request_id=f"dry-{i}-{j}", prompt_token_ids=list(ids),
-                                   params=params, seed=i, index=j, max_tokens=max_tokens))
+            scheduler.add(
+                Sequence(
+                    request_id=f"dry-{i}-{j}",
+                    prompt_token_ids=list(ids),
+                    params=params,
+                    seed=i,
+                    index=j,
+                    max_tokens=max_tokens,
+                )
+            )
     token = next(t for t in range(len(stops) + 1) if t not in stops)  # ends no request
     steps: list[tuple[ScheduledBatch, HostBatch]] = []
 
     def launch(batch: ScheduledBatch, prev: Launched | None) -> None:
-        steps.append((batch, build_host_batch(batch, page_size=scheduler.page_size, buckets=buckets,
-                                              eos_token_ids=scheduler.eos_token_ids,
-                                              mask_words=mask_words)))
+        steps.append(
+            (
+                batch,
+                build_host_batch(
+                    batch,
+                    page_size=scheduler.page_size,
+                    buckets=buckets,
+                    eos_token_ids=scheduler.eos_token_ids,
+                    mask_words=mask_words,
+                ),
+            )
+        )
 
     def complete(done: Launched, times) -> list[Sequence]:
-        return scheduler.postprocess(done.batch, [token if s else None
-                                                  for s in done.batch.do_sample])
+        return scheduler.postprocess(
+            done.batch, [token if s else None for s in done.batch.do_sample]
+        )
 
     loop = StepLoop(scheduler, launch, complete, async_scheduling=async_scheduling)
     while loop.has_unfinished():

@@ -4,7 +4,7 @@
 
 import dataclasses
 import itertools
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -34,8 +34,9 @@ def calibration_ids(tokenizer, n: int = 512) -> np.ndarray:
     """i32[n]: the fp8 KV calibration text's tokens, the head of Python's ``pydoc_data.topics``
     in reverse key order (``scripts/eval_accuracy.py`` measures on the other end)."""
     from pydoc_data.topics import topics
+
     text = "\n".join(topics[k] for k in sorted(topics, reverse=True))
-    return np.asarray(tokenizer.encode(text[:8 * n])[:n], np.int32)
+    return np.asarray(tokenizer.encode(text[: 8 * n])[:n], np.int32)
 
 
 class LLMEngine:
@@ -44,8 +45,9 @@ class LLMEngine:
     str (None: no text); ``tokenizer``: the HF tokenizer grammars are built over (None: no
     ``structured_outputs``). Outputs by each request's ``SamplingParams.output_kind``."""
 
-    def __init__(self, runner, *, eos_token_ids=(), detokenize: Callable | None = None,
-                 tokenizer=None) -> None:
+    def __init__(
+        self, runner, *, eos_token_ids=(), detokenize: Callable | None = None, tokenizer=None
+    ) -> None:
         self.runner, self.resolved = runner, runner.resolved
         self.model_config, ec = runner.model_config, runner.resolved.engine
         if ec.kv_cache_dtype != "auto" and ec.calculate_kv_scales and tokenizer is not None:
@@ -53,29 +55,47 @@ class LLMEngine:
         self.max_model_len, self.page_size = self.resolved.max_model_len, ec.page_size
         self.eos_token_ids, self._stats = tuple(eos_token_ids), runner.stats
         self.outputs = OutputProcessor(detokenize)
-        self.structured = StructuredOutputManager(tokenizer, self.model_config.vocab_size,
-                                                  self.eos_token_ids)
-        self.block_manager = BlockManager(runner.num_pages, ec.page_size, stats=self._stats,
-                                          enable_prefix_caching=ec.enable_prefix_caching)
+        self.structured = StructuredOutputManager(
+            tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        )
+        self.block_manager = BlockManager(
+            runner.num_pages,
+            ec.page_size,
+            stats=self._stats,
+            enable_prefix_caching=ec.enable_prefix_caching,
+        )
         self.scheduler = self._scheduler(self.block_manager, self.eos_token_ids)
-        self.loop = StepLoop(self.scheduler, self._launch, self._complete, sample=self._sample,
-                             async_scheduling=ec.async_scheduling, stats=self._stats)
+        self.loop = StepLoop(
+            self.scheduler,
+            self._launch,
+            self._complete,
+            sample=self._sample,
+            async_scheduling=ec.async_scheduling,
+            stats=self._stats,
+        )
         self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
         self._touched: list[str] = []  # request ids a step or an abort gave new output
 
     def _scheduler(self, bm: BlockManager, eos_token_ids=()) -> Scheduler:
         ec = self.resolved.engine
-        return Scheduler(bm, max_num_seqs=ec.max_num_seqs, page_size=ec.page_size,
-                         max_num_batched_tokens=ec.max_num_batched_tokens,
-                         max_model_len=self.max_model_len, eos_token_ids=eos_token_ids)
+        return Scheduler(
+            bm,
+            max_num_seqs=ec.max_num_seqs,
+            page_size=ec.page_size,
+            max_num_batched_tokens=ec.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            eos_token_ids=eos_token_ids,
+        )
 
     async_scheduling = property(
         lambda self: self.loop.async_scheduling,
         lambda self, value: setattr(self.loop, "async_scheduling", bool(value)),
-        doc="Schedule step n+1 before step n's tokens are read back (settable).")
+        doc="Schedule step n+1 before step n's tokens are read back (settable).",
+    )
 
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams
-                      ) -> tuple[list[int], SamplingParams]:
+    def check_request(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
         """(the prompt's ids, its last ``truncate_prompt_tokens`` kept (-1: max_model_len); a copy
         of ``params`` validated again: it is mutable). ValueError: a bad ``params`` value,
         logprobs above ``EngineConfig.max_logprobs``, a token id outside [0, V), as
@@ -83,19 +103,25 @@ class LLMEngine:
         `StructuredOutputManager.matcher`, not `check_admissible`."""
         params = dataclasses.replace(params)  # SamplingParams.__post_init__ checks the copy
         if (k := params.truncate_prompt_tokens) is not None:
-            prompt_token_ids = prompt_token_ids[-(self.max_model_len if k == -1 else k):]
+            prompt_token_ids = prompt_token_ids[-(self.max_model_len if k == -1 else k) :]
         if (k := max(params.logprobs or 0, params.prompt_logprobs or 0)) > (
-                m := self.resolved.engine.max_logprobs):
-            raise ValueError(f"{k} log-probabilities per token requested; this engine gives at "
-                             f"most max_logprobs={m}")
+            m := self.resolved.engine.max_logprobs
+        ):
+            raise ValueError(
+                f"{k} log-probabilities per token requested; this engine gives at "
+                f"most max_logprobs={m}"
+            )
         vocab = self.model_config.vocab_size
-        for ids, what in ((prompt_token_ids, "prompt token id {} is"),
-                          (params.stop_token_ids, "SamplingParams.stop_token_ids contains {},"),
-                          (params.logit_bias, "SamplingParams.logit_bias has token id {},"),
-                          (params.allowed_token_ids or (),
-                           "SamplingParams.allowed_token_ids contains {},")):
+        for ids, what in (
+            (prompt_token_ids, "prompt token id {} is"),
+            (params.stop_token_ids, "SamplingParams.stop_token_ids contains {},"),
+            (params.logit_bias, "SamplingParams.logit_bias has token id {},"),
+            (params.allowed_token_ids or (), "SamplingParams.allowed_token_ids contains {},"),
+        ):
             if bad := [t for t in ids if not 0 <= int(t) < vocab]:
-                raise ValueError(what.format(bad[0]) + f" out of range: ids must be in [0, {vocab})")
+                raise ValueError(
+                    what.format(bad[0]) + f" out of range: ids must be in [0, {vocab})"
+                )
         self.scheduler.check_admissible(len(prompt_token_ids), params)
         self.structured.token_rules(params)
         for fn in params.logits_processors or ():
@@ -104,8 +130,14 @@ class LLMEngine:
             self.structured.matcher(params.structured_outputs)
         return prompt_token_ids, params
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, *, prompt: str | None = None) -> str:
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        prompt: str | None = None,
+    ) -> str:
         """`check_request`, then queue its ``params.n`` samples (sample i seeded by (seed, i));
         ``prompt``: its text, for the outputs. Returns the request id. Raises ValueError: as
         `check_request`, or a duplicate id; RuntimeError: `ModelRunner.check_awake`. A
@@ -114,15 +146,29 @@ class LLMEngine:
         prompt_token_ids, params = self.check_request(prompt_token_ids, params)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.outputs.requests:
-            raise ValueError(f"request_id={rid!r} is invalid: a request with this id is in the "
-                             "engine")
+            raise ValueError(
+                f"request_id={rid!r} is invalid: a request with this id is in the engine"
+            )
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
         ids = [int(t) for t in prompt_token_ids]
-        max_tokens, so = params.max_tokens or self.max_model_len - len(ids), params.structured_outputs
-        seqs = [Sequence(request_id=rid if params.n == 1 else f"{i}_{rid}", prompt_token_ids=ids,
-                         params=params, seed=sample_seed(seed, i), index=i, parent_id=rid,
-                         max_tokens=max_tokens, matcher=so and self.structured.matcher(so),
-                         rules=self.structured.token_rules(params)) for i in range(params.n)]
+        max_tokens, so = (
+            params.max_tokens or self.max_model_len - len(ids),
+            params.structured_outputs,
+        )
+        seqs = [
+            Sequence(
+                request_id=rid if params.n == 1 else f"{i}_{rid}",
+                prompt_token_ids=ids,
+                params=params,
+                seed=sample_seed(seed, i),
+                index=i,
+                parent_id=rid,
+                max_tokens=max_tokens,
+                matcher=so and self.structured.matcher(so),
+                rules=self.structured.token_rules(params),
+            )
+            for i in range(params.n)
+        ]
         for i, seq in enumerate(seqs):
             try:
                 self.scheduler.add(seq)  # raises ValueError before queueing
@@ -158,9 +204,12 @@ class LLMEngine:
         """A copy of the engine's counters with its queue and KV pool sizes filled in."""
         bm, sched = self.block_manager, self.scheduler
         return dataclasses.replace(
-            self._stats, num_running=sched.num_running, num_waiting=sched.num_waiting,
+            self._stats,
+            num_running=sched.num_running,
+            num_waiting=sched.num_waiting,
             kv_pages_in_use=bm.num_usable_pages - bm.num_free_pages,
-            kv_pages_total=bm.num_usable_pages)
+            kv_pages_total=bm.num_usable_pages,
+        )
 
     def abort_all(self) -> None:
         """Abort and forget every request, no outputs; reallocate pools an interrupted step took."""
@@ -199,8 +248,12 @@ class LLMEngine:
         """`StepLoop`'s launch: build the host batch, have the runner dispatch it; a constrained
         step's masks need the grammars advanced by ``prev``'s tokens: under async scheduling
         only its forward now, else nothing (`_sample` ends it). Returns (handle, `HostBatch`)."""
-        shape = dict(page_size=self.page_size, buckets=self.runner.buckets,
-                     eos_token_ids=self.eos_token_ids, mask_words=self.structured.words)
+        shape = dict(
+            page_size=self.page_size,
+            buckets=self.runner.buckets,
+            eos_token_ids=self.eos_token_ids,
+            mask_words=self.structured.words,
+        )
         key = shape_key(batch, **shape)
         split = bool(key.bitmask) and self.async_scheduling
         if (run_key := self.runner.runnable(key, split)) != key:
@@ -209,7 +262,9 @@ class LLMEngine:
         self._stats.max_kv_len_seen = max(self._stats.max_kv_len_seen, int(hb.seq_lens.max()))
         if hb.pending_rows.any():
             if prev is None:
-                raise RuntimeError("LLMEngine: a row needs a pending token but no step is in flight")
+                raise RuntimeError(
+                    "LLMEngine: a row needs a pending token but no step is in flight"
+                )
             row_of = {id(s): i for i, s in enumerate(prev.batch.seqs)}
             for i in np.flatnonzero(hb.pending_rows):
                 hb.pending_src[i] = row_of[id(batch.seqs[i])]
@@ -224,10 +279,22 @@ class LLMEngine:
         step read back; rows finished since: none, tokens discarded), then its sampling."""
         (handle, hb), batch = done.handle, done.batch
         if hb.key.bitmask:
-            self.structured.fill(hb.bitmask, [(i, s) for i, s in enumerate(batch.seqs)
-                                              if hb.sample_rows[i] and not s.is_finished])
-            done.handle = (self.runner.execute(hb) if handle is None
-                           else self.runner.execute_sample(handle, hb)), hb
+            self.structured.fill(
+                hb.bitmask,
+                [
+                    (i, s)
+                    for i, s in enumerate(batch.seqs)
+                    if hb.sample_rows[i] and not s.is_finished
+                ],
+            )
+            done.handle = (
+                (
+                    self.runner.execute(hb)
+                    if handle is None
+                    else self.runner.execute_sample(handle, hb)
+                ),
+                hb,
+            )
 
     def _complete(self, done: Launched, host_times: tuple[float, float]) -> list[Sequence]:
         """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
@@ -254,12 +321,20 @@ class LLMEngine:
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
         """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""
         requests = [self.check_request(ids, sp) for ids, sp in requests]
-        sched = self._scheduler(self.block_manager.copy_free(), self.eos_token_ids)  # the prefix cache as now
-        steps = dry_run(sched, requests, buckets=self.runner.buckets,
-                        async_scheduling=self.async_scheduling, mask_words=self.structured.words)
+        sched = self._scheduler(
+            self.block_manager.copy_free(), self.eos_token_ids
+        )  # the prefix cache as now
+        steps = dry_run(
+            sched,
+            requests,
+            buckets=self.runner.buckets,
+            async_scheduling=self.async_scheduling,
+            mask_words=self.structured.words,
+        )
         return list(dict.fromkeys(hb.key for _, hb in steps))
 
     def precompile(self, shape_keys, *, max_workers: int | None = None) -> dict:
         """`ModelRunner.precompile`, split as `_launch` runs: {"shapes", "lower_s", ...}."""
-        return self.runner.precompile(shape_keys, max_workers=max_workers,
-                                      split=self.async_scheduling)
+        return self.runner.precompile(
+            shape_keys, max_workers=max_workers, split=self.async_scheduling
+        )

@@ -2,8 +2,9 @@
 scheduling."""
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
@@ -24,10 +25,22 @@ class StepLoop:
     ``complete(Launched, (schedule_s, launch_s)) -> finished`` reads back and postprocesses;
     ``sample(Launched)`` (None: none) ends a launch once the previous step is completed."""
 
-    def __init__(self, scheduler: Scheduler, launch: Callable, complete: Callable, *,
-                 sample: Callable | None = None, async_scheduling: bool = True,
-                 stats: EngineStats | None = None) -> None:
-        self.scheduler, self.launch, self.complete, self.sample = scheduler, launch, complete, sample
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        launch: Callable,
+        complete: Callable,
+        *,
+        sample: Callable | None = None,
+        async_scheduling: bool = True,
+        stats: EngineStats | None = None,
+    ) -> None:
+        self.scheduler, self.launch, self.complete, self.sample = (
+            scheduler,
+            launch,
+            complete,
+            sample,
+        )
         self.async_scheduling = async_scheduling
         self.stats = stats if stats is not None else EngineStats()
         self.in_flight: Launched | None = None
@@ -47,8 +60,13 @@ class StepLoop:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
-        launched = None if batch is None else Launched(batch, self.launch(batch, prev), any(
-            s.params.needs_history for s in batch.seqs))
+        launched = (
+            None
+            if batch is None
+            else Launched(
+                batch, self.launch(batch, prev), any(s.params.needs_history for s in batch.seqs)
+            )
+        )
         times = (t1 - t0, time.perf_counter() - t1)
         if prev is not None:
             self.stats.num_overlapped_steps += launched is not None
@@ -64,4 +82,3 @@ class StepLoop:
         if self.in_flight is done:
             self.in_flight = None
         return self.complete(done, times)
-

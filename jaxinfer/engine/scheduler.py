@@ -8,8 +8,8 @@ Sources: nano-vllm; vLLM v1 chunked prefill, prefix caching, async scheduling; S
 
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from jaxinfer.checks import check_int
 from jaxinfer.engine.block_manager import BlockManager
@@ -35,12 +35,18 @@ class ScheduledBatch:
     def __post_init__(self) -> None:
         seqs, nums = list(self.seqs), [int(n) for n in self.num_new_tokens]  # own copies
         if len(seqs) != len(nums) or any(n < 1 for n in nums):
-            raise ValueError(f"ScheduledBatch.num_new_tokens={nums} is invalid: one count >= 1 "
-                             f"for each of the {len(seqs)} seqs")
+            raise ValueError(
+                f"ScheduledBatch.num_new_tokens={nums} is invalid: one count >= 1 "
+                f"for each of the {len(seqs)} seqs"
+            )
         starts = [s.num_computed_tokens for s in seqs]
-        for name, v in dict(seqs=seqs, num_new_tokens=nums, start_positions=starts, do_sample=[
-                st + n == s.num_tokens_with_pending for s, st, n in zip(seqs, starts, nums)],
-                pending_input=[st >= s.num_tokens for s, st in zip(seqs, starts)]).items():
+        for name, v in dict(
+            seqs=seqs,
+            num_new_tokens=nums,
+            start_positions=starts,
+            do_sample=[st + n == s.num_tokens_with_pending for s, st, n in zip(seqs, starts, nums)],
+            pending_input=[st >= s.num_tokens for s, st in zip(seqs, starts)],
+        ).items():
             object.__setattr__(self, name, v)
 
     num_seqs = property(lambda self: len(self.seqs))
@@ -49,28 +55,48 @@ class ScheduledBatch:
 class Scheduler:
     """Which sequences run each step; owns their pages. ValueError: bad sizes or ``page_size``."""
 
-    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, page_size: int,
-                 eos_token_ids: Iterable[int] = ()) -> None:
-        for name, v in (("max_num_seqs", max_num_seqs),
-                        ("max_num_batched_tokens", max_num_batched_tokens),
-                        ("max_model_len", max_model_len), ("page_size", page_size)):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        page_size: int,
+        eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        for name, v in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+            ("page_size", page_size),
+        ):
             check_int(f"Scheduler.{name}", v, 1)
         if page_size != block_manager.page_size:
-            raise ValueError(f"Scheduler.page_size={page_size} is invalid: must equal the block "
-                             f"manager's page_size={block_manager.page_size}")
-        self.block_manager, self.max_num_seqs, self.page_size = block_manager, max_num_seqs, page_size
+            raise ValueError(
+                f"Scheduler.page_size={page_size} is invalid: must equal the block "
+                f"manager's page_size={block_manager.page_size}"
+            )
+        self.block_manager, self.max_num_seqs, self.page_size = (
+            block_manager,
+            max_num_seqs,
+            page_size,
+        )
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.waiting: deque[Sequence] = deque()   # not admitted; no pages
-        self.running: list[Sequence] = []         # decoding; admission order
-        self.prefilling: Sequence | None = None   # partially prefilled; newest admitted
+        self.waiting: deque[Sequence] = deque()  # not admitted; no pages
+        self.running: list[Sequence] = []  # decoding; admission order
+        self.prefilling: Sequence | None = None  # partially prefilled; newest admitted
         self._requests: dict[str, Sequence] = {}  # unfinished, by request_id
-        self._in_flight: deque[ScheduledBatch] = deque()  # scheduled, not postprocessed; oldest first
+        self._in_flight: deque[ScheduledBatch] = (
+            deque()
+        )  # scheduled, not postprocessed; oldest first
 
     num_waiting = property(lambda self: len(self.waiting))
-    num_running = property(lambda self: len(self.running) + (self.prefilling is not None),
-                           doc="Admitted (page-holding) sequences, the partial prefill included.")
+    num_running = property(
+        lambda self: len(self.running) + (self.prefilling is not None),
+        doc="Admitted (page-holding) sequences, the partial prefill included.",
+    )
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -85,32 +111,44 @@ class Scheduler:
         if n_prompt == 0:
             raise ValueError("prompt has 0 tokens; at least 1 required")
         if params.max_tokens is None and n_prompt >= self.max_model_len:
-            raise ValueError(f"prompt has {tokens}, max_model_len={self.max_model_len}: no room "
-                             "for an output token (rule: prompt tokens < max_model_len)")
+            raise ValueError(
+                f"prompt has {tokens}, max_model_len={self.max_model_len}: no room "
+                "for an output token (rule: prompt tokens < max_model_len)"
+            )
         max_tokens = params.max_tokens or 1
         if n_prompt + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt has {tokens} and max_tokens={max_tokens}: prompt + max_tokens = "
                 f"{n_prompt + max_tokens} exceeds max_model_len={self.max_model_len} (rule: prompt "
-                f"tokens + max_tokens <= max_model_len)")
+                f"tokens + max_tokens <= max_model_len)"
+            )
         bm = self.block_manager
         need, usable = bm.pages_needed(n_prompt + max_tokens), bm.num_usable_pages
         if need > usable:
             raise ValueError(
                 f"prompt has {tokens} and max_tokens={max_tokens}: needs {need} KV pages "
                 f"of {self.page_size} tokens, but the whole KV pool has {usable} usable page{'s' if usable != 1 else ''} "
-                f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool")
+                f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool"
+            )
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (FIFO). ValueError (no change): inadmissible, duplicate id, not fresh."""
         self.check_admissible(seq.num_prompt_tokens, seq.params)
         if seq.request_id in self._requests:
-            raise ValueError(f"request_id={seq.request_id!r} is invalid: an unfinished request "
-                             "with this id exists")
-        if (seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_computed_tokens
-                or seq.output_token_ids):
-            raise ValueError(f"Sequence {seq.request_id!r} is invalid for add(): must be fresh "
-                             f"(WAITING, no pages, no outputs), got {seq!r}")
+            raise ValueError(
+                f"request_id={seq.request_id!r} is invalid: an unfinished request "
+                "with this id exists"
+            )
+        if (
+            seq.status is not SequenceStatus.WAITING
+            or seq.block_table
+            or seq.num_computed_tokens
+            or seq.output_token_ids
+        ):
+            raise ValueError(
+                f"Sequence {seq.request_id!r} is invalid for add(): must be fresh "
+                f"(WAITING, no pages, no outputs), got {seq!r}"
+            )
         self._requests[seq.request_id] = seq
         self.waiting.append(seq)
 
@@ -118,14 +156,18 @@ class Scheduler:
         """The next batch (pages allocated, sequences advanced), or None: nothing runnable now.
         Raises RuntimeError: two batches in flight, or work left that nothing can run."""
         if len(self._in_flight) >= 2:
-            raise RuntimeError("Scheduler.schedule: the previous batch was not postprocessed "
-                               "(at most one batch may be in flight when scheduling)")
+            raise RuntimeError(
+                "Scheduler.schedule: the previous batch was not postprocessed "
+                "(at most one batch may be in flight when scheduling)"
+            )
         batch = self._schedule_prefill() or self._schedule_decode()
         if batch is None:
             if self.has_unfinished() and not self._in_flight:
-                raise RuntimeError(f"Scheduler.schedule: {len(self._requests)} unfinished requests "
-                                   f"but nothing schedulable (waiting={self.num_waiting}, "
-                                   f"free pages={self.block_manager.num_free_pages})")
+                raise RuntimeError(
+                    f"Scheduler.schedule: {len(self._requests)} unfinished requests "
+                    f"but nothing schedulable (waiting={self.num_waiting}, "
+                    f"free pages={self.block_manager.num_free_pages})"
+                )
             return None
         for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, batch.do_sample):
             seq.num_computed_tokens += n
@@ -172,7 +214,7 @@ class Scheduler:
             if seq.num_computed_tokens + n == seq.num_tokens:
                 self.running.append(seq)
             else:
-                self.prefilling = seq      # budget is now 0: the last of this batch
+                self.prefilling = seq  # budget is now 0: the last of this batch
             return True
 
         head, self.prefilling = self.prefilling, None
@@ -198,8 +240,16 @@ class Scheduler:
         if not self.block_manager.enable_prefix_caching:
             return list(self.waiting)
         cached = self.block_manager.first_page_cached
-        return sorted(self.waiting, key=lambda s: 0 if s.num_preemptions or (
-            s.num_passed_over >= PASS_LIMIT) else 1 if cached(s) else 2)
+        return sorted(
+            self.waiting,
+            key=lambda s: (
+                0
+                if s.num_preemptions or (s.num_passed_over >= PASS_LIMIT)
+                else 1
+                if cached(s)
+                else 2
+            ),
+        )
 
     def _remove_admitted(self, admitted: list[Sequence]) -> None:
         """Drop ``admitted`` from the queue; each one left behind counts those queued after it."""
@@ -218,8 +268,15 @@ class Scheduler:
         ending, queue, scheduled, deferred = [], deque(), [], []
         for s in self.running:  # ends on its pending tokens (length)
             p = s.num_pending_tokens
-            (ending if p > 0 and (s.num_output_tokens + p >= s.max_tokens
-                                  or s.num_tokens + p >= self.max_model_len) else queue).append(s)
+            (
+                ending
+                if p > 0
+                and (
+                    s.num_output_tokens + p >= s.max_tokens
+                    or s.num_tokens + p >= self.max_model_len
+                )
+                else queue
+            ).append(s)
         while queue:
             seq = queue.popleft()
             if seq.num_computed_tokens != seq.num_tokens_with_pending - 1:
@@ -231,13 +288,15 @@ class Scheduler:
                 elif queue:
                     victim = queue.pop()
                 elif scheduled:
-                    victim = seq             # newest of the page holders left
-                elif ending:                 # pages come back when the batch in flight ends
+                    victim = seq  # newest of the page holders left
+                elif ending:  # pages come back when the batch in flight ends
                     deferred.append(seq)
                     break
                 else:
-                    raise RuntimeError(f"Scheduler: {seq!r} alone does not fit the pool; "
-                                       "admission should have rejected it")
+                    raise RuntimeError(
+                        f"Scheduler: {seq!r} alone does not fit the pool; "
+                        "admission should have rejected it"
+                    )
                 bm.free(victim)  # preempted: recomputed from its first token once readmitted
                 victim.num_computed_tokens, victim.status = 0, SequenceStatus.WAITING
                 victim.num_preemptions += 1
@@ -249,22 +308,30 @@ class Scheduler:
                 scheduled.append(seq)
         kept = {id(s) for s in scheduled + deferred + ending}
         self.running = [s for s in self.running if id(s) in kept]  # admission order
-        return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False) if scheduled else None
+        return (
+            ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False) if scheduled else None
+        )
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Append ``sampled`` (ids where ``batch.do_sample``, else None) for the oldest batch in
         flight; a stop token (EOS unless ``ignore_eos``) -> "stop", then "length". Returns the
         finished. Raises RuntimeError: not the oldest batch; ValueError: bad ``sampled``."""
         if not self._in_flight or batch is not self._in_flight[0]:
-            raise RuntimeError("Scheduler.postprocess: batch is not the one returned by the last "
-                               "schedule() (the oldest batch in flight)")
+            raise RuntimeError(
+                "Scheduler.postprocess: batch is not the one returned by the last "
+                "schedule() (the oldest batch in flight)"
+            )
         if len(sampled) != batch.num_seqs:
-            raise ValueError(f"postprocess: sampled has {len(sampled)} entries, batch has "
-                             f"{batch.num_seqs} sequences")
+            raise ValueError(
+                f"postprocess: sampled has {len(sampled)} entries, batch has "
+                f"{batch.num_seqs} sequences"
+            )
         for i, (tok, want) in enumerate(zip(sampled, batch.do_sample)):
             if (tok is None) == want:
-                raise ValueError(f"postprocess: sampled[{i}]={tok!r} is invalid: expected "
-                                 f"{'a token id' if want else 'None (prefill chunk not at the end)'}")
+                raise ValueError(
+                    f"postprocess: sampled[{i}]={tok!r} is invalid: expected "
+                    f"{'a token id' if want else 'None (prefill chunk not at the end)'}"
+                )
         self._in_flight.popleft()
         if self.block_manager.enable_prefix_caching:  # pages this step filled: K/V written now
             P = self.page_size

@@ -48,11 +48,15 @@ class Sequence:
     cumulative_logprob: float | None = field(default=None, kw_only=True)
     matcher: object = field(default=None, kw_only=True)
     rules: tuple | None = field(default=None, kw_only=True)
-    decoded: tuple = field(default=(0, "", None), kw_only=True)  # `OutputProcessor`'s (m, text, params)
+    decoded: tuple = field(
+        default=(0, "", None), kw_only=True
+    )  # `OutputProcessor`'s (m, text, params)
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, SamplingParams):
-            raise ValueError(f"Sequence.params={self.params!r} is invalid: must be a SamplingParams")
+            raise ValueError(
+                f"Sequence.params={self.params!r} is invalid: must be a SamplingParams"
+            )
         self.prompt_token_ids = [int(t) for t in self.prompt_token_ids]
         self.output_token_ids = [int(t) for t in self.output_token_ids]
         self.seed = int(self.seed)
@@ -74,12 +78,19 @@ class Sequence:
     last_token_id = property(lambda self: (self.output_token_ids or self.prompt_token_ids)[-1])
     is_finished = property(lambda self: self.status is SequenceStatus.FINISHED)
 
-    ended_on_stop_token = property(lambda self: (
-        self.is_finished and self.finish_reason == "stop" and self.stop_string is None
-        and any(t in self.params.stop_token_ids for t in self.output_token_ids[-1:])),
-        doc="Finished on one of ``params.stop_token_ids`` (its text is left out).")
+    ended_on_stop_token = property(
+        lambda self: (
+            self.is_finished
+            and self.finish_reason == "stop"
+            and self.stop_string is None
+            and any(t in self.params.stop_token_ids for t in self.output_token_ids[-1:])
+        ),
+        doc="Finished on one of ``params.stop_token_ids`` (its text is left out).",
+    )
 
     def __repr__(self) -> str:
-        return (f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
-                f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, pending="
-                f"{self.num_pending_tokens}, pages={self.block_table}, {self.finish_reason!r})")
+        return (
+            f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, pending="
+            f"{self.num_pending_tokens}, pages={self.block_table}, {self.finish_reason!r})"
+        )

@@ -41,20 +41,29 @@ class StructuredOutputManager:
             return m
         kind, spec = so.key
         if self.tokenizer is None:
-            raise ValueError("SamplingParams.structured_outputs needs a tokenizer, but this engine "
-                             "has none")
+            raise ValueError(
+                "SamplingParams.structured_outputs needs a tokenizer, but this engine has none"
+            )
         if self._ll_tokenizer is None:
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(self.tokenizer, self.vocab_size,
-                                                              self.eos or None)
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                self.tokenizer, self.vocab_size, self.eos or None
+            )
         try:
-            m = llguidance.LLMatcher(self._ll_tokenizer, llguidance.grammar_from(
-                _FORMATS.get(kind, kind), '{"type": "object"}' if kind == "json_object" else spec))
+            m = llguidance.LLMatcher(
+                self._ll_tokenizer,
+                llguidance.grammar_from(
+                    _FORMATS.get(kind, kind),
+                    '{"type": "object"}' if kind == "json_object" else spec,
+                ),
+            )
             error = m.get_error() if m.is_error() else None
         except Exception as e:  # llguidance raises ValueError, json TypeError/ValueError, ...
             error = f"{type(e).__name__}: {e}"
         if error is not None:
-            raise ValueError(f"StructuredOutputsParams.{kind}={spec[:80]!r} is invalid: "
-                             + " ".join(error.split()))  # llguidance's lines: one line
+            raise ValueError(
+                f"StructuredOutputsParams.{kind}={spec[:80]!r} is invalid: "
+                + " ".join(error.split())
+            )  # llguidance's lines: one line
         self._cache[so.key] = m
         if len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)
@@ -68,15 +77,23 @@ class StructuredOutputManager:
             raise ValueError("SamplingParams.bad_words needs a tokenizer; this engine has none")
         words = []
         for w in params.bad_words or ():
-            ids, sp = (self.tokenizer.encode(p + w.lstrip(), add_special_tokens=False)
-                       for p in ("", " "))
+            ids, sp = (
+                self.tokenizer.encode(p + w.lstrip(), add_special_tokens=False) for p in ("", " ")
+            )
             kept = [ids] + [sp] * bool(ids and sp[0] != ids[0] and len(sp) == len(ids))
             if not ids or max(map(max, kept)) >= self.vocab_size:
-                raise ValueError(f"SamplingParams.bad_words entry {w!r} is invalid: its tokens "
-                                 f"{kept} are none or outside [0, {self.vocab_size})")
+                raise ValueError(
+                    f"SamplingParams.bad_words entry {w!r} is invalid: its tokens "
+                    f"{kept} are none or outside [0, {self.vocab_size})"
+                )
             words += kept
-        allowed = None if not params.allowed_token_ids else np.packbits(np.isin(np.arange(
-            self.words * 32), params.allowed_token_ids), bitorder="little").view(np.int32)
+        allowed = (
+            None
+            if not params.allowed_token_ids
+            else np.packbits(
+                np.isin(np.arange(self.words * 32), params.allowed_token_ids), bitorder="little"
+            ).view(np.int32)
+        )
         return None if allowed is None and not words else (allowed, words)
 
     def fill(self, bitmask, rows) -> None:
@@ -95,7 +112,7 @@ class StructuredOutputManager:
             if allowed is not None:
                 bitmask[i] &= allowed
             for w in words:
-                if (out := s.output_token_ids)[len(out) - len(w) + 1:] == w[:-1]:
+                if (out := s.output_token_ids)[len(out) - len(w) + 1 :] == w[:-1]:
                     bitmask[i].view(np.uint32)[w[-1] // 32] &= ~np.uint32(1 << w[-1] % 32)
 
     @staticmethod

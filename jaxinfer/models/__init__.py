@@ -12,8 +12,16 @@ from jaxinfer.models.layers import Packing
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.quantize import is_quantized, quantize_params
 
-__all__ = ["Packing", "fused_parts", "forward", "compute_logits", "init_params", "abstract_params",
-           "check_params", "QUANTIZATIONS"]
+__all__ = [
+    "Packing",
+    "fused_parts",
+    "forward",
+    "compute_logits",
+    "init_params",
+    "abstract_params",
+    "check_params",
+    "QUANTIZATIONS",
+]
 QUANTIZATIONS = (None, "fp8")
 
 
@@ -24,9 +32,17 @@ def _model(cfg, kernels: ModelKernels, dtype, quantization: str | None = None):
     return LlamaForCausalLM(cfg, kernels, jnp.dtype(dtype), quantization)
 
 
-def forward(params: dict, cfg, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
-            kv: KVCache, *, kernels: ModelKernels = ModelKernels(),
-            packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
+def forward(
+    params: dict,
+    cfg,
+    tokens: jax.Array,
+    positions: jax.Array,
+    slot_mapping: jax.Array,
+    kv: KVCache,
+    *,
+    kernels: ModelKernels = ModelKernels(),
+    packing: Packing | None = None,
+) -> tuple[jax.Array, KVCache]:
     """One step over the paged cache: tokens, positions, slot_mapping i32[B, T]; ``kv``:
     block_tables i32[R, M], seq_lens i32[R] after this write (R = B unless ``packing``: tokens [1,
     Tp], R chunks) -> (hidden [B, T, D], new cache)."""
@@ -41,8 +57,10 @@ def compute_logits(params: dict, cfg, hidden: jax.Array) -> jax.Array:
     elif "lm_head" in params:
         w, spec = params["lm_head"], "...d,dv->...v"
     else:
-        raise ValueError("params has no 'lm_head' but cfg.tie_word_embeddings=False; "
-                         "an untied model needs lm_head [D, V]")
+        raise ValueError(
+            "params has no 'lm_head' but cfg.tie_word_embeddings=False; "
+            "an untied model needs lm_head [D, V]"
+        )
     return jnp.einsum(spec, hidden.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
@@ -79,6 +97,8 @@ def check_params(params: dict, cfg, quantization: str | None = None) -> None:
     """``params`` vs `abstract_params` (``quantization``); ValueError listing each missing or
     unexpected entry and bad shape (`checkpoints_tools.mapping.tree_mismatches`)."""
     if bad := tree_mismatches(abstract_params(cfg, quantization=quantization), params, slash=True):
-        raise ValueError("params have missing or unexpected entries or wrong shapes for the model "
-                         f"(tie_word_embeddings={cfg.tie_word_embeddings}, quantization="
-                         f"{quantization!r}): " + "; ".join(bad))
+        raise ValueError(
+            "params have missing or unexpected entries or wrong shapes for the model "
+            f"(tie_word_embeddings={cfg.tie_word_embeddings}, quantization="
+            f"{quantization!r}): " + "; ".join(bad)
+        )

@@ -2,8 +2,9 @@
 from a resolved `KernelConfig`; its attention has `reference.paged_attention`'s signature."""
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -18,13 +19,16 @@ class ModelKernels:
     attention: Callable = reference.paged_attention
     mesh: Any = None
 
-    tp = property(lambda self: 1 if self.mesh is None else self.mesh.size,
-                  doc="Devices the model is sharded over (1: no mesh).")
+    tp = property(
+        lambda self: 1 if self.mesh is None else self.mesh.size,
+        doc="Devices the model is sharded over (1: no mesh).",
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale"))
-def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel,
-                knobs, scale):
+def decode_step(
+    q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel, knobs, scale
+):
     """q [B, 1, N, H], layer i32[], page_offset: mosaic's or None, scales: {} or fp8's -> q's."""
     extra = dict(knobs, **scales, **({} if page_offset is None else {"page_offset": page_offset}))
     out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale, **extra)
@@ -32,11 +36,13 @@ def decode_step(q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, s
 
 
 @functools.partial(jax.jit, static_argnames=("kernel", "scale"))
-def prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, scales, *, kernel,
-                 scale):
+def prefill_step(
+    q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, scales, *, kernel, scale
+):
     """q [B, T, N, H], layer i32[], scales as `decode_step` -> [B, T, N, H]."""
-    return kernel(q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer=layer,
-                  scale=scale, **scales)
+    return kernel(
+        q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer=layer, scale=scale, **scales
+    )
 
 
 @dataclass(frozen=True)
@@ -48,25 +54,65 @@ class PagedAttention:
     prefill: str = "reference"
     decode_knobs: tuple[tuple[str, Any], ...] = ()
 
-    def __call__(self, q, k_pool, v_pool, block_tables, seq_lens, q_positions, *, layer, scale,
-                 k_scale=None, v_scale=None):
+    def __call__(
+        self,
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        q_positions,
+        *,
+        layer,
+        scale,
+        k_scale=None,
+        v_scale=None,
+    ):
         scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
         scale = float(scale)
         if q.shape[1] == 1 and self.decode != "reference":
             offset = None
             if self.decode == "mosaic":
                 from pallas_kernels.paged_attention.mosaic import layer_offsets
+
                 offset = layer_offsets(layer, k_pool.shape[1])
-            return decode_step(q, k_pool, v_pool, block_tables, seq_lens,
-                               jnp.asarray(layer, jnp.int32), offset, scales,
-                               kernel=registry.get(self.decode), knobs=self.decode_knobs,
-                               scale=scale)
+            return decode_step(
+                q,
+                k_pool,
+                v_pool,
+                block_tables,
+                seq_lens,
+                jnp.asarray(layer, jnp.int32),
+                offset,
+                scales,
+                kernel=registry.get(self.decode),
+                knobs=self.decode_knobs,
+                scale=scale,
+            )
         if q.shape[1] == 1 or self.prefill == "reference":
-            return reference.paged_attention(q, k_pool, v_pool, block_tables, seq_lens,
-                                             q_positions, layer=layer, scale=scale, **scales)
-        return prefill_step(q, k_pool, v_pool, block_tables, seq_lens, q_positions,
-                            jnp.asarray(layer, jnp.int32), scales,
-                            kernel=registry.get_prefill(self.prefill), scale=scale)
+            return reference.paged_attention(
+                q,
+                k_pool,
+                v_pool,
+                block_tables,
+                seq_lens,
+                q_positions,
+                layer=layer,
+                scale=scale,
+                **scales,
+            )
+        return prefill_step(
+            q,
+            k_pool,
+            v_pool,
+            block_tables,
+            seq_lens,
+            q_positions,
+            jnp.asarray(layer, jnp.int32),
+            scales,
+            kernel=registry.get_prefill(self.prefill),
+            scale=scale,
+        )
 
 
 def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKernels:
@@ -75,8 +121,9 @@ def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKerne
     decode, prefill = kc.decode_attention, kc.prefill_attention
     registry.get(decode), registry.get_prefill(prefill)  # raise ValueError listing the names
     if decode_knobs and decode == "reference":
-        raise ValueError(f"decode_knobs={decode_knobs} need a decode kernel variant; the "
-                         "reference has no knobs")
+        raise ValueError(
+            f"decode_knobs={decode_knobs} need a decode kernel variant; the reference has no knobs"
+        )
     attention = reference.paged_attention
     if (decode, prefill) != ("reference", "reference"):
         attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))

@@ -5,7 +5,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from pallas_kernels.kv_quant import FP8, check_scales, is_fp8
@@ -59,8 +60,9 @@ def page_dtype(dtype) -> jnp.dtype:
     return PAGES.get(jnp.dtype(dtype), jnp.dtype(dtype))
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
-                  sharding=None) -> KVCache:
+def init_kv_cache(
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None
+) -> KVCache:
     """Zeroed pools [L, P, K, page_size, H] of ``dtype``, scales 1.0, placed with ``sharding``, one
     padded table row (replicated on a ``NamedSharding``'s mesh); ValueError: num_pages < 2."""
     if num_pages < 2:
@@ -69,6 +71,11 @@ def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype,
     zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(dtype)), out_shardings=sharding)
     tables = NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
     ones = jax.device_put(np.ones((cfg.num_layers, cfg.num_kv_heads), np.float32), tables)
-    return KVCache(k=zeros(), v=zeros(), k_scale=ones, v_scale=jnp.array(ones),
-                   block_tables=jax.device_put(np.zeros((1, 1), np.int32), tables),
-                   seq_lens=jax.device_put(np.zeros((1,), np.int32), tables))
+    return KVCache(
+        k=zeros(),
+        v=zeros(),
+        k_scale=ones,
+        v_scale=jnp.array(ones),
+        block_tables=jax.device_put(np.zeros((1, 1), np.int32), tables),
+        seq_lens=jax.device_put(np.zeros((1,), np.int32), tables),
+    )

@@ -5,7 +5,8 @@ statistics, RoPE and attention softmax in f32; weights ``[in, out]``. Sources: H
 import dataclasses
 import functools
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -21,8 +22,9 @@ from pallas_kernels.kv_quant import quantize
 INITS = {"normal": nn.initializers.normal(stddev=INIT_STD), "ones": nn.initializers.ones}
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["w", "scale"],
-                   meta_fields=["block"])
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["w", "scale"], meta_fields=["block"]
+)
 @dataclasses.dataclass(frozen=True)
 class Weight:
     """w [in, out]: compute dtype (``scale`` None), or float8_e4m3fn with an f32 `scale_shape` scale
@@ -62,8 +64,11 @@ def declare(module: nn.Module, name: str) -> Weight | jax.Array | None:
     w = module.param(name, INITS[leaf.init], shape, FP8 if fp8 else module.param_dtype)
     if not fp8:
         return Weight(w) if leaf.fp8 else w
-    return Weight(w, module.param(name + "_scale", nn.initializers.ones, scale_shape(shape, block),
-                                  jnp.float32), block)
+    return Weight(
+        w,
+        module.param(name + "_scale", nn.initializers.ones, scale_shape(shape, block), jnp.float32),
+        block,
+    )
 
 
 def rope_inv_freq(cfg) -> np.ndarray:
@@ -111,14 +116,32 @@ class StepContext(NamedTuple):
     v_mean: jax.Array | None = None
 
 
-def attend(attn: Callable, q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-           ctx: StepContext, *, layer: int, scale: float) -> jax.Array:
+def attend(
+    attn: Callable,
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    ctx: StepContext,
+    *,
+    layer: int,
+    scale: float,
+) -> jax.Array:
     """``attn`` on q [B, T, N, H] -> [B, T, N, H]; packs rows."""
     pk = ctx.packing  # packed: rows q[0][q_index] [R, Tq, N, H], output back to [1, Tp, N, H]
     rows, pos = (q, ctx.positions) if pk is None else (q[0][pk.q_index], pk.q_positions)
     k_pool, v_pool = (p.view(page_dtype(p.dtype)) for p in (k_pool, v_pool))  # `stored_dtype`
-    o = attn(rows, k_pool, v_pool, ctx.block_tables, ctx.seq_lens, pos, layer=layer, scale=scale,
-             k_scale=ctx.k_scale, v_scale=ctx.v_scale)
+    o = attn(
+        rows,
+        k_pool,
+        v_pool,
+        ctx.block_tables,
+        ctx.seq_lens,
+        pos,
+        layer=layer,
+        scale=scale,
+        k_scale=ctx.k_scale,
+        v_scale=ctx.v_scale,
+    )
     return o if pk is None else o.reshape(-1, *q.shape[2:])[pk.out_index][None]
 
 
@@ -130,8 +153,9 @@ def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return w.astype(x.dtype) * (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
 
 
-def add_rms_norm(x: jax.Array, delta: jax.Array | None, w: jax.Array, *, eps: float
-                 ) -> tuple[jax.Array, jax.Array]:
+def add_rms_norm(
+    x: jax.Array, delta: jax.Array | None, w: jax.Array, *, eps: float
+) -> tuple[jax.Array, jax.Array]:
     """vLLM's ``fused_add_rms_norm``: x, delta [B, T, D] (None: x unchanged), w [D] -> (x + delta,
     its `rms_norm`) in x.dtype."""
     if delta is not None:
@@ -147,9 +171,18 @@ def rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer: int, k: jax.Array, v: jax.Array,
-             slot_mapping: jax.Array, k_scale=None, v_scale=None, k_mean=None,
-             v_mean=None) -> tuple[jax.Array, jax.Array]:
+def write_kv(
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    layer: int,
+    k: jax.Array,
+    v: jax.Array,
+    slot_mapping: jax.Array,
+    k_scale=None,
+    v_scale=None,
+    k_mean=None,
+    v_mean=None,
+) -> tuple[jax.Array, jax.Array]:
     """Scatter k, v [S, K, H] into ``layer`` of pools [L, P, K, page_size, H] (kept in a
     `stored_dtype`) at ``slot_mapping`` i32[S] (``page * page_size + offset``; fp8 pages:
     `kv_quant.quantize` of ``x - mean`` by the scale, scales f32[L, K], means f32[L, K, H] or
@@ -157,17 +190,20 @@ def write_kv(k_pool: jax.Array, v_pool: jax.Array, layer: int, k: jax.Array, v: 
     page, off = jnp.divmod(slot_mapping, k_pool.shape[3])  # shape[3]: page_size
     ks, vs = (None if x is None else x[layer][None, :, None] for x in (k_scale, v_scale))
     km, vm = (x if x is None else x[layer] for x in (k_mean, v_mean))
-    return tuple(pool.at[layer, page, :, off, :].set(
-        quantize(x if m is None else x - m, s, page_dtype(pool.dtype)).view(pool.dtype),
-        mode="promise_in_bounds")
-        for pool, x, s, m in ((k_pool, k, ks, km), (v_pool, v, vs, vm)))
+    return tuple(
+        pool.at[layer, page, :, off, :].set(
+            quantize(x if m is None else x - m, s, page_dtype(pool.dtype)).view(pool.dtype),
+            mode="promise_in_bounds",
+        )
+        for pool, x, s, m in ((k_pool, k, ks, km), (v_pool, v, vs, vm))
+    )
 
 
 def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1) -> jax.Array:
     """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; ``w_gate_up``
     [D, 2F] ([gate | up] in each of ``shards`` column groups, `engine_layout`), ``w_down`` [F, D]."""
     with jax.named_scope("mlp"):
-        gu = dense(x, w_gate_up)                                        # [B, T, 2F]
-        gu = gu.reshape(*gu.shape[:-1], shards, 2, -1)                  # [B, T, shards, 2, F/s]
+        gu = dense(x, w_gate_up)  # [B, T, 2F]
+        gu = gu.reshape(*gu.shape[:-1], shards, 2, -1)  # [B, T, shards, 2, F/s]
         h = (jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]).reshape(*x.shape[:-1], -1)  # [B, T, F]
         return dense(h, w_down).astype(x.dtype)

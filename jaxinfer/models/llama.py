@@ -15,14 +15,36 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.config.weights import LAYER, MODEL
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import AXIS, KV_POOL_SPEC, KVCache
-from jaxinfer.models.layers import (Packing, StepContext, add_rms_norm, attend, declare, dense, mlp,
-                                    rms_norm, rope, rope_cos_sin, rope_inv_freq, write_kv)
+from jaxinfer.models.layers import (
+    Packing,
+    StepContext,
+    add_rms_norm,
+    attend,
+    declare,
+    dense,
+    mlp,
+    rms_norm,
+    rope,
+    rope_cos_sin,
+    rope_inv_freq,
+    write_kv,
+)
 
 
-def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: StepContext,
-                    wq: jax.Array | None, wk: jax.Array | None, *, kernels: ModelKernels,
-                    layer: jax.Array, num_heads: int, num_kv_heads: int,
-                    eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+def attention_heads(
+    qkv: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    ctx: StepContext,
+    wq: jax.Array | None,
+    wk: jax.Array | None,
+    *,
+    kernels: ModelKernels,
+    layer: jax.Array,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Everything between the qkv and output GEMMs on N = ``num_heads`` query and K =
     ``num_kv_heads`` KV heads (one device's under tensor parallelism): qkv [B, T, (N+2K)*H]
     (`fused_parts`) -> per-head RMSNorm of q and k (``wq``, ``wk`` [H], or None), RoPE, K/V written
@@ -31,27 +53,44 @@ def attention_heads(qkv: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: S
     B, T, _ = qkv.shape
     N, K, H = num_heads, num_kv_heads, k_pool.shape[-1]
     with jax.named_scope("qkv_prologue"):
-        qk = qkv[..., :(N + K) * H].reshape(B, T, N + K, H)
-        v = qkv[..., (N + K) * H:].reshape(B * T, K, H)
+        qk = qkv[..., : (N + K) * H].reshape(B, T, N + K, H)
+        v = qkv[..., (N + K) * H :].reshape(B * T, K, H)
         if wq is not None:  # one RMSNorm over the N + K heads, the weights broadcast
-            qk = rms_norm(qk, jnp.concatenate([jnp.broadcast_to(wq, (N, H)),
-                                               jnp.broadcast_to(wk, (K, H))]), eps)
+            qk = rms_norm(
+                qk,
+                jnp.concatenate([jnp.broadcast_to(wq, (N, H)), jnp.broadcast_to(wk, (K, H))]),
+                eps,
+            )
         with jax.named_scope("rope"):
             qk = rope(qk, ctx.cos, ctx.sin)
         with jax.named_scope("kv_write"):
-            k_pool, v_pool = write_kv(k_pool, v_pool, layer, qk[:, :, N:].reshape(B * T, K, H), v,
-                                      ctx.slot_mapping.reshape(-1), *ctx[7:])  # scales, means
+            k_pool, v_pool = write_kv(
+                k_pool,
+                v_pool,
+                layer,
+                qk[:, :, N:].reshape(B * T, K, H),
+                v,
+                ctx.slot_mapping.reshape(-1),
+                *ctx[7:],
+            )  # scales, means
     with jax.named_scope("attention"):
-        o = attend(kernels.attention, qk[:, :, :N], k_pool, v_pool, ctx, layer=layer,
-                   scale=H ** -0.5)
+        o = attend(kernels.attention, qk[:, :, :N], k_pool, v_pool, ctx, layer=layer, scale=H**-0.5)
     if ctx.v_mean is not None:  # pages hold v - v_mean; the probabilities sum to 1
         o = o + jnp.repeat(ctx.v_mean[layer], N // K, axis=0).astype(o.dtype)
     return o, k_pool, v_pool
 
 
-def attention(x: jax.Array, w: dict, layer: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-              ctx: StepContext, *, cfg, kernels: ModelKernels
-              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def attention(
+    x: jax.Array,
+    w: dict,
+    layer: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    ctx: StepContext,
+    *,
+    cfg,
+    kernels: ModelKernels,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D] @ ``w["wqkv"]`` -> `attention_heads` (RMSNorm weights ``w["q_norm"]``,
     ``w["k_norm"]`` [H], or None) -> @ ``w["wo"]``. With ``kernels.mesh``, `attention_heads` runs
     under ``jax.shard_map`` on each device's heads (wqkv's columns shard-major, `engine_layout`) and
@@ -59,14 +98,24 @@ def attention(x: jax.Array, w: dict, layer: jax.Array, k_pool: jax.Array, v_pool
     B, T, _ = x.shape
     N, K, H, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kernels.tp
     with jax.named_scope("qkv"):
-        qkv = dense(x, w["wqkv"])                                       # [B, T, (N + 2K) * H]
-    heads = functools.partial(attention_heads, kernels=kernels, layer=layer, num_heads=N // tp,
-                              num_kv_heads=K // tp, eps=cfg.rms_norm_eps)
+        qkv = dense(x, w["wqkv"])  # [B, T, (N + 2K) * H]
+    heads = functools.partial(
+        attention_heads,
+        kernels=kernels,
+        layer=layer,
+        num_heads=N // tp,
+        num_kv_heads=K // tp,
+        eps=cfg.rms_norm_eps,
+    )
     if tp > 1:
         pool = KV_POOL_SPEC
-        heads = jax.shard_map(heads, mesh=kernels.mesh, check_vma=False,
-                              in_specs=(P(None, None, AXIS), pool, pool, P(), P(), P()),
-                              out_specs=(P(None, None, AXIS, None), pool, pool))
+        heads = jax.shard_map(
+            heads,
+            mesh=kernels.mesh,
+            check_vma=False,
+            in_specs=(P(None, None, AXIS), pool, pool, P(), P(), P()),
+            out_specs=(P(None, None, AXIS, None), pool, pool),
+        )
     o, k_pool, v_pool = heads(qkv, k_pool, v_pool, ctx, w["q_norm"], w["k_norm"])
     with jax.named_scope("attention"):
         out = dense(o.astype(x.dtype).reshape(B, T, N * H), w["wo"]).astype(x.dtype)
@@ -82,9 +131,18 @@ class _Module(nn.Module):
     quantization: str | None = None
 
 
-def decoder_layer(w: dict, x: jax.Array, pending: jax.Array | None, layer: jax.Array,
-                  k_pool: jax.Array, v_pool: jax.Array, ctx: StepContext, *, cfg,
-                  kernels: ModelKernels) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def decoder_layer(
+    w: dict,
+    x: jax.Array,
+    pending: jax.Array | None,
+    layer: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    ctx: StepContext,
+    *,
+    cfg,
+    kernels: ModelKernels,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Pre-norm layer ``layer`` (i32[]) with weights ``w`` (`LAYER`'s), ``x += attn(attn_norm(x));
     x += mlp(mlp_norm(x))``, each residual add done with the next norm (`add_rms_norm`): ``(x [B,
     T, D], pending, ...) -> (x, pending, k_pool, v_pool)``; ``pending``: the MLP output not yet
@@ -106,12 +164,27 @@ class DecoderLayer(_Module):
     ctx) -> (x, pending, k_pool, v_pool)``."""
 
     @nn.compact
-    def __call__(self, x: jax.Array, pending: jax.Array | None, layer: int, k_pool: jax.Array,
-                 v_pool: jax.Array, ctx: StepContext
-                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        w = {name: declare(self, name) for name in LAYER}              # the weight table's
-        return _decoder_layer(w, x, pending, jnp.asarray(layer, jnp.int32), k_pool, v_pool, ctx,
-                              cfg=self.cfg, kernels=self.kernels)
+    def __call__(
+        self,
+        x: jax.Array,
+        pending: jax.Array | None,
+        layer: int,
+        k_pool: jax.Array,
+        v_pool: jax.Array,
+        ctx: StepContext,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+        w = {name: declare(self, name) for name in LAYER}  # the weight table's
+        return _decoder_layer(
+            w,
+            x,
+            pending,
+            jnp.asarray(layer, jnp.int32),
+            k_pool,
+            v_pool,
+            ctx,
+            cfg=self.cfg,
+            kernels=self.kernels,
+        )
 
 
 class Layers(_Module):
@@ -119,12 +192,14 @@ class Layers(_Module):
     -> (x, pending, k_pool, v_pool)`` (see `DecoderLayer`; the final norm adds ``pending``)."""
 
     @nn.compact
-    def __call__(self, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                 ctx: StepContext) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    def __call__(
+        self, x: jax.Array, k_pool: jax.Array, v_pool: jax.Array, ctx: StepContext
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         pending = None
         for i in range(self.cfg.num_layers):
-            layer = DecoderLayer(self.cfg, self.kernels, self.param_dtype, self.quantization,
-                                 name=str(i))
+            layer = DecoderLayer(
+                self.cfg, self.kernels, self.param_dtype, self.quantization, name=str(i)
+            )
             x, pending, k_pool, v_pool = layer(x, pending, i, k_pool, v_pool, ctx)
         return x, pending, k_pool, v_pool
 
@@ -134,14 +209,28 @@ class LlamaForCausalLM(_Module):
     packing) -> (hidden [B, T, D] in the params' dtype, kv with the pools written)``."""
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, positions: jax.Array, slot_mapping: jax.Array,
-                 kv: KVCache, packing: Packing | None = None) -> tuple[jax.Array, KVCache]:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        slot_mapping: jax.Array,
+        kv: KVCache,
+        packing: Packing | None = None,
+    ) -> tuple[jax.Array, KVCache]:
         cfg, w = self.cfg, {name: declare(self, name) for name in MODEL}
-        x = jnp.take(w["embed"], tokens, axis=0)                          # [B, T, D], compute dtype
+        x = jnp.take(w["embed"], tokens, axis=0)  # [B, T, D], compute dtype
         with jax.named_scope("rope"):
             cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg))
-        ctx = StepContext(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32),
-                          kv.block_tables, kv.seq_lens, cos, sin, packing, *kv.scales())
+        ctx = StepContext(
+            positions.astype(jnp.int32),
+            slot_mapping.astype(jnp.int32),
+            kv.block_tables,
+            kv.seq_lens,
+            cos,
+            sin,
+            packing,
+            *kv.scales(),
+        )
         layers = Layers(cfg, self.kernels, self.param_dtype, self.quantization, name="layers")
         x, pending, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)
         _, x = add_rms_norm(x, pending, w["final_norm"], eps=cfg.rms_norm_eps)

@@ -11,14 +11,15 @@ from jaxinfer.config.weights import QUANTIZED, scale_shape
 from pallas_kernels.kv_quant import FP8, FP8_MAX, quantize  # e4m3, as the fp8 KV pages
 
 
-def expand_scale(scale: jax.Array, shape: tuple[int, int],
-                 block: tuple[int, int] | None) -> jax.Array:
+def expand_scale(
+    scale: jax.Array, shape: tuple[int, int], block: tuple[int, int] | None
+) -> jax.Array:
     """A `scale_shape` scale broadcast to the elements of its matrix: f32[in, out] (per channel:
     f32[1, out]); block ``(block_out, block_in)`` as in `scale_shape`."""
     if block is None:
         return scale[None, :]
-    rows = jnp.repeat(scale, block[1], axis=0)[:shape[0]]
-    return jnp.repeat(rows, block[0], axis=1)[:, :shape[1]]
+    rows = jnp.repeat(scale, block[1], axis=0)[: shape[0]]
+    return jnp.repeat(rows, block[0], axis=1)[:, : shape[1]]
 
 
 @functools.partial(jax.jit, static_argnames="block")

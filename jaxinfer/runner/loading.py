@@ -28,24 +28,35 @@ class LoadedModel(NamedTuple):
     source: str
 
 
-def params_from_hf(tensors: TensorSource, cfg: ModelConfig, dtype,
-                   on_host: bool = False) -> tuple[dict, ModelConfig]:
+def params_from_hf(
+    tensors: TensorSource, cfg: ModelConfig, dtype, on_host: bool = False
+) -> tuple[dict, ModelConfig]:
     """``(params, cfg with tying decided)`` from HF-named tensors; FP8 checkpoints stay fp8."""
     untied, parts = dataclasses.replace(cfg, tie_word_embeddings=False), fused_parts(cfg)
     if bo := cfg.weight_block_size and cfg.weight_block_size[0]:  # block scales' parts: bounds / bo
         for m, p, n in ((m, p, s.stop - s.start) for m, ps in parts.items() for p, s in ps.items()):
             if n % bo:
-                raise ValueError(f"{m} part {p!r} has {n} output rows, not a multiple of "
-                                 f"weight_block_size's {bo}: its FP8 block scales cannot be fused")
-        parts |= {m + "_scale": {p: slice(s.start // bo, s.stop // bo) for p, s in ps.items()}
-                  for m, ps in parts.items()}
-    params = hf_tensors_to_params(tensors, cfg, abstract_params(untied, dtype, bo and "fp8"),
-                                  parts, on_host)
+                raise ValueError(
+                    f"{m} part {p!r} has {n} output rows, not a multiple of "
+                    f"weight_block_size's {bo}: its FP8 block scales cannot be fused"
+                )
+        parts |= {
+            m + "_scale": {p: slice(s.start // bo, s.stop // bo) for p, s in ps.items()}
+            for m, ps in parts.items()
+        }
+    params = hf_tensors_to_params(
+        tensors, cfg, abstract_params(untied, dtype, bo and "fp8"), parts, on_host
+    )
     return params, dataclasses.replace(cfg, tie_word_embeddings="lm_head" not in params)
 
 
-def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | None = None,
-                on_host: bool = False, quantization: str | None = None) -> tuple[ModelConfig, dict]:
+def load_params(
+    ckpt: Checkpoint | str | os.PathLike,
+    dtype,
+    cfg: ModelConfig | None = None,
+    on_host: bool = False,
+    quantization: str | None = None,
+) -> tuple[ModelConfig, dict]:
     """``(config, params)`` of a checkpoint (opened, or a path) in ``dtype``; ``cfg``: its config if
     built; ``on_host``: numpy leaves (`parallel.shard_params`); ``quantization`` "fp8":
     `quantize_params` after mapping. FileNotFoundError, ValueError: the reader's, mapping's."""
@@ -54,16 +65,23 @@ def load_params(ckpt: Checkpoint | str | os.PathLike, dtype, cfg: ModelConfig | 
     if ckpt.format == "orbax":
         params = orbax_io.restore(ckpt.path, abstract_params(cfg, dtype), on_host)
     else:
-        params, cfg = params_from_hf(hf_tensors(ckpt, np.dtype(jnp.dtype(dtype))), cfg, dtype,
-                                     on_host)
+        params, cfg = params_from_hf(
+            hf_tensors(ckpt, np.dtype(jnp.dtype(dtype))), cfg, dtype, on_host
+        )
     if quantization is not None:
         params = quantize_params(params, cfg.weight_block_size)
     return cfg, params
 
 
-def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
-               with_tokenizer: bool = True, tokenizer: str | None = None,
-               on_host: bool = False, quantization: str | None = None) -> LoadedModel:
+def load_model(
+    path: Checkpoint | str | os.PathLike,
+    dtype="bfloat16",
+    *,
+    with_tokenizer: bool = True,
+    tokenizer: str | None = None,
+    on_host: bool = False,
+    quantization: str | None = None,
+) -> LoadedModel:
     """Config, params and tokenizer of a checkpoint (a path, `detect_format`, or an opened
     `Checkpoint`); ``dtype``: "bfloat16", "float32" or a jnp dtype; ``with_tokenizer=False``: none;
     ``tokenizer``: an HF tokenizer dir or GGUF file instead of the checkpoint's; ``on_host``,
@@ -72,13 +90,20 @@ def load_model(path: Checkpoint | str | os.PathLike, dtype="bfloat16", *,
     ckpt = path if isinstance(path, Checkpoint) else open_checkpoint(path)
     cfg = ModelConfig.from_checkpoint(ckpt)
     own = tokenizer is None  # the checkpoint's own
-    tokenizer = None if not with_tokenizer else load_tokenizer(ckpt) if own else \
-        load_tokenizer(tokenizer, "gguf" if str(tokenizer).endswith(".gguf") else "hf")
+    tokenizer = (
+        None
+        if not with_tokenizer
+        else load_tokenizer(ckpt)
+        if own
+        else load_tokenizer(tokenizer, "gguf" if str(tokenizer).endswith(".gguf") else "hf")
+    )
     cfg, params = load_params(ckpt, dtype, cfg, on_host, quantization)
     if ckpt.format == "gguf" and own and tokenizer is not None:
         gguf_cache.store(ckpt, tokenizer)  # the next open skips the GGUF's metadata and tokenizer
-    groups = ((tokenizer.eos_token_id,) if tokenizer is not None else (),
-              ckpt.generation_eos_ids, cfg.eos_token_ids)
+    groups = (
+        (tokenizer.eos_token_id,) if tokenizer is not None else (),
+        ckpt.generation_eos_ids,
+        cfg.eos_token_ids,
+    )
     eos = tuple(dict.fromkeys(int(t) for g in groups for t in g if t is not None))
     return LoadedModel(cfg, params, tokenizer, eos, ckpt.format)
-

@@ -30,10 +30,12 @@ def kv_means(params, cfg, ids: np.ndarray, page_size: int) -> tuple[np.ndarray, 
     m = len(ids) // page_size
     kv = init_kv_cache(cfg, m + 1, page_size, jnp.float32).replace(
         block_tables=jnp.arange(1, m + 1, dtype=jnp.int32)[None],
-        seq_lens=jnp.asarray([m * page_size], jnp.int32))
+        seq_lens=jnp.asarray([m * page_size], jnp.int32),
+    )
     pos = jnp.arange(m * page_size, dtype=jnp.int32)[None]
     _, kv = jax.jit(models.forward, static_argnums=1)(
-        params, cfg, jnp.asarray(ids[:m * page_size], jnp.int32)[None], pos, pos + page_size, kv)
+        params, cfg, jnp.asarray(ids[: m * page_size], jnp.int32)[None], pos, pos + page_size, kv
+    )
     return tuple(np.asarray(jnp.mean(p[:, 1:], axis=(1, 3))) for p in (kv.k, kv.v))
 
 
@@ -46,8 +48,11 @@ class ModelRunner:
     def __init__(self, model_config, params, resolved, stats: EngineStats | None = None) -> None:
         ec, kc = resolved.engine, resolved.kernels
         if (cache := ec.compilation_cache_dir) == "auto":  # JAX's own, else the user's cache
-            cache = None if jax.config.jax_compilation_cache_dir else os.path.join(
-                os.environ.get("XDG_CACHE_HOME") or "~/.cache", "jaxinfer", "jax")
+            cache = (
+                None
+                if jax.config.jax_compilation_cache_dir
+                else os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "jaxinfer", "jax")
+            )
         if cache not in (None, "none"):
             enable_compilation_cache(cache)
         models.check_params(params, model_config, resolved.quantization)
@@ -57,41 +62,63 @@ class ModelRunner:
         self.stats = stats if stats is not None else EngineStats()
         self.run_config = tp_model_config(model_config, tp)  # K' KV heads; tp = 1: model_config
         self._canonical = jax.tree.map(  # the shapes and dtypes update_params takes
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params)
-        self.params = params if self.mesh is None else parallel.shard_params(
-            params, model_config, self.mesh)
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params
+        )
+        self.params = (
+            params if self.mesh is None else parallel.shard_params(params, model_config, self.mesh)
+        )
         dev_stats = jax.local_devices()[0].memory_stats() if resolved.platform == "gpu" else None
         self.num_pages = memory.engine_pool_pages(resolved, dev_stats)
         self.kv_means: dict = {}  # `calibrate_kv`'s, set on every pool
         self.kv: KVCache = self._new_kv()
         self.sleeping, self._host_params = 0, None  # `sleep`'s level (0: awake)
         self.buckets = BucketSpec.build(
-            max_num_seqs=ec.max_num_seqs, max_num_batched_tokens=ec.max_num_batched_tokens,
-            max_model_len=resolved.max_model_len, page_size=ec.page_size,
-            batch_buckets=kc.batch_buckets, token_buckets=kc.token_buckets)
-        self.executor = StepExecutor(self.run_config, model_kernels(kc, mesh=self.mesh), kc,
-                                     self.buckets.batch[-1], self.stats, ec.compile_in_background)
-        self.weight_bytes = device_bytes(model_config, tp, resolved.dtype_bytes,
-                                         resolved.quantization)  # one device's
+            max_num_seqs=ec.max_num_seqs,
+            max_num_batched_tokens=ec.max_num_batched_tokens,
+            max_model_len=resolved.max_model_len,
+            page_size=ec.page_size,
+            batch_buckets=kc.batch_buckets,
+            token_buckets=kc.token_buckets,
+        )
+        self.executor = StepExecutor(
+            self.run_config,
+            model_kernels(kc, mesh=self.mesh),
+            kc,
+            self.buckets.batch[-1],
+            self.stats,
+            ec.compile_in_background,
+        )
+        self.weight_bytes = device_bytes(
+            model_config, tp, resolved.dtype_bytes, resolved.quantization
+        )  # one device's
 
     def _new_kv(self) -> KVCache:  # ValueError: the pool does not fit on the device
         try:
             pools = None if self.mesh is None else NamedSharding(self.mesh, KV_POOL_SPEC)
             r = self.resolved
-            return init_kv_cache(self.run_config, self.num_pages, r.engine.page_size,
-                                 stored_dtype(r.kv_dtype, r.platform), pools).replace(
-                **{k: jnp.asarray(m) for k, m in self.kv_means.items()})
+            return init_kv_cache(
+                self.run_config,
+                self.num_pages,
+                r.engine.page_size,
+                stored_dtype(r.kv_dtype, r.platform),
+                pools,
+            ).replace(**{k: jnp.asarray(m) for k, m in self.kv_means.items()})
         except jax.errors.JaxRuntimeError as e:
-            raise ValueError(f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "
-                             f"does not fit in device memory ({str(e).splitlines()[0][:120]})"
-                             ) from None
+            raise ValueError(
+                f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "
+                f"does not fit in device memory ({str(e).splitlines()[0][:120]})"
+            ) from None
 
     def calibrate_kv(self, ids: np.ndarray) -> None:
         """fp8 KV smoothing (SageAttention, arXiv 2410.02367): `KVCache.k_mean`, ``v_mean`` of
         this and later pools = `kv_means` over ``ids``. Before any step: pages written earlier
         hold K/V less other means."""
-        self.kv_means = dict(zip(("k_mean", "v_mean"), kv_means(
-            self.params, self.run_config, ids, self.resolved.engine.page_size)))
+        self.kv_means = dict(
+            zip(
+                ("k_mean", "v_mean"),
+                kv_means(self.params, self.run_config, ids, self.resolved.engine.page_size),
+            )
+        )
         self.kv = self.kv.replace(**{k: jnp.asarray(m) for k, m in self.kv_means.items()})
 
     def runnable(self, key: ShapeKey, split: bool = False) -> ShapeKey:
@@ -102,8 +129,9 @@ class ModelRunner:
         """Dispatch the step of ``hb``, no wait; ``prev``: the handle of the step in flight (its
         tokens feed ``hb.pending_rows``). Returns the handle `read` takes; ``phase`` "forward":
         its first half (`runner.step.forward`), the handle `execute_sample` takes."""
-        out, self.kv = self.executor.run(self.params, self.kv, hb,
-                                         None if prev is None else prev[0], phase)
+        out, self.kv = self.executor.run(
+            self.params, self.kv, hb, None if prev is None else prev[0], phase
+        )
         return out if phase == "forward" else self._handle(out)
 
     def execute_sample(self, handle, hb: HostBatch):
@@ -125,8 +153,10 @@ class ModelRunner:
     def read(handle) -> tuple[np.ndarray, dict | None]:
         """Block on a step: (i32[Bmax] tokens, its log-probability arrays as numpy, or None)."""
         tokens, lps = handle
-        return (np.asarray(parallel.local(tokens)),
-                None if lps is None else {k: np.asarray(a) for k, a in lps.items()})
+        return (
+            np.asarray(parallel.local(tokens)),
+            None if lps is None else {k: np.asarray(a) for k, a in lps.items()},
+        )
 
     def recover(self) -> bool:
         """After an interrupted step: reallocate a pool it took (True: the pages' K/V is gone)."""
@@ -142,15 +172,18 @@ class ModelRunner:
         if self.resolved.quantization is not None:
             params = quantize_params(params, self.model_config.weight_block_size)
         if (treedef := jax.tree.structure(params)) != jax.tree.structure(self._canonical):
-            raise ValueError(f"update_params: the params tree differs from the served one: got "
-                             f"{treedef}, expected {jax.tree.structure(self._canonical)}")
+            raise ValueError(
+                f"update_params: the params tree differs from the served one: got "
+                f"{treedef}, expected {jax.tree.structure(self._canonical)}"
+            )
         if bad := tree_mismatches(self._canonical, params, dtypes=True):
             raise ValueError(f"update_params: {'; '.join(bad)}")
         if self.mesh is not None:
             self.params = parallel.shard_params(params, self.model_config, self.mesh)
         else:
-            self.params = jax.tree.map(lambda b, a: jax.device_put(b, a.sharding), params,
-                                       self.params)
+            self.params = jax.tree.map(
+                lambda b, a: jax.device_put(b, a.sharding), params, self.params
+            )
 
     def sleep(self, level: int) -> None:
         """vLLM's ``sleep``: the KV pool deleted (its pages' K/V lost) and the weights let go (their
@@ -158,14 +191,25 @@ class ModelRunner:
         1 copies them to pinned host memory first (`wake_up` puts them back), level 2 keeps none
         (`update_params` after `wake_up`). Asleep already: nothing. ValueError: another level."""
         if level not in (1, 2):
-            raise ValueError(f"sleep(level={level!r}): 1 (weights kept in host memory) or 2 "
-                             "(weights discarded)")
+            raise ValueError(
+                f"sleep(level={level!r}): 1 (weights kept in host memory) or 2 (weights discarded)"
+            )
         if not self.sleeping:
-            self._host_params = jax.block_until_ready(jax.device_put(self.params, jax.tree.map(
-                lambda a: a.sharding.with_memory_kind("pinned_host"), self.params))) \
-                if level == 1 else None  # copied before the device copy is let go
-            self.params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-                a.shape, a.dtype, sharding=a.sharding), self.params)
+            self._host_params = (
+                jax.block_until_ready(
+                    jax.device_put(
+                        self.params,
+                        jax.tree.map(
+                            lambda a: a.sharding.with_memory_kind("pinned_host"), self.params
+                        ),
+                    )
+                )
+                if level == 1
+                else None
+            )  # copied before the device copy is let go
+            self.params = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params
+            )
             for a in jax.tree.leaves(self.kv):
                 a.delete()
             self.sleeping = level
@@ -177,8 +221,9 @@ class ModelRunner:
         if bad := tags - {"weights", "kv_cache"}:
             raise ValueError(f"wake_up tags {sorted(bad)}: allowed 'weights', 'kv_cache'")
         if "weights" in tags and self._host_params is not None:
-            self.params = jax.device_put(self._host_params,
-                                         jax.tree.map(lambda a: a.sharding, self.params))
+            self.params = jax.device_put(
+                self._host_params, jax.tree.map(lambda a: a.sharding, self.params)
+            )
             self._host_params = None
         if "kv_cache" in tags and self.kv.k.is_deleted():
             self.kv = self._new_kv()
@@ -188,28 +233,36 @@ class ModelRunner:
     def check_awake(self) -> None:
         """RuntimeError: asleep, or woken from ``sleep(level=2)`` without `update_params`."""
         if self.sleeping:
-            raise RuntimeError(f"the engine is asleep (sleep(level={self.sleeping})): call "
-                               "wake_up() first")
+            raise RuntimeError(
+                f"the engine is asleep (sleep(level={self.sleeping})): call wake_up() first"
+            )
         if isinstance(jax.tree.leaves(self.params)[0], jax.ShapeDtypeStruct):
-            raise RuntimeError("the weights were discarded by sleep(level=2): call "
-                               "update_params(params) after wake_up()")
+            raise RuntimeError(
+                "the weights were discarded by sleep(level=2): call "
+                "update_params(params) after wake_up()"
+            )
 
     def check_logits_processor(self, fn) -> None:
         """ValueError naming ``fn`` unless ``fn(i32[16], f32[V])`` traces to f32[V] (eval_shape)."""
         v = self.model_config.vocab_size
         try:
-            out = jax.eval_shape(fn, jax.ShapeDtypeStruct((16,), jnp.int32),
-                                 jax.ShapeDtypeStruct((v,), jnp.float32))
+            out = jax.eval_shape(
+                fn, jax.ShapeDtypeStruct((16,), jnp.int32), jax.ShapeDtypeStruct((v,), jnp.float32)
+            )
             error = "" if getattr(out, "shape", None) == (v,) else f"it returns {out}"
         except Exception as e:  # anything a user's function raises while traced
             error = f"{type(e).__name__}: {str(e)[:200]}"
         if error:
-            raise ValueError(f"SamplingParams.logits_processors entry {fn!r} is invalid: not a JAX "
-                             f"(output_token_ids i32[R], logits f32[V]) -> f32[V] fn; {error}")
+            raise ValueError(
+                f"SamplingParams.logits_processors entry {fn!r} is invalid: not a JAX "
+                f"(output_token_ids i32[R], logits f32[V]) -> f32[V] fn; {error}"
+            )
 
-    def precompile(self, shape_keys: list[ShapeKey], *, max_workers: int | None = None,
-                   split: bool = False) -> dict:
+    def precompile(
+        self, shape_keys: list[ShapeKey], *, max_workers: int | None = None, split: bool = False
+    ) -> dict:
         """`StepExecutor.precompile`: {"shapes", "lower_s", "warm_s", "seconds"}."""
-        info, self.kv = self.executor.precompile(self.params, self.kv, shape_keys, split=split,
-                                                 max_workers=max_workers)
+        info, self.kv = self.executor.precompile(
+            self.params, self.kv, shape_keys, split=split, max_workers=max_workers
+        )
         return info

@@ -6,7 +6,8 @@ gate/up; row-split wo, down); vLLM (vocabulary-split embedding and lm_head, KV h
 import jax
 import numpy as np
 from flax.traverse_util import unflatten_dict
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import weights
 from jaxinfer.config.model import ModelConfig, check_tp, tp_model_config
@@ -18,8 +19,10 @@ def make_mesh(tp: int) -> Mesh:
     """1-D mesh `AXIS` over the first ``tp`` of ``jax.devices()``; ValueError if fewer."""
     devices = jax.devices()
     if tp > len(devices):
-        raise ValueError(f"tensor_parallel_size={tp} is invalid: JAX sees {len(devices)} "
-                         f"{devices[0].platform} device(s)")
+        raise ValueError(
+            f"tensor_parallel_size={tp} is invalid: JAX sees {len(devices)} "
+            f"{devices[0].platform} device(s)"
+        )
     return Mesh(np.array(devices[:tp]), (AXIS,))
 
 
@@ -48,8 +51,12 @@ def gather_logits(logits: jax.Array, cfg: ModelConfig, mesh: Mesh | None) -> jax
 def param_specs(cfg: ModelConfig, tp: int, quantization: str | None = None) -> dict:
     """PartitionSpecs shaped as ``abstract_params(cfg, quantization=...)``: "tp" on the split axis
     of each leaf (`weights.entries`: wqkv, w_gate_up, wo, w_down, V if tp divides it)."""
-    return unflatten_dict({path: P() if split is None else P(*(None,) * split, AXIS)
-                           for path, _, _, split in weights.entries(cfg, tp, quantization)})
+    return unflatten_dict(
+        {
+            path: P() if split is None else P(*(None,) * split, AXIS)
+            for path, _, _, split in weights.entries(cfg, tp, quantization)
+        }
+    )
 
 
 def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
@@ -79,7 +86,8 @@ def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:
 
     def place(path, w, spec):
         host = engine_layout(path[-1].key, np.asarray(w), cfg, tp)
-        return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec),
-                                            lambda index: host[index])
+        return jax.make_array_from_callback(
+            host.shape, NamedSharding(mesh, spec), lambda index: host[index]
+        )
 
     return jax.tree_util.tree_map_with_path(place, params, param_specs(cfg, tp, quantization))

@@ -19,14 +19,20 @@ _PRNG_IMPL = "threefry2x32"  # pinned so a seed maps to the same stream on every
 def pytree_dataclass(module: str, name: str, required, optional, doc: str) -> type:
     """A frozen dataclass ``module.name`` with fields ``required`` then ``optional`` (default
     None), registered as a pytree of them all, with ``replace(**changes)``."""
-    namespace = dict(__doc__=doc, __module__=module,
-                     replace=lambda self, **kw: dataclasses.replace(self, **kw))
-    cls = dataclasses.make_dataclass(name, [*required, *((n, Any, None) for n in optional)],
-                                     frozen=True, namespace=namespace)
+    namespace = dict(
+        __doc__=doc, __module__=module, replace=lambda self, **kw: dataclasses.replace(self, **kw)
+    )
+    cls = dataclasses.make_dataclass(
+        name, [*required, *((n, Any, None) for n in optional)], frozen=True, namespace=namespace
+    )
     return jax.tree_util.register_dataclass(cls, [*required, *optional], [])
 
 
-SamplingMetadata = pytree_dataclass(__name__, "SamplingMetadata", *names("sampling"), doc="""
+SamplingMetadata = pytree_dataclass(
+    __name__,
+    "SamplingMetadata",
+    *names("sampling"),
+    doc="""
     Per-row parameters ("sampling" in `jaxinfer.step_input.FIELDS`): temperature f32[B]; top_k i32[B]
     (<= 0: off); top_p f32[B] (>= 1: off); min_p f32[B] (0: off); repetition_penalty f32[B] (1:
     off); seeds u32[B] or i32[B] (u32 bits); step_idx i32[B]; penalty_tokens i32[B, R] (ids
@@ -34,7 +40,8 @@ SamplingMetadata = pytree_dataclass(__name__, "SamplingMetadata", *names("sampli
     entries of penalty_tokens are the prompt, the rest the output), presence_penalty,
     frequency_penalty f32[B]; bias_ids i32[B, E] (outside [0, V): ignored), bias_values f32[B, E]
     added to the logits (-inf: masked); bitmask i32[B, W] (`apply_token_bitmask`, in `step`);
-    processor_rows i32[B, J] (`apply_logits_processors`).""")
+    processor_rows i32[B, J] (`apply_logits_processors`).""",
+)
 
 
 def _check_shapes(logits, meta: SamplingMetadata) -> None:
@@ -45,9 +52,11 @@ def _check_shapes(logits, meta: SamplingMetadata) -> None:
     for f in FIELDS:
         a = getattr(meta, f.name) if f.group == "sampling" else None
         if a is not None and (a.ndim != len(f.shape) or a.shape[0] != b):
-            raise ValueError(f"SamplingMetadata.{f.name} must have shape "
-                             f"({', '.join((str(b), *f.shape[1:]))}) to match logits "
-                             f"{tuple(logits.shape)}; got {tuple(a.shape)}")
+            raise ValueError(
+                f"SamplingMetadata.{f.name} must have shape "
+                f"({', '.join((str(b), *f.shape[1:]))}) to match logits "
+                f"{tuple(logits.shape)}; got {tuple(a.shape)}"
+            )
 
 
 def _scatter(ids: jax.Array, v: int, vals: jax.Array, into: jax.Array) -> jax.Array:
@@ -57,8 +66,9 @@ def _scatter(ids: jax.Array, v: int, vals: jax.Array, into: jax.Array) -> jax.Ar
     return into.at[rows, ids].add(vals.astype(into.dtype), mode="drop")
 
 
-def apply_repetition_penalty(logits: jax.Array, penalty_tokens: jax.Array,
-                             penalty: jax.Array) -> jax.Array:
+def apply_repetition_penalty(
+    logits: jax.Array, penalty_tokens: jax.Array, penalty: jax.Array
+) -> jax.Array:
     """f32[B, V]: logits of tokens in ``penalty_tokens`` i32[B, R] divided (> 0) or multiplied
     by ``penalty`` f32[B], once per token. Source: HF ``RepetitionPenaltyLogitsProcessor``."""
     b, v = logits.shape
@@ -81,8 +91,11 @@ def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
     if meta.prompt_lens is not None and toks.shape[1]:
         out = jnp.arange(toks.shape[1])[None, :] >= meta.prompt_lens[:, None]
         counts = _scatter(toks, v, out, jnp.zeros_like(x))
-        x = (x - meta.frequency_penalty[:, None] * counts
-             - meta.presence_penalty[:, None] * (counts > 0))
+        x = (
+            x
+            - meta.frequency_penalty[:, None] * counts
+            - meta.presence_penalty[:, None] * (counts > 0)
+        )
     return x
 
 
@@ -107,7 +120,7 @@ def apply_logits_processors(logits: jax.Array, meta: SamplingMetadata, processor
     out = jnp.where(at < r, jnp.take_along_axis(toks, jnp.minimum(at, r - 1), axis=1), -1)
     for j, fn in enumerate(processors):
         new = jax.vmap(fn)(out, logits).astype(logits.dtype)
-        logits = jnp.where(meta.processor_rows[:, j:j + 1] != 0, new, logits)
+        logits = jnp.where(meta.processor_rows[:, j : j + 1] != 0, new, logits)
     return logits
 
 
@@ -116,8 +129,9 @@ def _min_p_keep(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
     return jnp.exp(scaled) >= jnp.clip(min_p.astype(jnp.float32), 0.0, 1.0)[:, None]
 
 
-def _filter_sorted(vals: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                   min_p: jax.Array) -> jax.Array:
+def _filter_sorted(
+    vals: jax.Array, top_k: jax.Array, top_p: jax.Array, min_p: jax.Array
+) -> jax.Array:
     """Top-k, top-p, min-p on sorted f32[B, V]: dropped -> -inf, position 0 kept."""
     b, v = vals.shape
     pos = jax.lax.broadcasted_iota(jnp.int32, (b, v), 1)
@@ -158,8 +172,11 @@ def _penalised(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
 
 def _gumbel_noise(seeds: jax.Array, step_idx: jax.Array, v: int) -> jax.Array:
     """f32[B, V] standard Gumbel noise; row b uses key ``fold_in(key(seeds[b]), step_idx[b])``."""
-    seeds = jax.lax.bitcast_convert_type(seeds, jnp.uint32) if seeds.dtype == jnp.int32 \
+    seeds = (
+        jax.lax.bitcast_convert_type(seeds, jnp.uint32)
+        if seeds.dtype == jnp.int32
         else seeds.astype(jnp.uint32)
+    )
 
     def row(seed, step):
         key = jax.random.fold_in(jax.random.key(seed, impl=_PRNG_IMPL), step)
@@ -206,5 +223,9 @@ def logprobs(logits: jax.Array, tokens: jax.Array, k: int) -> dict:
         top_lp, top_ids = jnp.max(lp, axis=-1, keepdims=True), jnp.argmax(lp, axis=-1)[:, None]
     else:
         top_lp, top_ids = jax.lax.top_k(lp, k)
-    return dict(logprobs=tok[:, 0], ranks=jnp.sum(lp >= tok, axis=-1, dtype=jnp.int32),
-                top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+    return dict(
+        logprobs=tok[:, 0],
+        ranks=jnp.sum(lp >= tok, axis=-1, dtype=jnp.int32),
+        top_ids=top_ids.astype(jnp.int32),
+        top_logprobs=top_lp,
+    )

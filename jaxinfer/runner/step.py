@@ -19,8 +19,14 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.runner.parallel import gather_logits, replicated
-from jaxinfer.runner.sampling import (SamplingMetadata, apply_logits_processors,
-                                     apply_token_bitmask, logprobs, pytree_dataclass, sample)
+from jaxinfer.runner.sampling import (
+    SamplingMetadata,
+    apply_logits_processors,
+    apply_token_bitmask,
+    logprobs,
+    pytree_dataclass,
+    sample,
+)
 from jaxinfer.step_input import HostBatch, ShapeKey, allocate, covers, layout, names, pack
 
 log = logging.getLogger("jaxinfer")
@@ -28,18 +34,29 @@ log = logging.getLogger("jaxinfer")
 
 _INPUT = names("input")[0]  # tokens, positions, slot_mapping, logits_indices, pending_src
 StepInput = pytree_dataclass(
-    __name__, "StepInput", [*_INPUT[:4], "sampling"],
-    ["packing", "prev_tokens", *_INPUT[4:], *names("input")[1]], doc="""Device inputs
+    __name__,
+    "StepInput",
+    [*_INPUT[:4], "sampling"],
+    ["packing", "prev_tokens", *_INPUT[4:], *names("input")[1]],
+    doc="""Device inputs
     (`jaxinfer.step_input.FIELDS`): tokens, positions, slot_mapping i32[B, T] (with ``packing``,
     a `models.Packing`: i32[1, Tp]); logits_indices i32[B]; sampling: `SamplingMetadata`;
     prev_tokens i32[Bmax]: the previous step's output (None: unused); pending_src i32[B]: row
     b's input token's row in it, or -1; prompt_lp_index i32[P]: flat token index (into [Bt * T])
     of each scored prompt position, prompt_lp_next i32[P]: the prompt token after it (None: no
-    prompt log-probabilities).""")
+    prompt log-probabilities).""",
+)
 
 
-def forward(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig,
-            kernels: ModelKernels, num_logprobs: int = 0) -> tuple[jax.Array, dict, KVCache]:
+def forward(
+    params: dict,
+    kv: KVCache,
+    inp: StepInput,
+    *,
+    cfg: ModelConfig,
+    kernels: ModelKernels,
+    num_logprobs: int = 0,
+) -> tuple[jax.Array, dict, KVCache]:
     """Forward, KV write, logits of one token per row -> (f32[B, V], whole on every device;
     with ``prompt_lp_index`` and ``num_logprobs`` K > 0 (static), `logprobs` of each scored
     prompt position (for ``prompt_lp_next``) under keys prefixed ``prompt_``, else {}; kv')."""
@@ -47,11 +64,22 @@ def forward(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig,
     if inp.prev_tokens is not None and inp.packing is None:  # tokens[b, 0] = prev[src[b]], src >= 0
         picked = inp.prev_tokens[jnp.maximum(src, 0)]
         tokens = tokens.at[:, 0].set(jnp.where(src >= 0, picked, tokens[:, 0]))
-    hidden, kv = models.forward(params, cfg, tokens, inp.positions, inp.slot_mapping, kv,
-                                kernels=kernels, packing=inp.packing)
+    hidden, kv = models.forward(
+        params,
+        cfg,
+        tokens,
+        inp.positions,
+        inp.slot_mapping,
+        kv,
+        kernels=kernels,
+        packing=inp.packing,
+    )
     with jax.named_scope("lm_head"):
-        last = (hidden[0][inp.logits_indices] if inp.packing is not None  # packed: [R, D]
-                else jnp.take_along_axis(hidden, inp.logits_indices[:, None, None], axis=1)[:, 0])
+        last = (
+            hidden[0][inp.logits_indices]
+            if inp.packing is not None  # packed: [R, D]
+            else jnp.take_along_axis(hidden, inp.logits_indices[:, None, None], axis=1)[:, 0]
+        )
         logits = gather_logits(models.compute_logits(params, cfg, last), cfg, kernels.mesh)
     if not (num_logprobs and inp.prompt_lp_index is not None):
         return logits, {}, kv
@@ -61,8 +89,14 @@ def forward(params: dict, kv: KVCache, inp: StepInput, *, cfg: ModelConfig,
     return logits, {f"prompt_{k}": a for k, a in lp.items()}, kv
 
 
-def sample_logits(logits: jax.Array, inp: StepInput, *, all_greedy: bool,
-                  num_logprobs: int = 0, processors: tuple = ()) -> jax.Array | dict:
+def sample_logits(
+    logits: jax.Array,
+    inp: StepInput,
+    *,
+    all_greedy: bool,
+    num_logprobs: int = 0,
+    processors: tuple = (),
+) -> jax.Array | dict:
     """``logits`` f32[B, V] -> ids i32[B] (zero-padded to i32[Bmax] with ``prev_tokens``): static
     ``processors`` (`apply_logits_processors`), ``sampling.bitmask`` (vLLM: sampling, logprobs see
     both), `sample`; K = ``num_logprobs`` > 0 (static): a dict of ``tokens``, rows' `logprobs`."""
@@ -76,7 +110,7 @@ def sample_logits(logits: jax.Array, inp: StepInput, *, all_greedy: bool,
         with jax.named_scope("logprobs"):
             out = logprobs(logits, tokens, num_logprobs)
     if inp.prev_tokens is not None:
-        tokens = jnp.zeros_like(inp.prev_tokens).at[:tokens.shape[0]].set(tokens)
+        tokens = jnp.zeros_like(inp.prev_tokens).at[: tokens.shape[0]].set(tokens)
     return dict(tokens=tokens, **out) if out else tokens
 
 
@@ -88,18 +122,30 @@ def unpack(buf: jax.Array, key: ShapeKey) -> tuple[jax.Array, jax.Array, StepInp
     groups, off = {"input": {}, "kv": {}, "sampling": {}, "packing": {}}, 0
     for f, shape in layout(key):
         n = math.prod(shape)
-        x = buf[off:off + n].reshape(shape)
+        x = buf[off : off + n].reshape(shape)
         if jnp.dtype(f.dtype) != jnp.int32:
             x = jax.lax.bitcast_convert_type(x, jnp.dtype(f.dtype))
         groups[f.group][f.name] = x
         off += n
-    inp = StepInput(**groups["input"], sampling=SamplingMetadata(**groups["sampling"]),
-                    packing=models.Packing(**groups["packing"]) if key.packed else None)
+    inp = StepInput(
+        **groups["input"],
+        sampling=SamplingMetadata(**groups["sampling"]),
+        packing=models.Packing(**groups["packing"]) if key.packed else None,
+    )
     return groups["kv"]["block_tables"], groups["kv"]["seq_lens"], inp
 
 
-def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Array, *,
-                key: ShapeKey, cfg: ModelConfig, kernels: ModelKernels, phase: str = "step"):
+def packed_step(
+    params: dict,
+    kv: KVCache,
+    buf: jax.Array,
+    prev_tokens: jax.Array,
+    *,
+    key: ShapeKey,
+    cfg: ModelConfig,
+    kernels: ModelKernels,
+    phase: str = "step",
+):
     """One step on ``buf`` i32[S] (`pack`), ``prev_tokens`` i32[Bmax]; ``kv`` tables: placeholders.
     ``phase`` "step": `forward` then `sample_logits`, fused: (ids, or with K > 0 a dict, the prompt
     log-probabilities included; the cache); "forward": `forward` only: ((logits f32[B, V], prompt
@@ -110,17 +156,29 @@ def packed_step(params: dict, kv: KVCache, buf: jax.Array, prev_tokens: jax.Arra
     kw = dict(all_greedy=key.all_greedy, num_logprobs=key.logprobs, processors=key.processors)
     if phase == "sample":
         return sample_logits(params, inp, **kw)
-    logits, prompt, new = forward(params, kv.replace(block_tables=tables, seq_lens=lens), inp,
-                                  cfg=cfg, kernels=kernels, num_logprobs=key.logprobs)
+    logits, prompt, new = forward(
+        params,
+        kv.replace(block_tables=tables, seq_lens=lens),
+        inp,
+        cfg=cfg,
+        kernels=kernels,
+        num_logprobs=key.logprobs,
+    )
     out = (logits, prompt) if phase == "forward" else sample_logits(logits, inp, **kw)
     if phase == "step" and prompt:
         out = {**out, **prompt}
     return out, new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
 
 
-PACKED_STEPS = {gemm: jax.jit(packed_step, donate_argnums=(1,), compiler_options=options,
-                              static_argnames=("key", "cfg", "kernels", "phase"))
-                for gemm, options in GEMM_COMPILER_OPTIONS.items()}
+PACKED_STEPS = {
+    gemm: jax.jit(
+        packed_step,
+        donate_argnums=(1,),
+        compiler_options=options,
+        static_argnames=("key", "cfg", "kernels", "phase"),
+    )
+    for gemm, options in GEMM_COMPILER_OPTIONS.items()
+}
 PHASES = {False: ("step",), True: ("forward", "sample")}  # by split: fused, or two calls
 
 
@@ -133,12 +191,15 @@ def enable_compilation_cache(path) -> str:
     returns the absolute path. Raises ValueError: not a directory or cannot be created."""
     path = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(f"compilation_cache_dir={path!r} is invalid: it exists and is not a "
-                         "directory")
+        raise ValueError(
+            f"compilation_cache_dir={path!r} is invalid: it exists and is not a directory"
+        )
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        raise ValueError(f"compilation_cache_dir={path!r} cannot be created: {e.strerror}") from None
+        raise ValueError(
+            f"compilation_cache_dir={path!r} cannot be created: {e.strerror}"
+        ) from None
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     return path
@@ -170,15 +231,20 @@ class StepExecutor:
         if ready(key) or self.pool is None:
             return key
         keys = {k if isinstance(k, ShapeKey) else k[1] for k in self.executables}
-        cover = min((k for k in keys if ready(k) and covers(k, key)), default=None,  # the cheapest
-                    key=lambda k: (k.batch * k.tokens, k.pages, k.query or 0, not k.all_greedy))
+        cover = min(
+            (k for k in keys if ready(k) and covers(k, key)),
+            default=None,  # the cheapest
+            key=lambda k: (k.batch * k.tokens, k.pages, k.query or 0, not k.all_greedy),
+        )
         for phase in PHASES[split] if cover is not None else ():
             if (name := _name(phase, key)) not in self.pending:
-                avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
-                                                                    sharding=a.sharding),
-                                     self._padding_args(phase, params, kv, key))
+                avals = jax.tree.map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                    self._padding_args(phase, params, kv, key),
+                )
                 self.pending[name] = self.pool.submit(
-                    lambda p=phase, a=avals: self._lower(p, key, a).compile())
+                    lambda p=phase, a=avals: self._lower(p, key, a).compile()
+                )
         return key if cover is None else cover
 
     def step_fn(self, key: ShapeKey):
@@ -194,8 +260,12 @@ class StepExecutor:
 
     def _padding_args(self, phase: str, params, kv, key: ShapeKey) -> tuple:
         if phase == "sample":  # the avals of the forward's logits
-            params, kv = jax.ShapeDtypeStruct((key.batch, self.static["cfg"].vocab_size),
-                                              jnp.float32, sharding=self.inputs), None
+            params, kv = (
+                jax.ShapeDtypeStruct(
+                    (key.batch, self.static["cfg"].vocab_size), jnp.float32, sharding=self.inputs
+                ),
+                None,
+            )
         return self._args(params, kv, allocate(key), None)
 
     def _add(self, name, exe):
@@ -225,8 +295,12 @@ class StepExecutor:
         "seconds"}, the new cache). Raises ValueError: bad ``max_workers``."""
         if max_workers is not None:
             check_int("max_workers", max_workers, 1)
-        todo = [(p, k) for k in dict.fromkeys(keys) for p in PHASES[split and bool(k.bitmask)]
-                if _name(p, k) not in self.stats.compiled_shapes]
+        todo = [
+            (p, k)
+            for k in dict.fromkeys(keys)
+            for p in PHASES[split and bool(k.bitmask)]
+            if _name(p, k) not in self.stats.compiled_shapes
+        ]
         jax.block_until_ready(params)  # weights still being built would count as tracing
         t0, lower_s = time.perf_counter(), 0.0
         if todo:
@@ -243,5 +317,9 @@ class StepExecutor:
         for p, k in [t for t in todo if t[0] != "sample"]:  # sampling: small, not warmed
             out, kv = self.executables[_name(p, k)](*self._padding_args(p, params, kv, k))
         jax.block_until_ready(out)
-        return dict(shapes=len(todo), lower_s=lower_s, warm_s=time.perf_counter() - t_warm,
-                    seconds=time.perf_counter() - t0), kv
+        return dict(
+            shapes=len(todo),
+            lower_s=lower_s,
+            warm_s=time.perf_counter() - t_warm,
+            seconds=time.perf_counter() - t0,
+        ), kv

@@ -15,13 +15,21 @@ def build_parser():
     p = engine_parser("jaxinfer-serve", "OpenAI-compatible HTTP server over the jaxinfer engine.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="TCP port")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model file or directory name)")
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients send (default: the model file or directory name)",
+    )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
-    p.add_argument("--max-request-bytes", type=int, default=8 << 20,
-                   help="larger request bodies get 413")
-    p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds running requests get to finish on SIGINT/SIGTERM")
+    p.add_argument(
+        "--max-request-bytes", type=int, default=8 << 20, help="larger request bodies get 413"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=10.0,
+        help="seconds running requests get to finish on SIGINT/SIGTERM",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.set_defaults(compile_in_background=None)  # on a GPU: no new shape stalls running requests
     return p
@@ -47,18 +55,24 @@ def main(argv: list[str] | None = None, factory=None) -> int:
     except KeyboardInterrupt:
         return 130
     path = client.info["model_path"]
-    name = args.served_model_name or (path and os.path.splitext(os.path.basename(
-        os.path.normpath(path)))[0])
-    app = create_app(client, served_model_name=name, api_key=args.api_key,
-                     max_request_bytes=args.max_request_bytes)
+    name = args.served_model_name or (
+        path and os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+    )
+    app = create_app(
+        client,
+        served_model_name=name,
+        api_key=args.api_key,
+        max_request_bytes=args.max_request_bytes,
+    )
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # abort what is left after the grace period
             super().handle_exit(sig, frame)
             getattr(self, "_captured_signals", []).clear()  # exit 0, not re-raised
             if client.loop is not None:
-                client.loop.call_soon_threadsafe(client.loop.call_later, args.shutdown_timeout,
-                                                 client.abort_all)
+                client.loop.call_soon_threadsafe(
+                    client.loop.call_later, args.shutdown_timeout, client.abort_all
+                )
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
     client.on_death = lambda: setattr(server, "should_exit", True)

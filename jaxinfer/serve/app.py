@@ -31,8 +31,13 @@ class _BodyLimit:
         await self.app(scope, receive, send)
 
 
-def create_app(client, *, served_model_name: str | None = None, api_key: str | None = None,
-               max_request_bytes: int = 8 << 20) -> FastAPI:
+def create_app(
+    client,
+    *,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    max_request_bytes: int = 8 << 20,
+) -> FastAPI:
     """The app over ``client`` (a started `EngineCoreClient`, ``app.state.client``; its sockets
     open and close with the app's lifespan, which stops the core); ``api_key``: /v1 needs
     ``Authorization: Bearer KEY``. /health answers 503 once the core is gone."""
@@ -47,8 +52,11 @@ def create_app(client, *, served_model_name: str | None = None, api_key: str | N
 
     def auth(request: Request) -> None:
         if api_key is not None and request.headers.get("authorization") != f"Bearer {api_key}":
-            raise APIError("invalid or missing API key: send 'Authorization: Bearer KEY'", 401,
-                           code="invalid_api_key")
+            raise APIError(
+                "invalid or missing API key: send 'Authorization: Bearer KEY'",
+                401,
+                code="invalid_api_key",
+            )
 
     async def health() -> Response:
         return Response(status_code=200 if client.dead is None else 503)
@@ -57,8 +65,18 @@ def create_app(client, *, served_model_name: str | None = None, api_key: str | N
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(
-            time.time()), "owned_by": "jaxinfer", "max_model_len": client.info["max_model_len"]}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "jaxinfer",
+                    "max_model_len": client.info["max_model_len"],
+                }
+            ],
+        }
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
     app.state.client, app.state.metrics = client, metrics
@@ -67,8 +85,9 @@ def create_app(client, *, served_model_name: str | None = None, api_key: str | N
     app.add_api_route("/health", health)
     app.add_api_route("/metrics", prometheus)
     for path, endpoint, method in (
-            ("/models", models, "GET"),
-            ("/completions", ServingCompletion(client, name, ids).create, "POST"),
-            ("/chat/completions", ServingChat(client, name, ids).create, "POST")):
+        ("/models", models, "GET"),
+        ("/completions", ServingCompletion(client, name, ids).create, "POST"),
+        ("/chat/completions", ServingChat(client, name, ids).create, "POST"),
+    ):
         app.add_api_route("/v1" + path, endpoint, methods=[method], dependencies=[Depends(auth)])
     return app

@@ -16,8 +16,11 @@ from jaxinfer.serve.errors import APIError
 
 def _call(name: str | None, arguments: str, index: int | None = None) -> dict:
     """A tool call; streamed: ``index``, and ``id``, ``type``, ``name`` in the first delta only."""
-    call = dict(id=name and f"call_{uuid.uuid4().hex[:24]}", type=name and "function",
-                function=dict(name=name, arguments=arguments))
+    call = dict(
+        id=name and f"call_{uuid.uuid4().hex[:24]}",
+        type=name and "function",
+        function=dict(name=name, arguments=arguments),
+    )
     return call if index is None else dict(call, index=index)
 
 
@@ -28,8 +31,9 @@ class ServingChat(OpenAIServing):
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         if body.stream and body.tool_choice == "required":
-            raise APIError('tool_choice="required" is not supported with stream=true',
-                           param="tool_choice")
+            raise APIError(
+                'tool_choice="required" is not supported with stream=true', param="tool_choice"
+            )
         most = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         sp = self.sampling_params(body, most, (body.top_logprobs or 0) if body.logprobs else None)
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -39,11 +43,16 @@ class ServingChat(OpenAIServing):
         return await self.respond(request, body, prompts, sp, "messages")
 
     def opening(self, n: int) -> list[dict]:
-        return [dict(index=i, delta=dict(role="assistant", content=""), logprobs=None,
-                     finish_reason=None) for i in range(n)]
+        return [
+            dict(
+                index=i, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None
+            )
+            for i in range(n)
+        ]
 
-    def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False,
-               body=None):
+    def choice(
+        self, index: int, out, k: int | None, offset: int = 0, stream: bool = False, body=None
+    ):
         tool, reason = body.tool_choice, out.finish_reason
         msg = dict(role=None if stream else "assistant", content=out.text, tool_calls=None)
         if isinstance(tool, P.Tool):  # one named function: the text is its arguments
@@ -51,8 +60,12 @@ class ServingChat(OpenAIServing):
             msg.update(content=None, tool_calls=[_call(name, out.text, 0 if stream else None)])
         elif tool == "required" and reason == "stop" and out.stop_reason is None:  # on EOS
             reason = "tool_calls"
-            msg.update(content=None, tool_calls=[_call(c["name"], json.dumps(c["parameters"]))
-                                                 for c in json.loads(out.text)])
+            msg.update(
+                content=None,
+                tool_calls=[
+                    _call(c["name"], json.dumps(c["parameters"])) for c in json.loads(out.text)
+                ],
+            )
         choice = dict(index=index, logprobs=P.chat_logprobs(out, k), finish_reason=reason)
         if stream:
             return dict(choice, delta=msg)

@@ -36,8 +36,11 @@ class EngineCoreClient:
         self._dir = tempfile.mkdtemp(prefix="jaxinfer-core-")
         ctx = multiprocessing.get_context("spawn")
         recv, send = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=core.run_core, args=(factory, "ipc://" + self._dir, send),
-                                name="jaxinfer-engine-core")
+        self.proc = ctx.Process(
+            target=core.run_core,
+            args=(factory, "ipc://" + self._dir, send),
+            name="jaxinfer-engine-core",
+        )
         self.loop = self.dead = self.on_death = self.metrics = None
         self._closing, self._ids = False, itertools.count()
         self._open: dict = {}  # request id -> (its queue, its ack: None, or a str: rejected)
@@ -50,8 +53,10 @@ class EngineCoreClient:
         except BaseException as e:
             self.close()
             if isinstance(e, EOFError):
-                raise ValueError(f"the engine core process exited with code "
-                                 f"{self.proc.exitcode} while starting (traceback above)") from None
+                raise ValueError(
+                    f"the engine core process exited with code "
+                    f"{self.proc.exitcode} while starting (traceback above)"
+                ) from None
             raise
         self.prompts, self.stats = Prompts(self.info["tokenizer"]), self.info["stats"]
         self.outputs = OutputProcessor(self.prompts._detokenize if self.prompts.tokenizer else None)
@@ -80,8 +85,10 @@ class EngineCoreClient:
         try:
             for rid, i in rids.items():
                 msg = self.encode(core.Add(rid, prompts[i], params))  # OverflowError: > 64 bits
-                seqs = [Sequence(rid, prompts[i], params, 0, index=j, max_tokens=0)  # a mirror
-                        for j in range(params.n)]
+                seqs = [
+                    Sequence(rid, prompts[i], params, 0, index=j, max_tokens=0)  # a mirror
+                    for j in range(params.n)
+                ]
                 self.outputs.add(rid, seqs, None)
                 self._open[rid] = sink, self.loop.create_future()
                 self._in.send(msg)
@@ -89,14 +96,18 @@ class EngineCoreClient:
         except BaseException as e:
             self.abort(rid for rid in rids if rid in self._open)
             if isinstance(e, OverflowError):
-                raise APIError(f"request {i}: an integer in it is out of range (|x| < 2**63)",
-                               param=param) from None
+                raise APIError(
+                    f"request {i}: an integer in it is out of range (|x| < 2**63)", param=param
+                ) from None
             raise
         if bad := [(i, a) for i, a in enumerate(acks) if a is not None]:
             self.abort(rids)
             i, a = bad[0]
-            raise a if isinstance(a, APIError) else APIError.invalid(
-                ValueError(f"request {i}: {a}"), param)
+            raise (
+                a
+                if isinstance(a, APIError)
+                else APIError.invalid(ValueError(f"request {i}: {a}"), param)
+            )
         return rids, sink
 
     def abort(self, rids) -> None:

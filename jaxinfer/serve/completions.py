@@ -37,12 +37,17 @@ class OpenAIServing:
     def sampling_params(self, body: P._Sampling, max_tokens, logprobs):
         """The body's `SamplingParams` once its model name and values pass (else `APIError`)."""
         if body.model is not None and body.model != self.model_name:
-            raise APIError(f"The model `{body.model}` does not exist; this server serves "
-                           f"`{self.model_name}`", 404, "model", "model_not_found")
+            raise APIError(
+                f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
+                404,
+                "model",
+                "model_not_found",
+            )
         limit = self.client.info["max_num_seqs"]
         if not 1 <= body.n <= limit:
-            raise APIError(f"n={body.n} is invalid: must be in [1, max_num_seqs={limit}]",
-                           param="n")
+            raise APIError(
+                f"n={body.n} is invalid: must be in [1, max_num_seqs={limit}]", param="n"
+            )
         try:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as e:  # not a SamplingParams field's: the output constraint's
@@ -53,7 +58,8 @@ class OpenAIServing:
         at `EngineCoreClient.add`); ValueError: 400 (``param``)."""
         try:
             _, encoded, _ = await run_in_threadpool(
-                lambda: self.client.prompts._prepare(prompts(), sp, True))
+                lambda: self.client.prompts._prepare(prompts(), sp, True)
+            )
         except ValueError as e:
             raise APIError.invalid(e, param) from None
         return [ids for _, ids in encoded]
@@ -70,24 +76,36 @@ class OpenAIServing:
             raise
         events = self._events(request, *added)
         if body.stream:
-            return StreamingResponse(self._chunks(rid, events, sp, body),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._chunks(rid, events, sp, body), media_type="text/event-stream"
+            )
         choices, usage = [], _usage()
         async for p, out in events:
             if isinstance(out, APIError):
                 raise out
             _count(usage, out)
-            choices += [self.choice(p * sp.n + c.index, c, sp.logprobs, body=body)
-                        for c in out.outputs]
-        return Response(self.dump(self.Response, rid, sorted(choices, key=lambda c: c["index"]),
-                                  usage), media_type="application/json")
+            choices += [
+                self.choice(p * sp.n + c.index, c, sp.logprobs, body=body) for c in out.outputs
+            ]
+        return Response(
+            self.dump(self.Response, rid, sorted(choices, key=lambda c: c["index"]), usage),
+            media_type="application/json",
+        )
 
     def dump(self, cls, rid: str, choices: list[dict], usage: dict | None = None) -> bytes:
         """A response or chunk of ``cls`` (its ``openai`` type) as JSON bytes, unvalidated (vLLM's finish
         reasons, ``stop_reason``); msgspec, not pydantic: one per stream per step costs 2 us."""
         obj = typing.get_args(cls.model_fields["object"].annotation)[0]
-        return _ENCODE(dict(id=rid, object=obj, created=int(time.time()), model=self.model_name,
-                            choices=choices, usage=usage))
+        return _ENCODE(
+            dict(
+                id=rid,
+                object=obj,
+                created=int(time.time()),
+                model=self.model_name,
+                choices=choices,
+                usage=usage,
+            )
+        )
 
     async def _events(self, request: Request, rids: dict[str, int], sink: asyncio.Queue):
         """Yield ``(prompt index, event)`` until all finish; abort the rest if the client leaves.
@@ -98,14 +116,15 @@ class OpenAIServing:
             while left:
                 try:
                     first = await asyncio.wait_for(sink.get(), 1.0)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if await request.is_disconnected():
                         return
                     continue
                 joined: dict = {}
                 for rid, ev in [first, *(sink.get_nowait() for _ in range(sink.qsize()))]:
-                    joined[rid] = ev if rid not in joined or isinstance(ev, APIError) \
-                        else joined[rid].add(ev)  # an APIError is a request's last event
+                    joined[rid] = (
+                        ev if rid not in joined or isinstance(ev, APIError) else joined[rid].add(ev)
+                    )  # an APIError is a request's last event
                 for rid, ev in joined.items():
                     if isinstance(ev, APIError) or ev.finished:
                         left.discard(rid)
@@ -148,8 +167,11 @@ class ServingCompletion(OpenAIServing):
     prefix, Response, Chunk = "cmpl", Completion, Completion
 
     async def create(self, body: P.CompletionRequest, request: Request):
-        for field, bad in (("echo", body.echo), ("suffix", body.suffix is not None),
-                           ("best_of", body.best_of not in (None, body.n))):
+        for field, bad in (
+            ("echo", body.echo),
+            ("suffix", body.suffix is not None),
+            ("best_of", body.best_of not in (None, body.n)),
+        ):
             if bad:
                 raise APIError(f"{field} is not supported", param=field)
         sp = self.sampling_params(body, body.max_tokens, body.logprobs)
@@ -158,7 +180,13 @@ class ServingCompletion(OpenAIServing):
         prompts = await self.encode(lambda: body.prompt, sp, "prompt")
         return await self.respond(request, body, prompts, sp, "prompt")
 
-    def choice(self, index: int, out, k: int | None, offset: int = 0, stream: bool = False,
-               body=None):
-        return dict(index=index, text=out.text, logprobs=P.completion_logprobs(out, k, offset),
-                    finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+    def choice(
+        self, index: int, out, k: int | None, offset: int = 0, stream: bool = False, body=None
+    ):
+        return dict(
+            index=index,
+            text=out.text,
+            logprobs=P.completion_logprobs(out, k, offset),
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )

@@ -17,6 +17,7 @@ import zmq
 
 from jaxinfer.sampling_params import SamplingParams
 
+
 class Add(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -62,8 +63,11 @@ class StepOutputs(msgspec.Struct, array_like=True):
 def engine_stats(engine) -> dict[str, float]:
     """`LLMEngine.stats`' numbers by name (counters, queue and KV pool sizes)."""
     s = engine.stats()
-    return {"num_compiles": s.num_compiles, "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
-            **{k: v for k, v in vars(s).items() if type(v) in (int, float)}}
+    return {
+        "num_compiles": s.num_compiles,
+        "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+        **{k: v for k, v in vars(s).items() if type(v) in (int, float)},
+    }
 
 
 class EngineCore:
@@ -124,8 +128,11 @@ class EngineCore:
                 if (n := sent[s.index]) is None or n == s.num_output_tokens and not s.is_finished:
                     continue
                 rest = (getattr(s, f) for f in SampleDelta.__struct_fields__[4:])  # as now
-                msg.samples.append(SampleDelta(rid, s.index, s.output_token_ids[n:],
-                                               s.logprobs and s.logprobs[n:], *rest))
+                msg.samples.append(
+                    SampleDelta(
+                        rid, s.index, s.output_token_ids[n:], s.logprobs and s.logprobs[n:], *rest
+                    )
+                )
                 sent[s.index] = None if s.is_finished else s.num_output_tokens
             if all(n is None for n in sent):
                 del self.sent[rid]
@@ -143,8 +150,10 @@ def run_core(factory, addr: str, conn) -> None:
     try:
         llm, t = factory(), time.perf_counter()
         if llm.engine.resolved.engine.compile_in_background:  # then no request waits for one
-            say(f"compiling {len(keys := llm.engine.runner.buckets.covering_keys())} step shapes "
-                "before /health answers (a restart loads them from the compilation cache)")
+            say(
+                f"compiling {len(keys := llm.engine.runner.buckets.covering_keys())} step shapes "
+                "before /health answers (a restart loads them from the compilation cache)"
+            )
             llm.engine.precompile(keys)
             say(f"compiled in {time.perf_counter() - t:.0f} s")
         core = EngineCore(llm.engine, addr)
@@ -152,8 +161,17 @@ def run_core(factory, addr: str, conn) -> None:
         conn.send(("error", str(e)))
         return
     eng = llm.engine
-    conn.send(("ready", dict(tokenizer=llm.tokenizer, model_path=llm.model_path,
-                             max_model_len=eng.max_model_len, stats=engine_stats(eng),
-                             max_num_seqs=eng.resolved.engine.max_num_seqs)))
+    conn.send(
+        (
+            "ready",
+            dict(
+                tokenizer=llm.tokenizer,
+                model_path=llm.model_path,
+                max_model_len=eng.max_model_len,
+                stats=engine_stats(eng),
+                max_num_seqs=eng.resolved.engine.max_num_seqs,
+            ),
+        )
+    )
     conn.close()
     core.run()

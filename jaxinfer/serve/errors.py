@@ -14,8 +14,9 @@ from starlette.exceptions import HTTPException
 class APIError(Exception):
     """An error answered with HTTP ``status``: `body`, its JSON, or `response`."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.param, self.code = status, param, code
 
@@ -28,7 +29,8 @@ class APIError(Exception):
 
     def body(self) -> dict:
         kind = {401: "authentication_error", 404: "not_found_error"}.get(
-            self.status, "invalid_request_error" if 400 <= self.status < 500 else "server_error")
+            self.status, "invalid_request_error" if 400 <= self.status < 500 else "server_error"
+        )
         return {"error": dict(message=str(self), type=kind, param=self.param, code=self.code)}
 
     def response(self) -> JSONResponse:
@@ -46,7 +48,13 @@ def add_exception_handlers(app: FastAPI) -> None:
         err = max(e.errors(), key=lambda x: len(x["loc"]))  # the deepest: in a union's member
         if err["type"] == "json_invalid":  # loc is ("body", offset): not a parameter
             return APIError(f"the request body is not valid JSON: {err['msg']}").response()
-        param = ".".join(str(x) for x in err["loc"][1:] if not (isinstance(x, str) and (
-            x in ("str", "int") or "[" in x or x[:1].isupper()))) or None  # no union members
+        param = (
+            ".".join(
+                str(x)
+                for x in err["loc"][1:]
+                if not (isinstance(x, str) and (x in ("str", "int") or "[" in x or x[:1].isupper()))
+            )
+            or None
+        )  # no union members
         got = "" if isinstance(v := err.get("input"), dict | list) else f" (got {reprlib.repr(v)})"
         return APIError(f"{param or 'body'}: {err['msg']}{got}", 400, param).response()

@@ -14,27 +14,38 @@ class ServerMetrics:
     def __init__(self, client) -> None:
         self.registry = r = CollectorRegistry()
         p, hist = "jaxinfer:", functools.partial(Histogram, buckets=_LATENCY, registry=r)
-        self.requests = Counter(p + "request_success", "finished requests by finish reason",
-                                ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens of finished requests",
-                                     registry=r)
+        self.requests = Counter(
+            p + "request_success",
+            "finished requests by finish reason",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            p + "prompt_tokens", "prompt tokens of finished requests", registry=r
+        )
         self.generation_tokens = Counter(p + "generation_tokens", "tokens generated", registry=r)
         self.ttft = hist(p + "time_to_first_token_seconds", "arrival to first token")
-        self.tpot = hist(p + "time_per_output_token_seconds",
-                         "mean time per output token after the first, per request")
+        self.tpot = hist(
+            p + "time_per_output_token_seconds",
+            "mean time per output token after the first, per request",
+        )
         self.e2e = hist(p + "e2e_request_latency_seconds", "arrival to finish")
         for name, doc, field in (
-                ("num_requests_running", "sequences holding KV pages", "num_running"),
-                ("num_requests_waiting", "sequences waiting for admission", "num_waiting"),
-                ("kv_pages_in_use", "KV pool pages not free", "kv_pages_in_use"),
-                ("kv_pages_total", "usable KV pool pages", "kv_pages_total"),
-                ("compiled_step_shapes", "step shapes compiled so far", "num_compiles"),
-                ("covered_steps", "steps run padded to a compiled shape while theirs compiled",
-                 "num_covered_steps"),
-                ("prefix_cache_hit_rate", "prefix cache hit rate (tokens)",
-                 "prefix_cache_hit_rate")):
+            ("num_requests_running", "sequences holding KV pages", "num_running"),
+            ("num_requests_waiting", "sequences waiting for admission", "num_waiting"),
+            ("kv_pages_in_use", "KV pool pages not free", "kv_pages_in_use"),
+            ("kv_pages_total", "usable KV pool pages", "kv_pages_total"),
+            ("compiled_step_shapes", "step shapes compiled so far", "num_compiles"),
+            (
+                "covered_steps",
+                "steps run padded to a compiled shape while theirs compiled",
+                "num_covered_steps",
+            ),
+            ("prefix_cache_hit_rate", "prefix cache hit rate (tokens)", "prefix_cache_hit_rate"),
+        ):
             Gauge(p + name, doc, registry=r).set_function(
-                lambda field=field: float(client.stats[field]))
+                lambda field=field: float(client.stats[field])
+            )
 
     def record(self, seqs) -> None:
         """Count a finished request from its samples' `Sequence`s (per-sample token counts;

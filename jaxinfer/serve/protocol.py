@@ -25,11 +25,27 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchema | None = None
 
 
-_SHARED = ("top_p", "top_k", "min_p", "seed", "n", "presence_penalty", "frequency_penalty",
-           "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens",
-           "spaces_between_special_tokens", "include_stop_str_in_output")  # type, default
-_SamplingFields = create_model("_SamplingFields", **{
-    f.name: (f.type, f.default) for f in dataclasses.fields(SamplingParams) if f.name in _SHARED})
+_SHARED = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)  # type, default
+_SamplingFields = create_model(
+    "_SamplingFields",
+    **{
+        f.name: (f.type, f.default) for f in dataclasses.fields(SamplingParams) if f.name in _SHARED
+    },
+)
 
 
 class _Sampling(_SamplingFields):
@@ -68,12 +84,21 @@ class _Sampling(_SamplingFields):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The `SamplingParams` fields this body shares by name; raises ValueError (naming one)."""
-        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(SamplingParams)
-               if f.name in type(self).model_fields}
-        return SamplingParams(**dict(
-            own, temperature=1.0 if self.temperature is None else self.temperature,
-            stop_token_ids=self.stop_token_ids or [], max_tokens=max_tokens, logprobs=logprobs,
-            structured_outputs=self.structured()))
+        own = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(SamplingParams)
+            if f.name in type(self).model_fields
+        }
+        return SamplingParams(
+            **dict(
+                own,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                stop_token_ids=self.stop_token_ids or [],
+                max_tokens=max_tokens,
+                logprobs=logprobs,
+                structured_outputs=self.structured(),
+            )
+        )
 
 
 class CompletionRequest(_Sampling):
@@ -134,16 +159,33 @@ class ChatCompletionRequest(_Sampling):
             return None
         if isinstance(choice, Tool):
             if (name := choice.function.name) not in tools:
-                raise ValueError(f"tool_choice names function {name!r}, not one of tools "
-                                 f"{sorted(tools)}")
+                raise ValueError(
+                    f"tool_choice names function {name!r}, not one of tools {sorted(tools)}"
+                )
             return tools[name].parameters or {"type": "object", "properties": {}}
         if choice != "required" or not tools:
-            raise ValueError(f"tool_choice={choice!r} is not supported: name a function in "
-                             'tool_choice, or use "required" (with tools) or "none"')
-        return {"type": "array", "minItems": 1, "items": {"anyOf": [
-            {"type": "object", "required": ["name", "parameters"], "additionalProperties": False,
-             "properties": {"name": {"enum": [f.name]}, "parameters": f.parameters or {
-                 "type": "object", "properties": {}}}} for f in tools.values()]}}
+            raise ValueError(
+                f"tool_choice={choice!r} is not supported: name a function in "
+                'tool_choice, or use "required" (with tools) or "none"'
+            )
+        return {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "required": ["name", "parameters"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "name": {"enum": [f.name]},
+                            "parameters": f.parameters or {"type": "object", "properties": {}},
+                        },
+                    }
+                    for f in tools.values()
+                ]
+            },
+        }
 
     def constraint(self) -> str:
         return "tool_choice" if self.tool_choice not in (None, "none") else super().constraint()
@@ -161,10 +203,14 @@ def completion_logprobs(out, k: int | None, offset: int = 0) -> dict | None:
     if k is None or out.logprobs is None:
         return None
     rows = out.top_logprobs(k)
-    return dict(text_offset=list(itertools.accumulate((len(s) for s, *_ in rows[:-1]),
-                                                      initial=offset))[:len(rows)],
-                tokens=[s for s, *_ in rows], token_logprobs=[_lp(lp) for _, lp, _ in rows],
-                top_logprobs=[{s: _lp(x) for s, x in top} for *_, top in rows])
+    return dict(
+        text_offset=list(itertools.accumulate((len(s) for s, *_ in rows[:-1]), initial=offset))[
+            : len(rows)
+        ],
+        tokens=[s for s, *_ in rows],
+        token_logprobs=[_lp(lp) for _, lp, _ in rows],
+        top_logprobs=[{s: _lp(x) for s, x in top} for *_, top in rows],
+    )
 
 
 def chat_logprobs(out, k: int | None) -> dict | None:
@@ -174,5 +220,10 @@ def chat_logprobs(out, k: int | None) -> dict | None:
 
     def entry(s: str, lp: float, **kw) -> dict:
         return dict(token=s, logprob=_lp(lp), bytes=list(s.encode("utf-8", "replace")), **kw)
-    return {"content": [entry(s, lp, top_logprobs=[entry(*x) for x in top])
-                        for s, lp, top in out.top_logprobs(k)]}
+
+    return {
+        "content": [
+            entry(s, lp, top_logprobs=[entry(*x) for x in top])
+            for s, lp, top in out.top_logprobs(k)
+        ]
+    }

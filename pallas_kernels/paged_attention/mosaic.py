@@ -20,9 +20,9 @@ from pallas_kernels.paged_attention import reference
 from pallas_kernels.paged_attention.triton_pallas import HIGHEST, LOG2E, NN_DIMS, NT_DIMS, normalize
 from pallas_kernels.sizes import raise_first, round_up
 
-_ROWS = 64          # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
-_TABLE_COLS = 128   # block-table entries per shared-memory row (TMA boxes are at most 256 wide)
-_OFFSET_COLS = 32   # the per-layer page offset input: one 128-byte TMA copy
+_ROWS = 64  # wgmma M: query rows per program (the G heads of one KV head, zero-padded)
+_TABLE_COLS = 128  # block-table entries per shared-memory row (TMA boxes are at most 256 wide)
+_OFFSET_COLS = 32  # the per-layer page offset input: one 128-byte TMA copy
 Q_GROUP_MULTIPLE = 8  # query rows per KV head are zero-padded to a multiple of this (TMA boxes)
 _LN2 = math.log(2.0)
 _SMS_H100_H200 = 132
@@ -40,12 +40,19 @@ class MosaicDecodeConfig:
     num_sms: int | None = None
 
     def __post_init__(self):
-        raise_first([
-            (self.block_kv <= 0 or self.block_kv % 64,
-             f"block_kv={self.block_kv} must be a positive multiple of 64"),
-            (not 1 <= self.num_stages <= 8, f"num_stages={self.num_stages} must be in 1..8"),
-            *[(v is not None and v < 1, f"{k}={v} must be >= 1 or None")
-              for k, v in (("num_splits", self.num_splits), ("num_sms", self.num_sms))]])
+        raise_first(
+            [
+                (
+                    self.block_kv <= 0 or self.block_kv % 64,
+                    f"block_kv={self.block_kv} must be a positive multiple of 64",
+                ),
+                (not 1 <= self.num_stages <= 8, f"num_stages={self.num_stages} must be in 1..8"),
+                *[
+                    (v is not None and v < 1, f"{k}={v} must be >= 1 or None")
+                    for k, v in (("num_splits", self.num_splits), ("num_sms", self.num_sms))
+                ],
+            ]
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +83,7 @@ def combine_splits(o: jax.Array, lse: jax.Array, *, num_heads: int, out_dtype) -
     G = num_heads // K
     mx = jnp.max(lse, axis=2, keepdims=True)
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    w = jnp.exp(lse - mx)                                       # [B, K, S, Gp]; 0 for empty splits
+    w = jnp.exp(lse - mx)  # [B, K, S, Gp]; 0 for empty splits
     out = normalize(jnp.einsum("bksg,bksgh->bkgh", w, o), jnp.sum(w, axis=2))
     return out[:, :, :G].reshape(B, num_heads, H).astype(out_dtype)
 
@@ -84,38 +91,54 @@ def combine_splits(o: jax.Array, lse: jax.Array, *, num_heads: int, out_dtype) -
 def _smem_transforms(dtype, H: int):
     """Tiling + 128-byte swizzle of a [rows, H] operand tile, as wgmma wants it."""
     swizzle_elems = 128 // jnp.dtype(dtype).itemsize
-    return () if H % swizzle_elems else (plgpu.TilingTransform((8, swizzle_elems)),
-                                         plgpu.SwizzleTransform(128))
+    return (
+        ()
+        if H % swizzle_elems
+        else (plgpu.TilingTransform((8, swizzle_elems)), plgpu.SwizzleTransform(128))
+    )
 
 
 def _wgmma_scores(q_smem, k_smem):
     """[64, H] x [bk, H]^T -> [64, bk] float32."""
+
     def qk(acc_ref):
         plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem, (1, 0)))
         return acc_ref[...]
+
     return pl.run_scoped(qk, plgpu.ACC((_ROWS, k_smem.shape[0]), jnp.float32))
 
 
 def _wgmma_pv(acc, p, v_smem):
     """acc [64, H] += p [64, bk] (KV dtype, registers) x v [bk, H]."""
+
     def pv(acc_ref):
         plgpu.wgmma(acc_ref, p, v_smem)
+
     return pl.run_state(pv)(plgpu.ACC.init(acc))
 
 
 _WgmmaMath = types.SimpleNamespace(  # Hopper tensor-core math in Mosaic GPU's WGMMA layout
     full=lambda shape, value, row_stat=False: plgpu.layout_cast(
         jnp.full(shape, value, jnp.float32),
-        plgpu.Layout.WGMMA.reduce(1) if row_stat else plgpu.Layout.WGMMA),
+        plgpu.Layout.WGMMA.reduce(1) if row_stat else plgpu.Layout.WGMMA,
+    ),
     col_iota=lambda shape: plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA),
-    scores=_wgmma_scores, accumulate_pv=_wgmma_pv)
+    scores=_wgmma_scores,
+    accumulate_pv=_wgmma_pv,
+)
 _PlainMath = types.SimpleNamespace(  # `_WgmmaMath` in plain jnp (GPU interpret mode on the CPU)
     full=lambda shape, value, row_stat=False: jnp.full(shape, value, jnp.float32),
     col_iota=lambda shape: lax.broadcasted_iota(jnp.int32, shape, 1),
     scores=lambda q_smem, k_smem: lax.dot_general(
-        q_smem[...], k_smem[...], NT_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32),
-    accumulate_pv=lambda acc, p, v_smem: acc + lax.dot_general(
-        p, v_smem[...], NN_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32))
+        q_smem[...], k_smem[...], NT_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32
+    ),
+    accumulate_pv=lambda acc, p, v_smem: (
+        acc
+        + lax.dot_general(
+            p, v_smem[...], NN_DIMS, precision=HIGHEST, preferred_element_type=jnp.float32
+        )
+    ),
+)
 
 
 def _softmax_step(math_, geo: _Geometry, carry, s, first_pos, seq_len, lo_pos, v_smem, wait_v):
@@ -147,7 +170,7 @@ def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
     for i in range(geo.pages_per_step):
         token = step * geo.block_kv + i * rpc
         if geo.page_size <= geo.block_kv:
-            lp = step * geo.pages_per_step + i                 # logical page
+            lp = step * geo.pages_per_step + i  # logical page
             src = lambda ref, phys: ref.at[phys, h]
         else:
             lp, off = lax.div(token, geo.page_size), lax.rem(token, geo.page_size)
@@ -157,8 +180,9 @@ def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
             plgpu.copy_gmem_to_smem(src(ref, phys), buf.at[pl.ds(i * rpc, rpc)], bar)
 
 
-def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *refs, geo: _Geometry, math_,
-          interpret: bool):
+def _body(
+    q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *refs, geo: _Geometry, math_, interpret: bool
+):
     lse_ref, q_smem, tbl_smem, off_smem, bars = (None, *refs) if geo.num_splits == 1 else refs
     b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
     tbl_bar, q_bar, off_bar = bars.at[0], bars.at[1], bars.at[2]
@@ -172,8 +196,9 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *refs, geo: _Geometry, m
     plgpu.barrier_wait(tbl_bar)
     plgpu.barrier_wait(off_bar)
     layer_off, seq_len = off_smem[0], tbl_smem[0, 0]
-    lo_pos = (jnp.int32(0) if geo.sliding_window is None
-              else jnp.maximum(seq_len - geo.sliding_window, 0))
+    lo_pos = (
+        jnp.int32(0) if geo.sliding_window is None else jnp.maximum(seq_len - geo.sliding_window, 0)
+    )
     first_blk = lax.div(lo_pos, bk)
     n_blk = lax.div(seq_len + (bk - 1), bk) - first_blk
     per_split = lax.div(n_blk + (geo.num_splits - 1), geo.num_splits)
@@ -185,9 +210,11 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *refs, geo: _Geometry, m
         v_copy = lambda slot: (v_ref, v_bufs.at[slot], v_bars.at[slot])  # noqa: E731
 
         for st in range(geo.num_stages):
+
             @pl.when(st < count)
             def _prologue():
                 _issue_block(geo, tbl_smem, layer_off, h, start + st, [k_copy(st), v_copy(st)])
+
         plgpu.barrier_wait(q_bar)
 
         def step(j, carry):
@@ -199,20 +226,37 @@ def _body(q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *refs, geo: _Geometry, m
             @pl.when(refill)
             def _refill_k():  # Q K^T has completed: this K buffer is free again
                 _issue_block(geo, tbl_smem, layer_off, h, nxt, [k_copy(slot)])
-            carry = _softmax_step(math_, geo, carry, s, (start + j) * bk, seq_len, lo_pos,
-                                  v_bufs.at[slot], lambda: plgpu.barrier_wait(v_bars.at[slot]))
+
+            carry = _softmax_step(
+                math_,
+                geo,
+                carry,
+                s,
+                (start + j) * bk,
+                seq_len,
+                lo_pos,
+                v_bufs.at[slot],
+                lambda: plgpu.barrier_wait(v_bars.at[slot]),
+            )
 
             @pl.when(refill)
             def _refill_v():  # P V has completed
                 _issue_block(geo, tbl_smem, layer_off, h, nxt, [v_copy(slot)])
+
             return carry
 
-        init = (math_.full((_ROWS, H), 0.0), math_.full((_ROWS,), -jnp.inf, row_stat=True),
-                math_.full((_ROWS,), 0.0, row_stat=True))
+        init = (
+            math_.full((_ROWS, H), 0.0),
+            math_.full((_ROWS,), -jnp.inf, row_stat=True),
+            math_.full((_ROWS,), 0.0, row_stat=True),
+        )
         return lax.fori_loop(0, count, step, init)
 
-    kv_tile = plgpu.SMEM((geo.num_stages, bk, H), geo.dtype,
-                         transforms=() if interpret else _smem_transforms(geo.dtype, H))
+    kv_tile = plgpu.SMEM(
+        (geo.num_stages, bk, H),
+        geo.dtype,
+        transforms=() if interpret else _smem_transforms(geo.dtype, H),
+    )
     stage_bars = plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.num_stages)
     acc, m, l = pl.run_scoped(main_loop, kv_tile, kv_tile, stage_bars, stage_bars)
     _store(geo, acc, m, l, o_ref, lse_ref, b, h, split)
@@ -237,8 +281,12 @@ def _store(geo: _Geometry, acc, m, l, o_ref, lse_ref, b, h, split):
         if not single:
             plgpu.copy_smem_to_gmem(lse_smem[0].at[pl.ds(0, geo.Gp)], lse_ref.at[b, h, split])
         plgpu.wait_smem_to_gmem(0)
-    pl.run_scoped(store, plgpu.SMEM((_ROWS, geo.H), o_ref.dtype),
-                  *() if single else (plgpu.SMEM((_ROWS,), jnp.float32),))
+
+    pl.run_scoped(
+        store,
+        plgpu.SMEM((_ROWS, geo.H), o_ref.dtype),
+        *() if single else (plgpu.SMEM((_ROWS,), jnp.float32),),
+    )
 
 
 def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int) -> int:
@@ -247,10 +295,13 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
     if cfg.num_splits is not None:
         return max(1, min(cfg.num_splits, max_blocks))
     dev = jax.devices()[0]
-    sms = (cfg.num_sms or (dev.platform == "gpu" and getattr(dev, "core_count", None))
-           or _SMS_H100_H200)
+    sms = (
+        cfg.num_sms
+        or (dev.platform == "gpu" and getattr(dev, "core_count", None))
+        or _SMS_H100_H200
+    )
     cap = max(1, max_blocks // 2)
-    slots = sms * max(1, (227 * 1024) // smem)        # programs resident at once
+    slots = sms * max(1, (227 * 1024) // smem)  # programs resident at once
     for splits in range(1, cap + 1):
         waves = rows * splits / slots
         if waves >= 1.5 and waves / math.ceil(waves) >= 0.9:
@@ -258,37 +309,77 @@ def _pick_splits(cfg: MosaicDecodeConfig, rows: int, max_blocks: int, smem: int)
     return cap
 
 
-def _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg: MosaicDecodeConfig, interpret,
-              layer, page_offset, sliding_window, soft_cap) -> None:
-    B, N, H, K, page_size, _ = reference.check_args(q, k_pool, v_pool, block_tables, seq_lens,
-                                                    sliding_window, soft_cap)
+def _validate(
+    q,
+    k_pool,
+    v_pool,
+    block_tables,
+    seq_lens,
+    cfg: MosaicDecodeConfig,
+    interpret,
+    layer,
+    page_offset,
+    sliding_window,
+    soft_cap,
+) -> None:
+    B, N, H, K, page_size, _ = reference.check_args(
+        q, k_pool, v_pool, block_tables, seq_lens, sliding_window, soft_cap
+    )
     L = k_pool.shape[0]
-    allowed = [jnp.dtype(d) for d in ("bfloat16", "float16", "float32")[:2 + bool(interpret)]]
+    allowed = [jnp.dtype(d) for d in ("bfloat16", "float16", "float32")[: 2 + bool(interpret)]]
     po_shape = getattr(page_offset, "shape", None)
-    raise_first([
-        (not jnp.issubdtype(q.dtype, jnp.floating), f"q must be a floating dtype; got {q.dtype}"),
-        (B < 1, f"q has B={B} rows; at least 1 is needed"),
-        (N % K, f"num query heads N={N} must be a multiple of num KV heads K={K}"),
-        (N // K > _ROWS, f"GQA group N/K={N // K} must be <= {_ROWS}"),
-        (k_pool.dtype not in allowed, f"k_pool dtype {k_pool.dtype} not supported; allowed: "
-         f"{[d.name for d in allowed]} (float32 only in interpret mode: Hopper wgmma has no "
-         "float32 P.V path)"),
-        (H % 64, f"head dim H={H} must be a multiple of 64"),
-        (page_size % 8, f"page_size={page_size} must be a multiple of 8"),
-        (cfg.block_kv % page_size and page_size % cfg.block_kv,
-         f"block_kv={cfg.block_kv} and page_size={page_size}: one must divide the other"),
-        (page_offset is not None and (po_shape != (_OFFSET_COLS,)
-                                      or page_offset.dtype != jnp.int32),
-         f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got "
-         f"{getattr(page_offset, 'dtype', type(page_offset).__name__)}{list(po_shape or ())}"),
-        (isinstance(layer, (int, np.integer)) and not 0 <= layer < L,
-         f"layer={layer} is outside the pools' L={L} layers")])
+    raise_first(
+        [
+            (
+                not jnp.issubdtype(q.dtype, jnp.floating),
+                f"q must be a floating dtype; got {q.dtype}",
+            ),
+            (B < 1, f"q has B={B} rows; at least 1 is needed"),
+            (N % K, f"num query heads N={N} must be a multiple of num KV heads K={K}"),
+            (N // K > _ROWS, f"GQA group N/K={N // K} must be <= {_ROWS}"),
+            (
+                k_pool.dtype not in allowed,
+                f"k_pool dtype {k_pool.dtype} not supported; allowed: "
+                f"{[d.name for d in allowed]} (float32 only in interpret mode: Hopper wgmma has no "
+                "float32 P.V path)",
+            ),
+            (H % 64, f"head dim H={H} must be a multiple of 64"),
+            (page_size % 8, f"page_size={page_size} must be a multiple of 8"),
+            (
+                cfg.block_kv % page_size and page_size % cfg.block_kv,
+                f"block_kv={cfg.block_kv} and page_size={page_size}: one must divide the other",
+            ),
+            (
+                page_offset is not None
+                and (po_shape != (_OFFSET_COLS,) or page_offset.dtype != jnp.int32),
+                f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got "
+                f"{getattr(page_offset, 'dtype', type(page_offset).__name__)}{list(po_shape or ())}",
+            ),
+            (
+                isinstance(layer, (int, np.integer)) and not 0 <= layer < L,
+                f"layer={layer} is outside the pools' L={L} layers",
+            ),
+        ]
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret",
-                                             "cfg"))
-def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, scale, soft_cap,
-             sliding_window, interpret, cfg: MosaicDecodeConfig):
+@functools.partial(
+    jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret", "cfg")
+)
+def _forward(
+    q,
+    k_pool,
+    v_pool,
+    block_tables,
+    seq_lens,
+    layer_off,
+    *,
+    scale,
+    soft_cap,
+    sliding_window,
+    interpret,
+    cfg: MosaicDecodeConfig,
+):
     (B, N, H), (L, P, K, page_size, _) = q.shape, k_pool.shape
     G, M, bk, dtype = N // K, block_tables.shape[1], cfg.block_kv, k_pool.dtype
     Gp = round_up(G, Q_GROUP_MULTIPLE)
@@ -297,14 +388,27 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, scale, sof
     pages_needed = max_blocks * (bk // page_size) if page_size <= bk else M
     # (1 + R) * C * 4 bytes must be a multiple of 128 (one TMA copy, arrived on by 128 threads).
     C = min(_TABLE_COLS, round_up(pages_needed, 32))
-    R = -(-pages_needed // C)       # entry lp lives at [1 + lp // 128, lp % 128] (R == 1 if C < 128)
+    R = -(-pages_needed // C)  # entry lp lives at [1 + lp // 128, lp % 128] (R == 1 if C < 128)
     if 1 + R > 256:
         raise ValueError(f"block_tables width M={M} too large (max {255 * _TABLE_COLS} pages)")
     isz = jnp.dtype(dtype).itemsize  # shared memory: K/V stages, Q, table, offsets, barriers
     smem = (2 * cfg.num_stages * bk + _ROWS) * H * isz + (1 + R) * C * 4 + _OFFSET_COLS * 4 + 1024
     splits = _pick_splits(cfg, B * K, max_blocks, smem)
-    geo = _Geometry(G, Gp, H, page_size, bk, max(1, bk // page_size), min(page_size, bk),
-                    cfg.num_stages, splits, dtype, float(scale), soft_cap, sliding_window)
+    geo = _Geometry(
+        G,
+        Gp,
+        H,
+        page_size,
+        bk,
+        max(1, bk // page_size),
+        min(page_size, bk),
+        cfg.num_stages,
+        splits,
+        dtype,
+        float(scale),
+        soft_cap,
+        sliding_window,
+    )
     pages = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, R * C - M))).reshape(B, R, C)
     lens = jnp.clip(seq_lens.astype(jnp.int32), 0, M * page_size)
     header = jnp.zeros((B, 1, C), jnp.int32).at[:, 0, 0].set(lens)
@@ -313,20 +417,34 @@ def _forward(q, k_pool, v_pool, block_tables, seq_lens, layer_off, *, scale, sof
     k_flat, v_flat = (x.reshape(L * P, K, page_size, H) for x in (k_pool, v_pool))
     transforms = () if interpret else _smem_transforms(dtype, H)
     single = splits == 1
-    out_type = ((jax.ShapeDtypeStruct((B, K, G, H), q.dtype),) if single else
-                (jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
-                 jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32)))
-    kw = dict(out_type=out_type, grid=(B, K, splits), grid_names=("b", "h", "s"),
-              scratch_types=[plgpu.SMEM((_ROWS, H), dtype, transforms=transforms),
-                             plgpu.SMEM((1 + R, C), jnp.int32),
-                             plgpu.SMEM((_OFFSET_COLS,), jnp.int32), plgpu.Barrier(num_barriers=3)])
+    out_type = (
+        (jax.ShapeDtypeStruct((B, K, G, H), q.dtype),)
+        if single
+        else (
+            jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32),
+        )
+    )
+    kw = dict(
+        out_type=out_type,
+        grid=(B, K, splits),
+        grid_names=("b", "h", "s"),
+        scratch_types=[
+            plgpu.SMEM((_ROWS, H), dtype, transforms=transforms),
+            plgpu.SMEM((1 + R, C), jnp.int32),
+            plgpu.SMEM((_OFFSET_COLS,), jnp.int32),
+            plgpu.Barrier(num_barriers=3),
+        ],
+    )
     if interpret:  # Mosaic GPU's interpret mode is private in JAX 0.10-0.11 (pyproject's range)
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
         kw["interpret"] = InterpretGPUParams()
     else:
         kw["compiler_params"] = plgpu.CompilerParams(approx_math=True)
-    body = functools.partial(_body, geo=geo, math_=_PlainMath if interpret else _WgmmaMath,
-                             interpret=interpret)  # one split: no LSE output (lse_ref None)
+    body = functools.partial(
+        _body, geo=geo, math_=_PlainMath if interpret else _WgmmaMath, interpret=interpret
+    )  # one split: no LSE output (lse_ref None)
     outs = plgpu.kernel(body, **kw)(qg, k_flat, v_flat, table, layer_off)
     if single:
         return outs[0].reshape(B, N, H)
@@ -339,12 +457,24 @@ def layer_offsets(layer, pages_per_layer: int):
     return xp.arange(_OFFSET_COLS, dtype=np.int32) + xp.asarray(layer, np.int32) * pages_per_layer
 
 
-def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                           block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
-                           soft_cap: float | None = None, sliding_window: int | None = None,
-                           interpret: bool = False, block_kv: int = 64, num_stages: int = 2,
-                           num_splits: int | None = None, config: MosaicDecodeConfig | None = None,
-                           page_offset: jax.Array | None = None) -> jax.Array:
+def paged_decode_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    layer=0,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    interpret: bool = False,
+    block_kv: int = 64,
+    num_stages: int = 2,
+    num_splits: int | None = None,
+    config: MosaicDecodeConfig | None = None,
+    page_offset: jax.Array | None = None,
+) -> jax.Array:
     """`reference.paged_decode_attention`'s contract on Hopper -> [B, N, H] in q.dtype. Pools
     bf16/f16 (f32 only if interpret), H a multiple of 64, page_size of 8.
     Knobs: `MosaicDecodeConfig` (unless ``config``). page_offset: ``layer_offsets(layer, P)``,
@@ -352,13 +482,32 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
     layer outside [0, L). Unchecked: a traced layer, page ids; lengths past the table are clamped to
     M * page_size. Eager interpret calls block until ready (XLA:CPU callback deadlock)."""
     cfg = config or MosaicDecodeConfig(block_kv, num_stages, num_splits)
-    _validate(q, k_pool, v_pool, block_tables, seq_lens, cfg, interpret, layer, page_offset,
-              sliding_window, soft_cap)
-    out = _forward(q, k_pool, v_pool, block_tables, seq_lens,
-                   layer_offsets(layer, k_pool.shape[1]) if page_offset is None else page_offset,
-                   scale=float(scale), soft_cap=None if soft_cap is None else float(soft_cap),
-                   sliding_window=None if sliding_window is None else int(sliding_window),
-                   interpret=bool(interpret), cfg=cfg)
+    _validate(
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        cfg,
+        interpret,
+        layer,
+        page_offset,
+        sliding_window,
+        soft_cap,
+    )
+    out = _forward(
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        layer_offsets(layer, k_pool.shape[1]) if page_offset is None else page_offset,
+        scale=float(scale),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        interpret=bool(interpret),
+        cfg=cfg,
+    )
     if interpret and not isinstance(out, jax.core.Tracer):
         out.block_until_ready()
     return out

@@ -7,24 +7,34 @@ import jax.numpy as jnp
 from pallas_kernels.sizes import raise_first
 
 
-def check_args(q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None, soft_cap=None,
-               ndim: int = 3) -> tuple[int, int, int, int, int, int]:
+def check_args(
+    q, k_pool, v_pool, block_tables, seq_lens, sliding_window=None, soft_cap=None, ndim: int = 3
+) -> tuple[int, int, int, int, int, int]:
     """Checks of every variant, q [B, N, H] (``ndim`` 4: [B, T, N, H]) -> (B, N, H, K, page_size,
     M); ValueError names the argument."""
     if q.ndim != ndim:
         raise ValueError(f"q must be [B, {'T, ' * (ndim == 4)}N, H]; got shape {q.shape}")
     if k_pool.ndim != 5 or v_pool.shape != k_pool.shape or v_pool.dtype != k_pool.dtype:
-        raise ValueError(f"k_pool, v_pool must both be [L, P, K, page_size, H] of one dtype; got "
-                         f"{k_pool.dtype}{list(k_pool.shape)} and {v_pool.dtype}{list(v_pool.shape)}")
+        raise ValueError(
+            f"k_pool, v_pool must both be [L, P, K, page_size, H] of one dtype; got "
+            f"{k_pool.dtype}{list(k_pool.shape)} and {v_pool.dtype}{list(v_pool.shape)}"
+        )
     (B, *_, N, H), (*_, K, page_size, Hk) = q.shape, k_pool.shape
-    raise_first([
-        (Hk != H, f"k_pool head dim {Hk} must equal q head dim {H}"),
-        (block_tables.ndim != 2 or block_tables.shape[0] != B,
-         f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}"),
-        (seq_lens.shape != (B,), f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}"),
-        (sliding_window is not None and sliding_window < 1,
-         f"sliding_window={sliding_window} must be None or >= 1"),
-        (soft_cap is not None and not soft_cap > 0, f"soft_cap={soft_cap} must be None or > 0")])
+    raise_first(
+        [
+            (Hk != H, f"k_pool head dim {Hk} must equal q head dim {H}"),
+            (
+                block_tables.ndim != 2 or block_tables.shape[0] != B,
+                f"block_tables must be i32[B={B}, M]; got shape {block_tables.shape}",
+            ),
+            (seq_lens.shape != (B,), f"seq_lens must be i32[B={B}]; got shape {seq_lens.shape}"),
+            (
+                sliding_window is not None and sliding_window < 1,
+                f"sliding_window={sliding_window} must be None or >= 1",
+            ),
+            (soft_cap is not None and not soft_cap > 0, f"soft_cap={soft_cap} must be None or > 0"),
+        ]
+    )
     return B, N, H, K, page_size, block_tables.shape[1]
 
 
@@ -34,11 +44,21 @@ def _dequantised(pages: jax.Array, scale: jax.Array | None, layer) -> jax.Array:
     return pages if scale is None else pages * scale[layer][None, None, :, None, None]
 
 
-def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_tables: jax.Array,
-                    seq_lens: jax.Array, q_positions: jax.Array, *, layer=0, scale: float,
-                    soft_cap: float | None = None, sliding_window: int | None = None,
-                    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None
-                    ) -> jax.Array:
+def paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    q_positions: jax.Array,
+    *,
+    layer=0,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> jax.Array:
     """Attention of T query tokens per sequence over its paged KV -> [B, T, N, H] in q.dtype (rows
     with no visible key: zeros). q: [B, T, N, H] (RoPE applied); k_pool, v_pool: [L, P, K,
     page_size, H], this step's K/V written; block_tables: i32[B, M] physical page of each logical
@@ -49,18 +69,20 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_ta
     B, T, N, H = q.shape
     K, G, S = k_pool.shape[2], N // k_pool.shape[2], block_tables.shape[1] * k_pool.shape[3]
     # Gather pages: [B, M, K, page_size, H] -> [B, K, S, H]
-    k, v = (_dequantised(p[layer, block_tables], s, layer).transpose(0, 2, 1, 3, 4)
-            .reshape(B, K, S, H) for p, s in ((k_pool, k_scale), (v_pool, v_scale)))
+    k, v = (
+        _dequantised(p[layer, block_tables], s, layer).transpose(0, 2, 1, 3, 4).reshape(B, K, S, H)
+        for p, s in ((k_pool, k_scale), (v_pool, v_scale))
+    )
     qf = q.astype(jnp.float32).reshape(B, T, K, G, H)
     logits = jnp.einsum("btkgh,bksh->bkgts", qf, k) * scale
     if soft_cap is not None:
         logits = soft_cap * jnp.tanh(logits / soft_cap)
-    kpos = jnp.arange(S, dtype=jnp.int32)[None, None, :]                  # [1, 1, S]
-    qpos = q_positions[:, :, None]                                        # [B, T, 1]
-    visible = (kpos <= qpos) & (kpos < seq_lens[:, None, None])           # [B, T, S]
+    kpos = jnp.arange(S, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    qpos = q_positions[:, :, None]  # [B, T, 1]
+    visible = (kpos <= qpos) & (kpos < seq_lens[:, None, None])  # [B, T, S]
     if sliding_window is not None:
         visible &= (qpos - kpos) < sliding_window
-    visible = visible[:, None, None]                                      # [B, 1, 1, T, S]
+    visible = visible[:, None, None]  # [B, 1, 1, T, S]
     logits = jnp.where(visible, logits, -jnp.inf)
     m = jnp.max(logits, axis=-1, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -70,12 +92,32 @@ def paged_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, block_ta
     return out.reshape(B, T, N, H).astype(q.dtype)
 
 
-def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array,
-                           block_tables: jax.Array, seq_lens: jax.Array, *, layer=0, scale: float,
-                           soft_cap: float | None = None, sliding_window: int | None = None,
-                           k_scale: jax.Array | None = None,
-                           v_scale: jax.Array | None = None) -> jax.Array:
+def paged_decode_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    layer=0,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> jax.Array:
     """Decode: q [B, N, H] at position ``seq_len - 1`` -> [B, N, H]; else as `paged_attention`."""
-    return paged_attention(q[:, None], k_pool, v_pool, block_tables, seq_lens,
-                           (seq_lens - 1)[:, None], layer=layer, scale=scale, soft_cap=soft_cap,
-                           sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)[:, 0]
+    return paged_attention(
+        q[:, None],
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        (seq_lens - 1)[:, None],
+        layer=layer,
+        scale=scale,
+        soft_cap=soft_cap,
+        sliding_window=sliding_window,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )[:, 0]

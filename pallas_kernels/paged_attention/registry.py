@@ -4,14 +4,18 @@
 
 import functools
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 # name -> (module of pallas_kernels.paged_attention, function)
-DECODE = {"reference": ("reference", "paged_decode_attention"),
-          "mosaic": ("mosaic", "paged_decode_attention"),
-          "triton": ("triton_pallas", "paged_decode_attention")}
-PREFILL = {"reference": ("reference", "paged_attention"),
-           "triton": ("prefill_triton", "paged_prefill_attention")}
+DECODE = {
+    "reference": ("reference", "paged_decode_attention"),
+    "mosaic": ("mosaic", "paged_decode_attention"),
+    "triton": ("triton_pallas", "paged_decode_attention"),
+}
+PREFILL = {
+    "reference": ("reference", "paged_attention"),
+    "triton": ("prefill_triton", "paged_prefill_attention"),
+}
 
 # GPU device kinds (JAX ``Device.device_kind``) each variant's GPU suite and benchmarks passed on.
 VALIDATED = {"mosaic": ("NVIDIA H200",), "triton": ("NVIDIA H200",)}

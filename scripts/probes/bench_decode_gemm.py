@@ -35,16 +35,16 @@ from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 # (K, N) of each Qwen3-8B decode GEMM (x[M, K] @ w[K, N])
-SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "gate_up": (4096, 24576),
-          "down": (12288, 4096)}
+SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
 
 
 def gemm_fn(variant: str):
     """(jitted fn over lists of x, w) for one formulation; raises ValueError if unknown."""
     m = re.fullmatch(r"(xla|cublas)(?:-(partials|split)(\d+))?", variant)
     if not m:
-        raise ValueError(f"unknown variant {variant!r}: xla, cublas, xla-partialsS, "
-                         "cublas-splitS, ...")
+        raise ValueError(
+            f"unknown variant {variant!r}: xla, cublas, xla-partialsS, cublas-splitS, ..."
+        )
     backend, kind, s = m.group(1), m.group(2), int(m.group(3) or 1)
     if s < 1:
         raise ValueError(f"variant {variant!r}: the split count must be >= 1")
@@ -57,8 +57,12 @@ def gemm_fn(variant: str):
         N = w.shape[1]
         if K % s:
             raise ValueError(f"K={K} is not divisible by S={s}")
-        p = jnp.einsum("msk,skn->smn", x.reshape(M, s, K // s), w.reshape(s, K // s, N),
-                       preferred_element_type=jnp.float32)
+        p = jnp.einsum(
+            "msk,skn->smn",
+            x.reshape(M, s, K // s),
+            w.reshape(s, K // s, N),
+            preferred_element_type=jnp.float32,
+        )
         return p if kind == "partials" else p.sum(0).astype(x.dtype)
 
     return jax.jit(lambda xs, ws: [one(x, w) for x, w in zip(xs, ws)], compiler_options=opts)
@@ -71,22 +75,43 @@ def measure(variant: str, M: int, K: int, N: int, layers: int, reps: int) -> dic
     ws = [jax.random.normal(keys[layers + i], (K, N), jnp.bfloat16) * 0.02 for i in range(layers)]
     per = kernel_us_per_call(gemm_fn(variant), (xs, ws), layers, reps)
     us = sum(per.values())
-    return dict(us=us, weight_tb_s=K * N * 2 / us / 1e6, tflop_s=2 * M * K * N / us / 1e6,
-                kernels={k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])})
+    return dict(
+        us=us,
+        weight_tb_s=K * N * 2 / us / 1e6,
+        tflop_s=2 * M * K * N / us / 1e6,
+        kernels={k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])},
+    )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 128, 192, 256],
-                    help="M: rows of x (the decode batch)")
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES),
-                    help="Qwen3-8B projections (K, N): " + ", ".join(
-                        f"{k} {v}" for k, v in SHAPES.items()))
-    ap.add_argument("--variants", nargs="+", default=["xla", "cublas"],
-                    help="formulations (see the module docstring): xla, cublas, "
-                         "{xla,cublas}-partialsS, {xla,cublas}-splitS")
-    ap.add_argument("--layers", type=int, default=8,
-                    help="independent GEMMs per timed call (8 x 33 MB of weights > the 50 MB L2)")
+    ap.add_argument(
+        "--rows",
+        type=int,
+        nargs="+",
+        default=[1, 64, 128, 192, 256],
+        help="M: rows of x (the decode batch)",
+    )
+    ap.add_argument(
+        "--shapes",
+        nargs="+",
+        default=list(SHAPES),
+        choices=list(SHAPES),
+        help="Qwen3-8B projections (K, N): " + ", ".join(f"{k} {v}" for k, v in SHAPES.items()),
+    )
+    ap.add_argument(
+        "--variants",
+        nargs="+",
+        default=["xla", "cublas"],
+        help="formulations (see the module docstring): xla, cublas, "
+        "{xla,cublas}-partialsS, {xla,cublas}-splitS",
+    )
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="independent GEMMs per timed call (8 x 33 MB of weights > the 50 MB L2)",
+    )
     ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
     ap.add_argument("--out", default="benchmarks/h200.jsonl", help="JSON lines appended here")
     args = ap.parse_args()
@@ -96,10 +121,18 @@ def main() -> None:
         except ValueError as e:
             ap.error(str(e))
     if jax.default_backend() != "gpu":
-        ap.error(f"this benchmark times GPU kernels from a profiler trace; JAX's backend here is "
-                 f"{jax.default_backend()!r}")
-    meta = dict(bench="decode_gemm", date=datetime.date.today().isoformat(), commit=git_commit(),
-                jax=jax.__version__, device=jax.devices()[0].device_kind, xla_flags=xla_flags())
+        ap.error(
+            f"this benchmark times GPU kernels from a profiler trace; JAX's backend here is "
+            f"{jax.default_backend()!r}"
+        )
+    meta = dict(
+        bench="decode_gemm",
+        date=datetime.date.today().isoformat(),
+        commit=git_commit(),
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        xla_flags=xla_flags(),
+    )
     print(f"{'shape':<8} {'M':>4} {'variant':<18} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8}  kernels")
     for name in args.shapes:
         K, N = SHAPES[name]
@@ -110,12 +143,16 @@ def main() -> None:
                 except Exception as e:  # one failing formulation does not end the sweep
                     print(f"{name:<8} {M:>4} {v:<18} failed: {type(e).__name__}: {e}"[:200])
                     continue
-                print(f"{name:<8} {M:>4} {v:<18} {r['us']:>8.2f} {r['weight_tb_s']:>6.2f} "
-                      f"{r['tflop_s']:>8.1f}  " + ", ".join(
-                          f"{k[:40]} {t}" for k, t in list(r["kernels"].items())[:3]), flush=True)
+                print(
+                    f"{name:<8} {M:>4} {v:<18} {r['us']:>8.2f} {r['weight_tb_s']:>6.2f} "
+                    f"{r['tflop_s']:>8.1f}  "
+                    + ", ".join(f"{k[:40]} {t}" for k, t in list(r["kernels"].items())[:3]),
+                    flush=True,
+                )
                 with open(args.out, "a") as fh:
-                    fh.write(json.dumps(dict(meta, shape=name, M=M, K=K, N=N, variant=v, **r))
-                             + "\n")
+                    fh.write(
+                        json.dumps(dict(meta, shape=name, M=M, K=K, N=N, variant=v, **r)) + "\n"
+                    )
 
 
 if __name__ == "__main__":

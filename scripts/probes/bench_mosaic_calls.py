@@ -21,36 +21,44 @@ from pallas_kernels.paged_attention import mosaic, reference  # noqa: E402
 
 def ref_out(q, k_pool, v_pool, tables, lens, **kw):
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    return np.asarray(reference.paged_decode_attention(f32(q), f32(k_pool), f32(v_pool), tables,
-                                                       lens, **kw))
+    return np.asarray(
+        reference.paged_decode_attention(f32(q), f32(k_pool), f32(v_pool), tables, lens, **kw)
+    )
 
 
 def _copy_ceiling_tbs() -> float:
     """Best of PyTorch copy_ and JAX x * 1.0001 on 2 GiB bf16, bytes read + written."""
     import time
+
     best = 0.0
     try:
         import torch
-        a = torch.randn(2 ** 30, device="cuda", dtype=torch.bfloat16)
+
+        a = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
         b = torch.empty_like(a)
         for _ in range(3):
             b.copy_(a)
         ts = []
         for _ in range(10):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record(); b.copy_(a); e1.record(); torch.cuda.synchronize()
+            e0.record()
+            b.copy_(a)
+            e1.record()
+            torch.cuda.synchronize()
             ts.append(e0.elapsed_time(e1) / 1e3)
         best = max(best, 2 * a.numel() * 2 / np.median(ts) / 1e12)
         del a, b
         torch.cuda.empty_cache()
     except Exception as e:  # torch missing
         print("torch copy failed:", e)
-    x = jax.random.normal(jax.random.key(0), (2 ** 30,), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(0), (2**30,), jnp.bfloat16)
     f = jax.jit(lambda x: x * 1.0001)
     f(x).block_until_ready()
     ts = []
     for _ in range(10):
-        t0 = time.perf_counter(); f(x).block_until_ready(); ts.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t0)
     jx = 2 * x.size * 2 / np.median(ts) / 1e12
     print(f"copy ceilings: torch {best:.2f} TB/s, jax x*1.0001 {jx:.2f} TB/s")
     return max(best, jx)
@@ -63,11 +71,12 @@ def _time_calls(fn, args_list, shared, trials=20):
     kernel per call); the CUPTI figures are medians over 5 runs (None if CUPTI is unavailable).
     """
     import time
+
     R = len(args_list)
     g = jax.jit(lambda a, sh: [fn(*x, *sh) for x in a])
     for _ in range(5):
         jax.block_until_ready(g(args_list, shared))
-    t_end = time.perf_counter() + 0.3                  # let the clocks ramp up
+    t_end = time.perf_counter() + 0.3  # let the clocks ramp up
     while time.perf_counter() < t_end:
         jax.block_until_ready(g(args_list, shared))
     ts = []
@@ -78,6 +87,7 @@ def _time_calls(fn, args_list, shared, trials=20):
     dev = main_k = None
     try:
         from jax.experimental.mosaic.gpu import profiler
+
         _, runs = profiler.measure(g, aggregate=False, iterations=5)(args_list, shared)
         totals, mains = [], []
         for run in runs:
@@ -101,10 +111,14 @@ def _bench_shape(B, ctx, configs, *, N=32, K=8, H=128, page=16, R=8, intree=Fals
     k_pool = jax.random.normal(ks[0], (1, P, K, page, H), dtype)
     v_pool = jax.random.normal(ks[1], (1, P, K, page, H), dtype)
     qs = jax.random.normal(ks[2], (R, B, N, H), dtype)
-    tables = jnp.stack([jax.random.permutation(k, jnp.arange(1, P))[:B * M].reshape(B, M)
-                        for k in jax.random.split(ks[3], R)]).astype(jnp.int32)
+    tables = jnp.stack(
+        [
+            jax.random.permutation(k, jnp.arange(1, P))[: B * M].reshape(B, M)
+            for k in jax.random.split(ks[3], R)
+        ]
+    ).astype(jnp.int32)
     lens = jnp.full((B,), ctx, jnp.int32)
-    scale = H ** -0.5
+    scale = H**-0.5
     kv_bytes = 2 * B * ctx * K * H * 2
     ref = ref_out(qs[0], k_pool, v_pool, tables[0], lens, scale=scale)
     rows = []
@@ -117,15 +131,21 @@ def _bench_shape(B, ctx, configs, *, N=32, K=8, H=128, page=16, R=8, intree=Fals
 
     for cfg in configs:
         fn = lambda q, t, k, v, ln, cfg=cfg: mosaic.paged_decode_attention(
-            q, k, v, t, ln, scale=scale, config=cfg)
-        record(f"mosaic bk={cfg.block_kv} st={cfg.num_stages} sp={cfg.num_splits}", fn,
-               (k_pool, v_pool, lens))
+            q, k, v, t, ln, scale=scale, config=cfg
+        )
+        record(
+            f"mosaic bk={cfg.block_kv} st={cfg.num_stages} sp={cfg.num_splits}",
+            fn,
+            (k_pool, v_pool, lens),
+        )
     if intree:
         from jax.experimental.pallas.ops.gpu import paged_attention as pa
+
         kp = jnp.transpose(k_pool[0], (1, 0, 2, 3))
         vp = jnp.transpose(v_pool[0], (1, 0, 2, 3))
-        fn = lambda q, t, k, v, ln: pa.paged_attention(q * scale, k, v, t, ln,
-                                                       pages_per_compute_block=8, k_splits=8)
+        fn = lambda q, t, k, v, ln: pa.paged_attention(
+            q * scale, k, v, t, ln, pages_per_compute_block=8, k_splits=8
+        )
         record("jax in-tree paged_attention ppcb=8 ks=8", fn, (kp, vp, lens))
     return rows
 
@@ -148,6 +168,7 @@ def main(argv):
                 table.append((B, ctx) + row)
         except Exception as e:  # keep the other shapes' numbers
             import traceback
+
             traceback.print_exc()
             table.append((B, ctx, f"FAILED {type(e).__name__}: {str(e)[:200]}", 0, 0, 0, 0, 0))
     # Control: per-call overhead of a program of 32 calls of four tiny XLA fusions (no Pallas).
@@ -155,15 +176,21 @@ def main(argv):
     ctl = lambda x: (jnp.pad(x * 2, ((0, 0), (0, 8), (0, 0)))[:, 3:35] + 1).sum(-1)
     wall, dev, _ = _time_calls(ctl, [(x,) for x in xs], ())
     table.append((0, 0, "control: 4 tiny XLA ops per call", wall, dev, 0.0, 0, 0.0))
-    print(f"\nceiling (best d2d copy) = {ceiling:.2f} TB/s; wall = per call in a program of R "
-          "calls; dev = CUPTI sum of its kernels; kern = the attention kernel alone")
-    print(f"{'B':>3} {'ctx':>6} {'variant':40s} {'wall us':>8} {'dev us':>7} {'kern us':>7} "
-          f"{'TB/s':>5} {'%ceil':>5} {'relerr':>7}")
+    print(
+        f"\nceiling (best d2d copy) = {ceiling:.2f} TB/s; wall = per call in a program of R "
+        "calls; dev = CUPTI sum of its kernels; kern = the attention kernel alone"
+    )
+    print(
+        f"{'B':>3} {'ctx':>6} {'variant':40s} {'wall us':>8} {'dev us':>7} {'kern us':>7} "
+        f"{'TB/s':>5} {'%ceil':>5} {'relerr':>7}"
+    )
     for B, ctx, name, wall, dev, main_k, kv_bytes, rel in table:
         t = dev or wall or 1.0
         tbs = kv_bytes / t / 1e12
-        print(f"{B:>3} {ctx:>6} {name:40s} {wall * 1e6:8.1f} {(dev or 0) * 1e6:7.1f} "
-              f"{(main_k or 0) * 1e6:7.1f} {tbs:5.2f} {100 * tbs / ceiling:5.1f} {rel:7.1e}")
+        print(
+            f"{B:>3} {ctx:>6} {name:40s} {wall * 1e6:8.1f} {(dev or 0) * 1e6:7.1f} "
+            f"{(main_k or 0) * 1e6:7.1f} {tbs:5.2f} {100 * tbs / ceiling:5.1f} {rel:7.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,23 @@ def step_arrays(B: int, M: int) -> list[np.ndarray]:
     """Arrays shaped and typed like one decode step's host inputs (`HostBatch`)."""
     i32 = lambda *s: np.zeros(s, np.int32)  # noqa: E731
     f32 = lambda *s: np.ones(s, np.float32)  # noqa: E731
-    return [i32(B, 1), i32(B, 1), i32(B, 1), i32(B), f32(B), i32(B), f32(B), f32(B), f32(B),
-            np.zeros((B,), np.uint32), i32(B), i32(B, 0), i32(B), i32(B, M), i32(B)]
+    return [
+        i32(B, 1),
+        i32(B, 1),
+        i32(B, 1),
+        i32(B),
+        f32(B),
+        i32(B),
+        f32(B),
+        f32(B),
+        f32(B),
+        np.zeros((B,), np.uint32),
+        i32(B),
+        i32(B, 0),
+        i32(B),
+        i32(B, M),
+        i32(B),
+    ]
 
 
 def main() -> None:
@@ -59,13 +74,20 @@ def main() -> None:
         return {
             "per_array": lambda: [jnp.asarray(a) for a in arrays],
             "device_put": lambda: jax.device_put(arrays),
-            "packed": lambda: jnp.asarray(np.concatenate([a.view(np.int32).reshape(-1)
-                                                          for a in arrays])),
+            "packed": lambda: jnp.asarray(
+                np.concatenate([a.view(np.int32).reshape(-1) for a in arrays])
+            ),
         }
 
-    meta = dict(bench="transfers", jax=jax.__version__, device=jax.devices()[0].device_kind,
-                date=datetime.date.today().isoformat(), commit=git_commit(),
-                xla_flags=xla_flags(), pages=args.pages)
+    meta = dict(
+        bench="transfers",
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        date=datetime.date.today().isoformat(),
+        commit=git_commit(),
+        xla_flags=xla_flags(),
+        pages=args.pages,
+    )
     rows = []
     for B in args.batches:
         arrays = step_arrays(B, args.pages)
@@ -81,16 +103,26 @@ def main() -> None:
                     jax.block_until_ready(out)
                     if pending is not None:
                         pending.block_until_ready()
-                rows.append(dict(meta, B=B, mode=name, device_busy=busy, arrays=len(arrays),
-                                 us_per_step=total / args.reps * 1e6))
+                rows.append(
+                    dict(
+                        meta,
+                        B=B,
+                        mode=name,
+                        device_busy=busy,
+                        arrays=len(arrays),
+                        us_per_step=total / args.reps * 1e6,
+                    )
+                )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "a") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
     print(f"{'B':>4} {'mode':<11} {'device':<6} {'host us/step':>12}")
     for r in rows:
-        print(f"{r['B']:>4} {r['mode']:<11} {'busy' if r['device_busy'] else 'idle':<6} "
-              f"{r['us_per_step']:>12.1f}")
+        print(
+            f"{r['B']:>4} {r['mode']:<11} {'busy' if r['device_busy'] else 'idle':<6} "
+            f"{r['us_per_step']:>12.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -4,9 +4,17 @@ report hits. JAX's cache-key and compiler loggers print each key component's has
 
     python scripts/probes/cache_key_probe.py CACHE_DIR TAG
 """
-import hashlib, logging, os, sys, time
+
+import hashlib
+import logging
+import os
+import sys
+import time
+
 sys.path.insert(0, os.getcwd())
-import jax, jax.numpy as jnp
+import jax
+import jax.numpy as jnp
+
 logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
 for n in ("jax._src.cache_key", "jax._src.compiler", "jax._src.compilation_cache"):
     logging.getLogger(n).setLevel(logging.DEBUG)
@@ -15,9 +23,14 @@ from jaxinfer.config import ModelConfig
 from scripts.bench_throughput import QWEN3_8B_HF
 
 cfg = ModelConfig.from_hf_config(dict(QWEN3_8B_HF, model_type="qwen3", num_hidden_layers=2))
-llm = LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), jnp.bfloat16),
-                      max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192,
-                      compilation_cache_dir=sys.argv[1])
+llm = LLM.from_params(
+    cfg,
+    models.init_params(cfg, jax.random.key(0), jnp.bfloat16),
+    max_model_len=2048,
+    max_num_seqs=256,
+    max_num_batched_tokens=8192,
+    compilation_cache_dir=sys.argv[1],
+)
 r = llm.engine.runner
 ex = r.executor
 for i, key in enumerate(r.buckets.covering_keys()[:3]):

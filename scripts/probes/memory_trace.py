@@ -14,7 +14,7 @@ import csv
 import os
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -23,8 +23,14 @@ from jaxinfer.checks import check_int  # noqa: E402
 from jaxinfer.config.memory import _gib, kv_bytes_per_token  # noqa: E402
 from scripts.plan_memory import device_memory_stats  # noqa: E402
 
-CSV_HEADER = ("time_s", "pages_in_use", "weights_bytes", "kv_pool_bytes", "kv_used_bytes",
-              "other_bytes")
+CSV_HEADER = (
+    "time_s",
+    "pages_in_use",
+    "weights_bytes",
+    "kv_pool_bytes",
+    "kv_used_bytes",
+    "other_bytes",
+)
 
 
 class MemoryTracker:
@@ -35,10 +41,18 @@ class MemoryTracker:
     ``num_pages`` includes the null page; ``clock``: seconds (default ``time.monotonic``).
     Raises ValueError: a size out of range."""
 
-    def __init__(self, weights_bytes: int, page_bytes: int, num_pages: int,
-                 clock: Callable[[], float] | None = None) -> None:
-        for name, v, lo in (("weights_bytes", weights_bytes, 0), ("page_bytes", page_bytes, 1),
-                            ("num_pages", num_pages, 1)):
+    def __init__(
+        self,
+        weights_bytes: int,
+        page_bytes: int,
+        num_pages: int,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        for name, v, lo in (
+            ("weights_bytes", weights_bytes, 0),
+            ("page_bytes", page_bytes, 1),
+            ("num_pages", num_pages, 1),
+        ):
             check_int(f"MemoryTracker: {name}", v, lo)
         self.weights_bytes, self.page_bytes, self.num_pages = weights_bytes, page_bytes, num_pages
         self.kv_pool_bytes, self._clock = page_bytes * num_pages, clock or time.monotonic
@@ -52,10 +66,18 @@ class MemoryTracker:
         if device_bytes_in_use is not None:
             check_int("MemoryTracker.snapshot: device_bytes_in_use", device_bytes_in_use, 0)
         self.measured = device_bytes_in_use is not None
-        self.rows.append((self._clock() - self._t0, pages_in_use, self.weights_bytes,
-                          self.kv_pool_bytes, pages_in_use * self.page_bytes,
-                          device_bytes_in_use - self.weights_bytes - self.kv_pool_bytes
-                          if self.measured else 0))
+        self.rows.append(
+            (
+                self._clock() - self._t0,
+                pages_in_use,
+                self.weights_bytes,
+                self.kv_pool_bytes,
+                pages_in_use * self.page_bytes,
+                device_bytes_in_use - self.weights_bytes - self.kv_pool_bytes
+                if self.measured
+                else 0,
+            )
+        )
         return self.rows[-1]
 
 
@@ -63,14 +85,22 @@ def trace(engine) -> MemoryTracker:
     """A `MemoryTracker` of ``engine`` (an `LLMEngine`; one device's bytes) with one row now and
     one after every step its loop reads back (the loop's ``complete`` hook wrapped)."""
     runner, complete = engine.runner, engine.loop.complete
-    tracker = MemoryTracker(runner.weight_bytes, engine.page_size * kv_bytes_per_token(
-        runner.model_config, runner.resolved.kv_dtype_bytes,
-        runner.resolved.engine.tensor_parallel_size), runner.num_pages)
+    tracker = MemoryTracker(
+        runner.weight_bytes,
+        engine.page_size
+        * kv_bytes_per_token(
+            runner.model_config,
+            runner.resolved.kv_dtype_bytes,
+            runner.resolved.engine.tensor_parallel_size,
+        ),
+        runner.num_pages,
+    )
 
     def snapshot() -> None:
         bm = engine.block_manager
-        tracker.snapshot(bm.num_usable_pages - bm.num_free_pages,
-                         (device_memory_stats() or (None,))[0])
+        tracker.snapshot(
+            bm.num_usable_pages - bm.num_free_pages, (device_memory_stats() or (None,))[0]
+        )
 
     def traced(done, host_times):
         finished = complete(done, host_times)
@@ -92,9 +122,11 @@ def report(tracker) -> str:
     """One line: weights / KV pool / pages in use / other, from ``tracker``'s latest snapshot."""
     _, used, _, _, used_bytes, other = tracker.rows[-1] if tracker.rows else (0.0, 0, 0, 0, 0, 0)
     other = _gib(other) if tracker.rows and tracker.measured else "n/a (not measured)"
-    return (f"weights {_gib(tracker.weights_bytes)} | KV pool {_gib(tracker.kv_pool_bytes)} "
-            f"({tracker.num_pages:,} pages) | pages in use {used:,}/{tracker.num_pages:,}"
-            f" ({used / tracker.num_pages:.1%}, {_gib(used_bytes)}) | other {other}")
+    return (
+        f"weights {_gib(tracker.weights_bytes)} | KV pool {_gib(tracker.kv_pool_bytes)} "
+        f"({tracker.num_pages:,} pages) | pages in use {used:,}/{tracker.num_pages:,}"
+        f" ({used / tracker.num_pages:.1%}, {_gib(used_bytes)}) | other {other}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,11 +35,20 @@ def run(form: str, layers: int, batch: int, dims: list[int], iters: int) -> dict
     import jax.numpy as jnp
 
     D, F, N, K, H = dims
-    shapes = {"wq": (D, N * H), "wk": (D, K * H), "wv": (D, K * H), "wo": (N * H, D),
-              "w_gate": (D, F), "w_up": (D, F), "w_down": (F, D)}
+    shapes = {
+        "wq": (D, N * H),
+        "wk": (D, K * H),
+        "wv": (D, K * H),
+        "wo": (N * H, D),
+        "w_gate": (D, F),
+        "w_up": (D, F),
+        "w_down": (F, D),
+    }
     key = jax.random.key(0)
-    stacked = {n: (jax.random.normal(jax.random.fold_in(key, i), (layers, *s), jnp.bfloat16) * 0.02)
-               for i, (n, s) in enumerate(shapes.items())}
+    stacked = {
+        n: (jax.random.normal(jax.random.fold_in(key, i), (layers, *s), jnp.bfloat16) * 0.02)
+        for i, (n, s) in enumerate(shapes.items())
+    }
     nbytes = sum(v.size * 2 for v in stacked.values())
 
     def attend(x, q, k, v, w):
@@ -52,7 +61,7 @@ def run(form: str, layers: int, batch: int, dims: list[int], iters: int) -> dict
 
     def fused_layer(x, w):
         qkv = x @ w["wqkv"]
-        x = attend(x, qkv[:, :N * H], qkv[:, N * H:(N + K) * H], qkv[:, (N + K) * H:], w)
+        x = attend(x, qkv[:, : N * H], qkv[:, N * H : (N + K) * H], qkv[:, (N + K) * H :], w)
         gu = x @ w["w_gate_up"]
         return x + (jax.nn.silu(gu[:, :F]) * gu[:, F:]) @ w["w_down"]
 
@@ -61,10 +70,15 @@ def run(form: str, layers: int, batch: int, dims: list[int], iters: int) -> dict
         weights = [{n: v[i] for n, v in stacked.items()} for i in range(layers)]
         del stacked
         if form == "fused":
-            weights = [{"wqkv": jnp.concatenate([w["wq"], w["wk"], w["wv"]], axis=1),
-                        "wo": w["wo"],
-                        "w_gate_up": jnp.concatenate([w["w_gate"], w["w_up"]], axis=1),
-                        "w_down": w["w_down"]} for w in weights]
+            weights = [
+                {
+                    "wqkv": jnp.concatenate([w["wq"], w["wk"], w["wv"]], axis=1),
+                    "wo": w["wo"],
+                    "w_gate_up": jnp.concatenate([w["w_gate"], w["w_up"]], axis=1),
+                    "w_down": w["w_down"],
+                }
+                for w in weights
+            ]
         body = fused_layer if form == "fused" else layer
 
         def f(x, ws):
@@ -76,6 +90,7 @@ def run(form: str, layers: int, batch: int, dims: list[int], iters: int) -> dict
 
         def f(x, ws):
             return jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0]
+
     g = jax.jit(f)
     g(x, weights).block_until_ready()
     ts = []
@@ -93,36 +108,63 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--dims", type=int, nargs=5, default=[4096, 12288, 32, 8, 128],
-                    metavar=("D", "F", "N", "K", "H"))
+    ap.add_argument(
+        "--dims",
+        type=int,
+        nargs=5,
+        default=[4096, 12288, 32, 8, 128],
+        metavar=("D", "F", "N", "K", "H"),
+    )
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--form", choices=["scan", "unrolled", "fused"], default=None,
-                    help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--form", choices=["scan", "unrolled", "fused"], default=None, help=argparse.SUPPRESS
+    )
     args = ap.parse_args()
     if args.form:  # child process: one form, JSON on the last line
         print(json.dumps(run(args.form, args.layers, args.batch, args.dims, args.iters)))
         return
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    base = [sys.executable, os.path.abspath(__file__), "--layers", str(args.layers), "--batch",
-            str(args.batch), "--iters", str(args.iters), "--dims", *map(str, args.dims)]
+    base = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--layers",
+        str(args.layers),
+        "--batch",
+        str(args.batch),
+        "--iters",
+        str(args.iters),
+        "--dims",
+        *map(str, args.dims),
+    ]
     rows = []
-    for form, extra in (("scan", ""), ("unrolled", ""), ("fused", ""),
-                        ("scan", "--xla_gpu_enable_dynamic_slice_fusion=true"),
-                        ("fused", "--xla_gpu_enable_triton_gemm=false")):
+    for form, extra in (
+        ("scan", ""),
+        ("unrolled", ""),
+        ("fused", ""),
+        ("scan", "--xla_gpu_enable_dynamic_slice_fusion=true"),
+        ("fused", "--xla_gpu_enable_triton_gemm=false"),
+    ):
         env = dict(os.environ)
         if extra:
             env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + extra).strip()
         r = subprocess.run(base + ["--form", form], capture_output=True, text=True, env=env)
         if r.returncode != 0:
-            rows.append(dict(form=form + ("+" + extra if extra else ""), error=r.stderr.strip()[-300:]))
+            rows.append(
+                dict(form=form + ("+" + extra if extra else ""), error=r.stderr.strip()[-300:])
+            )
             continue
         row = json.loads(r.stdout.strip().splitlines()[-1])
-        row["form"] = form + ("" if not extra else "+dsf" if "dynamic_slice" in extra else "+cublas")
+        row["form"] = form + (
+            "" if not extra else "+dsf" if "dynamic_slice" in extra else "+cublas"
+        )
         rows.append(row)
     from scripts.bench_paged_attention import copy_ceiling_tbps
+
     ceiling = max(copy_ceiling_tbps().values())
-    print(f"\nweights {rows[0].get('weight_gb', 0):.2f} GB, batch {args.batch}, copy ceiling "
-          f"{ceiling:.2f} TB/s")
+    print(
+        f"\nweights {rows[0].get('weight_gb', 0):.2f} GB, batch {args.batch}, copy ceiling "
+        f"{ceiling:.2f} TB/s"
+    )
     print(f"{'form':<12} {'ms':>8} {'TB/s':>6} {'frac':>5}")
     for r in rows:
         if "error" in r:

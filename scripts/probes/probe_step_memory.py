@@ -25,8 +25,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[4])
     ap.add_argument("--pages", type=int, nargs="+", default=[4000, 16000])
     ap.add_argument("--mode", nargs="+", default=["decode", "prefill"])
-    ap.add_argument("--kernels", default="", metavar="SPEC",
-                    help="kernel config (KernelConfig.parse); '' = the engine's default")
+    ap.add_argument(
+        "--kernels",
+        default="",
+        metavar="SPEC",
+        help="kernel config (KernelConfig.parse); '' = the engine's default",
+    )
     args = ap.parse_args()
 
     import jax
@@ -42,8 +46,10 @@ def main() -> None:
 
     S = jax.ShapeDtypeStruct
     dt = jnp.bfloat16
-    print(f"{'mode':<8} {'L':>3} {'pages':>6} {'pool GB':>8} {'temp GB':>8} {'arg GB':>8} "
-          f"{'alias GB':>8} {'compile s':>9}")
+    print(
+        f"{'mode':<8} {'L':>3} {'pages':>6} {'pool GB':>8} {'temp GB':>8} {'arg GB':>8} "
+        f"{'alias GB':>8} {'compile s':>9}"
+    )
     for L in args.layers:
         cfg = ModelConfig(**dict(QWEN3_8B, num_layers=L))
         try:
@@ -64,15 +70,22 @@ def main() -> None:
                     tok = S((R, 1), jnp.int32)
                 kv = KVCache(pool, pool, S((R, M), jnp.int32), S((R,), jnp.int32))
                 f32, i32 = S((R,), jnp.float32), S((R,), jnp.int32)
-                sm = SamplingMetadata(f32, i32, f32, f32, f32, S((R,), jnp.uint32), i32,
-                                      S((R, 0), jnp.int32))
+                sm = SamplingMetadata(
+                    f32, i32, f32, f32, f32, S((R,), jnp.uint32), i32, S((R, 0), jnp.int32)
+                )
                 t = time.perf_counter()
-                ma = fn.lower(params, kv, StepInput(tok, tok, tok, i32, sm, pk)).compile().memory_analysis()
+                ma = (
+                    fn.lower(params, kv, StepInput(tok, tok, tok, i32, sm, pk))
+                    .compile()
+                    .memory_analysis()
+                )
                 gb = lambda b: b / 1e9  # noqa: E731
-                print(f"{mode:<8} {L:>3} {P:>6} {gb(2 * pool.size * 2):>8.2f} "
-                      f"{gb(ma.temp_size_in_bytes):>8.2f} {gb(ma.argument_size_in_bytes):>8.2f} "
-                      f"{gb(ma.alias_size_in_bytes):>8.2f} {time.perf_counter() - t:>9.1f}",
-                      flush=True)
+                print(
+                    f"{mode:<8} {L:>3} {P:>6} {gb(2 * pool.size * 2):>8.2f} "
+                    f"{gb(ma.temp_size_in_bytes):>8.2f} {gb(ma.argument_size_in_bytes):>8.2f} "
+                    f"{gb(ma.alias_size_in_bytes):>8.2f} {time.perf_counter() - t:>9.1f}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ processes write theirs to ``path + ".marks"`` (perf_counter is the system's mono
     python scripts/probes/step_trace.py TRACE.jsonl   # per phase: steps, busy and idle seconds,
                                                       # step-time percentiles, the longest calls
 """
+
 import json
 import os
 import sys
@@ -36,12 +37,24 @@ class StepTrace:
         t1, eng = time.perf_counter(), self.engine
         fl, st = eng.loop.in_flight, eng._stats
         b = fl.batch if fl is not None else None
-        self.f.write(json.dumps(dict(
-            t0=t0, t1=t1, key=list(fl.handle[1].key[:4]) if fl else None,
-            rows=len(b.seqs) if b else 0, tokens=sum(b.num_new_tokens) if b else 0,
-            prefill=bool(b and b.is_prefill), pending=len(eng.runner.executor.pending),
-            covered=st.num_covered_steps, steps=st.num_steps,
-            running=eng.scheduler.num_running, waiting=eng.scheduler.num_waiting)) + "\n")
+        self.f.write(
+            json.dumps(
+                dict(
+                    t0=t0,
+                    t1=t1,
+                    key=list(fl.handle[1].key[:4]) if fl else None,
+                    rows=len(b.seqs) if b else 0,
+                    tokens=sum(b.num_new_tokens) if b else 0,
+                    prefill=bool(b and b.is_prefill),
+                    pending=len(eng.runner.executor.pending),
+                    covered=st.num_covered_steps,
+                    steps=st.num_steps,
+                    running=eng.scheduler.num_running,
+                    waiting=eng.scheduler.num_waiting,
+                )
+            )
+            + "\n"
+        )
         if st.num_steps % 256 == 0:
             self.f.flush()
         return out
@@ -50,8 +63,10 @@ class StepTrace:
 def summarize(path: str) -> None:
     phases, label, rows = {}, "start", [json.loads(line) for line in open(path)]
     if os.path.exists(path + ".marks"):  # marks written by another process (bench_serving.py)
-        rows = sorted(rows + [json.loads(line) for line in open(path + ".marks")],
-                      key=lambda r: r.get("t", r.get("t0")))
+        rows = sorted(
+            rows + [json.loads(line) for line in open(path + ".marks")],
+            key=lambda r: r.get("t", r.get("t0")),
+        )
     for r in rows:
         if "mark" in r:
             label = r["mark"]
@@ -60,17 +75,22 @@ def summarize(path: str) -> None:
     for label, rs in phases.items():
         t0, t1 = np.array([r["t0"] for r in rs]), np.array([r["t1"] for r in rs])
         dt, idle = t1 - t0, np.append(t0[1:] - t1[:-1], 0.0)  # the last call: none after
-        print(f"{label}: {len(rs)} calls over {t1[-1] - t0[0]:.2f} s; in step {dt.sum():.2f} s, "
-              f"between {idle.sum():.2f} s (p50 {np.median(idle) * 1e3:.2f} ms, max "
-              f"{idle.max() * 1e3:.1f} ms); step p50/p90/p99/max "
-              + "/".join(f"{np.percentile(dt, q) * 1e3:.1f}" for q in (50, 90, 99, 100)) + " ms; "
-              f"rows mean {np.mean([r['rows'] for r in rs]):.0f}, tokens sum "
-              f"{sum(r['tokens'] for r in rs)}; covered {rs[-1]['covered'] - rs[0]['covered']}")
+        print(
+            f"{label}: {len(rs)} calls over {t1[-1] - t0[0]:.2f} s; in step {dt.sum():.2f} s, "
+            f"between {idle.sum():.2f} s (p50 {np.median(idle) * 1e3:.2f} ms, max "
+            f"{idle.max() * 1e3:.1f} ms); step p50/p90/p99/max "
+            + "/".join(f"{np.percentile(dt, q) * 1e3:.1f}" for q in (50, 90, 99, 100))
+            + " ms; "
+            f"rows mean {np.mean([r['rows'] for r in rs]):.0f}, tokens sum "
+            f"{sum(r['tokens'] for r in rs)}; covered {rs[-1]['covered'] - rs[0]['covered']}"
+        )
         for i in np.argsort(-dt)[:8]:
             r = rs[i]
-            print(f"   {dt[i] * 1e3:8.1f} ms at +{r['t0'] - t0[0]:6.2f} s key {r['key']} rows "
-                  f"{r['rows']} tokens {r['tokens']} prefill {r['prefill']} pending "
-                  f"{r['pending']} running {r['running']} waiting {r['waiting']}")
+            print(
+                f"   {dt[i] * 1e3:8.1f} ms at +{r['t0'] - t0[0]:6.2f} s key {r['key']} rows "
+                f"{r['rows']} tokens {r['tokens']} prefill {r['prefill']} pending "
+                f"{r['pending']} running {r['running']} waiting {r['waiting']}"
+            )
 
 
 if __name__ == "__main__":

@@ -15,8 +15,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from models.test_models_vs_hf import (hf_logits, hf_numpy_state, make_hf_model, rel_err,  # noqa: E402
-                                      run_paged_greedy)
+from models.test_models_vs_hf import (
+    hf_logits,
+    hf_numpy_state,
+    make_hf_model,
+    rel_err,  # noqa: E402
+    run_paged_greedy,
+)
 from safetensors.flax import save_file  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
@@ -25,8 +30,9 @@ from jaxinfer.runner.loading import load_params, params_from_hf  # noqa: E402
 
 # q 8*32 = 256, k and v 4*32 = 128, gate and up 128 rows: whole 128-row blocks per fused part;
 # D = 64 inputs: one partial block.
-SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
-             head_dim=32)
+SIZES = dict(
+    hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=32
+)
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QCONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 23, 84]
@@ -36,15 +42,19 @@ def block_quantise(w: np.ndarray, b: int = 128) -> tuple[np.ndarray, np.ndarray]
     """HF layout w f32[out, in] -> (e4m3 [out, in], scale_inv f32[ceil(out/b), ceil(in/b)]) with
     scale = block amax / 448, so that w ~ q * scale (numpy and ml_dtypes only)."""
     O, I = -(-w.shape[0] // b), -(-w.shape[1] // b)
-    amax = np.array([[np.abs(w[o * b:(o + 1) * b, i * b:(i + 1) * b]).max() for i in range(I)]
-                     for o in range(O)])
+    amax = np.array(
+        [
+            [np.abs(w[o * b : (o + 1) * b, i * b : (i + 1) * b]).max() for i in range(I)]
+            for o in range(O)
+        ]
+    )
     scale = np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
     q = np.clip(w / expand(scale, w.shape, b), -448, 448).astype(ml_dtypes.float8_e4m3fn)
     return q, scale
 
 
 def expand(scale: np.ndarray, shape, b: int = 128) -> np.ndarray:
-    return np.repeat(np.repeat(scale, b, 0), b, 1)[:shape[0], :shape[1]]
+    return np.repeat(np.repeat(scale, b, 0), b, 1)[: shape[0], : shape[1]]
 
 
 def fp8_tensors(model) -> tuple[dict, dict]:
@@ -103,8 +113,9 @@ def test_engine_runs_an_fp8_checkpoint_as_fp8_unasked(fp8_checkpoint):
     assert llm.engine.runner.params["layers"]["0"]["w_gate_up"].dtype == jnp.float8_e4m3fn
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     with torch.no_grad():
-        want = ref.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False,
-                            min_new_tokens=8)[0, len(PROMPT):].tolist()
+        want = ref.generate(
+            torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False, min_new_tokens=8
+        )[0, len(PROMPT) :].tolist()
     assert list(out[0].outputs[0].token_ids) == want
 
 
@@ -133,11 +144,14 @@ def test_fp8_checkpoint_errors(fp8_named):
 
 
 def test_fused_parts_must_fill_whole_blocks():
-    model = make_hf_model("qwen3", seed=23, **dict(SIZES, num_key_value_heads=2))   # k: 64 rows
+    model = make_hf_model("qwen3", seed=23, **dict(SIZES, num_key_value_heads=2))  # k: 64 rows
     tensors, _ = fp8_tensors(model)
     cfg = ModelConfig.from_hf_config(dict(model.config.to_dict(), quantization_config=QCONFIG))
-    with pytest.raises(ValueError, match=r"wqkv part 'k' has 64 output rows, not a multiple of "
-                                         r"weight_block_size's 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"wqkv part 'k' has 64 output rows, not a multiple of "
+        r"weight_block_size's 128",
+    ):
         params_from_hf(tensors, cfg, jnp.float32)
 
 
@@ -145,10 +159,9 @@ def test_float_checkpoint_quantised_at_load(tmp_path):
     model = make_hf_model("llama", seed=24)
     model.save_pretrained(tmp_path)
     cfg, params = load_params(tmp_path, jnp.float32, quantization="fp8")
-    w = model.model.layers[0].mlp.down_proj.weight.detach().numpy().T         # [in, out]
+    w = model.model.layers[0].mlp.down_proj.weight.detach().numpy().T  # [in, out]
     layer = params["layers"]["0"]
-    np.testing.assert_allclose(np.asarray(layer["w_down_scale"]), np.abs(w).max(0) / 448,
-                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(layer["w_down_scale"]), np.abs(w).max(0) / 448, rtol=1e-6)
     deq = np.asarray(layer["w_down"]).astype(np.float32) * np.asarray(layer["w_down_scale"])
-    assert np.all(np.abs(deq - w) <= np.abs(w) * 2.0 ** -4 + 2.0 ** -10 * np.abs(w).max(0))
+    assert np.all(np.abs(deq - w) <= np.abs(w) * 2.0**-4 + 2.0**-10 * np.abs(w).max(0))
     assert cfg.weight_block_size is None and params["embed"].dtype == jnp.float32

@@ -45,17 +45,23 @@ TREE_TO_HF = {
     "w_down": ("model.layers.{i}.mlp.down_proj.weight", True),
 }
 FUSED_TO_HF = {
-    "wqkv": (("model.layers.{i}.self_attn.q_proj.weight", lambda c: c.num_heads * c.head_dim),
-             ("model.layers.{i}.self_attn.k_proj.weight", lambda c: c.num_kv_heads * c.head_dim),
-             ("model.layers.{i}.self_attn.v_proj.weight", lambda c: c.num_kv_heads * c.head_dim)),
-    "w_gate_up": (("model.layers.{i}.mlp.gate_proj.weight", lambda c: c.intermediate_size),
-                  ("model.layers.{i}.mlp.up_proj.weight", lambda c: c.intermediate_size)),
+    "wqkv": (
+        ("model.layers.{i}.self_attn.q_proj.weight", lambda c: c.num_heads * c.head_dim),
+        ("model.layers.{i}.self_attn.k_proj.weight", lambda c: c.num_kv_heads * c.head_dim),
+        ("model.layers.{i}.self_attn.v_proj.weight", lambda c: c.num_kv_heads * c.head_dim),
+    ),
+    "w_gate_up": (
+        ("model.layers.{i}.mlp.gate_proj.weight", lambda c: c.intermediate_size),
+        ("model.layers.{i}.mlp.up_proj.weight", lambda c: c.intermediate_size),
+    ),
 }
 
 
 def tree_as_hf(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
-    out = {"model.embed_tokens.weight": np.asarray(params["embed"]),
-           "model.norm.weight": np.asarray(params["final_norm"])}
+    out = {
+        "model.embed_tokens.weight": np.asarray(params["embed"]),
+        "model.norm.weight": np.asarray(params["final_norm"]),
+    }
     if "lm_head" in params:
         out["lm_head.weight"] = np.asarray(params["lm_head"]).T
     assert sorted(params["layers"], key=int) == [str(i) for i in range(cfg.num_layers)]
@@ -67,7 +73,7 @@ def tree_as_hf(params, cfg: ModelConfig) -> dict[str, np.ndarray]:
         for key, parts in FUSED_TO_HF.items():
             start = 0
             for tmpl, width in parts:
-                out[tmpl.format(i=i)] = layer[key][:, start:start + width(cfg)].T
+                out[tmpl.format(i=i)] = layer[key][:, start : start + width(cfg)].T
                 start += width(cfg)
             assert start == layer[key].shape[1]
     return out
@@ -89,7 +95,7 @@ def paged_prefill_logits(params, cfg: ModelConfig, tokens: list[int]) -> np.ndar
     T = len(tokens)
     n_pages = -(-T // PAGE_SIZE)
     kv = init_kv_cache(cfg, n_pages + 2, PAGE_SIZE, jnp.float32)
-    pages = np.arange(n_pages + 1, 1, -1, dtype=np.int32)        # never page 0
+    pages = np.arange(n_pages + 1, 1, -1, dtype=np.int32)  # never page 0
     pos = np.arange(T, dtype=np.int32)
     slots = pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
     kv = kv.replace(block_tables=jnp.asarray(pages[None]), seq_lens=jnp.asarray([T], jnp.int32))
@@ -100,8 +106,13 @@ def paged_prefill_logits(params, cfg: ModelConfig, tokens: list[int]) -> np.ndar
         return models.compute_logits(params, cfg, hidden)
 
     with jax.default_matmul_precision("highest"):  # f32 reference: no TF32 on GPUs
-        out = run(params, jnp.asarray([tokens], jnp.int32), jnp.asarray(pos[None]),
-                  jnp.asarray(slots[None]), kv)
+        out = run(
+            params,
+            jnp.asarray([tokens], jnp.int32),
+            jnp.asarray(pos[None]),
+            jnp.asarray(slots[None]),
+            kv,
+        )
     return np.asarray(out[0], np.float32)
 
 
@@ -127,9 +138,16 @@ def test_smollm_config_matches_hf(smollm_loaded, hf_gguf_model):
     ref = hf_gguf_model.config
     assert cfg.architecture == ref.model_type == "llama"
     assert (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size, cfg.num_layers) == (
-        ref.vocab_size, ref.hidden_size, ref.intermediate_size, ref.num_hidden_layers)
+        ref.vocab_size,
+        ref.hidden_size,
+        ref.intermediate_size,
+        ref.num_hidden_layers,
+    )
     assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
-        ref.num_attention_heads, ref.num_key_value_heads, ref.head_dim)
+        ref.num_attention_heads,
+        ref.num_key_value_heads,
+        ref.head_dim,
+    )
     assert cfg.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-7)
     assert cfg.rope_theta == ref.rope_parameters["rope_theta"]
     assert cfg.rope_scaling is None and ref.rope_parameters["rope_type"] == "default"
@@ -139,8 +157,9 @@ def test_smollm_config_matches_hf(smollm_loaded, hf_gguf_model):
     assert cfg.eos_token_ids == (ref.eos_token_id,)
 
 
-def test_smollm_tensors_match_hf_gguf_loader(smollm_ckpt, smollm_hf_named, smollm_loaded,
-                                            hf_gguf_model):
+def test_smollm_tensors_match_hf_gguf_loader(
+    smollm_ckpt, smollm_hf_named, smollm_loaded, hf_gguf_model
+):
     """Renamed + un-permuted tensors, and the param tree mapped back, equal HF's tensors."""
     cfg, params = smollm_loaded
     ref = hf_state(hf_gguf_model)
@@ -172,8 +191,11 @@ def test_smollm_prefill_logits_match_hf(smollm_loaded, hf_gguf_model):
 # ----------------------------------------------------------------------------- synthetic GGUFs
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf ``LlamaModel.permute`` (HF half-split -> interleaved rows)."""
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
 
 
 @pytest.mark.parametrize("n_head", [1, 3, 8])
@@ -185,14 +207,23 @@ def test_unpermute_inverts_llama_cpp_permute(n_head):
 
 
 HF_TO_GGUF_LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
 }
-HF_TO_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
-                     "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+HF_TO_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def write_gguf(path, arch: str, hf: dict, tensors: dict[str, np.ndarray], extra=()) -> None:
@@ -235,19 +266,32 @@ def hf_state_to_gguf(state: dict[str, np.ndarray], permute_heads=None) -> dict[s
     return out
 
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
-            max_position_embeddings=256, rope_theta=1e6, tie_word_embeddings=False)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=256,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+)
 
 
 def random_hf_model(arch: str, seed: int = 0):
-    cls = {"qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-           "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM)}[arch]
+    cls = {
+        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    }[arch]
     kw = dict(TINY)
     theta = kw.pop("rope_theta")
     torch.manual_seed(seed)
-    model = cls[1](cls[0](rope_parameters={"rope_type": "default", "rope_theta": theta},
-                          **kw)).eval()
+    model = cls[1](
+        cls[0](rope_parameters={"rope_type": "default", "rope_theta": theta}, **kw)
+    ).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -266,10 +310,12 @@ def test_tiny_gguf_matches_hf(arch, tmp_path):
     model = random_hf_model(arch, seed=7)
     state = hf_state(model)
     perm = {"q": TINY["num_attention_heads"], "k": TINY["num_key_value_heads"]}
-    write_gguf(tmp_path / "m.gguf", arch, TINY,
-               hf_state_to_gguf(state, perm if arch == "llama" else None))
+    write_gguf(
+        tmp_path / "m.gguf", arch, TINY, hf_state_to_gguf(state, perm if arch == "llama" else None)
+    )
     hf_from_gguf = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file="m.gguf", dtype=torch.float32).eval()
+        tmp_path, gguf_file="m.gguf", dtype=torch.float32
+    ).eval()
     hf_ref = hf_state(hf_from_gguf)
     for k in state:  # HF's reader agrees with the weights we wrote
         np.testing.assert_array_equal(hf_ref[k], state[k])
@@ -299,12 +345,22 @@ def test_llama3_rope_freqs_recovered(factor, theta, tmp_path):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     head_dim = 128
-    rope = {"rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
 
     def hf_inv_freq(rope_parameters):
-        c = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, head_dim=head_dim,
-                                     rope_parameters=rope_parameters)
+        c = transformers.LlamaConfig(
+            hidden_size=256,
+            num_attention_heads=2,
+            head_dim=head_dim,
+            rope_parameters=rope_parameters,
+        )
         return ROPE_INIT_FUNCTIONS["llama3"](c, "cpu")[0].double().numpy()
 
     base = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
@@ -315,16 +371,27 @@ def test_llama3_rope_freqs_recovered(factor, theta, tmp_path):
     cfg = ModelConfig.from_hf_config(gguf_hf_config(open_gguf(tmp_path / "r.gguf")))
     s = cfg.rope_scaling
     assert s is not None and s.factor == pytest.approx(factor)
-    got = hf_inv_freq({"rope_type": "llama3", "rope_theta": cfg.rope_theta, "factor": s.factor,
-                       "low_freq_factor": s.low_freq_factor,
-                       "high_freq_factor": s.high_freq_factor,
-                       "original_max_position_embeddings": s.original_max_position_embeddings})
+    got = hf_inv_freq(
+        {
+            "rope_type": "llama3",
+            "rope_theta": cfg.rope_theta,
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    )
     np.testing.assert_allclose(got, hf_inv_freq(rope), rtol=1e-5)
 
 
 def test_rope_freqs_all_ones_means_no_scaling(tmp_path):
-    write_gguf(tmp_path / "r.gguf", "llama", TINY, {},
-               extra=[("rope_freqs.weight", np.ones(TINY["head_dim"] // 2, np.float32))])
+    write_gguf(
+        tmp_path / "r.gguf",
+        "llama",
+        TINY,
+        {},
+        extra=[("rope_freqs.weight", np.ones(TINY["head_dim"] // 2, np.float32))],
+    )
     assert "rope_scaling" not in gguf_hf_config(open_gguf(tmp_path / "r.gguf"))
 
 
@@ -356,6 +423,7 @@ def test_gguf_cut_inside_its_metadata_is_a_value_error(smollm_path, tmp_path, si
     """Whatever gguf-py's parse hits first (struct, index or dtype errors) is one ValueError
     naming the file."""
     from checkpoints_tools.loader import open_checkpoint
+
     cut = tmp_path / "cut.gguf"
     with open(smollm_path, "rb") as f:
         cut.write_bytes(f.read(size))

@@ -15,9 +15,9 @@ from jaxinfer.config import ModelConfig
 TEXTS = ["Hello, world!", "  two spaces\nand a newline", "日本語 and émojis 🙂", ""]
 
 
-def test_second_open_is_the_cached_hf_dir_and_the_same_model(smollm_path, smollm_ckpt,
-                                                              smollm_hf_named, tmp_path,
-                                                              monkeypatch):
+def test_second_open_is_the_cached_hf_dir_and_the_same_model(
+    smollm_path, smollm_ckpt, smollm_hf_named, tmp_path, monkeypatch
+):
     monkeypatch.setenv("JAXINFER_GGUF_CACHE", str(tmp_path))
     tok = load_tokenizer(smollm_ckpt)  # the GGUF's, converted by transformers
     assert gguf_cache.store(smollm_ckpt, tok) == gguf_cache.entry(smollm_path)
@@ -35,13 +35,14 @@ def test_second_open_is_the_cached_hf_dir_and_the_same_model(smollm_path, smollm
         assert tok2.encode(text) == tok.encode(text)
         assert tok2.decode(tok.encode(text)) == tok.decode(tok.encode(text))
     chat = [{"role": "user", "content": "What is 2 + 2?"}]
-    assert tok2.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
-        tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert tok2.apply_chat_template(
+        chat, tokenize=False, add_generation_prompt=True
+    ) == tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert tok2.eos_token_id == tok.eos_token_id
 
 
 def test_off_and_keyed_by_the_file(tmp_path, monkeypatch):
-    """"0" turns the cache off; a changed file (size or mtime) gets another entry."""
+    """ "0" turns the cache off; a changed file (size or mtime) gets another entry."""
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x")
     monkeypatch.setenv("JAXINFER_GGUF_CACHE", "0")

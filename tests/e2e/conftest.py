@@ -37,6 +37,7 @@ def smollm_startup(smollm_path, smollm_engine):
     import builtins
 
     from jaxinfer import LLM
+
     real_open, opened = builtins.open, []
 
     def spy(file, *a, **k):
@@ -73,14 +74,18 @@ class HFGreedy:
 
     def __call__(self, ids, max_new_tokens, ignore_eos=False):
         import torch
+
         key = (tuple(ids), max_new_tokens, ignore_eos)
         if key not in self.cache:
             with torch.inference_mode():
                 x = torch.tensor([list(ids)])
                 if ignore_eos:  # plain argmax loop: EOS is sampled and decoding goes on
                     out, past, cur = [], None, x
-                    name = "cache" if "cache" in inspect.signature(self.model.forward).parameters \
-                        else "past_key_values"  # transformers >= 5.25: cache
+                    name = (
+                        "cache"
+                        if "cache" in inspect.signature(self.model.forward).parameters
+                        else "past_key_values"
+                    )  # transformers >= 5.25: cache
                     for _ in range(max_new_tokens):
                         r = self.model(cur, use_cache=True, **{name: past})
                         past = getattr(r, name)
@@ -89,9 +94,14 @@ class HFGreedy:
                         cur = torch.tensor([[nxt]])
                     self.cache[key] = out
                 else:
-                    y = self.model.generate(x, max_new_tokens=max_new_tokens, do_sample=False,
-                                            eos_token_id=self.eos_ids, pad_token_id=self.eos_ids[0])
-                    self.cache[key] = y[0, x.shape[1]:].tolist()
+                    y = self.model.generate(
+                        x,
+                        max_new_tokens=max_new_tokens,
+                        do_sample=False,
+                        eos_token_id=self.eos_ids,
+                        pad_token_id=self.eos_ids[0],
+                    )
+                    self.cache[key] = y[0, x.shape[1] :].tolist()
         return self.cache[key]
 
 

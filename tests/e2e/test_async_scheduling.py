@@ -18,16 +18,18 @@ def small_pool_llm(tiny_llm):
 
 
 def _requests(llm):
-    prompts = PLAIN_PROMPTS + [{"prompt_token_ids": llm.apply_chat_template(
-        [{"role": "user", "content": c}])} for c in CHAT_PROMPTS]
+    prompts = PLAIN_PROMPTS + [
+        {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": c}])}
+        for c in CHAT_PROMPTS
+    ]
     greedy = SamplingParams(max_tokens=40, temperature=0.0)
     # a stop string and a stop token that greedy decoding reaches: from a first run
     text2, ids3 = (llm.generate(prompts[i], greedy)[0] for i in (2, 3))
     stop_str, stop_id = text2.text[10:13], ids3.token_ids[12]
     params = [
-        SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),         # length
-        SamplingParams(max_tokens=40, temperature=0.9, top_k=40, seed=7),        # seeded sampling
-        SamplingParams(max_tokens=40, temperature=0.0, stop=[stop_str]),         # stop string
+        SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True),  # length
+        SamplingParams(max_tokens=40, temperature=0.9, top_k=40, seed=7),  # seeded sampling
+        SamplingParams(max_tokens=40, temperature=0.0, stop=[stop_str]),  # stop string
         SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_id]),  # stop token
         SamplingParams(max_tokens=30, temperature=0.7, repetition_penalty=1.3, seed=3),
     ]
@@ -43,8 +45,9 @@ def test_async_and_sync_scheduling_give_identical_outputs(small_pool_llm):
         eng.async_scheduling = mode
         before = eng.stats().num_overlapped_steps
         outs = llm.generate(prompts, params, use_tqdm=False)
-        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason)
-                         for o in outs]
+        results[mode] = [
+            (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs
+        ]
         overlapped = eng.stats().num_overlapped_steps - before
         preempted = sum(o.metrics.num_preemptions for o in outs)
         assert preempted > 0, "the pool is meant to be too small for all requests at once"

@@ -12,13 +12,16 @@ def llm(tiny):
     return tiny
 
 
-@pytest.mark.parametrize("kw, field", [
-    (dict(max_tokens=0), "max_tokens"),
-    (dict(temperature=-0.1), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_k=-2), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-2), "top_k"),
+    ],
+)
 def test_invalid_sampling_params(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)
@@ -28,8 +31,9 @@ def test_empty_prompt_rejected_next_succeeds(llm):
     """C2: [] and "" (no BOS added by this tokenizer) are rejected; the next request succeeds."""
     for empty in ([], ""):
         with pytest.raises(ValueError, match="0 tokens"):
-            llm.generate(empty if empty == "" else {"prompt_token_ids": empty},
-                         SamplingParams(max_tokens=4))
+            llm.generate(
+                empty if empty == "" else {"prompt_token_ids": empty}, SamplingParams(max_tokens=4)
+            )
     out = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))[0]
     assert len(out.token_ids) >= 1 and out.error is None
 
@@ -51,15 +55,18 @@ def test_bad_request_in_batch_others_unchanged(llm):
 
 def small_llm(llm, **engine_args):
     """An engine of its own over the shared LLM's weights (no second checkpoint load)."""
-    return LLM.from_params(llm.engine.model_config, llm.engine.runner.params, dtype="float32",
-                           **engine_args)
+    return LLM.from_params(
+        llm.engine.model_config, llm.engine.runner.params, dtype="float32", **engine_args
+    )
 
 
 def test_length_admission_rule(llm):
     """C1: max_model_len 64. Rule: prompt + max_tokens <= max_model_len, else rejected."""
     small = small_llm(llm, max_model_len=64, max_num_seqs=4, num_pages=64)
     ids = [3 + i % 90 for i in range(100)]
-    out = small.generate({"prompt_token_ids": ids[:63]}, SamplingParams(max_tokens=1, temperature=0.0))[0]
+    out = small.generate(
+        {"prompt_token_ids": ids[:63]}, SamplingParams(max_tokens=1, temperature=0.0)
+    )[0]
     assert len(out.token_ids) == 1 and out.outputs[0].finish_reason in ("length", "stop")
     for n, m in ((64, 1), (63, 2), (65, 1)):
         with pytest.raises(ValueError) as e:
@@ -73,8 +80,14 @@ def test_pool_admission(llm):
     """C3: page 16, 8 usable pages (128 tokens): a 200-token prompt fails at once, a 10-token one completes."""
     small = small_llm(llm, max_model_len=512, max_num_seqs=4, page_size=16, num_pages=9)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    outs = small.generate([{"prompt_token_ids": [3 + i % 90 for i in range(200)]},
-                           {"prompt_token_ids": list(range(3, 13))}], sp, on_error="return")
+    outs = small.generate(
+        [
+            {"prompt_token_ids": [3 + i % 90 for i in range(200)]},
+            {"prompt_token_ids": list(range(3, 13))},
+        ],
+        sp,
+        on_error="return",
+    )
     assert outs[0].error and "pages" in outs[0].error
     assert len(outs[1].token_ids) == 8
     bm = small.engine.block_manager
@@ -128,15 +141,23 @@ def test_stream_deltas_equal_final_text_with_stop_string(llm):
     full = llm.generate(prompt, SamplingParams(max_tokens=32, temperature=0.0))[0].text
     stop = full[12:16]  # reached by greedy decoding
     got = {}
-    out = llm.generate(prompt, SamplingParams(max_tokens=32, stop=[stop], temperature=0.0),
-                       stream=lambda i, _t, d: got.__setitem__(i, got.get(i, "") + d))[0]
+    out = llm.generate(
+        prompt,
+        SamplingParams(max_tokens=32, stop=[stop], temperature=0.0),
+        stream=lambda i, _t, d: got.__setitem__(i, got.get(i, "") + d),
+    )[0]
     assert out.outputs[0].stop_reason == stop
-    assert got[0] == out.text == full[:full.index(stop)] and stop not in got[0]
+    assert got[0] == out.text == full[: full.index(stop)] and stop not in got[0]
 
 
 @pytest.mark.skipif(__import__("jax").default_backend() == "gpu", reason="a CPU-host check")
-@pytest.mark.parametrize("spec, field", [("decode=mosaic", "decode_attention='mosaic'"),
-                                         ("prefill=triton", "prefill_attention='triton'")])
+@pytest.mark.parametrize(
+    "spec, field",
+    [
+        ("decode=mosaic", "decode_attention='mosaic'"),
+        ("prefill=triton", "prefill_attention='triton'"),
+    ],
+)
 def test_gpu_kernel_on_cpu_fails_before_loading(spec, field, monkeypatch):
     """A GPU kernel on a CPU host is refused before the checkpoint is read (neither its config
     nor its weights), as a spec string or a KernelConfig."""
@@ -145,6 +166,7 @@ def test_gpu_kernel_on_cpu_fails_before_loading(spec, field, monkeypatch):
 
     def no_load(*a, **k):
         raise AssertionError("the model was read before the option was checked")
+
     monkeypatch.setattr(loading, "load_model", no_load)
     monkeypatch.setattr(ModelConfig, "from_checkpoint", no_load)
     for kernels in (spec, KernelConfig.parse(spec)):
@@ -154,6 +176,7 @@ def test_gpu_kernel_on_cpu_fails_before_loading(spec, field, monkeypatch):
 
 def test_config_missing_key(tmp_path):
     import json
+
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="num_attention_heads"):
         LLM(str(tmp_path))

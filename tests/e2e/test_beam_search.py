@@ -22,14 +22,23 @@ TOL = STEPS * 1e-4  # test_logprobs_vs_hf.py: float32 log-probabilities agree to
 def hf_beams(hf_model, ids, eos):
     """HF's ``WIDTH`` best (generated ids ending at the first EOS, cumulative log-probability)."""
     import torch
+
     with torch.inference_mode():
         out = hf_model.generate(
-            torch.tensor([ids]), num_beams=WIDTH, num_return_sequences=WIDTH,
-            do_sample=False, max_new_tokens=STEPS, length_penalty=0.0,
-            early_stopping="never", output_scores=True, return_dict_in_generate=True,
-            eos_token_id=list(eos), pad_token_id=eos[0])
+            torch.tensor([ids]),
+            num_beams=WIDTH,
+            num_return_sequences=WIDTH,
+            do_sample=False,
+            max_new_tokens=STEPS,
+            length_penalty=0.0,
+            early_stopping="never",
+            output_scores=True,
+            return_dict_in_generate=True,
+            eos_token_id=list(eos),
+            pad_token_id=eos[0],
+        )
     beams = []
-    for seq in out.sequences[:, len(ids):].tolist():
+    for seq in out.sequences[:, len(ids) :].tolist():
         end = next((k + 1 for k, t in enumerate(seq) if t in eos), len(seq))  # then padding
         beams.append(seq[:end])
     return beams, out.sequences_scores.tolist()
@@ -41,24 +50,30 @@ def test_beam_search_matches_hf(llm, hf_model, prompt_ids):
     path is compared too). Each sequence: cum_logprob the sum of its chosen tokens' logprobs,
     ranked best first by vLLM's score, text the detokenized ids without the EOS."""
     prompts, eos = prompt_ids[:2], llm.engine.eos_token_ids
-    outs = llm.beam_search([TokensPrompt(prompt_token_ids=ids) for ids in prompts],
-                           BeamSearchParams(beam_width=WIDTH, max_tokens=STEPS, length_penalty=0.0))
+    outs = llm.beam_search(
+        [TokensPrompt(prompt_token_ids=ids) for ids in prompts],
+        BeamSearchParams(beam_width=WIDTH, max_tokens=STEPS, length_penalty=0.0),
+    )
     assert len(outs) == len(prompts)
     for ids, out in zip(prompts, outs):
         ref, ref_scores = hf_beams(hf_model, ids, eos)
-        assert [s.tokens[len(ids):] for s in out.sequences] == ref
-        np.testing.assert_allclose([s.cum_logprob for s in out.sequences], ref_scores,
-                                   rtol=0, atol=TOL)
+        assert [s.tokens[len(ids) :] for s in out.sequences] == ref
+        np.testing.assert_allclose(
+            [s.cum_logprob for s in out.sequences], ref_scores, rtol=0, atol=TOL
+        )
         for s in out.sequences:
-            gen = s.tokens[len(ids):]
-            assert s.tokens[:len(ids)] == ids and len(s.logprobs) == len(gen)
-            assert s.cum_logprob == pytest.approx(sum(lp[t].logprob for lp, t in
-                                                      zip(s.logprobs, gen)), abs=1e-9)
+            gen = s.tokens[len(ids) :]
+            assert s.tokens[: len(ids)] == ids and len(s.logprobs) == len(gen)
+            assert s.cum_logprob == pytest.approx(
+                sum(lp[t].logprob for lp, t in zip(s.logprobs, gen)), abs=1e-9
+            )
             ended = gen[-1] in eos
-            assert (s.finish_reason, s.stop_reason) == (("stop", gen[-1]) if ended else
-                                                        ("length", None))
-            assert s.text == llm.get_tokenizer().decode(s.tokens[:len(s.tokens) - ended],
-                                                         skip_special_tokens=False)
+            assert (s.finish_reason, s.stop_reason) == (
+                ("stop", gen[-1]) if ended else ("length", None)
+            )
+            assert s.text == llm.get_tokenizer().decode(
+                s.tokens[: len(s.tokens) - ended], skip_special_tokens=False
+            )
         scores = [beam_search_score(s, set(eos), 0.0) for s in out.sequences]
         assert scores == sorted(scores, reverse=True)
     assert outs[0].sequences[0].finish_reason == "stop"  # "The capital of Japan is Tokyo."

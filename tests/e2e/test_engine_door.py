@@ -6,7 +6,8 @@ import dataclasses
 
 import pytest
 
-from jaxinfer.sampling_params import RequestOutputKind as Kind, SamplingParams
+from jaxinfer.sampling_params import RequestOutputKind as Kind
+from jaxinfer.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=9, logprobs=2, ignore_eos=True)
 
@@ -22,8 +23,17 @@ def drive(eng, ids, kind, **kw) -> list:
 
 
 def summary(out):
-    return [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
-             [sorted(p) for p in c.logprobs]) for c in out.outputs]
+    return [
+        (
+            c.index,
+            c.text,
+            c.token_ids,
+            c.finish_reason,
+            c.stop_reason,
+            [sorted(p) for p in c.logprobs],
+        )
+        for c in out.outputs
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +68,7 @@ def test_cumulative_outputs_grow_to_the_final_output(tiny, reference):
     outs = drive(tiny.engine, ids, Kind.CUMULATIVE)
     for a, b in zip(outs, outs[1:]):
         for c in a.outputs:
-            assert b.outputs[c.index].token_ids[:len(c.token_ids)] == c.token_ids
+            assert b.outputs[c.index].token_ids[: len(c.token_ids)] == c.token_ids
     assert outs[-1].finished and summary(outs[-1]) == summary(ref)
 
 
@@ -66,8 +76,9 @@ def test_cumulative_outputs_grow_to_the_final_output(tiny, reference):
 def test_abort_request_gives_a_final_output_next_step(tiny, reference, kind):
     ids, _ = reference
     eng = tiny.engine
-    eng.add_request(ids, dataclasses.replace(PARAMS, output_kind=kind, max_tokens=40),
-                    request_id="a")
+    eng.add_request(
+        ids, dataclasses.replace(PARAMS, output_kind=kind, max_tokens=40), request_id="a"
+    )
     seen = [eng.step() for _ in range(3)]
     eng.abort_request("a")
     eng.abort_request("never-added")  # ignored

@@ -12,6 +12,7 @@ from jaxinfer.runner.model_runner import kv_means
 
 def test_kv_means_match_hf_cache(llm, hf_model):
     import torch
+
     ids = calibration_ids(llm.get_tokenizer(), 128)
     assert ids.shape == (128,) and len(set(ids.tolist())) > 50
     runner = llm.engine.runner
@@ -28,15 +29,21 @@ def test_kv_means_match_hf_cache(llm, hf_model):
 @pytest.fixture(scope="module")
 def tiny_engines(tiny_text_cfg, tiny_text_params, tiny_tokenizer):
     kw = dict(max_model_len=64, max_num_seqs=4, num_pages=24, dtype="float32")
-    return {name: LLM.from_params(tiny_text_cfg, tiny_text_params, tokenizer=tiny_tokenizer,
-                                  **kw, **extra)
-            for name, extra in (("auto", {}), ("fp8", dict(kv_cache_dtype="fp8")),
-                                ("fp8_off", dict(kv_cache_dtype="fp8",
-                                                 calculate_kv_scales=False)))}
+    return {
+        name: LLM.from_params(
+            tiny_text_cfg, tiny_text_params, tokenizer=tiny_tokenizer, **kw, **extra
+        )
+        for name, extra in (
+            ("auto", {}),
+            ("fp8", dict(kv_cache_dtype="fp8")),
+            ("fp8_off", dict(kv_cache_dtype="fp8", calculate_kv_scales=False)),
+        )
+    }
 
 
-def test_engine_sets_means_on_fp8_pools(tiny_engines, tiny_text_cfg, tiny_text_params,
-                                        tiny_tokenizer):
+def test_engine_sets_means_on_fp8_pools(
+    tiny_engines, tiny_text_cfg, tiny_text_params, tiny_tokenizer
+):
     want = kv_means(tiny_text_params, tiny_text_cfg, calibration_ids(tiny_tokenizer), 16)
     runner = tiny_engines["fp8"].engine.runner
     for name, m in zip(("k_mean", "v_mean"), want):

@@ -10,14 +10,17 @@ from jaxinfer import SamplingParams
 
 TOL = 1e-4
 STEPS = 16  # sampled positions checked a row: 16 tokens after the chat prompt stay in 4 pages
-TEXT = ("In the beginning of the twentieth century, the city grew quickly as new railways brought "
-        "workers, merchants and families from the countryside, and the old market square became "
-        "the busiest place in the whole region.")
+TEXT = (
+    "In the beginning of the twentieth century, the city grew quickly as new railways brought "
+    "workers, merchants and families from the countryside, and the old market square became "
+    "the busiest place in the whole region."
+)
 
 
 def hf_logprobs(hf_model, ids) -> np.ndarray:
     """f32[len(ids), V]: HF's log_softmax at every position of ``ids`` (float32)."""
     import torch
+
     with torch.inference_mode():
         logits = hf_model(torch.tensor([list(ids)])).logits[0].float()
     return torch.log_softmax(logits, dim=-1).numpy()
@@ -53,19 +56,26 @@ def test_sample_logprobs_match_hf(llm, hf_model, hf_greedy, prompt_ids):
     without logprobs keeps HF's tokens."""
     asks, plain = prompt_ids[3], prompt_ids[0]
     sp = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-    seqs = run(llm, [(asks, SamplingParams(**{**vars(sp), "logprobs": 5})), (plain, sp),
-                     (prompt_ids[1], SamplingParams(**{**vars(sp), "logprobs": 0}))])
+    seqs = run(
+        llm,
+        [
+            (asks, SamplingParams(**{**vars(sp), "logprobs": 5})),
+            (plain, sp),
+            (prompt_ids[1], SamplingParams(**{**vars(sp), "logprobs": 0})),
+        ],
+    )
     assert seqs[1].output_token_ids == hf_greedy(plain, STEPS, ignore_eos=True)
     assert seqs[1].logprobs is None and seqs[1].cumulative_logprob is None
     for ids, s, k in ((asks, seqs[0], 5), (prompt_ids[1], seqs[2], 0)):
         toks = s.output_token_ids
         assert toks == hf_greedy(ids, STEPS, ignore_eos=True) and len(s.logprobs) == STEPS
-        ref = hf_logprobs(hf_model, list(ids) + toks[:-1])[len(ids) - 1:]
+        ref = hf_logprobs(hf_model, list(ids) + toks[:-1])[len(ids) - 1 :]
         for entry, r, t in zip(s.logprobs, ref, toks):
             check_entry(entry, r, t, k)
             assert entry[t][1] == 1
-        assert s.cumulative_logprob == pytest.approx(sum(e[t][0] for e, t in
-                                                         zip(s.logprobs, toks)), abs=1e-4)
+        assert s.cumulative_logprob == pytest.approx(
+            sum(e[t][0] for e, t in zip(s.logprobs, toks)), abs=1e-4
+        )
 
 
 @pytest.mark.parametrize("chunk", [None, 16], ids=["whole", "chunked"])
@@ -78,8 +88,10 @@ def test_prompt_logprobs_match_hf(llm, hf_model, chunk):
     budget = sched.max_num_batched_tokens
     try:
         sched.max_num_batched_tokens = chunk or budget
-        out = llm.generate({"prompt_token_ids": ids},  # through RequestOutput's Logprobs
-                           SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=5))[0]
+        out = llm.generate(
+            {"prompt_token_ids": ids},  # through RequestOutput's Logprobs
+            SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=5),
+        )[0]
     finally:
         sched.max_num_batched_tokens = budget
     ref = hf_logprobs(hf_model, ids)
@@ -91,8 +103,13 @@ def test_prompt_logprobs_match_hf(llm, hf_model, chunk):
     assert out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None
 
 
-def vllm_processed(logits: np.ndarray, prompt: list[int], output: list[int], p: SamplingParams,
-                   eos: tuple[int, ...]) -> np.ndarray:
+def vllm_processed(
+    logits: np.ndarray,
+    prompt: list[int],
+    output: list[int],
+    p: SamplingParams,
+    eos: tuple[int, ...],
+) -> np.ndarray:
     """vLLM's logits before temperature, in numpy: min_tokens (-inf at EOS and stop_token_ids
     while fewer outputs), logit_bias added, repetition penalty over prompt and output ids, then
     ``- frequency x count - presence x [count > 0]`` over the output ids."""
@@ -104,7 +121,7 @@ def vllm_processed(logits: np.ndarray, prompt: list[int], output: list[int], p: 
     seen = np.zeros(x.shape, bool)
     seen[prompt + output] = True
     x = np.where(seen, np.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x)
-    counts = np.bincount(np.asarray(output, np.int64), minlength=x.shape[0])[:x.shape[0]]
+    counts = np.bincount(np.asarray(output, np.int64), minlength=x.shape[0])[: x.shape[0]]
     return x - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
 
 
@@ -113,16 +130,41 @@ def test_penalties_match_numpy_vllm(llm, hf_model, hf_greedy, prompt_ids):
     is the argmax of `vllm_processed` on HF's logits of the history; the neighbour without them
     keeps HF's plain greedy tokens."""
     import torch
+
     eos = llm.engine.eos_token_ids
     code, chat, plain = prompt_ids[1], prompt_ids[3], prompt_ids[0]
     n, first = 24, hf_greedy(chat, 1)[0]
     cases = [
-        (code, SamplingParams(temperature=0.0, max_tokens=n, presence_penalty=1.5,
-                              frequency_penalty=0.8, ignore_eos=True)),
-        (code, SamplingParams(temperature=0.0, max_tokens=n, frequency_penalty=-0.4,
-                              presence_penalty=0.6, repetition_penalty=1.5, ignore_eos=True)),
-        (chat, SamplingParams(temperature=0.0, max_tokens=n, min_tokens=12,
-                              logit_bias={first: -100.0, 28: 4.0, 1355: 7.5})),
+        (
+            code,
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=n,
+                presence_penalty=1.5,
+                frequency_penalty=0.8,
+                ignore_eos=True,
+            ),
+        ),
+        (
+            code,
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=n,
+                frequency_penalty=-0.4,
+                presence_penalty=0.6,
+                repetition_penalty=1.5,
+                ignore_eos=True,
+            ),
+        ),
+        (
+            chat,
+            SamplingParams(
+                temperature=0.0,
+                max_tokens=n,
+                min_tokens=12,
+                logit_bias={first: -100.0, 28: 4.0, 1355: 7.5},
+            ),
+        ),
     ]
     seqs = run(llm, cases + [(plain, SamplingParams(temperature=0.0, max_tokens=n))])
     assert seqs[3].output_token_ids == hf_greedy(plain, n)
@@ -130,7 +172,7 @@ def test_penalties_match_numpy_vllm(llm, hf_model, hf_greedy, prompt_ids):
         toks = s.output_token_ids
         assert len(toks) >= p.min_tokens
         with torch.inference_mode():
-            logits = hf_model(torch.tensor([ids + toks[:-1]])).logits[0, len(ids) - 1:].numpy()
+            logits = hf_model(torch.tensor([ids + toks[:-1]])).logits[0, len(ids) - 1 :].numpy()
         changed = 0
         for i, t in enumerate(toks):
             want = vllm_processed(logits[i], ids, toks[:i], p, eos)

@@ -25,20 +25,23 @@ def llm(tiny):
 
 
 def params(**kw):
-    return SamplingParams(**dict(dict(temperature=1.0, max_tokens=10, ignore_eos=True, seed=SEED,
-                                      n=4), **kw))
+    return SamplingParams(
+        **dict(dict(temperature=1.0, max_tokens=10, ignore_eos=True, seed=SEED, n=4), **kw)
+    )
 
 
 @pytest.fixture(scope="module")
 def prompt(llm):
-    return llm.get_tokenizer().encode(TEXT)[:2 * P + 7]
+    return llm.get_tokenizer().encode(TEXT)[: 2 * P + 7]
 
 
 @pytest.fixture(scope="module")
 def alone(llm, prompt):
     """The reference: each sample as an independent n=1 request with its derived seed."""
-    outs = llm.generate([{"prompt_token_ids": prompt}] * 4,
-                        [params(n=1, seed=sample_seed(SEED, i)) for i in range(4)])
+    outs = llm.generate(
+        [{"prompt_token_ids": prompt}] * 4,
+        [params(n=1, seed=sample_seed(SEED, i)) for i in range(4)],
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -52,16 +55,21 @@ def test_n4_equals_independent_requests_and_samples_differ(llm, prompt, alone):
     assert samples(out) == alone
     assert len({tuple(s) for s in alone}) == 4
     assert out.prompt_token_ids == prompt
-    assert out.num_cached_tokens == 2 * P          # sample 0: the pages `alone` left cached
+    assert out.num_cached_tokens == 2 * P  # sample 0: the pages `alone` left cached
     (again,) = llm.generate([{"prompt_token_ids": prompt}], params())
     assert samples(again) == alone
 
 
 def test_n4_in_other_batch_compositions(llm, prompt, alone):
     other = llm.get_tokenizer().encode("def fibonacci(n):")
-    outs = llm.generate([{"prompt_token_ids": other}, {"prompt_token_ids": prompt},
-                         {"prompt_token_ids": prompt[:20]}],
-                        [params(n=2, seed=7), params(), params(n=3, seed=SEED)])
+    outs = llm.generate(
+        [
+            {"prompt_token_ids": other},
+            {"prompt_token_ids": prompt},
+            {"prompt_token_ids": prompt[:20]},
+        ],
+        [params(n=2, seed=7), params(), params(n=3, seed=SEED)],
+    )
     assert samples(outs[1]) == alone
     assert len(outs[0].outputs) == 2 and len(outs[2].outputs) == 3
     with pool(llm, caching=False):
@@ -84,7 +92,7 @@ def test_prompt_pages_held_once(llm, prompt):
             if tables is None and all(s.block_table for s in seqs):
                 tables = [list(s.block_table) for s in seqs]
                 used = check_pages(bm)["used"]
-    full = len(prompt) // P                                # 2 full prompt pages, shared
+    full = len(prompt) // P  # 2 full prompt pages, shared
     assert all(t[:full] == tables[0][:full] for t in tables)
     assert len({p for t in tables for p in t}) == used == full + 4 * (len(tables[0]) - full)
     assert [s.num_cached_tokens for s in seqs] == [0] + [full * P] * 3

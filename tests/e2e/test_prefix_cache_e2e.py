@@ -23,10 +23,13 @@ def llm(tiny):
     """These mechanics run on the tiny model (tests/e2e/conftest.py)."""
     return tiny
 
-TEXT = ("The history of the printing press begins in the fifteenth century, when movable type "
-        "changed how books were made, how ideas travelled across Europe, and how people learned "
-        "to read. Scholars still argue about its effects on science, religion and politics, and "
-        "about the many craftsmen who improved the machines in the centuries that followed.")
+
+TEXT = (
+    "The history of the printing press begins in the fifteenth century, when movable type "
+    "changed how books were made, how ideas travelled across Europe, and how people learned "
+    "to read. Scholars still argue about its effects on science, religion and politics, and "
+    "about the many craftsmen who improved the machines in the centuries that followed."
+)
 
 
 @contextlib.contextmanager
@@ -35,7 +38,9 @@ def pool(llm, *, caching: bool, num_pages: int | None = None):
     shared, so the saved manager's prefix cache is dropped afterwards (its pages were reused)."""
     eng = llm.engine
     saved = eng.block_manager, eng.scheduler
-    bm = BlockManager(num_pages or eng.runner.num_pages, eng.page_size, enable_prefix_caching=caching)
+    bm = BlockManager(
+        num_pages or eng.runner.num_pages, eng.page_size, enable_prefix_caching=caching
+    )
     eng.block_manager = bm
     eng.scheduler = eng.loop.scheduler = eng._scheduler(bm, eng.eos_token_ids)
     try:
@@ -60,8 +65,11 @@ def run(llm, prompts, params, *, watch=None):
             watch(seqs)
     assert check_pages(bm)["used"] == 0
     outs = [done[rid] for rid in rids]
-    return ([list(o.outputs[0].token_ids) for o in outs], [o.num_cached_tokens for o in outs],
-            [sum(s.num_preemptions for s in seqs[rid]) for rid in rids])
+    return (
+        [list(o.outputs[0].token_ids) for o in outs],
+        [o.num_cached_tokens for o in outs],
+        [sum(s.num_preemptions for s in seqs[rid]) for rid in rids],
+    )
 
 
 def on_vs_off(llm, batches, params, num_pages=None):
@@ -89,24 +97,32 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
 
 def test_shared_three_page_system_prompt_eight_questions(llm, system):
-    questions = ["What century?", "Who made it?", "Summarise.", "Is it old?", "Name a city.",
-                 "Why books?", "One word.", "Translate to French."]
+    questions = [
+        "What century?",
+        "Who made it?",
+        "Summarise.",
+        "Is it old?",
+        "Name a city.",
+        "Why books?",
+        "One word.",
+        "Translate to French.",
+    ]
     tok = llm.get_tokenizer()
-    prompts = [system[:3 * P] + tok.encode(q, add_special_tokens=False) for q in questions]
+    prompts = [system[: 3 * P] + tok.encode(q, add_special_tokens=False) for q in questions]
     (run_on,), _ = on_vs_off(llm, [prompts], GREEDY)
-    assert run_on[1] == [0] + [3 * P] * 7    # the first computes, the other 7 wait, then hit
+    assert run_on[1] == [0] + [3 * P] * 7  # the first computes, the other 7 wait, then hit
 
 
 @pytest.mark.parametrize("npages", [1, 2, 3])
 def test_full_page_prompts_sent_twice(llm, system, npages):
-    prompt = system[:npages * P]
+    prompt = system[: npages * P]
     (first, second), _ = on_vs_off(llm, [[prompt], [prompt]], GREEDY)
-    assert first[1] == [0] and second[1] == [(npages - 1) * P]   # the last page is computed
+    assert first[1] == [0] and second[1] == [(npages - 1) * P]  # the last page is computed
     assert first[0] == second[0]
 
 
 def test_same_prefix_twice_in_one_step(llm, system):
-    prompts = [system[:2 * P + 5], system[:2 * P + 5], system[:2 * P] + system[40:45]]
+    prompts = [system[: 2 * P + 5], system[: 2 * P + 5], system[: 2 * P] + system[40:45]]
     (run_on,), _ = on_vs_off(llm, [prompts], GREEDY)
     assert run_on[1] == [0, 2 * P, 2 * P]
     assert run_on[0][0] == run_on[0][1]
@@ -114,11 +130,11 @@ def test_same_prefix_twice_in_one_step(llm, system):
 
 def test_eviction_under_a_small_pool(llm, system):
     """11 usable pages: a later distinct prompt evicts the first prompt's cached pages."""
-    a = system[:3 * P + 3]
-    b, c = system[7:7 + 4 * P], system[29:29 + 4 * P]
+    a = system[: 3 * P + 3]
+    b, c = system[7 : 7 + 4 * P], system[29 : 29 + 4 * P]
     (ra, rb, rc, ra2), cached = on_vs_off(llm, [[a], [b], [c], [a]], GREEDY, num_pages=12)
     assert ra[0] == ra2[0]
-    assert ra2[1][0] < 3 * P                 # evicted (at least partly): recomputed, same tokens
+    assert ra2[1][0] < 3 * P  # evicted (at least partly): recomputed, same tokens
     assert cached <= 11
 
 
@@ -126,7 +142,7 @@ def test_preemption_while_pages_are_shared(llm, system):
     """4 requests sharing a 2-page prefix, 40 output tokens each, in 13 usable pages: decoding
     runs out of pages and preempts requests that hold shared pages."""
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    prompts = [system[:2 * P] + system[50 + 3 * i:53 + 3 * i] for i in range(4)]
+    prompts = [system[: 2 * P] + system[50 + 3 * i : 53 + 3 * i] for i in range(4)]
     (run_on,), _ = on_vs_off(llm, [prompts], params, num_pages=14)
     assert sum(run_on[2]) > 0 and run_on[1][1:] == [2 * P] * 3
 
@@ -136,13 +152,13 @@ def test_hit_rate_and_reset(llm, system):
     with pool(llm, caching=True) as bm:
         eng.runner.stats.prefix_cache_queries = eng.runner.stats.prefix_cache_hits = 0
         bm.stats = eng.runner.stats
-        prompt = system[:2 * P + 1]
+        prompt = system[: 2 * P + 1]
         run(llm, [prompt], GREEDY)
         run(llm, [prompt], GREEDY)
         assert eng.stats().prefix_cache_hit_rate == pytest.approx(2 * P / (2 * (2 * P + 1)))
         rid = eng.add_request(prompt, GREEDY)
         eng.step()
-        assert llm.reset_prefix_cache() is False and cached_pages(bm) > 0   # pages in use
+        assert llm.reset_prefix_cache() is False and cached_pages(bm) > 0  # pages in use
         eng.abort_request(rid)
         assert llm.reset_prefix_cache() is True and cached_pages(bm) == 0
         assert run(llm, [prompt], GREEDY)[1] == [0]

@@ -36,11 +36,13 @@ def test_seeded_request_independent_of_runs_and_batch(llm):
 def test_filters_that_reduce_to_greedy(llm):
     """top_k=1, temperature=0, temperature=1e-6 and top_p=1e-9 all equal greedy; top_k=-1 is no filter."""
     greedy = _tokens(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16))[0]
-    sps = [SamplingParams(temperature=0.6, top_k=1, max_tokens=16, seed=1),
-           SamplingParams(temperature=1e-6, max_tokens=16, seed=1),
-           SamplingParams(temperature=0.6, top_p=1e-9, max_tokens=16, seed=1),
-           SamplingParams(temperature=0.6, top_k=1000, top_p=1e-9, max_tokens=16, seed=1),
-           SamplingParams(temperature=1.0, top_k=-1, max_tokens=16, seed=3)]
+    sps = [
+        SamplingParams(temperature=0.6, top_k=1, max_tokens=16, seed=1),
+        SamplingParams(temperature=1e-6, max_tokens=16, seed=1),
+        SamplingParams(temperature=0.6, top_p=1e-9, max_tokens=16, seed=1),
+        SamplingParams(temperature=0.6, top_k=1000, top_p=1e-9, max_tokens=16, seed=1),
+        SamplingParams(temperature=1.0, top_k=-1, max_tokens=16, seed=3),
+    ]
     # one batch: each row is independent of the others (C7)
     *reduced, free = _tokens(llm, [PROMPT] * len(sps), sps)
     for sp, toks in zip(sps, reduced):
@@ -53,9 +55,10 @@ def test_tiny_temperature_batched_with_sampled_neighbour(llm):
     greedy = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=16))[0]
     neighbour = SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True)
     neighbour_alone = _tokens(llm, ["Name a color:"], neighbour)[0]
-    outs = llm.generate([PROMPT, PROMPT, "Name a color:"],
-                        [SamplingParams(temperature=t, max_tokens=16, seed=2) for t in (1e-4, 1e-6)]
-                        + [neighbour])
+    outs = llm.generate(
+        [PROMPT, PROMPT, "Name a color:"],
+        [SamplingParams(temperature=t, max_tokens=16, seed=2) for t in (1e-4, 1e-6)] + [neighbour],
+    )
     for o in outs[:2]:
         assert list(o.token_ids) == list(greedy.token_ids)
         assert o.text.strip()
@@ -68,8 +71,10 @@ def test_repetition_penalty_does_not_leak(llm):
     1.3 may change nothing; 0.5 multiplies seen tokens' positive logits by 2 and does act, so a
     penalty leaking into A's row would show."""
     a = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    b, c = (SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True,
-                           repetition_penalty=r) for r in (1.3, 0.5))
+    b, c = (
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=r)
+        for r in (1.3, 0.5)
+    )
     prompts = ["1, 2, 3, 4,", "one two one two", "one two one two"]
     alone = [_tokens(llm, [p], sp)[0] for p, sp in zip(prompts, (a, b, c))]
     assert _tokens(llm, prompts, [a, b, c]) == alone

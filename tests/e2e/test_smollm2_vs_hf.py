@@ -38,8 +38,9 @@ def test_france_answers_paris(singles):
 def test_batch_of_mixed_lengths_matches_single(llm, hf_greedy, prompt_ids):
     """Acceptance 2: the same prompts as one ragged batch give the same tokens."""
     prompts = [prompt_ids[i] for i in CHECKED]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                        SamplingParams(max_tokens=32, **GREEDY))
+    outs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompts], SamplingParams(max_tokens=32, **GREEDY)
+    )
     assert len({len(ids) for ids in prompts}) > 1  # really ragged
     for ids, out in zip(prompts, outs):
         assert list(out.token_ids) == hf_greedy(ids, 32)
@@ -52,11 +53,15 @@ BOUNDARY_LENGTHS = (PAGE_SIZE - 1, PAGE_SIZE, PAGE_SIZE + 1)
 def page_boundary_runs(llm):
     """{length: (prompt ids, output)}: the prompts of `test_page_boundaries`, generated in one
     batch (one engine run: each row crosses the page boundaries of its own pages)."""
-    text = ("In the beginning of the twentieth century, the city grew quickly as new railways "
-            "brought workers, merchants and families from the countryside.")
+    text = (
+        "In the beginning of the twentieth century, the city grew quickly as new railways "
+        "brought workers, merchants and families from the countryside."
+    )
     prompts = [llm.get_tokenizer().encode(text)[:n] for n in BOUNDARY_LENGTHS]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                        SamplingParams(max_tokens=3 * PAGE_SIZE, ignore_eos=True, **GREEDY))
+    outs = llm.generate(
+        [{"prompt_token_ids": ids} for ids in prompts],
+        SamplingParams(max_tokens=3 * PAGE_SIZE, ignore_eos=True, **GREEDY),
+    )
     return dict(zip(BOUNDARY_LENGTHS, zip(prompts, outs)))
 
 
@@ -75,9 +80,15 @@ def test_preemption_gives_same_outputs(tiny, tiny_prompt_ids):
     prompts = [{"prompt_token_ids": ids} for ids in tiny_prompt_ids]
     expected = [list(o.token_ids) for o in tiny.generate(prompts, sp)]
     need = sum(-(-(len(ids) + 40) // PAGE_SIZE) for ids in tiny_prompt_ids)
-    small = LLM.from_params(tiny.engine.model_config, tiny.engine.runner.params, max_model_len=512,
-                            max_num_seqs=8, page_size=PAGE_SIZE, num_pages=need // 2 + 1,
-                            dtype="float32")  # the tiny LLM's weights, a small pool
+    small = LLM.from_params(
+        tiny.engine.model_config,
+        tiny.engine.runner.params,
+        max_model_len=512,
+        max_num_seqs=8,
+        page_size=PAGE_SIZE,
+        num_pages=need // 2 + 1,
+        dtype="float32",
+    )  # the tiny LLM's weights, a small pool
     outs = small.generate(prompts, sp)
     assert [list(o.token_ids) for o in outs] == expected
     assert sum(o.metrics.num_preemptions for o in outs) > 0
@@ -88,8 +99,9 @@ def test_preemption_gives_same_outputs(tiny, tiny_prompt_ids):
 def test_ignore_eos_and_eos_union(llm, hf_greedy, prompt_ids, singles):
     """CASES C4: ignore_eos -> exactly max_tokens, 'length'; else stop at the first EOS id, 'stop'."""
     ids = prompt_ids[4]  # one-word answer
-    on = llm.generate({"prompt_token_ids": ids},
-                      SamplingParams(max_tokens=32, ignore_eos=True, **GREEDY))[0]
+    on = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=32, ignore_eos=True, **GREEDY)
+    )[0]
     assert len(on.token_ids) == 32 and on.outputs[0].finish_reason == "length"
     assert list(on.token_ids) == hf_greedy(ids, 32, ignore_eos=True)
     off = singles[4]  # the same request without ignore_eos
@@ -97,7 +109,7 @@ def test_ignore_eos_and_eos_union(llm, hf_greedy, prompt_ids, singles):
     assert off.outputs[0].finish_reason == "stop"
     assert off.token_ids[-1] in eos
     assert not eos & set(off.token_ids[:-1])
-    assert list(off.token_ids) == list(on.token_ids[:len(off.token_ids)])
+    assert list(off.token_ids) == list(on.token_ids[: len(off.token_ids)])
 
 
 def test_template_prompts_batch_equals_single(tiny):
@@ -114,11 +126,12 @@ def test_stop_string_truncates_text(llm, prompt_ids, singles):
     """Stop strings are matched on decoded text and cut from the returned text."""
     ids, full = prompt_ids[3], singles[3]
     assert "Paris" in full.text
-    out = llm.generate({"prompt_token_ids": ids},
-                       SamplingParams(max_tokens=32, stop=["Paris"], **GREEDY))[0]
+    out = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=32, stop=["Paris"], **GREEDY)
+    )[0]
     assert out.outputs[0].finish_reason == "stop"
     assert out.outputs[0].stop_reason == "Paris"
-    assert out.text == full.text[:full.text.find("Paris")]
+    assert out.text == full.text[: full.text.find("Paris")]
     assert len(out.token_ids) <= len(full.token_ids)
 
 
@@ -131,7 +144,7 @@ def test_compiles_are_bounded(tiny):
         assert key.batch in b.batch and key.pages in b.pages
         if key.query is None:  # decode: one token per row
             assert key.tokens == 1
-        else:                  # packed prefill: Tp tokens in all, R rows of Tq query tokens
+        else:  # packed prefill: Tp tokens in all, R rows of Tq query tokens
             packed += 1
             assert key.tokens in b.packed_tokens and key.query in b.prefill_tokens
     assert packed > 0
@@ -143,12 +156,14 @@ def test_stop_string_completed_by_the_last_allowed_token(tiny):
     sp = SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)
     full = tiny.generate("The capital of France is", sp)[0]
     ids = list(full.token_ids)
-    k = next(i for i in range(2, 12) if tiny.get_tokenizer().decode(ids[i:i + 1]).strip())
-    stop = tiny.get_tokenizer().decode(ids[k:k + 1]).strip()
+    k = next(i for i in range(2, 12) if tiny.get_tokenizer().decode(ids[i : i + 1]).strip())
+    stop = tiny.get_tokenizer().decode(ids[k : k + 1]).strip()
     first = full.text.find(stop)
-    n = len(tiny.get_tokenizer().decode(ids[:k + 1]))
-    out = tiny.generate("The capital of France is",
-                       SamplingParams(max_tokens=k + 1, ignore_eos=True, stop=[stop], **GREEDY))[0]
+    n = len(tiny.get_tokenizer().decode(ids[: k + 1]))
+    out = tiny.generate(
+        "The capital of France is",
+        SamplingParams(max_tokens=k + 1, ignore_eos=True, stop=[stop], **GREEDY),
+    )[0]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
     assert out.text == full.text[:first] and first < n
 
@@ -160,10 +175,11 @@ def test_stop_string_spanning_many_tokens(tiny):
     tok = tiny.get_tokenizer()
     stop = tok.decode(list(full.token_ids[2:26]), skip_special_tokens=True)  # 24 tokens
     assert len(stop) > 16  # one character a token (the tiny tokenizer), specials left out
-    out = tiny.generate("Once upon a time", SamplingParams(max_tokens=60, ignore_eos=True,
-                                                        stop=[stop], **GREEDY))[0]
+    out = tiny.generate(
+        "Once upon a time", SamplingParams(max_tokens=60, ignore_eos=True, stop=[stop], **GREEDY)
+    )[0]
     assert out.outputs[0].finish_reason == "stop" and stop not in out.text
-    assert out.text == full.text[:full.text.find(stop)]
+    assert out.text == full.text[: full.text.find(stop)]
 
 
 def test_from_params_matches_hf(llm, hf_greedy, prompt_ids, smollm_engine):
@@ -173,8 +189,9 @@ def test_from_params_matches_hf(llm, hf_greedy, prompt_ids, smollm_engine):
     llm = LLM.from_params(loaded.model_config, loaded.runner.params, **smollm_engine)
     assert llm.get_tokenizer() is None
     ids = prompt_ids[0]
-    out = llm.generate({"prompt_token_ids": ids},
-                       SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))[0]
+    out = llm.generate(
+        {"prompt_token_ids": ids}, SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY)
+    )[0]
     assert list(out.token_ids) == hf_greedy(ids, 12, ignore_eos=True)
     with pytest.raises(ValueError, match="unknown engine argument"):
         LLM.from_params(loaded.model_config, loaded.runner.params, max_batch=3)
@@ -186,13 +203,17 @@ def test_stop_token_and_eos_reasons_follow_vllm(llm, prompt_ids, singles):
     ids, full = prompt_ids[3], singles[3]  # "What is the capital of France?" -> "... Paris."
     assert full.outputs[0].finish_reason == "stop" and full.outputs[0].stop_reason is None  # EOS
     tok = llm.get_tokenizer()
-    k = next(i for i in range(1, len(full.token_ids)) if tok.decode(full.token_ids[i:i + 1]).strip())
+    k = next(
+        i for i in range(1, len(full.token_ids)) if tok.decode(full.token_ids[i : i + 1]).strip()
+    )
     stop_id = full.token_ids[k]
     got = {}
-    out = llm.generate({"prompt_token_ids": ids},
-                       SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=[stop_id]),
-                       stream=lambda i, _t, d: got.__setitem__(i, got.get(i, "") + d))[0]
-    assert list(out.token_ids) == list(full.token_ids[:k + 1])
+    out = llm.generate(
+        {"prompt_token_ids": ids},
+        SamplingParams(max_tokens=32, temperature=0.0, stop_token_ids=[stop_id]),
+        stream=lambda i, _t, d: got.__setitem__(i, got.get(i, "") + d),
+    )[0]
+    assert list(out.token_ids) == list(full.token_ids[: k + 1])
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
     assert out.text == tok.decode(list(full.token_ids[:k]), skip_special_tokens=True)
     assert got[0] == out.text

@@ -14,17 +14,31 @@ from jaxinfer import LLM, SamplingParams, StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")
 
-PERSON = {"type": "object", "additionalProperties": False,
-          "required": ["name", "age", "role", "skills", "address"], "properties": {
-              "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,11}$"},
-              "age": {"type": "integer", "minimum": 0, "maximum": 120},
-              "role": {"enum": ["student", "teacher", "engineer"]},
-              "skills": {"type": "array", "items": {"type": "string", "maxLength": 12},
-                         "minItems": 1, "maxItems": 3},
-              "address": {"type": "object", "additionalProperties": False,
-                          "required": ["city", "zip"],
-                          "properties": {"city": {"type": "string", "maxLength": 20},
-                                         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}}}
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "role", "skills", "address"],
+    "properties": {
+        "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,11}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["student", "teacher", "engineer"]},
+        "skills": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 12},
+            "minItems": 1,
+            "maxItems": 3,
+        },
+        "address": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["city", "zip"],
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+        },
+    },
+}
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 CITIES = ["Paris", "London", "Berlin"]
 
@@ -32,24 +46,38 @@ CITIES = ["Paris", "London", "Berlin"]
 def test_smollm2_constrained_rows_validate_and_free_rows_unchanged(llm):
     """One batch of 8 rows (one set of step shapes): JSON schema greedy and sampled (n=2), a
     regex, a choice, any JSON object, and two free greedy rows, which equal their run alone."""
+
     def chat(q):
         return {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": q}])}
 
     so = StructuredOutputsParams
-    rows = [(chat("Describe a person as JSON."), dict(temperature=0, structured_outputs=so(
-                json=PERSON))),
-            (chat("Describe a person as JSON."), dict(temperature=0.8, seed=3, n=2,
-                                                      structured_outputs=so(json=PERSON))),
-            (chat("Give a US phone number."), dict(temperature=0.8, seed=1,
-                                                   structured_outputs=so(regex=PHONE))),
-            (chat("What is the capital of France?"), dict(temperature=0, structured_outputs=so(
-                choice=CITIES))),
-            (chat("Give me any JSON object."), dict(temperature=0.8, seed=2,
-                                                    structured_outputs=so(json_object=True))),
-            (chat("What is the capital of France?"), dict(temperature=0)),
-            (chat("Name a color."), dict(temperature=0))]
-    outs = llm.generate([p for p, _ in rows], [SamplingParams(max_tokens=100, **kw)
-                                               for _, kw in rows])
+    rows = [
+        (
+            chat("Describe a person as JSON."),
+            dict(temperature=0, structured_outputs=so(json=PERSON)),
+        ),
+        (
+            chat("Describe a person as JSON."),
+            dict(temperature=0.8, seed=3, n=2, structured_outputs=so(json=PERSON)),
+        ),
+        (
+            chat("Give a US phone number."),
+            dict(temperature=0.8, seed=1, structured_outputs=so(regex=PHONE)),
+        ),
+        (
+            chat("What is the capital of France?"),
+            dict(temperature=0, structured_outputs=so(choice=CITIES)),
+        ),
+        (
+            chat("Give me any JSON object."),
+            dict(temperature=0.8, seed=2, structured_outputs=so(json_object=True)),
+        ),
+        (chat("What is the capital of France?"), dict(temperature=0)),
+        (chat("Name a color."), dict(temperature=0)),
+    ]
+    outs = llm.generate(
+        [p for p, _ in rows], [SamplingParams(max_tokens=100, **kw) for _, kw in rows]
+    )
     eos = set(llm.engine.eos_token_ids)
     for o in outs[:5]:
         for c in o.outputs:
@@ -60,8 +88,9 @@ def test_smollm2_constrained_rows_validate_and_free_rows_unchanged(llm):
     assert re.fullmatch(PHONE, outs[2].text)
     assert outs[3].text in CITIES
     assert isinstance(json.loads(outs[4].text), dict)
-    alone = llm.generate([p for p, _ in rows[5:]], [SamplingParams(max_tokens=100, **kw)
-                                                    for _, kw in rows[5:]])
+    alone = llm.generate(
+        [p for p, _ in rows[5:]], [SamplingParams(max_tokens=100, **kw) for _, kw in rows[5:]]
+    )
     assert [o.token_ids for o in alone] == [o.token_ids for o in outs[5:]]
     assert outs[5].outputs[0].finish_reason == "stop"
 
@@ -78,15 +107,28 @@ def small_pool(tiny_llm):
 def _mechanics(llm):
     so = StructuredOutputsParams
     prompts = ["Once upon a time", "The answer is", "Colors:", "Hello there", "1, 2, 3,"]
-    params = [SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=60,
-                             structured_outputs=so(regex=WORDS)),
-              SamplingParams(temperature=0, max_tokens=8, logprobs=3,
-                             structured_outputs=so(choice=["yes", "no", "never"])),
-              SamplingParams(temperature=0.9, seed=2, max_tokens=60, stop=["b"],
-                             structured_outputs=so(regex="[abc]{30,50}")),
-              SamplingParams(temperature=0.9, seed=4, max_tokens=6,
-                             structured_outputs=so(regex="[0-9]{10,20}")),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    params = [
+        SamplingParams(
+            temperature=0.9, seed=5, n=2, max_tokens=60, structured_outputs=so(regex=WORDS)
+        ),
+        SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            logprobs=3,
+            structured_outputs=so(choice=["yes", "no", "never"]),
+        ),
+        SamplingParams(
+            temperature=0.9,
+            seed=2,
+            max_tokens=60,
+            stop=["b"],
+            structured_outputs=so(regex="[abc]{30,50}"),
+        ),
+        SamplingParams(
+            temperature=0.9, seed=4, max_tokens=6, structured_outputs=so(regex="[0-9]{10,20}")
+        ),
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+    ]
     return prompts, params
 
 
@@ -124,20 +166,25 @@ def test_tiny_cached_prompt_keeps_constrained_output(tiny):
 def test_invalid_specs_rejected_others_run(tiny, tiny_text_cfg, tiny_text_params):
     so = StructuredOutputsParams
     bad = [so(regex="("), so(json='{"type": "nope"}'), so(grammar="start: (")]
-    outs = tiny.generate(["a"] * 4, [SamplingParams(max_tokens=3, structured_outputs=s)
-                                     for s in bad] + [SamplingParams(max_tokens=3)],
-                         on_error="return")
+    outs = tiny.generate(
+        ["a"] * 4,
+        [SamplingParams(max_tokens=3, structured_outputs=s) for s in bad]
+        + [SamplingParams(max_tokens=3)],
+        on_error="return",
+    )
     assert "unclosed group" in outs[0].error and "StructuredOutputsParams.regex" in outs[0].error
     assert all("\n" not in o.error for o in outs[:3])  # one line (the CLI prints it as its line)
     assert "nope" in outs[1].error and "StructuredOutputsParams.grammar" in outs[2].error
     assert outs[3].error is None and len(outs[3].token_ids) == 3
     with pytest.raises(ValueError, match="exactly one of json, regex"):
         so(regex="a", choice=["a"])
-    bare = LLM.from_params(tiny_text_cfg, tiny_text_params, max_model_len=64, num_pages=8,
-                           dtype="float32")
+    bare = LLM.from_params(
+        tiny_text_cfg, tiny_text_params, max_model_len=64, num_pages=8, dtype="float32"
+    )
     with pytest.raises(ValueError, match="needs a tokenizer"):
-        bare.generate({"prompt_token_ids": [5, 6]},
-                      SamplingParams(structured_outputs=so(choice=["a"])))
+        bare.generate(
+            {"prompt_token_ids": [5, 6]}, SamplingParams(structured_outputs=so(choice=["a"]))
+        )
 
 
 def test_tiny_overlapped_constrained_steps_equal_sync(tiny):
@@ -145,24 +192,37 @@ def test_tiny_overlapped_constrained_steps_equal_sync(tiny):
     is read back (its masks and sampling after): the same outputs and logprobs as the sync path,
     for a schema/regex/choice mix with free rows, a grammar that stops early, and n=2."""
     so = StructuredOutputsParams
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+        "x-guidance": {"whitespace_flexible": False},
+    }
     prompts = ["Once upon a time", "The answer is", "Colors:", "Hello there", "1, 2, 3,"]
-    params = [SamplingParams(temperature=0.9, seed=7, n=2, max_tokens=30, logprobs=2,
-                             structured_outputs=so(json=schema)),
-              SamplingParams(temperature=0, max_tokens=30, structured_outputs=so(regex="ab?")),
-              SamplingParams(temperature=0.9, seed=3, max_tokens=25, structured_outputs=so(
-                  regex=WORDS)),
-              SamplingParams(temperature=0, max_tokens=5, structured_outputs=so(
-                  choice=["yes", "no"])),
-              SamplingParams(temperature=0.8, seed=1, max_tokens=20)]
+    params = [
+        SamplingParams(
+            temperature=0.9,
+            seed=7,
+            n=2,
+            max_tokens=30,
+            logprobs=2,
+            structured_outputs=so(json=schema),
+        ),
+        SamplingParams(temperature=0, max_tokens=30, structured_outputs=so(regex="ab?")),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=25, structured_outputs=so(regex=WORDS)),
+        SamplingParams(temperature=0, max_tokens=5, structured_outputs=so(choice=["yes", "no"])),
+        SamplingParams(temperature=0.8, seed=1, max_tokens=20),
+    ]
     results, overlapped = [], []
     for mode in (False, True):
         tiny.engine.async_scheduling = mode
         before = tiny.engine.stats().num_overlapped_steps
         outs = tiny.generate(prompts, params)
         overlapped.append(tiny.engine.stats().num_overlapped_steps - before)
-        results.append([(c.token_ids, c.finish_reason, c.logprobs) for o in outs for c in o.outputs])
+        results.append(
+            [(c.token_ids, c.finish_reason, c.logprobs) for o in outs for c in o.outputs]
+        )
     tiny.engine.async_scheduling = True
     assert results[0] == results[1]
     assert overlapped[0] == 0 and overlapped[1] >= 20  # the constrained steps overlapped too

@@ -8,12 +8,12 @@ import json
 import shutil
 
 import pytest
+from tiny_model import TINY_ENGINE
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.inputs import TextPrompt, TokensPrompt
 from jaxinfer.llm import PROFILER_DIR_ENV, Counter, Gauge
 from jaxinfer.sampling_params import RequestOutputKind
-from tiny_model import TINY_ENGINE
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5)
 TEXT = "The capital of Japan is"
@@ -26,16 +26,19 @@ def test_sampling_params_fields(tiny):
     tests/engine/test_token_masks.py); the object is mutable and validated again when a request
     is added."""
     ids = tiny.get_tokenizer().encode(TEXT)
-    sp = SamplingParams(temperature=0.0, max_tokens=5, truncate_prompt_tokens=8,
-                        extra_args={"tag": [1]})
+    sp = SamplingParams(
+        temperature=0.0, max_tokens=5, truncate_prompt_tokens=8, extra_args={"tag": [1]}
+    )
     cut, last8 = tiny.generate([ids, ids[-8:]], [sp, GREEDY])
     assert cut.prompt_token_ids == ids[-8:] and cut.token_ids == last8.token_ids
     assert sp.extra_args == {"tag": [1]} and sp.truncate_prompt_tokens == 8
     (quiet,) = tiny.generate([ids[-8:]], dataclasses.replace(GREEDY, detokenize=False))
     assert quiet.text == "" and quiet.token_ids == last8.token_ids and last8.text  # test_outputs
     sp.max_tokens, sp.truncate_prompt_tokens = 3, None
-    assert tiny.generate([ids], sp)[0].token_ids == tiny.generate(
-        [ids], dataclasses.replace(GREEDY, max_tokens=3))[0].token_ids
+    assert (
+        tiny.generate([ids], sp)[0].token_ids
+        == tiny.generate([ids], dataclasses.replace(GREEDY, max_tokens=3))[0].token_ids
+    )
     sp.max_tokens = 0
     with pytest.raises(ValueError, match="request 0: SamplingParams.max_tokens=0 is invalid"):
         tiny.generate([ids], sp)
@@ -46,8 +49,14 @@ def test_text_and_tokens_prompts(tiny):
     TokensPrompt(prompt_token_ids=...) runs as given, its optional ``prompt`` coming back as
     ``RequestOutput.prompt``; a key jaxinfer does not handle (multi_modal_data) is an error."""
     ids = tiny.get_tokenizer().encode(TEXT)
-    a, b, c = tiny.generate([TextPrompt(prompt=TEXT), TokensPrompt(prompt_token_ids=ids),
-                             TokensPrompt(prompt_token_ids=ids, prompt="given")], GREEDY)
+    a, b, c = tiny.generate(
+        [
+            TextPrompt(prompt=TEXT),
+            TokensPrompt(prompt_token_ids=ids),
+            TokensPrompt(prompt_token_ids=ids, prompt="given"),
+        ],
+        GREEDY,
+    )
     assert (a.prompt, b.prompt, c.prompt) == (TEXT, None, "given") and a.prompt_token_ids == ids
     assert a.token_ids == b.token_ids == c.token_ids
     with pytest.raises(ValueError, match=r"\['multi_modal_data'\] are not supported"):
@@ -63,18 +72,24 @@ def test_chat_template_arguments(tiny):
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
     (cont,) = tiny.chat(conv, GREEDY, add_generation_prompt=False, continue_final_message=True)
     assert cont.prompt == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello, I"
-    assert cont.prompt_token_ids == tiny.get_tokenizer().encode(cont.prompt,
-                                                                add_special_tokens=False)
+    assert cont.prompt_token_ids == tiny.get_tokenizer().encode(
+        cont.prompt, add_special_tokens=False
+    )
     assert tiny.chat(conv[:1], GREEDY)[0].prompt.endswith("<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="not compatible"):
         tiny.chat(conv, GREEDY, continue_final_message=True)
-    own = ("{{ greeting }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
-           "{% if add_generation_prompt %}>{% endif %}")
-    outs = tiny.chat([conv[:1], conv[:1]], GREEDY, chat_template=own,
-                     chat_template_kwargs={"greeting": "Yo"})
+    own = (
+        "{{ greeting }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+        "{% if add_generation_prompt %}>{% endif %}"
+    )
+    outs = tiny.chat(
+        [conv[:1], conv[:1]], GREEDY, chat_template=own, chat_template_kwargs={"greeting": "Yo"}
+    )
     assert [o.prompt for o in outs] == ["Yo[Hi]>"] * 2
-    assert tiny.chat(conv[:1], GREEDY, chat_template=own, add_generation_prompt=False
-                     )[0].prompt == "[Hi]"
+    assert (
+        tiny.chat(conv[:1], GREEDY, chat_template=own, add_generation_prompt=False)[0].prompt
+        == "[Hi]"
+    )
 
 
 def test_output_fields(tiny):
@@ -84,12 +99,17 @@ def test_output_fields(tiny):
     ``prompt_token_ids`` are lists (vLLM V1's), equal to the lists users hold."""
     ids = tiny.get_tokenizer().encode(TEXT)
     (out,) = tiny.generate([ids], GREEDY)
-    assert (out.lora_request, out.encoder_prompt, out.encoder_prompt_token_ids,
-            out.kv_transfer_params) == (None,) * 4
+    assert (
+        out.lora_request,
+        out.encoder_prompt,
+        out.encoder_prompt_token_ids,
+        out.kv_transfer_params,
+    ) == (None,) * 4
     assert out.prompt_token_ids == ids and type(out.outputs[0].token_ids) is list
     assert out.outputs[0].finished() and out.finished
-    tiny.engine.add_request(ids, dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA),
-                            request_id="fields")
+    tiny.engine.add_request(
+        ids, dataclasses.replace(GREEDY, output_kind=RequestOutputKind.DELTA), request_id="fields"
+    )
     deltas = []
     while tiny.engine.has_unfinished():
         deltas += tiny.engine.step()
@@ -132,13 +152,17 @@ def test_float16_runs_on_the_cpu(tiny, tiny_text_cfg, tiny_text_params):
     its greedy tokens match float32's on the tiny model (a GPU refuses it: test_llm_inputs)."""
     import jax
 
-    half = LLM.from_params(tiny_text_cfg, jax.tree.map(lambda x: x.astype("float16"),
-                                                       tiny_text_params),
-                           tokenizer=tiny.get_tokenizer(), **dict(TINY_ENGINE, dtype="half"))
+    half = LLM.from_params(
+        tiny_text_cfg,
+        jax.tree.map(lambda x: x.astype("float16"), tiny_text_params),
+        tokenizer=tiny.get_tokenizer(),
+        **dict(TINY_ENGINE, dtype="half"),
+    )
     assert (half.engine.resolved.dtype, half.engine.resolved.kv_dtype) == ("float16",) * 2
     prompts = [TEXT, "def fibonacci(n):"]
-    assert [o.token_ids for o in half.generate(prompts, GREEDY)] == \
-        [o.token_ids for o in tiny.generate(prompts, GREEDY)]
+    assert [o.token_ids for o in half.generate(prompts, GREEDY)] == [
+        o.token_ids for o in tiny.generate(prompts, GREEDY)
+    ]
 
 
 def test_vllm_offline_script(tiny_checkpoint, tmp_path):
@@ -150,8 +174,9 @@ def test_vllm_offline_script(tiny_checkpoint, tmp_path):
     from e2e.vllm_offline_script import main
 
     model = shutil.copytree(tiny_checkpoint, tmp_path / "model")
-    (model / "generation_config.json").write_text(json.dumps(
-        {"temperature": 0.6, "top_k": 20, "max_new_tokens": 7, "do_sample": True}))
+    (model / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_k": 20, "max_new_tokens": 7, "do_sample": True})
+    )
     run = main(str(model), kernels=TINY_ENGINE["kernels"])
     llm, (text, tokens) = run["llm"], run["outputs"]
     assert run["defaults"] == SamplingParams(temperature=0.6, top_k=20, max_tokens=7)

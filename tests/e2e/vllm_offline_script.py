@@ -50,18 +50,32 @@ def main(model: str, **engine_args) -> dict:
     outputs = llm.generate(prompts, [greedy, sampled], use_tqdm=False)
     for output in outputs:
         completion = output.outputs[0]
-        print(f"{output.prompt!r} -> {completion.text!r} {completion.token_ids} "
-              f"finish={completion.finish_reason} finished={completion.finished()}")
+        print(
+            f"{output.prompt!r} -> {completion.text!r} {completion.token_ids} "
+            f"finish={completion.finish_reason} finished={completion.finished()}"
+        )
 
     conversation = [{"role": "user", "content": "Hi!"}]
-    chat = llm.chat(conversation, sampled, use_tqdm=False,
-                    chat_template_kwargs={"enable_thinking": False})
-    continued = llm.chat(conversation + [{"role": "assistant", "content": "I"}], sampled,
-                         add_generation_prompt=False, continue_final_message=True)
+    chat = llm.chat(
+        conversation, sampled, use_tqdm=False, chat_template_kwargs={"enable_thinking": False}
+    )
+    continued = llm.chat(
+        conversation + [{"role": "assistant", "content": "I"}],
+        sampled,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
     for output in chat + continued:
         print(repr(output.prompt), "->", repr(output.outputs[0].text))
-    return dict(llm=llm, defaults=defaults, greedy=greedy, sampled=sampled, outputs=outputs,
-                chat=chat, continued=continued)
+    return dict(
+        llm=llm,
+        defaults=defaults,
+        greedy=greedy,
+        sampled=sampled,
+        outputs=outputs,
+        chat=chat,
+        continued=continued,
+    )
 
 
 if __name__ == "__main__":

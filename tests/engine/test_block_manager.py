@@ -24,7 +24,7 @@ def test_null_page_never_handed_out_and_low_ids_first():
     a = seq("a")
     assert bm.can_allocate(a, 8 * 16) and not bm.can_allocate(a, 8 * 16 + 1)
     bm.allocate(a, 8 * 16)
-    assert a.block_table == list(range(1, 9))     # low ids first, page 0 absent
+    assert a.block_table == list(range(1, 9))  # low ids first, page 0 absent
     assert bm.num_free_pages == 0
     b = seq("b")
     assert bm.can_allocate(b, 0) and not bm.can_allocate(b, 1)
@@ -39,8 +39,17 @@ def test_null_page_never_handed_out_and_low_ids_first():
 def test_allocate_extends_by_ceil(page_size):
     bm = BlockManager(num_pages=64, page_size=page_size)
     s = seq("s")
-    for n in [0, 1, page_size - 1, page_size, page_size + 1, 3 * page_size - 1, 3 * page_size,
-              3 * page_size + 1, 5 * page_size]:
+    for n in [
+        0,
+        1,
+        page_size - 1,
+        page_size,
+        page_size + 1,
+        3 * page_size - 1,
+        3 * page_size,
+        3 * page_size + 1,
+        5 * page_size,
+    ]:
         n = max(n, 0)
         want = math.ceil(n / page_size)
         assert bm.pages_needed(n) == want
@@ -56,9 +65,9 @@ def test_allocate_extends_by_ceil(page_size):
 def test_reuse_lowest_freed_first():
     bm = BlockManager(num_pages=11, page_size=4)
     a, b, c = seq("a"), seq("b"), seq("c")
-    bm.allocate(a, 8)   # pages 1, 2
+    bm.allocate(a, 8)  # pages 1, 2
     bm.allocate(b, 12)  # pages 3, 4, 5
-    bm.allocate(c, 4)   # page 6
+    bm.allocate(c, 4)  # page 6
     assert (a.block_table, b.block_table, c.block_table) == ([1, 2], [3, 4, 5], [6])
     bm.free(b)
     bm.free(a)
@@ -84,7 +93,7 @@ def test_double_free_and_foreign_pages_rejected():
     a.block_table = [0]
     with pytest.raises(RuntimeError, match="null page"):
         bm.free(a)
-    a.block_table = [2]   # free page
+    a.block_table = [2]  # free page
     with pytest.raises(RuntimeError, match=r"page 2 \(free\)"):
         bm.free(a)
     a.block_table = []
@@ -103,8 +112,8 @@ def test_random_alloc_free_against_set_model():
     rng = random.Random(1234)
     num_pages, page_size = 37, 8
     bm = BlockManager(num_pages, page_size)
-    free = set(range(1, num_pages))       # independent model
-    owned = {}                            # rid -> list of pages, in allocation order
+    free = set(range(1, num_pages))  # independent model
+    owned = {}  # rid -> list of pages, in allocation order
     seqs = {}
     for step in range(2000):
         if owned and rng.random() < 0.3:
@@ -119,7 +128,7 @@ def test_random_alloc_free_against_set_model():
             ok = want <= len(free)
             assert bm.can_allocate(s, n) == ok
             if ok:
-                new = sorted(free)[:want]     # lowest free ids
+                new = sorted(free)[:want]  # lowest free ids
                 assert bm.allocate(s, n) == new
                 free -= set(new)
                 if new or rid in owned:

@@ -35,8 +35,13 @@ def _run(cache_dir, **env_vars):
     env = dict(os.environ, JAX_PLATFORMS="cpu", **env_vars)
     env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the run-wide cache of tests/conftest.py
     script = SCRIPT.replace("**TINY", f"**{TINY!r}")
-    r = subprocess.run([sys.executable, "-c", script, str(cache_dir)], capture_output=True,
-                       text=True, env=env, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(cache_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -55,6 +60,7 @@ def test_second_process_loads_compiled_steps(tmp_path):
 
 def test_cache_path_that_is_a_file_is_rejected(tmp_path):
     from jaxinfer.runner.step import enable_compilation_cache as enable
+
     f = tmp_path / "file"
     f.write_text("x")
     with pytest.raises(ValueError, match="not a directory"):

@@ -17,21 +17,27 @@ def llm(tiny_cfg, tiny_params):
     return LLM.from_params(tiny_cfg, tiny_params, max_model_len=64, num_pages=32, max_num_seqs=4)
 
 
-@pytest.mark.parametrize("bad, needle", [
-    ({"prompt_token_ids": "12"}, "must be a list of ints; got str"),
-    ({"prompt_token_ids": ["1", "2"]}, "holds '1' (str)"),
-    ({"prompt_token_ids": None}, "got NoneType"),
-    ({"prompt_token_ids": 5}, "got int"),
-    ({"prompt_token_ids": [1, True]}, "holds True (bool)"),
-    ({"prompt_token_ids": [1, 2.0]}, "holds 2.0 (float)"),
-    ({"prompt_token_ids": np.ones((2, 2), np.int32)}, "1-D integer array"),
-    ({1: 2}, "[1] are not supported"),
-    ({"prompt": "p"}, "has no tokenizer"),
-    ({"prompt_token_ids": [1], "multi_modal_data": {}}, "['multi_modal_data'] are not supported"),
-    ({"prompt": None}, "'prompt' must be a str"),
-    ([1, [2]], "holds [2] (list)"),
-    ("text", "has no tokenizer"),
-])
+@pytest.mark.parametrize(
+    "bad, needle",
+    [
+        ({"prompt_token_ids": "12"}, "must be a list of ints; got str"),
+        ({"prompt_token_ids": ["1", "2"]}, "holds '1' (str)"),
+        ({"prompt_token_ids": None}, "got NoneType"),
+        ({"prompt_token_ids": 5}, "got int"),
+        ({"prompt_token_ids": [1, True]}, "holds True (bool)"),
+        ({"prompt_token_ids": [1, 2.0]}, "holds 2.0 (float)"),
+        ({"prompt_token_ids": np.ones((2, 2), np.int32)}, "1-D integer array"),
+        ({1: 2}, "[1] are not supported"),
+        ({"prompt": "p"}, "has no tokenizer"),
+        (
+            {"prompt_token_ids": [1], "multi_modal_data": {}},
+            "['multi_modal_data'] are not supported",
+        ),
+        ({"prompt": None}, "'prompt' must be a str"),
+        ([1, [2]], "holds [2] (list)"),
+        ("text", "has no tokenizer"),
+    ],
+)
 def test_bad_prompt_is_one_error_and_others_run(llm, bad, needle):
     outs = llm.generate([bad, [1, 2, 3]], GREEDY, on_error="return")
     assert outs[0].error is not None and needle in outs[0].error, outs[0].error
@@ -50,8 +56,9 @@ def test_numpy_token_ids_are_accepted(llm):
 
 
 def test_stop_strings_need_a_tokenizer(llm):
-    outs = llm.generate([[1, 2], [3, 4]], [SamplingParams(stop=["a"], max_tokens=2), GREEDY],
-                        on_error="return")
+    outs = llm.generate(
+        [[1, 2], [3, 4]], [SamplingParams(stop=["a"], max_tokens=2), GREEDY], on_error="return"
+    )
     assert "stop_token_ids" in outs[0].error and outs[1].error is None
 
 
@@ -63,8 +70,11 @@ def test_from_params_and_engine_argument_errors(llm):
         LLM.from_params(cfg, params, seed="a")
     with pytest.raises(ValueError, match="a list holding NoneType"):
         llm.generate([[1], [2]], [GREEDY, None])
-    with pytest.raises(ValueError, match=r"unknown engine argument\(s\) \['attention'\]; allowed: "
-                       r"\[.*'kernels'"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown engine argument\(s\) \['attention'\]; allowed: "
+        r"\[.*'kernels'",
+    ):
         LLM.from_params(cfg, params, attention="mosaic")
     with pytest.raises(ValueError, match="kernels: 'attention=mosaic' is invalid"):
         LLM.from_params(cfg, params, kernels="attention=mosaic")
@@ -74,8 +84,12 @@ def test_raise_names_every_bad_request_including_token_ids_out_of_range(llm):
     with pytest.raises(ValueError) as e:
         llm.generate([[1, 2], [1] * 100, [1, -5], [], [3, 300]], GREEDY)
     msg = str(e.value)
-    for i, needle in [(1, "max_model_len"), (2, "token id -5 is out of range"),
-                      (3, "0 tokens; at least 1"), (4, "token id 300 is out of range")]:
+    for i, needle in [
+        (1, "max_model_len"),
+        (2, "token id -5 is out of range"),
+        (3, "0 tokens; at least 1"),
+        (4, "token id 300 is out of range"),
+    ]:
         assert f"request {i}: " in msg and needle in msg, msg
     assert "request 0" not in msg
 
@@ -102,8 +116,9 @@ def test_top_k_beyond_int32_means_no_cut(llm, top_k):
     """A top_k at or above the vocabulary keeps every token; values past int32 used to overflow
     the host batch (an OverflowError that took down the call's other requests)."""
     sp = dict(temperature=0.9, seed=4, max_tokens=5)
-    outs = llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(**sp, top_k=top_k), GREEDY],
-                        on_error="return")
+    outs = llm.generate(
+        [[1, 2, 3], [4, 5]], [SamplingParams(**sp, top_k=top_k), GREEDY], on_error="return"
+    )
     assert all(o.error is None for o in outs)
     uncut = llm.generate([[1, 2, 3]], SamplingParams(**sp, top_k=-1))[0]
     assert outs[0].outputs[0].token_ids == uncut.outputs[0].token_ids
@@ -120,31 +135,44 @@ def test_one_numpy_array_is_one_prompt(llm):
 
 def test_rejected_request_keeps_its_prompt(llm):
     too_long = list(range(1, 70))
-    outs = llm.generate([too_long, {"prompt_token_ids": [1, -5], "prompt": "p"}, [1, 2]], GREEDY,
-                        on_error="return")
+    outs = llm.generate(
+        [too_long, {"prompt_token_ids": [1, -5], "prompt": "p"}, [1, 2]], GREEDY, on_error="return"
+    )
     assert outs[0].error and outs[0].prompt_token_ids == too_long
     assert outs[1].error and (outs[1].prompt, outs[1].prompt_token_ids) == ("p", [1, -5])
     assert outs[2].error is None
 
 
-@pytest.mark.parametrize("kw, needle", [
-    (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is invalid: JAX sees 1 cpu"),
-    (dict(tensor_parallel_size=3), "num_heads=4 is not divisible by tensor_parallel_size=3"),
-    (dict(kv_cache_dtype="fp16"), "kv_cache_dtype='fp16' is invalid"),
-    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5 is invalid"),
-    (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization='0.9' is invalid"),
-    (dict(memory_fraction="0.5"), "memory_fraction='0.5' is invalid: must be a number"),
-    (dict(dtype="float64"), "dtype='float64' is invalid"),
-    (dict(trust_remote_code=True, worker_cls="x"), r"unknown engine argument\(s\) \['worker_cls'\]"),
-    (dict(task="embed"), "task='embed' is invalid: jaxinfer runs generative models only .*"
-     "allowed: 'auto', 'generate'"),
-    (dict(runner="pooling"), "runner='pooling' is invalid"),
-    (dict(pipeline_parallel_size=2), "pipeline_parallel_size=2 is invalid: one pipeline stage "
-     r"\(tensor_parallel_size splits a model\); allowed: 1"),
-    (dict(load_format="dummy"), "load_format='dummy' is invalid"),
-    (dict(block_size=8, page_size=16), "block_size .* and page_size differ"),
-    (dict(max_logprobs=-1), r"max_logprobs=-1 is invalid: must be an integer in \[0, 20\]"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        (dict(tensor_parallel_size=2), "tensor_parallel_size=2 is invalid: JAX sees 1 cpu"),
+        (dict(tensor_parallel_size=3), "num_heads=4 is not divisible by tensor_parallel_size=3"),
+        (dict(kv_cache_dtype="fp16"), "kv_cache_dtype='fp16' is invalid"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization=1.5 is invalid"),
+        (dict(gpu_memory_utilization="0.9"), "gpu_memory_utilization='0.9' is invalid"),
+        (dict(memory_fraction="0.5"), "memory_fraction='0.5' is invalid: must be a number"),
+        (dict(dtype="float64"), "dtype='float64' is invalid"),
+        (
+            dict(trust_remote_code=True, worker_cls="x"),
+            r"unknown engine argument\(s\) \['worker_cls'\]",
+        ),
+        (
+            dict(task="embed"),
+            "task='embed' is invalid: jaxinfer runs generative models only .*"
+            "allowed: 'auto', 'generate'",
+        ),
+        (dict(runner="pooling"), "runner='pooling' is invalid"),
+        (
+            dict(pipeline_parallel_size=2),
+            "pipeline_parallel_size=2 is invalid: one pipeline stage "
+            r"\(tensor_parallel_size splits a model\); allowed: 1",
+        ),
+        (dict(load_format="dummy"), "load_format='dummy' is invalid"),
+        (dict(block_size=8, page_size=16), "block_size .* and page_size differ"),
+        (dict(max_logprobs=-1), r"max_logprobs=-1 is invalid: must be an integer in \[0, 20\]"),
+    ],
+)
 def test_vllm_constructor_arguments_checked(llm, kw, needle):
     cfg, params = llm.engine.model_config, llm.engine.runner.params
     with pytest.raises(ValueError, match=needle):
@@ -156,13 +184,25 @@ def test_vllm_constructor_arguments_accepted(llm):
     tensor_parallel_size=1, kv_cache_dtype="auto", gpu_memory_utilization (GPU only: the CPU pool
     is sized as without it), enable_prefix_caching, seed."""
     cfg, params = llm.engine.model_config, llm.engine.runner.params
-    other = LLM.from_params(cfg, params, max_model_len=64, num_pages=32, max_num_seqs=4,
-                            dtype="auto", enforce_eager=True, tensor_parallel_size=1,
-                            kv_cache_dtype="auto", gpu_memory_utilization=0.9,
-                            enable_prefix_caching=False, seed=3)
+    other = LLM.from_params(
+        cfg,
+        params,
+        max_model_len=64,
+        num_pages=32,
+        max_num_seqs=4,
+        dtype="auto",
+        enforce_eager=True,
+        tensor_parallel_size=1,
+        kv_cache_dtype="auto",
+        gpu_memory_utilization=0.9,
+        enable_prefix_caching=False,
+        seed=3,
+    )
     assert other.engine.resolved.dtype == "float32" and other.engine.resolved.engine.seed == 3
-    assert other.generate([[5, 6, 7]], GREEDY)[0].token_ids == \
-        llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    assert (
+        other.generate([[5, 6, 7]], GREEDY)[0].token_ids
+        == llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    )
 
 
 def test_vllm_engine_arguments_map_or_warn(llm, caplog):
@@ -177,33 +217,66 @@ def test_vllm_engine_arguments_map_or_warn(llm, caplog):
     from jaxinfer.config import EngineConfig, resolve
 
     cfg, params = llm.engine.model_config, llm.engine.runner.params
-    defaults = dict(trust_remote_code=False, swap_space=4, disable_log_stats=True,
-                    enable_chunked_prefill=None, compilation_config=None, tokenizer_mode="auto",
-                    revision=None, download_dir=None, task="generate", runner="auto",
-                    pipeline_parallel_size=1, load_format="auto")
+    defaults = dict(
+        trust_remote_code=False,
+        swap_space=4,
+        disable_log_stats=True,
+        enable_chunked_prefill=None,
+        compilation_config=None,
+        tokenizer_mode="auto",
+        revision=None,
+        download_dir=None,
+        task="generate",
+        runner="auto",
+        pipeline_parallel_size=1,
+        load_format="auto",
+    )
     with caplog.at_level("WARNING", logger="jaxinfer"):
-        other = LLM.from_params(cfg, params, max_model_len=64, block_size=8,
-                                num_gpu_blocks_override=40, max_num_seqs=4, max_logprobs=2,
-                                **defaults)
+        other = LLM.from_params(
+            cfg,
+            params,
+            max_model_len=64,
+            block_size=8,
+            num_gpu_blocks_override=40,
+            max_num_seqs=4,
+            max_logprobs=2,
+            **defaults,
+        )
         assert not caplog.records
         ec = other.engine.resolved.engine
         assert (ec.page_size, ec.num_pages, ec.max_logprobs) == (8, 40, 2)
         assert other.engine.block_manager.num_usable_pages == 39
-        with pytest.raises(ValueError, match="3 log-probabilities per token requested; this "
-                           "engine gives at most max_logprobs=2"):
+        with pytest.raises(
+            ValueError,
+            match="3 log-probabilities per token requested; this "
+            "engine gives at most max_logprobs=2",
+        ):
             other.generate([[1, 2]], SamplingParams(prompt_logprobs=3, max_tokens=1))
-        LLM.from_params(cfg, params, max_model_len=64, num_pages=32, max_num_seqs=4,
-                        trust_remote_code=True, swap_space=0, disable_log_stats=False,
-                        enable_chunked_prefill=False, compilation_config={"level": 3},
-                        download_dir="/tmp/x")
+        LLM.from_params(
+            cfg,
+            params,
+            max_model_len=64,
+            num_pages=32,
+            max_num_seqs=4,
+            trust_remote_code=True,
+            swap_space=0,
+            disable_log_stats=False,
+            enable_chunked_prefill=False,
+            compilation_config={"level": 3},
+            download_dir="/tmp/x",
+        )
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 6 and all(" has no effect: " in m for m in lines), lines
     assert "trust_remote_code=True has no effect: no model code is loaded" in lines[0]
-    with pytest.raises(ValueError, match="dtype='float16' is invalid: the GPU kernels are not "
-                       "validated in float16"):
+    with pytest.raises(
+        ValueError, match="dtype='float16' is invalid: the GPU kernels are not validated in float16"
+    ):
         resolve(cfg, EngineConfig(dtype="half"), "gpu")
-    with pytest.raises(FileNotFoundError, match=r"model 'Qwen/Qwen3-8B' is no local path \(nothing "
-                       r"is downloaded\); give an HF model directory .*, a .gguf file or an Orbax"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"model 'Qwen/Qwen3-8B' is no local path \(nothing "
+        r"is downloaded\); give an HF model directory .*, a .gguf file or an Orbax",
+    ):
         LLM("Qwen/Qwen3-8B")
     with pytest.raises(ValueError, match="hf_overrides must be a dict"):
         LLM("Qwen/Qwen3-8B", hf_overrides=lambda c: c)
@@ -219,8 +292,13 @@ def test_update_params_equals_a_fresh_llm_without_recompiling(llm):
     before = [o.token_ids for o in llm.generate(prompts, sp)]
     leaves, treedef = jax.tree_util.tree_flatten(old)
     keys = jax.random.split(jax.random.key(1), len(leaves))
-    new = jax.tree_util.tree_unflatten(treedef, [
-        x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+    new = jax.tree_util.tree_unflatten(
+        treedef,
+        [
+            x + 0.5 * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype)
+            for x, k in zip(leaves, keys)
+        ],
+    )
     compiles = llm.engine.stats().num_compiles
     llm.update_params(new)
     got = [o.token_ids for o in llm.generate(prompts, sp)]
@@ -230,7 +308,9 @@ def test_update_params_equals_a_fresh_llm_without_recompiling(llm):
     llm.update_params(old)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == before
     assert llm.engine.stats().num_compiles == compiles
-    with pytest.raises(ValueError, match=r"params\['embed'\].*is float16\[256, 64\], expected float32"):
+    with pytest.raises(
+        ValueError, match=r"params\['embed'\].*is float16\[256, 64\], expected float32"
+    ):
         llm.update_params({**old, "embed": old["embed"].astype(jnp.float16)})
     with pytest.raises(ValueError, match="tree differs"):
         llm.update_params({k: v for k, v in old.items() if k != "embed"})

@@ -12,8 +12,9 @@ from jaxinfer.sampling_params import SamplingParams
 
 
 def detok(ids, skip_special_tokens=True, spaces_between_special_tokens=True):
-    text = "".join("" if t == 2 and skip_special_tokens else "<s>" if t == 2 else chr(t)
-                   for t in ids if t != 1)
+    text = "".join(
+        "" if t == 2 and skip_special_tokens else "<s>" if t == 2 else chr(t) for t in ids if t != 1
+    )
     return text + "\ufffd" if ids and ids[-1] == 1 else text
 
 
@@ -22,8 +23,13 @@ def byte_detok(ids, **_):
 
 
 def _seq(text, **params):
-    return Sequence("r", [65], SamplingParams(max_tokens=50, **params), seed=0,
-                    output_token_ids=[ord(c) if c != "?" else 1 for c in text])
+    return Sequence(
+        "r",
+        [65],
+        SamplingParams(max_tokens=50, **params),
+        seed=0,
+        output_token_ids=[ord(c) if c != "?" else 1 for c in text],
+    )
 
 
 def test_find_stop_string_earliest_and_only_when_allowed():
@@ -43,12 +49,12 @@ def test_stream_holds_back_stop_prefix_and_incomplete_utf8():
     s = _seq("abcST", stop=["STOP"])
     ids, text, sent = out.stream_delta(s, (0, ""))
     assert text == "ab" and len(ids) == 5 and sent == (5, "ab")  # "cST" could start "STOP"
-    assert out.stream_delta(s, sent) is None                      # no new token
-    assert out.stream_delta(_seq("ab?"), (0, "")) is None         # incomplete character waits
+    assert out.stream_delta(s, sent) is None  # no new token
+    assert out.stream_delta(_seq("ab?"), (0, "")) is None  # incomplete character waits
     s = _seq("abcSTOPxy", stop=["STOP"])
     s.stop_string, s.status, s.finish_reason = "STOP", SequenceStatus.FINISHED, "stop"
     ids, text, _ = out.stream_delta(s, (5, "ab"))
-    assert text == "c" and len(ids) == 4                           # never the stop string
+    assert text == "c" and len(ids) == 4  # never the stop string
 
 
 def test_request_output_text_and_stop_reason():
@@ -81,11 +87,18 @@ def _generate(out, ids, **params):
     return out.visible_text(seq), streamed, seq.stop_string
 
 
-@pytest.mark.parametrize("before, stop, after", [
-    ("Hi ", "안녕하세요", " more"),           # 5 characters, 15 tokens > len(stop) + 8
-    ("x", "😀" * 6, "y"),                      # 6 characters, 24 tokens
-    ("가나다라마바사아자차카타파하", "하", "끝"),  # a short stop after many multi-token characters
-])
+@pytest.mark.parametrize(
+    "before, stop, after",
+    [
+        ("Hi ", "안녕하세요", " more"),  # 5 characters, 15 tokens > len(stop) + 8
+        ("x", "😀" * 6, "y"),  # 6 characters, 24 tokens
+        (
+            "가나다라마바사아자차카타파하",
+            "하",
+            "끝",
+        ),  # a short stop after many multi-token characters
+    ],
+)
 def test_stop_string_of_many_tokens_per_character_matches(before, stop, after):
     out = OutputProcessor(byte_detok)
     ids = list((before + stop + after).encode())
@@ -95,13 +108,14 @@ def test_stop_string_of_many_tokens_per_character_matches(before, stop, after):
     assert hit == stop and text == streamed == before.split(stop)[0] + stop
 
 
-@pytest.mark.parametrize("text, stop", [("hello X😀 tail", "X😀"), ("ab 안녕 cd", "b 안"),
-                                        ("one 😀😀 two", "😀😀")])
+@pytest.mark.parametrize(
+    "text, stop", [("hello X😀 tail", "X😀"), ("ab 안녕 cd", "b 안"), ("one 😀😀 two", "😀😀")]
+)
 def test_stream_never_sends_text_the_final_text_drops(text, stop):
     """The stop string's last character arrives as several tokens: while it is incomplete, the
     text before it (a possible start of the stop string) is not streamed."""
     final, streamed, hit = _generate(OutputProcessor(byte_detok), list(text.encode()), stop=[stop])
-    assert hit == stop and final == text[:text.find(stop)] and streamed == final
+    assert hit == stop and final == text[: text.find(stop)] and streamed == final
 
 
 def test_include_stop_str_and_special_tokens_per_request():
@@ -112,8 +126,13 @@ def test_include_stop_str_and_special_tokens_per_request():
     s = _seq("hi!", stop_token_ids=[ord("!")], include_stop_str_in_output=True)
     s.status, s.finish_reason = SequenceStatus.FINISHED, "stop"
     assert out.request_output([s], None).outputs[0].text == "hi!"
-    s = Sequence("r", [65], SamplingParams(max_tokens=5, skip_special_tokens=False), seed=0,
-                 output_token_ids=[2, ord("a")])
+    s = Sequence(
+        "r",
+        [65],
+        SamplingParams(max_tokens=5, skip_special_tokens=False),
+        seed=0,
+        output_token_ids=[2, ord("a")],
+    )
     assert out.visible_text(s) == "<s>a"
     s.params = SamplingParams(max_tokens=5)
     assert out.visible_text(s) == "a"
@@ -142,7 +161,9 @@ def test_detokenize_false_gives_ids_without_text():
     o = OutputProcessor(detok).request_output([s], "p").outputs[0]
     assert (o.text, o.token_ids) == ("", [104, 105])
     assert [{t: lp.decoded_token for t, lp in pos.items()} for pos in o.logprobs] == [
-        {104: None}, {105: None, 7: None}]
+        {104: None},
+        {105: None, 7: None},
+    ]
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -154,11 +175,17 @@ def test_incremental_text_equals_the_whole_decode(skip):
     import random
 
     from tokenizers import ByteLevelBPETokenizer
+
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(["héllo wörld, 한국어 text. " * 20, "emoji 🙂 and spaces  "],
-                            vocab_size=400, special_tokens=["<s>"])
+    tok.train_from_iterator(
+        ["héllo wörld, 한국어 text. " * 20, "emoji 🙂 and spaces  "],
+        vocab_size=400,
+        special_tokens=["<s>"],
+    )
+
     def decode(ids, skip_special_tokens=True, spaces_between_special_tokens=True):  # noqa: E306
         return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
     out, rng = OutputProcessor(decode), random.Random(0)
     for trial in range(5):
         s = Sequence("r", [1], SamplingParams(max_tokens=400, skip_special_tokens=skip), seed=0)

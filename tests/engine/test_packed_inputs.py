@@ -22,20 +22,46 @@ PAGE = 4
 def _host_batches():
     """A packed prefill batch of three prompts with mixed sampling settings, then the decode
     batch after it."""
-    sched = Scheduler(BlockManager(64, PAGE), max_num_seqs=4, max_num_batched_tokens=64,
-                      max_model_len=64, page_size=PAGE)
-    params = [SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2),
-              SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, max_tokens=4,
-                             logit_bias={3: 1.5, 7: -2.0}, logprobs=3, min_tokens=2),
-              SamplingParams(temperature=1.3, repetition_penalty=1.2, presence_penalty=0.5,
-                             frequency_penalty=-0.25, max_tokens=4)]
+    sched = Scheduler(
+        BlockManager(64, PAGE),
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        page_size=PAGE,
+    )
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=2),
+        SamplingParams(
+            temperature=0.7,
+            top_k=5,
+            top_p=0.9,
+            min_p=0.05,
+            max_tokens=4,
+            logit_bias={3: 1.5, 7: -2.0},
+            logprobs=3,
+            min_tokens=2,
+        ),
+        SamplingParams(
+            temperature=1.3,
+            repetition_penalty=1.2,
+            presence_penalty=0.5,
+            frequency_penalty=-0.25,
+            max_tokens=4,
+        ),
+    ]
     seeds = [1, 2**32 - 5, 2**31 + 7]  # uint32 seeds with the top bit set survive the bit-cast
     for i, (n, p) in enumerate(zip([5, 13, 9], params)):
-        sched.add(Sequence(request_id=str(i), prompt_token_ids=[(3 * i + j) % 250 + 1
-                                                                for j in range(n)],
-                           params=p, seed=seeds[i]))
-    buckets = BucketSpec.build(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64,
-                               page_size=PAGE)
+        sched.add(
+            Sequence(
+                request_id=str(i),
+                prompt_token_ids=[(3 * i + j) % 250 + 1 for j in range(n)],
+                params=p,
+                seed=seeds[i],
+            )
+        )
+    buckets = BucketSpec.build(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, page_size=PAGE
+    )
     prefill = sched.schedule()
     hbs = [build_host_batch(prefill, page_size=PAGE, buckets=buckets)]
     sched.postprocess(prefill, [7, 8, 9])
@@ -53,20 +79,30 @@ def test_unpack_inverts_pack(which):
     assert buf.dtype == np.int32 and buf.ndim == 1
     hash(hb.key)  # a static jit argument
     tables, lens, inp = jax.jit(unpack, static_argnums=1)(jnp.asarray(buf), hb.key)
-    got = dict(block_tables=tables, seq_lens=lens, tokens=inp.tokens, positions=inp.positions,
-               slot_mapping=inp.slot_mapping, logits_indices=inp.logits_indices,
-               pending_src=inp.pending_src, **{k: v for k, v in vars(inp.sampling).items()
-                                               if v is not None})
+    got = dict(
+        block_tables=tables,
+        seq_lens=lens,
+        tokens=inp.tokens,
+        positions=inp.positions,
+        slot_mapping=inp.slot_mapping,
+        logits_indices=inp.logits_indices,
+        pending_src=inp.pending_src,
+        **{k: v for k, v in vars(inp.sampling).items() if v is not None},
+    )
     if inp.prompt_lp_index is not None:
         got.update(prompt_lp_index=inp.prompt_lp_index, prompt_lp_next=inp.prompt_lp_next)
     if hb.key.packed:
-        got.update(q_index=inp.packing.q_index, q_positions=inp.packing.q_positions,
-                   out_index=inp.packing.out_index)
+        got.update(
+            q_index=inp.packing.q_index,
+            q_positions=inp.packing.q_positions,
+            out_index=inp.packing.out_index,
+        )
     else:
         assert inp.packing is None
     want = dict(hb.arrays)
-    assert set(want) == {f.name for f in step_input.FIELDS
-                         if f.when is None or getattr(hb.key, f.when)}
+    assert set(want) == {
+        f.name for f in step_input.FIELDS if f.when is None or getattr(hb.key, f.when)
+    }
     assert set(got) == set(want)
     for name, a in want.items():
         g = np.asarray(got[name])
@@ -79,8 +115,12 @@ def test_unpack_inverts_pack(which):
 
 def test_pack_rejects_non_four_byte_fields():
     hb = _host_batches()[1]
-    bad = hb.__class__(hb.key, {**hb.arrays, "seq_lens": hb.seq_lens.astype(np.int64)},
-                       hb.sample_rows, hb.pending_rows)
+    bad = hb.__class__(
+        hb.key,
+        {**hb.arrays, "seq_lens": hb.seq_lens.astype(np.int64)},
+        hb.sample_rows,
+        hb.pending_rows,
+    )
     with pytest.raises(TypeError, match="seq_lens"):
         step_input.pack(bad)
 

@@ -45,10 +45,16 @@ def np_vllm(logits, prompt, output, p: SamplingParams, eos=(EOS,)):
 ROWS = [  # (prompt, output, params): mixed options, plain rows between penalised ones
     ([5, 6, 7], [9, 9, 11, 5], SamplingParams(presence_penalty=1.5, frequency_penalty=0.5)),
     ([1, 3], [3, 4], SamplingParams()),
-    ([8, 8, 10], [10, 12, 12, 12], SamplingParams(frequency_penalty=-1.0, presence_penalty=-0.5,
-                                                  repetition_penalty=1.3)),
-    ([4], [20], SamplingParams(min_tokens=3, stop_token_ids=[30, 31],
-                               logit_bias={7: 3.0, 8: -100})),
+    (
+        [8, 8, 10],
+        [10, 12, 12, 12],
+        SamplingParams(frequency_penalty=-1.0, presence_penalty=-0.5, repetition_penalty=1.3),
+    ),
+    (
+        [4],
+        [20],
+        SamplingParams(min_tokens=3, stop_token_ids=[30, 31], logit_bias={7: 3.0, 8: -100}),
+    ),
     ([4], [20, 21, 22], SamplingParams(min_tokens=3, stop_token_ids=[30], logit_bias={0: 2.5})),
     ([13, 14], [], SamplingParams(min_tokens=1, ignore_eos=True)),
 ]
@@ -64,8 +70,9 @@ def _decode_batch(rows=ROWS, eos=(EOS,)):
         s.num_computed_tokens, s.num_pending_tokens = s.num_tokens - 1, 1  # as schedule() leaves
         seqs.append(s)
     batch = ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
-    buckets = BucketSpec.build(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32,
-                               page_size=PAGE)
+    buckets = BucketSpec.build(
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, page_size=PAGE
+    )
     return batch, build_host_batch(batch, page_size=PAGE, buckets=buckets, eos_token_ids=eos)
 
 
@@ -82,11 +89,12 @@ def test_builder_entries_and_key():
     batch, hb = _decode_batch()
     assert [len(s.output_token_ids) for s in batch.seqs][:5] == [4, 2, 4, 1, 3]
     assert hb.key.penalty and hb.key.bias == 8 and hb.key.logprobs == 0
-    entries = lambda i: {(int(t), float(v)) for t, v in zip(hb.bias_ids[i], hb.bias_values[i])
-                         if t >= 0}
+    entries = lambda i: {
+        (int(t), float(v)) for t, v in zip(hb.bias_ids[i], hb.bias_values[i]) if t >= 0
+    }
     assert entries(3) == {(7, 3.0), (8, -100.0), (EOS, -np.inf), (30, -np.inf), (31, -np.inf)}
-    assert entries(4) == {(0, 2.5)}             # 3 outputs: min_tokens reached
-    assert entries(5) == {(EOS, -np.inf)}       # EOS masked even with ignore_eos (vLLM)
+    assert entries(4) == {(0, 2.5)}  # 3 outputs: min_tokens reached
+    assert entries(5) == {(EOS, -np.inf)}  # EOS masked even with ignore_eos (vLLM)
     assert entries(1) == set()
     np.testing.assert_array_equal(hb.prompt_lens[:6], [3, 2, 3, 1, 1, 2])
     np.testing.assert_allclose(hb.presence_penalty[:3], [1.5, 0.0, -0.5])
@@ -103,9 +111,13 @@ def test_processed_logits_match_numpy_vllm():
     batch, hb = _decode_batch()
     meta, x = _meta(hb), _logits(hb.key.batch)
     got = np.asarray(jax.jit(filtered_logits)(jnp.asarray(x), meta))
-    greedy = np.asarray(jax.jit(sample, static_argnames="all_greedy")(
-        jnp.asarray(x), meta.replace(temperature=jnp.zeros_like(meta.temperature)),
-        all_greedy=True))
+    greedy = np.asarray(
+        jax.jit(sample, static_argnames="all_greedy")(
+            jnp.asarray(x),
+            meta.replace(temperature=jnp.zeros_like(meta.temperature)),
+            all_greedy=True,
+        )
+    )
     for i, s in enumerate(batch.seqs):
         want = np_vllm(x[i], s.prompt_token_ids, s.output_token_ids, s.params)
         finite = np.isfinite(want)
@@ -124,10 +136,10 @@ def test_penalised_rows_never_change_a_neighbour():
     both = np.asarray(filt(jnp.asarray(x), meta))
     toks = np.asarray(samp(jnp.asarray(x), meta, all_greedy=False))
     for i in range(len(ROWS)):
-        one = jax.tree_util.tree_map(lambda a: a[i:i + 1], meta)
-        alone = np.asarray(filt(jnp.asarray(x[i:i + 1]), one))[0]
+        one = jax.tree_util.tree_map(lambda a: a[i : i + 1], meta)
+        alone = np.asarray(filt(jnp.asarray(x[i : i + 1]), one))[0]
         np.testing.assert_array_equal(alone, both[i])
-        assert int(samp(jnp.asarray(x[i:i + 1]), one, all_greedy=False)[0]) == toks[i]
+        assert int(samp(jnp.asarray(x[i : i + 1]), one, all_greedy=False)[0]) == toks[i]
     plain = [(pr, out, SamplingParams()) for pr, out, _ in ROWS]
     meta0 = _meta(_decode_batch(plain)[1])
     np.testing.assert_array_equal(np.asarray(filt(jnp.asarray(x), meta0))[1], both[1])
@@ -146,10 +158,12 @@ def test_logprobs_match_numpy():
     for b, t in enumerate(tokens):
         assert abs(float(got["logprobs"][b]) - ref[b, t]) < 1e-5
         assert int(got["ranks"][b]) == (ref[b] >= ref[b, t] - 1e-9).sum()
-        np.testing.assert_allclose(np.asarray(got["top_logprobs"][b]), np.sort(ref[b])[::-1][:5],
-                                   atol=1e-5)
-        np.testing.assert_allclose(ref[b, np.asarray(got["top_ids"][b])],
-                                   np.sort(ref[b])[::-1][:5], atol=1e-5)
+        np.testing.assert_allclose(
+            np.asarray(got["top_logprobs"][b]), np.sort(ref[b])[::-1][:5], atol=1e-5
+        )
+        np.testing.assert_allclose(
+            ref[b, np.asarray(got["top_ids"][b])], np.sort(ref[b])[::-1][:5], atol=1e-5
+        )
     assert int(got["ranks"][1]) == 2  # vLLM counts the tie
 
 
@@ -165,10 +179,16 @@ def test_record_orders_prompt_positions_and_sampled_tokens():
         prompt_lp_next = np.array([2, 3, -1], np.int32)
         prompt_lp_rows = np.array([0, 0, -1], np.int32)
 
-    out = dict(logprobs=np.array([-0.5]), ranks=np.array([2]), top_ids=np.array([[9, 4]]),
-               top_logprobs=np.array([[-0.1, -0.5]]), prompt_logprobs=np.array([-1.0, -2.0, 0]),
-               prompt_ranks=np.array([3, 1, 0]), prompt_top_ids=np.array([[7, 0], [3, 0], [0, 0]]),
-               prompt_top_logprobs=np.array([[-0.2, -3], [-2.0, -3], [0, 0]]))
+    out = dict(
+        logprobs=np.array([-0.5]),
+        ranks=np.array([2]),
+        top_ids=np.array([[9, 4]]),
+        top_logprobs=np.array([[-0.1, -0.5]]),
+        prompt_logprobs=np.array([-1.0, -2.0, 0]),
+        prompt_ranks=np.array([3, 1, 0]),
+        prompt_top_ids=np.array([[7, 0], [3, 0], [0, 0]]),
+        prompt_top_logprobs=np.array([[-0.2, -3], [-2.0, -3], [0, 0]]),
+    )
     s.output_token_ids.append(4)
     host_logprobs.record(out, HB, [s], [0])
     host_logprobs.record(out, HB, [s], [1])  # the same positions again: skipped; no new token
@@ -179,14 +199,24 @@ def test_record_orders_prompt_positions_and_sampled_tokens():
 def test_history_penalties_make_the_step_synchronous():
     """A batch with a presence/frequency penalty row is read back before the next schedule (its
     history must be complete); without one, the next step overlaps."""
-    for p, sync in ((SamplingParams(max_tokens=4, presence_penalty=0.5), True),
-                    (SamplingParams(max_tokens=4, frequency_penalty=-0.1), True),
-                    (SamplingParams(max_tokens=4, min_tokens=2, logit_bias={1: 1.0}), False)):
-        sched = Scheduler(BlockManager(16, PAGE), max_num_seqs=2, max_num_batched_tokens=16,
-                          max_model_len=16, page_size=PAGE)
+    for p, sync in (
+        (SamplingParams(max_tokens=4, presence_penalty=0.5), True),
+        (SamplingParams(max_tokens=4, frequency_penalty=-0.1), True),
+        (SamplingParams(max_tokens=4, min_tokens=2, logit_bias={1: 1.0}), False),
+    ):
+        sched = Scheduler(
+            BlockManager(16, PAGE),
+            max_num_seqs=2,
+            max_num_batched_tokens=16,
+            max_model_len=16,
+            page_size=PAGE,
+        )
         sched.add(Sequence("a", [1, 2], p, seed=0))
-        loop = StepLoop(sched, lambda b, prev: None,
-                        lambda d, t: sched.postprocess(d.batch, [7] * d.batch.num_seqs))
+        loop = StepLoop(
+            sched,
+            lambda b, prev: None,
+            lambda d, t: sched.postprocess(d.batch, [7] * d.batch.num_seqs),
+        )
         loop.step()
         assert loop.in_flight.sync is sync
 
@@ -199,8 +229,14 @@ def test_logit_bias_outside_the_vocabulary_is_rejected():
     from jaxinfer.config import ModelConfig
 
     cfg = ModelConfig("llama", 64, 16, 32, 1, 2, 1, 8)
-    llm = LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), jnp.float32),
-                          max_model_len=32, num_pages=8, page_size=8, max_num_seqs=2)
+    llm = LLM.from_params(
+        cfg,
+        models.init_params(cfg, jax.random.key(0), jnp.float32),
+        max_model_len=32,
+        num_pages=8,
+        page_size=8,
+        max_num_seqs=2,
+    )
     with pytest.raises(ValueError, match=r"logit_bias has token id 64, out of range.*\[0, 64\)"):
         llm.generate([[1, 2]], SamplingParams(logit_bias={64: 1.0}))
     with pytest.raises(ValueError, match="logit_bias"):

@@ -11,8 +11,9 @@ from jaxinfer.step_input import ShapeKey
 
 # small budgets so the workload has chunked prefill, several batch buckets and preemption-free
 # page growth across page-table buckets
-ENGINE = dict(max_model_len=96, num_pages=64, page_size=4, max_num_seqs=3,
-              max_num_batched_tokens=32)
+ENGINE = dict(
+    max_model_len=96, num_pages=64, page_size=4, max_num_seqs=3, max_num_batched_tokens=32
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,14 +27,17 @@ def _llm(params, kernels=KernelConfig(), **kw):
 
 def _workload():
     lens = [5, 40, 9, 17, 3, 26]
-    prompts = [{"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(n)]}
-               for i, n in enumerate(lens)]
-    params = [SamplingParams(temperature=0.0, max_tokens=6),
-              SamplingParams(temperature=0.8, seed=3, max_tokens=11, n=2),
-              SamplingParams(temperature=0.0, max_tokens=2, logprobs=2),
-              SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.3),
-              SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=4),
-              SamplingParams(temperature=0.0, max_tokens=14, min_tokens=14, stop_token_ids=[5])]
+    prompts = [
+        {"prompt_token_ids": [(7 * i + j) % 250 + 1 for j in range(n)]} for i, n in enumerate(lens)
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=6),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=11, n=2),
+        SamplingParams(temperature=0.0, max_tokens=2, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.3),
+        SamplingParams(temperature=0.7, top_k=5, seed=1, max_tokens=4),
+        SamplingParams(temperature=0.0, max_tokens=14, min_tokens=14, stop_token_ids=[5]),
+    ]
     return prompts, params
 
 
@@ -41,7 +45,9 @@ def _workload():
 def test_plan_shapes_are_the_shapes_generate_visits(weights, async_scheduling, num_pages):
     llm = _llm(weights, async_scheduling=async_scheduling, num_pages=num_pages)
     prompts, params = _workload()
-    planned = llm.engine.plan_shapes([(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params)])
+    planned = llm.engine.plan_shapes(
+        [(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params)]
+    )
     assert len(planned) == len(set(planned)) >= 4
     assert all(isinstance(k, ShapeKey) for k in planned)
     assert any(k.packed for k in planned) and any(not k.packed for k in planned)
@@ -60,8 +66,9 @@ KC5 = KernelConfig(batch_buckets=(5,))
 def expected5(weights):
     """`_workload`'s token ids on a synchronous engine (it never merges pending tokens)."""
     prompts, params = _workload()
-    return [o.token_ids for o in _llm(weights, KC5, async_scheduling=False)
-            .generate(prompts, params)]
+    return [
+        o.token_ids for o in _llm(weights, KC5, async_scheduling=False).generate(prompts, params)
+    ]
 
 
 def test_precompile_then_generate_compiles_nothing_and_matches(weights, expected5):
@@ -74,12 +81,14 @@ def test_precompile_then_generate_compiles_nothing_and_matches(weights, expected
     assert llm.precompile(prompts, params)["shapes"] == 0  # already compiled: nothing to do
     compiles, jit_calls = [], []
     ex = llm.engine.runner.executor
-    ex.steps = {g: (lambda *a, _f=f, **k: jit_calls.append(1) or _f(*a, **k))
-                for g, f in ex.steps.items()}
+    ex.steps = {
+        g: (lambda *a, _f=f, **k: jit_calls.append(1) or _f(*a, **k)) for g, f in ex.steps.items()
+    }
 
     def listener(name, secs, **kw):
         if name == "/jax/core/compile/backend_compile_duration":
             compiles.append(secs)
+
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         out = llm.generate(prompts, params)
@@ -100,12 +109,21 @@ def test_background_compile_never_stalls_and_matches(weights, expected5):
     tokens; sampling for all-greedy) while its own compiles in a thread, used once done."""
     prompts, params = _workload()
     llm = _llm(weights, KC5, compile_in_background=True)
-    planned = llm.engine.plan_shapes([(p["prompt_token_ids"], sp)
-                                      for p, sp in zip(prompts, params)])
+    planned = llm.engine.plan_shapes(
+        [(p["prompt_token_ids"], sp) for p, sp in zip(prompts, params)]
+    )
     b = llm.engine.runner.buckets
-    covering = {k._replace(pages=b.pages[-1], all_greedy=False) if not k.packed else
-                k._replace(pages=b.pages[-1], all_greedy=False, tokens=b.packed_tokens[-1],
-                           query=b.prefill_tokens[-1]) for k in planned}
+    covering = {
+        k._replace(pages=b.pages[-1], all_greedy=False)
+        if not k.packed
+        else k._replace(
+            pages=b.pages[-1],
+            all_greedy=False,
+            tokens=b.packed_tokens[-1],
+            query=b.prefill_tokens[-1],
+        )
+        for k in planned
+    }
     assert len(covering) < len(set(planned))
     llm.engine.precompile(sorted(covering, key=str))
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected5
@@ -126,6 +144,7 @@ def test_precompile_rejects_a_bad_request_by_index(weights):
 
 def test_warm_runs_write_only_the_null_page(weights):
     import numpy as np
+
     llm = _llm(weights)
     prompts, params = _workload()
     llm.generate(prompts[:2], params[:2])  # fills some pages

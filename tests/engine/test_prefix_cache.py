@@ -27,8 +27,9 @@ class ContentDevice:
 
     def step(self, batch):
         bm, P, out = self.sched.block_manager, self.P, []
-        for seq, start, n, samp in zip(batch.seqs, batch.start_positions, batch.num_new_tokens,
-                                       batch.do_sample):
+        for seq, start, n, samp in zip(
+            batch.seqs, batch.start_positions, batch.num_new_tokens, batch.do_sample
+        ):
             toks = seq.all_token_ids + self.sampled.get(id(seq), [])
             for pos in range(start, start + n):
                 page = seq.block_table[pos // P]
@@ -69,7 +70,7 @@ def run(sched, lag=0, max_steps=5000, between=None):
         sched.device = ContentDevice(sched)
     dev, batches, in_flight = sched.device, [], []
     for step in range(max_steps):
-        more = between(step, sched) if between else False   # arrivals still to come
+        more = between(step, sched) if between else False  # arrivals still to come
         if not sched.has_unfinished() and not in_flight:
             if more:
                 continue
@@ -91,9 +92,13 @@ def run(sched, lag=0, max_steps=5000, between=None):
 
 
 def make(num_pages, P, *, caching=True, max_num_seqs=8, budget=64, L=512):
-    return Scheduler(BlockManager(num_pages, P, enable_prefix_caching=caching),
-                     max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=L,
-                     page_size=P)
+    return Scheduler(
+        BlockManager(num_pages, P, enable_prefix_caching=caching),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=L,
+        page_size=P,
+    )
 
 
 def seq_of(rid, prompt, **kw):
@@ -104,8 +109,9 @@ def seq_of(rid, prompt, **kw):
 
 def check_reference(sched, seqs):
     for s in seqs:
-        out, reason = reference_generate(s.prompt_token_ids, s.params, sched.eos_token_ids,
-                                         sched.max_model_len)
+        out, reason = reference_generate(
+            s.prompt_token_ids, s.params, sched.eos_token_ids, sched.max_model_len
+        )
         assert (s.output_token_ids, s.finish_reason) == (out, reason), s
 
 
@@ -117,44 +123,44 @@ def toks(n, seed):
 # ---------------------------------------------------------------- block manager
 def test_publish_match_share_and_lru_eviction():
     P = 4
-    bm = BlockManager(6, P, enable_prefix_caching=True)   # 5 usable pages
-    a = seq_of("a", toks(10, 1))                         # 2 full pages + 2 tokens
+    bm = BlockManager(6, P, enable_prefix_caching=True)  # 5 usable pages
+    a = seq_of("a", toks(10, 1))  # 2 full pages + 2 tokens
     bm.allocate(a, 10)
     assert a.block_table == [1, 2, 3]
     assert bm.match_prefix(a, 2) == ([], False)
     bm.mark_pending(a, 0)
     b = seq_of("b", a.prompt_token_ids)
-    assert bm.match_prefix(b, 2) == ([], True)            # a is computing page 0: pending
+    assert bm.match_prefix(b, 2) == ([], True)  # a is computing page 0: pending
     bm.publish(a, 0, 2)
     assert cached_pages(bm) == 2 and bm.match_prefix(b, 2) == ([1, 2], False)
-    assert bm.match_prefix(b, 1) == ([1], False)           # capped
+    assert bm.match_prefix(b, 1) == ([1], False)  # capped
     assert bm.can_allocate(b, 10, [1, 2])
-    assert bm.allocate(b, 10, [1, 2]) == [4]               # shares 1, 2; its own last page
+    assert bm.allocate(b, 10, [1, 2]) == [4]  # shares 1, 2; its own last page
     assert (ref_count(bm, 1), ref_count(bm, 2), ref_count(bm, 3)) == (2, 2, 1)
     assert check_pages(bm) == {"free": 1, "cached": 0, "used": 4}
-    bm.free(a)                                             # shared pages still held by b
+    bm.free(a)  # shared pages still held by b
     assert check_pages(bm) == {"free": 2, "cached": 0, "used": 3} and bm.owner(1) is b
-    bm.free(b)                                             # freed tail first: 2 then 1 evictable
+    bm.free(b)  # freed tail first: 2 then 1 evictable
     assert check_pages(bm) == {"free": 3, "cached": 2, "used": 0} and bm.num_free_pages == 5
     assert bm.reset_prefix_cache() is True and cached_pages(bm) == 0
     # LRU: never-cached pages go first, then the least recently freed cached page
-    bm.allocate(a, 10, bm.match_prefix(a, 2)[0])           # no hits after the reset
+    bm.allocate(a, 10, bm.match_prefix(a, 2)[0])  # no hits after the reset
     bm.publish(a, 0, 2)
     bm.free(a)
     assert list(bm._evictable) == [2, 1]
     c = seq_of("c", toks(16, 2))
-    assert bm.allocate(c, 16) == [3, 4, 5, 2]              # 3 free pages, then evicts page 2
-    assert bm.match_prefix(a, 2) == ([1], False)           # page 0 still cached, page 1 gone
+    assert bm.allocate(c, 16) == [3, 4, 5, 2]  # 3 free pages, then evicts page 2
+    assert bm.match_prefix(a, 2) == ([1], False)  # page 0 still cached, page 1 gone
     assert check_pages(bm) == {"free": 0, "cached": 1, "used": 4}
 
 
 def test_hit_on_evictable_page_counts_against_free_pages():
     P = 2
-    bm = BlockManager(4, P, enable_prefix_caching=True)   # 3 usable
+    bm = BlockManager(4, P, enable_prefix_caching=True)  # 3 usable
     a = seq_of("a", [1, 2, 3, 4, 5])
     bm.allocate(a, 5)
     bm.publish(a, 0, 2)
-    bm.free(a)                                             # 2 cached + 1 free
+    bm.free(a)  # 2 cached + 1 free
     b = seq_of("b", [1, 2, 3, 4, 9, 9])
     hits, _ = bm.match_prefix(b, 2)
     assert hits == [1, 2] and bm.num_free_pages == 3
@@ -162,17 +168,18 @@ def test_hit_on_evictable_page_counts_against_free_pages():
     assert bm.can_allocate(b, 6, hits) and not bm.can_allocate(b, 7, hits)
     with pytest.raises(RuntimeError, match="more pages"):
         bm.allocate(b, 7, hits)
-    assert check_pages(bm) == {"free": 1, "cached": 2, "used": 0}   # nothing taken
+    assert check_pages(bm) == {"free": 1, "cached": 2, "used": 0}  # nothing taken
 
 
 def test_hash_collision_never_gives_wrong_pages(monkeypatch):
     import jaxinfer.engine.block_manager as mod
+
     monkeypatch.setattr(mod, "_chain", lambda parent, tokens: b"same")
     bm = BlockManager(8, 2, enable_prefix_caching=True)
     a, b = seq_of("a", [1, 2, 3]), seq_of("b", [1, 7, 3])
     bm.allocate(a, 3)
     bm.publish(a, 0, 1)
-    assert bm.match_prefix(b, 1) == ([], False)            # equal hash, other tokens: a miss
+    assert bm.match_prefix(b, 1) == ([], False)  # equal hash, other tokens: a miss
     assert bm.match_prefix(seq_of("c", [1, 2, 5]), 1) == ([1], False)
 
 
@@ -190,7 +197,7 @@ def test_reset_refused_while_pages_held_and_double_free():
 
 def test_check_detects_a_corrupt_pool():
     bm = BlockManager(5, 2, enable_prefix_caching=True)
-    bm._free.append(1)    # page 1 listed twice
+    bm._free.append(1)  # page 1 listed twice
     with pytest.raises(RuntimeError, match="two states"):
         check_pages(bm)
 
@@ -208,7 +215,7 @@ def test_full_page_prompts_sent_twice_compute_their_last_page(npages):
     sched.add(again)
     batches = run(sched)
     pre = [(b.start_positions[0], b.num_new_tokens[0]) for b in batches if b.is_prefill]
-    assert pre == [((npages - 1) * P, P)]                  # every page cached but the last
+    assert pre == [((npages - 1) * P, P)]  # every page cached but the last
     assert again.num_cached_tokens == (npages - 1) * P and first.num_cached_tokens == 0
     check_reference(sched, [first, again])
     st = sched.block_manager.stats
@@ -223,9 +230,9 @@ def test_same_prefix_in_one_step_waits_then_shares():
     for s in (a, other, b):
         sched.add(s)
     first = sched.schedule()
-    assert first.seqs == [a, other]                        # b waits in place, x is admitted
+    assert first.seqs == [a, other]  # b waits in place, x is admitted
     assert list(sched.waiting) == [b]
-    assert cached_pages(sched.block_manager) == 0       # published only once the step ran
+    assert cached_pages(sched.block_manager) == 0  # published only once the step ran
     sched.device = ContentDevice(sched)
     out = sched.device.step(first)
     sched.postprocess(first, out)
@@ -252,8 +259,8 @@ def test_n_samples_hold_the_prompt_once():
 
     run(sched, between=between)
     tables = seen[0]
-    assert all(t[:3] == tables[0][:3] for t in tables)     # the 3 full prompt pages, once
-    assert len({p for t in tables for p in t}) == 3 + 4    # + one own last page per sample
+    assert all(t[:3] == tables[0][:3] for t in tables)  # the 3 full prompt pages, once
+    assert len({p for t in tables for p in t}) == 3 + 4  # + one own last page per sample
     assert [s.num_cached_tokens for s in samples] == [0, 3 * P, 3 * P, 3 * P]
 
 
@@ -288,8 +295,9 @@ def test_random_shared_prefix_workload_matches_reference(lag, num_pages, budget)
         prompt = rng.choice(systems) + toks(rng.randrange(0, 9), 1000 + i)
         n = rng.choice([1, 1, 1, 3])
         params = SamplingParams(max_tokens=rng.randrange(1, 12), ignore_eos=True, n=n)
-        pending.append([Sequence(f"{j}_{i}", prompt, params, 0, index=j, parent_id=str(i))
-                        for j in range(n)])
+        pending.append(
+            [Sequence(f"{j}_{i}", prompt, params, 0, index=j, parent_id=str(i)) for j in range(n)]
+        )
 
     def between(step, sched):
         if pending and step % 3 == 0:
@@ -309,12 +317,15 @@ def test_random_shared_prefix_workload_matches_reference(lag, num_pages, budget)
 
 def test_caching_off_schedules_exactly_as_before():
     """Same workload with caching on over distinct prompts, and off: the same batches."""
+
     def batches(caching):
         sched = make(40, 4, caching=caching, budget=32, max_num_seqs=4)
         for i in range(12):
             sched.add(seq_of(str(i), toks(3 + 5 * i % 17, 500 + i), max_tokens=1 + i % 5))
-        return [[(s.request_id, st, n) for s, st, n in
-                 zip(b.seqs, b.start_positions, b.num_new_tokens)] for b in run(sched)]
+        return [
+            [(s.request_id, st, n) for s, st, n in zip(b.seqs, b.start_positions, b.num_new_tokens)]
+            for b in run(sched)
+        ]
 
     assert batches(True) == batches(False)
     off = make(40, 4, caching=False)
@@ -349,13 +360,14 @@ def test_copy_free_plans_from_the_cache_of_now():
     def batches(s):
         for w in want:
             s.add(Sequence(w.request_id, w.prompt_token_ids, w.params, 0))
-        return [[(q.request_id, st, n) for q, st, n in
-                 zip(b.seqs, b.start_positions, b.num_new_tokens)] for b in run(s)]
+        return [
+            [(q.request_id, st, n) for q, st, n in zip(b.seqs, b.start_positions, b.num_new_tokens)]
+            for b in run(s)
+        ]
 
-    dry = Scheduler(copy, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512,
-                    page_size=P)
+    dry = Scheduler(copy, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, page_size=P)
     dry.device = ContentDevice(dry)
-    dry.device.slots = dict(sched.device.slots)    # the same K/V content
+    dry.device.slots = dict(sched.device.slots)  # the same K/V content
     assert batches(dry) == batches(sched)
     assert batches(dry)[0][0] == ("b", 3 * P, 1)
 
@@ -377,9 +389,9 @@ def test_admission_serves_cached_prompts_first():
     for s in (*xs, c):
         sched.add(s)
     first = sched.schedule()
-    assert first.seqs == [c, xs[0]]               # c overtakes the FIFO head: 2 tokens to compute
+    assert first.seqs == [c, xs[0]]  # c overtakes the FIFO head: 2 tokens to compute
     assert first.num_new_tokens == [2, 12] and xs[1].num_passed_over == 1
-    out = sched.device.step(first)                # the warm run's device: its KV content
+    out = sched.device.step(first)  # the warm run's device: its KV content
     sched.postprocess(first, out)
     sched.device.postprocessed(first, out)
     run(sched)
@@ -389,6 +401,7 @@ def test_admission_serves_cached_prompts_first():
 @pytest.mark.parametrize("limit", [2, 10**9])
 def test_admission_overtakes_a_waiting_request_at_most_pass_limit_times(monkeypatch, limit):
     from jaxinfer.engine import scheduler as scheduler_module
+
     monkeypatch.setattr(scheduler_module, "PASS_LIMIT", limit)
     P = 4
     system = toks(3 * P, 7)
@@ -399,8 +412,8 @@ def test_admission_overtakes_a_waiting_request_at_most_pass_limit_times(monkeypa
         sched.add(s)
     batches = run(sched)
     first = {s.request_id: min(i for i, b in enumerate(batches) if s in b.seqs) for s in (u, *cs)}
-    if limit == 2:   # two overtakes (c0 whole, c1's first chunk), then u goes first
+    if limit == 2:  # two overtakes (c0 whole, c1's first chunk), then u goes first
         assert first["u"] < first["c2"] and u.num_passed_over == 2
-    else:            # every cached request goes first
+    else:  # every cached request goes first
         assert first["u"] > first["c4"] and u.num_passed_over == 5
     check_reference(sched, [u, *cs])

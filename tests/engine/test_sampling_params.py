@@ -12,36 +12,76 @@ from jaxinfer.sampling_params import SamplingParams
 def test_defaults_match_vllm():
     # vLLM SamplingParams defaults for the fields we support.
     p = SamplingParams()
-    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (1.0, 1.0, -1, 0.0, 1.0)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.repetition_penalty) == (
+        1.0,
+        1.0,
+        -1,
+        0.0,
+        1.0,
+    )
     assert (p.seed, p.max_tokens, p.stop, p.stop_token_ids) == (None, 16, (), ())
     assert (p.ignore_eos, p.skip_special_tokens) == (False, True)
     assert not p.greedy
 
 
-@pytest.mark.parametrize("t,greedy", [(0.0, True), (1e-6, True), (9.99e-6, True), (1e-5, False),
-                                      (1e-4, False), (0.6, False), (2.0, False)])
+@pytest.mark.parametrize(
+    "t,greedy",
+    [
+        (0.0, True),
+        (1e-6, True),
+        (9.99e-6, True),
+        (1e-5, False),
+        (1e-4, False),
+        (0.6, False),
+        (2.0, False),
+    ],
+)
 def test_greedy_threshold(t, greedy):
     assert SamplingParams(temperature=t).greedy is greedy
 
 
-@pytest.mark.parametrize("field,value,allowed", [
-    ("temperature", -0.1, ">= 0"), ("temperature", math.nan, ">= 0"), ("temperature", math.inf, ">= 0"),
-    ("top_p", 0, "(0, 1]"), ("top_p", 0.0, "(0, 1]"), ("top_p", -0.5, "(0, 1]"), ("top_p", 1.01, "(0, 1]"),
-    ("top_p", math.nan, "(0, 1]"),
-    ("top_k", -2, ">= 1"), ("top_k", 2.5, ">= 1"),
-    ("top_k", True, ">= 1"),
-    ("min_p", -0.01, "[0, 1]"), ("min_p", 1.5, "[0, 1]"),
-    ("repetition_penalty", 0.0, "> 0"), ("repetition_penalty", -1.3, "> 0"),
-    ("seed", 1.5, "integer"), ("seed", 2 ** 63, "integer"), ("seed", "42", "integer"),
-    ("max_tokens", 0, ">= 1"), ("max_tokens", -3, ">= 1"), ("max_tokens", 4.0, ">= 1"),
-    ("stop", "", "non-empty"), ("stop", ["ok", ""], "non-empty"), ("stop", [3], "non-empty"),
-    ("stop_token_ids", [1, -2], ">= 0"), ("stop_token_ids", 5, ">= 0"),
-    ("ignore_eos", 1, "bool"), ("skip_special_tokens", "yes", "bool"),
-    ("n", 0, ">= 1"), ("min_tokens", -1, ">= 0"), ("presence_penalty", 2.5, "[-2, 2]"),
-        ("frequency_penalty", -3, "[-2, 2]"), ("logprobs", 21, "[0, 20]"),
-        ("prompt_logprobs", -1, "[0, 20]"), ("logit_bias", {"a": 1.0}, "token id"),
-        ("logit_bias", {5: float("inf")}, "finite"), ("include_stop_str_in_output", 1, "bool"),
-])
+@pytest.mark.parametrize(
+    "field,value,allowed",
+    [
+        ("temperature", -0.1, ">= 0"),
+        ("temperature", math.nan, ">= 0"),
+        ("temperature", math.inf, ">= 0"),
+        ("top_p", 0, "(0, 1]"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("top_p", -0.5, "(0, 1]"),
+        ("top_p", 1.01, "(0, 1]"),
+        ("top_p", math.nan, "(0, 1]"),
+        ("top_k", -2, ">= 1"),
+        ("top_k", 2.5, ">= 1"),
+        ("top_k", True, ">= 1"),
+        ("min_p", -0.01, "[0, 1]"),
+        ("min_p", 1.5, "[0, 1]"),
+        ("repetition_penalty", 0.0, "> 0"),
+        ("repetition_penalty", -1.3, "> 0"),
+        ("seed", 1.5, "integer"),
+        ("seed", 2**63, "integer"),
+        ("seed", "42", "integer"),
+        ("max_tokens", 0, ">= 1"),
+        ("max_tokens", -3, ">= 1"),
+        ("max_tokens", 4.0, ">= 1"),
+        ("stop", "", "non-empty"),
+        ("stop", ["ok", ""], "non-empty"),
+        ("stop", [3], "non-empty"),
+        ("stop_token_ids", [1, -2], ">= 0"),
+        ("stop_token_ids", 5, ">= 0"),
+        ("ignore_eos", 1, "bool"),
+        ("skip_special_tokens", "yes", "bool"),
+        ("n", 0, ">= 1"),
+        ("min_tokens", -1, ">= 0"),
+        ("presence_penalty", 2.5, "[-2, 2]"),
+        ("frequency_penalty", -3, "[-2, 2]"),
+        ("logprobs", 21, "[0, 20]"),
+        ("prompt_logprobs", -1, "[0, 20]"),
+        ("logit_bias", {"a": 1.0}, "token id"),
+        ("logit_bias", {5: float("inf")}, "finite"),
+        ("include_stop_str_in_output", 1, "bool"),
+    ],
+)
 def test_invalid_values_name_field_value_and_range(field, value, allowed):
     with pytest.raises(ValueError) as e:
         SamplingParams(**{field: value})
@@ -51,7 +91,9 @@ def test_invalid_values_name_field_value_and_range(field, value, allowed):
 
 
 def test_top_p_zero_message_exact():
-    with pytest.raises(ValueError, match=r"^SamplingParams\.top_p=0 is invalid: must be in \(0, 1\]$"):
+    with pytest.raises(
+        ValueError, match=r"^SamplingParams\.top_p=0 is invalid: must be in \(0, 1\]$"
+    ):
         SamplingParams(top_p=0)
 
 
@@ -63,11 +105,12 @@ def test_case_c5_filters_that_keep_a_candidate_are_accepted():
 
 
 def test_boundaries_accepted():
-    p = SamplingParams(temperature=0, top_p=1, min_p=1, repetition_penalty=1e-3, max_tokens=1,
-                       seed=-(2 ** 63))
+    p = SamplingParams(
+        temperature=0, top_p=1, min_p=1, repetition_penalty=1e-3, max_tokens=1, seed=-(2**63)
+    )
     assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
-    assert p.min_p == 1.0 and p.seed == -(2 ** 63)
-    assert SamplingParams(min_p=0, seed=2 ** 63 - 1).seed == 2 ** 63 - 1
+    assert p.min_p == 1.0 and p.seed == -(2**63)
+    assert SamplingParams(min_p=0, seed=2**63 - 1).seed == 2**63 - 1
 
 
 def test_stop_normalisation_and_mutability():
@@ -96,20 +139,25 @@ def test_structured_outputs_params_one_constraint_normalised():
     from jaxinfer import StructuredOutputsParams as S
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    assert S(json=schema).json == json.dumps(schema) and S(json=schema).key == ("json", S(
-        json=json.dumps(schema)).json)
+    assert S(json=schema).json == json.dumps(schema) and S(json=schema).key == (
+        "json",
+        S(json=json.dumps(schema)).json,
+    )
     assert S(choice=["x", "y"]).choice == ("x", "y") and S(choice=["x"]).key == ("choice", '["x"]')
     assert S(json_object=True).key == ("json_object", "True")
     p = SamplingParams(structured_outputs=S(regex="[0-9]+"))
     assert p == SamplingParams(structured_outputs=S(regex="[0-9]+"))
-    for kw, msg in (({}, "got none"), (dict(regex="a", grammar="b"), r"\['regex', 'grammar'\]"),
-                    (dict(choice=[]), "choice=.*non-empty list of non-empty strings"),
-                    (dict(choice=["a", 1]), "non-empty list of non-empty strings"),
-                    (dict(choice="yes"), "choice='yes' is invalid: must be a non-empty list"),
-                    (dict(choice=[""]), "non-empty list of non-empty strings"),
-                    (dict(json=3), "json=3 is invalid: must be a dict or a JSON string"),
-                    (dict(json_object="yes"), "json_object='yes' is invalid: must be True"),
-                    (dict(regex=b"a"), "regex=b'a' is invalid: must be a string")):
+    for kw, msg in (
+        ({}, "got none"),
+        (dict(regex="a", grammar="b"), r"\['regex', 'grammar'\]"),
+        (dict(choice=[]), "choice=.*non-empty list of non-empty strings"),
+        (dict(choice=["a", 1]), "non-empty list of non-empty strings"),
+        (dict(choice="yes"), "choice='yes' is invalid: must be a non-empty list"),
+        (dict(choice=[""]), "non-empty list of non-empty strings"),
+        (dict(json=3), "json=3 is invalid: must be a dict or a JSON string"),
+        (dict(json_object="yes"), "json_object='yes' is invalid: must be True"),
+        (dict(regex=b"a"), "regex=b'a' is invalid: must be a string"),
+    ):
         with pytest.raises(ValueError, match=msg):
             S(**kw)
     with pytest.raises(ValueError, match="structured_outputs=.*StructuredOutputsParams"):

@@ -54,9 +54,9 @@ class FakeDevice:
     def __init__(self, sched):
         self.sched = sched
         self.P = sched.page_size
-        self.cache = {}          # slot -> (token, seq, generation)
+        self.cache = {}  # slot -> (token, seq, generation)
         self.max_pos = -1
-        self.sampled = {}        # id(seq) -> tokens sampled here, not yet postprocessed
+        self.sampled = {}  # id(seq) -> tokens sampled here, not yet postprocessed
 
     def postprocessed(self, batch, out):
         """The host read ``out`` back: those tokens are no longer only on the device."""
@@ -66,9 +66,13 @@ class FakeDevice:
 
     def step(self, batch, script=None):
         P, bm, out = self.P, self.sched.block_manager, []
-        for seq, start, n, samp, pend in zip(batch.seqs, batch.start_positions,
-                                             batch.num_new_tokens, batch.do_sample,
-                                             batch.pending_input):
+        for seq, start, n, samp, pend in zip(
+            batch.seqs,
+            batch.start_positions,
+            batch.num_new_tokens,
+            batch.do_sample,
+            batch.pending_input,
+        ):
             toks = seq.all_token_ids + self.sampled.get(id(seq), [])
             assert len(toks) == seq.num_tokens_with_pending - samp
             assert start + n == seq.num_computed_tokens and start + n <= len(toks)
@@ -110,18 +114,22 @@ def check_invariants(sched, batch):
         assert sum(batch.num_new_tokens) <= sched.max_num_batched_tokens
     else:
         assert batch.num_new_tokens == [1] * batch.num_seqs and all(batch.do_sample)
-        assert all(st + 1 == s.num_computed_tokens == s.num_tokens_with_pending - 1
-                   for s, st in zip(batch.seqs, batch.start_positions))
+        assert all(
+            st + 1 == s.num_computed_tokens == s.num_tokens_with_pending - 1
+            for s, st in zip(batch.seqs, batch.start_positions)
+        )
     for s, st, n in zip(batch.seqs, batch.start_positions, batch.num_new_tokens):
         assert s.status is SequenceStatus.RUNNING
-        assert st + n <= sched.max_model_len - 1          # nothing written at a position >= L - 1
+        assert st + n <= sched.max_model_len - 1  # nothing written at a position >= L - 1
         assert len(s.block_table) * sched.page_size >= st + n
     holders = list(sched.running) + ([sched.prefilling] if sched.prefilling else [])
     pages = [p for s in holders for p in s.block_table]
     assert 0 not in pages and len(pages) == len(set(pages))
     assert len(pages) + bm.num_free_pages == bm.num_usable_pages
-    assert all(not s.block_table and s.num_computed_tokens == 0 and s.status is SequenceStatus.WAITING
-               for s in sched.waiting)
+    assert all(
+        not s.block_table and s.num_computed_tokens == 0 and s.status is SequenceStatus.WAITING
+        for s in sched.waiting
+    )
 
 
 class VictimCheck:
@@ -131,7 +139,7 @@ class VictimCheck:
 
     def __init__(self):
         self.admitted_at, self.clock, self.num_victims = {}, 0, 0
-        self.fresh_admissions = []      # first admissions, in order (FIFO: equals add order)
+        self.fresh_admissions = []  # first admissions, in order (FIFO: equals add order)
 
     def before(self, sched):
         holders = list(sched.running) + ([sched.prefilling] if sched.prefilling else [])
@@ -145,7 +153,7 @@ class VictimCheck:
             kept = [self.admitted_at[id(s)] for s in batch.seqs]
             assert min(self.admitted_at[id(v)] for v in victims) > max(kept, default=-1)
             order = sorted(victims, key=lambda v: self.admitted_at[id(v)])
-            assert list(sched.waiting)[:len(victims)] == order
+            assert list(sched.waiting)[: len(victims)] == order
         if batch.is_prefill:
             for s, st in zip(batch.seqs, batch.start_positions):
                 if st == 0:
@@ -165,7 +173,7 @@ def run(sched, dev=None, script=None, between=None, max_steps=20000, victims=Non
     victims = victims or VictimCheck()
     batches, in_flight = [], []
     for step in range(max_steps):
-        more = between(step, sched) if between else False   # more arrivals to come
+        more = between(step, sched) if between else False  # more arrivals to come
         if not sched.has_unfinished() and not in_flight:
             if more:
                 continue
@@ -192,9 +200,14 @@ def run(sched, dev=None, script=None, between=None, max_steps=20000, victims=Non
 
 
 def make(num_pages, page_size, *, max_num_seqs=8, budget=64, L=256, eos=()):
-    return Scheduler(BlockManager(num_pages, page_size), max_num_seqs=max_num_seqs,
-                     max_num_batched_tokens=budget, max_model_len=L, page_size=page_size,
-                     eos_token_ids=eos)
+    return Scheduler(
+        BlockManager(num_pages, page_size),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=L,
+        page_size=page_size,
+        eos_token_ids=eos,
+    )
 
 
 def prompt_of(n, rng=None, salt=0):
@@ -210,8 +223,9 @@ def add(sched, rid, n_prompt, **kw):
 
 def assert_matches_reference(sched, seqs):
     for s in seqs:
-        out, reason = reference_generate(s.prompt_token_ids, s.params, sched.eos_token_ids,
-                                         sched.max_model_len)
+        out, reason = reference_generate(
+            s.prompt_token_ids, s.params, sched.eos_token_ids, sched.max_model_len
+        )
         assert (s.output_token_ids, s.finish_reason) == (out, reason), s
         assert s.is_finished and not s.block_table
         assert s.arrival_time <= s.first_token_time <= s.finish_time
@@ -275,11 +289,21 @@ def test_add_rejects_duplicate_and_non_fresh():
 
 def test_constructor_validation():
     with pytest.raises(ValueError, match="page_size=8 is invalid"):
-        Scheduler(BlockManager(4, 16), max_num_seqs=1, max_num_batched_tokens=1,
-                  max_model_len=8, page_size=8)
+        Scheduler(
+            BlockManager(4, 16),
+            max_num_seqs=1,
+            max_num_batched_tokens=1,
+            max_model_len=8,
+            page_size=8,
+        )
     with pytest.raises(ValueError, match="max_num_seqs=0 is invalid"):
-        Scheduler(BlockManager(4, 16), max_num_seqs=0, max_num_batched_tokens=1,
-                  max_model_len=8, page_size=16)
+        Scheduler(
+            BlockManager(4, 16),
+            max_num_seqs=0,
+            max_num_batched_tokens=1,
+            max_model_len=8,
+            page_size=16,
+        )
 
 
 # ---------------------------------------------------------------- chunked prefill
@@ -303,16 +327,24 @@ def test_partial_prefill_is_continued_first_and_shares_the_budget():
     a = add(sched, "a", 100, max_tokens=2, ignore_eos=True)
     c = add(sched, "c", 5, max_tokens=2, ignore_eos=True)
     batches = run(sched)
-    got = [[(s.request_id, n, st, smp) for s, n, st, smp in
-            zip(x.seqs, x.num_new_tokens, x.start_positions, x.do_sample)] for x in batches if x.is_prefill]
+    got = [
+        [
+            (s.request_id, n, st, smp)
+            for s, n, st, smp in zip(x.seqs, x.num_new_tokens, x.start_positions, x.do_sample)
+        ]
+        for x in batches
+        if x.is_prefill
+    ]
     # FIFO, budget-capped chunks, the partial one first in the next batch; rows x longest chunk
     # stays within twice the budget (attention pads every row to the longest), so "a" joins "b"
     # with the 22 tokens left of the budget (2 x 22 <= 64), and "c" joins a's last 14-token chunk
     # (2 x 14 <= 64, 14 + 5 <= 32)
-    assert got == [[("b", 10, 0, True), ("a", 22, 0, False)],
-                   [("a", 32, 22, False)],
-                   [("a", 32, 54, False)],
-                   [("a", 14, 86, True), ("c", 5, 0, True)]]
+    assert got == [
+        [("b", 10, 0, True), ("a", 22, 0, False)],
+        [("a", 32, 22, False)],
+        [("a", 32, 54, False)],
+        [("a", 14, 86, True), ("c", 5, 0, True)],
+    ]
     assert_matches_reference(sched, [a, b, c])
 
 
@@ -322,19 +354,29 @@ def test_preemption_recomputes_prompt_and_outputs():
     sched = make(1 + 4, P, budget=64, max_num_seqs=2)
     a = add(sched, "a", 4, max_tokens=8, ignore_eos=True)
     b = add(sched, "b", 4, max_tokens=8, ignore_eos=True)
-    c = add(sched, "c", 1, max_tokens=2, ignore_eos=True)   # waits (max_num_seqs=2); would fit
+    c = add(sched, "c", 1, max_tokens=2, ignore_eos=True)  # waits (max_num_seqs=2); would fit
     victims = VictimCheck()
     batches = run(sched, victims=victims)
-    recompute = [(s.request_id, st, n) for x in batches if x.is_prefill
-                 for s, st, n in zip(x.seqs, x.start_positions, x.num_new_tokens) if s is b and st == 0]
+    recompute = [
+        (s.request_id, st, n)
+        for x in batches
+        if x.is_prefill
+        for s, st, n in zip(x.seqs, x.start_positions, x.num_new_tokens)
+        if s is b and st == 0
+    ]
     # b (admitted last) was preempted when a needed its third page; a never was
     assert a.num_preemptions == 0 and b.num_preemptions >= 1 and victims.num_victims >= 1
     assert len(recompute) == 1 + b.num_preemptions
     # the recompute covers prompt + the outputs b had (> prompt); sampled only at its end
     assert all(n > b.num_prompt_tokens for _, _, n in recompute[1:])
     # the preempted b went back to the FRONT: re-admitted before c is first admitted
-    admitted = [s.request_id for x in batches if x.is_prefill
-                for s, st in zip(x.seqs, x.start_positions) if st == 0]
+    admitted = [
+        s.request_id
+        for x in batches
+        if x.is_prefill
+        for s, st in zip(x.seqs, x.start_positions)
+        if st == 0
+    ]
     assert admitted == ["a", "b"] + ["b"] * b.num_preemptions + ["c"]
     assert_matches_reference(sched, [a, b, c])
 
@@ -378,8 +420,15 @@ def test_many_sequences_small_pool_all_finish(lag):
     seqs = []
     for i in range(24):
         n = rng.randrange(1, 20)
-        seqs.append(add(sched, f"r{i}", n, max_tokens=rng.randrange(1, 48 - n + 1)
-                        if (n + 12) > 48 else rng.randrange(1, 13), ignore_eos=True))
+        seqs.append(
+            add(
+                sched,
+                f"r{i}",
+                n,
+                max_tokens=rng.randrange(1, 48 - n + 1) if (n + 12) > 48 else rng.randrange(1, 13),
+                ignore_eos=True,
+            )
+        )
     run(sched, lag=lag)
     assert sum(s.num_preemptions for s in seqs) > 0
     assert_matches_reference(sched, seqs)
@@ -390,26 +439,31 @@ def test_many_sequences_small_pool_all_finish(lag):
 def scripted(tokens_by_rid):
     """Output token i of a request is ``tokens_by_rid[rid][i]`` (0 past the list: with lag=1 a
     request that stops on a token is possibly run once more and that token is dropped)."""
+
     def script(seq, i):
         toks = tokens_by_rid[seq.request_id]
         return toks[i] if i < len(toks) else 0
+
     return script
 
 
-@pytest.mark.parametrize("kw,script,want_out,want_reason", [
-    # stop token is checked before max_tokens
-    (dict(max_tokens=3, stop_token_ids=[7]), [1, 3, 7, 4], [1, 3, 7], "stop"),
-    (dict(max_tokens=3, stop_token_ids=[7]), [1, 3, 4, 7], [1, 3, 4], "length"),
-    # EOS (engine's set {2, 99}) stops unless ignore_eos
-    (dict(max_tokens=5), [5, 99, 6, 6, 6], [5, 99], "stop"),
-    (dict(max_tokens=5), [5, 2, 6, 6, 6], [5, 2], "stop"),
-    (dict(max_tokens=5, ignore_eos=True), [5, 99, 6, 2, 6, 6], [5, 99, 6, 2, 6], "length"),
-    # stop_token_ids still apply with ignore_eos
-    (dict(max_tokens=5, ignore_eos=True, stop_token_ids=[6]), [99, 6, 1], [99, 6], "stop"),
-    # EOS on the first (prefill-sampled) token
-    (dict(max_tokens=5), [99], [99], "stop"),
-    (dict(max_tokens=1), [3], [3], "length"),
-])
+@pytest.mark.parametrize(
+    "kw,script,want_out,want_reason",
+    [
+        # stop token is checked before max_tokens
+        (dict(max_tokens=3, stop_token_ids=[7]), [1, 3, 7, 4], [1, 3, 7], "stop"),
+        (dict(max_tokens=3, stop_token_ids=[7]), [1, 3, 4, 7], [1, 3, 4], "length"),
+        # EOS (engine's set {2, 99}) stops unless ignore_eos
+        (dict(max_tokens=5), [5, 99, 6, 6, 6], [5, 99], "stop"),
+        (dict(max_tokens=5), [5, 2, 6, 6, 6], [5, 2], "stop"),
+        (dict(max_tokens=5, ignore_eos=True), [5, 99, 6, 2, 6, 6], [5, 99, 6, 2, 6], "length"),
+        # stop_token_ids still apply with ignore_eos
+        (dict(max_tokens=5, ignore_eos=True, stop_token_ids=[6]), [99, 6, 1], [99, 6], "stop"),
+        # EOS on the first (prefill-sampled) token
+        (dict(max_tokens=5), [99], [99], "stop"),
+        (dict(max_tokens=1), [3], [3], "length"),
+    ],
+)
 @pytest.mark.parametrize("lag", [0, 1])
 def test_stop_conditions_and_order(kw, script, want_out, want_reason, lag):
     sched = make(1 + 8, 4, eos=(2, 99))
@@ -422,7 +476,7 @@ def test_finish_from_outside_and_abort():
     sched = make(1 + 16, 4, max_num_seqs=2, budget=64)
     a = add(sched, "a", 5, max_tokens=10, ignore_eos=True)
     b = add(sched, "b", 6, max_tokens=10, ignore_eos=True)
-    c = add(sched, "c", 7, max_tokens=10, ignore_eos=True)   # waits: max_num_seqs=2
+    c = add(sched, "c", 7, max_tokens=10, ignore_eos=True)  # waits: max_num_seqs=2
     d = add(sched, "d", 3, max_tokens=10, ignore_eos=True)
     dev = FakeDevice(sched)
     batch = sched.schedule()
@@ -474,19 +528,19 @@ def test_postprocess_and_schedule_misuse():
     add(sched, "a", 10, max_tokens=2)
     batch = sched.schedule()
     assert batch.do_sample == [False] and batch.seqs[0].num_computed_tokens == 4
-    second = sched.schedule()                    # one batch may be in flight: the next chunk
+    second = sched.schedule()  # one batch may be in flight: the next chunk
     assert second.start_positions == [4] and len(sched._in_flight) == 2
     with pytest.raises(RuntimeError, match="not postprocessed"):
-        sched.schedule()                         # but not two
+        sched.schedule()  # but not two
     with pytest.raises(ValueError, match="expected None"):
         sched.postprocess(batch, [5])
     with pytest.raises(ValueError, match="1 sequences"):
         sched.postprocess(batch, [None, None])
     with pytest.raises(RuntimeError, match="not the one"):
-        sched.postprocess(second, [None])        # out of order
+        sched.postprocess(second, [None])  # out of order
     with pytest.raises(RuntimeError, match="not the one"):
         sched.postprocess(ScheduledBatch(batch.seqs, [4], True), [None])
-    assert batch.seqs[0].num_computed_tokens == 8          # nothing changed by the failures
+    assert batch.seqs[0].num_computed_tokens == 8  # nothing changed by the failures
     sched.postprocess(batch, [None])
     sched.postprocess(second, [None])
     assert len(sched._in_flight) == 0
@@ -495,13 +549,20 @@ def test_postprocess_and_schedule_misuse():
 # ---------------------------------------------------------------- batch limits and fairness
 def test_max_num_seqs_respected_and_fifo():
     sched = make(1 + 64, 4, max_num_seqs=3, budget=64)
-    seqs = [add(sched, f"r{i}", 3 + (i * 5) % 7, max_tokens=4 + i % 3, ignore_eos=True)
-            for i in range(10)]
+    seqs = [
+        add(sched, f"r{i}", 3 + (i * 5) % 7, max_tokens=4 + i % 3, ignore_eos=True)
+        for i in range(10)
+    ]
     batches = run(sched)
     assert max(b.num_seqs for b in batches) == 3
-    admitted = [s.request_id for b in batches if b.is_prefill for s, st in
-                zip(b.seqs, b.start_positions) if st == 0]
-    assert admitted == [s.request_id for s in seqs]              # no preemption here: FIFO
+    admitted = [
+        s.request_id
+        for b in batches
+        if b.is_prefill
+        for s, st in zip(b.seqs, b.start_positions)
+        if st == 0
+    ]
+    assert admitted == [s.request_id for s in seqs]  # no preemption here: FIFO
     firsts = [s.first_token_time for s in seqs]
     assert firsts == sorted(firsts)
     assert_matches_reference(sched, seqs)
@@ -510,12 +571,17 @@ def test_max_num_seqs_respected_and_fifo():
 def test_strict_fifo_head_blocks_smaller_followers():
     P = 4
     sched = make(1 + 6, P, max_num_seqs=8, budget=64, L=64)
-    a = add(sched, "a", 12, max_tokens=4, ignore_eos=True)   # 3 pages, up to 4
+    a = add(sched, "a", 12, max_tokens=4, ignore_eos=True)  # 3 pages, up to 4
     big = add(sched, "big", 16, max_tokens=4, ignore_eos=True)  # 4 pages: waits for a
     small = add(sched, "small", 2, max_tokens=2, ignore_eos=True)  # would fit, must not jump ahead
     batches = run(sched)
-    admitted = [s.request_id for b in batches if b.is_prefill for s, st in
-                zip(b.seqs, b.start_positions) if st == 0]
+    admitted = [
+        s.request_id
+        for b in batches
+        if b.is_prefill
+        for s, st in zip(b.seqs, b.start_positions)
+        if st == 0
+    ]
     assert admitted == ["a", "big", "small"]
     assert_matches_reference(sched, [a, big, small])
 
@@ -528,21 +594,31 @@ def test_random_configs_match_reference(seed, lag):
     P = rng.choice([1, 2, 4, 8])
     L = rng.choice([16, 24, 40, 64])
     num_pages = 1 + max(1, rng.randrange(L // P // 2 + 1, 3 * L // P + 2))
-    sched = make(num_pages, P, max_num_seqs=rng.choice([1, 2, 3, 8, 32]),
-                 budget=rng.choice([1, 3, 8, 17, 64]), L=L,
-                 eos=rng.sample(range(VOCAB), rng.choice([0, 3, 30])))
+    sched = make(
+        num_pages,
+        P,
+        max_num_seqs=rng.choice([1, 2, 3, 8, 32]),
+        budget=rng.choice([1, 3, 8, 17, 64]),
+        L=L,
+        eos=rng.sample(range(VOCAB), rng.choice([0, 3, 30])),
+    )
     usable = num_pages - 1
     accepted, pending, rejected = [], [], [0]
     for i in range(30):
-        if rng.random() < 0.15:      # often inadmissible
+        if rng.random() < 0.15:  # often inadmissible
             n, m = rng.randrange(0, L + 2), rng.randrange(1, L)
         else:
             n, m = rng.randrange(1, L // 2), rng.randrange(1, L // 2)
-        kw = dict(max_tokens=m, ignore_eos=rng.random() < 0.5,
-                  stop_token_ids=rng.sample(range(VOCAB), rng.choice([0, 0, 20])))
-        pending.append((rng.randrange(0, 60), Sequence(f"r{i}", prompt_of(n, rng), SamplingParams(**kw), i)))
+        kw = dict(
+            max_tokens=m,
+            ignore_eos=rng.random() < 0.5,
+            stop_token_ids=rng.sample(range(VOCAB), rng.choice([0, 0, 20])),
+        )
+        pending.append(
+            (rng.randrange(0, 60), Sequence(f"r{i}", prompt_of(n, rng), SamplingParams(**kw), i))
+        )
 
-    def arrivals(step, s):      # continuous batching: requests arrive while others run
+    def arrivals(step, s):  # continuous batching: requests arrive while others run
         for t, seq in [x for x in pending if x[0] == step]:
             n, m = seq.num_prompt_tokens, seq.params.max_tokens
             should_reject = n == 0 or n + m > L or -(-(n + m) // P) > usable
@@ -588,11 +664,20 @@ def test_random_sweep_exercises_preemption(lag):
 # ---------------------------------------------------------------- design rule
 def test_host_modules_import_no_jax():
     root = pathlib.Path(__file__).resolve().parents[2] / "jaxinfer"
-    for rel in ["sampling_params.py", "engine/sequence.py", "engine/block_manager.py",
-                "engine/scheduler.py"]:
+    for rel in [
+        "sampling_params.py",
+        "engine/sequence.py",
+        "engine/block_manager.py",
+        "engine/scheduler.py",
+    ]:
         tree = ast.parse((root / rel).read_text())
         for node in ast.walk(tree):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 assert name.split(".")[0] not in ("jax", "jaxlib", "flax", "numpy"), (rel, name)

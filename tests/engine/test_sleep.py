@@ -14,8 +14,10 @@ PROMPTS = [[1, 5, 9, 2, 7], [3, 3, 8]]
 
 
 def ids(llm: LLM) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in llm.generate(
-        [{"prompt_token_ids": p} for p in PROMPTS], GREEDY)]
+    return [
+        list(o.outputs[0].token_ids)
+        for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,22 @@ STEPS = load_script("step_tools")
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_step_log_records_every_step(async_scheduling, tiny_cfg, tiny_params):
-    ec = EngineConfig(max_model_len=64, num_pages=64, page_size=4, max_num_seqs=4,
-                      max_num_batched_tokens=32, async_scheduling=async_scheduling)
-    eng = LLMEngine(ModelRunner(tiny_cfg, tiny_params, resolve(tiny_cfg, ec, jax.default_backend())))
+    ec = EngineConfig(
+        max_model_len=64,
+        num_pages=64,
+        page_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        async_scheduling=async_scheduling,
+    )
+    eng = LLMEngine(
+        ModelRunner(tiny_cfg, tiny_params, resolve(tiny_cfg, ec, jax.default_backend()))
+    )
     for i, n in enumerate([5, 30, 9]):
-        eng.add_request([(5 * i + j) % 250 + 1 for j in range(n)],
-                        SamplingParams(temperature=0.0, max_tokens=3 + i))
+        eng.add_request(
+            [(5 * i + j) % 250 + 1 for j in range(n)],
+            SamplingParams(temperature=0.0, max_tokens=3 + i),
+        )
     log = STEPS.record_steps(eng, [])
     while eng.has_unfinished():
         eng.step()

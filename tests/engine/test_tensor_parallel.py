@@ -22,22 +22,48 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TPS = (1, 2, 4)
-SMALL = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=2,
-             head_dim=16, max_position_embeddings=128)
-CONFIGS = {"qwen3": dict(architecture="qwen3", vocab_size=256, **SMALL),
-           "llama": dict(architecture="llama", vocab_size=250, tie_word_embeddings=True, **SMALL)}
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=8,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+)
+CONFIGS = {
+    "qwen3": dict(architecture="qwen3", vocab_size=256, **SMALL),
+    "llama": dict(architecture="llama", vocab_size=250, tie_word_embeddings=True, **SMALL),
+}
 # fp8 weights (per-output-channel scales) at tp 1 and 3: one layer of 6 query heads and 1 KV head
 # (a copy on each of 3 devices)
-FP8_CFG = dict(architecture="llama", vocab_size=96, hidden_size=48, intermediate_size=96,
-               num_layers=1, num_heads=6, num_kv_heads=1, head_dim=16,
-               max_position_embeddings=128)
+FP8_CFG = dict(
+    architecture="llama",
+    vocab_size=96,
+    hidden_size=48,
+    intermediate_size=96,
+    num_layers=1,
+    num_heads=6,
+    num_kv_heads=1,
+    head_dim=16,
+    max_position_embeddings=128,
+)
 SPLIT = ("wqkv", "wo", "w_gate_up", "w_down")  # always split; embed / lm_head when tp divides V
-PROMPTS = [[3, 14, 15, 92, 65, 35, 89, 79, 32], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 28,
-                                                   74, 71, 35, 26, 62, 49, 77]]
-COLLECTIVE = (r"= \w+\[([\d,]*)\]\S* "  # an HLO collective: (its shape, its kind)
-              r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\(")
-ENGINE = dict(max_model_len=64, max_num_seqs=4, num_pages=24, max_num_batched_tokens=32,
-              kernels="batch_buckets=2:4,token_buckets=32")
+PROMPTS = [
+    [3, 14, 15, 92, 65, 35, 89, 79, 32],
+    [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 28, 74, 71, 35, 26, 62, 49, 77],
+]
+COLLECTIVE = (
+    r"= \w+\[([\d,]*)\]\S* "  # an HLO collective: (its shape, its kind)
+    r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
+)
+ENGINE = dict(
+    max_model_len=64,
+    max_num_seqs=4,
+    num_pages=24,
+    max_num_batched_tokens=32,
+    kernels="batch_buckets=2:4,token_buckets=32",
+)
 
 
 def _logits(llm, prompt: list[int]) -> np.ndarray:
@@ -55,13 +81,21 @@ def _logits(llm, prompt: list[int]) -> np.ndarray:
     @jax.jit
     def run(params, kv, tokens, positions):
         slots = (1 + positions // ps) * ps + positions % ps
-        kv = kv.replace(block_tables=jnp.arange(1, 5, dtype=jnp.int32)[None],
-                        seq_lens=jnp.full((1,), T, jnp.int32))
+        kv = kv.replace(
+            block_tables=jnp.arange(1, 5, dtype=jnp.int32)[None],
+            seq_lens=jnp.full((1,), T, jnp.int32),
+        )
         hidden, _ = models.forward(params, cfg, tokens, positions, slots, kv, kernels=kernels)
         return gather_logits(models.compute_logits(params, cfg, hidden), cfg, kernels.mesh)[0]
 
-    return np.asarray(run(eng.runner.params, eng.runner._new_kv(), jnp.asarray([prompt], jnp.int32),
-                          jnp.arange(T)[None]))
+    return np.asarray(
+        run(
+            eng.runner.params,
+            eng.runner._new_kv(),
+            jnp.asarray([prompt], jnp.int32),
+            jnp.arange(T)[None],
+        )
+    )
 
 
 def _layout(llm, cfg, tp: int) -> dict:
@@ -73,24 +107,40 @@ def _layout(llm, cfg, tp: int) -> dict:
 
     plan_memory = load_script("plan_memory").plan_memory
     eng = llm.engine
-    plan = plan_memory(cfg, device_bytes=2 * GIB, context=64, page_size=eng.page_size,
-                       weight_dtype_bytes=4, kv_dtype_bytes=4, tensor_parallel_size=tp)
-    leaves, full_copies, weight_bytes = jax.tree_util.tree_leaves_with_path(eng.runner.params), [], 0
+    plan = plan_memory(
+        cfg,
+        device_bytes=2 * GIB,
+        context=64,
+        page_size=eng.page_size,
+        weight_dtype_bytes=4,
+        kv_dtype_bytes=4,
+        tensor_parallel_size=tp,
+    )
+    leaves, full_copies, weight_bytes = (
+        jax.tree_util.tree_leaves_with_path(eng.runner.params),
+        [],
+        0,
+    )
     for path, x in leaves:
         name = path[-1].key
         shards = x.addressable_shards
-        assert len(shards) == tp and all(s.data.shape == x.sharding.shard_shape(x.shape)
-                                         for s in shards)
+        assert len(shards) == tp and all(
+            s.data.shape == x.sharding.shard_shape(x.shape) for s in shards
+        )
         split = name in SPLIT or (name in ("embed", "lm_head") and cfg.vocab_size % tp == 0)
         if split and tp > 1 and any(s.data.shape == x.shape for s in shards):
             full_copies.append(jax.tree_util.keystr(path))
         weight_bytes += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
     k = eng.runner.kv.k
-    return dict(weight_bytes=weight_bytes, plan_weight_bytes=plan.weight_bytes,
-                full_copies=full_copies, kv_shard=list(k.sharding.shard_shape(k.shape)),
-                kv_devices=len({s.device for s in k.addressable_shards}),
-                kv_bytes=2 * math.prod(k.sharding.shard_shape(k.shape)) * k.dtype.itemsize,
-                plan_kv_bytes=eng.runner.num_pages * plan.page_bytes)
+    return dict(
+        weight_bytes=weight_bytes,
+        plan_weight_bytes=plan.weight_bytes,
+        full_copies=full_copies,
+        kv_shard=list(k.sharding.shard_shape(k.shape)),
+        kv_devices=len({s.device for s in k.addressable_shards}),
+        kv_bytes=2 * math.prod(k.sharding.shard_shape(k.shape)) * k.dtype.itemsize,
+        plan_kv_bytes=eng.runner.num_pages * plan.page_bytes,
+    )
 
 
 def _errors(params) -> dict:
@@ -100,8 +150,10 @@ def _errors(params) -> dict:
     from jaxinfer.config import ModelConfig
 
     out = {}
-    for name, kw, tp in (("heads", dict(CONFIGS["qwen3"], num_heads=6), 4),
-                         ("devices", CONFIGS["qwen3"], 8)):
+    for name, kw, tp in (
+        ("heads", dict(CONFIGS["qwen3"], num_heads=6), 4),
+        ("devices", CONFIGS["qwen3"], 8),
+    ):
         try:
             LLM.from_params(ModelConfig(**kw), params, tensor_parallel_size=tp, **ENGINE)
         except ValueError as e:
@@ -124,18 +176,22 @@ def main() -> None:
         on_host = jax.tree.map(np.asarray, params)  # what the HF loader gives at tp > 1
         out.setdefault("errors", _errors(params))
         for tp in TPS:
-            llm = LLM.from_params(cfg, on_host if tp == 2 else params, tensor_parallel_size=tp,
-                                  **ENGINE)
+            llm = LLM.from_params(
+                cfg, on_host if tp == 2 else params, tensor_parallel_size=tp, **ENGINE
+            )
             res = out[f"{arch}/{tp}"] = _layout(llm, cfg, tp)
             res["logits"] = _logits(llm, PROMPTS[1]).tolist()
             llm.precompile(PROMPTS, greedy)  # ahead-of-time steps take the engine's arrays
-            res["collectives"] = [re.findall(COLLECTIVE, exe.as_text())
-                                  for exe in llm.engine.runner.executor.executables.values()]
+            res["collectives"] = [
+                re.findall(COLLECTIVE, exe.as_text())
+                for exe in llm.engine.runner.executor.executables.values()
+            ]
             res["tokens"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
             res["lazy_compiles"] = llm.engine.stats().num_lazy_compiles
             llm.update_params(params)  # the canonical tree, resharded
-            res["tokens_after_update"] = [list(o.outputs[0].token_ids)
-                                          for o in llm.generate(PROMPTS, greedy)]
+            res["tokens_after_update"] = [
+                list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)
+            ]
     out["orbax_tp2"] = _from_checkpoint(ModelConfig(**CONFIGS["qwen3"]), greedy)
     out["fp8"] = _fp8(greedy)
     print(json.dumps(out))
@@ -162,8 +218,9 @@ def _fp8(greedy) -> dict:
         llm = LLM.from_params(cfg, params, tensor_parallel_size=tp, quantization="fp8", **ENGINE)
         out[str(tp)] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
     layer = llm.engine.runner.params["layers"]["0"]
-    out["shards"] = {k: list(x.sharding.shard_shape(x.shape)) for k, x in layer.items()
-                     if k.startswith(SPLIT)}
+    out["shards"] = {
+        k: list(x.sharding.shard_shape(x.shape)) for k, x in layer.items() if k.startswith(SPLIT)
+    }
     return out
 
 
@@ -174,16 +231,16 @@ def _from_checkpoint(cfg, greedy) -> list[list[int]]:
 
     import jax
     import jax.numpy as jnp
+    from script_module import load_script
 
     from jaxinfer import LLM, models
-    from script_module import load_script
 
     with tempfile.TemporaryDirectory() as d:
         params = models.init_params(cfg, jax.random.key(1), jnp.float32)
-        load_script("convert_checkpoint").save_checkpoint(os.path.join(d, "ck"), cfg, params,
-                                                          None, ())
-        llm = LLM(os.path.join(d, "ck"), skip_tokenizer_init=True, tensor_parallel_size=2,
-                  **ENGINE)
+        load_script("convert_checkpoint").save_checkpoint(
+            os.path.join(d, "ck"), cfg, params, None, ()
+        )
+        llm = LLM(os.path.join(d, "ck"), skip_tokenizer_init=True, tensor_parallel_size=2, **ENGINE)
     return [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
 
 
@@ -195,9 +252,14 @@ def _env(XLA_FLAGS: str = "") -> dict:
 
 @pytest.fixture(scope="module")
 def result():
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=ROOT, text=True,
-                          env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
-                          capture_output=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)],
+        cwd=ROOT,
+        text=True,
+        env=_env(XLA_FLAGS="--xla_force_host_platform_device_count=4"),
+        capture_output=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -208,9 +270,17 @@ def two_processes():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), str(i), str(port)],
-                              cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), str(i), str(port)],
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=400) for p in procs]
     finally:
@@ -254,8 +324,10 @@ def test_collectives_move_activations_not_weights(result, arch, tp):
     split_vocab = tp > 1 and c["vocab_size"] % tp == 0
     assert len(steps) == 2
     for ops in steps:
-        shapes = {kind: [[int(d) for d in s.split(",")] for s, k in ops if k == kind]
-                  for kind in ("all-reduce", "all-gather")}
+        shapes = {
+            kind: [[int(d) for d in s.split(",")] for s, k in ops if k == kind]
+            for kind in ("all-reduce", "all-gather")
+        }
         assert len(ops) == sum(map(len, shapes.values()))
         assert len(shapes["all-reduce"]) == (2 * c["num_layers"] + split_vocab if tp > 1 else 0)
         assert all(s[-1] == c["hidden_size"] and len(s) == 3 for s in shapes["all-reduce"])
@@ -269,7 +341,7 @@ def test_per_device_shapes_match_the_plan(result, arch, tp):
     r, c = result[f"{arch}/{tp}"], CONFIGS[arch]
     assert r["weight_bytes"] == r["plan_weight_bytes"]
     assert r["kv_bytes"] == r["plan_kv_bytes"]
-    kv_heads = max(c["num_kv_heads"], tp) // tp                 # tp=4: one copy per device
+    kv_heads = max(c["num_kv_heads"], tp) // tp  # tp=4: one copy per device
     assert r["kv_shard"] == [c["num_layers"], ENGINE["num_pages"], kv_heads, 16, c["head_dim"]]
     assert r["kv_devices"] == tp
     assert r["full_copies"] == []
@@ -286,10 +358,16 @@ def test_fp8_at_tp3_matches_one_device(result):
     assert r["3"] == r["1"] and len(r["1"][1]) == 8
     D, F, H, N = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["num_heads"]
     qkv = (N + 2 * 3) * H // 3
-    assert r["shards"] == {"wqkv": [D, qkv], "wqkv_scale": [qkv], "wo": [N * H // 3, D],
-                           "wo_scale": [D], "w_gate_up": [D, 2 * F // 3],
-                           "w_gate_up_scale": [2 * F // 3], "w_down": [F // 3, D],
-                           "w_down_scale": [D]}
+    assert r["shards"] == {
+        "wqkv": [D, qkv],
+        "wqkv_scale": [qkv],
+        "wo": [N * H // 3, D],
+        "wo_scale": [D],
+        "w_gate_up": [D, 2 * F // 3],
+        "w_gate_up_scale": [2 * F // 3],
+        "w_down": [F // 3, D],
+        "w_down_scale": [D],
+    }
 
 
 @pytest.mark.parametrize("tp", [2, 3])
@@ -311,19 +389,23 @@ def test_fp8_block_scales_follow_their_columns(tp):
         w = rng.standard_normal(shape_of(name, cfg)).astype(np.float32)
         q, s = (np.asarray(a) for a in quantize_fp8(jnp.asarray(w), cfg.weight_block_size))
         q2, s2 = engine_layout(name, q, cfg, tp), engine_layout(name + "_scale", s, cfg, tp)
-        assert s2.shape[LAYER[name].split == "column"] % tp == 0   # split with the matrix
+        assert s2.shape[LAYER[name].split == "column"] % tp == 0  # split with the matrix
         got = q2.astype(np.float32) * np.asarray(expand_scale(s2, q2.shape, (16, 8)))
         want = q.astype(np.float32) * np.asarray(expand_scale(s, q.shape, (16, 8)))
         np.testing.assert_array_equal(got, engine_layout(name, want, cfg, tp))
-    with pytest.raises(ValueError, match=rf"weight_block_size=\(32, 8\) and tensor_parallel_size="
-                       rf"{tp}: each device needs whole FP8 blocks .* K'\*H/tp=16,"):
+    with pytest.raises(
+        ValueError,
+        match=rf"weight_block_size=\(32, 8\) and tensor_parallel_size="
+        rf"{tp}: each device needs whole FP8 blocks .* K'\*H/tp=16,",
+    ):
         check_tp(dataclasses.replace(cfg, weight_block_size=(32, 8)), tp)
 
 
 def test_errors_name_both_numbers(result):
     assert "num_heads=6 is not divisible by tensor_parallel_size=4" in result["errors"]["heads"]
-    assert "tensor_parallel_size=8 is invalid: JAX sees 4 cpu device(s)" in \
-        result["errors"]["devices"]
+    assert (
+        "tensor_parallel_size=8 is invalid: JAX sees 4 cpu device(s)" in result["errors"]["devices"]
+    )
 
 
 def test_two_processes_match_one_device(result, two_processes):
@@ -345,7 +427,11 @@ def test_plan_per_device_bytes():
     cfg = load_script("plan_memory").PRESETS["qwen3-8b"]
     L, D, H = cfg.num_layers, cfg.hidden_size, cfg.head_dim
     assert [kv_bytes_per_token(cfg, 2, tp) for tp in (1, 2, 8, 16)] == [
-        147_456, 73_728, 18_432, 18_432]
+        147_456,
+        73_728,
+        18_432,
+        18_432,
+    ]
     whole = L * (2 * D + 2 * H) + D
     assert param_count(cfg, 2) == (param_count(cfg) - whole) // 2 + whole
 
@@ -380,8 +466,15 @@ def main_two_processes(process_id: int, port: int) -> None:
     params = models.init_params(cfg, jax.random.key(1), jnp.float32)
     llm = LLM.from_params(cfg, params, tensor_parallel_size=2, **ENGINE)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-    print(json.dumps({"devices": jax.device_count(), "local": len(jax.local_devices()),
-                      "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+    print(
+        json.dumps(
+            {
+                "devices": jax.device_count(),
+                "local": len(jax.local_devices()),
+                "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -13,19 +13,32 @@ pytestmark = pytest.mark.gpu
 
 def _qwen3_8b_shaped(num_layers: int):
     from transformers import Qwen3Config
-    return Qwen3Config(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                       num_hidden_layers=num_layers, num_attention_heads=32, num_key_value_heads=8,
-                       head_dim=128, rope_theta=1e6, max_position_embeddings=40960,
-                       tie_word_embeddings=False, rms_norm_eps=1e-6, initializer_range=0.02)
+
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=num_layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+        initializer_range=0.02,
+    )
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     import jax
+
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     import torch
     from transformers import Qwen3ForCausalLM
+
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(_qwen3_8b_shaped(2)).eval()
     with torch.no_grad():  # peakier logits than the N(0, 0.02) init, so greedy has clear winners
@@ -37,14 +50,21 @@ def checkpoint(tmp_path_factory):
 
 def _hf_greedy(model, ids, n):
     import torch
+
     with torch.inference_mode():
-        y = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                           eos_token_id=None, pad_token_id=0)
-    return y[0, len(ids):].tolist()
+        y = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return y[0, len(ids) :].tolist()
 
 
-@pytest.mark.parametrize("attention, prefill", [("reference", "reference"),
-                                                ("reference", "triton")])
+@pytest.mark.parametrize(
+    "attention, prefill", [("reference", "reference"), ("reference", "triton")]
+)
 def test_engine_matches_hf_greedy(checkpoint, attention, prefill):
     import jax
 
@@ -54,10 +74,19 @@ def test_engine_matches_hf_greedy(checkpoint, attention, prefill):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 151936, n).tolist() for n in (5, 17, 33, 64)]
     with jax.default_matmul_precision("highest"):
-        llm = LLM(path, skip_tokenizer_init=True, dtype="float32", max_model_len=256,
-                  num_pages=256, max_num_seqs=8, kernels=f"decode={attention},prefill={prefill}")
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+        llm = LLM(
+            path,
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=256,
+            num_pages=256,
+            max_num_seqs=8,
+            kernels=f"decode={attention},prefill={prefill}",
+        )
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts],
+            SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        )
     for p, o in zip(prompts, outs):
         assert list(o.token_ids) == _hf_greedy(hf, p, 24)
 
@@ -69,12 +98,21 @@ def _engine_greedy(loaded, attention, prompts, n):
     from jaxinfer.config import EngineConfig, KernelConfig, resolve
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.runner.model_runner import ModelRunner
-    ec = EngineConfig(dtype="bfloat16", max_model_len=256, num_pages=256, max_num_seqs=8,
-                      kernels=KernelConfig(decode_attention=attention))
-    eng = LLMEngine(ModelRunner(loaded.config, loaded.params,
-                                resolve(loaded.config, ec, jax.default_backend())))
-    rids = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
-            for p in prompts]
+
+    ec = EngineConfig(
+        dtype="bfloat16",
+        max_model_len=256,
+        num_pages=256,
+        max_num_seqs=8,
+        kernels=KernelConfig(decode_attention=attention),
+    )
+    eng = LLMEngine(
+        ModelRunner(loaded.config, loaded.params, resolve(loaded.config, ec, jax.default_backend()))
+    )
+    rids = [
+        eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        for p in prompts
+    ]
     done = {}
     while eng.has_unfinished():
         done.update((o.request_id, o) for o in eng.step() if o.finished)
@@ -85,6 +123,7 @@ def _engine_greedy(loaded, attention, prompts, n):
 @pytest.fixture(scope="module")
 def bf16_model(checkpoint):
     from jaxinfer.runner.loading import load_model
+
     loaded = load_model(checkpoint[0], "bfloat16", with_tokenizer=False)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 151936, n).tolist() for n in (3, 16, 17, 40)]
@@ -111,11 +150,13 @@ def _teacher_forced_margins(path, prompts, outputs):
             pages = -(-S // 16)
             kv = init_kv_cache(m.config, pages + 1, 16, jnp.float32).replace(
                 block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
-                seq_lens=jnp.asarray([S], jnp.int32))
+                seq_lens=jnp.asarray([S], jnp.int32),
+            )
             pos = np.arange(S, dtype=np.int32)[None]
-            h, _ = models.forward(m.params, m.config, jnp.asarray(ids), jnp.asarray(pos),
-                                  jnp.asarray(pos + 16), kv)
-            logits = np.asarray(models.compute_logits(m.params, m.config, h[0, len(p) - 1:]))
+            h, _ = models.forward(
+                m.params, m.config, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(pos + 16), kv
+            )
+            logits = np.asarray(models.compute_logits(m.params, m.config, h[0, len(p) - 1 :]))
             top2 = np.sort(logits, axis=-1)[:, -2:]
             assert (logits.argmax(-1) == np.asarray(out)).mean() > 0.9  # same model, f32
             margins.append((top2[:, 1] - top2[:, 0]) / np.abs(top2[:, 1]))  # relative top-2 gap
@@ -125,6 +166,7 @@ def _teacher_forced_margins(path, prompts, outputs):
 def _variants():
     """Every registered decode kernel but the reference."""
     from pallas_kernels.paged_attention import registry
+
     return [n for n in registry.DECODE if n != "reference"]
 
 
@@ -153,15 +195,19 @@ def _teacher_forced_picks(loaded, kernels, prompts, outputs):
         pages = -(-(len(p) + len(out)) // 16)
         kv = init_kv_cache(cfg, pages + 1, 16, jnp.bfloat16).replace(
             block_tables=jnp.arange(1, pages + 1, dtype=jnp.int32)[None],
-            seq_lens=jnp.asarray([len(p)], jnp.int32))
+            seq_lens=jnp.asarray([len(p)], jnp.int32),
+        )
         pos = np.arange(len(p), dtype=np.int32)[None]
-        h, kv = models.forward(params, cfg, jnp.asarray([p], jnp.int32), jnp.asarray(pos),
-                               jnp.asarray(pos + 16), kv)
+        h, kv = models.forward(
+            params, cfg, jnp.asarray([p], jnp.int32), jnp.asarray(pos), jnp.asarray(pos + 16), kv
+        )
         got = [int(jnp.argmax(models.compute_logits(params, cfg, h[0, -1])))]
         for k, t in enumerate(out[:-1]):
             at = len(p) + k
             kv = kv.replace(seq_lens=jnp.asarray([at + 1], jnp.int32))
-            nxt, kv = decode(params, jnp.asarray([[t]], jnp.int32), jnp.asarray([[at]], jnp.int32), kv)
+            nxt, kv = decode(
+                params, jnp.asarray([[t]], jnp.int32), jnp.asarray([[at]], jnp.int32), kv
+            )
             got.append(int(nxt[0]))
         picks.append(got)
     return picks
@@ -175,6 +221,7 @@ def test_kernel_variant_teacher_forced_bf16(bf16_model, variant):
     near-tie); and at least 90% of the positions agree."""
     from jaxinfer.config import KernelConfig
     from jaxinfer.models.kernels import model_kernels
+
     loaded, prompts, want, margins = bf16_model
     kernels = model_kernels(KernelConfig(decode_attention=variant, prefill_attention="reference"))
     got = _teacher_forced_picks(loaded, kernels, prompts, want)

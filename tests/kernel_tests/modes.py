@@ -21,6 +21,8 @@ def runs(cases, gpu_cases=(), gpu_marks=()):
     """``(mode, case)`` parameters: every case interpreted, and every case plus ``gpu_cases``
     (real model sizes, too slow to interpret) compiled."""
     out = [pytest.param("interpret", c, id=f"interpret-{case_id(c)}") for c in cases]
-    out += [pytest.param("compiled", c, marks=[*GPU, *gpu_marks], id=f"compiled-{case_id(c)}")
-            for c in [*cases, *gpu_cases]]
+    out += [
+        pytest.param("compiled", c, marks=[*GPU, *gpu_marks], id=f"compiled-{case_id(c)}")
+        for c in [*cases, *gpu_cases]
+    ]
     return out

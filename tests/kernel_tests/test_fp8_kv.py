@@ -39,11 +39,19 @@ def fp8_case(seed, *, L=2, K=2, ps=16, H=64, N=4, lens=(1, 15, 16, 17, 64, 0), q
     pools = rng.standard_normal((2, L, P, K, ps, H)).astype(np.float32) * 3
     kq, vq = (np_fp8(p, s[:, None, :, None, None]) for p, s in zip(pools, (ks, vs)))
     deq = [x.astype(np.float32) * s[:, None, :, None, None] for x, s in ((kq, ks), (vq, vs))]
-    bt = rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32)
+    bt = rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((B, N, H)), jnp.dtype(qdt))
-    return (q, jnp.asarray(kq), jnp.asarray(vq), jnp.asarray(bt),
-            jnp.asarray(np.array(lens, np.int32)), jnp.asarray(ks), jnp.asarray(vs),
-            jnp.asarray(deq[0]), jnp.asarray(deq[1]))
+    return (
+        q,
+        jnp.asarray(kq),
+        jnp.asarray(vq),
+        jnp.asarray(bt),
+        jnp.asarray(np.array(lens, np.int32)),
+        jnp.asarray(ks),
+        jnp.asarray(vs),
+        jnp.asarray(deq[0]),
+        jnp.asarray(deq[1]),
+    )
 
 
 def assert_close(out, ref, tol):
@@ -55,14 +63,15 @@ def assert_close(out, ref, tol):
 
 
 def test_quantize_matches_numpy_e4m3_and_clips():
-    x = np.concatenate([np.random.default_rng(0).standard_normal(1000) * 50,
-                        [1e4, -1e4, 0.0, 1e-4]]).astype(np.float32)
+    x = np.concatenate(
+        [np.random.default_rng(0).standard_normal(1000) * 50, [1e4, -1e4, 0.0, 1e-4]]
+    ).astype(np.float32)
     got = np.asarray(quantize(jnp.asarray(x), jnp.float32(0.25), FP8)).astype(np.float32)
     np.testing.assert_array_equal(got, np_fp8(x, 0.25).astype(np.float32))
-    assert got.max() == FP8_MAX and got.min() == -FP8_MAX            # clipped, never NaN
-    normal = (np.abs(x / 0.25) >= 2.0 ** -6) & (np.abs(x / 0.25) <= FP8_MAX)
+    assert got.max() == FP8_MAX and got.min() == -FP8_MAX  # clipped, never NaN
+    normal = (np.abs(x / 0.25) >= 2.0**-6) & (np.abs(x / 0.25) <= FP8_MAX)
     rel = np.abs(got * 0.25 - x)[normal] / np.abs(x[normal])
-    assert rel.max() <= 2.0 ** -4 and rel.max() > 2.0 ** -7           # e4m3's half ulp is used
+    assert rel.max() <= 2.0**-4 and rel.max() > 2.0**-7  # e4m3's half ulp is used
     np.testing.assert_array_equal(np.asarray(quantize(jnp.asarray(x), None, jnp.float32)), x)
     with pytest.raises(ValueError, match="fp8 KV pool needs"):
         quantize(jnp.asarray(x), None, FP8)
@@ -71,8 +80,9 @@ def test_quantize_matches_numpy_e4m3_and_clips():
 def test_reference_dequantises_with_per_head_scales():
     q, kq, vq, bt, lens, ks, vs, kd, vd = fp8_case(0)
     with jax.default_matmul_precision("highest"):
-        out = reference.paged_decode_attention(q, kq, vq, bt, lens, layer=1, scale=0.125,
-                                               k_scale=ks, v_scale=vs)
+        out = reference.paged_decode_attention(
+            q, kq, vq, bt, lens, layer=1, scale=0.125, k_scale=ks, v_scale=vs
+        )
         ref = reference.paged_decode_attention(q, kd, vd, bt, lens, layer=1, scale=0.125)
     assert_close(out, ref, 1e-6)
 
@@ -88,10 +98,20 @@ DECODE = [  # (H, N, K, q dtype, k_splits, soft_cap)
 def test_triton_decode_reads_fp8_pages(mode, case):
     H, N, K, qdt, splits, cap = case
     q, kq, vq, bt, lens, ks, vs, kd, vd = fp8_case(2, H=H, N=N, K=K, qdt=qdt)
-    kw = dict(layer=1, scale=H ** -0.5, soft_cap=cap)
+    kw = dict(layer=1, scale=H**-0.5, soft_cap=cap)
     out = triton_pallas.paged_decode_attention(
-        q, kq, vq, bt, lens, **kw, k_scale=ks, v_scale=vs, k_splits=splits, pages_per_block=1,
-        interpret=mode == "interpret")
+        q,
+        kq,
+        vq,
+        bt,
+        lens,
+        **kw,
+        k_scale=ks,
+        v_scale=vs,
+        k_splits=splits,
+        pages_per_block=1,
+        interpret=mode == "interpret",
+    )
     with jax.default_matmul_precision("highest"):
         ref = reference.paged_decode_attention(q.astype(jnp.float32), kd, vd, bt, lens, **kw)
     assert_close(out, ref, 1e-5 if qdt == "float32" else 1e-2)
@@ -105,10 +125,19 @@ def test_triton_prefill_reads_fp8_pages(mode, case):
     T = 5
     pos = np.stack([np.arange(n - T, n) for n in np.asarray(lens)]).astype(np.int32)
     qt = jnp.asarray(np.random.default_rng(4).standard_normal((3, T, N, H)), jnp.float32)
-    kw = dict(layer=0, scale=H ** -0.5)
+    kw = dict(layer=0, scale=H**-0.5)
     out = prefill_triton.paged_prefill_attention(
-        qt, kq, vq, bt, lens, jnp.asarray(pos), **kw, k_scale=ks, v_scale=vs,
-        interpret=mode == "interpret")
+        qt,
+        kq,
+        vq,
+        bt,
+        lens,
+        jnp.asarray(pos),
+        **kw,
+        k_scale=ks,
+        v_scale=vs,
+        interpret=mode == "interpret",
+    )
     with jax.default_matmul_precision("highest"):
         ref = reference.paged_attention(qt, kd, vd, bt, lens, jnp.asarray(pos), **kw)
     assert_close(out, ref, 1e-5)
@@ -119,6 +148,15 @@ def test_fp8_pools_need_scales():
     with pytest.raises(ValueError, match="k_scale=None: fp8 KV pools need"):
         triton_pallas.paged_decode_attention(q, kq, vq, bt, lens, scale=0.1, interpret=True)
     with pytest.raises(ValueError, match=r"v_scale must be f32\[L=2, K=2\]"):
-        prefill_triton.paged_prefill_attention(q[:, None], kq, vq, bt, lens, lens[:, None] - 1,
-                                               scale=0.1, k_scale=ks, v_scale=vs[0],
-                                               interpret=True)
+        prefill_triton.paged_prefill_attention(
+            q[:, None],
+            kq,
+            vq,
+            bt,
+            lens,
+            lens[:, None] - 1,
+            scale=0.1,
+            k_scale=ks,
+            v_scale=vs[0],
+            interpret=True,
+        )

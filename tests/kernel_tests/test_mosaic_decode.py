@@ -20,6 +20,7 @@ from pallas_kernels.paged_attention import mosaic, reference
 
 try:
     from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
+
     _HAS_INTERPRET = True
 except ImportError:  # pragma: no cover - depends on the installed jax
     _HAS_INTERPRET = False
@@ -34,15 +35,21 @@ def _is_hopper() -> bool:
 
 
 needs_interpret = pytest.mark.skipif(
-    not _HAS_INTERPRET, reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode "
-    "(jax._src.pallas.mosaic_gpu.interpret.params.InterpretGPUParams)")
-HOPPER = [pytest.mark.gpu, pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90) GPU")]
+    not _HAS_INTERPRET,
+    reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode "
+    "(jax._src.pallas.mosaic_gpu.interpret.params.InterpretGPUParams)",
+)
+HOPPER = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper (sm_90) GPU"),
+]
 
 
 def by_mode(interpret_cases, compiled_cases):
     """``(mode, case)`` parameters, sizes per mode (compiled: bf16/f16, real head counts)."""
-    return ([pytest.param("interpret", c, marks=needs_interpret) for c in interpret_cases]
-            + [pytest.param("compiled", c, marks=HOPPER) for c in compiled_cases])
+    return [pytest.param("interpret", c, marks=needs_interpret) for c in interpret_cases] + [
+        pytest.param("compiled", c, marks=HOPPER) for c in compiled_cases
+    ]
 
 
 def lengths_for(page_size: int, max_len: int) -> list[int]:
@@ -59,7 +66,7 @@ def make_inputs(seed: int, *, lens, N, K, H, page_size, M, L=2, dtype=jnp.float3
     q = jax.random.normal(ks[0], (B, N, H), jnp.float32).astype(dtype)
     k_pool = jax.random.normal(ks[1], (L, P, K, page_size, H), jnp.float32).astype(dtype)
     v_pool = jax.random.normal(ks[2], (L, P, K, page_size, H), jnp.float32).astype(dtype)
-    perm = np.asarray(jax.random.permutation(ks[3], np.arange(1, P)))[:B * M].reshape(B, M)
+    perm = np.asarray(jax.random.permutation(ks[3], np.arange(1, P)))[: B * M].reshape(B, M)
     lens = np.asarray(lens, np.int32)
     used = -(-lens // page_size)
     tables = np.where(np.arange(M)[None, :] < used[:, None], perm, 0).astype(np.int32)
@@ -68,8 +75,9 @@ def make_inputs(seed: int, *, lens, N, K, H, page_size, M, L=2, dtype=jnp.float3
 
 def ref_out(q, k_pool, v_pool, tables, lens, **kw):
     f32 = lambda x: x.astype(jnp.float32)
-    return np.asarray(reference.paged_decode_attention(f32(q), f32(k_pool), f32(v_pool), tables,
-                                                       lens, **kw))
+    return np.asarray(
+        reference.paged_decode_attention(f32(q), f32(k_pool), f32(v_pool), tables, lens, **kw)
+    )
 
 
 def check(out, ref, dtype):
@@ -85,26 +93,52 @@ def check(out, ref, dtype):
     return rel
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _jitted(interpret: bool, scale: float, soft_cap, window, cfg):
     def f(q, k, v, t, s, layer):
-        return mosaic.paged_decode_attention(q, k, v, t, s, layer=layer, scale=scale,
-                                             soft_cap=soft_cap, sliding_window=window,
-                                             interpret=interpret, config=cfg)
+        return mosaic.paged_decode_attention(
+            q,
+            k,
+            v,
+            t,
+            s,
+            layer=layer,
+            scale=scale,
+            soft_cap=soft_cap,
+            sliding_window=window,
+            interpret=interpret,
+            config=cfg,
+        )
+
     return jax.jit(f)
 
 
-def run_case(mode, seed, *, page_size, H, G, K=2, M=3, dtype=jnp.float32, layer=1,
-             soft_cap=None, window=None, cfg=mosaic.MosaicDecodeConfig(), lens=None):
+def run_case(
+    mode,
+    seed,
+    *,
+    page_size,
+    H,
+    G,
+    K=2,
+    M=3,
+    dtype=jnp.float32,
+    layer=1,
+    soft_cap=None,
+    window=None,
+    cfg=mosaic.MosaicDecodeConfig(),
+    lens=None,
+):
     max_len = M * page_size
     lens = lengths_for(page_size, max_len) if lens is None else lens
-    q, k, v, t, s = make_inputs(seed, lens=lens, N=G * K, K=K, H=H, page_size=page_size, M=M,
-                                dtype=dtype)
-    scale = H ** -0.5
+    q, k, v, t, s = make_inputs(
+        seed, lens=lens, N=G * K, K=K, H=H, page_size=page_size, M=M, dtype=dtype
+    )
+    scale = H**-0.5
     out = jax.block_until_ready(  # interpret mode: no dispatch while its callbacks run
-        _jitted(mode == "interpret", scale, soft_cap, window, cfg)(q, k, v, t, s, jnp.int32(layer)))
-    ref = ref_out(q, k, v, t, s, layer=layer, scale=scale, soft_cap=soft_cap,
-                  sliding_window=window)
+        _jitted(mode == "interpret", scale, soft_cap, window, cfg)(q, k, v, t, s, jnp.int32(layer))
+    )
+    ref = ref_out(q, k, v, t, s, layer=layer, scale=scale, soft_cap=soft_cap, sliding_window=window)
     rel = check(out, ref, dtype)
     padded = np.asarray(s) == 0
     assert np.all(np.asarray(out)[padded] == 0)
@@ -139,82 +173,131 @@ def test_sweep(mode, case):
     run_case(mode, 10 * page_size + G, page_size=page_size, H=H, G=G, dtype=dtype, M=M, cfg=cfg)
 
 
-@pytest.mark.parametrize("mode, case", by_mode([dict(H=64, G=2, dtype=jnp.float32)],
-                                               [dict(H=128, G=4, dtype=jnp.bfloat16)]))
+@pytest.mark.parametrize(
+    "mode, case",
+    by_mode([dict(H=64, G=2, dtype=jnp.float32)], [dict(H=128, G=4, dtype=jnp.bfloat16)]),
+)
 def test_splits_window_softcap(mode, case):
     # 3 splits of 6 blocks, one of them cut by the window; soft cap on.
     cfg = mosaic.MosaicDecodeConfig(block_kv=64, num_splits=3)
-    run_case(mode, 1, page_size=16, M=24, cfg=cfg, soft_cap=5.0, window=150,
-             lens=[1, 100, 383, 384, 0], layer=0, **case)
+    run_case(
+        mode,
+        1,
+        page_size=16,
+        M=24,
+        cfg=cfg,
+        soft_cap=5.0,
+        window=150,
+        lens=[1, 100, 383, 384, 0],
+        layer=0,
+        **case,
+    )
 
 
 PIPELINES_INTERPRET = [  # 8 pages per step, 3 stages, more blocks than stages; pages > a block
     dict(block_kv=128, stages=3, splits=1, page_size=16, H=64, G=4, M=40, lens=[640, 17, 129, 1]),
-    dict(block_kv=64, stages=2, splits=1, page_size=128, H=64, G=2, M=3, lens=[1, 64, 65, 300, 384]),
+    dict(
+        block_kv=64, stages=2, splits=1, page_size=128, H=64, G=2, M=3, lens=[1, 64, 65, 300, 384]
+    ),
 ]
 PIPELINES_COMPILED = [
-    dict(block_kv=bk, stages=st, splits=2, page_size=ps, H=128, G=4, M=1280 // ps,
-         lens=[1280, 17, 129, 1, 0, 1000], dtype=jnp.bfloat16)
-    for bk, st, ps in [(128, 3, 16), (64, 4, 16), (64, 2, 128)]]
+    dict(
+        block_kv=bk,
+        stages=st,
+        splits=2,
+        page_size=ps,
+        H=128,
+        G=4,
+        M=1280 // ps,
+        lens=[1280, 17, 129, 1, 0, 1000],
+        dtype=jnp.bfloat16,
+    )
+    for bk, st, ps in [(128, 3, 16), (64, 4, 16), (64, 2, 128)]
+]
 
 
 @pytest.mark.parametrize("mode, case", by_mode(PIPELINES_INTERPRET, PIPELINES_COMPILED))
 def test_pipeline_shapes(mode, case):
     case = dict(case)
-    cfg = mosaic.MosaicDecodeConfig(block_kv=case.pop("block_kv"), num_stages=case.pop("stages"),
-                                    num_splits=case.pop("splits"))
+    cfg = mosaic.MosaicDecodeConfig(
+        block_kv=case.pop("block_kv"), num_stages=case.pop("stages"), num_splits=case.pop("splits")
+    )
     run_case(mode, 2, cfg=cfg, **case)
 
 
 @pytest.mark.parametrize("mode", [pytest.param("compiled", marks=HOPPER)])
 def test_qwen3_heads_long_ragged(mode):
     # N=32, K=8, H=128, page 16; lengths up to 4096, automatic splits.
-    run_case(mode, 5, page_size=16, H=128, G=4, K=8, M=256, dtype=jnp.bfloat16,
-             lens=[4096, 1, 2049, 0, 777, 4095, 16, 3000])
+    run_case(
+        mode,
+        5,
+        page_size=16,
+        H=128,
+        G=4,
+        K=8,
+        M=256,
+        dtype=jnp.bfloat16,
+        lens=[4096, 1, 2049, 0, 777, 4095, 16, 3000],
+    )
 
 
-@pytest.mark.parametrize("mode, case", by_mode(
-    [dict(lens=[33, 5, 0], N=4, K=2, H=64, M=3, dtype=jnp.float32)],
-    [dict(lens=[33, 5, 0, 200], N=16, K=4, H=128, M=13, dtype=jnp.bfloat16)]))
+@pytest.mark.parametrize(
+    "mode, case",
+    by_mode(
+        [dict(lens=[33, 5, 0], N=4, K=2, H=64, M=3, dtype=jnp.float32)],
+        [dict(lens=[33, 5, 0, 200], N=16, K=4, H=128, M=13, dtype=jnp.bfloat16)],
+    ),
+)
 def test_layer_traced_in_scan(mode, case):
     # The engine passes the layer as a traced i32[] (the attention dispatch's inner jit).
     q, k, v, t, s = make_inputs(7, page_size=16, L=2, **case)
     scale = case["H"] ** -0.5
 
     def body(carry, layer):
-        return carry, mosaic.paged_decode_attention(q, k, v, t, s, layer=layer, scale=scale,
-                                                    interpret=mode == "interpret")
+        return carry, mosaic.paged_decode_attention(
+            q, k, v, t, s, layer=layer, scale=scale, interpret=mode == "interpret"
+        )
+
     _, outs = jax.block_until_ready(
-        jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32)))())
+        jax.jit(lambda: jax.lax.scan(body, 0, jnp.arange(2, dtype=jnp.int32)))()
+    )
     for layer in range(2):
         check(outs[layer], ref_out(q, k, v, t, s, layer=layer, scale=scale), case["dtype"])
     assert not np.allclose(np.asarray(outs[0]), np.asarray(outs[1]))
 
 
-@pytest.mark.parametrize("mode, case", by_mode(
-    [(4, None, 2, 64)],   # padded rows and automatic splits; G=8 and forced splits run compiled
-    [(4, None, 8, 128), (8, 1, 2, 64), (2, 2, 2, 128)]))
+@pytest.mark.parametrize(
+    "mode, case",
+    by_mode(
+        [(4, None, 2, 64)],  # padded rows and automatic splits; G=8 and forced splits run compiled
+        [(4, None, 8, 128), (8, 1, 2, 64), (2, 2, 2, 128)],
+    ),
+)
 def test_int_layer_and_page_offset(mode, case):
     """The layer as a Python int, and as its page-offset constant (how the attention dispatch
     passes it), gives the reference's output; G query rows are zero-padded to a multiple of 8."""
     G, splits, K, H = case
-    q, k, v, t, s = make_inputs(20 + G, lens=[1, 17, 80, 0], N=G * K, K=K, H=H, page_size=16,
-                                M=5, dtype=jnp.bfloat16)
-    kw = dict(scale=H ** -0.5, interpret=mode == "interpret", num_splits=splits)
+    q, k, v, t, s = make_inputs(
+        20 + G, lens=[1, 17, 80, 0], N=G * K, K=K, H=H, page_size=16, M=5, dtype=jnp.bfloat16
+    )
+    kw = dict(scale=H**-0.5, interpret=mode == "interpret", num_splits=splits)
     out = mosaic.paged_decode_attention(q, k, v, t, s, layer=1, **kw)
-    check(out, ref_out(q, k, v, t, s, layer=1, scale=H ** -0.5), jnp.bfloat16)
+    check(out, ref_out(q, k, v, t, s, layer=1, scale=H**-0.5), jnp.bfloat16)
     off = mosaic.layer_offsets(1, k.shape[1])
     assert isinstance(off, np.ndarray) and len(set(off.tolist())) == off.size  # never uniform
     by_offset = mosaic.paged_decode_attention(q, k, v, t, s, layer=0, page_offset=off, **kw)
     np.testing.assert_array_equal(np.asarray(by_offset, np.float32), np.asarray(out, np.float32))
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(page_offset=np.zeros(32, np.float32)), r"page_offset must be i32\[32\]"),
-    (dict(page_offset=[0] * 32), r"page_offset must be i32\[32\]"),
-    (dict(layer=2), "layer=2 is outside the pools' L=2 layers"),
-    (dict(layer=-1), "layer=-1 is outside"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(page_offset=np.zeros(32, np.float32)), r"page_offset must be i32\[32\]"),
+        (dict(page_offset=[0] * 32), r"page_offset must be i32\[32\]"),
+        (dict(layer=2), "layer=2 is outside the pools' L=2 layers"),
+        (dict(layer=-1), "layer=-1 is outside"),
+    ],
+)
 def test_bad_layer_or_offset_raises(kw, match):
     with pytest.raises(ValueError, match=match):
         mosaic.paged_decode_attention(*_shapes(), scale=0.1, **kw)
@@ -239,44 +322,57 @@ def test_all_rows_padded_interpret():
 
 
 def _shapes(B=2, N=4, K=2, H=64, page=16, M=3, L=2, dtype=jnp.bfloat16):
-    return (jnp.zeros((B, N, H), dtype), jnp.zeros((L, 8, K, page, H), dtype),
-            jnp.zeros((L, 8, K, page, H), dtype), jnp.zeros((B, M), jnp.int32),
-            jnp.zeros((B,), jnp.int32))
+    return (
+        jnp.zeros((B, N, H), dtype),
+        jnp.zeros((L, 8, K, page, H), dtype),
+        jnp.zeros((L, 8, K, page, H), dtype),
+        jnp.zeros((B, M), jnp.int32),
+        jnp.zeros((B,), jnp.int32),
+    )
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(N=3), "multiple of num KV heads"),
-    (dict(H=96), "multiple of 64"),
-    (dict(page=12), "page_size=12"),
-    (dict(dtype=jnp.float32), "float32 only in interpret"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(N=3), "multiple of num KV heads"),
+        (dict(H=96), "multiple of 64"),
+        (dict(page=12), "page_size=12"),
+        (dict(dtype=jnp.float32), "float32 only in interpret"),
+    ],
+)
 def test_bad_shapes_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         mosaic.paged_decode_attention(*_shapes(**kw), scale=0.1)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(block_kv=48), "block_kv=48"),
-    (dict(num_stages=0), "num_stages=0"),
-    (dict(num_splits=0), "num_splits=0"),
-    (dict(sliding_window=0), "sliding_window=0"),
-    (dict(soft_cap=-1.0), "soft_cap=-1.0"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(block_kv=48), "block_kv=48"),
+        (dict(num_stages=0), "num_stages=0"),
+        (dict(num_splits=0), "num_splits=0"),
+        (dict(sliding_window=0), "sliding_window=0"),
+        (dict(soft_cap=-1.0), "soft_cap=-1.0"),
+    ],
+)
 def test_bad_knobs_raise(kw, match):
     with pytest.raises(ValueError, match=match):
         mosaic.paged_decode_attention(*_shapes(), scale=0.1, **kw)
 
 
-@pytest.mark.parametrize("rows, max_blocks, expected", [
-    (8, 16, 8),        # B=1, 8 KV heads, 1024 keys: 2 blocks per split, not 16 one-block splits
-    (8, 1, 1),         # a single block: no split
-    (8, 3, 1),
-    (2048, 16, 2),     # B=256: 2 splits give 10.3 resident waves, 94% of the last one busy
-    (64, 512, 12),     # B=8, 32768 keys: the wave rule, far under the cap
-])
+@pytest.mark.parametrize(
+    "rows, max_blocks, expected",
+    [
+        (8, 16, 8),  # B=1, 8 KV heads, 1024 keys: 2 blocks per split, not 16 one-block splits
+        (8, 1, 1),  # a single block: no split
+        (8, 3, 1),
+        (2048, 16, 2),  # B=256: 2 splits give 10.3 resident waves, 94% of the last one busy
+        (64, 512, 12),  # B=8, 32768 keys: the wave rule, far under the cap
+    ],
+)
 def test_pick_splits_waves_and_two_block_cap(rows, max_blocks, expected):
     cfg = mosaic.MosaicDecodeConfig(num_sms=132)
-    smem = 70 * 1024                                    # 3 programs resident per multiprocessor
+    smem = 70 * 1024  # 3 programs resident per multiprocessor
     got = mosaic._pick_splits(cfg, rows, max_blocks, smem)
     assert got == expected
     assert got <= max(1, max_blocks // 2)
@@ -292,20 +388,19 @@ def split_attention(seed, *, B, K, G, Gp, H, S, keys_per_split, empty=()):
     scores = rng.standard_normal((B, K, Gp, T)) * 3.0
     v = rng.standard_normal((B, K, T, H))
     valid = np.ones((B, K, Gp, T), bool)
-    for b, s in empty:                                        # split s of row b has no key
-        valid[b, :, :, s * keys_per_split:(s + 1) * keys_per_split] = False
+    for b, s in empty:  # split s of row b has no key
+        valid[b, :, :, s * keys_per_split : (s + 1) * keys_per_split] = False
     sc = np.where(valid, scores, -np.inf)
     o = np.zeros((B, K, S, Gp, H))
     lse = np.full((B, K, S, Gp), -np.inf)
     for s in range(S):
-        part = sc[..., s * keys_per_split:(s + 1) * keys_per_split]
+        part = sc[..., s * keys_per_split : (s + 1) * keys_per_split]
         m = part.max(-1, keepdims=True)
         m = np.where(np.isfinite(m), m, 0.0)
         e = np.exp(part - m)
         den = e.sum(-1)
-        vs = v[:, :, s * keys_per_split:(s + 1) * keys_per_split]
-        o[:, :, s] = (np.einsum("bkgt,bkth->bkgh", e, vs)
-                      / np.where(den > 0, den, 1)[..., None])
+        vs = v[:, :, s * keys_per_split : (s + 1) * keys_per_split]
+        o[:, :, s] = np.einsum("bkgt,bkth->bkgh", e, vs) / np.where(den > 0, den, 1)[..., None]
         lse[:, :, s] = np.where(den > 0, m[..., 0] + np.log(np.where(den > 0, den, 1)), -np.inf)
     m = sc.max(-1, keepdims=True)
     e = np.exp(sc - np.where(np.isfinite(m), m, 0))
@@ -314,19 +409,24 @@ def split_attention(seed, *, B, K, G, Gp, H, S, keys_per_split, empty=()):
     return jnp.asarray(o, jnp.float32), jnp.asarray(lse, jnp.float32), exact
 
 
-@pytest.mark.parametrize("B, K, G, Gp, H, S", [
-    (1, 8, 4, 8, 128, 8),      # Qwen3-8B at B=1, context 1024 (8 splits of 2 blocks)
-    (3, 2, 2, 8, 64, 3),       # S not a power of 2
-    (2, 1, 8, 8, 32, 5),       # G = Gp: no padding rows
-    (2, 2, 1, 8, 64, 2),
-])
+@pytest.mark.parametrize(
+    "B, K, G, Gp, H, S",
+    [
+        (1, 8, 4, 8, 128, 8),  # Qwen3-8B at B=1, context 1024 (8 splits of 2 blocks)
+        (3, 2, 2, 8, 64, 3),  # S not a power of 2
+        (2, 1, 8, 8, 32, 5),  # G = Gp: no padding rows
+        (2, 2, 1, 8, 64, 2),
+    ],
+)
 def test_combine_splits_is_exact_attention(B, K, G, Gp, H, S):
     """The jnp split combine against a float32 softmax over all the keys at once (an independent
     check of the log-sum-exp arithmetic); an empty split weighs nothing, all empty gives zeros."""
-    o, lse, exact = split_attention(0, B=B, K=K, G=G, Gp=Gp, H=H, S=S, keys_per_split=5,
-                                    empty=[(0, S - 1)])
+    o, lse, exact = split_attention(
+        0, B=B, K=K, G=G, Gp=Gp, H=H, S=S, keys_per_split=5, empty=[(0, S - 1)]
+    )
     got = mosaic.combine_splits(o, lse, num_heads=K * G, out_dtype=jnp.float32)
     np.testing.assert_allclose(np.asarray(got), exact, rtol=1e-5, atol=1e-5)
-    empty = mosaic.combine_splits(o * 0, jnp.full_like(lse, -jnp.inf), num_heads=K * G,
-                                  out_dtype=jnp.bfloat16)
+    empty = mosaic.combine_splits(
+        o * 0, jnp.full_like(lse, -jnp.inf), num_heads=K * G, out_dtype=jnp.bfloat16
+    )
     assert empty.dtype == jnp.bfloat16 and np.all(np.asarray(empty, np.float32) == 0)

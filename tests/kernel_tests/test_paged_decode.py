@@ -25,18 +25,90 @@ from .modes import GPU
 # name: (page_size, H, N, K, M, lens, dtype, L, layer, k_splits, pages_per_block, extra kwargs)
 # lens use ps = page_size and mx = M * page_size; 0 is a padded row.
 CASES = {
-    "p16_h64_g1_f32_edges": (16, 64, 2, 2, 4, ["1", "ps-1", "ps", "ps+1", "mx", "0", "37"],
-                             "float32", 2, 1, 1, 2, {}),
-    "p16_h128_g4_f32_split3": (16, 128, 8, 2, 5, ["mx", "1", "0", "33", "ps+1"], "float32", 2, 0, 3,
-                               1, {}),
-    "p64_h64_g2_bf16_split2": (64, 64, 4, 2, 2, ["1", "ps-1", "ps", "ps+1", "mx", "101"],
-                               "bfloat16", 2, 1, 2, 1, {}),
-    "p32_h128_g8_bf16": (32, 128, 16, 2, 3, ["mx", "ps+1", "0", "45", "ps-1"], "bfloat16", 1, 0, 1,
-                         2, {}),
-    "p16_h64_g2_f32_softcap_window": (16, 64, 4, 2, 4, ["mx", "ps+1", "1", "50"], "float32", 2, 1,
-                                      2, 1, {"soft_cap": 5.0, "sliding_window": 21}),
-    "p16_h64_g4_f32_many_splits": (16, 64, 4, 1, 4, ["mx", "3", "0", "ps+1"], "float32", 1, 0, 8, 1,
-                                   {}),
+    "p16_h64_g1_f32_edges": (
+        16,
+        64,
+        2,
+        2,
+        4,
+        ["1", "ps-1", "ps", "ps+1", "mx", "0", "37"],
+        "float32",
+        2,
+        1,
+        1,
+        2,
+        {},
+    ),
+    "p16_h128_g4_f32_split3": (
+        16,
+        128,
+        8,
+        2,
+        5,
+        ["mx", "1", "0", "33", "ps+1"],
+        "float32",
+        2,
+        0,
+        3,
+        1,
+        {},
+    ),
+    "p64_h64_g2_bf16_split2": (
+        64,
+        64,
+        4,
+        2,
+        2,
+        ["1", "ps-1", "ps", "ps+1", "mx", "101"],
+        "bfloat16",
+        2,
+        1,
+        2,
+        1,
+        {},
+    ),
+    "p32_h128_g8_bf16": (
+        32,
+        128,
+        16,
+        2,
+        3,
+        ["mx", "ps+1", "0", "45", "ps-1"],
+        "bfloat16",
+        1,
+        0,
+        1,
+        2,
+        {},
+    ),
+    "p16_h64_g2_f32_softcap_window": (
+        16,
+        64,
+        4,
+        2,
+        4,
+        ["mx", "ps+1", "1", "50"],
+        "float32",
+        2,
+        1,
+        2,
+        1,
+        {"soft_cap": 5.0, "sliding_window": 21},
+    ),
+    "p16_h64_g4_f32_many_splits": (
+        16,
+        64,
+        4,
+        1,
+        4,
+        ["mx", "3", "0", "ps+1"],
+        "float32",
+        1,
+        0,
+        8,
+        1,
+        {},
+    ),
 }
 
 TOL = {"float32": 1e-5, "bfloat16": 1e-2}
@@ -51,9 +123,9 @@ def make_case(name: str, seed: int = 0):
     page_size, H, N, K, M, lens, dtype, L, layer, k_splits, ppb, extra = CASES[name]
     rng = np.random.default_rng(seed)
     B = len(lens)
-    P = B * M + 3                                        # spare pages; page 0 is the null page
+    P = B * M + 3  # spare pages; page 0 is the null page
     seq_lens = np.array([_len(e, page_size, M) for e in lens], np.int32)
-    pages = rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32)
+    pages = rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32)
     n_used = -(-seq_lens // page_size)
     block_tables = np.where(np.arange(M)[None, :] < n_used[:, None], pages, 0).astype(np.int32)
     dt = jnp.dtype(dtype)
@@ -61,7 +133,7 @@ def make_case(name: str, seed: int = 0):
     k_pool = jnp.asarray(rng.standard_normal((L, P, K, page_size, H)), dt)
     v_pool = jnp.asarray(rng.standard_normal((L, P, K, page_size, H)), dt)
     args = (q, k_pool, v_pool, jnp.asarray(block_tables), jnp.asarray(seq_lens))
-    kwargs = dict(layer=layer, scale=H ** -0.5, **extra)
+    kwargs = dict(layer=layer, scale=H**-0.5, **extra)
     return args, kwargs, dict(k_splits=k_splits, pages_per_block=ppb), dtype
 
 
@@ -72,8 +144,13 @@ def check_against_reference(out, args, kwargs, dtype):
     # "highest": on a GPU, XLA's default float32 matmul is tf32 (~3e-4 error), not a reference.
     with jax.default_matmul_precision("highest"):
         ref = reference.paged_decode_attention(
-            q.astype(jnp.float32), k_pool.astype(jnp.float32), v_pool.astype(jnp.float32), bt,
-            seq_lens, **kwargs)
+            q.astype(jnp.float32),
+            k_pool.astype(jnp.float32),
+            v_pool.astype(jnp.float32),
+            bt,
+            seq_lens,
+            **kwargs,
+        )
     out = np.asarray(out.astype(jnp.float32))
     ref = np.asarray(ref)
     assert out.shape == ref.shape
@@ -116,8 +193,9 @@ def test_traced_layer_in_scan(variant, mode):
     kwargs = {k: v for k, v in kwargs.items() if k != "layer"}
 
     def step(carry, layer):
-        return carry, run(variant, mode, q, k_pool, v_pool, bt, seq_lens, layer=layer, **kwargs,
-                          **knobs)
+        return carry, run(
+            variant, mode, q, k_pool, v_pool, bt, seq_lens, layer=layer, **kwargs, **knobs
+        )
 
     _, outs = jax.jit(lambda: jax.lax.scan(step, 0, jnp.arange(k_pool.shape[0])))()
     for layer in range(k_pool.shape[0]):
@@ -130,12 +208,12 @@ def qwen3_case():
     B, N, K, H, ps, M, L = 6, 32, 8, 128, 16, 40, 2
     P = B * M + 1
     seq_lens = np.array([640, 1, 0, 17, 333, 600], np.int32)
-    pages = rng.permutation(np.arange(1, P))[:B * M].reshape(B, M).astype(np.int32)
+    pages = rng.permutation(np.arange(1, P))[: B * M].reshape(B, M).astype(np.int32)
     q = jnp.asarray(rng.standard_normal((B, N, H)), jnp.bfloat16)
     k_pool = jnp.asarray(rng.standard_normal((L, P, K, ps, H)), jnp.bfloat16)
     v_pool = jnp.asarray(rng.standard_normal((L, P, K, ps, H)), jnp.bfloat16)
     args = (q, k_pool, v_pool, jnp.asarray(pages), jnp.asarray(seq_lens))
-    return args, dict(layer=1, scale=H ** -0.5), "bfloat16"
+    return args, dict(layer=1, scale=H**-0.5), "bfloat16"
 
 
 @pytest.mark.parametrize("variant, mode", RUNS)
@@ -149,7 +227,8 @@ def test_default_knobs(variant, mode):
         args, kwargs, dtype = qwen3_case()
         fn = VARIANTS[variant]
         out = jax.jit(lambda *a: fn(*a[:5], layer=a[5], scale=kwargs["scale"]))(
-            *args, jnp.int32(kwargs["layer"]))
+            *args, jnp.int32(kwargs["layer"])
+        )
     check_against_reference(out, args, kwargs, dtype)
 
 
@@ -157,27 +236,32 @@ def test_combine_splits_matches_full_softmax():
     """`combine_splits` on partials cut at random points equals the one-pass softmax (numpy)."""
     rng = np.random.default_rng(3)
     S, R, H, T = 4, 5, 8, 23
-    x = rng.standard_normal((R, T)) * 3                       # logits in log2 units
+    x = rng.standard_normal((R, T)) * 3  # logits in log2 units
     v = rng.standard_normal((T, H))
     cuts = np.sort(rng.choice(np.arange(1, T), S - 2, replace=False))
-    bounds = [0, *cuts, T, T]                                 # the last split is empty
+    bounds = [0, *cuts, T, T]  # the last split is empty
     acc, m, l = [], [], []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi == lo:
-            m.append(np.full(R, triton_pallas.NEG_INIT)); l.append(np.zeros(R))
+            m.append(np.full(R, triton_pallas.NEG_INIT))
+            l.append(np.zeros(R))
             acc.append(np.zeros((R, H)))
             continue
         ms = x[:, lo:hi].max(1)
         p = np.exp2(x[:, lo:hi] - ms[:, None])
-        m.append(ms); l.append(p.sum(1)); acc.append(p @ v[lo:hi])
-    out = triton_pallas.combine_splits(*(jnp.asarray(np.stack(a), jnp.float32)
-                                         for a in (acc, m, l)))
+        m.append(ms)
+        l.append(p.sum(1))
+        acc.append(p @ v[lo:hi])
+    out = triton_pallas.combine_splits(
+        *(jnp.asarray(np.stack(a), jnp.float32) for a in (acc, m, l))
+    )
     w = np.exp2(x - x.max(1, keepdims=True))
     expect = (w / w.sum(1, keepdims=True)) @ v
     np.testing.assert_allclose(np.asarray(out), expect, rtol=1e-5, atol=1e-6)
     # all splits empty (seq_len 0): zeros, not NaN
-    empty = triton_pallas.combine_splits(jnp.zeros((2, R, H)), jnp.full((2, R), -1e30),
-                                         jnp.zeros((2, R)))
+    empty = triton_pallas.combine_splits(
+        jnp.zeros((2, R, H)), jnp.full((2, R), -1e30), jnp.zeros((2, R))
+    )
     assert np.all(np.asarray(empty) == 0)
 
 
@@ -194,37 +278,82 @@ def test_bad_input_raises():
     with pytest.raises(ValueError, match="sliding_window"):
         fn(*args, **dict(kwargs, sliding_window=0), interpret=True)
     with pytest.raises(ValueError, match="page_size=24"):
-        fn(q, k_pool[:, :, :, :12].repeat(2, axis=3), v_pool[:, :, :, :12].repeat(2, axis=3), bt,
-           seq_lens, **kwargs, interpret=True)
+        fn(
+            q,
+            k_pool[:, :, :, :12].repeat(2, axis=3),
+            v_pool[:, :, :, :12].repeat(2, axis=3),
+            bt,
+            seq_lens,
+            **kwargs,
+            interpret=True,
+        )
 
 
 def test_tuning_lookup_and_json(tmp_path):
-    base = tuning.lookup("triton", device_kind="NVIDIA H200", page_size=16, head_dim=128, group=4,
-                         dtype=jnp.bfloat16, path=tmp_path / "absent.json")
+    base = tuning.lookup(
+        "triton",
+        device_kind="NVIDIA H200",
+        page_size=16,
+        head_dim=128,
+        group=4,
+        dtype=jnp.bfloat16,
+        path=tmp_path / "absent.json",
+    )
     assert set(base) == set(tuning.KNOBS)
-    rec = [{"variant": "triton", "device_kind": "NVIDIA H200", "page_size": 16, "head_dim": 128,
-            "group": 4, "dtype": "bfloat16", "knobs": {"pages_per_block": 4, "num_stages": 3}}]
+    rec = [
+        {
+            "variant": "triton",
+            "device_kind": "NVIDIA H200",
+            "page_size": 16,
+            "head_dim": 128,
+            "group": 4,
+            "dtype": "bfloat16",
+            "knobs": {"pages_per_block": 4, "num_stages": 3},
+        }
+    ]
     path = tmp_path / "tuned.json"
     path.write_text(json.dumps(rec))
-    got = tuning.lookup("triton", device_kind="NVIDIA H200", page_size=16, head_dim=128, group=4,
-                        dtype=jnp.bfloat16, path=path)
+    got = tuning.lookup(
+        "triton",
+        device_kind="NVIDIA H200",
+        page_size=16,
+        head_dim=128,
+        group=4,
+        dtype=jnp.bfloat16,
+        path=path,
+    )
     assert got["pages_per_block"] == 4 and got["num_stages"] == 3
     assert got["num_warps"] == base["num_warps"]
-    other = tuning.lookup("triton", device_kind="NVIDIA H200", page_size=16, head_dim=128,
-                          group=8, dtype=jnp.bfloat16, path=path)
+    other = tuning.lookup(
+        "triton",
+        device_kind="NVIDIA H200",
+        page_size=16,
+        head_dim=128,
+        group=8,
+        dtype=jnp.bfloat16,
+        path=path,
+    )
     assert other == base
     path.write_text(json.dumps([dict(rec[0], knobs={"block_q": 2})]))
     with pytest.raises(ValueError, match="unknown knobs"):
-        tuning.lookup("triton", device_kind="NVIDIA H200", page_size=16, head_dim=128, group=4,
-                      dtype=jnp.bfloat16, path=path)
+        tuning.lookup(
+            "triton",
+            device_kind="NVIDIA H200",
+            page_size=16,
+            head_dim=128,
+            group=4,
+            dtype=jnp.bfloat16,
+            path=path,
+        )
     with pytest.raises(ValueError, match="unknown variant"):
-        tuning.lookup("nope", device_kind="x", page_size=16, head_dim=128, group=4,
-                      dtype=jnp.bfloat16)
+        tuning.lookup(
+            "nope", device_kind="x", page_size=16, head_dim=128, group=4, dtype=jnp.bfloat16
+        )
 
 
 def test_choose_k_splits():
-    assert tuning.choose_k_splits(64, 8, 16, 264) == 1      # 512 programs already
-    assert tuning.choose_k_splits(1, 8, 16, 264) == 16       # capped at one split per block
+    assert tuning.choose_k_splits(64, 8, 16, 264) == 1  # 512 programs already
+    assert tuning.choose_k_splits(1, 8, 16, 264) == 16  # capped at one split per block
     assert tuning.choose_k_splits(4, 8, 128, 264) == 9
     assert tuning.choose_k_splits(0, 8, 0, 264) == 1
 
@@ -249,9 +378,12 @@ def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
     params = models.init_params(cfg, jax.random.key(0), jnp.float32)
     rng = np.random.default_rng(0)
     pool = (cfg.num_layers, 8, cfg.num_kv_heads, 4, cfg.head_dim)
-    kv = KVCache(jnp.asarray(rng.standard_normal(pool), jnp.float32),
-                 jnp.asarray(rng.standard_normal(pool), jnp.float32),
-                 jnp.asarray([[3, 5], [2, 7]], jnp.int32), jnp.asarray([6, 3], jnp.int32))
+    kv = KVCache(
+        jnp.asarray(rng.standard_normal(pool), jnp.float32),
+        jnp.asarray(rng.standard_normal(pool), jnp.float32),
+        jnp.asarray([[3, 5], [2, 7]], jnp.int32),
+        jnp.asarray([6, 3], jnp.int32),
+    )
     tok = jnp.asarray([[7], [11]], jnp.int32)
     pos, slots = jnp.asarray([[5], [2]], jnp.int32), jnp.asarray([[21], [10]], jnp.int32)
 
@@ -261,8 +393,12 @@ def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
     jaxpr = jax.make_jaxpr(lambda p, c: step(p, c, attn))(params, kv).jaxpr
     layers = [e for e in jaxpr.eqns if e.params.get("name") == "decoder_layer"]
     assert len(layers) == cfg.num_layers  # one jitted layer body, the layer index an argument
-    calls = [e for lay in layers for e in lay.params["jaxpr"].jaxpr.eqns
-             if e.params.get("name") == "decode_step"]
+    calls = [
+        e
+        for lay in layers
+        for e in lay.params["jaxpr"].jaxpr.eqns
+        if e.params.get("name") == "decode_step"
+    ]
     assert len(calls) == cfg.num_layers
     assert len({id(e.params["jaxpr"]) for e in calls}) == 1
     text = jax.jit(lambda p, c: step(p, c, attn)).lower(params, kv).as_text()

@@ -22,10 +22,10 @@ from jaxinfer.models.layers import StepContext
 from jaxinfer.models.llama import attention_heads
 from pallas_kernels.kv_quant import FP8
 from pallas_kernels.paged_attention import prefill_triton
-
 from tests.kernel_tests.test_fp8_kv import np_fp8
 
-from .test_model_kernels import PAGE, _cfg as tiny_cfg, kernel_config
+from .test_model_kernels import PAGE, kernel_config
+from .test_model_kernels import _cfg as tiny_cfg
 
 
 @pytest.fixture(scope="module")
@@ -39,16 +39,26 @@ def run_steps(cfg, params, kv, mk):
     """A prefill chunk (rows of 5 and 3 new tokens after 6 and 0 cached) then one decode step
     -> (hidden of both steps, cache)."""
     tok = jnp.asarray(np.arange(10).reshape(2, 5) % cfg.vocab_size, jnp.int32)
-    pos = jnp.asarray([[6, 7, 8, 9, 10], [0, 1, 2, 3, 3]], jnp.int32)      # row 1: 4 real
+    pos = jnp.asarray([[6, 7, 8, 9, 10], [0, 1, 2, 3, 3]], jnp.int32)  # row 1: 4 real
     slot = kv.block_tables[jnp.arange(2)[:, None], pos // PAGE] * PAGE + pos % PAGE
-    slot = slot.at[1, 4].set(0)                                            # padding: null page
+    slot = slot.at[1, 4].set(0)  # padding: null page
     fwd = jax.jit(functools.partial(models.forward, cfg=cfg, kernels=mk))
-    h1, kv = fwd(params, tokens=tok, positions=pos, slot_mapping=slot,
-                 kv=kv.replace(seq_lens=jnp.asarray([11, 4], jnp.int32)))
+    h1, kv = fwd(
+        params,
+        tokens=tok,
+        positions=pos,
+        slot_mapping=slot,
+        kv=kv.replace(seq_lens=jnp.asarray([11, 4], jnp.int32)),
+    )
     pos2 = jnp.asarray([[11], [4]], jnp.int32)
     slot2 = kv.block_tables[jnp.arange(2)[:, None], pos2 // PAGE] * PAGE + pos2 % PAGE
-    h2, kv = fwd(params, tokens=tok[:, :1], positions=pos2, slot_mapping=slot2,
-                 kv=kv.replace(seq_lens=jnp.asarray([12, 5], jnp.int32)))
+    h2, kv = fwd(
+        params,
+        tokens=tok[:, :1],
+        positions=pos2,
+        slot_mapping=slot2,
+        kv=kv.replace(seq_lens=jnp.asarray([12, 5], jnp.int32)),
+    )
     return jnp.concatenate([h1[0], h1[1, :4], h2[:, 0]]), kv
 
 
@@ -68,8 +78,10 @@ def fresh_kv(cfg, dtype, scales=None, means=None):
         return kv
     zero = jnp.zeros((cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
     (ks, vs), (km, vm) = scales, (m[:, None, :, None] for m in means or (zero, zero))
-    k, v = (jnp.clip((p - m) / s[:, None, :, None, None], -448, 448).astype(dtype)
-            for p, s, m in ((kv.k, ks, km), (kv.v, vs, vm)))
+    k, v = (
+        jnp.clip((p - m) / s[:, None, :, None, None], -448, 448).astype(dtype)
+        for p, s, m in ((kv.k, ks, km), (kv.v, vs, vm))
+    )
     return kv.replace(k=k, v=v, k_scale=ks, v_scale=vs)
 
 
@@ -77,9 +89,9 @@ def f32_prologue(qkv, wq, wk, cos, sin, *, N, K, H, eps=1e-6):
     """Independent float32 oracle of the K/V a layer writes: qkv [B, T, (N + 2K) * H] -> k (HF
     RMSNorm by ``wk``, then ``rotate_half`` RoPE), v f32[B, T, K, H]."""
     heads = jnp.asarray(qkv, jnp.float32).reshape(*qkv.shape[:2], N + 2 * K, H)
-    k, v = heads[:, :, N:N + K], heads[:, :, N + K:]
+    k, v = heads[:, :, N : N + K], heads[:, :, N + K :]
     k = k * jax.lax.rsqrt(jnp.mean(k * k, axis=-1, keepdims=True) + eps) * wk
-    k1, k2 = k[..., :H // 2], k[..., H // 2:]
+    k1, k2 = k[..., : H // 2], k[..., H // 2 :]
     c, s = cos[:, :, None], sin[:, :, None]
     return jnp.concatenate([k1 * c - k2 * s, k2 * c + k1 * s], axis=-1), v
 
@@ -95,27 +107,48 @@ def test_model_writes_fp8_pages():
     wq, wk = (jnp.asarray(1 + 0.1 * rng.standard_normal(H), jnp.float32) for _ in range(2))
     ang = rng.integers(0, 4096, (B, T, 1)) * 10000.0 ** (-np.arange(0, H, 2) / H)
     cos, sin = jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
-    slots = (rng.permutation((P - 1) * ps)[:B * T] + ps).reshape(B, T).astype(np.int32)  # no null
+    slots = (rng.permutation((P - 1) * ps)[: B * T] + ps).reshape(B, T).astype(np.int32)  # no null
     ks, vs = (rng.uniform(0.005, 0.05, (L, K)).astype(np.float32) for _ in range(2))
     km, vm = (rng.uniform(-1, 1, (L, K, H)).astype(np.float32) for _ in range(2))
     zeros = jnp.zeros((L, P, K, ps, H), FP8)
-    ctx = StepContext(jnp.zeros((B, T), jnp.int32), jnp.asarray(slots),
-                      jnp.zeros((B, 1), jnp.int32), jnp.zeros((B,), jnp.int32), cos, sin,
-                      k_scale=jnp.asarray(ks), v_scale=jnp.asarray(vs), k_mean=jnp.asarray(km),
-                      v_mean=jnp.asarray(vm))
-    _, kp, vp = attention_heads(qkv, zeros, zeros, ctx, wq, wk, kernels=ModelKernels(), layer=1,
-                                num_heads=N, num_kv_heads=K, eps=1e-6)
+    ctx = StepContext(
+        jnp.zeros((B, T), jnp.int32),
+        jnp.asarray(slots),
+        jnp.zeros((B, 1), jnp.int32),
+        jnp.zeros((B,), jnp.int32),
+        cos,
+        sin,
+        k_scale=jnp.asarray(ks),
+        v_scale=jnp.asarray(vs),
+        k_mean=jnp.asarray(km),
+        v_mean=jnp.asarray(vm),
+    )
+    _, kp, vp = attention_heads(
+        qkv,
+        zeros,
+        zeros,
+        ctx,
+        wq,
+        wk,
+        kernels=ModelKernels(),
+        layer=1,
+        num_heads=N,
+        num_kv_heads=K,
+        eps=1e-6,
+    )
     page, off = slots // ps, slots % ps
-    for pool, want, s, m in zip((kp, vp), f32_prologue(qkv, wq, wk, cos, sin, N=N, K=K, H=H),
-                                (ks, vs), (km, vm)):
+    for pool, want, s, m in zip(
+        (kp, vp), f32_prologue(qkv, wq, wk, cos, sin, N=N, K=K, H=H), (ks, vs), (km, vm)
+    ):
         assert pool.dtype == FP8
-        want = np_fp8(np.asarray(want) - m[1], s[1][:, None])          # [B, T, K, H]
+        want = np_fp8(np.asarray(want) - m[1], s[1][:, None])  # [B, T, K, H]
         got = np.asarray(pool).astype(np.float32)
-        np.testing.assert_allclose(got[1, page, :, off], want.astype(np.float32),
-                                   rtol=2.0 ** -3, atol=2.0 ** -9)
+        np.testing.assert_allclose(
+            got[1, page, :, off], want.astype(np.float32), rtol=2.0**-3, atol=2.0**-9
+        )
         assert np.mean(np.asarray(pool)[1, page, :, off] == want) > 0.99
         got[1, page, :, off] = 0
-        assert not got.any()                                            # layer 0, other slots
+        assert not got.any()  # layer 0, other slots
 
 
 @pytest.mark.parametrize("dtype", [FP8, jnp.bfloat16])
@@ -125,13 +158,17 @@ def test_pools_kept_as_integers_run_as_their_pages(model, dtype):
     cfg, params = model
     kv = fresh_kv(cfg, jnp.float32)
     scales = tuple(jnp.max(jnp.abs(p), axis=(1, 3, 4)) / 240.0 for p in (kv.k, kv.v))
-    kv = (fresh_kv(cfg, FP8, scales) if dtype == FP8 else
-          kv.replace(k=kv.k.astype(dtype), v=kv.v.astype(dtype)))
+    kv = (
+        fresh_kv(cfg, FP8, scales)
+        if dtype == FP8
+        else kv.replace(k=kv.k.astype(dtype), v=kv.v.astype(dtype))
+    )
     stored = stored_dtype(dtype, "cpu")
     assert stored.itemsize == jnp.dtype(dtype).itemsize and page_dtype(stored) == dtype
     h, got = run_steps(cfg, params, kv, ModelKernels())
-    h_st, got_st = run_steps(cfg, params, kv.replace(k=kv.k.view(stored), v=kv.v.view(stored)),
-                             ModelKernels())
+    h_st, got_st = run_steps(
+        cfg, params, kv.replace(k=kv.k.view(stored), v=kv.v.view(stored)), ModelKernels()
+    )
     assert got_st.k.dtype == stored
     np.testing.assert_array_equal(np.asarray(h_st), np.asarray(h))
     for a, b in ((got_st.k, got.k), (got_st.v, got.v)):
@@ -144,14 +181,19 @@ def test_triton_kernels_on_fp8_pages_match_the_jnp_path(model, monkeypatch):
     its float32-KV run, with scales from that run's K/V amax (a scale applied wrongly is off by
     orders of magnitude)."""
     from jaxinfer.models import kernels
+
     cfg, params = model
     h32, kv32 = run_steps(cfg, params, fresh_kv(cfg, jnp.float32), ModelKernels())
     scales = tuple(jnp.max(jnp.abs(p), axis=(1, 3, 4)) / 240.0 for p in (kv32.k, kv32.v))
-    monkeypatch.setattr(kernels.registry, "get_prefill", lambda name: functools.partial(
-        prefill_triton.paged_prefill_attention, interpret=True))
+    monkeypatch.setattr(
+        kernels.registry,
+        "get_prefill",
+        lambda name: functools.partial(prefill_triton.paged_prefill_attention, interpret=True),
+    )
     knobs = dict(interpret=True, pages_per_block=4, num_warps=4, num_stages=1, k_splits=2)
-    mk = model_kernels(kernel_config(decode_attention="triton", prefill_attention="triton"),
-                       decode_knobs=knobs)
+    mk = model_kernels(
+        kernel_config(decode_attention="triton", prefill_attention="triton"), decode_knobs=knobs
+    )
     with jax.default_matmul_precision("highest"):
         h_ref, kv_ref = run_steps(cfg, params, fresh_kv(cfg, FP8, scales), ModelKernels())
         h, kv = run_steps(cfg, params, fresh_kv(cfg, FP8, scales), mk)
@@ -172,18 +214,27 @@ def test_smoothing_means_cancel(model):
     h32, kv32 = run_steps(cfg, params, fresh_kv(cfg, jnp.float32), ModelKernels())
     rng = np.random.default_rng(7)
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    km, vm = (jnp.asarray(rng.uniform(-1, 1, shape), jnp.float32) * jnp.max(jnp.abs(p))
-              for p in (kv32.k, kv32.v))
-    scales = tuple(jnp.max(jnp.abs(p - m[:, None, :, None]), axis=(1, 3, 4)) / 240.0
-                   for p, m in ((kv32.k, km), (kv32.v, vm)))
+    km, vm = (
+        jnp.asarray(rng.uniform(-1, 1, shape), jnp.float32) * jnp.max(jnp.abs(p))
+        for p in (kv32.k, kv32.v)
+    )
+    scales = tuple(
+        jnp.max(jnp.abs(p - m[:, None, :, None]), axis=(1, 3, 4)) / 240.0
+        for p, m in ((kv32.k, km), (kv32.v, vm))
+    )
     kv = fresh_kv(cfg, FP8, scales, (km, vm)).replace(k_mean=km)
-    rel = [float(jnp.linalg.norm(h - h32) / jnp.linalg.norm(h32)) for h, _ in (
-        run_steps(cfg, params, kv.replace(v_mean=vm), ModelKernels()),
-        run_steps(cfg, params, kv, ModelKernels()))]                  # pages hold v - vm
+    rel = [
+        float(jnp.linalg.norm(h - h32) / jnp.linalg.norm(h32))
+        for h, _ in (
+            run_steps(cfg, params, kv.replace(v_mean=vm), ModelKernels()),
+            run_steps(cfg, params, kv, ModelKernels()),
+        )
+    ]  # pages hold v - vm
     assert 1e-4 < rel[0] < 1e-1 and rel[1] > 0.5, rel
     f32 = fresh_kv(cfg, jnp.float32).replace(k_mean=km, v_mean=vm)
-    np.testing.assert_array_equal(np.asarray(run_steps(cfg, params, f32, ModelKernels())[0]),
-                                  np.asarray(h32))
+    np.testing.assert_array_equal(
+        np.asarray(run_steps(cfg, params, f32, ModelKernels())[0]), np.asarray(h32)
+    )
 
 
 def test_engine_generates_with_fp8_kv(tiny_cfg, tiny_params):
@@ -210,13 +261,17 @@ def test_pool_holds_twice_the_tokens_of_bf16():
     a quarter of float32 ones (the CPU budget, capped at CPU_KV_BUDGET_BYTES)."""
     cfg = ModelConfig("qwen3", 1024, 512, 1024, 4, 8, 4, 64)
     stats = {"bytes_limit": 10 * GIB, "bytes_in_use": 1 * GIB}
-    pages = {kv: engine_pool_pages(resolve(cfg, EngineConfig(kv_cache_dtype=kv), "gpu"), stats)
-             for kv in ("auto", "fp8")}
-    page_bytes = 16 * 2 * 4 * 4 * 64 * 2                                  # bf16
+    pages = {
+        kv: engine_pool_pages(resolve(cfg, EngineConfig(kv_cache_dtype=kv), "gpu"), stats)
+        for kv in ("auto", "fp8")
+    }
+    page_bytes = 16 * 2 * 4 * 4 * 64 * 2  # bf16
     assert pages["auto"] == int((0.9 * 10 - 1) * GIB) // page_bytes
     assert pages["fp8"] == int((0.9 * 10 - 1) * GIB) // (page_bytes // 2)
     assert pages["fp8"] in (2 * pages["auto"], 2 * pages["auto"] + 1)
     big = dict(max_num_seqs=1024, max_model_len=4096)  # more than the CPU budget holds
-    cpu = {kv: engine_pool_pages(resolve(cfg, EngineConfig(kv_cache_dtype=kv, **big), "cpu"),
-                                 None) for kv in ("auto", "fp8")}
+    cpu = {
+        kv: engine_pool_pages(resolve(cfg, EngineConfig(kv_cache_dtype=kv, **big), "cpu"), None)
+        for kv in ("auto", "fp8")
+    }
     assert cpu["fp8"] == 4 * cpu["auto"]

@@ -26,15 +26,19 @@ def np_scales(w: np.ndarray, block) -> np.ndarray:
         amax = np.abs(w).max(0)
     else:
         bo, bi = block
-        amax = np.array([[np.abs(w[i:i + bi, o:o + bo]).max() for o in range(0, w.shape[1], bo)]
-                         for i in range(0, w.shape[0], bi)])
+        amax = np.array(
+            [
+                [np.abs(w[i : i + bi, o : o + bo]).max() for o in range(0, w.shape[1], bo)]
+                for i in range(0, w.shape[0], bi)
+            ]
+        )
     return np.where(amax > 0, amax / 448.0, 1.0).astype(np.float32)
 
 
 def np_expand(s: np.ndarray, shape, block) -> np.ndarray:
     if block is None:
         return np.broadcast_to(s[None], shape)
-    return np.repeat(np.repeat(s, block[1], 0), block[0], 1)[:shape[0], :shape[1]]
+    return np.repeat(np.repeat(s, block[1], 0), block[0], 1)[: shape[0], : shape[1]]
 
 
 def wide_range_weights():
@@ -42,7 +46,7 @@ def wide_range_weights():
     rng = np.random.default_rng(0)
     w = rng.standard_normal((200, 300)) * np.logspace(-4, 1, 300)[None]
     w[:, 7] = 0.0
-    w[3, 11] = 1e-7                   # a tiny entry beside large ones in its block
+    w[3, 11] = 1e-7  # a tiny entry beside large ones in its block
     return w.astype(np.float32)
 
 
@@ -54,9 +58,9 @@ def test_quantize_error_within_half_an_ulp(block):
     np.testing.assert_allclose(np.asarray(s), np_scales(w, block), rtol=1e-6)
     es = np_expand(np_scales(w, block), w.shape, block).astype(np.float64)
     qf = np.asarray(q).astype(np.float64)
-    x = w / es                                                   # in units of the scale
+    x = w / es  # in units of the scale
     # e4m3: 3 mantissa bits, so half an ulp is <= |x| 2^-4 for normals, 2^-10 below 2^-6
-    bound = np.maximum(np.abs(x) * 2.0 ** -4, 2.0 ** -10) * es
+    bound = np.maximum(np.abs(x) * 2.0**-4, 2.0**-10) * es
     err = np.abs(w - qf * es)
     assert np.all(err <= bound * (1 + 1e-6)), float((err / bound).max())
     assert np.abs(qf).max() == 448.0 and np.all(qf[:, 7] == 0)
@@ -75,23 +79,25 @@ def test_dense_matches_float32_reference_on_dequantised_weights(block):
     assert got.shape == (3, 5, 300) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     got16 = np.asarray(dense(jnp.asarray(x, jnp.bfloat16), Weight(q, s, block)), np.float64)
-    assert np.abs(got16 - want).max() < 2e-2 * np.abs(want).max()   # bf16 inputs and output
+    assert np.abs(got16 - want).max() < 2e-2 * np.abs(want).max()  # bf16 inputs and output
 
 
 @pytest.mark.parametrize("block", [None, (128, 128)])
 def test_declared_tree_and_quantised_init(block):
     cfg = ModelConfig(**dict(TINY, architecture="llama", weight_block_size=block))
     abstract = models.abstract_params(cfg, jnp.bfloat16, "fp8")
-    params = jax.eval_shape(lambda k: models.init_params(cfg, k, jnp.bfloat16, "fp8"),
-                            jax.random.key(0))
+    params = jax.eval_shape(
+        lambda k: models.init_params(cfg, k, jnp.bfloat16, "fp8"), jax.random.key(0)
+    )
     spec = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), abstract)
     assert jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), params) == spec
     layer = spec["layers"]["1"]
     for name in QUANTIZED:
         shape, dtype = layer[name]
         assert dtype == jnp.float8_e4m3fn and layer[name + "_scale"][1] == jnp.float32
-        assert layer[name + "_scale"][0] == ((shape[1],) if block is None else
-                                             (-(-shape[0] // 128), -(-shape[1] // 128)))
+        assert layer[name + "_scale"][0] == (
+            (shape[1],) if block is None else (-(-shape[0] // 128), -(-shape[1] // 128))
+        )
     assert spec["embed"][1] == jnp.bfloat16 and spec["lm_head"][1] == jnp.bfloat16
     assert spec["layers"]["0"]["attn_norm"][1] == jnp.bfloat16
     models.check_params(params, cfg, "fp8")
@@ -138,8 +144,10 @@ def test_engine_generates_like_float32_on_dequantised_weights(engines):
     got, want = fp8.generate(prompts, sp), ref.generate(prompts, sp)
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-        lp_g, lp_w = ([d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                      for o in (g, w))
+        lp_g, lp_w = (
+            [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+            for o in (g, w)
+        )
         np.testing.assert_allclose(lp_g, lp_w, rtol=1e-4, atol=1e-4)
 
 
@@ -151,4 +159,4 @@ def test_update_params_quantises_a_float_tree(engines):
     w = np.asarray(new["layers"]["1"]["wo"])
     np.testing.assert_allclose(np.asarray(q["wo_scale"]), np.abs(w).max(0) / 448, rtol=1e-6)
     assert q["wo"].dtype == ml_dtypes.float8_e4m3fn
-    fp8.update_params(quantize_params(params))          # an fp8 tree goes in as it is
+    fp8.update_params(quantize_params(params))  # an fp8 tree goes in as it is

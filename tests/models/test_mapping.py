@@ -80,13 +80,12 @@ def test_tied_with_lm_head_equal_to_embedding(arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_config_tied_but_lm_head_differs_warns_and_uses_lm_head(arch):
-    model = make_hf_model(arch, seed=4, tie_word_embeddings=False)   # a distinct lm_head
+    model = make_hf_model(arch, seed=4, tie_word_embeddings=False)  # a distinct lm_head
     tensors = hf_numpy_state(model)
     with pytest.warns(UserWarning, match="lm_head"):
-        params, cfg = params_from_hf(tensors, hf_cfg(model, tie_word_embeddings=True),
-                                           jnp.float32)
+        params, cfg = params_from_hf(tensors, hf_cfg(model, tie_word_embeddings=True), jnp.float32)
     assert not cfg.tie_word_embeddings and "lm_head" in params
-    assert_logits_match(model, params, cfg)   # HF with its own (untied) head
+    assert_logits_match(model, params, cfg)  # HF with its own (untied) head
 
 
 def test_config_untied_without_lm_head_warns_and_ties():
@@ -94,8 +93,7 @@ def test_config_untied_without_lm_head_warns_and_ties():
     tensors = hf_numpy_state(model)
     del tensors["lm_head.weight"]
     with pytest.warns(UserWarning, match="no 'lm_head.weight'"):
-        params, cfg = params_from_hf(tensors, hf_cfg(model, tie_word_embeddings=False),
-                                           jnp.float32)
+        params, cfg = params_from_hf(tensors, hf_cfg(model, tie_word_embeddings=False), jnp.float32)
     assert cfg.tie_word_embeddings and "lm_head" not in params
     assert_logits_match(model, params, cfg)
 
@@ -129,8 +127,9 @@ def test_fused_params_concatenate_hf_tensors_in_order(qwen3_state):
     params, _ = params_from_hf(tensors, cfg, jnp.float32)
     t = "model.layers.1."
     wqkv = np.concatenate([tensors[t + f"self_attn.{n}_proj.weight"].T for n in "qkv"], axis=1)
-    w_gate_up = np.concatenate([tensors[t + f"mlp.{n}_proj.weight"].T for n in ("gate", "up")],
-                               axis=1)
+    w_gate_up = np.concatenate(
+        [tensors[t + f"mlp.{n}_proj.weight"].T for n in ("gate", "up")], axis=1
+    )
     np.testing.assert_array_equal(np.asarray(params["layers"]["1"]["wqkv"]), wqkv)
     np.testing.assert_array_equal(np.asarray(params["layers"]["1"]["w_gate_up"]), w_gate_up)
 
@@ -143,11 +142,14 @@ def test_missing_tensor_is_named(qwen3_state):
         params_from_hf(tensors, cfg, jnp.float32)
 
 
-@pytest.mark.parametrize("extra", [
-    "model.layers.0.self_attn.q_proj.bias",        # not in the table
-    "model.layers.2.input_layernorm.weight",       # layer index >= num_layers (2)
-    "model.vision_tower.weight",                   # foreign module
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        "model.layers.0.self_attn.q_proj.bias",  # not in the table
+        "model.layers.2.input_layernorm.weight",  # layer index >= num_layers (2)
+        "model.vision_tower.weight",  # foreign module
+    ],
+)
 def test_unmapped_tensor_is_named(qwen3_state, extra):
     tensors, cfg = qwen3_state
     tensors = dict(tensors, **{extra: np.ones(64, np.float32)})
@@ -170,8 +172,9 @@ def test_rotary_buffer_is_ignored(qwen3_state):
     extra["model.rotary_emb.inv_freq"] = np.ones(8, np.float32)
     p1, _ = params_from_hf(extra, cfg, jnp.float32)
     p0, _ = params_from_hf(tensors, cfg, jnp.float32)
-    np.testing.assert_array_equal(np.asarray(p1["layers"]["0"]["wqkv"]),
-                                  np.asarray(p0["layers"]["0"]["wqkv"]))
+    np.testing.assert_array_equal(
+        np.asarray(p1["layers"]["0"]["wqkv"]), np.asarray(p0["layers"]["0"]["wqkv"])
+    )
 
 
 def test_duplicate_tensor_in_pairs(qwen3_state):
@@ -184,7 +187,7 @@ def test_duplicate_tensor_in_pairs(qwen3_state):
 def test_wrong_shape_names_both_shapes(qwen3_state):
     tensors, cfg = qwen3_state
     tensors = dict(tensors)
-    name = "model.layers.0.self_attn.k_proj.weight"        # HF [K*H, D] = (32, 64)
+    name = "model.layers.0.self_attn.k_proj.weight"  # HF [K*H, D] = (32, 64)
     tensors[name] = np.ascontiguousarray(tensors[name].T)  # (64, 32): the classic transpose bug
     with pytest.raises(ValueError, match=r"k_proj.*\(64, 32\).*expected \(32, 64\)"):
         params_from_hf(tensors, cfg, jnp.float32)
@@ -203,10 +206,12 @@ def test_duplicate_tensor_across_shards(tmp_path):
     model = make_hf_model("llama", seed=9)
     t = hf_numpy_state(model)
     names = sorted(t)
-    a, b = names[: len(names) // 2], names[len(names) // 2:]
+    a, b = names[: len(names) // 2], names[len(names) // 2 :]
     dup = "model.norm.weight" if "model.norm.weight" in a else a[0]
-    shards = {"s1.safetensors": {n: t[n] for n in a},
-              "s2.safetensors": {n: t[n] for n in b + [dup] if n in t}}
+    shards = {
+        "s1.safetensors": {n: t[n] for n in a},
+        "s2.safetensors": {n: t[n] for n in b + [dup] if n in t},
+    }
     index = {**{n: "s1.safetensors" for n in a}, **{n: "s2.safetensors" for n in b}}
     _write_dir(tmp_path, model, shards, index)
     with pytest.raises(ValueError, match=f"duplicate tensor '{dup}'.*s1.*s2"):
@@ -222,7 +227,8 @@ def test_missing_paths_are_file_not_found(tmp_path):
         load_params(tmp_path, jnp.float32)
     t = hf_numpy_state(model)
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {n: "gone.safetensors" for n in t}}))
+        json.dumps({"weight_map": {n: "gone.safetensors" for n in t}})
+    )
     with pytest.raises(FileNotFoundError, match="gone.safetensors"):
         load_params(tmp_path, jnp.float32)
 
@@ -236,8 +242,9 @@ def test_bf16_checkpoint(tmp_path):
     want = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T
     q = fused_parts(cfg)["wqkv"]["q"]
     np.testing.assert_array_equal(np.asarray(p32["layers"]["1"]["wqkv"][:, q]), want)
-    np.testing.assert_array_equal(np.asarray(p16["layers"]["1"]["wqkv"][:, q]).astype(np.float32),
-                                  want)
+    np.testing.assert_array_equal(
+        np.asarray(p16["layers"]["1"]["wqkv"][:, q]).astype(np.float32), want
+    )
     # The raw reader for safetensors builds without numpy bf16 reads the same bits.
     name = "model.layers.1.self_attn.q_proj.weight"
     raw = loader._read_raw(str(tmp_path / "model.safetensors"), name)

@@ -33,13 +33,23 @@ N_DECODE = 20
 # ----------------------------------------------------------------------------- helpers (shared)
 def make_hf_model(arch: str, seed: int = 0, **kw):
     """A tiny random HF model (float32, eval mode) with every weight random, norms included."""
-    base = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                max_position_embeddings=128, tie_word_embeddings=False)
+    base = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     base.update(kw)
     config_cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[arch]
-    model_cls = {"llama": transformers.LlamaForCausalLM,
-                 "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[
+        arch
+    ]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**base)).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -47,7 +57,7 @@ def make_hf_model(arch: str, seed: int = 0, **kw):
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)           # norms: random around 1, never all ones
+                p.copy_(1.0 + 0.2 * noise)  # norms: random around 1, never all ones
             else:
                 p.copy_(0.15 * noise)
     return model
@@ -80,17 +90,26 @@ class PagedLayout:
     def __init__(self, batch: int, max_len: int, page_size: int, seed: int = 0):
         self.page_size = page_size
         self.max_pages = -(-max_len // page_size)
-        self.num_pages = 1 + batch * self.max_pages + 3        # a few pages left unused
+        self.num_pages = 1 + batch * self.max_pages + 3  # a few pages left unused
         perm = np.random.default_rng(seed).permutation(np.arange(1, self.num_pages))
         self.block_tables = perm[: batch * self.max_pages].reshape(batch, self.max_pages)
         self.block_tables = self.block_tables.astype(np.int32)
 
     def slot(self, b: int, pos: int) -> int:
-        return int(self.block_tables[b, pos // self.page_size]) * self.page_size + pos % self.page_size
+        return (
+            int(self.block_tables[b, pos // self.page_size]) * self.page_size + pos % self.page_size
+        )
 
 
-def run_paged_greedy(params, cfg: ModelConfig, prompts, n_decode: int, page_size: int,
-                     dtype=jnp.float32, seed: int = 0):
+def run_paged_greedy(
+    params,
+    cfg: ModelConfig,
+    prompts,
+    n_decode: int,
+    page_size: int,
+    dtype=jnp.float32,
+    seed: int = 0,
+):
     """Prefill the ragged ``prompts`` (padded into one [B, T] batch), then greedy-decode.
 
     Returns (tokens per sequence: prompt + the n_decode fed tokens, logits per sequence
@@ -113,8 +132,9 @@ def run_paged_greedy(params, cfg: ModelConfig, prompts, n_decode: int, page_size
             # padded tokens write into the null page
             slots[b, t] = layout.slot(b, t) if t < lens[b] else t % page_size
     kv = KVCache(k_pool, v_pool, block_tables, jnp.asarray(lens, jnp.int32))
-    logits, kv, hidden = _step(params, cfg, jnp.asarray(tokens), jnp.asarray(positions),
-                               jnp.asarray(slots), kv)
+    logits, kv, hidden = _step(
+        params, cfg, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(slots), kv
+    )
     logits = np.asarray(logits)
     out_logits = [[logits[b, t] for t in range(lens[b])] for b in range(B)]
     seqs = [list(p) for p in prompts]
@@ -128,7 +148,9 @@ def run_paged_greedy(params, cfg: ModelConfig, prompts, n_decode: int, page_size
         slot = np.asarray([[layout.slot(b, cur[b])] for b in range(B)], np.int32)
         cur = [c + 1 for c in cur]
         kv = kv.replace(seq_lens=jnp.asarray(cur, jnp.int32))
-        logits, kv, _ = _step(params, cfg, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slot), kv)
+        logits, kv, _ = _step(
+            params, cfg, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slot), kv
+        )
         logits = np.asarray(logits)
         for b in range(B):
             out_logits[b].append(logits[b, 0])
@@ -148,21 +170,42 @@ def assert_matches_hf(model, seqs, logits, prompt_lens):
 
 
 # ----------------------------------------------------------------------------- tests
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0,
-               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 CASES = {
     # name: (arch, hf config overrides, page_size, sharded save)
-    "llama-gqa1-tied": ("llama", dict(num_attention_heads=4, num_key_value_heads=4,
-                                      tie_word_embeddings=True), 4, False),
-    "llama-gqa2-untied-sharded": ("llama", dict(num_hidden_layers=3, num_key_value_heads=2), 8,
-                                  True),
-    "llama-gqa4-llama3rope": ("llama", dict(num_attention_heads=8, num_key_value_heads=2,
-                                            rope_parameters=LLAMA3_ROPE), 4, False),
+    "llama-gqa1-tied": (
+        "llama",
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=True),
+        4,
+        False,
+    ),
+    "llama-gqa2-untied-sharded": (
+        "llama",
+        dict(num_hidden_layers=3, num_key_value_heads=2),
+        8,
+        True,
+    ),
+    "llama-gqa4-llama3rope": (
+        "llama",
+        dict(num_attention_heads=8, num_key_value_heads=2, rope_parameters=LLAMA3_ROPE),
+        4,
+        False,
+    ),
     "qwen3-tied": ("qwen3", dict(num_key_value_heads=2, tie_word_embeddings=True), 4, False),
-    "qwen3-gqa4-untied-sharded": ("qwen3", dict(num_hidden_layers=3, num_attention_heads=8,
-                                                num_key_value_heads=2), 8, True),
+    "qwen3-gqa4-untied-sharded": (
+        "qwen3",
+        dict(num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2),
+        8,
+        True,
+    ),
 }
 
 
@@ -210,12 +253,21 @@ def expected_shapes(cfg: ModelConfig) -> dict:
     """The documented layout (`jaxinfer.models.llama`), written out by hand."""
     V, D, F = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    layer = {"attn_norm": (D,), "wqkv": (D, (N + 2 * K) * H), "wo": (N * H, D), "mlp_norm": (D,),
-             "w_gate_up": (D, 2 * F), "w_down": (F, D)}
+    layer = {
+        "attn_norm": (D,),
+        "wqkv": (D, (N + 2 * K) * H),
+        "wo": (N * H, D),
+        "mlp_norm": (D,),
+        "w_gate_up": (D, 2 * F),
+        "w_down": (F, D),
+    }
     if cfg.qk_norm:
         layer.update(q_norm=(H,), k_norm=(H,))
-    shapes = {"embed": (V, D), "layers": {str(i): layer for i in range(cfg.num_layers)},
-              "final_norm": (D,)}
+    shapes = {
+        "embed": (V, D),
+        "layers": {str(i): layer for i in range(cfg.num_layers)},
+        "final_norm": (D,),
+    }
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (D, V)
     return shapes
@@ -229,8 +281,9 @@ def test_abstract_params_match_the_layout(arch, tied):
     assert shapes == expected_shapes(cfg)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(abstract))
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), params) == \
-        jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), abstract)
+    assert jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), params) == jax.tree_util.tree_map(
+        lambda x: (x.shape, x.dtype), abstract
+    )
     assert param_count(cfg) * 2 == sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
 
 
@@ -250,8 +303,11 @@ def test_check_params_rejects_mismatched_tree(tiny_cfg, tiny_params):
     models.check_params(params, cfg)
     wqkv = params["layers"]["0"]["wqkv"]
     params["layers"]["0"]["wqkv"] = wqkv.T
-    with pytest.raises(ValueError, match=r"params/layers/0/wqkv has shape \(128, 64\), "
-                                         r"expected \(64, 128\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"params/layers/0/wqkv has shape \(128, 64\), "
+        r"expected \(64, 128\)",
+    ):
         models.check_params(params, cfg)
     params["layers"]["0"]["wqkv"] = wqkv
     del params["layers"]["1"]["q_norm"]

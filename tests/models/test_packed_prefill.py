@@ -21,16 +21,29 @@ ROWS = [(0, 5), (6, 7), (4, 5)]
 
 
 def _cfg(arch):
-    return ModelConfig(architecture=arch, vocab_size=128, hidden_size=32, intermediate_size=48,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=1e4,
-                       max_position_embeddings=64, tie_word_embeddings=False, rms_norm_eps=1e-6)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rope_theta=1e4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_packed_prefill_matches_unpacked(arch):
     cfg = _cfg(arch)
     params = models.init_params(cfg, jax.random.key(1), jnp.float32)
-    params = jax.tree_util.tree_map(lambda p: p * 5.0 if p.ndim == 2 else p, params)  # sharper attention
+    params = jax.tree_util.tree_map(
+        lambda p: p * 5.0 if p.ndim == 2 else p, params
+    )  # sharper attention
     if arch == "qwen3":  # q/k norm weights away from 1, so a skipped or swapped one shows
         for lp in params["layers"].values():
             lp["q_norm"], lp["k_norm"] = lp["q_norm"] * 1.5, lp["k_norm"] * 0.5
@@ -40,7 +53,7 @@ def test_packed_prefill_matches_unpacked(arch):
     seqs = [rng.integers(0, cfg.vocab_size, t).astype(np.int32) for t in total]
     pages = rng.permutation(np.arange(1, 1 + R * M)).reshape(R, M).astype(np.int32)  # page 0: null
     shape = (cfg.num_layers, 1 + R * M, cfg.num_kv_heads, PAGE, cfg.head_dim)
-    k0 = jnp.asarray(rng.standard_normal(shape), jnp.float32)   # stale garbage, never zeros
+    k0 = jnp.asarray(rng.standard_normal(shape), jnp.float32)  # stale garbage, never zeros
     v0 = jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
     def slots(i, pos):
@@ -53,11 +66,15 @@ def test_packed_prefill_matches_unpacked(arch):
         slot = np.zeros((R, T), np.int32)  # padding writes the null page
         for i in range(R):
             c, n = start_of[i], len_of[i]
-            tok[i, :n], pos[i, :n] = seqs[i][c:c + n], np.arange(c, c + n)
+            tok[i, :n], pos[i, :n] = seqs[i][c : c + n], np.arange(c, c + n)
             slot[i, :n] = slots(i, np.arange(c, c + n))
-        kv = kv.replace(block_tables=jnp.asarray(pages),
-                        seq_lens=jnp.asarray([c + n for c, n in zip(start_of, len_of)], jnp.int32))
-        return models.forward(params, cfg, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slot), kv)
+        kv = kv.replace(
+            block_tables=jnp.asarray(pages),
+            seq_lens=jnp.asarray([c + n for c, n in zip(start_of, len_of)], jnp.int32),
+        )
+        return models.forward(
+            params, cfg, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slot), kv
+        )
 
     kv = KVCache(k=k0, v=v0, block_tables=jnp.asarray(pages), seq_lens=jnp.zeros(R, jnp.int32))
     # cache the prefixes (row 0 has none: a 1-token dummy chunk into the null page)
@@ -76,27 +93,34 @@ def test_packed_prefill_matches_unpacked(arch):
     out_index = np.zeros(Tp, np.int32)
     off = 0
     for i, (c, n) in enumerate(ROWS):
-        tok[0, off:off + n], pos[0, off:off + n] = seqs[i][c:c + n], np.arange(c, c + n)
-        slot[0, off:off + n] = slots(i, np.arange(c, c + n))
+        tok[0, off : off + n], pos[0, off : off + n] = seqs[i][c : c + n], np.arange(c, c + n)
+        slot[0, off : off + n] = slots(i, np.arange(c, c + n))
         q_index[i, :n], q_pos[i, :n] = np.arange(off, off + n), np.arange(c, c + n)
-        out_index[off:off + n] = i * Tq + np.arange(n)
+        out_index[off : off + n] = i * Tq + np.arange(n)
         off += n
     packing = models.Packing(jnp.asarray(q_index), jnp.asarray(q_pos), jnp.asarray(out_index))
     kv_in = kv.replace(block_tables=jnp.asarray(pages), seq_lens=jnp.asarray(total, jnp.int32))
-    h_pk, kv_pk = models.forward(params, cfg, jnp.asarray(tok), jnp.asarray(pos),
-                                 jnp.asarray(slot), kv_in, packing=packing)
+    h_pk, kv_pk = models.forward(
+        params, cfg, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slot), kv_in, packing=packing
+    )
 
     assert h_pk.shape == (1, Tp, cfg.hidden_size)
     off = 0
     for i, (c, n) in enumerate(ROWS):
-        a, b = np.asarray(h_pk[0, off:off + n]), np.asarray(h_ref[i, :n])
+        a, b = np.asarray(h_pk[0, off : off + n]), np.asarray(h_ref[i, :n])
         assert np.abs(b).max() > 0.1
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
         off += n
     # every real slot holds the same K/V
     real = np.concatenate([slots(i, np.arange(t)) for i, t in enumerate(total)])
     for pool_pk, pool_ref in ((kv_pk.k, kv_ref.k), (kv_pk.v, kv_ref.v)):
-        flat = lambda p: np.asarray(p).transpose(0, 1, 3, 2, 4).reshape(  # noqa: E731
-            cfg.num_layers, -1, cfg.num_kv_heads, cfg.head_dim)
-        np.testing.assert_allclose(flat(pool_pk)[:, real], flat(pool_ref)[:, real], rtol=1e-5,
-                                   atol=1e-5)
+        flat = lambda p: (
+            np.asarray(p)
+            .transpose(0, 1, 3, 2, 4)
+            .reshape(  # noqa: E731
+                cfg.num_layers, -1, cfg.num_kv_heads, cfg.head_dim
+            )
+        )
+        np.testing.assert_allclose(
+            flat(pool_pk)[:, real], flat(pool_ref)[:, real], rtol=1e-5, atol=1e-5
+        )

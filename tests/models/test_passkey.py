@@ -16,9 +16,13 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 
 PASSKEY = "58213"
-HEAD = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
-        "it. I will quiz you about the important information there. ")
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+HEAD = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize "
+    "it. I will quiz you about the important information there. "
+)
+FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+)
 KEY = f"The pass key is {PASSKEY}. Remember it. {PASSKEY} is the pass key. "
 QUESTION = "What is the pass key? The pass key is"
 REPEATS, DEPTH = 122, 0.5  # 2,992 tokens (244: 5,920), the key halfway
@@ -35,9 +39,15 @@ def test_passkey_retrieved(smollm_path, smollm_engine, kv_cache_dtype):
     """One `LLM` per dtype, one row (max_num_seqs=1, a pool of max_model_len's pages), the
     prompt prefilled in one step (one prefill shape to compile), 8 tokens decoded."""
     n = 3072
-    engine = dict(smollm_engine, max_model_len=n, max_num_seqs=1, num_pages=n // 16 + 1,
-                  max_num_batched_tokens=n, kernels="batch_buckets=1",
-                  kv_cache_dtype=kv_cache_dtype)
+    engine = dict(
+        smollm_engine,
+        max_model_len=n,
+        max_num_seqs=1,
+        num_pages=n // 16 + 1,
+        max_num_batched_tokens=n,
+        kernels="batch_buckets=1",
+        kv_cache_dtype=kv_cache_dtype,
+    )
     llm = LLM(smollm_path, **engine)
     prompt = passkey_prompt()
     assert len(llm.get_tokenizer().encode(prompt)) == 2992

@@ -20,11 +20,24 @@ from types import SimpleNamespace
 import pytest
 
 MODEL, KEY = "smol", "test-key"
-PROMPTS = ["The capital of France is", "def add(a, b):", "One, two, three,",
-           "Water boils at", "The quick brown fox", "In 1492, Columbus",
-           "My favourite colour is", "import numpy as np\n"]
-SERVE_ENGINE = dict(max_model_len=256, max_num_seqs=32, page_size=256, num_pages=40,
-                    max_num_batched_tokens=256, kernels="batch_buckets=32,token_buckets=256")
+PROMPTS = [
+    "The capital of France is",
+    "def add(a, b):",
+    "One, two, three,",
+    "Water boils at",
+    "The quick brown fox",
+    "In 1492, Columbus",
+    "My favourite colour is",
+    "import numpy as np\n",
+]
+SERVE_ENGINE = dict(
+    max_model_len=256,
+    max_num_seqs=32,
+    page_size=256,
+    num_pages=40,
+    max_num_batched_tokens=256,
+    kernels="batch_buckets=32,token_buckets=256",
+)
 # {prefill, decode} x {greedy, sampled} x {no logprobs, top-5 bucket}, and the prefill of a
 # step holding a prompt's first chunk (its row carries EOS's min_tokens bias), greedy or sampled;
 # {prefill, decode} x {greedy, sampled} with a token bitmask (test_structured.py), each compiled
@@ -50,8 +63,9 @@ def server(tiny_llm):
     from jaxinfer.serve.app import create_app
     from jaxinfer.serve.client import EngineCoreClient
 
-    client = EngineCoreClient(functools.partial(tiny_serve_llm, SERVE_ENGINE, " ".join(PROMPTS),
-                                                SERVER_COMPILES))
+    client = EngineCoreClient(
+        functools.partial(tiny_serve_llm, SERVE_ENGINE, " ".join(PROMPTS), SERVER_COMPILES)
+    )
     app = create_app(client, served_model_name=MODEL, api_key=KEY)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,8 +78,9 @@ def server(tiny_llm):
         time.sleep(0.05)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # test_load.py's docstring says why
     llm = tiny_llm(max_compiles=SERVER_COMPILES, **SERVE_ENGINE)
-    yield SimpleNamespace(llm=llm, app=app, client=client, port=port,
-                          url=f"http://127.0.0.1:{port}/v1")
+    yield SimpleNamespace(
+        llm=llm, app=app, client=client, port=port, url=f"http://127.0.0.1:{port}/v1"
+    )
     signal.signal(signal.SIGTERM, previous)
     srv.should_exit = True
     thread.join(60)
@@ -75,6 +90,7 @@ def server(tiny_llm):
 @pytest.fixture(scope="package")
 def client(server):
     import openai
+
     return openai.OpenAI(base_url=server.url, api_key=KEY, max_retries=0)
 
 
@@ -99,18 +115,33 @@ def _wait_idle(server, timeout: float = 60.0, compiles: int | None = SERVER_COMP
     assert compiles is None or client.stats["num_compiles"] == compiles
 
 
-async def _raw_request(port: int, body: bytes, *, path: str = "/v1/completions",
-                      method: str = "POST", headers: dict | None = None) -> tuple[int, bytes]:
+async def _raw_request(
+    port: int,
+    body: bytes,
+    *,
+    path: str = "/v1/completions",
+    method: str = "POST",
+    headers: dict | None = None,
+) -> tuple[int, bytes]:
     """(status, body) of one HTTP/1.1 request written byte for byte (any body, any header)."""
     r, w = await asyncio.open_connection("127.0.0.1", port)
-    head = {"Host": "x", "Content-Type": "application/json", "Authorization": f"Bearer {KEY}",
-            "Content-Length": str(len(body)), "Connection": "close", **(headers or {})}
+    head = {
+        "Host": "x",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {KEY}",
+        "Content-Length": str(len(body)),
+        "Connection": "close",
+        **(headers or {}),
+    }
     # of a body over 1 MiB nothing: the server answers (413) from the declared Content-Length
     # without reading it, and body bytes left unread when it closes make the close a reset, which
     # may discard its answer before this side reads it
-    w.write(f"{method} {path} HTTP/1.1\r\n".encode() + b"".join(
-        f"{k}: {v}\r\n".encode() for k, v in head.items() if v is not None) + b"\r\n"
-        + (body if len(body) <= 1 << 20 else b""))
+    w.write(
+        f"{method} {path} HTTP/1.1\r\n".encode()
+        + b"".join(f"{k}: {v}\r\n".encode() for k, v in head.items() if v is not None)
+        + b"\r\n"
+        + (body if len(body) <= 1 << 20 else b"")
+    )
     await w.drain()
     data = await r.read()
     w.close()
@@ -122,6 +153,6 @@ async def _raw_request(port: int, body: bytes, *, path: str = "/v1/completions",
             size, rest = rest.split(b"\r\n", 1)
             if not int(size, 16):
                 break
-            out, rest = out + rest[:int(size, 16)], rest[int(size, 16) + 2:]
+            out, rest = out + rest[: int(size, 16)], rest[int(size, 16) + 2 :]
         payload = out
     return status, payload

@@ -25,9 +25,16 @@ class _Out:  # a `CompletionOutput` whose one token had probability 0
 def _pydantic(cls, serving, rid, choices, usage, created):
     obj = typing.get_args(cls.model_fields["object"].annotation)[0]
     usage = usage and CompletionUsage.model_construct(**usage)
-    return json.loads(cls.model_construct(
-        id=rid, object=obj, created=created, choices=choices, model=serving.model_name,
-        usage=usage).model_dump_json(exclude_unset=True))
+    return json.loads(
+        cls.model_construct(
+            id=rid,
+            object=obj,
+            created=created,
+            choices=choices,
+            model=serving.model_name,
+            usage=usage,
+        ).model_dump_json(exclude_unset=True)
+    )
 
 
 def test_dump_matches_pydantic_and_parses():
@@ -37,18 +44,43 @@ def test_dump_matches_pydantic_and_parses():
     assert P.completion_logprobs(_Out(), 1)["token_logprobs"] == [-9999.0]
     assert P.completion_logprobs(_Out(), 1)["top_logprobs"] == [{"a": -9999.0}]
     cases = [
-        (ChatCompletionChunk, [dict(index=3, delta=dict(role=None, content=" hi", tool_calls=None),
-                                    logprobs=lp, finish_reason=None)], None),
-        (ChatCompletion, [dict(index=0, message=dict(role="assistant", content="x",
-                                                     tool_calls=None),
-                               logprobs=None, finish_reason="abort", stop_reason=None)],
-         dict(prompt_tokens=3, completion_tokens=1, total_tokens=4)),
-        (Completion, [dict(index=1, text="t", logprobs=None, finish_reason="length",
-                           stop_reason=None)], dict(prompt_tokens=1, completion_tokens=2,
-                                                    total_tokens=3))]
+        (
+            ChatCompletionChunk,
+            [
+                dict(
+                    index=3,
+                    delta=dict(role=None, content=" hi", tool_calls=None),
+                    logprobs=lp,
+                    finish_reason=None,
+                )
+            ],
+            None,
+        ),
+        (
+            ChatCompletion,
+            [
+                dict(
+                    index=0,
+                    message=dict(role="assistant", content="x", tool_calls=None),
+                    logprobs=None,
+                    finish_reason="abort",
+                    stop_reason=None,
+                )
+            ],
+            dict(prompt_tokens=3, completion_tokens=1, total_tokens=4),
+        ),
+        (
+            Completion,
+            [dict(index=1, text="t", logprobs=None, finish_reason="length", stop_reason=None)],
+            dict(prompt_tokens=1, completion_tokens=2, total_tokens=3),
+        ),
+    ]
     for cls, choices, usage in cases:
         got = json.loads(serving.dump(cls, "id-1", choices, usage))
         assert got == _pydantic(cls, serving, "id-1", choices, usage, got["created"]), cls
-        cls.model_validate(got if cls is not ChatCompletion else {
-            **got, "choices": [dict(c, finish_reason="stop") for c in got["choices"]]})
+        cls.model_validate(
+            got
+            if cls is not ChatCompletion
+            else {**got, "choices": [dict(c, finish_reason="stop") for c in got["choices"]]}
+        )
     assert got["usage"] == {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}

@@ -19,8 +19,12 @@ from .conftest import KEY
 
 
 def test_bad_option_is_one_line_exit_2():
-    r = subprocess.run([sys.executable, "-m", "jaxinfer.serve", "--page-size", "3"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.serve", "--page-size", "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error:") and "page_size" in r.stderr
     assert "Traceback" not in r.stderr
@@ -34,19 +38,28 @@ def test_tiny_checkpoint_loads_back(tiny_checkpoint, tiny_text_params, tiny_toke
 
     from jaxinfer import LLM
 
-    llm = LLM(tiny_checkpoint, max_model_len=64, page_size=64, num_pages=2, max_num_seqs=1,
-              dtype="float32")
+    llm = LLM(
+        tiny_checkpoint,
+        max_model_len=64,
+        page_size=64,
+        num_pages=2,
+        max_num_seqs=1,
+        dtype="float32",
+    )
     tok, text = llm.tokenizer, "Hello, wörld! <|im_start|>user\n"
     assert tok.encode(text) == tiny_tokenizer.encode(text) and len(tok) == len(tiny_tokenizer)
     assert tok.chat_template == tiny_tokenizer.chat_template
     assert tiny_tokenizer.eos_token_id in llm.engine.eos_token_ids
-    for a, b in zip(jax.tree_util.tree_leaves(llm.engine.runner.params),
-                    jax.tree_util.tree_leaves(tiny_text_params)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(llm.engine.runner.params),
+        jax.tree_util.tree_leaves(tiny_text_params),
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _start(checkpoint, ready: bool = True,
-           max_model_len: int = 128) -> tuple[subprocess.Popen, int, int]:
+def _start(
+    checkpoint, ready: bool = True, max_model_len: int = 128
+) -> tuple[subprocess.Popen, int, int]:
     """(the API process, its port, the engine core's pid) of ``python -m jaxinfer.serve`` on the
     tiny checkpoint (one sequence at a time, pages of 128 tokens), once /health answers
     (``ready=False``: once the core's process exists)."""
@@ -54,14 +67,41 @@ def _start(checkpoint, ready: bool = True,
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jaxinfer.serve", "--model", checkpoint, "--port", str(port),
-         "--api-key", KEY, "--served-model-name", "m", "--max-model-len", str(max_model_len),
-         "--page-size", "128", "--num-pages", str(max_model_len // 128 + 3), "--max-num-seqs",
-         "1", "--dtype", "float32", "--kernels", "batch_buckets=1,token_buckets=64",
-         "--max-num-batched-tokens", "64", "--shutdown-timeout", "0.5",
-         "--compile-in-background"],  # a GPU's default: the start-up precompile runs
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        [
+            sys.executable,
+            "-m",
+            "jaxinfer.serve",
+            "--model",
+            checkpoint,
+            "--port",
+            str(port),
+            "--api-key",
+            KEY,
+            "--served-model-name",
+            "m",
+            "--max-model-len",
+            str(max_model_len),
+            "--page-size",
+            "128",
+            "--num-pages",
+            str(max_model_len // 128 + 3),
+            "--max-num-seqs",
+            "1",
+            "--dtype",
+            "float32",
+            "--kernels",
+            "batch_buckets=1,token_buckets=64",
+            "--max-num-batched-tokens",
+            "64",
+            "--shutdown-timeout",
+            "0.5",
+            "--compile-in-background",
+        ],  # a GPU's default: the start-up precompile runs
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
     deadline = time.monotonic() + 600
     while not (cores := _cores(proc)) or ready and _health(port) != 200:
         assert proc.poll() is None, proc.communicate()[1][-2000:]
@@ -100,17 +140,24 @@ def _stream_in_thread(port: int, max_tokens: int, **kw):
     """(thread, chunks, errors) of a greedy completion read on a thread, streamed unless
     ``stream=False``."""
     import openai
+
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
     chunks, errors = [], []
 
     def read():
         try:
-            out = client.completions.create(model="m", prompt="Once upon a time", temperature=0,
-                                            max_tokens=max_tokens, extra_body={"ignore_eos": True},
-                                            **{"stream": True, **kw})
+            out = client.completions.create(
+                model="m",
+                prompt="Once upon a time",
+                temperature=0,
+                max_tokens=max_tokens,
+                extra_body={"ignore_eos": True},
+                **{"stream": True, **kw},
+            )
             chunks.extend(out if kw.get("stream", True) else [out])
         except Exception as e:  # an error event in the stream, or an error status
             errors.append(e)
+
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     return reader, chunks, errors
@@ -166,6 +213,7 @@ def test_engine_core_killed_mid_stream(tiny_checkpoint):
     """kill -9 of the engine core: the open stream and a queued request end within seconds (an
     error event, a 503), /health stops answering 200, the API process exits 1."""
     import openai
+
     # a stream of 1,000 tokens: still open when the kill comes, however the API process and the
     # core are scheduled (100 could all be computed before the first chunk was read)
     proc, port, core = _start(tiny_checkpoint, max_model_len=1024)
@@ -196,8 +244,18 @@ def test_server_compiles_in_the_step_on_a_cpu(tiny_checkpoint):
     from jaxinfer.cli_args import make_llm
     from jaxinfer.serve.__main__ import build_parser
 
-    args = build_parser().parse_args(["--model", tiny_checkpoint, "--max-model-len", "64",
-                                      "--num-pages", "8", "--max-num-seqs", "1"])
+    args = build_parser().parse_args(
+        [
+            "--model",
+            tiny_checkpoint,
+            "--max-model-len",
+            "64",
+            "--num-pages",
+            "8",
+            "--max-num-seqs",
+            "1",
+        ]
+    )
     assert args.compile_in_background is None
     assert make_llm(args).engine.resolved.engine.compile_in_background is False
     args = build_parser().parse_args(["--compile-in-background"])

@@ -31,12 +31,21 @@ from .conftest import KEY, MODEL, SERVER_COMPILES  # noqa: E402
 
 LONG = int(os.environ.get("JAXINFER_FUZZ_EXAMPLES", "0"))
 SEEN = collections.Counter()  # (method, path, status) -> cases
-SHAPE_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                "min_tokens", "logprobs", "top_logprobs")
+SHAPE_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "logprobs",
+    "top_logprobs",
+)
 schema = schemathesis.openapi.from_dict(
     create_app(SimpleNamespace()).openapi(),  # the schema alone: no engine behind this app
     config=schemathesis.config.SchemathesisConfig.from_dict(
-        {"phases": {"coverage": {"enabled": bool(LONG)}}, "max-stream-events": 100_000}))
+        {"phases": {"coverage": {"enabled": bool(LONG)}}, "max-stream-events": 100_000}
+    ),
+)
 
 
 @schema.hook
@@ -78,8 +87,13 @@ def _check(response) -> None:
 
 
 @schema.parametrize()
-@settings(max_examples=LONG or 8, deadline=None, derandomize=not LONG, database=None,
-          suppress_health_check=list(HealthCheck))
+@settings(
+    max_examples=LONG or 8,
+    deadline=None,
+    derandomize=not LONG,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 def test_fuzz(case, server):
     """Schemathesis's cases on the running server (`_check`)."""
     case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
@@ -95,5 +109,7 @@ def test_server_answers_after_the_fuzz(server, client, raw, wait_idle):
     out = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2)
     assert out.choices[0].finish_reason in ("length", "stop")
     wait_idle(server, compiles=None if LONG else SERVER_COMPILES)
-    print(f"fuzz: {sum(SEEN.values())} cases: {dict(SEEN)}; compiles: "
-          f"{server.client.stats['num_compiles']:.0f}")
+    print(
+        f"fuzz: {sum(SEEN.values())} cases: {dict(SEEN)}; compiles: "
+        f"{server.client.stats['num_compiles']:.0f}"
+    )

@@ -31,10 +31,16 @@ def _requests(n: int, seed: int, greedy_every: int = 3, tokens: tuple[int, int] 
     rng, out = random.Random(seed), []
     for i in range(n):
         prompt = " ".join(rng.sample(PROMPTS, rng.randint(1, 3)))
-        samp = dict(temperature=0.0) if i % greedy_every == 0 else dict(
-            temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
-            seed=rng.randrange(10 ** 6),
-            extra_body={"top_k": rng.choice([-1, 20]), "min_p": rng.choice([0.0, 0.05])})
+        samp = (
+            dict(temperature=0.0)
+            if i % greedy_every == 0
+            else dict(
+                temperature=rng.choice([0.7, 1.0]),
+                top_p=rng.choice([1.0, 0.9]),
+                seed=rng.randrange(10**6),
+                extra_body={"top_k": rng.choice([-1, 20]), "min_p": rng.choice([0.0, 0.05])},
+            )
+        )
         out.append((prompt, rng.randint(*tokens), samp))
     return out
 
@@ -42,8 +48,10 @@ def _requests(n: int, seed: int, greedy_every: int = 3, tokens: tuple[int, int] 
 def _references(server, reqs) -> dict[int, str]:
     """Greedy texts from `LLM.generate` (the engine thread is idle: nothing else steps it)."""
     idx = [i for i, r in enumerate(reqs) if r[2]["temperature"] == 0]
-    outs = server.llm.generate([reqs[i][0] for i in idx], [
-        SamplingParams(temperature=0, max_tokens=reqs[i][1], ignore_eos=True) for i in idx])
+    outs = server.llm.generate(
+        [reqs[i][0] for i in idx],
+        [SamplingParams(temperature=0, max_tokens=reqs[i][1], ignore_eos=True) for i in idx],
+    )
     return {i: o.text for i, o in zip(idx, outs)}
 
 
@@ -51,9 +59,15 @@ async def _stream(ac, prompt, max_tokens, samp, close_after: int | None = None):
     """(text, usage) of one streamed completion; ``close_after`` chunks: disconnect, None."""
     extra = {"ignore_eos": True, **samp.get("extra_body", {})}
     kw = {k: v for k, v in samp.items() if k != "extra_body"}
-    s = await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens,
-                                    stream=True, stream_options={"include_usage": True},
-                                    extra_body=extra, **kw)
+    s = await ac.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=extra,
+        **kw,
+    )
     text, usage, n = "", None, 0
     if close_after == 0:
         await s.close()
@@ -90,8 +104,9 @@ def test_200_concurrent_streams(server, wait_idle):
         return await asyncio.gather(*(_stream(ac, *r) for r in reqs), return_exceptions=True)
 
     results = asyncio.run(run())
-    assert not [r for r in results if isinstance(r, BaseException)], \
-        [r for r in results if isinstance(r, BaseException)][:3]
+    assert not [r for r in results if isinstance(r, BaseException)], [
+        r for r in results if isinstance(r, BaseException)
+    ][:3]
     for (_, max_tokens, _), (text, usage) in zip(reqs, results):
         assert usage.completion_tokens == max_tokens
     assert {i: results[i][0] for i in refs} == refs
@@ -109,7 +124,8 @@ def test_disconnects_do_not_change_the_others(server, wait_idle):
     async def run():
         ac = _client(server)
         jobs = [_stream(ac, *r) for r in normal] + [
-            _stream(ac, *r, close_after=rng.randint(0, 4)) for r in leaving]
+            _stream(ac, *r, close_after=rng.randint(0, 4)) for r in leaving
+        ]
         order = rng.sample(range(len(jobs)), len(jobs))  # interleave the two kinds
         res = await asyncio.gather(*(jobs[i] for i in order), return_exceptions=True)
         return [res[order.index(i)] for i in range(len(jobs))]
@@ -118,22 +134,38 @@ def test_disconnects_do_not_change_the_others(server, wait_idle):
     assert not [r for r in results if isinstance(r, BaseException)]
     assert {i: results[i][0] for i in range(50)} == refs
     # joined chunks (a slow reader gets fewer, longer ones) can end a stream before it leaves
-    assert all(r is None or r[1].completion_tokens == m for r, (_, m, _) in zip(results[50:],
-                                                                                leaving))
+    assert all(
+        r is None or r[1].completion_tokens == m for r, (_, m, _) in zip(results[50:], leaving)
+    )
     wait_idle(server)  # every page is back
     assert _metric(server, "requests", finished_reason="abort") - aborted >= 25
 
 
 def _malformed(rng: random.Random) -> bytes:
-    return rng.choice([
-        b"{", b"", b"null", b"[1, 2]", b'{"prompt": "\xff\xfe\xfd"}', b'{"prompt": 5}',
-        b'{"prompt": "x", "max_tokens": "many"}', b'{"prompt": "x", "max_tokens": 1e400}',
-        b'{"prompt": "x", "temperature": 1e309}', b'{"prompt": "x", "n": 100000}',
-        b'{"max_tokens": 5}', b'{"prompt": "x", "stop": [1, 2]}', b'{"prompt": [-1]}',
-        b'{"prompt": "x", "logit_bias": {"a": 1}}', b'{"prompt": "x", "seed": 1e30}',
-        b'{"prompt": "x", "top_k": -5}', b'{"prompt": "x", "model": "other"}',
-        b'{"prompt": "x", "max_tokens": 99999999999999999999999}',
-        b'{"prompt": "' + "\u00e9".encode() * 200 + b'"}', b'{"prompt": {"a": 1}}'])
+    return rng.choice(
+        [
+            b"{",
+            b"",
+            b"null",
+            b"[1, 2]",
+            b'{"prompt": "\xff\xfe\xfd"}',
+            b'{"prompt": 5}',
+            b'{"prompt": "x", "max_tokens": "many"}',
+            b'{"prompt": "x", "max_tokens": 1e400}',
+            b'{"prompt": "x", "temperature": 1e309}',
+            b'{"prompt": "x", "n": 100000}',
+            b'{"max_tokens": 5}',
+            b'{"prompt": "x", "stop": [1, 2]}',
+            b'{"prompt": [-1]}',
+            b'{"prompt": "x", "logit_bias": {"a": 1}}',
+            b'{"prompt": "x", "seed": 1e30}',
+            b'{"prompt": "x", "top_k": -5}',
+            b'{"prompt": "x", "model": "other"}',
+            b'{"prompt": "x", "max_tokens": 99999999999999999999999}',
+            b'{"prompt": "' + "\u00e9".encode() * 200 + b'"}',
+            b'{"prompt": {"a": 1}}',
+        ]
+    )
 
 
 def test_malformed_bodies_mixed_into_load(server, raw, wait_idle):
@@ -141,13 +173,15 @@ def test_malformed_bodies_mixed_into_load(server, raw, wait_idle):
     wait_idle(server)
     refs = _references(server, normal)
     rng = random.Random(5)
-    bodies = [_malformed(rng) for _ in range(98)] + [b'{"prompt": "' + b"ab " * ((10 << 20) // 3)
-                                                      + b'"}'] * 2
+    bodies = [_malformed(rng) for _ in range(98)] + [
+        b'{"prompt": "' + b"ab " * ((10 << 20) // 3) + b'"}'
+    ] * 2
 
     async def run():
         ac = _client(server)
-        return await asyncio.gather(*(_stream(ac, *r) for r in normal),
-                                    *(raw(server.port, b) for b in bodies))
+        return await asyncio.gather(
+            *(_stream(ac, *r) for r in normal), *(raw(server.port, b) for b in bodies)
+        )
 
     results = asyncio.run(run())
     assert {i: results[i][0] for i in range(40)} == refs

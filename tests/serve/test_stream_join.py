@@ -28,18 +28,28 @@ def _drain(events: list) -> list:
             sink.put_nowait(ev)
         serving = OpenAIServing(_Client(), "m", itertools.count())
         return [ev async for ev in serving._events(None, {"a": 0, "b": 1}, sink)]
+
     return asyncio.run(run())
 
 
 def test_queued_deltas_are_joined_per_request_and_sample():
-    got = _drain([_delta("a", 0, [5], "x"), _delta("b", 0, [7], "p"), _delta("a", 1, [6], "y"),
-                  _delta("a", 0, [8], "z", True), _delta("a", 1, [9], "w", True),
-                  _delta("b", 0, [3], "q", True)])
+    got = _drain(
+        [
+            _delta("a", 0, [5], "x"),
+            _delta("b", 0, [7], "p"),
+            _delta("a", 1, [6], "y"),
+            _delta("a", 0, [8], "z", True),
+            _delta("a", 1, [9], "w", True),
+            _delta("b", 0, [3], "q", True),
+        ]
+    )
     assert [p for p, _ in got] == [0, 1]
     a, b = got[0][1], got[1][1]
     assert a.finished and b.finished
     assert [(c.index, c.token_ids, c.text, c.finish_reason) for c in a.outputs] == [
-        (0, [5, 8], "xz", "length"), (1, [6, 9], "yw", "length")]
+        (0, [5, 8], "xz", "length"),
+        (1, [6, 9], "yw", "length"),
+    ]
     assert (b.outputs[0].token_ids, b.outputs[0].text) == ([7, 3], "pq")
 
 

@@ -7,7 +7,7 @@ gate/up ``w_gate_up``; HF FP8: matrices stay fp8, ``weight_scale_inv`` -> ``<par
 import re
 import warnings
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -52,7 +52,7 @@ HF_TO_PARAMS += tuple(
 # Non-parameter buffers (recomputed from the config).
 IGNORED_HF: tuple[str, ...] = ("model.rotary_emb.inv_freq", _L + "self_attn.rotary_emb.inv_freq")
 
-TensorSource = Union[Mapping[str, np.ndarray], Iterable[tuple[str, np.ndarray]]]
+TensorSource = Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]]
 
 
 def fp8_block_size(qc: Mapping[str, Any] | None) -> tuple[int, int] | None:

@@ -1,6 +1,7 @@
-"""What the command lines share (`jaxinfer.generate`, `jaxinfer.serve`, `scripts/convert_checkpoint.py`,
-``scripts/plan_memory.py``): a parser whose errors are one line (`fail`), and for the engine's command
-lines ``--model``, the engine options built from `EngineConfig` and ``--model`` -> `LLM`."""
+"""What the command lines share (`jaxinfer.generate`, `jaxinfer.serve`,
+``scripts/convert_checkpoint.py``, ``scripts/plan_memory.py``): a parser whose errors are one line
+(`fail`), and for the engine's command lines ``--model``, the engine options built from
+`EngineConfig` and ``--model`` -> `LLM`."""
 
 import argparse
 import dataclasses

@@ -1,4 +1,5 @@
-"""`LLM`: the offline-inference API (vLLM's names: `LLM.generate`, `SamplingParams`, `RequestOutput`)."""
+"""`LLM`: the offline-inference API (vLLM's names: `LLM.generate`, `SamplingParams`,
+`RequestOutput`)."""
 
 import dataclasses
 import os
@@ -299,7 +300,8 @@ class LLM(Prompts):
         jax.profiler.stop_trace()
 
     def reset_prefix_cache(self) -> bool:
-        """`LLMEngine.reset_prefix_cache`: True, or False (no change) while a request holds pages."""
+        """`LLMEngine.reset_prefix_cache`: True, or False (no change) while a request holds
+        pages."""
         return self.engine.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:

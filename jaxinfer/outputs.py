@@ -74,7 +74,8 @@ class CompletionOutput:
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
     """The result of one request, in the order the prompts were given; ``lora_request``,
-    ``encoder_prompt``, ``encoder_prompt_token_ids``, ``kv_transfer_params``: vLLM's, always None."""
+    ``encoder_prompt``, ``encoder_prompt_token_ids``, ``kv_transfer_params``: vLLM's, always
+    None."""
 
     request_id: str
     prompt: str | None
@@ -225,7 +226,8 @@ class OutputProcessor:
         return text
 
     def _incremental(self, seq, ids: list[int]) -> str:
-        """Text of ``ids`` (``seq``'s first): ``seq.decoded`` + from 6 before on (vLLM's offsets)."""
+        """Text of ``ids`` (``seq``'s first): ``seq.decoded`` + from 6 before on (vLLM's
+        offsets)."""
         m, text, p = seq.decoded
         m, text = (m, text) if p is seq.params and m <= len(ids) else (0, "")
         old, new = (self._decode(ids[k:n], seq.params) for k in [max(m - 6, 0)] for n in (m, None))

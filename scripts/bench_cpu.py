@@ -123,7 +123,8 @@ def main() -> None:
     print(f"{'batch':>5} {'jaxinfer tok/s':>15} {'HF tok/s':>10} {'ratio':>7}")
     for r in rows:
         print(
-            f"{r['batch']:>5} {r['jaxinfer_tok_s']:>15.1f} {r['hf_tok_s']:>10.1f} {r['ratio']:>7.2f}x"
+            f"{r['batch']:>5} {r['jaxinfer_tok_s']:>15.1f} {r['hf_tok_s']:>10.1f} "
+            f"{r['ratio']:>7.2f}x"
         )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "a") as fh:

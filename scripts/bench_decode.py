@@ -1,18 +1,20 @@
-"""Decode-step benchmark on the GPU: the engine's jit step (model + paged attention + sampling) on the
-Qwen3-8B architecture with random bf16 (or fp8: ``--quantization``) weights, over batch x context.
+"""Decode-step benchmark on the GPU: the engine's jit step (model + paged attention + sampling) on
+the Qwen3-8B architecture with random bf16 (or fp8: ``--quantization``) weights, over batch x
+context.
 
 Bytes per step = weight bytes read (embedding gather excluded) + KV bytes read (B x context x KV
 bytes per token). The kernels are the engine's: each ``--kernels`` spec is parsed with
 `KernelConfig.parse` and resolved for this platform with `jaxinfer.config.resolve` (the default
 "" is the engine's default), and with ``--gemm engine`` (the default) each batch compiles with the
 GEMM back-end the engine picks for it (`StepExecutor.step_fn`: cuBLAS from
-``cublas_decode_min_batch`` rows). Reports ms/step, tok/s and achieved bandwidth as a fraction of the best
-device-to-device copy measured in the same run; marks the knee of the throughput curve (the last
-batch whose tok/s gain over the previous batch is >= 1.5x its batch ratio / 2). Appends JSON objects
-(bench="decode") to ``benchmarks/h200.jsonl`` and draws ``benchmarks/decode.png``.
+``cublas_decode_min_batch`` rows). Reports ms/step, tok/s and achieved bandwidth as a fraction of
+the best device-to-device copy measured in the same run; marks the knee of the throughput curve
+(the last batch whose tok/s gain over the previous batch is >= 1.5x its batch ratio / 2). Appends
+JSON objects (bench="decode") to ``benchmarks/h200.jsonl`` and draws ``benchmarks/decode.png``.
 
-    python scripts/bench_decode.py [--layers 36] [--batches 1 8 32 64 128 256] [--contexts 1024 4096]
-        [--kernels SPEC [SPEC ...]] [--gemm engine|xla|cublas ...] [--decode-knobs K=V ...]
+    python scripts/bench_decode.py [--layers 36] [--batches 1 8 32 64 128 256]
+        [--contexts 1024 4096] [--kernels SPEC [SPEC ...]] [--gemm engine|xla|cublas ...]
+        [--decode-knobs K=V ...]
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Paged decode attention on the GPU: every registered variant vs JAX's in-tree Pallas kernel, cuDNN's
-paged attention and an XLA gather path, in one run, against the copy ceiling measured in the same run.
+"""Paged decode attention on the GPU: every registered variant vs JAX's in-tree Pallas kernel,
+cuDNN's paged attention and an XLA gather path, in one run, against the copy ceiling measured in
+the same run.
 
 Each implementation is validated against the float32 reference first (bf16 inputs; relative error
 bound 2e-2), then timed: a jitted ``lax.fori_loop`` of ``--iters`` calls rotating over 4 query sets
@@ -318,7 +319,8 @@ def main() -> None:
         tb = f"{r['kv_tbps']:.2f}" if "kv_tbps" in r else "-"
         fr = f"{r['frac_of_copy']:.2f}" if "frac_of_copy" in r else "-"
         print(
-            f"{r['variant']:<12} {r['B']:>4} {r['context']:>6} {r['page_size']:>4} {us:>9} {tb:>6} {fr:>5}  {note[:60]}"
+            f"{r['variant']:<12} {r['B']:>4} {r['context']:>6} {r['page_size']:>4} {us:>9} "
+            f"{tb:>6} {fr:>5}  {note[:60]}"
         )
 
 

@@ -1,7 +1,8 @@
 """Paged prefill attention benchmark: the Pallas triton prefill kernel against the reference.
 
 The reference is the gather + dense float32 softmax path the engine runs today; Qwen3-8B heads
-(N=32, K=8, H=128), bf16, on a GPU (``--interpret``: a float32 smoke run on the CPU, no file written).
+(N=32, K=8, H=128), bf16, on a GPU (``--interpret``: a float32 smoke run on the CPU, no file
+written).
 
 Each configuration is R rows of a Tq-token chunk that continues a cached prefix of ``--prefix``
 tokens (causal over prefix + chunk). Every kernel setting is validated against the float32

@@ -3,8 +3,8 @@
 Starts the server twice on one checkpoint with one fresh ``--compilation-cache-dir``: the first
 start compiles from a cold cache, the second loads from the warm one. Each start includes the
 engine core's warm-up (`BucketSpec.covering_keys` compiled before the core reports ready) and
-the number of step shapes it compiled (the ``jaxinfer:compiled_step_shapes`` metric). A table, one JSON
-line per start (bench="startup") in ``--out``.
+the number of step shapes it compiled (the ``jaxinfer:compiled_step_shapes`` metric). A table, one
+JSON line per start (bench="startup") in ``--out``.
 
     python scripts/bench_startup.py [--model DIR] [--layers 36] [--max-model-len 2048]
         [--max-num-seqs 256] [--max-num-batched-tokens 8192] [--tiny]

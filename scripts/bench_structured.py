@@ -246,7 +246,8 @@ def main() -> None:
     print(f"{'mode':<14} {'ms/step':>9} {'ratio':>7} {'p50 ms':>8} {'p99 ms':>8} {'overlap':>8}")
     for r in rows:
         print(
-            f"{r['mode'] + ' ' + r.get('schema', ''):<14} {r['ms_per_step']:>9.3f} {r.get('ratio', float('nan')):>7.3f} "
+            f"{r['mode'] + ' ' + r.get('schema', ''):<14} {r['ms_per_step']:>9.3f} "
+            f"{r.get('ratio', float('nan')):>7.3f} "
             f"{r.get('p50_ms', float('nan')):>8.3f} {r.get('p99_ms', float('nan')):>8.3f} "
             f"{r.get('overlapped', float('nan')):>8.2f}"
         )

@@ -10,7 +10,8 @@ same workload through HF transformers ``generate`` on the same weights in the sa
 ``--hf-batch`` requests, left-padded, each batch generating its longest requested output; only the
 requested tokens count; ``--hf-requests N`` runs HF on the first N requests only, an i.i.d. sample,
 and compares tok/s: the row records ``num_requests_run``). HF runs first and releases the GPU
-before JAX starts (JAX keeps the memory it allocates). Appends JSON objects (bench="throughput") to ``--out``.
+before JAX starts (JAX keeps the memory it allocates). Appends JSON objects (bench="throughput")
+to ``--out``.
 
 Model: ``--model DIR`` (HF safetensors dir, GGUF file or Orbax dir); default: a random-weight model
 with the published Qwen3-8B architecture (``--layers`` of them): with ``--compare hf`` written once
@@ -127,8 +128,8 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     eng = llm.engine
     kc = eng.resolved.kernels
     print(
-        f"jaxinfer: model loaded, KV pool {eng.runner.num_pages} pages, kernels {kc}; compiling the "
-        "step shapes the workload visits (host dry run)",
+        f"jaxinfer: model loaded, KV pool {eng.runner.num_pages} pages, kernels {kc}; "
+        "compiling the step shapes the workload visits (host dry run)",
         flush=True,
     )
     pre = llm.precompile(reqs, params, max_workers=args.compile_workers)
@@ -336,7 +337,8 @@ def main() -> None:
         rows[0]["speedup_vs_hf"] = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]
     record(rows[0], jax.devices()[0].device_kind)
     print(
-        f"\n{'engine':<16} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'P50 s':>7} {'P99 s':>7}"
+        f"\n{'engine':<16} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'P50 s':>7} "
+        f"{'P99 s':>7}"
     )
     for r in rows:
         f = lambda x, s=1e3: f"{x * s:.1f}" if x is not None else "-"  # noqa: E731

@@ -1,7 +1,7 @@
-"""``python scripts/convert_checkpoint.py SRC DST [--dtype bfloat16|float32]``: an HF safetensors directory
-or a GGUF file -> an Orbax checkpoint directory that ``load_model`` reads without conversion
-(`save_checkpoint`; the layout: `checkpoints_tools.orbax_io`). Errors: one line ``error: ...`` on
-stderr, exit status 2 (SRC checked before any tensor is read)."""
+"""``python scripts/convert_checkpoint.py SRC DST [--dtype bfloat16|float32]``: an HF safetensors
+directory or a GGUF file -> an Orbax checkpoint directory that ``load_model`` reads without
+conversion (`save_checkpoint`; the layout: `checkpoints_tools.orbax_io`). Errors: one line
+``error: ...`` on stderr, exit status 2 (SRC checked before any tensor is read)."""
 
 import argparse
 import json

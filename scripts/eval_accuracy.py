@@ -25,7 +25,8 @@ added to the means: the spread of fp8 rounding noise (a few values rounded the o
 on change many later ones). ``--kv-sim`` adds perplexity-only rows of fp8 KV methods the
 engine lacks, simulated on float32 pools by an attention (`simulated_attention`) that reads
 every page as fp8 pages would give it back (`pallas_kernels.kv_quant.quantize`, then times the
-scale), except where a method says otherwise; each method is "+"-joined parts ("fp8" alone: none, the engine's fp8 KV re-derived):
+scale), except where a method says otherwise; each method is "+"-joined parts ("fp8" alone: none,
+the engine's fp8 KV re-derived):
   chunk    the current chunk's K/V exact, only the earlier pages fp8 (vLLM's / SGLang's prefill
            attends the chunk's own K/V before they are read back from the cache);
   smooth   pages hold ``k - m_k`` and ``v - m_v``, m the mean per layer and KV head of the

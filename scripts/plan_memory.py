@@ -96,8 +96,8 @@ def device_memory_stats(device=None) -> tuple[int, int] | None:
 
 
 def fp8_weight_bytes(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
-    """Bytes one device of ``tp`` holds of the tree with fp8 weights (`jaxinfer.models.quantize`): the
-    layers' matrices at 1 byte plus their f32 scales; embedding, lm_head and norms at
+    """Bytes one device of ``tp`` holds of the tree with fp8 weights (`jaxinfer.models.quantize`):
+    the layers' matrices at 1 byte plus their f32 scales; embedding, lm_head and norms at
     ``dtype_bytes`` (the compute dtype). `jaxinfer.config.weights.device_bytes`."""
     return device_bytes(cfg, tp, dtype_bytes, "fp8")
 

@@ -10,7 +10,8 @@ The kernels are the engine's: ``--kernels SPEC`` (`KernelConfig.parse`, resolved
 by `jaxinfer.config.resolve`; default: the engine's default), ``--gemm engine`` the engine's GEMM
 back-end for the batch.
 
-    python scripts/profile_decode_step.py [--batch 1] [--context 1024] [--layers 36] [--kernels SPEC]
+    python scripts/profile_decode_step.py [--batch 1] [--context 1024] [--layers 36]
+        [--kernels SPEC]
 """
 
 from __future__ import annotations
@@ -228,8 +229,9 @@ def main() -> None:
     )
     print(
         f"B={B} ctx={ctx} layers={args.layers} attention={attn}: untraced {wall_ms:.3f} ms/step; "
-        f"traced span {summary['span_ms_per_step']:.3f} ms, GPU busy {summary['busy_ms_per_step']:.3f} "
-        f"ms, {summary['launches_per_step']:.0f} kernel launches per step"
+        f"traced span {summary['span_ms_per_step']:.3f} ms, "
+        f"GPU busy {summary['busy_ms_per_step']:.3f} ms, "
+        f"{summary['launches_per_step']:.0f} kernel launches per step"
     )
     print(f"{'kernel':<80} {'n/step':>7} {'us/step':>9} {'share':>6}")
     for r in rows[: args.top]:

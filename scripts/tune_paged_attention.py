@@ -54,7 +54,7 @@ def ceiling():
         res["torch_copy_error"] = repr(e)
     x = jax.random.normal(jax.random.key(0), (2**30,), jnp.bfloat16)
     f = jax.jit(lambda a: a * 1.0001)
-    res["jax_scale_TBps"] = 2 * x.size * 2 / timeit(lambda: f(x)) / 1e12
+    res["jax_scale_TBps"] = 2 * x.size * 2 / timeit(lambda x=x: f(x)) / 1e12
     del x
     return res
 
@@ -280,23 +280,15 @@ def main():
         with open(path, "w") as fh:
             json.dump(tuned, fh, indent=1)
     print(
-        "\n%-10s %3s %4s %3s %3s %3s %8s %7s %9s"
-        % ("variant", "B", "ppb", "nw", "ns", "ks", "us", "TB/s", "rel_err")
+        f"\n{'variant':<10} {'B':>3} {'ppb':>4} {'nw':>3} {'ns':>3} {'ks':>3} {'us':>8} "
+        f"{'TB/s':>7} {'rel_err':>9}"
     )
     for r in rows:
+        rel_err = f"{r['rel_err']:.1e}" if "rel_err" in r else "-"
         print(
-            "%-10s %3d %4d %3d %3d %3d %8s %7s %9s"
-            % (
-                r["variant"],
-                r.get("B", B),
-                r["pages_per_block"],
-                r["num_warps"],
-                r["num_stages"],
-                r["k_splits"],
-                r.get("us", "ERR"),
-                r.get("TBps", "-"),
-                "%.1e" % r["rel_err"] if "rel_err" in r else "-",
-            )
+            f"{r['variant']:<10} {r.get('B', B):>3d} {r['pages_per_block']:>4d} "
+            f"{r['num_warps']:>3d} {r['num_stages']:>3d} {r['k_splits']:>3d} "
+            f"{r.get('us', 'ERR')!s:>8} {r.get('TBps', '-')!s:>7} {rel_err:>9}"
         )
     print("ceilings", ceil, "KV bytes", KV_BYTES)
 

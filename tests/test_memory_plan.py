@@ -542,8 +542,8 @@ def test_cli_preset_and_hf_dir_agree(tmp_path):
 
 
 def test_cli_gguf(monkeypatch):
-    """A .gguf --model goes through `ModelConfig.from_checkpoint` (checked against the preset above; the
-    file's metadata takes seconds to parse, so it is read once per test run)."""
+    """A .gguf --model goes through `ModelConfig.from_checkpoint` (checked against the preset above;
+    the file's metadata takes seconds to parse, so it is read once per test run)."""
     path = _smollm_gguf()
     if path is None:
         pytest.skip("SmolLM2 GGUF not installed")

@@ -1,4 +1,5 @@
-"""Tests for jaxinfer.runner.sampling against independent numpy (float64) and HF transformers references."""
+"""Tests for jaxinfer.runner.sampling against independent numpy (float64) and HF transformers
+references."""
 
 from __future__ import annotations
 

@@ -269,8 +269,8 @@ class EngineConfig:
                 (
                     "dtype",
                     (None, "float32", "bfloat16", "float16", *_DTYPE_ALIASES).__contains__,
-                    "allowed: None or 'auto' (bfloat16 on GPU, else float32), 'float32' (= 'float'), "
-                    "'bfloat16', 'float16' (= 'half')",
+                    "allowed: None or 'auto' (bfloat16 on GPU, else float32), "
+                    "'float32' (= 'float'), 'bfloat16', 'float16' (= 'half')",
                 ),
                 ("seed", is_int, "must be an integer"),
                 (

@@ -93,8 +93,9 @@ class OpenAIServing:
         )
 
     def dump(self, cls, rid: str, choices: list[dict], usage: dict | None = None) -> bytes:
-        """A response or chunk of ``cls`` (its ``openai`` type) as JSON bytes, unvalidated (vLLM's finish
-        reasons, ``stop_reason``); msgspec, not pydantic: one per stream per step costs 2 us."""
+        """A response or chunk of ``cls`` (its ``openai`` type) as JSON bytes, unvalidated (vLLM's
+        finish reasons, ``stop_reason``); msgspec, not pydantic: one per stream per step costs
+        2 us."""
         obj = typing.get_args(cls.model_fields["object"].annotation)[0]
         return _ENCODE(
             dict(

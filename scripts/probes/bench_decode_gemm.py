@@ -13,8 +13,8 @@ come from HBM, not L2, and XLA cannot merge the dots); the time per GEMM is the 
 kernels' durations (reduce kernels included) divided by that count. Reports µs, weight TB/s and
 TFLOP/s per GEMM; prints a table and appends JSON objects (bench="decode_gemm") to ``--out``.
 
-    python scripts/probes/bench_decode_gemm.py [--rows 1 64 128 192 256] [--shapes wqkv wo down gate_up]
-        [--variants xla cublas cublas-partials4]
+    python scripts/probes/bench_decode_gemm.py [--rows 1 64 128 192 256]
+        [--shapes wqkv wo down gate_up] [--variants xla cublas cublas-partials4]
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
 """Probe: weights / KV pool / pages in use / other device bytes over a generate run, as CSV.
 
 Runs the ``python -m jaxinfer.generate`` CLI with a `MemoryTracker` snapshotting after every
-engine step (`trace`, a hook on the engine's step loop) (one row before generation), writes the rows to FILE under `CSV_HEADER` and prints the
-last one as a line on stderr (`report`). ``other_bytes``: device bytes in use - weights - KV pool,
-0 where the device reports no memory stats (the CPU).
+engine step (`trace`, a hook on the engine's step loop) (one row before generation), writes the
+rows to FILE under `CSV_HEADER` and prints the last one as a line on stderr (`report`).
+``other_bytes``: device bytes in use - weights - KV pool, 0 where the device reports no memory
+stats (the CPU).
 
-    python scripts/probes/memory_trace.py mem.csv --prompt "Hello" --max-tokens 64 [generate options]
+    python scripts/probes/memory_trace.py mem.csv --prompt "Hello" --max-tokens 64
+        [generate options]
 """
 
 from __future__ import annotations

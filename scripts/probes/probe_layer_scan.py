@@ -1,8 +1,8 @@
 """Probe: does the layer loop read each weight once per decode step?
 
-Times the weight-streaming core of a decode step at batch B (default 1) for Qwen3-8B shapes (q, k, v,
-o, gate, up, down matmuls per layer; no attention) in five forms, and reports the effective weight
-read bandwidth against the copy ceiling measured in the same run:
+Times the weight-streaming core of a decode step at batch B (default 1) for Qwen3-8B shapes (q, k,
+v, o, gate, up, down matmuls per layer; no attention) in five forms, and reports the effective
+weight read bandwidth against the copy ceiling measured in the same run:
 
   scan      lax.scan over weights stacked on a leading L axis (jaxinfer.models' former layout)
   unrolled  a Python loop over a list of per-layer weight dicts (no slicing inside the step)

@@ -1,5 +1,5 @@
-"""Orbax save/restore, ``python scripts/convert_checkpoint.py``, `load_model` dispatch and errors, and
-`default_model_path`.
+"""Orbax save/restore, ``python scripts/convert_checkpoint.py``, `load_model` dispatch and errors,
+and `default_model_path`.
 
 References: the arrays, config and tokenizer that went in (restore must give them back bit for
 bit); the HF-directory load of the same tiny model (the converted checkpoint must load to the same
@@ -61,7 +61,8 @@ def make_tokenizer():
 
 
 def make_hf_dir(path, seed: int = 0, **overrides):
-    """A tiny random HF Llama directory: safetensors, config.json, generation_config.json, tokenizer."""
+    """A tiny random HF Llama directory: safetensors, config.json, generation_config.json,
+    tokenizer."""
     kw = dict(
         vocab_size=64,
         hidden_size=32,

@@ -77,7 +77,8 @@ def test_length_admission_rule(llm):
 
 
 def test_pool_admission(llm):
-    """C3: page 16, 8 usable pages (128 tokens): a 200-token prompt fails at once, a 10-token one completes."""
+    """C3: page 16, 8 usable pages (128 tokens): a 200-token prompt fails at once, a 10-token one
+    completes."""
     small = small_llm(llm, max_model_len=512, max_num_seqs=4, page_size=16, num_pages=9)
     sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     outs = small.generate(
@@ -100,7 +101,8 @@ def test_out_of_vocab_token_rejected(llm):
 
 
 def test_invalid_unicode_prompt_is_a_per_request_error(llm):
-    """A lone surrogate (what undecodable argv bytes become) is rejected; the neighbour completes."""
+    """A lone surrogate (what undecodable argv bytes become) is rejected; the neighbour
+    completes."""
     sp = SamplingParams(max_tokens=4, temperature=0.0)
     outs = llm.generate(["bad \ud800 text", "The sky is"], sp, on_error="return")
     assert outs[0].error and "Unicode" in outs[0].error

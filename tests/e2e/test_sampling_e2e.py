@@ -34,7 +34,8 @@ def test_seeded_request_independent_of_runs_and_batch(llm):
 
 
 def test_filters_that_reduce_to_greedy(llm):
-    """top_k=1, temperature=0, temperature=1e-6 and top_p=1e-9 all equal greedy; top_k=-1 is no filter."""
+    """top_k=1, temperature=0, temperature=1e-6 and top_p=1e-9 all equal greedy; top_k=-1 is no
+    filter."""
     greedy = _tokens(llm, [PROMPT], SamplingParams(temperature=0.0, max_tokens=16))[0]
     sps = [
         SamplingParams(temperature=0.6, top_k=1, max_tokens=16, seed=1),

@@ -97,7 +97,8 @@ def test_preemption_gives_same_outputs(tiny, tiny_prompt_ids):
 
 
 def test_ignore_eos_and_eos_union(llm, hf_greedy, prompt_ids, singles):
-    """CASES C4: ignore_eos -> exactly max_tokens, 'length'; else stop at the first EOS id, 'stop'."""
+    """CASES C4: ignore_eos -> exactly max_tokens, 'length'; else stop at the first EOS id,
+    'stop'."""
     ids = prompt_ids[4]  # one-word answer
     on = llm.generate(
         {"prompt_token_ids": ids}, SamplingParams(max_tokens=32, ignore_eos=True, **GREEDY)

@@ -170,7 +170,7 @@ def test_logprobs(client):
     # the text leaves special tokens out (skip_special_tokens); the token list names them
     specials = {"<unk>", "<|im_start|>", "<|im_end|>"}
     assert "".join(t for t in lp.tokens if t not in specials) == out.choices[0].text
-    for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for x, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert len(top) <= 3 and x <= 0 and math.isclose(max(top.values()), x, abs_tol=1e-5)
     chat = client.chat.completions.create(
         model=MODEL,

@@ -107,7 +107,7 @@ def test_200_concurrent_streams(server, wait_idle):
     assert not [r for r in results if isinstance(r, BaseException)], [
         r for r in results if isinstance(r, BaseException)
     ][:3]
-    for (_, max_tokens, _), (text, usage) in zip(reqs, results):
+    for (_, max_tokens, _), (_text, usage) in zip(reqs, results):
         assert usage.completion_tokens == max_tokens
     assert {i: results[i][0] for i in refs} == refs
     wait_idle(server)

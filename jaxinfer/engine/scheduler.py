@@ -1,10 +1,12 @@
 """Continuous-batching scheduler (host side, no JAX): ``schedule()`` -> step -> ``postprocess(batch,
-sampled)``, at most two batches in flight (sampled tokens pending until read back). Prefill first
-(the partial prefill, then admission within ``max_num_seqs``, the token budget and free pages; one
-partial chunk, last; rows x longest chunk <= twice the budget), else decode, a missing page
-preempting the newest admitted (recompute). Prefix caching: `_admission_order`, cached full pages
-shared (none for ``prompt_logprobs``), a sequence whose next page is being computed waits in place.
-Sources: nano-vllm; vLLM v1 chunked prefill, prefix caching, async scheduling; SGLang."""
+sampled)``, at most two batches in flight (sampled tokens pending until read back). One batch per
+step under one token budget, as vLLM V1: the running sequences' decode rows first (one token
+each, oldest first; a missing page preempts the newest page holder, recompute), then prefill
+chunks with the budget left (the partial prefill, then admission within ``max_num_seqs`` and free
+pages; one partial chunk, last). Rows of any length mix (the attention is ragged). Prefix
+caching: `_admission_order`, cached full pages shared (none for ``prompt_logprobs``), a sequence
+whose next page is being computed waits in place. Sources: nano-vllm; vLLM V1 scheduler,
+chunked prefill, prefix caching, async scheduling; SGLang."""
 
 import time
 from collections import deque
@@ -23,11 +25,11 @@ PASS_LIMIT = 256  # cache-aware admission: how many later requests may overtake 
 class ScheduledBatch:
     """Row i computes positions ``[start_positions[i], + num_new_tokens[i])`` of ``seqs[i]``;
     snapshots: ``do_sample`` (the chunk reaches the end, pending included), ``pending_input``
-    (input token from the batch in flight). Raises ValueError: lengths differ, or a count < 1."""
+    (input token from the batch in flight). The scheduler orders rows decode first (one token
+    each, admission order), then prefill chunks. Raises ValueError: lengths differ, a count < 1."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
-    is_prefill: bool
     start_positions: list[int] = field(init=False)
     do_sample: list[bool] = field(init=False)
     pending_input: list[bool] = field(init=False)
@@ -88,9 +90,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # decoding; admission order
         self.prefilling: Sequence | None = None  # partially prefilled; newest admitted
         self._requests: dict[str, Sequence] = {}  # unfinished, by request_id
-        self._in_flight: deque[ScheduledBatch] = (
-            deque()
-        )  # scheduled, not postprocessed; oldest first
+        self._in_flight: deque[ScheduledBatch] = deque()  # not postprocessed yet; oldest first
 
     num_waiting = property(lambda self: len(self.waiting))
     num_running = property(
@@ -127,7 +127,8 @@ class Scheduler:
         if need > usable:
             raise ValueError(
                 f"prompt has {tokens} and max_tokens={max_tokens}: needs {need} KV pages "
-                f"of {self.page_size} tokens, but the whole KV pool has {usable} usable page{'s' if usable != 1 else ''} "
+                f"of {self.page_size} tokens, but the whole KV pool has {usable} usable "
+                f"page{'s' if usable != 1 else ''} "
                 f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool"
             )
 
@@ -154,14 +155,19 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         """The next batch (pages allocated, sequences advanced), or None: nothing runnable now.
+        One token budget: decode rows first, then prefill chunks with what is left; no prefill
+        in a step that preempted (a victim is not readmitted in the step that evicted it).
         Raises RuntimeError: two batches in flight, or work left that nothing can run."""
         if len(self._in_flight) >= 2:
             raise RuntimeError(
                 "Scheduler.schedule: the previous batch was not postprocessed "
                 "(at most one batch may be in flight when scheduling)"
             )
-        batch = self._schedule_prefill() or self._schedule_decode()
-        if batch is None:
+        seqs, preempted = self._schedule_decode(self.max_num_batched_tokens)
+        nums = [1] * len(seqs)
+        if not preempted:
+            self._schedule_prefill(seqs, nums, self.max_num_batched_tokens - len(seqs))
+        if not seqs:
             if self.has_unfinished() and not self._in_flight:
                 raise RuntimeError(
                     f"Scheduler.schedule: {len(self._requests)} unfinished requests "
@@ -169,115 +175,28 @@ class Scheduler:
                     f"free pages={self.block_manager.num_free_pages})"
                 )
             return None
+        batch = ScheduledBatch(seqs, nums)
         for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, batch.do_sample):
             seq.num_computed_tokens += n
             seq.num_pending_tokens += samp
         self._in_flight.append(batch)
         return batch
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _schedule_decode(self, budget: int) -> tuple[list[Sequence], bool]:
+        """(the decode rows, oldest first, at most ``budget``; whether a page holder was
+        preempted). A row is a running sequence that can take one more token: those whose pending
+        tokens end them (length) are skipped; a missing page preempts the newest page holder (the
+        partial prefill, then the newest running, then the row itself), or defers the row when
+        only ending sequences hold pages. Those past the budget stay running, untouched."""
         bm = self.block_manager
-        seqs, nums, budget = [], [], self.max_num_batched_tokens
-
-        def take(seq: Sequence) -> bool | None:  # None: deferred (its next page is pending)
-            nonlocal budget
-            if seq.num_pending_tokens:  # preempted with a token still in flight: next step
-                return False
-            hits, admit = [], seq.num_computed_tokens == 0
-            lookup = admit and bm.enable_prefix_caching and seq.params.prompt_logprobs is None
-            if lookup:  # never a shared page written: the last token is always computed
-                hits, pending = bm.match_prefix(seq, (seq.num_tokens - 1) // self.page_size)
-                if pending:
-                    return None
-            start = seq.num_computed_tokens + len(hits) * self.page_size
-            n = min(seq.num_tokens - start, budget)
-            if seqs:
-                cap = 2 * self.max_num_batched_tokens // (len(seqs) + 1)  # longest row allowed
-                if max(nums) > cap:
-                    return False
-                n = min(n, cap)
-            if not bm.can_allocate(seq, start + n, hits):
-                return False
-            bm.allocate(seq, start + n, hits)
-            if lookup:
-                bm.stats.prefix_cache_queries += seq.num_tokens
-                bm.stats.prefix_cache_hits += start
-                if not seq.num_preemptions:
-                    seq.num_cached_tokens = start
-            if admit and bm.enable_prefix_caching:
-                bm.mark_pending(seq, len(hits))
-            seq.num_computed_tokens = start
-            seq.status = SequenceStatus.RUNNING
-            seqs.append(seq)
-            nums.append(n)
-            budget -= n
-            if seq.num_computed_tokens + n == seq.num_tokens:
-                self.running.append(seq)
-            else:
-                self.prefilling = seq  # budget is now 0: the last of this batch
-            return True
-
-        head, self.prefilling = self.prefilling, None
-        if head is not None and not take(head):
-            self.prefilling = head
-            return None
-        admitted = []  # a sequence whose next prompt page is being computed waits in place
-        for seq in self._admission_order():
-            if budget <= 0 or self.prefilling is not None or self.num_running >= self.max_num_seqs:
-                break
-            if (taken := take(seq)) is None:
-                continue
-            if not taken:
-                break
-            admitted.append(seq)
-        self._remove_admitted(admitted)
-        return ScheduledBatch(seqs, nums, is_prefill=True) if seqs else None
-
-    def _admission_order(self) -> list[Sequence]:
-        """The waiting queue in admission order. With prefix caching: the preempted and those
-        overtaken `PASS_LIMIT` times, then those whose first prompt page is cached (cheap to
-        prefill: served first, mean TTFT drops), then the rest, each FIFO. Else FIFO."""
-        if not self.block_manager.enable_prefix_caching:
-            return list(self.waiting)
-        cached = self.block_manager.first_page_cached
-        return sorted(
-            self.waiting,
-            key=lambda s: (
-                0
-                if s.num_preemptions or (s.num_passed_over >= PASS_LIMIT)
-                else 1
-                if cached(s)
-                else 2
-            ),
-        )
-
-    def _remove_admitted(self, admitted: list[Sequence]) -> None:
-        """Drop ``admitted`` from the queue; each one left behind counts those queued after it."""
-        taken, behind, kept = {id(s) for s in admitted}, len(admitted), deque()
-        for seq in self.waiting:
-            behind -= id(seq) in taken
-            if id(seq) not in taken:
-                seq.num_passed_over += behind
-                kept.append(seq)
-        self.waiting = kept
-
-    def _schedule_decode(self) -> ScheduledBatch | None:
-        if not self.running:
-            return None
-        bm = self.block_manager
-        ending, queue, scheduled, deferred = [], deque(), [], []
-        for s in self.running:  # ends on its pending tokens (length)
+        ending, queue, scheduled, deferred, preempted = [], deque(), [], [], False
+        for s in self.running:
             p = s.num_pending_tokens
-            (
-                ending
-                if p > 0
-                and (
-                    s.num_output_tokens + p >= s.max_tokens
-                    or s.num_tokens + p >= self.max_model_len
-                )
-                else queue
-            ).append(s)
-        while queue:
+            ends = p > 0 and (
+                s.num_output_tokens + p >= s.max_tokens or s.num_tokens + p >= self.max_model_len
+            )
+            (ending if ends else queue).append(s)
+        while queue and len(scheduled) < budget:
             seq = queue.popleft()
             if seq.num_computed_tokens != seq.num_tokens_with_pending - 1:
                 raise RuntimeError(f"Scheduler: decoding sequence out of step: {seq!r}")
@@ -297,20 +216,109 @@ class Scheduler:
                         f"Scheduler: {seq!r} alone does not fit the pool; "
                         "admission should have rejected it"
                     )
-                bm.free(victim)  # preempted: recomputed from its first token once readmitted
-                victim.num_computed_tokens, victim.status = 0, SequenceStatus.WAITING
-                victim.num_preemptions += 1
-                self.waiting.appendleft(victim)
+                self._preempt(victim)
+                preempted = True
                 if victim is seq:
                     break
             else:
                 bm.allocate(seq, need)
                 scheduled.append(seq)
-        kept = {id(s) for s in scheduled + deferred + ending}
+        kept = {id(s) for s in (*scheduled, *deferred, *ending, *queue)}
         self.running = [s for s in self.running if id(s) in kept]  # admission order
-        return (
-            ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False) if scheduled else None
-        )
+        return scheduled, preempted
+
+    def _preempt(self, victim: Sequence) -> None:
+        """Free ``victim``'s pages; it is recomputed from its first token once readmitted (first
+        in the queue; callers take it out of ``running`` / ``prefilling``)."""
+        self.block_manager.free(victim)
+        victim.num_computed_tokens, victim.status = 0, SequenceStatus.WAITING
+        victim.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def _schedule_prefill(self, seqs: list[Sequence], nums: list[int], budget: int) -> None:
+        """Append prefill rows to ``seqs``/``nums`` within ``budget`` tokens: the partial prefill
+        first (if it gets no pages, nothing else is admitted), then admission in
+        `_admission_order` while fewer than ``max_num_seqs`` hold pages; a chunk cut by the budget
+        becomes the partial prefill and ends the step's admissions (one partial at a time)."""
+
+        def place(seq: Sequence, n: int) -> int:
+            seqs.append(seq)
+            nums.append(n)
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                self.running.append(seq)
+            else:
+                self.prefilling = seq
+            return budget - n
+
+        head, self.prefilling = self.prefilling, None
+        if head is not None:
+            if budget <= 0 or not (n := self._take(head, budget)):
+                self.prefilling = head
+                return
+            budget = place(head, n)
+        admitted = []
+        for seq in self._admission_order():
+            if budget <= 0 or self.prefilling is not None or self.num_running >= self.max_num_seqs:
+                break
+            if (n := self._take(seq, budget)) is None:
+                continue  # its next prompt page is being computed: it waits in place
+            if not n:
+                break
+            budget = place(seq, n)
+            admitted.append(seq)
+        self._remove_admitted(admitted)
+
+    def _take(self, seq: Sequence, budget: int) -> int | None:
+        """Give ``seq`` (waiting, or the partial prefill) its next chunk of at most ``budget`` >= 1
+        tokens: pages allocated (prefix-cache hits shared at admission), RUNNING, its
+        ``num_computed_tokens`` at the chunk's start. Returns the chunk's length; 0: not now (a
+        token still in flight, or no pages); None: its next prompt page is being computed."""
+        bm = self.block_manager
+        if seq.num_pending_tokens:  # preempted with a token still in flight: next step
+            return 0
+        hits, admit = [], seq.num_computed_tokens == 0
+        lookup = admit and bm.enable_prefix_caching and seq.params.prompt_logprobs is None
+        if lookup:  # never a shared page written: the last token is always computed
+            hits, pending = bm.match_prefix(seq, (seq.num_tokens - 1) // self.page_size)
+            if pending:
+                return None
+        start = seq.num_computed_tokens + len(hits) * self.page_size
+        n = min(seq.num_tokens - start, budget)
+        if not bm.can_allocate(seq, start + n, hits):
+            return 0
+        bm.allocate(seq, start + n, hits)
+        if lookup:
+            bm.stats.prefix_cache_queries += seq.num_tokens
+            bm.stats.prefix_cache_hits += start
+            if not seq.num_preemptions:
+                seq.num_cached_tokens = start
+        if admit and bm.enable_prefix_caching:
+            bm.mark_pending(seq, len(hits))
+        seq.num_computed_tokens, seq.status = start, SequenceStatus.RUNNING
+        return n
+
+    def _admission_order(self) -> list[Sequence]:
+        """The waiting queue in admission order. With prefix caching: the preempted and those
+        overtaken `PASS_LIMIT` times, then those whose first prompt page is cached (cheap to
+        prefill: served first, mean TTFT drops), then the rest, each FIFO. Else FIFO."""
+        if not self.block_manager.enable_prefix_caching:
+            return list(self.waiting)
+        cached = self.block_manager.first_page_cached
+
+        def rank(s: Sequence) -> int:
+            return 0 if s.num_preemptions or s.num_passed_over >= PASS_LIMIT else 2 - cached(s)
+
+        return sorted(self.waiting, key=rank)
+
+    def _remove_admitted(self, admitted: list[Sequence]) -> None:
+        """Drop ``admitted`` from the queue; each one left behind counts those queued after it."""
+        taken, behind, kept = {id(s) for s in admitted}, len(admitted), deque()
+        for seq in self.waiting:
+            behind -= id(seq) in taken
+            if id(seq) not in taken:
+                seq.num_passed_over += behind
+                kept.append(seq)
+        self.waiting = kept
 
     def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Append ``sampled`` (ids where ``batch.do_sample``, else None) for the oldest batch in

@@ -97,7 +97,7 @@ def main() -> None:
 
     def capture(batch, **kw):  # remember the last decode batch's host arrays
         hb = build(batch, **kw)
-        if not batch.is_prefill:
+        if max(batch.num_new_tokens) == 1:  # decode rows only
             captured["hb"] = hb
         return hb
 

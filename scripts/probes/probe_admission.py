@@ -1,7 +1,8 @@
 """Which PASS_LIMIT (cache-aware admission's bound) lowers mean TTFT on bench_prefix_cache's shared
 workload: the real Scheduler and BlockManager driven by a step-time cost model fitted to the H200
-(prefill 10 ms + 25 us per token, decode 8 ms + 50 us per row; cache off gives 7.7 s mean TTFT
-against 7.4 s measured). Host only, seconds on a CPU.
+when steps were prefill or decode (prefill 10 ms + 25 us per token, decode 8 ms + 50 us per row;
+cache off gave 7.7 s mean TTFT against 7.4 s measured). A mixed step costs 10 ms + 50 us per
+decode row + 25 us per prefill token (a 1-token row counts as decode). Host only, seconds on a CPU.
 
     python scripts/probes/probe_admission.py
 """
@@ -54,8 +55,9 @@ def sim(
     while sched.has_unfinished() or inflight:
         b = sched.schedule()
         if b is not None:
-            toks = sum(b.num_new_tokens)
-            t += (0.01 + toks * 2.5e-5) if b.is_prefill else (0.008 + len(b.seqs) * 5e-5)
+            rows1 = sum(n == 1 for n in b.num_new_tokens)  # decode rows, one token each
+            pre = sum(b.num_new_tokens) - rows1  # prefill tokens
+            t += (0.01 if pre else 0.008) + rows1 * 5e-5 + pre * 2.5e-5
             inflight.append(b)
         while inflight and (len(inflight) > 1 or b is None):
             bb = inflight.pop(0)

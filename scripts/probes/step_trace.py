@@ -3,10 +3,10 @@
 `StepTrace(llm.engine, path)` wraps the engine's ``step`` (an instance attribute; a probe, not
 engine code) and appends per call: ``t0``/``t1`` (perf_counter seconds around the call), the
 ``key`` (`ShapeKey` B, T, M, Q), ``rows`` and ``tokens`` of the step it launched (0: none),
-``prefill``, ``pending`` (step shapes compiling in the background), ``covered`` and ``steps``
-(`EngineStats` counters), ``running``/``waiting``. Unlike `scripts.step_tools.record_steps` (a
-timeline of read-backs), it also shows the time a caller spends between calls (the server's core
-loop) and the background compiles each step overlapped.
+``prefill`` (a row of more than one token), ``pending`` (step shapes compiling in the
+background), ``covered`` and ``steps`` (`EngineStats` counters), ``running``/``waiting``. Unlike
+`scripts.step_tools.record_steps` (a timeline of read-backs), it also shows the time a caller
+spends between calls (the server's core loop) and the background compiles each step overlapped.
 `mark(label)` writes ``{"mark": label, "t": ...}`` between phases (offline, server); other
 processes write theirs to ``path + ".marks"`` (perf_counter is the system's monotonic clock).
 
@@ -45,7 +45,7 @@ class StepTrace:
                     key=list(fl.handle[1].key[:4]) if fl else None,
                     rows=len(b.seqs) if b else 0,
                     tokens=sum(b.num_new_tokens) if b else 0,
-                    prefill=bool(b and b.is_prefill),
+                    prefill=bool(b and max(b.num_new_tokens) > 1),
                     pending=len(eng.runner.executor.pending),
                     covered=st.num_covered_steps,
                     steps=st.num_steps,

@@ -229,3 +229,34 @@ def test_admission_overtakes_a_waiting_request_at_most_pass_limit_times(monkeypa
     else:  # every cached request goes first
         assert first["u"] > first["c4"] and u.num_passed_over == 5
     check_reference(sched, [u, *cs])
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_prefix_hits_within_a_mixed_step(lag):
+    """Cached prompts admitted beside a decoding sequence share their pages in the same step."""
+    P = 4
+    system = toks(3 * P, 7)
+    sched = warm(P, system, budget=32)
+    pages = sched.block_manager.match_prefix(seq_of("probe", system + [0]), 3)[0]
+    d = seq_of("d", toks(6, 40), max_tokens=8)
+    sched.add(d)
+    first = sched.schedule()
+    out = sched.device.step(first)
+    sched.postprocess(first, out)
+    sched.device.postprocessed(first, out)
+    c1, c2 = seq_of("c1", system + [1, 2]), seq_of("c2", system + [3])
+    sched.add(c1)
+    sched.add(c2)
+    hits = sched.block_manager.stats.prefix_cache_hits
+    batch = sched.schedule()
+    assert batch.seqs == [d, c1, c2] and batch.num_new_tokens == [1, 2, 1]
+    assert batch.start_positions == [6, 3 * P, 3 * P]
+    assert c1.block_table[:3] == c2.block_table[:3] == pages and len(pages) == 3
+    assert (c1.num_cached_tokens, c2.num_cached_tokens) == (3 * P, 3 * P)
+    assert sched.block_manager.stats.prefix_cache_hits == hits + 2 * 3 * P
+    out = sched.device.step(batch)
+    sched.postprocess(batch, out)
+    sched.device.postprocessed(batch, out)
+    batches = run(sched, lag=lag)
+    assert batches[0].seqs == [d, c1, c2] and batches.num_decode[0] == 3
+    check_reference(sched, [d, c1, c2])

@@ -92,8 +92,9 @@ def test_many_sequences_small_pool_all_finish(lag):
                 ignore_eos=True,
             )
         )
-    run(sched, lag=lag)
+    batches = run(sched, lag=lag)
     assert sum(s.num_preemptions for s in seqs) > 0
+    assert any(0 < k < x.num_seqs for x, k in zip(batches, batches.num_decode))  # mixed steps
     assert_matches_reference(sched, seqs)
     assert all(len(s.output_token_ids) == s.params.max_tokens for s in seqs)
 

@@ -164,9 +164,7 @@ def main() -> None:
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.runner.model_runner import ModelRunner
     from jaxinfer.sampling_params import StructuredOutputsParams
-
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_decode import QWEN3_8B  # same directory
+    from scripts.decode_step import QWEN3_8B
 
     if args.tokenizer:
         from transformers import AutoTokenizer

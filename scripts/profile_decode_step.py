@@ -28,14 +28,19 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench_decode import QWEN3_8B, knob_error, parse_knobs, resolve_kernels, step_runner, time_steps  # noqa: E402
 
 from jaxinfer import models  # noqa: E402
 from jaxinfer.config import KernelConfig, ModelConfig  # noqa: E402
 from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS  # noqa: E402
+from scripts.decode_step import (  # noqa: E402
+    QWEN3_8B,
+    knob_error,
+    parse_knobs,
+    resolve_kernels,
+    step_runner,
+    time_steps,
+)
 
 
 def kernel_events(xplane_path: str) -> list[tuple[str, int, int]]:

@@ -122,7 +122,7 @@ def test_decode_knobs_parse_and_reach_the_kernel(monkeypatch):
     from jaxinfer.config import KernelConfig
     from jaxinfer.models import kernels
 
-    bench = load_script("bench_decode")
+    bench = load_script("decode_step")  # bench_decode.py's step
     assert bench.parse_knobs("") == {}
     assert bench.parse_knobs("num_splits=4,block_kv=128") == {"num_splits": 4, "block_kv": 128}
     for bad in ("num_splits", "num_splits=x", "=3", "a b=1"):
@@ -164,7 +164,7 @@ def test_bench_decode_defaults_to_the_engines_kernels():
 
     from jaxinfer.config import ModelConfig
 
-    bench = load_script("bench_decode")
+    bench = load_script("decode_step")  # bench_decode.py's step
     cfg = ModelConfig(**bench.QWEN3_8B)
     gpu = bench.resolve_kernels(cfg, "", "gpu")
     assert (gpu.decode_attention, gpu.prefill_attention) == ("mosaic", "triton")

@@ -42,7 +42,7 @@ def main() -> None:
     from jaxinfer.models.kv_cache import KVCache
     from jaxinfer.runner.sampling import SamplingMetadata
     from jaxinfer.runner.step import StepInput
-    from scripts.bench_decode import QWEN3_8B, make_step_fn, resolve_kernels
+    from scripts.decode_step import QWEN3_8B, make_step_fn, resolve_kernels
 
     S = jax.ShapeDtypeStruct
     dt = jnp.bfloat16

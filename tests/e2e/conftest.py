@@ -124,3 +124,13 @@ def prompt_ids(llm):
     plain = [llm.get_tokenizer().encode(p) for p in PLAIN_PROMPTS]
     chat = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in CHAT_PROMPTS]
     return plain + chat
+
+
+@pytest.fixture
+def shared_llm(monkeypatch, tiny):
+    """The CLI in this process gets the shared tiny `LLM` (max_model_len 512, its
+    character-level tokenizer) instead of loading one: these tests are about the CLI's mechanics."""
+    import jaxinfer.llm
+
+    monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **k: tiny)
+    return tiny

@@ -1,0 +1,136 @@
+"""`KernelConfig`: the kernel knobs (attention variants, GEMM back-ends, step-shape buckets), their
+allowed values (`kernel_choices`) and `check_platform`. No JAX."""
+
+from __future__ import annotations  # the field types stay strings: `_check` and cli_args read them
+
+import dataclasses
+
+from jaxinfer.checks import is_int
+from jaxinfer.config.model import _check, _fail
+from pallas_kernels.paged_attention import registry
+
+KERNEL_ALIASES = {"decode": "decode_attention", "prefill": "prefill_attention"}
+_BUCKETS = ("batch_buckets", "token_buckets")
+
+
+def kernel_choices() -> dict[str, tuple[str, ...]]:
+    """Allowed values of each string field of `KernelConfig` (attention: the kernel registry)."""
+    return {
+        "decode_attention": ("auto", *registry.DECODE),
+        "prefill_attention": ("auto", *registry.PREFILL),
+        "prefill_gemm": ("xla", "cublas"),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"): paged attention of
+    decode (T == 1) / prefill steps; prefill_gemm (cublas: GPU); decode buckets of >=
+    cublas_decode_min_batch rows use cuBLAS (None: XLA); batch_buckets / token_buckets: B / T."""
+
+    decode_attention: str = "auto"
+    prefill_attention: str = "auto"
+    prefill_gemm: str = "xla"
+    cublas_decode_min_batch: int | None = 64
+    batch_buckets: tuple[int, ...] = ()
+    token_buckets: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check(
+            self,
+            (
+                *(
+                    (name, allowed.__contains__, "allowed: " + ", ".join(map(repr, allowed)))
+                    for name, allowed in kernel_choices().items()
+                ),
+                (
+                    "cublas_decode_min_batch",
+                    lambda m: m is None or is_int(m, 1),
+                    "must be None or a positive integer",
+                ),
+                *(
+                    (
+                        name,
+                        lambda b: (
+                            isinstance(b, (tuple, list))
+                            and all(is_int(x, 1) for x in b)
+                            and list(b) == sorted(set(b))
+                        ),
+                        "must be a tuple of strictly increasing positive integers, "
+                        "or () for the defaults",
+                    )
+                    for name in _BUCKETS
+                ),
+            ),
+        )
+        for name in _BUCKETS:
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @classmethod
+    def parse(cls, spec: str | KernelConfig) -> KernelConfig:
+        """From ``"key=value,..."`` (e.g. ``"decode=mosaic,batch_buckets=1:2:4"``; keys: fields or
+        `KERNEL_ALIASES`), or a `KernelConfig`. ValueError: no ``=``, bad/repeated key or value."""
+        if isinstance(spec, cls):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(
+                f"kernels={spec!r} is invalid: expected a KernelConfig or a 'key=value,...' string"
+            )
+        keys, kw = {f.name for f in dataclasses.fields(cls)}, {}
+        for item in filter(None, (s.strip() for s in spec.split(","))):
+            key, sep, value = (s.strip() for s in item.partition("="))
+            name = KERNEL_ALIASES.get(key, key)
+            if not sep or name not in keys:
+                raise ValueError(
+                    f"kernels: {item!r} is invalid: expected key=value with key one "
+                    f"of {sorted(keys | set(KERNEL_ALIASES))}"
+                )
+            if name in kw:
+                raise ValueError(f"kernels: {name!r} is given twice in {spec!r}")
+            try:
+                kw[name] = (
+                    (tuple(int(x) for x in value.split(":")) if value else ())
+                    if name in _BUCKETS
+                    else value
+                    if name in kernel_choices()
+                    else None
+                    if value.lower() == "none"
+                    else int(value)
+                )
+            except ValueError:
+                _fail(
+                    "KernelConfig",
+                    name,
+                    value,
+                    "expected integers (buckets joined by ':'), "
+                    "or 'none' for cublas_decode_min_batch",
+                )
+        return cls(**kw)
+
+    @classmethod
+    def help(cls) -> str:
+        """The keys with their allowed values and defaults, for CLI help texts."""
+        alias, choices = {v: k for k, v in KERNEL_ALIASES.items()}, kernel_choices()
+        return "; ".join(
+            f"{alias.get(f.name, f.name)}="
+            + (
+                "|".join(choices[f.name])
+                if f.name in choices
+                else "sizes joined by ':'"
+                if f.name in _BUCKETS
+                else "none|ROWS"
+            )
+            + (f" (default {f.default})" if f.default != () else " (default empty: engine's)")
+            for f in dataclasses.fields(cls)
+        )
+
+
+def check_platform(kc: KernelConfig, platform: str) -> None:
+    """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu"."""
+    for name in KERNEL_ALIASES.values():
+        if platform != "gpu" and (value := getattr(kc, name)) not in ("auto", "reference"):
+            raise ValueError(
+                f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
+                f"backend is {platform!r}; use 'auto' or 'reference' here (the "
+                "kernels' CPU tests run them in interpret mode)"
+            )

@@ -1,0 +1,97 @@
+"""`resolve`: the one place "auto" becomes concrete (`ResolvedConfig`: dtypes, kernels,
+max_model_len and quantization for a model on a platform). No JAX."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from jaxinfer.config.engine import KV_CACHE_DTYPES, EngineConfig
+from jaxinfer.config.kernels import KERNEL_ALIASES, KernelConfig, check_platform
+from jaxinfer.config.model import ModelConfig, _fail, check_tp
+from pallas_kernels.paged_attention import registry
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
+FP8_KV_DECODE = ("reference", "triton")  # decode variants validated on fp8 pages
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedConfig:
+    """A model, its `EngineConfig` and a `KernelConfig` with no "auto" left (from `resolve`)."""
+
+    model: ModelConfig
+    engine: EngineConfig
+    kernels: KernelConfig
+    max_model_len: int
+    dtype: str  # "float32" | "bfloat16"
+    platform: str  # JAX backend: "cpu" | "gpu" | ...
+    kv_dtype: str  # the KV pools': dtype or "float8_e4m3fn"
+    quantization: str | None = None  # weights: None | "fp8"
+
+    dtype_bytes = property(lambda self: DTYPE_BYTES[self.dtype])
+    kv_dtype_bytes = property(lambda self: DTYPE_BYTES[self.kv_dtype])
+
+
+def resolve(
+    model: ModelConfig, engine: EngineConfig, platform: str, device_kind: str | None = None
+) -> ResolvedConfig:
+    """Every "auto"/None of ``engine`` for ``model`` on ``platform`` (JAX backend) made concrete. On
+    "gpu": bfloat16, prefill triton, in half precision decode mosaic (fp8 KV: triton); else float32
+    and reference; a variant not validated on ``device_kind`` falls back (`registry.for_device`,
+    logged). max_model_len None: max_position_embeddings; quantization None: "fp8" for an FP8
+    checkpoint; fp8 GEMMs stay on XLA (cuBLAS cannot fuse the e4m3 convert). ValueError:
+    max_model_len above that, a GPU kernel off "gpu", float16 on "gpu", fp8 KV with a decode
+    variant not in `FP8_KV_DECODE` or tp > 1, a tp the model cannot take."""
+    max_len = engine.max_model_len or model.max_position_embeddings
+    if max_len > model.max_position_embeddings:
+        _fail(
+            "EngineConfig",
+            "max_model_len",
+            max_len,
+            f"the model supports at most max_position_embeddings={model.max_position_embeddings}",
+        )
+    dtype = engine.dtype or ("bfloat16" if platform == "gpu" else "float32")
+    if dtype == "float16" and platform == "gpu":
+        _fail(
+            "EngineConfig",
+            "dtype",
+            dtype,
+            "the GPU kernels are not validated in float16; use 'bfloat16'",
+        )
+    kc = engine.kernels
+    check_platform(kc, platform)
+    quant = engine.quantization or ("fp8" if model.weight_block_size else None)
+    if engine.kv_cache_dtype != "auto" and (tp := engine.tensor_parallel_size) > 1:
+        _fail(
+            "EngineConfig",
+            "tensor_parallel_size",
+            tp,
+            f"kv_cache_dtype="
+            f"{engine.kv_cache_dtype!r} runs on one device only; use 1 or kv_cache_dtype='auto'",
+        )
+    check_tp(model, engine.tensor_parallel_size)
+    gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
+    kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype
+    fp8 = kv_dtype != dtype
+    if fp8 and kc.decode_attention not in ("auto", *FP8_KV_DECODE):
+        raise ValueError(
+            f"KernelConfig.decode_attention={kc.decode_attention!r} is not validated "
+            f"with fp8 KV (kv_cache_dtype={engine.kv_cache_dtype!r}); use one of "
+            f"{('auto', *FP8_KV_DECODE)}"
+        )
+    auto = {
+        "decode_attention": ("triton" if fp8 else "mosaic") if gpu and half else "reference",
+        "prefill_attention": "triton" if gpu else "reference",
+    }
+    for k in (k for k in KERNEL_ALIASES.values() if getattr(kc, k) == "auto"):  # explicit: kept
+        if (new := registry.for_device(auto[k], device_kind)) != auto[k]:
+            logging.getLogger("jaxinfer").warning(
+                "jaxinfer: %s=%r is not validated on %r; using %r", k, auto[k], device_kind, new
+            )
+            auto[k] = new
+    kc = dataclasses.replace(
+        kc,
+        **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"},
+        **({"cublas_decode_min_batch": None} if quant else {}),
+    )
+    return ResolvedConfig(model, engine, kc, max_len, dtype, platform, kv_dtype, quant)

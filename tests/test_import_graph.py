@@ -92,7 +92,7 @@ def test_host_side_imports_no_jax():
 
 
 # Each folder of `jaxinfer` with the folders and top-level modules it may import at module level
-# (the layers of README's layout, lower ones first); anything else is an arrow back up.
+# (the layers of docs/layout.md, lower ones first); anything else is an arrow back up.
 SHARED = {
     "jaxinfer.checks",
     "jaxinfer.sampling_params",

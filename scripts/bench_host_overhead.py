@@ -3,8 +3,9 @@
 Runs `LLMEngine` on the Qwen3-8B architecture (random bf16 weights, ``--layers`` of them) with
 ``--batch`` requests of ``--context`` tokens in steady decode, and compares, in one run:
 
-  device   the engine's compiled decode step called back to back on the inputs of its last decode
-           step (no host work between steps): the device time of one step
+  device   the engine's compiled decode step (its forward, then its sampler: the executables
+           the engine compiled) called back to back on the packed inputs of its last decode step,
+           sent once (no host work between steps): the device time of one step
   async    ``LLMEngine.step()`` wall time per step with asynchronous scheduling (step n+1 is
            dispatched before step n's tokens are read back)
   sync     the same with ``async_scheduling=False`` (host work between steps idles the device)
@@ -34,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--batch", type=int, default=64)
@@ -49,53 +50,49 @@ def main() -> None:
         "'' = the default",
     )
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
-    args = ap.parse_args()
+    return ap
 
+
+def build_engine(args, cfg, kernels, gen: int):
+    """An `LLMEngine` of ``args.batch`` requests of ``args.context - gen`` prompt tokens, each
+    to generate ``gen``, over random bf16 weights; its pool holds exactly their pages."""
     import jax
     import jax.numpy as jnp
 
-    import jaxinfer.engine.llm_engine as le
     from jaxinfer import models
-    from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve
-    from jaxinfer.models.kernels import model_kernels
+    from jaxinfer.config import EngineConfig, resolve
+    from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.runner.model_runner import ModelRunner
     from jaxinfer.sampling_params import SamplingParams
-    from jaxinfer.step_input import pack
 
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_decode import QWEN3_8B, time_steps  # same directory
-
-    cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
-    try:
-        kernels = KernelConfig.parse(args.kernels)
-    except ValueError as e:
-        ap.error(str(e))
     params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    B, ps, warm = args.batch, args.page_size, 8
-    gen = warm + 2 * args.steps + 2
-    prompt_len = args.context - gen
-    pages = -(-args.context // ps)
+    B, ps, prompt_len = args.batch, args.page_size, args.context - gen
     ec = EngineConfig(
         max_model_len=args.context,
         page_size=ps,
-        num_pages=B * pages + 1,
+        num_pages=B * -(-args.context // ps) + 1,
         max_num_seqs=B,
         max_num_batched_tokens=max(2048, prompt_len),
         dtype="bfloat16",
         kernels=kernels,
     )
-    eng = le.LLMEngine(ModelRunner(cfg, params, resolve(cfg, ec, jax.default_backend())))
+    eng = LLMEngine(ModelRunner(cfg, params, resolve(cfg, ec, jax.default_backend())))
     rng = np.random.default_rng(0)
     for _ in range(B):
         eng.add_request(
             rng.integers(0, min(10000, cfg.vocab_size), prompt_len).tolist(),
             SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True),
         )
+    return eng
 
-    captured = {}
+
+def capture_decode_batches(captured: dict) -> None:
+    """Keep the last decode-only `HostBatch` the engine builds in ``captured["hb"]``."""
+    import jaxinfer.engine.llm_engine as le
+
     build = le.build_host_batch
 
-    def capture(batch, **kw):  # remember the last decode batch's host arrays
+    def capture(batch, **kw):
         hb = build(batch, **kw)
         if max(batch.num_new_tokens) == 1:  # decode rows only
             captured["hb"] = hb
@@ -103,35 +100,62 @@ def main() -> None:
 
     le.build_host_batch = capture
 
+
+def engine_step_time(eng, steps: int, async_scheduling: bool) -> float:
+    """Mean wall seconds of `LLMEngine.step` over ``steps`` steps after one untimed."""
+    eng.async_scheduling = async_scheduling
+    eng.step()
+    t = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    return (time.perf_counter() - t) / steps
+
+
+def device_step_time(eng, hb, steps: int) -> float:
+    """Seconds per step of the engine's own forward and sampler executables (`StepExecutor`)
+    of ``hb``'s shape run back to back on ``hb``'s inputs, sent once (KV donated)."""
+    from jaxinfer.step_input import pack
+    from scripts.decode_step import time_steps
+
+    ex, runner = eng.runner.executor, eng.runner
+    fwd = ex.executables[("forward", hb.shape.forward)]
+    smp = ex.executables[("sampler", hb.shape.sampler)]
+    fbuf, sbuf = ex.put(pack(hb, "forward")), ex.put(pack(hb, "sampling"))
+
+    def run(kv):
+        (logits, _), kv = fwd(runner.params, kv, fbuf, ex.no_prev_tokens)
+        return smp(logits, sbuf), kv
+
+    dt, runner.kv = time_steps(run, runner.kv, steps)
+    return dt
+
+
+def main() -> None:
+    ap = parser()
+    args = ap.parse_args()
+    import jax
+
+    from jaxinfer.config import KernelConfig, ModelConfig
+    from scripts.decode_step import QWEN3_8B
+
+    cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
+    try:
+        kernels = KernelConfig.parse(args.kernels)
+    except ValueError as e:
+        ap.error(str(e))
+    B, warm = args.batch, 8
+    eng = build_engine(args, cfg, kernels, warm + 2 * args.steps + 2)
+    captured: dict = {}
+    capture_decode_batches(captured)
     while eng.scheduler.num_waiting or eng.scheduler.prefilling is not None:
         eng.step()
     for _ in range(warm):  # compile and warm the decode bucket
         eng.step()
-
-    def timed(mode: bool) -> float:
-        eng.async_scheduling = mode
-        eng.step()
-        t = time.perf_counter()
-        for _ in range(args.steps):
-            eng.step()
-        dt = (time.perf_counter() - t) / args.steps
-        return dt
-
-    t_async = timed(True)
-    t_sync = timed(False)
+    t_async = engine_step_time(eng, args.steps, True)
+    t_sync = engine_step_time(eng, args.steps, False)
     hb = captured["hb"]
-    assert hb.tokens.shape[0] == B, hb.tokens.shape
-    step = eng.runner.executor.step_fn(hb.key)
-    kv, buf = eng.runner.kv, jax.device_put(pack(hb))
-    prev = jnp.zeros((eng.runner.buckets.batch[-1],), jnp.int32)
-    static = dict(key=hb.key, cfg=cfg, kernels=model_kernels(eng.resolved.kernels))
-
-    def run(kv):  # the engine's packed step on the same inputs, back to back (kv donated)
-        return step(eng.runner.params, kv, buf, prev, **static)
-
-    t_dev, kv = time_steps(run, kv, args.steps)
-
-    commit = git_commit()
+    assert hb.shape.forward == (B, True), hb.shape
+    t_dev = device_step_time(eng, hb, args.steps)
     meta = dict(
         bench="host_overhead",
         layers=args.layers,
@@ -143,7 +167,7 @@ def main() -> None:
         jax=jax.__version__,
         device=jax.devices()[0].device_kind,
         date=datetime.date.today().isoformat(),
-        commit=commit,
+        commit=git_commit(),
         xla_flags=xla_flags(),
     )
     rows = [
@@ -152,8 +176,7 @@ def main() -> None:
     ]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "a") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
     print(
         f"\nB={B} context={args.context} layers={args.layers} attention={meta['attention']} "
         f"compiles={meta['compiles']}"

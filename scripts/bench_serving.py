@@ -14,10 +14,13 @@ The server: ``--base-url`` (one already running), else a child process this scri
 random-weight model of the published Qwen3-8B architecture (``--layers``) built on the device,
 which first runs the same workload offline (`LLM.generate`, the shapes compiled ahead of time as
 in bench_throughput.py) and reports its output tok/s, the reference of the rate ``inf`` row
-(``offline_output_tok_s``); the engine core then warms up as `jaxinfer.serve` does. Each rate
-runs untimed first until a run compiles no new step shape (at most ``--warmup`` runs);
-``compiles`` counts the shapes compiled during the timed run (each one a stall in its latencies
-with ``--no-background-compile``), ``covered_steps`` the steps run padded meanwhile.
+(``offline_output_tok_s``). The server compiles the whole planned set (`BucketSpec.planned`)
+before ``/health`` answers when it precompiles (``--precompile``/``--no-precompile``, passed on;
+default: the server's, on a GPU). Each rate runs untimed first until a run compiles no new
+program (at most ``--warmup`` runs); ``compiles`` counts the programs compiled during the timed
+run and ``lazy_compiles`` those compiled inside a step (the server's ``jaxinfer:lazy_compiles``;
+each one a stall in its latencies). ``--no-background-compile`` is gone: no step runs padded
+while its shape compiles any more.
 
 ``--soak``: ``--soak-requests`` (1,000) over ``--soak-seconds`` (600) with 10% of the clients
 disconnecting mid-stream and 5% malformed requests; checks that every good request got all its
@@ -73,15 +76,16 @@ def random_llm(args):
         TINY_HF if args.tiny else QWEN3_8B_HF, model_type="qwen3", num_hidden_layers=args.layers
     )
     cfg = ModelConfig.from_hf_config(hf)
+    opts = engine_args(args)
+    if opts["precompile"] is None:  # the server's default
+        opts["precompile"] = jax.default_backend() == "gpu"
     llm = LLM.from_params(
-        cfg,
-        models.init_params(cfg, jax.random.key(0), jnp.dtype(args.dtype or "bfloat16")),
-        **engine_args(args),
+        cfg, models.init_params(cfg, jax.random.key(0), jnp.dtype(args.dtype or "bfloat16")), **opts
     )
     prompts, out_lens = workload(args, cfg.vocab_size)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
-    llm.precompile(reqs, params)  # the offline run's shapes (the server's warm-up: its own)
+    llm.precompile(reqs, params)  # the offline run's shapes (planned already if precompiled)
     trace = None
     if args.trace_steps:
         from scripts.probes.step_trace import StepTrace
@@ -126,7 +130,7 @@ def engine_args(args) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens,
         dtype=args.dtype,
         kernels=args.kernels,
-        compile_in_background=not args.no_background_compile,
+        precompile=args.precompile,
     )
 
 
@@ -213,7 +217,7 @@ def plot(rows: list[dict], path: str) -> None:
     print(f"plot: {path}")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", default=None, help="a running server's /v1 URL")
     ap.add_argument("--model", default=None, help="PATH or 'embedded'; default: random Qwen3-8B")
@@ -249,9 +253,11 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--soak", action="store_true")
     ap.add_argument(
-        "--no-background-compile",
-        action="store_true",
-        help="compile a new step shape in the step that needs it (a stall)",
+        "--precompile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the server compiles every planned step shape before /health (default: the "
+        "server's, on a GPU)",
     )
     ap.add_argument(
         "--trace-steps",
@@ -264,21 +270,81 @@ def main() -> None:
     ap.add_argument("--png", default=None, help="default: --out with .png")
     ap.add_argument("--serve-random", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    return ap
+
+
+TINY_DEFAULTS = dict(
+    layers=2,
+    num_requests=24,
+    min_input=16,
+    max_input=96,
+    min_output=8,
+    max_output=48,
+    max_num_seqs=16,
+    max_num_batched_tokens=256,
+    rates="8,inf",
+    soak_requests=200,
+    soak_seconds=60,
+    dtype="float32",
+)
+
+
+def timed_rate(args, url, prompts, out_lens, rate: float, meta: dict, offline: dict) -> dict:
+    """Untimed runs of ``rate`` until one compiles nothing (at most ``--warmup``), then the
+    timed run's row, with the programs compiled (``compiles``, ``lazy_compiles``) during it."""
+    for _ in range(args.warmup):
+        compiles = metric(url, "compiled_step_shapes")
+        run_rate(url, prompts, out_lens, rate, args.seed, args.client_procs)
+        if metric(url, "compiled_step_shapes") == compiles:
+            break
+    compiles, lazy = (metric(url, m) for m in ("compiled_step_shapes", "lazy_compiles"))
+    if args.trace_steps:  # the timed run's start in the trace's clock (perf_counter)
+        with open(args.trace_steps + ".marks", "a") as f:
+            f.write(json.dumps({"mark": f"timed rate {rate}", "t": time.perf_counter()}) + "\n")
+    row = dict(
+        meta,
+        **run_rate(url, prompts, out_lens, rate, args.seed, args.client_procs),
+        compiles=metric(url, "compiled_step_shapes") - compiles,
+        lazy_compiles=metric(url, "lazy_compiles") - lazy,
+    )
+    if row["rate"] == "inf" and offline:
+        row["vs_offline"] = row["output_tok_s"] / offline["offline_output_tok_s"]
+    print(
+        f"rate {row['rate']:>5}: {row['request_throughput']:7.2f} req/s "
+        f"{row['output_tok_s']:9.1f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']:8.1f}/"
+        f"{row['ttft_p99_ms']:8.1f} ms  TPOT {row['tpot_p50_ms']:7.2f}/"
+        f"{row['tpot_p99_ms']:7.2f} ms  ITL {row['itl_p50_ms']:7.2f}/"
+        f"{row['itl_p99_ms']:7.2f} ms  incomplete {row['incomplete']}  compiles "
+        f"{row['compiles']:.0f} lazy compiles {row['lazy_compiles']:.0f}"
+        + (f"  vs offline {row['vs_offline']:.3f}" if "vs_offline" in row else ""),
+        flush=True,
+    )
+    return row
+
+
+def run_meta(args, n: int, offline: dict) -> dict:
+    return dict(
+        bench="serving",
+        model=args.model
+        or f"random qwen3-8b arch, {args.layers} layers" + (" (tiny)" if args.tiny else ""),
+        num_requests=n,
+        input_range=[args.min_input, args.max_input],
+        seed=args.seed,
+        output_range=[args.min_output, args.max_output],
+        max_num_seqs=args.max_num_seqs,
+        client_procs=args.client_procs,
+        precompile=args.precompile,
+        date=datetime.date.today().isoformat(),
+        commit=git_commit(),
+        xla_flags=xla_flags(),
+        **offline,
+    )
+
+
+def main() -> None:
+    ap = parser()
     if "--tiny" in sys.argv[1:]:  # other defaults; explicit values stay
-        ap.set_defaults(
-            layers=2,
-            num_requests=24,
-            min_input=16,
-            max_input=96,
-            min_output=8,
-            max_output=48,
-            max_num_seqs=16,
-            max_num_batched_tokens=256,
-            rates="8,inf",
-            soak_requests=200,
-            soak_seconds=60,
-            dtype="float32",
-        )
+        ap.set_defaults(**TINY_DEFAULTS)
     args = ap.parse_args()
     if args.serve_random:
         sys.exit(serve_random(args))
@@ -287,58 +353,14 @@ def main() -> None:
     prompts, out_lens = workload(args, vocab)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     child, url, offline = (None, args.base_url, {}) if args.base_url else start_server(args)
-    meta = dict(
-        bench="serving",
-        model=args.model
-        or f"random qwen3-8b arch, {args.layers} layers" + (" (tiny)" if args.tiny else ""),
-        num_requests=len(prompts),
-        input_range=[args.min_input, args.max_input],
-        seed=args.seed,
-        output_range=[args.min_output, args.max_output],
-        max_num_seqs=args.max_num_seqs,
-        client_procs=args.client_procs,
-        date=datetime.date.today().isoformat(),
-        commit=git_commit(),
-        xla_flags=xla_flags(),
-        **offline,
-    )
-    rows = []
+    meta, rows = run_meta(args, len(prompts), offline), []
     try:
         if args.soak:
             row = dict(meta, mode="soak", **asyncio.run(soak(args, url, child, prompts, out_lens)))
             print(json.dumps(row, indent=1))
             rows.append(row)
         for rate in [] if args.soak else rates:
-            for _ in range(args.warmup):  # until a run compiles nothing new
-                compiles = metric(url, "compiled_step_shapes")
-                run_rate(url, prompts, out_lens, rate, args.seed, args.client_procs)
-                if metric(url, "compiled_step_shapes") == compiles:
-                    break
-            compiles, covered = (metric(url, m) for m in ("compiled_step_shapes", "covered_steps"))
-            if args.trace_steps:  # the timed run's start in the trace's clock (perf_counter)
-                with open(args.trace_steps + ".marks", "a") as f:
-                    f.write(
-                        json.dumps({"mark": f"timed rate {rate}", "t": time.perf_counter()}) + "\n"
-                    )
-            row = dict(
-                meta,
-                **run_rate(url, prompts, out_lens, rate, args.seed, args.client_procs),
-                compiles=metric(url, "compiled_step_shapes") - compiles,
-                covered_steps=metric(url, "covered_steps") - covered,
-            )
-            if row["rate"] == "inf" and offline:
-                row["vs_offline"] = row["output_tok_s"] / offline["offline_output_tok_s"]
-            rows.append(row)
-            print(
-                f"rate {row['rate']:>5}: {row['request_throughput']:7.2f} req/s "
-                f"{row['output_tok_s']:9.1f} tok/s  TTFT p50/p99 {row['ttft_p50_ms']:8.1f}/"
-                f"{row['ttft_p99_ms']:8.1f} ms  TPOT {row['tpot_p50_ms']:7.2f}/"
-                f"{row['tpot_p99_ms']:7.2f} ms  ITL {row['itl_p50_ms']:7.2f}/"
-                f"{row['itl_p99_ms']:7.2f} ms  incomplete {row['incomplete']}  compiles "
-                f"{row['compiles']:.0f} covered steps {row['covered_steps']:.0f}"
-                + (f"  vs offline {row['vs_offline']:.3f}" if "vs_offline" in row else ""),
-                flush=True,
-            )
+            rows.append(timed_rate(args, url, prompts, out_lens, rate, meta, offline))
     finally:
         if child is not None:
             child.terminate()

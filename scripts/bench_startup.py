@@ -1,13 +1,15 @@
 """Server start-up: seconds from ``python -m jaxinfer.serve`` to ``/health`` answering 200.
 
 Starts the server twice on one checkpoint with one fresh ``--compilation-cache-dir``: the first
-start compiles from a cold cache, the second loads from the warm one. Each start includes the
-engine core's warm-up (`BucketSpec.covering_keys` compiled before the core reports ready) and
-the number of step shapes it compiled (the ``jaxinfer:compiled_step_shapes`` metric). A table, one
-JSON line per start (bench="startup") in ``--out``.
+start compiles from a cold cache, the second loads from the warm one. Each start includes, when
+the server precompiles (``--precompile``/``--no-precompile``, passed on; default: the server's,
+on a GPU), the whole planned set (`BucketSpec.planned`: every forward and sampler, 56 programs
+at the defaults) compiled before ``/health`` answers, and the number of programs it compiled (the
+``jaxinfer:compiled_step_shapes`` metric). A table, one JSON line per start (bench="startup") in
+``--out``.
 
     python scripts/bench_startup.py [--model DIR] [--layers 36] [--max-model-len 2048]
-        [--max-num-seqs 256] [--max-num-batched-tokens 8192] [--tiny]
+        [--max-num-seqs 256] [--max-num-batched-tokens 8192] [--tiny] [--no-precompile]
 
 No ``--model``: a random-weight Qwen3-8B-architecture checkpoint (``--layers``) written once to
 ``--ckpt`` (bench_throughput.py's); ``--tiny``: a 2-layer small one on the CPU.
@@ -57,7 +59,7 @@ def checkpoint(path: str, hf: dict, layers: int) -> str:
 
 
 def start(cmd: list[str], timeout: float) -> tuple[float, float]:
-    """(seconds to /health 200, step shapes compiled by then); the server is stopped after."""
+    """(seconds to /health 200, programs compiled by then); the server is stopped after."""
     import socket
 
     with socket.socket() as s:
@@ -91,7 +93,7 @@ def start(cmd: list[str], timeout: float) -> tuple[float, float]:
         child.wait(60)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--ckpt", default=os.path.join(tempfile.gettempdir(), "qwen3_random"))
@@ -103,32 +105,35 @@ def main() -> None:
         ("max-num-batched-tokens", 8192),
     ):
         ap.add_argument("--" + name, type=int, default=default)
+    ap.add_argument(
+        "--precompile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the server compiles the planned set before /health (default: the server's, on a GPU)",
+    )
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
-    args = ap.parse_args()
+    return ap
+
+
+def server_cmd(args, model: str, cache: str) -> list[str]:
+    cmd = [sys.executable, "-m", "jaxinfer.serve", "--model", model, "--log-level", "warning"]
+    cmd += ["--compilation-cache-dir", cache, "--max-model-len", str(args.max_model_len)]
+    cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.precompile is not None:
+        cmd.append("--precompile" if args.precompile else "--no-precompile")
+    return cmd
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.tiny:
         args.layers, args.max_model_len, args.max_num_seqs = 2, 256, 16
         args.max_num_batched_tokens, args.ckpt = 256, args.ckpt + "_tiny"
     model = args.model or checkpoint(args.ckpt, TINY_HF if args.tiny else QWEN3_8B_HF, args.layers)
     cache = tempfile.mkdtemp(prefix="jaxinfer_cc_")
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxinfer.serve",
-        "--model",
-        model,
-        "--log-level",
-        "warning",
-        "--compilation-cache-dir",
-        cache,
-        "--max-model-len",
-        str(args.max_model_len),
-        "--max-num-seqs",
-        str(args.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(args.max_num_batched_tokens),
-    ]
-    rows = []
+    cmd, rows = server_cmd(args, model, cache), []
     try:
         for cache_state in ("cold", "warm"):
             ready, compiles = start(cmd, args.timeout)
@@ -138,6 +143,7 @@ def main() -> None:
                     cache=cache_state,
                     health_s=ready,
                     compiled_shapes=compiles,
+                    precompile=args.precompile,
                     model=args.model
                     or f"random qwen3-8b arch, {args.layers} layers" + " (tiny)" * args.tiny,
                     max_model_len=args.max_model_len,
@@ -150,7 +156,7 @@ def main() -> None:
             )
             print(
                 f"{cache_state:>5} cache: /health 200 after {ready:6.1f} s, "
-                f"{compiles:.0f} step shapes compiled",
+                f"{compiles:.0f} programs compiled",
                 flush=True,
             )
     finally:

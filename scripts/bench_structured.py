@@ -133,7 +133,7 @@ def step_time(eng, so, args) -> tuple[float, float]:
     return dt, overlapped
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", choices=("qwen3-8b", "tiny"), default="qwen3-8b")
     ap.add_argument("--layers", type=int, default=36, help="qwen3-8b layers")
@@ -152,33 +152,28 @@ def main() -> None:
         default=None,
         help="default: benchmarks/h200.jsonl on a GPU, else benchmarks/cpu.jsonl",
     )
-    args = ap.parse_args()
+    return ap
 
+
+def build_engine(args, tok):
+    """An `LLMEngine` over random weights of ``args.arch`` (bf16 on a GPU, else float32) whose
+    pool holds ``args.batch`` rows of ``args.context`` tokens; grammars over ``tok``."""
     import jax
     import jax.numpy as jnp
 
-    from checkpoints_tools.default_model import default_model_path
-    from checkpoints_tools.loader import load_tokenizer
     from jaxinfer import models
     from jaxinfer.config import EngineConfig, ModelConfig, resolve
     from jaxinfer.engine.llm_engine import LLMEngine
     from jaxinfer.runner.model_runner import ModelRunner
-    from jaxinfer.sampling_params import StructuredOutputsParams
     from scripts.decode_step import QWEN3_8B
 
-    if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    else:
-        tok = load_tokenizer(default_model_path(), "gguf")
-    gpu = jax.default_backend() == "gpu"
     arch = (
         dict(QWEN3_8B, num_layers=args.layers)
         if args.arch == "qwen3-8b"
         else dict(TINY, vocab_size=len(tok))
     )
-    cfg, dtype = ModelConfig(**arch), "bfloat16" if gpu else "float32"
+    dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    cfg = ModelConfig(**arch)
     params = models.init_params(cfg, jax.random.key(0), jnp.dtype(dtype))
     B, ps = args.batch, 16
     ec = EngineConfig(
@@ -189,30 +184,21 @@ def main() -> None:
         num_pages=B * -(-args.context // ps) + 1,
         max_num_batched_tokens=max(2048, args.context),
     )
-    eng = LLMEngine(
+    return LLMEngine(
         ModelRunner(cfg, params, resolve(cfg, ec, jax.default_backend())),
         eos_token_ids=(tok.eos_token_id,),
         tokenizer=tok,
     )
-    t_free, o_free = step_time(eng, None, args)
-    meta = dict(
-        bench="structured",
-        arch=args.arch,
-        layers=cfg.num_layers,
-        B=B,
-        context=args.context,
-        vocab=cfg.vocab_size,
-        jax=jax.__version__,
-        device=jax.devices()[0].device_kind,
-        cpus=os.cpu_count(),
-        date=datetime.date.today().isoformat(),
-        commit=git_commit(),
-        xla_flags=xla_flags(),
-    )
-    rows = [dict(meta, mode="free", ms_per_step=t_free * 1e3, overlapped=o_free)]
+
+
+def schema_rows(eng, tok, args, meta: dict, t_free: float) -> list[dict]:
+    """Per schema: the constrained step time ("json") and the host's mask time ("mask")."""
+    from jaxinfer.sampling_params import StructuredOutputsParams
+
+    rows = []
     for name in args.schemas:
         t_json, o_json = step_time(eng, StructuredOutputsParams(json=SCHEMAS[name]), args)
-        mask = mask_times(eng.structured, tok, B, SCHEMAS[name])
+        mask = mask_times(eng.structured, tok, args.batch, SCHEMAS[name])
         rows += [
             dict(
                 meta,
@@ -232,23 +218,61 @@ def main() -> None:
                 steps=len(mask),
             ),
         ]
-    out = args.out or f"benchmarks/{'h200' if gpu else 'cpu'}.jsonl"
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "a") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
+    return rows
+
+
+def print_rows(rows: list[dict], args, meta: dict) -> None:
     print(
-        f"\n{args.arch} layers={cfg.num_layers} B={B} context={args.context} V={cfg.vocab_size} "
-        f"device={meta['device']}"
+        f"\n{args.arch} layers={meta['layers']} B={args.batch} context={args.context} "
+        f"V={meta['vocab']} device={meta['device']}"
     )
     print(f"{'mode':<14} {'ms/step':>9} {'ratio':>7} {'p50 ms':>8} {'p99 ms':>8} {'overlap':>8}")
+    nan = float("nan")
     for r in rows:
         print(
             f"{r['mode'] + ' ' + r.get('schema', ''):<14} {r['ms_per_step']:>9.3f} "
-            f"{r.get('ratio', float('nan')):>7.3f} "
-            f"{r.get('p50_ms', float('nan')):>8.3f} {r.get('p99_ms', float('nan')):>8.3f} "
-            f"{r.get('overlapped', float('nan')):>8.2f}"
+            f"{r.get('ratio', nan):>7.3f} {r.get('p50_ms', nan):>8.3f} "
+            f"{r.get('p99_ms', nan):>8.3f} {r.get('overlapped', nan):>8.2f}"
         )
+
+
+def main() -> None:
+    args = parser().parse_args()
+    import jax
+
+    from checkpoints_tools.default_model import default_model_path
+    from checkpoints_tools.loader import load_tokenizer
+
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        tok = load_tokenizer(default_model_path(), "gguf")
+    eng = build_engine(args, tok)
+    t_free, o_free = step_time(eng, None, args)
+    cfg = eng.model_config
+    meta = dict(
+        bench="structured",
+        arch=args.arch,
+        layers=cfg.num_layers,
+        B=args.batch,
+        context=args.context,
+        vocab=cfg.vocab_size,
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        cpus=os.cpu_count(),
+        date=datetime.date.today().isoformat(),
+        commit=git_commit(),
+        xla_flags=xla_flags(),
+    )
+    rows = [dict(meta, mode="free", ms_per_step=t_free * 1e3, overlapped=o_free)]
+    rows += schema_rows(eng, tok, args, meta, t_free)
+    out = args.out or f"benchmarks/{'h200' if jax.default_backend() == 'gpu' else 'cpu'}.jsonl"
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "a") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    print_rows(rows, args, meta)
 
 
 if __name__ == "__main__":

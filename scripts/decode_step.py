@@ -1,15 +1,20 @@
 """The engine's decode step on a synthetic batch, as the decode benchmarks run it
 (bench_decode.py, profile_decode_step.py, probes): the Qwen3-8B architecture (`QWEN3_8B`), a
-greedy decode `HostBatch` of B rows at one context (`host_batch`, `step_inputs`), runners over
-the engine's jit step (`decode_runner`, `step_runner`), timings (`time_steps`,
-`dispatch_times`), the engine's kernel and GEMM choices (`resolve_kernels`, `engine_gemm`,
-`knob_error`, `parse_knobs`) and a check against the reference kernels
-(`check_against_reference`)."""
+greedy decode `HostBatch` of B rows at one context (`decode_sizes`, `host_batch`), a runner over
+the engine's two jitted programs, the forward (`FORWARD_STEPS`, `ForwardKey(B, decode=True)`)
+then the sampler (`SAMPLE_STEP`, `SamplerKey(B, "greedy")`) (`decode_runner`, `step_runner`),
+timings (`time_steps`, `dispatch_times`), the engine's kernel and GEMM choices
+(`resolve_kernels`, `engine_gemm`, `knob_error`, `parse_knobs`) and a check of the forward
+against the reference kernels (`check_against_reference`).
+
+The step's inputs are one packed int32 buffer per program (`jaxinfer.step_input.pack`), so the
+former unpacked input modes ("fixed", "fresh": a `StepInput` of device arrays) are gone:
+`INPUT_MODES` is "packed" (the engine's way: both buffers packed and sent every step) and
+"device" (both sent once and reused: the step without any host-to-device transfer)."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import os
 import sys
@@ -21,15 +26,22 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxinfer import models  # noqa: E402
 from jaxinfer.config import EngineConfig, KernelConfig, ModelConfig, resolve  # noqa: E402
 from jaxinfer.models.kernels import ModelKernels, model_kernels  # noqa: E402
 from jaxinfer.models.kv_cache import KVCache  # noqa: E402
-from jaxinfer.runner.sampling import SamplingMetadata  # noqa: E402
-from jaxinfer.runner.step import PACKED_STEPS, StepExecutor, StepInput  # noqa: E402
-from jaxinfer.step_input import FIELDS, ShapeKey, allocate, pack  # noqa: E402
+from jaxinfer.runner.executor import FORWARD_STEPS, SAMPLE_STEP, StepExecutor  # noqa: E402
+from jaxinfer.runner.step import forward_step  # noqa: E402
+from jaxinfer.stats import EngineStats  # noqa: E402
+from jaxinfer.step_input import (  # noqa: E402
+    ForwardKey,
+    HostBatch,
+    SamplerKey,
+    Sizes,
+    StepShape,
+    allocate,
+    pack,
+)
 from pallas_kernels.paged_attention import registry  # noqa: E402
-from scripts.step_tools import make_step_fn  # noqa: E402
 
 QWEN3_8B = dict(
     architecture="qwen3",
@@ -45,97 +57,93 @@ QWEN3_8B = dict(
     tie_word_embeddings=False,
     rms_norm_eps=1e-6,
 )
+INPUT_MODES = ("packed", "device")
+STATIC = ("key", "sizes", "cfg", "kernels")
+_FORWARD = jax.jit(forward_step, static_argnames=STATIC)  # no donation: the check reuses its KV
 
 
-def host_batch(B, ctx, page_size, M, scatter_pages=False):
+def decode_sizes(cfg: ModelConfig, B: int, ctx: int, page_size: int) -> Sizes:
+    """The step's `Sizes` for B rows at context ``ctx``: M = ceil(ctx / page_size) pages per row
+    (the engine's M is ceil(max_model_len / page_size)), ``max_rows`` B."""
+    M = -(-ctx // page_size)
+    return Sizes(M, M * page_size, -(-cfg.vocab_size // 32), B)
+
+
+def decode_shape(B: int) -> StepShape:
+    """A greedy decode step of B rows: `ForwardKey(B, True)` and `SamplerKey(B, "greedy")`."""
+    return StepShape(ForwardKey(B, True), SamplerKey(B, "greedy"))
+
+
+def host_batch(
+    sizes: Sizes, B: int, ctx: int, page_size: int, scatter_pages: bool = False, vocab: int = 1000
+) -> HostBatch:
     """The engine's `HostBatch` (`jaxinfer.step_input`) of a greedy decode step of B rows at
-    context ``ctx``: row b holds pages ``1 + b * pages ...`` in order, or, with
-    ``scatter_pages``, a random permutation of the same pages (as a free list hands them out
-    after many allocations and frees)."""
-    hb = allocate(ShapeKey(batch=B, tokens=1, pages=M, penalty=0, query=None, all_greedy=True))
+    context ``ctx`` (row b: row b of the forward, a random token below min(1000, ``vocab``) at
+    position ``ctx - 1``): row b holds pages
+    ``1 + b * pages ...`` in order, or, with ``scatter_pages``, a random permutation of the same
+    pages (as a free list hands them out after many allocations and frees)."""
+    hb = allocate(decode_shape(B), sizes)
     a = hb.arrays
-    pages = -(-(ctx) // page_size)
+    pages = -(-ctx // page_size)
     ids = 1 + np.arange(B * pages, dtype=np.int32)
     if scatter_pages:
         ids = 1 + np.random.default_rng(1).permutation(B * pages).astype(np.int32)
     a["block_tables"][:, :pages] = ids.reshape(B, pages)
-    a["positions"][:] = ctx - 1
-    a["slot_mapping"][:, 0] = (
-        a["block_tables"][np.arange(B), (ctx - 1) // page_size] * page_size + (ctx - 1) % page_size
+    last = ctx - 1
+    a["positions"][:] = last
+    a["slot_mapping"][:] = (
+        a["block_tables"][np.arange(B), last // page_size] * page_size + last % page_size
     )
-    a["tokens"][:] = np.random.default_rng(0).integers(0, 1000, (B, 1))
+    a["tokens"][:] = np.random.default_rng(0).integers(0, min(1000, vocab), B)
+    a["query_start_loc"][:] = np.arange(B + 1)
     a["seq_lens"][:] = ctx
+    a["logits_indices"][:] = np.arange(B)
     a["seeds"][:] = np.arange(B)
     hb.sample_rows[:] = True
     return hb
 
 
-def step_inputs(B, ctx, page_size, M, scatter_pages=False):
-    """(`StepInput` on the device, block tables, lengths) of `host_batch`'s step. Tables and
-    lengths stay on the host: the step donates the whole KVCache (tables included), so each step
-    gets fresh copies, as the engine's host loop does."""
-    hb = host_batch(B, ctx, page_size, M, scatter_pages)
-    group = {
-        g: {f.name: hb.arrays[f.name] for f in FIELDS if f.group == g and f.name in hb.arrays}
-        for g in ("input", "sampling")
-    }
-    inp = StepInput(
-        **{k: v for k, v in group["input"].items() if k != "pending_src"},
-        sampling=SamplingMetadata(**group["sampling"]),
+def kv_pool(k, v) -> KVCache:
+    """A `KVCache` over pools ``k``, ``v`` with the placeholder tables the forward takes (its
+    rows' tables and lengths come in its packed buffer)."""
+    return KVCache(k, v, jnp.zeros((1, 1), jnp.int32), jnp.zeros((1,), jnp.int32))
+
+
+def _compile(cfg, kernels, gemm, hb: HostBatch, args) -> tuple:
+    """(forward, sampler) executables of ``hb``'s step, as `StepExecutor` compiles them:
+    the forward on ``args`` (params, kv, buffer, prev tokens) with GEMM back-end ``gemm``."""
+    key, sizes = hb.shape, hb.sizes
+    fwd = FORWARD_STEPS[gemm].lower(*args, key=key.forward, sizes=sizes, cfg=cfg, kernels=kernels)
+    logits = jax.ShapeDtypeStruct((key.sampler.rows, cfg.vocab_size), jnp.float32)
+    smp = SAMPLE_STEP.lower(
+        logits, jax.device_put(pack(hb, "sampling")), key=key.sampler, sizes=sizes, num_logprobs=0
     )
-    return jax.tree_util.tree_map(jnp.asarray, inp), hb.block_tables, hb.seq_lens
+    return fwd.compile(), smp.compile()
 
 
-INPUT_MODES = ("fixed", "fresh", "packed", "device")
-
-
-def decode_runner(cfg, params, step_fn, B, ctx, page_size, scatter_pages=False, inputs="fixed"):
-    """(run, kv): ``run(kv) -> (tokens, kv)`` is one decode step of B rows at context ``ctx``
-    over a bf16 pool of exactly the pages they use (plus the null page); see `step_inputs`.
-
-    ``inputs``, how the step's inputs reach the device each step: "fixed": they stay the same
-    device buffers (only the tables and lengths are sent again); "fresh": every input array is
-    sent again with ``jnp.asarray``, as the engine did before 989f578; "packed": one int32
-    buffer (`jaxinfer.step_input.pack`) into the engine's jit step; "device": nothing is sent
-    (the tables and lengths too stay device buffers: the step's time without any host-to-device
-    transfer). ``step_fn``: for "packed", ``PACKED_STEPS[gemm]`` with ``cfg`` and ``kernels``
-    bound (`packed_runner_fn`), else from `make_step_fn`."""
+def decode_runner(
+    cfg, params, kernels, gemm, B, ctx, page_size, scatter_pages=False, inputs="packed"
+):
+    """(run, kv): ``run(kv) -> (tokens i32[B], kv)`` is one greedy decode step of B rows at
+    context ``ctx`` (`host_batch`), the engine's forward (GEMM back-end ``gemm``, KV donated)
+    then its sampler, both compiled on the first call, over a bf16 pool of exactly the pages the
+    rows use (plus the null page). ``inputs`` (`INPUT_MODES`): "packed": both programs' buffers
+    packed and sent every step (the engine's way); "device": sent once and reused."""
     if inputs not in INPUT_MODES:
         raise ValueError(f"inputs={inputs!r}: allowed {INPUT_MODES}")
-    M = -(-ctx // page_size)
-    shape = (cfg.num_layers, B * M + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
-    kv = KVCache(
-        k=jnp.zeros(shape, jnp.bfloat16) + 0.01,
-        v=jnp.zeros(shape, jnp.bfloat16) + 0.01,
-        block_tables=jnp.zeros((B, M), jnp.int32),
-        seq_lens=jnp.zeros((B,), jnp.int32),
-    )
-    if inputs == "packed":
-        hb = host_batch(B, ctx, page_size, M, scatter_pages)
-        prev = jnp.zeros((B,), jnp.int32)
-        kv = kv.replace(
-            block_tables=jnp.zeros((1, 1), jnp.int32), seq_lens=jnp.zeros((1,), jnp.int32)
-        )
-
-        def run(kv):
-            return step_fn(params, kv, jax.device_put(pack(hb)), prev, key=hb.key)
-
-        return run, kv
-    inp, tables, lens = step_inputs(B, ctx, page_size, M, scatter_pages)
-    host = jax.tree_util.tree_map(np.asarray, inp)
-
-    if inputs == "device":  # the step passes the tables and lengths through to its output
-        return (lambda kv: step_fn(params, kv, inp)), kv.replace(
-            block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(lens)
-        )
+    sizes = decode_sizes(cfg, B, ctx, page_size)
+    hb = host_batch(sizes, B, ctx, page_size, scatter_pages, cfg.vocab_size)
+    shape = (cfg.num_layers, B * sizes.pages + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
+    kv = kv_pool(*(jnp.full(shape, 0.01, jnp.bfloat16) for _ in "kv"))
+    prev, exes, groups = jnp.zeros((B,), jnp.int32), [], ("forward", "sampling")
+    sent = [jax.device_put(pack(hb, g)) for g in groups]
 
     def run(kv):
-        step_inp = inp if inputs == "fixed" else jax.tree_util.tree_map(jnp.asarray, host)
-        return step_fn(
-            params,
-            kv.replace(block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(lens)),
-            step_inp,
-        )
+        fbuf, sbuf = sent if inputs == "device" else [jax.device_put(pack(hb, g)) for g in groups]
+        if not exes:
+            exes.extend(_compile(cfg, kernels, gemm, hb, (params, kv, fbuf, prev)))
+        (logits, _), kv = exes[0](params, kv, fbuf, prev)
+        return exes[1](logits, sbuf), kv
 
     return run, kv
 
@@ -203,11 +211,26 @@ def resolve_kernels(
 
 
 def engine_gemm(kc: KernelConfig, B: int) -> str:
-    """The GEMM back-end the engine compiles a greedy decode step of B rows with
-    (`StepExecutor.step_fn`: cuBLAS from ``kc.cublas_decode_min_batch`` rows, else XLA's)."""
-    key = ShapeKey(batch=B, tokens=1, pages=1, penalty=0, query=None, all_greedy=True)
-    fn = StepExecutor(None, ModelKernels(), kc, 1, None).step_fn(key)
-    return next(g for g, f in PACKED_STEPS.items() if f is fn)
+    """The GEMM back-end (`GEMM_COMPILER_OPTIONS`) the engine compiles the forward of a decode
+    step of B rows with (`StepExecutor.gemm`: cuBLAS from ``kc.cublas_decode_min_batch`` rows,
+    else XLA's)."""
+    ex = StepExecutor(None, ModelKernels(), kc, Sizes(1, 1, 1, 1), 0, EngineStats())
+    return ex.gemm(ForwardKey(B, True))
+
+
+NOT_KNOBS = {
+    "q",
+    "k_pool",
+    "v_pool",
+    "block_tables",
+    "seq_lens",
+    "layer",
+    "scale",
+    "soft_cap",
+    "sliding_window",
+    "interpret",
+    "page_offset",
+}
 
 
 def knob_error(kc: KernelConfig, knobs: set) -> str | None:
@@ -217,20 +240,7 @@ def knob_error(kc: KernelConfig, knobs: set) -> str | None:
     allowed = (
         set()
         if name == "reference"
-        else set(inspect.signature(registry.get(name)).parameters)
-        - {
-            "q",
-            "k_pool",
-            "v_pool",
-            "block_tables",
-            "seq_lens",
-            "layer",
-            "scale",
-            "soft_cap",
-            "sliding_window",
-            "interpret",
-            "page_offset",
-        }
+        else set(inspect.signature(registry.get(name)).parameters) - NOT_KNOBS
     )
     if knobs - allowed:
         return (
@@ -251,26 +261,23 @@ def check_against_reference(
     tol: float = 0.05,
     layers: int = 2,
 ) -> float:
-    """One decode step's logits with the kernels of ``kc`` against the reference kernels
-    (`ModelKernels()`: jnp attention, XLA fusions) on the same random KV pool, through the first
-    ``layers`` layers of the model (two compiles of a short model, not of the timed one): returns
-    the relative L2 error. Raises AssertionError when it is above ``tol``."""
+    """The logits of one decode step's forward (`forward_step`, `host_batch`'s inputs) with the
+    kernels of ``kc`` against the reference kernels (`ModelKernels()`: jnp attention, XLA
+    fusions) on the same random KV pool, through the first ``layers`` layers of the model (two
+    compiles of a short model, not of the timed one): returns the relative L2 error. Raises
+    AssertionError when it is above ``tol``."""
     cfg = dataclasses.replace(cfg, num_layers=min(layers, cfg.num_layers))
     params = dict(params, layers={str(i): params["layers"][str(i)] for i in range(cfg.num_layers)})
-    M = -(-ctx // page_size)
-    shape = (cfg.num_layers, B * M + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
-    k, v = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in (1, 2))
-    inp, tables, lens = step_inputs(B, ctx, page_size, M)
+    sizes = decode_sizes(cfg, B, ctx, page_size)
+    hb = host_batch(sizes, B, ctx, page_size, vocab=cfg.vocab_size)
+    shape = (cfg.num_layers, B * sizes.pages + 1, cfg.num_kv_heads, page_size, cfg.head_dim)
+    kv = kv_pool(*(jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in (1, 2)))
+    buf, prev = jnp.asarray(pack(hb, "forward")), jnp.zeros((B,), jnp.int32)
 
     def logits(kernels):
-        def f(params, kv):
-            hidden, _ = models.forward(
-                params, cfg, inp.tokens, inp.positions, inp.slot_mapping, kv, kernels=kernels
-            )
-            return models.compute_logits(params, cfg, hidden[:, 0])
-
-        kv = KVCache(k=k, v=v, block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(lens))
-        return np.asarray(jax.jit(f)(params, kv), np.float64)
+        static = dict(key=hb.shape.forward, sizes=sizes, cfg=cfg, kernels=kernels)
+        (out, _), _ = _FORWARD(params, kv, buf, prev, **static)
+        return np.asarray(out, np.float64)
 
     want = logits(ModelKernels())
     err = float(
@@ -292,13 +299,10 @@ def step_runner(
     page_size: int,
     scatter_pages: bool,
 ):
-    """`decode_runner` over the engine's step with the kernels of ``kc`` (`model_kernels`) and
-    GEMM back-end ``gemm`` ("engine": `engine_gemm`). Returns (run, kv, the back-end used)."""
+    """`decode_runner` over the engine's programs with the kernels of ``kc`` (`model_kernels`,
+    decode ``knobs``) and GEMM back-end ``gemm`` ("engine": `engine_gemm`). Returns (run, kv,
+    the back-end used)."""
     kernels = model_kernels(kc, knobs or None)
     backend = engine_gemm(kc, B) if gemm == "engine" else gemm
-    if inputs == "packed":
-        fn = functools.partial(PACKED_STEPS[backend], cfg=cfg, kernels=kernels)
-    else:
-        fn = make_step_fn(cfg, kernels, True, backend)
-    run, kv = decode_runner(cfg, params, fn, B, ctx, page_size, scatter_pages, inputs)
+    run, kv = decode_runner(cfg, params, kernels, backend, B, ctx, page_size, scatter_pages, inputs)
     return run, kv, backend

@@ -1,5 +1,6 @@
 """Where a decode step's time goes: GPU kernel time per step, grouped by kernel, from a JAX profiler
-trace of the engine's jit step (Qwen3-8B architecture, random bf16 weights, as bench_decode.py).
+trace of the engine's decode step, its jitted forward then its greedy sampler
+(`scripts.decode_step`; Qwen3-8B architecture, random bf16 weights, as bench_decode.py).
 
 Traces ``--steps`` steps after warm-up, reads the trace back with ``jax.profiler.ProfileData`` and
 prints, per kernel name: launches per step, µs per step and share of the step; plus the busy time
@@ -8,7 +9,8 @@ table as JSON to ``--out`` (and ``$OUT/profile_decode.json`` when ``$OUT`` is se
 
 The kernels are the engine's: ``--kernels SPEC`` (`KernelConfig.parse`, resolved for the platform
 by `jaxinfer.config.resolve`; default: the engine's default), ``--gemm engine`` the engine's GEMM
-back-end for the batch.
+back-end for the batch. The step's inputs are sent once ("device" inputs): the trace shows the
+step's kernels, not the transfers.
 
     python scripts/profile_decode_step.py [--batch 1] [--context 1024] [--layers 36]
         [--kernels SPEC]
@@ -32,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxinfer import models  # noqa: E402
 from jaxinfer.config import KernelConfig, ModelConfig  # noqa: E402
-from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS  # noqa: E402
+from jaxinfer.runner.executor import GEMM_COMPILER_OPTIONS  # noqa: E402
 from scripts.decode_step import (  # noqa: E402
     QWEN3_8B,
     knob_error,
@@ -130,7 +132,7 @@ def largest_gaps(events, top: int = 10) -> list[dict]:
     return sorted(idle_gaps(events), key=lambda g: -g["us"])[:top]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--batch", type=int, default=1)
@@ -147,7 +149,7 @@ def main() -> None:
         "--gemm",
         default="engine",
         choices=["engine"] + sorted(GEMM_COMPILER_OPTIONS),
-        help="GEMM back-end of the step; engine (default): the engine's choice for "
+        help="GEMM back-end of the forward; engine (default): the engine's choice for "
         "the batch (cuBLAS from cublas_decode_min_batch rows)",
     )
     ap.add_argument(
@@ -164,43 +166,31 @@ def main() -> None:
         "(from one such launch to the next) is printed and saved",
     )
     ap.add_argument("--out", default="benchmarks/profile_decode.json")
-    args = ap.parse_args()
+    return ap
 
-    cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
-    try:
-        knobs = parse_knobs(args.decode_knobs)
-        kc = resolve_kernels(cfg, args.kernels)
-    except ValueError as e:
-        ap.error(str(e))
-    err = knobs and knob_error(kc, set(knobs))
-    if err:
-        ap.error(err)
-    params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
-    attn = kc.decode_attention
-    B, ctx = args.batch, args.context
-    # unpacked inputs ("fixed"), as before: the trace shows the step's kernels, not the transfer
-    run, kv, gemm = step_runner(
-        cfg, params, kc, knobs, args.gemm, "fixed", B, ctx, args.page_size, False
-    )
-    dt, kv = time_steps(run, kv, args.steps, warmup=4)
-    wall_ms = dt * 1e3
+
+def traced_events(run, kv, steps: int) -> list[tuple[str, int, int]]:
+    """`kernel_events` of ``steps`` back-to-back ``run`` calls under the JAX profiler."""
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d):
-            for _ in range(args.steps):
+            for _ in range(steps):
                 toks, kv = run(kv)
             toks.block_until_ready()
         paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
         events = kernel_events(paths[0])
     if not events:
         raise RuntimeError("the trace holds no GPU kernel events")
-    span_ns = max(s + d for _, s, d in events) - min(s for _, s, d in events)
+    return events
+
+
+def kernel_table(events, n: int) -> list[dict]:
+    """Per kernel (`short` name), slowest first: launches, µs per step and share of kernel time."""
     agg = collections.defaultdict(lambda: [0, 0])
     for name, _, dur in events:
         agg[short(name)][0] += 1
         agg[short(name)][1] += dur
-    n = args.steps
     kern_us = sum(d for _, _, d in events) / n / 1e3
-    rows = sorted(
+    return sorted(
         (
             {
                 "kernel": k,
@@ -212,17 +202,66 @@ def main() -> None:
         ),
         key=lambda r: -r["us_per_step"],
     )
+
+
+def print_summary(summary: dict, top: int) -> None:
+    s = summary
+    print(
+        f"B={s['B']} ctx={s['context']} layers={s['layers']} attention={s['attention']}: "
+        f"untraced {s['wall_ms_per_step_untraced']:.3f} ms/step; "
+        f"traced span {s['span_ms_per_step']:.3f} ms, GPU busy {s['busy_ms_per_step']:.3f} ms, "
+        f"{s['launches_per_step']:.0f} kernel launches per step"
+    )
+    print(f"{'kernel':<80} {'n/step':>7} {'us/step':>9} {'share':>6}")
+    for r in s["kernels"][:top]:
+        print(
+            f"{r['kernel']:<80} {r['launches_per_step']:>7.1f} {r['us_per_step']:>9.1f} "
+            f"{r['share']:>6.1%}"
+        )
+    print("\nlargest idle gaps (us, the kernel before -> the kernel after):")
+    for g in s["largest_gaps"]:
+        print(f"  {g['us']:>8.1f}  {g['before'][:60]} -> {g['after'][:60]}")
+    if seq := s["layer_sequence"]:
+        print(
+            f"\none layer, in launch order ({len(seq)} kernels, "
+            f"{sum(r['us'] for r in seq):.1f} us busy, {sum(r['gap_us_before'] for r in seq):.1f} "
+            f"us idle):"
+        )
+        for r in seq:
+            print(f"  {r['kernel']:<80} {r['us']:>7.2f} us  gap {r['gap_us_before']:>5.2f}")
+
+
+def main() -> None:
+    ap = parser()
+    args = ap.parse_args()
+    cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
+    try:
+        knobs = parse_knobs(args.decode_knobs)
+        kc = resolve_kernels(cfg, args.kernels)
+    except ValueError as e:
+        ap.error(str(e))
+    if err := knobs and knob_error(kc, set(knobs)):
+        ap.error(err)
+    params = models.init_params(cfg, jax.random.key(0), jnp.bfloat16)
+    B, ctx, n = args.batch, args.context, args.steps
+    run, kv, gemm = step_runner(
+        cfg, params, kc, knobs, args.gemm, "device", B, ctx, args.page_size, False
+    )
+    dt, kv = time_steps(run, kv, n, warmup=4)
+    events = traced_events(run, kv, n)
+    span_ns = max(s + d for _, s, d in events) - min(s for _, s, d in events)
+    rows = kernel_table(events, n)
     summary = dict(
         B=B,
         context=ctx,
         layers=args.layers,
-        attention=attn,
+        attention=kc.decode_attention,
         gemm=gemm,
         steps=n,
         kernel_config=args.kernels,
         decode_knobs=knobs,
-        wall_ms_per_step_untraced=wall_ms,
-        kernel_ms_per_step=kern_us / 1e3,
+        wall_ms_per_step_untraced=dt * 1e3,
+        kernel_ms_per_step=sum(d for _, _, d in events) / n / 1e6,
         busy_ms_per_step=busy_ns(events) / n / 1e6,
         span_ms_per_step=span_ns / n / 1e6,
         launches_per_step=len(events) / n,
@@ -232,30 +271,7 @@ def main() -> None:
         layer_sequence=layer_sequence(events, args.anchor),
         largest_gaps=largest_gaps(events),
     )
-    print(
-        f"B={B} ctx={ctx} layers={args.layers} attention={attn}: untraced {wall_ms:.3f} ms/step; "
-        f"traced span {summary['span_ms_per_step']:.3f} ms, "
-        f"GPU busy {summary['busy_ms_per_step']:.3f} ms, "
-        f"{summary['launches_per_step']:.0f} kernel launches per step"
-    )
-    print(f"{'kernel':<80} {'n/step':>7} {'us/step':>9} {'share':>6}")
-    for r in rows[: args.top]:
-        print(
-            f"{r['kernel']:<80} {r['launches_per_step']:>7.1f} {r['us_per_step']:>9.1f} "
-            f"{r['share']:>6.1%}"
-        )
-    print("\nlargest idle gaps (us, the kernel before -> the kernel after):")
-    for g in summary["largest_gaps"]:
-        print(f"  {g['us']:>8.1f}  {g['before'][:60]} -> {g['after'][:60]}")
-    seq = summary["layer_sequence"]
-    if seq:
-        print(
-            f"\none layer, in launch order ({len(seq)} kernels, "
-            f"{sum(r['us'] for r in seq):.1f} us busy, {sum(r['gap_us_before'] for r in seq):.1f} "
-            f"us idle):"
-        )
-        for r in seq:
-            print(f"  {r['kernel']:<80} {r['us']:>7.2f} us  gap {r['gap_us_before']:>5.2f}")
+    print_summary(summary, args.top)
     for path in [args.out] + (
         [os.path.join(os.environ["OUT"], "profile_decode.json")] if os.environ.get("OUT") else []
     ):

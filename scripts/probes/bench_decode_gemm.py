@@ -83,7 +83,7 @@ def measure(variant: str, M: int, K: int, N: int, layers: int, reps: int) -> dic
     )
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--rows",
@@ -114,6 +114,11 @@ def main() -> None:
     )
     ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
     ap.add_argument("--out", default="benchmarks/h200.jsonl", help="JSON lines appended here")
+    return ap
+
+
+def main() -> None:
+    ap = parser()
     args = ap.parse_args()
     for v in args.variants:
         try:

@@ -2,11 +2,12 @@
 
 `StepTrace(llm.engine, path)` wraps the engine's ``step`` (an instance attribute; a probe, not
 engine code) and appends per call: ``t0``/``t1`` (perf_counter seconds around the call), the
-``key`` (`ShapeKey` B, T, M, Q), ``rows`` and ``tokens`` of the step it launched (0: none),
-``prefill`` (a row of more than one token), ``pending`` (step shapes compiling in the
-background), ``covered`` and ``steps`` (`EngineStats` counters), ``running``/``waiting``. Unlike
-`scripts.step_tools.record_steps` (a timeline of read-backs), it also shows the time a caller
-spends between calls (the server's core loop) and the background compiles each step overlapped.
+``shape`` of the step it launched (its `StepShape`: forward [T, decode], sampler [rows, level],
+prompt P; None: none launched), its ``rows`` and ``tokens`` (0: none), ``prefill`` (a row of more
+than one token), ``lazy`` (programs compiled inside a step so far) and ``steps`` (`EngineStats`
+counters), ``running``/``waiting``. Unlike `scripts.step_tools.record_steps` (a timeline of
+read-backs), it also shows the time a caller spends between calls (the server's core loop) and
+the steps that stalled on a compile.
 `mark(label)` writes ``{"mark": label, "t": ...}`` between phases (offline, server); other
 processes write theirs to ``path + ".marks"`` (perf_counter is the system's monotonic clock).
 
@@ -22,7 +23,15 @@ import time
 import numpy as np
 
 
+def shape_of(shape) -> list:
+    """A `StepShape` as JSON: [[T, decode], [rows, level], P]."""
+    f, s = shape.forward, shape.sampler
+    return [[f.tokens, f.decode], [s.rows, s.level], shape.prompt]
+
+
 class StepTrace:
+    """Wraps ``engine.step``, one JSON line per call into ``path`` (see the module docstring)."""
+
     def __init__(self, engine, path: str) -> None:
         self.engine, self.inner, self.f = engine, engine.step, open(path, "a", buffering=1 << 16)
         engine.step = self
@@ -42,12 +51,11 @@ class StepTrace:
                 dict(
                     t0=t0,
                     t1=t1,
-                    key=list(fl.handle[1].key[:4]) if fl else None,
+                    shape=shape_of(fl.hb.shape) if fl else None,
                     rows=len(b.seqs) if b else 0,
                     tokens=sum(b.num_new_tokens) if b else 0,
                     prefill=bool(b and max(b.num_new_tokens) > 1),
-                    pending=len(eng.runner.executor.pending),
-                    covered=st.num_covered_steps,
+                    lazy=st.num_lazy_compiles,
                     steps=st.num_steps,
                     running=eng.scheduler.num_running,
                     waiting=eng.scheduler.num_waiting,
@@ -82,16 +90,19 @@ def summarize(path: str) -> None:
             + "/".join(f"{np.percentile(dt, q) * 1e3:.1f}" for q in (50, 90, 99, 100))
             + " ms; "
             f"rows mean {np.mean([r['rows'] for r in rs]):.0f}, tokens sum "
-            f"{sum(r['tokens'] for r in rs)}; covered {rs[-1]['covered'] - rs[0]['covered']}"
+            f"{sum(r['tokens'] for r in rs)}; lazy compiles {rs[-1]['lazy'] - rs[0]['lazy']}"
         )
         for i in np.argsort(-dt)[:8]:
             r = rs[i]
             print(
-                f"   {dt[i] * 1e3:8.1f} ms at +{r['t0'] - t0[0]:6.2f} s key {r['key']} rows "
-                f"{r['rows']} tokens {r['tokens']} prefill {r['prefill']} pending "
-                f"{r['pending']} running {r['running']} waiting {r['waiting']}"
+                f"   {dt[i] * 1e3:8.1f} ms at +{r['t0'] - t0[0]:6.2f} s shape {r['shape']} rows "
+                f"{r['rows']} tokens {r['tokens']} prefill {r['prefill']} lazy {r['lazy']} "
+                f"running {r['running']} waiting {r['waiting']}"
             )
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     summarize(sys.argv[1])

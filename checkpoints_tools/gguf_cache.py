@@ -31,6 +31,15 @@ def lookup(path: str) -> str | None:
     return d if d is not None and os.path.isfile(os.path.join(d, "model.safetensors")) else None
 
 
+def pending(path: str) -> str | None:
+    """The entry that opening ``path`` would write: a GGUF file not converted yet (caching on),
+    else None (converted already, caching off, or no ``.gguf`` file)."""
+    if not str(path).lower().endswith(".gguf") or not os.path.isfile(path):
+        return None
+    d = entry(path)
+    return d if d is not None and lookup(path) is None else None
+
+
 def store(ckpt, tokenizer) -> str | None:
     """Write opened GGUF `Checkpoint` ``ckpt``'s entry with HF ``tokenizer`` (tensors dequantised
     again) -> its path; None: caching off, over `MAX_BYTES`, or an OSError (nothing left behind)."""

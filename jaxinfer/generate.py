@@ -1,5 +1,6 @@
 """CLI: ``python -m jaxinfer.generate --prompt "..." [--chat] [--stream]``. Bad input: a stderr
-line, exit code 2 (valid prompts still run)."""
+line, exit code 2 (valid prompts still run). On a terminal, short progress lines on stderr
+(`_progress`)."""
 
 import argparse
 import importlib
@@ -7,6 +8,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 from jaxinfer.cli_args import engine_parser, fail, flag, make_llm
 from jaxinfer.config import EngineConfig
@@ -112,6 +114,66 @@ def _read_prompts_file(path: str) -> list[str]:
     return [s for _, s in lines]
 
 
+def _home(path: str) -> str:
+    """``path`` with the home directory written ``~``."""
+    home = os.path.expanduser("~")
+    return "~" + path[len(home) :] if home != "~" and path.startswith(home + os.sep) else path
+
+
+def _progress(args) -> Callable[[str], None]:
+    """``say(line)``: one progress line on stderr when a person watches it (a terminal, or
+    ``--verbose``), so that a first run's slow start (a GGUF file converted once, the steps
+    compiled) is not silent; nothing when stderr is a pipe or a file, where errors stay one
+    line and the statistics line is all that comes besides them."""
+    on = args.verbose or sys.stderr.isatty()
+
+    def say(line: str) -> None:
+        if on:
+            sys.stderr.write(line + "\n")
+            sys.stderr.flush()
+
+    return say
+
+
+def _loading_line(model: str | None) -> str | None:
+    """``loading NAME``, with where a GGUF file not converted yet goes (once); None: no such
+    model (`make_llm` says what is wrong)."""
+    from checkpoints_tools import gguf_cache
+    from checkpoints_tools.default_model import default_model_path
+
+    try:
+        path = model or default_model_path()
+    except FileNotFoundError:
+        return None
+    if not os.path.exists(path):
+        return None
+    line = f"loading {os.path.basename(os.path.normpath(path))}"
+    if (target := gguf_cache.pending(path)) is not None:
+        line += f" (first run: converting it to {_home(target)}, once)"
+    return line
+
+
+def _compile_line(cache_dir: str | None) -> str | None:
+    """What the first steps will do when the persistent compilation cache (``cache_dir``:
+    ``--compilation-cache-dir``) holds nothing yet or is off; None when it holds compiled
+    programs, which the steps load. Read before the model loads: loading compiles (and caches)
+    small programs of its own."""
+    import jax
+
+    if cache_dir == "auto":  # as `ModelRunner` resolves it: JAX's own, else the user's cache
+        cache_dir = jax.config.jax_compilation_cache_dir or os.path.join(
+            os.environ.get("XDG_CACHE_HOME") or "~/.cache", "jaxinfer", "jax"
+        )
+    elif cache_dir in (None, "none"):
+        cache_dir = jax.config.jax_compilation_cache_dir  # JAX's own, if set, still works
+    if not cache_dir:
+        return "compiling the model's steps (no compilation cache)"
+    d = os.path.abspath(os.path.expanduser(cache_dir))
+    if os.path.isdir(d) and any(os.scandir(d)):
+        return None
+    return f"compiling the model's steps (first run; later runs load them from {_home(d)})"
+
+
 def main(argv: list[str] | None = None) -> int:
     """The CLI; returns the exit code (0; 2: bad input; 130: interrupted)."""
     try:
@@ -168,6 +230,15 @@ def _main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 "no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE"
             )
+        if empty := [str(i) for i, p in enumerate(prompts) if not p]:  # before the model loads
+            raise ValueError(
+                (
+                    f"prompt {empty[0]} is empty"
+                    if len(empty) == 1
+                    else f"prompts {', '.join(empty)} are empty"
+                )
+                + ": every prompt needs text (with --chat too)"
+            )
         params = SamplingParams(
             stop=tuple(args.stop),
             ignore_eos=args.ignore_eos,
@@ -179,6 +250,9 @@ def _main(argv: list[str] | None = None) -> int:
         if args.verbose:
             importlib.import_module("jaxinfer.llm")  # timed apart from the load
         t_import = time.perf_counter()
+        say, compile_line = _progress(args), _compile_line(args.compilation_cache_dir)
+        if line := _loading_line(args.model):
+            say(line)
         llm = make_llm(args, tokenizer=args.tokenizer)
         inputs = (
             [
@@ -193,6 +267,8 @@ def _main(argv: list[str] | None = None) -> int:
         )
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
+    if compile_line:
+        say(compile_line)
 
     def print_delta(i, _ids, delta):
         if delta:  # empty: text held back (a possible stop string) or not complete

@@ -20,7 +20,9 @@ def test_second_open_is_the_cached_hf_dir_and_the_same_model(
 ):
     monkeypatch.setenv("JAXINFER_GGUF_CACHE", str(tmp_path))
     tok = load_tokenizer(smollm_ckpt)  # the GGUF's, converted by transformers
+    assert gguf_cache.pending(smollm_path) == gguf_cache.entry(smollm_path)  # the CLI says so
     assert gguf_cache.store(smollm_ckpt, tok) == gguf_cache.entry(smollm_path)
+    assert gguf_cache.pending(smollm_path) is None
     cached = open_checkpoint(smollm_path)
     assert cached.format == "hf" and cached.path == gguf_cache.entry(smollm_path)
     assert os.path.dirname(cached.path) == str(tmp_path)
@@ -42,13 +44,18 @@ def test_second_open_is_the_cached_hf_dir_and_the_same_model(
 
 
 def test_off_and_keyed_by_the_file(tmp_path, monkeypatch):
-    """ "0" turns the cache off; a changed file (size or mtime) gets another entry."""
+    """ "0" turns the cache off; a changed file (size or mtime) gets another entry; only a .gguf
+    file that exists is ever pending."""
     f = tmp_path / "m.gguf"
     f.write_bytes(b"x")
     monkeypatch.setenv("JAXINFER_GGUF_CACHE", "0")
     assert gguf_cache.entry(str(f)) is None and gguf_cache.lookup(str(f)) is None
+    assert gguf_cache.pending(str(f)) is None
     monkeypatch.setenv("JAXINFER_GGUF_CACHE", str(tmp_path / "c"))
     before = gguf_cache.entry(str(f))
     assert before.startswith(str(tmp_path / "c")) and gguf_cache.lookup(str(f)) is None
+    assert gguf_cache.pending(str(f)) == before
+    assert gguf_cache.pending(str(tmp_path / "none.gguf")) is None
+    assert gguf_cache.pending(str(tmp_path)) is None  # a directory: an HF or Orbax model
     f.write_bytes(b"xy")
     assert gguf_cache.entry(str(f)) != before

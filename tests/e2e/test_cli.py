@@ -14,21 +14,32 @@ MEMORY_TRACE = os.path.join(
 
 
 def test_json_prompts_file_and_bad_prompt_in_batch(shared_llm, capsys, tmp_path):
-    """--json, a .jsonl prompts file with an empty prompt: the good one still answers, the bad one
-    is one error line, exit 2 (in this process on the shared LLM; the ``python -m`` run below
+    """--json, a .jsonl prompts file with a prompt over max_model_len: the good one still answers,
+    the bad one is one error line, exit 2; with --verbose the progress and phase lines go to stderr
+    and stdout holds JSON only (in this process on the shared LLM; the ``python -m`` run below
     loads the default model)."""
     f = tmp_path / "prompts.jsonl"
+    too_long = "word " * 600  # 3,000 tokens of the character-level tokenizer
     f.write_text(
-        json.dumps({"prompt": "What is the capital of France?"}) + "\n" + json.dumps("") + "\n"
+        json.dumps({"prompt": "What is the capital of France?"})
+        + "\n"
+        + json.dumps(too_long)
+        + "\n"
     )
-    code, out, err = run_main(capsys, "--prompts-file", str(f), "--max-tokens", "16", "--json")
+    code, out, err = run_main(
+        capsys,
+        *("--model", str(tmp_path), "--prompts-file", str(f), "--max-tokens", "16"),
+        *("--json", "--verbose"),
+    )
     assert code == 2, err
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in out.splitlines()]  # nothing else on stdout
     assert len(rows) == 1 and rows[0]["index"] == 0
     # the raw prompt (no chat template) continues the text; the --chat run below checks the answer
     assert rows[0]["token_ids"]
     errors = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "prompt 1" in errors[0] and "0 tokens" in errors[0]
+    assert len(errors) == 1 and "prompt 1" in errors[0]
+    assert str(shared_llm.engine.max_model_len) in errors[0]
+    assert err.splitlines()[0] == f"loading {tmp_path.name}"  # the progress line, first
     assert "Traceback" not in err
 
 

@@ -80,6 +80,32 @@ def test_bad_arguments_one_line_exit_2(capsys, args, needle):
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize("chat", [(), ("--chat",)])
+def test_empty_prompt_fails_before_the_model_loads(monkeypatch, capsys, tmp_path, chat):
+    """An empty prompt, plain or to be wrapped in the chat template, is one error line and exit 2
+    before the model loads: the missing --model is never reached (its error would name the
+    model) and no `LLM` is built. An empty line of a .jsonl prompts file is rejected the same."""
+    import jaxinfer.llm
+
+    def no_llm(*_args, **_kwargs):
+        raise AssertionError("the model was loaded before the prompts were checked")
+
+    monkeypatch.setattr(jaxinfer.llm, "LLM", no_llm)
+    missing = str(tmp_path / "no-such-model")
+    code, out, err = run_main(capsys, "--model", missing, *chat, "--prompt", "hi", "--prompt", "")
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        "error: prompt 1 is empty: every prompt needs text (with --chat too)"
+    ], err
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps("") + "\n" + json.dumps("hi") + "\n" + json.dumps("") + "\n")
+    code, out, err = run_main(capsys, "--model", missing, *chat, "--prompts-file", str(f))
+    assert code == 2 and out == ""
+    assert err.splitlines() == [
+        "error: prompts 0, 2 are empty: every prompt needs text (with --chat too)"
+    ], err
+
+
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text(
         json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 10})

@@ -94,8 +94,8 @@ def make_llm(args: argparse.Namespace, **kwargs):
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     opts = {name: getattr(args, name) for name in ENGINE_OPTIONS}
-    if "compile_in_background" in opts and opts["compile_in_background"] is None:  # serve's
-        import jax  # default
+    if "precompile" in opts and opts["precompile"] is None:  # the server's default
+        import jax
 
-        opts["compile_in_background"] = jax.default_backend() == "gpu"
+        opts["precompile"] = jax.default_backend() == "gpu"
     return llm.LLM(args.model, kernels=args.kernels, **opts, **kwargs)

@@ -236,16 +236,22 @@ class LLM(Prompts):
     beam_search = beam_search  # vLLM's ``LLM.beam_search(prompts, params, use_tqdm=False)``
 
     def precompile(
-        self, prompts, sampling_params: ParamsArg = None, *, max_workers: int | None = None
+        self, prompts=None, sampling_params: ParamsArg = None, *, max_workers: int | None = None
     ) -> dict:
-        """Compile, in parallel, the step shapes ``generate(prompts, sampling_params)`` visits on
-        an idle engine (`LLMEngine.plan_shapes`); returns {"planned", "shapes", "lower_s",
-        "warm_s", "seconds"}. Raises ValueError: as `generate`; ``max_workers`` not >= 1."""
+        """Compile, in parallel, every step shape the engine can take (`BucketSpec.planned`:
+        no later request compiles a forward), or with ``prompts`` only the shapes
+        ``generate(prompts, sampling_params)`` visits on an idle engine
+        (`LLMEngine.plan_shapes`); returns {"planned", "shapes", "lower_s", "warm_s",
+        "seconds"}. Raises ValueError: as `generate`; ``max_workers`` not >= 1."""
+        if prompts is None:
+            planned = self.engine.runner.buckets.planned()
+            info = self.engine.precompile(None, max_workers=max_workers)
+            return dict(planned=sum(map(len, planned.values())), **info)
         params, encoded, _ = self._prepare(
             prompts, sampling_params, True, self.engine.check_request
         )
-        keys = self.engine.plan_shapes([(ids, sp) for (_, ids), sp in zip(encoded, params)])
-        return dict(planned=len(keys), **self.engine.precompile(keys, max_workers=max_workers))
+        shapes = self.engine.plan_shapes([(ids, sp) for (_, ids), sp in zip(encoded, params)])
+        return dict(planned=len(shapes), **self.engine.precompile(shapes, max_workers=max_workers))
 
     def chat(
         self,

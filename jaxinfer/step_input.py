@@ -1,125 +1,150 @@
-"""The step-input schema (numpy only): `FIELDS` gives a `HostBatch`'s arrays and padding
-(`allocate`), the int32 transfer buffer (`pack`) and its unpacking (`runner.step.unpack`); the
-layout depends on the `ShapeKey` alone. Padded rows have ``seq_len`` 0 and null-page tables."""
+"""The step-input schema (numpy only). A step is three compiled programs, each keyed by sizes
+alone: the forward (`ForwardKey`: T tokens, decode-only or ragged), the sampler (`SamplerKey`: R
+rows and a feature level) and, when a prompt's log-probabilities are asked, the prompt scorer
+(P positions). `FIELDS` gives each program's int32 transfer buffer (`pack`; unpacked on the
+device by `jaxinfer.runner.step`); `BucketSpec` the padded sizes and `BucketSpec.planned` the
+whole set compiled before serving. Padded rows have ``seq_len`` 0 and null-page tables; padded
+tokens write their K/V to the null page."""
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
 INT32_MAX = 2**31 - 1
+LEVELS = ("greedy", "sample", "full")  # sampler feature levels, cheapest first
+BIAS_BUCKETS = (128, 1024, 8192, 65536)  # logit_bias + min_tokens entries per row at level full
 
 
-class ShapeKey(NamedTuple):
-    """What a step is compiled for: B rows; T tokens per row (Tp in all when packed); M pages;
-    penalty R tokens per row (0: no penalty reads history); query Tq per packed row (None: not
-    packed); all_greedy; bias E sparse (id, value) entries per row (logit_bias, min_tokens; 0:
-    none); logprobs: the top-k K returned per sampled row and prompt position (0: no
-    log-probabilities); prompt_logprobs P prompt positions scored (0: none; needs K > 0);
-    bitmask: W = ceil(V / 32) words per row of the allowed-token bitmask, set only when a sampled
-    row is constrained (0: none; unconstrained steps keep their keys); processors: the distinct
-    logits processors of the sampled rows, in order of first use (a new tuple compiles anew)."""
+class ForwardKey(NamedTuple):
+    """The forward's static sizes: ``tokens`` T (padded) and ``decode``: every row one token (the
+    tokens laid out as [T, 1] rows, the decode kernel), else ragged rows over tokens [1, T]."""
 
-    batch: int
     tokens: int
-    pages: int
-    penalty: int
-    query: int | None
-    all_greedy: bool
+    decode: bool
+
+
+class SamplerKey(NamedTuple):
+    """The sampler's static sizes: ``rows`` R; ``level`` (`LEVELS`): "greedy" (argmax only),
+    "sample" (temperature, top-k/p, min-p, seeds), "full" (also penalties over the whole
+    history, logit bias, the grammar bitmask and log-probabilities at ``max_logprobs``);
+    ``bias`` E entries per row (level full; `BIAS_BUCKETS`); ``processors``: the distinct
+    logits processors of the sampled rows (user functions: each new tuple compiles anew)."""
+
+    rows: int
+    level: str
     bias: int = 0
-    logprobs: int = 0
-    prompt_logprobs: int = 0
-    bitmask: int = 0
     processors: tuple = ()
 
-    packed = property(lambda self: self.query is not None)
 
-    def dims(self) -> dict[str, int]:
-        """Sizes of the shape letters (token arrays [Bt, T]: [B, T], or [1, Tp] packed)."""
-        return dict(
-            B=self.batch,
-            Bt=1 if self.packed else self.batch,
-            T=self.tokens,
-            M=self.pages,
-            R=self.penalty,
-            Q=self.query or 0,
-            E=self.bias,
-            P=self.prompt_logprobs,
-            W=self.bitmask,
-            J=len(self.processors),
-        )
+class StepShape(NamedTuple):
+    """One step's programs: `ForwardKey`, `SamplerKey`, and ``prompt`` P scored prompt positions
+    (0: the prompt scorer does not run)."""
+
+    forward: ForwardKey
+    sampler: SamplerKey
+    prompt: int = 0
 
 
 class Field(NamedTuple):
-    """A device input of ``group`` (`names`), present if `ShapeKey`'s ``when`` (None: always)."""
+    """An input of program ``group`` with ``shape`` in shape letters, padded with ``pad``;
+    ``level``: the sampler levels it is present at (None: all)."""
 
     name: str
     dtype: type
     shape: tuple[str, ...]
     group: str
     pad: int | float = 0
-    when: str | None = None
+    levels: tuple[str, ...] | None = None
 
 
+FULL = ("full",)
 FIELDS = (
-    Field("tokens", np.int32, ("Bt", "T"), "input"),
-    Field("positions", np.int32, ("Bt", "T"), "input"),
-    Field("slot_mapping", np.int32, ("Bt", "T"), "input"),  # page * page_size + offset
-    Field("logits_indices", np.int32, ("B",), "input"),  # the token of each row sampled
-    Field("pending_src", np.int32, ("B",), "input", -1),  # row of prev_tokens, or -1
-    Field("block_tables", np.int32, ("B", "M"), "kv"),
-    Field("seq_lens", np.int32, ("B",), "kv"),
-    Field("temperature", np.float32, ("B",), "sampling"),
-    Field("top_k", np.int32, ("B",), "sampling"),  # 0: off
-    Field("top_p", np.float32, ("B",), "sampling", 1.0),
-    Field("min_p", np.float32, ("B",), "sampling"),
-    Field("repetition_penalty", np.float32, ("B",), "sampling", 1.0),
-    Field("seeds", np.uint32, ("B",), "sampling"),
-    Field("step_idx", np.int32, ("B",), "sampling"),
-    Field("penalty_tokens", np.int32, ("B", "R"), "sampling", -1),  # prompt + output ids
-    Field("prompt_lens", np.int32, ("B",), "sampling", 0, "penalty"),  # prompt part of them
-    Field("presence_penalty", np.float32, ("B",), "sampling", 0, "penalty"),
-    Field("frequency_penalty", np.float32, ("B",), "sampling", 0, "penalty"),
-    Field("bias_ids", np.int32, ("B", "E"), "sampling", -1, "bias"),
-    Field("bias_values", np.float32, ("B", "E"), "sampling", 0, "bias"),
-    Field("bitmask", np.int32, ("B", "W"), "sampling", -1, "bitmask"),  # bit v%32 of [b, v//32]
-    Field("processor_rows", np.int32, ("B", "J"), "sampling", 0, "processors"),  # 1: row uses j
-    Field("prompt_lp_index", np.int32, ("P",), "input", 0, "prompt_logprobs"),  # flat token
-    Field("prompt_lp_next", np.int32, ("P",), "input", -1, "prompt_logprobs"),  # its next id
-    Field("q_index", np.int32, ("B", "Q"), "packing", 0, "packed"),
-    Field("q_positions", np.int32, ("B", "Q"), "packing", 0, "packed"),
-    Field("out_index", np.int32, ("T",), "packing", 0, "packed"),
+    Field("tokens", np.int32, ("T",), "forward"),
+    Field("positions", np.int32, ("T",), "forward"),
+    Field("slot_mapping", np.int32, ("T",), "forward"),  # page * page_size + offset
+    Field("query_start_loc", np.int32, ("R1",), "forward"),  # row r: tokens [q[r], q[r + 1])
+    Field("seq_lens", np.int32, ("R",), "forward"),  # KV length after this step's write
+    Field("block_tables", np.int32, ("R", "M"), "forward"),
+    Field("logits_indices", np.int32, ("R",), "forward"),  # the token of each row sampled
+    Field("pending_src", np.int32, ("R",), "forward", -1),  # row of prev_tokens, or -1
+    Field("temperature", np.float32, ("R",), "sampling"),
+    Field("top_k", np.int32, ("R",), "sampling"),  # 0: off
+    Field("top_p", np.float32, ("R",), "sampling", 1.0),
+    Field("min_p", np.float32, ("R",), "sampling"),
+    Field("seeds", np.uint32, ("R",), "sampling"),
+    Field("step_idx", np.int32, ("R",), "sampling"),
+    Field("repetition_penalty", np.float32, ("R",), "sampling", 1.0, FULL),
+    Field("penalty_tokens", np.int32, ("R", "Lh"), "sampling", -1, FULL),  # prompt + outputs
+    Field("prompt_lens", np.int32, ("R",), "sampling", 0, FULL),  # prompt part of them
+    Field("presence_penalty", np.float32, ("R",), "sampling", 0, FULL),
+    Field("frequency_penalty", np.float32, ("R",), "sampling", 0, FULL),
+    Field("bias_ids", np.int32, ("R", "E"), "sampling", -1, FULL),
+    Field("bias_values", np.float32, ("R", "E"), "sampling", 0, FULL),
+    Field("bitmask", np.int32, ("R", "W"), "sampling", -1, FULL),  # bit v%32 of [r, v//32]
+    Field("processor_rows", np.int32, ("R", "J"), "sampling", 0, FULL),  # 1: row uses j
+    Field("prompt_lp_index", np.int32, ("P",), "prompt"),  # flat token index scored
+    Field("prompt_lp_next", np.int32, ("P",), "prompt", -1),  # the prompt token after it
 )
 
 
-def names(group: str) -> tuple[list[str], list[str]]:
-    """Names of ``group``'s fields in `FIELDS` order: (always present, present only ``when``)."""
-    return (
-        [f.name for f in FIELDS if f.group == group and f.when is None],
-        [f.name for f in FIELDS if f.group == group and f.when is not None],
+def names(group: str, level: str = "full") -> list[str]:
+    """Names of ``group``'s fields present at sampler ``level``, in `FIELDS` order."""
+    return [f.name for f in FIELDS if f.group == group and (f.levels is None or level in f.levels)]
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The engine's fixed sizes the schema needs: ``pages`` M per row, ``history`` Lh (the
+    penalty history, max_model_len), ``mask_words`` W (ceil(V / 32)), ``max_rows`` (the
+    largest row bucket: prev_tokens' length)."""
+
+    pages: int
+    history: int
+    mask_words: int
+    max_rows: int
+
+
+def rows_of(key: ForwardKey, max_rows: int) -> int:
+    """R of a forward: T for a decode step, else min(T, ``max_rows``) (each row has a token)."""
+    return key.tokens if key.decode else min(key.tokens, max_rows)
+
+
+def layout(group: str, shape: StepShape, sizes: Sizes) -> tuple[tuple[Field, tuple], ...]:
+    """``((field, shape), ...)`` in buffer order of program ``group`` for a step of ``shape``."""
+    R, s = rows_of(shape.forward, sizes.max_rows), shape.sampler
+    d = dict(
+        T=shape.forward.tokens,
+        R=R,
+        R1=R + 1,
+        M=sizes.pages,
+        Lh=sizes.history,
+        E=s.bias,
+        W=sizes.mask_words,
+        J=len(s.processors),
+        P=shape.prompt,
     )
-
-
-def layout(key: ShapeKey) -> tuple[tuple[Field, tuple[int, ...]], ...]:
-    """``((field, shape), ...)`` in buffer order for a step of shape ``key``."""
-    d = key.dims()
     return tuple(
-        (f, tuple(d[n] for n in f.shape)) for f in FIELDS if f.when is None or getattr(key, f.when)
+        (f, tuple(d[n] for n in f.shape))
+        for f in FIELDS
+        if f.group == group and (f.levels is None or s.level in f.levels)
     )
 
 
 @dataclass(frozen=True)
 class HostBatch:
-    """``arrays`` (name -> array, also ``hb.tokens``), `ShapeKey`, host-only row masks
-    ``sample_rows`` (sampled token real) and ``pending_rows`` (input token on the device), and
-    ``prompt_lp_rows`` i32[P]: the row of each scored prompt position (-1: padding)."""
+    """A step's padded inputs: ``arrays`` (name -> array, also ``hb.tokens``) of ``shape``;
+    host-only ``sample_rows`` bool[R] (the row's sampled token is real), ``pending_rows``
+    bool[R] (its input token comes from the step in flight) and ``prompt_lp_rows`` i32[P] (the
+    row of each scored prompt position, -1: padding)."""
 
-    key: ShapeKey
+    shape: StepShape
+    sizes: Sizes
     arrays: dict
     sample_rows: np.ndarray
     pending_rows: np.ndarray
-    prompt_lp_rows: np.ndarray | None = None
+    prompt_lp_rows: np.ndarray = field(default_factory=lambda: np.zeros((0,), np.int32))
 
     def __getattr__(self, name):
         try:
@@ -127,51 +152,40 @@ class HostBatch:
         except KeyError:
             raise AttributeError(name) from None
 
+    rows = property(lambda self: len(self.sample_rows), doc="R, the padded row count.")
 
-def allocate(key: ShapeKey) -> HostBatch:
-    """An all-padding `HostBatch` of shape ``key`` (each field at its ``pad``)."""
-    arrays = {f.name: np.full(shape, f.pad, f.dtype) for f, shape in layout(key)}
+
+def allocate(shape: StepShape, sizes: Sizes) -> HostBatch:
+    """An all-padding `HostBatch` of ``shape`` (each field at its ``pad``)."""
+    arrays = {
+        f.name: np.full(dims, f.pad, f.dtype)
+        for group in ("forward", "sampling", "prompt")
+        for f, dims in layout(group, shape, sizes)
+    }
+    R = rows_of(shape.forward, sizes.max_rows)
     return HostBatch(
-        key,
+        shape,
+        sizes,
         arrays,
-        np.zeros((key.batch,), bool),
-        np.zeros((key.batch,), bool),
-        np.full((key.prompt_logprobs,), -1, np.int32),
+        np.zeros((R,), bool),
+        np.zeros((R,), bool),
+        np.full((shape.prompt,), -1, np.int32),
     )
 
 
-def pack(hb: HostBatch) -> np.ndarray:
-    """``hb``'s fields as one i32[S] (`layout`; f32/u32 bit-cast); TypeError: not the schema."""
+def pack(hb: HostBatch, group: str) -> np.ndarray:
+    """``hb``'s fields of program ``group`` as one i32[S] (f32/u32 bit-cast). TypeError: an
+    array that is not the schema's dtype and shape."""
     parts = []
-    for f, shape in layout(hb.key):
+    for f, dims in layout(group, hb.shape, hb.sizes):
         a = np.ascontiguousarray(hb.arrays[f.name])
-        if a.dtype != f.dtype or a.shape != shape:
+        if a.dtype != f.dtype or a.shape != dims:
             raise TypeError(
                 f"HostBatch.{f.name} is {a.dtype}{list(a.shape)}; the schema needs "
-                f"{np.dtype(f.dtype)}{list(shape)}"
+                f"{np.dtype(f.dtype)}{list(dims)}"
             )
         parts.append(a.view(np.int32).reshape(-1))
-    return np.concatenate(parts)
-
-
-def covers(a: ShapeKey, b: ShapeKey) -> bool:
-    """Whether a step of shape ``a`` runs a batch of shape ``b`` padded: the same packing and
-    features, B, T, M (and Q) no smaller; a sampling ``a`` also runs an all-greedy ``b``."""
-    same = (
-        a._replace(
-            batch=b.batch, tokens=b.tokens, pages=b.pages, query=b.query, all_greedy=b.all_greedy
-        )
-        == b
-    )
-    return (
-        same
-        and a.packed == b.packed
-        and (b.all_greedy or not a.all_greedy)
-        and a.batch >= b.batch
-        and a.tokens >= b.tokens
-        and a.pages >= b.pages
-        and (a.query or 0) >= (b.query or 0)
-    )
+    return np.concatenate(parts) if parts else np.zeros((0,), np.int32)
 
 
 def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
@@ -179,12 +193,30 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(sorted({*(lo << i for i in range(hi.bit_length()) if lo << i < hi), hi}))
 
 
+def geometric(lo: int, hi: int, dense_to: int) -> tuple[int, ...]:
+    """Powers of two from ``lo`` up to ``dense_to``, then 1.5x and 2x steps (each power p gives
+    p and 1.5p), ending at ``hi``: a bucket wastes at most a third of its size above
+    ``dense_to``."""
+    out, p = set(), lo
+    while p < hi:
+        out.add(p)
+        if p >= dense_to and p * 3 // 2 < hi:
+            out.add(p * 3 // 2)
+        p *= 2
+    return tuple(sorted(out | {hi}))
+
+
 def default_batch_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """Powers of two to 64, then ``64 + k * max(16, max_num_seqs // 16)``, then ``max_num_seqs``."""
+    """Decode rows: powers of two to 64, then 1.5x and 2x steps, ending at ``max_num_seqs``."""
     if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
         raise ValueError(f"max_num_seqs={max_num_seqs!r} must be a positive integer")
-    small, step = powers_of_two(1, min(64, max_num_seqs)), max(16, max_num_seqs // 16)
-    return tuple(sorted(set(small + tuple(range(64 + step, max_num_seqs, step)) + (max_num_seqs,))))
+    return geometric(1, max_num_seqs, 64)
+
+
+def default_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """Ragged tokens: powers of two from 32 to 1,024, then 1.5x and 2x steps, ending at the
+    budget (at least 32)."""
+    return geometric(32, max(32, max_num_batched_tokens), 1024)
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
@@ -197,12 +229,13 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """Padded B, Tq, M and packed Tp (powers of two to a quarter of the budget, then multiples)."""
+    """Padded sizes: ``batch`` (decode rows, also the sampler's rows), ``tokens`` (ragged T),
+    ``prompt`` (P scored prompt positions), and the engine's fixed `Sizes`."""
 
     batch: tuple[int, ...]
-    prefill_tokens: tuple[int, ...]
-    pages: tuple[int, ...]
-    packed_tokens: tuple[int, ...] = ()
+    tokens: tuple[int, ...]
+    prompt: tuple[int, ...]
+    sizes: Sizes
 
     @classmethod
     def build(
@@ -212,32 +245,35 @@ class BucketSpec:
         max_num_batched_tokens: int,
         max_model_len: int,
         page_size: int,
+        vocab_size: int,
         batch_buckets: tuple[int, ...] = (),
         token_buckets: tuple[int, ...] = (),
     ) -> "BucketSpec":
-        max_pages, top = -(-max_model_len // page_size), max(16, max_num_batched_tokens)
-        quarter = max(512, top // 4)
-        fine = tuple(b for b in powers_of_two(16, quarter) if b < top)
-        fine += tuple(range(quarter, top, quarter)) + (top,)
-        return cls(
-            batch=batch_buckets or default_batch_buckets(max_num_seqs),
-            prefill_tokens=token_buckets or powers_of_two(16, top),
-            pages=powers_of_two(1, max_pages),
-            packed_tokens=token_buckets or tuple(sorted(set(fine))),
+        tokens = token_buckets or default_token_buckets(max_num_batched_tokens)
+        batch = batch_buckets or default_batch_buckets(max_num_seqs)
+        sizes = Sizes(
+            -(-max_model_len // page_size), max_model_len, -(-vocab_size // 32), batch[-1]
         )
+        return cls(batch, tokens, powers_of_two(16, tokens[-1]), sizes)
 
-    def covering_keys(self) -> list[ShapeKey]:
-        """Sampling shapes without optional features that `covers` such shapes these buckets
-        produce: decode at the most rows and pages; packed at the most tokens and pages, per
-        query bucket Q the most rows a step with a chunk in Q can have, but at most those of
-        the widest bucket <= 8 Tp / Q (attention's [B, Q] query rows stay <= 8 Tp)."""
-        B, Tp, M = self.batch[-1], self.packed_tokens[-1], self.pages[-1]
-        keys, lo = [ShapeKey(B, 1, M, 0, None, False)], 2  # lo: the least chunk of bucket Q
-        for q in self.prefill_tokens:
-            if lo > min(q, Tp):
-                break
-            fit = [b for b in self.batch if b * q <= 8 * Tp] or [1]
-            rows = min(bucket(min(B, Tp - lo + 1), self.batch), fit[-1])
-            keys.append(ShapeKey(rows, Tp, M, 0, q, False))
-            lo = q + 1
-        return keys
+    def forward_keys(self) -> list[ForwardKey]:
+        """Every forward shape: decode at each row bucket, ragged at each token bucket."""
+        return [ForwardKey(b, True) for b in self.batch] + [
+            ForwardKey(t, False) for t in self.tokens
+        ]
+
+    def sampler_rows(self) -> list[int]:
+        """Every sampler row count the forwards produce."""
+        rows = {rows_of(k, self.sizes.max_rows) for k in self.forward_keys()}
+        return sorted(rows)
+
+    def planned(self) -> dict[str, list]:
+        """The whole set compiled before serving: {"forward": `ForwardKey`s, "sampler":
+        `SamplerKey`s at every level (full with the first `BIAS_BUCKETS` entry, no
+        processors)}. Prompt scorers and processors' samplers compile on first use."""
+        samplers = [
+            SamplerKey(r, lv, BIAS_BUCKETS[0] if lv == "full" else 0)
+            for r in self.sampler_rows()
+            for lv in LEVELS
+        ]
+        return dict(forward=self.forward_keys(), sampler=samplers)

@@ -1,6 +1,6 @@
-"""What benchmarks build around the engine's step, outside the package: a fused jit step without
-the packed input buffer (`make_step_fn`) and a per-step log recorded through the engine's hooks
-(`record_steps`, `StepRecord`, `step_phases`, `TracedStepLog`, `trace_summary`)."""
+"""What benchmarks build around the engine's step, outside the package: a per-step log recorded
+through the engine's hooks (`record_steps`, `StepRecord`, `step_phases`, `TracedStepLog`,
+`trace_summary`)."""
 
 from __future__ import annotations
 
@@ -9,21 +9,6 @@ import time
 from typing import NamedTuple
 
 import jax
-
-from jaxinfer.config import ModelConfig
-from jaxinfer.models.kernels import ModelKernels
-from jaxinfer.runner.step import GEMM_COMPILER_OPTIONS, forward, sample_logits
-
-
-def make_step_fn(cfg: ModelConfig, kernels: ModelKernels, all_greedy: bool, gemm: str = "xla"):
-    """``jax.jit`` of one fused step ``(params, kv, StepInput) -> (ids, kv')``, KV donated: the
-    engine's `forward`, then `sample_logits`, without its packed input buffer."""
-
-    def step(params, kv, inp):
-        logits, _, kv = forward(params, kv, inp, cfg=cfg, kernels=kernels)
-        return sample_logits(logits, inp, all_greedy=all_greedy), kv
-
-    return jax.jit(step, donate_argnums=(1,), compiler_options=GEMM_COMPILER_OPTIONS[gemm])
 
 
 class StepRecord(NamedTuple):
@@ -44,9 +29,9 @@ def record_steps(engine, log: list) -> list:
     wrapping its step loop's ``complete`` and its runner's ``read``; returns ``log``."""
     complete, read, t = engine.loop.complete, engine.runner.read, {}
 
-    def timed_read(handle):
+    def timed_read(handle, prompt=None):
         t["read"] = time.perf_counter()
-        out = read(handle)
+        out = read(handle, prompt)
         t["done"] = time.perf_counter()
         return out
 
@@ -54,7 +39,7 @@ def record_steps(engine, log: list) -> list:
         finished = complete(done, host_times)
         log.append(
             StepRecord(
-                done.handle[1].key,
+                done.hb.shape,
                 done.batch.num_seqs,
                 t["done"],
                 t["done"] - t["read"],
@@ -79,12 +64,13 @@ def step_phases(log, t0: float) -> dict:
     keys = ("wait_s", "schedule_s", "launch_s", "post_s")
     for r in log:
         dt, prev = r.t_done - prev, r.t_done
-        if r.shape_key.packed:  # packed prefill step
+        if not r.shape_key.forward.decode:  # a step with a prefill chunk
             out["prefill"]["steps"] += 1
             out["prefill"]["seconds"] += dt
             continue
         d = out["decode"].setdefault(
-            str(r.shape_key.batch), dict(steps=0, seconds=0.0, rows=0, **dict.fromkeys(keys, 0.0))
+            str(r.shape_key.forward.tokens),
+            dict(steps=0, seconds=0.0, rows=0, **dict.fromkeys(keys, 0.0)),
         )
         d["steps"] += 1
         d["seconds"] += dt
@@ -111,7 +97,6 @@ class TracedStepLog(list):
 
     def append(self, item) -> None:
         super().append(item)
-        import jax
 
         if len(self) == self.start:
             jax.profiler.start_trace(self.logdir)

@@ -68,10 +68,10 @@ class EngineConfig:
         "$XDG_CACHE_HOME/jaxinfer/jax (~/.cache/...); 'none': off",
         metavar="DIR",
     )
-    compile_in_background: bool = _user(
+    precompile: bool = _user(
         False,
-        "a step shape not compiled yet compiles in a thread while its steps run padded to a "
-        "compiled shape that covers it (no stall; the server's default on a GPU)",
+        "compile every planned step shape at start (LLM.precompile()): no request ever waits "
+        "for a forward compile (the server's default on a GPU)",
     )
     enable_prefix_caching: bool = _user(
         True,

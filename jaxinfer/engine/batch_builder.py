@@ -1,19 +1,21 @@
-"""A `ScheduledBatch` as a padded, bucketed `HostBatch` (host side, no JAX; `step_input` schema)."""
+"""A `ScheduledBatch` as a padded `HostBatch` (host side, no JAX; the `step_input` schema): its
+`StepShape` (`step_shape`) and arrays (`build_host_batch`)."""
 
 import numpy as np
 
-from jaxinfer.sampling_params import MAX_LOGPROBS
 from jaxinfer.step_input import (
+    BIAS_BUCKETS,
     INT32_MAX,
     BucketSpec,
+    ForwardKey,
     HostBatch,
-    ShapeKey,
+    SamplerKey,
+    StepShape,
     allocate,
     bucket,
-    powers_of_two,
+    names,
+    rows_of,
 )
-
-LOGPROB_BUCKETS = (1, 5, MAX_LOGPROBS)  # top-k sizes compiled (ShapeKey.logprobs)
 
 
 def _bias(s, eos_token_ids) -> list[tuple[int, float]]:
@@ -34,119 +36,109 @@ def _prompt_positions(batch) -> list[range]:
     return out
 
 
-def build_host_batch(
-    batch,
-    *,
-    page_size: int,
-    buckets: BucketSpec,
-    eos_token_ids=(),
-    mask_words: int = 0,
-    key: ShapeKey | None = None,
-) -> HostBatch:
-    """Pad a `ScheduledBatch` to a bucketed `HostBatch` (packed if a chunk has > 1 token;
-    ``pending_input`` rows in ``pending_rows``; ``mask_words`` W: a bitmask i32[B, W], all -1, if
-    a sampled row is constrained); ``key``: a shape that `covers` its `shape_key` instead.
-    ValueError: a size past the largest bucket."""
-    hb = allocate(
-        key
-        or shape_key(
-            batch,
-            page_size=page_size,
-            buckets=buckets,
-            eos_token_ids=eos_token_ids,
-            mask_words=mask_words,
+def _level(batch, eos_token_ids) -> tuple[str, int]:
+    """The sampler level (`step_input.LEVELS`) and bias entries E the sampled rows need."""
+    rows = [s for s, d in zip(batch.seqs, batch.do_sample) if d] or batch.seqs
+    E = max(len(_bias(s, eos_token_ids)) for s in rows)
+    full = E or any(
+        s.params.needs_history
+        or s.params.logprobs is not None
+        or s.params.structured_outputs
+        or s.params.bad_words
+        or s.params.allowed_token_ids
+        or s.params.logits_processors
+        for s in rows
+    )
+    if full:
+        return "full", bucket(max(E, 1), BIAS_BUCKETS)
+    return ("greedy" if all(s.params.greedy for s in rows) else "sample"), 0
+
+
+def step_shape(batch, *, buckets: BucketSpec, eos_token_ids=()) -> StepShape:
+    """The `StepShape` of a `ScheduledBatch`: decode if every row has one token (T = the row
+    bucket), else ragged (T = the token bucket of the tokens); the sampler at the forward's R
+    rows and the level its sampled rows need; P scored prompt positions bucketed."""
+    nums = batch.num_new_tokens
+    if max(nums) == 1:
+        fwd = ForwardKey(bucket(len(nums), buckets.batch), True)
+    else:
+        fwd = ForwardKey(bucket(sum(nums), buckets.tokens), False)
+    level, E = _level(batch, eos_token_ids)
+    procs = tuple(
+        dict.fromkeys(
+            f
+            for s, d in zip(batch.seqs, batch.do_sample)
+            if d
+            for f in s.params.logits_processors or ()
         )
     )
-    a, off, j = hb.arrays, 0, 0  # off: packed offset of row i's first token; j: prompt position
-    scored = _prompt_positions(batch) if hb.key.prompt_logprobs else [()] * batch.num_seqs
+    P = sum(len(r) for r in _prompt_positions(batch))
+    return StepShape(
+        fwd,
+        SamplerKey(rows_of(fwd, buckets.sizes.max_rows), level, E, procs),
+        P and bucket(P, buckets.prompt),
+    )
+
+
+def _forward_row(a: dict, hb: HostBatch, batch, i: int, off: int, page_size: int) -> None:
+    """Row ``i``'s forward inputs: its tokens at ``off`` (the pending one from the device)."""
+    s, n, c = batch.seqs[i], batch.num_new_tokens[i], batch.start_positions[i]
+    pos, table = np.arange(c, c + n, dtype=np.int32), np.asarray(s.block_table, np.int32)
+    toks = slice(off, off + n)
+    hb.pending_rows[i] = batch.pending_input[i]
+    if not batch.pending_input[i]:
+        a["tokens"][toks] = s.all_token_ids[c : c + n]
+    else:  # only the first token can be pending (a decode row: n == 1)
+        a["tokens"][off + 1 : off + n] = s.all_token_ids[c + 1 : c + n]
+    a["positions"][toks] = pos
+    a["slot_mapping"][toks] = table[pos // page_size] * page_size + pos % page_size
+    a["query_start_loc"][i + 1 :] = off + n
+    npages = -(-(c + n) // page_size)
+    a["block_tables"][i, :npages] = table[:npages]
+    a["seq_lens"][i] = c + n
+    a["logits_indices"][i] = off + n - 1
+
+
+def _sampling_row(a: dict, hb: HostBatch, s, eos_token_ids) -> None:
+    """One row's sampling inputs: ``a`` holds views of its row of each array (1-D: [1])."""
+    p, key = s.params, hb.shape.sampler
+    a["temperature"][...], a["top_p"][...], a["min_p"][...] = p.temperature, p.top_p, p.min_p
+    a["top_k"][...] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= vocab: no cut
+    a["seeds"][...] = np.uint32((s.seed ^ (s.seed >> 32)) & 0xFFFFFFFF)  # fold int64 seeds
+    a["step_idx"][...] = s.num_tokens_with_pending - s.num_prompt_tokens - 1  # outputs before
+    if key.level != "full":
+        return
+    a["repetition_penalty"][...] = p.repetition_penalty
+    if p.needs_history or p.logits_processors:
+        a["penalty_tokens"][: s.num_tokens] = s.all_token_ids
+        a["prompt_lens"][...] = s.num_prompt_tokens
+        a["presence_penalty"][...] = p.presence_penalty
+        a["frequency_penalty"][...] = p.frequency_penalty
+    if key.processors:
+        a["processor_rows"][...] = [f in (p.logits_processors or ()) for f in key.processors]
+    if entries := _bias(s, eos_token_ids):
+        a["bias_ids"][: len(entries)], a["bias_values"][: len(entries)] = zip(*entries)
+
+
+def build_host_batch(
+    batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(), shape: StepShape | None = None
+) -> HostBatch:
+    """Pad a `ScheduledBatch` to a `HostBatch` of its `step_shape` (or ``shape``): rows in batch
+    order over tokens laid out row after row; ``pending_input`` rows in ``pending_rows`` (the
+    engine fills ``pending_src``). ValueError: a size past the largest bucket."""
+    hb = allocate(
+        shape or step_shape(batch, buckets=buckets, eos_token_ids=eos_token_ids), buckets.sizes
+    )
+    a, off, j = hb.arrays, 0, 0  # off: row i's first token; j: prompt position
+    scored = _prompt_positions(batch) if hb.shape.prompt else [()] * batch.num_seqs
+    sampling = [f for f in names("sampling") if f in a and f != "bitmask"]
     for i, (s, n, c) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.start_positions)):
         for q in scored[i]:
-            a["prompt_lp_index"][j] = (off if hb.key.packed else i * hb.key.tokens) + q - c
+            a["prompt_lp_index"][j] = off + q - c
             a["prompt_lp_next"][j], hb.prompt_lp_rows[j], j = s.prompt_token_ids[q + 1], i, j + 1
-        pos, table = np.arange(c, c + n, dtype=np.int32), np.asarray(s.block_table, np.int32)
-        row_slots = table[pos // page_size] * page_size + pos % page_size
-        if hb.key.packed:
-            rows = slice(off, off + n)
-            a["tokens"][0, rows] = s.all_token_ids[c : c + n]
-            a["positions"][0, rows], a["slot_mapping"][0, rows] = pos, row_slots
-            a["q_index"][i, :n] = np.arange(off, off + n)
-            a["q_positions"][i, :n] = pos
-            a["out_index"][rows] = i * hb.key.query + np.arange(n)
-            a["logits_indices"][i] = off + n - 1
-            off += n
-        else:
-            hb.pending_rows[i] = batch.pending_input[i]
-            if not batch.pending_input[i]:
-                a["tokens"][i, 0] = s.last_token_id if c == s.num_tokens - 1 else s.all_token_ids[c]
-            a["positions"][i, 0], a["slot_mapping"][i, 0] = c, row_slots[0]
-        npages = -(-(c + n) // page_size)
-        a["block_tables"][i, :npages] = table[:npages]
-        a["seq_lens"][i] = c + n
-        p = s.params
-        a["temperature"][i], a["top_p"][i], a["min_p"][i] = p.temperature, p.top_p, p.min_p
-        a["top_k"][i] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= vocab: no cut
-        a["repetition_penalty"][i] = p.repetition_penalty
-        a["seeds"][i] = np.uint32((s.seed ^ (s.seed >> 32)) & 0xFFFFFFFF)  # fold int64 seeds
-        a["step_idx"][i] = s.num_tokens_with_pending - s.num_prompt_tokens - 1  # outputs before
-        if hb.key.penalty:
-            a["penalty_tokens"][i, : s.num_tokens] = s.all_token_ids
-            a["prompt_lens"][i] = s.num_prompt_tokens
-            a["presence_penalty"][i], a["frequency_penalty"][i] = (
-                p.presence_penalty,
-                p.frequency_penalty,
-            )
-        if hb.key.processors:
-            a["processor_rows"][i] = [f in (p.logits_processors or ()) for f in hb.key.processors]
-        if hb.key.bias and (entries := _bias(s, eos_token_ids)):
-            a["bias_ids"][i, : len(entries)], a["bias_values"][i, : len(entries)] = zip(*entries)
+        _forward_row(a, hb, batch, i, off, page_size)
+        views = {f: a[f][i] if a[f].ndim == 2 else a[f][i : i + 1] for f in sampling}
+        _sampling_row(views, hb, s, eos_token_ids)
         hb.sample_rows[i] = batch.do_sample[i]
+        off += n
     return hb
-
-
-def shape_key(
-    batch, *, page_size: int, buckets: BucketSpec, eos_token_ids=(), mask_words: int = 0
-) -> ShapeKey:
-    """The bucketed `ShapeKey` of a `ScheduledBatch`. A packed step's M is the largest page
-    bucket (its attention loops to each row's seq_len, so only the table's width pads): one
-    shape per (B, Tp, Q) instead of one per M as well."""
-    seqs, nums = batch.seqs, batch.num_new_tokens
-    B = bucket(len(seqs), buckets.batch)
-    M = bucket(
-        max(-(-(c + n) // page_size) for c, n in zip(batch.start_positions, nums)), buckets.pages
-    )
-    penalised = any(s.params.needs_history for s in seqs)
-    R = bucket(max(s.num_tokens for s in seqs), powers_of_two(16, 1 << 30)) if penalised else 0
-    greedy = all(s.params.greedy for s in seqs)
-    E = max(len(_bias(s, eos_token_ids)) for s in seqs)
-    token_buckets = buckets.packed_tokens or buckets.prefill_tokens
-    P = sum(len(r) for r in _prompt_positions(batch))
-    k = max(
-        [s.params.logprobs for s in seqs if s.params.logprobs is not None]
-        + [s.params.prompt_logprobs for s in seqs if P and s.params.prompt_logprobs is not None],
-        default=-1,
-    )
-    extra = dict(
-        bias=E and bucket(E, powers_of_two(8, 1 << 30)),
-        logprobs=0 if k < 0 else bucket(max(k, 1), LOGPROB_BUCKETS),
-        prompt_logprobs=P and bucket(P, token_buckets),
-        bitmask=mask_words
-        if any(
-            d and (s.params.structured_outputs or s.params.bad_words or s.params.allowed_token_ids)
-            for s, d in zip(seqs, batch.do_sample)
-        )
-        else 0,
-        processors=tuple(
-            dict.fromkeys(
-                f
-                for s, d in zip(seqs, batch.do_sample)
-                if d
-                for f in s.params.logits_processors or ()
-            )
-        ),
-    )
-    if max(nums) == 1:
-        return ShapeKey(B, 1, M, R, None, greedy, **extra)
-    Tp = bucket(sum(nums), token_buckets)
-    return ShapeKey(
-        B, Tp, buckets.pages[-1], R, bucket(max(nums), buckets.prefill_tokens), greedy, **extra
-    )

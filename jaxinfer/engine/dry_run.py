@@ -16,10 +16,9 @@ def dry_run(
     *,
     buckets: BucketSpec,
     async_scheduling: bool = True,
-    mask_words: int = 0,
 ) -> list[tuple[ScheduledBatch, HostBatch]]:
     """Run ``requests`` on the fresh ``scheduler``, sampling a token that ends no request (no
-    grammar runs; ``mask_words``: `build_host_batch`'s):
+    grammar runs):
     (`ScheduledBatch`, `HostBatch`) per step in launch order. ValueError: a rejected request."""
     stops: set[int] = set(scheduler.eos_token_ids)
     for i, (ids, params) in enumerate(requests):
@@ -39,19 +38,14 @@ def dry_run(
     token = next(t for t in range(len(stops) + 1) if t not in stops)  # ends no request
     steps: list[tuple[ScheduledBatch, HostBatch]] = []
 
-    def launch(batch: ScheduledBatch, prev: Launched | None) -> None:
-        steps.append(
-            (
-                batch,
-                build_host_batch(
-                    batch,
-                    page_size=scheduler.page_size,
-                    buckets=buckets,
-                    eos_token_ids=scheduler.eos_token_ids,
-                    mask_words=mask_words,
-                ),
-            )
+    def launch(launched: Launched, prev: Launched | None) -> None:
+        hb = build_host_batch(
+            launched.batch,
+            page_size=scheduler.page_size,
+            buckets=buckets,
+            eos_token_ids=scheduler.eos_token_ids,
         )
+        steps.append((launched.batch, hb))
 
     def complete(done: Launched, times) -> list[Sequence]:
         return scheduler.postprocess(

@@ -9,17 +9,17 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxinfer.engine import logprobs
-from jaxinfer.engine.batch_builder import build_host_batch, shape_key
+from jaxinfer.engine.batch_builder import build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.dry_run import dry_run
 from jaxinfer.engine.loop import Launched, StepLoop
-from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
+from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.structured import StructuredOutputManager
 from jaxinfer.outputs import OutputProcessor
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.stats import EngineStats
-from jaxinfer.step_input import ShapeKey
+from jaxinfer.step_input import StepShape
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -75,6 +75,8 @@ class LLMEngine:
         )
         self._rng, self._ids = np.random.default_rng(ec.seed), itertools.count()
         self._touched: list[str] = []  # request ids a step or an abort gave new output
+        if ec.precompile:
+            self.precompile()
 
     def _scheduler(self, bm: BlockManager, eos_token_ids=()) -> Scheduler:
         ec = self.resolved.engine
@@ -204,7 +206,7 @@ class LLMEngine:
         """A copy of the engine's counters with its queue and KV pool sizes filled in."""
         bm, sched = self.block_manager, self.scheduler
         return dataclasses.replace(
-            self._stats,
+            self._stats.copy(),
             num_running=sched.num_running,
             num_waiting=sched.num_waiting,
             kv_pages_in_use=bm.num_usable_pages - bm.num_free_pages,
@@ -244,21 +246,17 @@ class LLMEngine:
         self.runner.update_params(params)
         self.reset_prefix_cache()
 
-    def _launch(self, batch: ScheduledBatch, prev: Launched | None):
-        """`StepLoop`'s launch: build the host batch, have the runner dispatch it; a constrained
-        step's masks need the grammars advanced by ``prev``'s tokens: under async scheduling
-        only its forward now, else nothing (`_sample` ends it). Returns (handle, `HostBatch`)."""
-        shape = dict(
+    def _launch(self, launched: Launched, prev: Launched | None) -> None:
+        """`StepLoop`'s launch: build the host batch, dispatch its forward (and its prompt
+        scorer) and, unless a sampled row is constrained (its mask needs the grammar advanced by
+        ``prev``'s tokens: `_sample` dispatches it), its sampler."""
+        batch = launched.batch
+        hb = build_host_batch(
+            batch,
             page_size=self.page_size,
             buckets=self.runner.buckets,
             eos_token_ids=self.eos_token_ids,
-            mask_words=self.structured.words,
         )
-        key = shape_key(batch, **shape)
-        split = bool(key.bitmask) and self.async_scheduling
-        if (run_key := self.runner.runnable(key, split)) != key:
-            self._stats.num_covered_steps += 1
-        hb = build_host_batch(batch, **shape, key=run_key)
         self._stats.max_kv_len_seen = max(self._stats.max_kv_len_seen, int(hb.seq_lens.max()))
         if hb.pending_rows.any():
             if prev is None:
@@ -269,37 +267,36 @@ class LLMEngine:
             for i in np.flatnonzero(hb.pending_rows):
                 hb.pending_src[i] = row_of[id(batch.seqs[i])]
         self._stats.num_steps += 1
-        prev_handle = None if prev is None else prev.handle[0]
-        if key.bitmask:
-            return (self.runner.execute(hb, prev_handle, "forward") if split else None), hb
-        return self.runner.execute(hb, prev_handle), hb
+        launched.hb = hb
+        launched.forward = self.runner.forward(hb, None if prev is None else prev.sampled[0])
+        if hb.shape.prompt:
+            launched.prompt = self.runner.prompt_logprobs(launched.forward, hb)
+        if not self._constrained(launched):
+            launched.sampled = self.runner.sample(launched.forward, hb)
+
+    def _constrained(self, launched: Launched) -> bool:
+        """Whether a sampled row of the step has a grammar or token rules (a bitmask to fill)."""
+        return any(
+            d and s.matcher is not None or d and s.rules is not None
+            for s, d in zip(launched.batch.seqs, launched.batch.do_sample)
+        )
 
     def _sample(self, done: Launched) -> None:
-        """`StepLoop`'s sample: a constrained step's masks (`StructuredOutputManager.fill` after the
-        step read back; rows finished since: none, tokens discarded), then its sampling."""
-        (handle, hb), batch = done.handle, done.batch
-        if hb.key.bitmask:
-            self.structured.fill(
-                hb.bitmask,
-                [
-                    (i, s)
-                    for i, s in enumerate(batch.seqs)
-                    if hb.sample_rows[i] and not s.is_finished
-                ],
-            )
-            done.handle = (
-                (
-                    self.runner.execute(hb)
-                    if handle is None
-                    else self.runner.execute_sample(handle, hb)
-                ),
-                hb,
-            )
+        """`StepLoop`'s sample: a constrained step's masks (`StructuredOutputManager.fill` after
+        the step before it read back; rows finished since: none, tokens discarded), then its
+        sampler."""
+        if done.sampled is None:
+            hb, batch = done.hb, done.batch
+            rows = [
+                (i, s) for i, s in enumerate(batch.seqs) if hb.sample_rows[i] and not s.is_finished
+            ]
+            self.structured.fill(hb.bitmask, rows)
+            done.sampled = self.runner.sample(done.forward, hb)
 
     def _complete(self, done: Launched, host_times: tuple[float, float]) -> list[Sequence]:
         """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
-        (handle, hb), batch = done.handle, done.batch
-        tokens, lps = self.runner.read(handle)
+        hb, batch = done.hb, done.batch
+        tokens, lps = self.runner.read(done.sampled, done.prompt)
         sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
         for s, tok in zip(batch.seqs, sampled):  # a row finished earlier: its token discarded
             if tok is not None and s.matcher is not None and not s.is_finished:
@@ -318,23 +315,25 @@ class LLMEngine:
         self._touched += [s.parent_id for s in batch.seqs]
         return finished
 
-    def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[ShapeKey]:
-        """`ShapeKey`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""
+    def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[StepShape]:
+        """`StepShape`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""
         requests = [self.check_request(ids, sp) for ids, sp in requests]
-        sched = self._scheduler(
-            self.block_manager.copy_free(), self.eos_token_ids
-        )  # the prefix cache as now
+        sched = self._scheduler(self.block_manager.copy_free(), self.eos_token_ids)
         steps = dry_run(
-            sched,
-            requests,
-            buckets=self.runner.buckets,
-            async_scheduling=self.async_scheduling,
-            mask_words=self.structured.words,
+            sched, requests, buckets=self.runner.buckets, async_scheduling=self.async_scheduling
         )
-        return list(dict.fromkeys(hb.key for _, hb in steps))
+        return list(dict.fromkeys(hb.shape for _, hb in steps))
 
-    def precompile(self, shape_keys, *, max_workers: int | None = None) -> dict:
-        """`ModelRunner.precompile`, split as `_launch` runs: {"shapes", "lower_s", ...}."""
-        return self.runner.precompile(
-            shape_keys, max_workers=max_workers, split=self.async_scheduling
-        )
+    def precompile(
+        self, shapes: list[StepShape] | None = None, *, max_workers: int | None = None
+    ) -> dict:
+        """`ModelRunner.precompile` of ``shapes``' forwards, samplers and prompt scorers (None:
+        the whole planned set, `BucketSpec.planned`): {"shapes", "lower_s", ...}."""
+        planned = None
+        if shapes is not None:
+            planned = dict(
+                forward=[s.forward for s in shapes],
+                sampler=[s.sampler for s in shapes],
+                prompt=[(s.forward.tokens, s.prompt) for s in shapes if s.prompt],
+            )
+        return self.runner.precompile(planned, max_workers=max_workers)

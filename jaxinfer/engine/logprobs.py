@@ -10,9 +10,10 @@ def _record(tok: int, a: dict, i: int, k: int, pre: str = "") -> dict[int, tuple
 
 
 def record(out: dict | None, hb, seqs, before: list[int] | None) -> None:
-    """Append records from ``out`` (`runner.step.packed_step`'s dict; None: none) to ``seqs`` (the
-    step's rows): row i's sampled token, if its output grew past ``before[i]``, to ``logprobs`` and
-    ``cumulative_logprob``; ``hb``'s scored prompt positions to ``prompt_logprobs`` (first None)."""
+    """Append records from ``out`` (the sampler's and prompt scorer's arrays,
+    `jaxinfer.runner.step`; None: none) to ``seqs`` (the step's rows): row i's sampled token,
+    if its output grew past ``before[i]``, to ``logprobs`` and ``cumulative_logprob``; ``hb``'s
+    scored prompt positions to ``prompt_logprobs`` (first None)."""
     for s in (s for s in seqs if s.prompt_logprobs == []):
         s.prompt_logprobs.append(None)
     if out is None:

@@ -13,17 +13,24 @@ from jaxinfer.stats import EngineStats
 
 @dataclass
 class Launched:
-    """A launched step; ``sync``: read it back before the next schedule."""
+    """A launched step: its ``batch``, padded inputs ``hb`` (`HostBatch`), the runner's
+    ``forward`` (its dispatched forward), ``sampled`` (the sampler's handle; None until
+    dispatched: a constrained step samples once the grammars have advanced) and ``prompt``
+    (the prompt scorer's arrays, or None); ``sync``: read it back before the next schedule."""
 
     batch: ScheduledBatch
-    handle: Any
-    sync: bool
+    hb: Any = None
+    forward: Any = None
+    sampled: Any = None
+    prompt: Any = None
+    sync: bool = False
 
 
 class StepLoop:
-    """Drives ``scheduler``. ``launch(batch, previous Launched | None) -> handle`` dispatches;
-    ``complete(Launched, (schedule_s, launch_s)) -> finished`` reads back and postprocesses;
-    ``sample(Launched)`` (None: none) ends a launch once the previous step is completed."""
+    """Drives ``scheduler``. ``launch(Launched, previous Launched | None)`` dispatches (fills
+    the record's handles); ``complete(Launched, (schedule_s, launch_s)) -> finished`` reads
+    back and postprocesses; ``sample(Launched)`` (None: none) ends a launch once the previous
+    step is completed."""
 
     def __init__(
         self,
@@ -60,13 +67,10 @@ class StepLoop:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
-        launched = (
-            None
-            if batch is None
-            else Launched(
-                batch, self.launch(batch, prev), any(s.params.needs_history for s in batch.seqs)
-            )
-        )
+        launched = None
+        if batch is not None:  # a penalty reads the history: the next step waits for this one
+            launched = Launched(batch, sync=any(s.params.needs_history for s in batch.seqs))
+            self.launch(launched, prev)
         times = (t1 - t0, time.perf_counter() - t1)
         if prev is not None:
             self.stats.num_overlapped_steps += launched is not None

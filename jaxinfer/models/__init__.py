@@ -8,12 +8,12 @@ from checkpoints_tools.mapping import tree_mismatches
 from jaxinfer.config.weights import fused_parts
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import KVCache
-from jaxinfer.models.layers import Packing
+from jaxinfer.models.layers import Ragged
 from jaxinfer.models.llama import LlamaForCausalLM
 from jaxinfer.models.quantize import is_quantized, quantize_params
 
 __all__ = [
-    "Packing",
+    "Ragged",
     "fused_parts",
     "forward",
     "compute_logits",
@@ -41,13 +41,13 @@ def forward(
     kv: KVCache,
     *,
     kernels: ModelKernels = ModelKernels(),
-    packing: Packing | None = None,
+    ragged: Ragged | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One step over the paged cache: tokens, positions, slot_mapping i32[B, T]; ``kv``:
-    block_tables i32[R, M], seq_lens i32[R] after this write (R = B unless ``packing``: tokens [1,
-    Tp], R chunks) -> (hidden [B, T, D], new cache)."""
+    block_tables i32[R, M], seq_lens i32[R] after this write (R = B unless ``ragged``: tokens [1,
+    T] in R ragged rows) -> (hidden [B, T, D], new cache)."""
     model = _model(cfg, kernels, params["embed"].dtype, "fp8" if is_quantized(params) else None)
-    return model.apply({"params": params}, tokens, positions, slot_mapping, kv, packing)
+    return model.apply({"params": params}, tokens, positions, slot_mapping, kv, ragged)
 
 
 def compute_logits(params: dict, cfg, hidden: jax.Array) -> jax.Array:

@@ -9,15 +9,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import reference, registry
+from pallas_kernels.paged_attention import ragged, reference, registry
 
 
 @dataclass(frozen=True)
 class ModelKernels:
-    """mesh: None, or the 1-D "tp" mesh of tensor parallelism (`runner.parallel.make_mesh`)."""
+    """attention: B rows of T tokens (`reference.paged_attention`'s contract); ragged: ragged rows
+    (`reference.ragged_paged_attention`'s); mesh: None, or the 1-D "tp" mesh of tensor
+    parallelism (`runner.parallel.make_mesh`)."""
 
     attention: Callable = reference.paged_attention
     mesh: Any = None
+    ragged: Callable = functools.partial(ragged.ragged_paged_attention, block_q=16)
 
     tp = property(
         lambda self: 1 if self.mesh is None else self.mesh.size,
@@ -43,6 +46,75 @@ def prefill_step(
     return kernel(
         q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer=layer, scale=scale, **scales
     )
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "scale", "block_q"))
+def ragged_step(
+    q,
+    k_pool,
+    v_pool,
+    block_tables,
+    seq_lens,
+    query_start_loc,
+    layer,
+    scales,
+    *,
+    kernel,
+    scale,
+    block_q,
+):
+    """q [T, N, H], layer i32[], scales as `decode_step` -> [T, N, H] (`ragged`'s tiles)."""
+    return ragged.ragged_paged_attention(
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        layer=layer,
+        scale=scale,
+        attention=kernel,
+        block_q=block_q,
+        **scales,
+    )
+
+
+@dataclass(frozen=True)
+class RaggedAttention:
+    """Ragged rows through `ragged.ragged_paged_attention`'s tiles of ``block_q`` tokens, each
+    tile attended by prefill variant ``prefill``, jitted with ``layer`` as i32[]."""
+
+    prefill: str = "reference"
+    block_q: int = 16
+
+    def __call__(
+        self,
+        q,
+        k_pool,
+        v_pool,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        *,
+        layer,
+        scale,
+        k_scale=None,
+        v_scale=None,
+    ):
+        scales = {} if k_scale is None else {"k_scale": k_scale, "v_scale": v_scale}
+        return ragged_step(
+            q,
+            k_pool,
+            v_pool,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            jnp.asarray(layer, jnp.int32),
+            scales,
+            kernel=registry.get_prefill(self.prefill),
+            scale=float(scale),
+            block_q=self.block_q,
+        )
 
 
 @dataclass(frozen=True)
@@ -127,4 +199,4 @@ def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKerne
     attention = reference.paged_attention
     if (decode, prefill) != ("reference", "reference"):
         attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
-    return ModelKernels(attention, mesh)
+    return ModelKernels(attention, mesh, RaggedAttention(prefill))

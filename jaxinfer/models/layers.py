@@ -5,7 +5,6 @@ statistics, RoPE and attention softmax in f32; weights ``[in, out]``. Sources: H
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -16,7 +15,6 @@ import numpy as np
 from jaxinfer.config.weights import INIT_STD, LEAVES, scale_shape, shape_of
 from jaxinfer.models.kv_cache import page_dtype
 from jaxinfer.models.quantize import FP8, expand_scale
-from jaxinfer.step_input import names
 from pallas_kernels.kv_quant import quantize
 
 INITS = {"normal": nn.initializers.normal(stddev=INIT_STD), "ones": nn.initializers.ones}
@@ -92,16 +90,18 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
     return jnp.cos(angles), jnp.sin(angles)
 
 
-Packing = NamedTuple("Packing", [(n, jax.Array) for n in names("packing")[1]])
-Packing.__doc__ = """A packed prefill batch: tokens [1, Tp], sequence after sequence, padding at the
-    end. q_index i32[R, Tq]: packed index of KV row r's j-th query; q_positions i32[R, Tq]: its
-    position; out_index i32[Tp]: ``r * Tq + j`` per packed token ("packing" in
-    `jaxinfer.step_input.FIELDS`). Source: vLLM's ``query_start_loc``."""
+class Ragged(NamedTuple):
+    """Ragged rows over tokens [1, T]: row r's queries are tokens ``[query_start_loc[r],
+    query_start_loc[r + 1])`` (i32[R + 1]; `pallas_kernels.paged_attention.ragged`). Source:
+    vLLM's ``query_start_loc``."""
+
+    query_start_loc: jax.Array
 
 
 class StepContext(NamedTuple):
     """Per-step metadata: positions, slot_mapping i32[B, T], block_tables i32[R, M], seq_lens
-    i32[R], cos/sin f32[B, T, H/2], packing (None: R = B); k_scale ... v_mean: `KVCache.scales`."""
+    i32[R], cos/sin f32[B, T, H/2], ragged (None: R = B rows of T tokens; else tokens [1, T] in
+    R ragged rows); k_scale ... v_mean: `KVCache.scales`."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -109,7 +109,7 @@ class StepContext(NamedTuple):
     seq_lens: jax.Array
     cos: jax.Array
     sin: jax.Array
-    packing: Packing | None = None
+    ragged: Ragged | None = None
     k_scale: jax.Array | None = None
     v_scale: jax.Array | None = None
     k_mean: jax.Array | None = None
@@ -117,32 +117,43 @@ class StepContext(NamedTuple):
 
 
 def attend(
-    attn: Callable,
+    kernels,
     q: jax.Array,
     k_pool: jax.Array,
     v_pool: jax.Array,
     ctx: StepContext,
     *,
-    layer: int,
+    layer,
     scale: float,
 ) -> jax.Array:
-    """``attn`` on q [B, T, N, H] -> [B, T, N, H]; packs rows."""
-    pk = ctx.packing  # packed: rows q[0][q_index] [R, Tq, N, H], output back to [1, Tp, N, H]
-    rows, pos = (q, ctx.positions) if pk is None else (q[0][pk.q_index], pk.q_positions)
+    """Attention of q [B, T, N, H] -> [B, T, N, H]: ``kernels.attention`` on B rows of T tokens
+    (``ctx.ragged`` None), else ``kernels.ragged`` on the ragged rows of q [1, T, N, H]."""
     k_pool, v_pool = (p.view(page_dtype(p.dtype)) for p in (k_pool, v_pool))  # `stored_dtype`
-    o = attn(
-        rows,
+    scales = dict(k_scale=ctx.k_scale, v_scale=ctx.v_scale)
+    if ctx.ragged is None:
+        return kernels.attention(
+            q,
+            k_pool,
+            v_pool,
+            ctx.block_tables,
+            ctx.seq_lens,
+            ctx.positions,
+            layer=layer,
+            scale=scale,
+            **scales,
+        )
+    o = kernels.ragged(
+        q[0],
         k_pool,
         v_pool,
         ctx.block_tables,
         ctx.seq_lens,
-        pos,
+        ctx.ragged.query_start_loc,
         layer=layer,
         scale=scale,
-        k_scale=ctx.k_scale,
-        v_scale=ctx.v_scale,
+        **scales,
     )
-    return o if pk is None else o.reshape(-1, *q.shape[2:])[pk.out_index][None]
+    return o[None]
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -200,8 +211,9 @@ def write_kv(
 
 
 def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1) -> jax.Array:
-    """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D]; ``w_gate_up``
-    [D, 2F] ([gate | up] in each of ``shards`` column groups, `engine_layout`), ``w_down`` [F, D]."""
+    """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D];
+    ``w_gate_up`` [D, 2F] ([gate | up] in each of ``shards`` column groups, `engine_layout`),
+    ``w_down`` [F, D]."""
     with jax.named_scope("mlp"):
         gu = dense(x, w_gate_up)  # [B, T, 2F]
         gu = gu.reshape(*gu.shape[:-1], shards, 2, -1)  # [B, T, shards, 2, F/s]

@@ -16,7 +16,7 @@ from jaxinfer.config.weights import LAYER, MODEL
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import AXIS, KV_POOL_SPEC, KVCache
 from jaxinfer.models.layers import (
-    Packing,
+    Ragged,
     StepContext,
     add_rms_norm,
     attend,
@@ -71,10 +71,13 @@ def attention_heads(
                 qk[:, :, N:].reshape(B * T, K, H),
                 v,
                 ctx.slot_mapping.reshape(-1),
-                *ctx[7:],
+                ctx.k_scale,
+                ctx.v_scale,
+                ctx.k_mean,
+                ctx.v_mean,
             )  # scales, means
     with jax.named_scope("attention"):
-        o = attend(kernels.attention, qk[:, :, :N], k_pool, v_pool, ctx, layer=layer, scale=H**-0.5)
+        o = attend(kernels, qk[:, :, :N], k_pool, v_pool, ctx, layer=layer, scale=H**-0.5)
     if ctx.v_mean is not None:  # pages hold v - v_mean; the probabilities sum to 1
         o = o + jnp.repeat(ctx.v_mean[layer], N // K, axis=0).astype(o.dtype)
     return o, k_pool, v_pool
@@ -206,7 +209,7 @@ class Layers(_Module):
 
 class LlamaForCausalLM(_Module):
     """Trunk: embed -> `Layers` -> final norm: ``(tokens, positions, slot_mapping i32[B, T], kv,
-    packing) -> (hidden [B, T, D] in the params' dtype, kv with the pools written)``."""
+    ragged) -> (hidden [B, T, D] in the params' dtype, kv with the pools written)``."""
 
     @nn.compact
     def __call__(
@@ -215,7 +218,7 @@ class LlamaForCausalLM(_Module):
         positions: jax.Array,
         slot_mapping: jax.Array,
         kv: KVCache,
-        packing: Packing | None = None,
+        ragged: Ragged | None = None,
     ) -> tuple[jax.Array, KVCache]:
         cfg, w = self.cfg, {name: declare(self, name) for name in MODEL}
         x = jnp.take(w["embed"], tokens, axis=0)  # [B, T, D], compute dtype
@@ -228,7 +231,7 @@ class LlamaForCausalLM(_Module):
             kv.seq_lens,
             cos,
             sin,
-            packing,
+            ragged,
             *kv.scales(),
         )
         layers = Layers(cfg, self.kernels, self.param_dtype, self.quantization, name="layers")

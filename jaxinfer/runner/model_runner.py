@@ -18,9 +18,9 @@ from jaxinfer.models.kernels import model_kernels
 from jaxinfer.models.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache, stored_dtype
 from jaxinfer.models.quantize import quantize_params
 from jaxinfer.runner import parallel
-from jaxinfer.runner.step import StepExecutor, enable_compilation_cache
+from jaxinfer.runner.executor import Forwarded, StepExecutor, enable_compilation_cache
 from jaxinfer.stats import EngineStats
-from jaxinfer.step_input import BucketSpec, HostBatch, ShapeKey
+from jaxinfer.step_input import BucketSpec, HostBatch
 
 
 def kv_means(params, cfg, ids: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -77,6 +77,7 @@ class ModelRunner:
             max_num_batched_tokens=ec.max_num_batched_tokens,
             max_model_len=resolved.max_model_len,
             page_size=ec.page_size,
+            vocab_size=model_config.vocab_size,
             batch_buckets=kc.batch_buckets,
             token_buckets=kc.token_buckets,
         )
@@ -84,9 +85,9 @@ class ModelRunner:
             self.run_config,
             model_kernels(kc, mesh=self.mesh),
             kc,
-            self.buckets.batch[-1],
+            self.buckets.sizes,
+            ec.max_logprobs,
             self.stats,
-            ec.compile_in_background,
         )
         self.weight_bytes = device_bytes(
             model_config, tp, resolved.dtype_bytes, resolved.quantization
@@ -121,24 +122,21 @@ class ModelRunner:
         )
         self.kv = self.kv.replace(**{k: jnp.asarray(m) for k, m in self.kv_means.items()})
 
-    def runnable(self, key: ShapeKey, split: bool = False) -> ShapeKey:
-        """`StepExecutor.runnable`: the shape a batch of shape ``key`` runs under (``split``)."""
-        return self.executor.runnable(key, self.params, self.kv, split)
+    def forward(self, hb: HostBatch, prev=None) -> Forwarded:
+        """Dispatch ``hb``'s forward, no wait; ``prev``: the sampled tokens of the step in flight
+        (they feed ``hb.pending_rows``). The KV pool is replaced by the step's."""
+        fwd, self.kv = self.executor.forward(self.params, self.kv, hb, prev)
+        return fwd
 
-    def execute(self, hb: HostBatch, prev=None, phase: str = "step"):
-        """Dispatch the step of ``hb``, no wait; ``prev``: the handle of the step in flight (its
-        tokens feed ``hb.pending_rows``). Returns the handle `read` takes; ``phase`` "forward":
-        its first half (`runner.step.forward`), the handle `execute_sample` takes."""
-        out, self.kv = self.executor.run(
-            self.params, self.kv, hb, None if prev is None else prev[0], phase
-        )
-        return out if phase == "forward" else self._handle(out)
+    def sample(self, fwd: Forwarded, hb: HostBatch):
+        """Dispatch ``hb``'s sampler on ``fwd`` (its sampling fields, bitmask included, read
+        now), no wait: (tokens i32[max_rows], log-probability arrays or None), as `read` takes;
+        the tokens feed the next step's ``prev``."""
+        return self._handle(self.executor.sample(fwd, hb))
 
-    def execute_sample(self, handle, hb: HostBatch):
-        """`execute`'s second half on ``handle`` (its "forward" of the same ``hb``, its
-        sampling fields, bitmask included, read now), no wait: the handle `read` takes."""
-        out, prompt = self.executor.run(handle[0], None, hb, None, "sample"), handle[1]
-        return self._handle({**out, **prompt} if prompt else out)
+    def prompt_logprobs(self, fwd: Forwarded, hb: HostBatch) -> dict:
+        """Dispatch ``hb``'s prompt scorer on ``fwd``, no wait: arrays copied back as they end."""
+        return self._handle(dict(tokens=None, **self.executor.prompt(self.params, fwd, hb)))[1]
 
     @staticmethod
     def _handle(out):
@@ -150,9 +148,11 @@ class ModelRunner:
         return tokens, out
 
     @staticmethod
-    def read(handle) -> tuple[np.ndarray, dict | None]:
-        """Block on a step: (i32[Bmax] tokens, its log-probability arrays as numpy, or None)."""
+    def read(handle, prompt: dict | None = None) -> tuple[np.ndarray, dict | None]:
+        """Block on a step: (i32[max_rows] tokens, its log-probability arrays, ``prompt``'s
+        included, as numpy, or None)."""
         tokens, lps = handle
+        lps = {**(lps or {}), **(prompt or {})} or None
         return (
             np.asarray(parallel.local(tokens)),
             None if lps is None else {k: np.asarray(a) for k, a in lps.items()},
@@ -258,11 +258,10 @@ class ModelRunner:
                 f"(output_token_ids i32[R], logits f32[V]) -> f32[V] fn; {error}"
             )
 
-    def precompile(
-        self, shape_keys: list[ShapeKey], *, max_workers: int | None = None, split: bool = False
-    ) -> dict:
-        """`StepExecutor.precompile`: {"shapes", "lower_s", "warm_s", "seconds"}."""
+    def precompile(self, planned: dict | None = None, *, max_workers: int | None = None) -> dict:
+        """`StepExecutor.precompile` of ``planned`` (default: `BucketSpec.planned`, every shape a
+        step can take): {"shapes", "lower_s", "warm_s", "seconds"}."""
         info, self.kv = self.executor.precompile(
-            self.params, self.kv, shape_keys, split=split, max_workers=max_workers
+            self.params, self.kv, planned or self.buckets.planned(), max_workers=max_workers
         )
         return info

@@ -31,16 +31,17 @@ def pytree_dataclass(module: str, name: str, required, optional, doc: str) -> ty
 SamplingMetadata = pytree_dataclass(
     __name__,
     "SamplingMetadata",
-    *names("sampling"),
+    names("sampling", "greedy"),
+    [n for n in names("sampling") if n not in names("sampling", "greedy")],
     doc="""
-    Per-row parameters ("sampling" in `jaxinfer.step_input.FIELDS`): temperature f32[B]; top_k i32[B]
-    (<= 0: off); top_p f32[B] (>= 1: off); min_p f32[B] (0: off); repetition_penalty f32[B] (1:
-    off); seeds u32[B] or i32[B] (u32 bits); step_idx i32[B]; penalty_tokens i32[B, R] (ids
-    outside [0, V) ignored); optional (None: off): prompt_lens i32[B] (the first prompt_lens
-    entries of penalty_tokens are the prompt, the rest the output), presence_penalty,
-    frequency_penalty f32[B]; bias_ids i32[B, E] (outside [0, V): ignored), bias_values f32[B, E]
-    added to the logits (-inf: masked); bitmask i32[B, W] (`apply_token_bitmask`, in `step`);
-    processor_rows i32[B, J] (`apply_logits_processors`).""",
+    Per-row parameters ("sampling" in `jaxinfer.step_input.FIELDS`): temperature f32[B];
+    top_k i32[B] (<= 0: off); top_p f32[B] (>= 1: off); min_p f32[B] (0: off); seeds u32[B] or
+    i32[B] (u32 bits); step_idx i32[B]; optional (None: off; present at level "full"):
+    repetition_penalty f32[B] (1: off); penalty_tokens i32[B, R] (ids outside [0, V) ignored);
+    prompt_lens i32[B] (the first prompt_lens entries of penalty_tokens are the prompt, the rest
+    the output), presence_penalty, frequency_penalty f32[B]; bias_ids i32[B, E] (outside [0,
+    V): ignored), bias_values f32[B, E] added to the logits (-inf: masked); bitmask i32[B, W]
+    (`apply_token_bitmask`); processor_rows i32[B, J] (`apply_logits_processors`).""",
 )
 
 
@@ -79,24 +80,33 @@ def apply_repetition_penalty(
     return jnp.where(present, jnp.where(logits > 0, logits / p, logits * p), logits)
 
 
+def _history_penalties(x: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """Repetition penalty, then (``prompt_lens``) ``- frequency x count - presence x [count >
+    0]`` over the outputs in ``penalty_tokens``."""
+    v, toks = x.shape[1], meta.penalty_tokens
+    x = apply_repetition_penalty(x, toks, meta.repetition_penalty)
+    if meta.prompt_lens is None or not toks.shape[1]:
+        return x
+    out = jnp.arange(toks.shape[1])[None, :] >= meta.prompt_lens[:, None]
+    counts = _scatter(toks, v, out, jnp.zeros_like(x))
+    return (
+        x - meta.frequency_penalty[:, None] * counts - meta.presence_penalty[:, None] * (counts > 0)
+    )
+
+
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """f32[B, V]: ``bias_values`` at ``bias_ids``, repetition penalty, then (``prompt_lens``) ``-
-    frequency x count - presence x [count > 0]`` over outputs. Source: vLLM
-    ``LogitBiasLogitsProcessor``, ``MinTokensLogitsProcessor``, ``ops/penalties.py``."""
+    """f32[B, V]: ``bias_values`` at ``bias_ids``, then `_history_penalties` when some row has
+    one (None fields: off). Source: vLLM ``LogitBiasLogitsProcessor``,
+    ``MinTokensLogitsProcessor``, ``ops/penalties.py``."""
     x, v = logits.astype(jnp.float32), logits.shape[1]
     if meta.bias_ids is not None:
         x = _scatter(meta.bias_ids, v, meta.bias_values, x)
-    x = apply_repetition_penalty(x, meta.penalty_tokens, meta.repetition_penalty)
-    toks = meta.penalty_tokens
-    if meta.prompt_lens is not None and toks.shape[1]:
-        out = jnp.arange(toks.shape[1])[None, :] >= meta.prompt_lens[:, None]
-        counts = _scatter(toks, v, out, jnp.zeros_like(x))
-        x = (
-            x
-            - meta.frequency_penalty[:, None] * counts
-            - meta.presence_penalty[:, None] * (counts > 0)
-        )
-    return x
+    if meta.penalty_tokens is None:
+        return x
+    on = jnp.any(meta.repetition_penalty != 1.0)
+    if meta.prompt_lens is not None:
+        on |= jnp.any(meta.presence_penalty != 0.0) | jnp.any(meta.frequency_penalty != 0.0)
+    return jax.lax.cond(on, lambda: _history_penalties(x, meta), lambda: x)
 
 
 def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
@@ -110,8 +120,9 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 def apply_logits_processors(logits: jax.Array, meta: SamplingMetadata, processors) -> jax.Array:
     """f32[B, V]: processor j of ``processors`` (static) in turn on the rows whose
     ``processor_rows`` column j is 1, vLLM V0's per-request ``fn(output_token_ids, logits) ->
-    logits`` vmapped over rows: the row's output ids as i32[R] then -1s (R static, a
-    `ShapeKey.penalty` bucket; the count is ``sum(ids >= 0)``), its f32[V] logits; as vLLM's,
+    logits`` vmapped over rows: the row's output ids as i32[R] then -1s (R static, the history
+    length Lh of `jaxinfer.step_input`; the count is ``sum(ids >= 0)``), its f32[V] logits; as
+    vLLM's,
     before the bitmask, penalties and sampling (whose logprobs see the processed logits)."""
     if not processors:
         return logits

@@ -31,7 +31,7 @@ def build_parser():
         help="seconds running requests get to finish on SIGINT/SIGTERM",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.set_defaults(compile_in_background=None)  # on a GPU: no new shape stalls running requests
+    p.set_defaults(precompile=None)  # on a GPU: no request waits for a compile
     return p
 
 

@@ -70,6 +70,16 @@ def engine_stats(engine) -> dict[str, float]:
     }
 
 
+def _add_request_id(raw: bytes) -> str | None:
+    """The request id of a malformed `Add` (to reject it by name), or None: another message."""
+    try:
+        fields = msgspec.msgpack.decode(raw)
+    except msgspec.MsgspecError:
+        return None
+    ok = isinstance(fields, list) and len(fields) > 1 and fields[0] == "Add"
+    return fields[1] if ok and isinstance(fields[1], str) else None
+
+
 class EngineCore:
     """The step loop over ``engine`` (an `LLMEngine`, through its door) between the sockets at
     ``addr`` (``ipc://DIR``): commands are taken between steps, each step's news leaves at once."""
@@ -96,8 +106,11 @@ class EngineCore:
             while self.inp.poll(0):
                 try:
                     cmd = self.decode(raw := self.inp.recv())
-                except msgspec.ValidationError as e:  # an Add our types refuse: rejected, not fatal
-                    msg.rejected[msgspec.msgpack.decode(raw)[1]] = f"the request is invalid: {e}"
+                except msgspec.MsgspecError as e:  # a message our types refuse: never fatal
+                    if (rid := _add_request_id(raw)) is not None:
+                        msg.rejected[rid] = f"the request is invalid: {e}"
+                    else:
+                        print(f"jaxinfer-serve: malformed message dropped: {e}", file=sys.stderr)
                     continue
                 if isinstance(cmd, Stop):
                     return
@@ -148,14 +161,15 @@ def run_core(factory, addr: str, conn) -> None:
         signal.signal(sig, signal.SIG_IGN)
     say = functools.partial(print, "jaxinfer-serve:", file=sys.stderr, flush=True)
     try:
-        llm, t = factory(), time.perf_counter()
-        if llm.engine.resolved.engine.compile_in_background:  # then no request waits for one
+        t = time.perf_counter()
+        llm = factory()
+        if llm.engine.resolved.engine.precompile:
+            stats = llm.engine.stats()
             say(
-                f"compiling {len(keys := llm.engine.runner.buckets.covering_keys())} step shapes "
-                "before /health answers (a restart loads them from the compilation cache)"
+                f"compiled or loaded {len(stats.forward_shapes)} forward and "
+                f"{len(stats.sampler_shapes)} sampler shapes; ready in "
+                f"{time.perf_counter() - t:.0f} s (a restart loads them from the compilation cache)"
             )
-            llm.engine.precompile(keys)
-            say(f"compiled in {time.perf_counter() - t:.0f} s")
         core = EngineCore(llm.engine, addr)
     except (ValueError, FileNotFoundError) as e:
         conn.send(("error", str(e)))

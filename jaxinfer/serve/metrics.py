@@ -36,11 +36,7 @@ class ServerMetrics:
             ("kv_pages_in_use", "KV pool pages not free", "kv_pages_in_use"),
             ("kv_pages_total", "usable KV pool pages", "kv_pages_total"),
             ("compiled_step_shapes", "step shapes compiled so far", "num_compiles"),
-            (
-                "covered_steps",
-                "steps run padded to a compiled shape while theirs compiled",
-                "num_covered_steps",
-            ),
+            ("lazy_compiles", "programs compiled in a step (after start-up)", "num_lazy_compiles"),
             ("prefix_cache_hit_rate", "prefix cache hit rate (tokens)", "prefix_cache_hit_rate"),
         ):
             Gauge(p + name, doc, registry=r).set_function(

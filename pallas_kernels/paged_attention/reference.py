@@ -121,3 +121,43 @@ def paged_decode_attention(
         k_scale=k_scale,
         v_scale=v_scale,
     )[:, 0]
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    layer=0,
+    scale: float,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> jax.Array:
+    """Ragged rows, token by token (the oracle of `ragged.ragged_paged_attention`; memory T x S):
+    q [T, N, H]; row r's queries are tokens ``[query_start_loc[r], query_start_loc[r + 1])``
+    (i32[R + 1], non-decreasing), the last ``q_len`` positions of its ``seq_lens[r]`` keys, so
+    token i of the row sits at ``seq_lens[r] - q_len + i`` and sees keys up to it; tokens past
+    ``query_start_loc[R]`` are padding (zeros). Pools, tables, scales as `paged_attention`.
+    Source: FlashAttention's varlen ``cu_seqlens``; vLLM's ``query_start_loc``."""
+    T = q.shape[0]
+    t = jnp.arange(T, dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right") - 1, 0, seq_lens.shape[0] - 1)
+    starts, ends = query_start_loc[row], query_start_loc[row + 1]
+    real = (t >= starts) & (t < ends)
+    pos = jnp.where(real, seq_lens[row] - (ends - starts) + (t - starts), -1)
+    out = paged_attention(
+        q[:, None],
+        k_pool,
+        v_pool,
+        block_tables[row],
+        jnp.where(real, seq_lens[row], 0),
+        pos[:, None],
+        layer=layer,
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+    )[:, 0]
+    return jnp.where(real[:, None, None], out, 0).astype(q.dtype)

@@ -1,9 +1,11 @@
-"""Shape buckets (host side): bucket lookup and the default decode batch buckets."""
+"""Shape buckets (host side): bucket lookup, the default row and token buckets, the planned
+set of step programs."""
 
 import pytest
 
-from jaxinfer.step_input import bucket, powers_of_two
+from jaxinfer.step_input import BucketSpec, Sizes, bucket, powers_of_two
 from jaxinfer.step_input import default_batch_buckets as batch_buckets
+from jaxinfer.step_input import default_token_buckets as token_buckets
 
 
 def test_bucket_is_the_smallest_that_fits():
@@ -22,34 +24,36 @@ def test_default_batch_buckets(max_num_seqs):
     assert small == [b for b in (1, 2, 4, 8, 16, 32, 64) if b <= max_num_seqs] + (
         [max_num_seqs] if max_num_seqs < 64 and max_num_seqs & (max_num_seqs - 1) else []
     )
-    # above 64, a padded batch wastes less than one step: max(16, max_num_seqs // 16) rows
-    step = max(16, max_num_seqs // 16)
+    # above 64, a padded batch wastes at most a third of its rows
     for n in range(65, max_num_seqs + 1):
-        assert bucket(n, bs) - n < step
+        assert bucket(n, bs) - n <= bucket(n, bs) // 3
 
 
-def test_256_seqs_pad_to_multiples_of_16_above_64():
-    assert batch_buckets(256) == (
-        1,
-        2,
-        4,
-        8,
-        16,
-        32,
-        64,
-        80,
-        96,
-        112,
-        128,
-        144,
-        160,
-        176,
-        192,
-        208,
-        224,
-        240,
-        256,
+def test_256_seqs_and_8192_tokens_give_at_most_24_forward_shapes():
+    """The bench's configuration (256 rows, 8,192-token budget, 2,048 context): the whole
+    planned set of forwards is bounded (issue 44 item 6), each sampler row count has every
+    level, and nothing depends on a sampling feature."""
+    spec = BucketSpec.build(
+        max_num_seqs=256,
+        max_num_batched_tokens=8192,
+        max_model_len=2048,
+        page_size=16,
+        vocab_size=151936,
     )
+    assert spec.batch == (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256)
+    assert spec.tokens == (32, 64, 128, 256, 512, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
+    planned = spec.planned()
+    assert len(planned["forward"]) == 23 <= 24
+    assert {k.decode for k in planned["forward"]} == {True, False}
+    rows = spec.sampler_rows()
+    assert len(planned["sampler"]) == 3 * len(rows) and rows[-1] == 256
+    assert spec.sizes == Sizes(pages=128, history=2048, mask_words=4748, max_rows=256)
+
+
+def test_default_token_buckets():
+    assert token_buckets(128) == (32, 64, 128)
+    assert token_buckets(10) == (32,)
+    assert token_buckets(2048) == (32, 64, 128, 256, 512, 1024, 1536, 2048)
 
 
 def test_default_batch_buckets_reject_a_non_positive_limit():
@@ -58,39 +62,20 @@ def test_default_batch_buckets_reject_a_non_positive_limit():
             batch_buckets(bad)
 
 
-def test_covers_needs_the_same_features_and_no_smaller_sizes():
-    from jaxinfer.step_input import ShapeKey, covers
-
-    b = ShapeKey(batch=4, tokens=64, pages=8, penalty=0, query=32, all_greedy=True)
-    assert covers(b, b)
-    assert covers(b._replace(batch=8, tokens=128, pages=16, query=64, all_greedy=False), b)
-    for bigger_but in (dict(batch=2), dict(tokens=32), dict(pages=4), dict(query=16)):
-        assert not covers(
-            b._replace(**dict(dict(batch=8, tokens=128, pages=16, query=64), **bigger_but)), b
-        )
-    assert not covers(b, b._replace(all_greedy=False))  # argmax only cannot sample
-    for feature in (dict(penalty=16), dict(logprobs=1), dict(bias=8), dict(bitmask=4)):
-        assert not covers(b._replace(**feature), b) and not covers(b, b._replace(**feature))
-    decode = ShapeKey(batch=4, tokens=1, pages=8, penalty=0, query=None, all_greedy=True)
-    assert not covers(b, decode) and not covers(decode._replace(batch=64), b)
-
-
-def test_covering_keys_cover_every_plain_step_a_workload_visits():
-    """Every sampling step without optional features that a dry run of a random workload visits
-    is covered by `BucketSpec.covering_keys` (a packed one unless its [B, Q] rows pass 8 Tp)."""
+def test_step_shapes_of_a_random_workload_are_planned():
+    """Every step a dry run of a random workload visits has a planned forward, and a planned
+    sampler (no processors, bias within the first bucket)."""
     import random
 
     from jaxinfer.engine.block_manager import BlockManager
     from jaxinfer.engine.dry_run import dry_run
     from jaxinfer.engine.scheduler import Scheduler
     from jaxinfer.sampling_params import SamplingParams
-    from jaxinfer.step_input import BucketSpec, covers
 
     rng = random.Random(0)
     spec = BucketSpec.build(
-        max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, page_size=16
+        max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256, page_size=16, vocab_size=99
     )
-    cover = spec.covering_keys()
     sched = Scheduler(
         BlockManager(200, 16),
         max_num_seqs=8,
@@ -98,16 +83,22 @@ def test_covering_keys_cover_every_plain_step_a_workload_visits():
         max_model_len=256,
         page_size=16,
     )
+    features = [{}, dict(logprobs=2), dict(presence_penalty=0.5), dict(min_tokens=3)]
     reqs = [
         (
-            [rng.randrange(1, 100) for _ in range(rng.randrange(1, 200))],
+            [rng.randrange(1, 99) for _ in range(rng.randrange(1, 200))],
             SamplingParams(
-                temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(1, 40), ignore_eos=True
+                temperature=rng.choice([0.0, 1.0]),
+                max_tokens=rng.randrange(4, 40),
+                ignore_eos=True,
+                **rng.choice(features),
             ),
         )
         for _ in range(60)
     ]
-    keys = {hb.key for _, hb in dry_run(sched, reqs, buckets=spec)}
-    assert len(keys) > 3 * len(cover)
-    capped = {k for k in keys if k.packed and k.batch * k.query > 8 * spec.packed_tokens[-1]}
-    assert all(any(covers(c, k) for c in cover) for k in keys - capped)
+    shapes = {hb.shape for _, hb in dry_run(sched, reqs, buckets=spec)}
+    planned = spec.planned()
+    assert {s.forward for s in shapes} <= set(planned["forward"])
+    assert {s.sampler for s in shapes} <= set(planned["sampler"])
+    assert {s.forward.decode for s in shapes} == {True, False}
+    assert {"sample", "full"} <= {s.sampler.level for s in shapes}

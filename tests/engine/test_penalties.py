@@ -19,7 +19,7 @@ from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.runner.sampling import SamplingMetadata, logprobs, sample
 from jaxinfer.sampling_params import SamplingParams
-from jaxinfer.step_input import BucketSpec, ShapeKey
+from jaxinfer.step_input import BucketSpec
 from tests.test_sampling import filtered_logits
 
 V, PAGE, EOS = 64, 4, 2
@@ -69,9 +69,9 @@ def _decode_batch(rows=ROWS, eos=(EOS,)):
         s.block_table = list(range(1 + 8 * i, 1 + 8 * i + -(-s.num_tokens // PAGE)))
         s.num_computed_tokens, s.num_pending_tokens = s.num_tokens - 1, 1  # as schedule() leaves
         seqs.append(s)
-    batch = ScheduledBatch(seqs, [1] * len(seqs), is_prefill=False)
+    batch = ScheduledBatch(seqs, [1] * len(seqs))
     buckets = BucketSpec.build(
-        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, page_size=PAGE
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=32, page_size=PAGE, vocab_size=V
     )
     return batch, build_host_batch(batch, page_size=PAGE, buckets=buckets, eos_token_ids=eos)
 
@@ -88,7 +88,7 @@ def _logits(b, seed=0):
 def test_builder_entries_and_key():
     batch, hb = _decode_batch()
     assert [len(s.output_token_ids) for s in batch.seqs][:5] == [4, 2, 4, 1, 3]
-    assert hb.key.penalty and hb.key.bias == 8 and hb.key.logprobs == 0
+    assert hb.shape.sampler.level == "full" and hb.shape.sampler.bias == 128
     entries = lambda i: {
         (int(t), float(v)) for t, v in zip(hb.bias_ids[i], hb.bias_values[i]) if t >= 0
     }
@@ -96,20 +96,30 @@ def test_builder_entries_and_key():
     assert entries(4) == {(0, 2.5)}  # 3 outputs: min_tokens reached
     assert entries(5) == {(EOS, -np.inf)}  # EOS masked even with ignore_eos (vLLM)
     assert entries(1) == set()
-    np.testing.assert_array_equal(hb.prompt_lens[:6], [3, 2, 3, 1, 1, 2])
+    # only rows whose penalties read the history carry it
+    np.testing.assert_array_equal(hb.prompt_lens[:6], [3, 0, 3, 0, 0, 0])
+    assert (hb.penalty_tokens[1] == -1).all() and list(hb.penalty_tokens[0, :7]) == [
+        5,
+        6,
+        7,
+        9,
+        9,
+        11,
+        5,
+    ]
     np.testing.assert_allclose(hb.presence_penalty[:3], [1.5, 0.0, -0.5])
     # a batch asking nothing pays nothing: no penalty history, no bias, no logprob outputs
     plain = [(pr, out, SamplingParams()) for pr, out, _ in ROWS]
-    key = _decode_batch(plain)[1].key
-    assert (key.penalty, key.bias, key.logprobs, key.prompt_logprobs) == (0, 0, 0, 0)
-    assert ShapeKey(*key[:6]) == key  # the defaults are the old keys
+    shape = _decode_batch(plain)[1].shape
+    assert shape.sampler.level == "sample" and shape.sampler.bias == 0 and not shape.prompt
+    assert "penalty_tokens" not in _decode_batch(plain)[1].arrays
 
 
 def test_processed_logits_match_numpy_vllm():
     """filtered_logits at temperature 1 with no filter is the processed logits minus their
     max; greedy `sample` is their argmax; each row equals the numpy reference."""
     batch, hb = _decode_batch()
-    meta, x = _meta(hb), _logits(hb.key.batch)
+    meta, x = _meta(hb), _logits(hb.rows)
     got = np.asarray(jax.jit(filtered_logits)(jnp.asarray(x), meta))
     greedy = np.asarray(
         jax.jit(sample, static_argnames="all_greedy")(
@@ -130,13 +140,13 @@ def test_penalised_rows_never_change_a_neighbour():
     """Each row's sampled token (seeded, temperature 1) and processed logits are the same alone
     and beside the penalised rows."""
     batch, hb = _decode_batch()
-    meta, x = _meta(hb), _logits(hb.key.batch, 1)
+    meta, x = _meta(hb), _logits(hb.rows, 1)
     # jitted as in the engine's step, so that each row alone is one compile, not one per op
     filt, samp = jax.jit(filtered_logits), jax.jit(sample, static_argnames="all_greedy")
     both = np.asarray(filt(jnp.asarray(x), meta))
     toks = np.asarray(samp(jnp.asarray(x), meta, all_greedy=False))
     for i in range(len(ROWS)):
-        one = jax.tree_util.tree_map(lambda a: a[i : i + 1], meta)
+        one = jax.tree_util.tree_map(lambda a, i=i: a[i : i + 1], meta)
         alone = np.asarray(filt(jnp.asarray(x[i : i + 1]), one))[0]
         np.testing.assert_array_equal(alone, both[i])
         assert int(samp(jnp.asarray(x[i : i + 1]), one, all_greedy=False)[0]) == toks[i]
@@ -215,7 +225,7 @@ def test_history_penalties_make_the_step_synchronous():
         loop = StepLoop(
             sched,
             lambda b, prev: None,
-            lambda d, t: sched.postprocess(d.batch, [7] * d.batch.num_seqs),
+            lambda d, t, sched=sched: sched.postprocess(d.batch, [7] * d.batch.num_seqs),
         )
         loop.step()
         assert loop.in_flight.sync is sync

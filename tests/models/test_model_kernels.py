@@ -18,7 +18,7 @@ from jaxinfer.config import KernelConfig
 from jaxinfer.models.kernels import ModelKernels, PagedAttention, model_kernels
 from jaxinfer.models.kv_cache import KVCache
 
-from .test_packed_prefill import _cfg as tiny_cfg
+from .test_ragged_forward import _cfg as tiny_cfg
 
 PAGE = 4
 

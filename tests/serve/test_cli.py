@@ -95,7 +95,7 @@ def _start(
             "64",
             "--shutdown-timeout",
             "0.5",
-            "--compile-in-background",
+            "--precompile",
         ],  # a GPU's default: the start-up precompile runs
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -239,8 +239,8 @@ def test_engine_core_killed_mid_stream(tiny_checkpoint):
 
 
 def test_server_compiles_in_the_step_on_a_cpu(tiny_checkpoint):
-    """The server's default: background compiles (and the start-up precompile) on a GPU only;
-    on a CPU a covering step costs more than the compile stall it saves."""
+    """The server's default: the start-up precompile of the planned set on a GPU only; on a
+    CPU the whole set takes minutes on few cores, and a step compiles its own shape."""
     from jaxinfer.cli_args import make_llm
     from jaxinfer.serve.__main__ import build_parser
 
@@ -256,7 +256,9 @@ def test_server_compiles_in_the_step_on_a_cpu(tiny_checkpoint):
             "1",
         ]
     )
-    assert args.compile_in_background is None
-    assert make_llm(args).engine.resolved.engine.compile_in_background is False
-    args = build_parser().parse_args(["--compile-in-background"])
-    assert args.compile_in_background is True
+    assert args.precompile is None
+    llm = make_llm(args)
+    assert llm.engine.resolved.engine.precompile is False
+    assert llm.engine.stats().num_compiles == 0
+    args = build_parser().parse_args(["--precompile"])
+    assert args.precompile is True

@@ -1,6 +1,6 @@
-"""One host-to-device transfer per step: step_input.pack (host, numpy) and step.unpack (device,
-jnp) are inverses, bit for bit, for decode and packed prefill batches; the schema is the one
-layout."""
+"""One host-to-device transfer per program of a step: step_input.pack (host, numpy) and
+step.unpack (device, jnp) are inverses, bit for bit, for ragged and decode batches and each of
+the forward, sampler and prompt-scorer buffers; the schema is the one layout."""
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +60,7 @@ def _host_batches():
             )
         )
     buckets = BucketSpec.build(
-        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, page_size=PAGE
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64, page_size=PAGE, vocab_size=99
     )
     prefill = sched.schedule()
     hbs = [build_host_batch(prefill, page_size=PAGE, buckets=buckets)]
@@ -69,39 +69,24 @@ def _host_batches():
     return hbs
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["packed_prefill", "decode"])
+@pytest.mark.parametrize("which", [0, 1], ids=["ragged_prefill", "decode"])
 def test_unpack_inverts_pack(which):
     hb = _host_batches()[which]
-    assert hb.key.packed == (which == 0)
-    src = np.arange(hb.logits_indices.shape[0], dtype=np.int32) - 2
+    assert hb.shape.forward.decode == (which == 1)
+    src = np.arange(hb.rows, dtype=np.int32) - 2
     hb.pending_src[:] = src
-    buf = step_input.pack(hb)
-    assert buf.dtype == np.int32 and buf.ndim == 1
-    hash(hb.key)  # a static jit argument
-    tables, lens, inp = jax.jit(unpack, static_argnums=1)(jnp.asarray(buf), hb.key)
-    got = dict(
-        block_tables=tables,
-        seq_lens=lens,
-        tokens=inp.tokens,
-        positions=inp.positions,
-        slot_mapping=inp.slot_mapping,
-        logits_indices=inp.logits_indices,
-        pending_src=inp.pending_src,
-        **{k: v for k, v in vars(inp.sampling).items() if v is not None},
-    )
-    if inp.prompt_lp_index is not None:
-        got.update(prompt_lp_index=inp.prompt_lp_index, prompt_lp_next=inp.prompt_lp_next)
-    if hb.key.packed:
-        got.update(
-            q_index=inp.packing.q_index,
-            q_positions=inp.packing.q_positions,
-            out_index=inp.packing.out_index,
-        )
-    else:
-        assert inp.packing is None
+    hash(hb.shape)  # static jit arguments
+    got = {}
+    for group in ("forward", "sampling", "prompt"):
+        buf = step_input.pack(hb, group)
+        assert buf.dtype == np.int32 and buf.ndim == 1
+        fn = jax.jit(unpack, static_argnums=(1, 2, 3))
+        got.update(fn(jnp.asarray(buf), group, hb.shape, hb.sizes))
     want = dict(hb.arrays)
     assert set(want) == {
-        f.name for f in step_input.FIELDS if f.when is None or getattr(hb.key, f.when)
+        f.name
+        for g in ("forward", "sampling", "prompt")
+        for f, _ in step_input.layout(g, hb.shape, hb.sizes)
     }
     assert set(got) == set(want)
     for name, a in want.items():
@@ -109,27 +94,33 @@ def test_unpack_inverts_pack(which):
         assert g.dtype == a.dtype and g.shape == a.shape, name
         np.testing.assert_array_equal(g.view(np.int32), a.view(np.int32), err_msg=name)
     assert (hb.seeds > 2**31).any() and (hb.temperature > 0).any()
-    assert hb.key.penalty and hb.key.bias == 8 and hb.key.logprobs == 5  # the optional groups
-    assert bool(hb.key.prompt_logprobs) == hb.key.packed  # prompt positions in the prefill only
+    assert hb.shape.sampler.level == "full" and hb.shape.sampler.bias == 128  # the full level
+    assert bool(hb.shape.prompt) == (which == 0)  # prompt positions in the prefill only
+    if which == 0:  # rows back to back: row r starts where row r - 1 ends
+        qsl = hb.query_start_loc
+        assert list(qsl[:4]) == [0, 5, 18, 27] and (qsl[4:] == 27).all()
+        assert list(hb.logits_indices[:3]) == [4, 17, 26]
 
 
 def test_pack_rejects_non_four_byte_fields():
     hb = _host_batches()[1]
     bad = hb.__class__(
-        hb.key,
+        hb.shape,
+        hb.sizes,
         {**hb.arrays, "seq_lens": hb.seq_lens.astype(np.int64)},
         hb.sample_rows,
         hb.pending_rows,
     )
     with pytest.raises(TypeError, match="seq_lens"):
-        step_input.pack(bad)
+        step_input.pack(bad, "forward")
 
 
-def test_empty_batch_matches_the_key_and_pads():
-    """The ahead-of-time batch has the layout of a real batch of the same key, all padding."""
+def test_empty_batch_matches_the_shape_and_pads():
+    """The ahead-of-time batch has the layout of a real batch of the same shape, all padding."""
     for hb in _host_batches():
-        empty = step_input.allocate(hb.key)
-        assert empty.key == hb.key
-        assert step_input.pack(empty).shape == step_input.pack(hb).shape
+        empty = step_input.allocate(hb.shape, hb.sizes)
+        assert empty.shape == hb.shape
+        for group in ("forward", "sampling", "prompt"):
+            assert step_input.pack(empty, group).shape == step_input.pack(hb, group).shape
         assert (empty.seq_lens == 0).all() and (empty.block_tables == 0).all()
         assert (empty.pending_src == -1).all() and not empty.sample_rows.any()

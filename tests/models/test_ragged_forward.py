@@ -1,8 +1,8 @@
-"""Packed prefill (rows' chunks back to back in one [1, Tp] token row) computes the same hidden
-states and K/V as the unpacked [R, Tq] layout (each row padded to the longest chunk), which
-`test_models_vs_hf` checks against HF transformers. Covers chunks that continue a cached prefix
-(start > 0), ragged chunk lengths, padding at the end of the packed row, GQA and page boundaries.
-"""
+"""The ragged forward (rows' tokens back to back in one [1, T] token row, `models.Ragged`)
+computes the same hidden states and K/V as the padded [R, Tq] layout (each row padded to the
+longest chunk), which `test_models_vs_hf` checks against HF transformers. Covers a decode row
+(one token), chunks that continue a cached prefix (start > 0), ragged chunk lengths, padded
+tokens at the end of the row and a padded row, GQA and page boundaries."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from jaxinfer.models.kv_cache import KVCache
 
 PAGE = 4
 # (tokens already cached, chunk length) per row
-ROWS = [(0, 5), (6, 7), (4, 5)]
+ROWS = [(0, 5), (6, 7), (4, 5), (9, 1)]
 
 
 def _cfg(arch):
@@ -38,7 +38,7 @@ def _cfg(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_packed_prefill_matches_unpacked(arch):
+def test_ragged_forward_matches_padded(arch):
     cfg = _cfg(arch)
     params = models.init_params(cfg, jax.random.key(1), jnp.float32)
     params = jax.tree_util.tree_map(
@@ -85,28 +85,33 @@ def test_packed_prefill_matches_unpacked(arch):
     # unpacked chunk step
     h_ref, kv_ref = unpacked(starts, [n for _, n in ROWS], kv)
 
-    # packed chunk step: [1, Tp] with 3 padding tokens at the end
-    Tq = max(n for _, n in ROWS)
+    # ragged chunk step: [1, Tp] with 3 padding tokens at the end, and one padding row
     Tp = sum(n for _, n in ROWS) + 3
     tok, pos, slot = (np.zeros((1, Tp), np.int32) for _ in range(3))
-    q_index, q_pos = np.zeros((R, Tq), np.int32), np.zeros((R, Tq), np.int32)
-    out_index = np.zeros(Tp, np.int32)
+    qsl = np.full((R + 2,), Tp - 3, np.int32)
     off = 0
     for i, (c, n) in enumerate(ROWS):
         tok[0, off : off + n], pos[0, off : off + n] = seqs[i][c : c + n], np.arange(c, c + n)
         slot[0, off : off + n] = slots(i, np.arange(c, c + n))
-        q_index[i, :n], q_pos[i, :n] = np.arange(off, off + n), np.arange(c, c + n)
-        out_index[off : off + n] = i * Tq + np.arange(n)
+        qsl[i] = off
         off += n
-    packing = models.Packing(jnp.asarray(q_index), jnp.asarray(q_pos), jnp.asarray(out_index))
-    kv_in = kv.replace(block_tables=jnp.asarray(pages), seq_lens=jnp.asarray(total, jnp.int32))
+    tables = np.concatenate([pages, np.zeros((1, M), np.int32)])
+    kv_in = kv.replace(
+        block_tables=jnp.asarray(tables), seq_lens=jnp.asarray(total + [0], jnp.int32)
+    )
     h_pk, kv_pk = models.forward(
-        params, cfg, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(slot), kv_in, packing=packing
+        params,
+        cfg,
+        jnp.asarray(tok),
+        jnp.asarray(pos),
+        jnp.asarray(slot),
+        kv_in,
+        ragged=models.Ragged(jnp.asarray(qsl)),
     )
 
     assert h_pk.shape == (1, Tp, cfg.hidden_size)
     off = 0
-    for i, (c, n) in enumerate(ROWS):
+    for i, (_, n) in enumerate(ROWS):
         a, b = np.asarray(h_pk[0, off : off + n]), np.asarray(h_ref[i, :n])
         assert np.abs(b).max() > 0.1
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -212,8 +212,8 @@ def _body(
         for st in range(geo.num_stages):
 
             @pl.when(st < count)
-            def _prologue():
-                _issue_block(geo, tbl_smem, layer_off, h, start + st, [k_copy(st), v_copy(st)])
+            def _prologue():  # traced at once by pl.when: st is this iteration's
+                _issue_block(geo, tbl_smem, layer_off, h, start + st, [k_copy(st), v_copy(st)])  # noqa: B023
 
         plgpu.barrier_wait(q_bar)
 
@@ -353,7 +353,8 @@ def _validate(
                 page_offset is not None
                 and (po_shape != (_OFFSET_COLS,) or page_offset.dtype != jnp.int32),
                 f"page_offset must be i32[{_OFFSET_COLS}] (layer_offsets); got "
-                f"{getattr(page_offset, 'dtype', type(page_offset).__name__)}{list(po_shape or ())}",
+                f"{getattr(page_offset, 'dtype', type(page_offset).__name__)}"
+                f"{list(po_shape or ())}",
             ),
             (
                 isinstance(layer, (int, np.integer)) and not 0 <= layer < L,

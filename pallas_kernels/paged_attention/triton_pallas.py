@@ -1,5 +1,5 @@
-"""Paged decode attention, Pallas with the Triton lowering (variant ``triton``). One program per (row
-b, KV head k, split s): k's G query heads as a ``[G_PAD, H]`` tile (G_PAD a power of 2 >= 16),
+"""Paged decode attention, Pallas with the Triton lowering (variant ``triton``). One program per
+(row b, KV head k, split s): k's G query heads as a ``[G_PAD, H]`` tile (G_PAD a power of 2 >= 16),
 ``pages_per_block`` pages a step, online softmax in f32, splits merged by `combine_splits`. fp8
 pages: cast to q's dtype, K scale in the logit scale, V scale in the output. Sources:
 flash-decoding; PagedAttention; JAX's pallas.ops.gpu.paged_attention."""
@@ -265,7 +265,7 @@ def _paged_decode(
         tails = ((G_PAD, H), (G_PAD,), (G_PAD,))
         out_shape = [jax.ShapeDtypeStruct((k_splits, B, K, *t), jnp.float32) for t in tails]
         out_specs = [
-            pl.BlockSpec((None, None, None, *t), lambda b, k, s, n=len(t): (s, b, k) + (0,) * n)
+            pl.BlockSpec((None, None, None, *t), lambda b, k, s, n=len(t): (s, b, k) + (0,) * n)  # noqa: B008
             for t in tails
         ]
     outs = pl.pallas_call(

@@ -4,7 +4,8 @@ tests' invariant walk; the engine never runs it)."""
 
 def check_pages(bm) -> dict[str, int]:
     """{"free", "cached", "used"} page counts of ``bm`` (cached: evictable, unreferenced), adding
-    up to `num_usable_pages`. Raises RuntimeError: a page in two states or none, a bad hash table."""
+    up to `num_usable_pages`. Raises RuntimeError: a page in two states or none, a bad hash
+    table."""
     used = [p for p in range(bm.num_pages) if bm._holders[p]]
     free, cached, key = set(bm._free), set(bm._evictable), bm._key
     errors = [

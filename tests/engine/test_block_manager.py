@@ -115,7 +115,7 @@ def test_random_alloc_free_against_set_model():
     free = set(range(1, num_pages))  # independent model
     owned = {}  # rid -> list of pages, in allocation order
     seqs = {}
-    for step in range(2000):
+    for _ in range(2000):
         if owned and rng.random() < 0.3:
             rid = rng.choice(sorted(owned))
             bm.free(seqs[rid])

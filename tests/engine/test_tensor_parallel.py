@@ -1,5 +1,5 @@
-"""Tensor parallelism (`jaxinfer.runner.parallel`) on 4 CPU devices. JAX fixes its device count when it
-starts, so the checks run once in a subprocess of this file (`main`, with
+"""Tensor parallelism (`jaxinfer.runner.parallel`) on 4 CPU devices. JAX fixes its device count
+when it starts, so the checks run once in a subprocess of this file (`main`, with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4``) that prints one JSON object; the tests
 assert on it. Reference: the same engine at tensor_parallel_size=1 (today's one-device path).
 Models: tiny float32 Qwen3 (untied, V=256: vocabulary split at tp 2 and 4) and Llama (tied,

@@ -360,8 +360,8 @@ def test_choose_k_splits():
 
 def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):
     """The model calls the attention once per layer (each layer a call of one jitted body);
-    `jaxinfer.models.kernels.model_kernels` routes decode through one inner jit with a traced layer, so
-    a 4-layer step traces and lowers the kernel once, and its output equals the reference
+    `jaxinfer.models.kernels.model_kernels` routes decode through one inner jit with a traced
+    layer, so a 4-layer step traces and lowers the kernel once, and its output equals the reference
     model's."""
     import re
 

@@ -1,7 +1,7 @@
-"""fp8 weights (`jaxinfer.models.quantize`, `layers.Weight`): e4m3 quantisation error within half an ulp
-of float32 numpy references, the GEMM helper against float32 math on the dequantised values, the
-declared tree, and the engine generating with ``quantization="fp8"`` exactly as the float32 engine
-on the dequantised weights."""
+"""fp8 weights (`jaxinfer.models.quantize`, `layers.Weight`): e4m3 quantisation error within half
+an ulp of float32 numpy references, the GEMM helper against float32 math on the dequantised
+values, the declared tree, and the engine generating with ``quantization="fp8"`` exactly as the
+float32 engine on the dequantised weights."""
 
 import jax
 import jax.numpy as jnp

@@ -3,8 +3,9 @@
 Tiny random HF models are saved with ``save_pretrained`` (single file and sharded), loaded through
 `jaxinfer.runner.loading.load_model`, and run over the paged KV cache: a prefill of 2 ragged,
 padded prompts, then 20 greedy decode steps. Page size 4 or 8 (sequences cross several pages), a
-shuffled block table, page 0 never assigned. Every step's logits are compared with HF's full-sequence
-forward over the same tokens: relative error ``||a - b|| / ||b|| < 1e-4`` per sequence and step.
+shuffled block table, page 0 never assigned. Every step's logits are compared with HF's
+full-sequence forward over the same tokens: relative error ``||a - b|| / ||b|| < 1e-4`` per
+sequence and step.
 """
 
 from __future__ import annotations

@@ -1,0 +1,106 @@
+"""Decode step time through the engine's own loop: B requests of a ``--context``-token random
+prompt (greedy, ignore_eos) on a random-weight Qwen3-8B-architecture model; once every request
+has its first token, ``--steps`` engine steps are timed (`LLMEngine.step`, async scheduling as
+served: host work overlapped with the device). Prints a table and appends one JSON line per
+batch size (bench="engine_decode") to ``--out``. Only the public API is used, so two trees can
+be compared in one call.
+
+    python scripts/bench_engine_decode.py [--batches 1,64] [--context 1024] [--steps 64]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+QWEN3_8B = dict(
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=40960,
+    tie_word_embeddings=False,
+)
+
+
+def time_decode(llm, batch: int, context: int, steps: int, seed: int = 0) -> tuple[float, int]:
+    """(mean ms per engine step of ``steps`` decode steps at ``batch`` rows, programs compiled
+    during them)."""
+    from jaxinfer import SamplingParams
+
+    eng, rng = llm.engine, np.random.default_rng(seed)
+    prompts = [rng.integers(100, 50000, context - 1).tolist() for _ in range(batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    llm.precompile([{"prompt_token_ids": p} for p in prompts], sp)
+    for i, p in enumerate(prompts):
+        eng.add_request(p, sp, request_id=f"b{batch}-{i}")
+    while eng.scheduler.waiting or eng.scheduler.prefilling is not None:
+        eng.step()
+    for _ in range(4):  # every row decoding, the pipeline full
+        eng.step()
+    lazy, t = eng.stats().num_lazy_compiles, time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    dt = (time.perf_counter() - t) / steps * 1e3
+    lazy = eng.stats().num_lazy_compiles - lazy
+    while eng.has_unfinished():
+        eng.step()
+    return dt, lazy
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--label", default="")
+    ap.add_argument("--out", default="benchmarks/engine_decode.jsonl")
+    args = ap.parse_args()
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer import LLM, models
+    from jaxinfer.config import ModelConfig
+
+    cfg = ModelConfig.from_hf_config(dict(QWEN3_8B, num_hidden_layers=args.layers))
+    batches = [int(b) for b in args.batches.split(",")]
+    llm = LLM.from_params(
+        cfg,
+        models.init_params(cfg, jax.random.key(0), jnp.bfloat16),
+        max_model_len=args.context + args.steps + 16,
+        max_num_seqs=max(batches),
+    )
+    device = jax.devices()[0].device_kind
+    print(f"{'label':>10} {'B':>4} {'ctx':>5} {'ms/step':>8} {'compiles':>8}  device {device}")
+    for b in batches:
+        ms, lazy = time_decode(llm, b, args.context, args.steps)
+        print(f"{args.label:>10} {b:>4} {args.context:>5} {ms:8.2f} {lazy:>8}", flush=True)
+        row = dict(
+            bench="engine_decode",
+            label=args.label,
+            batch=b,
+            context=args.context,
+            ms_per_step=ms,
+            compiles_in_timed_steps=lazy,
+            device=device,
+            date=datetime.date.today().isoformat(),
+        )
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()

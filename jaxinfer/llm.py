@@ -243,7 +243,7 @@ class LLM(Prompts):
         ``generate(prompts, sampling_params)`` visits on an idle engine
         (`LLMEngine.plan_shapes`); returns {"planned", "shapes", "lower_s", "warm_s",
         "seconds"}. Raises ValueError: as `generate`; ``max_workers`` not >= 1."""
-        if prompts is None:
+        if prompts is None and sampling_params is None:
             planned = self.engine.runner.buckets.planned()
             info = self.engine.precompile(None, max_workers=max_workers)
             return dict(planned=sum(map(len, planned.values())), **info)

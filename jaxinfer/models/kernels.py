@@ -12,42 +12,6 @@ import jax.numpy as jnp
 from pallas_kernels.paged_attention import ragged, reference, registry
 
 
-@dataclass(frozen=True)
-class ModelKernels:
-    """attention: B rows of T tokens (`reference.paged_attention`'s contract); ragged: ragged rows
-    (`reference.ragged_paged_attention`'s); mesh: None, or the 1-D "tp" mesh of tensor
-    parallelism (`runner.parallel.make_mesh`)."""
-
-    attention: Callable = reference.paged_attention
-    mesh: Any = None
-    ragged: Callable = functools.partial(ragged.ragged_paged_attention, block_q=16)
-
-    tp = property(
-        lambda self: 1 if self.mesh is None else self.mesh.size,
-        doc="Devices the model is sharded over (1: no mesh).",
-    )
-
-
-@functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale"))
-def decode_step(
-    q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel, knobs, scale
-):
-    """q [B, 1, N, H], layer i32[], page_offset: mosaic's or None, scales: {} or fp8's -> q's."""
-    extra = dict(knobs, **scales, **({} if page_offset is None else {"page_offset": page_offset}))
-    out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale, **extra)
-    return out[:, None]
-
-
-@functools.partial(jax.jit, static_argnames=("kernel", "scale"))
-def prefill_step(
-    q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, scales, *, kernel, scale
-):
-    """q [B, T, N, H], layer i32[], scales as `decode_step` -> [B, T, N, H]."""
-    return kernel(
-        q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer=layer, scale=scale, **scales
-    )
-
-
 @functools.partial(jax.jit, static_argnames=("kernel", "scale", "block_q"))
 def ragged_step(
     q,
@@ -115,6 +79,42 @@ class RaggedAttention:
             scale=float(scale),
             block_q=self.block_q,
         )
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """attention: B rows of T tokens (`reference.paged_attention`'s contract); ragged: ragged rows
+    (`reference.ragged_paged_attention`'s); mesh: None, or the 1-D "tp" mesh of tensor
+    parallelism (`runner.parallel.make_mesh`)."""
+
+    attention: Callable = reference.paged_attention
+    mesh: Any = None
+    ragged: Callable = RaggedAttention()
+
+    tp = property(
+        lambda self: 1 if self.mesh is None else self.mesh.size,
+        doc="Devices the model is sharded over (1: no mesh).",
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "knobs", "scale"))
+def decode_step(
+    q, k_pool, v_pool, block_tables, seq_lens, layer, page_offset, scales, *, kernel, knobs, scale
+):
+    """q [B, 1, N, H], layer i32[], page_offset: mosaic's or None, scales: {} or fp8's -> q's."""
+    extra = dict(knobs, **scales, **({} if page_offset is None else {"page_offset": page_offset}))
+    out = kernel(q[:, 0], k_pool, v_pool, block_tables, seq_lens, layer=layer, scale=scale, **extra)
+    return out[:, None]
+
+
+@functools.partial(jax.jit, static_argnames=("kernel", "scale"))
+def prefill_step(
+    q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer, scales, *, kernel, scale
+):
+    """q [B, T, N, H], layer i32[], scales as `decode_step` -> [B, T, N, H]."""
+    return kernel(
+        q, k_pool, v_pool, block_tables, seq_lens, q_positions, layer=layer, scale=scale, **scales
+    )
 
 
 @dataclass(frozen=True)

@@ -52,14 +52,14 @@ def test_second_process_loads_compiled_steps(tmp_path):
     cache = tmp_path / "jaxinfer" / "jax"
     first = _run("auto", XDG_CACHE_HOME=str(tmp_path))
     assert first["compiles"] >= 2 and first["hits"] == 0
-    assert any(name.startswith("jit_packed_step") for name in os.listdir(cache)), os.listdir(cache)
+    assert any(name.startswith("jit_forward_step") for name in os.listdir(cache)), os.listdir(cache)
     second = _run("auto", XDG_CACHE_HOME=str(tmp_path))
     assert second["tokens"] == first["tokens"]
     assert second["hits"] >= first["compiles"]  # every step shape came from the cache
 
 
 def test_cache_path_that_is_a_file_is_rejected(tmp_path):
-    from jaxinfer.runner.step import enable_compilation_cache as enable
+    from jaxinfer.runner.executor import enable_compilation_cache as enable
 
     f = tmp_path / "file"
     f.write_text("x")

@@ -36,8 +36,8 @@ def test_step_log_records_every_step(async_scheduling, tiny_cfg, tiny_params):
         eng.step()
     assert len(log) == eng.stats().num_steps and all(isinstance(r, STEPS.StepRecord) for r in log)
     assert [r.t_done for r in log] == sorted(r.t_done for r in log)
-    assert any(r.shape_key.packed for r in log)  # a packed prefill step
-    assert any(not r.shape_key.packed and r.rows == 3 for r in log)  # a decode step of 3 rows
+    assert any(not r.shape_key.forward.decode for r in log)  # a step with a prefill chunk
+    assert any(r.shape_key.forward.decode and r.rows == 3 for r in log)  # a decode step of 3 rows
     for r in log:
         assert min(r.wait_s, r.schedule_s, r.launch_s, r.post_s) >= 0
         assert 1 <= r.rows <= 4

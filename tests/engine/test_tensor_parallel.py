@@ -76,7 +76,7 @@ def _logits(llm, prompt: list[int]) -> np.ndarray:
     from jaxinfer.runner.parallel import gather_logits
 
     eng, T = llm.engine, len(prompt)
-    cfg, kernels, ps = eng.runner.run_config, eng.runner.executor.static["kernels"], eng.page_size
+    cfg, kernels, ps = eng.runner.run_config, eng.runner.executor.kernels, eng.page_size
 
     @jax.jit
     def run(params, kv, tokens, positions):
@@ -184,7 +184,13 @@ def main() -> None:
             llm.precompile(PROMPTS, greedy)  # ahead-of-time steps take the engine's arrays
             res["collectives"] = [
                 re.findall(COLLECTIVE, exe.as_text())
-                for exe in llm.engine.runner.executor.executables.values()
+                for (program, _), exe in llm.engine.runner.executor.executables.items()
+                if program == "forward"
+            ]
+            res["sampler_collectives"] = [
+                re.findall(COLLECTIVE, exe.as_text())
+                for (program, _), exe in llm.engine.runner.executor.executables.items()
+                if program != "forward"
             ]
             res["tokens"] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
             res["lazy_compiles"] = llm.engine.stats().num_lazy_compiles
@@ -317,12 +323,15 @@ def test_greedy_tokens_match_one_device(result, arch, tp):
 @pytest.mark.parametrize("arch", CONFIGS)
 @pytest.mark.parametrize("tp", TPS)
 def test_collectives_move_activations_not_weights(result, arch, tp):
-    """In each compiled step (prefill and decode): an all-reduce of the hidden state [.., D] after
-    the vocabulary-split embedding and after wo and w_down of each layer, and one all-gather of
-    the logits [R, V] where lm_head is split; nothing else (no weight is gathered)."""
+    """In each compiled forward (ragged and decode): an all-reduce of the hidden state [.., D]
+    after the vocabulary-split embedding and after wo and w_down of each layer, and one
+    all-gather of the logits [R, V] where lm_head is split; nothing else (no weight is
+    gathered); the samplers, on whole logits, none."""
     c, steps = CONFIGS[arch], result[f"{arch}/{tp}"]["collectives"]
     split_vocab = tp > 1 and c["vocab_size"] % tp == 0
     assert len(steps) == 2
+    samplers = result[f"{arch}/{tp}"]["sampler_collectives"]
+    assert samplers and all(ops == [] for ops in samplers)
     for ops in steps:
         shapes = {
             kind: [[int(d) for d in s.split(",")] for s, k in ops if k == kind]

@@ -214,6 +214,13 @@ def _print(args, i: int, prompts: list[str], o, c) -> None:
         print(f"  {s!r} {lp:.4f}  top: " + ", ".join(f"{u!r} {x:.4f}" for u, x in t))
 
 
+EMPTY = "{} empty: every prompt needs text (with --chat too)"
+
+
+def _listed(indices) -> str:
+    return ", ".join(map(str, sorted(indices)))
+
+
 def _main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     from jaxinfer.sampling_params import SamplingParams
@@ -230,14 +237,11 @@ def _main(argv: list[str] | None = None) -> int:
             raise ValueError(
                 "no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE"
             )
-        if empty := [str(i) for i, p in enumerate(prompts) if not p]:  # before the model loads
+        empty = {i for i, p in enumerate(prompts) if not p}  # checked before the model loads
+        if len(empty) == len(prompts):
+            many = len(empty) > 1
             raise ValueError(
-                (
-                    f"prompt {empty[0]} is empty"
-                    if len(empty) == 1
-                    else f"prompts {', '.join(empty)} are empty"
-                )
-                + ": every prompt needs text (with --chat too)"
+                EMPTY.format(f"prompt{'s' * many} {_listed(empty)} {'are' if many else 'is'}")
             )
         params = SamplingParams(
             stop=tuple(args.stop),
@@ -260,19 +264,22 @@ def _main(argv: list[str] | None = None) -> int:
                     "prompt": p,
                     "prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}]),
                 }
-                for p in prompts
+                for i, p in enumerate(prompts)
+                if i not in empty
             ]
             if args.chat
-            else prompts
+            else [p for i, p in enumerate(prompts) if i not in empty]
         )
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
     if compile_line:
         say(compile_line)
 
+    kept = [i for i in range(len(prompts)) if i not in empty]
+
     def print_delta(i, _ids, delta):
         if delta:  # empty: text held back (a possible stop string) or not complete
-            sys.stdout.write(f"[{i}] {delta}\n" if len(prompts) > 1 else delta)
+            sys.stdout.write(f"[{kept[i]}] {delta}\n" if len(prompts) > 1 else delta)
             sys.stdout.flush()
 
     info = sys.stderr  # statistics beside the answers, never mixed into them
@@ -287,8 +294,11 @@ def _main(argv: list[str] | None = None) -> int:
     wall, ok = time.perf_counter() - t0, [o for o in outs if not o.error]
     if args.stream:
         sys.stdout.write("\n")
-    for i, o in enumerate(outs):
-        if o.error:
+    ran = iter(outs)  # the outputs of the prompts that were not empty, in order
+    for i in range(len(prompts)):
+        if i in empty:
+            sys.stderr.write(f"error: {EMPTY.format(f'prompt {i} is')}\n")
+        elif (o := next(ran)).error:
             sys.stderr.write(f"error: prompt {i}: {o.error}\n")
         elif not args.stream:
             for c in o.outputs:
@@ -312,7 +322,7 @@ def _main(argv: list[str] | None = None) -> int:
             "(from the start of main)",
             file=info,
         )
-    return 2 if len(ok) < len(outs) else 0
+    return 2 if len(ok) < len(prompts) else 0
 
 
 if __name__ == "__main__":

@@ -46,10 +46,12 @@ def ragged_step(
 @dataclass(frozen=True)
 class RaggedAttention:
     """Ragged rows through `ragged.ragged_paged_attention`'s tiles of ``block_q`` tokens, each
-    tile attended by prefill variant ``prefill``, jitted with ``layer`` as i32[]."""
+    tile attended by prefill variant ``prefill``, jitted with ``layer`` as i32[]. ``block_q``
+    None: 16 for a kernel (its 64-row MMA tile at G = 4), 128 for the jnp reference (each tile
+    gathers its row's whole K/V: fewer, larger tiles move less on a CPU)."""
 
     prefill: str = "reference"
-    block_q: int = 16
+    block_q: int | None = None
 
     def __call__(
         self,
@@ -77,7 +79,7 @@ class RaggedAttention:
             scales,
             kernel=registry.get_prefill(self.prefill),
             scale=float(scale),
-            block_q=self.block_q,
+            block_q=self.block_q or (128 if self.prefill == "reference" else 16),
         )
 
 

@@ -81,10 +81,10 @@ def test_bad_arguments_one_line_exit_2(capsys, args, needle):
 
 
 @pytest.mark.parametrize("chat", [(), ("--chat",)])
-def test_empty_prompt_fails_before_the_model_loads(monkeypatch, capsys, tmp_path, chat):
-    """An empty prompt, plain or to be wrapped in the chat template, is one error line and exit 2
-    before the model loads: the missing --model is never reached (its error would name the
-    model) and no `LLM` is built. An empty line of a .jsonl prompts file is rejected the same."""
+def test_empty_prompts_fail_before_the_model_loads(monkeypatch, capsys, tmp_path, chat):
+    """Prompts that are all empty, plain or to be wrapped in the chat template, are one error
+    line and exit 2 before the model loads: the missing --model is never reached (its error
+    would name the model) and no `LLM` is built; empty lines of a .jsonl file the same."""
     import jaxinfer.llm
 
     def no_llm(*_args, **_kwargs):
@@ -92,18 +92,30 @@ def test_empty_prompt_fails_before_the_model_loads(monkeypatch, capsys, tmp_path
 
     monkeypatch.setattr(jaxinfer.llm, "LLM", no_llm)
     missing = str(tmp_path / "no-such-model")
-    code, out, err = run_main(capsys, "--model", missing, *chat, "--prompt", "hi", "--prompt", "")
+    code, out, err = run_main(capsys, "--model", missing, *chat, "--prompt", "")
     assert code == 2 and out == ""
     assert err.splitlines() == [
-        "error: prompt 1 is empty: every prompt needs text (with --chat too)"
+        "error: prompt 0 is empty: every prompt needs text (with --chat too)"
     ], err
     f = tmp_path / "p.jsonl"
-    f.write_text(json.dumps("") + "\n" + json.dumps("hi") + "\n" + json.dumps("") + "\n")
+    f.write_text(json.dumps("") + "\n" + json.dumps("") + "\n")
     code, out, err = run_main(capsys, "--model", missing, *chat, "--prompts-file", str(f))
     assert code == 2 and out == ""
     assert err.splitlines() == [
-        "error: prompts 0, 2 are empty: every prompt needs text (with --chat too)"
+        "error: prompts 0, 1 are empty: every prompt needs text (with --chat too)"
     ], err
+
+
+@pytest.mark.parametrize("chat", [(), ("--chat",)])
+def test_an_empty_prompt_among_others_is_refused_and_the_others_run(shared_llm, capsys, chat):
+    """One empty prompt among valid ones: its error line, the others' answers, exit 2, with or
+    without the chat template (which once turned an empty prompt into 64 tokens)."""
+    args = (*chat, "--prompt", "Hi", "--prompt", "", "--max-tokens", "3", "--json")
+    code, out, err = run_main(capsys, *args)
+    assert code == 2
+    assert "error: prompt 1 is empty: every prompt needs text (with --chat too)" in err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in rows] == [0] and len(rows[0]["token_ids"]) == 3
 
 
 def test_unsupported_architecture(tmp_path):

@@ -19,10 +19,13 @@ BIAS_BUCKETS = (128, 1024, 8192, 65536)  # logit_bias + min_tokens entries per r
 
 class ForwardKey(NamedTuple):
     """The forward's static sizes: ``tokens`` T (padded) and ``decode``: every row one token (the
-    tokens laid out as [T, 1] rows, the decode kernel), else ragged rows over tokens [1, T]."""
+    tokens laid out as [T, 1] rows, the decode kernel), else ragged rows over tokens [1, T];
+    ``pages`` M, the block tables' width (0: `Sizes.pages`, the most a row can have; a page
+    bucket only where the attention's cost grows with M, the jnp reference's)."""
 
     tokens: int
     decode: bool
+    pages: int = 0
 
 
 class SamplerKey(NamedTuple):
@@ -118,7 +121,7 @@ def layout(group: str, shape: StepShape, sizes: Sizes) -> tuple[tuple[Field, tup
         T=shape.forward.tokens,
         R=R,
         R1=R + 1,
-        M=sizes.pages,
+        M=shape.forward.pages or sizes.pages,
         Lh=sizes.history,
         E=s.bias,
         W=sizes.mask_words,
@@ -230,12 +233,15 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 @dataclass(frozen=True)
 class BucketSpec:
     """Padded sizes: ``batch`` (decode rows, also the sampler's rows), ``tokens`` (ragged T),
-    ``prompt`` (P scored prompt positions), and the engine's fixed `Sizes`."""
+    ``prompt`` (P scored prompt positions), the engine's fixed `Sizes`, and ``pages`` (M
+    buckets; empty: every forward's tables are `Sizes.pages` wide) of ``page_size`` tokens."""
 
     batch: tuple[int, ...]
     tokens: tuple[int, ...]
     prompt: tuple[int, ...]
     sizes: Sizes
+    pages: tuple[int, ...] = ()
+    page_size: int = 16
 
     @classmethod
     def build(
@@ -248,18 +254,24 @@ class BucketSpec:
         vocab_size: int,
         batch_buckets: tuple[int, ...] = (),
         token_buckets: tuple[int, ...] = (),
+        page_buckets: bool = False,
     ) -> "BucketSpec":
+        """``page_buckets``: forwards keyed by M too (powers of two), for the jnp reference
+        attention, which gathers every page of its table (the kernels stop at each row's
+        length, so M costs them nothing and their forwards are keyed by T alone)."""
         tokens = token_buckets or default_token_buckets(max_num_batched_tokens)
         batch = batch_buckets or default_batch_buckets(max_num_seqs)
-        sizes = Sizes(
-            -(-max_model_len // page_size), max_model_len, -(-vocab_size // 32), batch[-1]
-        )
-        return cls(batch, tokens, powers_of_two(16, tokens[-1]), sizes)
+        M = -(-max_model_len // page_size)
+        sizes = Sizes(M, max_model_len, -(-vocab_size // 32), batch[-1])
+        pages = powers_of_two(1, M) if page_buckets else ()
+        return cls(batch, tokens, powers_of_two(16, tokens[-1]), sizes, pages, page_size)
 
     def forward_keys(self) -> list[ForwardKey]:
-        """Every forward shape: decode at each row bucket, ragged at each token bucket."""
-        return [ForwardKey(b, True) for b in self.batch] + [
-            ForwardKey(t, False) for t in self.tokens
+        """Every forward shape: decode at each row bucket, ragged at each token bucket (each at
+        every page bucket, if any)."""
+        ms = self.pages or (0,)
+        return [ForwardKey(b, True, m) for b in self.batch for m in ms] + [
+            ForwardKey(t, False, m) for t in self.tokens for m in ms
         ]
 
     def sampler_rows(self) -> list[int]:

@@ -236,10 +236,12 @@ def tiny_checkpoint(tiny_text_cfg, tiny_text_params, tiny_tokenizer, tmp_path_fa
 # Tests that share a costly set-up run on one pytest-xdist worker (`--dist loadgroup`), one group
 # per set-up, in `_GROUPS` order: "smollm", every test that needs more of SmolLM2 than the GGUF's
 # path (one SmolLM2 `LLM`, one HF model, one dequantised GGUF for the run, the step shapes compiled
-# in one process); "serve", tests/serve (one engine-core process); "precompile" and
-# "tensor_parallel", for their module-scoped reference runs. loadgroup hands out units (a group,
-# or an ungrouped module) in collection order (`pytest_configure` turns off its reordering by
-# test count): the groups, heaviest first, then the other modules fill in around them.
+# in one process); "passkey", the two long-context engines (about half of "smollm"'s time, so it
+# runs on the other worker meanwhile); "serve", tests/serve (one engine-core process);
+# "precompile" and "tensor_parallel", for their module-scoped reference runs. loadgroup hands out
+# units (a group, or an ungrouped module) in collection order (`pytest_configure` turns off its
+# reordering by test count): the groups, heaviest first, then the other modules fill in around
+# them.
 _SMOLLM_FIXTURES = {
     "hf_smollm",
     "smollm_ckpt",
@@ -247,11 +249,13 @@ _SMOLLM_FIXTURES = {
     "smollm_engine",
     "smollm_cli_args",
 }
-_GROUPS = ("smollm", "serve", "precompile", "tensor_parallel")
+_GROUPS = ("smollm", "passkey", "serve", "precompile", "tensor_parallel")
 
 
 def _group(item) -> str | None:
     path = item.nodeid.partition("::")[0]
+    if path == "tests/models/test_passkey.py":  # two engines of its own: beside "smollm"
+        return "passkey"
     if _SMOLLM_FIXTURES & set(item.fixturenames):
         return "smollm"
     if path.startswith("tests/serve/"):

@@ -98,7 +98,7 @@ def test_decode_runner_runs_the_engines_forward_and_sampler(tiny_cfg, tiny_param
     assert ds.check_against_reference(tiny_cfg, tiny_params, kc, {}, 3, 40, 16) == 0.0
     sizes = ds.decode_sizes(tiny_cfg, 4, 40, 16)
     hb = ds.host_batch(sizes, 4, 40, 16, True, tiny_cfg.vocab_size)
-    assert (hb.shape.forward, hb.shape.sampler.level) == ((4, True), "greedy")
+    assert (hb.shape.forward, hb.shape.sampler.level) == ((4, True, 0), "greedy")
     assert hb.block_tables.shape == (4, 3) and sorted(hb.block_tables.ravel()) == list(range(1, 13))
     pool = jnp.full((2, 13, 2, 16, 16), 0.01, jnp.bfloat16)
     (logits, _), _ = ds._FORWARD(

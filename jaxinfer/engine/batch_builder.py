@@ -56,13 +56,16 @@ def _level(batch, eos_token_ids) -> tuple[str, int]:
 
 def step_shape(batch, *, buckets: BucketSpec, eos_token_ids=()) -> StepShape:
     """The `StepShape` of a `ScheduledBatch`: decode if every row has one token (T = the row
-    bucket), else ragged (T = the token bucket of the tokens); the sampler at the forward's R
+    bucket), else ragged (T = the token bucket of the tokens), M the page bucket of its longest
+    row (if the buckets have pages); the sampler at the forward's R
     rows and the level its sampled rows need; P scored prompt positions bucketed."""
-    nums = batch.num_new_tokens
+    nums, ps = batch.num_new_tokens, buckets.page_size
+    need = max(-(-(c + n) // ps) for c, n in zip(batch.start_positions, nums))
+    M = bucket(need, buckets.pages) if buckets.pages else 0
     if max(nums) == 1:
-        fwd = ForwardKey(bucket(len(nums), buckets.batch), True)
+        fwd = ForwardKey(bucket(len(nums), buckets.batch), True, M)
     else:
-        fwd = ForwardKey(bucket(sum(nums), buckets.tokens), False)
+        fwd = ForwardKey(bucket(sum(nums), buckets.tokens), False, M)
     level, E = _level(batch, eos_token_ids)
     procs = tuple(
         dict.fromkeys(

@@ -80,6 +80,7 @@ class ModelRunner:
             vocab_size=model_config.vocab_size,
             batch_buckets=kc.batch_buckets,
             token_buckets=kc.token_buckets,
+            page_buckets="reference" in (kc.decode_attention, kc.prefill_attention),
         )
         self.executor = StepExecutor(
             self.run_config,

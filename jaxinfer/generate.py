@@ -287,7 +287,7 @@ def _main(argv: list[str] | None = None) -> int:
     outs = llm.generate(
         inputs,
         params,
-        use_tqdm=len(prompts) > 1 and not args.stream,
+        use_tqdm=len(prompts) > 1 and not args.stream and sys.stderr.isatty(),
         on_error="return",
         stream=print_delta if args.stream else None,
     )

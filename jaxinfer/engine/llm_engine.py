@@ -103,6 +103,11 @@ class LLMEngine:
         logprobs above ``EngineConfig.max_logprobs``, a token id outside [0, V), as
         `StructuredOutputManager.token_rules`, `ModelRunner.check_logits_processor` or
         `StructuredOutputManager.matcher`, not `check_admissible`."""
+        if isinstance(prompt_token_ids, str):
+            raise ValueError(
+                "prompt_token_ids must be a list of token ids, not a str: tokenize it first "
+                "(llm.get_tokenizer().encode(text)), or use LLM.generate, which takes text"
+            )
         params = dataclasses.replace(params)  # SamplingParams.__post_init__ checks the copy
         if (k := params.truncate_prompt_tokens) is not None:
             prompt_token_ids = prompt_token_ids[-(self.max_model_len if k == -1 else k) :]

@@ -49,6 +49,8 @@ def main(argv: list[str] | None = None, factory=None) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # while the core starts: stop it too
     try:
         args = build_parser().parse_args(argv)
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port {args.port} is invalid: a TCP port is 0 to 65535")
         client = EngineCoreClient(factory or functools.partial(make_llm, args))
     except ValueError as e:
         return fail(str(e))

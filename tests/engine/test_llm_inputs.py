@@ -314,3 +314,10 @@ def test_update_params_equals_a_fresh_llm_without_recompiling(llm):
         llm.update_params({**old, "embed": old["embed"].astype(jnp.float16)})
     with pytest.raises(ValueError, match="tree differs"):
         llm.update_params({k: v for k, v in old.items() if k != "embed"})
+
+
+def test_engine_door_refuses_text_with_a_hint(llm):
+    """vLLM's ``add_request`` takes text; ours takes token ids and says so."""
+    with pytest.raises(ValueError, match="not a str: tokenize it first"):
+        llm.engine.add_request("hi", GREEDY)
+    assert not llm.engine.has_unfinished()

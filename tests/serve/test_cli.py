@@ -15,6 +15,8 @@ import time
 import urllib.error
 import urllib.request
 
+import pytest
+
 from .conftest import KEY
 
 
@@ -262,3 +264,12 @@ def test_server_compiles_in_the_step_on_a_cpu(tiny_checkpoint):
     assert llm.engine.stats().num_compiles == 0
     args = build_parser().parse_args(["--precompile"])
     assert args.precompile is True
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_outside_the_tcp_range_is_one_line(port, capsys):
+    from jaxinfer.serve.__main__ import main
+
+    assert main(["--port", port]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --port {port} is invalid: a TCP port is 0 to 65535"], err

@@ -19,20 +19,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-QWEN3_8B = dict(
-    model_type="qwen3",
-    vocab_size=151936,
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=40960,
-    tie_word_embeddings=False,
-)
-
 
 def time_decode(llm, batch: int, context: int, steps: int, seed: int = 0) -> tuple[float, int]:
     """(mean ms per engine step of ``steps`` decode steps at ``batch`` rows, programs compiled
@@ -73,8 +59,9 @@ def main() -> None:
 
     from jaxinfer import LLM, models
     from jaxinfer.config import ModelConfig
+    from scripts.decode_step import QWEN3_8B
 
-    cfg = ModelConfig.from_hf_config(dict(QWEN3_8B, num_hidden_layers=args.layers))
+    cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM.from_params(
         cfg,

@@ -62,29 +62,18 @@ def forward_step(
     picked = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], f["tokens"][starts])
     tokens = f["tokens"].at[starts].set(picked, mode="drop")
     step_kv = kv.replace(block_tables=f["block_tables"], seq_lens=f["seq_lens"])
-    if key.decode:  # row r is token r: the [B, T=1] layout of the decode kernels
-        col = lambda x: x[:, None]  # noqa: E731
-        hidden, new = models.forward(
-            params,
-            cfg,
-            col(tokens),
-            col(f["positions"]),
-            col(f["slot_mapping"]),
-            step_kv,
-            kernels=kernels,
-        )
-    else:
-        row = lambda x: x[None]  # noqa: E731
-        hidden, new = models.forward(
-            params,
-            cfg,
-            row(tokens),
-            row(f["positions"]),
-            row(f["slot_mapping"]),
-            step_kv,
-            kernels=kernels,
-            ragged=Ragged(f["query_start_loc"]),
-        )
+    # decode: row r is token r, the [B, T=1] layout of the decode kernels; else rows over [1, T]
+    lay = (lambda x: x[:, None]) if key.decode else (lambda x: x[None])
+    hidden, new = models.forward(
+        params,
+        cfg,
+        lay(tokens),
+        lay(f["positions"]),
+        lay(f["slot_mapping"]),
+        step_kv,
+        kernels=kernels,
+        ragged=None if key.decode else Ragged(f["query_start_loc"]),
+    )
     hidden = hidden.reshape(-1, hidden.shape[-1])
     with jax.named_scope("lm_head"):
         logits = models.compute_logits(params, cfg, hidden[f["logits_indices"]])

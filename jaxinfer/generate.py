@@ -221,28 +221,76 @@ def _listed(indices) -> str:
     return ", ".join(map(str, sorted(indices)))
 
 
+def _checked_prompts(args) -> tuple[list[str], set[int]]:
+    """The prompts of ``args`` and the indices of the empty ones, before the model loads.
+    ValueError: --stream with what it cannot print, no prompt, or every prompt empty."""
+    if args.stream and (args.json or args.n > 1 or args.logprobs is not None):
+        raise ValueError(
+            "--stream prints one sample's text per prompt as it comes: it cannot "
+            "be combined with --json, --n above 1 or --logprobs"
+        )
+    prompts = args.prompt + (_read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    if not prompts:
+        raise ValueError("no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE")
+    empty = {i for i, p in enumerate(prompts) if not p}
+    if len(empty) == len(prompts):
+        many = len(empty) > 1
+        raise ValueError(
+            EMPTY.format(f"prompt{'s' * many} {_listed(empty)} {'are' if many else 'is'}")
+        )
+    return prompts, empty
+
+
+def _chat_ids(llm, prompt: str) -> list[int]:
+    return llm.apply_chat_template([{"role": "user", "content": prompt}])
+
+
+def _print_outputs(args, prompts: list[str], empty: set[int], outs) -> None:
+    """Each prompt's answers on stdout (not with --stream: printed as they came), or its error
+    on stderr; ``outs``: the outputs of the prompts not in ``empty``, in order."""
+    ran = iter(outs)
+    for i in range(len(prompts)):
+        if i in empty:
+            sys.stderr.write(f"error: {EMPTY.format(f'prompt {i} is')}\n")
+        elif (o := next(ran)).error:
+            sys.stderr.write(f"error: prompt {i}: {o.error}\n")
+        elif not args.stream:
+            for c in o.outputs:
+                _print(args, i, prompts, o, c)
+
+
+def _print_stats(args, llm, ok, wall: float, times: tuple[float, float, float]) -> None:
+    """The statistics line on stderr (none when every prompt failed) and, with --verbose, the
+    phases from ``times`` (perf_counter at main's start, after imports, at generate)."""
+    t_start, t_import, t0 = times
+    n_gen = sum(len(c.token_ids) for o in ok for c in o.outputs)
+    ttfts = [o.metrics.ttft_s for o in ok if o.metrics and o.metrics.ttft_s is not None]
+    if ok:  # a run whose every prompt failed prints only its errors
+        print(
+            f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "
+            f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
+            f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, step "
+            f"compiles or cache loads included), shapes: {llm.engine.stats().num_compiles}",
+            file=sys.stderr,
+        )
+    if args.verbose:
+        first = min(ttfts, default=float("nan")) + t0 - t_start
+        print(
+            f"phases: imports {t_import - t_start:.1f} s, load {t0 - t_import:.1f} s, compile "
+            f"{llm.engine.stats().compile_s:.1f} s ({llm.engine.stats().num_compiles} shapes), "
+            f"first token {first:.1f} s, total {time.perf_counter() - t_start:.1f} s "
+            "(from the start of main)",
+            file=sys.stderr,
+        )
+
+
 def _main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     from jaxinfer.sampling_params import SamplingParams
 
     try:  # the options, prompts, SamplingParams and LLM; a bad one: one line, exit code 2
         args = build_parser().parse_args(argv)
-        if args.stream and (args.json or args.n > 1 or args.logprobs is not None):
-            raise ValueError(
-                "--stream prints one sample's text per prompt as it comes: it cannot "
-                "be combined with --json, --n above 1 or --logprobs"
-            )
-        prompts = args.prompt + (_read_prompts_file(args.prompts_file) if args.prompts_file else [])
-        if not prompts:
-            raise ValueError(
-                "no prompt given: use --prompt TEXT (repeatable) or --prompts-file FILE"
-            )
-        empty = {i for i, p in enumerate(prompts) if not p}  # checked before the model loads
-        if len(empty) == len(prompts):
-            many = len(empty) > 1
-            raise ValueError(
-                EMPTY.format(f"prompt{'s' * many} {_listed(empty)} {'are' if many else 'is'}")
-            )
+        prompts, empty = _checked_prompts(args)
         params = SamplingParams(
             stop=tuple(args.stop),
             ignore_eos=args.ignore_eos,
@@ -258,31 +306,23 @@ def _main(argv: list[str] | None = None) -> int:
         if line := _loading_line(args.model):
             say(line)
         llm = make_llm(args, tokenizer=args.tokenizer)
-        inputs = (
-            [
-                {
-                    "prompt": p,
-                    "prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}]),
-                }
-                for i, p in enumerate(prompts)
-                if i not in empty
-            ]
+        kept = [i for i in range(len(prompts)) if i not in empty]
+        inputs = [
+            {"prompt": prompts[i], "prompt_token_ids": _chat_ids(llm, prompts[i])}
             if args.chat
-            else [p for i, p in enumerate(prompts) if i not in empty]
-        )
+            else prompts[i]
+            for i in kept
+        ]
     except (ValueError, FileNotFoundError) as e:
         return fail(str(e))
     if compile_line:
         say(compile_line)
-
-    kept = [i for i in range(len(prompts)) if i not in empty]
 
     def print_delta(i, _ids, delta):
         if delta:  # empty: text held back (a possible stop string) or not complete
             sys.stdout.write(f"[{kept[i]}] {delta}\n" if len(prompts) > 1 else delta)
             sys.stdout.flush()
 
-    info = sys.stderr  # statistics beside the answers, never mixed into them
     t0 = time.perf_counter()
     outs = llm.generate(
         inputs,
@@ -294,34 +334,8 @@ def _main(argv: list[str] | None = None) -> int:
     wall, ok = time.perf_counter() - t0, [o for o in outs if not o.error]
     if args.stream:
         sys.stdout.write("\n")
-    ran = iter(outs)  # the outputs of the prompts that were not empty, in order
-    for i in range(len(prompts)):
-        if i in empty:
-            sys.stderr.write(f"error: {EMPTY.format(f'prompt {i} is')}\n")
-        elif (o := next(ran)).error:
-            sys.stderr.write(f"error: prompt {i}: {o.error}\n")
-        elif not args.stream:
-            for c in o.outputs:
-                _print(args, i, prompts, o, c)
-    n_gen = sum(len(c.token_ids) for o in ok for c in o.outputs)
-    ttfts = [o.metrics.ttft_s for o in ok if o.metrics and o.metrics.ttft_s is not None]
-    if ok:  # a run whose every prompt failed prints only its errors
-        print(
-            f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "
-            f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
-            f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, step "
-            f"compiles or cache loads included), shapes: {llm.engine.stats().num_compiles}",
-            file=info,
-        )
-    if args.verbose:
-        first = min(ttfts, default=float("nan")) + t0 - t_start
-        print(
-            f"phases: imports {t_import - t_start:.1f} s, load {t0 - t_import:.1f} s, compile "
-            f"{llm.engine.stats().compile_s:.1f} s ({llm.engine.stats().num_compiles} shapes), "
-            f"first token {first:.1f} s, total {time.perf_counter() - t_start:.1f} s "
-            "(from the start of main)",
-            file=info,
-        )
+    _print_outputs(args, prompts, empty, outs)
+    _print_stats(args, llm, ok, wall, (t_start, t_import, t0))
     return 2 if len(ok) < len(prompts) else 0
 
 

@@ -282,7 +282,7 @@ class LLMEngine:
     def _constrained(self, launched: Launched) -> bool:
         """Whether a sampled row of the step has a grammar or token rules (a bitmask to fill)."""
         return any(
-            d and s.matcher is not None or d and s.rules is not None
+            d and (s.matcher is not None or s.rules is not None)
             for s, d in zip(launched.batch.seqs, launched.batch.do_sample)
         )
 

@@ -81,6 +81,7 @@ def test_host_side_imports_no_jax():
         "jaxinfer.serve.__main__",
         "jaxinfer.cli_args",
         "jaxinfer.engine.structured",
+        "jaxinfer.spec.ngram",
     ]
     code = (
         f"import sys, {', '.join(host)}; "

@@ -1,0 +1,1 @@
+"""Speculative decoding, host side: draft proposers that import no JAX."""

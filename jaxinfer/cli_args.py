@@ -8,7 +8,7 @@ import dataclasses
 import os
 import sys
 
-from jaxinfer.config import EngineConfig, KernelConfig
+from jaxinfer.config import EngineConfig, KernelConfig, SpeculativeConfig
 
 ENGINE_OPTIONS = tuple(
     f.name
@@ -49,16 +49,27 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _kernels(spec: str) -> KernelConfig:
-    try:
-        return KernelConfig.parse(spec)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _parsed_by(parse):
+    """An argparse ``type`` calling ``parse(str)``: its ValueError's message is argparse's error
+    (``argument --flag: message``), not argparse's generic "invalid value"."""
+
+    def parsed(spec: str):
+        try:
+            return parse(spec)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    parsed.__name__ = parse.__name__
+    return parsed
+
+
+_PARSED = {"speculative_config": _parsed_by(SpeculativeConfig.from_value)}  # str -> the field
 
 
 def engine_parser(prog: str, description: str) -> Parser:
     """A `Parser` with ``--model``, the group of `ENGINE_OPTIONS` (type, default and help from
-    `EngineConfig`) and ``--kernels SPEC`` (`KernelConfig.parse`)."""
+    `EngineConfig`; ``--speculative-config JSON``: `SpeculativeConfig.from_value`) and
+    ``--kernels SPEC`` (`KernelConfig.parse`)."""
     p = Parser(prog, description)
     p.add_argument(
         "--model",
@@ -68,7 +79,9 @@ def engine_parser(prog: str, description: str) -> Parser:
     g = p.add_argument_group("engine (jaxinfer.config.EngineConfig)")
     for f in (f for f in dataclasses.fields(EngineConfig) if f.name in ENGINE_OPTIONS):
         kind = (
-            dict(action=argparse.BooleanOptionalAction)
+            dict(type=_PARSED[f.name])
+            if f.name in _PARSED
+            else dict(action=argparse.BooleanOptionalAction)
             if f.type == "bool"
             # f.type: str
             else dict(type=float if "float" in f.type else int if "int" in f.type else str)
@@ -76,7 +89,7 @@ def engine_parser(prog: str, description: str) -> Parser:
         g.add_argument(flag(f.name), default=f.default, **kind, **f.metadata)
     g.add_argument(
         "--kernels",
-        type=_kernels,
+        type=_parsed_by(KernelConfig.parse),
         default=KernelConfig(),
         metavar="SPEC",
         help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"

@@ -260,19 +260,23 @@ def _print_outputs(args, prompts: list[str], empty: set[int], outs) -> None:
 
 
 def _print_stats(args, llm, ok, wall: float, times: tuple[float, float, float]) -> None:
-    """The statistics line on stderr (none when every prompt failed) and, with --verbose, the
+    """The statistics line on stderr (none when every prompt failed; with
+    ``--speculative-config``, the mean acceptance length at its end) and, with --verbose, the
     phases from ``times`` (perf_counter at main's start, after imports, at generate)."""
     t_start, t_import, t0 = times
     n_gen = sum(len(c.token_ids) for o in ok for c in o.outputs)
     ttfts = [o.metrics.ttft_s for o in ok if o.metrics and o.metrics.ttft_s is not None]
+    stats = llm.engine.stats()
     if ok:  # a run whose every prompt failed prints only its errors
-        print(
+        line = (
             f"prompt tokens: {sum(len(o.prompt_token_ids) for o in ok)}, generated "
             f"tokens: {n_gen}, mean TTFT: {sum(ttfts) / max(len(ttfts), 1) * 1e3:.1f} ms, "
             f"throughput: {n_gen / wall if wall > 0 else 0.0:.1f} tok/s (wall time, step "
-            f"compiles or cache loads included), shapes: {llm.engine.stats().num_compiles}",
-            file=sys.stderr,
+            f"compiles or cache loads included), shapes: {stats.num_compiles}"
         )
+        if args.speculative_config is not None:
+            line += f", mean acceptance length: {stats.spec_mean_acceptance_length:.2f}"
+        print(line, file=sys.stderr)
     if args.verbose:
         first = min(ttfts, default=float("nan")) + t0 - t_start
         print(

@@ -25,21 +25,45 @@ PROFILER_DIR_ENV = "JAXINFER_PROFILER_DIR"  # `LLM.start_profile`'s default dire
 
 @dataclasses.dataclass(frozen=True)
 class Metric:
-    """One entry of `LLM.get_metrics` (vLLM's ``vllm.v1.metrics.reader`` names)."""
+    """One entry of `LLM.get_metrics` (vLLM's ``vllm.v1.metrics.reader`` names): a `Counter`,
+    a `Gauge` or a `Vector`."""
 
     name: str
     labels: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Counter(Metric):
+    """A `Metric` that only grows."""
+
+    value: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Gauge(Metric):
+    """A `Metric` that is a level now."""
+
     value: float
 
 
-Counter = type("Counter", (Metric,), {"__doc__": "A `Metric` that only grows."})
-Gauge = type("Gauge", (Metric,), {"__doc__": "A `Metric` that is a level now."})
+@dataclasses.dataclass(frozen=True)
+class Vector(Metric):
+    """Counters in order, one per draft position (vLLM's, for
+    ``vllm:spec_decode_num_accepted_tokens_per_pos`` only)."""
+
+    values: list[int]
+
+
 _METRICS = (  # vLLM's names where the engine has the same counter
     (Gauge, "vllm:num_requests_running", lambda s: s.num_running),
     (Gauge, "vllm:num_requests_waiting", lambda s: s.num_waiting),
     (Gauge, "vllm:kv_cache_usage_perc", lambda s: s.kv_pages_in_use / max(s.kv_pages_total, 1)),
     (Counter, "vllm:prefix_cache_queries", lambda s: s.prefix_cache_queries),
     (Counter, "vllm:prefix_cache_hits", lambda s: s.prefix_cache_hits),
+    (Counter, "vllm:spec_decode_num_drafts", lambda s: s.spec_num_drafts),
+    (Counter, "vllm:spec_decode_num_draft_tokens", lambda s: s.spec_num_draft_tokens),
+    (Counter, "vllm:spec_decode_num_accepted_tokens", lambda s: s.spec_num_accepted_tokens),
+    (Vector, "vllm:spec_decode_num_accepted_tokens_per_pos", lambda s: s.spec_accepted_per_pos),
     (Counter, "jaxinfer:num_steps", lambda s: s.num_steps),
     (Gauge, "jaxinfer:compiled_step_shapes", lambda s: s.num_compiles),
 )
@@ -289,8 +313,13 @@ class LLM(Prompts):
         )
 
     def get_metrics(self) -> list[Metric]:
-        """The engine's counters and gauges now (`_METRICS`; vLLM V1's ``get_metrics``)."""
-        return [k(name, {}, value(s)) for s in [self.engine.stats()] for k, name, value in _METRICS]
+        """The engine's counters and gauges now (`_METRICS`; vLLM V1's ``get_metrics``); the
+        speculative-decoding ones are there, zero, without ``speculative_config`` too, and the
+        per-position `Vector` has ``num_speculative_tokens`` values (none without it)."""
+        spec = self.engine.resolved.engine.speculative_config
+        s = self.engine.stats()
+        s.spec_accepted_per_pos = s.accepted_per_pos(spec.num_speculative_tokens if spec else 0)
+        return [kind(name, {}, value(s)) for kind, name, value in _METRICS]
 
     def start_profile(self, profile_dir: str | None = None) -> None:
         """A `jax.profiler` trace into ``profile_dir``, else ``$JAXINFER_PROFILER_DIR`` (vLLM's

@@ -11,6 +11,7 @@ from typing import Any
 from jaxinfer.checks import is_int, is_number
 from jaxinfer.config.kernels import _BUCKETS, KernelConfig
 from jaxinfer.config.model import _check, _fail
+from jaxinfer.config.speculative import SpeculativeConfig
 from jaxinfer.sampling_params import MAX_LOGPROBS
 from pallas_kernels.sizes import is_pow2
 
@@ -26,9 +27,77 @@ def _optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or ok(v)
 
 
+def _rules() -> tuple:
+    """`EngineConfig`'s field checks for `_check`: (field, ok(value), what is allowed)."""
+    positive, fraction, fields = (
+        "must be a positive integer",
+        "must be a number in (0, 1]",
+        dataclasses.fields(EngineConfig),
+    )
+    return (
+        *(
+            (
+                f.name,
+                _optional(is_number) if "None" in f.type else is_number,
+                f"must be {'None or ' * ('None' in f.type)}a number",
+            )
+            for f in fields
+            if f.type.startswith("float")
+        ),
+        *(
+            (f.name, lambda v: isinstance(v, bool), "must be True or False")
+            for f in fields
+            if f.type == "bool"
+        ),
+        *(
+            (n, lambda v: is_int(v, 1), positive)
+            for n in (
+                "page_size",
+                "max_num_seqs",
+                "max_num_batched_tokens",
+                "tensor_parallel_size",
+            )
+        ),
+        ("max_model_len", _optional(lambda v: is_int(v, 1)), positive),
+        ("page_size", is_pow2, "must be a power of two (8, 16, 32, 64, ...)"),
+        (
+            "num_pages",
+            _optional(lambda v: is_int(v, 2)),
+            "must be an integer >= 2 (page 0 is the null page)",
+        ),
+        ("memory_fraction", lambda v: 0.0 < v <= 1.0, fraction),
+        ("gpu_memory_utilization", _optional(lambda v: 0.0 < v <= 1.0), fraction),
+        (
+            "dtype",
+            (None, "float32", "bfloat16", "float16", *_DTYPE_ALIASES).__contains__,
+            "allowed: None or 'auto' (bfloat16 on GPU, else float32), "
+            "'float32' (= 'float'), 'bfloat16', 'float16' (= 'half')",
+        ),
+        ("seed", is_int, "must be an integer"),
+        (
+            "compilation_cache_dir",
+            _optional(lambda v: isinstance(v, (str, os.PathLike))),
+            "must be None, 'auto', 'none' or a path",
+        ),
+        (
+            "kv_cache_dtype",
+            KV_CACHE_DTYPES.__contains__,
+            "allowed: 'auto' (the compute dtype), 'fp8' or 'fp8_e4m3' (float8_e4m3fn)",
+        ),
+        ("quantization", (None, "fp8").__contains__, "allowed: None or 'fp8'"),
+        (
+            "max_logprobs",
+            lambda v: is_int(v, 0) and v <= MAX_LOGPROBS,
+            f"must be an integer in [0, {MAX_LOGPROBS}]",
+        ),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """User settings (vLLM's meanings; see each ``help``); ``kernels``: a `KernelConfig` or str."""
+    """User settings (vLLM's meanings; see each ``help``); ``kernels``: a `KernelConfig` or str;
+    ``speculative_config``: None, a `SpeculativeConfig`, a dict or a JSON string of one
+    (`SpeculativeConfig.from_value`), kept as a `SpeculativeConfig` or None."""
 
     max_model_len: int | None = _user(
         None, "most tokens (prompt + generated) of one sequence; default: max_position_embeddings"
@@ -105,76 +174,22 @@ class EngineConfig:
         "most log-probabilities a request may ask for per "
         f"token (logprobs, prompt_logprobs), at most {MAX_LOGPROBS}",
     )
+    speculative_config: SpeculativeConfig | None = _user(
+        None,
+        "speculative decoding (vLLM's speculative_config), a JSON object: method ('ngram', "
+        "'draft_model', 'eagle3'), num_speculative_tokens (required), model (draft_model, "
+        "eagle3), prompt_lookup_max/min (ngram), disable_by_batch_size; e.g. "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (docs/speculative_decoding.md)',
+        metavar="JSON",
+    )
     kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:
-        positive, fraction, fields = (
-            "must be a positive integer",
-            "must be a number in (0, 1]",
-            dataclasses.fields(self),
-        )
-        _check(
-            self,
-            (
-                *(
-                    (
-                        f.name,
-                        _optional(is_number) if "None" in f.type else is_number,
-                        f"must be {'None or ' * ('None' in f.type)}a number",
-                    )
-                    for f in fields
-                    if f.type.startswith("float")
-                ),
-                *(
-                    (f.name, lambda v: isinstance(v, bool), "must be True or False")
-                    for f in fields
-                    if f.type == "bool"
-                ),
-                *(
-                    (n, lambda v: is_int(v, 1), positive)
-                    for n in (
-                        "page_size",
-                        "max_num_seqs",
-                        "max_num_batched_tokens",
-                        "tensor_parallel_size",
-                    )
-                ),
-                ("max_model_len", _optional(lambda v: is_int(v, 1)), positive),
-                ("page_size", is_pow2, "must be a power of two (8, 16, 32, 64, ...)"),
-                (
-                    "num_pages",
-                    _optional(lambda v: is_int(v, 2)),
-                    "must be an integer >= 2 (page 0 is the null page)",
-                ),
-                ("memory_fraction", lambda v: 0.0 < v <= 1.0, fraction),
-                ("gpu_memory_utilization", _optional(lambda v: 0.0 < v <= 1.0), fraction),
-                (
-                    "dtype",
-                    (None, "float32", "bfloat16", "float16", *_DTYPE_ALIASES).__contains__,
-                    "allowed: None or 'auto' (bfloat16 on GPU, else float32), "
-                    "'float32' (= 'float'), 'bfloat16', 'float16' (= 'half')",
-                ),
-                ("seed", is_int, "must be an integer"),
-                (
-                    "compilation_cache_dir",
-                    _optional(lambda v: isinstance(v, (str, os.PathLike))),
-                    "must be None, 'auto', 'none' or a path",
-                ),
-                (
-                    "kv_cache_dtype",
-                    KV_CACHE_DTYPES.__contains__,
-                    "allowed: 'auto' (the compute dtype), 'fp8' or 'fp8_e4m3' (float8_e4m3fn)",
-                ),
-                ("quantization", (None, "fp8").__contains__, "allowed: None or 'fp8'"),
-                (
-                    "max_logprobs",
-                    lambda v: is_int(v, 0) and v <= MAX_LOGPROBS,
-                    f"must be an integer in [0, {MAX_LOGPROBS}]",
-                ),
-            ),
-        )
+        _check(self, _RULES)
         object.__setattr__(self, "dtype", _DTYPE_ALIASES.get(self.dtype, self.dtype))
         object.__setattr__(self, "kernels", KernelConfig.parse(self.kernels))
+        spec = SpeculativeConfig.from_value(self.speculative_config)
+        object.__setattr__(self, "speculative_config", spec)
         for name, limit in zip(_BUCKETS, ("max_num_seqs", "max_num_batched_tokens")):
             if (b := getattr(self.kernels, name)) and b[-1] < getattr(self, limit):
                 _fail(
@@ -183,3 +198,6 @@ class EngineConfig:
                     b,
                     f"the largest must be >= {limit}={getattr(self, limit)}",
                 )
+
+
+_RULES = _rules()

@@ -61,11 +61,15 @@ class StepOutputs(msgspec.Struct, array_like=True):
 
 
 def engine_stats(engine) -> dict[str, float]:
-    """`LLMEngine.stats`' numbers by name (counters, queue and KV pool sizes)."""
-    s = engine.stats()
+    """`LLMEngine.stats`' numbers by name (counters, queue and KV pool sizes); the accepted draft
+    tokens per position as ``spec_accepted_per_pos.{i}``, i < num_speculative_tokens (none
+    without ``speculative_config``)."""
+    s, spec = engine.stats(), engine.resolved.engine.speculative_config
+    per_pos = s.accepted_per_pos(spec.num_speculative_tokens if spec else 0)
     return {
         "num_compiles": s.num_compiles,
         "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+        **{f"spec_accepted_per_pos.{i}": n for i, n in enumerate(per_pos)},
         **{k: v for k, v in vars(s).items() if type(v) in (int, float)},
     }
 

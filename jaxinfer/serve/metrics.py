@@ -3,13 +3,46 @@
 import functools
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 _LATENCY = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 60.0, 120.0)
+_SPEC = (  # jaxinfer:spec_decode_NAME (vLLM's vllm:spec_decode_NAME), its help, its stats field
+    ("num_drafts", "rows verified with at least one draft token", "spec_num_drafts"),
+    ("num_draft_tokens", "draft tokens verified", "spec_num_draft_tokens"),
+    ("num_accepted_tokens", "draft tokens accepted", "spec_num_accepted_tokens"),
+)
+PER_POS = "spec_accepted_per_pos."  # + position: a `core.engine_stats` key
+
+
+class SpecDecodeCollector:
+    """vLLM's speculative-decoding counters as ``jaxinfer:spec_decode_*``, read from
+    ``client.stats`` when scraped: three counters (zero without speculation) and
+    ``jaxinfer:spec_decode_num_accepted_tokens_per_pos`` labelled ``position`` (0..k-1; no
+    sample without speculation)."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def collect(self):
+        stats = self.client.stats
+        for name, doc, field in _SPEC:
+            yield CounterMetricFamily("jaxinfer:spec_decode_" + name, doc, value=stats[field])
+        per_pos = CounterMetricFamily(
+            "jaxinfer:spec_decode_num_accepted_tokens_per_pos",
+            "draft tokens accepted at each draft position",
+            labels=["position"],
+        )
+        for pos, n in sorted(
+            (int(k[len(PER_POS) :]), v) for k, v in stats.items() if k.startswith(PER_POS)
+        ):
+            per_pos.add_metric([str(pos)], n)
+        yield per_pos
 
 
 class ServerMetrics:
-    """Counters, histograms (`record`); gauges read from ``client.stats`` (the engine core's
-    latest `core.engine_stats`, an `EngineCoreClient`'s) when scraped."""
+    """Counters, histograms (`record`); gauges and the `SpecDecodeCollector` counters read from
+    ``client.stats`` (the engine core's latest `core.engine_stats`, an `EngineCoreClient`'s)
+    when scraped."""
 
     def __init__(self, client) -> None:
         self.registry = r = CollectorRegistry()
@@ -42,6 +75,7 @@ class ServerMetrics:
             Gauge(p + name, doc, registry=r).set_function(
                 lambda field=field: float(client.stats[field])
             )
+        r.register(SpecDecodeCollector(client))
 
     def record(self, seqs) -> None:
         """Count a finished request from its samples' `Sequence`s (per-sample token counts;

@@ -52,6 +52,10 @@ from .cli_runs import run_cli, run_main
         (["--prompt", "hi", "--kernels", "attention=mosaic"], "'attention=mosaic' is invalid"),
         (["--prompt", "hi", "--tensor-parallel-size", "0"], "tensor_parallel_size=0 is invalid"),
         (
+            ["--prompt", "hi", "--speculative-config", "{method: ngram}"],
+            "argument --speculative-config: speculative_config='{method: ngram}' is not valid JSON",
+        ),
+        (
             [
                 "--prompt",
                 "hi",

@@ -120,10 +120,10 @@ def test_output_fields(tiny):
 def test_llm_methods(tiny, tmp_path, monkeypatch):
     """vLLM's LLM methods: ``get_default_sampling_params()`` is ``SamplingParams()`` without a
     generation_config.json (with one: test_vllm_offline_script); ``get_metrics()`` lists
-    Counter and Gauge entries under vLLM V1's names; ``start_profile()``/``stop_profile()``
-    write a profiler trace into $JAXINFER_PROFILER_DIR (vLLM's VLLM_TORCH_PROFILER_DIR) or the
-    directory given, and with neither say so; ``encode`` (vLLM's pooling) is refused, naming
-    the tokenizer's encode."""
+    Counter and Gauge entries under vLLM V1's names (the spec_decode ones at zero without
+    speculative_config); ``start_profile()``/``stop_profile()`` write a profiler trace into
+    $JAXINFER_PROFILER_DIR (vLLM's VLLM_TORCH_PROFILER_DIR) or the directory given, and with
+    neither say so; ``encode`` (vLLM's pooling) is refused, naming the tokenizer's encode."""
     assert tiny.get_default_sampling_params() == SamplingParams()
     before = {m.name: m for m in tiny.get_metrics()}
     assert isinstance(before["vllm:prefix_cache_queries"], Counter)
@@ -139,10 +139,14 @@ def test_llm_methods(tiny, tmp_path, monkeypatch):
     tiny.stop_profile()
     for d in ("arg", "env"):
         assert list((tmp_path / d).rglob("*.xplane.pb")), d
-    after = {m.name: m.value for m in tiny.get_metrics()}
+    after = {m.name: getattr(m, "value", None) for m in tiny.get_metrics()}  # Vector: values
     assert after["vllm:prefix_cache_queries"] > before["vllm:prefix_cache_queries"].value
     assert after["vllm:num_requests_running"] == after["vllm:num_requests_waiting"] == 0
     assert after["jaxinfer:num_steps"] > before["jaxinfer:num_steps"].value
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):  # no speculative_config: zeros
+        assert isinstance(before[f"vllm:spec_decode_num_{name}"], Counter)
+        assert after[f"vllm:spec_decode_num_{name}"] == 0
+    assert before["vllm:spec_decode_num_accepted_tokens_per_pos"].values == []
     with pytest.raises(ValueError, match=r"pooling.*llm.get_tokenizer\(\)\.encode\(text\)"):
         tiny.encode(TEXT)
 

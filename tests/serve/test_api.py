@@ -344,3 +344,7 @@ def test_metrics_agree_with_requests(server, client, raw, wait_idle):
     assert after[("jaxinfer:num_requests_running", ())] == 0
     assert after[("jaxinfer:num_requests_waiting", ())] == 0
     assert after[("jaxinfer:kv_pages_in_use", ())] == 0
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):  # no speculation: zero counters
+        assert after[(f"jaxinfer:spec_decode_num_{name}_total", ())] == 0
+    _, body = asyncio.run(raw(server.port, b"", path="/metrics", method="GET"))
+    assert b"# TYPE jaxinfer:spec_decode_num_accepted_tokens_per_pos_total counter" in body

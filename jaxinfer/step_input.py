@@ -21,11 +21,14 @@ class ForwardKey(NamedTuple):
     """The forward's static sizes: ``tokens`` T (padded) and ``decode``: every row one token (the
     tokens laid out as [T, 1] rows, the decode kernel), else ragged rows over tokens [1, T];
     ``pages`` M, the block tables' width (0: `Sizes.pages`, the most a row can have; a page
-    bucket only where the attention's cost grows with M, the jnp reference's)."""
+    bucket only where the attention's cost grows with M, the jnp reference's); ``spec`` k:
+    speculative decoding's verify step (ragged; at most `Sizes.spec_rows` rows, each scored at
+    Q = k + 1 positions; 0: one position per row)."""
 
     tokens: int
     decode: bool
     pages: int = 0
+    spec: int = 0
 
 
 class SamplerKey(NamedTuple):
@@ -33,12 +36,15 @@ class SamplerKey(NamedTuple):
     "sample" (temperature, top-k/p, min-p, seeds), "full" (also penalties over the whole
     history, logit bias, the grammar bitmask and log-probabilities at ``max_logprobs``);
     ``bias`` E entries per row (level full; `BIAS_BUCKETS`); ``processors``: the distinct
-    logits processors of the sampled rows (user functions: each new tuple compiles anew)."""
+    logits processors of the sampled rows (user functions: each new tuple compiles anew);
+    ``spec`` k: the rows' logits come at Q = k + 1 positions each and `rejection.verify` emits
+    1 .. k + 1 tokens a row (0: `sampling.sample`, one token a row)."""
 
     rows: int
     level: str
     bias: int = 0
     processors: tuple = ()
+    spec: int = 0
 
 
 class StepShape(NamedTuple):
@@ -52,7 +58,8 @@ class StepShape(NamedTuple):
 
 class Field(NamedTuple):
     """An input of program ``group`` with ``shape`` in shape letters, padded with ``pad``;
-    ``level``: the sampler levels it is present at (None: all)."""
+    ``level``: the sampler levels it is present at (None: all); ``spec``: present only in
+    speculative steps (`SamplerKey.spec` > 0)."""
 
     name: str
     dtype: type
@@ -60,6 +67,7 @@ class Field(NamedTuple):
     group: str
     pad: int | float = 0
     levels: tuple[str, ...] | None = None
+    spec: bool = False
 
 
 FULL = ("full",)
@@ -70,7 +78,7 @@ FIELDS = (
     Field("query_start_loc", np.int32, ("R1",), "forward"),  # row r: tokens [q[r], q[r + 1])
     Field("seq_lens", np.int32, ("R",), "forward"),  # KV length after this step's write
     Field("block_tables", np.int32, ("R", "M"), "forward"),
-    Field("logits_indices", np.int32, ("R",), "forward"),  # the token of each row sampled
+    Field("logits_indices", np.int32, ("R", "Q"), "forward"),  # the tokens of each row scored
     Field("pending_src", np.int32, ("R",), "forward", -1),  # row of prev_tokens, or -1
     Field("temperature", np.float32, ("R",), "sampling"),
     Field("top_k", np.int32, ("R",), "sampling"),  # 0: off
@@ -87,37 +95,49 @@ FIELDS = (
     Field("bias_values", np.float32, ("R", "E"), "sampling", 0, FULL),
     Field("bitmask", np.int32, ("R", "W"), "sampling", -1, FULL),  # bit v%32 of [r, v//32]
     Field("processor_rows", np.int32, ("R", "J"), "sampling", 0, FULL),  # 1: row uses j
+    Field("draft_tokens", np.int32, ("R", "Q"), "sampling", -1, None, True),  # then -1s
     Field("prompt_lp_index", np.int32, ("P",), "prompt"),  # flat token index scored
     Field("prompt_lp_next", np.int32, ("P",), "prompt", -1),  # the prompt token after it
 )
 
 
-def names(group: str, level: str = "full") -> list[str]:
-    """Names of ``group``'s fields present at sampler ``level``, in `FIELDS` order."""
-    return [f.name for f in FIELDS if f.group == group and (f.levels is None or level in f.levels)]
+def _present(f: Field, group: str, level: str, spec: int) -> bool:
+    return f.group == group and (f.levels is None or level in f.levels) and (spec or not f.spec)
+
+
+def names(group: str, level: str = "full", spec: int = 0) -> list[str]:
+    """Names of ``group``'s fields present at sampler ``level`` (and ``spec``), in `FIELDS`
+    order."""
+    return [f.name for f in FIELDS if _present(f, group, level, spec)]
 
 
 @dataclass(frozen=True)
 class Sizes:
     """The engine's fixed sizes the schema needs: ``pages`` M per row, ``history`` Lh (the
     penalty history, max_model_len), ``mask_words`` W (ceil(V / 32)), ``max_rows`` (the
-    largest row bucket: prev_tokens' length)."""
+    largest row bucket: prev_tokens' length), ``spec_rows`` (the rows of a speculative step's
+    forward; 0: no speculation)."""
 
     pages: int
     history: int
     mask_words: int
     max_rows: int
+    spec_rows: int = 0
 
 
-def rows_of(key: ForwardKey, max_rows: int) -> int:
-    """R of a forward: T for a decode step, else min(T, ``max_rows``) (each row has a token)."""
-    return key.tokens if key.decode else min(key.tokens, max_rows)
+def rows_of(key: ForwardKey, sizes: Sizes) -> int:
+    """R of a forward: T for a decode step, else min(T, ``max_rows``) (each row has a token),
+    or min(T, ``spec_rows``) for a speculative step."""
+    if key.decode:
+        return key.tokens
+    return min(key.tokens, sizes.spec_rows if key.spec else sizes.max_rows)
 
 
 def layout(group: str, shape: StepShape, sizes: Sizes) -> tuple[tuple[Field, tuple], ...]:
     """``((field, shape), ...)`` in buffer order of program ``group`` for a step of ``shape``."""
-    R, s = rows_of(shape.forward, sizes.max_rows), shape.sampler
+    R, s = rows_of(shape.forward, sizes), shape.sampler
     d = dict(
+        Q=(shape.forward.spec if group == "forward" else s.spec) + 1,
         T=shape.forward.tokens,
         R=R,
         R1=R + 1,
@@ -129,9 +149,7 @@ def layout(group: str, shape: StepShape, sizes: Sizes) -> tuple[tuple[Field, tup
         P=shape.prompt,
     )
     return tuple(
-        (f, tuple(d[n] for n in f.shape))
-        for f in FIELDS
-        if f.group == group and (f.levels is None or s.level in f.levels)
+        (f, tuple(d[n] for n in f.shape)) for f in FIELDS if _present(f, group, s.level, s.spec)
     )
 
 
@@ -165,7 +183,7 @@ def allocate(shape: StepShape, sizes: Sizes) -> HostBatch:
         for group in ("forward", "sampling", "prompt")
         for f, dims in layout(group, shape, sizes)
     }
-    R = rows_of(shape.forward, sizes.max_rows)
+    R = rows_of(shape.forward, sizes)
     return HostBatch(
         shape,
         sizes,
@@ -233,8 +251,10 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 @dataclass(frozen=True)
 class BucketSpec:
     """Padded sizes: ``batch`` (decode rows, also the sampler's rows), ``tokens`` (ragged T),
-    ``prompt`` (P scored prompt positions), the engine's fixed `Sizes`, and ``pages`` (M
-    buckets; empty: every forward's tables are `Sizes.pages` wide) of ``page_size`` tokens."""
+    ``prompt`` (P scored prompt positions), the engine's fixed `Sizes`, ``pages`` (M
+    buckets; empty: every forward's tables are `Sizes.pages` wide) of ``page_size`` tokens,
+    and speculative decoding's ``spec`` k drafts a row at most (0: off) with ``spec_tokens``,
+    the T buckets of its verify steps."""
 
     batch: tuple[int, ...]
     tokens: tuple[int, ...]
@@ -242,6 +262,8 @@ class BucketSpec:
     sizes: Sizes
     pages: tuple[int, ...] = ()
     page_size: int = 16
+    spec: int = 0
+    spec_tokens: tuple[int, ...] = ()
 
     @classmethod
     def build(
@@ -255,37 +277,48 @@ class BucketSpec:
         batch_buckets: tuple[int, ...] = (),
         token_buckets: tuple[int, ...] = (),
         page_buckets: bool = False,
+        spec: int = 0,
+        spec_rows: int = 0,
     ) -> "BucketSpec":
         """``page_buckets``: forwards keyed by M too (powers of two), for the jnp reference
         attention, which gathers every page of its table (the kernels stop at each row's
-        length, so M costs them nothing and their forwards are keyed by T alone)."""
+        length, so M costs them nothing and their forwards are keyed by T alone). ``spec`` k
+        and ``spec_rows``: verify steps of at most ``spec_rows`` rows (clipped to the largest
+        row bucket), T from the power of two >= k + 1 up to the token budget."""
         tokens = token_buckets or default_token_buckets(max_num_batched_tokens)
         batch = batch_buckets or default_batch_buckets(max_num_seqs)
         M = -(-max_model_len // page_size)
-        sizes = Sizes(M, max_model_len, -(-vocab_size // 32), batch[-1])
+        spec_rows = min(spec_rows, batch[-1]) if spec else 0
+        sizes = Sizes(M, max_model_len, -(-vocab_size // 32), batch[-1], spec_rows)
         pages = powers_of_two(1, M) if page_buckets else ()
-        return cls(batch, tokens, powers_of_two(16, tokens[-1]), sizes, pages, page_size)
+        lo = 1 << (spec).bit_length()  # the power of two above k, >= k + 1
+        spec_tokens = geometric(lo, max(lo, tokens[-1]), 1024) if spec else ()
+        prompt = powers_of_two(16, tokens[-1])
+        return cls(batch, tokens, prompt, sizes, pages, page_size, spec, spec_tokens)
 
     def forward_keys(self) -> list[ForwardKey]:
-        """Every forward shape: decode at each row bucket, ragged at each token bucket (each at
-        every page bucket, if any)."""
+        """Every forward shape: decode at each row bucket, ragged at each token bucket, verify
+        steps at each ``spec_tokens`` bucket (each at every page bucket, if any)."""
         ms = self.pages or (0,)
-        return [ForwardKey(b, True, m) for b in self.batch for m in ms] + [
-            ForwardKey(t, False, m) for t in self.tokens for m in ms
-        ]
+        return (
+            [ForwardKey(b, True, m) for b in self.batch for m in ms]
+            + [ForwardKey(t, False, m) for t in self.tokens for m in ms]
+            + [ForwardKey(t, False, m, self.spec) for t in self.spec_tokens for m in ms]
+        )
 
-    def sampler_rows(self) -> list[int]:
-        """Every sampler row count the forwards produce."""
-        rows = {rows_of(k, self.sizes.max_rows) for k in self.forward_keys()}
-        return sorted(rows)
+    def sampler_rows(self, spec: int = 0) -> list[int]:
+        """Every sampler row count the forwards with `ForwardKey.spec` ``spec`` produce."""
+        return sorted({rows_of(k, self.sizes) for k in self.forward_keys() if k.spec == spec})
 
     def planned(self) -> dict[str, list]:
         """The whole set compiled before serving: {"forward": `ForwardKey`s, "sampler":
         `SamplerKey`s at every level (full with the first `BIAS_BUCKETS` entry, no
-        processors)}. Prompt scorers and processors' samplers compile on first use."""
+        processors) for the rows of every forward}. Prompt scorers and processors' samplers
+        compile on first use."""
         samplers = [
-            SamplerKey(r, lv, BIAS_BUCKETS[0] if lv == "full" else 0)
-            for r in self.sampler_rows()
+            SamplerKey(r, lv, BIAS_BUCKETS[0] if lv == "full" else 0, (), k)
+            for k in sorted({0, self.spec})
+            for r in self.sampler_rows(k)
             for lv in LEVELS
         ]
         return dict(forward=self.forward_keys(), sampler=samplers)

@@ -97,7 +97,7 @@ def host_batch(
     a["tokens"][:] = np.random.default_rng(0).integers(0, min(1000, vocab), B)
     a["query_start_loc"][:] = np.arange(B + 1)
     a["seq_lens"][:] = ctx
-    a["logits_indices"][:] = np.arange(B)
+    a["logits_indices"][:, 0] = np.arange(B)
     a["seeds"][:] = np.arange(B)
     hb.sample_rows[:] = True
     return hb

@@ -44,12 +44,13 @@ def planned_set(buckets: BucketSpec) -> dict:
     each row count at each level; ``full_bias``: the full level's bias entries per row)."""
     planned = buckets.planned()
     fwd, smp = planned["forward"], planned["sampler"]
-    levels = {lv: [k.rows for k in smp if k.level == lv] for lv in LEVELS}
+    levels = {lv: [k.rows for k in smp if k.level == lv and not k.spec] for lv in LEVELS}
     assert all(rows == buckets.sampler_rows() for rows in levels.values())
     return dict(
         forwards=len(fwd),
         decode_rows=[k.tokens for k in fwd if k.decode],
-        ragged_tokens=[k.tokens for k in fwd if not k.decode],
+        ragged_tokens=[k.tokens for k in fwd if not k.decode and not k.spec],
+        verify_tokens=[k.tokens for k in fwd if k.spec],
         samplers=len(smp),
         sampler_rows=buckets.sampler_rows(),
         levels=list(LEVELS),
@@ -146,7 +147,7 @@ def simulate(
             dict(
                 forward="decode" if s.forward.decode else "ragged",
                 tokens=s.forward.tokens,
-                rows=rows_of(s.forward, buckets.sizes.max_rows),
+                rows=rows_of(s.forward, buckets.sizes),
                 sampler=s.sampler.level,
                 bias=s.sampler.bias,
                 prompt=s.prompt,

@@ -105,7 +105,8 @@ ALLOWED = {
     "jaxinfer.config": {"jaxinfer.config"} | SHARED,
     "jaxinfer.models": {"jaxinfer.config", "jaxinfer.models"} | SHARED,
     "jaxinfer.runner": {"jaxinfer.config", "jaxinfer.models", "jaxinfer.runner"} | SHARED,
-    "jaxinfer.engine": {"jaxinfer.config", "jaxinfer.engine"} | SHARED,
+    "jaxinfer.spec": {"jaxinfer.spec"} | SHARED,
+    "jaxinfer.engine": {"jaxinfer.config", "jaxinfer.spec", "jaxinfer.engine"} | SHARED,
 }
 
 

@@ -1,6 +1,6 @@
 """The scripts around the engine's step (no GPU): plan_step_shapes.py (the planned set, the
 host-only workload dry run), decode_step.py (bench_decode.py's runner, kernel and GEMM choices,
-decode knobs) and probes/step_trace.py (one line per engine step)."""
+decode knobs), probes/step_trace.py (one line per engine step) and bench_spec.py (--tiny)."""
 
 import os
 
@@ -98,7 +98,7 @@ def test_decode_runner_runs_the_engines_forward_and_sampler(tiny_cfg, tiny_param
     assert ds.check_against_reference(tiny_cfg, tiny_params, kc, {}, 3, 40, 16) == 0.0
     sizes = ds.decode_sizes(tiny_cfg, 4, 40, 16)
     hb = ds.host_batch(sizes, 4, 40, 16, True, tiny_cfg.vocab_size)
-    assert (hb.shape.forward, hb.shape.sampler.level) == ((4, True, 0), "greedy")
+    assert (hb.shape.forward, hb.shape.sampler.level) == ((4, True, 0, 0), "greedy")
     assert hb.block_tables.shape == (4, 3) and sorted(hb.block_tables.ravel()) == list(range(1, 13))
     pool = jnp.full((2, 13, 2, 16, 16), 0.01, jnp.bfloat16)
     (logits, _), _ = ds._FORWARD(
@@ -221,3 +221,40 @@ def test_bench_decode_defaults_to_the_engines_kernels():
     assert bench.knob_error(gpu, {"num_splits"}) is None
     assert "not knobs of decode attention 'mosaic'" in bench.knob_error(gpu, {"bogus"})
     assert "its knobs: none" in bench.knob_error(cpu, {"num_splits"})
+
+
+def test_bench_spec_tiny_rows(tmp_path):
+    """bench_spec.py's tiny CPU mode: plain rows, oracle rows at B = 1 (rate 0: every draft
+    rejected; 0.9: most accepted) and above the auto-off threshold (k = 4 at the wide rate
+    only); the JSON lines are the returned rows, ratios come from the row's own timings and its
+    plain row's, greedy outputs equal plain decoding's, the timed runs compiled nothing."""
+    import json
+
+    bench = load_script("bench_spec")
+    out = tmp_path / "spec.jsonl"
+    argv = ["--tiny", "--batches", "1,20", "--ks", "4", "--rates", "0,0.9", "--out", str(out)]
+    rows = bench.main(argv)
+    assert [json.loads(line) for line in open(out)] == rows
+    assert [(r["batch"], r["k"], r["rate"]) for r in rows] == [
+        (1, 0, None),
+        (20, 0, None),
+        (1, 4, 0.0),
+        (1, 4, 0.9),
+        (20, 4, 0.8),
+    ]
+    plain = {r["batch"]: r for r in rows if r["k"] == 0}
+    for r in rows:
+        assert r["bench"] == "spec" and r["device"] and "commit" in r and "date" in r
+        p = plain[r["batch"]]
+        assert r["plain_ms_per_token"] == p["ms_per_token"] > 0
+        assert r["ratio"] == pytest.approx(r["ms_per_token"] / p["ms_per_token"])
+        assert r["step_ratio"] == pytest.approx(r["ms_per_step"] / p["ms_per_step"])
+        assert r["e2e_ratio"] == pytest.approx(r["e2e_ms_per_token"] / p["e2e_ms_per_token"])
+        assert r["lazy_compiles"] == 0 and r["repeatable"] and r["mismatched_rows"] == []
+        assert r["tokens"] == r["batch"] * 16 and r["accepted"] <= r["draft_tokens"]
+        if r["drafts"]:
+            assert r["mean_acceptance_length"] == pytest.approx(1 + r["accepted"] / r["drafts"])
+    zero, high = rows[2], rows[3]
+    assert zero["drafts"] > 0 and zero["accepted"] == 0 and zero["mean_acceptance_length"] == 1
+    assert high["accepted"] > high["drafts"] and sum(high["accepted_per_pos"]) == high["accepted"]
+    assert plain[1]["drafts"] == 0 and plain[1]["ratio"] == 1.0

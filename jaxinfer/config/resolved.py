@@ -11,6 +11,7 @@ from jaxinfer.config.kernels import KERNEL_ALIASES, KernelConfig, check_platform
 from jaxinfer.config.model import ModelConfig, _fail, check_tp
 from pallas_kernels.paged_attention import registry
 
+DEFAULT_SPEC_DECODE_ROWS = 16  # disable_by_batch_size when unset (BENCHMARKS: verify steps)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
 FP8_KV_DECODE = ("reference", "triton")  # decode variants validated on fp8 pages
 
@@ -27,6 +28,12 @@ class ResolvedConfig:
     platform: str  # JAX backend: "cpu" | "gpu" | ...
     kv_dtype: str  # the KV pools': dtype or "float8_e4m3fn"
     quantization: str | None = None  # weights: None | "fp8"
+    spec_decode_rows: int = 0  # speculation while decode rows <= this (0: off); `spec_rows`
+
+    spec_rows = property(
+        lambda self: self.spec_decode_rows + 1 if self.spec_decode_rows else 0,
+        doc="Most rows of a verify step: its decode rows and one prefill row.",
+    )
 
     dtype_bytes = property(lambda self: DTYPE_BYTES[self.dtype])
     kv_dtype_bytes = property(lambda self: DTYPE_BYTES[self.kv_dtype])
@@ -94,4 +101,8 @@ def resolve(
         **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"},
         **({"cublas_decode_min_batch": None} if quant else {}),
     )
-    return ResolvedConfig(model, engine, kc, max_len, dtype, platform, kv_dtype, quant)
+    spec = engine.speculative_config
+    spec_rows = spec and (spec.disable_by_batch_size or DEFAULT_SPEC_DECODE_ROWS)
+    return ResolvedConfig(
+        model, engine, kc, max_len, dtype, platform, kv_dtype, quant, spec_rows or 0
+    )

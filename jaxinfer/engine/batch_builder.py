@@ -36,33 +36,41 @@ def _prompt_positions(batch) -> list[range]:
     return out
 
 
+def needs_full_sampler(s, eos_token_ids) -> bool:
+    """Whether sequence ``s``'s next token needs the sampler's "full" level: a bias entry
+    (`_bias`), a penalty, log-probabilities, a grammar, token rules or logits processors."""
+    p = s.params
+    return bool(_bias(s, eos_token_ids)) or bool(
+        p.needs_history
+        or p.logprobs is not None
+        or p.structured_outputs
+        or p.bad_words
+        or p.allowed_token_ids
+        or p.logits_processors
+    )
+
+
 def _level(batch, eos_token_ids) -> tuple[str, int]:
     """The sampler level (`step_input.LEVELS`) and bias entries E the sampled rows need."""
     rows = [s for s, d in zip(batch.seqs, batch.do_sample) if d] or batch.seqs
-    E = max(len(_bias(s, eos_token_ids)) for s in rows)
-    full = E or any(
-        s.params.needs_history
-        or s.params.logprobs is not None
-        or s.params.structured_outputs
-        or s.params.bad_words
-        or s.params.allowed_token_ids
-        or s.params.logits_processors
-        for s in rows
-    )
-    if full:
+    if any(needs_full_sampler(s, eos_token_ids) for s in rows):
+        E = max(len(_bias(s, eos_token_ids)) for s in rows)
         return "full", bucket(max(E, 1), BIAS_BUCKETS)
     return ("greedy" if all(s.params.greedy for s in rows) else "sample"), 0
 
 
 def step_shape(batch, *, buckets: BucketSpec, eos_token_ids=()) -> StepShape:
-    """The `StepShape` of a `ScheduledBatch`: decode if every row has one token (T = the row
-    bucket), else ragged (T = the token bucket of the tokens), M the page bucket of its longest
-    row (if the buckets have pages); the sampler at the forward's R
-    rows and the level its sampled rows need; P scored prompt positions bucketed."""
+    """The `StepShape` of a `ScheduledBatch`: a verify step if a row has drafts (T = the
+    ``spec_tokens`` bucket), else decode if every row has one token (T = the row bucket), else
+    ragged (T = the token bucket of the tokens), M the page bucket of its longest row (if the
+    buckets have pages); the sampler at the forward's R rows and the level its sampled rows
+    need; P scored prompt positions bucketed."""
     nums, ps = batch.num_new_tokens, buckets.page_size
     need = max(-(-(c + n) // ps) for c, n in zip(batch.start_positions, nums))
     M = bucket(need, buckets.pages) if buckets.pages else 0
-    if max(nums) == 1:
+    if batch.num_draft_tokens:
+        fwd = ForwardKey(bucket(sum(nums), buckets.spec_tokens), False, M, buckets.spec)
+    elif max(nums) == 1:
         fwd = ForwardKey(bucket(len(nums), buckets.batch), True, M)
     else:
         fwd = ForwardKey(bucket(sum(nums), buckets.tokens), False, M)
@@ -78,7 +86,7 @@ def step_shape(batch, *, buckets: BucketSpec, eos_token_ids=()) -> StepShape:
     P = sum(len(r) for r in _prompt_positions(batch))
     return StepShape(
         fwd,
-        SamplerKey(rows_of(fwd, buckets.sizes.max_rows), level, E, procs),
+        SamplerKey(rows_of(fwd, buckets.sizes), level, E, procs, fwd.spec),
         P and bucket(P, buckets.prompt),
     )
 
@@ -87,9 +95,11 @@ def _forward_row(a: dict, hb: HostBatch, batch, i: int, off: int, page_size: int
     """Row ``i``'s forward inputs: its tokens at ``off`` (the pending one from the device)."""
     s, n, c = batch.seqs[i], batch.num_new_tokens[i], batch.start_positions[i]
     pos, table = np.arange(c, c + n, dtype=np.int32), np.asarray(s.block_table, np.int32)
-    toks = slice(off, off + n)
+    toks, d = slice(off, off + n), batch.draft_token_ids[i]
     hb.pending_rows[i] = batch.pending_input[i]
-    if not batch.pending_input[i]:
+    if d:  # the last token, then the drafts
+        a["tokens"][toks] = [*s.all_token_ids[c : c + n - len(d)], *d]
+    elif not batch.pending_input[i]:
         a["tokens"][toks] = s.all_token_ids[c : c + n]
     else:  # only the first token can be pending (a decode row: n == 1)
         a["tokens"][off + 1 : off + n] = s.all_token_ids[c + 1 : c + n]
@@ -99,7 +109,8 @@ def _forward_row(a: dict, hb: HostBatch, batch, i: int, off: int, page_size: int
     npages = -(-(c + n) // page_size)
     a["block_tables"][i, :npages] = table[:npages]
     a["seq_lens"][i] = c + n
-    a["logits_indices"][i] = off + n - 1
+    scored = off + n - 1 - len(d) + np.arange(a["logits_indices"].shape[1])
+    a["logits_indices"][i] = np.minimum(scored, off + n - 1)  # the drafts' and the last
 
 
 def _sampling_row(a: dict, hb: HostBatch, s, eos_token_ids) -> None:
@@ -142,6 +153,8 @@ def build_host_batch(
         _forward_row(a, hb, batch, i, off, page_size)
         views = {f: a[f][i] if a[f].ndim == 2 else a[f][i : i + 1] for f in sampling}
         _sampling_row(views, hb, s, eos_token_ids)
+        if "draft_tokens" in a and (d := batch.draft_token_ids[i]):
+            a["draft_tokens"][i, : len(d)] = d
         hb.sample_rows[i] = batch.do_sample[i]
         off += n
     return hb

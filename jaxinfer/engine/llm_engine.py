@@ -15,6 +15,7 @@ from jaxinfer.engine.dry_run import dry_run
 from jaxinfer.engine.loop import Launched, StepLoop
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.speculation import Speculation, trim_to_stop
 from jaxinfer.engine.structured import StructuredOutputManager
 from jaxinfer.outputs import OutputProcessor
 from jaxinfer.sampling_params import SamplingParams
@@ -64,6 +65,10 @@ class LLMEngine:
             stats=self._stats,
             enable_prefix_caching=ec.enable_prefix_caching,
         )
+        spec = ec.speculative_config
+        self.speculation = spec and Speculation(
+            spec, self.resolved.spec_decode_rows, self.eos_token_ids, self._stats
+        )
         self.scheduler = self._scheduler(self.block_manager, self.eos_token_ids)
         self.loop = StepLoop(
             self.scheduler,
@@ -87,7 +92,14 @@ class LLMEngine:
             max_num_batched_tokens=ec.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             eos_token_ids=eos_token_ids,
+            **self._spec_args(),
         )
+
+    def _spec_args(self) -> dict:
+        """The scheduler's speculative-decoding arguments (none without a proposer)."""
+        if not self.speculation:
+            return {}
+        return dict(propose=self.speculation.propose, spec_max_rows=self.resolved.spec_rows)
 
     async_scheduling = property(
         lambda self: self.loop.async_scheduling,
@@ -302,16 +314,18 @@ class LLMEngine:
         """`StepLoop`'s complete: read back, advance the sequences, match stop strings."""
         hb, batch = done.hb, done.batch
         tokens, lps = self.runner.read(done.sampled, done.prompt)
-        sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
+        sampled = self._emitted(batch, hb, tokens, lps)
         for s, tok in zip(batch.seqs, sampled):  # a row finished earlier: its token discarded
             if tok is not None and s.matcher is not None and not s.is_finished:
                 self.structured.accept(s.matcher, tok)
-        before = None if lps is None else [s.num_output_tokens for s in batch.seqs]
+        before = [s.num_output_tokens for s in batch.seqs]
         finished = self.scheduler.postprocess(batch, sampled)
-        logprobs.record(lps, hb, batch.seqs, before)
-        for s, tok in zip(batch.seqs, sampled):
+        logprobs.record(lps or None, hb, batch.seqs, before)
+        for s, tok, n in zip(batch.seqs, sampled, before):
             if tok is None or (stop := self.outputs.find_stop_string(s)) is None:
                 continue
+            if isinstance(tok, list):
+                trim_to_stop(s, self.outputs, s.num_output_tokens - n)
             s.stop_string = stop
             if s.is_finished:  # on "length": already off the running list, its pages freed
                 s.finish_reason = "stop"
@@ -319,6 +333,19 @@ class LLMEngine:
                 finished.append(s)
         self._touched += [s.parent_id for s in batch.seqs]
         return finished
+
+    def _emitted(self, batch, hb, tokens, lps: dict | None) -> list:
+        """Per row: None (no token), its token id, or for a row with drafts the list of ids the
+        verify step emitted (``lps``' "emitted" and "num_emitted" taken out; counted)."""
+        sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
+        if not hb.shape.sampler.spec:
+            return sampled
+        emitted, num = lps.pop("emitted"), lps.pop("num_emitted")
+        for i, d in enumerate(batch.draft_token_ids):
+            if d and sampled[i] is not None:
+                sampled[i] = emitted[i, : num[i]].tolist()
+        self.speculation.record(batch, sampled)
+        return sampled
 
     def plan_shapes(self, requests: list[tuple[list[int], SamplingParams]]) -> list[StepShape]:
         """`StepShape`s ``requests`` visit on an idle engine, in order; ValueError: rejected."""

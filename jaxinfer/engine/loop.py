@@ -68,8 +68,9 @@ class StepLoop:
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = None
-        if batch is not None:  # a penalty reads the history: the next step waits for this one
-            launched = Launched(batch, sync=any(s.params.needs_history for s in batch.seqs))
+        if batch is not None:  # a penalty reads the history, a proposer the tokens: the next
+            sync = self.scheduler.may_speculate()  # step waits for this one
+            launched = Launched(batch, sync=sync or any(s.params.needs_history for s in batch.seqs))
             self.launch(launched, prev)
         times = (t1 - t0, time.perf_counter() - t1)
         if prev is not None:

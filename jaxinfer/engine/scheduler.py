@@ -10,7 +10,7 @@ chunked prefill, prefix caching, async scheduling; SGLang."""
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from jaxinfer.checks import check_int
@@ -23,39 +23,55 @@ PASS_LIMIT = 256  # cache-aware admission: how many later requests may overtake 
 
 @dataclass(frozen=True)
 class ScheduledBatch:
-    """Row i computes positions ``[start_positions[i], + num_new_tokens[i])`` of ``seqs[i]``;
-    snapshots: ``do_sample`` (the chunk reaches the end, pending included), ``pending_input``
-    (input token from the batch in flight). The scheduler orders rows decode first (one token
-    each, admission order), then prefill chunks. Raises ValueError: lengths differ, a count < 1."""
+    """Row i computes positions ``[start_positions[i], + num_new_tokens[i])`` of ``seqs[i]``,
+    the last ``len(draft_token_ids[i])`` of them a proposer's drafts (speculative decoding:
+    the row's last token, then its drafts, all verified); snapshots: ``do_sample`` (the chunk
+    reaches the end, pending included), ``pending_input`` (input token from the batch in
+    flight). The scheduler orders rows decode first (one token each, or one plus drafts,
+    admission order), then prefill chunks. Raises ValueError: lengths differ, a count < 1 or
+    not above the row's drafts."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    draft_token_ids: list[list[int]] | None = None
     start_positions: list[int] = field(init=False)
     do_sample: list[bool] = field(init=False)
     pending_input: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
         seqs, nums = list(self.seqs), [int(n) for n in self.num_new_tokens]  # own copies
-        if len(seqs) != len(nums) or any(n < 1 for n in nums):
+        drafts = [list(map(int, d)) for d in self.draft_token_ids or [[] for _ in seqs]]
+        if len(seqs) != len(nums) or len(drafts) != len(seqs):
             raise ValueError(
-                f"ScheduledBatch.num_new_tokens={nums} is invalid: one count >= 1 "
-                f"for each of the {len(seqs)} seqs"
+                f"ScheduledBatch: {len(seqs)} seqs, {len(nums)} num_new_tokens and "
+                f"{len(drafts)} draft lists: one of each per row"
+            )
+        if any(n < 1 + len(d) for n, d in zip(nums, drafts)):
+            raise ValueError(
+                f"ScheduledBatch.num_new_tokens={nums} is invalid: each count must be >= 1 "
+                "plus the row's drafts"
             )
         starts = [s.num_computed_tokens for s in seqs]
+        ends = [st + n - len(d) for st, n, d in zip(starts, nums, drafts)]
         for name, v in dict(
             seqs=seqs,
             num_new_tokens=nums,
+            draft_token_ids=drafts,
             start_positions=starts,
-            do_sample=[st + n == s.num_tokens_with_pending for s, st, n in zip(seqs, starts, nums)],
+            do_sample=[e == s.num_tokens_with_pending for s, e in zip(seqs, ends)],
             pending_input=[st >= s.num_tokens for s, st in zip(seqs, starts)],
         ).items():
             object.__setattr__(self, name, v)
 
     num_seqs = property(lambda self: len(self.seqs))
+    num_draft_tokens = property(lambda self: sum(map(len, self.draft_token_ids)))
 
 
 class Scheduler:
-    """Which sequences run each step; owns their pages. ValueError: bad sizes or ``page_size``."""
+    """Which sequences run each step; owns their pages. Speculative decoding: ``propose`` (the
+    engine's: decode rows -> {id(seq): drafts}) is asked for the decode rows of a step with
+    fewer than ``spec_max_rows`` of them (vLLM's ``disable_by_batch_size``), and such a step
+    carries at most ``spec_max_rows`` rows. ValueError: bad sizes or ``page_size``."""
 
     def __init__(
         self,
@@ -66,6 +82,8 @@ class Scheduler:
         max_model_len: int,
         page_size: int,
         eos_token_ids: Iterable[int] = (),
+        propose: Callable[[list[Sequence]], dict[int, list[int]]] | None = None,
+        spec_max_rows: int = 0,
     ) -> None:
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -86,6 +104,7 @@ class Scheduler:
         )
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.propose, self.spec_max_rows = propose, spec_max_rows
         self.waiting: deque[Sequence] = deque()  # not admitted; no pages
         self.running: list[Sequence] = []  # decoding; admission order
         self.prefilling: Sequence | None = None  # partially prefilled; newest admitted
@@ -163,10 +182,11 @@ class Scheduler:
                 "Scheduler.schedule: the previous batch was not postprocessed "
                 "(at most one batch may be in flight when scheduling)"
             )
-        seqs, preempted = self._schedule_decode(self.max_num_batched_tokens)
-        nums = [1] * len(seqs)
+        seqs, nums, drafts, preempted = self._schedule_decode(self.max_num_batched_tokens)
+        rows = self.spec_max_rows if any(drafts) else self.max_num_seqs
         if not preempted:
-            self._schedule_prefill(seqs, nums, self.max_num_batched_tokens - len(seqs))
+            self._schedule_prefill(seqs, nums, self.max_num_batched_tokens - sum(nums), rows)
+        drafts += [[] for _ in range(len(seqs) - len(drafts))]
         if not seqs:
             if self.has_unfinished() and not self._in_flight:
                 raise RuntimeError(
@@ -175,19 +195,21 @@ class Scheduler:
                     f"free pages={self.block_manager.num_free_pages})"
                 )
             return None
-        batch = ScheduledBatch(seqs, nums)
+        batch = ScheduledBatch(seqs, nums, drafts)
         for seq, n, samp in zip(batch.seqs, batch.num_new_tokens, batch.do_sample):
             seq.num_computed_tokens += n
             seq.num_pending_tokens += samp
         self._in_flight.append(batch)
         return batch
 
-    def _schedule_decode(self, budget: int) -> tuple[list[Sequence], bool]:
-        """(the decode rows, oldest first, at most ``budget``; whether a page holder was
-        preempted). A row is a running sequence that can take one more token: those whose pending
-        tokens end them (length) are skipped; a missing page preempts the newest page holder (the
-        partial prefill, then the newest running, then the row itself), or defers the row when
-        only ending sequences hold pages. Those past the budget stay running, untouched."""
+    def _schedule_decode(self, budget: int) -> tuple[list, list[int], list[list[int]], bool]:
+        """(the decode rows, oldest first, within ``budget`` tokens; their token counts; their
+        drafts; whether a page holder was preempted). A row is a running sequence that can take
+        one more token: those whose pending tokens end them (length) are skipped; a missing
+        page preempts the newest page holder (the partial prefill, then the newest running,
+        then the row itself), or defers the row when only ending sequences hold pages. Drafts
+        (`_drafts`) are dropped where their pages or tokens do not fit. Those past the budget
+        stay running, untouched."""
         bm = self.block_manager
         ending, queue, scheduled, deferred, preempted = [], deque(), [], [], False
         for s in self.running:
@@ -196,11 +218,15 @@ class Scheduler:
                 s.num_output_tokens + p >= s.max_tokens or s.num_tokens + p >= self.max_model_len
             )
             (ending if ends else queue).append(s)
-        while queue and len(scheduled) < budget:
+        proposed, nums, drafts = self._drafts(list(queue)), [], []
+        while queue and sum(nums) < budget:
             seq = queue.popleft()
             if seq.num_computed_tokens != seq.num_tokens_with_pending - 1:
                 raise RuntimeError(f"Scheduler: decoding sequence out of step: {seq!r}")
-            need = seq.num_computed_tokens + 1
+            d = proposed.get(id(seq), [])[: budget - sum(nums) - 1]
+            if d and not bm.can_allocate(seq, seq.num_computed_tokens + 1 + len(d)):
+                d = []
+            need = seq.num_computed_tokens + 1 + len(d)
             while not bm.can_allocate(seq, need):
                 if self.prefilling is not None:
                     victim, self.prefilling = self.prefilling, None
@@ -223,9 +249,30 @@ class Scheduler:
             else:
                 bm.allocate(seq, need)
                 scheduled.append(seq)
+                nums.append(1 + len(d))
+                drafts.append(d)
         kept = {id(s) for s in (*scheduled, *deferred, *ending, *queue)}
         self.running = [s for s in self.running if id(s) in kept]  # admission order
-        return scheduled, preempted
+        return scheduled, nums, drafts, preempted
+
+    def _drafts(self, rows: list[Sequence]) -> dict[int, list[int]]:
+        """{id(seq): drafts} of the decode ``rows`` from ``propose``, each cut to what the row
+        may still emit less one (max_tokens, max_model_len); none with ``spec_max_rows`` rows or
+        more, for rows with a token in flight, or without a proposer."""
+        if self.propose is None or not rows or len(rows) >= self.spec_max_rows:
+            return {}
+        ready = {id(s): s for s in rows if not s.num_pending_tokens}
+        out = {}
+        for key, d in (self.propose(list(ready.values())) if ready else {}).items():
+            seq = ready[key]
+            room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            if d[: room - 1]:
+                out[key] = [int(t) for t in d[: room - 1]]
+        return out
+
+    def may_speculate(self) -> bool:
+        """Whether the next step may carry drafts (its rows need this step's tokens first)."""
+        return self.propose is not None and len(self.running) < self.spec_max_rows
 
     def _preempt(self, victim: Sequence) -> None:
         """Free ``victim``'s pages; it is recomputed from its first token once readmitted (first
@@ -235,11 +282,14 @@ class Scheduler:
         victim.num_preemptions += 1
         self.waiting.appendleft(victim)
 
-    def _schedule_prefill(self, seqs: list[Sequence], nums: list[int], budget: int) -> None:
-        """Append prefill rows to ``seqs``/``nums`` within ``budget`` tokens: the partial prefill
-        first (if it gets no pages, nothing else is admitted), then admission in
-        `_admission_order` while fewer than ``max_num_seqs`` hold pages; a chunk cut by the budget
-        becomes the partial prefill and ends the step's admissions (one partial at a time)."""
+    def _schedule_prefill(
+        self, seqs: list[Sequence], nums: list[int], budget: int, rows: int
+    ) -> None:
+        """Append prefill rows to ``seqs``/``nums`` within ``budget`` tokens and ``rows`` rows:
+        the partial prefill first (if it gets no pages, nothing else is admitted), then
+        admission in `_admission_order` while fewer than ``max_num_seqs`` hold pages; a chunk
+        cut by the budget becomes the partial prefill and ends the step's admissions (one
+        partial at a time)."""
 
         def place(seq: Sequence, n: int) -> int:
             seqs.append(seq)
@@ -252,13 +302,14 @@ class Scheduler:
 
         head, self.prefilling = self.prefilling, None
         if head is not None:
-            if budget <= 0 or not (n := self._take(head, budget)):
+            if budget <= 0 or len(seqs) >= rows or not (n := self._take(head, budget)):
                 self.prefilling = head
                 return
             budget = place(head, n)
         admitted = []
         for seq in self._admission_order():
-            if budget <= 0 or self.prefilling is not None or self.num_running >= self.max_num_seqs:
+            full = self.num_running >= self.max_num_seqs or len(seqs) >= rows
+            if budget <= 0 or self.prefilling is not None or full:
                 break
             if (n := self._take(seq, budget)) is None:
                 continue  # its next prompt page is being computed: it waits in place
@@ -320,49 +371,74 @@ class Scheduler:
                 kept.append(seq)
         self.waiting = kept
 
-    def postprocess(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Append ``sampled`` (ids where ``batch.do_sample``, else None) for the oldest batch in
-        flight; a stop token (EOS unless ``ignore_eos``) -> "stop", then "length". Returns the
-        finished. Raises RuntimeError: not the oldest batch; ValueError: bad ``sampled``."""
+    def postprocess(self, batch: ScheduledBatch, sampled: list) -> list[Sequence]:
+        """Append ``sampled`` (where ``batch.do_sample``: a token id, or for a row with drafts
+        the list of its 1 .. drafts + 1 emitted ids; else None) for the oldest batch in flight;
+        a row's rejected drafts are uncomputed again (their K/V slots are rewritten later). A
+        stop token (EOS unless ``ignore_eos``) -> "stop", then "length"; tokens after the end
+        are dropped. Returns the finished. Raises RuntimeError: not the oldest batch;
+        ValueError: bad ``sampled``."""
         if not self._in_flight or batch is not self._in_flight[0]:
             raise RuntimeError(
                 "Scheduler.postprocess: batch is not the one returned by the last "
                 "schedule() (the oldest batch in flight)"
             )
+        emitted = self._check_sampled(batch, sampled)
+        self._in_flight.popleft()
+        finished, now, P = [], time.perf_counter(), self.page_size
+        for seq, st, n, d, toks in zip(
+            batch.seqs, batch.start_positions, batch.num_new_tokens, batch.draft_token_ids, emitted
+        ):
+            if seq.is_finished:
+                continue
+            written = n - (len(d) + 1 - len(toks)) if d else n  # less the rejected drafts
+            running = seq.status is SequenceStatus.RUNNING  # else preempted since
+            if running:
+                seq.num_computed_tokens -= n - written
+            seq.num_pending_tokens -= bool(toks)
+            reason = self._append(seq, toks, now)
+            hi = min(st + written, seq.num_tokens) // P  # pages whose K/V is written now
+            if running and self.block_manager.enable_prefix_caching and st // P < hi:
+                self.block_manager.publish(seq, st // P, hi)
+            if reason is not None:
+                self._finish(seq, reason, now)
+                finished.append(seq)
+        return finished
+
+    def _check_sampled(self, batch: ScheduledBatch, sampled: list) -> list[list[int]]:
+        """Each row's emitted ids ([] where none); ValueError: ``sampled`` does not fit."""
         if len(sampled) != batch.num_seqs:
             raise ValueError(
                 f"postprocess: sampled has {len(sampled)} entries, batch has "
                 f"{batch.num_seqs} sequences"
             )
-        for i, (tok, want) in enumerate(zip(sampled, batch.do_sample)):
-            if (tok is None) == want:
+        out = []
+        for i, (tok, want, d) in enumerate(zip(sampled, batch.do_sample, batch.draft_token_ids)):
+            toks = [] if tok is None else list(map(int, tok if isinstance(tok, list) else [tok]))
+            if bool(toks) != want or len(toks) > len(d) + 1 or toks[:-1] != d[: len(toks) - 1]:
                 raise ValueError(
                     f"postprocess: sampled[{i}]={tok!r} is invalid: expected "
-                    f"{'a token id' if want else 'None (prefill chunk not at the end)'}"
+                    + (
+                        f"1 to {len(d) + 1} ids, all but the last the drafts {d}"
+                        if want
+                        else "None (prefill chunk not at the end)"
+                    )
                 )
-        self._in_flight.popleft()
-        if self.block_manager.enable_prefix_caching:  # pages this step filled: K/V written now
-            P = self.page_size
-            for seq, st, n in zip(batch.seqs, batch.start_positions, batch.num_new_tokens):
-                if seq.status is SequenceStatus.RUNNING and st // P < (st + n) // P:
-                    self.block_manager.publish(seq, st // P, (st + n) // P)
-        finished, now = [], time.perf_counter()
-        for seq, tok in zip(batch.seqs, sampled):
-            if seq.is_finished or tok is None:
-                continue
-            seq.num_pending_tokens -= 1
-            seq.output_token_ids.append(tok := int(tok))
+            out.append(toks)
+        return out
+
+    def _append(self, seq: Sequence, toks: list[int], now: float) -> str | None:
+        """Append ``toks`` to ``seq``'s outputs up to its end; the finish reason, or None."""
+        p = seq.params
+        for tok in toks:
+            seq.output_token_ids.append(tok)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            p = seq.params
             if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_token_ids):
-                self._finish(seq, "stop", now)
-            elif seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-                self._finish(seq, "length", now)
-            else:
-                continue
-            finished.append(seq)
-        return finished
+                return "stop"
+            if seq.num_output_tokens >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+                return "length"
+        return None
 
     def finish(self, seq: Sequence, reason: str) -> bool:
         """Finish ``seq`` (stop string); False if finished. ValueError: bad ``reason``, not ours."""

@@ -81,6 +81,8 @@ class ModelRunner:
             batch_buckets=kc.batch_buckets,
             token_buckets=kc.token_buckets,
             page_buckets="reference" in (kc.decode_attention, kc.prefill_attention),
+            spec=ec.speculative_config.num_speculative_tokens if resolved.spec_rows else 0,
+            spec_rows=resolved.spec_rows,
         )
         self.executor = StepExecutor(
             self.run_config,

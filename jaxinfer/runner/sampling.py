@@ -32,7 +32,7 @@ SamplingMetadata = pytree_dataclass(
     __name__,
     "SamplingMetadata",
     names("sampling", "greedy"),
-    [n for n in names("sampling") if n not in names("sampling", "greedy")],
+    [n for n in names("sampling", spec=1) if n not in names("sampling", "greedy")],
     doc="""
     Per-row parameters ("sampling" in `jaxinfer.step_input.FIELDS`): temperature f32[B];
     top_k i32[B] (<= 0: off); top_p f32[B] (>= 1: off); min_p f32[B] (0: off); seeds u32[B] or
@@ -41,7 +41,8 @@ SamplingMetadata = pytree_dataclass(
     prompt_lens i32[B] (the first prompt_lens entries of penalty_tokens are the prompt, the rest
     the output), presence_penalty, frequency_penalty f32[B]; bias_ids i32[B, E] (outside [0,
     V): ignored), bias_values f32[B, E] added to the logits (-inf: masked); bitmask i32[B, W]
-    (`apply_token_bitmask`); processor_rows i32[B, J] (`apply_logits_processors`).""",
+    (`apply_token_bitmask`); processor_rows i32[B, J] (`apply_logits_processors`); draft_tokens
+    i32[B, Q] (a verify step's drafts, `jaxinfer.runner.rejection`).""",
 )
 
 

@@ -14,14 +14,16 @@ from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.models.layers import Ragged
 from jaxinfer.runner.parallel import gather_logits
+from jaxinfer.runner.rejection import verify
 from jaxinfer.runner.sampling import (
     SamplingMetadata,
+    _penalised,
     apply_logits_processors,
     apply_token_bitmask,
     logprobs,
     sample,
 )
-from jaxinfer.step_input import ForwardKey, SamplerKey, Sizes, StepShape, layout
+from jaxinfer.step_input import ForwardKey, SamplerKey, Sizes, StepShape, layout, names
 
 
 def unpack(buf: jax.Array, group: str, shape: StepShape, sizes: Sizes) -> dict:
@@ -55,8 +57,8 @@ def forward_step(
     """The model over one step's T tokens (``buf``: the "forward" fields): each row r's first
     token replaced by ``prev_tokens[pending_src[r]]`` i32[max_rows] where that is >= 0 (async
     scheduling), K/V written, attention decode-only ([T, 1] rows) or ragged (tokens [1, T]).
-    Returns ((logits f32[R, V] of each row's ``logits_indices`` token, whole on every device;
-    hidden [T, D], the final-normed states), kv'); ``kv``'s tables are placeholders."""
+    Returns ((logits f32[R * Q, V] of each row's ``logits_indices`` tokens, whole on every
+    device; hidden [T, D], the final-normed states), kv'); ``kv``'s tables are placeholders."""
     f = unpack(buf, "forward", _forward_shape(key), sizes)
     starts, src = f["query_start_loc"][:-1], f["pending_src"]
     picked = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], f["tokens"][starts])
@@ -76,7 +78,7 @@ def forward_step(
     )
     hidden = hidden.reshape(-1, hidden.shape[-1])
     with jax.named_scope("lm_head"):
-        logits = models.compute_logits(params, cfg, hidden[f["logits_indices"]])
+        logits = models.compute_logits(params, cfg, hidden[f["logits_indices"].reshape(-1)])
         logits = gather_logits(logits, cfg, kernels.mesh)
     return (logits, hidden), new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
 
@@ -84,12 +86,15 @@ def forward_step(
 def sample_step(
     logits: jax.Array, buf: jax.Array, *, key: SamplerKey, sizes: Sizes, num_logprobs: int
 ) -> jax.Array | dict:
-    """``logits`` f32[R, V] -> token ids i32[max_rows] (zero past R), by ``buf``'s "sampling"
-    fields: at level "full" the logits processors, the bitmask (vLLM: the sampler and logprobs
-    see it), then `sample`, returning {"tokens", and `logprobs`' arrays at K =
-    ``num_logprobs``} (the host cuts each row's K)."""
+    """``logits`` f32[R * Q, V] -> token ids i32[max_rows] (zero past R), by ``buf``'s
+    "sampling" fields: at level "full" the logits processors, the bitmask (vLLM: the sampler
+    and logprobs see it), then `sample` (or, ``key.spec`` > 0, `verify`: `_verify_step`),
+    returning at level "full" or when verifying {"tokens", and `logprobs`' arrays at K =
+    ``num_logprobs`` (the host cuts each row's K), and `_verify_step`'s}."""
     shape = StepShape(ForwardKey(key.rows, True), key)
     meta = SamplingMetadata(**unpack(buf, "sampling", shape, sizes))
+    if key.spec:
+        return _verify_step(logits, meta, key, sizes, num_logprobs)
     if key.level == "full":
         logits = apply_logits_processors(logits, meta, key.processors)
         logits = apply_token_bitmask(logits, meta.bitmask)
@@ -100,6 +105,36 @@ def sample_step(
         return padded
     with jax.named_scope("logprobs"):
         return dict(tokens=padded, **logprobs(logits, tokens, num_logprobs))
+
+
+def _verify_step(logits, meta, key: SamplerKey, sizes: Sizes, num_logprobs: int) -> dict:
+    """A verify step's sampler: ``logits`` f32[R * Q, V] (row r's positions r * Q ..), the
+    row-wise ``meta`` repeated over each row's Q positions for the level "full" transforms
+    (penalties and bias in `verify`'s processing), then `rejection.verify` with the drafts.
+    Returns {"tokens": i32[max_rows] each row's last emitted token, "emitted": i32[R, Q],
+    "num_emitted": i32[R], and at level "full" `logprobs` of position 0 (rows without drafts:
+    the rows that ask for log-probabilities are never given drafts)}."""
+    R, Q = key.rows, key.spec + 1
+    drafts, meta = meta.draft_tokens, meta.replace(draft_tokens=None)
+    if key.level == "full":
+        rep = jax.tree.map(lambda a: jnp.repeat(a, Q, axis=0), meta)
+        logits = apply_logits_processors(logits, rep, key.processors)
+        logits = apply_token_bitmask(logits, rep.bitmask)
+        logits = _penalised(logits, rep)
+        meta = SamplingMetadata(**{n: getattr(meta, n) for n in names("sampling", "greedy")})
+    logits = logits.reshape(R, Q, -1)
+    with jax.named_scope("verify"):
+        emitted, num = verify(logits, meta, drafts, all_greedy=key.level == "greedy")
+    last = jnp.take_along_axis(emitted, (num - 1)[:, None], axis=1)[:, 0]
+    out = dict(
+        tokens=jnp.zeros((sizes.max_rows,), jnp.int32).at[:R].set(last),
+        emitted=emitted,
+        num_emitted=num,
+    )
+    if key.level == "full":
+        with jax.named_scope("logprobs"):
+            out.update(logprobs(logits[:, 0], emitted[:, 0], num_logprobs))
+    return out
 
 
 def prompt_step(

@@ -1,0 +1,139 @@
+"""Speculative decoding (n-gram drafts) on the tiny random model: greedy output equals plain
+decoding's token for token (with log-probabilities, n > 1, max_tokens edges, preemption,
+prefix caching and stop strings), sampled output has plain decoding's distribution
+(chi-square), and speculation turns off above ``disable_by_batch_size``."""
+
+import json
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxinfer import SamplingParams
+
+NGRAM = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+SPEC = json.dumps(NGRAM)  # hashable: tiny_llm keys engines by their arguments
+# repetitive prompts: the n-gram proposer finds matches and the tiny model accepts some
+PROMPTS = [{"prompt_token_ids": ([5, 6, 7, 8, 9, 10] * 8)[: 20 + 3 * i]} for i in range(5)]
+ALPHA = 0.001  # significance of the distribution test
+
+
+def _tokens(outs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outs]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_llm):
+    """(plain, speculative) tiny engines over the same weights, no tokenizer."""
+    return tiny_llm(text=False), tiny_llm(text=False, speculative_config=SPEC)
+
+
+def test_greedy_equals_plain_decoding(pair):
+    """Mixed rows: a log-probability row (never given drafts), n = 2, others speculating."""
+    plain, spec = pair
+    before = spec.engine.stats().spec_num_accepted_tokens
+    sps = [
+        SamplingParams(
+            max_tokens=30,
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=2 if i == 1 else None,
+            n=2 if i == 2 else 1,
+        )
+        for i in range(len(PROMPTS))
+    ]
+    want, got = plain.generate(PROMPTS, sps), spec.generate(PROMPTS, sps)
+    assert _tokens(got) == _tokens(want)
+    got_lp, want_lp = got[1].outputs[0].logprobs, want[1].outputs[0].logprobs
+    assert [{t: lp.rank for t, lp in d.items()} for d in got_lp] == [
+        {t: lp.rank for t, lp in d.items()} for d in want_lp
+    ]
+    flat = [[lp.logprob for lp in d.values()] for d in (*got_lp, *want_lp)]
+    n = len(got_lp)  # other batch compositions: float32 rounding apart
+    np.testing.assert_allclose(np.array(flat[:n]), np.array(flat[n:]), rtol=1e-5, atol=1e-5)
+    st = spec.engine.stats()
+    assert st.spec_num_accepted_tokens > before and st.spec_num_drafts > 0
+    assert st.spec_num_accepted_tokens <= st.spec_num_draft_tokens
+    assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 7])
+def test_max_tokens_edges(pair, max_tokens):
+    """Drafts are cut so a row never emits past max_tokens."""
+    plain, spec = pair
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    got = _tokens(spec.generate(PROMPTS, sp))
+    assert got == _tokens(plain.generate(PROMPTS, sp))
+    assert all(len(t) == max_tokens for o in got for t in o)
+
+
+def test_preemption_and_prefix_caching(tiny_llm, monkeypatch):
+    """A pool too small for every row at once (preemption, recompute) and shared prompt pages
+    (prefix caching): the same tokens as plain decoding under the same pool."""
+    args = dict(text=False, num_pages=14, enable_prefix_caching=True)
+    plain, spec = tiny_llm(**args), tiny_llm(**args, speculative_config=SPEC)
+    prompts = [{"prompt_token_ids": PROMPTS[0]["prompt_token_ids"] + [i]} for i in range(6)]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    want = plain.generate(prompts, sp)
+    sched, victims = spec.engine.scheduler, []
+    preempt = sched._preempt
+    monkeypatch.setattr(sched, "_preempt", lambda s: victims.append(s) or preempt(s))
+    got = spec.generate(prompts, sp)
+    assert victims, "the pool should force a preemption"
+    assert _tokens(got) == _tokens(want)
+    assert sum(o.num_cached_tokens or 0 for o in got) > 0
+    assert spec.engine.stats().spec_num_accepted_tokens > 0
+
+
+def test_stop_string_cuts_inside_accepted_drafts(tiny_llm):
+    """A stop string completed by an accepted draft ends the output there, as plain decoding."""
+    plain, spec = tiny_llm(), tiny_llm(speculative_config=SPEC)
+    prompt = "abcabcabcabcabcabcabc"
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    text = plain.generate([prompt], sp)[0].outputs[0].text
+    stop = text[12:14]
+    sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, stop=[stop])
+    want, got = (
+        plain.generate([prompt], sp)[0].outputs[0],
+        spec.generate([prompt], sp)[0].outputs[0],
+    )
+    assert (got.text, got.token_ids, got.finish_reason) == (
+        want.text,
+        want.token_ids,
+        want.finish_reason,
+    )
+    assert got.finish_reason == "stop"
+
+
+def test_sampled_distribution_equals_plain(pair):
+    """Chi-square homogeneity (significance `ALPHA`) of the output tokens 2 to 4 of 400 seeded
+    requests, plain against speculative: rejection sampling keeps the distribution."""
+    plain, spec = pair
+    before = spec.engine.stats().spec_num_accepted_tokens
+    prompts = [PROMPTS[0]] * 400
+    sps = [
+        SamplingParams(max_tokens=4, temperature=1.0, seed=i, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    a = np.array(_tokens(plain.generate(prompts, sps)))[:, 0, 1:]
+    b = np.array(_tokens(spec.generate(prompts, sps)))[:, 0, 1:]
+    assert spec.engine.stats().spec_num_accepted_tokens > before
+    for j in range(a.shape[1]):
+        ids = np.union1d(a[:, j], b[:, j])
+        table = np.array([[np.sum(x[:, j] == t) for t in ids] for x in (a, b)])
+        common = table.sum(0) >= 10  # rare tokens pooled into one column
+        table = np.c_[table[:, common], table[:, ~common].sum(1)]
+        table = table[:, table.sum(0) > 0]
+        p = stats.chi2_contingency(table).pvalue if table.shape[1] > 1 else 1.0
+        assert p > ALPHA, f"output token {j + 1}: p = {p:.2e}\n{table}"
+
+
+def test_auto_off_above_disable_by_batch_size(tiny_llm):
+    """disable_by_batch_size=1: steps with 3 decode rows (prefilled in one step, ending
+    together) carry no drafts; alone, a row does."""
+    spec = tiny_llm(text=False, speculative_config=json.dumps(NGRAM | {"disable_by_batch_size": 1}))
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    spec.generate(PROMPTS[:3], sp)
+    assert spec.engine.stats().spec_num_drafts == 0
+    spec.generate(PROMPTS[:1], sp)
+    assert spec.engine.stats().spec_num_drafts > 0

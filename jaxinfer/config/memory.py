@@ -34,11 +34,13 @@ def kv_pool_pages(
     usable_bytes: int,
     used_bytes: int,
     tp: int = 1,
+    extra_bytes_per_token: int = 0,
 ) -> int:
     """THE KV pool sizing formula: pages (null page 0 included) of ``page_size`` tokens that fit
-    in ``usable_bytes - used_bytes`` of one device (`kv_bytes_per_token` at ``tp``). Raises
-    ValueError: fewer than 2 fit."""
-    page_bytes = page_size * kv_bytes_per_token(model, dtype_bytes, tp)
+    in ``usable_bytes - used_bytes`` of one device (`kv_bytes_per_token` at ``tp``, plus
+    ``extra_bytes_per_token``: a draft model's pool over the same pages). Raises ValueError:
+    fewer than 2 fit."""
+    page_bytes = page_size * (kv_bytes_per_token(model, dtype_bytes, tp) + extra_bytes_per_token)
     free = usable_bytes - used_bytes
     pages = max(int(free // page_bytes), 0)
     if pages < 2:
@@ -69,15 +71,18 @@ def card_bytes_usable(utilization: float, bytes_limit: int) -> int:
     return min(int(utilization * card), bytes_limit) - default_reserve_bytes(int(card))
 
 
-def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> int:
+def engine_pool_pages(
+    resolved: ResolvedConfig, memory_stats: dict | None, draft: ModelConfig | None = None
+) -> int:
     """``EngineConfig.num_pages`` if set; else with ``memory_stats`` (``Device.memory_stats()``,
     weights resident) `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use`` (with
     ``gpu_memory_utilization``: `card_bytes_usable` - bytes_in_use; bytes_in_use rounded up to
     `USED_BYTES_STEP`, so a restart gets the same pool and hits the compilation cache); else
     (CPU) the null page + ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most
-    `CPU_KV_BUDGET_BYTES`; bytes per device under tensor parallelism. Raises ValueError: fewer
-    than 2 pages fit."""
+    `CPU_KV_BUDGET_BYTES`; bytes per device under tensor parallelism; ``draft``: a draft model
+    whose pool (compute dtype) shares the pages. Raises ValueError: fewer than 2 pages fit."""
     e, m, tp = resolved.engine, resolved.model, resolved.engine.tensor_parallel_size
+    extra = draft.kv_bytes_per_token(resolved.dtype_bytes) if draft else 0
     if e.num_pages is not None:
         return e.num_pages
     if memory_stats and "bytes_limit" in memory_stats:
@@ -86,7 +91,7 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
             usable = card_bytes_usable(e.gpu_memory_utilization, memory_stats["bytes_limit"])
         used = -(-int(memory_stats.get("bytes_in_use", 0)) // USED_BYTES_STEP) * USED_BYTES_STEP
     else:
-        page_bytes = e.page_size * kv_bytes_per_token(m, resolved.kv_dtype_bytes, tp)
+        page_bytes = e.page_size * (kv_bytes_per_token(m, resolved.kv_dtype_bytes, tp) + extra)
         pages = 1 + e.max_num_seqs * -(-resolved.max_model_len // e.page_size)
         usable, used = min(pages * page_bytes, CPU_KV_BUDGET_BYTES), 0
     return kv_pool_pages(
@@ -96,4 +101,5 @@ def engine_pool_pages(resolved: ResolvedConfig, memory_stats: dict | None) -> in
         usable_bytes=usable,
         used_bytes=used,
         tp=tp,
+        extra_bytes_per_token=extra,
     )

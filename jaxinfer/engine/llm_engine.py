@@ -66,8 +66,9 @@ class LLMEngine:
             enable_prefix_caching=ec.enable_prefix_caching,
         )
         spec = ec.speculative_config
+        draft = runner.propose_drafts if getattr(runner, "draft", None) is not None else None
         self.speculation = spec and Speculation(
-            spec, self.resolved.spec_decode_rows, self.eos_token_ids, self._stats
+            spec, self.resolved.spec_decode_rows, self.eos_token_ids, self._stats, draft
         )
         self.scheduler = self._scheduler(self.block_manager, self.eos_token_ids)
         self.loop = StepLoop(
@@ -99,7 +100,11 @@ class LLMEngine:
         """The scheduler's speculative-decoding arguments (none without a proposer)."""
         if not self.speculation:
             return {}
-        return dict(propose=self.speculation.propose, spec_max_rows=self.resolved.spec_rows)
+        return dict(
+            propose=self.speculation.propose,
+            spec_max_rows=self.resolved.spec_rows,
+            spec_k=self.speculation.k,
+        )
 
     async_scheduling = property(
         lambda self: self.loop.async_scheduling,

@@ -69,9 +69,10 @@ class ScheduledBatch:
 
 class Scheduler:
     """Which sequences run each step; owns their pages. Speculative decoding: ``propose`` (the
-    engine's: decode rows -> {id(seq): drafts}) is asked for the decode rows of a step with
-    fewer than ``spec_max_rows`` of them (vLLM's ``disable_by_batch_size``), and such a step
-    carries at most ``spec_max_rows`` rows. ValueError: bad sizes or ``page_size``."""
+    engine's: (decode rows, the most drafts each may get) -> {id(seq): drafts}) is asked, their
+    pages allocated first, for up to ``spec_k`` drafts a row in a step with fewer than
+    ``spec_max_rows`` decode rows (vLLM's ``disable_by_batch_size``), and such a step carries
+    at most ``spec_max_rows`` rows. ValueError: bad sizes or ``page_size``."""
 
     def __init__(
         self,
@@ -82,8 +83,9 @@ class Scheduler:
         max_model_len: int,
         page_size: int,
         eos_token_ids: Iterable[int] = (),
-        propose: Callable[[list[Sequence]], dict[int, list[int]]] | None = None,
+        propose: Callable[[list[Sequence], list[int]], dict[int, list[int]]] | None = None,
         spec_max_rows: int = 0,
+        spec_k: int = 0,
     ) -> None:
         for name, v in (
             ("max_num_seqs", max_num_seqs),
@@ -104,7 +106,7 @@ class Scheduler:
         )
         self.max_num_batched_tokens, self.max_model_len = max_num_batched_tokens, max_model_len
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.propose, self.spec_max_rows = propose, spec_max_rows
+        self.propose, self.spec_max_rows, self.spec_k = propose, spec_max_rows, spec_k
         self.waiting: deque[Sequence] = deque()  # not admitted; no pages
         self.running: list[Sequence] = []  # decoding; admission order
         self.prefilling: Sequence | None = None  # partially prefilled; newest admitted
@@ -208,8 +210,8 @@ class Scheduler:
         one more token: those whose pending tokens end them (length) are skipped; a missing
         page preempts the newest page holder (the partial prefill, then the newest running,
         then the row itself), or defers the row when only ending sequences hold pages. Drafts
-        (`_drafts`) are dropped where their pages or tokens do not fit. Those past the budget
-        stay running, untouched."""
+        (`_draft_room`) get their pages first, where they fit, then the proposer is asked
+        (`_propose`). Those past the budget stay running, untouched."""
         bm = self.block_manager
         ending, queue, scheduled, deferred, preempted = [], deque(), [], [], False
         for s in self.running:
@@ -218,15 +220,15 @@ class Scheduler:
                 s.num_output_tokens + p >= s.max_tokens or s.num_tokens + p >= self.max_model_len
             )
             (ending if ends else queue).append(s)
-        proposed, nums, drafts = self._drafts(list(queue)), [], []
+        room, nums, most = self._draft_room(list(queue)), [], []
         while queue and sum(nums) < budget:
             seq = queue.popleft()
             if seq.num_computed_tokens != seq.num_tokens_with_pending - 1:
                 raise RuntimeError(f"Scheduler: decoding sequence out of step: {seq!r}")
-            d = proposed.get(id(seq), [])[: budget - sum(nums) - 1]
-            if d and not bm.can_allocate(seq, seq.num_computed_tokens + 1 + len(d)):
-                d = []
-            need = seq.num_computed_tokens + 1 + len(d)
+            d = min(room.get(id(seq), 0), budget - sum(nums) - 1)
+            if d and not bm.can_allocate(seq, seq.num_computed_tokens + 1 + d):
+                d = 0
+            need = seq.num_computed_tokens + 1 + d
             while not bm.can_allocate(seq, need):
                 if self.prefilling is not None:
                     victim, self.prefilling = self.prefilling, None
@@ -249,26 +251,37 @@ class Scheduler:
             else:
                 bm.allocate(seq, need)
                 scheduled.append(seq)
-                nums.append(1 + len(d))
-                drafts.append(d)
+                nums.append(1 + d)
+                most.append(d)
         kept = {id(s) for s in (*scheduled, *deferred, *ending, *queue)}
         self.running = [s for s in self.running if id(s) in kept]  # admission order
-        return scheduled, nums, drafts, preempted
+        drafts = self._propose(scheduled, most)
+        return scheduled, [1 + len(d) for d in drafts], drafts, preempted
 
-    def _drafts(self, rows: list[Sequence]) -> dict[int, list[int]]:
-        """{id(seq): drafts} of the decode ``rows`` from ``propose``, each cut to what the row
-        may still emit less one (max_tokens, max_model_len); none with ``spec_max_rows`` rows or
-        more, for rows with a token in flight, or without a proposer."""
-        if self.propose is None or not rows or len(rows) >= self.spec_max_rows:
+    def _draft_room(self, rows: list[Sequence]) -> dict[int, int]:
+        """{id(seq): the most drafts it may get}: ``spec_k``, cut to what the row may still emit
+        less one (max_tokens, max_model_len); none with ``spec_max_rows`` rows or more, for rows
+        with a token in flight, or without a proposer."""
+        if self.propose is None or len(rows) >= self.spec_max_rows:
             return {}
-        ready = {id(s): s for s in rows if not s.num_pending_tokens}
-        out = {}
-        for key, d in (self.propose(list(ready.values())) if ready else {}).items():
-            seq = ready[key]
-            room = min(seq.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
-            if d[: room - 1]:
-                out[key] = [int(t) for t in d[: room - 1]]
-        return out
+        room = {
+            id(s): min(
+                self.spec_k,
+                s.max_tokens - s.num_output_tokens - 1,
+                self.max_model_len - s.num_tokens - 1,
+            )
+            for s in rows
+            if not s.num_pending_tokens
+        }
+        return {key: d for key, d in room.items() if d > 0}
+
+    def _propose(self, rows: list[Sequence], most: list[int]) -> list[list[int]]:
+        """Each row's drafts from ``propose`` (pages for ``most`` of them allocated), cut."""
+        if not any(most):
+            return [[] for _ in rows]
+        asked = [(s, d) for s, d in zip(rows, most) if d]
+        got = self.propose([s for s, _ in asked], [d for _, d in asked])
+        return [[int(t) for t in got.get(id(s), [])[:d]] for s, d in zip(rows, most)]
 
     def may_speculate(self) -> bool:
         """Whether the next step may carry drafts (its rows need this step's tokens first)."""

@@ -3,20 +3,32 @@ proposer, what a verify step emitted, and the acceptance counters. The device si
 verify step (`jaxinfer.runner.step`, `jaxinfer.runner.rejection`). Sources: vLLM V1
 ``v1/spec_decode`` (proposers, ``disable_by_batch_size``, the ``spec_decode`` metrics)."""
 
+from collections.abc import Callable
+
 from jaxinfer.engine.batch_builder import needs_full_sampler
 from jaxinfer.spec.ngram import NgramProposer
 from jaxinfer.stats import EngineStats
 
-METHODS = ("ngram",)  # the proposers built so far (SpeculativeConfig parses more)
+METHODS = ("ngram", "draft_model")  # the proposers built so far (SpeculativeConfig parses more)
 
 
-def make_proposer(spec):
-    """The proposer of `SpeculativeConfig` ``spec``: ``.propose(token_ids, k) -> drafts``.
+def make_proposer(spec, draft: Callable | None = None):
+    """The proposer of `SpeculativeConfig` ``spec``: ``(rows, most) -> [drafts of each row]``
+    over (`Sequence`, most drafts) pairs. "ngram": `NgramProposer` over each row's tokens;
+    "draft_model": ``draft`` (the runner's ``propose_drafts(rows, k) -> i32[n, k]`` over
+    (last token, its position, block table) rows: k greedy steps of the draft model).
     ValueError: a method not built yet (the allowed ones named)."""
+    k = spec.num_speculative_tokens
     if spec.method == "ngram":
-        return NgramProposer(
-            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-        )
+        ngram = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        return lambda rows, most: [ngram.propose(s.all_token_ids, m) for s, m in zip(rows, most)]
+    if spec.method == "draft_model" and draft is not None:
+
+        def by_draft_model(rows, most):
+            got = draft([(s.last_token_id, s.num_tokens - 1, s.block_table) for s in rows], k)
+            return [got[i, :m].tolist() for i, m in enumerate(most)]
+
+        return by_draft_model
     raise ValueError(
         f"speculative_config method={spec.method!r} is not available yet; available: "
         + ", ".join(map(repr, METHODS))
@@ -25,29 +37,32 @@ def make_proposer(spec):
 
 class Speculation:
     """Drafts for the scheduler (`propose`) and counters (`record`) of ``spec`` (a
-    `SpeculativeConfig`): k = ``num_speculative_tokens`` drafts a row, for the rows whose
-    sampling needs no per-position state (no penalties, bias, min_tokens, log-probabilities,
-    grammar or logits processors: those rows decode one token a step, exactly as without
-    speculation), while the decode rows number at most ``max_rows`` (``disable_by_batch_size``,
-    resolved: `ResolvedConfig.spec_decode_rows`)."""
+    `SpeculativeConfig`; ``draft``: `make_proposer`'s): k = ``num_speculative_tokens`` drafts
+    a row, for the rows whose sampling needs no per-position state (no penalties, bias,
+    min_tokens, log-probabilities, grammar or logits processors: those rows decode one token
+    a step, exactly as without speculation), while the decode rows number at most
+    ``max_rows`` (``disable_by_batch_size``, resolved: `ResolvedConfig.spec_decode_rows`)."""
 
-    def __init__(self, spec, max_rows: int, eos_token_ids, stats: EngineStats) -> None:
-        self.k, self.proposer = spec.num_speculative_tokens, make_proposer(spec)
+    def __init__(
+        self, spec, max_rows: int, eos_token_ids, stats: EngineStats, draft: Callable | None = None
+    ) -> None:
+        self.k, self.proposer = spec.num_speculative_tokens, make_proposer(spec, draft)
         self.max_rows = max_rows
         self.eos_token_ids, self.stats = eos_token_ids, stats
 
-    def propose(self, rows) -> dict[int, list[int]]:
-        """{id(seq): its drafts (up to k)} for the decode ``rows`` that may speculate."""
-        out = {}
-        for s in rows:
-            if (
-                s.matcher is None
-                and s.rules is None
-                and not needs_full_sampler(s, self.eos_token_ids)
-            ):
-                if drafts := self.proposer.propose(s.all_token_ids, self.k):
-                    out[id(s)] = list(drafts)
-        return out
+    def propose(self, rows, most: list[int]) -> dict[int, list[int]]:
+        """{id(seq): its drafts (up to ``most``)} for the decode ``rows`` that may speculate."""
+        asked = [
+            (s, m)
+            for s, m in zip(rows, most)
+            if s.matcher is None
+            and s.rules is None
+            and not needs_full_sampler(s, self.eos_token_ids)
+        ]
+        if not asked:
+            return {}
+        got = self.proposer([s for s, _ in asked], [m for _, m in asked])
+        return {id(s): list(d) for (s, _), d in zip(asked, got) if len(d)}
 
     def record(self, batch, emitted: list) -> None:
         """Count a verify step: rows with drafts, drafts, accepted drafts (and per position)."""

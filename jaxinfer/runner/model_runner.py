@@ -18,6 +18,7 @@ from jaxinfer.models.kernels import model_kernels
 from jaxinfer.models.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache, stored_dtype
 from jaxinfer.models.quantize import quantize_params
 from jaxinfer.runner import parallel
+from jaxinfer.runner.draft import DraftRunner, load_draft
 from jaxinfer.runner.executor import Forwarded, StepExecutor, enable_compilation_cache
 from jaxinfer.stats import EngineStats
 from jaxinfer.step_input import BucketSpec, HostBatch
@@ -67,8 +68,14 @@ class ModelRunner:
         self.params = (
             params if self.mesh is None else parallel.shard_params(params, model_config, self.mesh)
         )
+        spec = ec.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            if tp > 1:
+                raise ValueError("speculative_config method='draft_model' runs on one device only")
+            draft = load_draft(spec.model, model_config, resolved.dtype)
         dev_stats = jax.local_devices()[0].memory_stats() if resolved.platform == "gpu" else None
-        self.num_pages = memory.engine_pool_pages(resolved, dev_stats)
+        self.num_pages = memory.engine_pool_pages(resolved, dev_stats, draft and draft[0])
         self.kv_means: dict = {}  # `calibrate_kv`'s, set on every pool
         self.kv: KVCache = self._new_kv()
         self.sleeping, self._host_params = 0, None  # `sleep`'s level (0: awake)
@@ -91,6 +98,9 @@ class ModelRunner:
             self.buckets.sizes,
             ec.max_logprobs,
             self.stats,
+        )
+        self.draft = draft and DraftRunner(
+            *draft, resolved, self.num_pages, self.buckets, self.executor.kernels, self.stats
         )
         self.weight_bytes = device_bytes(
             model_config, tp, resolved.dtype_bytes, resolved.quantization
@@ -129,7 +139,13 @@ class ModelRunner:
         """Dispatch ``hb``'s forward, no wait; ``prev``: the sampled tokens of the step in flight
         (they feed ``hb.pending_rows``). The KV pool is replaced by the step's."""
         fwd, self.kv = self.executor.forward(self.params, self.kv, hb, prev)
+        if self.draft is not None:
+            self.draft.mirror(hb, prev)
         return fwd
+
+    def propose_drafts(self, rows: list, k: int) -> np.ndarray:
+        """`DraftRunner.propose` (the "draft_model" method's drafts): i32[len(rows), k]."""
+        return self.draft.propose(rows, k)
 
     def sample(self, fwd: Forwarded, hb: HostBatch):
         """Dispatch ``hb``'s sampler on ``fwd`` (its sampling fields, bitmask included, read
@@ -166,6 +182,8 @@ class ModelRunner:
         if self.sleeping or not (self.kv.k.is_deleted() or self.kv.v.is_deleted()):
             return False
         self.kv = self._new_kv()
+        if self.draft is not None:
+            self.draft.reset_kv()
         return True
 
     def update_params(self, params) -> None:
@@ -267,4 +285,6 @@ class ModelRunner:
         info, self.kv = self.executor.precompile(
             self.params, self.kv, planned or self.buckets.planned(), max_workers=max_workers
         )
+        if self.draft is not None:
+            self.draft.precompile(planned, max_workers=max_workers)
         return info

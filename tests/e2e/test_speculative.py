@@ -3,11 +3,14 @@ decoding's token for token (with log-probabilities, n > 1, max_tokens edges, pre
 prefix caching and stop strings), sampled output has plain decoding's distribution
 (chi-square), and speculation turns off above ``disable_by_batch_size``."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 from scipy import stats
+from script_module import load_script
+from tiny_model import tiny_params_of
 
 from jaxinfer import SamplingParams
 
@@ -137,3 +140,52 @@ def test_auto_off_above_disable_by_batch_size(tiny_llm):
     assert spec.engine.stats().spec_num_drafts == 0
     spec.generate(PROMPTS[:1], sp)
     assert spec.engine.stats().spec_num_drafts > 0
+
+
+@pytest.fixture(scope="module")
+def drafts(tiny_cfg, tiny_params, tmp_path_factory) -> dict:
+    """Draft checkpoints (Orbax) of `TINY`'s vocabulary: "same" (the target's own weights: every
+    draft accepted) and "other" (one smaller random layer: few accepted)."""
+    save, root = load_script("convert_checkpoint").save_checkpoint, tmp_path_factory.mktemp("d")
+    small = dataclasses.replace(tiny_cfg, num_layers=1, hidden_size=32, intermediate_size=48)
+    save(root / "same", tiny_cfg, tiny_params, None, ())
+    save(root / "other", small, tiny_params_of(small, 5), None, ())
+    return {k: str(root / k) for k in ("same", "other")}
+
+
+@pytest.mark.parametrize("which", ["same", "other"])
+def test_draft_model_greedy_equals_plain(tiny_llm, drafts, which):
+    """The draft model's drafts, verified: plain decoding's tokens, n = 2 and a logprobs row
+    included; the target's own weights as the draft have every draft accepted."""
+    plain = tiny_llm(text=False)
+    cfg = dict(method="draft_model", model=drafts[which], num_speculative_tokens=3)
+    spec = tiny_llm(text=False, speculative_config=json.dumps(cfg))
+    sps = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, n=2 if i == 2 else 1)
+        for i in range(len(PROMPTS))
+    ]
+    assert _tokens(spec.generate(PROMPTS, sps)) == _tokens(plain.generate(PROMPTS, sps))
+    st = spec.engine.stats()
+    assert st.spec_num_draft_tokens > 0
+    if which == "same":
+        assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens
+
+
+def test_draft_model_vocabulary_must_match(tiny_llm, tiny_cfg, tmp_path):
+    """A draft of another vocabulary is refused when the engine starts, naming both sizes."""
+    from jaxinfer import LLM
+
+    other = dataclasses.replace(tiny_cfg, vocab_size=128, num_layers=1)
+    load_script("convert_checkpoint").save_checkpoint(
+        tmp_path / "d", other, tiny_params_of(other), None, ()
+    )
+    plain = tiny_llm(text=False)
+    cfg = dict(method="draft_model", model=str(tmp_path / "d"), num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="vocab_size=128.*vocab_size=256"):
+        LLM.from_params(
+            plain.engine.model_config,
+            plain.engine.runner.params,
+            dtype="float32",
+            num_pages=8,
+            speculative_config=cfg,
+        )

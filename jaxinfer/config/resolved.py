@@ -101,8 +101,12 @@ def resolve(
         **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"},
         **({"cublas_decode_min_batch": None} if quant else {}),
     )
-    spec = engine.speculative_config
-    spec_rows = spec and (spec.disable_by_batch_size or DEFAULT_SPEC_DECODE_ROWS)
     return ResolvedConfig(
-        model, engine, kc, max_len, dtype, platform, kv_dtype, quant, spec_rows or 0
+        model, engine, kc, max_len, dtype, platform, kv_dtype, quant, _spec_decode_rows(engine)
     )
+
+
+def _spec_decode_rows(engine: EngineConfig) -> int:
+    """Decode rows that still speculate: ``disable_by_batch_size`` or the default; 0: off."""
+    spec = engine.speculative_config
+    return 0 if spec is None else spec.disable_by_batch_size or DEFAULT_SPEC_DECODE_ROWS

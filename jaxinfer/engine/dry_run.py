@@ -4,7 +4,8 @@ from collections.abc import Iterable
 
 from jaxinfer.engine.batch_builder import build_host_batch
 from jaxinfer.engine.loop import Launched, StepLoop
-from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
+from jaxinfer.engine.scheduled_batch import ScheduledBatch
+from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.sampling_params import SamplingParams
 from jaxinfer.step_input import BucketSpec, HostBatch

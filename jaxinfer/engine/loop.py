@@ -6,7 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
+from jaxinfer.engine.scheduled_batch import ScheduledBatch
+from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.stats import EngineStats
 

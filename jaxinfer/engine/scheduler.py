@@ -11,60 +11,15 @@ chunked prefill, prefix caching, async scheduling; SGLang."""
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from jaxinfer.checks import check_int
+from jaxinfer.engine.admission import check_admissible
 from jaxinfer.engine.block_manager import BlockManager
+from jaxinfer.engine.scheduled_batch import ScheduledBatch
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 
 FINISH_REASONS = ("stop", "length", "abort")
 PASS_LIMIT = 256  # cache-aware admission: how many later requests may overtake a waiting one
-
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    """Row i computes positions ``[start_positions[i], + num_new_tokens[i])`` of ``seqs[i]``,
-    the last ``len(draft_token_ids[i])`` of them a proposer's drafts (speculative decoding:
-    the row's last token, then its drafts, all verified); snapshots: ``do_sample`` (the chunk
-    reaches the end, pending included), ``pending_input`` (input token from the batch in
-    flight). The scheduler orders rows decode first (one token each, or one plus drafts,
-    admission order), then prefill chunks. Raises ValueError: lengths differ, a count < 1 or
-    not above the row's drafts."""
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    draft_token_ids: list[list[int]] | None = None
-    start_positions: list[int] = field(init=False)
-    do_sample: list[bool] = field(init=False)
-    pending_input: list[bool] = field(init=False)
-
-    def __post_init__(self) -> None:
-        seqs, nums = list(self.seqs), [int(n) for n in self.num_new_tokens]  # own copies
-        drafts = [list(map(int, d)) for d in self.draft_token_ids or [[] for _ in seqs]]
-        if len(seqs) != len(nums) or len(drafts) != len(seqs):
-            raise ValueError(
-                f"ScheduledBatch: {len(seqs)} seqs, {len(nums)} num_new_tokens and "
-                f"{len(drafts)} draft lists: one of each per row"
-            )
-        if any(n < 1 + len(d) for n, d in zip(nums, drafts)):
-            raise ValueError(
-                f"ScheduledBatch.num_new_tokens={nums} is invalid: each count must be >= 1 "
-                "plus the row's drafts"
-            )
-        starts = [s.num_computed_tokens for s in seqs]
-        ends = [st + n - len(d) for st, n, d in zip(starts, nums, drafts)]
-        for name, v in dict(
-            seqs=seqs,
-            num_new_tokens=nums,
-            draft_token_ids=drafts,
-            start_positions=starts,
-            do_sample=[e == s.num_tokens_with_pending for s, e in zip(seqs, ends)],
-            pending_input=[st >= s.num_tokens for s, st in zip(seqs, starts)],
-        ).items():
-            object.__setattr__(self, name, v)
-
-    num_seqs = property(lambda self: len(self.seqs))
-    num_draft_tokens = property(lambda self: sum(map(len, self.draft_token_ids)))
 
 
 class Scheduler:
@@ -126,32 +81,8 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def check_admissible(self, n_prompt: int, params) -> None:
-        """Raise ValueError unless ``1 <= n_prompt`` and ``n_prompt + max_tokens`` fits
-        ``max_model_len`` and the whole pool (max_tokens None: one token must fit)."""
-        tokens = f"{n_prompt} token{'s' if n_prompt != 1 else ''}"
-        if n_prompt == 0:
-            raise ValueError("prompt has 0 tokens; at least 1 required")
-        if params.max_tokens is None and n_prompt >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {tokens}, max_model_len={self.max_model_len}: no room "
-                "for an output token (rule: prompt tokens < max_model_len)"
-            )
-        max_tokens = params.max_tokens or 1
-        if n_prompt + max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt has {tokens} and max_tokens={max_tokens}: prompt + max_tokens = "
-                f"{n_prompt + max_tokens} exceeds max_model_len={self.max_model_len} (rule: prompt "
-                f"tokens + max_tokens <= max_model_len)"
-            )
-        bm = self.block_manager
-        need, usable = bm.pages_needed(n_prompt + max_tokens), bm.num_usable_pages
-        if need > usable:
-            raise ValueError(
-                f"prompt has {tokens} and max_tokens={max_tokens}: needs {need} KV pages "
-                f"of {self.page_size} tokens, but the whole KV pool has {usable} usable "
-                f"page{'s' if usable != 1 else ''} "
-                f"({usable * self.page_size} tokens); lower max_tokens or enlarge the pool"
-            )
+        """`admission.check_admissible` against this scheduler's length and pool."""
+        check_admissible(n_prompt, params, self.max_model_len, self.block_manager)
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq`` (FIFO). ValueError (no change): inadmissible, duplicate id, not fresh."""
@@ -396,7 +327,7 @@ class Scheduler:
                 "Scheduler.postprocess: batch is not the one returned by the last "
                 "schedule() (the oldest batch in flight)"
             )
-        emitted = self._check_sampled(batch, sampled)
+        emitted = batch.emitted(sampled)
         self._in_flight.popleft()
         finished, now, P = [], time.perf_counter(), self.page_size
         for seq, st, n, d, toks in zip(
@@ -417,28 +348,6 @@ class Scheduler:
                 self._finish(seq, reason, now)
                 finished.append(seq)
         return finished
-
-    def _check_sampled(self, batch: ScheduledBatch, sampled: list) -> list[list[int]]:
-        """Each row's emitted ids ([] where none); ValueError: ``sampled`` does not fit."""
-        if len(sampled) != batch.num_seqs:
-            raise ValueError(
-                f"postprocess: sampled has {len(sampled)} entries, batch has "
-                f"{batch.num_seqs} sequences"
-            )
-        out = []
-        for i, (tok, want, d) in enumerate(zip(sampled, batch.do_sample, batch.draft_token_ids)):
-            toks = [] if tok is None else list(map(int, tok if isinstance(tok, list) else [tok]))
-            if bool(toks) != want or len(toks) > len(d) + 1 or toks[:-1] != d[: len(toks) - 1]:
-                raise ValueError(
-                    f"postprocess: sampled[{i}]={tok!r} is invalid: expected "
-                    + (
-                        f"1 to {len(d) + 1} ids, all but the last the drafts {d}"
-                        if want
-                        else "None (prefill chunk not at the end)"
-                    )
-                )
-            out.append(toks)
-        return out
 
     def _append(self, seq: Sequence, toks: list[int], now: float) -> str | None:
         """Append ``toks`` to ``seq``'s outputs up to its end; the finish reason, or None."""

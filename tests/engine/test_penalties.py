@@ -15,7 +15,8 @@ from jaxinfer.engine import logprobs as host_logprobs
 from jaxinfer.engine.batch_builder import build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.loop import StepLoop
-from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
+from jaxinfer.engine.scheduled_batch import ScheduledBatch
+from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.runner.sampling import SamplingMetadata, logprobs, sample
 from jaxinfer.sampling_params import SamplingParams

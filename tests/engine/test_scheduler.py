@@ -24,7 +24,8 @@ import zlib
 import pytest
 
 from jaxinfer.engine.block_manager import BlockManager
-from jaxinfer.engine.scheduler import ScheduledBatch, Scheduler
+from jaxinfer.engine.scheduled_batch import ScheduledBatch
+from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 from jaxinfer.sampling_params import SamplingParams
 

@@ -70,7 +70,7 @@ class StepLoop:
         t1 = time.perf_counter()
         launched = None
         if batch is not None:  # a penalty reads the history, a proposer the tokens: the next
-            sync = self.scheduler.may_speculate()  # step waits for this one
+            sync = batch.num_draft_tokens > 0 or self.scheduler.may_speculate()  # step waits
             launched = Launched(batch, sync=sync or any(s.params.needs_history for s in batch.seqs))
             self.launch(launched, prev)
         times = (t1 - t0, time.perf_counter() - t1)

@@ -25,9 +25,9 @@ PASS_LIMIT = 256  # cache-aware admission: how many later requests may overtake 
 class Scheduler:
     """Which sequences run each step; owns their pages. Speculative decoding: ``propose`` (the
     engine's: (decode rows, the most drafts each may get) -> {id(seq): drafts}) is asked, their
-    pages allocated first, for up to ``spec_k`` drafts a row in a step with fewer than
-    ``spec_max_rows`` decode rows (vLLM's ``disable_by_batch_size``), and such a step carries
-    at most ``spec_max_rows`` rows. ValueError: bad sizes or ``page_size``."""
+    pages allocated first, for up to ``spec_k`` drafts a row in a step whose decode rows and
+    queued requests number fewer than ``spec_max_rows`` (vLLM's ``disable_by_batch_size``), and
+    such a step carries at most ``spec_max_rows`` rows. ValueError: bad sizes or ``page_size``."""
 
     def __init__(
         self,
@@ -191,9 +191,11 @@ class Scheduler:
 
     def _draft_room(self, rows: list[Sequence]) -> dict[int, int]:
         """{id(seq): the most drafts it may get}: ``spec_k``, cut to what the row may still emit
-        less one (max_tokens, max_model_len); none with ``spec_max_rows`` rows or more, for rows
-        with a token in flight, or without a proposer."""
-        if self.propose is None or len(rows) >= self.spec_max_rows:
+        less one (max_tokens, max_model_len); none while the decode rows and the requests
+        waiting for admission number ``spec_max_rows`` or more (admission is never held back
+        by speculation), for rows with a token in flight, or without a proposer."""
+        queued = len(self.waiting) + (self.prefilling is not None)
+        if self.propose is None or len(rows) + queued >= self.spec_max_rows:
             return {}
         room = {
             id(s): min(
@@ -216,7 +218,8 @@ class Scheduler:
 
     def may_speculate(self) -> bool:
         """Whether the next step may carry drafts (its rows need this step's tokens first)."""
-        return self.propose is not None and len(self.running) < self.spec_max_rows
+        queued = len(self.waiting) + (self.prefilling is not None)
+        return self.propose is not None and len(self.running) + queued < self.spec_max_rows
 
     def _preempt(self, victim: Sequence) -> None:
         """Free ``victim``'s pages; it is recomputed from its first token once readmitted (first

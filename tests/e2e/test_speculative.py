@@ -119,7 +119,9 @@ def test_sampled_distribution_equals_plain(pair):
         for i in range(len(prompts))
     ]
     a = np.array(_tokens(plain.generate(prompts, sps)))[:, 0, 1:]
-    b = np.array(_tokens(spec.generate(prompts, sps)))[:, 0, 1:]
+    # 8 at a time: a longer queue turns speculation off (admission first)
+    b = [_tokens(spec.generate(prompts[i : i + 8], sps[i : i + 8])) for i in range(0, 400, 8)]
+    b = np.array([t for part in b for t in part])[:, 0, 1:]
     assert spec.engine.stats().spec_num_accepted_tokens > before
     for j in range(a.shape[1]):
         ids = np.union1d(a[:, j], b[:, j])
@@ -189,3 +191,17 @@ def test_draft_model_vocabulary_must_match(tiny_llm, tiny_cfg, tmp_path):
             num_pages=8,
             speculative_config=cfg,
         )
+
+
+def test_speculation_turns_on_and_off_mid_run(pair, tiny_llm):
+    """disable_by_batch_size=2 and rows ending at different lengths: steps go from plain to
+    verify steps as the batch shrinks; the tokens stay plain decoding's."""
+    plain = pair[0]
+    spec = tiny_llm(text=False, speculative_config=json.dumps(NGRAM | {"disable_by_batch_size": 2}))
+    sps = [
+        SamplingParams(max_tokens=6 + 7 * i, temperature=0.0, ignore_eos=True)
+        for i in range(len(PROMPTS))
+    ]
+    before = spec.engine.stats().spec_num_drafts
+    assert _tokens(spec.generate(PROMPTS, sps)) == _tokens(plain.generate(PROMPTS, sps))
+    assert spec.engine.stats().spec_num_drafts > before

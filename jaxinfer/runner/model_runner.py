@@ -231,8 +231,8 @@ class ModelRunner:
             self.params = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.params
             )
-            for a in jax.tree.leaves(self.kv):
-                a.delete()
+            for a in jax.tree.leaves(self.kv) + jax.tree.leaves(self.draft and self.draft.kv):
+                a.delete()  # a draft model's pool too (its weights stay on the device)
             self.sleeping = level
 
     def wake_up(self, tags: list[str] | None = None) -> None:
@@ -248,6 +248,8 @@ class ModelRunner:
             self._host_params = None
         if "kv_cache" in tags and self.kv.k.is_deleted():
             self.kv = self._new_kv()
+            if self.draft is not None:
+                self.draft.reset_kv()
         if self._host_params is None and not self.kv.k.is_deleted():
             self.sleeping = 0
 

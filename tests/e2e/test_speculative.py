@@ -205,3 +205,18 @@ def test_speculation_turns_on_and_off_mid_run(pair, tiny_llm):
     before = spec.engine.stats().spec_num_drafts
     assert _tokens(spec.generate(PROMPTS, sps)) == _tokens(plain.generate(PROMPTS, sps))
     assert spec.engine.stats().spec_num_drafts > before
+
+
+def test_draft_model_sleep_and_wake_up(tiny_llm, drafts):
+    """sleep(1) deletes the draft's pool with the target's; after wake_up the same tokens, every
+    draft of the target's own weights accepted again."""
+    cfg = dict(method="draft_model", model=drafts["same"], num_speculative_tokens=2)
+    spec = tiny_llm(text=False, max_num_seqs=4, speculative_config=json.dumps(cfg))  # its own
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    want = _tokens(spec.generate(PROMPTS[:2], sp))
+    spec.sleep(1)
+    assert spec.engine.runner.draft.kv.k.is_deleted()
+    spec.wake_up()
+    assert _tokens(spec.generate(PROMPTS[:2], sp)) == want
+    st = spec.engine.stats()
+    assert st.spec_num_accepted_tokens == st.spec_num_draft_tokens > 0

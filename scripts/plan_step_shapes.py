@@ -51,6 +51,7 @@ def planned_set(buckets: BucketSpec) -> dict:
         decode_rows=[k.tokens for k in fwd if k.decode],
         ragged_tokens=[k.tokens for k in fwd if not k.decode and not k.spec],
         verify_tokens=[k.tokens for k in fwd if k.spec],
+        verify_samplers=len([k for k in smp if k.spec]) // len(LEVELS),
         samplers=len(smp),
         sampler_rows=buckets.sampler_rows(),
         levels=list(LEVELS),
@@ -75,6 +76,9 @@ def print_planned(p: dict, max_rows: int) -> None:
     for lv in p["levels"]:
         bias = f" (bias {p['full_bias']} entries per row)" if lv == "full" else ""
         print(f"{'sampler':<8} {lv + ' rows':<14} {nrows:>5}  {join(p['sampler_rows'])}{bias}")
+    if nv := len(p["verify_tokens"]):
+        print(f"{'forward':<8} {'verify tokens':<14} {nv:>5}  {join(p['verify_tokens'])}")
+        print(f"{'sampler':<8} {'verify rows':<14} {p['verify_samplers']:>5}  (x 3 levels)")
     print(
         "not planned (compiled on first use): prompt scorers (T, P), samplers of logits "
         "processors or of a wider logit bias"
@@ -174,6 +178,8 @@ def parser() -> argparse.ArgumentParser:
         ("max-num-seqs", 256, None),
         ("max-num-batched-tokens", 8192, None),
         ("max-model-len", None, "default: --max-input + --max-output"),
+        ("num-speculative-tokens", 0, "k of speculative decoding (0: off)"),
+        ("disable-by-batch-size", 16, "speculative decoding's decode rows (the engine's default)"),
     ):
         ap.add_argument("--" + name, type=int, default=default, help=text)
     for name, what in (("batch", "decode rows"), ("token", "ragged tokens")):
@@ -312,6 +318,8 @@ def main() -> None:
         vocab_size=args.vocab,
         batch_buckets=tuple(args.batch_buckets),
         token_buckets=tuple(args.token_buckets),
+        spec=args.num_speculative_tokens,
+        spec_rows=args.disable_by_batch_size + 1,
     )
     res = dict(planned=planned_set(buckets))
     print_planned(res["planned"], buckets.sizes.max_rows)

@@ -24,3 +24,22 @@ def check_int(what: str, v, lo: int, hi: int | None = None) -> None:
             f"{what}={v!r} is invalid: must be an integer "
             + (f">= {lo}" if hi is None else f"in [{lo}, {hi}]")
         )
+
+
+def check_priority(priority, n: int) -> None:
+    """vLLM's ``generate(priority=...)`` for ``n`` prompts under first-come scheduling (the only
+    policy): None, or ``n`` ints, all 0. ValueError naming the value otherwise."""
+    if priority is None:
+        return
+    if not isinstance(priority, (list, tuple)) or not all(is_int(p, numpy=True) for p in priority):
+        raise ValueError(f"priority={priority!r} is invalid: give None or a list of ints")
+    if len(priority) != n:
+        raise ValueError(
+            f"priority={priority!r} is invalid: {len(priority)} values for {n} prompts; "
+            "give one per prompt"
+        )
+    if bad := [p for p in priority if p != 0]:
+        raise ValueError(
+            f"priority={priority!r} is invalid: priority {bad[0]} given, but priority scheduling "
+            "is not supported (first-come scheduling only: every priority must be 0)"
+        )

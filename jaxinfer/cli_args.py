@@ -1,7 +1,7 @@
 """What the command lines share (`jaxinfer.generate`, `jaxinfer.serve`,
 ``scripts/convert_checkpoint.py``, ``scripts/plan_memory.py``): a parser whose errors are one line
-(`fail`), and for the engine's command lines ``--model``, the engine options built from
-`EngineConfig` and ``--model`` -> `LLM`."""
+(`fail`), and for the engine's command lines ``--model`` (a path or hub id; `HUB_OPTIONS`), the
+engine options built from `EngineConfig` and ``--model`` -> `LLM`."""
 
 import argparse
 import dataclasses
@@ -14,6 +14,14 @@ ENGINE_OPTIONS = tuple(
     f.name
     for f in dataclasses.fields(EngineConfig)  # --seed: the requests'
     if f.name not in ("seed", "kernels")
+)
+
+
+HUB_OPTIONS = (  # vLLM's: a --model or --tokenizer that is a hub id (checkpoints_tools.hub)
+    ("revision", "the model's hub revision: a branch, tag or commit id (default: main)"),
+    ("tokenizer_revision", "the --tokenizer hub id's revision (default: main)"),
+    ("download_dir", "hub cache directory (default: $HF_HUB_CACHE, else $HF_HOME/hub)"),
+    ("hf_token", "Hugging Face token for gated or private models (default: the hub's login)"),
 )
 
 
@@ -74,8 +82,11 @@ def engine_parser(prog: str, description: str) -> Parser:
     p.add_argument(
         "--model",
         default=None,
-        help="HF model dir, GGUF file or Orbax dir (default: the embedded SmolLM2-135M-Instruct)",
+        help="HF model dir, GGUF file, Orbax dir or Hugging Face hub id (default: the embedded "
+        "SmolLM2-135M-Instruct)",
     )
+    for name, help in HUB_OPTIONS:
+        p.add_argument(flag(name), default=None, help=help)
     g = p.add_argument_group("engine (jaxinfer.config.EngineConfig)")
     for f in (f for f in dataclasses.fields(EngineConfig) if f.name in ENGINE_OPTIONS):
         kind = (
@@ -100,13 +111,14 @@ def engine_parser(prog: str, description: str) -> Parser:
 
 def make_llm(args: argparse.Namespace, **kwargs):
     """`jaxinfer.llm.LLM` of ``args.model`` (None: the embedded default model) with the engine
-    options of ``args`` (`engine_parser`) and ``kwargs``; transformers' warnings are silenced
-    (they would break the one-line error contract). Raises FileNotFoundError (no such
-    ``--model``: `LLM`'s message naming the local forms), ValueError: as `LLM`."""
+    options of ``args`` (`engine_parser`, `HUB_OPTIONS` included) and ``kwargs``; transformers'
+    warnings are silenced (they would break the one-line error contract). Raises
+    FileNotFoundError (no such ``--model``, or the hub's error for a hub id: `LLM`'s message),
+    ValueError: as `LLM`."""
     from jaxinfer import llm
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    opts = {name: getattr(args, name) for name in ENGINE_OPTIONS}
+    opts = {name: getattr(args, name) for name in (*ENGINE_OPTIONS, *(n for n, _ in HUB_OPTIONS))}
     if "precompile" in opts and opts["precompile"] is None:  # the server's default
         import jax
 

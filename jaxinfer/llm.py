@@ -9,9 +9,12 @@ import jax
 from tqdm import tqdm
 
 from checkpoints_tools.default_model import default_model_path
+from checkpoints_tools.hub import resolve_model, resolve_path
 from checkpoints_tools.loader import load_tokenizer, open_checkpoint, read_json
 from jaxinfer.beam_search import beam_search
+from jaxinfer.checks import check_priority
 from jaxinfer.config import ModelConfig, check_platform, engine_config, memory, resolve
+from jaxinfer.config.vllm_args import VLLM_HUB
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.models.quantize import quantize_params
 from jaxinfer.outputs import CompletionOutput, RequestOutput
@@ -79,13 +82,15 @@ def _claim_gpu_memory(utilization: float) -> None:
 
 
 class LLM(Prompts):
-    """A model served with continuous batching. ``model``: an HF model directory, a GGUF file or an
-    Orbax directory; None: the embedded SmolLM2-135M-Instruct. ``tokenizer``: an HF tokenizer
-    directory or GGUF file instead of the model's. ``skip_tokenizer_init``: token-id prompts, no
-    output text. ``hf_overrides``: a dict over the model's config.json (Orbax: `ModelConfig`
+    """A model served with continuous batching. ``model``: an HF model directory, a GGUF file, an
+    Orbax directory or a Hugging Face hub id (`checkpoints_tools.hub.resolve_path`: vLLM's
+    ``revision``, ``download_dir``, ``hf_token``, ``HF_HUB_OFFLINE``); None: the embedded
+    SmolLM2-135M-Instruct. ``tokenizer``: an HF tokenizer directory, GGUF file or hub id
+    (``tokenizer_revision``) instead of the model's. ``skip_tokenizer_init``: token-id prompts,
+    no output text. ``hf_overrides``: a dict over the model's config.json (Orbax: `ModelConfig`
     fields). ``engine_args``: `EngineConfig` fields and vLLM's arguments (`engine_config`).
-    FileNotFoundError: no such model (a hub id: the local forms named) or tokenizer; ValueError:
-    unsupported architecture, bad engine argument, GPU kernels off GPU."""
+    FileNotFoundError: no such model or tokenizer (a hub id: the hub's error, the id named);
+    ValueError: unsupported architecture, bad engine argument, GPU kernels off GPU."""
 
     def __init__(
         self,
@@ -96,6 +101,7 @@ class LLM(Prompts):
         hf_overrides: dict | None = None,
         **engine_args,
     ):
+        hub = {k: engine_args.pop(k, None) for k in VLLM_HUB}
         ec = engine_config(**engine_args)
         if not isinstance(hf_overrides, (dict, type(None))):  # vLLM's callable edits an HF config
             raise ValueError(
@@ -105,15 +111,9 @@ class LLM(Prompts):
             _claim_gpu_memory(ec.gpu_memory_utilization)
         platform = jax.default_backend()
         check_platform(ec.kernels, platform)  # before any file is read
-        if tokenizer is not None and not os.path.exists(tokenizer):
-            raise FileNotFoundError(f"tokenizer {tokenizer!r} does not exist")
-        path = model if model is not None else default_model_path()
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"model {path!r} is no local path (nothing is downloaded); "
-                "give an HF model directory (config.json + *.safetensors), "
-                "a .gguf file or an Orbax directory"
-            )
+        path, tokenizer = resolve_model(
+            model if model is not None else default_model_path(), tokenizer, **hub
+        )
         ckpt = open_checkpoint(path)  # once
         if hf_overrides:
             ckpt = dataclasses.replace(ckpt, config={**ckpt.config, **hf_overrides})
@@ -147,9 +147,10 @@ class LLM(Prompts):
     def from_params(cls, config, params: dict, *, tokenizer=None, **engine_args) -> "LLM":
         """An `LLM` over ``params``, the `jaxinfer.models.init_params` tree of ``config`` (compute
         dtype; ``tensor_parallel_size`` > 1: jax or numpy leaves, resharded), quantised first with
-        ``quantization="fp8"``. ``tokenizer``: an HF tokenizer object, or a path as `LLM`'s; its EOS
-        id joins ``config.eos_token_ids``; None: token-id prompts, no ``stop``. ValueError:
-        ``config`` not a `ModelConfig`, a bad engine argument; FileNotFoundError: no tokenizer."""
+        ``quantization="fp8"``. ``tokenizer``: an HF tokenizer object, or a path or hub id as
+        `LLM`'s; its EOS id joins ``config.eos_token_ids``; None: token-id prompts, no ``stop``.
+        ValueError: ``config`` not a `ModelConfig`, a bad engine argument, a ``revision`` (no
+        model is read); FileNotFoundError: no tokenizer."""
         if not isinstance(config, ModelConfig):
             raise ValueError(
                 f"config must be a jaxinfer.config.ModelConfig; got "
@@ -157,9 +158,17 @@ class LLM(Prompts):
             )
         self = cls.__new__(cls)
         self.generation_config, self.model_path = {}, None
+        hub = {k: engine_args.pop(k, None) for k in VLLM_HUB}
+        if hub.pop("revision") is not None:
+            raise ValueError("revision names a model's hub revision; from_params reads no model")
         if isinstance(tokenizer, (str, os.PathLike)):
-            if not os.path.exists(path := os.fspath(tokenizer)):
-                raise FileNotFoundError(f"tokenizer {path!r} does not exist")
+            path = resolve_path(
+                tokenizer,
+                what="tokenizer",
+                revision=hub["tokenizer_revision"],
+                download_dir=hub["download_dir"],
+                token=hub["hf_token"],
+            )
             tokenizer = load_tokenizer(path, "gguf" if path.endswith(".gguf") else "hf")
         self.tokenizer = tokenizer
         resolved = resolve(
@@ -191,17 +200,22 @@ class LLM(Prompts):
         use_tqdm: bool = False,
         on_error: str = "raise",
         stream: Callable[[int, list[int], str], None] | None = None,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Outputs of ``prompts`` (a str, token ids, a `jaxinfer.inputs` TextPrompt or
         TokensPrompt, or a list of these) in input order; ``sampling_params``: one, or one per
         prompt (default `get_default_sampling_params`). ``on_error``: "raise": ValueError naming
         each invalid request before any runs; "return": those come back with ``error`` set (finish
-        reason "error"). ``stream(index, new_token_ids, text_delta)`` as tokens arrive."""
+        reason "error"). ``stream(index, new_token_ids, text_delta)`` as tokens arrive.
+        ``priority``: vLLM's, None or one int per prompt, all 0 (first-come scheduling only; else
+        ValueError, `check_priority`). A ``max_tokens`` beyond the room left in ``max_model_len``
+        generates until the context is full (finish reason "length"), as vLLM's."""
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
         params, encoded, errors = self._prepare(
             prompts, sampling_params, on_error == "raise", self.engine.check_request
         )
+        check_priority(priority, len(encoded))
         outputs = self._run(
             {
                 i: (ids, sp)

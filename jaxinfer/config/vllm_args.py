@@ -1,5 +1,6 @@
 """`engine_config`: `LLM`'s keyword arguments, vLLM's names included, -> `EngineConfig`; the
-vLLM arguments that are no `EngineConfig` field (`VLLM_ALIASES`, `VLLM_ONLY`, `VLLM_NO_EFFECT`).
+vLLM arguments that are no `EngineConfig` field (`VLLM_ALIASES`, `VLLM_ONLY`, `VLLM_NO_EFFECT`;
+`VLLM_HUB`: `LLM`'s own).
 No JAX."""
 
 import logging
@@ -28,11 +29,10 @@ VLLM_NO_EFFECT = {  # name: (values that mean vLLM's default, why any other valu
     "enable_chunked_prefill": ((None, True), "prompts over max_num_batched_tokens are chunked"),
     "compilation_config": ((None, {}), "each step shape is compiled by XLA (jax.jit)"),
     "tokenizer_mode": (("auto", "hf"), "the checkpoint's HF tokenizer is used"),
-    **{
-        k: ((None,), "the model is read from local files only, as they are")
-        for k in ("revision", "tokenizer_revision", "download_dir", "hf_token")
-    },
 }
+# vLLM `LLM` arguments `LLM` itself reads (no `EngineConfig` field): a model or tokenizer that is a
+# hub id is fetched with them (`checkpoints_tools.hub.resolve_path`)
+VLLM_HUB = ("revision", "tokenizer_revision", "download_dir", "hf_token")
 
 
 def engine_config(**args) -> EngineConfig:

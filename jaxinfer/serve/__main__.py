@@ -18,7 +18,8 @@ def build_parser():
     p.add_argument(
         "--served-model-name",
         default=None,
-        help="the model name clients send (default: the model file or directory name)",
+        help="the model name clients send (default: the model file or directory name, or "
+        "the hub id)",
     )
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1")
     p.add_argument(
@@ -56,9 +57,11 @@ def main(argv: list[str] | None = None, factory=None) -> int:
         return fail(str(e))
     except KeyboardInterrupt:
         return 130
-    path = client.info["model_path"]
+    path, hub_id = client.info["model_path"], args.model and not os.path.exists(args.model)
     name = args.served_model_name or (
-        path and os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+        args.model
+        if hub_id  # vLLM's default name: the hub id as given
+        else path and os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
     )
     app = create_app(
         client,

@@ -17,9 +17,11 @@ from .cli_runs import run_cli, run_main
         (["--prompt", "hi", "--top-p", "0"], "top_p"),
         (["--prompt", "hi", "--top-k", "-2"], "top_k"),
         (
-            ["--prompt", "hi", "--model", "Qwen/Qwen3-8B"],  # a hub id: the local forms named
-            "model 'Qwen/Qwen3-8B' is no local path (nothing is downloaded); give an HF model",
+            ["--prompt", "hi", "--model", "jaxinfer-tests/none"],  # a hub id not in the HF cache
+            "model 'jaxinfer-tests/none' is no local path, and Hugging Face hub id "
+            "'jaxinfer-tests/none' could not be resolved (HF_HUB_OFFLINE=1",
         ),
+        (["--prompt", "hi", "--model", "no/such/dir"], "not a Hugging Face hub id"),
         (["--max-tokens", "4"], "no prompt"),
         (["--prompt", "hi", "--n", "0"], "n=0 is invalid: must be an integer >= 1"),
         (["--prompt", "hi", "--n", "two"], "argument --n: invalid int value: 'two'"),

@@ -212,8 +212,8 @@ def test_vllm_engine_arguments_map_or_warn(llm, caplog):
     ``pipeline_parallel_size=1`` are what runs. An argument without effect here is silent at
     vLLM's default value and one warning line otherwise (vLLM would act on it); a value that
     cannot be honoured is a ValueError (`test_vllm_constructor_arguments_checked`); float16 is
-    refused on a GPU (kernels not validated), run on the CPU (test_vllm_api.py); a hub id that
-    is no local path is an error naming the local forms accepted (nothing is downloaded)."""
+    refused on a GPU (kernels not validated), run on the CPU (test_vllm_api.py); a hub id not in
+    the HF cache offline is the hub's error naming the id (tests/checkpoints/test_hub.py)."""
     from jaxinfer.config import EngineConfig, resolve
 
     cfg, params = llm.engine.model_config, llm.engine.runner.params
@@ -263,10 +263,10 @@ def test_vllm_engine_arguments_map_or_warn(llm, caplog):
             disable_log_stats=False,
             enable_chunked_prefill=False,
             compilation_config={"level": 3},
-            download_dir="/tmp/x",
+            download_dir="/tmp/x",  # vLLM's hub cache: no hub id here, silent
         )
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 6 and all(" has no effect: " in m for m in lines), lines
+    assert len(lines) == 5 and all(" has no effect: " in m for m in lines), lines
     assert "trust_remote_code=True has no effect: no model code is loaded" in lines[0]
     with pytest.raises(
         ValueError, match="dtype='float16' is invalid: the GPU kernels are not validated in float16"
@@ -274,12 +274,14 @@ def test_vllm_engine_arguments_map_or_warn(llm, caplog):
         resolve(cfg, EngineConfig(dtype="half"), "gpu")
     with pytest.raises(
         FileNotFoundError,
-        match=r"model 'Qwen/Qwen3-8B' is no local path \(nothing "
-        r"is downloaded\); give an HF model directory .*, a .gguf file or an Orbax",
+        match=r"model 'jaxinfer-tests/none' is no local path, and Hugging Face hub id "
+        r"'jaxinfer-tests/none' could not be resolved \(HF_HUB_OFFLINE=1",
     ):
-        LLM("Qwen/Qwen3-8B")
+        LLM("jaxinfer-tests/none")
     with pytest.raises(ValueError, match="hf_overrides must be a dict"):
-        LLM("Qwen/Qwen3-8B", hf_overrides=lambda c: c)
+        LLM("jaxinfer-tests/none", hf_overrides=lambda c: c)
+    with pytest.raises(ValueError, match="revision names a model's hub revision"):
+        LLM.from_params(cfg, params, revision="main")
 
 
 def test_update_params_equals_a_fresh_llm_without_recompiling(llm):

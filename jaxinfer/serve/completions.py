@@ -54,14 +54,17 @@ class OpenAIServing:
             raise APIError.invalid(e, body.constraint()) from None
 
     async def encode(self, prompts, sp, param: str) -> list[list[int]]:
-        """Ids of ``prompts()`` by `Prompts._prepare` (a thread; the engine core checks the rest
-        at `EngineCoreClient.add`); ValueError: 400 (``param``)."""
+        """Ids of ``prompts()`` by `Prompts._prepare` (a thread), each within the context
+        (`check_context`; the engine core checks the rest at `EngineCoreClient.add`);
+        ValueError: 400 (``param``)."""
         try:
             _, encoded, _ = await run_in_threadpool(
                 lambda: self.client.prompts._prepare(prompts(), sp, True)
             )
         except ValueError as e:
             raise APIError.invalid(e, param) from None
+        for _, ids in encoded:
+            check_context(ids, sp, self.client.info["max_model_len"], param)
         return [ids for _, ids in encoded]
 
     async def respond(self, request: Request, body: P._Sampling, prompts, sp, param: str):
@@ -152,6 +155,26 @@ class OpenAIServing:
         if body.stream_options is not None and body.stream_options.include_usage:
             yield chunk([], usage)
         yield "data: [DONE]\n\n"
+
+
+def check_context(ids: list[int], sp, max_model_len: int, param: str) -> None:
+    """vLLM's context-length 400 (its ``_validate_input`` wording, an API contract) naming
+    ``param``, when the prompt ``ids`` and ``sp.max_tokens`` together exceed ``max_model_len``,
+    or with max_tokens None the prompt leaves no room. The engine itself (offline) generates
+    until the context is full instead."""
+    n = len(ids)
+    head = f"This model's maximum context length is {max_model_len} tokens. However, you requested"
+    if sp.max_tokens is None and n >= max_model_len:
+        raise APIError(
+            f"{head} {n} tokens in the messages, Please reduce the length of the messages.",
+            param=param,
+        )
+    if sp.max_tokens is not None and n + sp.max_tokens > max_model_len:
+        raise APIError(
+            f"{head} {n + sp.max_tokens} tokens ({n} in the messages, {sp.max_tokens} in the "
+            "completion). Please reduce the length of the messages or completion.",
+            param=param,
+        )
 
 
 _ENCODE = msgspec.json.Encoder().encode

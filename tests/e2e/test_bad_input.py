@@ -1,6 +1,8 @@
 """Acceptance 7 and CASES C1, C2, C3: bad input through the API; the engine keeps serving (on
 the tiny random model and its character-level tokenizer)."""
 
+import re
+
 import pytest
 
 from jaxinfer import LLM, SamplingParams
@@ -61,19 +63,46 @@ def small_llm(llm, **engine_args):
 
 
 def test_length_admission_rule(llm):
-    """C1: max_model_len 64. Rule: prompt + max_tokens <= max_model_len, else rejected."""
+    """C1: max_model_len 64. A prompt of 64 tokens or more is rejected; a max_tokens beyond the
+    room left generates until the context is full, "length" (vLLM's offline semantics)."""
     small = small_llm(llm, max_model_len=64, max_num_seqs=4, num_pages=64)
     ids = [3 + i % 90 for i in range(100)]
-    out = small.generate(
-        {"prompt_token_ids": ids[:63]}, SamplingParams(max_tokens=1, temperature=0.0)
-    )[0]
-    assert len(out.token_ids) == 1 and out.outputs[0].finish_reason in ("length", "stop")
-    for n, m in ((64, 1), (63, 2), (65, 1)):
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    out = small.generate({"prompt_token_ids": ids[:63]}, SamplingParams(max_tokens=1, **greedy))
+    assert len(out[0].token_ids) == 1 and out[0].outputs[0].finish_reason == "length"
+    outs = small.generate(
+        [{"prompt_token_ids": ids[:n]} for n in (63, 60, 50)],
+        SamplingParams(max_tokens=200, **greedy),
+    )
+    assert [(len(o.token_ids), o.outputs[0].finish_reason) for o in outs] == [
+        (1, "length"),
+        (4, "length"),
+        (14, "length"),
+    ]
+    for n in (64, 65):
         with pytest.raises(ValueError) as e:
-            small.generate({"prompt_token_ids": ids[:n]}, SamplingParams(max_tokens=m))
-        assert str(n) in str(e.value) and "64" in str(e.value)
+            small.generate({"prompt_token_ids": ids[:n]}, SamplingParams(max_tokens=1))
+        assert f"{n} tokens" in str(e.value) and "max_model_len=64" in str(e.value)
     # nothing was ever written at a position >= 64
     assert 0 < small.engine.stats().max_kv_len_seen <= 64
+
+
+def test_priority_must_be_zero_with_first_come_scheduling(llm):
+    """vLLM's ``generate(priority=...)``: all zeros run; anything else is refused by value."""
+    sp = SamplingParams(max_tokens=2, temperature=0.0)
+    outs = llm.generate(["The sky is", "Hi"], sp, priority=[0, 0])
+    assert all(len(o.token_ids) == 2 for o in outs)
+    for bad, needle in (
+        ([0, 1], "priority 1 given, but priority scheduling is not supported"),
+        ([0], "1 values for 2 prompts"),
+        ("0", "a list of ints"),
+        ([0, 0.5], "a list of ints"),
+    ):
+        with pytest.raises(
+            ValueError, match=re.escape(f"priority={bad!r} is invalid: ") + ".*" + needle
+        ):
+            llm.generate(["The sky is", "Hi"], sp, priority=bad)
+    assert not llm.engine.has_unfinished()
 
 
 def test_pool_admission(llm):
@@ -91,6 +120,10 @@ def test_pool_admission(llm):
     )
     assert outs[0].error and "pages" in outs[0].error
     assert len(outs[1].token_ids) == 8
+    with pytest.raises(
+        ValueError, match=r"max_tokens=1000: needs 32 KV pages of 16 tokens \(512 tokens\)"
+    ):
+        small.generate({"prompt_token_ids": list(range(3, 13))}, SamplingParams(max_tokens=1000))
     bm = small.engine.block_manager
     assert bm.num_free_pages == bm.num_usable_pages == 8
 

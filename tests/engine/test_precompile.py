@@ -140,7 +140,7 @@ def test_planned_set_covers_every_sampling_feature(tiny_llm):
 def test_precompile_rejects_a_bad_request_by_index(weights):
     llm = _llm(weights)
     with pytest.raises(ValueError, match="request 1: .*max_model_len"):
-        llm.precompile([[1, 2, 3], [4] * 90], SamplingParams(max_tokens=20))
+        llm.precompile([[1, 2, 3], [4] * 96], SamplingParams(max_tokens=20))
     assert llm.engine.stats().num_compiles == 0
 
 

@@ -197,9 +197,29 @@ def test_logprobs(client):
         ({"prompt": "x", "logprobs": 21}, 400, "logprobs", ["[0, 20]"]),
         ({"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", ["[-2, 2]"]),
         ({"prompt": "x", "temperature": "hot"}, 400, "temperature", []),
-        ({"prompt": "x", "max_tokens": 10**30}, 400, "prompt", ["out of range"]),
-        ({"prompt": "x", "max_tokens": 300}, 400, "prompt", ["max_model_len=256"]),
-        ({"prompt": "word " * 70}, 400, "prompt", ["prompt has", "max_model_len=256"]),
+        ({"prompt": [10**30], "max_tokens": 1}, 400, "prompt", ["out of range"]),
+        ({"prompt": "x", "max_tokens": 10**30}, 400, "prompt", ["maximum context length is 256"]),
+        # vLLM's 400 (serving_engine.py's wording); the engine offline would run it to "length"
+        (
+            {"prompt": [5, 6], "max_tokens": 300},
+            400,
+            "prompt",
+            [
+                "This model's maximum context length is 256 tokens. However, you requested 302 "
+                "tokens (2 in the messages, 300 in the completion). Please reduce the length of "
+                "the messages or completion."
+            ],
+        ),
+        ({"prompt": "word " * 70}, 400, "prompt", ["maximum context length is 256 tokens"]),
+        (
+            {
+                "messages": [{"role": "user", "content": "word " * 70}],
+                "_path": "/v1/chat/completions",
+            },
+            400,
+            "messages",
+            ["context length is 256 tokens. However, you requested", "tokens in the messages, "],
+        ),
         ({"prompt": [[]]}, 400, "prompt", ["0 tokens"]),
         ({"prompt": [10**9]}, 400, "prompt", ["out of range"]),
         ({}, 400, "prompt", []),

@@ -221,7 +221,8 @@ def test_random_configs_match_reference(seed, lag):
     def arrivals(step, s):  # continuous batching: requests arrive while others run
         for _, seq in [x for x in pending if x[0] == step]:
             n, m = seq.num_prompt_tokens, seq.params.max_tokens
-            should_reject = n == 0 or n + m > L or -(-(n + m) // P) > usable
+            most = min(n + m, L)  # a max_tokens beyond the room left ends with "length"
+            should_reject = n == 0 or n >= L or -(-most // P) > usable
             if should_reject:
                 with pytest.raises(ValueError):
                     s.add(seq)

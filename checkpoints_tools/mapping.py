@@ -2,7 +2,9 @@
 any other, missing, duplicate or wrongly shaped tensor is an error (DESIGN.md convention 9).
 Tying (CASES.md C9): no ``lm_head.weight``, or one equal to the embedding -> tied (UserWarning if
 ``tie_word_embeddings`` disagrees). HF ``[out, in]`` -> ``[in, out]``; q/k/v_proj fill ``wqkv``,
-gate/up ``w_gate_up``; HF FP8: matrices stay fp8, ``weight_scale_inv`` -> ``<param>_scale``."""
+gate/up ``w_gate_up``; HF FP8: matrices stay fp8, ``weight_scale_inv`` -> ``<param>_scale``.
+MoE: each layer's rules are those of its leaves (a dense layer's MLP, or a sparse layer's router
+and experts); expert j's gate/up/down_proj fill row j of the stacked [E, ...] leaves."""
 
 import re
 import warnings
@@ -14,7 +16,8 @@ import numpy as np
 
 class TensorRule(NamedTuple):
     """One HF tensor -> one param entry (slash-separated tree path), or one ``part`` of a fused
-    entry's output axis; ``{i}``: layer index; ``transpose``: ``[out, in]`` -> ``[in, out]``."""
+    entry's output axis; ``{i}``: layer index; ``{j}``: expert index (row j of the param's leading
+    E axis); ``transpose``: ``[out, in]`` -> ``[in, out]``."""
 
     hf_name: str
     param: str
@@ -22,6 +25,7 @@ class TensorRule(NamedTuple):
     part: str | None = None
 
     per_layer = property(lambda self: "{i}" in self.hf_name)
+    per_expert = property(lambda self: "{j}" in self.hf_name)
     leaf = property(lambda self: self.param.rsplit("/", 1)[-1])
 
 
@@ -39,6 +43,10 @@ HF_TO_PARAMS: tuple[TensorRule, ...] = (
     TensorRule(_L + "mlp.gate_proj.weight", _P + "w_gate_up", True, part="gate"),
     TensorRule(_L + "mlp.up_proj.weight", _P + "w_gate_up", True, part="up"),
     TensorRule(_L + "mlp.down_proj.weight", _P + "w_down", True),
+    TensorRule(_L + "mlp.gate.weight", _P + "router", True),
+    TensorRule(_L + "mlp.experts.{j}.gate_proj.weight", _P + "w_experts_gate_up", True, "gate"),
+    TensorRule(_L + "mlp.experts.{j}.up_proj.weight", _P + "w_experts_gate_up", True, "up"),
+    TensorRule(_L + "mlp.experts.{j}.down_proj.weight", _P + "w_experts_down", True),
     TensorRule("model.norm.weight", "final_norm", False),
     TensorRule("lm_head.weight", "lm_head", True),
 )
@@ -108,43 +116,69 @@ def tree_mismatches(want, got, *, dtypes: bool = False, slash: bool = False) -> 
 
 
 def _pattern(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(re.escape("{i}"), r"(\d+)") + r"\Z")
+    pattern = re.escape(template).replace(re.escape("{i}"), r"(\d+)")
+    return re.compile(pattern.replace(re.escape("{j}"), r"(\d+)") + r"\Z")
 
 
-def _spec(abstract: Mapping, param: str) -> tuple[tuple[int, ...], Any]:
-    """(shape, dtype) of ``param`` (layer 0 for ``{i}``); absent ``lm_head``: embed transposed."""
+def _spec(abstract: Mapping, param: str, layer: int = 0) -> tuple[tuple[int, ...], Any]:
+    """(shape, dtype) of ``param`` (at ``layer`` for ``{i}``); absent ``lm_head``: embed's
+    transposed."""
     if param == "lm_head" and "lm_head" not in abstract:
         return tuple(reversed(abstract["embed"].shape)), abstract["embed"].dtype
     leaf = abstract
-    for key in param.format(i=0).split("/"):
+    for key in param.format(i=layer).split("/"):
         leaf = leaf[key]
     return tuple(leaf.shape), leaf.dtype
 
 
-def hf_shape(rule: TensorRule, abstract: Mapping, parts: Mapping) -> tuple[int, ...]:
-    """The shape HF gives ``rule``'s tensor (``[out, in]``; a fused part's width on out)."""
-    shape, _ = _spec(abstract, rule.param)
+def hf_shape(rule: TensorRule, abstract: Mapping, parts: Mapping, layer: int = 0) -> tuple:
+    """The shape HF gives ``rule``'s tensor (``[out, in]``; a fused part's width on out; one
+    expert's: without the leading E axis) at layer ``layer``."""
+    shape, _ = _spec(abstract, rule.param, layer)
+    shape = shape[1:] if rule.per_expert else shape
     if rule.part is not None:
         shape = (*shape[:-1], (sl := parts[rule.leaf][rule.part]).stop - sl.start)
     return tuple(reversed(shape)) if rule.transpose else shape
 
 
-def _match(name: str, rules, num_layers: int, architecture: str) -> tuple[Any, int | None]:
-    """(rule, layer) of tensor ``name``; (None, None) for an ignored buffer."""
+def _layers(rule: TensorRule, abstract: Mapping) -> list[int | None]:
+    """The layers whose tree has ``rule``'s leaf ([None]: not a per-layer rule)."""
+    if not rule.per_layer:
+        return [None]
+    return sorted(int(i) for i, leaves in abstract["layers"].items() if rule.leaf in leaves)
+
+
+def _expected(rule: TensorRule, abstract: Mapping, cfg: Any) -> list[str]:
+    """The HF names ``rule`` must find: per layer with its leaf, per expert j < E."""
+    experts = range(getattr(cfg, "num_experts", 0)) if rule.per_expert else [0]
+    return [rule.hf_name.format(i=i, j=j) for i in _layers(rule, abstract) for j in experts]
+
+
+def _match(name: str, rules, abstract: Mapping, cfg: Any) -> tuple[Any, int | None]:
+    """(rule, layer) of tensor ``name``; (None, None) for an ignored buffer. ValueError: no rule,
+    a layer index >= L or an expert index >= E, a leaf that layer does not have (e.g. a dense
+    MLP's tensor on an MoE layer)."""
     if any(_pattern(t).match(name) for t in IGNORED_HF):
         return None, None
     for r in rules:
         if m := _pattern(r.hf_name).match(name):
             layer = int(m.group(1)) if r.per_layer else None
-            if layer is not None and layer >= num_layers:
-                raise ValueError(
-                    f"unexpected tensor {name!r} in checkpoint: layer index {layer} "
-                    f">= num_layers={num_layers}"
-                )
+            expert = int(m.group(2)) if r.per_expert else 0
+            bad = (
+                f"layer index {layer} >= num_layers={cfg.num_layers}"
+                if layer is not None and layer >= cfg.num_layers
+                else f"expert index {expert} >= num_experts={getattr(cfg, 'num_experts', 0)}"
+                if r.per_expert and expert >= cfg.num_experts
+                else f"layer {layer} has no param {r.leaf!r}"
+                if layer is not None and layer not in _layers(r, abstract)
+                else None
+            )
+            if bad:
+                raise ValueError(f"unexpected tensor {name!r} in checkpoint: {bad}")
             return r, layer
     raise ValueError(
         f"unexpected tensor {name!r} in checkpoint: no entry in the mapping table "
-        f"for architecture {architecture!r}"
+        f"for architecture {cfg.architecture!r}"
     )
 
 
@@ -156,10 +190,11 @@ def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cf
             raise ValueError(
                 f"duplicate tensor {name!r}: given more than once (e.g. in two shards)"
             )
-        rule, layer = _match(name, rules, cfg.num_layers, cfg.architecture)
+        rule, layer = _match(name, rules, abstract, cfg)
         if rule is not None:
-            array, want = np.asarray(array), hf_shape(rule, abstract, parts)
-            fp8 = np.dtype(_spec(abstract, rule.param)[1]).name == "float8_e4m3fn"
+            at = layer or 0
+            array, want = np.asarray(array), hf_shape(rule, abstract, parts, at)
+            fp8 = np.dtype(_spec(abstract, rule.param, at)[1]).name == "float8_e4m3fn"
             if tuple(array.shape) != want or (fp8 and array.dtype.name != "float8_e4m3fn"):
                 where = rule.param.format(i=layer) + (f" part {rule.part!r}" if rule.part else "")
                 raise ValueError(
@@ -172,9 +207,7 @@ def _collect(tensors: TensorSource, rules, abstract: Mapping, parts: Mapping, cf
         n
         for r in rules
         if r.param != "lm_head"
-        for n in (
-            [r.hf_name.format(i=i) for i in range(cfg.num_layers)] if r.per_layer else [r.hf_name]
-        )
+        for n in _expected(r, abstract, cfg)
         if n not in found
     ]
     if missing:
@@ -187,31 +220,42 @@ def hf_tensors_to_params(
 ) -> dict:
     """The param tree (jax arrays in each abstract leaf's dtype; numpy with ``on_host``; ``lm_head``
     iff untied) from HF-named ``tensors`` (a dict or ``(name, array)`` pairs). cfg: duck-typed
-    ``num_layers``, ``architecture``, ``tie_word_embeddings``; abstract: the ShapeDtypeStruct tree
-    (absent leaves' rules skipped); parts: ``{fused param: {part: slice of its last axis}}``.
-    ValueError: unmapped, duplicate or missing tensor, bad shape. UserWarning: tying."""
+    ``num_layers``, ``architecture``, ``tie_word_embeddings`` (MoE: ``num_experts``); abstract:
+    the ShapeDtypeStruct tree (rules of leaves absent from it, or from a layer, skipped there);
+    parts: ``{fused param: {part: slice of its last axis}}``. ValueError: unmapped, duplicate or
+    missing tensor, bad shape. UserWarning: tying."""
     import jax.numpy as jnp
 
-    layer0 = abstract["layers"].get("0", {})
     rules = [
         r
         for r in HF_TO_PARAMS
-        if r.param == "lm_head" or (r.leaf in layer0 if r.per_layer else r.param in abstract)
+        if r.param == "lm_head" or (_layers(r, abstract) if r.per_layer else r.param in abstract)
     ]
     found = _collect(tensors, rules, abstract, parts, cfg)
     tied = _decide_tying(found, cfg)
     params: dict = {}
+    xp = np if on_host else jnp
     for path in dict.fromkeys(r.param for r in rules if not (r.param == "lm_head" and tied)):
         group = [r for r in rules if r.param == path]  # fused parts in table order
-        shape, dtype = _spec(abstract, path)
-        for i in range(cfg.num_layers) if group[0].per_layer else [None]:
-            pieces = [(r, found.pop(r.hf_name.format(i=i))) for r in group]
+        for i in _layers(group[0], abstract):
+            shape, dtype = _spec(abstract, path, i or 0)
+            experts = range(cfg.num_experts) if group[0].per_expert else [None]
+            leaves = [
+                _fuse(
+                    [(r, found.pop(r.hf_name.format(i=i, j=j))) for r in group],
+                    parts,
+                    shape[1:] if j is not None else shape,
+                    np.dtype(dtype),
+                    xp,
+                )
+                for j in experts
+            ]
             node = params
             *parents, leaf = path.format(i=i).split("/")
             for key in parents:
                 node = node.setdefault(key, {})
-            node[leaf] = _fuse(pieces, parts, shape, np.dtype(dtype), np if on_host else jnp)
-            del pieces
+            node[leaf] = leaves[0] if experts == [None] else xp.stack(leaves)
+            del leaves
     return params
 
 

@@ -1,6 +1,7 @@
-"""`ModelConfig`, the architecture of a Llama / Qwen3 decoder (from HF ``config.json``, GGUF
-metadata or a saved dict), and its tensor-parallel form (`check_tp`, `tp_model_config`). A bad
-value raises ValueError naming the field, the value and what is allowed. Imports no JAX."""
+"""`ModelConfig`, the architecture of a Llama / Qwen3 / Qwen3-MoE decoder (from HF
+``config.json``, GGUF metadata or a saved dict), and its tensor-parallel form (`check_tp`,
+`tp_model_config`; MoE limits: `check_moe`). A bad value raises ValueError naming the field,
+the value and what is allowed. Imports no JAX."""
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
@@ -9,7 +10,8 @@ from typing import Any
 from checkpoints_tools.mapping import fp8_block_size
 from jaxinfer.checks import is_int
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen3", "qwen3_moe")
+MOE_ARCHITECTURES = ("qwen3_moe",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -51,7 +53,10 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A Llama / Qwen3 decoder; shape letters: V, D, F (intermediate), L, N, K, H, G = N/K."""
+    """A Llama / Qwen3 / Qwen3-MoE decoder; shape letters: V, D, F (intermediate), L, N, K, H,
+    G = N/K; MoE (qwen3_moe, HF ``Qwen3MoeConfig``): E = ``num_experts``, top-k =
+    ``num_experts_per_tok``, F_e = ``moe_intermediate_size``; layer i is sparse (`is_sparse`) unless
+    in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``; dense layers have an MLP of F."""
 
     architecture: str
     vocab_size: int
@@ -69,6 +74,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     weight_block_size: tuple[int, int] | None = None  # an HF FP8 checkpoint's (block_out, block_in)
+    num_experts: int = 0  # E; 0: every layer dense
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # F_e
+    norm_topk_prob: bool = False  # the top-k probabilities renormalised to sum to 1
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check(
@@ -108,6 +119,8 @@ class ModelConfig:
             ),
         )
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        _check(self, _moe_rules(self))
         object.__setattr__(
             self,
             "weight_block_size",
@@ -115,9 +128,17 @@ class ModelConfig:
         )
 
     qk_norm = property(
-        lambda self: self.architecture == "qwen3",
+        lambda self: self.architecture in ("qwen3", "qwen3_moe"),
         doc="Qwen3 applies a per-head RMSNorm to q and k before RoPE.",
     )
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer`` has the MoE MLP (HF ``Qwen3MoeDecoderLayer``'s rule)."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """2 (K and V) x L x K x H x dtype_bytes."""
@@ -176,6 +197,7 @@ class ModelConfig:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos,
                 weight_block_size=fp8_block_size(cfg.get("quantization_config")),
+                **(_moe_fields(cfg) if model_type in MOE_ARCHITECTURES else {}),
             )
         except KeyError as e:
             raise ValueError(
@@ -199,6 +221,59 @@ class ModelConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         rope = d.get("rope_scaling")
         return cls(**{**d, "rope_scaling": rope and RopeScaling(**rope)})
+
+
+def _moe_rules(m: ModelConfig) -> tuple:
+    """`_check` rules of the MoE fields: E > 0 only for `MOE_ARCHITECTURES`; then 1 <= top-k <=
+    E, F_e >= 1; decoder_sparse_step >= 1; mlp_only_layers in [0, L)."""
+    moe, E = m.architecture in MOE_ARCHITECTURES, m.num_experts
+    return (
+        (
+            "num_experts",
+            lambda v: is_int(v, 0) and (moe or v == 0),
+            f"must be an integer >= 0, and 0 unless architecture is in {MOE_ARCHITECTURES}",
+        ),
+        (
+            "num_experts_per_tok",
+            lambda v: E == 0 or is_int(v, 1) and v <= E,
+            f"must be in [1, num_experts={E}]",
+        ),
+        ("moe_intermediate_size", lambda v: E == 0 or is_int(v, 1), "must be a positive integer"),
+        ("decoder_sparse_step", lambda v: is_int(v, 1), "must be a positive integer"),
+        (
+            "mlp_only_layers",
+            lambda v: all(0 <= i < m.num_layers for i in v),
+            f"layer indices must be in [0, num_layers={m.num_layers})",
+        ),
+    )
+
+
+def _moe_fields(cfg: Mapping[str, Any]) -> dict:
+    """The MoE fields of an HF ``Qwen3MoeConfig`` dict (E: ``num_experts``, or transformers 5's
+    ``num_local_experts``). ValueError: an HF FP8 checkpoint (``quantization_config``)."""
+    if cfg.get("quantization_config"):
+        raise ValueError("FP8 checkpoints (quantization_config) are not yet for qwen3_moe")
+    return dict(
+        num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts", 0))),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(cfg.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+    )
+
+
+def check_moe(model: ModelConfig, tp: int, quantization: str | None) -> None:
+    """ValueError for what an MoE model (E > 0) cannot yet run with: tensor_parallel_size > 1,
+    quantization "fp8" (the experts' matrices are neither split nor quantised yet)."""
+    if not model.num_experts:
+        return
+    if tp > 1:
+        raise ValueError(f"tensor_parallel_size={tp} is not yet for {model.architecture}; use 1")
+    if quantization is not None:
+        raise ValueError(
+            f"quantization={quantization!r} is not yet for {model.architecture}; use None"
+        )
 
 
 def check_tp(model: ModelConfig, tp: int) -> None:

@@ -1,7 +1,9 @@
 """THE weight table: each leaf of the param tree once, `MODEL` at the top, `LAYER` under layers/
-"0".."L-1"; matrices [in, out], compute dtype (norms too); under "fp8" a `QUANTIZED` matrix is
-float8_e4m3fn with an f32 ``<name>_scale`` (`scale_shape`). The Flax modules (`layers.declare`),
-shardings (`entries`) and sizes (`device_bytes`) read it. Imports no JAX."""
+"0".."L-1" (a layer's leaves: `layer_leaves`; MoE models: sparse layers have the router and
+the experts, dense ones the MLP); matrices [in, out], compute dtype (norms too); under "fp8" a
+`QUANTIZED` matrix is float8_e4m3fn with an f32 ``<name>_scale`` (`scale_shape`). The Flax
+modules (`layers.declare`), shardings (`entries`) and sizes (`device_bytes`) read it. Imports no
+JAX."""
 
 import math
 from collections.abc import Callable
@@ -13,15 +15,17 @@ INIT_STD = 0.02  # HF ``initializer_range`` default: N(0, 0.02) for matrices and
 
 
 class Leaf(NamedTuple):
-    """``shape``: per axis an expression of V, D, N, K, H, F (`shape_of`); ``split``: the axis
-    tensor parallelism splits, "column" (out), "row" (in), "vocab" (V, if tp divides V) or None;
-    ``init``: "normal" N(0, `INIT_STD`) or "ones"; ``fp8``: quantisable; ``when``: cfg -> has it."""
+    """``shape``: per axis an expression of V, D, N, K, H, F, E, F_e (`shape_of`); ``split``: the
+    axis tensor parallelism splits, "column" (out), "row" (in), "vocab" (V, if tp divides V) or
+    None; ``init``: "normal" N(0, `INIT_STD`) or "ones"; ``fp8``: quantisable; ``when``: cfg ->
+    has it; ``mlp``: a layer leaf only on "dense" or "sparse" layers (`ModelConfig.is_sparse`)."""
 
     shape: tuple[str, ...]
     split: str | None
     init: str = "normal"
     fp8: bool = False
     when: Callable[[Any], bool] = lambda cfg: True
+    mlp: str | None = None
 
 
 MODEL = {
@@ -36,17 +40,28 @@ LAYER = {
     "q_norm": Leaf(("H",), None, "ones", when=lambda cfg: cfg.qk_norm),
     "k_norm": Leaf(("H",), None, "ones", when=lambda cfg: cfg.qk_norm),
     "mlp_norm": Leaf(("D",), None, "ones"),
-    "w_gate_up": Leaf(("D", "2 * F"), "column", fp8=True),  # gate | up
-    "w_down": Leaf(("F", "D"), "row", fp8=True),
+    "w_gate_up": Leaf(("D", "2 * F"), "column", fp8=True, mlp="dense"),  # gate | up
+    "w_down": Leaf(("F", "D"), "row", fp8=True, mlp="dense"),
+    "router": Leaf(("D", "E"), None, mlp="sparse"),  # MoE: tp > 1, fp8 not yet (`check_moe`)
+    "w_experts_gate_up": Leaf(("E", "D", "2 * F_e"), None, mlp="sparse"),  # per expert gate | up
+    "w_experts_down": Leaf(("E", "F_e", "D"), None, mlp="sparse"),
 }
 LEAVES = {**MODEL, **LAYER}
 QUANTIZED = tuple(name for name, leaf in LAYER.items() if leaf.fp8)
 
 
+def layer_leaves(cfg, layer: int) -> tuple[str, ...]:
+    """The `LAYER` leaves layer ``layer`` of ``cfg`` has (``when``; ``mlp`` by `is_sparse`)."""
+    kind = "sparse" if cfg.is_sparse(layer) else "dense"
+    return tuple(n for n, f in LAYER.items() if f.when(cfg) and f.mlp in (None, kind))
+
+
 def shape_of(name: str, cfg) -> tuple[int, ...]:
-    """Leaf ``name``'s shape for ``cfg``: V, D, N, K, H, F = vocab_size, hidden_size, num_heads,
-    num_kv_heads, head_dim, intermediate_size."""
+    """Leaf ``name``'s shape for ``cfg``: V, D, N, K, H, F, E, F_e = vocab_size, hidden_size,
+    num_heads, num_kv_heads, head_dim, intermediate_size, num_experts, moe_intermediate_size."""
     letters = dict(
+        E=cfg.num_experts,
+        F_e=cfg.moe_intermediate_size,
         V=cfg.vocab_size,
         D=cfg.hidden_size,
         N=cfg.num_heads,
@@ -66,9 +81,12 @@ def scale_shape(shape: tuple[int, int], block: tuple[int, int] | None) -> tuple[
 def fused_parts(cfg) -> dict[str, dict[str, slice]]:
     """Slices of each projection on the output (last) axis of the fused matrices: ``{"wqkv": {"q":
     [0, N*H), "k": [N*H, (N+K)*H), "v": [(N+K)*H, (N+2K)*H)}, "w_gate_up": {"gate": [0, F), "up":
-    [F, 2F)}}`` (the tensor-parallel layout: `jaxinfer.runner.parallel.engine_layout`)."""
+    [F, 2F)}}`` (the tensor-parallel layout: `jaxinfer.runner.parallel.engine_layout`); MoE also
+    ``"w_experts_gate_up": {"gate": [0, F_e), "up": [F_e, 2F_e)}``."""
     N, K, F, H = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.head_dim
-    return {
+    Fe = cfg.moe_intermediate_size
+    moe = {"w_experts_gate_up": {"gate": slice(0, Fe), "up": slice(Fe, 2 * Fe)}}
+    return (moe if cfg.num_experts else {}) | {
         "wqkv": {
             "q": slice(0, N * H),
             "k": slice(N * H, (N + K) * H),
@@ -103,7 +121,11 @@ def entries(cfg, tp: int = 1, quantization: str | None = None) -> list[tuple]:
                     axis if block else 0 if axis == 1 else None,
                 )
             )
-        layers = [("layers", str(i)) for i in range(cfg.num_layers)] if name in LAYER else [()]
+        layers = (
+            [("layers", str(i)) for i in range(cfg.num_layers) if name in layer_leaves(cfg, i)]
+            if name in LAYER
+            else [()]
+        )
         out += [((*at, n), *rest) for at in layers for n, *rest in leaves]
     return out
 

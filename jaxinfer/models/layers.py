@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config.weights import INIT_STD, LEAVES, scale_shape, shape_of
+from jaxinfer.config.weights import INIT_STD, LEAVES, layer_leaves, scale_shape, shape_of
 from jaxinfer.models.kv_cache import page_dtype
 from jaxinfer.models.quantize import FP8, expand_scale
 from pallas_kernels.kv_quant import quantize
@@ -50,13 +50,17 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
     return (y * w.scale).astype(x.dtype)
 
 
-def declare(module: nn.Module, name: str) -> Weight | jax.Array | None:
+def declare(module: nn.Module, name: str, layer: int | None = None) -> Weight | jax.Array | None:
     """Declare leaf ``name`` of the weight table (`config.weights`) in ``module``'s scope: shape
     of ``module.cfg``, the table's init, ``module.param_dtype``; a quantisable matrix as a `Weight`
     (``module.quantization`` "fp8": float8_e4m3fn plus f32 ``name_scale`` of `scale_shape`).
-    None: a leaf this model does not have (the table's ``when``)."""
+    None: a leaf this model (layer ``layer``'s `layer_leaves`, if given) does not have."""
     leaf, shape, block = LEAVES[name], shape_of(name, module.cfg), module.cfg.weight_block_size
-    if not leaf.when(module.cfg):
+    if (
+        not leaf.when(module.cfg)
+        or layer is not None
+        and name not in layer_leaves(module.cfg, layer)
+    ):
         return None
     fp8 = leaf.fp8 and module.quantization is not None
     w = module.param(name, INITS[leaf.init], shape, FP8 if fp8 else module.param_dtype)

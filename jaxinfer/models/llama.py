@@ -1,8 +1,10 @@
-"""Llama (2/3/3.x, SmolLM2, ...) and Qwen3 (the Llama trunk plus a per-head RMSNorm of q and k,
-``cfg.qk_norm``) over the paged KV cache; the modules declare `config.weights`' tree (`MODEL` in
-`LlamaForCausalLM`, `LAYER` per `DecoderLayer`; ``lm_head`` for init only). The L layers are
-unrolled, each a call of one jitted `decoder_layer` with its index as an argument (traced once).
-Sources: HF ``modeling_llama.py``, ``modeling_qwen3.py``; the Llama 2, Llama 3 and Qwen3 reports."""
+"""Llama (2/3/3.x, SmolLM2, ...), Qwen3 (the Llama trunk plus a per-head RMSNorm of q and k,
+``cfg.qk_norm``) and Qwen3-MoE (Qwen3 with `moe.moe_mlp` on its sparse layers) over the paged KV
+cache; the modules declare `config.weights`' tree (`MODEL` in `LlamaForCausalLM`, a layer's
+`layer_leaves` per `DecoderLayer`; ``lm_head`` for init only). The L layers are unrolled, each a
+call of one jitted `decoder_layer` with its index as an argument (traced once per weight
+structure: dense layers and MoE layers). Sources: HF ``modeling_llama.py``, ``modeling_qwen3.py``,
+``modeling_qwen3_moe.py``; the Llama 2, Llama 3 and Qwen3 reports."""
 
 import functools
 from typing import Any
@@ -29,6 +31,7 @@ from jaxinfer.models.layers import (
     rope_inv_freq,
     write_kv,
 )
+from jaxinfer.models.moe import moe_mlp
 
 
 def attention_heads(
@@ -146,15 +149,21 @@ def decoder_layer(
     cfg,
     kernels: ModelKernels,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Pre-norm layer ``layer`` (i32[]) with weights ``w`` (`LAYER`'s), ``x += attn(attn_norm(x));
-    x += mlp(mlp_norm(x))``, each residual add done with the next norm (`add_rms_norm`): ``(x [B,
-    T, D], pending, ...) -> (x, pending, k_pool, v_pool)``; ``pending``: the MLP output not yet
-    added (None into layer 0)."""
+    """Pre-norm layer ``layer`` (i32[]) with weights ``w`` (`LAYER`'s, None where the layer has no
+    such leaf), ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, each residual add done with the
+    next norm (`add_rms_norm`): ``(x [B, T, D], pending, ...) -> (x, pending, k_pool, v_pool)``;
+    ``pending``: the MLP output not yet added (None into layer 0). The MLP: `moe_mlp` where ``w``
+    has a router (an MoE layer), else the dense SwiGLU `mlp`."""
     norm = functools.partial(add_rms_norm, eps=cfg.rms_norm_eps)
     x, h = norm(x, pending, w["attn_norm"])
     a, k_pool, v_pool = attention(h, w, layer, k_pool, v_pool, ctx, cfg=cfg, kernels=kernels)
     x, h = norm(x, a, w["mlp_norm"])
-    return x, mlp(h, w["w_gate_up"], w["w_down"], kernels.tp), k_pool, v_pool
+    if w.get("router") is None:
+        return x, mlp(h, w["w_gate_up"], w["w_down"], kernels.tp), k_pool, v_pool
+    moe = functools.partial(
+        moe_mlp, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob
+    )
+    return x, moe(h, w["router"], w["w_experts_gate_up"], w["w_experts_down"]), k_pool, v_pool
 
 
 # one trace per step shape for all L layers (the layer index is an argument): the step's tracing
@@ -176,7 +185,7 @@ class DecoderLayer(_Module):
         v_pool: jax.Array,
         ctx: StepContext,
     ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        w = {name: declare(self, name) for name in LAYER}  # the weight table's
+        w = {name: declare(self, name, layer) for name in LAYER}  # the weight table's
         return _decoder_layer(
             w,
             x,

@@ -1,0 +1,59 @@
+"""The Qwen3 mixture-of-experts MLP (HF ``Qwen3MoeSparseMoeBlock``) as pure functions: `route`
+(softmax over all E router logits in f32, top-k, renormalised if ``norm_topk_prob``) and
+`moe_mlp` (the token-expert pairs sorted by expert, one grouped GEMM per projection, gate|up
+fused, SiLU-gated, weighted, unsorted and summed over k). Shape letters: T tokens, D, E experts,
+k = top-k, F_e the experts' FFN width. The grouped GEMM is ``jax.lax.ragged_dot`` (the CPU path,
+and the reference of a GPU kernel to come). Sources: HF ``modeling_qwen3_moe.py``; vLLM's
+``fused_moe`` (sort by expert, grouped GEMM, weighted sum)."""
+
+import jax
+import jax.numpy as jnp
+
+
+def route(
+    x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool
+) -> tuple[jax.Array, jax.Array]:
+    """HF ``Qwen3MoeTopKRouter``: x [T, D] @ ``router`` [D, E] in x.dtype -> softmax over the E
+    logits in f32 -> `jax.lax.top_k` -> divided by their sum if ``norm_topk_prob`` -> (weights
+    [T, k] cast to x.dtype, experts i32[T, k]), in descending probability. Ties: the lower expert
+    index first. HF's ``torch.topk`` on the CPU orders ties by libstdc++'s ``nth_element``, so
+    where equal probabilities straddle the k-th place HF may keep another of them; elsewhere the
+    chosen sets and weights are HF's (tests/models/test_moe.py)."""
+    logits = x @ router.astype(x.dtype)  # [T, E]
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), experts.astype(jnp.int32)
+
+
+def moe_mlp(
+    x: jax.Array,
+    router: jax.Array,
+    w_gate_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+) -> jax.Array:
+    """x [..., D] -> [..., D]: each token's `route`'d k experts, ``sum_k weight_k *
+    (silu(x @ gate_e) * (x @ up_e)) @ down_e`` with ``w_gate_up`` [E, D, 2 F_e] ([gate | up] per
+    expert) and ``w_down`` [E, F_e, D]. The T*k token-expert pairs are sorted by expert (stable),
+    so each expert's rows are one contiguous group of ``bincount`` rows for
+    ``jax.lax.ragged_dot``; the products go back to their pair's place and are summed over k."""
+    shape, D = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, D)
+    T, E, Fe = x2.shape[0], router.shape[-1], w_down.shape[1]
+    with jax.named_scope("moe_route"):
+        weights, experts = route(x2, router, top_k, norm_topk_prob)
+        flat = experts.reshape(-1)  # [T*k]: pair p is token p // k's choice p % k
+        order = jnp.argsort(flat, stable=True)  # pairs by expert
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # i32[E] group sizes
+        xs = jnp.take(x2, order // top_k, axis=0)  # [T*k, D]
+    with jax.named_scope("moe_mlp"):
+        gu = jax.lax.ragged_dot(xs, w_gate_up.astype(x.dtype), sizes)  # [T*k, 2 F_e]
+        h = jax.nn.silu(gu[:, :Fe]) * gu[:, Fe:]
+        y = jax.lax.ragged_dot(h, w_down.astype(x.dtype), sizes)  # [T*k, D]
+        y = y * jnp.take(weights.reshape(-1), order)[:, None]
+        y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in pair order
+        return y.reshape(T, top_k, D).sum(axis=1).reshape(shape).astype(x.dtype)

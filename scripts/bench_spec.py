@@ -24,7 +24,7 @@ table and append a JSON line a configuration to --out (bench "spec" and "spec_ng
 
     python scripts/bench_spec.py [--batches 1,64] [--ks 2,4,6] [--rates 0,0.5,0.7,0.8,0.9]
         [--context 1024] [--tokens 128] [--layers 36] [--wide-rate 0.8] [--full-grid]
-        [--allow-mismatch] [--label L] [--out benchmarks/spec.jsonl]
+        [--allow-mismatch] [--kernels K=V,...] [--label L] [--out benchmarks/spec.jsonl]
     python scripts/bench_spec.py --tiny            # CPU: B 1,20, k 2,4, rates 0,0.8
     python scripts/bench_spec.py --ngram-smollm2   # CPU, about 4 minutes on 2 cores
 """
@@ -193,6 +193,7 @@ def build_model(args):
     rows, page = max(int(b) for b in args.batches.split(",")), 16
     per_row = -(-(args.context + args.tokens) // page) + 1  # pages a row may hold, a spare one
     eng.update(max_model_len=per_row * page, page_size=page, enable_prefix_caching=False)
+    eng.update({"kernels": args.kernels} if args.kernels else {})
     return cfg, params, dict(eng, max_num_seqs=rows, num_pages=rows * per_row + 9)
 
 
@@ -374,6 +375,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--wide-rate", type=float, default=0.8)
     for flag in ("--full-grid", "--allow-mismatch", "--tiny", "--ngram-smollm2"):
         ap.add_argument(flag, action="store_true")
+    ap.add_argument("--kernels", default="", help="KernelConfig 'key=value,...' (default: auto)")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="benchmarks/spec.jsonl")
     args = ap.parse_args(argv)

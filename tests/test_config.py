@@ -160,7 +160,7 @@ def test_resolve_defaults_per_platform_and_dtype():
     f32 = resolve(model(), EngineConfig(dtype="float32"), "gpu").kernels
     assert (f32.decode_attention, f32.prefill_attention) == ("reference", "triton")
     # explicit choices are kept
-    kc = KernelConfig(decode_attention="triton", prefill_attention="reference")
+    kc = KernelConfig("triton", "reference", ragged_decode_max_tokens=8)
     assert resolve(model(), EngineConfig(kernels=kc), "gpu").kernels == kc
 
 

@@ -26,12 +26,15 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
 class KernelConfig:
     """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"): paged attention of
     decode (T == 1) / prefill steps; prefill_gemm (cublas: GPU); decode buckets of >=
-    cublas_decode_min_batch rows use cuBLAS (None: XLA); batch_buckets / token_buckets: B / T."""
+    cublas_decode_min_batch rows use cuBLAS (None: XLA); ragged (mixed) steps of at most
+    ragged_decode_max_tokens tokens attend each token as a decode row (0: never; not yet timed on
+    a GPU, BENCHMARKS "Issue 45"); batch_buckets / token_buckets: B / T."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     prefill_gemm: str = "xla"
     cublas_decode_min_batch: int | None = 64
+    ragged_decode_max_tokens: int = 0
     batch_buckets: tuple[int, ...] = ()
     token_buckets: tuple[int, ...] = ()
 
@@ -47,6 +50,11 @@ class KernelConfig:
                     "cublas_decode_min_batch",
                     lambda m: m is None or is_int(m, 1),
                     "must be None or a positive integer",
+                ),
+                (
+                    "ragged_decode_max_tokens",
+                    lambda m: is_int(m, 0),
+                    "must be an integer >= 0",
                 ),
                 *(
                     (
@@ -118,7 +126,7 @@ class KernelConfig:
                 if f.name in choices
                 else "sizes joined by ':'"
                 if f.name in _BUCKETS
-                else "none|ROWS"
+                else "none|N"
             )
             + (f" (default {f.default})" if f.default != () else " (default empty: engine's)")
             for f in dataclasses.fields(cls)

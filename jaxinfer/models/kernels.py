@@ -87,11 +87,13 @@ class RaggedAttention:
 class ModelKernels:
     """attention: B rows of T tokens (`reference.paged_attention`'s contract); ragged: ragged rows
     (`reference.ragged_paged_attention`'s); mesh: None, or the 1-D "tp" mesh of tensor
-    parallelism (`runner.parallel.make_mesh`)."""
+    parallelism (`runner.parallel.make_mesh`); ragged steps of at most ``ragged_decode_max_tokens``
+    tokens attend token by token through ``attention``'s decode rows (`layers.by_token`)."""
 
     attention: Callable = reference.paged_attention
     mesh: Any = None
     ragged: Callable = RaggedAttention()
+    ragged_decode_max_tokens: int = 0
 
     tp = property(
         lambda self: 1 if self.mesh is None else self.mesh.size,
@@ -201,4 +203,5 @@ def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKerne
     attention = reference.paged_attention
     if (decode, prefill) != ("reference", "reference"):
         attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
-    return ModelKernels(attention, mesh, RaggedAttention(prefill))
+    by_token = kc.ragged_decode_max_tokens
+    return ModelKernels(attention, mesh, RaggedAttention(prefill), by_token)

@@ -97,9 +97,25 @@ def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array,
 class Ragged(NamedTuple):
     """Ragged rows over tokens [1, T]: row r's queries are tokens ``[query_start_loc[r],
     query_start_loc[r + 1])`` (i32[R + 1]; `pallas_kernels.paged_attention.ragged`). Source:
-    vLLM's ``query_start_loc``."""
+    vLLM's ``query_start_loc``. ``token_tables`` i32[T, M], ``token_lens`` i32[T] (`by_token`):
+    each token as one decode row (its row's block table; KV length its position + 1, 0 for
+    padding), attended by the decode kernel; None: by the ragged tiles."""
 
     query_start_loc: jax.Array
+    token_tables: jax.Array | None = None
+    token_lens: jax.Array | None = None
+
+
+def by_token(query_start_loc: jax.Array, block_tables: jax.Array, positions: jax.Array) -> Ragged:
+    """`Ragged` rows ``query_start_loc`` i32[R + 1] with each of the T tokens at ``positions``
+    i32[T] made a decode row: a small step (a verify step's k + 1 tokens a row) reads each row's
+    KV with the decode kernel's split over the context, where the ragged tiles would give one
+    tile a row. Tokens past ``query_start_loc[R]`` are padding (KV length 0)."""
+    t = jnp.arange(positions.shape[0], dtype=jnp.int32)
+    row = jnp.searchsorted(query_start_loc, t, side="right") - 1
+    row = jnp.clip(row, 0, block_tables.shape[0] - 1)
+    lens = jnp.where(t < query_start_loc[-1], positions + 1, 0).astype(jnp.int32)
+    return Ragged(query_start_loc, block_tables[row], lens)
 
 
 class StepContext(NamedTuple):
@@ -131,7 +147,8 @@ def attend(
     scale: float,
 ) -> jax.Array:
     """Attention of q [B, T, N, H] -> [B, T, N, H]: ``kernels.attention`` on B rows of T tokens
-    (``ctx.ragged`` None), else ``kernels.ragged`` on the ragged rows of q [1, T, N, H]."""
+    (``ctx.ragged`` None) or on the T decode rows of `by_token`, else ``kernels.ragged`` on the
+    ragged rows of q [1, T, N, H]."""
     k_pool, v_pool = (p.view(page_dtype(p.dtype)) for p in (k_pool, v_pool))  # `stored_dtype`
     scales = dict(k_scale=ctx.k_scale, v_scale=ctx.v_scale)
     if ctx.ragged is None:
@@ -146,6 +163,19 @@ def attend(
             scale=scale,
             **scales,
         )
+    if ctx.ragged.token_lens is not None:  # `by_token`: [T, 1] decode rows
+        o = kernels.attention(
+            q[0][:, None],
+            k_pool,
+            v_pool,
+            ctx.ragged.token_tables,
+            ctx.ragged.token_lens,
+            ctx.positions[0][:, None],
+            layer=layer,
+            scale=scale,
+            **scales,
+        )
+        return o[:, 0][None]
     o = kernels.ragged(
         q[0],
         k_pool,

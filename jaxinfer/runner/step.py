@@ -12,7 +12,7 @@ from jaxinfer import models
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import KVCache
-from jaxinfer.models.layers import Ragged
+from jaxinfer.models.layers import Ragged, by_token
 from jaxinfer.runner.parallel import gather_logits
 from jaxinfer.runner.rejection import verify
 from jaxinfer.runner.sampling import (
@@ -74,13 +74,21 @@ def forward_step(
         lay(f["slot_mapping"]),
         step_kv,
         kernels=kernels,
-        ragged=None if key.decode else Ragged(f["query_start_loc"]),
+        ragged=None if key.decode else _ragged(f, kernels),
     )
     hidden = hidden.reshape(-1, hidden.shape[-1])
     with jax.named_scope("lm_head"):
         logits = models.compute_logits(params, cfg, hidden[f["logits_indices"].reshape(-1)])
         logits = gather_logits(logits, cfg, kernels.mesh)
     return (logits, hidden), new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
+
+
+def _ragged(f: dict, kernels: ModelKernels) -> Ragged:
+    """The step's ragged rows; a step of at most ``kernels.ragged_decode_max_tokens`` tokens
+    attends token by token (`by_token`)."""
+    if f["tokens"].shape[0] > kernels.ragged_decode_max_tokens:
+        return Ragged(f["query_start_loc"])
+    return by_token(f["query_start_loc"], f["block_tables"], f["positions"])
 
 
 def sample_step(

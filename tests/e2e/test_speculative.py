@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats
 from script_module import load_script
-from tiny_model import tiny_params_of
+from tiny_model import TINY_ENGINE, tiny_params_of
 
 from jaxinfer import SamplingParams
 
@@ -58,6 +58,18 @@ def test_greedy_equals_plain_decoding(pair):
     assert st.spec_num_accepted_tokens > before and st.spec_num_drafts > 0
     assert st.spec_num_accepted_tokens <= st.spec_num_draft_tokens
     assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens
+
+
+def test_token_by_token_attention_equals_plain(pair, tiny_llm):
+    """Steps of at most 32 tokens attended token by token (`layers.by_token`; here the verify
+    steps and the small mixed steps) give plain decoding's greedy tokens."""
+    plain, _ = pair
+    kernels = TINY_ENGINE["kernels"] + ",ragged_decode_max_tokens=32"
+    spec = tiny_llm(text=False, speculative_config=SPEC, kernels=kernels)
+    assert spec.engine.resolved.kernels.ragged_decode_max_tokens == 32
+    sp = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    assert _tokens(spec.generate(PROMPTS, sp)) == _tokens(plain.generate(PROMPTS, sp))
+    assert spec.engine.stats().spec_num_accepted_tokens > 0
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 4, 7])

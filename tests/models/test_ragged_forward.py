@@ -2,7 +2,8 @@
 computes the same hidden states and K/V as the padded [R, Tq] layout (each row padded to the
 longest chunk), which `test_models_vs_hf` checks against HF transformers. Covers a decode row
 (one token), chunks that continue a cached prefix (start > 0), ragged chunk lengths, padded
-tokens at the end of the row and a padded row, GQA and page boundaries."""
+tokens at the end of the row and a padded row, GQA and page boundaries; both ragged layouts:
+the tiles and token by token (`layers.by_token`, each token a decode row)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from jaxinfer import models
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.kv_cache import KVCache
+from jaxinfer.models.layers import by_token
 
 PAGE = 4
 # (tokens already cached, chunk length) per row
@@ -37,8 +39,9 @@ def _cfg(arch):
     )
 
 
+@pytest.mark.parametrize("layout", ["tiles", "by_token"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_ragged_forward_matches_padded(arch):
+def test_ragged_forward_matches_padded(arch, layout):
     cfg = _cfg(arch)
     params = models.init_params(cfg, jax.random.key(1), jnp.float32)
     params = jax.tree_util.tree_map(
@@ -106,7 +109,9 @@ def test_ragged_forward_matches_padded(arch):
         jnp.asarray(pos),
         jnp.asarray(slot),
         kv_in,
-        ragged=models.Ragged(jnp.asarray(qsl)),
+        ragged=models.Ragged(jnp.asarray(qsl))
+        if layout == "tiles"
+        else by_token(jnp.asarray(qsl), jnp.asarray(tables), jnp.asarray(pos[0])),
     )
 
     assert h_pk.shape == (1, Tp, cfg.hidden_size)

@@ -241,3 +241,27 @@ def test_checkpoint_name_errors(moe_checkpoint):
     extra = {"model.layers.0.mlp.experts.8.up_proj.weight": np.zeros((32, 64), np.float32)}
     with pytest.raises(ValueError, match=r"expert index 8 >= num_experts=8"):
         params_from_hf({**state, **extra}, cfg, jnp.float32)
+
+
+def test_engine_features_on_moe(moe_checkpoint):
+    """Issue 47 item 4: prefix caching (a shared 32-token prefix, pages hit by the later call),
+    n = 2 and n-gram speculation (repetitive prompts draft) on the MoE model: greedy tokens equal
+    HF's ``generate``."""
+    path, model = moe_checkpoint
+    spec = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    llm = LLM(
+        str(path),
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        speculative_config=spec,
+        **TINY_ENGINE,
+    )
+    prompts = [[5, 6, 7, 8] * 8 + [9 + i] * (i + 1) for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, n=2)
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], sp)
+    rest = llm.generate([{"prompt_token_ids": p} for p in prompts[1:]], sp)
+    for out, ids in zip(first + rest, prompts):
+        want, _ = greedy_hf(model, ids, STEPS)
+        assert [list(c.token_ids) for c in out.outputs] == [want, want]
+    st = llm.engine.stats()
+    assert st.prefix_cache_hits >= 32 and st.spec_num_drafts > 0

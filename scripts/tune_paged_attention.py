@@ -124,64 +124,46 @@ CONFIGS = [  # (pages_per_block, num_warps, num_stages, k_splits)
 ]
 
 
-def main():
-    quick = "--quick" in sys.argv
-    dev = jax.devices()[0]
-    print("device", dev.device_kind, "jax", jax.__version__, flush=True)
-    ceil = ceiling()
-    print("ceilings", ceil, flush=True)
-    q, k_pool, v_pool, bt, sl = make_inputs()
-    layer = jnp.int32(1)
-    scale = H**-0.5
-    jax.config.update("jax_default_matmul_precision", "highest")
-    ref = jax.jit(lambda *a: reference.paged_decode_attention(*a[:5], layer=a[5], scale=scale))(
+def reference_out(q, k_pool, v_pool, bt, sl, layer, scale):
+    """The reference decode attention of these inputs at ``layer`` (q cast to float32 first), as
+    the jitted call returns it."""
+    return jax.jit(lambda *a: reference.paged_decode_attention(*a[:5], layer=a[5], scale=scale))(
         q.astype(jnp.float32), k_pool, v_pool, bt, sl, layer
     )
-    ref = np.asarray(ref, np.float32)
-    variants = {"triton": triton_pallas.paged_decode_attention}
-    rows = []
-    best = {}
-    cfgs = {
-        "triton": [
-            (2, 4, 4, 1),
-            (4, 4, 4, 1),
-            (4, 4, 3, 1),
-            (2, 4, 3, 1),
-            (8, 8, 3, 1),
-            (4, 4, 4, 2),
-        ]
-    }
+
+
+def validate_and_time(fn, inputs, layer, scale, knobs, ref, rec, kv_bytes, compile_time=False):
+    """Run ``fn`` with ``knobs`` on ``inputs`` (q, k_pool, v_pool, bt, sl) once under jit and
+    record into ``rec``, in this order: ``compile_s`` (only with ``compile_time``), ``finite``,
+    ``rel_err`` against ``ref``, then the looped per-call time ``us`` and ``TBps`` (``kv_bytes``
+    over that time). Exceptions propagate, leaving ``rec`` with the keys set so far."""
+    t0 = time.perf_counter()
+    f = jax.jit(lambda *a: fn(*a[:5], layer=a[5], scale=scale, **knobs))
+    out = np.asarray(f(*inputs, layer), np.float32)
+    if compile_time:
+        rec["compile_s"] = round(time.perf_counter() - t0, 2)
+    rec["finite"] = bool(np.all(np.isfinite(out)))
+    rec["rel_err"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+    t = time_kernel(fn, inputs, scale=scale, **knobs)
+    rec["us"] = round(t * 1e6, 1)
+    rec["TBps"] = round(kv_bytes / t / 1e12, 3)
+
+
+def knobs_of(ppb, nw, ns, ks):
+    """The kernel keyword arguments of one configuration tuple."""
+    return dict(pages_per_block=ppb, num_warps=nw, num_stages=ns, k_splits=ks)
+
+
+def sweep_full_batch(variants, cfgs, quick, inputs, layer, scale, ref, rows, best):
+    """Sweep each variant's configurations (the first 3 with ``quick``) at batch B: append and
+    print one record per configuration to ``rows``; keep in ``best[variant]`` the fastest finite
+    one with rel_err < 1e-2. A failing configuration records its ``error`` and a traceback."""
     for vname, fn in variants.items():
         for ppb, nw, ns, ks in cfgs[vname][:3] if quick else cfgs[vname]:
             rec = dict(variant=vname, pages_per_block=ppb, num_warps=nw, num_stages=ns, k_splits=ks)
             try:
-                t0 = time.perf_counter()
-                f = jax.jit(
-                    lambda *a, fn=fn, ppb=ppb, nw=nw, ns=ns, ks=ks: fn(
-                        *a[:5],
-                        layer=a[5],
-                        scale=scale,
-                        pages_per_block=ppb,
-                        num_warps=nw,
-                        num_stages=ns,
-                        k_splits=ks,
-                    )
-                )
-                out = np.asarray(f(q, k_pool, v_pool, bt, sl, layer), np.float32)
-                rec["compile_s"] = round(time.perf_counter() - t0, 2)
-                rec["finite"] = bool(np.all(np.isfinite(out)))
-                rec["rel_err"] = float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
-                t = time_kernel(
-                    fn,
-                    (q, k_pool, v_pool, bt, sl),
-                    scale=scale,
-                    pages_per_block=ppb,
-                    num_warps=nw,
-                    num_stages=ns,
-                    k_splits=ks,
-                )
-                rec["us"] = round(t * 1e6, 1)
-                rec["TBps"] = round(KV_BYTES / t / 1e12, 3)
+                knobs = knobs_of(ppb, nw, ns, ks)
+                validate_and_time(fn, inputs, layer, scale, knobs, ref, rec, KV_BYTES, True)
                 ok = rec["finite"] and rec["rel_err"] < 1e-2
                 if ok and (vname not in best or rec["us"] < best[vname]["us"]):
                     best[vname] = rec
@@ -190,14 +172,13 @@ def main():
                 traceback.print_exc(limit=3)
             rows.append(rec)
             print(json.dumps(rec), flush=True)
-    # small batch: the sequence split matters (B*K = 64 programs)
-    Bs = 8
-    qs, ks_, vs, bts, sls = make_inputs(1, B=Bs)
-    refs = np.asarray(
-        jax.jit(lambda *a: reference.paged_decode_attention(*a[:5], layer=a[5], scale=scale))(
-            qs.astype(jnp.float32), ks_, vs, bts, sls, layer
-        )
-    )
+
+
+def sweep_small_batch(variants, best, Bs, layer, scale, rows):
+    """At batch ``Bs`` (where the sequence split matters), time each variant's best knobs with
+    k_splits 1, 4 and 8; append and print one record per run to ``rows``."""
+    inputs = make_inputs(1, B=Bs)
+    refs = np.asarray(reference_out(*inputs, layer, scale))
     for vname, fn in variants.items():
         if vname not in best:
             continue
@@ -212,38 +193,17 @@ def main():
                 k_splits=ks,
             )
             try:
-                f = jax.jit(
-                    lambda *a, fn=fn, r0=r0, ks=ks: fn(
-                        *a[:5],
-                        layer=a[5],
-                        scale=scale,
-                        pages_per_block=r0["pages_per_block"],
-                        num_warps=r0["num_warps"],
-                        num_stages=r0["num_stages"],
-                        k_splits=ks,
-                    )
-                )
-                out = np.asarray(f(qs, ks_, vs, bts, sls, layer), np.float32)
-                rec["finite"] = bool(np.all(np.isfinite(out)))
-                rec["rel_err"] = float(np.linalg.norm(out - refs) / np.linalg.norm(refs))
-                t = time_kernel(
-                    fn,
-                    (qs, ks_, vs, bts, sls),
-                    scale=scale,
-                    pages_per_block=r0["pages_per_block"],
-                    num_warps=r0["num_warps"],
-                    num_stages=r0["num_stages"],
-                    k_splits=ks,
-                )
-                rec["us"] = round(t * 1e6, 1)
-                rec["TBps"] = round(KV_BYTES * Bs / B / t / 1e12, 3)
+                knobs = knobs_of(r0["pages_per_block"], r0["num_warps"], r0["num_stages"], ks)
+                validate_and_time(fn, inputs, layer, scale, knobs, refs, rec, KV_BYTES * Bs / B)
             except Exception as e:  # noqa: BLE001
                 rec["error"] = repr(e)[:400]
             rows.append(rec)
             print(json.dumps(rec), flush=True)
-    with open(os.path.join(OUT, "sweep.jsonl"), "w") as fh:
-        for r in rows:
-            fh.write(json.dumps(dict(r, **ceil, device_kind=dev.device_kind)) + "\n")
+
+
+def tuned_entries(best, rows, device_kind, Bs):
+    """The tuned-table entries (the format `tuning.py` reads): per variant its best knobs, with
+    ``min_programs`` from the fastest small-batch k_splits, and the measurement behind them."""
     tuned = []
     for vname, r in best.items():
         small = [x for x in rows if x["variant"] == vname and x.get("B") == Bs and "us" in x]
@@ -256,7 +216,7 @@ def main():
         tuned.append(
             {
                 "variant": vname,
-                "device_kind": dev.device_kind,
+                "device_kind": device_kind,
                 "page_size": PS,
                 "head_dim": H,
                 "group": N // K,
@@ -276,9 +236,11 @@ def main():
                 },
             }
         )
-    for path in (TUNED_FILE, os.path.join(OUT, "tuned_h200.json")):
-        with open(path, "w") as fh:
-            json.dump(tuned, fh, indent=1)
+    return tuned
+
+
+def print_table(rows, ceil):
+    """Print every record as one table row, then the bandwidth ceilings and the KV bytes."""
     print(
         f"\n{'variant':<10} {'B':>3} {'ppb':>4} {'nw':>3} {'ns':>3} {'ks':>3} {'us':>8} "
         f"{'TB/s':>7} {'rel_err':>9}"
@@ -291,6 +253,44 @@ def main():
             f"{r.get('us', 'ERR')!s:>8} {r.get('TBps', '-')!s:>7} {rel_err:>9}"
         )
     print("ceilings", ceil, "KV bytes", KV_BYTES)
+
+
+def main():
+    quick = "--quick" in sys.argv
+    dev = jax.devices()[0]
+    print("device", dev.device_kind, "jax", jax.__version__, flush=True)
+    ceil = ceiling()
+    print("ceilings", ceil, flush=True)
+    inputs = make_inputs()
+    layer = jnp.int32(1)
+    scale = H**-0.5
+    jax.config.update("jax_default_matmul_precision", "highest")
+    ref = np.asarray(reference_out(*inputs, layer, scale), np.float32)
+    variants = {"triton": triton_pallas.paged_decode_attention}
+    rows = []
+    best = {}
+    cfgs = {
+        "triton": [
+            (2, 4, 4, 1),
+            (4, 4, 4, 1),
+            (4, 4, 3, 1),
+            (2, 4, 3, 1),
+            (8, 8, 3, 1),
+            (4, 4, 4, 2),
+        ]
+    }
+    sweep_full_batch(variants, cfgs, quick, inputs, layer, scale, ref, rows, best)
+    # small batch: the sequence split matters (B*K = 64 programs)
+    Bs = 8
+    sweep_small_batch(variants, best, Bs, layer, scale, rows)
+    with open(os.path.join(OUT, "sweep.jsonl"), "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(dict(r, **ceil, device_kind=dev.device_kind)) + "\n")
+    tuned = tuned_entries(best, rows, dev.device_kind, Bs)
+    for path in (TUNED_FILE, os.path.join(OUT, "tuned_h200.json")):
+        with open(path, "w") as fh:
+            json.dump(tuned, fh, indent=1)
+    print_table(rows, ceil)
 
 
 if __name__ == "__main__":

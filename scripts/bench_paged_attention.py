@@ -87,13 +87,9 @@ def make_inputs(B, ctx, page_size, seed=0):
     return qs, k_pool, v_pool, tables, lens
 
 
-def impls(variants, page_size):
-    """name -> fn(q [B,N,H], k_pool, v_pool, tables, lens) with the engine's layout."""
-    scale = H**-0.5
-    out = {}
-    for v in variants:
-        f = registry.get(v)
-        out[v] = lambda q, kp, vp, bt, sl, f=f: f(q, kp, vp, bt, sl, layer=0, scale=scale)
+def xla_gather_fn(page_size, scale):
+    """The XLA gather path: gather each row's pages, then plain masked softmax attention (float32
+    scores), with the engine's call signature."""
 
     def xla_gather(q, kp, vp, bt, sl):
         B, M = bt.shape
@@ -106,49 +102,74 @@ def impls(variants, page_size):
         o = jnp.einsum("bkgs,bksh->bkgh", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return o.reshape(B, N, H).astype(q.dtype)
 
-    out["xla_gather"] = xla_gather
+    return xla_gather
 
+
+def in_tree_fn(scale):
+    """JAX's in-tree Pallas paged attention (pools in its own layout [K, P, ps, H]: see
+    run_config), or None, printing why, when it cannot be imported."""
     try:
         from jax.experimental.pallas.ops.gpu import paged_attention as intree
-
-        def in_tree(q, kt, vt, bt, sl):  # pools in its own layout [K, P, ps, H]: see run_config
-            M = bt.shape[
-                1
-            ]  # BASELINE's best knobs (8 pages per block, 8 splits) where they divide M
-            ks = next(k for k in (8, 4, 2, 1) if M % k == 0)
-            ppb = next(p for p in (8, 4, 2, 1) if (M // ks) % p == 0)
-            return intree.paged_attention(
-                q * scale, kt, vt, bt, sl, pages_per_compute_block=ppb, k_splits=ks
-            )
-
-        out["jax_in_tree"] = in_tree
     except ImportError as e:
         print(f"in-tree kernel unavailable: {e}")
+        return None
 
+    def in_tree(q, kt, vt, bt, sl):  # pools in its own layout [K, P, ps, H]: see run_config
+        # BASELINE's best knobs (8 pages per block, 8 splits) where they divide M
+        M = bt.shape[1]
+        ks = next(k for k in (8, 4, 2, 1) if M % k == 0)
+        ppb = next(p for p in (8, 4, 2, 1) if (M // ks) % p == 0)
+        return intree.paged_attention(
+            q * scale, kt, vt, bt, sl, pages_per_compute_block=ppb, k_splits=ks
+        )
+
+    return in_tree
+
+
+def cudnn_fn(scale):
+    """cuDNN's paged attention with the engine's call signature, or None, printing why, when it
+    cannot be imported."""
     try:
         from jax._src.cudnn.fused_attention_stablehlo import paged_attention as cudnn_paged
-
-        def cudnn(q, kp, vp, bt, sl):
-            # cuDNN wants exactly B * M blocks: drop the null page 0 (never referenced here) and
-            # shift the table; its BNSH layout for a block is our [K, page_size, H].
-            B, M = bt.shape
-            pt = (bt - 1)[:, None, :, None]
-            o = cudnn_paged(
-                q[:, :, None, :],
-                kp[0, 1:],
-                vp[0, 1:],
-                jnp.ones((B,), jnp.int32),
-                sl,
-                pt,
-                pt,
-                scale=scale,
-                qkv_layout="BNSH",
-            )
-            return o[:, :, 0, :]
-
-        out["cudnn"] = cudnn
     except ImportError as e:
         print(f"cuDNN paged attention unavailable: {e}")
+        return None
+
+    def cudnn(q, kp, vp, bt, sl):
+        # cuDNN wants exactly B * M blocks: drop the null page 0 (never referenced here) and
+        # shift the table; its BNSH layout for a block is our [K, page_size, H].
+        B, M = bt.shape
+        pt = (bt - 1)[:, None, :, None]
+        o = cudnn_paged(
+            q[:, :, None, :],
+            kp[0, 1:],
+            vp[0, 1:],
+            jnp.ones((B,), jnp.int32),
+            sl,
+            pt,
+            pt,
+            scale=scale,
+            qkv_layout="BNSH",
+        )
+        return o[:, :, 0, :]
+
+    return cudnn
+
+
+def impls(variants, page_size):
+    """name -> fn(q [B,N,H], k_pool, v_pool, tables, lens) with the engine's layout."""
+    scale = H**-0.5
+    out = {}
+    for v in variants:
+        f = registry.get(v)
+        out[v] = lambda q, kp, vp, bt, sl, f=f: f(q, kp, vp, bt, sl, layer=0, scale=scale)
+    out["xla_gather"] = xla_gather_fn(page_size, scale)
+    in_tree = in_tree_fn(scale)
+    if in_tree is not None:
+        out["jax_in_tree"] = in_tree
+    cudnn = cudnn_fn(scale)
+    if cudnn is not None:
+        out["cudnn"] = cudnn
     return out
 
 
@@ -210,7 +231,8 @@ def run_config(B, ctx, page_size, fns, ceiling, iters, repeats, meta):
     return rows
 
 
-def main() -> None:
+def parse_args():
+    """The command line (see the module docstring)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
@@ -225,20 +247,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     ap.add_argument("--png", default="benchmarks/paged_attention.png")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    ceil = copy_ceiling_tbps()
-    ceiling = max(ceil.values())
-    commit = git_commit()
-    meta = dict(
-        jax=jax.__version__,
-        device=jax.devices()[0].device_kind,
-        date=datetime.date.today().isoformat(),
-        commit=commit,
-        copy_tbps=ceiling,
-        copy_ceilings=ceil,
-    )
-    print(f"copy ceilings (TB/s): {ceil}; using {ceiling:.2f}")
+
+def sweep(args, ceiling, meta):
+    """Every (page size, batch, context) configuration within ``--max-kv-gib``: its rows, each
+    printed as a one-line JSON summary as its configuration finishes."""
     rows = []
     for ps in args.page_sizes:
         fns = impls(args.variants, ps)
@@ -265,51 +279,69 @@ def main() -> None:
                             }
                         )
                     )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "a") as fh:
+    return rows
+
+
+def write_rows(rows, path, out_dir):
+    """Append one JSON line per row to ``path``; with ``out_dir`` ($OUT) also write them to
+    ``out_dir/paged_attention.jsonl``."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "a") as fh:
         for r in rows:
             fh.write(json.dumps(r) + "\n")
-    out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "paged_attention.jsonl"), "w") as fh:
             for r in rows:
                 fh.write(json.dumps(r) + "\n")
+
+
+def draw(plt, args, rows, ceiling, meta, out_dir):
+    """KV read TB/s against context, one panel per page size, one line per (variant, batch),
+    saved to ``--png`` (and a copy in ``out_dir``)."""
+    fig, axes = plt.subplots(
+        1, len(args.page_sizes), figsize=(7 * len(args.page_sizes), 5), squeeze=False
+    )
+    for ax, ps in zip(axes[0], args.page_sizes):
+        for name in sorted({r["variant"] for r in rows}):
+            for B in args.batches:
+                pts = [
+                    (r["context"], r["kv_tbps"])
+                    for r in rows
+                    if r["variant"] == name
+                    and r["B"] == B
+                    and r["page_size"] == ps
+                    and "kv_tbps" in r
+                ]
+                if pts:
+                    x, y = zip(*sorted(pts))
+                    ax.plot(x, y, marker="o", label=f"{name} B={B}")
+        ax.axhline(ceiling, color="k", ls="--", label="copy ceiling")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context")
+        ax.set_ylabel("KV read TB/s")
+        ax.set_title(f"paged decode attention, page {ps}, {meta['device']}")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(args.png, dpi=120)
+    if out_dir:
+        fig.savefig(os.path.join(out_dir, os.path.basename(args.png)), dpi=120)
+
+
+def plot(args, rows, ceiling, meta, out_dir):
+    """`draw` with matplotlib's Agg backend; prints a note instead when matplotlib is missing."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(
-            1, len(args.page_sizes), figsize=(7 * len(args.page_sizes), 5), squeeze=False
-        )
-        for ax, ps in zip(axes[0], args.page_sizes):
-            for name in sorted({r["variant"] for r in rows}):
-                for B in args.batches:
-                    pts = [
-                        (r["context"], r["kv_tbps"])
-                        for r in rows
-                        if r["variant"] == name
-                        and r["B"] == B
-                        and r["page_size"] == ps
-                        and "kv_tbps" in r
-                    ]
-                    if pts:
-                        x, y = zip(*sorted(pts))
-                        ax.plot(x, y, marker="o", label=f"{name} B={B}")
-            ax.axhline(ceiling, color="k", ls="--", label="copy ceiling")
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("context")
-            ax.set_ylabel("KV read TB/s")
-            ax.set_title(f"paged decode attention, page {ps}, {meta['device']}")
-            ax.legend(fontsize=6)
-        fig.tight_layout()
-        fig.savefig(args.png, dpi=120)
-        if out_dir:
-            fig.savefig(os.path.join(out_dir, os.path.basename(args.png)), dpi=120)
+        draw(plt, args, rows, ceiling, meta, out_dir)
     except ImportError:
         print("matplotlib not installed: no PNG")
 
+
+def print_table(rows):
+    """The final table: one line per row, "-" where a row has no timing."""
     print(
         f"\n{'variant':<12} {'B':>4} {'ctx':>6} {'page':>4} {'us':>9} {'TB/s':>6} {'frac':>5}  note"
     )
@@ -322,6 +354,27 @@ def main() -> None:
             f"{r['variant']:<12} {r['B']:>4} {r['context']:>6} {r['page_size']:>4} {us:>9} "
             f"{tb:>6} {fr:>5}  {note[:60]}"
         )
+
+
+def main() -> None:
+    args = parse_args()
+    ceil = copy_ceiling_tbps()
+    ceiling = max(ceil.values())
+    commit = git_commit()
+    meta = dict(
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        date=datetime.date.today().isoformat(),
+        commit=commit,
+        copy_tbps=ceiling,
+        copy_ceilings=ceil,
+    )
+    print(f"copy ceilings (TB/s): {ceil}; using {ceiling:.2f}")
+    rows = sweep(args, ceiling, meta)
+    out_dir = os.environ.get("OUT")
+    write_rows(rows, args.out, out_dir)
+    plot(args, rows, ceiling, meta, out_dir)
+    print_table(rows)
 
 
 if __name__ == "__main__":

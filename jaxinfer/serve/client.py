@@ -95,19 +95,17 @@ class EngineCoreClient:
             acks = await asyncio.gather(*(self._open[rid][1] for rid in rids))
         except BaseException as e:
             self.abort(rid for rid in rids if rid in self._open)
+            where = f"request {i}: " if len(prompts) > 1 else ""  # which prompt of a list
             if isinstance(e, OverflowError):
                 raise APIError(
-                    f"request {i}: an integer in it is out of range (|x| < 2**63)", param=param
+                    f"{where}an integer in it is out of range (|x| < 2**63)", param=param
                 ) from None
             raise
         if bad := [(i, a) for i, a in enumerate(acks) if a is not None]:
             self.abort(rids)
             i, a = bad[0]
-            raise (
-                a
-                if isinstance(a, APIError)
-                else APIError.invalid(ValueError(f"request {i}: {a}"), param)
-            )
+            where = f"request {i}: " if len(prompts) > 1 else ""
+            raise (a if isinstance(a, APIError) else APIError.invalid(ValueError(where + a), param))
         return rids, sink
 
     def abort(self, rids) -> None:

@@ -10,6 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+_FIELD = re.compile(r"SamplingParams\.(\w+)|\b(max_tokens)=")
+
 
 class APIError(Exception):
     """An error answered with HTTP ``status``: `body`, its JSON, or `response`."""
@@ -22,10 +24,11 @@ class APIError(Exception):
 
     @classmethod
     def invalid(cls, e: ValueError, param: str | None = None) -> "APIError":
-        """A 400 for ``e`` naming ``param`` or the field of a `SamplingParams` error."""
-        if (m := re.search(r"SamplingParams\.(\w+)=", str(e))) is None:
+        """A 400 for ``e`` naming the field its message names (``SamplingParams.<field>``, or
+        ``max_tokens=``), else ``param``."""
+        if (m := _FIELD.search(str(e))) is None:
             return cls(str(e), param=param)
-        return cls(str(e).replace("SamplingParams.", ""), param=m.group(1))
+        return cls(str(e).replace("SamplingParams.", ""), param=m.group(1) or m.group(2))
 
     def body(self) -> dict:
         kind = {401: "authentication_error", 404: "not_found_error"}.get(

@@ -273,6 +273,19 @@ def test_logprobs(client):
             "max_tokens",
             ["max_tokens=0"],
         ),  # not ignored
+        # the engine's checks name the field, not the prompt, and no "request 0:" for one prompt
+        (
+            {"prompt": "hi", "stop_token_ids": [10**6]},
+            400,
+            "stop_token_ids",
+            ["stop_token_ids contains 1000000, out of range"],
+        ),
+        (
+            {"prompt": "hi", "logit_bias": {"1000000": 5}},
+            400,
+            "logit_bias",
+            ["logit_bias has token id 1000000, out of range"],
+        ),
         # found by the 10,000-case fuzz (BENCHMARKS.md): a 500, or a stream cut short
         (
             {
@@ -294,6 +307,7 @@ def test_bad_parameters(server, raw, body, status, param, words):
     err = json.loads(payload)["error"]
     assert got == status and err["param"] == param, err
     assert set(err) == {"message", "type", "param", "code"}
+    assert not err["message"].startswith("request 0"), err
     assert err["code"] is None or isinstance(err["code"], str), err  # OpenAI's: never a number
     assert all(w in err["message"] for w in words), err["message"]
 

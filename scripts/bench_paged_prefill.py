@@ -66,24 +66,27 @@ def time_fn(fn, args, iters, repeats):
     return float(np.median(ts))
 
 
-def main() -> None:
+def knob(spec: str) -> tuple[int, int, int, int]:
+    """``--knobs`` entry ``block_q,pages_per_block,num_warps,num_stages`` as four integers."""
+    try:
+        vals = tuple(int(x) for x in spec.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 4:
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: expected four integers block_q,pages_per_block,num_warps,num_stages"
+        )
+    return vals
+
+
+def parse_args():
+    """The command line (see the module docstring); exits with a usage error on a non-GPU backend
+    without ``--interpret``."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--chunks", type=int, nargs="+", default=[512, 1024, 2048])
     ap.add_argument("--prefix", type=int, nargs="+", default=[0, 2048])
     ap.add_argument("--page-size", type=int, default=16)
-
-    def knob(spec: str) -> tuple[int, int, int, int]:
-        try:
-            vals = tuple(int(x) for x in spec.split(","))
-        except ValueError:
-            vals = ()
-        if len(vals) != 4:
-            raise argparse.ArgumentTypeError(
-                f"{spec!r}: expected four integers block_q,pages_per_block,num_warps,num_stages"
-            )
-        return vals
-
     ap.add_argument(
         "--knobs",
         nargs="*",
@@ -102,7 +105,101 @@ def main() -> None:
             f"JAX's backend is {jax.default_backend()!r}: the kernel compiles for a GPU only; "
             "use --interpret for a CPU smoke run"
         )
+    return args
 
+
+def variant_fns(knobs, kw, interpret):
+    """name -> attention call: the reference, then one triton call per knob setting."""
+    fns = {"reference": functools.partial(reference.paged_attention, **kw)}
+    for bq, ppb, nw, ns in knobs:
+        fns[f"triton[{bq},{ppb},{nw},{ns}]"] = functools.partial(
+            prefill_triton.paged_prefill_attention,
+            **kw,
+            interpret=interpret,
+            block_q=bq,
+            pages_per_block=ppb,
+            num_warps=nw,
+            num_stages=ns,
+        )
+    return fns
+
+
+def run_config(R, Tq, prefix, args, dtype, meta):
+    """One (R, Tq, prefix) configuration: each variant validated against the float32 reference
+    and timed; its rows, in variant order, each printed as it finishes (an error line for a
+    failing variant, a JSON summary otherwise)."""
+    inp = make_inputs(R, Tq, prefix, args.page_size, dtype)
+    kw = dict(layer=0, scale=H**-0.5)
+    with jax.default_matmul_precision("highest"):
+        ref = reference.paged_attention(
+            *[a.astype(jnp.float32) if a.dtype == dtype else a for a in inp], **kw
+        )
+    # causal pairs (query, visible key), 2 matmuls of 2*H flops each per head
+    pairs = R * (Tq * prefix + Tq * (Tq + 1) // 2)
+    flops = 4 * pairs * N * H
+    rows, base = [], None
+    for name, fn in variant_fns(args.knobs, kw, args.interpret).items():
+        row = dict(meta, variant=name, R=R, Tq=Tq, prefix=prefix)
+        try:
+            out = jax.jit(fn)(*inp).astype(jnp.float32)
+            rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            if not rel < 1e-2:
+                raise AssertionError(f"relative error {rel:.2e} >= 1e-2")
+            dt = time_fn(fn, inp, args.iters, args.repeats)
+        except Exception as e:  # noqa: BLE001 (a failing setting is reported, not fatal)
+            row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            print(f"R={R} Tq={Tq} prefix={prefix} {name}: {row['error']}", flush=True)
+            rows.append(row)
+            continue
+        base = dt if name == "reference" else base
+        row.update(
+            us=dt * 1e6,
+            tflops=flops / dt / 1e12,
+            rel_err=rel,
+            speedup_vs_reference=(base / dt) if base else None,
+        )
+        rows.append(row)
+        print(
+            json.dumps(
+                {k: row[k] for k in ("R", "Tq", "prefix", "variant", "us", "tflops", "rel_err")}
+            ),
+            flush=True,
+        )
+    return rows
+
+
+def write_rows(rows, args):
+    """Append the rows as JSON lines to ``--out`` (not with ``--interpret``); with $OUT set,
+    also write them to ``$OUT/paged_prefill.jsonl``."""
+    if not args.interpret:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "a") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "paged_prefill.jsonl"), "w") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+
+
+def print_table(rows):
+    """The final table: timing, TFLOP/s and speedup per row, or the row's error."""
+    print(
+        f"\n{'R':>3} {'Tq':>5} {'prefix':>6} {'variant':<22} {'us':>10} {'TFLOP/s':>8} {'x ref':>6}"
+    )
+    for r in rows:
+        if "us" in r:
+            x = r["speedup_vs_reference"]
+            print(
+                f"{r['R']:>3} {r['Tq']:>5} {r['prefix']:>6} {r['variant']:<22} {r['us']:>10.1f} "
+                f"{r['tflops']:>8.1f} {x if x is None else f'{x:.2f}':>6}"
+            )
+        else:
+            print(f"{r['R']:>3} {r['Tq']:>5} {r['prefix']:>6} {r['variant']:<22} {r['error']}")
+
+
+def main() -> None:
+    args = parse_args()
     dtype = jnp.float32 if args.interpret else jnp.bfloat16
     commit = git_commit()
     meta = dict(
@@ -123,78 +220,9 @@ def main() -> None:
             for Tq in args.chunks:
                 if R * Tq > args.max_tokens:
                     continue
-                inp = make_inputs(R, Tq, prefix, args.page_size, dtype)
-                kw = dict(layer=0, scale=H**-0.5)
-                with jax.default_matmul_precision("highest"):
-                    ref = reference.paged_attention(
-                        *[a.astype(jnp.float32) if a.dtype == dtype else a for a in inp], **kw
-                    )
-                # causal pairs (query, visible key), 2 matmuls of 2*H flops each per head
-                pairs = R * (Tq * prefix + Tq * (Tq + 1) // 2)
-                flops = 4 * pairs * N * H
-                fns = {"reference": functools.partial(reference.paged_attention, **kw)}
-                for bq, ppb, nw, ns in args.knobs:
-                    fns[f"triton[{bq},{ppb},{nw},{ns}]"] = functools.partial(
-                        prefill_triton.paged_prefill_attention,
-                        **kw,
-                        interpret=args.interpret,
-                        block_q=bq,
-                        pages_per_block=ppb,
-                        num_warps=nw,
-                        num_stages=ns,
-                    )
-                base = None
-                for name, fn in fns.items():
-                    row = dict(meta, variant=name, R=R, Tq=Tq, prefix=prefix)
-                    try:
-                        out = jax.jit(fn)(*inp).astype(jnp.float32)
-                        rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
-                        if not rel < 1e-2:
-                            raise AssertionError(f"relative error {rel:.2e} >= 1e-2")
-                        dt = time_fn(fn, inp, args.iters, args.repeats)
-                    except Exception as e:  # noqa: BLE001 (a failing setting is reported, not fatal)
-                        row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
-                        print(f"R={R} Tq={Tq} prefix={prefix} {name}: {row['error']}", flush=True)
-                        rows.append(row)
-                        continue
-                    base = dt if name == "reference" else base
-                    row.update(
-                        us=dt * 1e6,
-                        tflops=flops / dt / 1e12,
-                        rel_err=rel,
-                        speedup_vs_reference=(base / dt) if base else None,
-                    )
-                    rows.append(row)
-                    print(
-                        json.dumps(
-                            {
-                                k: row[k]
-                                for k in ("R", "Tq", "prefix", "variant", "us", "tflops", "rel_err")
-                            }
-                        ),
-                        flush=True,
-                    )
-    if not args.interpret:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "a") as fh:
-            for r in rows:
-                fh.write(json.dumps(r) + "\n")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "paged_prefill.jsonl"), "w") as fh:
-            for r in rows:
-                fh.write(json.dumps(r) + "\n")
-    print(
-        f"\n{'R':>3} {'Tq':>5} {'prefix':>6} {'variant':<22} {'us':>10} {'TFLOP/s':>8} {'x ref':>6}"
-    )
-    for r in rows:
-        if "us" in r:
-            x = r["speedup_vs_reference"]
-            print(
-                f"{r['R']:>3} {r['Tq']:>5} {r['prefix']:>6} {r['variant']:<22} {r['us']:>10.1f} "
-                f"{r['tflops']:>8.1f} {x if x is None else f'{x:.2f}':>6}"
-            )
-        else:
-            print(f"{r['R']:>3} {r['Tq']:>5} {r['prefix']:>6} {r['variant']:<22} {r['error']}")
+                rows += run_config(R, Tq, prefix, args, dtype, meta)
+    write_rows(rows, args)
+    print_table(rows)
 
 
 if __name__ == "__main__":

@@ -225,7 +225,10 @@ def run_rl(llm, args, vocab):
     return rows
 
 
-def main() -> None:
+def parse_args(argv):
+    """``(args, modes)`` from the command line ``argv`` (see the module docstring): with
+    ``--tiny``, every TINY_SIZES size not given explicitly; exits with a usage error on an unknown
+    mode."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated of {MODES}")
     ap.add_argument(
@@ -263,7 +266,6 @@ def main() -> None:
         "on, off (a drift over the run shows as off (1) against off (4))",
     )
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
-    argv = sys.argv[1:]
     args = ap.parse_args(argv)
     if args.tiny:  # tiny sizes unless given explicitly
         given = {a.split("=")[0].lstrip("-").replace("-", "_") for a in argv if a.startswith("--")}
@@ -274,7 +276,78 @@ def main() -> None:
     modes = [m for m in args.modes.split(",") if m]
     if bad := [m for m in modes if m not in MODES]:
         ap.error(f"--modes {args.modes!r}: unknown {bad}; allowed {list(MODES)}")
+    return args, modes
 
+
+def workload_sizes(mode, args) -> dict:
+    """The workload sizes recorded with each row of ``mode``."""
+    return dict(
+        shared=dict(
+            systems=args.systems,
+            questions=args.questions,
+            system_len=args.system_len,
+            q_range=[args.min_q, args.max_q],
+            output_len=args.output_len,
+        ),
+        rl=dict(
+            prompts=args.rl_prompts,
+            prompt_len=args.rl_len,
+            n=args.rl_n,
+            output_len=args.rl_output,
+        ),
+    ).get(
+        mode,
+        dict(
+            num_requests=args.num_requests,
+            input_range=[args.min_input, args.max_input],
+            output_range=[args.min_output, args.max_output],
+        ),
+    )
+
+
+def run_mode(mode, llm, args, vocab, meta) -> list[dict]:
+    """Run ``mode``'s workload: its rows, each completed with the mode, workload sizes, speedup
+    and TTFT ratio against the mode's first row, appended to ``--out`` with ``meta`` and printed
+    as one line, as it completes."""
+    run = dict(zip(MODES, (run_shared, run_no_shared, run_rl)))
+    sizes = workload_sizes(mode, args)
+    rows = run[mode](llm, args, vocab)
+    base = rows[0]
+    for r in rows:
+        r.update(
+            mode=mode,
+            workload=sizes,
+            speedup=r["output_tok_s"] / base["output_tok_s"],
+            ttft_ratio=(
+                base["mean_ttft_s"] / r["mean_ttft_s"]
+                if r["mean_ttft_s"] and base["mean_ttft_s"]
+                else None
+            ),
+        )
+        with open(args.out, "a") as fh:
+            fh.write(json.dumps(dict(meta, **r)) + "\n")
+        print(f"{mode} {r['run']}: {r['output_tok_s']:.1f} output tok/s", flush=True)
+    return rows
+
+
+def print_table(table) -> None:
+    """The final table, one line per row of every mode."""
+    print(
+        f"\n{'mode':<10} {'run':<20} {'out tok/s':>10} {'x base':>7} {'TTFT ms':>9} "
+        f"{'TTFT /':>7} {'hit rate':>8} {'lazy':>5} {'same tokens':>11}"
+    )
+    for r in table:
+        ttft = f"{r['mean_ttft_s'] * 1e3:.1f}" if r["mean_ttft_s"] is not None else "-"
+        ratio = f"{r['ttft_ratio']:.2f}" if r["ttft_ratio"] else "-"
+        print(
+            f"{r['mode']:<10} {r['run']:<20} {r['output_tok_s']:>10.1f} {r['speedup']:>7.2f} "
+            f"{ttft:>9} {ratio:>7} {r['hit_rate']:>8.2f} {r['compiles_in_timed_run']:>5} "
+            f"{r.get('token_match', float('nan')):>11.2f}"
+        )
+
+
+def main() -> None:
+    args, modes = parse_args(sys.argv[1:])
     import jax
 
     llm, cfg = build_llm(args)
@@ -291,60 +364,10 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    run = dict(zip(MODES, (run_shared, run_no_shared, run_rl)))
     table = []
     for mode in modes:
-        sizes = dict(
-            shared=dict(
-                systems=args.systems,
-                questions=args.questions,
-                system_len=args.system_len,
-                q_range=[args.min_q, args.max_q],
-                output_len=args.output_len,
-            ),
-            rl=dict(
-                prompts=args.rl_prompts,
-                prompt_len=args.rl_len,
-                n=args.rl_n,
-                output_len=args.rl_output,
-            ),
-        ).get(
-            mode,
-            dict(
-                num_requests=args.num_requests,
-                input_range=[args.min_input, args.max_input],
-                output_range=[args.min_output, args.max_output],
-            ),
-        )
-        rows = run[mode](llm, args, cfg.vocab_size)
-        base = rows[0]
-        for r in rows:
-            r.update(
-                mode=mode,
-                workload=sizes,
-                speedup=r["output_tok_s"] / base["output_tok_s"],
-                ttft_ratio=(
-                    base["mean_ttft_s"] / r["mean_ttft_s"]
-                    if r["mean_ttft_s"] and base["mean_ttft_s"]
-                    else None
-                ),
-            )
-            with open(args.out, "a") as fh:
-                fh.write(json.dumps(dict(meta, **r)) + "\n")
-            table.append(r)
-            print(f"{mode} {r['run']}: {r['output_tok_s']:.1f} output tok/s", flush=True)
-    print(
-        f"\n{'mode':<10} {'run':<20} {'out tok/s':>10} {'x base':>7} {'TTFT ms':>9} "
-        f"{'TTFT /':>7} {'hit rate':>8} {'lazy':>5} {'same tokens':>11}"
-    )
-    for r in table:
-        ttft = f"{r['mean_ttft_s'] * 1e3:.1f}" if r["mean_ttft_s"] is not None else "-"
-        ratio = f"{r['ttft_ratio']:.2f}" if r["ttft_ratio"] else "-"
-        print(
-            f"{r['mode']:<10} {r['run']:<20} {r['output_tok_s']:>10.1f} {r['speedup']:>7.2f} "
-            f"{ttft:>9} {ratio:>7} {r['hit_rate']:>8.2f} {r['compiles_in_timed_run']:>5} "
-            f"{r.get('token_match', float('nan')):>11.2f}"
-        )
+        table += run_mode(mode, llm, args, cfg.vocab_size, meta)
+    print_table(table)
 
 
 if __name__ == "__main__":

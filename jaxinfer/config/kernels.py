@@ -19,13 +19,16 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
         "decode_attention": ("auto", *registry.DECODE),
         "prefill_attention": ("auto", *registry.PREFILL),
         "prefill_gemm": ("xla", "cublas"),
+        "fp8_gemm": ("w8a16", "w8a8"),
     }
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"): paged attention of
-    decode (T == 1) / prefill steps; prefill_gemm (cublas: GPU); decode buckets of >=
+    decode (T == 1) / prefill steps; prefill_gemm (cublas: GPU); fp8_gemm: fp8 weights' GEMM,
+    w8a16 (activations in the compute dtype) or w8a8 (per-token e4m3 activations, per-channel
+    weight scales only; not yet timed on a GPU); decode buckets of >=
     cublas_decode_min_batch rows use cuBLAS (None: XLA); ragged (mixed) steps of at most
     ragged_decode_max_tokens tokens attend each token as a decode row (0: never; not yet timed on
     a GPU, BENCHMARKS "Issue 45"); batch_buckets / token_buckets: B / T."""
@@ -33,6 +36,7 @@ class KernelConfig:
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     prefill_gemm: str = "xla"
+    fp8_gemm: str = "w8a16"
     cublas_decode_min_batch: int | None = 64
     ragged_decode_max_tokens: int = 0
     batch_buckets: tuple[int, ...] = ()

@@ -88,12 +88,14 @@ class ModelKernels:
     """attention: B rows of T tokens (`reference.paged_attention`'s contract); ragged: ragged rows
     (`reference.ragged_paged_attention`'s); mesh: None, or the 1-D "tp" mesh of tensor
     parallelism (`runner.parallel.make_mesh`); ragged steps of at most ``ragged_decode_max_tokens``
-    tokens attend token by token through ``attention``'s decode rows (`layers.by_token`)."""
+    tokens attend token by token through ``attention``'s decode rows (`layers.by_token`); fp8_gemm:
+    fp8 weights' GEMM, "w8a16" (bf16 activations) or "w8a8" (`layers.dense`)."""
 
     attention: Callable = reference.paged_attention
     mesh: Any = None
     ragged: Callable = RaggedAttention()
     ragged_decode_max_tokens: int = 0
+    fp8_gemm: str = "w8a16"
 
     tp = property(
         lambda self: 1 if self.mesh is None else self.mesh.size,
@@ -204,4 +206,4 @@ def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKerne
     if (decode, prefill) != ("reference", "reference"):
         attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
     by_token = kc.ragged_decode_max_tokens
-    return ModelKernels(attention, mesh, RaggedAttention(prefill), by_token)
+    return ModelKernels(attention, mesh, RaggedAttention(prefill), by_token, kc.fp8_gemm)

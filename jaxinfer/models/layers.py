@@ -14,23 +14,25 @@ import numpy as np
 
 from jaxinfer.config.weights import INIT_STD, LEAVES, layer_leaves, scale_shape, shape_of
 from jaxinfer.models.kv_cache import page_dtype
-from jaxinfer.models.quantize import FP8, expand_scale
+from jaxinfer.models.quantize import FP8, expand_scale, w8a8_matmul
 from pallas_kernels.kv_quant import quantize
 
 INITS = {"normal": nn.initializers.normal(stddev=INIT_STD), "ones": nn.initializers.ones}
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["w", "scale"], meta_fields=["block"]
+    jax.tree_util.register_dataclass, data_fields=["w", "scale"], meta_fields=["block", "w8a8"]
 )
 @dataclasses.dataclass(frozen=True)
 class Weight:
     """w [in, out]: compute dtype (``scale`` None), or float8_e4m3fn with an f32 `scale_shape` scale
-    (static ``block``: None per channel, or an HF block): ``w * expand_scale(scale)``."""
+    (static ``block``: None per channel, or an HF block): ``w * expand_scale(scale)``; static
+    ``w8a8``: a per-channel fp8 weight multiplied with fp8 activations (`dense`)."""
 
     w: jax.Array
     scale: jax.Array | None = None
     block: tuple[int, int] | None = None
+    w8a8: bool = False
 
     def value(self, dtype) -> jax.Array:
         """``(w.astype(f32) * expand_scale(scale)).astype(dtype)``, traced (fused into the GEMM)."""
@@ -43,7 +45,10 @@ class Weight:
 def dense(x: jax.Array, w: Weight) -> jax.Array:
     """The GEMM of every projection: x [..., in] @ ``w.value(x.dtype)`` [in, out] -> [..., out].
     fp8 with per-channel scales: the e4m3 weight (exact in bf16) in the GEMM, f32 accumulation,
-    the scale applied to the output, so no scaled copy of the weight is written each step."""
+    the scale applied to the output, so no scaled copy of the weight is written each step;
+    ``w.w8a8``: x quantised per token too, one e4m3 x e4m3 GEMM (`quantize.w8a8_matmul`)."""
+    if w.w8a8:
+        return w8a8_matmul(x, w.w, w.scale).astype(x.dtype)
     if w.scale is None or w.block is not None:
         return x @ w.value(x.dtype)
     y = jnp.matmul(x, w.w.astype(x.dtype), preferred_element_type=jnp.float32)
@@ -53,7 +58,8 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
 def declare(module: nn.Module, name: str, layer: int | None = None) -> Weight | jax.Array | None:
     """Declare leaf ``name`` of the weight table (`config.weights`) in ``module``'s scope: shape
     of ``module.cfg``, the table's init, ``module.param_dtype``; a quantisable matrix as a `Weight`
-    (``module.quantization`` "fp8": float8_e4m3fn plus f32 ``name_scale`` of `scale_shape`).
+    (``module.quantization`` "fp8": float8_e4m3fn plus f32 ``name_scale`` of `scale_shape`;
+    W8A8 where ``module.kernels.fp8_gemm`` is "w8a8" and the scales are per channel).
     None: a leaf this model (layer ``layer``'s `layer_leaves`, if given) does not have."""
     leaf, shape, block = LEAVES[name], shape_of(name, module.cfg), module.cfg.weight_block_size
     if (
@@ -70,6 +76,7 @@ def declare(module: nn.Module, name: str, layer: int | None = None) -> Weight | 
         w,
         module.param(name + "_scale", nn.initializers.ones, scale_shape(shape, block), jnp.float32),
         block,
+        block is None and module.kernels.fp8_gemm == "w8a8",
     )
 
 

@@ -54,3 +54,24 @@ def quantize_params(params: dict, block: tuple[int, int] | None = None) -> dict:
         for name in QUANTIZED:
             layer[name], layer[name + "_scale"] = quantize_fp8(layer[name], block)
     return {**params, "layers": layers}
+
+
+def quantize_tokens(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Dynamic per-token e4m3 quantisation of activations x [..., in] (any float dtype) ->
+    (float8_e4m3fn [..., in], f32 scale [..., 1]): ``scale = amax(|x|) / 448`` over each token's
+    last axis (all-zero: 1), ``x8 = round_to_nearest_e4m3(x / scale)``. Source: vLLM's
+    ``scaled_fp8_quant`` with ``use_per_token_if_dynamic``."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return quantize(xf, scale, FP8), scale
+
+
+def w8a8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """W8A8: x [..., in] quantised per token (`quantize_tokens`), times the float8_e4m3fn weight
+    w [in, out] in one e4m3 x e4m3 GEMM with f32 accumulation, both scales applied to the f32
+    output: ``(x8 @ w) * sx * w_scale`` with ``w_scale`` f32[out] (per output channel) -> f32
+    [..., out]. On Hopper this is the shape XLA hands to cuBLASLt's fp8 GEMM."""
+    x8, sx = quantize_tokens(x)
+    y = jnp.matmul(x8, w, preferred_element_type=jnp.float32)
+    return y * sx * w_scale

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxinfer.checks import check_int, is_number  # noqa: E402
 from jaxinfer.cli_args import Parser, fail  # noqa: E402
 from jaxinfer.config import DTYPE_BYTES, ModelConfig  # noqa: E402
 from jaxinfer.config.memory import (
@@ -33,8 +32,8 @@ from jaxinfer.config.memory import (
     kv_bytes_per_token,
     kv_pool_pages,
 )
-from jaxinfer.config.model import check_tp  # noqa: E402
 from jaxinfer.config.weights import device_bytes  # noqa: E402
+from scripts.plan_memory_checks import check_plan_args, kv_budget, max_sequences  # noqa: E402
 
 MIB = 1 << 20
 PLANNING_FRACTION = 0.7  # plan at this fraction of the theoretical concurrent sequences
@@ -184,38 +183,22 @@ def plan_memory(
     ``weight_bytes`` (per device): ``param_count x weight_dtype_bytes``. Raises ValueError: an
     argument out of range; a model tp cannot split (`check_tp`); weights that do not fit (by how
     much); a ``context`` one sequence of which does not fit (the largest that does)."""
-    for name, v, hi in (
-        ("device_bytes", device_bytes, None),
-        ("page_size", page_size, None),
-        ("context", context, cfg.max_position_embeddings),
-        ("weight_dtype_bytes", weight_dtype_bytes, None),
-        ("kv_dtype_bytes", kv_dtype_bytes, None),
-        ("tensor_parallel_size", tensor_parallel_size, None),
-    ):
-        check_int(f"plan_memory: {name}", v, 1, hi)
+    ints = dict(
+        device_bytes=device_bytes,
+        page_size=page_size,
+        context=context,
+        weight_dtype_bytes=weight_dtype_bytes,
+        kv_dtype_bytes=kv_dtype_bytes,
+        tensor_parallel_size=tensor_parallel_size,
+    )
+    check_plan_args(cfg, ints, utilization, planning_fraction)
     tp = tensor_parallel_size
-    check_tp(cfg, tp)
-    if page_size & (page_size - 1):
-        raise ValueError(f"plan_memory: page_size={page_size!r} is invalid: must be a power of two")
-    for name, v in (("utilization", utilization), ("planning_fraction", planning_fraction)):
-        if not (is_number(v) and 0.0 < v <= 1.0):
-            raise ValueError(f"plan_memory: {name}={v!r} is invalid: must be in (0, 1]")
     reserve_bytes = default_reserve_bytes(device_bytes) if reserve_bytes is None else reserve_bytes
     if weight_bytes is None:
         weight_bytes = param_count(cfg, tp) * weight_dtype_bytes
-    for name, v in (("reserve_bytes", reserve_bytes), ("weight_bytes", weight_bytes)):
-        check_int(f"plan_memory: {name}", v, 0)
-    usable = int(device_bytes * utilization)
-    budget = usable - weight_bytes - reserve_bytes
-    if budget <= 0:
-        raise ValueError(
-            f"plan_memory: the weights do not fit: weights {_gib(weight_bytes)} + reserve "
-            f"{_gib(reserve_bytes)} exceed device_bytes x utilization = {_gib(usable)} by "
-            f"{_gib(-budget)} ({-budget:,} B); allowed: a larger device_bytes or utilization, a "
-            "smaller reserve_bytes, or smaller weights"
-        )
+    usable, budget = kv_budget(device_bytes, utilization, weight_bytes, reserve_bytes)
     kv_per_token = kv_bytes_per_token(cfg, kv_dtype_bytes, tp)
-    page_bytes, pages_per_seq = page_size * kv_per_token, -(-context // page_size)
+    page_bytes = page_size * kv_per_token
     num_pages = kv_pool_pages(
         cfg,
         page_size=page_size,
@@ -224,14 +207,7 @@ def plan_memory(
         used_bytes=weight_bytes + reserve_bytes,
         tp=tp,
     )
-    max_seqs = (num_pages - 1) // pages_per_seq
-    if max_seqs < 1:
-        raise ValueError(
-            f"plan_memory: context={context!r} is invalid: one sequence needs {pages_per_seq} "
-            f"pages ({_gib(pages_per_seq * page_bytes)}) plus the null page, but the KV budget "
-            f"{_gib(budget)} holds only {num_pages} pages; allowed: context <= "
-            f"{(num_pages - 1) * page_size} tokens on this device"
-        )
+    max_seqs = max_sequences(context, page_size, page_bytes, num_pages, budget)
     return MemoryPlan(
         kv_per_token,
         weight_bytes,

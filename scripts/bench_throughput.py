@@ -39,6 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxinfer.config import KernelConfig  # noqa: E402
+from scripts import step_tools  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 from scripts.step_tools import TracedStepLog, record_steps, step_phases, trace_summary  # noqa: E402,F401
 
@@ -96,8 +97,10 @@ def summarize(name, t_total, n_out, ttft, tpot, latency) -> dict:
     )
 
 
-def run_jaxinfer(path, prompts, out_lens, args) -> dict:
-    from jaxinfer import LLM, SamplingParams
+def make_llm(path, args):
+    """The engine under test: ``path``'s checkpoint, or with no path random Qwen3-8B-architecture
+    weights (``--layers``) built on the device; sized and configured by ``args``."""
+    from jaxinfer import LLM
 
     kw = dict(
         max_model_len=args.max_input + args.max_output,
@@ -120,11 +123,13 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
             dict(QWEN3_8B_HF, model_type="qwen3", num_hidden_layers=args.layers)
         )
         dtype = jnp.dtype(args.dtype or "bfloat16")
-        llm = LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), dtype), **kw)
-    else:
-        llm = LLM(path, skip_tokenizer_init=True, **kw)
-    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
-    reqs = [{"prompt_token_ids": p} for p in prompts]
+        return LLM.from_params(cfg, models.init_params(cfg, jax.random.key(0), dtype), **kw)
+    return LLM(path, skip_tokenizer_init=True, **kw)
+
+
+def precompile(llm, reqs, params, args) -> dict:
+    """`LLM.precompile` of every step shape the workload visits, with a line before and after;
+    its result."""
     eng = llm.engine
     kc = eng.resolved.kernels
     print(
@@ -138,6 +143,33 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
         f"({pre['lower_s']:.0f} s of it tracing, {pre['warm_s']:.1f} s first runs)",
         flush=True,
     )
+    return pre
+
+
+def request_latencies(outs) -> tuple[list, list, list]:
+    """``(ttft, tpot, latency)`` in seconds from each output's metrics (TPOT only for outputs of
+    more than one token)."""
+    ttft, tpot, lat = [], [], []
+    for o in outs:
+        m, k = o.metrics, len(o.token_ids)
+        ttft.append(m.ttft_s)
+        lat.append(m.finish_time - m.arrival_time)
+        if k > 1:
+            tpot.append((m.finish_time - m.first_token_time) / (k - 1))
+    return ttft, tpot, lat
+
+
+def run_jaxinfer(path, prompts, out_lens, args) -> dict:
+    """The timed jaxinfer run (after precompiling): its summary row, with compile counts, the
+    step phases, the resolved kernels and, with ``--trace-steps``, the trace summary."""
+    from jaxinfer import SamplingParams
+
+    llm = make_llm(path, args)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in out_lens]
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    eng = llm.engine
+    kc = eng.resolved.kernels
+    pre = precompile(llm, reqs, params, args)
     lazy_before = eng.stats().num_lazy_compiles
     if args.trace_steps:
         import tempfile
@@ -149,13 +181,7 @@ def run_jaxinfer(path, prompts, out_lens, args) -> dict:
     outs = llm.generate(reqs, params, use_tqdm=True)
     dt = time.perf_counter() - t
     phases = step_phases(steps, t)
-    ttft, tpot, lat = [], [], []
-    for o in outs:
-        m, k = o.metrics, len(o.token_ids)
-        ttft.append(m.ttft_s)
-        lat.append(m.finish_time - m.arrival_time)
-        if k > 1:
-            tpot.append((m.finish_time - m.first_token_time) / (k - 1))
+    ttft, tpot, lat = request_latencies(outs)
     assert [len(o.token_ids) for o in outs] == out_lens
     row = summarize("jaxinfer", dt, sum(out_lens), ttft, tpot, lat)
     row.update(
@@ -220,7 +246,9 @@ def run_hf(path, prompts, out_lens, args) -> dict:
     return summarize("hf_transformers", dt, sum(out_lens), [], [], lat)
 
 
-def main() -> None:
+def parse_args():
+    """The command line (see the module docstring); exits with a usage error on a bad
+    ``--kernels`` spec or ``--trace-steps`` below 1."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--layers", type=int, default=36)
@@ -276,23 +304,47 @@ def main() -> None:
         ap.error(str(e))
     if args.trace_steps and (args.trace_steps[0] < 1 or args.trace_steps[1] < 1):
         ap.error(f"--trace-steps {args.trace_steps}: START and COUNT must be >= 1")
+    return args
 
-    import jax
 
-    # HF needs a checkpoint on disk; jaxinfer alone builds random weights on the device
-    path = args.model or (
-        random_qwen3_checkpoint(args.random_dir, args.layers) if args.compare == "hf" else None
-    )
+def workload_vocab(path) -> int:
+    """The vocabulary the random prompts draw from: the checkpoint's (an HF directory), Qwen3-8B's
+    for random weights, else 49152."""
     from jaxinfer.config import ModelConfig
     from jaxinfer.runner.loading import load_params  # noqa: F401 (import check before timing)
 
-    vocab = (
+    return (
         ModelConfig.from_checkpoint(path).vocab_size
         if path and os.path.isfile(os.path.join(path, "config.json"))
         else QWEN3_8B_HF["vocab_size"]
         if path is None
         else 49152
     )
+
+
+def print_engines(rows) -> None:
+    """The per-engine table: output tok/s, mean TTFT and TPOT, P50 and P99 latency."""
+    print(
+        f"\n{'engine':<16} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'P50 s':>7} "
+        f"{'P99 s':>7}"
+    )
+    for r in rows:
+        f = lambda x, s=1e3: f"{x * s:.1f}" if x is not None else "-"  # noqa: E731
+        print(
+            f"{r['engine']:<16} {r['output_tok_s']:>10.1f} {f(r['mean_ttft_s']):>8} "
+            f"{f(r['mean_tpot_s']):>8} {f(r['p50_latency_s'], 1):>7} {f(r['p99_latency_s'], 1):>7}"
+        )
+
+
+def main() -> None:
+    args = parse_args()
+    import jax
+
+    # HF needs a checkpoint on disk; jaxinfer alone builds random weights on the device
+    path = args.model or (
+        random_qwen3_checkpoint(args.random_dir, args.layers) if args.compare == "hf" else None
+    )
+    vocab = workload_vocab(path)
     prompts, out_lens = workload(args, vocab)
     commit = git_commit()
     # no jax.devices() before HF has run: it would make JAX take its memory pool first
@@ -336,47 +388,9 @@ def main() -> None:
         rows.append(hf)
         rows[0]["speedup_vs_hf"] = rows[0]["output_tok_s"] / rows[1]["output_tok_s"]
     record(rows[0], jax.devices()[0].device_kind)
-    print(
-        f"\n{'engine':<16} {'out tok/s':>10} {'TTFT ms':>8} {'TPOT ms':>8} {'P50 s':>7} "
-        f"{'P99 s':>7}"
-    )
-    for r in rows:
-        f = lambda x, s=1e3: f"{x * s:.1f}" if x is not None else "-"  # noqa: E731
-        print(
-            f"{r['engine']:<16} {r['output_tok_s']:>10.1f} {f(r['mean_ttft_s']):>8} "
-            f"{f(r['mean_tpot_s']):>8} {f(r['p50_latency_s'], 1):>7} {f(r['p99_latency_s'], 1):>7}"
-        )
-    ph = rows[0]["phases"]
-    print(f"\njaxinfer prefill: {ph['prefill']['steps']} steps, {ph['prefill']['seconds']:.2f} s")
-    print(
-        "decode steps per bucket; host ms per step: blocked on the device (wait), scheduling, "
-        "building + dispatching (launch), advancing sequences (post)"
-    )
-    print(
-        f"{'decode B':>9} {'steps':>6} {'s':>7} {'ms/step':>8} {'mean rows':>9} {'wait':>6} "
-        f"{'sched':>6} {'launch':>6} {'post':>6}"
-    )
-    for b, d in sorted(ph["decode"].items(), key=lambda kv: int(kv[0])):
-        print(
-            f"{b:>9} {d['steps']:>6} {d['seconds']:>7.2f} {d['ms_per_step']:>8.2f} "
-            f"{d['mean_rows']:>9.1f} {d['wait_ms_per_step']:>6.2f} "
-            f"{d['schedule_ms_per_step']:>6.2f} {d['launch_ms_per_step']:>6.2f} "
-            f"{d['post_ms_per_step']:>6.2f}"
-        )
-    tr = rows[0].get("trace")
-    if tr and "error" in tr:
-        print(f"\ntraced steps {args.trace_steps}: {tr['error']}")
-    elif tr:
-        print(f"\ntraced steps {args.trace_steps}: shapes {tr['shapes']}, rows {tr['rows']}")
-        print(
-            f"span {tr['span_ms_per_step']:.3f} ms/step, GPU busy {tr['busy_ms_per_step']:.3f} "
-            f"ms/step, {tr['launches_per_step']:.0f} launches/step; {tr['gaps_over_20us']} "
-            f"gaps >= 20 us ({tr['gap_ms_over_20us']:.2f} ms); largest:"
-        )
-        for g in tr["largest_gaps"]:
-            print(f"  {g['us']:>9.1f} us  {g['before'][:50]} -> {g['after'][:50]}")
-        for k in tr["kernels"]:
-            print(f"  {k['kernel']:<80} {k['launches_per_step']:>6.1f} {k['us_per_step']:>9.1f} us")
+    print_engines(rows)
+    step_tools.print_step_phases(rows[0]["phases"])
+    step_tools.print_trace_summary(rows[0].get("trace"), args.trace_steps)
     if args.compare == "hf":
         print(f"speedup vs HF: {rows[0]['speedup_vs_hf']:.2f}x")
 

@@ -1,6 +1,6 @@
 """What benchmarks build around the engine's step, outside the package: a per-step log recorded
 through the engine's hooks (`record_steps`, `StepRecord`, `step_phases`, `TracedStepLog`,
-`trace_summary`)."""
+`trace_summary`) and the printing of the last two (`print_step_phases`, `print_trace_summary`)."""
 
 from __future__ import annotations
 
@@ -159,3 +159,42 @@ def trace_summary(log: TracedStepLog, top: int = 20) -> dict:
         largest_gaps=sorted(gaps, key=lambda g: -g["us"])[:8],
         kernels=kernels,
     )
+
+
+def print_step_phases(ph) -> None:
+    """Print `step_phases`'s result as bench_throughput.py reports it: jaxinfer's prefill steps
+    and seconds, then decode steps and host ms per step by bucket."""
+    print(f"\njaxinfer prefill: {ph['prefill']['steps']} steps, {ph['prefill']['seconds']:.2f} s")
+    print(
+        "decode steps per bucket; host ms per step: blocked on the device (wait), scheduling, "
+        "building + dispatching (launch), advancing sequences (post)"
+    )
+    print(
+        f"{'decode B':>9} {'steps':>6} {'s':>7} {'ms/step':>8} {'mean rows':>9} {'wait':>6} "
+        f"{'sched':>6} {'launch':>6} {'post':>6}"
+    )
+    for b, d in sorted(ph["decode"].items(), key=lambda kv: int(kv[0])):
+        print(
+            f"{b:>9} {d['steps']:>6} {d['seconds']:>7.2f} {d['ms_per_step']:>8.2f} "
+            f"{d['mean_rows']:>9.1f} {d['wait_ms_per_step']:>6.2f} "
+            f"{d['schedule_ms_per_step']:>6.2f} {d['launch_ms_per_step']:>6.2f} "
+            f"{d['post_ms_per_step']:>6.2f}"
+        )
+
+
+def print_trace_summary(tr, trace_steps) -> None:
+    """Print `trace_summary`'s result ``tr`` of steps ``trace_steps`` (START, COUNT), nothing when
+    ``tr`` is None: its error, or its span, busy time, launches, largest idle gaps and kernels."""
+    if tr and "error" in tr:
+        print(f"\ntraced steps {trace_steps}: {tr['error']}")
+    elif tr:
+        print(f"\ntraced steps {trace_steps}: shapes {tr['shapes']}, rows {tr['rows']}")
+        print(
+            f"span {tr['span_ms_per_step']:.3f} ms/step, GPU busy {tr['busy_ms_per_step']:.3f} "
+            f"ms/step, {tr['launches_per_step']:.0f} launches/step; {tr['gaps_over_20us']} "
+            f"gaps >= 20 us ({tr['gap_ms_over_20us']:.2f} ms); largest:"
+        )
+        for g in tr["largest_gaps"]:
+            print(f"  {g['us']:>9.1f} us  {g['before'][:50]} -> {g['after'][:50]}")
+        for k in tr["kernels"]:
+            print(f"  {k['kernel']:<80} {k['launches_per_step']:>6.1f} {k['us_per_step']:>9.1f} us")

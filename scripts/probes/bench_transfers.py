@@ -53,7 +53,9 @@ def step_arrays(B: int, M: int) -> list[np.ndarray]:
     ]
 
 
-def main() -> None:
+def parse_args():
+    """The command line (see the module docstring); exits with a usage error unless every count
+    is positive."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 256])
     ap.add_argument("--pages", type=int, default=128, help="block table width M")
@@ -62,23 +64,62 @@ def main() -> None:
     args = ap.parse_args()
     if min(args.batches) < 1 or args.pages < 1 or args.reps < 1:
         ap.error("--batches, --pages and --reps must be positive")
+    return args
 
+
+def modes(arrays):
+    """name -> a call sending ``arrays`` to the device that way (module docstring)."""
+    import jax
+    import jax.numpy as jnp
+
+    return {
+        "per_array": lambda: [jnp.asarray(a) for a in arrays],
+        "device_put": lambda: jax.device_put(arrays),
+        "packed": lambda: jnp.asarray(
+            np.concatenate([a.view(np.int32).reshape(-1) for a in arrays])
+        ),
+    }
+
+
+def host_seconds(fn, chain, x, busy: bool, reps: int) -> float:
+    """Total host seconds of ``reps`` calls of ``fn`` (each waited for before the next), with
+    ``chain(x)`` dispatched just before each call when ``busy``."""
+    import jax
+
+    total = 0.0
+    for _ in range(reps):
+        pending = chain(x) if busy else None
+        t = time.perf_counter()
+        out = fn()
+        total += time.perf_counter() - t
+        jax.block_until_ready(out)
+        if pending is not None:
+            pending.block_until_ready()
+    return total
+
+
+def report(rows, out: str) -> None:
+    """Append the rows as JSON lines to ``out`` and print the table."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "a") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    print(f"{'B':>4} {'mode':<11} {'device':<6} {'host us/step':>12}")
+    for r in rows:
+        print(
+            f"{r['B']:>4} {r['mode']:<11} {'busy' if r['device_busy'] else 'idle':<6} "
+            f"{r['us_per_step']:>12.1f}"
+        )
+
+
+def main() -> None:
+    args = parse_args()
     import jax
     import jax.numpy as jnp
 
     x = jnp.ones((8192, 8192), jnp.bfloat16)
     chain = jax.jit(lambda a: [a := a @ a * 1e-4 for _ in range(8)][-1])
     chain(x).block_until_ready()
-
-    def modes(arrays):
-        return {
-            "per_array": lambda: [jnp.asarray(a) for a in arrays],
-            "device_put": lambda: jax.device_put(arrays),
-            "packed": lambda: jnp.asarray(
-                np.concatenate([a.view(np.int32).reshape(-1) for a in arrays])
-            ),
-        }
-
     meta = dict(
         bench="transfers",
         jax=jax.__version__,
@@ -94,15 +135,7 @@ def main() -> None:
         for name, fn in modes(arrays).items():
             jax.block_until_ready(fn())  # warm
             for busy in (False, True):
-                total = 0.0
-                for _ in range(args.reps):
-                    pending = chain(x) if busy else None
-                    t = time.perf_counter()
-                    out = fn()
-                    total += time.perf_counter() - t
-                    jax.block_until_ready(out)
-                    if pending is not None:
-                        pending.block_until_ready()
+                total = host_seconds(fn, chain, x, busy, args.reps)
                 rows.append(
                     dict(
                         meta,
@@ -113,16 +146,7 @@ def main() -> None:
                         us_per_step=total / args.reps * 1e6,
                     )
                 )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "a") as fh:
-        for r in rows:
-            fh.write(json.dumps(r) + "\n")
-    print(f"{'B':>4} {'mode':<11} {'device':<6} {'host us/step':>12}")
-    for r in rows:
-        print(
-            f"{r['B']:>4} {r['mode']:<11} {'busy' if r['device_busy'] else 'idle':<6} "
-            f"{r['us_per_step']:>12.1f}"
-        )
+    report(rows, args.out)
 
 
 if __name__ == "__main__":

@@ -30,26 +30,13 @@ import sys
 import time
 
 
-def run(form: str, layers: int, batch: int, dims: list[int], iters: int) -> dict:
+def layer_fns(dims: list[int]):
+    """``(layer, fused_layer)``: one decode layer's weight-streaming core for ``dims`` (D, F, N,
+    K, H), over separate q/k/v and gate/up weights, and over fused ``wqkv`` and ``w_gate_up``."""
     import jax
     import jax.numpy as jnp
 
     D, F, N, K, H = dims
-    shapes = {
-        "wq": (D, N * H),
-        "wk": (D, K * H),
-        "wv": (D, K * H),
-        "wo": (N * H, D),
-        "w_gate": (D, F),
-        "w_up": (D, F),
-        "w_down": (F, D),
-    }
-    key = jax.random.key(0)
-    stacked = {
-        n: (jax.random.normal(jax.random.fold_in(key, i), (layers, *s), jnp.bfloat16) * 0.02)
-        for i, (n, s) in enumerate(shapes.items())
-    }
-    nbytes = sum(v.size * 2 for v in stacked.values())
 
     def attend(x, q, k, v, w):
         a = q + jnp.tile(k + v, (1, N // K))  # stand-in for attention: uses q, k, v
@@ -65,7 +52,16 @@ def run(form: str, layers: int, batch: int, dims: list[int], iters: int) -> dict
         gu = x @ w["w_gate_up"]
         return x + (jax.nn.silu(gu[:, :F]) * gu[:, F:]) @ w["w_down"]
 
-    x = jax.random.normal(key, (batch, D), jnp.bfloat16)
+    return layer, fused_layer
+
+
+def form_fn(form: str, stacked: dict, layers: int, dims: list[int]):
+    """``(f, weights)``: the layer loop ``f(x, weights)`` in ``form`` (module docstring) and the
+    weights it takes, built from ``stacked`` ([layers, ...] per name)."""
+    import jax
+    import jax.numpy as jnp
+
+    layer, fused_layer = layer_fns(dims)
     if form in ("unrolled", "fused"):
         weights = [{n: v[i] for n, v in stacked.items()} for i in range(layers)]
         del stacked
@@ -91,6 +87,41 @@ def run(form: str, layers: int, batch: int, dims: list[int], iters: int) -> dict
         def f(x, ws):
             return jax.lax.scan(lambda h, w: (layer(h, w), None), x, ws)[0]
 
+    return f, weights
+
+
+def stacked_weights(key, layers: int, dims: list[int]) -> dict:
+    """Random bf16 weights for ``dims`` (D, F, N, K, H): name -> [layers, ...]."""
+    import jax
+    import jax.numpy as jnp
+
+    D, F, N, K, H = dims
+    shapes = {
+        "wq": (D, N * H),
+        "wk": (D, K * H),
+        "wv": (D, K * H),
+        "wo": (N * H, D),
+        "w_gate": (D, F),
+        "w_up": (D, F),
+        "w_down": (F, D),
+    }
+    return {
+        n: (jax.random.normal(jax.random.fold_in(key, i), (layers, *s), jnp.bfloat16) * 0.02)
+        for i, (n, s) in enumerate(shapes.items())
+    }
+
+
+def run(form: str, layers: int, batch: int, dims: list[int], iters: int) -> dict:
+    """One form timed (median of 5 rounds of ``iters`` calls, after a warm-up): its row with ms
+    per step, the weight GB (the same in every form) and the effective weight read TB/s."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.key(0)
+    # no reference to the stacked weights kept here: form_fn frees them once sliced
+    f, weights = form_fn(form, stacked_weights(key, layers, dims), layers, dims)
+    nbytes = sum(v.size * 2 for v in jax.tree.leaves(weights))
+    x = jax.random.normal(key, (batch, dims[0]), jnp.bfloat16)
     g = jax.jit(f)
     g(x, weights).block_until_ready()
     ts = []
@@ -104,7 +135,8 @@ def run(form: str, layers: int, batch: int, dims: list[int], iters: int) -> dict
     return dict(form=form, ms=dt * 1e3, weight_gb=nbytes / 1e9, tbps=nbytes / dt / 1e12)
 
 
-def main() -> None:
+def parse_args():
+    """The command line (see the module docstring; ``--form``, hidden: run one form here)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--batch", type=int, default=1)
@@ -119,11 +151,12 @@ def main() -> None:
     ap.add_argument(
         "--form", choices=["scan", "unrolled", "fused"], default=None, help=argparse.SUPPRESS
     )
-    args = ap.parse_args()
-    if args.form:  # child process: one form, JSON on the last line
-        print(json.dumps(run(args.form, args.layers, args.batch, args.dims, args.iters)))
-        return
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    return ap.parse_args()
+
+
+def run_forms(args) -> list[dict]:
+    """Each of the five forms in a child process of this script (XLA flags are read at start-up):
+    its row, or ``form`` and the tail of its stderr as ``error`` when it fails."""
     base = [
         sys.executable,
         os.path.abspath(__file__),
@@ -158,6 +191,16 @@ def main() -> None:
             "" if not extra else "+dsf" if "dynamic_slice" in extra else "+cublas"
         )
         rows.append(row)
+    return rows
+
+
+def main() -> None:
+    args = parse_args()
+    if args.form:  # child process: one form, JSON on the last line
+        print(json.dumps(run(args.form, args.layers, args.batch, args.dims, args.iters)))
+        return
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    rows = run_forms(args)
     from scripts.bench_paged_attention import copy_ceiling_tbps
 
     ceiling = max(copy_ceiling_tbps().values())

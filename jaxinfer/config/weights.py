@@ -42,12 +42,12 @@ LAYER = {
     "mlp_norm": Leaf(("D",), None, "ones"),
     "w_gate_up": Leaf(("D", "2 * F"), "column", fp8=True, mlp="dense"),  # gate | up
     "w_down": Leaf(("F", "D"), "row", fp8=True, mlp="dense"),
-    "router": Leaf(("D", "E"), None, mlp="sparse"),  # MoE: tp > 1, fp8 not yet (`check_moe`)
-    "w_experts_gate_up": Leaf(("E", "D", "2 * F_e"), None, mlp="sparse"),  # per expert gate | up
-    "w_experts_down": Leaf(("E", "F_e", "D"), None, mlp="sparse"),
+    "router": Leaf(("D", "E"), None, mlp="sparse"),  # MoE: tp > 1 not yet (`check_moe`)
+    "w_experts_gate_up": Leaf(("E", "D", "2 * F_e"), None, fp8=True, mlp="sparse"),  # gate | up
+    "w_experts_down": Leaf(("E", "F_e", "D"), None, fp8=True, mlp="sparse"),
 }
 LEAVES = {**MODEL, **LAYER}
-QUANTIZED = tuple(name for name, leaf in LAYER.items() if leaf.fp8)
+QUANTIZED = tuple(n for n, leaf in LAYER.items() if leaf.fp8 and leaf.mlp != "sparse")  # dense
 
 
 def layer_leaves(cfg, layer: int) -> tuple[str, ...]:
@@ -72,10 +72,13 @@ def shape_of(name: str, cfg) -> tuple[int, ...]:
     return tuple(eval(e, {"__builtins__": {}}, letters) for e in LEAVES[name].shape)
 
 
-def scale_shape(shape: tuple[int, int], block: tuple[int, int] | None) -> tuple[int, ...]:
-    """Shape of the f32 scale of an fp8 matrix ``shape`` [in, out]: per output channel [out]
-    (``block`` None), or per HF block ``(block_out, block_in)``: [ceil(in/bi), ceil(out/bo)]."""
-    return (shape[1],) if block is None else (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
+def scale_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
+    """Shape of the f32 scale of an fp8 matrix ``shape`` [in, out] (or a stack [E, in, out]): per
+    output channel [out] ([E, out]) (``block`` None), or per HF block ``(block_out, block_in)``:
+    [ceil(in/bi), ceil(out/bo)]."""
+    if block is None:
+        return (*shape[:-2], shape[-1])
+    return (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
 
 
 def fused_parts(cfg) -> dict[str, dict[str, slice]]:

@@ -9,6 +9,8 @@ and the reference of a GPU kernel to come). Sources: HF ``modeling_qwen3_moe.py`
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.models.layers import Weight
+
 
 def route(
     x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool
@@ -27,33 +29,48 @@ def route(
     return weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
+def grouped_dense(xs: jax.Array, w, sizes: jax.Array, expert: jax.Array) -> jax.Array:
+    """Rows xs [M, in] sorted by expert, ``sizes`` i32[E] rows each, times their expert's matrix
+    ``w`` (a `layers.Weight` of [E, in, out], or an array): ``jax.lax.ragged_dot`` in xs.dtype;
+    an fp8 weight (e4m3 with f32 scale [E, out]) is multiplied as it is (exact in bf16) with f32
+    accumulation and each row's expert's scale (``expert`` i32[M]) applied to the output."""
+    matrix, scale = (w.w, w.scale) if isinstance(w, Weight) else (w, None)
+    if scale is None:
+        return jax.lax.ragged_dot(xs, matrix.astype(xs.dtype), sizes)
+    y = jax.lax.ragged_dot(xs, matrix.astype(xs.dtype), sizes, preferred_element_type=jnp.float32)
+    return (y * jnp.take(scale, expert, axis=0)).astype(xs.dtype)
+
+
 def moe_mlp(
     x: jax.Array,
     router: jax.Array,
-    w_gate_up: jax.Array,
-    w_down: jax.Array,
+    w_gate_up,
+    w_down,
     *,
     top_k: int,
     norm_topk_prob: bool,
 ) -> jax.Array:
     """x [..., D] -> [..., D]: each token's `route`'d k experts, ``sum_k weight_k *
     (silu(x @ gate_e) * (x @ up_e)) @ down_e`` with ``w_gate_up`` [E, D, 2 F_e] ([gate | up] per
-    expert) and ``w_down`` [E, F_e, D]. The T*k token-expert pairs are sorted by expert (stable),
-    so each expert's rows are one contiguous group of ``bincount`` rows for
-    ``jax.lax.ragged_dot``; the products go back to their pair's place and are summed over k."""
+    expert) and ``w_down`` [E, F_e, D] (arrays or `layers.Weight`s, fp8 too: `grouped_dense`).
+    The T*k token-expert pairs are sorted by expert (stable), so each expert's rows are one
+    contiguous group of ``bincount`` rows for ``jax.lax.ragged_dot``; the products go back to
+    their pair's place and are summed over k."""
     shape, D = x.shape, x.shape[-1]
     x2 = x.reshape(-1, D)
-    T, E, Fe = x2.shape[0], router.shape[-1], w_down.shape[1]
+    T, E = x2.shape[0], router.shape[-1]
     with jax.named_scope("moe_route"):
         weights, experts = route(x2, router, top_k, norm_topk_prob)
         flat = experts.reshape(-1)  # [T*k]: pair p is token p // k's choice p % k
         order = jnp.argsort(flat, stable=True)  # pairs by expert
         sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # i32[E] group sizes
         xs = jnp.take(x2, order // top_k, axis=0)  # [T*k, D]
+        expert = jnp.take(flat, order)  # i32[T*k]: each sorted row's expert
     with jax.named_scope("moe_mlp"):
-        gu = jax.lax.ragged_dot(xs, w_gate_up.astype(x.dtype), sizes)  # [T*k, 2 F_e]
+        gu = grouped_dense(xs, w_gate_up, sizes, expert)  # [T*k, 2 F_e]
+        Fe = gu.shape[-1] // 2
         h = jax.nn.silu(gu[:, :Fe]) * gu[:, Fe:]
-        y = jax.lax.ragged_dot(h, w_down.astype(x.dtype), sizes)  # [T*k, D]
+        y = grouped_dense(h, w_down, sizes, expert)  # [T*k, D]
         y = y * jnp.take(weights.reshape(-1), order)[:, None]
         y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in pair order
         return y.reshape(T, top_k, D).sum(axis=1).reshape(shape).astype(x.dtype)

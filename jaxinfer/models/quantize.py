@@ -7,30 +7,33 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config.weights import QUANTIZED, scale_shape
+from jaxinfer.config.weights import LAYER, scale_shape
 from pallas_kernels.kv_quant import FP8, FP8_MAX, quantize  # e4m3, as the fp8 KV pages
+
+FP8_LEAVES = tuple(name for name, leaf in LAYER.items() if leaf.fp8)
 
 
 def expand_scale(
     scale: jax.Array, shape: tuple[int, int], block: tuple[int, int] | None
 ) -> jax.Array:
     """A `scale_shape` scale broadcast to the elements of its matrix: f32[in, out] (per channel:
-    f32[1, out]); block ``(block_out, block_in)`` as in `scale_shape`."""
+    f32[..., 1, out], stacks too); block ``(block_out, block_in)`` as in `scale_shape`."""
     if block is None:
-        return scale[None, :]
+        return scale[..., None, :]
     rows = jnp.repeat(scale, block[1], axis=0)[: shape[0]]
     return jnp.repeat(rows, block[0], axis=1)[:, : shape[1]]
 
 
 @functools.partial(jax.jit, static_argnames="block")
 def quantize_fp8(w: jax.Array, block: tuple[int, int] | None = None) -> tuple[jax.Array, jax.Array]:
-    """w [in, out] (any float dtype) -> (float8_e4m3fn [in, out], f32 scale of `scale_shape`):
-    ``scale = amax(|w|) / 448`` over each output channel (``block`` None) or HF block ``(block_out,
-    block_in)`` (edge blocks partial); all-zero: 1. ``q = round_to_nearest_e4m3(w / scale)``, so
-    ``|w - q * scale| <= scale * max(|w / scale| * 2^-4, 2^-10)``."""
+    """w [in, out] or a stack [E, in, out] (per channel only; any float dtype) -> (float8_e4m3fn
+    like w, f32 scale of `scale_shape`): ``scale = amax(|w|) / 448`` over each output channel
+    (``block`` None) or HF block ``(block_out, block_in)`` (edge blocks partial); all-zero: 1.
+    ``q = round_to_nearest_e4m3(w / scale)``, so ``|w - q * scale| <= scale * max(|w / scale| *
+    2^-4, 2^-10)``."""
     wf = w.astype(jnp.float32)
     if block is None:
-        amax = jnp.max(jnp.abs(wf), axis=0)
+        amax = jnp.max(jnp.abs(wf), axis=-2)
     else:
         (bo, bi), (I, O), (In, Out) = block, scale_shape(w.shape, block), w.shape
         padded = jnp.pad(jnp.abs(wf), ((0, I * bi - In), (0, O * bo - Out)))
@@ -45,13 +48,14 @@ def is_quantized(params: dict) -> bool:
 
 
 def quantize_params(params: dict, block: tuple[int, int] | None = None) -> dict:
-    """A new tree with each layer's `QUANTIZED` matrices replaced by `quantize_fp8` of them
-    (``block``: ``weight_block_size``); other leaves shared. A quantised tree is returned as is."""
+    """A new tree with each layer's fp8 matrices (`config.weights.LAYER`'s ``fp8`` leaves it has:
+    `QUANTIZED`, an MoE layer's experts) replaced by `quantize_fp8` of them (``block``:
+    ``weight_block_size``); other leaves shared. A quantised tree is returned as is."""
     if is_quantized(params):
         return params
     layers = {i: dict(layer) for i, layer in params["layers"].items()}
     for layer in layers.values():
-        for name in QUANTIZED:
+        for name in [n for n in FP8_LEAVES if n in layer]:
             layer[name], layer[name + "_scale"] = quantize_fp8(layer[name], block)
     return {**params, "layers": layers}
 

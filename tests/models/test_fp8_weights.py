@@ -12,9 +12,10 @@ from tiny_model import TINY
 
 from jaxinfer import LLM, SamplingParams, models
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config.weights import QUANTIZED
 from jaxinfer.generate import build_parser
 from jaxinfer.models.layers import Weight, dense
-from jaxinfer.models.quantize import QUANTIZED, quantize_fp8, quantize_params
+from jaxinfer.models.quantize import quantize_fp8, quantize_params
 
 CFG = ModelConfig(**TINY)
 BLOCKS = [None, (128, 128), (32, 16)]

@@ -2,7 +2,8 @@
 through ``mlp_only_layers``, E = 8, top-2, D = 64) saved by ``save_pretrained`` and run by
 ``LLM(path)``: greedy tokens equal HF's ``generate`` and log-probabilities HF's ``log_softmax``
 within 1e-4 (absolute, as tests/e2e/test_logprobs_vs_hf.py), batched and alone; `moe_mlp`
-against a dense masked reference; the routing on ties against HF's router and MoE block."""
+against a dense masked reference; the routing on ties against HF's router and MoE block; fp8
+experts against float32 on the dequantised tree."""
 
 import json
 
@@ -217,12 +218,46 @@ def test_routing_ties_match_hf():
     assert np.asarray(idx).tolist() == [[0, 1]] * 2 and np.allclose(np.asarray(w), 0.5)
 
 
-def test_fp8_and_tensor_parallel_are_refused(moe_checkpoint):
+def test_tensor_parallel_is_refused(moe_checkpoint):
     path = str(moe_checkpoint[0])
-    with pytest.raises(ValueError, match="quantization='fp8' is not yet for qwen3_moe"):
-        LLM(path, skip_tokenizer_init=True, quantization="fp8", max_model_len=64)
     with pytest.raises(ValueError, match="tensor_parallel_size=2 is not yet for qwen3_moe"):
         LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2, max_model_len=64)
+
+
+def dequantised(params: dict) -> dict:
+    """The float32 tree of the values an fp8 tree means: each ``<name>_scale`` (per output
+    channel, [out] or the experts' [E, out]) multiplied into its matrix (numpy)."""
+    layers = {}
+    for i, layer in params["layers"].items():
+        layers[i] = {
+            k: np.asarray(v).astype(np.float32) * np.asarray(layer[k + "_scale"])[..., None, :]
+            if k + "_scale" in layer
+            else v
+            for k, v in layer.items()
+            if not k.endswith("_scale")
+        }
+    return {**params, "layers": layers}
+
+
+def test_fp8_experts_equal_float32_on_dequantised_weights(moe_checkpoint):
+    """quantization="fp8" quantises the experts per (expert, output channel) too: greedy tokens
+    and log-probabilities equal a float32 engine's on the dequantised tree."""
+    fp8 = LLM(str(moe_checkpoint[0]), skip_tokenizer_init=True, quantization="fp8", **TINY_ENGINE)
+    params = fp8.engine.runner.params
+    sparse = params["layers"]["0"]
+    assert sparse["w_experts_gate_up"].dtype == jnp.float8_e4m3fn
+    assert sparse["w_experts_down_scale"].shape == (8, 64)
+    assert params["layers"]["1"]["w_down"].dtype == jnp.float8_e4m3fn  # the dense layer
+    ref = LLM.from_params(fp8.engine.model_config, dequantised(params), **TINY_ENGINE)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42]}, {"prompt_token_ids": list(range(30, 50))}]
+    sp = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True, logprobs=1)
+    for g, w in zip(fp8.generate(prompts, sp), ref.generate(prompts, sp)):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        lp_g, lp_w = (
+            [d[t].logprob for d, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+            for o in (g, w)
+        )
+        np.testing.assert_allclose(lp_g, lp_w, rtol=1e-4, atol=1e-4)
 
 
 def test_checkpoint_name_errors(moe_checkpoint):

@@ -66,17 +66,9 @@ def gguf_eos_token_ids(reader) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(v) for v in ids if v is not None))
 
 
-def gguf_hf_config(reader) -> dict:
-    """An HF-style ``config.json`` dict from the GGUF ``{arch}.*`` metadata; V: ``vocab_size``, else
-    ``tokenizer.ggml.tokens``, else ``token_embd``'s rows; tied iff no ``output.weight``; Llama 3
-    RoPE scaling from ``rope_freqs.weight``. ValueError (named): an architecture not supported, a
-    missing required key, partial rotary, K and V head dims differ, RoPE scaling not none/llama3."""
-    arch = _value(reader, "general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported GGUF architecture general.architecture={arch!r}; "
-            f"supported: {SUPPORTED_GGUF_ARCHITECTURES}"
-        )
+def _arch_getter(reader, arch: str):
+    """``get(key, default=None, required=False)``: the ``{arch}.{key}`` metadata value or
+    ``default``; ValueError (named) when it is missing and ``required``."""
 
     def get(key: str, default: Any = None, required: bool = False) -> Any:
         v = _value(reader, f"{arch}.{key}", default)
@@ -84,8 +76,12 @@ def gguf_hf_config(reader) -> dict:
             raise ValueError(f"GGUF metadata key {arch}.{key!r} is missing (architecture {arch!r})")
         return v
 
-    tensors = {t.name: t for t in reader.tensors}
-    d, n = (int(get(k, required=True)) for k in ("embedding_length", "attention.head_count"))
+    return get
+
+
+def _gguf_head_dim(get, arch: str, d: int, n: int) -> int:
+    """The head dim: ``attention.key_length``, else ``rope.dimension_count``, else ``d // n``.
+    ValueError: the value length differs from it; a rotary dimension other than it (partial)."""
     val_len, rot = get("attention.value_length"), get("rope.dimension_count")
     head_dim = int(get("attention.key_length") or rot or d // n)
     if val_len is not None and int(val_len) != head_dim:
@@ -98,6 +94,12 @@ def gguf_hf_config(reader) -> dict:
             f"GGUF {arch}.rope.dimension_count={rot} != head_dim={head_dim}: partial "
             f"rotary embeddings are not supported"
         )
+    return head_dim
+
+
+def _gguf_vocab(reader, get, arch: str, tensors: dict) -> int:
+    """``vocab_size``, else the count of ``tokenizer.ggml.tokens``, else ``token_embd``'s rows;
+    ValueError when none is there."""
     vocab = get("vocab_size")
     if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
@@ -107,6 +109,43 @@ def gguf_hf_config(reader) -> dict:
         raise ValueError(
             f"GGUF has no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd.weight"
         )
+    return vocab
+
+
+def _gguf_rope_scaling(get, arch: str, tensors: dict, theta: float, head_dim: int) -> dict | None:
+    """HF ``rope_scaling`` from the Llama 3 factors in ``rope_freqs.weight`` (None: no such
+    tensor, or all factors 1). ValueError: a ``rope.scaling.type`` other than none."""
+    if (scaling_type := get("rope.scaling.type")) not in (None, "none"):
+        raise ValueError(
+            f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
+            f"supported: none, or Llama 3 factors in rope_freqs.weight"
+        )
+    if (t := tensors.get("rope_freqs.weight")) is not None:
+        import gguf
+
+        factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
+        return _llama3_scaling_from_factors(
+            factors, theta, head_dim, get("rope.scaling.original_context_length")
+        )
+    return None
+
+
+def gguf_hf_config(reader) -> dict:
+    """An HF-style ``config.json`` dict from the GGUF ``{arch}.*`` metadata; V: ``vocab_size``, else
+    ``tokenizer.ggml.tokens``, else ``token_embd``'s rows; tied iff no ``output.weight``; Llama 3
+    RoPE scaling from ``rope_freqs.weight``. ValueError (named): an architecture not supported, a
+    missing required key, partial rotary, K and V head dims differ, RoPE scaling not none/llama3."""
+    arch = _value(reader, "general.architecture")
+    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported GGUF architecture general.architecture={arch!r}; "
+            f"supported: {SUPPORTED_GGUF_ARCHITECTURES}"
+        )
+    get = _arch_getter(reader, arch)
+    tensors = {t.name: t for t in reader.tensors}
+    d, n = (int(get(k, required=True)) for k in ("embedding_length", "attention.head_count"))
+    head_dim = _gguf_head_dim(get, arch, d, n)
+    vocab = _gguf_vocab(reader, get, arch, tensors)
     theta = float(get("rope.freq_base", 10000.0))
     cfg: dict[str, Any] = {
         "model_type": arch,
@@ -130,19 +169,8 @@ def gguf_hf_config(reader) -> dict:
             for k in ("bos", "eos")
         },
     }
-    if (scaling_type := get("rope.scaling.type")) not in (None, "none"):
-        raise ValueError(
-            f"GGUF {arch}.rope.scaling.type={scaling_type!r} is not supported; "
-            f"supported: none, or Llama 3 factors in rope_freqs.weight"
-        )
-    if (t := tensors.get("rope_freqs.weight")) is not None:
-        import gguf
-
-        factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
-        if scaling := _llama3_scaling_from_factors(
-            factors, theta, head_dim, get("rope.scaling.original_context_length")
-        ):
-            cfg["rope_scaling"] = scaling
+    if scaling := _gguf_rope_scaling(get, arch, tensors, theta, head_dim):
+        cfg["rope_scaling"] = scaling
     return cfg
 
 

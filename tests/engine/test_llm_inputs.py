@@ -205,69 +205,59 @@ def test_vllm_constructor_arguments_accepted(llm):
     )
 
 
-def test_vllm_engine_arguments_map_or_warn(llm, caplog):
-    """vLLM's `LLM` arguments: ``block_size`` is the KV page size and ``num_gpu_blocks_override``
-    the pool's block count (vLLM V1's block 0 is a null block, as our page 0); ``max_logprobs``
-    caps a request's (prompt) logprobs; ``task``/``runner`` "generate" and
-    ``pipeline_parallel_size=1`` are what runs. An argument without effect here is silent at
-    vLLM's default value and one warning line otherwise (vLLM would act on it); a value that
-    cannot be honoured is a ValueError (`test_vllm_constructor_arguments_checked`); float16 is
-    refused on a GPU (kernels not validated), run on the CPU (test_vllm_api.py); a hub id not in
-    the HF cache offline is the hub's error naming the id (tests/checkpoints/test_hub.py)."""
+# vLLM's `LLM` arguments without effect here, each at vLLM's default (silent)
+VLLM_DEFAULTS = dict(
+    trust_remote_code=False,
+    swap_space=4,
+    disable_log_stats=True,
+    enable_chunked_prefill=None,
+    compilation_config=None,
+    tokenizer_mode="auto",
+    revision=None,
+    download_dir=None,
+    task="generate",
+    runner="auto",
+    pipeline_parallel_size=1,
+    load_format="auto",
+)
+
+
+def _check_block_arguments(other) -> None:
+    """``other`` (block_size=8, num_gpu_blocks_override=40, max_logprobs=2) has 8-token pages, 40
+    of them (39 usable) and refuses 3 prompt logprobs per token."""
+    ec = other.engine.resolved.engine
+    assert (ec.page_size, ec.num_pages, ec.max_logprobs) == (8, 40, 2)
+    assert other.engine.block_manager.num_usable_pages == 39
+    with pytest.raises(
+        ValueError,
+        match="3 log-probabilities per token requested; this engine gives at most max_logprobs=2",
+    ):
+        other.generate([[1, 2]], SamplingParams(prompt_logprobs=3, max_tokens=1))
+
+
+def _llm_with_ineffective_arguments(cfg, params) -> LLM:
+    """An `LLM` given five vLLM arguments without effect here at other than vLLM's defaults
+    (each one warning line), and ``download_dir`` (silent: no hub id)."""
+    return LLM.from_params(
+        cfg,
+        params,
+        max_model_len=64,
+        num_pages=32,
+        max_num_seqs=4,
+        trust_remote_code=True,
+        swap_space=0,
+        disable_log_stats=False,
+        enable_chunked_prefill=False,
+        compilation_config={"level": 3},
+        download_dir="/tmp/x",  # vLLM's hub cache: no hub id here, silent
+    )
+
+
+def _check_refusals(cfg, params) -> None:
+    """float16 on a GPU, a hub id not in the offline cache, a non-dict ``hf_overrides`` and a
+    ``revision`` without a hub id are refused, each naming what is wrong."""
     from jaxinfer.config import EngineConfig, resolve
 
-    cfg, params = llm.engine.model_config, llm.engine.runner.params
-    defaults = dict(
-        trust_remote_code=False,
-        swap_space=4,
-        disable_log_stats=True,
-        enable_chunked_prefill=None,
-        compilation_config=None,
-        tokenizer_mode="auto",
-        revision=None,
-        download_dir=None,
-        task="generate",
-        runner="auto",
-        pipeline_parallel_size=1,
-        load_format="auto",
-    )
-    with caplog.at_level("WARNING", logger="jaxinfer"):
-        other = LLM.from_params(
-            cfg,
-            params,
-            max_model_len=64,
-            block_size=8,
-            num_gpu_blocks_override=40,
-            max_num_seqs=4,
-            max_logprobs=2,
-            **defaults,
-        )
-        assert not caplog.records
-        ec = other.engine.resolved.engine
-        assert (ec.page_size, ec.num_pages, ec.max_logprobs) == (8, 40, 2)
-        assert other.engine.block_manager.num_usable_pages == 39
-        with pytest.raises(
-            ValueError,
-            match="3 log-probabilities per token requested; this "
-            "engine gives at most max_logprobs=2",
-        ):
-            other.generate([[1, 2]], SamplingParams(prompt_logprobs=3, max_tokens=1))
-        LLM.from_params(
-            cfg,
-            params,
-            max_model_len=64,
-            num_pages=32,
-            max_num_seqs=4,
-            trust_remote_code=True,
-            swap_space=0,
-            disable_log_stats=False,
-            enable_chunked_prefill=False,
-            compilation_config={"level": 3},
-            download_dir="/tmp/x",  # vLLM's hub cache: no hub id here, silent
-        )
-    lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 5 and all(" has no effect: " in m for m in lines), lines
-    assert "trust_remote_code=True has no effect: no model code is loaded" in lines[0]
     with pytest.raises(
         ValueError, match="dtype='float16' is invalid: the GPU kernels are not validated in float16"
     ):
@@ -282,6 +272,36 @@ def test_vllm_engine_arguments_map_or_warn(llm, caplog):
         LLM("jaxinfer-tests/none", hf_overrides=lambda c: c)
     with pytest.raises(ValueError, match="revision names a model's hub revision"):
         LLM.from_params(cfg, params, revision="main")
+
+
+def test_vllm_engine_arguments_map_or_warn(llm, caplog):
+    """vLLM's `LLM` arguments: ``block_size`` is the KV page size and ``num_gpu_blocks_override``
+    the pool's block count (vLLM V1's block 0 is a null block, as our page 0); ``max_logprobs``
+    caps a request's (prompt) logprobs; ``task``/``runner`` "generate" and
+    ``pipeline_parallel_size=1`` are what runs. An argument without effect here is silent at
+    vLLM's default value and one warning line otherwise (vLLM would act on it); a value that
+    cannot be honoured is a ValueError (`test_vllm_constructor_arguments_checked`); float16 is
+    refused on a GPU (kernels not validated), run on the CPU (test_vllm_api.py); a hub id not in
+    the HF cache offline is the hub's error naming the id (tests/checkpoints/test_hub.py)."""
+    cfg, params = llm.engine.model_config, llm.engine.runner.params
+    with caplog.at_level("WARNING", logger="jaxinfer"):
+        other = LLM.from_params(
+            cfg,
+            params,
+            max_model_len=64,
+            block_size=8,
+            num_gpu_blocks_override=40,
+            max_num_seqs=4,
+            max_logprobs=2,
+            **VLLM_DEFAULTS,
+        )
+        assert not caplog.records
+        _check_block_arguments(other)
+        _llm_with_ineffective_arguments(cfg, params)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 5 and all(" has no effect: " in m for m in lines), lines
+    assert "trust_remote_code=True has no effect: no model code is loaded" in lines[0]
+    _check_refusals(cfg, params)
 
 
 def test_update_params_equals_a_fresh_llm_without_recompiling(llm):

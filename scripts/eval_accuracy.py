@@ -240,19 +240,10 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    from checkpoints_tools.default_model import default_model_path
-    from jaxinfer.runner.loading import load_model
-
-    t0 = time.perf_counter()
-    loaded = load_model(args.model or default_model_path(), "float32")
-    print(f"loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    cfg, params, tok = loaded.config, loaded.params, loaded.tokenizer
-    ids = np.asarray(tok.encode(corpus_text()[: 8 * args.tokens])[: args.tokens], np.int32)
-    if len(ids) < args.tokens:
-        raise SystemExit(f"the corpus has only {len(ids)} tokens; lower --tokens")
-    prompts = prompt_ids(tok, args.prompts, args.prompt_len)
+def kv_settings(args, params, cfg, ids, tok):
+    """``(first, settings)``: the baseline's first-chunk K/V (None unless a flag needs it) and
+    name -> (kv_cache_dtype, KV pool dtype, KV cache settings, quantization) of every setting,
+    the fp8 KV ones with the means and scales the flags ask for."""
     first = (
         first_chunk_kv(params, cfg, ids, args.chunk)
         if args.kv_sim or args.kv_smooth == "first-chunk" or args.kv_scales == "calibrated"
@@ -275,47 +266,54 @@ def main(argv=None) -> None:
         "weights": ("auto", jnp.float32, None, "fp8"),
         "both": (args.kv_cache_dtype, fp8, kv_set, "fp8"),
     }
-    rows = []
-    for name in ("auto", *args.settings):
-        kv_cache_dtype, kv_dtype, sc, quant = settings[name]
-        t = time.perf_counter()
-        p = params if quant is None else quantize_params(params, None)
-        nll, _ = teacher_forced(p, cfg, ids, args.chunk, kv_dtype, sc)
-        print(
-            f"{name}: perplexity {np.exp(nll):.4f} in {time.perf_counter() - t:.0f} s",
-            file=sys.stderr,
-        )
-        gen = (
+    return first, settings
+
+
+def setting_row(name, setting, params, cfg, ids, prompts, args) -> dict:
+    """One engine setting's row: its perplexity (printed to stderr with its seconds) and, unless
+    ``--perplexity-only``, its greedy tokens in ``gen``."""
+    kv_cache_dtype, kv_dtype, sc, quant = setting
+    t = time.perf_counter()
+    p = params if quant is None else quantize_params(params, None)
+    nll, _ = teacher_forced(p, cfg, ids, args.chunk, kv_dtype, sc)
+    print(
+        f"{name}: perplexity {np.exp(nll):.4f} in {time.perf_counter() - t:.0f} s",
+        file=sys.stderr,
+    )
+    gen = (
+        None
+        if args.perplexity_only
+        else greedy(params, cfg, prompts, args.gen_tokens, kv_cache_dtype, sc, quant)
+    )
+    return dict(
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=quant,
+        kv_scales=args.kv_scales if kv_cache_dtype != "auto" else None,
+        kv_method=(
             None
-            if args.perplexity_only
-            else greedy(params, cfg, prompts, args.gen_tokens, kv_cache_dtype, sc, quant)
-        )
-        rows.append(
-            dict(
-                kv_cache_dtype=kv_cache_dtype,
-                quantization=quant,
-                kv_scales=args.kv_scales if kv_cache_dtype != "auto" else None,
-                kv_method=(
-                    None
-                    if kv_cache_dtype == "auto"
-                    else f"engine+smooth ({args.kv_smooth})"
-                    if args.kv_smooth
-                    else "engine"
-                ),
-                ppl=float(np.exp(nll)),
-                gen=gen,
-                seconds=time.perf_counter() - t,
-            )
-        )
-    rows += [simulated(params, cfg, ids, args, m, first) for m in args.kv_sim]
-    rows += [
-        jittered(params, cfg, ids, args, settings["kv"], seed) for seed in range(1, args.jitter + 1)
-    ]
+            if kv_cache_dtype == "auto"
+            else f"engine+smooth ({args.kv_smooth})"
+            if args.kv_smooth
+            else "engine"
+        ),
+        ppl=float(np.exp(nll)),
+        gen=gen,
+        seconds=time.perf_counter() - t,
+    )
+
+
+def compare_to_base(rows) -> None:
+    """Give every row its ``ppl_rel`` and ``greedy_agreement`` against the first (the baseline),
+    replacing its ``gen``."""
     base = rows[0]
     for r in rows[::-1]:
         r["ppl_rel"] = r["ppl"] / base["ppl"] - 1.0
         gen = r.pop("gen")
         r["greedy_agreement"] = None if gen is None else agreement(base["gen"], gen)
+
+
+def report(rows, args, model_path) -> None:
+    """Print the table and append one JSON line per row (bench="accuracy") to ``--out``."""
     print(
         f"SmolLM2-135M, float32 compute, {args.tokens} tokens of pydoc_data topics, chunks of "
         f"{args.chunk}; greedy {args.prompts} x {args.gen_tokens}"
@@ -337,7 +335,7 @@ def main(argv=None) -> None:
                 json.dumps(
                     dict(
                         bench="accuracy",
-                        model=os.path.basename(args.model or default_model_path()),
+                        model=os.path.basename(model_path),
                         compute_dtype="float32",
                         tokens=args.tokens,
                         chunk=args.chunk,
@@ -351,6 +349,32 @@ def main(argv=None) -> None:
                 )
                 + "\n"
             )
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from checkpoints_tools.default_model import default_model_path
+    from jaxinfer.runner.loading import load_model
+
+    t0 = time.perf_counter()
+    loaded = load_model(args.model or default_model_path(), "float32")
+    print(f"loaded in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    cfg, params, tok = loaded.config, loaded.params, loaded.tokenizer
+    ids = np.asarray(tok.encode(corpus_text()[: 8 * args.tokens])[: args.tokens], np.int32)
+    if len(ids) < args.tokens:
+        raise SystemExit(f"the corpus has only {len(ids)} tokens; lower --tokens")
+    prompts = prompt_ids(tok, args.prompts, args.prompt_len)
+    first, settings = kv_settings(args, params, cfg, ids, tok)
+    rows = [
+        setting_row(name, settings[name], params, cfg, ids, prompts, args)
+        for name in ("auto", *args.settings)
+    ]
+    rows += [simulated(params, cfg, ids, args, m, first) for m in args.kv_sim]
+    rows += [
+        jittered(params, cfg, ids, args, settings["kv"], seed) for seed in range(1, args.jitter + 1)
+    ]
+    compare_to_base(rows)
+    report(rows, args, args.model or default_model_path())
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 

@@ -10,8 +10,9 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.inputs import TextPrompt, TokensPrompt
 
 
-def main(model: str, **engine_args) -> dict:
-    llm = LLM(
+def make_llm(model: str, **engine_args) -> LLM:
+    """The `LLM` as a vLLM user builds it, with vLLM's arguments (``engine_args`` added)."""
+    return LLM(
         model=model,
         task="generate",
         dtype="float32",
@@ -34,6 +35,30 @@ def main(model: str, **engine_args) -> dict:
         enforce_eager=True,
         **engine_args,
     )
+
+
+def chat_twice(llm: LLM, sampled: SamplingParams) -> tuple[list, list]:
+    """``(chat, continued)``: a one-message chat, then the same chat continuing an assistant
+    message "I"; each output printed as prompt -> text."""
+    conversation = [{"role": "user", "content": "Hi!"}]
+    chat = llm.chat(
+        conversation, sampled, use_tqdm=False, chat_template_kwargs={"enable_thinking": False}
+    )
+    continued = llm.chat(
+        conversation + [{"role": "assistant", "content": "I"}],
+        sampled,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )
+    for output in chat + continued:
+        print(repr(output.prompt), "->", repr(output.outputs[0].text))
+    return chat, continued
+
+
+def main(model: str, **engine_args) -> dict:
+    """Run the script on ``model``: the engine, its default sampling parameters, the greedy and
+    sampled parameters, the outputs of a text and a token-id prompt and of the two chats."""
+    llm = make_llm(model, **engine_args)
     defaults = llm.get_default_sampling_params()
     print("default sampling params:", defaults)
 
@@ -55,18 +80,7 @@ def main(model: str, **engine_args) -> dict:
             f"finish={completion.finish_reason} finished={completion.finished()}"
         )
 
-    conversation = [{"role": "user", "content": "Hi!"}]
-    chat = llm.chat(
-        conversation, sampled, use_tqdm=False, chat_template_kwargs={"enable_thinking": False}
-    )
-    continued = llm.chat(
-        conversation + [{"role": "assistant", "content": "I"}],
-        sampled,
-        add_generation_prompt=False,
-        continue_final_message=True,
-    )
-    for output in chat + continued:
-        print(repr(output.prompt), "->", repr(output.outputs[0].text))
+    chat, continued = chat_twice(llm, sampled)
     return dict(
         llm=llm,
         defaults=defaults,

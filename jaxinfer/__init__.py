@@ -15,6 +15,7 @@ _WHERE = {
     "BeamSearchParams": "jaxinfer.sampling_params",
     "TextPrompt": "jaxinfer.inputs",
     "TokensPrompt": "jaxinfer.inputs",
+    "LoRARequest": "jaxinfer.lora.request",
 }
 __all__ = list(_WHERE)
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ from jaxinfer.checks import check_priority
 from jaxinfer.config import ModelConfig, check_platform, engine_config, memory, resolve
 from jaxinfer.config.vllm_args import VLLM_HUB
 from jaxinfer.engine.llm_engine import LLMEngine
+from jaxinfer.lora.request import per_prompt
 from jaxinfer.models.quantize import quantize_params
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import ParamsArg, Prompts
@@ -192,6 +193,13 @@ class LLM(Prompts):
         """`LLMEngine.update_params`: new weights, no recompile (ValueError: mismatch, requests)."""
         self.engine.update_params(params)
 
+    def update_lora(self, name_or_id, tensors: dict) -> None:
+        """Replace loaded adapter ``name_or_id``'s (its ``lora_name`` or ``lora_int_id``) weights
+        with a trainer's ``tensors`` (PEFT names, e.g. ``get_peft_model_state_dict``'s; numpy,
+        torch or JAX arrays) in place, as `update_params` does for the base weights: no
+        recompile (`LLMEngine.update_lora`; ValueError: unknown adapter, mismatch, requests)."""
+        self.engine.update_lora(name_or_id, tensors)
+
     def generate(
         self,
         prompts,
@@ -201,6 +209,7 @@ class LLM(Prompts):
         on_error: str = "raise",
         stream: Callable[[int, list[int], str], None] | None = None,
         priority: list[int] | None = None,
+        lora_request=None,
     ) -> list[RequestOutput]:
         """Outputs of ``prompts`` (a str, token ids, a `jaxinfer.inputs` TextPrompt or
         TokensPrompt, or a list of these) in input order; ``sampling_params``: one, or one per
@@ -209,16 +218,19 @@ class LLM(Prompts):
         reason "error"). ``stream(index, new_token_ids, text_delta)`` as tokens arrive.
         ``priority``: vLLM's, None or one int per prompt, all 0 (first-come scheduling only; else
         ValueError, `check_priority`). A ``max_tokens`` beyond the room left in ``max_model_len``
-        generates until the context is full (finish reason "length"), as vLLM's."""
+        generates until the context is full (finish reason "length"), as vLLM's.
+        ``lora_request``: a `LoRARequest` for every prompt, or a list of one (or None) per
+        prompt (`per_prompt`; ValueError: as `LLMEngine.add_request`)."""
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
         params, encoded, errors = self._prepare(
             prompts, sampling_params, on_error == "raise", self.engine.check_request
         )
         check_priority(priority, len(encoded))
+        loras = per_prompt(lora_request, len(encoded))
         outputs = self._run(
             {
-                i: (ids, sp)
+                i: (ids, sp, loras[i])
                 for i, ((_, ids), sp) in enumerate(zip(encoded, params))
                 if i not in errors
             },
@@ -240,7 +252,8 @@ class LLM(Prompts):
     def _run(
         self, requests: dict[int, tuple], texts: list, use_tqdm: bool, stream
     ) -> dict[int, RequestOutput]:
-        """Add ``requests`` ({index: (ids, params)}), step until done; exceptions abort them all."""
+        """Add ``requests`` ({index: (ids, params, lora_request)}), step until done; exceptions
+        abort them all."""
         bar = tqdm(
             total=len(requests),
             desc="generating",
@@ -252,9 +265,9 @@ class LLM(Prompts):
         try:
             index_of = {
                 self.engine.add_request(
-                    ids, dataclasses.replace(sp, output_kind=kind), prompt=texts[i]
+                    ids, dataclasses.replace(sp, output_kind=kind), prompt=texts[i], lora_request=lr
                 ): i
-                for i, (ids, sp) in requests.items()
+                for i, (ids, sp, lr) in requests.items()
             }
             while self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -300,6 +313,7 @@ class LLM(Prompts):
         tools: list[dict] | None = None,
         on_error: str = "raise",
         stream=None,
+        lora_request=None,
         **template,
     ) -> list[RequestOutput]:
         """`generate` on a conversation (a list of {"role", "content"} dicts) or a list of them,
@@ -317,6 +331,7 @@ class LLM(Prompts):
             use_tqdm=use_tqdm,
             on_error=on_error,
             stream=stream,
+            lora_request=lora_request,
         )
 
     def encode(self, *args, **kwargs):

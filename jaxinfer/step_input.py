@@ -80,6 +80,7 @@ FIELDS = (
     Field("block_tables", np.int32, ("R", "M"), "forward"),
     Field("logits_indices", np.int32, ("R", "Q"), "forward"),  # the tokens of each row scored
     Field("pending_src", np.int32, ("R",), "forward", -1),  # row of prev_tokens, or -1
+    Field("lora_slots", np.int32, ("R",), "forward", -1),  # the row's LoRA pool slot, or -1
     Field("temperature", np.float32, ("R",), "sampling"),
     Field("top_k", np.int32, ("R",), "sampling"),  # 0: off
     Field("top_p", np.float32, ("R",), "sampling", 1.0),

@@ -82,6 +82,9 @@ def test_host_side_imports_no_jax():
         "jaxinfer.cli_args",
         "jaxinfer.engine.structured",
         "jaxinfer.spec.ngram",
+        "jaxinfer.lora.request",
+        "jaxinfer.lora.peft",
+        "jaxinfer.engine.lora",
     ]
     code = (
         f"import sys, {', '.join(host)}; "
@@ -104,9 +107,12 @@ SHARED = {
 ALLOWED = {
     "jaxinfer.config": {"jaxinfer.config"} | SHARED,
     "jaxinfer.models": {"jaxinfer.config", "jaxinfer.models"} | SHARED,
-    "jaxinfer.runner": {"jaxinfer.config", "jaxinfer.models", "jaxinfer.runner"} | SHARED,
+    "jaxinfer.runner": {"jaxinfer.config", "jaxinfer.models", "jaxinfer.runner", "jaxinfer.lora"}
+    | SHARED,
     "jaxinfer.spec": {"jaxinfer.spec"} | SHARED,
-    "jaxinfer.engine": {"jaxinfer.config", "jaxinfer.spec", "jaxinfer.engine"} | SHARED,
+    "jaxinfer.engine": {"jaxinfer.config", "jaxinfer.spec", "jaxinfer.engine", "jaxinfer.lora"}
+    | SHARED,
+    "jaxinfer.lora": {"jaxinfer.lora"} | SHARED,
 }
 
 

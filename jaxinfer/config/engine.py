@@ -56,6 +56,8 @@ def _rules() -> tuple:
                 "max_num_seqs",
                 "max_num_batched_tokens",
                 "tensor_parallel_size",
+                "max_loras",
+                "max_lora_rank",
             )
         ),
         ("max_model_len", _optional(lambda v: is_int(v, 1)), positive),
@@ -182,6 +184,11 @@ class EngineConfig:
         '\'{"method": "ngram", "num_speculative_tokens": 4}\' (docs/speculative_decoding.md)',
         metavar="JSON",
     )
+    enable_lora: bool = _user(
+        False, "serve LoRA adapters (generate(..., lora_request=LoRARequest(...)); docs/lora.md)"
+    )
+    max_loras: int = _user(1, "LoRA adapters on the device at once (slots; LRU eviction)")
+    max_lora_rank: int = _user(16, "largest LoRA rank r an adapter may have (slots padded to it)")
     kernels: KernelConfig = KernelConfig()
 
     def __post_init__(self) -> None:

@@ -48,7 +48,8 @@ def resolve(
     logged). max_model_len None: max_position_embeddings; quantization None: "fp8" for an FP8
     checkpoint; fp8 GEMMs stay on XLA (cuBLAS cannot fuse the e4m3 convert). ValueError:
     max_model_len above that, a GPU kernel off "gpu", float16 on "gpu", fp8 KV with a decode
-    variant not in `FP8_KV_DECODE` or tp > 1, a tp the model cannot take (`check_moe`)."""
+    variant not in `FP8_KV_DECODE` or tp > 1, a tp the model cannot take (`check_moe`), LoRA
+    with tp > 1 or an MoE model (`_check_lora`)."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail(
@@ -78,6 +79,7 @@ def resolve(
         )
     check_tp(model, engine.tensor_parallel_size)
     check_moe(model, engine.tensor_parallel_size, quant)
+    _check_lora(model, engine)
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
     kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype
     fp8 = kv_dtype != dtype
@@ -105,6 +107,22 @@ def resolve(
     return ResolvedConfig(
         model, engine, kc, max_len, dtype, platform, kv_dtype, quant, _spec_decode_rows(engine)
     )
+
+
+def _check_lora(model: ModelConfig, engine: EngineConfig) -> None:
+    """ValueError for what LoRA (``enable_lora``) cannot yet run with: tensor_parallel_size > 1,
+    a mixture-of-experts model."""
+    if not engine.enable_lora:
+        return
+    if (tp := engine.tensor_parallel_size) > 1:
+        _fail("EngineConfig", "tensor_parallel_size", tp, "enable_lora runs on one device; use 1")
+    if model.num_experts:
+        _fail(
+            "EngineConfig",
+            "enable_lora",
+            True,
+            f"LoRA is not yet for mixture-of-experts models ({model.architecture})",
+        )
 
 
 def _spec_decode_rows(engine: EngineConfig) -> int:

@@ -109,6 +109,7 @@ def _forward_row(a: dict, hb: HostBatch, batch, i: int, off: int, page_size: int
     npages = -(-(c + n) // page_size)
     a["block_tables"][i, :npages] = table[:npages]
     a["seq_lens"][i] = c + n
+    a["lora_slots"][i] = s.lora_slot
     scored = off + n - 1 - len(d) + np.arange(a["logits_indices"].shape[1])
     a["logits_indices"][i] = np.minimum(scored, off + n - 1)  # the drafts' and the last
 

@@ -138,12 +138,15 @@ class BlockManager:
         return next(iter(self._holders[page]), None)
 
     def page_hashes(self, seq: Sequence, num_pages: int) -> list[bytes]:
-        """``seq.block_hashes`` extended to its first ``num_pages`` full pages (tokens so far)."""
+        """``seq.block_hashes`` extended to its first ``num_pages`` full pages (tokens so far); the
+        first page's chain starts from the sequence's LoRA adapter (``lora_int_id``), so pages
+        are never shared across adapters."""
         hashes, P = seq.block_hashes, self.page_size
         if len(hashes) < num_pages:
             ids = seq.all_token_ids
             for i in range(len(hashes), num_pages):
-                hashes.append(_chain(hashes[i - 1] if i else b"", ids[i * P : (i + 1) * P]))
+                root = b"lora%d" % seq.lora_int_id if seq.lora_int_id else b""  # by adapter
+                hashes.append(_chain(hashes[i - 1] if i else root, ids[i * P : (i + 1) * P]))
         return hashes
 
     def first_page_cached(self, seq: Sequence) -> bool:

@@ -13,6 +13,7 @@ from jaxinfer.engine.batch_builder import build_host_batch
 from jaxinfer.engine.block_manager import BlockManager
 from jaxinfer.engine.dry_run import dry_run
 from jaxinfer.engine.loop import Launched, StepLoop
+from jaxinfer.engine.lora import LoRAManager
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.engine.speculation import Speculation, trim_to_stop
@@ -71,6 +72,7 @@ class LLMEngine:
             spec, self.resolved.spec_decode_rows, self.eos_token_ids, self._stats, draft
         )
         self.scheduler = self._scheduler(self.block_manager, self.eos_token_ids)
+        self.lora = LoRAManager(runner, self.model_config, ec, self.resolved.dtype)
         self.loop = StepLoop(
             self.scheduler,
             self._launch,
@@ -161,13 +163,16 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         prompt: str | None = None,
+        lora_request=None,
     ) -> str:
         """`check_request`, then queue its ``params.n`` samples (sample i seeded by (seed, i));
-        ``prompt``: its text, for the outputs. Returns the request id. Raises ValueError: as
-        `check_request`, or a duplicate id; RuntimeError: `ModelRunner.check_awake`. A
-        constrained sample gets its own matcher."""
+        ``prompt``: its text, for the outputs; ``lora_request``: its `LoRARequest` or None
+        (`LoRAManager`: waits for a slot). Returns the request id. Raises ValueError: as
+        `check_request`, `LoRAManager.check`, or a duplicate id; RuntimeError:
+        `ModelRunner.check_awake`. A constrained sample gets its own matcher."""
         self.runner.check_awake()
         prompt_token_ids, params = self.check_request(prompt_token_ids, params)
+        self.lora.check(lora_request)
         rid = request_id if request_id is not None else str(next(self._ids))
         if rid in self.outputs.requests:
             raise ValueError(
@@ -193,6 +198,12 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
+        self.lora.admit(lora_request, seqs, self._enqueue)
+        self.outputs.add(rid, seqs, prompt)
+        return rid
+
+    def _enqueue(self, seqs: list[Sequence]) -> None:
+        """One request's samples into the scheduler, all or none (ValueError: as its `add`)."""
         for i, seq in enumerate(seqs):
             try:
                 self.scheduler.add(seq)  # raises ValueError before queueing
@@ -200,26 +211,25 @@ class LLMEngine:
                 for s in seqs[:i]:
                     self.scheduler.abort(s.request_id)
                 raise
-        self.outputs.add(rid, seqs, prompt)
-        return rid
 
     def abort_request(self, rid: str) -> None:
         """Abort request ``rid``: its unfinished samples finish with "abort", and the next `step`
         returns its final output. Unknown or finished ids are ignored."""
         if (st := self.outputs.requests.get(rid)) is not None:
             for s in (s for s in st.seqs if not s.is_finished):
-                self.scheduler.abort(s.request_id)
+                self.scheduler.abort(s.request_id) or self.lora.abort(s.request_id)
             self._touched.append(rid)
 
     def has_unfinished(self) -> bool:
         """Requests in the engine, a step in flight, or outputs not yet returned."""
-        return self.loop.has_unfinished() or bool(self._touched)
+        return self.loop.has_unfinished() or bool(self._touched or self.lora.pending)
 
     def step(self, raw: bool = False) -> list:
         """Run one step (launch the next, read back the previous); the `RequestOutput`s due now, by
         each request's ``output_kind``, finals of requests aborted since the last call included.
         ``raw``: instead, the samples (`Sequence`s, index order) of each request the step touched,
         no text built (vLLM's ``EngineCore.step``: the server's API process builds the outputs)."""
+        self.lora.admit_pending(self._enqueue)
         self.loop.step()
         touched, self._touched = self._touched, []
         return self.outputs.outputs(touched, raw)
@@ -238,6 +248,7 @@ class LLMEngine:
     def abort_all(self) -> None:
         """Abort and forget every request, no outputs; reallocate pools an interrupted step took."""
         self.scheduler.abort_all()
+        self.lora.pending.clear()
         self.outputs.requests.clear()
         self._touched.clear()
         self.loop.in_flight = None
@@ -266,6 +277,14 @@ class LLMEngine:
         if self.has_unfinished():
             raise ValueError("update_params needs an idle engine: requests are in flight")
         self.runner.update_params(params)
+        self.reset_prefix_cache()
+
+    def update_lora(self, name_or_id, tensors: dict) -> None:
+        """`LoRAManager.update` on an idle engine (its slot rewritten in place, no recompile),
+        then reset the prefix cache. ValueError: requests in flight, as `LoRAManager.update`."""
+        if self.has_unfinished():
+            raise ValueError("update_lora needs an idle engine: requests are in flight")
+        self.lora.update(name_or_id, tensors)
         self.reset_prefix_cache()
 
     def _launch(self, launched: Launched, prev: Launched | None) -> None:

@@ -11,6 +11,7 @@ from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import KVCache
 from jaxinfer.models.layers import Ragged
 from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.lora import lora_step
 from jaxinfer.models.quantize import is_quantized, quantize_params
 
 __all__ = [
@@ -45,12 +46,17 @@ def forward(
     *,
     kernels: ModelKernels = ModelKernels(),
     ragged: Ragged | None = None,
+    lora_slots: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """One step over the paged cache: tokens, positions, slot_mapping i32[B, T]; ``kv``:
     block_tables i32[R, M], seq_lens i32[R] after this write (R = B unless ``ragged``: tokens [1,
-    T] in R ragged rows) -> (hidden [B, T, D], new cache)."""
+    T] in R ragged rows) -> (hidden [B, T, D], new cache). ``params["lora"]``, if present: the
+    LoRA pool (`models.lora`), each token's adapter its slot in ``lora_slots`` i32[B, T] (-1:
+    none; None: no adapter for any token)."""
+    params = dict(params)
+    lora = lora_step(params.pop("lora", None), lora_slots, params["embed"].dtype)
     model = _model(cfg, kernels, params["embed"].dtype, "fp8" if is_quantized(params) else None)
-    return model.apply({"params": params}, tokens, positions, slot_mapping, kv, ragged)
+    return model.apply({"params": params}, tokens, positions, slot_mapping, kv, ragged, lora)
 
 
 def compute_logits(params: dict, cfg, hidden: jax.Array) -> jax.Array:

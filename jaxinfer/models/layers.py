@@ -14,6 +14,7 @@ import numpy as np
 
 from jaxinfer.config.weights import INIT_STD, LEAVES, layer_leaves, scale_shape, shape_of
 from jaxinfer.models.kv_cache import page_dtype
+from jaxinfer.models.lora import LoRAStep
 from jaxinfer.models.quantize import FP8, expand_scale, w8a8_matmul
 from pallas_kernels.kv_quant import quantize
 
@@ -128,7 +129,7 @@ def by_token(query_start_loc: jax.Array, block_tables: jax.Array, positions: jax
 class StepContext(NamedTuple):
     """Per-step metadata: positions, slot_mapping i32[B, T], block_tables i32[R, M], seq_lens
     i32[R], cos/sin f32[B, T, H/2], ragged (None: R = B rows of T tokens; else tokens [1, T] in
-    R ragged rows); k_scale ... v_mean: `KVCache.scales`."""
+    R ragged rows); k_scale ... v_mean: `KVCache.scales`; lora: the step's adapters or None."""
 
     positions: jax.Array
     slot_mapping: jax.Array
@@ -141,6 +142,7 @@ class StepContext(NamedTuple):
     v_scale: jax.Array | None = None
     k_mean: jax.Array | None = None
     v_mean: jax.Array | None = None
+    lora: LoRAStep | None = None
 
 
 def attend(
@@ -251,12 +253,14 @@ def write_kv(
     )
 
 
-def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1) -> jax.Array:
+def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1, adapt=None) -> jax.Array:
     """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D];
     ``w_gate_up`` [D, 2F] ([gate | up] in each of ``shards`` column groups, `engine_layout`),
-    ``w_down`` [F, D]."""
+    ``w_down`` [F, D]; ``adapt(y, x, modules)``: LoRA's addition to each GEMM's output
+    (`models.lora.add_lora`; shards 1), or None."""
+    adapt = adapt or (lambda y, x, modules: y)
     with jax.named_scope("mlp"):
-        gu = dense(x, w_gate_up)  # [B, T, 2F]
+        gu = adapt(dense(x, w_gate_up), x, ("gate_proj", "up_proj"))  # [B, T, 2F]
         gu = gu.reshape(*gu.shape[:-1], shards, 2, -1)  # [B, T, shards, 2, F/s]
         h = (jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]).reshape(*x.shape[:-1], -1)  # [B, T, F]
-        return dense(h, w_down).astype(x.dtype)
+        return adapt(dense(h, w_down), h, ("down_proj",)).astype(x.dtype)

@@ -31,7 +31,10 @@ from jaxinfer.models.layers import (
     rope_inv_freq,
     write_kv,
 )
+from jaxinfer.models.lora import LoRAStep, add_lora
 from jaxinfer.models.moe import moe_mlp
+
+QKV = ("q_proj", "k_proj", "v_proj")  # the LoRA modules of the fused qkv GEMM, in its order
 
 
 def attention_heads(
@@ -104,7 +107,7 @@ def attention(
     B, T, _ = x.shape
     N, K, H, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kernels.tp
     with jax.named_scope("qkv"):
-        qkv = dense(x, w["wqkv"])  # [B, T, (N + 2K) * H]
+        qkv = add_lora(dense(x, w["wqkv"]), x, QKV, lora=ctx.lora, layer=layer)  # [B, T, (N+2K)H]
     heads = functools.partial(
         attention_heads,
         kernels=kernels,
@@ -124,7 +127,9 @@ def attention(
         )
     o, k_pool, v_pool = heads(qkv, k_pool, v_pool, ctx, w["q_norm"], w["k_norm"])
     with jax.named_scope("attention"):
-        out = dense(o.astype(x.dtype).reshape(B, T, N * H), w["wo"]).astype(x.dtype)
+        o = o.astype(x.dtype).reshape(B, T, N * H)
+        out = add_lora(dense(o, w["wo"]), o, ("o_proj",), lora=ctx.lora, layer=layer)
+        out = out.astype(x.dtype)
     return out, k_pool, v_pool
 
 
@@ -159,7 +164,8 @@ def decoder_layer(
     a, k_pool, v_pool = attention(h, w, layer, k_pool, v_pool, ctx, cfg=cfg, kernels=kernels)
     x, h = norm(x, a, w["mlp_norm"])
     if w.get("router") is None:
-        return x, mlp(h, w["w_gate_up"], w["w_down"], kernels.tp), k_pool, v_pool
+        adapt = ctx.lora and functools.partial(add_lora, lora=ctx.lora, layer=layer)
+        return x, mlp(h, w["w_gate_up"], w["w_down"], kernels.tp, adapt), k_pool, v_pool
     moe = functools.partial(
         moe_mlp, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob
     )
@@ -218,7 +224,8 @@ class Layers(_Module):
 
 class LlamaForCausalLM(_Module):
     """Trunk: embed -> `Layers` -> final norm: ``(tokens, positions, slot_mapping i32[B, T], kv,
-    ragged) -> (hidden [B, T, D] in the params' dtype, kv with the pools written)``."""
+    ragged, lora: `models.lora.LoRAStep` or None) -> (hidden [B, T, D] in the params' dtype, kv
+    with the pools written)``."""
 
     @nn.compact
     def __call__(
@@ -228,6 +235,7 @@ class LlamaForCausalLM(_Module):
         slot_mapping: jax.Array,
         kv: KVCache,
         ragged: Ragged | None = None,
+        lora: LoRAStep | None = None,
     ) -> tuple[jax.Array, KVCache]:
         cfg, w = self.cfg, {name: declare(self, name) for name in MODEL}
         x = jnp.take(w["embed"], tokens, axis=0)  # [B, T, D], compute dtype
@@ -242,6 +250,7 @@ class LlamaForCausalLM(_Module):
             sin,
             ragged,
             *kv.scales(),
+            lora=lora,
         )
         layers = Layers(cfg, self.kernels, self.param_dtype, self.quantization, name="layers")
         x, pending, k_pool, v_pool = layers(x, kv.k, kv.v, ctx)

@@ -17,7 +17,7 @@ from jaxinfer.config.weights import device_bytes
 from jaxinfer.models.kernels import model_kernels
 from jaxinfer.models.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache, stored_dtype
 from jaxinfer.models.quantize import quantize_params
-from jaxinfer.runner import parallel
+from jaxinfer.runner import lora, parallel
 from jaxinfer.runner.draft import DraftRunner, load_draft
 from jaxinfer.runner.executor import Forwarded, StepExecutor, enable_compilation_cache
 from jaxinfer.stats import EngineStats
@@ -68,6 +68,9 @@ class ModelRunner:
         self.params = (
             params if self.mesh is None else parallel.shard_params(params, model_config, self.mesh)
         )
+        if ec.enable_lora:  # the LoRA pool rides in the params (`models.forward`)
+            pool = lora.init_pool(model_config, ec.max_loras, ec.max_lora_rank, resolved.dtype)
+            self.params = {**self.params, "lora": pool}
         spec = ec.speculative_config
         draft = None
         if spec is not None and spec.method == "draft_model":
@@ -189,7 +192,7 @@ class ModelRunner:
     def update_params(self, params) -> None:
         """Serve ``params`` (structure, shapes, dtypes as built; fp8: quantised first) in place
         of the current leaves (resharded under tp), no recompile. ValueError: other tree
-        structure, a leaf (named) mismatch."""
+        structure, a leaf (named) mismatch. The LoRA pool, if any, is kept."""
         if self.resolved.quantization is not None:
             params = quantize_params(params, self.model_config.weight_block_size)
         if (treedef := jax.tree.structure(params)) != jax.tree.structure(self._canonical):
@@ -199,12 +202,20 @@ class ModelRunner:
             )
         if bad := tree_mismatches(self._canonical, params, dtypes=True):
             raise ValueError(f"update_params: {'; '.join(bad)}")
+        pool = {"lora": self.params["lora"]} if "lora" in self.params else {}
         if self.mesh is not None:
             self.params = parallel.shard_params(params, self.model_config, self.mesh)
         else:
-            self.params = jax.tree.map(
-                lambda b, a: jax.device_put(b, a.sharding), params, self.params
-            )
+            base = {k: v for k, v in self.params.items() if k != "lora"}
+            self.params = jax.tree.map(lambda b, a: jax.device_put(b, a.sharding), params, base)
+        self.params = {**self.params, **pool}
+
+    def write_lora(self, slot: int, arrays: dict) -> None:
+        """Slot ``slot`` of the LoRA pool set to ``arrays`` in place (`lora.write_slot`: no
+        recompile of any step). ValueError: LoRA is off, as `lora.write_slot`."""
+        if "lora" not in self.params:
+            raise ValueError("write_lora: this engine has no LoRA pool (enable_lora=False)")
+        self.params = {**self.params, "lora": lora.write_slot(self.params["lora"], slot, arrays)}
 
     def sleep(self, level: int) -> None:
         """vLLM's ``sleep``: the KV pool deleted (its pages' K/V lost) and the weights let go (their

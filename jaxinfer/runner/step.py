@@ -58,7 +58,8 @@ def forward_step(
     token replaced by ``prev_tokens[pending_src[r]]`` i32[max_rows] where that is >= 0 (async
     scheduling), K/V written, attention decode-only ([T, 1] rows) or ragged (tokens [1, T]).
     Returns ((logits f32[R * Q, V] of each row's ``logits_indices`` tokens, whole on every
-    device; hidden [T, D], the final-normed states), kv'); ``kv``'s tables are placeholders."""
+    device; hidden [T, D], the final-normed states), kv'); ``kv``'s tables are placeholders.
+    ``params["lora"]``: the LoRA pool, each row's adapter its ``lora_slots`` entry."""
     f = unpack(buf, "forward", _forward_shape(key), sizes)
     starts, src = f["query_start_loc"][:-1], f["pending_src"]
     picked = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], f["tokens"][starts])
@@ -75,12 +76,22 @@ def forward_step(
         step_kv,
         kernels=kernels,
         ragged=None if key.decode else _ragged(f, kernels),
+        lora_slots=lay(_token_slots(f, key)) if "lora" in params else None,
     )
     hidden = hidden.reshape(-1, hidden.shape[-1])
     with jax.named_scope("lm_head"):
         logits = models.compute_logits(params, cfg, hidden[f["logits_indices"].reshape(-1)])
         logits = gather_logits(logits, cfg, kernels.mesh)
     return (logits, hidden), new.replace(block_tables=kv.block_tables, seq_lens=kv.seq_lens)
+
+
+def _token_slots(f: dict, key: ForwardKey) -> jax.Array:
+    """Each token's LoRA slot i32[T]: its row's ``lora_slots`` (padding tokens: -1)."""
+    if key.decode:  # token r is row r
+        return f["lora_slots"]
+    qsl, t = f["query_start_loc"], jnp.arange(f["tokens"].shape[0], dtype=jnp.int32)
+    row = jnp.clip(jnp.searchsorted(qsl, t, side="right") - 1, 0, qsl.shape[0] - 2)
+    return jnp.where(t < qsl[-1], f["lora_slots"][row], -1)
 
 
 def _ragged(f: dict, kernels: ModelKernels) -> Ragged:

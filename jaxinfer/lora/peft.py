@@ -1,0 +1,144 @@
+"""PEFT LoRA adapters as numpy (no JAX): the modules LoRA may target (`MODULES`, their [in, out]
+sizes from a model config: `module_dims`), a PEFT directory read and checked (`load_adapter`: its
+``adapter_config.json`` and ``adapter_model.safetensors``), a tensor dict mapped onto the layers
+(`parse_tensors`, also what `LLM.update_lora` takes) and an adapter laid out as one slot of the
+device pool (`slot_arrays`). Reference followed: PEFT's ``LoraLayer`` (``y = x W + scaling *
+(x A^T) B^T``, ``scaling = lora_alpha / r``, ``lora_alpha / sqrt(r)`` with ``use_rslora``) and
+vLLM's ``PEFTHelper`` checks."""
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+import numpy as np
+
+MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (PEFT's saved name), the adapter
+# name ("lora_A.default.weight") allowed, as get_peft_model_state_dict / state_dict give them
+_NAME = re.compile(
+    r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$"
+)
+_UNSUPPORTED = {  # adapter_config.json key: (its allowed values, what they mean)
+    "bias": ((None, "none"), "'none' (no bias terms)"),
+    "use_dora": ((None, False), "False (DoRA is not supported)"),
+    "modules_to_save": ((None, []), "None (no full-weight modules)"),
+    "rank_pattern": ((None, {}), "{} (one rank for every module)"),
+    "alpha_pattern": ((None, {}), "{} (one lora_alpha for every module)"),
+}
+
+
+def module_dims(cfg) -> dict[str, tuple[int, int]]:
+    """Each of `MODULES` -> its (in, out) for model config ``cfg``: q D -> N*H, k and v D -> K*H,
+    o N*H -> D, gate and up D -> F, down F -> D."""
+    D, F, H = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_heads * H, cfg.num_kv_heads * H
+    return dict(
+        q_proj=(D, q),
+        k_proj=(D, kv),
+        v_proj=(D, kv),
+        o_proj=(q, D),
+        gate_proj=(D, F),
+        up_proj=(D, F),
+        down_proj=(F, D),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PeftAdapter:
+    """A LoRA adapter of rank ``rank`` r, ``scaling`` applied to the product, ``weights``: module
+    -> (a f32[L, in, r], b f32[L, r, out]) (A and B transposed to ``[in, out]`` like the base
+    weights; a layer without the module's tensors: zeros)."""
+
+    rank: int
+    scaling: float
+    weights: dict
+
+
+def _fail(path: str, what: str) -> None:
+    raise ValueError(f"LoRA adapter {path!r}: {what}")
+
+
+def read_config(path: str, max_rank: int) -> tuple[int, float]:
+    """(r, scaling) of ``path``/adapter_config.json. ValueError naming the value: no such file,
+    no LoRA config, r not in [1, ``max_rank``] (EngineConfig.max_lora_rank), a target module not
+    in `MODULES`, a feature not supported (`_UNSUPPORTED`)."""
+    file = os.path.join(path, "adapter_config.json")
+    if not os.path.isfile(file):
+        _fail(path, "no adapter_config.json (a PEFT LoRA directory is needed)")
+    with open(file) as f:
+        c = json.load(f)
+    if c.get("peft_type", "LORA") != "LORA":
+        _fail(path, f"peft_type={c['peft_type']!r} is not supported; allowed: 'LORA'")
+    r, alpha = c.get("r"), c.get("lora_alpha", c.get("r"))
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= max_rank:
+        _fail(path, f"r={r!r} is invalid: must be an integer in [1, max_lora_rank={max_rank}]")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        _fail(path, f"lora_alpha={alpha!r} is invalid: must be a number")
+    targets = c.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else targets
+    if isinstance(c.get("target_modules"), list) and (bad := sorted(set(targets) - set(MODULES))):
+        _fail(path, f"target_modules {bad} are not supported; allowed: {list(MODULES)}")
+    for key, (ok, allowed) in _UNSUPPORTED.items():
+        if c.get(key) not in ok:
+            _fail(path, f"{key}={c[key]!r} is not supported; allowed: {allowed}")
+    return r, alpha / (math.sqrt(r) if c.get("use_rslora") else r)
+
+
+def parse_tensors(tensors: dict, cfg, rank: int, where: str) -> dict:
+    """PEFT-named tensors (``...layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight``: A [r, in],
+    B [out, r]; numpy, torch or JAX arrays) -> module -> (a f32[L, in, r], b f32[L, r, out]).
+    ValueError naming the tensor (``where``: the adapter, for the message): an unknown name or
+    module, a layer >= L, a shape not the model's, an A without its B."""
+    L, dims, out, seen = cfg.num_layers, module_dims(cfg), {}, set()
+    for name, t in tensors.items():
+        m = _NAME.search(name)
+        if m is None or m[2] not in dims:
+            _fail(where, f"tensor {name!r} is not a LoRA weight of {list(MODULES)}")
+        layer, module, ab = int(m[1]), m[2], m[3]
+        if layer >= L:
+            _fail(where, f"tensor {name!r}: layer {layer} >= the model's {L} layers")
+        t = np.asarray(t.float() if hasattr(t, "float") else t, np.float32)
+        i, o = dims[module]
+        want = (rank, i) if ab == "A" else (o, rank)
+        if t.shape != want:
+            _fail(where, f"tensor {name!r} has shape {list(t.shape)}; expected {list(want)}")
+        if module not in out:
+            out[module] = (np.zeros((L, i, rank), np.float32), np.zeros((L, rank, o), np.float32))
+        out[module][ab == "B"][layer] = t.T
+        seen.add((layer, module, ab))
+    if bad := sorted(
+        (lay, mod) for lay, mod, ab in seen if (lay, mod, "BA"[ab == "B"]) not in seen
+    ):
+        _fail(where, f"(layer, module) {bad[:4]} have lora_A or lora_B but not both")
+    return out
+
+
+def load_adapter(path: str, cfg, max_rank: int) -> PeftAdapter:
+    """The PEFT LoRA directory ``path`` for model config ``cfg``: `read_config` then
+    ``adapter_model.safetensors`` through `parse_tensors`. ValueError: not a directory, no
+    weights file, as `read_config` and `parse_tensors`."""
+    from safetensors.numpy import load_file
+
+    if not os.path.isdir(path):
+        _fail(path, "no such directory")
+    rank, scaling = read_config(path, max_rank)
+    file = os.path.join(path, "adapter_model.safetensors")
+    if not os.path.isfile(file):
+        _fail(path, "no adapter_model.safetensors")
+    return PeftAdapter(rank, scaling, parse_tensors(load_file(file), cfg, rank, path))
+
+
+def slot_arrays(adapter: PeftAdapter, cfg, max_rank: int, dtype) -> dict:
+    """``adapter`` as one slot of the pool: {module: {"a": [L, in, R], "b": [L, R, out]}} for
+    every one of `MODULES`, R = ``max_rank`` (zero-padded), ``scaling`` folded into b, zeros
+    for modules it does not target; numpy in ``dtype``."""
+    L, r, out = cfg.num_layers, adapter.rank, {}
+    for module, (i, o) in module_dims(cfg).items():
+        a, b = np.zeros((L, i, max_rank), np.float32), np.zeros((L, max_rank, o), np.float32)
+        if module in adapter.weights:
+            a[..., :r], b[:, :r] = adapter.weights[module][0], adapter.weights[module][1]
+            b *= adapter.scaling
+        out[module] = dict(a=a.astype(dtype), b=b.astype(dtype))
+    return out

@@ -1,0 +1,161 @@
+"""LoRA's mechanics on the tiny random model (issue 48 items 1-3): adapters written in PEFT's
+layout (tests/lora_adapters.py), expected outputs from an independent reference: the plain
+engine serving the adapter merged into the base weights (W + scaling A^T B^T), or the base
+weights for rows without one. Four adapters and plain rows in one batch; loading and swapping
+compile nothing; LRU eviction and waiting for a slot; `LLM.update_lora`; the prefix cache keyed
+by adapter; the errors."""
+
+import json
+import os
+
+import pytest
+from lora_adapters import merged, write_adapter
+
+from jaxinfer import LoRARequest, SamplingParams
+
+SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPTS = [[5 + i, 17, 3 * i + 1, 40, 9, 11 + i] for i in range(6)]
+SPECS = [  # rank, seed, modules, use_rslora
+    (8, 1, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
+    (4, 2, ("q_proj", "v_proj"), False),
+    (8, 3, ("o_proj", "down_proj", "up_proj"), True),
+    (2, 4, ("k_proj", "gate_proj"), False),
+    (6, 5, ("q_proj", "down_proj"), False),
+]
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_cfg):
+    """[(LoRARequest, tensors, scaling)] of the five `SPECS` adapters, ids 1..5."""
+    root, out = tmp_path_factory.mktemp("adapters"), []
+    for i, (rank, seed, modules, rs) in enumerate(SPECS):
+        path = str(root / f"a{i + 1}")
+        tensors, scaling = write_adapter(path, tiny_cfg, rank, seed, modules, rslora=rs)
+        out.append((LoRARequest(f"a{i + 1}", i + 1, path), tensors, scaling))
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora(tiny_llm):
+    return tiny_llm(text=False, enable_lora=True, max_loras=4, max_lora_rank=8, max_compiles=8)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llm):
+    return tiny_llm(text=False, seed=48, max_compiles=8)  # its own: update_params swaps weights
+
+
+def tokens(outs) -> list:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def reference(plain, params, cfg, prompts, adapter=None) -> list:
+    """``prompts`` alone on the plain engine serving ``adapter`` (tensors, scaling) merged."""
+    plain.update_params(params if adapter is None else merged(params, cfg, *adapter))
+    try:
+        return tokens(plain.generate([{"prompt_token_ids": p} for p in prompts], SP))
+    finally:
+        plain.update_params(params)
+
+
+def run(llm, prompts, reqs) -> list:
+    return tokens(llm.generate([{"prompt_token_ids": p} for p in prompts], SP, lora_request=reqs))
+
+
+def test_mixed_batch_equals_each_alone(lora, plain, adapters, tiny_cfg, tiny_params):
+    """Rows of four adapters and two without, one batch: each row's tokens as its adapter's
+    merged weights give alone; the same batch with adapters moved between rows and a fifth
+    adapter loaded (evicting one) compiles nothing."""
+    reqs = [adapters[0][0], adapters[1][0], None, adapters[2][0], adapters[3][0], None]
+    got = run(lora, PROMPTS, reqs)
+    for i, r in enumerate(reqs):
+        a = None if r is None else adapters[r.lora_int_id - 1][1:]
+        assert got[i] == reference(plain, tiny_params, tiny_cfg, [PROMPTS[i]], a)[0], i
+    assert got[2] != run(lora, [PROMPTS[2]], adapters[0][0])[0]  # the adapter changes it
+    before = lora.engine.stats()
+    swapped = [None, adapters[3][0], adapters[4][0], adapters[0][0], None, adapters[1][0]]
+    again = run(lora, PROMPTS, swapped)
+    after = lora.engine.stats()
+    assert after.forward_shapes == before.forward_shapes
+    assert after.sampler_shapes == before.sampler_shapes
+    for i, r in enumerate(swapped):
+        a = None if r is None else adapters[r.lora_int_id - 1][1:]
+        assert again[i] == reference(plain, tiny_params, tiny_cfg, [PROMPTS[i]], a)[0], i
+
+
+def test_lru_eviction_and_waiting(lora, plain, adapters, tiny_cfg, tiny_params):
+    """Four slots: a fifth adapter evicts the least recently used idle one; five adapters in
+    one call: the fifth waits for a slot, and every row still equals its reference."""
+    reqs = [a[0] for a in adapters[:4]]
+    run(lora, PROMPTS[:4], reqs)  # a4 used last, a1 first
+    run(lora, PROMPTS[:1], adapters[0][0])  # a1 now most recent: a2 is the LRU one
+    run(lora, PROMPTS[:1], adapters[4][0])
+    assert sorted(lora.engine.lora.slots) == [1, 3, 4, 5]
+    reqs = [a[0] for a in adapters]
+    got = run(lora, PROMPTS[:5], reqs)
+    for i, a in enumerate(adapters):
+        assert got[i] == reference(plain, tiny_params, tiny_cfg, [PROMPTS[i]], a[1:])[0]
+    assert not lora.engine.lora.pending
+
+
+def test_update_lora(lora, plain, adapters, tiny_cfg, tiny_params):
+    """`LLM.update_lora` with new tensors (by name, then by id): outputs as the new weights
+    merged give; unknown adapters and wrong shapes are ValueErrors."""
+    from lora_adapters import random_tensors
+
+    req, old, scaling = adapters[1]
+    new = random_tensors(tiny_cfg, 4, 99, SPECS[1][2])
+    try:
+        lora.update_lora("a2", new)
+        want = reference(plain, tiny_params, tiny_cfg, PROMPTS[:2], (new, scaling))
+        assert run(lora, PROMPTS[:2], req) == want
+    finally:
+        lora.update_lora(2, old)
+    assert run(lora, PROMPTS[:1], req) == reference(
+        plain, tiny_params, tiny_cfg, PROMPTS[:1], (old, scaling)
+    )
+    with pytest.raises(ValueError, match="no LoRA adapter 'nope'"):
+        lora.update_lora("nope", new)
+    bad = {k: v[:, :1] if "lora_A" in k else v for k, v in new.items()}
+    with pytest.raises(ValueError, match="has shape"):
+        lora.update_lora("a2", bad)
+
+
+def test_prefix_cache_keyed_by_adapter(lora, adapters):
+    """A 40-token prompt: run with a1, then with a3 (no page of a1's reused), then with a1
+    again (its full pages reused)."""
+    prompt = [(7 * i + 3) % 200 + 3 for i in range(40)]
+    first = lora.generate([{"prompt_token_ids": prompt}], SP, lora_request=adapters[0][0])[0]
+    other = lora.generate([{"prompt_token_ids": prompt}], SP, lora_request=adapters[2][0])[0]
+    same = lora.generate([{"prompt_token_ids": prompt}], SP, lora_request=adapters[0][0])[0]
+    assert other.num_cached_tokens == 0
+    assert same.num_cached_tokens == 32
+    assert tokens([same]) == tokens([first]) != tokens([other])
+
+
+def test_errors(lora, plain, adapters, tiny_cfg, tmp_path):
+    """Clear ValueErrors: a LoRA request without enable_lora, a rank above max_lora_rank, an
+    unknown target module, a directory without a config, a list of the wrong length, an id
+    reused under another name."""
+    p = [{"prompt_token_ids": PROMPTS[0]}]
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        plain.generate(p, SP, lora_request=adapters[0][0])
+    write_adapter(tmp_path / "big", tiny_cfg, 16, 0, ("q_proj",))
+    with pytest.raises(ValueError, match=r"r=16 is invalid.*max_lora_rank=8"):
+        lora.generate(p, SP, lora_request=LoRARequest("big", 11, str(tmp_path / "big")))
+    write_adapter(tmp_path / "emb", tiny_cfg, 2, 0, ("q_proj",))
+    cfg_file = tmp_path / "emb" / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg_file.write_text(json.dumps(dict(cfg, target_modules=["q_proj", "embed_tokens"])))
+    with pytest.raises(ValueError, match=r"target_modules \['embed_tokens'\] are not supported"):
+        lora.generate(p, SP, lora_request=LoRARequest("emb", 12, str(tmp_path / "emb")))
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        lora.generate(p, SP, lora_request=LoRARequest("e", 13, str(tmp_path / "empty")))
+    with pytest.raises(ValueError, match="2 requests for 1 prompts"):
+        lora.generate(p, SP, lora_request=[adapters[0][0]] * 2)
+    with pytest.raises(ValueError, match="already adapter 'a1'"):
+        lora.generate(p, SP, lora_request=LoRARequest("other", 1, adapters[1][0].lora_path))
+    with pytest.raises(ValueError, match="lora_int_id=0 must be >= 1"):
+        LoRARequest("x", 0, "/x")
+    assert not lora.engine.has_unfinished()

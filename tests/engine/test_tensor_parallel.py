@@ -2,13 +2,12 @@
 when it starts, so the checks run once in a subprocess of this file (`main`, with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4``) that prints one JSON object; the tests
 assert on it. Reference: the same engine at tensor_parallel_size=1 (today's one-device path).
-Models: tiny float32 Qwen3 (untied, V=256: vocabulary split at tp 2 and 4) and Llama (tied,
-V=250: vocabulary split at tp 2, replicated at tp 4), 8 query and 2 KV heads (tp=4 gives each
+Models (tests/engine/tp_models.py): `CONFIGS`' Qwen3 and Llama at tp 1, 2 and 4 (tp=4 gives each
 device a copy of one KV head); fp8 weights: `FP8_CFG` at tp 1 and 3 (3 of the 4 devices).
 Multi-host: two CPU processes of ``jax.distributed`` with a local coordinator
-(`main_two_processes`), a tp=2 mesh over their devices."""
+(`main_two_processes`), a tp=2 mesh over their devices. On the host only (the layout of fp8
+block scales, the per-device memory plan): test_tensor_parallel_layout.py."""
 
-import dataclasses
 import json
 import math
 import os
@@ -20,49 +19,14 @@ import sys
 import numpy as np
 import pytest
 
+from tests.engine.tp_models import CONFIGS, ENGINE, FP8_CFG, PROMPTS
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TPS = (1, 2, 4)
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=8,
-    num_kv_heads=2,
-    head_dim=16,
-    max_position_embeddings=128,
-)
-CONFIGS = {
-    "qwen3": dict(architecture="qwen3", vocab_size=256, **SMALL),
-    "llama": dict(architecture="llama", vocab_size=250, tie_word_embeddings=True, **SMALL),
-}
-# fp8 weights (per-output-channel scales) at tp 1 and 3: one layer of 6 query heads and 1 KV head
-# (a copy on each of 3 devices)
-FP8_CFG = dict(
-    architecture="llama",
-    vocab_size=96,
-    hidden_size=48,
-    intermediate_size=96,
-    num_layers=1,
-    num_heads=6,
-    num_kv_heads=1,
-    head_dim=16,
-    max_position_embeddings=128,
-)
 SPLIT = ("wqkv", "wo", "w_gate_up", "w_down")  # always split; embed / lm_head when tp divides V
-PROMPTS = [
-    [3, 14, 15, 92, 65, 35, 89, 79, 32],
-    [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 28, 74, 71, 35, 26, 62, 49, 77],
-]
 COLLECTIVE = (
     r"= \w+\[([\d,]*)\]\S* "  # an HLO collective: (its shape, its kind)
     r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
-)
-ENGINE = dict(
-    max_model_len=64,
-    max_num_seqs=4,
-    num_pages=24,
-    max_num_batched_tokens=32,
-    kernels="batch_buckets=2:4,token_buckets=32",
 )
 
 
@@ -379,37 +343,6 @@ def test_fp8_at_tp3_matches_one_device(result):
     }
 
 
-@pytest.mark.parametrize("tp", [2, 3])
-def test_fp8_block_scales_follow_their_columns(tp):
-    """`engine_layout` of an fp8 matrix of `FP8_CFG` and of its HF block scales [in/bi, out/bo]
-    means the engine layout of the dequantised matrix (the KV head copied to each device); blocks
-    that do not fall whole into each device's share: ValueError naming the sizes."""
-    import jax.numpy as jnp
-
-    from jaxinfer.config import ModelConfig
-    from jaxinfer.config.model import check_tp
-    from jaxinfer.config.weights import LAYER, QUANTIZED, shape_of
-    from jaxinfer.models.quantize import expand_scale, quantize_fp8
-    from jaxinfer.runner.parallel import engine_layout
-
-    cfg, rng = ModelConfig(**dict(FP8_CFG, weight_block_size=(16, 8))), np.random.default_rng(0)
-    check_tp(cfg, tp)
-    for name in QUANTIZED:
-        w = rng.standard_normal(shape_of(name, cfg)).astype(np.float32)
-        q, s = (np.asarray(a) for a in quantize_fp8(jnp.asarray(w), cfg.weight_block_size))
-        q2, s2 = engine_layout(name, q, cfg, tp), engine_layout(name + "_scale", s, cfg, tp)
-        assert s2.shape[LAYER[name].split == "column"] % tp == 0  # split with the matrix
-        got = q2.astype(np.float32) * np.asarray(expand_scale(s2, q2.shape, (16, 8)))
-        want = q.astype(np.float32) * np.asarray(expand_scale(s, q.shape, (16, 8)))
-        np.testing.assert_array_equal(got, engine_layout(name, want, cfg, tp))
-    with pytest.raises(
-        ValueError,
-        match=rf"weight_block_size=\(32, 8\) and tensor_parallel_size="
-        rf"{tp}: each device needs whole FP8 blocks .* K'\*H/tp=16,",
-    ):
-        check_tp(dataclasses.replace(cfg, weight_block_size=(32, 8)), tp)
-
-
 def test_errors_name_both_numbers(result):
     assert "num_heads=6 is not divisible by tensor_parallel_size=4" in result["errors"]["heads"]
     assert (
@@ -423,40 +356,6 @@ def test_two_processes_match_one_device(result, two_processes):
     for r in two_processes:
         assert (r["devices"], r["local"]) == (2, 1)
         assert r["tokens"] == result["qwen3/1"]["tokens"]
-
-
-def test_plan_per_device_bytes():
-    """Qwen3-8B (published config): KV heads split (tp 16 > K = 8: one copy per device), the
-    matrices split, the norms whole on each device."""
-    from script_module import load_script
-
-    from jaxinfer.config.memory import kv_bytes_per_token
-    from jaxinfer.config.weights import device_bytes as param_count  # parameters per device
-
-    cfg = load_script("plan_memory").PRESETS["qwen3-8b"]
-    L, D, H = cfg.num_layers, cfg.hidden_size, cfg.head_dim
-    assert [kv_bytes_per_token(cfg, 2, tp) for tp in (1, 2, 8, 16)] == [
-        147_456,
-        73_728,
-        18_432,
-        18_432,
-    ]
-    whole = L * (2 * D + 2 * H) + D
-    assert param_count(cfg, 2) == (param_count(cfg) - whole) // 2 + whole
-
-
-def test_plan_cli_tensor_parallel_size(capsys):
-    from script_module import load_script
-
-    plan_main = load_script("plan_memory").main
-
-    args = ["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "80"]
-    assert plan_main(args + ["--tensor-parallel-size", "2"]) == 0
-    out = capsys.readouterr().out
-    assert "2 device(s)" in out and "73,728 B" in out
-    assert plan_main(args + ["--tensor-parallel-size", "3"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "num_heads=32 is not divisible by tensor_parallel_size=3" in err[0]
 
 
 def main_two_processes(process_id: int, port: int) -> None:

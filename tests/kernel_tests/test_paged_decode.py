@@ -5,20 +5,20 @@ Interpret mode starts every output buffer as NaN (Pallas' uninitialised value), 
 an output row or a flash-decoding partial that the kernel forgets to write shows up as NaN; compiled
 outputs cannot be pre-filled, so every element is checked finite and matched against the reference.
 Each case draws fresh random data (never zeros) over the whole pool, page 0 included, with a
-permuted block table and ragged lengths.
+permuted block table and ragged lengths. The tuned-knob table and the split count:
+test_paged_decode_tuning.py.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attention import reference, triton_pallas, tuning
+from pallas_kernels.paged_attention import reference, triton_pallas
 
 from .modes import GPU
 
@@ -287,75 +287,6 @@ def test_bad_input_raises():
             **kwargs,
             interpret=True,
         )
-
-
-def test_tuning_lookup_and_json(tmp_path):
-    base = tuning.lookup(
-        "triton",
-        device_kind="NVIDIA H200",
-        page_size=16,
-        head_dim=128,
-        group=4,
-        dtype=jnp.bfloat16,
-        path=tmp_path / "absent.json",
-    )
-    assert set(base) == set(tuning.KNOBS)
-    rec = [
-        {
-            "variant": "triton",
-            "device_kind": "NVIDIA H200",
-            "page_size": 16,
-            "head_dim": 128,
-            "group": 4,
-            "dtype": "bfloat16",
-            "knobs": {"pages_per_block": 4, "num_stages": 3},
-        }
-    ]
-    path = tmp_path / "tuned.json"
-    path.write_text(json.dumps(rec))
-    got = tuning.lookup(
-        "triton",
-        device_kind="NVIDIA H200",
-        page_size=16,
-        head_dim=128,
-        group=4,
-        dtype=jnp.bfloat16,
-        path=path,
-    )
-    assert got["pages_per_block"] == 4 and got["num_stages"] == 3
-    assert got["num_warps"] == base["num_warps"]
-    other = tuning.lookup(
-        "triton",
-        device_kind="NVIDIA H200",
-        page_size=16,
-        head_dim=128,
-        group=8,
-        dtype=jnp.bfloat16,
-        path=path,
-    )
-    assert other == base
-    path.write_text(json.dumps([dict(rec[0], knobs={"block_q": 2})]))
-    with pytest.raises(ValueError, match="unknown knobs"):
-        tuning.lookup(
-            "triton",
-            device_kind="NVIDIA H200",
-            page_size=16,
-            head_dim=128,
-            group=4,
-            dtype=jnp.bfloat16,
-            path=path,
-        )
-    with pytest.raises(ValueError, match="unknown variant"):
-        tuning.lookup(
-            "nope", device_kind="x", page_size=16, head_dim=128, group=4, dtype=jnp.bfloat16
-        )
-
-
-def test_choose_k_splits():
-    assert tuning.choose_k_splits(64, 8, 16, 264) == 1  # 512 programs already
-    assert tuning.choose_k_splits(1, 8, 16, 264) == 16  # capped at one split per block
-    assert tuning.choose_k_splits(4, 8, 128, 264) == 9
-    assert tuning.choose_k_splits(0, 8, 0, 264) == 1
 
 
 def test_unrolled_layers_share_one_kernel_lowering(monkeypatch):

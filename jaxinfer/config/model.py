@@ -1,6 +1,6 @@
 """`ModelConfig`, the architecture of a Llama / Qwen3 / Qwen3-MoE decoder (from HF
 ``config.json``, GGUF metadata or a saved dict), and its tensor-parallel form (`check_tp`,
-`tp_model_config`; MoE limits: `check_moe`). A bad value raises ValueError naming the field,
+`tp_model_config`). A bad value raises ValueError naming the field,
 the value and what is allowed. Imports no JAX."""
 
 import dataclasses
@@ -263,20 +263,13 @@ def _moe_fields(cfg: Mapping[str, Any]) -> dict:
     )
 
 
-def check_moe(model: ModelConfig, tp: int, quantization: str | None) -> None:
-    """ValueError for what an MoE model (E > 0) cannot yet run with: tensor_parallel_size > 1
-    (the experts' matrices are not split yet). fp8 (``quantization``) quantises the experts per
-    output channel; an FP8 checkpoint's block scales are refused when it is read."""
-    if model.num_experts and tp > 1:
-        raise ValueError(f"tensor_parallel_size={tp} is not yet for {model.architecture}; use 1")
-
-
 def check_tp(model: ModelConfig, tp: int) -> None:
     """Raise ValueError naming the numbers unless tensor parallelism of degree ``tp`` splits
-    ``model``: tp divides N and F, and K % tp == 0 or tp % K == 0 (KV heads replicated); at tp > 1
-    an FP8 checkpoint's blocks ``weight_block_size`` (bo, bi) whole on each device: bo divides its
-    q, k, v, gate, up columns (N*H/tp, K'*H/tp, F/tp), bi its wo, w_down rows (N*H/tp, F/tp)."""
-    for name in ("num_heads", "intermediate_size"):
+    ``model``: tp divides N, F and F_e (MoE: each expert split), and K % tp == 0 or tp % K == 0
+    (KV heads replicated); at tp > 1 an FP8 checkpoint's blocks ``weight_block_size`` (bo, bi)
+    whole on each device: bo divides its q, k, v, gate, up columns (N*H/tp, K'*H/tp, F/tp), bi
+    its wo, w_down rows (N*H/tp, F/tp)."""
+    for name in ("num_heads", "intermediate_size", "moe_intermediate_size"):
         if getattr(model, name) % tp:
             raise ValueError(
                 f"{name}={getattr(model, name)} is not divisible by tensor_parallel_size={tp}"

@@ -8,7 +8,7 @@ import logging
 
 from jaxinfer.config.engine import KV_CACHE_DTYPES, EngineConfig
 from jaxinfer.config.kernels import KERNEL_ALIASES, KernelConfig, check_platform
-from jaxinfer.config.model import ModelConfig, _fail, check_moe, check_tp
+from jaxinfer.config.model import ModelConfig, _fail, check_tp
 from pallas_kernels.paged_attention import registry
 
 DEFAULT_SPEC_DECODE_ROWS = 16  # disable_by_batch_size when unset (BENCHMARKS: verify steps)
@@ -48,7 +48,7 @@ def resolve(
     logged). max_model_len None: max_position_embeddings; quantization None: "fp8" for an FP8
     checkpoint; fp8 GEMMs stay on XLA (cuBLAS cannot fuse the e4m3 convert). ValueError:
     max_model_len above that, a GPU kernel off "gpu", float16 on "gpu", fp8 KV with a decode
-    variant not in `FP8_KV_DECODE` or tp > 1, a tp the model cannot take (`check_moe`), LoRA
+    variant not in `FP8_KV_DECODE` or tp > 1, a tp the model cannot take (`check_tp`), LoRA
     with tp > 1 or an MoE model (`_check_lora`)."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
@@ -78,7 +78,6 @@ def resolve(
             f"{engine.kv_cache_dtype!r} runs on one device only; use 1 or kv_cache_dtype='auto'",
         )
     check_tp(model, engine.tensor_parallel_size)
-    check_moe(model, engine.tensor_parallel_size, quant)
     _check_lora(model, engine)
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
     kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype

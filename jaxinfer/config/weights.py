@@ -42,9 +42,9 @@ LAYER = {
     "mlp_norm": Leaf(("D",), None, "ones"),
     "w_gate_up": Leaf(("D", "2 * F"), "column", fp8=True, mlp="dense"),  # gate | up
     "w_down": Leaf(("F", "D"), "row", fp8=True, mlp="dense"),
-    "router": Leaf(("D", "E"), None, mlp="sparse"),  # MoE: tp > 1 not yet (`check_moe`)
-    "w_experts_gate_up": Leaf(("E", "D", "2 * F_e"), None, fp8=True, mlp="sparse"),  # gate | up
-    "w_experts_down": Leaf(("E", "F_e", "D"), None, fp8=True, mlp="sparse"),
+    "router": Leaf(("D", "E"), None, mlp="sparse"),
+    "w_experts_gate_up": Leaf(("E", "D", "2 * F_e"), "column", fp8=True, mlp="sparse"),  # gate|up
+    "w_experts_down": Leaf(("E", "F_e", "D"), "row", fp8=True, mlp="sparse"),
 }
 LEAVES = {**MODEL, **LAYER}
 QUANTIZED = tuple(n for n, leaf in LAYER.items() if leaf.fp8 and leaf.mlp != "sparse")  # dense
@@ -112,7 +112,7 @@ def entries(cfg, tp: int = 1, quantization: str | None = None) -> list[tuple]:
             if leaf.split is None or leaf.split == "vocab" and cfg.vocab_size % tp
             else leaf.shape.index("V")
             if leaf.split == "vocab"
-            else int(leaf.split == "column")
+            else len(leaf.shape) - (1 if leaf.split == "column" else 2)  # out / in
         )
         leaves = [(name, shape, "float8_e4m3fn" if fp8 else "compute", axis)]
         if fp8:
@@ -121,7 +121,7 @@ def entries(cfg, tp: int = 1, quantization: str | None = None) -> list[tuple]:
                     name + "_scale",
                     scale_shape(shape, block),
                     "float32",
-                    axis if block else 0 if axis == 1 else None,
+                    axis if block else axis - 1 if leaf.split == "column" else None,
                 )
             )
         layers = (

@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 
 from checkpoints_tools.mapping import tree_mismatches
-from jaxinfer.config.model import check_moe
 from jaxinfer.config.weights import fused_parts
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import KVCache
@@ -29,10 +28,9 @@ QUANTIZATIONS = (None, "fp8")
 
 def _model(cfg, kernels: ModelKernels, dtype, quantization: str | None = None):
     """Llama's modules serve every architecture `ModelConfig` accepts (llama, qwen3, qwen3_moe).
-    ValueError: a ``quantization`` not allowed, or not yet for MoE (`check_moe`)."""
+    ValueError: a ``quantization`` not allowed."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is invalid: allowed {QUANTIZATIONS}")
-    check_moe(cfg, kernels.tp, quantization)
     return LlamaForCausalLM(cfg, kernels, jnp.dtype(dtype), quantization)
 
 

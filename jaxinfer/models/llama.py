@@ -167,7 +167,10 @@ def decoder_layer(
         adapt = ctx.lora and functools.partial(add_lora, lora=ctx.lora, layer=layer)
         return x, mlp(h, w["w_gate_up"], w["w_down"], kernels.tp, adapt), k_pool, v_pool
     moe = functools.partial(
-        moe_mlp, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob
+        moe_mlp,
+        top_k=cfg.num_experts_per_tok,
+        norm_topk_prob=cfg.norm_topk_prob,
+        mesh=kernels.mesh,
     )
     return x, moe(h, w["router"], w["w_experts_gate_up"], w["w_experts_down"]), k_pool, v_pool
 

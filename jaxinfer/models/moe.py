@@ -8,7 +8,9 @@ and the reference of a GPU kernel to come). Sources: HF ``modeling_qwen3_moe.py`
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from jaxinfer.models.kv_cache import AXIS
 from jaxinfer.models.layers import Weight
 
 
@@ -41,6 +43,39 @@ def grouped_dense(xs: jax.Array, w, sizes: jax.Array, expert: jax.Array) -> jax.
     return (y * jnp.take(scale, expert, axis=0)).astype(xs.dtype)
 
 
+def _experts(xs: jax.Array, w_gate_up, w_down, sizes: jax.Array, expert: jax.Array) -> jax.Array:
+    """The SwiGLU of each sorted row xs [M, D] through its expert: [M, D] (`grouped_dense`;
+    ``w_gate_up``'s columns [gate | up] of F_e each, or of this device's F_e / tp)."""
+    gu = grouped_dense(xs, w_gate_up, sizes, expert)  # [M, 2 F_e]
+    Fe = gu.shape[-1] // 2
+    h = jax.nn.silu(gu[:, :Fe]) * gu[:, Fe:]
+    return grouped_dense(h, w_down, sizes, expert)
+
+
+def _sharded(mesh, w_gate_up, w_down):
+    """`_experts` under ``jax.shard_map`` over ``mesh``'s "tp" axis: each device its share of
+    every expert's F_e (gate_up's columns [gate_s | up_s], `engine_layout`; down's rows), the
+    rows and routing whole on each, the partial outputs summed (psum)."""
+
+    def spec(w, axis):  # a Weight's matrix split on ``axis``, its per-channel scale alike or not
+        matrix = P(*(None,) * axis, AXIS)
+        if not isinstance(w, Weight):
+            return matrix
+        scale = None if w.scale is None else P(None, AXIS) if axis == 2 else P()
+        return Weight(matrix, scale, w.block, w.w8a8)
+
+    def local(xs, gate_up, down, sizes, expert):
+        return jax.lax.psum(_experts(xs, gate_up, down, sizes, expert), AXIS)
+
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        check_vma=False,
+        in_specs=(P(), spec(w_gate_up, 2), spec(w_down, 1), P(), P()),
+        out_specs=P(),
+    )
+
+
 def moe_mlp(
     x: jax.Array,
     router: jax.Array,
@@ -49,13 +84,15 @@ def moe_mlp(
     *,
     top_k: int,
     norm_topk_prob: bool,
+    mesh=None,
 ) -> jax.Array:
     """x [..., D] -> [..., D]: each token's `route`'d k experts, ``sum_k weight_k *
     (silu(x @ gate_e) * (x @ up_e)) @ down_e`` with ``w_gate_up`` [E, D, 2 F_e] ([gate | up] per
     expert) and ``w_down`` [E, F_e, D] (arrays or `layers.Weight`s, fp8 too: `grouped_dense`).
     The T*k token-expert pairs are sorted by expert (stable), so each expert's rows are one
     contiguous group of ``bincount`` rows for ``jax.lax.ragged_dot``; the products go back to
-    their pair's place and are summed over k."""
+    their pair's place and are summed over k. ``mesh``: tensor parallelism over each expert's
+    F_e (`_sharded`), or None."""
     shape, D = x.shape, x.shape[-1]
     x2 = x.reshape(-1, D)
     T, E = x2.shape[0], router.shape[-1]
@@ -67,10 +104,8 @@ def moe_mlp(
         xs = jnp.take(x2, order // top_k, axis=0)  # [T*k, D]
         expert = jnp.take(flat, order)  # i32[T*k]: each sorted row's expert
     with jax.named_scope("moe_mlp"):
-        gu = grouped_dense(xs, w_gate_up, sizes, expert)  # [T*k, 2 F_e]
-        Fe = gu.shape[-1] // 2
-        h = jax.nn.silu(gu[:, :Fe]) * gu[:, Fe:]
-        y = grouped_dense(h, w_down, sizes, expert)  # [T*k, D]
+        experts_mlp = _experts if mesh is None else _sharded(mesh, w_gate_up, w_down)
+        y = experts_mlp(xs, w_gate_up, w_down, sizes, expert)  # [T*k, D]
         y = y * jnp.take(weights.reshape(-1), order)[:, None]
         y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in pair order
         return y.reshape(T, top_k, D).sum(axis=1).reshape(shape).astype(x.dtype)

@@ -62,9 +62,9 @@ def param_specs(cfg: ModelConfig, tp: int, quantization: str | None = None) -> d
 def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
     """Leaf ``name`` of the canonical tree of ``cfg`` in the engine layout of tp devices: wqkv [D,
     (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp.., k_s,
-    v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up: [gate_0 | up_0 | ...];
-    their fp8 scales alike (per channel [out]; blocks [in/bi, out/bo] by block, whole blocks:
-    `check_tp`)."""
+    v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up: [gate_0 | up_0 | ...]
+    (w_experts_gate_up per expert alike); their fp8 scales alike (per channel [.., out]; blocks
+    [in/bi, out/bo] by block, whole blocks: `check_tp`)."""
     parts = weights.fused_parts(cfg).get(name.removesuffix("_scale"))
     if parts is None:
         return w
@@ -74,7 +74,9 @@ def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.nda
         groups[1:] = [g.reshape(K, H)[np.arange(K2) * K // K2] for g in groups[1:]]
     cols = np.concatenate([g.reshape(tp, -1) for g in groups], axis=1).reshape(-1)
     bo = cfg.weight_block_size and cfg.weight_block_size[0]
-    return w[cols] if w.ndim == 1 else w[:, cols[::bo] // bo if name.endswith("_scale") else cols]
+    if bo and name.endswith("_scale"):  # block scales [in/bi, out/bo]
+        return w[:, cols[::bo] // bo]
+    return w[..., cols]  # matrices [.., in, out], per-channel scales [.., out]
 
 
 def shard_params(params: dict, cfg: ModelConfig, mesh: Mesh) -> dict:

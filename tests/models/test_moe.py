@@ -218,12 +218,6 @@ def test_routing_ties_match_hf():
     assert np.asarray(idx).tolist() == [[0, 1]] * 2 and np.allclose(np.asarray(w), 0.5)
 
 
-def test_tensor_parallel_is_refused(moe_checkpoint):
-    path = str(moe_checkpoint[0])
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not yet for qwen3_moe"):
-        LLM(path, skip_tokenizer_init=True, tensor_parallel_size=2, max_model_len=64)
-
-
 def dequantised(params: dict) -> dict:
     """The float32 tree of the values an fp8 tree means: each ``<name>_scale`` (per output
     channel, [out] or the experts' [E, out]) multiplied into its matrix (numpy)."""

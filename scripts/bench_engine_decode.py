@@ -1,14 +1,18 @@
 """Decode step time through the engine's own loop: B requests of a ``--context``-token random
-prompt (greedy, ignore_eos) on a random-weight Qwen3-8B-architecture model; once every request
+prompt (greedy, ignore_eos) on a random-weight model of ``--model``'s architecture (a
+`scripts.plan_memory.PRESETS` name: qwen3-8b, or the mixture-of-experts qwen3-30b-a3b, whose
+bf16 weights take 61 GB; ``--layers`` fewer layers); once every request
 has its first token, ``--steps`` engine steps are timed (`LLMEngine.step`, async scheduling as
 served: host work overlapped with the device). Prints a table and appends one JSON line per
 batch size (bench="engine_decode") to ``--out``. Only the public API is used, so two trees can
 be compared in one call.
 
-    python scripts/bench_engine_decode.py [--batches 1,64] [--context 1024] [--steps 64]
+    python scripts/bench_engine_decode.py [--model qwen3-8b] [--batches 1,64] [--context 1024]
+        [--steps 64] [--layers L] [--label L] [--out benchmarks/engine_decode.jsonl]
 """
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -50,7 +54,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--model", default="qwen3-8b", help="qwen3-8b or qwen3-30b-a3b")
+    ap.add_argument("--layers", type=int, default=None, help="default: the model's")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default="benchmarks/engine_decode.jsonl")
     args = ap.parse_args()
@@ -58,10 +63,10 @@ def main() -> None:
     import jax.numpy as jnp
 
     from jaxinfer import LLM, models
-    from jaxinfer.config import ModelConfig
-    from scripts.decode_step import QWEN3_8B
+    from scripts.plan_memory import PRESETS
 
-    cfg = ModelConfig(**dict(QWEN3_8B, num_layers=args.layers))
+    cfg = PRESETS[args.model]
+    cfg = dataclasses.replace(cfg, num_layers=args.layers or cfg.num_layers)
     batches = [int(b) for b in args.batches.split(",")]
     llm = LLM.from_params(
         cfg,
@@ -77,6 +82,8 @@ def main() -> None:
         row = dict(
             bench="engine_decode",
             label=args.label,
+            model=args.model,
+            layers=cfg.num_layers,
             batch=b,
             context=args.context,
             ms_per_step=ms,

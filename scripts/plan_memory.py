@@ -38,8 +38,8 @@ from scripts.plan_memory_checks import check_plan_args, kv_budget, max_sequences
 MIB = 1 << 20
 PLANNING_FRACTION = 0.7  # plan at this fraction of the theoretical concurrent sequences
 
-PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, SmolLM2-135M-Instruct
-    # (V, D, F, L, N, K, H: `ModelConfig` field order)
+PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, Qwen/Qwen3-30B-A3B,
+    # SmolLM2-135M-Instruct (V, D, F, L, N, K, H: `ModelConfig` field order)
     "qwen3-8b": ModelConfig(
         "qwen3",
         151936,
@@ -54,6 +54,25 @@ PRESETS: dict[str, ModelConfig] = {  # published config.json of Qwen/Qwen3-8B, S
         max_position_embeddings=40960,
         bos_token_id=151643,
         eos_token_ids=(151645,),
+    ),
+    "qwen3-30b-a3b": ModelConfig(
+        "qwen3_moe",
+        151936,
+        2048,
+        6144,
+        48,
+        32,
+        4,
+        128,
+        rms_norm_eps=1e-6,
+        rope_theta=1e6,
+        max_position_embeddings=40960,
+        bos_token_id=151643,
+        eos_token_ids=(151645,),
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
     ),
     "smollm2-135m": ModelConfig(
         "llama",

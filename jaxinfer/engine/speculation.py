@@ -9,20 +9,21 @@ from jaxinfer.engine.batch_builder import needs_full_sampler
 from jaxinfer.spec.ngram import NgramProposer
 from jaxinfer.stats import EngineStats
 
-METHODS = ("ngram", "draft_model")  # the proposers built so far (SpeculativeConfig parses more)
+METHODS = ("ngram", "draft_model", "eagle3")  # the proposers built
 
 
 def make_proposer(spec, draft: Callable | None = None):
     """The proposer of `SpeculativeConfig` ``spec``: ``(rows, most) -> [drafts of each row]``
     over (`Sequence`, most drafts) pairs. "ngram": `NgramProposer` over each row's tokens;
-    "draft_model": ``draft`` (the runner's ``propose_drafts(rows, k) -> i32[n, k]`` over
-    (last token, its position, block table) rows: k greedy steps of the draft model).
+    "draft_model" and "eagle3": ``draft`` (the runner's ``propose_drafts(rows, k) -> i32[n,
+    k]`` over (last token, its position, block table) rows: k greedy steps of the draft model
+    or the EAGLE-3 head).
     ValueError: a method not built yet (the allowed ones named)."""
     k = spec.num_speculative_tokens
     if spec.method == "ngram":
         ngram = NgramProposer(k, spec.prompt_lookup_min, spec.prompt_lookup_max)
         return lambda rows, most: [ngram.propose(s.all_token_ids, m) for s, m in zip(rows, most)]
-    if spec.method == "draft_model" and draft is not None:
+    if spec.method in ("draft_model", "eagle3") and draft is not None:
 
         def by_draft_model(rows, most):
             got = draft([(s.last_token_id, s.num_tokens - 1, s.block_table) for s in rows], k)

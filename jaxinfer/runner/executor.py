@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.checks import check_int
+from jaxinfer.runner.eagle3_steps import forward_aux_step
 from jaxinfer.runner.parallel import replicated
 from jaxinfer.runner.step import forward_step, prompt_step, sample_step
 from jaxinfer.step_input import ForwardKey, HostBatch, SamplerKey, StepShape, allocate, pack
@@ -28,6 +29,15 @@ FORWARD_STEPS = {
     )
     for gemm, options in GEMM_COMPILER_OPTIONS.items()
 }
+FORWARD_AUX_STEPS = {  # `forward_step` with aux hidden states: only with an EAGLE-3 head
+    gemm: jax.jit(
+        forward_aux_step,
+        donate_argnums=(1,),
+        compiler_options=options,
+        static_argnames=("key", "sizes", "cfg", "kernels", "aux_layers"),
+    )
+    for gemm, options in GEMM_COMPILER_OPTIONS.items()
+}
 SAMPLE_STEP = jax.jit(sample_step, static_argnames=("key", "sizes", "num_logprobs"))
 PROMPT_STEP = jax.jit(
     prompt_step, static_argnames=("prompt", "sizes", "cfg", "kernels", "num_logprobs")
@@ -36,10 +46,12 @@ STATS_SETS = {"forward": "forward_shapes", "sampler": "sampler_shapes", "prompt"
 
 
 class Forwarded(NamedTuple):
-    """A dispatched forward: logits f32[R, V] and hidden [T, D] (device arrays)."""
+    """A dispatched forward: logits f32[R, V], hidden [T, D] and, with an EAGLE-3 head, aux
+    [T, 3D] (the target's aux hidden states; else None) (device arrays)."""
 
     logits: Any
     hidden: Any
+    aux: Any = None
 
 
 def enable_compilation_cache(path) -> str:
@@ -64,10 +76,13 @@ def enable_compilation_cache(path) -> str:
 class StepExecutor:
     """The compiled programs of ``cfg`` with ``kernels`` under resolved `KernelConfig` ``kc``,
     for `Sizes` ``sizes``; log-probabilities at K = ``num_logprobs``; compiles counted in
-    ``stats`` (`EngineStats`: ``forward_shapes``, ``sampler_shapes``, ``prompt_shapes``)."""
+    ``stats`` (`EngineStats`: ``forward_shapes``, ``sampler_shapes``, ``prompt_shapes``);
+    ``aux_layers`` (an EAGLE-3 head's): the forwards also return those layers' input streams
+    (`forward_aux_step`; empty: `forward_step`, unchanged)."""
 
-    def __init__(self, cfg, kernels, kc, sizes, num_logprobs: int, stats) -> None:
+    def __init__(self, cfg, kernels, kc, sizes, num_logprobs: int, stats, aux_layers=()) -> None:
         self.cfg, self.kernels, self.sizes, self.stats = cfg, kernels, sizes, stats
+        self.aux_layers = tuple(aux_layers)
         self.num_logprobs = num_logprobs
         self.cublas_min_batch, self.prefill_gemm = kc.cublas_decode_min_batch, kc.prefill_gemm
         self.inputs = replicated(kernels.mesh)  # step inputs: whole on every device of a mesh
@@ -93,6 +108,9 @@ class StepExecutor:
         """The lowered program for ``key`` on ``args`` (arrays or avals)."""
         if program == "forward":
             static = dict(key=key, sizes=self.sizes, cfg=self.cfg, kernels=self.kernels)
+            if self.aux_layers:
+                static["aux_layers"] = self.aux_layers
+                return FORWARD_AUX_STEPS[self.gemm(key)].lower(*args, **static)
             return FORWARD_STEPS[self.gemm(key)].lower(*args, **static)
         if program == "sampler":
             static = dict(key=key, sizes=self.sizes, num_logprobs=self.num_logprobs)

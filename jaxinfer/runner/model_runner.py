@@ -19,9 +19,13 @@ from jaxinfer.models.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache, store
 from jaxinfer.models.quantize import quantize_params
 from jaxinfer.runner import lora, parallel
 from jaxinfer.runner.draft import DraftRunner, load_draft
+from jaxinfer.runner.eagle3 import Eagle3Runner, load_eagle3
 from jaxinfer.runner.executor import Forwarded, StepExecutor, enable_compilation_cache
 from jaxinfer.stats import EngineStats
 from jaxinfer.step_input import BucketSpec, HostBatch
+
+# speculative_config methods with a drafter on the device: (its loader, its runner)
+DRAFTERS = {"draft_model": (load_draft, DraftRunner), "eagle3": (load_eagle3, Eagle3Runner)}
 
 
 def kv_means(params, cfg, ids: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -73,10 +77,12 @@ class ModelRunner:
             self.params = {**self.params, "lora": pool}
         spec = ec.speculative_config
         draft = None
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and spec.method in DRAFTERS:
             if tp > 1:
-                raise ValueError("speculative_config method='draft_model' runs on one device only")
-            draft = load_draft(spec.model, model_config, resolved.dtype)
+                raise ValueError(
+                    f"speculative_config method={spec.method!r} runs on one device only"
+                )
+            draft = DRAFTERS[spec.method][0](spec.model, model_config, resolved.dtype)
         dev_stats = jax.local_devices()[0].memory_stats() if resolved.platform == "gpu" else None
         self.num_pages = memory.engine_pool_pages(resolved, dev_stats, draft and draft[0])
         self.kv_means: dict = {}  # `calibrate_kv`'s, set on every pool
@@ -101,8 +107,9 @@ class ModelRunner:
             self.buckets.sizes,
             ec.max_logprobs,
             self.stats,
+            getattr(draft, "aux_layers", ()),  # an EAGLE-3 head's: the forwards return them
         )
-        self.draft = draft and DraftRunner(
+        self.draft = draft and DRAFTERS[spec.method][1](
             *draft, resolved, self.num_pages, self.buckets, self.executor.kernels, self.stats
         )
         self.weight_bytes = device_bytes(
@@ -143,12 +150,12 @@ class ModelRunner:
         (they feed ``hb.pending_rows``). The KV pool is replaced by the step's."""
         fwd, self.kv = self.executor.forward(self.params, self.kv, hb, prev)
         if self.draft is not None:
-            self.draft.mirror(hb, prev)
+            self.draft.mirror(hb, prev, fwd, self.params["embed"])
         return fwd
 
     def propose_drafts(self, rows: list, k: int) -> np.ndarray:
-        """`DraftRunner.propose` (the "draft_model" method's drafts): i32[len(rows), k]."""
-        return self.draft.propose(rows, k)
+        """The drafter's ``propose`` (`DraftRunner`, `Eagle3Runner`): i32[len(rows), k]."""
+        return self.draft.propose(rows, k, self.params["embed"])
 
     def sample(self, fwd: Forwarded, hb: HostBatch):
         """Dispatch ``hb``'s sampler on ``fwd`` (its sampling fields, bitmask included, read
@@ -299,5 +306,5 @@ class ModelRunner:
             self.params, self.kv, planned or self.buckets.planned(), max_workers=max_workers
         )
         if self.draft is not None:
-            self.draft.precompile(planned, max_workers=max_workers)
+            self.draft.precompile(planned, self.params["embed"], max_workers=max_workers)
         return info

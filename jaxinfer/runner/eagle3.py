@@ -5,9 +5,12 @@ entries (`mirror`: token p with h_{p-1}); `propose` runs k greedy chained steps,
 the target's states of the step just run, later ones on the head's own output. Source: vLLM
 V1's ``EagleProposer`` with ``llama_eagle3.py``. One device only."""
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -17,7 +20,6 @@ from jaxinfer.models import eagle3
 from jaxinfer.models.kv_cache import KVCache, init_kv_cache, stored_dtype
 from jaxinfer.runner.draft import draft_batch
 from jaxinfer.runner.eagle3_steps import MIRROR_STEP, PROPOSE_STEP
-from jaxinfer.runner.executor import Forwarded
 from jaxinfer.step_input import BucketSpec, HostBatch, SamplerKey, StepShape, allocate, pack
 
 
@@ -70,14 +72,18 @@ class Eagle3Runner:
         self.tail = jnp.zeros((self.buckets.sizes.max_rows, self.k + 1, D), self.compute_dtype)
         self.tail_at: dict[int, int] = {}
 
+    def _add(self, key, exe):
+        self.executables[key] = exe
+        self.stats.forward_shapes.add(key)
+        return exe
+
     def _run(self, key, jitted, args, static: dict):
         """``jitted`` on ``args``, compiled once per ``key`` (new keys counted as compiles)."""
         if (exe := self.executables.get(key)) is None:
             self.stats.num_lazy_compiles += 1
             t = time.perf_counter()
-            exe = self.executables[key] = jitted.lower(*args, **static).compile()
+            exe = self._add(key, jitted.lower(*args, **static).compile())
             self.stats.compile_s += time.perf_counter() - t
-            self.stats.forward_shapes.add(key)
         return exe(*args)
 
     def _slot(self, table, pos: int) -> int:
@@ -98,9 +104,8 @@ class Eagle3Runner:
             if e - Q + 1 + j >= qsl[r]
         }
 
-    def mirror(self, hb: HostBatch, prev, fwd, embed) -> None:
-        """The head's entries of target step ``hb`` (``prev``: the step in flight's tokens,
-        ``fwd``: its `Forwarded` with ``aux``, ``embed``: the target's embedding)."""
+    def _mirror_call(self, hb: HostBatch, prev, aux, embed) -> tuple:
+        """(key, program, args, static) of `mirror` on step ``hb``."""
         qsl, starts = hb.query_start_loc, hb.query_start_loc[:-1]
         first = [
             self._slot(hb.block_tables[r], int(hb.positions[s]) - 1)
@@ -111,9 +116,14 @@ class Eagle3Runner:
         src = np.where(np.array(first) >= 0, self._src(first), -1).astype(np.int32)
         buf, key = jnp.asarray(pack(hb, "forward")), hb.shape.forward
         prev = self.no_prev if prev is None else prev
-        args = (self.params, embed, self.kv, buf, prev, fwd.aux, self.tail, jnp.asarray(src))
+        args = (self.params, embed, self.kv, buf, prev, aux, self.tail, jnp.asarray(src))
         static = dict(key=key, sizes=self.buckets.sizes, cfg=self.cfg)
-        self.kv, self.tail = self._run(("eagle3", "mirror", key), MIRROR_STEP, args, static)
+        return ("eagle3", "mirror", key), MIRROR_STEP, args, static
+
+    def mirror(self, hb: HostBatch, prev, fwd, embed) -> None:
+        """The head's entries of target step ``hb`` (``prev``: the step in flight's tokens,
+        ``fwd``: its `Forwarded` with ``aux``, ``embed``: the target's embedding)."""
+        self.kv, self.tail = self._run(*self._mirror_call(hb, prev, fwd.aux, embed))
         self._remember(hb)
 
     def _propose_args(self, hb, tables, pos, src, embed) -> tuple:
@@ -124,33 +134,43 @@ class Eagle3Runner:
         arrays = (src, hb.tokens[:R], pad(pos), full)
         return (self.params, embed, self.kv, self.tail, *map(jnp.asarray, arrays))
 
+    def _propose_call(self, rows, k: int, embed) -> tuple:
+        """(key, program, args, static) of `propose` on ``rows``."""
+        hb, tables, pos = draft_batch(rows, k, self.buckets, self.page_size)
+        src = self._src([self._slot(t, p - 1) if p > 0 else -1 for _, p, t in rows])
+        src = np.concatenate([src, np.full(hb.rows - len(rows), -1, np.int32)])
+        width = hb.block_tables.shape[1]
+        args = self._propose_args(hb, tables, np.maximum(pos - 1, 0), src, embed)
+        static = dict(k=k, width=width, cfg=self.cfg, kernels=self.kernels)
+        return ("eagle3", "propose", hb.rows, width, k), PROPOSE_STEP, args, static
+
     def propose(self, rows: list[tuple[int, int, list[int]]], k: int, embed) -> np.ndarray:
         """i32[n, k] greedy drafts (target ids) of ``rows`` (each: its last token, that token's
         position p, its block table): k chained steps from entry p - 1, h from the last
         step's ``tail`` (`PROPOSE_STEP`); one read back. Entries past p - 1 are written again
         when the target verifies (`mirror`)."""
-        hb, tables, pos = draft_batch(rows, k, self.buckets, self.page_size)
-        src = self._src([self._slot(t, p - 1) if p > 0 else -1 for _, p, t in rows])
-        src = np.concatenate([src, np.full(hb.rows - len(rows), -1, np.int32)])
-        width = hb.block_tables.shape[1]
-        key = ("eagle3", "propose", hb.rows, width, k)
-        args = self._propose_args(hb, tables, np.maximum(pos - 1, 0), src, embed)
-        static = dict(k=k, width=width, cfg=self.cfg, kernels=self.kernels)
-        drafts, self.first_logits, self.kv = self._run(key, PROPOSE_STEP, args, static)
+        drafts, self.first_logits, self.kv = self._run(*self._propose_call(rows, k, embed))
         return np.asarray(drafts)[: len(rows)]
 
     def precompile(self, planned: dict | None, embed, *, max_workers: int | None = None) -> None:
-        """Compile (and run once on padding) `mirror` for the target's ``planned`` forwards
-        (None: every forward) and `propose` at every row and page bucket. ``max_workers``:
-        unused (compiled in this thread)."""
-        sizes, D = self.buckets.sizes, self.cfg.hidden_size
+        """Compile `mirror` for the target's ``planned`` forwards (None: every forward) and
+        `propose` at every row and page bucket: lowered here, compiled in ``max_workers``
+        threads (default: the CPUs), as `StepExecutor.precompile`. Nothing runs."""
+        sizes, D, calls = self.buckets.sizes, self.cfg.hidden_size, {}
         for key in (planned or {}).get("forward") or self.buckets.forward_keys():
             hb = allocate(StepShape(key, SamplerKey(0, "greedy")), sizes)
-            T = hb.tokens.shape[0]
-            aux = jnp.zeros((T, 3 * D), self.compute_dtype)
-            self.mirror(hb, None, Forwarded(None, None, aux), embed)
+            aux = jax.ShapeDtypeStruct((hb.tokens.shape[0], 3 * D), self.compute_dtype)
+            call = self._mirror_call(hb, None, aux, embed)
+            calls[call[0]] = call
         for r in self.buckets.batch:
             for m in self.buckets.pages or (0,):
                 p = max(1, m * self.page_size - self.k)
-                self.propose([(0, p, [0] * max(m, 1))] * r, self.k, embed)
-        self.tail_at = {}
+                call = self._propose_call([(0, p, [0] * max(m, 1))] * r, self.k, embed)
+                calls[call[0]] = call
+        todo = [c for key, c in calls.items() if key not in self.executables]
+        if not todo:
+            return
+        with ThreadPoolExecutor(max_workers or min(len(todo), os.cpu_count() or 1)) as pool:
+            futures = [pool.submit(jit.lower(*args, **st).compile) for _, jit, args, st in todo]
+            for (key, *_), f in zip(todo, futures):
+                self._add(key, f.result())

@@ -32,6 +32,14 @@ def build_parser():
         help="seconds running requests get to finish on SIGINT/SIGTERM",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served by name (a request's model), with --enable-lora: name=path "
+        'or a JSON object {"name", "path"} each (docs/lora.md)',
+    )
     p.set_defaults(precompile=None)  # on a GPU: no request waits for a compile
     return p
 
@@ -46,12 +54,16 @@ def main(argv: list[str] | None = None, factory=None) -> int:
     from jaxinfer.cli_args import fail, make_llm
     from jaxinfer.serve.app import create_app
     from jaxinfer.serve.client import EngineCoreClient
+    from jaxinfer.serve.lora import parse_lora_modules
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # while the core starts: stop it too
     try:
         args = build_parser().parse_args(argv)
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port {args.port} is invalid: a TCP port is 0 to 65535")
+        if args.lora_modules and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        loras = parse_lora_modules(args.lora_modules) if args.enable_lora else None
         client = EngineCoreClient(factory or functools.partial(make_llm, args))
     except ValueError as e:
         return fail(str(e))
@@ -68,6 +80,7 @@ def main(argv: list[str] | None = None, factory=None) -> int:
         served_model_name=name,
         api_key=args.api_key,
         max_request_bytes=args.max_request_bytes,
+        lora_modules=loras,
     )
 
     class Server(uvicorn.Server):

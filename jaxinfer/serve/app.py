@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jaxinfer.serve.chat import ServingChat
 from jaxinfer.serve.completions import ServingCompletion
 from jaxinfer.serve.errors import APIError, add_exception_handlers
+from jaxinfer.serve.lora import ServedLoRAs
 from jaxinfer.serve.metrics import ServerMetrics
 
 
@@ -37,12 +38,15 @@ def create_app(
     served_model_name: str | None = None,
     api_key: str | None = None,
     max_request_bytes: int = 8 << 20,
+    lora_modules: dict[str, str] | None = None,
 ) -> FastAPI:
     """The app over ``client`` (a started `EngineCoreClient`, ``app.state.client``; its sockets
     open and close with the app's lifespan, which stops the core); ``api_key``: /v1 needs
-    ``Authorization: Bearer KEY``. /health answers 503 once the core is gone."""
+    ``Authorization: Bearer KEY``. /health answers 503 once the core is gone. ``lora_modules``
+    ({name: path}; None: LoRA off): served adapters, and vLLM's load/unload endpoints."""
     name, ids = served_model_name or "jaxinfer", itertools.count()
     client.metrics = metrics = ServerMetrics(client)
+    loras = None if lora_modules is None else ServedLoRAs(name, lora_modules)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -65,18 +69,9 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "jaxinfer",
-                    "max_model_len": client.info["max_model_len"],
-                }
-            ],
-        }
+        n, now = client.info["max_model_len"], int(time.time())
+        card = dict(id=name, object="model", created=now, owned_by="jaxinfer", max_model_len=n)
+        return {"object": "list", "data": [card, *(loras.cards(n) if loras else ())]}
 
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
     app.state.client, app.state.metrics = client, metrics
@@ -86,8 +81,9 @@ def create_app(
     app.add_api_route("/metrics", prometheus)
     for path, endpoint, method in (
         ("/models", models, "GET"),
-        ("/completions", ServingCompletion(client, name, ids).create, "POST"),
-        ("/chat/completions", ServingChat(client, name, ids).create, "POST"),
+        ("/completions", ServingCompletion(client, name, ids, loras).create, "POST"),
+        ("/chat/completions", ServingChat(client, name, ids, loras).create, "POST"),
+        *(loras.routes() if loras else ()),
     ):
         app.add_api_route("/v1" + path, endpoint, methods=[method], dependencies=[Depends(auth)])
     return app

@@ -71,12 +71,12 @@ class EngineCoreClient:
         self.loop.add_reader(self.proc.sentinel, self._died)
         self._reader = asyncio.create_task(self._read())
 
-    async def add(self, prompts: list[list[int]], params, stream: bool, param: str):
+    async def add(self, prompts: list[list[int]], params, stream: bool, param: str, lora=None):
         """Queue one request per prompt (token ids), wait until the core took them all. Returns
         ({request id: prompt index}, the queue of their ``(request id, event)``: `RequestOutput`s
         (``stream``: DELTA, else one FINAL_ONLY; the last ``finished``) or, last, an `APIError`
         (503: the core died)). APIError: 503, the core is gone; 400 naming ``param``, one was
-        rejected (the others aborted)."""
+        rejected (the others aborted). ``lora``: the `LoRARequest` they run with, or None."""
         if self.dead is not None:
             raise APIError(self.dead, 503)
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
@@ -84,7 +84,8 @@ class EngineCoreClient:
         rids = {f"req-{next(self._ids)}": i for i in range(len(prompts))}
         try:
             for rid, i in rids.items():
-                msg = self.encode(core.Add(rid, prompts[i], params))  # OverflowError: > 64 bits
+                lora_args = lora and (lora.lora_name, lora.lora_int_id, lora.lora_path)
+                msg = self.encode(core.Add(rid, prompts[i], params, lora_args))  # OverflowError
                 seqs = [
                     Sequence(rid, prompts[i], params, 0, index=j, max_tokens=0)  # a mirror
                     for j in range(params.n)

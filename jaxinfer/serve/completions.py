@@ -27,8 +27,9 @@ class OpenAIServing:
 
     prefix: str
 
-    def __init__(self, client, model_name: str, ids) -> None:
+    def __init__(self, client, model_name: str, ids, loras=None) -> None:
         self.client, self.model_name, self.ids = client, model_name, ids
+        self.loras = loras  # `ServedLoRAs`: a body's model may name an adapter, or None
 
     def opening(self, n: int) -> list:
         """The choices of the first streamed chunk."""
@@ -36,7 +37,7 @@ class OpenAIServing:
 
     def sampling_params(self, body: P._Sampling, max_tokens, logprobs):
         """The body's `SamplingParams` once its model name and values pass (else `APIError`)."""
-        if body.model is not None and body.model != self.model_name:
+        if body.model not in (None, self.model_name) and self._lora(body) is None:
             raise APIError(
                 f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
                 404,
@@ -52,6 +53,10 @@ class OpenAIServing:
             return body.sampling_params(max_tokens, logprobs)
         except ValueError as e:  # not a SamplingParams field's: the output constraint's
             raise APIError.invalid(e, body.constraint()) from None
+
+    def _lora(self, body: P._Sampling):
+        """The `LoRARequest` the body's ``model`` names, or None."""
+        return None if self.loras is None else self.loras.requests.get(body.model)
 
     async def encode(self, prompts, sp, param: str) -> list[list[int]]:
         """Ids of ``prompts()`` by `Prompts._prepare` (a thread), each within the context
@@ -72,7 +77,7 @@ class OpenAIServing:
         the engine core took every prompt (else `APIError`: 400 naming ``param``, 503)."""
         rid = f"{self.prefix}-{next(self.ids)}"
         try:
-            added = await self.client.add(prompts, sp, body.stream, param)
+            added = await self.client.add(prompts, sp, body.stream, param, self._lora(body))
         except APIError as e:  # a constraint the engine core could not compile: its own field
             if "StructuredOutputsParams." in str(e):
                 e.param = body.constraint()

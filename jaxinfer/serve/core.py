@@ -15,6 +15,7 @@ import time
 import msgspec
 import zmq
 
+from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
 
 
@@ -22,6 +23,7 @@ class Add(msgspec.Struct, tag=True, array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    lora: tuple[str, int, str] | None = None  # its `LoRARequest`'s (name, id, path), or None
 
 
 class Abort(msgspec.Struct, tag=True, array_like=True):
@@ -122,7 +124,13 @@ class EngineCore:
                     eng.abort_request(rid)
                 if isinstance(cmd, Add):
                     try:
-                        eng.add_request(cmd.prompt_token_ids, cmd.params, request_id=cmd.request_id)
+                        lora = cmd.lora and LoRARequest(*cmd.lora)
+                        eng.add_request(
+                            cmd.prompt_token_ids,
+                            cmd.params,
+                            request_id=cmd.request_id,
+                            lora_request=lora,
+                        )
                     except Exception as e:  # ValueError: rejected; anything else: the same way
                         msg.rejected[cmd.request_id] = str(e)
                         continue

@@ -55,6 +55,14 @@ def _interrupt(signum, frame):
 
 @pytest.fixture(scope="package")
 def server(tiny_llm):
+    llm = tiny_llm(max_compiles=SERVER_COMPILES, **SERVE_ENGINE)
+    yield from serve(llm, SERVE_ENGINE)
+
+
+def serve(llm, engine_args: dict, **app_args):
+    """A server (uvicorn in a thread) of `create_app` over an engine core of the tiny text model
+    with ``engine_args`` (`tiny_model.tiny_serve_llm`) and ``app_args``; yields its namespace
+    (``llm``: the in-process engine of the same configuration), then stops it."""
     import uvicorn
     from tiny_model import tiny_serve_llm
 
@@ -62,9 +70,9 @@ def server(tiny_llm):
     from jaxinfer.serve.client import EngineCoreClient
 
     client = EngineCoreClient(
-        functools.partial(tiny_serve_llm, SERVE_ENGINE, " ".join(PROMPTS), SERVER_COMPILES)
+        functools.partial(tiny_serve_llm, engine_args, " ".join(PROMPTS), SERVER_COMPILES)
     )
-    app = create_app(client, served_model_name=MODEL, api_key=KEY)
+    app = create_app(client, served_model_name=MODEL, api_key=KEY, **app_args)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -75,7 +83,6 @@ def server(tiny_llm):
         assert thread.is_alive(), "uvicorn did not start"
         time.sleep(0.05)
     previous = signal.signal(signal.SIGTERM, _interrupt)  # test_load.py's docstring says why
-    llm = tiny_llm(max_compiles=SERVER_COMPILES, **SERVE_ENGINE)
     yield SimpleNamespace(
         llm=llm, app=app, client=client, port=port, url=f"http://127.0.0.1:{port}/v1"
     )

@@ -1,0 +1,92 @@
+"""LoRA adapters in the server, as vLLM's (``--enable-lora``, ``--lora-modules``,
+``serving_models.py``): the served adapters by name (`ServedLoRAs`; a request's ``model`` names
+one), their /v1/models cards, and ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``.
+The engine core reads an adapter when a request first uses it. No JAX."""
+
+import itertools
+import json
+import os
+import time
+
+from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
+
+from jaxinfer.lora.request import LoRARequest
+from jaxinfer.serve.errors import APIError
+
+
+def parse_lora_modules(specs: list[str] | None) -> dict[str, str]:
+    """vLLM's ``--lora-modules``: each ``name=path`` or a JSON object ``{"name", "path"}`` ->
+    {name: path}. ValueError naming the entry: another form, a name given twice."""
+    out = {}
+    for spec in specs or ():
+        try:
+            d = json.loads(spec) if spec.lstrip().startswith("{") else None
+            name, path = (d["name"], d["path"]) if d is not None else spec.split("=", 1)
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(
+                f"--lora-modules {spec!r} is invalid: give name=path or "
+                '\'{"name": ..., "path": ...}\''
+            ) from None
+        if not name or name in out:
+            raise ValueError(f"--lora-modules {spec!r} is invalid: empty or repeated name")
+        out[name] = os.fspath(path)
+    return out
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+class ServedLoRAs:
+    """The adapters served under ``base`` (the model name): {name: `LoRARequest`}, ids from 1
+    in the order given or loaded (an adapter loaded again gets a new id: its files are read
+    again)."""
+
+    def __init__(self, base: str, modules: dict[str, str]) -> None:
+        self.base, self._ids, self.requests = base, itertools.count(1), {}
+        for name, path in modules.items():
+            self.requests[name] = LoRARequest(name, next(self._ids), path)
+
+    def cards(self, max_model_len: int) -> list[dict]:
+        """/v1/models entries of the adapters (vLLM's: ``root`` the path, ``parent`` the base)."""
+        now = int(time.time())
+        return [
+            dict(id=n, object="model", created=now, owned_by="jaxinfer", root=r.lora_path)
+            | dict(parent=self.base, max_model_len=max_model_len)
+            for n, r in self.requests.items()
+        ]
+
+    def routes(self) -> list[tuple]:
+        """(path under /v1, endpoint, method) of the load and unload endpoints."""
+        return [
+            ("/load_lora_adapter", self.load, "POST"),
+            ("/unload_lora_adapter", self.unload, "POST"),
+        ]
+
+    async def load(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        """vLLM's ``/v1/load_lora_adapter``. APIError 400: the name is served already, the
+        path has no adapter_config.json."""
+        if body.lora_name in self.requests or body.lora_name == self.base:
+            raise APIError(f"The lora adapter '{body.lora_name}' has already been loaded.")
+        if not os.path.isfile(os.path.join(body.lora_path, "adapter_config.json")):
+            raise APIError(
+                f"No adapter found for {body.lora_path}", param="lora_path", code="not_found"
+            )
+        req = LoRARequest(body.lora_name, next(self._ids), body.lora_path)
+        self.requests[body.lora_name] = req
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload(self, body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        """vLLM's ``/v1/unload_lora_adapter``. APIError 404: no such adapter."""
+        if self.requests.pop(body.lora_name, None) is None:
+            raise APIError(
+                f"The lora adapter '{body.lora_name}' cannot be found.", 404, code="not_found"
+            )
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")

@@ -105,6 +105,7 @@ def test_update_lora(lora, plain, adapters, tiny_cfg, tiny_params):
 
     req, old, scaling = adapters[1]
     new = random_tensors(tiny_cfg, 4, 99, SPECS[1][2])
+    run(lora, PROMPTS[:1], req)  # known to the engine (each test may run on its own worker)
     try:
         lora.update_lora("a2", new)
         want = reference(plain, tiny_params, tiny_cfg, PROMPTS[:2], (new, scaling))
@@ -138,6 +139,7 @@ def test_errors(lora, plain, adapters, tiny_cfg, tmp_path):
     unknown target module, a directory without a config, a list of the wrong length, an id
     reused under another name."""
     p = [{"prompt_token_ids": PROMPTS[0]}]
+    lora.generate(p, SP, lora_request=adapters[0][0])  # a1 known (tests may run apart)
     with pytest.raises(ValueError, match="enable_lora=True"):
         plain.generate(p, SP, lora_request=adapters[0][0])
     write_adapter(tmp_path / "big", tiny_cfg, 16, 0, ("q_proj",))

@@ -159,7 +159,8 @@ class StepExecutor:
             return params, kv, self.put(pack(hb, "forward")), self.no_prev_tokens
         if program == "sampler":
             hb = allocate(StepShape(ForwardKey(key.rows, True), key), self.sizes)
-            logits = self._aval((key.rows, self.cfg.vocab_size), jnp.float32)
+            rows = key.rows * (key.spec + 1)  # a verify step's: each row's k + 1 positions
+            logits = self._aval((rows, self.cfg.vocab_size), jnp.float32)
             return logits, self.put(pack(hb, "sampling"))
         tokens, prompt = key  # the forward's T, the scored positions P
         hb = allocate(StepShape(ForwardKey(1, True), SamplerKey(0, "greedy"), prompt), self.sizes)

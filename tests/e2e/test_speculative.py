@@ -60,6 +60,17 @@ def test_greedy_equals_plain_decoding(pair):
     assert sum(st.spec_accepted_per_pos) == st.spec_num_accepted_tokens
 
 
+def test_verify_samplers_lower_ahead_of_time(pair):
+    """`LLM.precompile()`'s verify samplers (every level, k + 1 logits rows per row) lower on
+    their ahead-of-time arguments (`StepExecutor._avals`)."""
+    runner = pair[1].engine.runner
+    ex = runner.executor
+    keys = [k for k in runner.buckets.planned()["sampler"] if k.spec][:3]
+    assert {k.level for k in keys} == {"greedy", "sample", "full"}
+    for key in keys:
+        ex._lower("sampler", key, ex._avals("sampler", key, runner.params, runner.kv))
+
+
 def test_token_by_token_attention_equals_plain(pair, tiny_llm):
     """Steps of at most 32 tokens attended token by token (`layers.by_token`; here the verify
     steps and the small mixed steps) give plain decoding's greedy tokens."""

@@ -1,5 +1,6 @@
-"""Accuracy of the fp8 settings (KV cache, weights, both) on SmolLM2-135M-Instruct (real weights,
-CPU, float32 compute), each against the unquantised baseline of the same run:
+"""Accuracy of the fp8 settings (KV cache, weights, both, W8A8: weights and activations, W8A8
+with fp8 KV) on SmolLM2-135M-Instruct (real weights, CPU, float32 compute), each against the
+unquantised baseline of the same run:
 
   perplexity  of the first ``--tokens`` tokens of the Python documentation that ships with the
               standard library (`pydoc_data.topics.topics`, values joined in sorted key order),
@@ -35,7 +36,8 @@ the engine's fp8 KV re-derived):
            probabilities 1, so both are exact before rounding); ``smoothk``: K only;
   weights  fp8 weights as the "weights" setting.
 
-    python scripts/eval_accuracy.py [--settings kv weights both] [--kv-scales one|calibrated]
+    python scripts/eval_accuracy.py [--settings kv weights both w8a8 w8a8+kv]
+                                    [--kv-scales one|calibrated]
                                     [--kv-smooth] [--perplexity-only]
                                     [--kv-sim fp8 chunk smooth chunk+smooth smooth+weights]
 """
@@ -131,7 +133,7 @@ def jittered(params, cfg, ids, args, setting, seed: int) -> dict:
     """The perplexity row of the engine's fp8 KV ``setting`` (as in `main`) with 1e-3 x N(0, 1)
     (``seed``) added to its means (zeros if none): no change to the method, but other values
     round differently, so the spread of such rows is the noise of fp8 rounding."""
-    kv_cache_dtype, kv_dtype, kv_set, _ = setting
+    kv_cache_dtype, kv_dtype, kv_set, _, _ = setting
     L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     noise = np.random.default_rng(seed).standard_normal((2, L, K, H)).astype(np.float32) * 1e-3
     jit = {k: kv_set.get(k, 0.0) + n for k, n in zip(("k_mean", "v_mean"), noise)}
@@ -140,6 +142,7 @@ def jittered(params, cfg, ids, args, setting, seed: int) -> dict:
     return dict(
         kv_cache_dtype=kv_cache_dtype,
         quantization=None,
+        fp8_gemm=None,
         kv_scales=args.kv_scales,
         kv_method=(
             "engine" + (f"+smooth ({args.kv_smooth})" if args.kv_smooth else "") + f" jitter {seed}"
@@ -151,16 +154,24 @@ def jittered(params, cfg, ids, args, setting, seed: int) -> dict:
 
 
 def greedy(
-    params, cfg, prompts, gen_tokens: int, kv_cache_dtype: str, kv_set=None, quantization=None
+    params,
+    cfg,
+    prompts,
+    gen_tokens: int,
+    kv_cache_dtype: str,
+    kv_set=None,
+    quantization=None,
+    fp8_gemm: str = "w8a16",
 ):
     """Greedy token ids of each prompt (EOS ignored) through the engine, float32 compute
-    (``quantization`` "fp8": weights quantised by `LLM.from_params`)."""
+    (``quantization`` "fp8": weights quantised by `LLM.from_params`, ``fp8_gemm`` their GEMM)."""
     llm = LLM.from_params(
         cfg,
         params,
         dtype="float32",
         kv_cache_dtype=kv_cache_dtype,
         quantization=quantization,
+        kernels=f"fp8_gemm={fp8_gemm}",
         max_model_len=max(map(len, prompts)) + gen_tokens,
         max_num_seqs=len(prompts),
         page_size=PAGE_SIZE,
@@ -189,9 +200,10 @@ def parse_args(argv=None):
     p.add_argument(
         "--settings",
         nargs="*",
-        choices=("kv", "weights", "both"),
-        default=["kv", "weights", "both"],
-        help="besides the baseline: fp8 KV, fp8 weights, both",
+        choices=("kv", "weights", "both", "w8a8", "w8a8+kv"),
+        default=["kv", "weights", "both", "w8a8", "w8a8+kv"],
+        help="besides the baseline: fp8 KV, fp8 weights, both, W8A8 (fp8 activations too), "
+        "W8A8 and fp8 KV",
     )
     p.add_argument("--kv-scales", choices=("one", "calibrated"), default="one")
     p.add_argument(
@@ -242,8 +254,8 @@ def parse_args(argv=None):
 
 def kv_settings(args, params, cfg, ids, tok):
     """``(first, settings)``: the baseline's first-chunk K/V (None unless a flag needs it) and
-    name -> (kv_cache_dtype, KV pool dtype, KV cache settings, quantization) of every setting,
-    the fp8 KV ones with the means and scales the flags ask for."""
+    name -> (kv_cache_dtype, KV pool dtype, KV cache settings, quantization, fp8_gemm) of every
+    setting, the fp8 KV ones with the means and scales the flags ask for."""
     first = (
         first_chunk_kv(params, cfg, ids, args.chunk)
         if args.kv_sim or args.kv_smooth == "first-chunk" or args.kv_scales == "calibrated"
@@ -261,10 +273,12 @@ def kv_settings(args, params, cfg, ids, tok):
         kv_set.update(zip(("k_scale", "v_scale"), calibrated_scales(first, args.margin, means)))
     fp8 = KV_CACHE_DTYPES[args.kv_cache_dtype]
     settings = {
-        "auto": ("auto", jnp.float32, None, None),
-        "kv": (args.kv_cache_dtype, fp8, kv_set, None),
-        "weights": ("auto", jnp.float32, None, "fp8"),
-        "both": (args.kv_cache_dtype, fp8, kv_set, "fp8"),
+        "auto": ("auto", jnp.float32, None, None, "w8a16"),
+        "kv": (args.kv_cache_dtype, fp8, kv_set, None, "w8a16"),
+        "weights": ("auto", jnp.float32, None, "fp8", "w8a16"),
+        "both": (args.kv_cache_dtype, fp8, kv_set, "fp8", "w8a16"),
+        "w8a8": ("auto", jnp.float32, None, "fp8", "w8a8"),
+        "w8a8+kv": (args.kv_cache_dtype, fp8, kv_set, "fp8", "w8a8"),
     }
     return first, settings
 
@@ -272,10 +286,11 @@ def kv_settings(args, params, cfg, ids, tok):
 def setting_row(name, setting, params, cfg, ids, prompts, args) -> dict:
     """One engine setting's row: its perplexity (printed to stderr with its seconds) and, unless
     ``--perplexity-only``, its greedy tokens in ``gen``."""
-    kv_cache_dtype, kv_dtype, sc, quant = setting
+    kv_cache_dtype, kv_dtype, sc, quant, fp8_gemm = setting
     t = time.perf_counter()
     p = params if quant is None else quantize_params(params, None)
-    nll, _ = teacher_forced(p, cfg, ids, args.chunk, kv_dtype, sc)
+    kernels = ModelKernels(fp8_gemm=fp8_gemm)
+    nll, _ = teacher_forced(p, cfg, ids, args.chunk, kv_dtype, sc, kernels=kernels)
     print(
         f"{name}: perplexity {np.exp(nll):.4f} in {time.perf_counter() - t:.0f} s",
         file=sys.stderr,
@@ -283,11 +298,12 @@ def setting_row(name, setting, params, cfg, ids, prompts, args) -> dict:
     gen = (
         None
         if args.perplexity_only
-        else greedy(params, cfg, prompts, args.gen_tokens, kv_cache_dtype, sc, quant)
+        else greedy(params, cfg, prompts, args.gen_tokens, kv_cache_dtype, sc, quant, fp8_gemm)
     )
     return dict(
         kv_cache_dtype=kv_cache_dtype,
         quantization=quant,
+        fp8_gemm=fp8_gemm if quant else None,
         kv_scales=args.kv_scales if kv_cache_dtype != "auto" else None,
         kv_method=(
             None
@@ -305,11 +321,11 @@ def setting_row(name, setting, params, cfg, ids, prompts, args) -> dict:
 def compare_to_base(rows) -> None:
     """Give every row its ``ppl_rel`` and ``greedy_agreement`` against the first (the baseline),
     replacing its ``gen``."""
-    base = rows[0]
-    for r in rows[::-1]:
+    base, base_gen = rows[0], rows[0]["gen"]
+    for r in rows:
         r["ppl_rel"] = r["ppl"] / base["ppl"] - 1.0
         gen = r.pop("gen")
-        r["greedy_agreement"] = None if gen is None else agreement(base["gen"], gen)
+        r["greedy_agreement"] = None if gen is None else agreement(base_gen, gen)
 
 
 def report(rows, args, model_path) -> None:
@@ -327,7 +343,7 @@ def report(rows, args, model_path) -> None:
         for r in rows:
             agree = r["greedy_agreement"]
             print(
-                f"{r['kv_cache_dtype']:>14} {str(r['quantization']):>8} "
+                f"{r['kv_cache_dtype']:>14} {r.get('fp8_gemm') or str(r['quantization']):>8} "
                 f"{str(r['kv_scales']):>10} {str(r['kv_method']):>24} {r['ppl']:>11.4f} "
                 f"{100 * r['ppl_rel']:>+7.2f}% {'-' if agree is None else f'{agree:.3f}':>9}"
             )

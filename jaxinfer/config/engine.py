@@ -27,13 +27,8 @@ def _optional(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
     return lambda v: v is None or ok(v)
 
 
-def _rules() -> tuple:
-    """`EngineConfig`'s field checks for `_check`: (field, ok(value), what is allowed)."""
-    positive, fraction, fields = (
-        "must be a positive integer",
-        "must be a number in (0, 1]",
-        dataclasses.fields(EngineConfig),
-    )
+def _typed_rules(fields) -> tuple:
+    """The checks every float field (None allowed where its type says) and bool field gets."""
     return (
         *(
             (
@@ -49,6 +44,14 @@ def _rules() -> tuple:
             for f in fields
             if f.type == "bool"
         ),
+    )
+
+
+def _rules() -> tuple:
+    """`EngineConfig`'s field checks for `_check`: (field, ok(value), what is allowed)."""
+    positive, fraction = "must be a positive integer", "must be a number in (0, 1]"
+    return (
+        *_typed_rules(dataclasses.fields(EngineConfig)),
         *(
             (n, lambda v: is_int(v, 1), positive)
             for n in (

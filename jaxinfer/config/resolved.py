@@ -88,8 +88,18 @@ def resolve(
             f"with fp8 KV (kv_cache_dtype={engine.kv_cache_dtype!r}); use one of "
             f"{('auto', *FP8_KV_DECODE)}"
         )
+    kc = _kernels(kc, gpu and half, gpu, fp8, quant, device_kind)
+    return ResolvedConfig(
+        model, engine, kc, max_len, dtype, platform, kv_dtype, quant, _spec_decode_rows(engine)
+    )
+
+
+def _kernels(kc: KernelConfig, half_gpu: bool, gpu: bool, fp8_kv: bool, quant, device_kind):
+    """``kc`` with its "auto" attention variants chosen (GPU in half precision: decode mosaic,
+    triton with fp8 KV; GPU: prefill triton; else the references), each falling back to one
+    validated on ``device_kind`` (logged); fp8 weights (``quant``) keep every GEMM on XLA."""
     auto = {
-        "decode_attention": ("triton" if fp8 else "mosaic") if gpu and half else "reference",
+        "decode_attention": ("triton" if fp8_kv else "mosaic") if half_gpu else "reference",
         "prefill_attention": "triton" if gpu else "reference",
     }
     for k in (k for k in KERNEL_ALIASES.values() if getattr(kc, k) == "auto"):  # explicit: kept
@@ -98,13 +108,10 @@ def resolve(
                 "jaxinfer: %s=%r is not validated on %r; using %r", k, auto[k], device_kind, new
             )
             auto[k] = new
-    kc = dataclasses.replace(
+    return dataclasses.replace(
         kc,
         **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"},
         **({"cublas_decode_min_batch": None} if quant else {}),
-    )
-    return ResolvedConfig(
-        model, engine, kc, max_len, dtype, platform, kv_dtype, quant, _spec_decode_rows(engine)
     )
 
 

@@ -44,6 +44,29 @@ def kv_means(params, cfg, ids: np.ndarray, page_size: int) -> tuple[np.ndarray, 
     return tuple(np.asarray(jnp.mean(p[:, 1:], axis=(1, 3))) for p in (kv.k, kv.v))
 
 
+def _enable_cache(cache) -> None:
+    """JAX's persistent compilation cache at ``cache`` ("auto": JAX's own if set, else
+    ``$XDG_CACHE_HOME/jaxinfer/jax``; None or "none": off)."""
+    if cache == "auto":
+        cache = (
+            None
+            if jax.config.jax_compilation_cache_dir
+            else os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "jaxinfer", "jax")
+        )
+    if cache not in (None, "none"):
+        enable_compilation_cache(cache)
+
+
+def _load_drafter(spec, model_config, dtype, tp: int):
+    """The loaded drafter of a model-based ``spec`` method (`DRAFTERS`' loader), or None (no
+    speculation, or n-gram). ValueError: tp > 1 (one device only)."""
+    if spec is None or spec.method not in DRAFTERS:
+        return None
+    if tp > 1:
+        raise ValueError(f"speculative_config method={spec.method!r} runs on one device only")
+    return DRAFTERS[spec.method][0](spec.model, model_config, dtype)
+
+
 class ModelRunner:
     """Serves ``params`` (compute dtype, the canonical one-device tree) of ``model_config`` under
     ``resolved`` (`jaxinfer.config.resolve`); tp > 1: on a mesh of tp devices, params resharded,
@@ -52,14 +75,7 @@ class ModelRunner:
 
     def __init__(self, model_config, params, resolved, stats: EngineStats | None = None) -> None:
         ec, kc = resolved.engine, resolved.kernels
-        if (cache := ec.compilation_cache_dir) == "auto":  # JAX's own, else the user's cache
-            cache = (
-                None
-                if jax.config.jax_compilation_cache_dir
-                else os.path.join(os.environ.get("XDG_CACHE_HOME") or "~/.cache", "jaxinfer", "jax")
-            )
-        if cache not in (None, "none"):
-            enable_compilation_cache(cache)
+        _enable_cache(ec.compilation_cache_dir)
         models.check_params(params, model_config, resolved.quantization)
         tp = ec.tensor_parallel_size
         self.mesh = parallel.make_mesh(tp) if tp > 1 else None
@@ -76,13 +92,7 @@ class ModelRunner:
             pool = lora.init_pool(model_config, ec.max_loras, ec.max_lora_rank, resolved.dtype)
             self.params = {**self.params, "lora": pool}
         spec = ec.speculative_config
-        draft = None
-        if spec is not None and spec.method in DRAFTERS:
-            if tp > 1:
-                raise ValueError(
-                    f"speculative_config method={spec.method!r} runs on one device only"
-                )
-            draft = DRAFTERS[spec.method][0](spec.model, model_config, resolved.dtype)
+        draft = _load_drafter(spec, model_config, resolved.dtype, tp)
         dev_stats = jax.local_devices()[0].memory_stats() if resolved.platform == "gpu" else None
         self.num_pages = memory.engine_pool_pages(resolved, dev_stats, draft and draft[0])
         self.kv_means: dict = {}  # `calibrate_kv`'s, set on every pool

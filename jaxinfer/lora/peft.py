@@ -90,7 +90,7 @@ def parse_tensors(tensors: dict, cfg, rank: int, where: str) -> dict:
     """PEFT-named tensors (``...layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight``: A [r, in],
     B [out, r]; numpy, torch or JAX arrays) -> module -> (a f32[L, in, r], b f32[L, r, out]).
     ValueError naming the tensor (``where``: the adapter, for the message): an unknown name or
-    module, a layer >= L, a shape not the model's, an A without its B."""
+    module, a layer >= L, a shape not the model's, a NaN or Inf, an A without its B."""
     L, dims, out, seen = cfg.num_layers, module_dims(cfg), {}, set()
     for name, t in tensors.items():
         m = _NAME.search(name)
@@ -104,6 +104,8 @@ def parse_tensors(tensors: dict, cfg, rank: int, where: str) -> dict:
         want = (rank, i) if ab == "A" else (o, rank)
         if t.shape != want:
             _fail(where, f"tensor {name!r} has shape {list(t.shape)}; expected {list(want)}")
+        if not np.isfinite(t).all():  # a slot's NaN would reach every row (masked products)
+            _fail(where, f"tensor {name!r} has non-finite values (NaN or Inf)")
         if module not in out:
             out[module] = (np.zeros((L, i, rank), np.float32), np.zeros((L, rank, o), np.float32))
         out[module][ab == "B"][layer] = t.T

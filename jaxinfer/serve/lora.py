@@ -71,15 +71,18 @@ class ServedLoRAs:
         ]
 
     async def load(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
-        """vLLM's ``/v1/load_lora_adapter``. APIError 400: the name is served already, the
-        path has no adapter_config.json."""
+        """vLLM's ``/v1/load_lora_adapter``. APIError 400: the name is served already or not a
+        valid `LoRARequest` name, the path has no adapter_config.json."""
         if body.lora_name in self.requests or body.lora_name == self.base:
             raise APIError(f"The lora adapter '{body.lora_name}' has already been loaded.")
         if not os.path.isfile(os.path.join(body.lora_path, "adapter_config.json")):
             raise APIError(
                 f"No adapter found for {body.lora_path}", param="lora_path", code="not_found"
             )
-        req = LoRARequest(body.lora_name, next(self._ids), body.lora_path)
+        try:
+            req = LoRARequest(body.lora_name, next(self._ids), body.lora_path)
+        except ValueError as e:  # e.g. an empty name
+            raise APIError(str(e), param="lora_name") from None
         self.requests[body.lora_name] = req
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 

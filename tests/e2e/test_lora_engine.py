@@ -8,6 +8,7 @@ by adapter; the errors."""
 import json
 import os
 
+import numpy as np
 import pytest
 from lora_adapters import merged, write_adapter
 
@@ -120,6 +121,10 @@ def test_update_lora(lora, plain, adapters, tiny_cfg, tiny_params):
     bad = {k: v[:, :1] if "lora_A" in k else v for k, v in new.items()}
     with pytest.raises(ValueError, match="has shape"):
         lora.update_lora("a2", bad)
+    nan = {k: np.full_like(v, np.nan) for k, v in new.items()}  # a diverged trainer's
+    with pytest.raises(ValueError, match="non-finite values"):
+        lora.update_lora("a2", nan)
+    assert run(lora, PROMPTS[:1], None) == reference(plain, tiny_params, tiny_cfg, PROMPTS[:1])
 
 
 def test_prefix_cache_keyed_by_adapter(lora, adapters):

@@ -57,6 +57,9 @@ def test_served_adapters(lora_server, paths):
         post("/unload_lora_adapter", body=dict(lora_name="a2"), cast_to=str)
     with pytest.raises(openai.NotFoundError, match="The model `a2` does not exist"):
         got("a2")
+    with pytest.raises(openai.BadRequestError, match="lora_name"):  # a 400, not a 500
+        post("/load_lora_adapter", body=dict(lora_name="", lora_path=paths["a2"]), cast_to=str)
+    assert got(MODEL) == want(None)  # the server still answers
 
 
 def test_lora_modules_option():

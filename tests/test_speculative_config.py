@@ -243,3 +243,16 @@ def test_statistics_line(capsys, spec):
     line = capsys.readouterr().err.strip()
     assert line.startswith("prompt tokens: 1, generated tokens: 2")
     assert line.endswith(", mean acceptance length: 2.25") == (spec is not None), line
+
+
+def test_k_must_fit_the_token_budget_and_context():
+    """k + 1 tokens a verified row: above min(max_num_batched_tokens, max_model_len) is refused
+    when the engine's configuration is resolved (a huge k once ran out of memory at the step)."""
+    from jaxinfer.config import ModelConfig, resolve
+
+    model = ModelConfig("llama", 256, 64, 96, 2, 4, 2, 16, max_position_embeddings=128)
+    spec = dict(NGRAM, num_speculative_tokens=100000)
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=100000 .* = 128"):
+        resolve(model, EngineConfig(speculative_config=spec), "cpu")
+    ok = EngineConfig(speculative_config=dict(NGRAM, num_speculative_tokens=127))
+    assert resolve(model, ok, "cpu").spec_decode_rows > 0

@@ -90,7 +90,15 @@ def resolve(
         )
     kc = _kernels(kc, gpu and half, gpu, fp8, quant, device_kind)
     return ResolvedConfig(
-        model, engine, kc, max_len, dtype, platform, kv_dtype, quant, _spec_decode_rows(engine)
+        model,
+        engine,
+        kc,
+        max_len,
+        dtype,
+        platform,
+        kv_dtype,
+        quant,
+        _spec_decode_rows(engine, max_len),
     )
 
 
@@ -131,7 +139,20 @@ def _check_lora(model: ModelConfig, engine: EngineConfig) -> None:
         )
 
 
-def _spec_decode_rows(engine: EngineConfig) -> int:
-    """Decode rows that still speculate: ``disable_by_batch_size`` or the default; 0: off."""
+def _spec_decode_rows(engine: EngineConfig, max_len: int) -> int:
+    """Decode rows that still speculate: ``disable_by_batch_size`` or the default; 0: off.
+    ValueError: k + 1 tokens a row above ``max_num_batched_tokens`` or ``max_model_len``."""
     spec = engine.speculative_config
-    return 0 if spec is None else spec.disable_by_batch_size or DEFAULT_SPEC_DECODE_ROWS
+    if spec is None:
+        return 0
+    if (k := spec.num_speculative_tokens) + 1 > (
+        most := min(engine.max_num_batched_tokens, max_len)
+    ):
+        _fail(
+            "SpeculativeConfig",
+            "num_speculative_tokens",
+            k,
+            f"a verified row takes k + 1 tokens, at most min(max_num_batched_tokens, "
+            f"max_model_len) = {most}",
+        )
+    return spec.disable_by_batch_size or DEFAULT_SPEC_DECODE_ROWS

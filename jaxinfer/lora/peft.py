@@ -78,7 +78,8 @@ def read_config(path: str, max_rank: int) -> tuple[int, float]:
         _fail(path, f"lora_alpha={alpha!r} is invalid: must be a number")
     targets = c.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
-    if isinstance(c.get("target_modules"), list) and (bad := sorted(set(targets) - set(MODULES))):
+    names = {t.rsplit(".", 1)[-1] for t in targets}  # "all-linear" saves full module paths
+    if isinstance(c.get("target_modules"), list) and (bad := sorted(names - set(MODULES))):
         _fail(path, f"target_modules {bad} are not supported; allowed: {list(MODULES)}")
     for key, (ok, allowed) in _UNSUPPORTED.items():
         if c.get(key) not in ok:

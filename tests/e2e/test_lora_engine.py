@@ -13,6 +13,7 @@ import pytest
 from lora_adapters import merged, write_adapter
 
 from jaxinfer import LoRARequest, SamplingParams
+from jaxinfer.lora.peft import read_config
 
 SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPTS = [[5 + i, 17, 3 * i + 1, 40, 9, 11 + i] for i in range(6)]
@@ -156,6 +157,13 @@ def test_errors(lora, plain, adapters, tiny_cfg, tmp_path):
     cfg_file.write_text(json.dumps(dict(cfg, target_modules=["q_proj", "embed_tokens"])))
     with pytest.raises(ValueError, match=r"target_modules \['embed_tokens'\] are not supported"):
         lora.generate(p, SP, lora_request=LoRARequest("emb", 12, str(tmp_path / "emb")))
+    # peft's "all-linear" saves full module paths: read as their last names
+    full = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    cfg_file.write_text(json.dumps(dict(cfg, target_modules=full)))
+    assert read_config(str(tmp_path / "emb"), 8) == (2, cfg["lora_alpha"] / 2)
+    cfg_file.write_text(json.dumps(dict(cfg, target_modules=[*full, "model.embed_tokens"])))
+    with pytest.raises(ValueError, match=r"target_modules \['embed_tokens'\] are not supported"):
+        read_config(str(tmp_path / "emb"), 8)
     os.makedirs(tmp_path / "empty")
     with pytest.raises(ValueError, match="no adapter_config.json"):
         lora.generate(p, SP, lora_request=LoRARequest("e", 13, str(tmp_path / "empty")))

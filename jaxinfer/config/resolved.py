@@ -69,25 +69,12 @@ def resolve(
     kc = engine.kernels
     check_platform(kc, platform)
     quant = engine.quantization or ("fp8" if model.weight_block_size else None)
-    if engine.kv_cache_dtype != "auto" and (tp := engine.tensor_parallel_size) > 1:
-        _fail(
-            "EngineConfig",
-            "tensor_parallel_size",
-            tp,
-            f"kv_cache_dtype="
-            f"{engine.kv_cache_dtype!r} runs on one device only; use 1 or kv_cache_dtype='auto'",
-        )
+    kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype
+    fp8 = kv_dtype != dtype
+    _check_fp8_kv(engine, kc, fp8)  # before the model's own divisibility checks
     check_tp(model, engine.tensor_parallel_size)
     _check_lora(model, engine)
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
-    kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype
-    fp8 = kv_dtype != dtype
-    if fp8 and kc.decode_attention not in ("auto", *FP8_KV_DECODE):
-        raise ValueError(
-            f"KernelConfig.decode_attention={kc.decode_attention!r} is not validated "
-            f"with fp8 KV (kv_cache_dtype={engine.kv_cache_dtype!r}); use one of "
-            f"{('auto', *FP8_KV_DECODE)}"
-        )
     kc = _kernels(kc, gpu and half, gpu, fp8, quant, device_kind)
     return ResolvedConfig(
         model,
@@ -121,6 +108,25 @@ def _kernels(kc: KernelConfig, half_gpu: bool, gpu: bool, fp8_kv: bool, quant, d
         **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"},
         **({"cublas_decode_min_batch": None} if quant else {}),
     )
+
+
+def _check_fp8_kv(engine: EngineConfig, kc: KernelConfig, fp8: bool) -> None:
+    """ValueError for what an fp8 KV cache cannot yet run with: tensor_parallel_size > 1, a
+    decode variant not in `FP8_KV_DECODE`."""
+    if engine.kv_cache_dtype != "auto" and (tp := engine.tensor_parallel_size) > 1:
+        _fail(
+            "EngineConfig",
+            "tensor_parallel_size",
+            tp,
+            f"kv_cache_dtype="
+            f"{engine.kv_cache_dtype!r} runs on one device only; use 1 or kv_cache_dtype='auto'",
+        )
+    if fp8 and kc.decode_attention not in ("auto", *FP8_KV_DECODE):
+        raise ValueError(
+            f"KernelConfig.decode_attention={kc.decode_attention!r} is not validated "
+            f"with fp8 KV (kv_cache_dtype={engine.kv_cache_dtype!r}); use one of "
+            f"{('auto', *FP8_KV_DECODE)}"
+        )
 
 
 def _check_lora(model: ModelConfig, engine: EngineConfig) -> None:

@@ -234,6 +234,20 @@ def test_unvalidated_device_kind_falls_back_from_mosaic_with_one_log_line(caplog
     assert registry.for_device("reference", "NVIDIA B200") == "reference"
 
 
+def test_w8a8_without_fp8_weights_is_logged_as_ignored(caplog):
+    """``fp8_gemm="w8a8"`` only changes fp8 weights' GEMMs: without ``quantization="fp8"`` it is
+    ignored, with one warning naming the flag to pass; with it, nothing is logged."""
+    with caplog.at_level("WARNING", logger="jaxinfer"):
+        resolve(model(), EngineConfig(kernels="fp8_gemm=w8a8"), "cpu")
+    lines = [r.getMessage() for r in caplog.records if r.name == "jaxinfer"]
+    assert len(lines) == 1 and "fp8_gemm='w8a8'" in lines[0] and "quantization='fp8'" in lines[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="jaxinfer"):
+        resolve(model(), EngineConfig(kernels="fp8_gemm=w8a8", quantization="fp8"), "cpu")
+        resolve(model(), EngineConfig(), "cpu")
+    assert not caplog.records
+
+
 def test_quantization_resolves_from_the_checkpoint():
     assert resolve(model(), EngineConfig(), "cpu").quantization is None
     assert resolve(model(), EngineConfig(quantization="fp8"), "cpu").quantization == "fp8"

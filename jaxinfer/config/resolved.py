@@ -92,7 +92,13 @@ def resolve(
 def _kernels(kc: KernelConfig, half_gpu: bool, gpu: bool, fp8_kv: bool, quant, device_kind):
     """``kc`` with its "auto" attention variants chosen (GPU in half precision: decode mosaic,
     triton with fp8 KV; GPU: prefill triton; else the references), each falling back to one
-    validated on ``device_kind`` (logged); fp8 weights (``quant``) keep every GEMM on XLA."""
+    validated on ``device_kind`` (logged); fp8 weights (``quant``) keep every GEMM on XLA;
+    ``fp8_gemm="w8a8"`` without fp8 weights does nothing, and says so (logged)."""
+    if kc.fp8_gemm == "w8a8" and quant is None:
+        logging.getLogger("jaxinfer").warning(
+            "jaxinfer: fp8_gemm='w8a8' applies to fp8 weights only and is ignored here: "
+            "pass quantization='fp8' (--quantization fp8) to run W8A8"
+        )
     auto = {
         "decode_attention": ("triton" if fp8_kv else "mosaic") if half_gpu else "reference",
         "prefill_attention": "triton" if gpu else "reference",

@@ -7,8 +7,14 @@ served: host work overlapped with the device). Prints a table and appends one JS
 batch size (bench="engine_decode") to ``--out``. Only the public API is used, so two trees can
 be compared in one call.
 
+``--lora-adapters N`` (issue 48's target): the engine runs with ``enable_lora``, ``max_loras=N``,
+``max_lora_rank=--lora-rank``, and row i uses random PEFT adapter ``i % N`` (rank ``--lora-rank``,
+all seven modules, written under ``--lora-dir``); compare with a run without it (the base step).
+
     python scripts/bench_engine_decode.py [--model qwen3-8b] [--batches 1,64] [--context 1024]
-        [--steps 64] [--layers L] [--label L] [--out benchmarks/engine_decode.jsonl]
+        [--steps 64] [--layers L] [--quantization fp8] [--kernels K=V,...]
+        [--lora-adapters N --lora-rank 16] [--label L]
+        [--out benchmarks/engine_decode.jsonl]
 """
 
 import argparse
@@ -24,9 +30,11 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def time_decode(llm, batch: int, context: int, steps: int, seed: int = 0) -> tuple[float, int]:
+def time_decode(
+    llm, batch: int, context: int, steps: int, loras: list, seed: int = 0
+) -> tuple[float, int]:
     """(mean ms per engine step of ``steps`` decode steps at ``batch`` rows, programs compiled
-    during them)."""
+    during them); row i uses ``loras[i % len(loras)]`` (a `LoRARequest`) when ``loras``."""
     from jaxinfer import SamplingParams
 
     eng, rng = llm.engine, np.random.default_rng(seed)
@@ -34,7 +42,8 @@ def time_decode(llm, batch: int, context: int, steps: int, seed: int = 0) -> tup
     sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     llm.precompile([{"prompt_token_ids": p} for p in prompts], sp)
     for i, p in enumerate(prompts):
-        eng.add_request(p, sp, request_id=f"b{batch}-{i}")
+        lora = loras[i % len(loras)] if loras else None
+        eng.add_request(p, sp, request_id=f"b{batch}-{i}", lora_request=lora)
     while eng.scheduler.waiting or eng.scheduler.prefilling is not None:
         eng.step()
     for _ in range(4):  # every row decoding, the pipeline full
@@ -49,7 +58,23 @@ def time_decode(llm, batch: int, context: int, steps: int, seed: int = 0) -> tup
     return dt, lazy
 
 
-def main() -> None:
+def lora_requests(cfg, n: int, rank: int, root: str) -> list:
+    """``n`` random rank-``rank`` PEFT adapters of ``cfg`` written under ``root`` (the tests'
+    writer), as `LoRARequest`s with ids 1..n."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from lora_adapters import write_adapter
+
+    from jaxinfer import LoRARequest
+
+    out = []
+    for i in range(n):
+        path = os.path.join(root, f"adapter{i}")
+        write_adapter(path, cfg, rank, seed=i)
+        out.append(LoRARequest(f"bench{i}", i + 1, path))
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--context", type=int, default=1024)
@@ -57,8 +82,17 @@ def main() -> None:
     ap.add_argument("--model", default="qwen3-8b", help="qwen3-8b or qwen3-30b-a3b")
     ap.add_argument("--layers", type=int, default=None, help="default: the model's")
     ap.add_argument("--label", default="")
+    ap.add_argument("--kernels", default="", help="KernelConfig 'key=value,...' (default: auto)")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="fp8 weights")
+    ap.add_argument("--lora-adapters", type=int, default=0, help="N random adapters (0: none)")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--lora-dir", default="/tmp/jaxinfer_bench_lora")
     ap.add_argument("--out", default="benchmarks/engine_decode.jsonl")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     import jax
     import jax.numpy as jnp
 
@@ -68,16 +102,22 @@ def main() -> None:
     cfg = PRESETS[args.model]
     cfg = dataclasses.replace(cfg, num_layers=args.layers or cfg.num_layers)
     batches = [int(b) for b in args.batches.split(",")]
+    n = args.lora_adapters
+    lora = dict(enable_lora=True, max_loras=n, max_lora_rank=args.lora_rank) if n else {}
+    loras = lora_requests(cfg, n, args.lora_rank, args.lora_dir) if n else []
     llm = LLM.from_params(
         cfg,
         models.init_params(cfg, jax.random.key(0), jnp.bfloat16),
         max_model_len=args.context + args.steps + 16,
         max_num_seqs=max(batches),
+        quantization=args.quantization,
+        **({"kernels": args.kernels} if args.kernels else {}),
+        **lora,
     )
     device = jax.devices()[0].device_kind
     print(f"{'label':>10} {'B':>4} {'ctx':>5} {'ms/step':>8} {'compiles':>8}  device {device}")
     for b in batches:
-        ms, lazy = time_decode(llm, b, args.context, args.steps)
+        ms, lazy = time_decode(llm, b, args.context, args.steps, loras)
         print(f"{args.label:>10} {b:>4} {args.context:>5} {ms:8.2f} {lazy:>8}", flush=True)
         row = dict(
             bench="engine_decode",
@@ -86,6 +126,10 @@ def main() -> None:
             layers=cfg.num_layers,
             batch=b,
             context=args.context,
+            kernels=args.kernels,
+            quantization=args.quantization,
+            lora_adapters=n,
+            lora_rank=args.lora_rank if n else None,
             ms_per_step=ms,
             compiles_in_timed_steps=lazy,
             device=device,

@@ -45,8 +45,12 @@ def checkpoint(path: str, hf: dict, layers: int) -> str:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, **hf)).to(torch.bfloat16)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a GPU inits in seconds
+        model = Qwen3ForCausalLM(Qwen3Config(num_hidden_layers=layers, **hf))
+    torch.set_default_dtype(torch.float32)
     model.save_pretrained(path)
+    del model
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

@@ -7,6 +7,10 @@ Formulations (``--variants``):
   {xla,cublas}-partialsS   explicit split-K: ``einsum('msk,skn->smn')`` into f32[S, M, N] partial
                sums, not added up (what a consumer kernel that sums the S partials would read)
   {xla,cublas}-splitS      the same, summed and cast to bf16 in XLA (one more fusion)
+  {xla,cublas}-w8a16       fp8 weights (e4m3, per-channel scales; `quantize.quantize_fp8`) through
+               the engine's `layers.dense`: the e4m3 weight converted in the GEMM, bf16 x
+  {xla,cublas}-w8a8        the same weights, x quantised per token to e4m3 too: the engine's
+               `quantize.w8a8_matmul` (``--kernels fp8_gemm=w8a8``; issue 46's table)
 
 Each timed call runs ``--layers`` independent GEMMs (distinct weights and inputs, so the weights
 come from HBM, not L2, and XLA cannot merge the dots); the time per GEMM is the sum of the GPU
@@ -14,7 +18,7 @@ kernels' durations (reduce kernels included) divided by that count. Reports µs,
 TFLOP/s per GEMM; prints a table and appends JSON objects (bench="decode_gemm") to ``--out``.
 
     python scripts/probes/bench_decode_gemm.py [--rows 1 64 128 192 256]
-        [--shapes wqkv wo down gate_up] [--variants xla cublas cublas-partials4]
+        [--shapes wqkv wo down gate_up] [--variants xla cublas cublas-partials4 xla-w8a8]
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from jaxinfer.models.layers import Weight, dense  # noqa: E402
+from jaxinfer.models.quantize import quantize_fp8  # noqa: E402
 from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
@@ -40,12 +46,13 @@ SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "gate_up": (4096, 24576), "d
 
 def gemm_fn(variant: str):
     """(jitted fn over lists of x, w) for one formulation; raises ValueError if unknown."""
-    m = re.fullmatch(r"(xla|cublas)(?:-(partials|split)(\d+))?", variant)
+    m = re.fullmatch(r"(xla|cublas)(?:-(partials|split)(\d+)|-(w8a16|w8a8))?", variant)
     if not m:
         raise ValueError(
-            f"unknown variant {variant!r}: xla, cublas, xla-partialsS, cublas-splitS, ..."
+            f"unknown variant {variant!r}: xla, cublas, xla-partialsS, cublas-splitS, "
+            "xla-w8a16, cublas-w8a8, ..."
         )
-    backend, kind, s = m.group(1), m.group(2), int(m.group(3) or 1)
+    backend, kind, s = m.group(1), m.group(2) or m.group(4), int(m.group(3) or 1)
     if s < 1:
         raise ValueError(f"variant {variant!r}: the split count must be >= 1")
     opts = None if backend == "xla" else {"xla_gpu_enable_triton_gemm": False}
@@ -53,6 +60,8 @@ def gemm_fn(variant: str):
     def one(x, w):
         if kind is None:
             return x @ w
+        if kind in ("w8a16", "w8a8"):
+            return dense(x, Weight(w[0], w[1], w8a8=kind == "w8a8"))
         M, K = x.shape
         N = w.shape[1]
         if K % s:
@@ -73,11 +82,14 @@ def measure(variant: str, M: int, K: int, N: int, layers: int, reps: int) -> dic
     keys = jax.random.split(jax.random.key(0), 2 * layers)
     xs = [jax.random.normal(keys[i], (M, K), jnp.bfloat16) for i in range(layers)]
     ws = [jax.random.normal(keys[layers + i], (K, N), jnp.bfloat16) * 0.02 for i in range(layers)]
+    fp8 = variant.endswith(("w8a16", "w8a8"))
+    if fp8:  # (e4m3 [K, N], f32[N]) per weight
+        ws = [quantize_fp8(w) for w in ws]
     per = kernel_us_per_call(gemm_fn(variant), (xs, ws), layers, reps)
     us = sum(per.values())
     return dict(
         us=us,
-        weight_tb_s=K * N * 2 / us / 1e6,
+        weight_tb_s=K * N * (1 if fp8 else 2) / us / 1e6,
         tflop_s=2 * M * K * N / us / 1e6,
         kernels={k: round(v, 2) for k, v in sorted(per.items(), key=lambda kv: -kv[1])},
     )
@@ -104,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
         nargs="+",
         default=["xla", "cublas"],
         help="formulations (see the module docstring): xla, cublas, "
-        "{xla,cublas}-partialsS, {xla,cublas}-splitS",
+        "{xla,cublas}-partialsS, {xla,cublas}-splitS, {xla,cublas}-w8a16, {xla,cublas}-w8a8",
     )
     ap.add_argument(
         "--layers",

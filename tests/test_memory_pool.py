@@ -95,3 +95,43 @@ def test_pool_pages_stay_the_same_when_bytes_in_use_moves_by_mibs():
         )
     )
     assert engine_pool_pages(r, {"bytes_limit": 140 * GIB, "bytes_in_use": 18 * GIB}) < pages[0]
+
+
+def test_lora_pool_is_taken_from_the_kv_budget():
+    """The LoRA pool's bytes, counted by hand for a Llama-2-7B shape (D 4096, F 11008, 32
+    layers, 32 heads, 8 KV heads of 128): per layer, slot and rank, (in + out) of q, k, v, o,
+    gate, up, down = 8192 + 5120 + 5120 + 8192 + 15104 * 3 = 71936 elements; the same count as
+    the arrays `init_pool` allocates (a small model); the KV pool gets what is left after it;
+    a pool that leaves no room is a ValueError naming max_loras, max_lora_rank and the bytes."""
+    import jax.numpy as jnp
+
+    from jaxinfer.config import EngineConfig, resolve
+    from jaxinfer.config.memory import USED_BYTES_STEP, engine_pool_pages, kv_pool_pages
+    from jaxinfer.lora.peft import pool_bytes
+    from jaxinfer.runner.lora import init_pool
+
+    cfg = ModelConfig("llama", 32000, 4096, 11008, 32, 32, 8, 128)
+    assert pool_bytes(cfg, 4, 16, 2) == 2 * 32 * 4 * 16 * 71936 == 294_649_856
+    small = ModelConfig("llama", 256, 64, 96, 2, 4, 2, 16)
+    arrays = [x for m in init_pool(small, 3, 4, jnp.bfloat16).values() for x in m.values()]
+    assert sum(x.nbytes for x in arrays) == pool_bytes(small, 3, 4, 2)
+    ec = EngineConfig(enable_lora=True, max_loras=4, max_lora_rank=16)
+    r, stats = resolve(cfg, ec, "gpu"), {"bytes_limit": 40 * GIB, "bytes_in_use": 14 * GIB}
+    lora = pool_bytes(cfg, 4, 16, r.dtype_bytes)
+    assert engine_pool_pages(r, stats, lora_bytes=lora) == kv_pool_pages(
+        cfg,
+        page_size=16,
+        dtype_bytes=2,
+        usable_bytes=int(r.engine.memory_fraction * 40 * GIB),
+        used_bytes=14 * GIB + lora,
+    )
+    assert engine_pool_pages(r, stats, lora_bytes=lora) < engine_pool_pages(r, stats)
+    huge = pool_bytes(cfg, 64, 512, 2)  # 64 slots of rank 512: 151 GB
+    ec = EngineConfig(enable_lora=True, max_loras=64, max_lora_rank=512)
+    with pytest.raises(
+        ValueError,
+        match=rf"LoRA pool does not fit: EngineConfig.max_loras=64 x max_lora_rank=512 "
+        rf"takes {huge:,} B",
+    ):
+        engine_pool_pages(resolve(cfg, ec, "gpu"), stats, lora_bytes=huge)
+    assert USED_BYTES_STEP == GIB  # 14 GiB in use is a whole step: used as it is above

@@ -71,18 +71,38 @@ def card_bytes_usable(utilization: float, bytes_limit: int) -> int:
     return min(int(utilization * card), bytes_limit) - default_reserve_bytes(int(card))
 
 
+def _check_lora_fits(e, lora_bytes: int, usable: int, used: int, page_bytes: int) -> None:
+    """ValueError naming ``max_loras`` and ``max_lora_rank`` of `EngineConfig` ``e`` when the
+    LoRA pool's ``lora_bytes`` leave fewer than 2 KV pages of ``page_bytes`` in ``usable -
+    used`` bytes where 2 would fit without it."""
+    free = usable - used
+    if free - lora_bytes < 2 * page_bytes <= free:
+        raise ValueError(
+            f"the LoRA pool does not fit: EngineConfig.max_loras={e.max_loras} x "
+            f"max_lora_rank={e.max_lora_rank} takes {lora_bytes:,} B ({_gib(lora_bytes)}) of "
+            f"the {_gib(free)} left (usable {_gib(usable)} - used {_gib(used)}), and the KV "
+            f"pool needs at least {2 * page_bytes:,} B; lower max_loras or max_lora_rank"
+        )
+
+
 def engine_pool_pages(
-    resolved: ResolvedConfig, memory_stats: dict | None, draft: ModelConfig | None = None
+    resolved: ResolvedConfig,
+    memory_stats: dict | None,
+    draft: ModelConfig | None = None,
+    lora_bytes: int = 0,
 ) -> int:
     """``EngineConfig.num_pages`` if set; else with ``memory_stats`` (``Device.memory_stats()``,
-    weights resident) `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use`` (with
-    ``gpu_memory_utilization``: `card_bytes_usable` - bytes_in_use; bytes_in_use rounded up to
-    `USED_BYTES_STEP`, so a restart gets the same pool and hits the compilation cache); else
-    (CPU) the null page + ``max_num_seqs`` sequences of ``max_model_len`` tokens, at most
-    `CPU_KV_BUDGET_BYTES`; bytes per device under tensor parallelism; ``draft``: a draft model
-    whose pool (compute dtype) shares the pages. Raises ValueError: fewer than 2 pages fit."""
+    weights resident) `kv_pool_pages` of ``memory_fraction x bytes_limit - bytes_in_use -
+    lora_bytes`` (with ``gpu_memory_utilization``: `card_bytes_usable` - ...; bytes_in_use
+    rounded up to `USED_BYTES_STEP`, so a restart gets the same pool and hits the compilation
+    cache); else (CPU) the null page + ``max_num_seqs`` sequences of ``max_model_len`` tokens,
+    at most `CPU_KV_BUDGET_BYTES`; bytes per device under tensor parallelism; ``draft``: a
+    draft model whose pool (compute dtype) shares the pages; ``lora_bytes``: the LoRA pool, not
+    yet allocated (`jaxinfer.lora.peft.pool_bytes`). Raises ValueError: the LoRA pool leaves
+    fewer than 2 pages (`_check_lora_fits`), fewer than 2 pages fit."""
     e, m, tp = resolved.engine, resolved.model, resolved.engine.tensor_parallel_size
     extra = draft.kv_bytes_per_token(resolved.dtype_bytes) if draft else 0
+    page_bytes = e.page_size * (kv_bytes_per_token(m, resolved.kv_dtype_bytes, tp) + extra)
     if e.num_pages is not None:
         return e.num_pages
     if memory_stats and "bytes_limit" in memory_stats:
@@ -90,8 +110,9 @@ def engine_pool_pages(
         if e.gpu_memory_utilization is not None:
             usable = card_bytes_usable(e.gpu_memory_utilization, memory_stats["bytes_limit"])
         used = -(-int(memory_stats.get("bytes_in_use", 0)) // USED_BYTES_STEP) * USED_BYTES_STEP
+        _check_lora_fits(e, lora_bytes, usable, used, page_bytes)
+        used += lora_bytes
     else:
-        page_bytes = e.page_size * (kv_bytes_per_token(m, resolved.kv_dtype_bytes, tp) + extra)
         pages = 1 + e.max_num_seqs * -(-resolved.max_model_len // e.page_size)
         usable, used = min(pages * page_bytes, CPU_KV_BUDGET_BYTES), 0
     return kv_pool_pages(

@@ -8,7 +8,13 @@ import dataclasses
 import itertools
 
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
-from jaxinfer.lora.peft import PeftAdapter, load_adapter, parse_tensors, slot_arrays
+from jaxinfer.lora.peft import (
+    AdapterError,
+    PeftAdapter,
+    load_adapter,
+    parse_tensors,
+    slot_arrays,
+)
 from jaxinfer.lora.request import LoRARequest
 
 
@@ -36,19 +42,21 @@ class LoRAManager:
         self._clock = itertools.count()
 
     def check(self, req: LoRARequest | None) -> None:
-        """Read and check ``req``'s adapter on first sight (kept for its id). ValueError: LoRA
-        is off, no `LoRARequest`, an id already given to another name, as `load_adapter`."""
+        """Read and check ``req``'s adapter on first sight (kept for its id; an id seen before
+        keeps its first adapter's weights, whatever ``lora_path`` says, as vLLM's). ValueError:
+        no `LoRARequest`; `AdapterError`: LoRA is off, an id already given to another name, as
+        `load_adapter`."""
         if req is None:
             return
         if not isinstance(req, LoRARequest):
             raise ValueError(f"lora_request={req!r} is invalid: must be a LoRARequest or None")
         if not self.enabled:
-            raise ValueError(
+            raise AdapterError(
                 f"lora_request={req.lora_name!r} needs an engine built with enable_lora=True"
             )
         if (known := self.adapters.get(req.lora_int_id)) is not None:
             if known[0].lora_name != req.lora_name:
-                raise ValueError(
+                raise AdapterError(
                     f"LoRARequest.lora_int_id={req.lora_int_id} is already adapter "
                     f"{known[0].lora_name!r}; give {req.lora_name!r} another id"
                 )

@@ -1,5 +1,6 @@
 """PEFT LoRA adapters as numpy (no JAX): the modules LoRA may target (`MODULES`, their [in, out]
-sizes from a model config: `module_dims`), a PEFT directory read and checked (`load_adapter`: its
+sizes from a model config: `module_dims`; the device pool's bytes: `pool_bytes`), a PEFT
+directory checked (`check_adapter`) and read (`load_adapter`: its
 ``adapter_config.json`` and ``adapter_model.safetensors``), a tensor dict mapped onto the layers
 (`parse_tensors`, also what `LLM.update_lora` takes) and an adapter laid out as one slot of the
 device pool (`slot_arrays`). Reference followed: PEFT's ``LoraLayer`` (``y = x W + scaling *
@@ -45,6 +46,14 @@ def module_dims(cfg) -> dict[str, tuple[int, int]]:
     )
 
 
+def pool_bytes(cfg, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
+    """Bytes of the device pool of ``max_loras`` S slots of rank ``max_rank`` R for model config
+    ``cfg`` (`jaxinfer.runner.lora.init_pool`: a [L, S, in, R] and b [L, S, R, out] for every
+    one of `MODULES`), ``dtype_bytes`` an element: dtype_bytes * L * S * R * sum(in + out)."""
+    per_rank = sum(i + o for i, o in module_dims(cfg).values())
+    return dtype_bytes * cfg.num_layers * max_loras * max_rank * per_rank
+
+
 @dataclasses.dataclass(frozen=True)
 class PeftAdapter:
     """A LoRA adapter of rank ``rank`` r, ``scaling`` applied to the product, ``weights``: module
@@ -56,19 +65,30 @@ class PeftAdapter:
     weights: dict
 
 
+class AdapterError(ValueError):
+    """A LoRA adapter that cannot be served (its files, its tensors, its id): a ValueError of
+    its own kind, so that a server can name the request field that chose the adapter."""
+
+
 def _fail(path: str, what: str) -> None:
-    raise ValueError(f"LoRA adapter {path!r}: {what}")
+    raise AdapterError(f"LoRA adapter {path!r}: {what}")
 
 
 def read_config(path: str, max_rank: int) -> tuple[int, float]:
-    """(r, scaling) of ``path``/adapter_config.json. ValueError naming the value: no such file,
-    no LoRA config, r not in [1, ``max_rank``] (EngineConfig.max_lora_rank), a target module not
+    """(r, scaling) of ``path``/adapter_config.json. ValueError naming ``path`` and the value: no
+    such file, not a JSON object, no LoRA config, r not in [1, ``max_rank``]
+    (EngineConfig.max_lora_rank), target_modules not a str or list of str, a target module not
     in `MODULES`, a feature not supported (`_UNSUPPORTED`)."""
     file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(file):
         _fail(path, "no adapter_config.json (a PEFT LoRA directory is needed)")
-    with open(file) as f:
-        c = json.load(f)
+    try:
+        with open(file, encoding="utf-8") as f:
+            c = json.load(f)
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        _fail(path, f"adapter_config.json is not valid JSON ({e})")
+    if not isinstance(c, dict):
+        _fail(path, f"adapter_config.json holds a {type(c).__name__}; a JSON object is needed")
     if c.get("peft_type", "LORA") != "LORA":
         _fail(path, f"peft_type={c['peft_type']!r} is not supported; allowed: 'LORA'")
     r, alpha = c.get("r"), c.get("lora_alpha", c.get("r"))
@@ -78,6 +98,8 @@ def read_config(path: str, max_rank: int) -> tuple[int, float]:
         _fail(path, f"lora_alpha={alpha!r} is invalid: must be a number")
     targets = c.get("target_modules") or []
     targets = [targets] if isinstance(targets, str) else targets
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        _fail(path, f"target_modules={targets!r} is invalid: must be a str or a list of str")
     names = {t.rsplit(".", 1)[-1] for t in targets}  # "all-linear" saves full module paths
     if isinstance(c.get("target_modules"), list) and (bad := sorted(names - set(MODULES))):
         _fail(path, f"target_modules {bad} are not supported; allowed: {list(MODULES)}")
@@ -118,18 +140,26 @@ def parse_tensors(tensors: dict, cfg, rank: int, where: str) -> dict:
     return out
 
 
-def load_adapter(path: str, cfg, max_rank: int) -> PeftAdapter:
-    """The PEFT LoRA directory ``path`` for model config ``cfg``: `read_config` then
-    ``adapter_model.safetensors`` through `parse_tensors`. ValueError: not a directory, no
-    weights file, as `read_config` and `parse_tensors`."""
-    from safetensors.numpy import load_file
-
+def check_adapter(path: str, max_rank: int) -> tuple[int, float]:
+    """(r, scaling) of the PEFT LoRA directory ``path`` once its files pass, without reading
+    the weights (what the server checks when an adapter is loaded). ValueError: not a
+    directory, as `read_config`, no ``adapter_model.safetensors``."""
     if not os.path.isdir(path):
         _fail(path, "no such directory")
     rank, scaling = read_config(path, max_rank)
-    file = os.path.join(path, "adapter_model.safetensors")
-    if not os.path.isfile(file):
+    if not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
         _fail(path, "no adapter_model.safetensors")
+    return rank, scaling
+
+
+def load_adapter(path: str, cfg, max_rank: int) -> PeftAdapter:
+    """The PEFT LoRA directory ``path`` for model config ``cfg``: `check_adapter` then
+    ``adapter_model.safetensors`` through `parse_tensors`. ValueError: as `check_adapter` and
+    `parse_tensors`."""
+    from safetensors.numpy import load_file
+
+    rank, scaling = check_adapter(path, max_rank)
+    file = os.path.join(path, "adapter_model.safetensors")
     return PeftAdapter(rank, scaling, parse_tensors(load_file(file), cfg, rank, path))
 
 

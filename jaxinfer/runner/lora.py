@@ -8,17 +8,26 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.lora.peft import module_dims
+from jaxinfer.lora.peft import module_dims, pool_bytes
 
 
 def init_pool(cfg, max_loras: int, max_rank: int, dtype) -> dict:
     """Zeros {module: {"a": [L, S, in, R], "b": [L, S, R, out]}} in ``dtype`` for model config
-    ``cfg``: no slot holds an adapter (a zero b adds nothing)."""
+    ``cfg``: no slot holds an adapter (a zero b adds nothing). ValueError naming max_loras,
+    max_lora_rank and the pool's bytes (`pool_bytes`): the device cannot hold it."""
     L, S, R = cfg.num_layers, max_loras, max_rank
-    return {
-        m: dict(a=jnp.zeros((L, S, i, R), dtype), b=jnp.zeros((L, S, R, o), dtype))
-        for m, (i, o) in module_dims(cfg).items()
-    }
+    try:
+        return {
+            m: dict(a=jnp.zeros((L, S, i, R), dtype), b=jnp.zeros((L, S, R, o), dtype))
+            for m, (i, o) in module_dims(cfg).items()
+        }
+    except jax.errors.JaxRuntimeError as e:  # RESOURCE_EXHAUSTED
+        n = pool_bytes(cfg, S, R, jnp.dtype(dtype).itemsize)
+        raise ValueError(
+            f"the LoRA pool does not fit in device memory: EngineConfig.max_loras={S} x "
+            f"max_lora_rank={R} takes {n:,} B; lower max_loras or max_lora_rank "
+            f"({str(e).splitlines()[0][:120]})"
+        ) from None
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

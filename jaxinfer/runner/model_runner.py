@@ -14,6 +14,7 @@ from jaxinfer import models
 from jaxinfer.config import memory
 from jaxinfer.config.model import tp_model_config
 from jaxinfer.config.weights import device_bytes
+from jaxinfer.lora.peft import pool_bytes
 from jaxinfer.models.kernels import model_kernels
 from jaxinfer.models.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache, stored_dtype
 from jaxinfer.models.quantize import quantize_params
@@ -88,13 +89,19 @@ class ModelRunner:
         self.params = (
             params if self.mesh is None else parallel.shard_params(params, model_config, self.mesh)
         )
-        if ec.enable_lora:  # the LoRA pool rides in the params (`models.forward`)
-            pool = lora.init_pool(model_config, ec.max_loras, ec.max_lora_rank, resolved.dtype)
-            self.params = {**self.params, "lora": pool}
         spec = ec.speculative_config
         draft = _load_drafter(spec, model_config, resolved.dtype, tp)
         dev_stats = jax.local_devices()[0].memory_stats() if resolved.platform == "gpu" else None
-        self.num_pages = memory.engine_pool_pages(resolved, dev_stats, draft and draft[0])
+        S, R = (ec.max_loras, ec.max_lora_rank) if ec.enable_lora else (0, 0)
+        self.num_pages = memory.engine_pool_pages(
+            resolved,
+            dev_stats,
+            draft and draft[0],
+            pool_bytes(model_config, S, R, resolved.dtype_bytes),
+        )  # the LoRA pool's bytes planned before it is allocated
+        if ec.enable_lora:  # the LoRA pool rides in the params (`models.forward`)
+            pool = lora.init_pool(model_config, S, R, resolved.dtype)
+            self.params = {**self.params, "lora": pool}
         self.kv_means: dict = {}  # `calibrate_kv`'s, set on every pool
         self.kv: KVCache = self._new_kv()
         self.sleeping, self._host_params = 0, None  # `sleep`'s level (0: awake)

@@ -44,17 +44,29 @@ def build_parser():
     return p
 
 
+def _served_name(args, path: str | None) -> str | None:
+    """``--served-model-name``, else vLLM's default: a hub id as given, else the model file or
+    directory's name (``path``: where the core loaded it from; None: not known yet)."""
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model and not os.path.exists(args.model):  # a hub id
+        return args.model
+    return path and os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
+
+
 def main(argv: list[str] | None = None, factory=None) -> int:
     """Start the engine core on ``factory()`` (picklable, returns a `jaxinfer.LLM`; None: the
     ``--model`` and engine options of ``argv``), then serve HTTP until SIGINT/SIGTERM or the
-    core's death. Returns the exit code: 0; 1: the core died; 2: bad options, or the core could
-    not start; 130: interrupted (SIGINT, SIGTERM) while starting, the core stopped."""
+    core's death. Returns the exit code: 0; 1: the core died; 2: bad options (a --lora-modules
+    adapter refused: `check_lora_modules`, before the model loads, and with the served name once
+    the core is up), or the core could not start; 130: interrupted (SIGINT, SIGTERM) while
+    starting, the core stopped."""
     import uvicorn
 
     from jaxinfer.cli_args import fail, make_llm
     from jaxinfer.serve.app import create_app
     from jaxinfer.serve.client import EngineCoreClient
-    from jaxinfer.serve.lora import parse_lora_modules
+    from jaxinfer.serve.lora import check_lora_modules, parse_lora_modules
 
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # while the core starts: stop it too
     try:
@@ -64,24 +76,24 @@ def main(argv: list[str] | None = None, factory=None) -> int:
         if args.lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         loras = parse_lora_modules(args.lora_modules) if args.enable_lora else None
+        if loras and factory is None:  # before the model loads; again with the served name
+            check_lora_modules(loras, _served_name(args, None), args.max_lora_rank)
         client = EngineCoreClient(factory or functools.partial(make_llm, args))
     except ValueError as e:
         return fail(str(e))
     except KeyboardInterrupt:
         return 130
-    path, hub_id = client.info["model_path"], args.model and not os.path.exists(args.model)
-    name = args.served_model_name or (
-        args.model
-        if hub_id  # vLLM's default name: the hub id as given
-        else path and os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
-    )
-    app = create_app(
-        client,
-        served_model_name=name,
-        api_key=args.api_key,
-        max_request_bytes=args.max_request_bytes,
-        lora_modules=loras,
-    )
+    try:
+        app = create_app(
+            client,
+            served_model_name=_served_name(args, client.info["model_path"]),
+            api_key=args.api_key,
+            max_request_bytes=args.max_request_bytes,
+            lora_modules=loras,
+        )
+    except ValueError as e:  # a --lora-modules adapter refused
+        client.close()
+        return fail(str(e))
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # abort what is left after the grace period

@@ -43,10 +43,13 @@ def create_app(
     """The app over ``client`` (a started `EngineCoreClient`, ``app.state.client``; its sockets
     open and close with the app's lifespan, which stops the core); ``api_key``: /v1 needs
     ``Authorization: Bearer KEY``. /health answers 503 once the core is gone. ``lora_modules``
-    ({name: path}; None: LoRA off): served adapters, and vLLM's load/unload endpoints."""
+    ({name: path}; None: LoRA off): served adapters, and vLLM's load/unload endpoints.
+    ValueError: as `ServedLoRAs`."""
     name, ids = served_model_name or "jaxinfer", itertools.count()
     client.metrics = metrics = ServerMetrics(client)
-    loras = None if lora_modules is None else ServedLoRAs(name, lora_modules)
+    loras = None
+    if lora_modules is not None:  # {}: none yet, the load endpoint on
+        loras = ServedLoRAs(name, lora_modules, client.info["max_lora_rank"])
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -132,8 +132,9 @@ class EngineCoreClient:
         for rid in msg.accepted:
             if rid in self._open and not self._open[rid][1].done():
                 self._open[rid][1].set_result(None)
-        for rid, err in msg.rejected.items():
-            self._fail(rid, err)
+        for rid, err in msg.rejected.items():  # a str: 400 naming the prompt's field
+            param = msg.rejected_param.get(rid)
+            self._fail(rid, err if param is None else APIError(err, param=param))
         for d in (live := [d for d in msg.samples if d.request_id in self._open]):
             _merge(self.outputs.requests[d.request_id].seqs[d.index], d)
         touched = [d.request_id for d in live]

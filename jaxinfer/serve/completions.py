@@ -75,9 +75,10 @@ class OpenAIServing:
     async def respond(self, request: Request, body: P._Sampling, prompts, sp, param: str):
         """The whole response, or (``body.stream``) a `StreamingResponse` of its chunks, once
         the engine core took every prompt (else `APIError`: 400 naming ``param``, 503)."""
-        rid = f"{self.prefix}-{next(self.ids)}"
+        rid, lora = f"{self.prefix}-{next(self.ids)}", self._lora(body)
+        model = self.model_name if lora is None else body.model  # vLLM's: the adapter's name
         try:
-            added = await self.client.add(prompts, sp, body.stream, param, self._lora(body))
+            added = await self.client.add(prompts, sp, body.stream, param, lora)
         except APIError as e:  # a constraint the engine core could not compile: its own field
             if "StructuredOutputsParams." in str(e):
                 e.param = body.constraint()
@@ -85,7 +86,7 @@ class OpenAIServing:
         events = self._events(request, *added)
         if body.stream:
             return StreamingResponse(
-                self._chunks(rid, events, sp, body), media_type="text/event-stream"
+                self._chunks(rid, events, sp, body, model), media_type="text/event-stream"
             )
         choices, usage = [], _usage()
         async for p, out in events:
@@ -96,21 +97,24 @@ class OpenAIServing:
                 self.choice(p * sp.n + c.index, c, sp.logprobs, body=body) for c in out.outputs
             ]
         return Response(
-            self.dump(self.Response, rid, sorted(choices, key=lambda c: c["index"]), usage),
+            self.dump(self.Response, rid, sorted(choices, key=lambda c: c["index"]), usage, model),
             media_type="application/json",
         )
 
-    def dump(self, cls, rid: str, choices: list[dict], usage: dict | None = None) -> bytes:
+    def dump(
+        self, cls, rid: str, choices: list[dict], usage: dict | None = None, model=None
+    ) -> bytes:
         """A response or chunk of ``cls`` (its ``openai`` type) as JSON bytes, unvalidated (vLLM's
         finish reasons, ``stop_reason``); msgspec, not pydantic: one per stream per step costs
-        2 us."""
+        2 us. ``model``: the name it answers with (the request's adapter; None: the served
+        model's)."""
         obj = typing.get_args(cls.model_fields["object"].annotation)[0]
         return _ENCODE(
             dict(
                 id=rid,
                 object=obj,
                 created=int(time.time()),
-                model=self.model_name,
+                model=model or self.model_name,
                 choices=choices,
                 usage=usage,
             )
@@ -141,9 +145,9 @@ class OpenAIServing:
         finally:
             self.client.abort(left)
 
-    async def _chunks(self, rid: str, events, sp, body):
+    async def _chunks(self, rid: str, events, sp, body, model: str):
         def chunk(choices, usage=None) -> bytes:
-            return b"data: " + self.dump(self.Chunk, rid, choices, usage) + b"\n\n"
+            return b"data: " + self.dump(self.Chunk, rid, choices, usage, model) + b"\n\n"
 
         if opening := self.opening(sp.n):
             yield chunk(opening)

@@ -15,6 +15,7 @@ import time
 import msgspec
 import zmq
 
+from jaxinfer.lora.peft import AdapterError
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
 
@@ -54,12 +55,15 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
 
 class StepOutputs(msgspec.Struct, array_like=True):
     """One step's news: the ``samples`` it touched; ``accepted`` request ids; ``rejected``
-    {request id: `LLMEngine.add_request`'s error}; ``stats``: `engine_stats`."""
+    {request id: `LLMEngine.add_request`'s error}; ``stats``: `engine_stats`; ``rejected_param``
+    {request id: the request field its rejection names, where not the prompt: "model" for its
+    LoRA adapter's error}."""
 
     samples: list[SampleDelta] = []
     accepted: list[str] = []
     rejected: dict[str, str] = {}
     stats: dict[str, float] = {}
+    rejected_param: dict[str, str] = {}
 
 
 def engine_stats(engine) -> dict[str, float]:
@@ -123,19 +127,7 @@ class EngineCore:
                 for rid in cmd.request_ids if isinstance(cmd, Abort) else ():
                     eng.abort_request(rid)
                 if isinstance(cmd, Add):
-                    try:
-                        lora = cmd.lora and LoRARequest(*cmd.lora)
-                        eng.add_request(
-                            cmd.prompt_token_ids,
-                            cmd.params,
-                            request_id=cmd.request_id,
-                            lora_request=lora,
-                        )
-                    except Exception as e:  # ValueError: rejected; anything else: the same way
-                        msg.rejected[cmd.request_id] = str(e)
-                        continue
-                    self.sent[cmd.request_id] = [0] * cmd.params.n
-                    msg.accepted.append(cmd.request_id)
+                    self._add(cmd, msg)
             if eng.has_unfinished():
                 self._step(msg)
             if msg.samples or msg.accepted or msg.rejected:
@@ -144,6 +136,23 @@ class EngineCore:
                     self.out.send(self.encode(msg))
                 except zmq.Again:
                     return
+
+    def _add(self, cmd: Add, msg: StepOutputs) -> None:
+        """`LLMEngine.add_request` of ``cmd``: accepted, or rejected with its error in ``msg``
+        (an `AdapterError`'s names "model", the field that chose the adapter)."""
+        rid = cmd.request_id
+        try:
+            lora = cmd.lora and LoRARequest(*cmd.lora)
+            self.engine.add_request(
+                cmd.prompt_token_ids, cmd.params, request_id=rid, lora_request=lora
+            )
+        except Exception as e:  # ValueError: rejected; anything else: the same way
+            msg.rejected[rid] = str(e)
+            if isinstance(e, AdapterError):
+                msg.rejected_param[rid] = "model"
+            return
+        self.sent[rid] = [0] * cmd.params.n
+        msg.accepted.append(rid)
 
     def _step(self, msg: StepOutputs) -> None:
         """One `LLMEngine.step` (raw: `Sequence`s); what is new per sample into ``msg``."""
@@ -166,9 +175,9 @@ class EngineCore:
 def run_core(factory, addr: str, conn) -> None:
     """The engine-core process's main: ``llm = factory()`` (a `jaxinfer.LLM`), then on ``conn`` (a
     `multiprocessing.Pipe` end) ``("ready", info)`` (tokenizer, model_path, max_model_len,
-    max_num_seqs, stats) or ``("error", message)`` (ValueError or FileNotFoundError; any other
-    exception prints its traceback and ends the process); then `EngineCore.run`. The start-up
-    precompile says what it does on stderr."""
+    max_num_seqs, max_lora_rank, stats) or ``("error", message)`` (ValueError or
+    FileNotFoundError; any other exception prints its traceback and ends the process); then
+    `EngineCore.run`. The start-up precompile says what it does on stderr."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     say = functools.partial(print, "jaxinfer-serve:", file=sys.stderr, flush=True)
@@ -196,6 +205,7 @@ def run_core(factory, addr: str, conn) -> None:
                 max_model_len=eng.max_model_len,
                 stats=engine_stats(eng),
                 max_num_seqs=eng.resolved.engine.max_num_seqs,
+                max_lora_rank=eng.resolved.engine.max_lora_rank,
             ),
         )
     )

@@ -1,7 +1,8 @@
 """LoRA adapters in the server, as vLLM's (``--enable-lora``, ``--lora-modules``,
 ``serving_models.py``): the served adapters by name (`ServedLoRAs`; a request's ``model`` names
 one), their /v1/models cards, and ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``.
-The engine core reads an adapter when a request first uses it. No JAX."""
+An adapter's files are checked when it is given or loaded; the engine core reads its weights when
+a request first uses it. No JAX."""
 
 import itertools
 import json
@@ -11,6 +12,7 @@ import time
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
+from jaxinfer.lora.peft import check_adapter
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.serve.errors import APIError
 
@@ -34,6 +36,23 @@ def parse_lora_modules(specs: list[str] | None) -> dict[str, str]:
     return out
 
 
+def check_lora_modules(modules: dict[str, str], base: str | None, max_rank: int) -> None:
+    """ValueError naming the ``--lora-modules`` entry and what is allowed: its name is ``base``,
+    the served model's (the adapter would hide the base model; None: not known yet), its files
+    do not pass `check_adapter` (rank up to ``max_rank``: EngineConfig.max_lora_rank)."""
+    for name, path in modules.items():
+        if name == base:
+            raise ValueError(
+                f"--lora-modules {name}={path} is invalid: {name!r} is the served model's name "
+                "(the adapter would hide the base model); give the adapter another name, or "
+                "the model another --served-model-name"
+            )
+        try:
+            check_adapter(path, max_rank)
+        except ValueError as e:
+            raise ValueError(f"--lora-modules {name}={path} is invalid: {e}") from None
+
+
 class LoadLoRAAdapterRequest(BaseModel):
     lora_name: str
     lora_path: str
@@ -47,10 +66,13 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class ServedLoRAs:
     """The adapters served under ``base`` (the model name): {name: `LoRARequest`}, ids from 1
     in the order given or loaded (an adapter loaded again gets a new id: its files are read
-    again)."""
+    again); each adapter's files are checked (`check_adapter`, rank up to ``max_rank``:
+    EngineConfig.max_lora_rank) when it is given or loaded, its weights read by the engine core
+    when a request first uses it. ValueError: as `check_lora_modules`."""
 
-    def __init__(self, base: str, modules: dict[str, str]) -> None:
-        self.base, self._ids, self.requests = base, itertools.count(1), {}
+    def __init__(self, base: str, modules: dict[str, str], max_rank: int) -> None:
+        check_lora_modules(modules, base, max_rank)
+        self.base, self.max_rank, self._ids, self.requests = base, max_rank, itertools.count(1), {}
         for name, path in modules.items():
             self.requests[name] = LoRARequest(name, next(self._ids), path)
 
@@ -72,13 +94,19 @@ class ServedLoRAs:
 
     async def load(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """vLLM's ``/v1/load_lora_adapter``. APIError 400: the name is served already or not a
-        valid `LoRARequest` name, the path has no adapter_config.json."""
+        valid `LoRARequest` name, the path has no adapter_config.json, its files do not pass
+        `check_adapter` (a rank above max_lora_rank, a malformed or unsupported config, no
+        weights file: the reason, ``param`` "lora_path")."""
         if body.lora_name in self.requests or body.lora_name == self.base:
             raise APIError(f"The lora adapter '{body.lora_name}' has already been loaded.")
         if not os.path.isfile(os.path.join(body.lora_path, "adapter_config.json")):
             raise APIError(
                 f"No adapter found for {body.lora_path}", param="lora_path", code="not_found"
             )
+        try:
+            check_adapter(body.lora_path, self.max_rank)
+        except ValueError as e:
+            raise APIError(str(e), param="lora_path") from None
         try:
             req = LoRARequest(body.lora_name, next(self._ids), body.lora_path)
         except ValueError as e:  # e.g. an empty name

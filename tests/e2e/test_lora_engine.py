@@ -7,6 +7,7 @@ by adapter; the errors."""
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -174,3 +175,34 @@ def test_errors(lora, plain, adapters, tiny_cfg, tmp_path):
     with pytest.raises(ValueError, match="lora_int_id=0 must be >= 1"):
         LoRARequest("x", 0, "/x")
     assert not lora.engine.has_unfinished()
+
+
+def test_malformed_config_errors_name_the_path(tmp_path, tiny_cfg):
+    """adapter_config.json that is not JSON, not an object, or has target_modules of another
+    type: a ValueError (`AdapterError`) naming the directory and the fault."""
+    from jaxinfer.lora.peft import AdapterError, check_adapter
+
+    path = tmp_path / "bad"
+    write_adapter(path, tiny_cfg, 2, 0, ("q_proj",))
+    cfg_file = path / "adapter_config.json"
+    for text, fault in (
+        ('{"r": 2,', r"adapter_config.json is not valid JSON \(Expecting"),
+        ("[1, 2]", "adapter_config.json holds a list; a JSON object is needed"),
+        (json.dumps(dict(r=2, target_modules=7)), "target_modules=7 is invalid"),
+    ):
+        cfg_file.write_text(text)
+        with pytest.raises(AdapterError, match=f"LoRA adapter '{re.escape(str(path))}': {fault}"):
+            read_config(str(path), 8)
+    cfg_file.write_text(json.dumps(dict(r=2)))
+    os.remove(path / "adapter_model.safetensors")
+    with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
+        check_adapter(str(path), 8)
+
+
+def test_an_id_reused_with_another_path_keeps_its_first_weights(lora, adapters):
+    """vLLM's rule: an id names one adapter's weights; the same name and id with another path
+    runs the weights first read for that id (a1's, not a2's)."""
+    first = run(lora, PROMPTS[:2], adapters[0][0])
+    reused = LoRARequest("a1", 1, adapters[1][0].lora_path)
+    assert run(lora, PROMPTS[:2], reused) == first
+    assert run(lora, PROMPTS[:2], adapters[1][0]) != first  # a2's own weights differ

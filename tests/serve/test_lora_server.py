@@ -1,8 +1,10 @@
 """The server's LoRA adapters, as vLLM's (issue 48 item 1, stretch): ``--lora-modules``
 adapters named by a request's ``model`` (outputs as `LLM.generate` with the same `LoRARequest`
 on an in-process engine of the same configuration; tests/e2e/test_lora_engine.py checks that
-against merged weights), /v1/models listing them, ``/v1/load_lora_adapter`` and
-``/v1/unload_lora_adapter`` with vLLM's messages and statuses, and the CLI's option errors."""
+against merged weights), responses naming the adapter in ``model``, /v1/models listing them,
+``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with vLLM's messages and statuses (a
+bad adapter_config.json refused there), adapter errors of a request naming ``model``, and the
+CLI's option errors (an adapter named as the served model, a bad adapter: exit code 2)."""
 
 import json
 
@@ -71,3 +73,71 @@ def test_lora_modules_option():
         parse_lora_modules(["a"])
     with pytest.raises(ValueError, match="empty or repeated name"):
         parse_lora_modules(["a=/x", "a=/y"])
+
+
+def test_responses_name_the_adapter(lora_server):
+    """vLLM's echo: the ``model`` of completions and chat, streamed and not, is the adapter the
+    request named (the base model's name for the base model)."""
+    import openai
+
+    client = openai.OpenAI(base_url=lora_server.url, api_key=KEY, max_retries=0)
+    msgs = [{"role": "user", "content": "hi"}]
+    for model in ("a1", MODEL):
+        args = dict(model=model, max_tokens=2, temperature=0)
+        assert client.completions.create(prompt="Hi", **args).model == model
+        assert client.chat.completions.create(messages=msgs, **args).model == model
+        chunks = [*client.completions.create(prompt="Hi", stream=True, **args)]
+        chunks += [*client.chat.completions.create(messages=msgs, stream=True, **args)]
+        assert len(chunks) > 2 and {c.model for c in chunks} == {model}
+
+
+def test_load_checks_the_adapter_config(lora_server, tiny_text_cfg, tmp_path):
+    """/v1/load_lora_adapter answers 400 with the reason (param lora_path) for a rank above
+    --max-lora-rank (8) and a malformed adapter_config.json (its path in the message), and
+    serves neither; an adapter whose config passes but whose weights do not (r says 2, the
+    tensors have rank 4) loads, and a request naming it is a 400 whose param is "model"."""
+    import openai
+
+    client = openai.OpenAI(base_url=lora_server.url, api_key=KEY, max_retries=0)
+    write_adapter(tmp_path / "big", tiny_text_cfg, 16, 3, ("q_proj",))
+    write_adapter(tmp_path / "bad", tiny_text_cfg, 4, 3, ("q_proj",))
+    (tmp_path / "bad" / "adapter_config.json").write_text('{"r": 4,')
+    for name, fault in (("big", "r=16 is invalid"), ("bad", "is not valid JSON")):
+        body = dict(lora_name=name, lora_path=str(tmp_path / name))
+        with pytest.raises(openai.BadRequestError, match=fault) as e:
+            client.post("/load_lora_adapter", body=body, cast_to=str)
+        assert e.value.body["param"] == "lora_path" and str(tmp_path / name) in str(e.value)
+    assert [m.id for m in client.models.list().data] == [MODEL, "a1"]
+    config = tmp_path / "big" / "adapter_config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), r=2)))
+    body = dict(lora_name="mis", lora_path=str(tmp_path / "big"))
+    client.post("/load_lora_adapter", body=body, cast_to=str)
+    try:
+        with pytest.raises(openai.BadRequestError, match="has shape") as e:
+            client.completions.create(model="mis", prompt="Hi", max_tokens=2)
+        assert e.value.body["param"] == "model"
+    finally:
+        client.post("/unload_lora_adapter", body=dict(lora_name="mis"), cast_to=str)
+
+
+def test_adapter_named_as_the_model_or_bad_is_refused_at_start(
+    paths, tiny_text_cfg, tmp_path, capsys
+):
+    """``--lora-modules`` with the served model's name (it would hide the base model), or an
+    adapter of rank above --max-lora-rank: one line, exit code 2, before any model loads
+    (`check_lora_modules`); `ServedLoRAs` refuses the name too (the name known once the core
+    is up)."""
+    from jaxinfer.serve.__main__ import main
+    from jaxinfer.serve.lora import ServedLoRAs
+
+    base = ["--enable-lora", "--served-model-name", MODEL, "--max-lora-rank", "8"]
+    assert main([*base, "--lora-modules", f"{MODEL}={paths['a1']}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --lora-modules {MODEL}=")
+    assert "the served model's name" in err[0]
+    write_adapter(tmp_path / "big", tiny_text_cfg, 16, 0, ("q_proj",))
+    assert main([*base, "--lora-modules", f"big={tmp_path / 'big'}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "r=16 is invalid" in err[0] and "max_lora_rank=8" in err[0]
+    with pytest.raises(ValueError, match="the served model's name"):
+        ServedLoRAs(MODEL, {MODEL: paths["a1"]}, 8)

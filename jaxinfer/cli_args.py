@@ -109,16 +109,40 @@ def engine_parser(prog: str, description: str) -> Parser:
     return p
 
 
+def add_lora_path(p: Parser) -> None:
+    """``--lora-path PATH`` on ``p``: one LoRA adapter for every prompt (`lora_request`)."""
+    p.add_argument(
+        "--lora-path",
+        default=None,
+        metavar="PATH",
+        help="a PEFT LoRA adapter directory applied to every prompt (LoRARequest('cli', 1, "
+        "PATH); implies --enable-lora; docs/lora.md)",
+    )
+
+
+def lora_request(args: argparse.Namespace):
+    """The `LoRARequest` of ``args.lora_path`` (name "cli", id 1), or None."""
+    from jaxinfer.lora.request import LoRARequest
+
+    path = getattr(args, "lora_path", None)
+    return None if path is None else LoRARequest("cli", 1, path)
+
+
 def make_llm(args: argparse.Namespace, **kwargs):
     """`jaxinfer.llm.LLM` of ``args.model`` (None: the embedded default model) with the engine
     options of ``args`` (`engine_parser`, `HUB_OPTIONS` included) and ``kwargs``; transformers'
-    warnings are silenced (they would break the one-line error contract). Raises
+    warnings are silenced (they would break the one-line error contract). ``args.lora_path``
+    (`add_lora_path`), if set: ``enable_lora`` on, the adapter's files checked first. Raises
     FileNotFoundError (no such ``--model``, or the hub's error for a hub id: `LLM`'s message),
-    ValueError: as `LLM`."""
+    ValueError: as `LLM`, as `jaxinfer.lora.peft.check_adapter` (before the model loads)."""
     from jaxinfer import llm
+    from jaxinfer.lora.peft import check_adapter
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     opts = {name: getattr(args, name) for name in (*ENGINE_OPTIONS, *(n for n, _ in HUB_OPTIONS))}
+    if (path := getattr(args, "lora_path", None)) is not None:
+        check_adapter(path, args.max_lora_rank)
+        opts["enable_lora"] = True
     if "precompile" in opts and opts["precompile"] is None:  # the server's default
         import jax
 

@@ -10,7 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from jaxinfer.cli_args import engine_parser, fail, flag, make_llm
+from jaxinfer.cli_args import add_lora_path, engine_parser, fail, flag, lora_request, make_llm
 from jaxinfer.config import EngineConfig
 
 SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="HF tokenizer dir or GGUF file to use instead of the model's",
     )
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    add_lora_path(p)
     p.add_argument(
         "--prompts-file",
         default=None,
@@ -334,6 +335,7 @@ def _main(argv: list[str] | None = None) -> int:
         use_tqdm=len(prompts) > 1 and not args.stream and sys.stderr.isatty(),
         on_error="return",
         stream=print_delta if args.stream else None,
+        lora_request=lora_request(args),
     )
     wall, ok = time.perf_counter() - t0, [o for o in outs if not o.error]
     if args.stream:

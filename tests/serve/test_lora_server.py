@@ -141,3 +141,36 @@ def test_adapter_named_as_the_model_or_bad_is_refused_at_start(
     assert len(err) == 1 and "r=16 is invalid" in err[0] and "max_lora_rank=8" in err[0]
     with pytest.raises(ValueError, match="the served model's name"):
         ServedLoRAs(MODEL, {MODEL: paths["a1"]}, 8)
+
+
+def test_cli_lora_path(lora_server, paths, tiny_text_cfg, tiny_text_params, monkeypatch, capsys):
+    """``python -m jaxinfer.generate --lora-path PATH``: every prompt runs with the adapter (its
+    texts as `LLM.generate` with the same adapter, unlike the base model's), enable_lora is on;
+    a bad adapter is one line and exit code 2 before the model loads. The CLI's engine: a new
+    one of the server test's configuration (its steps from the run's compilation cache), whose
+    id 1 is free for the CLI's LoRARequest("cli", 1, PATH)."""
+    from tiny_model import TINY_ENGINE
+
+    import jaxinfer.llm
+    from jaxinfer import LLM, generate
+
+    seen, tok = {}, lora_server.llm.tokenizer
+
+    def fresh(*_, **kwargs):
+        seen.update(kwargs)
+        args = dict(TINY_ENGINE, **LORA_ENGINE)
+        return LLM.from_params(tiny_text_cfg, tiny_text_params, tokenizer=tok, **args)
+
+    monkeypatch.setattr(jaxinfer.llm, "LLM", fresh)
+    argv = ["--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max-tokens", "8", "--json"]
+    assert generate.main([*argv, "--lora-path", paths["a1"], "--max-lora-rank", "8"]) == 0
+    texts = [json.loads(line)["text"] for line in capsys.readouterr().out.splitlines()]
+    sp, a1 = SamplingParams(temperature=0, max_tokens=8), LoRARequest("a1", 1, paths["a1"])
+    outs = lora_server.llm.generate(PROMPTS[:2], sp, lora_request=a1)
+    assert texts == [o.outputs[0].text for o in outs]
+    assert texts != [o.outputs[0].text for o in lora_server.llm.generate(PROMPTS[:2], sp)]
+    assert seen["enable_lora"] is True and seen["max_lora_rank"] == 8
+    seen.clear()
+    assert generate.main([*argv, "--lora-path", "/no/such/adapter"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: LoRA adapter '/no/such/adapter': no such directory"] and not seen

@@ -8,6 +8,8 @@ Variants (``--variants``):
   triton   the same with ``jax_ragged_dot_use_gpu_pallas_triton_lowering`` on (JAX's Pallas
            Triton ragged dot, where this JAX has it)
   gather   each pair's expert matrix gathered, then one batched product (reads k*T matrices)
+  pallas[-kK][-nN][-wW][-sS]  `pallas_kernels.moe_gemm.grouped_gemm` (block_k K, block_n N,
+           W warps, S stages; default 64, 64, 4, 3)
 
 Each timed call runs ``--layers`` independent grouped GEMMs (distinct stacks, so the experts
 come from HBM, not L2). Reports µs per GEMM and GB/s of the distinct experts chosen (the bytes
@@ -23,6 +25,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import sys
 
 import jax
@@ -31,12 +34,23 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from jaxinfer.models.moe import grouped_dense, route  # noqa: E402
+from pallas_kernels.moe_gemm import grouped_gemm  # noqa: E402
 from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
 from scripts.run_info import git_commit  # noqa: E402
 
 E, K, D, FE = 128, 8, 2048, 768  # Qwen3-30B-A3B: experts, top-k, hidden, expert FFN width
 STACKS = {"gate_up": (D, 2 * FE), "down": (FE, D)}
-VARIANTS = ("xla", "triton", "gather")
+VARIANTS = ("xla", "triton", "gather", "pallas")
+_PALLAS = re.compile(r"pallas(?:-k(\d+))?(?:-n(\d+))?(?:-w(\d+))?(?:-s(\d+))?")
+
+
+def variant_name(v: str) -> str:
+    """``v`` if it names a variant, else argparse's error."""
+    if v in VARIANTS or _PALLAS.fullmatch(v):
+        return v
+    raise argparse.ArgumentTypeError(
+        f"unknown variant {v!r}: xla, triton, gather, pallas[-kK-nN-wW-sS]"
+    )
 
 
 def routed(T: int, seed: int) -> tuple[jax.Array, jax.Array, int]:
@@ -52,7 +66,20 @@ def routed(T: int, seed: int) -> tuple[jax.Array, jax.Array, int]:
 def gemm_fn(variant: str):
     """(jitted fn over lists of xs, ws, with sizes and expert) for one variant."""
 
+    m = _PALLAS.fullmatch(variant)
+    knobs = (
+        {}
+        if m is None
+        else {
+            name: int(g)
+            for name, g in zip(("block_k", "block_n", "num_warps", "num_stages"), m.groups())
+            if g
+        }
+    )
+
     def one(xs, w, sizes, expert):
+        if m is not None:
+            return grouped_gemm(xs, w, sizes, **knobs)
         if variant == "gather":
             return jnp.einsum("mi,mio->mo", xs, jnp.take(w, expert, axis=0))
         return grouped_dense(xs, w, sizes, expert)
@@ -88,7 +115,7 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64], help="T a step")
     ap.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
-    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name)
     ap.add_argument("--layers", type=int, default=4, help="independent GEMMs per timed call")
     ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
     ap.add_argument("--out", default="benchmarks/h200.jsonl", help="JSON lines appended here")

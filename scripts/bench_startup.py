@@ -6,10 +6,12 @@ the server precompiles (``--precompile``/``--no-precompile``, passed on; default
 on a GPU), the whole planned set (`BucketSpec.planned`: every forward and sampler, 56 programs
 at the defaults) compiled before ``/health`` answers, and the number of programs it compiled (the
 ``jaxinfer:compiled_step_shapes`` metric). A table, one JSON line per start (bench="startup") in
-``--out``.
+``--out``. ``--offline``: the same two starts of a Python process running ``LLM(model)`` and
+then one ``generate`` of one token, timed from the process's launch to that token.
 
     python scripts/bench_startup.py [--model DIR] [--layers 36] [--max-model-len 2048]
         [--max-num-seqs 256] [--max-num-batched-tokens 8192] [--tiny] [--no-precompile]
+        [--offline]
 
 No ``--model``: a random-weight Qwen3-8B-architecture checkpoint (``--layers``) written once to
 ``--ckpt`` (bench_throughput.py's); ``--tiny``: a 2-layer small one on the CPU.
@@ -97,6 +99,33 @@ def start(cmd: list[str], timeout: float) -> tuple[float, float]:
         child.wait(60)
 
 
+OFFLINE = """
+import sys
+from jaxinfer import LLM, SamplingParams
+model, cache, max_len, seqs, tokens = sys.argv[1:6]
+llm = LLM(model, compilation_cache_dir=cache, max_model_len=int(max_len), max_num_seqs=int(seqs),
+          max_num_batched_tokens=int(tokens))
+llm.generate(["w5 w6 w7"], SamplingParams(max_tokens=1), use_tqdm=False)
+print("FIRST TOKEN", flush=True)
+"""
+
+
+def first_token(args, model: str, cache: str) -> tuple[float, float]:
+    """(seconds from a fresh process's launch to `LLM(model)`'s first generated token, nan)."""
+    sizes = (args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens)
+    cmd = [sys.executable, "-c", OFFLINE, model, cache, *map(str, sizes)]
+    t0 = time.perf_counter()
+    child = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        for line in child.stdout:
+            if line.startswith("FIRST TOKEN"):
+                return time.perf_counter() - t0, float("nan")
+        raise SystemExit(f"the LLM process exited with {child.wait()} before its first token")
+    finally:
+        child.kill()
+        child.wait(60)
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -115,6 +144,7 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="the server compiles the planned set before /health (default: the server's, on a GPU)",
     )
+    ap.add_argument("--offline", action="store_true", help="LLM() to its first token instead")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--out", default="benchmarks/h200.jsonl")
     return ap
@@ -140,10 +170,13 @@ def main() -> None:
     cmd, rows = server_cmd(args, model, cache), []
     try:
         for cache_state in ("cold", "warm"):
-            ready, compiles = start(cmd, args.timeout)
+            if args.offline:
+                ready, compiles = first_token(args, model, cache)
+            else:
+                ready, compiles = start(cmd, args.timeout)
             rows.append(
                 dict(
-                    bench="startup",
+                    bench="startup_offline" if args.offline else "startup",
                     cache=cache_state,
                     health_s=ready,
                     compiled_shapes=compiles,
@@ -158,8 +191,9 @@ def main() -> None:
                     xla_flags=xla_flags(),
                 )
             )
+            what = "first token" if args.offline else "/health 200"
             print(
-                f"{cache_state:>5} cache: /health 200 after {ready:6.1f} s, "
+                f"{cache_state:>5} cache: {what} after {ready:6.1f} s, "
                 f"{compiles:.0f} programs compiled",
                 flush=True,
             )

@@ -345,5 +345,20 @@ def _main(argv: list[str] | None = None) -> int:
     return 2 if len(ok) < len(prompts) else 0
 
 
+def _exit(code: int) -> None:
+    """End the process with ``code`` once the GGUF cache entry being written is complete
+    (`gguf_cache.join`) and stdout and stderr are flushed, without the interpreter's teardown
+    (freeing the weights, the KV pool and JAX's objects: 0.6 s of a 5 s run)."""
+    from checkpoints_tools import gguf_cache
+
+    gguf_cache.join()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except OSError:  # a reader that left (BrokenPipeError)
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -288,6 +288,27 @@ def test_abstract_params_match_the_layout(arch, tied):
     assert param_count(cfg) * 2 == sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_abstract_params_one_trace_serves_every_dtype_and_tying(tied):
+    """Unquantised, `abstract_params` derives each dtype and tying from one float32 trace of the
+    untied model: the same tree as tracing the modules' init in that dtype (MoE layers too)."""
+    cfg = ModelConfig(
+        *("qwen3_moe", 128, 64, 96, 2, 4, 2, 16),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=(0,),
+        tie_word_embeddings=tied,
+    )
+    for dtype in (jnp.float32, jnp.bfloat16):
+        traced = jax.eval_shape(models._init_fn(cfg, dtype), jax.random.key(0))
+        got = models.abstract_params(cfg, dtype)
+        assert jax.tree.map(lambda x: (x.shape, x.dtype), got) == jax.tree.map(
+            lambda x: (x.shape, x.dtype), traced
+        )
+        assert ("lm_head" in got) != tied
+
+
 def test_abstract_params_qwen3_8b_without_allocating():
     """Qwen3-8B's tree at its real size, by eval_shape: shapes and 8,190,735,360 params."""
     cfg = ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, tie_word_embeddings=False)

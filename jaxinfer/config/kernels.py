@@ -20,6 +20,7 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
         "prefill_attention": ("auto", *registry.PREFILL),
         "prefill_gemm": ("xla", "cublas"),
         "fp8_gemm": ("w8a16", "w8a8"),
+        "moe_gemm": ("ragged_dot", "triton"),
     }
 
 
@@ -31,12 +32,15 @@ class KernelConfig:
     weight scales only; not yet timed on a GPU); decode buckets of >=
     cublas_decode_min_batch rows use cuBLAS (None: XLA); ragged (mixed) steps of at most
     ragged_decode_max_tokens tokens attend each token as a decode row (0: never; not yet timed on
-    a GPU, BENCHMARKS "Issue 45"); batch_buckets / token_buckets: B / T."""
+    a GPU, BENCHMARKS "Issue 45"); moe_gemm: the experts' grouped GEMM of mixture-of-experts
+    layers, XLA's ``jax.lax.ragged_dot`` or the Pallas/Triton kernel `pallas_kernels.moe_gemm`
+    (GPU); batch_buckets / token_buckets: B / T."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     prefill_gemm: str = "xla"
     fp8_gemm: str = "w8a16"
+    moe_gemm: str = "ragged_dot"
     cublas_decode_min_batch: int | None = 64
     ragged_decode_max_tokens: int = 0
     batch_buckets: tuple[int, ...] = ()
@@ -137,12 +141,15 @@ class KernelConfig:
         )
 
 
+GPU_FREE = ("auto", "reference", "ragged_dot")  # the values of the kernel keys a CPU runs
+
+
 def check_platform(kc: KernelConfig, platform: str) -> None:
     """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu"."""
-    for name in KERNEL_ALIASES.values():
-        if platform != "gpu" and (value := getattr(kc, name)) not in ("auto", "reference"):
+    for name in (*KERNEL_ALIASES.values(), "moe_gemm"):
+        if platform != "gpu" and (value := getattr(kc, name)) not in GPU_FREE:
             raise ValueError(
                 f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
-                f"backend is {platform!r}; use 'auto' or 'reference' here (the "
+                f"backend is {platform!r}; use one of {GPU_FREE} here (the "
                 "kernels' CPU tests run them in interpret mode)"
             )

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import moe_gemm
 from pallas_kernels.paged_attention import ragged, reference, registry
 
 
@@ -84,18 +85,43 @@ class RaggedAttention:
 
 
 @dataclass(frozen=True)
+class GroupedGemm:
+    """The grouped GEMM of mixture-of-experts layers, ``jax.lax.ragged_dot``'s contract: (xs [M,
+    I], w [E, I, O] (xs's dtype or e4m3), sizes i32[E], preferred_element_type) -> [M, O].
+    variant "ragged_dot" (XLA's) or "triton" (`pallas_kernels.moe_gemm.grouped_gemm`, for stacks
+    it has blocks for, else ragged_dot); ``interpret``: the Pallas interpreter (CPU tests)."""
+
+    variant: str = "ragged_dot"
+    interpret: bool = False
+
+    def __call__(self, xs, w, sizes, preferred_element_type=None):
+        if self.variant == "triton" and moe_gemm.supported(w.shape):
+            return moe_gemm.grouped_gemm(
+                xs,
+                w,
+                sizes,
+                preferred_element_type=preferred_element_type,
+                interpret=self.interpret,
+            )
+        w = w.astype(xs.dtype)  # e4m3 is exact in xs's dtype
+        return jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=preferred_element_type)
+
+
+@dataclass(frozen=True)
 class ModelKernels:
     """attention: B rows of T tokens (`reference.paged_attention`'s contract); ragged: ragged rows
     (`reference.ragged_paged_attention`'s); mesh: None, or the 1-D "tp" mesh of tensor
     parallelism (`runner.parallel.make_mesh`); ragged steps of at most ``ragged_decode_max_tokens``
     tokens attend token by token through ``attention``'s decode rows (`layers.by_token`); fp8_gemm:
-    fp8 weights' GEMM, "w8a16" (bf16 activations) or "w8a8" (`layers.dense`)."""
+    fp8 weights' GEMM, "w8a16" (bf16 activations) or "w8a8" (`layers.dense`); moe_gemm: the
+    experts' grouped GEMM (`GroupedGemm`)."""
 
     attention: Callable = reference.paged_attention
     mesh: Any = None
     ragged: Callable = RaggedAttention()
     ragged_decode_max_tokens: int = 0
     fp8_gemm: str = "w8a16"
+    moe_gemm: Callable = GroupedGemm()
 
     tp = property(
         lambda self: 1 if self.mesh is None else self.mesh.size,
@@ -206,4 +232,11 @@ def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKerne
     if (decode, prefill) != ("reference", "reference"):
         attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
     by_token = kc.ragged_decode_max_tokens
-    return ModelKernels(attention, mesh, RaggedAttention(prefill), by_token, kc.fp8_gemm)
+    return ModelKernels(
+        attention,
+        mesh,
+        RaggedAttention(prefill),
+        by_token,
+        kc.fp8_gemm,
+        moe_gemm=GroupedGemm(kc.moe_gemm),
+    )

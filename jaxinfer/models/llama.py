@@ -171,6 +171,7 @@ def decoder_layer(
         top_k=cfg.num_experts_per_tok,
         norm_topk_prob=cfg.norm_topk_prob,
         mesh=kernels.mesh,
+        gemm=kernels.moe_gemm,
     )
     return x, moe(h, w["router"], w["w_experts_gate_up"], w["w_experts_down"]), k_pool, v_pool
 

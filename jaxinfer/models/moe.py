@@ -2,16 +2,20 @@
 (softmax over all E router logits in f32, top-k, renormalised if ``norm_topk_prob``) and
 `moe_mlp` (the token-expert pairs sorted by expert, one grouped GEMM per projection, gate|up
 fused, SiLU-gated, weighted, unsorted and summed over k). Shape letters: T tokens, D, E experts,
-k = top-k, F_e the experts' FFN width. The grouped GEMM is ``jax.lax.ragged_dot`` (the CPU path,
-and the reference of a GPU kernel to come). Sources: HF ``modeling_qwen3_moe.py``; vLLM's
-``fused_moe`` (sort by expert, grouped GEMM, weighted sum)."""
+k = top-k, F_e the experts' FFN width. The grouped GEMM is ``gemm``
+(`models.kernels.GroupedGemm`: ``jax.lax.ragged_dot``, or the Pallas/Triton kernel
+`pallas_kernels.moe_gemm`). Sources: HF ``modeling_qwen3_moe.py``; vLLM's ``fused_moe`` (sort
+by expert, grouped GEMM, weighted sum)."""
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.models.kernels import GroupedGemm
 from jaxinfer.models.kv_cache import AXIS
 from jaxinfer.models.layers import Weight
+
+RAGGED_DOT = GroupedGemm()  # XLA's ragged_dot, the default grouped GEMM
 
 
 def route(
@@ -31,28 +35,33 @@ def route(
     return weights.astype(x.dtype), experts.astype(jnp.int32)
 
 
-def grouped_dense(xs: jax.Array, w, sizes: jax.Array, expert: jax.Array) -> jax.Array:
+def grouped_dense(
+    xs: jax.Array, w, sizes: jax.Array, expert: jax.Array, gemm=RAGGED_DOT
+) -> jax.Array:
     """Rows xs [M, in] sorted by expert, ``sizes`` i32[E] rows each, times their expert's matrix
-    ``w`` (a `layers.Weight` of [E, in, out], or an array): ``jax.lax.ragged_dot`` in xs.dtype;
-    an fp8 weight (e4m3 with f32 scale [E, out]) is multiplied as it is (exact in bf16) with f32
-    accumulation and each row's expert's scale (``expert`` i32[M]) applied to the output."""
+    ``w`` (a `layers.Weight` of [E, in, out], or an array) by ``gemm`` (ragged_dot's contract) in
+    xs.dtype; an fp8 weight (e4m3 with f32 scale [E, out]) is multiplied as it is (exact in bf16)
+    with f32 accumulation and each row's expert's scale (``expert`` i32[M]) applied to the
+    output."""
     matrix, scale = (w.w, w.scale) if isinstance(w, Weight) else (w, None)
     if scale is None:
-        return jax.lax.ragged_dot(xs, matrix.astype(xs.dtype), sizes)
-    y = jax.lax.ragged_dot(xs, matrix.astype(xs.dtype), sizes, preferred_element_type=jnp.float32)
+        return gemm(xs, matrix.astype(xs.dtype), sizes)
+    y = gemm(xs, matrix, sizes, preferred_element_type=jnp.float32)
     return (y * jnp.take(scale, expert, axis=0)).astype(xs.dtype)
 
 
-def _experts(xs: jax.Array, w_gate_up, w_down, sizes: jax.Array, expert: jax.Array) -> jax.Array:
+def _experts(
+    xs: jax.Array, w_gate_up, w_down, sizes: jax.Array, expert: jax.Array, gemm
+) -> jax.Array:
     """The SwiGLU of each sorted row xs [M, D] through its expert: [M, D] (`grouped_dense`;
     ``w_gate_up``'s columns [gate | up] of F_e each, or of this device's F_e / tp)."""
-    gu = grouped_dense(xs, w_gate_up, sizes, expert)  # [M, 2 F_e]
+    gu = grouped_dense(xs, w_gate_up, sizes, expert, gemm)  # [M, 2 F_e]
     Fe = gu.shape[-1] // 2
     h = jax.nn.silu(gu[:, :Fe]) * gu[:, Fe:]
-    return grouped_dense(h, w_down, sizes, expert)
+    return grouped_dense(h, w_down, sizes, expert, gemm)
 
 
-def _sharded(mesh, w_gate_up, w_down):
+def _sharded(mesh, w_gate_up, w_down, gemm):
     """`_experts` under ``jax.shard_map`` over ``mesh``'s "tp" axis: each device its share of
     every expert's F_e (gate_up's columns [gate_s | up_s], `engine_layout`; down's rows), the
     rows and routing whole on each, the partial outputs summed (psum)."""
@@ -65,7 +74,7 @@ def _sharded(mesh, w_gate_up, w_down):
         return Weight(matrix, scale, w.block, w.w8a8)
 
     def local(xs, gate_up, down, sizes, expert):
-        return jax.lax.psum(_experts(xs, gate_up, down, sizes, expert), AXIS)
+        return jax.lax.psum(_experts(xs, gate_up, down, sizes, expert, gemm), AXIS)
 
     return jax.shard_map(
         local,
@@ -85,6 +94,7 @@ def moe_mlp(
     top_k: int,
     norm_topk_prob: bool,
     mesh=None,
+    gemm=RAGGED_DOT,
 ) -> jax.Array:
     """x [..., D] -> [..., D]: each token's `route`'d k experts, ``sum_k weight_k *
     (silu(x @ gate_e) * (x @ up_e)) @ down_e`` with ``w_gate_up`` [E, D, 2 F_e] ([gate | up] per
@@ -92,7 +102,7 @@ def moe_mlp(
     The T*k token-expert pairs are sorted by expert (stable), so each expert's rows are one
     contiguous group of ``bincount`` rows for ``jax.lax.ragged_dot``; the products go back to
     their pair's place and are summed over k. ``mesh``: tensor parallelism over each expert's
-    F_e (`_sharded`), or None."""
+    F_e (`_sharded`), or None; ``gemm``: the grouped GEMM (`models.kernels.GroupedGemm`)."""
     shape, D = x.shape, x.shape[-1]
     x2 = x.reshape(-1, D)
     T, E = x2.shape[0], router.shape[-1]
@@ -104,8 +114,10 @@ def moe_mlp(
         xs = jnp.take(x2, order // top_k, axis=0)  # [T*k, D]
         expert = jnp.take(flat, order)  # i32[T*k]: each sorted row's expert
     with jax.named_scope("moe_mlp"):
-        experts_mlp = _experts if mesh is None else _sharded(mesh, w_gate_up, w_down)
-        y = experts_mlp(xs, w_gate_up, w_down, sizes, expert)  # [T*k, D]
+        if mesh is None:
+            y = _experts(xs, w_gate_up, w_down, sizes, expert, gemm)  # [T*k, D]
+        else:
+            y = _sharded(mesh, w_gate_up, w_down, gemm)(xs, w_gate_up, w_down, sizes, expert)
         y = y * jnp.take(weights.reshape(-1), order)[:, None]
         y = jnp.zeros_like(y).at[order].set(y, unique_indices=True)  # back in pair order
         return y.reshape(T, top_k, D).sum(axis=1).reshape(shape).astype(x.dtype)

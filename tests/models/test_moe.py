@@ -19,6 +19,7 @@ from tiny_model import TINY_ENGINE  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.models.kernels import GroupedGemm  # noqa: E402
 from jaxinfer.models.moe import moe_mlp, route  # noqa: E402
 
 TOL = 1e-4  # log-probabilities, absolute (float32 on both sides)
@@ -161,16 +162,19 @@ def dense_reference(x, router, w_gate_up, w_down, top_k, norm):
     return jnp.einsum("te,ted->td", gate, y)
 
 
+@pytest.mark.parametrize("gemm", ["ragged_dot", "triton"])
 @pytest.mark.parametrize("E,k,norm,T", [(8, 2, True, 37), (4, 3, False, 5), (6, 1, True, 1)])
-def test_moe_mlp_matches_dense_reference(E, k, norm, T):
+def test_moe_mlp_matches_dense_reference(E, k, norm, T, gemm):
+    """Both grouped GEMMs (`GroupedGemm`; the Pallas kernel in interpret mode) against every
+    expert on every token."""
     keys = jax.random.split(jax.random.key(E * 10 + k), 4)
-    D, Fe = 64, 24
+    D, Fe = 64, 32
     x = jax.random.normal(keys[0], (T, D))
     router = jax.random.normal(keys[1], (D, E)) * 0.3
     wgu = jax.random.normal(keys[2], (E, D, 2 * Fe)) * D**-0.5
     wd = jax.random.normal(keys[3], (E, Fe, D)) * Fe**-0.5
-    got = jax.jit(moe_mlp, static_argnames=("top_k", "norm_topk_prob"))(
-        x[None], router, wgu, wd, top_k=k, norm_topk_prob=norm
+    got = jax.jit(moe_mlp, static_argnames=("top_k", "norm_topk_prob", "gemm"))(
+        x[None], router, wgu, wd, top_k=k, norm_topk_prob=norm, gemm=GroupedGemm(gemm, True)
     )[0]
     want = dense_reference(x, router, wgu, wd, k, norm)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)

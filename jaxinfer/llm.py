@@ -17,7 +17,8 @@ from jaxinfer.config import ModelConfig, check_platform, engine_config, memory, 
 from jaxinfer.config.vllm_args import VLLM_HUB
 from jaxinfer.engine.llm_engine import LLMEngine
 from jaxinfer.lora.request import per_prompt
-from jaxinfer.models.quantize import quantize_params
+from jaxinfer.models.quantize import is_quantized
+from jaxinfer.models.smoothquant import fold, served_params
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.prompts import ParamsArg, Prompts
 from jaxinfer.runner import loading, parallel
@@ -130,13 +131,15 @@ class LLM(Prompts):
             resolved.dtype,
             with_tokenizer=not skip_tokenizer_init,
             tokenizer=tokenizer,
-            quantization=resolved.quantization,
+            quantization=None if resolved.smoothquant else resolved.quantization,
             on_host=ec.tensor_parallel_size > 1,
-        )  # tp > 1: engine shards
+        )  # tp > 1: engine shards; SmoothQuant: quantised after it
         self.model_path, self.tokenizer = os.fspath(path), loaded.tokenizer
-        runner = ModelRunner(
-            loaded.config, loaded.params, dataclasses.replace(resolved, model=loaded.config)
+        resolved = dataclasses.replace(resolved, model=loaded.config)
+        params, self._smoothing = served_params(
+            loaded.params, loaded.config, resolved, loaded.tokenizer
         )
+        runner = ModelRunner(loaded.config, params, resolved)
         self.engine = LLMEngine(
             runner,
             eos_token_ids=loaded.eos_token_ids,
@@ -148,10 +151,11 @@ class LLM(Prompts):
     def from_params(cls, config, params: dict, *, tokenizer=None, **engine_args) -> "LLM":
         """An `LLM` over ``params``, the `jaxinfer.models.init_params` tree of ``config`` (compute
         dtype; ``tensor_parallel_size`` > 1: jax or numpy leaves, resharded), quantised first with
-        ``quantization="fp8"``. ``tokenizer``: an HF tokenizer object, or a path or hub id as
-        `LLM`'s; its EOS id joins ``config.eos_token_ids``; None: token-id prompts, no ``stop``.
-        ValueError: ``config`` not a `ModelConfig`, a bad engine argument, a ``revision`` (no
-        model is read); FileNotFoundError: no tokenizer."""
+        ``quantization="fp8"`` (W8A8: SmoothQuant before, given a tokenizer; `served_params`).
+        ``tokenizer``: an HF tokenizer object, or a path or hub id as `LLM`'s; its EOS id joins
+        ``config.eos_token_ids``; None: token-id prompts, no ``stop``. ValueError: ``config`` not
+        a `ModelConfig`, a bad engine argument, a ``revision`` (no model is read);
+        FileNotFoundError: no tokenizer."""
         if not isinstance(config, ModelConfig):
             raise ValueError(
                 f"config must be a jaxinfer.config.ModelConfig; got "
@@ -178,8 +182,7 @@ class LLM(Prompts):
             jax.default_backend(),
             jax.devices()[0].device_kind,
         )
-        if resolved.quantization is not None:
-            params = quantize_params(params, config.weight_block_size)
+        params, self._smoothing = served_params(params, config, resolved, tokenizer)
         eos = (getattr(tokenizer, "eos_token_id", None), *config.eos_token_ids)
         self.engine = LLMEngine(
             ModelRunner(config, params, resolved),
@@ -190,7 +193,10 @@ class LLM(Prompts):
         return self
 
     def update_params(self, params) -> None:
-        """`LLMEngine.update_params`: new weights, no recompile (ValueError: mismatch, requests)."""
+        """`LLMEngine.update_params`: new weights, no recompile (ValueError: mismatch, requests);
+        an unquantised tree gets the start's SmoothQuant factors folded in (`smoothquant.fold`)."""
+        if self._smoothing is not None and not is_quantized(params):
+            params = fold(params, self.engine.model_config, self._smoothing)
         self.engine.update_params(params)
 
     def update_lora(self, name_or_id, tensors: dict) -> None:

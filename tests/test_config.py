@@ -282,3 +282,35 @@ def test_fp8_with_tensor_parallelism():
         match="tensor_parallel_size=3 is invalid: kv_cache_dtype='fp8' runs on one device only",
     ):
         resolve(model(), EngineConfig(tensor_parallel_size=3, kv_cache_dtype="fp8"), "cpu")
+
+
+def test_smoothquant_resolves_where_w8a8_runs():
+    """SmoothQuant's alpha: 0.4 by default where W8A8 runs (fp8 weights, fp8_gemm w8a8, one
+    device, no LoRA), None elsewhere (W8A16: when asked); 0 is off; an alpha where it cannot
+    apply, or out of [0, 1], is a ValueError naming the field."""
+    w8a8 = dict(quantization="fp8", kernels="fp8_gemm=w8a8")
+    assert resolve(model(), EngineConfig(**w8a8), "cpu").smoothquant == 0.4
+    assert resolve(model(), EngineConfig(smoothquant=0.3, **w8a8), "cpu").smoothquant == 0.3
+    assert resolve(model(), EngineConfig(smoothquant=0, **w8a8), "cpu").smoothquant is None
+    w8a16 = EngineConfig(smoothquant=0.4, quantization="fp8")
+    assert resolve(model(), w8a16, "cpu").smoothquant == 0.4
+    tp2 = dict(**w8a8, tensor_parallel_size=2)
+    for off in ({}, dict(quantization="fp8"), dict(**w8a8, enable_lora=True), tp2):
+        assert resolve(model(), EngineConfig(**off), "cpu").smoothquant is None
+    for bad, why in (
+        ({}, "needs fp8 weights"),
+        (dict(kernels="fp8_gemm=w8a8"), "needs fp8 weights"),
+        (dict(**w8a8, enable_lora=True), "LoRA"),
+        (tp2, "one device"),
+    ):
+        with pytest.raises(
+            ValueError, match=rf"EngineConfig\.smoothquant=0\.5 is invalid: .*{why}"
+        ):
+            resolve(model(), EngineConfig(smoothquant=0.5, **bad), "cpu")
+    block = dataclasses.replace(model(), weight_block_size=(128, 128))
+    assert resolve(block, EngineConfig(**w8a8), "cpu").smoothquant is None
+    with pytest.raises(ValueError, match="quantised already"):
+        resolve(block, EngineConfig(smoothquant=0.5, **w8a8), "cpu")
+    for bad in (1.5, -0.1, "0.5"):
+        with pytest.raises(ValueError, match=rf"EngineConfig\.smoothquant={bad!r} is invalid"):
+            EngineConfig(smoothquant=bad)

@@ -90,6 +90,7 @@ def _rules() -> tuple:
             "allowed: 'auto' (the compute dtype), 'fp8' or 'fp8_e4m3' (float8_e4m3fn)",
         ),
         ("quantization", (None, "fp8").__contains__, "allowed: None or 'fp8'"),
+        ("smoothquant", _optional(lambda v: 0 <= v <= 1), "must be None or a number in [0, 1]"),
         (
             "max_logprobs",
             lambda v: is_int(v, 0) and v <= MAX_LOGPROBS,
@@ -170,6 +171,14 @@ class EngineConfig:
         "weights: 'fp8' (e4m3, per-output-channel scales); "
         "default: unquantised, but an FP8 checkpoint runs fp8",
         choices=["fp8"],
+    )
+    smoothquant: float | None = _user(
+        None,
+        "fp8 weights (quantization fp8): SmoothQuant's migration strength alpha in [0, 1] "
+        "(TensorRT-LLM's --smoothquant), folded into the weights at load from 512 tokens of a "
+        "calibration text (needs a tokenizer; one device, no LoRA); default: 0.4 with kernels "
+        "fp8_gemm=w8a8, else off; 0: off (docs/fp8.md)",
+        metavar="ALPHA",
     )
     enforce_eager: bool = _user(
         False, "accepted for vLLM compatibility; no effect (steps are always compiled)"

@@ -11,6 +11,7 @@ from jaxinfer.config.kernels import KERNEL_ALIASES, KernelConfig, check_platform
 from jaxinfer.config.model import ModelConfig, _fail, check_tp
 from pallas_kernels.paged_attention import registry
 
+DEFAULT_SMOOTHQUANT = 0.4  # alpha where W8A8 runs (docs/fp8.md: SmolLM2, 0.4 beat 0.5)
 DEFAULT_SPEC_DECODE_ROWS = 16  # disable_by_batch_size when unset (BENCHMARKS: verify steps)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
 FP8_KV_DECODE = ("reference", "triton")  # decode variants validated on fp8 pages
@@ -29,6 +30,7 @@ class ResolvedConfig:
     kv_dtype: str  # the KV pools': dtype or "float8_e4m3fn"
     quantization: str | None = None  # weights: None | "fp8"
     spec_decode_rows: int = 0  # speculation while decode rows <= this (0: off); `spec_rows`
+    smoothquant: float | None = None  # SmoothQuant's alpha (`_smoothquant`); None: off
 
     spec_rows = property(
         lambda self: self.spec_decode_rows + 1 if self.spec_decode_rows else 0,
@@ -49,7 +51,8 @@ def resolve(
     checkpoint; fp8 GEMMs stay on XLA (cuBLAS cannot fuse the e4m3 convert). ValueError:
     max_model_len above that, a GPU kernel off "gpu", float16 on "gpu", fp8 KV with a decode
     variant not in `FP8_KV_DECODE` or tp > 1, a tp the model cannot take (`check_tp`), LoRA
-    with tp > 1 or an MoE model (`_check_lora`)."""
+    with tp > 1 or an MoE model (`_check_lora`), a SmoothQuant alpha where it cannot apply
+    (`_smoothquant`); smoothquant None: `DEFAULT_SMOOTHQUANT` with W8A8."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail(
@@ -86,6 +89,7 @@ def resolve(
         kv_dtype,
         quant,
         _spec_decode_rows(engine, max_len),
+        _smoothquant(model, engine, kc, quant),
     )
 
 
@@ -133,6 +137,30 @@ def _check_fp8_kv(engine: EngineConfig, kc: KernelConfig, fp8: bool) -> None:
             f"with fp8 KV (kv_cache_dtype={engine.kv_cache_dtype!r}); use one of "
             f"{('auto', *FP8_KV_DECODE)}"
         )
+
+
+def _smoothquant(model: ModelConfig, engine: EngineConfig, kc: KernelConfig, quant):
+    """SmoothQuant's alpha (`jaxinfer.models.smoothquant`) or None: ``engine.smoothquant`` where
+    it applies (fp8 weights with per-channel scales; one device; no LoRA, whose adapters would
+    read the smoothed inputs), None giving `DEFAULT_SMOOTHQUANT` with ``fp8_gemm="w8a8"`` and
+    off with W8A16; 0 off. ValueError: an alpha above 0 where it does not apply."""
+    alpha = engine.smoothquant
+    why = (
+        "it needs fp8 weights: quantization='fp8'"
+        if quant != "fp8"
+        else "an FP8 checkpoint's weights are quantised already"
+        if model.weight_block_size
+        else "it runs on one device only"
+        if engine.tensor_parallel_size > 1
+        else "LoRA adapters would read the smoothed activations"
+        if engine.enable_lora
+        else None
+    )
+    if alpha == 0 or alpha is None and (why or kc.fp8_gemm != "w8a8"):
+        return None
+    if why:
+        _fail("EngineConfig", "smoothquant", alpha, f"{why}; use None or 0")
+    return DEFAULT_SMOOTHQUANT if alpha is None else float(alpha)
 
 
 def _check_lora(model: ModelConfig, engine: EngineConfig) -> None:

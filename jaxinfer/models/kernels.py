@@ -113,14 +113,16 @@ class ModelKernels:
     (`reference.ragged_paged_attention`'s); mesh: None, or the 1-D "tp" mesh of tensor
     parallelism (`runner.parallel.make_mesh`); ragged steps of at most ``ragged_decode_max_tokens``
     tokens attend token by token through ``attention``'s decode rows (`layers.by_token`); fp8_gemm:
-    fp8 weights' GEMM, "w8a16" (bf16 activations) or "w8a8" (`layers.dense`); moe_gemm: the
-    experts' grouped GEMM (`GroupedGemm`)."""
+    fp8 weights' GEMM, "w8a16" (bf16 activations) or "w8a8" (`layers.dense`); observe: None, or
+    (calibration) a `smoothquant.ActivationMax` whose probes see each unquantised GEMM's input;
+    moe_gemm: the experts' grouped GEMM (`GroupedGemm`)."""
 
     attention: Callable = reference.paged_attention
     mesh: Any = None
     ragged: Callable = RaggedAttention()
     ragged_decode_max_tokens: int = 0
     fp8_gemm: str = "w8a16"
+    observe: Any = None
     moe_gemm: Callable = GroupedGemm()
 
     tp = property(

@@ -5,6 +5,7 @@ statistics, RoPE and attention softmax in f32; weights ``[in, out]``. Sources: H
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import flax.linen as nn
@@ -22,18 +23,22 @@ INITS = {"normal": nn.initializers.normal(stddev=INIT_STD), "ones": nn.initializ
 
 
 @functools.partial(
-    jax.tree_util.register_dataclass, data_fields=["w", "scale"], meta_fields=["block", "w8a8"]
+    jax.tree_util.register_dataclass,
+    data_fields=["w", "scale"],
+    meta_fields=["block", "w8a8", "observe"],
 )
 @dataclasses.dataclass(frozen=True)
 class Weight:
     """w [in, out]: compute dtype (``scale`` None), or float8_e4m3fn with an f32 `scale_shape` scale
     (static ``block``: None per channel, or an HF block): ``w * expand_scale(scale)``; static
-    ``w8a8``: a per-channel fp8 weight multiplied with fp8 activations (`dense`)."""
+    ``w8a8``: a per-channel fp8 weight multiplied with fp8 activations (`dense`); static
+    ``observe``: calibration only, called by `dense` on its input x (`smoothquant.Probe`)."""
 
     w: jax.Array
     scale: jax.Array | None = None
     block: tuple[int, int] | None = None
     w8a8: bool = False
+    observe: Callable[[jax.Array], None] | None = None
 
     def value(self, dtype) -> jax.Array:
         """``(w.astype(f32) * expand_scale(scale)).astype(dtype)``, traced (fused into the GEMM)."""
@@ -47,7 +52,10 @@ def dense(x: jax.Array, w: Weight) -> jax.Array:
     """The GEMM of every projection: x [..., in] @ ``w.value(x.dtype)`` [in, out] -> [..., out].
     fp8 with per-channel scales: the e4m3 weight (exact in bf16) in the GEMM, f32 accumulation,
     the scale applied to the output, so no scaled copy of the weight is written each step;
-    ``w.w8a8``: x quantised per token too, one e4m3 x e4m3 GEMM (`quantize.w8a8_matmul`)."""
+    ``w.w8a8``: x quantised per token too, one e4m3 x e4m3 GEMM (`quantize.w8a8_matmul`);
+    ``w.observe``: called on x first."""
+    if w.observe is not None:
+        w.observe(x)
     if w.w8a8:
         return w8a8_matmul(x, w.w, w.scale).astype(x.dtype)
     if w.scale is None or w.block is not None:
@@ -60,7 +68,8 @@ def declare(module: nn.Module, name: str, layer: int | None = None) -> Weight | 
     """Declare leaf ``name`` of the weight table (`config.weights`) in ``module``'s scope: shape
     of ``module.cfg``, the table's init, ``module.param_dtype``; a quantisable matrix as a `Weight`
     (``module.quantization`` "fp8": float8_e4m3fn plus f32 ``name_scale`` of `scale_shape`;
-    W8A8 where ``module.kernels.fp8_gemm`` is "w8a8" and the scales are per channel).
+    W8A8 where ``module.kernels.fp8_gemm`` is "w8a8" and the scales are per channel; observed
+    by ``module.kernels.observe.probe(name)`` where that is set, `smoothquant.ActivationMax`).
     None: a leaf this model (layer ``layer``'s `layer_leaves`, if given) does not have."""
     leaf, shape, block = LEAVES[name], shape_of(name, module.cfg), module.cfg.weight_block_size
     if (
@@ -72,7 +81,8 @@ def declare(module: nn.Module, name: str, layer: int | None = None) -> Weight | 
     fp8 = leaf.fp8 and module.quantization is not None
     w = module.param(name, INITS[leaf.init], shape, FP8 if fp8 else module.param_dtype)
     if not fp8:
-        return Weight(w) if leaf.fp8 else w
+        observe = module.kernels.observe
+        return Weight(w, observe=observe and observe.probe(name)) if leaf.fp8 else w
     return Weight(
         w,
         module.param(name + "_scale", nn.initializers.ones, scale_shape(shape, block), jnp.float32),

@@ -12,6 +12,11 @@ unquantised baseline of the same run:
               (EOS ignored): the fraction of positions equal to the baseline's up to the first
               divergence, averaged over prompts.
 
+``--smoothquant ALPHA`` (default: the engine's, 0.4; 0: off) runs the ``--smooth-settings`` rows
+(default: w8a8, w8a8+kv, where the engine smooths by default) on SmoothQuant-folded weights
+(`jaxinfer.models.smoothquant.smooth_params` over the engine's calibration text, held out), as
+the engine serves them; their fp8 KV means come from the folded model.
+
 ``--kv-scales one`` keeps the cache's scales at 1.0 (`jaxinfer.models.kv_cache.KVCache`);
 ``calibrated`` sets them to ``amax x --margin / 448`` per layer and KV head of the baseline's K
 and V over the first chunk (start-up calibration on the first prefill). Prints a table and
@@ -39,6 +44,7 @@ the engine's fp8 KV re-derived):
     python scripts/eval_accuracy.py [--settings kv weights both w8a8 w8a8+kv]
                                     [--kv-scales one|calibrated]
                                     [--kv-smooth] [--perplexity-only]
+                                    [--smoothquant ALPHA] [--smooth-settings NAME ...]
                                     [--kv-sim fp8 chunk smooth chunk+smooth smooth+weights]
 """
 
@@ -56,17 +62,21 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.config import KV_CACHE_DTYPES  # noqa: E402
+from jaxinfer.config.resolved import DEFAULT_SMOOTHQUANT  # noqa: E402
 from jaxinfer.engine.llm_engine import calibration_ids  # noqa: E402
 from jaxinfer.models.kernels import ModelKernels  # noqa: E402
 from jaxinfer.models.quantize import quantize_params  # noqa: E402
+from jaxinfer.models.smoothquant import smooth_params  # noqa: E402
 from jaxinfer.runner.model_runner import kv_means  # noqa: E402
 from scripts.kv_eval import (  # noqa: E402
     PAGE_SIZE,
+    agreement,
     calibrated_scales,
     first_chunk_kv,
     first_chunk_means,
+    greedy,
+    jittered,
     simulated_attention,
     teacher_forced,
 )
@@ -129,66 +139,23 @@ def simulated(params, cfg, ids, args, method: str, first) -> dict:
     )
 
 
-def jittered(params, cfg, ids, args, setting, seed: int) -> dict:
-    """The perplexity row of the engine's fp8 KV ``setting`` (as in `main`) with 1e-3 x N(0, 1)
-    (``seed``) added to its means (zeros if none): no change to the method, but other values
-    round differently, so the spread of such rows is the noise of fp8 rounding."""
-    kv_cache_dtype, kv_dtype, kv_set, _, _ = setting
-    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-    noise = np.random.default_rng(seed).standard_normal((2, L, K, H)).astype(np.float32) * 1e-3
-    jit = {k: kv_set.get(k, 0.0) + n for k, n in zip(("k_mean", "v_mean"), noise)}
-    t = time.perf_counter()
-    nll, _ = teacher_forced(params, cfg, ids, args.chunk, kv_dtype, {**kv_set, **jit})
-    return dict(
-        kv_cache_dtype=kv_cache_dtype,
-        quantization=None,
-        fp8_gemm=None,
-        kv_scales=args.kv_scales,
-        kv_method=(
-            "engine" + (f"+smooth ({args.kv_smooth})" if args.kv_smooth else "") + f" jitter {seed}"
-        ),
-        ppl=float(np.exp(nll)),
-        gen=None,
-        seconds=time.perf_counter() - t,
+def add_smoothquant_args(p: argparse.ArgumentParser) -> None:
+    """``--smoothquant ALPHA`` and ``--smooth-settings NAME ...`` (`smoothed_settings`)."""
+    p.add_argument(
+        "--smoothquant",
+        type=float,
+        default=DEFAULT_SMOOTHQUANT,
+        metavar="ALPHA",
+        help="SmoothQuant alpha of the --smooth-settings rows, calibrated as the engine does "
+        "(0: off)",
     )
-
-
-def greedy(
-    params,
-    cfg,
-    prompts,
-    gen_tokens: int,
-    kv_cache_dtype: str,
-    kv_set=None,
-    quantization=None,
-    fp8_gemm: str = "w8a16",
-):
-    """Greedy token ids of each prompt (EOS ignored) through the engine, float32 compute
-    (``quantization`` "fp8": weights quantised by `LLM.from_params`, ``fp8_gemm`` their GEMM)."""
-    llm = LLM.from_params(
-        cfg,
-        params,
-        dtype="float32",
-        kv_cache_dtype=kv_cache_dtype,
-        quantization=quantization,
-        kernels=f"fp8_gemm={fp8_gemm}",
-        max_model_len=max(map(len, prompts)) + gen_tokens,
-        max_num_seqs=len(prompts),
-        page_size=PAGE_SIZE,
+    p.add_argument(
+        "--smooth-settings",
+        nargs="*",
+        choices=("weights", "both", "w8a8", "w8a8+kv"),
+        default=["w8a8", "w8a8+kv"],
+        help="the settings --smoothquant applies to (default: the W8A8 ones, as the engine)",
     )
-    runner = llm.engine.runner
-    runner.kv = runner.kv.replace(**{k: jnp.array(x) for k, x in (kv_set or {}).items()})
-    sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
-    return [list(o.token_ids) for o in llm.generate(prompts, sp)]
-
-
-def agreement(ref: list[list[int]], out: list[list[int]]) -> float:
-    """Mean over prompts of (positions equal before the first divergence) / len(ref)."""
-    fr = []
-    for a, b in zip(ref, out):
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        fr.append(same / len(a))
-    return float(np.mean(fr))
 
 
 def parse_args(argv=None):
@@ -229,6 +196,7 @@ def parse_args(argv=None):
         metavar="METHOD",
         help=f"perplexity only: fp8 KV simulated, '+'-joined parts of {SIM_PARTS}",
     )
+    add_smoothquant_args(p)
     p.add_argument("--margin", type=float, default=1.25, help="calibrated scales' headroom")
     p.add_argument("--perplexity-only", action="store_true", help="no greedy decoding")
     p.add_argument("--tokens", type=int, default=4096)
@@ -283,9 +251,23 @@ def kv_settings(args, params, cfg, ids, tok):
     return first, settings
 
 
-def setting_row(name, setting, params, cfg, ids, prompts, args) -> dict:
+def smoothed_settings(args, params, cfg, ids, tok, settings) -> dict:
+    """name -> the params each setting runs: ``params``, but for ``--smooth-settings`` (with
+    ``--smoothquant`` above 0) `smooth_params` of them over the engine's calibration text (the
+    engine's own SmoothQuant), their ``settings`` redone over those (the KV means of V change)."""
+    served = dict.fromkeys(settings, params)
+    if args.smoothquant and (w8a8 := [n for n in args.settings if n in args.smooth_settings]):
+        smooth, _ = smooth_params(params, cfg, calibration_ids(tok), args.smoothquant)
+        _, redone = kv_settings(args, smooth, cfg, ids, tok)
+        settings.update({n: redone[n] for n in w8a8})
+        served.update(dict.fromkeys(w8a8, smooth))
+    return served
+
+
+def setting_row(name, setting, params, cfg, ids, prompts, args, smoothquant=None) -> dict:
     """One engine setting's row: its perplexity (printed to stderr with its seconds) and, unless
-    ``--perplexity-only``, its greedy tokens in ``gen``."""
+    ``--perplexity-only``, its greedy tokens in ``gen``; ``smoothquant``: the alpha ``params``
+    were smoothed with (None: not), recorded."""
     kv_cache_dtype, kv_dtype, sc, quant, fp8_gemm = setting
     t = time.perf_counter()
     p = params if quant is None else quantize_params(params, None)
@@ -304,6 +286,7 @@ def setting_row(name, setting, params, cfg, ids, prompts, args) -> dict:
         kv_cache_dtype=kv_cache_dtype,
         quantization=quant,
         fp8_gemm=fp8_gemm if quant else None,
+        smoothquant=smoothquant,
         kv_scales=args.kv_scales if kv_cache_dtype != "auto" else None,
         kv_method=(
             None
@@ -335,15 +318,16 @@ def report(rows, args, model_path) -> None:
         f"{args.chunk}; greedy {args.prompts} x {args.gen_tokens}"
     )
     print(
-        f"{'kv_cache_dtype':>14} {'weights':>8} {'scales':>10} {'kv method':>24} "
+        f"{'kv_cache_dtype':>14} {'weights':>13} {'scales':>10} {'kv method':>24} "
         f"{'perplexity':>11} {'vs auto':>8} {'agreement':>9}"
     )
     stamp = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     with open(args.out, "a") as f:
         for r in rows:
-            agree = r["greedy_agreement"]
+            agree, sq = r["greedy_agreement"], r.get("smoothquant")
+            weights = (r.get("fp8_gemm") or str(r["quantization"])) + (f" sq {sq}" if sq else "")
             print(
-                f"{r['kv_cache_dtype']:>14} {r.get('fp8_gemm') or str(r['quantization']):>8} "
+                f"{r['kv_cache_dtype']:>14} {weights:>13} "
                 f"{str(r['kv_scales']):>10} {str(r['kv_method']):>24} {r['ppl']:>11.4f} "
                 f"{100 * r['ppl_rel']:>+7.2f}% {'-' if agree is None else f'{agree:.3f}':>9}"
             )
@@ -381,8 +365,15 @@ def main(argv=None) -> None:
         raise SystemExit(f"the corpus has only {len(ids)} tokens; lower --tokens")
     prompts = prompt_ids(tok, args.prompts, args.prompt_len)
     first, settings = kv_settings(args, params, cfg, ids, tok)
+    served = smoothed_settings(args, params, cfg, ids, tok, settings)
     rows = [
-        setting_row(name, settings[name], params, cfg, ids, prompts, args)
+        setting_row(
+            name,
+            settings[name],
+            served[name],
+            *(cfg, ids, prompts, args),
+            args.smoothquant if served[name] is not params else None,
+        )
         for name in ("auto", *args.settings)
     ]
     rows += [simulated(params, cfg, ids, args, m, first) for m in args.kv_sim]

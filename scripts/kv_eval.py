@@ -1,16 +1,19 @@
 """The measuring side of eval_accuracy.py: a sequence teacher-forced through the paged KV cache
 in chunks (`teacher_forced`: its mean next-token NLL), the first chunk's K/V, means and
-calibrated scales, and fp8 KV reads simulated on float32 pools (`simulated_attention`)."""
+calibrated scales, fp8 KV reads simulated on float32 pools (`simulated_attention`), the fp8
+rounding noise of fp8 KV (`jittered`), and greedy decoding through the engine (`greedy`) with
+its `agreement` against the baseline's."""
 
 from __future__ import annotations
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import models
+from jaxinfer import LLM, SamplingParams, models
 from jaxinfer.models.kernels import ModelKernels
 from jaxinfer.models.kv_cache import init_kv_cache
 from pallas_kernels.kv_quant import FP8, FP8_MAX, quantize
@@ -125,4 +128,66 @@ def calibrated_scales(kv, margin: float, means=None):
         * margin
         / FP8_MAX
         for p, m in zip(kv, means)
+    )
+
+
+def greedy(
+    params,
+    cfg,
+    prompts,
+    gen_tokens: int,
+    kv_cache_dtype: str,
+    kv_set=None,
+    quantization=None,
+    fp8_gemm: str = "w8a16",
+):
+    """Greedy token ids of each prompt (EOS ignored) through the engine, float32 compute
+    (``quantization`` "fp8": weights quantised by `LLM.from_params`, ``fp8_gemm`` their GEMM)."""
+    llm = LLM.from_params(
+        cfg,
+        params,
+        dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=quantization,
+        kernels=f"fp8_gemm={fp8_gemm}",
+        max_model_len=max(map(len, prompts)) + gen_tokens,
+        max_num_seqs=len(prompts),
+        page_size=PAGE_SIZE,
+    )
+    runner = llm.engine.runner
+    runner.kv = runner.kv.replace(**{k: jnp.array(x) for k, x in (kv_set or {}).items()})
+    sp = SamplingParams(temperature=0.0, max_tokens=gen_tokens, ignore_eos=True)
+    return [list(o.token_ids) for o in llm.generate(prompts, sp)]
+
+
+def agreement(ref: list[list[int]], out: list[list[int]]) -> float:
+    """Mean over prompts of (positions equal before the first divergence) / len(ref)."""
+    fr = []
+    for a, b in zip(ref, out):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        fr.append(same / len(a))
+    return float(np.mean(fr))
+
+
+def jittered(params, cfg, ids, args, setting, seed: int) -> dict:
+    """The perplexity row of the engine's fp8 KV ``setting`` (as in `main`) with 1e-3 x N(0, 1)
+    (``seed``) added to its means (zeros if none): no change to the method, but other values
+    round differently, so the spread of such rows is the noise of fp8 rounding."""
+    kv_cache_dtype, kv_dtype, kv_set, _, _ = setting
+    L, K, H = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    noise = np.random.default_rng(seed).standard_normal((2, L, K, H)).astype(np.float32) * 1e-3
+    jit = {k: kv_set.get(k, 0.0) + n for k, n in zip(("k_mean", "v_mean"), noise)}
+    t = time.perf_counter()
+    nll, _ = teacher_forced(params, cfg, ids, args.chunk, kv_dtype, {**kv_set, **jit})
+    return dict(
+        kv_cache_dtype=kv_cache_dtype,
+        quantization=None,
+        fp8_gemm=None,
+        kv_scales=args.kv_scales,
+        kv_method=(
+            "engine" + (f"+smooth ({args.kv_smooth})" if args.kv_smooth else "") + f" jitter {seed}"
+        ),
+        ppl=float(np.exp(nll)),
+        gen=None,
+        seconds=time.perf_counter() - t,
     )

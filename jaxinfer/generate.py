@@ -3,6 +3,7 @@ line, exit code 2 (valid prompts still run). On a terminal, short progress lines
 (`_progress`)."""
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -175,10 +176,13 @@ def _compile_line(cache_dir: str | None) -> str | None:
     return f"compiling the model's steps (first run; later runs load them from {_home(d)})"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The CLI; returns the exit code (0; 2: bad input; 130: interrupted)."""
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """The CLI; returns the exit code (0; 2: bad input; 130: interrupted). ``own_process``: this
+    process runs the command alone (``python -m``): Python's cyclic garbage collector stops
+    scanning the objects alive before and after the model loads (`gc.freeze`; its full
+    collections took 0.5 s of a 5 s run, 0.2 s so)."""
     try:
-        return _main(argv)
+        return _main(argv, own_process)
     except KeyboardInterrupt:
         sys.stderr.write("interrupted\n")
         return 130
@@ -289,7 +293,7 @@ def _print_stats(args, llm, ok, wall: float, times: tuple[float, float, float]) 
         )
 
 
-def _main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None, own_process: bool) -> int:
     t_start = time.perf_counter()
     from jaxinfer.sampling_params import SamplingParams
 
@@ -310,7 +314,11 @@ def _main(argv: list[str] | None = None) -> int:
         say, compile_line = _progress(args), _compile_line(args.compilation_cache_dir)
         if line := _loading_line(args.model):
             say(line)
+        if own_process:
+            gc.freeze()
         llm = make_llm(args, tokenizer=args.tokenizer)
+        if own_process:
+            gc.freeze()
         kept = [i for i in range(len(prompts)) if i not in empty]
         inputs = [
             {"prompt": prompts[i], "prompt_token_ids": _chat_ids(llm, prompts[i])}
@@ -361,4 +369,4 @@ def _exit(code: int) -> None:
 
 
 if __name__ == "__main__":
-    _exit(main())
+    _exit(main(own_process=True))

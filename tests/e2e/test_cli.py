@@ -149,3 +149,24 @@ def test_prompts_file_lines_end_only_at_newline(tmp_path):
         encoding="utf-8",
     )
     assert _read_prompts_file(str(j)) == ["x\u2028y", "z\x0c"]
+
+
+def test_cold_cache_compiles_the_first_steps_before_they_run(
+    tiny_llm, monkeypatch, capsys, tmp_path
+):
+    """With an empty compilation cache the CLI compiles its first steps' programs together before
+    generating (each prefill step and the first decode step): a two-token run compiles nothing
+    in a step; `--verbose` counts those compiles in its compile phase."""
+    import jaxinfer.llm
+
+    llm = tiny_llm(max_compiles=4, max_num_seqs=2)  # an engine of its own: nothing compiled yet
+    monkeypatch.setattr(jaxinfer.llm, "LLM", lambda *a, **k: llm)
+    cold = ("--compilation-cache-dir", str(tmp_path / "cc"))
+    code, out, err = run_main(
+        capsys, "--prompt", "hi there", "--max-tokens", "2", *cold, "--verbose"
+    )
+    assert code == 0, err
+    stats = llm.engine.stats()
+    assert stats.num_lazy_compiles == 0
+    assert {k.decode for k in stats.forward_shapes} == {True, False}  # the prefill and a decode
+    assert float(err.split("compile ")[1].split(" s")[0]) > 0

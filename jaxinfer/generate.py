@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from jaxinfer.cli_args import add_lora_path, engine_parser, fail, flag, lora_request, make_llm
 from jaxinfer.config import EngineConfig
+from jaxinfer.lora.peft import AdapterError
 
 SAMPLING_OPTIONS = (  # SamplingParams field, type, CLI default, help
     ("max_tokens", int, 64, "most tokens generated per prompt"),
@@ -308,6 +309,20 @@ def _print_stats(args, llm, ok, wall: float, times: tuple, pre_s: float = 0.0) -
         )
 
 
+def _generate(args, llm, inputs: list, params, stream):
+    """``llm.generate`` of the CLI's prompts (a prompt's error returned as its output's);
+    AdapterError: ``--lora-path``'s weights are unreadable or not the model's (they are read
+    with the first request)."""
+    return llm.generate(
+        inputs,
+        params,
+        use_tqdm=len(inputs) > 1 and not args.stream and sys.stderr.isatty(),
+        on_error="return",
+        stream=stream,
+        lora_request=lora_request(args),
+    )
+
+
 def _main(argv: list[str] | None, own_process: bool) -> int:
     t_start = time.perf_counter()
     from jaxinfer.sampling_params import SamplingParams
@@ -353,14 +368,10 @@ def _main(argv: list[str] | None, own_process: bool) -> int:
 
     t0 = time.perf_counter()
     pre_s = _precompile_first_steps(llm, inputs, params) if compile_line else 0.0
-    outs = llm.generate(
-        inputs,
-        params,
-        use_tqdm=len(prompts) > 1 and not args.stream and sys.stderr.isatty(),
-        on_error="return",
-        stream=print_delta if args.stream else None,
-        lora_request=lora_request(args),
-    )
+    try:
+        outs = _generate(args, llm, inputs, params, print_delta if args.stream else None)
+    except AdapterError as e:
+        return fail(str(e))
     wall, ok = time.perf_counter() - t0, [o for o in outs if not o.error]
     if args.stream:
         sys.stdout.write("\n")

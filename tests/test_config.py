@@ -194,16 +194,18 @@ def test_resolve_max_model_len():
 
 
 @pytest.mark.parametrize(
-    "spec, field",
+    "spec, field, cpu_ok",
     [
-        ("decode=mosaic", "decode_attention"),
-        ("decode=triton", "decode_attention"),
-        ("prefill=triton", "prefill_attention"),
+        ("decode=mosaic", "decode_attention", "'auto' or 'reference'"),
+        ("decode=triton", "decode_attention", "'auto' or 'reference'"),
+        ("prefill=triton", "prefill_attention", "'auto' or 'reference'"),
+        ("moe_gemm=triton", "moe_gemm", "'ragged_dot' here"),
     ],
 )
-def test_gpu_kernels_on_cpu_are_rejected(spec, field):
+def test_gpu_kernels_on_cpu_are_rejected(spec, field, cpu_ok):
+    """A GPU kernel off the GPU is refused, naming the values of that key a CPU runs."""
     value = spec.split("=")[1]
-    with pytest.raises(ValueError, match=f"{field}='{value}' is a GPU kernel.*'cpu'"):
+    with pytest.raises(ValueError, match=f"{field}='{value}' is a GPU kernel.*'cpu'.*{cpu_ok}"):
         resolve(model(), EngineConfig(kernels=spec), "cpu")
     resolve(model(), EngineConfig(kernels=spec), "gpu")  # accepted there
 

@@ -145,11 +145,13 @@ GPU_FREE = ("auto", "reference", "ragged_dot")  # the values of the kernel keys 
 
 
 def check_platform(kc: KernelConfig, platform: str) -> None:
-    """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu"."""
+    """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu" (the message
+    lists that key's values a CPU runs)."""
     for name in (*KERNEL_ALIASES.values(), "moe_gemm"):
         if platform != "gpu" and (value := getattr(kc, name)) not in GPU_FREE:
+            ok = tuple(v for v in kernel_choices()[name] if v in GPU_FREE)
             raise ValueError(
                 f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
-                f"backend is {platform!r}; use one of {GPU_FREE} here (the "
+                f"backend is {platform!r}; use {' or '.join(map(repr, ok))} here (the "
                 "kernels' CPU tests run them in interpret mode)"
             )

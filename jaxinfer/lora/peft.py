@@ -155,12 +155,16 @@ def check_adapter(path: str, max_rank: int) -> tuple[int, float]:
 def load_adapter(path: str, cfg, max_rank: int) -> PeftAdapter:
     """The PEFT LoRA directory ``path`` for model config ``cfg``: `check_adapter` then
     ``adapter_model.safetensors`` through `parse_tensors`. ValueError: as `check_adapter` and
-    `parse_tensors`."""
+    `parse_tensors`; an unreadable weights file (`AdapterError` naming it)."""
     from safetensors.numpy import load_file
 
     rank, scaling = check_adapter(path, max_rank)
     file = os.path.join(path, "adapter_model.safetensors")
-    return PeftAdapter(rank, scaling, parse_tensors(load_file(file), cfg, rank, path))
+    try:
+        tensors = load_file(file)
+    except Exception as e:  # noqa: BLE001 (safetensors' own error types: a corrupt file)
+        _fail(path, f"adapter_model.safetensors cannot be read ({type(e).__name__}: {e})")
+    return PeftAdapter(rank, scaling, parse_tensors(tensors, cfg, rank, path))
 
 
 def slot_arrays(adapter: PeftAdapter, cfg, max_rank: int, dtype) -> dict:

@@ -7,6 +7,7 @@ bad adapter_config.json refused there), adapter errors of a request naming ``mod
 CLI's option errors (an adapter named as the served model, a bad adapter: exit code 2)."""
 
 import json
+import shutil
 
 import pytest
 from lora_adapters import write_adapter
@@ -95,7 +96,8 @@ def test_load_checks_the_adapter_config(lora_server, tiny_text_cfg, tmp_path):
     """/v1/load_lora_adapter answers 400 with the reason (param lora_path) for a rank above
     --max-lora-rank (8) and a malformed adapter_config.json (its path in the message), and
     serves neither; an adapter whose config passes but whose weights do not (r says 2, the
-    tensors have rank 4) loads, and a request naming it is a 400 whose param is "model"."""
+    tensors have rank 4; or a corrupt weights file) loads, and a request naming it is a 400
+    whose param is "model", naming the adapter."""
     import openai
 
     client = openai.OpenAI(base_url=lora_server.url, api_key=KEY, max_retries=0)
@@ -110,14 +112,17 @@ def test_load_checks_the_adapter_config(lora_server, tiny_text_cfg, tmp_path):
     assert [m.id for m in client.models.list().data] == [MODEL, "a1"]
     config = tmp_path / "big" / "adapter_config.json"
     config.write_text(json.dumps(dict(json.loads(config.read_text()), r=2)))
-    body = dict(lora_name="mis", lora_path=str(tmp_path / "big"))
-    client.post("/load_lora_adapter", body=body, cast_to=str)
-    try:
-        with pytest.raises(openai.BadRequestError, match="has shape") as e:
-            client.completions.create(model="mis", prompt="Hi", max_tokens=2)
-        assert e.value.body["param"] == "model"
-    finally:
-        client.post("/unload_lora_adapter", body=dict(lora_name="mis"), cast_to=str)
+    write_adapter(tmp_path / "torn", tiny_text_cfg, 4, 3, ("q_proj",))
+    (tmp_path / "torn" / "adapter_model.safetensors").write_bytes(b"\xff" * 64)  # corrupt
+    for name, path, fault in (("mis", "big", "has shape"), ("torn", "torn", "cannot be read")):
+        body = dict(lora_name=name, lora_path=str(tmp_path / path))
+        client.post("/load_lora_adapter", body=body, cast_to=str)
+        try:
+            with pytest.raises(openai.BadRequestError, match=fault) as e:
+                client.completions.create(model=name, prompt="Hi", max_tokens=2)
+            assert e.value.body["param"] == "model" and str(tmp_path / path) in str(e.value)
+        finally:
+            client.post("/unload_lora_adapter", body=dict(lora_name=name), cast_to=str)
 
 
 def test_adapter_named_as_the_model_or_bad_is_refused_at_start(
@@ -143,10 +148,13 @@ def test_adapter_named_as_the_model_or_bad_is_refused_at_start(
         ServedLoRAs(MODEL, {MODEL: paths["a1"]}, 8)
 
 
-def test_cli_lora_path(lora_server, paths, tiny_text_cfg, tiny_text_params, monkeypatch, capsys):
+def test_cli_lora_path(
+    lora_server, paths, tiny_text_cfg, tiny_text_params, monkeypatch, capsys, tmp_path
+):
     """``python -m jaxinfer.generate --lora-path PATH``: every prompt runs with the adapter (its
     texts as `LLM.generate` with the same adapter, unlike the base model's), enable_lora is on;
-    a bad adapter is one line and exit code 2 before the model loads. The CLI's engine: a new
+    a bad adapter is one line and exit code 2 (before the model loads; a corrupt weights file
+    with the first request). The CLI's engine: a new
     one of the server test's configuration (its steps from the run's compilation cache), whose
     id 1 is free for the CLI's LoRARequest("cli", 1, PATH)."""
     from tiny_model import TINY_ENGINE
@@ -174,3 +182,9 @@ def test_cli_lora_path(lora_server, paths, tiny_text_cfg, tiny_text_params, monk
     assert generate.main([*argv, "--lora-path", "/no/such/adapter"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert err == ["error: LoRA adapter '/no/such/adapter': no such directory"] and not seen
+    torn = tmp_path / "torn"  # its config passes; its weights are read with the first request
+    shutil.copytree(paths["a1"], torn)
+    (torn / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    assert generate.main([*argv, "--lora-path", str(torn), "--max-lora-rank", "8"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    assert len(err) == 1 and "cannot be read" in err[0] and str(torn) in err[0]

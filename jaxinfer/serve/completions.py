@@ -38,8 +38,10 @@ class OpenAIServing:
     def sampling_params(self, body: P._Sampling, max_tokens, logprobs):
         """The body's `SamplingParams` once its model name and values pass (else `APIError`)."""
         if body.model not in (None, self.model_name) and self._lora(body) is None:
+            served = [self.model_name, *(self.loras.requests if self.loras else ())]
             raise APIError(
-                f"The model `{body.model}` does not exist; this server serves `{self.model_name}`",
+                f"The model `{body.model}` does not exist; this server serves "
+                + ", ".join(f"`{m}`" for m in served),
                 404,
                 "model",
                 "model_not_found",

@@ -93,11 +93,18 @@ class ServedLoRAs:
         ]
 
     async def load(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
-        """vLLM's ``/v1/load_lora_adapter``. APIError 400: the name is served already or not a
-        valid `LoRARequest` name, the path has no adapter_config.json, its files do not pass
+        """vLLM's ``/v1/load_lora_adapter``. APIError 400: the name is the served model's
+        (``param`` "lora_name"), is served already or is not a valid `LoRARequest` name, the
+        path has no adapter_config.json, its files do not pass
         `check_adapter` (a rank above max_lora_rank, a malformed or unsupported config, no
         weights file: the reason, ``param`` "lora_path")."""
-        if body.lora_name in self.requests or body.lora_name == self.base:
+        if body.lora_name == self.base:
+            raise APIError(
+                f"The lora adapter name '{body.lora_name}' is the served model's name; choose "
+                "another",
+                param="lora_name",
+            )
+        if body.lora_name in self.requests:
             raise APIError(f"The lora adapter '{body.lora_name}' has already been loaded.")
         if not os.path.isfile(os.path.join(body.lora_path, "adapter_config.json")):
             raise APIError(

@@ -58,10 +58,13 @@ def test_served_adapters(lora_server, paths):
     assert msg == "Success: LoRA adapter 'a2' removed successfully."
     with pytest.raises(openai.NotFoundError, match="'a2' cannot be found"):
         post("/unload_lora_adapter", body=dict(lora_name="a2"), cast_to=str)
-    with pytest.raises(openai.NotFoundError, match="The model `a2` does not exist"):
-        got("a2")
+    with pytest.raises(openai.NotFoundError, match=f"`a2` does not exist.*`{MODEL}`, `a1`"):
+        got("a2")  # the served names listed, adapters too
     with pytest.raises(openai.BadRequestError, match="lora_name"):  # a 400, not a 500
         post("/load_lora_adapter", body=dict(lora_name="", lora_path=paths["a2"]), cast_to=str)
+    with pytest.raises(openai.BadRequestError, match="is the served model's name") as e:
+        post("/load_lora_adapter", body=dict(lora_name=MODEL, lora_path=paths["a2"]), cast_to=str)
+    assert e.value.body["param"] == "lora_name"
     assert got(MODEL) == want(None)  # the server still answers
 
 

@@ -45,7 +45,7 @@ def grouped_dense(
     output."""
     matrix, scale = (w.w, w.scale) if isinstance(w, Weight) else (w, None)
     if scale is None:
-        return gemm(xs, matrix.astype(xs.dtype), sizes)
+        return gemm(xs, matrix, sizes)  # converted to xs.dtype by the GEMM
     y = gemm(xs, matrix, sizes, preferred_element_type=jnp.float32)
     return (y * jnp.take(scale, expert, axis=0)).astype(xs.dtype)
 

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import math
 import types
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -180,22 +181,26 @@ def _issue_block(geo: _Geometry, tbl_smem, layer_off, h, step, copies):
             plgpu.copy_gmem_to_smem(src(ref, phys), buf.at[pl.ds(i * rpc, rpc)], bar)
 
 
-def _body(
-    q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *refs, geo: _Geometry, math_, interpret: bool
-):
-    lse_ref, q_smem, tbl_smem, off_smem, bars = (None, *refs) if geo.num_splits == 1 else refs
-    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
-    tbl_bar, q_bar, off_bar = bars.at[0], bars.at[1], bars.at[2]
-    bk, H = geo.block_kv, geo.H
-    plgpu.copy_gmem_to_smem(tbl_ref.at[b], tbl_smem, tbl_bar)
-    plgpu.copy_gmem_to_smem(off_ref, off_smem, off_bar)
-    if geo.Gp < _ROWS:  # rows past the real heads: zeros (never stored; keeps them finite)
-        q_smem[...] = math_.full((_ROWS, H), 0.0).astype(geo.dtype)
-        plgpu.commit_smem()
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, geo.Gp)], q_bar)
-    plgpu.barrier_wait(tbl_bar)
-    plgpu.barrier_wait(off_bar)
-    layer_off, seq_len = off_smem[0], tbl_smem[0, 0]
+class _Program(NamedTuple):
+    """What one program's K/V pipeline reads: its refs and its traced int32 scalars."""
+
+    k_ref: Any  # pool [L * P, K, page_size, H] in HBM
+    v_ref: Any
+    tbl_smem: Any  # i32[1 + R, C]: [0, 0] seq_len, rows 1.. the row's pages
+    q_smem: Any  # [64, H]: the KV head's query rows
+    q_bar: Any  # barrier of the Q copy
+    layer_off: Any  # layer * P: the layer's first page in the flat pool
+    h: Any  # KV head
+    start: Any  # first KV block of this split
+    count: Any  # KV blocks of this split
+    seq_len: Any
+    lo_pos: Any  # first key position inside the sliding window (0 without one)
+
+
+def _kv_blocks(geo: _Geometry, seq_len, split):
+    """(lo_pos, start, count): the window's first key position, and the KV blocks
+    [start, start + count) of split ``split`` (count 0: an empty split)."""
+    bk = geo.block_kv
     lo_pos = (
         jnp.int32(0) if geo.sliding_window is None else jnp.maximum(seq_len - geo.sliding_window, 0)
     )
@@ -203,62 +208,98 @@ def _body(
     n_blk = lax.div(seq_len + (bk - 1), bk) - first_blk
     per_split = lax.div(n_blk + (geo.num_splits - 1), geo.num_splits)
     start = first_blk + split * per_split
-    count = jnp.clip(first_blk + n_blk - start, 0, per_split)
+    return lo_pos, start, jnp.clip(first_blk + n_blk - start, 0, per_split)
 
-    def main_loop(k_bufs, v_bufs, k_bars, v_bars):
-        k_copy = lambda slot: (k_ref, k_bufs.at[slot], k_bars.at[slot])  # noqa: E731
-        v_copy = lambda slot: (v_ref, v_bufs.at[slot], v_bars.at[slot])  # noqa: E731
 
-        for st in range(geo.num_stages):
+def _pipeline(geo: _Geometry, math_, prog: _Program, k_bufs, v_bufs, k_bars, v_bars):
+    """The K/V stream: prologue fills ``num_stages`` buffers, each step waits for its K, scores,
+    refills K, updates the softmax, refills V. Returns (acc f32[64, H], m, l f32[64])."""
+    bk, H, start, count = geo.block_kv, geo.H, prog.start, prog.count
+    k_copy = lambda slot: (prog.k_ref, k_bufs.at[slot], k_bars.at[slot])  # noqa: E731
+    v_copy = lambda slot: (prog.v_ref, v_bufs.at[slot], v_bars.at[slot])  # noqa: E731
+    issue = functools.partial(_issue_block, geo, prog.tbl_smem, prog.layer_off, prog.h)
 
-            @pl.when(st < count)
-            def _prologue():  # traced at once by pl.when: st is this iteration's
-                _issue_block(geo, tbl_smem, layer_off, h, start + st, [k_copy(st), v_copy(st)])  # noqa: B023
+    for st in range(geo.num_stages):
 
-        plgpu.barrier_wait(q_bar)
+        @pl.when(st < count)
+        def _prologue():  # traced at once by pl.when: st is this iteration's
+            issue(start + st, [k_copy(st), v_copy(st)])  # noqa: B023
 
-        def step(j, carry):
-            slot, nxt = lax.rem(j, geo.num_stages), start + j + geo.num_stages
-            refill = nxt < start + count
-            plgpu.barrier_wait(k_bars.at[slot])
-            s = math_.scores(q_smem, k_bufs.at[slot])
+    plgpu.barrier_wait(prog.q_bar)
 
-            @pl.when(refill)
-            def _refill_k():  # Q K^T has completed: this K buffer is free again
-                _issue_block(geo, tbl_smem, layer_off, h, nxt, [k_copy(slot)])
+    def step(j, carry):
+        slot, nxt = lax.rem(j, geo.num_stages), start + j + geo.num_stages
+        refill = nxt < start + count
+        plgpu.barrier_wait(k_bars.at[slot])
+        s = math_.scores(prog.q_smem, k_bufs.at[slot])
 
-            carry = _softmax_step(
-                math_,
-                geo,
-                carry,
-                s,
-                (start + j) * bk,
-                seq_len,
-                lo_pos,
-                v_bufs.at[slot],
-                lambda: plgpu.barrier_wait(v_bars.at[slot]),
-            )
+        @pl.when(refill)
+        def _refill_k():  # Q K^T has completed: this K buffer is free again
+            issue(nxt, [k_copy(slot)])
 
-            @pl.when(refill)
-            def _refill_v():  # P V has completed
-                _issue_block(geo, tbl_smem, layer_off, h, nxt, [v_copy(slot)])
-
-            return carry
-
-        init = (
-            math_.full((_ROWS, H), 0.0),
-            math_.full((_ROWS,), -jnp.inf, row_stat=True),
-            math_.full((_ROWS,), 0.0, row_stat=True),
+        carry = _softmax_step(
+            math_,
+            geo,
+            carry,
+            s,
+            (start + j) * bk,
+            prog.seq_len,
+            prog.lo_pos,
+            v_bufs.at[slot],
+            lambda: plgpu.barrier_wait(v_bars.at[slot]),
         )
-        return lax.fori_loop(0, count, step, init)
 
+        @pl.when(refill)
+        def _refill_v():  # P V has completed
+            issue(nxt, [v_copy(slot)])
+
+        return carry
+
+    init = (
+        math_.full((_ROWS, H), 0.0),
+        math_.full((_ROWS,), -jnp.inf, row_stat=True),
+        math_.full((_ROWS,), 0.0, row_stat=True),
+    )
+    return lax.fori_loop(0, count, step, init)
+
+
+def _body(
+    q_ref, k_ref, v_ref, tbl_ref, off_ref, o_ref, *refs, geo: _Geometry, math_, interpret: bool
+):
+    lse_ref, q_smem, tbl_smem, off_smem, bars = (None, *refs) if geo.num_splits == 1 else refs
+    b, h, split = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+    tbl_bar, q_bar, off_bar = bars.at[0], bars.at[1], bars.at[2]
+    plgpu.copy_gmem_to_smem(tbl_ref.at[b], tbl_smem, tbl_bar)
+    plgpu.copy_gmem_to_smem(off_ref, off_smem, off_bar)
+    if geo.Gp < _ROWS:  # rows past the real heads: zeros (never stored; keeps them finite)
+        q_smem[...] = math_.full((_ROWS, geo.H), 0.0).astype(geo.dtype)
+        plgpu.commit_smem()
+    plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem.at[pl.ds(0, geo.Gp)], q_bar)
+    plgpu.barrier_wait(tbl_bar)
+    plgpu.barrier_wait(off_bar)
+    seq_len = tbl_smem[0, 0]
+    lo_pos, start, count = _kv_blocks(geo, seq_len, split)
+    prog = _Program(
+        k_ref=k_ref,
+        v_ref=v_ref,
+        tbl_smem=tbl_smem,
+        q_smem=q_smem,
+        q_bar=q_bar,
+        layer_off=off_smem[0],
+        h=h,
+        start=start,
+        count=count,
+        seq_len=seq_len,
+        lo_pos=lo_pos,
+    )
     kv_tile = plgpu.SMEM(
-        (geo.num_stages, bk, H),
+        (geo.num_stages, geo.block_kv, geo.H),
         geo.dtype,
-        transforms=() if interpret else _smem_transforms(geo.dtype, H),
+        transforms=() if interpret else _smem_transforms(geo.dtype, geo.H),
     )
     stage_bars = plgpu.Barrier(num_arrivals=geo.pages_per_step, num_barriers=geo.num_stages)
-    acc, m, l = pl.run_scoped(main_loop, kv_tile, kv_tile, stage_bars, stage_bars)
+    loop = functools.partial(_pipeline, geo, math_, prog)
+    acc, m, l = pl.run_scoped(loop, kv_tile, kv_tile, stage_bars, stage_bars)
     _store(geo, acc, m, l, o_ref, lse_ref, b, h, split)
 
 
@@ -364,6 +405,81 @@ def _validate(
     )
 
 
+def _plan(q_shape, pool_shape, M: int, dtype, cfg: MosaicDecodeConfig, scale, soft_cap, window):
+    """Static launch plan for q [B, N, H], pools [L, P, K, page_size, H] and tables of width M:
+    (_Geometry, R, C) with the table in R rows of C pages (`_table`). ValueError: M too wide."""
+    (B, N, H), (_, _, K, page_size, _) = q_shape, pool_shape
+    G, bk = N // K, cfg.block_kv
+    max_blocks = max(1, -(-M * page_size // bk))
+    pages_needed = max_blocks * (bk // page_size) if page_size <= bk else M
+    # (1 + R) * C * 4 bytes must be a multiple of 128 (one TMA copy, arrived on by 128 threads).
+    C = min(_TABLE_COLS, round_up(pages_needed, 32))
+    R = -(-pages_needed // C)  # entry lp lives at [1 + lp // 128, lp % 128] (R == 1 if C < 128)
+    if 1 + R > 256:
+        raise ValueError(f"block_tables width M={M} too large (max {255 * _TABLE_COLS} pages)")
+    isz = jnp.dtype(dtype).itemsize  # shared memory: K/V stages, Q, table, offsets, barriers
+    smem = (2 * cfg.num_stages * bk + _ROWS) * H * isz + (1 + R) * C * 4 + _OFFSET_COLS * 4 + 1024
+    geo = _Geometry(
+        G,
+        round_up(G, Q_GROUP_MULTIPLE),
+        H,
+        page_size,
+        bk,
+        max(1, bk // page_size),
+        min(page_size, bk),
+        cfg.num_stages,
+        _pick_splits(cfg, B * K, max_blocks, smem),
+        dtype,
+        float(scale),
+        soft_cap,
+        window,
+    )
+    return geo, R, C
+
+
+def _table(block_tables, seq_lens, page_size: int, R: int, C: int):
+    """i32[B, 1 + R, C], shared by all layers: row 0 seq_len (clamped to the table's M *
+    page_size), rows 1.. the pages, null-padded; entry lp at [1 + lp // C, lp % C]."""
+    B, M = block_tables.shape
+    pages = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, R * C - M))).reshape(B, R, C)
+    lens = jnp.clip(seq_lens.astype(jnp.int32), 0, M * page_size)
+    header = jnp.zeros((B, 1, C), jnp.int32).at[:, 0, 0].set(lens)
+    return jnp.concatenate([header, pages], axis=1)
+
+
+def _launch_kwargs(geo: _Geometry, B: int, K: int, out_dtype, R: int, C: int, interpret: bool):
+    """`plgpu.kernel` arguments: outputs (one split: [B, K, G, H] in out_dtype; else f32 partials
+    [B, K, S, Gp, H] and LSEs [B, K, S, Gp]), the (b, h, s) grid, Q/table/offset scratch."""
+    G, Gp, H, splits, dtype = geo.G, geo.Gp, geo.H, geo.num_splits, geo.dtype
+    out_type = (
+        (jax.ShapeDtypeStruct((B, K, G, H), out_dtype),)
+        if splits == 1
+        else (
+            jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32),
+        )
+    )
+    transforms = () if interpret else _smem_transforms(dtype, H)
+    kw = dict(
+        out_type=out_type,
+        grid=(B, K, splits),
+        grid_names=("b", "h", "s"),
+        scratch_types=[
+            plgpu.SMEM((_ROWS, H), dtype, transforms=transforms),
+            plgpu.SMEM((1 + R, C), jnp.int32),
+            plgpu.SMEM((_OFFSET_COLS,), jnp.int32),
+            plgpu.Barrier(num_barriers=3),
+        ],
+    )
+    if interpret:  # Mosaic GPU's interpret mode is private in JAX 0.10-0.11 (pyproject's range)
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        kw["interpret"] = InterpretGPUParams()
+    else:
+        kw["compiler_params"] = plgpu.CompilerParams(approx_math=True)
+    return kw
+
+
 @functools.partial(
     jax.jit, static_argnames=("scale", "soft_cap", "sliding_window", "interpret", "cfg")
 )
@@ -382,72 +498,21 @@ def _forward(
     cfg: MosaicDecodeConfig,
 ):
     (B, N, H), (L, P, K, page_size, _) = q.shape, k_pool.shape
-    G, M, bk, dtype = N // K, block_tables.shape[1], cfg.block_kv, k_pool.dtype
-    Gp = round_up(G, Q_GROUP_MULTIPLE)
-    max_blocks = max(1, -(-M * page_size // bk))
-    # Table [B, 1 + R, C]: row 0 seq_len, rows 1.. the pages (null-padded); shared by all layers.
-    pages_needed = max_blocks * (bk // page_size) if page_size <= bk else M
-    # (1 + R) * C * 4 bytes must be a multiple of 128 (one TMA copy, arrived on by 128 threads).
-    C = min(_TABLE_COLS, round_up(pages_needed, 32))
-    R = -(-pages_needed // C)  # entry lp lives at [1 + lp // 128, lp % 128] (R == 1 if C < 128)
-    if 1 + R > 256:
-        raise ValueError(f"block_tables width M={M} too large (max {255 * _TABLE_COLS} pages)")
-    isz = jnp.dtype(dtype).itemsize  # shared memory: K/V stages, Q, table, offsets, barriers
-    smem = (2 * cfg.num_stages * bk + _ROWS) * H * isz + (1 + R) * C * 4 + _OFFSET_COLS * 4 + 1024
-    splits = _pick_splits(cfg, B * K, max_blocks, smem)
-    geo = _Geometry(
-        G,
-        Gp,
-        H,
-        page_size,
-        bk,
-        max(1, bk // page_size),
-        min(page_size, bk),
-        cfg.num_stages,
-        splits,
-        dtype,
-        float(scale),
-        soft_cap,
-        sliding_window,
+    dtype = k_pool.dtype
+    geo, R, C = _plan(
+        q.shape, k_pool.shape, block_tables.shape[1], dtype, cfg, scale, soft_cap, sliding_window
     )
-    pages = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, R * C - M))).reshape(B, R, C)
-    lens = jnp.clip(seq_lens.astype(jnp.int32), 0, M * page_size)
-    header = jnp.zeros((B, 1, C), jnp.int32).at[:, 0, 0].set(lens)
-    table = jnp.concatenate([header, pages], axis=1)
-    qg = jnp.pad(q.astype(dtype).reshape(B, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    table = _table(block_tables, seq_lens, page_size, R, C)
+    qg = jnp.pad(
+        q.astype(dtype).reshape(B, K, geo.G, H), ((0, 0), (0, 0), (0, geo.Gp - geo.G), (0, 0))
+    )
     k_flat, v_flat = (x.reshape(L * P, K, page_size, H) for x in (k_pool, v_pool))
-    transforms = () if interpret else _smem_transforms(dtype, H)
-    single = splits == 1
-    out_type = (
-        (jax.ShapeDtypeStruct((B, K, G, H), q.dtype),)
-        if single
-        else (
-            jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32),
-        )
-    )
-    kw = dict(
-        out_type=out_type,
-        grid=(B, K, splits),
-        grid_names=("b", "h", "s"),
-        scratch_types=[
-            plgpu.SMEM((_ROWS, H), dtype, transforms=transforms),
-            plgpu.SMEM((1 + R, C), jnp.int32),
-            plgpu.SMEM((_OFFSET_COLS,), jnp.int32),
-            plgpu.Barrier(num_barriers=3),
-        ],
-    )
-    if interpret:  # Mosaic GPU's interpret mode is private in JAX 0.10-0.11 (pyproject's range)
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        kw["interpret"] = InterpretGPUParams()
-    else:
-        kw["compiler_params"] = plgpu.CompilerParams(approx_math=True)
     body = functools.partial(
         _body, geo=geo, math_=_PlainMath if interpret else _WgmmaMath, interpret=interpret
     )  # one split: no LSE output (lse_ref None)
+    kw = _launch_kwargs(geo, B, K, q.dtype, R, C, interpret)
     outs = plgpu.kernel(body, **kw)(qg, k_flat, v_flat, table, layer_off)
-    if single:
+    if geo.num_splits == 1:
         return outs[0].reshape(B, N, H)
     return combine_splits(*outs, num_heads=N, out_dtype=q.dtype)
 

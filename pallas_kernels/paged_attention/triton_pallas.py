@@ -128,6 +128,52 @@ def full_block(shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
 
 
+def logit_scale(scale: float, soft_cap: float | None) -> float:
+    """The static factor of the logits before a key scale: ``scale``, times LOG2E (log2 units)
+    unless soft-capped (the cap converts after the tanh)."""
+    return scale if soft_cap is not None else scale * LOG2E
+
+
+def block_slots(page_size: int, pages_per_block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """A key block's offsets i32[BLOCK_N] (BLOCK_N = pages_per_block * page_size) and each key's
+    page within the block and slot within its page, i32[BLOCK_N] each."""
+    offs = jnp.arange(pages_per_block * page_size, dtype=jnp.int32)
+    return offs, offs // page_size, offs % page_size
+
+
+def init_state(R: int, H: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The empty online-softmax carry of R query rows: acc f32[R, H] zeros, m f32[R] NEG_INIT,
+    l f32[R] zeros."""
+    return (
+        jnp.zeros((R, H), jnp.float32),
+        jnp.full((R,), NEG_INIT, jnp.float32),
+        jnp.zeros((R,), jnp.float32),
+    )
+
+
+def _split_blocks(seq_len, s, *, page_size, pages_per_block, k_splits, sliding_window):
+    """Split s's key blocks. Visible positions are [lo, seq_len) (i32 scalars); their pages, from
+    ``first_page`` on, go in blocks of pages_per_block, and split s takes blocks [blk_lo, blk_hi)
+    of k_splits equal runs (empty past the end). -> (lo, first_page, blk_lo, blk_hi), i32."""
+    lo = jnp.int32(0) if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    first_page, n_pages = lo // page_size, (seq_len + page_size - 1) // page_size
+    n_blocks = (jnp.maximum(n_pages - first_page, 0) + pages_per_block - 1) // pages_per_block
+    per_split = (n_blocks + k_splits - 1) // k_splits
+    blk_lo = jnp.minimum(s * per_split, n_blocks)
+    blk_hi = jnp.minimum(blk_lo + per_split, n_blocks)
+    return lo, first_page, blk_lo, blk_hi
+
+
+def _store_decode(out_refs, acc, m_i, l_i):
+    """Write one program's result: with one output ref, normalised acc [G_PAD, H] in its dtype;
+    with three (k_splits > 1), the partials acc f32[G_PAD, H], m, l f32[G_PAD]."""
+    if len(out_refs) == 1:
+        out_refs[0][...] = normalize(acc, l_i).astype(out_refs[0].dtype)
+    else:  # the partials
+        for ref, x in zip(out_refs, (acc, m_i, l_i)):
+            ref[...] = x
+
+
 def _kernel(
     layer_ref,
     lens_ref,
@@ -151,18 +197,17 @@ def _kernel(
     b, kh, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     seq_len = jnp.minimum(lens_ref[b], M * page_size)  # never past the table
-    block_n = pages_per_block * page_size
-    # visible positions [lo, seq_len), their pages in blocks from first_page; split s: equal runs
-    lo = jnp.int32(0) if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
-    first_page, n_pages = lo // page_size, (seq_len + page_size - 1) // page_size
-    n_blocks = (jnp.maximum(n_pages - first_page, 0) + pages_per_block - 1) // pages_per_block
-    per_split = (n_blocks + k_splits - 1) // k_splits
-    blk_lo = jnp.minimum(s * per_split, n_blocks)
-    blk_hi = jnp.minimum(blk_lo + per_split, n_blocks)
+    lo, first_page, blk_lo, blk_hi = _split_blocks(
+        seq_len,
+        s,
+        page_size=page_size,
+        pages_per_block=pages_per_block,
+        k_splits=k_splits,
+        sliding_window=sliding_window,
+    )
     q = q_ref[...]  # [G_PAD, H]
-    qk_scale = (scale if soft_cap is not None else scale * LOG2E) * ks_ref[kh]
-    offs = jnp.arange(block_n, dtype=jnp.int32)
-    tok_page, slot = offs // page_size, offs % page_size  # each key's page and slot
+    qk_scale = logit_scale(scale, soft_cap) * ks_ref[kh]
+    offs, tok_page, slot = block_slots(page_size, pages_per_block)
 
     def body(blk, carry):
         *state, pages = carry
@@ -182,19 +227,40 @@ def _kernel(
         return (*state, pages_next)
 
     pages0 = bt_ref[b, first_page + blk_lo * pages_per_block + tok_page]
-    init = (
-        jnp.zeros((G_PAD, H), jnp.float32),
-        jnp.full((G_PAD,), NEG_INIT, jnp.float32),
-        jnp.zeros((G_PAD,), jnp.float32),
-        pages0,
-    )
+    init = (*init_state(G_PAD, H), pages0)
     acc, m_i, l_i, _ = lax.fori_loop(blk_lo, blk_hi, body, init)
-    acc = acc * vs_ref[kh]
+    _store_decode(out_refs, acc * vs_ref[kh], m_i, l_i)
+
+
+def _decode_specs(qg, bt, pool, k_splits: int):
+    """`_kernel`'s BlockSpecs on grid (B, K, k_splits) -> (in_specs, out_shape, out_specs), from
+    the arrays it gets: qg [B, K, G_PAD, H] grouped queries (one [G_PAD, H] tile a program), bt
+    i32[B, M + 2 * pages_per_block] padded tables, pool either pool (whole), plus layer i32[1],
+    seq_lens i32[B], K and V scales f32[K] (whole). Output: [B, K, G_PAD, H] in qg's dtype if
+    k_splits == 1, else the partials acc f32[S, B, K, G_PAD, H], m and l f32[S, B, K, G_PAD]
+    (S = k_splits)."""
+    B, K, G_PAD, H = qg.shape
+    q_spec = pl.BlockSpec((None, None, G_PAD, H), lambda b, k, s: (b, k, 0, 0))
+    in_specs = [
+        full_block((1,)),
+        full_block((B,)),
+        full_block(bt.shape),
+        full_block((K,)),
+        full_block((K,)),
+        q_spec,
+        full_block(pool.shape),
+        full_block(pool.shape),
+    ]
     if k_splits == 1:
-        out_refs[0][...] = normalize(acc, l_i).astype(out_refs[0].dtype)
-    else:  # the partials
-        for ref, x in zip(out_refs, (acc, m_i, l_i)):
-            ref[...] = x
+        out_shape, out_specs = [jax.ShapeDtypeStruct(qg.shape, qg.dtype)], [q_spec]
+    else:  # partials acc [S, B, K, G_PAD, H], m and l [S, B, K, G_PAD]
+        tails = ((G_PAD, H), (G_PAD,), (G_PAD,))
+        out_shape = [jax.ShapeDtypeStruct((k_splits, B, K, *t), jnp.float32) for t in tails]
+        out_specs = [
+            pl.BlockSpec((None, None, None, *t), lambda b, k, s, n=len(t): (s, b, k) + (0,) * n)  # noqa: B008
+            for t in tails
+        ]
+    return in_specs, out_shape, out_specs
 
 
 @functools.partial(
@@ -248,26 +314,7 @@ def _paged_decode(
         soft_cap=None if soft_cap is None else float(soft_cap),
         sliding_window=sliding_window,
     )
-    q_spec = pl.BlockSpec((None, None, G_PAD, H), lambda b, k, s: (b, k, 0, 0))
-    in_specs = [
-        full_block((1,)),
-        full_block((B,)),
-        full_block((B, M + 2 * pages_per_block)),
-        full_block((K,)),
-        full_block((K,)),
-        q_spec,
-        full_block(k_pool.shape),
-        full_block(v_pool.shape),
-    ]
-    if k_splits == 1:
-        out_shape, out_specs = [jax.ShapeDtypeStruct((B, K, G_PAD, H), q.dtype)], [q_spec]
-    else:  # partials acc [S, B, K, G_PAD, H], m and l [S, B, K, G_PAD]
-        tails = ((G_PAD, H), (G_PAD,), (G_PAD,))
-        out_shape = [jax.ShapeDtypeStruct((k_splits, B, K, *t), jnp.float32) for t in tails]
-        out_specs = [
-            pl.BlockSpec((None, None, None, *t), lambda b, k, s, n=len(t): (s, b, k) + (0,) * n)  # noqa: B008
-            for t in tails
-        ]
+    in_specs, out_shape, out_specs = _decode_specs(qg, bt, k_pool, k_splits)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,

@@ -133,13 +133,17 @@ def test_matches_reference(mode, name, dtype):
     [pytest.param("interpret", marks=needs_interpret), pytest.param("compiled", marks=HOPPER)],
 )
 def test_causal_mask_is_applied(mode):
-    """A value changed at key position 30 of row 0 changes exactly its queries at >= 30."""
+    """A value changed at key position 30 of row 0 changes exactly its queries at >= 30. The first
+    call is eager with a Python-int layer (constant page offset), the second jitted (traced)."""
     case = dict(page_size=16, H=64, N=8, K=2, M=3)
     q, k, v, t, s, pos = make_case(0, [(37, 16), (5, 5)], **case)
     dtype = jnp.float32 if mode == "interpret" else jnp.bfloat16
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     fn = _jitted(mode == "interpret", 0.125, ())
-    base = np.asarray(fn(q, k, v, t, s, pos, jnp.int32(1)), np.float32)
+    base = prefill_mosaic.paged_prefill_attention(
+        q, k, v, t, s, pos, layer=1, scale=0.125, interpret=mode == "interpret"
+    )
+    base = np.asarray(base, np.float32)
     v2 = v.at[1, int(t[0, 1]), :, 30 - 16].add(10.0)
     changed = np.asarray(fn(q, k, v2, t, s, pos, jnp.int32(1)), np.float32)
     np.testing.assert_array_equal(changed[0, :9], base[0, :9])  # positions 21..29

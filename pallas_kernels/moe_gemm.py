@@ -74,7 +74,7 @@ def _kernel(e_ref, first_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, nk, M, 
     def body(kb, acc):
         x = jnp.where(valid[:, None], x_ref[rows, kb], 0).astype(dtype)  # [block_m, block_k]
         w = w_ref[e, kb].astype(dtype)  # [block_k, block_n]
-        return acc + pl.dot(x, w)
+        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
     acc = jnp.zeros(o_ref.shape, jnp.float32)
     acc = lax.fori_loop(0, jnp.where(n > 0, nk, 0), body, acc)

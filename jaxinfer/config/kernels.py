@@ -31,10 +31,10 @@ class KernelConfig:
     w8a16 (activations in the compute dtype) or w8a8 (per-token e4m3 activations, per-channel
     weight scales only; not yet timed on a GPU); decode buckets of >=
     cublas_decode_min_batch rows use cuBLAS (None: XLA); ragged (mixed) steps of at most
-    ragged_decode_max_tokens tokens attend each token as a decode row (0: never; not yet timed on
-    a GPU, BENCHMARKS "Issue 45"); moe_gemm: the experts' grouped GEMM of mixture-of-experts
-    layers, XLA's ``jax.lax.ragged_dot`` or the Pallas/Triton kernel `pallas_kernels.moe_gemm`
-    (GPU); batch_buckets / token_buckets: B / T."""
+    ragged_decode_max_tokens tokens attend each token as a decode row (0: never; None: 32 with a
+    GPU decode kernel, 0 with the reference; BENCHMARKS "Issue 45"); moe_gemm: the experts'
+    grouped GEMM of mixture-of-experts layers, XLA's ``jax.lax.ragged_dot`` or the Pallas/Triton
+    kernel `pallas_kernels.moe_gemm` (GPU); batch_buckets / token_buckets: B / T."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
@@ -42,7 +42,7 @@ class KernelConfig:
     fp8_gemm: str = "w8a16"
     moe_gemm: str = "ragged_dot"
     cublas_decode_min_batch: int | None = 64
-    ragged_decode_max_tokens: int = 0
+    ragged_decode_max_tokens: int | None = None
     batch_buckets: tuple[int, ...] = ()
     token_buckets: tuple[int, ...] = ()
 
@@ -61,8 +61,8 @@ class KernelConfig:
                 ),
                 (
                     "ragged_decode_max_tokens",
-                    lambda m: is_int(m, 0),
-                    "must be an integer >= 0",
+                    lambda m: m is None or is_int(m, 0),
+                    "must be None or an integer >= 0",
                 ),
                 *(
                     (

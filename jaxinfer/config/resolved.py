@@ -12,6 +12,7 @@ from jaxinfer.config.model import ModelConfig, _fail, check_tp
 from pallas_kernels.paged_attention import registry
 
 DEFAULT_SMOOTHQUANT = 0.4  # alpha where W8A8 runs (docs/fp8.md: SmolLM2, 0.4 beat 0.5)
+RAGGED_DECODE_MAX_TOKENS_GPU = 32  # BENCHMARKS "Issue 45": verify steps 1.37x against 1.56x
 DEFAULT_SPEC_DECODE_ROWS = 16  # disable_by_batch_size when unset (BENCHMARKS: verify steps)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "float8_e4m3fn": 1}
 FP8_KV_DECODE = ("reference", "triton")  # decode variants validated on fp8 pages
@@ -97,7 +98,9 @@ def _kernels(kc: KernelConfig, half_gpu: bool, gpu: bool, fp8_kv: bool, quant, d
     """``kc`` with its "auto" attention variants chosen (GPU in half precision: decode mosaic,
     triton with fp8 KV; GPU: prefill triton; else the references), each falling back to one
     validated on ``device_kind`` (logged); fp8 weights (``quant``) keep every GEMM on XLA;
-    ``fp8_gemm="w8a8"`` without fp8 weights does nothing, and says so (logged)."""
+    ``fp8_gemm="w8a8"`` without fp8 weights does nothing, and says so (logged); None
+    ``ragged_decode_max_tokens``: `RAGGED_DECODE_MAX_TOKENS_GPU` with a decode kernel, 0 with
+    the reference."""
     if kc.fp8_gemm == "w8a8" and quant is None:
         logging.getLogger("jaxinfer").warning(
             "jaxinfer: fp8_gemm='w8a8' applies to fp8 weights only and is ignored here: "
@@ -113,9 +116,14 @@ def _kernels(kc: KernelConfig, half_gpu: bool, gpu: bool, fp8_kv: bool, quant, d
                 "jaxinfer: %s=%r is not validated on %r; using %r", k, auto[k], device_kind, new
             )
             auto[k] = new
+    decode = auto["decode_attention"] if kc.decode_attention == "auto" else kc.decode_attention
+    by_token = kc.ragged_decode_max_tokens
+    if by_token is None:
+        by_token = 0 if decode == "reference" else RAGGED_DECODE_MAX_TOKENS_GPU
     return dataclasses.replace(
         kc,
         **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"},
+        ragged_decode_max_tokens=by_token,
         **({"cublas_decode_min_batch": None} if quant else {}),
     )
 

@@ -233,7 +233,7 @@ def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKerne
     attention = reference.paged_attention
     if (decode, prefill) != ("reference", "reference"):
         attention = PagedAttention(decode, prefill, tuple(sorted((decode_knobs or {}).items())))
-    by_token = kc.ragged_decode_max_tokens
+    by_token = kc.ragged_decode_max_tokens or 0  # None, unresolved: off (`resolve` sets it)
     return ModelKernels(
         attention,
         mesh,

@@ -79,6 +79,26 @@ def test_decode_gemm_formulations_compute_the_same_product():
             bench.gemm_fn(bad)
 
 
+def test_decode_gemm_kmajor_fp8_equals_the_engine_dense():
+    """The K-major fp8 variants (weight [N, K]) give the engine's `layers.dense` product on the
+    [K, N] weight exactly: the same e4m3 values, scales and f32 accumulation (CPU, bf16 x)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.models.quantize import quantize_fp8
+
+    bench = load_script("probes/bench_decode_gemm")
+    kx, kw = jax.random.split(jax.random.key(1))
+    x = jax.random.normal(kx, (4, 64), jnp.bfloat16)
+    w8, scale = quantize_fp8(jax.random.normal(kw, (64, 32), jnp.bfloat16) * 0.02)
+    kmajor = (jnp.transpose(w8), scale.reshape(-1))
+    for kind in ("w8a16", "w8a8"):
+        (want,) = bench.gemm_fn("xla-" + kind)([x], [(w8, scale)])
+        (got,) = bench.gemm_fn("xla-" + kind + "t")([x], [kmajor])
+        assert got.shape == (4, 32) and float(jnp.abs(want).max()) > 0
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
 @pytest.mark.parametrize(
     "script",
     [

@@ -1,4 +1,5 @@
-"""Paged prefill attention benchmark: the Pallas triton prefill kernel against the reference.
+"""Paged prefill attention benchmark: the Pallas triton prefill kernel (and, with ``--mosaic``,
+the Mosaic GPU one, `prefill_mosaic`) against the reference.
 
 The reference is the gather + dense float32 softmax path the engine runs today; Qwen3-8B heads
 (N=32, K=8, H=128), bf16, on a GPU (``--interpret``: a float32 smoke run on the CPU, no file
@@ -11,6 +12,7 @@ reference first (relative error < 1e-2), then timed (median of ``--repeats`` of 
 reference; appends JSON objects (bench="paged_prefill") to ``--out``.
 
     python scripts/bench_paged_prefill.py [--rows 8 16] [--chunks 512 1024] [--prefix 0 1024]
+        [--mosaic 64,2 128,2]
     python scripts/bench_paged_prefill.py --interpret --rows 2 --chunks 32 --prefix 16  # CPU smoke
 """
 
@@ -30,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pallas_kernels.paged_attention import prefill_triton, reference  # noqa: E402
+from pallas_kernels.paged_attention import prefill_mosaic, prefill_triton, reference  # noqa: E402
 from scripts.run_info import git_commit  # noqa: E402
 
 N, K, H = 32, 8, 128
@@ -66,15 +68,16 @@ def time_fn(fn, args, iters, repeats):
     return float(np.median(ts))
 
 
-def knob(spec: str) -> tuple[int, int, int, int]:
-    """``--knobs`` entry ``block_q,pages_per_block,num_warps,num_stages`` as four integers."""
+def knob(spec: str, names: str = "block_q,pages_per_block,num_warps,num_stages") -> tuple:
+    """A ``--knobs`` (or, ``names`` given, ``--mosaic``) entry: comma-separated integers, one
+    for each of ``names``."""
     try:
         vals = tuple(int(x) for x in spec.split(","))
     except ValueError:
         vals = ()
-    if len(vals) != 4:
+    if len(vals) != len(names.split(",")):
         raise argparse.ArgumentTypeError(
-            f"{spec!r}: expected four integers block_q,pages_per_block,num_warps,num_stages"
+            f"{spec!r}: expected {len(names.split(','))} integers {names}"
         )
     return vals
 
@@ -94,6 +97,13 @@ def parse_args():
         default=[(16, 4, 4, 2), (32, 4, 8, 2), (32, 8, 8, 3), (16, 8, 4, 3)],
         help="triton settings block_q,pages_per_block,num_warps,num_stages",
     )
+    ap.add_argument(
+        "--mosaic",
+        nargs="*",
+        type=functools.partial(knob, names="block_kv,num_stages"),
+        default=[],
+        help="Mosaic GPU kernel settings block_kv,num_stages to time too (Hopper)",
+    )
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=16384, help="skip R * Tq above this")
@@ -108,8 +118,9 @@ def parse_args():
     return args
 
 
-def variant_fns(knobs, kw, interpret):
-    """name -> attention call: the reference, then one triton call per knob setting."""
+def variant_fns(knobs, kw, interpret, mosaic=()):
+    """name -> attention call: the reference, one triton call per knob setting, then one Mosaic
+    GPU call per ``mosaic`` (block_kv, num_stages) setting."""
     fns = {"reference": functools.partial(reference.paged_attention, **kw)}
     for bq, ppb, nw, ns in knobs:
         fns[f"triton[{bq},{ppb},{nw},{ns}]"] = functools.partial(
@@ -119,6 +130,14 @@ def variant_fns(knobs, kw, interpret):
             block_q=bq,
             pages_per_block=ppb,
             num_warps=nw,
+            num_stages=ns,
+        )
+    for bk, ns in mosaic:
+        fns[f"mosaic[{bk},{ns}]"] = functools.partial(
+            prefill_mosaic.paged_prefill_attention,
+            **kw,
+            interpret=interpret,
+            block_kv=bk,
             num_stages=ns,
         )
     return fns
@@ -138,7 +157,7 @@ def run_config(R, Tq, prefix, args, dtype, meta):
     pairs = R * (Tq * prefix + Tq * (Tq + 1) // 2)
     flops = 4 * pairs * N * H
     rows, base = [], None
-    for name, fn in variant_fns(args.knobs, kw, args.interpret).items():
+    for name, fn in variant_fns(args.knobs, kw, args.interpret, args.mosaic).items():
         row = dict(meta, variant=name, R=R, Tq=Tq, prefix=prefix)
         try:
             out = jax.jit(fn)(*inp).astype(jnp.float32)

@@ -99,10 +99,12 @@ def test_pool_pages_stay_the_same_when_bytes_in_use_moves_by_mibs():
 
 def test_lora_pool_is_taken_from_the_kv_budget():
     """The LoRA pool's bytes, counted by hand for a Llama-2-7B shape (D 4096, F 11008, 32
-    layers, 32 heads, 8 KV heads of 128): per layer, slot and rank, (in + out) of q, k, v, o,
-    gate, up, down = 8192 + 5120 + 5120 + 8192 + 15104 * 3 = 71936 elements; the same count as
-    the arrays `init_pool` allocates (a small model); the KV pool gets what is left after it;
-    a pool that leaves no room is a ValueError naming max_loras, max_lora_rank and the bytes."""
+    layers, 32 heads, 8 KV heads of 128): per layer, slot and rank, G * (in + out) of each fused
+    group of G modules (b block diagonal): qkv 3 * (4096 + 6144), o 4096 + 4096, gate_up 2 *
+    (4096 + 22016), down 11008 + 4096 = 106240 elements; the same count as the arrays
+    `init_pool` allocates (a small model); the KV pool gets what is left after it; a pool that
+    leaves no room is a ValueError naming max_loras, max_lora_rank and the bytes."""
+    import jax
     import jax.numpy as jnp
 
     from jaxinfer.config import EngineConfig, resolve
@@ -111,9 +113,9 @@ def test_lora_pool_is_taken_from_the_kv_budget():
     from jaxinfer.runner.lora import init_pool
 
     cfg = ModelConfig("llama", 32000, 4096, 11008, 32, 32, 8, 128)
-    assert pool_bytes(cfg, 4, 16, 2) == 2 * 32 * 4 * 16 * 71936 == 294_649_856
+    assert pool_bytes(cfg, 4, 16, 2) == 2 * 32 * 4 * 16 * 106240 == 435_159_040
     small = ModelConfig("llama", 256, 64, 96, 2, 4, 2, 16)
-    arrays = [x for m in init_pool(small, 3, 4, jnp.bfloat16).values() for x in m.values()]
+    arrays = jax.tree.leaves(init_pool(small, 3, 4, jnp.bfloat16))
     assert sum(x.nbytes for x in arrays) == pool_bytes(small, 3, 4, 2)
     ec = EngineConfig(enable_lora=True, max_loras=4, max_lora_rank=16)
     r, stats = resolve(cfg, ec, "gpu"), {"bytes_limit": 40 * GIB, "bytes_in_use": 14 * GIB}
@@ -126,7 +128,7 @@ def test_lora_pool_is_taken_from_the_kv_budget():
         used_bytes=14 * GIB + lora,
     )
     assert engine_pool_pages(r, stats, lora_bytes=lora) < engine_pool_pages(r, stats)
-    huge = pool_bytes(cfg, 64, 512, 2)  # 64 slots of rank 512: 151 GB
+    huge = pool_bytes(cfg, 64, 512, 2)  # 64 slots of rank 512: 223 GB
     ec = EngineConfig(enable_lora=True, max_loras=64, max_lora_rank=512)
     with pytest.raises(
         ValueError,

@@ -1,5 +1,6 @@
 """PEFT LoRA adapters as numpy (no JAX): the modules LoRA may target (`MODULES`, their [in, out]
-sizes from a model config: `module_dims`; the device pool's bytes: `pool_bytes`), a PEFT
+sizes from a model config: `module_dims`; the fused projections they add to: `GROUPS`,
+`group_dims`; the device pool's bytes: `pool_bytes`), a PEFT
 directory checked (`check_adapter`) and read (`load_adapter`: its
 ``adapter_config.json`` and ``adapter_model.safetensors``), a tensor dict mapped onto the layers
 (`parse_tensors`, also what `LLM.update_lora` takes) and an adapter laid out as one slot of the
@@ -30,6 +31,16 @@ _UNSUPPORTED = {  # adapter_config.json key: (its allowed values, what they mean
 }
 
 
+# the pool's entries: the fused base weight (`jaxinfer.config.weights`) each one adds to -> its
+# modules, in the weight's column order (one device: LoRA runs without tensor parallelism)
+GROUPS = {
+    "wqkv": ("q_proj", "k_proj", "v_proj"),
+    "wo": ("o_proj",),
+    "w_gate_up": ("gate_proj", "up_proj"),
+    "w_down": ("down_proj",),
+}
+
+
 def module_dims(cfg) -> dict[str, tuple[int, int]]:
     """Each of `MODULES` -> its (in, out) for model config ``cfg``: q D -> N*H, k and v D -> K*H,
     o N*H -> D, gate and up D -> F, down F -> D."""
@@ -46,11 +57,19 @@ def module_dims(cfg) -> dict[str, tuple[int, int]]:
     )
 
 
+def group_dims(cfg) -> dict[str, tuple[int, int]]:
+    """Each of `GROUPS` -> (in, out) for model config ``cfg``: its modules' shared in and the sum
+    of their outs (the fused weight's [in, out])."""
+    dims = module_dims(cfg)
+    return {g: (dims[ms[0]][0], sum(dims[m][1] for m in ms)) for g, ms in GROUPS.items()}
+
+
 def pool_bytes(cfg, max_loras: int, max_rank: int, dtype_bytes: int) -> int:
     """Bytes of the device pool of ``max_loras`` S slots of rank ``max_rank`` R for model config
-    ``cfg`` (`jaxinfer.runner.lora.init_pool`: a [L, S, in, R] and b [L, S, R, out] for every
-    one of `MODULES`), ``dtype_bytes`` an element: dtype_bytes * L * S * R * sum(in + out)."""
-    per_rank = sum(i + o for i, o in module_dims(cfg).values())
+    ``cfg`` (`jaxinfer.runner.lora.init_pool`: per layer and group of G modules of `GROUPS`, a
+    [in, G, S, R] and b [G, S, R, out], b block diagonal with out the modules' summed outs),
+    ``dtype_bytes`` an element: dtype_bytes * L * S * R * sum over groups of G * (in + out)."""
+    per_rank = sum(len(GROUPS[g]) * (i + o) for g, (i, o) in group_dims(cfg).items())
     return dtype_bytes * cfg.num_layers * max_loras * max_rank * per_rank
 
 

@@ -266,11 +266,11 @@ def write_kv(
 def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1, adapt=None) -> jax.Array:
     """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D];
     ``w_gate_up`` [D, 2F] ([gate | up] in each of ``shards`` column groups, `engine_layout`),
-    ``w_down`` [F, D]; ``adapt(y, x, modules)``: LoRA's addition to each GEMM's output
+    ``w_down`` [F, D]; ``adapt(y, x, group)``: LoRA's addition to each GEMM's output
     (`models.lora.add_lora`; shards 1), or None."""
-    adapt = adapt or (lambda y, x, modules: y)
+    adapt = adapt or (lambda y, x, group: y)
     with jax.named_scope("mlp"):
-        gu = adapt(dense(x, w_gate_up), x, ("gate_proj", "up_proj"))  # [B, T, 2F]
+        gu = adapt(dense(x, w_gate_up), x, "w_gate_up")  # [B, T, 2F]
         gu = gu.reshape(*gu.shape[:-1], shards, 2, -1)  # [B, T, shards, 2, F/s]
         h = (jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]).reshape(*x.shape[:-1], -1)  # [B, T, F]
-        return adapt(dense(h, w_down), h, ("down_proj",)).astype(x.dtype)
+        return adapt(dense(h, w_down), h, "w_down").astype(x.dtype)

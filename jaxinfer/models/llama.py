@@ -31,10 +31,8 @@ from jaxinfer.models.layers import (
     rope_inv_freq,
     write_kv,
 )
-from jaxinfer.models.lora import LoRAStep, add_lora
+from jaxinfer.models.lora import LoRAStep, add_lora, at_layer
 from jaxinfer.models.moe import moe_mlp
-
-QKV = ("q_proj", "k_proj", "v_proj")  # the LoRA modules of the fused qkv GEMM, in its order
 
 
 def attention_heads(
@@ -107,7 +105,7 @@ def attention(
     B, T, _ = x.shape
     N, K, H, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kernels.tp
     with jax.named_scope("qkv"):
-        qkv = add_lora(dense(x, w["wqkv"]), x, QKV, lora=ctx.lora, layer=layer)  # [B, T, (N+2K)H]
+        qkv = add_lora(dense(x, w["wqkv"]), x, "wqkv", lora=ctx.lora)  # [B, T, (N+2K)H]
     heads = functools.partial(
         attention_heads,
         kernels=kernels,
@@ -128,7 +126,7 @@ def attention(
     o, k_pool, v_pool = heads(qkv, k_pool, v_pool, ctx, w["q_norm"], w["k_norm"])
     with jax.named_scope("attention"):
         o = o.astype(x.dtype).reshape(B, T, N * H)
-        out = add_lora(dense(o, w["wo"]), o, ("o_proj",), lora=ctx.lora, layer=layer)
+        out = add_lora(dense(o, w["wo"]), o, "wo", lora=ctx.lora)
         out = out.astype(x.dtype)
     return out, k_pool, v_pool
 
@@ -164,7 +162,7 @@ def decoder_layer(
     a, k_pool, v_pool = attention(h, w, layer, k_pool, v_pool, ctx, cfg=cfg, kernels=kernels)
     x, h = norm(x, a, w["mlp_norm"])
     if w.get("router") is None:
-        adapt = ctx.lora and functools.partial(add_lora, lora=ctx.lora, layer=layer)
+        adapt = ctx.lora and functools.partial(add_lora, lora=ctx.lora)
         return x, mlp(h, w["w_gate_up"], w["w_down"], kernels.tp, adapt), k_pool, v_pool
     moe = functools.partial(
         moe_mlp,
@@ -183,7 +181,7 @@ _decoder_layer = jax.jit(decoder_layer, static_argnames=("cfg", "kernels"))
 
 class DecoderLayer(_Module):
     """`decoder_layer` over this module's weights: ``(x, pending, layer: int, k_pool, v_pool,
-    ctx) -> (x, pending, k_pool, v_pool)``."""
+    ctx) -> (x, pending, k_pool, v_pool)``; ``ctx.lora`` (all layers') narrowed to the layer's."""
 
     @nn.compact
     def __call__(
@@ -203,7 +201,7 @@ class DecoderLayer(_Module):
             jnp.asarray(layer, jnp.int32),
             k_pool,
             v_pool,
-            ctx,
+            ctx._replace(lora=at_layer(ctx.lora, layer)),  # this layer's LoRA arrays
             cfg=self.cfg,
             kernels=self.kernels,
         )

@@ -46,7 +46,7 @@ def test_parse_keys_aliases_and_values():
     "spec, needles",
     [
         ("decode=foo", ["decode_attention='foo'", "'mosaic'", "'reference'"]),
-        ("prefill=mosaic", ["prefill_attention='mosaic'", "'triton'"]),
+        ("prefill=flash", ["prefill_attention='flash'", "'triton'", "'mosaic'"]),
         ("qkv_prologue=triton", ["'qkv_prologue=triton'", "decode_attention", "prefill"]),
         ("prefill_gemm=cutlass", ["prefill_gemm='cutlass'", "allowed: 'xla', 'cublas'"]),
         ("speed=fast", ["'speed=fast'", "decode_attention", "prefill"]),

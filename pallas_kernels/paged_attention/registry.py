@@ -15,6 +15,7 @@ DECODE = {
 PREFILL = {
     "reference": ("reference", "paged_attention"),
     "triton": ("prefill_triton", "paged_prefill_attention"),
+    "mosaic": ("prefill_mosaic", "paged_prefill_attention"),  # explicit only: `auto` is triton
 }
 
 # GPU device kinds (JAX ``Device.device_kind``) each variant's GPU suite and benchmarks passed on.

@@ -47,7 +47,9 @@ def kv_pool_pages(
         raise ValueError(
             f"no memory left for the KV pool: usable {_gib(usable_bytes)} - used "
             f"{_gib(used_bytes)} = {_gib(free)} holds {pages} pages of {page_bytes:,} "
-            "B, at least 2 are needed; raise memory_fraction or set num_pages"
+            "B, at least 2 are needed; raise gpu_memory_utilization or memory_fraction, set "
+            f"num_pages, or start JAX with {XLA_MEM_FRACTION_ENV} above its default "
+            f"{XLA_DEFAULT_MEM_FRACTION} (the share of the card JAX's allocator takes)"
         )
     return pages
 

@@ -30,11 +30,11 @@ class KernelConfig:
     decode (T == 1) / prefill steps; prefill_gemm (cublas: GPU); fp8_gemm: fp8 weights' GEMM,
     w8a16 (activations in the compute dtype) or w8a8 (per-token e4m3 activations, per-channel
     weight scales only; not yet timed on a GPU); decode buckets of >=
-    cublas_decode_min_batch rows use cuBLAS (None: XLA); ragged (mixed) steps of at most
-    ragged_decode_max_tokens tokens attend each token as a decode row (0: never; None: 32 with a
-    GPU decode kernel, 0 with the reference; BENCHMARKS "Issue 45"); moe_gemm: the experts'
-    grouped GEMM of mixture-of-experts layers, XLA's ``jax.lax.ragged_dot`` or the Pallas/Triton
-    kernel `pallas_kernels.moe_gemm` (GPU); batch_buckets / token_buckets: B / T."""
+    cublas_decode_min_batch rows use cuBLAS (None: XLA); verify steps (speculative decoding) of
+    at most ragged_decode_max_tokens tokens attend each token as a decode row (0: never; None: 32
+    with a GPU decode kernel, 0 with the reference; BENCHMARKS "Issue 45"); moe_gemm: the
+    experts' grouped GEMM of mixture-of-experts layers, XLA's ``jax.lax.ragged_dot`` or the
+    Pallas/Triton kernel `pallas_kernels.moe_gemm` (GPU); batch_buckets / token_buckets: B / T."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"

@@ -111,7 +111,7 @@ class GroupedGemm:
 class ModelKernels:
     """attention: B rows of T tokens (`reference.paged_attention`'s contract); ragged: ragged rows
     (`reference.ragged_paged_attention`'s); mesh: None, or the 1-D "tp" mesh of tensor
-    parallelism (`runner.parallel.make_mesh`); ragged steps of at most ``ragged_decode_max_tokens``
+    parallelism (`runner.parallel.make_mesh`); verify steps of at most ``ragged_decode_max_tokens``
     tokens attend token by token through ``attention``'s decode rows (`layers.by_token`); fp8_gemm:
     fp8 weights' GEMM, "w8a16" (bf16 activations) or "w8a8" (`layers.dense`); observe: None, or
     (calibration) a `smoothquant.ActivationMax` whose probes see each unquantised GEMM's input;

@@ -75,7 +75,7 @@ def forward_step(
         lay(f["slot_mapping"]),
         step_kv,
         kernels=kernels,
-        ragged=None if key.decode else _ragged(f, kernels),
+        ragged=None if key.decode else _ragged(f, kernels, key),
         lora_slots=lay(_token_slots(f, key)) if "lora" in params else None,
     )
     hidden = hidden.reshape(-1, hidden.shape[-1])
@@ -94,10 +94,12 @@ def _token_slots(f: dict, key: ForwardKey) -> jax.Array:
     return jnp.where(t < qsl[-1], f["lora_slots"][row], -1)
 
 
-def _ragged(f: dict, kernels: ModelKernels) -> Ragged:
-    """The step's ragged rows; a step of at most ``kernels.ragged_decode_max_tokens`` tokens
-    attends token by token (`by_token`)."""
-    if f["tokens"].shape[0] > kernels.ragged_decode_max_tokens:
+def _ragged(f: dict, kernels: ModelKernels, key: ForwardKey) -> Ragged:
+    """The step's ragged rows; a verify step (``key.spec``) of at most
+    ``kernels.ragged_decode_max_tokens`` tokens attends token by token (`by_token`): its rows
+    are k + 1 tokens long, while a plain step's prefill chunk, token by token, would read its
+    row's K/V once per token."""
+    if not key.spec or f["tokens"].shape[0] > kernels.ragged_decode_max_tokens:
         return Ragged(f["query_start_loc"])
     return by_token(f["query_start_loc"], f["block_tables"], f["positions"])
 

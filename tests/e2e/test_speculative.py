@@ -72,8 +72,8 @@ def test_verify_samplers_lower_ahead_of_time(pair):
 
 
 def test_token_by_token_attention_equals_plain(pair, tiny_llm):
-    """Steps of at most 32 tokens attended token by token (`layers.by_token`; here the verify
-    steps and the small mixed steps) give plain decoding's greedy tokens."""
+    """Verify steps of at most 32 tokens attended token by token (`layers.by_token`) give plain
+    decoding's greedy tokens."""
     plain, _ = pair
     kernels = TINY_ENGINE["kernels"] + ",ragged_decode_max_tokens=32"
     spec = tiny_llm(text=False, speculative_config=SPEC, kernels=kernels)

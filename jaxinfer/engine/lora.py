@@ -131,14 +131,25 @@ class LoRAManager:
     def update(self, name_or_id, tensors: dict) -> None:
         """Replace adapter ``name_or_id``'s weights with ``tensors`` (PEFT names, its rank and
         modules: `parse_tensors`), its scaling kept; written into its slot if it has one.
-        ValueError: unknown adapter, as `parse_tensors`, a module the adapter does not have."""
+        ValueError (`AdapterError` when LoRA is off): unknown adapter, as `parse_tensors`, a
+        module of the adapter missing or one it does not have."""
+        if not self.enabled:
+            raise AdapterError(
+                f"update_lora({name_or_id!r}) needs an engine built with enable_lora=True"
+            )
         i = self.find(name_or_id)
         req, old = self.adapters[i]
         new = parse_tensors(tensors, self.cfg, old.rank, req.lora_name)
-        if missing := sorted(set(old.weights) ^ set(new)):
+        have, got = set(old.weights), set(new)
+        faults = [
+            f"{k} modules {sorted(v)}"
+            for k, v in (("missing", have - got), ("unexpected", got - have))
+            if v
+        ]
+        if faults:
             raise ValueError(
-                f"update_lora({name_or_id!r}): modules {missing} differ from the adapter's "
-                f"{sorted(old.weights)}"
+                f"update_lora({name_or_id!r}): {'; '.join(faults)} (the adapter's modules: "
+                f"{sorted(have)})"
             )
         self.adapters[i] = (req, dataclasses.replace(old, weights=new))
         if i in self.slots:

@@ -103,7 +103,8 @@ def test_lru_eviction_and_waiting(lora, plain, adapters, tiny_cfg, tiny_params):
 
 def test_update_lora(lora, plain, adapters, tiny_cfg, tiny_params):
     """`LLM.update_lora` with new tensors (by name, then by id): outputs as the new weights
-    merged give; unknown adapters and wrong shapes are ValueErrors."""
+    merged give; unknown adapters, wrong shapes and missing or unexpected modules are
+    ValueErrors naming them."""
     from lora_adapters import random_tensors
 
     req, old, scaling = adapters[1]
@@ -126,6 +127,13 @@ def test_update_lora(lora, plain, adapters, tiny_cfg, tiny_params):
     nan = {k: np.full_like(v, np.nan) for k, v in new.items()}  # a diverged trainer's
     with pytest.raises(ValueError, match="non-finite values"):
         lora.update_lora("a2", nan)
+    with pytest.raises(ValueError, match=r"missing modules \['q_proj', 'v_proj'\] \(the"):
+        lora.update_lora("a2", {})
+    extra = random_tensors(tiny_cfg, 4, 98, ("q_proj", "k_proj"))
+    with pytest.raises(
+        ValueError, match=r"missing modules \['v_proj'\]; unexpected modules \['k_proj'\]"
+    ):
+        lora.update_lora("a2", extra)
     assert run(lora, PROMPTS[:1], None) == reference(plain, tiny_params, tiny_cfg, PROMPTS[:1])
 
 
@@ -142,13 +150,19 @@ def test_prefix_cache_keyed_by_adapter(lora, adapters):
 
 
 def test_errors(lora, plain, adapters, tiny_cfg, tmp_path):
-    """Clear ValueErrors: a LoRA request without enable_lora, a rank above max_lora_rank, an
-    unknown target module, a directory without a config, a list of the wrong length, an id
-    reused under another name."""
+    """Clear ValueErrors: a LoRA request or update_lora without enable_lora, a rank above
+    max_lora_rank, an unknown target module, a directory without a config, a list of the wrong
+    length, an id reused under another name."""
     p = [{"prompt_token_ids": PROMPTS[0]}]
     lora.generate(p, SP, lora_request=adapters[0][0])  # a1 known (tests may run apart)
-    with pytest.raises(ValueError, match="enable_lora=True"):
+    with pytest.raises(
+        ValueError, match="lora_request='a1' needs an engine built with enable_lora=True"
+    ):
         plain.generate(p, SP, lora_request=adapters[0][0])
+    with pytest.raises(
+        ValueError, match=r"update_lora\('a1'\) needs an engine built with enable_lora=True"
+    ):
+        plain.update_lora("a1", {})
     write_adapter(tmp_path / "big", tiny_cfg, 16, 0, ("q_proj",))
     with pytest.raises(ValueError, match=r"r=16 is invalid.*max_lora_rank=8"):
         lora.generate(p, SP, lora_request=LoRARequest("big", 11, str(tmp_path / "big")))

@@ -109,15 +109,32 @@ def engine_parser(prog: str, description: str) -> Parser:
     return p
 
 
+class _Once(argparse.Action):
+    """Stores an option's value; given twice: argparse's error naming both values."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if (prev := getattr(namespace, self.dest)) is not None:
+            raise argparse.ArgumentError(
+                self,
+                f"given twice ({prev!r}, {values!r}): allowed once (one adapter for every prompt; "
+                "several: LLM.generate's lora_request list or the server's --lora-modules)",
+            )
+        setattr(namespace, self.dest, values)
+
+
 def add_lora_path(p: Parser) -> None:
-    """``--lora-path PATH`` on ``p``: one LoRA adapter for every prompt (`lora_request`)."""
+    """``--lora-path PATH`` on ``p``: one LoRA adapter for every prompt (`lora_request`), at
+    most once; ``--enable-lora``'s default becomes None (on with ``--lora-path``, else off;
+    ``--no-enable-lora --lora-path``: an error in `make_llm`)."""
     p.add_argument(
         "--lora-path",
+        action=_Once,
         default=None,
         metavar="PATH",
         help="a PEFT LoRA adapter directory applied to every prompt (LoRARequest('cli', 1, "
         "PATH); implies --enable-lora; docs/lora.md)",
     )
+    p.set_defaults(enable_lora=None)
 
 
 def lora_request(args: argparse.Namespace):
@@ -128,21 +145,39 @@ def lora_request(args: argparse.Namespace):
     return None if path is None else LoRARequest("cli", 1, path)
 
 
+def _lora_path_options(args: argparse.Namespace, opts: dict) -> None:
+    """``opts["enable_lora"]`` for ``args.lora_path`` (`add_lora_path`): on with a path (the
+    LoRA flags, then the adapter's files checked), else off unless ``--enable-lora``.
+    ValueError: ``--no-enable-lora`` with a path, as `EngineConfig` (``--max-lora-rank``,
+    ``--max-loras``), as `jaxinfer.lora.peft.check_adapter`."""
+    from jaxinfer.lora.peft import check_adapter
+
+    if (path := getattr(args, "lora_path", None)) is None:
+        opts["enable_lora"] = bool(opts["enable_lora"])
+        return
+    if opts["enable_lora"] is False:
+        raise ValueError(
+            f"--lora-path {path!r} needs LoRA on: drop --no-enable-lora (--lora-path implies "
+            "--enable-lora)"
+        )
+    EngineConfig(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
+    check_adapter(path, args.max_lora_rank)
+    opts["enable_lora"] = True
+
+
 def make_llm(args: argparse.Namespace, **kwargs):
     """`jaxinfer.llm.LLM` of ``args.model`` (None: the embedded default model) with the engine
     options of ``args`` (`engine_parser`, `HUB_OPTIONS` included) and ``kwargs``; transformers'
     warnings are silenced (they would break the one-line error contract). ``args.lora_path``
-    (`add_lora_path`), if set: ``enable_lora`` on, the adapter's files checked first. Raises
-    FileNotFoundError (no such ``--model``, or the hub's error for a hub id: `LLM`'s message),
-    ValueError: as `LLM`, as `jaxinfer.lora.peft.check_adapter` (before the model loads)."""
+    (`add_lora_path`), if set: ``enable_lora`` on, the LoRA flags and the adapter's files checked
+    first (`_lora_path_options`). Raises FileNotFoundError (no such ``--model``, or the hub's
+    error for a hub id: `LLM`'s message), ValueError: as `LLM`, as `_lora_path_options` (before
+    the model loads)."""
     from jaxinfer import llm
-    from jaxinfer.lora.peft import check_adapter
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     opts = {name: getattr(args, name) for name in (*ENGINE_OPTIONS, *(n for n, _ in HUB_OPTIONS))}
-    if (path := getattr(args, "lora_path", None)) is not None:
-        check_adapter(path, args.max_lora_rank)
-        opts["enable_lora"] = True
+    _lora_path_options(args, opts)
     if "precompile" in opts and opts["precompile"] is None:  # the server's default
         import jax
 

@@ -191,3 +191,27 @@ def test_cli_lora_path(
     assert generate.main([*argv, "--lora-path", str(torn), "--max-lora-rank", "8"]) == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
     assert len(err) == 1 and "cannot be read" in err[0] and str(torn) in err[0]
+
+
+def test_cli_lora_path_flags(paths, monkeypatch, capsys):
+    """Before the model loads, one line and exit code 2: an invalid --max-lora-rank (not the
+    adapter's r measured against it), --no-enable-lora with --lora-path, --lora-path twice."""
+    import jaxinfer.llm
+    from jaxinfer import generate
+
+    def no_model(*_, **kwargs):
+        raise AssertionError("the model loads")
+
+    monkeypatch.setattr(jaxinfer.llm, "LLM", no_model)
+    argv = ["--prompt", PROMPTS[0], "--lora-path", paths["a1"]]
+    for extra, want in (
+        (["--max-lora-rank", "-1"], "EngineConfig.max_lora_rank=-1 is invalid: must be a positive"),
+        (["--no-enable-lora"], f"--lora-path {paths['a1']!r} needs LoRA on: drop --no-enable-lora"),
+        (
+            ["--lora-path", paths["a2"]],
+            f"argument --lora-path: given twice ({paths['a1']!r}, {paths['a2']!r}): allowed once",
+        ),
+    ):
+        assert generate.main([*argv, *extra]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: {want}"), err

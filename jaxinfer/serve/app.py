@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from jaxinfer.serve.chat import ServingChat
 from jaxinfer.serve.completions import ServingCompletion
 from jaxinfer.serve.errors import APIError, add_exception_handlers
-from jaxinfer.serve.lora import ServedLoRAs
+from jaxinfer.serve.lora import ServedLoRAs, lora_off_routes
 from jaxinfer.serve.metrics import ServerMetrics
 
 
@@ -43,7 +43,8 @@ def create_app(
     """The app over ``client`` (a started `EngineCoreClient`, ``app.state.client``; its sockets
     open and close with the app's lifespan, which stops the core); ``api_key``: /v1 needs
     ``Authorization: Bearer KEY``. /health answers 503 once the core is gone. ``lora_modules``
-    ({name: path}; None: LoRA off): served adapters, and vLLM's load/unload endpoints.
+    ({name: path}; None: LoRA off): served adapters, and vLLM's load/unload endpoints (LoRA off:
+    a 400 saying so).
     ValueError: as `ServedLoRAs`."""
     name, ids = served_model_name or "jaxinfer", itertools.count()
     client.metrics = metrics = ServerMetrics(client)
@@ -86,7 +87,7 @@ def create_app(
         ("/models", models, "GET"),
         ("/completions", ServingCompletion(client, name, ids, loras).create, "POST"),
         ("/chat/completions", ServingChat(client, name, ids, loras).create, "POST"),
-        *(loras.routes() if loras else ()),
+        *(loras.routes() if loras else lora_off_routes()),
     ):
         app.add_api_route("/v1" + path, endpoint, methods=[method], dependencies=[Depends(auth)])
     return app

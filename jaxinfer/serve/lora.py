@@ -128,3 +128,16 @@ class ServedLoRAs:
                 f"The lora adapter '{body.lora_name}' cannot be found.", 404, code="not_found"
             )
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+async def _lora_off() -> None:
+    raise APIError(
+        "LoRA is off: the server was started without --enable-lora; restart it with "
+        "--enable-lora to load or unload adapters"
+    )
+
+
+def lora_off_routes() -> list[tuple]:
+    """`ServedLoRAs.routes`' paths on a server without ``--enable-lora``: APIError 400 saying
+    so (not a bare 404 "Not Found")."""
+    return [("/load_lora_adapter", _lora_off, "POST"), ("/unload_lora_adapter", _lora_off, "POST")]

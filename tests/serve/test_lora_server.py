@@ -68,6 +68,23 @@ def test_served_adapters(lora_server, paths):
     assert got(MODEL) == want(None)  # the server still answers
 
 
+def test_without_enable_lora_the_endpoints_say_so(client):
+    """A server started without --enable-lora: /v1/load_lora_adapter and
+    /v1/unload_lora_adapter answer OpenAI's error JSON, a 400 naming --enable-lora (not a bare
+    404 "Not Found")."""
+    import openai
+
+    for path, body in (
+        ("/load_lora_adapter", dict(lora_name="a1", lora_path="/x")),
+        ("/unload_lora_adapter", dict(lora_name="a1")),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.post(path, body=body, cast_to=str)
+        err = e.value.body
+        assert err["type"] == "invalid_request_error", err
+        assert "the server was started without --enable-lora" in err["message"], err
+
+
 def test_lora_modules_option():
     from jaxinfer.serve.lora import parse_lora_modules
 

@@ -80,23 +80,25 @@ def test_decode_gemm_formulations_compute_the_same_product():
 
 
 def test_decode_gemm_kmajor_fp8_equals_the_engine_dense():
-    """The K-major fp8 variants (weight [N, K]) give the engine's `layers.dense` product on the
-    [K, N] weight exactly: the same e4m3 values, scales and f32 accumulation (CPU, bf16 x)."""
+    """The fp8 variants (the weight K-major [N, K], as the engine stores it; the ``t`` names the
+    same GEMMs) give the engine's `layers.dense` product exactly (CPU, bf16 x)."""
     import jax
     import jax.numpy as jnp
 
+    from jaxinfer.models.layers import Weight, dense
     from jaxinfer.models.quantize import quantize_fp8
 
     bench = load_script("probes/bench_decode_gemm")
     kx, kw = jax.random.split(jax.random.key(1))
     x = jax.random.normal(kx, (4, 64), jnp.bfloat16)
     w8, scale = quantize_fp8(jax.random.normal(kw, (64, 32), jnp.bfloat16) * 0.02)
-    kmajor = (jnp.transpose(w8), scale.reshape(-1))
+    assert w8.shape == (32, 64)  # [N, K]
     for kind in ("w8a16", "w8a8"):
-        (want,) = bench.gemm_fn("xla-" + kind)([x], [(w8, scale)])
-        (got,) = bench.gemm_fn("xla-" + kind + "t")([x], [kmajor])
-        assert got.shape == (4, 32) and float(jnp.abs(want).max()) > 0
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        want = dense(x, Weight(w8, scale, w8a8=kind == "w8a8"))
+        for name in (kind, kind + "t"):
+            (got,) = bench.gemm_fn("xla-" + name)([x], [(w8, scale)])
+            assert got.shape == (4, 32) and float(jnp.abs(want).max()) > 0
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,9 @@
 """THE weight table: each leaf of the param tree once, `MODEL` at the top, `LAYER` under layers/
 "0".."L-1" (a layer's leaves: `layer_leaves`; MoE models: sparse layers have the router and
 the experts, dense ones the MLP); matrices [in, out], compute dtype (norms too); under "fp8" a
-`QUANTIZED` matrix is float8_e4m3fn with an f32 ``<name>_scale`` (`scale_shape`). The Flax
-modules (`layers.declare`), shardings (`entries`) and sizes (`device_bytes`) read it. Imports no
-JAX."""
+`QUANTIZED` matrix is float8_e4m3fn with an f32 ``<name>_scale`` (`scale_shape`), stored K-major
+[out, in] where its scales are per channel (`kmajor`). The Flax modules (`layers.declare`),
+shardings (`entries`) and sizes (`device_bytes`) read it. Imports no JAX."""
 
 import math
 from collections.abc import Callable
@@ -73,12 +73,29 @@ def shape_of(name: str, cfg) -> tuple[int, ...]:
 
 
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
-    """Shape of the f32 scale of an fp8 matrix ``shape`` [in, out] (or a stack [E, in, out]): per
-    output channel [out] ([E, out]) (``block`` None), or per HF block ``(block_out, block_in)``:
-    [ceil(in/bi), ceil(out/bo)]."""
+    """Shape of the f32 scale of an fp8 matrix of `shape_of` ``shape`` [in, out] (or a stack
+    [E, in, out]; whatever layout it is stored in, `kmajor`): per output channel [out] ([E, out])
+    (``block`` None), or per HF block ``(block_out, block_in)``: [ceil(in/bi), ceil(out/bo)]."""
     if block is None:
         return (*shape[:-2], shape[-1])
     return (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
+
+
+def kmajor(name: str, block: tuple[int, int] | None) -> bool:
+    """Whether leaf ``name``, quantised to fp8 with ``block`` (``weight_block_size``), is stored
+    K-major: [out, in], the transpose of `shape_of`'s [in, out]. True for the dense layers'
+    matrices (`QUANTIZED`) with per-channel scales (``block`` None): cuBLASLt's fp8 GEMM wants
+    both operands contiguous in K, and XLA otherwise transposes an [in, out] weight on every call
+    (the H100 timings: ``BENCHMARKS.md``). HF block-scaled matrices keep the checkpoint's
+    [in, out] and MoE expert stacks [E, in, out] (the grouped GEMMs' contract,
+    `moe.grouped_dense`)."""
+    return block is None and name in QUANTIZED
+
+
+def stored_shape(name: str, shape: tuple[int, ...], block, fp8: bool) -> tuple[int, ...]:
+    """Leaf ``name``'s ``shape`` (`shape_of`'s) as stored: last two axes swapped where it is fp8
+    (``fp8``) and `kmajor`."""
+    return (*shape[:-2], shape[-1], shape[-2]) if fp8 and kmajor(name, block) else tuple(shape)
 
 
 def fused_parts(cfg) -> dict[str, dict[str, slice]]:
@@ -101,27 +118,32 @@ def fused_parts(cfg) -> dict[str, dict[str, slice]]:
 
 def entries(cfg, tp: int = 1, quantization: str | None = None) -> list[tuple]:
     """``(path, shape, dtype, split)`` of each leaf of ``cfg``'s tree at tensor parallelism ``tp``:
-    tree path, whole shape (of `tp_model_config`: K' = max(K, tp)), "compute", "float8_e4m3fn" or
-    "float32", the axis tp splits (None: whole on each device); ``quantization`` None or "fp8"
-    (``cfg.weight_block_size``): scales split as their matrix, those per channel of rows not."""
+    tree path, whole shape as stored (of `tp_model_config`: K' = max(K, tp); `stored_shape`:
+    K-major fp8 [out, in]), "compute", "float8_e4m3fn" or "float32", the axis tp splits (None:
+    whole on each device; "out" of a K-major matrix is its first axis); ``quantization`` None or
+    "fp8" (``cfg.weight_block_size``): scales split as their matrix, those per channel of rows
+    not."""
     run, block, out = tp_model_config(cfg, tp), cfg.weight_block_size, []
     for name, leaf in ((n, f) for n, f in LEAVES.items() if f.when(cfg)):
         shape, fp8 = shape_of(name, run), quantization == "fp8" and leaf.fp8
-        axis = (
+        cut = (  # the split axis of the [in, out] layout
             None
             if leaf.split is None or leaf.split == "vocab" and cfg.vocab_size % tp
             else leaf.shape.index("V")
             if leaf.split == "vocab"
             else len(leaf.shape) - (1 if leaf.split == "column" else 2)  # out / in
         )
-        leaves = [(name, shape, "float8_e4m3fn" if fp8 else "compute", axis)]
+        swap = fp8 and kmajor(name, block) and cut is not None  # K-major: in <-> out
+        axis = 2 * len(shape) - 3 - cut if swap else cut
+        dtype = "float8_e4m3fn" if fp8 else "compute"
+        leaves = [(name, stored_shape(name, shape, block, fp8), dtype, axis)]
         if fp8:
             leaves.append(
                 (
                     name + "_scale",
                     scale_shape(shape, block),
                     "float32",
-                    axis if block else axis - 1 if leaf.split == "column" else None,
+                    cut if block else cut - 1 if leaf.split == "column" else None,
                 )
             )
         layers = (

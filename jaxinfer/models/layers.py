@@ -1,6 +1,7 @@
 """Functions and Flax blocks of the Llama/Qwen3 family: compute dtype = params' dtype; RMSNorm
-statistics, RoPE and attention softmax in f32; weights ``[in, out]``. Sources: HF
-``modeling_llama.py``; the RMSNorm, RoPE, SwiGLU and PagedAttention papers."""
+statistics, RoPE and attention softmax in f32; weights ``[in, out]`` (per-channel fp8 ``[out, in]``:
+`Weight`). Sources: HF ``modeling_llama.py``; the RMSNorm, RoPE, SwiGLU and PagedAttention
+papers."""
 
 import dataclasses
 import functools
@@ -13,7 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.config.weights import INIT_STD, LEAVES, layer_leaves, scale_shape, shape_of
+from jaxinfer.config.weights import (
+    INIT_STD,
+    LEAVES,
+    layer_leaves,
+    scale_shape,
+    shape_of,
+    stored_shape,
+)
 from jaxinfer.models.kv_cache import page_dtype
 from jaxinfer.models.lora import LoRAStep
 from jaxinfer.models.quantize import FP8, expand_scale, w8a8_matmul
@@ -29,10 +37,15 @@ INITS = {"normal": nn.initializers.normal(stddev=INIT_STD), "ones": nn.initializ
 )
 @dataclasses.dataclass(frozen=True)
 class Weight:
-    """w [in, out]: compute dtype (``scale`` None), or float8_e4m3fn with an f32 `scale_shape` scale
-    (static ``block``: None per channel, or an HF block): ``w * expand_scale(scale)``; static
-    ``w8a8``: a per-channel fp8 weight multiplied with fp8 activations (`dense`); static
-    ``observe``: calibration only, called by `dense` on its input x (`smoothquant.Probe`)."""
+    """A matrix and its scales. ``w``: [in, out] in the compute dtype (``scale`` None), or
+    float8_e4m3fn with an f32 `scale_shape` scale (static ``block``: None per channel, or an HF
+    block): per channel, ``w`` is stored K-major [out, in] with ``scale`` f32[out]
+    (`weights.kmajor`: cuBLASLt's fp8 GEMM wants K contiguous in both operands, and an [in, out]
+    weight costs a transpose on every call), an HF block-scaled ``w`` stays [in, out]. (MoE expert
+    stacks are [E, in, out] with f32[E, out] per channel, read by `moe.grouped_dense` only, never
+    by `value` or `dense`.) Static ``w8a8``: a per-channel fp8 weight multiplied with fp8
+    activations (`dense`); static ``observe``: calibration only, called by `dense` on its input x
+    (`smoothquant.Probe`)."""
 
     w: jax.Array
     scale: jax.Array | None = None
@@ -41,35 +54,38 @@ class Weight:
     observe: Callable[[jax.Array], None] | None = None
 
     def value(self, dtype) -> jax.Array:
-        """``(w.astype(f32) * expand_scale(scale)).astype(dtype)``, traced (fused into the GEMM)."""
+        """The [in, out] matrix ``w`` means, in ``dtype``: ``w.astype(f32) * expand_scale(scale)``
+        (transposed back where per channel), traced (fused into the GEMM)."""
         if self.scale is None:
             return self.w.astype(dtype)
         wf = self.w.astype(jnp.float32) * expand_scale(self.scale, self.w.shape, self.block)
-        return wf.astype(dtype)
+        return (wf if self.block else jnp.swapaxes(wf, -1, -2)).astype(dtype)
 
 
 def dense(x: jax.Array, w: Weight) -> jax.Array:
-    """The GEMM of every projection: x [..., in] @ ``w.value(x.dtype)`` [in, out] -> [..., out].
-    fp8 with per-channel scales: the e4m3 weight (exact in bf16) in the GEMM, f32 accumulation,
-    the scale applied to the output, so no scaled copy of the weight is written each step;
-    ``w.w8a8``: x quantised per token too, one e4m3 x e4m3 GEMM (`quantize.w8a8_matmul`);
-    ``w.observe``: called on x first."""
+    """The GEMM of every projection: x [..., in] times the matrix ``w`` means (`Weight.value`)
+    -> [..., out]. fp8 with per-channel scales (K-major w [out, in]): the e4m3 weight (exact in
+    bf16) in one ``dot_general`` contracting both last axes, f32 accumulation, the scale applied to
+    the output, so no scaled copy of the weight is written each step; ``w.w8a8``: x quantised per
+    token too, one e4m3 x e4m3 GEMM (`quantize.w8a8_matmul`); ``w.observe``: called on x first."""
     if w.observe is not None:
         w.observe(x)
     if w.w8a8:
         return w8a8_matmul(x, w.w, w.scale).astype(x.dtype)
     if w.scale is None or w.block is not None:
         return x @ w.value(x.dtype)
-    y = jnp.matmul(x, w.w.astype(x.dtype), preferred_element_type=jnp.float32)
+    dims = (((x.ndim - 1,), (1,)), ((), ()))
+    y = jax.lax.dot_general(x, w.w.astype(x.dtype), dims, preferred_element_type=jnp.float32)
     return (y * w.scale).astype(x.dtype)
 
 
 def declare(module: nn.Module, name: str, layer: int | None = None) -> Weight | jax.Array | None:
     """Declare leaf ``name`` of the weight table (`config.weights`) in ``module``'s scope: shape
     of ``module.cfg``, the table's init, ``module.param_dtype``; a quantisable matrix as a `Weight`
-    (``module.quantization`` "fp8": float8_e4m3fn plus f32 ``name_scale`` of `scale_shape`;
-    W8A8 where ``module.kernels.fp8_gemm`` is "w8a8" and the scales are per channel; observed
-    by ``module.kernels.observe.probe(name)`` where that is set, `smoothquant.ActivationMax`).
+    (``module.quantization`` "fp8": float8_e4m3fn of `stored_shape`, K-major [out, in] per channel,
+    plus f32 ``name_scale`` of `scale_shape`; W8A8 where ``module.kernels.fp8_gemm`` is "w8a8" and
+    the scales are per channel; observed by ``module.kernels.observe.probe(name)`` where that is
+    set, `smoothquant.ActivationMax`).
     None: a leaf this model (layer ``layer``'s `layer_leaves`, if given) does not have."""
     leaf, shape, block = LEAVES[name], shape_of(name, module.cfg), module.cfg.weight_block_size
     if (
@@ -79,7 +95,8 @@ def declare(module: nn.Module, name: str, layer: int | None = None) -> Weight | 
     ):
         return None
     fp8 = leaf.fp8 and module.quantization is not None
-    w = module.param(name, INITS[leaf.init], shape, FP8 if fp8 else module.param_dtype)
+    stored = stored_shape(name, shape, block, fp8)
+    w = module.param(name, INITS[leaf.init], stored, FP8 if fp8 else module.param_dtype)
     if not fp8:
         observe = module.kernels.observe
         return Weight(w, observe=observe and observe.probe(name)) if leaf.fp8 else w

@@ -42,7 +42,10 @@ def grouped_dense(
     ``w`` (a `layers.Weight` of [E, in, out], or an array) by ``gemm`` (ragged_dot's contract) in
     xs.dtype; an fp8 weight (e4m3 with f32 scale [E, out]) is multiplied as it is (exact in bf16)
     with f32 accumulation and each row's expert's scale (``expert`` i32[M]) applied to the
-    output."""
+    output. Expert stacks stay [E, in, out] in fp8 too, unlike the dense layers' per-channel
+    matrices (K-major [out, in], `weights.kmajor`): ``GroupedGemm``'s contract is ragged_dot's,
+    `pallas_kernels.moe_gemm` reads [in, out] tiles, and W8A8 (what K-major is for) does not
+    apply to experts."""
     matrix, scale = (w.w, w.scale) if isinstance(w, Weight) else (w, None)
     if scale is None:
         return gemm(xs, matrix, sizes)  # converted to xs.dtype by the GEMM

@@ -215,8 +215,10 @@ class ModelRunner:
 
     def update_params(self, params) -> None:
         """Serve ``params`` (structure, shapes, dtypes as built; fp8: quantised first) in place
-        of the current leaves (resharded under tp), no recompile. ValueError: other tree
-        structure, a leaf (named) mismatch. The LoRA pool, if any, is kept."""
+        of the current leaves (resharded under tp), no recompile. An fp8 engine takes the
+        canonical unquantised tree ([in, out], quantised here) or an fp8 one already in its
+        layout (`quantize_params`': per-channel matrices K-major [out, in]). ValueError: other
+        tree structure, a leaf (named) mismatch. The LoRA pool, if any, is kept."""
         if self.resolved.quantization is not None:
             params = quantize_params(params, self.model_config.weight_block_size)
         if (treedef := jax.tree.structure(params)) != jax.tree.structure(self._canonical):
@@ -225,7 +227,13 @@ class ModelRunner:
                 f"{treedef}, expected {jax.tree.structure(self._canonical)}"
             )
         if bad := tree_mismatches(self._canonical, params, dtypes=True):
-            raise ValueError(f"update_params: {'; '.join(bad)}")
+            hint = (
+                " (an fp8 tree goes in as served: quantize_params' layout, per-channel matrices "
+                "[out, in]; or pass the unquantised [in, out] tree)"
+                if self.resolved.quantization is not None
+                else ""
+            )
+            raise ValueError(f"update_params: {'; '.join(bad)}{hint}")
         pool = {"lora": self.params["lora"]} if "lora" in self.params else {}
         if self.mesh is not None:
             self.params = parallel.shard_params(params, self.model_config, self.mesh)

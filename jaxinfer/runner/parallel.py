@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from jaxinfer.config import weights
 from jaxinfer.config.model import ModelConfig, check_tp, tp_model_config
 from jaxinfer.models.kv_cache import AXIS
-from jaxinfer.models.quantize import is_quantized
+from jaxinfer.models.quantize import FP8, is_quantized
 
 
 def make_mesh(tp: int) -> Mesh:
@@ -63,8 +63,9 @@ def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.nda
     """Leaf ``name`` of the canonical tree of ``cfg`` in the engine layout of tp devices: wqkv [D,
     (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp.., k_s,
     v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up: [gate_0 | up_0 | ...]
-    (w_experts_gate_up per expert alike); their fp8 scales alike (per channel [.., out]; blocks
-    [in/bi, out/bo] by block, whole blocks: `check_tp`)."""
+    (w_experts_gate_up per expert alike); their fp8 forms alike: per-channel matrices K-major
+    [out, in] (`weights.kmajor`, told by their float8_e4m3fn dtype) by row, their scales [.., out];
+    block scales [in/bi, out/bo] by block, whole blocks (`check_tp`)."""
     parts = weights.fused_parts(cfg).get(name.removesuffix("_scale"))
     if parts is None:
         return w
@@ -76,6 +77,8 @@ def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.nda
     bo = cfg.weight_block_size and cfg.weight_block_size[0]
     if bo and name.endswith("_scale"):  # block scales [in/bi, out/bo]
         return w[:, cols[::bo] // bo]
+    if w.dtype == FP8 and weights.kmajor(name, cfg.weight_block_size):
+        return w[..., cols, :]  # K-major [out, in]
     return w[..., cols]  # matrices [.., in, out], per-channel scales [.., out]
 
 

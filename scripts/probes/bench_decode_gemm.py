@@ -7,13 +7,14 @@ Formulations (``--variants``):
   {xla,cublas}-partialsS   explicit split-K: ``einsum('msk,skn->smn')`` into f32[S, M, N] partial
                sums, not added up (what a consumer kernel that sums the S partials would read)
   {xla,cublas}-splitS      the same, summed and cast to bf16 in XLA (one more fusion)
-  {xla,cublas}-w8a16       fp8 weights (e4m3, per-channel scales; `quantize.quantize_fp8`) through
-               the engine's `layers.dense`: the e4m3 weight converted in the GEMM, bf16 x
+  {xla,cublas}-w8a16       fp8 weights (e4m3, per-channel scales; `quantize.quantize_fp8`) stored
+               K-major ([N, K], as the engine stores them) through the engine's `layers.dense`:
+               the e4m3 weight converted in the GEMM (``dot_general`` over K of both), bf16 x
   {xla,cublas}-w8a8        the same weights, x quantised per token to e4m3 too: the engine's
-               `quantize.w8a8_matmul` (``--kernels fp8_gemm=w8a8``; issue 46's table)
-  {xla,cublas}-w8a16t, -w8a8t   the same GEMMs with the e4m3 weight stored K-major ([N, K],
-               transposed once outside the timed call; ``dot_general`` contracting K of both), the
-               layout cuBLASLt's fp8 GEMM reads without the transpose XLA otherwise adds per call
+               `quantize.w8a8_matmul` (``--kernels fp8_gemm=w8a8``), the layout cuBLASLt's fp8
+               GEMM reads without a per-call transpose of the weight
+  {xla,cublas}-w8a16t, -w8a8t   the same two (their names from before the engine stored fp8
+               weights K-major)
 
 Each timed call runs ``--layers`` independent GEMMs (distinct weights and inputs, so the weights
 come from HBM, not L2, and XLA cannot merge the dots); the time per GEMM is the sum of the GPU
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from jaxinfer.models.layers import Weight, dense  # noqa: E402
-from jaxinfer.models.quantize import quantize_fp8, quantize_tokens  # noqa: E402
+from jaxinfer.models.quantize import quantize_fp8  # noqa: E402
 from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
 from scripts.run_info import git_commit, xla_flags  # noqa: E402
 
@@ -49,7 +50,7 @@ SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "gate_up": (4096, 24576), "d
 
 def gemm_fn(variant: str):
     """(jitted fn over lists of x, w) for one formulation; raises ValueError if unknown."""
-    m = re.fullmatch(r"(xla|cublas)(?:-(partials|split)(\d+)|-(w8a16t?|w8a8t?))?", variant)
+    m = re.fullmatch(r"(xla|cublas)(?:-(partials|split)(\d+)|-(w8a16|w8a8)t?)?", variant)
     if not m:
         raise ValueError(
             f"unknown variant {variant!r}: xla, cublas, xla-partialsS, cublas-splitS, "
@@ -63,10 +64,8 @@ def gemm_fn(variant: str):
     def one(x, w):
         if kind is None:
             return x @ w
-        if kind in ("w8a16", "w8a8"):
+        if kind in ("w8a16", "w8a8"):  # w: (e4m3 [N, K], f32[N])
             return dense(x, Weight(w[0], w[1], w8a8=kind == "w8a8"))
-        if kind in ("w8a16t", "w8a8t"):
-            return kmajor_fp8(x, *w, w8a8=kind == "w8a8t")
         M, K = x.shape
         N = w.shape[1]
         if K % s:
@@ -82,28 +81,14 @@ def gemm_fn(variant: str):
     return jax.jit(lambda xs, ws: [one(x, w) for x, w in zip(xs, ws)], compiler_options=opts)
 
 
-def kmajor_fp8(x, wt, scale, *, w8a8: bool):
-    """x [M, K] bf16 times the e4m3 weight ``wt`` [N, K] (K-major) with f32 per-channel ``scale``
-    [N] -> bf16 [M, N]: W8A8 (x per token to e4m3, `quantize.quantize_tokens`) or W8A16."""
-    dims = (((1,), (1,)), ((), ()))
-    if not w8a8:
-        y = jax.lax.dot_general(x, wt.astype(x.dtype), dims, preferred_element_type=jnp.float32)
-        return (y * scale).astype(x.dtype)
-    x8, sx = quantize_tokens(x)
-    y = jax.lax.dot_general(x8, wt, dims, preferred_element_type=jnp.float32)
-    return (y * sx * scale).astype(x.dtype)
-
-
 def measure(variant: str, M: int, K: int, N: int, layers: int, reps: int) -> dict:
     """Kernel µs per GEMM and the kernels that ran, for one variant and shape."""
     keys = jax.random.split(jax.random.key(0), 2 * layers)
     xs = [jax.random.normal(keys[i], (M, K), jnp.bfloat16) for i in range(layers)]
     ws = [jax.random.normal(keys[layers + i], (K, N), jnp.bfloat16) * 0.02 for i in range(layers)]
     fp8 = variant.endswith(("w8a16", "w8a8", "w8a16t", "w8a8t"))
-    if fp8:  # (e4m3 [K, N], f32[N]) per weight
+    if fp8:  # (e4m3 [N, K] K-major, f32[N]) per weight
         ws = [quantize_fp8(w) for w in ws]
-    if variant.endswith("t"):  # K-major: (e4m3 [N, K], f32[N]), transposed once here
-        ws = [(jnp.transpose(w8), s.reshape(-1)) for w8, s in ws]
     per = kernel_us_per_call(gemm_fn(variant), (xs, ws), layers, reps)
     us = sum(per.values())
     return dict(

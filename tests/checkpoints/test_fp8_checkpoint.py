@@ -159,9 +159,12 @@ def test_float_checkpoint_quantised_at_load(tmp_path):
     model = make_hf_model("llama", seed=24)
     model.save_pretrained(tmp_path)
     cfg, params = load_params(tmp_path, jnp.float32, quantization="fp8")
-    w = model.model.layers[0].mlp.down_proj.weight.detach().numpy().T  # [in, out]
+    w = model.model.layers[0].mlp.down_proj.weight.detach().numpy()  # [out, in]: HF's, K-major
     layer = params["layers"]["0"]
-    np.testing.assert_allclose(np.asarray(layer["w_down_scale"]), np.abs(w).max(0) / 448, rtol=1e-6)
-    deq = np.asarray(layer["w_down"]).astype(np.float32) * np.asarray(layer["w_down_scale"])
-    assert np.all(np.abs(deq - w) <= np.abs(w) * 2.0**-4 + 2.0**-10 * np.abs(w).max(0))
+    amax = np.abs(w).max(1, keepdims=True)  # per output channel
+    np.testing.assert_allclose(np.asarray(layer["w_down_scale"]), amax[:, 0] / 448, rtol=1e-6)
+    deq = (
+        np.asarray(layer["w_down"]).astype(np.float32) * np.asarray(layer["w_down_scale"])[:, None]
+    )
+    assert np.all(np.abs(deq - w) <= np.abs(w) * 2.0**-4 + 2.0**-10 * amax)
     assert cfg.weight_block_size is None and params["embed"].dtype == jnp.float32

@@ -325,20 +325,21 @@ def test_checkpoint_loaded_at_tp2_matches_one_device(result):
 
 
 def test_fp8_at_tp3_matches_one_device(result):
-    """fp8 weights at tp=3: wqkv and w_gate_up with their per-channel scales split by column (the
-    one KV head copied to each device), wo and w_down by row with whole scales; tokens as tp=1."""
+    """fp8 weights at tp=3 (per channel: K-major [out, in]): wqkv and w_gate_up with their
+    per-channel scales split by output channel (the one KV head copied to each device), wo and
+    w_down by input channel with whole scales; tokens as tp=1."""
     r, c = result["fp8"], FP8_CFG
     assert r["3"] == r["1"] and len(r["1"][1]) == 8
     D, F, H, N = c["hidden_size"], c["intermediate_size"], c["head_dim"], c["num_heads"]
     qkv = (N + 2 * 3) * H // 3
     assert r["shards"] == {
-        "wqkv": [D, qkv],
+        "wqkv": [qkv, D],
         "wqkv_scale": [qkv],
-        "wo": [N * H // 3, D],
+        "wo": [D, N * H // 3],
         "wo_scale": [D],
-        "w_gate_up": [D, 2 * F // 3],
+        "w_gate_up": [2 * F // 3, D],
         "w_gate_up_scale": [2 * F // 3],
-        "w_down": [F // 3, D],
+        "w_down": [D, F // 3],
         "w_down_scale": [D],
     }
 

@@ -1,6 +1,7 @@
 """Tensor parallelism on the host, without devices or a subprocess: the per-device layout of fp8
-block scales (`jaxinfer.runner.parallel.engine_layout`, `check_tp`) and the per-device memory
-plan (scripts/plan_memory.py and its CLI). The engine on 4 CPU devices: test_tensor_parallel.py."""
+block scales and K-major per-channel matrices (`jaxinfer.runner.parallel.engine_layout`,
+`check_tp`) and the per-device memory plan (scripts/plan_memory.py and its CLI). The engine on
+4 CPU devices: test_tensor_parallel.py."""
 
 import dataclasses
 
@@ -39,6 +40,27 @@ def test_fp8_block_scales_follow_their_columns(tp):
         rf"{tp}: each device needs whole FP8 blocks .* K'\*H/tp=16,",
     ):
         check_tp(dataclasses.replace(cfg, weight_block_size=(32, 8)), tp)
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_fp8_per_channel_k_major_follows_its_rows(tp):
+    """`engine_layout` of a per-channel fp8 matrix (K-major [out, in]) and its scale [out]: the
+    engine layout of the dequantised [in, out] matrix, transposed (the K-major split axis)."""
+    import jax.numpy as jnp
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.config.weights import QUANTIZED, shape_of
+    from jaxinfer.models.quantize import quantize_fp8
+    from jaxinfer.runner.parallel import engine_layout
+
+    cfg, rng = ModelConfig(**FP8_CFG), np.random.default_rng(1)
+    for name in QUANTIZED:
+        w = rng.standard_normal(shape_of(name, cfg)).astype(np.float32)
+        q, s = (np.asarray(a) for a in quantize_fp8(jnp.asarray(w)))
+        q2, s2 = engine_layout(name, q, cfg, tp), engine_layout(name + "_scale", s, cfg, tp)
+        want = (q.astype(np.float32) * s[:, None]).T  # [in, out]
+        got = q2.astype(np.float32) * s2[:, None]
+        np.testing.assert_array_equal(got.T, engine_layout(name, want, cfg, tp))
 
 
 def test_plan_per_device_bytes():

@@ -12,7 +12,7 @@ from tiny_model import TINY
 
 from jaxinfer import LLM, SamplingParams, models
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.config.weights import QUANTIZED
+from jaxinfer.config.weights import QUANTIZED, shape_of
 from jaxinfer.generate import build_parser
 from jaxinfer.models.layers import Weight, dense
 from jaxinfer.models.quantize import quantize_fp8, quantize_params
@@ -42,6 +42,11 @@ def np_expand(s: np.ndarray, shape, block) -> np.ndarray:
     return np.repeat(np.repeat(s, block[1], 0), block[0], 1)[: shape[0], : shape[1]]
 
 
+def canonical(q) -> np.ndarray:
+    """float64 [in, out] of `quantize_fp8`'s matrix: per channel it is K-major [out, in]."""
+    return np.asarray(q).astype(np.float64).T
+
+
 def wide_range_weights():
     """Columns spanning 1e-4..10 (so e4m3 subnormals appear) and one all-zero column."""
     rng = np.random.default_rng(0)
@@ -58,7 +63,7 @@ def test_quantize_error_within_half_an_ulp(block):
     assert q.dtype == jnp.float8_e4m3fn and s.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(s), np_scales(w, block), rtol=1e-6)
     es = np_expand(np_scales(w, block), w.shape, block).astype(np.float64)
-    qf = np.asarray(q).astype(np.float64)
+    qf = canonical(q) if block is None else np.asarray(q).astype(np.float64)
     x = w / es  # in units of the scale
     # e4m3: 3 mantissa bits, so half an ulp is <= |x| 2^-4 for normals, 2^-10 below 2^-6
     bound = np.maximum(np.abs(x) * 2.0**-4, 2.0**-10) * es
@@ -74,7 +79,8 @@ def test_dense_matches_float32_reference_on_dequantised_weights(block):
     w = wide_range_weights()
     q, s = quantize_fp8(jnp.asarray(w), block)
     x = np.random.default_rng(1).standard_normal((3, 5, 200)).astype(np.float32)
-    deq = np.asarray(q).astype(np.float64) * np_expand(np.asarray(s), w.shape, block)
+    qf = canonical(q) if block is None else np.asarray(q).astype(np.float64)
+    deq = qf * np_expand(np.asarray(s), w.shape, block)
     want = x.astype(np.float64) @ deq
     got = np.asarray(jax.jit(dense)(jnp.asarray(x), Weight(q, s, block)))
     assert got.shape == (3, 5, 300) and got.dtype == np.float32
@@ -96,8 +102,8 @@ def test_declared_tree_and_quantised_init(block):
     for name in QUANTIZED:
         shape, dtype = layer[name]
         assert dtype == jnp.float8_e4m3fn and layer[name + "_scale"][1] == jnp.float32
-        assert layer[name + "_scale"][0] == (
-            (shape[1],) if block is None else (-(-shape[0] // 128), -(-shape[1] // 128))
+        assert layer[name + "_scale"][0] == (  # per channel: the matrix is [out, in]
+            (shape[0],) if block is None else (-(-shape[0] // 128), -(-shape[1] // 128))
         )
     assert spec["embed"][1] == jnp.bfloat16 and spec["lm_head"][1] == jnp.bfloat16
     assert spec["layers"]["0"]["attn_norm"][1] == jnp.bfloat16
@@ -108,6 +114,41 @@ def test_declared_tree_and_quantised_init(block):
         models.abstract_params(cfg, jnp.bfloat16, "int8")
 
 
+def test_per_channel_fp8_leaves_are_stored_k_major():
+    """Per-channel fp8 matrices are stored K-major [out, in] (cuBLASLt's fp8 GEMM wants K
+    contiguous in both operands) with f32[out] scales: declared so, and `quantize_params` of the
+    canonical [in, out] tree gives that layout, its transpose within e4m3 rounding."""
+    params = models.init_params(CFG, jax.random.key(5), jnp.float32)
+    q = quantize_params(params)["layers"]["1"]
+    abstract = models.abstract_params(CFG, jnp.bfloat16, "fp8")["layers"]["1"]
+    for name in QUANTIZED:
+        n_in, n_out = shape_of(name, CFG)
+        assert abstract[name].shape == q[name].shape == (n_out, n_in), name
+        assert abstract[name + "_scale"].shape == q[name + "_scale"].shape == (n_out,)
+        w, s = np.asarray(params["layers"]["1"][name]), np.asarray(q[name + "_scale"])
+        err = np.abs(canonical(q[name]) * s[None] - w)
+        assert np.all(err <= (np.abs(w) * 2.0**-4 + s[None] * 2.0**-10) * (1 + 1e-6)), name
+
+
+def test_k_major_dense_equals_float32_reference():
+    """`dense` of a K-major e4m3 w8 [out, in] with scale f32[out]: W8A16 equals ``x @ (w8.T *
+    scale)`` exactly (small-integer x and w8: every product and sum exact in f32, one rounding
+    of the scaled output), W8A8 within e4m3's rounding of x (2^-4 of ``|x| @ |w|``)."""
+    rng = np.random.default_rng(4)
+    w8 = jnp.asarray(rng.integers(-16, 17, (48, 40)), jnp.float8_e4m3fn)  # [out, in], exact
+    scale = jnp.asarray(rng.uniform(1e-3, 1.0, 48), jnp.float32)
+    x = rng.integers(-8, 9, (2, 3, 40)).astype(np.float32)
+    wf = np.asarray(w8).astype(np.float64).T * np.asarray(scale, np.float64)  # [in, out]
+    want = (x.astype(np.float64) @ wf).astype(np.float32)
+    got = np.asarray(jax.jit(dense)(jnp.asarray(x), Weight(w8, scale)))
+    assert got.shape == (2, 3, 48) and got.dtype == np.float32
+    np.testing.assert_array_equal(got, want)
+    x = rng.standard_normal((2, 3, 40)).astype(np.float32)
+    got = np.asarray(jax.jit(dense)(jnp.asarray(x), Weight(w8, scale, w8a8=True)))
+    bound = 2.0**-4 * np.abs(x).astype(np.float64) @ np.abs(wf) + 1e-6
+    assert np.all(np.abs(got - x.astype(np.float64) @ wf) <= bound)
+
+
 def test_quantization_setting_is_validated_and_on_the_cli():
     with pytest.raises(ValueError, match=r"EngineConfig.quantization='int8' is invalid.*'fp8'"):
         EngineConfig(quantization="int8")
@@ -116,13 +157,14 @@ def test_quantization_setting_is_validated_and_on_the_cli():
 
 
 def dequantised(params: dict) -> dict:
-    """The float32 tree holding exactly the values an fp8 tree means (numpy, per channel)."""
+    """The float32 tree holding exactly the values an fp8 tree means (numpy, per channel: the
+    K-major [out, in] matrices back in [in, out])."""
     layers = {}
     for i, layer in params["layers"].items():
         layers[i] = {k: v for k, v in layer.items() if not k.endswith("_scale")}
         for name in QUANTIZED:
             w = np.asarray(layer[name]).astype(np.float32)
-            layers[i][name] = jnp.asarray(w * np.asarray(layer[name + "_scale"])[None])
+            layers[i][name] = jnp.asarray((w * np.asarray(layer[name + "_scale"])[:, None]).T)
     return {**params, "layers": layers}
 
 
@@ -161,6 +203,10 @@ def test_update_params_quantises_a_float_tree(engines):
     np.testing.assert_allclose(np.asarray(q["wo_scale"]), np.abs(w).max(0) / 448, rtol=1e-6)
     assert q["wo"].dtype == ml_dtypes.float8_e4m3fn
     fp8.update_params(quantize_params(params))  # an fp8 tree goes in as it is
+    old = quantize_params(params)  # an fp8 tree in the [in, out] layout: refused, with a hint
+    old["layers"]["1"]["wqkv"] = old["layers"]["1"]["wqkv"].T
+    with pytest.raises(ValueError, match=r"\['wqkv'\] is float8_e4m3fn.*per-channel matrices"):
+        fp8.update_params(old)
 
 
 def test_w8a8_dense_matches_numpy_on_quantised_activations():
@@ -173,7 +219,7 @@ def test_w8a8_dense_matches_numpy_on_quantised_activations():
     sx = np.abs(x).max(-1, keepdims=True) / 448.0
     sx = np.where(sx > 0, sx, 1.0)
     x8 = (x / sx).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * sx
-    deq = np.asarray(q).astype(np.float64) * np.asarray(s)[None]
+    deq = canonical(q) * np.asarray(s)[None]
     want = x8 @ deq
     got = np.asarray(jax.jit(dense)(jnp.asarray(x), Weight(q, s, None, w8a8=True)))
     assert got.shape == (3, 5, 300) and got.dtype == np.float32 and not got[0, 1].any()

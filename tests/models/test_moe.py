@@ -19,6 +19,7 @@ from tiny_model import TINY_ENGINE  # noqa: E402
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.config.weights import QUANTIZED  # noqa: E402
 from jaxinfer.models.kernels import GroupedGemm  # noqa: E402
 from jaxinfer.models.moe import moe_mlp, route  # noqa: E402
 
@@ -222,15 +223,20 @@ def test_routing_ties_match_hf():
     assert np.asarray(idx).tolist() == [[0, 1]] * 2 and np.allclose(np.asarray(w), 0.5)
 
 
+def _deq(name: str, w, scale) -> np.ndarray:
+    """float32 [.., in, out] of fp8 ``w`` and its per-channel ``scale``: the dense layers' K-major
+    [out, in] matrices transposed back, the experts' [E, in, out] stacks as they are."""
+    w, scale = np.asarray(w).astype(np.float32), np.asarray(scale)
+    return (w * scale[:, None]).T if name in QUANTIZED else w * scale[..., None, :]
+
+
 def dequantised(params: dict) -> dict:
     """The float32 tree of the values an fp8 tree means: each ``<name>_scale`` (per output
-    channel, [out] or the experts' [E, out]) multiplied into its matrix (numpy)."""
+    channel, [out] or the experts' [E, out]) multiplied into its matrix (numpy, `_deq`)."""
     layers = {}
     for i, layer in params["layers"].items():
         layers[i] = {
-            k: np.asarray(v).astype(np.float32) * np.asarray(layer[k + "_scale"])[..., None, :]
-            if k + "_scale" in layer
-            else v
+            k: _deq(k, v, layer[k + "_scale"]) if k + "_scale" in layer else v
             for k, v in layer.items()
             if not k.endswith("_scale")
         }
@@ -245,6 +251,7 @@ def test_fp8_experts_equal_float32_on_dequantised_weights(moe_checkpoint):
     sparse = params["layers"]["0"]
     assert sparse["w_experts_gate_up"].dtype == jnp.float8_e4m3fn
     assert sparse["w_experts_down_scale"].shape == (8, 64)
+    assert sparse["w_experts_down"].shape == (8, 32, 64)  # [E, in, out]: not K-major
     assert params["layers"]["1"]["w_down"].dtype == jnp.float8_e4m3fn  # the dense layer
     ref = LLM.from_params(fp8.engine.model_config, dequantised(params), **TINY_ENGINE)
     prompts = [{"prompt_token_ids": [5, 17, 99, 3, 42]}, {"prompt_token_ids": list(range(30, 50))}]

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
+from jaxinfer.lora.request import per_prompt
 from jaxinfer.outputs import PositionLogprobs
 from jaxinfer.sampling_params import BeamSearchParams, SamplingParams
 
@@ -37,16 +38,21 @@ def beam_search_score(seq: BeamSearchSequence, eos: set, length_penalty: float) 
     return seq.cum_logprob / (len(seq.tokens) - (seq.tokens[-1] in eos)) ** length_penalty
 
 
-def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm=False) -> list[BeamSearchOutput]:
+def beam_search(
+    llm, prompts, params: BeamSearchParams, lora_request=None, use_tqdm=False
+) -> list[BeamSearchOutput]:
     """vLLM's ``LLM.beam_search`` on ``llm``: each step every live beam is a request of one token
     with ``2 * beam_width`` logprobs; each candidate extends its beam, those ending in EOS (unless
     ``ignore_eos``) finish, the ``beam_width`` best others (`beam_search_score`) live on. A beam at
     ``max_model_len`` ends ("length"; vLLM drops it). Per prompt, in order: the ``beam_width``
-    best of finished and live beams. ValueError: a prompt `LLM.generate` refuses."""
+    best of finished and live beams. ``lora_request``: as `LLM.generate`'s (one `LoRARequest`
+    for every prompt, or one or None per prompt), each beam's steps run with its prompt's.
+    ValueError: a prompt or ``lora_request`` `LLM.generate` refuses."""
     step = SamplingParams(
         max_tokens=1, logprobs=2 * params.beam_width, temperature=params.temperature
     )
     _, encoded, _ = llm._prepare(prompts, step, True, llm.engine.check_request)
+    loras = per_prompt(lora_request, len(encoded))
     eos = set(llm.engine.eos_token_ids)
     stops = set() if params.ignore_eos else eos  # tokens that finish a beam
 
@@ -59,7 +65,10 @@ def beam_search(llm, prompts, params: BeamSearchParams, use_tqdm=False) -> list[
     for _ in tqdm(range(params.max_tokens), desc="beam search", disable=not use_tqdm):
         beams = [(i, b) for i, bs in enumerate(live) for b in bs]  # none: nothing runs
         outs = llm.generate(
-            [{"prompt_token_ids": b.tokens} for _, b in beams], step, on_error="return"
+            [{"prompt_token_ids": b.tokens} for _, b in beams],
+            step,
+            on_error="return",
+            lora_request=[loras[i] for i, _ in beams],
         )
         live = [[] for _ in encoded]
         for (i, beam), out in zip(beams, outs):

@@ -290,7 +290,7 @@ class LLM(Prompts):
             bar.close()
         return outputs
 
-    beam_search = beam_search  # vLLM's ``LLM.beam_search(prompts, params, use_tqdm=False)``
+    beam_search = beam_search  # vLLM's ``LLM.beam_search(prompts, params, lora_request, use_tqdm)``
 
     def precompile(
         self, prompts=None, sampling_params: ParamsArg = None, *, max_workers: int | None = None

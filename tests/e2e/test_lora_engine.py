@@ -3,7 +3,7 @@ layout (tests/lora_adapters.py), expected outputs from an independent reference:
 engine serving the adapter merged into the base weights (W + scaling A^T B^T), or the base
 weights for rows without one. Four adapters and plain rows in one batch; loading and swapping
 compile nothing; LRU eviction and waiting for a slot; `LLM.update_lora`; the prefix cache keyed
-by adapter; the errors."""
+by adapter; beam search with adapters; the errors."""
 
 import json
 import os
@@ -211,6 +211,39 @@ def test_malformed_config_errors_name_the_path(tmp_path, tiny_cfg):
     os.remove(path / "adapter_model.safetensors")
     with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
         check_adapter(str(path), 8)
+
+
+def test_beam_search_with_adapters(lora, plain, adapters, tiny_cfg, tiny_params):
+    """`LLM.beam_search(..., lora_request=...)` (vLLM's argument): width 1 equals greedy with
+    the adapter; width 2 with [a1, None] equals the plain engine's beam search over a1's merged
+    weights for the first prompt and over the base weights for the second."""
+    from jaxinfer.sampling_params import BeamSearchParams
+
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:2]]
+    one = BeamSearchParams(beam_width=1, max_tokens=6, ignore_eos=True)
+    got = lora.beam_search(prompts, one, lora_request=adapters[0][0])
+    want = [
+        p["prompt_token_ids"] + t for p, t in zip(prompts, run(lora, PROMPTS[:2], adapters[0][0]))
+    ]
+    assert [o.sequences[0].tokens for o in got] == want
+    two = BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True)
+    got = lora.beam_search(prompts, two, lora_request=[adapters[0][0], None])
+    plain.update_params(merged(tiny_params, tiny_cfg, *adapters[0][1:]))
+    try:
+        with_a1 = plain.beam_search(prompts[:1], two)[0]
+    finally:
+        plain.update_params(tiny_params)
+    base = plain.beam_search(prompts[1:], two)[0]
+    for out, ref in zip(got, (with_a1, base)):
+        assert [s.tokens for s in out.sequences] == [s.tokens for s in ref.sequences]
+        np.testing.assert_allclose(
+            [s.cum_logprob for s in out.sequences],
+            [s.cum_logprob for s in ref.sequences],
+            atol=1e-3,
+        )
+    assert [s.tokens for s in got[0].sequences] != [
+        s.tokens for s in lora.beam_search(prompts[:1], two)[0].sequences
+    ]
 
 
 def test_an_id_reused_with_another_path_keeps_its_first_weights(lora, adapters):

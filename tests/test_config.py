@@ -55,7 +55,14 @@ def test_parse_keys_aliases_and_values():
         ("batch_buckets=1:x", ["batch_buckets='1:x'", "integers"]),
         ("batch_buckets=4:2", ["batch_buckets=(4, 2)", "strictly increasing"]),
         ("cublas_decode_min_batch=0", ["cublas_decode_min_batch=0", "positive integer"]),
-        ("cublas_decode_min_batch=many", ["cublas_decode_min_batch='many'"]),
+        (
+            "cublas_decode_min_batch=many",
+            ["cublas_decode_min_batch='many'", "'none' or a positive"],
+        ),
+        (
+            "ragged_decode_max_tokens=abc",
+            ["ragged_decode_max_tokens='abc'", "expected 'none' or an integer >= 0"],
+        ),
     ],
 )
 def test_parse_errors_name_the_key_value_and_allowed(spec, needles):
@@ -204,10 +211,15 @@ def test_resolve_max_model_len():
     ],
 )
 def test_gpu_kernels_on_cpu_are_rejected(spec, field, cpu_ok):
-    """A GPU kernel off the GPU is refused, naming the values of that key a CPU runs."""
+    """A GPU kernel off the GPU is refused, naming the values of that key a CPU runs and, for an
+    aliased key, the alias the user may have typed (``prefill``)."""
     value = spec.split("=")[1]
-    with pytest.raises(ValueError, match=f"{field}='{value}' is a GPU kernel.*'cpu'.*{cpu_ok}"):
+    with pytest.raises(
+        ValueError, match=f"{field}='{value}' is a GPU kernel.*'cpu'.*{cpu_ok}"
+    ) as e:
         resolve(model(), EngineConfig(kernels=spec), "cpu")
+    key = spec.split("=")[0]
+    assert (f"(kernels key '{key}' or '{field}')" in str(e.value)) == (key != field), str(e.value)
     resolve(model(), EngineConfig(kernels=spec), "gpu")  # accepted there
 
 

@@ -11,6 +11,10 @@ from pallas_kernels.paged_attention import registry
 
 KERNEL_ALIASES = {"decode": "decode_attention", "prefill": "prefill_attention"}
 _BUCKETS = ("batch_buckets", "token_buckets")
+_NUMBERS = {  # `KernelConfig.parse`'s message for a value that is not a number
+    "cublas_decode_min_batch": "expected 'none' or a positive integer",
+    "ragged_decode_max_tokens": "expected 'none' or an integer >= 0",
+}
 
 
 def kernel_choices() -> dict[str, tuple[str, ...]]:
@@ -114,13 +118,8 @@ class KernelConfig:
                     else int(value)
                 )
             except ValueError:
-                _fail(
-                    "KernelConfig",
-                    name,
-                    value,
-                    "expected integers (buckets joined by ':'), "
-                    "or 'none' for cublas_decode_min_batch",
-                )
+                what = _NUMBERS.get(name, "expected positive integers joined by ':' (e.g. 1:2:4)")
+                _fail("KernelConfig", name, value, what)
         return cls(**kw)
 
     @classmethod
@@ -150,8 +149,11 @@ def check_platform(kc: KernelConfig, platform: str) -> None:
     for name in (*KERNEL_ALIASES.values(), "moe_gemm"):
         if platform != "gpu" and (value := getattr(kc, name)) not in GPU_FREE:
             ok = tuple(v for v in kernel_choices()[name] if v in GPU_FREE)
+            alias = {v: k for k, v in KERNEL_ALIASES.items()}.get(name)
             raise ValueError(
-                f"KernelConfig.{name}={value!r} is a GPU kernel and this host's JAX "
-                f"backend is {platform!r}; use {' or '.join(map(repr, ok))} here (the "
-                "kernels' CPU tests run them in interpret mode)"
+                f"KernelConfig.{name}={value!r} is a GPU kernel"
+                + (f" (kernels key {alias!r} or {name!r})" if alias else "")
+                + f" and this host's JAX backend is {platform!r}; use "
+                f"{' or '.join(map(repr, ok))} here (the kernels' CPU tests run them in "
+                "interpret mode)"
             )

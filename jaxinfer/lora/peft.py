@@ -28,6 +28,8 @@ _UNSUPPORTED = {  # adapter_config.json key: (its allowed values, what they mean
     "modules_to_save": ((None, []), "None (no full-weight modules)"),
     "rank_pattern": ((None, {}), "{} (one rank for every module)"),
     "alpha_pattern": ((None, {}), "{} (one lora_alpha for every module)"),
+    "layers_to_transform": ((None,), "None (the adapter's layers are its weights' layers)"),
+    "layers_pattern": ((None,), "None (the adapter's layers are its weights' layers)"),
 }
 
 
@@ -94,10 +96,15 @@ def _fail(path: str, what: str) -> None:
 
 
 def read_config(path: str, max_rank: int) -> tuple[int, float]:
-    """(r, scaling) of ``path``/adapter_config.json. ValueError naming ``path`` and the value: no
-    such file, not a JSON object, no LoRA config, r not in [1, ``max_rank``]
-    (EngineConfig.max_lora_rank), target_modules not a str or list of str, a target module not
-    in `MODULES`, a feature not supported (`_UNSUPPORTED`)."""
+    """(r, scaling) of ``path``/adapter_config.json: `read_config_targets` without the targets."""
+    return read_config_targets(path, max_rank)[:2]
+
+
+def read_config_targets(path: str, max_rank: int) -> tuple[int, float, set[str]]:
+    """(r, scaling, the target modules' names) of ``path``/adapter_config.json. ValueError naming
+    ``path`` and the value: no such file, not a JSON object, no LoRA config, r not in [1,
+    ``max_rank``] (EngineConfig.max_lora_rank), target_modules not as `_targets` allows, a
+    feature not supported (`_UNSUPPORTED`: layers_to_transform, DoRA, ...)."""
     file = os.path.join(path, "adapter_config.json")
     if not os.path.isfile(file):
         _fail(path, "no adapter_config.json (a PEFT LoRA directory is needed)")
@@ -115,17 +122,31 @@ def read_config(path: str, max_rank: int) -> tuple[int, float]:
         _fail(path, f"r={r!r} is invalid: must be an integer in [1, max_lora_rank={max_rank}]")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         _fail(path, f"lora_alpha={alpha!r} is invalid: must be a number")
-    targets = c.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else targets
-    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-        _fail(path, f"target_modules={targets!r} is invalid: must be a str or a list of str")
-    names = {t.rsplit(".", 1)[-1] for t in targets}  # "all-linear" saves full module paths
-    if isinstance(c.get("target_modules"), list) and (bad := sorted(names - set(MODULES))):
-        _fail(path, f"target_modules {bad} are not supported; allowed: {list(MODULES)}")
+    targets = _targets(c.get("target_modules"), path)
     for key, (ok, allowed) in _UNSUPPORTED.items():
         if c.get(key) not in ok:
             _fail(path, f"{key}={c[key]!r} is not supported; allowed: {allowed}")
-    return r, alpha / (math.sqrt(r) if c.get("use_rslora") else r)
+    return r, alpha / (math.sqrt(r) if c.get("use_rslora") else r), targets
+
+
+def _targets(targets, path: str) -> set[str]:
+    """The module names of adapter_config.json's ``target_modules``: a non-empty list of names of
+    `MODULES` (full paths, as "all-linear" saves them, read as their last name). ValueError
+    naming the value: a str (PEFT's regex), not a list of str, empty, a module not in
+    `MODULES`."""
+    allowed = f"a non-empty list of module names of {list(MODULES)}"
+    if isinstance(targets, str):
+        _fail(
+            path, f"target_modules={targets!r} is a regex string: not supported; allowed: {allowed}"
+        )
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        _fail(path, f"target_modules={targets!r} is invalid: must be {allowed}")
+    if not targets:
+        _fail(path, f"target_modules=[] names no module; allowed: {allowed}")
+    names = {t.rsplit(".", 1)[-1] for t in targets}
+    if bad := sorted(names - set(MODULES)):
+        _fail(path, f"target_modules {bad} are not supported; allowed: {list(MODULES)}")
+    return names
 
 
 def parse_tensors(tensors: dict, cfg, rank: int, where: str) -> dict:
@@ -160,30 +181,43 @@ def parse_tensors(tensors: dict, cfg, rank: int, where: str) -> dict:
 
 
 def check_adapter(path: str, max_rank: int) -> tuple[int, float]:
-    """(r, scaling) of the PEFT LoRA directory ``path`` once its files pass, without reading
-    the weights (what the server checks when an adapter is loaded). ValueError: not a
-    directory, as `read_config`, no ``adapter_model.safetensors``."""
+    """(r, scaling) of the PEFT LoRA directory ``path`` once its config passes, without reading
+    the weights (`load_adapter` reads and checks them). ValueError: as `_check_files`."""
+    return _check_files(path, max_rank)[:2]
+
+
+def _check_files(path: str, max_rank: int) -> tuple[int, float, set[str]]:
+    """`read_config_targets` of the directory ``path``. ValueError: not a directory, as
+    `read_config_targets`, no ``adapter_model.safetensors``."""
     if not os.path.isdir(path):
         _fail(path, "no such directory")
-    rank, scaling = read_config(path, max_rank)
+    config = read_config_targets(path, max_rank)
     if not os.path.isfile(os.path.join(path, "adapter_model.safetensors")):
         _fail(path, "no adapter_model.safetensors")
-    return rank, scaling
+    return config
 
 
 def load_adapter(path: str, cfg, max_rank: int) -> PeftAdapter:
-    """The PEFT LoRA directory ``path`` for model config ``cfg``: `check_adapter` then
-    ``adapter_model.safetensors`` through `parse_tensors`. ValueError: as `check_adapter` and
-    `parse_tensors`; an unreadable weights file (`AdapterError` naming it)."""
+    """The PEFT LoRA directory ``path`` for model config ``cfg`` (on the host, numpy): its config
+    (`_check_files`) then ``adapter_model.safetensors`` through `parse_tensors`. ValueError: as
+    `_check_files` and `parse_tensors`; an unreadable weights file; a module of the weights not
+    in the config's target_modules (`AdapterError`s naming ``path``)."""
     from safetensors.numpy import load_file
 
-    rank, scaling = check_adapter(path, max_rank)
+    rank, scaling, targets = _check_files(path, max_rank)
     file = os.path.join(path, "adapter_model.safetensors")
     try:
         tensors = load_file(file)
     except Exception as e:  # noqa: BLE001 (safetensors' own error types: a corrupt file)
         _fail(path, f"adapter_model.safetensors cannot be read ({type(e).__name__}: {e})")
-    return PeftAdapter(rank, scaling, parse_tensors(tensors, cfg, rank, path))
+    weights = parse_tensors(tensors, cfg, rank, path)
+    if extra := sorted(set(weights) - targets):
+        _fail(
+            path,
+            f"adapter_model.safetensors holds modules {extra} that adapter_config.json's "
+            f"target_modules {sorted(targets)} does not name; allowed: the target_modules only",
+        )
+    return PeftAdapter(rank, scaling, weights)
 
 
 def slot_arrays(adapter: PeftAdapter, cfg, max_rank: int, dtype) -> dict:

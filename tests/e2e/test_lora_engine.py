@@ -207,10 +207,49 @@ def test_malformed_config_errors_name_the_path(tmp_path, tiny_cfg):
         cfg_file.write_text(text)
         with pytest.raises(AdapterError, match=f"LoRA adapter '{re.escape(str(path))}': {fault}"):
             read_config(str(path), 8)
-    cfg_file.write_text(json.dumps(dict(r=2)))
+    cfg_file.write_text(json.dumps(dict(r=2, target_modules=["q_proj"])))
     os.remove(path / "adapter_model.safetensors")
     with pytest.raises(AdapterError, match="no adapter_model.safetensors"):
         check_adapter(str(path), 8)
+
+
+def test_target_modules_checked_against_the_weights(tmp_path, tiny_cfg):
+    """adapter_config.json's target_modules must be a non-empty list of supported names (not
+    PEFT's regex string, not missing), layers_to_transform / layers_pattern must be None, and
+    the weights may hold only modules target_modules names: `AdapterError`s naming the field,
+    the value and what is allowed (the weights' extra modules by name)."""
+    from jaxinfer.lora.peft import AdapterError, load_adapter
+
+    path = tmp_path / "t"
+    write_adapter(path, tiny_cfg, 2, 0, ("q_proj", "v_proj"))
+    cfg_file = path / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    names = r"a non-empty list of module names of \['q_proj'"
+    for change, fault in (
+        (
+            dict(target_modules=".*(q|v)_proj"),
+            rf"target_modules='.*\(q\|v\)_proj' is a regex string: not supported; allowed: {names}",
+        ),
+        (dict(target_modules=[]), rf"target_modules=\[\] names no module; allowed: {names}"),
+        (dict(target_modules=None), rf"target_modules=None is invalid: must be {names}"),
+        (
+            dict(layers_to_transform=[0]),
+            r"layers_to_transform=\[0\] is not supported; allowed: None",
+        ),
+        (dict(layers_pattern="layers"), r"layers_pattern='layers' is not supported; allowed: None"),
+        (
+            dict(target_modules=["q_proj"]),
+            r"adapter_model.safetensors holds modules \['v_proj'\] that adapter_config.json's "
+            r"target_modules \['q_proj'\] does not name",
+        ),
+    ):
+        cfg_file.write_text(json.dumps(dict(cfg, **change)))
+        with pytest.raises(AdapterError, match=f"LoRA adapter '{re.escape(str(path))}': {fault}"):
+            load_adapter(str(path), tiny_cfg, 8)
+    cfg_file.write_text(json.dumps(dict(cfg, layers_to_transform=None, layers_pattern=None)))
+    assert set(load_adapter(str(path), tiny_cfg, 8).weights) == {"q_proj", "v_proj"}
+    cfg_file.write_text(json.dumps(dict(cfg, target_modules=["q_proj", "v_proj", "o_proj"])))
+    assert set(load_adapter(str(path), tiny_cfg, 8).weights) == {"q_proj", "v_proj"}
 
 
 def test_beam_search_with_adapters(lora, plain, adapters, tiny_cfg, tiny_params):

@@ -59,6 +59,14 @@ def module_dims(cfg) -> dict[str, tuple[int, int]]:
     )
 
 
+def model_shape(cfg) -> dict[str, int]:
+    """The fields of model config ``cfg`` that `module_dims` and `parse_tensors` read (sizes and
+    the layer count), as a plain dict: what the engine core hands the API process so that it
+    checks an adapter's weights (`load_adapter` on ``types.SimpleNamespace(**shape)``)."""
+    keys = ("hidden_size", "intermediate_size", "head_dim", "num_heads", "num_kv_heads")
+    return {k: int(getattr(cfg, k)) for k in (*keys, "num_layers")}
+
+
 def group_dims(cfg) -> dict[str, tuple[int, int]]:
     """Each of `GROUPS` -> (in, out) for model config ``cfg``: its modules' shared in and the sum
     of their outs (the fused weight's [in, out])."""
@@ -113,6 +121,8 @@ def read_config_targets(path: str, max_rank: int) -> tuple[int, float, set[str]]
             c = json.load(f)
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
         _fail(path, f"adapter_config.json is not valid JSON ({e})")
+    except OSError as e:  # a permission, a directory so named
+        _fail(path, f"adapter_config.json cannot be read ({e})")
     if not isinstance(c, dict):
         _fail(path, f"adapter_config.json holds a {type(c).__name__}; a JSON object is needed")
     if c.get("peft_type", "LORA") != "LORA":

@@ -50,7 +50,8 @@ def create_app(
     client.metrics = metrics = ServerMetrics(client)
     loras = None
     if lora_modules is not None:  # {}: none yet, the load endpoint on
-        loras = ServedLoRAs(name, lora_modules, client.info["max_lora_rank"])
+        info = client.info
+        loras = ServedLoRAs(name, lora_modules, info["max_lora_rank"], info.get("lora_model"))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -15,7 +15,7 @@ import time
 import msgspec
 import zmq
 
-from jaxinfer.lora.peft import AdapterError
+from jaxinfer.lora.peft import AdapterError, model_shape
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.sampling_params import SamplingParams
 
@@ -175,7 +175,8 @@ class EngineCore:
 def run_core(factory, addr: str, conn) -> None:
     """The engine-core process's main: ``llm = factory()`` (a `jaxinfer.LLM`), then on ``conn`` (a
     `multiprocessing.Pipe` end) ``("ready", info)`` (tokenizer, model_path, max_model_len,
-    max_num_seqs, max_lora_rank, stats) or ``("error", message)`` (ValueError or
+    max_num_seqs, max_lora_rank, stats, lora_model: the model's `model_shape` with LoRA on, for
+    the API process's adapter checks, else None) or ``("error", message)`` (ValueError or
     FileNotFoundError; any other exception prints its traceback and ends the process); then
     `EngineCore.run`. The start-up precompile says what it does on stderr."""
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -206,6 +207,7 @@ def run_core(factory, addr: str, conn) -> None:
                 stats=engine_stats(eng),
                 max_num_seqs=eng.resolved.engine.max_num_seqs,
                 max_lora_rank=eng.resolved.engine.max_lora_rank,
+                lora_model=model_shape(eng.model_config) if eng.lora.enabled else None,
             ),
         )
     )

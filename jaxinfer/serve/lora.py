@@ -1,18 +1,21 @@
 """LoRA adapters in the server, as vLLM's (``--enable-lora``, ``--lora-modules``,
 ``serving_models.py``): the served adapters by name (`ServedLoRAs`; a request's ``model`` names
 one), their /v1/models cards, and ``POST /v1/load_lora_adapter`` / ``/v1/unload_lora_adapter``.
-An adapter's files are checked when it is given or loaded; the engine core reads its weights when
-a request first uses it. No JAX."""
+An adapter is checked when it is given or loaded, its config and weights read on the host here
+(numpy, `_check`) against the served model's shape (the engine core's ``lora_model``); the engine
+core reads it again when a request first uses it and writes it into a slot then. No JAX."""
 
+import asyncio
 import itertools
 import json
 import os
 import time
+from types import SimpleNamespace
 
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from jaxinfer.lora.peft import check_adapter
+from jaxinfer.lora.peft import check_adapter, load_adapter
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.serve.errors import APIError
 
@@ -36,10 +39,24 @@ def parse_lora_modules(specs: list[str] | None) -> dict[str, str]:
     return out
 
 
-def check_lora_modules(modules: dict[str, str], base: str | None, max_rank: int) -> None:
+def _check(path: str, max_rank: int, model) -> None:
+    """The adapter at ``path`` as the engine core reads it on first use: `load_adapter` against
+    ``model`` (a namespace of `jaxinfer.lora.peft.model_shape`'s fields: modules, shapes, layer
+    count; rank up to ``max_rank``), the result dropped; ``model`` None (the model not known
+    yet): its config only (`check_adapter`). ValueError: as those."""
+    if model is None:
+        check_adapter(path, max_rank)
+    else:
+        load_adapter(path, model, max_rank)
+
+
+def check_lora_modules(
+    modules: dict[str, str], base: str | None, max_rank: int, model=None
+) -> None:
     """ValueError naming the ``--lora-modules`` entry and what is allowed: its name is ``base``,
-    the served model's (the adapter would hide the base model; None: not known yet), its files
-    do not pass `check_adapter` (rank up to ``max_rank``: EngineConfig.max_lora_rank)."""
+    the served model's (the adapter would hide the base model; None: not known yet), it does
+    not pass `_check` (rank up to ``max_rank``: EngineConfig.max_lora_rank; its weights against
+    ``model`` once the engine core is up)."""
     for name, path in modules.items():
         if name == base:
             raise ValueError(
@@ -48,7 +65,7 @@ def check_lora_modules(modules: dict[str, str], base: str | None, max_rank: int)
                 "the model another --served-model-name"
             )
         try:
-            check_adapter(path, max_rank)
+            _check(path, max_rank, model)
         except ValueError as e:
             raise ValueError(f"--lora-modules {name}={path} is invalid: {e}") from None
 
@@ -66,12 +83,16 @@ class UnloadLoRAAdapterRequest(BaseModel):
 class ServedLoRAs:
     """The adapters served under ``base`` (the model name): {name: `LoRARequest`}, ids from 1
     in the order given or loaded (an adapter loaded again gets a new id: its files are read
-    again); each adapter's files are checked (`check_adapter`, rank up to ``max_rank``:
-    EngineConfig.max_lora_rank) when it is given or loaded, its weights read by the engine core
-    when a request first uses it. ValueError: as `check_lora_modules`."""
+    again); each adapter is checked (`_check`: config and weights against ``model``, the engine
+    core's ``lora_model`` dict; rank up to ``max_rank``: EngineConfig.max_lora_rank) when it is
+    given or loaded, and read again by the engine core when a request first uses it.
+    ValueError: as `check_lora_modules`."""
 
-    def __init__(self, base: str, modules: dict[str, str], max_rank: int) -> None:
-        check_lora_modules(modules, base, max_rank)
+    def __init__(
+        self, base: str, modules: dict[str, str], max_rank: int, model: dict | None = None
+    ) -> None:
+        self.model = model and SimpleNamespace(**model)
+        check_lora_modules(modules, base, max_rank, self.model)
         self.base, self.max_rank, self._ids, self.requests = base, max_rank, itertools.count(1), {}
         for name, path in modules.items():
             self.requests[name] = LoRARequest(name, next(self._ids), path)
@@ -95,9 +116,10 @@ class ServedLoRAs:
     async def load(self, body: LoadLoRAAdapterRequest) -> PlainTextResponse:
         """vLLM's ``/v1/load_lora_adapter``. APIError 400: the name is the served model's
         (``param`` "lora_name"), is served already or is not a valid `LoRARequest` name, the
-        path has no adapter_config.json, its files do not pass
-        `check_adapter` (a rank above max_lora_rank, a malformed or unsupported config, no
-        weights file: the reason, ``param`` "lora_path")."""
+        path has no adapter_config.json, it does not pass `_check` (a rank above
+        max_lora_rank, a malformed or unsupported config, a missing or corrupt weights file,
+        weights not the served model's: the reason, ``param`` "lora_path"); nothing is
+        registered then. The files are read in a worker thread (the event loop keeps serving)."""
         if body.lora_name == self.base:
             raise APIError(
                 f"The lora adapter name '{body.lora_name}' is the served model's name; choose "
@@ -111,9 +133,11 @@ class ServedLoRAs:
                 f"No adapter found for {body.lora_path}", param="lora_path", code="not_found"
             )
         try:
-            check_adapter(body.lora_path, self.max_rank)
+            await asyncio.to_thread(_check, body.lora_path, self.max_rank, self.model)
         except ValueError as e:
             raise APIError(str(e), param="lora_path") from None
+        if body.lora_name in self.requests:  # loaded by another request while this one read
+            raise APIError(f"The lora adapter '{body.lora_name}' has already been loaded.")
         try:
             req = LoRARequest(body.lora_name, next(self._ids), body.lora_path)
         except ValueError as e:  # e.g. an empty name

@@ -3,8 +3,9 @@ adapters named by a request's ``model`` (outputs as `LLM.generate` with the same
 on an in-process engine of the same configuration; tests/e2e/test_lora_engine.py checks that
 against merged weights), responses naming the adapter in ``model``, /v1/models listing them,
 ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` with vLLM's messages and statuses (a
-bad adapter_config.json refused there), adapter errors of a request naming ``model``, and the
-CLI's option errors (an adapter named as the served model, a bad adapter: exit code 2)."""
+bad adapter_config.json or weights file refused there), adapter errors of a request naming
+``model``, and the CLI's option errors (an adapter named as the served model, a bad adapter:
+exit code 2)."""
 
 import json
 import shutil
@@ -14,7 +15,7 @@ from lora_adapters import write_adapter
 
 from jaxinfer import LoRARequest, SamplingParams
 
-from .conftest import KEY, MODEL, PROMPTS, SERVE_ENGINE, serve
+from .conftest import KEY, MODEL, PROMPTS, SERVE_ENGINE, SERVER_COMPILES, serve
 
 LORA_ENGINE = dict(SERVE_ENGINE, enable_lora=True, max_loras=2, max_lora_rank=8)
 
@@ -113,36 +114,59 @@ def test_responses_name_the_adapter(lora_server):
 
 
 def test_load_checks_the_adapter_config(lora_server, tiny_text_cfg, tmp_path):
-    """/v1/load_lora_adapter answers 400 with the reason (param lora_path) for a rank above
-    --max-lora-rank (8) and a malformed adapter_config.json (its path in the message), and
-    serves neither; an adapter whose config passes but whose weights do not (r says 2, the
-    tensors have rank 4; or a corrupt weights file) loads, and a request naming it is a 400
-    whose param is "model", naming the adapter."""
+    """/v1/load_lora_adapter answers 400 with the reason (param lora_path, the path in the
+    message) and serves none of: a rank above --max-lora-rank (8), a malformed
+    adapter_config.json, weights whose rank is not the config's r, a corrupt weights file,
+    weights shaped for another model (its hidden size, its layer count), weights of a module
+    target_modules does not name (read in the API process, as the engine core's first use
+    does). An adapter whose weights break after a good load: a request naming it is a 400
+    whose param is "model" (the engine core's read) and the server still answers."""
+    import dataclasses
+
     import openai
 
     client = openai.OpenAI(base_url=lora_server.url, api_key=KEY, max_retries=0)
     write_adapter(tmp_path / "big", tiny_text_cfg, 16, 3, ("q_proj",))
     write_adapter(tmp_path / "bad", tiny_text_cfg, 4, 3, ("q_proj",))
     (tmp_path / "bad" / "adapter_config.json").write_text('{"r": 4,')
-    for name, fault in (("big", "r=16 is invalid"), ("bad", "is not valid JSON")):
+    write_adapter(tmp_path / "mis", tiny_text_cfg, 4, 3, ("q_proj",))
+    config = tmp_path / "mis" / "adapter_config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), r=2)))
+    write_adapter(tmp_path / "torn", tiny_text_cfg, 4, 3, ("q_proj",))
+    (tmp_path / "torn" / "adapter_model.safetensors").write_bytes(b"\xff" * 64)  # corrupt
+    wide = dataclasses.replace(tiny_text_cfg, hidden_size=tiny_text_cfg.hidden_size * 2)
+    write_adapter(tmp_path / "wide", wide, 4, 3, ("q_proj",))
+    deep = dataclasses.replace(tiny_text_cfg, num_layers=tiny_text_cfg.num_layers + 1)
+    write_adapter(tmp_path / "deep", deep, 4, 3, ("q_proj",))
+    write_adapter(tmp_path / "extra", tiny_text_cfg, 4, 3, ("q_proj", "v_proj"))
+    config = tmp_path / "extra" / "adapter_config.json"
+    config.write_text(json.dumps(dict(json.loads(config.read_text()), target_modules=["q_proj"])))
+    L = tiny_text_cfg.num_layers
+    for name, fault in (
+        ("big", "r=16 is invalid"),
+        ("bad", "is not valid JSON"),
+        ("mis", "has shape"),
+        ("torn", "cannot be read"),
+        ("wide", r"q_proj.lora_A.weight' has shape"),
+        ("deep", f"layer {L} >= the model's {L} layers"),
+        ("extra", r"holds modules \['v_proj'\] that .* target_modules \['q_proj'\]"),
+    ):
         body = dict(lora_name=name, lora_path=str(tmp_path / name))
         with pytest.raises(openai.BadRequestError, match=fault) as e:
             client.post("/load_lora_adapter", body=body, cast_to=str)
         assert e.value.body["param"] == "lora_path" and str(tmp_path / name) in str(e.value)
     assert [m.id for m in client.models.list().data] == [MODEL, "a1"]
-    config = tmp_path / "big" / "adapter_config.json"
-    config.write_text(json.dumps(dict(json.loads(config.read_text()), r=2)))
-    write_adapter(tmp_path / "torn", tiny_text_cfg, 4, 3, ("q_proj",))
-    (tmp_path / "torn" / "adapter_model.safetensors").write_bytes(b"\xff" * 64)  # corrupt
-    for name, path, fault in (("mis", "big", "has shape"), ("torn", "torn", "cannot be read")):
-        body = dict(lora_name=name, lora_path=str(tmp_path / path))
-        client.post("/load_lora_adapter", body=body, cast_to=str)
-        try:
-            with pytest.raises(openai.BadRequestError, match=fault) as e:
-                client.completions.create(model=name, prompt="Hi", max_tokens=2)
-            assert e.value.body["param"] == "model" and str(tmp_path / path) in str(e.value)
-        finally:
-            client.post("/unload_lora_adapter", body=dict(lora_name=name), cast_to=str)
+    write_adapter(tmp_path / "later", tiny_text_cfg, 4, 3, ("q_proj",))
+    body = dict(lora_name="later", lora_path=str(tmp_path / "later"))
+    client.post("/load_lora_adapter", body=body, cast_to=str)
+    (tmp_path / "later" / "adapter_model.safetensors").write_bytes(b"\xff" * 64)
+    try:
+        with pytest.raises(openai.BadRequestError, match="cannot be read") as e:
+            client.completions.create(model="later", prompt="Hi", max_tokens=2)
+        assert e.value.body["param"] == "model" and str(tmp_path / "later") in str(e.value)
+    finally:
+        client.post("/unload_lora_adapter", body=dict(lora_name="later"), cast_to=str)
+    assert client.completions.create(model="a1", prompt="Hi", max_tokens=2).choices[0].text
 
 
 def test_adapter_named_as_the_model_or_bad_is_refused_at_start(
@@ -166,6 +190,28 @@ def test_adapter_named_as_the_model_or_bad_is_refused_at_start(
     assert len(err) == 1 and "r=16 is invalid" in err[0] and "max_lora_rank=8" in err[0]
     with pytest.raises(ValueError, match="the served model's name"):
         ServedLoRAs(MODEL, {MODEL: paths["a1"]}, 8)
+
+
+def test_lora_modules_weights_checked_at_start(tiny_text_cfg, tmp_path, capsys):
+    """A ``--lora-modules`` adapter whose config passes but whose weights are not the served
+    model's (one layer too many): refused once the engine core is up and has said the model's
+    shape (its ``lora_model``), before the server serves: one line, exit code 2."""
+    import dataclasses
+    import functools
+
+    from tiny_model import tiny_serve_llm
+
+    from jaxinfer.serve.__main__ import main
+
+    deep = dataclasses.replace(tiny_text_cfg, num_layers=tiny_text_cfg.num_layers + 1)
+    write_adapter(tmp_path / "deep", deep, 4, 3, ("q_proj",))
+    factory = functools.partial(tiny_serve_llm, LORA_ENGINE, " ".join(PROMPTS), SERVER_COMPILES)
+    argv = ["--enable-lora", "--served-model-name", MODEL, "--max-lora-rank", "8"]
+    assert main([*argv, "--lora-modules", f"deep={tmp_path / 'deep'}"], factory) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error")]
+    L = tiny_text_cfg.num_layers
+    assert len(err) == 1 and err[0].startswith(f"error: --lora-modules deep={tmp_path}"), err
+    assert f"layer {L} >= the model's {L} layers" in err[0], err
 
 
 def test_cli_lora_path(

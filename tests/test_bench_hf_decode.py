@@ -2,6 +2,8 @@
 CPU with a tiny Qwen3-MoE: its config mapping gives HF the model `ModelConfig` describes (HF's
 own config read back equals it), and a decode-step timing runs through HF's static cache."""
 
+import math
+
 import pytest
 
 pytest.importorskip("torch")
@@ -42,4 +44,6 @@ def test_hf_config_round_trips_and_times_a_step():
     assert got == want
     model = random_model(config, "cpu")
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
-    assert step_ms(model, batch=2, context=8, steps=2, device="cpu") > 0
+    # runs end to end; its value is a difference of two timings, noise-bound on a busy CPU (the
+    # figure is the GPU benchmark's, not a unit test's)
+    assert math.isfinite(step_ms(model, batch=2, context=8, steps=2, device="cpu"))

@@ -8,7 +8,7 @@ token mask [B, T, S*R] (1 at s*R + r where the token's slot is s). `add_lora` ad
 low-rank products for every token's own adapter as two plain GEMMs, batched over slots and modules
 (SGMV-style, masked: S*R is small): ``(x [BT, in] @ a [in, G*S*R]) * mask`` then ``@ b [G*S*R,
 out]``, whose output is already the fused projection's layout, so the add needs no concatenate.
-Per layer and group: two dots and two elementwise ops, whatever G (before: five or so per module).
+Per layer and group: two dots and two elementwise ops, whatever G.
 b's zero blocks cost bytes, not launches: (G - 1) * S * R * out elements a layer (Qwen3-8B, S*R =
 64: 4.7 MB of the layer's 390 MB of weights, about 1.4 us at 3.35 TB/s, where the G - 1 dots it
 saves take a launch each, a few us at B=1; at B=64 the extra FLOPs are as negligible). Reference

@@ -8,7 +8,8 @@ Capacity planning; the engine sizes its pool with `jaxinfer.config.memory.engine
 ``--model``: a preset (``PRESETS``) or a checkpoint `ModelConfig.from_checkpoint` reads (a
 GGUF file's metadata only). Without ``--device-memory-gib``: JAX's ``bytes_limit`` of the local
 accelerator. A plan: usable = device_bytes x utilization, used = weight_bytes + reserve_bytes
-(per device under tensor parallelism); num_pages = `jaxinfer.config.memory.kv_pool_pages`;
+(per device under tensor parallelism) + with ``--enable-lora`` the LoRA pool's bytes (the
+engine's `jaxinfer.lora.peft.pool_bytes`); num_pages = `jaxinfer.config.memory.kv_pool_pages`;
 max_concurrent = (num_pages - 1) // ceil(context / page_size), planned = floor(PLANNING_FRACTION
 x that). Bad input: one line on stderr, exit code 2."""
 
@@ -24,16 +25,21 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jaxinfer.cli_args import Parser, fail  # noqa: E402
-from jaxinfer.config import DTYPE_BYTES, ModelConfig  # noqa: E402
+from jaxinfer.config import DTYPE_BYTES, EngineConfig, ModelConfig  # noqa: E402
 from jaxinfer.config.memory import (
-    GIB,
     _gib,
     default_reserve_bytes,  # noqa: E402
     kv_bytes_per_token,
     kv_pool_pages,
 )
 from jaxinfer.config.weights import device_bytes  # noqa: E402
-from scripts.plan_memory_checks import check_plan_args, kv_budget, max_sequences  # noqa: E402
+from scripts.plan_memory_checks import (
+    check_plan_args,
+    gib_to_bytes,
+    kv_budget,
+    lora_pool_bytes,
+    max_sequences,
+)
 
 MIB = 1 << 20
 PLANNING_FRACTION = 0.7  # plan at this fraction of the theoretical concurrent sequences
@@ -123,7 +129,8 @@ def fp8_weight_bytes(cfg: ModelConfig, dtype_bytes: int, tp: int = 1) -> int:
 @dataclass(frozen=True)
 class MemoryPlan:
     """A KV capacity plan (module doc). Bytes of one device (of ``tensor_parallel_size``);
-    ``num_pages`` includes the null page."""
+    ``num_pages`` includes the null page; ``lora``: (max_loras, max_lora_rank) of the LoRA pool
+    of ``lora_pool_bytes``, None: LoRA off (0 bytes)."""
 
     kv_bytes_per_token: int
     weight_bytes: int
@@ -138,6 +145,8 @@ class MemoryPlan:
     planned_concurrent_seqs: int
     planning_fraction: float = PLANNING_FRACTION
     tensor_parallel_size: int = 1
+    lora: tuple[int, int] | None = None
+    lora_pool_bytes: int = 0
 
     @property
     def page_bytes(self) -> int:
@@ -154,14 +163,17 @@ class MemoryPlan:
             return f"{_gib(n)}  ({n:,} B)"
 
         usable, kvt = int(self.device_bytes * self.utilization), self.kv_bytes_per_token
-        tp = self.tensor_parallel_size
+        tp, used = self.tensor_parallel_size, self.weight_bytes + self.reserve_bytes
+        S, R = self.lora or (0, 0)
+        lora = [("LoRA pool", f"{S} slot(s) x rank {R} = {b(self.lora_pool_bytes)}")]
         rows = [
             ("tensor parallel", f"{tp} device(s); the bytes below are per device"),
             ("device memory", b(self.device_bytes)),
             ("utilization", f"{self.utilization:g}  -> usable {_gib(usable)}"),
             ("weights", b(self.weight_bytes)),
             ("reserve (activations, workspace)", b(self.reserve_bytes)),
-            ("KV budget", b(usable - self.weight_bytes - self.reserve_bytes)),
+            *(lora if self.lora else []),
+            ("KV budget", b(usable - used - self.lora_pool_bytes)),
             ("KV bytes per token", f"{kvt:,} B  ({kvt / 1024:,.1f} KiB)"),
             ("page size", f"{self.page_size} tokens  ({self.page_bytes / MIB:,.3f} MiB per page)"),
             (
@@ -195,27 +207,25 @@ def plan_memory(
     weight_bytes: int | None = None,
     planning_fraction: float = PLANNING_FRACTION,
     tensor_parallel_size: int = 1,
+    lora: tuple[int, int] | None = None,
+    compute_dtype_bytes: int | None = None,
 ) -> MemoryPlan:
     """The KV plan of ``cfg`` on ``tensor_parallel_size`` devices of ``device_bytes`` each
-    (module doc; weights and KV bytes per device). ``context``: tokens per sequence;
-    ``*_dtype_bytes``: bytes per element; None ``reserve_bytes``: `default_reserve_bytes`,
-    ``weight_bytes`` (per device): ``param_count x weight_dtype_bytes``. Raises ValueError: an
-    argument out of range; a model tp cannot split (`check_tp`); weights that do not fit (by how
-    much); a ``context`` one sequence of which does not fit (the largest that does)."""
-    ints = dict(
-        device_bytes=device_bytes,
-        page_size=page_size,
-        context=context,
-        weight_dtype_bytes=weight_dtype_bytes,
-        kv_dtype_bytes=kv_dtype_bytes,
-        tensor_parallel_size=tensor_parallel_size,
-    )
+    (module doc; bytes per device). ``context``: tokens per sequence; ``*_dtype_bytes``: bytes
+    per element; None ``reserve_bytes``: `default_reserve_bytes`, ``weight_bytes``: ``param_count
+    x weight_dtype_bytes``; ``lora``: (max_loras, max_lora_rank) with enable_lora, its pool
+    (`lora_pool_bytes`, ``compute_dtype_bytes`` or else ``weight_dtype_bytes`` an element) off the
+    KV budget. Raises ValueError: an argument out of range, a model tp cannot split (`check_tp`),
+    a LoRA pool the engine refuses, weights (+ LoRA pool) or a ``context`` that do not fit."""
+    ints = dict(device_bytes=device_bytes, page_size=page_size, context=context)
+    ints |= dict(weight_dtype_bytes=weight_dtype_bytes, kv_dtype_bytes=kv_dtype_bytes)
+    ints["tensor_parallel_size"] = tp = tensor_parallel_size  # checked in this order
     check_plan_args(cfg, ints, utilization, planning_fraction)
-    tp = tensor_parallel_size
     reserve_bytes = default_reserve_bytes(device_bytes) if reserve_bytes is None else reserve_bytes
     if weight_bytes is None:
         weight_bytes = param_count(cfg, tp) * weight_dtype_bytes
-    usable, budget = kv_budget(device_bytes, utilization, weight_bytes, reserve_bytes)
+    lora_bytes = lora_pool_bytes(cfg, lora, tp, compute_dtype_bytes or weight_dtype_bytes)
+    usable, budget = kv_budget(device_bytes, utilization, weight_bytes, reserve_bytes, lora_bytes)
     kv_per_token = kv_bytes_per_token(cfg, kv_dtype_bytes, tp)
     page_bytes = page_size * kv_per_token
     num_pages = kv_pool_pages(
@@ -223,7 +233,7 @@ def plan_memory(
         page_size=page_size,
         dtype_bytes=kv_dtype_bytes,
         usable_bytes=usable,
-        used_bytes=weight_bytes + reserve_bytes,
+        used_bytes=weight_bytes + reserve_bytes + lora_bytes,
         tp=tp,
     )
     max_seqs = max_sequences(context, page_size, page_bytes, num_pages, budget)
@@ -241,6 +251,8 @@ def plan_memory(
         math.floor(planning_fraction * max_seqs),
         float(planning_fraction),
         tp,
+        lora,
+        lora_bytes,
     )
 
 
@@ -304,22 +316,35 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="activations/workspace reserve in GiB (default max(1, 5%% of device))",
     )
+    _add_lora_options(p)
     return p
 
 
-def _gib_to_bytes(flag: str, value: float | None, allow_zero: bool = True) -> int | None:
-    if value is not None and (
-        not (value > 0 or allow_zero and value == 0) or value == float("inf")
-    ):
-        raise ValueError(
-            f"{flag}={value!r} is invalid: must be finite and {'>= 0' if allow_zero else '> 0'}"
-        )
-    return None if value is None else int(round(value * GIB))
+def _add_lora_options(p: argparse.ArgumentParser) -> None:
+    """vLLM's ``--enable-lora``, ``--max-loras`` and ``--max-lora-rank`` (`EngineConfig`'s
+    defaults) on ``p``."""
+    p.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="plan the LoRA adapter pool (vLLM's --enable-lora), taken from the KV budget",
+    )
+    p.add_argument(
+        "--max-loras",
+        type=int,
+        default=EngineConfig.max_loras,
+        help="with --enable-lora: LoRA adapters on the device at once (slots)",
+    )
+    p.add_argument(
+        "--max-lora-rank",
+        type=int,
+        default=EngineConfig.max_lora_rank,
+        help="with --enable-lora: largest LoRA rank (every slot padded to it)",
+    )
 
 
 def _weight_bytes(args, cfg: ModelConfig) -> int | None:
     """``--weight-gib``, or for ``--weight-dtype fp8`` `fp8_weight_bytes`; None: counted."""
-    given = _gib_to_bytes("--weight-gib", args.weight_gib)
+    given = gib_to_bytes("--weight-gib", args.weight_gib)
     if given is not None or args.weight_dtype != "fp8":
         return given
     return fp8_weight_bytes(cfg, 2, args.tensor_parallel_size)
@@ -335,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"preset; allowed presets: {sorted(PRESETS)}"
             )
         cfg = PRESETS.get(args.model) or ModelConfig.from_checkpoint(args.model)
-        device = _gib_to_bytes("--device-memory-gib", args.device_memory_gib, False)
+        device = gib_to_bytes("--device-memory-gib", args.device_memory_gib, False)
         device = (device, "--device-memory-gib") if device else local_device_bytes()
         if device is None:
             raise ValueError("--device-memory-gib is required: JAX sees no GPU on this machine")
@@ -347,9 +372,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             page_size=args.page_size,
             weight_dtype_bytes=DTYPE_BYTES[args.weight_dtype],
             kv_dtype_bytes=DTYPE_BYTES[args.kv_dtype],
-            reserve_bytes=_gib_to_bytes("--reserve-gib", args.reserve_gib),
+            reserve_bytes=gib_to_bytes("--reserve-gib", args.reserve_gib),
             weight_bytes=_weight_bytes(args, cfg),
             tensor_parallel_size=args.tensor_parallel_size,
+            lora=(args.max_loras, args.max_lora_rank) if args.enable_lora else None,
+            compute_dtype_bytes=2 if args.weight_dtype == "fp8" else None,
         )
     except (ValueError, OSError) as e:
         return fail(str(e))

@@ -1,12 +1,15 @@
-"""`plan_memory`'s checks (scripts/plan_memory.py): its arguments, that the weights fit, that one
-sequence of the context fits; each raises ValueError with one line saying what is allowed."""
+"""`plan_memory`'s checks (scripts/plan_memory.py): its arguments, the LoRA pool's (and its
+bytes), that the weights fit, that one sequence of the context fits; each raises ValueError with
+one line saying what is allowed."""
 
 from __future__ import annotations
 
 from jaxinfer.checks import check_int, is_number
-from jaxinfer.config import ModelConfig
-from jaxinfer.config.memory import _gib
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.config.memory import GIB, _gib
 from jaxinfer.config.model import check_tp
+from jaxinfer.config.resolved import _check_lora
+from jaxinfer.lora.peft import pool_bytes
 
 
 def check_plan_args(cfg: ModelConfig, ints: dict, utilization, planning_fraction) -> None:
@@ -26,20 +29,38 @@ def check_plan_args(cfg: ModelConfig, ints: dict, utilization, planning_fraction
             raise ValueError(f"plan_memory: {name}={v!r} is invalid: must be in (0, 1]")
 
 
-def kv_budget(device_bytes, utilization, weight_bytes, reserve_bytes) -> tuple[int, int]:
+def lora_pool_bytes(cfg: ModelConfig, lora: tuple[int, int] | None, tp: int, dtype_bytes: int):
+    """Bytes (one device) of the LoRA pool an engine with ``enable_lora`` and ``lora`` =
+    (``max_loras``, ``max_lora_rank``) allocates for ``cfg``, ``dtype_bytes`` an element (the
+    compute dtype): `jaxinfer.lora.peft.pool_bytes`, the count the engine takes from the KV
+    budget; 0 for ``lora`` None (LoRA off). Raises ValueError as the engine's checks do:
+    max_loras or max_lora_rank not an integer >= 1 (`EngineConfig`), ``tp`` > 1 or a
+    mixture-of-experts model (`jaxinfer.config.resolved._check_lora`)."""
+    if lora is None:
+        return 0
+    S, R = lora
+    ec = EngineConfig(enable_lora=True, max_loras=S, max_lora_rank=R, tensor_parallel_size=tp)
+    _check_lora(cfg, ec)
+    return pool_bytes(cfg, S, R, dtype_bytes)
+
+
+def kv_budget(device_bytes, utilization, weight_bytes, reserve_bytes, lora_bytes=0):
     """``(usable, budget)``: usable = ``int(device_bytes x utilization)``, the KV budget = usable -
-    weight_bytes - reserve_bytes. Raises ValueError: either bytes not an integer >= 0; the weights
-    do not fit (by how much, and what would help)."""
+    weight_bytes - reserve_bytes - lora_bytes (the LoRA pool's). Raises ValueError: either of
+    the first two bytes not an integer >= 0; they do not fit (by how much, and what would
+    help)."""
     for name, v in (("reserve_bytes", reserve_bytes), ("weight_bytes", weight_bytes)):
         check_int(f"plan_memory: {name}", v, 0)
     usable = int(device_bytes * utilization)
-    budget = usable - weight_bytes - reserve_bytes
+    budget = usable - weight_bytes - reserve_bytes - lora_bytes
     if budget <= 0:
+        lora = f" + LoRA pool {_gib(lora_bytes)}" if lora_bytes else ""
+        what = "the weights and the LoRA pool" if lora else "the weights"
         raise ValueError(
-            f"plan_memory: the weights do not fit: weights {_gib(weight_bytes)} + reserve "
-            f"{_gib(reserve_bytes)} exceed device_bytes x utilization = {_gib(usable)} by "
+            f"plan_memory: {what} do not fit: weights {_gib(weight_bytes)} + reserve "
+            f"{_gib(reserve_bytes)}{lora} exceed device_bytes x utilization = {_gib(usable)} by "
             f"{_gib(-budget)} ({-budget:,} B); allowed: a larger device_bytes or utilization, a "
-            "smaller reserve_bytes, or smaller weights"
+            f"smaller reserve_bytes, or smaller weights{' or LoRA pool' if lora else ''}"
         )
     return usable, budget
 
@@ -57,3 +78,15 @@ def max_sequences(context: int, page_size: int, page_bytes: int, num_pages: int,
             f"{(num_pages - 1) * page_size} tokens on this device"
         )
     return max_seqs
+
+
+def gib_to_bytes(flag: str, value: float | None, allow_zero: bool = True) -> int | None:
+    """Bytes of ``value`` GiB (a CLI option ``flag``), None for None. Raises ValueError naming
+    ``flag`` and the value: not finite, negative (or 0 unless ``allow_zero``)."""
+    if value is not None and (
+        not (value > 0 or allow_zero and value == 0) or value == float("inf")
+    ):
+        raise ValueError(
+            f"{flag}={value!r} is invalid: must be finite and {'>= 0' if allow_zero else '> 0'}"
+        )
+    return None if value is None else int(round(value * GIB))

@@ -265,3 +265,45 @@ def test_fp8_weight_bytes_equal_the_quantised_tree():
         cfg = ModelConfig(arch, 96, 32, 64, 2, 4, 2, 8, tie_word_embeddings=tied)
         tree = models.init_params(cfg, jax.random.key(0), jnp.float32, "fp8")
         assert fp8_weight_bytes(cfg, 4) == sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
+
+
+def test_lora_pool_is_the_engines_and_comes_off_the_kv_budget(tiny_llm, tiny_cfg):
+    """``lora=(S, R)`` (an engine with enable_lora): the plan's LoRA pool, its own table line,
+    is the bytes of the arrays the engine allocates (the tiny model, float32 compute, 4 slots of
+    rank 8; by hand: per layer, slot and rank, G x (in + out) of each fused group, qkv 3 x (64 +
+    128), o 64 + 64, gate_up 2 x (64 + 192), down 96 + 64 = 1376 elements) and comes off the KV
+    budget; LoRA off: no line, 0 bytes."""
+    import jax
+
+    llm = tiny_llm(text=False, enable_lora=True, max_loras=4, max_lora_rank=8, max_compiles=8)
+    pool = jax.tree_util.tree_leaves(llm.engine.runner.params["lora"])
+    allocated = sum(x.nbytes for x in pool)
+    assert allocated == 4 * 2 * 4 * 8 * 1376 == 352_256
+    kw = dict(device_bytes=4 * GIB, context=256, weight_dtype_bytes=4, reserve_bytes=GIB)
+    plan, off = plan_memory(tiny_cfg, lora=(4, 8), **kw), plan_memory(tiny_cfg, **kw)
+    assert plan.lora == (4, 8) and plan.lora_pool_bytes == allocated
+    assert off.lora is None and off.lora_pool_bytes == 0
+    budget = int(4 * GIB * 0.9) - plan.weight_bytes - GIB - allocated
+    assert plan.num_pages == budget // plan.page_bytes < off.num_pages
+    rows = {k.strip(): v for k, v in (line.split("  ", 1) for line in plan.table().splitlines())}
+    assert rows["LoRA pool"].strip() == f"4 slot(s) x rank 8 = 0.00 GiB  ({allocated:,} B)"
+    assert rows["KV budget"].strip() == f"{budget / GIB:,.2f} GiB  ({budget:,} B)"
+    assert "LoRA pool" not in off.table()
+
+
+@pytest.mark.parametrize(
+    "preset,kwargs,needle",
+    [
+        ("qwen3-8b", dict(lora=(0, 16)), "EngineConfig.max_loras=0 is invalid: must be a positive"),
+        ("qwen3-8b", dict(lora=(4, 16), tensor_parallel_size=2), "enable_lora runs on one device"),
+        ("qwen3-30b-a3b", dict(lora=(4, 16)), "LoRA is not yet for mixture-of-experts models"),
+        ("qwen3-8b", dict(lora=(64, 512), device_bytes=40 * GIB), "weights and the LoRA pool do"),
+    ],
+)
+def test_lora_pool_the_engine_refuses(preset, kwargs, needle):
+    """A LoRA pool the engine would refuse is the engine's one-line ValueError (its checks:
+    `EngineConfig`, `_check_lora`); one that leaves no KV budget says by how much."""
+    args = dict(device_bytes=141 * GIB, context=4096) | kwargs
+    with pytest.raises(ValueError, match=needle) as e:
+        plan_memory(PRESETS[preset], **args)
+    assert "\n" not in str(e.value)

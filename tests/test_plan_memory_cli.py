@@ -182,6 +182,35 @@ def test_cli_gguf(monkeypatch):
     assert plan.table() in r.stdout
 
 
+def test_cli_enable_lora():
+    """vLLM's ``--enable-lora --max-loras 4 --max-lora-rank 16``: the plan with qwen3-8b's LoRA
+    pool on its own line, counted by hand (per layer, slot and rank, G x (in + out) of each
+    fused group: qkv 3 x (4096 + 6144), o 4096 + 4096, gate_up 2 x (4096 + 24576), down 12288 +
+    4096 = 112,640 elements; bfloat16, 36 layers); ``--enable-lora`` alone: the engine's
+    defaults (1 slot of rank 16); fp8 weights: the pool in the compute dtype (bfloat16); the
+    LoRA flags without ``--enable-lora``: no pool; bad LoRA values: one line, exit code 2."""
+    base = ["--model", "qwen3-8b", "--context", "4096", "--device-memory-gib", "141"]
+    r = _cli(*base, "--enable-lora", "--max-loras", "4", "--max-lora-rank", "16")
+    assert r.returncode == 0, r.stderr
+    n = 2 * 36 * 4 * 16 * 112_640
+    assert n == 519_045_120 and f"4 slot(s) x rank 16 = 0.48 GiB  ({n:,} B)" in r.stdout
+    plan = plan_memory(QWEN3_8B, device_bytes=141 * GIB, context=4096, lora=(4, 16))
+    assert plan.lora_pool_bytes == n and plan.table() in r.stdout
+    r = _cli(*base, "--enable-lora", "--weight-dtype", "fp8")
+    assert r.returncode == 0, r.stderr
+    assert f"1 slot(s) x rank 16 = 0.12 GiB  ({n // 4:,} B)" in r.stdout
+    r = _cli(*base, "--max-loras", "4")
+    assert r.returncode == 0 and "LoRA" not in r.stdout
+    for bad, needle in (
+        (["--max-loras", "0"], "EngineConfig.max_loras=0 is invalid"),
+        (["--max-lora-rank", "x"], "--max-lora-rank"),
+        (["--tensor-parallel-size", "2"], "enable_lora runs on one device"),
+    ):
+        r = _cli(*base, "--enable-lora", *bad)
+        assert r.returncode == 2 and r.stdout == "", r.stdout
+        assert len(r.stderr.strip().splitlines()) == 1 and needle in r.stderr, r.stderr
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [

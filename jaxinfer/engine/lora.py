@@ -45,7 +45,7 @@ class LoRAManager:
         """Read and check ``req``'s adapter on first sight (kept for its id; an id seen before
         keeps its first adapter's weights, whatever ``lora_path`` says, as vLLM's). ValueError:
         no `LoRARequest`; `AdapterError`: LoRA is off, an id already given to another name, as
-        `load_adapter`."""
+        `load_adapter` (naming ``lora_name`` and ``lora_path``: `AdapterError.named`)."""
         if req is None:
             return
         if not isinstance(req, LoRARequest):
@@ -61,7 +61,10 @@ class LoRAManager:
                     f"{known[0].lora_name!r}; give {req.lora_name!r} another id"
                 )
             return
-        adapter = load_adapter(req.lora_path, self.cfg, self.max_rank)
+        try:
+            adapter = load_adapter(req.lora_path, self.cfg, self.max_rank)
+        except AdapterError as e:  # named as the request names it
+            raise e.named(req.lora_name) from None
         self.adapters[req.lora_int_id] = (req, adapter)
 
     def admit(self, req: LoRARequest | None, seqs: list[Sequence], enqueue) -> None:

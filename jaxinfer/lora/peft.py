@@ -96,11 +96,27 @@ class PeftAdapter:
 
 class AdapterError(ValueError):
     """A LoRA adapter that cannot be served (its files, its tensors, its id): a ValueError of
-    its own kind, so that a server can name the request field that chose the adapter."""
+    its own kind, so that a server can name the request field that chose the adapter. Raised
+    for one adapter (`_fail`): ``adapter`` (its path, or its name where no path applies) and
+    ``reason`` set, the message one line ``LoRA adapter {adapter!r}: {reason}``; else None."""
+
+    def __init__(self, message: str, adapter: str | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.adapter, self.reason = adapter, reason
+
+    def named(self, name: str) -> "AdapterError":
+        """This error naming the adapter ``name`` (`LoRARequest.lora_name`, a server's
+        ``--lora-modules`` name) before its path: ``LoRA adapter 'sql' ('/path/x'): {reason}``,
+        this one's traceback kept; itself where it names no adapter (``reason`` None) or
+        ``name`` already."""
+        if self.reason is None or name == self.adapter:
+            return self
+        message = f"LoRA adapter {name!r} ({self.adapter!r}): {self.reason}"
+        return AdapterError(message, self.adapter, self.reason).with_traceback(self.__traceback__)
 
 
 def _fail(path: str, what: str) -> None:
-    raise AdapterError(f"LoRA adapter {path!r}: {what}")
+    raise AdapterError(f"LoRA adapter {path!r}: {what}", path, what)
 
 
 def read_config(path: str, max_rank: int) -> tuple[int, float]:

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel
 
-from jaxinfer.lora.peft import check_adapter, load_adapter
+from jaxinfer.lora.peft import AdapterError, check_adapter, load_adapter
 from jaxinfer.lora.request import LoRARequest
 from jaxinfer.serve.errors import APIError
 
@@ -39,15 +39,21 @@ def parse_lora_modules(specs: list[str] | None) -> dict[str, str]:
     return out
 
 
-def _check(path: str, max_rank: int, model) -> None:
+def _check(path: str, max_rank: int, model, name: str | None = None) -> None:
     """The adapter at ``path`` as the engine core reads it on first use: `load_adapter` against
     ``model`` (a namespace of `jaxinfer.lora.peft.model_shape`'s fields: modules, shapes, layer
     count; rank up to ``max_rank``), the result dropped; ``model`` None (the model not known
-    yet): its config only (`check_adapter`). ValueError: as those."""
-    if model is None:
-        check_adapter(path, max_rank)
-    else:
-        load_adapter(path, model, max_rank)
+    yet): its config only (`check_adapter`). ValueError: as those (`AdapterError`s naming the
+    adapter's ``name`` too where given: `AdapterError.named`)."""
+    try:
+        if model is None:
+            check_adapter(path, max_rank)
+        else:
+            load_adapter(path, model, max_rank)
+    except AdapterError as e:
+        if name is None:
+            raise
+        raise e.named(name) from None
 
 
 def check_lora_modules(
@@ -118,7 +124,8 @@ class ServedLoRAs:
         (``param`` "lora_name"), is served already or is not a valid `LoRARequest` name, the
         path has no adapter_config.json, it does not pass `_check` (a rank above
         max_lora_rank, a malformed or unsupported config, a missing or corrupt weights file,
-        weights not the served model's: the reason, ``param`` "lora_path"); nothing is
+        weights not the served model's: the reason naming lora_name and lora_path, ``param``
+        "lora_path"); nothing is
         registered then. The files are read in a worker thread (the event loop keeps serving)."""
         if body.lora_name == self.base:
             raise APIError(
@@ -133,7 +140,9 @@ class ServedLoRAs:
                 f"No adapter found for {body.lora_path}", param="lora_path", code="not_found"
             )
         try:
-            await asyncio.to_thread(_check, body.lora_path, self.max_rank, self.model)
+            await asyncio.to_thread(
+                _check, body.lora_path, self.max_rank, self.model, body.lora_name
+            )
         except ValueError as e:
             raise APIError(str(e), param="lora_path") from None
         if body.lora_name in self.requests:  # loaded by another request while this one read

@@ -213,6 +213,36 @@ def test_malformed_config_errors_name_the_path(tmp_path, tiny_cfg):
         check_adapter(str(path), 8)
 
 
+def test_errors_name_the_adapter_and_its_path(lora, tiny_cfg, tmp_path):
+    """Where the adapter's name is known (`LoRARequest.lora_name`), its errors name it before
+    its path, one line: ``LoRA adapter 'big' ('/x/big'): r=16 is invalid: ...``;
+    `AdapterError.named` leaves an error that names no adapter, or names it already, as it is."""
+    from jaxinfer.lora.peft import AdapterError
+
+    big, empty = tmp_path / "big", tmp_path / "empty"
+    write_adapter(big, tiny_cfg, 16, 0, ("q_proj",))
+    os.makedirs(empty)
+    for req, want in (
+        (
+            LoRARequest("big", 21, str(big)),
+            f"LoRA adapter 'big' ('{big}'): r=16 is invalid: must be an integer in "
+            "[1, max_lora_rank=8]",
+        ),
+        (
+            LoRARequest("sql", 22, str(empty)),
+            f"LoRA adapter 'sql' ('{empty}'): no adapter_config.json (a PEFT LoRA directory is "
+            "needed)",
+        ),
+    ):
+        with pytest.raises(AdapterError) as e:
+            lora.generate([{"prompt_token_ids": PROMPTS[0]}], SP, lora_request=req)
+        assert str(e.value) == want
+    plain = AdapterError("lora_request='x' needs an engine built with enable_lora=True")
+    named = AdapterError("LoRA adapter 'x': tensor 'w' has non-finite values", "x", "tensor ...")
+    assert plain.named("x") is plain and named.named("x") is named
+    assert not lora.engine.has_unfinished()
+
+
 def test_target_modules_checked_against_the_weights(tmp_path, tiny_cfg):
     """adapter_config.json's target_modules must be a non-empty list of supported names (not
     PEFT's regex string, not missing), layers_to_transform / layers_pattern must be None, and

@@ -154,7 +154,8 @@ def main() -> None:
     t_async = engine_step_time(eng, args.steps, True)
     t_sync = engine_step_time(eng, args.steps, False)
     hb = captured["hb"]
-    assert hb.shape.forward == (B, True), hb.shape
+    fwd = hb.shape.forward
+    assert (fwd.tokens, fwd.decode) == (B, True), hb.shape
     t_dev = device_step_time(eng, hb, args.steps)
     meta = dict(
         bench="host_overhead",

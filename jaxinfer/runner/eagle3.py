@@ -20,6 +20,7 @@ from jaxinfer.models import eagle3
 from jaxinfer.models.kv_cache import KVCache, init_kv_cache, stored_dtype
 from jaxinfer.runner.draft import draft_batch
 from jaxinfer.runner.eagle3_steps import MIRROR_STEP, PROPOSE_STEP
+from jaxinfer.runner.executor import compile_lowered
 from jaxinfer.step_input import BucketSpec, HostBatch, SamplerKey, StepShape, allocate, pack
 
 
@@ -82,7 +83,7 @@ class Eagle3Runner:
         if (exe := self.executables.get(key)) is None:
             self.stats.num_lazy_compiles += 1
             t = time.perf_counter()
-            exe = self._add(key, jitted.lower(*args, **static).compile())
+            exe = self._add(key, compile_lowered(jitted.lower(*args, **static)))
             self.stats.compile_s += time.perf_counter() - t
         return exe(*args)
 
@@ -171,6 +172,7 @@ class Eagle3Runner:
         if not todo:
             return
         with ThreadPoolExecutor(max_workers or min(len(todo), os.cpu_count() or 1)) as pool:
-            futures = [pool.submit(jit.lower(*args, **st).compile) for _, jit, args, st in todo]
+            lowered = [jit.lower(*args, **st) for _, jit, args, st in todo]
+            futures = [pool.submit(compile_lowered, low) for low in lowered]
             for (key, *_), f in zip(todo, futures):
                 self._add(key, f.result())

@@ -43,6 +43,15 @@ PROMPT_STEP = jax.jit(
     prompt_step, static_argnames=("prompt", "sizes", "cfg", "kernels", "num_logprobs")
 )
 STATS_SETS = {"forward": "forward_shapes", "sampler": "sampler_shapes", "prompt": "prompt_shapes"}
+# XLA's CPU back-end with LLVM at -O0: the step programs compile about 2.7x faster for steps about
+# 5% slower (BENCHMARKS.md, "CPU compiles at -O0"); other back-ends keep their defaults.
+CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
+
+
+def compile_lowered(lowered):
+    """``lowered.compile()``, with `CPU_COMPILER_OPTIONS` when JAX's default back-end is the CPU."""
+    cpu = jax.default_backend() == "cpu"
+    return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS if cpu else None)
 
 
 class Forwarded(NamedTuple):
@@ -129,7 +138,7 @@ class StepExecutor:
             self.stats.num_lazy_compiles += 1
             log.info("compiling the %s for %s", program, key)
             t = time.perf_counter()
-            exe = self._add(program, key, self._lower(program, key, args).compile())
+            exe = self._add(program, key, compile_lowered(self._lower(program, key, args)))
             self.stats.compile_s += time.perf_counter() - t
         return exe(*args)
 
@@ -188,7 +197,7 @@ class StepExecutor:
                 for p, k in todo:
                     t = time.perf_counter()
                     low = self._lower(p, k, self._avals(p, k, params, kv))
-                    futures.append(pool.submit(low.compile))
+                    futures.append(pool.submit(compile_lowered, low))
                     lower_s += time.perf_counter() - t
                 for (p, k), f in zip(todo, futures):
                     self._add(p, k, f.result())

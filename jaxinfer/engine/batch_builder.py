@@ -1,6 +1,8 @@
 """A `ScheduledBatch` as a padded `HostBatch` (host side, no JAX; the `step_input` schema): its
 `StepShape` (`step_shape`) and arrays (`build_host_batch`)."""
 
+from itertools import chain
+
 import numpy as np
 
 from jaxinfer.step_input import (
@@ -13,7 +15,6 @@ from jaxinfer.step_input import (
     StepShape,
     allocate,
     bucket,
-    names,
     rows_of,
 )
 
@@ -91,48 +92,88 @@ def step_shape(batch, *, buckets: BucketSpec, eos_token_ids=()) -> StepShape:
     )
 
 
-def _forward_row(a: dict, hb: HostBatch, batch, i: int, off: int, page_size: int) -> None:
-    """Row ``i``'s forward inputs: its tokens at ``off`` (the pending one from the device)."""
-    s, n, c = batch.seqs[i], batch.num_new_tokens[i], batch.start_positions[i]
-    pos, table = np.arange(c, c + n, dtype=np.int32), np.asarray(s.block_table, np.int32)
-    toks, d = slice(off, off + n), batch.draft_token_ids[i]
-    hb.pending_rows[i] = batch.pending_input[i]
-    if d:  # the last token, then the drafts
-        a["tokens"][toks] = [*s.all_token_ids[c : c + n - len(d)], *d]
-    elif not batch.pending_input[i]:
-        a["tokens"][toks] = s.all_token_ids[c : c + n]
-    else:  # only the first token can be pending (a decode row: n == 1)
-        a["tokens"][off + 1 : off + n] = s.all_token_ids[c + 1 : c + n]
-    a["positions"][toks] = pos
-    a["slot_mapping"][toks] = table[pos // page_size] * page_size + pos % page_size
-    a["query_start_loc"][i + 1 :] = off + n
-    npages = -(-(c + n) // page_size)
-    a["block_tables"][i, :npages] = table[:npages]
-    a["seq_lens"][i] = c + n
-    a["lora_slots"][i] = s.lora_slot
-    scored = off + n - 1 - len(d) + np.arange(a["logits_indices"].shape[1])
-    a["logits_indices"][i] = np.minimum(scored, off + n - 1)  # the drafts' and the last
+def _tokens(batch) -> list[int]:
+    """The input tokens, row after row: a ``pending_input`` row's first one 0 (the device's
+    ``pending_src`` fills it), a row's drafts after its last token."""
+    out = []
+    for s, c, n, d, pending in zip(
+        batch.seqs,
+        batch.start_positions,
+        batch.num_new_tokens,
+        batch.draft_token_ids,
+        batch.pending_input,
+    ):
+        if d:
+            out += [*s.token_ids(c, c + n - len(d)), *d]
+        elif pending:  # only the first token can be pending (a decode row: n == 1)
+            out += [0, *s.token_ids(c + 1, c + n)]
+        else:
+            out += s.token_ids(c, c + n)
+    return out
 
 
-def _sampling_row(a: dict, hb: HostBatch, s, eos_token_ids) -> None:
-    """One row's sampling inputs: ``a`` holds views of its row of each array (1-D: [1])."""
-    p, key = s.params, hb.shape.sampler
-    a["temperature"][...], a["top_p"][...], a["min_p"][...] = p.temperature, p.top_p, p.min_p
-    a["top_k"][...] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= vocab: no cut
-    a["seeds"][...] = np.uint32((s.seed ^ (s.seed >> 32)) & 0xFFFFFFFF)  # fold int64 seeds
-    a["step_idx"][...] = s.num_tokens_with_pending - s.num_prompt_tokens - 1  # outputs before
+def _forward_rows(a: dict, hb: HostBatch, batch, page_size: int) -> list[int]:
+    """Every row's forward inputs at once, its tokens (`_tokens`) after the previous row's.
+    Returns each row's first token's index."""
+    seqs, B = batch.seqs, batch.num_seqs
+    starts, nums = np.array(batch.start_positions), np.array(batch.num_new_tokens)
+    ends = np.cumsum(nums)  # row i's tokens: [ends[i] - nums[i], ends[i])
+    offs, total = ends - nums, int(ends[-1])
+    row = np.repeat(np.arange(B), nums)  # each token's row
+    pos = starts[row] + np.arange(total) - offs[row]
+    npages = -(-(starts + nums) // page_size)
+    tables = a["block_tables"][:B]
+    tables[np.arange(tables.shape[1]) < npages[:, None]] = list(
+        chain.from_iterable(s.block_table[:k] for s, k in zip(seqs, npages.tolist()))
+    )
+    a["tokens"][:total] = _tokens(batch)
+    a["positions"][:total] = pos
+    a["slot_mapping"][:total] = tables[row, pos // page_size] * page_size + pos % page_size
+    a["query_start_loc"][1 : B + 1], a["query_start_loc"][B + 1 :] = ends, total
+    a["seq_lens"][:B] = starts + nums
+    a["lora_slots"][:B] = [s.lora_slot for s in seqs]
+    last = ends[:, None] - 1  # the drafts' and the last token are scored
+    drafts = np.array([len(d) for d in batch.draft_token_ids])[:, None]
+    scored = last - drafts + np.arange(a["logits_indices"].shape[1])
+    a["logits_indices"][:B] = np.minimum(scored, last)
+    hb.pending_rows[:B] = batch.pending_input
+    return offs.tolist()
+
+
+def _sampling_rows(a: dict, hb: HostBatch, seqs, eos_token_ids) -> None:
+    """Every row's sampling inputs: the per-row parameters of each level at once, then at level
+    "full" each row's history, processors and bias entries."""
+    B, ps = len(seqs), [s.params for s in seqs]
+    a["temperature"][:B] = [p.temperature for p in ps]
+    a["top_p"][:B] = [p.top_p for p in ps]
+    a["min_p"][:B] = [p.min_p for p in ps]
+    a["top_k"][:B] = [min(p.top_k, INT32_MAX) if p.top_k > 0 else 0 for p in ps]  # >= V: no cut
+    a["seeds"][:B] = [(s.seed ^ (s.seed >> 32)) & 0xFFFFFFFF for s in seqs]  # fold int64 seeds
+    a["step_idx"][:B] = [s.num_output_tokens + s.num_pending_tokens - 1 for s in seqs]  # before
+    key = hb.shape.sampler
     if key.level != "full":
         return
-    a["repetition_penalty"][...] = p.repetition_penalty
-    if p.needs_history or p.logits_processors:
-        a["penalty_tokens"][: s.num_tokens] = s.all_token_ids
-        a["prompt_lens"][...] = s.num_prompt_tokens
-        a["presence_penalty"][...] = p.presence_penalty
-        a["frequency_penalty"][...] = p.frequency_penalty
-    if key.processors:
-        a["processor_rows"][...] = [f in (p.logits_processors or ()) for f in key.processors]
-    if entries := _bias(s, eos_token_ids):
-        a["bias_ids"][: len(entries)], a["bias_values"][: len(entries)] = zip(*entries)
+    a["repetition_penalty"][:B] = [p.repetition_penalty for p in ps]
+    for i, (s, p) in enumerate(zip(seqs, ps)):
+        if p.needs_history or p.logits_processors:
+            a["penalty_tokens"][i, : s.num_tokens] = s.all_token_ids
+            a["prompt_lens"][i] = s.num_prompt_tokens
+            a["presence_penalty"][i] = p.presence_penalty
+            a["frequency_penalty"][i] = p.frequency_penalty
+        if key.processors:
+            a["processor_rows"][i] = [f in (p.logits_processors or ()) for f in key.processors]
+        if entries := _bias(s, eos_token_ids):
+            a["bias_ids"][i, : len(entries)], a["bias_values"][i, : len(entries)] = zip(*entries)
+
+
+def _prompt_rows(a: dict, hb: HostBatch, batch, offs: list[int]) -> None:
+    """The scored prompt positions (`_prompt_positions`; p scores token p + 1), row after row;
+    ``offs``: each row's first token's index."""
+    j = 0
+    for i, (s, r) in enumerate(zip(batch.seqs, _prompt_positions(batch))):
+        for q in r:
+            a["prompt_lp_index"][j] = offs[i] + q - batch.start_positions[i]
+            a["prompt_lp_next"][j], hb.prompt_lp_rows[j], j = s.prompt_token_ids[q + 1], i, j + 1
 
 
 def build_host_batch(
@@ -144,18 +185,13 @@ def build_host_batch(
     hb = allocate(
         shape or step_shape(batch, buckets=buckets, eos_token_ids=eos_token_ids), buckets.sizes
     )
-    a, off, j = hb.arrays, 0, 0  # off: row i's first token; j: prompt position
-    scored = _prompt_positions(batch) if hb.shape.prompt else [()] * batch.num_seqs
-    sampling = [f for f in names("sampling") if f in a and f != "bitmask"]
-    for i, (s, n, c) in enumerate(zip(batch.seqs, batch.num_new_tokens, batch.start_positions)):
-        for q in scored[i]:
-            a["prompt_lp_index"][j] = off + q - c
-            a["prompt_lp_next"][j], hb.prompt_lp_rows[j], j = s.prompt_token_ids[q + 1], i, j + 1
-        _forward_row(a, hb, batch, i, off, page_size)
-        views = {f: a[f][i] if a[f].ndim == 2 else a[f][i : i + 1] for f in sampling}
-        _sampling_row(views, hb, s, eos_token_ids)
-        if "draft_tokens" in a and (d := batch.draft_token_ids[i]):
+    a = hb.arrays
+    offs = _forward_rows(a, hb, batch, page_size)
+    _sampling_rows(a, hb, batch.seqs, eos_token_ids)
+    hb.sample_rows[: batch.num_seqs] = batch.do_sample
+    if hb.shape.prompt:
+        _prompt_rows(a, hb, batch, offs)
+    if "draft_tokens" in a:
+        for i, d in enumerate(batch.draft_token_ids):
             a["draft_tokens"][i, : len(d)] = d
-        hb.sample_rows[i] = batch.do_sample[i]
-        off += n
     return hb

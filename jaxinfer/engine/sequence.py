@@ -80,6 +80,15 @@ class Sequence:
     last_token_id = property(lambda self: (self.output_token_ids or self.prompt_token_ids)[-1])
     is_finished = property(lambda self: self.status is SequenceStatus.FINISHED)
 
+    def token_ids(self, lo: int, hi: int) -> list[int]:
+        """``all_token_ids[lo:hi]`` (0 <= lo <= hi), without joining the prompt and outputs."""
+        k = len(self.prompt_token_ids)
+        if hi <= k:
+            return self.prompt_token_ids[lo:hi]
+        if lo >= k:
+            return self.output_token_ids[lo - k : hi - k]
+        return self.prompt_token_ids[lo:] + self.output_token_ids[: hi - k]
+
     ended_on_stop_token = property(
         lambda self: (
             self.is_finished

@@ -124,3 +124,17 @@ def test_empty_batch_matches_the_shape_and_pads():
             assert step_input.pack(empty, group).shape == step_input.pack(hb, group).shape
         assert (empty.seq_lens == 0).all() and (empty.block_tables == 0).all()
         assert (empty.pending_src == -1).all() and not empty.sample_rows.any()
+
+
+def test_token_ids_slices_prompt_and_outputs():
+    """`Sequence.token_ids` (the builder's token reads) is ``all_token_ids`` sliced."""
+    s = Sequence(
+        request_id="a",
+        prompt_token_ids=[1, 2, 3],
+        params=SamplingParams(max_tokens=4),
+        seed=0,
+        output_token_ids=[4, 5],
+    )
+    for lo in range(7):
+        for hi in range(lo, 8):
+            assert s.token_ids(lo, hi) == s.all_token_ids[lo:hi], (lo, hi)

@@ -3,6 +3,7 @@ stop strings, streaming deltas and `RequestOutput` (vLLM's names, shapes and rul
 
 import dataclasses
 from collections.abc import Callable
+from operator import attrgetter
 
 from jaxinfer.sampling_params import RequestOutputKind
 
@@ -49,6 +50,19 @@ class CompletionOutput:
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
     finished = lambda self: self.finish_reason is not None  # noqa: E731 (vLLM's method)
+
+    def _joined(self, c: "CompletionOutput") -> "CompletionOutput":
+        """``c`` (the same sample's later delta) with this output's text, ids and logprobs
+        before its own."""
+        return CompletionOutput(
+            index=c.index,
+            text=self.text + c.text,
+            token_ids=self.token_ids + c.token_ids,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            cumulative_logprob=c.cumulative_logprob,
+            logprobs=None if c.logprobs is None else (self.logprobs or []) + c.logprobs,
+        )
 
     def top_logprobs(self, k: int) -> list[tuple[str, float, list[tuple[str, float]]]]:
         """Per token: (its text, its log-probability, the top ``k`` as (text, log-probability),
@@ -97,20 +111,17 @@ class RequestOutput:
         outs = {c.index: c for c in self.outputs}
         for c in delta.outputs:
             old = outs.get(c.index)
-            outs[c.index] = (
-                c
-                if old is None
-                else dataclasses.replace(
-                    c,
-                    text=old.text + c.text,
-                    token_ids=old.token_ids + c.token_ids,
-                    logprobs=None if c.logprobs is None else (old.logprobs or []) + c.logprobs,
-                )
-            )
-        return dataclasses.replace(
-            delta,
-            outputs=sorted(outs.values(), key=lambda c: c.index),
+            outs[c.index] = c if old is None else old._joined(c)
+        return RequestOutput(  # the fields of ``delta`` (dataclasses.replace, without its cost)
+            request_id=delta.request_id,
+            prompt=delta.prompt,
+            prompt_token_ids=delta.prompt_token_ids,
+            outputs=sorted(outs.values(), key=attrgetter("index")),
+            finished=delta.finished,
+            metrics=delta.metrics,
+            error=delta.error,
             prompt_logprobs=self.prompt_logprobs or delta.prompt_logprobs,
+            num_cached_tokens=delta.num_cached_tokens,
         )
 
 
@@ -166,7 +177,7 @@ class OutputProcessor:
     def _delta_output(self, st: RequestState) -> RequestOutput | None:
         """What is new in ``st``'s samples since the last output (`stream_delta`; prompt logprobs
         in the first), a finished sample's finish reason once; None: nothing new."""
-        comps, first = [], all(x == (0, "") for x in st.sent)
+        comps, first = [], st.sent.count((0, "")) == len(st.sent)  # nothing sent yet
         for seq in st.seqs:
             i, sent = seq.index, st.sent[seq.index]
             d = None if sent is None else self.stream_delta(seq, sent)

@@ -57,6 +57,8 @@ class BlockManager:
 
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
         """Whether `allocate` (sharing ``hits`` first) succeeds."""
+        if not hits:
+            return self.num_missing_pages(seq, num_tokens) <= self.num_free_pages
         taken = sum(not self._holders[p] for p in hits)  # evictable hits leave the free count
         return self.num_missing_pages(seq, num_tokens) - len(hits) <= self.num_free_pages - taken
 
@@ -64,6 +66,9 @@ class BlockManager:
         """Share the cached pages ``hits`` (from `match_prefix`, ``seq`` holding none), then extend
         ``seq.block_table`` to ``[0, num_tokens)``; the new pages. Raises RuntimeError (nothing
         allocated): not enough free pages, or hits given to a sequence holding pages."""
+        missing = self.num_missing_pages(seq, num_tokens)
+        if not missing and not hits:  # a decode step inside its last page
+            return []
         if hits and seq.block_table:
             raise RuntimeError(
                 f"BlockManager.allocate: request {seq.request_id!r} holds pages; "
@@ -72,8 +77,8 @@ class BlockManager:
         if not self.can_allocate(seq, num_tokens, hits):
             raise RuntimeError(
                 f"BlockManager.allocate: request {seq.request_id!r} needs "
-                f"{self.num_missing_pages(seq, num_tokens) - len(hits)} more pages "
-                f"for {num_tokens} tokens but only {self.num_free_pages} are free"
+                f"{missing - len(hits)} more pages for {num_tokens} tokens but only "
+                f"{self.num_free_pages} are free"
             )
         for page in hits:  # evictable hits first, so that no new page evicts one
             if not self._holders[page]:

@@ -151,12 +151,12 @@ class Scheduler:
                 s.num_output_tokens + p >= s.max_tokens or s.num_tokens + p >= self.max_model_len
             )
             (ending if ends else queue).append(s)
-        room, nums, most = self._draft_room(list(queue)), [], []
-        while queue and sum(nums) < budget:
+        room, used, most = self._draft_room(list(queue)), 0, []  # used: tokens scheduled
+        while queue and used < budget:
             seq = queue.popleft()
             if seq.num_computed_tokens != seq.num_tokens_with_pending - 1:
                 raise RuntimeError(f"Scheduler: decoding sequence out of step: {seq!r}")
-            d = min(room.get(id(seq), 0), budget - sum(nums) - 1)
+            d = min(room.get(id(seq), 0), budget - used - 1)
             if d and not bm.can_allocate(seq, seq.num_computed_tokens + 1 + d):
                 d = 0
             need = seq.num_computed_tokens + 1 + d
@@ -182,7 +182,7 @@ class Scheduler:
             else:
                 bm.allocate(seq, need)
                 scheduled.append(seq)
-                nums.append(1 + d)
+                used += 1 + d
                 most.append(d)
         kept = {id(s) for s in (*scheduled, *deferred, *ending, *queue)}
         self.running = [s for s in self.running if id(s) in kept]  # admission order

@@ -108,21 +108,28 @@ class RequestOutput:
     def add(self, delta: "RequestOutput") -> "RequestOutput":
         """This output with the request's later DELTA output appended (vLLM's ``add``): text, ids
         and logprobs joined per sample index; the rest from ``delta``."""
-        outs = {c.index: c for c in self.outputs}
-        for c in delta.outputs:
-            old = outs.get(c.index)
-            outs[c.index] = c if old is None else old._joined(c)
         return RequestOutput(  # the fields of ``delta`` (dataclasses.replace, without its cost)
             request_id=delta.request_id,
             prompt=delta.prompt,
             prompt_token_ids=delta.prompt_token_ids,
-            outputs=sorted(outs.values(), key=attrgetter("index")),
+            outputs=self._joined_outputs(delta.outputs),
             finished=delta.finished,
             metrics=delta.metrics,
             error=delta.error,
             prompt_logprobs=self.prompt_logprobs or delta.prompt_logprobs,
             num_cached_tokens=delta.num_cached_tokens,
         )
+
+    def _joined_outputs(self, deltas: list[CompletionOutput]) -> list[CompletionOutput]:
+        """This output's samples with ``deltas`` (the same request's later ones) appended per
+        sample index, in index order."""
+        if len(deltas) == len(self.outputs) == 1 and deltas[0].index == self.outputs[0].index:
+            return [self.outputs[0]._joined(deltas[0])]  # one sample (n = 1)
+        outs = {c.index: c for c in self.outputs}
+        for c in deltas:
+            old = outs.get(c.index)
+            outs[c.index] = c if old is None else old._joined(c)
+        return sorted(outs.values(), key=attrgetter("index"))
 
 
 @dataclasses.dataclass
@@ -164,10 +171,12 @@ class OutputProcessor:
                 out = st.seqs
             elif st.kind is RequestOutputKind.FINAL_ONLY:
                 out = self.request_output(st.seqs, st.prompt) if done else None
+            elif st.acc is not None:  # CUMULATIVE, after its first output
+                out = self._cumulative_output(st)
             elif (
                 out := self._delta_output(st)
             ) is not None and st.kind is RequestOutputKind.CUMULATIVE:
-                out = st.acc = out if st.acc is None else st.acc.add(out)
+                st.acc = out
             if done:
                 del self.requests[rid]
             if out is not None:
@@ -175,9 +184,26 @@ class OutputProcessor:
         return outs
 
     def _delta_output(self, st: RequestState) -> RequestOutput | None:
-        """What is new in ``st``'s samples since the last output (`stream_delta`; prompt logprobs
-        in the first), a finished sample's finish reason once; None: nothing new."""
-        comps, first = [], st.sent.count((0, "")) == len(st.sent)  # nothing sent yet
+        """What is new in ``st``'s samples since the last output (`_new_completions`; prompt
+        logprobs in the first); None: nothing new."""
+        first = st.sent.count((0, "")) == len(st.sent)  # nothing sent yet
+        comps = self._new_completions(st)
+        return None if not comps else self.request_output(st.seqs, st.prompt, comps, first)
+
+    def _cumulative_output(self, st: RequestState) -> RequestOutput | None:
+        """A CUMULATIVE request's next output: ``st.acc`` (its last) with `_new_completions`
+        joined, the values of ``st.acc.add(self._delta_output(st))`` without building the delta
+        (not the first output: no prompt logprobs of its own); None: nothing new."""
+        if not (comps := self._new_completions(st)):
+            return None
+        plp = st.acc.prompt_logprobs or None  # the first output's
+        st.acc = self._output(st.seqs, st.prompt, st.acc._joined_outputs(comps), plp)
+        return st.acc
+
+    def _new_completions(self, st: RequestState) -> list[CompletionOutput]:
+        """Each of ``st``'s samples' output since the last one (`stream_delta`), a finished
+        sample's finish reason once; ``st.sent`` advanced."""
+        comps = []
         for seq in st.seqs:
             i, sent = seq.index, st.sent[seq.index]
             d = None if sent is None else self.stream_delta(seq, sent)
@@ -186,7 +212,7 @@ class OutputProcessor:
             ids, text, new = d or ([], "", sent)
             st.sent[i] = None if seq.is_finished else new
             comps.append(self.completion(seq, (ids, text, sent[0])))
-        return None if not comps else self.request_output(st.seqs, st.prompt, comps, first)
+        return comps
 
     def _decode(self, ids, params) -> str:
         return self.detokenize(
@@ -297,6 +323,13 @@ class OutputProcessor:
     ) -> RequestOutput:
         """The `RequestOutput` of a request's samples ``seqs`` (index order): ``outputs`` (None:
         each sample's `completion`); metrics once all finished."""
+        first = seqs[0]
+        plp = self._logprobs(first.prompt_logprobs if prompt_logprobs else None, first.params)
+        outputs = [self.completion(s) for s in seqs] if outputs is None else outputs
+        return self._output(seqs, prompt, outputs, plp)
+
+    def _output(self, seqs, prompt: str | None, outputs: list, plp) -> RequestOutput:
+        """`request_output` with the prompt logprobs ``plp`` made (`Logprob` dicts, or None)."""
         first, finished = seqs[0], all(s.is_finished for s in seqs)
         metrics = (
             RequestMetrics(
@@ -308,12 +341,11 @@ class OutputProcessor:
             if finished
             else None
         )
-        plp = self._logprobs(first.prompt_logprobs if prompt_logprobs else None, first.params)
         return RequestOutput(
             first.parent_id,
             prompt,
             list(first.prompt_token_ids),
-            [self.completion(s) for s in seqs] if outputs is None else outputs,
+            outputs,
             finished,
             metrics,
             None,

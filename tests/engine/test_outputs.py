@@ -8,7 +8,7 @@ import pytest
 
 from jaxinfer.engine.sequence import Sequence, SequenceStatus
 from jaxinfer.outputs import OutputProcessor
-from jaxinfer.sampling_params import SamplingParams
+from jaxinfer.sampling_params import RequestOutputKind, SamplingParams
 
 
 def detok(ids, skip_special_tokens=True, spaces_between_special_tokens=True):
@@ -192,3 +192,37 @@ def test_incremental_text_equals_the_whole_decode(skip):
         for _ in range(200):
             s.output_token_ids.append(rng.randrange(tok.get_vocab_size()))
             assert out.visible_text(s) == decode(s.output_token_ids, skip), trial
+
+
+def _kind_outputs(kind) -> list:
+    """A request of two samples (stop string, logprobs) fed one token per sample per step with
+    `detok`, sample 1 ending on its stop string at the last step: each step's outputs."""
+    proc = OutputProcessor(detok)
+    params = SamplingParams(
+        max_tokens=20, n=2, stop=["STOP"], logprobs=1, output_kind=RequestOutputKind[kind]
+    )
+    seqs = [Sequence("r", [65], params, seed=0, index=i, arrival_time=0.0) for i in range(2)]
+    proc.add("r", seqs, "p")
+    steps = []
+    for pair in ["ab", "cS", "d?", "eT", "fO", "gP"]:
+        for s, ch in zip(seqs, pair):
+            s.output_token_ids.append(1 if ch == "?" else ord(ch))
+            s.logprobs.append({s.output_token_ids[-1]: (-0.5, 1)})
+        if pair == "gP":
+            seqs[1].stop_string = "STOP"
+            for s, reason in zip(seqs, ["length", "stop"]):
+                s.status, s.finish_reason, s.finish_time = SequenceStatus.FINISHED, reason, 1.0
+        steps.append(proc.outputs(["r"]))
+    return steps
+
+
+def test_cumulative_outputs_are_the_deltas_added_up():
+    """Each CUMULATIVE output (the last one with what is new joined) equals the DELTA outputs
+    so far joined with `RequestOutput.add` (vLLM's rule)."""
+    deltas, cumulative, whole = _kind_outputs("DELTA"), _kind_outputs("CUMULATIVE"), None
+    assert [len(o) for o in deltas] == [len(o) for o in cumulative]
+    for d, c in zip(deltas, cumulative):
+        if d:
+            whole = d[0] if whole is None else whole.add(d[0])
+            assert c == [whole]
+    assert whole.finished and [o.text for o in whole.outputs] == ["acdefg", "b"]

@@ -19,11 +19,16 @@ from jaxinfer.step_input import (
 )
 
 
+def _below_min_tokens(s) -> bool:
+    """Whether sequence ``s`` has fewer than ``min_tokens`` outputs before this step's token."""
+    return s.num_tokens_with_pending - s.num_prompt_tokens - 1 < s.params.min_tokens
+
+
 def _bias(s, eos_token_ids) -> list[tuple[int, float]]:
     """``logit_bias``, and -inf at EOS and ``stop_token_ids`` below ``min_tokens`` outputs."""
     p = s.params
     out = list((p.logit_bias or {}).items())
-    if s.num_tokens_with_pending - s.num_prompt_tokens - 1 < p.min_tokens:
+    if _below_min_tokens(s):
         out += [(t, -np.inf) for t in sorted({*p.stop_token_ids, *eos_token_ids})]
     return out
 
@@ -32,8 +37,11 @@ def _prompt_positions(batch) -> list[range]:
     """Per row, the prompt positions scored this step (p scores token p + 1), not yet recorded."""
     out = []
     for s, n, c in zip(batch.seqs, batch.num_new_tokens, batch.start_positions):
-        have = -1 if s.prompt_logprobs is None else len(s.prompt_logprobs)
-        out.append(range(max(c, have - 1), min(c + n, s.num_prompt_tokens - 1) if have >= 0 else c))
+        if s.prompt_logprobs is None:
+            out.append(range(c, c))
+        else:
+            have = len(s.prompt_logprobs)
+            out.append(range(max(c, have - 1), min(c + n, s.num_prompt_tokens - 1)))
     return out
 
 
@@ -41,14 +49,15 @@ def needs_full_sampler(s, eos_token_ids) -> bool:
     """Whether sequence ``s``'s next token needs the sampler's "full" level: a bias entry
     (`_bias`), a penalty, log-probabilities, a grammar, token rules or logits processors."""
     p = s.params
-    return bool(_bias(s, eos_token_ids)) or bool(
+    return bool(
         p.needs_history
         or p.logprobs is not None
         or p.structured_outputs
         or p.bad_words
         or p.allowed_token_ids
         or p.logits_processors
-    )
+        or p.logit_bias
+    ) or (_below_min_tokens(s) and bool(p.stop_token_ids or eos_token_ids))  # `_bias`'s
 
 
 def _level(batch, eos_token_ids) -> tuple[str, int]:

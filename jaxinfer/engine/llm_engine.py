@@ -305,8 +305,8 @@ class LLMEngine:
                     "LLMEngine: a row needs a pending token but no step is in flight"
                 )
             row_of = {id(s): i for i, s in enumerate(prev.batch.seqs)}
-            for i in np.flatnonzero(hb.pending_rows):
-                hb.pending_src[i] = row_of[id(batch.seqs[i])]
+            rows = np.flatnonzero(hb.pending_rows)
+            hb.pending_src[rows] = [row_of[id(batch.seqs[i])] for i in rows.tolist()]
         self._stats.num_steps += 1
         launched.hb = hb
         launched.forward = self.runner.forward(hb, None if prev is None else prev.sampled[0])
@@ -361,7 +361,8 @@ class LLMEngine:
     def _emitted(self, batch, hb, tokens, lps: dict | None) -> list:
         """Per row: None (no token), its token id, or for a row with drafts the list of ids the
         verify step emitted (``lps``' "emitted" and "num_emitted" taken out; counted)."""
-        sampled = [int(tokens[i]) if hb.sample_rows[i] else None for i in range(batch.num_seqs)]
+        B = batch.num_seqs
+        sampled = [t if r else None for t, r in zip(tokens[:B].tolist(), hb.sample_rows.tolist())]
         if not hb.shape.sampler.spec:
             return sampled
         emitted, num = lps.pop("emitted"), lps.pop("num_emitted")

@@ -61,8 +61,11 @@ class ScheduledBatch:
             )
         out = []
         for i, (tok, want, d) in enumerate(zip(sampled, batch.do_sample, batch.draft_token_ids)):
-            toks = [] if tok is None else list(map(int, tok if isinstance(tok, list) else [tok]))
-            if bool(toks) != want or len(toks) > len(d) + 1 or toks[:-1] != d[: len(toks) - 1]:
+            toks = _ids(tok)
+            bad = bool(toks) != want
+            if d or len(toks) > 1:  # a verify row's: drafts accepted in order, then one more
+                bad = bad or len(toks) > len(d) + 1 or toks[:-1] != d[: len(toks) - 1]
+            if bad:
                 raise ValueError(
                     f"postprocess: sampled[{i}]={tok!r} is invalid: expected "
                     + (
@@ -73,3 +76,10 @@ class ScheduledBatch:
                 )
             out.append(toks)
         return out
+
+
+def _ids(tok) -> list[int]:
+    """A ``sampled`` entry as ids: None -> [], an id -> [id], a list -> its ids."""
+    if tok is None:
+        return []
+    return list(map(int, tok)) if isinstance(tok, list) else [int(tok)]

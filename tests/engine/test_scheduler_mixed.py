@@ -3,6 +3,9 @@ prefill, batch limits and fairness (the harness is `tests/engine/test_scheduler.
 
 import pytest
 
+from jaxinfer.engine.scheduled_batch import ScheduledBatch
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.sampling_params import SamplingParams
 from tests.engine.test_scheduler import (
     FakeDevice,
     add,
@@ -209,3 +212,30 @@ def test_async_mixed_batches_scheduled_twice_before_postprocess():
     read_back()
     run(sched, dev, lag=1)
     assert_matches_reference(sched, [a, c])
+
+
+# ---------------------------------------------------------------- sampled ids
+def test_emitted_checks_each_rows_ids():
+    """A decode row gets one id (an int or a list of one), a verify row its accepted drafts in
+    order then one more, a prefill chunk not at its end None; anything else is a ValueError."""
+
+    def seq(name, prompt, computed):
+        s = Sequence(name, list(range(1, prompt + 1)), SamplingParams(max_tokens=9), seed=0)
+        s.num_computed_tokens = computed
+        return s
+
+    seqs = [seq("a", 3, 2), seq("b", 4, 3), seq("c", 10, 0)]
+    batch = ScheduledBatch(seqs, [1, 3, 4], [[], [7, 8], []])
+    assert batch.do_sample == [True, True, False]
+    assert batch.emitted([5, [7, 9], None]) == [[5], [7, 9], []]
+    assert batch.emitted([[5], [7, 8, 6], None]) == [[5], [7, 8, 6], []]
+    for bad in (
+        [None, [7], None],  # row 0 samples
+        [[5, 6], [7], None],  # two ids, no drafts
+        [5, [8, 9], None],  # not the drafts' order
+        [5, [7, 8, 6, 1], None],  # more than the drafts and one
+        [5, None, None],
+        [5, [7], 3],  # a chunk before its end samples nothing
+    ):
+        with pytest.raises(ValueError, match="is invalid: expected"):
+            batch.emitted(bad)

@@ -43,8 +43,8 @@ PROMPT_STEP = jax.jit(
     prompt_step, static_argnames=("prompt", "sizes", "cfg", "kernels", "num_logprobs")
 )
 STATS_SETS = {"forward": "forward_shapes", "sampler": "sampler_shapes", "prompt": "prompt_shapes"}
-# XLA's CPU back-end with LLVM at -O0: the step programs compile about 2.7x faster for steps about
-# 5% slower (BENCHMARKS.md, "CPU compiles at -O0"); other back-ends keep their defaults.
+# Compiler options of every step program on XLA's CPU back-end (LLVM at -O0: faster compiles,
+# slower steps at large batches); other back-ends keep their defaults.
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 

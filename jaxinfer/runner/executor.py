@@ -44,14 +44,19 @@ PROMPT_STEP = jax.jit(
 )
 STATS_SETS = {"forward": "forward_shapes", "sampler": "sampler_shapes", "prompt": "prompt_shapes"}
 # Compiler options of every step program on XLA's CPU back-end (LLVM at -O0: faster compiles,
-# slower steps at large batches); other back-ends keep their defaults.
+# slower steps at large batches); other back-ends keep their defaults. A level the user gives in
+# XLA_FLAGS (``--xla_backend_optimization_level=2``) wins.
 CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 0}
 
 
 def compile_lowered(lowered):
-    """``lowered.compile()``, with `CPU_COMPILER_OPTIONS` when JAX's default back-end is the CPU."""
+    """``lowered.compile()``, with `CPU_COMPILER_OPTIONS` when JAX's default back-end is the CPU
+    and XLA_FLAGS sets no back-end optimization level."""
     cpu = jax.default_backend() == "cpu"
-    return lowered.compile(compiler_options=CPU_COMPILER_OPTIONS if cpu else None)
+    user_level = "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
+    return lowered.compile(
+        compiler_options=CPU_COMPILER_OPTIONS if cpu and not user_level else None
+    )
 
 
 class Forwarded(NamedTuple):

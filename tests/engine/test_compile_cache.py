@@ -65,3 +65,23 @@ def test_cache_path_that_is_a_file_is_rejected(tmp_path):
     f.write_text("x")
     with pytest.raises(ValueError, match="not a directory"):
         enable(f)
+
+
+class _Lowered:
+    """Records the compiler options `compile_lowered` passes."""
+
+    def compile(self, compiler_options=None):
+        self.options = compiler_options
+        return "compiled"
+
+
+def test_cpu_compiles_at_o0_unless_xla_flags_set_a_level(monkeypatch):
+    from jaxinfer.runner.executor import CPU_COMPILER_OPTIONS, compile_lowered
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    lowered = _Lowered()
+    assert compile_lowered(lowered) == "compiled"
+    assert lowered.options == CPU_COMPILER_OPTIONS
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")
+    compile_lowered(lowered)
+    assert lowered.options is None

@@ -262,14 +262,28 @@ def hf_tensors_to_params(
 def _fuse(pieces, parts: Mapping, shape, dtype, xp):
     """One leaf [in, out] of ``dtype`` from its ``(rule, HF tensor)`` pieces, each transposed if
     its rule says so, concatenated along the last axis in their ``parts`` order. ``xp``: numpy
-    (host) or jax.numpy: then each piece goes to the device as stored and is transposed there
-    (NumPy's strided transpose of an 8B model's bfloat16 weights takes over a minute)."""
+    (host: one C-contiguous copy in `aligned_empty` memory) or jax.numpy: then each piece goes to
+    the device as stored and is transposed there (NumPy's strided transpose of an 8B model's
+    bfloat16 weights takes over a minute)."""
     ordered = sorted(pieces, key=lambda p: parts[p[0].leaf][p[0].part].start if p[0].part else 0)
-    arrays = [xp.asarray(p).astype(dtype) for _, p in ordered]
+    arrays = [xp.asarray(p).astype(dtype, copy=False) for _, p in ordered]
     arrays = [a.T if r.transpose else a for a, (r, _) in zip(arrays, ordered)]
-    out = arrays[0] if len(arrays) == 1 else xp.concatenate(arrays, axis=-1)
+    if xp is np:
+        out = aligned_empty(shape, dtype)
+        np.concatenate(arrays, axis=-1, out=out)
+    else:
+        out = arrays[0] if len(arrays) == 1 else xp.concatenate(arrays, axis=-1)
     assert tuple(out.shape) == tuple(shape), (out.shape, shape)
     return out
+
+
+def aligned_empty(shape, dtype) -> np.ndarray:
+    """An uninitialised C-contiguous array whose data starts on a 64-byte boundary, memory that
+    `jax.device_put` on the CPU keeps as its buffer (no copy)."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(size + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + size].view(dtype).reshape(shape)
 
 
 def _decide_tying(found: Mapping[str, np.ndarray], cfg: Any) -> bool:

@@ -93,11 +93,15 @@ def cached_params(flat: dict, cfg: ModelConfig, dtype, on_host: bool, where: str
 
 def _convert_gguf(ckpt: Checkpoint, cfg: ModelConfig, tokenizer, dtype, on_host: bool):
     """``(params in dtype, cfg)`` of uncached GGUF ``ckpt``: dequantised and mapped once in
-    float32, that tree stored in its `gguf_cache` entry with ``tokenizer`` (the tensors written
-    by a background thread; on the CPU from the device buffers themselves), then cast."""
-    params, cfg = params_from_hf(hf_tensors(ckpt, np.float32), cfg, jnp.float32, on_host)
+    float32 (by NumPy when the device is the CPU: its arrays then become the device buffers),
+    that tree stored in its `gguf_cache` entry with ``tokenizer`` (the tensors written by a
+    background thread; on the CPU from the device buffers themselves), then cast."""
+    host = on_host or jax.default_backend() == "cpu"
+    params, cfg = params_from_hf(hf_tensors(ckpt, np.float32), cfg, jnp.float32, host)
     flat = {k: np.asarray(v) for k, v in _flat(params).items()}  # CPU: no copy
     gguf_cache.store(ckpt, tokenizer, flat, wait=False)
+    if host and not on_host:  # `mapping.aligned_empty` leaves: the CPU keeps them (no copy)
+        params = jax.tree.map(jax.device_put, params)
     return (params if jnp.dtype(dtype) == jnp.float32 else _cast(params, dtype, on_host)), cfg
 
 

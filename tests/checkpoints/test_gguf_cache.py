@@ -36,14 +36,26 @@ def test_second_load_is_the_cached_param_tree_and_the_same_model(
     smollm_path, smollm_ckpt, tmp_path, monkeypatch
 ):
     """The first load converts the GGUF and writes the entry (replacing the HF-layout entry of
-    layout 1, if any); the second reads the param tree from it: the same model."""
+    layout 1, if any), its float32 leaves on the CPU the very arrays it stores (no copy); the
+    second reads the param tree from it: the same model."""
     monkeypatch.setenv("JAXINFER_GGUF_CACHE", str(tmp_path))
     old = tmp_path / gguf_cache._key(smollm_path, 1)
     old.mkdir()
     (old / "model.safetensors").write_bytes(b"")  # layout 1: HF tensors, not read any more
     assert gguf_cache.pending(smollm_path) == gguf_cache.entry(smollm_path)  # the CLI says so
+    stored, real_store = {}, gguf_cache.store
+
+    def store(ckpt, tokenizer, flat, **kw):
+        stored.update(flat)
+        return real_store(ckpt, tokenizer, flat, **kw)
+
+    monkeypatch.setattr(gguf_cache, "store", store)
     first = load_model(smollm_path, "float32")
     gguf_cache.join()  # the tensors are written in the background
+    if jax.default_backend() == "cpu":
+        paths = {"/".join(k.key for k in p): a for p, a in jax.tree.leaves_with_path(first.params)}
+        assert paths.keys() == stored.keys()
+        assert all(a.unsafe_buffer_pointer() == stored[k].ctypes.data for k, a in paths.items())
     assert gguf_cache.pending(smollm_path) is None and not old.exists()
     cached = open_checkpoint(smollm_path)
     assert cached.format == "hf" and cached.path == gguf_cache.entry(smollm_path)

@@ -2,7 +2,8 @@
 own GGUF loader: a tiny random Qwen3 (not permuted by llama.cpp) and Llama read back by both HF and
 us; llama.cpp's Q/K permutation undone; Llama 3 RoPE factors (``rope_freqs``) recovered into a
 config whose frequencies equal HF's llama3 RoPE; an unsupported architecture, an unknown tensor
-name, a missing or bad file fail with a clear error.
+name, a missing or bad file fail with a clear error; metadata arrays read as gguf's own reader
+reads them.
 """
 
 from __future__ import annotations
@@ -255,3 +256,35 @@ def test_missing_file_and_bad_file(tmp_path):
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="junk.gguf"):
         load_params(tmp_path / "junk.gguf", jnp.float32)
+
+
+def test_metadata_arrays_read_as_gguf_reads_them(tmp_path):
+    """`open_gguf`'s reader splits arrays of strings and scalars in one loop: the same fields
+    (offsets, parts, data indices, types, contents) as ``gguf.GGUFReader``'s, empty and nested
+    arrays included; a file cut inside an array is an error naming it."""
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_array("a.strings", ["x", "", "héllo", "z" * 300])
+    for key, values in (("empty", []), ("ints", [1, 2, 3]), ("floats", [1.5, -2.0])):
+        w.add_array(f"a.{key}", values)
+    w.add_array("a.bools", [True, False])
+    w.add_array("a.nested", [[1, 2], [3]])
+    w.add_string("a.string", "plain")
+    w.add_tensor("t", np.arange(8, dtype=np.float32))
+    for write in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file):
+        write()
+    w.close()
+    ours, theirs = open_gguf(path).fields, gguf.GGUFReader(path).fields
+    assert ours.keys() == theirs.keys()
+    for f, g in zip(ours.values(), theirs.values()):
+        assert (f.offset, f.data, f.types, f.contents()) == (
+            g.offset,
+            g.data,
+            g.types,
+            g.contents(),
+        )
+        assert [(p.dtype, p.tolist()) for p in f.parts] == [(p.dtype, p.tolist()) for p in g.parts]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: ours["a.strings"].offset + 40])
+    with pytest.raises(ValueError, match="cut.gguf.* is not a readable GGUF file"):
+        open_gguf(cut)

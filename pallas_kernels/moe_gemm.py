@@ -76,13 +76,12 @@ def _kernel(e_ref, first_ref, rows_ref, x_ref, w_ref, o_ref, *, block_m, nk, M, 
         w = w_ref[e, kb].astype(dtype)  # [block_k, block_n]
         return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-    acc = jnp.zeros(o_ref.shape, jnp.float32)
-    hi = jnp.where(n > 0, nk, 0)  # the item's k blocks: none when it is empty
-    # 0, traced like hi: on JAX 0.11.2 a literal 0 and a traced bound lowered to scf.for bounds of
-    # different types ("failed to verify that all of {lowerBound, upperBound, step} have same type")
-    lo = jnp.minimum(hi, 0)
-    acc = lax.fori_loop(lo, hi, body, acc)
-    o_ref[...] = acc.astype(o_ref.dtype)
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+    @pl.when(n > 0)  # an empty item reads no weights (static loop bounds: JAX 0.11's Triton
+    def _():  # lowering rejects scf.for bounds of mixed integer types)
+        acc = lax.fori_loop(0, nk, body, jnp.zeros(o_ref.shape, jnp.float32))
+        o_ref[...] = acc.astype(o_ref.dtype)
 
 
 @functools.partial(

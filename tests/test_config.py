@@ -160,15 +160,18 @@ def test_engine_config_vllm_arguments():
 def test_resolve_defaults_per_platform_and_dtype():
     r = resolve(model(), EngineConfig(), "cpu")
     assert (r.dtype, r.max_model_len, r.platform, r.dtype_bytes) == ("float32", 4096, "cpu", 4)
-    assert r.kernels == KernelConfig("reference", "reference", ragged_decode_max_tokens=0)
+    cpu = KernelConfig("reference", "reference", moe_gemm="ragged_dot", ragged_decode_max_tokens=0)
+    assert r.kernels == cpu
     g = resolve(model(), EngineConfig(), "gpu")
     assert g.dtype == "bfloat16"
-    assert g.kernels == KernelConfig("mosaic", "triton", ragged_decode_max_tokens=32)
+    assert g.kernels == KernelConfig(
+        "mosaic", "triton", moe_gemm="mixed", ragged_decode_max_tokens=32
+    )
     f32 = resolve(model(), EngineConfig(dtype="float32"), "gpu").kernels
     assert (f32.decode_attention, f32.prefill_attention) == ("reference", "triton")
     assert f32.ragged_decode_max_tokens == 0  # token by token needs a decode kernel
     # explicit choices are kept
-    kc = KernelConfig("triton", "reference", ragged_decode_max_tokens=8)
+    kc = KernelConfig("triton", "reference", moe_gemm="triton", ragged_decode_max_tokens=8)
     assert resolve(model(), EngineConfig(kernels=kc), "gpu").kernels == kc
 
 

@@ -24,7 +24,7 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
         "prefill_attention": ("auto", *registry.PREFILL),
         "prefill_gemm": ("xla", "cublas"),
         "fp8_gemm": ("w8a16", "w8a8"),
-        "moe_gemm": ("ragged_dot", "triton"),
+        "moe_gemm": ("auto", "ragged_dot", "triton", "mixed"),
     }
 
 
@@ -37,14 +37,16 @@ class KernelConfig:
     cublas_decode_min_batch rows use cuBLAS (None: XLA); verify steps (speculative decoding) of
     at most ragged_decode_max_tokens tokens attend each token as a decode row (0: never; None: 32
     with a GPU decode kernel, 0 with the reference; BENCHMARKS "Issue 45"); moe_gemm: the
-    experts' grouped GEMM of mixture-of-experts layers, XLA's ``jax.lax.ragged_dot`` or the
-    Pallas/Triton kernel `pallas_kernels.moe_gemm` (GPU); batch_buckets / token_buckets: B / T."""
+    experts' grouped GEMM of mixture-of-experts layers, XLA's ``jax.lax.ragged_dot``, the
+    Pallas/Triton kernel `pallas_kernels.moe_gemm` (GPU) or "mixed" (GPU: the kernel for steps of
+    at most `models.kernels.MIXED_TRITON_MAX_ROWS` routed rows, ragged_dot above; "auto" on a
+    GPU); batch_buckets / token_buckets: B / T."""
 
     decode_attention: str = "auto"
     prefill_attention: str = "auto"
     prefill_gemm: str = "xla"
     fp8_gemm: str = "w8a16"
-    moe_gemm: str = "ragged_dot"
+    moe_gemm: str = "auto"
     cublas_decode_min_batch: int | None = 64
     ragged_decode_max_tokens: int | None = None
     batch_buckets: tuple[int, ...] = ()

@@ -100,7 +100,7 @@ def _kernels(kc: KernelConfig, half_gpu: bool, gpu: bool, fp8_kv: bool, quant, d
     validated on ``device_kind`` (logged); fp8 weights (``quant``) keep every GEMM on XLA;
     ``fp8_gemm="w8a8"`` without fp8 weights does nothing, and says so (logged); None
     ``ragged_decode_max_tokens``: `RAGGED_DECODE_MAX_TOKENS_GPU` with a decode kernel, 0 with
-    the reference."""
+    the reference; ``moe_gemm`` "auto": "mixed" on a GPU, else "ragged_dot"."""
     if kc.fp8_gemm == "w8a8" and quant is None:
         logging.getLogger("jaxinfer").warning(
             "jaxinfer: fp8_gemm='w8a8' applies to fp8 weights only and is ignored here: "
@@ -110,6 +110,7 @@ def _kernels(kc: KernelConfig, half_gpu: bool, gpu: bool, fp8_kv: bool, quant, d
         "decode_attention": ("triton" if fp8_kv else "mosaic") if half_gpu else "reference",
         "prefill_attention": "triton" if gpu else "reference",
     }
+    moe = kc.moe_gemm if kc.moe_gemm != "auto" else ("mixed" if gpu else "ragged_dot")
     for k in (k for k in KERNEL_ALIASES.values() if getattr(kc, k) == "auto"):  # explicit: kept
         if (new := registry.for_device(auto[k], device_kind)) != auto[k]:
             logging.getLogger("jaxinfer").warning(
@@ -124,6 +125,7 @@ def _kernels(kc: KernelConfig, half_gpu: bool, gpu: bool, fp8_kv: bool, quant, d
         kc,
         **{k: v for k, v in auto.items() if getattr(kc, k) == "auto"},
         ragged_decode_max_tokens=by_token,
+        moe_gemm=moe,
         **({"cublas_decode_min_batch": None} if quant else {}),
     )
 

@@ -84,18 +84,27 @@ class RaggedAttention:
         )
 
 
+# "mixed": the Pallas kernel up to this many routed rows (top-k x tokens), the sizes where it was
+# measured faster than XLA's ragged_dot (BENCHMARKS.md, issue 47); above it each expert's weights
+# are read once per 16-row tile, so ragged_dot takes over.
+MIXED_TRITON_MAX_ROWS = 512
+
+
 @dataclass(frozen=True)
 class GroupedGemm:
     """The grouped GEMM of mixture-of-experts layers, ``jax.lax.ragged_dot``'s contract: (xs [M,
     I], w [E, I, O] (xs's dtype or e4m3), sizes i32[E], preferred_element_type) -> [M, O].
-    variant "ragged_dot" (XLA's) or "triton" (`pallas_kernels.moe_gemm.grouped_gemm`, for stacks
-    it has blocks for, else ragged_dot); ``interpret``: the Pallas interpreter (CPU tests)."""
+    variant "ragged_dot" (XLA's), "triton" (`pallas_kernels.moe_gemm.grouped_gemm`, for stacks
+    it has blocks for, else ragged_dot) or "mixed" (triton for M <= `MIXED_TRITON_MAX_ROWS`,
+    else ragged_dot); ``interpret``: the Pallas interpreter (CPU tests)."""
 
     variant: str = "ragged_dot"
     interpret: bool = False
 
     def __call__(self, xs, w, sizes, preferred_element_type=None):
-        if self.variant == "triton" and moe_gemm.supported(w.shape):
+        small = xs.shape[0] <= MIXED_TRITON_MAX_ROWS
+        triton = self.variant == "triton" or (self.variant == "mixed" and small)
+        if triton and moe_gemm.supported(w.shape):
             return moe_gemm.grouped_gemm(
                 xs,
                 w,

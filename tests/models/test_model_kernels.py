@@ -26,7 +26,10 @@ PAGE = 4
 def kernel_config(**kw):
     """A resolved `KernelConfig` for the CPU (its values checked there), or, with a value it
     rejects, a plain namespace with its fields (to reach `model_kernels`' own checks)."""
-    base = {**dict(decode_attention="reference", prefill_attention="reference"), **kw}
+    base = {
+        **dict(decode_attention="reference", prefill_attention="reference", moe_gemm="ragged_dot"),
+        **kw,
+    }
     try:
         return KernelConfig(**base)
     except ValueError:

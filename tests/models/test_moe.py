@@ -20,8 +20,9 @@ from tiny_model import TINY_ENGINE  # noqa: E402
 from jaxinfer import LLM, SamplingParams  # noqa: E402
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.config.weights import QUANTIZED  # noqa: E402
-from jaxinfer.models.kernels import GroupedGemm  # noqa: E402
+from jaxinfer.models.kernels import MIXED_TRITON_MAX_ROWS, GroupedGemm  # noqa: E402
 from jaxinfer.models.moe import moe_mlp, route  # noqa: E402
+from pallas_kernels import moe_gemm  # noqa: E402
 
 TOL = 1e-4  # log-probabilities, absolute (float32 on both sides)
 SIZES = dict(
@@ -305,3 +306,18 @@ def test_engine_features_on_moe(moe_checkpoint):
         assert [list(c.token_ids) for c in out.outputs] == [want, want]
     st = llm.engine.stats()
     assert st.prefix_cache_hits >= 32 and st.spec_num_drafts > 0
+
+
+@pytest.mark.parametrize(
+    "M, kernel", [(MIXED_TRITON_MAX_ROWS, True), (MIXED_TRITON_MAX_ROWS + 1, False)]
+)
+def test_mixed_grouped_gemm_picks_the_kernel_by_rows(monkeypatch, M, kernel):
+    """ "mixed": the Pallas kernel up to `MIXED_TRITON_MAX_ROWS` routed rows, ragged_dot above."""
+    calls = []
+    monkeypatch.setattr(
+        moe_gemm, "grouped_gemm", lambda xs, w, sizes, **kw: calls.append(xs.shape) or xs @ w[0]
+    )
+    xs, w = jnp.ones((M, 16)), jnp.ones((2, 16, 32))
+    out = GroupedGemm("mixed")(xs, w, jnp.array([M, 0], jnp.int32))
+    assert out.shape == (M, 32) and calls == ([(M, 16)] if kernel else [])
+    np.testing.assert_allclose(np.asarray(out), 16.0)

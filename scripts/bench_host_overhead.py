@@ -72,7 +72,7 @@ def build_engine(args, cfg, kernels, gen: int):
         page_size=ps,
         num_pages=B * -(-args.context // ps) + 1,
         max_num_seqs=B,
-        max_num_batched_tokens=max(2048, prompt_len),
+        max_num_batched_tokens=token_budget(args),
         dtype="bfloat16",
         kernels=kernels,
     )
@@ -84,6 +84,26 @@ def build_engine(args, cfg, kernels, gen: int):
             SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True),
         )
     return eng
+
+
+def generated_tokens(args, warm: int) -> int:
+    """Tokens each request generates: the timed and warm-up steps, plus one per step that
+    prefill can take (the scheduler mixes prefill chunks into decode steps, so the first requests
+    decode while the last prefill, and must not finish before every row decodes). SystemExit:
+    no room left for a prompt in ``--context``."""
+    prefill_steps = -(-args.batch * args.context // token_budget(args))
+    gen = warm + 2 * args.steps + 2 + prefill_steps
+    if gen >= args.context:
+        sys.exit(
+            f"--context {args.context} leaves no prompt: the run generates {gen} tokens a request "
+            f"({prefill_steps} steps of prefill at most, {warm} warm-up, 2 x --steps); raise it"
+        )
+    return gen
+
+
+def token_budget(args) -> int:
+    """The engine's ``max_num_batched_tokens`` here: 2,048 (or the whole context, if longer)."""
+    return max(2048, args.context)
 
 
 def capture_decode_batches(captured: dict) -> None:
@@ -144,7 +164,7 @@ def main() -> None:
     except ValueError as e:
         ap.error(str(e))
     B, warm = args.batch, 8
-    eng = build_engine(args, cfg, kernels, warm + 2 * args.steps + 2)
+    eng = build_engine(args, cfg, kernels, generated_tokens(args, warm))
     captured: dict = {}
     capture_decode_batches(captured)
     while eng.scheduler.num_waiting or eng.scheduler.prefilling is not None:

@@ -121,14 +121,35 @@ def capture_decode_batches(captured: dict) -> None:
     le.build_host_batch = capture
 
 
-def engine_step_time(eng, steps: int, async_scheduling: bool) -> float:
-    """Mean wall seconds of `LLMEngine.step` over ``steps`` steps after one untimed."""
+def engine_step_time(eng, steps: int, async_scheduling: bool, calls: dict) -> tuple:
+    """(mean wall seconds of `LLMEngine.step`, {call: mean host seconds a step inside it}) over
+    ``steps`` steps after one untimed; ``calls``: `time_calls`' running totals."""
     eng.async_scheduling = async_scheduling
     eng.step()
+    calls.update(dict.fromkeys(calls, 0.0))
     t = time.perf_counter()
     for _ in range(steps):
         eng.step()
-    return (time.perf_counter() - t) / steps
+    return (time.perf_counter() - t) / steps, {k: v / steps for k, v in calls.items()}
+
+
+def time_calls(runner, names=("forward", "sample")) -> dict:
+    """Wrap ``runner``'s methods ``names`` (the step's dispatches: the host time spent inside
+    the executables' calls, a wait for the device included) to add their wall seconds to the
+    returned dict's entries."""
+    totals = dict.fromkeys(names, 0.0)
+    for name in names:
+        method = getattr(runner, name)
+
+        def timed(*a, _m=method, _n=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _m(*a, **kw)
+            finally:
+                totals[_n] += time.perf_counter() - t
+
+        setattr(runner, name, timed)
+    return totals
 
 
 def device_step_time(eng, hb, steps: int) -> float:
@@ -153,8 +174,6 @@ def device_step_time(eng, hb, steps: int) -> float:
 def main() -> None:
     ap = parser()
     args = ap.parse_args()
-    import jax
-
     from jaxinfer.config import KernelConfig, ModelConfig
     from scripts.decode_step import QWEN3_8B
 
@@ -171,16 +190,24 @@ def main() -> None:
         eng.step()
     for _ in range(warm):  # compile and warm the decode bucket
         eng.step()
-    t_async = engine_step_time(eng, args.steps, True)
-    t_sync = engine_step_time(eng, args.steps, False)
+    calls = time_calls(eng.runner)
+    timed = {m: engine_step_time(eng, args.steps, m == "async", calls) for m in ("async", "sync")}
     hb = captured["hb"]
     fwd = hb.shape.forward
     assert (fwd.tokens, fwd.decode) == (B, True), hb.shape
-    t_dev = device_step_time(eng, hb, args.steps)
+    timed = {"device": (device_step_time(eng, hb, args.steps), {}), **timed}
+    report(args, eng, timed)
+
+
+def report(args, eng, timed: dict) -> None:
+    """Append the rows (one a mode: ms a step, idle fraction, host ms inside each dispatch) to
+    ``--out`` and print the table."""
+    import jax
+
     meta = dict(
         bench="host_overhead",
         layers=args.layers,
-        B=B,
+        B=args.batch,
         context=args.context,
         kernels=args.kernels,
         attention=eng.resolved.kernels.decode_attention,
@@ -191,20 +218,29 @@ def main() -> None:
         commit=git_commit(),
         xla_flags=xla_flags(),
     )
+    t_dev = timed["device"][0]
     rows = [
-        dict(meta, mode=m, ms_per_step=t * 1e3, idle_frac=max(0.0, 1 - t_dev / t))
-        for m, t in (("device", t_dev), ("async", t_async), ("sync", t_sync))
+        dict(
+            meta,
+            mode=m,
+            ms_per_step=t * 1e3,
+            idle_frac=max(0.0, 1 - t_dev / t),
+            **{f"{k}_call_ms": v * 1e3 for k, v in calls.items()},
+        )
+        for m, (t, calls) in timed.items()
     ]
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "a") as fh:
         fh.writelines(json.dumps(r) + "\n" for r in rows)
     print(
-        f"\nB={B} context={args.context} layers={args.layers} attention={meta['attention']} "
-        f"compiles={meta['compiles']}"
+        f"\nB={args.batch} context={args.context} layers={args.layers} "
+        f"attention={meta['attention']} compiles={meta['compiles']}"
     )
-    print(f"{'mode':<8} {'ms/step':>8} {'idle':>6}")
+    print(f"{'mode':<8} {'ms/step':>8} {'idle':>6} {'forward call':>13} {'sample call':>12}")
     for r in rows:
-        print(f"{r['mode']:<8} {r['ms_per_step']:>8.2f} {r['idle_frac']:>6.1%}")
+        f, smp = (r.get(f"{k}_call_ms", float("nan")) for k in ("forward", "sample"))
+        head = f"{r['mode']:<8} {r['ms_per_step']:>8.2f} {r['idle_frac']:>6.1%}"
+        print(f"{head} {f:>13.2f} {smp:>12.2f}")
 
 
 if __name__ == "__main__":

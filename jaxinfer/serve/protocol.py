@@ -6,7 +6,7 @@ import dataclasses
 import itertools
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -112,9 +112,21 @@ class CompletionRequest(_Sampling):
     best_of: int | None = None
 
 
-class ContentPart(BaseModel):  # other types (image_url, ...): accepted, left out of the text
+class ContentPart(BaseModel):
+    """A message content part: text only (the models served are text-only, so an image or audio
+    part is a 400, as vLLM answers for a text-only model)."""
+
     type: str
     text: str = ""
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, v: str) -> str:
+        if v != "text":
+            raise ValueError(
+                f"content part type {v!r} is not supported: the model takes text only ('text')"
+            )
+        return v
 
 
 class ChatMessage(BaseModel):

@@ -251,6 +251,17 @@ def test_logprobs(client):
             "messages.0.content.0.text",
             ["(got 5)"],
         ),
+        (  # a text-only model: an image part is refused, not dropped from the prompt
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ],
+                "_path": "/v1/chat/completions",
+            },
+            400,
+            "messages.0.content.0.type",
+            ["'image_url'", "text only"],
+        ),
         (
             {
                 "messages": [{"role": "user", "content": "hi"}],

@@ -11,6 +11,11 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 _FIELD = re.compile(r"SamplingParams\.(\w+)|\b(max_tokens)=")
+# FastAPI's detail when the body cannot be decoded at all (not UTF-8, say), said plainly
+_UNREADABLE = {
+    "There was an error parsing the body": "the request body could not be read: it must be "
+    "UTF-8 encoded JSON"
+}
 
 
 class APIError(Exception):
@@ -44,7 +49,9 @@ def add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     @app.exception_handler(HTTPException)
     async def api_error(_, e: APIError | HTTPException) -> JSONResponse:
-        return (e if isinstance(e, APIError) else APIError(str(e.detail), e.status_code)).response()
+        if isinstance(e, APIError):
+            return e.response()
+        return APIError(_UNREADABLE.get(str(e.detail), str(e.detail)), e.status_code).response()
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_, e: RequestValidationError) -> JSONResponse:

@@ -338,6 +338,8 @@ def test_malformed_bodies(server, raw, body, status):
     assert got == status and err["type"] == "invalid_request_error" and err["code"] is None, err
     if body == b"{not json":
         assert err["param"] is None and "not valid JSON" in err["message"], err
+    if b"\xff" in body:  # not UTF-8: said so, not FastAPI's "error parsing the body"
+        assert "UTF-8 encoded JSON" in err["message"], err
 
 
 def test_wrong_method_is_a_client_error(server, raw):

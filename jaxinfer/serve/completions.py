@@ -3,6 +3,7 @@ prompt i; and `OpenAIServing`, what the endpoints share (vLLM's ``serving_engine
 
 import asyncio
 import json
+import logging
 import time
 import typing
 
@@ -36,7 +37,13 @@ class OpenAIServing:
         return []
 
     def sampling_params(self, body: P._Sampling, max_tokens, logprobs):
-        """The body's `SamplingParams` once its model name and values pass (else `APIError`)."""
+        """The body's `SamplingParams` once its model name and values pass (else `APIError`);
+        fields the server does not know are logged and ignored, as vLLM does."""
+        if body.model_extra:
+            logging.getLogger("jaxinfer.serve").warning(
+                "The following fields were present in the request but ignored: %s",
+                sorted(body.model_extra),
+            )
         if body.model not in (None, self.model_name) and self._lora(body) is None:
             served = [self.model_name, *(self.loras.requests if self.loras else ())]
             raise APIError(

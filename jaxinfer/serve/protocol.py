@@ -50,7 +50,10 @@ _SamplingFields = create_model(
 
 class _Sampling(_SamplingFields):
     """The sampling fields both endpoints share (`_SHARED`: `SamplingParams`' type and
-    default); `sampling_params` validates the values."""
+    default); `sampling_params` validates the values. Unknown fields are kept in
+    ``model_extra`` (vLLM ignores them with a logged warning; so does the server)."""
+
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None

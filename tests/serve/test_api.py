@@ -395,3 +395,23 @@ def test_metrics_agree_with_requests(server, client, raw, wait_idle):
         assert after[(f"jaxinfer:spec_decode_num_{name}_total", ())] == 0
     _, body = asyncio.run(raw(server.port, b"", path="/metrics", method="GET"))
     assert b"# TYPE jaxinfer:spec_decode_num_accepted_tokens_per_pos_total counter" in body
+
+
+def test_unknown_fields_are_logged_and_ignored(caplog):
+    """As vLLM: a field the server does not know is ignored, with a warning naming it."""
+    import types
+
+    from jaxinfer.serve import protocol as P
+    from jaxinfer.serve.completions import OpenAIServing
+
+    body = P.CompletionRequest(prompt="x", bogus=1, return_token_ids=True)
+    fake = types.SimpleNamespace(
+        model_name="m",
+        loras=None,
+        _lora=lambda b: None,
+        client=types.SimpleNamespace(info={"max_num_seqs": 4}),
+    )
+    with caplog.at_level("WARNING", logger="jaxinfer.serve"):
+        sp = OpenAIServing.sampling_params(fake, body, 16, None)
+    assert sp.max_tokens == 16
+    assert "['bogus', 'return_token_ids']" in caplog.text and "ignored" in caplog.text

@@ -84,9 +84,9 @@ class RaggedAttention:
         )
 
 
-# "mixed": the Pallas kernel up to this many routed rows (top-k x tokens), the sizes where it was
-# measured faster than XLA's ragged_dot (BENCHMARKS.md, issue 47); above it each expert's weights
-# are read once per 16-row tile, so ragged_dot takes over.
+# "mixed": the Pallas kernel up to this many routed rows (top-k x tokens), where it reads only the
+# chosen experts; above it each expert's weights are read once per 16-row tile, so ragged_dot
+# takes over.
 MIXED_TRITON_MAX_ROWS = 512
 
 

@@ -278,8 +278,7 @@ def test_quantization_resolves_from_the_checkpoint():
 
 def test_fp8_with_tensor_parallelism():
     """fp8 weights split over devices, FP8 checkpoints' blocks where they fall whole into each
-    device's share (else the error names the sizes); fp8 KV runs on one device only, refused
-    before the model's own divisibility checks."""
+    device's share (else the error names the sizes); fp8 KV splits over devices too."""
     assert (
         resolve(
             model(), EngineConfig(tensor_parallel_size=2, quantization="fp8"), "cpu"
@@ -295,11 +294,8 @@ def test_fp8_with_tensor_parallelism():
         r"K'\*H/tp=128, gate, up columns and w_down rows F/tp=32",
     ):
         resolve(fp8_ckpt, EngineConfig(tensor_parallel_size=2), "cpu")
-    with pytest.raises(
-        ValueError,
-        match="tensor_parallel_size=3 is invalid: kv_cache_dtype='fp8' runs on one device only",
-    ):
-        resolve(model(), EngineConfig(tensor_parallel_size=3, kv_cache_dtype="fp8"), "cpu")
+    fp8_kv = resolve(model(), EngineConfig(tensor_parallel_size=2, kv_cache_dtype="fp8"), "cpu")
+    assert fp8_kv.kv_dtype == "float8_e4m3fn"
 
 
 def test_smoothquant_resolves_where_w8a8_runs():

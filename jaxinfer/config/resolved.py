@@ -51,7 +51,7 @@ def resolve(
     logged). max_model_len None: max_position_embeddings; quantization None: "fp8" for an FP8
     checkpoint; fp8 GEMMs stay on XLA (cuBLAS cannot fuse the e4m3 convert). ValueError:
     max_model_len above that, a GPU kernel off "gpu", float16 on "gpu", fp8 KV with a decode
-    variant not in `FP8_KV_DECODE` or tp > 1, a tp the model cannot take (`check_tp`), LoRA
+    variant not in `FP8_KV_DECODE`, a tp the model cannot take (`check_tp`), LoRA
     with tp > 1 or an MoE model (`_check_lora`), a SmoothQuant alpha where it cannot apply
     (`_smoothquant`); smoothquant None: `DEFAULT_SMOOTHQUANT` with W8A8."""
     max_len = engine.max_model_len or model.max_position_embeddings
@@ -75,7 +75,7 @@ def resolve(
     quant = engine.quantization or ("fp8" if model.weight_block_size else None)
     kv_dtype = KV_CACHE_DTYPES[engine.kv_cache_dtype] or dtype
     fp8 = kv_dtype != dtype
-    _check_fp8_kv(engine, kc, fp8)  # before the model's own divisibility checks
+    _check_fp8_kv(engine, kc, fp8)
     check_tp(model, engine.tensor_parallel_size)
     _check_lora(model, engine)
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
@@ -131,16 +131,8 @@ def _kernels(kc: KernelConfig, half_gpu: bool, gpu: bool, fp8_kv: bool, quant, d
 
 
 def _check_fp8_kv(engine: EngineConfig, kc: KernelConfig, fp8: bool) -> None:
-    """ValueError for what an fp8 KV cache cannot yet run with: tensor_parallel_size > 1, a
-    decode variant not in `FP8_KV_DECODE`."""
-    if engine.kv_cache_dtype != "auto" and (tp := engine.tensor_parallel_size) > 1:
-        _fail(
-            "EngineConfig",
-            "tensor_parallel_size",
-            tp,
-            f"kv_cache_dtype="
-            f"{engine.kv_cache_dtype!r} runs on one device only; use 1 or kv_cache_dtype='auto'",
-        )
+    """ValueError for what an fp8 KV cache cannot yet run with: a decode variant not in
+    `FP8_KV_DECODE`."""
     if fp8 and kc.decode_attention not in ("auto", *FP8_KV_DECODE):
         raise ValueError(
             f"KernelConfig.decode_attention={kc.decode_attention!r} is not validated "

@@ -15,6 +15,7 @@ STORED = {jnp.dtype(jnp.bfloat16): jnp.dtype(jnp.uint16), FP8: jnp.dtype(jnp.uin
 PAGES = {v: k for k, v in STORED.items()}
 AXIS = "tp"  # the mesh axis of tensor parallelism (`jaxinfer.runner.parallel`)
 KV_POOL_SPEC = P(None, None, AXIS, None, None)  # pools [L, P, K', page_size, H]: split over K'
+KV_HEAD_SPEC = P(None, AXIS)  # scales f32[L, K'], means f32[L, K', H]: split over K' as the pools
 
 
 @jax.tree_util.register_dataclass  # every field a pytree child
@@ -26,7 +27,9 @@ class KVCache:
     write); k_scale, v_scale f32[L, K] (None: no scaling): an fp8 page holds ``(x - mean) /
     scale`` (`kv_quant`); 1.0 from `init_kv_cache` (vLLM's default); k_mean, v_mean f32[L, K, H]
     (None: 0, as from `init_kv_cache`): SageAttention's smoothing (arXiv 2410.02367), exact as
-    softmax(q.(k - m)) = softmax(q.k) and `layers.attention_heads` adds V's mean back."""
+    softmax(q.(k - m)) = softmax(q.k) and `layers.attention_heads` adds V's mean back. Under
+    tensor parallelism K is the engine's K' and the scales and means are split over it as the
+    pools are (`KV_HEAD_SPEC`), so each device reads its own heads'."""
 
     k: jax.Array
     v: jax.Array
@@ -60,22 +63,35 @@ def page_dtype(dtype) -> jnp.dtype:
     return PAGES.get(jnp.dtype(dtype), jnp.dtype(dtype))
 
 
+def put_heads(x, mesh=None) -> jax.Array:
+    """``x`` (scales [L, K], means [L, K, H]) as f32 on ``mesh``, split over K by `KV_HEAD_SPEC`;
+    None: on the default device."""
+    return jax.device_put(
+        np.asarray(x, np.float32), None if mesh is None else NamedSharding(mesh, KV_HEAD_SPEC)
+    )
+
+
 def init_kv_cache(
-    cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None
+    cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None, means=None
 ) -> KVCache:
-    """Zeroed pools [L, P, K, page_size, H] of ``dtype``, scales 1.0, placed with ``sharding``, one
-    padded table row (replicated on a ``NamedSharding``'s mesh); ValueError: num_pages < 2."""
+    """Zeroed pools [L, P, K, page_size, H] of ``dtype`` placed with ``sharding``, scales 1.0 and
+    ``means`` ((k_mean, v_mean) f32[L, K, H], or None: none) placed by `put_heads`, one padded
+    table row (replicated), on a ``NamedSharding``'s mesh; ValueError: num_pages < 2."""
     if num_pages < 2:
         raise ValueError(f"num_pages={num_pages} is too small: need >= 2 (page 0 is reserved)")
     shape = (cfg.num_layers, num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, jnp.dtype(dtype)), out_shardings=sharding)
-    tables = NamedSharding(sharding.mesh, P()) if isinstance(sharding, NamedSharding) else None
-    ones = jax.device_put(np.ones((cfg.num_layers, cfg.num_kv_heads), np.float32), tables)
+    mesh = sharding.mesh if isinstance(sharding, NamedSharding) else None
+    tables = None if mesh is None else NamedSharding(mesh, P())
+    ones = np.ones((cfg.num_layers, cfg.num_kv_heads))
+    k_mean, v_mean = (None, None) if means is None else (put_heads(m, mesh) for m in means)
     return KVCache(
         k=zeros(),
         v=zeros(),
-        k_scale=ones,
-        v_scale=jnp.array(ones),
+        k_scale=put_heads(ones, mesh),
+        v_scale=put_heads(ones, mesh),
         block_tables=jax.device_put(np.zeros((1, 1), np.int32), tables),
         seq_lens=jax.device_put(np.zeros((1,), np.int32), tables),
+        k_mean=k_mean,
+        v_mean=v_mean,
     )

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config.weights import LAYER, MODEL
 from jaxinfer.models.kernels import ModelKernels
-from jaxinfer.models.kv_cache import AXIS, KV_POOL_SPEC, KVCache
+from jaxinfer.models.kv_cache import AXIS, KV_HEAD_SPEC, KV_POOL_SPEC, KVCache
 from jaxinfer.models.layers import (
     Ragged,
     StepContext,
@@ -100,7 +100,8 @@ def attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [B, T, D] @ ``w["wqkv"]`` -> `attention_heads` (RMSNorm weights ``w["q_norm"]``,
     ``w["k_norm"]`` [H], or None) -> @ ``w["wo"]``. With ``kernels.mesh``, `attention_heads` runs
-    under ``jax.shard_map`` on each device's heads (wqkv's columns shard-major, `engine_layout`) and
+    under ``jax.shard_map`` on each device's heads (wqkv's columns shard-major, `engine_layout`;
+    the pools and ``ctx``'s KV scales and means split over K', the rest of ``ctx`` whole) and
     XLA sums the row-split ``wo`` GEMM. Returns (out [B, T, D], k_pool, v_pool)."""
     B, T, _ = x.shape
     N, K, H, tp = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, kernels.tp
@@ -115,12 +116,15 @@ def attention(
         eps=cfg.rms_norm_eps,
     )
     if tp > 1:
-        pool = KV_POOL_SPEC
+        pool, kv_heads = KV_POOL_SPEC, ("k_scale", "v_scale", "k_mean", "v_mean")
+        ctx_spec = jax.tree.map(lambda _: P(), ctx)._replace(
+            **{f: KV_HEAD_SPEC for f in kv_heads if getattr(ctx, f) is not None}
+        )
         heads = jax.shard_map(
             heads,
             mesh=kernels.mesh,
             check_vma=False,
-            in_specs=(P(None, None, AXIS), pool, pool, P(), P(), P()),
+            in_specs=(P(None, None, AXIS), pool, pool, ctx_spec, P(), P()),
             out_specs=(P(None, None, AXIS, None), pool, pool),
         )
     o, k_pool, v_pool = heads(qkv, k_pool, v_pool, ctx, w["q_norm"], w["k_norm"])

@@ -15,8 +15,14 @@ from jaxinfer.config import memory
 from jaxinfer.config.model import tp_model_config
 from jaxinfer.config.weights import device_bytes
 from jaxinfer.lora.peft import pool_bytes
-from jaxinfer.models.kernels import model_kernels
-from jaxinfer.models.kv_cache import KV_POOL_SPEC, KVCache, init_kv_cache, stored_dtype
+from jaxinfer.models.kernels import ModelKernels, model_kernels
+from jaxinfer.models.kv_cache import (
+    KV_POOL_SPEC,
+    KVCache,
+    init_kv_cache,
+    put_heads,
+    stored_dtype,
+)
 from jaxinfer.models.quantize import quantize_params
 from jaxinfer.runner import lora, parallel
 from jaxinfer.runner.draft import DraftRunner, load_draft
@@ -29,18 +35,29 @@ from jaxinfer.step_input import BucketSpec, HostBatch
 DRAFTERS = {"draft_model": (load_draft, DraftRunner), "eagle3": (load_eagle3, Eagle3Runner)}
 
 
-def kv_means(params, cfg, ids: np.ndarray, page_size: int) -> tuple[np.ndarray, np.ndarray]:
+def kv_means(
+    params, cfg, ids: np.ndarray, page_size: int, mesh=None
+) -> tuple[np.ndarray, np.ndarray]:
     """(k_mean, v_mean) f32[L, K, H]: per layer and KV head, the means of the post-RoPE K and of V
     over ``ids`` i32[T] (one sequence from position 0; the last T mod ``page_size`` dropped),
-    from a forward pass (jnp attention) into a float32 cache."""
+    from a forward pass (jnp attention) into a float32 cache. ``mesh``: the "tp" mesh ``params``
+    are sharded over in the engine layout (`parallel.shard_params`), ``cfg`` the engine's
+    (`tp_model_config`): the means of its K' heads, a copied head's its source head's."""
     m = len(ids) // page_size
     kv = init_kv_cache(cfg, m + 1, page_size, jnp.float32).replace(
         block_tables=jnp.arange(1, m + 1, dtype=jnp.int32)[None],
         seq_lens=jnp.asarray([m * page_size], jnp.int32),
     )
     pos = jnp.arange(m * page_size, dtype=jnp.int32)[None]
-    _, kv = jax.jit(models.forward, static_argnums=1)(
-        params, cfg, jnp.asarray(ids[: m * page_size], jnp.int32)[None], pos, pos + page_size, kv
+    fwd = jax.jit(models.forward, static_argnums=1, static_argnames="kernels")
+    _, kv = fwd(
+        params,
+        cfg,
+        jnp.asarray(ids[: m * page_size], jnp.int32)[None],
+        pos,
+        pos + page_size,
+        kv,
+        kernels=ModelKernels(mesh=mesh),
     )
     return tuple(np.asarray(jnp.mean(p[:, 1:], axis=(1, 3))) for p in (kv.k, kv.v))
 
@@ -102,7 +119,7 @@ class ModelRunner:
         if ec.enable_lora:  # the LoRA pool rides in the params (`models.forward`)
             pool = lora.init_pool(model_config, S, R, resolved.dtype)
             self.params = {**self.params, "lora": pool}
-        self.kv_means: dict = {}  # `calibrate_kv`'s, set on every pool
+        self.kv_means = None  # `calibrate_kv`'s (k_mean, v_mean), set on every pool
         self.kv: KVCache = self._new_kv()
         self.sleeping, self._host_params = 0, None  # `sleep`'s level (0: awake)
         self.buckets = BucketSpec.build(
@@ -143,7 +160,8 @@ class ModelRunner:
                 r.engine.page_size,
                 stored_dtype(r.kv_dtype, r.platform),
                 pools,
-            ).replace(**{k: jnp.asarray(m) for k, m in self.kv_means.items()})
+                self.kv_means,
+            )
         except jax.errors.JaxRuntimeError as e:
             raise ValueError(
                 f"EngineConfig.num_pages={self.num_pages} is too large: the KV pool "
@@ -152,15 +170,12 @@ class ModelRunner:
 
     def calibrate_kv(self, ids: np.ndarray) -> None:
         """fp8 KV smoothing (SageAttention, arXiv 2410.02367): `KVCache.k_mean`, ``v_mean`` of
-        this and later pools = `kv_means` over ``ids``. Before any step: pages written earlier
-        hold K/V less other means."""
-        self.kv_means = dict(
-            zip(
-                ("k_mean", "v_mean"),
-                kv_means(self.params, self.run_config, ids, self.resolved.engine.page_size),
-            )
-        )
-        self.kv = self.kv.replace(**{k: jnp.asarray(m) for k, m in self.kv_means.items()})
+        this and later pools = `kv_means` over ``ids`` (under tp, of the K' heads, split over the
+        devices as the pool). Before any step: pages written earlier hold K/V less other means."""
+        ps = self.resolved.engine.page_size
+        self.kv_means = kv_means(self.params, self.run_config, ids, ps, self.mesh)
+        k_mean, v_mean = (put_heads(m, self.mesh) for m in self.kv_means)
+        self.kv = self.kv.replace(k_mean=k_mean, v_mean=v_mean)
 
     def forward(self, hb: HostBatch, prev=None) -> Forwarded:
         """Dispatch ``hb``'s forward, no wait; ``prev``: the sampled tokens of the step in flight

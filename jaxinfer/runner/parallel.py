@@ -59,20 +59,27 @@ def param_specs(cfg: ModelConfig, tp: int, quantization: str | None = None) -> d
     )
 
 
+def kv_head_sources(cfg: ModelConfig, tp: int) -> np.ndarray:
+    """int[K']: the canonical KV head that each of the K' KV heads of the engine layout at tp
+    devices (`tp_model_config`) holds, head j a copy of head j*K//K'."""
+    K, K2 = cfg.num_kv_heads, tp_model_config(cfg, tp).num_kv_heads
+    return np.arange(K2) * K // K2
+
+
 def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.ndarray:
     """Leaf ``name`` of the canonical tree of ``cfg`` in the engine layout of tp devices: wqkv [D,
     (N+2K)*H] -> [D, (N+2K')*H] as [q_0 | k_0 | v_0 | q_1 | ...] (q_s: query heads s*N/tp.., k_s,
-    v_s: KV heads s*K'/tp.., KV head j a copy of head j*K//K'); w_gate_up: [gate_0 | up_0 | ...]
+    v_s: KV heads s*K'/tp.., copied as `kv_head_sources`); w_gate_up: [gate_0 | up_0 | ...]
     (w_experts_gate_up per expert alike); their fp8 forms alike: per-channel matrices K-major
     [out, in] (`weights.kmajor`, told by their float8_e4m3fn dtype) by row, their scales [.., out];
     block scales [in/bi, out/bo] by block, whole blocks (`check_tp`)."""
     parts = weights.fused_parts(cfg).get(name.removesuffix("_scale"))
     if parts is None:
         return w
-    K, K2, H = cfg.num_kv_heads, tp_model_config(cfg, tp).num_kv_heads, cfg.head_dim
+    K, H = cfg.num_kv_heads, cfg.head_dim
     groups = [np.arange(s.start, s.stop) for s in parts.values()]  # canonical columns
     if name.startswith("wqkv"):  # the KV heads, copied where tp > K
-        groups[1:] = [g.reshape(K, H)[np.arange(K2) * K // K2] for g in groups[1:]]
+        groups[1:] = [g.reshape(K, H)[kv_head_sources(cfg, tp)] for g in groups[1:]]
     cols = np.concatenate([g.reshape(tp, -1) for g in groups], axis=1).reshape(-1)
     bo = cfg.weight_block_size and cfg.weight_block_size[0]
     if bo and name.endswith("_scale"):  # block scales [in/bi, out/bo]

@@ -70,10 +70,6 @@ from .cli_runs import run_cli, run_main
             ["--prompt", "hi", "--tensor-parallel-size", "3"],  # divides 9 heads; one CPU device
             "tensor_parallel_size=3 is invalid: JAX sees 1 cpu device(s)",
         ),
-        (
-            ["--prompt", "hi", "--tensor-parallel-size", "2", "--kv-cache-dtype", "fp8"],
-            "tensor_parallel_size=2 is invalid: kv_cache_dtype='fp8' runs on one device only",
-        ),
     ],
 )
 def test_bad_arguments_one_line_exit_2(capsys, args, needle):

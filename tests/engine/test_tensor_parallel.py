@@ -3,7 +3,8 @@ when it starts, so the checks run once in a subprocess of this file (`main`, wit
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4``) that prints one JSON object; the tests
 assert on it. Reference: the same engine at tensor_parallel_size=1 (today's one-device path).
 Models (tests/engine/tp_models.py): `CONFIGS`' Qwen3 and Llama at tp 1, 2 and 4 (tp=4 gives each
-device a copy of one KV head); fp8 weights: `FP8_CFG` at tp 1 and 3 (3 of the 4 devices).
+device a copy of one KV head); fp8 weights: `FP8_CFG` at tp 1 and 3 (3 of the 4 devices); the
+fp8 KV cache: `FP8_KV_CFG` at tp 1, 2 and 4 (both fp8 runs: tests/engine/tp_fp8.py).
 Multi-host: two CPU processes of ``jax.distributed`` with a local coordinator
 (`main_two_processes`), a tp=2 mesh over their devices. On the host only (the layout of fp8
 block scales, the per-device memory plan): test_tensor_parallel_layout.py."""
@@ -19,11 +20,10 @@ import sys
 import numpy as np
 import pytest
 
-from tests.engine.tp_models import CONFIGS, ENGINE, FP8_CFG, PROMPTS
+from tests.engine.tp_models import CONFIGS, ENGINE, FP8_CFG, FP8_KV_CFG, PROMPTS, SPLIT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TPS = (1, 2, 4)
-SPLIT = ("wqkv", "wo", "w_gate_up", "w_down")  # always split; embed / lm_head when tp divides V
 COLLECTIVE = (
     r"= \w+\[([\d,]*)\]\S* "  # an HLO collective: (its shape, its kind)
     r"(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)\("
@@ -131,6 +131,7 @@ def main() -> None:
 
     from jaxinfer import LLM, SamplingParams, models
     from jaxinfer.config import ModelConfig
+    from tests.engine.tp_fp8 import fp8_kv, fp8_weights
 
     out = {"devices": jax.device_count()}
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -163,35 +164,9 @@ def main() -> None:
                 list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)
             ]
     out["orbax_tp2"] = _from_checkpoint(ModelConfig(**CONFIGS["qwen3"]), greedy)
-    out["fp8"] = _fp8(greedy)
+    out["fp8"] = fp8_weights(greedy)
+    out["fp8_kv"] = fp8_kv(greedy)
     print(json.dumps(out))
-
-
-def _fp8(greedy) -> dict:
-    """Greedy tokens of ``quantization="fp8"`` engines on `FP8_CFG` at tp 1 and 3, and the
-    per-device shapes of the fp8 leaves and their scales at tp 3. Matrices N(0, 1/in) with columns
-    scaled by 0.1..10 (shuffled): a scale laid out on the wrong column changes the tokens."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxinfer import LLM, models
-    from jaxinfer.config import ModelConfig
-
-    cfg, out, rng = ModelConfig(**FP8_CFG), {}, np.random.default_rng(2)
-
-    def spread(x):  # x ~ N(0, 0.02)
-        cols = rng.permutation(np.logspace(-1, 1, x.shape[-1], dtype=np.float32))
-        return x if x.ndim < 2 else x / 0.02 * x.shape[0] ** -0.5 * cols
-
-    params = jax.tree.map(spread, models.init_params(cfg, jax.random.key(2), jnp.float32))
-    for tp in (1, 3):
-        llm = LLM.from_params(cfg, params, tensor_parallel_size=tp, quantization="fp8", **ENGINE)
-        out[str(tp)] = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, greedy)]
-    layer = llm.engine.runner.params["layers"]["0"]
-    out["shards"] = {
-        k: list(x.sharding.shard_shape(x.shape)) for k, x in layer.items() if k.startswith(SPLIT)
-    }
-    return out
 
 
 def _from_checkpoint(cfg, greedy) -> list[list[int]]:
@@ -342,6 +317,24 @@ def test_fp8_at_tp3_matches_one_device(result):
         "w_down": [D, F // 3],
         "w_down_scale": [D],
     }
+
+
+def test_fp8_kv_matches_one_device(result):
+    """fp8 KV at tp 2 and 4 (each device a copy of one KV head): the calibrated K/V means and the
+    written pages' bytes are the one-device ones of each K' head's source head, and the greedy
+    tokens are the one-device tokens, with per-head scales that change the tokens when two heads
+    swap them (as a device reading another device's scales would)."""
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.runner.parallel import kv_head_sources
+
+    r, cfg = result["fp8_kv"], ModelConfig(**FP8_KV_CFG)
+    means, pages = np.asarray(r["1"]["means"]), np.asarray(r["1"]["pages"])  # heads: axes 2, 3
+    assert np.abs(means).max() > 0.1 and r["swapped"] != r["1"]["tokens"]
+    for tp in (2, 4):
+        src, got = kv_head_sources(cfg, tp), r[str(tp)]
+        np.testing.assert_allclose(got["means"], means[:, :, src], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got["pages"], pages[:, :, :, src])
+        assert got["tokens"] == r["1"]["tokens"] and len(got["tokens"][1]) == 8
 
 
 def test_errors_name_both_numbers(result):

@@ -1,8 +1,11 @@
 """The tiny models of the tensor-parallel tests (test_tensor_parallel.py,
 test_tensor_parallel_layout.py): float32 Qwen3 (untied, V=256: vocabulary split at tp 2 and 4)
 and Llama (tied, V=250: vocabulary split at tp 2, replicated at tp 4), 8 query and 2 KV heads
-(`CONFIGS`, `ModelConfig` keyword arguments); `FP8_CFG` for fp8 weights at tp 1 and 3; the
-`PROMPTS` and `ENGINE` arguments of every engine of test_tensor_parallel.py."""
+(`CONFIGS`, `ModelConfig` keyword arguments); `FP8_CFG` for fp8 weights at tp 1 and 3,
+`FP8_KV_CFG` for the fp8 KV cache; the `PROMPTS` and `ENGINE` arguments of every engine of
+test_tensor_parallel.py; `SPLIT`, the leaves split at every tp."""
+
+SPLIT = ("wqkv", "wo", "w_gate_up", "w_down")  # always split; embed / lm_head when tp divides V
 
 SMALL = dict(
     hidden_size=64,
@@ -30,6 +33,8 @@ FP8_CFG = dict(
     head_dim=16,
     max_position_embeddings=128,
 )
+# the fp8 KV cache at tp 1, 2 and 4 (each device a copy of one KV head): one Llama layer
+FP8_KV_CFG = dict(CONFIGS["llama"], num_layers=1)
 PROMPTS = [
     [3, 14, 15, 92, 65, 35, 89, 79, 32],
     [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 28, 74, 71, 35, 26, 62, 49, 77],

@@ -1,5 +1,6 @@
 """The OpenAI API through the official ``openai`` client (issue 19 items 1, 4 and 5): completions
-and chat, streamed and not, n, logprobs, stop, seeds, usage; /metrics (errors: test_api_errors.py)."""
+and chat, streamed and not, n, logprobs, stop, seeds, usage; /metrics (errors: test_api_errors.py)
+"""
 
 import asyncio
 import json

@@ -81,6 +81,20 @@ def kernel_us_per_call(fn, args, calls: int, reps: int) -> dict[str, float]:
     return dict(per)
 
 
+def add_trace_options(ap: argparse.ArgumentParser, layers: int, layers_help: str) -> None:
+    """A probe's options for `kernel_us_per_call`: ``--layers`` (default ``layers``: independent
+    instances per timed call), ``--reps`` and ``--out`` (JSON lines)."""
+    ap.add_argument("--layers", type=int, default=layers, help=layers_help)
+    ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
+    ap.add_argument("--out", default="benchmarks/h200.jsonl", help="JSON lines appended here")
+
+
+def require_gpu(ap: argparse.ArgumentParser) -> None:
+    """argparse's error unless JAX's backend is a GPU (kernels timed from a profiler trace)."""
+    if jax.default_backend() != "gpu":
+        ap.error(f"this benchmark times GPU kernels; JAX's backend is {jax.default_backend()!r}")
+
+
 def busy_ns(events) -> int:
     """Length of the union of the kernel intervals (overlapping streams counted once)."""
     total, end = 0, -1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 
@@ -23,3 +24,18 @@ def xla_flags() -> str | None:
     """``$XLA_FLAGS`` as the run saw it (flags such as command buffers change what a row
     measures), or None when unset."""
     return os.environ.get("XLA_FLAGS") or None
+
+
+def device_row(bench: str) -> dict:
+    """The fields a device benchmark's row starts with: ``bench``, the date, `git_commit`, JAX's
+    version, the first device's kind and `xla_flags`."""
+    import jax
+
+    return dict(
+        bench=bench,
+        date=datetime.date.today().isoformat(),
+        commit=git_commit(),
+        jax=jax.__version__,
+        device=jax.devices()[0].device_kind,
+        xla_flags=xla_flags(),
+    )

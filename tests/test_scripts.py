@@ -117,6 +117,7 @@ def test_decode_gemm_kmajor_fp8_equals_the_engine_dense():
         "probes/startup_profile",
         "probes/step_trace",
         "probes/bench_decode_gemm",
+        "probes/bench_act_quant",
         "probes/probe_l2_prefetch",
     ],
 )

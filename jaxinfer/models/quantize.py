@@ -92,7 +92,13 @@ def w8a8_matmul(x: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
     with ``w_scale`` f32[out] (per output channel) -> f32 [..., out]. On Hopper this is the shape
     XLA hands to cuBLASLt's fp8 GEMM, which wants both operands K-contiguous: with w [in, out]
     XLA would transpose w on every call."""
-    x8, sx = quantize_tokens(x)
+    return w8a8_gemm(*quantize_tokens(x), w, w_scale)
+
+
+def w8a8_gemm(x8: jax.Array, sx: jax.Array, w: jax.Array, w_scale: jax.Array) -> jax.Array:
+    """`w8a8_matmul`'s GEMM of activations already quantised per token (`quantize_tokens`, or a
+    fused producer: `pallas_kernels.act_quant`): x8 float8_e4m3fn [..., in] with sx f32[..., 1],
+    w float8_e4m3fn [out, in] with w_scale f32[out] -> f32 [..., out]."""
     dims = (((x8.ndim - 1,), (1,)), ((), ()))
     y = jax.lax.dot_general(x8, w, dims, preferred_element_type=jnp.float32)
     return y * sx * w_scale

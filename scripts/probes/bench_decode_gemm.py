@@ -28,7 +28,6 @@ TFLOP/s per GEMM; prints a table and appends JSON objects (bench="decode_gemm") 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -41,8 +40,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from jaxinfer.models.layers import Weight, dense  # noqa: E402
 from jaxinfer.models.quantize import quantize_fp8  # noqa: E402
-from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
-from scripts.run_info import git_commit, xla_flags  # noqa: E402
+from scripts.profile_decode_step import (  # noqa: E402
+    add_trace_options,
+    kernel_us_per_call,
+    require_gpu,
+)
+from scripts.run_info import device_row  # noqa: E402
 
 # (K, N) of each Qwen3-8B decode GEMM (x[M, K] @ w[K, N])
 SHAPES = {"wqkv": (4096, 6144), "wo": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
@@ -123,14 +126,9 @@ def parser() -> argparse.ArgumentParser:
         "{xla,cublas}-partialsS, {xla,cublas}-splitS, {xla,cublas}-w8a16, {xla,cublas}-w8a8, "
         "{xla,cublas}-w8a16t, {xla,cublas}-w8a8t",
     )
-    ap.add_argument(
-        "--layers",
-        type=int,
-        default=8,
-        help="independent GEMMs per timed call (8 x 33 MB of weights > the 50 MB L2)",
+    add_trace_options(
+        ap, 8, "independent GEMMs per timed call (8 x 33 MB of weights > the 50 MB L2)"
     )
-    ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
-    ap.add_argument("--out", default="benchmarks/h200.jsonl", help="JSON lines appended here")
     return ap
 
 
@@ -142,19 +140,8 @@ def main() -> None:
             gemm_fn(v)  # unknown names and bad numbers fail before any work
         except ValueError as e:
             ap.error(str(e))
-    if jax.default_backend() != "gpu":
-        ap.error(
-            f"this benchmark times GPU kernels from a profiler trace; JAX's backend here is "
-            f"{jax.default_backend()!r}"
-        )
-    meta = dict(
-        bench="decode_gemm",
-        date=datetime.date.today().isoformat(),
-        commit=git_commit(),
-        jax=jax.__version__,
-        device=jax.devices()[0].device_kind,
-        xla_flags=xla_flags(),
-    )
+    require_gpu(ap)
+    meta = device_row("decode_gemm")
     print(f"{'shape':<8} {'M':>4} {'variant':<18} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8}  kernels")
     for name in args.shapes:
         K, N = SHAPES[name]

@@ -22,7 +22,6 @@ a grouped GEMM must read): the issue's target is 0.7 of the copy rate. A table, 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -35,8 +34,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 from jaxinfer.models.moe import grouped_dense, route  # noqa: E402
 from pallas_kernels.moe_gemm import grouped_gemm  # noqa: E402
-from scripts.profile_decode_step import kernel_us_per_call  # noqa: E402
-from scripts.run_info import git_commit  # noqa: E402
+from scripts.profile_decode_step import (  # noqa: E402
+    add_trace_options,
+    kernel_us_per_call,
+    require_gpu,
+)
+from scripts.run_info import device_row  # noqa: E402
 
 E, K, D, FE = 128, 8, 2048, 768  # Qwen3-30B-A3B: experts, top-k, hidden, expert FFN width
 STACKS = {"gate_up": (D, 2 * FE), "down": (FE, D)}
@@ -116,24 +119,15 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64], help="T a step")
     ap.add_argument("--stacks", nargs="+", default=list(STACKS), choices=list(STACKS))
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_name)
-    ap.add_argument("--layers", type=int, default=4, help="independent GEMMs per timed call")
-    ap.add_argument("--reps", type=int, default=10, help="timed calls per measurement")
-    ap.add_argument("--out", default="benchmarks/h200.jsonl", help="JSON lines appended here")
+    add_trace_options(ap, 4, "independent GEMMs per timed call")
     return ap
 
 
 def main() -> None:
     ap = parser()
     args = ap.parse_args()
-    if jax.default_backend() != "gpu":
-        ap.error(f"this benchmark times GPU kernels; JAX's backend is {jax.default_backend()!r}")
-    meta = dict(
-        bench="moe_gemm",
-        date=datetime.date.today().isoformat(),
-        commit=git_commit(),
-        jax=jax.__version__,
-        device=jax.devices()[0].device_kind,
-    )
+    require_gpu(ap)
+    meta = device_row("moe_gemm")
     print(f"{'stack':<8} {'T':>4} {'experts':>7} {'variant':<8} {'us':>8} {'GB/s':>7}  kernels")
     for stack in args.stacks:
         for T in args.tokens:

@@ -311,15 +311,16 @@ def _print_stats(args, llm, ok, wall: float, times: tuple, pre_s: float = 0.0) -
 
 def _generate(args, llm, inputs: list, params, stream):
     """``llm.generate`` of the CLI's prompts (a prompt's error returned as its output's);
-    AdapterError: ``--lora-path``'s weights are unreadable or not the model's (they are read
-    with the first request)."""
+    AdapterError: ``--lora-path``'s weights are unreadable or not the model's (read here, before
+    any prompt runs: one error, not one per prompt)."""
+    llm.engine.lora.check(lora := lora_request(args))
     return llm.generate(
         inputs,
         params,
         use_tqdm=len(inputs) > 1 and not args.stream and sys.stderr.isatty(),
         on_error="return",
         stream=stream,
-        lora_request=lora_request(args),
+        lora_request=lora,
     )
 
 

@@ -226,7 +226,8 @@ class LLM(Prompts):
         ValueError, `check_priority`). A ``max_tokens`` beyond the room left in ``max_model_len``
         generates until the context is full (finish reason "length"), as vLLM's.
         ``lora_request``: a `LoRARequest` for every prompt, or a list of one (or None) per
-        prompt (`per_prompt`; ValueError: as `LLMEngine.add_request`)."""
+        prompt (`per_prompt`; ValueError: as `LLMEngine.add_request`; with "return", a request
+        whose adapter is refused comes back with ``error`` set)."""
         if on_error not in ("raise", "return"):
             raise ValueError(f"on_error={on_error!r} is invalid: allowed 'raise', 'return'")
         params, encoded, errors = self._prepare(
@@ -234,6 +235,12 @@ class LLM(Prompts):
         )
         check_priority(priority, len(encoded))
         loras = per_prompt(lora_request, len(encoded))
+        for i, lr in enumerate(loras if on_error == "return" else ()):
+            try:  # a refused adapter fails its request only
+                if i not in errors:
+                    self.engine.lora.check(lr)
+            except ValueError as e:
+                errors[i] = str(e)
         outputs = self._run(
             {
                 i: (ids, sp, loras[i])
@@ -252,6 +259,7 @@ class LLM(Prompts):
                 [CompletionOutput(0, "", [], "error")],
                 True,
                 error=msg,
+                lora_request=loras[i],
             )
         return [outputs[i] for i in range(len(encoded))]
 

@@ -87,9 +87,9 @@ class CompletionOutput:
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-    """The result of one request, in the order the prompts were given; ``lora_request``,
-    ``encoder_prompt``, ``encoder_prompt_token_ids``, ``kv_transfer_params``: vLLM's, always
-    None."""
+    """The result of one request, in the order the prompts were given; ``lora_request``: the
+    `LoRARequest` it ran with (None: the base model), as vLLM's; ``encoder_prompt``,
+    ``encoder_prompt_token_ids``, ``kv_transfer_params``: vLLM's, always None."""
 
     request_id: str
     prompt: str | None
@@ -100,7 +100,8 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # first position: None
     num_cached_tokens: int = 0
-    lora_request = encoder_prompt = encoder_prompt_token_ids = kv_transfer_params = None
+    lora_request: object = None  # a `jaxinfer.lora.request.LoRARequest` or None
+    encoder_prompt = encoder_prompt_token_ids = kv_transfer_params = None
 
     text = property(lambda self: self.outputs[0].text if self.outputs else "")  # the first sample's
     token_ids = property(lambda self: self.outputs[0].token_ids if self.outputs else [])
@@ -118,6 +119,7 @@ class RequestOutput:
             error=delta.error,
             prompt_logprobs=self.prompt_logprobs or delta.prompt_logprobs,
             num_cached_tokens=delta.num_cached_tokens,
+            lora_request=delta.lora_request,
         )
 
     def _joined_outputs(self, deltas: list[CompletionOutput]) -> list[CompletionOutput]:
@@ -351,4 +353,5 @@ class OutputProcessor:
             None,
             plp,
             first.num_cached_tokens,
+            first.lora_request,
         )

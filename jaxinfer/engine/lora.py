@@ -74,7 +74,7 @@ class LoRAManager:
         if req is None:
             return enqueue(seqs)
         for s in seqs:
-            s.lora_int_id = req.lora_int_id
+            s.lora_int_id, s.lora_request = req.lora_int_id, req
         self.pending.append(_Pending(req.lora_int_id, seqs))
         self.admit_pending(enqueue)
 

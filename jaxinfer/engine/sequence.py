@@ -43,6 +43,7 @@ class Sequence:
     max_tokens: int | None = field(default=None, kw_only=True)
     num_cached_tokens: int = field(default=0, kw_only=True)
     lora_int_id: int = field(default=0, kw_only=True)  # its LoRARequest's id (0: none)
+    lora_request: object = field(default=None, kw_only=True)  # that LoRARequest, for the outputs
     lora_slot: int = field(default=-1, kw_only=True)  # that adapter's pool slot while unfinished
     block_hashes: list = field(default_factory=list, kw_only=True)
     logprobs: list | None = field(default=None, kw_only=True)

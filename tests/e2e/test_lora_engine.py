@@ -191,6 +191,21 @@ def test_errors(lora, plain, adapters, tiny_cfg, tmp_path):
     assert not lora.engine.has_unfinished()
 
 
+def test_outputs_name_their_adapter_and_a_refused_one_fails_alone(lora, adapters, tmp_path):
+    """vLLM's `RequestOutput.lora_request`: the `LoRARequest` each request ran with (None: the
+    base model), streamed or not; with on_error="return" a request whose adapter is refused
+    comes back with its error and the others run."""
+    p = [{"prompt_token_ids": q} for q in PROMPTS[:3]]
+    reqs = [adapters[0][0], None, adapters[1][0]]
+    assert [o.lora_request for o in lora.generate(p, SP, lora_request=reqs)] == reqs
+    streamed = lora.generate(p, SP, lora_request=reqs, stream=lambda *_: None)
+    assert [o.lora_request for o in streamed] == reqs
+    missing = LoRARequest("missing", 14, str(tmp_path / "none"))
+    outs = lora.generate(p[:2], SP, lora_request=[missing, reqs[0]], on_error="return")
+    assert "no such directory" in outs[0].error and outs[0].lora_request == missing
+    assert outs[1].error is None and tokens(outs[1:]) == run(lora, PROMPTS[1:2], reqs[0])
+
+
 def test_malformed_config_errors_name_the_path(tmp_path, tiny_cfg):
     """adapter_config.json that is not JSON, not an object, or has target_modules of another
     type: a ValueError (`AdapterError`) naming the directory and the fault."""

@@ -250,9 +250,7 @@ def _moe_rules(m: ModelConfig) -> tuple:
 
 def _moe_fields(cfg: Mapping[str, Any]) -> dict:
     """The MoE fields of an HF ``Qwen3MoeConfig`` dict (E: ``num_experts``, or transformers 5's
-    ``num_local_experts``). ValueError: an HF FP8 checkpoint (``quantization_config``)."""
-    if cfg.get("quantization_config"):
-        raise ValueError("FP8 checkpoints (quantization_config) are not yet for qwen3_moe")
+    ``num_local_experts``)."""
     return dict(
         num_experts=int(cfg.get("num_experts", cfg.get("num_local_experts", 0))),
         num_experts_per_tok=int(cfg["num_experts_per_tok"]),
@@ -268,7 +266,8 @@ def check_tp(model: ModelConfig, tp: int) -> None:
     ``model``: tp divides N, F and F_e (MoE: each expert split), and K % tp == 0 or tp % K == 0
     (KV heads replicated); at tp > 1 an FP8 checkpoint's blocks ``weight_block_size`` (bo, bi)
     whole on each device: bo divides its q, k, v, gate, up columns (N*H/tp, K'*H/tp, F/tp), bi
-    its wo, w_down rows (N*H/tp, F/tp)."""
+    its wo, w_down rows (N*H/tp, F/tp); MoE: both divide each expert's share F_e/tp (its gate,
+    up columns and down rows; vLLM refuses the same splits)."""
     for name in ("num_heads", "intermediate_size", "moe_intermediate_size"):
         if getattr(model, name) % tp:
             raise ValueError(
@@ -288,6 +287,13 @@ def check_tp(model: ModelConfig, tp: int) -> None:
                 "device needs whole FP8 blocks (block_out, block_in) in its q columns "
                 f"and wo rows N*H/tp={NH}, k, v columns K'*H/tp={KH}, gate, up "
                 f"columns and w_down rows F/tp={F}"
+            )
+        if (Fe := model.moe_intermediate_size // tp) % block[0] or Fe % block[1]:
+            raise ValueError(
+                f"weight_block_size={block} and tensor_parallel_size={tp}: each device needs "
+                f"whole FP8 blocks (block_out, block_in) in its share of each expert's gate, up "
+                f"columns and down rows moe_intermediate_size/tp={Fe}; use a "
+                "tensor_parallel_size that leaves whole blocks"
             )
 
 

@@ -75,10 +75,11 @@ def shape_of(name: str, cfg) -> tuple[int, ...]:
 def scale_shape(shape: tuple[int, ...], block: tuple[int, int] | None) -> tuple[int, ...]:
     """Shape of the f32 scale of an fp8 matrix of `shape_of` ``shape`` [in, out] (or a stack
     [E, in, out]; whatever layout it is stored in, `kmajor`): per output channel [out] ([E, out])
-    (``block`` None), or per HF block ``(block_out, block_in)``: [ceil(in/bi), ceil(out/bo)]."""
+    (``block`` None), or per HF block ``(block_out, block_in)``: [ceil(in/bi), ceil(out/bo)]
+    ([E, ceil(in/bi), ceil(out/bo)]: each expert's HF ``weight_scale_inv`` transposed)."""
     if block is None:
         return (*shape[:-2], shape[-1])
-    return (-(-shape[0] // block[1]), -(-shape[1] // block[0]))
+    return (*shape[:-2], -(-shape[-2] // block[1]), -(-shape[-1] // block[0]))
 
 
 def kmajor(name: str, block: tuple[int, int] | None) -> bool:

@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.models.quantize import expand_scale
 from pallas_kernels import moe_gemm
 from pallas_kernels.paged_attention import ragged, reference, registry
 
@@ -93,25 +94,33 @@ MIXED_TRITON_MAX_ROWS = 512
 @dataclass(frozen=True)
 class GroupedGemm:
     """The grouped GEMM of mixture-of-experts layers, ``jax.lax.ragged_dot``'s contract: (xs [M,
-    I], w [E, I, O] (xs's dtype or e4m3), sizes i32[E], preferred_element_type) -> [M, O].
-    variant "ragged_dot" (XLA's), "triton" (`pallas_kernels.moe_gemm.grouped_gemm`, for stacks
-    it has blocks for, else ragged_dot) or "mixed" (triton for M <= `MIXED_TRITON_MAX_ROWS`,
-    else ragged_dot); ``interpret``: the Pallas interpreter (CPU tests)."""
+    I], w [E, I, O] (xs's dtype or e4m3), sizes i32[E], preferred_element_type) -> [M, O]; with
+    ``scale`` f32[E, ceil(I/bi), ceil(O/bo)] of an HF FP8 checkpoint's blocks ``block`` (bo, bi):
+    the product with w's values times their block's scale. variant "ragged_dot" (XLA's; block
+    scales: the stack dequantised, traced, as `layers.Weight.value`), "triton"
+    (`pallas_kernels.moe_gemm.grouped_gemm`, scaling each K block's partial product, for stacks
+    it has tiles for (`moe_gemm.supported`), else ragged_dot) or "mixed" (triton for M <=
+    `MIXED_TRITON_MAX_ROWS`, else ragged_dot); ``interpret``: the Pallas interpreter (CPU
+    tests)."""
 
     variant: str = "ragged_dot"
     interpret: bool = False
 
-    def __call__(self, xs, w, sizes, preferred_element_type=None):
+    def __call__(self, xs, w, sizes, preferred_element_type=None, *, scale=None, block=None):
         small = xs.shape[0] <= MIXED_TRITON_MAX_ROWS
         triton = self.variant == "triton" or (self.variant == "mixed" and small)
-        if triton and moe_gemm.supported(w.shape):
+        if triton and moe_gemm.supported(w.shape, block):
             return moe_gemm.grouped_gemm(
                 xs,
                 w,
                 sizes,
+                scale=scale,
+                block=block,
                 preferred_element_type=preferred_element_type,
                 interpret=self.interpret,
             )
+        if block is not None:
+            w = w.astype(jnp.float32) * expand_scale(scale, w.shape, block)
         w = w.astype(xs.dtype)  # e4m3 is exact in xs's dtype
         return jax.lax.ragged_dot(xs, w, sizes, preferred_element_type=preferred_element_type)
 

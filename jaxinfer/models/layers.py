@@ -42,10 +42,10 @@ class Weight:
     block): per channel, ``w`` is stored K-major [out, in] with ``scale`` f32[out]
     (`weights.kmajor`: cuBLASLt's fp8 GEMM wants K contiguous in both operands, and an [in, out]
     weight costs a transpose on every call), an HF block-scaled ``w`` stays [in, out]. (MoE expert
-    stacks are [E, in, out] with f32[E, out] per channel, read by `moe.grouped_dense` only, never
-    by `value` or `dense`.) Static ``w8a8``: a per-channel fp8 weight multiplied with fp8
-    activations (`dense`); static ``observe``: calibration only, called by `dense` on its input x
-    (`smoothquant.Probe`)."""
+    stacks are [E, in, out] with f32[E, out] per channel or f32[E, in/bi, out/bo] per block, read
+    by `moe.grouped_dense` only, never by `value` or `dense`.) Static ``w8a8``: a per-channel fp8
+    weight multiplied with fp8 activations (`dense`); static ``observe``: calibration only,
+    called by `dense` on its input x (`smoothquant.Probe`)."""
 
     w: jax.Array
     scale: jax.Array | None = None

@@ -42,13 +42,17 @@ def grouped_dense(
     ``w`` (a `layers.Weight` of [E, in, out], or an array) by ``gemm`` (ragged_dot's contract) in
     xs.dtype; an fp8 weight (e4m3 with f32 scale [E, out]) is multiplied as it is (exact in bf16)
     with f32 accumulation and each row's expert's scale (``expert`` i32[M]) applied to the
-    output. Expert stacks stay [E, in, out] in fp8 too, unlike the dense layers' per-channel
-    matrices (K-major [out, in], `weights.kmajor`): ``GroupedGemm``'s contract is ragged_dot's,
-    `pallas_kernels.moe_gemm` reads [in, out] tiles, and W8A8 (what K-major is for) does not
-    apply to experts."""
+    output; an HF FP8 checkpoint's (scale f32[E, in/bi, out/bo] of ``w.block``) goes to ``gemm``
+    with its scales (`models.kernels.GroupedGemm`), f32 out. Expert stacks stay [E, in, out] in
+    fp8 too, unlike the dense layers' per-channel matrices (K-major [out, in], `weights.kmajor`):
+    ``GroupedGemm``'s contract is ragged_dot's, `pallas_kernels.moe_gemm` reads [in, out] tiles,
+    and W8A8 (what K-major is for) does not apply to experts."""
     matrix, scale = (w.w, w.scale) if isinstance(w, Weight) else (w, None)
     if scale is None:
         return gemm(xs, matrix, sizes)  # converted to xs.dtype by the GEMM
+    if w.block is not None:
+        f32 = jnp.float32
+        return gemm(xs, matrix, sizes, f32, scale=scale, block=w.block).astype(xs.dtype)
     y = gemm(xs, matrix, sizes, preferred_element_type=jnp.float32)
     return (y * jnp.take(scale, expert, axis=0)).astype(xs.dtype)
 
@@ -69,11 +73,12 @@ def _sharded(mesh, w_gate_up, w_down, gemm):
     every expert's F_e (gate_up's columns [gate_s | up_s], `engine_layout`; down's rows), the
     rows and routing whole on each, the partial outputs summed (psum)."""
 
-    def spec(w, axis):  # a Weight's matrix split on ``axis``, its per-channel scale alike or not
+    def spec(w, axis):  # a Weight's matrix split on ``axis``, its scales as `weights.entries`
         matrix = P(*(None,) * axis, AXIS)
         if not isinstance(w, Weight):
             return matrix
-        scale = None if w.scale is None else P(None, AXIS) if axis == 2 else P()
+        per_channel = P(None, AXIS) if axis == 2 else P()  # [E, out]: split with the columns
+        scale = None if w.scale is None else matrix if w.block else per_channel
         return Weight(matrix, scale, w.block, w.w8a8)
 
     def local(xs, gate_up, down, sizes, expert):

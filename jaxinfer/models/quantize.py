@@ -20,20 +20,20 @@ def expand_scale(
 ) -> jax.Array:
     """A `scale_shape` scale broadcast to the elements of its stored matrix ``shape``: per channel
     f32[..., out, 1] against the K-major [.., out, in] (`weights.kmajor`); block ``(block_out,
-    block_in)`` as in `scale_shape`: f32[in, out]."""
+    block_in)`` as in `scale_shape`: f32[.., in, out] (a stack's [E, in, out] too)."""
     if block is None:
         return scale[..., :, None]
-    rows = jnp.repeat(scale, block[1], axis=0)[: shape[0]]
-    return jnp.repeat(rows, block[0], axis=1)[:, : shape[1]]
+    rows = jnp.repeat(scale, block[1], axis=-2)[..., : shape[-2], :]
+    return jnp.repeat(rows, block[0], axis=-1)[..., : shape[-1]]
 
 
 @functools.partial(jax.jit, static_argnames=("block", "k_major"))
 def quantize_fp8(
     w: jax.Array, block: tuple[int, int] | None = None, k_major: bool = True
 ) -> tuple[jax.Array, jax.Array]:
-    """w [in, out] or a stack [E, in, out] (per channel only; any float dtype) -> (float8_e4m3fn,
-    f32 scale of `scale_shape`): ``scale = amax(|w|) / 448`` over each output channel
-    (``block`` None) or HF block ``(block_out, block_in)`` (edge blocks partial); all-zero: 1.
+    """w [in, out] or a stack [E, in, out] (any float dtype) -> (float8_e4m3fn, f32 scale of
+    `scale_shape`): ``scale = amax(|w|) / 448`` over each output channel (``block`` None) or HF
+    block ``(block_out, block_in)`` (edge blocks partial; a stack's per expert); all-zero: 1.
     ``q = round_to_nearest_e4m3(w / scale)``, so ``|w - q * scale| <= scale * max(|w / scale| *
     2^-4, 2^-10)``. The matrix comes back K-major [.., out, in] (w's transpose) per channel with
     ``k_major`` (`weights.kmajor`: the dense layers' matrices), else as w ([.., in, out]: blocks
@@ -45,9 +45,10 @@ def quantize_fp8(
         amax = jnp.max(jnp.abs(t), axis=axis)
         scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
         return quantize(t, jnp.expand_dims(scale, axis), FP8), scale
-    (bo, bi), (I, O), (In, Out) = block, scale_shape(w.shape, block), w.shape
-    padded = jnp.pad(jnp.abs(wf), ((0, I * bi - In), (0, O * bo - Out)))
-    amax = padded.reshape(I, bi, O, bo).max(axis=(1, 3))
+    (bo, bi), (I, O), (In, Out) = block, scale_shape(w.shape, block)[-2:], w.shape[-2:]
+    lead = ((0, 0),) * (w.ndim - 2)
+    padded = jnp.pad(jnp.abs(wf), (*lead, (0, I * bi - In), (0, O * bo - Out)))
+    amax = padded.reshape(*w.shape[:-2], I, bi, O, bo).max(axis=(-3, -1))
     scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0).astype(jnp.float32)
     return quantize(wf, expand_scale(scale, w.shape, block), FP8), scale
 

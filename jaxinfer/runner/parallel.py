@@ -72,7 +72,7 @@ def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.nda
     v_s: KV heads s*K'/tp.., copied as `kv_head_sources`); w_gate_up: [gate_0 | up_0 | ...]
     (w_experts_gate_up per expert alike); their fp8 forms alike: per-channel matrices K-major
     [out, in] (`weights.kmajor`, told by their float8_e4m3fn dtype) by row, their scales [.., out];
-    block scales [in/bi, out/bo] by block, whole blocks (`check_tp`)."""
+    block scales [.., in/bi, out/bo] by block, whole blocks (`check_tp`)."""
     parts = weights.fused_parts(cfg).get(name.removesuffix("_scale"))
     if parts is None:
         return w
@@ -82,8 +82,8 @@ def engine_layout(name: str, w: np.ndarray, cfg: ModelConfig, tp: int) -> np.nda
         groups[1:] = [g.reshape(K, H)[kv_head_sources(cfg, tp)] for g in groups[1:]]
     cols = np.concatenate([g.reshape(tp, -1) for g in groups], axis=1).reshape(-1)
     bo = cfg.weight_block_size and cfg.weight_block_size[0]
-    if bo and name.endswith("_scale"):  # block scales [in/bi, out/bo]
-        return w[:, cols[::bo] // bo]
+    if bo and name.endswith("_scale"):  # block scales [.., in/bi, out/bo]
+        return w[..., cols[::bo] // bo]
     if w.dtype == FP8 and weights.kmajor(name, cfg.weight_block_size):
         return w[..., cols, :]  # K-major [out, in]
     return w[..., cols]  # matrices [.., in, out], per-channel scales [.., out]

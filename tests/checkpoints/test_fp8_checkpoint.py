@@ -38,13 +38,15 @@ QCONFIG = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_
 PROMPT = [3, 141, 59, 26, 53, 58, 97, 93, 23, 84]
 
 
-def block_quantise(w: np.ndarray, b: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    """HF layout w f32[out, in] -> (e4m3 [out, in], scale_inv f32[ceil(out/b), ceil(in/b)]) with
-    scale = block amax / 448, so that w ~ q * scale (numpy and ml_dtypes only)."""
-    O, I = -(-w.shape[0] // b), -(-w.shape[1] // b)
+def block_quantise(w: np.ndarray, b=128) -> tuple[np.ndarray, np.ndarray]:
+    """HF layout w f32[out, in] -> (e4m3 [out, in], scale_inv f32[ceil(out/bo), ceil(in/bi)]),
+    blocks ``b`` = (bo, bi) (an int: square), scale = block amax / 448, so that w ~ q * scale
+    (numpy and ml_dtypes only)."""
+    bo, bi = (b, b) if isinstance(b, int) else b
+    O, I = -(-w.shape[0] // bo), -(-w.shape[1] // bi)
     amax = np.array(
         [
-            [np.abs(w[o * b : (o + 1) * b, i * b : (i + 1) * b]).max() for i in range(I)]
+            [np.abs(w[o * bo : (o + 1) * bo, i * bi : (i + 1) * bi]).max() for i in range(I)]
             for o in range(O)
         ]
     )
@@ -53,26 +55,30 @@ def block_quantise(w: np.ndarray, b: int = 128) -> tuple[np.ndarray, np.ndarray]
     return q, scale
 
 
-def expand(scale: np.ndarray, shape, b: int = 128) -> np.ndarray:
-    return np.repeat(np.repeat(scale, b, 0), b, 1)[: shape[0], : shape[1]]
+def expand(scale: np.ndarray, shape, b=128) -> np.ndarray:
+    """``scale`` [ceil(out/bo), ceil(in/bi)] repeated over the elements of [out, in] ``shape``."""
+    bo, bi = (b, b) if isinstance(b, int) else b
+    return np.repeat(np.repeat(scale, bo, 0), bi, 1)[: shape[0], : shape[1]]
 
 
-def fp8_tensors(model) -> tuple[dict, dict]:
-    """(the FP8 checkpoint's tensors, the float32 tensors they mean)."""
+def fp8_tensors(state: dict, b=128) -> tuple[dict, dict]:
+    """(the FP8 checkpoint's tensors, the float32 tensors they mean) of HF-named float32
+    ``state``: each `PROJ` matrix (an MoE expert's too) in blocks ``b`` (`block_quantise`)."""
     out, deq = {}, {}
-    for name, w in hf_numpy_state(model).items():
+    for name, w in state.items():
         if name.split(".")[-2] in PROJ:
-            q, s = block_quantise(w)
+            q, s = block_quantise(w, b)
             out[name], out[name + "_scale_inv"] = q, s
-            deq[name] = q.astype(np.float32) * expand(s, w.shape)
+            deq[name] = q.astype(np.float32) * expand(s, w.shape, b)
         else:
             out[name] = deq[name] = w
     return out, deq
 
 
-def write_checkpoint(path, model, tensors) -> None:
+def write_checkpoint(path, model, tensors, qconfig=QCONFIG) -> None:
+    """``tensors`` and ``model``'s config.json with ``qconfig`` (None: none) into ``path``."""
     save_file({k: jnp.asarray(v) for k, v in tensors.items()}, str(path / "model.safetensors"))
-    config = dict(model.config.to_dict(), quantization_config=QCONFIG)
+    config = model.config.to_dict() | ({"quantization_config": qconfig} if qconfig else {})
     (path / "config.json").write_text(json.dumps(config))
 
 
@@ -81,7 +87,7 @@ def fp8_checkpoint(tmp_path_factory):
     """(dir, the original HF model, HF model on the dequantised weights)."""
     path = tmp_path_factory.mktemp("fp8")
     model = make_hf_model("qwen3", seed=21, **SIZES)
-    tensors, deq = fp8_tensors(model)
+    tensors, deq = fp8_tensors(hf_numpy_state(model))
     write_checkpoint(path, model, tensors)
     ref = make_hf_model("qwen3", seed=21, **SIZES)
     ref.load_state_dict({k: torch.from_numpy(v) for k, v in deq.items()})
@@ -122,7 +128,7 @@ def test_engine_runs_an_fp8_checkpoint_as_fp8_unasked(fp8_checkpoint):
 @pytest.fixture(scope="module")
 def fp8_named():
     model = make_hf_model("qwen3", seed=22, **SIZES)
-    tensors, _ = fp8_tensors(model)
+    tensors, _ = fp8_tensors(hf_numpy_state(model))
     config = dict(model.config.to_dict(), quantization_config=QCONFIG)
     return tensors, ModelConfig.from_hf_config(config), config
 
@@ -145,7 +151,7 @@ def test_fp8_checkpoint_errors(fp8_named):
 
 def test_fused_parts_must_fill_whole_blocks():
     model = make_hf_model("qwen3", seed=23, **dict(SIZES, num_key_value_heads=2))  # k: 64 rows
-    tensors, _ = fp8_tensors(model)
+    tensors, _ = fp8_tensors(hf_numpy_state(model))
     cfg = ModelConfig.from_hf_config(dict(model.config.to_dict(), quantization_config=QCONFIG))
     with pytest.raises(
         ValueError,

@@ -114,6 +114,30 @@ def test_declared_tree_and_quantised_init(block):
         models.abstract_params(cfg, jnp.bfloat16, "int8")
 
 
+def test_block_scaled_expert_stacks():
+    """An MoE model with HF blocks (an FP8 checkpoint's: `init_params`, or `update_params` given
+    float weights): each expert stack [E, in, out] quantised per expert as a matrix alone, scales
+    f32[E, ceil(in/bi), ceil(out/bo)], declared so."""
+    w = jax.random.normal(jax.random.key(0), (3, 80, 48))
+    q, s = quantize_fp8(w, (16, 32), False)
+    assert q.shape == (3, 80, 48) and s.shape == (3, 3, 3)
+    for e in range(3):
+        qe, se = quantize_fp8(w[e], (16, 32), False)
+        assert np.array_equal(np.asarray(q[e], np.float32), np.asarray(qe, np.float32))
+        np.testing.assert_array_equal(np.asarray(s[e]), np.asarray(se))
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    cfg = ModelConfig(**{**TINY, "architecture": "qwen3_moe"}, **moe, weight_block_size=(16, 32))
+    abstract = models.abstract_params(cfg, jnp.float32, "fp8")["layers"]["0"]
+    init = jax.eval_shape(
+        lambda k: models.init_params(cfg, k, jnp.float32, "fp8"), jax.random.key(0)
+    )
+    assert abstract["w_experts_gate_up_scale"].shape == (4, 2, 4)  # D = 64, 2 F_e = 64
+    assert abstract["w_experts_down_scale"].shape == (4, 1, 4)
+    assert jax.tree.map(lambda a: a.shape, init["layers"]["0"]) == jax.tree.map(
+        lambda a: a.shape, abstract
+    )
+
+
 def test_per_channel_fp8_leaves_are_stored_k_major():
     """Per-channel fp8 matrices are stored K-major [out, in] (cuBLASLt's fp8 GEMM wants K
     contiguous in both operands) with f32[out] scales: declared so, and `quantize_params` of the

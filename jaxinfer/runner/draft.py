@@ -20,8 +20,8 @@ def load_draft(path: str, target_cfg, dtype):
     cfg, params = load_params(path, dtype)
     if cfg.vocab_size != target_cfg.vocab_size:
         raise ValueError(
-            f"speculative_config model={path!r} has vocab_size={cfg.vocab_size}; a draft model "
-            f"must share the target's tokenizer (vocab_size={target_cfg.vocab_size})"
+            f"its vocab_size={cfg.vocab_size} is not the target's: a draft model must share "
+            f"the target's tokenizer (vocab_size={target_cfg.vocab_size})"
         )
     models.check_params(params, cfg, None)
     return cfg, params

@@ -77,12 +77,19 @@ def _enable_cache(cache) -> None:
 
 def _load_drafter(spec, model_config, dtype, tp: int):
     """The loaded drafter of a model-based ``spec`` method (`DRAFTERS`' loader), or None (no
-    speculation, or n-gram). ValueError: tp > 1 (one device only)."""
+    speculation, or n-gram). ValueError: tp > 1 (one device only); the loader's ValueError or
+    OSError (unreadable, not the target's vocabulary, ...) with ``speculative_config`` model and
+    method named before its message."""
     if spec is None or spec.method not in DRAFTERS:
         return None
     if tp > 1:
         raise ValueError(f"speculative_config method={spec.method!r} runs on one device only")
-    return DRAFTERS[spec.method][0](spec.model, model_config, dtype)
+    try:
+        return DRAFTERS[spec.method][0](spec.model, model_config, dtype)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"speculative_config model={spec.model!r} (method {spec.method!r}) cannot be used: {e}"
+        ) from None
 
 
 class ModelRunner:

@@ -197,7 +197,8 @@ def test_draft_model_greedy_equals_plain(tiny_llm, drafts, which):
 
 
 def test_draft_model_vocabulary_must_match(tiny_llm, tiny_cfg, tmp_path):
-    """A draft of another vocabulary is refused when the engine starts, naming both sizes."""
+    """A draft of another vocabulary is refused when the engine starts, naming both sizes, and
+    one that cannot be read with the reader's error; both name speculative_config's model."""
     from jaxinfer import LLM
 
     other = dataclasses.replace(tiny_cfg, vocab_size=128, num_layers=1)
@@ -205,15 +206,21 @@ def test_draft_model_vocabulary_must_match(tiny_llm, tiny_cfg, tmp_path):
         tmp_path / "d", other, tiny_params_of(other), None, ()
     )
     plain = tiny_llm(text=False)
-    cfg = dict(method="draft_model", model=str(tmp_path / "d"), num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="vocab_size=128.*vocab_size=256"):
-        LLM.from_params(
-            plain.engine.model_config,
-            plain.engine.runner.params,
-            dtype="float32",
-            num_pages=8,
-            speculative_config=cfg,
-        )
+    (tmp_path / "empty").mkdir()  # no checkpoint: the reader's error
+    for method, path, match in (
+        ("draft_model", "d", "model='.*d' .*vocab_size=128 .*vocab_size=256"),
+        ("draft_model", "empty", r"model='.*empty' \(method 'draft_model'\) .*no.* config"),
+        ("eagle3", "empty", r"model='.*empty' \(method 'eagle3'\) cannot be used: .*config"),
+    ):
+        cfg = dict(method=method, model=str(tmp_path / path), num_speculative_tokens=2)
+        with pytest.raises(ValueError, match=match):
+            LLM.from_params(
+                plain.engine.model_config,
+                plain.engine.runner.params,
+                dtype="float32",
+                num_pages=8,
+                speculative_config=cfg,
+            )
 
 
 def test_speculation_turns_on_and_off_mid_run(pair, tiny_llm):

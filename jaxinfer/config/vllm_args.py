@@ -29,6 +29,7 @@ VLLM_NO_EFFECT = {  # name: (values that mean vLLM's default, why any other valu
     "enable_chunked_prefill": ((None, True), "prompts over max_num_batched_tokens are chunked"),
     "compilation_config": ((None, {}), "each step shape is compiled by XLA (jax.jit)"),
     "tokenizer_mode": (("auto", "hf"), "the checkpoint's HF tokenizer is used"),
+    "max_cpu_loras": ((None,), "every LoRA adapter read stays in host memory (no host LRU)"),
 }
 # vLLM `LLM` arguments `LLM` itself reads (no `EngineConfig` field): a model or tokenizer that is a
 # hub id is fetched with them (`checkpoints_tools.hub.resolve_path`)

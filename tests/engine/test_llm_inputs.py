@@ -213,6 +213,7 @@ VLLM_DEFAULTS = dict(
     enable_chunked_prefill=None,
     compilation_config=None,
     tokenizer_mode="auto",
+    max_cpu_loras=None,
     revision=None,
     download_dir=None,
     task="generate",
@@ -236,7 +237,7 @@ def _check_block_arguments(other) -> None:
 
 
 def _llm_with_ineffective_arguments(cfg, params) -> LLM:
-    """An `LLM` given five vLLM arguments without effect here at other than vLLM's defaults
+    """An `LLM` given six vLLM arguments without effect here at other than vLLM's defaults
     (each one warning line), and ``download_dir`` (silent: no hub id)."""
     return LLM.from_params(
         cfg,
@@ -249,6 +250,7 @@ def _llm_with_ineffective_arguments(cfg, params) -> LLM:
         disable_log_stats=False,
         enable_chunked_prefill=False,
         compilation_config={"level": 3},
+        max_cpu_loras=4,  # vLLM's multi-LoRA example sets it
         download_dir="/tmp/x",  # vLLM's hub cache: no hub id here, silent
     )
 
@@ -299,7 +301,7 @@ def test_vllm_engine_arguments_map_or_warn(llm, caplog):
         _check_block_arguments(other)
         _llm_with_ineffective_arguments(cfg, params)
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 5 and all(" has no effect: " in m for m in lines), lines
+    assert len(lines) == 6 and all(" has no effect: " in m for m in lines), lines
     assert "trust_remote_code=True has no effect: no model code is loaded" in lines[0]
     _check_refusals(cfg, params)
 

@@ -9,6 +9,7 @@ import os
 import sys
 
 from jaxinfer.config import EngineConfig, KernelConfig, SpeculativeConfig
+from jaxinfer.config.vllm_args import VLLM_NO_EFFECT
 
 ENGINE_OPTIONS = tuple(
     f.name
@@ -17,6 +18,16 @@ ENGINE_OPTIONS = tuple(
 )
 
 
+# vLLM's command-line flags among `VLLM_NO_EFFECT`, by type (copied `vllm serve` command lines
+# run; a value other than vLLM's default logs that it changes nothing)
+NO_EFFECT_OPTIONS = {
+    "trust_remote_code": bool,
+    "disable_log_stats": bool,
+    "enable_chunked_prefill": bool,
+    "swap_space": float,
+    "tokenizer_mode": str,
+    "max_cpu_loras": int,
+}
 HUB_OPTIONS = (  # vLLM's: a --model or --tokenizer that is a hub id (checkpoints_tools.hub)
     ("revision", "the model's hub revision: a branch, tag or commit id (default: main)"),
     ("tokenizer_revision", "the --tokenizer hub id's revision (default: main)"),
@@ -106,6 +117,10 @@ def engine_parser(prog: str, description: str) -> Parser:
         help="kernel choices, comma-separated key=value, e.g. decode=mosaic,"
         "prefill=triton ('auto': chosen for the device). Keys: " + KernelConfig.help(),
     )
+    v = p.add_argument_group("vLLM options that change nothing here (a warning says why)")
+    for name, kind in NO_EFFECT_OPTIONS.items():
+        how = dict(action=argparse.BooleanOptionalAction) if kind is bool else dict(type=kind)
+        v.add_argument(flag(name), default=None, help=VLLM_NO_EFFECT[name][1], **how)
     return p
 
 
@@ -177,6 +192,7 @@ def make_llm(args: argparse.Namespace, **kwargs):
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     opts = {name: getattr(args, name) for name in (*ENGINE_OPTIONS, *(n for n, _ in HUB_OPTIONS))}
+    opts |= {n: v for n in NO_EFFECT_OPTIONS if (v := getattr(args, n, None)) is not None}
     _lora_path_options(args, opts)
     if "precompile" in opts and opts["precompile"] is None:  # the server's default
         import jax

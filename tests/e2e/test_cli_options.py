@@ -110,3 +110,29 @@ def test_vllm_options_reach_llm(monkeypatch, capsys):
         kw["enable_prefix_caching"],
         kw["quantization"],
     ) == (0.8, "auto", "/tok", True, 2, "auto", False, "fp8")
+
+
+def test_vllm_flags_with_no_effect_reach_llm_only_when_given(monkeypatch, capsys):
+    """A copied ``vllm serve`` command line runs: its no-effect flags parse and reach `LLM`
+    (which warns where the value is not vLLM's default); flags not given are not passed."""
+    kw = llm_kwargs(
+        monkeypatch,
+        capsys,
+        "--trust-remote-code",
+        "--no-enable-chunked-prefill",
+        "--swap-space",
+        "8",
+    )
+    assert (kw["trust_remote_code"], kw["enable_chunked_prefill"], kw["swap_space"]) == (
+        True,
+        False,
+        8.0,
+    )
+    assert not {"disable_log_stats", "tokenizer_mode", "max_cpu_loras"} & set(kw)
+
+
+def test_vllm_flags_with_no_effect_are_vllm_no_effect_arguments():
+    from jaxinfer.cli_args import NO_EFFECT_OPTIONS
+    from jaxinfer.config.vllm_args import VLLM_NO_EFFECT
+
+    assert set(NO_EFFECT_OPTIONS) <= set(VLLM_NO_EFFECT)

@@ -59,6 +59,8 @@ def test_model_methods(tmp_path):
         ),
         (dict(NGRAM, disable_by_batch_size=0), "disable_by_batch_size=0 is invalid"),
         (dict(NGRAM, disable_by_batch_size=2.5), "disable_by_batch_size=2.5 is invalid"),
+        (dict(NGRAM, draft_tensor_parallel_size=2), "draft_tensor_parallel_size=2 is invalid"),
+        (dict(NGRAM, draft_tensor_parallel_size=True), "draft_tensor_parallel_size=True is"),
         (
             {"method": "draft_model", "num_speculative_tokens": 2},
             "model=None is invalid: method 'draft_model' needs model",
@@ -98,8 +100,8 @@ def test_from_value_forms():
         ("[1, 2]", "speculative_config='[1, 2]' is invalid: must be None, a dict, a JSON object"),
         (4, "speculative_config=4 is invalid"),
         (
-            dict(NGRAM, draft_tensor_parallel_size=1),
-            "unknown key(s) 'draft_tensor_parallel_size'; allowed: method, num_speculative_tokens",
+            dict(NGRAM, draft_model_revision="main"),
+            "unknown key(s) 'draft_model_revision'; allowed: method, num_speculative_tokens",
         ),
         (json.dumps(dict(NGRAM, method="suffix")), "method='suffix' is invalid: allowed:"),
     ],

@@ -35,8 +35,9 @@ class SpeculativeConfig:
     ``prompt_lookup_max`` / ``prompt_lookup_min``: "ngram" only, the longest and shortest n-gram
     matched (>= 1, min <= max); vLLM's defaults: both missing -> 5 and 5, one missing -> the
     other's value. ``disable_by_batch_size``: speculation is off for a step with more running rows
-    than this (>= 1); None: the engine decides. Construction validates and normalises; ValueError
-    names the field, the value and what is allowed."""
+    than this (>= 1); None: the engine decides. ``draft_tensor_parallel_size`` (vLLM's): None or 1,
+    the draft runs on one device. Construction validates and normalises; ValueError names the
+    field, the value and what is allowed."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -44,6 +45,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -64,6 +66,11 @@ class SpeculativeConfig:
                 *(
                     (name, _optional_int(1), "must be None or an integer >= 1")
                     for name in ("prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size")
+                ),
+                (
+                    "draft_tensor_parallel_size",
+                    lambda v: v is None or is_int(v, 1) and v == 1,
+                    "must be None or 1 (the draft runs on one device)",
                 ),
             ),
         )

@@ -45,8 +45,14 @@ def rows_per_program(M: int, n: int, block_m: int) -> int:
     return rows
 
 
+def supported(n: int) -> bool:
+    """Whether the kernels take rows of ``n`` elements (D or F): 1 <= n <= `MAX_ROW`, read in at
+    most `MAX_CHUNKS` chunks of `row_chunk`."""
+    return 1 <= n <= MAX_ROW and n // row_chunk(n) <= MAX_CHUNKS
+
+
 def _row_checks(name: str, n: int, block_m: int, num_warps: int) -> list:
-    """`raise_first`'s checks of a row of ``n`` elements and the knobs."""
+    """`raise_first`'s checks of a row of ``n`` elements and the knobs (`supported`)."""
     return [
         (
             n < 1 or n // row_chunk(n) > MAX_CHUNKS,

@@ -49,6 +49,7 @@ def test_parse_keys_aliases_and_values():
         ("prefill=flash", ["prefill_attention='flash'", "'triton'", "'mosaic'"]),
         ("qkv_prologue=triton", ["'qkv_prologue=triton'", "decode_attention", "prefill"]),
         ("prefill_gemm=cutlass", ["prefill_gemm='cutlass'", "allowed: 'xla', 'cublas'"]),
+        ("fp8_act_quant=triton", ["fp8_act_quant='triton'", "allowed: 'xla', 'fused'"]),
         ("speed=fast", ["'speed=fast'", "decode_attention", "prefill"]),
         ("decode", ["'decode'", "key=value"]),
         ("decode=mosaic,decode_attention=triton", ["'decode_attention' is given twice"]),
@@ -211,6 +212,7 @@ def test_resolve_max_model_len():
         ("decode=triton", "decode_attention", "'auto' or 'reference'"),
         ("prefill=triton", "prefill_attention", "'auto' or 'reference'"),
         ("moe_gemm=triton", "moe_gemm", "'ragged_dot' here"),
+        ("fp8_act_quant=fused", "fp8_act_quant", "'xla' here"),
     ],
 )
 def test_gpu_kernels_on_cpu_are_rejected(spec, field, cpu_ok):
@@ -264,6 +266,33 @@ def test_w8a8_without_fp8_weights_is_logged_as_ignored(caplog):
         resolve(model(), EngineConfig(kernels="fp8_gemm=w8a8", quantization="fp8"), "cpu")
         resolve(model(), EngineConfig(), "cpu")
     assert not caplog.records
+
+
+def test_fused_act_quant_resolves_where_w8a8_runs_else_xla_with_one_log_line(caplog):
+    """``fp8_act_quant="fused"`` (GPU) is kept where W8A8 runs (fp8 weights with per-channel
+    scales, fp8_gemm w8a8) on one device without LoRA, silently; elsewhere it resolves to "xla"
+    with one warning saying why."""
+    assert KernelConfig.parse("fp8_act_quant=fused").fp8_act_quant == "fused"
+    assert (
+        KernelConfig().fp8_act_quant == "xla" and "fp8_act_quant=xla|fused" in KernelConfig.help()
+    )
+    w8a8 = dict(quantization="fp8", kernels="fp8_gemm=w8a8,fp8_act_quant=fused")
+    with caplog.at_level("WARNING", logger="jaxinfer"):
+        assert resolve(model(), EngineConfig(**w8a8), "gpu").kernels.fp8_act_quant == "fused"
+    assert not caplog.records
+    block = dataclasses.replace(model(), weight_block_size=(128, 128))
+    for m, kw, why in (
+        (model(), dict(w8a8, quantization=None), "it needs W8A8"),
+        (model(), dict(w8a8, kernels="fp8_act_quant=fused"), "it needs W8A8"),
+        (block, w8a8, "block-scaled"),
+        (model(), dict(w8a8, tensor_parallel_size=2), "tensor_parallel_size=2"),
+        (model(), dict(w8a8, enable_lora=True), "LoRA"),
+    ):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="jaxinfer"):
+            assert resolve(m, EngineConfig(**kw), "gpu").kernels.fp8_act_quant == "xla"
+        lines = [r.getMessage() for r in caplog.records if "fp8_act_quant" in r.getMessage()]
+        assert len(lines) == 1 and why in lines[0], (kw, lines)
 
 
 def test_quantization_resolves_from_the_checkpoint():

@@ -24,6 +24,7 @@ def kernel_choices() -> dict[str, tuple[str, ...]]:
         "prefill_attention": ("auto", *registry.PREFILL),
         "prefill_gemm": ("xla", "cublas"),
         "fp8_gemm": ("w8a16", "w8a8"),
+        "fp8_act_quant": ("xla", "fused"),
         "moe_gemm": ("auto", "ragged_dot", "triton", "mixed"),
     }
 
@@ -33,7 +34,10 @@ class KernelConfig:
     """Kernel knobs (allowed: `kernel_choices`; `resolve` replaces "auto"): paged attention of
     decode (T == 1) / prefill steps; prefill_gemm (cublas: GPU); fp8_gemm: fp8 weights' GEMM,
     w8a16 (activations in the compute dtype) or w8a8 (per-token e4m3 activations, per-channel
-    weight scales only; not yet timed on a GPU); decode buckets of >=
+    weight scales only; not yet timed on a GPU); fp8_act_quant: where W8A8 quantises a GEMM's
+    input per token, XLA's ops before the GEMM or (GPU) "fused" into the op producing it
+    (`pallas_kernels.act_quant`; `resolve` keeps "fused" where W8A8 runs on one device without
+    LoRA); decode buckets of >=
     cublas_decode_min_batch rows use cuBLAS (None: XLA); verify steps (speculative decoding) of
     at most ragged_decode_max_tokens tokens attend each token as a decode row (0: never; None: 32
     with a GPU decode kernel, 0 with the reference; BENCHMARKS "Issue 45"); moe_gemm: the
@@ -46,6 +50,7 @@ class KernelConfig:
     prefill_attention: str = "auto"
     prefill_gemm: str = "xla"
     fp8_gemm: str = "w8a16"
+    fp8_act_quant: str = "xla"
     moe_gemm: str = "auto"
     cublas_decode_min_batch: int | None = 64
     ragged_decode_max_tokens: int | None = None
@@ -142,13 +147,13 @@ class KernelConfig:
         )
 
 
-GPU_FREE = ("auto", "reference", "ragged_dot")  # the values of the kernel keys a CPU runs
+GPU_FREE = ("auto", "reference", "ragged_dot", "xla")  # the values of the kernel keys a CPU runs
 
 
 def check_platform(kc: KernelConfig, platform: str) -> None:
     """Raise ValueError when ``kc`` names a GPU kernel and ``platform`` is not "gpu" (the message
     lists that key's values a CPU runs)."""
-    for name in (*KERNEL_ALIASES.values(), "moe_gemm"):
+    for name in (*KERNEL_ALIASES.values(), "moe_gemm", "fp8_act_quant"):
         if platform != "gpu" and (value := getattr(kc, name)) not in GPU_FREE:
             ok = tuple(v for v in kernel_choices()[name] if v in GPU_FREE)
             alias = {v: k for k, v in KERNEL_ALIASES.items()}.get(name)

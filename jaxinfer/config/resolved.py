@@ -53,7 +53,8 @@ def resolve(
     max_model_len above that, a GPU kernel off "gpu", float16 on "gpu", fp8 KV with a decode
     variant not in `FP8_KV_DECODE`, a tp the model cannot take (`check_tp`), LoRA
     with tp > 1 or an MoE model (`_check_lora`), a SmoothQuant alpha where it cannot apply
-    (`_smoothquant`); smoothquant None: `DEFAULT_SMOOTHQUANT` with W8A8."""
+    (`_smoothquant`); smoothquant None: `DEFAULT_SMOOTHQUANT` with W8A8; fp8_act_quant "fused"
+    where it cannot apply: "xla" (`_act_quant`, logged)."""
     max_len = engine.max_model_len or model.max_position_embeddings
     if max_len > model.max_position_embeddings:
         _fail(
@@ -80,6 +81,7 @@ def resolve(
     _check_lora(model, engine)
     gpu, half = platform == "gpu", dtype in ("bfloat16", "float16")
     kc = _kernels(kc, gpu and half, gpu, fp8, quant, device_kind)
+    kc = dataclasses.replace(kc, fp8_act_quant=_act_quant(model, engine, kc, quant))
     return ResolvedConfig(
         model,
         engine,
@@ -128,6 +130,30 @@ def _kernels(kc: KernelConfig, half_gpu: bool, gpu: bool, fp8_kv: bool, quant, d
         moe_gemm=moe,
         **({"cublas_decode_min_batch": None} if quant else {}),
     )
+
+
+def _act_quant(model: ModelConfig, engine: EngineConfig, kc: KernelConfig, quant) -> str:
+    """``kc.fp8_act_quant``, or "xla" where "fused" cannot apply, with one warning saying why:
+    it quantises the inputs of W8A8 GEMMs (``fp8_gemm="w8a8"``, fp8 weights with per-channel
+    scales) on one device (tensor parallelism splits the SwiGLU's F over devices) without LoRA
+    (whose adapters read the unquantised activations)."""
+    why = (
+        "it needs W8A8: fp8_gemm='w8a8' with quantization='fp8' (--quantization fp8)"
+        if kc.fp8_gemm != "w8a8" or quant != "fp8"
+        else "an FP8 checkpoint's block-scaled weights keep the W8A16 GEMM"
+        if model.weight_block_size
+        else f"it runs on one device, not tensor_parallel_size={engine.tensor_parallel_size}"
+        if engine.tensor_parallel_size > 1
+        else "LoRA adapters read the unquantised activations (enable_lora)"
+        if engine.enable_lora
+        else None
+    )
+    if kc.fp8_act_quant != "fused" or why is None:
+        return kc.fp8_act_quant
+    logging.getLogger("jaxinfer").warning(
+        "jaxinfer: fp8_act_quant='fused' is ignored here (XLA quantises): %s", why
+    )
+    return "xla"
 
 
 def _check_fp8_kv(engine: EngineConfig, kc: KernelConfig, fp8: bool) -> None:

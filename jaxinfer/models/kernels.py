@@ -9,8 +9,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.models.layers import Quantized
 from jaxinfer.models.quantize import expand_scale
-from pallas_kernels import moe_gemm
+from pallas_kernels import act_quant, moe_gemm
 from pallas_kernels.paged_attention import ragged, reference, registry
 
 
@@ -126,6 +127,31 @@ class GroupedGemm:
 
 
 @dataclass(frozen=True)
+class ActQuant:
+    """Where a W8A8 GEMM's input is quantised per token: variant "xla" (`layers.dense`: XLA's ops
+    between the producing op and the GEMM) or "fused" (the producing op writes e4m3:
+    `pallas_kernels.act_quant` through `add_rms_norm` and `silu_mul`; the layers that take them:
+    `llama.fused_quant`); ``interpret``: the Pallas interpreter (CPU tests)."""
+
+    variant: str = "xla"
+    interpret: bool = False
+
+    def add_rms_norm(self, x, delta, w, *, eps: float) -> tuple[jax.Array, Quantized]:
+        """`layers.add_rms_norm` with the normalised value quantised per token: x, delta
+        [B, T, D] (delta None: no add), w [D] -> (x + delta in x.dtype, `Quantized` [B, T, D])."""
+        total, q, scale = act_quant.add_rms_norm_quant(
+            x, delta, w, eps=eps, interpret=self.interpret
+        )
+        return total, Quantized(q, scale, x.dtype)
+
+    def silu_mul(self, gate_up: jax.Array) -> Quantized:
+        """`layers.mlp`'s SwiGLU product (one column group) quantised per token: gate_up
+        [B, T, 2F] ([gate | up]) -> `Quantized` [B, T, F] in gate_up's dtype."""
+        q, scale = act_quant.silu_mul_quant(gate_up, interpret=self.interpret)
+        return Quantized(q, scale, gate_up.dtype)
+
+
+@dataclass(frozen=True)
 class ModelKernels:
     """attention: B rows of T tokens (`reference.paged_attention`'s contract); ragged: ragged rows
     (`reference.ragged_paged_attention`'s); mesh: None, or the 1-D "tp" mesh of tensor
@@ -133,7 +159,8 @@ class ModelKernels:
     tokens attend token by token through ``attention``'s decode rows (`layers.by_token`); fp8_gemm:
     fp8 weights' GEMM, "w8a16" (bf16 activations) or "w8a8" (`layers.dense`); observe: None, or
     (calibration) a `smoothquant.ActivationMax` whose probes see each unquantised GEMM's input;
-    moe_gemm: the experts' grouped GEMM (`GroupedGemm`)."""
+    moe_gemm: the experts' grouped GEMM (`GroupedGemm`); fp8_act_quant: where W8A8 GEMMs' inputs
+    are quantised (`ActQuant`)."""
 
     attention: Callable = reference.paged_attention
     mesh: Any = None
@@ -142,6 +169,7 @@ class ModelKernels:
     fp8_gemm: str = "w8a16"
     observe: Any = None
     moe_gemm: Callable = GroupedGemm()
+    fp8_act_quant: ActQuant = ActQuant()
 
     tp = property(
         lambda self: 1 if self.mesh is None else self.mesh.size,
@@ -259,4 +287,5 @@ def model_kernels(kc, decode_knobs: dict | None = None, mesh=None) -> ModelKerne
         by_token,
         kc.fp8_gemm,
         moe_gemm=GroupedGemm(kc.moe_gemm),
+        fp8_act_quant=ActQuant(kc.fp8_act_quant),
     )

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -24,7 +24,7 @@ from jaxinfer.config.weights import (
 )
 from jaxinfer.models.kv_cache import page_dtype
 from jaxinfer.models.lora import LoRAStep
-from jaxinfer.models.quantize import FP8, expand_scale, w8a8_matmul
+from jaxinfer.models.quantize import FP8, expand_scale, w8a8_gemm, w8a8_matmul
 from pallas_kernels.kv_quant import quantize
 
 INITS = {"normal": nn.initializers.normal(stddev=INIT_STD), "ones": nn.initializers.ones}
@@ -62,12 +62,34 @@ class Weight:
         return (wf if self.block else jnp.swapaxes(wf, -1, -2)).astype(dtype)
 
 
-def dense(x: jax.Array, w: Weight) -> jax.Array:
+@functools.partial(
+    jax.tree_util.register_dataclass, data_fields=["q", "scale"], meta_fields=["dtype"]
+)
+@dataclasses.dataclass(frozen=True)
+class Quantized:
+    """Activations quantised per token by the op that produced them (`kernels.ActQuant`), the
+    input of a W8A8 `dense`: ``q`` float8_e4m3fn [..., in] and ``scale`` f32[..., 1]
+    (`quantize.quantize_tokens`' contract); static ``dtype``: the compute dtype they stand for,
+    that of `dense`'s output. ``shape`` is q's: code sizing by its input reads either kind."""
+
+    q: jax.Array
+    scale: jax.Array
+    dtype: Any
+
+    shape = property(lambda self: self.q.shape)
+
+
+def dense(x: jax.Array | Quantized, w: Weight) -> jax.Array:
     """The GEMM of every projection: x [..., in] times the matrix ``w`` means (`Weight.value`)
     -> [..., out]. fp8 with per-channel scales (K-major w [out, in]): the e4m3 weight (exact in
     bf16) in one ``dot_general`` contracting both last axes, f32 accumulation, the scale applied to
     the output, so no scaled copy of the weight is written each step; ``w.w8a8``: x quantised per
-    token too, one e4m3 x e4m3 GEMM (`quantize.w8a8_matmul`); ``w.observe``: called on x first."""
+    token too, one e4m3 x e4m3 GEMM (`quantize.w8a8_matmul`), or x `Quantized` already
+    (`quantize.w8a8_gemm`; ValueError with a weight not W8A8); ``w.observe``: called on x first."""
+    if isinstance(x, Quantized):
+        if not w.w8a8:
+            raise ValueError("a Quantized input needs a W8A8 weight (per-channel fp8, w8a8=True)")
+        return w8a8_gemm(x.q, x.scale, w.w, w.scale).astype(x.dtype)
     if w.observe is not None:
         w.observe(x)
     if w.w8a8:
@@ -280,14 +302,26 @@ def write_kv(
     )
 
 
-def mlp(x: jax.Array, w_gate_up: Weight, w_down: Weight, shards: int = 1, adapt=None) -> jax.Array:
-    """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] -> [B, T, D];
-    ``w_gate_up`` [D, 2F] ([gate | up] in each of ``shards`` column groups, `engine_layout`),
-    ``w_down`` [F, D]; ``adapt(y, x, group)``: LoRA's addition to each GEMM's output
-    (`models.lora.add_lora`; shards 1), or None."""
+def mlp(
+    x: jax.Array | Quantized,
+    w_gate_up: Weight,
+    w_down: Weight,
+    shards: int = 1,
+    adapt=None,
+    silu_quant: Callable[[jax.Array], Quantized] | None = None,
+) -> jax.Array:
+    """SwiGLU ``(silu(x @ w_gate) * (x @ w_up)) @ w_down``: x [B, T, D] (`Quantized` for a W8A8
+    ``w_gate_up``) -> [B, T, D] in x.dtype; ``w_gate_up`` [D, 2F] ([gate | up] in each of
+    ``shards`` column groups, `engine_layout`), ``w_down`` [F, D]; ``adapt(y, x, group)``: LoRA's
+    addition to each GEMM's output (`models.lora.add_lora`; shards 1), or None; ``silu_quant``:
+    None, or (a W8A8 ``w_down``, shards 1, no adapt) gate_up [B, T, 2F] -> the SwiGLU product
+    `Quantized` [B, T, F] (`kernels.ActQuant.silu_mul`)."""
     adapt = adapt or (lambda y, x, group: y)
     with jax.named_scope("mlp"):
         gu = adapt(dense(x, w_gate_up), x, "w_gate_up")  # [B, T, 2F]
-        gu = gu.reshape(*gu.shape[:-1], shards, 2, -1)  # [B, T, shards, 2, F/s]
-        h = (jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]).reshape(*x.shape[:-1], -1)  # [B, T, F]
+        if silu_quant is not None:
+            h = silu_quant(gu)
+        else:
+            gu = gu.reshape(*gu.shape[:-1], shards, 2, -1)  # [B, T, shards, 2, F/s]
+            h = (jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :]).reshape(*x.shape[:-1], -1)  # [B,T,F]
         return adapt(dense(h, w_down), h, "w_down").astype(x.dtype)

@@ -15,11 +15,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config.weights import LAYER, MODEL
-from jaxinfer.models.kernels import ModelKernels
+from jaxinfer.models.kernels import ActQuant, ModelKernels
 from jaxinfer.models.kv_cache import AXIS, KV_HEAD_SPEC, KV_POOL_SPEC, KVCache
 from jaxinfer.models.layers import (
     Ragged,
     StepContext,
+    Weight,
     add_rms_norm,
     attend,
     declare,
@@ -33,6 +34,7 @@ from jaxinfer.models.layers import (
 )
 from jaxinfer.models.lora import LoRAStep, add_lora, at_layer
 from jaxinfer.models.moe import moe_mlp
+from pallas_kernels import act_quant
 
 
 def attention_heads(
@@ -98,7 +100,8 @@ def attention(
     cfg,
     kernels: ModelKernels,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [B, T, D] @ ``w["wqkv"]`` -> `attention_heads` (RMSNorm weights ``w["q_norm"]``,
+    """x [B, T, D] (or `layers.Quantized` for a W8A8 wqkv: B, T and the output dtype read from
+    it) @ ``w["wqkv"]`` -> `attention_heads` (RMSNorm weights ``w["q_norm"]``,
     ``w["k_norm"]`` [H], or None) -> @ ``w["wo"]``. With ``kernels.mesh``, `attention_heads` runs
     under ``jax.shard_map`` on each device's heads (wqkv's columns shard-major, `engine_layout`;
     the pools and ``ctx``'s KV scales and means split over K', the rest of ``ctx`` whole) and
@@ -144,6 +147,19 @@ class _Module(nn.Module):
     quantization: str | None = None
 
 
+def fused_quant(w: Weight | None, kernels: ModelKernels, ctx: StepContext) -> ActQuant | None:
+    """The one decision of whether the op producing the input of ``w`` (a layer's matrix, or
+    None) writes it quantised per token, through the returned `ActQuant`: ``fp8_act_quant``
+    "fused", ``w`` W8A8 with an input width the kernels take (`act_quant.supported`), one device
+    (tensor parallelism splits the SwiGLU's F), no LoRA (adapters read the unquantised input)
+    and no calibration probe. None: the unfused op (`layers.dense` quantises a W8A8 GEMM's
+    input)."""
+    aq = kernels.fp8_act_quant
+    on = aq.variant == "fused" and kernels.tp == 1 and ctx.lora is None and kernels.observe is None
+    w8a8 = isinstance(w, Weight) and w.w8a8 and act_quant.supported(w.w.shape[-1])  # [out, in]
+    return aq if on and w8a8 else None
+
+
 def decoder_layer(
     w: dict,
     x: jax.Array,
@@ -160,14 +176,19 @@ def decoder_layer(
     such leaf), ``x += attn(attn_norm(x)); x += mlp(mlp_norm(x))``, each residual add done with the
     next norm (`add_rms_norm`): ``(x [B, T, D], pending, ...) -> (x, pending, k_pool, v_pool)``;
     ``pending``: the MLP output not yet added (None into layer 0). The MLP: `moe_mlp` where ``w``
-    has a router (an MoE layer), else the dense SwiGLU `mlp`."""
-    norm = functools.partial(add_rms_norm, eps=cfg.rms_norm_eps)
-    x, h = norm(x, pending, w["attn_norm"])
+    has a router (an MoE layer), else the dense SwiGLU `mlp`. Where `fused_quant` says so, the
+    norms and the SwiGLU product quantise the next GEMM's input themselves."""
+    eps = cfg.rms_norm_eps
+    qkv, gate_up, down = (
+        fused_quant(w.get(n), kernels, ctx) for n in ("wqkv", "w_gate_up", "w_down")
+    )
+    x, h = (qkv.add_rms_norm if qkv else add_rms_norm)(x, pending, w["attn_norm"], eps=eps)
     a, k_pool, v_pool = attention(h, w, layer, k_pool, v_pool, ctx, cfg=cfg, kernels=kernels)
-    x, h = norm(x, a, w["mlp_norm"])
+    x, h = (gate_up.add_rms_norm if gate_up else add_rms_norm)(x, a, w["mlp_norm"], eps=eps)
     if w.get("router") is None:
         adapt = ctx.lora and functools.partial(add_lora, lora=ctx.lora)
-        return x, mlp(h, w["w_gate_up"], w["w_down"], kernels.tp, adapt), k_pool, v_pool
+        silu = down and down.silu_mul
+        return x, mlp(h, w["w_gate_up"], w["w_down"], kernels.tp, adapt, silu), k_pool, v_pool
     moe = functools.partial(
         moe_mlp,
         top_k=cfg.num_experts_per_tok,

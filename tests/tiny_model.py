@@ -104,7 +104,8 @@ def tiny_serve_llm(engine_args: dict, text: str, compiles: int):
     """The server tests' engine, built in the engine-core process: the tiny text model (the
     ``tiny_text_cfg`` and ``tiny_text_params`` of tests/conftest.py, its tokenizer) over
     `TINY_ENGINE` updated with ``engine_args``, with the whole planned set precompiled
-    (`LLM.precompile()`): ``compiles`` programs. ``text``: a prompt the server tests send."""
+    (`LLM.precompile()`) and the prompt scorer (``prompt_logprobs``, ``echo``) at every (token
+    bucket, prompt bucket): ``compiles`` programs. ``text``: a prompt the server tests send."""
     from jaxinfer import LLM
 
     tok = tiny_tokenizer()
@@ -114,5 +115,7 @@ def tiny_serve_llm(engine_args: dict, text: str, compiles: int):
     )
     assert len(llm.get_tokenizer().encode(text)) > 0
     llm.precompile()
+    b = llm.engine.runner.buckets
+    llm.engine.runner.precompile({"prompt": [(t, p) for t in b.tokens for p in b.prompt if p <= t]})
     assert llm.engine.stats().num_compiles == compiles, llm.engine.stats().compiled_shapes
     return llm

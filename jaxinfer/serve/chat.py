@@ -1,7 +1,9 @@
 """``POST /v1/chat/completions`` (vLLM's ``serving_chat.py``): the messages in the model's chat
 template; logprobs with ``logprobs`` + ``top_logprobs``; a stream opens with the assistant role.
 A forced tool call (``tool_choice``) comes back as ``tool_calls`` (OpenAI's shape, vLLM's
-finish reasons: "stop" for a named function, "tool_calls" for "required")."""
+finish reasons: "stop" for a named function, "tool_calls" for "required"). vLLM's extras:
+``prompt_logprobs`` (the response's field of that name, not streamed) and ``echo`` (the last
+message's content before the reply's, if the last message is the assistant's)."""
 
 import json
 import uuid
@@ -34,24 +36,33 @@ class ServingChat(OpenAIServing):
             raise APIError(
                 'tool_choice="required" is not supported with stream=true', param="tool_choice"
             )
+        self.check_logprobs(body, ("prompt_logprobs",))
         most = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         sp = self.sampling_params(body, most, (body.top_logprobs or 0) if body.logprobs else None)
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
         tools = body.tools and [t.model_dump() for t in body.tools]
         chat = self.client.prompts.apply_chat_template
-        prompts = await self.encode(lambda: {"prompt_token_ids": chat(msgs, tools)}, sp, "messages")
+        _, prompts = await self.encode(
+            lambda: {"prompt_token_ids": chat(msgs, tools)}, sp, "messages"
+        )
         return await self.respond(request, body, prompts, sp, "messages")
 
-    def opening(self, n: int) -> list[dict]:
-        return [
-            dict(
-                index=i, delta=dict(role="assistant", content=""), logprobs=None, finish_reason=None
-            )
-            for i in range(n)
-        ]
+    @staticmethod
+    def echoed(body: P.ChatCompletionRequest) -> str:
+        """What ``echo`` puts before each reply: the last message's text if it is the
+        assistant's (the role replying), else ""."""
+        last = body.messages[-1]
+        return last.text() if body.echo and last.role == "assistant" else ""
+
+    def opening(self, n: int, body) -> list[dict]:
+        delta = dict(role="assistant", content=self.echoed(body))
+        return [dict(index=i, delta=delta, logprobs=None, finish_reason=None) for i in range(n)]
+
+    def fields(self, body, outs: list) -> dict:
+        return dict(prompt_logprobs=P.prompt_logprobs(outs[0]))
 
     def choice(
-        self, index: int, out, k: int | None, offset: int = 0, stream: bool = False, body=None
+        self, index: int, req, out, k: int | None, offset=None, stream: bool = False, body=None
     ):
         tool, reason = body.tool_choice, out.finish_reason
         msg = dict(role=None if stream else "assistant", content=out.text, tool_calls=None)
@@ -69,4 +80,6 @@ class ServingChat(OpenAIServing):
         choice = dict(index=index, logprobs=P.chat_logprobs(out, k), finish_reason=reason)
         if stream:
             return dict(choice, delta=msg)
+        if echo := self.echoed(body):
+            msg["content"] = echo + (msg["content"] or "")
         return dict(choice, message=msg, stop_reason=out.stop_reason)

@@ -71,8 +71,11 @@ class EngineCoreClient:
         self.loop.add_reader(self.proc.sentinel, self._died)
         self._reader = asyncio.create_task(self._read())
 
-    async def add(self, prompts: list[list[int]], params, stream: bool, param: str, lora=None):
-        """Queue one request per prompt (token ids), wait until the core took them all. Returns
+    async def add(
+        self, prompts: list[list[int]], params, stream: bool, param: str, lora=None, texts=None
+    ):
+        """Queue one request per prompt (token ids; ``texts``: their texts, each output's
+        ``prompt``, or None), wait until the core took them all. Returns
         ({request id: prompt index}, the queue of their ``(request id, event)``: `RequestOutput`s
         (``stream``: DELTA, else one FINAL_ONLY; the last ``finished``) or, last, an `APIError`
         (503: the core died)). APIError: 503, the core is gone; 400 naming ``param``, one was
@@ -90,7 +93,7 @@ class EngineCoreClient:
                     Sequence(rid, prompts[i], params, 0, index=j, max_tokens=0)  # a mirror
                     for j in range(params.n)
                 ]
-                self.outputs.add(rid, seqs, None)
+                self.outputs.add(rid, seqs, texts and texts[i])
                 self._open[rid] = sink, self.loop.create_future()
                 self._in.send(msg)
             acks = await asyncio.gather(*(self._open[rid][1] for rid in rids))
@@ -136,7 +139,10 @@ class EngineCoreClient:
             param = msg.rejected_param.get(rid)
             self._fail(rid, err if param is None else APIError(err, param=param))
         for d in (live := [d for d in msg.samples if d.request_id in self._open]):
-            _merge(self.outputs.requests[d.request_id].seqs[d.index], d)
+            seqs = self.outputs.requests[d.request_id].seqs
+            _merge(seqs[d.index], d)
+            if d.prompt_logprobs is not None:  # the request's, where its outputs read them
+                seqs[0].prompt_logprobs = d.prompt_logprobs
         touched = [d.request_id for d in live]
         seqs = {rid: self.outputs.requests[rid].seqs for rid in touched}
         for out in self.outputs.outputs(touched):
@@ -197,7 +203,7 @@ def _merge(s: Sequence, d: core.SampleDelta) -> None:
     s.output_token_ids += d.token_ids
     if d.logprobs is not None:
         s.logprobs += d.logprobs
-    for f in core.SampleDelta.__struct_fields__[4:]:  # as the `Sequence`'s now
+    for f in core.NOW:
         setattr(s, f, getattr(d, f))
     if d.finish_reason is not None:
         s.status = SequenceStatus.FINISHED

@@ -35,15 +35,20 @@ class Stop(msgspec.Struct, tag=True, array_like=True):
     """End the process."""
 
 
+_Records = list[dict[int, tuple[float, int | None]] | None]  # per position {id: (logprob, rank)}
+
+
 class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """Sample ``index`` of ``request_id``: its new ``token_ids`` (never text) since the last
-    message, their ``logprobs`` records ({token id: (logprob, rank)}; None: not asked); the
-    rest as its `Sequence`'s now."""
+    message, their ``logprobs`` records (None: not asked); ``prompt_logprobs``: the request's
+    prompt records (first None), once, in its first delta (None: not asked, or sent); the
+    rest (`NOW`) as its `Sequence`'s now."""
 
     request_id: str
     index: int
     token_ids: list[int]
-    logprobs: list[dict[int, tuple[float, int | None]] | None] | None = None
+    logprobs: _Records | None = None
+    prompt_logprobs: _Records | None = None
     cumulative_logprob: float | None = None
     first_token_time: float | None = None
     num_preemptions: int = 0
@@ -51,6 +56,9 @@ class SampleDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_string: str | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0
+
+
+NOW = SampleDelta.__struct_fields__[5:]  # the fields a delta carries as the `Sequence`'s now
 
 
 class StepOutputs(msgspec.Struct, array_like=True):
@@ -101,6 +109,7 @@ class EngineCore:
         self.inp.bind(addr + "/in")
         self.out.bind(addr + "/out")
         self.sent: dict[str, list] = {}  # request id -> per sample: tokens sent (None: finished)
+        self.prompt_due: set[str] = set()  # request ids whose prompt logprobs are not sent yet
         self.decode = msgspec.msgpack.Decoder(Add | Abort | Stop).decode
         self.encode = msgspec.msgpack.Encoder().encode
 
@@ -152,33 +161,45 @@ class EngineCore:
                 msg.rejected_param[rid] = "model"
             return
         self.sent[rid] = [0] * cmd.params.n
+        if cmd.params.prompt_logprobs is not None:
+            self.prompt_due.add(rid)
         msg.accepted.append(rid)
 
     def _step(self, msg: StepOutputs) -> None:
-        """One `LLMEngine.step` (raw: `Sequence`s); what is new per sample into ``msg``."""
+        """One `LLMEngine.step` (raw: `Sequence`s); what is new per sample into ``msg``, a
+        request's prompt logprobs with its first delta (its prefill is done by then)."""
         for seqs in self.engine.step(raw=True):
             sent = self.sent[rid := seqs[0].parent_id]
             for s in seqs:
                 if (n := sent[s.index]) is None or n == s.num_output_tokens and not s.is_finished:
                     continue
-                rest = (getattr(s, f) for f in SampleDelta.__struct_fields__[4:])  # as now
+                plp = None
+                if rid in self.prompt_due:
+                    self.prompt_due.discard(rid)
+                    plp = s.prompt_logprobs
                 msg.samples.append(
                     SampleDelta(
-                        rid, s.index, s.output_token_ids[n:], s.logprobs and s.logprobs[n:], *rest
+                        rid,
+                        s.index,
+                        s.output_token_ids[n:],
+                        s.logprobs and s.logprobs[n:],
+                        plp,
+                        *(getattr(s, f) for f in NOW),
                     )
                 )
                 sent[s.index] = None if s.is_finished else s.num_output_tokens
             if all(n is None for n in sent):
                 del self.sent[rid]
+                self.prompt_due.discard(rid)
 
 
 def run_core(factory, addr: str, conn) -> None:
     """The engine-core process's main: ``llm = factory()`` (a `jaxinfer.LLM`), then on ``conn`` (a
     `multiprocessing.Pipe` end) ``("ready", info)`` (tokenizer, model_path, max_model_len,
-    max_num_seqs, max_lora_rank, stats, lora_model: the model's `model_shape` with LoRA on, for
-    the API process's adapter checks, else None) or ``("error", message)`` (ValueError or
-    FileNotFoundError; any other exception prints its traceback and ends the process); then
-    `EngineCore.run`. The start-up precompile says what it does on stderr."""
+    max_num_seqs, max_lora_rank, max_logprobs, stats, lora_model: the model's `model_shape` with
+    LoRA on, for the API process's adapter checks, else None) or ``("error", message)``
+    (ValueError or FileNotFoundError; any other exception prints its traceback and ends the
+    process); then `EngineCore.run`. The start-up precompile says what it does on stderr."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     say = functools.partial(print, "jaxinfer-serve:", file=sys.stderr, flush=True)
@@ -207,6 +228,7 @@ def run_core(factory, addr: str, conn) -> None:
                 stats=engine_stats(eng),
                 max_num_seqs=eng.resolved.engine.max_num_seqs,
                 max_lora_rank=eng.resolved.engine.max_lora_rank,
+                max_logprobs=eng.resolved.engine.max_logprobs,
                 lora_model=model_shape(eng.model_config) if eng.lora.enabled else None,
             ),
         )

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
+from jaxinfer.outputs import CompletionOutput
 from jaxinfer.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -65,6 +66,7 @@ class _Sampling(_SamplingFields):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: dict | None = None  # vLLM's extra body: StructuredOutputsParams' fields
+    prompt_logprobs: int | None = None  # vLLM's extra body: top k per prompt token (not streamed)
 
     def constraint(self) -> str:
         """The field an invalid output constraint is reported under (OpenAI's ``param``)."""
@@ -85,8 +87,11 @@ class _Sampling(_SamplingFields):
             raise ValueError("response_format.json_schema.schema is required with json_schema")
         return StructuredOutputsParams(json=rf.json_schema.json_schema)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The `SamplingParams` fields this body shares by name; raises ValueError (naming one)."""
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, **override
+    ) -> SamplingParams:
+        """The `SamplingParams` fields this body shares by name, ``override`` (fields) last;
+        raises ValueError (naming one)."""
         own = {
             f.name: getattr(self, f.name)
             for f in dataclasses.fields(SamplingParams)
@@ -100,12 +105,15 @@ class _Sampling(_SamplingFields):
                 max_tokens=max_tokens,
                 logprobs=logprobs,
                 structured_outputs=self.structured(),
+                **override,
             )
         )
 
 
 class CompletionRequest(_Sampling):
-    """POST /v1/completions. prompt: a string, a list of strings, token ids or lists of them."""
+    """POST /v1/completions. prompt: a string, a list of strings, token ids or lists of them;
+    ``echo``: each choice's text and logprobs start with its prompt's (vLLM's: ``max_tokens`` 0
+    with echo returns the prompt alone)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -164,6 +172,7 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | Tool | None = None
+    echo: bool = False  # vLLM's: the last message's content first, if it is the assistant's
 
     def tool_schema(self) -> dict | None:
         """The JSON schema of a forced tool call (vLLM's): the named function's parameters, or
@@ -213,19 +222,52 @@ class ChatCompletionRequest(_Sampling):
 _lp = lambda x: max(x, -9999.0)  # noqa: E731 JSON has no -inf: vLLM sends a masked token's -9999.0
 
 
+Row = tuple[str, float | None, list[tuple[str, float]] | None]  # as `CompletionOutput.top_logprobs`
+
+
 def completion_logprobs(out, k: int | None, offset: int = 0) -> dict | None:
     """``out``'s top-``k`` logprobs (OpenAI completions), text from ``offset``; None: not asked."""
     if k is None or out.logprobs is None:
         return None
-    rows = out.top_logprobs(k)
+    return rows_logprobs(out.top_logprobs(k), offset)
+
+
+def rows_logprobs(rows: list[Row], offset: int = 0) -> dict:
+    """OpenAI completions' logprobs object of ``rows``, text from ``offset``; a row without a
+    log-probability (a prompt's first token) has null ``token_logprobs`` and ``top_logprobs``."""
     return dict(
         text_offset=list(itertools.accumulate((len(s) for s, *_ in rows[:-1]), initial=offset))[
             : len(rows)
         ],
         tokens=[s for s, *_ in rows],
-        token_logprobs=[_lp(lp) for _, lp, _ in rows],
-        top_logprobs=[{s: _lp(x) for s, x in top} for *_, top in rows],
+        token_logprobs=[None if lp is None else _lp(lp) for _, lp, _ in rows],
+        top_logprobs=[None if top is None else {s: _lp(x) for s, x in top} for *_, top in rows],
     )
+
+
+def prompt_rows(req, k: int, decode) -> list[Row]:
+    """The `Row`s of ``req``'s (a `RequestOutput`'s) prompt tokens with their top ``k``
+    (``req.prompt_logprobs``); the first, which has no log-probability: (``decode([its id])``,
+    None, None), vLLM's."""
+    ids, recs = req.prompt_token_ids, req.prompt_logprobs or [None]
+    rest = CompletionOutput(0, "", ids[1:], None, logprobs=recs[1:]).top_logprobs(k)
+    return [(decode(ids[:1]), None, None), *rest]
+
+
+def prompt_logprobs(req) -> list[dict | None] | None:
+    """``req.prompt_logprobs`` as vLLM's response field: per prompt token None (the first) or
+    {token id: {"logprob", "rank", "decoded_token"}}; None: not asked."""
+    if req.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if rec is None
+        else {
+            str(t): dict(logprob=_lp(x.logprob), rank=x.rank, decoded_token=x.decoded_token)
+            for t, x in rec.items()
+        }
+        for rec in req.prompt_logprobs
+    ]
 
 
 def chat_logprobs(out, k: int | None) -> dict | None:

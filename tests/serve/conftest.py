@@ -39,8 +39,9 @@ SERVE_ENGINE = dict(
     kernels="batch_buckets=32,token_buckets=256",
 )
 # a decode and a ragged forward; the sampler at 32 rows at each level (greedy, sampled, and
-# full: the min_tokens bias on a prompt's first chunk, top-k logprobs, the grammar bitmask)
-SERVER_COMPILES = 5
+# full: the min_tokens bias on a prompt's first chunk, top-k logprobs, the grammar bitmask); the
+# prompt scorer (prompt_logprobs, echo) at each of the 5 buckets of scored positions, 16 to 256
+SERVER_COMPILES = 10
 
 
 def _interrupt(signum, frame):

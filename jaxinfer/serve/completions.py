@@ -270,8 +270,12 @@ class ServingCompletion(OpenAIServing):
         )
 
     def _decode(self, ids: list[int]) -> str:
-        """The text of ``ids``, special tokens kept (HF ``decode``'s default, vLLM's)."""
-        return self.client.prompts._detokenize(ids, skip_special_tokens=False)
+        """The text of ``ids``, special tokens kept (HF ``decode``'s default, vLLM's); "" for
+        an id outside the tokenizer's range, which the engine core then refuses (a 400)."""
+        try:
+            return self.client.prompts._detokenize(ids, skip_special_tokens=False)
+        except OverflowError:
+            return ""
 
     def choice(
         self, index: int, req, out, k: int | None, offset=None, stream=False, body=None

@@ -57,6 +57,9 @@ pytest.importorskip("openai")  # the GPU machine has no openai client; the fixtu
         ),
         ({"prompt": [[]]}, 400, "prompt", ["0 tokens"]),
         ({"prompt": [10**9]}, 400, "prompt", ["out of range"]),
+        # echo decodes a token-id prompt's text: an id no tokenizer takes is the same 400
+        ({"prompt": [-1], "echo": True}, 400, "prompt", ["id -1 is out of range"]),
+        ({"prompt": [[5], [2**32]], "echo": True}, 400, "prompt", ["out of range"]),
         ({}, 400, "prompt", []),
         ({"prompt": "x", "model": "gpt-4"}, 404, "model", ["gpt-4"]),
         ({"messages": [], "_path": "/v1/chat/completions"}, 400, "messages", []),

@@ -118,7 +118,7 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False  # vLLM's Optional: null is False
     suffix: str | None = None
     best_of: int | None = None
 

@@ -187,6 +187,10 @@ def test_echo_without_logprobs_and_prompt_logprobs_alone(server, client):
         extra_body={"prompt_logprobs": 2},
     ).choices[0]
     assert c.logprobs is None and c.text == PROMPTS[5] + plain.text
+    null = client.completions.create(
+        model=MODEL, prompt=PROMPTS[5], max_tokens=3, temperature=0, extra_body={"echo": None}
+    ).choices[0]
+    assert null.text == plain.text  # vLLM's Optional echo: null is no echo
     ref = _library(server, PROMPTS[5], 2, 3)
     assert len(plain.prompt_logprobs) == len(ref.prompt_token_ids)
     assert plain.prompt_logprobs[0] is None and plain.logprobs is None

@@ -7,6 +7,7 @@ whole set compiled before serving. Padded rows have ``seq_len`` 0 and null-page 
 tokens write their K/V to the null page."""
 
 import bisect
+import functools
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -134,8 +135,11 @@ def rows_of(key: ForwardKey, sizes: Sizes) -> int:
     return min(key.tokens, sizes.spec_rows if key.spec else sizes.max_rows)
 
 
+@functools.lru_cache(maxsize=1024)
 def layout(group: str, shape: StepShape, sizes: Sizes) -> tuple[tuple[Field, tuple], ...]:
-    """``((field, shape), ...)`` in buffer order of program ``group`` for a step of ``shape``."""
+    """``((field, shape), ...)`` in buffer order of program ``group`` for a step of ``shape``
+    (a pure function of its arguments: kept for the shapes last asked, as every step asks it
+    for ``allocate`` and ``pack``)."""
     R, s = rows_of(shape.forward, sizes), shape.sampler
     d = dict(
         Q=(shape.forward.spec if group == "forward" else s.spec) + 1,
